@@ -1,0 +1,104 @@
+//! Checks a placement request before it reaches the replicated log, so that bad input is refused
+//! with a message that says what to change, and never becomes a state change.
+
+use crate::v1::{NvlinkPolicy, PlacementRequest};
+
+pub const PRIORITY_MAX: i32 = 1000;
+pub const PRIORITY_MIN: i32 = -1000;
+/// Largest gang: nodes x GPUs per node.
+pub const GANG_GPUS_MAX: u32 = 4096;
+pub const SELECTOR_PAIRS_MAX: usize = 32;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("ask for at least one GPU or a fraction of one: `--gpus 1`, `--gpus 0.25`")]
+    NoGpus,
+    #[error("ask for either whole GPUs or a fraction of one, not both")]
+    BothWholeAndFraction,
+    #[error("a fraction of a GPU is between 0.001 and 0.999 (got {0} thousandths); use `--gpus 1` for a whole GPU")]
+    FractionOutOfRange(u32),
+    #[error("the compute share is {0}%; give a share between 1 and 100")]
+    ComputeOutOfRange(u32),
+    #[error("the priority is {0}; give a priority between {PRIORITY_MIN} and {PRIORITY_MAX}")]
+    PriorityOutOfRange(i32),
+    #[error("a fractional GPU cannot span {0} nodes; use whole GPUs for multi-node gangs")]
+    FractionAcrossNodes(u32),
+    #[error("the gang asks for {0} GPUs in all; the limit is {GANG_GPUS_MAX}")]
+    GangTooLarge(u64),
+    #[error("unknown NVLink policy {0}")]
+    UnknownNvlinkPolicy(i32),
+    #[error("the node selector has {0} pairs; the limit is {SELECTOR_PAIRS_MAX}")]
+    SelectorTooLarge(usize),
+    #[error("the node selector key `{0}` is empty or longer than 253 characters")]
+    BadSelectorKey(String),
+}
+
+/// Validates the fields of a placement request on their own (not whether the pool can hold it).
+pub fn validate_request(request: &PlacementRequest) -> Result<(), RequestError> {
+    match (request.whole_gpus, request.milli_gpus) {
+        (0, 0) => return Err(RequestError::NoGpus),
+        (whole, milli) if whole > 0 && milli > 0 => return Err(RequestError::BothWholeAndFraction),
+        (0, milli) if milli >= 1000 => return Err(RequestError::FractionOutOfRange(milli)),
+        _ => {}
+    }
+    if request.compute_percent > 100 {
+        return Err(RequestError::ComputeOutOfRange(request.compute_percent));
+    }
+    if !(PRIORITY_MIN..=PRIORITY_MAX).contains(&request.priority) {
+        return Err(RequestError::PriorityOutOfRange(request.priority));
+    }
+    let nodes = request.nodes.max(1);
+    if request.milli_gpus > 0 && nodes > 1 {
+        return Err(RequestError::FractionAcrossNodes(nodes));
+    }
+    let total = u64::from(nodes) * u64::from(request.whole_gpus);
+    if total > u64::from(GANG_GPUS_MAX) {
+        return Err(RequestError::GangTooLarge(total));
+    }
+    if NvlinkPolicy::try_from(request.nvlink).is_err() {
+        return Err(RequestError::UnknownNvlinkPolicy(request.nvlink));
+    }
+    if request.node_selector.len() > SELECTOR_PAIRS_MAX {
+        return Err(RequestError::SelectorTooLarge(request.node_selector.len()));
+    }
+    if let Some(key) = request.node_selector.keys().find(|k| k.is_empty() || k.len() > 253) {
+        return Err(RequestError::BadSelectorKey(key.clone()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn whole(n: u32) -> PlacementRequest {
+        PlacementRequest { whole_gpus: n, ..Default::default() }
+    }
+
+    #[test]
+    fn accepts_ordinary_requests() {
+        assert_eq!(validate_request(&whole(1)), Ok(()));
+        let fraction = PlacementRequest { milli_gpus: 250, compute_percent: 25, ..Default::default() };
+        assert_eq!(validate_request(&fraction), Ok(()));
+        assert_eq!(validate_request(&PlacementRequest { nodes: 4, ..whole(8) }), Ok(()));
+    }
+
+    #[test]
+    fn rejects_each_bad_field() {
+        assert_eq!(validate_request(&whole(0)), Err(RequestError::NoGpus));
+        let both = PlacementRequest { milli_gpus: 5, ..whole(1) };
+        assert_eq!(validate_request(&both), Err(RequestError::BothWholeAndFraction));
+        let big_fraction = PlacementRequest { milli_gpus: 1000, ..Default::default() };
+        assert_eq!(validate_request(&big_fraction), Err(RequestError::FractionOutOfRange(1000)));
+        let compute = PlacementRequest { compute_percent: 250, ..whole(1) };
+        assert_eq!(validate_request(&compute), Err(RequestError::ComputeOutOfRange(250)));
+        let priority = PlacementRequest { priority: 5000, ..whole(1) };
+        assert_eq!(validate_request(&priority), Err(RequestError::PriorityOutOfRange(5000)));
+        let spread = PlacementRequest { milli_gpus: 500, nodes: 2, ..Default::default() };
+        assert_eq!(validate_request(&spread), Err(RequestError::FractionAcrossNodes(2)));
+        let huge = PlacementRequest { nodes: 1000, ..whole(8) };
+        assert_eq!(validate_request(&huge), Err(RequestError::GangTooLarge(8000)));
+        let policy = PlacementRequest { nvlink: 42, ..whole(2) };
+        assert_eq!(validate_request(&policy), Err(RequestError::UnknownNvlinkPolicy(42)));
+    }
+}

@@ -1,0 +1,502 @@
+//! One control-plane node at run time: the Raft handle, the applied state, and the paths every
+//! API call takes.
+//!
+//! - Writes: `client_write` here if this node leads, otherwise forwarded to the leader over the
+//!   internal `Raft.Forward` call; retried (bounded) while an election is under way.
+//! - Linearizable reads: the leader confirms its leadership (`ensure_linearizable`); a follower
+//!   asks the leader for its read index, waits until it has applied that far, then reads locally
+//!   (the ReadIndex protocol).
+//! - Heartbeats: kept in the leader's memory only (not logged); the leader loop turns missed
+//!   heartbeats into `SetNodeState` commands, and proposes `Retry` while tenants are pending.
+
+use crate::metrics::Metrics;
+use crate::network;
+use crate::pool::{Command, CommandResult};
+use crate::raft_types::{NodeId, Raft, decode, encode};
+use crate::store::Shared;
+use api::ErrorCode;
+use api::v1::RaftPayload;
+use api::v1::raft_client::RaftClient;
+use openraft::BasicNode;
+use openraft::error::{CheckIsLeaderError, ClientWriteError, ForwardToLeader, RaftError};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tonic::Status;
+use tonic::transport::Channel;
+
+/// Timings of one control-plane node.
+#[derive(Clone, Debug)]
+pub struct Timings {
+    /// A node whose agent has not heartbeated for this long is marked lost.
+    pub node_lost_timeout: Duration,
+    /// What agents are told to use.
+    pub heartbeat_interval: Duration,
+    /// How often the leader loop looks at heartbeats and the pending queue.
+    pub leader_loop_interval: Duration,
+    /// How often the leader retries pending tenants (besides on every release or node change).
+    pub retry_interval: Duration,
+    /// Longest a write or read waits for a leader before failing.
+    pub request_deadline: Duration,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Timings {
+            node_lost_timeout: Duration::from_secs(5),
+            heartbeat_interval: Duration::from_millis(1000),
+            leader_loop_interval: Duration::from_millis(200),
+            retry_interval: Duration::from_secs(2),
+            request_deadline: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A request one control-plane node sends the leader on behalf of a client.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ForwardRequest {
+    Write(Command),
+    ReadIndex,
+    Heartbeat { node: String },
+    HeartbeatTimes,
+    AddMember { id: NodeId, address: String },
+    RemoveMember { id: NodeId },
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ForwardResponse {
+    Write(CommandResult),
+    ReadIndex(u64),
+    Heartbeat { known: bool },
+    HeartbeatTimes(BTreeMap<String, i64>),
+    Membership,
+    /// The receiver is not (or no longer) the leader; the sender retries.
+    NotLeader,
+    Failed { code: ErrorCode, message: String },
+}
+
+pub struct ControlPlane {
+    pub id: NodeId,
+    pub cluster_id: String,
+    pub raft: Raft,
+    pub shared: Arc<Shared>,
+    pub timings: Timings,
+    pub metrics: Metrics,
+    /// Leader only: node name -> (when, unix ms) of its last heartbeat.
+    heartbeats: Mutex<HashMap<String, (Instant, i64)>>,
+    /// Cached channels to peers, by address.
+    peers: Mutex<HashMap<String, RaftClient<Channel>>>,
+}
+
+pub fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+fn unavailable(message: impl std::fmt::Display) -> Status {
+    ErrorCode::Unavailable.status(message)
+}
+
+/// Waits between attempts while the cluster has no reachable leader.
+const RETRY_PAUSE_MS: u64 = 50;
+
+impl ControlPlane {
+    pub fn new(id: NodeId, cluster_id: String, raft: Raft, shared: Arc<Shared>, timings: Timings) -> ControlPlane {
+        ControlPlane {
+            id,
+            cluster_id,
+            raft,
+            shared,
+            timings,
+            metrics: Metrics::default(),
+            heartbeats: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.raft.metrics().borrow().current_leader == Some(self.id)
+    }
+
+    fn peer(&self, address: &str) -> Result<RaftClient<Channel>, Status> {
+        let mut peers = self.peers.lock().expect("peers lock");
+        if let Some(client) = peers.get(address) {
+            return Ok(client.clone());
+        }
+        let client = network::raft_client(address).map_err(|e| unavailable(format!("bad peer address {address}: {e}")))?;
+        peers.insert(address.to_owned(), client.clone());
+        Ok(client)
+    }
+
+    /// Sends `request` to the leader `leader`. `Ok(None)` means: try again (no leader yet, the
+    /// target is not the leader any more, or it could not be reached before the request was sent).
+    async fn forward_once(
+        &self,
+        leader: Option<BasicNode>,
+        request: &ForwardRequest,
+    ) -> Result<Option<ForwardResponse>, Status> {
+        let Some(leader) = leader else { return Ok(None) };
+        let mut client = self.peer(&leader.addr)?;
+        let payload = RaftPayload {
+            data: encode(request).map_err(|e| ErrorCode::Internal.status(e))?,
+            cluster_id: self.cluster_id.clone(),
+        };
+        match client.forward(payload).await {
+            Ok(response) => {
+                let response: ForwardResponse =
+                    decode(&response.into_inner().data).map_err(|e| ErrorCode::Internal.status(e))?;
+                match response {
+                    ForwardResponse::NotLeader => Ok(None),
+                    ForwardResponse::Failed { code, message } => Err(code.status(message)),
+                    other => Ok(Some(other)),
+                }
+            }
+            // The connection could not be made: the request was never delivered.
+            Err(status) if status.code() == tonic::Code::Unavailable && is_connect_failure(&status) => Ok(None),
+            Err(status) => Err(unavailable(format!(
+                "the leader at {} failed while handling the request (its outcome is unknown; read before retrying): {}",
+                leader.addr,
+                status.message()
+            ))),
+        }
+    }
+
+    /// Runs `attempt` until it yields, retrying while there is no leader, up to the deadline.
+    async fn until_leader<T, F, Fut>(&self, what: &str, mut attempt: F) -> Result<T, Status>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<Option<T>, Status>>,
+    {
+        let deadline = Instant::now() + self.timings.request_deadline;
+        loop {
+            if let Some(value) = attempt().await? {
+                return Ok(value);
+            }
+            if Instant::now() >= deadline {
+                return Err(ErrorCode::NoLeader.status(format!(
+                    "no control-plane leader could be reached within {:?} for {what}; check `vgpuctl cluster status` and that a majority of members is up",
+                    self.timings.request_deadline
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
+        }
+    }
+
+    /// Commits a command through Raft (here or at the leader) and returns what applying it gave.
+    pub async fn write(&self, command: Command) -> Result<CommandResult, Status> {
+        let request = ForwardRequest::Write(command);
+        self.until_leader("a write", || async {
+            let ForwardRequest::Write(command) = &request else { unreachable!() };
+            match self.write_local(command.clone()).await? {
+                Ok(result) => Ok(Some(result)),
+                Err(leader) => match self.forward_once(leader, &request).await? {
+                    Some(ForwardResponse::Write(result)) => Ok(Some(result)),
+                    Some(other) => Err(ErrorCode::Internal.status(format!("unexpected forward answer {other:?}"))),
+                    None => Ok(None),
+                },
+            }
+        })
+        .await
+    }
+
+    /// Writes on this node if it leads. `Err(leader)` when it does not.
+    async fn write_local(&self, command: Command) -> Result<Result<CommandResult, Option<BasicNode>>, Status> {
+        let started = Instant::now();
+        match self.raft.client_write(command).await {
+            Ok(response) => {
+                self.metrics.observe_commit(started.elapsed());
+                Ok(Ok(response.data))
+            }
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(ForwardToLeader { leader_node, .. }))) => {
+                Ok(Err(leader_node))
+            }
+            Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(error))) => {
+                Err(ErrorCode::Membership.status(error))
+            }
+            Err(RaftError::Fatal(fatal)) => Err(ErrorCode::Storage.status(format!(
+                "this control-plane node stopped ({fatal}); see its log and restart it"
+            ))),
+        }
+    }
+
+    /// Makes sure this node's applied state includes every write acknowledged before the call.
+    pub async fn linearize(&self) -> Result<(), Status> {
+        let index = self
+            .until_leader("a linearizable read", || async {
+                match self.raft.ensure_linearizable().await {
+                    Ok(_) => Ok(Some(None)),
+                    Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(forward))) => {
+                        match self.forward_once(forward.leader_node, &ForwardRequest::ReadIndex).await? {
+                            Some(ForwardResponse::ReadIndex(index)) => Ok(Some(Some(index))),
+                            Some(other) => Err(ErrorCode::Internal.status(format!("unexpected forward answer {other:?}"))),
+                            None => Ok(None),
+                        }
+                    }
+                    Err(RaftError::APIError(CheckIsLeaderError::QuorumNotEnough(_))) => Ok(None),
+                    Err(RaftError::Fatal(fatal)) => Err(ErrorCode::Storage.status(fatal)),
+                }
+            })
+            .await?;
+        if let Some(index) = index {
+            self.raft
+                .wait(Some(self.timings.request_deadline))
+                .applied_index_at_least(Some(index), "linearizable read")
+                .await
+                .map_err(|e| unavailable(format!("this node did not catch up with the leader: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Answers a request forwarded by another node; this node must be the leader.
+    pub async fn handle_forwarded(&self, request: ForwardRequest) -> ForwardResponse {
+        let outcome = match request {
+            ForwardRequest::Write(command) => match self.write_local(command).await {
+                Ok(Ok(result)) => ForwardResponse::Write(result),
+                Ok(Err(_)) => ForwardResponse::NotLeader,
+                Err(status) => failed_from(&status),
+            },
+            ForwardRequest::ReadIndex => match self.raft.ensure_linearizable().await {
+                Ok(read_log_id) => ForwardResponse::ReadIndex(read_log_id.map_or(0, |id| id.index)),
+                Err(_) => ForwardResponse::NotLeader,
+            },
+            ForwardRequest::Heartbeat { node } => {
+                if !self.is_leader() {
+                    return ForwardResponse::NotLeader;
+                }
+                ForwardResponse::Heartbeat { known: self.record_heartbeat(&node) }
+            }
+            ForwardRequest::HeartbeatTimes => {
+                if !self.is_leader() {
+                    return ForwardResponse::NotLeader;
+                }
+                ForwardResponse::HeartbeatTimes(self.heartbeat_times())
+            }
+            ForwardRequest::AddMember { id, address } => match self.add_member_local(id, address).await {
+                Ok(true) => ForwardResponse::Membership,
+                Ok(false) => ForwardResponse::NotLeader,
+                Err(status) => failed_from(&status),
+            },
+            ForwardRequest::RemoveMember { id } => match self.remove_member_local(id).await {
+                Ok(true) => ForwardResponse::Membership,
+                Ok(false) => ForwardResponse::NotLeader,
+                Err(status) => failed_from(&status),
+            },
+        };
+        outcome
+    }
+
+    fn record_heartbeat(&self, node: &str) -> bool {
+        let known = self.shared.read().pool.nodes.contains_key(node);
+        if known {
+            self.heartbeats.lock().expect("heartbeats lock").insert(node.to_owned(), (Instant::now(), unix_ms()));
+        }
+        known
+    }
+
+    fn heartbeat_times(&self) -> BTreeMap<String, i64> {
+        self.heartbeats.lock().expect("heartbeats lock").iter().map(|(name, (_, ms))| (name.clone(), *ms)).collect()
+    }
+
+    /// Records a heartbeat here (leader) or at the leader. Returns whether the node is known.
+    pub async fn heartbeat(&self, node: &str) -> Result<bool, Status> {
+        let request = ForwardRequest::Heartbeat { node: node.to_owned() };
+        self.until_leader("a heartbeat", || async {
+            if self.is_leader() {
+                return Ok(Some(self.record_heartbeat(node)));
+            }
+            let leader = self.leader_node();
+            match self.forward_once(leader, &request).await? {
+                Some(ForwardResponse::Heartbeat { known }) => Ok(Some(known)),
+                Some(other) => Err(ErrorCode::Internal.status(format!("unexpected forward answer {other:?}"))),
+                None => Ok(None),
+            }
+        })
+        .await
+    }
+
+    /// Last heartbeat per node as the leader saw it (best effort: empty if the leader is away).
+    pub async fn last_heartbeats(&self) -> BTreeMap<String, i64> {
+        if self.is_leader() {
+            return self.heartbeat_times();
+        }
+        let attempt = self.forward_once(self.leader_node(), &ForwardRequest::HeartbeatTimes);
+        match tokio::time::timeout(Duration::from_secs(1), attempt).await {
+            Ok(Ok(Some(ForwardResponse::HeartbeatTimes(times)))) => times,
+            _ => BTreeMap::new(),
+        }
+    }
+
+    fn leader_node(&self) -> Option<BasicNode> {
+        let metrics = self.raft.metrics().borrow().clone();
+        let leader = metrics.current_leader?;
+        metrics.membership_config.membership().get_node(&leader).cloned()
+    }
+
+    /// Adds a member: as a learner first, then as a voter once it has caught up.
+    pub async fn add_member(&self, id: NodeId, address: String) -> Result<(), Status> {
+        let request = ForwardRequest::AddMember { id, address: address.clone() };
+        self.until_leader("adding a member", || async {
+            if self.add_member_local(id, address.clone()).await? {
+                return Ok(Some(()));
+            }
+            match self.forward_once(self.leader_node(), &request).await? {
+                Some(_) => Ok(Some(())),
+                None => Ok(None),
+            }
+        })
+        .await
+    }
+
+    /// `Ok(false)`: this node is not the leader.
+    async fn add_member_local(&self, id: NodeId, address: String) -> Result<bool, Status> {
+        if !self.is_leader() {
+            return Ok(false);
+        }
+        let membership = self.raft.metrics().borrow().membership_config.membership().clone();
+        if membership.voter_ids().any(|voter| voter == id) {
+            let known = membership.get_node(&id).map(|node| node.addr.clone());
+            if known.as_deref() == Some(address.as_str()) {
+                return Ok(true);
+            }
+            return Err(ErrorCode::Membership.status(format!(
+                "member {id} already exists at {}; remove it first (`vgpuctl cluster remove {id}`) or pick another id",
+                known.unwrap_or_default()
+            )));
+        }
+        tracing::info!(id, %address, "adding a learner and waiting for it to catch up");
+        match self.raft.add_learner(id, BasicNode::new(address), true).await {
+            Ok(_) => {}
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => return Ok(false),
+            Err(error) => return Err(ErrorCode::Membership.status(error)),
+        }
+        let voters: BTreeSet<NodeId> = BTreeSet::from([id]);
+        match self.raft.change_membership(openraft::ChangeMembers::AddVoterIds(voters), false).await {
+            Ok(_) => {
+                tracing::info!(id, "promoted the learner to voter");
+                Ok(true)
+            }
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => Ok(false),
+            Err(error) => Err(ErrorCode::Membership.status(error)),
+        }
+    }
+
+    pub async fn remove_member(&self, id: NodeId) -> Result<(), Status> {
+        let request = ForwardRequest::RemoveMember { id };
+        self.until_leader("removing a member", || async {
+            if self.remove_member_local(id).await? {
+                return Ok(Some(()));
+            }
+            match self.forward_once(self.leader_node(), &request).await? {
+                Some(_) => Ok(Some(())),
+                None => Ok(None),
+            }
+        })
+        .await
+    }
+
+    async fn remove_member_local(&self, id: NodeId) -> Result<bool, Status> {
+        if !self.is_leader() {
+            return Ok(false);
+        }
+        let membership = self.raft.metrics().borrow().membership_config.membership().clone();
+        let is_voter = membership.voter_ids().any(|voter| voter == id);
+        let is_learner = membership.learner_ids().any(|learner| learner == id);
+        if !is_voter && !is_learner {
+            return Err(ErrorCode::Membership.status(format!(
+                "no member has id {id}; `vgpuctl cluster status` lists the members"
+            )));
+        }
+        if is_voter && membership.voter_ids().count() == 1 {
+            return Err(ErrorCode::Membership.status(format!(
+                "member {id} is the last voter; a cluster cannot remove its last voter"
+            )));
+        }
+        let change = if is_voter {
+            openraft::ChangeMembers::RemoveVoters(BTreeSet::from([id]))
+        } else {
+            openraft::ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+        };
+        match self.raft.change_membership(change, false).await {
+            Ok(_) => Ok(true),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => Ok(false),
+            Err(error) => Err(ErrorCode::Membership.status(error)),
+        }
+    }
+
+    /// The leader's periodic duties: mark nodes lost or back, retry pending tenants.
+    pub async fn leader_loop(self: Arc<Self>) {
+        let mut leader_since: Option<Instant> = None;
+        let mut last_retry = Instant::now();
+        let mut interval = tokio::time::interval(self.timings.leader_loop_interval);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            interval.tick().await;
+            if !self.is_leader() {
+                leader_since = None;
+                continue;
+            }
+            let since = *leader_since.get_or_insert_with(|| {
+                tracing::info!(id = self.id, "became leader; giving every node one lost-timeout of grace");
+                Instant::now()
+            });
+            let changes = self.node_state_changes(since);
+            for (node, state, reason) in changes {
+                tracing::warn!(%node, ?state, %reason, "node state change");
+                let command = Command::SetNodeState { node, state, reason, unix_ms: unix_ms() };
+                if let Err(status) = self.write(command).await {
+                    tracing::warn!(error = %status.message(), "could not record a node state change");
+                }
+            }
+            let pending = self.shared.read().pool.engine.summary().tenants_pending;
+            if pending > 0 && last_retry.elapsed() >= self.timings.retry_interval {
+                last_retry = Instant::now();
+                if let Err(status) = self.write(Command::Retry { unix_ms: unix_ms() }).await {
+                    tracing::warn!(error = %status.message(), "could not retry the pending queue");
+                }
+            }
+        }
+    }
+
+    fn node_state_changes(&self, leader_since: Instant) -> Vec<(String, placement::NodeState, String)> {
+        let now = Instant::now();
+        let timeout = self.timings.node_lost_timeout;
+        let heartbeats = self.heartbeats.lock().expect("heartbeats lock").clone();
+        let applied = self.shared.read();
+        let mut changes = Vec::new();
+        for view in applied.pool.engine.nodes() {
+            let name = &view.spec.name;
+            let last = heartbeats.get(name).map(|(at, _)| *at);
+            match view.state {
+                placement::NodeState::Ready => {
+                    let reference = last.map_or(leader_since, |at| at.max(leader_since));
+                    if now.duration_since(reference) > timeout {
+                        let reason = format!("no heartbeat for more than {:.1}s", timeout.as_secs_f64());
+                        changes.push((name.clone(), placement::NodeState::Lost, reason));
+                    }
+                }
+                placement::NodeState::Lost => {
+                    if last.is_some_and(|at| now.duration_since(at) < timeout) {
+                        changes.push((name.clone(), placement::NodeState::Ready, "heartbeats resumed".to_owned()));
+                    }
+                }
+                placement::NodeState::Draining => {}
+            }
+        }
+        changes
+    }
+}
+
+fn failed_from(status: &Status) -> ForwardResponse {
+    let code = ErrorCode::of(status).unwrap_or(ErrorCode::Internal);
+    let message = status.message();
+    let message = message.find("] ").map_or(message, |at| &message[at + 2..]);
+    ForwardResponse::Failed { code, message: message.to_owned() }
+}
+
+/// True when a status says that a connection could not be opened (so nothing was sent).
+fn is_connect_failure(status: &Status) -> bool {
+    let text = format!("{status:?}").to_ascii_lowercase();
+    text.contains("connect") || text.contains("connection refused") || text.contains("transport error")
+}

@@ -1,0 +1,300 @@
+//! The vgpu control plane (`vgpu-cp`): a Raft-replicated (openraft) store of nodes, GPUs and
+//! tenants that places tenants on GPU slices.
+//!
+//! [`run`] starts one member: it opens (or creates) its data directory, starts Raft and the gRPC
+//! API, bootstraps a cluster or joins one, and runs until SIGINT/SIGTERM.
+
+pub mod control_plane;
+pub mod identity;
+pub mod metrics;
+pub mod network;
+pub mod pool;
+pub mod raft_types;
+pub mod service;
+pub mod store;
+
+use control_plane::{ControlPlane, Timings};
+use raft_types::Raft;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot use the data directory {path}: {source}")]
+    DataDir { path: PathBuf, source: std::io::Error },
+    #[error("another vgpu-cp is already running with the data directory {0}; stop it or choose another --data-dir")]
+    DataDirLocked(PathBuf),
+    #[error("the data directory {path} belongs to member {found} of cluster {cluster}; start it with --id {found}, or use an empty --data-dir for member {wanted}")]
+    WrongMember { path: PathBuf, found: u64, wanted: u64, cluster: String },
+    #[error("the data directory {path} belongs to cluster {ours}, but the peer {peer} is in cluster {theirs}; use an empty --data-dir to join that cluster")]
+    OtherCluster { path: PathBuf, ours: String, theirs: String, peer: String },
+    #[error("cannot open the Raft log in {path}: {source}")]
+    Log { path: PathBuf, source: redb::Error },
+    #[error("cannot open the state machine: {0}")]
+    StateMachine(raft_types::StorageError),
+    #[error("invalid Raft settings: {0}")]
+    RaftConfig(#[from] openraft::ConfigError),
+    #[error("Raft failed to start: {0}")]
+    RaftStart(String),
+    #[error("cannot listen on {address}: {source}; is another process using the port?")]
+    Listen { address: SocketAddr, source: std::io::Error },
+    #[error("could not reach any peer of {peers:?} to join: {last}; check the addresses and that the cluster is up")]
+    NoPeer { peers: Vec<String>, last: String },
+    #[error("joining the cluster failed: {0}")]
+    Join(String),
+    #[error("the gRPC server failed: {0}")]
+    Serve(String),
+}
+
+#[derive(Clone, Debug)]
+pub enum Mode {
+    /// Initialise a new one-voter cluster (or restart from the data directory).
+    Bootstrap,
+    /// Join the cluster of these peers (or restart from the data directory).
+    Join { peers: Vec<String> },
+}
+
+/// Raft timings; the defaults give a failover well under a second and a half.
+#[derive(Clone, Debug)]
+pub struct RaftTimings {
+    pub heartbeat_interval_ms: u64,
+    pub election_timeout_min_ms: u64,
+    pub election_timeout_max_ms: u64,
+    /// Entries between snapshots (snapshots bound the log).
+    pub snapshot_logs_since_last: u64,
+}
+
+impl Default for RaftTimings {
+    fn default() -> Self {
+        RaftTimings {
+            heartbeat_interval_ms: 100,
+            election_timeout_min_ms: 400,
+            election_timeout_max_ms: 800,
+            snapshot_logs_since_last: 20_000,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub mode: Mode,
+    pub id: u64,
+    pub listen: SocketAddr,
+    /// The address peers and clients use to reach this member (defaults to `listen`).
+    pub advertise: String,
+    pub data_dir: PathBuf,
+    pub timings: Timings,
+    pub raft: RaftTimings,
+}
+
+/// Runs one control-plane member until it is told to stop.
+pub async fn run(config: Config) -> Result<(), Error> {
+    let started = start(config).await?;
+    wait_for_signal().await;
+    tracing::info!("shutting down");
+    started.control_plane.raft.shutdown().await.ok();
+    Ok(())
+}
+
+/// A started member, for tests that run members in process.
+pub struct Started {
+    pub control_plane: Arc<ControlPlane>,
+    _lock: std::fs::File,
+}
+
+pub async fn start(config: Config) -> Result<Started, Error> {
+    let data_dir = config.data_dir.clone();
+    let io = |source| Error::DataDir { path: data_dir.clone(), source };
+    std::fs::create_dir_all(&data_dir).map_err(io)?;
+    let lock = std::fs::File::create(data_dir.join("lock")).map_err(io)?;
+    if lock.try_lock().is_err() {
+        return Err(Error::DataDirLocked(data_dir));
+    }
+    let existing = identity::read(&data_dir).map_err(io)?;
+    let cluster_id = match (&existing, &config.mode) {
+        (Some(found), _) if found.node_id != config.id => {
+            return Err(Error::WrongMember {
+                path: data_dir,
+                found: found.node_id,
+                wanted: config.id,
+                cluster: found.cluster_id.clone(),
+            });
+        }
+        (Some(found), Mode::Join { peers }) => {
+            if let Some((peer, theirs)) = peer_cluster_id(peers, Duration::from_secs(1)).await.ok().flatten() {
+                if theirs != found.cluster_id {
+                    return Err(Error::OtherCluster { path: data_dir, ours: found.cluster_id.clone(), theirs, peer });
+                }
+            }
+            found.cluster_id.clone()
+        }
+        (Some(found), Mode::Bootstrap) => found.cluster_id.clone(),
+        (None, Mode::Bootstrap) => identity::new_cluster_id(),
+        (None, Mode::Join { peers }) => match peer_cluster_id(peers, Duration::from_secs(30)).await? {
+            Some((_, cluster_id)) => cluster_id,
+            None => unreachable!("a successful lookup names a cluster"),
+        },
+    };
+    let fresh = existing.is_none();
+    if fresh {
+        identity::write(&data_dir, &identity::Identity { cluster_id: cluster_id.clone(), node_id: config.id })
+            .map_err(io)?;
+    }
+    tracing::info!(id = config.id, %cluster_id, fresh, data_dir = %data_dir.display(), "starting control-plane member");
+
+    let log_path = data_dir.join("raft.redb");
+    let log = store::LogStore::open(&log_path).map_err(|source| Error::Log { path: log_path, source })?;
+    let (state_machine, shared) = store::StateMachineStore::open(&data_dir).map_err(Error::StateMachine)?;
+    let raft_config = openraft::Config {
+        cluster_name: format!("vgpu-{cluster_id}"),
+        heartbeat_interval: config.raft.heartbeat_interval_ms,
+        election_timeout_min: config.raft.election_timeout_min_ms,
+        election_timeout_max: config.raft.election_timeout_max_ms,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(config.raft.snapshot_logs_since_last),
+        max_in_snapshot_log_to_keep: 1000,
+        install_snapshot_timeout: 10_000,
+        ..Default::default()
+    }
+    .validate()?;
+    let network = network::NetworkFactory { cluster_id: cluster_id.clone() };
+    let raft = Raft::new(config.id, Arc::new(raft_config), network, log, state_machine)
+        .await
+        .map_err(|e| Error::RaftStart(e.to_string()))?;
+    let control_plane = Arc::new(ControlPlane::new(config.id, cluster_id, raft, shared, config.timings.clone()));
+
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| Error::Listen { address: config.listen, source })?;
+    let server = serve(control_plane.clone(), listener);
+    tokio::spawn(async move {
+        if let Err(error) = server.await {
+            tracing::error!(%error, "the API server stopped");
+        }
+    });
+
+    match &config.mode {
+        Mode::Bootstrap => {
+            let initialized = control_plane.raft.is_initialized().await.map_err(|e| Error::RaftStart(e.to_string()))?;
+            if !initialized {
+                let members = std::collections::BTreeMap::from([(config.id, openraft::BasicNode::new(&config.advertise))]);
+                control_plane.raft.initialize(members).await.map_err(|e| Error::RaftStart(e.to_string()))?;
+                tracing::info!("initialised a new one-voter cluster");
+            }
+        }
+        Mode::Join { peers } => {
+            let initialized = control_plane.raft.is_initialized().await.map_err(|e| Error::RaftStart(e.to_string()))?;
+            if !initialized {
+                join(peers, config.id, &config.advertise).await?;
+            }
+        }
+    }
+    tokio::spawn(control_plane.clone().leader_loop());
+    Ok(Started { control_plane, _lock: lock })
+}
+
+/// Serves the gRPC API and `/metrics` on one listener.
+async fn serve(control_plane: Arc<ControlPlane>, listener: tokio::net::TcpListener) -> Result<(), Error> {
+    let service = service::Service { control_plane: control_plane.clone() };
+    let size = network::MESSAGE_BYTES_MAX;
+    let routes = tonic::service::Routes::new(
+        api::v1::pool_server::PoolServer::new(service.clone()).max_decoding_message_size(size),
+    )
+    .add_service(api::v1::agent_server::AgentServer::new(service.clone()).max_decoding_message_size(size))
+    .add_service(api::v1::cluster_server::ClusterServer::new(service.clone()))
+    .add_service(
+        api::v1::raft_server::RaftServer::new(service)
+            .max_decoding_message_size(size)
+            .max_encoding_message_size(size),
+    );
+    let metrics_plane = control_plane.clone();
+    let router = routes.into_axum_router().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let control_plane = metrics_plane.clone();
+            async move {
+                let metrics = control_plane.raft.metrics().borrow().clone();
+                let facts = metrics::RaftFacts {
+                    id: control_plane.id,
+                    term: metrics.current_term,
+                    leader: metrics.current_leader,
+                    last_log_index: metrics.last_log_index.unwrap_or(0),
+                    last_applied: metrics.last_applied.map_or(0, |id| id.index),
+                };
+                control_plane.metrics.render(&facts, &control_plane.shared)
+            }
+        }),
+    );
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tonic::transport::Server::builder()
+        .accept_http1(true)
+        .add_routes(tonic::service::Routes::from(router))
+        .serve_with_incoming(incoming)
+        .await
+        .map_err(|e| Error::Serve(e.to_string()))
+}
+
+/// Asks the peers, in turn, for their cluster id. Retries until `patience` runs out.
+async fn peer_cluster_id(peers: &[String], patience: Duration) -> Result<Option<(String, String)>, Error> {
+    let deadline = tokio::time::Instant::now() + patience;
+    let mut last = String::from("no peer given");
+    loop {
+        for peer in peers {
+            match cluster_client(peer).await {
+                Ok(mut client) => match client.status(api::v1::ClusterStatusRequest {}).await {
+                    Ok(status) => return Ok(Some((peer.clone(), status.into_inner().cluster_id))),
+                    Err(status) => last = format!("{peer}: {}", status.message()),
+                },
+                Err(error) => last = format!("{peer}: {error}"),
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::NoPeer { peers: peers.to_vec(), last });
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn cluster_client(
+    peer: &str,
+) -> Result<api::v1::cluster_client::ClusterClient<tonic::transport::Channel>, tonic::transport::Error> {
+    let channel = network::channel(peer)?;
+    Ok(api::v1::cluster_client::ClusterClient::new(channel))
+}
+
+/// Asks the cluster (through any peer; it forwards to the leader) to add this member.
+async fn join(peers: &[String], id: u64, advertise: &str) -> Result<(), Error> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let mut last = String::new();
+    loop {
+        for peer in peers {
+            tracing::info!(%peer, id, "asking to join the cluster (learner first, voter once caught up)");
+            let Ok(mut client) = cluster_client(peer).await else { continue };
+            let request = api::v1::AddMemberRequest { id, address: advertise.to_owned() };
+            match client.add_member(request).await {
+                Ok(_) => {
+                    tracing::info!(id, "joined the cluster as a voter");
+                    return Ok(());
+                }
+                Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+                    return Err(Error::Join(status.message().to_owned()));
+                }
+                Err(status) => last = format!("{peer}: {}", status.message()),
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::Join(last));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn wait_for_signal() {
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+}

@@ -1,0 +1,140 @@
+//! Raft traffic between control-plane peers over gRPC (`vgpu.v1.Raft`), openraft messages
+//! bincode-encoded inside `RaftPayload`. Every payload carries the cluster id; a peer of another
+//! cluster refuses it.
+
+use crate::raft_types::{NodeId, TypeConfig, decode, encode};
+use api::v1::RaftPayload;
+use api::v1::raft_client::RaftClient;
+use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
+    VoteResponse,
+};
+use openraft::BasicNode;
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+/// Time to open a TCP connection to a peer before it counts as unreachable.
+pub const CONNECT_TIMEOUT_MS: u64 = 500;
+/// Largest message a peer accepts (snapshot chunks, batches of entries).
+pub const MESSAGE_BYTES_MAX: usize = 64 << 20;
+
+/// Opens a gRPC channel to a peer lazily (the first call connects; failures are retried by tonic
+/// on the next call).
+pub fn channel(address: &str) -> Result<Channel, tonic::transport::Error> {
+    let endpoint = Endpoint::from_shared(format!("http://{address}"))?
+        .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(5));
+    Ok(endpoint.connect_lazy())
+}
+
+pub fn raft_client(address: &str) -> Result<RaftClient<Channel>, tonic::transport::Error> {
+    Ok(RaftClient::new(channel(address)?)
+        .max_decoding_message_size(MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(MESSAGE_BYTES_MAX))
+}
+
+pub struct NetworkFactory {
+    pub cluster_id: String,
+}
+
+impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
+    type Network = PeerConnection;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerConnection {
+        PeerConnection {
+            target,
+            client: raft_client(&node.addr).ok(),
+            address: node.addr.clone(),
+            cluster_id: self.cluster_id.clone(),
+        }
+    }
+}
+
+pub struct PeerConnection {
+    target: NodeId,
+    address: String,
+    client: Option<RaftClient<Channel>>,
+    cluster_id: String,
+}
+
+#[derive(Clone, Copy)]
+enum Rpc {
+    AppendEntries,
+    Vote,
+    InstallSnapshot,
+}
+
+impl PeerConnection {
+    /// Sends one message and decodes the peer's `Result<Response, RaftError<E>>`.
+    async fn call<Request, Response, E>(
+        &mut self,
+        rpc: Rpc,
+        request: &Request,
+        option: &RPCOption,
+    ) -> Result<Response, RPCError<NodeId, BasicNode, RaftError<NodeId, E>>>
+    where
+        Request: serde::Serialize,
+        Response: serde::de::DeserializeOwned,
+        E: std::error::Error + serde::de::DeserializeOwned,
+    {
+        let Some(client) = self.client.as_mut() else {
+            let error = std::io::Error::other(format!("bad peer address `{}`", self.address));
+            return Err(RPCError::Unreachable(Unreachable::new(&error)));
+        };
+        let data = encode(request).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        let payload = RaftPayload { data, cluster_id: self.cluster_id.clone() };
+        let call = async {
+            match rpc {
+                Rpc::AppendEntries => client.append_entries(payload).await,
+                Rpc::Vote => client.vote(payload).await,
+                Rpc::InstallSnapshot => client.install_snapshot(payload).await,
+            }
+        };
+        let response = match tokio::time::timeout(option.hard_ttl(), call).await {
+            Err(elapsed) => return Err(RPCError::Unreachable(Unreachable::new(&elapsed))),
+            Ok(Err(status)) => {
+                return Err(match status.code() {
+                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
+                        RPCError::Unreachable(Unreachable::new(&status))
+                    }
+                    _ => RPCError::Network(NetworkError::new(&status)),
+                });
+            }
+            Ok(Ok(response)) => response.into_inner(),
+        };
+        let result: Result<Response, RaftError<NodeId, E>> =
+            decode(&response.data).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        result.map_err(|error| RPCError::RemoteError(RemoteError::new(self.target, error)))
+    }
+}
+
+impl RaftNetwork<TypeConfig> for PeerConnection {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.call(Rpc::AppendEntries, &rpc, &option).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<InstallSnapshotResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>>
+    {
+        self.call(Rpc::InstallSnapshot, &rpc, &option).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.call(Rpc::Vote, &rpc, &option).await
+    }
+}

@@ -1,0 +1,500 @@
+//! The replicated pool state: nodes, tenants and the placement engine, changed only by applying
+//! [`Command`]s from the Raft log.
+//!
+//! **Architecture Invariant:** `PoolState::apply` is a pure function of the state and the entry
+//! (log index, command). It reads no clock (time travels inside the command, stamped by the node
+//! that proposed it) and iterates only ordered maps, so every replica computes the same placements.
+//! Placement therefore runs inside `apply` on every replica, and the leader decides *when* things
+//! happen (node loss, retries) by proposing commands.
+
+use api::ErrorCode;
+use api::v1;
+use placement::{Engine, EngineConfig, Event, NodeSpec, SliceAssignment};
+use prost::Message;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// Most history events kept per tenant (older ones are dropped).
+pub const TENANT_HISTORY_MAX: usize = 32;
+/// Most GPUs a node may register.
+pub const NODE_GPUS_MAX: usize = 64;
+
+/// A change to the pool; one per Raft log entry.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    RegisterNode { spec: NodeSpec, address: String, unix_ms: i64 },
+    SetNodeState { node: String, state: placement::NodeState, reason: String, unix_ms: i64 },
+    /// `request` is a prost-encoded `vgpu.v1.PlacementRequest`.
+    Place { name: String, request: Vec<u8>, unix_ms: i64 },
+    Release { name: String, unix_ms: i64 },
+    /// Try the pending queue again.
+    Retry { unix_ms: i64 },
+}
+
+/// What applying a command returned, sent back to the client that proposed it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum CommandResult {
+    Done,
+    Tenant(Box<TenantRecord>),
+    Failed { code: ErrorCode, message: String },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TenantState {
+    Pending,
+    Placed,
+    Preempted,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HistoryEvent {
+    pub unix_ms: i64,
+    pub state: TenantState,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantRecord {
+    pub name: String,
+    /// prost-encoded `vgpu.v1.PlacementRequest`, exactly as submitted.
+    pub request: Vec<u8>,
+    pub state: TenantState,
+    pub reason: String,
+    pub slices: Vec<SliceAssignment>,
+    pub history: VecDeque<HistoryEvent>,
+    pub created_unix_ms: i64,
+    /// Log index of the last change.
+    pub revision: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub address: String,
+    pub registered_unix_ms: i64,
+    /// Why the node is in its current state, for `describe node`.
+    pub state_reason: String,
+}
+
+/// Counters kept in the replicated state, so they survive restarts and leader changes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    pub placements: u64,
+    pub preemptions: u64,
+    pub rejections: u64,
+    pub releases: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PoolState {
+    pub engine: Engine,
+    pub nodes: BTreeMap<String, NodeRecord>,
+    pub tenants: BTreeMap<String, TenantRecord>,
+    /// Log index of the last change to each node's assignments or state.
+    pub node_revisions: BTreeMap<String, u64>,
+    pub counters: Counters,
+}
+
+impl Default for PoolState {
+    fn default() -> Self {
+        PoolState {
+            engine: Engine::new(EngineConfig::default()),
+            nodes: BTreeMap::new(),
+            tenants: BTreeMap::new(),
+            node_revisions: BTreeMap::new(),
+            counters: Counters::default(),
+        }
+    }
+}
+
+fn failed(code: ErrorCode, message: impl Into<String>) -> CommandResult {
+    CommandResult::Failed { code, message: message.into() }
+}
+
+impl PoolState {
+    /// Applies the command of log entry `index`.
+    pub fn apply(&mut self, index: u64, command: Command) -> CommandResult {
+        match command {
+            Command::RegisterNode { spec, address, unix_ms } => {
+                self.register_node(index, spec, address, unix_ms)
+            }
+            Command::SetNodeState { node, state, reason, unix_ms } => {
+                self.set_node_state(index, node, state, reason, unix_ms)
+            }
+            Command::Place { name, request, unix_ms } => self.place(index, name, request, unix_ms),
+            Command::Release { name, unix_ms } => self.release(index, name, unix_ms),
+            Command::Retry { unix_ms } => {
+                let commands = self.engine.handle(Event::Retry);
+                self.record(index, unix_ms, commands, None);
+                CommandResult::Done
+            }
+        }
+    }
+
+    fn register_node(&mut self, index: u64, spec: NodeSpec, address: String, unix_ms: i64) -> CommandResult {
+        if let Err(message) = validate_node_spec(&spec) {
+            return failed(ErrorCode::InvalidArgument, message);
+        }
+        let name = spec.name.clone();
+        let commands = self.engine.handle(Event::AddNode(spec));
+        let record = NodeRecord { address, registered_unix_ms: unix_ms, state_reason: "registered".to_owned() };
+        self.nodes.insert(name.clone(), record);
+        self.node_revisions.insert(name, index);
+        self.record(index, unix_ms, commands, None);
+        CommandResult::Done
+    }
+
+    fn set_node_state(
+        &mut self,
+        index: u64,
+        node: String,
+        state: placement::NodeState,
+        reason: String,
+        unix_ms: i64,
+    ) -> CommandResult {
+        let Some(record) = self.nodes.get_mut(&node) else {
+            return failed(ErrorCode::NodeNotFound, format!("no node is named `{node}`; `vgpuctl get nodes` lists them"));
+        };
+        record.state_reason = reason;
+        let commands = self.engine.handle(Event::SetNodeState { node: node.clone(), state });
+        self.node_revisions.insert(node, index);
+        self.record(index, unix_ms, commands, None);
+        CommandResult::Done
+    }
+
+    fn place(&mut self, index: u64, name: String, request_bytes: Vec<u8>, unix_ms: i64) -> CommandResult {
+        if let Err(error) = api::names::validate("tenant", &name) {
+            return failed(ErrorCode::InvalidArgument, error.to_string());
+        }
+        let request = match v1::PlacementRequest::decode(request_bytes.as_slice()) {
+            Ok(request) => request,
+            Err(error) => return failed(ErrorCode::InvalidArgument, format!("unreadable request: {error}")),
+        };
+        if let Err(error) = api::validate::validate_request(&request) {
+            return failed(ErrorCode::InvalidArgument, error.to_string());
+        }
+        if let Some(existing) = self.tenants.get(&name) {
+            if existing.request == request_bytes {
+                return CommandResult::Tenant(Box::new(existing.clone()));
+            }
+            return failed(
+                ErrorCode::TenantExists,
+                format!("tenant `{name}` exists with a different request; release it first (`vgpuctl release {name}`) or choose another name"),
+            );
+        }
+        let record = TenantRecord {
+            name: name.clone(),
+            request: request_bytes,
+            state: TenantState::Pending,
+            reason: String::new(),
+            slices: Vec::new(),
+            history: VecDeque::new(),
+            created_unix_ms: unix_ms,
+            revision: index,
+        };
+        self.tenants.insert(name.clone(), record);
+        let engine_request = to_engine_request(&request);
+        let commands = self.engine.handle(Event::Submit { tenant: name.clone(), request: engine_request, seq: index });
+        let rejection = self.record(index, unix_ms, commands, Some(&name));
+        if let Some(reason) = rejection {
+            return failed(ErrorCode::Unplaceable, reason);
+        }
+        let record = self.tenants.get(&name).expect("a submitted tenant is either rejected or kept");
+        CommandResult::Tenant(Box::new(record.clone()))
+    }
+
+    fn release(&mut self, index: u64, name: String, unix_ms: i64) -> CommandResult {
+        if !self.tenants.contains_key(&name) {
+            return failed(ErrorCode::TenantNotFound, format!("no tenant is named `{name}`; `vgpuctl get tenants` lists them"));
+        }
+        let commands = self.engine.handle(Event::Release { tenant: name.clone() });
+        self.record(index, unix_ms, commands, None);
+        assert!(!self.tenants.contains_key(&name), "a released tenant is removed");
+        CommandResult::Done
+    }
+
+    /// Applies the engine's decisions to the tenant records. Returns the rejection reason of
+    /// `submitted`, if the engine rejected it.
+    fn record(
+        &mut self,
+        index: u64,
+        unix_ms: i64,
+        commands: Vec<placement::Command>,
+        submitted: Option<&str>,
+    ) -> Option<String> {
+        let mut rejection = None;
+        let mut touched: BTreeSet<String> = BTreeSet::new();
+        for command in commands {
+            match command {
+                placement::Command::Bind { tenant, slices } => {
+                    self.counters.placements += 1;
+                    let record = self.tenants.get_mut(&tenant).expect("engine binds known tenants");
+                    touched.extend(record.slices.iter().map(|s| s.node.clone()));
+                    touched.extend(slices.iter().map(|s| s.node.clone()));
+                    let message = format!("placed on {}", describe_slices(&slices));
+                    record.slices = slices;
+                    transition(record, index, unix_ms, TenantState::Placed, String::new(), message);
+                }
+                placement::Command::Pending { tenant, reason } => {
+                    let record = self.tenants.get_mut(&tenant).expect("engine queues known tenants");
+                    let state = if record.state == TenantState::Preempted { TenantState::Preempted } else { TenantState::Pending };
+                    let message = format!("pending: {reason}");
+                    transition(record, index, unix_ms, state, reason, message);
+                }
+                placement::Command::Preempted { tenant, by, reason } => {
+                    self.counters.preemptions += 1;
+                    let record = self.tenants.get_mut(&tenant).expect("engine preempts known tenants");
+                    touched.extend(record.slices.drain(..).map(|s| s.node));
+                    let message = format!("preempted by {by}: {reason}");
+                    transition(record, index, unix_ms, TenantState::Preempted, reason, message);
+                }
+                placement::Command::Unbound { tenant, reason } => {
+                    let record = self.tenants.get_mut(&tenant).expect("engine unbinds known tenants");
+                    touched.extend(record.slices.drain(..).map(|s| s.node));
+                    let message = format!("unbound: {reason}");
+                    transition(record, index, unix_ms, TenantState::Pending, reason, message);
+                }
+                placement::Command::Reject { tenant, reason } => {
+                    self.counters.rejections += 1;
+                    let record = self.tenants.remove(&tenant).expect("engine rejects known tenants");
+                    assert!(record.slices.is_empty(), "a rejected tenant holds nothing");
+                    if submitted == Some(tenant.as_str()) {
+                        rejection = Some(reason);
+                    }
+                }
+                placement::Command::Released { tenant } => {
+                    self.counters.releases += 1;
+                    if let Some(record) = self.tenants.remove(&tenant) {
+                        touched.extend(record.slices.into_iter().map(|s| s.node));
+                    }
+                }
+            }
+        }
+        for node in touched {
+            self.node_revisions.insert(node, index);
+        }
+        rejection
+    }
+
+    /// The slices of every tenant placed on `node`, with the node's revision.
+    pub fn assignments(&self, node: &str) -> (u64, Vec<v1::Assignment>) {
+        let revision = self.node_revisions.get(node).copied().unwrap_or(0);
+        let mut assignments = Vec::new();
+        for record in self.tenants.values() {
+            let slices: Vec<v1::Slice> =
+                record.slices.iter().filter(|s| s.node == node).map(slice_to_proto).collect();
+            if !slices.is_empty() {
+                let priority = decode_request(&record.request).priority;
+                assignments.push(v1::Assignment { tenant: record.name.clone(), slices, priority });
+            }
+        }
+        (revision, assignments)
+    }
+
+    pub fn tenant_to_proto(&self, record: &TenantRecord) -> v1::Tenant {
+        v1::Tenant {
+            name: record.name.clone(),
+            request: Some(decode_request(&record.request)),
+            state: tenant_state_to_proto(record.state) as i32,
+            reason: record.reason.clone(),
+            slices: record.slices.iter().map(slice_to_proto).collect(),
+            history: record
+                .history
+                .iter()
+                .map(|event| v1::TenantEvent {
+                    unix_ms: event.unix_ms,
+                    state: tenant_state_to_proto(event.state) as i32,
+                    message: event.message.clone(),
+                })
+                .collect(),
+            created_unix_ms: record.created_unix_ms,
+            revision: record.revision,
+        }
+    }
+
+    /// The node as the API shows it; `last_heartbeat_unix_ms` is filled in by the caller.
+    pub fn node_to_proto(&self, name: &str) -> Option<v1::Node> {
+        let view = self.engine.node(name)?;
+        let record = self.nodes.get(name)?;
+        let gpus = view
+            .spec
+            .gpus
+            .iter()
+            .zip(view.usage.iter())
+            .map(|(gpu, usage)| v1::Gpu {
+                uuid: gpu.uuid.clone(),
+                index: gpu.index,
+                model: gpu.model.clone(),
+                memory_bytes: gpu.memory_bytes,
+                sm_count: gpu.sm_count,
+                nvlink_peers: gpu
+                    .nvlink_peers
+                    .iter()
+                    .map(|(&gpu_index, &link_count)| v1::NvlinkPeer { gpu_index, link_count })
+                    .collect(),
+                numa_node: gpu.numa_node,
+                pci_bus_id: gpu.pci_bus_id.clone(),
+                nearest_nics: gpu.nearest_nics.clone(),
+                compute_allocated_percent: usage.compute_allocated_percent,
+                memory_allocated_bytes: usage.memory_allocated_bytes,
+                tenants: usage.tenants.clone(),
+                node: name.to_owned(),
+            })
+            .collect();
+        Some(v1::Node {
+            name: name.to_owned(),
+            address: record.address.clone(),
+            labels: view.spec.labels.clone().into_iter().collect(),
+            state: node_state_to_proto(view.state) as i32,
+            last_heartbeat_unix_ms: 0,
+            gpus,
+        })
+    }
+}
+
+fn transition(
+    record: &mut TenantRecord,
+    index: u64,
+    unix_ms: i64,
+    state: TenantState,
+    reason: String,
+    message: String,
+) {
+    let unchanged = record.state == state && record.reason == reason && !record.history.is_empty();
+    record.state = state;
+    record.reason = reason;
+    record.revision = index;
+    if unchanged && state != TenantState::Placed {
+        return;
+    }
+    record.history.push_back(HistoryEvent { unix_ms, state, message });
+    while record.history.len() > TENANT_HISTORY_MAX {
+        record.history.pop_front();
+    }
+}
+
+fn describe_slices(slices: &[SliceAssignment]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for slice in slices.iter().take(8) {
+        parts.push(format!(
+            "{} GPU {} ({}%, {})",
+            slice.node,
+            slice.gpu_index,
+            slice.compute_percent,
+            api::size::format_bytes(slice.memory_bytes)
+        ));
+    }
+    if slices.len() > 8 {
+        parts.push(format!("and {} more", slices.len() - 8));
+    }
+    parts.join(", ")
+}
+
+pub fn decode_request(bytes: &[u8]) -> v1::PlacementRequest {
+    v1::PlacementRequest::decode(bytes).expect("stored requests were validated before they were stored")
+}
+
+/// Maps a validated API request onto the engine's request.
+pub fn to_engine_request(request: &v1::PlacementRequest) -> placement::Request {
+    let gpus = if request.whole_gpus > 0 {
+        placement::GpuCount::Whole(request.whole_gpus)
+    } else {
+        placement::GpuCount::Milli(request.milli_gpus)
+    };
+    let nvlink = match v1::NvlinkPolicy::try_from(request.nvlink).unwrap_or_default() {
+        v1::NvlinkPolicy::Unspecified | v1::NvlinkPolicy::Prefer => placement::NvlinkPolicy::Prefer,
+        v1::NvlinkPolicy::Require => placement::NvlinkPolicy::Require,
+        v1::NvlinkPolicy::Ignore => placement::NvlinkPolicy::Ignore,
+    };
+    placement::Request {
+        gpus,
+        nodes: request.nodes.max(1),
+        memory_bytes_per_gpu: (request.memory_bytes_per_gpu > 0).then_some(request.memory_bytes_per_gpu),
+        compute_percent: (request.compute_percent > 0).then_some(request.compute_percent),
+        burst: request.burst,
+        priority: request.priority,
+        preemptible: request.preemptible,
+        nvlink,
+        node_selector: request.node_selector.clone().into_iter().collect(),
+    }
+}
+
+/// Checks a registering node's inventory; the message says what is wrong.
+pub fn validate_node_spec(spec: &NodeSpec) -> Result<(), String> {
+    api::names::validate("node", &spec.name).map_err(|e| e.to_string())?;
+    if spec.gpus.is_empty() {
+        return Err(format!("node `{}` reports no GPUs; a node needs at least one", spec.name));
+    }
+    if spec.gpus.len() > NODE_GPUS_MAX {
+        return Err(format!("node `{}` reports {} GPUs; the limit is {NODE_GPUS_MAX}", spec.name, spec.gpus.len()));
+    }
+    let mut indexes = BTreeSet::new();
+    let mut uuids = BTreeSet::new();
+    for gpu in &spec.gpus {
+        if !indexes.insert(gpu.index) {
+            return Err(format!("node `{}` reports GPU index {} twice", spec.name, gpu.index));
+        }
+        if gpu.uuid.is_empty() || !uuids.insert(gpu.uuid.clone()) {
+            return Err(format!("node `{}` reports an empty or repeated GPU uuid `{}`", spec.name, gpu.uuid));
+        }
+        if gpu.memory_bytes == 0 {
+            return Err(format!("node `{}` reports GPU {} with no memory", spec.name, gpu.index));
+        }
+    }
+    for gpu in &spec.gpus {
+        if let Some(peer) = gpu.nvlink_peers.keys().find(|peer| !indexes.contains(peer) || **peer == gpu.index) {
+            return Err(format!("node `{}`: GPU {} lists NVLink peer {peer}, which is not another GPU of the node", spec.name, gpu.index));
+        }
+    }
+    Ok(())
+}
+
+pub fn slice_to_proto(slice: &SliceAssignment) -> v1::Slice {
+    v1::Slice {
+        node: slice.node.clone(),
+        gpu: slice.gpu_uuid.clone(),
+        gpu_index: slice.gpu_index,
+        compute_percent: slice.compute_percent,
+        memory_bytes: slice.memory_bytes,
+        guaranteed: slice.guaranteed,
+        burst: slice.burst,
+    }
+}
+
+pub fn tenant_state_to_proto(state: TenantState) -> v1::TenantState {
+    match state {
+        TenantState::Pending => v1::TenantState::Pending,
+        TenantState::Placed => v1::TenantState::Placed,
+        TenantState::Preempted => v1::TenantState::Preempted,
+    }
+}
+
+pub fn node_state_to_proto(state: placement::NodeState) -> v1::NodeState {
+    match state {
+        placement::NodeState::Ready => v1::NodeState::Ready,
+        placement::NodeState::Lost => v1::NodeState::Lost,
+        placement::NodeState::Draining => v1::NodeState::Draining,
+    }
+}
+
+/// Converts a node as an agent registers it into the engine's inventory.
+pub fn node_spec_from_proto(node: &v1::Node) -> NodeSpec {
+    NodeSpec {
+        name: node.name.clone(),
+        labels: node.labels.clone().into_iter().collect(),
+        gpus: node
+            .gpus
+            .iter()
+            .map(|gpu| placement::GpuSpec {
+                uuid: gpu.uuid.clone(),
+                index: gpu.index,
+                model: gpu.model.clone(),
+                memory_bytes: gpu.memory_bytes,
+                sm_count: gpu.sm_count,
+                nvlink_peers: gpu.nvlink_peers.iter().map(|p| (p.gpu_index, p.link_count)).collect(),
+                numa_node: gpu.numa_node,
+                pci_bus_id: gpu.pci_bus_id.clone(),
+                nearest_nics: gpu.nearest_nics.clone(),
+            })
+            .collect(),
+    }
+}

@@ -1,0 +1,22 @@
+//! Runs openraft's storage conformance suite against our log store and state machine.
+
+use super::{LogStore, StateMachineStore};
+use crate::raft_types::{StorageError, TypeConfig};
+use openraft::testing::{StoreBuilder, Suite};
+
+struct Builder;
+
+impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, tempfile::TempDir> for Builder {
+    async fn build(&self) -> Result<(tempfile::TempDir, LogStore, StateMachineStore), StorageError> {
+        let directory = tempfile::tempdir().expect("a temporary directory");
+        let log = LogStore::open(&directory.path().join("raft.redb")).expect("open the log");
+        let (state_machine, _) = StateMachineStore::open(directory.path())?;
+        Ok((directory, log, state_machine))
+    }
+}
+
+#[test]
+fn openraft_storage_conformance_suite() -> Result<(), StorageError> {
+    Suite::test_all(Builder)?;
+    Ok(())
+}

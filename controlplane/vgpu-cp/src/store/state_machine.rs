@@ -1,0 +1,241 @@
+//! The Raft state machine: the [`PoolState`] in memory, persisted through snapshots
+//! (`DATA_DIR/snapshot.bin`).
+//!
+//! On start the state is restored from the last snapshot, and openraft re-applies the committed
+//! log entries after it (the log store keeps the committed index), so nothing acknowledged is
+//! lost. Snapshots are written to a temporary file, fsynced, renamed over the old one, and the
+//! directory fsynced; each carries a checksum that is verified when it is read back.
+
+use crate::pool::{CommandResult, PoolState};
+use crate::raft_types::{Entry, LogId, SnapshotMeta, StorageError, StoredMembership, TypeConfig, decode, encode};
+use openraft::storage::{RaftStateMachine, Snapshot};
+use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder, StorageIOError};
+use serde::{Deserialize, Serialize};
+use std::io::{Cursor, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use tokio::sync::watch;
+
+const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+const SNAPSHOT_FILE: &str = "snapshot.bin";
+
+/// What has been applied: the pool plus Raft's own bookkeeping.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Applied {
+    pub pool: PoolState,
+    pub last_applied: Option<LogId>,
+    pub membership: StoredMembership,
+}
+
+/// State shared between the state machine (which openraft owns) and the API handlers.
+pub struct Shared {
+    pub applied: RwLock<Applied>,
+    /// The index of the last applied entry; API handlers and watches wait on it.
+    pub applied_index: watch::Sender<u64>,
+}
+
+impl Shared {
+    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Applied> {
+        self.applied.read().expect("a panic while holding the state lock is a bug")
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct SnapshotFile {
+    format_version: u32,
+    meta: SnapshotMeta,
+    applied: Applied,
+}
+
+struct StoredSnapshot {
+    meta: SnapshotMeta,
+    bytes: Vec<u8>,
+}
+
+pub struct StateMachineStore {
+    shared: Arc<Shared>,
+    directory: PathBuf,
+    current: Arc<Mutex<Option<StoredSnapshot>>>,
+}
+
+impl StateMachineStore {
+    /// Opens the state machine in `directory`, restoring the last snapshot if there is one.
+    pub fn open(directory: &Path) -> Result<(StateMachineStore, Arc<Shared>), StorageError> {
+        let path = directory.join(SNAPSHOT_FILE);
+        let (applied, current) = match std::fs::read(&path) {
+            Ok(bytes) => {
+                let file = decode_snapshot(&bytes)?;
+                tracing::info!(last_log_id = ?file.meta.last_log_id, "restored the state machine from its snapshot");
+                (file.applied, Some(StoredSnapshot { meta: file.meta, bytes }))
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => (Applied::default(), None),
+            Err(error) => return Err(StorageIOError::read_snapshot(None, &error).into()),
+        };
+        let index = applied.last_applied.map_or(0, |id| id.index);
+        let shared = Arc::new(Shared { applied: RwLock::new(applied), applied_index: watch::channel(index).0 });
+        let store = StateMachineStore {
+            shared: shared.clone(),
+            directory: directory.to_owned(),
+            current: Arc::new(Mutex::new(current)),
+        };
+        Ok((store, shared))
+    }
+}
+
+/// Encodes a snapshot file: 8 bytes of checksum, then the bincode body.
+fn encode_snapshot(file: &SnapshotFile) -> Vec<u8> {
+    let body = encode(file).expect("encoding plain data cannot fail");
+    let mut bytes = Vec::with_capacity(body.len() + 8);
+    bytes.extend_from_slice(&checksum(&body).to_le_bytes());
+    bytes.extend_from_slice(&body);
+    bytes
+}
+
+fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotFile, StorageError> {
+    let corrupt = |message: String| -> StorageError {
+        StorageIOError::read_snapshot(None, &std::io::Error::other(message)).into()
+    };
+    if bytes.len() < 8 {
+        return Err(corrupt(format!("snapshot of {} bytes is truncated", bytes.len())));
+    }
+    let (head, body) = bytes.split_at(8);
+    let expected = u64::from_le_bytes(head.try_into().expect("8 bytes"));
+    if checksum(body) != expected {
+        return Err(corrupt("snapshot checksum mismatch: the file is corrupt".to_owned()));
+    }
+    let file: SnapshotFile = decode(body).map_err(|e| corrupt(format!("undecodable snapshot: {e}")))?;
+    if file.format_version != SNAPSHOT_FORMAT_VERSION {
+        return Err(corrupt(format!("snapshot format {} is not {SNAPSHOT_FORMAT_VERSION}", file.format_version)));
+    }
+    assert_eq!(file.meta.last_log_id, file.applied.last_applied, "snapshot meta and content disagree");
+    Ok(file)
+}
+
+/// FNV-1a, 64 bit: enough to detect torn or corrupted snapshot files.
+fn checksum(bytes: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &byte in bytes {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+fn write_durably(directory: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let temporary = directory.join(format!("{SNAPSHOT_FILE}.tmp"));
+    let mut file = std::fs::File::create(&temporary)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&temporary, directory.join(SNAPSHOT_FILE))?;
+    std::fs::File::open(directory)?.sync_all()?;
+    Ok(())
+}
+
+pub struct SnapshotBuilder {
+    shared: Arc<Shared>,
+    directory: PathBuf,
+    current: Arc<Mutex<Option<StoredSnapshot>>>,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let applied = self.shared.read().clone();
+        let meta = SnapshotMeta {
+            last_log_id: applied.last_applied,
+            last_membership: applied.membership.clone(),
+            snapshot_id: format!(
+                "{}-{}",
+                applied.last_applied.map_or(0, |id| id.leader_id.term),
+                applied.last_applied.map_or(0, |id| id.index)
+            ),
+        };
+        let file = SnapshotFile { format_version: SNAPSHOT_FORMAT_VERSION, meta: meta.clone(), applied };
+        let directory = self.directory.clone();
+        let bytes = tokio::task::spawn_blocking(move || {
+            let bytes = encode_snapshot(&file);
+            // Pair assertion: what we are about to persist reads back.
+            debug_assert!(decode_snapshot(&bytes).is_ok());
+            write_durably(&directory, &bytes).map(|()| bytes)
+        })
+        .await
+        .expect("the snapshot writer does not panic")
+        .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
+        tracing::info!(snapshot = %meta.snapshot_id, size_bytes = bytes.len(), "wrote a snapshot");
+        let data = Box::new(Cursor::new(bytes.clone()));
+        *self.current.lock().expect("snapshot lock") = Some(StoredSnapshot { meta: meta.clone(), bytes });
+        Ok(Snapshot { meta, snapshot: data })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = SnapshotBuilder;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
+        let applied = self.shared.read();
+        Ok((applied.last_applied, applied.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<CommandResult>, StorageError>
+    where
+        I: IntoIterator<Item = Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut results = Vec::new();
+        let last_index = {
+            let mut applied = self.shared.applied.write().expect("state lock");
+            for entry in entries {
+                assert!(
+                    applied.last_applied.map_or(true, |last| last.index < entry.log_id.index),
+                    "entries are applied once, in order"
+                );
+                applied.last_applied = Some(entry.log_id);
+                let result = match entry.payload {
+                    EntryPayload::Blank => CommandResult::Done,
+                    EntryPayload::Normal(command) => applied.pool.apply(entry.log_id.index, command),
+                    EntryPayload::Membership(membership) => {
+                        applied.membership = StoredMembership::new(Some(entry.log_id), membership);
+                        CommandResult::Done
+                    }
+                };
+                results.push(result);
+            }
+            applied.last_applied.map_or(0, |id| id.index)
+        };
+        self.shared.applied_index.send_replace(last_index);
+        Ok(results)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        SnapshotBuilder { shared: self.shared.clone(), directory: self.directory.clone(), current: self.current.clone() }
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(&mut self, meta: &SnapshotMeta, snapshot: Box<Cursor<Vec<u8>>>) -> Result<(), StorageError> {
+        let bytes = snapshot.into_inner();
+        let file = decode_snapshot(&bytes)?;
+        assert_eq!(&file.meta.last_log_id, &meta.last_log_id, "installed snapshot is the one announced");
+        let directory = self.directory.clone();
+        let to_write = bytes.clone();
+        tokio::task::spawn_blocking(move || write_durably(&directory, &to_write))
+            .await
+            .expect("the snapshot writer does not panic")
+            .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
+        let index = file.applied.last_applied.map_or(0, |id| id.index);
+        *self.shared.applied.write().expect("state lock") = file.applied;
+        *self.current.lock().expect("snapshot lock") = Some(StoredSnapshot { meta: meta.clone(), bytes });
+        self.shared.applied_index.send_replace(index);
+        tracing::info!(snapshot = %meta.snapshot_id, "installed a snapshot from the leader");
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+        let current = self.current.lock().expect("snapshot lock");
+        Ok(current.as_ref().map(|stored| Snapshot {
+            meta: stored.meta.clone(),
+            snapshot: Box::new(Cursor::new(stored.bytes.clone())),
+        }))
+    }
+}

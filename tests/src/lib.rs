@@ -1,0 +1,1 @@
+//! Cross-component tests live in `it/`; this library is empty.
