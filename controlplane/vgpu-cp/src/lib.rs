@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod network;
 pub mod pool;
 pub mod raft_types;
+pub mod runtime;
 pub mod service;
 pub mod store;
 
@@ -23,13 +24,32 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("cannot use the data directory {path}: {source}")]
-    DataDir { path: PathBuf, source: std::io::Error },
-    #[error("another vgpu-cp is already running with the data directory {0}; stop it or choose another --data-dir")]
+    DataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "another vgpu-cp is already running with the data directory {0}; stop it or choose another --data-dir"
+    )]
     DataDirLocked(PathBuf),
-    #[error("the data directory {path} belongs to member {found} of cluster {cluster}; start it with --id {found}, or use an empty --data-dir for member {wanted}")]
-    WrongMember { path: PathBuf, found: u64, wanted: u64, cluster: String },
-    #[error("the data directory {path} belongs to cluster {ours}, but the peer {peer} is in cluster {theirs}; use an empty --data-dir to join that cluster")]
-    OtherCluster { path: PathBuf, ours: String, theirs: String, peer: String },
+    #[error(
+        "the data directory {path} belongs to member {found} of cluster {cluster}; start it with --id {found}, or use an empty --data-dir for member {wanted}"
+    )]
+    WrongMember {
+        path: PathBuf,
+        found: u64,
+        wanted: u64,
+        cluster: String,
+    },
+    #[error(
+        "the data directory {path} belongs to cluster {ours}, but the peer {peer} is in cluster {theirs}; use an empty --data-dir to join that cluster"
+    )]
+    OtherCluster {
+        path: PathBuf,
+        ours: String,
+        theirs: String,
+        peer: String,
+    },
     #[error("cannot open the Raft log in {path}: {source}")]
     Log { path: PathBuf, source: redb::Error },
     #[error("cannot open the state machine: {0}")]
@@ -39,8 +59,13 @@ pub enum Error {
     #[error("Raft failed to start: {0}")]
     RaftStart(String),
     #[error("cannot listen on {address}: {source}; is another process using the port?")]
-    Listen { address: SocketAddr, source: std::io::Error },
-    #[error("could not reach any peer of {peers:?} to join: {last}; check the addresses and that the cluster is up")]
+    Listen {
+        address: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(
+        "could not reach any peer of {peers:?} to join: {last}; check the addresses and that the cluster is up"
+    )]
     NoPeer { peers: Vec<String>, last: String },
     #[error("joining the cluster failed: {0}")]
     Join(String),
@@ -64,6 +89,8 @@ pub struct RaftTimings {
     pub election_timeout_max_ms: u64,
     /// Entries between snapshots (snapshots bound the log).
     pub snapshot_logs_since_last: u64,
+    /// Entries kept in the log behind a snapshot (for followers that lag a little).
+    pub snapshot_keep_logs: u64,
 }
 
 impl Default for RaftTimings {
@@ -73,6 +100,7 @@ impl Default for RaftTimings {
             election_timeout_min_ms: 400,
             election_timeout_max_ms: 800,
             snapshot_logs_since_last: 20_000,
+            snapshot_keep_logs: 1000,
         }
     }
 }
@@ -106,7 +134,10 @@ pub struct Started {
 
 pub async fn start(config: Config) -> Result<Started, Error> {
     let data_dir = config.data_dir.clone();
-    let io = |source| Error::DataDir { path: data_dir.clone(), source };
+    let io = |source| Error::DataDir {
+        path: data_dir.clone(),
+        source,
+    };
     std::fs::create_dir_all(&data_dir).map_err(io)?;
     let lock = std::fs::File::create(data_dir.join("lock")).map_err(io)?;
     if lock.try_lock().is_err() {
@@ -123,50 +154,90 @@ pub async fn start(config: Config) -> Result<Started, Error> {
             });
         }
         (Some(found), Mode::Join { peers }) => {
-            if let Some((peer, theirs)) = peer_cluster_id(peers, Duration::from_secs(1)).await.ok().flatten() {
+            if let Some((peer, theirs)) = peer_cluster_id(peers, Duration::from_secs(1))
+                .await
+                .ok()
+                .flatten()
+            {
                 if theirs != found.cluster_id {
-                    return Err(Error::OtherCluster { path: data_dir, ours: found.cluster_id.clone(), theirs, peer });
+                    return Err(Error::OtherCluster {
+                        path: data_dir,
+                        ours: found.cluster_id.clone(),
+                        theirs,
+                        peer,
+                    });
                 }
             }
             found.cluster_id.clone()
         }
         (Some(found), Mode::Bootstrap) => found.cluster_id.clone(),
         (None, Mode::Bootstrap) => identity::new_cluster_id(),
-        (None, Mode::Join { peers }) => match peer_cluster_id(peers, Duration::from_secs(30)).await? {
-            Some((_, cluster_id)) => cluster_id,
-            None => unreachable!("a successful lookup names a cluster"),
-        },
+        (None, Mode::Join { peers }) => {
+            match peer_cluster_id(peers, Duration::from_secs(30)).await? {
+                Some((_, cluster_id)) => cluster_id,
+                None => unreachable!("a successful lookup names a cluster"),
+            }
+        }
     };
     let fresh = existing.is_none();
     if fresh {
-        identity::write(&data_dir, &identity::Identity { cluster_id: cluster_id.clone(), node_id: config.id })
-            .map_err(io)?;
+        identity::write(
+            &data_dir,
+            &identity::Identity {
+                cluster_id: cluster_id.clone(),
+                node_id: config.id,
+            },
+        )
+        .map_err(io)?;
     }
     tracing::info!(id = config.id, %cluster_id, fresh, data_dir = %data_dir.display(), "starting control-plane member");
 
     let log_path = data_dir.join("raft.redb");
-    let log = store::LogStore::open(&log_path).map_err(|source| Error::Log { path: log_path, source })?;
-    let (state_machine, shared) = store::StateMachineStore::open(&data_dir).map_err(Error::StateMachine)?;
+    let log = store::LogStore::open(&log_path).map_err(|source| Error::Log {
+        path: log_path,
+        source,
+    })?;
+    let (state_machine, shared) =
+        store::StateMachineStore::open(&data_dir).map_err(Error::StateMachine)?;
     let raft_config = openraft::Config {
         cluster_name: format!("vgpu-{cluster_id}"),
         heartbeat_interval: config.raft.heartbeat_interval_ms,
         election_timeout_min: config.raft.election_timeout_min_ms,
         election_timeout_max: config.raft.election_timeout_max_ms,
-        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(config.raft.snapshot_logs_since_last),
-        max_in_snapshot_log_to_keep: 1000,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(
+            config.raft.snapshot_logs_since_last,
+        ),
+        max_in_snapshot_log_to_keep: config.raft.snapshot_keep_logs,
         install_snapshot_timeout: 10_000,
         ..Default::default()
     }
     .validate()?;
-    let network = network::NetworkFactory { cluster_id: cluster_id.clone() };
-    let raft = Raft::new(config.id, Arc::new(raft_config), network, log, state_machine)
-        .await
-        .map_err(|e| Error::RaftStart(e.to_string()))?;
-    let control_plane = Arc::new(ControlPlane::new(config.id, cluster_id, raft, shared, config.timings.clone()));
+    let network = network::NetworkFactory {
+        cluster_id: cluster_id.clone(),
+    };
+    let raft = Raft::new(
+        config.id,
+        Arc::new(raft_config),
+        network,
+        log,
+        state_machine,
+    )
+    .await
+    .map_err(|e| Error::RaftStart(e.to_string()))?;
+    let control_plane = Arc::new(ControlPlane::new(
+        config.id,
+        cluster_id,
+        raft,
+        shared,
+        config.timings.clone(),
+    ));
 
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
-        .map_err(|source| Error::Listen { address: config.listen, source })?;
+        .map_err(|source| Error::Listen {
+            address: config.listen,
+            source,
+        })?;
     let server = serve(control_plane.clone(), listener);
     tokio::spawn(async move {
         if let Err(error) = server.await {
@@ -176,32 +247,57 @@ pub async fn start(config: Config) -> Result<Started, Error> {
 
     match &config.mode {
         Mode::Bootstrap => {
-            let initialized = control_plane.raft.is_initialized().await.map_err(|e| Error::RaftStart(e.to_string()))?;
+            let initialized = control_plane
+                .raft
+                .is_initialized()
+                .await
+                .map_err(|e| Error::RaftStart(e.to_string()))?;
             if !initialized {
-                let members = std::collections::BTreeMap::from([(config.id, openraft::BasicNode::new(&config.advertise))]);
-                control_plane.raft.initialize(members).await.map_err(|e| Error::RaftStart(e.to_string()))?;
+                let members = std::collections::BTreeMap::from([(
+                    config.id,
+                    openraft::BasicNode::new(&config.advertise),
+                )]);
+                control_plane
+                    .raft
+                    .initialize(members)
+                    .await
+                    .map_err(|e| Error::RaftStart(e.to_string()))?;
                 tracing::info!("initialised a new one-voter cluster");
             }
         }
         Mode::Join { peers } => {
-            let initialized = control_plane.raft.is_initialized().await.map_err(|e| Error::RaftStart(e.to_string()))?;
+            let initialized = control_plane
+                .raft
+                .is_initialized()
+                .await
+                .map_err(|e| Error::RaftStart(e.to_string()))?;
             if !initialized {
                 join(peers, config.id, &config.advertise).await?;
             }
         }
     }
     tokio::spawn(control_plane.clone().leader_loop());
-    Ok(Started { control_plane, _lock: lock })
+    Ok(Started {
+        control_plane,
+        _lock: lock,
+    })
 }
 
 /// Serves the gRPC API and `/metrics` on one listener.
-async fn serve(control_plane: Arc<ControlPlane>, listener: tokio::net::TcpListener) -> Result<(), Error> {
-    let service = service::Service { control_plane: control_plane.clone() };
+async fn serve(
+    control_plane: Arc<ControlPlane>,
+    listener: tokio::net::TcpListener,
+) -> Result<(), Error> {
+    let service = service::Service {
+        control_plane: control_plane.clone(),
+    };
     let size = network::MESSAGE_BYTES_MAX;
     let routes = tonic::service::Routes::new(
         api::v1::pool_server::PoolServer::new(service.clone()).max_decoding_message_size(size),
     )
-    .add_service(api::v1::agent_server::AgentServer::new(service.clone()).max_decoding_message_size(size))
+    .add_service(
+        api::v1::agent_server::AgentServer::new(service.clone()).max_decoding_message_size(size),
+    )
     .add_service(api::v1::cluster_server::ClusterServer::new(service.clone()))
     .add_service(
         api::v1::raft_server::RaftServer::new(service)
@@ -236,7 +332,10 @@ async fn serve(control_plane: Arc<ControlPlane>, listener: tokio::net::TcpListen
 }
 
 /// Asks the peers, in turn, for their cluster id. Retries until `patience` runs out.
-async fn peer_cluster_id(peers: &[String], patience: Duration) -> Result<Option<(String, String)>, Error> {
+async fn peer_cluster_id(
+    peers: &[String],
+    patience: Duration,
+) -> Result<Option<(String, String)>, Error> {
     let deadline = tokio::time::Instant::now() + patience;
     let mut last = String::from("no peer given");
     loop {
@@ -250,7 +349,10 @@ async fn peer_cluster_id(peers: &[String], patience: Duration) -> Result<Option<
             }
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(Error::NoPeer { peers: peers.to_vec(), last });
+            return Err(Error::NoPeer {
+                peers: peers.to_vec(),
+                last,
+            });
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -258,7 +360,10 @@ async fn peer_cluster_id(peers: &[String], patience: Duration) -> Result<Option<
 
 async fn cluster_client(
     peer: &str,
-) -> Result<api::v1::cluster_client::ClusterClient<tonic::transport::Channel>, tonic::transport::Error> {
+) -> Result<
+    api::v1::cluster_client::ClusterClient<tonic::transport::Channel>,
+    tonic::transport::Error,
+> {
     let channel = network::channel(peer)?;
     Ok(api::v1::cluster_client::ClusterClient::new(channel))
 }
@@ -270,8 +375,13 @@ async fn join(peers: &[String], id: u64, advertise: &str) -> Result<(), Error> {
     loop {
         for peer in peers {
             tracing::info!(%peer, id, "asking to join the cluster (learner first, voter once caught up)");
-            let Ok(mut client) = cluster_client(peer).await else { continue };
-            let request = api::v1::AddMemberRequest { id, address: advertise.to_owned() };
+            let Ok(mut client) = cluster_client(peer).await else {
+                continue;
+            };
+            let request = api::v1::AddMemberRequest {
+                id,
+                address: advertise.to_owned(),
+            };
             match client.add_member(request).await {
                 Ok(_) => {
                     tracing::info!(id, "joined the cluster as a voter");

@@ -7,7 +7,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Parser)]
-#[command(name = "vgpu-cp", version, about = "The vgpu control plane: a Raft-replicated GPU pool")]
+#[command(
+    name = "vgpu-cp",
+    version,
+    about = "The vgpu control plane: a Raft-replicated GPU pool"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Mode,
@@ -56,6 +60,9 @@ struct Common {
     /// Log entries between snapshots.
     #[arg(long, default_value = "20000")]
     snapshot_every: u64,
+    /// Log entries kept behind the last snapshot.
+    #[arg(long, default_value = "1000")]
+    snapshot_keep_logs: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -71,12 +78,17 @@ fn main() -> anyhow::Result<()> {
         Mode::Bootstrap(common) => (common, vgpu_cp::Mode::Bootstrap),
         Mode::Join { common, peer } => (common, vgpu_cp::Mode::Join { peers: peer }),
     };
-    anyhow::ensure!(common.election_timeout_ms > common.raft_heartbeat_ms, "--election-timeout-ms must exceed --raft-heartbeat-ms");
+    anyhow::ensure!(
+        common.election_timeout_ms > common.raft_heartbeat_ms,
+        "--election-timeout-ms must exceed --raft-heartbeat-ms"
+    );
     let config = vgpu_cp::Config {
         mode,
         id: common.id,
         listen: common.listen,
-        advertise: common.advertise.unwrap_or_else(|| common.listen.to_string()),
+        advertise: common
+            .advertise
+            .unwrap_or_else(|| common.listen.to_string()),
         data_dir: common.data_dir,
         timings: vgpu_cp::control_plane::Timings {
             node_lost_timeout: Duration::from_millis(common.node_lost_timeout_ms),
@@ -88,9 +100,12 @@ fn main() -> anyhow::Result<()> {
             election_timeout_min_ms: common.election_timeout_ms,
             election_timeout_max_ms: common.election_timeout_ms * 2,
             snapshot_logs_since_last: common.snapshot_every,
+            snapshot_keep_logs: common.snapshot_keep_logs,
         },
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    runtime.block_on(vgpu_cp::run(config)).context("vgpu-cp failed")?;
+    runtime
+        .block_on(vgpu_cp::run(config))
+        .context("vgpu-cp failed")?;
     Ok(())
 }

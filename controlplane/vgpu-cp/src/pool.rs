@@ -22,13 +22,31 @@ pub const NODE_GPUS_MAX: usize = 64;
 /// A change to the pool; one per Raft log entry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Command {
-    RegisterNode { spec: NodeSpec, address: String, unix_ms: i64 },
-    SetNodeState { node: String, state: placement::NodeState, reason: String, unix_ms: i64 },
+    RegisterNode {
+        spec: NodeSpec,
+        address: String,
+        unix_ms: i64,
+    },
+    SetNodeState {
+        node: String,
+        state: placement::NodeState,
+        reason: String,
+        unix_ms: i64,
+    },
     /// `request` is a prost-encoded `vgpu.v1.PlacementRequest`.
-    Place { name: String, request: Vec<u8>, unix_ms: i64 },
-    Release { name: String, unix_ms: i64 },
+    Place {
+        name: String,
+        request: Vec<u8>,
+        unix_ms: i64,
+    },
+    Release {
+        name: String,
+        unix_ms: i64,
+    },
     /// Try the pending queue again.
-    Retry { unix_ms: i64 },
+    Retry {
+        unix_ms: i64,
+    },
 }
 
 /// What applying a command returned, sent back to the client that proposed it.
@@ -107,20 +125,32 @@ impl Default for PoolState {
 }
 
 fn failed(code: ErrorCode, message: impl Into<String>) -> CommandResult {
-    CommandResult::Failed { code, message: message.into() }
+    CommandResult::Failed {
+        code,
+        message: message.into(),
+    }
 }
 
 impl PoolState {
     /// Applies the command of log entry `index`.
     pub fn apply(&mut self, index: u64, command: Command) -> CommandResult {
         match command {
-            Command::RegisterNode { spec, address, unix_ms } => {
-                self.register_node(index, spec, address, unix_ms)
-            }
-            Command::SetNodeState { node, state, reason, unix_ms } => {
-                self.set_node_state(index, node, state, reason, unix_ms)
-            }
-            Command::Place { name, request, unix_ms } => self.place(index, name, request, unix_ms),
+            Command::RegisterNode {
+                spec,
+                address,
+                unix_ms,
+            } => self.register_node(index, spec, address, unix_ms),
+            Command::SetNodeState {
+                node,
+                state,
+                reason,
+                unix_ms,
+            } => self.set_node_state(index, node, state, reason, unix_ms),
+            Command::Place {
+                name,
+                request,
+                unix_ms,
+            } => self.place(index, name, request, unix_ms),
             Command::Release { name, unix_ms } => self.release(index, name, unix_ms),
             Command::Retry { unix_ms } => {
                 let commands = self.engine.handle(Event::Retry);
@@ -130,13 +160,23 @@ impl PoolState {
         }
     }
 
-    fn register_node(&mut self, index: u64, spec: NodeSpec, address: String, unix_ms: i64) -> CommandResult {
+    fn register_node(
+        &mut self,
+        index: u64,
+        spec: NodeSpec,
+        address: String,
+        unix_ms: i64,
+    ) -> CommandResult {
         if let Err(message) = validate_node_spec(&spec) {
             return failed(ErrorCode::InvalidArgument, message);
         }
         let name = spec.name.clone();
         let commands = self.engine.handle(Event::AddNode(spec));
-        let record = NodeRecord { address, registered_unix_ms: unix_ms, state_reason: "registered".to_owned() };
+        let record = NodeRecord {
+            address,
+            registered_unix_ms: unix_ms,
+            state_reason: "registered".to_owned(),
+        };
         self.nodes.insert(name.clone(), record);
         self.node_revisions.insert(name, index);
         self.record(index, unix_ms, commands, None);
@@ -152,22 +192,39 @@ impl PoolState {
         unix_ms: i64,
     ) -> CommandResult {
         let Some(record) = self.nodes.get_mut(&node) else {
-            return failed(ErrorCode::NodeNotFound, format!("no node is named `{node}`; `vgpuctl get nodes` lists them"));
+            return failed(
+                ErrorCode::NodeNotFound,
+                format!("no node is named `{node}`; `vgpuctl get nodes` lists them"),
+            );
         };
         record.state_reason = reason;
-        let commands = self.engine.handle(Event::SetNodeState { node: node.clone(), state });
+        let commands = self.engine.handle(Event::SetNodeState {
+            node: node.clone(),
+            state,
+        });
         self.node_revisions.insert(node, index);
         self.record(index, unix_ms, commands, None);
         CommandResult::Done
     }
 
-    fn place(&mut self, index: u64, name: String, request_bytes: Vec<u8>, unix_ms: i64) -> CommandResult {
+    fn place(
+        &mut self,
+        index: u64,
+        name: String,
+        request_bytes: Vec<u8>,
+        unix_ms: i64,
+    ) -> CommandResult {
         if let Err(error) = api::names::validate("tenant", &name) {
             return failed(ErrorCode::InvalidArgument, error.to_string());
         }
         let request = match v1::PlacementRequest::decode(request_bytes.as_slice()) {
             Ok(request) => request,
-            Err(error) => return failed(ErrorCode::InvalidArgument, format!("unreadable request: {error}")),
+            Err(error) => {
+                return failed(
+                    ErrorCode::InvalidArgument,
+                    format!("unreadable request: {error}"),
+                );
+            }
         };
         if let Err(error) = api::validate::validate_request(&request) {
             return failed(ErrorCode::InvalidArgument, error.to_string());
@@ -178,7 +235,9 @@ impl PoolState {
             }
             return failed(
                 ErrorCode::TenantExists,
-                format!("tenant `{name}` exists with a different request; release it first (`vgpuctl release {name}`) or choose another name"),
+                format!(
+                    "tenant `{name}` exists with a different request; release it first (`vgpuctl release {name}`) or choose another name"
+                ),
             );
         }
         let record = TenantRecord {
@@ -193,22 +252,37 @@ impl PoolState {
         };
         self.tenants.insert(name.clone(), record);
         let engine_request = to_engine_request(&request);
-        let commands = self.engine.handle(Event::Submit { tenant: name.clone(), request: engine_request, seq: index });
+        let commands = self.engine.handle(Event::Submit {
+            tenant: name.clone(),
+            request: engine_request,
+            seq: index,
+        });
         let rejection = self.record(index, unix_ms, commands, Some(&name));
         if let Some(reason) = rejection {
             return failed(ErrorCode::Unplaceable, reason);
         }
-        let record = self.tenants.get(&name).expect("a submitted tenant is either rejected or kept");
+        let record = self
+            .tenants
+            .get(&name)
+            .expect("a submitted tenant is either rejected or kept");
         CommandResult::Tenant(Box::new(record.clone()))
     }
 
     fn release(&mut self, index: u64, name: String, unix_ms: i64) -> CommandResult {
         if !self.tenants.contains_key(&name) {
-            return failed(ErrorCode::TenantNotFound, format!("no tenant is named `{name}`; `vgpuctl get tenants` lists them"));
+            return failed(
+                ErrorCode::TenantNotFound,
+                format!("no tenant is named `{name}`; `vgpuctl get tenants` lists them"),
+            );
         }
-        let commands = self.engine.handle(Event::Release { tenant: name.clone() });
+        let commands = self.engine.handle(Event::Release {
+            tenant: name.clone(),
+        });
         self.record(index, unix_ms, commands, None);
-        assert!(!self.tenants.contains_key(&name), "a released tenant is removed");
+        assert!(
+            !self.tenants.contains_key(&name),
+            "a released tenant is removed"
+        );
         CommandResult::Done
     }
 
@@ -227,35 +301,75 @@ impl PoolState {
             match command {
                 placement::Command::Bind { tenant, slices } => {
                     self.counters.placements += 1;
-                    let record = self.tenants.get_mut(&tenant).expect("engine binds known tenants");
+                    let record = self
+                        .tenants
+                        .get_mut(&tenant)
+                        .expect("engine binds known tenants");
                     touched.extend(record.slices.iter().map(|s| s.node.clone()));
                     touched.extend(slices.iter().map(|s| s.node.clone()));
                     let message = format!("placed on {}", describe_slices(&slices));
                     record.slices = slices;
-                    transition(record, index, unix_ms, TenantState::Placed, String::new(), message);
+                    transition(
+                        record,
+                        index,
+                        unix_ms,
+                        TenantState::Placed,
+                        String::new(),
+                        message,
+                    );
                 }
                 placement::Command::Pending { tenant, reason } => {
-                    let record = self.tenants.get_mut(&tenant).expect("engine queues known tenants");
-                    let state = if record.state == TenantState::Preempted { TenantState::Preempted } else { TenantState::Pending };
+                    let record = self
+                        .tenants
+                        .get_mut(&tenant)
+                        .expect("engine queues known tenants");
+                    let state = if record.state == TenantState::Preempted {
+                        TenantState::Preempted
+                    } else {
+                        TenantState::Pending
+                    };
                     let message = format!("pending: {reason}");
                     transition(record, index, unix_ms, state, reason, message);
                 }
                 placement::Command::Preempted { tenant, by, reason } => {
                     self.counters.preemptions += 1;
-                    let record = self.tenants.get_mut(&tenant).expect("engine preempts known tenants");
+                    let record = self
+                        .tenants
+                        .get_mut(&tenant)
+                        .expect("engine preempts known tenants");
                     touched.extend(record.slices.drain(..).map(|s| s.node));
                     let message = format!("preempted by {by}: {reason}");
-                    transition(record, index, unix_ms, TenantState::Preempted, reason, message);
+                    transition(
+                        record,
+                        index,
+                        unix_ms,
+                        TenantState::Preempted,
+                        reason,
+                        message,
+                    );
                 }
                 placement::Command::Unbound { tenant, reason } => {
-                    let record = self.tenants.get_mut(&tenant).expect("engine unbinds known tenants");
+                    let record = self
+                        .tenants
+                        .get_mut(&tenant)
+                        .expect("engine unbinds known tenants");
                     touched.extend(record.slices.drain(..).map(|s| s.node));
                     let message = format!("unbound: {reason}");
-                    transition(record, index, unix_ms, TenantState::Pending, reason, message);
+                    transition(
+                        record,
+                        index,
+                        unix_ms,
+                        TenantState::Pending,
+                        reason,
+                        message,
+                    );
                 }
                 placement::Command::Reject { tenant, reason } => {
                     self.counters.rejections += 1;
-                    let record = self.tenants.remove(&tenant).expect("engine rejects known tenants");
+                    let record = self
+                        .tenants
+                        .remove(&tenant)
+                        .expect("engine rejects known tenants");
                     assert!(record.slices.is_empty(), "a rejected tenant holds nothing");
                     if submitted == Some(tenant.as_str()) {
                         rejection = Some(reason);
@@ -280,11 +394,19 @@ impl PoolState {
         let revision = self.node_revisions.get(node).copied().unwrap_or(0);
         let mut assignments = Vec::new();
         for record in self.tenants.values() {
-            let slices: Vec<v1::Slice> =
-                record.slices.iter().filter(|s| s.node == node).map(slice_to_proto).collect();
+            let slices: Vec<v1::Slice> = record
+                .slices
+                .iter()
+                .filter(|s| s.node == node)
+                .map(slice_to_proto)
+                .collect();
             if !slices.is_empty() {
                 let priority = decode_request(&record.request).priority;
-                assignments.push(v1::Assignment { tenant: record.name.clone(), slices, priority });
+                assignments.push(v1::Assignment {
+                    tenant: record.name.clone(),
+                    slices,
+                    priority,
+                });
             }
         }
         (revision, assignments)
@@ -329,7 +451,10 @@ impl PoolState {
                 nvlink_peers: gpu
                     .nvlink_peers
                     .iter()
-                    .map(|(&gpu_index, &link_count)| v1::NvlinkPeer { gpu_index, link_count })
+                    .map(|(&gpu_index, &link_count)| v1::NvlinkPeer {
+                        gpu_index,
+                        link_count,
+                    })
                     .collect(),
                 numa_node: gpu.numa_node,
                 pci_bus_id: gpu.pci_bus_id.clone(),
@@ -366,7 +491,11 @@ fn transition(
     if unchanged && state != TenantState::Placed {
         return;
     }
-    record.history.push_back(HistoryEvent { unix_ms, state, message });
+    record.history.push_back(HistoryEvent {
+        unix_ms,
+        state,
+        message,
+    });
     while record.history.len() > TENANT_HISTORY_MAX {
         record.history.pop_front();
     }
@@ -390,7 +519,8 @@ fn describe_slices(slices: &[SliceAssignment]) -> String {
 }
 
 pub fn decode_request(bytes: &[u8]) -> v1::PlacementRequest {
-    v1::PlacementRequest::decode(bytes).expect("stored requests were validated before they were stored")
+    v1::PlacementRequest::decode(bytes)
+        .expect("stored requests were validated before they were stored")
 }
 
 /// Maps a validated API request onto the engine's request.
@@ -408,7 +538,8 @@ pub fn to_engine_request(request: &v1::PlacementRequest) -> placement::Request {
     placement::Request {
         gpus,
         nodes: request.nodes.max(1),
-        memory_bytes_per_gpu: (request.memory_bytes_per_gpu > 0).then_some(request.memory_bytes_per_gpu),
+        memory_bytes_per_gpu: (request.memory_bytes_per_gpu > 0)
+            .then_some(request.memory_bytes_per_gpu),
         compute_percent: (request.compute_percent > 0).then_some(request.compute_percent),
         burst: request.burst,
         priority: request.priority,
@@ -422,27 +553,50 @@ pub fn to_engine_request(request: &v1::PlacementRequest) -> placement::Request {
 pub fn validate_node_spec(spec: &NodeSpec) -> Result<(), String> {
     api::names::validate("node", &spec.name).map_err(|e| e.to_string())?;
     if spec.gpus.is_empty() {
-        return Err(format!("node `{}` reports no GPUs; a node needs at least one", spec.name));
+        return Err(format!(
+            "node `{}` reports no GPUs; a node needs at least one",
+            spec.name
+        ));
     }
     if spec.gpus.len() > NODE_GPUS_MAX {
-        return Err(format!("node `{}` reports {} GPUs; the limit is {NODE_GPUS_MAX}", spec.name, spec.gpus.len()));
+        return Err(format!(
+            "node `{}` reports {} GPUs; the limit is {NODE_GPUS_MAX}",
+            spec.name,
+            spec.gpus.len()
+        ));
     }
     let mut indexes = BTreeSet::new();
     let mut uuids = BTreeSet::new();
     for gpu in &spec.gpus {
         if !indexes.insert(gpu.index) {
-            return Err(format!("node `{}` reports GPU index {} twice", spec.name, gpu.index));
+            return Err(format!(
+                "node `{}` reports GPU index {} twice",
+                spec.name, gpu.index
+            ));
         }
         if gpu.uuid.is_empty() || !uuids.insert(gpu.uuid.clone()) {
-            return Err(format!("node `{}` reports an empty or repeated GPU uuid `{}`", spec.name, gpu.uuid));
+            return Err(format!(
+                "node `{}` reports an empty or repeated GPU uuid `{}`",
+                spec.name, gpu.uuid
+            ));
         }
         if gpu.memory_bytes == 0 {
-            return Err(format!("node `{}` reports GPU {} with no memory", spec.name, gpu.index));
+            return Err(format!(
+                "node `{}` reports GPU {} with no memory",
+                spec.name, gpu.index
+            ));
         }
     }
     for gpu in &spec.gpus {
-        if let Some(peer) = gpu.nvlink_peers.keys().find(|peer| !indexes.contains(peer) || **peer == gpu.index) {
-            return Err(format!("node `{}`: GPU {} lists NVLink peer {peer}, which is not another GPU of the node", spec.name, gpu.index));
+        if let Some(peer) = gpu
+            .nvlink_peers
+            .keys()
+            .find(|peer| !indexes.contains(peer) || **peer == gpu.index)
+        {
+            return Err(format!(
+                "node `{}`: GPU {} lists NVLink peer {peer}, which is not another GPU of the node",
+                spec.name, gpu.index
+            ));
         }
     }
     Ok(())
@@ -490,7 +644,11 @@ pub fn node_spec_from_proto(node: &v1::Node) -> NodeSpec {
                 model: gpu.model.clone(),
                 memory_bytes: gpu.memory_bytes,
                 sm_count: gpu.sm_count,
-                nvlink_peers: gpu.nvlink_peers.iter().map(|p| (p.gpu_index, p.link_count)).collect(),
+                nvlink_peers: gpu
+                    .nvlink_peers
+                    .iter()
+                    .map(|p| (p.gpu_index, p.link_count))
+                    .collect(),
                 numa_node: gpu.numa_node,
                 pci_bus_id: gpu.pci_bus_id.clone(),
                 nearest_nics: gpu.nearest_nics.clone(),
@@ -498,3 +656,7 @@ pub fn node_spec_from_proto(node: &v1::Node) -> NodeSpec {
             .collect(),
     }
 }
+
+#[cfg(test)]
+#[path = "pool_test.rs"]
+mod tests;

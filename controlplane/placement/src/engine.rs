@@ -1,0 +1,666 @@
+//! The engine: applies one [`Event`] at a time to the pool state and returns the [`Command`]s it
+//! decided, in a deterministic order. The state is plain ordered data (serde), so the control
+//! plane snapshots it inside Raft snapshots and a restored engine continues identically.
+//!
+//! State: nodes by name (each with its usage and summary), tenants by name (placed or pending),
+//! the pending queue (priority high to low, then `seq`), an index of Ready nodes by number of
+//! fully free GPUs (for whole-GPU requests), the workload model the fragmentation scorer reads,
+//! and the rotating scan cursor. The search lives in `search.rs`, preemption in `preempt.rs`.
+
+use crate::node::Node;
+use crate::search::Need;
+use crate::types::*;
+use crate::workload::WorkloadModel;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Engine {
+    pub(crate) config: EngineConfig,
+    pub(crate) nodes: BTreeMap<NodeName, Node>,
+    pub(crate) tenants: BTreeMap<TenantName, TenantRecord>,
+    pub(crate) queue: BTreeSet<QueueKey>,
+    /// Ready nodes by number of fully free GPUs.
+    pub(crate) free_index: BTreeMap<u32, BTreeSet<NodeName>>,
+    pub(crate) workload: WorkloadModel,
+    /// Placed tenants by priority: (guaranteed, preemptible) counts. Lets preemption return at
+    /// once when nothing placed could be a victim (a pool of one priority, the common case).
+    pub(crate) placed_by_priority: BTreeMap<i32, (u64, u64)>,
+    /// The next scan starts at the first node at or after this name (kube-scheduler rotates its
+    /// start the same way, so the first nodes are not always the ones filled).
+    pub(crate) scan_cursor: NodeName,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct TenantRecord {
+    pub request: Request,
+    pub seq: u64,
+    pub placement: Placement,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Placement {
+    Placed {
+        slices: Vec<SliceAssignment>,
+    },
+    /// `reason`: the last reason sent in a command, so an unchanged reason is not sent again.
+    Pending {
+        reason: String,
+    },
+}
+
+/// Queue order: priority high to low (`priority_negated` ascending), then oldest `seq`.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub(crate) struct QueueKey {
+    pub priority_negated: i64,
+    pub seq: u64,
+    pub tenant: TenantName,
+}
+
+impl QueueKey {
+    fn of(tenant: &str, record: &TenantRecord) -> QueueKey {
+        QueueKey {
+            priority_negated: -i64::from(record.request.priority),
+            seq: record.seq,
+            tenant: tenant.to_string(),
+        }
+    }
+}
+
+/// What is allocated on one GPU.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuUsage {
+    pub compute_allocated_percent: u32,
+    pub memory_allocated_bytes: u64,
+    /// Tenants holding a slice of this GPU, sorted by name.
+    pub tenants: Vec<TenantName>,
+}
+
+/// A node as the engine sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeView<'a> {
+    pub spec: &'a NodeSpec,
+    pub state: NodeState,
+    /// Same order as `spec.gpus`.
+    pub usage: Vec<GpuUsage>,
+}
+
+/// Pool-wide and per-node totals, for metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolSummary {
+    pub gpus_total: u64,
+    /// Sum over GPUs of allocated compute percent (100 per full GPU).
+    pub compute_allocated_percent: u64,
+    pub memory_total_bytes: u64,
+    pub memory_allocated_bytes: u64,
+    pub tenants_placed: u64,
+    pub tenants_pending: u64,
+}
+
+/// The result of trying to place one pending tenant.
+enum Attempt {
+    Bound(Vec<Command>),
+    Rejected(String),
+    Unfit(String),
+}
+
+impl Engine {
+    pub fn new(config: EngineConfig) -> Engine {
+        assert!(
+            config.nodes_scored_max >= 1,
+            "nodes_scored_max must be at least 1"
+        );
+        Engine {
+            config,
+            nodes: BTreeMap::new(),
+            tenants: BTreeMap::new(),
+            queue: BTreeSet::new(),
+            free_index: BTreeMap::new(),
+            workload: WorkloadModel::default(),
+            placed_by_priority: BTreeMap::new(),
+            scan_cursor: NodeName::new(),
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Applies one event and returns what was decided, in a deterministic order.
+    pub fn handle(&mut self, event: Event) -> Vec<Command> {
+        let mut commands = Vec::new();
+        match event {
+            Event::AddNode(spec) => self.add_node(spec, &mut commands),
+            Event::RemoveNode(name) => self.remove_node(&name, &mut commands),
+            Event::SetNodeState { node, state } => self.set_node_state(&node, state, &mut commands),
+            Event::Submit {
+                tenant,
+                request,
+                seq,
+            } => self.submit(tenant, request, seq, &mut commands),
+            Event::Release { tenant } => self.release(&tenant, &mut commands),
+            Event::Retry => self.retry_pending(&mut commands),
+        }
+        commands
+    }
+
+    pub fn node(&self, name: &str) -> Option<NodeView<'_>> {
+        self.nodes.get(name).map(Self::view)
+    }
+
+    /// All nodes, sorted by name.
+    pub fn nodes(&self) -> Vec<NodeView<'_>> {
+        self.nodes.values().map(Self::view).collect()
+    }
+
+    fn view(node: &Node) -> NodeView<'_> {
+        NodeView {
+            spec: &node.spec,
+            state: node.state,
+            usage: node.usage.clone(),
+        }
+    }
+
+    /// The slices a tenant holds, if placed.
+    pub fn slices(&self, tenant: &str) -> Option<&[SliceAssignment]> {
+        match &self.tenants.get(tenant)?.placement {
+            Placement::Placed { slices } => Some(slices),
+            Placement::Pending { .. } => None,
+        }
+    }
+
+    /// The reason last sent for a pending tenant (`None` when placed or unknown).
+    pub fn pending_reason(&self, tenant: &str) -> Option<&str> {
+        match &self.tenants.get(tenant)?.placement {
+            Placement::Placed { .. } => None,
+            Placement::Pending { reason } => Some(reason),
+        }
+    }
+
+    /// Pending tenants in queue order (priority high to low, then oldest first).
+    pub fn pending(&self) -> Vec<TenantName> {
+        self.queue.iter().map(|key| key.tenant.clone()).collect()
+    }
+
+    pub fn summary(&self) -> PoolSummary {
+        let mut summary = PoolSummary::default();
+        for node in self.nodes.values() {
+            Self::add_node_totals(node, &mut summary);
+        }
+        summary.tenants_pending = self.queue.len() as u64;
+        summary.tenants_placed = self.tenants.len() as u64 - summary.tenants_pending;
+        summary
+    }
+
+    /// Per-node summaries, sorted by node name. `tenants_placed` counts tenants with a slice on
+    /// the node; `tenants_pending` is always 0 (pending tenants have no node).
+    pub fn node_summaries(&self) -> Vec<(NodeName, PoolSummary)> {
+        self.nodes
+            .iter()
+            .map(|(name, node)| {
+                let mut summary = PoolSummary {
+                    tenants_placed: node.tenants().len() as u64,
+                    ..PoolSummary::default()
+                };
+                Self::add_node_totals(node, &mut summary);
+                (name.clone(), summary)
+            })
+            .collect()
+    }
+
+    fn add_node_totals(node: &Node, summary: &mut PoolSummary) {
+        summary.gpus_total += node.spec.gpus.len() as u64;
+        for (gpu, usage) in node.spec.gpus.iter().zip(&node.usage) {
+            summary.compute_allocated_percent += u64::from(usage.compute_allocated_percent);
+            summary.memory_total_bytes += gpu.memory_bytes;
+            summary.memory_allocated_bytes += usage.memory_allocated_bytes;
+        }
+    }
+
+    // ---- events ----
+
+    fn add_node(&mut self, spec: NodeSpec, commands: &mut Vec<Command>) {
+        let name = spec.name.clone();
+        if let Some(existing) = self.nodes.get(&name) {
+            if existing.spec.gpus == spec.gpus {
+                // Same hardware: keep its tenants, take the new labels, schedulable again.
+                self.index_remove(&name);
+                let node = self.nodes.get_mut(&name).expect("checked above");
+                node.spec = spec;
+                node.state = NodeState::Ready;
+                self.index_insert(&name);
+                self.retry_pending(commands);
+                return;
+            }
+            let reason = format!("node {name} re-registered with a different GPU inventory");
+            self.forget_node(&name, &reason, commands);
+        }
+        let node = Node::new(spec);
+        assert_eq!(node.state, NodeState::Ready);
+        self.nodes.insert(name.clone(), node);
+        self.index_insert(&name);
+        self.retry_pending(commands);
+    }
+
+    fn remove_node(&mut self, name: &str, commands: &mut Vec<Command>) {
+        if !self.nodes.contains_key(name) {
+            return;
+        }
+        self.forget_node(name, &format!("node {name} was removed"), commands);
+        self.retry_pending(commands);
+    }
+
+    /// Unbinds and re-places the node's tenants, then drops the node.
+    fn forget_node(&mut self, name: &str, reason: &str, commands: &mut Vec<Command>) {
+        self.index_remove(name);
+        // Unschedulable while its tenants are re-placed, so none lands back on it.
+        self.nodes.get_mut(name).expect("known node").state = NodeState::Draining;
+        self.displace_tenants(name, reason, commands);
+        let node = self.nodes.remove(name).expect("known node");
+        assert!(node.usage.iter().all(|usage| usage.tenants.is_empty()));
+        assert!(!self.free_index.values().any(|bucket| bucket.contains(name)));
+    }
+
+    fn set_node_state(&mut self, name: &str, state: NodeState, commands: &mut Vec<Command>) {
+        let Some(node) = self.nodes.get(name) else {
+            return;
+        };
+        let state_before = node.state;
+        if state_before == state {
+            return;
+        }
+        self.index_remove(name);
+        self.nodes.get_mut(name).expect("checked above").state = state;
+        self.index_insert(name);
+        match (state_before, state) {
+            (_, NodeState::Ready) => self.retry_pending(commands),
+            (NodeState::Ready, _) => {
+                let reason = format!("node {name} is {state:?}");
+                self.displace_tenants(name, &reason, commands);
+                self.retry_pending(commands);
+            }
+            // Lost <-> Draining: it has no tenants (they left when it stopped being Ready).
+            _ => assert!(self.nodes[name].tenants().is_empty()),
+        }
+    }
+
+    /// `Unbound` every tenant of the node, then a `Bind` or `Pending` for each, in queue order.
+    fn displace_tenants(&mut self, name: &str, reason: &str, commands: &mut Vec<Command>) {
+        assert_ne!(self.nodes[name].state, NodeState::Ready);
+        let displaced = self.nodes[name].tenants();
+        for tenant in &displaced {
+            self.unbind(tenant, reason);
+            commands.push(Command::Unbound {
+                tenant: tenant.clone(),
+                reason: reason.to_string(),
+            });
+        }
+        let mut in_queue_order: Vec<QueueKey> = displaced
+            .iter()
+            .map(|tenant| QueueKey::of(tenant, &self.tenants[tenant]))
+            .collect();
+        in_queue_order.sort();
+        for key in in_queue_order {
+            // An earlier displaced tenant may have preempted... only placed tenants, so this one is
+            // still pending.
+            assert!(matches!(
+                self.tenants[&key.tenant].placement,
+                Placement::Pending { .. }
+            ));
+            match self.attempt(&key.tenant, false) {
+                Attempt::Bound(bound) => commands.extend(bound),
+                Attempt::Unfit(reason) => {
+                    self.set_pending_reason(&key.tenant, reason.clone());
+                    commands.push(Command::Pending {
+                        tenant: key.tenant,
+                        reason,
+                    });
+                }
+                Attempt::Rejected(_) => unreachable!("no reject check on re-placement"),
+            }
+        }
+    }
+
+    fn submit(
+        &mut self,
+        tenant: TenantName,
+        request: Request,
+        seq: u64,
+        commands: &mut Vec<Command>,
+    ) {
+        assert!(
+            !self.tenants.contains_key(&tenant),
+            "duplicate tenant {tenant}: the control plane checks first"
+        );
+        let need = match Need::of(&request) {
+            Ok(need) => need,
+            Err(reason) => {
+                commands.push(Command::Reject { tenant, reason });
+                return;
+            }
+        };
+        let record = TenantRecord {
+            request,
+            seq,
+            placement: Placement::Pending {
+                reason: String::new(),
+            },
+        };
+        self.queue.insert(QueueKey::of(&tenant, &record));
+        self.tenants.insert(tenant.clone(), record);
+        match self.attempt(&tenant, true) {
+            Attempt::Bound(bound) => commands.extend(bound),
+            Attempt::Rejected(reason) => {
+                let record = self.tenants.remove(&tenant).expect("inserted above");
+                assert!(self.queue.remove(&QueueKey::of(&tenant, &record)));
+                commands.push(Command::Reject { tenant, reason });
+                return;
+            }
+            Attempt::Unfit(reason) => {
+                self.set_pending_reason(&tenant, reason.clone());
+                commands.push(Command::Pending { tenant, reason });
+            }
+        }
+        // Counted after the decision: the model describes tenants kept (placed or pending).
+        self.workload.observe(need.shape());
+    }
+
+    fn release(&mut self, tenant: &str, commands: &mut Vec<Command>) {
+        let Some(record) = self.tenants.get(tenant) else {
+            commands.push(Command::Released {
+                tenant: tenant.to_string(),
+            });
+            return;
+        };
+        let was_placed = matches!(record.placement, Placement::Placed { .. });
+        if was_placed {
+            self.unbind(tenant, "released");
+        }
+        let record = self.tenants.remove(tenant).expect("checked above");
+        assert!(self.queue.remove(&QueueKey::of(tenant, &record)));
+        commands.push(Command::Released {
+            tenant: tenant.to_string(),
+        });
+        if was_placed {
+            self.retry_pending(commands);
+        }
+    }
+
+    /// Tries pending tenants in queue order, at most `retry_per_event_max`; a tenant that does
+    /// not fit does not block the ones behind it (backfill). Sends `Pending` only when a reason
+    /// changes.
+    fn retry_pending(&mut self, commands: &mut Vec<Command>) {
+        let batch: Vec<TenantName> = self
+            .queue
+            .iter()
+            .take(self.config.retry_per_event_max)
+            .map(|key| key.tenant.clone())
+            .collect();
+        for tenant in batch {
+            // Tenants preempted during this pass join the queue but are not in `batch`; tenants in
+            // `batch` stay pending until their own attempt (only placed tenants are evicted).
+            assert!(matches!(
+                self.tenants[&tenant].placement,
+                Placement::Pending { .. }
+            ));
+            match self.attempt(&tenant, false) {
+                Attempt::Bound(bound) => commands.extend(bound),
+                Attempt::Unfit(reason) => {
+                    if self.pending_reason(&tenant) != Some(reason.as_str()) {
+                        self.set_pending_reason(&tenant, reason.clone());
+                        commands.push(Command::Pending { tenant, reason });
+                    }
+                }
+                Attempt::Rejected(_) => unreachable!("no reject check on retry"),
+            }
+        }
+    }
+
+    /// Places a pending tenant if it fits now, else (guaranteed only) by preemption.
+    fn attempt(&mut self, tenant: &str, reject_check: bool) -> Attempt {
+        let request = self.tenants[tenant].request.clone();
+        let need = Need::of(&request).expect("validated at submit");
+        if let Some(found) = self.find(&request, need, None) {
+            self.scan_cursor = found.cursor_next;
+            self.bind(tenant, found.slices.clone());
+            return Attempt::Bound(vec![Command::Bind {
+                tenant: tenant.to_string(),
+                slices: found.slices,
+            }]);
+        }
+        if reject_check && let Some(reason) = self.never_fits_reason(&request, need) {
+            return Attempt::Rejected(reason);
+        }
+        if !request.preemptible
+            && let Some(commands) = self.try_preempt(tenant)
+        {
+            return Attempt::Bound(commands);
+        }
+        Attempt::Unfit(self.unfit_reason(&request, need))
+    }
+
+    fn set_pending_reason(&mut self, tenant: &str, reason: String) {
+        let record = self.tenants.get_mut(tenant).expect("known tenant");
+        assert!(matches!(record.placement, Placement::Pending { .. }));
+        record.placement = Placement::Pending { reason };
+    }
+
+    // ---- allocation ----
+
+    /// Gives `slices` to a pending tenant and takes it off the queue.
+    pub(crate) fn bind(&mut self, tenant: &str, slices: Vec<SliceAssignment>) {
+        assert!(!slices.is_empty());
+        let key = QueueKey::of(tenant, &self.tenants[tenant]);
+        assert!(self.queue.remove(&key), "only pending tenants are bound");
+        for slice in &slices {
+            self.index_remove(&slice.node);
+            let node = self
+                .nodes
+                .get_mut(&slice.node)
+                .expect("slices name known nodes");
+            assert_eq!(node.state, NodeState::Ready);
+            let position = node.position_of[&slice.gpu_index];
+            node.allocate(position, tenant, slice.compute_percent, slice.memory_bytes);
+            self.index_insert(&slice.node);
+        }
+        let record = self.tenants.get_mut(tenant).expect("known tenant");
+        record.placement = Placement::Placed { slices };
+        let counts = self
+            .placed_by_priority
+            .entry(record.request.priority)
+            .or_default();
+        if record.request.preemptible {
+            counts.1 += 1;
+        } else {
+            counts.0 += 1;
+        }
+    }
+
+    /// Frees a placed tenant's slices and queues it as pending with `reason`; returns the slices.
+    pub(crate) fn unbind(&mut self, tenant: &str, reason: &str) -> Vec<SliceAssignment> {
+        let record = self.tenants.get_mut(tenant).expect("known tenant");
+        let placement = std::mem::replace(
+            &mut record.placement,
+            Placement::Pending {
+                reason: reason.to_string(),
+            },
+        );
+        let Placement::Placed { slices } = placement else {
+            panic!("unbind of pending tenant {tenant}")
+        };
+        let key = QueueKey::of(tenant, record);
+        let counts = self
+            .placed_by_priority
+            .get_mut(&record.request.priority)
+            .expect("placed tenants are counted");
+        if record.request.preemptible {
+            assert!(counts.1 >= 1);
+            counts.1 -= 1;
+        } else {
+            assert!(counts.0 >= 1);
+            counts.0 -= 1;
+        }
+        if *counts == (0, 0) {
+            self.placed_by_priority.remove(&record.request.priority);
+        }
+        for slice in &slices {
+            self.index_remove(&slice.node);
+            let node = self
+                .nodes
+                .get_mut(&slice.node)
+                .expect("slices name known nodes");
+            let position = node.position_of[&slice.gpu_index];
+            node.free(position, tenant, slice.compute_percent, slice.memory_bytes);
+            self.index_insert(&slice.node);
+        }
+        assert!(self.queue.insert(key), "a placed tenant is not queued");
+        slices
+    }
+
+    fn index_remove(&mut self, name: &str) {
+        let node = &self.nodes[name];
+        if node.state != NodeState::Ready {
+            return;
+        }
+        let count = node.summary.fully_free_count();
+        let bucket = self
+            .free_index
+            .get_mut(&count)
+            .expect("Ready nodes are indexed");
+        assert!(bucket.remove(name));
+        if bucket.is_empty() {
+            self.free_index.remove(&count);
+        }
+    }
+
+    fn index_insert(&mut self, name: &str) {
+        let node = &self.nodes[name];
+        if node.state != NodeState::Ready {
+            return;
+        }
+        let inserted = self
+            .free_index
+            .entry(node.summary.fully_free_count())
+            .or_default()
+            .insert(name.to_string());
+        assert!(inserted);
+    }
+
+    /// Panics unless the bookkeeping is consistent: usage equals the sum of placed tenants'
+    /// slices, nothing is over-committed, gangs are whole, the queue holds exactly the pending
+    /// tenants, and the free index holds exactly the Ready nodes. O(pool): for tests and benches.
+    pub fn check_invariants(&self) {
+        let mut expected: BTreeMap<(&str, u32), GpuUsage> = BTreeMap::new();
+        for (tenant, record) in &self.tenants {
+            let key = QueueKey::of(tenant, record);
+            match &record.placement {
+                Placement::Pending { .. } => {
+                    assert!(self.queue.contains(&key), "{tenant} pending but not queued")
+                }
+                Placement::Placed { slices } => {
+                    assert!(!self.queue.contains(&key), "{tenant} placed and queued");
+                    let need = Need::of(&record.request).expect("kept tenants are valid");
+                    let (gpus, nodes) = match need {
+                        Need::Fraction { .. } => (1, 1),
+                        Need::Whole { gpus, nodes, .. } => (gpus, nodes),
+                    };
+                    assert_eq!(
+                        slices.len(),
+                        (gpus * nodes) as usize,
+                        "{tenant}: gang not whole"
+                    );
+                    let distinct_gpus: BTreeSet<(&str, u32)> = slices
+                        .iter()
+                        .map(|s| (s.node.as_str(), s.gpu_index))
+                        .collect();
+                    assert_eq!(distinct_gpus.len(), slices.len(), "{tenant}: a GPU twice");
+                    let distinct_nodes: BTreeSet<&str> =
+                        slices.iter().map(|s| s.node.as_str()).collect();
+                    assert_eq!(
+                        distinct_nodes.len(),
+                        nodes as usize,
+                        "{tenant}: gang nodes not distinct"
+                    );
+                    for slice in slices {
+                        let node = &self.nodes[&slice.node];
+                        assert_eq!(
+                            node.state,
+                            NodeState::Ready,
+                            "{tenant} placed on a node not Ready"
+                        );
+                        let usage = expected
+                            .entry((slice.node.as_str(), slice.gpu_index))
+                            .or_default();
+                        usage.compute_allocated_percent += slice.compute_percent;
+                        usage.memory_allocated_bytes += slice.memory_bytes;
+                        usage.tenants.push(tenant.clone());
+                    }
+                }
+            }
+        }
+        let mut placed_by_priority: BTreeMap<i32, (u64, u64)> = BTreeMap::new();
+        for record in self.tenants.values() {
+            if matches!(record.placement, Placement::Placed { .. }) {
+                let counts = placed_by_priority
+                    .entry(record.request.priority)
+                    .or_default();
+                if record.request.preemptible {
+                    counts.1 += 1;
+                } else {
+                    counts.0 += 1;
+                }
+            }
+        }
+        assert_eq!(
+            placed_by_priority, self.placed_by_priority,
+            "placed_by_priority is stale"
+        );
+        assert_eq!(
+            self.queue.len(),
+            self.tenants
+                .values()
+                .filter(|r| matches!(r.placement, Placement::Pending { .. }))
+                .count()
+        );
+        let mut indexed = 0usize;
+        for (name, node) in &self.nodes {
+            assert_eq!(name, &node.spec.name);
+            for (gpu, usage) in node.spec.gpus.iter().zip(&node.usage) {
+                assert!(
+                    usage.compute_allocated_percent <= 100,
+                    "{name} GPU {}: compute over-committed",
+                    gpu.index
+                );
+                assert!(
+                    usage.memory_allocated_bytes <= gpu.memory_bytes,
+                    "{name} GPU {}: memory over-committed",
+                    gpu.index
+                );
+                let want = expected
+                    .remove(&(name.as_str(), gpu.index))
+                    .unwrap_or_default();
+                assert_eq!(
+                    usage, &want,
+                    "{name} GPU {}: usage differs from the tenants' slices",
+                    gpu.index
+                );
+            }
+            let mut refreshed = node.clone();
+            refreshed.topology = crate::topology::Topology::new(&node.spec);
+            refreshed.refresh_summary();
+            assert_eq!(
+                &refreshed, node,
+                "{name}: derived topology or summary is stale"
+            );
+            if node.state == NodeState::Ready {
+                indexed += 1;
+                assert!(self.free_index[&node.summary.fully_free_count()].contains(name));
+            }
+        }
+        assert!(expected.is_empty(), "slices on unknown GPUs: {expected:?}");
+        assert_eq!(
+            indexed,
+            self.free_index.values().map(BTreeSet::len).sum::<usize>()
+        );
+    }
+}

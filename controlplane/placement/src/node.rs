@@ -1,0 +1,181 @@
+//! One node's allocation state: its spec, schedulability, per-GPU usage, derived topology, and
+//! the summary the search reads to skip infeasible nodes without looking at their GPUs.
+
+use crate::engine::GpuUsage;
+use crate::topology::{Topology, bit};
+use crate::types::{NodeSpec, NodeState, TenantName};
+use crate::workload::GpuFree;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Most slices one GPU can hold: every slice takes at least 1% compute.
+pub(crate) const SLICES_PER_GPU_MAX: usize = 100;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Node {
+    pub spec: NodeSpec,
+    pub state: NodeState,
+    /// Same order as `spec.gpus`.
+    pub usage: Vec<GpuUsage>,
+    pub topology: Topology,
+    /// GPU index -> position in `spec.gpus`.
+    pub position_of: BTreeMap<u32, usize>,
+    pub summary: NodeSummary,
+}
+
+/// Kept up to date on every allocation change (O(GPUs per node)).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct NodeSummary {
+    /// GPUs with nothing allocated, as a bitmask over positions.
+    pub fully_free_mask: u64,
+    pub compute_free_sum_percent: u64,
+    /// Over all GPUs; compute and memory may be on different GPUs (a filter, not a fit).
+    pub compute_free_max_percent: u32,
+    pub memory_free_max_bytes: u64,
+    /// Smallest GPU memory on the node: lower bound of a proportional fraction's memory.
+    pub memory_gpu_min_bytes: u64,
+}
+
+impl NodeSummary {
+    pub(crate) fn fully_free_count(&self) -> u32 {
+        self.fully_free_mask.count_ones()
+    }
+}
+
+impl Node {
+    pub(crate) fn new(spec: NodeSpec) -> Node {
+        let topology = Topology::new(&spec);
+        let position_of = spec
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(position, gpu)| (gpu.index, position))
+            .collect();
+        let usage = vec![GpuUsage::default(); spec.gpus.len()];
+        let mut node = Node {
+            spec,
+            state: NodeState::Ready,
+            usage,
+            topology,
+            position_of,
+            summary: NodeSummary::default(),
+        };
+        node.refresh_summary();
+        assert_eq!(
+            node.summary.fully_free_count() as usize,
+            node.spec.gpus.len()
+        );
+        node
+    }
+
+    pub(crate) fn gpu_free(&self, position: usize) -> GpuFree {
+        let usage = &self.usage[position];
+        let memory_total_bytes = self.spec.gpus[position].memory_bytes;
+        assert!(
+            usage.compute_allocated_percent <= 100
+                && usage.memory_allocated_bytes <= memory_total_bytes
+        );
+        GpuFree {
+            compute_free_percent: 100 - usage.compute_allocated_percent,
+            memory_free_bytes: memory_total_bytes - usage.memory_allocated_bytes,
+            memory_total_bytes,
+        }
+    }
+
+    pub(crate) fn is_fully_free(&self, position: usize) -> bool {
+        self.usage[position].tenants.is_empty()
+    }
+
+    /// Distinct tenants holding a slice here, sorted.
+    pub(crate) fn tenants(&self) -> Vec<TenantName> {
+        let mut tenants: Vec<TenantName> = self
+            .usage
+            .iter()
+            .flat_map(|usage| usage.tenants.iter().cloned())
+            .collect();
+        tenants.sort();
+        tenants.dedup();
+        tenants
+    }
+
+    pub(crate) fn allocate(
+        &mut self,
+        position: usize,
+        tenant: &str,
+        compute_percent: u32,
+        memory_bytes: u64,
+    ) {
+        let memory_total_bytes = self.spec.gpus[position].memory_bytes;
+        let usage = &mut self.usage[position];
+        assert!(compute_percent >= 1, "every slice takes compute");
+        assert!(
+            usage.compute_allocated_percent + compute_percent <= 100,
+            "compute over-committed"
+        );
+        assert!(
+            usage.memory_allocated_bytes + memory_bytes <= memory_total_bytes,
+            "memory over-committed"
+        );
+        assert!(usage.tenants.len() < SLICES_PER_GPU_MAX);
+        let at = usage
+            .tenants
+            .binary_search_by(|known| known.as_str().cmp(tenant))
+            .expect_err("one slice per GPU per tenant");
+        usage.tenants.insert(at, tenant.to_string());
+        usage.compute_allocated_percent += compute_percent;
+        usage.memory_allocated_bytes += memory_bytes;
+        self.refresh_summary();
+    }
+
+    pub(crate) fn free(
+        &mut self,
+        position: usize,
+        tenant: &str,
+        compute_percent: u32,
+        memory_bytes: u64,
+    ) {
+        let usage = &mut self.usage[position];
+        let at = usage
+            .tenants
+            .binary_search_by(|known| known.as_str().cmp(tenant))
+            .expect("tenant holds this GPU");
+        usage.tenants.remove(at);
+        assert!(
+            usage.compute_allocated_percent >= compute_percent
+                && usage.memory_allocated_bytes >= memory_bytes
+        );
+        usage.compute_allocated_percent -= compute_percent;
+        usage.memory_allocated_bytes -= memory_bytes;
+        assert_eq!(
+            usage.tenants.is_empty(),
+            usage.compute_allocated_percent == 0
+        );
+        self.refresh_summary();
+    }
+
+    pub(crate) fn refresh_summary(&mut self) {
+        let mut summary = NodeSummary {
+            memory_gpu_min_bytes: u64::MAX,
+            ..NodeSummary::default()
+        };
+        for position in 0..self.usage.len() {
+            let free = self.gpu_free(position);
+            if self.is_fully_free(position) {
+                summary.fully_free_mask |= bit(position);
+            }
+            summary.compute_free_sum_percent += u64::from(free.compute_free_percent);
+            summary.compute_free_max_percent = summary
+                .compute_free_max_percent
+                .max(free.compute_free_percent);
+            summary.memory_free_max_bytes =
+                summary.memory_free_max_bytes.max(free.memory_free_bytes);
+            summary.memory_gpu_min_bytes =
+                summary.memory_gpu_min_bytes.min(free.memory_total_bytes);
+        }
+        if self.usage.is_empty() {
+            summary.memory_gpu_min_bytes = 0;
+        }
+        assert!(summary.compute_free_sum_percent <= 100 * self.usage.len() as u64);
+        self.summary = summary;
+    }
+}

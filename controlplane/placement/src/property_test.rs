@@ -1,0 +1,257 @@
+//! Property tests: random pools and random event sequences, checked after every event against
+//! the engine's own invariants and against a model rebuilt from the command stream alone.
+
+use crate::testing::*;
+use crate::*;
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+const NODE_NAMES: [&str; 5] = ["n0", "n1", "n2", "n3", "n4"];
+const TENANTS_MAX: usize = 40;
+
+fn node_strategy(name: &'static str) -> impl Strategy<Value = NodeSpec> {
+    (
+        1u32..=8,
+        prop::sample::select(vec![16u64, 40, 80]),
+        0u8..3,
+        prop::bool::ANY,
+    )
+        .prop_map(move |(gpus, memory_gib, interconnect, zone_a)| {
+            let interconnect = [
+                Interconnect::All,
+                Interconnect::None,
+                Interconnect::Islands4,
+            ][interconnect as usize];
+            with_labels(
+                node_spec(name, gpus, memory_gib * GIB, interconnect),
+                &[("zone", if zone_a { "a" } else { "b" })],
+            )
+        })
+}
+
+fn request_strategy() -> impl Strategy<Value = Request> {
+    let gpus = prop_oneof![
+        prop::sample::select(vec![100u32, 250, 300, 500, 750, 999]).prop_map(GpuCount::Milli),
+        (1u32..=4).prop_map(GpuCount::Whole),
+    ];
+    (
+        gpus,
+        1u32..=3,
+        prop::option::weighted(0.2, prop::sample::select(vec![8u64, 20, 60])),
+        prop::option::weighted(0.2, 1u32..=100),
+        0i32..4,
+        prop::bool::weighted(0.3),
+        prop::sample::select(vec![
+            NvlinkPolicy::Prefer,
+            NvlinkPolicy::Require,
+            NvlinkPolicy::Ignore,
+        ]),
+        prop::bool::weighted(0.2),
+    )
+        .prop_map(
+            |(gpus, nodes, memory_gib, compute_percent, priority, preemptible, nvlink, zone)| {
+                Request {
+                    gpus,
+                    nodes: if matches!(gpus, GpuCount::Whole(_)) {
+                        nodes
+                    } else {
+                        1
+                    },
+                    memory_bytes_per_gpu: memory_gib.map(|gib| gib * GIB),
+                    compute_percent,
+                    burst: false,
+                    priority,
+                    preemptible,
+                    nvlink,
+                    node_selector: if zone {
+                        [("zone".to_string(), "a".to_string())].into()
+                    } else {
+                        BTreeMap::new()
+                    },
+                }
+            },
+        )
+}
+
+/// Events without tenant names; names are assigned in order so Submits never repeat one.
+#[derive(Clone, Debug)]
+enum Step {
+    Submit(Request),
+    Release(usize),
+    Retry,
+    State(usize, NodeState),
+    Readd(NodeSpec),
+    Remove(usize),
+}
+
+fn step_strategy() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        6 => request_strategy().prop_map(Step::Submit),
+        3 => (0..TENANTS_MAX).prop_map(Step::Release),
+        1 => Just(Step::Retry),
+        1 => (0..NODE_NAMES.len(), prop::sample::select(vec![NodeState::Ready, NodeState::Lost, NodeState::Draining]))
+            .prop_map(|(node, state)| Step::State(node, state)),
+        1 => (0..NODE_NAMES.len()).prop_flat_map(|node| node_strategy(NODE_NAMES[node]).prop_map(Step::Readd)),
+        1 => (0..NODE_NAMES.len()).prop_map(Step::Remove),
+    ]
+}
+
+fn events(pool: Vec<NodeSpec>, steps: Vec<Step>) -> Vec<Event> {
+    let mut events: Vec<Event> = pool.into_iter().map(Event::AddNode).collect();
+    let mut submitted = 0usize;
+    for step in steps {
+        events.push(match step {
+            Step::Submit(request) => {
+                submitted += 1;
+                submit(&format!("t{submitted}"), request, submitted as u64)
+            }
+            Step::Release(tenant) => Event::Release {
+                tenant: format!("t{tenant}"),
+            },
+            Step::Retry => Event::Retry,
+            Step::State(node, state) => Event::SetNodeState {
+                node: NODE_NAMES[node].to_string(),
+                state,
+            },
+            Step::Readd(spec) => Event::AddNode(spec),
+            Step::Remove(node) => Event::RemoveNode(NODE_NAMES[node].to_string()),
+        });
+    }
+    events
+}
+
+fn pool_strategy() -> impl Strategy<Value = Vec<NodeSpec>> {
+    (1usize..=NODE_NAMES.len()).prop_flat_map(|count| {
+        NODE_NAMES[..count]
+            .iter()
+            .map(|&name| node_strategy(name))
+            .collect::<Vec<_>>()
+    })
+}
+
+/// What the command stream alone says: tenants' requests and current slices.
+#[derive(Default)]
+struct Model {
+    requests: BTreeMap<TenantName, Request>,
+    placed: BTreeMap<TenantName, Vec<SliceAssignment>>,
+}
+
+impl Model {
+    fn apply(&mut self, event: &Event, commands: &[Command]) {
+        if let Event::Submit {
+            tenant, request, ..
+        } = event
+        {
+            let own: Vec<&Command> = commands
+                .iter()
+                .filter(|command| command_tenant(command) == tenant)
+                .collect();
+            assert_eq!(own.len(), 1, "{tenant}: {commands:?}");
+            assert!(matches!(
+                own[0],
+                Command::Bind { .. } | Command::Pending { .. } | Command::Reject { .. }
+            ));
+            assert!(
+                commands
+                    .iter()
+                    .all(|command| command_tenant(command) == tenant
+                        || matches!(command, Command::Preempted { .. }))
+            );
+            if !matches!(own[0], Command::Reject { .. }) {
+                self.requests.insert(tenant.clone(), request.clone());
+            }
+        }
+        for command in commands {
+            match command {
+                Command::Bind { tenant, slices } => {
+                    let request = &self.requests[tenant];
+                    let (gpus, nodes) = match request.gpus {
+                        GpuCount::Whole(gpus) => (gpus, request.nodes),
+                        GpuCount::Milli(_) => (1, 1),
+                    };
+                    assert_eq!(slices.len(), (gpus * nodes) as usize);
+                    let distinct: BTreeSet<(&str, u32)> = slices
+                        .iter()
+                        .map(|s| (s.node.as_str(), s.gpu_index))
+                        .collect();
+                    assert_eq!(distinct.len(), slices.len());
+                    let nodes_used: BTreeSet<&str> =
+                        slices.iter().map(|s| s.node.as_str()).collect();
+                    assert_eq!(nodes_used.len(), nodes as usize);
+                    assert!(slices.iter().all(|s| s.guaranteed != request.preemptible));
+                    assert!(
+                        self.placed.insert(tenant.clone(), slices.clone()).is_none(),
+                        "{tenant} bound twice"
+                    );
+                }
+                Command::Preempted { tenant, by, .. } => {
+                    let victim = &self.requests[tenant];
+                    let preemptor = &self.requests[by];
+                    assert!(!preemptor.preemptible);
+                    assert!(
+                        victim.priority < preemptor.priority
+                            || (victim.preemptible && victim.priority <= preemptor.priority),
+                        "{by} {preemptor:?} preempted {tenant} {victim:?}"
+                    );
+                    assert!(self.placed.remove(tenant).is_some());
+                }
+                Command::Unbound { tenant, .. } => assert!(self.placed.remove(tenant).is_some()),
+                Command::Released { tenant } => {
+                    self.placed.remove(tenant);
+                    self.requests.remove(tenant);
+                }
+                Command::Pending { tenant, .. } => assert!(!self.placed.contains_key(tenant)),
+                Command::Reject { .. } => {}
+            }
+        }
+    }
+}
+
+fn command_tenant(command: &Command) -> &str {
+    match command {
+        Command::Bind { tenant, .. }
+        | Command::Pending { tenant, .. }
+        | Command::Preempted { tenant, .. }
+        | Command::Unbound { tenant, .. }
+        | Command::Reject { tenant, .. }
+        | Command::Released { tenant } => tenant,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_event_sequences_keep_every_invariant(
+        pool in pool_strategy(),
+        steps in prop::collection::vec(step_strategy(), 1..60),
+        snapshot_at in 0usize..70,
+        best_fit in prop::bool::ANY,
+        nodes_scored_max in 1usize..4,
+    ) {
+        let scorer = if best_fit { Scorer::BestFit } else { Scorer::Fragmentation };
+        let config = EngineConfig { scorer, retry_per_event_max: 8, nodes_scored_max };
+        let mut engine = Engine::new(config.clone());
+        let mut twin = Engine::new(config);
+        let mut restored: Option<Engine> = None;
+        let mut model = Model::default();
+        for (at, event) in events(pool, steps).into_iter().enumerate() {
+            if at == snapshot_at {
+                restored = Some(serde_json::from_str(&serde_json::to_string(&engine).unwrap()).unwrap());
+            }
+            let commands = engine.handle(event.clone());
+            engine.check_invariants();
+            prop_assert_eq!(&twin.handle(event.clone()), &commands);
+            if let Some(restored) = restored.as_mut() {
+                prop_assert_eq!(&restored.handle(event.clone()), &commands);
+            }
+            model.apply(&event, &commands);
+            for (tenant, slices) in &model.placed {
+                prop_assert_eq!(engine.slices(tenant), Some(slices.as_slice()));
+            }
+            let summary = engine.summary();
+            prop_assert_eq!(summary.tenants_placed, model.placed.len() as u64);
+            prop_assert_eq!(summary.tenants_placed + summary.tenants_pending, model.requests.len() as u64);
+        }
+    }
+}

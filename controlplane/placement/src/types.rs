@@ -1,0 +1,175 @@
+//! The data the placement engine reasons about: node and GPU inventories, requests, and the
+//! commands it emits. Plain data, serde-serialisable, ordered maps only (iteration order reaches
+//! the output, and the output must be the same on every replica).
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+pub type NodeName = String;
+pub type TenantName = String;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuSpec {
+    pub uuid: String,
+    /// Index on its node, 0-based, unique per node.
+    pub index: u32,
+    pub model: String,
+    pub memory_bytes: u64,
+    pub sm_count: u32,
+    /// Peer GPU index on the same node -> number of NVLinks. Symmetric in well-formed input.
+    pub nvlink_peers: BTreeMap<u32, u32>,
+    /// -1 when unknown.
+    pub numa_node: i32,
+    pub pci_bus_id: String,
+    pub nearest_nics: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSpec {
+    pub name: NodeName,
+    pub labels: BTreeMap<String, String>,
+    pub gpus: Vec<GpuSpec>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum NodeState {
+    Ready,
+    /// Missed heartbeats: unschedulable, its tenants are re-placed.
+    Lost,
+    /// Cordoned by an operator: unschedulable, its tenants are re-placed.
+    Draining,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GpuCount {
+    /// Whole GPUs per node (>= 1).
+    Whole(u32),
+    /// A fraction of one GPU, in thousandths (1..=999).
+    Milli(u32),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum NvlinkPolicy {
+    /// Prefer NVLink-connected GPU sets for multi-GPU gangs.
+    #[default]
+    Prefer,
+    /// Every pair of the gang's GPUs on a node must share at least one NVLink.
+    Require,
+    /// Ignore NVLink when choosing GPUs.
+    Ignore,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub gpus: GpuCount,
+    /// Nodes of a multi-node gang (>= 1); `gpus` is then per node. Always 1 for fractions.
+    pub nodes: u32,
+    /// Memory per GPU. `None`: the whole GPU (whole requests) or the fraction of the GPU's memory.
+    pub memory_bytes_per_gpu: Option<u64>,
+    /// Guaranteed compute per GPU in percent. `None`: 100 (whole) or the fraction.
+    pub compute_percent: Option<u32>,
+    pub burst: bool,
+    pub priority: i32,
+    pub preemptible: bool,
+    pub nvlink: NvlinkPolicy,
+    /// Only nodes whose labels contain all of these pairs.
+    pub node_selector: BTreeMap<String, String>,
+}
+
+/// One GPU (or part of one) given to a tenant.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SliceAssignment {
+    pub node: NodeName,
+    pub gpu_uuid: String,
+    pub gpu_index: u32,
+    pub compute_percent: u32,
+    pub memory_bytes: u64,
+    /// False for preemptible tenants.
+    pub guaranteed: bool,
+    pub burst: bool,
+}
+
+/// Everything that changes the engine's state. Applied in log order on every replica.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Event {
+    /// A node registers. A node already known with the same GPUs only becomes Ready again (its
+    /// tenants stay); a node with a changed inventory has its tenants re-placed first.
+    AddNode(NodeSpec),
+    /// Forget a node; its tenants are re-placed.
+    RemoveNode(NodeName),
+    SetNodeState {
+        node: NodeName,
+        state: NodeState,
+    },
+    /// A new tenant. `seq` orders tenants of equal priority in the pending queue (older first);
+    /// the caller passes a strictly increasing number such as the log index.
+    Submit {
+        tenant: TenantName,
+        request: Request,
+        seq: u64,
+    },
+    /// Remove a tenant (placed or pending) and free its slices.
+    Release {
+        tenant: TenantName,
+    },
+    /// Try the pending queue again (the leader sends it periodically).
+    Retry,
+}
+
+/// What the engine decided. The caller updates its tenant records (state, reason, history) from
+/// these; the engine has already updated its own allocation state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    /// The tenant now holds these slices (a new placement or a re-placement).
+    Bind {
+        tenant: TenantName,
+        slices: Vec<SliceAssignment>,
+    },
+    /// The tenant waits in the pending queue; `reason` says, for a person, why it does not fit.
+    Pending { tenant: TenantName, reason: String },
+    /// The tenant lost its slices to `by` and waits in the pending queue.
+    Preempted {
+        tenant: TenantName,
+        by: TenantName,
+        reason: String,
+    },
+    /// The tenant lost its slices because its node is lost, drained or removed; it is pending
+    /// again (a `Bind` or `Pending` for it follows in the same batch).
+    Unbound { tenant: TenantName, reason: String },
+    /// The request can never fit this pool as it is built (regardless of what runs on it); the
+    /// tenant is not kept.
+    Reject { tenant: TenantName, reason: String },
+    /// The release of this tenant is done (also emitted for a tenant the engine did not know).
+    Released { tenant: TenantName },
+}
+
+/// How the engine scores candidate GPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Scorer {
+    /// Fragmentation-gradient-descent style: pick the placement that adds the least expected
+    /// fragmentation for the observed workload mix (FGD, USENIX ATC'23).
+    #[default]
+    Fragmentation,
+    /// Classic best fit: the GPU (node) left with the least free capacity. The baseline.
+    BestFit,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    pub scorer: Scorer,
+    /// Most pending tenants tried per event (bounds the work of one log entry's apply).
+    pub retry_per_event_max: usize,
+    /// Most feasible nodes scored per decision (the rest are skipped, as kube-scheduler's
+    /// percentageOfNodesToScore does); the scan start rotates deterministically.
+    pub nodes_scored_max: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            scorer: Scorer::Fragmentation,
+            retry_per_event_max: 64,
+            nodes_scored_max: 256,
+        }
+    }
+}

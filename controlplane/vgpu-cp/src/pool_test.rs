@@ -1,0 +1,231 @@
+//! Tests of the replicated state machine's application logic (with the real placement engine).
+
+use super::*;
+
+fn gpu(node: &str, index: u32) -> placement::GpuSpec {
+    placement::GpuSpec {
+        uuid: format!("GPU-{node}-{index}"),
+        index,
+        model: "H100-80GB".to_owned(),
+        memory_bytes: 80 << 30,
+        sm_count: 132,
+        nvlink_peers: (0..4).filter(|&p| p != index).map(|p| (p, 18)).collect(),
+        numa_node: 0,
+        pci_bus_id: format!("0000:{index:02x}:00.0"),
+        nearest_nics: Vec::new(),
+    }
+}
+
+fn node(name: &str) -> NodeSpec {
+    NodeSpec {
+        name: name.to_owned(),
+        labels: BTreeMap::new(),
+        gpus: (0..4).map(|i| gpu(name, i)).collect(),
+    }
+}
+
+fn register(state: &mut PoolState, index: u64, name: &str) {
+    let result = state.apply(
+        index,
+        Command::RegisterNode {
+            spec: node(name),
+            address: String::new(),
+            unix_ms: 0,
+        },
+    );
+    assert_eq!(result, CommandResult::Done);
+}
+
+fn place(
+    state: &mut PoolState,
+    index: u64,
+    name: &str,
+    request: v1::PlacementRequest,
+) -> CommandResult {
+    state.apply(
+        index,
+        Command::Place {
+            name: name.to_owned(),
+            request: request.encode_to_vec(),
+            unix_ms: index as i64,
+        },
+    )
+}
+
+fn fraction(milli: u32, memory_gib: u64) -> v1::PlacementRequest {
+    v1::PlacementRequest {
+        milli_gpus: milli,
+        memory_bytes_per_gpu: memory_gib << 30,
+        ..Default::default()
+    }
+}
+
+fn whole(count: u32) -> v1::PlacementRequest {
+    v1::PlacementRequest {
+        whole_gpus: count,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_fraction_is_placed_and_shows_in_the_node_assignments() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    let CommandResult::Tenant(tenant) = place(&mut state, 2, "infer-a", fraction(250, 20)) else {
+        panic!("expected a tenant");
+    };
+    assert_eq!(tenant.state, TenantState::Placed);
+    assert_eq!(tenant.slices.len(), 1);
+    assert_eq!(tenant.slices[0].compute_percent, 25);
+    assert_eq!(tenant.slices[0].memory_bytes, 20 << 30);
+    assert_eq!(state.node_revisions["node-a"], 2);
+    let (revision, assignments) = state.assignments("node-a");
+    assert_eq!(revision, 2);
+    assert_eq!(assignments.len(), 1);
+    assert_eq!(assignments[0].tenant, "infer-a");
+    assert_eq!(state.counters.placements, 1);
+}
+
+#[test]
+fn an_impossible_request_is_refused_and_leaves_no_tenant() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    let result = place(&mut state, 2, "huge", whole(16));
+    let CommandResult::Failed { code, message } = result else {
+        panic!("expected a refusal")
+    };
+    assert_eq!(code, ErrorCode::Unplaceable);
+    assert!(!message.is_empty());
+    assert!(state.tenants.is_empty());
+    assert_eq!(state.node_revisions["node-a"], 1, "no assignment changed");
+}
+
+#[test]
+fn placing_again_is_idempotent_but_a_different_request_conflicts() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    let first = place(&mut state, 2, "infer-a", fraction(250, 20));
+    let again = place(&mut state, 3, "infer-a", fraction(250, 20));
+    assert_eq!(first, again);
+    let CommandResult::Failed { code, .. } = place(&mut state, 4, "infer-a", fraction(500, 20))
+    else {
+        panic!("expected a conflict");
+    };
+    assert_eq!(code, ErrorCode::TenantExists);
+    assert_eq!(state.tenants.len(), 1);
+}
+
+#[test]
+fn bad_input_that_slipped_past_the_api_is_refused_in_apply() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    for (name, request) in [
+        ("Bad Name", fraction(250, 1)),
+        ("ok", whole(0)),
+        (
+            "ok",
+            v1::PlacementRequest {
+                compute_percent: 250,
+                ..whole(1)
+            },
+        ),
+    ] {
+        let CommandResult::Failed { code, .. } = place(&mut state, 2, name, request) else {
+            panic!("expected a refusal")
+        };
+        assert_eq!(code, ErrorCode::InvalidArgument);
+    }
+    let garbage = state.apply(
+        3,
+        Command::Place {
+            name: "x".into(),
+            request: vec![0xff, 0xff],
+            unix_ms: 0,
+        },
+    );
+    assert!(matches!(
+        garbage,
+        CommandResult::Failed {
+            code: ErrorCode::InvalidArgument,
+            ..
+        }
+    ));
+    let release = state.apply(
+        4,
+        Command::Release {
+            name: "nobody".into(),
+            unix_ms: 0,
+        },
+    );
+    assert!(matches!(
+        release,
+        CommandResult::Failed {
+            code: ErrorCode::TenantNotFound,
+            ..
+        }
+    ));
+    assert!(state.tenants.is_empty());
+}
+
+#[test]
+fn a_lost_node_has_its_tenants_replaced_with_history() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    place(&mut state, 2, "train", whole(4));
+    register(&mut state, 3, "node-b");
+    assert_eq!(state.tenants["train"].slices[0].node, "node-a");
+    let lost = Command::SetNodeState {
+        node: "node-a".into(),
+        state: placement::NodeState::Lost,
+        reason: "silent".into(),
+        unix_ms: 4,
+    };
+    assert_eq!(state.apply(4, lost), CommandResult::Done);
+    let tenant = &state.tenants["train"];
+    assert_eq!(tenant.state, TenantState::Placed);
+    assert!(tenant.slices.iter().all(|s| s.node == "node-b"));
+    assert!(
+        tenant.history.iter().any(|e| e.message.contains("unbound")),
+        "{:?}",
+        tenant.history
+    );
+    assert_eq!(state.node_revisions["node-a"], 4);
+    assert_eq!(state.node_revisions["node-b"], 4);
+    assert!(state.assignments("node-a").1.is_empty());
+}
+
+#[test]
+fn release_frees_capacity_for_the_pending_queue() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    place(&mut state, 2, "first", whole(4));
+    let CommandResult::Tenant(second) = place(&mut state, 3, "second", whole(2)) else {
+        panic!("kept")
+    };
+    assert_eq!(second.state, TenantState::Pending);
+    assert!(!second.reason.is_empty());
+    assert_eq!(
+        state.apply(
+            4,
+            Command::Release {
+                name: "first".into(),
+                unix_ms: 4
+            }
+        ),
+        CommandResult::Done
+    );
+    assert_eq!(state.tenants["second"].state, TenantState::Placed);
+    assert!(!state.tenants.contains_key("first"));
+}
+
+#[test]
+fn the_state_survives_a_serialization_round_trip() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    place(&mut state, 2, "a", fraction(300, 10));
+    let bytes = crate::raft_types::encode(&state).expect("encode");
+    let mut restored: PoolState = crate::raft_types::decode(&bytes).expect("decode");
+    let left = place(&mut state, 3, "b", fraction(300, 10));
+    let right = place(&mut restored, 3, "b", fraction(300, 10));
+    assert_eq!(left, right, "a restored state decides like the original");
+}

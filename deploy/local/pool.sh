@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Starts a local vgpu pool on this machine: one control-plane member and one node agent with
+# simulated GPUs (8 x H100 80GB, all NVLink-connected). Ctrl-C stops both.
+#
+#   ./deploy/local/pool.sh                 # build (release) and start
+#   VGPU_SIMULATE=path/to/topology.toml ./deploy/local/pool.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+port="${VGPU_PORT:-7401}"
+state="${VGPU_LOCAL_DIR:-$PWD/.vgpu-local}"
+simulate="${VGPU_SIMULATE:-8xH100-80GB}"
+
+echo "building vgpu (release)..." >&2
+cargo build --release --quiet --bins -p vgpu-cp -p vgpu-agent -p vgpuctl
+bin="$PWD/target/release"
+mkdir -p "$state"
+
+"$bin/vgpu-cp" bootstrap --id 1 --listen "127.0.0.1:$port" --data-dir "$state/cp1" 2>"$state/cp1.log" &
+cp_pid=$!
+trap 'kill $cp_pid ${agent_pid:-} 2>/dev/null; wait 2>/dev/null' EXIT INT TERM
+
+for _ in $(seq 100); do
+  "$bin/vgpuctl" --endpoints "127.0.0.1:$port" cluster status >/dev/null 2>&1 && break
+  sleep 0.1
+done
+"$bin/vgpu-agent" join --control-plane "127.0.0.1:$port" --name node-a --simulate "$simulate" \
+  --state-dir "$state/agent-node-a" 2>"$state/agent.log" &
+agent_pid=$!
+
+for _ in $(seq 100); do
+  "$bin/vgpuctl" --endpoints "127.0.0.1:$port" get nodes 2>/dev/null | grep -q node-a && break
+  sleep 0.1
+done
+"$bin/vgpuctl" --endpoints "127.0.0.1:$port" get nodes
+
+cat <<TXT
+
+vgpu pool running: control plane at 127.0.0.1:$port, node-a with simulated GPUs ($simulate).
+Logs and data: $state
+
+Try:
+  export PATH="$bin:\$PATH" VGPU_ENDPOINTS=127.0.0.1:$port
+  vgpuctl place infer-a --gpus 0.25 --memory 20GiB
+  vgpuctl place train-b --gpus 4 --nvlink
+  vgpuctl get tenants
+  vgpuctl describe node node-a
+  curl -s http://127.0.0.1:$port/metrics | grep vgpu_pool
+
+Ctrl-C stops the pool (its state stays in $state; run again to restart from it).
+TXT
+wait
