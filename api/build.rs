@@ -5,8 +5,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
     let mut config = tonic_prost_build::Config::new();
     config.protoc_executable(protoc);
-    tonic_prost_build::configure()
-        .compile_with_config(config, &["proto/vgpu/v1/vgpu.proto"], &["proto"])?;
+    tonic_prost_build::configure().compile_with_config(
+        config,
+        &["proto/vgpu/v1/vgpu.proto"],
+        &["proto"],
+    )?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

@@ -62,7 +62,9 @@ impl ErrorCode {
         let message = status.message();
         let rest = message.strip_prefix('[')?;
         let code = &rest[..rest.find(']')?];
-        ALL.iter().copied().find(|candidate| candidate.as_str() == code)
+        ALL.iter()
+            .copied()
+            .find(|candidate| candidate.as_str() == code)
     }
 }
 

@@ -9,11 +9,19 @@ pub enum NameError {
     #[error("the {what} name is empty; give a name such as `infer-a`")]
     Empty { what: &'static str },
     #[error("the {what} name `{name}` is {length} characters long; the limit is {NAME_LENGTH_MAX}")]
-    TooLong { what: &'static str, name: String, length: usize },
+    TooLong {
+        what: &'static str,
+        name: String,
+        length: usize,
+    },
     #[error(
         "the {what} name `{name}` has the character {character:?}; use lowercase letters, digits, `-` and `.`, starting and ending with a letter or digit"
     )]
-    BadCharacter { what: &'static str, name: String, character: char },
+    BadCharacter {
+        what: &'static str,
+        name: String,
+        character: char,
+    },
 }
 
 /// Checks a tenant or node name. `what` is "tenant" or "node", for the message.
@@ -23,20 +31,36 @@ pub fn validate(what: &'static str, name: &str) -> Result<(), NameError> {
     }
     let length = name.chars().count();
     if length > NAME_LENGTH_MAX {
-        return Err(NameError::TooLong { what, name: name.to_owned(), length });
+        return Err(NameError::TooLong {
+            what,
+            name: name.to_owned(),
+            length,
+        });
     }
     let allowed = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.';
     let alnum = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit();
     if let Some(character) = name.chars().find(|&c| !allowed(c)) {
-        return Err(NameError::BadCharacter { what, name: name.to_owned(), character });
+        return Err(NameError::BadCharacter {
+            what,
+            name: name.to_owned(),
+            character,
+        });
     }
     let first = name.chars().next().expect("checked non-empty");
     let last = name.chars().last().expect("checked non-empty");
     if !alnum(first) {
-        return Err(NameError::BadCharacter { what, name: name.to_owned(), character: first });
+        return Err(NameError::BadCharacter {
+            what,
+            name: name.to_owned(),
+            character: first,
+        });
     }
     if !alnum(last) {
-        return Err(NameError::BadCharacter { what, name: name.to_owned(), character: last });
+        return Err(NameError::BadCharacter {
+            what,
+            name: name.to_owned(),
+            character: last,
+        });
     }
     Ok(())
 }
@@ -54,11 +78,20 @@ mod tests {
 
     #[test]
     fn rejects_odd_names_with_a_reason() {
-        assert!(matches!(validate("tenant", ""), Err(NameError::Empty { .. })));
-        assert!(matches!(validate("tenant", &"a".repeat(64)), Err(NameError::TooLong { .. })));
+        assert!(matches!(
+            validate("tenant", ""),
+            Err(NameError::Empty { .. })
+        ));
+        assert!(matches!(
+            validate("tenant", &"a".repeat(64)),
+            Err(NameError::TooLong { .. })
+        ));
         for name in ["Infer", "a b", "-a", "a-", "a/b", "ü", "a\0"] {
             let error = validate("tenant", name).unwrap_err();
-            assert!(matches!(error, NameError::BadCharacter { .. }), "{name}: {error}");
+            assert!(
+                matches!(error, NameError::BadCharacter { .. }),
+                "{name}: {error}"
+            );
         }
     }
 }

@@ -10,9 +10,13 @@ pub enum SizeError {
     Empty,
     #[error("the size `{0}` is negative; sizes are zero or more, e.g. `20GiB`")]
     Negative(String),
-    #[error("cannot read the size `{0}`; write a number with an optional unit, e.g. `20GiB`, `512MiB`, `80GB`")]
+    #[error(
+        "cannot read the size `{0}`; write a number with an optional unit, e.g. `20GiB`, `512MiB`, `80GB`"
+    )]
     Malformed(String),
-    #[error("the size `{0}` has the unknown unit `{1}`; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")]
+    #[error(
+        "the size `{0}` has the unknown unit `{1}`; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB"
+    )]
     UnknownUnit(String, String),
     #[error("the size `{0}` is too large (more than 16 EiB)")]
     TooLarge(String),
@@ -29,7 +33,9 @@ pub fn parse_bytes(text: &str) -> Result<u64, SizeError> {
     if trimmed.starts_with('-') {
         return Err(SizeError::Negative(trimmed.to_owned()));
     }
-    let split = trimmed.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(trimmed.len());
+    let split = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
     let (number, unit) = trimmed.split_at(split);
     let unit = unit.trim();
     if number.is_empty() || number.chars().filter(|&c| c == '.').count() > 1 {
@@ -53,7 +59,9 @@ pub fn parse_bytes(text: &str) -> Result<u64, SizeError> {
             .checked_mul(multiplier as u64)
             .ok_or_else(|| SizeError::TooLarge(trimmed.to_owned()));
     }
-    let value: f64 = number.parse().map_err(|_| SizeError::Malformed(trimmed.to_owned()))?;
+    let value: f64 = number
+        .parse()
+        .map_err(|_| SizeError::Malformed(trimmed.to_owned()))?;
     let bytes = value * multiplier;
     if !bytes.is_finite() || bytes >= u64::MAX as f64 {
         return Err(SizeError::TooLarge(trimmed.to_owned()));
@@ -64,11 +72,16 @@ pub fn parse_bytes(text: &str) -> Result<u64, SizeError> {
 /// Formats bytes with the largest binary unit that keeps the number at or above 1, e.g. `20GiB`,
 /// `1.5GiB`, `512MiB`, `100B`.
 pub fn format_bytes(bytes: u64) -> String {
-    const UNITS: [(&str, u64); 5] =
-        [("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)];
+    const UNITS: [(&str, u64); 5] = [
+        ("TiB", 1 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+        ("B", 1),
+    ];
     for (unit, size) in UNITS {
         if bytes >= size {
-            if bytes % size == 0 {
+            if bytes.is_multiple_of(size) {
                 return format!("{}{unit}", bytes / size);
             }
             let value = bytes as f64 / size as f64;
@@ -102,12 +115,24 @@ mod tests {
 
     #[test]
     fn rejects_bad_sizes_with_a_reason() {
-        assert_eq!(parse_bytes("-5GiB"), Err(SizeError::Negative("-5GiB".into())));
+        assert_eq!(
+            parse_bytes("-5GiB"),
+            Err(SizeError::Negative("-5GiB".into()))
+        );
         assert_eq!(parse_bytes(""), Err(SizeError::Empty));
         assert!(matches!(parse_bytes("GiB"), Err(SizeError::Malformed(_))));
-        assert!(matches!(parse_bytes("1.2.3G"), Err(SizeError::Malformed(_))));
-        assert!(matches!(parse_bytes("5 parsecs"), Err(SizeError::UnknownUnit(..))));
-        assert!(matches!(parse_bytes("99999999999TiB"), Err(SizeError::TooLarge(_))));
+        assert!(matches!(
+            parse_bytes("1.2.3G"),
+            Err(SizeError::Malformed(_))
+        ));
+        assert!(matches!(
+            parse_bytes("5 parsecs"),
+            Err(SizeError::UnknownUnit(..))
+        ));
+        assert!(matches!(
+            parse_bytes("99999999999TiB"),
+            Err(SizeError::TooLarge(_))
+        ));
     }
 
     #[test]

@@ -15,7 +15,9 @@ pub enum RequestError {
     NoGpus,
     #[error("ask for either whole GPUs or a fraction of one, not both")]
     BothWholeAndFraction,
-    #[error("a fraction of a GPU is between 0.001 and 0.999 (got {0} thousandths); use `--gpus 1` for a whole GPU")]
+    #[error(
+        "a fraction of a GPU is between 0.001 and 0.999 (got {0} thousandths); use `--gpus 1` for a whole GPU"
+    )]
     FractionOutOfRange(u32),
     #[error("the compute share is {0}%; give a share between 1 and 100")]
     ComputeOutOfRange(u32),
@@ -61,7 +63,11 @@ pub fn validate_request(request: &PlacementRequest) -> Result<(), RequestError> 
     if request.node_selector.len() > SELECTOR_PAIRS_MAX {
         return Err(RequestError::SelectorTooLarge(request.node_selector.len()));
     }
-    if let Some(key) = request.node_selector.keys().find(|k| k.is_empty() || k.len() > 253) {
+    if let Some(key) = request
+        .node_selector
+        .keys()
+        .find(|k| k.is_empty() || k.len() > 253)
+    {
         return Err(RequestError::BadSelectorKey(key.clone()));
     }
     Ok(())
@@ -72,33 +78,89 @@ mod tests {
     use super::*;
 
     fn whole(n: u32) -> PlacementRequest {
-        PlacementRequest { whole_gpus: n, ..Default::default() }
+        PlacementRequest {
+            whole_gpus: n,
+            ..Default::default()
+        }
     }
 
     #[test]
     fn accepts_ordinary_requests() {
         assert_eq!(validate_request(&whole(1)), Ok(()));
-        let fraction = PlacementRequest { milli_gpus: 250, compute_percent: 25, ..Default::default() };
+        let fraction = PlacementRequest {
+            milli_gpus: 250,
+            compute_percent: 25,
+            ..Default::default()
+        };
         assert_eq!(validate_request(&fraction), Ok(()));
-        assert_eq!(validate_request(&PlacementRequest { nodes: 4, ..whole(8) }), Ok(()));
+        assert_eq!(
+            validate_request(&PlacementRequest {
+                nodes: 4,
+                ..whole(8)
+            }),
+            Ok(())
+        );
     }
 
     #[test]
     fn rejects_each_bad_field() {
         assert_eq!(validate_request(&whole(0)), Err(RequestError::NoGpus));
-        let both = PlacementRequest { milli_gpus: 5, ..whole(1) };
-        assert_eq!(validate_request(&both), Err(RequestError::BothWholeAndFraction));
-        let big_fraction = PlacementRequest { milli_gpus: 1000, ..Default::default() };
-        assert_eq!(validate_request(&big_fraction), Err(RequestError::FractionOutOfRange(1000)));
-        let compute = PlacementRequest { compute_percent: 250, ..whole(1) };
-        assert_eq!(validate_request(&compute), Err(RequestError::ComputeOutOfRange(250)));
-        let priority = PlacementRequest { priority: 5000, ..whole(1) };
-        assert_eq!(validate_request(&priority), Err(RequestError::PriorityOutOfRange(5000)));
-        let spread = PlacementRequest { milli_gpus: 500, nodes: 2, ..Default::default() };
-        assert_eq!(validate_request(&spread), Err(RequestError::FractionAcrossNodes(2)));
-        let huge = PlacementRequest { nodes: 1000, ..whole(8) };
-        assert_eq!(validate_request(&huge), Err(RequestError::GangTooLarge(8000)));
-        let policy = PlacementRequest { nvlink: 42, ..whole(2) };
-        assert_eq!(validate_request(&policy), Err(RequestError::UnknownNvlinkPolicy(42)));
+        let both = PlacementRequest {
+            milli_gpus: 5,
+            ..whole(1)
+        };
+        assert_eq!(
+            validate_request(&both),
+            Err(RequestError::BothWholeAndFraction)
+        );
+        let big_fraction = PlacementRequest {
+            milli_gpus: 1000,
+            ..Default::default()
+        };
+        assert_eq!(
+            validate_request(&big_fraction),
+            Err(RequestError::FractionOutOfRange(1000))
+        );
+        let compute = PlacementRequest {
+            compute_percent: 250,
+            ..whole(1)
+        };
+        assert_eq!(
+            validate_request(&compute),
+            Err(RequestError::ComputeOutOfRange(250))
+        );
+        let priority = PlacementRequest {
+            priority: 5000,
+            ..whole(1)
+        };
+        assert_eq!(
+            validate_request(&priority),
+            Err(RequestError::PriorityOutOfRange(5000))
+        );
+        let spread = PlacementRequest {
+            milli_gpus: 500,
+            nodes: 2,
+            ..Default::default()
+        };
+        assert_eq!(
+            validate_request(&spread),
+            Err(RequestError::FractionAcrossNodes(2))
+        );
+        let huge = PlacementRequest {
+            nodes: 1000,
+            ..whole(8)
+        };
+        assert_eq!(
+            validate_request(&huge),
+            Err(RequestError::GangTooLarge(8000))
+        );
+        let policy = PlacementRequest {
+            nvlink: 42,
+            ..whole(2)
+        };
+        assert_eq!(
+            validate_request(&policy),
+            Err(RequestError::UnknownNvlinkPolicy(42))
+        );
     }
 }

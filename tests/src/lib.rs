@@ -1,1 +1,443 @@
-//! Cross-component tests live in `it/`; this library is empty.
+//! A harness for tests and benchmarks that run the real binaries: control-plane members, node
+//! agents and vgpuctl as separate processes on loopback, with `kill -9`, restart and waiting.
+//!
+//! The binaries are built once per test run (`cargo build --bins`) into the workspace target
+//! directory, so `cargo test` alone is enough.
+
+use anyhow::{Context, Result, bail};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Where the workspace's binaries are, built on first use.
+pub fn binaries() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("tests/ sits in the workspace")
+            .to_owned();
+        let profile_dir = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(Path::to_owned))
+            .map(|dir| {
+                if dir.ends_with("deps") {
+                    dir.parent().expect("deps has a parent").to_owned()
+                } else {
+                    dir
+                }
+            })
+            .expect("the test executable has a directory");
+        let release = profile_dir.ends_with("release");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+        let mut build = Command::new(cargo);
+        build.current_dir(&workspace).args([
+            "build",
+            "--bins",
+            "-p",
+            "vgpu-cp",
+            "-p",
+            "vgpu-agent",
+            "-p",
+            "vgpuctl",
+        ]);
+        if release {
+            build.arg("--release");
+        }
+        let status = build.status().expect("running cargo build");
+        assert!(status.success(), "building the binaries failed");
+        profile_dir
+    })
+}
+
+pub fn binary(name: &str) -> PathBuf {
+    let path = binaries().join(name);
+    assert!(path.exists(), "{} is missing", path.display());
+    path
+}
+
+/// A free loopback port (bound and released; good enough for tests).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Polls `check` until it returns `Some`, or fails after `timeout` with `what`.
+pub fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut() -> Option<T>,
+) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check() {
+            return Ok(value);
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A child process killed (SIGKILL) when dropped; its stderr goes to a log file.
+pub struct Process {
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Process {
+    pub fn spawn(mut command: Command, log: PathBuf) -> Result<Process> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)?;
+        command
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .stdin(Stdio::null());
+        let child = command
+            .spawn()
+            .with_context(|| format!("spawning {command:?}"))?;
+        Ok(Process {
+            child: Some(child),
+            log,
+        })
+    }
+
+    /// `kill -9`.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Flags that make failure detection fast in tests.
+pub const FAST_FLAGS: [&str; 2] = ["--node-lost-timeout-ms", "1500"];
+
+/// One control-plane member.
+pub struct Member {
+    pub id: u64,
+    pub address: String,
+    pub data_dir: PathBuf,
+    pub process: Option<Process>,
+    pub peer: Option<String>,
+    pub extra: Vec<String>,
+}
+
+impl Member {
+    fn command(&self) -> Command {
+        let mut command = Command::new(binary("vgpu-cp"));
+        let mode = if self.peer.is_some() {
+            "join"
+        } else {
+            "bootstrap"
+        };
+        command.args([
+            mode,
+            "--id",
+            &self.id.to_string(),
+            "--listen",
+            &self.address,
+        ]);
+        command.arg("--data-dir").arg(&self.data_dir);
+        if let Some(peer) = &self.peer {
+            command.args(["--peer", peer]);
+        }
+        command.args(&self.extra);
+        command
+    }
+
+    pub fn start(&mut self) -> Result<()> {
+        let log = self.data_dir.with_extension("log");
+        self.process = Some(Process::spawn(self.command(), log)?);
+        Ok(())
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(process) = self.process.as_mut() {
+            process.kill();
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(self.data_dir.with_extension("log")).unwrap_or_default()
+    }
+}
+
+/// A control-plane cluster of real processes in a temporary directory.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub members: Vec<Member>,
+    pub agents: Vec<Agent>,
+}
+
+pub struct Agent {
+    pub name: String,
+    pub spec: String,
+    pub state_dir: PathBuf,
+    pub process: Option<Process>,
+}
+
+impl Cluster {
+    /// Starts `size` members: the first bootstraps, the others join it in turn.
+    pub fn start(size: usize, extra: &[&str]) -> Result<Cluster> {
+        let dir = tempfile::tempdir()?;
+        let mut cluster = Cluster {
+            dir,
+            members: Vec::new(),
+            agents: Vec::new(),
+        };
+        for index in 0..size {
+            let id = index as u64 + 1;
+            let address = format!("127.0.0.1:{}", free_port());
+            let peer = (index > 0).then(|| cluster.members[0].address.clone());
+            let data_dir = cluster.dir.path().join(format!("cp{id}"));
+            let extra = extra.iter().map(|s| s.to_string()).collect();
+            let mut member = Member {
+                id,
+                address,
+                data_dir,
+                process: None,
+                peer,
+                extra,
+            };
+            member.start()?;
+            cluster.members.push(member);
+            let expected = index + 1;
+            wait_for(
+                &format!("member {id} to be a voter"),
+                Duration::from_secs(30),
+                || {
+                    let status = cluster.status_json().ok()?;
+                    let voters = status["members"]
+                        .as_array()?
+                        .iter()
+                        .filter(|m| m["voter"] == true)
+                        .count();
+                    (voters == expected && status["leader"].as_u64()? > 0).then_some(())
+                },
+            )
+            .with_context(|| cluster.logs())?;
+        }
+        Ok(cluster)
+    }
+
+    pub fn endpoints(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| m.address.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Endpoints of the members whose process runs.
+    pub fn live_endpoints(&mut self) -> String {
+        let mut live = Vec::new();
+        for member in &mut self.members {
+            if member.process.as_mut().is_some_and(Process::is_running) {
+                live.push(member.address.clone());
+            }
+        }
+        live.join(",")
+    }
+
+    pub fn vgpuctl(&self, args: &[&str]) -> Result<Output> {
+        vgpuctl(&self.endpoints(), args)
+    }
+
+    pub fn status_json(&self) -> Result<serde_json::Value> {
+        json(&self.vgpuctl(&["cluster", "status", "-o", "json"])?)
+    }
+
+    pub fn leader(&self) -> Result<u64> {
+        wait_for("a leader", Duration::from_secs(15), || {
+            self.status_json().ok()?["leader"]
+                .as_u64()
+                .filter(|&leader| leader > 0)
+        })
+    }
+
+    pub fn member(&mut self, id: u64) -> &mut Member {
+        self.members
+            .iter_mut()
+            .find(|m| m.id == id)
+            .expect("member exists")
+    }
+
+    pub fn start_agent(&mut self, name: &str, spec: &str) -> Result<()> {
+        let state_dir = self.dir.path().join(format!("agent-{name}"));
+        let mut agent = Agent {
+            name: name.to_owned(),
+            spec: spec.to_owned(),
+            state_dir,
+            process: None,
+        };
+        self.spawn_agent(&mut agent)?;
+        self.agents.push(agent);
+        Ok(())
+    }
+
+    fn spawn_agent(&self, agent: &mut Agent) -> Result<()> {
+        let mut command = Command::new(binary("vgpu-agent"));
+        command.args([
+            "join",
+            "--control-plane",
+            &self.endpoints(),
+            "--name",
+            &agent.name,
+            "--simulate",
+            &agent.spec,
+        ]);
+        command.arg("--state-dir").arg(&agent.state_dir);
+        let log = agent.state_dir.with_extension("log");
+        agent.process = Some(Process::spawn(command, log)?);
+        Ok(())
+    }
+
+    pub fn restart_agent(&mut self, name: &str) -> Result<()> {
+        let index = self
+            .agents
+            .iter()
+            .position(|a| a.name == name)
+            .expect("agent exists");
+        let mut agent = self.agents.remove(index);
+        self.spawn_agent(&mut agent)?;
+        self.agents.insert(index, agent);
+        Ok(())
+    }
+
+    pub fn agent(&mut self, name: &str) -> &mut Agent {
+        self.agents
+            .iter_mut()
+            .find(|a| a.name == name)
+            .expect("agent exists")
+    }
+
+    /// Waits until `count` nodes are registered and ready.
+    pub fn wait_nodes_ready(&self, count: usize) -> Result<()> {
+        wait_for(
+            &format!("{count} ready nodes"),
+            Duration::from_secs(30),
+            || {
+                let nodes = json(&self.vgpuctl(&["get", "nodes", "-o", "json"]).ok()?).ok()?;
+                let ready = nodes
+                    .as_array()?
+                    .iter()
+                    .filter(|n| n["state"] == "ready")
+                    .count();
+                (ready == count).then_some(())
+            },
+        )
+        .with_context(|| self.logs())
+    }
+
+    /// All member and agent logs, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut text = String::new();
+        for member in &self.members {
+            let log = member.log_text();
+            let tail: Vec<&str> = log.lines().rev().take(30).collect();
+            text += &format!("\n--- member {} log (last lines) ---\n", member.id);
+            text += &tail.into_iter().rev().collect::<Vec<_>>().join("\n");
+        }
+        for agent in &self.agents {
+            let log =
+                std::fs::read_to_string(agent.state_dir.with_extension("log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(15).collect();
+            text += &format!("\n--- agent {} log (last lines) ---\n", agent.name);
+            text += &tail.into_iter().rev().collect::<Vec<_>>().join("\n");
+        }
+        text
+    }
+}
+
+/// Runs vgpuctl against `endpoints`.
+pub fn vgpuctl(endpoints: &str, args: &[&str]) -> Result<Output> {
+    let output = Command::new(binary("vgpuctl"))
+        .arg("--endpoints")
+        .arg(endpoints)
+        .args(args)
+        .output()?;
+    Ok(output)
+}
+
+/// Parses a successful command's stdout as JSON.
+pub fn json(output: &Output) -> Result<serde_json::Value> {
+    if !output.status.success() {
+        bail!(
+            "command failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    serde_json::from_slice(&output.stdout).with_context(|| {
+        format!(
+            "stdout is not JSON: {}",
+            String::from_utf8_lossy(&output.stdout)
+        )
+    })
+}
+
+/// A gRPC pool client to one address.
+pub async fn pool_client(
+    address: &str,
+) -> Result<api::v1::pool_client::PoolClient<tonic::transport::Channel>> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))?
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(15));
+    Ok(api::v1::pool_client::PoolClient::new(
+        endpoint.connect_lazy(),
+    ))
+}
+
+/// A fractional placement request.
+pub fn fraction(milli: u32, memory_gib: u64) -> api::v1::PlacementRequest {
+    api::v1::PlacementRequest {
+        milli_gpus: milli,
+        memory_bytes_per_gpu: memory_gib << 30,
+        ..Default::default()
+    }
+}
+
+/// A plain HTTP/1.1 GET on loopback (for `/metrics`); returns the body.
+pub fn http_get(address: &str, path: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let Some((head, body)) = response.split_once("\r\n\r\n") else {
+        bail!("malformed HTTP response: {response}")
+    };
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!("GET {path} failed: {head}");
+    }
+    Ok(body.to_owned())
+}

@@ -68,12 +68,17 @@ pub enum ForwardRequest {
 pub enum ForwardResponse {
     Write(CommandResult),
     ReadIndex(u64),
-    Heartbeat { known: bool },
+    Heartbeat {
+        known: bool,
+    },
     HeartbeatTimes(BTreeMap<String, i64>),
     Membership,
     /// The receiver is not (or no longer) the leader; the sender retries.
     NotLeader,
-    Failed { code: ErrorCode, message: String },
+    Failed {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 pub struct ControlPlane {
@@ -103,7 +108,13 @@ fn unavailable(message: impl std::fmt::Display) -> Status {
 const RETRY_PAUSE_MS: u64 = 50;
 
 impl ControlPlane {
-    pub fn new(id: NodeId, cluster_id: String, raft: Raft, shared: Arc<Shared>, timings: Timings) -> ControlPlane {
+    pub fn new(
+        id: NodeId,
+        cluster_id: String,
+        raft: Raft,
+        shared: Arc<Shared>,
+        timings: Timings,
+    ) -> ControlPlane {
         ControlPlane {
             id,
             cluster_id,
@@ -125,7 +136,8 @@ impl ControlPlane {
         if let Some(client) = peers.get(address) {
             return Ok(client.clone());
         }
-        let client = network::raft_client(address).map_err(|e| unavailable(format!("bad peer address {address}: {e}")))?;
+        let client = network::raft_client(address)
+            .map_err(|e| unavailable(format!("bad peer address {address}: {e}")))?;
         peers.insert(address.to_owned(), client.clone());
         Ok(client)
     }
@@ -137,7 +149,9 @@ impl ControlPlane {
         leader: Option<BasicNode>,
         request: &ForwardRequest,
     ) -> Result<Option<ForwardResponse>, Status> {
-        let Some(leader) = leader else { return Ok(None) };
+        let Some(leader) = leader else {
+            return Ok(None);
+        };
         let mut client = self.peer(&leader.addr)?;
         let payload = RaftPayload {
             data: encode(request).map_err(|e| ErrorCode::Internal.status(e))?,
@@ -145,8 +159,8 @@ impl ControlPlane {
         };
         match client.forward(payload).await {
             Ok(response) => {
-                let response: ForwardResponse =
-                    decode(&response.into_inner().data).map_err(|e| ErrorCode::Internal.status(e))?;
+                let response: ForwardResponse = decode(&response.into_inner().data)
+                    .map_err(|e| ErrorCode::Internal.status(e))?;
                 match response {
                     ForwardResponse::NotLeader => Ok(None),
                     ForwardResponse::Failed { code, message } => Err(code.status(message)),
@@ -154,7 +168,11 @@ impl ControlPlane {
                 }
             }
             // The connection could not be made: the request was never delivered.
-            Err(status) if status.code() == tonic::Code::Unavailable && is_connect_failure(&status) => Ok(None),
+            Err(status)
+                if status.code() == tonic::Code::Unavailable && is_connect_failure(&status) =>
+            {
+                Ok(None)
+            }
             Err(status) => Err(unavailable(format!(
                 "the leader at {} failed while handling the request (its outcome is unknown; read before retrying): {}",
                 leader.addr,
@@ -188,30 +206,39 @@ impl ControlPlane {
     pub async fn write(&self, command: Command) -> Result<CommandResult, Status> {
         let request = ForwardRequest::Write(command);
         self.until_leader("a write", || async {
-            let ForwardRequest::Write(command) = &request else { unreachable!() };
+            let ForwardRequest::Write(command) = &request else {
+                unreachable!()
+            };
             match self.write_local(command.clone()).await? {
                 Ok(result) => Ok(Some(result)),
-                Err(leader) => match self.forward_once(leader, &request).await? {
-                    Some(ForwardResponse::Write(result)) => Ok(Some(result)),
-                    Some(other) => Err(ErrorCode::Internal.status(format!("unexpected forward answer {other:?}"))),
-                    None => Ok(None),
-                },
+                Err(leader) => {
+                    match self.forward_once(leader, &request).await? {
+                        Some(ForwardResponse::Write(result)) => Ok(Some(result)),
+                        Some(other) => Err(ErrorCode::Internal
+                            .status(format!("unexpected forward answer {other:?}"))),
+                        None => Ok(None),
+                    }
+                }
             }
         })
         .await
     }
 
     /// Writes on this node if it leads. `Err(leader)` when it does not.
-    async fn write_local(&self, command: Command) -> Result<Result<CommandResult, Option<BasicNode>>, Status> {
+    async fn write_local(
+        &self,
+        command: Command,
+    ) -> Result<Result<CommandResult, Option<BasicNode>>, Status> {
         let started = Instant::now();
         match self.raft.client_write(command).await {
             Ok(response) => {
                 self.metrics.observe_commit(started.elapsed());
                 Ok(Ok(response.data))
             }
-            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(ForwardToLeader { leader_node, .. }))) => {
-                Ok(Err(leader_node))
-            }
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(ForwardToLeader {
+                leader_node,
+                ..
+            }))) => Ok(Err(leader_node)),
             Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(error))) => {
                 Err(ErrorCode::Membership.status(error))
             }
@@ -228,9 +255,13 @@ impl ControlPlane {
                 match self.raft.ensure_linearizable().await {
                     Ok(_) => Ok(Some(None)),
                     Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(forward))) => {
-                        match self.forward_once(forward.leader_node, &ForwardRequest::ReadIndex).await? {
+                        match self
+                            .forward_once(forward.leader_node, &ForwardRequest::ReadIndex)
+                            .await?
+                        {
                             Some(ForwardResponse::ReadIndex(index)) => Ok(Some(Some(index))),
-                            Some(other) => Err(ErrorCode::Internal.status(format!("unexpected forward answer {other:?}"))),
+                            Some(other) => Err(ErrorCode::Internal
+                                .status(format!("unexpected forward answer {other:?}"))),
                             None => Ok(None),
                         }
                     }
@@ -244,14 +275,16 @@ impl ControlPlane {
                 .wait(Some(self.timings.request_deadline))
                 .applied_index_at_least(Some(index), "linearizable read")
                 .await
-                .map_err(|e| unavailable(format!("this node did not catch up with the leader: {e}")))?;
+                .map_err(|e| {
+                    unavailable(format!("this node did not catch up with the leader: {e}"))
+                })?;
         }
         Ok(())
     }
 
     /// Answers a request forwarded by another node; this node must be the leader.
     pub async fn handle_forwarded(&self, request: ForwardRequest) -> ForwardResponse {
-        let outcome = match request {
+        match request {
             ForwardRequest::Write(command) => match self.write_local(command).await {
                 Ok(Ok(result)) => ForwardResponse::Write(result),
                 Ok(Err(_)) => ForwardResponse::NotLeader,
@@ -265,7 +298,9 @@ impl ControlPlane {
                 if !self.is_leader() {
                     return ForwardResponse::NotLeader;
                 }
-                ForwardResponse::Heartbeat { known: self.record_heartbeat(&node) }
+                ForwardResponse::Heartbeat {
+                    known: self.record_heartbeat(&node),
+                }
             }
             ForwardRequest::HeartbeatTimes => {
                 if !self.is_leader() {
@@ -273,35 +308,46 @@ impl ControlPlane {
                 }
                 ForwardResponse::HeartbeatTimes(self.heartbeat_times())
             }
-            ForwardRequest::AddMember { id, address } => match self.add_member_local(id, address).await {
-                Ok(true) => ForwardResponse::Membership,
-                Ok(false) => ForwardResponse::NotLeader,
-                Err(status) => failed_from(&status),
-            },
+            ForwardRequest::AddMember { id, address } => {
+                match self.add_member_local(id, address).await {
+                    Ok(true) => ForwardResponse::Membership,
+                    Ok(false) => ForwardResponse::NotLeader,
+                    Err(status) => failed_from(&status),
+                }
+            }
             ForwardRequest::RemoveMember { id } => match self.remove_member_local(id).await {
                 Ok(true) => ForwardResponse::Membership,
                 Ok(false) => ForwardResponse::NotLeader,
                 Err(status) => failed_from(&status),
             },
-        };
-        outcome
+        }
     }
 
     fn record_heartbeat(&self, node: &str) -> bool {
         let known = self.shared.read().pool.nodes.contains_key(node);
         if known {
-            self.heartbeats.lock().expect("heartbeats lock").insert(node.to_owned(), (Instant::now(), unix_ms()));
+            self.heartbeats
+                .lock()
+                .expect("heartbeats lock")
+                .insert(node.to_owned(), (Instant::now(), unix_ms()));
         }
         known
     }
 
     fn heartbeat_times(&self) -> BTreeMap<String, i64> {
-        self.heartbeats.lock().expect("heartbeats lock").iter().map(|(name, (_, ms))| (name.clone(), *ms)).collect()
+        self.heartbeats
+            .lock()
+            .expect("heartbeats lock")
+            .iter()
+            .map(|(name, (_, ms))| (name.clone(), *ms))
+            .collect()
     }
 
     /// Records a heartbeat here (leader) or at the leader. Returns whether the node is known.
     pub async fn heartbeat(&self, node: &str) -> Result<bool, Status> {
-        let request = ForwardRequest::Heartbeat { node: node.to_owned() };
+        let request = ForwardRequest::Heartbeat {
+            node: node.to_owned(),
+        };
         self.until_leader("a heartbeat", || async {
             if self.is_leader() {
                 return Ok(Some(self.record_heartbeat(node)));
@@ -309,7 +355,9 @@ impl ControlPlane {
             let leader = self.leader_node();
             match self.forward_once(leader, &request).await? {
                 Some(ForwardResponse::Heartbeat { known }) => Ok(Some(known)),
-                Some(other) => Err(ErrorCode::Internal.status(format!("unexpected forward answer {other:?}"))),
+                Some(other) => {
+                    Err(ErrorCode::Internal.status(format!("unexpected forward answer {other:?}")))
+                }
                 None => Ok(None),
             }
         })
@@ -331,12 +379,19 @@ impl ControlPlane {
     fn leader_node(&self) -> Option<BasicNode> {
         let metrics = self.raft.metrics().borrow().clone();
         let leader = metrics.current_leader?;
-        metrics.membership_config.membership().get_node(&leader).cloned()
+        metrics
+            .membership_config
+            .membership()
+            .get_node(&leader)
+            .cloned()
     }
 
     /// Adds a member: as a learner first, then as a voter once it has caught up.
     pub async fn add_member(&self, id: NodeId, address: String) -> Result<(), Status> {
-        let request = ForwardRequest::AddMember { id, address: address.clone() };
+        let request = ForwardRequest::AddMember {
+            id,
+            address: address.clone(),
+        };
         self.until_leader("adding a member", || async {
             if self.add_member_local(id, address.clone()).await? {
                 return Ok(Some(()));
@@ -354,7 +409,13 @@ impl ControlPlane {
         if !self.is_leader() {
             return Ok(false);
         }
-        let membership = self.raft.metrics().borrow().membership_config.membership().clone();
+        let membership = self
+            .raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .clone();
         if membership.voter_ids().any(|voter| voter == id) {
             let known = membership.get_node(&id).map(|node| node.addr.clone());
             if known.as_deref() == Some(address.as_str()) {
@@ -366,19 +427,37 @@ impl ControlPlane {
             )));
         }
         tracing::info!(id, %address, "adding a learner and waiting for it to catch up");
-        match self.raft.add_learner(id, BasicNode::new(address), true).await {
-            Ok(_) => {}
-            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => return Ok(false),
-            Err(error) => return Err(ErrorCode::Membership.status(error)),
-        }
-        let voters: BTreeSet<NodeId> = BTreeSet::from([id]);
-        match self.raft.change_membership(openraft::ChangeMembers::AddVoterIds(voters), false).await {
-            Ok(_) => {
-                tracing::info!(id, "promoted the learner to voter");
-                Ok(true)
+        let node = BasicNode::new(address);
+        let deadline = Instant::now() + self.timings.request_deadline * 3;
+        // Another membership change in progress (several members joining at once) is waited out,
+        // with a bound.
+        loop {
+            match self.raft.add_learner(id, node.clone(), true).await {
+                Ok(_) => break,
+                Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => return Ok(false),
+                Err(error) if is_in_progress(&error) && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(error) => return Err(ErrorCode::Membership.status(error)),
             }
-            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => Ok(false),
-            Err(error) => Err(ErrorCode::Membership.status(error)),
+        }
+        loop {
+            let voters: BTreeSet<NodeId> = BTreeSet::from([id]);
+            match self
+                .raft
+                .change_membership(openraft::ChangeMembers::AddVoterIds(voters), false)
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(id, "promoted the learner to voter");
+                    return Ok(true);
+                }
+                Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => return Ok(false),
+                Err(error) if is_in_progress(&error) && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(error) => return Err(ErrorCode::Membership.status(error)),
+            }
         }
     }
 
@@ -400,7 +479,13 @@ impl ControlPlane {
         if !self.is_leader() {
             return Ok(false);
         }
-        let membership = self.raft.metrics().borrow().membership_config.membership().clone();
+        let membership = self
+            .raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .clone();
         let is_voter = membership.voter_ids().any(|voter| voter == id);
         let is_learner = membership.learner_ids().any(|learner| learner == id);
         if !is_voter && !is_learner {
@@ -438,13 +523,21 @@ impl ControlPlane {
                 continue;
             }
             let since = *leader_since.get_or_insert_with(|| {
-                tracing::info!(id = self.id, "became leader; giving every node one lost-timeout of grace");
+                tracing::info!(
+                    id = self.id,
+                    "became leader; giving every node one lost-timeout of grace"
+                );
                 Instant::now()
             });
             let changes = self.node_state_changes(since);
             for (node, state, reason) in changes {
                 tracing::warn!(%node, ?state, %reason, "node state change");
-                let command = Command::SetNodeState { node, state, reason, unix_ms: unix_ms() };
+                let command = Command::SetNodeState {
+                    node,
+                    state,
+                    reason,
+                    unix_ms: unix_ms(),
+                };
                 if let Err(status) = self.write(command).await {
                     tracing::warn!(error = %status.message(), "could not record a node state change");
                 }
@@ -459,7 +552,10 @@ impl ControlPlane {
         }
     }
 
-    fn node_state_changes(&self, leader_since: Instant) -> Vec<(String, placement::NodeState, String)> {
+    fn node_state_changes(
+        &self,
+        leader_since: Instant,
+    ) -> Vec<(String, placement::NodeState, String)> {
         let now = Instant::now();
         let timeout = self.timings.node_lost_timeout;
         let heartbeats = self.heartbeats.lock().expect("heartbeats lock").clone();
@@ -472,13 +568,18 @@ impl ControlPlane {
                 placement::NodeState::Ready => {
                     let reference = last.map_or(leader_since, |at| at.max(leader_since));
                     if now.duration_since(reference) > timeout {
-                        let reason = format!("no heartbeat for more than {:.1}s", timeout.as_secs_f64());
+                        let reason =
+                            format!("no heartbeat for more than {:.1}s", timeout.as_secs_f64());
                         changes.push((name.clone(), placement::NodeState::Lost, reason));
                     }
                 }
                 placement::NodeState::Lost => {
                     if last.is_some_and(|at| now.duration_since(at) < timeout) {
-                        changes.push((name.clone(), placement::NodeState::Ready, "heartbeats resumed".to_owned()));
+                        changes.push((
+                            name.clone(),
+                            placement::NodeState::Ready,
+                            "heartbeats resumed".to_owned(),
+                        ));
                     }
                 }
                 placement::NodeState::Draining => {}
@@ -488,15 +589,30 @@ impl ControlPlane {
     }
 }
 
+/// True when a membership change was refused because another one has not finished yet.
+fn is_in_progress(error: &RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>) -> bool {
+    matches!(
+        error,
+        RaftError::APIError(ClientWriteError::ChangeMembershipError(
+            openraft::error::ChangeMembershipError::InProgress(_)
+        ))
+    )
+}
+
 fn failed_from(status: &Status) -> ForwardResponse {
     let code = ErrorCode::of(status).unwrap_or(ErrorCode::Internal);
     let message = status.message();
     let message = message.find("] ").map_or(message, |at| &message[at + 2..]);
-    ForwardResponse::Failed { code, message: message.to_owned() }
+    ForwardResponse::Failed {
+        code,
+        message: message.to_owned(),
+    }
 }
 
 /// True when a status says that a connection could not be opened (so nothing was sent).
 fn is_connect_failure(status: &Status) -> bool {
     let text = format!("{status:?}").to_ascii_lowercase();
-    text.contains("connect") || text.contains("connection refused") || text.contains("transport error")
+    text.contains("connect")
+        || text.contains("connection refused")
+        || text.contains("transport error")
 }

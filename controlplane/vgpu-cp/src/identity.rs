@@ -15,7 +15,9 @@ pub struct Identity {
 
 pub fn read(directory: &Path) -> std::io::Result<Option<Identity>> {
     match std::fs::read(directory.join(FILE)) {
-        Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(std::io::Error::other),
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(std::io::Error::other),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(error) => Err(error),
     }
@@ -29,7 +31,11 @@ pub fn write(directory: &Path, identity: &Identity) -> std::io::Result<()> {
     file.sync_all()?;
     std::fs::rename(&temporary, directory.join(FILE))?;
     std::fs::File::open(directory)?.sync_all()?;
-    assert_eq!(read(directory)?.as_ref(), Some(identity), "identity reads back as written");
+    assert_eq!(
+        read(directory)?.as_ref(),
+        Some(identity),
+        "identity reads back as written"
+    );
     Ok(())
 }
 

@@ -154,19 +154,19 @@ pub async fn start(config: Config) -> Result<Started, Error> {
             });
         }
         (Some(found), Mode::Join { peers }) => {
-            if let Some((peer, theirs)) = peer_cluster_id(peers, Duration::from_secs(1))
+            let peer = peer_cluster_id(peers, Duration::from_secs(1))
                 .await
                 .ok()
-                .flatten()
+                .flatten();
+            if let Some((peer, theirs)) = peer
+                && theirs != found.cluster_id
             {
-                if theirs != found.cluster_id {
-                    return Err(Error::OtherCluster {
-                        path: data_dir,
-                        ours: found.cluster_id.clone(),
-                        theirs,
-                        peer,
-                    });
-                }
+                return Err(Error::OtherCluster {
+                    path: data_dir,
+                    ours: found.cluster_id.clone(),
+                    theirs,
+                    peer,
+                });
             }
             found.cluster_id.clone()
         }

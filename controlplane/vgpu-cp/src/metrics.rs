@@ -10,7 +10,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 /// Upper bounds of the commit-latency buckets, in seconds.
-const COMMIT_BUCKETS_SECONDS: [f64; 12] = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0];
+const COMMIT_BUCKETS_SECONDS: [f64; 12] = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0,
+];
 
 #[derive(Default)]
 struct Histogram {
@@ -50,46 +52,149 @@ impl Metrics {
     pub fn render(&self, raft: &RaftFacts, shared: &Shared) -> String {
         let mut out = String::with_capacity(4096);
         let gauge = |out: &mut String, name: &str, help: &str, value: f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            );
         };
-        gauge(&mut out, "vgpu_raft_node_id", "This control-plane node's Raft id.", raft.id as f64);
-        gauge(&mut out, "vgpu_raft_term", "Current Raft term.", raft.term as f64);
-        gauge(&mut out, "vgpu_raft_leader_id", "Id of the current leader (0: none known).", raft.leader.unwrap_or(0) as f64);
+        gauge(
+            &mut out,
+            "vgpu_raft_node_id",
+            "This control-plane node's Raft id.",
+            raft.id as f64,
+        );
+        gauge(
+            &mut out,
+            "vgpu_raft_term",
+            "Current Raft term.",
+            raft.term as f64,
+        );
+        gauge(
+            &mut out,
+            "vgpu_raft_leader_id",
+            "Id of the current leader (0: none known).",
+            raft.leader.unwrap_or(0) as f64,
+        );
         let is_leader = f64::from(u8::from(raft.leader == Some(raft.id)));
-        gauge(&mut out, "vgpu_raft_is_leader", "1 if this node is the leader.", is_leader);
-        gauge(&mut out, "vgpu_raft_last_log_index", "Index of the last log entry.", raft.last_log_index as f64);
-        gauge(&mut out, "vgpu_raft_last_applied_index", "Index of the last applied entry.", raft.last_applied as f64);
+        gauge(
+            &mut out,
+            "vgpu_raft_is_leader",
+            "1 if this node is the leader.",
+            is_leader,
+        );
+        gauge(
+            &mut out,
+            "vgpu_raft_last_log_index",
+            "Index of the last log entry.",
+            raft.last_log_index as f64,
+        );
+        gauge(
+            &mut out,
+            "vgpu_raft_last_applied_index",
+            "Index of the last applied entry.",
+            raft.last_applied as f64,
+        );
         {
             let histogram = self.commit.lock().expect("metrics lock");
             let name = "vgpu_raft_commit_latency_seconds";
-            let _ = writeln!(out, "# HELP {name} Time from proposal to applied, for writes led by this node.\n# TYPE {name} histogram");
+            let _ = writeln!(
+                out,
+                "# HELP {name} Time from proposal to applied, for writes led by this node.\n# TYPE {name} histogram"
+            );
             for (bucket, bound) in COMMIT_BUCKETS_SECONDS.iter().enumerate() {
-                let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {}", histogram.counts[bucket]);
+                let _ = writeln!(
+                    out,
+                    "{name}_bucket{{le=\"{bound}\"}} {}",
+                    histogram.counts[bucket]
+                );
             }
             let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", histogram.count);
-            let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", histogram.sum_seconds, histogram.count);
+            let _ = writeln!(
+                out,
+                "{name}_sum {}\n{name}_count {}",
+                histogram.sum_seconds, histogram.count
+            );
         }
         let applied = shared.read();
         let pool = &applied.pool;
         let counter = |out: &mut String, name: &str, help: &str, value: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+            );
         };
-        counter(&mut out, "vgpu_placements_total", "Tenants bound to slices (placements and re-placements).", pool.counters.placements);
-        counter(&mut out, "vgpu_preemptions_total", "Tenants preempted.", pool.counters.preemptions);
-        counter(&mut out, "vgpu_rejections_total", "Requests rejected as impossible.", pool.counters.rejections);
-        counter(&mut out, "vgpu_releases_total", "Tenants released.", pool.counters.releases);
+        counter(
+            &mut out,
+            "vgpu_placements_total",
+            "Tenants bound to slices (placements and re-placements).",
+            pool.counters.placements,
+        );
+        counter(
+            &mut out,
+            "vgpu_preemptions_total",
+            "Tenants preempted.",
+            pool.counters.preemptions,
+        );
+        counter(
+            &mut out,
+            "vgpu_rejections_total",
+            "Requests rejected as impossible.",
+            pool.counters.rejections,
+        );
+        counter(
+            &mut out,
+            "vgpu_releases_total",
+            "Tenants released.",
+            pool.counters.releases,
+        );
         let summary = pool.engine.summary();
-        gauge(&mut out, "vgpu_tenants_placed", "Tenants holding slices.", summary.tenants_placed as f64);
-        gauge(&mut out, "vgpu_tenants_pending", "Tenants waiting for capacity (pending or preempted).", summary.tenants_pending as f64);
-        gauge(&mut out, "vgpu_pool_gpus", "GPUs registered in the pool.", summary.gpus_total as f64);
-        gauge(&mut out, "vgpu_pool_compute_allocated_percent", "Sum over GPUs of allocated compute (100 = one GPU).", summary.compute_allocated_percent as f64);
-        gauge(&mut out, "vgpu_pool_memory_bytes", "GPU memory registered in the pool.", summary.memory_total_bytes as f64);
-        gauge(&mut out, "vgpu_pool_memory_allocated_bytes", "GPU memory allocated to tenants.", summary.memory_allocated_bytes as f64);
+        gauge(
+            &mut out,
+            "vgpu_tenants_placed",
+            "Tenants holding slices.",
+            summary.tenants_placed as f64,
+        );
+        gauge(
+            &mut out,
+            "vgpu_tenants_pending",
+            "Tenants waiting for capacity (pending or preempted).",
+            summary.tenants_pending as f64,
+        );
+        gauge(
+            &mut out,
+            "vgpu_pool_gpus",
+            "GPUs registered in the pool.",
+            summary.gpus_total as f64,
+        );
+        gauge(
+            &mut out,
+            "vgpu_pool_compute_allocated_percent",
+            "Sum over GPUs of allocated compute (100 = one GPU).",
+            summary.compute_allocated_percent as f64,
+        );
+        gauge(
+            &mut out,
+            "vgpu_pool_memory_bytes",
+            "GPU memory registered in the pool.",
+            summary.memory_total_bytes as f64,
+        );
+        gauge(
+            &mut out,
+            "vgpu_pool_memory_allocated_bytes",
+            "GPU memory allocated to tenants.",
+            summary.memory_allocated_bytes as f64,
+        );
         let per_node = pool.engine.node_summaries();
         let families = [
             ("vgpu_node_gpus", "GPUs of a node."),
-            ("vgpu_node_compute_allocated_percent", "Allocated compute on a node (100 = one GPU)."),
-            ("vgpu_node_memory_allocated_bytes", "GPU memory allocated on a node."),
+            (
+                "vgpu_node_compute_allocated_percent",
+                "Allocated compute on a node (100 = one GPU).",
+            ),
+            (
+                "vgpu_node_memory_allocated_bytes",
+                "GPU memory allocated on a node.",
+            ),
         ];
         for (family, (name, help)) in families.iter().enumerate() {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");

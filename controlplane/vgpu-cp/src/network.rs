@@ -5,13 +5,15 @@
 use crate::raft_types::{NodeId, TypeConfig, decode, encode};
 use api::v1::RaftPayload;
 use api::v1::raft_client::RaftClient;
-use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
+use openraft::BasicNode;
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
-    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
-    VoteResponse,
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
 };
-use openraft::BasicNode;
 use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
@@ -86,7 +88,10 @@ impl PeerConnection {
             return Err(RPCError::Unreachable(Unreachable::new(&error)));
         };
         let data = encode(request).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
-        let payload = RaftPayload { data, cluster_id: self.cluster_id.clone() };
+        let payload = RaftPayload {
+            data,
+            cluster_id: self.cluster_id.clone(),
+        };
         let call = async {
             match rpc {
                 Rpc::AppendEntries => client.append_entries(payload).await,
@@ -98,9 +103,9 @@ impl PeerConnection {
             Err(elapsed) => return Err(RPCError::Unreachable(Unreachable::new(&elapsed))),
             Ok(Err(status)) => {
                 return Err(match status.code() {
-                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
-                        RPCError::Unreachable(Unreachable::new(&status))
-                    }
+                    tonic::Code::Unavailable
+                    | tonic::Code::DeadlineExceeded
+                    | tonic::Code::Cancelled => RPCError::Unreachable(Unreachable::new(&status)),
                     _ => RPCError::Network(NetworkError::new(&status)),
                 });
             }
@@ -125,8 +130,10 @@ impl RaftNetwork<TypeConfig> for PeerConnection {
         &mut self,
         rpc: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
-    ) -> Result<InstallSnapshotResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>>
-    {
+    ) -> Result<
+        InstallSnapshotResponse<NodeId>,
+        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+    > {
         self.call(Rpc::InstallSnapshot, &rpc, &option).await
     }
 

@@ -124,6 +124,13 @@ impl Default for PoolState {
     }
 }
 
+fn engine_failure() -> CommandResult {
+    failed(
+        ErrorCode::Internal,
+        "the placement engine failed on this request (a bug in vgpu); it was not applied; please report it with the control-plane logs",
+    )
+}
+
 fn failed(code: ErrorCode, message: impl Into<String>) -> CommandResult {
     CommandResult::Failed {
         code,
@@ -153,7 +160,9 @@ impl PoolState {
             } => self.place(index, name, request, unix_ms),
             Command::Release { name, unix_ms } => self.release(index, name, unix_ms),
             Command::Retry { unix_ms } => {
-                let commands = self.engine.handle(Event::Retry);
+                let Some(commands) = self.handle_guarded(Event::Retry) else {
+                    return engine_failure();
+                };
                 self.record(index, unix_ms, commands, None);
                 CommandResult::Done
             }
@@ -171,7 +180,9 @@ impl PoolState {
             return failed(ErrorCode::InvalidArgument, message);
         }
         let name = spec.name.clone();
-        let commands = self.engine.handle(Event::AddNode(spec));
+        let Some(commands) = self.handle_guarded(Event::AddNode(spec)) else {
+            return engine_failure();
+        };
         let record = NodeRecord {
             address,
             registered_unix_ms: unix_ms,
@@ -284,6 +295,26 @@ impl PoolState {
             "a released tenant is removed"
         );
         CommandResult::Done
+    }
+
+    /// Runs the engine on one event. A panic inside the engine is a bug, but letting it unwind
+    /// would stop every replica at the same log entry, and again at every restart (a poison
+    /// entry). So it is caught and the command fails; every replica catches it at the same point
+    /// and stays identical.
+    fn handle_guarded(&mut self, event: Event) -> Option<Vec<placement::Command>> {
+        let engine = &mut self.engine;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.handle(event))) {
+            Ok(commands) => Some(commands),
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                tracing::error!(%message, "the placement engine panicked; the command was refused (this is a bug)");
+                None
+            }
+        }
     }
 
     /// Applies the engine's decisions to the tenant records. Returns the rejection reason of

@@ -229,3 +229,114 @@ fn the_state_survives_a_serialization_round_trip() {
     let right = place(&mut restored, 3, "b", fraction(300, 10));
     assert_eq!(left, right, "a restored state decides like the original");
 }
+
+/// Regression: releasing a gang while a larger gang waits used to panic in the engine
+/// ("placed tenants are counted"), which would stop every replica at the same entry.
+#[test]
+fn release_with_a_pending_gang_behind_it() {
+    for gpus_per_node in [4u32, 8] {
+        let mut state = PoolState::default();
+        let spec = NodeSpec {
+            name: "node-a".into(),
+            labels: BTreeMap::new(),
+            gpus: (0..gpus_per_node)
+                .map(|i| placement::GpuSpec {
+                    nvlink_peers: (0..gpus_per_node)
+                        .filter(|&p| p != i)
+                        .map(|p| (p, 18))
+                        .collect(),
+                    ..gpu("node-a", i)
+                })
+                .collect(),
+        };
+        state.apply(
+            1,
+            Command::RegisterNode {
+                spec,
+                address: String::new(),
+                unix_ms: 0,
+            },
+        );
+        let burst = v1::PlacementRequest {
+            burst: true,
+            ..fraction(250, 20)
+        };
+        place(&mut state, 2, "infer-a", burst);
+        let nvlink = v1::PlacementRequest {
+            nvlink: v1::NvlinkPolicy::Require as i32,
+            ..whole(2)
+        };
+        place(&mut state, 3, "train", nvlink);
+        place(&mut state, 4, "big", whole(gpus_per_node));
+        assert_eq!(
+            state.apply(
+                5,
+                Command::Release {
+                    name: "train".into(),
+                    unix_ms: 5
+                }
+            ),
+            CommandResult::Done
+        );
+        state.engine.check_invariants();
+        assert_eq!(
+            state.apply(
+                6,
+                Command::Release {
+                    name: "infer-a".into(),
+                    unix_ms: 6
+                }
+            ),
+            CommandResult::Done
+        );
+        state.engine.check_invariants();
+        assert_eq!(state.tenants["big"].state, TenantState::Placed);
+    }
+}
+
+/// An agent that restarts re-registers its node; placed tenants keep (or move off) their slices
+/// and the engine's accounting stays whole through later releases.
+#[test]
+fn re_registration_keeps_accounting_whole() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    place(&mut state, 2, "infer-a", fraction(250, 20));
+    place(&mut state, 3, "train", whole(2));
+    place(&mut state, 4, "big", whole(4));
+    register(&mut state, 5, "node-a");
+    state.engine.check_invariants();
+    assert_eq!(state.tenants["train"].state, TenantState::Placed);
+    let mut changed = node("node-a");
+    changed.gpus.pop();
+    state.apply(
+        6,
+        Command::RegisterNode {
+            spec: changed,
+            address: String::new(),
+            unix_ms: 6,
+        },
+    );
+    state.engine.check_invariants();
+    for (index, name) in [(7, "train"), (8, "infer-a"), (9, "big")] {
+        assert_eq!(
+            state.apply(
+                index,
+                Command::Release {
+                    name: name.into(),
+                    unix_ms: 0
+                }
+            ),
+            CommandResult::Done
+        );
+        state.engine.check_invariants();
+    }
+    let lost = Command::SetNodeState {
+        node: "node-a".into(),
+        state: placement::NodeState::Lost,
+        reason: String::new(),
+        unix_ms: 0,
+    };
+    state.apply(10, lost);
+    register(&mut state, 11, "node-a");
+    state.engine.check_invariants();
+}

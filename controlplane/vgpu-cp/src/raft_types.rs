@@ -11,6 +11,7 @@ openraft::declare_raft_types!(
         R = CommandResult,
         NodeId = u64,
         Node = openraft::BasicNode,
+        AsyncRuntime = crate::runtime::VgpuRuntime,
 );
 
 pub type NodeId = u64;
@@ -27,7 +28,9 @@ pub fn encode<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, bincode::error:
     bincode::serde::encode_to_vec(value, bincode::config::standard())
 }
 
-pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, bincode::error::DecodeError> {
+pub fn decode<T: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+) -> Result<T, bincode::error::DecodeError> {
     let (value, read) = bincode::serde::decode_from_slice(bytes, bincode::config::standard())?;
     if read != bytes.len() {
         return Err(bincode::error::DecodeError::OtherString(format!(

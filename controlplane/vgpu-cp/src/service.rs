@@ -28,7 +28,12 @@ fn invalid(message: impl std::fmt::Display) -> Status {
 
 fn result_to_tenant(result: CommandResult, service: &Service) -> Result<v1::Tenant, Status> {
     match result {
-        CommandResult::Tenant(record) => Ok(service.control_plane.shared.read().pool.tenant_to_proto(&record)),
+        CommandResult::Tenant(record) => Ok(service
+            .control_plane
+            .shared
+            .read()
+            .pool
+            .tenant_to_proto(&record)),
         CommandResult::Failed { code, message } => Err(code.status(message)),
         CommandResult::Done => Err(ErrorCode::Internal.status("the write returned no tenant")),
     }
@@ -43,15 +48,27 @@ fn result_to_unit(result: CommandResult) -> Result<(), Status> {
 
 impl Service {
     async fn read_prepare(&self, stale: bool) -> Result<(), Status> {
-        if stale { Ok(()) } else { self.control_plane.linearize().await }
+        if stale {
+            Ok(())
+        } else {
+            self.control_plane.linearize().await
+        }
     }
 
     async fn node(&self, name: &str) -> Result<v1::Node, Status> {
         let node = self.control_plane.shared.read().pool.node_to_proto(name);
         let Some(mut node) = node else {
-            return Err(ErrorCode::NodeNotFound.status(format!("no node is named `{name}`; `vgpuctl get nodes` lists them")));
+            return Err(ErrorCode::NodeNotFound.status(format!(
+                "no node is named `{name}`; `vgpuctl get nodes` lists them"
+            )));
         };
-        node.last_heartbeat_unix_ms = self.control_plane.last_heartbeats().await.get(name).copied().unwrap_or(0);
+        node.last_heartbeat_unix_ms = self
+            .control_plane
+            .last_heartbeats()
+            .await
+            .get(name)
+            .copied()
+            .unwrap_or(0);
         Ok(node)
     }
 
@@ -75,7 +92,11 @@ impl Service {
                 id: *id,
                 address: node.addr.clone(),
                 voter: membership.voter_ids().any(|voter| voter == *id),
-                matched_index: matched.get(id).copied().flatten().map_or(0, |log_id| log_id.index),
+                matched_index: matched
+                    .get(id)
+                    .copied()
+                    .flatten()
+                    .map_or(0, |log_id| log_id.index),
             })
             .collect();
         v1::ClusterStatus {
@@ -92,48 +113,89 @@ impl Service {
 
 #[tonic::async_trait]
 impl v1::pool_server::Pool for Service {
-    async fn place(&self, request: Request<v1::PlaceRequest>) -> Result<Response<v1::PlaceResponse>, Status> {
+    async fn place(
+        &self,
+        request: Request<v1::PlaceRequest>,
+    ) -> Result<Response<v1::PlaceResponse>, Status> {
         let request = request.into_inner();
         api::names::validate("tenant", &request.name).map_err(invalid)?;
-        let placement = request.request.ok_or_else(|| invalid("the placement request is missing"))?;
+        let placement = request
+            .request
+            .ok_or_else(|| invalid("the placement request is missing"))?;
         api::validate::validate_request(&placement).map_err(invalid)?;
-        let command = Command::Place { name: request.name, request: placement.encode_to_vec(), unix_ms: unix_ms() };
+        let command = Command::Place {
+            name: request.name,
+            request: placement.encode_to_vec(),
+            unix_ms: unix_ms(),
+        };
         let result = self.control_plane.write(command).await?;
         let tenant = result_to_tenant(result, self)?;
-        Ok(Response::new(v1::PlaceResponse { tenant: Some(tenant) }))
+        Ok(Response::new(v1::PlaceResponse {
+            tenant: Some(tenant),
+        }))
     }
 
-    async fn release(&self, request: Request<v1::ReleaseRequest>) -> Result<Response<v1::ReleaseResponse>, Status> {
+    async fn release(
+        &self,
+        request: Request<v1::ReleaseRequest>,
+    ) -> Result<Response<v1::ReleaseResponse>, Status> {
         let name = request.into_inner().name;
         api::names::validate("tenant", &name).map_err(invalid)?;
-        result_to_unit(self.control_plane.write(Command::Release { name, unix_ms: unix_ms() }).await?)?;
+        result_to_unit(
+            self.control_plane
+                .write(Command::Release {
+                    name,
+                    unix_ms: unix_ms(),
+                })
+                .await?,
+        )?;
         Ok(Response::new(v1::ReleaseResponse {}))
     }
 
-    async fn get_tenant(&self, request: Request<v1::GetTenantRequest>) -> Result<Response<v1::Tenant>, Status> {
+    async fn get_tenant(
+        &self,
+        request: Request<v1::GetTenantRequest>,
+    ) -> Result<Response<v1::Tenant>, Status> {
         let request = request.into_inner();
         self.read_prepare(request.stale).await?;
         let applied = self.control_plane.shared.read();
         let record = applied.pool.tenants.get(&request.name).ok_or_else(|| {
-            ErrorCode::TenantNotFound.status(format!("no tenant is named `{}`; `vgpuctl get tenants` lists them", request.name))
+            ErrorCode::TenantNotFound.status(format!(
+                "no tenant is named `{}`; `vgpuctl get tenants` lists them",
+                request.name
+            ))
         })?;
         Ok(Response::new(applied.pool.tenant_to_proto(record)))
     }
 
-    async fn list_tenants(&self, request: Request<v1::ListRequest>) -> Result<Response<v1::ListTenantsResponse>, Status> {
+    async fn list_tenants(
+        &self,
+        request: Request<v1::ListRequest>,
+    ) -> Result<Response<v1::ListTenantsResponse>, Status> {
         self.read_prepare(request.into_inner().stale).await?;
         let applied = self.control_plane.shared.read();
-        let tenants = applied.pool.tenants.values().map(|record| applied.pool.tenant_to_proto(record)).collect();
+        let tenants = applied
+            .pool
+            .tenants
+            .values()
+            .map(|record| applied.pool.tenant_to_proto(record))
+            .collect();
         Ok(Response::new(v1::ListTenantsResponse { tenants }))
     }
 
-    async fn get_node(&self, request: Request<v1::GetNodeRequest>) -> Result<Response<v1::Node>, Status> {
+    async fn get_node(
+        &self,
+        request: Request<v1::GetNodeRequest>,
+    ) -> Result<Response<v1::Node>, Status> {
         let request = request.into_inner();
         self.read_prepare(request.stale).await?;
         Ok(Response::new(self.node(&request.name).await?))
     }
 
-    async fn list_nodes(&self, request: Request<v1::ListRequest>) -> Result<Response<v1::ListNodesResponse>, Status> {
+    async fn list_nodes(
+        &self,
+        request: Request<v1::ListRequest>,
+    ) -> Result<Response<v1::ListNodesResponse>, Status> {
         self.read_prepare(request.into_inner().stale).await?;
         let heartbeats = self.control_plane.last_heartbeats().await;
         let applied = self.control_plane.shared.read();
@@ -150,12 +212,28 @@ impl v1::pool_server::Pool for Service {
         Ok(Response::new(v1::ListNodesResponse { nodes }))
     }
 
-    async fn drain(&self, request: Request<v1::DrainRequest>) -> Result<Response<v1::DrainResponse>, Status> {
-        self.set_state(request.into_inner().node, placement::NodeState::Draining, "drained by an operator").await
+    async fn drain(
+        &self,
+        request: Request<v1::DrainRequest>,
+    ) -> Result<Response<v1::DrainResponse>, Status> {
+        self.set_state(
+            request.into_inner().node,
+            placement::NodeState::Draining,
+            "drained by an operator",
+        )
+        .await
     }
 
-    async fn uncordon(&self, request: Request<v1::DrainRequest>) -> Result<Response<v1::DrainResponse>, Status> {
-        self.set_state(request.into_inner().node, placement::NodeState::Ready, "made schedulable by an operator").await
+    async fn uncordon(
+        &self,
+        request: Request<v1::DrainRequest>,
+    ) -> Result<Response<v1::DrainResponse>, Status> {
+        self.set_state(
+            request.into_inner().node,
+            placement::NodeState::Ready,
+            "made schedulable by an operator",
+        )
+        .await
     }
 }
 
@@ -167,26 +245,48 @@ impl Service {
         reason: &str,
     ) -> Result<Response<v1::DrainResponse>, Status> {
         api::names::validate("node", &node).map_err(invalid)?;
-        let command = Command::SetNodeState { node: node.clone(), state, reason: reason.to_owned(), unix_ms: unix_ms() };
+        let command = Command::SetNodeState {
+            node: node.clone(),
+            state,
+            reason: reason.to_owned(),
+            unix_ms: unix_ms(),
+        };
         result_to_unit(self.control_plane.write(command).await?)?;
-        Ok(Response::new(v1::DrainResponse { node: Some(self.node(&node).await?) }))
+        Ok(Response::new(v1::DrainResponse {
+            node: Some(self.node(&node).await?),
+        }))
     }
 }
 
 #[tonic::async_trait]
 impl v1::agent_server::Agent for Service {
-    async fn register(&self, request: Request<v1::RegisterRequest>) -> Result<Response<v1::RegisterResponse>, Status> {
-        let node = request.into_inner().node.ok_or_else(|| invalid("the node is missing"))?;
+    async fn register(
+        &self,
+        request: Request<v1::RegisterRequest>,
+    ) -> Result<Response<v1::RegisterResponse>, Status> {
+        let node = request
+            .into_inner()
+            .node
+            .ok_or_else(|| invalid("the node is missing"))?;
         let spec = node_spec_from_proto(&node);
         validate_node_spec(&spec).map_err(invalid)?;
-        let command = Command::RegisterNode { spec, address: node.address, unix_ms: unix_ms() };
+        let command = Command::RegisterNode {
+            spec,
+            address: node.address,
+            unix_ms: unix_ms(),
+        };
         result_to_unit(self.control_plane.write(command).await?)?;
         self.control_plane.heartbeat(&node.name).await?;
         let interval = self.control_plane.timings.heartbeat_interval.as_millis() as u32;
-        Ok(Response::new(v1::RegisterResponse { heartbeat_interval_ms: interval }))
+        Ok(Response::new(v1::RegisterResponse {
+            heartbeat_interval_ms: interval,
+        }))
     }
 
-    async fn heartbeat(&self, request: Request<v1::HeartbeatRequest>) -> Result<Response<v1::HeartbeatResponse>, Status> {
+    async fn heartbeat(
+        &self,
+        request: Request<v1::HeartbeatRequest>,
+    ) -> Result<Response<v1::HeartbeatResponse>, Status> {
         let node = request.into_inner().node;
         api::names::validate("node", &node).map_err(invalid)?;
         let known = self.control_plane.heartbeat(&node).await?;
@@ -201,8 +301,17 @@ impl v1::agent_server::Agent for Service {
     ) -> Result<Response<Self::WatchAssignmentsStream>, Status> {
         let node = request.into_inner().node;
         api::names::validate("node", &node).map_err(invalid)?;
-        if !self.control_plane.shared.read().pool.nodes.contains_key(&node) {
-            return Err(ErrorCode::NodeNotFound.status(format!("node `{node}` is not registered; register it first")));
+        if !self
+            .control_plane
+            .shared
+            .read()
+            .pool
+            .nodes
+            .contains_key(&node)
+        {
+            return Err(ErrorCode::NodeNotFound.status(format!(
+                "node `{node}` is not registered; register it first"
+            )));
         }
         let (sender, receiver) = tokio::sync::mpsc::channel(WATCH_BUFFER_MAX);
         let shared = self.control_plane.shared.clone();
@@ -217,7 +326,9 @@ impl v1::agent_server::Agent for Service {
                     (last_sent != Some(revision)).then(|| v1::Assignments {
                         revision,
                         assignments,
-                        node_state: state.map_or(v1::NodeState::Unspecified, crate::pool::node_state_to_proto) as i32,
+                        node_state: state
+                            .map_or(v1::NodeState::Unspecified, crate::pool::node_state_to_proto)
+                            as i32,
                     })
                 };
                 if let Some(message) = message {
@@ -238,31 +349,55 @@ impl v1::agent_server::Agent for Service {
 
 #[tonic::async_trait]
 impl v1::cluster_server::Cluster for Service {
-    async fn status(&self, _: Request<v1::ClusterStatusRequest>) -> Result<Response<v1::ClusterStatus>, Status> {
+    async fn status(
+        &self,
+        _: Request<v1::ClusterStatusRequest>,
+    ) -> Result<Response<v1::ClusterStatus>, Status> {
         Ok(Response::new(self.status()))
     }
 
-    async fn add_member(&self, request: Request<v1::AddMemberRequest>) -> Result<Response<v1::ClusterStatus>, Status> {
+    async fn add_member(
+        &self,
+        request: Request<v1::AddMemberRequest>,
+    ) -> Result<Response<v1::ClusterStatus>, Status> {
         let request = request.into_inner();
         if request.id == 0 {
             return Err(invalid("member ids start at 1"));
         }
-        if request.address.parse::<std::net::SocketAddr>().is_err() && !request.address.contains(':') {
-            return Err(invalid(format!("`{}` is not a HOST:PORT address", request.address)));
+        if request.address.parse::<std::net::SocketAddr>().is_err()
+            && !request.address.contains(':')
+        {
+            return Err(invalid(format!(
+                "`{}` is not a HOST:PORT address",
+                request.address
+            )));
         }
-        self.control_plane.add_member(request.id, request.address).await?;
+        self.control_plane
+            .add_member(request.id, request.address)
+            .await?;
         Ok(Response::new(self.status()))
     }
 
-    async fn remove_member(&self, request: Request<v1::RemoveMemberRequest>) -> Result<Response<v1::ClusterStatus>, Status> {
-        self.control_plane.remove_member(request.into_inner().id).await?;
+    async fn remove_member(
+        &self,
+        request: Request<v1::RemoveMemberRequest>,
+    ) -> Result<Response<v1::ClusterStatus>, Status> {
+        self.control_plane
+            .remove_member(request.into_inner().id)
+            .await?;
         Ok(Response::new(self.status()))
     }
 }
 
-fn reply<T: serde::Serialize>(value: &T, cluster_id: &str) -> Result<Response<RaftPayload>, Status> {
+fn reply<T: serde::Serialize>(
+    value: &T,
+    cluster_id: &str,
+) -> Result<Response<RaftPayload>, Status> {
     let data = encode(value).map_err(|e| ErrorCode::Internal.status(e))?;
-    Ok(Response::new(RaftPayload { data, cluster_id: cluster_id.to_owned() }))
+    Ok(Response::new(RaftPayload {
+        data,
+        cluster_id: cluster_id.to_owned(),
+    }))
 }
 
 fn undecodable(error: impl std::fmt::Display) -> Status {
@@ -271,11 +406,15 @@ fn undecodable(error: impl std::fmt::Display) -> Status {
 
 #[tonic::async_trait]
 impl v1::raft_server::Raft for Service {
-    async fn append_entries(&self, request: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
+    async fn append_entries(
+        &self,
+        request: Request<RaftPayload>,
+    ) -> Result<Response<RaftPayload>, Status> {
         let payload = request.into_inner();
         self.check_cluster(&payload.cluster_id)?;
         let message = decode(&payload.data).map_err(undecodable)?;
-        let result: Result<_, RaftError<u64>> = self.control_plane.raft.append_entries(message).await;
+        let result: Result<_, RaftError<u64>> =
+            self.control_plane.raft.append_entries(message).await;
         reply(&result, &self.control_plane.cluster_id)
     }
 
@@ -287,7 +426,10 @@ impl v1::raft_server::Raft for Service {
         reply(&result, &self.control_plane.cluster_id)
     }
 
-    async fn install_snapshot(&self, request: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
+    async fn install_snapshot(
+        &self,
+        request: Request<RaftPayload>,
+    ) -> Result<Response<RaftPayload>, Status> {
         let payload = request.into_inner();
         self.check_cluster(&payload.cluster_id)?;
         let message = decode(&payload.data).map_err(undecodable)?;
@@ -295,7 +437,10 @@ impl v1::raft_server::Raft for Service {
         reply(&result, &self.control_plane.cluster_id)
     }
 
-    async fn forward(&self, request: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
+    async fn forward(
+        &self,
+        request: Request<RaftPayload>,
+    ) -> Result<Response<RaftPayload>, Status> {
         let payload = request.into_inner();
         self.check_cluster(&payload.cluster_id)?;
         let message: ForwardRequest = decode(&payload.data).map_err(undecodable)?;

@@ -7,7 +7,9 @@ use openraft::testing::{StoreBuilder, Suite};
 struct Builder;
 
 impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, tempfile::TempDir> for Builder {
-    async fn build(&self) -> Result<(tempfile::TempDir, LogStore, StateMachineStore), StorageError> {
+    async fn build(
+        &self,
+    ) -> Result<(tempfile::TempDir, LogStore, StateMachineStore), StorageError> {
         let directory = tempfile::tempdir().expect("a temporary directory");
         let log = LogStore::open(&directory.path().join("raft.redb")).expect("open the log");
         let (state_machine, _) = StateMachineStore::open(directory.path())?;

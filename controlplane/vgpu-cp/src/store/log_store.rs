@@ -33,12 +33,22 @@ impl LogStore {
         transaction.open_table(LOGS)?;
         transaction.open_table(META)?;
         transaction.commit()?;
-        Ok(LogStore { database: Arc::new(database) })
+        Ok(LogStore {
+            database: Arc::new(database),
+        })
     }
 
-    fn read_meta<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StorageError> {
-        let transaction = self.database.begin_read().map_err(|e| StorageIOError::read(&e))?;
-        let table = transaction.open_table(META).map_err(|e| StorageIOError::read(&e))?;
+    fn read_meta<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Option<T>, StorageError> {
+        let transaction = self
+            .database
+            .begin_read()
+            .map_err(|e| StorageIOError::read(&e))?;
+        let table = transaction
+            .open_table(META)
+            .map_err(|e| StorageIOError::read(&e))?;
         let Some(bytes) = table.get(key).map_err(|e| StorageIOError::read(&e))? else {
             return Ok(None);
         };
@@ -58,13 +68,19 @@ impl LogStore {
     }
 
     fn last_entry(&self) -> Result<Option<LogId>, StorageError> {
-        let transaction = self.database.begin_read().map_err(|e| StorageIOError::read_logs(&e))?;
-        let table = transaction.open_table(LOGS).map_err(|e| StorageIOError::read_logs(&e))?;
+        let transaction = self
+            .database
+            .begin_read()
+            .map_err(|e| StorageIOError::read_logs(&e))?;
+        let table = transaction
+            .open_table(LOGS)
+            .map_err(|e| StorageIOError::read_logs(&e))?;
         let last = table.last().map_err(|e| StorageIOError::read_logs(&e))?;
         match last {
             None => Ok(None),
             Some((_, bytes)) => {
-                let entry: Entry = decode(bytes.value()).map_err(|e| StorageIOError::read_logs(&e))?;
+                let entry: Entry =
+                    decode(bytes.value()).map_err(|e| StorageIOError::read_logs(&e))?;
                 Ok(Some(entry.log_id))
             }
         }
@@ -76,21 +92,33 @@ impl RaftLogReader<TypeConfig> for LogStore {
         &mut self,
         range: RB,
     ) -> Result<Vec<Entry>, StorageError> {
-        let transaction = self.database.begin_read().map_err(|e| StorageIOError::read_logs(&e))?;
-        let table = transaction.open_table(LOGS).map_err(|e| StorageIOError::read_logs(&e))?;
+        let transaction = self
+            .database
+            .begin_read()
+            .map_err(|e| StorageIOError::read_logs(&e))?;
+        let table = transaction
+            .open_table(LOGS)
+            .map_err(|e| StorageIOError::read_logs(&e))?;
         let start = match range.start_bound() {
             Bound::Included(&index) => index,
             Bound::Excluded(&index) => index + 1,
             Bound::Unbounded => 0,
         };
         let mut entries = Vec::new();
-        for item in table.range(start..).map_err(|e| StorageIOError::read_logs(&e))? {
+        for item in table
+            .range(start..)
+            .map_err(|e| StorageIOError::read_logs(&e))?
+        {
             let (index, bytes) = item.map_err(|e| StorageIOError::read_logs(&e))?;
             if !range.contains(&index.value()) {
                 break;
             }
             let entry: Entry = decode(bytes.value()).map_err(|e| StorageIOError::read_logs(&e))?;
-            assert_eq!(entry.log_id.index, index.value(), "log entry stored under the wrong key");
+            assert_eq!(
+                entry.log_id.index,
+                index.value(),
+                "log entry stored under the wrong key"
+            );
             entries.push(entry);
         }
         Ok(entries)
@@ -103,7 +131,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
         let last_purged_log_id: Option<LogId> = self.read_meta(KEY_LAST_PURGED)?;
         let last_log_id = self.last_entry()?.or(last_purged_log_id);
-        Ok(LogState { last_purged_log_id, last_log_id })
+        Ok(LogState {
+            last_purged_log_id,
+            last_log_id,
+        })
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -111,7 +142,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError> {
-        self.write_meta(KEY_VOTE, vote).map_err(|e| StorageIOError::write_vote(&e))?;
+        self.write_meta(KEY_VOTE, vote)
+            .map_err(|e| StorageIOError::write_vote(&e))?;
         Ok(())
     }
 
@@ -122,7 +154,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
         // Not needed for safety (Raft re-derives it); it lets a restarted node re-apply what it
         // knows is committed before it hears from a leader.
-        self.write_meta(KEY_COMMITTED, &committed).map_err(|e| StorageIOError::write(&e))?;
+        self.write_meta(KEY_COMMITTED, &committed)
+            .map_err(|e| StorageIOError::write(&e))?;
         Ok(())
     }
 
@@ -130,7 +163,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         Ok(self.read_meta::<Option<LogId>>(KEY_COMMITTED)?.flatten())
     }
 
-    async fn append<I>(&mut self, entries: I, callback: LogFlushed<TypeConfig>) -> Result<(), StorageError>
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError>
     where
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
@@ -179,7 +216,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
         tracing::debug!(%log_id, "purging the log up to this entry");
         let previous: Option<LogId> = self.read_meta(KEY_LAST_PURGED)?;
-        assert!(previous.map_or(true, |p| p.index <= log_id.index), "purge must move forward");
+        assert!(
+            previous.is_none_or(|p| p.index <= log_id.index),
+            "purge must move forward"
+        );
         let result = (|| -> Result<(), redb::Error> {
             let transaction = self.database.begin_write()?;
             {

@@ -7,7 +7,9 @@
 //! directory fsynced; each carries a checksum that is verified when it is read back.
 
 use crate::pool::{CommandResult, PoolState};
-use crate::raft_types::{Entry, LogId, SnapshotMeta, StorageError, StoredMembership, TypeConfig, decode, encode};
+use crate::raft_types::{
+    Entry, LogId, SnapshotMeta, StorageError, StoredMembership, TypeConfig, decode, encode,
+};
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder, StorageIOError};
 use serde::{Deserialize, Serialize};
@@ -36,7 +38,9 @@ pub struct Shared {
 
 impl Shared {
     pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Applied> {
-        self.applied.read().expect("a panic while holding the state lock is a bug")
+        self.applied
+            .read()
+            .expect("a panic while holding the state lock is a bug")
     }
 }
 
@@ -66,13 +70,24 @@ impl StateMachineStore {
             Ok(bytes) => {
                 let file = decode_snapshot(&bytes)?;
                 tracing::info!(last_log_id = ?file.meta.last_log_id, "restored the state machine from its snapshot");
-                (file.applied, Some(StoredSnapshot { meta: file.meta, bytes }))
+                (
+                    file.applied,
+                    Some(StoredSnapshot {
+                        meta: file.meta,
+                        bytes,
+                    }),
+                )
             }
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => (Applied::default(), None),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                (Applied::default(), None)
+            }
             Err(error) => return Err(StorageIOError::read_snapshot(None, &error).into()),
         };
         let index = applied.last_applied.map_or(0, |id| id.index);
-        let shared = Arc::new(Shared { applied: RwLock::new(applied), applied_index: watch::channel(index).0 });
+        let shared = Arc::new(Shared {
+            applied: RwLock::new(applied),
+            applied_index: watch::channel(index).0,
+        });
         let store = StateMachineStore {
             shared: shared.clone(),
             directory: directory.to_owned(),
@@ -96,18 +111,30 @@ fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotFile, StorageError> {
         StorageIOError::read_snapshot(None, &std::io::Error::other(message)).into()
     };
     if bytes.len() < 8 {
-        return Err(corrupt(format!("snapshot of {} bytes is truncated", bytes.len())));
+        return Err(corrupt(format!(
+            "snapshot of {} bytes is truncated",
+            bytes.len()
+        )));
     }
     let (head, body) = bytes.split_at(8);
     let expected = u64::from_le_bytes(head.try_into().expect("8 bytes"));
     if checksum(body) != expected {
-        return Err(corrupt("snapshot checksum mismatch: the file is corrupt".to_owned()));
+        return Err(corrupt(
+            "snapshot checksum mismatch: the file is corrupt".to_owned(),
+        ));
     }
-    let file: SnapshotFile = decode(body).map_err(|e| corrupt(format!("undecodable snapshot: {e}")))?;
+    let file: SnapshotFile =
+        decode(body).map_err(|e| corrupt(format!("undecodable snapshot: {e}")))?;
     if file.format_version != SNAPSHOT_FORMAT_VERSION {
-        return Err(corrupt(format!("snapshot format {} is not {SNAPSHOT_FORMAT_VERSION}", file.format_version)));
+        return Err(corrupt(format!(
+            "snapshot format {} is not {SNAPSHOT_FORMAT_VERSION}",
+            file.format_version
+        )));
     }
-    assert_eq!(file.meta.last_log_id, file.applied.last_applied, "snapshot meta and content disagree");
+    assert_eq!(
+        file.meta.last_log_id, file.applied.last_applied,
+        "snapshot meta and content disagree"
+    );
     Ok(file)
 }
 
@@ -149,7 +176,11 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 applied.last_applied.map_or(0, |id| id.index)
             ),
         };
-        let file = SnapshotFile { format_version: SNAPSHOT_FORMAT_VERSION, meta: meta.clone(), applied };
+        let file = SnapshotFile {
+            format_version: SNAPSHOT_FORMAT_VERSION,
+            meta: meta.clone(),
+            applied,
+        };
         let directory = self.directory.clone();
         let bytes = tokio::task::spawn_blocking(move || {
             let bytes = encode_snapshot(&file);
@@ -162,8 +193,14 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
         tracing::info!(snapshot = %meta.snapshot_id, size_bytes = bytes.len(), "wrote a snapshot");
         let data = Box::new(Cursor::new(bytes.clone()));
-        *self.current.lock().expect("snapshot lock") = Some(StoredSnapshot { meta: meta.clone(), bytes });
-        Ok(Snapshot { meta, snapshot: data })
+        *self.current.lock().expect("snapshot lock") = Some(StoredSnapshot {
+            meta: meta.clone(),
+            bytes,
+        });
+        Ok(Snapshot {
+            meta,
+            snapshot: data,
+        })
     }
 }
 
@@ -185,13 +222,17 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             let mut applied = self.shared.applied.write().expect("state lock");
             for entry in entries {
                 assert!(
-                    applied.last_applied.map_or(true, |last| last.index < entry.log_id.index),
+                    applied
+                        .last_applied
+                        .is_none_or(|last| last.index < entry.log_id.index),
                     "entries are applied once, in order"
                 );
                 applied.last_applied = Some(entry.log_id);
                 let result = match entry.payload {
                     EntryPayload::Blank => CommandResult::Done,
-                    EntryPayload::Normal(command) => applied.pool.apply(entry.log_id.index, command),
+                    EntryPayload::Normal(command) => {
+                        applied.pool.apply(entry.log_id.index, command)
+                    }
                     EntryPayload::Membership(membership) => {
                         applied.membership = StoredMembership::new(Some(entry.log_id), membership);
                         CommandResult::Done
@@ -206,17 +247,28 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
-        SnapshotBuilder { shared: self.shared.clone(), directory: self.directory.clone(), current: self.current.clone() }
+        SnapshotBuilder {
+            shared: self.shared.clone(),
+            directory: self.directory.clone(),
+            current: self.current.clone(),
+        }
     }
 
     async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
         Ok(Box::new(Cursor::new(Vec::new())))
     }
 
-    async fn install_snapshot(&mut self, meta: &SnapshotMeta, snapshot: Box<Cursor<Vec<u8>>>) -> Result<(), StorageError> {
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
         let bytes = snapshot.into_inner();
         let file = decode_snapshot(&bytes)?;
-        assert_eq!(&file.meta.last_log_id, &meta.last_log_id, "installed snapshot is the one announced");
+        assert_eq!(
+            &file.meta.last_log_id, &meta.last_log_id,
+            "installed snapshot is the one announced"
+        );
         let directory = self.directory.clone();
         let to_write = bytes.clone();
         tokio::task::spawn_blocking(move || write_durably(&directory, &to_write))
@@ -225,7 +277,10 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
         let index = file.applied.last_applied.map_or(0, |id| id.index);
         *self.shared.applied.write().expect("state lock") = file.applied;
-        *self.current.lock().expect("snapshot lock") = Some(StoredSnapshot { meta: meta.clone(), bytes });
+        *self.current.lock().expect("snapshot lock") = Some(StoredSnapshot {
+            meta: meta.clone(),
+            bytes,
+        });
         self.shared.applied_index.send_replace(index);
         tracing::info!(snapshot = %meta.snapshot_id, "installed a snapshot from the leader");
         Ok(())

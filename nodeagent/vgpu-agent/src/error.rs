@@ -1,0 +1,151 @@
+//! The one error type of the agent library. Every message says what happened and what to do next;
+//! `main` wraps it in `anyhow` only to print it.
+
+use std::path::PathBuf;
+
+use crate::inventory::MAX_GPUS_PER_NODE;
+
+/// Everything the agent library can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "real GPU discovery (NVML) is not built yet; pass --simulate SPEC, e.g. --simulate 8xH100-80GB"
+    )]
+    NvmlNotBuilt,
+
+    #[error(
+        "cannot read the GPU spec `{spec}`; write COUNTxMODEL-MEMORY such as `8xH100-80GB`, or the path of a .toml or .json topology file"
+    )]
+    SpecMalformed { spec: String },
+    #[error(
+        "the GPU count `{count}` in `{spec}` is not a number; write COUNTxMODEL-MEMORY such as `8xH100-80GB`"
+    )]
+    SpecBadCount { spec: String, count: String },
+    #[error("the GPU spec `{spec}` asks for 0 GPUs; a node needs at least 1, e.g. `1xH100-80GB`")]
+    SpecZeroGpus { spec: String },
+    #[error(
+        "the GPU spec `{spec}` asks for {count} GPUs; the limit is {MAX_GPUS_PER_NODE} per node"
+    )]
+    SpecTooManyGpus { spec: String, count: u64 },
+    #[error(
+        "the model `{model}` in `{spec}` has no memory size; end it with the memory in GB, e.g. `{model}-80GB`"
+    )]
+    SpecNoMemory { spec: String, model: String },
+    #[error(
+        "the memory `{memory}` in `{spec}` is not a size in GB; write e.g. `80GB` (a whole number of GB, more than 0)"
+    )]
+    SpecBadMemory { spec: String, memory: String },
+
+    #[error("the topology file `{path}` has an unknown extension; name it `*.toml` or `*.json`")]
+    TopologyExtension { path: PathBuf },
+    #[error("cannot read the topology file `{path}`: {source}")]
+    TopologyRead {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot parse the topology file `{path}`: {message}")]
+    TopologyParse { path: PathBuf, message: String },
+    #[error("the topology file `{path}` is invalid: {problem}")]
+    TopologyInvalid {
+        path: PathBuf,
+        problem: TopologyProblem,
+    },
+
+    #[error(transparent)]
+    Name(#[from] api::names::NameError),
+    #[error("the label `{0}` is not KEY=VALUE with a non-empty key, e.g. `zone=a`")]
+    BadLabel(String),
+    #[error("the control plane at {address} refused to register this node: {message}")]
+    RegisterRefused { address: String, message: String },
+    #[error("no control-plane address given; pass --control-plane HOST:PORT[,HOST:PORT...]")]
+    NoControlPlane,
+    #[error("the control-plane address `{address}` is not usable: {source_message}")]
+    BadEndpoint {
+        address: String,
+        source_message: String,
+    },
+
+    #[error(
+        "no usable state directory: `{path}` cannot be created or written ({source}); pass --state-dir DIR or set VGPU_AGENT_STATE_DIR"
+    )]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot {action} `{path}`: {source}")]
+    StateIo {
+        action: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "the state file `{path}` belongs to node `{found}`, not `{expected}`; give each node its own --state-dir"
+    )]
+    StateOtherNode {
+        path: PathBuf,
+        found: String,
+        expected: String,
+    },
+    #[error(
+        "the state file `{path}` is damaged ({message}); it is ignored and rebuilt from the control plane's assignments"
+    )]
+    StateCorrupt { path: PathBuf, message: String },
+    #[error(
+        "the state file `{path}` has format {found}; this agent reads format {expected}. Move it away to start afresh (the control plane re-sends the assignments)"
+    )]
+    StateFormat {
+        path: PathBuf,
+        found: u32,
+        expected: u32,
+    },
+}
+
+/// What is wrong inside a topology file, after it parsed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TopologyProblem {
+    #[error("it lists no GPUs; add at least one [[gpus]] entry")]
+    NoGpus,
+    #[error("it lists {0} GPUs; the limit is {MAX_GPUS_PER_NODE} per node")]
+    TooManyGpus(usize),
+    #[error("GPU index {0} appears twice; every GPU needs its own index")]
+    DuplicateIndex(u32),
+    #[error("GPU {index}: the model is empty; name it, e.g. `H100-80GB`")]
+    EmptyModel { index: u32 },
+    #[error("GPU {index}: bad memory size: {source}")]
+    BadMemory {
+        index: u32,
+        source: api::size::SizeError,
+    },
+    #[error("GPU {index}: the memory is 0; give the GPU's memory, e.g. `80GiB`")]
+    ZeroMemory { index: u32 },
+    #[error("GPU {index}: `{value}` appears on two GPUs as {what}; each GPU needs its own")]
+    Duplicate {
+        index: u32,
+        what: &'static str,
+        value: String,
+    },
+    #[error("GPU {index}: NVLink peer {peer} is not a GPU of this file")]
+    UnknownPeer { index: u32, peer: u32 },
+    #[error("GPU {index} lists itself as an NVLink peer")]
+    SelfPeer { index: u32 },
+    #[error("GPU {index}: NVLink peer {peer} has 0 links; give 1 or more, or leave the peer out")]
+    ZeroLinks { index: u32, peer: u32 },
+    #[error(
+        "GPUs {index} and {peer} disagree on their NVLink link count ({forward} against {backward}); make both sides equal"
+    )]
+    LinkCountMismatch {
+        index: u32,
+        peer: u32,
+        forward: u32,
+        backward: u32,
+    },
+    #[error("NVLink island {island} names GPU {index}, which is not a GPU of this file")]
+    UnknownIslandMember { island: usize, index: u32 },
+    #[error("GPU {index} is in more than one NVLink island; islands do not overlap")]
+    OverlappingIslands { index: u32 },
+    #[error("`links_per_pair` is 0; give the NVLink links between each pair, e.g. 18")]
+    ZeroLinksPerPair,
+}
+
+/// The library's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

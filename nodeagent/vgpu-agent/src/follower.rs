@@ -1,0 +1,196 @@
+//! Follows the node's assignments: takes each message of the `WatchAssignments` stream, works out
+//! what changed since the set the agent last acted on, applies that to the state directory and
+//! logs it. After a restart the first set it acts on is the one restored from disk, so the first
+//! message reconciles whatever happened while the agent was down.
+
+use tracing::{info, warn};
+
+use crate::assignments::AssignmentSet;
+use crate::error::{Error, Result};
+use crate::reconcile::{Change, ChangeCounts, reconcile};
+use crate::state::StateDir;
+
+/// The assignments the agent acts on, and where they are persisted.
+#[derive(Debug)]
+pub struct Follower {
+    state: StateDir,
+    node: String,
+    current: AssignmentSet,
+    reconciled: bool,
+}
+
+impl Follower {
+    /// Loads the persisted assignments. A damaged file is logged and treated as empty: the
+    /// control plane is the source of truth and its first message rebuilds everything.
+    pub fn restore(state: StateDir, node: &str) -> Result<Follower> {
+        let current = match state.load() {
+            Ok(set) => set,
+            Err(error @ Error::StateCorrupt { .. }) => {
+                warn!("{error}");
+                AssignmentSet::default()
+            }
+            Err(error) => return Err(error),
+        };
+        info!(
+            "restored {} assignments (revision {}) from {}",
+            current.tenants.len(),
+            current.revision,
+            state.root().display()
+        );
+        Ok(Follower {
+            state,
+            node: node.to_owned(),
+            current,
+            reconciled: false,
+        })
+    }
+
+    /// The set last applied (or restored).
+    pub fn current(&self) -> &AssignmentSet {
+        &self.current
+    }
+
+    /// Applies one stream message from the control-plane node at `source`. On error nothing is
+    /// taken as applied, so the next message (after a reconnect) tries again from the same base.
+    pub fn on_message(
+        &mut self,
+        message: &api::v1::Assignments,
+        source: &str,
+    ) -> Result<Vec<Change>> {
+        let (new, warnings) = AssignmentSet::from_proto(message, &self.node);
+        for warning in warnings {
+            warn!("{warning}");
+        }
+        if new.revision < self.current.revision {
+            warn!(
+                "assignments revision went backwards from {} to {} (control plane {source}); following the newest set of the current stream",
+                self.current.revision, new.revision
+            );
+        }
+        let changes = reconcile(&self.current, &new);
+        let report = self.state.apply(&new, &changes)?;
+        for change in &changes {
+            info!("{change}");
+        }
+        for tenant in &report.rewritten {
+            warn!("tenant {tenant}: its state file was missing; rewrote it");
+        }
+        for tenant in &report.removed_stale {
+            warn!("tenant {tenant}: removed a state file that no current assignment owns");
+        }
+        if new.node_state != self.current.node_state {
+            info!("node state: {}", new.node_state);
+        }
+        info!(
+            "assignments revision {}: {} tenants",
+            new.revision,
+            new.tenants.len()
+        );
+        if !self.reconciled {
+            let counts = ChangeCounts::of(&changes);
+            info!(
+                "reconciled with the control plane: {} started, {} stopped, {} changed",
+                counts.started, counts.stopped, counts.changed
+            );
+            self.reconciled = true;
+        }
+        self.current = new;
+        Ok(changes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(revision: u64, tenants: &[(&str, u32)]) -> api::v1::Assignments {
+        api::v1::Assignments {
+            revision,
+            node_state: api::v1::NodeState::Ready as i32,
+            assignments: tenants
+                .iter()
+                .map(|(tenant, gpu_index)| api::v1::Assignment {
+                    tenant: (*tenant).into(),
+                    priority: 0,
+                    slices: vec![api::v1::Slice {
+                        node: "node-a".into(),
+                        gpu: format!("GPU-{gpu_index}"),
+                        gpu_index: *gpu_index,
+                        compute_percent: 100,
+                        memory_bytes: 80 << 30,
+                        guaranteed: true,
+                        burst: false,
+                    }],
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_restart_reconciles_against_the_restored_set() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(directory.path(), "node-a").unwrap();
+        let mut follower = Follower::restore(state.clone(), "node-a").unwrap();
+        let changes = follower
+            .on_message(&message(5, &[("a", 0), ("b", 1)]), "cp-1")
+            .unwrap();
+        assert_eq!(changes.len(), 2);
+        // The same set again (a reconnect) changes nothing.
+        assert_eq!(
+            follower
+                .on_message(&message(5, &[("a", 0), ("b", 1)]), "cp-2")
+                .unwrap(),
+            []
+        );
+        drop(follower);
+
+        // While the agent was down, `a` moved to GPU 2, `b` left and `c` arrived.
+        let mut restarted = Follower::restore(state.clone(), "node-a").unwrap();
+        assert_eq!(restarted.current().revision, 5);
+        assert_eq!(restarted.current().tenants.len(), 2);
+        let changes = restarted
+            .on_message(&message(8, &[("a", 2), ("c", 3)]), "cp-1")
+            .unwrap();
+        let lines: Vec<String> = changes.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            lines,
+            [
+                "tenant b: stopped",
+                "tenant a: changed from GPU 0 (100%, 80GiB) to GPU 2 (100%, 80GiB)",
+                "tenant c: started on GPU 3 (100%, 80GiB)",
+            ]
+        );
+        assert_eq!(state.load().unwrap().revision, 8);
+        assert!(state.load_tenant("b").unwrap().is_none());
+        assert_eq!(
+            state.load_tenant("a").unwrap().unwrap().slices[0].gpu_index,
+            2
+        );
+    }
+
+    #[test]
+    fn an_older_revision_from_another_control_plane_node_is_still_followed() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(directory.path(), "node-a").unwrap();
+        let mut follower = Follower::restore(state, "node-a").unwrap();
+        follower
+            .on_message(&message(10, &[("a", 0)]), "cp-1")
+            .unwrap();
+        let changes = follower.on_message(&message(9, &[]), "cp-2").unwrap();
+        assert_eq!(changes.len(), 1);
+        assert_eq!(follower.current().revision, 9);
+    }
+
+    #[test]
+    fn a_damaged_state_file_is_replaced_by_the_control_plane_set() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(directory.path(), "node-a").unwrap();
+        std::fs::write(state.assignments_path(), "garbage").unwrap();
+        let mut follower = Follower::restore(state.clone(), "node-a").unwrap();
+        assert_eq!(follower.current(), &AssignmentSet::default());
+        follower
+            .on_message(&message(3, &[("a", 0)]), "cp-1")
+            .unwrap();
+        assert_eq!(state.load().unwrap().tenants.len(), 1);
+    }
+}

@@ -1,0 +1,543 @@
+//! The agent's state directory: the assignments it last received, persisted so that a restarted
+//! agent knows what was running, and one file per tenant for the enforcement layer to read.
+//!
+//! ```text
+//! STATE_DIR/
+//!   assignments.json        {"format":1,"node":..,"revision":R,"node_state":"ready","assignments":[..]}
+//!   inventory.json          the inventory last registered (for people and debugging)
+//!   tenants/<tenant>.json   {"format":1,"node":..,"tenant":..,"revision":R,"priority":P,"slices":[..]}
+//! ```
+//!
+//! A tenant file's `revision` is the assignment revision at which the tenant's share of this node
+//! last changed. Every file is written atomically: to a temporary file in the same directory,
+//! fsynced, renamed over the old one, then the directory is fsynced. Tenant files are written
+//! before `assignments.json`, so `assignments.json` is the commit point: after a crash in between,
+//! the next reconcile (from the older `assignments.json`) rewrites the tenant files again, and any
+//! tenant file that no current tenant owns is removed.
+//!
+//! The default directory is `$VGPU_AGENT_STATE_DIR` (read by the command line), else
+//! `/var/lib/vgpu-agent/NAME` when it can be created and written, else
+//! `$HOME/.local/state/vgpu-agent/NAME` ([`default_state_dir`]).
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::assignments::{AssignmentSet, SliceAssignment, TenantAssignment};
+use crate::error::{Error, Result};
+use crate::inventory::Inventory;
+use crate::reconcile::Change;
+
+/// Version of the files' layout; bumped when a field changes meaning.
+pub const STATE_FORMAT: u32 = 1;
+/// Largest state file the agent reads back.
+pub const STATE_FILE_BYTES_MAX: u64 = 64 << 20;
+
+const ASSIGNMENTS_FILE: &str = "assignments.json";
+const INVENTORY_FILE: &str = "inventory.json";
+const TENANTS_DIR: &str = "tenants";
+const TEMPORARY_SUFFIX: &str = ".tmp";
+
+/// `assignments.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AssignmentsFile {
+    pub format: u32,
+    pub node: String,
+    pub revision: u64,
+    pub node_state: String,
+    pub assignments: Vec<TenantAssignment>,
+}
+
+/// `tenants/<tenant>.json`: one tenant's slices on this node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantFile {
+    pub format: u32,
+    pub node: String,
+    pub tenant: String,
+    /// The assignment revision at which this tenant's share of the node last changed.
+    pub revision: u64,
+    pub priority: i32,
+    pub slices: Vec<SliceAssignment>,
+}
+
+/// What [`StateDir::apply`] did besides applying the changes it was given.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    /// Tenants whose file was missing although their share did not change; rewritten.
+    pub rewritten: Vec<String>,
+    /// Files under `tenants/` that no current tenant owns; removed.
+    pub removed_stale: Vec<String>,
+}
+
+/// An opened state directory of one node.
+#[derive(Debug, Clone)]
+pub struct StateDir {
+    root: PathBuf,
+    node: String,
+}
+
+#[derive(Deserialize)]
+struct FormatOnly {
+    format: u32,
+}
+
+impl StateDir {
+    /// Creates the directory (and `tenants/`) when missing and checks that it can be written.
+    pub fn open(root: &Path, node: &str) -> Result<StateDir> {
+        api::names::validate("node", node)?;
+        let tenants = root.join(TENANTS_DIR);
+        fs::create_dir_all(&tenants).map_err(|source| Error::StateDir {
+            path: root.to_owned(),
+            source,
+        })?;
+        probe_writable(root).map_err(|source| Error::StateDir {
+            path: root.to_owned(),
+            source,
+        })?;
+        Ok(StateDir {
+            root: root.to_owned(),
+            node: node.to_owned(),
+        })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn assignments_path(&self) -> PathBuf {
+        self.root.join(ASSIGNMENTS_FILE)
+    }
+
+    pub fn tenant_path(&self, tenant: &str) -> PathBuf {
+        // Tenant names are DNS labels (checked when the set was built), so they are safe file names.
+        assert!(
+            api::names::validate("tenant", tenant).is_ok(),
+            "tenant names are checked before use"
+        );
+        self.root.join(TENANTS_DIR).join(format!("{tenant}.json"))
+    }
+
+    /// The assignments last persisted; an empty set at revision 0 when there are none yet.
+    pub fn load(&self) -> Result<AssignmentSet> {
+        let path = self.assignments_path();
+        let Some(text) = read_bounded(&path)? else {
+            return Ok(AssignmentSet::default());
+        };
+        let corrupt = |error: serde_json::Error| Error::StateCorrupt {
+            path: path.clone(),
+            message: error.to_string(),
+        };
+        let format: FormatOnly = serde_json::from_str(&text).map_err(corrupt)?;
+        if format.format != STATE_FORMAT {
+            return Err(Error::StateFormat {
+                path,
+                found: format.format,
+                expected: STATE_FORMAT,
+            });
+        }
+        let file: AssignmentsFile = serde_json::from_str(&text).map_err(corrupt)?;
+        if file.node != self.node {
+            return Err(Error::StateOtherNode {
+                path,
+                found: file.node,
+                expected: self.node.clone(),
+            });
+        }
+        let mut set = AssignmentSet {
+            revision: file.revision,
+            node_state: file.node_state,
+            ..Default::default()
+        };
+        for mut assignment in file.assignments {
+            if api::names::validate("tenant", &assignment.tenant).is_err()
+                || assignment.slices.is_empty()
+            {
+                return Err(Error::StateCorrupt {
+                    path,
+                    message: format!("the tenant entry `{}` is unusable", assignment.tenant),
+                });
+            }
+            assignment.slices.sort();
+            set.tenants.insert(assignment.tenant.clone(), assignment);
+        }
+        set.assert_consistent();
+        Ok(set)
+    }
+
+    /// One tenant's file, if there is one.
+    pub fn load_tenant(&self, tenant: &str) -> Result<Option<TenantFile>> {
+        let path = self.tenant_path(tenant);
+        let Some(text) = read_bounded(&path)? else {
+            return Ok(None);
+        };
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|error| Error::StateCorrupt {
+                path,
+                message: error.to_string(),
+            })
+    }
+
+    /// Applies `changes` (computed from the persisted set to `new`) to the tenant files, makes
+    /// sure every tenant of `new` has its file and no other tenant does, then persists `new`.
+    pub fn apply(&self, new: &AssignmentSet, changes: &[Change]) -> Result<ApplyReport> {
+        new.assert_consistent();
+        let mut report = ApplyReport::default();
+        for change in changes {
+            match change {
+                Change::Started(assignment)
+                | Change::Changed {
+                    after: assignment, ..
+                } => {
+                    assert!(
+                        new.tenants.get(&assignment.tenant) == Some(assignment),
+                        "changes lead to the new set"
+                    );
+                    self.write_tenant(new.revision, assignment)?;
+                }
+                Change::Stopped(assignment) => {
+                    assert!(
+                        !new.tenants.contains_key(&assignment.tenant),
+                        "stopped tenants are gone"
+                    );
+                    remove_if_present(&self.tenant_path(&assignment.tenant))?;
+                }
+            }
+        }
+        for assignment in new.tenants.values() {
+            if !self.tenant_path(&assignment.tenant).exists() {
+                self.write_tenant(new.revision, assignment)?;
+                report.rewritten.push(assignment.tenant.clone());
+            }
+        }
+        report.removed_stale = self.remove_stale_tenant_files(new)?;
+        let file = AssignmentsFile {
+            format: STATE_FORMAT,
+            node: self.node.clone(),
+            revision: new.revision,
+            node_state: new.node_state.clone(),
+            assignments: new.tenants.values().cloned().collect(),
+        };
+        write_json(&self.assignments_path(), &file)?;
+        Ok(report)
+    }
+
+    /// Records the inventory that was registered.
+    pub fn write_inventory(&self, inventory: &Inventory) -> Result<()> {
+        assert_eq!(inventory.node, self.node);
+        write_json(&self.root.join(INVENTORY_FILE), inventory)
+    }
+
+    fn write_tenant(&self, revision: u64, assignment: &TenantAssignment) -> Result<()> {
+        let file = TenantFile {
+            format: STATE_FORMAT,
+            node: self.node.clone(),
+            tenant: assignment.tenant.clone(),
+            revision,
+            priority: assignment.priority,
+            slices: assignment.slices.clone(),
+        };
+        write_json(&self.tenant_path(&assignment.tenant), &file)
+    }
+
+    fn remove_stale_tenant_files(&self, new: &AssignmentSet) -> Result<Vec<String>> {
+        let directory = self.root.join(TENANTS_DIR);
+        let entries = fs::read_dir(&directory).map_err(|source| Error::StateIo {
+            action: "list",
+            path: directory.clone(),
+            source,
+        })?;
+        let wanted: BTreeSet<String> = new
+            .tenants
+            .keys()
+            .map(|tenant| format!("{tenant}.json"))
+            .collect();
+        let mut removed = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|source| Error::StateIo {
+                action: "list",
+                path: directory.clone(),
+                source,
+            })?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let leftover_temporary = name.starts_with('.') && name.ends_with(TEMPORARY_SUFFIX);
+            let stale_tenant = name.ends_with(".json") && !wanted.contains(&name);
+            if leftover_temporary || stale_tenant {
+                remove_if_present(&entry.path())?;
+                if stale_tenant {
+                    removed.push(name.trim_end_matches(".json").to_owned());
+                }
+            }
+        }
+        Ok(removed)
+    }
+}
+
+/// `/var/lib/vgpu-agent/NODE` when it can be created and written (normally as root), else
+/// `$HOME/.local/state/vgpu-agent/NODE` (or under the temporary directory without `$HOME`).
+pub fn default_state_dir(node: &str) -> PathBuf {
+    let home = std::env::var_os("HOME")
+        .filter(|home| !home.is_empty())
+        .map(PathBuf::from);
+    choose_state_dir(Path::new("/var/lib/vgpu-agent"), home.as_deref(), node)
+}
+
+fn choose_state_dir(system_base: &Path, home: Option<&Path>, node: &str) -> PathBuf {
+    let system = system_base.join(node);
+    if fs::create_dir_all(&system).is_ok() && probe_writable(&system).is_ok() {
+        return system;
+    }
+    let base = home.map_or_else(std::env::temp_dir, |home| home.join(".local").join("state"));
+    base.join("vgpu-agent").join(node)
+}
+
+fn probe_writable(directory: &Path) -> std::io::Result<()> {
+    let probe = directory.join(format!(".probe-{}{TEMPORARY_SUFFIX}", std::process::id()));
+    fs::write(&probe, b"")?;
+    fs::remove_file(&probe)
+}
+
+fn read_bounded(path: &Path) -> Result<Option<String>> {
+    let file = match fs::File::open(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(Error::StateIo {
+                action: "open",
+                path: path.to_owned(),
+                source,
+            });
+        }
+    };
+    let mut text = String::new();
+    file.take(STATE_FILE_BYTES_MAX + 1)
+        .read_to_string(&mut text)
+        .map_err(|source| Error::StateIo {
+            action: "read",
+            path: path.to_owned(),
+            source,
+        })?;
+    if text.len() as u64 > STATE_FILE_BYTES_MAX {
+        return Err(Error::StateCorrupt {
+            path: path.to_owned(),
+            message: format!("larger than {STATE_FILE_BYTES_MAX} bytes"),
+        });
+    }
+    Ok(Some(text))
+}
+
+fn write_json<T: Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug>(
+    path: &Path,
+    value: &T,
+) -> Result<()> {
+    let mut bytes = serde_json::to_vec_pretty(value).expect("state types serialize");
+    // What is written must read back as the same value.
+    assert_eq!(
+        &serde_json::from_slice::<T>(&bytes).expect("state files read back"),
+        value
+    );
+    bytes.push(b'\n');
+    write_atomically(path, &bytes)
+}
+
+/// Writes `bytes` to `path` so that a reader (or a crash) sees the old or the new content, never
+/// a mix: a temporary file in the same directory, fsync, rename, fsync of the directory.
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let directory = path.parent().expect("state files live in a directory");
+    let name = path
+        .file_name()
+        .expect("state files have a name")
+        .to_string_lossy();
+    let temporary = directory.join(format!(".{name}{TEMPORARY_SUFFIX}"));
+    let io_error = |action, path: &Path| {
+        let path = path.to_owned();
+        move |source| Error::StateIo {
+            action,
+            path,
+            source,
+        }
+    };
+    let mut file = fs::File::create(&temporary).map_err(io_error("create", &temporary))?;
+    file.write_all(bytes)
+        .map_err(io_error("write", &temporary))?;
+    file.sync_all().map_err(io_error("fsync", &temporary))?;
+    drop(file);
+    fs::rename(&temporary, path).map_err(io_error("rename into place", path))?;
+    fs::File::open(directory)
+        .and_then(|directory| directory.sync_all())
+        .map_err(io_error("fsync", directory))?;
+    Ok(())
+}
+
+fn remove_if_present(path: &Path) -> Result<()> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(Error::StateIo {
+            action: "remove",
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reconcile::reconcile;
+
+    fn tenant(name: &str, gpu_index: u32) -> TenantAssignment {
+        TenantAssignment {
+            tenant: name.into(),
+            priority: 3,
+            slices: vec![SliceAssignment {
+                gpu_index,
+                gpu_uuid: format!("GPU-{gpu_index}"),
+                compute_percent: 25,
+                memory_bytes: 20 << 30,
+                guaranteed: true,
+                burst: true,
+            }],
+        }
+    }
+
+    fn set(revision: u64, tenants: &[TenantAssignment]) -> AssignmentSet {
+        AssignmentSet {
+            revision,
+            node_state: "ready".into(),
+            tenants: tenants
+                .iter()
+                .map(|t| (t.tenant.clone(), t.clone()))
+                .collect(),
+        }
+    }
+
+    fn tenant_files(state: &StateDir) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(state.root().join(TENANTS_DIR))
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_fresh_directory_loads_as_empty() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(&directory.path().join("deep/er"), "node-a").unwrap();
+        assert_eq!(state.load().unwrap(), AssignmentSet::default());
+        assert!(state.root().join(TENANTS_DIR).is_dir());
+    }
+
+    #[test]
+    fn assignments_round_trip_through_the_disk() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(directory.path(), "node-a").unwrap();
+        let first = set(4, &[tenant("a", 0), tenant("b", 1)]);
+        let report = state
+            .apply(&first, &reconcile(&state.load().unwrap(), &first))
+            .unwrap();
+        assert_eq!(report, ApplyReport::default());
+        assert_eq!(state.load().unwrap(), first);
+        assert_eq!(tenant_files(&state), ["a.json", "b.json"]);
+        let a = state.load_tenant("a").unwrap().unwrap();
+        assert_eq!(
+            (a.node.as_str(), a.revision, a.priority, a.slices.len()),
+            ("node-a", 4, 3, 1)
+        );
+
+        // Reopening (a restart) sees the same set.
+        let reopened = StateDir::open(directory.path(), "node-a").unwrap();
+        assert_eq!(reopened.load().unwrap(), first);
+
+        let second = set(9, &[tenant("b", 1), tenant("c", 2)]);
+        let changes = reconcile(&reopened.load().unwrap(), &second);
+        reopened.apply(&second, &changes).unwrap();
+        assert_eq!(reopened.load().unwrap(), second);
+        assert_eq!(tenant_files(&reopened), ["b.json", "c.json"]);
+        // Unchanged tenants keep the revision at which they last changed.
+        assert_eq!(reopened.load_tenant("b").unwrap().unwrap().revision, 4);
+        assert_eq!(reopened.load_tenant("c").unwrap().unwrap().revision, 9);
+        assert_eq!(reopened.load_tenant("a").unwrap(), None);
+    }
+
+    #[test]
+    fn apply_repairs_missing_and_stale_tenant_files() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(directory.path(), "node-a").unwrap();
+        let current = set(2, &[tenant("a", 0), tenant("b", 1)]);
+        state
+            .apply(&current, &reconcile(&AssignmentSet::default(), &current))
+            .unwrap();
+        fs::remove_file(state.tenant_path("a")).unwrap();
+        fs::write(state.root().join(TENANTS_DIR).join("ghost.json"), "{}").unwrap();
+        fs::write(state.root().join(TENANTS_DIR).join(".b.json.tmp"), "half").unwrap();
+        let report = state.apply(&current, &[]).unwrap();
+        assert_eq!(report.rewritten, ["a"]);
+        assert_eq!(report.removed_stale, ["ghost"]);
+        assert_eq!(tenant_files(&state), ["a.json", "b.json"]);
+    }
+
+    #[test]
+    fn damaged_foreign_and_future_files_are_refused_with_a_reason() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(directory.path(), "node-a").unwrap();
+        fs::write(state.assignments_path(), "{not json").unwrap();
+        assert!(matches!(state.load(), Err(Error::StateCorrupt { .. })));
+
+        let other = StateDir::open(directory.path(), "node-b").unwrap();
+        let one = set(1, &[tenant("a", 0)]);
+        other
+            .apply(&one, &reconcile(&AssignmentSet::default(), &one))
+            .unwrap();
+        let error = state.load().unwrap_err();
+        assert!(
+            matches!(&error, Error::StateOtherNode { found, .. } if found == "node-b"),
+            "{error}"
+        );
+
+        fs::write(
+            state.assignments_path(),
+            r#"{"format": 99, "anything": true}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            state.load(),
+            Err(Error::StateFormat { found: 99, .. })
+        ));
+    }
+
+    #[test]
+    fn the_inventory_is_recorded() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(directory.path(), "node-a").unwrap();
+        let inventory = crate::inventory::InventorySource::from_simulate_arg("2xL4-24GB")
+            .unwrap()
+            .discover("node-a")
+            .unwrap();
+        state.write_inventory(&inventory).unwrap();
+        let text = fs::read_to_string(directory.path().join(INVENTORY_FILE)).unwrap();
+        assert_eq!(serde_json::from_str::<Inventory>(&text).unwrap(), inventory);
+    }
+
+    #[test]
+    fn the_default_directory_falls_back_to_home() {
+        let directory = tempfile::tempdir().unwrap();
+        let writable = directory.path().join("system");
+        assert_eq!(
+            choose_state_dir(&writable, None, "node-a"),
+            writable.join("node-a")
+        );
+        // A base below a plain file cannot be created.
+        let blocked = directory.path().join("file");
+        fs::write(&blocked, "").unwrap();
+        let home = directory.path().join("home");
+        assert_eq!(
+            choose_state_dir(&blocked.join("system"), Some(&home), "node-a"),
+            home.join(".local/state/vgpu-agent/node-a")
+        );
+    }
+}

@@ -1,0 +1,371 @@
+//! The `join` runtime against a fake control plane served over real gRPC on localhost: it
+//! registers, follows the assignment stream into the state directory, registers again when the
+//! control plane forgets it, reconnects when the stream ends, moves past a dead address, and
+//! reconciles after a restart. Progress is asserted by waiting for it, with a finite deadline.
+
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use api::v1::agent_server::{Agent, AgentServer};
+use api::v1::{
+    Assignment, Assignments, HeartbeatRequest, HeartbeatResponse, Node, NodeState, RegisterRequest,
+    RegisterResponse, Slice, WatchAssignmentsRequest,
+};
+use futures::Stream;
+use tokio::sync::{mpsc, oneshot};
+use tonic::{Request, Response, Status};
+use vgpu_agent::{InventorySource, JoinConfig, Timings};
+
+const DEADLINE: Duration = Duration::from_secs(20);
+
+#[derive(Default)]
+struct FakeState {
+    registrations: Vec<Node>,
+    heartbeats: u64,
+    /// Answer the next heartbeat with `known = false`.
+    forget_once: bool,
+    watches: u64,
+    current: Assignments,
+    watchers: Vec<mpsc::UnboundedSender<Result<Assignments, Status>>>,
+}
+
+#[derive(Clone, Default)]
+struct FakeControlPlane {
+    state: Arc<Mutex<FakeState>>,
+}
+
+impl FakeControlPlane {
+    fn with<T>(&self, f: impl FnOnce(&mut FakeState) -> T) -> T {
+        f(&mut self.state.lock().unwrap())
+    }
+
+    fn publish(&self, assignments: Assignments) {
+        self.with(|state| {
+            state.current = assignments.clone();
+            state
+                .watchers
+                .retain(|watcher| watcher.send(Ok(assignments.clone())).is_ok());
+        });
+    }
+
+    /// Ends every open stream, as a control-plane node that goes away would.
+    fn end_streams(&self) {
+        self.with(|state| state.watchers.clear());
+    }
+}
+
+type AssignmentStream = Pin<Box<dyn Stream<Item = Result<Assignments, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Agent for FakeControlPlane {
+    async fn register(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterResponse>, Status> {
+        let node = request
+            .into_inner()
+            .node
+            .ok_or_else(|| Status::invalid_argument("no node"))?;
+        self.with(|state| state.registrations.push(node));
+        Ok(Response::new(RegisterResponse {
+            heartbeat_interval_ms: 100,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        _: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        let known = self.with(|state| {
+            state.heartbeats += 1;
+            !std::mem::take(&mut state.forget_once)
+        });
+        Ok(Response::new(HeartbeatResponse { known }))
+    }
+
+    type WatchAssignmentsStream = AssignmentStream;
+
+    async fn watch_assignments(
+        &self,
+        _: Request<WatchAssignmentsRequest>,
+    ) -> Result<Response<AssignmentStream>, Status> {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        self.with(|state| {
+            state.watches += 1;
+            sender.send(Ok(state.current.clone())).unwrap();
+            state.watchers.push(sender);
+        });
+        let stream = futures::stream::unfold(receiver, |mut receiver| async move {
+            receiver.recv().await.map(|item| (item, receiver))
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// Serves the fake on a free localhost port; returns its address.
+async fn serve(fake: FakeControlPlane) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let incoming = futures::stream::unfold(listener, |listener| async move {
+        let accepted = listener.accept().await.map(|(stream, _)| stream);
+        Some((accepted, listener))
+    });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(AgentServer::new(fake))
+            .serve_with_incoming(incoming),
+    );
+    address
+}
+
+/// An address nothing listens on.
+async fn dead_address() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+struct RunningAgent {
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<vgpu_agent::Result<()>>,
+}
+
+impl RunningAgent {
+    async fn stop(self) {
+        self.stop.send(()).unwrap();
+        let result = tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .expect("the agent stops")
+            .unwrap();
+        result.expect("a stopped agent returns Ok");
+    }
+}
+
+fn start(control_plane: Vec<String>, state_dir: &Path) -> RunningAgent {
+    let config = JoinConfig {
+        control_plane,
+        name: "node-a".into(),
+        source: InventorySource::from_simulate_arg("4xH100-80GB").unwrap(),
+        state_dir: state_dir.to_owned(),
+        labels: [("zone".to_owned(), "a".to_owned())].into(),
+        address: "127.0.0.1:7500".into(),
+        timings: Timings {
+            retry_initial: Duration::from_millis(20),
+            retry_max: Duration::from_millis(200),
+            call_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_millis(500),
+        },
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(vgpu_agent::join(config, async move {
+        let _ = stopped.await;
+    }));
+    RunningAgent { stop, task }
+}
+
+async fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn assignments(revision: u64, tenants: &[(&str, u32, u32)]) -> Assignments {
+    Assignments {
+        revision,
+        node_state: NodeState::Ready as i32,
+        assignments: tenants
+            .iter()
+            .map(|&(tenant, gpu_index, compute_percent)| Assignment {
+                tenant: tenant.into(),
+                priority: 0,
+                slices: vec![Slice {
+                    node: "node-a".into(),
+                    gpu: format!("GPU-{gpu_index}"),
+                    gpu_index,
+                    compute_percent,
+                    memory_bytes: 20 << 30,
+                    guaranteed: true,
+                    burst: false,
+                }],
+            })
+            .collect(),
+    }
+}
+
+fn tenant_files(state_dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(state_dir.join("tenants"))
+        .map(|entries| {
+            entries
+                .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+fn persisted_revision(state_dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(state_dir.join("assignments.json")).ok()?;
+    serde_json::from_str::<serde_json::Value>(&text).ok()?["revision"].as_u64()
+}
+
+#[tokio::test]
+async fn joins_follows_assignments_and_recovers() {
+    let fake = FakeControlPlane::default();
+    fake.publish(assignments(1, &[("infer-a", 0, 25)]));
+    let live = serve(fake.clone()).await;
+    let directory = tempfile::tempdir().unwrap();
+    let state_dir = directory.path().join("state");
+    // The first address is dead: the agent must move on to the live one.
+    let agent = start(vec![dead_address().await, live], &state_dir);
+
+    wait_for("registration", || {
+        fake.with(|state| !state.registrations.is_empty())
+    })
+    .await;
+    let registered = fake.with(|state| state.registrations[0].clone());
+    assert_eq!(registered.name, "node-a");
+    assert_eq!(registered.gpus.len(), 4);
+    assert_eq!(registered.labels.get("zone").map(String::as_str), Some("a"));
+    assert_eq!(registered.address, "127.0.0.1:7500");
+
+    wait_for("the first set on disk", || {
+        tenant_files(&state_dir) == ["infer-a.json"]
+    })
+    .await;
+    wait_for("heartbeats", || fake.with(|state| state.heartbeats >= 2)).await;
+
+    fake.publish(assignments(2, &[("infer-b", 1, 50)]));
+    wait_for("the second set on disk", || {
+        tenant_files(&state_dir) == ["infer-b.json"]
+    })
+    .await;
+    wait_for("revision 2", || persisted_revision(&state_dir) == Some(2)).await;
+
+    // The control plane forgets the node: the agent registers again, with the same inventory.
+    fake.with(|state| state.forget_once = true);
+    wait_for("a second registration", || {
+        fake.with(|state| state.registrations.len() >= 2)
+    })
+    .await;
+    let again = fake.with(|state| state.registrations[1].clone());
+    assert_eq!(again, registered);
+
+    // The stream ends: the agent watches again and picks up what changed meanwhile.
+    let watches = fake.with(|state| state.watches);
+    fake.end_streams();
+    fake.with(|state| state.current = assignments(3, &[("infer-b", 1, 50), ("infer-c", 2, 100)]));
+    wait_for("a new stream", || {
+        fake.with(|state| state.watches > watches)
+    })
+    .await;
+    wait_for("the third set on disk", || {
+        tenant_files(&state_dir) == ["infer-b.json", "infer-c.json"]
+    })
+    .await;
+
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn a_restart_restores_and_reconciles() {
+    let fake = FakeControlPlane::default();
+    fake.publish(assignments(5, &[("keep", 0, 25), ("leave", 1, 25)]));
+    let live = serve(fake.clone()).await;
+    let directory = tempfile::tempdir().unwrap();
+    let state_dir = directory.path().to_owned();
+
+    let agent = start(vec![live.clone()], &state_dir);
+    wait_for("the first set on disk", || {
+        tenant_files(&state_dir) == ["keep.json", "leave.json"]
+    })
+    .await;
+    agent.stop().await;
+    let first_inventory = fake.with(|state| state.registrations[0].clone());
+
+    // While the agent is down, `leave` goes and `arrive` comes.
+    fake.with(|state| state.current = assignments(7, &[("keep", 0, 25), ("arrive", 2, 50)]));
+    let agent = start(vec![live], &state_dir);
+    wait_for("the reconciled set on disk", || {
+        tenant_files(&state_dir) == ["arrive.json", "keep.json"]
+    })
+    .await;
+    wait_for("revision 7", || persisted_revision(&state_dir) == Some(7)).await;
+    // Same uuids after the restart, so the control plane keeps the node's tenants.
+    assert_eq!(
+        fake.with(|state| state.registrations.last().unwrap().clone()),
+        first_inventory
+    );
+    let keep: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(state_dir.join("tenants/keep.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        keep["revision"], 5,
+        "an unchanged tenant keeps the revision it last changed at"
+    );
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn an_agent_without_a_control_plane_still_stops_cleanly() {
+    let directory = tempfile::tempdir().unwrap();
+    let agent = start(vec![dead_address().await], directory.path());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn a_refused_inventory_stops_the_agent_with_the_reason() {
+    #[derive(Clone)]
+    struct Refusing;
+    #[tonic::async_trait]
+    impl Agent for Refusing {
+        async fn register(
+            &self,
+            _: Request<RegisterRequest>,
+        ) -> Result<Response<RegisterResponse>, Status> {
+            Err(api::ErrorCode::InvalidArgument.status("node `node-a` reports GPU index 0 twice"))
+        }
+        async fn heartbeat(
+            &self,
+            _: Request<HeartbeatRequest>,
+        ) -> Result<Response<HeartbeatResponse>, Status> {
+            Err(Status::unimplemented("no"))
+        }
+        type WatchAssignmentsStream = AssignmentStream;
+        async fn watch_assignments(
+            &self,
+            _: Request<WatchAssignmentsRequest>,
+        ) -> Result<Response<AssignmentStream>, Status> {
+            Err(Status::unimplemented("no"))
+        }
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let incoming = futures::stream::unfold(listener, |listener| async move {
+        Some((listener.accept().await.map(|(stream, _)| stream), listener))
+    });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(AgentServer::new(Refusing))
+            .serve_with_incoming(incoming),
+    );
+    let directory = tempfile::tempdir().unwrap();
+    let agent = start(vec![address], directory.path());
+    let result = tokio::time::timeout(DEADLINE, agent.task)
+        .await
+        .expect("the agent gives up")
+        .unwrap();
+    let error = result.unwrap_err().to_string();
+    assert!(
+        error.contains("refused to register") && error.contains("GPU index 0 twice"),
+        "{error}"
+    );
+}

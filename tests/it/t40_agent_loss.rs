@@ -1,0 +1,89 @@
+//! Agent loss: `kill -9` of a node agent makes the control plane mark the node lost and re-place
+//! its tenants on other nodes; a restarted agent re-registers and the node is ready again.
+
+use anyhow::{Result, ensure};
+use std::time::Duration;
+use tests::{Cluster, json, wait_for};
+
+fn nodes_of(cluster: &Cluster, tenant: &str) -> Option<Vec<String>> {
+    let tenant = json(
+        &cluster
+            .vgpuctl(&["get", "tenants", tenant, "-o", "json"])
+            .ok()?,
+    )
+    .ok()?;
+    if tenant["state"] != "placed" {
+        return None;
+    }
+    Some(
+        tenant["slices"]
+            .as_array()?
+            .iter()
+            .filter_map(|s| s["node"].as_str().map(str::to_owned))
+            .collect(),
+    )
+}
+
+#[test]
+fn tenants_of_a_lost_node_are_replaced() -> Result<()> {
+    let mut cluster = Cluster::start(1, &tests::FAST_FLAGS)?;
+    cluster.start_agent("node-a", "8xH100-80GB")?;
+    cluster.wait_nodes_ready(1)?;
+    for name in ["t1", "t2"] {
+        let output = cluster.vgpuctl(&["place", name, "--gpus", "4"])?;
+        ensure!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    cluster.start_agent("node-b", "8xH100-80GB")?;
+    cluster.wait_nodes_ready(2)?;
+    ensure!(
+        nodes_of(&cluster, "t1") == Some(vec!["node-a".to_owned(); 4]),
+        "t1 starts on node-a"
+    );
+
+    cluster
+        .agent("node-a")
+        .process
+        .as_mut()
+        .expect("running")
+        .kill();
+    wait_for(
+        "node-a lost and its tenants re-placed",
+        Duration::from_secs(15),
+        || {
+            let nodes = json(
+                &cluster
+                    .vgpuctl(&["get", "nodes", "node-a", "-o", "json"])
+                    .ok()?,
+            )
+            .ok()?;
+            let lost = nodes["state"] == "lost";
+            let moved = ["t1", "t2"]
+                .iter()
+                .all(|t| nodes_of(&cluster, t).is_some_and(|n| n.iter().all(|n| n == "node-b")));
+            (lost && moved).then_some(())
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", cluster.logs()))?;
+    let describe = cluster.vgpuctl(&["describe", "tenant", "t1"])?;
+    let text = String::from_utf8_lossy(&describe.stdout);
+    ensure!(
+        text.contains("node-a"),
+        "history should mention the lost node: {text}"
+    );
+
+    cluster.restart_agent("node-a")?;
+    wait_for("node-a ready again", Duration::from_secs(15), || {
+        let node = json(
+            &cluster
+                .vgpuctl(&["get", "nodes", "node-a", "-o", "json"])
+                .ok()?,
+        )
+        .ok()?;
+        (node["state"] == "ready").then_some(())
+    })?;
+    Ok(())
+}

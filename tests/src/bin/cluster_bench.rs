@@ -1,0 +1,201 @@
+//! `cluster-bench`: committed placements per second through a three-member control plane of real
+//! processes on loopback (durable: every entry fsynced on a majority), and the failover time from
+//! `kill -9` of the leader to the next committed placement.
+//!
+//! Run: `cargo run --release -p tests --bin cluster-bench` (builds the release binaries first).
+
+use anyhow::{Context, Result, ensure};
+use clap::Parser;
+use std::time::{Duration, Instant};
+use tests::{Cluster, fraction, pool_client};
+
+#[derive(Parser)]
+struct Args {
+    /// Seconds per throughput run.
+    #[arg(long, default_value = "10")]
+    seconds: u64,
+    /// Concurrent client counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
+    clients: Vec<usize>,
+    /// Simulated nodes (8 x H100 each) registered for capacity.
+    #[arg(long, default_value = "300")]
+    nodes: usize,
+    /// Leader kills for the failover measurement.
+    #[arg(long, default_value = "5")]
+    failovers: usize,
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+async fn register_nodes(endpoint: &str, count: usize) -> Result<()> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))?
+        .connect()
+        .await?;
+    let mut client = api::v1::agent_client::AgentClient::new(channel);
+    for n in 0..count {
+        let gpus = (0..8)
+            .map(|i| api::v1::Gpu {
+                uuid: format!("GPU-bench-{n:05}-{i}"),
+                index: i,
+                model: "H100-80GB".into(),
+                memory_bytes: 80 << 30,
+                sm_count: 132,
+                nvlink_peers: (0..8)
+                    .filter(|&p| p != i)
+                    .map(|p| api::v1::NvlinkPeer {
+                        gpu_index: p,
+                        link_count: 18,
+                    })
+                    .collect(),
+                numa_node: (i / 4) as i32,
+                ..Default::default()
+            })
+            .collect();
+        let node = api::v1::Node {
+            name: format!("bench-{n:05}"),
+            gpus,
+            ..Default::default()
+        };
+        client
+            .register(api::v1::RegisterRequest { node: Some(node) })
+            .await?;
+    }
+    Ok(())
+}
+
+/// Runs `clients` concurrent placement loops for `seconds`; returns latencies of committed ones.
+async fn throughput(
+    endpoints: &[String],
+    clients: usize,
+    seconds: u64,
+    run: usize,
+) -> Result<(usize, Vec<Duration>)> {
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let mut tasks = Vec::new();
+    for client_index in 0..clients {
+        let endpoint = endpoints[client_index % endpoints.len()].clone();
+        tasks.push(tokio::spawn(async move {
+            let mut client = pool_client(&endpoint).await?;
+            let mut latencies = Vec::new();
+            let mut sequence = 0;
+            while Instant::now() < deadline {
+                let name = format!("r{run}-c{client_index}-{sequence}");
+                sequence += 1;
+                let started = Instant::now();
+                client
+                    .place(api::v1::PlaceRequest {
+                        name,
+                        request: Some(fraction(10, 1)),
+                    })
+                    .await?;
+                latencies.push(started.elapsed());
+            }
+            anyhow::Ok(latencies)
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await??);
+    }
+    all.sort();
+    Ok((all.len(), all))
+}
+
+/// Kills the leader during a placement stream; returns the time to the next committed placement.
+async fn failover(cluster: &mut Cluster, round: usize) -> Result<Duration> {
+    let leader = cluster.leader()?;
+    let survivors: Vec<String> = cluster
+        .members
+        .iter()
+        .filter(|m| m.id != leader)
+        .map(|m| m.address.clone())
+        .collect();
+    let mut clients = Vec::new();
+    for endpoint in &survivors {
+        clients.push(pool_client(endpoint).await?);
+    }
+    // Warm the connections.
+    for (i, client) in clients.iter_mut().enumerate() {
+        client
+            .place(api::v1::PlaceRequest {
+                name: format!("warm-{round}-{i}"),
+                request: Some(fraction(10, 1)),
+            })
+            .await?;
+    }
+    cluster.member(leader).kill();
+    let killed = Instant::now();
+    let mut attempt = 0;
+    loop {
+        let count = clients.len();
+        let client = &mut clients[attempt % count];
+        attempt += 1;
+        let request = api::v1::PlaceRequest {
+            name: format!("fo-{round}-{attempt}"),
+            request: Some(fraction(10, 1)),
+        };
+        if client.place(request).await.is_ok() {
+            let elapsed = killed.elapsed();
+            cluster.member(leader).start()?;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            return Ok(elapsed);
+        }
+        ensure!(
+            killed.elapsed() < Duration::from_secs(30),
+            "no placement committed within 30s of the kill"
+        );
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    // Agents are not run: the nodes are registered directly, so they must not time out.
+    let mut cluster = Cluster::start(3, &["--node-lost-timeout-ms", "86400000"])?;
+    let endpoints: Vec<String> = cluster.members.iter().map(|m| m.address.clone()).collect();
+    runtime
+        .block_on(register_nodes(&endpoints[0], args.nodes))
+        .context("registering nodes")?;
+    println!(
+        "three-member cluster on loopback, {} nodes x 8 GPUs registered",
+        args.nodes
+    );
+    println!("| clients | committed placements/s | p50 ms | p99 ms |");
+    println!("| --: | --: | --: | --: |");
+    for (run, &clients) in args.clients.iter().enumerate() {
+        let (count, latencies) =
+            runtime.block_on(throughput(&endpoints, clients, args.seconds, run))?;
+        println!(
+            "| {clients} | {:.0} | {:.2} | {:.2} |",
+            count as f64 / args.seconds as f64,
+            percentile(&latencies, 0.50).as_secs_f64() * 1e3,
+            percentile(&latencies, 0.99).as_secs_f64() * 1e3
+        );
+    }
+    let mut times = Vec::new();
+    for round in 0..args.failovers {
+        let elapsed = runtime.block_on(failover(&mut cluster, round))?;
+        println!(
+            "failover {round}: {:.0} ms from kill -9 of the leader to the next committed placement",
+            elapsed.as_secs_f64() * 1e3
+        );
+        times.push(elapsed);
+    }
+    times.sort();
+    if !times.is_empty() {
+        println!(
+            "failover over {} kills: median {:.0} ms, max {:.0} ms",
+            times.len(),
+            percentile(&times, 0.5).as_secs_f64() * 1e3,
+            times.last().expect("non-empty").as_secs_f64() * 1e3
+        );
+    }
+    Ok(())
+}

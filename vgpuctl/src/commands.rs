@@ -1,0 +1,820 @@
+//! One function per subcommand: build the request (validated locally first, so bad input fails
+//! fast with the same message the server would give), call the control plane through
+//! [`Endpoints`], and print the result to `out` in the chosen format. Notes for people go to stderr.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use api::v1::cluster_client::ClusterClient;
+use api::v1::pool_client::PoolClient;
+use api::v1::{
+    AddMemberRequest, ClusterStatusRequest, DrainRequest, GetNodeRequest, GetTenantRequest,
+    ListRequest, Node, NvlinkPolicy, PlaceRequest, PlacementRequest, ReleaseRequest,
+    RemoveMemberRequest, Tenant, TenantState,
+};
+use serde::Serialize;
+
+use crate::cli::{
+    ClusterCommand, Command, DescribeTarget, GetArgs, GpuAmount, Kind, PlaceArgs, merge_selectors,
+};
+use crate::endpoints::{Delivery, Endpoints};
+use crate::output::{self, write_structured};
+use crate::views::{ClusterView, GpuView, NodeView, TenantView};
+use crate::{Format, UsageError};
+
+/// Pause between polls while `place` waits for a pending tenant.
+pub const PLACE_POLL_INTERVAL_MS: u64 = 200;
+
+/// What every command needs: where to send calls and how to print.
+pub struct Session {
+    pub endpoints: Endpoints,
+    pub format: Format,
+}
+
+/// Runs one subcommand.
+pub async fn execute(
+    command: &Command,
+    session: &Session,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    match command {
+        Command::Place(args) => place(args, session, out).await,
+        Command::Release { name } => release(name, session, out).await,
+        Command::Get(args) => get(args, session, out).await,
+        Command::Describe { target } => describe(target, session, out).await,
+        Command::Drain { node } => drain(node, true, session, out).await,
+        Command::Uncordon { node } => drain(node, false, session, out).await,
+        Command::Cluster { command } => cluster(command, session, out).await,
+    }
+}
+
+/// The API request for `place` flags, checked with [`api::validate::validate_request`].
+pub fn placement_request(args: &PlaceArgs) -> Result<PlacementRequest, UsageError> {
+    let (whole_gpus, milli_gpus) = match args.gpus {
+        GpuAmount::Whole(count) => (count, 0),
+        GpuAmount::Milli(milli) => (0, milli),
+    };
+    let nvlink = if args.nvlink {
+        NvlinkPolicy::Require
+    } else if args.ignore_nvlink {
+        NvlinkPolicy::Ignore
+    } else {
+        NvlinkPolicy::Prefer
+    };
+    let request = PlacementRequest {
+        whole_gpus,
+        milli_gpus,
+        memory_bytes_per_gpu: args.memory.unwrap_or(0),
+        compute_percent: args.compute.unwrap_or(0),
+        burst: args.burst,
+        priority: args.priority,
+        preemptible: args.preemptible,
+        nvlink: nvlink as i32,
+        nodes: args.nodes.unwrap_or(0),
+        node_selector: merge_selectors(&args.selector)
+            .map_err(UsageError)?
+            .into_iter()
+            .collect(),
+    };
+    api::validate::validate_request(&request).map_err(|error| UsageError(error.to_string()))?;
+    Ok(request)
+}
+
+async fn place(args: &PlaceArgs, session: &Session, out: &mut dyn Write) -> anyhow::Result<()> {
+    let request = placement_request(args)?;
+    let name = &args.name;
+    // Place is idempotent for an identical request, so the failover may resend it.
+    let response = session
+        .endpoints
+        .call(
+            &format!("place of tenant {name}"),
+            Delivery::Idempotent,
+            "",
+            |channel| {
+                let place = PlaceRequest {
+                    name: name.clone(),
+                    request: Some(request.clone()),
+                };
+                async move { PoolClient::new(channel).place(place).await }
+            },
+        )
+        .await?;
+    let mut tenant = response
+        .tenant
+        .context("the control plane accepted the tenant but sent it back empty; check with `vgpuctl get tenants`")?;
+    let wait = if args.no_wait {
+        Duration::ZERO
+    } else {
+        Duration::from_secs(args.wait_timeout)
+    };
+    let deadline = Instant::now() + wait;
+    while tenant.state != TenantState::Placed as i32 {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        tokio::time::sleep((deadline - now).min(Duration::from_millis(PLACE_POLL_INTERVAL_MS)))
+            .await;
+        tenant = get_tenant(session, name, false).await?;
+    }
+    let view = TenantView::from(&tenant);
+    if session.format != Format::Table {
+        return write_structured(out, session.format, &view);
+    }
+    if view.state == "placed" {
+        writeln!(
+            out,
+            "tenant {name} placed: {}",
+            output::placement_summary(&view.slices)
+        )?;
+    } else {
+        let reason = if view.reason.is_empty() {
+            "waiting for capacity"
+        } else {
+            &view.reason
+        };
+        writeln!(out, "tenant {name} is {}: {reason}", view.state)?;
+        if !wait.is_zero() {
+            eprintln!(
+                "note: still {} after {}s; it stays queued and is placed when capacity frees up. Follow it with `vgpuctl describe tenant {name}`, or cancel it with `vgpuctl release {name}`.",
+                view.state, args.wait_timeout
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn release(name: &str, session: &Session, out: &mut dyn Write) -> anyhow::Result<()> {
+    let advice = format!("check with `vgpuctl get tenants {name}` before releasing it again");
+    session
+        .endpoints
+        .call(
+            &format!("release of tenant {name}"),
+            Delivery::AtMostOnce,
+            &advice,
+            |channel| {
+                let release = ReleaseRequest {
+                    name: name.to_owned(),
+                };
+                async move { PoolClient::new(channel).release(release).await }
+            },
+        )
+        .await?;
+    #[derive(Serialize)]
+    struct Released<'a> {
+        name: &'a str,
+        released: bool,
+    }
+    match session.format {
+        Format::Table => writeln!(out, "tenant {name} released")?,
+        format => write_structured(
+            out,
+            format,
+            &Released {
+                name,
+                released: true,
+            },
+        )?,
+    }
+    Ok(())
+}
+
+async fn get_tenant(session: &Session, name: &str, stale: bool) -> anyhow::Result<Tenant> {
+    let tenant = session
+        .endpoints
+        .call(
+            &format!("read of tenant {name}"),
+            Delivery::Idempotent,
+            "",
+            |channel| {
+                let get = GetTenantRequest {
+                    name: name.to_owned(),
+                    stale,
+                };
+                async move { PoolClient::new(channel).get_tenant(get).await }
+            },
+        )
+        .await?;
+    Ok(tenant)
+}
+
+async fn list_tenants(session: &Session, stale: bool) -> anyhow::Result<Vec<Tenant>> {
+    let response = session
+        .endpoints
+        .call(
+            "list of tenants",
+            Delivery::Idempotent,
+            "",
+            |channel| async move {
+                PoolClient::new(channel)
+                    .list_tenants(ListRequest { stale })
+                    .await
+            },
+        )
+        .await?;
+    let mut tenants = response.tenants;
+    tenants.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(tenants)
+}
+
+async fn get_node(session: &Session, name: &str, stale: bool) -> anyhow::Result<Node> {
+    let node = session
+        .endpoints
+        .call(
+            &format!("read of node {name}"),
+            Delivery::Idempotent,
+            "",
+            |channel| {
+                let get = GetNodeRequest {
+                    name: name.to_owned(),
+                    stale,
+                };
+                async move { PoolClient::new(channel).get_node(get).await }
+            },
+        )
+        .await?;
+    Ok(node)
+}
+
+async fn list_nodes(session: &Session, stale: bool) -> anyhow::Result<Vec<Node>> {
+    let response = session
+        .endpoints
+        .call(
+            "list of nodes",
+            Delivery::Idempotent,
+            "",
+            |channel| async move {
+                PoolClient::new(channel)
+                    .list_nodes(ListRequest { stale })
+                    .await
+            },
+        )
+        .await?;
+    let mut nodes = response.nodes;
+    nodes.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(nodes)
+}
+
+/// Prints one object, or a list (an array in JSON/YAML, a table otherwise).
+fn print_objects<T: Serialize>(
+    out: &mut dyn Write,
+    format: Format,
+    objects: &[T],
+    single: bool,
+    what: &str,
+    table: impl FnOnce(&[T]) -> output::Table,
+) -> anyhow::Result<()> {
+    assert!(
+        !single || objects.len() == 1,
+        "a single object is one object"
+    );
+    match format {
+        Format::Table if objects.is_empty() => eprintln!("No {what} found."),
+        Format::Table => write!(out, "{}", table(objects).render())?,
+        format if single => write_structured(out, format, &objects[0])?,
+        format => write_structured(out, format, &objects)?,
+    }
+    Ok(())
+}
+
+async fn get(args: &GetArgs, session: &Session, out: &mut dyn Write) -> anyhow::Result<()> {
+    if args.node.is_some() && args.kind != Kind::Gpus {
+        return Err(UsageError("--node only applies to `vgpuctl get gpus`".into()).into());
+    }
+    let name = args.name.as_deref();
+    match args.kind {
+        Kind::Tenants => {
+            let tenants = match name {
+                Some(name) => {
+                    api::names::validate("tenant", name)
+                        .map_err(|error| UsageError(error.to_string()))?;
+                    vec![get_tenant(session, name, args.stale).await?]
+                }
+                None => list_tenants(session, args.stale).await?,
+            };
+            let views: Vec<TenantView> = tenants.iter().map(TenantView::from).collect();
+            print_objects(
+                out,
+                session.format,
+                &views,
+                name.is_some(),
+                "tenants",
+                output::tenants_table,
+            )
+        }
+        Kind::Nodes => {
+            let nodes = match name {
+                Some(name) => {
+                    api::names::validate("node", name)
+                        .map_err(|error| UsageError(error.to_string()))?;
+                    vec![get_node(session, name, args.stale).await?]
+                }
+                None => list_nodes(session, args.stale).await?,
+            };
+            let views: Vec<NodeView> = nodes.iter().map(NodeView::from).collect();
+            let now = output::now_unix_ms();
+            print_objects(
+                out,
+                session.format,
+                &views,
+                name.is_some(),
+                "nodes",
+                |nodes| output::nodes_table(nodes, now),
+            )
+        }
+        Kind::Gpus => {
+            let nodes = match &args.node {
+                Some(node) => vec![get_node(session, node, args.stale).await?],
+                None => list_nodes(session, args.stale).await?,
+            };
+            let mut gpus: Vec<GpuView> = nodes
+                .iter()
+                .flat_map(|node| node.gpus.iter().map(|gpu| GpuView::of(gpu, &node.name)))
+                .collect();
+            gpus.sort_by(|a, b| (&a.node, a.index).cmp(&(&b.node, b.index)));
+            if let Some(uuid) = name {
+                gpus.retain(|gpu| gpu.uuid == uuid);
+                if gpus.is_empty() {
+                    anyhow::bail!(
+                        "no GPU has the uuid `{uuid}`; list the GPUs with `vgpuctl get gpus`"
+                    );
+                }
+            }
+            print_objects(
+                out,
+                session.format,
+                &gpus,
+                name.is_some(),
+                "GPUs",
+                output::gpus_table,
+            )
+        }
+    }
+}
+
+async fn describe(
+    target: &DescribeTarget,
+    session: &Session,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    match target {
+        DescribeTarget::Tenant { name, stale } => {
+            let tenant = TenantView::from(&get_tenant(session, name, *stale).await?);
+            match session.format {
+                Format::Table => write!(out, "{}", crate::describe::tenant_text(&tenant))?,
+                format => write_structured(out, format, &tenant)?,
+            }
+        }
+        DescribeTarget::Node { name, stale } => {
+            let node = NodeView::from(&get_node(session, name, *stale).await?);
+            if session.format != Format::Table {
+                return write_structured(out, session.format, &node);
+            }
+            // The shares of each tenant are only on the tenants; without them, names still show.
+            let tenants = match list_tenants(session, *stale).await {
+                Ok(tenants) => tenants.iter().map(TenantView::from).collect(),
+                Err(error) => {
+                    tracing::warn!("cannot list tenants, so their shares are left out: {error:#}");
+                    Vec::new()
+                }
+            };
+            write!(
+                out,
+                "{}",
+                crate::describe::node_text(&node, &tenants, output::now_unix_ms())
+            )?;
+        }
+    }
+    Ok(())
+}
+
+async fn drain(
+    node: &str,
+    cordon: bool,
+    session: &Session,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let verb = if cordon { "drain" } else { "uncordon" };
+    // Both set a target state, so sending either twice does no harm.
+    let response = session
+        .endpoints
+        .call(
+            &format!("{verb} of node {node}"),
+            Delivery::Idempotent,
+            "",
+            |channel| {
+                let request = DrainRequest {
+                    node: node.to_owned(),
+                };
+                async move {
+                    let mut client = PoolClient::new(channel);
+                    if cordon {
+                        client.drain(request).await
+                    } else {
+                        client.uncordon(request).await
+                    }
+                }
+            },
+        )
+        .await?;
+    match (session.format, response.node) {
+        (Format::Table, _) if cordon => writeln!(
+            out,
+            "node {node} drained: nothing new lands on it and its tenants are re-placed elsewhere"
+        )?,
+        (Format::Table, _) => writeln!(out, "node {node} uncordoned")?,
+        (format, Some(node)) => write_structured(out, format, &NodeView::from(&node))?,
+        (format, None) => write_structured(out, format, &serde_json::json!({ "name": node }))?,
+    }
+    Ok(())
+}
+
+async fn cluster(
+    command: &ClusterCommand,
+    session: &Session,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let endpoints = &session.endpoints;
+    let status = match command {
+        ClusterCommand::Status => {
+            endpoints
+                .call(
+                    "cluster status",
+                    Delivery::Idempotent,
+                    "",
+                    |channel| async move {
+                        ClusterClient::new(channel)
+                            .status(ClusterStatusRequest {})
+                            .await
+                    },
+                )
+                .await?
+        }
+        ClusterCommand::Remove { id } => {
+            let advice = "check with `vgpuctl cluster status` before removing it again";
+            let status = endpoints
+                .call(
+                    &format!("removal of member {id}"),
+                    Delivery::AtMostOnce,
+                    advice,
+                    |channel| async move {
+                        ClusterClient::new(channel)
+                            .remove_member(RemoveMemberRequest { id: *id })
+                            .await
+                    },
+                )
+                .await?;
+            if session.format == Format::Table {
+                writeln!(out, "member {id} removed")?;
+                return Ok(());
+            }
+            status
+        }
+        ClusterCommand::Add { id, address } => {
+            let advice = "check with `vgpuctl cluster status` before adding it again";
+            let status = endpoints
+                .call(
+                    &format!("addition of member {id}"),
+                    Delivery::AtMostOnce,
+                    advice,
+                    |channel| {
+                        let add = AddMemberRequest {
+                            id: *id,
+                            address: address.clone(),
+                        };
+                        async move { ClusterClient::new(channel).add_member(add).await }
+                    },
+                )
+                .await?;
+            if session.format == Format::Table {
+                writeln!(out, "member {id} ({address}) added")?;
+                return Ok(());
+            }
+            status
+        }
+    };
+    let view = ClusterView::from(&status);
+    match session.format {
+        Format::Table => write!(
+            out,
+            "{}",
+            output::cluster_text(&view, endpoints.preferred_address())
+        )?,
+        format => write_structured(out, format, &view)?,
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::Cli;
+    use crate::endpoints::{CallError, EndpointsConfig};
+    use crate::fake::{self, Mode, State};
+
+    /// Runs a command line against `addresses` and returns its outcome and stdout.
+    async fn run_against(
+        addresses: &[&str],
+        timeout_ms: u64,
+        args: &[&str],
+    ) -> (anyhow::Result<()>, String) {
+        let cli =
+            Cli::try_parse_from(std::iter::once("vgpuctl").chain(args.iter().copied())).unwrap();
+        let config = EndpointsConfig {
+            addresses: addresses
+                .iter()
+                .map(|address| (*address).to_owned())
+                .collect(),
+            call_timeout: Duration::from_millis(timeout_ms),
+            connect_timeout: Duration::from_millis(timeout_ms.min(1000)),
+        };
+        let session = Session {
+            endpoints: Endpoints::new(config),
+            format: cli.output,
+        };
+        let mut out = Vec::new();
+        let result = execute(&cli.command, &session, &mut out).await;
+        (result, String::from_utf8(out).unwrap())
+    }
+
+    fn call_error(result: anyhow::Result<()>) -> CallError {
+        result
+            .expect_err("the command should fail")
+            .downcast::<CallError>()
+            .expect("a CallError")
+    }
+
+    #[tokio::test]
+    async fn place_prints_where_the_tenant_landed() {
+        let server = fake::start(State::new(Mode::Serve, Some(0)));
+        let args = [
+            "place",
+            "infer-a",
+            "--gpus",
+            "0.25",
+            "--memory",
+            "20GiB",
+            "--compute",
+            "25",
+        ];
+        let (result, out) = run_against(&[&server.address], 5000, &args).await;
+        result.unwrap();
+        assert_eq!(
+            out,
+            "tenant infer-a placed: node-a GPU 3 (25%, 20GiB, burst)\n"
+        );
+        let request = server.state.tenants.lock().unwrap()["infer-a"]
+            .request
+            .clone()
+            .unwrap();
+        assert_eq!(request.milli_gpus, 250);
+        assert_eq!(request.memory_bytes_per_gpu, 20 << 30);
+        assert_eq!(request.nvlink, NvlinkPolicy::Prefer as i32);
+        // Placing again with the same request is safe and answers the same.
+        let (again, out) = run_against(&[&server.address], 5000, &args).await;
+        again.unwrap();
+        assert!(out.starts_with("tenant infer-a placed"), "{out}");
+    }
+
+    #[tokio::test]
+    async fn place_waits_for_a_pending_tenant_then_reports_it_placed() {
+        let server = fake::start(State::new(Mode::Serve, Some(3)));
+        let (result, out) = run_against(
+            &[&server.address],
+            5000,
+            &["place", "wait-a", "--gpus", "1"],
+        )
+        .await;
+        result.unwrap();
+        assert!(
+            out.starts_with("tenant wait-a placed: node-a GPU 3"),
+            "{out}"
+        );
+    }
+
+    #[tokio::test]
+    async fn place_reports_a_tenant_still_pending_after_the_wait() {
+        let server = fake::start(State::new(Mode::Serve, None));
+        let args = [
+            "place",
+            "big",
+            "--gpus",
+            "2",
+            "--wait-timeout",
+            "1",
+            "-o",
+            "json",
+        ];
+        let (result, out) = run_against(&[&server.address], 5000, &args).await;
+        result.unwrap();
+        let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(json["state"], "pending");
+        assert_eq!(json["reason"], "no GPU has 25% compute free");
+        assert!(server.state.calls.load(Ordering::SeqCst) >= 3, "it polled");
+
+        let (result, out) = run_against(
+            &[&server.address],
+            5000,
+            &["place", "big", "--gpus", "2", "--no-wait"],
+        )
+        .await;
+        result.unwrap();
+        assert_eq!(out, "tenant big is pending: no GPU has 25% compute free\n");
+    }
+
+    #[tokio::test]
+    async fn bad_requests_fail_before_anything_is_sent() {
+        let server = fake::start(State::new(Mode::Serve, Some(0)));
+        let args = ["place", "spread", "--gpus", "0.5", "--nodes", "2"];
+        let (result, _) = run_against(&[&server.address], 5000, &args).await;
+        let error = result.unwrap_err();
+        assert_eq!(crate::exit_code(&error), crate::EXIT_USAGE);
+        assert!(error.to_string().contains("cannot span 2 nodes"), "{error}");
+        assert_eq!(server.state.calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn failover_skips_dead_and_leaderless_members() {
+        let dead = fake::dead_address();
+        let leaderless = fake::start(State::new(Mode::NoLeader, Some(0)));
+        let healthy = fake::start(State::new(Mode::Serve, Some(0)));
+        let addresses = [
+            dead.as_str(),
+            leaderless.address.as_str(),
+            healthy.address.as_str(),
+        ];
+        let (result, out) = run_against(&addresses, 5000, &["place", "a", "--gpus", "1"]).await;
+        result.unwrap();
+        assert!(out.starts_with("tenant a placed"), "{out}");
+        assert_eq!(leaderless.state.calls.load(Ordering::SeqCst), 1);
+        // A release is safe to resend after NO-LEADER: that answer means nothing was written.
+        *healthy.state.mode.lock().unwrap() = Mode::Serve;
+        let (result, out) = run_against(&addresses, 5000, &["release", "a"]).await;
+        result.unwrap();
+        assert_eq!(out, "tenant a released\n");
+    }
+
+    #[tokio::test]
+    async fn a_release_with_an_unknown_outcome_is_not_resent() {
+        let unsure = fake::start(State::new(Mode::Unavailable, Some(0)));
+        let healthy = fake::start(State::new(Mode::Serve, Some(0)));
+        let addresses = [unsure.address.as_str(), healthy.address.as_str()];
+        let (result, _) = run_against(&addresses, 5000, &["release", "a"]).await;
+        let error = call_error(result);
+        assert!(matches!(error, CallError::Ambiguous { .. }), "{error}");
+        assert!(
+            error.to_string().contains("vgpuctl get tenants a"),
+            "{error}"
+        );
+        assert_eq!(healthy.state.calls.load(Ordering::SeqCst), 0);
+        // Place is idempotent, so it moves on to the next member.
+        let (result, _) = run_against(&addresses, 5000, &["place", "a", "--gpus", "1"]).await;
+        result.unwrap();
+        assert_eq!(healthy.state.calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_release_skips_a_member_that_does_not_answer_at_all() {
+        // A stopped member still accepts connections; the liveness check finds another one
+        // before the release is sent anywhere.
+        let hanging = fake::start(State::new(Mode::Hang, Some(0)));
+        let healthy = fake::start(State::new(Mode::Serve, Some(0)));
+        let addresses = [hanging.address.as_str(), healthy.address.as_str()];
+        run_against(&[&healthy.address], 5000, &["place", "a", "--gpus", "1"])
+            .await
+            .0
+            .unwrap();
+        let (result, out) = run_against(&addresses, 1000, &["release", "a"]).await;
+        result.unwrap();
+        assert_eq!(out, "tenant a released\n");
+    }
+
+    #[tokio::test]
+    async fn a_hanging_member_is_given_up_on_for_reads() {
+        let hanging = fake::start(State::new(Mode::Hang, Some(0)));
+        let healthy = fake::start(State::new(Mode::Serve, Some(0)));
+        let addresses = [hanging.address.as_str(), healthy.address.as_str()];
+        let (result, out) = run_against(&addresses, 500, &["get", "nodes", "-o", "json"]).await;
+        result.unwrap();
+        assert!(out.starts_with('['), "{out}");
+    }
+
+    #[tokio::test]
+    async fn no_live_member_is_reported_with_every_address() {
+        let (first, second) = (fake::dead_address(), fake::dead_address());
+        let (result, _) = run_against(&[&first, &second], 300, &["get", "tenants"]).await;
+        let error = result.unwrap_err();
+        assert_eq!(crate::exit_code(&error), crate::EXIT_UNREACHABLE);
+        let text = error.to_string();
+        assert!(
+            text.starts_with(&format!("none of the endpoints {first},{second} answered")),
+            "{text}"
+        );
+        assert!(text.contains("is vgpu-cp running?"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn server_errors_keep_the_human_message_and_the_code() {
+        let server = fake::start(State::new(Mode::Serve, Some(0)));
+        let (result, _) = run_against(&[&server.address], 5000, &["release", "ghost"]).await;
+        let error = call_error(result);
+        assert_eq!(error.code(), Some(api::ErrorCode::TenantNotFound));
+        assert_eq!(
+            error.to_string(),
+            "there is no tenant ghost; list them with `vgpuctl get tenants` (VGPU-TENANT-NOT-FOUND)"
+        );
+    }
+
+    #[tokio::test]
+    async fn get_prints_arrays_for_lists_and_objects_for_names() {
+        let server = fake::start(State::new(Mode::Serve, Some(0)));
+        run_against(
+            &[&server.address],
+            5000,
+            &["place", "infer-a", "--gpus", "0.25"],
+        )
+        .await
+        .0
+        .unwrap();
+        let address = [server.address.as_str()];
+
+        let (_, out) = run_against(&address, 5000, &["get", "tenants", "-o", "json"]).await;
+        let list: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(list[0]["name"], "infer-a");
+        assert_eq!(list[0]["state"], "placed");
+        let (_, out) =
+            run_against(&address, 5000, &["get", "tenant", "infer-a", "-o", "json"]).await;
+        let one: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(one["name"], "infer-a");
+        let (_, out) =
+            run_against(&address, 5000, &["get", "tenants", "infer-a", "-o", "yaml"]).await;
+        assert!(out.starts_with("name: infer-a\nstate: placed\n"), "{out}");
+        let (_, out) = run_against(&address, 5000, &["get", "tenants"]).await;
+        assert!(out.starts_with("NAME      STATE    GPUS"), "{out}");
+
+        let (_, out) = run_against(&address, 5000, &["get", "nodes", "-o", "json"]).await;
+        let nodes: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(nodes[0]["gpus"][1]["index"], 1);
+        let (_, out) = run_against(&address, 5000, &["get", "gpus", "-o", "json"]).await;
+        let gpus: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(gpus.as_array().unwrap().len(), 2);
+        assert_eq!(gpus[1]["node"], "node-a");
+        let (_, out) =
+            run_against(&address, 5000, &["get", "gpus", "GPU-0001", "-o", "json"]).await;
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&out).unwrap()["index"],
+            1
+        );
+        let (result, _) = run_against(&address, 5000, &["get", "gpus", "GPU-9"]).await;
+        assert!(
+            result
+                .unwrap_err()
+                .to_string()
+                .contains("no GPU has the uuid")
+        );
+    }
+
+    #[tokio::test]
+    async fn describe_drain_and_cluster_commands() {
+        let server = fake::start(State::new(Mode::Serve, Some(0)));
+        let address = [server.address.as_str()];
+        run_against(&address, 5000, &["place", "infer-a", "--gpus", "0.25"])
+            .await
+            .0
+            .unwrap();
+
+        let (result, out) = run_against(&address, 5000, &["describe", "tenant", "infer-a"]).await;
+        result.unwrap();
+        assert!(out.contains("Placement:"), "{out}");
+        let (result, out) = run_against(&address, 5000, &["describe", "node", "node-a"]).await;
+        result.unwrap();
+        assert!(out.contains("NVLink peers:"), "{out}");
+        let (result, out) = run_against(&address, 5000, &["drain", "node-a"]).await;
+        result.unwrap();
+        assert!(out.starts_with("node node-a drained"), "{out}");
+        let (result, out) =
+            run_against(&address, 5000, &["uncordon", "node-a", "-o", "json"]).await;
+        result.unwrap();
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&out).unwrap()["state"],
+            "ready"
+        );
+
+        let (result, out) = run_against(&address, 5000, &["cluster", "status", "-o", "json"]).await;
+        result.unwrap();
+        let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(status["leader"], 2);
+        assert_eq!(status["members"].as_array().unwrap().len(), 3);
+        let (result, out) = run_against(&address, 5000, &["cluster", "status"]).await;
+        result.unwrap();
+        assert!(out.contains("Leader:         2 (cp-2:7401)"), "{out}");
+        let (result, out) = run_against(&address, 5000, &["cluster", "remove", "3"]).await;
+        result.unwrap();
+        assert_eq!(out, "member 3 removed\n");
+    }
+}

@@ -1,0 +1,338 @@
+//! `vgpuctl describe`: one tenant or node in detail, as aligned `Key: value` text for people.
+//! Scripts should use `vgpuctl get ... -o json` instead; this text may change.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use api::size::format_bytes;
+
+use crate::output::{NONE, Table, age, format_milli, or_none, timestamp, yes_no};
+use crate::views::{NodeView, SliceView, TenantView};
+
+/// Width of the key column, so values line up.
+const KEY_WIDTH: usize = 18;
+
+/// Appends `key: value` with the value aligned, at `indent` spaces.
+fn field(text: &mut String, indent: usize, key: &str, value: impl std::fmt::Display) {
+    let key = format!("{key}:");
+    // At least one space between key and value, however long the key.
+    let width = KEY_WIDTH.saturating_sub(indent).max(key.len() + 1);
+    writeln!(text, "{:indent$}{key:<width$}{value}", "").expect("writing to a String");
+}
+
+/// Appends a block (a table or a list) indented by `indent` spaces.
+fn block(text: &mut String, indent: usize, body: &str) {
+    for line in body.lines() {
+        writeln!(text, "{:indent$}{line}", "").expect("writing to a String");
+    }
+}
+
+fn pairs(map: &BTreeMap<String, String>) -> String {
+    if map.is_empty() {
+        return "<none>".into();
+    }
+    map.iter()
+        .map(|(key, value)| format!("{key}={value}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// `describe tenant NAME`.
+pub fn tenant_text(tenant: &TenantView) -> String {
+    let mut text = String::new();
+    field(&mut text, 0, "Name", &tenant.name);
+    field(&mut text, 0, "State", &tenant.state);
+    field(&mut text, 0, "Reason", or_none(tenant.reason.clone()));
+    field(&mut text, 0, "Created", timestamp(tenant.created_unix_ms));
+    field(&mut text, 0, "Revision", tenant.revision);
+
+    let request = &tenant.request;
+    text.push_str("Request:\n");
+    let gpus = if request.milli_gpus > 0 {
+        format!("{} of one GPU", format_milli(request.milli_gpus))
+    } else if request.nodes > 1 {
+        format!("{} per node on {} nodes", request.whole_gpus, request.nodes)
+    } else {
+        request.whole_gpus.to_string()
+    };
+    field(&mut text, 2, "GPUs", gpus);
+    let memory = match request.memory_bytes_per_gpu {
+        0 => "default (the GPU's share)".to_owned(),
+        bytes => format_bytes(bytes),
+    };
+    field(&mut text, 2, "Memory/GPU", memory);
+    let compute = match request.compute_percent {
+        0 => "default (the GPU's share)".to_owned(),
+        percent => format!("{percent}%"),
+    };
+    field(&mut text, 2, "Compute/GPU", compute);
+    field(&mut text, 2, "Burst", yes_no(request.burst));
+    field(&mut text, 2, "Priority", request.priority);
+    field(&mut text, 2, "Preemptible", yes_no(request.preemptible));
+    field(&mut text, 2, "NVLink", &request.nvlink);
+    field(&mut text, 2, "Node selector", pairs(&request.node_selector));
+
+    text.push_str("Placement:\n");
+    if tenant.slices.is_empty() {
+        block(&mut text, 2, "<none>");
+    } else {
+        block(&mut text, 2, &slices_table(&tenant.slices).render());
+    }
+
+    text.push_str("History:\n");
+    if tenant.history.is_empty() {
+        block(&mut text, 2, "<none>");
+    } else {
+        let mut table = Table::new(&["TIME", "STATE", "MESSAGE"]);
+        for event in &tenant.history {
+            table.row(vec![
+                timestamp(event.unix_ms),
+                event.state.clone(),
+                or_none(event.message.clone()),
+            ]);
+        }
+        block(&mut text, 2, &table.render());
+    }
+    text
+}
+
+fn slices_table(slices: &[SliceView]) -> Table {
+    let mut table = Table::new(&[
+        "NODE",
+        "GPU",
+        "UUID",
+        "COMPUTE",
+        "MEMORY",
+        "GUARANTEED",
+        "BURST",
+    ]);
+    for slice in slices {
+        table.row(vec![
+            slice.node.clone(),
+            slice.gpu_index.to_string(),
+            slice.gpu.clone(),
+            format!("{}%", slice.compute_percent),
+            format_bytes(slice.memory_bytes),
+            yes_no(slice.guaranteed).into(),
+            yes_no(slice.burst).into(),
+        ]);
+    }
+    table
+}
+
+/// `describe node NAME`. `tenants` (may be empty) gives each tenant's share of each GPU.
+pub fn node_text(node: &NodeView, tenants: &[TenantView], now_unix_ms: i64) -> String {
+    let mut text = String::new();
+    field(&mut text, 0, "Name", &node.name);
+    field(&mut text, 0, "State", &node.state);
+    field(&mut text, 0, "Address", or_none(node.address.clone()));
+    if node.labels.is_empty() {
+        field(&mut text, 0, "Labels", "<none>");
+    } else {
+        for (number, (key, value)) in node.labels.iter().enumerate() {
+            let key_text = if number == 0 { "Labels:" } else { "" };
+            writeln!(text, "{key_text:<KEY_WIDTH$}{key}={value}").expect("writing to a String");
+        }
+    }
+    let heartbeat = match node.last_heartbeat_unix_ms {
+        0 => "never".to_owned(),
+        ms => format!("{} ({})", timestamp(ms), age(ms, now_unix_ms)),
+    };
+    field(&mut text, 0, "Last heartbeat", heartbeat);
+    let compute: u64 = node
+        .gpus
+        .iter()
+        .map(|gpu| u64::from(gpu.compute_allocated_percent))
+        .sum();
+    let memory: u64 = node.gpus.iter().map(|gpu| gpu.memory_allocated_bytes).sum();
+    let memory_total: u64 = node.gpus.iter().map(|gpu| gpu.memory_bytes).sum();
+    field(
+        &mut text,
+        0,
+        "Allocated",
+        format!(
+            "compute {compute}%/{}%, memory {}/{}",
+            node.gpus.len() * 100,
+            format_bytes(memory),
+            format_bytes(memory_total)
+        ),
+    );
+    field(&mut text, 0, "GPUs", node.gpus.len());
+    for gpu in &node.gpus {
+        writeln!(text, "  GPU {}:", gpu.index).expect("writing to a String");
+        field(&mut text, 4, "UUID", &gpu.uuid);
+        let sms = if gpu.sm_count > 0 {
+            format!(" ({} SMs)", gpu.sm_count)
+        } else {
+            String::new()
+        };
+        field(
+            &mut text,
+            4,
+            "Model",
+            format!("{}{sms}", or_none(gpu.model.clone())),
+        );
+        field(
+            &mut text,
+            4,
+            "Memory",
+            format!(
+                "{} ({} allocated)",
+                format_bytes(gpu.memory_bytes),
+                format_bytes(gpu.memory_allocated_bytes)
+            ),
+        );
+        field(
+            &mut text,
+            4,
+            "Compute",
+            format!("{}% allocated", gpu.compute_allocated_percent),
+        );
+        let numa = if gpu.numa_node < 0 {
+            "unknown".to_owned()
+        } else {
+            gpu.numa_node.to_string()
+        };
+        field(&mut text, 4, "NUMA node", numa);
+        field(&mut text, 4, "PCI bus", or_none(gpu.pci_bus_id.clone()));
+        let peers: Vec<String> = gpu
+            .nvlink_peers
+            .iter()
+            .map(|peer| {
+                let links = if peer.link_count == 1 {
+                    "link"
+                } else {
+                    "links"
+                };
+                format!("GPU {} ({} {links})", peer.gpu_index, peer.link_count)
+            })
+            .collect();
+        field(
+            &mut text,
+            4,
+            "NVLink peers",
+            if peers.is_empty() {
+                "<none>".to_owned()
+            } else {
+                peers.join(", ")
+            },
+        );
+        field(
+            &mut text,
+            4,
+            "Nearest NICs",
+            if gpu.nearest_nics.is_empty() {
+                "<none>".to_owned()
+            } else {
+                gpu.nearest_nics.join(", ")
+            },
+        );
+        let shares: Vec<String> = gpu
+            .tenants
+            .iter()
+            .map(|name| {
+                let slice = tenants
+                    .iter()
+                    .filter(|tenant| &tenant.name == name)
+                    .flat_map(|tenant| &tenant.slices)
+                    .find(|slice| {
+                        slice.node == node.name
+                            && (slice.gpu == gpu.uuid || slice.gpu_index == gpu.index)
+                    });
+                match slice {
+                    Some(slice) => {
+                        let kind = if slice.guaranteed {
+                            "guaranteed"
+                        } else {
+                            "best effort"
+                        };
+                        let burst = if slice.burst { ", burst" } else { "" };
+                        format!(
+                            "{name} ({}%, {}, {kind}{burst})",
+                            slice.compute_percent,
+                            format_bytes(slice.memory_bytes)
+                        )
+                    }
+                    None => name.clone(),
+                }
+            })
+            .collect();
+        if shares.is_empty() {
+            field(&mut text, 4, "Tenants", "<none>");
+        } else {
+            for (number, share) in shares.iter().enumerate() {
+                let key = if number == 0 { "Tenants:" } else { "" };
+                writeln!(text, "    {key:<width$}{share}", width = KEY_WIDTH - 4)
+                    .expect("writing to a String");
+            }
+        }
+    }
+    if node.gpus.is_empty() {
+        block(&mut text, 2, NONE);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::views::samples;
+
+    #[test]
+    fn tenant_text_shows_request_placement_and_history() {
+        let text = tenant_text(&TenantView::from(&samples::placed_tenant()));
+        assert!(
+            text.starts_with("Name:             infer-a\nState:            placed\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  GPUs:           0.25 of one GPU\n"),
+            "{text}"
+        );
+        assert!(text.contains("  Memory/GPU:     20GiB\n"), "{text}");
+        assert!(text.contains("  Node selector:  zone=a\n"), "{text}");
+        assert!(
+            text.contains("node-a   3     GPU-0003   25%       20GiB    yes          yes"),
+            "{text}"
+        );
+        assert!(
+            text.contains("2023-11-14 22:13:20.500Z   placed    placed on node-a"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn pending_tenant_has_no_placement() {
+        let text = tenant_text(&TenantView::from(&samples::pending_tenant()));
+        assert!(
+            text.contains("Reason:           no node has 8 free NVLink-connected GPUs\n"),
+            "{text}"
+        );
+        assert!(text.contains("Placement:\n  <none>\n"), "{text}");
+        assert!(
+            text.contains("  GPUs:           8 per node on 2 nodes\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn node_text_shows_topology_and_tenant_shares() {
+        let node = NodeView::from(&samples::node());
+        let tenant = TenantView::from(&samples::placed_tenant());
+        let mut placed = tenant.clone();
+        placed.slices[0].gpu = "GPU-0000".into();
+        placed.slices[0].gpu_index = 0;
+        let text = node_text(&node, &[placed], node.last_heartbeat_unix_ms + 1000);
+        assert!(text.contains("Labels:           zone=a\n"), "{text}");
+        assert!(text.contains("(1s ago)"), "{text}");
+        assert!(
+            text.contains("    NVLink peers: GPU 1 (18 links)\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("    Tenants:      infer-a (25%, 20GiB, guaranteed, burst)\n"),
+            "{text}"
+        );
+        assert!(text.contains("    NUMA node:    0\n"), "{text}");
+    }
+}

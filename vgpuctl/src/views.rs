@@ -1,0 +1,581 @@
+//! The JSON/YAML shapes vgpuctl prints, built from the protobuf messages.
+//!
+//! **API Boundary:** these field names are a contract with scripts and the end-to-end tests:
+//! fields are only ever added. They are our own serde structs rather than serde on the prost types,
+//! so that enums print as lowercase words (`placed`, `ready`, `require`), maps print sorted, and a
+//! change to the generated code cannot silently change the output.
+
+use std::collections::BTreeMap;
+
+use api::v1::{
+    ClusterStatus, Gpu, Member, Node, NodeState, NvlinkPeer, NvlinkPolicy, PlacementRequest, Slice,
+    Tenant, TenantEvent, TenantState,
+};
+use serde::{Deserialize, Serialize};
+
+/// A tenant: `vgpuctl get tenants -o json` prints an array of these.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TenantView {
+    pub name: String,
+    /// `pending`, `placed` or `preempted`.
+    pub state: String,
+    /// Why a pending tenant does not fit now; empty when placed.
+    pub reason: String,
+    pub slices: Vec<SliceView>,
+    pub request: RequestView,
+    pub priority: i32,
+    pub created_unix_ms: i64,
+    pub revision: u64,
+    /// Most recent last.
+    pub history: Vec<EventView>,
+}
+
+/// One GPU share of a placed tenant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SliceView {
+    pub node: String,
+    /// The GPU's uuid.
+    pub gpu: String,
+    pub gpu_index: u32,
+    pub compute_percent: u32,
+    pub memory_bytes: u64,
+    pub guaranteed: bool,
+    pub burst: bool,
+}
+
+/// What the tenant asked for, as sent (0 means "the default" as in the API).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestView {
+    pub whole_gpus: u32,
+    pub milli_gpus: u32,
+    pub memory_bytes_per_gpu: u64,
+    pub compute_percent: u32,
+    pub burst: bool,
+    pub priority: i32,
+    pub preemptible: bool,
+    /// `prefer`, `require`, `ignore` or `unspecified`.
+    pub nvlink: String,
+    pub nodes: u32,
+    pub node_selector: BTreeMap<String, String>,
+}
+
+/// One entry of a tenant's history.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventView {
+    pub unix_ms: i64,
+    pub state: String,
+    pub message: String,
+}
+
+/// A GPU node: `vgpuctl get nodes -o json` prints an array of these.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeView {
+    pub name: String,
+    /// `ready`, `lost` or `draining`.
+    pub state: String,
+    pub address: String,
+    pub labels: BTreeMap<String, String>,
+    /// 0 when no heartbeat was seen yet.
+    pub last_heartbeat_unix_ms: i64,
+    pub gpus: Vec<GpuView>,
+}
+
+/// One GPU with its topology and allocation; `vgpuctl get gpus -o json` prints an array of these.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuView {
+    pub node: String,
+    pub uuid: String,
+    pub index: u32,
+    pub model: String,
+    pub memory_bytes: u64,
+    pub sm_count: u32,
+    pub nvlink_peers: Vec<NvlinkPeerView>,
+    /// -1 when unknown.
+    pub numa_node: i32,
+    pub pci_bus_id: String,
+    pub nearest_nics: Vec<String>,
+    pub compute_allocated_percent: u32,
+    pub memory_allocated_bytes: u64,
+    /// Names of the tenants with a share of this GPU.
+    pub tenants: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NvlinkPeerView {
+    pub gpu_index: u32,
+    pub link_count: u32,
+}
+
+/// `vgpuctl cluster status -o json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterView {
+    /// Id of the leader; 0 when none is known.
+    pub leader: u64,
+    pub term: u64,
+    pub members: Vec<MemberView>,
+    /// Id of the member that answered.
+    pub responder: u64,
+    pub last_log_index: u64,
+    pub last_applied: u64,
+    pub cluster_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemberView {
+    pub id: u64,
+    pub address: String,
+    pub voter: bool,
+    /// Last log index the leader knows this member has (only when the responder leads).
+    pub matched_index: u64,
+}
+
+/// `placed`, `pending`, `preempted`; `unspecified` or `unknown` should never show.
+pub fn tenant_state_name(state: i32) -> &'static str {
+    match TenantState::try_from(state) {
+        Ok(TenantState::Placed) => "placed",
+        Ok(TenantState::Pending) => "pending",
+        Ok(TenantState::Preempted) => "preempted",
+        Ok(TenantState::Unspecified) => "unspecified",
+        Err(_) => "unknown",
+    }
+}
+
+/// `ready`, `lost`, `draining`.
+pub fn node_state_name(state: i32) -> &'static str {
+    match NodeState::try_from(state) {
+        Ok(NodeState::Ready) => "ready",
+        Ok(NodeState::Lost) => "lost",
+        Ok(NodeState::Draining) => "draining",
+        Ok(NodeState::Unspecified) => "unspecified",
+        Err(_) => "unknown",
+    }
+}
+
+/// `prefer`, `require`, `ignore`.
+pub fn nvlink_policy_name(policy: i32) -> &'static str {
+    match NvlinkPolicy::try_from(policy) {
+        Ok(NvlinkPolicy::Prefer) => "prefer",
+        Ok(NvlinkPolicy::Require) => "require",
+        Ok(NvlinkPolicy::Ignore) => "ignore",
+        Ok(NvlinkPolicy::Unspecified) => "unspecified",
+        Err(_) => "unknown",
+    }
+}
+
+impl From<&Tenant> for TenantView {
+    fn from(tenant: &Tenant) -> TenantView {
+        let request = RequestView::from(&tenant.request.clone().unwrap_or_default());
+        TenantView {
+            name: tenant.name.clone(),
+            state: tenant_state_name(tenant.state).to_owned(),
+            reason: tenant.reason.clone(),
+            slices: tenant.slices.iter().map(SliceView::from).collect(),
+            priority: request.priority,
+            request,
+            created_unix_ms: tenant.created_unix_ms,
+            revision: tenant.revision,
+            history: tenant.history.iter().map(EventView::from).collect(),
+        }
+    }
+}
+
+impl From<&Slice> for SliceView {
+    fn from(slice: &Slice) -> SliceView {
+        SliceView {
+            node: slice.node.clone(),
+            gpu: slice.gpu.clone(),
+            gpu_index: slice.gpu_index,
+            compute_percent: slice.compute_percent,
+            memory_bytes: slice.memory_bytes,
+            guaranteed: slice.guaranteed,
+            burst: slice.burst,
+        }
+    }
+}
+
+impl From<&PlacementRequest> for RequestView {
+    fn from(request: &PlacementRequest) -> RequestView {
+        RequestView {
+            whole_gpus: request.whole_gpus,
+            milli_gpus: request.milli_gpus,
+            memory_bytes_per_gpu: request.memory_bytes_per_gpu,
+            compute_percent: request.compute_percent,
+            burst: request.burst,
+            priority: request.priority,
+            preemptible: request.preemptible,
+            nvlink: nvlink_policy_name(request.nvlink).to_owned(),
+            nodes: request.nodes,
+            node_selector: request
+                .node_selector
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        }
+    }
+}
+
+impl From<&TenantEvent> for EventView {
+    fn from(event: &TenantEvent) -> EventView {
+        EventView {
+            unix_ms: event.unix_ms,
+            state: tenant_state_name(event.state).to_owned(),
+            message: event.message.clone(),
+        }
+    }
+}
+
+impl From<&Node> for NodeView {
+    fn from(node: &Node) -> NodeView {
+        NodeView {
+            name: node.name.clone(),
+            state: node_state_name(node.state).to_owned(),
+            address: node.address.clone(),
+            labels: node
+                .labels
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            last_heartbeat_unix_ms: node.last_heartbeat_unix_ms,
+            gpus: node
+                .gpus
+                .iter()
+                .map(|gpu| GpuView::of(gpu, &node.name))
+                .collect(),
+        }
+    }
+}
+
+impl GpuView {
+    /// `node_name` fills in `node` when the control plane left it empty.
+    pub fn of(gpu: &Gpu, node_name: &str) -> GpuView {
+        let node = if gpu.node.is_empty() {
+            node_name.to_owned()
+        } else {
+            gpu.node.clone()
+        };
+        GpuView {
+            node,
+            uuid: gpu.uuid.clone(),
+            index: gpu.index,
+            model: gpu.model.clone(),
+            memory_bytes: gpu.memory_bytes,
+            sm_count: gpu.sm_count,
+            nvlink_peers: gpu.nvlink_peers.iter().map(NvlinkPeerView::from).collect(),
+            numa_node: gpu.numa_node,
+            pci_bus_id: gpu.pci_bus_id.clone(),
+            nearest_nics: gpu.nearest_nics.clone(),
+            compute_allocated_percent: gpu.compute_allocated_percent,
+            memory_allocated_bytes: gpu.memory_allocated_bytes,
+            tenants: gpu.tenants.clone(),
+        }
+    }
+}
+
+impl From<&NvlinkPeer> for NvlinkPeerView {
+    fn from(peer: &NvlinkPeer) -> NvlinkPeerView {
+        NvlinkPeerView {
+            gpu_index: peer.gpu_index,
+            link_count: peer.link_count,
+        }
+    }
+}
+
+impl From<&ClusterStatus> for ClusterView {
+    fn from(status: &ClusterStatus) -> ClusterView {
+        ClusterView {
+            leader: status.leader,
+            term: status.term,
+            members: status.members.iter().map(MemberView::from).collect(),
+            responder: status.responder,
+            last_log_index: status.last_log_index,
+            last_applied: status.last_applied,
+            cluster_id: status.cluster_id.clone(),
+        }
+    }
+}
+
+impl From<&Member> for MemberView {
+    fn from(member: &Member) -> MemberView {
+        MemberView {
+            id: member.id,
+            address: member.address.clone(),
+            voter: member.voter,
+            matched_index: member.matched_index,
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod samples {
+    //! Sample protobuf messages shared by the unit tests of several modules.
+
+    use api::v1::*;
+
+    pub fn placed_tenant() -> Tenant {
+        Tenant {
+            name: "infer-a".into(),
+            request: Some(PlacementRequest {
+                milli_gpus: 250,
+                memory_bytes_per_gpu: 20 << 30,
+                compute_percent: 25,
+                burst: true,
+                priority: 5,
+                nvlink: NvlinkPolicy::Prefer as i32,
+                node_selector: [("zone".to_owned(), "a".to_owned())].into_iter().collect(),
+                ..Default::default()
+            }),
+            state: TenantState::Placed as i32,
+            reason: String::new(),
+            slices: vec![Slice {
+                node: "node-a".into(),
+                gpu: "GPU-0003".into(),
+                gpu_index: 3,
+                compute_percent: 25,
+                memory_bytes: 20 << 30,
+                guaranteed: true,
+                burst: true,
+            }],
+            history: vec![
+                TenantEvent {
+                    unix_ms: 1_700_000_000_000,
+                    state: TenantState::Pending as i32,
+                    message: "queued".into(),
+                },
+                TenantEvent {
+                    unix_ms: 1_700_000_000_500,
+                    state: TenantState::Placed as i32,
+                    message: "placed on node-a".into(),
+                },
+            ],
+            created_unix_ms: 1_700_000_000_000,
+            revision: 42,
+        }
+    }
+
+    pub fn pending_tenant() -> Tenant {
+        Tenant {
+            name: "train-b".into(),
+            request: Some(PlacementRequest {
+                whole_gpus: 8,
+                nodes: 2,
+                nvlink: NvlinkPolicy::Require as i32,
+                ..Default::default()
+            }),
+            state: TenantState::Pending as i32,
+            reason: "no node has 8 free NVLink-connected GPUs".into(),
+            created_unix_ms: 1_700_000_001_000,
+            revision: 43,
+            ..Default::default()
+        }
+    }
+
+    pub fn node() -> Node {
+        Node {
+            name: "node-a".into(),
+            address: "10.0.0.5:7402".into(),
+            labels: [("zone".to_owned(), "a".to_owned())].into_iter().collect(),
+            state: NodeState::Ready as i32,
+            last_heartbeat_unix_ms: 1_700_000_002_000,
+            gpus: (0..2)
+                .map(|index| Gpu {
+                    uuid: format!("GPU-000{index}"),
+                    index,
+                    model: "NVIDIA H100 80GB HBM3".into(),
+                    memory_bytes: 80 << 30,
+                    sm_count: 132,
+                    nvlink_peers: vec![NvlinkPeer {
+                        gpu_index: 1 - index,
+                        link_count: 18,
+                    }],
+                    numa_node: 0,
+                    pci_bus_id: format!("0000:1{index}:00.0"),
+                    nearest_nics: vec!["mlx5_0".into()],
+                    compute_allocated_percent: if index == 0 { 25 } else { 0 },
+                    memory_allocated_bytes: if index == 0 { 20 << 30 } else { 0 },
+                    tenants: if index == 0 {
+                        vec!["infer-a".into()]
+                    } else {
+                        vec![]
+                    },
+                    node: String::new(),
+                })
+                .collect(),
+        }
+    }
+
+    pub fn cluster() -> ClusterStatus {
+        ClusterStatus {
+            leader: 2,
+            term: 7,
+            members: (1..=3)
+                .map(|id| Member {
+                    id,
+                    address: format!("cp-{id}:7401"),
+                    voter: true,
+                    matched_index: 100,
+                })
+                .collect(),
+            responder: 1,
+            last_log_index: 100,
+            last_applied: 99,
+            cluster_id: "c-123".into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    fn keys(value: &Value) -> Vec<&str> {
+        let mut keys: Vec<&str> = value
+            .as_object()
+            .expect("an object")
+            .keys()
+            .map(String::as_str)
+            .collect();
+        keys.sort_unstable();
+        keys
+    }
+
+    #[test]
+    fn tenant_json_has_the_contract_fields() {
+        let json = serde_json::to_value(TenantView::from(&samples::placed_tenant())).unwrap();
+        for key in [
+            "name",
+            "state",
+            "reason",
+            "slices",
+            "request",
+            "priority",
+            "created_unix_ms",
+            "revision",
+        ] {
+            assert!(json.get(key).is_some(), "missing {key} in {json}");
+        }
+        assert_eq!(json["state"], "placed");
+        assert_eq!(json["priority"], 5);
+        assert_eq!(
+            keys(&json["slices"][0]),
+            [
+                "burst",
+                "compute_percent",
+                "gpu",
+                "gpu_index",
+                "guaranteed",
+                "memory_bytes",
+                "node"
+            ]
+        );
+        assert_eq!(json["slices"][0]["gpu"], "GPU-0003");
+        let request = &json["request"];
+        assert_eq!(
+            keys(request),
+            [
+                "burst",
+                "compute_percent",
+                "memory_bytes_per_gpu",
+                "milli_gpus",
+                "node_selector",
+                "nodes",
+                "nvlink",
+                "preemptible",
+                "priority",
+                "whole_gpus"
+            ]
+        );
+        assert_eq!(request["milli_gpus"], 250);
+        assert_eq!(request["nvlink"], "prefer");
+        assert_eq!(request["node_selector"]["zone"], "a");
+        assert_eq!(json["history"][1]["state"], "placed");
+    }
+
+    #[test]
+    fn states_and_policies_are_lowercase_words() {
+        let pending = serde_json::to_value(TenantView::from(&samples::pending_tenant())).unwrap();
+        assert_eq!(pending["state"], "pending");
+        assert_eq!(pending["request"]["nvlink"], "require");
+        assert_eq!(pending["slices"], Value::Array(vec![]));
+        assert_eq!(
+            tenant_state_name(TenantState::Preempted as i32),
+            "preempted"
+        );
+        assert_eq!(node_state_name(NodeState::Lost as i32), "lost");
+        assert_eq!(node_state_name(NodeState::Draining as i32), "draining");
+        assert_eq!(nvlink_policy_name(NvlinkPolicy::Ignore as i32), "ignore");
+        assert_eq!(tenant_state_name(99), "unknown");
+    }
+
+    #[test]
+    fn node_json_nests_gpus_with_topology() {
+        let json = serde_json::to_value(NodeView::from(&samples::node())).unwrap();
+        assert_eq!(
+            keys(&json),
+            [
+                "address",
+                "gpus",
+                "labels",
+                "last_heartbeat_unix_ms",
+                "name",
+                "state"
+            ]
+        );
+        assert_eq!(json["state"], "ready");
+        let gpu = &json["gpus"][0];
+        assert_eq!(
+            keys(gpu),
+            [
+                "compute_allocated_percent",
+                "index",
+                "memory_allocated_bytes",
+                "memory_bytes",
+                "model",
+                "nearest_nics",
+                "node",
+                "numa_node",
+                "nvlink_peers",
+                "pci_bus_id",
+                "sm_count",
+                "tenants",
+                "uuid"
+            ]
+        );
+        // The node name is filled in when the control plane left it empty.
+        assert_eq!(gpu["node"], "node-a");
+        assert_eq!(gpu["nvlink_peers"][0]["gpu_index"], 1);
+        assert_eq!(gpu["nvlink_peers"][0]["link_count"], 18);
+        assert_eq!(gpu["tenants"][0], "infer-a");
+    }
+
+    #[test]
+    fn cluster_json_has_the_contract_fields() {
+        let json = serde_json::to_value(ClusterView::from(&samples::cluster())).unwrap();
+        assert_eq!(
+            keys(&json),
+            [
+                "cluster_id",
+                "last_applied",
+                "last_log_index",
+                "leader",
+                "members",
+                "responder",
+                "term"
+            ]
+        );
+        assert_eq!(
+            keys(&json["members"][0]),
+            ["address", "id", "matched_index", "voter"]
+        );
+        assert_eq!(json["leader"], 2);
+    }
+
+    #[test]
+    fn views_round_trip_through_json_and_yaml() {
+        let view = TenantView::from(&samples::placed_tenant());
+        let json = serde_json::to_string(&view).unwrap();
+        assert_eq!(serde_json::from_str::<TenantView>(&json).unwrap(), view);
+        let yaml = serde_yaml::to_string(&view).unwrap();
+        assert_eq!(serde_yaml::from_str::<TenantView>(&yaml).unwrap(), view);
+    }
+}
