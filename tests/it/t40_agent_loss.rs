@@ -85,5 +85,15 @@ fn tenants_of_a_lost_node_are_replaced() -> Result<()> {
         .ok()?;
         (node["state"] == "ready").then_some(())
     })?;
+    // The restarted agent restored its two assignments from its state directory, then
+    // reconciled with the control plane, which had moved both tenants away meanwhile.
+    let log_path = cluster.agent("node-a").state_dir.with_extension("log");
+    wait_for("the agent to reconcile", Duration::from_secs(10), || {
+        let log = std::fs::read_to_string(&log_path).ok()?;
+        (log.contains("restored 2 assignments") && log.contains("2 stopped")).then_some(())
+    })
+    .map_err(|e| anyhow::anyhow!("{e}: {}", std::fs::read_to_string(&log_path).unwrap_or_default()))?;
+    let tenants = std::fs::read_dir(cluster.agent("node-a").state_dir.join("tenants"))?.count();
+    ensure!(tenants == 0, "stale tenant files left in the state dir: {tenants}");
     Ok(())
 }
