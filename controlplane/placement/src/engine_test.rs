@@ -117,6 +117,68 @@ fn fractions_leave_a_node_free_for_an_eight_gpu_job() {
 }
 
 #[test]
+fn whole_gpus_do_not_open_an_empty_node_for_a_better_topology() {
+    // Node a keeps GPUs 1, 3, 5 and 7 free (two per NUMA node, no shared NIC); node b is empty,
+    // so its GPUs 0..3 (one NUMA node, two NIC pairs) score better for a Prefer request.
+    let setup = |scorer: Scorer| {
+        let mut engine = Engine::new(EngineConfig {
+            scorer,
+            ..EngineConfig::default()
+        });
+        for name in ["a", "b"] {
+            engine.handle(Event::AddNode(node_spec(
+                name,
+                8,
+                80 * GIB,
+                Interconnect::All,
+            )));
+        }
+        for gpu in 0..8u64 {
+            let tenant = format!("w{gpu}");
+            let commands = handle(&mut engine, submit(&tenant, whole(1), gpu));
+            assert_eq!(
+                commands,
+                vec![bind(&tenant, vec![slice("a", gpu as u32, 100, 80 * GIB)])]
+            );
+        }
+        for gpu in [1, 3, 5, 7] {
+            let tenant = format!("w{gpu}");
+            assert_eq!(
+                handle(
+                    &mut engine,
+                    Event::Release {
+                        tenant: tenant.clone()
+                    }
+                ),
+                vec![released(&tenant)]
+            );
+        }
+        engine
+    };
+    // Fragmentation keeps node b whole for a node-sized task.
+    let mut engine = setup(Scorer::Fragmentation);
+    assert_eq!(
+        handle(&mut engine, submit("four", whole(4), 10)),
+        vec![bind(
+            "four",
+            [1, 3, 5, 7]
+                .into_iter()
+                .map(|gpu| slice("a", gpu, 100, 80 * GIB))
+                .collect()
+        )]
+    );
+    // BestFit (the baseline) follows the topology preference and opens node b.
+    let mut engine = setup(Scorer::BestFit);
+    assert_eq!(
+        handle(&mut engine, submit("four", whole(4), 10)),
+        vec![bind(
+            "four",
+            (0..4).map(|gpu| slice("b", gpu, 100, 80 * GIB)).collect()
+        )]
+    );
+}
+
+#[test]
 fn nvlink_require_stays_inside_an_island() {
     let mut engine = engine_with(&[node_spec("a", 8, 80 * GIB, Interconnect::Islands4)]);
     let require = |gpus| Request {

@@ -100,8 +100,9 @@ pub(crate) struct Found {
     pub cursor_next: NodeName,
 }
 
-/// Lower is better: topology (Prefer/Require), then fragmentation delta or 0, then what is left.
-type WholeKey = (Reverse<SetScore>, i64, u32, u64);
+/// Lower is better: whether the set opens an empty node (Fragmentation only; always `false` for
+/// BestFit), then topology (Prefer/Require), then fully free GPUs left, then free compute left.
+type WholeKey = (bool, Reverse<SetScore>, u32, u64);
 
 pub(crate) fn selector_matches(node: &Node, request: &Request) -> bool {
     request
@@ -308,20 +309,22 @@ impl Engine {
                 let summary = &node.summary;
                 let fully_free_after = summary.fully_free_count() - gpus;
                 let free_sum_after = summary.compute_free_sum_percent - 100 * u64::from(gpus);
-                let delta = match self.config.scorer {
-                    Scorer::Fragmentation => {
-                        let taken: Vec<_> = positions(set)
-                            .map(|position| node.gpu_free(position))
-                            .collect();
-                        self.workload.whole_delta(
-                            (summary.fully_free_count(), summary.compute_free_sum_percent),
-                            &taken,
-                        )
-                    }
-                    Scorer::BestFit => 0,
-                };
+                // Opening an empty node turns all of it into a fragment for node-sized tasks (the
+                // FGD fragment of the largest whole shape), and a `Prefer` topology score must not
+                // buy a better pair at that price: an empty node always scores best, so without
+                // this key scattered free GPUs on used nodes lose to it. Among the rest, fewest
+                // fully free GPUs left (best fit): the FGD delta of a whole-GPU set depends only
+                // on the node's free-GPU count, and ordering those counts by it measured no
+                // better than best fit (docs/benchmarks.md).
+                let opens_empty_node = self.config.scorer == Scorer::Fragmentation
+                    && summary.fully_free_count() as usize == node.usage.len();
                 candidates.push((
-                    (Reverse(score), delta, fully_free_after, free_sum_after),
+                    (
+                        opens_empty_node,
+                        Reverse(score),
+                        fully_free_after,
+                        free_sum_after,
+                    ),
                     name,
                     set,
                 ));

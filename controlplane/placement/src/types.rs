@@ -146,8 +146,10 @@ pub enum Command {
 /// How the engine scores candidate GPUs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum Scorer {
-    /// Fragmentation-gradient-descent style: pick the placement that adds the least expected
-    /// fragmentation for the observed workload mix (FGD, USENIX ATC'23).
+    /// Fragmentation-gradient-descent style (FGD, USENIX ATC'23): a fraction goes where it adds
+    /// the least expected fragmentation for the observed workload mix; whole GPUs never open an
+    /// empty node while a used node fits them (not even for a better `Prefer` topology), then
+    /// go by best fit.
     #[default]
     Fragmentation,
     /// Classic best fit: the GPU (node) left with the least free capacity. The baseline.

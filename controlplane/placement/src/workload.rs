@@ -10,6 +10,12 @@
 //! The fragment of a node for a shape is the free GPU compute that shape cannot use: for a
 //! fraction, the free compute of each GPU the fraction does not fit on; for k whole GPUs, all free
 //! compute when fewer than k GPUs are fully free, else the free compute of partly used GPUs.
+//!
+//! The search scores fractions by this model's delta. Whole-GPU sets are not scored by it: their
+//! delta depends only on the node's count of fully free GPUs, and ordering those counts by it did
+//! no better than best fit on the fragmentation bench, so whole-GPU requests use best fit plus
+//! the one rule the model implies most strongly: do not open an empty node while a used node fits
+//! (`search.rs`).
 
 use serde::{Deserialize, Serialize};
 
@@ -195,33 +201,6 @@ impl WorkloadModel {
                 Shape::Fraction { .. } => {
                     fraction_fragment(shape, after) as i64 - fraction_fragment(shape, gpu) as i64
                 }
-                Shape::Whole { gpus } => {
-                    whole_fragment(gpus, fully_free_after, sum_after) as i64
-                        - whole_fragment(gpus, fully_free, compute_free_sum) as i64
-                }
-            };
-            delta += weight as i64 * change;
-        }
-        delta
-    }
-
-    /// Change of expected fragmentation on a node (`fully_free`, `compute_free_sum` as above)
-    /// when the fully free GPUs `taken` are given away whole.
-    pub(crate) fn whole_delta(&self, node: (u32, u64), taken: &[GpuFree]) -> i64 {
-        let (fully_free, compute_free_sum) = node;
-        let taken_count = taken.len() as u32;
-        assert!(taken_count <= fully_free);
-        assert!(taken.iter().all(|gpu| gpu.compute_free_percent == 100));
-        let fully_free_after = fully_free - taken_count;
-        let sum_after = compute_free_sum - 100 * u64::from(taken_count);
-        let mut delta: i64 = 0;
-        for &(shape, weight) in &self.weights {
-            let change = match shape {
-                // A taken GPU has nothing free afterwards: it stops being a fragment.
-                Shape::Fraction { .. } => -taken
-                    .iter()
-                    .map(|&gpu| fraction_fragment(shape, gpu) as i64)
-                    .sum::<i64>(),
                 Shape::Whole { gpus } => {
                     whole_fragment(gpus, fully_free_after, sum_after) as i64
                         - whole_fragment(gpus, fully_free, compute_free_sum) as i64
