@@ -92,8 +92,16 @@ fn tenants_of_a_lost_node_are_replaced() -> Result<()> {
         let log = std::fs::read_to_string(&log_path).ok()?;
         (log.contains("restored 2 assignments") && log.contains("2 stopped")).then_some(())
     })
-    .map_err(|e| anyhow::anyhow!("{e}: {}", std::fs::read_to_string(&log_path).unwrap_or_default()))?;
+    .map_err(|e| {
+        anyhow::anyhow!(
+            "{e}: {}",
+            std::fs::read_to_string(&log_path).unwrap_or_default()
+        )
+    })?;
     let tenants = std::fs::read_dir(cluster.agent("node-a").state_dir.join("tenants"))?.count();
-    ensure!(tenants == 0, "stale tenant files left in the state dir: {tenants}");
+    ensure!(
+        tenants == 0,
+        "stale tenant files left in the state dir: {tenants}"
+    );
     Ok(())
 }

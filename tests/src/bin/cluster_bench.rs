@@ -20,9 +20,18 @@ struct Args {
     /// Simulated nodes (8 x H100 each) registered for capacity.
     #[arg(long, default_value = "300")]
     nodes: usize,
+    /// Send placements to every member (followers forward to the leader) or only to the leader.
+    #[arg(long, value_enum, default_value = "all")]
+    target: Target,
     /// Leader kills for the failover measurement.
     #[arg(long, default_value = "5")]
     failovers: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Target {
+    All,
+    Leader,
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
