@@ -209,7 +209,14 @@ impl ControlPlane {
             let ForwardRequest::Write(command) = &request else {
                 unreachable!()
             };
-            match self.write_local(command.clone()).await? {
+            // When this member knows another leader, go there directly instead of asking the
+            // local Raft core first (one round trip less per forwarded write).
+            let known_leader = self.other_leader_node();
+            let local = match known_leader {
+                Some(leader) => Err(Some(leader)),
+                None => self.write_local(command.clone()).await?,
+            };
+            match local {
                 Ok(result) => Ok(Some(result)),
                 Err(leader) => {
                     match self.forward_once(leader, &request).await? {
@@ -376,14 +383,19 @@ impl ControlPlane {
         }
     }
 
+    /// The leader's node when it is known and is not this member.
+    fn other_leader_node(&self) -> Option<BasicNode> {
+        let receiver = self.raft.metrics();
+        let metrics = receiver.borrow();
+        let leader = metrics.current_leader.filter(|&leader| leader != self.id)?;
+        metrics.membership_config.membership().get_node(&leader).cloned()
+    }
+
     fn leader_node(&self) -> Option<BasicNode> {
-        let metrics = self.raft.metrics().borrow().clone();
+        let receiver = self.raft.metrics();
+        let metrics = receiver.borrow();
         let leader = metrics.current_leader?;
-        metrics
-            .membership_config
-            .membership()
-            .get_node(&leader)
-            .cloned()
+        metrics.membership_config.membership().get_node(&leader).cloned()
     }
 
     /// Adds a member: as a learner first, then as a voter once it has caught up.

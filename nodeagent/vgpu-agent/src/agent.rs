@@ -30,6 +30,7 @@ use tokio::time::{Instant, sleep, timeout};
 use tracing::{debug, error, info, warn};
 
 use crate::backoff::Backoff;
+use crate::cdi::{CdiConfig, CdiWriter};
 use crate::endpoints::Endpoints;
 use crate::error::{Error, Result};
 use crate::follower::Follower;
@@ -54,6 +55,8 @@ pub struct JoinConfig {
     /// Where the agent can be reached; informational.
     pub address: String,
     pub timings: Timings,
+    /// CDI specs for the placed tenants; `None` writes none.
+    pub cdi: Option<CdiConfig>,
 }
 
 /// Retry and timeout settings.
@@ -82,8 +85,18 @@ impl Default for Timings {
 pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
     let inventory = config.source.discover(&config.name)?;
     let state = StateDir::open(&config.state_dir, &config.name)?;
-    let follower = Follower::restore(state.clone(), &config.name)?;
+    let mut follower = Follower::restore(state.clone(), &config.name)?;
     state.write_inventory(&inventory)?;
+    if let Some(cdi) = config.cdi {
+        prepare_shm_dir(&cdi.shm_dir);
+        if !cdi.interposer.is_file() {
+            warn!(
+                "the interposer {} does not exist; containers started from the CDI spec will fail until it does",
+                cdi.interposer.display()
+            );
+        }
+        follower = follower.with_cdi(CdiWriter::new(cdi, inventory.clone())?);
+    }
     let endpoints = Endpoints::new(&config.control_plane, config.timings.connect_timeout)?;
     let agent = Agent {
         node: inventory.to_proto(&config.address, &config.labels),
@@ -97,6 +110,21 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
             info!("shutting down");
             Ok(())
         }
+    }
+}
+
+/// Creates the interposers' shared-memory directory, writable by every tenant's user (like
+/// `/tmp`), so that containers can bind-mount it. Best effort: the interposer creates it too.
+fn prepare_shm_dir(directory: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let result = std::fs::create_dir_all(directory).and_then(|()| {
+        std::fs::set_permissions(directory, std::fs::Permissions::from_mode(0o1777))
+    });
+    if let Err(error) = result {
+        warn!(
+            "cannot prepare the shared-memory directory {}: {error}",
+            directory.display()
+        );
     }
 }
 

@@ -9,9 +9,11 @@ use crate::inventory::MAX_GPUS_PER_NODE;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(
-        "real GPU discovery (NVML) is not built yet; pass --simulate SPEC, e.g. --simulate 8xH100-80GB"
+        "no NVIDIA GPU found (NVML: {reason}); pass --simulate SPEC to run with simulated GPUs"
     )]
-    NvmlNotBuilt,
+    NoGpu { reason: String },
+    #[error("no usable NVIDIA GPU ({details}); pass --simulate SPEC to run with simulated GPUs")]
+    NoUsableGpu { details: String },
 
     #[error(
         "cannot read the GPU spec `{spec}`; write COUNTxMODEL-MEMORY such as `8xH100-80GB`, or the path of a .toml or .json topology file"
@@ -49,6 +51,29 @@ pub enum Error {
     TopologyInvalid {
         path: PathBuf,
         problem: TopologyProblem,
+    },
+
+    #[error(
+        "tenant {tenant} is not placed on this node ({node}); `vgpuctl describe tenant {tenant}` shows where it runs"
+    )]
+    TenantNotPlaced { tenant: String, node: String },
+    #[error(
+        "no agent state in `{path}`; run this on a node where `vgpu-agent join` runs, and pass its --state-dir (or set VGPU_AGENT_STATE_DIR)"
+    )]
+    NoAgentState { path: PathBuf },
+    #[error(
+        "the interposer `{path}` does not exist; install libvgpu_cuda.so there or beside vgpu-agent, pass --interposer PATH, or pass --no-interposer to run without enforcement"
+    )]
+    InterposerMissing { path: PathBuf },
+    #[error("cannot run `{program}`: {source}")]
+    Exec {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("cannot use `{path}` as the CDI spec directory ({source}); pass --cdi-dir DIR")]
+    CdiDir {
+        path: PathBuf,
+        source: std::io::Error,
     },
 
     #[error(transparent)]

@@ -1,11 +1,14 @@
 //! Follows the node's assignments: takes each message of the `WatchAssignments` stream, works out
 //! what changed since the set the agent last acted on, applies that to the state directory and
 //! logs it. After a restart the first set it acts on is the one restored from disk, so the first
-//! message reconciles whatever happened while the agent was down.
+//! message reconciles whatever happened while the agent was down. When CDI specs are on
+//! ([`Follower::with_cdi`]), the spec follows every applied set; a spec that cannot be written is
+//! logged, never a reason to refuse the assignments.
 
 use tracing::{info, warn};
 
 use crate::assignments::AssignmentSet;
+use crate::cdi::CdiWriter;
 use crate::error::{Error, Result};
 use crate::reconcile::{Change, ChangeCounts, reconcile};
 use crate::state::StateDir;
@@ -17,6 +20,7 @@ pub struct Follower {
     node: String,
     current: AssignmentSet,
     reconciled: bool,
+    cdi: Option<CdiWriter>,
 }
 
 impl Follower {
@@ -42,7 +46,30 @@ impl Follower {
             node: node.to_owned(),
             current,
             reconciled: false,
+            cdi: None,
         })
+    }
+
+    /// Keeps a CDI spec in step with the assignments, starting with the restored set.
+    pub fn with_cdi(mut self, writer: CdiWriter) -> Follower {
+        self.cdi = Some(writer);
+        self.update_cdi();
+        self
+    }
+
+    fn update_cdi(&mut self) {
+        let Some(writer) = &mut self.cdi else {
+            return;
+        };
+        match writer.update(&self.current) {
+            Ok(true) => info!(
+                "CDI spec {} now lists {} tenants",
+                writer.path().display(),
+                self.current.tenants.len()
+            ),
+            Ok(false) => {}
+            Err(error) => warn!("cannot update the CDI spec: {error}"),
+        }
     }
 
     /// The set last applied (or restored).
@@ -95,6 +122,7 @@ impl Follower {
             self.reconciled = true;
         }
         self.current = new;
+        self.update_cdi();
         Ok(changes)
     }
 }

@@ -1,14 +1,17 @@
 //! The node's GPU inventory: what the agent registers with the control plane.
 //!
-//! An [`InventorySource`] produces an [`Inventory`]. Today there are two simulated sources, a
-//! `COUNTxMODEL-MEMORY` spec ([`simulated`]) and a topology file ([`topology`]); real discovery
-//! through NVML will be a third variant of the same enum, so the rest of the agent does not
-//! change when it lands.
+//! An [`InventorySource`] produces an [`Inventory`]: two simulated sources, a
+//! `COUNTxMODEL-MEMORY` spec ([`simulated`]) and a topology file ([`topology`]), and real
+//! discovery through NVML ([`nvml`] behind the [`discovery::GpuDiscovery`] trait, with the
+//! interpretation in [`discovery::assemble`]).
 //!
 //! **Architecture Invariant:** an inventory is deterministic. The same source and node name give
 //! the same GPUs, uuids included, on every start, because the control plane keeps a node's
 //! tenants only when it re-registers with an identical inventory.
 
+pub mod cuda;
+pub mod discovery;
+pub mod nvml;
 pub mod simulated;
 pub mod topology;
 
@@ -37,6 +40,19 @@ pub struct GpuInfo {
     pub numa_node: i32,
     pub pci_bus_id: String,
     pub nearest_nics: Vec<String>,
+    /// `N` of `/dev/nvidiaN`: from the driver for real GPUs, absent for simulated ones (which then
+    /// use their index).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_minor: Option<u32>,
+}
+
+/// A GPU the driver reported that the agent does not register, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkippedGpu {
+    pub index: u32,
+    pub uuid: String,
+    pub pci_bus_id: String,
+    pub reason: String,
 }
 
 /// An NVLink connection from one GPU to another GPU of the same node.
@@ -51,6 +67,15 @@ pub struct NvlinkPeer {
 pub struct Inventory {
     pub node: String,
     pub gpus: Vec<GpuInfo>,
+    /// Whether the GPUs are simulated (a spec or a topology file) rather than discovered.
+    #[serde(default)]
+    pub simulated: bool,
+    /// The NVIDIA driver version, for real GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_version: Option<String>,
+    /// GPUs the driver reported that are not registered (MIG enabled, unreadable).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<SkippedGpu>,
 }
 
 /// Where the inventory comes from.
@@ -60,7 +85,7 @@ pub enum InventorySource {
     Simulated(simulated::SimulatedSpec),
     /// A `.toml` or `.json` file that describes each GPU (mixed layouts, NVLink islands).
     TopologyFile(PathBuf),
-    /// Real discovery through NVML; not built yet.
+    /// Real discovery through NVML.
     Nvml,
 }
 
@@ -95,11 +120,25 @@ impl InventorySource {
                 }
                 inventory
             }
-            InventorySource::Nvml => return Err(Error::NvmlNotBuilt),
+            InventorySource::Nvml => discover_with_nvml(node)?,
         };
         inventory.assert_consistent();
         Ok(inventory)
     }
+}
+
+/// Discovers the node's GPUs through NVML and logs what was skipped and where facts came from.
+fn discover_with_nvml(node: &str) -> Result<Inventory> {
+    let nvml = nvml::NvmlDiscovery::open().map_err(|error| Error::NoGpu { reason: error.0 })?;
+    tracing::info!("NVML loaded from {}", nvml.library());
+    let (inventory, findings) = discovery::assemble(node, &nvml, &discovery::HostFiles::system())?;
+    for note in &findings.notes {
+        tracing::info!("{note}");
+    }
+    for warning in &findings.warnings {
+        tracing::warn!("{warning}");
+    }
+    Ok(inventory)
 }
 
 impl Inventory {
@@ -177,9 +216,14 @@ impl Inventory {
     pub fn to_text(&self) -> String {
         let mut out = String::new();
         let total: u64 = self.gpus.iter().map(|gpu| gpu.memory_bytes).sum();
+        let origin = match (&self.driver_version, self.simulated) {
+            (_, true) => " (simulated)".to_owned(),
+            (Some(version), false) => format!(" (NVIDIA driver {version})"),
+            (None, false) => String::new(),
+        };
         let _ = writeln!(
             out,
-            "node {}: {} GPUs, {} in all",
+            "node {}: {} GPUs, {} in all{origin}",
             self.node,
             self.gpus.len(),
             api::size::format_bytes(total)
@@ -218,7 +262,19 @@ impl Inventory {
                 nvlink
             );
         }
+        for skipped in &self.skipped {
+            let _ = writeln!(
+                out,
+                "skipped GPU {} {} {}: {}",
+                skipped.index, skipped.uuid, skipped.pci_bus_id, skipped.reason
+            );
+        }
         out
+    }
+
+    /// The GPU with uuid `uuid`.
+    pub fn gpu_by_uuid(&self, uuid: &str) -> Option<&GpuInfo> {
+        self.gpus.iter().find(|gpu| gpu.uuid == uuid)
     }
 }
 
@@ -261,12 +317,20 @@ mod tests {
     }
 
     #[test]
-    fn nvml_is_not_built_yet_and_says_what_to_do() {
-        let error = InventorySource::Nvml.discover("node-a").unwrap_err();
-        assert_eq!(
-            error.to_string(),
-            "real GPU discovery (NVML) is not built yet; pass --simulate SPEC, e.g. --simulate 8xH100-80GB"
-        );
+    fn without_nvml_discovery_says_what_to_do() {
+        // This machine has no NVIDIA driver; on a GPU machine discovery succeeds instead.
+        if let Err(error) = InventorySource::Nvml.discover("node-a") {
+            let message = error.to_string();
+            assert!(
+                message.starts_with("no NVIDIA GPU found (NVML: ")
+                    || message.starts_with("no usable NVIDIA GPU"),
+                "{message}"
+            );
+            assert!(
+                message.ends_with("pass --simulate SPEC to run with simulated GPUs"),
+                "{message}"
+            );
+        }
     }
 
     #[test]

@@ -4,12 +4,14 @@
 //!
 //! Map of the crate:
 //!
-//! * [`inventory`]: what GPUs the node has; simulated from a spec or a topology file today,
-//!   NVML later, behind one [`InventorySource`] enum.
+//! * [`inventory`]: what GPUs the node has: discovered through NVML, or simulated from a spec or
+//!   a topology file, behind one [`InventorySource`] enum.
 //! * [`agent`]: the `join` runtime (register, heartbeat, watch), with bounded retries.
 //! * [`follower`], [`reconcile`], [`assignments`]: turning each stream message into a list of
 //!   [`Change`]s (a pure function) and applying it.
 //! * [`state`]: the state directory and its atomic writes.
+//! * [`tenant`]: the environment of a tenant's processes (`exec`, `env`); [`cdi`]: the same for
+//!   containers, as a CDI spec kept in step with the assignments.
 //!
 //! **Architecture Invariant:** the agent never decides placement. The control plane's newest
 //! assignment set is the truth; the agent only reconciles its files towards it.
@@ -17,12 +19,14 @@
 pub mod agent;
 pub mod assignments;
 pub mod backoff;
+pub mod cdi;
 pub mod endpoints;
 pub mod error;
 pub mod follower;
 pub mod inventory;
 pub mod reconcile;
 pub mod state;
+pub mod tenant;
 
 use std::future::Future;
 

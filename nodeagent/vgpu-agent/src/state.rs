@@ -276,6 +276,63 @@ impl StateDir {
     }
 }
 
+/// The assignments file of the state directory at `root`, read without opening the directory for
+/// writing (for `exec` and `env`, which may run as another user than the agent). `None` when
+/// there is none.
+pub fn read_assignments_file(root: &Path) -> Result<Option<AssignmentsFile>> {
+    let path = root.join(ASSIGNMENTS_FILE);
+    let Some(text) = read_bounded(&path)? else {
+        return Ok(None);
+    };
+    let file: AssignmentsFile =
+        serde_json::from_str(&text).map_err(|error| Error::StateCorrupt {
+            path: path.clone(),
+            message: error.to_string(),
+        })?;
+    if file.format != STATE_FORMAT {
+        return Err(Error::StateFormat {
+            path,
+            found: file.format,
+            expected: STATE_FORMAT,
+        });
+    }
+    Ok(Some(file))
+}
+
+/// `tenants/<tenant>.json` of the state directory at `root`, read-only; `None` when there is none.
+pub fn read_tenant_file(root: &Path, tenant: &str) -> Result<Option<TenantFile>> {
+    api::names::validate("tenant", tenant)?;
+    let path = root.join(TENANTS_DIR).join(format!("{tenant}.json"));
+    let Some(text) = read_bounded(&path)? else {
+        return Ok(None);
+    };
+    let file: TenantFile = serde_json::from_str(&text).map_err(|error| Error::StateCorrupt {
+        path: path.clone(),
+        message: error.to_string(),
+    })?;
+    if file.tenant != tenant || file.slices.is_empty() {
+        return Err(Error::StateCorrupt {
+            path,
+            message: format!("it does not describe tenant {tenant} with slices"),
+        });
+    }
+    Ok(Some(file))
+}
+
+/// Where `join` keeps node `node`'s state by default, found without creating anything: the
+/// system directory when it exists, else the per-user one ([`default_state_dir`] creates).
+pub fn find_state_dir(node: &str) -> PathBuf {
+    let system = Path::new("/var/lib/vgpu-agent").join(node);
+    if system.is_dir() {
+        return system;
+    }
+    let home = std::env::var_os("HOME")
+        .filter(|home| !home.is_empty())
+        .map(PathBuf::from);
+    let base = home.map_or_else(std::env::temp_dir, |home| home.join(".local").join("state"));
+    base.join("vgpu-agent").join(node)
+}
+
 /// `/var/lib/vgpu-agent/NODE` when it can be created and written (normally as root), else
 /// `$HOME/.local/state/vgpu-agent/NODE` (or under the temporary directory without `$HOME`).
 pub fn default_state_dir(node: &str) -> PathBuf {
@@ -294,7 +351,7 @@ fn choose_state_dir(system_base: &Path, home: Option<&Path>, node: &str) -> Path
     base.join("vgpu-agent").join(node)
 }
 
-fn probe_writable(directory: &Path) -> std::io::Result<()> {
+pub(crate) fn probe_writable(directory: &Path) -> std::io::Result<()> {
     let probe = directory.join(format!(".probe-{}{TEMPORARY_SUFFIX}", std::process::id()));
     fs::write(&probe, b"")?;
     fs::remove_file(&probe)
@@ -329,7 +386,9 @@ fn read_bounded(path: &Path) -> Result<Option<String>> {
     Ok(Some(text))
 }
 
-fn write_json<T: Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug>(
+pub(crate) fn write_json<
+    T: Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug,
+>(
     path: &Path,
     value: &T,
 ) -> Result<()> {
@@ -372,7 +431,7 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-fn remove_if_present(path: &Path) -> Result<()> {
+pub(crate) fn remove_if_present(path: &Path) -> Result<()> {
     match fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),

@@ -203,12 +203,16 @@ impl SimulatedSpec {
                     numa_node,
                     pci_bus_id: simulated_pci_bus_id(index),
                     nearest_nics: vec![format!("mlx5_{}", index / 2)],
+                    device_minor: None,
                 }
             })
             .collect();
         Inventory {
             node: node.to_owned(),
             gpus,
+            simulated: true,
+            driver_version: None,
+            skipped: Vec::new(),
         }
     }
 }

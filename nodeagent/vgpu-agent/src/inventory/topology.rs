@@ -16,11 +16,13 @@
 //! nics = ["mlx5_0"]              # default: none
 //! nvlink_peers = [{ gpu = 1, links = 18 }]   # default: none; adds to the islands
 //! uuid = "GPU-..."               # default: derived from the node name and index
+//! device_minor = 0               # default: none (CDI specs use the index)
 //! ```
 //!
 //! The JSON form has the same fields. The output of `vgpu-agent inventory -o json` is itself a
 //! valid topology file (`memory_bytes`, `nearest_nics` and `{gpu_index, link_count}` are accepted
-//! as other spellings, and the top-level `node` is ignored).
+//! as other spellings, and the top-level `node`, `simulated`, `driver_version` and `skipped` are
+//! ignored), also when it came from a real node.
 //!
 //! NVLink is symmetric: a peer listed on one side only is added to the other side with a warning;
 //! two sides that disagree on the link count are an error.
@@ -51,6 +53,13 @@ pub struct TopologyFile {
     pub nvlink: Option<NvlinkIslands>,
     #[serde(default)]
     pub gpus: Vec<GpuEntry>,
+    /// Ignored, like `node`: accepted so that the inventory of a real node reads back.
+    #[serde(default)]
+    pub simulated: Option<bool>,
+    #[serde(default)]
+    pub driver_version: Option<String>,
+    #[serde(default)]
+    pub skipped: Option<serde::de::IgnoredAny>,
 }
 
 /// All-to-all NVLink inside each island.
@@ -81,6 +90,9 @@ pub struct GpuEntry {
     pub nvlink_peers: Vec<PeerEntry>,
     #[serde(default)]
     pub uuid: Option<String>,
+    /// `N` of `/dev/nvidiaN` for CDI specs; default: none (the index is used).
+    #[serde(default)]
+    pub device_minor: Option<u32>,
 }
 
 /// One entry of a GPU's `nvlink_peers`.
@@ -315,11 +327,15 @@ pub fn build(file: TopologyFile, node: &str) -> Result<(Inventory, Vec<String>),
             numa_node: entry.numa_node.unwrap_or(-1),
             pci_bus_id,
             nearest_nics: entry.nics,
+            device_minor: entry.device_minor,
         });
     }
     let inventory = Inventory {
         node: node.to_owned(),
         gpus,
+        simulated: true,
+        driver_version: None,
+        skipped: Vec::new(),
     };
     inventory.assert_consistent();
     Ok((inventory, warnings))

@@ -16,6 +16,7 @@ use api::v1::{
 use futures::Stream;
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
+use vgpu_agent::cdi::{CDI_FILE, CdiConfig};
 use vgpu_agent::{InventorySource, JoinConfig, Timings};
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -156,6 +157,12 @@ fn start(control_plane: Vec<String>, state_dir: &Path) -> RunningAgent {
             call_timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_millis(500),
         },
+        cdi: Some(CdiConfig {
+            dir: state_dir.join("cdi"),
+            interposer: state_dir.join("libvgpu_cuda.so"),
+            shm_dir: state_dir.join("shm"),
+            state_dir: state_dir.to_owned(),
+        }),
     };
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(vgpu_agent::join(config, async move {
@@ -210,6 +217,25 @@ fn tenant_files(state_dir: &Path) -> Vec<String> {
     names
 }
 
+/// The tenants of the CDI spec, in order; empty when there is no spec.
+fn cdi_devices(state_dir: &Path) -> Vec<String> {
+    let Ok(text) = std::fs::read_to_string(state_dir.join("cdi").join(CDI_FILE)) else {
+        return Vec::new();
+    };
+    let Ok(spec) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return Vec::new();
+    };
+    spec["devices"]
+        .as_array()
+        .map(|devices| {
+            devices
+                .iter()
+                .filter_map(|device| device["name"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn persisted_revision(state_dir: &Path) -> Option<u64> {
     let text = std::fs::read_to_string(state_dir.join("assignments.json")).ok()?;
     serde_json::from_str::<serde_json::Value>(&text).ok()?["revision"].as_u64()
@@ -247,6 +273,19 @@ async fn joins_follows_assignments_and_recovers() {
     })
     .await;
     wait_for("revision 2", || persisted_revision(&state_dir) == Some(2)).await;
+    wait_for("the CDI spec of the second set", || {
+        cdi_devices(&state_dir) == ["infer-b"]
+    })
+    .await;
+    // `exec` and `env` find the placed tenant, and refuse the one that left.
+    let placement = vgpu_agent::tenant::load_placement(&state_dir, "infer-b", "x").unwrap();
+    assert_eq!(placement.node, "node-a");
+    assert_eq!(placement.assignment.slices[0].compute_percent, 50);
+    let gone = vgpu_agent::tenant::load_placement(&state_dir, "infer-a", "x").unwrap_err();
+    assert!(
+        gone.to_string()
+            .starts_with("tenant infer-a is not placed on this node (node-a)")
+    );
 
     // The control plane forgets the node: the agent registers again, with the same inventory.
     fake.with(|state| state.forget_once = true);
@@ -267,6 +306,10 @@ async fn joins_follows_assignments_and_recovers() {
     .await;
     wait_for("the third set on disk", || {
         tenant_files(&state_dir) == ["infer-b.json", "infer-c.json"]
+    })
+    .await;
+    wait_for("the CDI spec of the third set", || {
+        cdi_devices(&state_dir) == ["infer-b", "infer-c"]
     })
     .await;
 

@@ -1,0 +1,221 @@
+//! Tests of the tenant environment and of reading a placement from the state directory.
+
+use super::*;
+use crate::assignments::{AssignmentSet, SliceAssignment};
+use crate::reconcile::reconcile;
+use crate::state::StateDir;
+
+fn slice(gpu_index: u32, compute_percent: u32, memory_gib: u64) -> SliceAssignment {
+    SliceAssignment {
+        gpu_index,
+        gpu_uuid: format!("GPU-{gpu_index}"),
+        compute_percent,
+        memory_bytes: memory_gib << 30,
+        guaranteed: true,
+        burst: true,
+    }
+}
+
+fn trainer() -> TenantAssignment {
+    TenantAssignment {
+        tenant: "trainer".into(),
+        priority: 5,
+        slices: vec![slice(2, 50, 10), slice(5, 30, 20)],
+    }
+}
+
+fn config() -> EnvConfig {
+    EnvConfig {
+        interposer: Some(PathBuf::from("/opt/vgpu/libvgpu_cuda.so")),
+        shm_dir: PathBuf::from("/dev/shm/vgpu"),
+        state_dir: PathBuf::from("/var/lib/vgpu-agent/node-a"),
+    }
+}
+
+#[test]
+fn the_environment_describes_the_slices_by_process_ordinal() {
+    let environment = tenant_environment("node-a", &trainer(), &config(), None);
+    let expected = [
+        ("CUDA_VISIBLE_DEVICES", "GPU-2,GPU-5"),
+        ("LD_PRELOAD", "/opt/vgpu/libvgpu_cuda.so"),
+        ("VGPU_TENANT", "trainer"),
+        ("VGPU_NODE", "node-a"),
+        ("VGPU_MEMORY_LIMITS", "0:10737418240,1:21474836480"),
+        ("VGPU_COMPUTE_SHARES", "0:50,1:30"),
+        ("VGPU_PRIORITY", "5"),
+        ("VGPU_BURST", "1"),
+        ("VGPU_GUARANTEED", "1"),
+        ("VGPU_SHM_DIR", "/dev/shm/vgpu"),
+        ("VGPU_AGENT_STATE_DIR", "/var/lib/vgpu-agent/node-a"),
+    ];
+    let pairs: Vec<(&str, &str)> = environment
+        .iter()
+        .map(|(key, value)| (key.as_str(), value.as_str()))
+        .collect();
+    assert_eq!(pairs, expected);
+}
+
+#[test]
+fn flags_hold_only_when_every_slice_has_them() {
+    let mut tenant = trainer();
+    tenant.slices[1].burst = false;
+    tenant.slices[0].guaranteed = false;
+    tenant.priority = -1;
+    let environment = tenant_environment("node-a", &tenant, &config(), None);
+    let get = |key: &str| {
+        environment
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, value)| value.clone())
+    };
+    assert_eq!(get("VGPU_BURST").as_deref(), Some("0"));
+    assert_eq!(get("VGPU_GUARANTEED").as_deref(), Some("0"));
+    assert_eq!(get("VGPU_PRIORITY").as_deref(), Some("-1"));
+    // Without an interposer there is no LD_PRELOAD at all.
+    let bare = EnvConfig {
+        interposer: None,
+        ..config()
+    };
+    let environment = tenant_environment("node-a", &tenant, &bare, Some("/x.so"));
+    assert!(environment.iter().all(|(key, _)| key != "LD_PRELOAD"));
+}
+
+#[test]
+fn the_interposer_goes_before_an_inherited_preload_once() {
+    let interposer = "/opt/vgpu/libvgpu_cuda.so";
+    assert_eq!(ld_preload(interposer, None), interposer);
+    assert_eq!(ld_preload(interposer, Some("  ")), interposer);
+    assert_eq!(
+        ld_preload(interposer, Some("/usr/lib/libjemalloc.so")),
+        "/opt/vgpu/libvgpu_cuda.so:/usr/lib/libjemalloc.so"
+    );
+    assert_eq!(
+        ld_preload(interposer, Some("/a.so /opt/vgpu/libvgpu_cuda.so")),
+        "/a.so /opt/vgpu/libvgpu_cuda.so"
+    );
+}
+
+#[test]
+fn the_interposer_is_found_beside_the_binary_else_in_the_system_path() {
+    let directory = tempfile::tempdir().unwrap();
+    let binary = directory.path().join("vgpu-agent");
+    assert_eq!(
+        resolve_interposer(None, Some(&binary)),
+        PathBuf::from(INTERPOSER_SYSTEM_PATH)
+    );
+    std::fs::write(directory.path().join(INTERPOSER_FILE), b"").unwrap();
+    assert_eq!(
+        resolve_interposer(None, Some(&binary)),
+        directory.path().join(INTERPOSER_FILE)
+    );
+    assert_eq!(
+        resolve_interposer(Some(Path::new("/x/y.so")), Some(&binary)),
+        PathBuf::from("/x/y.so")
+    );
+    assert_eq!(
+        resolve_interposer(None, None),
+        PathBuf::from(INTERPOSER_SYSTEM_PATH)
+    );
+}
+
+#[test]
+fn shell_and_json_renderings_quote_values() {
+    let environment = vec![
+        ("A".to_owned(), "plain".to_owned()),
+        ("B".to_owned(), "it's $HOME".to_owned()),
+    ];
+    assert_eq!(
+        render_shell(&environment),
+        "export A='plain'\nexport B='it'\\''s $HOME'\n"
+    );
+    let json: serde_json::Value = serde_json::from_str(&render_json(&environment)).unwrap();
+    assert_eq!(json["B"], "it's $HOME");
+}
+
+fn persist(state: &StateDir, tenants: &[TenantAssignment]) {
+    let new = AssignmentSet {
+        revision: 7,
+        node_state: "ready".into(),
+        tenants: tenants
+            .iter()
+            .map(|tenant| (tenant.tenant.clone(), tenant.clone()))
+            .collect(),
+    };
+    let old = state.load().unwrap();
+    state.apply(&new, &reconcile(&old, &new)).unwrap();
+}
+
+#[test]
+fn placements_are_read_from_the_state_directory() {
+    let directory = tempfile::tempdir().unwrap();
+    let state = StateDir::open(directory.path(), "node-a").unwrap();
+    // Before the agent has received anything, nobody is placed.
+    let error = load_placement(directory.path(), "trainer", "node-a").unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "tenant trainer is not placed on this node (node-a); `vgpuctl describe tenant trainer` shows where it runs"
+    );
+    persist(&state, &[trainer()]);
+    let placement = load_placement(directory.path(), "trainer", "ignored").unwrap();
+    assert_eq!(placement.node, "node-a");
+    assert_eq!(placement.revision, 7);
+    assert_eq!(placement.assignment, trainer());
+    // Another tenant: not here, and the message names the node from the state.
+    let error = load_placement(directory.path(), "other", "hint").unwrap_err();
+    assert!(matches!(error, Error::TenantNotPlaced { ref node, .. } if node == "node-a"));
+    // A tenant file without its commit (a crash in between) is not a placement.
+    std::fs::copy(
+        state.tenant_path("trainer"),
+        directory.path().join("tenants/ghost.json"),
+    )
+    .unwrap();
+    assert!(matches!(
+        load_placement(directory.path(), "ghost", "node-a"),
+        Err(Error::TenantNotPlaced { .. })
+    ));
+    // Bad names and missing directories say so.
+    assert!(matches!(
+        load_placement(directory.path(), "../x", "node-a"),
+        Err(Error::Name(_))
+    ));
+    let missing = directory.path().join("missing");
+    let error = load_placement(&missing, "trainer", "node-a").unwrap_err();
+    assert!(
+        error.to_string().starts_with("no agent state in"),
+        "{error}"
+    );
+}
+
+#[test]
+fn exec_refuses_a_tenant_that_is_not_here_and_a_missing_interposer() {
+    let directory = tempfile::tempdir().unwrap();
+    let state = StateDir::open(directory.path(), "node-a").unwrap();
+    persist(&state, &[trainer()]);
+    let config = |tenant: &str, interposer: &str| ExecConfig {
+        state_dir: directory.path().to_owned(),
+        node_hint: "node-a".into(),
+        tenant: tenant.into(),
+        interposer: Some(directory.path().join(interposer)),
+        shm_dir: PathBuf::from(SHM_DIR_DEFAULT),
+        command: vec!["true".into()],
+    };
+    assert!(matches!(
+        exec(config("elsewhere", "libvgpu_cuda.so")),
+        Err(Error::TenantNotPlaced { .. })
+    ));
+    assert!(matches!(
+        exec(config("trainer", "libvgpu_cuda.so")),
+        Err(Error::InterposerMissing { .. })
+    ));
+    // A command that cannot be run comes back as an error (a successful exec would not return).
+    std::fs::write(directory.path().join("libvgpu_cuda.so"), b"").unwrap();
+    let mut missing_program = config("trainer", "libvgpu_cuda.so");
+    missing_program.command = vec!["/nonexistent/program".into()];
+    let error = exec(missing_program).unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .starts_with("cannot run `/nonexistent/program`"),
+        "{error}"
+    );
+}
