@@ -388,14 +388,22 @@ impl ControlPlane {
         let receiver = self.raft.metrics();
         let metrics = receiver.borrow();
         let leader = metrics.current_leader.filter(|&leader| leader != self.id)?;
-        metrics.membership_config.membership().get_node(&leader).cloned()
+        metrics
+            .membership_config
+            .membership()
+            .get_node(&leader)
+            .cloned()
     }
 
     fn leader_node(&self) -> Option<BasicNode> {
         let receiver = self.raft.metrics();
         let metrics = receiver.borrow();
         let leader = metrics.current_leader?;
-        metrics.membership_config.membership().get_node(&leader).cloned()
+        metrics
+            .membership_config
+            .membership()
+            .get_node(&leader)
+            .cloned()
     }
 
     /// Adds a member: as a learner first, then as a voter once it has caught up.
