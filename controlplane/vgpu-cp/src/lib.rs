@@ -96,9 +96,9 @@ pub struct RaftTimings {
 impl Default for RaftTimings {
     fn default() -> Self {
         RaftTimings {
-            heartbeat_interval_ms: 100,
-            election_timeout_min_ms: 400,
-            election_timeout_max_ms: 800,
+            heartbeat_interval_ms: 50,
+            election_timeout_min_ms: 250,
+            election_timeout_max_ms: 500,
             snapshot_logs_since_last: 20_000,
             snapshot_keep_logs: 1000,
         }

@@ -52,10 +52,11 @@ struct Common {
     #[arg(long, default_value = "1000")]
     agent_heartbeat_ms: u64,
     /// Raft heartbeat interval.
-    #[arg(long, default_value = "100")]
+    #[arg(long, default_value = "50")]
     raft_heartbeat_ms: u64,
-    /// Lower bound of the Raft election timeout (the upper bound is twice this).
-    #[arg(long, default_value = "400")]
+    /// Lower bound of the Raft election timeout (the upper bound is twice this). openraft's
+    /// leader lease equals the upper bound, so failover takes one to two upper bounds.
+    #[arg(long, default_value = "250")]
     election_timeout_ms: u64,
     /// Log entries between snapshots.
     #[arg(long, default_value = "20000")]

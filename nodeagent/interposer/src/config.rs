@@ -1,0 +1,260 @@
+//! The interposer's configuration, read once from the environment the node agent sets:
+//!
+//! | variable | meaning |
+//! | --- | --- |
+//! | `VGPU_TENANT` | tenant name; without it the interposer passes everything through |
+//! | `VGPU_MEMORY_LIMITS` | `<device>:<size>,...`, device = CUDA ordinal as the process sees it |
+//! | `VGPU_MEMORY_LIMIT` | one size for every device not named in `VGPU_MEMORY_LIMITS` |
+//! | `VGPU_SHM_DIR` | where the tenant's ledger file lives (default `/dev/shm/vgpu`) |
+//! | `VGPU_CONTEXT_OVERHEAD` | bytes charged once per process per device (default 0) |
+//! | `VGPU_REAL_LIBCUDA` | the real driver library (default `libcuda.so.1`) |
+//!
+//! Sizes are written as in the rest of vgpu (`api::size`): `10GiB`, `512MiB`, `80GB`, `4096`.
+//! This crate does not depend on `api` (it would pull tonic into every tenant process), so the
+//! same rules are re-implemented in `parse_size` and tested to agree on the common forms.
+//!
+//! Pure: `from_lookup` takes the environment as a function, so tests need no process state.
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// The most devices a ledger tracks; higher ordinals are passed through unlimited.
+pub const DEVICES_MAX: usize = 16;
+
+/// Where ledger files live unless `VGPU_SHM_DIR` says otherwise.
+pub const SHM_DIR_DEFAULT: &str = "/dev/shm/vgpu";
+
+/// Longest accepted tenant name (a DNS label, as in `api::names`).
+pub const TENANT_NAME_LEN_MAX: usize = 63;
+
+/// What the environment asks of this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub tenant: String,
+    /// Per-device memory limit in bytes; `None` means that device is not limited.
+    pub limits_bytes: [Option<u64>; DEVICES_MAX],
+    pub shm_dir: PathBuf,
+    /// Charged once per process on each device it allocates on (the CUDA context's own memory).
+    pub context_overhead_bytes: u64,
+}
+
+/// A configuration the interposer cannot follow. The process then gets a clear error on every
+/// allocation (fail closed) rather than running without its limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    /// Reads the configuration; `Ok(None)` when `VGPU_TENANT` is unset or empty (pass-through).
+    pub fn from_lookup(
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<Config>, ConfigError> {
+        let Some(tenant) = get("VGPU_TENANT").filter(|t| !t.trim().is_empty()) else {
+            return Ok(None);
+        };
+        let tenant = tenant.trim().to_owned();
+        check_tenant_name(&tenant)?;
+
+        let mut limits_bytes = [None; DEVICES_MAX];
+        if let Some(all) = get("VGPU_MEMORY_LIMIT").filter(|v| !v.trim().is_empty()) {
+            let bytes =
+                parse_size(&all).map_err(|e| ConfigError(format!("VGPU_MEMORY_LIMIT: {e}")))?;
+            limits_bytes = [Some(bytes); DEVICES_MAX];
+        }
+        if let Some(list) = get("VGPU_MEMORY_LIMITS").filter(|v| !v.trim().is_empty()) {
+            for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+                let (device, size) = item.split_once(':').ok_or_else(|| {
+                    ConfigError(format!(
+                        "VGPU_MEMORY_LIMITS: `{item}` is not `<device>:<size>`, e.g. `0:10GiB`"
+                    ))
+                })?;
+                let device: usize = device.trim().parse().map_err(|_| {
+                    ConfigError(format!(
+                        "VGPU_MEMORY_LIMITS: `{device}` is not a device ordinal (0, 1, ...)"
+                    ))
+                })?;
+                if device >= DEVICES_MAX {
+                    return Err(ConfigError(format!(
+                        "VGPU_MEMORY_LIMITS: device {device} is past the supported {DEVICES_MAX}"
+                    )));
+                }
+                let bytes = parse_size(size)
+                    .map_err(|e| ConfigError(format!("VGPU_MEMORY_LIMITS: {e}")))?;
+                limits_bytes[device] = Some(bytes);
+            }
+        }
+        if limits_bytes.contains(&Some(0)) {
+            return Err(ConfigError(
+                "VGPU_MEMORY_LIMIT(S): a limit of 0 bytes would refuse every allocation; hide the \
+                 device with CUDA_VISIBLE_DEVICES instead"
+                    .to_owned(),
+            ));
+        }
+        let shm_dir = get("VGPU_SHM_DIR")
+            .filter(|d| !d.trim().is_empty())
+            .map_or_else(|| PathBuf::from(SHM_DIR_DEFAULT), PathBuf::from);
+        let context_overhead_bytes = match get("VGPU_CONTEXT_OVERHEAD") {
+            Some(v) if !v.trim().is_empty() => {
+                parse_size(&v).map_err(|e| ConfigError(format!("VGPU_CONTEXT_OVERHEAD: {e}")))?
+            }
+            _ => 0,
+        };
+        Ok(Some(Config {
+            tenant,
+            limits_bytes,
+            shm_dir,
+            context_overhead_bytes,
+        }))
+    }
+
+    /// The ledger file of this tenant.
+    pub fn ledger_path(&self) -> PathBuf {
+        self.shm_dir.join(format!("{}.mem", self.tenant))
+    }
+}
+
+/// Tenant names become file names: only DNS-label characters, so no `/` or `..` can sneak in.
+fn check_tenant_name(name: &str) -> Result<(), ConfigError> {
+    let valid = !name.is_empty()
+        && name.len() <= TENANT_NAME_LEN_MAX
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+        && !name.starts_with('-');
+    if valid {
+        Ok(())
+    } else {
+        Err(ConfigError(format!(
+            "VGPU_TENANT `{name}` is not a valid tenant name (lowercase letters, digits, `-`, `_`; \
+             at most {TENANT_NAME_LEN_MAX})"
+        )))
+    }
+}
+
+/// Parses `10GiB`, `512MiB`, `80GB`, `1.5TiB`, `4096` into bytes: binary suffixes (`Ki`, `KiB`,
+/// ...) are powers of 1024, decimal ones (`K`, `KB`, ...) powers of 1000, no suffix is bytes.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let split = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    if number.is_empty() || number.matches('.').count() > 1 {
+        return Err(format!(
+            "cannot read the size `{trimmed}`; write e.g. `10GiB`"
+        ));
+    }
+    const KIB: u64 = 1024;
+    let multiplier: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "t" | "tb" => 1_000_000_000_000,
+        "ki" | "kib" => KIB,
+        "mi" | "mib" => KIB * KIB,
+        "gi" | "gib" => KIB * KIB * KIB,
+        "ti" | "tib" => KIB * KIB * KIB * KIB,
+        other => {
+            return Err(format!(
+                "the size `{trimmed}` has the unknown unit `{other}`; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB"
+            ));
+        }
+    };
+    let too_large = || format!("the size `{trimmed}` is too large");
+    if let Ok(whole) = number.parse::<u64>() {
+        return whole.checked_mul(multiplier).ok_or_else(too_large);
+    }
+    let fractional: f64 = number
+        .parse()
+        .map_err(|_| format!("cannot read the size `{trimmed}`; write e.g. `10GiB`"))?;
+    let bytes = fractional * multiplier as f64;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(too_large());
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn config(vars: &[(&str, &str)]) -> Result<Option<Config>, ConfigError> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        Config::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn sizes_follow_the_api_rules() {
+        assert_eq!(parse_size("10GiB"), Ok(10 << 30));
+        assert_eq!(parse_size("10Gi"), Ok(10 << 30));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("80GB"), Ok(80_000_000_000));
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_size(" 4096 "), Ok(4096));
+        assert!(parse_size("10XB").is_err());
+        assert!(parse_size("").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999TiB").is_err());
+    }
+
+    #[test]
+    fn no_tenant_means_pass_through() {
+        assert_eq!(config(&[("VGPU_MEMORY_LIMIT", "1GiB")]), Ok(None));
+        assert_eq!(config(&[("VGPU_TENANT", " ")]), Ok(None));
+    }
+
+    #[test]
+    fn per_device_limits_override_the_global_one() {
+        let c = config(&[
+            ("VGPU_TENANT", "a"),
+            ("VGPU_MEMORY_LIMIT", "10GiB"),
+            ("VGPU_MEMORY_LIMITS", "1:2GiB, 3:512MiB"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.limits_bytes[0], Some(10 << 30));
+        assert_eq!(c.limits_bytes[1], Some(2 << 30));
+        assert_eq!(c.limits_bytes[3], Some(512 << 20));
+        assert_eq!(c.shm_dir, PathBuf::from(SHM_DIR_DEFAULT));
+        assert_eq!(c.ledger_path(), PathBuf::from("/dev/shm/vgpu/a.mem"));
+        assert_eq!(c.context_overhead_bytes, 0);
+    }
+
+    #[test]
+    fn only_listed_devices_are_limited() {
+        let c = config(&[("VGPU_TENANT", "a"), ("VGPU_MEMORY_LIMITS", "1:1GiB")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.limits_bytes[0], None);
+        assert_eq!(c.limits_bytes[1], Some(1 << 30));
+    }
+
+    #[test]
+    fn bad_input_is_a_clear_error() {
+        for vars in [
+            vec![("VGPU_TENANT", "../etc")],
+            vec![("VGPU_TENANT", "A")],
+            vec![("VGPU_TENANT", "a"), ("VGPU_MEMORY_LIMITS", "0=1GiB")],
+            vec![("VGPU_TENANT", "a"), ("VGPU_MEMORY_LIMITS", "16:1GiB")],
+            vec![("VGPU_TENANT", "a"), ("VGPU_MEMORY_LIMITS", "x:1GiB")],
+            vec![("VGPU_TENANT", "a"), ("VGPU_MEMORY_LIMIT", "lots")],
+            vec![("VGPU_TENANT", "a"), ("VGPU_MEMORY_LIMITS", "0:0")],
+            vec![("VGPU_TENANT", "a"), ("VGPU_CONTEXT_OVERHEAD", "1QB")],
+        ] {
+            let err = config(&vars).unwrap_err();
+            assert!(err.0.starts_with("VGPU_"), "{err}");
+        }
+    }
+}

@@ -1,0 +1,665 @@
+//! The driver functions this library exports under their real names. Each one forwards to the
+//! real driver (`real`) around the policy in `hooks`, inside `ffi_boundary!`.
+//!
+//! Shape of an allocation hook: `admit` (may refuse with `CUDA_ERROR_OUT_OF_MEMORY` before the
+//! driver is called) → real call → `commit` or `abort`. A panic in `admit` lets the call through
+//! untracked (fail open); a panic after the real call keeps the driver's result. Frees take the
+//! allocation out of the tracker first, then credit it only if the driver freed it.
+//!
+//! Which device an allocation belongs to: the current context's (`cuCtxGetDevice`), except
+//! `cuMemCreate`, whose properties name it. Stream-ordered allocations go to the stream's device,
+//! which is the current one in every framework we know of; a stream of another device would be
+//! charged to the current device (documented limitation).
+#![allow(unsafe_code, non_snake_case)]
+
+use crate::hooks::{self, Admission};
+use crate::real::{self, Driver};
+use crate::sys::*;
+use crate::tracker::{Key, array_bytes};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
+
+/// Every hook, by the driver symbol it replaces.
+pub fn hooks() -> [(&'static CStr, *const c_void); 19] {
+    macro_rules! table {
+        ($($name:ident),* $(,)?) => {
+            [$((
+                // `stringify!` of an identifier has no interior NUL byte.
+                match CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes()) {
+                    Ok(name) => name,
+                    Err(_) => unreachable!(),
+                },
+                $name as *const c_void,
+            )),*]
+        };
+    }
+    table![
+        cuMemAlloc_v2,
+        cuMemAllocPitch_v2,
+        cuMemAllocManaged,
+        cuMemFree_v2,
+        cuMemCreate,
+        cuMemRelease,
+        cuMemAllocAsync,
+        cuMemAllocAsync_ptsz,
+        cuMemAllocFromPoolAsync,
+        cuMemAllocFromPoolAsync_ptsz,
+        cuMemFreeAsync,
+        cuMemFreeAsync_ptsz,
+        cuArrayCreate_v2,
+        cuArray3DCreate_v2,
+        cuArrayDestroy,
+        cuMemGetInfo_v2,
+        cuDeviceTotalMem_v2,
+        cuGetProcAddress,
+        cuGetProcAddress_v2,
+    ]
+}
+
+/// Our hook for a driver symbol name, if we have one.
+pub fn hook_by_name(name: &CStr) -> Option<*const c_void> {
+    hooks()
+        .into_iter()
+        .find(|(hooked, _)| *hooked == name)
+        .map(|(_, hook)| hook)
+}
+
+/// The hook for a `cuGetProcAddress` base name ("cuMemAlloc") on CUDA 12+, where every hooked
+/// entry point resolves to its newest version (`_v2`), or `_ptsz` with per-thread default
+/// streams. Used only when the driver's answer is not an address we know.
+fn hook_by_base_name(base: &CStr, flags: cuuint64_t) -> Option<*const c_void> {
+    let base = base.to_str().ok()?;
+    let per_thread = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
+    let candidates = [
+        per_thread.then(|| format!("{base}_ptsz")),
+        Some(format!("{base}_v2")),
+        Some(base.to_owned()),
+    ];
+    candidates.into_iter().flatten().find_map(|name| {
+        let name = std::ffi::CString::new(name).ok()?;
+        hook_by_name(&name)
+    })
+}
+
+/// The real driver and one of its functions, or the CUDA error that says why not.
+macro_rules! real_fn {
+    ($field:ident) => {{
+        let Some(driver) = real::driver() else {
+            return CUDA_ERROR_SHARED_OBJECT_INIT_FAILED;
+        };
+        let Some(function) = driver.fns.$field else {
+            return CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND;
+        };
+        (driver, function)
+    }};
+}
+
+/// The current context's device, if there is one.
+fn current_device(driver: &Driver) -> Option<CUdevice> {
+    let get = driver.fns.ctx_get_device?;
+    let mut device: CUdevice = -1;
+    // SAFETY: `device` is a valid out-pointer for cuCtxGetDevice.
+    let rc = unsafe { get(&mut device) };
+    (rc == CUDA_SUCCESS).then_some(device)
+}
+
+/// Reads an out-parameter the driver wrote on success.
+///
+/// # Safety
+/// `pointer` is null or valid for reads of `T`.
+unsafe fn read<T: Copy>(pointer: *const T) -> Option<T> {
+    // SAFETY: non-null, and valid for reads by the caller's contract.
+    (!pointer.is_null()).then(|| unsafe { pointer.read() })
+}
+
+/// Runs an allocation through `admit` → `call` → `commit`/`abort`; `allocated` names the result
+/// and its real size after a successful call.
+fn accounted_alloc(
+    what: &'static str,
+    device: impl FnOnce() -> Option<CUdevice>,
+    bytes: u64,
+    call: impl FnOnce() -> CUresult,
+    allocated: impl FnOnce() -> Option<(Key, u64)>,
+) -> CUresult {
+    let admission = ffi_boundary!(what, fallback = Admission::Untracked, {
+        hooks::admit(device, bytes)
+    });
+    let ticket = match admission {
+        Admission::Refused => return CUDA_ERROR_OUT_OF_MEMORY,
+        Admission::Untracked => return call(),
+        Admission::Charged(ticket) => ticket,
+    };
+    let rc = call();
+    ffi_boundary!(what, fallback = (), {
+        match allocated().filter(|_| rc == CUDA_SUCCESS) {
+            Some((key, real_bytes)) => hooks::commit(ticket, key, real_bytes),
+            None => hooks::abort(ticket),
+        }
+    });
+    rc
+}
+
+/// Runs a free: forget `key`, `call`, then credit (or restore if the driver refused).
+fn accounted_free(what: &'static str, key: Key, call: impl FnOnce() -> CUresult) -> CUresult {
+    let charge = ffi_boundary!(what, fallback = None, { hooks::forget(key) });
+    let rc = call();
+    if let Some(charge) = charge {
+        ffi_boundary!(what, fallback = (), {
+            if rc == CUDA_SUCCESS {
+                hooks::credit(charge);
+            } else {
+                hooks::restore(key, charge);
+            }
+        });
+    }
+    rc
+}
+
+/// # Safety
+/// The driver's contract for `cuMemAlloc_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    ffi_boundary!("cuMemAlloc_v2", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(mem_alloc);
+        accounted_alloc(
+            "cuMemAlloc_v2",
+            || current_device(driver),
+            bytesize as u64,
+            // SAFETY: forwarded unchanged under the caller's contract.
+            || unsafe { real(dptr, bytesize) },
+            // SAFETY: the driver wrote `*dptr` on success.
+            || unsafe { read(dptr) }.map(|p| (Key::Pointer(p), bytesize as u64)),
+        )
+    })
+}
+
+/// Pitched allocations: reserved as `roundup(width, 512) × height` before the call (the pitch
+/// is the driver's choice), then corrected to `pitch × height`.
+///
+/// # Safety
+/// The driver's contract for `cuMemAllocPitch_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width_bytes: usize,
+    height: usize,
+    element_size_bytes: c_uint,
+) -> CUresult {
+    ffi_boundary!("cuMemAllocPitch_v2", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(mem_alloc_pitch);
+        let estimate = (width_bytes as u64)
+            .div_ceil(512)
+            .saturating_mul(512)
+            .saturating_mul(height as u64);
+        accounted_alloc(
+            "cuMemAllocPitch_v2",
+            || current_device(driver),
+            estimate,
+            // SAFETY: forwarded unchanged under the caller's contract.
+            || unsafe { real(dptr, pitch, width_bytes, height, element_size_bytes) },
+            || {
+                // SAFETY: the driver wrote `*dptr` and `*pitch` on success.
+                let (p, pitch) = unsafe { (read(dptr)?, read(pitch)?) };
+                Some((
+                    Key::Pointer(p),
+                    (pitch as u64).saturating_mul(height as u64),
+                ))
+            },
+        )
+    })
+}
+
+/// Managed memory counts against device memory in full (it can migrate there entirely).
+///
+/// # Safety
+/// The driver's contract for `cuMemAllocManaged`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocManaged(
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    flags: c_uint,
+) -> CUresult {
+    ffi_boundary!("cuMemAllocManaged", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(mem_alloc_managed);
+        accounted_alloc(
+            "cuMemAllocManaged",
+            || current_device(driver),
+            bytesize as u64,
+            // SAFETY: forwarded unchanged under the caller's contract.
+            || unsafe { real(dptr, bytesize, flags) },
+            // SAFETY: the driver wrote `*dptr` on success.
+            || unsafe { read(dptr) }.map(|p| (Key::Pointer(p), bytesize as u64)),
+        )
+    })
+}
+
+/// # Safety
+/// The driver's contract for `cuMemFree_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
+    ffi_boundary!("cuMemFree_v2", fallback = CUDA_ERROR_UNKNOWN, {
+        let (_, real) = real_fn!(mem_free);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        accounted_free("cuMemFree_v2", Key::Pointer(dptr), || unsafe { real(dptr) })
+    })
+}
+
+/// VMM physical memory: charged per handle when it lives on a device; mapping it (`cuMemMap`)
+/// takes no further memory, so mappings are not charged.
+///
+/// # Safety
+/// The driver's contract for `cuMemCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: c_ulonglong,
+) -> CUresult {
+    ffi_boundary!("cuMemCreate", fallback = CUDA_ERROR_UNKNOWN, {
+        let (_, real) = real_fn!(mem_create);
+        // SAFETY: the caller passes a valid property struct or null (which the driver rejects).
+        let location = unsafe { prop.as_ref() }.map(|p| (p.location.type_, p.location.id));
+        let device = match location {
+            Some((CU_MEM_LOCATION_TYPE_DEVICE, id)) => Some(id),
+            _ => None,
+        };
+        accounted_alloc(
+            "cuMemCreate",
+            || device,
+            size as u64,
+            // SAFETY: forwarded unchanged under the caller's contract.
+            || unsafe { real(handle, size, prop, flags) },
+            // SAFETY: the driver wrote `*handle` on success.
+            || unsafe { read(handle) }.map(|h| (Key::Handle(h), size as u64)),
+        )
+    })
+}
+
+/// Credited at release. The driver frees the memory once the handle is released and every
+/// mapping of it is unmapped, so usage is briefly under-counted when a mapping outlives it.
+///
+/// # Safety
+/// The driver's contract for `cuMemRelease`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    ffi_boundary!("cuMemRelease", fallback = CUDA_ERROR_UNKNOWN, {
+        let (_, real) = real_fn!(mem_release);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        accounted_free("cuMemRelease", Key::Handle(handle), || unsafe {
+            real(handle)
+        })
+    })
+}
+
+/// Shared body of the stream-ordered allocations: the requested size is charged at allocation
+/// and credited at free. Memory the pool keeps reserved after a free is not charged.
+fn alloc_async(
+    what: &'static str,
+    driver: &Driver,
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    accounted_alloc(
+        what,
+        || current_device(driver),
+        bytesize as u64,
+        call,
+        // SAFETY: the driver wrote `*dptr` on success.
+        || unsafe { read(dptr) }.map(|p| (Key::Pointer(p), bytesize as u64)),
+    )
+}
+
+/// # Safety
+/// The driver's contract for `cuMemAllocAsync`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocAsync(
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    stream: CUstream,
+) -> CUresult {
+    ffi_boundary!("cuMemAllocAsync", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(mem_alloc_async);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        alloc_async("cuMemAllocAsync", driver, dptr, bytesize, || unsafe {
+            real(dptr, bytesize, stream)
+        })
+    })
+}
+
+/// # Safety
+/// The driver's contract for `cuMemAllocAsync_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    stream: CUstream,
+) -> CUresult {
+    ffi_boundary!("cuMemAllocAsync_ptsz", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(mem_alloc_async_ptsz);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        alloc_async("cuMemAllocAsync_ptsz", driver, dptr, bytesize, || unsafe {
+            real(dptr, bytesize, stream)
+        })
+    })
+}
+
+/// # Safety
+/// The driver's contract for `cuMemAllocFromPoolAsync`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    pool: CUmemoryPool,
+    stream: CUstream,
+) -> CUresult {
+    ffi_boundary!("cuMemAllocFromPoolAsync", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(mem_alloc_from_pool_async);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        alloc_async(
+            "cuMemAllocFromPoolAsync",
+            driver,
+            dptr,
+            bytesize,
+            || unsafe { real(dptr, bytesize, pool, stream) },
+        )
+    })
+}
+
+/// # Safety
+/// The driver's contract for `cuMemAllocFromPoolAsync_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    pool: CUmemoryPool,
+    stream: CUstream,
+) -> CUresult {
+    ffi_boundary!(
+        "cuMemAllocFromPoolAsync_ptsz",
+        fallback = CUDA_ERROR_UNKNOWN,
+        {
+            let (driver, real) = real_fn!(mem_alloc_from_pool_async_ptsz);
+            // SAFETY: forwarded unchanged under the caller's contract.
+            alloc_async(
+                "cuMemAllocFromPoolAsync_ptsz",
+                driver,
+                dptr,
+                bytesize,
+                || unsafe { real(dptr, bytesize, pool, stream) },
+            )
+        }
+    )
+}
+
+/// # Safety
+/// The driver's contract for `cuMemFreeAsync`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
+    ffi_boundary!("cuMemFreeAsync", fallback = CUDA_ERROR_UNKNOWN, {
+        let (_, real) = real_fn!(mem_free_async);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        accounted_free("cuMemFreeAsync", Key::Pointer(dptr), || unsafe {
+            real(dptr, stream)
+        })
+    })
+}
+
+/// # Safety
+/// The driver's contract for `cuMemFreeAsync_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
+    ffi_boundary!("cuMemFreeAsync_ptsz", fallback = CUDA_ERROR_UNKNOWN, {
+        let (_, real) = real_fn!(mem_free_async_ptsz);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        accounted_free("cuMemFreeAsync_ptsz", Key::Pointer(dptr), || unsafe {
+            real(dptr, stream)
+        })
+    })
+}
+
+/// Arrays are charged an estimate from their descriptor (`tracker::array_bytes`).
+///
+/// # Safety
+/// The driver's contract for `cuArrayCreate_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayCreate_v2(
+    handle: *mut CUarray,
+    descriptor: *const CUDA_ARRAY_DESCRIPTOR,
+) -> CUresult {
+    ffi_boundary!("cuArrayCreate_v2", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(array_create);
+        // SAFETY: the caller passes a valid descriptor or null (which the driver rejects).
+        let bytes = unsafe { descriptor.as_ref() }.map_or(0, |d| {
+            array_bytes(d.width, d.height, 0, d.format, d.num_channels)
+        });
+        accounted_alloc(
+            "cuArrayCreate_v2",
+            || current_device(driver),
+            bytes,
+            // SAFETY: forwarded unchanged under the caller's contract.
+            || unsafe { real(handle, descriptor) },
+            // SAFETY: the driver wrote `*handle` on success.
+            || unsafe { read(handle) }.map(|a| (Key::Array(a as usize), bytes)),
+        )
+    })
+}
+
+/// # Safety
+/// The driver's contract for `cuArray3DCreate_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArray3DCreate_v2(
+    handle: *mut CUarray,
+    descriptor: *const CUDA_ARRAY3D_DESCRIPTOR,
+) -> CUresult {
+    ffi_boundary!("cuArray3DCreate_v2", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(array_3d_create);
+        // SAFETY: the caller passes a valid descriptor or null (which the driver rejects).
+        let bytes = unsafe { descriptor.as_ref() }.map_or(0, |d| {
+            array_bytes(d.width, d.height, d.depth, d.format, d.num_channels)
+        });
+        accounted_alloc(
+            "cuArray3DCreate_v2",
+            || current_device(driver),
+            bytes,
+            // SAFETY: forwarded unchanged under the caller's contract.
+            || unsafe { real(handle, descriptor) },
+            // SAFETY: the driver wrote `*handle` on success.
+            || unsafe { read(handle) }.map(|a| (Key::Array(a as usize), bytes)),
+        )
+    })
+}
+
+/// # Safety
+/// The driver's contract for `cuArrayDestroy`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayDestroy(array: CUarray) -> CUresult {
+    ffi_boundary!("cuArrayDestroy", fallback = CUDA_ERROR_UNKNOWN, {
+        let (_, real) = real_fn!(array_destroy);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        accounted_free("cuArrayDestroy", Key::Array(array as usize), || unsafe {
+            real(array)
+        })
+    })
+}
+
+/// Reports the tenant's slice: total = min(limit, real), free = min(real free, limit − used).
+///
+/// # Safety
+/// The driver's contract for `cuMemGetInfo_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    ffi_boundary!("cuMemGetInfo_v2", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(mem_get_info);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        let rc = unsafe { real(free, total) };
+        // SAFETY: on success the driver wrote both (non-null) out-parameters.
+        let Some((real_free, real_total)) = (rc == CUDA_SUCCESS)
+            .then(|| unsafe { read(free).zip(read(total)) })
+            .flatten()
+        else {
+            return rc;
+        };
+        let (shown_free, shown_total) = ffi_boundary!(
+            "cuMemGetInfo_v2",
+            fallback = (real_free as u64, real_total as u64),
+            {
+                hooks::report_mem_info(
+                    || current_device(driver),
+                    real_free as u64,
+                    real_total as u64,
+                )
+            }
+        );
+        // SAFETY: both pointers were read above, so they are non-null and valid.
+        unsafe {
+            free.write(shown_free as usize);
+            total.write(shown_total as usize);
+        }
+        rc
+    })
+}
+
+/// # Safety
+/// The driver's contract for `cuDeviceTotalMem_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: CUdevice) -> CUresult {
+    ffi_boundary!("cuDeviceTotalMem_v2", fallback = CUDA_ERROR_UNKNOWN, {
+        let (_, real) = real_fn!(device_total_mem);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        let rc = unsafe { real(bytes, device) };
+        // SAFETY: on success the driver wrote the (non-null) out-parameter.
+        let Some(real_total) = (rc == CUDA_SUCCESS)
+            .then(|| unsafe { read(bytes) })
+            .flatten()
+        else {
+            return rc;
+        };
+        let shown = ffi_boundary!("cuDeviceTotalMem_v2", fallback = real_total as u64, {
+            hooks::report_total(device, real_total as u64)
+        });
+        // SAFETY: read above, so non-null and valid.
+        unsafe { bytes.write(shown as usize) };
+        rc
+    })
+}
+
+/// After the real `cuGetProcAddress*` answered, replaces a real function we wrap with our hook.
+///
+/// # Safety
+/// `symbol` is null or NUL-terminated; `pfn` is null or valid for reads and writes.
+unsafe fn substitute_proc(
+    driver: &Driver,
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cuda_version: c_int,
+    flags: cuuint64_t,
+) {
+    if symbol.is_null() || pfn.is_null() || !hooks::enabled() {
+        return;
+    }
+    // SAFETY: non-null and valid by the caller's contract.
+    let found = unsafe { pfn.read() };
+    if found.is_null() {
+        return;
+    }
+    // SAFETY: non-null and NUL-terminated by the caller's contract.
+    let name = unsafe { CStr::from_ptr(symbol) };
+    let hook = if let Some(hook) = driver.substitute(found) {
+        crate::log::debug(format_args!("cuGetProcAddress({name:?}) -> hook"));
+        hook
+    } else if cuda_version >= 12000
+        && let Some(hook) = hook_by_base_name(name, flags)
+    {
+        crate::log::error(format_args!(
+            "cuGetProcAddress({name:?}, {cuda_version}) returned a function this interposer \
+             does not know; substituting its hook by name"
+        ));
+        hook as *mut c_void
+    } else {
+        return;
+    };
+    // SAFETY: valid for writes by the caller's contract.
+    unsafe { pfn.write(hook) };
+}
+
+/// # Safety
+/// The driver's contract for `cuGetProcAddress` (CUDA 11.3+ signature).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cuda_version: c_int,
+    flags: cuuint64_t,
+) -> CUresult {
+    ffi_boundary!("cuGetProcAddress", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(get_proc_address);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        let rc = unsafe { real(symbol, pfn, cuda_version, flags) };
+        if rc == CUDA_SUCCESS {
+            let _: () = ffi_boundary!("cuGetProcAddress", fallback = (), {
+                // SAFETY: the driver accepted `symbol` and wrote `*pfn`.
+                unsafe { substitute_proc(driver, symbol, pfn, cuda_version, flags) }
+            });
+        }
+        rc
+    })
+}
+
+/// # Safety
+/// The driver's contract for `cuGetProcAddress_v2` (CUDA 12.0+).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cuda_version: c_int,
+    flags: cuuint64_t,
+    symbol_status: *mut c_int,
+) -> CUresult {
+    ffi_boundary!("cuGetProcAddress_v2", fallback = CUDA_ERROR_UNKNOWN, {
+        let (driver, real) = real_fn!(get_proc_address_v2);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        let rc = unsafe { real(symbol, pfn, cuda_version, flags, symbol_status) };
+        if rc == CUDA_SUCCESS {
+            let _: () = ffi_boundary!("cuGetProcAddress_v2", fallback = (), {
+                // SAFETY: the driver accepted `symbol` and wrote `*pfn`.
+                unsafe { substitute_proc(driver, symbol, pfn, cuda_version, flags) }
+            });
+        }
+        rc
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_hook_is_found_by_name_and_base_name() {
+        for (name, hook) in hooks() {
+            assert_eq!(hook_by_name(name), Some(hook));
+        }
+        let by_base = |base: &CStr, flags| hook_by_base_name(base, flags);
+        assert_eq!(
+            by_base(c"cuMemAlloc", 0),
+            Some(cuMemAlloc_v2 as *const c_void)
+        );
+        assert_eq!(
+            by_base(c"cuGetProcAddress", 0),
+            Some(cuGetProcAddress_v2 as *const c_void)
+        );
+        assert_eq!(
+            by_base(
+                c"cuMemAllocAsync",
+                CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+            ),
+            Some(cuMemAllocAsync_ptsz as *const c_void)
+        );
+        assert_eq!(
+            by_base(c"cuMemAllocAsync", 0),
+            Some(cuMemAllocAsync as *const c_void)
+        );
+        assert_eq!(by_base(c"cuLaunchKernel", 0), None);
+    }
+}

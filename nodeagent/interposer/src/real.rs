@@ -1,0 +1,194 @@
+//! The real driver: `dlopen(VGPU_REAL_LIBCUDA or "libcuda.so.1", RTLD_NOW | RTLD_LOCAL)` once,
+//! `dlsym` of every function we wrap on that handle, and the table that maps a real function's
+//! address to our hook (used by the `dlsym` and `cuGetProcAddress` paths).
+//!
+//! glibc's `dlsym` is reached through `dlvsym(RTLD_NEXT, "dlsym", ...)`, never through the
+//! symbol `dlsym`, which this library overrides.
+//!
+//! A thread-local flag marks "inside our own resolution": while it is set, our `dlsym` forwards
+//! everything untouched and `driver()` does not re-enter its one-time initialisation (which would
+//! deadlock on the `OnceLock`), whatever the real driver's constructors call.
+#![allow(unsafe_code)]
+
+use crate::sys::*;
+use std::cell::Cell;
+use std::ffi::{CStr, CString, c_void};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+/// glibc's `dlsym`, resolved on first use. Read by the `dlsym` trampoline, hence a plain static.
+pub static REAL_DLSYM: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Resolves glibc's `dlsym` (the default version of glibc 2.34+, else the x86-64 base version).
+pub fn libc_dlsym() -> Option<FnDlsym> {
+    let mut found = REAL_DLSYM.load(Ordering::Acquire);
+    if found.is_null() {
+        for version in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
+            // SAFETY: both strings are NUL-terminated literals; RTLD_NEXT is a valid pseudo-handle.
+            found = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
+            if !found.is_null() {
+                break;
+            }
+        }
+        if found.is_null() {
+            return None;
+        }
+        REAL_DLSYM.store(found, Ordering::Release);
+    }
+    // SAFETY: `found` is glibc's `dlsym`, whose C signature is `FnDlsym`.
+    Some(unsafe { std::mem::transmute::<*mut c_void, FnDlsym>(found) })
+}
+
+thread_local! {
+    static IN_RESOLUTION: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether this thread is inside the interposer's own symbol resolution.
+pub fn in_resolution() -> bool {
+    IN_RESOLUTION.with(Cell::get)
+}
+
+/// Runs `f` with the resolution flag set (restored even if `f` panics).
+pub fn with_guard<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            IN_RESOLUTION.with(|flag| flag.set(self.0));
+        }
+    }
+    let _restore = Restore(IN_RESOLUTION.with(|flag| flag.replace(true)));
+    f()
+}
+
+/// Calls glibc's `dlsym` with the guard set.
+pub fn lookup(handle: *mut c_void, name: &CStr) -> *mut c_void {
+    let Some(dlsym) = libc_dlsym() else {
+        return std::ptr::null_mut();
+    };
+    // SAFETY: `name` is NUL-terminated; glibc's dlsym accepts any handle value and reports an
+    // invalid one through dlerror.
+    with_guard(|| unsafe { dlsym(handle, name.as_ptr()) })
+}
+
+macro_rules! driver_functions {
+    ($($field:ident: $ty:ty = $name:literal;)*) => {
+        /// The real driver's functions that the hooks forward to (`None`: not exported by this
+        /// driver).
+        pub struct Fns {
+            $(pub $field: Option<$ty>,)*
+        }
+
+        impl Fns {
+            fn resolve(handle: *mut c_void) -> Fns {
+                Fns {
+                    $($field: {
+                        let found = lookup(handle, $name);
+                        if found.is_null() {
+                            None
+                        } else {
+                            // SAFETY: the symbol `$name` of the CUDA driver has the C signature
+                            // `$ty` (see `sys`), and `found` is not null.
+                            Some(unsafe { std::mem::transmute::<*mut c_void, $ty>(found) })
+                        }
+                    },)*
+                }
+            }
+        }
+    };
+}
+
+driver_functions! {
+    mem_alloc: FnMemAlloc = c"cuMemAlloc_v2";
+    mem_alloc_pitch: FnMemAllocPitch = c"cuMemAllocPitch_v2";
+    mem_alloc_managed: FnMemAllocManaged = c"cuMemAllocManaged";
+    mem_free: FnMemFree = c"cuMemFree_v2";
+    mem_create: FnMemCreate = c"cuMemCreate";
+    mem_release: FnMemRelease = c"cuMemRelease";
+    mem_alloc_async: FnMemAllocAsync = c"cuMemAllocAsync";
+    mem_alloc_async_ptsz: FnMemAllocAsync = c"cuMemAllocAsync_ptsz";
+    mem_alloc_from_pool_async: FnMemAllocFromPoolAsync = c"cuMemAllocFromPoolAsync";
+    mem_alloc_from_pool_async_ptsz: FnMemAllocFromPoolAsync = c"cuMemAllocFromPoolAsync_ptsz";
+    mem_free_async: FnMemFreeAsync = c"cuMemFreeAsync";
+    mem_free_async_ptsz: FnMemFreeAsync = c"cuMemFreeAsync_ptsz";
+    array_create: FnArrayCreate = c"cuArrayCreate_v2";
+    array_3d_create: FnArray3DCreate = c"cuArray3DCreate_v2";
+    array_destroy: FnArrayDestroy = c"cuArrayDestroy";
+    mem_get_info: FnMemGetInfo = c"cuMemGetInfo_v2";
+    device_total_mem: FnDeviceTotalMem = c"cuDeviceTotalMem_v2";
+    ctx_get_device: FnCtxGetDevice = c"cuCtxGetDevice";
+    get_proc_address: FnGetProcAddress = c"cuGetProcAddress";
+    get_proc_address_v2: FnGetProcAddressV2 = c"cuGetProcAddress_v2";
+}
+
+/// The loaded real driver.
+pub struct Driver {
+    pub fns: Fns,
+    /// (real function address, our hook address), for every hook the driver exports.
+    substitutes: Vec<(usize, usize)>,
+}
+
+impl Driver {
+    /// Our hook for a real driver function, if we wrap it.
+    pub fn substitute(&self, real: *mut c_void) -> Option<*mut c_void> {
+        let real = real as usize;
+        self.substitutes
+            .iter()
+            .find(|(r, _)| *r == real)
+            .map(|&(_, hook)| hook as *mut c_void)
+    }
+}
+
+/// The real driver, loaded on first use; `None` if it cannot be loaded (logged once).
+pub fn driver() -> Option<&'static Driver> {
+    static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
+    if let Some(loaded) = DRIVER.get() {
+        return loaded.as_ref();
+    }
+    if in_resolution() {
+        // Re-entered from inside our own initialisation (a constructor of the real driver):
+        // answer "not loaded yet" rather than deadlock.
+        return None;
+    }
+    DRIVER.get_or_init(|| with_guard(load)).as_ref()
+}
+
+fn load() -> Option<Driver> {
+    let path = std::env::var("VGPU_REAL_LIBCUDA")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "libcuda.so.1".to_owned());
+    let Ok(c_path) = CString::new(path.clone()) else {
+        crate::log::error(format_args!(
+            "VGPU_REAL_LIBCUDA `{path}` contains a NUL byte"
+        ));
+        return None;
+    };
+    // SAFETY: `c_path` is NUL-terminated; dlopen has no other preconditions.
+    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        crate::log::error(format_args!(
+            "cannot load the real CUDA driver `{path}` (set VGPU_REAL_LIBCUDA to its path)"
+        ));
+        return None;
+    }
+    let fns = Fns::resolve(handle);
+    let substitutes: Vec<(usize, usize)> = crate::exports::hooks()
+        .iter()
+        .filter_map(|&(name, hook)| {
+            let real = lookup(handle, name);
+            (!real.is_null()).then_some((real as usize, hook as usize))
+        })
+        .collect();
+    if substitutes.iter().any(|&(real, hook)| real == hook) {
+        crate::log::error(format_args!(
+            "VGPU_REAL_LIBCUDA `{path}` is the interposer itself; point it at the real driver"
+        ));
+        return None;
+    }
+    crate::log::debug(format_args!(
+        "loaded {path}: {} of {} hooked functions exported",
+        substitutes.len(),
+        crate::exports::hooks().len()
+    ));
+    Some(Driver { fns, substitutes })
+}

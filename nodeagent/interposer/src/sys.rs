@@ -1,0 +1,101 @@
+//! The CUDA driver-API types, constants and function signatures the interposer touches, declared
+//! by hand from the driver API's public ABI (64-bit Linux). Style item 11 asks for bindgen
+//! output here; the machines that build this crate have no `cuda.h`, and the surface is small, so
+//! it is written out and exercised through the fake driver in the tests instead.
+//!
+//! Nothing here is unsafe code by itself: function-pointer types are only called in `exports`.
+#![allow(non_camel_case_types)]
+
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
+
+pub type CUresult = c_int;
+pub type CUdevice = c_int;
+pub type CUdeviceptr = c_ulonglong;
+pub type CUmemGenericAllocationHandle = c_ulonglong;
+pub type CUstream = *mut c_void;
+pub type CUmemoryPool = *mut c_void;
+pub type CUarray = *mut c_void;
+pub type cuuint64_t = u64;
+
+pub const CUDA_SUCCESS: CUresult = 0;
+pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
+pub const CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND: CUresult = 302;
+pub const CUDA_ERROR_SHARED_OBJECT_INIT_FAILED: CUresult = 303;
+pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
+
+/// `CU_MEM_LOCATION_TYPE_DEVICE`: `CUmemLocation::id` is a device ordinal.
+pub const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+/// `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`: ask for the `_ptsz`/`_ptds` variants.
+pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: cuuint64_t = 1 << 1;
+
+#[repr(C)]
+pub struct CUmemLocation {
+    pub type_: c_int,
+    pub id: c_int,
+}
+
+/// `CUmemAllocationProp`; only the leading fields are read.
+#[repr(C)]
+pub struct CUmemAllocationProp {
+    pub type_: c_int,
+    pub requested_handle_types: c_int,
+    pub location: CUmemLocation,
+    pub win32_handle_meta_data: *mut c_void,
+    pub alloc_flags: [u8; 8],
+}
+
+#[repr(C)]
+pub struct CUDA_ARRAY_DESCRIPTOR {
+    pub width: usize,
+    pub height: usize,
+    pub format: c_int,
+    pub num_channels: c_uint,
+}
+
+#[repr(C)]
+pub struct CUDA_ARRAY3D_DESCRIPTOR {
+    pub width: usize,
+    pub height: usize,
+    pub depth: usize,
+    pub format: c_int,
+    pub num_channels: c_uint,
+    pub flags: c_uint,
+}
+
+pub type FnMemAlloc = unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult;
+pub type FnMemAllocPitch =
+    unsafe extern "C" fn(*mut CUdeviceptr, *mut usize, usize, usize, c_uint) -> CUresult;
+pub type FnMemAllocManaged = unsafe extern "C" fn(*mut CUdeviceptr, usize, c_uint) -> CUresult;
+pub type FnMemFree = unsafe extern "C" fn(CUdeviceptr) -> CUresult;
+pub type FnMemCreate = unsafe extern "C" fn(
+    *mut CUmemGenericAllocationHandle,
+    usize,
+    *const CUmemAllocationProp,
+    c_ulonglong,
+) -> CUresult;
+pub type FnMemRelease = unsafe extern "C" fn(CUmemGenericAllocationHandle) -> CUresult;
+pub type FnMemAllocAsync = unsafe extern "C" fn(*mut CUdeviceptr, usize, CUstream) -> CUresult;
+pub type FnMemAllocFromPoolAsync =
+    unsafe extern "C" fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream) -> CUresult;
+pub type FnMemFreeAsync = unsafe extern "C" fn(CUdeviceptr, CUstream) -> CUresult;
+pub type FnArrayCreate =
+    unsafe extern "C" fn(*mut CUarray, *const CUDA_ARRAY_DESCRIPTOR) -> CUresult;
+pub type FnArray3DCreate =
+    unsafe extern "C" fn(*mut CUarray, *const CUDA_ARRAY3D_DESCRIPTOR) -> CUresult;
+pub type FnArrayDestroy = unsafe extern "C" fn(CUarray) -> CUresult;
+pub type FnMemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> CUresult;
+pub type FnDeviceTotalMem = unsafe extern "C" fn(*mut usize, CUdevice) -> CUresult;
+pub type FnCtxGetDevice = unsafe extern "C" fn(*mut CUdevice) -> CUresult;
+/// `cuGetProcAddress` (CUDA 11.3+): symbol, pfn, cudaVersion, flags.
+pub type FnGetProcAddress =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, cuuint64_t) -> CUresult;
+/// `cuGetProcAddress_v2` (CUDA 12.0+): adds `CUdriverProcAddressQueryResult *symbolStatus`.
+pub type FnGetProcAddressV2 = unsafe extern "C" fn(
+    *const c_char,
+    *mut *mut c_void,
+    c_int,
+    cuuint64_t,
+    *mut c_int,
+) -> CUresult;
+/// glibc's `dlsym`.
+pub type FnDlsym = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;

@@ -1,0 +1,513 @@
+//! The interposer through its real ABI, without a GPU: `libvgpu_cuda.so` is preloaded into a C
+//! program (`abi/probe.c`) linked against a fake driver (`abi/fakecuda.c`, an 80 GiB device that
+//! allocates nothing), and every test runs the program as separate processes, the way tenants
+//! run. The C files are compiled here with the system `cc`; the interposer is built with cargo.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const GIB: u64 = 1 << 30;
+const FAKE_TOTAL: u64 = 80 * GIB;
+/// No probe run takes long; past this it is hung (a deadlock is what these tests look for).
+const RUN_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The built pieces: the interposer and a directory with the fake `libcuda.so.1`, the probe and
+/// the RTLD_NEXT test library.
+struct Kit {
+    interposer: PathBuf,
+    dir: PathBuf,
+}
+
+fn kit() -> &'static Kit {
+    static KIT: OnceLock<Kit> = OnceLock::new();
+    KIT.get_or_init(|| {
+        let profile_dir = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(Path::to_owned))
+            .map(|dir| {
+                if dir.ends_with("deps") {
+                    dir.parent().expect("deps has a parent").to_owned()
+                } else {
+                    dir
+                }
+            })
+            .expect("the test executable has a directory");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+        let mut build = Command::new(cargo);
+        build.args(["build", "-p", "interposer", "--lib"]);
+        if profile_dir.ends_with("release") {
+            build.arg("--release");
+        }
+        let status = build.status().expect("running cargo build");
+        assert!(status.success(), "building libvgpu_cuda.so failed");
+        let interposer = profile_dir.join("libvgpu_cuda.so");
+        assert!(interposer.exists(), "{} is missing", interposer.display());
+
+        let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/abi");
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("abi");
+        std::fs::create_dir_all(&dir).expect("creating the build directory");
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
+        // The output (after "-o") is written under a temporary name and renamed, so concurrent
+        // test runs never see a half-written file.
+        let compile = |args: &[&str]| {
+            let output = args[args.iter().position(|a| *a == "-o").expect("-o") + 1];
+            let partial = format!("{output}.{}.tmp", std::process::id());
+            let args: Vec<&str> = args
+                .iter()
+                .map(|a| if *a == output { partial.as_str() } else { a })
+                .collect();
+            let status = Command::new(&cc)
+                .current_dir(&dir)
+                .args(&args)
+                .status()
+                .expect("running cc (install build-essential)");
+            assert!(status.success(), "cc {args:?} failed");
+            std::fs::rename(dir.join(&partial), dir.join(output)).expect("renaming the output");
+        };
+        let source = |name: &str| sources.join(name).display().to_string();
+        compile(&[
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-Wl,-Bsymbolic",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            "libcuda.so.1",
+            &source("fakecuda.c"),
+            "-lpthread",
+        ]);
+        compile(&[
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-o",
+            "probe",
+            &source("probe.c"),
+            "-L.",
+            "-l:libcuda.so.1",
+            "-ldl",
+        ]);
+        compile(&[
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-o",
+            "libnextwrap.so",
+            &source("nextwrap.c"),
+            "-ldl",
+        ]);
+        Kit { interposer, dir }
+    })
+}
+
+/// One probe run: its environment and arguments.
+struct Probe {
+    command: Command,
+}
+
+impl Probe {
+    /// A probe of `tenant` (none: no `VGPU_TENANT`) with its ledger in `shm`.
+    fn new(shm: &Path, tenant: Option<&str>) -> Probe {
+        let kit = kit();
+        let mut command = Command::new(kit.dir.join("probe"));
+        for (name, _) in std::env::vars() {
+            if name.starts_with("VGPU_") || name.starts_with("FAKE_CUDA_") {
+                command.env_remove(name);
+            }
+        }
+        command
+            .env("LD_LIBRARY_PATH", &kit.dir)
+            .env("LD_PRELOAD", &kit.interposer)
+            .env("VGPU_REAL_LIBCUDA", kit.dir.join("libcuda.so.1"))
+            .env("VGPU_SHM_DIR", shm)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(tenant) = tenant {
+            command.env("VGPU_TENANT", tenant);
+        }
+        Probe { command }
+    }
+
+    fn env(mut self, name: &str, value: impl AsRef<std::ffi::OsStr>) -> Probe {
+        self.command.env(name, value);
+        self
+    }
+
+    /// Runs `script` to completion; returns stdout. Fails on a hang, a crash or a bad exit.
+    fn run(mut self, script: &str) -> String {
+        let mut child = self
+            .command
+            .args(script.split_whitespace())
+            .spawn()
+            .expect("starting the probe");
+        let deadline = Instant::now() + RUN_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("waiting for the probe") {
+                break status;
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the probe `{script}` hung for {RUN_TIMEOUT:?} (deadlock?)");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let output = child
+            .wait_with_output()
+            .expect("reading the probe's output");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(
+            status.success(),
+            "the probe `{script}` failed ({status}):\n{stdout}\n{stderr}"
+        );
+        stdout
+    }
+
+    /// Runs `script` followed by `hold` and returns once the probe holds its allocations.
+    fn hold(self, script: &str) -> Holder {
+        let mut holder = self.start_holding(script);
+        holder.wait_held();
+        holder
+    }
+
+    /// Starts `script` followed by `hold`; `Holder::wait_held` waits for it to get there.
+    fn start_holding(mut self, script: &str) -> Holder {
+        let mut child = self
+            .command
+            .args(script.split_whitespace())
+            .arg("hold")
+            .spawn()
+            .expect("starting the probe");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (sender, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Holder {
+            child,
+            lines,
+            output: String::new(),
+        }
+    }
+}
+
+/// A probe process that holds its allocations until killed.
+struct Holder {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    /// What it printed before "holding".
+    output: String,
+}
+
+impl Holder {
+    fn wait_held(&mut self) {
+        loop {
+            match self.lines.recv_timeout(RUN_TIMEOUT) {
+                Ok(line) if line == "holding" => return,
+                Ok(line) => {
+                    self.output.push_str(&line);
+                    self.output.push('\n');
+                }
+                Err(e) => panic!("the probe never held ({e}); it printed:\n{}", self.output),
+            }
+        }
+    }
+
+    /// `kill -9`, leaving it a zombie (not yet reaped) as a crashed process briefly is.
+    fn kill_without_reaping(&mut self) {
+        self.child.kill().expect("kill -9");
+        let proc = PathBuf::from(format!("/proc/{}/stat", self.child.id()));
+        let deadline = Instant::now() + RUN_TIMEOUT;
+        // Wait for the kernel to finish the kill: the process turns into a zombie.
+        loop {
+            let stat = std::fs::read_to_string(&proc).unwrap_or_default();
+            let state = stat
+                .rsplit(')')
+                .next()
+                .and_then(|rest| rest.split_whitespace().next());
+            if state == Some("Z") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the killed probe did not die");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn shm_dir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("a temporary directory")
+}
+
+#[test]
+fn the_limit_holds_across_two_processes_of_a_tenant() {
+    let shm = shm_dir();
+    let first = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "10GiB")
+        .hold("alloc 6G");
+    assert_eq!(first.output, "alloc 0\n");
+    let second = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "10GiB")
+        .run("alloc 6G alloc 4G info alloc 1 free alloc 4G");
+    assert_eq!(
+        second,
+        format!(
+            "alloc 2\nalloc 0\ninfo 0 0 {}\nalloc 2\nfree 0\nalloc 0\n",
+            10 * GIB
+        )
+    );
+    let mode = std::fs::metadata(shm.path().join("a.mem"))
+        .expect("the ledger file")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+}
+
+#[test]
+fn a_killed_process_is_credited_back_without_deadlock() {
+    let shm = shm_dir();
+    let mut holder = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "10GiB")
+        .hold("alloc 6G");
+    let refused = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "10GiB")
+        .run("alloc 8G");
+    assert_eq!(refused, "alloc 2\n");
+    holder.kill_without_reaping();
+    // The zombie's slot is reclaimed on the way to refusing: the 8 GiB now fit.
+    let granted = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "10GiB")
+        .run("info alloc 8G info");
+    assert_eq!(
+        granted,
+        format!(
+            "info 0 {} {}\nalloc 0\ninfo 0 {} {}\n",
+            10 * GIB,
+            10 * GIB,
+            2 * GIB,
+            10 * GIB
+        )
+    );
+    drop(holder);
+    // Reaped too: still fine, and the finished process's slot does not count either.
+    let again = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "10GiB")
+        .run("alloc 10G");
+    assert_eq!(again, "alloc 0\n");
+}
+
+#[test]
+fn other_tenants_and_unconfigured_processes_are_unaffected() {
+    let shm = shm_dir();
+    let _full = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "10GiB")
+        .hold("alloc 10G");
+    let other = Probe::new(shm.path(), Some("b"))
+        .env("VGPU_MEMORY_LIMIT", "20GiB")
+        .run("alloc 20G info alloc 1");
+    assert_eq!(other, format!("alloc 0\ninfo 0 0 {}\nalloc 2\n", 20 * GIB));
+    // No VGPU_TENANT: the real driver answers everything (the fake's 80 GiB).
+    let plain = Probe::new(shm.path(), None).run("alloc 70G info dl_alloc 1G gpa_alloc 1G");
+    assert_eq!(
+        plain,
+        format!(
+            "alloc 0\ninfo 0 {} {FAKE_TOTAL}\ndl_alloc 0 lib=libcuda.so.1\ngpa_alloc 0 lib=libcuda.so.1\n",
+            10 * GIB
+        )
+    );
+    let mut ledgers: Vec<_> = std::fs::read_dir(shm.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    ledgers.sort();
+    assert_eq!(ledgers, ["a.mem", "b.mem"]);
+}
+
+#[test]
+fn memory_queries_report_the_slice_of_limited_devices_only() {
+    let shm = shm_dir();
+    let out = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMITS", "0:10GiB")
+        .run("info alloc 3G info total 0 total 1 ctx 1 info alloc 75G info");
+    assert_eq!(
+        out,
+        format!(
+            "info 0 {ten} {ten}\nalloc 0\ninfo 0 {seven} {ten}\ntotal 0 {ten}\ntotal 0 {FAKE_TOTAL}\n\
+             ctx 0\ninfo 0 {FAKE_TOTAL} {FAKE_TOTAL}\nalloc 0\ninfo 0 {five} {FAKE_TOTAL}\n",
+            ten = 10 * GIB,
+            seven = 7 * GIB,
+            five = 5 * GIB,
+        )
+    );
+}
+
+#[test]
+fn get_proc_address_and_dlsym_return_the_hooks() {
+    let shm = shm_dir();
+    let out = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "4GiB")
+        .run("gpa_alloc 1G gpa_chain 1G gpa_ptsz 1G dl_alloc 1G alloc 1 info");
+    assert_eq!(
+        out,
+        format!(
+            "gpa_alloc 0 lib=libvgpu_cuda.so\ngpa_self lib=libvgpu_cuda.so\n\
+             gpa_chain 0 lib=libvgpu_cuda.so\ngpa_ptsz 0 lib=libvgpu_cuda.so\n\
+             dl_alloc 0 lib=libvgpu_cuda.so\nalloc 2\ninfo 0 0 {}\n",
+            4 * GIB
+        )
+    );
+}
+
+#[test]
+fn an_unknown_get_proc_address_answer_is_hooked_by_name() {
+    let shm = shm_dir();
+    let out = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "1GiB")
+        .env("FAKE_CUDA_GPA_THUNKS", "1")
+        .run("gpa_alloc 1G alloc 1");
+    assert_eq!(out, "gpa_alloc 0 lib=libvgpu_cuda.so\nalloc 2\n");
+}
+
+#[test]
+fn every_allocation_api_is_charged_and_credited() {
+    let shm = shm_dir();
+    let limit = 8 * GIB;
+    // Pitch 1000 -> 1024 bytes x 1M rows = 1 GiB; arrays of FLOAT x 4 channels (16 bytes):
+    // 16384 x 16384 = 4 GiB, 512^3 = 2 GiB.
+    let script = "managed 1G async 1G pool 1G gpa_ptsz 1G create 1G pitch 1000 1M info alloc 3G \
+                  release free_async free_async free_async free info \
+                  array 16384 16384 array3d 512 512 512 alloc 2G destroy destroy info \
+                  free info";
+    let out = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "8GiB")
+        .run(script);
+    let expected = [
+        "managed 0".to_owned(),
+        "async 0".to_owned(),
+        "pool 0".to_owned(),
+        "gpa_ptsz 0 lib=libvgpu_cuda.so".to_owned(),
+        "create 0".to_owned(),
+        "pitch 0 1024".to_owned(),
+        format!("info 0 {} {limit}", 2 * GIB),
+        "alloc 2".to_owned(),
+        "release 0".to_owned(),
+        "free_async 0".to_owned(),
+        "free_async 0".to_owned(),
+        "free_async 0".to_owned(),
+        "free 0".to_owned(),
+        format!("info 0 {} {limit}", 7 * GIB),
+        "array 0".to_owned(),
+        "array3d 0".to_owned(),
+        "alloc 2".to_owned(),
+        "destroy 0".to_owned(),
+        "destroy 0".to_owned(),
+        format!("info 0 {} {limit}", 7 * GIB),
+        "free 0".to_owned(),
+        format!("info 0 {limit} {limit}"),
+    ];
+    assert_eq!(out.lines().collect::<Vec<_>>(), expected);
+}
+
+#[test]
+fn context_overhead_is_charged_once_per_device() {
+    let shm = shm_dir();
+    let out = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "4GiB")
+        .env("VGPU_CONTEXT_OVERHEAD", "512MiB")
+        .run("alloc 1G alloc 1G info alloc 2G");
+    assert_eq!(
+        out,
+        format!(
+            "alloc 0\nalloc 0\ninfo 0 {} {}\nalloc 2\n",
+            3 * GIB / 2,
+            4 * GIB
+        )
+    );
+}
+
+#[test]
+fn a_broken_configuration_refuses_allocations_with_a_message() {
+    let shm = shm_dir();
+    let mut probe = Probe::new(shm.path(), Some("a")).env("VGPU_MEMORY_LIMIT", "lots");
+    probe.command.args(["alloc", "1M", "info"]);
+    let output = probe.command.output().expect("running the probe");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        stdout,
+        format!("alloc 2\ninfo 0 {FAKE_TOTAL} {FAKE_TOTAL}\n")
+    );
+    assert!(
+        stderr.contains("VGPU_MEMORY_LIMIT: cannot read the size `lots`"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn dlsym_rtld_next_stays_relative_to_its_caller() {
+    let shm = shm_dir();
+    let kit = kit();
+    let preload = format!(
+        "{} {}",
+        kit.interposer.display(),
+        kit.dir.join("libnextwrap.so").display()
+    );
+    let out = Probe::new(shm.path(), Some("a"))
+        .env("LD_PRELOAD", preload)
+        .run("parent");
+    let parent = out
+        .strip_prefix("parent ")
+        .and_then(|rest| rest.trim().parse::<u32>().ok())
+        .expect("parent <pid>");
+    assert_eq!(parent, std::process::id() + 1_000_000);
+}
+
+#[test]
+fn many_processes_racing_never_exceed_the_limit() {
+    let shm = shm_dir();
+    // Eight processes each try to take 2 GiB twice against a 10 GiB limit, all at once.
+    let mut children: Vec<Holder> = (0..8)
+        .map(|_| {
+            Probe::new(shm.path(), Some("a"))
+                .env("VGPU_MEMORY_LIMIT", "10GiB")
+                .start_holding("alloc 2G alloc 2G")
+        })
+        .collect();
+    for child in &mut children {
+        child.wait_held();
+    }
+    let granted: usize = children
+        .iter()
+        .map(|c| c.output.lines().filter(|l| *l == "alloc 0").count())
+        .sum();
+    assert!(
+        (1..=5).contains(&granted),
+        "granted {granted} x 2 GiB under a 10 GiB limit"
+    );
+    let out = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "10GiB")
+        .run("info");
+    let free = 10 * GIB - granted as u64 * 2 * GIB;
+    assert_eq!(out, format!("info 0 {free} {}\n", 10 * GIB));
+}

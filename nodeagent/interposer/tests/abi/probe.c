@@ -1,0 +1,238 @@
+/* A CUDA "application" for the interposer's ABI tests: linked against libcuda.so.1 (the fake),
+ * run with LD_PRELOAD=libvgpu_cuda.so. Runs its arguments as a small script, one command after
+ * another, and prints one line per command ("<command> <CUresult> [details]"), flushed.
+ *
+ *   ctx D            make device D's context current (the process starts on device 0)
+ *   alloc S          cuMemAlloc_v2, called directly (S like 6G, 512M, 4096)
+ *   free             cuMemFree_v2 of the newest pointer
+ *   dl_alloc S       cuMemAlloc_v2 found by dlsym(dlopen("libcuda.so.1"), ...)
+ *   gpa_alloc S      "cuMemAlloc" from cuGetProcAddress_v2 (version 13000), itself from dlsym
+ *   gpa_chain S      "cuGetProcAddress" from cuGetProcAddress_v2, then "cuMemAlloc" through it
+ *   gpa_ptsz S       "cuMemAllocAsync" with CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+ *   managed S | async S | pool S       cuMemAllocManaged / cuMemAllocAsync / ...FromPoolAsync
+ *   free_async       cuMemFreeAsync of the newest pointer
+ *   pitch W H        cuMemAllocPitch_v2 (prints the pitch)
+ *   create S | release              cuMemCreate on the current device / cuMemRelease newest
+ *   array W H | array3d W H D | destroy     CUDA arrays (FLOAT, 4 channels)
+ *   info             cuMemGetInfo_v2: "info 0 <free> <total>"
+ *   total D          cuDeviceTotalMem_v2
+ *   parent           prints getppid() (wrapped by a preloaded test library through RTLD_NEXT)
+ *   hold             prints "holding" and sleeps until killed
+ * "lib=<file>" says which library a function pointer lives in.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef struct {
+  int type, id;
+} CUmemLocation;
+typedef struct {
+  int type, requestedHandleTypes;
+  CUmemLocation location;
+  void *win32HandleMetaData;
+  unsigned char allocFlags[8];
+} CUmemAllocationProp;
+typedef struct {
+  size_t Width, Height;
+  int Format;
+  unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR;
+typedef struct {
+  size_t Width, Height, Depth;
+  int Format;
+  unsigned int NumChannels, Flags;
+} CUDA_ARRAY3D_DESCRIPTOR;
+
+CUresult cuInit(unsigned int);
+CUresult cuDevicePrimaryCtxRetain(void **, int);
+CUresult cuCtxSetCurrent(void *);
+CUresult cuCtxGetDevice(int *);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned int);
+CUresult cuMemAllocPitch_v2(CUdeviceptr *, size_t *, size_t, size_t, unsigned int);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, void *);
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, void *, void *);
+CUresult cuMemFreeAsync(CUdeviceptr, void *);
+CUresult cuMemCreate(unsigned long long *, size_t, const CUmemAllocationProp *, unsigned long long);
+CUresult cuMemRelease(unsigned long long);
+CUresult cuArrayCreate_v2(void **, const CUDA_ARRAY_DESCRIPTOR *);
+CUresult cuArray3DCreate_v2(void **, const CUDA_ARRAY3D_DESCRIPTOR *);
+CUresult cuArrayDestroy(void *);
+CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuDeviceTotalMem_v2(size_t *, int);
+
+typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
+typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
+typedef CUresult (*gpa_v2_fn)(const char *, void **, int, unsigned long long, int *);
+
+static CUdeviceptr pointers[4096];
+static int n_pointers;
+static unsigned long long handles[4096];
+static int n_handles;
+static void *arrays[4096];
+static int n_arrays;
+
+static unsigned long long size_arg(const char *s) {
+  char *end;
+  unsigned long long v = strtoull(s, &end, 10);
+  switch (*end) {
+    case 'G': return v << 30;
+    case 'M': return v << 20;
+    case 'K': return v << 10;
+    default: return v;
+  }
+}
+
+static const char *lib_of(void *f) {
+  Dl_info info;
+  if (f == NULL) return "null";
+  if (!dladdr(f, &info) || info.dli_fname == NULL) return "unknown";
+  const char *slash = strrchr(info.dli_fname, '/');
+  return slash ? slash + 1 : info.dli_fname;
+}
+
+static void keep(CUresult rc, CUdeviceptr p) {
+  if (rc == 0) pointers[n_pointers++] = p;
+}
+
+static gpa_v2_fn gpa_from_dlsym(void) {
+  void *libcuda = dlopen("libcuda.so.1", RTLD_NOW);
+  return libcuda ? (gpa_v2_fn)dlsym(libcuda, "cuGetProcAddress_v2") : NULL;
+}
+
+int main(int argc, char **argv) {
+  void *ctx;
+  CUdeviceptr p;
+  CUresult rc;
+  cuInit(0);
+  cuDevicePrimaryCtxRetain(&ctx, 0);
+  cuCtxSetCurrent(ctx);
+  for (int i = 1; i < argc; i++) {
+    const char *c = argv[i];
+    const char *a = i + 1 < argc ? argv[i + 1] : "0";
+    if (!strcmp(c, "ctx")) {
+      cuDevicePrimaryCtxRetain(&ctx, atoi(a));
+      printf("ctx %d\n", cuCtxSetCurrent(ctx));
+      i++;
+    } else if (!strcmp(c, "alloc")) {
+      rc = cuMemAlloc_v2(&p, size_arg(a));
+      keep(rc, p);
+      printf("alloc %d\n", rc);
+      i++;
+    } else if (!strcmp(c, "free")) {
+      printf("free %d\n", n_pointers ? cuMemFree_v2(pointers[--n_pointers]) : -1);
+    } else if (!strcmp(c, "dl_alloc")) {
+      alloc_fn f = (alloc_fn)dlsym(dlopen("libcuda.so.1", RTLD_NOW), "cuMemAlloc_v2");
+      rc = f ? f(&p, size_arg(a)) : -1;
+      keep(rc, p);
+      printf("dl_alloc %d lib=%s\n", rc, lib_of((void *)f));
+      i++;
+    } else if (!strcmp(c, "gpa_alloc") || !strcmp(c, "gpa_chain")) {
+      gpa_v2_fn gpa = gpa_from_dlsym();
+      void *f = NULL;
+      int status = -1;
+      if (!strcmp(c, "gpa_chain") && gpa) {
+        void *next = NULL;
+        gpa("cuGetProcAddress", &next, 13000, 0, &status);
+        printf("gpa_self lib=%s\n", lib_of(next));
+        gpa = (gpa_v2_fn)next;
+      }
+      rc = gpa ? gpa("cuMemAlloc", &f, 13000, 0, &status) : -1;
+      if (rc == 0) rc = ((alloc_fn)f)(&p, size_arg(a));
+      keep(rc, p);
+      printf("%s %d lib=%s\n", c, rc, lib_of(f));
+      i++;
+    } else if (!strcmp(c, "gpa_ptsz")) {
+      gpa_v2_fn gpa = gpa_from_dlsym();
+      void *f = NULL;
+      int status = -1;
+      rc = gpa ? gpa("cuMemAllocAsync", &f, 13000, 2, &status) : -1;
+      if (rc == 0) rc = ((alloc_async_fn)f)(&p, size_arg(a), NULL);
+      keep(rc, p);
+      printf("gpa_ptsz %d lib=%s\n", rc, lib_of(f));
+      i++;
+    } else if (!strcmp(c, "managed")) {
+      rc = cuMemAllocManaged(&p, size_arg(a), 1);
+      keep(rc, p);
+      printf("managed %d\n", rc);
+      i++;
+    } else if (!strcmp(c, "async")) {
+      rc = cuMemAllocAsync(&p, size_arg(a), NULL);
+      keep(rc, p);
+      printf("async %d\n", rc);
+      i++;
+    } else if (!strcmp(c, "pool")) {
+      rc = cuMemAllocFromPoolAsync(&p, size_arg(a), NULL, NULL);
+      keep(rc, p);
+      printf("pool %d\n", rc);
+      i++;
+    } else if (!strcmp(c, "free_async")) {
+      printf("free_async %d\n", n_pointers ? cuMemFreeAsync(pointers[--n_pointers], NULL) : -1);
+    } else if (!strcmp(c, "pitch")) {
+      size_t pitch = 0;
+      rc = cuMemAllocPitch_v2(&p, &pitch, size_arg(a), size_arg(argv[i + 2]), 4);
+      keep(rc, p);
+      printf("pitch %d %zu\n", rc, pitch);
+      i += 2;
+    } else if (!strcmp(c, "create")) {
+      CUmemAllocationProp prop;
+      unsigned long long h = 0;
+      int device = 0;
+      memset(&prop, 0, sizeof prop);
+      prop.type = 1;
+      prop.location.type = 1;
+      cuCtxGetDevice(&device);
+      prop.location.id = device;
+      rc = cuMemCreate(&h, size_arg(a), &prop, 0);
+      if (rc == 0) handles[n_handles++] = h;
+      printf("create %d\n", rc);
+      i++;
+    } else if (!strcmp(c, "release")) {
+      printf("release %d\n", n_handles ? cuMemRelease(handles[--n_handles]) : -1);
+    } else if (!strcmp(c, "array") || !strcmp(c, "array3d")) {
+      void *h = NULL;
+      if (!strcmp(c, "array")) {
+        CUDA_ARRAY_DESCRIPTOR d = {size_arg(a), size_arg(argv[i + 2]), 0x20, 4};
+        rc = cuArrayCreate_v2(&h, &d);
+        i += 2;
+      } else {
+        CUDA_ARRAY3D_DESCRIPTOR d = {size_arg(a), size_arg(argv[i + 2]), size_arg(argv[i + 3]),
+                                     0x20, 4, 0};
+        rc = cuArray3DCreate_v2(&h, &d);
+        i += 3;
+      }
+      if (rc == 0) arrays[n_arrays++] = h;
+      printf("%s %d\n", c, rc);
+    } else if (!strcmp(c, "destroy")) {
+      printf("destroy %d\n", n_arrays ? cuArrayDestroy(arrays[--n_arrays]) : -1);
+    } else if (!strcmp(c, "info")) {
+      size_t f = 0, t = 0;
+      rc = cuMemGetInfo_v2(&f, &t);
+      printf("info %d %zu %zu\n", rc, f, t);
+    } else if (!strcmp(c, "total")) {
+      size_t t = 0;
+      rc = cuDeviceTotalMem_v2(&t, atoi(a));
+      printf("total %d %zu\n", rc, t);
+      i++;
+    } else if (!strcmp(c, "parent")) {
+      printf("parent %d\n", (int)getppid());
+    } else if (!strcmp(c, "hold")) {
+      printf("holding\n");
+      fflush(stdout);
+      for (;;) pause();
+    } else {
+      fprintf(stderr, "probe: unknown command %s\n", c);
+      return 64;
+    }
+    fflush(stdout);
+  }
+  return 0;
+}
