@@ -191,6 +191,10 @@ impl Engine {
                 continue;
             }
             let mut feasible = false;
+            // The whole-shape part of the fragmentation change depends only on the node and on
+            // whether the GPU is fully free: computed at most once per node and case.
+            let node_totals = (summary.fully_free_count(), summary.compute_free_sum_percent);
+            let mut whole_parts: [Option<i64>; 2] = [None, None];
             for position in 0..node.usage.len() {
                 let free = node.gpu_free(position);
                 let memory_bytes = memory.bytes_on(free.memory_total_bytes);
@@ -201,13 +205,18 @@ impl Engine {
                 }
                 feasible = true;
                 let delta = match self.config.scorer {
-                    Scorer::Fragmentation => self.workload.fraction_delta(
-                        (summary.fully_free_count(), summary.compute_free_sum_percent),
-                        free,
-                        node.is_fully_free(position),
-                        compute_percent,
-                        memory_bytes,
-                    ),
+                    Scorer::Fragmentation => {
+                        let fully_free = node.is_fully_free(position);
+                        let whole =
+                            *whole_parts[usize::from(fully_free)].get_or_insert_with(|| {
+                                self.workload
+                                    .whole_part(node_totals, fully_free, compute_percent)
+                            });
+                        whole
+                            + self
+                                .workload
+                                .fraction_part(free, compute_percent, memory_bytes)
+                    }
                     Scorer::BestFit => 0,
                 };
                 let key = (

@@ -36,7 +36,10 @@ impl ShapeMemory {
         match self {
             ShapeMemory::Permille(permille) => {
                 assert!(permille <= 1000);
-                (u128::from(gpu_memory_bytes) * u128::from(permille) / 1000) as u64
+                // (a * p) / 1000 without 128-bit division (this runs for every GPU scored):
+                // with a = 1000 q + r, it is exactly q p + (r p) / 1000.
+                let (quotient, remainder) = (gpu_memory_bytes / 1000, gpu_memory_bytes % 1000);
+                quotient * u64::from(permille) + remainder * u64::from(permille) / 1000
             }
             ShapeMemory::Bytes(bytes) => bytes,
         }
@@ -172,6 +175,7 @@ impl WorkloadModel {
         self.weights = merged;
     }
 
+    #[cfg(test)]
     /// Change of expected fragmentation on a node when a fraction (`compute_percent`,
     /// `memory_bytes`) is taken from `gpu`. The node has `fully_free` untouched GPUs and
     /// `compute_free_sum` percent free in all; `gpu_fully_free` says whether `gpu` is one of them.
@@ -183,30 +187,58 @@ impl WorkloadModel {
         compute_percent: u32,
         memory_bytes: u64,
     ) -> i64 {
+        assert!(!gpu_fully_free || node.0 >= 1);
+        self.whole_part(node, gpu_fully_free, compute_percent)
+            + self.fraction_part(gpu, compute_percent, memory_bytes)
+    }
+
+    /// The part of [`WorkloadModel::fraction_delta`] that comes from whole-GPU shapes. It depends
+    /// only on the node and on whether the chosen GPU is fully free, so the search computes it
+    /// once per node rather than once per GPU.
+    pub(crate) fn whole_part(
+        &self,
+        node: (u32, u64),
+        gpu_fully_free: bool,
+        compute_percent: u32,
+    ) -> i64 {
         let (fully_free, compute_free_sum) = node;
+        assert!(!gpu_fully_free || fully_free >= 1);
+        assert!(compute_free_sum >= u64::from(compute_percent));
+        let fully_free_after = fully_free - u32::from(gpu_fully_free);
+        let sum_after = compute_free_sum - u64::from(compute_percent);
+        let mut delta: i64 = 0;
+        for &(shape, weight) in &self.weights {
+            if let Shape::Whole { gpus } = shape {
+                let change = whole_fragment(gpus, fully_free_after, sum_after) as i64
+                    - whole_fragment(gpus, fully_free, compute_free_sum) as i64;
+                delta += weight as i64 * change;
+            }
+        }
+        delta
+    }
+
+    /// The part of [`WorkloadModel::fraction_delta`] that comes from fractional shapes on `gpu`.
+    pub(crate) fn fraction_part(
+        &self,
+        gpu: GpuFree,
+        compute_percent: u32,
+        memory_bytes: u64,
+    ) -> i64 {
         assert!(
             gpu.compute_free_percent >= compute_percent && gpu.memory_free_bytes >= memory_bytes
         );
-        assert!(!gpu_fully_free || fully_free >= 1);
         let after = GpuFree {
             compute_free_percent: gpu.compute_free_percent - compute_percent,
             memory_free_bytes: gpu.memory_free_bytes - memory_bytes,
             memory_total_bytes: gpu.memory_total_bytes,
         };
-        let fully_free_after = fully_free - u32::from(gpu_fully_free);
-        let sum_after = compute_free_sum - u64::from(compute_percent);
         let mut delta: i64 = 0;
         for &(shape, weight) in &self.weights {
-            let change = match shape {
-                Shape::Fraction { .. } => {
-                    fraction_fragment(shape, after) as i64 - fraction_fragment(shape, gpu) as i64
-                }
-                Shape::Whole { gpus } => {
-                    whole_fragment(gpus, fully_free_after, sum_after) as i64
-                        - whole_fragment(gpus, fully_free, compute_free_sum) as i64
-                }
-            };
-            delta += weight as i64 * change;
+            if let Shape::Fraction { .. } = shape {
+                let change =
+                    fraction_fragment(shape, after) as i64 - fraction_fragment(shape, gpu) as i64;
+                delta += weight as i64 * change;
+            }
         }
         delta
     }

@@ -92,7 +92,18 @@ pub struct ControlPlane {
     heartbeats: Mutex<HashMap<String, (Instant, i64)>>,
     /// Cached channels to peers, by address.
     peers: Mutex<HashMap<String, RaftClient<Channel>>>,
+    /// Local writes, batched into `Command::Batch` entries.
+    batcher: tokio::sync::mpsc::Sender<BatchItem>,
 }
+
+/// What a local write gets back: the result, or the leader to forward to.
+type LocalWrite = Result<Result<CommandResult, Option<BasicNode>>, Status>;
+type BatchItem = (Command, tokio::sync::oneshot::Sender<LocalWrite>);
+
+/// Writes waiting for the batcher before callers wait for room.
+const BATCH_QUEUE_MAX: usize = 8192;
+/// Batches proposed to Raft at the same time.
+const BATCHES_IN_FLIGHT_MAX: usize = 4;
 
 pub fn unix_ms() -> i64 {
     std::time::SystemTime::now()
@@ -115,6 +126,8 @@ impl ControlPlane {
         shared: Arc<Shared>,
         timings: Timings,
     ) -> ControlPlane {
+        let (batcher, queue) = tokio::sync::mpsc::channel(BATCH_QUEUE_MAX);
+        tokio::spawn(run_batcher(raft.clone(), queue));
         ControlPlane {
             id,
             cluster_id,
@@ -124,6 +137,7 @@ impl ControlPlane {
             metrics: Metrics::default(),
             heartbeats: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
+            batcher,
         }
     }
 
@@ -231,28 +245,22 @@ impl ControlPlane {
         .await
     }
 
-    /// Writes on this node if it leads. `Err(leader)` when it does not.
-    async fn write_local(
-        &self,
-        command: Command,
-    ) -> Result<Result<CommandResult, Option<BasicNode>>, Status> {
+    /// Writes on this node if it leads. `Err(leader)` when it does not. Concurrent writes are
+    /// batched into one log entry (see [`run_batcher`]).
+    async fn write_local(&self, command: Command) -> LocalWrite {
         let started = Instant::now();
-        match self.raft.client_write(command).await {
-            Ok(response) => {
-                self.metrics.observe_commit(started.elapsed());
-                Ok(Ok(response.data))
-            }
-            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(ForwardToLeader {
-                leader_node,
-                ..
-            }))) => Ok(Err(leader_node)),
-            Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(error))) => {
-                Err(ErrorCode::Membership.status(error))
-            }
-            Err(RaftError::Fatal(fatal)) => Err(ErrorCode::Storage.status(format!(
-                "this control-plane node stopped ({fatal}); see its log and restart it"
-            ))),
+        let (done, wait) = tokio::sync::oneshot::channel();
+        self.batcher
+            .send((command, done))
+            .await
+            .map_err(|_| ErrorCode::Internal.status("the write batcher stopped"))?;
+        let result = wait
+            .await
+            .map_err(|_| ErrorCode::Internal.status("the write batcher dropped a write"))?;
+        if matches!(result, Ok(Ok(_))) {
+            self.metrics.observe_commit(started.elapsed());
         }
+        result
     }
 
     /// Makes sure this node's applied state includes every write acknowledged before the call.
@@ -606,6 +614,92 @@ impl ControlPlane {
             }
         }
         changes
+    }
+}
+
+/// Proposes queued local writes to Raft, as many as are waiting in one `Command::Batch` entry.
+///
+/// openraft 0.9 makes each proposal's log append durable before it takes the next one, so one
+/// entry per client write caps throughput at one fsync per write. Batching what queued up while
+/// the previous entries were in flight turns that into one fsync per batch; a lone write is
+/// proposed on its own, so it waits for nothing.
+async fn run_batcher(raft: Raft, mut queue: tokio::sync::mpsc::Receiver<BatchItem>) {
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(BATCHES_IN_FLIGHT_MAX));
+    while let Some(first) = queue.recv().await {
+        let permit = in_flight
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let mut items = vec![first];
+        while items.len() < crate::pool::BATCH_COMMANDS_MAX {
+            match queue.try_recv() {
+                Ok(item) => items.push(item),
+                Err(_) => break,
+            }
+        }
+        let raft = raft.clone();
+        tokio::spawn(async move {
+            propose(&raft, items).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Proposes one batch and hands every caller its own result.
+async fn propose(raft: &Raft, items: Vec<BatchItem>) {
+    let (commands, callers): (Vec<Command>, Vec<_>) = items.into_iter().unzip();
+    let single = commands.len() == 1;
+    let entry = if single {
+        commands.into_iter().next().expect("one command")
+    } else {
+        Command::Batch(commands)
+    };
+    let outcome: Result<Vec<LocalWrite>, LocalWrite> = match raft.client_write(entry).await {
+        Ok(response) if single => Ok(vec![Ok(Ok(response.data))]),
+        Ok(response) => match response.data {
+            CommandResult::Batch(results) => {
+                assert_eq!(
+                    results.len(),
+                    callers.len(),
+                    "one result per batched command"
+                );
+                Ok(results.into_iter().map(|result| Ok(Ok(result))).collect())
+            }
+            other => Err(Err(
+                ErrorCode::Internal.status(format!("a batch applied as {other:?}"))
+            )),
+        },
+        Err(RaftError::APIError(ClientWriteError::ForwardToLeader(ForwardToLeader {
+            leader_node,
+            ..
+        }))) => Err(Ok(Err(leader_node))),
+        Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(error))) => {
+            Err(Err(ErrorCode::Membership.status(error)))
+        }
+        Err(RaftError::Fatal(fatal)) => Err(Err(ErrorCode::Storage.status(format!(
+            "this control-plane node stopped ({fatal}); see its log and restart it"
+        )))),
+    };
+    match outcome {
+        Ok(results) => {
+            for (caller, result) in callers.into_iter().zip(results) {
+                let _ = caller.send(result);
+            }
+        }
+        Err(shared) => {
+            for caller in callers {
+                let _ = caller.send(clone_local_write(&shared));
+            }
+        }
+    }
+}
+
+fn clone_local_write(write: &LocalWrite) -> LocalWrite {
+    match write {
+        Ok(Ok(result)) => Ok(Ok(result.clone())),
+        Ok(Err(leader)) => Ok(Err(leader.clone())),
+        Err(status) => Err(Status::new(status.code(), status.message())),
     }
 }
 

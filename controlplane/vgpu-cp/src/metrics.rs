@@ -115,6 +115,34 @@ impl Metrics {
                 histogram.sum_seconds, histogram.count
             );
         }
+        {
+            use crate::store::log_store_counters as c;
+            let relaxed = std::sync::atomic::Ordering::Relaxed;
+            let counter = |out: &mut String, name: &str, help: &str, value: u64| {
+                let _ = writeln!(
+                    out,
+                    "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+                );
+            };
+            counter(
+                &mut out,
+                "vgpu_raft_log_transactions_total",
+                "fsync'd log transactions (group commit batches).",
+                c::LOG_TRANSACTIONS.load(relaxed),
+            );
+            counter(
+                &mut out,
+                "vgpu_raft_log_append_calls_total",
+                "append calls from openraft.",
+                c::LOG_APPEND_CALLS.load(relaxed),
+            );
+            counter(
+                &mut out,
+                "vgpu_raft_log_entries_appended_total",
+                "Entries appended to the log.",
+                c::LOG_ENTRIES_APPENDED.load(relaxed),
+            );
+        }
         let applied = shared.read();
         let pool = &applied.pool;
         let counter = |out: &mut String, name: &str, help: &str, value: u64| {

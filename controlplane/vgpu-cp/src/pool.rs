@@ -47,14 +47,25 @@ pub enum Command {
     Retry {
         unix_ms: i64,
     },
+    /// Several commands proposed together by the leader (see `control_plane`'s batcher): one
+    /// log entry, so one fsync, for many client writes. Applied in order; never nested.
+    Batch(Vec<Command>),
 }
+
+/// Most commands in one `Command::Batch` (their sequence numbers are `index << 16 | position`).
+pub const BATCH_COMMANDS_MAX: usize = 1024;
 
 /// What applying a command returned, sent back to the client that proposed it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum CommandResult {
     Done,
+    /// The results of a `Command::Batch`, in order.
+    Batch(Vec<CommandResult>),
     Tenant(Box<TenantRecord>),
-    Failed { code: ErrorCode, message: String },
+    Failed {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -142,6 +153,27 @@ impl PoolState {
     /// Applies the command of log entry `index`.
     pub fn apply(&mut self, index: u64, command: Command) -> CommandResult {
         match command {
+            Command::Batch(commands) => {
+                assert!(commands.len() <= BATCH_COMMANDS_MAX, "batches are bounded");
+                let results = commands
+                    .into_iter()
+                    .enumerate()
+                    .map(|(position, command)| {
+                        assert!(!matches!(command, Command::Batch(_)), "batches do not nest");
+                        self.apply_at(index, index << 16 | position as u64, command)
+                    })
+                    .collect();
+                CommandResult::Batch(results)
+            }
+            command => self.apply_at(index, index << 16, command),
+        }
+    }
+
+    /// Applies one (non-batch) command of log entry `index`; `seq` orders tenants submitted in
+    /// the same entry.
+    fn apply_at(&mut self, index: u64, seq: u64, command: Command) -> CommandResult {
+        match command {
+            Command::Batch(_) => unreachable!("batches are unpacked by apply"),
             Command::RegisterNode {
                 spec,
                 address,
@@ -157,7 +189,7 @@ impl PoolState {
                 name,
                 request,
                 unix_ms,
-            } => self.place(index, name, request, unix_ms),
+            } => self.place(index, seq, name, request, unix_ms),
             Command::Release { name, unix_ms } => self.release(index, name, unix_ms),
             Command::Retry { unix_ms } => {
                 let Some(commands) = self.handle_guarded(Event::Retry) else {
@@ -221,6 +253,7 @@ impl PoolState {
     fn place(
         &mut self,
         index: u64,
+        seq: u64,
         name: String,
         request_bytes: Vec<u8>,
         unix_ms: i64,
@@ -266,7 +299,7 @@ impl PoolState {
         let commands = self.engine.handle(Event::Submit {
             tenant: name.clone(),
             request: engine_request,
-            seq: index,
+            seq,
         });
         let rejection = self.record(index, unix_ms, commands, Some(&name));
         if let Some(reason) = rejection {

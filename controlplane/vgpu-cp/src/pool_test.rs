@@ -340,3 +340,40 @@ fn re_registration_keeps_accounting_whole() {
     register(&mut state, 11, "node-a");
     state.engine.check_invariants();
 }
+
+#[test]
+fn a_batch_applies_its_commands_in_order_with_one_result_each() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    let place_command = |name: &str, request: v1::PlacementRequest| Command::Place {
+        name: name.to_owned(),
+        request: request.encode_to_vec(),
+        unix_ms: 2,
+    };
+    let batch = Command::Batch(vec![
+        place_command("first", whole(4)),
+        place_command("second", whole(2)),
+        place_command("huge", whole(16)),
+        Command::Release {
+            name: "first".into(),
+            unix_ms: 2,
+        },
+    ]);
+    let CommandResult::Batch(results) = state.apply(2, batch) else {
+        panic!("a batch result")
+    };
+    assert_eq!(results.len(), 4);
+    assert!(matches!(&results[0], CommandResult::Tenant(t) if t.state == TenantState::Placed));
+    // `second` queued behind `first` in the same entry and was placed when `first` left.
+    assert!(matches!(&results[1], CommandResult::Tenant(t) if t.state == TenantState::Pending));
+    assert!(matches!(
+        &results[2],
+        CommandResult::Failed {
+            code: ErrorCode::Unplaceable,
+            ..
+        }
+    ));
+    assert_eq!(results[3], CommandResult::Done);
+    assert_eq!(state.tenants["second"].state, TenantState::Placed);
+    assert_eq!(state.tenants["second"].revision, 2);
+}

@@ -35,7 +35,9 @@ fn result_to_tenant(result: CommandResult, service: &Service) -> Result<v1::Tena
             .pool
             .tenant_to_proto(&record)),
         CommandResult::Failed { code, message } => Err(code.status(message)),
-        CommandResult::Done => Err(ErrorCode::Internal.status("the write returned no tenant")),
+        CommandResult::Done | CommandResult::Batch(_) => {
+            Err(ErrorCode::Internal.status("the write returned no tenant"))
+        }
     }
 }
 

@@ -117,6 +117,21 @@ async fn throughput(
 
 /// Kills the leader during a placement stream; returns the time to the next committed placement.
 async fn failover(cluster: &mut Cluster, round: usize) -> Result<Duration> {
+    // Every member (including the one restarted in the previous round) answers first.
+    for member in &cluster.members {
+        let address = member.address.clone();
+        tests::wait_for(
+            &format!("member {} to answer", member.id),
+            Duration::from_secs(30),
+            || {
+                tests::vgpuctl(&address, &["cluster", "status", "-o", "json"])
+                    .ok()
+                    .filter(|output| output.status.success())
+                    .and_then(|output| tests::json(&output).ok())
+                    .filter(|status| status["leader"].as_u64().unwrap_or(0) > 0)
+            },
+        )?;
+    }
     let leader = cluster.leader()?;
     let survivors: Vec<String> = cluster
         .members

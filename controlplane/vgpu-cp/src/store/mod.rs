@@ -4,7 +4,12 @@
 mod log_store;
 mod state_machine;
 
-pub use log_store::LogStore;
+pub use log_store::{LogStore, WriteMode};
+
+/// Counters of the log writer.
+pub mod log_store_counters {
+    pub use super::log_store::{LOG_APPEND_CALLS, LOG_ENTRIES_APPENDED, LOG_TRANSACTIONS};
+}
 pub use state_machine::{Applied, Shared, StateMachineStore};
 
 #[cfg(test)]

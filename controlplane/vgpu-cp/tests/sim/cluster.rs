@@ -102,7 +102,7 @@ impl Cluster {
         let mut attempts = 0;
         let log = loop {
             // The crashed incarnation's last tasks may still hold the database for a moment.
-            match LogStore::open(&log_path) {
+            match LogStore::open_with(&log_path, vgpu_cp::store::WriteMode::Inline) {
                 Ok(log) => break log,
                 Err(error) => {
                     attempts += 1;
