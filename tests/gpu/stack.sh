@@ -82,7 +82,7 @@ kind=$(field "$LOGS/a-alloc12.log" error_type)
 record "tenant-a allocating 12GiB raises torch's OOM" "OutOfMemoryError" "${kind:-no error}" "$(verdict $([ "$kind" = OutOfMemoryError ] && echo 1))"
 
 run_as tenant-a a-chunks -- alloc_chunks 512
-got=$(field "$LOGS/a-chunks.log" bytes)
+got=$(field "$LOGS/a-chunks.log" allocated)
 record "tenant-a allocates at most 10GiB in 512MiB chunks" "<= $((10 << 30))" "$got" "$(verdict $([ -n "$got" ] && [ "$got" -le $((10 << 30)) ] && [ "$got" -ge $((8 << 30)) ] && echo 1))"
 
 wait "$b_pid"
