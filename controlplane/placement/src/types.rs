@@ -163,8 +163,8 @@ pub struct EngineConfig {
     pub retry_per_event_max: usize,
     /// Most feasible nodes scored per decision (the rest are skipped, as kube-scheduler's
     /// percentageOfNodesToScore does); the scan start rotates deterministically. 128 is about
-    /// what kube-scheduler scores in a 300-node cluster and halved the engine's share of the
-    /// leader's CPU against 256 (docs/benchmarks.md).
+    /// what kube-scheduler scores in a 300-node cluster; against 256 it halves the scoring work per
+    /// decision (docs/benchmarks.md).
     pub nodes_scored_max: usize,
 }
 
