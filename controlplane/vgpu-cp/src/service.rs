@@ -8,7 +8,6 @@ use crate::pool::{Command, CommandResult, node_spec_from_proto, validate_node_sp
 use crate::raft_types::{decode, encode};
 use api::ErrorCode;
 use api::v1::{self, RaftPayload};
-use openraft::error::RaftError;
 use prost::Message;
 use std::sync::Arc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -412,41 +411,54 @@ impl v1::raft_server::Raft for Service {
         &self,
         request: Request<RaftPayload>,
     ) -> Result<Response<RaftPayload>, Status> {
-        let payload = request.into_inner();
-        self.check_cluster(&payload.cluster_id)?;
-        let message = decode(&payload.data).map_err(undecodable)?;
-        let result: Result<_, RaftError<u64>> =
-            self.control_plane.raft.append_entries(message).await;
-        reply(&result, &self.control_plane.cluster_id)
+        let raft = &self.control_plane.raft;
+        self.peer_call(request, |message| raft.append_entries(message))
+            .await
     }
 
     async fn vote(&self, request: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
-        let payload = request.into_inner();
-        self.check_cluster(&payload.cluster_id)?;
-        let message = decode(&payload.data).map_err(undecodable)?;
-        let result = self.control_plane.raft.vote(message).await;
-        reply(&result, &self.control_plane.cluster_id)
+        let raft = &self.control_plane.raft;
+        self.peer_call(request, |message| raft.vote(message)).await
     }
 
     async fn install_snapshot(
         &self,
         request: Request<RaftPayload>,
     ) -> Result<Response<RaftPayload>, Status> {
-        let payload = request.into_inner();
-        self.check_cluster(&payload.cluster_id)?;
-        let message = decode(&payload.data).map_err(undecodable)?;
-        let result = self.control_plane.raft.install_snapshot(message).await;
-        reply(&result, &self.control_plane.cluster_id)
+        let raft = &self.control_plane.raft;
+        self.peer_call(request, |message| raft.install_snapshot(message))
+            .await
     }
 
     async fn forward(
         &self,
         request: Request<RaftPayload>,
     ) -> Result<Response<RaftPayload>, Status> {
+        let control_plane = &self.control_plane;
+        self.peer_call(request, |message: ForwardRequest| {
+            control_plane.handle_forwarded(message)
+        })
+        .await
+    }
+}
+
+impl Service {
+    /// One peer-to-peer call: refuse other clusters, decode the message, handle it, encode the
+    /// answer.
+    async fn peer_call<Message, Answer, Handling>(
+        &self,
+        request: Request<RaftPayload>,
+        handle: impl FnOnce(Message) -> Handling,
+    ) -> Result<Response<RaftPayload>, Status>
+    where
+        Message: serde::de::DeserializeOwned,
+        Answer: serde::Serialize,
+        Handling: std::future::Future<Output = Answer>,
+    {
         let payload = request.into_inner();
         self.check_cluster(&payload.cluster_id)?;
-        let message: ForwardRequest = decode(&payload.data).map_err(undecodable)?;
-        let response = self.control_plane.handle_forwarded(message).await;
-        reply(&response, &self.control_plane.cluster_id)
+        let message = decode(&payload.data).map_err(undecodable)?;
+        let answer = handle(message).await;
+        reply(&answer, &self.control_plane.cluster_id)
     }
 }
