@@ -431,10 +431,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             let mut overlay = self.overlay();
             overlay.pending.retain(|index, _| *index < log_id.index);
             let previous = overlay.pending.keys().next_back().copied();
-            overlay.last_log_id = match previous {
-                Some(index) => Some(overlay.pending[&index].log_id),
-                None => None,
-            };
+            overlay.last_log_id = previous.map(|index| overlay.pending[&index].log_id);
         }
         if self.overlay().last_log_id.is_none() {
             // The last surviving entry is in the database (or the log is empty after a purge).
