@@ -100,6 +100,28 @@ fn leader_kill_loses_no_acknowledged_placement() -> Result<()> {
         "acknowledged placements lost: {missing:?}"
     );
 
+    // The agent's assignment stream resumed on a surviving member: every acknowledged tenant
+    // reached its state directory.
+    let agent_tenants = cluster.agent("node-a").state_dir.join("tenants");
+    wait_for(
+        "the agent to see every acknowledged tenant",
+        Duration::from_secs(20),
+        || {
+            let files: BTreeSet<String> = std::fs::read_dir(&agent_tenants)
+                .ok()?
+                .filter_map(|entry| {
+                    entry
+                        .ok()?
+                        .file_name()
+                        .to_str()?
+                        .strip_suffix(".json")
+                        .map(str::to_owned)
+                })
+                .collect();
+            acknowledged.is_subset(&files).then_some(())
+        },
+    )?;
+
     // The killed member restarts from its data directory and catches up.
     cluster.member(leader).start()?;
     let address = cluster.member(leader).address.clone();

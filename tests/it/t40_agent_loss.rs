@@ -105,3 +105,42 @@ fn tenants_of_a_lost_node_are_replaced() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn a_drained_node_hands_its_tenants_over_and_takes_none() -> Result<()> {
+    let mut cluster = Cluster::start(1, &[])?;
+    cluster.start_agent("node-a", "8xH100-80GB")?;
+    cluster.wait_nodes_ready(1)?;
+    let output = cluster.vgpuctl(&["place", "t1", "--gpus", "8"])?;
+    ensure!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    cluster.start_agent("node-b", "8xH100-80GB")?;
+    cluster.wait_nodes_ready(2)?;
+
+    let drained = cluster.vgpuctl(&["drain", "node-a"])?;
+    ensure!(
+        drained.status.success(),
+        "{}",
+        String::from_utf8_lossy(&drained.stderr)
+    );
+    wait_for("t1 to move to node-b", Duration::from_secs(10), || {
+        nodes_of(&cluster, "t1").filter(|nodes| nodes.iter().all(|n| n == "node-b"))
+    })?;
+    let node = json(&cluster.vgpuctl(&["get", "nodes", "node-a", "-o", "json"])?)?;
+    ensure!(node["state"] == "draining", "{node}");
+    // Nothing new lands on a draining node: a second 8-GPU tenant waits.
+    let output = cluster.vgpuctl(&["place", "t2", "--gpus", "8", "--no-wait"])?;
+    ensure!(output.status.success());
+    let t2 = json(&cluster.vgpuctl(&["get", "tenants", "t2", "-o", "json"])?)?;
+    ensure!(t2["state"] == "pending", "{t2}");
+
+    let uncordoned = cluster.vgpuctl(&["uncordon", "node-a"])?;
+    ensure!(uncordoned.status.success());
+    wait_for("t2 to be placed on node-a", Duration::from_secs(10), || {
+        nodes_of(&cluster, "t2").filter(|nodes| nodes.iter().all(|n| n == "node-a"))
+    })?;
+    Ok(())
+}
