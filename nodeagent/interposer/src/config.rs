@@ -120,6 +120,106 @@ impl Config {
     }
 }
 
+/// The compute side of the environment: per-device shares and how the tenant shares.
+///
+/// | variable | meaning |
+/// | --- | --- |
+/// | `VGPU_COMPUTE_SHARES` | `<device>:<percent>,...` (1..=100); devices not listed are not gated |
+/// | `VGPU_BURST` | `1`: may use idle time beyond the share (default `0`) |
+/// | `VGPU_GUARANTEED` | `0`: the share is best effort (default `1`) |
+/// | `VGPU_PRIORITY` | higher first, `-1000..=1000` (default 0) |
+/// | `VGPU_COMPUTE_QUANTUM_MS` | turn length for a GPU whose schedule this process creates (default 20) |
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ComputeConfig {
+    pub tenant: String,
+    pub shm_dir: PathBuf,
+    /// Per-device share in percent; `None`: not gated on that device.
+    pub shares_pct: [Option<u32>; DEVICES_MAX],
+    pub burst: bool,
+    pub guaranteed: bool,
+    pub priority: i32,
+    pub quantum_ms: u64,
+}
+
+impl ComputeConfig {
+    /// `Ok(None)` without a tenant or without any share (nothing to gate).
+    pub fn from_lookup(
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<ComputeConfig>, ConfigError> {
+        let Some(tenant) = get("VGPU_TENANT").filter(|t| !t.trim().is_empty()) else {
+            return Ok(None);
+        };
+        let tenant = tenant.trim().to_owned();
+        check_tenant_name(&tenant)?;
+        let mut shares_pct = [None; DEVICES_MAX];
+        let list = get("VGPU_COMPUTE_SHARES").unwrap_or_default();
+        for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let bad = || {
+                ConfigError(format!(
+                    "VGPU_COMPUTE_SHARES: `{item}` is not `<device>:<percent>` with a device below \
+                     {DEVICES_MAX} and a percentage of 0..=100, e.g. `0:70`"
+                ))
+            };
+            let (device, pct) = item.split_once(':').ok_or_else(bad)?;
+            let device: usize = device.trim().parse().map_err(|_| bad())?;
+            let pct: u32 = pct
+                .trim()
+                .trim_end_matches('%')
+                .parse()
+                .map_err(|_| bad())?;
+            if device >= DEVICES_MAX || pct > 100 {
+                return Err(bad());
+            }
+            // 0 means "no share configured": not gated.
+            shares_pct[device] = (pct > 0).then_some(pct);
+        }
+        if shares_pct.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let flag = |name: &str, default: bool| match get(name).as_deref().map(str::trim) {
+            None | Some("") => Ok(default),
+            Some("1" | "true") => Ok(true),
+            Some("0" | "false") => Ok(false),
+            Some(other) => Err(ConfigError(format!("{name}: `{other}` is not 0 or 1"))),
+        };
+        let priority = match get("VGPU_PRIORITY").as_deref().map(str::trim) {
+            None | Some("") => 0,
+            Some(v) => v
+                .parse::<i32>()
+                .ok()
+                .filter(|p| (-1000..=1000).contains(p))
+                .ok_or_else(|| {
+                    ConfigError(format!(
+                        "VGPU_PRIORITY: `{v}` is not an integer in -1000..=1000"
+                    ))
+                })?,
+        };
+        let quantum_ms = match get("VGPU_COMPUTE_QUANTUM_MS").as_deref().map(str::trim) {
+            None | Some("") => 20,
+            Some(v) => v
+                .parse::<u64>()
+                .ok()
+                .filter(|q| (1..=1000).contains(q))
+                .ok_or_else(|| {
+                    ConfigError(format!(
+                        "VGPU_COMPUTE_QUANTUM_MS: `{v}` is not a number of milliseconds in 1..=1000"
+                    ))
+                })?,
+        };
+        Ok(Some(ComputeConfig {
+            tenant,
+            shm_dir: get("VGPU_SHM_DIR")
+                .filter(|d| !d.trim().is_empty())
+                .map_or_else(|| PathBuf::from(SHM_DIR_DEFAULT), PathBuf::from),
+            shares_pct,
+            burst: flag("VGPU_BURST", false)?,
+            guaranteed: flag("VGPU_GUARANTEED", true)?,
+            priority,
+            quantum_ms,
+        }))
+    }
+}
+
 /// Tenant names become file names: only DNS-label characters, so no `/` or `..` can sneak in.
 fn check_tenant_name(name: &str) -> Result<(), ConfigError> {
     let valid = !name.is_empty()
@@ -239,6 +339,55 @@ mod tests {
             .unwrap();
         assert_eq!(c.limits_bytes[0], None);
         assert_eq!(c.limits_bytes[1], Some(1 << 30));
+    }
+
+    fn compute(vars: &[(&str, &str)]) -> Result<Option<ComputeConfig>, ConfigError> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        ComputeConfig::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn compute_shares_and_flags_are_read() {
+        assert_eq!(compute(&[("VGPU_COMPUTE_SHARES", "0:50")]), Ok(None));
+        assert_eq!(compute(&[("VGPU_TENANT", "a")]), Ok(None));
+        assert_eq!(
+            compute(&[("VGPU_TENANT", "a"), ("VGPU_COMPUTE_SHARES", "0:0")]),
+            Ok(None)
+        );
+        let c = compute(&[
+            ("VGPU_TENANT", "a"),
+            ("VGPU_COMPUTE_SHARES", "0:70, 2:30%"),
+            ("VGPU_BURST", "1"),
+            ("VGPU_PRIORITY", "-5"),
+            ("VGPU_SHM_DIR", "/tmp/x"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.shares_pct[0], Some(70));
+        assert_eq!(c.shares_pct[1], None);
+        assert_eq!(c.shares_pct[2], Some(30));
+        assert!(c.burst && c.guaranteed);
+        assert_eq!((c.priority, c.quantum_ms), (-5, 20));
+        assert_eq!(c.shm_dir, PathBuf::from("/tmp/x"));
+        for vars in [
+            vec![("VGPU_COMPUTE_SHARES", "0:101")],
+            vec![("VGPU_COMPUTE_SHARES", "16:10")],
+            vec![("VGPU_COMPUTE_SHARES", "0=10")],
+            vec![("VGPU_COMPUTE_SHARES", "0:10"), ("VGPU_BURST", "yes")],
+            vec![("VGPU_COMPUTE_SHARES", "0:10"), ("VGPU_PRIORITY", "5000")],
+            vec![
+                ("VGPU_COMPUTE_SHARES", "0:10"),
+                ("VGPU_COMPUTE_QUANTUM_MS", "0"),
+            ],
+        ] {
+            let mut vars = vars;
+            vars.push(("VGPU_TENANT", "a"));
+            let err = compute(&vars).unwrap_err();
+            assert!(err.0.starts_with("VGPU_"), "{err}");
+        }
     }
 
     #[test]

@@ -6,6 +6,10 @@
 //! untracked (fail open); a panic after the real call keeps the driver's result. Frees take the
 //! allocation out of the tracker first, then credit it only if the driver freed it.
 //!
+//! Shape of a launch hook: `launch::before` (may wait for the tenant's turn on the GPU) → real
+//! call → `launch::after` for the sampled launches that record an event. A panic in either lets
+//! the launch through ungated (fail open).
+//!
 //! Which device an allocation belongs to: the current context's (`cuCtxGetDevice`), except
 //! `cuMemCreate`, whose properties name it. Stream-ordered allocations go to the stream's device,
 //! which is the current one in every framework we know of; a stream of another device would be
@@ -13,13 +17,14 @@
 #![allow(unsafe_code, non_snake_case)]
 
 use crate::hooks::{self, Admission};
+use crate::launch::{self, EventState, Gpu, StreamRef};
 use crate::real::{self, Driver};
 use crate::sys::*;
 use crate::tracker::{Key, array_bytes};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 
 /// Every hook, by the driver symbol it replaces.
-pub fn hooks() -> [(&'static CStr, *const c_void); 19] {
+pub fn hooks() -> [(&'static CStr, *const c_void); 28] {
     macro_rules! table {
         ($($name:ident),* $(,)?) => {
             [$((
@@ -52,6 +57,15 @@ pub fn hooks() -> [(&'static CStr, *const c_void); 19] {
         cuDeviceTotalMem_v2,
         cuGetProcAddress,
         cuGetProcAddress_v2,
+        cuLaunchKernel,
+        cuLaunchKernel_ptsz,
+        cuLaunchKernelEx,
+        cuLaunchKernelEx_ptsz,
+        cuLaunchCooperativeKernel,
+        cuLaunchCooperativeKernel_ptsz,
+        cuLaunchCooperativeKernelMultiDevice,
+        cuGraphLaunch,
+        cuGraphLaunch_ptsz,
     ]
 }
 
@@ -631,6 +645,277 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     })
 }
 
+/// The real driver as the launch gate sees it.
+struct RealGpu<'d>(&'d Driver);
+
+impl Gpu for RealGpu<'_> {
+    fn current_device(&self) -> Option<i32> {
+        current_device(self.0)
+    }
+
+    fn device_count(&self) -> Option<i32> {
+        let get = self.0.fns.device_get_count?;
+        let mut count: c_int = 0;
+        // SAFETY: `count` is a valid out-pointer.
+        (unsafe { get(&mut count) } == CUDA_SUCCESS).then_some(count)
+    }
+
+    fn uuid(&self, device: i32) -> Option<[u8; 16]> {
+        let get = self
+            .0
+            .fns
+            .device_get_uuid_v2
+            .or(self.0.fns.device_get_uuid)?;
+        let mut uuid = [0u8; 16];
+        // SAFETY: `uuid` is a valid 16-byte out-parameter (`CUuuid`).
+        (unsafe { get(&mut uuid, device) } == CUDA_SUCCESS).then_some(uuid)
+    }
+
+    fn current_context(&self) -> usize {
+        let Some(get) = self.0.fns.ctx_get_current else {
+            return 0;
+        };
+        let mut context: CUcontext = std::ptr::null_mut();
+        // SAFETY: `context` is a valid out-pointer.
+        unsafe { get(&mut context) };
+        context as usize
+    }
+
+    fn event_create(&self) -> Option<usize> {
+        let create = self.0.fns.event_create?;
+        let mut event: CUevent = std::ptr::null_mut();
+        // SAFETY: `event` is a valid out-pointer; the flags are a documented value.
+        let rc = unsafe { create(&mut event, CU_EVENT_DISABLE_TIMING) };
+        (rc == CUDA_SUCCESS && !event.is_null()).then_some(event as usize)
+    }
+
+    fn event_record(&self, event: usize, stream: usize) -> bool {
+        let Some(record) = self.0.fns.event_record else {
+            return false;
+        };
+        // SAFETY: `event` came from cuEventCreate and is not destroyed; `stream` is the handle the
+        // application just launched on (or a special handle), which the driver validates.
+        unsafe { record(event as CUevent, stream as CUstream) == CUDA_SUCCESS }
+    }
+
+    fn event_query(&self, event: usize) -> EventState {
+        let Some(query) = self.0.fns.event_query else {
+            return EventState::Failed;
+        };
+        // SAFETY: `event` came from cuEventCreate and is not destroyed.
+        match unsafe { query(event as CUevent) } {
+            CUDA_SUCCESS => EventState::Done,
+            CUDA_ERROR_NOT_READY => EventState::Pending,
+            _ => EventState::Failed,
+        }
+    }
+
+    fn event_destroy(&self, event: usize) {
+        if let Some(destroy) = self.0.fns.event_destroy {
+            // SAFETY: `event` came from cuEventCreate and is destroyed once (it leaves tracking).
+            unsafe { destroy(event as CUevent) };
+        }
+    }
+}
+
+/// Runs a launch through the gate: wait for the tenant's turn, launch, track if sampled.
+fn gated_launch(
+    what: &'static str,
+    driver: &Driver,
+    stream: CUstream,
+    per_thread: bool,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    let gpu = RealGpu(driver);
+    let stream = StreamRef {
+        handle: stream as usize,
+        per_thread,
+    };
+    let pending = ffi_boundary!(what, fallback = None, { launch::before(&gpu, stream) });
+    let rc = call();
+    if let Some(pending) = pending {
+        ffi_boundary!(what, fallback = (), {
+            launch::after(&gpu, pending, rc == CUDA_SUCCESS)
+        });
+    }
+    rc
+}
+
+macro_rules! launch_kernel_hook {
+    ($name:ident, $field:ident, $per_thread:expr) => {
+        /// # Safety
+        /// The driver's contract for this launch function.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            f: CUfunction,
+            grid_x: c_uint,
+            grid_y: c_uint,
+            grid_z: c_uint,
+            block_x: c_uint,
+            block_y: c_uint,
+            block_z: c_uint,
+            shared_mem_bytes: c_uint,
+            stream: CUstream,
+            params: *mut *mut c_void,
+            extra: *mut *mut c_void,
+        ) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (driver, real) = real_fn!($field);
+                gated_launch(stringify!($name), driver, stream, $per_thread, || {
+                    // SAFETY: forwarded unchanged under the caller's contract.
+                    unsafe {
+                        real(
+                            f,
+                            grid_x,
+                            grid_y,
+                            grid_z,
+                            block_x,
+                            block_y,
+                            block_z,
+                            shared_mem_bytes,
+                            stream,
+                            params,
+                            extra,
+                        )
+                    }
+                })
+            })
+        }
+    };
+}
+
+launch_kernel_hook!(cuLaunchKernel, launch_kernel, false);
+launch_kernel_hook!(cuLaunchKernel_ptsz, launch_kernel_ptsz, true);
+
+macro_rules! launch_kernel_ex_hook {
+    ($name:ident, $field:ident, $per_thread:expr) => {
+        /// # Safety
+        /// The driver's contract for this launch function.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            config: *const CUlaunchConfig,
+            f: CUfunction,
+            params: *mut *mut c_void,
+            extra: *mut *mut c_void,
+        ) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (driver, real) = real_fn!($field);
+                let stream =
+                    // SAFETY: the caller passes a valid configuration or null (the driver
+                    // rejects null).
+                    unsafe { config.as_ref() }.map_or(std::ptr::null_mut(), |c| c.h_stream);
+                gated_launch(stringify!($name), driver, stream, $per_thread, || {
+                    // SAFETY: forwarded unchanged under the caller's contract.
+                    unsafe { real(config, f, params, extra) }
+                })
+            })
+        }
+    };
+}
+
+launch_kernel_ex_hook!(cuLaunchKernelEx, launch_kernel_ex, false);
+launch_kernel_ex_hook!(cuLaunchKernelEx_ptsz, launch_kernel_ex_ptsz, true);
+
+macro_rules! launch_cooperative_hook {
+    ($name:ident, $field:ident, $per_thread:expr) => {
+        /// # Safety
+        /// The driver's contract for this launch function.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            f: CUfunction,
+            grid_x: c_uint,
+            grid_y: c_uint,
+            grid_z: c_uint,
+            block_x: c_uint,
+            block_y: c_uint,
+            block_z: c_uint,
+            shared_mem_bytes: c_uint,
+            stream: CUstream,
+            params: *mut *mut c_void,
+        ) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (driver, real) = real_fn!($field);
+                gated_launch(stringify!($name), driver, stream, $per_thread, || {
+                    // SAFETY: forwarded unchanged under the caller's contract.
+                    unsafe {
+                        real(
+                            f,
+                            grid_x,
+                            grid_y,
+                            grid_z,
+                            block_x,
+                            block_y,
+                            block_z,
+                            shared_mem_bytes,
+                            stream,
+                            params,
+                        )
+                    }
+                })
+            })
+        }
+    };
+}
+
+launch_cooperative_hook!(cuLaunchCooperativeKernel, launch_cooperative_kernel, false);
+launch_cooperative_hook!(
+    cuLaunchCooperativeKernel_ptsz,
+    launch_cooperative_kernel_ptsz,
+    true
+);
+
+/// Gated on the current device only (the launch may span several); its streams are not tracked.
+///
+/// # Safety
+/// The driver's contract for `cuLaunchCooperativeKernelMultiDevice`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchCooperativeKernelMultiDevice(
+    launch_params_list: *mut c_void,
+    num_devices: c_uint,
+    flags: c_uint,
+) -> CUresult {
+    ffi_boundary!(
+        "cuLaunchCooperativeKernelMultiDevice",
+        fallback = CUDA_ERROR_UNKNOWN,
+        {
+            let (driver, real) = real_fn!(launch_cooperative_kernel_multi_device);
+            let gpu = RealGpu(driver);
+            let stream = StreamRef {
+                handle: 0,
+                per_thread: false,
+            };
+            let _untracked: Option<launch::Pending> =
+                ffi_boundary!("cuLaunchCooperativeKernelMultiDevice", fallback = None, {
+                    launch::before(&gpu, stream)
+                });
+            // SAFETY: forwarded unchanged under the caller's contract.
+            unsafe { real(launch_params_list, num_devices, flags) }
+        }
+    )
+}
+
+macro_rules! graph_launch_hook {
+    ($name:ident, $field:ident, $per_thread:expr) => {
+        /// A graph launch is one launch unit: gated and tracked like a kernel.
+        ///
+        /// # Safety
+        /// The driver's contract for this launch function.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(exec: CUgraphExec, stream: CUstream) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (driver, real) = real_fn!($field);
+                gated_launch(stringify!($name), driver, stream, $per_thread, || {
+                    // SAFETY: forwarded unchanged under the caller's contract.
+                    unsafe { real(exec, stream) }
+                })
+            })
+        }
+    };
+}
+
+graph_launch_hook!(cuGraphLaunch, graph_launch, false);
+graph_launch_hook!(cuGraphLaunch_ptsz, graph_launch_ptsz, true);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -660,6 +945,17 @@ mod tests {
             by_base(c"cuMemAllocAsync", 0),
             Some(cuMemAllocAsync as *const c_void)
         );
-        assert_eq!(by_base(c"cuLaunchKernel", 0), None);
+        assert_eq!(
+            by_base(c"cuLaunchKernel", 0),
+            Some(cuLaunchKernel as *const c_void)
+        );
+        assert_eq!(
+            by_base(
+                c"cuGraphLaunch",
+                CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+            ),
+            Some(cuGraphLaunch_ptsz as *const c_void)
+        );
+        assert_eq!(by_base(c"cuStreamSynchronize", 0), None);
     }
 }

@@ -12,7 +12,7 @@
 //!   through to the real driver untracked (fail open, logged as a bug);
 //! - over the limit: `CUDA_ERROR_OUT_OF_MEMORY`.
 //!
-//! The compute part will add its launch gate beside `admit` with the same shape.
+//! The compute side (launch gating) is `launch`, with its own failure policy (fail open).
 
 use crate::config::{Config, DEVICES_MAX};
 use crate::ledger::{Ledger, ProcLiveness, own_start_time};

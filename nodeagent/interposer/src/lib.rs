@@ -1,7 +1,8 @@
 //! `libvgpu_cuda.so`: the CUDA driver-API interposer loaded (through `LD_PRELOAD`) into every
-//! process of a tenant. This part enforces the tenant's memory slice per GPU, accounted across all
-//! of the tenant's processes through a lock-free shared-memory ledger; compute time-sharing comes
-//! later and hooks in at the same places (see `exports` and `hooks`).
+//! process of a tenant. It enforces the tenant's memory slice per GPU, accounted across all of the
+//! tenant's processes through a lock-free shared-memory ledger, and its compute share per GPU:
+//! kernel launches wait for the tenant's turn in a lock-free per-GPU schedule (`compute`,
+//! `launch`).
 //!
 //! Layers, from the C boundary inwards:
 //! - `dlsym_shim` exports `dlsym`, so that `dlsym(libcuda, "cuMemAlloc_v2")` finds our hooks.
@@ -10,18 +11,21 @@
 //! - `shm` maps the tenant's ledger file.
 //! - `sys` declares the few CUDA driver types and constants we use, by hand (no `cuda.h` on the
 //!   machines that build this crate; the layouts are the driver API's public ABI).
-//! - `hooks` is the policy glue, in safe code: what to charge, when to refuse, what to report.
-//! - `ledger`, `tracker` and `config` are pure: no FFI, no globals, unit-tested here.
+//! - `hooks` is the memory policy glue, in safe code: what to charge, when to refuse, what to
+//!   report. `launch` is the launch gate, in safe code (the driver behind a trait).
+//! - `ledger`, `tracker`, `compute` and `config` are pure: no FFI, no globals, unit-tested here.
 //!
 //! **Invariant:** `unsafe` appears only in `sys`, `real`, `shm`, `exports` and `dlsym_shim`, and
 //! no panic crosses the C boundary.
 
 #[macro_use]
 mod boundary;
+pub mod compute;
 pub mod config;
 mod dlsym_shim;
 mod exports;
 mod hooks;
+mod launch;
 pub mod ledger;
 mod log;
 mod real;

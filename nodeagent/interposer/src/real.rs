@@ -118,6 +118,24 @@ driver_functions! {
     ctx_get_device: FnCtxGetDevice = c"cuCtxGetDevice";
     get_proc_address: FnGetProcAddress = c"cuGetProcAddress";
     get_proc_address_v2: FnGetProcAddressV2 = c"cuGetProcAddress_v2";
+    launch_kernel: FnLaunchKernel = c"cuLaunchKernel";
+    launch_kernel_ptsz: FnLaunchKernel = c"cuLaunchKernel_ptsz";
+    launch_kernel_ex: FnLaunchKernelEx = c"cuLaunchKernelEx";
+    launch_kernel_ex_ptsz: FnLaunchKernelEx = c"cuLaunchKernelEx_ptsz";
+    launch_cooperative_kernel: FnLaunchCooperativeKernel = c"cuLaunchCooperativeKernel";
+    launch_cooperative_kernel_ptsz: FnLaunchCooperativeKernel = c"cuLaunchCooperativeKernel_ptsz";
+    launch_cooperative_kernel_multi_device: FnLaunchCooperativeKernelMultiDevice =
+        c"cuLaunchCooperativeKernelMultiDevice";
+    graph_launch: FnGraphLaunch = c"cuGraphLaunch";
+    graph_launch_ptsz: FnGraphLaunch = c"cuGraphLaunch_ptsz";
+    event_create: FnEventCreate = c"cuEventCreate";
+    event_record: FnEventRecord = c"cuEventRecord";
+    event_query: FnEventQuery = c"cuEventQuery";
+    event_destroy: FnEventDestroy = c"cuEventDestroy_v2";
+    ctx_get_current: FnCtxGetCurrent = c"cuCtxGetCurrent";
+    device_get_count: FnDeviceGetCount = c"cuDeviceGetCount";
+    device_get_uuid_v2: FnDeviceGetUuid = c"cuDeviceGetUuid_v2";
+    device_get_uuid: FnDeviceGetUuid = c"cuDeviceGetUuid";
 }
 
 /// The loaded real driver.

@@ -1,4 +1,6 @@
-//! Maps the tenant's ledger file (`$VGPU_SHM_DIR/<tenant>.mem`, mode 0600) `MAP_SHARED`.
+//! Maps the tenant's ledger file (`$VGPU_SHM_DIR/<tenant>.mem`, mode 0600) and the per-GPU
+//! compute schedule (`$VGPU_SHM_DIR/<gpu uuid>.compute`, mode 0666: every tenant of the GPU
+//! writes it) `MAP_SHARED`; and reads the clock those files are stamped with.
 //!
 //! Creation race: the creator opens with `O_EXCL`, sizes the file, initialises the header and
 //! publishes the magic last. Everyone else waits (bounded) for the magic. Because every header
@@ -7,11 +9,13 @@
 //! failing forever.
 #![allow(unsafe_code)]
 
+use crate::compute;
 use crate::config::Config;
 use crate::ledger::{REGION_BYTES, Region};
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// How long a process waits for another to publish a new ledger file.
@@ -21,31 +25,9 @@ pub const INIT_WAIT: Duration = Duration::from_secs(1);
 pub fn open(config: &Config) -> Result<&'static Region, String> {
     let path = config.ledger_path();
     let shown = path.display();
-    DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&config.shm_dir)
-        .map_err(|e| format!("cannot create {}: {e}", config.shm_dir.display()))?;
-    let (file, created) = match OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&path)
-    {
-        Ok(file) => (file, true),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .map_err(|e| format!("cannot open the ledger {shown}: {e}"))?;
-            (file, false)
-        }
-        Err(e) => return Err(format!("cannot create the ledger {shown}: {e}")),
-    };
-    ensure_size(&file, created).map_err(|e| format!("cannot size the ledger {shown}: {e}"))?;
-    let region = map(&file).map_err(|e| format!("cannot map the ledger {shown}: {e}"))?;
+    let (file, created) = create_or_open(&config.shm_dir, &path, 0o600, REGION_BYTES, "ledger")?;
+    let region = map::<Region>(&file, REGION_BYTES)
+        .map_err(|e| format!("cannot map the ledger {shown}: {e}"))?;
     if created {
         region.initialise();
     } else {
@@ -65,25 +47,116 @@ pub fn open(config: &Config) -> Result<&'static Region, String> {
     Ok(region)
 }
 
+/// Opens (creating if needed) and maps the compute schedule of the GPU `uuid`.
+pub fn open_schedule(
+    shm_dir: &Path,
+    uuid: &str,
+    quantum_ns: u64,
+) -> Result<&'static compute::Region, String> {
+    let path = shm_dir.join(format!("{uuid}.compute"));
+    let shown = path.display();
+    let bytes = compute::REGION_BYTES;
+    let (file, created) = create_or_open(shm_dir, &path, 0o666, bytes, "compute schedule")?;
+    let region = map::<compute::Region>(&file, bytes)
+        .map_err(|e| format!("cannot map the compute schedule {shown}: {e}"))?;
+    if created {
+        region.initialise(quantum_ns);
+    } else {
+        let deadline = Instant::now() + INIT_WAIT;
+        while !region.is_initialised() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if !region.is_initialised() {
+            crate::log::error(format_args!(
+                "the compute schedule {shown} was never initialised (its creator died?); \
+                 initialising it"
+            ));
+            region.initialise(quantum_ns);
+        }
+    }
+    region.check_layout().map_err(|e| format!("{shown}: {e}"))?;
+    Ok(region)
+}
+
+/// Creates `path` exclusively with `mode` (whatever the umask) and size `bytes`, or opens the
+/// existing file; says whether it was created.
+fn create_or_open(
+    dir: &Path,
+    path: &Path,
+    mode: u32,
+    bytes: usize,
+    what: &str,
+) -> Result<(File, bool), String> {
+    let shown = path.display();
+    DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let (file, created) = match OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)
+    {
+        Ok(file) => {
+            file.set_permissions(std::fs::Permissions::from_mode(mode))
+                .map_err(|e| format!("cannot set the mode of the {what} {shown}: {e}"))?;
+            (file, true)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)
+                .map_err(|e| format!("cannot open the {what} {shown}: {e}"))?;
+            (file, false)
+        }
+        Err(e) => return Err(format!("cannot create the {what} {shown}: {e}")),
+    };
+    ensure_size(&file, created, bytes)
+        .map_err(|e| format!("cannot size the {what} {shown}: {e}"))?;
+    Ok((file, created))
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock every process on the node shares (through the
+/// vDSO: no system call).
+pub fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    (now.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(now.tv_nsec as u64)
+}
+
 /// Grows the file to the region size. The creator always sizes it; others size it too if the
 /// creator has not yet (same size, so racing `ftruncate`s agree); a file larger than ours belongs
 /// to another layout and is caught by the version check.
-fn ensure_size(file: &File, created: bool) -> std::io::Result<()> {
+fn ensure_size(file: &File, created: bool, bytes: usize) -> std::io::Result<()> {
     let len = file.metadata()?.len();
-    if created || len < REGION_BYTES as u64 {
-        file.set_len(REGION_BYTES as u64)?;
+    if created || len < bytes as u64 {
+        file.set_len(bytes as u64)?;
     }
     Ok(())
 }
 
 /// Maps the file for the life of the process (never unmapped: hooks may run until exit).
-fn map(file: &File) -> std::io::Result<&'static Region> {
+///
+/// `T` is `ledger::Region` or `compute::Region`: `#[repr(C)]` structs of atomics only, for
+/// which every bit pattern is valid, `bytes` long.
+fn map<T: SharedRegion>(file: &File, bytes: usize) -> std::io::Result<&'static T> {
+    assert_eq!(std::mem::size_of::<T>(), bytes);
     // SAFETY: a fresh shared mapping of an open file of at least REGION_BYTES bytes; the kernel
     // picks the address. Failure is reported as MAP_FAILED and checked below.
     let address = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            REGION_BYTES,
+            bytes,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_SHARED,
             file.as_raw_fd(),
@@ -93,9 +166,15 @@ fn map(file: &File) -> std::io::Result<&'static Region> {
     if address == libc::MAP_FAILED {
         return Err(std::io::Error::last_os_error());
     }
-    assert_eq!(address as usize % std::mem::align_of::<Region>(), 0);
-    // SAFETY: the mapping is page-aligned, REGION_BYTES long, readable and writable, and lives
-    // until exit. `Region` consists only of atomics, for which every bit pattern is valid, and
-    // all access (from this and other processes) goes through atomic operations.
-    Ok(unsafe { &*address.cast::<Region>() })
+    assert_eq!(address as usize % std::mem::align_of::<T>(), 0);
+    // SAFETY: the mapping is page-aligned, `bytes` (= size of T) long, readable and writable,
+    // and lives until exit. `T` consists only of atomics (the `SharedRegion` contract), for
+    // which every bit pattern is valid, and all access (from this and other processes) goes
+    // through atomic operations.
+    Ok(unsafe { &*address.cast::<T>() })
 }
+
+/// A `#[repr(C)]` region made only of atomics, so any bytes are a valid value.
+trait SharedRegion {}
+impl SharedRegion for Region {}
+impl SharedRegion for compute::Region {}

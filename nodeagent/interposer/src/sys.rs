@@ -16,9 +16,14 @@ pub type CUstream = *mut c_void;
 pub type CUmemoryPool = *mut c_void;
 pub type CUarray = *mut c_void;
 pub type cuuint64_t = u64;
+pub type CUcontext = *mut c_void;
+pub type CUfunction = *mut c_void;
+pub type CUevent = *mut c_void;
+pub type CUgraphExec = *mut c_void;
 
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND: CUresult = 302;
 pub const CUDA_ERROR_SHARED_OBJECT_INIT_FAILED: CUresult = 303;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
@@ -27,6 +32,20 @@ pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 pub const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
 /// `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`: ask for the `_ptsz`/`_ptds` variants.
 pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: cuuint64_t = 1 << 1;
+
+/// `CU_EVENT_DISABLE_TIMING`: the cheapest event kind (no timestamp).
+pub const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
+
+/// `CUlaunchConfig` (`cuLaunchKernelEx`); only `h_stream` is read.
+#[repr(C)]
+pub struct CUlaunchConfig {
+    pub grid_dim: [c_uint; 3],
+    pub block_dim: [c_uint; 3],
+    pub shared_mem_bytes: c_uint,
+    pub h_stream: CUstream,
+    pub attrs: *mut c_void,
+    pub num_attrs: c_uint,
+}
 
 #[repr(C)]
 pub struct CUmemLocation {
@@ -97,5 +116,49 @@ pub type FnGetProcAddressV2 = unsafe extern "C" fn(
     cuuint64_t,
     *mut c_int,
 ) -> CUresult;
+pub type FnLaunchKernel = unsafe extern "C" fn(
+    CUfunction,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    CUstream,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> CUresult;
+pub type FnLaunchKernelEx = unsafe extern "C" fn(
+    *const CUlaunchConfig,
+    CUfunction,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> CUresult;
+pub type FnLaunchCooperativeKernel = unsafe extern "C" fn(
+    CUfunction,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    CUstream,
+    *mut *mut c_void,
+) -> CUresult;
+/// `cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *, numDevices, flags)`; the
+/// parameter list is passed through unread.
+pub type FnLaunchCooperativeKernelMultiDevice =
+    unsafe extern "C" fn(*mut c_void, c_uint, c_uint) -> CUresult;
+pub type FnGraphLaunch = unsafe extern "C" fn(CUgraphExec, CUstream) -> CUresult;
+pub type FnEventCreate = unsafe extern "C" fn(*mut CUevent, c_uint) -> CUresult;
+pub type FnEventRecord = unsafe extern "C" fn(CUevent, CUstream) -> CUresult;
+pub type FnEventQuery = unsafe extern "C" fn(CUevent) -> CUresult;
+pub type FnEventDestroy = unsafe extern "C" fn(CUevent) -> CUresult;
+pub type FnCtxGetCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
+pub type FnDeviceGetCount = unsafe extern "C" fn(*mut c_int) -> CUresult;
+/// `cuDeviceGetUuid[_v2](CUuuid *, CUdevice)`; `CUuuid` is 16 bytes.
+pub type FnDeviceGetUuid = unsafe extern "C" fn(*mut [u8; 16], CUdevice) -> CUresult;
 /// glibc's `dlsym`.
 pub type FnDlsym = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;

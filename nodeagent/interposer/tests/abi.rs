@@ -3,6 +3,9 @@
 //! allocates nothing), and every test runs the program as separate processes, the way tenants
 //! run. The C files are compiled here with the system `cc`; the interposer is built with cargo.
 
+#[path = "abi/compute.rs"]
+mod compute;
+
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -216,14 +219,22 @@ struct Holder {
 
 impl Holder {
     fn wait_held(&mut self) {
+        self.wait_for_line("holding");
+    }
+
+    /// Waits until the probe prints `wanted` (the lines before it go to `output`).
+    fn wait_for_line(&mut self, wanted: &str) {
         loop {
             match self.lines.recv_timeout(RUN_TIMEOUT) {
-                Ok(line) if line == "holding" => return,
+                Ok(line) if line == wanted => return,
                 Ok(line) => {
                     self.output.push_str(&line);
                     self.output.push('\n');
                 }
-                Err(e) => panic!("the probe never held ({e}); it printed:\n{}", self.output),
+                Err(e) => panic!(
+                    "the probe never printed {wanted:?} ({e}); it printed:\n{}",
+                    self.output
+                ),
             }
         }
     }

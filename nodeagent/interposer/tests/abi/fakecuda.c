@@ -8,8 +8,21 @@
  *
  * FAKE_CUDA_GPA_THUNKS=1 makes cuGetProcAddress answer "cuMemAlloc" with a thunk instead of the
  * exported cuMemAlloc_v2, to exercise the interposer's by-name fallback.
+ *
+ * Kernels are simulated: a launch "runs" for a duration taken from its arguments (gridDimX
+ * microseconds for kernel launches, the graph handle's value for graph launches) on a GPU that
+ * runs one kernel at a time in launch order. With FAKE_CUDA_GPU=<file> that GPU's timeline (the
+ * time it is busy until) lives in a shared file, so several processes share one simulated GPU.
+ * Events complete when the last kernel of their stream (at record time) ends. The GPU time a
+ * process's kernels spend inside FAKE_CUDA_WINDOW=<start_ns>,<end_ns> (CLOCK_MONOTONIC) is
+ * reported by fakeGpuUsedNs().
  */
+#include <fcntl.h>
 #include <pthread.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,6 +63,7 @@ typedef struct {
 #define INVALID_DEVICE 101
 #define INVALID_CONTEXT 201
 #define NOT_FOUND 500
+#define NOT_READY 600
 #define MAX_DEVICES 16
 #define MAX_RECORDS 65536
 
@@ -227,6 +241,181 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, int device) {
   return OK;
 }
 
+/* ---- simulated kernels, streams and events ---- */
+
+typedef void *CUfunction;
+typedef void *CUevent;
+typedef void *CUgraphExec;
+typedef struct {
+  unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+  CUstream hStream;
+  void *attrs;
+  unsigned int numAttrs;
+} CUlaunchConfig;
+
+#define MAX_STREAMS 1024
+static unsigned long long local_busy_until;
+static unsigned long long *busy_until;
+static pthread_once_t gpu_once = PTHREAD_ONCE_INIT;
+static struct {
+  uintptr_t stream;
+  unsigned long long end;
+} streams[MAX_STREAMS];
+static unsigned long long last_end, used_in_window, launches;
+static unsigned long long window_start, window_end;
+
+static unsigned long long now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (unsigned long long)t.tv_sec * 1000000000ULL + (unsigned long long)t.tv_nsec;
+}
+
+static void open_gpu(void) {
+  const char *path = getenv("FAKE_CUDA_GPU");
+  const char *window = getenv("FAKE_CUDA_WINDOW");
+  busy_until = &local_busy_until;
+  if (window) sscanf(window, "%llu,%llu", &window_start, &window_end);
+  if (path == NULL) return;
+  int fd = open(path, O_RDWR | O_CREAT, 0600);
+  if (fd < 0) return;
+  if (ftruncate(fd, 4096) == 0) {
+    void *p = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p != MAP_FAILED) busy_until = (unsigned long long *)p;
+  }
+  close(fd);
+}
+
+/* The stream's slot (special handles 0/1/2 are streams like any other here). */
+static int stream_slot(CUstream s) {
+  for (int i = 0; i < MAX_STREAMS; i++) {
+    if (streams[i].stream == (uintptr_t)s + 1) return i;
+    if (streams[i].stream == 0) {
+      streams[i].stream = (uintptr_t)s + 1;
+      return i;
+    }
+  }
+  return 0;
+}
+
+static CUresult run_kernel(CUstream s, unsigned long long duration_us) {
+  if (current < 0) return INVALID_CONTEXT;
+  pthread_once(&gpu_once, open_gpu);
+  unsigned long long d = duration_us * 1000ULL, now = now_ns(), start, end;
+  unsigned long long seen = __atomic_load_n(busy_until, __ATOMIC_SEQ_CST);
+  do {
+    start = seen > now ? seen : now;
+    end = start + d;
+  } while (!__atomic_compare_exchange_n(busy_until, &seen, end, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST));
+  /* Like the real driver's bounded command queue: a launch blocks while more than 100 ms of work
+   * is queued ahead of it. */
+  if (end > now + 100000000ULL) {
+    unsigned long long ahead = end - now - 100000000ULL;
+    struct timespec t = {(time_t)(ahead / 1000000000ULL), (long)(ahead % 1000000000ULL)};
+    nanosleep(&t, NULL);
+  }
+  pthread_mutex_lock(&lock);
+  streams[stream_slot(s)].end = end;
+  if (end > last_end) last_end = end;
+  launches++;
+  unsigned long long a = start > window_start ? start : window_start;
+  unsigned long long b = end < window_end ? end : window_end;
+  if (b > a) used_in_window += b - a;
+  pthread_mutex_unlock(&lock);
+  return OK;
+}
+
+unsigned long long fakeGpuUsedNs(void) { return used_in_window; }
+unsigned long long fakeLaunches(void) { return launches; }
+
+CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                        unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem,
+                        CUstream s, void **params, void **extra) {
+  (void)f; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shmem; (void)params;
+  (void)extra;
+  return run_kernel(s, gx);
+}
+/* In the _ptsz variants the null stream is the per-thread default stream, CU_STREAM_PER_THREAD. */
+#define PER_THREAD(s) ((s) == NULL ? (CUstream)2 : (s))
+CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                             unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem,
+                             CUstream s, void **params, void **extra) {
+  return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, PER_THREAD(s), params, extra);
+}
+CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **params, void **extra) {
+  (void)f; (void)params; (void)extra;
+  if (config == NULL) return INVALID_VALUE;
+  return run_kernel(config->hStream, config->gridDimX);
+}
+CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **params,
+                               void **extra) {
+  if (config == NULL) return INVALID_VALUE;
+  return run_kernel(PER_THREAD(config->hStream), config->gridDimX);
+}
+CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                                   unsigned int bx, unsigned int by, unsigned int bz,
+                                   unsigned int shmem, CUstream s, void **params) {
+  return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL);
+}
+CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy,
+                                        unsigned int gz, unsigned int bx, unsigned int by,
+                                        unsigned int bz, unsigned int shmem, CUstream s,
+                                        void **params) {
+  return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, PER_THREAD(s), params, NULL);
+}
+/* The parameter list is not read: one kernel of 1000 us on the legacy stream. */
+CUresult cuLaunchCooperativeKernelMultiDevice(void *list, unsigned int n, unsigned int flags) {
+  (void)list; (void)n; (void)flags;
+  return run_kernel(NULL, 1000);
+}
+CUresult cuGraphLaunch(CUgraphExec exec, CUstream s) { return run_kernel(s, (uintptr_t)exec); }
+CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream s) {
+  return cuGraphLaunch(exec, PER_THREAD(s));
+}
+
+CUresult cuEventCreate(CUevent *event, unsigned int flags) {
+  (void)flags;
+  if (event == NULL) return INVALID_VALUE;
+  *event = calloc(1, sizeof(unsigned long long));
+  return *event ? OK : OUT_OF_MEMORY;
+}
+CUresult cuEventRecord(CUevent event, CUstream s) {
+  if (event == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  *(unsigned long long *)event = streams[stream_slot(s)].end;
+  pthread_mutex_unlock(&lock);
+  return OK;
+}
+CUresult cuEventQuery(CUevent event) {
+  if (event == NULL) return INVALID_VALUE;
+  return now_ns() >= *(unsigned long long *)event ? OK : NOT_READY;
+}
+CUresult cuEventDestroy_v2(CUevent event) {
+  free(event);
+  return OK;
+}
+CUresult cuCtxSynchronize(void) {
+  unsigned long long until = last_end, now = now_ns();
+  if (until > now) {
+    struct timespec t = {(time_t)((until - now) / 1000000000ULL), (long)((until - now) % 1000000000ULL)};
+    nanosleep(&t, NULL);
+  }
+  return OK;
+}
+CUresult cuCtxGetCurrent(CUcontext *ctx) {
+  if (ctx == NULL) return INVALID_VALUE;
+  *ctx = current < 0 ? NULL : (CUcontext)(uintptr_t)(current + 1);
+  return OK;
+}
+CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int device) {
+  if (uuid == NULL) return INVALID_VALUE;
+  if (device < 0 || device >= devices()) return INVALID_DEVICE;
+  for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xa0 + i);
+  uuid[15] = (unsigned char)device;
+  return OK;
+}
+CUresult cuDeviceGetUuid(unsigned char *uuid, int device) { return cuDeviceGetUuid_v2(uuid, device); }
+
 static CUresult thunk_cuMemAlloc(CUdeviceptr *dptr, size_t bytes) {
   return cuMemAlloc_v2(dptr, bytes);
 }
@@ -260,6 +449,11 @@ static void *lookup(const char *s, int version, unsigned long long flags) {
   if (!strcmp(s, "cuDeviceTotalMem")) return (void *)cuDeviceTotalMem_v2;
   if (!strcmp(s, "cuCtxGetDevice")) return (void *)cuCtxGetDevice;
   if (!strcmp(s, "cuInit")) return (void *)cuInit;
+  if (!strcmp(s, "cuLaunchKernel"))
+    return ptsz ? (void *)cuLaunchKernel_ptsz : (void *)cuLaunchKernel;
+  if (!strcmp(s, "cuLaunchKernelEx"))
+    return ptsz ? (void *)cuLaunchKernelEx_ptsz : (void *)cuLaunchKernelEx;
+  if (!strcmp(s, "cuGraphLaunch")) return ptsz ? (void *)cuGraphLaunch_ptsz : (void *)cuGraphLaunch;
   if (!strcmp(s, "cuGetProcAddress"))
     return version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
   return NULL;

@@ -18,6 +18,16 @@
  *   total D          cuDeviceTotalMem_v2
  *   parent           prints getppid() (wrapped by a preloaded test library through RTLD_NEXT)
  *   hold             prints "holding" and sleeps until killed
+ *   clock            prints CLOCK_MONOTONIC in ns
+ *   launch API US    one simulated kernel of US microseconds through API (below): "launch <rc> lib="
+ *   spin API US      kernels of US microseconds back to back through API until PROBE_UNTIL_NS
+ *                    (CLOCK_MONOTONIC); prints "spinning" after the first, and at the end
+ *                    "spin <rc> used=<ns of GPU time in FAKE_CUDA_WINDOW> launches=<n>
+ *                    max_wait_us=<longest launch call>"
+ *   sync             cuCtxSynchronize
+ * APIs: kernel, kernel_ptsz, ex, ex_ptsz, coop, coop_ptsz, multi (cooperative multi-device),
+ * graph, graph_ptsz, gpa / gpa_ptsz (cuLaunchKernel from cuGetProcAddress_v2), dl
+ * (cuLaunchKernel from dlsym(dlopen("libcuda.so.1")).
  * "lib=<file>" says which library a function pointer lives in.
  */
 #define _GNU_SOURCE
@@ -26,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -69,6 +80,32 @@ CUresult cuArrayDestroy(void *);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
 CUresult cuDeviceTotalMem_v2(size_t *, int);
 
+typedef struct {
+  unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+  void *hStream;
+  void *attrs;
+  unsigned int numAttrs;
+} CUlaunchConfig;
+typedef CUresult (*launch_fn)(void *, unsigned int, unsigned int, unsigned int, unsigned int,
+                              unsigned int, unsigned int, unsigned int, void *, void **, void **);
+CUresult cuLaunchKernel(void *, unsigned int, unsigned int, unsigned int, unsigned int,
+                        unsigned int, unsigned int, unsigned int, void *, void **, void **);
+CUresult cuLaunchKernel_ptsz(void *, unsigned int, unsigned int, unsigned int, unsigned int,
+                             unsigned int, unsigned int, unsigned int, void *, void **, void **);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *, void *, void **, void **);
+CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *, void *, void **, void **);
+CUresult cuLaunchCooperativeKernel(void *, unsigned int, unsigned int, unsigned int, unsigned int,
+                                   unsigned int, unsigned int, unsigned int, void *, void **);
+CUresult cuLaunchCooperativeKernel_ptsz(void *, unsigned int, unsigned int, unsigned int,
+                                        unsigned int, unsigned int, unsigned int, unsigned int,
+                                        void *, void **);
+CUresult cuLaunchCooperativeKernelMultiDevice(void *, unsigned int, unsigned int);
+CUresult cuGraphLaunch(void *, void *);
+CUresult cuGraphLaunch_ptsz(void *, void *);
+CUresult cuCtxSynchronize(void);
+unsigned long long fakeGpuUsedNs(void);
+unsigned long long fakeLaunches(void);
+
 typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
 typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
 typedef CUresult (*gpa_v2_fn)(const char *, void **, int, unsigned long long, int *);
@@ -106,6 +143,54 @@ static void keep(CUresult rc, CUdeviceptr p) {
 static gpa_v2_fn gpa_from_dlsym(void) {
   void *libcuda = dlopen("libcuda.so.1", RTLD_NOW);
   return libcuda ? (gpa_v2_fn)dlsym(libcuda, "cuGetProcAddress_v2") : NULL;
+}
+
+static unsigned long long now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (unsigned long long)t.tv_sec * 1000000000ULL + (unsigned long long)t.tv_nsec;
+}
+
+#define USER_STREAM ((void *)0x5000)
+
+/* One kernel of `us` microseconds through `api`; `*lib` names the library of the function. */
+static CUresult launch_via(const char *api, unsigned int us, const char **lib) {
+  static launch_fn resolved[3];
+  *lib = "libcuda.so.1";
+  if (!strcmp(api, "kernel")) return cuLaunchKernel(NULL, us, 1, 1, 1, 1, 1, 0, USER_STREAM, NULL, NULL);
+  if (!strcmp(api, "kernel_ptsz"))
+    return cuLaunchKernel_ptsz(NULL, us, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+  if (!strcmp(api, "ex") || !strcmp(api, "ex_ptsz")) {
+    CUlaunchConfig config;
+    memset(&config, 0, sizeof config);
+    config.gridDimX = us;
+    config.hStream = USER_STREAM;
+    return !strcmp(api, "ex") ? cuLaunchKernelEx(&config, NULL, NULL, NULL)
+                              : cuLaunchKernelEx_ptsz(&config, NULL, NULL, NULL);
+  }
+  if (!strcmp(api, "coop"))
+    return cuLaunchCooperativeKernel(NULL, us, 1, 1, 1, 1, 1, 0, USER_STREAM, NULL);
+  if (!strcmp(api, "coop_ptsz"))
+    return cuLaunchCooperativeKernel_ptsz(NULL, us, 1, 1, 1, 1, 1, 0, NULL, NULL);
+  if (!strcmp(api, "multi")) return cuLaunchCooperativeKernelMultiDevice(NULL, 1, 0);
+  if (!strcmp(api, "graph")) return cuGraphLaunch((void *)(uintptr_t)us, USER_STREAM);
+  if (!strcmp(api, "graph_ptsz")) return cuGraphLaunch_ptsz((void *)(uintptr_t)us, NULL);
+  int slot = !strcmp(api, "gpa") ? 0 : !strcmp(api, "gpa_ptsz") ? 1 : !strcmp(api, "dl") ? 2 : -1;
+  if (slot < 0) return -1;
+  if (resolved[slot] == NULL) {
+    void *f = NULL;
+    int status = -1;
+    if (slot == 2) {
+      f = dlsym(dlopen("libcuda.so.1", RTLD_NOW), "cuLaunchKernel");
+    } else {
+      gpa_v2_fn gpa = gpa_from_dlsym();
+      if (gpa) gpa("cuLaunchKernel", &f, 13000, slot == 1 ? 2 : 0, &status);
+    }
+    resolved[slot] = (launch_fn)f;
+  }
+  *lib = lib_of((void *)resolved[slot]);
+  if (resolved[slot] == NULL) return -1;
+  return resolved[slot](NULL, us, 1, 1, 1, 1, 1, 0, slot == 1 ? NULL : USER_STREAM, NULL, NULL);
 }
 
 int main(int argc, char **argv) {
@@ -224,6 +309,38 @@ int main(int argc, char **argv) {
       i++;
     } else if (!strcmp(c, "parent")) {
       printf("parent %d\n", (int)getppid());
+    } else if (!strcmp(c, "clock")) {
+      printf("clock %llu\n", now_ns());
+    } else if (!strcmp(c, "launch")) {
+      const char *lib = "";
+      rc = launch_via(a, (unsigned int)atoi(argv[i + 2]), &lib);
+      printf("launch %d lib=%s\n", rc, lib);
+      i += 2;
+    } else if (!strcmp(c, "spin")) {
+      const char *until_env = getenv("PROBE_UNTIL_NS");
+      unsigned long long until = until_env ? strtoull(until_env, NULL, 10) : now_ns() + 1000000000ULL;
+      unsigned int us = (unsigned int)atoi(argv[i + 2]);
+      unsigned long long max_wait = 0;
+      const char *lib = "";
+      rc = 0;
+      int said = 0;
+      while (rc == 0 && now_ns() < until) {
+        unsigned long long before = now_ns();
+        rc = launch_via(a, us, &lib);
+        unsigned long long waited = now_ns() - before;
+        if (waited > max_wait) max_wait = waited;
+        if (!said) {
+          printf("spinning\n");
+          fflush(stdout);
+          said = 1;
+        }
+      }
+      cuCtxSynchronize();
+      printf("spin %d used=%llu launches=%llu max_wait_us=%llu\n", rc, fakeGpuUsedNs(),
+             fakeLaunches(), max_wait / 1000);
+      i += 2;
+    } else if (!strcmp(c, "sync")) {
+      printf("sync %d\n", cuCtxSynchronize());
     } else if (!strcmp(c, "hold")) {
       printf("holding\n");
       fflush(stdout);

@@ -1,0 +1,460 @@
+//! Tests of the schedule protocol: the weights, slot claiming, and a simulated GPU on which
+//! simulated processes launch kernels through the protocol, as the interposer does.
+
+use super::*;
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+const MS: u64 = 1_000_000;
+
+/// Liveness decided by the test: the set of live pids.
+#[derive(Default)]
+struct Fake(Mutex<BTreeSet<u32>>);
+impl Liveness for &Fake {
+    fn is_alive(&self, pid: u32, _start_time: u64) -> bool {
+        self.0.lock().unwrap().contains(&pid)
+    }
+}
+impl Fake {
+    fn with(pids: &[u32]) -> Fake {
+        Fake(Mutex::new(pids.iter().copied().collect()))
+    }
+    fn kill(&self, pid: u32) {
+        self.0.lock().unwrap().remove(&pid);
+    }
+    fn add(&self, pid: u32) {
+        self.0.lock().unwrap().insert(pid);
+    }
+}
+
+fn region() -> Box<Region> {
+    let region = Region::new_boxed();
+    region.initialise(QUANTUM_NS_DEFAULT);
+    region.check_layout().unwrap();
+    region
+}
+
+fn guaranteed(share_pct: u32) -> TenantConfig {
+    TenantConfig {
+        share_pct,
+        burst: false,
+        guaranteed: true,
+        priority: 0,
+    }
+}
+
+fn config(share_pct: u32, burst: bool, guaranteed: bool, priority: i32) -> TenantConfig {
+    TenantConfig {
+        share_pct,
+        burst,
+        guaranteed,
+        priority,
+    }
+}
+
+#[test]
+fn configs_and_turns_round_trip() {
+    for c in [
+        config(1, false, false, -1000),
+        config(100, true, true, 1000),
+        config(37, true, false, 0),
+    ] {
+        assert_eq!(TenantConfig::unpack(c.pack()), c);
+    }
+    for t in [
+        Turn::NONE,
+        Turn {
+            owner: OWNER_IDLE,
+            start_us: 5,
+        },
+        Turn {
+            owner: 31,
+            start_us: START_MASK_US,
+        },
+    ] {
+        assert_eq!(Turn::unpack(t.pack()), t);
+    }
+    assert_eq!(name_words("ab")[0], u64::from_le_bytes(*b"ab\0\0\0\0\0\0"));
+}
+
+#[test]
+fn weights_guarantee_then_best_effort_by_priority_then_burst() {
+    let w = |active: &[(usize, TenantConfig)]| weights(active);
+    // Shares of guaranteed tenants, the rest idle without burst.
+    assert_eq!(
+        w(&[(0, guaranteed(70)), (1, guaranteed(20))]),
+        (vec![(0, 700_000), (1, 200_000)], 100_000)
+    );
+    // A non-burst tenant alone is capped at its share.
+    assert_eq!(w(&[(3, guaranteed(30))]), (vec![(3, 300_000)], 700_000));
+    // A burst tenant alone gets everything.
+    assert_eq!(w(&[(3, config(30, true, true, 0))]), (vec![(3, PPM)], 0));
+    // Idle time goes to the burst tenants of the highest priority only.
+    assert_eq!(
+        w(&[
+            (0, config(30, true, false, 5)),
+            (1, config(30, true, false, 0)),
+        ]),
+        (vec![(0, 700_000), (1, 300_000)], 0)
+    );
+    assert_eq!(
+        w(&[
+            (0, config(20, true, true, 1)),
+            (1, config(20, true, true, 1)),
+            (2, guaranteed(20)),
+        ]),
+        (vec![(0, 400_000), (1, 400_000), (2, 200_000)], 0)
+    );
+    // Overcommitted best effort: guarantees first, then higher priority first.
+    assert_eq!(
+        w(&[
+            (0, guaranteed(80)),
+            (1, config(50, false, false, 0)),
+            (2, config(50, false, false, 1)),
+        ]),
+        (vec![(0, 800_000), (1, 0), (2, 200_000)], 0)
+    );
+    // Guarantees past 100% (a hand-set environment) are scaled down together.
+    assert_eq!(
+        w(&[(0, guaranteed(100)), (1, guaranteed(100))]),
+        (vec![(0, 500_000), (1, 500_000)], 0)
+    );
+    assert_eq!(w(&[]), (vec![], 0));
+}
+
+#[test]
+fn processes_of_a_tenant_share_one_slot_and_slots_are_reused() {
+    let region = region();
+    let live = Fake::with(&[10, 11, 12, 13]);
+    let s = Schedule::new(&region, &live);
+    let a1 = s.join("a", guaranteed(70), 10, 1, 0).unwrap();
+    let a2 = s.join("a", guaranteed(70), 11, 1, 0).unwrap();
+    let b = s.join("b", guaranteed(30), 12, 1, 0).unwrap();
+    assert_eq!(a1.tenant, a2.tenant);
+    assert_ne!(a1.proc, a2.proc);
+    assert_ne!(a1.tenant, b.tenant);
+    // Fill the table with other tenants; the next one is refused while everyone lives.
+    let mut pid = 100;
+    for i in 0..TENANTS - 2 {
+        live.add(pid);
+        s.join(&format!("t{i}"), guaranteed(1), pid, 1, 0).unwrap();
+        pid += 1;
+    }
+    live.add(pid);
+    assert!(s.join("late", guaranteed(1), pid, 1, 0).is_err());
+    // b's only process dies: its slot is reclaimed for the newcomer.
+    live.kill(12);
+    let late = s.join("late", guaranteed(1), pid, 1, 0).unwrap();
+    assert_eq!(late.tenant, b.tenant);
+    // a keeps its slot while one of its processes lives.
+    live.kill(10);
+    live.add(pid + 1);
+    assert!(s.join("later", guaranteed(1), pid + 1, 1, 0).is_err());
+    assert_eq!(
+        s.join("a", guaranteed(70), 13, 1, 0).unwrap().tenant,
+        a1.tenant
+    );
+}
+
+#[test]
+fn racing_joins_of_one_tenant_agree_on_its_slot() {
+    for _ in 0..50 {
+        let region = region();
+        let pids: Vec<u32> = (1..=8).collect();
+        let live = Fake::with(&pids);
+        let s = Schedule::new(&region, &live);
+        let tenants: Vec<usize> = std::thread::scope(|scope| {
+            let handles: Vec<_> = pids
+                .iter()
+                .map(|&pid| {
+                    let s = &s;
+                    scope.spawn(move || s.join("same", guaranteed(50), pid, 1, 0).unwrap().tenant)
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(tenants.iter().all(|&t| t == tenants[0]), "{tenants:?}");
+        let live_slots = region
+            .tenants
+            .iter()
+            .filter(|t| phase_of(t.state.load(SeqCst)) != PHASE_FREE)
+            .count();
+        assert_eq!(live_slots, 1);
+    }
+}
+
+/// A simulated process: launches kernels of `kernel_ns` back to back, as fast as the protocol
+/// lets it, with at most `depth` kernels queued (the interposer's event bound).
+struct SimProc {
+    member: Member,
+    kernel_ns: u64,
+    depth: usize,
+    queued: Vec<u64>,
+    from_ns: u64,
+    until_ns: u64,
+    longest_wait_ns: u64,
+    first_wait_ns: Option<u64>,
+    waiting_since: Option<u64>,
+}
+
+/// A GPU that runs kernels one at a time in launch order (across processes), and a clock.
+struct Sim<'r, 'l> {
+    schedule: Schedule<'r, &'l Fake>,
+    busy_until_ns: u64,
+    procs: Vec<SimProc>,
+    /// Per tenant: GPU time its kernels ran inside `window`.
+    used_ns: Vec<u64>,
+    window: (u64, u64),
+    live: &'l Fake,
+}
+
+impl<'r, 'l> Sim<'r, 'l> {
+    fn new(region: &'r Region, live: &'l Fake, window: (u64, u64)) -> Self {
+        Sim {
+            schedule: Schedule::new(region, live),
+            busy_until_ns: 0,
+            procs: Vec::new(),
+            used_ns: vec![0; TENANTS],
+            window,
+            live,
+        }
+    }
+
+    fn add(&mut self, pid: u32, tenant: &str, c: TenantConfig, from_ns: u64, until_ns: u64) {
+        self.live.add(pid);
+        let member = self.schedule.join(tenant, c, pid, 1, from_ns).unwrap();
+        self.procs.push(SimProc {
+            member,
+            kernel_ns: MS,
+            depth: 3,
+            queued: Vec::new(),
+            from_ns,
+            until_ns,
+            longest_wait_ns: 0,
+            first_wait_ns: None,
+            waiting_since: None,
+        });
+    }
+
+    fn run(&mut self, until_ns: u64, tick_ns: u64) {
+        let mut now = 0;
+        let mut rotate = 0;
+        while now < until_ns {
+            let n = self.procs.len();
+            for k in 0..n {
+                let i = (k + rotate) % n;
+                self.act(i, now);
+            }
+            rotate += 1;
+            now += tick_ns;
+        }
+    }
+
+    fn act(&mut self, i: usize, now: u64) {
+        let p = &mut self.procs[i];
+        if now < p.from_ns
+            || now >= p.until_ns
+            || !self.live.0.lock().unwrap().contains(&p.member.pid)
+        {
+            return;
+        }
+        p.queued.retain(|&end| end > now);
+        if p.queued.len() >= p.depth {
+            return;
+        }
+        let s = &self.schedule;
+        let go = if s.fast_ok(&p.member, now) {
+            s.demand(&p.member, now);
+            true
+        } else {
+            match s.step(&p.member, now) {
+                Step::Go { contended } => {
+                    if contended {
+                        s.mark_busy(&p.member, now);
+                    }
+                    true
+                }
+                Step::Drain => {
+                    if p.queued.is_empty() {
+                        s.drained(&p.member);
+                    }
+                    false
+                }
+                Step::Wait => false,
+            }
+        };
+        if !go {
+            p.waiting_since.get_or_insert(now);
+            return;
+        }
+        if p.first_wait_ns.is_none() {
+            p.first_wait_ns = Some(now - p.waiting_since.unwrap_or(now));
+        }
+        if let Some(since) = p.waiting_since.take() {
+            if now - since > p.longest_wait_ns && std::env::var("SIMDEBUG").is_ok() {
+                eprintln!(
+                    "proc {i} waited {} ms until {} ms",
+                    (now - since) / MS,
+                    now / MS
+                );
+            }
+            p.longest_wait_ns = p.longest_wait_ns.max(now - since);
+        }
+        let start = now.max(self.busy_until_ns);
+        let end = start + p.kernel_ns;
+        self.busy_until_ns = end;
+        p.queued.push(end);
+        let (w0, w1) = self.window;
+        let overlap = end.min(w1).saturating_sub(start.max(w0));
+        self.used_ns[p.member.tenant] += overlap;
+    }
+
+    /// Each tenant's share of the window, in percent.
+    fn shares(&self, tenants: &[usize]) -> Vec<f64> {
+        let window = (self.window.1 - self.window.0) as f64;
+        tenants
+            .iter()
+            .map(|&t| self.used_ns[t] as f64 * 100.0 / window)
+            .collect()
+    }
+
+    fn tenant_of(&self, proc: usize) -> usize {
+        self.procs[proc].member.tenant
+    }
+}
+
+fn assert_close(got: &[f64], want: &[f64], points: f64) {
+    for (g, w) in got.iter().zip(want) {
+        assert!(
+            (g - w).abs() <= points,
+            "got {got:?}, want {want:?} ± {points}"
+        );
+    }
+}
+
+#[test]
+fn two_tenants_get_70_30() {
+    let region = region();
+    let live = Fake::default();
+    let mut sim = Sim::new(&region, &live, (500 * MS, 10_500 * MS));
+    sim.add(1, "a", guaranteed(70), 0, u64::MAX);
+    sim.add(2, "b", guaranteed(30), 0, u64::MAX);
+    sim.run(10_600 * MS, 50_000);
+    let shares = sim.shares(&[sim.tenant_of(0), sim.tenant_of(1)]);
+    assert_close(&shares, &[70.0, 30.0], 2.0);
+}
+
+#[test]
+fn four_tenants_get_40_30_20_10_with_several_processes_each() {
+    let region = region();
+    let live = Fake::default();
+    let mut sim = Sim::new(&region, &live, (500 * MS, 10_500 * MS));
+    for (i, (name, share)) in [("a", 40), ("b", 30), ("c", 20), ("d", 10)]
+        .into_iter()
+        .enumerate()
+    {
+        sim.add(10 + i as u32, name, guaranteed(share), 0, u64::MAX);
+        sim.add(20 + i as u32, name, guaranteed(share), 0, u64::MAX);
+    }
+    sim.run(10_600 * MS, 50_000);
+    let tenants: Vec<usize> = (0..4).map(|i| sim.tenant_of(2 * i)).collect();
+    assert_close(&sim.shares(&tenants), &[40.0, 30.0, 20.0, 10.0], 2.0);
+}
+
+#[test]
+fn a_non_burst_tenant_alone_is_capped_and_a_burst_one_is_not() {
+    let region = region();
+    let live = Fake::default();
+    let mut sim = Sim::new(&region, &live, (500 * MS, 5_500 * MS));
+    sim.add(1, "capped", guaranteed(30), 0, u64::MAX);
+    sim.run(5_600 * MS, 50_000);
+    assert_close(&sim.shares(&[sim.tenant_of(0)]), &[30.0], 2.0);
+
+    let region = super::tests::region();
+    let mut sim = Sim::new(&region, &live, (500 * MS, 5_500 * MS));
+    sim.add(2, "bursty", config(30, true, true, 0), 0, u64::MAX);
+    sim.run(5_600 * MS, 50_000);
+    assert_close(&sim.shares(&[sim.tenant_of(0)]), &[100.0], 1.0);
+}
+
+#[test]
+fn a_bursting_tenant_gives_the_time_back_within_a_quantum() {
+    let region = region();
+    let live = Fake::default();
+    let arrival = 3_000 * MS;
+    let mut sim = Sim::new(&region, &live, (arrival + 500 * MS, arrival + 10_500 * MS));
+    sim.add(1, "bursty", config(30, true, true, 0), 0, u64::MAX);
+    sim.add(2, "guaranteed", guaranteed(70), arrival, u64::MAX);
+    sim.run(arrival + 10_600 * MS, 50_000);
+    let shares = sim.shares(&[sim.tenant_of(0), sim.tenant_of(1)]);
+    assert_close(&shares, &[30.0, 70.0], 2.0);
+    // The newcomer's first launch waited at most one quantum (plus the drain of 3 queued 1 ms
+    // kernels and a tick); later, it never waits more than two of the other's turns.
+    let first = sim.procs[1].first_wait_ns.expect("the newcomer launched");
+    let quantum = sim.schedule.quantum_ns();
+    assert!(first <= quantum + 4 * MS, "first wait {first} ns");
+    let longest = sim.procs[1].longest_wait_ns;
+    assert!(
+        longest <= 2 * (quantum + 4 * MS),
+        "longest wait {longest} ns"
+    );
+}
+
+#[test]
+fn idle_time_goes_to_the_higher_priority_burst_tenant() {
+    let region = region();
+    let live = Fake::default();
+    let mut sim = Sim::new(&region, &live, (500 * MS, 10_500 * MS));
+    sim.add(1, "high", config(30, true, false, 5), 0, u64::MAX);
+    sim.add(2, "low", config(30, true, false, 0), 0, u64::MAX);
+    sim.run(10_600 * MS, 50_000);
+    let shares = sim.shares(&[sim.tenant_of(0), sim.tenant_of(1)]);
+    assert_close(&shares, &[70.0, 30.0], 2.0);
+}
+
+#[test]
+fn an_idle_owner_is_taken_over_early() {
+    let region = region();
+    let live = Fake::default();
+    let mut sim = Sim::new(&region, &live, (1_000 * MS, 6_000 * MS));
+    // "a" stops launching at 1 s; its guaranteed 50% goes to the burst tenant right away.
+    sim.add(1, "a", guaranteed(50), 0, 1_000 * MS);
+    sim.add(2, "b", config(50, true, true, 0), 0, u64::MAX);
+    sim.run(6_100 * MS, 50_000);
+    let shares = sim.shares(&[sim.tenant_of(0), sim.tenant_of(1)]);
+    assert_close(&shares, &[0.0, 100.0], 1.5);
+}
+
+#[test]
+fn a_killed_owner_stalls_the_others_at_most_a_grace_period() {
+    let region = region();
+    let live = Fake::default();
+    let mut sim = Sim::new(&region, &live, (0, 1));
+    sim.add(1, "a", guaranteed(50), 0, u64::MAX);
+    sim.add(2, "b", config(50, true, true, 0), 0, u64::MAX);
+    // Run until "a" owns the GPU with work queued, then kill it.
+    let mut now = 0;
+    loop {
+        sim.act(0, now);
+        sim.act(1, now);
+        now += 50_000;
+        if now > 500 * MS
+            && sim.schedule.turn().owner == sim.tenant_of(0)
+            && !sim.procs[0].queued.is_empty()
+        {
+            break;
+        }
+    }
+    live.kill(1);
+    sim.procs[1].longest_wait_ns = 0;
+    sim.procs[1].waiting_since = None;
+    while now < 2_000 * MS {
+        sim.act(1, now);
+        now += 50_000;
+    }
+    let waited = sim.procs[1].longest_wait_ns;
+    let bound = sim.schedule.quantum_ns() + sim.schedule.grace_ns() + MS;
+    assert!(waited <= bound, "waited {waited} ns > {bound}");
+    // Its process slot was reclaimed on the way.
+    assert_eq!(region.procs[sim.procs[0].member.proc].pid.load(SeqCst), 0);
+}

@@ -1,0 +1,491 @@
+//! The launch gate, in safe code: every kernel launch (`cuLaunchKernel[Ex]`, cooperative
+//! launches, `cuGraphLaunch`, and their `_ptsz` variants) passes `before` and, when it is
+//! sampled, `after`. `exports` supplies the driver through the `Gpu` trait; the schedule
+//! protocol is `compute`.
+//!
+//! - **Fast path** (our turn, nobody else active): the `OnceLock`s of the configuration and the
+//!   device's gate, a vDSO clock read, two relaxed loads of the schedule, a throttled demand stamp
+//!   (one shared store every `DEMAND_EVERY_NS`) and a thread-local counter. No lock, no system
+//!   call, no driver call (in a process that sees one GPU; otherwise one `cuCtxGetDevice`).
+//! - **Queue bound**: every `SAMPLE_ALONE`-th launch of a thread (every `SAMPLE_CONTENDED`-th
+//!   while other tenants are active) records an event on the launch's stream; a stream with more
+//!   than `EVENTS_PER_STREAM_MAX` unfinished events makes the launching thread wait for the
+//!   oldest. That bounds the work a tenant has queued, hence how long its turn takes to drain.
+//! - **Slow path**: not our turn. The thread asks `Schedule::step` what to do, sleeping
+//!   `POLL_SLEEP` between asks; when its own turn is over and another tenant is next, it drains
+//!   (waits, at most a grace period, for its recorded events) and reports it. After `WAIT_MAX`
+//!   it launches anyway (one log line): the gate never blocks forever.
+//!
+//! Failures fail open: no configuration, an unparsable one, an unusable schedule file, a GPU
+//! without uuid, or a full table: the launch goes to the driver ungated, with one log line.
+
+use crate::compute::{Member, QUANTUM_NS_DEFAULT, Schedule, Step, TenantConfig};
+use crate::config::{ComputeConfig, DEVICES_MAX};
+use crate::ledger::{ProcLiveness, own_start_time};
+use crate::shm::monotonic_ns;
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+/// Record an event every this many launches of a thread while alone on the GPU...
+pub const SAMPLE_ALONE: u32 = 16;
+/// ... and while other tenants are active (a tighter bound, for sharp turn boundaries).
+pub const SAMPLE_CONTENDED: u32 = 2;
+/// Unfinished events per stream before a launch waits.
+pub const EVENTS_PER_STREAM_MAX: usize = 2;
+/// Pooled events kept for reuse.
+const EVENT_POOL_MAX: usize = 64;
+/// How often the tenant's demand stamp is refreshed from the fast path.
+const DEMAND_EVERY_NS: u64 = 200_000;
+/// Sleep between two looks at the schedule while waiting for a turn.
+const POLL_SLEEP: Duration = Duration::from_micros(50);
+/// Sleep between two looks at an event while bounding the queue or draining.
+const EVENT_POLL_SLEEP: Duration = Duration::from_micros(20);
+/// The longest a launch waits for its turn before it goes ahead anyway (logged).
+const WAIT_MAX_NS: u64 = 5_000_000_000;
+/// The longest a launch waits for its own stream's oldest event (a kernel that waits for a later
+/// launch of the same process would otherwise deadlock).
+const EVENT_WAIT_MAX_NS: u64 = 1_000_000_000;
+
+/// The driver, as the gate needs it. Implemented by `exports` over the real driver and by fakes
+/// in tests.
+pub trait Gpu {
+    fn current_device(&self) -> Option<i32>;
+    fn device_count(&self) -> Option<i32>;
+    /// The 16 bytes of `cuDeviceGetUuid_v2`.
+    fn uuid(&self, device: i32) -> Option<[u8; 16]>;
+    fn current_context(&self) -> usize;
+    fn event_create(&self) -> Option<usize>;
+    /// Records `event` on the stream handle `stream`.
+    fn event_record(&self, event: usize, stream: usize) -> bool;
+    fn event_query(&self, event: usize) -> EventState;
+    fn event_destroy(&self, event: usize);
+}
+
+/// What `cuEventQuery` said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventState {
+    Done,
+    Pending,
+    /// An error (a destroyed context, a sticky error): the event is dropped from tracking.
+    Failed,
+}
+
+/// The stream a launch went to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamRef {
+    pub handle: usize,
+    /// Launched through a `_ptsz` entry point: the null stream is the per-thread default stream.
+    pub per_thread: bool,
+}
+
+/// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`.
+const STREAM_LEGACY: usize = 1;
+const STREAM_PER_THREAD: usize = 2;
+
+impl StreamRef {
+    /// The handle to record an event on and the key of the stream in the tracker (the
+    /// per-thread default stream is a different stream in every thread).
+    fn resolve(self) -> (usize, (usize, u64)) {
+        let handle = match self.handle {
+            0 if self.per_thread => STREAM_PER_THREAD,
+            STREAM_LEGACY => 0,
+            other => other,
+        };
+        let thread = if handle == STREAM_PER_THREAD {
+            thread_id()
+        } else {
+            0
+        };
+        (handle, (handle, thread))
+    }
+}
+
+/// A launch to track once the driver accepted it.
+pub struct Pending {
+    gate: &'static Gate,
+    stream: StreamRef,
+}
+
+thread_local! {
+    static LAUNCHES: Cell<u32> = const { Cell::new(0) };
+}
+
+fn thread_id() -> u64 {
+    thread_local! {
+        static ID: u64 = {
+            static NEXT: AtomicU64 = AtomicU64::new(1);
+            NEXT.fetch_add(1, Relaxed)
+        };
+    }
+    ID.with(|id| *id)
+}
+
+/// Gates a launch on the current device: returns once the launch may go to the driver, and
+/// whether it must be tracked (`after`) when the driver accepts it.
+pub fn before(gpu: &dyn Gpu, stream: StreamRef) -> Option<Pending> {
+    let gates = gates()?;
+    let device = gates.device(gpu)?;
+    let gate = gates.gate(device, gpu)?;
+    let now = monotonic_ns();
+    let contended = if gate.schedule.fast_ok(&gate.member, now) {
+        gate.demand(now);
+        false
+    } else {
+        gate.wait_for_turn(gpu, now)
+    };
+    let every = if contended {
+        SAMPLE_CONTENDED
+    } else {
+        SAMPLE_ALONE
+    };
+    let n = LAUNCHES.with(|count| {
+        let n = count.get().wrapping_add(1);
+        count.set(n);
+        n
+    });
+    n.is_multiple_of(every).then_some(Pending { gate, stream })
+}
+
+/// The driver accepted (`launched`) or refused a sampled launch.
+pub fn after(gpu: &dyn Gpu, pending: Pending, launched: bool) {
+    if launched {
+        pending.gate.track(gpu, pending.stream);
+    }
+}
+
+struct Gates {
+    config: ComputeConfig,
+    single_device: OnceLock<bool>,
+    devices: [OnceLock<Option<Gate>>; DEVICES_MAX],
+}
+
+fn gates() -> Option<&'static Gates> {
+    static GATES: OnceLock<Option<Gates>> = OnceLock::new();
+    GATES
+        .get_or_init(
+            || match ComputeConfig::from_lookup(|name| std::env::var(name).ok()) {
+                Ok(Some(config)) => {
+                    crate::log::debug(format_args!(
+                        "tenant {} compute shares {:?}, burst {}, guaranteed {}, priority {}",
+                        config.tenant,
+                        config.shares_pct,
+                        config.burst,
+                        config.guaranteed,
+                        config.priority
+                    ));
+                    Some(Gates {
+                        config,
+                        single_device: OnceLock::new(),
+                        devices: std::array::from_fn(|_| OnceLock::new()),
+                    })
+                }
+                Ok(None) => None,
+                Err(e) => {
+                    crate::log::error(format_args!(
+                        "{e}; kernel launches of this process are not gated"
+                    ));
+                    None
+                }
+            },
+        )
+        .as_ref()
+}
+
+impl Gates {
+    /// The device of the launch: the current context's, skipped when the process sees one GPU.
+    fn device(&self, gpu: &dyn Gpu) -> Option<usize> {
+        let single = *self
+            .single_device
+            .get_or_init(|| gpu.device_count() == Some(1));
+        if single {
+            return Some(0);
+        }
+        gpu.current_device()
+            .and_then(|d| usize::try_from(d).ok())
+            .filter(|&d| d < DEVICES_MAX)
+    }
+
+    fn gate(&self, device: usize, gpu: &dyn Gpu) -> Option<&Gate> {
+        self.devices[device]
+            .get_or_init(|| {
+                let share_pct = self.config.shares_pct[device]?;
+                match Gate::open(&self.config, device, share_pct, gpu) {
+                    Ok(gate) => Some(gate),
+                    Err(e) => {
+                        crate::log::error(format_args!(
+                            "compute sharing on device {device} is off: {e}; its kernel launches \
+                             are not gated"
+                        ));
+                        None
+                    }
+                }
+            })
+            .as_ref()
+    }
+}
+
+/// This process's membership of one GPU's schedule.
+struct Gate {
+    schedule: Schedule<'static, ProcLiveness>,
+    member: Member,
+    /// When the demand stamp was last refreshed (process-local, to keep shared stores rare).
+    demand_stamp_ns: AtomicU64,
+    tracker: Mutex<Tracker>,
+    waited_too_long: AtomicBool,
+}
+
+/// The events this process recorded on this GPU, per stream, oldest first; and a pool.
+#[derive(Default)]
+struct Tracker {
+    streams: HashMap<(usize, u64), VecDeque<Event>>,
+    pool: Vec<Event>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Event {
+    handle: usize,
+    context: usize,
+}
+
+impl Gate {
+    fn open(
+        config: &ComputeConfig,
+        device: usize,
+        share_pct: u32,
+        gpu: &dyn Gpu,
+    ) -> Result<Gate, String> {
+        let uuid = gpu
+            .uuid(device as i32)
+            .ok_or("cuDeviceGetUuid failed".to_owned())?;
+        let quantum_ns = config
+            .quantum_ms
+            .saturating_mul(1_000_000)
+            .max(QUANTUM_NS_DEFAULT / 20);
+        let region = crate::shm::open_schedule(&config.shm_dir, &uuid_text(&uuid), quantum_ns)?;
+        let schedule = Schedule::new(region, ProcLiveness);
+        let tenant_config = TenantConfig {
+            share_pct,
+            burst: config.burst,
+            guaranteed: config.guaranteed,
+            priority: config.priority,
+        };
+        let now = monotonic_ns();
+        let member = schedule.join(
+            &config.tenant,
+            tenant_config,
+            std::process::id(),
+            own_start_time(),
+            now,
+        )?;
+        crate::log::debug(format_args!(
+            "device {device} ({}): tenant slot {}, process slot {}, quantum {} ms",
+            uuid_text(&uuid),
+            member.tenant,
+            member.proc,
+            schedule.quantum_ns() / 1_000_000
+        ));
+        Ok(Gate {
+            schedule,
+            member,
+            demand_stamp_ns: AtomicU64::new(now),
+            tracker: Mutex::new(Tracker::default()),
+            waited_too_long: AtomicBool::new(false),
+        })
+    }
+
+    #[inline]
+    fn demand(&self, now: u64) {
+        if now.saturating_sub(self.demand_stamp_ns.load(Relaxed)) >= DEMAND_EVERY_NS {
+            self.demand_stamp_ns.store(now, Relaxed);
+            self.schedule.demand(&self.member, now);
+        }
+    }
+
+    /// The slow path: waits for the tenant's turn; returns whether other tenants are active.
+    fn wait_for_turn(&self, gpu: &dyn Gpu, start: u64) -> bool {
+        let mut now = start;
+        loop {
+            match self.schedule.step(&self.member, now) {
+                Step::Go { contended } => {
+                    if contended {
+                        self.schedule.mark_busy(&self.member, now);
+                    }
+                    self.demand_stamp_ns.store(now, Relaxed);
+                    return contended;
+                }
+                Step::Drain => {
+                    self.drain(gpu, now.saturating_add(self.schedule.grace_ns()));
+                    self.schedule.drained(&self.member);
+                }
+                Step::Wait => {
+                    if now.saturating_sub(start) >= WAIT_MAX_NS {
+                        if !self.waited_too_long.swap(true, Relaxed) {
+                            crate::log::error(format_args!(
+                                "a kernel launch waited {} s for its turn on the GPU; launching \
+                                 anyway (logged once)",
+                                WAIT_MAX_NS / 1_000_000_000
+                            ));
+                        }
+                        return true;
+                    }
+                    std::thread::sleep(POLL_SLEEP);
+                }
+            }
+            now = monotonic_ns();
+        }
+    }
+
+    fn tracker(&self) -> MutexGuard<'_, Tracker> {
+        self.tracker.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records an event after a sampled launch and bounds the stream's unfinished events.
+    fn track(&self, gpu: &dyn Gpu, stream: StreamRef) {
+        let (handle, key) = stream.resolve();
+        let context = gpu.current_context();
+        let oldest = {
+            let mut tracker = self.tracker();
+            let pooled = tracker.pool.iter().rposition(|e| e.context == context);
+            let event = match pooled {
+                Some(index) => tracker.pool.swap_remove(index),
+                None => match gpu.event_create() {
+                    Some(handle) => Event { handle, context },
+                    None => return,
+                },
+            };
+            if !gpu.event_record(event.handle, handle) {
+                gpu.event_destroy(event.handle);
+                return;
+            }
+            let Tracker { streams, pool } = &mut *tracker;
+            let ring = streams.entry(key).or_default();
+            ring.push_back(event);
+            retire_finished(gpu, ring, pool);
+            if ring.len() <= EVENTS_PER_STREAM_MAX {
+                return;
+            }
+            ring.pop_front()
+        };
+        let Some(oldest) = oldest else { return };
+        // Wait without holding the tracker: other threads keep launching on other streams.
+        let deadline = monotonic_ns().saturating_add(EVENT_WAIT_MAX_NS);
+        let state = wait_event(gpu, oldest, deadline);
+        self.give_back(gpu, oldest, state);
+    }
+
+    /// Waits (until `deadline`) for every recorded event of this process on this GPU.
+    fn drain(&self, gpu: &dyn Gpu, deadline: u64) {
+        loop {
+            let unfinished = {
+                let mut tracker = self.tracker();
+                let Tracker { streams, pool } = &mut *tracker;
+                for ring in streams.values_mut() {
+                    retire_finished(gpu, ring, pool);
+                }
+                streams.retain(|_, ring| !ring.is_empty());
+                !streams.is_empty()
+            };
+            if !unfinished || monotonic_ns() >= deadline {
+                return;
+            }
+            std::thread::sleep(EVENT_POLL_SLEEP);
+        }
+    }
+
+    fn give_back(&self, gpu: &dyn Gpu, event: Event, state: EventState) {
+        let mut tracker = self.tracker();
+        if state == EventState::Failed || tracker.pool.len() >= EVENT_POOL_MAX {
+            drop(tracker);
+            gpu.event_destroy(event.handle);
+        } else {
+            tracker.pool.push(event);
+        }
+    }
+}
+
+/// Moves the finished events at the front of `ring` to `pool` (failed ones are destroyed).
+fn retire_finished(gpu: &dyn Gpu, ring: &mut VecDeque<Event>, pool: &mut Vec<Event>) {
+    while let Some(&front) = ring.front() {
+        match gpu.event_query(front.handle) {
+            EventState::Pending => break,
+            EventState::Done if pool.len() < EVENT_POOL_MAX => pool.push(front),
+            EventState::Done | EventState::Failed => gpu.event_destroy(front.handle),
+        }
+        ring.pop_front();
+    }
+}
+
+/// Polls `event` until it completes, fails, or `deadline` passes (then `Pending`).
+fn wait_event(gpu: &dyn Gpu, event: Event, deadline: u64) -> EventState {
+    let mut spins = 0u32;
+    loop {
+        let state = gpu.event_query(event.handle);
+        if state != EventState::Pending || monotonic_ns() >= deadline {
+            return state;
+        }
+        // A few yields first: a kernel queue of a few launches often drains within microseconds.
+        if spins < 16 {
+            spins += 1;
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(EVENT_POLL_SLEEP);
+        }
+    }
+}
+
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as `nvidia-smi -L` and NVML print it.
+pub fn uuid_text(bytes: &[u8; 16]) -> String {
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuids_print_like_nvidia_smi() {
+        let bytes: [u8; 16] = std::array::from_fn(|i| i as u8 * 17);
+        assert_eq!(
+            uuid_text(&bytes),
+            "GPU-00112233-4455-6677-8899-aabbccddeeff"
+        );
+    }
+
+    #[test]
+    fn default_streams_resolve_per_thread_and_legacy() {
+        let legacy = StreamRef {
+            handle: 0,
+            per_thread: false,
+        };
+        assert_eq!(legacy.resolve(), (0, (0, 0)));
+        let explicit_legacy = StreamRef {
+            handle: STREAM_LEGACY,
+            per_thread: true,
+        };
+        assert_eq!(explicit_legacy.resolve(), (0, (0, 0)));
+        let ptsz = StreamRef {
+            handle: 0,
+            per_thread: true,
+        };
+        let (handle, key) = ptsz.resolve();
+        assert_eq!(handle, STREAM_PER_THREAD);
+        let other_thread = std::thread::spawn(move || ptsz.resolve().1).join().unwrap();
+        assert_ne!(key, other_thread);
+        let user = StreamRef {
+            handle: 0x5000,
+            per_thread: true,
+        };
+        assert_eq!(user.resolve(), (0x5000, (0x5000, 0)));
+    }
+}

@@ -1,0 +1,306 @@
+//! Compute sharing through the real ABI: several tenant processes launch simulated kernels on
+//! one simulated GPU (the fake driver's shared timeline, `FAKE_CUDA_GPU`), and each reports the
+//! GPU time its kernels got inside a common window. Shares are checked to within a few points
+//! (the machine running the tests is shared, so the bounds leave room for scheduling noise).
+
+use super::{Probe, shm_dir};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// One tenant process of a run.
+struct Spinner {
+    tenant: &'static str,
+    env: Vec<(&'static str, String)>,
+    api: &'static str,
+    kernel_us: u32,
+    /// Started this long after the others.
+    delay: Duration,
+}
+
+fn spinner(tenant: &'static str, shares: &str, api: &'static str) -> Spinner {
+    Spinner {
+        tenant,
+        env: vec![("VGPU_COMPUTE_SHARES", shares.to_owned())],
+        api,
+        kernel_us: 1000,
+        delay: Duration::ZERO,
+    }
+}
+
+impl Spinner {
+    fn env(mut self, name: &'static str, value: &str) -> Spinner {
+        self.env.push((name, value.to_owned()));
+        self
+    }
+}
+
+/// What a spinning probe reported.
+#[derive(Debug)]
+struct Spun {
+    used_ns: u64,
+    max_wait_us: u64,
+}
+
+fn clock_ns(shm: &Path) -> u64 {
+    let out = Probe::new(shm, None).run("clock");
+    out.trim()
+        .strip_prefix("clock ")
+        .and_then(|v| v.parse().ok())
+        .expect("clock <ns>")
+}
+
+/// Runs `spinners` together on one simulated GPU; the window starts `window_ms.0` after now
+/// and ends at `window_ms.1`; every probe spins until `until_ms`.
+fn spin_together(
+    shm: &Path,
+    spinners: Vec<Spinner>,
+    window_ms: (u64, u64),
+    until_ms: u64,
+) -> Vec<Spun> {
+    let t0 = clock_ns(shm);
+    let ms = 1_000_000;
+    let window = format!("{},{}", t0 + window_ms.0 * ms, t0 + window_ms.1 * ms);
+    let until = (t0 + until_ms * ms).to_string();
+    let gpu = shm.join("gpu.sim");
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = spinners
+            .into_iter()
+            .map(|s| {
+                let (window, until, gpu) = (&window, &until, &gpu);
+                scope.spawn(move || {
+                    std::thread::sleep(s.delay);
+                    let mut probe = Probe::new(shm, Some(s.tenant))
+                        .env("FAKE_CUDA_DEVICES", "1")
+                        .env("FAKE_CUDA_GPU", gpu)
+                        .env("FAKE_CUDA_WINDOW", window)
+                        .env("PROBE_UNTIL_NS", until);
+                    for (name, value) in &s.env {
+                        probe = probe.env(name, value);
+                    }
+                    let out = probe.run(&format!("spin {} {}", s.api, s.kernel_us));
+                    parse_spin(&out)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a spinner"))
+            .collect()
+    })
+}
+
+fn parse_spin(out: &str) -> Spun {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("spin "))
+        .unwrap_or_else(|| panic!("no spin line in {out:?}"));
+    let field = |name: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+    };
+    assert!(line.starts_with("spin 0 "), "a launch failed: {line}");
+    Spun {
+        used_ns: field("used="),
+        max_wait_us: field("max_wait_us="),
+    }
+}
+
+/// Percent of a `window_ms`-long window.
+fn shares(spun: &[Spun], window_ms: u64) -> Vec<f64> {
+    spun.iter()
+        .map(|s| s.used_ns as f64 / (window_ms as f64 * 1e4))
+        .collect()
+}
+
+fn assert_close(got: &[f64], want: &[f64], points: f64) {
+    for (g, w) in got.iter().zip(want) {
+        assert!(
+            (g - w).abs() <= points,
+            "got {got:.1?} %, want {want:?} % ± {points}"
+        );
+    }
+}
+
+#[test]
+fn two_tenants_get_70_30_of_the_gpu() {
+    let shm = shm_dir();
+    let spun = spin_together(
+        shm.path(),
+        vec![
+            spinner("a", "0:70", "kernel"),
+            spinner("b", "0:30", "kernel"),
+        ],
+        (400, 2400),
+        2500,
+    );
+    assert_close(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
+    let schedules: Vec<_> = std::fs::read_dir(shm.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name.ends_with(".compute"))
+        .collect();
+    assert_eq!(
+        schedules,
+        ["GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00.compute"]
+    );
+}
+
+#[test]
+fn graph_extended_and_per_thread_launches_are_gated() {
+    let shm = shm_dir();
+    let spun = spin_together(
+        shm.path(),
+        vec![
+            spinner("a", "0:75", "graph"),
+            spinner("b", "0:25", "ex_ptsz"),
+        ],
+        (400, 2400),
+        2500,
+    );
+    assert_close(&shares(&spun, 2000), &[75.0, 25.0], 6.0);
+}
+
+#[test]
+fn cooperative_and_get_proc_address_launches_are_gated() {
+    let shm = shm_dir();
+    let spun = spin_together(
+        shm.path(),
+        vec![
+            spinner("a", "0:25", "coop_ptsz"),
+            spinner("b", "0:75", "gpa"),
+        ],
+        (400, 2400),
+        2500,
+    );
+    assert_close(&shares(&spun, 2000), &[25.0, 75.0], 6.0);
+}
+
+#[test]
+fn launch_functions_resolve_to_the_hooks() {
+    let shm = shm_dir();
+    let out = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_COMPUTE_SHARES", "0:50")
+        .env("FAKE_CUDA_DEVICES", "1")
+        .run(
+            "launch gpa 10 launch gpa_ptsz 10 launch dl 10 launch kernel 10 launch kernel_ptsz 10 \
+             launch ex 10 launch coop 10 launch multi 10 launch graph_ptsz 10 sync",
+        );
+    assert_eq!(
+        out,
+        "launch 0 lib=libvgpu_cuda.so\nlaunch 0 lib=libvgpu_cuda.so\nlaunch 0 lib=libvgpu_cuda.so\n\
+         launch 0 lib=libcuda.so.1\nlaunch 0 lib=libcuda.so.1\nlaunch 0 lib=libcuda.so.1\n\
+         launch 0 lib=libcuda.so.1\nlaunch 0 lib=libcuda.so.1\nlaunch 0 lib=libcuda.so.1\nsync 0\n"
+    );
+}
+
+#[test]
+fn a_bursting_tenant_gives_idle_time_back_and_a_capped_one_stays_capped() {
+    let shm = shm_dir();
+    // "b" may burst and runs alone for a second, then "a" arrives with a guaranteed 70%.
+    let mut late = spinner("a", "0:70", "kernel");
+    late.delay = Duration::from_millis(1000);
+    let spun = spin_together(
+        shm.path(),
+        vec![late, spinner("b", "0:30", "kernel").env("VGPU_BURST", "1")],
+        (1400, 3400),
+        3500,
+    );
+    assert_close(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
+
+    // Without burst, a tenant alone keeps to its share.
+    let shm = shm_dir();
+    let spun = spin_together(
+        shm.path(),
+        vec![spinner("c", "0:40", "kernel")],
+        (400, 2400),
+        2500,
+    );
+    assert_close(&shares(&spun, 2000), &[40.0], 6.0);
+}
+
+#[test]
+fn idle_time_goes_to_the_higher_priority() {
+    let shm = shm_dir();
+    let best_effort = |name, priority| {
+        spinner(name, "0:30", "kernel")
+            .env("VGPU_BURST", "1")
+            .env("VGPU_GUARANTEED", "0")
+            .env("VGPU_PRIORITY", priority)
+    };
+    let spun = spin_together(
+        shm.path(),
+        vec![best_effort("high", "10"), best_effort("low", "0")],
+        (400, 2400),
+        2500,
+    );
+    assert_close(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
+}
+
+#[test]
+fn a_killed_process_mid_turn_stalls_the_others_only_briefly() {
+    let shm = shm_dir();
+    let t0 = clock_ns(shm.path());
+    let gpu = shm.path().join("gpu.sim");
+    let mut victim = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_COMPUTE_SHARES", "0:50")
+        .env("FAKE_CUDA_DEVICES", "1")
+        .env("FAKE_CUDA_GPU", &gpu)
+        .env("PROBE_UNTIL_NS", (t0 + 60_000_000_000).to_string())
+        .start_holding("spin kernel 1000");
+    let survivor = std::thread::spawn({
+        let shm = shm.path().to_owned();
+        move || {
+            Probe::new(&shm, Some("b"))
+                .env("VGPU_COMPUTE_SHARES", "0:50")
+                .env("VGPU_BURST", "1")
+                .env("FAKE_CUDA_DEVICES", "1")
+                .env("FAKE_CUDA_GPU", &gpu)
+                .env("PROBE_UNTIL_NS", (t0 + 2_500_000_000).to_string())
+                .run("spin kernel 1000")
+        }
+    });
+    // The victim holds the GPU half of the time; kill it at some point of its turn.
+    victim.wait_for_line("spinning");
+    std::thread::sleep(Duration::from_millis(700));
+    let killed = Instant::now();
+    victim.kill_without_reaping();
+    let out = survivor.join().expect("the survivor");
+    let spun = parse_spin(&out);
+    assert!(
+        killed.elapsed() < Duration::from_secs(5),
+        "the survivor finished late"
+    );
+    // Normal waits are a turn of the other tenant (20 ms) plus a drain; after the kill, the
+    // survivor waits at most a grace period (10 ms) more. Generous for a loaded machine.
+    assert!(
+        spun.max_wait_us < 250_000,
+        "a launch of the survivor waited {} ms",
+        spun.max_wait_us / 1000
+    );
+}
+
+#[test]
+fn tenants_without_a_share_are_not_gated() {
+    let shm = shm_dir();
+    let spun = spin_together(
+        shm.path(),
+        vec![Spinner {
+            tenant: "free",
+            env: vec![],
+            api: "kernel",
+            kernel_us: 1000,
+            delay: Duration::ZERO,
+        }],
+        (200, 1200),
+        1300,
+    );
+    assert_close(&shares(&spun, 1000), &[100.0], 3.0);
+    let files: Vec<_> = std::fs::read_dir(shm.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name.ends_with(".compute"))
+        .collect();
+    assert!(files.is_empty(), "{files:?}");
+}
