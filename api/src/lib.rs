@@ -1,12 +1,13 @@
 //! The vgpu.v1 API shared by every vgpu binary: the tonic/prost code generated from
 //! `proto/vgpu/v1/vgpu.proto`, plus the input rules that every entry point applies the same way
-//! (size strings, names, placement-request validation) and the stable error codes that cross the
-//! gRPC boundary.
+//! (size strings, names, placement-request validation, configuration files with environment
+//! overrides) and the stable error codes that cross the gRPC boundary.
 //!
 //! **API Boundary:** the `.proto` file is the contract between vgpuctl, vgpu-agent and vgpu-cp.
 //! Fields are only ever added; numbers are never reused.
 
 pub mod codes;
+pub mod config;
 pub mod names;
 pub mod size;
 pub mod validate;

@@ -6,12 +6,14 @@
 //! (`--memory -5GiB`, `--priority -10`) are accepted by clap and refused here, with our message.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use api::validate::{PRIORITY_MAX, PRIORITY_MIN, RequestError};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-/// Address used when neither `--endpoints` nor `VGPU_ENDPOINTS` is given.
+/// Address used when neither `--endpoints`, `VGPUCTL_ENDPOINTS` nor the configuration file
+/// gives one.
 pub const ENDPOINT_DEFAULT: &str = "127.0.0.1:7401";
 /// Port added to an endpoint written without one.
 pub const PORT_DEFAULT: u16 = 7401;
@@ -21,31 +23,47 @@ const GPU_DECIMALS_MAX: usize = 3;
 /// vgpuctl: place, release and inspect GPU tenants, nodes and the vgpu control-plane cluster.
 ///
 /// Results go to stdout, diagnostics to stderr. Exit status: 0 on success, 1 when the control
-/// plane refused or failed the request, 2 for bad usage, 3 when no endpoint answered.
+/// plane refused or failed the request, 2 for bad usage, 3 when no endpoint answered. The global
+/// options can also be set by VGPUCTL_* variables or in the configuration file; flags win over
+/// variables, variables over the file (docs/configuration.md).
 #[derive(Debug, Parser)]
 #[command(name = "vgpuctl", version, propagate_version = true)]
 pub struct Cli {
+    /// Configuration file (TOML) [default: $VGPUCTL_CONFIG, else
+    /// ~/.config/vgpu/vgpuctl.toml if it exists].
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        value_name = "FILE"
+    )]
+    pub config: Option<PathBuf>,
+
     /// Control-plane addresses, comma separated (any member works; writes are forwarded to the
-    /// leader).
+    /// leader) [env: VGPUCTL_ENDPOINTS or VGPU_ENDPOINTS] [default: 127.0.0.1:7401].
     #[arg(
         long,
         global = true, help_heading = "Global options",
-        env = "VGPU_ENDPOINTS",
-        default_value = ENDPOINT_DEFAULT,
         value_delimiter = ',',
         value_parser = parse_endpoint,
         value_name = "ADDR[,ADDR...]"
     )]
     pub endpoints: Vec<String>,
 
-    /// Output format.
-    #[arg(short, long, global = true, help_heading = "Global options", value_enum, default_value_t = Format::Table)]
-    pub output: Format,
+    /// Output format [env: VGPUCTL_OUTPUT] [default: table].
+    #[arg(
+        short,
+        long,
+        global = true,
+        help_heading = "Global options",
+        value_enum
+    )]
+    pub output: Option<Format>,
 
     /// Time limit for each call to the control plane, including retries on other endpoints
-    /// (`10s`, `500ms`, `1m`; a plain number is seconds).
-    #[arg(long, global = true, help_heading = "Global options", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
-    pub timeout: Duration,
+    /// (`10s`, `500ms`, `1m`; a plain number is seconds) [env: VGPUCTL_TIMEOUT] [default: 10s].
+    #[arg(long, global = true, help_heading = "Global options", value_parser = parse_duration, value_name = "DURATION")]
+    pub timeout: Option<Duration>,
 
     /// More diagnostics on stderr (-v info, -vv debug, -vvv trace). `VGPUCTL_LOG` overrides.
     #[arg(short, long, global = true, help_heading = "Global options", action = clap::ArgAction::Count)]
@@ -56,7 +74,8 @@ pub struct Cli {
 }
 
 /// How results are printed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Format {
     /// Aligned columns or short sentences, for people.
     Table,
@@ -693,7 +712,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(cli.endpoints, vec!["a:1".to_owned(), "b:2".to_owned()]);
-        assert_eq!(cli.output, Format::Json);
+        assert_eq!(cli.output, Some(Format::Json));
         let Command::Place(place) = cli.command else {
             panic!("expected place")
         };
@@ -730,7 +749,7 @@ mod tests {
     #[test]
     fn get_accepts_singular_kinds_and_a_trailing_output_flag() {
         let cli = parse(&["get", "tenant", "infer-a", "-o", "yaml", "--stale"]).unwrap();
-        assert_eq!(cli.output, Format::Yaml);
+        assert_eq!(cli.output, Some(Format::Yaml));
         let Command::Get(get) = cli.command else {
             panic!("expected get")
         };

@@ -535,7 +535,7 @@ mod tests {
         };
         let session = Session {
             endpoints: Endpoints::new(config),
-            format: cli.output,
+            format: cli.output.unwrap_or(Format::Table),
         };
         let mut out = Vec::new();
         let result = execute(&cli.command, &session, &mut out).await;

@@ -3,7 +3,8 @@
 //!
 //! The binary's `main.rs` parses a [`Cli`], installs tracing and calls [`run`]; everything else is
 //! here: [`cli`] (flags and their parsers), [`endpoints`] (connections and failover between
-//! control-plane members), [`commands`] (one function per subcommand), [`views`] (the JSON/YAML
+//! control-plane members), [`config`] (flags, `VGPUCTL_*` variables and the configuration file),
+//! [`commands`] (one function per subcommand), [`views`] (the JSON/YAML
 //! shapes), [`output`] (tables and formatting) and [`describe`] (the `describe` text).
 //!
 //! Scripting contract: results go to stdout, diagnostics to stderr, and the exit status is
@@ -14,6 +15,7 @@
 
 pub mod cli;
 pub mod commands;
+pub mod config;
 pub mod describe;
 pub mod endpoints;
 pub mod output;
@@ -46,27 +48,23 @@ pub struct UsageError(pub String);
 
 /// Runs the command line: connects lazily to the endpoints, runs the subcommand, prints to stdout.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
-    if cli.endpoints.is_empty() {
-        return Err(UsageError(
-            "no endpoints given; pass --endpoints HOST:PORT or set VGPU_ENDPOINTS".into(),
-        )
-        .into());
-    }
+    let settings = config::load(&cli, &api::config::ProcessEnvironment)
+        .map_err(|error| UsageError(error.to_string()))?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    let connect_timeout = cli
+    let connect_timeout = settings
         .timeout
         .min(Duration::from_millis(endpoints::CONNECT_TIMEOUT_MS));
     let config = EndpointsConfig {
-        addresses: cli.endpoints.clone(),
-        call_timeout: cli.timeout,
+        addresses: settings.endpoints,
+        call_timeout: settings.timeout,
         connect_timeout,
     };
     let session = commands::Session {
         endpoints: Endpoints::new(config),
-        format: cli.output,
+        format: settings.output,
     };
     let stdout = std::io::stdout();
     let mut out = stdout.lock();

@@ -2,8 +2,10 @@
 //! tenants that places tenants on GPU slices.
 //!
 //! [`run`] starts one member: it opens (or creates) its data directory, starts Raft and the gRPC
-//! API, bootstraps a cluster or joins one, and runs until SIGINT/SIGTERM.
+//! API, bootstraps a cluster or joins one, and runs until SIGINT/SIGTERM. [`config`] gathers its
+//! [`Config`] from flags, `VGPU_CP_*` variables and the TOML configuration file.
 
+pub mod config;
 pub mod control_plane;
 pub mod identity;
 pub mod metrics;
@@ -13,6 +15,7 @@ pub mod raft_types;
 pub mod runtime;
 pub mod service;
 pub mod store;
+pub mod systemd;
 
 use control_plane::{ControlPlane, Timings};
 use raft_types::Raft;
@@ -120,8 +123,12 @@ pub struct Config {
 /// Runs one control-plane member until it is told to stop.
 pub async fn run(config: Config) -> Result<(), Error> {
     let started = start(config).await?;
+    if let Err(error) = systemd::notify("READY=1") {
+        tracing::warn!(%error, "could not tell systemd that the member is ready");
+    }
     wait_for_signal().await;
     tracing::info!("shutting down");
+    systemd::notify("STOPPING=1").ok();
     started.control_plane.raft.shutdown().await.ok();
     Ok(())
 }

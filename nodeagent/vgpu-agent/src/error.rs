@@ -78,6 +78,8 @@ pub enum Error {
 
     #[error(transparent)]
     Name(#[from] api::names::NameError),
+    #[error(transparent)]
+    Config(#[from] api::config::ConfigError),
     #[error("the label `{0}` is not KEY=VALUE with a non-empty key, e.g. `zone=a`")]
     BadLabel(String),
     #[error("the control plane at {address} refused to register this node: {message}")]

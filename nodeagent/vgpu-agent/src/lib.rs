@@ -12,6 +12,8 @@
 //! * [`state`]: the state directory and its atomic writes.
 //! * [`tenant`]: the environment of a tenant's processes (`exec`, `env`); [`cdi`]: the same for
 //!   containers, as a CDI spec kept in step with the assignments.
+//! * [`config`]: the settings of every subcommand, from flags, `VGPU_AGENT_*` variables and the
+//!   TOML configuration file.
 //!
 //! **Architecture Invariant:** the agent never decides placement. The control plane's newest
 //! assignment set is the truth; the agent only reconciles its files towards it.
@@ -20,6 +22,7 @@ pub mod agent;
 pub mod assignments;
 pub mod backoff;
 pub mod cdi;
+pub mod config;
 pub mod endpoints;
 pub mod error;
 pub mod follower;

@@ -1,22 +1,30 @@
-//! `vgpu-agent`: parses the command line, installs logging to stderr, and calls into the library.
+//! `vgpu-agent`: parses the command line, gathers the settings (flags, `VGPU_AGENT_*` variables,
+//! the configuration file; see `vgpu_agent::config`), installs logging to stderr, and calls into
+//! the library.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use vgpu_agent::cdi::CdiConfig;
+use vgpu_agent::config::Settings;
 use vgpu_agent::tenant::{self, EnvConfig, ExecConfig};
-use vgpu_agent::{InventorySource, JoinConfig, Timings};
 
 #[derive(Parser)]
 #[command(
     name = "vgpu-agent",
     version,
-    about = "The vgpu node agent: joins a node's GPUs to the pool"
+    about = "The vgpu node agent: joins a node's GPUs to the pool",
+    after_help = "Every setting flag can also be set by a VGPU_AGENT_* variable or in the \
+                  configuration file; flags win over variables, variables over the file. See \
+                  docs/configuration.md."
 )]
 struct Cli {
+    /// Configuration file (TOML) [default: $VGPU_AGENT_CONFIG, else /etc/vgpu/vgpu-agent.toml if
+    /// it exists].
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -36,24 +44,25 @@ enum Command {
 
 #[derive(Args)]
 struct JoinArgs {
-    /// Control-plane addresses, HOST:PORT (comma-separated or repeated); any member will do.
-    #[arg(long, required = true, value_delimiter = ',')]
+    /// Control-plane addresses, HOST:PORT (comma-separated or repeated); any member will do
+    /// [config: control_plane].
+    #[arg(long, value_delimiter = ',')]
     control_plane: Vec<String>,
-    /// This node's name: lowercase letters, digits, `-` and `.`.
+    /// This node's name: lowercase letters, digits, `-` and `.` [default: the host name].
     #[arg(long)]
-    name: String,
+    name: Option<String>,
     #[command(flatten)]
     simulate: SimulateArg,
     /// Where assignments are kept [default: /var/lib/vgpu-agent/NAME if writable, else
     /// $HOME/.local/state/vgpu-agent/NAME].
-    #[arg(long, env = "VGPU_AGENT_STATE_DIR")]
+    #[arg(long)]
     state_dir: Option<PathBuf>,
     /// Node labels, KEY=VALUE (comma-separated or repeated); tenants select nodes by them.
     #[arg(long, value_delimiter = ',', value_parser = label)]
     labels: Vec<(String, String)>,
     /// Address at which this agent can be reached, HOST:PORT (informational).
-    #[arg(long, default_value = "")]
-    address: String,
+    #[arg(long)]
+    address: Option<String>,
     /// Where the CDI spec of the placed tenants goes [default: /var/run/cdi if writable, else
     /// STATE_DIR/cdi; always STATE_DIR/cdi with --simulate].
     #[arg(long, value_name = "DIR", conflicts_with = "no_cdi")]
@@ -65,22 +74,42 @@ struct JoinArgs {
     runtime: RuntimeArgs,
 }
 
+impl JoinArgs {
+    fn settings(self) -> Settings {
+        Settings {
+            control_plane: (!self.control_plane.is_empty()).then_some(self.control_plane),
+            name: self.name,
+            simulate: self.simulate.simulate,
+            state_dir: self.state_dir,
+            labels: (!self.labels.is_empty())
+                .then(|| self.labels.into_iter().collect::<BTreeMap<_, _>>()),
+            address: self.address,
+            cdi: self.no_cdi.then_some(false),
+            cdi_dir: self.cdi_dir,
+            ..self.runtime.settings()
+        }
+    }
+}
+
 /// How tenant processes are run: shared by `join` (for CDI specs), `exec` and `env`.
 #[derive(Args)]
 struct RuntimeArgs {
     /// The interposer to preload [default: libvgpu_cuda.so beside vgpu-agent if present, else
     /// /usr/lib/vgpu/libvgpu_cuda.so].
-    #[arg(long, value_name = "PATH", env = "VGPU_INTERPOSER")]
+    #[arg(long, value_name = "PATH")]
     interposer: Option<PathBuf>,
-    /// The interposers' shared-memory directory.
-    #[arg(long, value_name = "DIR", env = "VGPU_SHM_DIR", default_value = tenant::SHM_DIR_DEFAULT)]
-    shm_dir: PathBuf,
+    /// The interposers' shared-memory directory [default: /dev/shm/vgpu].
+    #[arg(long, value_name = "DIR")]
+    shm_dir: Option<PathBuf>,
 }
 
 impl RuntimeArgs {
-    fn interposer(&self) -> PathBuf {
-        let executable = std::env::current_exe().ok();
-        tenant::resolve_interposer(self.interposer.as_deref(), executable.as_deref())
+    fn settings(self) -> Settings {
+        Settings {
+            interposer: self.interposer,
+            shm_dir: self.shm_dir,
+            ..Settings::default()
+        }
     }
 }
 
@@ -90,7 +119,7 @@ struct TenantArgs {
     #[arg(long)]
     tenant: String,
     /// The running agent's state directory [default: as `join` chooses it for --name].
-    #[arg(long, env = "VGPU_AGENT_STATE_DIR")]
+    #[arg(long)]
     state_dir: Option<PathBuf>,
     /// This node's name, as given to `join` [default: the host name].
     #[arg(long)]
@@ -103,20 +132,13 @@ struct TenantArgs {
 }
 
 impl TenantArgs {
-    fn node(&self) -> String {
-        self.name
-            .clone()
-            .unwrap_or_else(vgpu_agent::default_node_name)
-    }
-
-    fn state_dir(&self) -> PathBuf {
-        self.state_dir
-            .clone()
-            .unwrap_or_else(|| vgpu_agent::state::find_state_dir(&self.node()))
-    }
-
-    fn interposer(&self) -> Option<PathBuf> {
-        (!self.no_interposer).then(|| self.runtime.interposer())
+    fn settings(self) -> (String, bool, Settings) {
+        let settings = Settings {
+            state_dir: self.state_dir,
+            name: self.name,
+            ..self.runtime.settings()
+        };
+        (self.tenant, self.no_interposer, settings)
     }
 }
 
@@ -152,15 +174,6 @@ struct SimulateArg {
     simulate: Option<String>,
 }
 
-impl SimulateArg {
-    fn source(&self) -> anyhow::Result<InventorySource> {
-        Ok(match &self.simulate {
-            Some(spec) => InventorySource::from_simulate_arg(spec)?,
-            None => InventorySource::Nvml,
-        })
-    }
-}
-
 #[derive(Args)]
 struct InventoryArgs {
     #[command(flatten)]
@@ -177,11 +190,6 @@ struct InventoryArgs {
 enum Output {
     Text,
     Json,
-}
-
-/// `path` made absolute against the working directory (CDI mounts need absolute paths).
-fn absolute(path: &Path) -> PathBuf {
-    std::path::absolute(path).unwrap_or_else(|_| path.to_owned())
 }
 
 fn label(text: &str) -> Result<(String, String), String> {
@@ -206,10 +214,18 @@ fn main() {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
+    let environment = api::config::ProcessEnvironment;
+    let executable = std::env::current_exe().ok();
+    let load = |flags| vgpu_agent::config::load(flags, cli.config.as_deref(), &environment);
     match cli.command {
         Command::Inventory(args) => {
-            let name = args.name.unwrap_or_else(vgpu_agent::default_node_name);
-            let inventory = args.simulate.source()?.discover(&name)?;
+            let flags = Settings {
+                simulate: args.simulate.simulate,
+                name: args.name,
+                ..Settings::default()
+            };
+            let (settings, _) = load(flags)?;
+            let inventory = settings.inventory_source()?.discover(&settings.node())?;
             match args.output {
                 Output::Text => print!("{}", inventory.to_text()),
                 Output::Json => println!("{}", serde_json::to_string_pretty(&inventory)?),
@@ -217,21 +233,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Exec(args) => {
+            let (tenant, no_interposer, flags) = args.tenant.settings();
+            let (settings, _) = load(flags)?;
             let config = ExecConfig {
-                state_dir: args.tenant.state_dir(),
-                node_hint: args.tenant.node(),
-                interposer: args.tenant.interposer(),
-                shm_dir: args.tenant.runtime.shm_dir.clone(),
-                tenant: args.tenant.tenant,
+                state_dir: settings.tenant_state_dir(),
+                node_hint: settings.node(),
+                interposer: (!no_interposer).then(|| settings.interposer(executable.as_deref())),
+                shm_dir: settings.shm_dir(),
+                tenant,
                 command: args.command,
             };
             match tenant::exec(config)? {}
         }
         Command::Env(args) => {
-            let state_dir = args.tenant.state_dir();
-            let placement =
-                tenant::load_placement(&state_dir, &args.tenant.tenant, &args.tenant.node())?;
-            let interposer = args.tenant.interposer();
+            let (tenant, no_interposer, flags) = args.tenant.settings();
+            let (settings, _) = load(flags)?;
+            let state_dir = settings.tenant_state_dir();
+            let placement = tenant::load_placement(&state_dir, &tenant, &settings.node())?;
+            let interposer = (!no_interposer).then(|| settings.interposer(executable.as_deref()));
             if let Some(path) = interposer.as_deref().filter(|path| !path.is_file()) {
                 eprintln!(
                     "vgpu-agent: warning: the interposer {} does not exist",
@@ -240,7 +259,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             let config = EnvConfig {
                 interposer,
-                shm_dir: args.tenant.runtime.shm_dir.clone(),
+                shm_dir: settings.shm_dir(),
                 state_dir,
             };
             let environment =
@@ -252,27 +271,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Join(args) => {
-            let state_dir = args
-                .state_dir
-                .unwrap_or_else(|| vgpu_agent::default_state_dir(&args.name));
-            let cdi = (!args.no_cdi).then(|| CdiConfig {
-                dir: args.cdi_dir.clone().unwrap_or_else(|| {
-                    vgpu_agent::cdi::default_cdi_dir(&state_dir, args.simulate.simulate.is_some())
-                }),
-                interposer: args.runtime.interposer(),
-                shm_dir: absolute(&args.runtime.shm_dir),
-                state_dir: absolute(&state_dir),
-            });
-            let config = JoinConfig {
-                control_plane: args.control_plane,
-                source: args.simulate.source()?,
-                state_dir,
-                labels: args.labels.into_iter().collect::<BTreeMap<_, _>>(),
-                address: args.address,
-                name: args.name,
-                timings: Timings::default(),
-                cdi,
-            };
+            let (settings, file) = load(args.settings())?;
+            let config = settings.join(file.as_deref(), executable.as_deref())?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()

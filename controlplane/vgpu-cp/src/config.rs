@@ -1,0 +1,625 @@
+//! The settings of `vgpu-cp` and where they come from: command-line flags, then `VGPU_CP_*`
+//! environment variables, then the TOML configuration file, then built-in defaults.
+//!
+//! One [`Settings`] struct (all fields optional, unknown keys refused) holds each layer; [`merge`]
+//! stacks them and [`Settings::resolve`] fills in defaults, checks what must be given and builds
+//! the [`Config`] that [`crate::run`] takes. [`KEYS`] documents every key; tests hold it against
+//! the struct, `docs/configuration.md` and `deploy/config/vgpu-cp.toml`.
+//!
+//! `mode` makes one systemd unit (`vgpu-cp run`) fit every member: the first member's file says
+//! `mode = "bootstrap"`, the others' `mode = "join"` with `peers`. Either restarts from the data
+//! directory once it holds a member.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use api::config::{self as common, ConfigError, Environment, KeyDoc};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::{Config, Mode, RaftTimings, control_plane::Timings};
+
+/// The variable that names the configuration file when `--config` is not given.
+pub const CONFIG_ENV: &str = "VGPU_CP_CONFIG";
+/// The file read when neither `--config` nor [`CONFIG_ENV`] is given, if it exists.
+pub const CONFIG_PATH_DEFAULT: &str = "/etc/vgpu/vgpu-cp.toml";
+
+/// How a member starts when its data directory is empty.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModeName {
+    /// Initialise a new one-voter cluster.
+    Bootstrap,
+    /// Join the cluster of `peers`.
+    Join,
+    /// Member 1 bootstraps, every other member joins: one setting for all members (a Kubernetes
+    /// StatefulSet, with `id_from_hostname`).
+    Auto,
+}
+
+impl std::str::FromStr for ModeName {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.trim() {
+            "bootstrap" => Ok(ModeName::Bootstrap),
+            "join" => Ok(ModeName::Join),
+            "auto" => Ok(ModeName::Auto),
+            _ => Err(format!(
+                "the mode `{text}` is unknown; write `bootstrap` (the first member), `join` or `auto` (member 1 bootstraps, the others join)"
+            )),
+        }
+    }
+}
+
+/// Every setting of `vgpu-cp`, each optional: one layer (flags, environment or file).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub mode: Option<ModeName>,
+    pub id: Option<u64>,
+    pub id_from_hostname: Option<bool>,
+    #[serde(default, deserialize_with = "socket_address")]
+    pub listen: Option<SocketAddr>,
+    pub advertise: Option<String>,
+    pub data_dir: Option<PathBuf>,
+    pub peers: Option<Vec<String>>,
+    pub node_lost_timeout_ms: Option<u64>,
+    pub agent_heartbeat_ms: Option<u64>,
+    pub raft_heartbeat_ms: Option<u64>,
+    pub election_timeout_ms: Option<u64>,
+    pub snapshot_every: Option<u64>,
+    pub snapshot_keep_logs: Option<u64>,
+}
+
+fn socket_address<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<SocketAddr>, D::Error> {
+    common::parse_with(deserializer, common::parse_socket_address)
+}
+
+const MODE: KeyDoc = KeyDoc {
+    key: "mode",
+    env: "VGPU_CP_MODE",
+    env_aliases: &[],
+    flag: None,
+    default: "required by `vgpu-cp run`",
+    example: "\"bootstrap\"",
+};
+const ID: KeyDoc = KeyDoc {
+    key: "id",
+    env: "VGPU_CP_ID",
+    env_aliases: &[],
+    flag: Some("--id"),
+    default: "required",
+    example: "1",
+};
+const ID_FROM_HOSTNAME: KeyDoc = KeyDoc {
+    key: "id_from_hostname",
+    env: "VGPU_CP_ID_FROM_HOSTNAME",
+    env_aliases: &[],
+    flag: None,
+    default: "false",
+    example: "true",
+};
+const LISTEN: KeyDoc = KeyDoc {
+    key: "listen",
+    env: "VGPU_CP_LISTEN",
+    env_aliases: &[],
+    flag: Some("--listen"),
+    default: "127.0.0.1:7401",
+    example: "\"0.0.0.0:7401\"",
+};
+const ADVERTISE: KeyDoc = KeyDoc {
+    key: "advertise",
+    env: "VGPU_CP_ADVERTISE",
+    env_aliases: &[],
+    flag: Some("--advertise"),
+    default: "the listen address",
+    example: "\"cp1.example.net:7401\"",
+};
+const DATA_DIR: KeyDoc = KeyDoc {
+    key: "data_dir",
+    env: "VGPU_CP_DATA_DIR",
+    env_aliases: &[],
+    flag: Some("--data-dir"),
+    default: "required",
+    example: "\"/var/lib/vgpu-cp\"",
+};
+const PEERS: KeyDoc = KeyDoc {
+    key: "peers",
+    env: "VGPU_CP_PEERS",
+    env_aliases: &[],
+    flag: Some("--peer"),
+    default: "required to join",
+    example: "[\"cp1.example.net:7401\", \"cp2.example.net:7401\"]",
+};
+const NODE_LOST_TIMEOUT_MS: KeyDoc = KeyDoc {
+    key: "node_lost_timeout_ms",
+    env: "VGPU_CP_NODE_LOST_TIMEOUT_MS",
+    env_aliases: &["VGPU_NODE_LOST_TIMEOUT_MS"],
+    flag: Some("--node-lost-timeout-ms"),
+    default: "5000",
+    example: "5000",
+};
+const AGENT_HEARTBEAT_MS: KeyDoc = KeyDoc {
+    key: "agent_heartbeat_ms",
+    env: "VGPU_CP_AGENT_HEARTBEAT_MS",
+    env_aliases: &[],
+    flag: Some("--agent-heartbeat-ms"),
+    default: "1000",
+    example: "1000",
+};
+const RAFT_HEARTBEAT_MS: KeyDoc = KeyDoc {
+    key: "raft_heartbeat_ms",
+    env: "VGPU_CP_RAFT_HEARTBEAT_MS",
+    env_aliases: &[],
+    flag: Some("--raft-heartbeat-ms"),
+    default: "50",
+    example: "50",
+};
+const ELECTION_TIMEOUT_MS: KeyDoc = KeyDoc {
+    key: "election_timeout_ms",
+    env: "VGPU_CP_ELECTION_TIMEOUT_MS",
+    env_aliases: &[],
+    flag: Some("--election-timeout-ms"),
+    default: "250",
+    example: "250",
+};
+const SNAPSHOT_EVERY: KeyDoc = KeyDoc {
+    key: "snapshot_every",
+    env: "VGPU_CP_SNAPSHOT_EVERY",
+    env_aliases: &[],
+    flag: Some("--snapshot-every"),
+    default: "20000",
+    example: "20000",
+};
+const SNAPSHOT_KEEP_LOGS: KeyDoc = KeyDoc {
+    key: "snapshot_keep_logs",
+    env: "VGPU_CP_SNAPSHOT_KEEP_LOGS",
+    env_aliases: &[],
+    flag: Some("--snapshot-keep-logs"),
+    default: "1000",
+    example: "1000",
+};
+
+/// Every key of the `vgpu-cp` configuration file, in the order of the documentation.
+pub const KEYS: &[KeyDoc] = &[
+    MODE,
+    ID,
+    ID_FROM_HOSTNAME,
+    LISTEN,
+    ADVERTISE,
+    DATA_DIR,
+    PEERS,
+    NODE_LOST_TIMEOUT_MS,
+    AGENT_HEARTBEAT_MS,
+    RAFT_HEARTBEAT_MS,
+    ELECTION_TIMEOUT_MS,
+    SNAPSHOT_EVERY,
+    SNAPSHOT_KEEP_LOGS,
+];
+
+impl Settings {
+    /// The settings the `VGPU_CP_*` variables give.
+    pub fn from_env(env: &dyn Environment) -> Result<Settings, ConfigError> {
+        let number =
+            |key: &KeyDoc, min: u64| common::from_env(env, key, common::parse_at_least(min));
+        Ok(Settings {
+            mode: common::from_env(env, &MODE, |text| text.parse())?,
+            id: number(&ID, 1)?,
+            id_from_hostname: common::from_env(env, &ID_FROM_HOSTNAME, common::parse_bool)?,
+            listen: common::from_env(env, &LISTEN, common::parse_socket_address)?,
+            advertise: common::from_env(env, &ADVERTISE, |text| Ok(text.to_owned()))?,
+            data_dir: common::from_env(env, &DATA_DIR, common::parse_path)?,
+            peers: common::from_env(env, &PEERS, |text| Ok(common::split_list(text)))?,
+            node_lost_timeout_ms: number(&NODE_LOST_TIMEOUT_MS, 1)?,
+            agent_heartbeat_ms: number(&AGENT_HEARTBEAT_MS, 1)?,
+            raft_heartbeat_ms: number(&RAFT_HEARTBEAT_MS, 1)?,
+            election_timeout_ms: number(&ELECTION_TIMEOUT_MS, 1)?,
+            snapshot_every: number(&SNAPSHOT_EVERY, 1)?,
+            snapshot_keep_logs: number(&SNAPSHOT_KEEP_LOGS, 0)?,
+        })
+    }
+
+    /// Fills in defaults, checks what must be given, and builds the member's [`Config`]. `file`
+    /// only names the configuration file in messages; `hostname` is this machine's host name,
+    /// which `id_from_hostname` reads.
+    pub fn resolve(
+        self,
+        file: Option<&Path>,
+        hostname: Option<&str>,
+    ) -> Result<Config, ConfigError> {
+        let mode_name = self
+            .mode
+            .ok_or_else(|| MODE.missing("mode (`bootstrap`, `join` or `auto`)", file))?;
+        let id = match (self.id, self.id_from_hostname.unwrap_or(false)) {
+            (Some(id), _) => id,
+            (None, true) => id_from_hostname(hostname.unwrap_or(""))?,
+            (None, false) => return Err(ID.missing("member id", file)),
+        };
+        let data_dir = self
+            .data_dir
+            .ok_or_else(|| DATA_DIR.missing("data directory", file))?;
+        let listen = self
+            .listen
+            .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7401)));
+        let advertise = self
+            .advertise
+            .filter(|advertise| !advertise.trim().is_empty())
+            .unwrap_or_else(|| listen.to_string());
+        let bootstrap = match mode_name {
+            ModeName::Bootstrap => true,
+            ModeName::Join => false,
+            ModeName::Auto => id == 1,
+        };
+        let mode = if bootstrap {
+            Mode::Bootstrap
+        } else {
+            // A member listed among its own peers (one peer list for all members) skips itself.
+            let peers: Vec<String> = self
+                .peers
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|peer| *peer != advertise)
+                .collect();
+            if peers.is_empty() {
+                return Err(PEERS.missing("peer to join through", file));
+            }
+            Mode::Join { peers }
+        };
+        let positive = |key: &KeyDoc, value: Option<u64>, default: u64| {
+            let value = value.unwrap_or(default);
+            if value == 0 {
+                return Err(ConfigError::Conflict(format!(
+                    "`{}` ({}, {}) is 0; give 1 or more",
+                    key.key,
+                    key.flag.unwrap_or("no flag"),
+                    key.env
+                )));
+            }
+            Ok(value)
+        };
+        if id == 0 {
+            return Err(ConfigError::Conflict(
+                "the member id is 0; member ids are 1 or more (--id, VGPU_CP_ID, `id`)".to_owned(),
+            ));
+        }
+        let raft_heartbeat_ms = positive(&RAFT_HEARTBEAT_MS, self.raft_heartbeat_ms, 50)?;
+        let election_timeout_ms = positive(&ELECTION_TIMEOUT_MS, self.election_timeout_ms, 250)?;
+        if election_timeout_ms <= raft_heartbeat_ms {
+            return Err(ConfigError::Conflict(format!(
+                "the election timeout ({election_timeout_ms} ms) must exceed the Raft heartbeat ({raft_heartbeat_ms} ms); raise election_timeout_ms (--election-timeout-ms) or lower raft_heartbeat_ms (--raft-heartbeat-ms)"
+            )));
+        }
+        let node_lost_timeout_ms =
+            positive(&NODE_LOST_TIMEOUT_MS, self.node_lost_timeout_ms, 5000)?;
+        let agent_heartbeat_ms = positive(&AGENT_HEARTBEAT_MS, self.agent_heartbeat_ms, 1000)?;
+        let config = Config {
+            mode,
+            id,
+            listen,
+            advertise,
+            data_dir,
+            timings: Timings {
+                node_lost_timeout: Duration::from_millis(node_lost_timeout_ms),
+                heartbeat_interval: Duration::from_millis(agent_heartbeat_ms),
+                ..Default::default()
+            },
+            raft: RaftTimings {
+                heartbeat_interval_ms: raft_heartbeat_ms,
+                election_timeout_min_ms: election_timeout_ms,
+                election_timeout_max_ms: election_timeout_ms.saturating_mul(2),
+                snapshot_logs_since_last: positive(&SNAPSHOT_EVERY, self.snapshot_every, 20_000)?,
+                snapshot_keep_logs: self.snapshot_keep_logs.unwrap_or(1000),
+            },
+        };
+        debug_assert!(config.raft.election_timeout_max_ms > config.raft.election_timeout_min_ms);
+        Ok(config)
+    }
+}
+
+/// Stacks layers: a field set in `higher` wins over the same field in `lower`.
+pub fn merge(higher: Settings, lower: Settings) -> Settings {
+    Settings {
+        mode: higher.mode.or(lower.mode),
+        id: higher.id.or(lower.id),
+        id_from_hostname: higher.id_from_hostname.or(lower.id_from_hostname),
+        listen: higher.listen.or(lower.listen),
+        advertise: higher.advertise.or(lower.advertise),
+        data_dir: higher.data_dir.or(lower.data_dir),
+        peers: higher.peers.or(lower.peers),
+        node_lost_timeout_ms: higher.node_lost_timeout_ms.or(lower.node_lost_timeout_ms),
+        agent_heartbeat_ms: higher.agent_heartbeat_ms.or(lower.agent_heartbeat_ms),
+        raft_heartbeat_ms: higher.raft_heartbeat_ms.or(lower.raft_heartbeat_ms),
+        election_timeout_ms: higher.election_timeout_ms.or(lower.election_timeout_ms),
+        snapshot_every: higher.snapshot_every.or(lower.snapshot_every),
+        snapshot_keep_logs: higher.snapshot_keep_logs.or(lower.snapshot_keep_logs),
+    }
+}
+
+/// The member's [`Config`] from the command line's `flags`, the environment and the
+/// configuration file (`--config`, else `$VGPU_CP_CONFIG`, else `/etc/vgpu/vgpu-cp.toml` if it
+/// exists).
+pub fn load(
+    flags: Settings,
+    config_flag: Option<&Path>,
+    env: &dyn Environment,
+) -> Result<Config, ConfigError> {
+    let located = common::locate(
+        config_flag,
+        env,
+        CONFIG_ENV,
+        &[PathBuf::from(CONFIG_PATH_DEFAULT)],
+    );
+    let (file, path) = common::load::<Settings>(located)?;
+    let settings = merge(flags, merge(Settings::from_env(env)?, file));
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| env.var("HOSTNAME"));
+    settings.resolve(path.as_deref(), hostname.as_deref().map(str::trim))
+}
+
+/// The member id of a StatefulSet pod: 1 + the ordinal that ends its host name (`vgpu-cp-0` is
+/// member 1).
+pub fn id_from_hostname(hostname: &str) -> Result<u64, ConfigError> {
+    let ordinal = hostname
+        .trim()
+        .rsplit_once('-')
+        .and_then(|(_, ordinal)| ordinal.parse::<u64>().ok())
+        .ok_or_else(|| {
+            ConfigError::Conflict(format!(
+                "id_from_hostname is set, but the host name `{hostname}` does not end in `-N` as a StatefulSet pod's does (`vgpu-cp-0`); set id instead"
+            ))
+        })?;
+    ordinal.checked_add(1).ok_or_else(|| {
+        ConfigError::Conflict(format!(
+            "the host name `{hostname}` has too large an ordinal"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api::config::check;
+    use std::collections::BTreeMap;
+
+    fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn repository_file(path: &str) -> String {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    fn write_config(text: &str) -> tempfile::NamedTempFile {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), text).unwrap();
+        file
+    }
+
+    #[test]
+    fn flags_win_over_the_environment_which_wins_over_the_file() {
+        let file = write_config(
+            "mode = \"join\"\nid = 3\nlisten = \"0.0.0.0:7403\"\ndata_dir = \"/file\"\npeers = [\"file:1\"]\nraft_heartbeat_ms = 60\n",
+        );
+        let vars = env(&[
+            ("VGPU_CP_ID", "2"),
+            ("VGPU_CP_DATA_DIR", "/env"),
+            ("VGPU_CP_PEERS", "env:1, env:2"),
+        ]);
+        let flags = Settings {
+            id: Some(7),
+            ..Settings::default()
+        };
+        let config = load(flags, Some(file.path()), &vars).unwrap();
+        assert_eq!(config.id, 7, "the flag wins");
+        assert_eq!(
+            config.data_dir,
+            PathBuf::from("/env"),
+            "the variable wins over the file"
+        );
+        let Mode::Join { peers } = config.mode else {
+            panic!("the file's mode applies")
+        };
+        assert_eq!(peers, vec!["env:1", "env:2"]);
+        assert_eq!(
+            config.listen.to_string(),
+            "0.0.0.0:7403",
+            "the file wins over the default"
+        );
+        assert_eq!(config.advertise, "0.0.0.0:7403");
+        assert_eq!(config.raft.heartbeat_interval_ms, 60);
+        assert_eq!(
+            config.raft.election_timeout_min_ms, 250,
+            "the default applies"
+        );
+        assert_eq!(config.timings.node_lost_timeout, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn the_config_variable_names_the_file_and_the_old_variable_still_works() {
+        let file = write_config("mode = \"bootstrap\"\nid = 1\ndata_dir = \"/d\"\n");
+        let path = file.path().to_str().unwrap();
+        let vars = env(&[
+            ("VGPU_CP_CONFIG", path),
+            ("VGPU_NODE_LOST_TIMEOUT_MS", "1500"),
+        ]);
+        let config = load(Settings::default(), None, &vars).unwrap();
+        assert!(matches!(config.mode, Mode::Bootstrap));
+        assert_eq!(
+            config.timings.node_lost_timeout,
+            Duration::from_millis(1500)
+        );
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_file_and_what_to_write() {
+        let file = write_config("mode = \"bootstrap\"\nlissen = \"0.0.0.0:1\"\n");
+        let error = load(Settings::default(), Some(file.path()), &env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("unknown field `lissen`"), "{error}");
+        assert!(
+            error.contains(&file.path().display().to_string()),
+            "{error}"
+        );
+        let file = write_config("mode = \"leader\"\n");
+        let error = load(Settings::default(), Some(file.path()), &env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("`bootstrap`"), "{error}");
+        let error = load(
+            Settings::default(),
+            None,
+            &env(&[("VGPU_CP_LISTEN", "port 80")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("VGPU_CP_LISTEN=`port 80`"), "{error}");
+        assert!(error.contains("0.0.0.0:7401"), "{error}");
+    }
+
+    #[test]
+    fn missing_settings_say_where_to_give_them() {
+        let bootstrap = Settings {
+            mode: Some(ModeName::Bootstrap),
+            data_dir: Some("/d".into()),
+            ..Settings::default()
+        };
+        let error = bootstrap
+            .clone()
+            .resolve(None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--id") && error.contains("VGPU_CP_ID"),
+            "{error}"
+        );
+        let join = Settings {
+            mode: Some(ModeName::Join),
+            id: Some(2),
+            ..bootstrap
+        };
+        let error = join
+            .resolve(Some(Path::new("/etc/x.toml")), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--peer") && error.contains("/etc/x.toml"),
+            "{error}"
+        );
+        let error = Settings::default()
+            .resolve(None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("VGPU_CP_MODE"), "{error}");
+        let fast = Settings {
+            mode: Some(ModeName::Bootstrap),
+            id: Some(1),
+            data_dir: Some("/d".into()),
+            raft_heartbeat_ms: Some(300),
+            ..Settings::default()
+        };
+        assert!(
+            fast.resolve(None, None)
+                .unwrap_err()
+                .to_string()
+                .contains("must exceed")
+        );
+    }
+
+    #[test]
+    fn auto_mode_and_ids_from_statefulset_host_names() {
+        let peers = [
+            "vgpu-cp-0.vgpu-cp:7401",
+            "vgpu-cp-1.vgpu-cp:7401",
+            "vgpu-cp-2.vgpu-cp:7401",
+        ];
+        let member = |pod: &str| {
+            Settings {
+                mode: Some(ModeName::Auto),
+                id_from_hostname: Some(true),
+                advertise: Some(format!("{pod}.vgpu-cp:7401")),
+                data_dir: Some("/d".into()),
+                peers: Some(peers.iter().map(|peer| peer.to_string()).collect()),
+                ..Settings::default()
+            }
+            .resolve(None, Some(pod))
+        };
+        let first = member("vgpu-cp-0").unwrap();
+        assert_eq!(first.id, 1);
+        assert!(matches!(first.mode, Mode::Bootstrap));
+        let third = member("vgpu-cp-2").unwrap();
+        assert_eq!(third.id, 3);
+        let Mode::Join { peers: joined } = third.mode else {
+            panic!("member 3 joins")
+        };
+        assert_eq!(joined, &peers[..2], "a member does not join through itself");
+        let error = member("gpu-box").unwrap_err().to_string();
+        assert!(
+            error.contains("`gpu-box`") && error.contains("set id"),
+            "{error}"
+        );
+        assert_eq!(id_from_hostname("a-b-41").unwrap(), 42);
+    }
+
+    #[test]
+    fn every_key_is_documented_in_keys_and_reads_the_same_from_file_and_environment() {
+        let from_file: Settings =
+            common::parse(Path::new("examples"), &check::all_examples_as_toml(KEYS)).unwrap();
+        let from_env = Settings::from_env(&check::all_examples_as_env(KEYS)).unwrap();
+        assert_eq!(from_file, from_env);
+        let value = serde_json::to_value(&from_file).unwrap();
+        let fields = value.as_object().unwrap();
+        assert_eq!(
+            fields.len(),
+            KEYS.len(),
+            "a field of Settings is missing from KEYS"
+        );
+        for (field, value) in fields {
+            assert!(
+                !value.is_null(),
+                "`{field}` is not in KEYS (no example sets it)"
+            );
+        }
+    }
+
+    #[test]
+    fn the_example_file_parses_and_shows_every_key() {
+        let text = repository_file("deploy/config/vgpu-cp.toml");
+        let path = Path::new("deploy/config/vgpu-cp.toml");
+        common::parse::<Settings>(path, &text).unwrap();
+        assert_eq!(
+            check::keys_missing_from_example(&text, KEYS),
+            Vec::<&str>::new()
+        );
+        let all = check::uncomment_keys(&text, KEYS);
+        let settings: Settings = common::parse(path, &all).unwrap();
+        let value = serde_json::to_value(&settings).unwrap();
+        assert!(
+            value.as_object().unwrap().values().all(|v| !v.is_null()),
+            "{value}"
+        );
+    }
+
+    #[test]
+    fn every_key_is_in_the_documentation() {
+        let docs = repository_file("docs/configuration.md");
+        let section = check::section(&docs, "vgpu-cp");
+        assert!(
+            !section.is_empty(),
+            "docs/configuration.md has no `## vgpu-cp` section"
+        );
+        assert_eq!(
+            check::keys_missing_from_docs(section, KEYS),
+            Vec::<String>::new()
+        );
+        assert!(section.contains(CONFIG_ENV) && section.contains(CONFIG_PATH_DEFAULT));
+    }
+}

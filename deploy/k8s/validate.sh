@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Schema check of the Kubernetes manifests, offline:
+#   1. renders the kustomization (`kubectl kustomize`, else the plain files);
+#   2. validates every resource with `kubernetes-validate --strict` (PyPI package that bundles the
+#      Kubernetes OpenAPI schemas; installed into target/k8s-validate-venv on first use) against
+#      the oldest and newest Kubernetes versions we claim (1.30, 1.37): unknown fields fail;
+#   3. checks that the validator does reject a bad manifest (so a green run means something);
+#   4. checks that every VGPU_* variable the manifests set is documented in docs/configuration.md.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+venv="${VGPU_K8S_VENV:-$PWD/target/k8s-validate-venv}"
+if [ ! -x "$venv/bin/kubernetes-validate" ]; then
+  echo "installing kubernetes-validate into $venv..." >&2
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet kubernetes-validate
+fi
+validate="$venv/bin/kubernetes-validate"
+
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+rendered="$work/all.yaml"
+if command -v kubectl >/dev/null 2>&1; then
+  kubectl kustomize deploy/k8s >"$rendered"
+else
+  echo "kubectl not found: validating the files without kustomize" >&2
+  for file in deploy/k8s/*.yaml; do
+    [ "$(basename "$file")" = kustomization.yaml ] && continue
+    cat "$file"
+    echo "---"
+  done >"$rendered"
+fi
+
+for version in 1.30.0 1.37.0; do
+  "$validate" --strict --quiet -k "$version" "$rendered"
+done
+echo "kubernetes-validate --strict: $(grep -c '^kind:' "$rendered") resources pass against 1.30 and 1.37"
+
+# The validator must fail on a misspelt field.
+sed 's/^  serviceName: vgpu-cp$/  serviceNmae: vgpu-cp/' "$rendered" >"$work/bad.yaml"
+if "$validate" --strict --quiet "$work/bad.yaml" >/dev/null 2>&1; then
+  echo "validate.sh: the validator accepted a misspelt field; the check is not working" >&2
+  exit 1
+fi
+
+missing=0
+for variable in $(grep -o 'VGPU_[A-Z_]*' "$rendered" | sort -u); do
+  if ! grep -q "\`$variable\`" docs/configuration.md; then
+    echo "validate.sh: $variable is set in deploy/k8s but not documented in docs/configuration.md" >&2
+    missing=1
+  fi
+done
+[ "$missing" = 0 ]
+echo "every VGPU_* variable in the manifests is documented"

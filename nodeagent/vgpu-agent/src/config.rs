@@ -1,0 +1,461 @@
+//! The settings of `vgpu-agent` and where they come from: command-line flags, then
+//! `VGPU_AGENT_*` environment variables, then the TOML configuration file, then built-in
+//! defaults.
+//!
+//! One [`Settings`] struct (all fields optional, unknown keys refused) holds each layer; [`merge`]
+//! stacks them, and the merged settings answer what each subcommand needs ([`Settings::join`],
+//! [`Settings::node`], [`Settings::tenant_state_dir`], ...). The same file serves `join`,
+//! `inventory`, `exec` and `env`, so `vgpu-agent exec` on a node finds the state directory that
+//! the agent's service uses. [`KEYS`] documents every key; tests hold it against the struct,
+//! `docs/configuration.md` and `deploy/config/vgpu-agent.toml`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use api::config::{self as common, ConfigError, Environment, KeyDoc};
+use serde::{Deserialize, Serialize};
+
+use crate::cdi::CdiConfig;
+use crate::error::Result;
+use crate::inventory::InventorySource;
+use crate::{JoinConfig, Timings, tenant};
+
+/// The variable that names the configuration file when `--config` is not given.
+pub const CONFIG_ENV: &str = "VGPU_AGENT_CONFIG";
+/// The file read when neither `--config` nor [`CONFIG_ENV`] is given, if it exists.
+pub const CONFIG_PATH_DEFAULT: &str = "/etc/vgpu/vgpu-agent.toml";
+
+/// Every setting of `vgpu-agent`, each optional: one layer (flags, environment or file).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub control_plane: Option<Vec<String>>,
+    pub name: Option<String>,
+    pub simulate: Option<String>,
+    pub state_dir: Option<PathBuf>,
+    pub labels: Option<BTreeMap<String, String>>,
+    pub address: Option<String>,
+    pub cdi: Option<bool>,
+    pub cdi_dir: Option<PathBuf>,
+    pub interposer: Option<PathBuf>,
+    pub shm_dir: Option<PathBuf>,
+}
+
+const CONTROL_PLANE: KeyDoc = KeyDoc {
+    key: "control_plane",
+    env: "VGPU_AGENT_CONTROL_PLANE",
+    env_aliases: &[],
+    flag: Some("--control-plane"),
+    default: "required by `join`",
+    example: "[\"cp1.example.net:7401\", \"cp2.example.net:7401\", \"cp3.example.net:7401\"]",
+};
+const NAME: KeyDoc = KeyDoc {
+    key: "name",
+    env: "VGPU_AGENT_NAME",
+    env_aliases: &[],
+    flag: Some("--name"),
+    default: "the host name",
+    example: "\"gpu-node-1\"",
+};
+const SIMULATE: KeyDoc = KeyDoc {
+    key: "simulate",
+    env: "VGPU_AGENT_SIMULATE",
+    env_aliases: &[],
+    flag: Some("--simulate"),
+    default: "discover GPUs through NVML",
+    example: "\"8xH100-80GB\"",
+};
+const STATE_DIR: KeyDoc = KeyDoc {
+    key: "state_dir",
+    env: "VGPU_AGENT_STATE_DIR",
+    env_aliases: &[],
+    flag: Some("--state-dir"),
+    default: "/var/lib/vgpu-agent/NAME if writable, else ~/.local/state/vgpu-agent/NAME",
+    example: "\"/var/lib/vgpu-agent/gpu-node-1\"",
+};
+const LABELS: KeyDoc = KeyDoc {
+    key: "labels",
+    env: "VGPU_AGENT_LABELS",
+    env_aliases: &[],
+    flag: Some("--labels"),
+    default: "none",
+    example: "{ zone = \"a\", rack = \"r1\" }",
+};
+const ADDRESS: KeyDoc = KeyDoc {
+    key: "address",
+    env: "VGPU_AGENT_ADDRESS",
+    env_aliases: &[],
+    flag: Some("--address"),
+    default: "empty",
+    example: "\"gpu-node-1.example.net:7480\"",
+};
+const CDI: KeyDoc = KeyDoc {
+    key: "cdi",
+    env: "VGPU_AGENT_CDI",
+    env_aliases: &[],
+    flag: Some("--no-cdi"),
+    default: "true",
+    example: "true",
+};
+const CDI_DIR: KeyDoc = KeyDoc {
+    key: "cdi_dir",
+    env: "VGPU_AGENT_CDI_DIR",
+    env_aliases: &[],
+    flag: Some("--cdi-dir"),
+    default: "/var/run/cdi if writable, else STATE_DIR/cdi (always STATE_DIR/cdi when simulating)",
+    example: "\"/var/run/cdi\"",
+};
+const INTERPOSER: KeyDoc = KeyDoc {
+    key: "interposer",
+    env: "VGPU_AGENT_INTERPOSER",
+    env_aliases: &["VGPU_INTERPOSER"],
+    flag: Some("--interposer"),
+    default: "libvgpu_cuda.so beside vgpu-agent if present, else /usr/lib/vgpu/libvgpu_cuda.so",
+    example: "\"/usr/lib/vgpu/libvgpu_cuda.so\"",
+};
+const SHM_DIR: KeyDoc = KeyDoc {
+    key: "shm_dir",
+    env: "VGPU_AGENT_SHM_DIR",
+    env_aliases: &["VGPU_SHM_DIR"],
+    flag: Some("--shm-dir"),
+    default: tenant::SHM_DIR_DEFAULT,
+    example: "\"/dev/shm/vgpu\"",
+};
+
+/// Every key of the `vgpu-agent` configuration file, in the order of the documentation.
+pub const KEYS: &[KeyDoc] = &[
+    CONTROL_PLANE,
+    NAME,
+    SIMULATE,
+    STATE_DIR,
+    LABELS,
+    ADDRESS,
+    CDI,
+    CDI_DIR,
+    INTERPOSER,
+    SHM_DIR,
+];
+
+fn parse_labels(text: &str) -> std::result::Result<BTreeMap<String, String>, String> {
+    common::split_list(text)
+        .iter()
+        .map(|pair| crate::parse_label(pair).map_err(|error| error.to_string()))
+        .collect()
+}
+
+fn parse_name(text: &str) -> std::result::Result<String, String> {
+    api::names::validate("node", text).map_err(|error| error.to_string())?;
+    Ok(text.to_owned())
+}
+
+impl Settings {
+    /// The settings the `VGPU_AGENT_*` variables give.
+    pub fn from_env(env: &dyn Environment) -> std::result::Result<Settings, ConfigError> {
+        let path = |key: &KeyDoc| common::from_env(env, key, common::parse_path);
+        let text = |key: &KeyDoc| common::from_env(env, key, |text| Ok(text.to_owned()));
+        Ok(Settings {
+            control_plane: common::from_env(env, &CONTROL_PLANE, |text| {
+                Ok(common::split_list(text))
+            })?,
+            name: common::from_env(env, &NAME, parse_name)?,
+            simulate: text(&SIMULATE)?,
+            state_dir: path(&STATE_DIR)?,
+            labels: common::from_env(env, &LABELS, parse_labels)?,
+            address: text(&ADDRESS)?,
+            cdi: common::from_env(env, &CDI, common::parse_bool)?,
+            cdi_dir: path(&CDI_DIR)?,
+            interposer: path(&INTERPOSER)?,
+            shm_dir: path(&SHM_DIR)?,
+        })
+    }
+
+    /// This node's name: `name`, else the host name.
+    pub fn node(&self) -> String {
+        self.name.clone().unwrap_or_else(crate::default_node_name)
+    }
+
+    /// Where GPUs come from: `simulate`, else NVML.
+    pub fn inventory_source(&self) -> Result<InventorySource> {
+        Ok(match &self.simulate {
+            Some(spec) => InventorySource::from_simulate_arg(spec)?,
+            None => InventorySource::Nvml,
+        })
+    }
+
+    /// The interposers' shared-memory directory.
+    pub fn shm_dir(&self) -> PathBuf {
+        self.shm_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(tenant::SHM_DIR_DEFAULT))
+    }
+
+    /// The interposer to preload; `executable` is vgpu-agent's own path.
+    pub fn interposer(&self, executable: Option<&Path>) -> PathBuf {
+        tenant::resolve_interposer(self.interposer.as_deref(), executable)
+    }
+
+    /// The running agent's state directory as `exec` and `env` find it (creating nothing).
+    pub fn tenant_state_dir(&self) -> PathBuf {
+        self.state_dir
+            .clone()
+            .unwrap_or_else(|| crate::state::find_state_dir(&self.node()))
+    }
+
+    /// What `join` runs with. `file` only names the configuration file in messages;
+    /// `executable` is vgpu-agent's own path (the interposer may sit beside it).
+    pub fn join(self, file: Option<&Path>, executable: Option<&Path>) -> Result<JoinConfig> {
+        let control_plane = self.control_plane.clone().unwrap_or_default();
+        if control_plane.is_empty() {
+            return Err(CONTROL_PLANE.missing("control-plane address", file).into());
+        }
+        let name = self.node();
+        let source = self.inventory_source()?;
+        let state_dir = self
+            .state_dir
+            .clone()
+            .unwrap_or_else(|| crate::default_state_dir(&name));
+        let labels = self.labels.clone().unwrap_or_default();
+        for (key, value) in &labels {
+            crate::parse_label(&format!("{key}={value}"))?;
+        }
+        let cdi = self.cdi.unwrap_or(true).then(|| CdiConfig {
+            dir: self.cdi_dir.clone().unwrap_or_else(|| {
+                crate::cdi::default_cdi_dir(&state_dir, self.simulate.is_some())
+            }),
+            interposer: self.interposer(executable),
+            shm_dir: absolute(&self.shm_dir()),
+            state_dir: absolute(&state_dir),
+        });
+        Ok(JoinConfig {
+            control_plane,
+            source,
+            state_dir,
+            labels,
+            address: self.address.unwrap_or_default(),
+            name,
+            timings: Timings::default(),
+            cdi,
+        })
+    }
+}
+
+/// `path` made absolute against the working directory (CDI mounts need absolute paths).
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_owned())
+}
+
+/// Stacks layers: a field set in `higher` wins over the same field in `lower`.
+pub fn merge(higher: Settings, lower: Settings) -> Settings {
+    Settings {
+        control_plane: higher.control_plane.or(lower.control_plane),
+        name: higher.name.or(lower.name),
+        simulate: higher.simulate.or(lower.simulate),
+        state_dir: higher.state_dir.or(lower.state_dir),
+        labels: higher.labels.or(lower.labels),
+        address: higher.address.or(lower.address),
+        cdi: higher.cdi.or(lower.cdi),
+        cdi_dir: higher.cdi_dir.or(lower.cdi_dir),
+        interposer: higher.interposer.or(lower.interposer),
+        shm_dir: higher.shm_dir.or(lower.shm_dir),
+    }
+}
+
+/// The merged settings from the command line's `flags`, the environment and the configuration
+/// file (`--config`, else `$VGPU_AGENT_CONFIG`, else `/etc/vgpu/vgpu-agent.toml` if it exists),
+/// with the file's path when one was read.
+pub fn load(
+    flags: Settings,
+    config_flag: Option<&Path>,
+    env: &dyn Environment,
+) -> std::result::Result<(Settings, Option<PathBuf>), ConfigError> {
+    let located = common::locate(
+        config_flag,
+        env,
+        CONFIG_ENV,
+        &[PathBuf::from(CONFIG_PATH_DEFAULT)],
+    );
+    let (file, path) = common::load::<Settings>(located)?;
+    if let Some(name) = &file.name {
+        parse_name(name).map_err(|problem| ConfigError::Parse {
+            path: path.clone().unwrap_or_default(),
+            message: format!("name: {problem}"),
+        })?;
+    }
+    Ok((merge(flags, merge(Settings::from_env(env)?, file)), path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api::config::check;
+
+    fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn repository_file(path: &str) -> String {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    fn write_config(text: &str) -> tempfile::NamedTempFile {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), text).unwrap();
+        file
+    }
+
+    #[test]
+    fn flags_win_over_the_environment_which_wins_over_the_file() {
+        let file = write_config(
+            "control_plane = [\"file:7401\"]\nname = \"from-file\"\nsimulate = \"2xL40S-48GB\"\nstate_dir = \"/file\"\nlabels = { zone = \"a\" }\ncdi = false\n",
+        );
+        let vars = env(&[
+            ("VGPU_AGENT_NAME", "from-env"),
+            ("VGPU_AGENT_STATE_DIR", "/env"),
+            ("VGPU_SHM_DIR", "/dev/shm/old-name"),
+        ]);
+        let flags = Settings {
+            state_dir: Some("/flag".into()),
+            ..Settings::default()
+        };
+        let (settings, path) = load(flags, Some(file.path()), &vars).unwrap();
+        assert_eq!(path.as_deref(), Some(file.path()));
+        let join = settings.clone().join(path.as_deref(), None).unwrap();
+        assert_eq!(join.state_dir, PathBuf::from("/flag"), "the flag wins");
+        assert_eq!(join.name, "from-env", "the variable wins over the file");
+        assert_eq!(
+            join.control_plane,
+            vec!["file:7401"],
+            "the file wins over nothing"
+        );
+        assert!(matches!(join.source, InventorySource::Simulated(_)));
+        assert_eq!(join.labels.get("zone").map(String::as_str), Some("a"));
+        assert!(join.cdi.is_none(), "cdi = false writes no spec");
+        assert_eq!(settings.shm_dir(), PathBuf::from("/dev/shm/old-name"));
+    }
+
+    #[test]
+    fn defaults_apply_when_nothing_is_given() {
+        let settings = Settings {
+            control_plane: Some(vec!["cp:7401".into()]),
+            name: Some("n".into()),
+            simulate: Some("1xH100-80GB".into()),
+            state_dir: Some("/tmp/vgpu-agent-config-test".into()),
+            ..Settings::default()
+        };
+        assert_eq!(settings.shm_dir(), PathBuf::from(tenant::SHM_DIR_DEFAULT));
+        let join = settings.join(None, None).unwrap();
+        let cdi = join.cdi.expect("CDI is on by default");
+        assert_eq!(cdi.dir, PathBuf::from("/tmp/vgpu-agent-config-test/cdi"));
+        assert_eq!(join.address, "");
+        assert!(
+            !Settings::default().node().is_empty(),
+            "the host name is the default name"
+        );
+    }
+
+    #[test]
+    fn unknown_keys_bad_values_and_missing_settings_are_explained() {
+        let file = write_config("control_plane = [\"a:1\"]\nsimualte = \"8xH100-80GB\"\n");
+        let error = load(Settings::default(), Some(file.path()), &env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("unknown field `simualte`"), "{error}");
+        assert!(
+            error.contains(&file.path().display().to_string()),
+            "{error}"
+        );
+        let error = load(
+            Settings::default(),
+            None,
+            &env(&[("VGPU_AGENT_CDI", "maybe")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("VGPU_AGENT_CDI=`maybe`") && error.contains("`true`"),
+            "{error}"
+        );
+        let error = load(
+            Settings::default(),
+            None,
+            &env(&[("VGPU_AGENT_LABELS", "zone")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("KEY=VALUE"), "{error}");
+        let file = write_config("name = \"Bad_Name\"\n");
+        let error = load(Settings::default(), Some(file.path()), &env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("name") && error.contains("Bad_Name"),
+            "{error}"
+        );
+        let error = Settings::default()
+            .join(None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--control-plane") && error.contains("VGPU_AGENT_CONTROL_PLANE"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn every_key_is_documented_in_keys_and_reads_the_same_from_file_and_environment() {
+        let from_file: Settings =
+            common::parse(Path::new("examples"), &check::all_examples_as_toml(KEYS)).unwrap();
+        let from_env = Settings::from_env(&check::all_examples_as_env(KEYS)).unwrap();
+        assert_eq!(from_file, from_env);
+        let value = serde_json::to_value(&from_file).unwrap();
+        let fields = value.as_object().unwrap();
+        assert_eq!(
+            fields.len(),
+            KEYS.len(),
+            "a field of Settings is missing from KEYS"
+        );
+        for (field, value) in fields {
+            assert!(
+                !value.is_null(),
+                "`{field}` is not in KEYS (no example sets it)"
+            );
+        }
+    }
+
+    #[test]
+    fn the_example_file_parses_and_shows_every_key() {
+        let text = repository_file("deploy/config/vgpu-agent.toml");
+        let path = Path::new("deploy/config/vgpu-agent.toml");
+        common::parse::<Settings>(path, &text).unwrap();
+        assert_eq!(
+            check::keys_missing_from_example(&text, KEYS),
+            Vec::<&str>::new()
+        );
+        let all = check::uncomment_keys(&text, KEYS);
+        let settings: Settings = common::parse(path, &all).unwrap();
+        let value = serde_json::to_value(&settings).unwrap();
+        assert!(
+            value.as_object().unwrap().values().all(|v| !v.is_null()),
+            "{value}"
+        );
+    }
+
+    #[test]
+    fn every_key_is_in_the_documentation() {
+        let docs = repository_file("docs/configuration.md");
+        let section = check::section(&docs, "vgpu-agent");
+        assert!(
+            !section.is_empty(),
+            "docs/configuration.md has no `## vgpu-agent` section"
+        );
+        assert_eq!(
+            check::keys_missing_from_docs(section, KEYS),
+            Vec::<String>::new()
+        );
+        assert!(section.contains(CONFIG_ENV) && section.contains(CONFIG_PATH_DEFAULT));
+    }
+}
