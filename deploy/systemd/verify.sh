@@ -15,7 +15,7 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
   exit 1
 fi
 profile="${PROFILE:-release}"
-bin="$PWD/target/$profile"
+bin="${CARGO_TARGET_DIR:-$PWD/target}/$profile"
 for binary in vgpu-cp vgpu-agent; do
   [ -x "$bin/$binary" ] || { echo "verify.sh: $bin/$binary is missing; build it first" >&2; exit 1; }
 done
