@@ -321,6 +321,82 @@ pub fn parse_path(text: &str) -> Result<PathBuf, String> {
 pub mod check {
     use super::*;
 
+    /// What [`assert_consistent`] checks one binary's configuration against.
+    pub struct Consistency<'a, T> {
+        /// The binary's documented keys.
+        pub keys: &'a [KeyDoc],
+        /// The repository root (the binary's crate finds it from `CARGO_MANIFEST_DIR`).
+        pub repository_root: &'a Path,
+        /// The example file, relative to the root, e.g. `deploy/config/vgpu-cp.toml`.
+        pub example: &'a str,
+        /// The binary's `## NAME` section of `docs/configuration.md`.
+        pub docs_section: &'a str,
+        /// Text that section must mention (the config-file variable and default path).
+        pub docs_mentions: &'a [&'a str],
+        /// The binary's settings read from an environment.
+        pub from_env: fn(&dyn Environment) -> Result<T, ConfigError>,
+    }
+
+    /// The checks every binary's configuration passes, shared by their tests:
+    /// 1. every field of the settings is a documented key, and every key reads the same from a
+    ///    file and from the environment;
+    /// 2. the example file parses, lists every key, and sets every field once uncommented;
+    /// 3. every key (and the config-file variable and path) is in `docs/configuration.md`.
+    pub fn assert_consistent<T>(check: &Consistency<'_, T>)
+    where
+        T: DeserializeOwned + serde::Serialize + PartialEq + std::fmt::Debug,
+    {
+        let keys = check.keys;
+        let from_file: T = parse(Path::new("examples"), &all_examples_as_toml(keys)).unwrap();
+        let from_env = (check.from_env)(&all_examples_as_env(keys)).unwrap();
+        assert_eq!(from_file, from_env);
+        let value = serde_json::to_value(&from_file).unwrap();
+        let fields = value.as_object().unwrap();
+        assert_eq!(
+            fields.len(),
+            keys.len(),
+            "a field of the settings is missing from KEYS"
+        );
+        for (field, value) in fields {
+            assert!(
+                !value.is_null(),
+                "`{field}` is not in KEYS (no example sets it)"
+            );
+        }
+
+        let read = |path: &str| {
+            std::fs::read_to_string(check.repository_root.join(path))
+                .unwrap_or_else(|e| panic!("{path}: {e}"))
+        };
+        let text = read(check.example);
+        let path = Path::new(check.example);
+        parse::<T>(path, &text).unwrap();
+        assert_eq!(keys_missing_from_example(&text, keys), Vec::<&str>::new());
+        let all = uncomment_keys(&text, keys);
+        let settings: T = parse(path, &all).unwrap();
+        let value = serde_json::to_value(&settings).unwrap();
+        assert!(
+            value.as_object().unwrap().values().all(|v| !v.is_null()),
+            "{value}"
+        );
+
+        let docs = read("docs/configuration.md");
+        let section = section(&docs, check.docs_section);
+        assert!(
+            !section.is_empty(),
+            "docs/configuration.md has no `## {}` section",
+            check.docs_section
+        );
+        assert_eq!(keys_missing_from_docs(section, keys), Vec::<String>::new());
+        for mention in check.docs_mentions {
+            assert!(
+                section.contains(mention),
+                "the `{}` section does not mention `{mention}`",
+                check.docs_section
+            );
+        }
+    }
+
     /// Every key of `keys` set to its example in one TOML document.
     pub fn all_examples_as_toml(keys: &[KeyDoc]) -> String {
         keys.iter()

@@ -392,11 +392,6 @@ mod tests {
             .collect()
     }
 
-    fn repository_file(path: &str) -> String {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
-    }
-
     fn write_config(text: &str) -> tempfile::NamedTempFile {
         let file = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(file.path(), text).unwrap();
@@ -570,56 +565,15 @@ mod tests {
     }
 
     #[test]
-    fn every_key_is_documented_in_keys_and_reads_the_same_from_file_and_environment() {
-        let from_file: Settings =
-            common::parse(Path::new("examples"), &check::all_examples_as_toml(KEYS)).unwrap();
-        let from_env = Settings::from_env(&check::all_examples_as_env(KEYS)).unwrap();
-        assert_eq!(from_file, from_env);
-        let value = serde_json::to_value(&from_file).unwrap();
-        let fields = value.as_object().unwrap();
-        assert_eq!(
-            fields.len(),
-            KEYS.len(),
-            "a field of Settings is missing from KEYS"
-        );
-        for (field, value) in fields {
-            assert!(
-                !value.is_null(),
-                "`{field}` is not in KEYS (no example sets it)"
-            );
-        }
-    }
-
-    #[test]
-    fn the_example_file_parses_and_shows_every_key() {
-        let text = repository_file("deploy/config/vgpu-cp.toml");
-        let path = Path::new("deploy/config/vgpu-cp.toml");
-        common::parse::<Settings>(path, &text).unwrap();
-        assert_eq!(
-            check::keys_missing_from_example(&text, KEYS),
-            Vec::<&str>::new()
-        );
-        let all = check::uncomment_keys(&text, KEYS);
-        let settings: Settings = common::parse(path, &all).unwrap();
-        let value = serde_json::to_value(&settings).unwrap();
-        assert!(
-            value.as_object().unwrap().values().all(|v| !v.is_null()),
-            "{value}"
-        );
-    }
-
-    #[test]
-    fn every_key_is_in_the_documentation() {
-        let docs = repository_file("docs/configuration.md");
-        let section = check::section(&docs, "vgpu-cp");
-        assert!(
-            !section.is_empty(),
-            "docs/configuration.md has no `## vgpu-cp` section"
-        );
-        assert_eq!(
-            check::keys_missing_from_docs(section, KEYS),
-            Vec::<String>::new()
-        );
-        assert!(section.contains(CONFIG_ENV) && section.contains(CONFIG_PATH_DEFAULT));
+    fn the_settings_keys_example_and_documentation_agree() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        check::assert_consistent(&check::Consistency {
+            keys: KEYS,
+            repository_root: &root,
+            example: "deploy/config/vgpu-cp.toml",
+            docs_section: "vgpu-cp",
+            docs_mentions: &[CONFIG_ENV, CONFIG_PATH_DEFAULT],
+            from_env: Settings::from_env,
+        });
     }
 }
