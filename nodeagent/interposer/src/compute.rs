@@ -34,8 +34,12 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed, Ordering::SeqCs
 
 /// `VGPUCMP1`, little-endian: written last when a schedule file is initialised.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUCMP1");
-/// Bumped on any layout change; a process refuses a schedule file of another version.
-pub const VERSION: u32 = 1;
+/// Bumped on any layout change; a process refuses a schedule file of another version, except
+/// the compatible ones from `VERSION_COMPATIBLE_MIN` on (version 2 gave a reserved header word a
+/// meaning, `Header::latency_ns`, which version 1 leaves zero and never reads).
+pub const VERSION: u32 = 2;
+/// The oldest layout this build reads and writes unchanged.
+pub const VERSION_COMPATIBLE_MIN: u32 = 1;
 /// Tenants per GPU (one bit each in `Header::active`).
 pub const TENANTS: usize = 32;
 /// Gated processes per GPU.
@@ -95,7 +99,11 @@ pub struct Header {
     pub idle_vt: AtomicU64,
     /// Number of turns handed over (statistics).
     pub handovers: AtomicU64,
-    pub reserved: [AtomicU64; 2],
+    /// Spatial partitioning (version 2): when (CLOCK_MONOTONIC ns) a latency tenant last launched
+    /// on this GPU; 0 never. Latency tenants store it at every launch; squeezable tenants load it
+    /// at every launch (`latency_active`). Its own cache line, away from the turn word.
+    pub latency_ns: AtomicU64,
+    pub reserved: [AtomicU64; 1],
 }
 
 /// One tenant sharing the GPU.
@@ -157,6 +165,7 @@ impl Region {
                 floor_vt: zero(),
                 idle_vt: zero(),
                 handovers: zero(),
+                latency_ns: zero(),
                 reserved: std::array::from_fn(|_| zero()),
             },
             tenants: std::array::from_fn(|_| TenantSlot {
@@ -202,7 +211,8 @@ impl Region {
             h.tenant_count.load(SeqCst),
             h.proc_count.load(SeqCst),
         );
-        if version != VERSION || tenants as usize != TENANTS || procs as usize != PROCS {
+        let known = (VERSION_COMPATIBLE_MIN..=VERSION).contains(&version);
+        if !known || tenants as usize != TENANTS || procs as usize != PROCS {
             return Err(format!(
                 "the schedule file has version {version} ({tenants} tenants, {procs} processes); \
                  this interposer writes version {VERSION} ({TENANTS}, {PROCS}): processes of two \
@@ -210,6 +220,19 @@ impl Region {
             ));
         }
         Ok(())
+    }
+
+    /// A latency tenant launches now (`now_ns` > 0).
+    #[inline]
+    pub fn stamp_latency(&self, now_ns: u64) {
+        debug_assert!(now_ns > 0);
+        self.header.latency_ns.store(now_ns, Relaxed);
+    }
+
+    /// Whether a latency tenant launched within `hold_ns` of `now_ns`: one relaxed load.
+    #[inline]
+    pub fn latency_active(&self, now_ns: u64, hold_ns: u64) -> bool {
+        latency_fresh(self.header.latency_ns.load(Relaxed), now_ns, hold_ns)
     }
 
     pub fn quantum_ns(&self) -> u64 {
@@ -223,6 +246,12 @@ impl Region {
             .zip(name)
             .all(|(stored, word)| stored.load(SeqCst) == *word)
     }
+}
+
+/// Whether a latency stamp `stamp_ns` (0: never) is within `hold_ns` of `now_ns`. A stamp slightly
+/// in the future (another process's clock read raced ours) counts as fresh.
+pub fn latency_fresh(stamp_ns: u64, now_ns: u64, hold_ns: u64) -> bool {
+    stamp_ns != 0 && now_ns.saturating_sub(stamp_ns) < hold_ns
 }
 
 /// A tenant's scheduling parameters on one GPU.

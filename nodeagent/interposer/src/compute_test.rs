@@ -458,3 +458,33 @@ fn a_killed_owner_stalls_the_others_at_most_a_grace_period() {
     // Its process slot was reclaimed on the way.
     assert_eq!(region.procs[sim.procs[0].member.proc].pid.load(SeqCst), 0);
 }
+
+#[test]
+fn latency_stamps_are_fresh_within_the_hold_only() {
+    let hold = 50 * MS;
+    assert!(!latency_fresh(0, 10 * MS, hold), "never stamped");
+    assert!(latency_fresh(100 * MS, 100 * MS, hold));
+    assert!(latency_fresh(100 * MS, 149 * MS, hold));
+    assert!(!latency_fresh(100 * MS, 150 * MS, hold));
+    assert!(
+        latency_fresh(100 * MS, 99 * MS, hold),
+        "a stamp racing ahead of our clock read is fresh"
+    );
+    let region = region();
+    assert!(!region.latency_active(5 * MS, hold));
+    region.stamp_latency(5 * MS);
+    assert!(region.latency_active(6 * MS, hold));
+    assert!(!region.latency_active(60 * MS, hold));
+}
+
+#[test]
+fn version_1_schedules_are_read_and_others_refused() {
+    let region = region();
+    assert_eq!(region.header.version.load(SeqCst), VERSION);
+    region.header.version.store(VERSION_COMPATIBLE_MIN, SeqCst);
+    region.check_layout().unwrap();
+    region.header.version.store(VERSION + 1, SeqCst);
+    assert!(region.check_layout().is_err());
+    region.header.version.store(0, SeqCst);
+    assert!(region.check_layout().is_err());
+}

@@ -220,6 +220,78 @@ impl ComputeConfig {
     }
 }
 
+/// Spatial partitioning (`spatial`): squeezing this tenant onto fewer SMs while a latency tenant
+/// is active on the GPU, or marking this tenant as that latency tenant.
+///
+/// | variable | meaning |
+/// | --- | --- |
+/// | `VGPU_SPATIAL` | `1`: spatial mode on (default `0`: off, nothing changes) |
+/// | `VGPU_LATENCY` | `1`: a latency tenant (never held by turns, stamps the GPU's schedule) |
+/// | `VGPU_SPATIAL_HOLD_MS` | how long after a latency launch others stay squeezed (default 50) |
+/// | `VGPU_SPATIAL_SMS` | SMs a squeezed tenant keeps (default: all but 28, 8-SM granularity) |
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpatialConfig {
+    pub tenant: String,
+    pub shm_dir: PathBuf,
+    pub latency: bool,
+    pub hold_ms: u64,
+    /// `None`: the default (`spatial::SMS_RESERVED_DEFAULT` left to the latency tenant).
+    pub sms: Option<u32>,
+}
+
+/// The longest `VGPU_SPATIAL_HOLD_MS`.
+pub const SPATIAL_HOLD_MS_MAX: u64 = 60_000;
+
+impl SpatialConfig {
+    /// `Ok(None)` without a tenant or without `VGPU_SPATIAL=1`.
+    pub fn from_lookup(
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<SpatialConfig>, ConfigError> {
+        let Some(tenant) = get("VGPU_TENANT").filter(|t| !t.trim().is_empty()) else {
+            return Ok(None);
+        };
+        let tenant = tenant.trim().to_owned();
+        check_tenant_name(&tenant)?;
+        let flag = |name: &str| match get(name).as_deref().map(str::trim) {
+            None | Some("" | "0" | "false") => Ok(false),
+            Some("1" | "true") => Ok(true),
+            Some(other) => Err(ConfigError(format!("{name}: `{other}` is not 0 or 1"))),
+        };
+        if !flag("VGPU_SPATIAL")? {
+            return Ok(None);
+        }
+        let number = |name: &str, range: std::ops::RangeInclusive<u64>| match get(name)
+            .as_deref()
+            .map(str::trim)
+        {
+            None | Some("") => Ok(None),
+            Some(v) => v
+                .parse::<u64>()
+                .ok()
+                .filter(|n| range.contains(n))
+                .map(Some)
+                .ok_or_else(|| {
+                    ConfigError(format!(
+                        "{name}: `{v}` is not a whole number in {}..={}",
+                        range.start(),
+                        range.end()
+                    ))
+                }),
+        };
+        let hold_ms = number("VGPU_SPATIAL_HOLD_MS", 1..=SPATIAL_HOLD_MS_MAX)?.unwrap_or(50);
+        let sms = number("VGPU_SPATIAL_SMS", 1..=100_000)?.map(|n| n as u32);
+        Ok(Some(SpatialConfig {
+            tenant,
+            shm_dir: get("VGPU_SHM_DIR")
+                .filter(|d| !d.trim().is_empty())
+                .map_or_else(|| PathBuf::from(SHM_DIR_DEFAULT), PathBuf::from),
+            latency: flag("VGPU_LATENCY")?,
+            hold_ms,
+            sms,
+        }))
+    }
+}
+
 /// Tenant names become file names: only DNS-label characters, so no `/` or `..` can sneak in.
 fn check_tenant_name(name: &str) -> Result<(), ConfigError> {
     let valid = !name.is_empty()
@@ -404,6 +476,49 @@ mod tests {
         ] {
             let err = config(&vars).unwrap_err();
             assert!(err.0.starts_with("VGPU_"), "{err}");
+        }
+    }
+
+    fn spatial(vars: &[(&str, &str)]) -> Result<Option<SpatialConfig>, ConfigError> {
+        let map: std::collections::HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        SpatialConfig::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn spatial_mode_is_opt_in_and_validated() {
+        assert_eq!(spatial(&[("VGPU_SPATIAL", "1")]), Ok(None));
+        assert_eq!(spatial(&[("VGPU_TENANT", "a")]), Ok(None));
+        assert_eq!(
+            spatial(&[("VGPU_TENANT", "a"), ("VGPU_SPATIAL", "0")]),
+            Ok(None)
+        );
+        let c = spatial(&[("VGPU_TENANT", "a"), ("VGPU_SPATIAL", "1")])
+            .unwrap()
+            .unwrap();
+        assert!(!c.latency);
+        assert_eq!((c.hold_ms, c.sms), (50, None));
+        let c = spatial(&[
+            ("VGPU_TENANT", "a"),
+            ("VGPU_SPATIAL", "1"),
+            ("VGPU_LATENCY", "1"),
+            ("VGPU_SPATIAL_HOLD_MS", "20"),
+            ("VGPU_SPATIAL_SMS", "96"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert!(c.latency);
+        assert_eq!((c.hold_ms, c.sms), (20, Some(96)));
+        for bad in [
+            ("VGPU_SPATIAL_HOLD_MS", "0"),
+            ("VGPU_SPATIAL_HOLD_MS", "x"),
+            ("VGPU_SPATIAL_SMS", "0"),
+            ("VGPU_LATENCY", "yes"),
+        ] {
+            let err = spatial(&[("VGPU_TENANT", "a"), ("VGPU_SPATIAL", "1"), bad]).unwrap_err();
+            assert!(err.0.starts_with(bad.0), "{err}");
         }
     }
 }

@@ -19,6 +19,7 @@
 use crate::hooks::{self, Admission};
 use crate::launch::{self, EventState, Gpu, StreamRef};
 use crate::real::{self, Driver};
+use crate::spatial;
 use crate::sys::*;
 use crate::tracker::{Key, array_bytes};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
@@ -718,21 +719,156 @@ impl Gpu for RealGpu<'_> {
     }
 }
 
-/// Runs a launch through the gate: wait for the tenant's turn, launch, track if sampled.
+impl spatial::Green for RealGpu<'_> {
+    fn green_context_create(
+        &self,
+        device: i32,
+        choose: &dyn Fn(spatial::SmResource) -> Result<u32, String>,
+    ) -> Result<(usize, u32), String> {
+        let fns = &self.0.fns;
+        let missing = |name: &str| format!("the driver has no {name}");
+        let device_get = fns.device_get.ok_or_else(|| missing("cuDeviceGet"))?;
+        let get_resource = fns
+            .device_get_dev_resource
+            .ok_or_else(|| missing("cuDeviceGetDevResource"))?;
+        let split = fns
+            .dev_sm_resource_split_by_count
+            .ok_or_else(|| missing("cuDevSmResourceSplitByCount"))?;
+        let generate = fns
+            .dev_resource_generate_desc
+            .ok_or_else(|| missing("cuDevResourceGenerateDesc"))?;
+        let create = fns
+            .green_ctx_create
+            .ok_or_else(|| missing("cuGreenCtxCreate"))?;
+        if fns.green_ctx_stream_create.is_none() || fns.stream_wait_event.is_none() {
+            return Err(missing("cuGreenCtxStreamCreate or cuStreamWaitEvent"));
+        }
+        let check = |rc: CUresult, name: &str| {
+            if rc == CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(format!("{name} failed with CUresult {rc}"))
+            }
+        };
+        let mut dev: CUdevice = 0;
+        // SAFETY: `dev` is a valid out-pointer; the ordinal is validated by the driver.
+        check(unsafe { device_get(&mut dev, device) }, "cuDeviceGet")?;
+        let mut all = CUdevResource::zeroed();
+        // SAFETY: `all` is a zeroed buffer larger than the driver's `CUdevResource`.
+        let rc = unsafe { get_resource(dev, &mut all, CU_DEV_RESOURCE_TYPE_SM) };
+        check(rc, "cuDeviceGetDevResource")?;
+        let resource = spatial::SmResource {
+            count: all.word(DEV_RESOURCE_SM_COUNT),
+            min_partition: all.word(DEV_RESOURCE_SM_MIN_PARTITION),
+            alignment: all.word(DEV_RESOURCE_SM_ALIGNMENT),
+        };
+        let sms = choose(resource)?;
+        let (mut part, mut rest) = (CUdevResource::zeroed(), CUdevResource::zeroed());
+        let mut groups: c_uint = 1;
+        // SAFETY: one result group (`groups` = 1) and the remainder, each an oversized zeroed
+        // buffer; `all` is the resource the driver filled in above.
+        let rc = unsafe { split(&mut part, &mut groups, &all, &mut rest, 0, sms) };
+        check(rc, "cuDevSmResourceSplitByCount")?;
+        if groups != 1 {
+            return Err(format!("{sms} SMs split into {groups} groups"));
+        }
+        let granted = part.word(DEV_RESOURCE_SM_COUNT);
+        let mut desc: CUdevResourceDesc = std::ptr::null_mut();
+        // SAFETY: `desc` is a valid out-pointer; `part` is one resource the driver made.
+        let rc = unsafe { generate(&mut desc, &mut part, 1) };
+        check(rc, "cuDevResourceGenerateDesc")?;
+        let mut green: CUgreenCtx = std::ptr::null_mut();
+        // SAFETY: `green` is a valid out-pointer, `desc` came from the driver, the flag is the
+        // documented one (required).
+        let rc = unsafe { create(&mut green, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM) };
+        check(rc, "cuGreenCtxCreate")?;
+        if green.is_null() {
+            return Err("cuGreenCtxCreate returned no context".to_owned());
+        }
+        Ok((green as usize, granted))
+    }
+
+    fn green_stream_create(&self, green: usize) -> Result<usize, String> {
+        let create = self
+            .0
+            .fns
+            .green_ctx_stream_create
+            .ok_or("the driver has no cuGreenCtxStreamCreate")?;
+        let mut stream: CUstream = std::ptr::null_mut();
+        // SAFETY: `stream` is a valid out-pointer, `green` a live green context of ours; the
+        // driver requires CU_STREAM_NON_BLOCKING.
+        let rc = unsafe { create(&mut stream, green as CUgreenCtx, CU_STREAM_NON_BLOCKING, 0) };
+        if rc != CUDA_SUCCESS || stream.is_null() {
+            return Err(format!("cuGreenCtxStreamCreate failed with CUresult {rc}"));
+        }
+        Ok(stream as usize)
+    }
+
+    fn stream_wait_event(&self, stream: usize, event: usize) -> bool {
+        let Some(wait) = self.0.fns.stream_wait_event else {
+            return false;
+        };
+        // SAFETY: `event` is one of our live events; `stream` is a green stream of ours or the
+        // handle the application launches on (or a special handle), which the driver validates.
+        unsafe { wait(stream as CUstream, event as CUevent, 0) == CUDA_SUCCESS }
+    }
+}
+
+/// How a launch may be placed by spatial partitioning.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    /// May run on a green stream (`spatial`).
+    Movable,
+    /// Stays on the application's stream (cooperative launches: see `spatial`).
+    Fixed,
+}
+
+/// Runs a launch through the gate: wait for the tenant's turn (not for a latency tenant), pick
+/// the stream (the application's, or a green one while squeezed), launch, track if sampled.
+/// `call` launches on the stream it is given.
 fn gated_launch(
     what: &'static str,
     driver: &Driver,
     stream: CUstream,
     per_thread: bool,
-    call: impl FnOnce() -> CUresult,
+    placement: Placement,
+    call: impl Fn(CUstream) -> CUresult,
 ) -> CUresult {
     let gpu = RealGpu(driver);
-    let stream = StreamRef {
+    let stream_ref = StreamRef {
         handle: stream as usize,
         per_thread,
     };
-    let pending = ffi_boundary!(what, fallback = None, { launch::before(&gpu, stream) });
-    let rc = call();
+    let latency = ffi_boundary!(what, fallback = false, { spatial::stamp_if_latency(&gpu) });
+    let pending = if latency {
+        None
+    } else {
+        ffi_boundary!(what, fallback = None, { launch::before(&gpu, stream_ref) })
+    };
+    let redirect = if placement == Placement::Movable && !latency {
+        ffi_boundary!(what, fallback = None, {
+            spatial::redirect(&gpu, stream_ref)
+        })
+    } else {
+        None
+    };
+    let rc = match redirect {
+        None => call(stream),
+        Some(redirect) => {
+            let rc = call(redirect.stream() as CUstream);
+            if rc == CUDA_SUCCESS {
+                ffi_boundary!(what, fallback = (), { redirect.launched(&gpu) });
+                rc
+            } else {
+                // Nothing ran: launch where the application asked.
+                let rc_app = call(stream);
+                ffi_boundary!(what, fallback = (), {
+                    redirect.refused(rc, rc_app == CUDA_SUCCESS)
+                });
+                rc_app
+            }
+        }
+    };
     if let Some(pending) = pending {
         ffi_boundary!(what, fallback = (), {
             launch::after(&gpu, pending, rc == CUDA_SUCCESS)
@@ -761,24 +897,33 @@ macro_rules! launch_kernel_hook {
         ) -> CUresult {
             ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
                 let (driver, real) = real_fn!($field);
-                gated_launch(stringify!($name), driver, stream, $per_thread, || {
-                    // SAFETY: forwarded unchanged under the caller's contract.
-                    unsafe {
-                        real(
-                            f,
-                            grid_x,
-                            grid_y,
-                            grid_z,
-                            block_x,
-                            block_y,
-                            block_z,
-                            shared_mem_bytes,
-                            stream,
-                            params,
-                            extra,
-                        )
-                    }
-                })
+                let placement = Placement::Movable;
+                gated_launch(
+                    stringify!($name),
+                    driver,
+                    stream,
+                    $per_thread,
+                    placement,
+                    |s| {
+                        // SAFETY: forwarded under the caller's contract; `s` is the caller's stream
+                        // or a green stream of the current context's device.
+                        unsafe {
+                            real(
+                                f,
+                                grid_x,
+                                grid_y,
+                                grid_z,
+                                block_x,
+                                block_y,
+                                block_z,
+                                shared_mem_bytes,
+                                s,
+                                params,
+                                extra,
+                            )
+                        }
+                    },
+                )
             })
         }
     };
@@ -800,17 +945,64 @@ macro_rules! launch_kernel_ex_hook {
         ) -> CUresult {
             ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
                 let (driver, real) = real_fn!($field);
-                let stream =
-                    // SAFETY: the caller passes a valid configuration or null (the driver
-                    // rejects null).
-                    unsafe { config.as_ref() }.map_or(std::ptr::null_mut(), |c| c.h_stream);
-                gated_launch(stringify!($name), driver, stream, $per_thread, || {
-                    // SAFETY: forwarded unchanged under the caller's contract.
-                    unsafe { real(config, f, params, extra) }
-                })
+                // SAFETY: the caller passes a valid configuration or null (the driver rejects
+                // null).
+                let given = unsafe { config.as_ref() };
+                let stream = given.map_or(std::ptr::null_mut(), |c| c.h_stream);
+                let placement = match given {
+                    // SAFETY: `c` is the caller's valid configuration.
+                    Some(c) if !unsafe { is_cooperative(c) } => Placement::Movable,
+                    _ => Placement::Fixed,
+                };
+                gated_launch(
+                    stringify!($name),
+                    driver,
+                    stream,
+                    $per_thread,
+                    placement,
+                    |s| {
+                        match given {
+                            Some(c) if s != c.h_stream => {
+                                let moved = CUlaunchConfig {
+                                    grid_dim: c.grid_dim,
+                                    block_dim: c.block_dim,
+                                    shared_mem_bytes: c.shared_mem_bytes,
+                                    h_stream: s,
+                                    attrs: c.attrs,
+                                    num_attrs: c.num_attrs,
+                                };
+                                // SAFETY: the caller's configuration with a green stream of the
+                                // current context's device, under the caller's contract.
+                                unsafe { real(&moved, f, params, extra) }
+                            }
+                            // SAFETY: forwarded unchanged under the caller's contract.
+                            _ => unsafe { real(config, f, params, extra) },
+                        }
+                    },
+                )
             })
         }
     };
+}
+
+/// Whether a `cuLaunchKernelEx` configuration asks for a cooperative launch.
+///
+/// # Safety
+/// `config.attrs` points to `config.num_attrs` attributes (or is null), as the driver requires.
+unsafe fn is_cooperative(config: &CUlaunchConfig) -> bool {
+    if config.attrs.is_null() || config.num_attrs == 0 {
+        return false;
+    }
+    // SAFETY: the caller's contract: `num_attrs` valid attributes at `attrs`.
+    let attrs = unsafe {
+        std::slice::from_raw_parts(
+            config.attrs.cast::<CUlaunchAttribute>(),
+            config.num_attrs as usize,
+        )
+    };
+    attrs
+        .iter()
+        .any(|a| a.id == CU_LAUNCH_ATTRIBUTE_COOPERATIVE && a.value[..4] != [0, 0, 0, 0])
 }
 
 launch_kernel_ex_hook!(cuLaunchKernelEx, launch_kernel_ex, false);
@@ -835,23 +1027,32 @@ macro_rules! launch_cooperative_hook {
         ) -> CUresult {
             ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
                 let (driver, real) = real_fn!($field);
-                gated_launch(stringify!($name), driver, stream, $per_thread, || {
-                    // SAFETY: forwarded unchanged under the caller's contract.
-                    unsafe {
-                        real(
-                            f,
-                            grid_x,
-                            grid_y,
-                            grid_z,
-                            block_x,
-                            block_y,
-                            block_z,
-                            shared_mem_bytes,
-                            stream,
-                            params,
-                        )
-                    }
-                })
+                let placement = Placement::Fixed;
+                gated_launch(
+                    stringify!($name),
+                    driver,
+                    stream,
+                    $per_thread,
+                    placement,
+                    |s| {
+                        // SAFETY: forwarded unchanged under the caller's contract (`Fixed`: `s` is
+                        // the caller's stream).
+                        unsafe {
+                            real(
+                                f,
+                                grid_x,
+                                grid_y,
+                                grid_z,
+                                block_x,
+                                block_y,
+                                block_z,
+                                shared_mem_bytes,
+                                s,
+                                params,
+                            )
+                        }
+                    },
+                )
             })
         }
     };
@@ -884,10 +1085,16 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernelMultiDevice(
                 handle: 0,
                 per_thread: false,
             };
-            let _untracked: Option<launch::Pending> =
-                ffi_boundary!("cuLaunchCooperativeKernelMultiDevice", fallback = None, {
-                    launch::before(&gpu, stream)
+            let latency =
+                ffi_boundary!("cuLaunchCooperativeKernelMultiDevice", fallback = false, {
+                    spatial::stamp_if_latency(&gpu)
                 });
+            if !latency {
+                let _untracked: Option<launch::Pending> =
+                    ffi_boundary!("cuLaunchCooperativeKernelMultiDevice", fallback = None, {
+                        launch::before(&gpu, stream)
+                    });
+            }
             // SAFETY: forwarded unchanged under the caller's contract.
             unsafe { real(launch_params_list, num_devices, flags) }
         }
@@ -896,7 +1103,7 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernelMultiDevice(
 
 macro_rules! graph_launch_hook {
     ($name:ident, $field:ident, $per_thread:expr) => {
-        /// A graph launch is one launch unit: gated and tracked like a kernel.
+        /// A graph launch is one launch unit: gated, tracked and moved like a kernel.
         ///
         /// # Safety
         /// The driver's contract for this launch function.
@@ -904,10 +1111,19 @@ macro_rules! graph_launch_hook {
         pub unsafe extern "C" fn $name(exec: CUgraphExec, stream: CUstream) -> CUresult {
             ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
                 let (driver, real) = real_fn!($field);
-                gated_launch(stringify!($name), driver, stream, $per_thread, || {
-                    // SAFETY: forwarded unchanged under the caller's contract.
-                    unsafe { real(exec, stream) }
-                })
+                let placement = Placement::Movable;
+                gated_launch(
+                    stringify!($name),
+                    driver,
+                    stream,
+                    $per_thread,
+                    placement,
+                    |s| {
+                        // SAFETY: forwarded under the caller's contract; `s` is the caller's stream
+                        // or a green stream of the current context's device.
+                        unsafe { real(exec, s) }
+                    },
+                )
             })
         }
     };

@@ -88,7 +88,7 @@ const STREAM_PER_THREAD: usize = 2;
 impl StreamRef {
     /// The handle to record an event on and the key of the stream in the tracker (the
     /// per-thread default stream is a different stream in every thread).
-    fn resolve(self) -> (usize, (usize, u64)) {
+    pub(crate) fn resolve(self) -> (usize, (usize, u64)) {
         let handle = match self.handle {
             0 if self.per_thread => STREAM_PER_THREAD,
             STREAM_LEGACY => 0,

@@ -12,7 +12,9 @@
 //! - `sys` declares the few CUDA driver types and constants we use, by hand (no `cuda.h` on the
 //!   machines that build this crate; the layouts are the driver API's public ABI).
 //! - `hooks` is the memory policy glue, in safe code: what to charge, when to refuse, what to
-//!   report. `launch` is the launch gate, in safe code (the driver behind a trait).
+//!   report. `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
+//!   moves launches to a green context with fewer SMs while a latency tenant is active (opt-in,
+//!   `VGPU_SPATIAL=1`).
 //! - `ledger`, `tracker`, `compute` and `config` are pure: no FFI, no globals, unit-tested here.
 //!
 //! **Invariant:** `unsafe` appears only in `sys`, `real`, `shm`, `exports` and `dlsym_shim`, and
@@ -30,5 +32,6 @@ pub mod ledger;
 mod log;
 mod real;
 mod shm;
+mod spatial;
 mod sys;
 pub mod tracker;

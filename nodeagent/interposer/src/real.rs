@@ -136,6 +136,14 @@ driver_functions! {
     device_get_count: FnDeviceGetCount = c"cuDeviceGetCount";
     device_get_uuid_v2: FnDeviceGetUuid = c"cuDeviceGetUuid_v2";
     device_get_uuid: FnDeviceGetUuid = c"cuDeviceGetUuid";
+    device_get: FnDeviceGet = c"cuDeviceGet";
+    device_get_dev_resource: FnDeviceGetDevResource = c"cuDeviceGetDevResource";
+    dev_sm_resource_split_by_count: FnDevSmResourceSplitByCount =
+        c"cuDevSmResourceSplitByCount";
+    dev_resource_generate_desc: FnDevResourceGenerateDesc = c"cuDevResourceGenerateDesc";
+    green_ctx_create: FnGreenCtxCreate = c"cuGreenCtxCreate";
+    green_ctx_stream_create: FnGreenCtxStreamCreate = c"cuGreenCtxStreamCreate";
+    stream_wait_event: FnStreamWaitEvent = c"cuStreamWaitEvent";
 }
 
 /// The loaded real driver.

@@ -162,3 +162,75 @@ pub type FnDeviceGetCount = unsafe extern "C" fn(*mut c_int) -> CUresult;
 pub type FnDeviceGetUuid = unsafe extern "C" fn(*mut [u8; 16], CUdevice) -> CUresult;
 /// glibc's `dlsym`.
 pub type FnDlsym = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+// ---- green contexts (CUDA 12.4+), for spatial partitioning ----
+
+pub type CUgreenCtx = *mut c_void;
+pub type CUdevResourceDesc = *mut c_void;
+
+/// `CU_DEV_RESOURCE_TYPE_SM`.
+pub const CU_DEV_RESOURCE_TYPE_SM: c_int = 1;
+/// `CU_GREEN_CTX_DEFAULT_STREAM`: required by `cuGreenCtxCreate`.
+pub const CU_GREEN_CTX_DEFAULT_STREAM: c_uint = 0x1;
+/// `CU_STREAM_NON_BLOCKING`: required by `cuGreenCtxStreamCreate`.
+pub const CU_STREAM_NON_BLOCKING: c_uint = 0x1;
+/// `CU_LAUNCH_ATTRIBUTE_COOPERATIVE` (`CUlaunchAttribute::id`).
+pub const CU_LAUNCH_ATTRIBUTE_COOPERATIVE: c_uint = 2;
+
+/// `CUdevResource`, kept opaque: `type` at offset 0, a 92-byte pad, then the `CUdevSmResource`
+/// union member at offset 96 (`smCount`, and from CUDA 13 `minSmPartitionSize`,
+/// `smCoscheduledAlignment`, `flags`). The driver's struct is 144 bytes (CUDA 12.4) and grew in
+/// CUDA 13, so this buffer is oversized and zeroed: fields an older driver does not write read 0.
+#[repr(C, align(8))]
+pub struct CUdevResource {
+    pub bytes: [u8; DEV_RESOURCE_BYTES],
+}
+
+/// Our size of `CUdevResource` (larger than any driver's so far).
+pub const DEV_RESOURCE_BYTES: usize = 512;
+/// Offsets into `CUdevResource`.
+pub const DEV_RESOURCE_SM_COUNT: usize = 96;
+pub const DEV_RESOURCE_SM_MIN_PARTITION: usize = 100;
+pub const DEV_RESOURCE_SM_ALIGNMENT: usize = 104;
+
+impl CUdevResource {
+    pub fn zeroed() -> CUdevResource {
+        CUdevResource {
+            bytes: [0; DEV_RESOURCE_BYTES],
+        }
+    }
+
+    pub fn word(&self, offset: usize) -> u32 {
+        let mut word = [0u8; 4];
+        word.copy_from_slice(&self.bytes[offset..offset + 4]);
+        u32::from_ne_bytes(word)
+    }
+}
+
+/// `CUlaunchAttribute`: an id, padding to 8 bytes, a 64-byte value union.
+#[repr(C)]
+pub struct CUlaunchAttribute {
+    pub id: c_uint,
+    pub pad: [u8; 4],
+    pub value: [u8; 64],
+}
+
+pub type FnDeviceGet = unsafe extern "C" fn(*mut CUdevice, c_int) -> CUresult;
+pub type FnDeviceGetDevResource =
+    unsafe extern "C" fn(CUdevice, *mut CUdevResource, c_int) -> CUresult;
+/// `cuDevSmResourceSplitByCount(result, nbGroups, input, remaining, useFlags, minCount)`.
+pub type FnDevSmResourceSplitByCount = unsafe extern "C" fn(
+    *mut CUdevResource,
+    *mut c_uint,
+    *const CUdevResource,
+    *mut CUdevResource,
+    c_uint,
+    c_uint,
+) -> CUresult;
+pub type FnDevResourceGenerateDesc =
+    unsafe extern "C" fn(*mut CUdevResourceDesc, *mut CUdevResource, c_uint) -> CUresult;
+pub type FnGreenCtxCreate =
+    unsafe extern "C" fn(*mut CUgreenCtx, CUdevResourceDesc, CUdevice, c_uint) -> CUresult;
+pub type FnGreenCtxStreamCreate =
+    unsafe extern "C" fn(*mut CUstream, CUgreenCtx, c_uint, c_int) -> CUresult;
+pub type FnStreamWaitEvent = unsafe extern "C" fn(CUstream, CUevent, c_uint) -> CUresult;

@@ -5,6 +5,8 @@
 
 #[path = "abi/compute.rs"]
 mod compute;
+#[path = "abi/spatial.rs"]
+mod spatial;
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
@@ -82,6 +84,22 @@ fn kit() -> &'static Kit {
             "-Wl,-soname,libcuda.so.1",
             "-o",
             "libcuda.so.1",
+            &source("fakecuda.c"),
+            "-lpthread",
+        ]);
+        // The same fake without the green-context functions (an older driver).
+        std::fs::create_dir_all(dir.join("nogreen")).expect("creating nogreen/");
+        compile(&[
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-DFAKE_NO_GREEN",
+            "-Wl,-Bsymbolic",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            "nogreen/libcuda.so.1",
             &source("fakecuda.c"),
             "-lpthread",
         ]);

@@ -16,6 +16,13 @@
  * Events complete when the last kernel of their stream (at record time) ends. The GPU time a
  * process's kernels spend inside FAKE_CUDA_WINDOW=<start_ns>,<end_ns> (CLOCK_MONOTONIC) is
  * reported by fakeGpuUsedNs().
+ *
+ * Green contexts (CUDA 12.4+), unless built with -DFAKE_NO_GREEN: a device of FAKE_CUDA_SMS
+ * (default 132) SMs, minimum partition and alignment 8; FAKE_CUDA_GREEN_FAIL=1 makes
+ * cuGreenCtxCreate fail, FAKE_CUDA_GREEN_LAUNCH_FAIL=1 makes launches on green streams fail.
+ * Green streams are handles 0x9000, 0x9001, ... fakeTrace() returns what ran where, in order:
+ * "K:<stream>" per kernel or graph launch, "R:<event>:<stream>" per event record,
+ * "W:<stream>:<event>" per stream wait, "C:<sms>" per green context (events numbered from 1).
  */
 #include <fcntl.h>
 #include <pthread.h>
@@ -264,6 +271,26 @@ static struct {
 static unsigned long long last_end, used_in_window, launches;
 static unsigned long long window_start, window_end;
 
+#define TRACE_BYTES 65536
+static char trace[TRACE_BYTES];
+static size_t trace_len;
+static void trace_add(const char *fmt, unsigned long long a, unsigned long long b) {
+  pthread_mutex_lock(&lock);
+  if (trace_len + 64 < TRACE_BYTES) {
+    int n = snprintf(trace + trace_len, 64, trace_len ? " " : "");
+    trace_len += (size_t)n;
+    n = snprintf(trace + trace_len, 64, fmt, a, b);
+    trace_len += (size_t)n;
+  }
+  pthread_mutex_unlock(&lock);
+}
+const char *fakeTrace(void) { return trace; }
+
+typedef struct {
+  unsigned long long end, id;
+} fake_event;
+static unsigned long long next_event_id;
+
 static unsigned long long now_ns(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
@@ -297,8 +324,15 @@ static int stream_slot(CUstream s) {
   return 0;
 }
 
+static int green_launch_fails(CUstream s) {
+  const char *v = getenv("FAKE_CUDA_GREEN_LAUNCH_FAIL");
+  return v && !strcmp(v, "1") && (uintptr_t)s >= 0x9000 && (uintptr_t)s < 0xa000;
+}
+
 static CUresult run_kernel(CUstream s, unsigned long long duration_us) {
   if (current < 0) return INVALID_CONTEXT;
+  if (green_launch_fails(s)) return INVALID_VALUE;
+  trace_add("K:%llx%.0llu", (uintptr_t)s, 0);
   pthread_once(&gpu_once, open_gpu);
   unsigned long long d = duration_us * 1000ULL, now = now_ns(), start, end;
   unsigned long long seen = __atomic_load_n(busy_until, __ATOMIC_SEQ_CST);
@@ -376,19 +410,23 @@ CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream s) {
 CUresult cuEventCreate(CUevent *event, unsigned int flags) {
   (void)flags;
   if (event == NULL) return INVALID_VALUE;
-  *event = calloc(1, sizeof(unsigned long long));
-  return *event ? OK : OUT_OF_MEMORY;
+  fake_event *e = calloc(1, sizeof(fake_event));
+  if (e == NULL) return OUT_OF_MEMORY;
+  e->id = __atomic_add_fetch(&next_event_id, 1, __ATOMIC_SEQ_CST);
+  *event = e;
+  return OK;
 }
 CUresult cuEventRecord(CUevent event, CUstream s) {
   if (event == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
-  *(unsigned long long *)event = streams[stream_slot(s)].end;
+  ((fake_event *)event)->end = streams[stream_slot(s)].end;
   pthread_mutex_unlock(&lock);
+  trace_add("R:%llu:%llx", ((fake_event *)event)->id, (uintptr_t)s);
   return OK;
 }
 CUresult cuEventQuery(CUevent event) {
   if (event == NULL) return INVALID_VALUE;
-  return now_ns() >= *(unsigned long long *)event ? OK : NOT_READY;
+  return now_ns() >= ((fake_event *)event)->end ? OK : NOT_READY;
 }
 CUresult cuEventDestroy_v2(CUevent event) {
   free(event);
@@ -415,6 +453,77 @@ CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int device) {
   return OK;
 }
 CUresult cuDeviceGetUuid(unsigned char *uuid, int device) { return cuDeviceGetUuid_v2(uuid, device); }
+
+#ifndef FAKE_NO_GREEN
+/* CUdevResource: type at 0, SM fields at 96 (smCount, minSmPartitionSize, smCoscheduledAlignment);
+ * the driver's struct is 144 bytes in CUDA 12.4, and this fake writes no further. */
+typedef struct {
+  int type;
+  unsigned char pad[92];
+  unsigned int sm_count, min_partition, alignment, flags;
+  unsigned char rest[32];
+} fake_resource;
+static unsigned int device_sms(void) {
+  const char *v = getenv("FAKE_CUDA_SMS");
+  return v ? (unsigned int)atoi(v) : 132;
+}
+CUresult cuDeviceGetDevResource(int device, fake_resource *resource, int type) {
+  if (resource == NULL || type != 1) return INVALID_VALUE;
+  if (device < 0 || device >= devices()) return INVALID_DEVICE;
+  memset(resource, 0, sizeof *resource);
+  resource->type = 1;
+  resource->sm_count = device_sms();
+  resource->min_partition = 8;
+  resource->alignment = 8;
+  return OK;
+}
+CUresult cuDevSmResourceSplitByCount(fake_resource *result, unsigned int *groups,
+                                     const fake_resource *input, fake_resource *remaining,
+                                     unsigned int flags, unsigned int min_count) {
+  (void)flags;
+  if (result == NULL || groups == NULL || *groups != 1 || input == NULL) return INVALID_VALUE;
+  unsigned int sms = (min_count + 7) / 8 * 8;
+  if (sms > input->sm_count) return 914; /* CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION */
+  *result = *input;
+  result->sm_count = sms;
+  if (remaining) {
+    *remaining = *input;
+    remaining->sm_count = input->sm_count - sms;
+  }
+  return OK;
+}
+CUresult cuDevResourceGenerateDesc(void **desc, fake_resource *resources, unsigned int n) {
+  if (desc == NULL || resources == NULL || n != 1) return INVALID_VALUE;
+  *desc = (void *)(uintptr_t)resources->sm_count;
+  return OK;
+}
+CUresult cuGreenCtxCreate(void **green, void *desc, int device, unsigned int flags) {
+  const char *fail = getenv("FAKE_CUDA_GREEN_FAIL");
+  if (fail && !strcmp(fail, "1")) return 801; /* CUDA_ERROR_NOT_SUPPORTED */
+  if (green == NULL || flags != 1) return INVALID_VALUE;
+  if (device < 0 || device >= devices()) return INVALID_DEVICE;
+  *green = (void *)(0x7000 + (uintptr_t)desc);
+  trace_add("C:%llu%.0llu", (uintptr_t)desc, 0);
+  return OK;
+}
+static unsigned long long next_green_stream = 0x9000;
+CUresult cuGreenCtxStreamCreate(CUstream *stream, void *green, unsigned int flags, int priority) {
+  (void)priority;
+  if (stream == NULL || green == NULL || flags != 1) return INVALID_VALUE;
+  *stream = (CUstream)(uintptr_t)__atomic_fetch_add(&next_green_stream, 1, __ATOMIC_SEQ_CST);
+  return OK;
+}
+#endif
+CUresult cuStreamWaitEvent(CUstream s, CUevent event, unsigned int flags) {
+  (void)flags;
+  if (event == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  int slot = stream_slot(s);
+  if (((fake_event *)event)->end > streams[slot].end) streams[slot].end = ((fake_event *)event)->end;
+  pthread_mutex_unlock(&lock);
+  trace_add("W:%llx:%llu", (uintptr_t)s, ((fake_event *)event)->id);
+  return OK;
+}
 
 static CUresult thunk_cuMemAlloc(CUdeviceptr *dptr, size_t bytes) {
   return cuMemAlloc_v2(dptr, bytes);

@@ -25,9 +25,12 @@
  *                    "spin <rc> used=<ns of GPU time in FAKE_CUDA_WINDOW> launches=<n>
  *                    max_wait_us=<longest launch call>"
  *   sync             cuCtxSynchronize
+ *   trace            prints "trace <the fake driver's trace>" (which stream each kernel ran on)
+ *   sleep_ms N       sleeps N milliseconds
  * APIs: kernel, kernel_ptsz, ex, ex_ptsz, coop, coop_ptsz, multi (cooperative multi-device),
- * graph, graph_ptsz, gpa / gpa_ptsz (cuLaunchKernel from cuGetProcAddress_v2), dl
- * (cuLaunchKernel from dlsym(dlopen("libcuda.so.1")).
+ * ex_coop (cuLaunchKernelEx with the cooperative attribute), graph, graph_ptsz, gpa / gpa_ptsz
+ * (cuLaunchKernel from cuGetProcAddress_v2), dl (cuLaunchKernel from
+ * dlsym(dlopen("libcuda.so.1")).
  * "lib=<file>" says which library a function pointer lives in.
  */
 #define _GNU_SOURCE
@@ -105,6 +108,7 @@ CUresult cuGraphLaunch_ptsz(void *, void *);
 CUresult cuCtxSynchronize(void);
 unsigned long long fakeGpuUsedNs(void);
 unsigned long long fakeLaunches(void);
+const char *fakeTrace(void);
 
 typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
 typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
@@ -160,11 +164,21 @@ static CUresult launch_via(const char *api, unsigned int us, const char **lib) {
   if (!strcmp(api, "kernel")) return cuLaunchKernel(NULL, us, 1, 1, 1, 1, 1, 0, USER_STREAM, NULL, NULL);
   if (!strcmp(api, "kernel_ptsz"))
     return cuLaunchKernel_ptsz(NULL, us, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
-  if (!strcmp(api, "ex") || !strcmp(api, "ex_ptsz")) {
+  if (!strcmp(api, "ex") || !strcmp(api, "ex_ptsz") || !strcmp(api, "ex_coop")) {
     CUlaunchConfig config;
+    struct {
+      unsigned int id;
+      char pad[4];
+      int value[16];
+    } coop = {2, {0}, {1}}; /* CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 1 */
     memset(&config, 0, sizeof config);
     config.gridDimX = us;
     config.hStream = USER_STREAM;
+    if (!strcmp(api, "ex_coop")) {
+      config.attrs = &coop;
+      config.numAttrs = 1;
+      return cuLaunchKernelEx(&config, NULL, NULL, NULL);
+    }
     return !strcmp(api, "ex") ? cuLaunchKernelEx(&config, NULL, NULL, NULL)
                               : cuLaunchKernelEx_ptsz(&config, NULL, NULL, NULL);
   }
@@ -339,6 +353,12 @@ int main(int argc, char **argv) {
       printf("spin %d used=%llu launches=%llu max_wait_us=%llu\n", rc, fakeGpuUsedNs(),
              fakeLaunches(), max_wait / 1000);
       i += 2;
+    } else if (!strcmp(c, "trace")) {
+      printf("trace %s\n", fakeTrace());
+    } else if (!strcmp(c, "sleep_ms")) {
+      struct timespec t = {atoi(a) / 1000, (long)(atoi(a) % 1000) * 1000000L};
+      nanosleep(&t, NULL);
+      i++;
     } else if (!strcmp(c, "sync")) {
       printf("sync %d\n", cuCtxSynchronize());
     } else if (!strcmp(c, "hold")) {
