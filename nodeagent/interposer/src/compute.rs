@@ -14,12 +14,14 @@
 //!
 //! **Handover.** When a turn expires, the owner's processes stop launching and *drain* (wait for
 //! their queued kernels, which the caller tracks with events), then clear their `busy` flag.
-//! Any process that sees an expired turn whose owner has drained (or has been silent for
-//! `grace`, or is dead) computes the next owner and CASes the turn word; only the CAS winner
-//! charges the old owner's `vt`. An owner that went idle before its deadline is taken over
-//! early (work conservation). Nothing is ever locked: a process killed at any instruction leaves
-//! at worst a `busy` flag and a stale demand stamp, which expire after `grace`; its slot is
-//! reclaimed like the memory ledger's.
+//! Any process that sees an expired turn whose owner has drained (or `grace` past the deadline,
+//! whatever the owner reports) computes the next owner and CASes the turn word; only the CAS
+//! winner charges the old owner's `vt`. An owner that went idle before its deadline is taken
+//! over early (work conservation) if it has drained, or at once if none of its processes is
+//! alive; a live owner that is silent but has work queued (blocked in an ungated synchronize)
+//! keeps its turn until deadline plus grace. Nothing is ever locked: a process killed at any
+//! instruction leaves at worst a `busy` flag and a stale demand stamp, which expire after
+//! `grace`; its slot is reclaimed like the memory ledger's.
 //!
 //! **Tenant slots** are claimed without locks and without duplicates: a claimer writes the name,
 //! publishes `NAMED`, then looks for other slots with the same name (Dekker-style: of two
@@ -691,6 +693,17 @@ impl<'r, L: Liveness> Schedule<'r, L> {
         })
     }
 
+    /// Whether a process of `tenant` still runs (a slot being reclaimed does not count).
+    fn has_live_processes(&self, tenant: usize) -> bool {
+        self.region.procs.iter().any(|p| {
+            let pid = p.pid.load(SeqCst);
+            pid != 0
+                && pid & RECLAIMING_BIT == 0
+                && p.tenant.load(SeqCst) == tenant as u32 + 1
+                && self.liveness.is_alive(pid, p.start_time.load(SeqCst))
+        })
+    }
+
     fn has_processes(&self, tenant: usize) -> bool {
         self.region.procs.iter().any(|p| {
             let pid = p.pid.load(SeqCst);
@@ -797,8 +810,8 @@ impl<'r, L: Liveness> Schedule<'r, L> {
             TakeOver::No => Step::Wait,
             TakeOver::Yes => self.hand_over(member, word, now_ns),
             TakeOver::FromSilent => {
-                // The owner may have died: reclaim dead processes first, so that a tenant with
-                // none left is not chosen again.
+                // The owner died: reclaim dead processes first, so that a tenant with none left
+                // is not chosen again.
                 self.reclaim_dead(member.pid);
                 self.hand_over(member, word, now_ns)
             }
@@ -832,10 +845,16 @@ impl<'r, L: Liveness> Schedule<'r, L> {
                 && p.tenant.load(SeqCst) == turn.owner as u32 + 1
                 && p.busy_ns.load(SeqCst) != 0
         });
+        // A silent owner may be blocked on its queued work (a `cudaDeviceSynchronize`, which is
+        // not gated): taking its turn then would overlap the next tenant's kernels with its own.
+        // So only a dead owner is taken over for its silence, as soon as it is idle; a live one
+        // keeps its turn until the deadline plus grace, while its queue (bounded by the gate)
+        // drains. Checked only once it is idle: liveness reads `/proc`.
+        if silent_ns >= IDLE_GAP_NS && !self.has_live_processes(turn.owner) {
+            return TakeOver::FromSilent;
+        }
         let grace = self.grace_ns();
-        if silent_ns >= grace {
-            TakeOver::FromSilent
-        } else if expired {
+        if expired {
             yes(drained || now_ns >= deadline.saturating_add(grace))
         } else {
             yes(silent_ns >= IDLE_GAP_NS && drained)
@@ -985,7 +1004,7 @@ impl<'r, L: Liveness> Schedule<'r, L> {
 enum TakeOver {
     No,
     Yes,
-    /// The owner has been silent for a grace period (it may be dead).
+    /// The owner is silent and has no live process left.
     FromSilent,
 }
 

@@ -459,6 +459,51 @@ fn a_killed_owner_stalls_the_others_at_most_a_grace_period() {
     assert_eq!(region.procs[sim.procs[0].member.proc].pid.load(SeqCst), 0);
 }
 
+/// The coverage run's bug: a tenant queued more than a grace period of work and blocked in its
+/// own (ungated) synchronize; the waiting tenant took the turn for its silence while those
+/// kernels still ran.
+#[test]
+fn a_silent_live_owner_keeps_its_turn_until_deadline_plus_grace_and_a_dead_one_does_not() {
+    let region = region();
+    let live = Fake::with(&[1, 2]);
+    let s = Schedule::new(&region, &live);
+    let a = s.join("a", guaranteed(70), 1, 1, 0).unwrap();
+    let b = s.join("b", guaranteed(30), 2, 1, 0).unwrap();
+    s.demand(&b, 0);
+    assert_eq!(s.step(&a, 0), Step::Go { contended: true });
+    s.mark_busy(&a, 0);
+    let (quantum, grace) = (s.quantum_ns(), s.grace_ns());
+    assert!(
+        grace < quantum,
+        "the case needs silence past grace before the deadline"
+    );
+    // "a" queued ~19 ms of work and waits for it, silent.
+    for now in [grace + MS, quantum - MS, quantum + grace - MS] {
+        assert_eq!(s.step(&b, now), Step::Wait, "at {} ms", now / MS);
+        assert_eq!(s.turn().owner, a.tenant);
+    }
+    let handover = quantum + grace + MS;
+    assert_eq!(s.step(&b, handover), Step::Go { contended: true });
+    assert_eq!(s.turn().owner, b.tenant);
+
+    // "b" owns the turn with work queued and dies: taken over once idle, long before its
+    // deadline.
+    s.mark_busy(&b, handover);
+    live.kill(2);
+    let at = handover + IDLE_GAP_NS;
+    assert!(at < handover + quantum);
+    assert_eq!(s.step(&a, at - 1), Step::Wait);
+    assert_eq!(s.turn().owner, b.tenant);
+    // The next turn is "a"'s or an idle one ("a" alone is capped at 70%).
+    s.step(&a, at);
+    assert_ne!(s.turn().owner, b.tenant);
+    assert_eq!(
+        region.procs[b.proc].pid.load(SeqCst),
+        0,
+        "its slot is reclaimed"
+    );
+}
+
 #[test]
 fn latency_stamps_are_fresh_within_the_hold_only() {
     let hold = 50 * MS;

@@ -25,7 +25,7 @@ use crate::tracker::{Key, array_bytes};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 
 /// Every hook, by the driver symbol it replaces.
-pub fn hooks() -> [(&'static CStr, *const c_void); 28] {
+pub fn hooks() -> [(&'static CStr, *const c_void); 34] {
     macro_rules! table {
         ($($name:ident),* $(,)?) => {
             [$((
@@ -67,6 +67,12 @@ pub fn hooks() -> [(&'static CStr, *const c_void); 28] {
         cuLaunchCooperativeKernelMultiDevice,
         cuGraphLaunch,
         cuGraphLaunch_ptsz,
+        cuStreamBeginCapture,
+        cuStreamBeginCapture_ptsz,
+        cuStreamBeginCapture_v2,
+        cuStreamBeginCapture_v2_ptsz,
+        cuStreamEndCapture,
+        cuStreamEndCapture_ptsz,
     ]
 }
 
@@ -84,7 +90,10 @@ pub fn hook_by_name(name: &CStr) -> Option<*const c_void> {
 fn hook_by_base_name(base: &CStr, flags: cuuint64_t) -> Option<*const c_void> {
     let base = base.to_str().ok()?;
     let per_thread = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
+    // `_v2_ptsz` first: "cuStreamBeginCapture" per-thread is `cuStreamBeginCapture_v2_ptsz`, and
+    // `cuStreamBeginCapture_ptsz` is the older signature.
     let candidates = [
+        per_thread.then(|| format!("{base}_v2_ptsz")),
         per_thread.then(|| format!("{base}_ptsz")),
         Some(format!("{base}_v2")),
         Some(base.to_owned()),
@@ -717,6 +726,17 @@ impl Gpu for RealGpu<'_> {
             unsafe { destroy(event as CUevent) };
         }
     }
+
+    fn stream_capturing(&self, stream: usize) -> bool {
+        let Some(query) = self.0.fns.stream_is_capturing else {
+            return true;
+        };
+        let mut status: c_int = CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: `status` is a valid out-pointer; `stream` is the application's stream handle
+        // (or a special handle), which the driver validates.
+        let rc = unsafe { query(stream as CUstream, &mut status) };
+        rc != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE
+    }
 }
 
 impl spatial::Green for RealGpu<'_> {
@@ -839,13 +859,23 @@ fn gated_launch(
         handle: stream as usize,
         per_thread,
     };
+    let captured = ffi_boundary!(what, fallback = false, {
+        launch::is_captured(&gpu, stream_ref)
+    });
+    if captured {
+        // Recorded into a graph, not run: the gate applies when the graph is launched.
+        return call(stream);
+    }
     let latency = ffi_boundary!(what, fallback = false, { spatial::stamp_if_latency(&gpu) });
     let pending = if latency {
         None
     } else {
         ffi_boundary!(what, fallback = None, { launch::before(&gpu, stream_ref) })
     };
-    let redirect = if placement == Placement::Movable && !latency {
+    // No redirection while a capture is in progress: its event records and waits would touch
+    // streams while a global-mode capture forbids it.
+    let redirect = if placement == Placement::Movable && !latency && !launch::captures_in_progress()
+    {
         ffi_boundary!(what, fallback = None, {
             spatial::redirect(&gpu, stream_ref)
         })
@@ -1132,6 +1162,59 @@ macro_rules! graph_launch_hook {
 graph_launch_hook!(cuGraphLaunch, graph_launch, false);
 graph_launch_hook!(cuGraphLaunch_ptsz, graph_launch_ptsz, true);
 
+macro_rules! begin_capture_hook {
+    ($name:ident, $field:ident $(, $mode:ident: $mode_ty:ty)?) => {
+        /// Counts the capture (`launch::capture_began`) once the driver began it.
+        ///
+        /// # Safety
+        /// The driver's contract for this function.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(stream: CUstream $(, $mode: $mode_ty)?) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (_, real) = real_fn!($field);
+                // SAFETY: forwarded unchanged under the caller's contract.
+                let rc = unsafe { real(stream $(, $mode)?) };
+                if rc == CUDA_SUCCESS {
+                    launch::capture_began();
+                }
+                rc
+            })
+        }
+    };
+}
+
+begin_capture_hook!(cuStreamBeginCapture, stream_begin_capture);
+begin_capture_hook!(cuStreamBeginCapture_ptsz, stream_begin_capture_ptsz);
+begin_capture_hook!(cuStreamBeginCapture_v2, stream_begin_capture_v2, mode: c_int);
+begin_capture_hook!(
+    cuStreamBeginCapture_v2_ptsz,
+    stream_begin_capture_v2_ptsz,
+    mode: c_int
+);
+
+macro_rules! end_capture_hook {
+    ($name:ident, $field:ident) => {
+        /// Ends the capture's count (`launch::capture_ended`) whatever the driver answers: a
+        /// failed end (an invalidated capture) ends the capture too.
+        ///
+        /// # Safety
+        /// The driver's contract for this function.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(stream: CUstream, graph: *mut CUgraph) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (_, real) = real_fn!($field);
+                // SAFETY: forwarded unchanged under the caller's contract.
+                let rc = unsafe { real(stream, graph) };
+                launch::capture_ended();
+                rc
+            })
+        }
+    };
+}
+
+end_capture_hook!(cuStreamEndCapture, stream_end_capture);
+end_capture_hook!(cuStreamEndCapture_ptsz, stream_end_capture_ptsz);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1171,6 +1254,24 @@ mod tests {
                 CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
             ),
             Some(cuGraphLaunch_ptsz as *const c_void)
+        );
+        assert_eq!(
+            by_base(c"cuStreamBeginCapture", 0),
+            Some(cuStreamBeginCapture_v2 as *const c_void)
+        );
+        assert_eq!(
+            by_base(
+                c"cuStreamBeginCapture",
+                CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+            ),
+            Some(cuStreamBeginCapture_v2_ptsz as *const c_void)
+        );
+        assert_eq!(
+            by_base(
+                c"cuStreamEndCapture",
+                CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+            ),
+            Some(cuStreamEndCapture_ptsz as *const c_void)
         );
         assert_eq!(by_base(c"cuStreamSynchronize", 0), None);
     }

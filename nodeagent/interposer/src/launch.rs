@@ -16,6 +16,15 @@
 //!   (waits, at most a grace period, for its recorded events) and reports it. After `WAIT_MAX`
 //!   it launches anyway (one log line): the gate never blocks forever.
 //!
+//! - **Stream capture**: a launch into a stream that is capturing a CUDA graph does not run now,
+//!   so it goes straight to the driver, ungated and untracked (an event record or query on a
+//!   capturing stream would invalidate the capture; the graph is gated at `cuGraphLaunch`).
+//!   `exports` counts the captures in progress (`capture_began`, `capture_ended`); while the
+//!   count is zero the only cost is one relaxed load. While it is not, each launch asks the
+//!   driver whether its stream captures (`Gpu::stream_capturing`), and the gate still waits for
+//!   turns but neither records nor queries events on any stream (in the global capture mode a
+//!   `cuEventQuery` from any thread invalidates the capture), so nothing bounds the queue then.
+//!
 //! Failures fail open: no configuration, an unparsable one, an unusable schedule file, a GPU
 //! without uuid, or a full table: the launch goes to the driver ungated, with one log line.
 
@@ -25,7 +34,7 @@ use crate::ledger::{ProcLiveness, own_start_time};
 use crate::shm::monotonic_ns;
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -62,6 +71,40 @@ pub trait Gpu {
     fn event_record(&self, event: usize, stream: usize) -> bool;
     fn event_query(&self, event: usize) -> EventState;
     fn event_destroy(&self, event: usize);
+    /// Whether the stream handle `stream` is capturing a graph; a failed query counts as
+    /// capturing (the safe answer: nothing is recorded on it).
+    fn stream_capturing(&self, stream: usize) -> bool;
+}
+
+/// Stream captures begun and not yet ended, in this process (all devices).
+static CAPTURES_IN_PROGRESS: AtomicU32 = AtomicU32::new(0);
+
+/// A `cuStreamBeginCapture*` call succeeded.
+pub fn capture_began() {
+    CAPTURES_IN_PROGRESS.fetch_add(1, Relaxed);
+}
+
+/// A `cuStreamEndCapture*` call returned, whatever its result (a failed end still ends the
+/// capture). Never goes below zero: an end without a begin we saw (one begun through an entry
+/// point we do not hook) is ignored.
+pub fn capture_ended() {
+    decrement_to_zero(&CAPTURES_IN_PROGRESS);
+}
+
+fn decrement_to_zero(count: &AtomicU32) {
+    let _ = count.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
+}
+
+/// Whether some stream of this process may be capturing: one relaxed load.
+#[inline]
+pub fn captures_in_progress() -> bool {
+    CAPTURES_IN_PROGRESS.load(Relaxed) != 0
+}
+
+/// Whether a launch into `stream` is being captured into a graph (then it must bypass the gate,
+/// the queue bound and spatial redirection). Asks the driver only while a capture is in progress.
+pub fn is_captured(gpu: &dyn Gpu, stream: StreamRef) -> bool {
+    captures_in_progress() && gpu.stream_capturing(stream.resolve().0)
 }
 
 /// What `cuEventQuery` said.
@@ -136,6 +179,10 @@ pub fn before(gpu: &dyn Gpu, stream: StreamRef) -> Option<Pending> {
     } else {
         gate.wait_for_turn(gpu, now)
     };
+    if captures_in_progress() {
+        // No event record or query anywhere while a capture is in progress (see the module doc).
+        return None;
+    }
     let every = if contended {
         SAMPLE_CONTENDED
     } else {
@@ -151,7 +198,8 @@ pub fn before(gpu: &dyn Gpu, stream: StreamRef) -> Option<Pending> {
 
 /// The driver accepted (`launched`) or refused a sampled launch.
 pub fn after(gpu: &dyn Gpu, pending: Pending, launched: bool) {
-    if launched {
+    // A capture that began since `before` (on another thread) forbids the record too.
+    if launched && !captures_in_progress() {
         pending.gate.track(gpu, pending.stream);
     }
 }
@@ -317,7 +365,12 @@ impl Gate {
                     return contended;
                 }
                 Step::Drain => {
-                    self.drain(gpu, now.saturating_add(self.schedule.grace_ns()));
+                    // While a capture is in progress, querying our events could invalidate it:
+                    // report the drain unobserved (the next tenant's kernels may then overlap
+                    // ours for up to the queue we had).
+                    if !captures_in_progress() {
+                        self.drain(gpu, now.saturating_add(self.schedule.grace_ns()));
+                    }
                     self.schedule.drained(&self.member);
                 }
                 Step::Wait => {
@@ -452,6 +505,18 @@ pub fn uuid_text(bytes: &[u8; 16]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_capture_count_never_goes_below_zero() {
+        let count = AtomicU32::new(0);
+        decrement_to_zero(&count);
+        assert_eq!(count.load(Relaxed), 0);
+        count.store(2, Relaxed);
+        decrement_to_zero(&count);
+        decrement_to_zero(&count);
+        decrement_to_zero(&count);
+        assert_eq!(count.load(Relaxed), 0);
+    }
 
     #[test]
     fn uuids_print_like_nvidia_smi() {

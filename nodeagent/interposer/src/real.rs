@@ -128,6 +128,13 @@ driver_functions! {
         c"cuLaunchCooperativeKernelMultiDevice";
     graph_launch: FnGraphLaunch = c"cuGraphLaunch";
     graph_launch_ptsz: FnGraphLaunch = c"cuGraphLaunch_ptsz";
+    stream_begin_capture: FnStreamBeginCapture = c"cuStreamBeginCapture";
+    stream_begin_capture_ptsz: FnStreamBeginCapture = c"cuStreamBeginCapture_ptsz";
+    stream_begin_capture_v2: FnStreamBeginCaptureV2 = c"cuStreamBeginCapture_v2";
+    stream_begin_capture_v2_ptsz: FnStreamBeginCaptureV2 = c"cuStreamBeginCapture_v2_ptsz";
+    stream_end_capture: FnStreamEndCapture = c"cuStreamEndCapture";
+    stream_end_capture_ptsz: FnStreamEndCapture = c"cuStreamEndCapture_ptsz";
+    stream_is_capturing: FnStreamIsCapturing = c"cuStreamIsCapturing";
     event_create: FnEventCreate = c"cuEventCreate";
     event_record: FnEventRecord = c"cuEventRecord";
     event_query: FnEventQuery = c"cuEventQuery";

@@ -20,6 +20,7 @@ pub type CUcontext = *mut c_void;
 pub type CUfunction = *mut c_void;
 pub type CUevent = *mut c_void;
 pub type CUgraphExec = *mut c_void;
+pub type CUgraph = *mut c_void;
 
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
@@ -152,6 +153,15 @@ pub type FnLaunchCooperativeKernel = unsafe extern "C" fn(
 pub type FnLaunchCooperativeKernelMultiDevice =
     unsafe extern "C" fn(*mut c_void, c_uint, c_uint) -> CUresult;
 pub type FnGraphLaunch = unsafe extern "C" fn(CUgraphExec, CUstream) -> CUresult;
+/// `cuStreamBeginCapture` and `_ptsz` as first exported (CUDA 10.0): the stream only.
+pub type FnStreamBeginCapture = unsafe extern "C" fn(CUstream) -> CUresult;
+/// `cuStreamBeginCapture_v2` and `_v2_ptsz` (CUDA 10.1+): adds `CUstreamCaptureMode mode`.
+pub type FnStreamBeginCaptureV2 = unsafe extern "C" fn(CUstream, c_int) -> CUresult;
+pub type FnStreamEndCapture = unsafe extern "C" fn(CUstream, *mut CUgraph) -> CUresult;
+/// `cuStreamIsCapturing(stream, CUstreamCaptureStatus *)`.
+pub type FnStreamIsCapturing = unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult;
+/// `CU_STREAM_CAPTURE_STATUS_NONE`: the stream is not capturing.
+pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
 pub type FnEventCreate = unsafe extern "C" fn(*mut CUevent, c_uint) -> CUresult;
 pub type FnEventRecord = unsafe extern "C" fn(CUevent, CUstream) -> CUresult;
 pub type FnEventQuery = unsafe extern "C" fn(CUevent) -> CUresult;

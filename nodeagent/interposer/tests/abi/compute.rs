@@ -13,6 +13,8 @@ struct Spinner {
     env: Vec<(&'static str, String)>,
     api: &'static str,
     kernel_us: u32,
+    /// Probe commands run before the spin (e.g. a graph capture).
+    script: &'static str,
     /// Started this long after the others.
     delay: Duration,
 }
@@ -23,6 +25,7 @@ fn spinner(tenant: &'static str, shares: &str, api: &'static str) -> Spinner {
         env: vec![("VGPU_COMPUTE_SHARES", shares.to_owned())],
         api,
         kernel_us: 1000,
+        script: "",
         delay: Duration::ZERO,
     }
 }
@@ -77,7 +80,7 @@ fn spin_together(
                     for (name, value) in &s.env {
                         probe = probe.env(name, value);
                     }
-                    let out = probe.run(&format!("spin {} {}", s.api, s.kernel_us));
+                    let out = probe.run(&format!("{} spin {} {}", s.script, s.api, s.kernel_us));
                     parse_spin(&out)
                 })
             })
@@ -90,6 +93,9 @@ fn spin_together(
 }
 
 fn parse_spin(out: &str) -> Spun {
+    for line in out.lines().filter(|l| l.starts_with("capture ")) {
+        assert!(line.starts_with("capture 0 "), "a capture failed: {line}");
+    }
     let line = out
         .lines()
         .find(|l| l.starts_with("spin "))
@@ -291,6 +297,7 @@ fn tenants_without_a_share_are_not_gated() {
             env: vec![],
             api: "kernel",
             kernel_us: 1000,
+            script: "",
             delay: Duration::ZERO,
         }],
         (200, 1200),
@@ -303,4 +310,47 @@ fn tenants_without_a_share_are_not_gated() {
         .filter(|name| name.ends_with(".compute"))
         .collect();
     assert!(files.is_empty(), "{files:?}");
+}
+
+#[test]
+fn graph_capture_under_gating_records_nothing_on_the_capturing_stream() {
+    for mode in ["global", "relaxed"] {
+        let shm = shm_dir();
+        let out = Probe::new(shm.path(), Some("a"))
+            .env("VGPU_COMPUTE_SHARES", "0:50")
+            .env("FAKE_CUDA_DEVICES", "1")
+            .run(&format!(
+                "launch kernel 10 capture {mode} kernel 40 capture {mode} ex 40 \
+                 capture {mode} graph 40 trace"
+            ));
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(
+            &lines[..4],
+            [
+                "launch 0 lib=libcuda.so.1",
+                "capture 0 graph=400",
+                "capture 0 graph=400",
+                "capture 0 graph=400",
+            ],
+            "{mode}: {out}"
+        );
+        let trace = lines[4].strip_prefix("trace ").expect("a trace line");
+        let captured = trace.split(' ').filter(|t| *t == "G:5000").count();
+        assert_eq!(captured, 120, "{mode}: {trace}");
+        assert!(!trace.contains("R:"), "{mode}: events recorded: {trace}");
+    }
+}
+
+#[test]
+fn graphs_captured_under_gating_are_gated_at_launch() {
+    let shm = shm_dir();
+    let mut captured = spinner("a", "0:70", "graph");
+    captured.script = "capture global kernel 40";
+    let spun = spin_together(
+        shm.path(),
+        vec![captured, spinner("b", "0:30", "kernel")],
+        (400, 2400),
+        2500,
+    );
+    assert_close(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
 }

@@ -22,7 +22,15 @@
  * cuGreenCtxCreate fail, FAKE_CUDA_GREEN_LAUNCH_FAIL=1 makes launches on green streams fail.
  * Green streams are handles 0x9000, 0x9001, ... fakeTrace() returns what ran where, in order:
  * "K:<stream>" per kernel or graph launch, "R:<event>:<stream>" per event record,
- * "W:<stream>:<event>" per stream wait, "C:<sms>" per green context (events numbered from 1).
+ * "W:<stream>:<event>" per stream wait, "C:<sms>" per green context (events numbered from 1),
+ * "G:<stream>" per launch captured into a graph.
+ *
+ * Stream capture, minimal: cuStreamBeginCapture[_v2][_ptsz] / cuStreamEndCapture[_ptsz] /
+ * cuStreamIsCapturing. A launch into a capturing stream is recorded, not run; the graph that
+ * cuStreamEndCapture returns is the sum of the captured kernels' microseconds (so cuGraphLaunch
+ * of it runs that long). As in the real driver, cuEventRecord or cuEventQuery touching a
+ * capturing stream, or cuEventQuery while a global-mode capture is in progress, fails and
+ * invalidates the capture; cuStreamEndCapture then fails with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED.
  */
 #include <fcntl.h>
 #include <pthread.h>
@@ -288,7 +296,24 @@ const char *fakeTrace(void) { return trace; }
 
 typedef struct {
   unsigned long long end, id;
+  CUstream stream;
 } fake_event;
+
+#define CAPTURES_MAX 16
+#define CAPTURE_UNSUPPORTED 900
+#define CAPTURE_INVALIDATED 901
+static struct {
+  CUstream stream;
+  int active, invalidated, global;
+  unsigned long long captured_us;
+} captures[CAPTURES_MAX];
+
+/* The capture of stream `s`, or -1; called with `lock` held. */
+static int capture_of(CUstream s) {
+  for (int i = 0; i < CAPTURES_MAX; i++)
+    if (captures[i].active && captures[i].stream == s) return i;
+  return -1;
+}
 static unsigned long long next_event_id;
 
 static unsigned long long now_ns(void) {
@@ -332,6 +357,14 @@ static int green_launch_fails(CUstream s) {
 static CUresult run_kernel(CUstream s, unsigned long long duration_us) {
   if (current < 0) return INVALID_CONTEXT;
   if (green_launch_fails(s)) return INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  int capture = capture_of(s);
+  if (capture >= 0) captures[capture].captured_us += duration_us;
+  pthread_mutex_unlock(&lock);
+  if (capture >= 0) {
+    trace_add("G:%llx%.0llu", (uintptr_t)s, 0);
+    return OK;
+  }
   trace_add("K:%llx%.0llu", (uintptr_t)s, 0);
   pthread_once(&gpu_once, open_gpu);
   unsigned long long d = duration_us * 1000ULL, now = now_ns(), start, end;
@@ -419,19 +452,93 @@ CUresult cuEventCreate(CUevent *event, unsigned int flags) {
 CUresult cuEventRecord(CUevent event, CUstream s) {
   if (event == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
+  int capture = capture_of(s);
+  if (capture >= 0) {
+    captures[capture].invalidated = 1;
+    pthread_mutex_unlock(&lock);
+    return CAPTURE_UNSUPPORTED;
+  }
   ((fake_event *)event)->end = streams[stream_slot(s)].end;
+  ((fake_event *)event)->stream = s;
   pthread_mutex_unlock(&lock);
   trace_add("R:%llu:%llx", ((fake_event *)event)->id, (uintptr_t)s);
   return OK;
 }
 CUresult cuEventQuery(CUevent event) {
   if (event == NULL) return INVALID_VALUE;
+  int illegal = 0;
+  pthread_mutex_lock(&lock);
+  for (int i = 0; i < CAPTURES_MAX; i++) {
+    if (captures[i].active &&
+        (captures[i].global || captures[i].stream == ((fake_event *)event)->stream)) {
+      captures[i].invalidated = 1;
+      illegal = 1;
+    }
+  }
+  pthread_mutex_unlock(&lock);
+  if (illegal) return CAPTURE_UNSUPPORTED;
   return now_ns() >= ((fake_event *)event)->end ? OK : NOT_READY;
 }
 CUresult cuEventDestroy_v2(CUevent event) {
   free(event);
   return OK;
 }
+/* mode: CU_STREAM_CAPTURE_MODE_GLOBAL (0), _THREAD_LOCAL (1), _RELAXED (2). */
+CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
+  CUresult rc = OUT_OF_MEMORY;
+  pthread_mutex_lock(&lock);
+  if (capture_of(s) >= 0) {
+    rc = INVALID_VALUE;
+  } else {
+    for (int i = 0; i < CAPTURES_MAX; i++) {
+      if (!captures[i].active) {
+        captures[i].stream = s;
+        captures[i].active = 1;
+        captures[i].invalidated = 0;
+        captures[i].global = mode == 0;
+        captures[i].captured_us = 0;
+        rc = OK;
+        break;
+      }
+    }
+  }
+  pthread_mutex_unlock(&lock);
+  return rc;
+}
+CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, int mode) {
+  return cuStreamBeginCapture_v2(PER_THREAD(s), mode);
+}
+CUresult cuStreamBeginCapture(CUstream s) { return cuStreamBeginCapture_v2(s, 0); }
+CUresult cuStreamBeginCapture_ptsz(CUstream s) { return cuStreamBeginCapture_v2(PER_THREAD(s), 0); }
+CUresult cuStreamEndCapture(CUstream s, void **graph) {
+  if (graph == NULL) return INVALID_VALUE;
+  CUresult rc;
+  pthread_mutex_lock(&lock);
+  int capture = capture_of(s);
+  if (capture < 0) {
+    rc = INVALID_VALUE;
+  } else {
+    captures[capture].active = 0;
+    rc = captures[capture].invalidated ? CAPTURE_INVALIDATED : OK;
+    unsigned long long us = captures[capture].captured_us;
+    *graph = rc == OK ? (void *)(uintptr_t)(us ? us : 1) : NULL;
+  }
+  pthread_mutex_unlock(&lock);
+  return rc;
+}
+CUresult cuStreamEndCapture_ptsz(CUstream s, void **graph) {
+  return cuStreamEndCapture(PER_THREAD(s), graph);
+}
+/* status: CU_STREAM_CAPTURE_STATUS_NONE (0), _ACTIVE (1), _INVALIDATED (2). */
+CUresult cuStreamIsCapturing(CUstream s, int *status) {
+  if (status == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  int capture = capture_of(s);
+  *status = capture < 0 ? 0 : captures[capture].invalidated ? 2 : 1;
+  pthread_mutex_unlock(&lock);
+  return OK;
+}
+
 CUresult cuCtxSynchronize(void) {
   unsigned long long until = last_end, now = now_ns();
   if (until > now) {
@@ -562,6 +669,11 @@ static void *lookup(const char *s, int version, unsigned long long flags) {
     return ptsz ? (void *)cuLaunchKernel_ptsz : (void *)cuLaunchKernel;
   if (!strcmp(s, "cuLaunchKernelEx"))
     return ptsz ? (void *)cuLaunchKernelEx_ptsz : (void *)cuLaunchKernelEx;
+  if (!strcmp(s, "cuStreamBeginCapture"))
+    return ptsz ? (void *)cuStreamBeginCapture_v2_ptsz : (void *)cuStreamBeginCapture_v2;
+  if (!strcmp(s, "cuStreamEndCapture"))
+    return ptsz ? (void *)cuStreamEndCapture_ptsz : (void *)cuStreamEndCapture;
+  if (!strcmp(s, "cuStreamIsCapturing")) return (void *)cuStreamIsCapturing;
   if (!strcmp(s, "cuGraphLaunch")) return ptsz ? (void *)cuGraphLaunch_ptsz : (void *)cuGraphLaunch;
   if (!strcmp(s, "cuGetProcAddress"))
     return version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;

@@ -25,6 +25,9 @@
  *                    "spin <rc> used=<ns of GPU time in FAKE_CUDA_WINDOW> launches=<n>
  *                    max_wait_us=<longest launch call>"
  *   sync             cuCtxSynchronize
+ *   capture MODE API N   captures N kernels of 10 us through API into a graph on the user stream
+ *                    (MODE: global or relaxed): "capture <rc> graph=<the graph's us>"; then
+ *                    `launch graph US` / `spin graph US` launch graphs as usual
  *   trace            prints "trace <the fake driver's trace>" (which stream each kernel ran on)
  *   sleep_ms N       sleeps N milliseconds
  * APIs: kernel, kernel_ptsz, ex, ex_ptsz, coop, coop_ptsz, multi (cooperative multi-device),
@@ -106,6 +109,8 @@ CUresult cuLaunchCooperativeKernelMultiDevice(void *, unsigned int, unsigned int
 CUresult cuGraphLaunch(void *, void *);
 CUresult cuGraphLaunch_ptsz(void *, void *);
 CUresult cuCtxSynchronize(void);
+CUresult cuStreamBeginCapture_v2(void *, int);
+CUresult cuStreamEndCapture(void *, void **);
 unsigned long long fakeGpuUsedNs(void);
 unsigned long long fakeLaunches(void);
 const char *fakeTrace(void);
@@ -359,6 +364,15 @@ int main(int argc, char **argv) {
       struct timespec t = {atoi(a) / 1000, (long)(atoi(a) % 1000) * 1000000L};
       nanosleep(&t, NULL);
       i++;
+    } else if (!strcmp(c, "capture")) {
+      const char *lib = "";
+      void *graph = NULL;
+      rc = cuStreamBeginCapture_v2(USER_STREAM, !strcmp(a, "global") ? 0 : 2);
+      for (int k = 0; rc == 0 && k < atoi(argv[i + 3]); k++) rc = launch_via(argv[i + 2], 10, &lib);
+      CUresult end = cuStreamEndCapture(USER_STREAM, &graph);
+      if (rc == 0) rc = end;
+      printf("capture %d graph=%llu\n", rc, (unsigned long long)(uintptr_t)graph);
+      i += 3;
     } else if (!strcmp(c, "sync")) {
       printf("sync %d\n", cuCtxSynchronize());
     } else if (!strcmp(c, "hold")) {
