@@ -16,11 +16,20 @@ cargo build --release --quiet --bins -p vgpu-cp -p vgpu-agent -p vgpuctl
 bin="$PWD/target/release"
 mkdir -p "$state"
 
+if "$bin/vgpuctl" --endpoints "127.0.0.1:$port" --timeout 1s cluster status >/dev/null 2>&1; then
+  echo "something already answers on 127.0.0.1:$port (another pool?); stop it or set VGPU_PORT" >&2
+  exit 1
+fi
 "$bin/vgpu-cp" bootstrap --id 1 --listen "127.0.0.1:$port" --data-dir "$state/cp1" 2>"$state/cp1.log" &
 cp_pid=$!
 trap 'kill $cp_pid ${agent_pid:-} 2>/dev/null; wait 2>/dev/null' EXIT INT TERM
 
 for _ in $(seq 100); do
+  if ! kill -0 "$cp_pid" 2>/dev/null; then
+    echo "vgpu-cp exited; its log ($state/cp1.log) ends with:" >&2
+    tail -n 5 "$state/cp1.log" >&2
+    exit 1
+  fi
   "$bin/vgpuctl" --endpoints "127.0.0.1:$port" cluster status >/dev/null 2>&1 && break
   sleep 0.1
 done
