@@ -713,36 +713,16 @@ impl<'r, L: Liveness> Schedule<'r, L> {
 
     /// Reclaims the process slots of processes that no longer run; returns how many.
     pub fn reclaim_dead(&self, reclaimer_pid: u32) -> usize {
-        assert!(reclaimer_pid & RECLAIMING_BIT == 0);
-        let mut reclaimed = 0;
-        for slot in &self.region.procs {
-            let pid = slot.pid.load(SeqCst);
-            if pid == 0 || pid == reclaimer_pid {
-                continue;
-            }
-            let alive = if pid & RECLAIMING_BIT != 0 {
-                self.liveness.is_alive(pid & !RECLAIMING_BIT, 0)
-            } else {
-                self.liveness.is_alive(pid, slot.start_time.load(SeqCst))
-            };
-            if alive {
-                continue;
-            }
-            let marker = RECLAIMING_BIT | reclaimer_pid;
-            if slot
-                .pid
-                .compare_exchange(pid, marker, SeqCst, SeqCst)
-                .is_err()
-            {
-                continue;
-            }
-            slot.busy_ns.store(0, SeqCst);
-            slot.tenant.store(0, SeqCst);
-            slot.start_time.store(0, SeqCst);
-            slot.pid.store(0, SeqCst);
-            reclaimed += 1;
-        }
-        reclaimed
+        crate::ledger::reclaim_dead_slots(
+            &self.region.procs,
+            &self.liveness,
+            reclaimer_pid,
+            |slot| (&slot.pid, &slot.start_time),
+            |slot| {
+                slot.busy_ns.store(0, SeqCst);
+                slot.tenant.store(0, SeqCst);
+            },
+        )
     }
 
     /// The launch fast path: our turn, before its deadline, and nobody else active. A few relaxed

@@ -242,38 +242,61 @@ impl<'r, L: Liveness> Ledger<'r, L> {
 
     /// Reclaims the slots of processes that no longer run; returns how many.
     pub fn reclaim_dead(&self, reclaimer_pid: u32) -> usize {
-        assert!(reclaimer_pid & RECLAIMING_BIT == 0);
-        let mut reclaimed = 0;
-        for slot in &self.region.slots {
-            let pid = slot.pid.load(SeqCst);
-            if pid == 0 || pid == reclaimer_pid {
-                continue;
-            }
-            let alive = if pid & RECLAIMING_BIT != 0 {
-                self.liveness.is_alive(pid & !RECLAIMING_BIT, 0)
-            } else {
-                self.liveness.is_alive(pid, slot.start_time.load(SeqCst))
-            };
-            if alive {
-                continue;
-            }
-            let marker = RECLAIMING_BIT | reclaimer_pid;
-            if slot
-                .pid
-                .compare_exchange(pid, marker, SeqCst, SeqCst)
-                .is_err()
-            {
-                continue;
-            }
-            for used in &slot.used_bytes {
-                used.store(0, SeqCst);
-            }
-            slot.start_time.store(0, SeqCst);
-            slot.pid.store(0, SeqCst);
-            reclaimed += 1;
-        }
-        reclaimed
+        reclaim_dead_slots(
+            &self.region.slots,
+            &self.liveness,
+            reclaimer_pid,
+            |slot| (&slot.pid, &slot.start_time),
+            |slot| {
+                for used in &slot.used_bytes {
+                    used.store(0, SeqCst);
+                }
+            },
+        )
     }
+}
+
+/// The reclaim protocol shared by the memory ledger and the compute schedule: for each slot of a
+/// process that no longer runs, take the slot by CAS of its pid to `RECLAIMING_BIT | reclaimer`
+/// (so only one reclaimer zeroes it, and a reclaimer that dies half-way is itself reclaimed
+/// later), zero its payload with `clear`, then its start time, and free it (pid 0) last.
+/// Returns how many slots were reclaimed.
+pub fn reclaim_dead_slots<S>(
+    slots: &[S],
+    liveness: &impl Liveness,
+    reclaimer_pid: u32,
+    identity: impl Fn(&S) -> (&AtomicU32, &AtomicU64),
+    clear: impl Fn(&S),
+) -> usize {
+    assert!(reclaimer_pid & RECLAIMING_BIT == 0);
+    let mut reclaimed = 0;
+    for slot in slots {
+        let (pid_word, start_time) = identity(slot);
+        let pid = pid_word.load(SeqCst);
+        if pid == 0 || pid == reclaimer_pid {
+            continue;
+        }
+        let alive = if pid & RECLAIMING_BIT != 0 {
+            liveness.is_alive(pid & !RECLAIMING_BIT, 0)
+        } else {
+            liveness.is_alive(pid, start_time.load(SeqCst))
+        };
+        if alive {
+            continue;
+        }
+        let marker = RECLAIMING_BIT | reclaimer_pid;
+        if pid_word
+            .compare_exchange(pid, marker, SeqCst, SeqCst)
+            .is_err()
+        {
+            continue;
+        }
+        clear(slot);
+        start_time.store(0, SeqCst);
+        pid_word.store(0, SeqCst);
+        reclaimed += 1;
+    }
+    reclaimed
 }
 
 /// Liveness from `/proc`: the pid exists, is not a zombie (a killed process that was not yet
