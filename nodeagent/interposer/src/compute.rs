@@ -250,6 +250,66 @@ impl Region {
     }
 }
 
+/// One tenant's GPU time on this GPU, as a reader outside the tenants sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantTime {
+    pub name: String,
+    /// Turn time charged to the tenant (`TenantSlot::used_ns`).
+    pub used_ns: u64,
+    /// Live processes of the tenant with a slot on this GPU.
+    pub processes: u32,
+}
+
+impl Region {
+    /// Reads the live tenants' GPU time without writing or waiting: atomic loads only, like the
+    /// schedule's own readers. Slots being claimed or reclaimed are skipped; a name whose bytes
+    /// changed while being read (a slot reused at that instant) is read again, at most twice.
+    /// Process slots count when `liveness` says their process runs (dead ones wait for a
+    /// launching process to reclaim them).
+    pub fn tenant_times(&self, liveness: &impl Liveness) -> Vec<TenantTime> {
+        let live = state(PHASE_LIVE, 0);
+        let mut processes = [0u32; TENANTS];
+        for proc in &self.procs {
+            let tenant = proc.tenant.load(SeqCst) as usize;
+            let pid = proc.pid.load(SeqCst);
+            if pid != 0
+                && pid & RECLAIMING_BIT == 0
+                && (1..=TENANTS).contains(&tenant)
+                && liveness.is_alive(pid, proc.start_time.load(SeqCst))
+            {
+                processes[tenant - 1] += 1;
+            }
+        }
+        let mut times = Vec::new();
+        for (index, slot) in self.tenants.iter().enumerate() {
+            for _ in 0..3 {
+                if slot.state.load(SeqCst) != live {
+                    break;
+                }
+                let words: [u64; NAME_BYTES / 8] =
+                    std::array::from_fn(|i| slot.name[i].load(SeqCst));
+                let used_ns = slot.used_ns.load(SeqCst);
+                if slot.state.load(SeqCst) != live || !self.name_matches(index, &words) {
+                    continue;
+                }
+                let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+                let name = String::from_utf8_lossy(&bytes[..end]).into_owned();
+                if !name.is_empty() {
+                    times.push(TenantTime {
+                        name,
+                        used_ns,
+                        processes: processes[index],
+                    });
+                }
+                break;
+            }
+        }
+        debug_assert!(times.len() <= TENANTS);
+        times
+    }
+}
+
 /// Whether a latency stamp `stamp_ns` (0: never) is within `hold_ns` of `now_ns`. A stamp slightly
 /// in the future (another process's clock read raced ours) counts as fresh.
 pub fn latency_fresh(stamp_ns: u64, now_ns: u64, hold_ns: u64) -> bool {
@@ -877,10 +937,24 @@ impl<'r, L: Liveness> Schedule<'r, L> {
     fn select(&self, now_ns: u64, old: Turn) -> Selection {
         let keep = (old.owner < TENANTS).then_some(old.owner);
         let (weights, idle) = self.active_weights(now_ns, keep);
+        // A turn ends when it is handed over, or, for an owner that stopped asking for the GPU,
+        // one active window after its last demand: the time in between was not its use, and
+        // charging it would skew its GPU time and push its virtual time ahead (so it would wait
+        // longer once it comes back).
+        let end = match old.owner {
+            owner if owner < TENANTS => {
+                let quiet_since = self.region.tenants[owner]
+                    .demand_ns
+                    .load(SeqCst)
+                    .saturating_add(self.active_window_ns());
+                now_ns.min(quiet_since.max(old.start_ns()))
+            }
+            _ => now_ns,
+        };
         let elapsed = if old.start_us == 0 {
             0
         } else {
-            now_ns.saturating_sub(old.start_ns())
+            end.saturating_sub(old.start_ns())
         };
         let charge = match old.owner {
             OWNER_IDLE if idle > 0 => stride(elapsed, idle),

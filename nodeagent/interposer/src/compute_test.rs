@@ -533,3 +533,59 @@ fn version_1_schedules_are_read_and_others_refused() {
     region.header.version.store(0, SeqCst);
     assert!(region.check_layout().is_err());
 }
+
+#[test]
+fn a_reader_sees_live_tenants_with_their_time_and_processes() {
+    let region = region();
+    let live = Fake::with(&[10, 11, 12]);
+    let schedule = Schedule::new(&region, &live);
+    let a = schedule.join("train-a", guaranteed(50), 10, 1, MS).unwrap();
+    schedule.join("train-a", guaranteed(50), 11, 1, MS).unwrap();
+    schedule.join("infer-b", guaranteed(50), 12, 1, MS).unwrap();
+    assert!(matches!(schedule.step(&a, MS), Step::Go { .. }));
+    // Past the deadline the turn is handed over (to `a` or an idle turn) and charged to `a`.
+    let later = MS + schedule.quantum_ns() + 5 * MS;
+    schedule.step(&a, later);
+    let times = region.tenant_times(&&live);
+    let names: Vec<&str> = times.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["train-a", "infer-b"]);
+    assert_eq!(times[0].processes, 2);
+    assert_eq!(times[1].processes, 1);
+    // A process that died (and was not reclaimed yet) no longer counts.
+    live.kill(11);
+    assert_eq!(region.tenant_times(&&live)[0].processes, 1);
+    assert_eq!(
+        times[0].used_ns,
+        region.tenants[a.tenant].used_ns.load(SeqCst)
+    );
+    assert!(times[0].used_ns >= schedule.quantum_ns(), "{times:?}");
+    assert_eq!(times[1].used_ns, 0);
+    // A slot being written is not shown.
+    region.tenants[5]
+        .state
+        .store(state(PHASE_WRITING, 12), SeqCst);
+    assert_eq!(region.tenant_times(&&live).len(), 2);
+}
+
+#[test]
+fn an_owner_that_went_quiet_is_not_charged_for_the_gap_before_the_next_launch() {
+    let region = region();
+    let live = Fake::default();
+    let mut sim = Sim::new(&region, &live, (0, 8_000 * MS));
+    // "a" (bursting, so it holds the turn alone) runs for 0.5 s and stops, keeping the turn;
+    // "b" launches 4.5 s later.
+    sim.add(1, "a", config(50, true, true, 0), 0, 500 * MS);
+    sim.add(2, "b", guaranteed(50), 5_000 * MS, 6_000 * MS);
+    sim.run(6_100 * MS, 50_000);
+    let charged = region.tenants[sim.tenant_of(0)].used_ns.load(SeqCst);
+    // its kernels ran ~0.5 s; at most one active window (two quanta) more may be charged, never
+    // the 4.5 s gap
+    assert!(
+        charged <= 500 * MS + 2 * QUANTUM_NS_DEFAULT,
+        "charged {} ms for 0.5 s of use",
+        charged / MS
+    );
+    // "b" was not held back by a's stale turn: it got its share while it ran
+    let b = sim.shares(&[sim.tenant_of(1)])[0];
+    assert!(b > 5.0, "b got {b}% of the window");
+}

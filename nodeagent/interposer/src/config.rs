@@ -6,7 +6,8 @@
 //! | `VGPU_MEMORY_LIMITS` | `<device>:<size>,...`, device = CUDA ordinal as the process sees it |
 //! | `VGPU_MEMORY_LIMIT` | one size for every device not named in `VGPU_MEMORY_LIMITS` |
 //! | `VGPU_SHM_DIR` | where the tenant's ledger file lives (default `/dev/shm/vgpu`) |
-//! | `VGPU_CONTEXT_OVERHEAD` | bytes charged once per process per device (default 0) |
+//! | `VGPU_CONTEXT_OVERHEAD` | charged once per process per device for its CUDA context: a size for every device or `<device>:<size>,...` (default `CONTEXT_OVERHEAD_DEFAULT_BYTES`; `0` turns it off) |
+//! | `VGPU_REAL_LIBNVML` | the real NVML library (default `libnvidia-ml.so.1`) |
 //! | `VGPU_REAL_LIBCUDA` | the real driver library (default `libcuda.so.1`) |
 //!
 //! Sizes are written as in the rest of vgpu (`api::size`): `10GiB`, `512MiB`, `80GB`, `4096`.
@@ -27,6 +28,14 @@ pub const SHM_DIR_DEFAULT: &str = "/dev/shm/vgpu";
 /// Longest accepted tenant name (a DNS label, as in `api::names`).
 pub const TENANT_NAME_LEN_MAX: usize = 63;
 
+/// What a process's CUDA context costs on a device unless `VGPU_CONTEXT_OVERHEAD` says otherwise.
+/// The context's own memory (local-memory reservation, loaded kernels, driver heaps) never goes
+/// through an allocation we see. Measured on an H100 (driver 580, CUDA 13.0, PyTorch 2.11,
+/// `tests/gpu/nvml_slice.sh`): a process loses 518 MiB to a fresh context, 610 MiB after its first
+/// kernels, 676-684 MiB once cuBLAS and cuDNN kernels are loaded. 640 MiB covers the common case
+/// with little waste; docs/benchmarks.md has the table.
+pub const CONTEXT_OVERHEAD_DEFAULT_BYTES: u64 = 640 << 20;
+
 /// What the environment asks of this process.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -34,8 +43,9 @@ pub struct Config {
     /// Per-device memory limit in bytes; `None` means that device is not limited.
     pub limits_bytes: [Option<u64>; DEVICES_MAX],
     pub shm_dir: PathBuf,
-    /// Charged once per process on each device it allocates on (the CUDA context's own memory).
-    pub context_overhead_bytes: u64,
+    /// Charged once per process on each device where it creates a context or allocates (the
+    /// CUDA context's own memory), per device.
+    pub context_overhead_bytes: [u64; DEVICES_MAX],
 }
 
 /// A configuration the interposer cannot follow. The process then gets a clear error on every
@@ -101,10 +111,8 @@ impl Config {
             .filter(|d| !d.trim().is_empty())
             .map_or_else(|| PathBuf::from(SHM_DIR_DEFAULT), PathBuf::from);
         let context_overhead_bytes = match get("VGPU_CONTEXT_OVERHEAD") {
-            Some(v) if !v.trim().is_empty() => {
-                parse_size(&v).map_err(|e| ConfigError(format!("VGPU_CONTEXT_OVERHEAD: {e}")))?
-            }
-            _ => 0,
+            Some(v) if !v.trim().is_empty() => parse_overheads(&v)?,
+            _ => [CONTEXT_OVERHEAD_DEFAULT_BYTES; DEVICES_MAX],
         };
         Ok(Some(Config {
             tenant,
@@ -292,6 +300,35 @@ impl SpatialConfig {
     }
 }
 
+/// `VGPU_CONTEXT_OVERHEAD`: one size for every device (`640MiB`, `0`), or `<device>:<size>,...`
+/// where unlisted devices keep the default.
+fn parse_overheads(text: &str) -> Result<[u64; DEVICES_MAX], ConfigError> {
+    let bad = |e: String| ConfigError(format!("VGPU_CONTEXT_OVERHEAD: {e}"));
+    if !text.contains(':') {
+        return Ok([parse_size(text).map_err(bad)?; DEVICES_MAX]);
+    }
+    let mut overheads = [CONTEXT_OVERHEAD_DEFAULT_BYTES; DEVICES_MAX];
+    for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (device, size) = item.split_once(':').ok_or_else(|| {
+            bad(format!(
+                "`{item}` is not `<device>:<size>`, e.g. `0:640MiB` (or give one size for all)"
+            ))
+        })?;
+        let device = device
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&d| d < DEVICES_MAX)
+            .ok_or_else(|| {
+                bad(format!(
+                    "`{device}` is not a device ordinal below {DEVICES_MAX}"
+                ))
+            })?;
+        overheads[device] = parse_size(size).map_err(bad)?;
+    }
+    Ok(overheads)
+}
+
 /// Tenant names become file names: only DNS-label characters, so no `/` or `..` can sneak in.
 fn check_tenant_name(name: &str) -> Result<(), ConfigError> {
     let valid = !name.is_empty()
@@ -401,7 +438,27 @@ mod tests {
         assert_eq!(c.limits_bytes[3], Some(512 << 20));
         assert_eq!(c.shm_dir, PathBuf::from(SHM_DIR_DEFAULT));
         assert_eq!(c.ledger_path(), PathBuf::from("/dev/shm/vgpu/a.mem"));
-        assert_eq!(c.context_overhead_bytes, 0);
+        assert_eq!(
+            c.context_overhead_bytes,
+            [CONTEXT_OVERHEAD_DEFAULT_BYTES; DEVICES_MAX]
+        );
+    }
+
+    #[test]
+    fn context_overhead_is_one_size_or_per_device() {
+        let overheads = |value: &str| {
+            config(&[("VGPU_TENANT", "a"), ("VGPU_CONTEXT_OVERHEAD", value)])
+                .map(|c| c.expect("a tenant").context_overhead_bytes)
+        };
+        assert_eq!(overheads("0"), Ok([0; DEVICES_MAX]));
+        assert_eq!(overheads("512MiB"), Ok([512 << 20; DEVICES_MAX]));
+        let listed = overheads("1:0, 3:1GiB").unwrap();
+        assert_eq!(listed[0], CONTEXT_OVERHEAD_DEFAULT_BYTES);
+        assert_eq!((listed[1], listed[3]), (0, 1 << 30));
+        for bad in ["16:1GiB", "x:1GiB", "0:lots", "1GiB,2"] {
+            let err = overheads(bad).unwrap_err();
+            assert!(err.0.starts_with("VGPU_CONTEXT_OVERHEAD: "), "{err}");
+        }
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! libcuda's scope and would never find the hooks we export.
 //!
 //! `route` decides: for a name we hook, it asks glibc what the lookup yields and, if that is the
-//! real driver's function, answers with our hook; otherwise (null) glibc answers the call.
+//! real driver's function (or the real NVML's, for the `nvml` hooks of `nvml_exports`), answers
+//! with our hook; otherwise (null) glibc answers the call.
 //!
 //! On x86-64 the exported `dlsym` is a small trampoline that calls `route` and then *jumps* into
 //! glibc's `dlsym` with the caller's arguments and return address intact. That matters for
@@ -23,6 +24,9 @@ extern "C" fn route(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
         }
         // SAFETY: dlsym's contract: `symbol` is a NUL-terminated string.
         let name = unsafe { CStr::from_ptr(symbol) };
+        if name.to_bytes().starts_with(b"nvml") {
+            return route_nvml(handle, name);
+        }
         if !name.to_bytes().starts_with(b"cu")
             || crate::exports::hook_by_name(name).is_none()
             || !crate::hooks::enabled()
@@ -41,6 +45,24 @@ extern "C" fn route(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
             None => std::ptr::null_mut(),
         }
     })
+}
+
+/// `route` for NVML names: our hook when the lookup yields the real NVML's function.
+fn route_nvml(handle: *mut c_void, name: &CStr) -> *mut c_void {
+    if crate::nvml_exports::hook_by_name(name).is_none() || !crate::hooks::enabled() {
+        return std::ptr::null_mut();
+    }
+    let found = crate::real::lookup(handle, name);
+    if found.is_null() {
+        return std::ptr::null_mut();
+    }
+    match crate::nvml_exports::nvml().and_then(|nvml| nvml.substitute(found)) {
+        Some(hook) => {
+            crate::log::debug(format_args!("dlsym({name:?}) -> hook"));
+            hook
+        }
+        None => std::ptr::null_mut(),
+    }
 }
 
 /// Where a lookup that `route` declined goes: glibc's `dlsym` (null if it cannot be found).

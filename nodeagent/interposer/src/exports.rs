@@ -25,7 +25,7 @@ use crate::tracker::{Key, array_bytes};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 
 /// Every hook, by the driver symbol it replaces.
-pub fn hooks() -> [(&'static CStr, *const c_void); 34] {
+pub fn hooks() -> [(&'static CStr, *const c_void); 35] {
     macro_rules! table {
         ($($name:ident),* $(,)?) => {
             [$((
@@ -56,6 +56,7 @@ pub fn hooks() -> [(&'static CStr, *const c_void); 34] {
         cuArrayDestroy,
         cuMemGetInfo_v2,
         cuDeviceTotalMem_v2,
+        cuDevicePrimaryCtxRetain,
         cuGetProcAddress,
         cuGetProcAddress_v2,
         cuLaunchKernel,
@@ -567,6 +568,56 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: CUdevice
         unsafe { bytes.write(shown as usize) };
         rc
     })
+}
+
+/// The primary context (how the CUDA runtime, hence PyTorch, JAX and vLLM, gets its context):
+/// the device's context overhead is charged before the driver creates it, and a context that does
+/// not fit in the slice is refused with `CUDA_ERROR_OUT_OF_MEMORY`. Charged once per process and
+/// device (a retain of an existing context costs nothing more). Contexts made with `cuCtxCreate`
+/// are charged at their first allocation instead.
+///
+/// # Safety
+/// The driver's contract for `cuDevicePrimaryCtxRetain`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
+    pctx: *mut CUcontext,
+    device: CUdevice,
+) -> CUresult {
+    ffi_boundary!("cuDevicePrimaryCtxRetain", fallback = CUDA_ERROR_UNKNOWN, {
+        let (_, real) = real_fn!(device_primary_ctx_retain);
+        let admission = ffi_boundary!(
+            "cuDevicePrimaryCtxRetain",
+            fallback = Admission::Untracked,
+            { hooks::admit_context(device) }
+        );
+        let ticket = match admission {
+            Admission::Refused => return CUDA_ERROR_OUT_OF_MEMORY,
+            // SAFETY: forwarded unchanged under the caller's contract.
+            Admission::Untracked => return unsafe { real(pctx, device) },
+            Admission::Charged(ticket) => ticket,
+        };
+        // SAFETY: forwarded unchanged under the caller's contract.
+        let rc = unsafe { real(pctx, device) };
+        ffi_boundary!("cuDevicePrimaryCtxRetain", fallback = (), {
+            if rc == CUDA_SUCCESS {
+                hooks::context_created(ticket);
+            } else {
+                hooks::abort(ticket);
+            }
+        });
+        rc
+    })
+}
+
+/// The CUDA ordinals this process sees and their GPU uuids (`GPU-...`), if the real driver is
+/// loaded already and initialised; `None` otherwise (it is never loaded or initialised here).
+pub fn visible_gpu_uuids() -> Option<Vec<String>> {
+    let driver = real::driver_if_loaded()?;
+    let gpu = RealGpu(driver);
+    let count = gpu.device_count()?;
+    (0..count)
+        .map(|device| gpu.uuid(device).map(|uuid| launch::uuid_text(&uuid)))
+        .collect()
 }
 
 /// After the real `cuGetProcAddress*` answered, replaces a real function we wrap with our hook.

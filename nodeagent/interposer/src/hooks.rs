@@ -160,8 +160,13 @@ impl Enforcer {
         let overhead_bytes = if process.overhead_charged[device] {
             0
         } else {
-            self.config.context_overhead_bytes
+            self.config.context_overhead_bytes[device]
         };
+        if bytes == 0 && overhead_bytes == 0 {
+            // A context already paid for (or charged nothing): nothing to reserve, and nothing
+            // to refuse even if the tenant is at its limit.
+            return Admission::Untracked;
+        }
         match ledger.reserve(slot, device, bytes.saturating_add(overhead_bytes)) {
             Ok(()) => {
                 process.overhead_charged[device] |= overhead_bytes > 0;
@@ -173,9 +178,16 @@ impl Enforcer {
                 })
             }
             Err(refused) => {
+                let what = if bytes == 0 {
+                    format!(
+                        "a CUDA context ({} charged per process and GPU, VGPU_CONTEXT_OVERHEAD)",
+                        human(overhead_bytes)
+                    )
+                } else {
+                    human(bytes.saturating_add(overhead_bytes))
+                };
                 crate::log::error(format_args!(
-                    "refused {} on device {device}: tenant {} holds {} of its {} (out of memory)",
-                    human(bytes.saturating_add(overhead_bytes)),
+                    "refused {what} on device {device}: tenant {} holds {} of its {} (out of memory)",
                     self.config.tenant,
                     human(refused.used_bytes),
                     human(refused.limit_bytes),
@@ -200,6 +212,36 @@ pub fn admit(device: impl FnOnce() -> Option<i32>, bytes: u64) -> Admission {
             _ => Admission::Untracked,
         },
     }
+}
+
+/// Decides whether this process may create a CUDA context on `device`: charges the device's
+/// context overhead (once per process and device, like the first allocation would) and refuses
+/// with `CUDA_ERROR_OUT_OF_MEMORY` when the context would not fit in the slice. So a tenant
+/// cannot exceed its slice by starting many processes whose contexts it was never charged for.
+///
+/// Only a full slice (or a full process table) refuses: a broken configuration or ledger lets the
+/// context be created (every allocation is refused anyway, with the message that says why). The caller reports the outcome
+/// with `context_created` or `abort`.
+pub fn admit_context(device: i32) -> Admission {
+    let Mode::Enforcing(enforcer) = mode() else {
+        return Admission::Untracked;
+    };
+    let Some(device) = usize::try_from(device).ok().filter(|&d| d < DEVICES_MAX) else {
+        return Admission::Untracked;
+    };
+    if enforcer.ledger().is_err() {
+        return Admission::Untracked;
+    }
+    enforcer.admit(device, 0)
+}
+
+/// The driver created (or retained) the context `admit_context` charged for: the charge stays
+/// until the process exits (its slot is then reclaimed), since the context's memory does too.
+pub fn context_created(ticket: Ticket) {
+    assert_eq!(
+        ticket.bytes, 0,
+        "a context ticket charges only the overhead"
+    );
 }
 
 /// The driver allocated `key`; `bytes` is what it really took (it may differ from the ticket,
@@ -301,6 +343,15 @@ pub fn report_mem_info(device: impl FnOnce() -> Option<i32>, free: u64, total: u
         ),
         None => (free, total),
     }
+}
+
+/// The tenant's limit and usage (every process, context overheads included) on the device with
+/// this CUDA ordinal, if that device is limited: what NVML memory queries report.
+pub fn slice_of(ordinal: usize) -> Option<(u64, u64)> {
+    if !enabled() {
+        return None;
+    }
+    limited(i32::try_from(ordinal).ok())
 }
 
 /// `cuDeviceTotalMem` as the tenant should see it: min(limit, real).

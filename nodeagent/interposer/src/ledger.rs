@@ -299,6 +299,63 @@ pub fn reclaim_dead_slots<S>(
     reclaimed
 }
 
+/// One live process's charges, as a reader outside the tenant sees them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessCharge {
+    pub pid: u32,
+    pub used_bytes: [u64; DEVICES_MAX],
+}
+
+/// A read-only look at a ledger (the node agent's usage report): the limits, the live processes'
+/// charges, and how many slots belong to dead processes that nobody reclaimed yet (their bytes
+/// are not counted: the driver gave that memory back when the process died).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerUsage {
+    pub limits_bytes: [Option<u64>; DEVICES_MAX],
+    pub processes: Vec<ProcessCharge>,
+    pub dead_slots: usize,
+}
+
+impl LedgerUsage {
+    /// What the live processes hold on `device`.
+    pub fn used_bytes(&self, device: usize) -> u64 {
+        assert!(device < DEVICES_MAX);
+        self.processes
+            .iter()
+            .fold(0u64, |sum, p| sum.saturating_add(p.used_bytes[device]))
+    }
+}
+
+impl Region {
+    /// Reads the ledger without writing to it or waiting on anyone: one atomic load per word, as
+    /// the processes' own `used_total` does. Slots being claimed or reclaimed, and slots of dead
+    /// processes, are skipped.
+    pub fn usage(&self, liveness: &impl Liveness) -> LedgerUsage {
+        let limits_bytes = std::array::from_fn(|device| self.limit(device));
+        let mut processes = Vec::new();
+        let mut dead_slots = 0;
+        for slot in &self.slots {
+            let pid = slot.pid.load(SeqCst);
+            if pid == 0 || pid & RECLAIMING_BIT != 0 {
+                continue;
+            }
+            let used_bytes: [u64; DEVICES_MAX] =
+                std::array::from_fn(|device| slot.used_bytes[device].load(SeqCst));
+            if !liveness.is_alive(pid, slot.start_time.load(SeqCst)) {
+                dead_slots += 1;
+                continue;
+            }
+            processes.push(ProcessCharge { pid, used_bytes });
+        }
+        debug_assert!(processes.len() + dead_slots <= SLOTS);
+        LedgerUsage {
+            limits_bytes,
+            processes,
+            dead_slots,
+        }
+    }
+}
+
 /// Liveness from `/proc`: the pid exists, is not a zombie (a killed process that was not yet
 /// reaped has already given its GPU memory back), and has the recorded start time.
 #[derive(Debug, Clone, Copy, Default)]
@@ -479,6 +536,37 @@ mod tests {
         // Debug builds assert; either way the counter does not wrap.
         assert_eq!(result.is_err(), cfg!(debug_assertions));
         assert_eq!(region.used_total(0), 0);
+    }
+
+    #[test]
+    fn a_reader_sees_live_charges_and_skips_dead_and_reclaiming_slots() {
+        let region = region_with_limit(1, 10 * GIB);
+        let live = Fake::with(&[10, 11, 12]);
+        let ledger = Ledger::new(&region, &live);
+        let a = ledger.claim_slot(10, 1).unwrap();
+        let b = ledger.claim_slot(11, 1).unwrap();
+        let c = ledger.claim_slot(12, 1).unwrap();
+        ledger.reserve(a, 1, 3 * GIB).unwrap();
+        ledger.reserve(b, 1, 2 * GIB).unwrap();
+        ledger.reserve(c, 0, GIB).unwrap();
+        live.kill(12);
+        region.slots[7].pid.store(RECLAIMING_BIT | 99, SeqCst);
+        region.slots[7].used_bytes[1].store(GIB, SeqCst);
+        let usage = region.usage(&&live);
+        assert_eq!(usage.limits_bytes[1], Some(10 * GIB));
+        assert_eq!(usage.limits_bytes[0], None);
+        assert_eq!(usage.dead_slots, 1);
+        let pids: Vec<u32> = usage.processes.iter().map(|p| p.pid).collect();
+        assert_eq!(pids, [10, 11]);
+        assert_eq!(usage.used_bytes(1), 5 * GIB);
+        assert_eq!(
+            usage.used_bytes(0),
+            0,
+            "the dead process's GiB is not counted"
+        );
+        // Reading changed nothing.
+        assert_eq!(region.used_total(1), 6 * GIB);
+        assert_eq!(region.slots[c].pid.load(SeqCst), 12);
     }
 
     /// Many threads, each its own "process", racing near the limit: the granted total never

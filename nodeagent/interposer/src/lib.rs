@@ -6,7 +6,8 @@
 //!
 //! Layers, from the C boundary inwards:
 //! - `dlsym_shim` exports `dlsym`, so that `dlsym(libcuda, "cuMemAlloc_v2")` finds our hooks.
-//! - `exports` holds every `extern "C"` hook; each body is wrapped in `ffi_boundary!`.
+//! - `exports` holds every `extern "C"` hook of the driver; each body is wrapped in
+//!   `ffi_boundary!`. `nvml_exports` does the same for NVML's memory queries (policy in `nvml`).
 //! - `real` reaches the real driver (`dlopen` + `dlsym`) and is the only caller of it.
 //! - `shm` maps the tenant's ledger file.
 //! - `sys` declares the few CUDA driver types and constants we use, by hand (no `cuda.h` on the
@@ -17,8 +18,8 @@
 //!   `VGPU_SPATIAL=1`).
 //! - `ledger`, `tracker`, `compute` and `config` are pure: no FFI, no globals, unit-tested here.
 //!
-//! **Invariant:** `unsafe` appears only in `sys`, `real`, `shm`, `exports` and `dlsym_shim`, and
-//! no panic crosses the C boundary.
+//! **Invariant:** `unsafe` appears only in `sys`, `real`, `shm`, `exports`, `nvml_exports` and
+//! `dlsym_shim`, and no panic crosses the C boundary.
 
 #[macro_use]
 mod boundary;
@@ -30,6 +31,8 @@ mod hooks;
 mod launch;
 pub mod ledger;
 mod log;
+mod nvml;
+mod nvml_exports;
 mod real;
 mod shm;
 mod spatial;

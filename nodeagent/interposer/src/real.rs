@@ -116,6 +116,7 @@ driver_functions! {
     mem_get_info: FnMemGetInfo = c"cuMemGetInfo_v2";
     device_total_mem: FnDeviceTotalMem = c"cuDeviceTotalMem_v2";
     ctx_get_device: FnCtxGetDevice = c"cuCtxGetDevice";
+    device_primary_ctx_retain: FnDevicePrimaryCtxRetain = c"cuDevicePrimaryCtxRetain";
     get_proc_address: FnGetProcAddress = c"cuGetProcAddress";
     get_proc_address_v2: FnGetProcAddressV2 = c"cuGetProcAddress_v2";
     launch_kernel: FnLaunchKernel = c"cuLaunchKernel";
@@ -171,9 +172,16 @@ impl Driver {
     }
 }
 
+static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
+
+/// The real driver if a hook has loaded it already; never loads it (the NVML hooks use this, so
+/// that a process that only asks NVML does not get libcuda loaded into it).
+pub fn driver_if_loaded() -> Option<&'static Driver> {
+    DRIVER.get().and_then(Option::as_ref)
+}
+
 /// The real driver, loaded on first use; `None` if it cannot be loaded (logged once).
 pub fn driver() -> Option<&'static Driver> {
-    static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
     if let Some(loaded) = DRIVER.get() {
         return loaded.as_ref();
     }

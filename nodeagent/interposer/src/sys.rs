@@ -106,6 +106,7 @@ pub type FnArrayDestroy = unsafe extern "C" fn(CUarray) -> CUresult;
 pub type FnMemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> CUresult;
 pub type FnDeviceTotalMem = unsafe extern "C" fn(*mut usize, CUdevice) -> CUresult;
 pub type FnCtxGetDevice = unsafe extern "C" fn(*mut CUdevice) -> CUresult;
+pub type FnDevicePrimaryCtxRetain = unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult;
 /// `cuGetProcAddress` (CUDA 11.3+): symbol, pfn, cudaVersion, flags.
 pub type FnGetProcAddress =
     unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, cuuint64_t) -> CUresult;

@@ -1,10 +1,14 @@
 //! The interposer through its real ABI, without a GPU: `libvgpu_cuda.so` is preloaded into a C
 //! program (`abi/probe.c`) linked against a fake driver (`abi/fakecuda.c`, an 80 GiB device that
 //! allocates nothing), and every test runs the program as separate processes, the way tenants
-//! run. The C files are compiled here with the system `cc`; the interposer is built with cargo.
+//! run. A fake NVML (`abi/fakenvml.c`) sits in a directory of its own, which only the NVML tests
+//! put on the library path (`Probe::with_nvml`), with a second build of the probe linked against
+//! it. The C files are compiled here with the system `cc`; the interposer is built with cargo.
 
 #[path = "abi/compute.rs"]
 mod compute;
+#[path = "abi/nvml.rs"]
+mod nvml;
 #[path = "abi/spatial.rs"]
 mod spatial;
 
@@ -114,6 +118,35 @@ fn kit() -> &'static Kit {
             "-l:libcuda.so.1",
             "-ldl",
         ]);
+        // The fake NVML, in a directory of its own (absent from the other tests' library path),
+        // and a probe linked against it.
+        std::fs::create_dir_all(dir.join("nvml")).expect("creating nvml/");
+        compile(&[
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-Wl,-Bsymbolic",
+            "-Wl,-soname,libnvidia-ml.so.1",
+            "-o",
+            "nvml/libnvidia-ml.so.1",
+            &source("fakenvml.c"),
+        ]);
+        compile(&[
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-DPROBE_NVML_LINKED",
+            "-o",
+            "probe_nvml",
+            &source("probe.c"),
+            "-L.",
+            "-Lnvml",
+            "-l:libcuda.so.1",
+            "-l:libnvidia-ml.so.1",
+            "-ldl",
+        ]);
         compile(&[
             "-shared",
             "-fPIC",
@@ -144,10 +177,13 @@ impl Probe {
                 command.env_remove(name);
             }
         }
+        // No context overhead unless a test asks for it: the figures these tests expect are
+        // the allocations alone (the default overhead has tests of its own).
         command
             .env("LD_LIBRARY_PATH", &kit.dir)
             .env("LD_PRELOAD", &kit.interposer)
             .env("VGPU_REAL_LIBCUDA", kit.dir.join("libcuda.so.1"))
+            .env("VGPU_CONTEXT_OVERHEAD", "0")
             .env("VGPU_SHM_DIR", shm)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -161,6 +197,39 @@ impl Probe {
     fn env(mut self, name: &str, value: impl AsRef<std::ffi::OsStr>) -> Probe {
         self.command.env(name, value);
         self
+    }
+
+    fn env_remove(mut self, name: &str) -> Probe {
+        self.command.env_remove(name);
+        self
+    }
+
+    /// The fake NVML on the library path, and the probe build linked against it.
+    fn with_nvml(self) -> Probe {
+        let kit = kit();
+        let mut probe = Probe {
+            command: Command::new(kit.dir.join("probe_nvml")),
+        };
+        let inherited = self
+            .command
+            .get_envs()
+            .map(|(k, v)| (k.to_owned(), v.map(ToOwned::to_owned)));
+        for (name, value) in inherited {
+            match value {
+                Some(value) => probe.command.env(name, value),
+                None => probe.command.env_remove(name),
+            };
+        }
+        probe
+            .command
+            .env(
+                "LD_LIBRARY_PATH",
+                format!("{}:{}", kit.dir.join("nvml").display(), kit.dir.display()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        probe
     }
 
     /// Runs `script` to completion; returns stdout. Fails on a hang, a crash or a bad exit.
@@ -471,6 +540,62 @@ fn context_overhead_is_charged_once_per_device() {
             "alloc 0\nalloc 0\ninfo 0 {} {}\nalloc 2\n",
             3 * GIB / 2,
             4 * GIB
+        )
+    );
+}
+
+#[test]
+fn the_default_context_overhead_is_charged_when_a_context_is_created() {
+    let shm = shm_dir();
+    let overhead = 640 << 20;
+    let shown = 4 * GIB - overhead;
+    // The probe retains device 0's primary context on start: charged before any allocation; a
+    // second retain costs nothing; device 1's context is charged when it is created.
+    let out = Probe::new(shm.path(), Some("a"))
+        .env_remove("VGPU_CONTEXT_OVERHEAD")
+        .env("VGPU_MEMORY_LIMIT", "4GiB")
+        .run("info retain 0 info ctx 1 info alloc 1G info");
+    assert_eq!(
+        out,
+        format!(
+            "info 0 {shown} {four}\nretain 0\ninfo 0 {shown} {four}\nctx 0\ninfo 0 {shown} {four}\n\
+             alloc 0\ninfo 0 {} {four}\n",
+            shown - GIB,
+            four = 4 * GIB,
+        )
+    );
+}
+
+#[test]
+fn a_context_that_does_not_fit_in_the_slice_is_refused() {
+    let shm = shm_dir();
+    let tenant = || {
+        Probe::new(shm.path(), Some("a"))
+            .env("VGPU_MEMORY_LIMIT", "1GiB")
+            .env("VGPU_CONTEXT_OVERHEAD", "400MiB")
+    };
+    // Two processes' contexts take 800 MiB of the 1 GiB: a third context does not fit on
+    // device 0 (the driver is not asked), and fits on device 1.
+    let mut first = tenant().hold("");
+    let _second = tenant().hold("");
+    let out = tenant()
+        .env("PROBE_NO_CUDA", "1")
+        .run("retain 0 retain 1 info");
+    assert_eq!(
+        out,
+        format!("retain 2\nretain 0\ninfo 0 {} {GIB}\n", GIB - (400 << 20))
+    );
+    // A dead process's context is credited back; a full slice does not refuse a context that
+    // is already paid for.
+    first.kill_without_reaping();
+    let out = tenant()
+        .env("PROBE_NO_CUDA", "1")
+        .run("retain 0 info alloc 224M info retain 0 alloc 1");
+    assert_eq!(
+        out,
+        format!(
+            "retain 0\ninfo 0 {} {GIB}\nalloc 0\ninfo 0 0 {GIB}\nretain 0\nalloc 2\n",
+            GIB - (800 << 20)
         )
     );
 }

@@ -120,6 +120,24 @@ fn shares(spun: &[Spun], window_ms: u64) -> Vec<f64> {
         .collect()
 }
 
+/// The split of the GPU among several tenants: each one's part of the time the GPU was busy
+/// must be within `points` of `want`, and together they must have kept the GPU at least 75%
+/// busy (work conservation). The split is what the schedule decides; the total also loses
+/// whatever time the test machine's CPUs did not give the probes (CI runs on two cores),
+/// which is why the split is compared normalised and the total only has a floor.
+fn assert_split(got: &[f64], want: &[f64], points: f64) {
+    let total: f64 = got.iter().sum();
+    assert!(
+        total >= 75.0,
+        "the GPU was busy only {total:.1} % of the window ({got:.1?} %)"
+    );
+    let split: Vec<f64> = got.iter().map(|g| g * 100.0 / total).collect();
+    assert!(
+        split.iter().zip(want).all(|(g, w)| (g - w).abs() <= points),
+        "split {split:.1?} % (raw {got:.1?} %), want {want:?} % ± {points}"
+    );
+}
+
 fn assert_close(got: &[f64], want: &[f64], points: f64) {
     for (g, w) in got.iter().zip(want) {
         assert!(
@@ -141,7 +159,7 @@ fn two_tenants_get_70_30_of_the_gpu() {
         (400, 2400),
         2500,
     );
-    assert_close(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
+    assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
     let schedules: Vec<_> = std::fs::read_dir(shm.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -165,7 +183,7 @@ fn graph_extended_and_per_thread_launches_are_gated() {
         (400, 2400),
         2500,
     );
-    assert_close(&shares(&spun, 2000), &[75.0, 25.0], 6.0);
+    assert_split(&shares(&spun, 2000), &[75.0, 25.0], 6.0);
 }
 
 #[test]
@@ -180,7 +198,7 @@ fn cooperative_and_get_proc_address_launches_are_gated() {
         (400, 2400),
         2500,
     );
-    assert_close(&shares(&spun, 2000), &[25.0, 75.0], 6.0);
+    assert_split(&shares(&spun, 2000), &[25.0, 75.0], 6.0);
 }
 
 #[test]
@@ -213,7 +231,7 @@ fn a_bursting_tenant_gives_idle_time_back_and_a_capped_one_stays_capped() {
         (1400, 3400),
         3500,
     );
-    assert_close(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
+    assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
 
     // Without burst, a tenant alone keeps to its share.
     let shm = shm_dir();
@@ -241,7 +259,7 @@ fn idle_time_goes_to_the_higher_priority() {
         (400, 2400),
         2500,
     );
-    assert_close(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
+    assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
 }
 
 #[test]
@@ -352,5 +370,5 @@ fn graphs_captured_under_gating_are_gated_at_launch() {
         (400, 2400),
         2500,
     );
-    assert_close(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
+    assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
 }

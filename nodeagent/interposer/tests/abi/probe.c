@@ -30,6 +30,15 @@
  *                    `launch graph US` / `spin graph US` launch graphs as usual
  *   trace            prints "trace <the fake driver's trace>" (which stream each kernel ran on)
  *   sleep_ms N       sleeps N milliseconds
+ *   retain D         cuDevicePrimaryCtxRetain(D) and, if it succeeds, makes it current
+ *   nvml_dl I | nvml2_dl I    NVML device I's memory through dlsym(dlopen("libnvidia-ml.so.1"))
+ *                    (nvmlDeviceGetMemoryInfo / _v2): "nvml_dl <rc> <total> <free> <used> lib=",
+ *                    "nvml2_dl <rc> <total> <reserved> <free> <used> lib=" (rc -1: no library)
+ *   nvml_default     nvmlDeviceGetMemoryInfo from dlsym(RTLD_DEFAULT), on a null device: "<rc> lib="
+ * Built with -DPROBE_NVML_LINKED (and linked against libnvidia-ml.so.1), also:
+ *   nvml I | nvml2 I NVML device I's memory, called directly (as nvml_dl / nvml2_dl)
+ *   nvml2_version I V   nvmlDeviceGetMemoryInfo_v2 with the struct version V: "<rc> <total>"
+ * PROBE_NO_CUDA=1: the process starts without a CUDA context (no cuInit, no primary context).
  * APIs: kernel, kernel_ptsz, ex, ex_ptsz, coop, coop_ptsz, multi (cooperative multi-device),
  * ex_coop (cuLaunchKernelEx with the cooperative attribute), graph, graph_ptsz, gpa / gpa_ptsz
  * (cuLaunchKernel from cuGetProcAddress_v2), dl (cuLaunchKernel from
@@ -114,6 +123,26 @@ CUresult cuStreamEndCapture(void *, void **);
 unsigned long long fakeGpuUsedNs(void);
 unsigned long long fakeLaunches(void);
 const char *fakeTrace(void);
+
+typedef int nvmlReturn_t;
+typedef struct {
+  unsigned long long total, free, used;
+} nvmlMemory_t;
+typedef struct {
+  unsigned int version;
+  unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+#define NVML_MEMORY_V2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
+typedef nvmlReturn_t (*nvml_init_fn)(void);
+typedef nvmlReturn_t (*nvml_handle_fn)(unsigned int, void **);
+typedef nvmlReturn_t (*nvml_mem_fn)(void *, nvmlMemory_t *);
+typedef nvmlReturn_t (*nvml_mem2_fn)(void *, nvmlMemory_v2_t *);
+#ifdef PROBE_NVML_LINKED
+nvmlReturn_t nvmlInit_v2(void);
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int, void **);
+nvmlReturn_t nvmlDeviceGetMemoryInfo(void *, nvmlMemory_t *);
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(void *, nvmlMemory_v2_t *);
+#endif
 
 typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
 typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
@@ -212,13 +241,41 @@ static CUresult launch_via(const char *api, unsigned int us, const char **lib) {
   return resolved[slot](NULL, us, 1, 1, 1, 1, 1, 0, slot == 1 ? NULL : USER_STREAM, NULL, NULL);
 }
 
+/* NVML device `index` through dlopen + dlsym: one "nvml_dl" or "nvml2_dl" line. */
+static void nvml_via_dlsym(int v2, unsigned int index) {
+  void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+  const char *name = v2 ? "nvml2_dl" : "nvml_dl";
+  if (lib == NULL) {
+    printf("%s -1 lib=none\n", name);
+    return;
+  }
+  nvml_init_fn init = (nvml_init_fn)dlsym(lib, "nvmlInit_v2");
+  nvml_handle_fn handle = (nvml_handle_fn)dlsym(lib, "nvmlDeviceGetHandleByIndex_v2");
+  void *f = dlsym(lib, v2 ? "nvmlDeviceGetMemoryInfo_v2" : "nvmlDeviceGetMemoryInfo");
+  void *device = NULL;
+  nvmlReturn_t rc = init && handle && f ? init() : -1;
+  if (rc == 0) rc = handle(index, &device);
+  if (v2) {
+    nvmlMemory_v2_t m = {NVML_MEMORY_V2, 0, 0, 0, 0};
+    if (rc == 0) rc = ((nvml_mem2_fn)f)(device, &m);
+    printf("%s %d %llu %llu %llu %llu lib=%s\n", name, rc, m.total, m.reserved, m.free, m.used,
+           lib_of(f));
+  } else {
+    nvmlMemory_t m = {0, 0, 0};
+    if (rc == 0) rc = ((nvml_mem_fn)f)(device, &m);
+    printf("%s %d %llu %llu %llu lib=%s\n", name, rc, m.total, m.free, m.used, lib_of(f));
+  }
+}
+
 int main(int argc, char **argv) {
   void *ctx;
   CUdeviceptr p;
   CUresult rc;
-  cuInit(0);
-  cuDevicePrimaryCtxRetain(&ctx, 0);
-  cuCtxSetCurrent(ctx);
+  if (getenv("PROBE_NO_CUDA") == NULL) {
+    cuInit(0);
+    cuDevicePrimaryCtxRetain(&ctx, 0);
+    cuCtxSetCurrent(ctx);
+  }
   for (int i = 1; i < argc; i++) {
     const char *c = argv[i];
     const char *a = i + 1 < argc ? argv[i + 1] : "0";
@@ -373,6 +430,41 @@ int main(int argc, char **argv) {
       if (rc == 0) rc = end;
       printf("capture %d graph=%llu\n", rc, (unsigned long long)(uintptr_t)graph);
       i += 3;
+    } else if (!strcmp(c, "retain")) {
+      rc = cuDevicePrimaryCtxRetain(&ctx, atoi(a));
+      if (rc == 0) cuCtxSetCurrent(ctx);
+      printf("retain %d\n", rc);
+      i++;
+    } else if (!strcmp(c, "nvml_dl") || !strcmp(c, "nvml2_dl")) {
+      nvml_via_dlsym(!strcmp(c, "nvml2_dl"), (unsigned int)atoi(a));
+      i++;
+    } else if (!strcmp(c, "nvml_default")) {
+      void *f = dlsym(RTLD_DEFAULT, "nvmlDeviceGetMemoryInfo");
+      nvmlMemory_t m = {0, 0, 0};
+      printf("nvml_default %d lib=%s\n", f ? ((nvml_mem_fn)f)(NULL, &m) : -1, lib_of(f));
+#ifdef PROBE_NVML_LINKED
+    } else if (!strcmp(c, "nvml") || !strcmp(c, "nvml2") || !strcmp(c, "nvml2_version")) {
+      void *device = NULL;
+      nvmlReturn_t r = nvmlInit_v2();
+      if (r == 0) r = nvmlDeviceGetHandleByIndex_v2((unsigned int)atoi(a), &device);
+      if (!strcmp(c, "nvml")) {
+        nvmlMemory_t m = {0, 0, 0};
+        if (r == 0) r = nvmlDeviceGetMemoryInfo(device, &m);
+        printf("nvml %d %llu %llu %llu\n", r, m.total, m.free, m.used);
+      } else {
+        nvmlMemory_v2_t m = {NVML_MEMORY_V2, 0, 0, 0, 0};
+        if (!strcmp(c, "nvml2_version")) {
+          m.version = (unsigned int)strtoul(argv[i + 2], NULL, 0);
+          i++;
+        }
+        if (r == 0) r = nvmlDeviceGetMemoryInfo_v2(device, &m);
+        if (!strcmp(c, "nvml2"))
+          printf("nvml2 %d %llu %llu %llu %llu\n", r, m.total, m.reserved, m.free, m.used);
+        else
+          printf("nvml2_version %d %llu\n", r, m.total);
+      }
+      i++;
+#endif
     } else if (!strcmp(c, "sync")) {
       printf("sync %d\n", cuCtxSynchronize());
     } else if (!strcmp(c, "hold")) {

@@ -1,0 +1,319 @@
+//! The NVML memory queries, exported under NVML's names: `nvmlDeviceGetMemoryInfo` and
+//! `nvmlDeviceGetMemoryInfo_v2` report the tenant's slice of a limited device (`nvml` holds the
+//! policy). Both ways in are caught: a program linked against `libnvidia-ml.so.1` binds to these
+//! exports (the preloaded library comes first), and one that does
+//! `dlsym(dlopen("libnvidia-ml.so.1"), ...)` (pynvml through ctypes, PyTorch's c10) gets them from
+//! our `dlsym` (`dlsym_shim`), which substitutes a hook for the real function's address.
+//!
+//! The real library is `dlopen(VGPU_REAL_LIBNVML or "libnvidia-ml.so.1")`, only when one of these
+//! paths is taken, so a process that never uses NVML never loads it; if it cannot be loaded the
+//! exports answer `NVML_ERROR_LIBRARY_NOT_FOUND`, as NVML's own loader stubs do. The real call
+//! always runs first and its error is returned unchanged; only a successful answer about a
+//! limited device of this tenant is rewritten. A panic in the policy keeps the real answer.
+#![allow(unsafe_code, non_snake_case, non_camel_case_types)]
+
+use crate::nvml::{self, Memory};
+use crate::real::{lookup, with_guard};
+use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_ulonglong, c_void};
+use std::sync::OnceLock;
+
+pub type nvmlReturn_t = c_int;
+pub type nvmlDevice_t = *mut c_void;
+
+pub const NVML_SUCCESS: nvmlReturn_t = 0;
+pub const NVML_ERROR_LIBRARY_NOT_FOUND: nvmlReturn_t = 12;
+pub const NVML_ERROR_FUNCTION_NOT_FOUND: nvmlReturn_t = 13;
+pub const NVML_ERROR_UNKNOWN: nvmlReturn_t = 999;
+
+/// `NVML_DEVICE_UUID_V2_BUFFER_SIZE`.
+const UUID_BUFFER_BYTES: usize = 96;
+
+/// `nvmlMemory_t`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlMemory_t {
+    pub total: c_ulonglong,
+    pub free: c_ulonglong,
+    pub used: c_ulonglong,
+}
+
+/// `nvmlMemory_v2_t`: `used` excludes `reserved` (driver and firmware memory).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlMemory_v2_t {
+    pub version: c_uint,
+    pub total: c_ulonglong,
+    pub reserved: c_ulonglong,
+    pub free: c_ulonglong,
+    pub used: c_ulonglong,
+}
+
+const _: () = assert!(std::mem::size_of::<nvmlMemory_t>() == 24);
+const _: () = assert!(std::mem::size_of::<nvmlMemory_v2_t>() == 40);
+
+/// `nvmlMemory_v2`: `NVML_STRUCT_VERSION(Memory, 2)`, the struct size with the version in the
+/// top byte. The only layout this library rewrites.
+pub const NVML_MEMORY_V2: c_uint = std::mem::size_of::<nvmlMemory_v2_t>() as c_uint | (2 << 24);
+
+type FnGetMemoryInfo = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlMemory_t) -> nvmlReturn_t;
+type FnGetMemoryInfoV2 = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlMemory_v2_t) -> nvmlReturn_t;
+type FnGetUuid = unsafe extern "C" fn(nvmlDevice_t, *mut c_char, c_uint) -> nvmlReturn_t;
+
+/// Every NVML hook, by the symbol it replaces.
+pub fn hooks() -> [(&'static CStr, *const c_void); 2] {
+    [
+        (
+            c"nvmlDeviceGetMemoryInfo",
+            nvmlDeviceGetMemoryInfo as *const c_void,
+        ),
+        (
+            c"nvmlDeviceGetMemoryInfo_v2",
+            nvmlDeviceGetMemoryInfo_v2 as *const c_void,
+        ),
+    ]
+}
+
+/// Our hook for an NVML symbol name, if we have one.
+pub fn hook_by_name(name: &CStr) -> Option<*const c_void> {
+    hooks()
+        .into_iter()
+        .find(|(hooked, _)| *hooked == name)
+        .map(|(_, hook)| hook)
+}
+
+/// The loaded real NVML.
+pub struct Nvml {
+    get_memory_info: Option<FnGetMemoryInfo>,
+    get_memory_info_v2: Option<FnGetMemoryInfoV2>,
+    get_uuid: Option<FnGetUuid>,
+    /// (real function address, our hook address), for every hook the library exports.
+    substitutes: Vec<(usize, usize)>,
+}
+
+impl Nvml {
+    /// Our hook for a real NVML function, if we wrap it.
+    pub fn substitute(&self, real: *mut c_void) -> Option<*mut c_void> {
+        let real = real as usize;
+        self.substitutes
+            .iter()
+            .find(|(r, _)| *r == real)
+            .map(|&(_, hook)| hook as *mut c_void)
+    }
+
+    /// The device's uuid as NVML prints it (`GPU-...`).
+    fn uuid(&self, device: nvmlDevice_t) -> Option<String> {
+        let get = self.get_uuid?;
+        let mut buffer = [0 as c_char; UUID_BUFFER_BYTES];
+        // SAFETY: `buffer` is writable for its full length, which is passed; `device` is the
+        // handle the caller just queried successfully.
+        let rc = unsafe { get(device, buffer.as_mut_ptr(), UUID_BUFFER_BYTES as c_uint) };
+        if rc != NVML_SUCCESS {
+            return None;
+        }
+        buffer[UUID_BUFFER_BYTES - 1] = 0;
+        // SAFETY: NUL-terminated within the buffer (the last byte was just set to 0).
+        let text = unsafe { CStr::from_ptr(buffer.as_ptr()) };
+        text.to_str().ok().map(str::to_owned)
+    }
+}
+
+/// The real NVML, loaded on first use; `None` if it cannot be loaded.
+pub fn nvml() -> Option<&'static Nvml> {
+    static NVML: OnceLock<Option<Nvml>> = OnceLock::new();
+    if let Some(loaded) = NVML.get() {
+        return loaded.as_ref();
+    }
+    if crate::real::in_resolution() {
+        // Re-entered from our own loading (a constructor of the library): not loaded yet.
+        return None;
+    }
+    NVML.get_or_init(|| with_guard(load)).as_ref()
+}
+
+fn load() -> Option<Nvml> {
+    let path = std::env::var("VGPU_REAL_LIBNVML")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "libnvidia-ml.so.1".to_owned());
+    let Ok(c_path) = CString::new(path.clone()) else {
+        crate::log::error(format_args!(
+            "VGPU_REAL_LIBNVML `{path}` contains a NUL byte"
+        ));
+        return None;
+    };
+    // SAFETY: `c_path` is NUL-terminated; dlopen has no other preconditions.
+    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        crate::log::debug(format_args!("no NVML library `{path}`"));
+        return None;
+    }
+    let resolve = |name: &CStr| {
+        let found = lookup(handle, name);
+        (!found.is_null()).then_some(found)
+    };
+    let nvml = Nvml {
+        // SAFETY: NVML's `nvmlDeviceGetMemoryInfo` has the C signature `FnGetMemoryInfo`.
+        get_memory_info: resolve(c"nvmlDeviceGetMemoryInfo")
+            .map(|f| unsafe { std::mem::transmute::<*mut c_void, FnGetMemoryInfo>(f) }),
+        // SAFETY: NVML's `nvmlDeviceGetMemoryInfo_v2` has the C signature `FnGetMemoryInfoV2`.
+        get_memory_info_v2: resolve(c"nvmlDeviceGetMemoryInfo_v2")
+            .map(|f| unsafe { std::mem::transmute::<*mut c_void, FnGetMemoryInfoV2>(f) }),
+        // SAFETY: NVML's `nvmlDeviceGetUUID` has the C signature `FnGetUuid`.
+        get_uuid: resolve(c"nvmlDeviceGetUUID")
+            .map(|f| unsafe { std::mem::transmute::<*mut c_void, FnGetUuid>(f) }),
+        substitutes: hooks()
+            .iter()
+            .filter_map(|&(name, hook)| resolve(name).map(|real| (real as usize, hook as usize)))
+            .collect(),
+    };
+    if nvml.substitutes.iter().any(|&(real, hook)| real == hook) {
+        crate::log::error(format_args!(
+            "VGPU_REAL_LIBNVML `{path}` is the interposer itself; point it at libnvidia-ml"
+        ));
+        return None;
+    }
+    crate::log::debug(format_args!(
+        "loaded {path}: {} of {} NVML hooks exported",
+        nvml.substitutes.len(),
+        hooks().len()
+    ));
+    Some(nvml)
+}
+
+/// The figures to report for `device` instead of `real`, if it is a limited device of this
+/// tenant; `None`: report `real`.
+fn slice_view(nvml: &Nvml, device: nvmlDevice_t, real: Memory) -> Option<Memory> {
+    if !crate::hooks::enabled() {
+        return None;
+    }
+    let uuid = nvml.uuid(device)?;
+    let cuda_uuids = crate::exports::visible_gpu_uuids();
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let ordinal = nvml::ordinal_of(&uuid, cuda_uuids.as_deref(), visible.as_deref())?;
+    let (limit_bytes, used_bytes) = crate::hooks::slice_of(ordinal)?;
+    let shown = nvml::slice_memory(real, limit_bytes, used_bytes);
+    crate::log::debug(format_args!(
+        "NVML memory of {uuid} (ordinal {ordinal}): {shown:?} instead of {real:?}"
+    ));
+    Some(shown)
+}
+
+/// The real NVML and one of its functions, or the NVML error that says why not.
+macro_rules! real_nvml_fn {
+    ($field:ident) => {{
+        let Some(nvml) = nvml() else {
+            return NVML_ERROR_LIBRARY_NOT_FOUND;
+        };
+        let Some(function) = nvml.$field else {
+            return NVML_ERROR_FUNCTION_NOT_FOUND;
+        };
+        (nvml, function)
+    }};
+}
+
+/// Reports the slice of a limited device: total = the limit, used = the tenant's usage, free =
+/// the rest (at most what the GPU has free).
+///
+/// # Safety
+/// NVML's contract for `nvmlDeviceGetMemoryInfo`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
+    device: nvmlDevice_t,
+    memory: *mut nvmlMemory_t,
+) -> nvmlReturn_t {
+    ffi_boundary!("nvmlDeviceGetMemoryInfo", fallback = NVML_ERROR_UNKNOWN, {
+        let (nvml, real) = real_nvml_fn!(get_memory_info);
+        // SAFETY: forwarded unchanged under the caller's contract.
+        let rc = unsafe { real(device, memory) };
+        if rc != NVML_SUCCESS || memory.is_null() {
+            return rc;
+        }
+        // SAFETY: non-null, and NVML filled it in on success.
+        let seen = unsafe { memory.read() };
+        let real_figures = Memory {
+            total: seen.total,
+            free: seen.free,
+            used: seen.used,
+        };
+        let shown = ffi_boundary!("nvmlDeviceGetMemoryInfo", fallback = None, {
+            slice_view(nvml, device, real_figures)
+        });
+        if let Some(shown) = shown {
+            // SAFETY: non-null and valid for writes (NVML just wrote it).
+            unsafe {
+                memory.write(nvmlMemory_t {
+                    total: shown.total,
+                    free: shown.free,
+                    used: shown.used,
+                });
+            }
+        }
+        rc
+    })
+}
+
+/// As `nvmlDeviceGetMemoryInfo`, for the `nvmlMemory_v2` layout only (another version is passed
+/// through as NVML answers it); `reserved` is 0 in the slice (the context overheads are in
+/// `used`), so total = reserved + used + free as NVML documents.
+///
+/// # Safety
+/// NVML's contract for `nvmlDeviceGetMemoryInfo_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    device: nvmlDevice_t,
+    memory: *mut nvmlMemory_v2_t,
+) -> nvmlReturn_t {
+    ffi_boundary!(
+        "nvmlDeviceGetMemoryInfo_v2",
+        fallback = NVML_ERROR_UNKNOWN,
+        {
+            let (nvml, real) = real_nvml_fn!(get_memory_info_v2);
+            // The version is the caller's input: read it before NVML can touch the struct. Only the
+            // first 4 bytes are read, which every version of the struct has.
+            // SAFETY: the caller passes a struct that starts with its `unsigned int version`, or null.
+            let version = (!memory.is_null()).then(|| unsafe { memory.cast::<c_uint>().read() });
+            // SAFETY: forwarded unchanged under the caller's contract.
+            let rc = unsafe { real(device, memory) };
+            if rc != NVML_SUCCESS || version != Some(NVML_MEMORY_V2) {
+                return rc;
+            }
+            // SAFETY: non-null, of the v2 layout (checked version), and filled in by NVML.
+            let seen = unsafe { memory.read() };
+            let real_figures = Memory {
+                total: seen.total,
+                free: seen.free,
+                used: seen.used.saturating_add(seen.reserved),
+            };
+            let shown = ffi_boundary!("nvmlDeviceGetMemoryInfo_v2", fallback = None, {
+                slice_view(nvml, device, real_figures)
+            });
+            if let Some(shown) = shown {
+                // SAFETY: non-null, of the v2 layout, valid for writes (NVML just wrote it).
+                unsafe {
+                    memory.write(nvmlMemory_v2_t {
+                        version: seen.version,
+                        total: shown.total,
+                        reserved: 0,
+                        free: shown.free,
+                        used: shown.used,
+                    });
+                }
+            }
+            rc
+        }
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_nvml_hook_is_found_by_name() {
+        for (name, hook) in hooks() {
+            assert_eq!(hook_by_name(name), Some(hook));
+        }
+        assert_eq!(hook_by_name(c"nvmlDeviceGetBAR1MemoryInfo"), None);
+        assert_eq!(NVML_MEMORY_V2, 0x0200_0028);
+    }
+}
