@@ -28,6 +28,17 @@ pub struct LinkId(pub u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FlowId(pub u64);
 
+impl FlowId {
+    /// The flow of tenant `name` on a node: a stable non-zero hash (FNV-1a) of the name, so the
+    /// agent and every process of the tenant derive the same id.
+    pub fn of_tenant(name: &str) -> FlowId {
+        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+        FlowId(h | 1)
+    }
+}
+
 impl fmt::Display for LinkId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "link {}", self.0)

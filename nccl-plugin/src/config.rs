@@ -1,0 +1,122 @@
+//! The plugin's settings, read once from the environment the agent hands a tenant process.
+//! Every variable is documented in the crate README; a bad value is logged and the default used
+//! (a tenant's training job must not fail because of a typo in a tuning knob).
+
+use std::net::IpAddr;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// `VGPU_NCCL_SOCKETS`: TCP streams (each with its own thread) per connection, 1..=16.
+    pub sockets: usize,
+    /// `VGPU_NCCL_LOCAL`: use the same-host path (GPU-to-GPU copies) when both ends share a host.
+    pub local: bool,
+    /// `VGPU_NCCL_GDR`: offer GPU pointers to NCCL (needs libcuda; NCCL also needs
+    /// `NCCL_NET_GDR_LEVEL` to reach our virtual NIC).
+    pub gdr: bool,
+    /// `VGPU_NCCL_ADDR`: the address to listen on and advertise.
+    pub addr: Option<IpAddr>,
+    /// `VGPU_NCCL_SPEED_MBPS`: the port speed reported to NCCL's model.
+    pub speed_mbps: i32,
+    /// `VGPU_NCCL_MIN_PART`: smallest piece of a request given to one TCP stream.
+    pub min_part: u64,
+    /// `VGPU_NETSHARE_TABLE` and `VGPU_NETSHARE_FLOW`: the node's token-bucket table and this
+    /// tenant's flow in it; sends wait for tokens when both are set.
+    pub netshare: Option<(std::path::PathBuf, u64)>,
+}
+
+fn var<T: std::str::FromStr>(name: &str, default: T, ok: impl Fn(&T) -> bool) -> T {
+    match std::env::var(name) {
+        Ok(v) => match v.trim().parse::<T>() {
+            Ok(x) if ok(&x) => x,
+            _ => {
+                crate::log::warn!(
+                    crate::abi::NCCL_INIT,
+                    "ignoring {name}={v:?}: out of range or not a number"
+                );
+                default
+            }
+        },
+        Err(_) => default,
+    }
+}
+
+fn flag(name: &str, default: bool) -> bool {
+    match std::env::var(name).as_deref() {
+        Ok("0") | Ok("false") | Ok("no") => false,
+        Ok("1") | Ok("true") | Ok("yes") => true,
+        Ok(other) => {
+            crate::log::warn!(
+                crate::abi::NCCL_INIT,
+                "ignoring {name}={other:?}: use 0 or 1"
+            );
+            default
+        }
+        Err(_) => default,
+    }
+}
+
+impl Config {
+    pub fn from_env() -> Config {
+        let addr = std::env::var("VGPU_NCCL_ADDR")
+            .ok()
+            .and_then(|v| match v.parse() {
+                Ok(a) => Some(a),
+                Err(_) => {
+                    crate::log::warn!(
+                        crate::abi::NCCL_INIT,
+                        "ignoring VGPU_NCCL_ADDR={v:?}: not an IP address"
+                    );
+                    None
+                }
+            });
+        let netshare = match (
+            std::env::var("VGPU_NETSHARE_TABLE"),
+            std::env::var("VGPU_NETSHARE_FLOW"),
+        ) {
+            (Ok(path), Ok(flow)) => match flow.parse::<u64>() {
+                Ok(f) if f != 0 => Some((path.into(), f)),
+                _ => {
+                    crate::log::warn!(
+                        crate::abi::NCCL_INIT,
+                        "ignoring VGPU_NETSHARE_FLOW={flow:?}: not a flow id"
+                    );
+                    None
+                }
+            },
+            _ => None,
+        };
+        Config {
+            sockets: var("VGPU_NCCL_SOCKETS", 4usize, |n| (1..=16).contains(n)),
+            local: flag("VGPU_NCCL_LOCAL", true),
+            gdr: flag("VGPU_NCCL_GDR", true),
+            addr,
+            speed_mbps: var("VGPU_NCCL_SPEED_MBPS", 400_000i32, |n| *n > 0),
+            min_part: var("VGPU_NCCL_MIN_PART", 256u64 << 10, |n| *n >= 4096),
+            netshare,
+        }
+    }
+}
+
+/// The host's identity: the kernel's boot id, so two containers on one host match and two hosts
+/// never do. Falls back to the hostname.
+pub fn host_id() -> [u8; 16] {
+    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .map(|s| s.trim().replace('-', ""))
+        .filter(|s| s.len() == 32);
+    let mut id = [0u8; 16];
+    match text {
+        Some(hex) => {
+            for (i, b) in id.iter_mut().enumerate() {
+                *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0);
+            }
+        }
+        None => {
+            let name = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
+            for (i, c) in name.trim().bytes().enumerate() {
+                id[i % 16] ^= c;
+            }
+        }
+    }
+    id
+}

@@ -1,0 +1,54 @@
+//! `libvgpu_nccl.so`: an NCCL net plugin (`ncclNetPlugin_v11`, `_v10`) and tuner plugin
+//! (`ncclTunerPlugin_v5`, `_v4`) in one library. See the crate README for how NCCL loads it,
+//! the environment the agent hands a tenant, and the design.
+//!
+//! - `exports`: the C tables NCCL `dlsym`s and their entry points (panics caught, errors logged
+//!   and returned as NCCL codes).
+//! - `net`: listen/connect/accept without blocking, the per-connection transport choice.
+//! - `local`: same-host transport: control over a Unix socket, GPU-to-GPU copies (CUDA IPC).
+//! - `tcp`: cross-host transport: several streams with a thread each.
+//! - `tuner`, `activity`: channel caps by bandwidth share while other tenants are active.
+//! - `wire`: every byte layout that crosses a process boundary; `cuda`: the driver calls.
+
+pub mod abi;
+mod activity;
+mod config;
+mod cuda;
+mod exports;
+mod local;
+mod log;
+mod net;
+mod sys;
+mod tcp;
+pub mod tuner;
+pub mod wire;
+
+/// A registered memory region (`mhandle`).
+#[derive(Clone, Copy, Debug)]
+pub struct Mr {
+    pub ptr: u64,
+    pub size: usize,
+    pub cuda: bool,
+    /// The region id the receiver exported it under, or `wire::HOST_REGION`.
+    pub region: u32,
+    /// Base of the GPU allocation holding `ptr` (offsets are relative to it).
+    pub base: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("socket: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("CUDA: {0}")]
+    Cuda(#[from] cuda::CudaError),
+    #[error("{0}")]
+    Wire(#[from] wire::WireError),
+    #[error("the peer closed the connection (did the other rank exit?)")]
+    PeerClosed,
+    #[error("protocol error: {0}")]
+    Protocol(&'static str),
+    #[error("a send of {sent} bytes does not fit the {posted}-byte receive")]
+    Truncated { sent: usize, posted: usize },
+    #[error("invalid argument: {0}")]
+    Invalid(&'static str),
+}

@@ -1,0 +1,911 @@
+//! The same-host path: a Unix stream socket carries small control messages; data whose
+//! destination is GPU memory is copied by the sender straight into the receiver's buffer
+//! (CUDA IPC: cuMem file descriptors or legacy IPC handles; over NVLink between GPUs, or inside
+//! one GPU between two slices), with no host bounce. Data whose destination is host memory (the
+//! LL protocol's buffers, or hosts without GPUs) goes through the socket.
+//!
+//! Everything here runs on NCCL's proxy thread and never blocks: sockets are non-blocking and
+//! copies are polled through CUDA events.
+#![allow(unsafe_code)]
+
+use crate::cuda::{self, CUevent, Export, Mapping};
+use crate::log::trace;
+use crate::sys;
+use crate::wire::{HOST_REGION, Msg};
+use crate::{Error, Mr};
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+/// Bytes and payloads waiting to be written to the socket, in order.
+#[derive(Default)]
+struct Out {
+    items: VecDeque<Item>,
+}
+
+enum Item {
+    Bytes(Vec<u8>, usize),
+    /// A message whose first byte carries a file descriptor.
+    WithFd(Vec<u8>, OwnedFd),
+    /// Payload straight from a registered host buffer; completes send `seq` when written.
+    Payload {
+        ptr: u64,
+        len: usize,
+        pos: usize,
+        seq: u32,
+    },
+}
+
+impl Out {
+    fn msg(&mut self, m: Msg) {
+        let mut b = Vec::with_capacity(80);
+        m.encode(&mut b);
+        self.items.push_back(Item::Bytes(b, 0));
+    }
+
+    /// Write what the socket takes; returns the sends whose payload is now fully written.
+    fn flush(&mut self, sock: &UnixStream, completed: &mut Vec<u32>) -> Result<(), Error> {
+        let fd = sock.as_raw_fd();
+        while let Some(item) = self.items.front_mut() {
+            match item {
+                Item::Bytes(b, pos) => {
+                    let n = sys::send(fd, &b[*pos..], None)?;
+                    *pos += n;
+                    if *pos < b.len() {
+                        return Ok(());
+                    }
+                }
+                Item::WithFd(b, owned) => {
+                    let n = sys::send(fd, b, Some(owned.as_raw_fd()))?;
+                    if n == 0 {
+                        return Ok(());
+                    }
+                    // the descriptor went with the first byte; the rest is plain bytes
+                    let rest = b[n..].to_vec();
+                    *item = Item::Bytes(rest, 0);
+                    continue;
+                }
+                Item::Payload { ptr, len, pos, seq } => {
+                    if *pos < *len {
+                        // SAFETY: NCCL keeps the registered send buffer valid until `test`
+                        // reports this send done, which happens only after this write.
+                        let n = unsafe {
+                            sys::send_raw(fd, (*ptr as *const u8).add(*pos), *len - *pos)?
+                        };
+                        *pos += n;
+                        if *pos < *len {
+                            return Ok(());
+                        }
+                    }
+                    completed.push(*seq);
+                }
+            }
+            self.items.pop_front();
+        }
+        Ok(())
+    }
+}
+
+/// What the proxy thread asks of the sender's copy worker, in send order.
+enum Job {
+    /// A registration of the receiver: keep it until a send needs it (owns the descriptor).
+    Region {
+        region: u32,
+        export: Export,
+        _fd: Option<OwnedFd>,
+    },
+    Forget {
+        region: u32,
+    },
+    /// Copy `size` bytes from `src` into the receiver's region at `offset`.
+    Copy {
+        seq: u32,
+        region: u32,
+        offset: u64,
+        src: u64,
+        size: usize,
+    },
+    /// Copy GPU data into the staging buffer (bound for the receiver's host memory).
+    Stage {
+        seq: u32,
+        src: u64,
+        size: usize,
+    },
+}
+
+/// What the worker reports back: send `seq` finished its copy (`staged` holds the staging
+/// buffer for `Stage` jobs), or failed.
+struct JobDone {
+    seq: u32,
+    result: Result<Option<u64>, String>,
+}
+
+/// Which CUDA call the worker is in, for the stall report.
+const IN_NOTHING: u8 = 0;
+const IN_IMPORT: u8 = 1;
+const IN_COPY: u8 = 2;
+const IN_QUERY: u8 = 3;
+
+fn call_name(c: u8) -> &'static str {
+    match c {
+        IN_IMPORT => "importing the receiver's buffer",
+        IN_COPY => "cuMemcpyAsync",
+        IN_QUERY => "cuEventQuery",
+        _ => "nothing",
+    }
+}
+
+/// The sender's CUDA work runs on its own thread, never on NCCL's proxy thread: a driver call
+/// that waits for the GPU (whose NCCL kernel may itself wait for this proxy) must not stop the
+/// proxy from serving the other connections. Jobs and results go through bounded channels (64:
+/// twice NCCL's 32 requests in flight per connection).
+struct Worker {
+    jobs: std::sync::mpsc::SyncSender<Job>,
+    done: std::sync::mpsc::Receiver<JobDone>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    in_call: std::sync::Arc<(std::sync::atomic::AtomicU8, std::sync::atomic::AtomicU64)>,
+    reported: bool,
+}
+
+const JOB_QUEUE: usize = 64;
+
+fn now_ns() -> u64 {
+    netshare::shm::monotonic_now_ns()
+}
+
+impl Worker {
+    fn start() -> Result<Worker, Error> {
+        let driver = cuda::driver()?;
+        let ctx = driver.current_context()? as usize;
+        let device = driver.current_device()?;
+        let (jobs, job_rx) = std::sync::mpsc::sync_channel::<Job>(JOB_QUEUE);
+        let (done_tx, done) = std::sync::mpsc::sync_channel::<JobDone>(JOB_QUEUE);
+        let in_call = std::sync::Arc::new((
+            std::sync::atomic::AtomicU8::new(0),
+            std::sync::atomic::AtomicU64::new(0),
+        ));
+        let flag = in_call.clone();
+        let thread = std::thread::Builder::new()
+            .name("vgpu-nccl-copy".into())
+            .spawn(move || copy_worker(driver, ctx, device, job_rx, done_tx, flag))?;
+        Ok(Worker {
+            jobs,
+            done,
+            thread: Some(thread),
+            in_call,
+            reported: false,
+        })
+    }
+
+    fn send(&self, job: Job) -> Result<(), Error> {
+        self.jobs
+            .try_send(job)
+            .map_err(|_| Error::Protocol("the copy worker's queue is full or it stopped"))
+    }
+
+    /// Log once if the worker has been inside one CUDA call for more than 2 s.
+    fn check_stall(&mut self) {
+        use std::sync::atomic::Ordering;
+        let (what, since) = (
+            self.in_call.0.load(Ordering::Acquire),
+            self.in_call.1.load(Ordering::Acquire),
+        );
+        if what != IN_NOTHING && !self.reported && now_ns().saturating_sub(since) > 2_000_000_000 {
+            self.reported = true;
+            crate::log::warn!(
+                crate::abi::NCCL_NET,
+                "same-host copy worker stuck in {} for more than 2 s",
+                call_name(what)
+            );
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // closing the job channel ends the worker once its copies are done
+        let (tx, _) = std::sync::mpsc::sync_channel(1);
+        drop(std::mem::replace(&mut self.jobs, tx));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn copy_worker(
+    driver: &'static cuda::Cuda,
+    ctx: usize,
+    device: i32,
+    jobs: std::sync::mpsc::Receiver<Job>,
+    done: std::sync::mpsc::SyncSender<JobDone>,
+    in_call: std::sync::Arc<(std::sync::atomic::AtomicU8, std::sync::atomic::AtomicU64)>,
+) {
+    use std::sync::atomic::Ordering;
+    let enter = |what: u8| {
+        in_call.1.store(now_ns(), Ordering::Release);
+        in_call.0.store(what, Ordering::Release);
+    };
+    let leave = || in_call.0.store(IN_NOTHING, Ordering::Release);
+    if driver.set_context(ctx as cuda::CUcontext).is_err() {
+        return; // every job then fails: the channel closes and the proxy reports it
+    }
+    let Ok(stream) = driver.stream() else { return };
+    let mut exports: HashMap<u32, (Export, Option<OwnedFd>)> = HashMap::new();
+    let mut maps: HashMap<u32, Mapping> = HashMap::new();
+    let mut events: Vec<CUevent> = Vec::new();
+    let mut inflight: VecDeque<(u32, CUevent, Option<u64>)> = VecDeque::new();
+    let mut staging: Option<(*mut u8, usize)> = None;
+    let mut open = true;
+    while open || !inflight.is_empty() {
+        // take jobs: block only when no copy is in flight
+        let job = if inflight.is_empty() {
+            match jobs.recv() {
+                Ok(j) => Some(j),
+                Err(_) => {
+                    open = false;
+                    None
+                }
+            }
+        } else {
+            match jobs.try_recv() {
+                Ok(j) => Some(j),
+                Err(std::sync::mpsc::TryRecvError::Empty) => None,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    open = false;
+                    None
+                }
+            }
+        };
+        if let Some(job) = job {
+            let issued: Result<Option<(u32, Option<u64>)>, String> = (|| match job {
+                Job::Region {
+                    region,
+                    export,
+                    _fd,
+                } => {
+                    exports.insert(region, (export, _fd));
+                    Ok(None)
+                }
+                Job::Forget { region } => {
+                    exports.remove(&region);
+                    if let Some(m) = maps.remove(&region) {
+                        let _ = driver.synchronize(stream);
+                        driver.unmap(&m);
+                    }
+                    Ok(None)
+                }
+                Job::Copy {
+                    seq,
+                    region,
+                    offset,
+                    src,
+                    size,
+                } => {
+                    let base = match maps.entry(region) {
+                        std::collections::hash_map::Entry::Occupied(m) => m.get().base(),
+                        std::collections::hash_map::Entry::Vacant(slot) => {
+                            let (export, fd) = exports
+                                .get_mut(&region)
+                                .ok_or("a receive into an unknown region")?;
+                            enter(IN_IMPORT);
+                            let m = driver.import(export, device);
+                            leave();
+                            fd.take(); // the mapping holds the allocation now
+                            slot.insert(m.map_err(|e| e.to_string())?).base()
+                        }
+                    };
+                    let dst = base + offset;
+                    if size > 0 {
+                        enter(IN_COPY);
+                        let r = driver.copy_async(dst, src, size, stream);
+                        leave();
+                        r.map_err(|e| e.to_string())?;
+                    }
+                    trace!("same-host send {seq}: copy {size} bytes {src:#x} -> {dst:#x}");
+                    Ok(Some((seq, None)))
+                }
+                Job::Stage { seq, src, size } => {
+                    if staging.is_none_or(|(_, cap)| cap < size) {
+                        if let Some((p, _)) = staging.take() {
+                            driver.free_host(p);
+                        }
+                        let cap = size.next_power_of_two().max(1 << 20);
+                        staging = Some((driver.host_alloc(cap).map_err(|e| e.to_string())?, cap));
+                    }
+                    let (p, _) = staging.expect("allocated above");
+                    enter(IN_COPY);
+                    let r = driver.copy_async(p as u64, src, size, stream);
+                    leave();
+                    r.map_err(|e| e.to_string())?;
+                    Ok(Some((seq, Some(p as u64))))
+                }
+            })();
+            match issued {
+                Ok(None) => {}
+                Ok(Some((seq, staged))) => {
+                    let ev = match events.pop() {
+                        Some(e) => Ok(e),
+                        None => driver.event(),
+                    };
+                    match ev.and_then(|ev| driver.record(ev, stream).map(|()| ev)) {
+                        Ok(ev) => inflight.push_back((seq, ev, staged)),
+                        Err(e) => {
+                            let _ = done.send(JobDone {
+                                seq,
+                                result: Err(e.to_string()),
+                            });
+                        }
+                    }
+                }
+                Err(e) => {
+                    // a failed job poisons the connection: report it on the next send
+                    let _ = done.send(JobDone {
+                        seq: u32::MAX,
+                        result: Err(e),
+                    });
+                }
+            }
+            continue;
+        }
+        // poll the oldest copy (copies on one stream finish in order)
+        if let Some(&(seq, ev, staged)) = inflight.front() {
+            enter(IN_QUERY);
+            let r = driver.done(ev);
+            leave();
+            match r {
+                Ok(true) => {
+                    inflight.pop_front();
+                    events.push(ev);
+                    trace!("same-host send {seq}: copy done");
+                    if done
+                        .send(JobDone {
+                            seq,
+                            result: Ok(staged),
+                        })
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+                Ok(false) => std::thread::yield_now(),
+                Err(e) => {
+                    inflight.pop_front();
+                    let _ = done.send(JobDone {
+                        seq,
+                        result: Err(e.to_string()),
+                    });
+                }
+            }
+        }
+    }
+    let _ = driver.synchronize(stream);
+    for m in maps.values() {
+        driver.unmap(m);
+    }
+    for e in events {
+        driver.destroy_event(e);
+    }
+    if let Some((p, _)) = staging {
+        driver.free_host(p);
+    }
+    driver.destroy_stream(stream);
+}
+
+/// A send's life. Its messages to the receiver (`Fin`, or `Data` + payload) must leave in send
+/// order, because the receiver matches them to its receives in posting order: a later host
+/// send may be ready before an earlier GPU copy has finished.
+enum OpState {
+    /// No ready-to-receive from the receiver yet.
+    Waiting,
+    /// The worker is copying into the receiver's GPU memory.
+    Copying,
+    /// The worker is copying GPU data into staging, bound for the receiver's host memory.
+    Staging,
+    /// The copy (or staging, at the address given) is done; its messages may go out in order.
+    Copied(Option<u64>),
+    /// Host data bound for the receiver's host memory, ready to be written.
+    HostReady,
+    /// Its messages are queued; the payload (if any) is being written.
+    Writing,
+    /// Complete (its copy finished and `Fin` is queued); dropped at the end of the pass.
+    Finished,
+}
+
+struct SendOp {
+    seq: u32,
+    src: u64,
+    size: usize,
+    cuda: bool,
+    state: OpState,
+}
+
+#[derive(Clone, Copy)]
+struct Rtr {
+    seq: u32,
+    region: u32,
+    offset: u64,
+    cap: u64,
+}
+
+pub struct Sender {
+    sock: UnixStream,
+    out: Out,
+    inbuf: Vec<u8>,
+    fds: Vec<OwnedFd>,
+    /// Registrations received before the worker exists (it starts at the first GPU send).
+    early: Vec<Job>,
+    rtrs: VecDeque<Rtr>,
+    ops: VecDeque<SendOp>,
+    done: HashMap<u32, usize>,
+    next_seq: u32,
+    worker: Option<Worker>,
+    staging_busy: bool,
+}
+
+const READ_CHUNK: usize = 64 << 10;
+
+impl Sender {
+    pub fn new(sock: UnixStream) -> Result<Sender, Error> {
+        sock.set_nonblocking(true)?;
+        Ok(Sender {
+            sock,
+            out: Out::default(),
+            inbuf: Vec::new(),
+            fds: Vec::new(),
+            early: Vec::new(),
+            rtrs: VecDeque::new(),
+            ops: VecDeque::new(),
+            done: HashMap::new(),
+            next_seq: 0,
+            worker: None,
+            staging_busy: false,
+        })
+    }
+
+    pub fn isend(&mut self, src: u64, size: usize, mr: &Mr) -> Result<u32, Error> {
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        self.ops.push_back(SendOp {
+            seq,
+            src,
+            size,
+            cuda: mr.cuda,
+            state: OpState::Waiting,
+        });
+        self.progress()?;
+        Ok(seq)
+    }
+
+    /// `Some(size)` once send `seq` is complete (forgotten after this answer).
+    pub fn poll(&mut self, seq: u32) -> Result<Option<usize>, Error> {
+        if let Some(n) = self.done.remove(&seq) {
+            return Ok(Some(n));
+        }
+        self.progress()?;
+        Ok(self.done.remove(&seq))
+    }
+
+    fn worker(&mut self) -> Result<&mut Worker, Error> {
+        if self.worker.is_none() {
+            let w = Worker::start()?;
+            for job in self.early.drain(..) {
+                w.send(job)?;
+            }
+            self.worker = Some(w);
+        }
+        Ok(self.worker.as_mut().expect("set above"))
+    }
+
+    fn queue_job(&mut self, job: Job) -> Result<(), Error> {
+        match &self.worker {
+            Some(w) => w.send(job),
+            None => {
+                if self.early.len() >= JOB_QUEUE {
+                    return Err(Error::Protocol(
+                        "too many registrations before the first send",
+                    ));
+                }
+                self.early.push(job);
+                Ok(())
+            }
+        }
+    }
+
+    fn read(&mut self) -> Result<(), Error> {
+        let mut buf = [0u8; READ_CHUNK];
+        loop {
+            match sys::recv_with_fds(&self.sock, &mut buf, &mut self.fds)? {
+                None => break,
+                Some(0) => return Err(Error::PeerClosed),
+                Some(n) => self.inbuf.extend_from_slice(&buf[..n]),
+            }
+        }
+        let mut used = 0;
+        while let Some((msg, n)) = Msg::decode(&self.inbuf[used..])? {
+            used += n;
+            trace!(
+                "same-host send: got {msg:?} (fds waiting {})",
+                self.fds.len()
+            );
+            match msg {
+                Msg::Reg {
+                    region,
+                    alloc_size,
+                    legacy,
+                } => {
+                    let (export, fd) = match legacy {
+                        Some(handle) => (
+                            Export::Legacy {
+                                handle: cuda::IpcHandle(handle),
+                                alloc_size: alloc_size as usize,
+                            },
+                            None,
+                        ),
+                        None => {
+                            if self.fds.is_empty() {
+                                return Err(Error::Protocol(
+                                    "a registration arrived without its descriptor",
+                                ));
+                            }
+                            let fd = self.fds.remove(0);
+                            (
+                                Export::Fd {
+                                    fd: fd.as_raw_fd(),
+                                    alloc_size: alloc_size as usize,
+                                },
+                                Some(fd),
+                            )
+                        }
+                    };
+                    self.queue_job(Job::Region {
+                        region,
+                        export,
+                        _fd: fd,
+                    })?;
+                }
+                Msg::Dereg { region } => self.queue_job(Job::Forget { region })?,
+                Msg::Rtr {
+                    seq,
+                    region,
+                    offset,
+                    cap,
+                } => self.rtrs.push_back(Rtr {
+                    seq,
+                    region,
+                    offset,
+                    cap,
+                }),
+                Msg::Fin { .. } | Msg::Data { .. } => {
+                    return Err(Error::Protocol("receiver sent a sender message"));
+                }
+            }
+        }
+        self.inbuf.drain(..used);
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<(), Error> {
+        self.read()?;
+        // start waiting sends in order, each with the next ready-to-receive
+        for i in 0..self.ops.len() {
+            if !matches!(self.ops[i].state, OpState::Waiting) {
+                continue;
+            }
+            let Some(&rtr) = self.rtrs.front() else { break };
+            let (seq, src, size, src_cuda) = {
+                let op = &self.ops[i];
+                (op.seq, op.src, op.size, op.cuda)
+            };
+            if rtr.seq != seq {
+                return Err(Error::Protocol("sends and receives out of step"));
+            }
+            if size as u64 > rtr.cap {
+                return Err(Error::Truncated {
+                    sent: size,
+                    posted: rtr.cap as usize,
+                });
+            }
+            if rtr.region != HOST_REGION {
+                self.worker()?.send(Job::Copy {
+                    seq,
+                    region: rtr.region,
+                    offset: rtr.offset,
+                    src,
+                    size,
+                })?;
+                self.ops[i].state = OpState::Copying;
+            } else if src_cuda {
+                if self.staging_busy {
+                    break; // one staged send at a time; later sends keep their order
+                }
+                self.worker()?.send(Job::Stage { seq, src, size })?;
+                self.staging_busy = true;
+                self.ops[i].state = OpState::Staging;
+            } else {
+                self.ops[i].state = OpState::HostReady;
+            }
+            self.rtrs.pop_front();
+        }
+        // results from the worker
+        if let Some(w) = self.worker.as_mut() {
+            w.check_stall();
+            while let Ok(d) = w.done.try_recv() {
+                let staged = d.result.map_err(|e| {
+                    crate::log::warn!(crate::abi::NCCL_NET, "same-host send {}: {e}", d.seq);
+                    Error::Protocol("a GPU copy failed (see the log)")
+                })?;
+                if let Some(op) = self.ops.iter_mut().find(|o| o.seq == d.seq) {
+                    op.state = OpState::Copied(staged);
+                }
+            }
+        }
+        // emit the receiver's messages in send order, stopping at the first send not ready
+        for i in 0..self.ops.len() {
+            let (seq, size, src) = (self.ops[i].seq, self.ops[i].size, self.ops[i].src);
+            match self.ops[i].state {
+                OpState::Waiting | OpState::Copying | OpState::Staging => break,
+                OpState::Writing | OpState::Finished => {}
+                OpState::HostReady => {
+                    self.out.msg(Msg::Data {
+                        seq,
+                        size: size as u64,
+                    });
+                    self.out.items.push_back(Item::Payload {
+                        ptr: src,
+                        len: size,
+                        pos: 0,
+                        seq,
+                    });
+                    self.ops[i].state = OpState::Writing;
+                }
+                OpState::Copied(None) => {
+                    self.out.msg(Msg::Fin {
+                        seq,
+                        size: size as u64,
+                    });
+                    self.done.insert(seq, size);
+                    self.ops[i].state = OpState::Finished;
+                }
+                OpState::Copied(Some(staging)) => {
+                    self.out.msg(Msg::Data {
+                        seq,
+                        size: size as u64,
+                    });
+                    self.out.items.push_back(Item::Payload {
+                        ptr: staging,
+                        len: size,
+                        pos: 0,
+                        seq,
+                    });
+                    self.ops[i].state = OpState::Writing;
+                }
+            }
+        }
+        let mut completed = Vec::new();
+        self.out.flush(&self.sock, &mut completed)?;
+        for seq in completed {
+            if let Some(pos) = self.ops.iter().position(|o| o.seq == seq) {
+                let op = self.ops.remove(pos).expect("position is valid");
+                if op.cuda {
+                    self.staging_busy = false;
+                }
+                self.done.insert(seq, op.size);
+            }
+        }
+        self.ops.retain(|o| !matches!(o.state, OpState::Finished));
+        Ok(())
+    }
+}
+
+struct Posted {
+    seq: u32,
+    ptr: u64,
+    cap: usize,
+}
+
+struct Incoming {
+    seq: u32,
+    ptr: u64,
+    size: usize,
+    got: usize,
+}
+
+pub struct Receiver {
+    sock: UnixStream,
+    out: Out,
+    inbuf: Vec<u8>,
+    next_region: u32,
+    posted: VecDeque<Posted>,
+    incoming: Option<Incoming>,
+    done: HashMap<u32, usize>,
+    next_seq: u32,
+}
+
+impl Receiver {
+    pub fn new(sock: UnixStream) -> Result<Receiver, Error> {
+        sock.set_nonblocking(true)?;
+        Ok(Receiver {
+            sock,
+            out: Out::default(),
+            inbuf: Vec::new(),
+            next_region: 0,
+            posted: VecDeque::new(),
+            incoming: None,
+            done: HashMap::new(),
+            next_seq: 0,
+        })
+    }
+
+    /// Register a receive buffer: GPU memory is exported to the sender.
+    pub fn register(&mut self, ptr: u64, size: usize, cuda: bool) -> Result<Mr, Error> {
+        if !cuda {
+            return Ok(Mr {
+                ptr,
+                size,
+                cuda,
+                region: HOST_REGION,
+                base: ptr,
+            });
+        }
+        let driver = cuda::driver()?;
+        let (export, base) = driver.export(ptr)?;
+        let region = self.next_region;
+        self.next_region += 1;
+        trace!(
+            "same-host recv: region {region} = {ptr:#x}+{size} (allocation {base:#x}, {})",
+            match export {
+                Export::Fd { .. } => "cuMem fd",
+                Export::Legacy { .. } => "legacy IPC",
+            }
+        );
+        match export {
+            Export::Fd { fd, alloc_size } => {
+                let mut b = Vec::new();
+                Msg::Reg {
+                    region,
+                    alloc_size: alloc_size as u64,
+                    legacy: None,
+                }
+                .encode(&mut b);
+                // SAFETY: `fd` was just returned by cuMemExportToShareableHandle and is ours.
+                let owned = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+                self.out.items.push_back(Item::WithFd(b, owned));
+            }
+            Export::Legacy { handle, alloc_size } => {
+                self.out.msg(Msg::Reg {
+                    region,
+                    alloc_size: alloc_size as u64,
+                    legacy: Some(handle.0),
+                });
+            }
+        }
+        self.flush()?;
+        Ok(Mr {
+            ptr,
+            size,
+            cuda,
+            region,
+            base,
+        })
+    }
+
+    pub fn deregister(&mut self, mr: &Mr) -> Result<(), Error> {
+        if mr.region != HOST_REGION {
+            self.out.msg(Msg::Dereg { region: mr.region });
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    pub fn irecv(&mut self, ptr: u64, cap: usize, mr: &Mr) -> Result<u32, Error> {
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        let (region, offset) = if mr.region == HOST_REGION {
+            (HOST_REGION, 0)
+        } else {
+            (mr.region, ptr - mr.base)
+        };
+        self.out.msg(Msg::Rtr {
+            seq,
+            region,
+            offset,
+            cap: cap as u64,
+        });
+        self.posted.push_back(Posted { seq, ptr, cap });
+        self.progress()?;
+        Ok(seq)
+    }
+
+    pub fn poll(&mut self, seq: u32) -> Result<Option<usize>, Error> {
+        if let Some(n) = self.done.remove(&seq) {
+            return Ok(Some(n));
+        }
+        self.progress()?;
+        Ok(self.done.remove(&seq))
+    }
+
+    fn flush(&mut self) -> Result<(), Error> {
+        let mut none = Vec::new();
+        self.out.flush(&self.sock, &mut none)
+    }
+
+    fn progress(&mut self) -> Result<(), Error> {
+        self.flush()?;
+        let fd = self.sock.as_raw_fd();
+        loop {
+            // payload bytes go straight into the posted buffer
+            if let Some(inc) = self.incoming.as_mut() {
+                if !self.inbuf.is_empty() {
+                    let take = self.inbuf.len().min(inc.size - inc.got);
+                    // SAFETY: the posted receive buffer is valid for `size` <= cap bytes until
+                    // this receive is reported done.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.inbuf.as_ptr(),
+                            (inc.ptr as *mut u8).add(inc.got),
+                            take,
+                        );
+                    }
+                    inc.got += take;
+                    self.inbuf.drain(..take);
+                }
+                if inc.got < inc.size {
+                    // SAFETY: as above; the range written is within the posted buffer.
+                    let r = unsafe {
+                        sys::recv_raw(fd, (inc.ptr as *mut u8).add(inc.got), inc.size - inc.got)?
+                    };
+                    match r {
+                        None => return Ok(()),
+                        Some(0) => return Err(Error::PeerClosed),
+                        Some(n) => inc.got += n,
+                    }
+                }
+                if inc.got == inc.size {
+                    self.done.insert(inc.seq, inc.size);
+                    self.incoming = None;
+                }
+                continue;
+            }
+            if let Some((msg, n)) = Msg::decode(&self.inbuf)? {
+                self.inbuf.drain(..n);
+                trace!("same-host recv: got {msg:?}");
+                match msg {
+                    Msg::Fin { seq, size } | Msg::Data { seq, size } => {
+                        let p = self
+                            .posted
+                            .pop_front()
+                            .ok_or(Error::Protocol("data for no posted receive"))?;
+                        if p.seq != seq {
+                            return Err(Error::Protocol("sends and receives out of step"));
+                        }
+                        if size as usize > p.cap {
+                            return Err(Error::Truncated {
+                                sent: size as usize,
+                                posted: p.cap,
+                            });
+                        }
+                        if matches!(msg, Msg::Fin { .. }) || size == 0 {
+                            self.done.insert(seq, size as usize);
+                        } else {
+                            self.incoming = Some(Incoming {
+                                seq,
+                                ptr: p.ptr,
+                                size: size as usize,
+                                got: 0,
+                            });
+                        }
+                    }
+                    _ => return Err(Error::Protocol("sender sent a receiver message")),
+                }
+                continue;
+            }
+            let mut buf = [0u8; 4096];
+            // SAFETY: a local buffer of the given length.
+            match unsafe { sys::recv_raw(fd, buf.as_mut_ptr(), buf.len())? } {
+                None => return Ok(()),
+                Some(0) => return Err(Error::PeerClosed),
+                Some(n) => self.inbuf.extend_from_slice(&buf[..n]),
+            }
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! The tuner: caps the channels (CTAs) of a tenant's collectives by its bandwidth share, only
+//! while another tenant on the node is moving data too (work-conserving: alone, a tenant keeps
+//! NCCL's own choice).
+//!
+//! Why channels: on one NVLink pair, a collective's bandwidth grows with its channel count, and
+//! when tenants' NCCL kernels run side by side (under MPS, which the agent runs per GPU) their
+//! channels share the links. Measured on 2 x H200 (docs/benchmarks.md, probe_sharing.sh): two
+//! jobs capped 18/6 under MPS reached 208 + 84 GB/s, together more than one job alone (256);
+//! time-sliced without MPS the same caps gave 83 + 46. Fewer channels get more bandwidth each,
+//! so channels are split by `weight^exponent` (exponent 1.2 by default, fitted to those runs)
+//! rather than by weight.
+
+use crate::activity;
+use crate::log::{info, warn};
+use std::path::PathBuf;
+
+/// Channels for a tenant of weight `mine` while tenants of `others` weights are active, out of a
+/// `budget` of channels one job would use alone. `None` = leave NCCL's choice (alone).
+pub fn channels(mine: u64, others: &[u64], budget: u32, exponent: f64) -> Option<u32> {
+    if others.is_empty() || mine == 0 {
+        return None;
+    }
+    let w = |x: u64| (x as f64).powf(exponent);
+    let total: f64 = w(mine) + others.iter().map(|&o| w(o)).sum::<f64>();
+    let share = w(mine) / total;
+    Some(((budget as f64 * share).round() as u32).clamp(1, budget.max(1)))
+}
+
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub tenant: String,
+    pub weight: u64,
+    pub file: PathBuf,
+    pub budget: u32,
+    pub exponent: f64,
+    pub active_ns: u64,
+}
+
+impl Settings {
+    /// From `VGPU_TENANT`, `VGPU_NCCL_WEIGHT`, `VGPU_NCCL_SHARE_FILE` (all three needed),
+    /// `VGPU_NCCL_CHANNELS` (24), `VGPU_NCCL_SHARE_EXPONENT` (1.2), `VGPU_NCCL_ACTIVE_MS` (200).
+    pub fn from_env() -> Option<Settings> {
+        let tenant = std::env::var("VGPU_TENANT").ok()?;
+        let weight: u64 = std::env::var("VGPU_NCCL_WEIGHT")
+            .ok()?
+            .parse()
+            .ok()
+            .filter(|w| (1..=1_000_000).contains(w))?;
+        let file = std::env::var("VGPU_NCCL_SHARE_FILE").ok()?.into();
+        let num = |name: &str, default: f64, lo: f64, hi: f64| -> f64 {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|x| (lo..=hi).contains(x))
+                .unwrap_or(default)
+        };
+        Some(Settings {
+            tenant,
+            weight,
+            file,
+            budget: num("VGPU_NCCL_CHANNELS", 24.0, 1.0, 64.0) as u32,
+            exponent: num("VGPU_NCCL_SHARE_EXPONENT", 1.2, 0.5, 3.0),
+            active_ns: (num("VGPU_NCCL_ACTIVE_MS", 200.0, 1.0, 10_000.0) * 1e6) as u64,
+        })
+    }
+}
+
+/// FNV-1a of the tenant name: the key under which a tenant's processes are grouped.
+pub fn tenant_key(name: &str) -> u64 {
+    netshare::FlowId::of_tenant(name).0
+}
+
+pub struct Tuner {
+    settings: Option<Settings>,
+    key: u64,
+    table: Option<activity::Table>,
+    last: Option<u32>,
+    comm: u64,
+}
+
+impl Tuner {
+    pub fn new(comm: u64, n_ranks: usize, n_nodes: usize) -> Tuner {
+        let settings = Settings::from_env();
+        let (key, table) = match &settings {
+            None => {
+                info!(
+                    crate::abi::NCCL_TUNING,
+                    "tuner: no bandwidth share configured (VGPU_NCCL_WEIGHT, VGPU_NCCL_SHARE_FILE); NCCL's choices are kept"
+                );
+                (0, None)
+            }
+            Some(s) => {
+                let key = tenant_key(&s.tenant);
+                match activity::Table::open(&s.file, key, s.weight) {
+                    Ok(t) => {
+                        info!(
+                            crate::abi::NCCL_TUNING,
+                            "tuner: comm {comm:#x} ({n_ranks} ranks, {n_nodes} nodes): tenant {} weight {}, {} channels shared by weight^{} while others are active",
+                            s.tenant,
+                            s.weight,
+                            s.budget,
+                            s.exponent
+                        );
+                        (key, Some(t))
+                    }
+                    Err(e) => {
+                        warn!(
+                            crate::abi::NCCL_TUNING,
+                            "tuner: {e}; NCCL's choices are kept"
+                        );
+                        (key, None)
+                    }
+                }
+            }
+        };
+        Tuner {
+            settings,
+            key,
+            table,
+            last: None,
+            comm,
+        }
+    }
+
+    /// The channel cap for the next collective (0 = NCCL's own choice).
+    pub fn decide(&mut self, now_ns: u64) -> i32 {
+        let (Some(s), Some(t)) = (&self.settings, &self.table) else {
+            return 0;
+        };
+        t.touch(now_ns);
+        let mut others: Vec<(u64, u64)> = Vec::new();
+        for p in t.peers() {
+            if p.tenant == self.key
+                || p.last_ns == 0
+                || now_ns.saturating_sub(p.last_ns) > s.active_ns
+            {
+                continue;
+            }
+            match others.iter_mut().find(|(k, _)| *k == p.tenant) {
+                Some((_, w)) => *w = (*w).max(p.weight),
+                None => others.push((p.tenant, p.weight)),
+            }
+        }
+        let weights: Vec<u64> = others.iter().map(|&(_, w)| w).collect();
+        let choice = channels(s.weight, &weights, s.budget, s.exponent);
+        if choice != self.last {
+            match choice {
+                Some(c) => info!(
+                    crate::abi::NCCL_TUNING,
+                    "tuner: comm {:#x}: tenant {} (weight {}) shares with {} other tenant(s) (weights {:?}): {} of {} channels",
+                    self.comm,
+                    s.tenant,
+                    s.weight,
+                    weights.len(),
+                    weights,
+                    c,
+                    s.budget
+                ),
+                None => info!(
+                    crate::abi::NCCL_TUNING,
+                    "tuner: comm {:#x}: tenant {} alone: NCCL's channel count", self.comm, s.tenant
+                ),
+            }
+            self.last = choice;
+        }
+        choice.map_or(0, |c| c as i32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alone_keeps_nccls_choice() {
+        assert_eq!(channels(75, &[], 24, 1.2), None);
+    }
+
+    #[test]
+    fn seventy_five_twenty_five_with_the_fitted_exponent() {
+        assert_eq!(channels(75, &[25], 24, 1.2), Some(19));
+        assert_eq!(channels(25, &[75], 24, 1.2), Some(5));
+        // exponent 1 is the plain proportional split
+        assert_eq!(channels(75, &[25], 24, 1.0), Some(18));
+        assert_eq!(channels(25, &[75], 24, 1.0), Some(6));
+    }
+
+    #[test]
+    fn never_below_one_channel() {
+        assert_eq!(channels(1, &[1_000_000], 24, 1.2), Some(1));
+        assert_eq!(channels(50, &[50, 50, 50], 2, 1.0), Some(1));
+    }
+
+    #[test]
+    fn tenant_keys_differ_and_are_never_zero() {
+        assert_ne!(tenant_key("a"), tenant_key("b"));
+        assert_ne!(tenant_key(""), 0);
+    }
+}

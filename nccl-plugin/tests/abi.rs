@@ -1,0 +1,718 @@
+//! `libvgpu_nccl.so` through its real ABI, without a GPU: the built library is `dlopen`ed and
+//! its `ncclNetPlugin_v11`/`_v10` and `ncclTunerPlugin_v5` tables are driven the way NCCL's
+//! proxy thread drives them (connect/accept polled until done, 32 requests in flight, NULL
+//! requests on back-pressure retried, completions tested out of order), with host buffers,
+//! between two processes: this test binary re-executes itself as the receiving rank.
+
+#![allow(unsafe_code)]
+
+use std::ffi::{c_int, c_void};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+use vgpu_nccl::abi::*;
+
+fn library() -> &'static PathBuf {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test executable");
+        let mut dir = exe.parent().expect("has a directory").to_owned();
+        if dir.ends_with("deps") {
+            dir.pop();
+        }
+        if std::env::var("VGPU_NCCL_NO_BUILD").is_err() {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut b = Command::new(cargo);
+            b.args(["build", "-p", "nccl-plugin", "--lib"]);
+            if dir.ends_with("release") {
+                b.arg("--release");
+            }
+            assert!(
+                b.status().expect("cargo build").success(),
+                "building libvgpu_nccl.so failed"
+            );
+        }
+        let so = dir.join("libvgpu_nccl.so");
+        assert!(so.exists(), "{} is missing", so.display());
+        so
+    })
+}
+
+struct Plugin {
+    _lib: libloading::Library,
+    net: &'static ncclNet_v11_t,
+    v10: &'static ncclNet_v10_t,
+    tuner: &'static ncclTuner_v5_t,
+}
+
+fn plugin() -> Plugin {
+    // SAFETY: loading our own plugin library; the symbols are the static tables it exports,
+    // with the layouts pinned by the abi module's tests.
+    unsafe {
+        let lib = libloading::Library::new(library()).expect("dlopen libvgpu_nccl.so");
+        let net = &**lib
+            .get::<*const ncclNet_v11_t>(b"ncclNetPlugin_v11\0")
+            .expect("v11 symbol");
+        let v10 = &**lib
+            .get::<*const ncclNet_v10_t>(b"ncclNetPlugin_v10\0")
+            .expect("v10 symbol");
+        let tuner = &**lib
+            .get::<*const ncclTuner_v5_t>(b"ncclTunerPlugin_v5\0")
+            .expect("tuner symbol");
+        Plugin {
+            _lib: lib,
+            net,
+            v10,
+            tuner,
+        }
+    }
+}
+
+/// The bytes of message `i` of a run: every byte depends on the message and its position.
+fn pattern(i: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|j| ((i * 131 + j * 7 + (j >> 11)) % 251) as u8)
+        .collect()
+}
+
+fn sizes(n: usize) -> Vec<usize> {
+    let fixed = [0usize, 1, 4096, 65_535, 1 << 20, (3 << 20) + 17, 512 << 10];
+    (0..n)
+        .map(|i| fixed[i % fixed.len()] + (i * 977) % 3000)
+        .collect()
+}
+
+const MESSAGES: usize = 96;
+const CAP: usize = (4 << 20) + 4096;
+
+fn ok(r: ncclResult_t, what: &str) {
+    assert_eq!(r, NCCL_SUCCESS, "{what} returned {r}");
+}
+
+fn init(p: &Plugin, v10: bool) -> *mut c_void {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: calling the plugin's entry points with valid arguments, as NCCL does.
+    unsafe {
+        if v10 {
+            ok((p.v10.init)(None, None), "init_v10");
+        } else {
+            ok(
+                (p.net.init)(&mut ctx, 7, std::ptr::null_mut(), None, None),
+                "init",
+            );
+        }
+        let mut n = 0;
+        ok((p.net.devices)(&mut n), "devices");
+        assert_eq!(n, 1);
+        let mut props: ncclNetProperties_v11_t = std::mem::zeroed();
+        ok((p.net.getProperties)(0, &mut props), "getProperties");
+        assert_eq!(
+            std::ffi::CStr::from_ptr(props.v10.name).to_str().unwrap(),
+            "vgpu"
+        );
+        assert!(props.v10.ptrSupport & NCCL_PTR_HOST != 0);
+        assert_eq!(props.v10.maxRecvs, 1);
+        assert_eq!(props.maxMultiRequestSize, 1);
+        assert_ne!(
+            (p.net.getProperties)(1, &mut props),
+            NCCL_SUCCESS,
+            "device 1 must not exist"
+        );
+    }
+    ctx
+}
+
+/// Test every request in `reqs` (in the order given) until all are done; returns sizes.
+fn drain(p: &Plugin, reqs: &mut Vec<(usize, *mut c_void)>, sizes: &mut [i32]) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !reqs.is_empty() {
+        assert!(Instant::now() < deadline, "requests never completed");
+        reqs.retain(|&(i, r)| {
+            let (mut done, mut size) = (0, -1);
+            // SAFETY: `r` is a live request from isend/irecv.
+            ok(unsafe { (p.net.test)(r, &mut done, &mut size) }, "test");
+            if done == 1 {
+                sizes[i] = size;
+            }
+            done == 0
+        });
+    }
+}
+
+fn receiver() {
+    let p = plugin();
+    let v10 = std::env::var("VGPU_NCCL_V10").is_ok();
+    let ctx = init(&p, v10);
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    let mut lc = std::ptr::null_mut();
+    // SAFETY: plugin calls with valid arguments.
+    unsafe {
+        if v10 {
+            ok(
+                (p.v10.listen)(0, handle.as_mut_ptr().cast(), &mut lc),
+                "listen",
+            );
+        } else {
+            ok(
+                (p.net.listen)(ctx, 0, handle.as_mut_ptr().cast(), &mut lc),
+                "listen",
+            );
+        }
+    }
+    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
+    println!("\nHANDLE {hex}");
+    std::io::stdout().flush().unwrap();
+    let mut rc: *mut c_void = std::ptr::null_mut();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rc.is_null() {
+        assert!(Instant::now() < deadline, "accept never completed");
+        // SAFETY: polling accept as NCCL does.
+        ok(
+            unsafe { (p.net.accept)(lc, &mut rc, std::ptr::null_mut()) },
+            "accept",
+        );
+    }
+    let mut bufs: Vec<Vec<u8>> = (0..32).map(|_| vec![0u8; CAP]).collect();
+    let mut mhs = Vec::new();
+    for b in bufs.iter_mut() {
+        let mut mh = std::ptr::null_mut();
+        // SAFETY: registering a live host buffer.
+        ok(
+            unsafe { (p.net.regMr)(rc, b.as_mut_ptr().cast(), CAP, NCCL_PTR_HOST, &mut mh) },
+            "regMr",
+        );
+        mhs.push(mh);
+    }
+    // a multi-receive is refused: maxRecvs is 1
+    {
+        let mut data = [
+            bufs[0].as_mut_ptr().cast::<c_void>(),
+            bufs[1].as_mut_ptr().cast(),
+        ];
+        let mut sz = [CAP, CAP];
+        let mut tags = [0, 0];
+        let mut mh2 = [mhs[0], mhs[1]];
+        let mut req = std::ptr::null_mut();
+        // SAFETY: arrays of two valid entries.
+        let r = unsafe {
+            (p.net.irecv)(
+                rc,
+                2,
+                data.as_mut_ptr(),
+                sz.as_mut_ptr(),
+                tags.as_mut_ptr(),
+                mh2.as_mut_ptr(),
+                std::ptr::null_mut(),
+                &mut req,
+            )
+        };
+        assert_eq!(r, NCCL_INVALID_ARGUMENT);
+    }
+    let want = sizes(MESSAGES);
+    let mut got = vec![-1i32; MESSAGES];
+    let mut bad = 0;
+    // rounds of 32 receives in flight, tested newest first (out of order)
+    for round in (0..MESSAGES).step_by(32) {
+        let mut reqs = Vec::new();
+        for i in round..(round + 32).min(MESSAGES) {
+            let slot = i % 32;
+            let mut data = bufs[slot].as_mut_ptr().cast::<c_void>();
+            let mut sz = CAP;
+            let mut tag = 0;
+            let mut mh = mhs[slot];
+            let mut req = std::ptr::null_mut();
+            // SAFETY: one valid buffer, registered above.
+            ok(
+                unsafe {
+                    (p.net.irecv)(
+                        rc,
+                        1,
+                        &mut data,
+                        &mut sz,
+                        &mut tag,
+                        &mut mh,
+                        std::ptr::null_mut(),
+                        &mut req,
+                    )
+                },
+                "irecv",
+            );
+            assert!(!req.is_null());
+            reqs.push((i, req));
+        }
+        reqs.reverse();
+        drain(&p, &mut reqs, &mut got);
+        for i in round..(round + 32).min(MESSAGES) {
+            if got[i] as usize != want[i] || bufs[i % 32][..want[i]] != pattern(i, want[i])[..] {
+                bad += 1;
+            }
+        }
+    }
+    for mh in mhs {
+        // SAFETY: deregistering handles from regMr.
+        ok(unsafe { (p.net.deregMr)(rc, mh) }, "deregMr");
+    }
+    // SAFETY: closing comms made above.
+    unsafe {
+        ok((p.net.closeRecv)(rc), "closeRecv");
+        ok((p.net.closeListen)(lc), "closeListen");
+        if !v10 {
+            ok((p.net.finalize)(ctx), "finalize");
+        }
+    }
+    println!("RESULT received={MESSAGES} bad={bad}");
+}
+
+#[test]
+fn child_receiver() {
+    if std::env::var("VGPU_NCCL_CHILD").is_ok() {
+        receiver();
+    }
+}
+
+/// Run a receiving child with `env`, send MESSAGES messages to it, return its result line.
+fn exchange(env: &[(&str, &str)], throttle: Option<(&Path, u64)>) -> (String, usize) {
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(exe)
+        .env("VGPU_NCCL_NO_BUILD", "1")
+        .args([
+            "child_receiver",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("VGPU_NCCL_CHILD", "1")
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the receiving rank");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let handle_line = lines
+        .by_ref()
+        .map(|l| l.unwrap())
+        .find(|l| l.contains("HANDLE "))
+        .expect("child printed its handle");
+    let hex = &handle_line[handle_line.find("HANDLE ").unwrap() + "HANDLE ".len()..];
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    for (i, b) in handle.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    for (k, v) in env {
+        // the sender's settings must match the receiver's (same process env in NCCL)
+        // SAFETY: single-threaded at this point of the test, before the plugin reads them.
+        unsafe { std::env::set_var(k, v) };
+    }
+    if let Some((table, flow)) = throttle {
+        // SAFETY: as above.
+        unsafe {
+            std::env::set_var("VGPU_NETSHARE_TABLE", table);
+            std::env::set_var("VGPU_NETSHARE_FLOW", flow.to_string());
+        }
+    }
+    let p = plugin();
+    let v10 = env.iter().any(|(k, _)| *k == "VGPU_NCCL_V10");
+    let ctx = init(&p, v10);
+    let mut sc: *mut c_void = std::ptr::null_mut();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sc.is_null() {
+        assert!(Instant::now() < deadline, "connect never completed");
+        // SAFETY: polling connect with the same handle buffer, as NCCL does.
+        unsafe {
+            if v10 {
+                ok(
+                    (p.v10.connect)(
+                        0,
+                        std::ptr::null_mut(),
+                        handle.as_mut_ptr().cast(),
+                        &mut sc,
+                        std::ptr::null_mut(),
+                    ),
+                    "connect",
+                );
+            } else {
+                ok(
+                    (p.net.connect)(
+                        ctx,
+                        0,
+                        handle.as_mut_ptr().cast(),
+                        &mut sc,
+                        std::ptr::null_mut(),
+                    ),
+                    "connect",
+                );
+            }
+        }
+    }
+    let want = sizes(MESSAGES);
+    let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(|i| pattern(i, want[i])).collect();
+    let mut mhs = Vec::new();
+    for b in &payloads {
+        let mut mh = std::ptr::null_mut();
+        // SAFETY: registering a live host buffer.
+        ok(
+            unsafe {
+                (p.net.regMr)(
+                    sc,
+                    b.as_ptr() as *mut c_void,
+                    b.len(),
+                    NCCL_PTR_HOST,
+                    &mut mh,
+                )
+            },
+            "regMr",
+        );
+        mhs.push(mh);
+    }
+    let mut null_requests = 0;
+    let mut sent = vec![-1i32; MESSAGES];
+    for round in (0..MESSAGES).step_by(32) {
+        let mut reqs = Vec::new();
+        for i in round..(round + 32).min(MESSAGES) {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let mut req = std::ptr::null_mut();
+                // SAFETY: a registered live buffer.
+                ok(
+                    unsafe {
+                        (p.net.isend)(
+                            sc,
+                            payloads[i].as_ptr() as *mut c_void,
+                            want[i],
+                            0,
+                            mhs[i],
+                            std::ptr::null_mut(),
+                            &mut req,
+                        )
+                    },
+                    "isend",
+                );
+                if !req.is_null() {
+                    reqs.push((i, req));
+                    break;
+                }
+                null_requests += 1; // back-pressure: NCCL retries on its next pass
+                assert!(Instant::now() < deadline, "isend never admitted");
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        // test in an interleaved order
+        reqs.sort_by_key(|&(i, _)| (i % 3, i));
+        drain(&p, &mut reqs, &mut sent);
+    }
+    for i in 0..MESSAGES {
+        assert_eq!(
+            sent[i] as usize, want[i],
+            "send {i} reported the wrong size"
+        );
+    }
+    for mh in mhs {
+        // SAFETY: handles from regMr.
+        ok(unsafe { (p.net.deregMr)(sc, mh) }, "deregMr");
+    }
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let result = rest
+        .iter()
+        .find(|l| l.contains("RESULT"))
+        .cloned()
+        .expect("child printed a result");
+    // SAFETY: closing the comm made above.
+    unsafe {
+        ok((p.net.closeSend)(sc), "closeSend");
+        if !v10 {
+            ok((p.net.finalize)(ctx), "finalize");
+        }
+    }
+    assert!(child.wait().unwrap().success());
+    (result, null_requests)
+}
+
+/// Runs the ignored test `name` of this binary alone in a new process (the plugin reads its
+/// settings once per process), with `env`; asserts it passed and returns what it printed.
+fn run_alone(name: &str, env: &[(&str, String)]) -> String {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .env("VGPU_NCCL_NO_BUILD", "1")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .args([
+            name,
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--ignored",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{name}: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+// Each scenario runs in its own test process run (env is per process): cargo runs the tests of
+// this file in threads of one process, so the scenarios that set variables are serialised here.
+#[test]
+fn host_buffers_between_processes() {
+    if std::env::var("VGPU_NCCL_CHILD").is_ok() {
+        return;
+    }
+    library(); // build the .so once, before the children that use it
+    let scenarios: [(&str, Vec<(&str, &str)>); 3] = [
+        (
+            "tcp, 4 streams, v11",
+            vec![
+                ("VGPU_NCCL_LOCAL", "0"),
+                ("VGPU_NCCL_SOCKETS", "4"),
+                ("VGPU_NCCL_MIN_PART", "65536"),
+            ],
+        ),
+        ("same-host socket, v11", vec![("VGPU_NCCL_LOCAL", "1")]),
+        (
+            "tcp, 3 streams, v10",
+            vec![
+                ("VGPU_NCCL_LOCAL", "0"),
+                ("VGPU_NCCL_SOCKETS", "3"),
+                ("VGPU_NCCL_V10", "1"),
+            ],
+        ),
+    ];
+    for (name, env) in scenarios {
+        let scenario = env
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(";");
+        let text = run_alone("one_scenario", &[("VGPU_NCCL_SCENARIO", scenario)]);
+        assert!(
+            text.contains(&format!("RESULT received={MESSAGES} bad=0")),
+            "{name}: {text}"
+        );
+    }
+}
+
+fn scenario_env() -> Vec<(String, String)> {
+    std::env::var("VGPU_NCCL_SCENARIO")
+        .unwrap_or_default()
+        .split(';')
+        .filter(|s| !s.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap();
+            (k.to_owned(), v.to_owned())
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "run by host_buffers_between_processes in its own process"]
+fn one_scenario() {
+    let env = scenario_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let (result, _) = exchange(&env, None);
+    println!("{result}");
+}
+
+#[test]
+#[ignore = "run by throttled_sends_return_null_requests in its own process"]
+fn one_throttled() {
+    let dir = std::env::temp_dir().join(format!("vgpu-nccl-abi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("netshare");
+    let owner = netshare::TableOwner::open_or_create(&path).unwrap();
+    // 200 MB/s with the minimum burst: ~100 MB of traffic must wait for tokens
+    owner
+        .set_rate(
+            netshare::FlowId(5),
+            netshare::BucketConfig::for_rate(200_000_000),
+        )
+        .unwrap();
+    let started = Instant::now();
+    let (result, nulls) = exchange(&[("VGPU_NCCL_LOCAL", "0")], Some((&path, 5)));
+    let secs = started.elapsed().as_secs_f64();
+    let bytes: usize = sizes(MESSAGES).iter().sum();
+    println!("{result} nulls={nulls} secs={secs:.2} bytes={bytes}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn throttled_sends_return_null_requests() {
+    if std::env::var("VGPU_NCCL_CHILD").is_ok() {
+        return;
+    }
+    library(); // build the .so once, before the children that use it
+    let text = run_alone("one_throttled", &[]);
+    assert!(
+        text.contains(&format!("RESULT received={MESSAGES} bad=0")),
+        "{text}"
+    );
+    let field = |k: &str| -> f64 {
+        let s = text
+            .split_whitespace()
+            .find(|w| w.starts_with(k))
+            .unwrap_or_else(|| panic!("{k} in {text}"));
+        s[k.len()..].parse().unwrap()
+    };
+    assert!(
+        field("nulls=") > 0.0,
+        "the bucket never pushed back: {text}"
+    );
+    // at 200 MB/s plus one burst, the bytes cannot have gone faster than the rate allows
+    let min_secs = (field("bytes=") - 8e6) / 200e6;
+    assert!(
+        field("secs=") >= min_secs * 0.9,
+        "sent faster than the share: {text}"
+    );
+}
+
+#[test]
+fn tuner_caps_channels_only_while_another_tenant_is_active() {
+    if std::env::var("VGPU_NCCL_CHILD").is_ok() {
+        return;
+    }
+    library(); // build the .so once, before the children that use it
+    let text = run_alone("one_tuner", &[]);
+    assert!(
+        text.contains("TUNER alone=0 shared=19 other=5 later=0"),
+        "{text}"
+    );
+}
+
+#[test]
+#[ignore = "run by tuner_caps_channels_only_while_another_tenant_is_active in its own process"]
+fn one_tuner() {
+    let dir = std::env::temp_dir().join(format!("vgpu-nccl-tuner-{}", std::process::id()));
+    let file = dir.join("share");
+    // SAFETY: set before the plugin reads them, with one test thread.
+    unsafe {
+        std::env::set_var("VGPU_TENANT", "train");
+        std::env::set_var("VGPU_NCCL_WEIGHT", "75");
+        std::env::set_var("VGPU_NCCL_SHARE_FILE", &file);
+        std::env::set_var("VGPU_NCCL_ACTIVE_MS", "3000");
+    }
+    let p = plugin();
+    let call = |ctx: *mut c_void| -> c_int {
+        let mut ch: c_int = 0;
+        // SAFETY: a live tuner context; NCCL's cost table is not read by our tuner.
+        ok(
+            unsafe {
+                (p.tuner.getCollInfo)(
+                    ctx,
+                    NCCL_FUNC_ALLREDUCE,
+                    1 << 28,
+                    1,
+                    std::ptr::null_mut(),
+                    7,
+                    3,
+                    0,
+                    &mut ch,
+                )
+            },
+            "getCollInfo",
+        );
+        ch
+    };
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: tuner init with valid pointers (the constants are not touched).
+    ok(
+        unsafe {
+            (p.tuner.init)(
+                &mut ctx,
+                1,
+                2,
+                2,
+                None,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        },
+        "tuner init",
+    );
+    let alone = call(ctx);
+    // another tenant, in another process, becomes active
+    let mut other = Command::new(std::env::current_exe().unwrap())
+        .env("VGPU_NCCL_NO_BUILD", "1")
+        .args([
+            "tuner_other",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--ignored",
+        ])
+        .env("VGPU_TENANT", "serve")
+        .env("VGPU_NCCL_WEIGHT", "25")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(other.stdout.take().unwrap()).lines();
+    let other_line = lines
+        .by_ref()
+        .map(|l| l.unwrap())
+        .find(|l| l.contains("OTHER "))
+        .expect("other tenant ran");
+    let shared = call(ctx);
+    // let the other tenant finish
+    other.stdin.take().unwrap().write_all(b"done\n").unwrap();
+    let _rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    assert!(other.wait().unwrap().success());
+    std::thread::sleep(Duration::from_millis(3200));
+    let later = call(ctx);
+    // SAFETY: finalize the context made above.
+    ok(unsafe { (p.tuner.finalize)(ctx) }, "tuner finalize");
+    println!(
+        "TUNER alone={alone} shared={shared} other={} later={later}",
+        &other_line[other_line.find("OTHER ").unwrap() + "OTHER ".len()..]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+#[ignore = "the second tenant of one_tuner"]
+fn tuner_other() {
+    let p = plugin();
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: as in one_tuner.
+    ok(
+        unsafe {
+            (p.tuner.init)(
+                &mut ctx,
+                2,
+                2,
+                2,
+                None,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        },
+        "tuner init",
+    );
+    let mut ch: c_int = 0;
+    // the trainer was active a moment ago, so this tenant shares
+    // SAFETY: as in one_tuner.
+    ok(
+        unsafe {
+            (p.tuner.getCollInfo)(
+                ctx,
+                NCCL_FUNC_ALLREDUCE,
+                1 << 28,
+                1,
+                std::ptr::null_mut(),
+                7,
+                3,
+                0,
+                &mut ch,
+            )
+        },
+        "getCollInfo",
+    );
+    println!("OTHER {ch}");
+    std::io::stdout().flush().unwrap();
+    // stay registered (and active) until the trainer has asked again
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+
+    // SAFETY: finalize the context made above.
+    ok(unsafe { (p.tuner.finalize)(ctx) }, "tuner finalize");
+}

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Issue 4 on 2 x H200: libvgpu_nccl.so against NCCL without it, in one run. Prints a table last.
+#   tests/gpu/nccl/plugin.sh [path/to/libvgpu_nccl.so]      (OUT=dir keeps the logs there)
+# ONLY=<regex> runs only the jobs whose label matches.
+# Sections (SECTIONS="transport slices isolation overhead" by default):
+#   transport  2 ranks, P2P and SHM off: NCCL's socket transport vs ours (same-host GPU path,
+#              and our TCP path); all-reduce correctness on random data and bus bandwidth
+#   slices     4 ranks on 2 GPUs (two slices per GPU, one NCCL_HOSTID each) in one communicator:
+#              all-reduce, all-gather, reduce-scatter, broadcast, send/recv on random data
+#   isolation  two jobs at once on the GPU pair, bandwidth weights 75/25: without vgpu (driver
+#              time slicing), MPS alone, and MPS + our tuner; the 75 job alone for reference
+#   overhead   one job on NCCL's own NVLink path with and without the plugin loaded, no sharing
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
+SO=$(realpath "${1:-$ROOT/dist-nccl/libvgpu_nccl.so}")
+PY=${PYTHON:-python3}
+BENCH="$ROOT/tests/gpu/nccl/bench.py"
+WRAP="$ROOT/tests/gpu/nccl/slice_rank.sh"
+LOGS="${OUT:-$(mktemp -d)}/nccl_plugin"
+mkdir -p "$LOGS"
+RES="$LOGS/results.jsonl"
+: >"$RES"
+SECTIONS=${SECTIONS:-"transport slices isolation overhead"}
+SECS=${SECS:-6}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,TUNING
+MPS_DIR=$(mktemp -d)
+export CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_DIR/log"
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+SHARE=/dev/shm/vgpu-nccl-share-$$
+cleanup() { echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; rm -rf "$MPS_DIR" "$SHARE"; }
+trap cleanup EXIT
+log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
+
+PLUG=(NCCL_NET_PLUGIN="$SO" NCCL_TUNER_PLUGIN="$SO")
+NOPATH=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)
+# job LABEL PORT NPROC [env...] -- [bench args...]
+job() {
+  local label=$1 port=$2 nproc=$3; shift 3
+  [ -n "${ONLY:-}" ] && ! [[ $label =~ $ONLY ]] && return 0
+  local envs=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  env "${envs[@]}" timeout "${JOB_TIMEOUT:-120}" "$PY" -m torch.distributed.run --nproc_per_node="$nproc" \
+    --master_port="$port" --no-python "$WRAP" "$BENCH" --label "$label" --seconds "$SECS" \
+    --out "$RES" "$@" >"$LOGS/$label.log" 2>&1
+  local rc=$?
+  [ $rc = 0 ] || log "$label failed (rc $rc): $(grep -m3 -E 'Error|error|WARN' "$LOGS/$label.log" | tr '\n' ' ')"
+}
+mps() { nvidia-cuda-mps-control -d; sleep 1; }
+nomps() { echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; sleep 2; }
+CHECK=all_reduce,all_gather,reduce_scatter,broadcast,send_recv
+
+for s in $SECTIONS; do
+  case $s in
+  transport)
+    log "transport"
+    job socket 29500 2 "${NOPATH[@]}" NCCL_NET=Socket SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+    job vgpu_tcp 29500 2 "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+    job vgpu_local_host 29500 2 "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+    # GPU-to-GPU copies (NCCL hands GPU buffers with NCCL_NET_GDR_LEVEL=SYS)
+    JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu 29500 2 "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+    ;;
+  slices)
+    log "slices"
+    job slices4 29500 4 "${PLUG[@]}" NCCL_NET=vgpu BENCH_GPU_OF_RANK=0,0,1,1 SLICE_PREFIX=s -- \
+      --check "$CHECK" --ops all_reduce,all_gather --mib 128 --lead 2
+    JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job slices4_gpu 29500 4 "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS BENCH_GPU_OF_RANK=0,0,1,1 SLICE_PREFIX=s -- \
+      --check "$CHECK" --ops all_reduce --mib 128 --lead 2
+    ;;
+  isolation)
+    log "isolation"
+    A=(VGPU_TENANT=train VGPU_NCCL_WEIGHT=75 VGPU_NCCL_SHARE_FILE="$SHARE")
+    B=(VGPU_TENANT=noisy VGPU_NCCL_WEIGHT=25 VGPU_NCCL_SHARE_FILE="$SHARE")
+    job alone_plain 29500 2 -- --mib 256
+    job tsl_A 29500 2 -- --mib 256 & job tsl_B 29501 2 -- --mib 256; wait
+    mps
+    job mps_alone_A 29500 2 "${PLUG[@]}" "${A[@]}" -- --mib 256
+    job mps_A 29500 2 -- --mib 256 & job mps_B 29501 2 -- --mib 256; wait
+    job vgpu_A 29500 2 "${PLUG[@]}" "${A[@]}" -- --mib 256 & job vgpu_B 29501 2 "${PLUG[@]}" "${B[@]}" -- --mib 256; wait
+    nomps
+    ;;
+  overhead)
+    log "overhead"
+    for r in 1 2; do
+      job "noplugin_r$r" 29500 2 -- --mib 256
+      job "plugin_r$r" 29500 2 "${PLUG[@]}" -- --mib 256
+    done
+    ;;
+  esac
+done
+
+grep -h "vgpu" "$LOGS"/*.log | grep -E "tuner|connected|net plugin ready" | sort | uniq -c | sort -rn | head -20 >"$LOGS/plugin_lines.txt"
+"$PY" - "$RES" <<'PYEOF' | tee "$LOGS/table.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print("| job | ranks | checks | op | busbw GB/s | p50 ms | p99 ms |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+by = {}
+for r in rows:
+    checks = ",".join(f"{k}:{'ok' if v else 'FAIL'}" for k, v in r["checks"].items()) or "-"
+    for op, o in r["ops"].items():
+        by[r["label"]] = o["busbw_gbs"]
+        print(f"| {r['label']} | {r['world']} | {checks} | {op} | {o['busbw_gbs']:.1f} | {o['p50_ms']:.2f} | {o['p99_ms']:.2f} |")
+def ratio(a, b):
+    return f"{by[a] / by[b]:.2f}" if a in by and b in by and by[b] else "n/a"
+print()
+if "slices4_gpu" in by:
+    print(f"slices (4 ranks on 2 GPUs): host path {by.get('slices4', 0):.1f} GB/s, GPU-to-GPU path {by['slices4_gpu']:.1f} GB/s")
+print("transport vs NCCL socket: ours TCP", ratio("vgpu_tcp", "socket"), "x; ours same-host (host buffers)", ratio("vgpu_local_host", "socket"), "x; ours GPU-to-GPU", ratio("vgpu_gpu", "socket"), "x")
+for p in ["tsl", "mps", "vgpu"]:
+    a, b = by.get(f"{p}_A"), by.get(f"{p}_B")
+    if a and b and by.get("alone_plain"):
+        print(f"isolation {p}: A/B = {a/b:.2f} (target 3.00), together {a+b:.1f} = {(a+b)/by['alone_plain']*100:.0f}% of one job alone ({by['alone_plain']:.1f})")
+lat = {r["label"]: r["ops"]["all_reduce"]["p50_ms"] for r in rows if "all_reduce" in r["ops"]}
+if "vgpu_A" in lat and "mps_alone_A" in lat:
+    print(f"guarantee: A's all-reduce p50 next to B: {lat['vgpu_A']:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat['vgpu_A']/lat['mps_alone_A']:.2f}x; vs alone without MPS {lat.get('alone_plain', 0):.2f} = {lat['vgpu_A']/lat.get('alone_plain', 1):.2f}x (target 1.15x)")
+if "plugin_r1" in by:
+    n = (by.get("noplugin_r1", 0) + by.get("noplugin_r2", 0)) / 2
+    p = (by.get("plugin_r1", 0) + by.get("plugin_r2", 0)) / 2
+    print(f"overhead: plugin loaded, no sharing: {p:.1f} vs {n:.1f} without = {(1 - p / n) * 100:.1f}% cost")
+PYEOF

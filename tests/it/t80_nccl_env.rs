@@ -1,0 +1,129 @@
+//! A tenant's bandwidth share reaches its processes: `vgpuctl place --bandwidth` (or the compute
+//! share by default) becomes the NCCL tuner's weight in `vgpu-agent env`, and tenants holding
+//! fractions of a GPU get their own NCCL host identity.
+
+use anyhow::{Result, bail};
+use std::process::Command;
+use std::time::{Duration, Instant};
+use tests::{Cluster, binary};
+
+/// `vgpu-agent env` for `tenant` once the agent has the placement.
+fn tenant_env(cluster: &Cluster, tenant: &str, shm_dir: &str) -> Result<String> {
+    let state_dir = &cluster.agents[0].state_dir;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = Command::new(binary("vgpu-agent"))
+            .args([
+                "env",
+                "--tenant",
+                tenant,
+                "--name",
+                "node-a",
+                "--shm-dir",
+                shm_dir,
+            ])
+            .arg("--state-dir")
+            .arg(state_dir)
+            .output()?;
+        if out.status.success() {
+            return Ok(String::from_utf8(out.stdout)?);
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "vgpu-agent env --tenant {tenant}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn bandwidth_weights_and_slice_identities_reach_the_tenant_environment() -> Result<()> {
+    let mut cluster = Cluster::start(1, &[])?;
+    let shm = tempfile::tempdir()?;
+    let shm_dir = shm.path().to_string_lossy().into_owned();
+    cluster.start_agent_with(
+        "node-a",
+        "1xH100-80GB",
+        &["--shm-dir", &shm_dir, "--nic-gbps", "100"],
+    )?;
+    cluster.wait_nodes_ready(1)?;
+
+    let placed = cluster.vgpuctl(&["place", "train", "--gpus", "0.5", "--bandwidth", "75"])?;
+    assert!(
+        placed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&placed.stderr)
+    );
+    let placed = cluster.vgpuctl(&["place", "serve", "--gpus", "0.25"])?;
+    assert!(
+        placed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&placed.stderr)
+    );
+
+    let train = tenant_env(&cluster, "train", &shm_dir)?;
+    let serve = tenant_env(&cluster, "serve", &shm_dir)?;
+    assert!(train.contains("VGPU_NCCL_WEIGHT='75'"), "{train}");
+    // no weight given: the compute share (25 percent of one GPU)
+    assert!(serve.contains("VGPU_NCCL_WEIGHT='25'"), "{serve}");
+    assert!(train.contains("NCCL_HOSTID='vgpu-node-a-train'"), "{train}");
+    assert!(serve.contains("NCCL_HOSTID='vgpu-node-a-serve'"), "{serve}");
+    assert!(train.contains("NCCL_NET='vgpu'"), "{train}");
+    assert!(train.contains("VGPU_NCCL_SHARE_FILE="), "{train}");
+
+    // The agent shares the NIC 75:25 through the token buckets the tenants' plugins obey.
+    let flow = |env: &str| -> Result<u64> {
+        let line = env
+            .lines()
+            .find(|l| l.contains("VGPU_NETSHARE_FLOW="))
+            .unwrap_or_default();
+        Ok(line
+            .rsplit('=')
+            .next()
+            .unwrap_or_default()
+            .trim_matches('\'')
+            .parse()?)
+    };
+    assert!(
+        train.contains(&format!("VGPU_NETSHARE_TABLE='{shm_dir}/netshare'")),
+        "{train}"
+    );
+    let (train_flow, serve_flow) = (
+        netshare::FlowId(flow(&train)?),
+        netshare::FlowId(flow(&serve)?),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let rates = loop {
+        let rates = netshare::Table::open(&shm.path().join("netshare"))
+            .ok()
+            .and_then(|table| {
+                Some((
+                    table.stats(train_flow)?.config.rate_bytes_per_second,
+                    table.stats(serve_flow)?.config.rate_bytes_per_second,
+                ))
+            });
+        match rates {
+            Some(r) => break r,
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(200)),
+            None => bail!("the agent never wrote both tenants' rates into {shm_dir}/netshare"),
+        }
+    };
+    assert_eq!(
+        rates,
+        (9_375_000_000, 3_125_000_000),
+        "100 Gb/s split 75:25"
+    );
+
+    // A weight out of range is refused before anything is placed.
+    let bad = cluster.vgpuctl(&["place", "bad", "--gpus", "1", "--bandwidth", "0"])?;
+    assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("bandwidth weight"),
+        "{bad:?}"
+    );
+    let tenants = tests::json(&cluster.vgpuctl(&["get", "tenants", "-o", "json"])?)?;
+    assert_eq!(tenants.as_array().map(Vec::len), Some(2), "{tenants}");
+    Ok(())
+}
