@@ -17,6 +17,12 @@ pub enum ErrorCode {
     Membership,
     Storage,
     Internal,
+    /// The caller's certificate (its role) does not allow the call.
+    PermissionDenied,
+    /// The call needs a client certificate, and none was presented.
+    Unauthenticated,
+    /// A bootstrap token is unknown or expired.
+    TokenInvalid,
 }
 
 impl ErrorCode {
@@ -34,6 +40,9 @@ impl ErrorCode {
             ErrorCode::Membership => "VGPU-MEMBERSHIP",
             ErrorCode::Storage => "VGPU-STORAGE",
             ErrorCode::Internal => "VGPU-INTERNAL",
+            ErrorCode::PermissionDenied => "VGPU-PERMISSION-DENIED",
+            ErrorCode::Unauthenticated => "VGPU-UNAUTHENTICATED",
+            ErrorCode::TokenInvalid => "VGPU-TOKEN-INVALID",
         }
     }
 
@@ -47,7 +56,10 @@ impl ErrorCode {
             ErrorCode::NotLeader | ErrorCode::NoLeader | ErrorCode::Unavailable => {
                 tonic::Code::Unavailable
             }
-            ErrorCode::ClusterMismatch => tonic::Code::PermissionDenied,
+            ErrorCode::ClusterMismatch | ErrorCode::PermissionDenied => {
+                tonic::Code::PermissionDenied
+            }
+            ErrorCode::Unauthenticated | ErrorCode::TokenInvalid => tonic::Code::Unauthenticated,
             ErrorCode::Storage | ErrorCode::Internal => tonic::Code::Internal,
         }
     }
@@ -68,7 +80,7 @@ impl ErrorCode {
     }
 }
 
-const ALL: [ErrorCode; 12] = [
+const ALL: [ErrorCode; 15] = [
     ErrorCode::InvalidArgument,
     ErrorCode::TenantNotFound,
     ErrorCode::TenantExists,
@@ -81,6 +93,9 @@ const ALL: [ErrorCode; 12] = [
     ErrorCode::Membership,
     ErrorCode::Storage,
     ErrorCode::Internal,
+    ErrorCode::PermissionDenied,
+    ErrorCode::Unauthenticated,
+    ErrorCode::TokenInvalid,
 ];
 
 #[cfg(test)]

@@ -85,7 +85,13 @@ pub fn format_bytes(bytes: u64) -> String {
                 return format!("{}{unit}", bytes / size);
             }
             let value = bytes as f64 / size as f64;
-            return format!("{}{unit}", trim_float(value));
+            let shown = format!("{}{unit}", trim_float(value));
+            // Within half a hundredth of a TiB of 16 EiB the rounding reaches 2^64 bytes, which
+            // no size can be: print the exact bytes there, so that what we print reads back.
+            if parse_bytes(&shown).is_err() {
+                return format!("{bytes}B");
+            }
+            return shown;
         }
     }
     "0B".to_owned()

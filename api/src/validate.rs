@@ -8,6 +8,11 @@ pub const PRIORITY_MIN: i32 = -1000;
 /// Largest gang: nodes x GPUs per node.
 pub const GANG_GPUS_MAX: u32 = 4096;
 pub const SELECTOR_PAIRS_MAX: usize = 32;
+/// Most memory one GPU may report (16 TiB, a hundred times today's largest): with 64 GPUs a node
+/// and thousands of nodes, totals of memory stay far from overflowing a `u64`.
+pub const GPU_MEMORY_BYTES_MAX: u64 = 1 << 44;
+/// Largest bandwidth weight (the NCCL tuner's and netshare's weight range).
+pub const BANDWIDTH_WEIGHT_MAX: u32 = 1_000_000;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestError {
@@ -33,6 +38,10 @@ pub enum RequestError {
     SelectorTooLarge(usize),
     #[error("the node selector key `{0}` is empty or longer than 253 characters")]
     BadSelectorKey(String),
+    #[error(
+        "the bandwidth weight is {0}; give a weight between 1 and {BANDWIDTH_WEIGHT_MAX}, or leave it out to follow the compute share"
+    )]
+    BandwidthOutOfRange(u32),
 }
 
 /// Validates the fields of a placement request on their own (not whether the pool can hold it).
@@ -45,6 +54,9 @@ pub fn validate_request(request: &PlacementRequest) -> Result<(), RequestError> 
     }
     if request.compute_percent > 100 {
         return Err(RequestError::ComputeOutOfRange(request.compute_percent));
+    }
+    if request.bandwidth_weight > BANDWIDTH_WEIGHT_MAX {
+        return Err(RequestError::BandwidthOutOfRange(request.bandwidth_weight));
     }
     if !(PRIORITY_MIN..=PRIORITY_MAX).contains(&request.priority) {
         return Err(RequestError::PriorityOutOfRange(request.priority));
@@ -99,6 +111,20 @@ mod tests {
                 ..whole(8)
             }),
             Ok(())
+        );
+    }
+
+    #[test]
+    fn bandwidth_weight_is_optional_and_bounded() {
+        let weighted = |w| PlacementRequest {
+            bandwidth_weight: w,
+            ..whole(1)
+        };
+        assert_eq!(validate_request(&weighted(0)), Ok(()));
+        assert_eq!(validate_request(&weighted(BANDWIDTH_WEIGHT_MAX)), Ok(()));
+        assert_eq!(
+            validate_request(&weighted(BANDWIDTH_WEIGHT_MAX + 1)),
+            Err(RequestError::BandwidthOutOfRange(BANDWIDTH_WEIGHT_MAX + 1))
         );
     }
 

@@ -6,13 +6,14 @@
 #   deploy/docker/build.sh                           # tags vgpu/vgpu-cp:dev, vgpu/vgpu-agent:dev, vgpu/vgpuctl:dev
 #   TAG=0.1 deploy/docker/build.sh
 #   VGPU_IMAGE_LIBC=glibc deploy/docker/build.sh     # glibc binaries even where musl is available
+#   PROFILE=debug deploy/docker/build.sh             # debug binaries (quicker to build; tests)
 #
 # vgpu-cp and vgpuctl are static musl binaries when the Rust target x86_64-unknown-linux-musl is
 # installed (`rustup target add x86_64-unknown-linux-musl`), else glibc binaries with their
 # libraries. vgpu-agent is always a glibc binary: on GPU nodes it dlopens NVIDIA's glibc-linked
 # driver libraries (NVML, libcuda), which a static musl binary cannot load. The interposer
-# (libvgpu_cuda.so) goes into the agent image at /usr/lib/vgpu/ when target/release has one
-# (`cargo build --release -p interposer`).
+# (libvgpu_cuda.so) goes into the agent image at /usr/lib/vgpu/ when target/release (or
+# target/debug with PROFILE=debug) has one (`cargo build --release -p interposer`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -26,16 +27,25 @@ if [ "$libc" = auto ]; then
   fi
 fi
 
-echo "building the binaries (release; vgpu-cp and vgpuctl: $libc)..." >&2
-cargo build --release --quiet -p vgpu-cp -p vgpu-agent -p vgpuctl
-glibc_bin="$PWD/target/release"
+profile="${PROFILE:-release}"
+case "$profile" in
+  release) profile_flag=(--release) ;;
+  debug) profile_flag=() ;;
+  *) echo "build.sh: PROFILE is release or debug, not '$profile'" >&2; exit 2 ;;
+esac
+
+echo "building the binaries ($profile; vgpu-cp and vgpuctl: $libc)..." >&2
+cargo build "${profile_flag[@]}" --quiet -p vgpu-cp -p vgpu-agent -p vgpuctl
+cargo_target="${CARGO_TARGET_DIR:-$PWD/target}"
+glibc_bin="$cargo_target/$profile"
 small_bin="$glibc_bin"
 if [ "$libc" = musl ]; then
-  cargo build --release --quiet --target "$musl_target" -p vgpu-cp -p vgpuctl
-  small_bin="$PWD/target/$musl_target/release"
+  cargo build "${profile_flag[@]}" --quiet --target "$musl_target" -p vgpu-cp -p vgpuctl
+  small_bin="$cargo_target/$musl_target/$profile"
 fi
 
-context="$PWD/target/docker-context"
+# One context per tag, so that builds of different tags (nemesis.sh builds `nemesis`) can run at once.
+context="$PWD/target/docker-context${TAG:+-$TAG}"
 rm -rf "$context"
 mkdir -p "$context"/{cp,agent,ctl,data}
 
@@ -73,9 +83,11 @@ add "$context/cp" "$small_bin/vgpuctl"
 add "$context/agent" "$glibc_bin/vgpu-agent"
 add "$context/agent" "$small_bin/vgpuctl"
 mkdir -p "$context/agent/var/lib/vgpu-agent" "$context/agent/var/run/cdi"
-if [ -f "$glibc_bin/libvgpu_cuda.so" ]; then
-  add "$context/agent" "$glibc_bin/libvgpu_cuda.so" /usr/lib/vgpu
-fi
+for lib in libvgpu_cuda.so libvgpu_nccl.so; do
+  if [ -f "$glibc_bin/$lib" ]; then
+    add "$context/agent" "$glibc_bin/$lib" /usr/lib/vgpu
+  fi
+done
 add "$context/ctl" "$small_bin/vgpuctl"
 
 for image in vgpu-cp vgpu-agent vgpuctl; do

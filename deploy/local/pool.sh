@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 port="${VGPU_PORT:-7401}"
+# A development pool on loopback: plain text, no certificates (docs/security.md for mTLS).
+export VGPU_CP_INSECURE=true VGPU_AGENT_INSECURE=true VGPUCTL_INSECURE=true
 state="${VGPU_LOCAL_DIR:-$PWD/.vgpu-local}"
 simulate="${VGPU_SIMULATE:-8xH100-80GB}"
 
@@ -46,10 +48,11 @@ done
 cat <<TXT
 
 vgpu pool running: control plane at 127.0.0.1:$port, node-a with simulated GPUs ($simulate).
+It runs with --insecure (plain text, everyone an admin): for this machine only.
 Logs and data: $state
 
 Try:
-  export PATH="$bin:\$PATH" VGPU_ENDPOINTS=127.0.0.1:$port
+  export PATH="$bin:\$PATH" VGPU_ENDPOINTS=127.0.0.1:$port VGPUCTL_INSECURE=true
   vgpuctl place infer-a --gpus 0.25 --memory 20GiB
   vgpuctl place train-b --gpus 4 --nvlink
   vgpuctl get tenants

@@ -56,7 +56,7 @@ listener=$!
 for _ in $(seq 50); do [ -S "$socket" ] && break; sleep 0.1; done
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 NOTIFY_SOCKET="$socket" "$bin/vgpu-cp" bootstrap --id 1 --listen "127.0.0.1:$port" \
-  --data-dir "$work/cp" 2>"$work/cp.log" &
+  --data-dir "$work/cp" --insecure 2>"$work/cp.log" &
 member=$!
 for _ in $(seq 100); do grep -q READY=1 "$work/notify.log" && break; sleep 0.1; done
 kill -TERM "$member"

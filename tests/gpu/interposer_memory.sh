@@ -130,7 +130,7 @@ record "(b') cudaMallocAsync backend: 12 GiB" "OutOfMemoryError" "${etype:-none}
 # (c) Chunks of 256 MiB until the first failure: at most the limit, and close to it.
 tenant a 10GiB c_chunks -- alloc_chunks 256
 allocated=$(field "$LOGS/c_chunks.log" allocated)
-record "(c) tenant a: 256 MiB chunks until OOM" "8..10 GiB, then OOM" \
+record "(c) tenant a: 256 MiB chunks until OOM" "8..10 GiB (the slice less the context charge), then OOM" \
   "$(gib "$allocated"), $(field "$LOGS/c_chunks.log" error_type)" \
   "$(verdict $([ -n "$allocated" ] && [ "$allocated" -le $((10 * GIB)) ] &&
     [ "$allocated" -ge $((8 * GIB)) ] && [ "$(field "$LOGS/c_chunks.log" error_type)" = OutOfMemoryError ] && echo 1))"
@@ -149,7 +149,8 @@ if wait_for "$LOGS/f_holder.log" HOLDING 120; then
   etype=$(field "$LOGS/f_before.log" error_type)
   record "(f) 8 GiB while another tenant-a process holds 6" "OutOfMemoryError" "${etype:-none}" \
     "$(verdict $([ "$etype" = OutOfMemoryError ] && echo 1))"
-  # What the driver charges the holder beyond its 6 GiB: the CUDA context (VGPU_CONTEXT_OVERHEAD).
+  # What the driver charges the holder beyond its 6 GiB: the CUDA context, which the interposer
+  # charges as VGPU_CONTEXT_OVERHEAD (default 640 MiB; tests/gpu/nvml_slice.sh compares the two).
   used_mib=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
     awk -F', *' -v p="$holder" '$1 == p {print $2}')
   if [ -n "$used_mib" ]; then

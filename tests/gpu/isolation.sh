@@ -12,13 +12,13 @@
 #   illegal  a kernel stores through a null pointer (CUDA_ERROR_ILLEGAL_ADDRESS in v's context)
 #   abort    os.abort() with matmuls queued
 #   kill     SIGKILL from outside, sent when the schedule file shows v holding the turn
-# After each crash a new v process starts and allocates its whole 6 GiB quota in one tensor (so
-# the dead process's memory was credited back), and becomes the next victim. Per crash: a and b
-# still correct (no mismatch), their longest stretch without a completed iteration from the crash
-# to WINDOW s after it (bound: BOUND s; the takeover of a dead owner's turn should take about one
-# quantum), and the quota check. Logs go to a temporary directory, tarred into
-# $OUT/isolation.tar.gz when OUT is set; the table is printed last (and written to
-# $OUT/isolation_results.tsv). Exit status 0 when every row passed.
+# After each crash a new v process starts and allocates its whole 6 GiB quota (less its context
+# charge) in one tensor (so the dead process's memory was credited back), and becomes the next
+# victim. Per crash: a and b still correct (no mismatch), their longest stretch without a
+# completed iteration from the crash to WINDOW s after it (bound: BOUND s; the takeover of a dead
+# owner's turn should take about one quantum), and the quota check. Logs go to a temporary
+# directory, tarred into $OUT/isolation.tar.gz when OUT is set; the table is printed last (and
+# written to $OUT/isolation_results.tsv). Exit status 0 when every row passed.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -33,6 +33,9 @@ mkdir -p "$LOGS"
 SHM=$(mktemp -d /dev/shm/vgpu-isolation.XXXXXX)
 GIB=$((1 << 30))
 V_LIMIT=$((6 * GIB))
+# The interposer charges each process's CUDA context to its slice (VGPU_CONTEXT_OVERHEAD, default
+# 640 MiB), so "the whole quota in one tensor" is the slice less that charge.
+V_QUOTA=$((V_LIMIT - ${CONTEXT_CHARGE_BYTES:-$((640 << 20))}))
 STOP="$LOGS/stop"
 EVENTS="$LOGS/events.tsv"
 rm -f "$STOP"
@@ -92,7 +95,7 @@ wait_for "$LOGS/tenant_b.log" RUNNING 120 "$B" || log "tenant b did not start (t
 log "bystanders running: a=$A b=$B"
 
 # v1 .. v3 crash; v4 only checks the quota after the last crash.
-tenant v 6GiB 40 v1_illegal -- victim --mode illegal --limit "$V_LIMIT" --gib 4 --after 1.5
+tenant v 6GiB 40 v1_illegal -- victim --mode illegal --limit "$V_QUOTA" --gib 4 --after 1.5
 V=$!
 PIDS+=("$V")
 n=1
@@ -117,7 +120,7 @@ for kind in illegal abort kill; do
     *) nextkind=none ;;
   esac
   nextlog="v${next}_$nextkind"
-  tenant v 6GiB 40 "$nextlog" -- victim --mode "$nextkind" --limit "$V_LIMIT" --gib 4 --after 1.5
+  tenant v 6GiB 40 "$nextlog" -- victim --mode "$nextkind" --limit "$V_QUOTA" --gib 4 --after 1.5
   V=$!
   PIDS+=("$V")
   printf '%s\t%s\t%s\t%s\t%s\n' "$kind" "$rc" "$vlog.log" "$( [ "$klog" = - ] && echo - || echo "$klog.log")" "$nextlog.log" >>"$EVENTS"

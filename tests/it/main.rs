@@ -5,3 +5,7 @@ mod t10_pool;
 mod t20_bad_input;
 mod t30_cluster;
 mod t40_agent_loss;
+mod t50_security;
+mod t60_usage;
+mod t70_fleet;
+mod t80_nccl_env;

@@ -74,7 +74,7 @@ fn bad_input_is_refused_and_changes_nothing() -> Result<()> {
         ])
         .arg("--data-dir")
         .arg(&foreign_dir)
-        .args(["--peer", &cluster.members[0].address])
+        .args(["--peer", &cluster.members[0].address, "--insecure"])
         .output()?;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(

@@ -3,6 +3,12 @@
 //!
 //! The binaries are built once per test run (`cargo build --bins`) into the workspace target
 //! directory, so `cargo test` alone is enough.
+//!
+//! Clusters run with `--insecure` (plain text) unless started with [`Cluster::start_secure`]:
+//! then a cluster CA ([`Pki`]) issues member and admin certificates, agents join with bootstrap
+//! tokens, and vgpuctl calls use the admin certificate.
+
+pub mod nemesis;
 
 use anyhow::{Context, Result, bail};
 use std::net::TcpListener;
@@ -117,6 +123,38 @@ impl Process {
         }
     }
 
+    /// The process id, while the child has not been reaped.
+    pub fn id(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// SIGTERM, then waits up to `patience` for the exit (then `kill -9`). Returns whether the
+    /// process exited successfully on its own.
+    pub fn terminate(&mut self, patience: Duration) -> Result<bool> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(false);
+        };
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .context("running kill -TERM")?;
+        if !status.success() {
+            let _ = child.kill();
+        }
+        let deadline = Instant::now() + patience;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok(status.success());
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn is_running(&mut self) -> bool {
         self.child
             .as_mut()
@@ -166,6 +204,9 @@ impl Member {
         if let Some(peer) = &self.peer {
             command.args(["--peer", peer]);
         }
+        if !self.extra.iter().any(|arg| arg == "--tls-cert") {
+            command.arg("--insecure");
+        }
         command.args(&self.extra);
         command
     }
@@ -192,6 +233,8 @@ pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub members: Vec<Member>,
     pub agents: Vec<Agent>,
+    /// The cluster CA and the admin's certificate, for a cluster started with mTLS.
+    pub pki: Option<Pki>,
 }
 
 pub struct Agent {
@@ -199,23 +242,133 @@ pub struct Agent {
     pub spec: String,
     pub state_dir: PathBuf,
     pub process: Option<Process>,
+    /// `--insecure`, or `--token T --ca-cert-hash H` under mTLS.
+    pub security: Vec<String>,
+}
+
+/// A cluster CA made with `vgpu-cp ca init`, and certificates issued with `vgpu-cp cert issue`.
+pub struct Pki {
+    pub dir: PathBuf,
+    /// `sha256:...`, for `vgpu-agent join --ca-cert-hash`.
+    pub ca_cert_hash: String,
+    /// The TLS flags of an admin certificate (`--tls-ca-cert F --tls-cert F --tls-key F`).
+    pub admin: Vec<String>,
+}
+
+impl Pki {
+    /// A new CA in `dir/ca`.
+    pub fn init(dir: &Path) -> Result<Pki> {
+        let ca_dir = dir.join("ca");
+        let output = Command::new(binary("vgpu-cp"))
+            .args(["ca", "init", "--dir"])
+            .arg(&ca_dir)
+            .output()?;
+        if !output.status.success() {
+            bail!(
+                "vgpu-cp ca init failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        let hash = Command::new(binary("vgpu-cp"))
+            .args(["ca", "hash", "--ca-cert"])
+            .arg(ca_dir.join("ca.crt"))
+            .output()?;
+        let ca_cert_hash = String::from_utf8(hash.stdout)?.trim().to_owned();
+        if !ca_cert_hash.starts_with("sha256:") {
+            bail!("vgpu-cp ca hash printed `{ca_cert_hash}`");
+        }
+        let mut pki = Pki {
+            dir: dir.to_owned(),
+            ca_cert_hash,
+            admin: Vec::new(),
+        };
+        pki.admin = pki.issue("admin", "admin", &[])?;
+        Ok(pki)
+    }
+
+    pub fn ca_cert(&self) -> PathBuf {
+        self.dir.join("ca/ca.crt")
+    }
+
+    pub fn ca_key(&self) -> PathBuf {
+        self.dir.join("ca/ca.key")
+    }
+
+    /// Issues a certificate (`role`, common name `name`, SANs `hosts`) and returns the
+    /// `--tls-ca-cert`, `--tls-cert` and `--tls-key` flags that use it.
+    pub fn issue(&self, role: &str, name: &str, hosts: &[&str]) -> Result<Vec<String>> {
+        let out_dir = self.dir.join("issued");
+        let mut command = Command::new(binary("vgpu-cp"));
+        command
+            .args(["cert", "issue", "--ca-dir"])
+            .arg(self.dir.join("ca"))
+            .args(["--role", role, "--name", name])
+            .arg("--out-dir")
+            .arg(&out_dir);
+        if !hosts.is_empty() {
+            command.args(["--host", &hosts.join(",")]);
+        }
+        let output = command.output()?;
+        if !output.status.success() {
+            bail!(
+                "vgpu-cp cert issue failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        let path = |extension: &str| {
+            out_dir
+                .join(format!("{name}.{extension}"))
+                .display()
+                .to_string()
+        };
+        Ok(vec![
+            "--tls-ca-cert".to_owned(),
+            self.ca_cert().display().to_string(),
+            "--tls-cert".to_owned(),
+            path("crt"),
+            "--tls-key".to_owned(),
+            path("key"),
+        ])
+    }
 }
 
 impl Cluster {
-    /// Starts `size` members: the first bootstraps, the others join it in turn.
+    /// Starts `size` members with `--insecure`: the first bootstraps, the others join it in turn.
     pub fn start(size: usize, extra: &[&str]) -> Result<Cluster> {
+        Cluster::start_with(size, extra, false)
+    }
+
+    /// Starts `size` members with mutual TLS: a new CA, a member certificate for each (every
+    /// member holds the CA key, so agents can join through any of them), an admin certificate
+    /// for vgpuctl.
+    pub fn start_secure(size: usize, extra: &[&str]) -> Result<Cluster> {
+        Cluster::start_with(size, extra, true)
+    }
+
+    fn start_with(size: usize, extra: &[&str], secure: bool) -> Result<Cluster> {
         let dir = tempfile::tempdir()?;
+        let pki = if secure {
+            Some(Pki::init(&dir.path().join("pki"))?)
+        } else {
+            None
+        };
         let mut cluster = Cluster {
             dir,
             members: Vec::new(),
             agents: Vec::new(),
+            pki,
         };
         for index in 0..size {
             let id = index as u64 + 1;
             let address = format!("127.0.0.1:{}", free_port());
             let peer = (index > 0).then(|| cluster.members[0].address.clone());
             let data_dir = cluster.dir.path().join(format!("cp{id}"));
-            let extra = extra.iter().map(|s| s.to_string()).collect();
+            let mut extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+            if let Some(pki) = &cluster.pki {
+                extra.extend(pki.issue("member", &id.to_string(), &["127.0.0.1", "localhost"])?);
+                extra.push("--tls-ca-key".to_owned());
+                extra.push(pki.ca_key().display().to_string());
+            }
             let mut member = Member {
                 id,
                 address,
@@ -264,8 +417,51 @@ impl Cluster {
         live.join(",")
     }
 
+    /// vgpuctl with the admin's certificate (or `--insecure`).
     pub fn vgpuctl(&self, args: &[&str]) -> Result<Output> {
-        vgpuctl(&self.endpoints(), args)
+        match &self.pki {
+            None => vgpuctl(&self.endpoints(), args),
+            Some(pki) => {
+                let mut all = pki.admin.clone();
+                all.extend(args.iter().map(|arg| arg.to_string()));
+                let all: Vec<&str> = all.iter().map(String::as_str).collect();
+                vgpuctl(&self.endpoints(), &all)
+            }
+        }
+    }
+
+    /// A bootstrap token from `vgpu-cp token create` with the admin's certificate.
+    pub fn create_token(&self, ttl: &str) -> Result<String> {
+        let pki = self
+            .pki
+            .as_ref()
+            .context("tokens need a cluster started with mTLS")?;
+        let flags = &pki.admin;
+        let output = Command::new(binary("vgpu-cp"))
+            .args([
+                "token",
+                "create",
+                "--ttl",
+                ttl,
+                "--endpoint",
+                &self.members[0].address,
+            ])
+            .args([
+                "--ca-cert",
+                &flags[1],
+                "--cert",
+                &flags[3],
+                "--key",
+                &flags[5],
+            ])
+            .output()?;
+        if !output.status.success() {
+            bail!(
+                "vgpu-cp token create failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(String::from_utf8(output.stdout)?.trim().to_owned())
     }
 
     pub fn status_json(&self) -> Result<serde_json::Value> {
@@ -288,12 +484,28 @@ impl Cluster {
     }
 
     pub fn start_agent(&mut self, name: &str, spec: &str) -> Result<()> {
+        self.start_agent_with(name, spec, &[])
+    }
+
+    /// [`Cluster::start_agent`] with more `vgpu-agent join` flags (such as `--shm-dir`).
+    pub fn start_agent_with(&mut self, name: &str, spec: &str, extra: &[&str]) -> Result<()> {
         let state_dir = self.dir.path().join(format!("agent-{name}"));
+        let mut security = match &self.pki {
+            None => vec!["--insecure".to_owned()],
+            Some(pki) => vec![
+                "--token".to_owned(),
+                self.create_token("10m")?,
+                "--ca-cert-hash".to_owned(),
+                pki.ca_cert_hash.clone(),
+            ],
+        };
+        security.extend(extra.iter().map(|flag| (*flag).to_owned()));
         let mut agent = Agent {
             name: name.to_owned(),
             spec: spec.to_owned(),
             state_dir,
             process: None,
+            security,
         };
         self.spawn_agent(&mut agent)?;
         self.agents.push(agent);
@@ -312,6 +524,7 @@ impl Cluster {
             &agent.spec,
         ]);
         command.arg("--state-dir").arg(&agent.state_dir);
+        command.args(&agent.security);
         let log = agent.state_dir.with_extension("log");
         agent.process = Some(Process::spawn(command, log)?);
         Ok(())
@@ -374,14 +587,14 @@ impl Cluster {
     }
 }
 
-/// Runs vgpuctl against `endpoints`.
+/// Runs vgpuctl against `endpoints`, with `--insecure` unless `args` name a certificate.
 pub fn vgpuctl(endpoints: &str, args: &[&str]) -> Result<Output> {
-    let output = Command::new(binary("vgpuctl"))
-        .arg("--endpoints")
-        .arg(endpoints)
-        .args(args)
-        .output()?;
-    Ok(output)
+    let mut command = Command::new(binary("vgpuctl"));
+    command.arg("--endpoints").arg(endpoints);
+    if !args.contains(&"--tls-cert") {
+        command.arg("--insecure");
+    }
+    Ok(command.args(args).output()?)
 }
 
 /// Parses a successful command's stdout as JSON.

@@ -65,6 +65,39 @@ pub struct Cli {
     #[arg(long, global = true, help_heading = "Global options", value_parser = parse_duration, value_name = "DURATION")]
     pub timeout: Option<Duration>,
 
+    /// Plain-text gRPC without a certificate, for a control plane started with --insecure
+    /// [env: VGPUCTL_INSECURE].
+    #[arg(long, global = true, help_heading = "Global options")]
+    pub insecure: bool,
+
+    /// The cluster CA certificate [env: VGPUCTL_TLS_CA_CERT].
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        value_name = "FILE"
+    )]
+    pub tls_ca_cert: Option<PathBuf>,
+
+    /// Your certificate (role admin or tenant:OWNER, from `vgpu-cp cert issue`) [env:
+    /// VGPUCTL_TLS_CERT].
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        value_name = "FILE"
+    )]
+    pub tls_cert: Option<PathBuf>,
+
+    /// Its private key [env: VGPUCTL_TLS_KEY].
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        value_name = "FILE"
+    )]
+    pub tls_key: Option<PathBuf>,
+
     /// More diagnostics on stderr (-v info, -vv debug, -vvv trace). `VGPUCTL_LOG` overrides.
     #[arg(short, long, global = true, help_heading = "Global options", action = clap::ArgAction::Count)]
     pub verbose: u8,
@@ -159,6 +192,12 @@ pub struct PlaceArgs {
     #[arg(long)]
     pub preemptible: bool,
 
+    /// Bandwidth weight of the tenant's NCCL traffic against the other tenants on its links
+    /// (1..=1000000). Default: its compute share (percent per GPU, summed), so a tenant with half
+    /// a GPU weighs 50 against a neighbour with a quarter (25).
+    #[arg(long, value_parser = parse_bandwidth, value_name = "WEIGHT")]
+    pub bandwidth: Option<u32>,
+
     /// Require every pair of GPUs on a node to be NVLink-connected (default: prefer NVLink).
     #[arg(
         long,
@@ -186,6 +225,11 @@ pub struct PlaceArgs {
     /// Seconds to wait for a pending tenant to be placed.
     #[arg(long, default_value_t = 30, value_name = "SECS")]
     pub wait_timeout: u64,
+
+    /// Record this owner on the tenant (admins; a tenant certificate always places for its own
+    /// owner).
+    #[arg(long, value_parser = owner_name, value_name = "OWNER")]
+    pub owner: Option<String>,
 }
 
 /// Flags of `vgpuctl get`.
@@ -351,6 +395,17 @@ pub fn parse_compute(text: &str) -> Result<u32, String> {
 }
 
 /// Parses `--priority`: a whole number in -1000..=1000.
+pub fn parse_bandwidth(text: &str) -> Result<u32, String> {
+    let trimmed = text.trim();
+    match trimmed.parse::<u64>() {
+        Ok(w) if (1..=u64::from(api::validate::BANDWIDTH_WEIGHT_MAX)).contains(&w) => Ok(w as u32),
+        _ => Err(format!(
+            "cannot use the bandwidth weight `{trimmed}`; give a whole number between 1 and {}",
+            api::validate::BANDWIDTH_WEIGHT_MAX
+        )),
+    }
+}
+
 pub fn parse_priority(text: &str) -> Result<i32, String> {
     let trimmed = text.trim();
     let cannot_read = || {
@@ -449,7 +504,9 @@ pub fn parse_endpoint(text: &str) -> Result<String, String> {
     if address.is_empty() {
         return Err("the endpoint is empty; write `host:port`, e.g. `127.0.0.1:7401`".to_owned());
     }
-    if address.contains('/') || address.contains(char::is_whitespace) {
+    // `@` would make what precedes it user information of the URI, not the host (`a@b:1`
+    // connects to `b`); `?` and `#` would start a query or a fragment.
+    if address.contains(['/', '@', '?', '#']) || address.contains(char::is_whitespace) {
         return Err(format!(
             "cannot read the endpoint `{trimmed}`; write `host:port`, e.g. `127.0.0.1:7401`"
         ));
@@ -475,6 +532,23 @@ pub fn parse_endpoint(text: &str) -> Result<String, String> {
     } else {
         format!("{address}:{PORT_DEFAULT}")
     };
+    // Brackets hold an IPv6 address and nothing else (`[::1]7401` would otherwise pass the URI
+    // parser below as an authority that does not read back).
+    let brackets_ok = match address.strip_prefix('[') {
+        Some(rest) => rest.split_once(']').is_some_and(|(ip, port)| {
+            let ip = ip.split_once('%').map_or(ip, |(ip, _zone)| ip);
+            ip.parse::<std::net::Ipv6Addr>().is_ok()
+                && port
+                    .strip_prefix(':')
+                    .is_some_and(|port| port.parse::<u16>().is_ok())
+        }),
+        None => !address.contains(['[', ']']),
+    };
+    if !brackets_ok {
+        return Err(format!(
+            "cannot read the endpoint `{trimmed}`; write `host:port`, e.g. `127.0.0.1:7401` or `[::1]:7401`"
+        ));
+    }
     let uri: Result<tonic::transport::Uri, _> = format!("http://{address}").parse();
     uri.map_err(|error| {
         format!("cannot read the endpoint `{trimmed}` ({error}); write `host:port`")
@@ -503,11 +577,23 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
             "the duration `{trimmed}` is out of range; give more than 0 and at most a day"
         ));
     }
-    Ok(Duration::from_secs_f64(seconds))
+    let duration = Duration::from_secs_f64(seconds);
+    // Below a nanosecond the conversion gives 0, which would time every call out at once.
+    if duration.is_zero() {
+        return Err(format!(
+            "the duration `{trimmed}` is out of range; give more than 0 and at most a day"
+        ));
+    }
+    Ok(duration)
 }
 
 fn tenant_name(text: &str) -> Result<String, String> {
     api::names::validate("tenant", text).map_err(|error| error.to_string())?;
+    Ok(text.to_owned())
+}
+
+fn owner_name(text: &str) -> Result<String, String> {
+    api::names::validate("owner", text).map_err(|error| error.to_string())?;
     Ok(text.to_owned())
 }
 

@@ -76,6 +76,8 @@ pub fn placement_request(args: &PlaceArgs) -> Result<PlacementRequest, UsageErro
             .map_err(UsageError)?
             .into_iter()
             .collect(),
+        owner: args.owner.clone().unwrap_or_default(),
+        bandwidth_weight: args.bandwidth.unwrap_or(0),
     };
     api::validate::validate_request(&request).map_err(|error| UsageError(error.to_string()))?;
     Ok(request)
@@ -362,7 +364,11 @@ async fn describe(
         DescribeTarget::Tenant { name, stale } => {
             let tenant = TenantView::from(&get_tenant(session, name, *stale).await?);
             match session.format {
-                Format::Table => write!(out, "{}", crate::describe::tenant_text(&tenant))?,
+                Format::Table => write!(
+                    out,
+                    "{}",
+                    crate::describe::tenant_text(&tenant, output::now_unix_ms())
+                )?,
                 format => write_structured(out, format, &tenant)?,
             }
         }
@@ -532,6 +538,7 @@ mod tests {
                 .collect(),
             call_timeout: Duration::from_millis(timeout_ms),
             connect_timeout: Duration::from_millis(timeout_ms.min(1000)),
+            transport: api::tls::Transport::Insecure,
         };
         let session = Session {
             endpoints: Endpoints::new(config),

@@ -29,6 +29,10 @@ pub struct Settings {
     pub output: Option<Format>,
     #[serde(default, deserialize_with = "timeout")]
     pub timeout: Option<Duration>,
+    pub insecure: Option<bool>,
+    pub tls_ca_cert: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
 }
 
 /// What a command runs with, every setting decided.
@@ -37,6 +41,10 @@ pub struct Resolved {
     pub endpoints: Vec<String>,
     pub output: Format,
     pub timeout: Duration,
+    /// `--insecure`: plain text, no certificate.
+    pub insecure: bool,
+    /// The CA certificate, this client's certificate and key, when all three are set.
+    pub tls: Option<api::tls::TlsFiles>,
 }
 
 fn endpoints<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Vec<String>>, D::Error> {
@@ -72,8 +80,49 @@ const TIMEOUT: KeyDoc = KeyDoc {
     example: "\"30s\"",
 };
 
+const INSECURE: KeyDoc = KeyDoc {
+    key: "insecure",
+    env: "VGPUCTL_INSECURE",
+    env_aliases: &[],
+    flag: Some("--insecure"),
+    default: "false",
+    example: "false",
+};
+const TLS_CA_CERT: KeyDoc = KeyDoc {
+    key: "tls_ca_cert",
+    env: "VGPUCTL_TLS_CA_CERT",
+    env_aliases: &[],
+    flag: Some("--tls-ca-cert"),
+    default: "required unless insecure",
+    example: "\"/home/me/.config/vgpu/ca.crt\"",
+};
+const TLS_CERT: KeyDoc = KeyDoc {
+    key: "tls_cert",
+    env: "VGPUCTL_TLS_CERT",
+    env_aliases: &[],
+    flag: Some("--tls-cert"),
+    default: "required unless insecure",
+    example: "\"/home/me/.config/vgpu/me.crt\"",
+};
+const TLS_KEY: KeyDoc = KeyDoc {
+    key: "tls_key",
+    env: "VGPUCTL_TLS_KEY",
+    env_aliases: &[],
+    flag: Some("--tls-key"),
+    default: "required unless insecure",
+    example: "\"/home/me/.config/vgpu/me.key\"",
+};
+
 /// Every key of the `vgpuctl` configuration file, in the order of the documentation.
-pub const KEYS: &[KeyDoc] = &[ENDPOINTS, OUTPUT, TIMEOUT];
+pub const KEYS: &[KeyDoc] = &[
+    ENDPOINTS,
+    OUTPUT,
+    TIMEOUT,
+    INSECURE,
+    TLS_CA_CERT,
+    TLS_CERT,
+    TLS_KEY,
+];
 
 fn parse_format(text: &str) -> Result<Format, String> {
     match text.trim().to_ascii_lowercase().as_str() {
@@ -98,6 +147,10 @@ impl Settings {
             })?,
             output: common::from_env(env, &OUTPUT, parse_format)?,
             timeout: common::from_env(env, &TIMEOUT, cli::parse_duration)?,
+            insecure: common::from_env(env, &INSECURE, common::parse_bool)?,
+            tls_ca_cert: common::from_env(env, &TLS_CA_CERT, common::parse_path)?,
+            tls_cert: common::from_env(env, &TLS_CERT, common::parse_path)?,
+            tls_key: common::from_env(env, &TLS_KEY, common::parse_path)?,
         })
     }
 
@@ -107,21 +160,34 @@ impl Settings {
             endpoints: (!cli.endpoints.is_empty()).then(|| cli.endpoints.clone()),
             output: cli.output,
             timeout: cli.timeout,
+            insecure: cli.insecure.then_some(true),
+            tls_ca_cert: cli.tls_ca_cert.clone(),
+            tls_cert: cli.tls_cert.clone(),
+            tls_key: cli.tls_key.clone(),
         }
     }
 
-    /// Fills in the defaults.
-    pub fn resolve(self) -> Resolved {
+    /// Fills in the defaults; only some of the TLS files is an error.
+    pub fn resolve(self) -> Result<Resolved, ConfigError> {
         let endpoints = self
             .endpoints
             .filter(|endpoints| !endpoints.is_empty())
             .unwrap_or_else(|| vec![ENDPOINT_DEFAULT.to_owned()]);
         debug_assert!(!endpoints.is_empty());
-        Resolved {
+        let tls = api::tls::TlsFiles::from_parts(
+            self.tls_ca_cert,
+            self.tls_cert,
+            self.tls_key,
+            [TLS_CA_CERT.key, TLS_CERT.key, TLS_KEY.key],
+        )
+        .map_err(|error| ConfigError::Conflict(error.to_string()))?;
+        Ok(Resolved {
             endpoints,
             output: self.output.unwrap_or(Format::Table),
             timeout: self.timeout.unwrap_or(TIMEOUT_DEFAULT),
-        }
+            insecure: self.insecure.unwrap_or(false),
+            tls,
+        })
     }
 }
 
@@ -131,6 +197,10 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         endpoints: higher.endpoints.or(lower.endpoints),
         output: higher.output.or(lower.output),
         timeout: higher.timeout.or(lower.timeout),
+        insecure: higher.insecure.or(lower.insecure),
+        tls_ca_cert: higher.tls_ca_cert.or(lower.tls_ca_cert),
+        tls_cert: higher.tls_cert.or(lower.tls_cert),
+        tls_key: higher.tls_key.or(lower.tls_key),
     }
 }
 
@@ -151,7 +221,7 @@ pub fn load(cli: &Cli, env: &dyn Environment) -> Result<Resolved, ConfigError> {
         Settings::from_flags(cli),
         merge(Settings::from_env(env)?, file),
     );
-    Ok(settings.resolve())
+    settings.resolve()
 }
 
 #[cfg(test)]
@@ -210,7 +280,9 @@ mod tests {
             Resolved {
                 endpoints: vec![ENDPOINT_DEFAULT.to_owned()],
                 output: Format::Table,
-                timeout: TIMEOUT_DEFAULT
+                timeout: TIMEOUT_DEFAULT,
+                insecure: false,
+                tls: None,
             }
         );
     }

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use api::size::format_bytes;
 
 use crate::output::{NONE, Table, age, format_milli, or_none, timestamp, yes_no};
-use crate::views::{NodeView, SliceView, TenantView};
+use crate::views::{HealthView, NodeView, ProcessView, SliceView, TenantView, UsageView};
 
 /// Width of the key column, so values line up.
 const KEY_WIDTH: usize = 18;
@@ -37,8 +37,8 @@ fn pairs(map: &BTreeMap<String, String>) -> String {
         .join(",")
 }
 
-/// `describe tenant NAME`.
-pub fn tenant_text(tenant: &TenantView) -> String {
+/// `describe tenant NAME`; `now_unix_ms` dates the usage reports.
+pub fn tenant_text(tenant: &TenantView, now_unix_ms: i64) -> String {
     let mut text = String::new();
     field(&mut text, 0, "Name", &tenant.name);
     field(&mut text, 0, "State", &tenant.state);
@@ -71,12 +71,30 @@ pub fn tenant_text(tenant: &TenantView) -> String {
     field(&mut text, 2, "Preemptible", yes_no(request.preemptible));
     field(&mut text, 2, "NVLink", &request.nvlink);
     field(&mut text, 2, "Node selector", pairs(&request.node_selector));
+    let bandwidth = match request.bandwidth_weight {
+        0 => "default (the compute share)".to_owned(),
+        weight => weight.to_string(),
+    };
+    field(&mut text, 2, "Bandwidth weight", bandwidth);
 
     text.push_str("Placement:\n");
     if tenant.slices.is_empty() {
         block(&mut text, 2, "<none>");
     } else {
         block(&mut text, 2, &slices_table(&tenant.slices).render());
+    }
+
+    if !tenant.slices.is_empty() {
+        text.push_str("Usage:\n");
+        if tenant.usage.is_empty() {
+            block(&mut text, 2, "<none reported yet>");
+        } else {
+            block(
+                &mut text,
+                2,
+                &usage_table(&tenant.usage, now_unix_ms).render(),
+            );
+        }
     }
 
     text.push_str("History:\n");
@@ -94,6 +112,127 @@ pub fn tenant_text(tenant: &TenantView) -> String {
         block(&mut text, 2, &table.render());
     }
     text
+}
+
+/// GPU time as seconds with one decimal (`12.3s`).
+pub fn gpu_time(ns: u64) -> String {
+    format!("{:.1}s", ns as f64 / 1e9)
+}
+
+fn processes_text(processes: &[ProcessView], with_tenant: bool) -> String {
+    if processes.is_empty() {
+        return NONE.into();
+    }
+    processes
+        .iter()
+        .map(|p| {
+            let owner = if with_tenant && !p.tenant.is_empty() {
+                format!(" {}", p.tenant)
+            } else {
+                String::new()
+            };
+            format!("{}{owner} {}", p.pid, format_bytes(p.memory_bytes))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn usage_table(usage: &[UsageView], now_unix_ms: i64) -> Table {
+    let mut table = Table::new(&[
+        "NODE",
+        "GPU",
+        "MEMORY USED/LIMIT",
+        "GPU TIME",
+        "PROCS",
+        "PIDS",
+        "REPORTED",
+    ]);
+    for entry in usage {
+        let limit = match entry.memory_limit_bytes {
+            0 => "unlimited".to_owned(),
+            bytes => format_bytes(bytes),
+        };
+        table.row(vec![
+            entry.node.clone(),
+            entry.gpu_index.to_string(),
+            format!("{}/{limit}", format_bytes(entry.memory_used_bytes)),
+            gpu_time(entry.gpu_time_ns),
+            entry.process_count.to_string(),
+            processes_text(&entry.processes, false),
+            age(entry.reported_unix_ms, now_unix_ms),
+        ]);
+    }
+    table
+}
+
+/// The `Health:` lines of one GPU in `describe node`.
+fn health_text(text: &mut String, health: Option<&HealthView>, now_unix_ms: i64) {
+    let Some(health) = health else {
+        field(text, 4, "Health", "<not reported yet>");
+        return;
+    };
+    let unsupported = |query: &str| health.unsupported.iter().any(|q| q == query);
+    let xid = if unsupported("xid") {
+        "unsupported".to_owned()
+    } else if health.xid_errors == 0 {
+        "0".to_owned()
+    } else {
+        format!(
+            "{} (last XID {}, {})",
+            health.xid_errors,
+            health.last_xid,
+            age(health.last_xid_unix_ms, now_unix_ms)
+        )
+    };
+    field(text, 4, "XID errors", xid);
+    let ecc = match (health.ecc_corrected, health.ecc_uncorrected) {
+        (None, None) => "unsupported".to_owned(),
+        (corrected, uncorrected) => format!(
+            "{} corrected, {} uncorrected (volatile)",
+            corrected.map_or_else(|| NONE.to_owned(), |c| c.to_string()),
+            uncorrected.map_or_else(|| NONE.to_owned(), |u| u.to_string())
+        ),
+    };
+    field(text, 4, "ECC errors", ecc);
+    let throttle = if unsupported("throttle") {
+        "unsupported".to_owned()
+    } else if health.throttle_reasons.is_empty() {
+        "none".to_owned()
+    } else {
+        health.throttle_reasons.join(", ")
+    };
+    field(text, 4, "Throttled", throttle);
+    let optional = |value: Option<String>| value.unwrap_or_else(|| "unsupported".to_owned());
+    field(
+        text,
+        4,
+        "Temperature",
+        optional(health.temperature_celsius.map(|c| format!("{c} C"))),
+    );
+    field(
+        text,
+        4,
+        "Utilization",
+        optional(health.utilization_percent.map(|p| format!("{p}%"))),
+    );
+    field(
+        text,
+        4,
+        "Memory used",
+        optional(health.memory_used_bytes.map(format_bytes)),
+    );
+    let processes = if unsupported("processes") {
+        "unsupported".to_owned()
+    } else {
+        processes_text(&health.processes, true)
+    };
+    field(text, 4, "Processes", processes);
+    field(
+        text,
+        4,
+        "Reported",
+        age(health.reported_unix_ms, now_unix_ms),
+    );
 }
 
 fn slices_table(slices: &[SliceView]) -> Table {
@@ -266,6 +405,7 @@ pub fn node_text(node: &NodeView, tenants: &[TenantView], now_unix_ms: i64) -> S
                     .expect("writing to a String");
             }
         }
+        health_text(&mut text, gpu.health.as_ref(), now_unix_ms);
     }
     if node.gpus.is_empty() {
         block(&mut text, 2, NONE);
@@ -280,7 +420,10 @@ mod tests {
 
     #[test]
     fn tenant_text_shows_request_placement_and_history() {
-        let text = tenant_text(&TenantView::from(&samples::placed_tenant()));
+        let text = tenant_text(
+            &TenantView::from(&samples::placed_tenant()),
+            1_700_000_012_000,
+        );
         assert!(
             text.starts_with("Name:             infer-a\nState:            placed\n"),
             "{text}"
@@ -302,8 +445,62 @@ mod tests {
     }
 
     #[test]
+    fn tenant_text_shows_usage_per_gpu() {
+        let tenant = TenantView::from(&samples::placed_tenant());
+        let text = tenant_text(&tenant, 1_700_000_012_000);
+        assert!(
+            text.contains(
+                "  NODE     GPU   MEMORY USED/LIMIT   GPU TIME   PROCS   PIDS        REPORTED\n  node-a   3     3GiB/20GiB          12.3s      2       4242 3GiB   2s ago\n"
+            ),
+            "{text}"
+        );
+        let mut unreported = tenant.clone();
+        unreported.usage.clear();
+        let text = tenant_text(&unreported, 0);
+        assert!(text.contains("Usage:\n  <none reported yet>\n"), "{text}");
+    }
+
+    #[test]
+    fn node_text_shows_gpu_health() {
+        let mut node = NodeView::from(&samples::node());
+        let now = node.last_heartbeat_unix_ms + 3000;
+        node.gpus[0].health = Some(HealthView {
+            xid_errors: 2,
+            last_xid: 79,
+            last_xid_unix_ms: now - 60_000,
+            ecc_corrected: Some(4),
+            ecc_uncorrected: Some(0),
+            throttle_reasons: vec!["sw_power_cap".into(), "hw_slowdown".into()],
+            temperature_celsius: Some(63),
+            utilization_percent: None,
+            memory_used_bytes: Some(3 << 30),
+            unsupported: vec!["utilization".into()],
+            processes: vec![ProcessView {
+                pid: 77,
+                memory_bytes: 3 << 30,
+                tenant: "infer-a".into(),
+            }],
+            reported_unix_ms: now - 1000,
+        });
+        let text = node_text(&node, &[], now);
+        for line in [
+            "    XID errors:   2 (last XID 79, 60s ago)\n",
+            "    ECC errors:   4 corrected, 0 uncorrected (volatile)\n",
+            "    Throttled:    sw_power_cap, hw_slowdown\n",
+            "    Temperature:  63 C\n",
+            "    Utilization:  unsupported\n",
+            "    Memory used:  3GiB\n",
+            "    Processes:    77 infer-a 3GiB\n",
+            "    Reported:     1s ago\n",
+            "    Health:       <not reported yet>\n",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in:\n{text}");
+        }
+    }
+
+    #[test]
     fn pending_tenant_has_no_placement() {
-        let text = tenant_text(&TenantView::from(&samples::pending_tenant()));
+        let text = tenant_text(&TenantView::from(&samples::pending_tenant()), 0);
         assert!(
             text.contains("Reason:           no node has 8 free NVLink-connected GPUs\n"),
             "{text}"

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use api::ErrorCode;
 use api::v1::ClusterStatusRequest;
 use api::v1::cluster_client::ClusterClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// How long to wait for a TCP/HTTP2 connection to one member.
 pub const CONNECT_TIMEOUT_MS: u64 = 1000;
@@ -165,6 +165,8 @@ pub struct EndpointsConfig {
     /// Time limit of one call, retries included (each pass tries every endpoint at least once).
     pub call_timeout: Duration,
     pub connect_timeout: Duration,
+    /// Plain text (`--insecure`) or mTLS.
+    pub transport: api::tls::Transport,
 }
 
 /// The control-plane members this invocation may talk to, with one cached channel per member.
@@ -338,7 +340,10 @@ impl Endpoints {
             return Ok(channel);
         }
         let address = &self.config.addresses[index];
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        let endpoint = self
+            .config
+            .transport
+            .endpoint(address)
             .map_err(|error| format!("bad address: {}", error_chain(&error)))?
             .connect_timeout(self.config.connect_timeout)
             .tcp_nodelay(true);

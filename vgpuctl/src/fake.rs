@@ -275,4 +275,11 @@ impl Cluster for Fake {
         status.members.retain(|member| member.id != id);
         Ok(Response::new(status))
     }
+
+    async fn create_join_token(
+        &self,
+        _: Request<api::v1::CreateJoinTokenRequest>,
+    ) -> Result<Response<api::v1::CreateJoinTokenResponse>, Status> {
+        Err(Status::unimplemented("vgpuctl does not create tokens"))
+    }
 }

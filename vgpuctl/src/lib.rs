@@ -57,10 +57,17 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     let connect_timeout = settings
         .timeout
         .min(Duration::from_millis(endpoints::CONNECT_TIMEOUT_MS));
+    let transport = api::tls::Transport::choose(
+        settings.insecure,
+        settings.tls.as_ref(),
+        "ask an admin for a certificate (`vgpu-cp cert issue --role tenant:OWNER`) and set --tls-ca-cert, --tls-cert and --tls-key (or tls_ca_cert, tls_cert and tls_key in ~/.config/vgpu/vgpuctl.toml)",
+    )
+    .map_err(|error| UsageError(error.to_string()))?;
     let config = EndpointsConfig {
         addresses: settings.endpoints,
         call_timeout: settings.timeout,
         connect_timeout,
+        transport,
     };
     let session = commands::Session {
         endpoints: Endpoints::new(config),

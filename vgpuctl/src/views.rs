@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 
 use api::v1::{
-    ClusterStatus, Gpu, Member, Node, NodeState, NvlinkPeer, NvlinkPolicy, PlacementRequest, Slice,
-    Tenant, TenantEvent, TenantState,
+    ClusterStatus, Gpu, GpuHealth, Member, Node, NodeState, NvlinkPeer, NvlinkPolicy,
+    PlacementRequest, ProcessUsage, Slice, Tenant, TenantEvent, TenantState, TenantUsage,
 };
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +28,54 @@ pub struct TenantView {
     pub revision: u64,
     /// Most recent last.
     pub history: Vec<EventView>,
+    /// Usage per GPU as the node agents last reported it (`describe tenant` only; absent when
+    /// none was reported).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub usage: Vec<UsageView>,
+}
+
+/// What a tenant uses of one GPU (from the interposer's files, reported by the node's agent).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UsageView {
+    pub node: String,
+    /// The GPU's uuid.
+    pub gpu: String,
+    pub gpu_index: u32,
+    pub memory_used_bytes: u64,
+    /// 0 when not limited.
+    pub memory_limit_bytes: u64,
+    pub gpu_time_ns: u64,
+    pub process_count: u32,
+    pub processes: Vec<ProcessView>,
+    /// When the control-plane leader received the report.
+    pub reported_unix_ms: i64,
+}
+
+/// A process on a GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProcessView {
+    pub pid: u32,
+    pub memory_bytes: u64,
+    /// Empty when no tenant's ledger holds the process.
+    pub tenant: String,
+}
+
+/// A GPU's health as its agent last reported it. `None` fields are queries the GPU does not
+/// support (also listed in `unsupported`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HealthView {
+    pub xid_errors: u64,
+    pub last_xid: u32,
+    pub last_xid_unix_ms: i64,
+    pub ecc_corrected: Option<u64>,
+    pub ecc_uncorrected: Option<u64>,
+    pub throttle_reasons: Vec<String>,
+    pub temperature_celsius: Option<u32>,
+    pub utilization_percent: Option<u32>,
+    pub memory_used_bytes: Option<u64>,
+    pub unsupported: Vec<String>,
+    pub processes: Vec<ProcessView>,
+    pub reported_unix_ms: i64,
 }
 
 /// One GPU share of a placed tenant.
@@ -57,6 +105,8 @@ pub struct RequestView {
     pub nvlink: String,
     pub nodes: u32,
     pub node_selector: BTreeMap<String, String>,
+    /// NCCL bandwidth weight; 0 = follows the compute share.
+    pub bandwidth_weight: u32,
 }
 
 /// One entry of a tenant's history.
@@ -98,6 +148,9 @@ pub struct GpuView {
     pub memory_allocated_bytes: u64,
     /// Names of the tenants with a share of this GPU.
     pub tenants: Vec<String>,
+    /// Absent until the node's agent reported it to the current leader.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<HealthView>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -175,6 +228,52 @@ impl From<&Tenant> for TenantView {
             created_unix_ms: tenant.created_unix_ms,
             revision: tenant.revision,
             history: tenant.history.iter().map(EventView::from).collect(),
+            usage: tenant.usage.iter().map(UsageView::from).collect(),
+        }
+    }
+}
+
+impl From<&TenantUsage> for UsageView {
+    fn from(usage: &TenantUsage) -> UsageView {
+        UsageView {
+            node: usage.node.clone(),
+            gpu: usage.gpu.clone(),
+            gpu_index: usage.gpu_index,
+            memory_used_bytes: usage.memory_used_bytes,
+            memory_limit_bytes: usage.memory_limit_bytes,
+            gpu_time_ns: usage.gpu_time_ns,
+            process_count: usage.process_count,
+            processes: usage.processes.iter().map(ProcessView::from).collect(),
+            reported_unix_ms: usage.reported_unix_ms,
+        }
+    }
+}
+
+impl From<&ProcessUsage> for ProcessView {
+    fn from(process: &ProcessUsage) -> ProcessView {
+        ProcessView {
+            pid: process.pid,
+            memory_bytes: process.memory_bytes,
+            tenant: process.tenant.clone(),
+        }
+    }
+}
+
+impl From<&GpuHealth> for HealthView {
+    fn from(health: &GpuHealth) -> HealthView {
+        HealthView {
+            xid_errors: health.xid_errors,
+            last_xid: health.last_xid,
+            last_xid_unix_ms: health.last_xid_unix_ms,
+            ecc_corrected: health.ecc_corrected,
+            ecc_uncorrected: health.ecc_uncorrected,
+            throttle_reasons: health.throttle_reasons.clone(),
+            temperature_celsius: health.temperature_celsius,
+            utilization_percent: health.utilization_percent,
+            memory_used_bytes: health.memory_used_bytes,
+            unsupported: health.unsupported.clone(),
+            processes: health.processes.iter().map(ProcessView::from).collect(),
+            reported_unix_ms: health.reported_unix_ms,
         }
     }
 }
@@ -205,6 +304,7 @@ impl From<&PlacementRequest> for RequestView {
             preemptible: request.preemptible,
             nvlink: nvlink_policy_name(request.nvlink).to_owned(),
             nodes: request.nodes,
+            bandwidth_weight: request.bandwidth_weight,
             node_selector: request
                 .node_selector
                 .iter()
@@ -267,6 +367,7 @@ impl GpuView {
             compute_allocated_percent: gpu.compute_allocated_percent,
             memory_allocated_bytes: gpu.memory_allocated_bytes,
             tenants: gpu.tenants.clone(),
+            health: gpu.health.as_ref().map(HealthView::from),
         }
     }
 }
@@ -349,6 +450,23 @@ pub(crate) mod samples {
             ],
             created_unix_ms: 1_700_000_000_000,
             revision: 42,
+            usage: vec![TenantUsage {
+                tenant: "infer-a".into(),
+                node: "node-a".into(),
+                gpu: "GPU-0003".into(),
+                gpu_index: 3,
+                memory_used_bytes: 3 << 30,
+                memory_limit_bytes: 20 << 30,
+                gpu_time_ns: 12_345_000_000,
+                process_count: 2,
+                processes: vec![ProcessUsage {
+                    pid: 4242,
+                    memory_bytes: 3 << 30,
+                    tenant: "infer-a".into(),
+                }],
+                reported_unix_ms: 1_700_000_010_000,
+            }],
+            ..Default::default()
         }
     }
 
@@ -398,6 +516,7 @@ pub(crate) mod samples {
                         vec![]
                     },
                     node: String::new(),
+                    health: None,
                 })
                 .collect(),
         }
@@ -473,6 +592,7 @@ mod tests {
         assert_eq!(
             keys(request),
             [
+                "bandwidth_weight",
                 "burst",
                 "compute_percent",
                 "memory_bytes_per_gpu",

@@ -182,6 +182,20 @@ impl Engine {
         self.queue.iter().map(|key| key.tenant.clone()).collect()
     }
 
+    /// How many tenants are pending, without listing them.
+    pub fn pending_count(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Every node's name and state, sorted by name, copying nothing: the control plane's leader
+    /// looks at them several times a second, which [`Engine::nodes`] (a usage copy per node)
+    /// makes costly with thousands of nodes.
+    pub fn node_states(&self) -> impl Iterator<Item = (&str, NodeState)> + '_ {
+        self.nodes
+            .iter()
+            .map(|(name, node)| (name.as_str(), node.state))
+    }
+
     pub fn summary(&self) -> PoolSummary {
         let mut summary = PoolSummary::default();
         for node in self.nodes.values() {
@@ -210,10 +224,17 @@ impl Engine {
 
     fn add_node_totals(node: &Node, summary: &mut PoolSummary) {
         summary.gpus_total += node.spec.gpus.len() as u64;
+        // Saturating: GPU memory comes from agents, and a total that overflowed panicked the
+        // `/metrics` handler (the control plane bounds each GPU; this holds without it too).
         for (gpu, usage) in node.spec.gpus.iter().zip(&node.usage) {
-            summary.compute_allocated_percent += u64::from(usage.compute_allocated_percent);
-            summary.memory_total_bytes += gpu.memory_bytes;
-            summary.memory_allocated_bytes += usage.memory_allocated_bytes;
+            summary.compute_allocated_percent = summary
+                .compute_allocated_percent
+                .saturating_add(u64::from(usage.compute_allocated_percent));
+            summary.memory_total_bytes =
+                summary.memory_total_bytes.saturating_add(gpu.memory_bytes);
+            summary.memory_allocated_bytes = summary
+                .memory_allocated_bytes
+                .saturating_add(usage.memory_allocated_bytes);
         }
     }
 

@@ -23,6 +23,8 @@ use crate::{Config, Mode, RaftTimings, control_plane::Timings};
 pub const CONFIG_ENV: &str = "VGPU_CP_CONFIG";
 /// The file read when neither `--config` nor [`CONFIG_ENV`] is given, if it exists.
 pub const CONFIG_PATH_DEFAULT: &str = "/etc/vgpu/vgpu-cp.toml";
+/// The longest timing setting (`*_ms`): a day.
+pub const TIMING_MS_MAX: u64 = 24 * 3600 * 1000;
 
 /// How a member starts when its data directory is empty.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,6 +72,11 @@ pub struct Settings {
     pub election_timeout_ms: Option<u64>,
     pub snapshot_every: Option<u64>,
     pub snapshot_keep_logs: Option<u64>,
+    pub insecure: Option<bool>,
+    pub tls_ca_cert: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_ca_key: Option<PathBuf>,
 }
 
 fn socket_address<'de, D: Deserializer<'de>>(
@@ -183,6 +190,47 @@ const SNAPSHOT_KEEP_LOGS: KeyDoc = KeyDoc {
     example: "1000",
 };
 
+const INSECURE: KeyDoc = KeyDoc {
+    key: "insecure",
+    env: "VGPU_CP_INSECURE",
+    env_aliases: &[],
+    flag: Some("--insecure"),
+    default: "false",
+    example: "false",
+};
+const TLS_CA_CERT: KeyDoc = KeyDoc {
+    key: "tls_ca_cert",
+    env: "VGPU_CP_TLS_CA_CERT",
+    env_aliases: &[],
+    flag: Some("--tls-ca-cert"),
+    default: "required unless insecure",
+    example: "\"/etc/vgpu/tls/ca.crt\"",
+};
+const TLS_CERT: KeyDoc = KeyDoc {
+    key: "tls_cert",
+    env: "VGPU_CP_TLS_CERT",
+    env_aliases: &[],
+    flag: Some("--tls-cert"),
+    default: "required unless insecure",
+    example: "\"/etc/vgpu/tls/member-1.crt\"",
+};
+const TLS_KEY: KeyDoc = KeyDoc {
+    key: "tls_key",
+    env: "VGPU_CP_TLS_KEY",
+    env_aliases: &[],
+    flag: Some("--tls-key"),
+    default: "required unless insecure",
+    example: "\"/etc/vgpu/tls/member-1.key\"",
+};
+const TLS_CA_KEY: KeyDoc = KeyDoc {
+    key: "tls_ca_key",
+    env: "VGPU_CP_TLS_CA_KEY",
+    env_aliases: &[],
+    flag: Some("--tls-ca-key"),
+    default: "none (agents cannot join with a token through this member)",
+    example: "\"/etc/vgpu/tls/ca.key\"",
+};
+
 /// Every key of the `vgpu-cp` configuration file, in the order of the documentation.
 pub const KEYS: &[KeyDoc] = &[
     MODE,
@@ -198,6 +246,11 @@ pub const KEYS: &[KeyDoc] = &[
     ELECTION_TIMEOUT_MS,
     SNAPSHOT_EVERY,
     SNAPSHOT_KEEP_LOGS,
+    INSECURE,
+    TLS_CA_CERT,
+    TLS_CERT,
+    TLS_KEY,
+    TLS_CA_KEY,
 ];
 
 impl Settings {
@@ -219,6 +272,11 @@ impl Settings {
             election_timeout_ms: number(&ELECTION_TIMEOUT_MS, 1)?,
             snapshot_every: number(&SNAPSHOT_EVERY, 1)?,
             snapshot_keep_logs: number(&SNAPSHOT_KEEP_LOGS, 0)?,
+            insecure: common::from_env(env, &INSECURE, common::parse_bool)?,
+            tls_ca_cert: common::from_env(env, &TLS_CA_CERT, common::parse_path)?,
+            tls_cert: common::from_env(env, &TLS_CERT, common::parse_path)?,
+            tls_key: common::from_env(env, &TLS_KEY, common::parse_path)?,
+            tls_ca_key: common::from_env(env, &TLS_CA_KEY, common::parse_path)?,
         })
     }
 
@@ -280,21 +338,46 @@ impl Settings {
             }
             Ok(value)
         };
+        // Timings above a day are mistakes (and the agents' interval travels as a u32 of
+        // milliseconds, and the election timeout is doubled for its maximum).
+        let timing = |key: &KeyDoc, value: Option<u64>, default: u64| {
+            let value = positive(key, value, default)?;
+            if value > TIMING_MS_MAX {
+                return Err(ConfigError::Conflict(format!(
+                    "`{}` ({}, {}) is {value} ms; give at most {TIMING_MS_MAX} (a day)",
+                    key.key,
+                    key.flag.unwrap_or("no flag"),
+                    key.env
+                )));
+            }
+            Ok(value)
+        };
         if id == 0 {
             return Err(ConfigError::Conflict(
                 "the member id is 0; member ids are 1 or more (--id, VGPU_CP_ID, `id`)".to_owned(),
             ));
         }
-        let raft_heartbeat_ms = positive(&RAFT_HEARTBEAT_MS, self.raft_heartbeat_ms, 50)?;
-        let election_timeout_ms = positive(&ELECTION_TIMEOUT_MS, self.election_timeout_ms, 250)?;
+        let raft_heartbeat_ms = timing(&RAFT_HEARTBEAT_MS, self.raft_heartbeat_ms, 50)?;
+        let election_timeout_ms = timing(&ELECTION_TIMEOUT_MS, self.election_timeout_ms, 250)?;
         if election_timeout_ms <= raft_heartbeat_ms {
             return Err(ConfigError::Conflict(format!(
                 "the election timeout ({election_timeout_ms} ms) must exceed the Raft heartbeat ({raft_heartbeat_ms} ms); raise election_timeout_ms (--election-timeout-ms) or lower raft_heartbeat_ms (--raft-heartbeat-ms)"
             )));
         }
-        let node_lost_timeout_ms =
-            positive(&NODE_LOST_TIMEOUT_MS, self.node_lost_timeout_ms, 5000)?;
-        let agent_heartbeat_ms = positive(&AGENT_HEARTBEAT_MS, self.agent_heartbeat_ms, 1000)?;
+        let node_lost_timeout_ms = timing(&NODE_LOST_TIMEOUT_MS, self.node_lost_timeout_ms, 5000)?;
+        let agent_heartbeat_ms = timing(&AGENT_HEARTBEAT_MS, self.agent_heartbeat_ms, 1000)?;
+        let tls = api::tls::TlsFiles::from_parts(
+            self.tls_ca_cert,
+            self.tls_cert,
+            self.tls_key,
+            [TLS_CA_CERT.key, TLS_CERT.key, TLS_KEY.key],
+        )
+        .map_err(|error| ConfigError::Conflict(error.to_string()))?;
+        let security = crate::Security {
+            insecure: self.insecure.unwrap_or(false),
+            tls,
+            ca_key: self.tls_ca_key,
+        };
         let config = Config {
             mode,
             id,
@@ -313,6 +396,7 @@ impl Settings {
                 snapshot_logs_since_last: positive(&SNAPSHOT_EVERY, self.snapshot_every, 20_000)?,
                 snapshot_keep_logs: self.snapshot_keep_logs.unwrap_or(1000),
             },
+            security,
         };
         debug_assert!(config.raft.election_timeout_max_ms > config.raft.election_timeout_min_ms);
         Ok(config)
@@ -335,6 +419,11 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         election_timeout_ms: higher.election_timeout_ms.or(lower.election_timeout_ms),
         snapshot_every: higher.snapshot_every.or(lower.snapshot_every),
         snapshot_keep_logs: higher.snapshot_keep_logs.or(lower.snapshot_keep_logs),
+        insecure: higher.insecure.or(lower.insecure),
+        tls_ca_cert: higher.tls_ca_cert.or(lower.tls_ca_cert),
+        tls_cert: higher.tls_cert.or(lower.tls_cert),
+        tls_key: higher.tls_key.or(lower.tls_key),
+        tls_ca_key: higher.tls_ca_key.or(lower.tls_ca_key),
     }
 }
 

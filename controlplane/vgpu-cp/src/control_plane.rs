@@ -58,10 +58,22 @@ impl Default for Timings {
 pub enum ForwardRequest {
     Write(Command),
     ReadIndex,
-    Heartbeat { node: String },
+    Heartbeat {
+        node: String,
+    },
     HeartbeatTimes,
-    AddMember { id: NodeId, address: String },
-    RemoveMember { id: NodeId },
+    AddMember {
+        id: NodeId,
+        address: String,
+    },
+    RemoveMember {
+        id: NodeId,
+    },
+    /// A heartbeat with its health and usage report: an encoded `HeartbeatRequest`. Answered
+    /// with `Heartbeat { known }`.
+    HeartbeatReport(Vec<u8>),
+    /// The leader's usage and health reports (`crate::usage`).
+    Reports(crate::usage::Filter),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -73,6 +85,7 @@ pub enum ForwardResponse {
     },
     HeartbeatTimes(BTreeMap<String, i64>),
     Membership,
+    Reports(crate::usage::Encoded),
     /// The receiver is not (or no longer) the leader; the sender retries.
     NotLeader,
     Failed {
@@ -90,8 +103,12 @@ pub struct ControlPlane {
     pub metrics: Metrics,
     /// Leader only: node name -> (when, unix ms) of its last heartbeat.
     heartbeats: Mutex<HashMap<String, (Instant, i64)>>,
+    /// Leader only: each node's latest health and usage report (soft state, not logged).
+    pub reports: crate::usage::Reports,
     /// Cached channels to peers, by address.
     peers: Mutex<HashMap<String, RaftClient<Channel>>>,
+    /// Plain text or mTLS, for forwarding to peers.
+    transport: api::tls::Transport,
     /// Local writes, batched into `Command::Batch` entries.
     batcher: tokio::sync::mpsc::Sender<BatchItem>,
 }
@@ -125,6 +142,7 @@ impl ControlPlane {
         raft: Raft,
         shared: Arc<Shared>,
         timings: Timings,
+        transport: api::tls::Transport,
     ) -> ControlPlane {
         let (batcher, queue) = tokio::sync::mpsc::channel(BATCH_QUEUE_MAX);
         tokio::spawn(run_batcher(raft.clone(), queue));
@@ -136,7 +154,9 @@ impl ControlPlane {
             timings,
             metrics: Metrics::default(),
             heartbeats: Mutex::new(HashMap::new()),
+            reports: crate::usage::Reports::default(),
             peers: Mutex::new(HashMap::new()),
+            transport,
             batcher,
         }
     }
@@ -150,7 +170,7 @@ impl ControlPlane {
         if let Some(client) = peers.get(address) {
             return Ok(client.clone());
         }
-        let client = network::raft_client(address)
+        let client = network::raft_client(&self.transport, address)
             .map_err(|e| unavailable(format!("bad peer address {address}: {e}")))?;
         peers.insert(address.to_owned(), client.clone());
         Ok(client)
@@ -158,7 +178,7 @@ impl ControlPlane {
 
     /// Sends `request` to the leader `leader`. `Ok(None)` means: try again (no leader yet, the
     /// target is not the leader any more, or it could not be reached before the request was sent).
-    async fn forward_once(
+    pub(crate) async fn forward_once(
         &self,
         leader: Option<BasicNode>,
         request: &ForwardRequest,
@@ -196,7 +216,11 @@ impl ControlPlane {
     }
 
     /// Runs `attempt` until it yields, retrying while there is no leader, up to the deadline.
-    async fn until_leader<T, F, Fut>(&self, what: &str, mut attempt: F) -> Result<T, Status>
+    pub(crate) async fn until_leader<T, F, Fut>(
+        &self,
+        what: &str,
+        mut attempt: F,
+    ) -> Result<T, Status>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<Option<T>, Status>>,
@@ -317,6 +341,26 @@ impl ControlPlane {
                     known: self.record_heartbeat(&node),
                 }
             }
+            ForwardRequest::HeartbeatReport(bytes) => {
+                if !self.is_leader() {
+                    return ForwardResponse::NotLeader;
+                }
+                match <api::v1::HeartbeatRequest as prost::Message>::decode(bytes.as_slice()) {
+                    Ok(request) => ForwardResponse::Heartbeat {
+                        known: self.record_heartbeat_report(request),
+                    },
+                    Err(error) => ForwardResponse::Failed {
+                        code: ErrorCode::InvalidArgument,
+                        message: format!("the forwarded heartbeat does not decode: {error}"),
+                    },
+                }
+            }
+            ForwardRequest::Reports(filter) => {
+                if !self.is_leader() {
+                    return ForwardResponse::NotLeader;
+                }
+                ForwardResponse::Reports(crate::usage::encode(&self.reports.snapshot(&filter)))
+            }
             ForwardRequest::HeartbeatTimes => {
                 if !self.is_leader() {
                     return ForwardResponse::NotLeader;
@@ -338,13 +382,18 @@ impl ControlPlane {
         }
     }
 
-    fn record_heartbeat(&self, node: &str) -> bool {
+    pub(crate) fn record_heartbeat(&self, node: &str) -> bool {
         let known = self.shared.read().pool.nodes.contains_key(node);
         if known {
-            self.heartbeats
-                .lock()
-                .expect("heartbeats lock")
-                .insert(node.to_owned(), (Instant::now(), unix_ms()));
+            let beat = (Instant::now(), unix_ms());
+            let mut heartbeats = self.heartbeats.lock().expect("heartbeats lock");
+            // Thousands of beats a second: allocate the name only for a node's first beat.
+            match heartbeats.get_mut(node) {
+                Some(last) => *last = beat,
+                None => {
+                    heartbeats.insert(node.to_owned(), beat);
+                }
+            }
         }
         known
     }
@@ -403,7 +452,7 @@ impl ControlPlane {
             .cloned()
     }
 
-    fn leader_node(&self) -> Option<BasicNode> {
+    pub(crate) fn leader_node(&self) -> Option<BasicNode> {
         let receiver = self.raft.metrics();
         let metrics = receiver.borrow();
         let leader = metrics.current_leader?;
@@ -570,7 +619,7 @@ impl ControlPlane {
                     tracing::warn!(error = %status.message(), "could not record a node state change");
                 }
             }
-            let pending = self.shared.read().pool.engine.summary().tenants_pending;
+            let pending = self.shared.read().pool.engine.pending_count();
             if pending > 0 && last_retry.elapsed() >= self.timings.retry_interval {
                 last_retry = Instant::now();
                 if let Err(status) = self.write(Command::Retry { unix_ms: unix_ms() }).await {
@@ -586,25 +635,27 @@ impl ControlPlane {
     ) -> Vec<(String, placement::NodeState, String)> {
         let now = Instant::now();
         let timeout = self.timings.node_lost_timeout;
-        let heartbeats = self.heartbeats.lock().expect("heartbeats lock").clone();
         let applied = self.shared.read();
+        // Looked up under the lock rather than cloned: with thousands of nodes a copy of the map
+        // every loop tick costs more than the lookups. Lock order: state, then heartbeats
+        // (`record_heartbeat` never holds both).
+        let heartbeats = self.heartbeats.lock().expect("heartbeats lock");
         let mut changes = Vec::new();
-        for view in applied.pool.engine.nodes() {
-            let name = &view.spec.name;
+        for (name, state) in applied.pool.engine.node_states() {
             let last = heartbeats.get(name).map(|(at, _)| *at);
-            match view.state {
+            match state {
                 placement::NodeState::Ready => {
                     let reference = last.map_or(leader_since, |at| at.max(leader_since));
                     if now.duration_since(reference) > timeout {
                         let reason =
                             format!("no heartbeat for more than {:.1}s", timeout.as_secs_f64());
-                        changes.push((name.clone(), placement::NodeState::Lost, reason));
+                        changes.push((name.to_owned(), placement::NodeState::Lost, reason));
                     }
                 }
                 placement::NodeState::Lost => {
                     if last.is_some_and(|at| now.duration_since(at) < timeout) {
                         changes.push((
-                            name.clone(),
+                            name.to_owned(),
                             placement::NodeState::Ready,
                             "heartbeats resumed".to_owned(),
                         ));

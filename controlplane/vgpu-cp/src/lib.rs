@@ -5,6 +5,7 @@
 //! API, bootstraps a cluster or joins one, and runs until SIGINT/SIGTERM. [`config`] gathers its
 //! [`Config`] from flags, `VGPU_CP_*` variables and the TOML configuration file.
 
+pub mod certs;
 pub mod config;
 pub mod control_plane;
 pub mod identity;
@@ -13,9 +14,12 @@ pub mod network;
 pub mod pool;
 pub mod raft_types;
 pub mod runtime;
+pub mod security;
 pub mod service;
 pub mod store;
 pub mod systemd;
+pub mod usage;
+pub mod watchers;
 
 use control_plane::{ControlPlane, Timings};
 use raft_types::Raft;
@@ -74,6 +78,8 @@ pub enum Error {
     Join(String),
     #[error("the gRPC server failed: {0}")]
     Serve(String),
+    #[error(transparent)]
+    Tls(#[from] api::tls::TlsError),
 }
 
 #[derive(Clone, Debug)]
@@ -118,6 +124,46 @@ pub struct Config {
     pub data_dir: PathBuf,
     pub timings: Timings,
     pub raft: RaftTimings,
+    pub security: Security,
+}
+
+/// Transport security of a member (`api::tls`).
+#[derive(Clone, Debug, Default)]
+pub struct Security {
+    /// Plain text, no authentication (`--insecure`).
+    pub insecure: bool,
+    /// The CA certificate, this member's certificate and key.
+    pub tls: Option<api::tls::TlsFiles>,
+    /// The CA's key: lets this member sign the certificates of agents joining with a token.
+    pub ca_key: Option<PathBuf>,
+}
+
+/// What `vgpu-cp` says when it has neither certificates nor `--insecure`.
+pub const CERTIFICATE_HINT: &str = "make a CA with `vgpu-cp ca init --dir DIR`, a member certificate with `vgpu-cp cert issue --role member ...`, and set tls_ca_cert, tls_cert and tls_key (--tls-ca-cert, --tls-cert, --tls-key); docs/security.md shows the steps";
+
+impl Security {
+    /// The transport and the API's guard these settings give (reads the files).
+    pub fn load(&self) -> Result<(api::tls::Transport, security::Guard), Error> {
+        let transport =
+            api::tls::Transport::choose(self.insecure, self.tls.as_ref(), CERTIFICATE_HINT)?;
+        let ca_cert_pem = match &transport {
+            api::tls::Transport::Insecure => None,
+            api::tls::Transport::Mtls(credentials) => Some(credentials.ca_pem.clone()),
+        };
+        let ca_signer = match (&ca_cert_pem, &self.ca_key) {
+            (Some(cert_pem), Some(key)) => Some(api::pki::CertAndKey {
+                cert_pem: cert_pem.clone(),
+                key_pem: api::tls::read_pem(key, "CA private key")?,
+            }),
+            _ => None,
+        };
+        let guard = security::Guard {
+            insecure: transport.is_insecure(),
+            ca_cert_pem,
+            ca_signer,
+        };
+        Ok((transport, guard))
+    }
 }
 
 /// Runs one control-plane member until it is told to stop.
@@ -140,6 +186,12 @@ pub struct Started {
 }
 
 pub async fn start(config: Config) -> Result<Started, Error> {
+    let (transport, guard) = config.security.load()?;
+    if transport.is_insecure() {
+        tracing::warn!(
+            "running with --insecure: plain-text gRPC, no authentication; every caller is an admin"
+        );
+    }
     let data_dir = config.data_dir.clone();
     let io = |source| Error::DataDir {
         path: data_dir.clone(),
@@ -161,7 +213,7 @@ pub async fn start(config: Config) -> Result<Started, Error> {
             });
         }
         (Some(found), Mode::Join { peers }) => {
-            let peer = peer_cluster_id(peers, Duration::from_secs(1))
+            let peer = peer_cluster_id(&transport, peers, Duration::from_secs(1))
                 .await
                 .ok()
                 .flatten();
@@ -180,7 +232,7 @@ pub async fn start(config: Config) -> Result<Started, Error> {
         (Some(found), Mode::Bootstrap) => found.cluster_id.clone(),
         (None, Mode::Bootstrap) => identity::new_cluster_id(),
         (None, Mode::Join { peers }) => {
-            match peer_cluster_id(peers, Duration::from_secs(30)).await? {
+            match peer_cluster_id(&transport, peers, Duration::from_secs(30)).await? {
                 Some((_, cluster_id)) => cluster_id,
                 None => unreachable!("a successful lookup names a cluster"),
             }
@@ -221,6 +273,7 @@ pub async fn start(config: Config) -> Result<Started, Error> {
     .validate()?;
     let network = network::NetworkFactory {
         cluster_id: cluster_id.clone(),
+        transport: transport.clone(),
     };
     let raft = Raft::new(
         config.id,
@@ -237,6 +290,7 @@ pub async fn start(config: Config) -> Result<Started, Error> {
         raft,
         shared,
         config.timings.clone(),
+        transport.clone(),
     ));
 
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -245,7 +299,7 @@ pub async fn start(config: Config) -> Result<Started, Error> {
             address: config.listen,
             source,
         })?;
-    let server = serve(control_plane.clone(), listener);
+    let server = serve(control_plane.clone(), listener, &transport, guard)?;
     tokio::spawn(async move {
         if let Err(error) = server.await {
             tracing::error!(%error, "the API server stopped");
@@ -279,7 +333,7 @@ pub async fn start(config: Config) -> Result<Started, Error> {
                 .await
                 .map_err(|e| Error::RaftStart(e.to_string()))?;
             if !initialized {
-                join(peers, config.id, &config.advertise).await?;
+                join(&transport, peers, config.id, &config.advertise).await?;
             }
         }
     }
@@ -290,13 +344,17 @@ pub async fn start(config: Config) -> Result<Started, Error> {
     })
 }
 
-/// Serves the gRPC API and `/metrics` on one listener.
-async fn serve(
+/// Serves the gRPC API and `/metrics` on one listener (TLS under mTLS: `/metrics` then needs
+/// the cluster CA to verify the server, but no client certificate).
+fn serve(
     control_plane: Arc<ControlPlane>,
     listener: tokio::net::TcpListener,
-) -> Result<(), Error> {
+    transport: &api::tls::Transport,
+    guard: security::Guard,
+) -> Result<impl std::future::Future<Output = Result<(), Error>> + use<>, Error> {
     let service = service::Service {
         control_plane: control_plane.clone(),
+        guard: Arc::new(guard),
     };
     let size = network::MESSAGE_BYTES_MAX;
     let routes = tonic::service::Routes::new(
@@ -325,21 +383,40 @@ async fn serve(
                     last_log_index: metrics.last_log_index.unwrap_or(0),
                     last_applied: metrics.last_applied.map_or(0, |id| id.index),
                 };
-                control_plane.metrics.render(&facts, &control_plane.shared)
+                let mut text = control_plane.metrics.render(&facts, &control_plane.shared);
+                // Usage and health: on the leader only (see `usage`).
+                if control_plane.is_leader() {
+                    let reports = control_plane.reports.snapshot(&usage::Filter::All);
+                    let applied = control_plane.shared.read();
+                    usage::render(&mut text, &reports, |node| {
+                        applied.pool.nodes.contains_key(node)
+                    });
+                }
+                text
             }
         }),
     );
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = transport.server_config() {
+        builder = builder
+            .tls_config(tls)
+            .map_err(|e| Error::Serve(format!("the TLS settings: {e}")))?;
+    }
+    let server = builder
         .accept_http1(true)
-        .add_routes(tonic::service::Routes::from(router))
-        .serve_with_incoming(incoming)
-        .await
-        .map_err(|e| Error::Serve(e.to_string()))
+        .add_routes(tonic::service::Routes::from(router));
+    Ok(async move {
+        server
+            .serve_with_incoming(incoming)
+            .await
+            .map_err(|e| Error::Serve(e.to_string()))
+    })
 }
 
 /// Asks the peers, in turn, for their cluster id. Retries until `patience` runs out.
 async fn peer_cluster_id(
+    transport: &api::tls::Transport,
     peers: &[String],
     patience: Duration,
 ) -> Result<Option<(String, String)>, Error> {
@@ -347,7 +424,7 @@ async fn peer_cluster_id(
     let mut last = String::from("no peer given");
     loop {
         for peer in peers {
-            match cluster_client(peer).await {
+            match cluster_client(transport, peer) {
                 Ok(mut client) => match client.status(api::v1::ClusterStatusRequest {}).await {
                     Ok(status) => return Ok(Some((peer.clone(), status.into_inner().cluster_id))),
                     Err(status) => last = format!("{peer}: {}", status.message()),
@@ -365,24 +442,27 @@ async fn peer_cluster_id(
     }
 }
 
-async fn cluster_client(
+fn cluster_client(
+    transport: &api::tls::Transport,
     peer: &str,
-) -> Result<
-    api::v1::cluster_client::ClusterClient<tonic::transport::Channel>,
-    tonic::transport::Error,
-> {
-    let channel = network::channel(peer)?;
+) -> Result<api::v1::cluster_client::ClusterClient<tonic::transport::Channel>, api::tls::TlsError> {
+    let channel = network::channel(transport, peer)?;
     Ok(api::v1::cluster_client::ClusterClient::new(channel))
 }
 
 /// Asks the cluster (through any peer; it forwards to the leader) to add this member.
-async fn join(peers: &[String], id: u64, advertise: &str) -> Result<(), Error> {
+async fn join(
+    transport: &api::tls::Transport,
+    peers: &[String],
+    id: u64,
+    advertise: &str,
+) -> Result<(), Error> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     let mut last = String::new();
     loop {
         for peer in peers {
             tracing::info!(%peer, id, "asking to join the cluster (learner first, voter once caught up)");
-            let Ok(mut client) = cluster_client(peer).await else {
+            let Ok(mut client) = cluster_client(transport, peer) else {
                 continue;
             };
             let request = api::v1::AddMemberRequest {

@@ -42,6 +42,111 @@ enum Mode {
         #[command(flatten)]
         peers: Peers,
     },
+    /// The cluster CA: create one, or print the pin agents join with.
+    #[command(subcommand)]
+    Ca(CaCommand),
+    /// Certificates signed by the cluster CA.
+    #[command(subcommand)]
+    Cert(CertCommand),
+    /// Bootstrap tokens for `vgpu-agent join --token`.
+    #[command(subcommand)]
+    Token(TokenCommand),
+}
+
+#[derive(Subcommand)]
+enum CaCommand {
+    /// Create a new cluster CA: DIR/ca.crt and DIR/ca.key (mode 0600).
+    Init {
+        /// Where the CA goes.
+        #[arg(long, value_name = "DIR")]
+        dir: PathBuf,
+        /// The CA's common name.
+        #[arg(long, default_value = "vgpu cluster CA")]
+        common_name: String,
+        /// Validity in days.
+        #[arg(long, default_value_t = api::pki::CA_DAYS_DEFAULT)]
+        days: u32,
+    },
+    /// Print the `sha256:` pin of a CA certificate, for `vgpu-agent join --ca-cert-hash`.
+    Hash {
+        /// The CA certificate.
+        #[arg(long, value_name = "FILE")]
+        ca_cert: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum CertCommand {
+    /// Issue a certificate and key (OUT_DIR/NAME.crt, OUT_DIR/NAME.key with mode 0600).
+    Issue {
+        /// The CA's directory, as `ca init` made it (ca.crt and ca.key).
+        #[arg(long, value_name = "DIR")]
+        ca_dir: PathBuf,
+        /// admin, tenant:OWNER, agent (NAME = the node name) or member (NAME = the member id).
+        #[arg(long, value_parser = role)]
+        role: api::tls::Role,
+        /// The certificate's common name (and file name).
+        #[arg(long)]
+        name: String,
+        /// DNS names or IP addresses the holder serves on (members: every address peers,
+        /// agents and vgpuctl use); comma-separated or repeated.
+        #[arg(long, value_delimiter = ',')]
+        host: Vec<String>,
+        /// Validity in days.
+        #[arg(long, default_value_t = api::pki::CERT_DAYS_DEFAULT)]
+        days: u32,
+        /// Where the files go.
+        #[arg(long, value_name = "DIR")]
+        out_dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum TokenCommand {
+    /// Create a short-lived bootstrap token (needs an admin certificate) and print it with the
+    /// `vgpu-agent join` flags that use it.
+    Create {
+        /// How long the token is valid: `30m`, `1h`, `24h` (at most 7 days).
+        #[arg(long, default_value = "1h", value_parser = ttl)]
+        ttl: std::time::Duration,
+        /// A control-plane member, HOST:PORT.
+        #[arg(long, default_value = "127.0.0.1:7401")]
+        endpoint: String,
+        /// The cluster CA certificate.
+        #[arg(long, value_name = "FILE")]
+        ca_cert: PathBuf,
+        /// An admin certificate.
+        #[arg(long, value_name = "FILE")]
+        cert: PathBuf,
+        /// Its key.
+        #[arg(long, value_name = "FILE")]
+        key: PathBuf,
+    },
+}
+
+fn role(text: &str) -> Result<api::tls::Role, String> {
+    text.parse()
+}
+
+/// `90s`, `30m`, `1h`, `2d`, or plain seconds.
+fn ttl(text: &str) -> Result<std::time::Duration, String> {
+    let text = text.trim();
+    let (number, unit) = text
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((text, "s"), |at| text.split_at(at));
+    let seconds_per = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        _ => return Err(format!("`{text}` is not a duration; write 30m, 1h or 24h")),
+    };
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration; write 30m, 1h or 24h"))?;
+    Ok(std::time::Duration::from_secs(
+        number.saturating_mul(seconds_per),
+    ))
 }
 
 #[derive(Args)]
@@ -87,6 +192,24 @@ struct Common {
     /// Log entries kept behind the last snapshot [default: 1000].
     #[arg(long)]
     snapshot_keep_logs: Option<u64>,
+    /// Plain-text gRPC without authentication: for a trusted development network only [config:
+    /// insecure].
+    #[arg(long)]
+    insecure: bool,
+    /// The cluster CA certificate that peers' and clients' certificates must chain to [config:
+    /// tls_ca_cert].
+    #[arg(long, value_name = "FILE")]
+    tls_ca_cert: Option<PathBuf>,
+    /// This member's certificate (role member) [config: tls_cert].
+    #[arg(long, value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// Its private key [config: tls_key].
+    #[arg(long, value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// The CA's private key, to sign the certificates of agents that join with a token [config:
+    /// tls_ca_key].
+    #[arg(long, value_name = "FILE")]
+    tls_ca_key: Option<PathBuf>,
 }
 
 impl Common {
@@ -106,6 +229,11 @@ impl Common {
             election_timeout_ms: self.election_timeout_ms,
             snapshot_every: self.snapshot_every,
             snapshot_keep_logs: self.snapshot_keep_logs,
+            insecure: self.insecure.then_some(true),
+            tls_ca_cert: self.tls_ca_cert,
+            tls_cert: self.tls_cert,
+            tls_key: self.tls_key,
+            tls_ca_key: self.tls_ca_key,
         }
     }
 }
@@ -131,6 +259,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Mode::Bootstrap(common) => common.settings(Some(ModeName::Bootstrap), Vec::new()),
         Mode::Join { common, peers } => common.settings(Some(ModeName::Join), peers.peer),
         Mode::Run { common, peers } => common.settings(None, peers.peer),
+        Mode::Ca(command) => return ca(command),
+        Mode::Cert(command) => return cert(command),
+        Mode::Token(command) => return token(command),
     };
     let config = vgpu_cp::config::load(
         flags,
@@ -141,5 +272,69 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     runtime
         .block_on(vgpu_cp::run(config))
         .context("vgpu-cp failed")?;
+    Ok(())
+}
+
+fn ca(command: CaCommand) -> anyhow::Result<()> {
+    match command {
+        CaCommand::Init {
+            dir,
+            common_name,
+            days,
+        } => {
+            let (cert, key, hash) = vgpu_cp::certs::ca_init(&dir, &common_name, days)?;
+            println!("CA certificate: {}", cert.display());
+            println!(
+                "CA key:         {} (mode 0600; keep it secret)",
+                key.display()
+            );
+            println!("CA pin:         {hash}");
+        }
+        CaCommand::Hash { ca_cert } => {
+            let pem = api::tls::read_pem(&ca_cert, "CA certificate")?;
+            println!("{}", api::pki::ca_cert_hash(&pem)?);
+        }
+    }
+    Ok(())
+}
+
+fn cert(command: CertCommand) -> anyhow::Result<()> {
+    let CertCommand::Issue {
+        ca_dir,
+        role,
+        name,
+        host,
+        days,
+        out_dir,
+    } = command;
+    let ca = vgpu_cp::certs::load_ca(
+        &ca_dir.join(vgpu_cp::certs::CA_CERT_FILE),
+        &ca_dir.join(vgpu_cp::certs::CA_KEY_FILE),
+    )?;
+    let (cert, key) = vgpu_cp::certs::cert_issue(&ca, role.clone(), &name, host, days, &out_dir)?;
+    println!("certificate: {} (role {role}, name {name})", cert.display());
+    println!("key:         {} (mode 0600)", key.display());
+    Ok(())
+}
+
+fn token(command: TokenCommand) -> anyhow::Result<()> {
+    let TokenCommand::Create {
+        ttl,
+        endpoint,
+        ca_cert,
+        cert,
+        key,
+    } = command;
+    let files = api::tls::TlsFiles { ca_cert, cert, key };
+    let transport = api::tls::Transport::choose(false, Some(&files), "")?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let created = runtime.block_on(vgpu_cp::certs::token_create(&transport, &endpoint, ttl))?;
+    println!("{}", created.token);
+    eprintln!(
+        "expires in {} s; join a node with:\n  vgpu-agent join --control-plane {endpoint} --token {} --ca-cert-hash {}",
+        ttl.as_secs(),
+        created.token,
+        created.ca_cert_hash
+    );
     Ok(())
 }

@@ -2,7 +2,7 @@
 //!
 //! Gauges about the pool are computed from the applied state at scrape time (so they are never
 //! stale or double-counted); the commit-latency histogram is recorded by the leader as writes
-//! commit.
+//! commit, the heartbeat histogram by whichever member an agent's heartbeat reaches.
 
 use crate::store::Shared;
 use std::fmt::Write;
@@ -14,16 +14,89 @@ const COMMIT_BUCKETS_SECONDS: [f64; 12] = [
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0,
 ];
 
-#[derive(Default)]
+/// Upper bounds of the heartbeat-handling buckets, in seconds.
+const HEARTBEAT_BUCKETS_SECONDS: [f64; 14] = [
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0,
+];
+
+/// A Prometheus histogram with fixed buckets (cumulative counts, as the format wants them).
 struct Histogram {
-    counts: [u64; COMMIT_BUCKETS_SECONDS.len()],
+    bounds: &'static [f64],
+    counts: Vec<u64>,
     count: u64,
     sum_seconds: f64,
 }
 
-#[derive(Default)]
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        assert!(bounds.is_sorted(), "bucket bounds ascend");
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len()],
+            count: 0,
+            sum_seconds: 0.0,
+        }
+    }
+
+    fn observe(&mut self, elapsed: Duration) {
+        let seconds = elapsed.as_secs_f64();
+        for (bucket, bound) in self.bounds.iter().enumerate() {
+            if seconds <= *bound {
+                self.counts[bucket] += 1;
+            }
+        }
+        self.count += 1;
+        self.sum_seconds += seconds;
+    }
+
+    /// Writes the samples of one series; `labels` is empty or `key="value",...`.
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        for (bucket, bound) in self.bounds.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {}",
+                self.counts[bucket]
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}",
+            self.count
+        );
+        let braces = |labels: &str| {
+            if labels.is_empty() {
+                String::new()
+            } else {
+                format!("{{{labels}}}")
+            }
+        };
+        let _ = writeln!(
+            out,
+            "{name}_sum{} {}\n{name}_count{} {}",
+            braces(labels),
+            self.sum_seconds,
+            braces(labels),
+            self.count
+        );
+    }
+}
+
 pub struct Metrics {
     commit: Mutex<Histogram>,
+    /// Heartbeats answered while this member led, and heartbeats it forwarded to the leader.
+    heartbeat_on_leader: Mutex<Histogram>,
+    heartbeat_forwarded: Mutex<Histogram>,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics {
+            commit: Mutex::new(Histogram::new(&COMMIT_BUCKETS_SECONDS)),
+            heartbeat_on_leader: Mutex::new(Histogram::new(&HEARTBEAT_BUCKETS_SECONDS)),
+            heartbeat_forwarded: Mutex::new(Histogram::new(&HEARTBEAT_BUCKETS_SECONDS)),
+        }
+    }
 }
 
 /// Raft facts for the scrape, read from openraft's metrics by the caller.
@@ -37,15 +110,18 @@ pub struct RaftFacts {
 
 impl Metrics {
     pub fn observe_commit(&self, elapsed: Duration) {
-        let seconds = elapsed.as_secs_f64();
-        let mut histogram = self.commit.lock().expect("metrics lock");
-        for (bucket, bound) in COMMIT_BUCKETS_SECONDS.iter().enumerate() {
-            if seconds <= *bound {
-                histogram.counts[bucket] += 1;
-            }
-        }
-        histogram.count += 1;
-        histogram.sum_seconds += seconds;
+        self.commit.lock().expect("metrics lock").observe(elapsed);
+    }
+
+    /// One heartbeat handled by this member, from the request to the answer: recorded here
+    /// (`on_leader`) or forwarded to the leader and answered.
+    pub fn observe_heartbeat(&self, elapsed: Duration, on_leader: bool) {
+        let histogram = if on_leader {
+            &self.heartbeat_on_leader
+        } else {
+            &self.heartbeat_forwarded
+        };
+        histogram.lock().expect("metrics lock").observe(elapsed);
     }
 
     /// Renders every metric.
@@ -95,25 +171,25 @@ impl Metrics {
             raft.last_applied as f64,
         );
         {
-            let histogram = self.commit.lock().expect("metrics lock");
             let name = "vgpu_raft_commit_latency_seconds";
             let _ = writeln!(
                 out,
                 "# HELP {name} Time from proposal to applied, for writes led by this node.\n# TYPE {name} histogram"
             );
-            for (bucket, bound) in COMMIT_BUCKETS_SECONDS.iter().enumerate() {
-                let _ = writeln!(
-                    out,
-                    "{name}_bucket{{le=\"{bound}\"}} {}",
-                    histogram.counts[bucket]
-                );
-            }
-            let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", histogram.count);
+            let histogram = self.commit.lock().expect("metrics lock");
+            histogram.render(&mut out, name, "");
+        }
+        {
+            let name = "vgpu_heartbeat_handling_seconds";
             let _ = writeln!(
                 out,
-                "{name}_sum {}\n{name}_count {}",
-                histogram.sum_seconds, histogram.count
+                "# HELP {name} Agent heartbeats as this member handled them, from request to answer; path=\"leader\": recorded here as the leader, path=\"forwarded\": forwarded to the leader.\n# TYPE {name} histogram"
             );
+            let on_leader = self.heartbeat_on_leader.lock().expect("metrics lock");
+            on_leader.render(&mut out, name, "path=\"leader\"");
+            drop(on_leader);
+            let forwarded = self.heartbeat_forwarded.lock().expect("metrics lock");
+            forwarded.render(&mut out, name, "path=\"forwarded\"");
         }
         {
             use crate::store::log_store_counters as c;
@@ -236,5 +312,44 @@ impl Metrics {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heartbeat_histograms_render_cumulative_buckets_per_path() {
+        let metrics = Metrics::default();
+        metrics.observe_heartbeat(Duration::from_micros(80), true);
+        metrics.observe_heartbeat(Duration::from_millis(3), true);
+        metrics.observe_heartbeat(Duration::from_millis(30), false);
+        let mut out = String::new();
+        metrics
+            .heartbeat_on_leader
+            .lock()
+            .unwrap()
+            .render(&mut out, "h", "path=\"leader\"");
+        let line = |le: &str| {
+            out.lines()
+                .find(|line| line.starts_with(&format!("h_bucket{{path=\"leader\",le=\"{le}\"}} ")))
+                .unwrap_or_else(|| panic!("no bucket {le} in {out}"))
+                .rsplit(' ')
+                .next()
+                .unwrap()
+                .to_owned()
+        };
+        assert_eq!(line("0.00005"), "0");
+        assert_eq!(line("0.0001"), "1");
+        assert_eq!(line("0.005"), "2");
+        assert_eq!(line("+Inf"), "2");
+        assert!(out.contains("h_count{path=\"leader\"} 2"), "{out}");
+        let forwarded = metrics.heartbeat_forwarded.lock().unwrap();
+        // 30 ms: above the 25 ms bound, within the 50 ms one.
+        assert_eq!(
+            (forwarded.count, forwarded.counts[8], forwarded.counts[9]),
+            (1, 0, 1)
+        );
     }
 }

@@ -1,8 +1,10 @@
 //! Raft traffic between control-plane peers over gRPC (`vgpu.v1.Raft`), openraft messages
 //! bincode-encoded inside `RaftPayload`. Every payload carries the cluster id; a peer of another
-//! cluster refuses it.
+//! cluster refuses it. Under mTLS each member presents its `member` certificate, and peers refuse
+//! Raft calls from any other role (`security`).
 
 use crate::raft_types::{NodeId, TypeConfig, decode, encode};
+use api::tls::Transport;
 use api::v1::RaftPayload;
 use api::v1::raft_client::RaftClient;
 use openraft::BasicNode;
@@ -15,7 +17,7 @@ use openraft::raft::{
     VoteRequest, VoteResponse,
 };
 use std::time::Duration;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// Time to open a TCP connection to a peer before it counts as unreachable.
 pub const CONNECT_TIMEOUT_MS: u64 = 500;
@@ -24,8 +26,9 @@ pub const MESSAGE_BYTES_MAX: usize = 64 << 20;
 
 /// Opens a gRPC channel to a peer lazily (the first call connects; failures are retried by tonic
 /// on the next call).
-pub fn channel(address: &str) -> Result<Channel, tonic::transport::Error> {
-    let endpoint = Endpoint::from_shared(format!("http://{address}"))?
+pub fn channel(transport: &Transport, address: &str) -> Result<Channel, api::tls::TlsError> {
+    let endpoint = transport
+        .endpoint(address)?
         .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(5))
@@ -33,14 +36,18 @@ pub fn channel(address: &str) -> Result<Channel, tonic::transport::Error> {
     Ok(endpoint.connect_lazy())
 }
 
-pub fn raft_client(address: &str) -> Result<RaftClient<Channel>, tonic::transport::Error> {
-    Ok(RaftClient::new(channel(address)?)
+pub fn raft_client(
+    transport: &Transport,
+    address: &str,
+) -> Result<RaftClient<Channel>, api::tls::TlsError> {
+    Ok(RaftClient::new(channel(transport, address)?)
         .max_decoding_message_size(MESSAGE_BYTES_MAX)
         .max_encoding_message_size(MESSAGE_BYTES_MAX))
 }
 
 pub struct NetworkFactory {
     pub cluster_id: String,
+    pub transport: Transport,
 }
 
 impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
@@ -49,7 +56,7 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerConnection {
         PeerConnection {
             target,
-            client: raft_client(&node.addr).ok(),
+            client: raft_client(&self.transport, &node.addr).ok(),
             address: node.addr.clone(),
             cluster_id: self.cluster_id.clone(),
         }
@@ -99,13 +106,17 @@ impl PeerConnection {
                 Rpc::InstallSnapshot => client.install_snapshot(payload).await,
             }
         };
+        // A peer that answers late is slow, not unreachable: openraft pauses replication to an
+        // `Unreachable` peer for 500 ms, which under load (a busy or shared CPU, 10,000 nodes
+        // heartbeating) turned one late answer into a half-second stall of every commit. Late
+        // answers are network errors, retried at the next heartbeat.
         let response = match tokio::time::timeout(option.hard_ttl(), call).await {
-            Err(elapsed) => return Err(RPCError::Unreachable(Unreachable::new(&elapsed))),
+            Err(elapsed) => return Err(RPCError::Network(NetworkError::new(&elapsed))),
             Ok(Err(status)) => {
                 return Err(match status.code() {
-                    tonic::Code::Unavailable
-                    | tonic::Code::DeadlineExceeded
-                    | tonic::Code::Cancelled => RPCError::Unreachable(Unreachable::new(&status)),
+                    tonic::Code::Unavailable | tonic::Code::Cancelled => {
+                        RPCError::Unreachable(Unreachable::new(&status))
+                    }
                     _ => RPCError::Network(NetworkError::new(&status)),
                 });
             }

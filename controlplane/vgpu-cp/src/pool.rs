@@ -50,7 +50,18 @@ pub enum Command {
     /// Several commands proposed together by the leader (see `control_plane`'s batcher): one
     /// log entry, so one fsync, for many client writes. Applied in order; never nested.
     Batch(Vec<Command>),
+    /// Records a bootstrap token for `vgpu-agent join --token`: only its SHA-256 (hex) and
+    /// expiry, never the token. Drops expired tokens. (Appended last: variants are numbered by
+    /// position in the log encoding.)
+    CreateToken {
+        hash: String,
+        expires_unix_ms: i64,
+        unix_ms: i64,
+    },
 }
+
+/// Most unexpired bootstrap tokens the pool keeps.
+pub const TOKENS_MAX: usize = 1024;
 
 /// Most commands in one `Command::Batch` (their sequence numbers are `index << 16 | position`).
 pub const BATCH_COMMANDS_MAX: usize = 1024;
@@ -121,6 +132,8 @@ pub struct PoolState {
     /// Log index of the last change to each node's assignments or state.
     pub node_revisions: BTreeMap<String, u64>,
     pub counters: Counters,
+    /// Bootstrap tokens: SHA-256 (hex) -> expiry, unix ms.
+    pub tokens: BTreeMap<String, i64>,
 }
 
 impl Default for PoolState {
@@ -131,6 +144,7 @@ impl Default for PoolState {
             tenants: BTreeMap::new(),
             node_revisions: BTreeMap::new(),
             counters: Counters::default(),
+            tokens: BTreeMap::new(),
         }
     }
 }
@@ -191,6 +205,11 @@ impl PoolState {
                 unix_ms,
             } => self.place(index, seq, name, request, unix_ms),
             Command::Release { name, unix_ms } => self.release(index, name, unix_ms),
+            Command::CreateToken {
+                hash,
+                expires_unix_ms,
+                unix_ms,
+            } => self.create_token(hash, expires_unix_ms, unix_ms),
             Command::Retry { unix_ms } => {
                 let Some(commands) = self.handle_guarded(Event::Retry) else {
                     return engine_failure();
@@ -199,6 +218,33 @@ impl PoolState {
                 CommandResult::Done
             }
         }
+    }
+
+    fn create_token(&mut self, hash: String, expires_unix_ms: i64, unix_ms: i64) -> CommandResult {
+        self.tokens.retain(|_, expires| *expires > unix_ms);
+        if expires_unix_ms <= unix_ms || hash.len() != 64 {
+            return failed(
+                ErrorCode::InvalidArgument,
+                "a bootstrap token needs a SHA-256 and an expiry in the future",
+            );
+        }
+        if self.tokens.len() >= TOKENS_MAX && !self.tokens.contains_key(&hash) {
+            return failed(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "{TOKENS_MAX} bootstrap tokens are unexpired; wait for some to expire, or create them with a shorter --ttl"
+                ),
+            );
+        }
+        self.tokens.insert(hash, expires_unix_ms);
+        assert!(self.tokens.len() <= TOKENS_MAX, "tokens are bounded");
+        CommandResult::Done
+    }
+
+    /// The expiry (unix ms) of the token with this SHA-256 (hex), if the pool knows it (an
+    /// expired one stays until the next token is created).
+    pub fn token_expiry(&self, hash: &str) -> Option<i64> {
+        self.tokens.get(hash).copied()
     }
 
     fn register_node(
@@ -465,11 +511,12 @@ impl PoolState {
                 .map(slice_to_proto)
                 .collect();
             if !slices.is_empty() {
-                let priority = decode_request(&record.request).priority;
+                let request = decode_request(&record.request);
                 assignments.push(v1::Assignment {
                     tenant: record.name.clone(),
                     slices,
-                    priority,
+                    priority: request.priority,
+                    bandwidth_weight: request.bandwidth_weight,
                 });
             }
         }
@@ -477,9 +524,11 @@ impl PoolState {
     }
 
     pub fn tenant_to_proto(&self, record: &TenantRecord) -> v1::Tenant {
+        let request = decode_request(&record.request);
         v1::Tenant {
             name: record.name.clone(),
-            request: Some(decode_request(&record.request)),
+            owner: request.owner.clone(),
+            request: Some(request),
             state: tenant_state_to_proto(record.state) as i32,
             reason: record.reason.clone(),
             slices: record.slices.iter().map(slice_to_proto).collect(),
@@ -494,6 +543,8 @@ impl PoolState {
                 .collect(),
             created_unix_ms: record.created_unix_ms,
             revision: record.revision,
+            // Filled in by `GetTenant` from the leader's reports (`usage`).
+            usage: Vec::new(),
         }
     }
 
@@ -527,6 +578,8 @@ impl PoolState {
                 memory_allocated_bytes: usage.memory_allocated_bytes,
                 tenants: usage.tenants.clone(),
                 node: name.to_owned(),
+                // Filled in by the reads from the leader's reports (`usage`).
+                health: None,
             })
             .collect();
         Some(v1::Node {
@@ -648,6 +701,16 @@ pub fn validate_node_spec(spec: &NodeSpec) -> Result<(), String> {
             return Err(format!(
                 "node `{}` reports GPU {} with no memory",
                 spec.name, gpu.index
+            ));
+        }
+        if gpu.memory_bytes > api::validate::GPU_MEMORY_BYTES_MAX {
+            return Err(format!(
+                "node `{}` reports GPU {} with {} bytes of memory; the limit is {} ({})",
+                spec.name,
+                gpu.index,
+                gpu.memory_bytes,
+                api::validate::GPU_MEMORY_BYTES_MAX,
+                api::size::format_bytes(api::validate::GPU_MEMORY_BYTES_MAX)
             ));
         }
     }

@@ -377,3 +377,50 @@ fn a_batch_applies_its_commands_in_order_with_one_result_each() {
     assert_eq!(state.tenants["second"].state, TenantState::Placed);
     assert_eq!(state.tenants["second"].revision, 2);
 }
+
+#[test]
+fn tokens_keep_only_their_hash_and_expire() {
+    let mut state = PoolState::default();
+    let create = |hash: &str, expires_unix_ms: i64, unix_ms: i64| Command::CreateToken {
+        hash: hash.to_owned(),
+        expires_unix_ms,
+        unix_ms,
+    };
+    let first = "a".repeat(64);
+    let second = "b".repeat(64);
+    assert_eq!(
+        state.apply(1, create(&first, 2_000, 1_000)),
+        CommandResult::Done
+    );
+    assert_eq!(state.token_expiry(&first), Some(2_000));
+    // Creating another after the first expired drops the first.
+    assert_eq!(
+        state.apply(2, create(&second, 9_000, 3_000)),
+        CommandResult::Done
+    );
+    assert_eq!(state.token_expiry(&first), None);
+    assert_eq!(state.token_expiry(&second), Some(9_000));
+    // An expiry in the past or a malformed hash is refused and changes nothing.
+    for bad in [
+        create(&"c".repeat(64), 3_000, 4_000),
+        create("short", 9_000, 4_000),
+    ] {
+        assert!(matches!(
+            state.apply(3, bad),
+            CommandResult::Failed {
+                code: ErrorCode::InvalidArgument,
+                ..
+            }
+        ));
+    }
+    assert_eq!(state.tokens.len(), 1);
+    // The tokens are bounded.
+    for index in 0..TOKENS_MAX as u64 {
+        state.apply(4 + index, create(&format!("{index:064}"), 9_000, 4_000));
+    }
+    assert_eq!(state.tokens.len(), TOKENS_MAX);
+    assert!(matches!(
+        state.apply(5000, create(&"d".repeat(64), 9_000, 4_000)),
+        CommandResult::Failed { .. }
+    ));
+}

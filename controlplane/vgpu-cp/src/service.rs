@@ -1,11 +1,12 @@
 //! The gRPC services (`vgpu.v1.Pool`, `Agent`, `Cluster`, `Raft`) over one [`ControlPlane`].
 //!
-//! Handlers validate input before anything reaches the log, so bad input is refused with a clear
-//! message and changes nothing.
+//! Handlers check the caller's role (`security::Guard`) and validate input before anything
+//! reaches the log, so a refused or bad request gets a clear message and changes nothing.
 
 use crate::control_plane::{ControlPlane, ForwardRequest, unix_ms};
 use crate::pool::{Command, CommandResult, node_spec_from_proto, validate_node_spec};
 use crate::raft_types::{decode, encode};
+use crate::security::{Guard, TOKEN_TTL_MAX_SECONDS, TenantScope, denied};
 use api::ErrorCode;
 use api::v1::{self, RaftPayload};
 use prost::Message;
@@ -19,6 +20,7 @@ const WATCH_BUFFER_MAX: usize = 4;
 #[derive(Clone)]
 pub struct Service {
     pub control_plane: Arc<ControlPlane>,
+    pub guard: Arc<Guard>,
 }
 
 fn invalid(message: impl std::fmt::Display) -> Status {
@@ -70,6 +72,11 @@ impl Service {
             .get(name)
             .copied()
             .unwrap_or(0);
+        let reports = self
+            .control_plane
+            .reports(crate::usage::Filter::Node(name.to_owned()))
+            .await;
+        crate::usage::attach_health(&mut node, reports.get(name));
         Ok(node)
     }
 
@@ -118,12 +125,26 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::PlaceRequest>,
     ) -> Result<Response<v1::PlaceResponse>, Status> {
+        let (peer, scope) = self.guard.tenants(&request, "placing tenants")?;
         let request = request.into_inner();
         api::names::validate("tenant", &request.name).map_err(invalid)?;
-        let placement = request
+        let mut placement = request
             .request
             .ok_or_else(|| invalid("the placement request is missing"))?;
         api::validate::validate_request(&placement).map_err(invalid)?;
+        if let TenantScope::Owner(owner) = &scope {
+            if !placement.owner.is_empty() && placement.owner != *owner {
+                return Err(denied(
+                    &peer,
+                    &format!("placing tenants for owner `{}`", placement.owner),
+                ));
+            }
+            placement.owner = owner.clone();
+            self.check_owner(&peer, &scope, &request.name, "replacing")?;
+        }
+        if !placement.owner.is_empty() {
+            api::names::validate("owner", &placement.owner).map_err(invalid)?;
+        }
         let command = Command::Place {
             name: request.name,
             request: placement.encode_to_vec(),
@@ -140,8 +161,14 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::ReleaseRequest>,
     ) -> Result<Response<v1::ReleaseResponse>, Status> {
+        let (peer, scope) = self.guard.tenants(&request, "releasing tenants")?;
         let name = request.into_inner().name;
         api::names::validate("tenant", &name).map_err(invalid)?;
+        if scope != TenantScope::All {
+            // Up to date, so that the owner checked is the owner the release would meet.
+            self.control_plane.linearize().await?;
+            self.check_owner(&peer, &scope, &name, "releasing")?;
+        }
         result_to_unit(
             self.control_plane
                 .write(Command::Release {
@@ -157,22 +184,36 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::GetTenantRequest>,
     ) -> Result<Response<v1::Tenant>, Status> {
+        let (peer, scope) = self.guard.tenants(&request, "reading tenants")?;
         let request = request.into_inner();
         self.read_prepare(request.stale).await?;
-        let applied = self.control_plane.shared.read();
-        let record = applied.pool.tenants.get(&request.name).ok_or_else(|| {
-            ErrorCode::TenantNotFound.status(format!(
-                "no tenant is named `{}`; `vgpuctl get tenants` lists them",
-                request.name
-            ))
-        })?;
-        Ok(Response::new(applied.pool.tenant_to_proto(record)))
+        self.check_owner(&peer, &scope, &request.name, "reading")?;
+        let mut tenant = {
+            let applied = self.control_plane.shared.read();
+            let record = applied.pool.tenants.get(&request.name).ok_or_else(|| {
+                ErrorCode::TenantNotFound.status(format!(
+                    "no tenant is named `{}`; `vgpuctl get tenants` lists them",
+                    request.name
+                ))
+            })?;
+            applied.pool.tenant_to_proto(record)
+        };
+        let reports = self
+            .control_plane
+            .reports(crate::usage::Filter::Tenant(request.name.clone()))
+            .await;
+        tenant.usage = reports
+            .into_values()
+            .flat_map(|report| report.usage)
+            .collect();
+        Ok(Response::new(tenant))
     }
 
     async fn list_tenants(
         &self,
         request: Request<v1::ListRequest>,
     ) -> Result<Response<v1::ListTenantsResponse>, Status> {
+        let (_, scope) = self.guard.tenants(&request, "listing tenants")?;
         self.read_prepare(request.into_inner().stale).await?;
         let applied = self.control_plane.shared.read();
         let tenants = applied
@@ -180,6 +221,7 @@ impl v1::pool_server::Pool for Service {
             .tenants
             .values()
             .map(|record| applied.pool.tenant_to_proto(record))
+            .filter(|tenant| scope.covers(&tenant.owner))
             .collect();
         Ok(Response::new(v1::ListTenantsResponse { tenants }))
     }
@@ -188,6 +230,7 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::GetNodeRequest>,
     ) -> Result<Response<v1::Node>, Status> {
+        self.guard.admin(&request, "reading nodes")?;
         let request = request.into_inner();
         self.read_prepare(request.stale).await?;
         Ok(Response::new(self.node(&request.name).await?))
@@ -197,8 +240,10 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::ListRequest>,
     ) -> Result<Response<v1::ListNodesResponse>, Status> {
+        self.guard.admin(&request, "listing nodes")?;
         self.read_prepare(request.into_inner().stale).await?;
         let heartbeats = self.control_plane.last_heartbeats().await;
+        let reports = self.control_plane.reports(crate::usage::Filter::All).await;
         let applied = self.control_plane.shared.read();
         let nodes = applied
             .pool
@@ -207,6 +252,7 @@ impl v1::pool_server::Pool for Service {
             .filter_map(|name| {
                 let mut node = applied.pool.node_to_proto(name)?;
                 node.last_heartbeat_unix_ms = heartbeats.get(name).copied().unwrap_or(0);
+                crate::usage::attach_health(&mut node, reports.get(name));
                 Some(node)
             })
             .collect();
@@ -217,6 +263,7 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::DrainRequest>,
     ) -> Result<Response<v1::DrainResponse>, Status> {
+        self.guard.admin(&request, "draining nodes")?;
         self.set_state(
             request.into_inner().node,
             placement::NodeState::Draining,
@@ -229,6 +276,7 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::DrainRequest>,
     ) -> Result<Response<v1::DrainResponse>, Status> {
+        self.guard.admin(&request, "uncordoning nodes")?;
         self.set_state(
             request.into_inner().node,
             placement::NodeState::Ready,
@@ -239,6 +287,35 @@ impl v1::pool_server::Pool for Service {
 }
 
 impl Service {
+    /// Refuses a tenant-scoped caller `what`ing the tenant `name` when it exists under another
+    /// owner (a tenant that does not exist is left to the call's own answer).
+    fn check_owner(
+        &self,
+        peer: &api::tls::Peer,
+        scope: &TenantScope,
+        name: &str,
+        what: &str,
+    ) -> Result<(), Status> {
+        if *scope == TenantScope::All {
+            return Ok(());
+        }
+        let applied = self.control_plane.shared.read();
+        match applied.pool.tenants.get(name) {
+            Some(record) => {
+                let owner = crate::pool::decode_request(&record.request).owner;
+                if scope.covers(&owner) {
+                    Ok(())
+                } else {
+                    Err(denied(
+                        peer,
+                        &format!("{what} tenant `{name}`, which another owner holds"),
+                    ))
+                }
+            }
+            None => Ok(()),
+        }
+    }
+
     async fn set_state(
         &self,
         node: String,
@@ -265,6 +342,13 @@ impl v1::agent_server::Agent for Service {
         &self,
         request: Request<v1::RegisterRequest>,
     ) -> Result<Response<v1::RegisterResponse>, Status> {
+        let name = request
+            .get_ref()
+            .node
+            .as_ref()
+            .map(|node| node.name.clone())
+            .unwrap_or_default();
+        self.guard.agent(&request, &name, "registering nodes")?;
         let node = request
             .into_inner()
             .node
@@ -288,10 +372,71 @@ impl v1::agent_server::Agent for Service {
         &self,
         request: Request<v1::HeartbeatRequest>,
     ) -> Result<Response<v1::HeartbeatResponse>, Status> {
-        let node = request.into_inner().node;
-        api::names::validate("node", &node).map_err(invalid)?;
-        let known = self.control_plane.heartbeat(&node).await?;
+        self.guard
+            .agent(&request, &request.get_ref().node, "heartbeats")?;
+        let started = std::time::Instant::now();
+        let request = request.into_inner();
+        api::names::validate("node", &request.node).map_err(invalid)?;
+        let known = self.control_plane.heartbeat_report(request).await?;
+        self.control_plane
+            .metrics
+            .observe_heartbeat(started.elapsed(), self.control_plane.is_leader());
         Ok(Response::new(v1::HeartbeatResponse { known }))
+    }
+
+    async fn join_node(
+        &self,
+        request: Request<v1::JoinNodeRequest>,
+    ) -> Result<Response<v1::JoinNodeResponse>, Status> {
+        // No certificate needed: the token is the credential.
+        let request = request.into_inner();
+        api::names::validate("node", &request.node).map_err(invalid)?;
+        if self.guard.insecure {
+            return Err(invalid(
+                "this member runs with --insecure: agents join without a token (pass --insecure to vgpu-agent)",
+            ));
+        }
+        if !api::pki::is_token_shaped(&request.token) {
+            return Err(ErrorCode::TokenInvalid.status(
+                "the bootstrap token is malformed (it looks like `abcdef.0123456789abcdef`); copy it from `vgpu-cp token create`",
+            ));
+        }
+        let (Some(ca), Some(ca_cert_pem)) = (&self.guard.ca_signer, &self.guard.ca_cert_pem) else {
+            return Err(ErrorCode::Unavailable.status(
+                "this member holds no CA key (tls_ca_key), so it cannot sign certificates; join through a member that does",
+            ));
+        };
+        self.control_plane.linearize().await?;
+        let hash = api::pki::token_hash(&request.token);
+        let expiry = self.control_plane.shared.read().pool.token_expiry(&hash);
+        let now = unix_ms();
+        match expiry {
+            None => {
+                return Err(ErrorCode::TokenInvalid.status(
+                    "the bootstrap token is unknown to the cluster; create one with `vgpu-cp token create --ttl 1h` (as an admin)",
+                ));
+            }
+            Some(expires) if expires <= now => {
+                return Err(ErrorCode::TokenInvalid.status(format!(
+                    "the bootstrap token expired {} s ago; create a new one with `vgpu-cp token create --ttl 1h` (as an admin)",
+                    (now - expires) / 1000
+                )));
+            }
+            Some(_) => {}
+        }
+        let subject = api::pki::Subject {
+            name: request.node.clone(),
+            role: api::tls::Role::Agent,
+            hosts: Vec::new(),
+        };
+        let certificate_pem =
+            api::pki::sign_csr(ca, &request.csr_pem, &subject, api::pki::CERT_DAYS_DEFAULT)
+                .map_err(invalid)?;
+        tracing::info!(node = %request.node, "issued an agent certificate for a bootstrap token");
+        Ok(Response::new(v1::JoinNodeResponse {
+            certificate_pem,
+            ca_certificate_pem: ca_cert_pem.clone(),
+        }))
     }
 
     type WatchAssignmentsStream = ReceiverStream<Result<v1::Assignments, Status>>;
@@ -300,6 +445,8 @@ impl v1::agent_server::Agent for Service {
         &self,
         request: Request<v1::WatchAssignmentsRequest>,
     ) -> Result<Response<Self::WatchAssignmentsStream>, Status> {
+        self.guard
+            .agent(&request, &request.get_ref().node, "watching assignments")?;
         let node = request.into_inner().node;
         api::names::validate("node", &node).map_err(invalid)?;
         if !self
@@ -317,19 +464,26 @@ impl v1::agent_server::Agent for Service {
         let (sender, receiver) = tokio::sync::mpsc::channel(WATCH_BUFFER_MAX);
         let shared = self.control_plane.shared.clone();
         tokio::spawn(async move {
-            let mut applied_index = shared.applied_index.subscribe();
+            // Subscribed before the first read, so no change after it is missed.
+            let mut changes = crate::watchers::subscribe(&shared, &node);
             let mut last_sent: Option<u64> = None;
             loop {
                 let message = {
                     let applied = shared.read();
-                    let (revision, assignments) = applied.pool.assignments(&node);
-                    let state = applied.pool.engine.node(&node).map(|view| view.state);
-                    (last_sent != Some(revision)).then(|| v1::Assignments {
-                        revision,
-                        assignments,
-                        node_state: state
-                            .map_or(v1::NodeState::Unspecified, crate::pool::node_state_to_proto)
-                            as i32,
+                    // Every applied entry wakes every watcher: look at the node's revision
+                    // first, and build the (tenant-scanning) message only when it moved.
+                    let revision = applied.pool.node_revisions.get(&node).copied().unwrap_or(0);
+                    (last_sent != Some(revision)).then(|| {
+                        let (revision, assignments) = applied.pool.assignments(&node);
+                        let state = applied.pool.engine.node(&node).map(|view| view.state);
+                        v1::Assignments {
+                            revision,
+                            assignments,
+                            node_state: state.map_or(
+                                v1::NodeState::Unspecified,
+                                crate::pool::node_state_to_proto,
+                            ) as i32,
+                        }
                     })
                 };
                 if let Some(message) = message {
@@ -339,7 +493,7 @@ impl v1::agent_server::Agent for Service {
                     }
                 }
                 tokio::select! {
-                    changed = applied_index.changed() => if changed.is_err() { return },
+                    changed = changes.changed() => if !changed { return },
                     () = sender.closed() => return,
                 }
             }
@@ -352,8 +506,10 @@ impl v1::agent_server::Agent for Service {
 impl v1::cluster_server::Cluster for Service {
     async fn status(
         &self,
-        _: Request<v1::ClusterStatusRequest>,
+        request: Request<v1::ClusterStatusRequest>,
     ) -> Result<Response<v1::ClusterStatus>, Status> {
+        // Any authenticated caller: clients use it to find a live member.
+        self.guard.caller(&request)?;
         Ok(Response::new(self.status()))
     }
 
@@ -361,6 +517,7 @@ impl v1::cluster_server::Cluster for Service {
         &self,
         request: Request<v1::AddMemberRequest>,
     ) -> Result<Response<v1::ClusterStatus>, Status> {
+        self.guard.member(&request, "adding members")?;
         let request = request.into_inner();
         if request.id == 0 {
             return Err(invalid("member ids start at 1"));
@@ -383,10 +540,45 @@ impl v1::cluster_server::Cluster for Service {
         &self,
         request: Request<v1::RemoveMemberRequest>,
     ) -> Result<Response<v1::ClusterStatus>, Status> {
+        self.guard.admin(&request, "removing members")?;
         self.control_plane
             .remove_member(request.into_inner().id)
             .await?;
         Ok(Response::new(self.status()))
+    }
+
+    async fn create_join_token(
+        &self,
+        request: Request<v1::CreateJoinTokenRequest>,
+    ) -> Result<Response<v1::CreateJoinTokenResponse>, Status> {
+        self.guard.admin(&request, "creating bootstrap tokens")?;
+        let ttl_seconds = request.into_inner().ttl_seconds;
+        if ttl_seconds == 0 || ttl_seconds > TOKEN_TTL_MAX_SECONDS {
+            return Err(invalid(format!(
+                "a token lifetime of {ttl_seconds} s is out of range; give 1 s to {TOKEN_TTL_MAX_SECONDS} s (`--ttl 1h`)"
+            )));
+        }
+        let Some(ca_cert_pem) = &self.guard.ca_cert_pem else {
+            return Err(ErrorCode::InvalidArgument.status(
+                "this member runs with --insecure: there is no cluster CA, and agents join without tokens",
+            ));
+        };
+        let ca_cert_hash = api::pki::ca_cert_hash(ca_cert_pem)
+            .map_err(|error| ErrorCode::Internal.status(error))?;
+        let token = api::pki::new_token();
+        let now = unix_ms();
+        let expires_unix_ms = now.saturating_add(ttl_seconds as i64 * 1000);
+        let command = Command::CreateToken {
+            hash: api::pki::token_hash(&token),
+            expires_unix_ms,
+            unix_ms: now,
+        };
+        result_to_unit(self.control_plane.write(command).await?)?;
+        Ok(Response::new(v1::CreateJoinTokenResponse {
+            token,
+            expires_unix_ms,
+            ca_cert_hash,
+        }))
     }
 }
 
@@ -455,6 +647,7 @@ impl Service {
         Answer: serde::Serialize,
         Handling: std::future::Future<Output = Answer>,
     {
+        self.guard.member(&request, "Raft traffic")?;
         let payload = request.into_inner();
         self.check_cluster(&payload.cluster_id)?;
         let message = decode(&payload.data).map_err(undecodable)?;

@@ -35,6 +35,7 @@ use crate::endpoints::Endpoints;
 use crate::error::{Error, Result};
 use crate::follower::Follower;
 use crate::inventory::InventorySource;
+use crate::monitor::{Monitor, MonitorConfig};
 use crate::state::StateDir;
 
 /// Used when the control plane hands out no heartbeat interval.
@@ -42,6 +43,8 @@ pub const HEARTBEAT_INTERVAL_DEFAULT: Duration = Duration::from_secs(1);
 /// Bounds on the interval the control plane may hand out.
 pub const HEARTBEAT_INTERVAL_MIN: Duration = Duration::from_millis(50);
 pub const HEARTBEAT_INTERVAL_MAX: Duration = Duration::from_secs(60);
+/// How often GPU health and tenant usage are sampled for the heartbeats ([`crate::monitor`]).
+pub const MONITOR_INTERVAL: Duration = Duration::from_secs(1);
 
 /// What `vgpu-agent join` runs with.
 #[derive(Debug, Clone)]
@@ -57,6 +60,13 @@ pub struct JoinConfig {
     pub timings: Timings,
     /// CDI specs for the placed tenants; `None` writes none.
     pub cdi: Option<CdiConfig>,
+    /// The interposers' shared-memory directory, where tenants' usage is read
+    /// ([`crate::usage`]).
+    pub shm_dir: PathBuf,
+    /// The NIC bandwidth the tenants' NCCL traffic shares by weight ([`crate::bandwidth`]).
+    pub nic_bytes_per_second: u64,
+    /// Plain text, certificates, or a bootstrap token.
+    pub security: crate::bootstrap::Security,
 }
 
 /// Retry and timeout settings.
@@ -83,6 +93,9 @@ impl Default for Timings {
 /// Joins the pool and follows assignments until `shutdown` completes (then returns `Ok`), or
 /// until something that retrying cannot fix happens.
 pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
+    // First, so that an agent without credentials stops before it touches anything.
+    let transport =
+        crate::bootstrap::transport(&config.security, &config.name, &config.control_plane).await?;
     let inventory = config.source.discover(&config.name)?;
     let state = StateDir::open(&config.state_dir, &config.name)?;
     let mut follower = Follower::restore(state.clone(), &config.name)?;
@@ -97,20 +110,45 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
         }
         follower = follower.with_cdi(CdiWriter::new(cdi, inventory.clone())?);
     }
-    let endpoints = Endpoints::new(&config.control_plane, config.timings.connect_timeout)?;
+    let endpoints = Endpoints::with_transport(
+        &config.control_plane,
+        config.timings.connect_timeout,
+        &transport,
+    )?;
+    let monitor_config = MonitorConfig {
+        node: config.name.clone(),
+        shm_dir: config.shm_dir.clone(),
+        state_dir: config.state_dir.clone(),
+        interval: MONITOR_INTERVAL,
+    };
+    let (monitor_inventory, source) = (inventory.clone(), config.source.clone());
+    let monitor = tokio::task::spawn_blocking(move || {
+        Monitor::start(monitor_config, &monitor_inventory, &source)
+    })
+    .await
+    .map_err(|error| Error::Monitor(error.to_string()))?
+    .map_err(|error| Error::Monitor(error.to_string()))?;
     let agent = Agent {
         node: inventory.to_proto(&config.address, &config.labels),
         endpoints,
         timings: config.timings,
         reregister: Notify::new(),
+        monitor,
     };
-    tokio::select! {
+    let shaper = tokio::spawn(crate::bandwidth::run(
+        config.state_dir.clone(),
+        config.shm_dir.clone(),
+        config.nic_bytes_per_second,
+    ));
+    let result = tokio::select! {
         result = agent.run(follower) => result,
         () = shutdown => {
             info!("shutting down");
             Ok(())
         }
-    }
+    };
+    shaper.abort();
+    result
 }
 
 /// Creates the interposers' shared-memory directory, writable by every tenant's user (like
@@ -134,6 +172,8 @@ struct Agent {
     timings: Timings,
     /// Raised by the watch loop when the control plane does not know the node.
     reregister: Notify,
+    /// GPU health and tenant usage for the heartbeats.
+    monitor: Monitor,
 }
 
 /// Why an assignment stream ended.
@@ -232,8 +272,11 @@ impl Agent {
                 continue;
             }
             let address = self.endpoints.address(cursor).to_owned();
+            let report = self.monitor.latest();
             let request = HeartbeatRequest {
                 node: self.name().to_owned(),
+                gpus: report.gpus,
+                usage: report.usage,
             };
             let mut client = self.endpoints.client(cursor);
             let call_timeout = interval.clamp(

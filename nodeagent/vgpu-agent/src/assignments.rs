@@ -31,6 +31,9 @@ pub struct TenantAssignment {
     pub priority: i32,
     /// Sorted by GPU index.
     pub slices: Vec<SliceAssignment>,
+    /// The bandwidth weight the tenant asked for; 0 = derived from its compute share.
+    #[serde(default)]
+    pub bandwidth_weight: u32,
 }
 
 /// One tenant's share of one GPU.
@@ -88,6 +91,7 @@ impl AssignmentSet {
                 tenant: assignment.tenant.clone(),
                 priority: assignment.priority,
                 slices,
+                bandwidth_weight: assignment.bandwidth_weight,
             };
             if tenants.len() >= TENANTS_PER_NODE_MAX {
                 warnings.push(format!(
@@ -197,16 +201,19 @@ mod tests {
                     tenant: "infer-a".into(),
                     slices: vec![slice("node-a", 3), slice("node-b", 0), slice("node-a", 1)],
                     priority: 5,
+                    bandwidth_weight: 0,
                 },
                 api::v1::Assignment {
                     tenant: "../escape".into(),
                     slices: vec![slice("node-a", 0)],
                     priority: 0,
+                    bandwidth_weight: 0,
                 },
                 api::v1::Assignment {
                     tenant: "elsewhere".into(),
                     slices: vec![slice("node-b", 0)],
                     priority: 0,
+                    bandwidth_weight: 0,
                 },
             ],
         };

@@ -291,6 +291,7 @@ mod tests {
                     let assignment = TenantAssignment {
                         tenant: (*name).to_owned(),
                         priority: 1,
+                        bandwidth_weight: 0,
                         slices: gpus
                             .iter()
                             .map(|&index| SliceAssignment {

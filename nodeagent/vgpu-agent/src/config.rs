@@ -39,6 +39,13 @@ pub struct Settings {
     pub cdi_dir: Option<PathBuf>,
     pub interposer: Option<PathBuf>,
     pub shm_dir: Option<PathBuf>,
+    pub nic_gbps: Option<u32>,
+    pub insecure: Option<bool>,
+    pub tls_ca_cert: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub token: Option<String>,
+    pub ca_cert_hash: Option<String>,
 }
 
 const CONTROL_PLANE: KeyDoc = KeyDoc {
@@ -122,6 +129,67 @@ const SHM_DIR: KeyDoc = KeyDoc {
     example: "\"/dev/shm/vgpu\"",
 };
 
+const NIC_GBPS: KeyDoc = KeyDoc {
+    key: "nic_gbps",
+    env: "VGPU_AGENT_NIC_GBPS",
+    env_aliases: &[],
+    flag: Some("--nic-gbps"),
+    default: "100",
+    example: "100",
+};
+
+const INSECURE: KeyDoc = KeyDoc {
+    key: "insecure",
+    env: "VGPU_AGENT_INSECURE",
+    env_aliases: &[],
+    flag: Some("--insecure"),
+    default: "false",
+    example: "false",
+};
+const TLS_CA_CERT: KeyDoc = KeyDoc {
+    key: "tls_ca_cert",
+    env: "VGPU_AGENT_TLS_CA_CERT",
+    env_aliases: &[],
+    flag: Some("--tls-ca-cert"),
+    default: "STATE_DIR/tls/ca.crt",
+    example: "\"/var/lib/vgpu-agent/gpu-node-1/tls/ca.crt\"",
+};
+const TLS_CERT: KeyDoc = KeyDoc {
+    key: "tls_cert",
+    env: "VGPU_AGENT_TLS_CERT",
+    env_aliases: &[],
+    flag: Some("--tls-cert"),
+    default: "STATE_DIR/tls/agent.crt",
+    example: "\"/var/lib/vgpu-agent/gpu-node-1/tls/agent.crt\"",
+};
+const TLS_KEY: KeyDoc = KeyDoc {
+    key: "tls_key",
+    env: "VGPU_AGENT_TLS_KEY",
+    env_aliases: &[],
+    flag: Some("--tls-key"),
+    default: "STATE_DIR/tls/agent.key",
+    example: "\"/var/lib/vgpu-agent/gpu-node-1/tls/agent.key\"",
+};
+const TOKEN: KeyDoc = KeyDoc {
+    key: "token",
+    env: "VGPU_AGENT_TOKEN",
+    env_aliases: &[],
+    flag: Some("--token"),
+    default: "none",
+    example: "\"abcdef.0123456789abcdef\"",
+};
+const CA_CERT_HASH: KeyDoc = KeyDoc {
+    key: "ca_cert_hash",
+    env: "VGPU_AGENT_CA_CERT_HASH",
+    env_aliases: &[],
+    flag: Some("--ca-cert-hash"),
+    default: "required with token",
+    example: "\"sha256:0000000000000000000000000000000000000000000000000000000000000000\"",
+};
+
+/// The NIC speed shared by tenant when none is configured, in Gb/s.
+pub const NIC_GBPS_DEFAULT: u32 = 100;
+
 /// Every key of the `vgpu-agent` configuration file, in the order of the documentation.
 pub const KEYS: &[KeyDoc] = &[
     CONTROL_PLANE,
@@ -134,7 +202,23 @@ pub const KEYS: &[KeyDoc] = &[
     CDI_DIR,
     INTERPOSER,
     SHM_DIR,
+    NIC_GBPS,
+    INSECURE,
+    TLS_CA_CERT,
+    TLS_CERT,
+    TLS_KEY,
+    TOKEN,
+    CA_CERT_HASH,
 ];
+
+fn parse_gbps(text: &str) -> std::result::Result<u32, String> {
+    match text.trim().parse::<u32>() {
+        Ok(g) if (1..=100_000).contains(&g) => Ok(g),
+        _ => Err(format!(
+            "`{text}` is not a NIC speed; give whole gigabits per second between 1 and 100000"
+        )),
+    }
+}
 
 fn parse_labels(text: &str) -> std::result::Result<BTreeMap<String, String>, String> {
     common::split_list(text)
@@ -166,6 +250,13 @@ impl Settings {
             cdi_dir: path(&CDI_DIR)?,
             interposer: path(&INTERPOSER)?,
             shm_dir: path(&SHM_DIR)?,
+            nic_gbps: common::from_env(env, &NIC_GBPS, parse_gbps)?,
+            insecure: common::from_env(env, &INSECURE, common::parse_bool)?,
+            tls_ca_cert: path(&TLS_CA_CERT)?,
+            tls_cert: path(&TLS_CERT)?,
+            tls_key: path(&TLS_KEY)?,
+            token: text(&TOKEN)?,
+            ca_cert_hash: text(&CA_CERT_HASH)?,
         })
     }
 
@@ -216,7 +307,12 @@ impl Settings {
             .unwrap_or_else(|| crate::default_state_dir(&name));
         let labels = self.labels.clone().unwrap_or_default();
         for (key, value) in &labels {
-            crate::parse_label(&format!("{key}={value}"))?;
+            // A label from the file must be one `--labels KEY=VALUE` could give: a key with `=`
+            // or spaces around it (`" zone "`) would never match a selector's `zone`.
+            let text = format!("{key}={value}");
+            if crate::parse_label(&text)? != (key.clone(), value.clone()) {
+                return Err(crate::error::Error::BadLabel(text));
+            }
         }
         let cdi = self.cdi.unwrap_or(true).then(|| CdiConfig {
             dir: self.cdi_dir.clone().unwrap_or_else(|| {
@@ -226,7 +322,25 @@ impl Settings {
             shm_dir: absolute(&self.shm_dir()),
             state_dir: absolute(&state_dir),
         });
+        let security = crate::bootstrap::Security {
+            insecure: self.insecure.unwrap_or(false),
+            files: crate::bootstrap::files(
+                &state_dir,
+                self.tls_ca_cert.clone(),
+                self.tls_cert.clone(),
+                self.tls_key.clone(),
+            ),
+            token: self.token.clone(),
+            ca_cert_hash: self.ca_cert_hash.clone(),
+        };
+        if security.token.is_some() && security.ca_cert_hash.is_none() {
+            return Err(crate::error::Error::Tls(
+                "--token needs --ca-cert-hash sha256:... (the pin `vgpu-cp token create` prints), so that the agent knows it talks to its cluster".to_owned(),
+            ));
+        }
+        let shm_dir = absolute(&self.shm_dir());
         Ok(JoinConfig {
+            security,
             control_plane,
             source,
             state_dir,
@@ -234,6 +348,9 @@ impl Settings {
             address: self.address.unwrap_or_default(),
             name,
             timings: Timings::default(),
+            shm_dir,
+            nic_bytes_per_second: u64::from(self.nic_gbps.unwrap_or(NIC_GBPS_DEFAULT))
+                * 125_000_000,
             cdi,
         })
     }
@@ -257,6 +374,13 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         cdi_dir: higher.cdi_dir.or(lower.cdi_dir),
         interposer: higher.interposer.or(lower.interposer),
         shm_dir: higher.shm_dir.or(lower.shm_dir),
+        nic_gbps: higher.nic_gbps.or(lower.nic_gbps),
+        insecure: higher.insecure.or(lower.insecure),
+        tls_ca_cert: higher.tls_ca_cert.or(lower.tls_ca_cert),
+        tls_cert: higher.tls_cert.or(lower.tls_cert),
+        tls_key: higher.tls_key.or(lower.tls_key),
+        token: higher.token.or(lower.token),
+        ca_cert_hash: higher.ca_cert_hash.or(lower.ca_cert_hash),
     }
 }
 

@@ -6,8 +6,9 @@
 
 use std::time::Duration;
 
+use api::tls::Transport;
 use api::v1::agent_client::AgentClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::error::{Error, Result};
 
@@ -23,9 +24,19 @@ pub struct Endpoints {
 }
 
 impl Endpoints {
+    /// Plain-text channels (a control plane started with `--insecure`); see [`Self::with_transport`].
+    pub fn new(addresses: &[String], connect_timeout: Duration) -> Result<Endpoints> {
+        Endpoints::with_transport(addresses, connect_timeout, &Transport::Insecure)
+    }
+
     /// Takes addresses as `HOST:PORT` or `http://HOST:PORT`; blanks and repeats are dropped.
     /// Channels connect on first use, so a control plane that is down now is no error here.
-    pub fn new(addresses: &[String], connect_timeout: Duration) -> Result<Endpoints> {
+    /// `transport` makes them plain text or mTLS.
+    pub fn with_transport(
+        addresses: &[String],
+        connect_timeout: Duration,
+        transport: &Transport,
+    ) -> Result<Endpoints> {
         let mut entries: Vec<(String, Channel)> = Vec::new();
         for address in addresses
             .iter()
@@ -41,12 +52,8 @@ impl Endpoints {
                     source_message: format!("more than {ENDPOINTS_MAX} control-plane addresses"),
                 });
             }
-            let uri = if address.contains("://") {
-                address.to_owned()
-            } else {
-                format!("http://{address}")
-            };
-            let endpoint = Endpoint::from_shared(uri)
+            let endpoint = transport
+                .endpoint(address)
                 .map_err(|error| Error::BadEndpoint {
                     address: address.to_owned(),
                     source_message: error.to_string(),

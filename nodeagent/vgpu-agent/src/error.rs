@@ -34,7 +34,7 @@ pub enum Error {
     )]
     SpecNoMemory { spec: String, model: String },
     #[error(
-        "the memory `{memory}` in `{spec}` is not a size in GB; write e.g. `80GB` (a whole number of GB, more than 0)"
+        "the memory `{memory}` in `{spec}` is not a size in GB; write e.g. `80GB` (a whole number of GB, more than 0 and at most 16384)"
     )]
     SpecBadMemory { spec: String, memory: String },
 
@@ -65,6 +65,8 @@ pub enum Error {
         "the interposer `{path}` does not exist; install libvgpu_cuda.so there or beside vgpu-agent, pass --interposer PATH, or pass --no-interposer to run without enforcement"
     )]
     InterposerMissing { path: PathBuf },
+    #[error("cannot start the health and usage monitor thread: {0}")]
+    Monitor(String),
     #[error("cannot run `{program}`: {source}")]
     Exec {
         program: String,
@@ -84,8 +86,13 @@ pub enum Error {
     BadLabel(String),
     #[error("the control plane at {address} refused to register this node: {message}")]
     RegisterRefused { address: String, message: String },
+    #[error("cannot simulate this fleet: {problem}")]
+    FleetSettings { problem: String },
     #[error("no control-plane address given; pass --control-plane HOST:PORT[,HOST:PORT...]")]
     NoControlPlane,
+    /// Certificates, the bootstrap token, or the TLS settings.
+    #[error("{0}")]
+    Tls(String),
     #[error("the control-plane address `{address}` is not usable: {source_message}")]
     BadEndpoint {
         address: String,
@@ -145,6 +152,11 @@ pub enum TopologyProblem {
     },
     #[error("GPU {index}: the memory is 0; give the GPU's memory, e.g. `80GiB`")]
     ZeroMemory { index: u32 },
+    #[error(
+        "GPU {index}: the memory is {bytes} bytes; the limit is {limit} (16 TiB) per GPU",
+        limit = api::validate::GPU_MEMORY_BYTES_MAX
+    )]
+    TooMuchMemory { index: u32, bytes: u64 },
     #[error("GPU {index}: `{value}` appears on two GPUs as {what}; each GPU needs its own")]
     Duplicate {
         index: u32,

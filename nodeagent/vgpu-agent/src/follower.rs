@@ -140,6 +140,7 @@ mod tests {
                 .map(|(tenant, gpu_index)| api::v1::Assignment {
                     tenant: (*tenant).into(),
                     priority: 0,
+                    bandwidth_weight: 0,
                     slices: vec![api::v1::Slice {
                         node: "node-a".into(),
                         gpu: format!("GPU-{gpu_index}"),

@@ -12,6 +12,11 @@
 //! * [`state`]: the state directory and its atomic writes.
 //! * [`tenant`]: the environment of a tenant's processes (`exec`, `env`); [`cdi`]: the same for
 //!   containers, as a CDI spec kept in step with the assignments.
+//! * [`fleet`]: `simulate-fleet`, many simulated nodes in one process for scale tests.
+//! * [`bootstrap`]: the transport: `--insecure`, the certificate files, or a bootstrap token that
+//!   gets a certificate from the control plane.
+//! * [`monitor`]: GPU health ([`health`], NVML or simulated) and per-tenant usage ([`usage`],
+//!   read from the interposer's shared files) sampled on a thread for the heartbeats.
 //! * [`config`]: the settings of every subcommand, from flags, `VGPU_AGENT_*` variables and the
 //!   TOML configuration file.
 //!
@@ -21,15 +26,21 @@
 pub mod agent;
 pub mod assignments;
 pub mod backoff;
+pub mod bandwidth;
+pub mod bootstrap;
 pub mod cdi;
 pub mod config;
 pub mod endpoints;
 pub mod error;
+pub mod fleet;
 pub mod follower;
+pub mod health;
 pub mod inventory;
+pub mod monitor;
 pub mod reconcile;
 pub mod state;
 pub mod tenant;
+pub mod usage;
 
 use std::future::Future;
 

@@ -40,6 +40,70 @@ enum Command {
     Exec(ExecArgs),
     /// Print the environment `exec` would give a tenant's processes, for container runtimes.
     Env(EnvArgs),
+    /// Simulate many nodes in this one process (scale tests): each registers, heartbeats and
+    /// watches its assignments as `join --simulate` does, until SIGINT, SIGTERM or --duration;
+    /// then prints a summary.
+    SimulateFleet(FleetArgs),
+}
+
+#[derive(Args)]
+struct FleetArgs {
+    /// Control-plane addresses, HOST:PORT (comma-separated or repeated); nodes spread over them
+    /// [config: control_plane].
+    #[arg(long, value_delimiter = ',')]
+    control_plane: Vec<String>,
+    /// How many nodes to simulate.
+    #[arg(long, default_value_t = 1000)]
+    count: usize,
+    /// The simulated GPUs of every node: COUNTxMODEL-MEMORY or a .toml/.json topology file.
+    #[arg(long, value_name = "SPEC", default_value = "8xH100-80GB")]
+    spec: String,
+    /// Node names are PREFIX-00000, PREFIX-00001, ...
+    #[arg(long, value_name = "PREFIX", default_value = "sim")]
+    name_prefix: String,
+    /// Number of the first node (to run several fleets against one cluster).
+    #[arg(long, default_value_t = 0)]
+    first_index: usize,
+    /// Labels of every node, KEY=VALUE (comma-separated or repeated).
+    #[arg(long, value_delimiter = ',', value_parser = label)]
+    labels: Vec<(String, String)>,
+    /// Heartbeat intervals vary by up to this many percent either way.
+    #[arg(long, default_value_t = 10)]
+    heartbeat_jitter_percent: u32,
+    /// Registrations in flight at once while the fleet ramps up.
+    #[arg(long, default_value_t = vgpu_agent::fleet::REGISTRATIONS_IN_FLIGHT_DEFAULT)]
+    registrations_in_flight: usize,
+    /// Nodes that share one HTTP/2 connection to each control-plane address.
+    #[arg(long, default_value_t = vgpu_agent::fleet::NODES_PER_CONNECTION_DEFAULT)]
+    nodes_per_connection: usize,
+    /// Do not watch assignments (heartbeats only).
+    #[arg(long)]
+    no_watch: bool,
+    /// Send heartbeats without a GPU health report.
+    #[arg(long)]
+    no_health: bool,
+    /// Plain-text gRPC, for a control plane started with --insecure.
+    #[arg(long)]
+    insecure: bool,
+    /// The cluster CA certificate (with --tls-cert and --tls-key: mutual TLS).
+    #[arg(long, value_name = "FILE")]
+    tls_ca_cert: Option<PathBuf>,
+    /// A certificate with the admin role (`vgpu-cp cert issue --role admin`): one identity acts
+    /// for every simulated node.
+    #[arg(long, value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key.
+    #[arg(long, value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// Stop this many seconds after every node registered [default: run until SIGINT/SIGTERM].
+    #[arg(long, value_name = "SECONDS")]
+    duration: Option<f64>,
+    /// Milliseconds between progress lines while nodes register.
+    #[arg(long, default_value_t = 1000)]
+    progress_ms: u64,
+    /// Also write the summary as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    summary_json: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -70,8 +134,41 @@ struct JoinArgs {
     /// Write no CDI spec.
     #[arg(long)]
     no_cdi: bool,
+    /// The NIC speed, in Gb/s, that tenants' NCCL traffic shares by bandwidth weight [default:
+    /// 100].
+    #[arg(long, value_name = "GBPS")]
+    nic_gbps: Option<u32>,
+    #[command(flatten)]
+    security: SecurityArgs,
     #[command(flatten)]
     runtime: RuntimeArgs,
+}
+
+/// How the agent reaches the control plane: certificates, a bootstrap token, or plain text.
+#[derive(Args)]
+struct SecurityArgs {
+    /// Plain-text gRPC without certificates, for a control plane started with --insecure
+    /// [config: insecure].
+    #[arg(long)]
+    insecure: bool,
+    /// The cluster CA certificate [default: STATE_DIR/tls/ca.crt].
+    #[arg(long, value_name = "FILE")]
+    tls_ca_cert: Option<PathBuf>,
+    /// This agent's certificate (role agent, common name = the node name) [default:
+    /// STATE_DIR/tls/agent.crt].
+    #[arg(long, value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// Its key [default: STATE_DIR/tls/agent.key].
+    #[arg(long, value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// A bootstrap token from `vgpu-cp token create`: used once, while the certificate files do
+    /// not exist, to get them [config: token].
+    #[arg(long)]
+    token: Option<String>,
+    /// The pin of the cluster CA, `sha256:HEX` (printed by `vgpu-cp token create` and `vgpu-cp
+    /// ca hash`); required with --token [config: ca_cert_hash].
+    #[arg(long, value_name = "sha256:HEX")]
+    ca_cert_hash: Option<String>,
 }
 
 impl JoinArgs {
@@ -85,7 +182,14 @@ impl JoinArgs {
                 .then(|| self.labels.into_iter().collect::<BTreeMap<_, _>>()),
             address: self.address,
             cdi: self.no_cdi.then_some(false),
+            nic_gbps: self.nic_gbps,
             cdi_dir: self.cdi_dir,
+            insecure: self.security.insecure.then_some(true),
+            tls_ca_cert: self.security.tls_ca_cert,
+            tls_cert: self.security.tls_cert,
+            tls_key: self.security.tls_key,
+            token: self.security.token,
+            ca_cert_hash: self.security.ca_cert_hash,
             ..self.runtime.settings()
         }
     }
@@ -270,6 +374,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::SimulateFleet(mut args) => {
+            let flags = Settings {
+                control_plane: Some(std::mem::take(&mut args.control_plane))
+                    .filter(|addresses| !addresses.is_empty()),
+                ..Settings::default()
+            };
+            let (settings, _) = load(flags)?;
+            simulate_fleet(args, settings.control_plane.unwrap_or_default())
+        }
         Command::Join(args) => {
             let (settings, file) = load(args.settings())?;
             let config = settings.join(file.as_deref(), executable.as_deref())?;
@@ -286,4 +399,58 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             })
         }
     }
+}
+
+fn simulate_fleet(args: FleetArgs, control_plane: Vec<String>) -> anyhow::Result<()> {
+    use api::tls::{TlsFiles, Transport};
+    use vgpu_agent::fleet::FleetConfig;
+    let files = TlsFiles::from_parts(
+        args.tls_ca_cert,
+        args.tls_cert,
+        args.tls_key,
+        ["--tls-ca-cert", "--tls-cert", "--tls-key"],
+    )?;
+    let transport = Transport::choose(
+        args.insecure,
+        files.as_ref(),
+        "pass --insecure for a control plane started with --insecure, or --tls-ca-cert, --tls-cert and --tls-key with an admin certificate",
+    )?;
+    let duration = args
+        .duration
+        .map(|seconds| {
+            std::time::Duration::try_from_secs_f64(seconds).map_err(|_| {
+                anyhow::anyhow!("--duration {seconds} is not a number of seconds >= 0")
+            })
+        })
+        .transpose()?;
+    let config = FleetConfig {
+        name_prefix: args.name_prefix,
+        first_index: args.first_index,
+        labels: args.labels.into_iter().collect(),
+        heartbeat_jitter_percent: args.heartbeat_jitter_percent,
+        registrations_in_flight: args.registrations_in_flight,
+        nodes_per_connection: args.nodes_per_connection,
+        watch: !args.no_watch,
+        report_health: !args.no_health,
+        transport,
+        duration,
+        progress_interval: std::time::Duration::from_millis(args.progress_ms),
+        ..FleetConfig::new(control_plane, args.count, &args.spec)
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|error| anyhow::anyhow!("cannot start the async runtime: {error}"))?;
+    let summary = runtime.block_on(async {
+        let shutdown = vgpu_agent::shutdown_signal()
+            .map_err(|error| anyhow::anyhow!("cannot install signal handlers: {error}"))?;
+        anyhow::Ok(vgpu_agent::fleet::simulate_fleet(config, shutdown).await?)
+    })?;
+    print!("{summary}");
+    if let Some(path) = args.summary_json {
+        let json = serde_json::to_string_pretty(&summary)?;
+        std::fs::write(&path, json + "\n")
+            .map_err(|error| anyhow::anyhow!("cannot write {}: {error}", path.display()))?;
+    }
+    Ok(())
 }

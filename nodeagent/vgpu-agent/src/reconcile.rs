@@ -136,6 +136,7 @@ mod tests {
         TenantAssignment {
             tenant: name.into(),
             priority: 0,
+            bandwidth_weight: 0,
             slices: vec![SliceAssignment {
                 gpu_index,
                 gpu_uuid: format!("GPU-{gpu_index}"),

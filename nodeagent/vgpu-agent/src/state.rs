@@ -452,6 +452,7 @@ mod tests {
         TenantAssignment {
             tenant: name.into(),
             priority: 3,
+            bandwidth_weight: 0,
             slices: vec![SliceAssignment {
                 gpu_index,
                 gpu_uuid: format!("GPU-{gpu_index}"),

@@ -17,6 +17,11 @@
 //! | `VGPU_GUARANTEED` | `1` when every slice's share is guaranteed, else `0` |
 //! | `VGPU_SHM_DIR` | the shared-memory directory of the interposers (`/dev/shm/vgpu`) |
 //! | `VGPU_AGENT_STATE_DIR` | the agent's state directory (the tenant files) |
+//! | `VGPU_NCCL_WEIGHT` | the tenant's bandwidth weight: as placed (`vgpuctl place --bandwidth`), else its compute percents summed (at least 1) |
+//! | `VGPU_NCCL_SHARE_FILE` | `<shm dir>/nccl-share`: where the tenants' NCCL tuners see each other |
+//! | `VGPU_NETSHARE_TABLE`, `VGPU_NETSHARE_FLOW` | `<shm dir>/netshare` and the tenant's flow in it: the token bucket its NCCL network sends wait on ([`crate::bandwidth`]) |
+//! | `NCCL_NET_PLUGIN`, `NCCL_TUNER_PLUGIN` | `libvgpu_nccl.so` beside the interposer, when it is there |
+//! | `NCCL_HOSTID`, `NCCL_NET` | for a tenant with a fraction of a GPU: `vgpu-<node>-<tenant>` and `vgpu`, so NCCL treats the slice as its own device (no "Duplicate GPU detected" when two tenants' ranks share a GPU) and connects it through the plugin |
 //!
 //! Ordinals follow `CUDA_VISIBLE_DEVICES`: the process's device 0 is the tenant's first slice.
 
@@ -32,6 +37,10 @@ use crate::state::{read_assignments_file, read_tenant_file};
 pub const INTERPOSER_FILE: &str = "libvgpu_cuda.so";
 /// Where the interposer is installed when it is not next to the binary.
 pub const INTERPOSER_SYSTEM_PATH: &str = "/usr/lib/vgpu/libvgpu_cuda.so";
+/// The NCCL plugin's file name, looked for beside the interposer.
+pub const NCCL_PLUGIN_FILE: &str = "libvgpu_nccl.so";
+/// The NCCL tuners' activity table, in the shared-memory directory.
+pub const NCCL_SHARE_FILE: &str = "nccl-share";
 /// The interposers' shared-memory directory by default.
 pub const SHM_DIR_DEFAULT: &str = "/dev/shm/vgpu";
 
@@ -117,6 +126,35 @@ pub fn tenant_environment(
             config.state_dir.to_string_lossy().into_owned(),
         ),
     ]);
+    environment.extend([
+        (
+            "VGPU_NCCL_WEIGHT".to_owned(),
+            crate::bandwidth::weight(assignment).to_string(),
+        ),
+        (
+            "VGPU_NCCL_SHARE_FILE".to_owned(),
+            config
+                .shm_dir
+                .join(NCCL_SHARE_FILE)
+                .to_string_lossy()
+                .into_owned(),
+        ),
+        (
+            "VGPU_NETSHARE_TABLE".to_owned(),
+            crate::bandwidth::table_path(&config.shm_dir)
+                .to_string_lossy()
+                .into_owned(),
+        ),
+        (
+            "VGPU_NETSHARE_FLOW".to_owned(),
+            crate::bandwidth::flow_id(&assignment.tenant).0.to_string(),
+        ),
+    ]);
+    if let Some(plugin) = nccl_plugin_beside(config.interposer.as_deref()) {
+        let plugin = plugin.to_string_lossy().into_owned();
+        environment.push(("NCCL_NET_PLUGIN".to_owned(), plugin.clone()));
+        environment.push(("NCCL_TUNER_PLUGIN".to_owned(), plugin));
+    }
     environment.extend(slice_identity_environment(node, assignment));
     assert!(
         environment
@@ -127,14 +165,38 @@ pub fn tenant_environment(
     environment
 }
 
-/// Per-slice identity for NCCL (an `NCCL_HOSTID`-style value per slice, so that NCCL treats two
-/// tenants on one host as separate hosts where that is wanted). A seam for a later issue: empty
-/// today.
+/// Per-slice identity for NCCL. NCCL refuses two ranks on one GPU that share a host identity
+/// ("Duplicate GPU detected"), which is what two tenants' ranks on one GPU look like. A tenant
+/// holding a fraction of a GPU therefore gets its own host identity (`NCCL_HOSTID`), so NCCL
+/// treats its slice as a device of its own, and `NCCL_NET=vgpu` so that the traffic between such
+/// "hosts" goes through libvgpu_nccl.so. Its processes on this node share the identity, so they
+/// still reach each other over NVLink. Whole-GPU tenants keep NCCL's defaults.
 pub fn slice_identity_environment(
-    _node: &str,
-    _assignment: &TenantAssignment,
+    node: &str,
+    assignment: &TenantAssignment,
 ) -> Vec<(String, String)> {
-    Vec::new()
+    if assignment
+        .slices
+        .iter()
+        .all(|slice| slice.compute_percent >= 100)
+    {
+        return Vec::new();
+    }
+    vec![
+        (
+            "NCCL_HOSTID".to_owned(),
+            format!("vgpu-{node}-{}", assignment.tenant),
+        ),
+        ("NCCL_NET".to_owned(), "vgpu".to_owned()),
+    ]
+}
+
+/// `libvgpu_nccl.so` beside the interposer, when it is installed there.
+pub fn nccl_plugin_beside(interposer: Option<&Path>) -> Option<PathBuf> {
+    interposer?
+        .parent()
+        .map(|directory| directory.join(NCCL_PLUGIN_FILE))
+        .filter(|path| path.is_file())
 }
 
 /// `interposer` first, then whatever was preloaded before (once).
@@ -202,6 +264,7 @@ pub fn load_placement(state_dir: &Path, tenant: &str, node_hint: &str) -> Result
             tenant: file.tenant,
             priority: file.priority,
             slices: file.slices,
+            bandwidth_weight: entry.bandwidth_weight,
         }
     } else {
         entry.clone()

@@ -21,6 +21,7 @@ fn trainer() -> TenantAssignment {
         tenant: "trainer".into(),
         priority: 5,
         slices: vec![slice(2, 50, 10), slice(5, 30, 20)],
+        bandwidth_weight: 0,
     }
 }
 
@@ -35,6 +36,7 @@ fn config() -> EnvConfig {
 #[test]
 fn the_environment_describes_the_slices_by_process_ordinal() {
     let environment = tenant_environment("node-a", &trainer(), &config(), None);
+    let flow = crate::bandwidth::flow_id("trainer").0.to_string();
     let expected = [
         ("CUDA_VISIBLE_DEVICES", "GPU-2,GPU-5"),
         ("LD_PRELOAD", "/opt/vgpu/libvgpu_cuda.so"),
@@ -47,6 +49,12 @@ fn the_environment_describes_the_slices_by_process_ordinal() {
         ("VGPU_GUARANTEED", "1"),
         ("VGPU_SHM_DIR", "/dev/shm/vgpu"),
         ("VGPU_AGENT_STATE_DIR", "/var/lib/vgpu-agent/node-a"),
+        ("VGPU_NCCL_WEIGHT", "80"),
+        ("VGPU_NCCL_SHARE_FILE", "/dev/shm/vgpu/nccl-share"),
+        ("VGPU_NETSHARE_TABLE", "/dev/shm/vgpu/netshare"),
+        ("VGPU_NETSHARE_FLOW", &flow),
+        ("NCCL_HOSTID", "vgpu-node-a-trainer"),
+        ("NCCL_NET", "vgpu"),
     ];
     let pairs: Vec<(&str, &str)> = environment
         .iter()
@@ -217,5 +225,89 @@ fn exec_refuses_a_tenant_that_is_not_here_and_a_missing_interposer() {
             .to_string()
             .starts_with("cannot run `/nonexistent/program`"),
         "{error}"
+    );
+}
+
+#[test]
+fn nccl_settings_follow_the_slices_and_the_installed_plugin() {
+    let get = |environment: &[(String, String)], key: &str| {
+        environment
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, value)| value.clone())
+    };
+    // A tenant of whole GPUs keeps NCCL's own host identity and network choice.
+    let whole = TenantAssignment {
+        tenant: "big".into(),
+        priority: 0,
+        slices: vec![slice(0, 100, 80), slice(1, 100, 80)],
+        bandwidth_weight: 0,
+    };
+    let environment = tenant_environment("node-a", &whole, &config(), None);
+    assert_eq!(get(&environment, "NCCL_HOSTID"), None);
+    assert_eq!(get(&environment, "NCCL_NET"), None);
+    assert_eq!(
+        get(&environment, "VGPU_NCCL_WEIGHT").as_deref(),
+        Some("200")
+    );
+    // No plugin beside the interposer: no plugin variables.
+    assert_eq!(get(&environment, "NCCL_NET_PLUGIN"), None);
+
+    // With the plugin installed beside the interposer, both plugin variables name it.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join(INTERPOSER_FILE), b"").unwrap();
+    std::fs::write(dir.path().join(NCCL_PLUGIN_FILE), b"").unwrap();
+    let installed = EnvConfig {
+        interposer: Some(dir.path().join(INTERPOSER_FILE)),
+        ..config()
+    };
+    let environment = tenant_environment("node-a", &whole, &installed, None);
+    let plugin = dir
+        .path()
+        .join(NCCL_PLUGIN_FILE)
+        .to_string_lossy()
+        .into_owned();
+    assert_eq!(get(&environment, "NCCL_NET_PLUGIN"), Some(plugin.clone()));
+    assert_eq!(get(&environment, "NCCL_TUNER_PLUGIN"), Some(plugin));
+    // Two tenants on one GPU get different host identities.
+    let a = TenantAssignment {
+        tenant: "a".into(),
+        priority: 0,
+        slices: vec![slice(3, 50, 10)],
+        bandwidth_weight: 0,
+    };
+    let b = TenantAssignment {
+        tenant: "b".into(),
+        priority: 0,
+        slices: vec![slice(3, 25, 10)],
+        bandwidth_weight: 0,
+    };
+    let id = |t: &TenantAssignment| {
+        get(
+            &tenant_environment("node-a", t, &config(), None),
+            "NCCL_HOSTID",
+        )
+    };
+    assert_ne!(id(&a), id(&b));
+    assert_eq!(
+        get(
+            &tenant_environment("node-a", &b, &config(), None),
+            "VGPU_NCCL_WEIGHT"
+        )
+        .as_deref(),
+        Some("25")
+    );
+    // A weight given at placement wins over the derived one.
+    let c = TenantAssignment {
+        bandwidth_weight: 75,
+        ..b
+    };
+    assert_eq!(
+        get(
+            &tenant_environment("node-a", &c, &config(), None),
+            "VGPU_NCCL_WEIGHT"
+        )
+        .as_deref(),
+        Some("75")
     );
 }

@@ -34,6 +34,8 @@ pub struct Shared {
     pub applied: RwLock<Applied>,
     /// The index of the last applied entry; API handlers and watches wait on it.
     pub applied_index: watch::Sender<u64>,
+    /// Wake-ups of assignment streams, per node (`crate::watchers`).
+    pub watchers: crate::watchers::NodeWatchers,
 }
 
 impl Shared {
@@ -87,6 +89,7 @@ impl StateMachineStore {
         let shared = Arc::new(Shared {
             applied: RwLock::new(applied),
             applied_index: watch::channel(index).0,
+            watchers: crate::watchers::NodeWatchers::default(),
         });
         let store = StateMachineStore {
             shared: shared.clone(),

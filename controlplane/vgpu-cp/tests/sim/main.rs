@@ -14,12 +14,14 @@
 //!
 //! Every failure message starts with `seed N:`.
 
-mod checker;
 mod client;
 mod cluster;
-mod history;
 mod network;
 mod simulation;
+
+// The history model and the checker live in their own crate, shared with the nemesis test of the
+// compose cluster (tests/src/bin/nemesis.rs).
+use linearizability::{checker, history};
 
 use simulation::{Settings, Summary};
 use std::time::Duration;

@@ -98,6 +98,11 @@ impl NvmlDiscovery {
         &self.library
     }
 
+    /// The NVML session, for the health monitor ([`crate::health::nvml`]).
+    pub fn into_nvml(self) -> Nvml {
+        self.nvml
+    }
+
     fn read_gpu(&self, index: u32) -> Result<RawGpu, NvmlError> {
         let device = self.nvml.device_by_index(index)?;
         let mig = match device.mig_mode() {

@@ -70,6 +70,10 @@ pub const MODELS: &[ModelProfile] = &[
     },
 ];
 
+/// The most memory a spec may give a GPU, in GB (read as GiB for unknown models): the control
+/// plane's limit per GPU.
+pub const SPEC_GIGABYTES_MAX: u64 = api::validate::GPU_MEMORY_BYTES_MAX >> 30;
+
 /// PCI bus numbers of the eight GPUs of a DGX H100, reused in each PCI domain.
 const BUS_NUMBERS: [u8; 8] = [0x18, 0x2a, 0x3a, 0x5d, 0x9a, 0xab, 0xba, 0xdb];
 
@@ -94,7 +98,13 @@ impl SimulatedSpec {
                 .ok_or_else(|| Error::SpecMalformed {
                     spec: spec.to_owned(),
                 })?;
-        if count_text.is_empty() || model_text.is_empty() {
+        // A model is a product name such as `H100-PCIE-80GB`: a space or a control character
+        // (`8x H100-80GB`) is a typo, not an unknown product with no SMs.
+        let model_character = |c: char| c.is_ascii_alphanumeric() || "-_.+".contains(c);
+        if count_text.is_empty()
+            || model_text.is_empty()
+            || !model_text.chars().all(model_character)
+        {
             return Err(Error::SpecMalformed {
                 spec: spec.to_owned(),
             });
@@ -134,7 +144,7 @@ impl SimulatedSpec {
             .strip_suffix("GB")
             .filter(|digits| !digits.is_empty() && digits.bytes().all(|byte| byte.is_ascii_digit()))
             .and_then(|digits| digits.parse::<u64>().ok())
-            .filter(|&gigabytes| gigabytes > 0 && gigabytes < (1 << 20))
+            .filter(|&gigabytes| gigabytes > 0 && gigabytes <= SPEC_GIGABYTES_MAX)
             .ok_or_else(|| Error::SpecBadMemory {
                 spec: spec.to_owned(),
                 memory: memory_part.to_owned(),

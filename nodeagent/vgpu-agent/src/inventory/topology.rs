@@ -286,6 +286,12 @@ pub fn build(file: TopologyFile, node: &str) -> Result<(Inventory, Vec<String>),
         if memory_bytes == 0 {
             return Err(TopologyProblem::ZeroMemory { index });
         }
+        if memory_bytes > api::validate::GPU_MEMORY_BYTES_MAX {
+            return Err(TopologyProblem::TooMuchMemory {
+                index,
+                bytes: memory_bytes,
+            });
+        }
         let uuid = entry
             .uuid
             .filter(|uuid| !uuid.trim().is_empty())

@@ -86,6 +86,15 @@ impl Agent for FakeControlPlane {
         Ok(Response::new(HeartbeatResponse { known }))
     }
 
+    async fn join_node(
+        &self,
+        _: Request<api::v1::JoinNodeRequest>,
+    ) -> Result<Response<api::v1::JoinNodeResponse>, Status> {
+        Err(Status::unimplemented(
+            "the fake serves --insecure agents only",
+        ))
+    }
+
     type WatchAssignmentsStream = AssignmentStream;
 
     async fn watch_assignments(
@@ -157,12 +166,20 @@ fn start(control_plane: Vec<String>, state_dir: &Path) -> RunningAgent {
             call_timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_millis(500),
         },
+        shm_dir: state_dir.join("shm"),
+        nic_bytes_per_second: 12_500_000_000,
         cdi: Some(CdiConfig {
             dir: state_dir.join("cdi"),
             interposer: state_dir.join("libvgpu_cuda.so"),
             shm_dir: state_dir.join("shm"),
             state_dir: state_dir.to_owned(),
         }),
+        security: vgpu_agent::bootstrap::Security {
+            insecure: true,
+            files: vgpu_agent::bootstrap::Security::default_files(state_dir),
+            token: None,
+            ca_cert_hash: None,
+        },
     };
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(vgpu_agent::join(config, async move {
@@ -191,6 +208,7 @@ fn assignments(revision: u64, tenants: &[(&str, u32, u32)]) -> Assignments {
             .map(|&(tenant, gpu_index, compute_percent)| Assignment {
                 tenant: tenant.into(),
                 priority: 0,
+                bandwidth_weight: 0,
                 slices: vec![Slice {
                     node: "node-a".into(),
                     gpu: format!("GPU-{gpu_index}"),
@@ -380,6 +398,12 @@ async fn a_refused_inventory_stops_the_agent_with_the_reason() {
             &self,
             _: Request<HeartbeatRequest>,
         ) -> Result<Response<HeartbeatResponse>, Status> {
+            Err(Status::unimplemented("no"))
+        }
+        async fn join_node(
+            &self,
+            _: Request<api::v1::JoinNodeRequest>,
+        ) -> Result<Response<api::v1::JoinNodeResponse>, Status> {
             Err(Status::unimplemented("no"))
         }
         type WatchAssignmentsStream = AssignmentStream;

@@ -309,6 +309,29 @@ mod tests {
         assert!(check_register(&history).is_err());
     }
 
+    /// What a deposed leader cut off from the others would answer if it served reads from its
+    /// own state: the release committed by the new leader is not there. Unknown attempts of
+    /// other requests do not excuse it.
+    #[test]
+    fn a_stale_read_from_a_deposed_leader_is_rejected_among_unknown_writes() {
+        let history = [
+            op(0, Call::Place(200), (0, 1), Outcome::Placed),
+            op(3, Call::Place(300), (2, 0), Outcome::Unknown),
+            op(1, Call::Release, (3, 6), Outcome::Released),
+            op(4, Call::Release, (4, 0), Outcome::Unknown),
+            op(2, Call::Read, (7, 9), Outcome::Present(200)),
+        ];
+        let error = check_register(&history).expect_err("the read is stale");
+        assert!(error.contains("Present(200)"), "{error}");
+        // The same read concurrent with the release may see the tenant still there.
+        let concurrent = [
+            op(0, Call::Place(200), (0, 1), Outcome::Placed),
+            op(1, Call::Release, (3, 6), Outcome::Released),
+            op(2, Call::Read, (5, 9), Outcome::Present(200)),
+        ];
+        assert_eq!(check_register(&concurrent), Ok(()));
+    }
+
     #[test]
     fn an_unknown_write_may_take_effect_late_but_only_once() {
         let late = [

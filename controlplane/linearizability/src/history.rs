@@ -1,9 +1,10 @@
 //! The record of every client operation: what was asked, of which tenant, when it was invoked and
-//! when it returned (virtual microseconds since the start of the run), and what came back.
+//! when it returned (microseconds since the start of the run: virtual in the simulation, real in
+//! the nemesis test), and what came back.
 //!
 //! Each tenant name is an independent register (present with a request, or absent), so the
 //! history is checked per name. The request is identified by its `milli_gpus`, which is the only
-//! field the simulation varies.
+//! field the clients vary.
 
 use std::collections::BTreeMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -11,7 +12,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What a client asked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Call {
     /// Place the tenant with a request of this many milli-GPUs.
     Place(u32),
@@ -21,7 +22,7 @@ pub enum Call {
 }
 
 /// What came back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Outcome {
     /// Placed or pending, holding the request of the call.
     Placed,
@@ -41,7 +42,8 @@ pub enum Outcome {
     Unexpected,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// One client operation; a line of the nemesis test's `history.jsonl`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Operation {
     pub client: u32,
     pub name: String,
@@ -49,15 +51,18 @@ pub struct Operation {
     /// Where the invocation and the return fall among all events of the run ([`History::event`]):
     /// the real-time order the checker uses. Virtual time moves in millisecond steps, so several
     /// events can share one instant; their order cannot be read from the clock.
+    /// An operation whose return has a lower position than another's invocation happened before
+    /// it; the position must be taken before the request is sent and after the answer arrived.
     pub invoked: u64,
     /// `u64::MAX` when the outcome is unknown.
     pub returned: u64,
-    /// Virtual time, for messages.
+    /// Microseconds since the run started, for messages.
     pub invoked_us: u64,
     /// `u64::MAX` when the outcome is unknown.
     pub returned_us: u64,
     pub outcome: Outcome,
     /// Which member answered, and any detail worth printing on failure.
+    #[serde(default)]
     pub note: String,
 }
 
@@ -87,7 +92,7 @@ impl History {
         );
         assert!(
             operation.invoked_us <= operation.returned_us,
-            "virtual time does not go back"
+            "time does not go back"
         );
         assert_eq!(
             operation.outcome == Outcome::Unknown,
@@ -122,4 +127,59 @@ pub fn fingerprint(operations: &[Operation]) -> u64 {
     let mut hasher = DefaultHasher::new();
     operations.hash(&mut hasher);
     hasher.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_operation_round_trips_through_a_json_line() {
+        let operation = Operation {
+            client: 3,
+            name: "nemesis-07".to_owned(),
+            call: Call::Place(300),
+            invoked: 10,
+            returned: u64::MAX,
+            invoked_us: 1_500,
+            returned_us: u64::MAX,
+            outcome: Outcome::Unknown,
+            note: "cp2: no answer within 2s".to_owned(),
+        };
+        let line = serde_json::to_string(&operation).expect("serialises");
+        assert!(!line.contains('\n'), "one operation per line: {line}");
+        let back: Operation = serde_json::from_str(&line).expect("parses");
+        assert_eq!(back, operation);
+        let read: Operation = serde_json::from_str(
+            r#"{"client":0,"name":"t","call":"Read","invoked":1,"returned":2,"invoked_us":5,"returned_us":9,"outcome":{"Present":200}}"#,
+        )
+        .expect("a line without a note parses");
+        assert_eq!(read.outcome, Outcome::Present(200));
+        assert_eq!(read.note, "");
+    }
+
+    #[test]
+    fn by_name_keeps_each_names_operations_in_order() {
+        let history = History::default();
+        for (index, name) in ["a", "b", "a"].into_iter().enumerate() {
+            let invoked = history.event();
+            let returned = history.event();
+            history.record(Operation {
+                client: 0,
+                name: name.to_owned(),
+                call: Call::Read,
+                invoked,
+                returned,
+                invoked_us: index as u64,
+                returned_us: index as u64,
+                outcome: Outcome::Absent,
+                note: String::new(),
+            });
+        }
+        let names = by_name(&history.operations());
+        assert_eq!(names.len(), 2);
+        assert_eq!(names["a"].len(), 2);
+        assert!(names["a"][0].invoked < names["a"][1].invoked);
+        assert_eq!(names["b"][0].invoked, 2);
+    }
 }

@@ -1,0 +1,157 @@
+//! Bounds on what a heartbeat carries besides the node's name: per-GPU health and per-tenant
+//! usage. The agent trims its report with [`bound_heartbeat`] before sending it, and the control
+//! plane trims again on receipt (an older or misbehaving agent must not grow the leader's memory
+//! without bound).
+
+use crate::v1::{GpuHealth, HeartbeatRequest, ProcessUsage, TenantUsage};
+
+/// GPUs with a health entry per heartbeat (as many as a node may register).
+pub const HEALTH_GPUS_MAX: usize = 64;
+/// Tenant-GPU usage entries per heartbeat (32 tenants on each of 32 GPUs).
+pub const USAGE_ENTRIES_MAX: usize = 1024;
+/// Processes listed per usage entry or per GPU; the largest are kept.
+pub const PROCESSES_MAX: usize = 16;
+/// Throttle reasons and `unsupported` names per GPU (NVML defines fewer).
+pub const NAMES_MAX: usize = 16;
+/// Longest name (throttle reason, query) kept.
+pub const NAME_LENGTH_MAX: usize = 32;
+
+/// What [`bound_heartbeat`] dropped, for a log line.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Trimmed {
+    pub gpus: usize,
+    pub usage: usize,
+    pub processes: usize,
+    pub names: usize,
+}
+
+impl Trimmed {
+    pub fn any(&self) -> bool {
+        *self != Trimmed::default()
+    }
+}
+
+/// Trims `request` to the bounds above; keeps the largest processes. Idempotent.
+pub fn bound_heartbeat(request: &mut HeartbeatRequest) -> Trimmed {
+    let mut trimmed = Trimmed {
+        gpus: request.gpus.len().saturating_sub(HEALTH_GPUS_MAX),
+        usage: request.usage.len().saturating_sub(USAGE_ENTRIES_MAX),
+        ..Trimmed::default()
+    };
+    request.gpus.truncate(HEALTH_GPUS_MAX);
+    request.usage.truncate(USAGE_ENTRIES_MAX);
+    for gpu in &mut request.gpus {
+        trimmed.processes += bound_processes(&mut gpu.processes);
+        trimmed.names += bound_names(&mut gpu.throttle_reasons);
+        trimmed.names += bound_names(&mut gpu.unsupported);
+    }
+    for usage in &mut request.usage {
+        trimmed.processes += bound_processes(&mut usage.processes);
+    }
+    debug_assert!(request.gpus.len() <= HEALTH_GPUS_MAX);
+    debug_assert!(request.usage.len() <= USAGE_ENTRIES_MAX);
+    trimmed
+}
+
+/// Keeps the [`PROCESSES_MAX`] largest processes, largest first (ties by pid); returns how many
+/// were dropped.
+pub fn bound_processes(processes: &mut Vec<ProcessUsage>) -> usize {
+    processes.sort_by(|a, b| b.memory_bytes.cmp(&a.memory_bytes).then(a.pid.cmp(&b.pid)));
+    let dropped = processes.len().saturating_sub(PROCESSES_MAX);
+    processes.truncate(PROCESSES_MAX);
+    for process in processes.iter_mut() {
+        truncate_name(&mut process.tenant, crate::names::NAME_LENGTH_MAX);
+    }
+    dropped
+}
+
+fn bound_names(names: &mut Vec<String>) -> usize {
+    let dropped = names.len().saturating_sub(NAMES_MAX);
+    names.truncate(NAMES_MAX);
+    for name in names.iter_mut() {
+        truncate_name(name, NAME_LENGTH_MAX);
+    }
+    dropped
+}
+
+fn truncate_name(name: &mut String, max: usize) {
+    if name.len() > max {
+        let mut end = max;
+        while !name.is_char_boundary(end) {
+            end -= 1;
+        }
+        name.truncate(end);
+    }
+}
+
+/// Whether a usage entry says anything (memory held, time used or processes alive).
+pub fn is_active(usage: &TenantUsage) -> bool {
+    usage.memory_used_bytes > 0 || usage.gpu_time_ns > 0 || usage.process_count > 0
+}
+
+/// A health entry with every optional field absent (the shape of a GPU whose driver answered
+/// nothing), for callers that fill it in.
+pub fn empty_health(uuid: &str, index: u32) -> GpuHealth {
+    GpuHealth {
+        uuid: uuid.to_owned(),
+        index,
+        ..GpuHealth::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn process(pid: u32, memory_bytes: u64) -> ProcessUsage {
+        ProcessUsage {
+            pid,
+            memory_bytes,
+            tenant: "t".repeat(100),
+        }
+    }
+
+    #[test]
+    fn a_heartbeat_is_trimmed_to_its_bounds_keeping_the_largest_processes() {
+        let mut gpu = empty_health("GPU-1", 0);
+        gpu.processes = (0..40)
+            .map(|pid| process(pid, u64::from(pid) * 10))
+            .collect();
+        gpu.throttle_reasons = (0..20)
+            .map(|i| format!("reason-{i}-{}", "x".repeat(40)))
+            .collect();
+        let mut request = HeartbeatRequest {
+            node: "a".into(),
+            gpus: vec![gpu; HEALTH_GPUS_MAX + 3],
+            usage: vec![TenantUsage::default(); USAGE_ENTRIES_MAX + 5],
+        };
+        let trimmed = bound_heartbeat(&mut request);
+        assert_eq!(trimmed.gpus, 3);
+        assert_eq!(trimmed.usage, 5);
+        assert_eq!(trimmed.processes, HEALTH_GPUS_MAX * (40 - PROCESSES_MAX));
+        assert_eq!(trimmed.names, HEALTH_GPUS_MAX * 4);
+        assert!(trimmed.any());
+        let first = &request.gpus[0];
+        assert_eq!(first.processes.len(), PROCESSES_MAX);
+        assert_eq!(first.processes[0].pid, 39, "largest first");
+        assert_eq!(
+            first.processes[0].tenant.len(),
+            crate::names::NAME_LENGTH_MAX
+        );
+        assert!(
+            first
+                .throttle_reasons
+                .iter()
+                .all(|n| n.len() <= NAME_LENGTH_MAX)
+        );
+        assert_eq!(bound_heartbeat(&mut request), Trimmed::default());
+    }
+
+    #[test]
+    fn activity_means_memory_time_or_processes() {
+        let mut usage = TenantUsage::default();
+        assert!(!is_active(&usage));
+        usage.gpu_time_ns = 1;
+        assert!(is_active(&usage));
+    }
+}

@@ -1,0 +1,179 @@
+//! Who may call what: the role of the caller's client certificate (see `api::tls`) against the
+//! call, checked by every handler before it reads or proposes anything, so a refused request
+//! leaves no trace in the replicated state.
+//!
+//! - `admin`: everything.
+//! - `tenant:OWNER`: place, release, get and list the tenants whose owner is OWNER.
+//! - `agent`: `Register`, `Heartbeat` and `WatchAssignments` for the node named by its
+//!   certificate's common name.
+//! - `member`: the Raft transport (`Raft.*`), `Cluster.Status` and `Cluster.AddMember` (joining).
+//! - no certificate: only `Agent.JoinNode`, which proves a bootstrap token instead.
+//!
+//! Under `--insecure` there are no certificates and every caller is an admin.
+
+use api::ErrorCode;
+use api::pki::CertAndKey;
+use api::tls::{Peer, Role};
+use tonic::{Request, Status};
+
+/// The common name given to callers under `--insecure`.
+pub const INSECURE_CALLER: &str = "insecure";
+/// Longest bootstrap token lifetime (`vgpu-cp token create --ttl`).
+pub const TOKEN_TTL_MAX_SECONDS: u64 = 7 * 24 * 3600;
+
+/// The security settings of a running member's API.
+#[derive(Clone, Debug)]
+pub struct Guard {
+    /// `--insecure`: no certificates; everyone is an admin.
+    pub insecure: bool,
+    /// The cluster CA's certificate (PEM); `None` under `--insecure`.
+    pub ca_cert_pem: Option<String>,
+    /// The cluster CA with its key, when this member signs joining agents' certificates.
+    pub ca_signer: Option<CertAndKey>,
+}
+
+/// Which tenants a caller may see and change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TenantScope {
+    All,
+    Owner(String),
+}
+
+impl TenantScope {
+    /// Whether a tenant recorded with `owner` is in scope.
+    pub fn covers(&self, owner: &str) -> bool {
+        match self {
+            TenantScope::All => true,
+            TenantScope::Owner(mine) => mine == owner,
+        }
+    }
+}
+
+/// A refusal: `[VGPU-PERMISSION-DENIED]`, who asked, and what to do.
+pub fn denied(peer: &Peer, what: &str) -> Status {
+    ErrorCode::PermissionDenied.status(format!(
+        "the certificate of `{}` (role {}) does not allow {what}; use a certificate whose role allows it (docs/security.md lists what each role may do)",
+        peer.name, peer.role
+    ))
+}
+
+impl Guard {
+    /// The caller of `request`: its certificate's name and role, or an admin under
+    /// `--insecure`. No certificate is `UNAUTHENTICATED`.
+    pub fn caller<T>(&self, request: &Request<T>) -> Result<Peer, Status> {
+        if self.insecure {
+            return Ok(Peer {
+                role: Role::Admin,
+                name: INSECURE_CALLER.to_owned(),
+            });
+        }
+        match Peer::of(request) {
+            Some(Ok(peer)) => Ok(peer),
+            Some(Err(problem)) => Err(ErrorCode::PermissionDenied.status(format!(
+                "{problem}; issue a new certificate with `vgpu-cp cert issue --role ...`"
+            ))),
+            None => Err(ErrorCode::Unauthenticated.status(
+                "this call needs a client certificate signed by the cluster CA; configure tls_cert and tls_key (`vgpu-cp cert issue` makes them), or join an agent with `vgpu-agent join --token`",
+            )),
+        }
+    }
+
+    /// Admins only.
+    pub fn admin<T>(&self, request: &Request<T>, what: &str) -> Result<Peer, Status> {
+        let peer = self.caller(request)?;
+        match peer.role {
+            Role::Admin => Ok(peer),
+            _ => Err(denied(&peer, what)),
+        }
+    }
+
+    /// Admins and control-plane members.
+    pub fn member<T>(&self, request: &Request<T>, what: &str) -> Result<Peer, Status> {
+        let peer = self.caller(request)?;
+        match peer.role {
+            Role::Admin | Role::Member => Ok(peer),
+            _ => Err(denied(&peer, what)),
+        }
+    }
+
+    /// Admins, and the agent of `node`.
+    pub fn agent<T>(&self, request: &Request<T>, node: &str, what: &str) -> Result<Peer, Status> {
+        let peer = self.caller(request)?;
+        match &peer.role {
+            Role::Admin => Ok(peer),
+            Role::Agent if peer.name == node => Ok(peer),
+            Role::Agent => Err(denied(
+                &peer,
+                &format!("{what} for node `{node}` (an agent acts only for its own node)"),
+            )),
+            _ => Err(denied(&peer, what)),
+        }
+    }
+
+    /// Admins (all tenants) and tenants (their own).
+    pub fn tenants<T>(
+        &self,
+        request: &Request<T>,
+        what: &str,
+    ) -> Result<(Peer, TenantScope), Status> {
+        let peer = self.caller(request)?;
+        let scope = match &peer.role {
+            Role::Admin => TenantScope::All,
+            Role::Tenant(owner) => TenantScope::Owner(owner.clone()),
+            _ => return Err(denied(&peer, what)),
+        };
+        Ok((peer, scope))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(role: Role, name: &str) -> Peer {
+        Peer {
+            role,
+            name: name.to_owned(),
+        }
+    }
+
+    #[test]
+    fn insecure_callers_are_admins_and_no_certificate_is_unauthenticated() {
+        let insecure = Guard {
+            insecure: true,
+            ca_cert_pem: None,
+            ca_signer: None,
+        };
+        let caller = insecure.admin(&Request::new(()), "anything").unwrap();
+        assert_eq!(caller.role, Role::Admin);
+        let secure = Guard {
+            insecure: false,
+            ca_cert_pem: None,
+            ca_signer: None,
+        };
+        let status = secure.caller(&Request::new(())).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+        assert!(
+            status.message().starts_with("[VGPU-UNAUTHENTICATED]"),
+            "{status:?}"
+        );
+    }
+
+    #[test]
+    fn refusals_name_the_caller_and_role() {
+        let status = denied(&peer(Role::Tenant("a".into()), "alice"), "draining nodes");
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        let message = status.message();
+        assert!(
+            message.starts_with("[VGPU-PERMISSION-DENIED]")
+                && message.contains("`alice`")
+                && message.contains("tenant:a")
+                && message.contains("draining nodes"),
+            "{message}"
+        );
+        assert!(TenantScope::Owner("a".into()).covers("a"));
+        assert!(!TenantScope::Owner("a".into()).covers("b"));
+        assert!(!TenantScope::Owner("a".into()).covers(""));
+        assert!(TenantScope::All.covers("anyone"));
+    }
+}

@@ -1,0 +1,578 @@
+//! GPU health and per-tenant usage that agents send with their heartbeats: soft state, kept in
+//! the leader's memory next to the heartbeat times and never written to the Raft log (it changes
+//! every second and is rebuilt within one heartbeat interval after an election).
+//!
+//! * The leader records each node's latest report ([`Reports::record`]), trimmed to
+//!   `api::usage` bounds and stamped with the time it arrived. A follower forwards a heartbeat
+//!   with its report (`ForwardRequest::HeartbeatReport`); a leader too old to decode that gets a
+//!   plain heartbeat instead, so a rolling upgrade never makes nodes look silent.
+//! * Reads (`GetTenant`, `GetNode`, `ListNodes`) on a follower ask the leader for the reports
+//!   they need over the internal `Forward` call, with a short timeout; if the leader cannot be
+//!   reached they answer without usage (best effort, like the heartbeat times).
+//! * `/metrics` shows the usage and health series on the leader only ([`render`]), so that a
+//!   Prometheus scraping every member sees each series exactly once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use api::ErrorCode;
+use api::v1::{GpuHealth, HeartbeatRequest, TenantUsage};
+use prost::Message;
+use serde::{Deserialize, Serialize};
+use tonic::Status;
+
+use crate::control_plane::{ControlPlane, ForwardRequest, ForwardResponse, unix_ms};
+
+/// How long a follower waits for the leader's reports before answering without them.
+pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// One node's latest report.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeReport {
+    /// When the leader received it (unix ms).
+    pub received_unix_ms: i64,
+    pub gpus: Vec<GpuHealth>,
+    pub usage: Vec<TenantUsage>,
+}
+
+/// Which reports a read needs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Filter {
+    All,
+    /// Only the usage entries of this tenant (and no GPU health).
+    Tenant(String),
+    /// Only this node's report.
+    Node(String),
+}
+
+/// The leader's reports, by node.
+#[derive(Debug, Default)]
+pub struct Reports {
+    nodes: Mutex<HashMap<String, NodeReport>>,
+}
+
+impl Reports {
+    /// Keeps `request` as its node's latest report, received at `now_unix_ms`.
+    pub fn record(&self, mut request: HeartbeatRequest, now_unix_ms: i64) {
+        let trimmed = api::usage::bound_heartbeat(&mut request);
+        if trimmed.any() {
+            tracing::debug!(
+                "node {}: report trimmed to its bounds: {trimmed:?}",
+                request.node
+            );
+        }
+        for gpu in &mut request.gpus {
+            gpu.reported_unix_ms = now_unix_ms;
+        }
+        for usage in &mut request.usage {
+            usage.reported_unix_ms = now_unix_ms;
+            // The node is the one that reported, whatever the entry says.
+            usage.node.clone_from(&request.node);
+        }
+        let report = NodeReport {
+            received_unix_ms: now_unix_ms,
+            gpus: request.gpus,
+            usage: request.usage,
+        };
+        self.nodes
+            .lock()
+            .expect("reports lock")
+            .insert(request.node, report);
+    }
+
+    /// The reports `filter` asks for, by node.
+    pub fn snapshot(&self, filter: &Filter) -> BTreeMap<String, NodeReport> {
+        let nodes = self.nodes.lock().expect("reports lock");
+        match filter {
+            Filter::All => nodes
+                .iter()
+                .map(|(node, report)| (node.clone(), report.clone()))
+                .collect(),
+            Filter::Node(name) => nodes
+                .get(name)
+                .map(|report| (name.clone(), report.clone()))
+                .into_iter()
+                .collect(),
+            Filter::Tenant(tenant) => nodes
+                .iter()
+                .filter_map(|(node, report)| {
+                    let usage: Vec<TenantUsage> = report
+                        .usage
+                        .iter()
+                        .filter(|usage| &usage.tenant == tenant)
+                        .cloned()
+                        .collect();
+                    (!usage.is_empty()).then(|| {
+                        let report = NodeReport {
+                            received_unix_ms: report.received_unix_ms,
+                            gpus: Vec::new(),
+                            usage,
+                        };
+                        (node.clone(), report)
+                    })
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Reports as they travel in a `Forward` answer: node, receive time, and the report as an
+/// encoded `HeartbeatRequest` (prost messages are not serde).
+pub type Encoded = Vec<(String, i64, Vec<u8>)>;
+
+pub fn encode(reports: &BTreeMap<String, NodeReport>) -> Encoded {
+    reports
+        .iter()
+        .map(|(node, report)| {
+            let message = HeartbeatRequest {
+                node: node.clone(),
+                gpus: report.gpus.clone(),
+                usage: report.usage.clone(),
+            };
+            (
+                node.clone(),
+                report.received_unix_ms,
+                message.encode_to_vec(),
+            )
+        })
+        .collect()
+}
+
+pub fn decode(encoded: Encoded) -> Result<BTreeMap<String, NodeReport>, prost::DecodeError> {
+    encoded
+        .into_iter()
+        .map(|(node, received_unix_ms, bytes)| {
+            let message = HeartbeatRequest::decode(bytes.as_slice())?;
+            let report = NodeReport {
+                received_unix_ms,
+                gpus: message.gpus,
+                usage: message.usage,
+            };
+            Ok((node, report))
+        })
+        .collect()
+}
+
+impl ControlPlane {
+    /// Records a heartbeat with its report here (leader) or at the leader. Returns whether the
+    /// node is known; an unknown node's report is dropped.
+    pub async fn heartbeat_report(&self, request: HeartbeatRequest) -> Result<bool, Status> {
+        let node = request.node.clone();
+        let forwarded = ForwardRequest::HeartbeatReport(request.encode_to_vec());
+        let mut request = Some(request);
+        self.until_leader("a heartbeat", || {
+            let local = self.is_leader().then(|| request.take()).flatten();
+            let forwarded = &forwarded;
+            let node = &node;
+            async move {
+                if let Some(request) = local {
+                    return Ok(Some(self.record_heartbeat_report(request)));
+                }
+                let leader = self.leader_node();
+                let answer = match self.forward_once(leader.clone(), forwarded).await {
+                    Ok(answer) => answer,
+                    // A leader of an older version cannot decode a report (during a rolling
+                    // upgrade): beat without it rather than let the node be marked lost.
+                    Err(status) => {
+                        tracing::debug!(
+                            "the leader refused the report of {node} ({}); plain heartbeat",
+                            status.message()
+                        );
+                        let plain = ForwardRequest::Heartbeat { node: node.clone() };
+                        self.forward_once(leader, &plain).await?
+                    }
+                };
+                match answer {
+                    Some(ForwardResponse::Heartbeat { known }) => Ok(Some(known)),
+                    Some(other) => Err(ErrorCode::Internal
+                        .status(format!("unexpected forward answer {other:?} for {node}"))),
+                    None => Ok(None),
+                }
+            }
+        })
+        .await
+    }
+
+    /// Leader side of [`ControlPlane::heartbeat_report`].
+    pub(crate) fn record_heartbeat_report(&self, request: HeartbeatRequest) -> bool {
+        let known = self.record_heartbeat(&request.node);
+        if known {
+            self.reports.record(request, unix_ms());
+        }
+        known
+    }
+
+    /// The leader's reports that `filter` asks for; empty when the leader cannot be reached
+    /// within [`FORWARD_TIMEOUT`] (reads then show no usage rather than fail).
+    pub async fn reports(&self, filter: Filter) -> BTreeMap<String, NodeReport> {
+        if self.is_leader() {
+            return self.reports.snapshot(&filter);
+        }
+        let request = ForwardRequest::Reports(filter);
+        let attempt = self.forward_once(self.leader_node(), &request);
+        match tokio::time::timeout(FORWARD_TIMEOUT, attempt).await {
+            Ok(Ok(Some(ForwardResponse::Reports(encoded)))) => {
+                decode(encoded).unwrap_or_else(|error| {
+                    tracing::warn!("the leader's usage reports do not decode: {error}");
+                    BTreeMap::new()
+                })
+            }
+            _ => BTreeMap::new(),
+        }
+    }
+}
+
+/// Fills in each GPU's health from its node's report (matched by uuid).
+pub fn attach_health(node: &mut api::v1::Node, report: Option<&NodeReport>) {
+    let Some(report) = report else {
+        return;
+    };
+    for gpu in &mut node.gpus {
+        gpu.health = report.gpus.iter().find(|h| h.uuid == gpu.uuid).cloned();
+    }
+}
+
+/// Label values are escaped as the text format wants (`\`, `"` and newlines).
+fn label(value: &str) -> String {
+    value
+        .replace('\\', r"\\")
+        .replace('"', "\\\"")
+        .replace('\n', r"\n")
+}
+
+/// Appends the usage and health families (leader only; see the module docs). `known` says
+/// whether a node is still registered: removed nodes' last reports are not shown.
+pub fn render(
+    out: &mut String,
+    reports: &BTreeMap<String, NodeReport>,
+    known: impl Fn(&str) -> bool,
+) {
+    let reports: Vec<(&String, &NodeReport)> =
+        reports.iter().filter(|(node, _)| known(node)).collect();
+    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    };
+    let usage = || {
+        reports
+            .iter()
+            .flat_map(|(node, report)| report.usage.iter().map(move |usage| (node.as_str(), usage)))
+    };
+    let tenant_labels = |node: &str, usage: &TenantUsage| {
+        format!(
+            "tenant=\"{}\",node=\"{}\",gpu=\"{}\"",
+            label(&usage.tenant),
+            label(node),
+            label(&usage.gpu)
+        )
+    };
+    family(
+        out,
+        "vgpu_tenant_memory_bytes",
+        "gauge",
+        "GPU memory held by a tenant's live processes on a GPU (the interposer's ledger).",
+    );
+    for (node, usage) in usage() {
+        let _ = writeln!(
+            out,
+            "vgpu_tenant_memory_bytes{{{}}} {}",
+            tenant_labels(node, usage),
+            usage.memory_used_bytes
+        );
+    }
+    family(
+        out,
+        "vgpu_tenant_memory_limit_bytes",
+        "gauge",
+        "The memory limit the interposer enforces for a tenant on a GPU (0: none).",
+    );
+    for (node, usage) in usage() {
+        let _ = writeln!(
+            out,
+            "vgpu_tenant_memory_limit_bytes{{{}}} {}",
+            tenant_labels(node, usage),
+            usage.memory_limit_bytes
+        );
+    }
+    family(
+        out,
+        "vgpu_tenant_gpu_time_seconds_total",
+        "counter",
+        "Turn time charged to a tenant by a GPU's compute schedule.",
+    );
+    for (node, usage) in usage() {
+        let _ = writeln!(
+            out,
+            "vgpu_tenant_gpu_time_seconds_total{{{}}} {}",
+            tenant_labels(node, usage),
+            usage.gpu_time_ns as f64 / 1e9
+        );
+    }
+    family(
+        out,
+        "vgpu_tenant_processes",
+        "gauge",
+        "Live processes of a tenant on a GPU.",
+    );
+    for (node, usage) in usage() {
+        let _ = writeln!(
+            out,
+            "vgpu_tenant_processes{{{}}} {}",
+            tenant_labels(node, usage),
+            usage.process_count
+        );
+    }
+    let gpus = || {
+        reports
+            .iter()
+            .flat_map(|(node, report)| report.gpus.iter().map(move |gpu| (node.as_str(), gpu)))
+    };
+    let gpu_labels = |node: &str, gpu: &GpuHealth| {
+        format!("node=\"{}\",gpu=\"{}\"", label(node), label(&gpu.uuid))
+    };
+    let supports = |gpu: &GpuHealth, query: &str| !gpu.unsupported.iter().any(|q| q == query);
+    family(
+        out,
+        "vgpu_gpu_xid_errors_total",
+        "counter",
+        "XID errors (NVML critical XID events) since the node's agent started.",
+    );
+    for (node, gpu) in gpus().filter(|(_, gpu)| supports(gpu, "xid")) {
+        let _ = writeln!(
+            out,
+            "vgpu_gpu_xid_errors_total{{{}}} {}",
+            gpu_labels(node, gpu),
+            gpu.xid_errors
+        );
+    }
+    family(
+        out,
+        "vgpu_gpu_last_xid",
+        "gauge",
+        "The most recent XID code (0: none).",
+    );
+    for (node, gpu) in gpus().filter(|(_, gpu)| supports(gpu, "xid")) {
+        let _ = writeln!(
+            out,
+            "vgpu_gpu_last_xid{{{}}} {}",
+            gpu_labels(node, gpu),
+            gpu.last_xid
+        );
+    }
+    family(
+        out,
+        "vgpu_gpu_ecc_errors_total",
+        "counter",
+        "Volatile ECC errors since the driver loaded, by kind (corrected, uncorrected).",
+    );
+    for (node, gpu) in gpus() {
+        for (kind, count) in [
+            ("corrected", gpu.ecc_corrected),
+            ("uncorrected", gpu.ecc_uncorrected),
+        ] {
+            if let Some(count) = count {
+                let _ = writeln!(
+                    out,
+                    "vgpu_gpu_ecc_errors_total{{{},kind=\"{kind}\"}} {count}",
+                    gpu_labels(node, gpu)
+                );
+            }
+        }
+    }
+    family(
+        out,
+        "vgpu_gpu_throttled",
+        "gauge",
+        "1 for each clock throttle reason active on a GPU now.",
+    );
+    for (node, gpu) in gpus() {
+        for reason in &gpu.throttle_reasons {
+            let _ = writeln!(
+                out,
+                "vgpu_gpu_throttled{{{},reason=\"{}\"}} 1",
+                gpu_labels(node, gpu),
+                label(reason)
+            );
+        }
+    }
+    type Gauge = fn(&GpuHealth) -> Option<f64>;
+    let optional_gauges: [(&str, &str, Gauge); 3] = [
+        (
+            "vgpu_gpu_temperature_celsius",
+            "GPU die temperature.",
+            |gpu| gpu.temperature_celsius.map(f64::from),
+        ),
+        (
+            "vgpu_gpu_utilization_percent",
+            "GPU utilisation over the driver's last sample period.",
+            |gpu| gpu.utilization_percent.map(f64::from),
+        ),
+        (
+            "vgpu_gpu_memory_used_bytes",
+            "Device memory in use on a GPU, all processes.",
+            |gpu| gpu.memory_used_bytes.map(|bytes| bytes as f64),
+        ),
+    ];
+    for (name, help, value) in optional_gauges {
+        family(out, name, "gauge", help);
+        for (node, gpu) in gpus() {
+            if let Some(value) = value(gpu) {
+                let _ = writeln!(out, "{name}{{{}}} {value}", gpu_labels(node, gpu));
+            }
+        }
+    }
+    family(
+        out,
+        "vgpu_node_report_age_seconds",
+        "gauge",
+        "Seconds since the leader received a node's health and usage report.",
+    );
+    let now = unix_ms();
+    for (node, report) in &reports {
+        let age = (now - report.received_unix_ms).max(0) as f64 / 1000.0;
+        let _ = writeln!(
+            out,
+            "vgpu_node_report_age_seconds{{node=\"{}\"}} {age}",
+            label(node)
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn usage(tenant: &str, gpu: &str, memory: u64, time_ns: u64) -> TenantUsage {
+        TenantUsage {
+            tenant: tenant.into(),
+            node: "spoofed".into(),
+            gpu: gpu.into(),
+            memory_used_bytes: memory,
+            memory_limit_bytes: 10 << 30,
+            gpu_time_ns: time_ns,
+            process_count: 1,
+            ..TenantUsage::default()
+        }
+    }
+
+    fn sample_reports() -> Reports {
+        let reports = Reports::default();
+        let mut gpu = api::usage::empty_health("GPU-a0", 0);
+        gpu.xid_errors = 2;
+        gpu.last_xid = 79;
+        gpu.ecc_corrected = Some(5);
+        gpu.ecc_uncorrected = Some(1);
+        gpu.throttle_reasons = vec!["hw_slowdown".into()];
+        gpu.temperature_celsius = Some(61);
+        let mut unsupported = api::usage::empty_health("GPU-a1", 1);
+        unsupported.unsupported = vec!["xid".into(), "ecc".into()];
+        reports.record(
+            HeartbeatRequest {
+                node: "node-a".into(),
+                gpus: vec![gpu, unsupported],
+                usage: vec![
+                    usage("train", "GPU-a0", 3 << 30, 2_500_000_000),
+                    usage("infer", "GPU-a1", 1 << 30, 0),
+                ],
+            },
+            1_000,
+        );
+        reports.record(
+            HeartbeatRequest {
+                node: "node-b".into(),
+                gpus: vec![],
+                usage: vec![usage("train", "GPU-b0", 7, 1)],
+            },
+            2_000,
+        );
+        reports
+    }
+
+    #[test]
+    fn reports_are_stamped_and_filtered_by_tenant_or_node() {
+        let reports = sample_reports();
+        let all = reports.snapshot(&Filter::All);
+        assert_eq!(all.len(), 2);
+        assert_eq!(all["node-a"].received_unix_ms, 1_000);
+        assert_eq!(all["node-a"].gpus[0].reported_unix_ms, 1_000);
+        assert_eq!(
+            all["node-a"].usage[0].node, "node-a",
+            "the reporter names the node"
+        );
+        assert_eq!(all["node-a"].usage[0].reported_unix_ms, 1_000);
+
+        let train = reports.snapshot(&Filter::Tenant("train".into()));
+        let entries: Vec<(&str, &str)> = train
+            .iter()
+            .flat_map(|(node, r)| r.usage.iter().map(move |u| (node.as_str(), u.gpu.as_str())))
+            .collect();
+        assert_eq!(entries, [("node-a", "GPU-a0"), ("node-b", "GPU-b0")]);
+        assert!(train.values().all(|r| r.gpus.is_empty()));
+        assert!(
+            reports
+                .snapshot(&Filter::Tenant("nobody".into()))
+                .is_empty()
+        );
+        let node_b = reports.snapshot(&Filter::Node("node-b".into()));
+        assert_eq!(node_b.keys().collect::<Vec<_>>(), ["node-b"]);
+
+        // A newer report replaces the node's previous one.
+        reports.record(
+            HeartbeatRequest {
+                node: "node-b".into(),
+                ..HeartbeatRequest::default()
+            },
+            3_000,
+        );
+        assert!(
+            reports.snapshot(&Filter::Node("node-b".into()))["node-b"]
+                .usage
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn reports_survive_the_forwarding_encoding() {
+        let all = sample_reports().snapshot(&Filter::All);
+        assert_eq!(decode(encode(&all)).unwrap(), all);
+        assert!(decode(vec![("x".into(), 0, vec![0xff, 0xff])]).is_err());
+    }
+
+    #[test]
+    fn metrics_show_usage_and_health_of_known_nodes() {
+        let all = sample_reports().snapshot(&Filter::All);
+        let mut out = String::new();
+        render(&mut out, &all, |node| node == "node-a");
+        for line in [
+            "vgpu_tenant_memory_bytes{tenant=\"train\",node=\"node-a\",gpu=\"GPU-a0\"} 3221225472",
+            "vgpu_tenant_gpu_time_seconds_total{tenant=\"train\",node=\"node-a\",gpu=\"GPU-a0\"} 2.5",
+            "vgpu_tenant_memory_limit_bytes{tenant=\"infer\",node=\"node-a\",gpu=\"GPU-a1\"} 10737418240",
+            "vgpu_gpu_xid_errors_total{node=\"node-a\",gpu=\"GPU-a0\"} 2",
+            "vgpu_gpu_last_xid{node=\"node-a\",gpu=\"GPU-a0\"} 79",
+            "vgpu_gpu_ecc_errors_total{node=\"node-a\",gpu=\"GPU-a0\",kind=\"uncorrected\"} 1",
+            "vgpu_gpu_ecc_errors_total{node=\"node-a\",gpu=\"GPU-a0\",kind=\"corrected\"} 5",
+            "vgpu_gpu_throttled{node=\"node-a\",gpu=\"GPU-a0\",reason=\"hw_slowdown\"} 1",
+            "vgpu_gpu_temperature_celsius{node=\"node-a\",gpu=\"GPU-a0\"} 61",
+            "# TYPE vgpu_tenant_gpu_time_seconds_total counter",
+        ] {
+            assert!(
+                out.contains(&format!("{line}\n")),
+                "missing `{line}` in:\n{out}"
+            );
+        }
+        // Unsupported queries have no series; a removed node has none at all.
+        assert!(
+            !out.contains("gpu=\"GPU-a1\"} 0\nvgpu_gpu_last_xid"),
+            "{out}"
+        );
+        assert!(!out.contains("vgpu_gpu_xid_errors_total{node=\"node-a\",gpu=\"GPU-a1\"}"));
+        assert!(!out.contains("GPU-a1\",kind="), "{out}");
+        assert!(!out.contains("node-b"), "{out}");
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

@@ -1,0 +1,814 @@
+//! The fleet simulator behind `vgpu-agent simulate-fleet`: many simulated nodes in one process,
+//! each doing what `join` does on the wire (register, heartbeat at the interval the control plane
+//! hands out, watch its assignments), so that a real control-plane cluster can be loaded with a
+//! thousand or more nodes from one machine.
+//!
+//! Each node is a tokio task. Nodes share gRPC channels: about `nodes_per_connection` nodes use
+//! one HTTP/2 connection to each control-plane address, and node `i` starts at address
+//! `i mod addresses`, so the load spreads over the members (followers forward heartbeats and
+//! writes to the leader, as they do for real agents). What a simulated node leaves out on
+//! purpose: the state directory, CDI specs and anything GPU-side; it only counts the assignment
+//! messages and tenants it is sent.
+//!
+//! Every heartbeat carries a health report of the node's GPUs (fixed made-up values, as
+//! `join --simulate` sends), unless `report_health` is off. The transport is plain text
+//! (`--insecure`) or mutual TLS with one certificate for the whole fleet, which must then have
+//! the admin role (an agent certificate acts only for its own node).
+//!
+//! Heartbeat intervals are jittered (± `heartbeat_jitter_percent`) and the first heartbeat of
+//! each node falls at a random point of its first interval, so the fleet does not beat in
+//! lockstep. The jitter is drawn from a per-node SplitMix64 sequence seeded by the node's index,
+//! so two runs with the same settings send the same schedule.
+
+pub mod latency;
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use api::ErrorCode;
+use api::tls::Transport;
+use api::v1::{GpuHealth, HeartbeatRequest, RegisterRequest, WatchAssignmentsRequest};
+use serde::Serialize;
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::{Instant, sleep, timeout};
+use tracing::{info, warn};
+
+use crate::agent::{HEARTBEAT_INTERVAL_DEFAULT, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN};
+use crate::backoff::Backoff;
+use crate::endpoints::Endpoints;
+use crate::error::{Error, Result};
+use crate::inventory::InventorySource;
+use crate::{Timings, parse_label};
+
+pub use latency::{LatencyHistogram, LatencySummary};
+
+/// Most nodes one fleet process simulates.
+pub const FLEET_NODES_MAX: usize = 100_000;
+/// Nodes that share one connection to each control-plane address, by default.
+pub const NODES_PER_CONNECTION_DEFAULT: usize = 50;
+/// Most nodes per connection: every node keeps one assignment stream open on its connection.
+pub const NODES_PER_CONNECTION_MAX: usize = 1000;
+/// Registrations in flight at once, by default (the ramp-up rate is what the cluster can take
+/// at this concurrency).
+pub const REGISTRATIONS_IN_FLIGHT_DEFAULT: usize = 32;
+pub const REGISTRATIONS_IN_FLIGHT_MAX: usize = 1024;
+/// Largest heartbeat jitter, in percent of the interval.
+pub const HEARTBEAT_JITTER_PERCENT_MAX: u32 = 50;
+
+/// What `vgpu-agent simulate-fleet` runs with.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    /// Control-plane addresses, `HOST:PORT` or `http://HOST:PORT`.
+    pub control_plane: Vec<String>,
+    /// How many nodes to simulate.
+    pub count: usize,
+    /// The simulated GPUs of every node: `COUNTxMODEL-MEMORY` or a topology file.
+    pub spec: String,
+    /// Node names are `PREFIX-00000`, `PREFIX-00001`, ...
+    pub name_prefix: String,
+    /// Index of the first node (to run several fleet processes against one cluster).
+    pub first_index: usize,
+    pub labels: BTreeMap<String, String>,
+    pub heartbeat_jitter_percent: u32,
+    pub registrations_in_flight: usize,
+    pub nodes_per_connection: usize,
+    /// Whether each node watches its assignments (one stream per node).
+    pub watch: bool,
+    /// Whether heartbeats carry a (made-up) health report of every GPU.
+    pub report_health: bool,
+    /// Plain text, or mTLS with an admin certificate.
+    pub transport: Transport,
+    /// Stop this long after every node registered; `None` runs until shutdown.
+    pub duration: Option<Duration>,
+    /// How often progress is logged while nodes register (ten times as rarely afterwards).
+    pub progress_interval: Duration,
+    pub timings: Timings,
+}
+
+impl FleetConfig {
+    /// A fleet of `count` nodes of `spec` with the default settings, over plain text.
+    pub fn new(control_plane: Vec<String>, count: usize, spec: &str) -> FleetConfig {
+        FleetConfig {
+            control_plane,
+            count,
+            spec: spec.to_owned(),
+            name_prefix: "sim".to_owned(),
+            first_index: 0,
+            labels: BTreeMap::new(),
+            heartbeat_jitter_percent: 10,
+            registrations_in_flight: REGISTRATIONS_IN_FLIGHT_DEFAULT,
+            nodes_per_connection: NODES_PER_CONNECTION_DEFAULT,
+            watch: true,
+            report_health: true,
+            transport: Transport::Insecure,
+            duration: None,
+            progress_interval: Duration::from_secs(1),
+            timings: Timings::default(),
+        }
+    }
+
+    /// The name of the node at `index` (counted from `first_index`), numbered with five digits
+    /// (more past 99,999) so that names sort in node order.
+    pub fn node_name(&self, index: usize) -> String {
+        format!("{}-{:05}", self.name_prefix, self.first_index + index)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |problem: String| Err(Error::FleetSettings { problem });
+        if self.count == 0 || self.count > FLEET_NODES_MAX {
+            return bad(format!(
+                "--count {} is out of range; simulate 1 to {FLEET_NODES_MAX} nodes per process",
+                self.count
+            ));
+        }
+        if self.heartbeat_jitter_percent > HEARTBEAT_JITTER_PERCENT_MAX {
+            return bad(format!(
+                "--heartbeat-jitter-percent {} is above {HEARTBEAT_JITTER_PERCENT_MAX}",
+                self.heartbeat_jitter_percent
+            ));
+        }
+        if !(1..=REGISTRATIONS_IN_FLIGHT_MAX).contains(&self.registrations_in_flight) {
+            return bad(format!(
+                "--registrations-in-flight {} is out of range; give 1 to {REGISTRATIONS_IN_FLIGHT_MAX}",
+                self.registrations_in_flight
+            ));
+        }
+        if !(1..=NODES_PER_CONNECTION_MAX).contains(&self.nodes_per_connection) {
+            return bad(format!(
+                "--nodes-per-connection {} is out of range; give 1 to {NODES_PER_CONNECTION_MAX}",
+                self.nodes_per_connection
+            ));
+        }
+        if self.progress_interval.is_zero() {
+            return bad("the progress interval is 0; give at least 1 ms".to_owned());
+        }
+        api::names::validate("node", &self.node_name(self.count - 1))?;
+        for (key, value) in &self.labels {
+            parse_label(&format!("{key}={value}"))?;
+        }
+        Ok(())
+    }
+}
+
+/// What a fleet run did, for people ([`std::fmt::Display`]) and for benchmarks (JSON).
+#[derive(Debug, Clone, Serialize)]
+pub struct FleetSummary {
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+    /// Nodes registered at least once.
+    pub registered: usize,
+    /// Seconds from the start until every node had registered, if they all did.
+    pub ramp_up_seconds: Option<f64>,
+    pub elapsed_seconds: f64,
+    pub registrations: u64,
+    pub registration_failures: u64,
+    pub heartbeats_sent: u64,
+    pub heartbeat_failures: u64,
+    /// Heartbeats answered "unknown node", each followed by a registration.
+    pub heartbeats_unknown: u64,
+    pub assignment_messages: u64,
+    pub watch_reconnects: u64,
+    /// Tenant assignments held by all nodes together at the end.
+    pub tenants_assigned: i64,
+    /// Every successful heartbeat call, as the simulated agents saw it.
+    pub heartbeat_latency: LatencySummary,
+    /// Successful heartbeat calls after every node had registered.
+    pub heartbeat_latency_steady: LatencySummary,
+    pub register_latency: LatencySummary,
+    /// The last failure message seen, if any.
+    pub last_failure: Option<String>,
+}
+
+impl std::fmt::Display for FleetSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "fleet: {} nodes x {} GPUs, {} registered, ran {:.1} s",
+            self.nodes, self.gpus_per_node, self.registered, self.elapsed_seconds
+        )?;
+        match self.ramp_up_seconds {
+            Some(seconds) => writeln!(
+                f,
+                "ramp-up: every node registered after {seconds:.1} s ({:.0} registrations/s)",
+                self.nodes as f64 / seconds.max(1e-3)
+            )?,
+            None => writeln!(f, "ramp-up: not every node registered")?,
+        }
+        writeln!(
+            f,
+            "registrations: {} ({} failed attempts), {}",
+            self.registrations, self.registration_failures, self.register_latency
+        )?;
+        writeln!(
+            f,
+            "heartbeats: {} sent, {} failed, {} answered `unknown node`",
+            self.heartbeats_sent, self.heartbeat_failures, self.heartbeats_unknown
+        )?;
+        writeln!(f, "heartbeat latency, all: {}", self.heartbeat_latency)?;
+        writeln!(
+            f,
+            "heartbeat latency, after ramp-up: {}",
+            self.heartbeat_latency_steady
+        )?;
+        writeln!(
+            f,
+            "assignments: {} messages, {} stream reconnects, {} tenant assignments held at the end",
+            self.assignment_messages, self.watch_reconnects, self.tenants_assigned
+        )?;
+        if let Some(failure) = &self.last_failure {
+            writeln!(f, "last failure: {failure}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs the fleet until `shutdown` completes, or until `duration` has passed after every node
+/// registered. Returns the summary; fails only on what retrying cannot fix (bad settings, a
+/// control plane that refuses the registration).
+pub async fn simulate_fleet(
+    config: FleetConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<FleetSummary> {
+    config.validate()?;
+    let source = InventorySource::from_simulate_arg(&config.spec)?;
+    let mut nodes = Vec::with_capacity(config.count);
+    for index in 0..config.count {
+        let inventory = source.discover(&config.node_name(index))?;
+        nodes.push(inventory.to_proto("", &config.labels));
+    }
+    let gpus_per_node = nodes[0].gpus.len();
+    let open = || {
+        Endpoints::with_transport(
+            &config.control_plane,
+            config.timings.connect_timeout,
+            &config.transport,
+        )
+    };
+    let addresses = open()?.len();
+    let per_address = config.count.div_ceil(addresses);
+    let connections = per_address.div_ceil(config.nodes_per_connection);
+    let endpoints = (0..connections)
+        .map(|_| open())
+        .collect::<Result<Vec<_>>>()?;
+    info!(
+        "simulating {} nodes x {gpus_per_node} GPUs against {addresses} control-plane addresses over {} connections",
+        config.count,
+        connections * addresses
+    );
+    let fleet = Arc::new(Fleet {
+        stats: Stats::default(),
+        registrations: Semaphore::new(config.registrations_in_flight),
+        started: Instant::now(),
+        all_registered: Notify::new(),
+        endpoints,
+        addresses,
+        config,
+    });
+    let mut tasks = JoinSet::new();
+    for (index, node) in nodes.into_iter().enumerate() {
+        let fleet = fleet.clone();
+        tasks.spawn(async move { fleet.run_node(index, node).await });
+    }
+    let outcome = tokio::select! {
+        () = shutdown => {
+            info!("shutting down the fleet");
+            Ok(())
+        }
+        () = fleet.clone().until_done() => Ok(()),
+        Some(joined) = tasks.join_next() => match joined {
+            Ok(Err(error)) => Err(error),
+            Ok(Ok(never)) => match never {},
+            Err(join_error) => panic!("a simulated node panicked: {join_error}"),
+        },
+    };
+    tasks.abort_all();
+    outcome?;
+    Ok(fleet.summary(gpus_per_node))
+}
+
+struct Fleet {
+    config: FleetConfig,
+    /// Channel sets; node `i` uses set `(i / addresses) % sets`.
+    endpoints: Vec<Endpoints>,
+    addresses: usize,
+    stats: Stats,
+    registrations: Semaphore,
+    started: Instant,
+    all_registered: Notify,
+}
+
+#[derive(Default)]
+struct Stats {
+    registered: AtomicUsize,
+    ramp_up_micros: AtomicU64,
+    steady: AtomicBool,
+    registrations: AtomicU64,
+    registration_failures: AtomicU64,
+    heartbeats_sent: AtomicU64,
+    heartbeat_failures: AtomicU64,
+    heartbeats_unknown: AtomicU64,
+    assignment_messages: AtomicU64,
+    watch_reconnects: AtomicU64,
+    tenants_assigned: AtomicI64,
+    heartbeat_latency: LatencyHistogram,
+    heartbeat_latency_steady: LatencyHistogram,
+    register_latency: LatencyHistogram,
+    last_failure: Mutex<Option<String>>,
+}
+
+impl Stats {
+    fn failure(&self, message: String) {
+        *self.last_failure.lock().expect("failure lock") = Some(message);
+    }
+}
+
+/// Why an assignment stream ended.
+enum StreamEnd {
+    Closed,
+    NotRegistered,
+    Failed(String),
+}
+
+impl Fleet {
+    async fn run_node(&self, index: usize, node: api::v1::Node) -> Result<Infallible> {
+        let endpoints = &self.endpoints[(index / self.addresses) % self.endpoints.len()];
+        let mut cursor = index % self.addresses;
+        let reregister = Notify::new();
+        let interval = self.register(endpoints, &mut cursor, &node, true).await?;
+        let registered = self.stats.registered.fetch_add(1, Ordering::Relaxed) + 1;
+        assert!(registered <= self.config.count);
+        if registered == self.config.count {
+            let micros = self.started.elapsed().as_micros() as u64;
+            self.stats.ramp_up_micros.store(micros, Ordering::Relaxed);
+            self.stats.steady.store(true, Ordering::Relaxed);
+            self.all_registered.notify_waiters();
+        }
+        let health = if self.config.report_health {
+            simulated_health(&node)
+        } else {
+            Vec::new()
+        };
+        let beat = HeartbeatRequest {
+            node: node.name.clone(),
+            gpus: health,
+            ..HeartbeatRequest::default()
+        };
+        let heartbeats = self.heartbeat_loop(
+            index,
+            endpoints,
+            cursor,
+            interval,
+            &node,
+            &beat,
+            &reregister,
+        );
+        if !self.config.watch {
+            return heartbeats.await;
+        }
+        tokio::select! {
+            outcome = heartbeats => outcome,
+            outcome = self.watch_loop(endpoints, cursor, &node.name, &reregister) => outcome,
+        }
+    }
+
+    /// Registers, moving across addresses with backoff until one accepts. Returns the heartbeat
+    /// interval.
+    async fn register(
+        &self,
+        endpoints: &Endpoints,
+        cursor: &mut usize,
+        node: &api::v1::Node,
+        first: bool,
+    ) -> Result<Duration> {
+        let timings = &self.config.timings;
+        let mut backoff = Backoff::new(timings.retry_initial, timings.retry_max);
+        loop {
+            let address = endpoints.address(*cursor).to_owned();
+            let request = RegisterRequest {
+                node: Some(node.clone()),
+            };
+            let mut client = endpoints.client(*cursor);
+            let outcome = {
+                let _permit = if first {
+                    Some(self.registrations.acquire().await.expect("never closed"))
+                } else {
+                    None
+                };
+                let started = Instant::now();
+                let outcome = timeout(timings.call_timeout, client.register(request)).await;
+                if matches!(outcome, Ok(Ok(_))) {
+                    self.stats.register_latency.record(started.elapsed());
+                }
+                outcome
+            };
+            match outcome {
+                Ok(Ok(response)) => {
+                    self.stats.registrations.fetch_add(1, Ordering::Relaxed);
+                    return Ok(heartbeat_interval(response.get_ref().heartbeat_interval_ms));
+                }
+                // Refused for good (bad input, or a certificate that may not act for the
+                // node): retrying cannot help, and a thousand nodes retrying would hide it.
+                Ok(Err(status))
+                    if matches!(
+                        status.code(),
+                        tonic::Code::InvalidArgument
+                            | tonic::Code::PermissionDenied
+                            | tonic::Code::Unauthenticated
+                    ) =>
+                {
+                    return Err(Error::RegisterRefused {
+                        address,
+                        message: status.message().to_owned(),
+                    });
+                }
+                Ok(Err(status)) => self.stats.failure(format!(
+                    "registering {} at {address}: {}",
+                    node.name,
+                    describe(&status)
+                )),
+                Err(_) => self.stats.failure(format!(
+                    "registering {} at {address}: timed out after {} ms",
+                    node.name,
+                    timings.call_timeout.as_millis()
+                )),
+            }
+            self.stats
+                .registration_failures
+                .fetch_add(1, Ordering::Relaxed);
+            *cursor = endpoints.next(*cursor);
+            sleep(backoff.next_delay()).await;
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn heartbeat_loop(
+        &self,
+        index: usize,
+        endpoints: &Endpoints,
+        mut cursor: usize,
+        mut interval: Duration,
+        node: &api::v1::Node,
+        beat: &HeartbeatRequest,
+        reregister: &Notify,
+    ) -> Result<Infallible> {
+        let timings = &self.config.timings;
+        let mut backoff = Backoff::new(timings.retry_initial, timings.retry_max);
+        let mut random = SplitMix64::new(self.config.first_index as u64 + index as u64);
+        // The first heartbeat lands anywhere in the first interval, so nodes that registered
+        // together do not beat together.
+        let mut delay = interval.mul_f64(random.unit());
+        loop {
+            let again = tokio::select! {
+                () = sleep(delay) => false,
+                () = reregister.notified() => true,
+            };
+            if again {
+                interval = self.register(endpoints, &mut cursor, node, false).await?;
+                delay = self.jittered(interval, &mut random);
+                backoff.reset();
+                continue;
+            }
+            let address = endpoints.address(cursor);
+            let request = beat.clone();
+            let mut client = endpoints.client(cursor);
+            let call_timeout = interval.clamp(
+                Duration::from_secs(1),
+                timings.call_timeout.max(Duration::from_secs(1)),
+            );
+            self.stats.heartbeats_sent.fetch_add(1, Ordering::Relaxed);
+            let started = Instant::now();
+            let problem = match timeout(call_timeout, client.heartbeat(request)).await {
+                Ok(Ok(response)) => {
+                    let elapsed = started.elapsed();
+                    self.stats.heartbeat_latency.record(elapsed);
+                    if self.stats.steady.load(Ordering::Relaxed) {
+                        self.stats.heartbeat_latency_steady.record(elapsed);
+                    }
+                    if response.get_ref().known {
+                        delay = self.jittered(interval, &mut random);
+                        backoff.reset();
+                    } else {
+                        self.stats
+                            .heartbeats_unknown
+                            .fetch_add(1, Ordering::Relaxed);
+                        interval = self.register(endpoints, &mut cursor, node, false).await?;
+                        delay = self.jittered(interval, &mut random);
+                        backoff.reset();
+                    }
+                    continue;
+                }
+                Ok(Err(status)) => describe(&status),
+                Err(_) => format!("timed out after {} ms", call_timeout.as_millis()),
+            };
+            self.stats
+                .heartbeat_failures
+                .fetch_add(1, Ordering::Relaxed);
+            self.stats.failure(format!(
+                "heartbeat of {} via {address}: {problem}",
+                node.name
+            ));
+            cursor = endpoints.next(cursor);
+            delay = backoff.next_delay().min(interval);
+        }
+    }
+
+    async fn watch_loop(
+        &self,
+        endpoints: &Endpoints,
+        mut cursor: usize,
+        node: &str,
+        reregister: &Notify,
+    ) -> Result<Infallible> {
+        let timings = &self.config.timings;
+        let mut backoff = Backoff::new(timings.retry_initial, timings.retry_max);
+        let mut tenants: i64 = 0;
+        loop {
+            let opened = Instant::now();
+            let end = self.watch_once(endpoints, cursor, node, &mut tenants).await;
+            if opened.elapsed() >= timings.retry_max {
+                backoff.reset();
+            }
+            match end {
+                StreamEnd::Closed => {}
+                StreamEnd::NotRegistered => reregister.notify_one(),
+                StreamEnd::Failed(problem) => self.stats.failure(format!(
+                    "assignment stream of {node} from {}: {problem}",
+                    endpoints.address(cursor)
+                )),
+            }
+            self.stats.watch_reconnects.fetch_add(1, Ordering::Relaxed);
+            cursor = endpoints.next(cursor);
+            sleep(backoff.next_delay()).await;
+        }
+    }
+
+    async fn watch_once(
+        &self,
+        endpoints: &Endpoints,
+        cursor: usize,
+        node: &str,
+        tenants: &mut i64,
+    ) -> StreamEnd {
+        let request = WatchAssignmentsRequest {
+            node: node.to_owned(),
+        };
+        let mut client = endpoints.client(cursor);
+        let opened = timeout(
+            self.config.timings.call_timeout,
+            client.watch_assignments(request),
+        )
+        .await;
+        let mut stream = match opened {
+            Err(_) => return StreamEnd::Failed("opening timed out".to_owned()),
+            Ok(Err(status)) => return classify(&status),
+            Ok(Ok(response)) => response.into_inner(),
+        };
+        loop {
+            match stream.message().await {
+                Ok(Some(message)) => {
+                    self.stats
+                        .assignment_messages
+                        .fetch_add(1, Ordering::Relaxed);
+                    let now = message.assignments.len() as i64;
+                    self.stats
+                        .tenants_assigned
+                        .fetch_add(now - *tenants, Ordering::Relaxed);
+                    *tenants = now;
+                }
+                Ok(None) => return StreamEnd::Closed,
+                Err(status) => return classify(&status),
+            }
+        }
+    }
+
+    fn jittered(&self, interval: Duration, random: &mut SplitMix64) -> Duration {
+        jittered(interval, self.config.heartbeat_jitter_percent, random)
+    }
+
+    /// Logs progress; completes `duration` after the last node registered (never without one).
+    async fn until_done(self: Arc<Self>) {
+        let count = self.config.count;
+        let mut last_registered = 0;
+        let mut last_at = Instant::now();
+        let mut announced = false;
+        loop {
+            let steady = self.stats.steady.load(Ordering::Relaxed);
+            let mut period = self.config.progress_interval;
+            if steady {
+                period *= 10;
+                if let Some(duration) = self.config.duration {
+                    let ramp = self.stats.ramp_up_micros.load(Ordering::Relaxed);
+                    let end = self.started + Duration::from_micros(ramp) + duration;
+                    let left = end.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return;
+                    }
+                    period = period.min(left);
+                }
+            }
+            tokio::select! {
+                () = sleep(period) => {}
+                () = self.all_registered.notified(), if !steady => {}
+            }
+            let stats = &self.stats;
+            let registered = stats.registered.load(Ordering::Relaxed);
+            let rate = (registered - last_registered) as f64 / last_at.elapsed().as_secs_f64();
+            (last_registered, last_at) = (registered, Instant::now());
+            let failures = stats.heartbeat_failures.load(Ordering::Relaxed)
+                + stats.registration_failures.load(Ordering::Relaxed);
+            let line = format!(
+                "registered {registered}/{count} nodes ({rate:.0}/s); heartbeats {} sent, {} failed, latency p50 {:.2} ms p99 {:.2} ms; {} assignment messages",
+                stats.heartbeats_sent.load(Ordering::Relaxed),
+                stats.heartbeat_failures.load(Ordering::Relaxed),
+                stats.heartbeat_latency.quantile(0.5).as_secs_f64() * 1e3,
+                stats.heartbeat_latency.quantile(0.99).as_secs_f64() * 1e3,
+                stats.assignment_messages.load(Ordering::Relaxed),
+            );
+            if failures > 0 {
+                let last = stats.last_failure.lock().expect("failure lock").clone();
+                warn!("{line}; last failure: {}", last.unwrap_or_default());
+            } else {
+                info!("{line}");
+            }
+            if registered == count && !announced {
+                let ramp = Duration::from_micros(stats.ramp_up_micros.load(Ordering::Relaxed));
+                info!(
+                    "all {count} nodes registered after {:.1} s",
+                    ramp.as_secs_f64()
+                );
+                announced = true;
+            }
+        }
+    }
+
+    fn summary(&self, gpus_per_node: usize) -> FleetSummary {
+        let stats = &self.stats;
+        let relaxed = Ordering::Relaxed;
+        let ramp_micros = stats.ramp_up_micros.load(relaxed);
+        FleetSummary {
+            nodes: self.config.count,
+            gpus_per_node,
+            registered: stats.registered.load(relaxed),
+            ramp_up_seconds: stats.steady.load(relaxed).then(|| ramp_micros as f64 / 1e6),
+            elapsed_seconds: self.started.elapsed().as_secs_f64(),
+            registrations: stats.registrations.load(relaxed),
+            registration_failures: stats.registration_failures.load(relaxed),
+            heartbeats_sent: stats.heartbeats_sent.load(relaxed),
+            heartbeat_failures: stats.heartbeat_failures.load(relaxed),
+            heartbeats_unknown: stats.heartbeats_unknown.load(relaxed),
+            assignment_messages: stats.assignment_messages.load(relaxed),
+            watch_reconnects: stats.watch_reconnects.load(relaxed),
+            tenants_assigned: stats.tenants_assigned.load(relaxed),
+            heartbeat_latency: stats.heartbeat_latency.summary(),
+            heartbeat_latency_steady: stats.heartbeat_latency_steady.summary(),
+            register_latency: stats.register_latency.summary(),
+            last_failure: stats.last_failure.lock().expect("failure lock").clone(),
+        }
+    }
+}
+
+fn classify(status: &tonic::Status) -> StreamEnd {
+    if ErrorCode::of(status) == Some(ErrorCode::NodeNotFound)
+        || status.code() == tonic::Code::NotFound
+    {
+        StreamEnd::NotRegistered
+    } else {
+        StreamEnd::Failed(describe(status))
+    }
+}
+
+/// `interval` give or take up to `percent`%, uniformly.
+fn jittered(interval: Duration, percent: u32, random: &mut SplitMix64) -> Duration {
+    assert!(percent <= HEARTBEAT_JITTER_PERCENT_MAX);
+    let spread = f64::from(percent) / 100.0;
+    let factor = 1.0 + spread * (2.0 * random.unit() - 1.0);
+    assert!((0.5..=1.5).contains(&factor));
+    interval.mul_f64(factor)
+}
+
+/// The health report of a simulated node's GPUs: what an idle, healthy GPU reports (40 °C plus
+/// its index, nothing in use, no XID or ECC errors), the same on every beat.
+fn simulated_health(node: &api::v1::Node) -> Vec<GpuHealth> {
+    node.gpus
+        .iter()
+        .map(|gpu| GpuHealth {
+            uuid: gpu.uuid.clone(),
+            index: gpu.index,
+            ecc_corrected: Some(0),
+            ecc_uncorrected: Some(0),
+            temperature_celsius: Some(40 + gpu.index),
+            utilization_percent: Some(0),
+            memory_used_bytes: Some(0),
+            ..GpuHealth::default()
+        })
+        .collect()
+}
+
+/// The interval to heartbeat at, from the control plane's answer, within the agent's bounds.
+fn heartbeat_interval(interval_ms: u32) -> Duration {
+    if interval_ms == 0 {
+        return HEARTBEAT_INTERVAL_DEFAULT;
+    }
+    Duration::from_millis(u64::from(interval_ms))
+        .clamp(HEARTBEAT_INTERVAL_MIN, HEARTBEAT_INTERVAL_MAX)
+}
+
+fn describe(status: &tonic::Status) -> String {
+    if status.message().is_empty() {
+        format!("{:?}", status.code())
+    } else {
+        format!("{:?}: {}", status.code(), status.message())
+    }
+}
+
+/// SplitMix64 (Steele, Lea and Flood, 2014): a tiny, seedable generator, good enough for
+/// spreading timers.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn new(seed: u64) -> SplitMix64 {
+        SplitMix64(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_out_of_range_are_refused_with_the_flag_to_change() {
+        let good = FleetConfig::new(vec!["127.0.0.1:1".into()], 10, "8xH100-80GB");
+        good.validate().unwrap();
+        type Change = fn(&mut FleetConfig);
+        let cases: [(Change, &str); 5] = [
+            (|c| c.count = 0, "--count"),
+            (|c| c.count = FLEET_NODES_MAX + 1, "--count"),
+            (
+                |c| c.heartbeat_jitter_percent = 51,
+                "--heartbeat-jitter-percent",
+            ),
+            (
+                |c| c.registrations_in_flight = 0,
+                "--registrations-in-flight",
+            ),
+            (|c| c.nodes_per_connection = 0, "--nodes-per-connection"),
+        ];
+        for (change, flag) in cases {
+            let mut config = good.clone();
+            change(&mut config);
+            let error = config.validate().unwrap_err().to_string();
+            assert!(error.contains(flag), "{error}");
+        }
+        let mut bad_prefix = good.clone();
+        bad_prefix.name_prefix = "Not A Name".into();
+        assert!(bad_prefix.validate().is_err());
+    }
+
+    #[test]
+    fn node_names_are_numbered_from_the_first_index() {
+        let mut config = FleetConfig::new(vec![], 3, "8xH100-80GB");
+        assert_eq!(config.node_name(0), "sim-00000");
+        config.first_index = 1000;
+        config.name_prefix = "rack-a".into();
+        assert_eq!(config.node_name(2), "rack-a-01002");
+    }
+
+    #[test]
+    fn jitter_stays_within_its_bounds_and_spreads() {
+        let fleet_jitter = |random: &mut SplitMix64| jittered(Duration::from_secs(1), 10, random);
+        let mut random = SplitMix64::new(7);
+        let delays: Vec<Duration> = (0..1000).map(|_| fleet_jitter(&mut random)).collect();
+        let (low, high) = (Duration::from_millis(900), Duration::from_millis(1100));
+        assert!(delays.iter().all(|d| (low..=high).contains(d)));
+        let below = delays
+            .iter()
+            .filter(|d| **d < Duration::from_secs(1))
+            .count();
+        assert!(
+            (400..600).contains(&below),
+            "{below} of 1000 below the mean"
+        );
+        // Same seed, same schedule.
+        let mut again = SplitMix64::new(7);
+        assert_eq!(fleet_jitter(&mut again), delays[0]);
+    }
+}

@@ -1,0 +1,274 @@
+//! The monitor thread: samples GPU health ([`crate::health`]) and tenant usage
+//! ([`crate::usage`]) once per interval and keeps the latest [`Report`], which the heartbeat loop
+//! copies into each beat. NVML calls and file reads therefore never delay a heartbeat; a beat
+//! carries the report of at most one interval ago.
+//!
+//! The thread ends within one interval after the [`Monitor`] is dropped. Nothing is queued: the
+//! newest report replaces the previous one.
+
+use std::path::PathBuf;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use api::v1::{GpuHealth, TenantUsage};
+
+use crate::health::{HealthSource, SimulatedHealth};
+use crate::inventory::{Inventory, InventorySource};
+use crate::state::read_assignments_file;
+
+/// The newest sample.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Report {
+    pub gpus: Vec<GpuHealth>,
+    pub usage: Vec<TenantUsage>,
+}
+
+/// What the monitor reads.
+#[derive(Debug, Clone)]
+pub struct MonitorConfig {
+    pub node: String,
+    /// The interposers' shared-memory directory.
+    pub shm_dir: PathBuf,
+    /// The agent's state directory (assignments; simulated health overrides).
+    pub state_dir: PathBuf,
+    pub interval: Duration,
+}
+
+/// The handle of the monitor thread.
+pub struct Monitor {
+    latest: Arc<Mutex<Report>>,
+    /// Dropping it stops the thread.
+    _stop: Sender<()>,
+}
+
+pub fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+impl Monitor {
+    /// Starts sampling `inventory`'s GPUs (through NVML for [`InventorySource::Nvml`], simulated
+    /// otherwise). The first report is taken before this returns, so the first heartbeat
+    /// already carries one.
+    pub fn start(
+        config: MonitorConfig,
+        inventory: &Inventory,
+        source: &InventorySource,
+    ) -> std::io::Result<Monitor> {
+        assert!(!config.interval.is_zero(), "a monitor interval");
+        let latest = Arc::new(Mutex::new(Report::default()));
+        let (stop, stopped) = channel();
+        let (first_done, first) = channel();
+        let shared = latest.clone();
+        let inventory = inventory.clone();
+        let nvml = matches!(source, InventorySource::Nvml);
+        std::thread::Builder::new()
+            .name("vgpu-monitor".into())
+            .spawn(move || {
+                let mut health: Box<dyn HealthSource> = if nvml {
+                    match crate::health::nvml::NvmlHealth::open(&inventory) {
+                        Ok(source) => Box::new(source),
+                        Err(error) => {
+                            tracing::warn!(
+                                "GPU health is not reported: {error}; heartbeats carry usage only"
+                            );
+                            Box::new(NoHealth)
+                        }
+                    }
+                } else {
+                    Box::new(SimulatedHealth::new(&inventory, &config.state_dir))
+                };
+                run(&config, health.as_mut(), &shared, &stopped, first_done);
+            })?;
+        // Bounded: the first sample reads a few files and asks NVML a few questions.
+        let _ = first.recv_timeout(Duration::from_secs(10));
+        Ok(Monitor {
+            latest,
+            _stop: stop,
+        })
+    }
+
+    /// The newest report.
+    pub fn latest(&self) -> Report {
+        self.latest.lock().expect("monitor lock").clone()
+    }
+}
+
+/// A node whose NVML could not be opened for health.
+struct NoHealth;
+
+impl HealthSource for NoHealth {
+    fn sample(&mut self) -> Vec<GpuHealth> {
+        Vec::new()
+    }
+}
+
+fn run(
+    config: &MonitorConfig,
+    health: &mut dyn HealthSource,
+    latest: &Mutex<Report>,
+    stopped: &Receiver<()>,
+    first_done: Sender<()>,
+) {
+    let mut first_done = Some(first_done);
+    let mut logged_problems = std::collections::BTreeSet::new();
+    loop {
+        let report = sample(config, health, &mut logged_problems);
+        *latest.lock().expect("monitor lock") = report;
+        if let Some(done) = first_done.take() {
+            let _ = done.send(());
+        }
+        match stopped.recv_timeout(config.interval) {
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// Problem lines remembered so that each is logged once (bounded: past this many, new ones are
+/// logged at debug level only).
+const LOGGED_PROBLEMS_MAX: usize = 256;
+
+/// One report: health from `health`, usage from the files of the assigned tenants.
+pub fn sample(
+    config: &MonitorConfig,
+    health: &mut dyn HealthSource,
+    logged_problems: &mut std::collections::BTreeSet<String>,
+) -> Report {
+    let mut gpus = health.sample();
+    let assignments = match read_assignments_file(&config.state_dir) {
+        Ok(Some(file)) => file.assignments,
+        Ok(None) => Vec::new(),
+        Err(error) => {
+            tracing::debug!("no usage this time: {error}");
+            Vec::new()
+        }
+    };
+    let (files, problems) = crate::usage::read_files(&config.shm_dir, &assignments);
+    for problem in problems {
+        if logged_problems.len() < LOGGED_PROBLEMS_MAX && logged_problems.insert(problem.clone()) {
+            tracing::warn!("usage: {problem}");
+        } else {
+            tracing::debug!("usage: {problem}");
+        }
+    }
+    let owners = crate::usage::tenants_by_pid(&files);
+    for gpu in &mut gpus {
+        for process in &mut gpu.processes {
+            if let Some(tenant) = owners.get(&process.pid) {
+                process.tenant = tenant.clone();
+            }
+        }
+    }
+    let usage = crate::usage::combine(&config.node, &assignments, &files);
+    let mut report = Report { gpus, usage };
+    let mut request = api::v1::HeartbeatRequest {
+        node: config.node.clone(),
+        gpus: std::mem::take(&mut report.gpus),
+        usage: std::mem::take(&mut report.usage),
+    };
+    let trimmed = api::usage::bound_heartbeat(&mut request);
+    if trimmed.any() {
+        tracing::debug!("the report was trimmed to its bounds: {trimmed:?}");
+    }
+    report.gpus = request.gpus;
+    report.usage = request.usage;
+    report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::StateDir;
+
+    #[test]
+    fn a_report_names_the_owners_of_processes_and_covers_assigned_tenants() {
+        struct OneGpu;
+        impl HealthSource for OneGpu {
+            fn sample(&mut self) -> Vec<GpuHealth> {
+                let mut gpu = api::usage::empty_health("GPU-0", 0);
+                gpu.processes = vec![
+                    api::v1::ProcessUsage {
+                        pid: std::process::id(),
+                        memory_bytes: 5,
+                        tenant: String::new(),
+                    },
+                    api::v1::ProcessUsage {
+                        pid: 1,
+                        memory_bytes: 7,
+                        tenant: String::new(),
+                    },
+                ];
+                vec![gpu]
+            }
+        }
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(&directory.path().join("state"), "node-a").unwrap();
+        let message = api::v1::Assignments {
+            revision: 3,
+            node_state: api::v1::NodeState::Ready as i32,
+            assignments: vec![api::v1::Assignment {
+                tenant: "train".into(),
+                priority: 0,
+                bandwidth_weight: 0,
+                slices: vec![api::v1::Slice {
+                    node: "node-a".into(),
+                    gpu: "GPU-0".into(),
+                    gpu_index: 0,
+                    compute_percent: 50,
+                    memory_bytes: 8 << 30,
+                    guaranteed: true,
+                    burst: false,
+                }],
+            }],
+        };
+        let mut follower = crate::follower::Follower::restore(state, "node-a").unwrap();
+        follower.on_message(&message, "cp").unwrap();
+        let shm_dir = directory.path().join("shm");
+        let ledger = vgpu_shm::writer::ledger(
+            &vgpu_shm::ledger_path(&shm_dir, "train"),
+            &[None; vgpu_shm::DEVICES_MAX],
+        )
+        .unwrap();
+        let start_time = vgpu_shm::ledger::own_start_time();
+        vgpu_shm::writer::charge_memory(&ledger, std::process::id(), start_time, 0, 1 << 30)
+            .unwrap();
+        let config = MonitorConfig {
+            node: "node-a".into(),
+            shm_dir,
+            state_dir: directory.path().join("state"),
+            interval: Duration::from_millis(50),
+        };
+        let report = sample(&config, &mut OneGpu, &mut Default::default());
+        assert_eq!(report.usage.len(), 1);
+        assert_eq!(report.usage[0].memory_used_bytes, 1 << 30);
+        // No limit in the ledger: 0, as the interposer enforces none.
+        assert_eq!(report.usage[0].memory_limit_bytes, 0);
+        let owners: Vec<(u32, &str)> = report.gpus[0]
+            .processes
+            .iter()
+            .map(|p| (p.pid, p.tenant.as_str()))
+            .collect();
+        assert_eq!(owners, [(1, ""), (std::process::id(), "train")]);
+    }
+
+    #[test]
+    fn a_started_monitor_has_a_report_at_once_and_stops_when_dropped() {
+        let directory = tempfile::tempdir().unwrap();
+        let source = InventorySource::from_simulate_arg("2xA100-40GB").unwrap();
+        let inventory = source.discover("node-b").unwrap();
+        let config = MonitorConfig {
+            node: "node-b".into(),
+            shm_dir: directory.path().join("shm"),
+            state_dir: directory.path().to_owned(),
+            interval: Duration::from_millis(20),
+        };
+        let monitor = Monitor::start(config, &inventory, &source).unwrap();
+        let report = monitor.latest();
+        assert_eq!(report.gpus.len(), 2);
+        assert!(report.usage.is_empty(), "no assignments yet");
+        drop(monitor);
+    }
+}

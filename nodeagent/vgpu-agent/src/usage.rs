@@ -1,0 +1,275 @@
+//! Per-tenant usage on this node, read from the interposer's shared files under the
+//! shared-memory directory (`shm_dir`, the `VGPU_SHM_DIR` the agent hands to tenants):
+//!
+//! * `<tenant>.mem`, the tenant's memory ledger: bytes charged per process slot and per device
+//!   *ordinal as the tenant's processes see it*, which is the slice's position in the tenant's
+//!   slices sorted by GPU index (`CUDA_VISIBLE_DEVICES` order, see [`crate::tenant`]);
+//! * `<gpu uuid>.compute`, the GPU's compute schedule: turn time charged to each tenant.
+//!
+//! Both are read through `vgpu_shm` (the interposer's own layout code, mapped read-only, atomic
+//! loads only), so a tenant process is never made to wait and nothing is written. Only tenants
+//! assigned to this node are reported, one entry per slice, zeros included; files of tenants
+//! that left are ignored. [`combine`] is pure; [`collect`] does the reading.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use api::v1::{ProcessUsage, TenantUsage};
+use vgpu_shm::{DEVICES_MAX, LedgerUsage, TenantTime};
+
+use crate::assignments::TenantAssignment;
+
+/// What the files said, keyed for [`combine`].
+#[derive(Debug, Default)]
+pub struct Files {
+    /// Tenant name → its ledger (absent: no process of the tenant ran yet).
+    pub ledgers: BTreeMap<String, LedgerUsage>,
+    /// GPU uuid → its schedule's tenants (absent: no gated launch on the GPU yet).
+    pub schedules: BTreeMap<String, Vec<TenantTime>>,
+}
+
+/// Reads the files of `assignments`' tenants and GPUs under `shm_dir`. A file that is missing
+/// means "nothing used yet"; any other problem is returned as a line for the log, and that
+/// file's numbers are left out.
+pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, Vec<String>) {
+    let mut files = Files::default();
+    let mut problems = Vec::new();
+    for assignment in assignments {
+        let path = vgpu_shm::ledger_path(shm_dir, &assignment.tenant);
+        match vgpu_shm::read_ledger(&path) {
+            Ok(ledger) => {
+                files.ledgers.insert(assignment.tenant.clone(), ledger);
+            }
+            Err(error) if error.is_not_found() => {}
+            Err(error) => problems.push(format!("tenant {}: {error}", assignment.tenant)),
+        }
+        for slice in &assignment.slices {
+            if files.schedules.contains_key(&slice.gpu_uuid) {
+                continue;
+            }
+            let path = vgpu_shm::schedule_path(shm_dir, &slice.gpu_uuid);
+            match vgpu_shm::read_schedule(&path) {
+                Ok(times) => {
+                    files.schedules.insert(slice.gpu_uuid.clone(), times);
+                }
+                Err(error) if error.is_not_found() => {}
+                Err(error) => problems.push(format!("GPU {}: {error}", slice.gpu_uuid)),
+            }
+        }
+    }
+    (files, problems)
+}
+
+/// One usage entry per slice of every assigned tenant, in tenant order then slice order.
+pub fn combine(node: &str, assignments: &[TenantAssignment], files: &Files) -> Vec<TenantUsage> {
+    let mut entries = Vec::new();
+    for assignment in assignments {
+        let mut slices = assignment.slices.clone();
+        slices.sort();
+        let ledger = files.ledgers.get(&assignment.tenant);
+        for (ordinal, slice) in slices.iter().enumerate() {
+            let tracked = ordinal < DEVICES_MAX;
+            let (memory_used_bytes, memory_limit_bytes, mut processes) = match ledger {
+                Some(ledger) if tracked => (
+                    ledger.used_bytes(ordinal),
+                    ledger.limits_bytes[ordinal].unwrap_or(0),
+                    ledger
+                        .processes
+                        .iter()
+                        .filter(|p| p.used_bytes[ordinal] > 0)
+                        .map(|p| ProcessUsage {
+                            pid: p.pid,
+                            memory_bytes: p.used_bytes[ordinal],
+                            tenant: assignment.tenant.clone(),
+                        })
+                        .collect(),
+                ),
+                // No process ran yet: the limit is the one the agent hands out.
+                _ => (0, slice.memory_bytes, Vec::new()),
+            };
+            let time = files
+                .schedules
+                .get(&slice.gpu_uuid)
+                .and_then(|times| times.iter().find(|t| t.name == assignment.tenant));
+            let process_count = (processes.len() as u32).max(time.map_or(0, |t| t.processes));
+            api::usage::bound_processes(&mut processes);
+            entries.push(TenantUsage {
+                tenant: assignment.tenant.clone(),
+                node: node.to_owned(),
+                gpu: slice.gpu_uuid.clone(),
+                gpu_index: slice.gpu_index,
+                memory_used_bytes,
+                memory_limit_bytes,
+                gpu_time_ns: time.map_or(0, |t| t.used_ns),
+                process_count,
+                processes,
+                reported_unix_ms: 0,
+            });
+        }
+    }
+    entries
+}
+
+/// Which tenant each live ledger process belongs to (to name NVML's processes).
+pub fn tenants_by_pid(files: &Files) -> BTreeMap<u32, String> {
+    files
+        .ledgers
+        .iter()
+        .flat_map(|(tenant, ledger)| {
+            ledger
+                .processes
+                .iter()
+                .map(move |p| (p.pid, tenant.clone()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::assignments::SliceAssignment;
+    use vgpu_shm::ProcessCharge;
+
+    const GIB: u64 = 1 << 30;
+
+    fn slice(gpu_index: u32, memory_bytes: u64) -> SliceAssignment {
+        SliceAssignment {
+            gpu_index,
+            gpu_uuid: format!("GPU-{gpu_index}"),
+            compute_percent: 50,
+            memory_bytes,
+            guaranteed: true,
+            burst: false,
+        }
+    }
+
+    fn charge(pid: u32, per_ordinal: &[u64]) -> ProcessCharge {
+        let mut used_bytes = [0; DEVICES_MAX];
+        used_bytes[..per_ordinal.len()].copy_from_slice(per_ordinal);
+        ProcessCharge { pid, used_bytes }
+    }
+
+    #[test]
+    fn ledger_ordinals_follow_the_sorted_slices_and_time_comes_from_each_gpu() {
+        // Slices arrive out of order: ordinal 0 is GPU 2, ordinal 1 is GPU 5.
+        let assignments = vec![
+            TenantAssignment {
+                tenant: "train".into(),
+                priority: 0,
+                slices: vec![slice(5, 20 * GIB), slice(2, 10 * GIB)],
+                bandwidth_weight: 0,
+            },
+            TenantAssignment {
+                tenant: "idle".into(),
+                priority: 0,
+                slices: vec![slice(2, 4 * GIB)],
+                bandwidth_weight: 0,
+            },
+        ];
+        let mut limits = [None; DEVICES_MAX];
+        limits[0] = Some(10 * GIB);
+        limits[1] = Some(20 * GIB);
+        let mut files = Files::default();
+        files.ledgers.insert(
+            "train".into(),
+            LedgerUsage {
+                limits_bytes: limits,
+                processes: vec![charge(100, &[3 * GIB, 0]), charge(101, &[GIB, 7 * GIB])],
+                dead_slots: 0,
+            },
+        );
+        files.schedules.insert(
+            "GPU-5".into(),
+            vec![TenantTime {
+                name: "train".into(),
+                used_ns: 9_000_000_000,
+                processes: 1,
+            }],
+        );
+        let entries = combine("node-a", &assignments, &files);
+        let summary: Vec<(&str, u32, u64, u64, u64, u32)> = entries
+            .iter()
+            .map(|e| {
+                (
+                    e.tenant.as_str(),
+                    e.gpu_index,
+                    e.memory_used_bytes,
+                    e.memory_limit_bytes,
+                    e.gpu_time_ns,
+                    e.process_count,
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("train", 2, 4 * GIB, 10 * GIB, 0, 2),
+                ("train", 5, 7 * GIB, 20 * GIB, 9_000_000_000, 1),
+                ("idle", 2, 0, 4 * GIB, 0, 0),
+            ]
+        );
+        assert_eq!(entries[0].gpu, "GPU-2");
+        assert_eq!(entries[0].node, "node-a");
+        let pids: Vec<(u32, u64)> = entries[0]
+            .processes
+            .iter()
+            .map(|p| (p.pid, p.memory_bytes))
+            .collect();
+        assert_eq!(pids, [(100, 3 * GIB), (101, GIB)], "largest first");
+        assert_eq!(
+            tenants_by_pid(&files).get(&101).map(String::as_str),
+            Some("train")
+        );
+    }
+
+    #[test]
+    fn files_are_read_through_the_interposer_protocol() {
+        let directory = tempfile::tempdir().unwrap();
+        let assignments = vec![TenantAssignment {
+            tenant: "train".into(),
+            priority: 0,
+            slices: vec![slice(0, 10 * GIB)],
+            bandwidth_weight: 0,
+        }];
+        // Nothing ran yet: no files, no problems, zeros.
+        let (files, problems) = read_files(directory.path(), &assignments);
+        assert!(problems.is_empty(), "{problems:?}");
+        let entries = combine("n", &assignments, &files);
+        assert_eq!(entries.len(), 1);
+        assert_eq!(
+            (entries[0].memory_used_bytes, entries[0].memory_limit_bytes),
+            (0, 10 * GIB)
+        );
+
+        // A damaged ledger is a problem for the log, not an error.
+        std::fs::write(directory.path().join("train.mem"), b"garbage").unwrap();
+        let (files, problems) = read_files(directory.path(), &assignments);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].contains("train.mem"), "{problems:?}");
+        assert!(files.ledgers.is_empty());
+
+        // Written by the interposer's protocol, as a tenant process would.
+        std::fs::remove_file(directory.path().join("train.mem")).unwrap();
+        let mut limits = [None; DEVICES_MAX];
+        limits[0] = Some(10 * GIB);
+        let ledger =
+            vgpu_shm::writer::ledger(&vgpu_shm::ledger_path(directory.path(), "train"), &limits)
+                .unwrap();
+        let (pid, start_time) = (std::process::id(), vgpu_shm::ledger::own_start_time());
+        vgpu_shm::writer::charge_memory(&ledger, pid, start_time, 0, 3 * GIB).unwrap();
+        let schedule = vgpu_shm::writer::schedule(
+            &vgpu_shm::schedule_path(directory.path(), "GPU-0"),
+            vgpu_shm::compute::QUANTUM_NS_DEFAULT,
+        )
+        .unwrap();
+        vgpu_shm::writer::charge_time(&schedule, "train", pid, start_time, 1_000, 1_500_000_000)
+            .unwrap();
+        let (files, problems) = read_files(directory.path(), &assignments);
+        assert!(problems.is_empty(), "{problems:?}");
+        let entries = combine("n", &assignments, &files);
+        assert_eq!(entries[0].memory_used_bytes, 3 * GIB);
+        assert_eq!(entries[0].gpu_time_ns, 1_500_000_000);
+        assert_eq!(entries[0].process_count, 1);
+        assert_eq!(entries[0].processes[0].pid, pid);
+    }
+}

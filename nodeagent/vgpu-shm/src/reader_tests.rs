@@ -1,0 +1,91 @@
+//! Round trips through real files: the interposer's protocol writes (`writer`), the read-only
+//! mapping reads.
+
+use super::*;
+
+const GIB: u64 = 1 << 30;
+
+fn me() -> (u32, u64) {
+    (std::process::id(), ledger::own_start_time())
+}
+
+#[test]
+fn a_ledger_written_by_the_protocol_reads_back_per_device() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = ledger_path(directory.path(), "train-a");
+    assert_eq!(path, directory.path().join("train-a.mem"));
+    let mut limits = [None; DEVICES_MAX];
+    limits[0] = Some(10 * GIB);
+    let mapping = writer::ledger(&path, &limits).unwrap();
+    let (pid, start_time) = me();
+    writer::charge_memory(&mapping, pid, start_time, 0, 3 * GIB).unwrap();
+    // A process that no longer runs (pid 0x7fff_fff0 does not exist): not counted.
+    writer::charge_memory(&mapping, 0x7fff_fff0, 1, 0, GIB).unwrap();
+    let usage = read_ledger(&path).unwrap();
+    assert_eq!(usage.limits_bytes[0], Some(10 * GIB));
+    assert_eq!(usage.used_bytes(0), 3 * GIB);
+    assert_eq!(usage.dead_slots, 1);
+    assert_eq!(usage.processes.len(), 1);
+    assert_eq!(usage.processes[0].pid, pid);
+    // The reader wrote nothing: the dead slot is still there for the interposer to reclaim.
+    assert_eq!(mapping.region().used_total(0), 4 * GIB);
+}
+
+#[test]
+fn a_schedule_written_by_the_protocol_reads_back_per_tenant() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = schedule_path(directory.path(), "GPU-1234");
+    let mapping = writer::schedule(&path, compute::QUANTUM_NS_DEFAULT).unwrap();
+    let (pid, start_time) = me();
+    writer::charge_time(
+        &mapping,
+        "train-a",
+        pid,
+        start_time,
+        1_000_000,
+        2_000_000_000,
+    )
+    .unwrap();
+    let times = read_schedule(&path).unwrap();
+    assert_eq!(
+        times,
+        [TenantTime {
+            name: "train-a".into(),
+            used_ns: 2_000_000_000,
+            processes: 1,
+        }]
+    );
+}
+
+#[test]
+fn missing_short_and_uninitialised_files_are_told_apart() {
+    let directory = tempfile::tempdir().unwrap();
+    let missing = read_ledger(&directory.path().join("nobody.mem")).unwrap_err();
+    assert!(missing.is_not_found(), "{missing}");
+    let short = directory.path().join("short.mem");
+    std::fs::write(&short, [0u8; 100]).unwrap();
+    let error = read_ledger(&short).unwrap_err();
+    assert!(
+        matches!(error, ReadError::Size { found: 100, .. }),
+        "{error}"
+    );
+    assert!(!error.is_not_found());
+    let zeroed = directory.path().join("zeroed.compute");
+    std::fs::write(&zeroed, vec![0u8; compute::REGION_BYTES]).unwrap();
+    let error = read_schedule(&zeroed).unwrap_err();
+    assert!(matches!(error, ReadError::Uninitialised { .. }), "{error}");
+}
+
+#[test]
+fn a_file_of_another_layout_version_is_refused() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = ledger_path(directory.path(), "old");
+    let mapping = writer::ledger(&path, &[None; DEVICES_MAX]).unwrap();
+    mapping
+        .region()
+        .header
+        .version
+        .store(ledger::VERSION + 7, std::sync::atomic::Ordering::SeqCst);
+    let error = read_ledger(&path).unwrap_err();
+    assert!(matches!(error, ReadError::Layout { .. }), "{error}");
+}
