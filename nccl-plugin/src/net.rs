@@ -4,7 +4,7 @@
 
 use crate::config::{Config, host_id};
 use crate::log::{info, warn};
-use crate::wire::{HELLO_LEN, Hello, ListenHandle};
+use crate::wire::{HELLO_LEN, Hello, ListenHandle, same_secret};
 use crate::{Error, Mr, local, tcp};
 use netshare::{Bucket, FlowId, Table};
 use std::collections::HashMap;
@@ -78,6 +78,14 @@ fn nonce() -> u64 {
     z ^ (z >> 31)
 }
 
+/// 16 bytes from the kernel's random source.
+fn secret() -> Result<[u8; 16], Error> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes)
+}
+
 enum Incoming {
     Unix(UnixStream),
     Tcp(TcpStream),
@@ -93,6 +101,7 @@ pub struct Listener {
     tcp: TcpListener,
     pending: Vec<Pending>,
     groups: HashMap<u64, Vec<Option<TcpStream>>>,
+    secret: [u8; 16],
 }
 
 impl Listener {
@@ -108,6 +117,7 @@ impl Listener {
             tcp: tcp.local_addr()?,
             pid,
             nonce,
+            secret: secret()?,
         };
         let unix = if g.config.local {
             let addr = UnixAddr::from_abstract_name(handle.unix_name().as_bytes())?;
@@ -133,6 +143,7 @@ impl Listener {
             tcp,
             pending: Vec::new(),
             groups: HashMap::new(),
+            secret: handle.secret,
         })
     }
 
@@ -192,7 +203,23 @@ impl Listener {
                 continue;
             }
             let p = self.pending.swap_remove(i);
-            let hello = Hello::decode(p.buf.as_slice().try_into().expect("HELLO_LEN bytes"))?;
+            // A connection that does not present this listener's secret is not one of the
+            // job's ranks (another process on the node found the socket): drop it and go on.
+            let hello = match Hello::decode(p.buf.as_slice().try_into().expect("HELLO_LEN bytes")) {
+                Ok(hello) if same_secret(&hello.secret, &self.secret) => hello,
+                Ok(hello) => {
+                    warn!(
+                        crate::abi::NCCL_NET,
+                        "refused a connection from pid {} without this listener's secret",
+                        hello.pid
+                    );
+                    continue;
+                }
+                Err(e) => {
+                    warn!(crate::abi::NCCL_NET, "refused a connection: {e}");
+                    continue;
+                }
+            };
             match p.stream {
                 Incoming::Unix(s) => {
                     return Ok(Some(RecvComm {
@@ -254,6 +281,7 @@ fn dial(handle: ListenHandle) -> Result<Connected, Error> {
                         index: 0,
                         streams: 1,
                         pid,
+                        secret: handle.secret,
                     }
                     .encode(),
                 )?;
@@ -277,6 +305,7 @@ fn dial(handle: ListenHandle) -> Result<Connected, Error> {
                 index: index as u8,
                 streams: n as u8,
                 pid,
+                secret: handle.secret,
             }
             .encode(),
         )?;

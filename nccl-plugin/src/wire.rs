@@ -4,7 +4,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-pub const MAGIC: u32 = 0x5647_4e31; // "VGN1"
+pub const MAGIC: u32 = 0x5647_4e32; // "VGN2": the handle and hello carry the listener's secret
 
 /// What `listen` writes into NCCL's 128-byte handle.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,10 +16,15 @@ pub struct ListenHandle {
     /// The listener's abstract Unix socket is `vgpu-nccl/<pid>/<nonce>`.
     pub pid: u32,
     pub nonce: u64,
+    /// A random secret of the listener. It travels only inside the handle (which NCCL passes
+    /// among the job's ranks), never in a socket's name, and every connector must present it in
+    /// its hello: another tenant on the node can see the abstract socket's name and the TCP port
+    /// but cannot connect without it.
+    pub secret: [u8; 16],
 }
 
 /// Bytes of the handle we use; the rest of NCCL's 128 is ours to keep connect state in.
-pub const HANDLE_LEN: usize = 64;
+pub const HANDLE_LEN: usize = 80;
 /// Offset of the in-progress connect pointer inside the handle (see `net::connect`).
 pub const HANDLE_STATE_OFFSET: usize = 96;
 
@@ -38,6 +43,7 @@ impl ListenHandle {
         out[4..20].copy_from_slice(&self.host);
         out[20..24].copy_from_slice(&self.pid.to_le_bytes());
         out[24..32].copy_from_slice(&self.nonce.to_le_bytes());
+        out[64..80].copy_from_slice(&self.secret);
         out[32..34].copy_from_slice(&self.tcp.port().to_le_bytes());
         match self.tcp.ip() {
             IpAddr::V4(v4) => {
@@ -74,6 +80,7 @@ impl ListenHandle {
             host: b[4..20].try_into().expect("16 bytes"),
             pid: u32::from_le_bytes(b[20..24].try_into().expect("4 bytes")),
             nonce: u64::from_le_bytes(b[24..32].try_into().expect("8 bytes")),
+            secret: b[64..80].try_into().expect("16 bytes"),
             tcp: SocketAddr::new(ip, port),
         })
     }
@@ -92,9 +99,11 @@ pub struct Hello {
     pub index: u8,
     pub streams: u8,
     pub pid: u32,
+    /// The listener's secret, from its handle.
+    pub secret: [u8; 16],
 }
 
-pub const HELLO_LEN: usize = 24;
+pub const HELLO_LEN: usize = 40;
 
 impl Hello {
     pub fn encode(&self) -> [u8; HELLO_LEN] {
@@ -105,6 +114,7 @@ impl Hello {
         b[6] = self.streams;
         b[8..16].copy_from_slice(&self.conn.to_le_bytes());
         b[16..20].copy_from_slice(&self.pid.to_le_bytes());
+        b[24..40].copy_from_slice(&self.secret);
         b
     }
 
@@ -122,8 +132,14 @@ impl Hello {
             streams: b[6],
             conn: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
             pid: u32::from_le_bytes(b[16..20].try_into().expect("4 bytes")),
+            secret: b[24..40].try_into().expect("16 bytes"),
         })
     }
+}
+
+/// Whether two secrets are equal, comparing every byte (no early exit on the first difference).
+pub fn same_secret(a: &[u8; 16], b: &[u8; 16]) -> bool {
+    a.iter().zip(b).fold(0u8, |diff, (x, y)| diff | (x ^ y)) == 0
 }
 
 /// Region id meaning "host memory: send the bytes through the socket".
@@ -328,6 +344,7 @@ mod tests {
                 tcp,
                 pid: 42,
                 nonce: 0xdead_beef,
+                secret: [9; 16],
             };
             let mut buf = [0u8; 128];
             h.encode(&mut buf);
@@ -344,8 +361,14 @@ mod tests {
             index: 3,
             streams: 4,
             pid: 1,
+            secret: [5; 16],
         };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+        assert!(same_secret(&h.secret, &[5; 16]));
+        assert!(!same_secret(
+            &h.secret,
+            &[[5; 15].as_slice(), &[6]].concat().try_into().unwrap()
+        ));
         let bad = Hello { index: 4, ..h }.encode();
         assert!(Hello::decode(&bad).is_err());
     }

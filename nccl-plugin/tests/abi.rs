@@ -273,6 +273,37 @@ fn child_receiver() {
 }
 
 /// Run a receiving child with `env`, send MESSAGES messages to it, return its result line.
+/// Connections to the listener of `handle` that present a wrong secret, over TCP and over the
+/// same-host socket (when it exists); kept open by the caller.
+fn intrude(handle: &[u8]) -> Vec<Box<dyn std::any::Any>> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixStream};
+    use vgpu_nccl::wire::{Hello, ListenHandle};
+    let listen = ListenHandle::decode(handle).expect("a vgpu handle");
+    let hello = |local: bool| {
+        Hello {
+            local,
+            conn: 77,
+            index: 0,
+            streams: 1,
+            pid: 1,
+            secret: [0x42; 16],
+        }
+        .encode()
+    };
+    let mut kept: Vec<Box<dyn std::any::Any>> = Vec::new();
+    let mut tcp = std::net::TcpStream::connect(listen.tcp).expect("the listener's TCP port");
+    tcp.write_all(&hello(false)).unwrap();
+    kept.push(Box::new(tcp));
+    if let Ok(mut unix) = SocketAddr::from_abstract_name(listen.unix_name().as_bytes())
+        .and_then(|address| UnixStream::connect_addr(&address))
+    {
+        unix.write_all(&hello(true)).unwrap();
+        kept.push(Box::new(unix));
+    }
+    kept
+}
+
 fn exchange(env: &[(&str, &str)], throttle: Option<(&Path, u64)>) -> (String, usize) {
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new(exe)
@@ -299,6 +330,11 @@ fn exchange(env: &[(&str, &str)], throttle: Option<(&Path, u64)>) -> (String, us
     for (i, b) in handle.iter_mut().enumerate() {
         *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
     }
+    // Another process on the node finds the listener (its TCP port, its abstract socket's name
+    // in /proc/net/unix) and connects first, with a well-formed hello but not the secret of the
+    // handle. The receiver must not take it for the rank: the exchange below only completes if
+    // it keeps waiting for the real connection.
+    let _intruders = intrude(&handle);
     for (k, v) in env {
         // the sender's settings must match the receiver's (same process env in NCCL)
         // SAFETY: single-threaded at this point of the test, before the plugin reads them.
