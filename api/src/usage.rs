@@ -124,6 +124,7 @@ mod tests {
             node: "a".into(),
             gpus: vec![gpu; HEALTH_GPUS_MAX + 3],
             usage: vec![TenantUsage::default(); USAGE_ENTRIES_MAX + 5],
+            ..HeartbeatRequest::default()
         };
         let trimmed = bound_heartbeat(&mut request);
         assert_eq!(trimmed.gpus, 3);

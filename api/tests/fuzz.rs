@@ -203,13 +203,13 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
             prop_oneof![-1i32..4, any::<i32>()],
             edge_u32(),
         ),
-        (selector, fuzz::any_text(), edge_u32()),
+        (selector, fuzz::any_text(), edge_u32(), any::<bool>()),
     )
         .prop_map(
             |(
                 (whole_gpus, milli_gpus, memory_bytes_per_gpu, compute_percent, burst),
                 (priority, preemptible, nvlink, nodes),
-                (node_selector, owner, bandwidth_weight),
+                (node_selector, owner, bandwidth_weight, latency),
             )| PlacementRequest {
                 whole_gpus,
                 milli_gpus,
@@ -223,6 +223,7 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
                 node_selector: node_selector.into_iter().collect(),
                 owner,
                 bandwidth_weight,
+                latency,
             },
         )
 }

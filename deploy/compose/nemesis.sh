@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Breaks the compose cluster on purpose and checks what clients saw: builds the images (debug
 # binaries, deploy/docker/build.sh), starts three members and two simulated agents under a
-# unique compose project, runs the `nemesis` binary of the tests crate (clients place, release
-# and read tenants through the members' published ports while the leader is cut off the
-# network, paused, members are killed with SIGKILL and restarted, and every member is restarted
-# in turn), and always tears the project down (`down -v`).
+# unique compose project (with mutual TLS, as docker-compose.yml runs it; the clients use the
+# cluster's admin certificate, copied out of cp1), runs the `nemesis` binary of the tests crate
+# (clients place, release and read tenants through the members' published ports while the leader
+# is cut off the network, paused, members are killed with SIGKILL and restarted, and every member
+# is restarted in turn), and always tears the project down (`down -v`).
 #
 # The run fails on a linearizability violation, a lost acknowledged write, or a request that
 # failed for good during the rolling restart. It then keeps the history (history.jsonl), the
@@ -15,6 +16,7 @@
 #   VGPU_SKIP_BUILD=1 deploy/compose/nemesis.sh        # images vgpu/*:nemesis already built
 #   deploy/compose/nemesis.sh --doctor-stale-read       # self-test: must fail with a violation
 #   deploy/compose/nemesis.sh --clients 8 --fault-seconds 12   # other arguments go to the binary
+#   VGPU_NEMESIS_INSECURE=1 deploy/compose/nemesis.sh   # plain text (compose/insecure.yml), to compare
 #
 # Works with `docker compose` (v2) and `docker-compose` (v1).
 set -euo pipefail
@@ -23,14 +25,18 @@ cd "$(dirname "$0")/../.."
 file=deploy/compose/docker-compose.yml
 # Each member also gets a network of its own for its published port (see the file).
 override=deploy/compose/nemesis.override.yml
+files=(-f "$file" -f "$override")
+if [ -n "${VGPU_NEMESIS_INSECURE:-}" ]; then
+  files+=(-f deploy/compose/insecure.yml)
+fi
 project="vgpu-nemesis-$$-$(date +%s)"
 export VGPU_TAG="${VGPU_TAG:-nemesis}"
 started=$(date +%s)
 
 if docker compose version >/dev/null 2>&1; then
-  compose=(docker compose -f "$file" -f "$override" -p "$project")
+  compose=(docker compose "${files[@]}" -p "$project")
 elif command -v docker-compose >/dev/null 2>&1; then
-  compose=(docker-compose -f "$file" -f "$override" -p "$project")
+  compose=(docker-compose "${files[@]}" -p "$project")
 else
   echo "nemesis.sh: neither 'docker compose' nor 'docker-compose' is installed" >&2
   exit 1
@@ -87,10 +93,25 @@ fi
 step "starting project $project (members published on 127.0.0.1:$port1, $port2, $port3)"
 "${compose[@]}" up -d
 
+if [ -n "${VGPU_NEMESIS_INSECURE:-}" ]; then
+  transport=(--insecure)
+else
+  # The admin certificate from the cluster's `tls` volume (mounted in cp1 at /etc/vgpu/tls); the
+  # members' certificates name 127.0.0.1, the address the clients use.
+  step "copying the CA certificate and the admin certificate out of cp1"
+  cp1="$("${compose[@]}" ps -q cp1)"
+  mkdir -p "$out/tls"
+  for path in ca/ca.crt admin.crt admin.key; do
+    docker cp "$cp1:/etc/vgpu/tls/$path" "$out/tls/"
+  done
+  transport=(--tls-ca-cert "$out/tls/ca.crt" --tls-cert "$out/tls/admin.crt" --tls-key "$out/tls/admin.key")
+fi
+
 step "running the nemesis"
 "${CARGO_TARGET_DIR:-target}/debug/nemesis" \
   --project "$project" \
   --members "cp1=127.0.0.1:$port1,cp2=127.0.0.1:$port2,cp3=127.0.0.1:$port3" \
   --out "$out" \
+  "${transport[@]}" \
   "$@"
 step "the nemesis found no violation"

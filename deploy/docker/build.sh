@@ -53,7 +53,8 @@ mkdir -p "$context"/{cp,agent,ctl,data}
 add() {
   local root="$1" binary="$2" destination="${3:-/usr/local/bin}"
   mkdir -p "$root$destination"
-  local target="$root$destination/$(basename "$binary")"
+  local target
+  target="$root$destination/$(basename "$binary")"
   if command -v strip >/dev/null 2>&1; then
     strip --strip-debug -o "$target" "$binary"
   else

@@ -5,7 +5,8 @@
 #      Kubernetes OpenAPI schemas; installed into target/k8s-validate-venv on first use) against
 #      the oldest and newest Kubernetes versions we claim (1.30, 1.37): unknown fields fail;
 #   3. checks that the validator does reject a bad manifest (so a green run means something);
-#   4. checks that every VGPU_* variable the manifests set is documented in docs/configuration.md.
+#   4. checks that every VGPU_* variable the manifests set is documented in docs/configuration.md;
+#   5. checks that nothing runs with --insecure: the manifests are mutual TLS only.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -44,11 +45,17 @@ if "$validate" --strict --quiet "$work/bad.yaml" >/dev/null 2>&1; then
 fi
 
 missing=0
-for variable in $(grep -o 'VGPU_[A-Z_]*' "$rendered" | sort -u); do
+while read -r variable; do
   if ! grep -q "\`$variable\`" docs/configuration.md; then
     echo "validate.sh: $variable is set in deploy/k8s but not documented in docs/configuration.md" >&2
     missing=1
   fi
-done
+done < <(grep -o 'VGPU_[A-Z_]*' "$rendered" | sort -u)
 [ "$missing" = 0 ]
 echo "every VGPU_* variable in the manifests is documented"
+
+if grep -n -i 'insecure' "$rendered" | grep -v '^[0-9]*: *#' >&2; then
+  echo "validate.sh: the lines above turn on plain text; the manifests run with mutual TLS only" >&2
+  exit 1
+fi
+echo "nothing runs with --insecure"

@@ -34,7 +34,7 @@ record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$RESULTS"; log "$4: 
 verdict() { if [ "${1:-}" = 1 ]; then echo PASS; else echo FAIL; fi; }
 result_of() { grep '^RESULT ' "$1" | tail -n1 | sed 's/^RESULT //'; }
 field() { "$PY" -c 'import json,sys; v=json.loads(sys.argv[1] or "{}").get(sys.argv[2]); print("" if v is None else v)' "$(result_of "$1")" "$2"; }
-ctl() { "$BIN/vgpuctl" --endpoints "$EP" "$@"; }
+ctl() { "$BIN/vgpuctl" --insecure --endpoints "$EP" "$@"; }
 
 log "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -n1)"
 "$BIN/vgpu-agent" inventory -o json >"$LOGS/inventory.json" 2>"$LOGS/inventory.err"
@@ -42,11 +42,11 @@ gpus=$("$PY" -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["gpus"]
 smi=$(nvidia-smi -L | wc -l)
 record "NVML inventory finds the GPUs" "$smi" "$gpus" "$(verdict $([ "$gpus" = "$smi" ] && echo 1))"
 
-"$BIN/vgpu-cp" bootstrap --id 1 --listen "$EP" --data-dir "$WORK/cp" 2>"$LOGS/cp.log" &
+"$BIN/vgpu-cp" bootstrap --insecure --id 1 --listen "$EP" --data-dir "$WORK/cp" 2>"$LOGS/cp.log" &
 PIDS+=($!)
 for _ in $(seq 100); do ctl cluster status >/dev/null 2>&1 && break; sleep 0.1; done
-"$BIN/vgpu-agent" join --control-plane "$EP" --name gpu-node --state-dir "$WORK/agent" \
-  --cdi-dir "$WORK/cdi" 2>"$LOGS/agent.log" &
+"$BIN/vgpu-agent" join --insecure --control-plane "$EP" --name gpu-node --state-dir "$WORK/agent" \
+  --shm-dir /dev/shm/vgpu-stack --cdi-dir "$WORK/cdi" 2>"$LOGS/agent.log" &
 PIDS+=($!)
 for _ in $(seq 100); do ctl get nodes 2>/dev/null | grep -q gpu-node && break; sleep 0.1; done
 ctl get nodes | tee -a "$LOGS/run.log"

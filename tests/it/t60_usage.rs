@@ -47,11 +47,18 @@ fn agents_report_tenant_usage_and_gpu_health() -> Result<()> {
     let start_time = vgpu_shm::ledger::own_start_time();
     let mut limits = [None; vgpu_shm::DEVICES_MAX];
     limits[0] = Some(10 * GIB);
-    let ledger = vgpu_shm::writer::ledger(&vgpu_shm::ledger_path(&shm_dir, "train"), &limits)?;
+    // The layout the agent made: the tenant's private directory, the GPU's schedule.
+    let private = shm_dir.join("tenants/train");
+    ensure!(
+        private.join(format!("{gpu}.compute")).exists(),
+        "the agent did not link {gpu}'s schedule into {}",
+        private.display()
+    );
+    let ledger = vgpu_shm::writer::ledger(&vgpu_shm::ledger_path(&private, "train"), &limits)?;
     vgpu_shm::writer::charge_memory(&ledger, pid, start_time, 0, 3 * GIB)
         .map_err(anyhow::Error::msg)?;
     let schedule = vgpu_shm::writer::schedule(
-        &vgpu_shm::schedule_path(&shm_dir, &gpu),
+        &vgpu_shm::schedule_path(&private, &gpu),
         vgpu_shm::compute::QUANTUM_NS_DEFAULT,
     )?;
     vgpu_shm::writer::charge_time(
@@ -177,6 +184,41 @@ fn agents_report_tenant_usage_and_gpu_health() -> Result<()> {
             let metrics = tests::http_get(&leader_address, "/metrics").ok()?;
             metrics
                 .contains(&format!("vgpu_tenant_memory_bytes{{{labels}}} 0\n"))
+                .then_some(())
+        },
+    )
+    .with_context(|| cluster.logs())?;
+
+    // The leader goes away. The agent's report is unchanged, so its beats carry none; the new
+    // leader holds no reports (soft state), answers `report_wanted`, and gets the full report on
+    // the agent's next beat: within the 12 s waited here, where the agent's 30-beat refresh
+    // would take about 30 s.
+    cluster.member(leader).kill();
+    let new_leader = wait_for("a new leader", Duration::from_secs(15), || {
+        let status =
+            json(&tests::vgpuctl(&follower, &["cluster", "status", "-o", "json"]).ok()?).ok()?;
+        status["leader"]
+            .as_u64()
+            .filter(|&id| id > 0 && id != leader)
+    })
+    .with_context(|| cluster.logs())?;
+    let new_leader_address = cluster
+        .members
+        .iter()
+        .find(|m| m.id == new_leader)
+        .context("the new leader")?
+        .address
+        .clone();
+    wait_for(
+        "the new leader to hold the node's report",
+        Duration::from_secs(12),
+        || {
+            let metrics = tests::http_get(&new_leader_address, "/metrics").ok()?;
+            metrics
+                .contains(&format!(
+                    "vgpu_tenant_memory_limit_bytes{{{labels}}} {}\n",
+                    10 * GIB
+                ))
                 .then_some(())
         },
     )

@@ -37,6 +37,18 @@ fn twenty_simulated_nodes_register_heartbeat_and_follow_assignments() -> Result<
         .collect();
     ensure!(names.first() == Some(&"fleet-00000"), "{names:?}");
     ensure!(names.last() == Some(&"fleet-00019"), "{names:?}");
+    // The leader holds each node's health report (sent in full once, then named by the beats).
+    wait_for(
+        "a simulated node's GPU health in describe",
+        Duration::from_secs(10),
+        || {
+            let output = cluster.vgpuctl(&["describe", "node", "fleet-00001"]).ok()?;
+            String::from_utf8_lossy(&output.stdout)
+                .contains("Temperature:  41 C")
+                .then_some(())
+        },
+    )
+    .with_context(|| fleet.log_text())?;
     let placed = cluster.vgpuctl(&["place", "whole-node", "--gpus", "8"])?;
     ensure!(
         placed.status.success(),
@@ -69,6 +81,15 @@ fn twenty_simulated_nodes_register_heartbeat_and_follow_assignments() -> Result<
         answered + NODES as u64 >= sent,
         "{answered} of {sent} answered: {summary}"
     );
+    // Full health reports went out once per node (plus any the leader asked for again), not
+    // with every beat: the 30-beat refresh lies beyond this run.
+    let reports = summary["reports_sent"].as_u64().context("a count")?;
+    let wanted = summary["reports_wanted"].as_u64().context("a count")?;
+    ensure!(
+        reports >= NODES as u64 && reports <= NODES as u64 + wanted,
+        "{reports} full reports, {wanted} wanted: {summary}"
+    );
+    ensure!(reports < sent, "{reports} of {sent} beats carried a report");
     // The 8-GPU tenant landed on one simulated node, whose stream carried it.
     ensure!(summary["tenants_assigned"] == 1, "{summary}\n{log}");
     let messages = summary["assignment_messages"].as_u64().context("a count")?;

@@ -9,6 +9,15 @@ use tests::{Cluster, binary};
 
 /// `vgpu-agent env` for `tenant` once the agent has the placement.
 fn tenant_env(cluster: &Cluster, tenant: &str, shm_dir: &str) -> Result<String> {
+    tenant_env_with(cluster, tenant, shm_dir, &[])
+}
+
+fn tenant_env_with(
+    cluster: &Cluster,
+    tenant: &str,
+    shm_dir: &str,
+    vars: &[(&str, &str)],
+) -> Result<String> {
     let state_dir = &cluster.agents[0].state_dir;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -24,6 +33,7 @@ fn tenant_env(cluster: &Cluster, tenant: &str, shm_dir: &str) -> Result<String> 
             ])
             .arg("--state-dir")
             .arg(state_dir)
+            .envs(vars.iter().copied())
             .output()?;
         if out.status.success() {
             return Ok(String::from_utf8(out.stdout)?);
@@ -56,7 +66,7 @@ fn bandwidth_weights_and_slice_identities_reach_the_tenant_environment() -> Resu
         "{}",
         String::from_utf8_lossy(&placed.stderr)
     );
-    let placed = cluster.vgpuctl(&["place", "serve", "--gpus", "0.25"])?;
+    let placed = cluster.vgpuctl(&["place", "serve", "--gpus", "0.25", "--latency"])?;
     assert!(
         placed.status.success(),
         "{}",
@@ -72,6 +82,18 @@ fn bandwidth_weights_and_slice_identities_reach_the_tenant_environment() -> Resu
     assert!(serve.contains("NCCL_HOSTID='vgpu-node-a-serve'"), "{serve}");
     assert!(train.contains("NCCL_NET='vgpu'"), "{train}");
     assert!(train.contains("VGPU_NCCL_SHARE_FILE="), "{train}");
+    // The latency flag travels with the placement; it matters only where the node runs MPS.
+    assert!(!serve.contains("VGPU_LATENCY"), "{serve}");
+    let mps = [("VGPU_AGENT_MPS", "true")];
+    let serve_mps = tenant_env_with(&cluster, "serve", &shm_dir, &mps)?;
+    let train_mps = tenant_env_with(&cluster, "train", &shm_dir, &mps)?;
+    assert!(
+        serve_mps.contains(&format!("CUDA_MPS_PIPE_DIRECTORY='{shm_dir}/mps'")),
+        "{serve_mps}"
+    );
+    assert!(serve_mps.contains("VGPU_LATENCY='1'"), "{serve_mps}");
+    assert!(train_mps.contains("VGPU_SPATIAL='1'"), "{train_mps}");
+    assert!(!train_mps.contains("VGPU_LATENCY"), "{train_mps}");
 
     // The agent shares the NIC 75:25 through the token buckets the tenants' plugins obey.
     let flow = |env: &str| -> Result<u64> {
@@ -87,7 +109,9 @@ fn bandwidth_weights_and_slice_identities_reach_the_tenant_environment() -> Resu
             .parse()?)
     };
     assert!(
-        train.contains(&format!("VGPU_NETSHARE_TABLE='{shm_dir}/netshare'")),
+        train.contains(&format!(
+            "VGPU_NETSHARE_TABLE='{shm_dir}/tenants/train/netshare'"
+        )),
         "{train}"
     );
     let (train_flow, serve_flow) = (
@@ -96,18 +120,21 @@ fn bandwidth_weights_and_slice_identities_reach_the_tenant_environment() -> Resu
     );
     let deadline = Instant::now() + Duration::from_secs(10);
     let rates = loop {
-        let rates = netshare::Table::open(&shm.path().join("netshare"))
-            .ok()
-            .and_then(|table| {
-                Some((
-                    table.stats(train_flow)?.config.rate_bytes_per_second,
-                    table.stats(serve_flow)?.config.rate_bytes_per_second,
-                ))
-            });
+        // Each tenant's bucket is in its own table, in its private directory.
+        let rate = |tenant: &str, flow| {
+            let table =
+                netshare::Table::open(&shm.path().join(format!("tenants/{tenant}/netshare")))
+                    .ok()?;
+            (table.flows() == [flow]).then_some(())?;
+            Some(table.stats(flow)?.config.rate_bytes_per_second)
+        };
+        let rates = rate("train", train_flow).zip(rate("serve", serve_flow));
         match rates {
             Some(r) => break r,
             None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(200)),
-            None => bail!("the agent never wrote both tenants' rates into {shm_dir}/netshare"),
+            None => {
+                bail!("the agent never wrote both tenants' rates into {shm_dir}/tenants/*/netshare")
+            }
         }
     };
     assert_eq!(

@@ -263,7 +263,8 @@ async fn settle(config: &Config, clock: &PhaseClock) -> Result<()> {
 
 /// One member's `Cluster.Status` through its published port.
 async fn status(endpoint: &Endpoint) -> Result<api::v1::ClusterStatus> {
-    let channel = api::tls::Transport::Insecure
+    let channel = endpoint
+        .transport
         .endpoint(&endpoint.address)?
         .connect_timeout(PROBE_TIMEOUT)
         .timeout(PROBE_TIMEOUT)
@@ -348,7 +349,8 @@ async fn wait_caught_up(endpoint: &Endpoint) -> Result<()> {
     let deadline = Instant::now() + HEALTHY_TIMEOUT;
     loop {
         let read = async {
-            let channel = api::tls::Transport::Insecure
+            let channel = endpoint
+                .transport
                 .endpoint(&endpoint.address)?
                 .connect_timeout(PROBE_TIMEOUT)
                 .timeout(client::ATTEMPT_TIMEOUT)
@@ -406,7 +408,8 @@ async fn final_reads(
 ) -> Result<BTreeMap<u64, BTreeMap<String, u32>>> {
     let mut finals = BTreeMap::new();
     for (index, endpoint) in endpoints.iter().enumerate() {
-        let channel = api::tls::Transport::Insecure
+        let channel = endpoint
+            .transport
             .endpoint(&endpoint.address)?
             .connect_timeout(PROBE_TIMEOUT)
             .timeout(client::ATTEMPT_TIMEOUT)

@@ -198,6 +198,11 @@ pub struct PlaceArgs {
     #[arg(long, value_parser = parse_bandwidth, value_name = "WEIGHT")]
     pub bandwidth: Option<u32>,
 
+    /// Latency-sensitive (small-batch inference): on nodes that run MPS, never held by turns,
+    /// and the other tenants of its GPUs give up SMs while it is active.
+    #[arg(long)]
+    pub latency: bool,
+
     /// Require every pair of GPUs on a node to be NVLink-connected (default: prefer NVLink).
     #[arg(
         long,

@@ -78,6 +78,7 @@ pub fn placement_request(args: &PlaceArgs) -> Result<PlacementRequest, UsageErro
             .collect(),
         owner: args.owner.clone().unwrap_or_default(),
         bandwidth_weight: args.bandwidth.unwrap_or(0),
+        latency: args.latency,
     };
     api::validate::validate_request(&request).map_err(|error| UsageError(error.to_string()))?;
     Ok(request)

@@ -76,6 +76,7 @@ pub fn tenant_text(tenant: &TenantView, now_unix_ms: i64) -> String {
         weight => weight.to_string(),
     };
     field(&mut text, 2, "Bandwidth weight", bandwidth);
+    field(&mut text, 2, "Latency", yes_no(request.latency));
 
     text.push_str("Placement:\n");
     if tenant.slices.is_empty() {

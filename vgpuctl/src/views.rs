@@ -107,6 +107,8 @@ pub struct RequestView {
     pub node_selector: BTreeMap<String, String>,
     /// NCCL bandwidth weight; 0 = follows the compute share.
     pub bandwidth_weight: u32,
+    /// Latency-sensitive (spatial partitioning on MPS nodes).
+    pub latency: bool,
 }
 
 /// One entry of a tenant's history.
@@ -305,6 +307,7 @@ impl From<&PlacementRequest> for RequestView {
             nvlink: nvlink_policy_name(request.nvlink).to_owned(),
             nodes: request.nodes,
             bandwidth_weight: request.bandwidth_weight,
+            latency: request.latency,
             node_selector: request
                 .node_selector
                 .iter()
@@ -595,6 +598,7 @@ mod tests {
                 "bandwidth_weight",
                 "burst",
                 "compute_percent",
+                "latency",
                 "memory_bytes_per_gpu",
                 "milli_gpus",
                 "node_selector",

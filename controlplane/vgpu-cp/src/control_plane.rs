@@ -8,7 +8,9 @@
 //!   (the ReadIndex protocol).
 //! - Heartbeats: kept in the leader's memory only (not logged); the leader loop turns missed
 //!   heartbeats into `SetNodeState` commands, and proposes `Retry` while tenants are pending.
+//!   Followers forward the heartbeats they receive in batches (`crate::beats`).
 
+use crate::beats::{BatchLimits, BeatOutcome, QueuedBeat};
 use crate::metrics::Metrics;
 use crate::network;
 use crate::pool::{Command, CommandResult};
@@ -74,6 +76,10 @@ pub enum ForwardRequest {
     HeartbeatReport(Vec<u8>),
     /// The leader's usage and health reports (`crate::usage`).
     Reports(crate::usage::Filter),
+    /// Heartbeats a follower received, each an encoded `HeartbeatRequest`. Answered with
+    /// `HeartbeatBatch`, one answer per beat in order. (New variants go last: the variant index
+    /// is the wire tag.)
+    HeartbeatBatch(Vec<Vec<u8>>),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -92,6 +98,7 @@ pub enum ForwardResponse {
         code: ErrorCode,
         message: String,
     },
+    HeartbeatBatch(Vec<Result<crate::beats::BeatAnswer, String>>),
 }
 
 pub struct ControlPlane {
@@ -111,6 +118,9 @@ pub struct ControlPlane {
     transport: api::tls::Transport,
     /// Local writes, batched into `Command::Batch` entries.
     batcher: tokio::sync::mpsc::Sender<BatchItem>,
+    /// Follower only: heartbeats waiting to be forwarded in a batch; the batcher task starts
+    /// with the first beat (it holds a weak reference to this member).
+    beat_queue: std::sync::OnceLock<tokio::sync::mpsc::Sender<crate::beats::QueuedBeat>>,
 }
 
 /// What a local write gets back: the result, or the leader to forward to.
@@ -134,6 +144,9 @@ fn unavailable(message: impl std::fmt::Display) -> Status {
 
 /// Waits between attempts while the cluster has no reachable leader.
 const RETRY_PAUSE_MS: u64 = 50;
+/// Longest a batch of heartbeats waits for a leader; agents give up on a beat after about a
+/// second and send the next one anyway.
+const BEAT_BATCH_DEADLINE: Duration = Duration::from_secs(2);
 
 impl ControlPlane {
     pub fn new(
@@ -158,6 +171,79 @@ impl ControlPlane {
             peers: Mutex::new(HashMap::new()),
             transport,
             batcher,
+            beat_queue: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Queues a heartbeat (an encoded `HeartbeatRequest`) for the next batch to the leader and
+    /// waits for its answer. Waits for room when the queue is full.
+    pub(crate) async fn queue_beat(self: &Arc<Self>, request: Vec<u8>) -> BeatOutcome {
+        let queue = self.beat_queue.get_or_init(|| {
+            let limits = BatchLimits::default();
+            let (sender, receiver) = crate::beats::queue(&limits);
+            let member = Arc::downgrade(self);
+            let forward = move |beats: Vec<Vec<u8>>| {
+                let member = member.clone();
+                async move {
+                    match member.upgrade() {
+                        Some(member) => member.forward_beats(beats).await,
+                        None => Err(BeatOutcome::Failed(unavailable("the member is stopping"))),
+                    }
+                }
+            };
+            tokio::spawn(crate::beats::run(receiver, limits, forward));
+            sender
+        });
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let beat = QueuedBeat { request, answer };
+        if queue.send(beat).await.is_err() {
+            return BeatOutcome::Failed(unavailable("the heartbeat batcher stopped"));
+        }
+        answered.await.unwrap_or_else(|_| {
+            BeatOutcome::Failed(ErrorCode::Internal.status("the heartbeat batch was dropped"))
+        })
+    }
+
+    /// Sends one batch of heartbeats to the leader (or records them here if this member leads
+    /// by now), retrying while there is no leader for at most [`BEAT_BATCH_DEADLINE`].
+    async fn forward_beats(&self, beats: Vec<Vec<u8>>) -> crate::beats::BatchResult {
+        let deadline = Instant::now() + BEAT_BATCH_DEADLINE;
+        let request = ForwardRequest::HeartbeatBatch(beats);
+        loop {
+            if self.is_leader() {
+                let ForwardRequest::HeartbeatBatch(beats) = &request else {
+                    unreachable!("built above");
+                };
+                return Ok(self.record_heartbeat_batch(beats));
+            }
+            let sent = self.forward_once(self.leader_node(), &request).await;
+            if matches!(sent, Ok(Some(_))) {
+                self.metrics.count_heartbeat_batch();
+            }
+            match sent {
+                Ok(Some(ForwardResponse::HeartbeatBatch(answers))) => return Ok(answers),
+                Ok(Some(other)) => {
+                    return Err(BeatOutcome::Failed(
+                        ErrorCode::Internal.status(format!("unexpected forward answer {other:?}")),
+                    ));
+                }
+                Ok(None) => {}
+                // An older leader cannot decode a batch; after a failure mid-call the outcome
+                // is unknown. Either way each beat goes on its own (beats are idempotent).
+                Err(status) => {
+                    tracing::debug!(
+                        "a heartbeat batch failed ({}); forwarding singly",
+                        status.message()
+                    );
+                    return Err(BeatOutcome::Single);
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(BeatOutcome::Failed(ErrorCode::NoLeader.status(format!(
+                    "no control-plane leader could be reached within {BEAT_BATCH_DEADLINE:?} for a heartbeat; check `vgpuctl cluster status`"
+                ))));
+            }
+            tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
         }
     }
 
@@ -346,8 +432,10 @@ impl ControlPlane {
                     return ForwardResponse::NotLeader;
                 }
                 match <api::v1::HeartbeatRequest as prost::Message>::decode(bytes.as_slice()) {
+                    // This answer has no room for `report_wanted` (it predates it); the
+                    // agent's periodic full report makes up for that.
                     Ok(request) => ForwardResponse::Heartbeat {
-                        known: self.record_heartbeat_report(request),
+                        known: self.record_heartbeat_report(request).known,
                     },
                     Err(error) => ForwardResponse::Failed {
                         code: ErrorCode::InvalidArgument,
@@ -360,6 +448,12 @@ impl ControlPlane {
                     return ForwardResponse::NotLeader;
                 }
                 ForwardResponse::Reports(crate::usage::encode(&self.reports.snapshot(&filter)))
+            }
+            ForwardRequest::HeartbeatBatch(beats) => {
+                if !self.is_leader() {
+                    return ForwardResponse::NotLeader;
+                }
+                ForwardResponse::HeartbeatBatch(self.record_heartbeat_batch(&beats))
             }
             ForwardRequest::HeartbeatTimes => {
                 if !self.is_leader() {

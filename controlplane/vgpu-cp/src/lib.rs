@@ -5,6 +5,7 @@
 //! API, bootstraps a cluster or joins one, and runs until SIGINT/SIGTERM. [`config`] gathers its
 //! [`Config`] from flags, `VGPU_CP_*` variables and the TOML configuration file.
 
+pub mod beats;
 pub mod certs;
 pub mod config;
 pub mod control_plane;

@@ -66,6 +66,10 @@ enum CaCommand {
         /// Validity in days.
         #[arg(long, default_value_t = api::pki::CA_DAYS_DEFAULT)]
         days: u32,
+        /// When DIR already holds ca.crt and ca.key, keep them and print the pin instead of
+        /// failing: for init containers that run on every start (deploy/compose).
+        #[arg(long)]
+        keep_existing: bool,
     },
     /// Print the `sha256:` pin of a CA certificate, for `vgpu-agent join --ca-cert-hash`.
     Hash {
@@ -121,6 +125,11 @@ enum TokenCommand {
         /// Its key.
         #[arg(long, value_name = "FILE")]
         key: PathBuf,
+        /// Also write the token and the CA pin to FILE (mode 0600) as a vgpu-agent configuration
+        /// file (keys `token` and `ca_cert_hash`), for agents in images without a shell: point
+        /// `VGPU_AGENT_CONFIG` at it.
+        #[arg(long, value_name = "FILE")]
+        agent_config: Option<PathBuf>,
     },
 }
 
@@ -281,7 +290,26 @@ fn ca(command: CaCommand) -> anyhow::Result<()> {
             dir,
             common_name,
             days,
+            keep_existing,
         } => {
+            let cert = dir.join(vgpu_cp::certs::CA_CERT_FILE);
+            let key = dir.join(vgpu_cp::certs::CA_KEY_FILE);
+            if keep_existing && cert.exists() && key.exists() {
+                // Kept only when the two belong together: a broken CA fails here, not later in
+                // every member.
+                let ca = vgpu_cp::certs::load_ca(&cert, &key)?;
+                let cert_der = api::pki::first_certificate_der(&ca.cert_pem)?;
+                anyhow::ensure!(
+                    api::pki::key_matches_certificate(&ca.key_pem, &cert_der)?,
+                    "{} does not belong to {}; remove both to make a new CA",
+                    key.display(),
+                    cert.display()
+                );
+                let hash = api::pki::ca_cert_hash(&ca.cert_pem)?;
+                println!("CA certificate: {} (kept)", cert.display());
+                println!("CA pin:         {hash}");
+                return Ok(());
+            }
             let (cert, key, hash) = vgpu_cp::certs::ca_init(&dir, &common_name, days)?;
             println!("CA certificate: {}", cert.display());
             println!(
@@ -324,11 +352,24 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
         ca_cert,
         cert,
         key,
+        agent_config,
     } = command;
     let files = api::tls::TlsFiles { ca_cert, cert, key };
     let transport = api::tls::Transport::choose(false, Some(&files), "")?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let created = runtime.block_on(vgpu_cp::certs::token_create(&transport, &endpoint, ttl))?;
+    if let Some(path) = &agent_config {
+        // The token is 0-9a-z and `.`, the pin `sha256:` and hex: no TOML escaping needed.
+        let text = format!(
+            "# A bootstrap token from `vgpu-cp token create`; it expires {} s after it was made.\n\
+             token = \"{}\"\nca_cert_hash = \"{}\"\n",
+            ttl.as_secs(),
+            created.token,
+            created.ca_cert_hash
+        );
+        api::pki::write_private(path, &text)
+            .with_context(|| format!("writing the agent configuration {}", path.display()))?;
+    }
     println!("{}", created.token);
     eprintln!(
         "expires in {} s; join a node with:\n  vgpu-agent join --control-plane {endpoint} --token {} --ca-cert-hash {}",

@@ -87,6 +87,8 @@ pub struct Metrics {
     /// Heartbeats answered while this member led, and heartbeats it forwarded to the leader.
     heartbeat_on_leader: Mutex<Histogram>,
     heartbeat_forwarded: Mutex<Histogram>,
+    /// Batches of heartbeats this member forwarded to the leader (`crate::beats`).
+    heartbeat_batches: std::sync::atomic::AtomicU64,
 }
 
 impl Default for Metrics {
@@ -95,6 +97,7 @@ impl Default for Metrics {
             commit: Mutex::new(Histogram::new(&COMMIT_BUCKETS_SECONDS)),
             heartbeat_on_leader: Mutex::new(Histogram::new(&HEARTBEAT_BUCKETS_SECONDS)),
             heartbeat_forwarded: Mutex::new(Histogram::new(&HEARTBEAT_BUCKETS_SECONDS)),
+            heartbeat_batches: std::sync::atomic::AtomicU64::new(0),
         }
     }
 }
@@ -122,6 +125,12 @@ impl Metrics {
             &self.heartbeat_forwarded
         };
         histogram.lock().expect("metrics lock").observe(elapsed);
+    }
+
+    /// Counts one batch of heartbeats forwarded to the leader.
+    pub fn count_heartbeat_batch(&self) {
+        self.heartbeat_batches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Renders every metric.
@@ -190,6 +199,14 @@ impl Metrics {
             drop(on_leader);
             let forwarded = self.heartbeat_forwarded.lock().expect("metrics lock");
             forwarded.render(&mut out, name, "path=\"forwarded\"");
+            drop(forwarded);
+            let name = "vgpu_heartbeat_batches_forwarded_total";
+            let _ = writeln!(
+                out,
+                "# HELP {name} Batches of agent heartbeats this member forwarded to the leader, one call each.\n# TYPE {name} counter\n{name} {}",
+                self.heartbeat_batches
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            );
         }
         {
             use crate::store::log_store_counters as c;

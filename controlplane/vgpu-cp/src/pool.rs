@@ -517,6 +517,7 @@ impl PoolState {
                     slices,
                     priority: request.priority,
                     bandwidth_weight: request.bandwidth_weight,
+                    latency: request.latency,
                 });
             }
         }

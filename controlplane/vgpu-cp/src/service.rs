@@ -377,11 +377,14 @@ impl v1::agent_server::Agent for Service {
         let started = std::time::Instant::now();
         let request = request.into_inner();
         api::names::validate("node", &request.node).map_err(invalid)?;
-        let known = self.control_plane.heartbeat_report(request).await?;
+        let answer = self.control_plane.heartbeat_report(request).await?;
         self.control_plane
             .metrics
             .observe_heartbeat(started.elapsed(), self.control_plane.is_leader());
-        Ok(Response::new(v1::HeartbeatResponse { known }))
+        Ok(Response::new(v1::HeartbeatResponse {
+            known: answer.known,
+            report_wanted: answer.report_wanted,
+        }))
     }
 
     async fn join_node(

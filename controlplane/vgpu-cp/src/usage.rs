@@ -2,10 +2,17 @@
 //! the leader's memory next to the heartbeat times and never written to the Raft log (it changes
 //! every second and is rebuilt within one heartbeat interval after an election).
 //!
-//! * The leader records each node's latest report ([`Reports::record`]), trimmed to
-//!   `api::usage` bounds and stamped with the time it arrived. A follower forwards a heartbeat
-//!   with its report (`ForwardRequest::HeartbeatReport`); a leader too old to decode that gets a
-//!   plain heartbeat instead, so a rolling upgrade never makes nodes look silent.
+//! * Agents send a report only when it changed, or as a refresh every 30 beats
+//!   (`ReportKind` in the proto); other beats name the generation of the report they stand by.
+//!   The leader records each node's latest full report ([`Reports::record`]), trimmed to
+//!   `api::usage` bounds and stamped with the time it arrived, and keeps it on the beats without
+//!   one ([`Reports::apply`]): an "unchanged" beat re-stamps it (its values are current), a "held
+//!   back" beat (usage counters moved, sent at most every few seconds) leaves the stamp alone. A
+//!   beat naming a generation the leader does not hold (a new leader after a failover holds
+//!   none) is answered `report_wanted`, and the agent sends its full report on the next beat.
+//! * A follower forwards heartbeats to the leader in batches (`crate::beats`); a leader too old
+//!   to decode a batch gets each beat on its own (`ForwardRequest::HeartbeatReport`), and one
+//!   too old for that a plain heartbeat, so a rolling upgrade never makes nodes look silent.
 //! * Reads (`GetTenant`, `GetNode`, `ListNodes`) on a follower ask the leader for the reports
 //!   they need over the internal `Forward` call, with a short timeout; if the leader cannot be
 //!   reached they answer without usage (best effort, like the heartbeat times).
@@ -14,15 +21,16 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use api::ErrorCode;
-use api::v1::{GpuHealth, HeartbeatRequest, TenantUsage};
+use api::v1::{GpuHealth, HeartbeatRequest, ReportKind, TenantUsage};
 use prost::Message;
 use serde::{Deserialize, Serialize};
 use tonic::Status;
 
+use crate::beats::{BeatAnswer, BeatOutcome};
 use crate::control_plane::{ControlPlane, ForwardRequest, ForwardResponse, unix_ms};
 
 /// How long a follower waits for the leader's reports before answering without them.
@@ -31,8 +39,10 @@ pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(1);
 /// One node's latest report.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct NodeReport {
-    /// When the leader received it (unix ms).
+    /// When the leader received it, or a beat saying it is unchanged (unix ms).
     pub received_unix_ms: i64,
+    /// The agent's number for this report (`HeartbeatRequest.report_generation`).
+    pub generation: u64,
     pub gpus: Vec<GpuHealth>,
     pub usage: Vec<TenantUsage>,
 }
@@ -54,6 +64,40 @@ pub struct Reports {
 }
 
 impl Reports {
+    /// Takes the report part of a heartbeat received at `now_unix_ms`: records a full report,
+    /// keeps the held one for the other kinds. Returns whether the leader now holds the report
+    /// the beat refers to; `false` means "send a full report" (`report_wanted`).
+    pub fn apply(&self, request: HeartbeatRequest, now_unix_ms: i64) -> bool {
+        match ReportKind::try_from(request.report) {
+            Ok(ReportKind::Full) => {
+                self.record(request, now_unix_ms);
+                true
+            }
+            Ok(ReportKind::Unchanged) => {
+                self.keep(&request.node, request.report_generation, Some(now_unix_ms))
+            }
+            Ok(ReportKind::HeldBack) => self.keep(&request.node, request.report_generation, None),
+            // A kind from a newer agent: whatever it means, a full report settles it.
+            Err(_) => false,
+        }
+    }
+
+    /// Keeps `node`'s report if it is the one of `generation` (re-stamped at `stamp_unix_ms`
+    /// when given); `false` when the leader holds another or none.
+    pub fn keep(&self, node: &str, generation: u64, stamp_unix_ms: Option<i64>) -> bool {
+        let mut nodes = self.nodes.lock().expect("reports lock");
+        match nodes.get_mut(node) {
+            Some(report) if report.generation == generation => {
+                if let Some(now) = stamp_unix_ms {
+                    debug_assert!(now >= 0);
+                    report.received_unix_ms = report.received_unix_ms.max(now);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Keeps `request` as its node's latest report, received at `now_unix_ms`.
     pub fn record(&self, mut request: HeartbeatRequest, now_unix_ms: i64) {
         let trimmed = api::usage::bound_heartbeat(&mut request);
@@ -73,6 +117,7 @@ impl Reports {
         }
         let report = NodeReport {
             received_unix_ms: now_unix_ms,
+            generation: request.report_generation,
             gpus: request.gpus,
             usage: request.usage,
         };
@@ -82,10 +127,10 @@ impl Reports {
             .insert(request.node, report);
     }
 
-    /// The reports `filter` asks for, by node.
+    /// The reports `filter` asks for, by node; each entry stamped with its report's time.
     pub fn snapshot(&self, filter: &Filter) -> BTreeMap<String, NodeReport> {
         let nodes = self.nodes.lock().expect("reports lock");
-        match filter {
+        let mut taken: BTreeMap<String, NodeReport> = match filter {
             Filter::All => nodes
                 .iter()
                 .map(|(node, report)| (node.clone(), report.clone()))
@@ -107,6 +152,7 @@ impl Reports {
                     (!usage.is_empty()).then(|| {
                         let report = NodeReport {
                             received_unix_ms: report.received_unix_ms,
+                            generation: report.generation,
                             gpus: Vec::new(),
                             usage,
                         };
@@ -114,7 +160,21 @@ impl Reports {
                     })
                 })
                 .collect(),
+        };
+        drop(nodes);
+        // A report kept by "unchanged" beats is as current as the last of them.
+        for report in taken.values_mut() {
+            let stamp = report.received_unix_ms;
+            report
+                .gpus
+                .iter_mut()
+                .for_each(|g| g.reported_unix_ms = stamp);
+            report
+                .usage
+                .iter_mut()
+                .for_each(|u| u.reported_unix_ms = stamp);
         }
+        taken
     }
 }
 
@@ -130,6 +190,8 @@ pub fn encode(reports: &BTreeMap<String, NodeReport>) -> Encoded {
                 node: node.clone(),
                 gpus: report.gpus.clone(),
                 usage: report.usage.clone(),
+                report_generation: report.generation,
+                ..HeartbeatRequest::default()
             };
             (
                 node.clone(),
@@ -147,6 +209,7 @@ pub fn decode(encoded: Encoded) -> Result<BTreeMap<String, NodeReport>, prost::D
             let message = HeartbeatRequest::decode(bytes.as_slice())?;
             let report = NodeReport {
                 received_unix_ms,
+                generation: message.report_generation,
                 gpus: message.gpus,
                 usage: message.usage,
             };
@@ -156,9 +219,29 @@ pub fn decode(encoded: Encoded) -> Result<BTreeMap<String, NodeReport>, prost::D
 }
 
 impl ControlPlane {
-    /// Records a heartbeat with its report here (leader) or at the leader. Returns whether the
-    /// node is known; an unknown node's report is dropped.
-    pub async fn heartbeat_report(&self, request: HeartbeatRequest) -> Result<bool, Status> {
+    /// Records a heartbeat with its report here (leader) or at the leader: a follower queues it
+    /// for the next batch it forwards (`crate::beats`). Returns whether the node is known and
+    /// whether the leader wants the node's full report; an unknown node's report is dropped.
+    pub async fn heartbeat_report(
+        self: &Arc<Self>,
+        request: HeartbeatRequest,
+    ) -> Result<BeatAnswer, Status> {
+        if self.is_leader() {
+            return Ok(self.record_heartbeat_report(request));
+        }
+        match self.queue_beat(request.encode_to_vec()).await {
+            BeatOutcome::Answered(answer) => Ok(answer),
+            BeatOutcome::Failed(status) => Err(status),
+            BeatOutcome::Single => self.heartbeat_report_single(request).await,
+        }
+    }
+
+    /// One heartbeat forwarded on its own: the path before batching, still taken when the
+    /// leader cannot take a batch (an older version during a rolling upgrade).
+    async fn heartbeat_report_single(
+        &self,
+        request: HeartbeatRequest,
+    ) -> Result<BeatAnswer, Status> {
         let node = request.node.clone();
         let forwarded = ForwardRequest::HeartbeatReport(request.encode_to_vec());
         let mut request = Some(request);
@@ -185,7 +268,10 @@ impl ControlPlane {
                     }
                 };
                 match answer {
-                    Some(ForwardResponse::Heartbeat { known }) => Ok(Some(known)),
+                    Some(ForwardResponse::Heartbeat { known }) => Ok(Some(BeatAnswer {
+                        known,
+                        report_wanted: false,
+                    })),
                     Some(other) => Err(ErrorCode::Internal
                         .status(format!("unexpected forward answer {other:?} for {node}"))),
                     None => Ok(None),
@@ -196,12 +282,42 @@ impl ControlPlane {
     }
 
     /// Leader side of [`ControlPlane::heartbeat_report`].
-    pub(crate) fn record_heartbeat_report(&self, request: HeartbeatRequest) -> bool {
+    pub(crate) fn record_heartbeat_report(&self, request: HeartbeatRequest) -> BeatAnswer {
         let known = self.record_heartbeat(&request.node);
-        if known {
-            self.reports.record(request, unix_ms());
+        if !known {
+            return BeatAnswer {
+                known: false,
+                report_wanted: false,
+            };
         }
-        known
+        let held = self.reports.apply(request, unix_ms());
+        BeatAnswer {
+            known: true,
+            report_wanted: !held,
+        }
+    }
+
+    /// Leader side of a forwarded batch: one answer per beat, in order; a beat that does not
+    /// decode gets its error and spoils none of the others.
+    pub(crate) fn record_heartbeat_batch(
+        &self,
+        beats: &[Vec<u8>],
+    ) -> Vec<Result<BeatAnswer, String>> {
+        let answers: Vec<Result<BeatAnswer, String>> = beats
+            .iter()
+            .map(|bytes| match HeartbeatRequest::decode(bytes.as_slice()) {
+                Ok(request) if api::names::validate("node", &request.node).is_ok() => {
+                    Ok(self.record_heartbeat_report(request))
+                }
+                Ok(request) => Err(format!(
+                    "a forwarded heartbeat names an invalid node {:?}",
+                    request.node
+                )),
+                Err(error) => Err(format!("the forwarded heartbeat does not decode: {error}")),
+            })
+            .collect();
+        assert_eq!(answers.len(), beats.len());
+        answers
     }
 
     /// The leader's reports that `filter` asks for; empty when the leader cannot be reached
@@ -475,6 +591,8 @@ mod tests {
                     usage("train", "GPU-a0", 3 << 30, 2_500_000_000),
                     usage("infer", "GPU-a1", 1 << 30, 0),
                 ],
+                report_generation: 7,
+                ..HeartbeatRequest::default()
             },
             1_000,
         );
@@ -483,10 +601,61 @@ mod tests {
                 node: "node-b".into(),
                 gpus: vec![],
                 usage: vec![usage("train", "GPU-b0", 7, 1)],
+                ..HeartbeatRequest::default()
             },
             2_000,
         );
         reports
+    }
+
+    fn beat(node: &str, kind: ReportKind, generation: u64) -> HeartbeatRequest {
+        HeartbeatRequest {
+            node: node.into(),
+            report: kind as i32,
+            report_generation: generation,
+            ..HeartbeatRequest::default()
+        }
+    }
+
+    #[test]
+    fn beats_without_a_report_keep_the_held_one_or_ask_for_it() {
+        let reports = sample_reports();
+        let memory = |reports: &Reports| {
+            reports.snapshot(&Filter::Node("node-a".into()))["node-a"].usage[0].memory_used_bytes
+        };
+        // "Unchanged" with the held generation: kept, and stamped as current now.
+        assert!(reports.apply(beat("node-a", ReportKind::Unchanged, 7), 5_000));
+        let held = reports.snapshot(&Filter::Node("node-a".into()));
+        assert_eq!(held["node-a"].received_unix_ms, 5_000);
+        assert_eq!(held["node-a"].usage[0].reported_unix_ms, 5_000);
+        assert_eq!(held["node-a"].gpus[0].reported_unix_ms, 5_000);
+        assert_eq!(memory(&reports), 3 << 30, "the empty beat replaced nothing");
+        // "Held back": kept, but the stamp stays (the values are not current).
+        assert!(reports.apply(beat("node-a", ReportKind::HeldBack, 7), 6_000));
+        assert_eq!(
+            reports.snapshot(&Filter::Node("node-a".into()))["node-a"].received_unix_ms,
+            5_000
+        );
+        // Another generation (a report this leader never got), or a node without a report (a
+        // new leader has none): the agent must send it.
+        assert!(!reports.apply(beat("node-a", ReportKind::Unchanged, 6), 7_000));
+        assert!(!reports.apply(beat("node-c", ReportKind::Unchanged, 1), 7_000));
+        assert!(!reports.apply(
+            HeartbeatRequest {
+                report: 99,
+                ..beat("node-a", ReportKind::Full, 8)
+            },
+            7_000
+        ));
+        assert_eq!(memory(&reports), 3 << 30);
+        // A full report replaces the held one, with its generation.
+        assert!(reports.apply(beat("node-a", ReportKind::Full, 8), 8_000));
+        assert!(
+            reports.snapshot(&Filter::Node("node-a".into()))["node-a"]
+                .usage
+                .is_empty()
+        );
+        assert!(reports.apply(beat("node-a", ReportKind::Unchanged, 8), 9_000));
     }
 
     #[test]

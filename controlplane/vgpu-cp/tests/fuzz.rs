@@ -265,13 +265,14 @@ fn placement_request() -> impl Strategy<Value = v1::PlacementRequest> {
             labels(),
             prop_oneof![3 => Just(String::new()), 1 => name("owner-")],
             edge_u32(),
+            any::<bool>(),
         ),
     )
         .prop_map(
             |(
                 (whole_gpus, milli_gpus, memory_bytes_per_gpu, compute_percent, burst),
                 (priority, preemptible, nvlink, nodes),
-                (node_selector, owner, bandwidth_weight),
+                (node_selector, owner, bandwidth_weight, latency),
             )| v1::PlacementRequest {
                 whole_gpus,
                 milli_gpus,
@@ -285,6 +286,7 @@ fn placement_request() -> impl Strategy<Value = v1::PlacementRequest> {
                 node_selector,
                 owner,
                 bandwidth_weight,
+                latency,
             },
         )
 }
@@ -501,7 +503,12 @@ fn heartbeat() -> impl Strategy<Value = v1::HeartbeatRequest> {
             1 => proptest::collection::vec(usage(), 1024..1030),
         ],
     )
-        .prop_map(|(node, gpus, usage)| v1::HeartbeatRequest { node, gpus, usage })
+        .prop_map(|(node, gpus, usage)| v1::HeartbeatRequest {
+            node,
+            gpus,
+            usage,
+            ..v1::HeartbeatRequest::default()
+        })
 }
 
 /// One call of any handler, with its message.
@@ -744,6 +751,7 @@ fn peer_examples() -> Vec<Vec<u8>> {
         encode(&forward).unwrap(),
         encode(&ForwardRequest::Heartbeat { node: "n0".into() }).unwrap(),
         encode(&ForwardRequest::HeartbeatReport(vec![1, 2, 3])).unwrap(),
+        encode(&ForwardRequest::HeartbeatBatch(vec![vec![1, 2, 3], vec![]])).unwrap(),
         encode(&append).unwrap(),
     ]
 }

@@ -1,6 +1,9 @@
 //! Maps the tenant's ledger file (`$VGPU_SHM_DIR/<tenant>.mem`, mode 0600) and the per-GPU
 //! compute schedule (`$VGPU_SHM_DIR/<gpu uuid>.compute`, mode 0666: every tenant of the GPU
-//! writes it) `MAP_SHARED`; and reads the clock those files are stamped with.
+//! writes it) `MAP_SHARED`; and reads the clock those files are stamped with. Under the agent,
+//! `VGPU_SHM_DIR` is the tenant's private directory and the schedule a hard link the agent made
+//! there to the GPU's one schedule (`vgpu_agent::private`); without the agent, whatever creates
+//! a file first creates it here.
 //!
 //! Creation race: the creator opens with `O_EXCL`, sizes the file, initialises the header and
 //! publishes the magic last. Everyone else waits (bounded) for the magic. Because every header

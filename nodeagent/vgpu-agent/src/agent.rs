@@ -4,10 +4,12 @@
 //! * Registration retries across the control-plane addresses with backoff until one accepts the
 //!   node. Only a refusal of the inventory itself (`INVALID_ARGUMENT`) stops the agent: retrying
 //!   the same inventory cannot succeed.
-//! * The heartbeat loop beats at the interval the control plane gave. When the control plane
-//!   answers `known = false`, or the assignment stream says the node is not registered, it
-//!   registers again (an identical inventory keeps the node's tenants). Failed beats move to the
-//!   next address and retry sooner, with backoff, never later than the interval.
+//! * The heartbeat loop beats at the interval the control plane gave; a beat carries the health
+//!   and usage report only when it changed, as a refresh, or when the leader asks for it
+//!   ([`ReportSender`]). When the control plane answers `known = false`, or the assignment
+//!   stream says the node is not registered, it registers again (an identical inventory keeps
+//!   the node's tenants). Failed beats move to the next address and retry sooner, with backoff,
+//!   never later than the interval.
 //! * The watch loop holds one `WatchAssignments` stream; when it ends or fails it moves to the
 //!   next address and calls again after a backoff. Each message goes to the [`Follower`].
 //!
@@ -24,7 +26,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use api::ErrorCode;
-use api::v1::{HeartbeatRequest, RegisterRequest, WatchAssignmentsRequest};
+use api::v1::{RegisterRequest, WatchAssignmentsRequest};
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep, timeout};
 use tracing::{debug, error, info, warn};
@@ -36,6 +38,7 @@ use crate::error::{Error, Result};
 use crate::follower::Follower;
 use crate::inventory::InventorySource;
 use crate::monitor::{Monitor, MonitorConfig};
+use crate::report::{ReportPolicy, ReportSender};
 use crate::state::StateDir;
 
 /// Used when the control plane hands out no heartbeat interval.
@@ -67,6 +70,8 @@ pub struct JoinConfig {
     pub nic_bytes_per_second: u64,
     /// Plain text, certificates, or a bootstrap token.
     pub security: crate::bootstrap::Security,
+    /// Concurrent sharing: the node's MPS daemon ([`crate::mps`]); `None`: time slicing only.
+    pub mps: Option<crate::mps::MpsConfig>,
 }
 
 /// Retry and timeout settings.
@@ -100,8 +105,12 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     let state = StateDir::open(&config.state_dir, &config.name)?;
     let mut follower = Follower::restore(state.clone(), &config.name)?;
     state.write_inventory(&inventory)?;
+    follower = follower.with_private(crate::private::Layout::new(&config.shm_dir));
+    if let Some(mps) = &config.mps {
+        // Before any tenant can be started here: their environment names the daemon's pipes.
+        crate::mps::ensure_running(mps)?;
+    }
     if let Some(cdi) = config.cdi {
-        prepare_shm_dir(&cdi.shm_dir);
         if !cdi.interposer.is_file() {
             warn!(
                 "the interposer {} does not exist; containers started from the CDI spec will fail until it does",
@@ -149,21 +158,6 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     };
     shaper.abort();
     result
-}
-
-/// Creates the interposers' shared-memory directory, writable by every tenant's user (like
-/// `/tmp`), so that containers can bind-mount it. Best effort: the interposer creates it too.
-fn prepare_shm_dir(directory: &std::path::Path) {
-    use std::os::unix::fs::PermissionsExt;
-    let result = std::fs::create_dir_all(directory).and_then(|()| {
-        std::fs::set_permissions(directory, std::fs::Permissions::from_mode(0o1777))
-    });
-    if let Err(error) = result {
-        warn!(
-            "cannot prepare the shared-memory directory {}: {error}",
-            directory.display()
-        );
-    }
 }
 
 struct Agent {
@@ -256,6 +250,10 @@ impl Agent {
         let mut backoff = Backoff::new(self.timings.retry_initial, self.timings.retry_max);
         let mut failures: u64 = 0;
         let mut delay = interval;
+        let mut reports = ReportSender::new(
+            ReportPolicy::default(),
+            ReportSender::first_generation_now(),
+        );
         loop {
             let reregister = tokio::select! {
                 () = sleep(delay) => false,
@@ -269,15 +267,11 @@ impl Agent {
                 interval = self.register(&mut cursor).await?;
                 (delay, failures) = (interval, 0);
                 backoff.reset();
+                reports.answered(false, false);
                 continue;
             }
             let address = self.endpoints.address(cursor).to_owned();
-            let report = self.monitor.latest();
-            let request = HeartbeatRequest {
-                node: self.name().to_owned(),
-                gpus: report.gpus,
-                usage: report.usage,
-            };
+            let request = reports.beat(self.name(), &self.monitor.latest());
             let mut client = self.endpoints.client(cursor);
             let call_timeout = interval.clamp(
                 Duration::from_secs(1),
@@ -285,6 +279,7 @@ impl Agent {
             );
             let problem = match timeout(call_timeout, client.heartbeat(request)).await {
                 Ok(Ok(response)) if response.get_ref().known => {
+                    reports.answered(true, response.get_ref().report_wanted);
                     if failures > 0 {
                         info!(
                             "heartbeats reach the control plane again via {address} after {failures} failures"
@@ -296,6 +291,7 @@ impl Agent {
                     continue;
                 }
                 Ok(Ok(_)) => {
+                    reports.answered(false, false);
                     warn!(
                         "the control plane at {address} does not know node {}; registering again",
                         self.name()
@@ -308,6 +304,7 @@ impl Agent {
                 Ok(Err(status)) => describe(&status),
                 Err(_) => format!("timed out after {} ms", call_timeout.as_millis()),
             };
+            reports.failed();
             failures += 1;
             cursor = self.endpoints.next(cursor);
             delay = backoff.next_delay().min(interval);

@@ -34,6 +34,9 @@ pub struct TenantAssignment {
     /// The bandwidth weight the tenant asked for; 0 = derived from its compute share.
     #[serde(default)]
     pub bandwidth_weight: u32,
+    /// Latency-sensitive (`vgpuctl place --latency`): matters on nodes that run MPS.
+    #[serde(default)]
+    pub latency: bool,
 }
 
 /// One tenant's share of one GPU.
@@ -92,6 +95,7 @@ impl AssignmentSet {
                 priority: assignment.priority,
                 slices,
                 bandwidth_weight: assignment.bandwidth_weight,
+                latency: assignment.latency,
             };
             if tenants.len() >= TENANTS_PER_NODE_MAX {
                 warnings.push(format!(
@@ -202,18 +206,21 @@ mod tests {
                     slices: vec![slice("node-a", 3), slice("node-b", 0), slice("node-a", 1)],
                     priority: 5,
                     bandwidth_weight: 0,
+                    latency: false,
                 },
                 api::v1::Assignment {
                     tenant: "../escape".into(),
                     slices: vec![slice("node-a", 0)],
                     priority: 0,
                     bandwidth_weight: 0,
+                    latency: false,
                 },
                 api::v1::Assignment {
                     tenant: "elsewhere".into(),
                     slices: vec![slice("node-b", 0)],
                     priority: 0,
                     bandwidth_weight: 0,
+                    latency: false,
                 },
             ],
         };

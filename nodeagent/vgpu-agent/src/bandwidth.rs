@@ -1,7 +1,9 @@
 //! The node's network bandwidth shared by tenant: the agent turns its assignments into
 //! `netshare` flows (one per tenant over the node's NIC), lets the weighted max-min allocator
-//! decide each flow's rate, and writes the rates into the shared token-bucket table that every
-//! tenant's NCCL plugin obeys (`VGPU_NETSHARE_TABLE`, `VGPU_NETSHARE_FLOW`).
+//! decide each flow's rate, and writes each rate into the tenant's own token-bucket table, in
+//! its private directory ([`crate::private`]), which the tenant's NCCL plugin obeys
+//! (`VGPU_NETSHARE_TABLE`, `VGPU_NETSHARE_FLOW`). One table per tenant, so no tenant can read or
+//! take from another's bucket.
 //!
 //! [`Shaper::sync`] and [`Shaper::sample`] return the allocator's commands; [`Shaper::apply`]
 //! executes them on the table. Every period the agent re-reads the persisted assignments (the
@@ -10,7 +12,8 @@
 //! share goes to busy ones (work conservation) and comes back as soon as they send again.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use netshare::{
@@ -20,9 +23,7 @@ use netshare::{
 use tracing::{info, warn};
 
 use crate::assignments::TenantAssignment;
-
-/// The token-bucket table's file name in the shared-memory directory.
-pub const TABLE_FILE: &str = "netshare";
+use crate::private::Layout;
 /// The NIC link's id (one link per node for now: NIC port 0, sending direction).
 const NIC: LinkId = LinkId(0);
 /// A flow's demand is what it sent in the last period times this, and never below
@@ -48,10 +49,6 @@ pub fn weight(assignment: &TenantAssignment) -> u32 {
     }
 }
 
-pub fn table_path(shm_dir: &Path) -> PathBuf {
-    shm_dir.join(TABLE_FILE)
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum BandwidthError {
     #[error("the bandwidth table {path}: {source}; tenants will send unthrottled")]
@@ -61,29 +58,28 @@ pub enum BandwidthError {
     },
 }
 
-/// The allocator's view of this node plus the table it drives.
+/// A tenant's table as the shaper holds it: the file's identity tells a directory that was
+/// removed and made again (the tenant released and placed again between two periods).
+struct OpenTable {
+    owner: TableOwner,
+    inode: (u64, u64),
+}
+
+/// The allocator's view of this node plus the tables it drives.
 pub struct Shaper {
     allocator: Allocator,
     /// tenant -> (flow, weight)
     flows: BTreeMap<String, (FlowId, u32)>,
     last: BTreeMap<FlowId, BucketStats>,
-    table: Option<TableOwner>,
+    /// Where the tenants' tables are; `None` only computes (tests).
+    layout: Option<Layout>,
+    tables: BTreeMap<FlowId, OpenTable>,
 }
 
 impl Shaper {
-    /// A shaper for a NIC of `nic_bytes_per_second`; `table` is the shared file to drive, or
-    /// `None` to only compute (tests).
-    pub fn new(nic_bytes_per_second: u64, table: Option<&Path>) -> Result<Shaper, BandwidthError> {
-        let table =
-            match table {
-                None => None,
-                Some(path) => Some(TableOwner::open_or_create(path).map_err(|source| {
-                    BandwidthError::Table {
-                        path: path.to_owned(),
-                        source,
-                    }
-                })?),
-            };
+    /// A shaper for a NIC of `nic_bytes_per_second` that drives the tenants' tables under
+    /// `layout`, or only computes (`None`).
+    pub fn new(nic_bytes_per_second: u64, layout: Option<Layout>) -> Shaper {
         let mut allocator = Allocator::new();
         let commands = allocator.handle(Event::AddLink(LinkSpec {
             link: NIC,
@@ -95,12 +91,56 @@ impl Shaper {
                 .iter()
                 .any(|c| matches!(c, Command::Rejected { .. }))
         );
-        Ok(Shaper {
+        Shaper {
             allocator,
             flows: BTreeMap::new(),
             last: BTreeMap::new(),
-            table,
-        })
+            layout,
+            tables: BTreeMap::new(),
+        }
+    }
+
+    /// Opens the table of every shaped tenant whose private directory exists (the follower
+    /// makes it before the tenant is committed, which may be after this period's sync) and gives
+    /// a newly opened table its flow's current rate. Reopens a table whose file was replaced.
+    pub fn open_tables(&mut self) -> Vec<BandwidthError> {
+        let Some(layout) = &self.layout else {
+            return Vec::new();
+        };
+        let mut problems = Vec::new();
+        for (tenant, (flow, _)) in &self.flows {
+            let path = layout.netshare(tenant);
+            let on_disk = std::fs::metadata(&path).ok().map(|m| (m.dev(), m.ino()));
+            if let Some(open) = self.tables.get(flow)
+                && Some(open.inode) == on_disk
+            {
+                continue;
+            }
+            self.tables.remove(flow);
+            if !layout.tenant_dir(tenant).is_dir() {
+                continue;
+            }
+            let opened = TableOwner::open_or_create(&path).and_then(|owner| {
+                let metadata = std::fs::metadata(&path).map_err(|source| netshare::Error::Io {
+                    path: path.clone(),
+                    source,
+                })?;
+                if let Some(rate) = self.allocator.flow(*flow).map(|f| f.rate_bytes_per_second) {
+                    owner.set_rate(*flow, BucketConfig::for_rate(rate))?;
+                }
+                Ok(OpenTable {
+                    owner,
+                    inode: (metadata.dev(), metadata.ino()),
+                })
+            });
+            match opened {
+                Ok(table) => {
+                    self.tables.insert(*flow, table);
+                }
+                Err(source) => problems.push(BandwidthError::Table { path, source }),
+            }
+        }
+        problems
     }
 
     /// Bring the flows in line with the tenants placed on this node.
@@ -119,6 +159,9 @@ impl Shaper {
         for name in gone {
             let (flow, _) = self.flows.remove(&name).expect("listed above");
             self.last.remove(&flow);
+            if let Some(table) = self.tables.remove(&flow) {
+                table.owner.clear(flow);
+            }
             commands.extend(self.allocator.handle(Event::RemoveFlow { flow }));
         }
         for (name, (flow, weight)) in wanted {
@@ -175,34 +218,37 @@ impl Shaper {
         self.allocator.flow(*flow).map(|f| f.rate_bytes_per_second)
     }
 
-    /// Every shaped flow's counters in the table.
+    /// Every shaped flow's counters in its tenant's table.
     pub fn stats(&self) -> BTreeMap<FlowId, BucketStats> {
-        let Some(table) = &self.table else {
-            return BTreeMap::new();
-        };
-        self.flows
-            .values()
-            .filter_map(|(flow, _)| table.table().stats(*flow).map(|s| (*flow, s)))
+        self.tables
+            .iter()
+            .filter_map(|(flow, table)| table.owner.table().stats(*flow).map(|s| (*flow, s)))
             .collect()
     }
 
-    /// Execute the allocator's commands on the table.
+    /// Execute the allocator's commands on the tenants' tables (a flow whose table is not open
+    /// yet gets its rate when [`Shaper::open_tables`] opens it).
     pub fn apply(&self, commands: &[Command]) {
-        let Some(table) = &self.table else { return };
         for command in commands {
             match command {
                 Command::SetRate {
                     flow,
                     bytes_per_second,
                 } => {
-                    if let Err(error) =
-                        table.set_rate(*flow, BucketConfig::for_rate(*bytes_per_second))
+                    let Some(table) = self.tables.get(flow) else {
+                        continue;
+                    };
+                    if let Err(error) = table
+                        .owner
+                        .set_rate(*flow, BucketConfig::for_rate(*bytes_per_second))
                     {
                         warn!("cannot set the rate of {flow}: {error}");
                     }
                 }
                 Command::ClearRate { flow } => {
-                    table.clear(*flow);
+                    if let Some(table) = self.tables.get(flow) {
+                        table.owner.clear(*flow);
+                    }
                 }
                 Command::Oversubscribed {
                     link,
@@ -231,19 +277,15 @@ fn demand(before: &BucketStats, now: &BucketStats, period: Duration) -> Option<u
 /// Run the shaper until `shutdown`: every [`PERIOD`], sync with the persisted assignments and
 /// sample the demand. Best effort: a table that cannot be made leaves tenants unthrottled.
 pub async fn run(state_dir: PathBuf, shm_dir: PathBuf, nic_bytes_per_second: u64) {
-    let path = table_path(&shm_dir);
-    let mut shaper = match Shaper::new(nic_bytes_per_second, Some(&path)) {
-        Ok(s) => s,
-        Err(error) => {
-            warn!("{error}");
-            return;
-        }
-    };
+    let layout = Layout::new(&shm_dir);
     info!(
-        "sharing {} Gb/s of network bandwidth by tenant weight through {}",
+        "sharing {} Gb/s of network bandwidth by tenant weight through each tenant's table under {}",
         nic_bytes_per_second * 8 / 1_000_000_000,
-        path.display()
+        layout.tenant_dir("<tenant>").display()
     );
+    let mut shaper = Shaper::new(nic_bytes_per_second, Some(layout));
+    // A table that cannot be opened is reported once until it can.
+    let mut reported: Vec<String> = Vec::new();
     let mut ticker = tokio::time::interval(PERIOD);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -256,6 +298,15 @@ pub async fn run(state_dir: PathBuf, shm_dir: PathBuf, nic_bytes_per_second: u64
             Ok(None) => {}
             Err(error) => warn!("bandwidth shaping: {error}"),
         }
+        let problems: Vec<String> = shaper
+            .open_tables()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        for problem in problems.iter().filter(|p| !reported.contains(p)) {
+            warn!("{problem}");
+        }
+        reported = problems;
         let stats = shaper.stats();
         let commands = shaper.sample(&stats, PERIOD);
         shaper.apply(&commands);
@@ -280,6 +331,7 @@ mod tests {
                 burst: false,
             }],
             bandwidth_weight: bandwidth,
+            latency: false,
         }
     }
 
@@ -287,7 +339,7 @@ mod tests {
 
     #[test]
     fn placements_split_the_nic_by_weight_and_follow_changes() {
-        let mut s = Shaper::new(12 * GB, None).unwrap();
+        let mut s = Shaper::new(12 * GB, None);
         s.sync(&[tenant("a", 50, 75), tenant("b", 25, 0)]);
         // 75 : 25 of 12 GB/s
         assert_eq!(s.rate("a"), Some(9 * GB));
@@ -309,7 +361,7 @@ mod tests {
 
     #[test]
     fn idle_tenants_lend_their_share_until_they_send_again() {
-        let mut s = Shaper::new(12 * GB, None).unwrap();
+        let mut s = Shaper::new(12 * GB, None);
         s.sync(&[tenant("a", 50, 75), tenant("b", 50, 25)]);
         let (fa, fb) = (flow_id("a"), flow_id("b"));
         let stats = |a: u64, b: u64, throttled_b: u64| {
@@ -355,31 +407,38 @@ mod tests {
     }
 
     #[test]
-    fn the_table_gets_the_rates() {
+    fn each_tenants_table_gets_only_its_rate() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(TABLE_FILE);
-        let mut s = Shaper::new(10 * GB, Some(&path)).unwrap();
+        let layout = Layout::new(dir.path());
+        let mut s = Shaper::new(10 * GB, Some(layout.clone()));
+        let rate = |tenant: &str| {
+            let table = netshare::Table::open(&layout.netshare(tenant)).unwrap();
+            let flows = table.flows();
+            assert!(flows.len() <= 1, "{tenant}'s table holds {flows:?}");
+            table
+                .stats(flow_id(tenant))
+                .map(|s| s.config.rate_bytes_per_second)
+        };
         let commands = s.sync(&[tenant("a", 50, 0), tenant("b", 50, 0)]);
         s.apply(&commands);
-        let table = netshare::Table::open(&path).unwrap();
-        assert_eq!(
-            table
-                .stats(flow_id("a"))
-                .unwrap()
-                .config
-                .rate_bytes_per_second,
-            5 * GB
-        );
+        // No directory yet (the follower makes them): nothing opened, nothing created.
+        assert!(s.open_tables().is_empty());
+        assert!(!layout.netshare("a").exists());
+        for t in ["a", "b"] {
+            std::fs::create_dir_all(layout.tenant_dir(t)).unwrap();
+        }
+        assert!(s.open_tables().is_empty());
+        assert_eq!(rate("a"), Some(5 * GB));
+        assert_eq!(rate("b"), Some(5 * GB));
         let commands = s.sync(&[tenant("a", 50, 0)]);
         s.apply(&commands);
-        assert!(table.stats(flow_id("b")).is_none());
-        assert_eq!(
-            table
-                .stats(flow_id("a"))
-                .unwrap()
-                .config
-                .rate_bytes_per_second,
-            10 * GB
-        );
+        assert_eq!(rate("b"), None);
+        assert_eq!(rate("a"), Some(10 * GB));
+        // a's directory is made again (released and placed again between two periods): the
+        // new table is opened and gets the rate.
+        std::fs::remove_dir_all(layout.tenant_dir("a")).unwrap();
+        std::fs::create_dir_all(layout.tenant_dir("a")).unwrap();
+        assert!(s.open_tables().is_empty());
+        assert_eq!(rate("a"), Some(10 * GB));
     }
 }

@@ -11,9 +11,10 @@
 //!   `/dev/nvidia-uvm` and `/dev/nvidia-uvm-tools` (the runtime reads type and numbers from the
 //!   host's nodes); simulated GPUs use their index as the minor and the device carries the
 //!   annotation `vgpu.dev/simulated: "true"`;
-//! * `mounts`: the interposer (read-only) at [`CONTAINER_INTERPOSER_PATH`], the interposers'
-//!   shared-memory directory (read-write, so that accounting spans containers and host
-//!   processes), and the agent's state directory (read-only), each at the same path as on the host.
+//! * `mounts`: the interposer (read-only) at [`CONTAINER_INTERPOSER_PATH`] and the tenant's own
+//!   private directory ([`crate::private`]; read-write, at the same path as on the host, so that
+//!   accounting spans containers and host processes). Nothing of the other tenants and nothing
+//!   of the agent's state directory is mounted.
 //!
 //! The spec is rewritten atomically (temporary file, rename) whenever its content changes, and
 //! removed when no tenant is placed here (a spec without devices is not useful to any runtime).
@@ -94,6 +95,8 @@ pub struct CdiConfig {
     pub interposer: PathBuf,
     pub shm_dir: PathBuf,
     pub state_dir: PathBuf,
+    /// The node's MPS pipe directory when it runs MPS, mounted into every container.
+    pub mps_pipe_dir: Option<PathBuf>,
 }
 
 /// `/var/run/cdi` when it can be created and written, else `<state dir>/cdi`. Simulated nodes
@@ -124,25 +127,34 @@ pub fn build_spec(
         interposer: Some(PathBuf::from(CONTAINER_INTERPOSER_PATH)),
         shm_dir: config.shm_dir.clone(),
         state_dir: config.state_dir.clone(),
+        mps_pipe_dir: config.mps_pipe_dir.clone(),
     };
     let path = |path: &Path| path.to_string_lossy().into_owned();
-    let mounts = vec![
-        Mount {
-            host_path: path(&config.interposer),
-            container_path: CONTAINER_INTERPOSER_PATH.to_owned(),
-            options: bind_options("ro"),
-        },
-        Mount {
-            host_path: path(&config.shm_dir),
-            container_path: path(&config.shm_dir),
+    let layout = crate::private::Layout::new(&config.shm_dir);
+    // A container sees the interposer, its own tenant's directory and the MPS pipes (on an MPS
+    // node), nothing of the other tenants and nothing of the agent's state.
+    let mounts = |tenant: &str| {
+        let own = path(&layout.tenant_dir(tenant));
+        let pipes = config.mps_pipe_dir.iter().map(|pipes| Mount {
+            host_path: path(pipes),
+            container_path: path(pipes),
             options: bind_options("rw"),
-        },
-        Mount {
-            host_path: path(&config.state_dir),
-            container_path: path(&config.state_dir),
-            options: bind_options("ro"),
-        },
-    ];
+        });
+        let mut mounts = vec![
+            Mount {
+                host_path: path(&config.interposer),
+                container_path: CONTAINER_INTERPOSER_PATH.to_owned(),
+                options: bind_options("ro"),
+            },
+            Mount {
+                host_path: own.clone(),
+                container_path: own,
+                options: bind_options("rw"),
+            },
+        ];
+        mounts.extend(pipes);
+        mounts
+    };
     let devices = set
         .tenants
         .values()
@@ -175,7 +187,7 @@ pub fn build_spec(
                 container_edits: ContainerEdits {
                     env,
                     device_nodes,
-                    mounts: mounts.clone(),
+                    mounts: mounts(&assignment.tenant),
                 },
             }
         })
@@ -292,6 +304,7 @@ mod tests {
                         tenant: (*name).to_owned(),
                         priority: 1,
                         bandwidth_weight: 0,
+                        latency: false,
                         slices: gpus
                             .iter()
                             .map(|&index| SliceAssignment {
@@ -316,6 +329,7 @@ mod tests {
             interposer: PathBuf::from("/opt/vgpu/libvgpu_cuda.so"),
             shm_dir: PathBuf::from("/dev/shm/vgpu"),
             state_dir: PathBuf::from("/var/lib/vgpu-agent/node-a"),
+            mps_pipe_dir: None,
         }
     }
 
@@ -376,8 +390,13 @@ mod tests {
         assert_eq!(mounts[0]["hostPath"], "/opt/vgpu/libvgpu_cuda.so");
         assert_eq!(mounts[0]["containerPath"], CONTAINER_INTERPOSER_PATH);
         assert_eq!(mounts[0]["options"][0], "ro");
-        assert_eq!(mounts[1]["containerPath"], "/dev/shm/vgpu");
+        // Only the tenant's own directory, nothing of the other tenants or the agent's state.
+        assert_eq!(mounts.len(), 2, "{mounts:?}");
+        assert_eq!(mounts[1]["hostPath"], "/dev/shm/vgpu/tenants/train");
+        assert_eq!(mounts[1]["containerPath"], "/dev/shm/vgpu/tenants/train");
         assert_eq!(mounts[1]["options"][0], "rw");
+        assert!(env.contains(&"VGPU_SHM_DIR=/dev/shm/vgpu/tenants/train"));
+        assert!(!env.iter().any(|e| e.starts_with("CUDA_MPS")));
     }
 
     #[test]

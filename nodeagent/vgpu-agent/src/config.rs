@@ -40,6 +40,8 @@ pub struct Settings {
     pub interposer: Option<PathBuf>,
     pub shm_dir: Option<PathBuf>,
     pub nic_gbps: Option<u32>,
+    pub mps: Option<bool>,
+    pub mps_control: Option<PathBuf>,
     pub insecure: Option<bool>,
     pub tls_ca_cert: Option<PathBuf>,
     pub tls_cert: Option<PathBuf>,
@@ -138,6 +140,22 @@ const NIC_GBPS: KeyDoc = KeyDoc {
     example: "100",
 };
 
+const MPS: KeyDoc = KeyDoc {
+    key: "mps",
+    env: "VGPU_AGENT_MPS",
+    env_aliases: &[],
+    flag: Some("--mps"),
+    default: "false",
+    example: "false",
+};
+const MPS_CONTROL: KeyDoc = KeyDoc {
+    key: "mps_control",
+    env: "VGPU_AGENT_MPS_CONTROL",
+    env_aliases: &[],
+    flag: None,
+    default: "nvidia-cuda-mps-control (from PATH)",
+    example: "\"/usr/bin/nvidia-cuda-mps-control\"",
+};
 const INSECURE: KeyDoc = KeyDoc {
     key: "insecure",
     env: "VGPU_AGENT_INSECURE",
@@ -203,6 +221,8 @@ pub const KEYS: &[KeyDoc] = &[
     INTERPOSER,
     SHM_DIR,
     NIC_GBPS,
+    MPS,
+    MPS_CONTROL,
     INSECURE,
     TLS_CA_CERT,
     TLS_CERT,
@@ -251,6 +271,8 @@ impl Settings {
             interposer: path(&INTERPOSER)?,
             shm_dir: path(&SHM_DIR)?,
             nic_gbps: common::from_env(env, &NIC_GBPS, parse_gbps)?,
+            mps: common::from_env(env, &MPS, common::parse_bool)?,
+            mps_control: path(&MPS_CONTROL)?,
             insecure: common::from_env(env, &INSECURE, common::parse_bool)?,
             tls_ca_cert: path(&TLS_CA_CERT)?,
             tls_cert: path(&TLS_CERT)?,
@@ -278,6 +300,13 @@ impl Settings {
         self.shm_dir
             .clone()
             .unwrap_or_else(|| PathBuf::from(tenant::SHM_DIR_DEFAULT))
+    }
+
+    /// The MPS pipe directory tenants connect to, when the node runs MPS (`mps = true`).
+    pub fn mps_pipe_dir(&self) -> Option<PathBuf> {
+        self.mps
+            .unwrap_or(false)
+            .then(|| crate::mps::pipe_dir(&absolute(&self.shm_dir())))
     }
 
     /// The interposer to preload; `executable` is vgpu-agent's own path.
@@ -321,6 +350,7 @@ impl Settings {
             interposer: self.interposer(executable),
             shm_dir: absolute(&self.shm_dir()),
             state_dir: absolute(&state_dir),
+            mps_pipe_dir: self.mps_pipe_dir(),
         });
         let security = crate::bootstrap::Security {
             insecure: self.insecure.unwrap_or(false),
@@ -339,7 +369,11 @@ impl Settings {
             ));
         }
         let shm_dir = absolute(&self.shm_dir());
+        let mps = self.mps.unwrap_or(false).then(|| {
+            crate::mps::MpsConfig::new(self.mps_control.clone(), &shm_dir, &absolute(&state_dir))
+        });
         Ok(JoinConfig {
+            mps,
             security,
             control_plane,
             source,
@@ -375,6 +409,8 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         interposer: higher.interposer.or(lower.interposer),
         shm_dir: higher.shm_dir.or(lower.shm_dir),
         nic_gbps: higher.nic_gbps.or(lower.nic_gbps),
+        mps: higher.mps.or(lower.mps),
+        mps_control: higher.mps_control.or(lower.mps_control),
         insecure: higher.insecure.or(lower.insecure),
         tls_ca_cert: higher.tls_ca_cert.or(lower.tls_ca_cert),
         tls_cert: higher.tls_cert.or(lower.tls_cert),

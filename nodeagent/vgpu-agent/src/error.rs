@@ -65,6 +65,20 @@ pub enum Error {
         "the interposer `{path}` does not exist; install libvgpu_cuda.so there or beside vgpu-agent, pass --interposer PATH, or pass --no-interposer to run without enforcement"
     )]
     InterposerMissing { path: PathBuf },
+    #[error(
+        "tenant {tenant}'s private directory `{path}` is not ready; the agent makes it when it takes the placement: check that `vgpu-agent join` runs with the same --shm-dir and look for a warning about it in its log"
+    )]
+    TenantDirMissing { tenant: String, path: PathBuf },
+    #[error(
+        "tenant {tenant}'s processes run as {owner}, not as {caller}; run this as that user (or as root, which switches to it)"
+    )]
+    NotTenantUser {
+        tenant: String,
+        owner: String,
+        caller: String,
+    },
+    #[error(transparent)]
+    Mps(#[from] crate::mps::MpsError),
     #[error("cannot start the health and usage monitor thread: {0}")]
     Monitor(String),
     #[error("cannot run `{program}`: {source}")]

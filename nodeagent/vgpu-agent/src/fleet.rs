@@ -10,8 +10,10 @@
 //! purpose: the state directory, CDI specs and anything GPU-side; it only counts the assignment
 //! messages and tenants it is sent.
 //!
-//! Every heartbeat carries a health report of the node's GPUs (fixed made-up values, as
-//! `join --simulate` sends), unless `report_health` is off. The transport is plain text
+//! Each node has a health report of its GPUs (fixed made-up values, as `join --simulate`
+//! sends), unless `report_health` is off, and sends it the way `join` does
+//! ([`crate::report::ReportSender`]): in full on the first beat, when the leader asks for it, and
+//! every 30 beats; the other beats name the report the leader holds. The transport is plain text
 //! (`--insecure`) or mutual TLS with one certificate for the whole fleet, which must then have
 //! the admin role (an agent certificate acts only for its own node).
 //!
@@ -32,7 +34,7 @@ use std::time::Duration;
 
 use api::ErrorCode;
 use api::tls::Transport;
-use api::v1::{GpuHealth, HeartbeatRequest, RegisterRequest, WatchAssignmentsRequest};
+use api::v1::{GpuHealth, RegisterRequest, WatchAssignmentsRequest};
 use serde::Serialize;
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
@@ -44,6 +46,8 @@ use crate::backoff::Backoff;
 use crate::endpoints::Endpoints;
 use crate::error::{Error, Result};
 use crate::inventory::InventorySource;
+use crate::monitor::Report;
+use crate::report::{ReportPolicy, ReportSender};
 use crate::{Timings, parse_label};
 
 pub use latency::{LatencyHistogram, LatencySummary};
@@ -172,6 +176,11 @@ pub struct FleetSummary {
     pub heartbeat_failures: u64,
     /// Heartbeats answered "unknown node", each followed by a registration.
     pub heartbeats_unknown: u64,
+    /// Heartbeats that carried a full health report (the others named the one the leader
+    /// holds).
+    pub reports_sent: u64,
+    /// Heartbeats answered `report_wanted` (the leader held no or another report).
+    pub reports_wanted: u64,
     pub assignment_messages: u64,
     pub watch_reconnects: u64,
     /// Tenant assignments held by all nodes together at the end.
@@ -207,8 +216,12 @@ impl std::fmt::Display for FleetSummary {
         )?;
         writeln!(
             f,
-            "heartbeats: {} sent, {} failed, {} answered `unknown node`",
-            self.heartbeats_sent, self.heartbeat_failures, self.heartbeats_unknown
+            "heartbeats: {} sent, {} failed, {} answered `unknown node`; {} with a full report, {} answered `report wanted`",
+            self.heartbeats_sent,
+            self.heartbeat_failures,
+            self.heartbeats_unknown,
+            self.reports_sent,
+            self.reports_wanted
         )?;
         writeln!(f, "heartbeat latency, all: {}", self.heartbeat_latency)?;
         writeln!(
@@ -266,6 +279,7 @@ pub async fn simulate_fleet(
         registrations: Semaphore::new(config.registrations_in_flight),
         started: Instant::now(),
         all_registered: Notify::new(),
+        first_generation: ReportSender::first_generation_now(),
         endpoints,
         addresses,
         config,
@@ -301,6 +315,8 @@ struct Fleet {
     registrations: Semaphore,
     started: Instant,
     all_registered: Notify,
+    /// The first report generation of every node (from the wall clock at start).
+    first_generation: u64,
 }
 
 #[derive(Default)]
@@ -313,6 +329,8 @@ struct Stats {
     heartbeats_sent: AtomicU64,
     heartbeat_failures: AtomicU64,
     heartbeats_unknown: AtomicU64,
+    reports_sent: AtomicU64,
+    reports_wanted: AtomicU64,
     assignment_messages: AtomicU64,
     watch_reconnects: AtomicU64,
     tenants_assigned: AtomicI64,
@@ -354,10 +372,9 @@ impl Fleet {
         } else {
             Vec::new()
         };
-        let beat = HeartbeatRequest {
-            node: node.name.clone(),
+        let report = Report {
             gpus: health,
-            ..HeartbeatRequest::default()
+            usage: Vec::new(),
         };
         let heartbeats = self.heartbeat_loop(
             index,
@@ -365,7 +382,7 @@ impl Fleet {
             cursor,
             interval,
             &node,
-            &beat,
+            &report,
             &reregister,
         );
         if !self.config.watch {
@@ -454,11 +471,13 @@ impl Fleet {
         mut cursor: usize,
         mut interval: Duration,
         node: &api::v1::Node,
-        beat: &HeartbeatRequest,
+        report: &Report,
         reregister: &Notify,
     ) -> Result<Infallible> {
         let timings = &self.config.timings;
         let mut backoff = Backoff::new(timings.retry_initial, timings.retry_max);
+        // The same report logic as `join`: full reports only when asked, or as a refresh.
+        let mut reports = ReportSender::new(ReportPolicy::default(), self.first_generation);
         let mut random = SplitMix64::new(self.config.first_index as u64 + index as u64);
         // The first heartbeat lands anywhere in the first interval, so nodes that registered
         // together do not beat together.
@@ -472,10 +491,14 @@ impl Fleet {
                 interval = self.register(endpoints, &mut cursor, node, false).await?;
                 delay = self.jittered(interval, &mut random);
                 backoff.reset();
+                reports.answered(false, false);
                 continue;
             }
             let address = endpoints.address(cursor);
-            let request = beat.clone();
+            let request = reports.beat(&node.name, report);
+            if !request.gpus.is_empty() || !request.usage.is_empty() {
+                self.stats.reports_sent.fetch_add(1, Ordering::Relaxed);
+            }
             let mut client = endpoints.client(cursor);
             let call_timeout = interval.clamp(
                 Duration::from_secs(1),
@@ -490,7 +513,12 @@ impl Fleet {
                     if self.stats.steady.load(Ordering::Relaxed) {
                         self.stats.heartbeat_latency_steady.record(elapsed);
                     }
-                    if response.get_ref().known {
+                    let answer = response.get_ref();
+                    reports.answered(answer.known, answer.report_wanted);
+                    if answer.report_wanted {
+                        self.stats.reports_wanted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if answer.known {
                         delay = self.jittered(interval, &mut random);
                         backoff.reset();
                     } else {
@@ -506,6 +534,7 @@ impl Fleet {
                 Ok(Err(status)) => describe(&status),
                 Err(_) => format!("timed out after {} ms", call_timeout.as_millis()),
             };
+            reports.failed();
             self.stats
                 .heartbeat_failures
                 .fetch_add(1, Ordering::Relaxed);
@@ -662,6 +691,8 @@ impl Fleet {
             heartbeats_sent: stats.heartbeats_sent.load(relaxed),
             heartbeat_failures: stats.heartbeat_failures.load(relaxed),
             heartbeats_unknown: stats.heartbeats_unknown.load(relaxed),
+            reports_sent: stats.reports_sent.load(relaxed),
+            reports_wanted: stats.reports_wanted.load(relaxed),
             assignment_messages: stats.assignment_messages.load(relaxed),
             watch_reconnects: stats.watch_reconnects.load(relaxed),
             tenants_assigned: stats.tenants_assigned.load(relaxed),

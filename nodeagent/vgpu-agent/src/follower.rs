@@ -3,13 +3,16 @@
 //! logs it. After a restart the first set it acts on is the one restored from disk, so the first
 //! message reconciles whatever happened while the agent was down. When CDI specs are on
 //! ([`Follower::with_cdi`]), the spec follows every applied set; a spec that cannot be written is
-//! logged, never a reason to refuse the assignments.
+//! logged, never a reason to refuse the assignments. With [`Follower::with_private`], the
+//! tenants' private directories ([`crate::private`]) are brought in line with each set before
+//! it is committed, so a tenant is never seen as placed before its directory exists.
 
 use tracing::{info, warn};
 
 use crate::assignments::AssignmentSet;
 use crate::cdi::CdiWriter;
 use crate::error::{Error, Result};
+use crate::private::{self, Layout};
 use crate::reconcile::{Change, ChangeCounts, reconcile};
 use crate::state::StateDir;
 
@@ -21,6 +24,7 @@ pub struct Follower {
     current: AssignmentSet,
     reconciled: bool,
     cdi: Option<CdiWriter>,
+    private: Option<Layout>,
 }
 
 impl Follower {
@@ -47,6 +51,7 @@ impl Follower {
             current,
             reconciled: false,
             cdi: None,
+            private: None,
         })
     }
 
@@ -55,6 +60,47 @@ impl Follower {
         self.cdi = Some(writer);
         self.update_cdi();
         self
+    }
+
+    /// Keeps the tenants' private directories under `layout` in step with the assignments,
+    /// starting with the restored set.
+    pub fn with_private(mut self, layout: Layout) -> Follower {
+        self.private = Some(layout);
+        let current = self.current.clone();
+        self.prepare_private(&current);
+        self
+    }
+
+    /// Best effort: a directory that cannot be made is logged (the tenant's processes then
+    /// fail to open their files with a message), never a reason to refuse the assignments.
+    fn prepare_private(&self, set: &AssignmentSet) {
+        let Some(layout) = &self.private else { return };
+        let quantum = vgpu_shm::compute::QUANTUM_NS_DEFAULT;
+        match private::prepare(layout, set, &private::agent_owner, quantum) {
+            Ok(prepared) => {
+                for tenant in &prepared.created {
+                    info!(
+                        "tenant {tenant}: private directory {}",
+                        layout.tenant_dir(tenant).display()
+                    );
+                }
+                for tenant in &prepared.removed {
+                    info!("tenant {tenant}: removed its private directory (no longer placed)");
+                }
+                if !prepared.old_files.is_empty() {
+                    warn!(
+                        "removed {} files of the shared layout before private directories from {}: {:?}",
+                        prepared.old_files.len(),
+                        layout.root().display(),
+                        prepared.old_files
+                    );
+                }
+                for problem in &prepared.problems {
+                    warn!("{problem}");
+                }
+            }
+            Err(error) => warn!("{error}"),
+        }
     }
 
     fn update_cdi(&mut self) {
@@ -95,6 +141,7 @@ impl Follower {
             );
         }
         let changes = reconcile(&self.current, &new);
+        self.prepare_private(&new);
         let report = self.state.apply(&new, &changes)?;
         for change in &changes {
             info!("{change}");
@@ -141,6 +188,7 @@ mod tests {
                     tenant: (*tenant).into(),
                     priority: 0,
                     bandwidth_weight: 0,
+                    latency: false,
                     slices: vec![api::v1::Slice {
                         node: "node-a".into(),
                         gpu: format!("GPU-{gpu_index}"),

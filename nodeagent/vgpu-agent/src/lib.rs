@@ -37,10 +37,14 @@ pub mod follower;
 pub mod health;
 pub mod inventory;
 pub mod monitor;
+pub mod mps;
+pub mod private;
 pub mod reconcile;
+pub mod report;
 pub mod state;
 pub mod tenant;
 pub mod usage;
+pub mod users;
 
 use std::future::Future;
 

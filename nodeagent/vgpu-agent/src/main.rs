@@ -138,6 +138,10 @@ struct JoinArgs {
     /// 100].
     #[arg(long, value_name = "GBPS")]
     nic_gbps: Option<u32>,
+    /// Concurrent sharing: run NVIDIA MPS for the node's GPUs and partition SMs for
+    /// latency-sensitive tenants (docs: nodeagent/vgpu-agent/README.md) [config: mps].
+    #[arg(long)]
+    mps: bool,
     #[command(flatten)]
     security: SecurityArgs,
     #[command(flatten)]
@@ -183,6 +187,7 @@ impl JoinArgs {
             address: self.address,
             cdi: self.no_cdi.then_some(false),
             nic_gbps: self.nic_gbps,
+            mps: self.mps.then_some(true),
             cdi_dir: self.cdi_dir,
             insecure: self.security.insecure.then_some(true),
             tls_ca_cert: self.security.tls_ca_cert,
@@ -344,6 +349,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 node_hint: settings.node(),
                 interposer: (!no_interposer).then(|| settings.interposer(executable.as_deref())),
                 shm_dir: settings.shm_dir(),
+                mps_pipe_dir: settings.mps_pipe_dir(),
                 tenant,
                 command: args.command,
             };
@@ -365,6 +371,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 interposer,
                 shm_dir: settings.shm_dir(),
                 state_dir,
+                mps_pipe_dir: settings.mps_pipe_dir(),
             };
             let environment =
                 tenant::tenant_environment(&placement.node, &placement.assignment, &config, None);

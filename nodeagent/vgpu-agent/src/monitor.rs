@@ -168,6 +168,7 @@ pub fn sample(
         node: config.node.clone(),
         gpus: std::mem::take(&mut report.gpus),
         usage: std::mem::take(&mut report.usage),
+        ..api::v1::HeartbeatRequest::default()
     };
     let trimmed = api::usage::bound_heartbeat(&mut request);
     if trimmed.any() {
@@ -213,6 +214,7 @@ mod tests {
                 tenant: "train".into(),
                 priority: 0,
                 bandwidth_weight: 0,
+                latency: false,
                 slices: vec![api::v1::Slice {
                     node: "node-a".into(),
                     gpu: "GPU-0".into(),
@@ -228,7 +230,7 @@ mod tests {
         follower.on_message(&message, "cp").unwrap();
         let shm_dir = directory.path().join("shm");
         let ledger = vgpu_shm::writer::ledger(
-            &vgpu_shm::ledger_path(&shm_dir, "train"),
+            &crate::private::Layout::new(&shm_dir).ledger("train"),
             &[None; vgpu_shm::DEVICES_MAX],
         )
         .unwrap();

@@ -137,6 +137,7 @@ mod tests {
             tenant: name.into(),
             priority: 0,
             bandwidth_weight: 0,
+            latency: false,
             slices: vec![SliceAssignment {
                 gpu_index,
                 gpu_uuid: format!("GPU-{gpu_index}"),

@@ -453,6 +453,7 @@ mod tests {
             tenant: name.into(),
             priority: 3,
             bandwidth_weight: 0,
+            latency: false,
             slices: vec![SliceAssignment {
                 gpu_index,
                 gpu_uuid: format!("GPU-{gpu_index}"),

@@ -15,11 +15,11 @@
 //! | `VGPU_PRIORITY` | the tenant's priority |
 //! | `VGPU_BURST` | `1` when every slice may burst past its share, else `0` |
 //! | `VGPU_GUARANTEED` | `1` when every slice's share is guaranteed, else `0` |
-//! | `VGPU_SHM_DIR` | the shared-memory directory of the interposers (`/dev/shm/vgpu`) |
+//! | `VGPU_SHM_DIR` | the tenant's private directory `<shm dir>/tenants/<tenant>` ([`crate::private`]): its memory ledger and links to its GPUs' compute schedules |
 //! | `VGPU_AGENT_STATE_DIR` | the agent's state directory (the tenant files) |
 //! | `VGPU_NCCL_WEIGHT` | the tenant's bandwidth weight: as placed (`vgpuctl place --bandwidth`), else its compute percents summed (at least 1) |
-//! | `VGPU_NCCL_SHARE_FILE` | `<shm dir>/nccl-share`: where the tenants' NCCL tuners see each other |
-//! | `VGPU_NETSHARE_TABLE`, `VGPU_NETSHARE_FLOW` | `<shm dir>/netshare` and the tenant's flow in it: the token bucket its NCCL network sends wait on ([`crate::bandwidth`]) |
+//! | `VGPU_NCCL_SHARE_FILE` | `nccl-share` in the tenant's directory: where the tenants' NCCL tuners see each other |
+//! | `VGPU_NETSHARE_TABLE`, `VGPU_NETSHARE_FLOW` | `netshare` in the tenant's directory and the tenant's flow in it: the token bucket its NCCL network sends wait on ([`crate::bandwidth`]) |
 //! | `NCCL_NET_PLUGIN`, `NCCL_TUNER_PLUGIN` | `libvgpu_nccl.so` beside the interposer, when it is there |
 //! | `NCCL_HOSTID`, `NCCL_NET` | for a tenant with a fraction of a GPU: `vgpu-<node>-<tenant>` and `vgpu`, so NCCL treats the slice as its own device (no "Duplicate GPU detected" when two tenants' ranks share a GPU) and connects it through the plugin |
 //!
@@ -39,8 +39,6 @@ pub const INTERPOSER_FILE: &str = "libvgpu_cuda.so";
 pub const INTERPOSER_SYSTEM_PATH: &str = "/usr/lib/vgpu/libvgpu_cuda.so";
 /// The NCCL plugin's file name, looked for beside the interposer.
 pub const NCCL_PLUGIN_FILE: &str = "libvgpu_nccl.so";
-/// The NCCL tuners' activity table, in the shared-memory directory.
-pub const NCCL_SHARE_FILE: &str = "nccl-share";
 /// The interposers' shared-memory directory by default.
 pub const SHM_DIR_DEFAULT: &str = "/dev/shm/vgpu";
 
@@ -49,8 +47,11 @@ pub const SHM_DIR_DEFAULT: &str = "/dev/shm/vgpu";
 pub struct EnvConfig {
     /// The interposer to preload; `None` runs without it (nothing enforced).
     pub interposer: Option<PathBuf>,
+    /// The shared-memory directory (the root of [`crate::private::Layout`]).
     pub shm_dir: PathBuf,
     pub state_dir: PathBuf,
+    /// The node's MPS pipe directory when it runs MPS (concurrent sharing, [`crate::mps`]).
+    pub mps_pipe_dir: Option<PathBuf>,
 }
 
 /// A tenant's placement on this node, as the agent last persisted it.
@@ -76,6 +77,7 @@ pub fn tenant_environment(
     );
     assert!(assignment.slices.is_sorted(), "slices are in GPU order");
     let slices = &assignment.slices;
+    let layout = crate::private::Layout::new(&config.shm_dir);
     let per_ordinal = |value: &dyn Fn(usize) -> String| {
         (0..slices.len())
             .map(|ordinal| format!("{ordinal}:{}", value(ordinal)))
@@ -119,7 +121,10 @@ pub fn tenant_environment(
         ),
         (
             "VGPU_SHM_DIR".to_owned(),
-            config.shm_dir.to_string_lossy().into_owned(),
+            layout
+                .tenant_dir(&assignment.tenant)
+                .to_string_lossy()
+                .into_owned(),
         ),
         (
             "VGPU_AGENT_STATE_DIR".to_owned(),
@@ -133,15 +138,15 @@ pub fn tenant_environment(
         ),
         (
             "VGPU_NCCL_SHARE_FILE".to_owned(),
-            config
-                .shm_dir
-                .join(NCCL_SHARE_FILE)
+            layout
+                .nccl_share(&assignment.tenant)
                 .to_string_lossy()
                 .into_owned(),
         ),
         (
             "VGPU_NETSHARE_TABLE".to_owned(),
-            crate::bandwidth::table_path(&config.shm_dir)
+            layout
+                .netshare(&assignment.tenant)
                 .to_string_lossy()
                 .into_owned(),
         ),
@@ -156,6 +161,9 @@ pub fn tenant_environment(
         environment.push(("NCCL_TUNER_PLUGIN".to_owned(), plugin));
     }
     environment.extend(slice_identity_environment(node, assignment));
+    if let Some(pipes) = &config.mps_pipe_dir {
+        environment.extend(concurrent_sharing_environment(pipes, assignment));
+    }
     assert!(
         environment
             .iter()
@@ -189,6 +197,32 @@ pub fn slice_identity_environment(
         ),
         ("NCCL_NET".to_owned(), "vgpu".to_owned()),
     ]
+}
+
+/// On a node that runs MPS: the daemon's pipes for every tenant, and the interposer's spatial
+/// mode for tenants that share a GPU (a fraction of one) and for latency-sensitive tenants, which
+/// also get `VGPU_LATENCY=1`. Spatial mode costs a squeezable tenant nothing while no latency
+/// tenant is active on its GPU, so it is on whether or not one is placed there now: a latency
+/// tenant placed later is protected from the tenants already running.
+pub fn concurrent_sharing_environment(
+    pipes: &Path,
+    assignment: &TenantAssignment,
+) -> Vec<(String, String)> {
+    let mut environment = vec![(
+        "CUDA_MPS_PIPE_DIRECTORY".to_owned(),
+        pipes.to_string_lossy().into_owned(),
+    )];
+    let fractional = assignment
+        .slices
+        .iter()
+        .any(|slice| slice.compute_percent < 100);
+    if fractional || assignment.latency {
+        environment.push(("VGPU_SPATIAL".to_owned(), "1".to_owned()));
+    }
+    if assignment.latency {
+        environment.push(("VGPU_LATENCY".to_owned(), "1".to_owned()));
+    }
+    environment
 }
 
 /// `libvgpu_nccl.so` beside the interposer, when it is installed there.
@@ -265,6 +299,7 @@ pub fn load_placement(state_dir: &Path, tenant: &str, node_hint: &str) -> Result
             priority: file.priority,
             slices: file.slices,
             bandwidth_weight: entry.bandwidth_weight,
+            latency: entry.latency,
         }
     } else {
         entry.clone()
@@ -290,6 +325,8 @@ pub struct ExecConfig {
     /// `None`: run without the interposer.
     pub interposer: Option<PathBuf>,
     pub shm_dir: PathBuf,
+    /// The node's MPS pipe directory when it runs MPS ([`crate::mps`]).
+    pub mps_pipe_dir: Option<PathBuf>,
     /// The program and its arguments.
     pub command: Vec<OsString>,
 }
@@ -310,10 +347,12 @@ pub fn exec(config: ExecConfig) -> Result<Infallible> {
             path: interposer.clone(),
         });
     }
+    let identity = tenant_user(&config.shm_dir, &config.tenant)?;
     let env_config = EnvConfig {
         interposer: config.interposer.clone(),
         shm_dir: config.shm_dir.clone(),
         state_dir: config.state_dir.clone(),
+        mps_pipe_dir: config.mps_pipe_dir.clone(),
     };
     let inherited = std::env::var("LD_PRELOAD").ok();
     let environment = tenant_environment(
@@ -327,14 +366,52 @@ pub fn exec(config: ExecConfig) -> Result<Infallible> {
         config.tenant,
         program.to_string_lossy()
     );
-    let source = std::process::Command::new(program)
-        .args(arguments)
-        .envs(environment)
-        .exec();
+    let mut command = std::process::Command::new(program);
+    command.args(arguments).envs(environment);
+    if let Some(identity) = identity {
+        // Root switches to the tenant's user (std clears the supplementary groups first).
+        command.uid(identity.uid).gid(identity.gid);
+    }
+    let source = command.exec();
     Err(Error::Exec {
         program: program.to_string_lossy().into_owned(),
         source,
     })
+}
+
+/// Who tenant `tenant`'s processes run as: the owner of its private directory. `Some` when the
+/// caller is root and must switch to that user; `None` when the caller already is it. Refuses a
+/// directory that is not there yet and a caller that is neither root nor the tenant's user.
+pub fn tenant_user(shm_dir: &Path, tenant: &str) -> Result<Option<crate::users::Identity>> {
+    use std::os::unix::fs::MetadataExt;
+    let layout = crate::private::Layout::new(shm_dir);
+    let directory = layout.tenant_dir(tenant);
+    let missing = || Error::TenantDirMissing {
+        tenant: tenant.to_owned(),
+        path: directory.clone(),
+    };
+    let metadata = std::fs::metadata(&directory).map_err(|_| missing())?;
+    let owner = crate::users::Identity {
+        uid: metadata.uid(),
+        gid: metadata.gid(),
+    };
+    let caller = crate::users::current();
+    let name = |uid: u32| crate::users::name_of(uid).unwrap_or_else(|| format!("uid {uid}"));
+    let switch = match (caller.uid, owner.uid) {
+        (me, it) if me == it => None,
+        (0, _) => Some(owner),
+        (me, it) => {
+            return Err(Error::NotTenantUser {
+                tenant: tenant.to_owned(),
+                owner: name(it),
+                caller: name(me),
+            });
+        }
+    };
+    if !crate::private::is_prepared(&layout, tenant) {
+        return Err(missing());
+    }
+    Ok(switch)
 }
 
 /// `export KEY='VALUE'` lines for a POSIX shell.

@@ -22,6 +22,7 @@ fn trainer() -> TenantAssignment {
         priority: 5,
         slices: vec![slice(2, 50, 10), slice(5, 30, 20)],
         bandwidth_weight: 0,
+        latency: false,
     }
 }
 
@@ -30,6 +31,7 @@ fn config() -> EnvConfig {
         interposer: Some(PathBuf::from("/opt/vgpu/libvgpu_cuda.so")),
         shm_dir: PathBuf::from("/dev/shm/vgpu"),
         state_dir: PathBuf::from("/var/lib/vgpu-agent/node-a"),
+        mps_pipe_dir: None,
     }
 }
 
@@ -47,11 +49,17 @@ fn the_environment_describes_the_slices_by_process_ordinal() {
         ("VGPU_PRIORITY", "5"),
         ("VGPU_BURST", "1"),
         ("VGPU_GUARANTEED", "1"),
-        ("VGPU_SHM_DIR", "/dev/shm/vgpu"),
+        ("VGPU_SHM_DIR", "/dev/shm/vgpu/tenants/trainer"),
         ("VGPU_AGENT_STATE_DIR", "/var/lib/vgpu-agent/node-a"),
         ("VGPU_NCCL_WEIGHT", "80"),
-        ("VGPU_NCCL_SHARE_FILE", "/dev/shm/vgpu/nccl-share"),
-        ("VGPU_NETSHARE_TABLE", "/dev/shm/vgpu/netshare"),
+        (
+            "VGPU_NCCL_SHARE_FILE",
+            "/dev/shm/vgpu/tenants/trainer/nccl-share",
+        ),
+        (
+            "VGPU_NETSHARE_TABLE",
+            "/dev/shm/vgpu/tenants/trainer/netshare",
+        ),
         ("VGPU_NETSHARE_FLOW", &flow),
         ("NCCL_HOSTID", "vgpu-node-a-trainer"),
         ("NCCL_NET", "vgpu"),
@@ -204,7 +212,8 @@ fn exec_refuses_a_tenant_that_is_not_here_and_a_missing_interposer() {
         node_hint: "node-a".into(),
         tenant: tenant.into(),
         interposer: Some(directory.path().join(interposer)),
-        shm_dir: PathBuf::from(SHM_DIR_DEFAULT),
+        shm_dir: directory.path().join("shm"),
+        mps_pipe_dir: None,
         command: vec!["true".into()],
     };
     assert!(matches!(
@@ -215,8 +224,21 @@ fn exec_refuses_a_tenant_that_is_not_here_and_a_missing_interposer() {
         exec(config("trainer", "libvgpu_cuda.so")),
         Err(Error::InterposerMissing { .. })
     ));
-    // A command that cannot be run comes back as an error (a successful exec would not return).
+    // The agent has not made the tenant's private directory yet.
     std::fs::write(directory.path().join("libvgpu_cuda.so"), b"").unwrap();
+    let error = exec(config("trainer", "libvgpu_cuda.so")).unwrap_err();
+    assert!(matches!(error, Error::TenantDirMissing { .. }), "{error}");
+    let layout = crate::private::Layout::new(&directory.path().join("shm"));
+    let set = state.load().unwrap();
+    let prepared = crate::private::prepare(
+        &layout,
+        &set,
+        &crate::private::agent_owner,
+        vgpu_shm::compute::QUANTUM_NS_DEFAULT,
+    )
+    .unwrap();
+    assert_eq!(prepared.created, ["trainer"]);
+    // A command that cannot be run comes back as an error (a successful exec would not return).
     let mut missing_program = config("trainer", "libvgpu_cuda.so");
     missing_program.command = vec!["/nonexistent/program".into()];
     let error = exec(missing_program).unwrap_err();
@@ -242,6 +264,7 @@ fn nccl_settings_follow_the_slices_and_the_installed_plugin() {
         priority: 0,
         slices: vec![slice(0, 100, 80), slice(1, 100, 80)],
         bandwidth_weight: 0,
+        latency: false,
     };
     let environment = tenant_environment("node-a", &whole, &config(), None);
     assert_eq!(get(&environment, "NCCL_HOSTID"), None);
@@ -275,12 +298,14 @@ fn nccl_settings_follow_the_slices_and_the_installed_plugin() {
         priority: 0,
         slices: vec![slice(3, 50, 10)],
         bandwidth_weight: 0,
+        latency: false,
     };
     let b = TenantAssignment {
         tenant: "b".into(),
         priority: 0,
         slices: vec![slice(3, 25, 10)],
         bandwidth_weight: 0,
+        latency: false,
     };
     let id = |t: &TenantAssignment| {
         get(
@@ -309,5 +334,75 @@ fn nccl_settings_follow_the_slices_and_the_installed_plugin() {
         )
         .as_deref(),
         Some("75")
+    );
+}
+
+#[test]
+fn exec_runs_as_the_owner_of_the_tenants_directory() {
+    use std::os::unix::fs::MetadataExt;
+    let directory = tempfile::tempdir().unwrap();
+    let layout = crate::private::Layout::new(directory.path());
+    let dir = layout.tenant_dir("trainer");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(layout.nccl_share("trainer"), b"").unwrap();
+    // Owned by the caller: no switch.
+    assert_eq!(tenant_user(directory.path(), "trainer").unwrap(), None);
+    let me = crate::users::current();
+    if me.uid != 0 {
+        eprintln!("SKIPPED the switch to another user: not running as root");
+        return;
+    }
+    std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+    assert_eq!(std::fs::metadata(&dir).unwrap().uid(), 65534);
+    assert_eq!(
+        tenant_user(directory.path(), "trainer").unwrap(),
+        Some(crate::users::Identity {
+            uid: 65534,
+            gid: 65534
+        })
+    );
+    let error = tenant_user(directory.path(), "nobody-here").unwrap_err();
+    assert!(matches!(error, Error::TenantDirMissing { .. }), "{error}");
+}
+
+#[test]
+fn an_mps_node_gives_the_pipes_to_all_and_spatial_roles_to_sharing_and_latency_tenants() {
+    let mps = EnvConfig {
+        mps_pipe_dir: Some(PathBuf::from("/dev/shm/vgpu/mps")),
+        ..config()
+    };
+    let get = |assignment: &TenantAssignment, key: &str| {
+        tenant_environment("node-a", assignment, &mps, None)
+            .into_iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, value)| value)
+    };
+    // A trainer with fractions of two GPUs: squeezable, not a latency tenant.
+    let trainer = trainer();
+    assert_eq!(
+        get(&trainer, "CUDA_MPS_PIPE_DIRECTORY").as_deref(),
+        Some("/dev/shm/vgpu/mps")
+    );
+    assert_eq!(get(&trainer, "VGPU_SPATIAL").as_deref(), Some("1"));
+    assert_eq!(get(&trainer, "VGPU_LATENCY"), None);
+    // A latency tenant.
+    let mut serving = trainer.clone();
+    serving.latency = true;
+    assert_eq!(get(&serving, "VGPU_SPATIAL").as_deref(), Some("1"));
+    assert_eq!(get(&serving, "VGPU_LATENCY").as_deref(), Some("1"));
+    // A tenant with whole GPUs shares none: pipes only.
+    let mut whole = trainer.clone();
+    for slice in &mut whole.slices {
+        slice.compute_percent = 100;
+    }
+    assert!(get(&whole, "CUDA_MPS_PIPE_DIRECTORY").is_some());
+    assert_eq!(get(&whole, "VGPU_SPATIAL"), None);
+    // Without MPS the latency flag changes nothing (spatial mode needs concurrent kernels).
+    let plain = tenant_environment("node-a", &serving, &config(), None);
+    assert!(
+        plain
+            .iter()
+            .all(|(k, _)| !k.starts_with("CUDA_MPS") && k != "VGPU_SPATIAL" && k != "VGPU_LATENCY"),
+        "{plain:?}"
     );
 }

@@ -1,10 +1,12 @@
 //! Per-tenant usage on this node, read from the interposer's shared files under the
-//! shared-memory directory (`shm_dir`, the `VGPU_SHM_DIR` the agent hands to tenants):
+//! shared-memory directory (`shm_dir`; paths from [`crate::private::Layout`]):
 //!
-//! * `<tenant>.mem`, the tenant's memory ledger: bytes charged per process slot and per device
+//! * `tenants/<tenant>/<tenant>.mem`, the tenant's memory ledger (in the tenant's private
+//!   directory, its `VGPU_SHM_DIR`): bytes charged per process slot and per device
 //!   *ordinal as the tenant's processes see it*, which is the slice's position in the tenant's
 //!   slices sorted by GPU index (`CUDA_VISIBLE_DEVICES` order, see [`crate::tenant`]);
-//! * `<gpu uuid>.compute`, the GPU's compute schedule: turn time charged to each tenant.
+//! * `gpus/<gpu uuid>.compute`, the GPU's compute schedule (linked into its tenants'
+//!   directories): turn time charged to each tenant.
 //!
 //! Both are read through `vgpu_shm` (the interposer's own layout code, mapped read-only, atomic
 //! loads only), so a tenant process is never made to wait and nothing is written. Only tenants
@@ -34,8 +36,9 @@ pub struct Files {
 pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, Vec<String>) {
     let mut files = Files::default();
     let mut problems = Vec::new();
+    let layout = crate::private::Layout::new(shm_dir);
     for assignment in assignments {
-        let path = vgpu_shm::ledger_path(shm_dir, &assignment.tenant);
+        let path = layout.ledger(&assignment.tenant);
         match vgpu_shm::read_ledger(&path) {
             Ok(ledger) => {
                 files.ledgers.insert(assignment.tenant.clone(), ledger);
@@ -47,7 +50,7 @@ pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, V
             if files.schedules.contains_key(&slice.gpu_uuid) {
                 continue;
             }
-            let path = vgpu_shm::schedule_path(shm_dir, &slice.gpu_uuid);
+            let path = layout.schedule(&slice.gpu_uuid);
             match vgpu_shm::read_schedule(&path) {
                 Ok(times) => {
                     files.schedules.insert(slice.gpu_uuid.clone(), times);
@@ -158,12 +161,14 @@ mod tests {
                 priority: 0,
                 slices: vec![slice(5, 20 * GIB), slice(2, 10 * GIB)],
                 bandwidth_weight: 0,
+                latency: false,
             },
             TenantAssignment {
                 tenant: "idle".into(),
                 priority: 0,
                 slices: vec![slice(2, 4 * GIB)],
                 bandwidth_weight: 0,
+                latency: false,
             },
         ];
         let mut limits = [None; DEVICES_MAX];
@@ -230,6 +235,7 @@ mod tests {
             priority: 0,
             slices: vec![slice(0, 10 * GIB)],
             bandwidth_weight: 0,
+            latency: false,
         }];
         // Nothing ran yet: no files, no problems, zeros.
         let (files, problems) = read_files(directory.path(), &assignments);
@@ -242,23 +248,23 @@ mod tests {
         );
 
         // A damaged ledger is a problem for the log, not an error.
-        std::fs::write(directory.path().join("train.mem"), b"garbage").unwrap();
+        let layout = crate::private::Layout::new(directory.path());
+        std::fs::create_dir_all(layout.tenant_dir("train")).unwrap();
+        std::fs::write(layout.ledger("train"), b"garbage").unwrap();
         let (files, problems) = read_files(directory.path(), &assignments);
         assert_eq!(problems.len(), 1, "{problems:?}");
         assert!(problems[0].contains("train.mem"), "{problems:?}");
         assert!(files.ledgers.is_empty());
 
         // Written by the interposer's protocol, as a tenant process would.
-        std::fs::remove_file(directory.path().join("train.mem")).unwrap();
+        std::fs::remove_file(layout.ledger("train")).unwrap();
         let mut limits = [None; DEVICES_MAX];
         limits[0] = Some(10 * GIB);
-        let ledger =
-            vgpu_shm::writer::ledger(&vgpu_shm::ledger_path(directory.path(), "train"), &limits)
-                .unwrap();
+        let ledger = vgpu_shm::writer::ledger(&layout.ledger("train"), &limits).unwrap();
         let (pid, start_time) = (std::process::id(), vgpu_shm::ledger::own_start_time());
         vgpu_shm::writer::charge_memory(&ledger, pid, start_time, 0, 3 * GIB).unwrap();
         let schedule = vgpu_shm::writer::schedule(
-            &vgpu_shm::schedule_path(directory.path(), "GPU-0"),
+            &layout.schedule("GPU-0"),
             vgpu_shm::compute::QUANTUM_NS_DEFAULT,
         )
         .unwrap();

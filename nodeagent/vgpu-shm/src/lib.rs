@@ -12,6 +12,10 @@
 //! creates, writes, initialises or reclaims, and never waits on a process of a tenant (there is
 //! nothing to wait on: the formats have no locks).
 //!
+//! The one write: [`create_schedule`] makes a GPU's compute schedule, initialised, before any
+//! tenant process runs, so that the agent can hand the same file to every tenant placed on that
+//! GPU through the tenants' private directories (`vgpu_agent::private`).
+//!
 //! **Architecture Invariant:** this crate depends on nothing but libc and thiserror; `unsafe`
 //! lives only in `map`.
 
@@ -118,6 +122,50 @@ pub fn read_schedule(path: &Path) -> Result<Vec<TenantTime>, ReadError> {
         message,
     })?;
     Ok(region.tenant_times(&ProcLiveness))
+}
+
+/// Creates the compute schedule of a GPU at `path`, initialised with `quantum_ns`, unless a file
+/// is already there; says whether it created one. The file is built and initialised under a
+/// temporary name and then linked into place (`link(2)` never replaces), so no process ever
+/// sees a half-made schedule, and a concurrent creator's file is kept. Mode 0666: who may open
+/// it is decided by the directories it is reachable through.
+pub fn create_schedule(path: &Path, quantum_ns: u64) -> Result<bool, ReadError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    if path.exists() {
+        return Ok(false);
+    }
+    let open_error = |path: &Path| {
+        let path = path.to_owned();
+        move |source| ReadError::Open { path, source }
+    };
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(format!(".tmp.{}", std::process::id()));
+    let temporary = PathBuf::from(temporary);
+    let _ = std::fs::remove_file(&temporary);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o666)
+        .open(&temporary)
+        .map_err(open_error(&temporary))?;
+    let made = (|| {
+        file.set_permissions(std::fs::Permissions::from_mode(0o666))
+            .map_err(open_error(&temporary))?;
+        file.set_len(compute::REGION_BYTES as u64)
+            .map_err(open_error(&temporary))?;
+        let mapping =
+            map::Mapping::<compute::Region>::writable(&temporary, &file, compute::REGION_BYTES)?;
+        mapping.region().initialise(quantum_ns);
+        drop(mapping);
+        match std::fs::hard_link(&temporary, path) {
+            Ok(()) => Ok(true),
+            Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            Err(error) => Err(open_error(path)(error)),
+        }
+    })();
+    let _ = std::fs::remove_file(&temporary);
+    made
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! Maps a shared file for the life of a value and unmaps it on drop. Read-only for the readers;
-//! read-write only for [`crate::writer`] (tests and tools that play a tenant process).
+//! read-write for [`crate::create_schedule`] (the agent making a GPU's schedule before handing
+//! it to tenants) and [`crate::writer`] (tests and tools that play a tenant process).
 #![allow(unsafe_code)]
 
 use std::fs::File;
@@ -48,7 +49,6 @@ impl<T: SharedRegion> Mapping<T> {
     }
 
     /// Maps `file` (already `bytes` long) read-write.
-    #[cfg(any(test, feature = "writer"))]
     pub fn writable(path: &Path, file: &File, bytes: usize) -> Result<Mapping<T>, ReadError> {
         Self::map(path, file, bytes, libc::PROT_READ | libc::PROT_WRITE)
     }

@@ -89,3 +89,22 @@ fn a_file_of_another_layout_version_is_refused() {
     let error = read_ledger(&path).unwrap_err();
     assert!(matches!(error, ReadError::Layout { .. }), "{error}");
 }
+
+#[test]
+fn a_created_schedule_is_initialised_and_an_existing_one_is_kept() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("GPU-1.compute");
+    assert!(create_schedule(&path, 5_000_000).unwrap());
+    assert!(read_schedule(&path).unwrap().is_empty());
+    // A tenant's process uses it; creating again keeps the file (and its tenants).
+    let mapping = writer::schedule(&path, compute::QUANTUM_NS_DEFAULT).unwrap();
+    let (pid, start_time) = me();
+    writer::charge_time(&mapping, "a", pid, start_time, 1_000, 7_000_000).unwrap();
+    assert!(!create_schedule(&path, 5_000_000).unwrap());
+    assert_eq!(read_schedule(&path).unwrap().len(), 1);
+    let names: Vec<_> = std::fs::read_dir(directory.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names, ["GPU-1.compute"], "no temporary file is left");
+}

@@ -6,7 +6,8 @@
 //! `deploy/compose/nemesis.sh` starts the cluster, runs this and tears the cluster down:
 //!
 //!   deploy/compose/nemesis.sh
-//!   cargo run -p tests --bin nemesis -- --project P --members cp1=127.0.0.1:17401,... --out DIR
+//!   cargo run -p tests --bin nemesis -- --project P --members cp1=127.0.0.1:17401,... --out DIR \
+//!       --tls-ca-cert ca.crt --tls-cert admin.crt --tls-key admin.key     # or --insecure
 //!   cargo run -p tests --bin nemesis -- --check DIR/history.jsonl      # check a kept history
 
 use anyhow::{Context, Result, bail};
@@ -25,6 +26,19 @@ struct Args {
     /// The members: `SERVICE=HOST:PORT` of each control-plane member's published port.
     #[arg(long, value_delimiter = ',', required_unless_present = "check")]
     members: Vec<String>,
+    /// The cluster CA certificate (with --tls-cert and --tls-key: talk to the members over
+    /// mutual TLS, as the compose cluster runs).
+    #[arg(long, value_name = "FILE")]
+    tls_ca_cert: Option<PathBuf>,
+    /// An admin certificate.
+    #[arg(long, value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// Its private key.
+    #[arg(long, value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// Plain text, for a cluster started with --insecure (deploy/compose/insecure.yml).
+    #[arg(long, conflicts_with_all = ["tls_ca_cert", "tls_cert", "tls_key"])]
+    insecure: bool,
     /// The compose network the nemesis cuts members off.
     #[arg(long, default_value = "vgpu")]
     network: String,
@@ -88,6 +102,17 @@ fn run(args: Args) -> Result<bool> {
         );
         return Ok(violations.is_empty());
     }
+    let files = api::tls::TlsFiles::from_parts(
+        args.tls_ca_cert.clone(),
+        args.tls_cert.clone(),
+        args.tls_key.clone(),
+        ["--tls-ca-cert", "--tls-cert", "--tls-key"],
+    )?;
+    let transport = api::tls::Transport::choose(
+        args.insecure,
+        files.as_ref(),
+        "pass --tls-ca-cert, --tls-cert and --tls-key with an admin certificate, or --insecure for a cluster started with --insecure",
+    )?;
     let endpoints = args
         .members
         .iter()
@@ -95,6 +120,7 @@ fn run(args: Args) -> Result<bool> {
             Some((service, address)) => Ok(Endpoint {
                 service: service.to_owned(),
                 address: address.to_owned(),
+                transport: transport.clone(),
             }),
             None => bail!("--members takes SERVICE=HOST:PORT, not `{member}`"),
         })

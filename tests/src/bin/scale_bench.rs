@@ -216,6 +216,30 @@ fn main() -> Result<()> {
             format_ms(histogram_quantile(&delta, 0.99))
         );
     }
+    let sum = |texts: &BTreeMap<u64, String>, name: &str| -> f64 {
+        texts.values().filter_map(|text| metric(text, name)).sum()
+    };
+    let batches = sum(&metrics_after, "vgpu_heartbeat_batches_forwarded_total")
+        - sum(&metrics_before, "vgpu_heartbeat_batches_forwarded_total");
+    let forwarded = histogram_delta(&metrics_before, &metrics_after, "forwarded")
+        .last()
+        .map_or(0.0, |(_, count)| *count);
+    println!(
+        "forwarded heartbeats went to the leader in {batches:.0} batches ({:.0} calls/s, {:.1} beats per call)",
+        batches / elapsed,
+        forwarded / batches.max(1.0)
+    );
+    let terms = |texts: &BTreeMap<u64, String>| -> Vec<f64> {
+        texts
+            .values()
+            .filter_map(|text| metric(text, "vgpu_raft_term"))
+            .collect()
+    };
+    println!(
+        "Raft terms before / after the window: {:?} / {:?} (a change is an election)",
+        terms(&metrics_before),
+        terms(&metrics_after)
+    );
     println!();
     println!(
         "placements: {} at {:.1}/s ({} placed at once, {} pending, {} failed); releases: {} ({} failed)",
@@ -254,6 +278,13 @@ fn main() -> Result<()> {
                 steady["p99_ms"],
                 steady["max_ms"],
                 summary["assignment_messages"]
+            );
+            println!(
+                "fleet, whole run: {} heartbeats with a full health report, {} answered `report wanted`; registration p50 {} ms, p99 {} ms",
+                summary["reports_sent"],
+                summary["reports_wanted"],
+                summary["register_latency"]["p50_ms"],
+                summary["register_latency"]["p99_ms"]
             );
         }
         Err(error) => println!(

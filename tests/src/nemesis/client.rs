@@ -47,11 +47,14 @@ const THINK_MS_MAX: u64 = 60;
 /// simulated 8-GPU nodes and placements never wait for capacity.
 const MILLI_GPUS: [u32; 5] = [100, 200, 300, 400, 500];
 
-/// A member as clients see it: its compose service and its published address.
+/// A member as clients see it: its compose service, its published address and how to talk to
+/// it.
 #[derive(Clone, Debug)]
 pub struct Endpoint {
     pub service: String,
     pub address: String,
+    /// mTLS with an admin certificate, or plain text for a cluster started with `--insecure`.
+    pub transport: api::tls::Transport,
 }
 
 /// The end of one logical request.
@@ -271,8 +274,10 @@ impl Client {
         if let Some(channel) = &self.channels[index] {
             return Some(channel.clone());
         }
-        let address = &self.endpoints[index].address;
-        let endpoint = api::tls::Transport::Insecure
+        let Endpoint {
+            address, transport, ..
+        } = &self.endpoints[index];
+        let endpoint = transport
             .endpoint(address)
             .map_err(|error| tracing::error!(%address, %error, "bad endpoint"))
             .ok()?

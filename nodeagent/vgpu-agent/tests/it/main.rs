@@ -3,7 +3,7 @@
 //! control plane forgets it, reconnects when the stream ends, moves past a dead address, and
 //! reconciles after a restart. Progress is asserted by waiting for it, with a finite deadline.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,7 +11,7 @@ use std::time::Duration;
 use api::v1::agent_server::{Agent, AgentServer};
 use api::v1::{
     Assignment, Assignments, HeartbeatRequest, HeartbeatResponse, Node, NodeState, RegisterRequest,
-    RegisterResponse, Slice, WatchAssignmentsRequest,
+    RegisterResponse, ReportKind, Slice, WatchAssignmentsRequest,
 };
 use futures::Stream;
 use tokio::sync::{mpsc, oneshot};
@@ -27,6 +27,12 @@ struct FakeState {
     heartbeats: u64,
     /// Answer the next heartbeat with `known = false`.
     forget_once: bool,
+    /// Answer the next heartbeat with `report_wanted = true`, as a new leader would.
+    want_report_once: bool,
+    /// Every heartbeat's report: its kind, generation and number of GPU entries.
+    reports: Vec<(ReportKind, u64, usize)>,
+    /// Which of `reports` was answered `report_wanted`.
+    wanted_at: Option<usize>,
     watches: u64,
     current: Assignments,
     watchers: Vec<mpsc::UnboundedSender<Result<Assignments, Status>>>,
@@ -77,13 +83,25 @@ impl Agent for FakeControlPlane {
 
     async fn heartbeat(
         &self,
-        _: Request<HeartbeatRequest>,
+        request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
-        let known = self.with(|state| {
+        let request = request.into_inner();
+        let kind = ReportKind::try_from(request.report).expect("a known kind");
+        let (known, report_wanted) = self.with(|state| {
             state.heartbeats += 1;
-            !std::mem::take(&mut state.forget_once)
+            state
+                .reports
+                .push((kind, request.report_generation, request.gpus.len()));
+            let wanted = std::mem::take(&mut state.want_report_once);
+            if wanted {
+                state.wanted_at = Some(state.reports.len() - 1);
+            }
+            (!std::mem::take(&mut state.forget_once), wanted)
         });
-        Ok(Response::new(HeartbeatResponse { known }))
+        Ok(Response::new(HeartbeatResponse {
+            known,
+            report_wanted,
+        }))
     }
 
     async fn join_node(
@@ -152,6 +170,19 @@ impl RunningAgent {
     }
 }
 
+fn fake_mps_control(state_dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = state_dir.join("fake-mps-control");
+    std::fs::create_dir_all(state_dir).unwrap();
+    std::fs::write(
+        &path,
+        "#!/bin/sh\n[ \"$1\" = -d ] || exit 1\n: > \"$CUDA_MPS_PIPE_DIRECTORY/control\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
 fn start(control_plane: Vec<String>, state_dir: &Path) -> RunningAgent {
     let config = JoinConfig {
         control_plane,
@@ -173,7 +204,15 @@ fn start(control_plane: Vec<String>, state_dir: &Path) -> RunningAgent {
             interposer: state_dir.join("libvgpu_cuda.so"),
             shm_dir: state_dir.join("shm"),
             state_dir: state_dir.to_owned(),
+            mps_pipe_dir: Some(vgpu_agent::mps::pipe_dir(&state_dir.join("shm"))),
         }),
+        // Concurrent sharing, with a stand-in for nvidia-cuda-mps-control that records its
+        // start (the real one needs a GPU; tests/gpu runs it).
+        mps: Some(vgpu_agent::mps::MpsConfig::new(
+            Some(fake_mps_control(state_dir)),
+            &state_dir.join("shm"),
+            state_dir,
+        )),
         security: vgpu_agent::bootstrap::Security {
             insecure: true,
             files: vgpu_agent::bootstrap::Security::default_files(state_dir),
@@ -209,6 +248,7 @@ fn assignments(revision: u64, tenants: &[(&str, u32, u32)]) -> Assignments {
                 tenant: tenant.into(),
                 priority: 0,
                 bandwidth_weight: 0,
+                latency: false,
                 slices: vec![Slice {
                     node: "node-a".into(),
                     gpu: format!("GPU-{gpu_index}"),
@@ -295,6 +335,14 @@ async fn joins_follows_assignments_and_recovers() {
         cdi_devices(&state_dir) == ["infer-b"]
     })
     .await;
+    // The MPS daemon runs, and containers get its pipes.
+    assert!(state_dir.join("shm/mps/control").exists());
+    let spec = std::fs::read_to_string(state_dir.join("cdi").join(CDI_FILE)).unwrap();
+    assert!(spec.contains("CUDA_MPS_PIPE_DIRECTORY="), "{spec}");
+    // The placed tenant has its private directory; the one that left has none.
+    let tenants = state_dir.join("shm/tenants");
+    assert!(tenants.join("infer-b/nccl-share").exists());
+    assert!(!tenants.join("infer-a").exists());
     // `exec` and `env` find the placed tenant, and refuse the one that left.
     let placement = vgpu_agent::tenant::load_placement(&state_dir, "infer-b", "x").unwrap();
     assert_eq!(placement.node, "node-a");
@@ -331,6 +379,55 @@ async fn joins_follows_assignments_and_recovers() {
     })
     .await;
 
+    agent.stop().await;
+}
+
+/// The health report goes out in full on the first beat only; the next beats name it without
+/// repeating it, until the control plane (a new leader) says it has none.
+#[tokio::test]
+async fn an_unchanged_report_is_not_sent_again_and_a_leader_without_it_gets_it() {
+    let fake = FakeControlPlane::default();
+    fake.publish(assignments(1, &[]));
+    let live = serve(fake.clone()).await;
+    let directory = tempfile::tempdir().unwrap();
+    let agent = start(vec![live], &directory.path().join("state"));
+    wait_for("four heartbeats", || {
+        fake.with(|state| state.heartbeats >= 4)
+    })
+    .await;
+    let reports = fake.with(|state| state.reports.clone());
+    let (first_kind, generation, gpus) = reports[0];
+    assert_eq!((first_kind, gpus), (ReportKind::Full, 4), "{reports:?}");
+    // A full refresh comes only after 30 beats (3 s at the fake's 100 ms).
+    for &later in &reports[1..4] {
+        assert_eq!(
+            later,
+            (ReportKind::Unchanged, generation, 0),
+            "the same report is not sent twice: {reports:?}"
+        );
+    }
+
+    fake.with(|state| state.want_report_once = true);
+    wait_for(
+        "two heartbeats after the one answered `report_wanted`",
+        || {
+            fake.with(|state| {
+                state
+                    .wanted_at
+                    .is_some_and(|at| state.reports.len() >= at + 3)
+            })
+        },
+    )
+    .await;
+    let (reports, wanted_at) = fake.with(|state| (state.reports.clone(), state.wanted_at.unwrap()));
+    let (kind, new_generation, gpus) = reports[wanted_at + 1];
+    assert_eq!((kind, gpus), (ReportKind::Full, 4), "{reports:?}");
+    assert!(new_generation > generation, "{reports:?}");
+    assert_eq!(
+        reports[wanted_at + 2],
+        (ReportKind::Unchanged, new_generation, 0),
+        "{reports:?}"
+    );
     agent.stop().await;
 }
 

@@ -1,0 +1,254 @@
+//! Concurrent sharing (`mps = true`): the agent runs NVIDIA's MPS control daemon for the node, so
+//! that the kernels of the tenants sharing a GPU run side by side instead of being time-sliced by
+//! the driver, and hands its pipe directory to every tenant process. On such a node the
+//! interposer's spatial mode is on for every tenant with a fraction of a GPU: while a
+//! latency-sensitive tenant (`vgpuctl place --latency`) is active on a GPU, the others' kernels
+//! go to a green context with fewer SMs (`docs/design/spatial-partitioning.md`).
+//!
+//! The daemon is started once (`nvidia-cuda-mps-control -d`, with `CUDA_MPS_PIPE_DIRECTORY`
+//! `<shm dir>/mps` and `CUDA_MPS_LOG_DIRECTORY` `<state dir>/mps-log`); one that already answers
+//! on the pipe directory (an agent restart) is kept. The agent never stops it: quitting it would
+//! take the running tenants' MPS server with it, so an agent restart or upgrade leaves tenants
+//! running. To stop it: `echo quit | CUDA_MPS_PIPE_DIRECTORY=<shm dir>/mps nvidia-cuda-mps-control`.
+//!
+//! The price, stated in ARCHITECTURE.md: under MPS a GPU fault (illegal address, ECC error) in one
+//! client is reported to every client of that GPU. That is why concurrent sharing is a per-node
+//! choice and off by default: tenants that need fault isolation go to nodes without it. MPS also
+//! serves one Unix user at a time per GPU: run the tenants of an MPS node as one user.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use tracing::info;
+
+/// The MPS control program, looked up in `PATH` unless configured.
+pub const CONTROL_DEFAULT: &str = "nvidia-cuda-mps-control";
+/// How long one control command may take.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where the daemon lives on this node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MpsConfig {
+    /// The control program.
+    pub control: PathBuf,
+    /// `CUDA_MPS_PIPE_DIRECTORY`, handed to tenants.
+    pub pipe_dir: PathBuf,
+    /// `CUDA_MPS_LOG_DIRECTORY`.
+    pub log_dir: PathBuf,
+}
+
+impl MpsConfig {
+    /// The node's daemon under `shm_dir` and `state_dir`.
+    pub fn new(control: Option<PathBuf>, shm_dir: &Path, state_dir: &Path) -> MpsConfig {
+        MpsConfig {
+            control: control.unwrap_or_else(|| PathBuf::from(CONTROL_DEFAULT)),
+            pipe_dir: pipe_dir(shm_dir),
+            log_dir: state_dir.join("mps-log"),
+        }
+    }
+}
+
+/// The pipe directory of the node's daemon under `shm_dir`.
+pub fn pipe_dir(shm_dir: &Path) -> PathBuf {
+    shm_dir.join("mps")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MpsError {
+    #[error(
+        "cannot run the MPS control program `{program}`: {source}; install the NVIDIA driver's MPS tools, set `mps_control` to its path, or turn concurrent sharing off (`mps = false`)"
+    )]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("cannot prepare {path} for MPS: {source}")]
+    Directory {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "`{program} -d` failed ({status}): {output}; see {log}/control.log, or turn concurrent sharing off (`mps = false`)"
+    )]
+    Start {
+        program: String,
+        status: String,
+        output: String,
+        log: String,
+    },
+    #[error("the MPS control program `{program}` did not answer within {COMMAND_TIMEOUT:?}")]
+    Timeout { program: String },
+}
+
+/// What [`ensure_running`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Started {
+    /// A daemon already answered on the pipe directory.
+    Running,
+    /// The agent started one.
+    Started,
+}
+
+/// Starts the node's MPS control daemon unless one already answers on the pipe directory.
+pub fn ensure_running(config: &MpsConfig) -> Result<Started, MpsError> {
+    for (path, mode) in [(&config.pipe_dir, 0o755), (&config.log_dir, 0o755)] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(path)
+            .and_then(|()| std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)))
+            .map_err(|source| MpsError::Directory {
+                path: path.clone(),
+                source,
+            })?;
+    }
+    if answers(config)? {
+        info!(
+            "MPS control daemon already running on {}",
+            config.pipe_dir.display()
+        );
+        return Ok(Started::Running);
+    }
+    let output = run(config, &["-d"], None)?;
+    if !output.status.success() {
+        return Err(MpsError::Start {
+            program: config.control.display().to_string(),
+            status: output.status.to_string(),
+            output: String::from_utf8_lossy(&[output.stdout, output.stderr].concat())
+                .trim()
+                .to_owned(),
+            log: config.log_dir.display().to_string(),
+        });
+    }
+    info!(
+        "started the MPS control daemon: pipes in {}, logs in {}",
+        config.pipe_dir.display(),
+        config.log_dir.display()
+    );
+    Ok(Started::Started)
+}
+
+/// Whether a daemon answers on the pipe directory (`get_server_list` succeeds).
+fn answers(config: &MpsConfig) -> Result<bool, MpsError> {
+    if !config.pipe_dir.join("control").exists() {
+        return Ok(false);
+    }
+    Ok(run(config, &[], Some("get_server_list\n"))?
+        .status
+        .success())
+}
+
+/// Runs the control program with the node's directories, feeding `input`, within
+/// [`COMMAND_TIMEOUT`].
+fn run(
+    config: &MpsConfig,
+    args: &[&str],
+    input: Option<&str>,
+) -> Result<std::process::Output, MpsError> {
+    let program = config.control.display().to_string();
+    let mut child = Command::new(&config.control)
+        .args(args)
+        .env("CUDA_MPS_PIPE_DIRECTORY", &config.pipe_dir)
+        .env("CUDA_MPS_LOG_DIRECTORY", &config.log_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| MpsError::Spawn {
+            program: program.clone(),
+            source,
+        })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        // A daemon that exits early closes the pipe; its status tells what happened.
+        let _ = stdin.write_all(input.unwrap_or_default().as_bytes());
+    }
+    let deadline = std::time::Instant::now() + COMMAND_TIMEOUT;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(MpsError::Timeout { program });
+            }
+        }
+    }
+    child
+        .wait_with_output()
+        .map_err(|source| MpsError::Spawn { program, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A stand-in for `nvidia-cuda-mps-control` with the real one's contract: `-d` starts a
+    /// daemon (here: makes the `control` pipe file) and refuses when one runs; without arguments
+    /// it sends stdin's command to the running daemon and fails when none runs. Every call is
+    /// logged with its directories.
+    fn fake_control(directory: &Path) -> PathBuf {
+        let path = directory.join("fake-mps-control");
+        std::fs::write(
+            &path,
+            r#"#!/bin/sh
+echo "$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY" >> "$CUDA_MPS_LOG_DIRECTORY/calls"
+if [ "$1" = "-d" ]; then
+  [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] && { echo "An instance of this daemon is already running" >&2; exit 1; }
+  : > "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0
+fi
+[ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || exit 1
+read command; echo "$command" >> "$CUDA_MPS_LOG_DIRECTORY/commands"; exit 0
+"#,
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    #[test]
+    fn the_daemon_is_started_once_and_an_answering_one_is_kept() {
+        let directory = tempfile::tempdir().unwrap();
+        let config = MpsConfig::new(
+            Some(fake_control(directory.path())),
+            &directory.path().join("shm"),
+            &directory.path().join("state"),
+        );
+        assert_eq!(config.pipe_dir, directory.path().join("shm/mps"));
+        assert_eq!(ensure_running(&config).unwrap(), Started::Started);
+        // The agent restarts: the daemon answers, so it is kept.
+        assert_eq!(ensure_running(&config).unwrap(), Started::Running);
+        let calls = std::fs::read_to_string(config.log_dir.join("calls")).unwrap();
+        let pipe = config.pipe_dir.display();
+        let log = config.log_dir.display();
+        assert_eq!(
+            calls,
+            format!("-d pipe={pipe} log={log}\n pipe={pipe} log={log}\n")
+        );
+        let commands = std::fs::read_to_string(config.log_dir.join("commands")).unwrap();
+        assert_eq!(commands, "get_server_list\n");
+    }
+
+    #[test]
+    fn a_missing_or_failing_control_program_says_what_to_do() {
+        let directory = tempfile::tempdir().unwrap();
+        let missing = MpsConfig::new(
+            Some(directory.path().join("no-such-program")),
+            directory.path(),
+            directory.path(),
+        );
+        let error = ensure_running(&missing).unwrap_err();
+        assert!(matches!(error, MpsError::Spawn { .. }), "{error}");
+        assert!(error.to_string().contains("mps = false"), "{error}");
+
+        let failing = directory.path().join("failing");
+        std::fs::write(&failing, "#!/bin/sh\necho no GPU >&2\nexit 3\n").unwrap();
+        std::fs::set_permissions(&failing, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let config = MpsConfig::new(Some(failing), directory.path(), directory.path());
+        let error = ensure_running(&config).unwrap_err();
+        assert!(error.to_string().contains("no GPU"), "{error}");
+    }
+}

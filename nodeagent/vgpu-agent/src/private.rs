@@ -1,0 +1,331 @@
+//! Per-tenant node-local state, readable and writable only by the tenant and the agent.
+//!
+//! Everything a tenant's processes share with the agent lives in the tenant's own directory
+//! under the shared-memory directory (`shm_dir`, default `/dev/shm/vgpu`):
+//!
+//! | path | mode, owner | what |
+//! | --- | --- | --- |
+//! | `./`, `tenants/` | 0711, agent | search only: a tenant reaches its own directory by name and can list nothing |
+//! | `tenants/<t>/` | 0700, the tenant's user | the tenant's `VGPU_SHM_DIR`, and the only path to anything below |
+//! | `tenants/<t>/<t>.mem` | 0600, created by the interposer | the tenant's memory ledger |
+//! | `tenants/<t>/netshare` | 0666, agent | the tenant's token bucket: the agent sets its rate, the NCCL plugin takes from it |
+//! | `tenants/<t>/<gpu uuid>.compute` | hard link to `gpus/<gpu uuid>.compute` | the compute schedule of each GPU the tenant is on |
+//! | `tenants/<t>/nccl-share` | hard link to `node/nccl-share` | the NCCL tuners' activity table |
+//! | `gpus/`, `node/` | 0700, agent | the originals of the tables tenants share |
+//!
+//! The tenant's user is `vgpu-<tenant>` when the node has such a user ([`crate::users`]), else
+//! the agent's own user. A file's permission bits only matter to whoever can reach a path to it,
+//! so a tenant's files are out of reach of every other tenant and user (root and the agent
+//! aside). The two tables that several tenants must write to coordinate (a GPU's compute
+//! schedule among the tenants placed on that GPU; the tuners' activity table among the tenants
+//! of the node) are hard-linked into exactly those tenants' directories and nowhere else, and
+//! unlinked when a tenant leaves; they hold shares, timestamps, process ids and name hashes,
+//! never a tenant's data. Containers get only their tenant's directory (see [`crate::cdi`]).
+//!
+//! [`prepare`] is idempotent and runs before every assignment set is committed, so a tenant's
+//! directory exists before `vgpu-agent exec` or a container can see the tenant as placed, and
+//! a released tenant's directory goes with its placement.
+
+use std::collections::BTreeSet;
+use std::fs::{DirBuilder, OpenOptions, Permissions};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::assignments::AssignmentSet;
+use crate::users::{self, Identity};
+
+/// The NCCL tuners' activity table, in a tenant's directory.
+pub const NCCL_SHARE_FILE: &str = "nccl-share";
+/// A tenant's token-bucket table, in its directory.
+pub const NETSHARE_FILE: &str = "netshare";
+
+const ROOT_MODE: u32 = 0o711;
+const TENANT_MODE: u32 = 0o700;
+const AGENT_ONLY_MODE: u32 = 0o700;
+
+/// Where everything is, under the shared-memory directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    root: PathBuf,
+}
+
+impl Layout {
+    pub fn new(root: &Path) -> Layout {
+        Layout {
+            root: root.to_owned(),
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn tenants(&self) -> PathBuf {
+        self.root.join("tenants")
+    }
+
+    /// The tenant's private directory: its `VGPU_SHM_DIR`.
+    pub fn tenant_dir(&self, tenant: &str) -> PathBuf {
+        self.tenants().join(tenant)
+    }
+
+    /// The tenant's memory ledger (the interposer's own naming rule, in the tenant's directory).
+    pub fn ledger(&self, tenant: &str) -> PathBuf {
+        vgpu_shm::ledger_path(&self.tenant_dir(tenant), tenant)
+    }
+
+    /// The original of GPU `uuid`'s compute schedule.
+    pub fn schedule(&self, uuid: &str) -> PathBuf {
+        vgpu_shm::schedule_path(&self.root.join("gpus"), uuid)
+    }
+
+    fn node_share(&self) -> PathBuf {
+        self.root.join("node").join(NCCL_SHARE_FILE)
+    }
+
+    /// The tenant's link to the tuners' activity table.
+    pub fn nccl_share(&self, tenant: &str) -> PathBuf {
+        self.tenant_dir(tenant).join(NCCL_SHARE_FILE)
+    }
+
+    /// The tenant's token-bucket table.
+    pub fn netshare(&self, tenant: &str) -> PathBuf {
+        self.tenant_dir(tenant).join(NETSHARE_FILE)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PrivateError {
+    #[error(
+        "cannot {action} {path}: {source}; tenants' node-local state is not private until this is fixed (is the shared-memory directory on a local filesystem, and does the agent run as root or as the directory's owner?)"
+    )]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot give tenant {tenant}'s directory {path} to uid {uid}: {source}; only an agent running as root can hand directories to `{prefix}<tenant>` users",
+        prefix = users::USER_PREFIX
+    )]
+    Chown {
+        tenant: String,
+        path: PathBuf,
+        uid: u32,
+        source: std::io::Error,
+    },
+    #[error("cannot create the compute schedule of GPU {uuid}: {message}")]
+    Schedule { uuid: String, message: String },
+}
+
+fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> PrivateError {
+    let path = path.to_owned();
+    move |source| PrivateError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
+/// What [`prepare`] did.
+#[derive(Debug, Default)]
+pub struct Prepared {
+    /// Tenants whose directory was created.
+    pub created: Vec<String>,
+    /// Directories of tenants no longer placed, removed.
+    pub removed: Vec<String>,
+    /// Files of the layout before private directories (directly in the root), removed.
+    pub old_files: Vec<String>,
+    /// Per-tenant problems; the other tenants were prepared.
+    pub problems: Vec<PrivateError>,
+}
+
+/// Brings the directories in line with `set`: every placed tenant has its directory, owned by
+/// its user, with links to the schedules of exactly its GPUs and to the activity table; every
+/// other tenant directory is gone. `owner` says whose a tenant's directory is (in the agent:
+/// [`users::tenant_identity`] with the agent's own identity as the fallback).
+/// Errors about the shared directories fail the whole call; a tenant's own problem is reported
+/// in [`Prepared::problems`] and the others go on.
+pub fn prepare(
+    layout: &Layout,
+    set: &AssignmentSet,
+    owner: &dyn Fn(&str) -> Identity,
+    quantum_ns: u64,
+) -> Result<Prepared, PrivateError> {
+    let mut prepared = Prepared::default();
+    directory(layout.root(), ROOT_MODE)?;
+    prepared.old_files = remove_old_layout(layout.root())?;
+    directory(&layout.root.join("gpus"), AGENT_ONLY_MODE)?;
+    directory(&layout.root.join("node"), AGENT_ONLY_MODE)?;
+    directory(&layout.tenants(), ROOT_MODE)?;
+    shared_file(&layout.node_share())?;
+    let gpus: BTreeSet<&str> = set
+        .tenants
+        .values()
+        .flat_map(|t| t.slices.iter().map(|s| s.gpu_uuid.as_str()))
+        .collect();
+    for uuid in &gpus {
+        vgpu_shm::create_schedule(&layout.schedule(uuid), quantum_ns).map_err(|error| {
+            PrivateError::Schedule {
+                uuid: (*uuid).to_owned(),
+                message: error.to_string(),
+            }
+        })?;
+    }
+    for (name, assignment) in &set.tenants {
+        let own: BTreeSet<&str> = assignment
+            .slices
+            .iter()
+            .map(|s| s.gpu_uuid.as_str())
+            .collect();
+        match tenant_directory(layout, name, &own, owner(name)) {
+            Ok(true) => prepared.created.push(name.clone()),
+            Ok(false) => {}
+            Err(error) => prepared.problems.push(error),
+        }
+    }
+    let tenants = layout.tenants();
+    for entry in std::fs::read_dir(&tenants).map_err(io("list", &tenants))? {
+        let entry = entry.map_err(io("list", &tenants))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if set.tenants.contains_key(&name) {
+            continue;
+        }
+        let path = entry.path();
+        let removed = if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match removed {
+            Ok(()) => prepared.removed.push(name),
+            Err(error) => prepared.problems.push(io("remove", &path)(error)),
+        }
+    }
+    Ok(prepared)
+}
+
+/// Creates `path` (and its parents) if missing and sets `mode`.
+fn directory(path: &Path, mode: u32) -> Result<(), PrivateError> {
+    DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(path)
+        .map_err(io("create", path))?;
+    let metadata = std::fs::symlink_metadata(path).map_err(io("inspect", path))?;
+    if !metadata.is_dir() {
+        return Err(PrivateError::Io {
+            action: "use",
+            path: path.to_owned(),
+            source: std::io::Error::other("it is not a directory"),
+        });
+    }
+    if metadata.mode() & 0o7777 != mode {
+        std::fs::set_permissions(path, Permissions::from_mode(mode))
+            .map_err(io("set the mode of", path))?;
+    }
+    Ok(())
+}
+
+/// Creates an empty shared table file (its users initialise an empty file) if missing.
+fn shared_file(path: &Path) -> Result<(), PrivateError> {
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o666)
+        .open(path)
+        .map_err(io("create", path))?;
+    file.set_permissions(Permissions::from_mode(0o666))
+        .map_err(io("set the mode of", path))
+}
+
+/// What agents before private directories left directly in the root (tenants' ledgers, GPU
+/// schedules, the shared tables, all reachable by name) goes; nothing else is touched, in case
+/// the directory is shared with something else.
+fn remove_old_layout(root: &Path) -> Result<Vec<String>, PrivateError> {
+    let old = |name: &str| {
+        [NCCL_SHARE_FILE, NETSHARE_FILE, "netshare.lock"].contains(&name)
+            || name.ends_with(".mem")
+            || name.ends_with(".compute")
+    };
+    let mut removed = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(io("list", root))? {
+        let entry = entry.map_err(io("list", root))?;
+        if entry.file_type().is_ok_and(|t| t.is_file()) && old(&entry.file_name().to_string_lossy())
+        {
+            let path = entry.path();
+            std::fs::remove_file(&path).map_err(io("remove", &path))?;
+            removed.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    Ok(removed)
+}
+
+/// One tenant's directory; says whether it was created.
+fn tenant_directory(
+    layout: &Layout,
+    tenant: &str,
+    gpus: &BTreeSet<&str>,
+    owner: Identity,
+) -> Result<bool, PrivateError> {
+    let path = layout.tenant_dir(tenant);
+    let created = !path.exists();
+    directory(&path, TENANT_MODE)?;
+    let metadata = std::fs::metadata(&path).map_err(io("inspect", &path))?;
+    if (metadata.uid(), metadata.gid()) != (owner.uid, owner.gid) {
+        std::os::unix::fs::chown(&path, Some(owner.uid), Some(owner.gid)).map_err(|source| {
+            PrivateError::Chown {
+                tenant: tenant.to_owned(),
+                path: path.clone(),
+                uid: owner.uid,
+                source,
+            }
+        })?;
+    }
+    link(&layout.node_share(), &layout.nccl_share(tenant))?;
+    for uuid in gpus {
+        link(
+            &layout.schedule(uuid),
+            &vgpu_shm::schedule_path(&path, uuid),
+        )?;
+    }
+    // Schedules of GPUs the tenant is no longer on.
+    for entry in std::fs::read_dir(&path).map_err(io("list", &path))? {
+        let entry = entry.map_err(io("list", &path))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(uuid) = name.strip_suffix(".compute")
+            && !gpus.contains(uuid)
+        {
+            let stale = entry.path();
+            std::fs::remove_file(&stale).map_err(io("unlink", &stale))?;
+        }
+    }
+    Ok(created)
+}
+
+/// Makes `link` a hard link to `original` (replacing whatever else is there).
+fn link(original: &Path, link: &Path) -> Result<(), PrivateError> {
+    let want = std::fs::metadata(original).map_err(io("inspect", original))?;
+    if let Ok(have) = std::fs::symlink_metadata(link) {
+        if (have.dev(), have.ino()) == (want.dev(), want.ino()) {
+            return Ok(());
+        }
+        std::fs::remove_file(link).map_err(io("replace", link))?;
+    }
+    std::fs::hard_link(original, link).map_err(io("link", link))
+}
+
+/// The owner rule of the agent: `vgpu-<tenant>` when the node has that user, else the agent.
+pub fn agent_owner(tenant: &str) -> Identity {
+    users::tenant_identity(tenant, users::current())
+}
+
+/// Whether tenant `tenant`'s directory is ready for its processes (for `exec` and `env`).
+pub fn is_prepared(layout: &Layout, tenant: &str) -> bool {
+    layout.nccl_share(tenant).exists()
+}
+
+#[cfg(test)]
+#[path = "private_test.rs"]
+mod tests;

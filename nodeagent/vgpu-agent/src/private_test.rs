@@ -1,0 +1,211 @@
+use super::*;
+use crate::assignments::{SliceAssignment, TenantAssignment};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+const QUANTUM: u64 = vgpu_shm::compute::QUANTUM_NS_DEFAULT;
+/// Two unprivileged identities for the tenants (the usual `nobody`, and one below it).
+const A: Identity = Identity {
+    uid: 65534,
+    gid: 65534,
+};
+const B: Identity = Identity {
+    uid: 65533,
+    gid: 65533,
+};
+
+fn set(tenants: &[(&str, &[&str])]) -> AssignmentSet {
+    AssignmentSet {
+        revision: 1,
+        node_state: "ready".into(),
+        tenants: tenants
+            .iter()
+            .map(|(name, gpus)| {
+                let slices = gpus
+                    .iter()
+                    .enumerate()
+                    .map(|(index, uuid)| SliceAssignment {
+                        gpu_index: index as u32,
+                        gpu_uuid: (*uuid).into(),
+                        compute_percent: 50,
+                        memory_bytes: 1 << 30,
+                        guaranteed: true,
+                        burst: false,
+                    })
+                    .collect();
+                let assignment = TenantAssignment {
+                    tenant: (*name).into(),
+                    priority: 0,
+                    slices,
+                    bandwidth_weight: 0,
+                    latency: false,
+                };
+                ((*name).to_owned(), assignment)
+            })
+            .collect(),
+    }
+}
+
+fn mode(path: &Path) -> u32 {
+    std::fs::symlink_metadata(path).unwrap().mode() & 0o7777
+}
+
+fn inode(path: &Path) -> u64 {
+    std::fs::metadata(path).unwrap().ino()
+}
+
+fn is_root() -> bool {
+    users::current().uid == 0
+}
+
+/// As root the tenants get their own users; otherwise everything stays the test's.
+fn owners(tenant: &str) -> Identity {
+    match (is_root(), tenant) {
+        (false, _) => users::current(),
+        (true, "a") => A,
+        (true, _) => B,
+    }
+}
+
+#[test]
+fn each_tenant_gets_a_private_directory_with_links_to_exactly_its_shared_tables() {
+    let shm = tempfile::tempdir().unwrap();
+    let layout = Layout::new(&shm.path().join("vgpu"));
+    // What an agent before private directories left behind.
+    std::fs::create_dir_all(layout.root()).unwrap();
+    std::fs::write(layout.root().join("a.mem"), b"old").unwrap();
+    std::fs::write(layout.root().join("netshare"), b"old").unwrap();
+    std::fs::write(layout.root().join("unrelated"), b"kept").unwrap();
+
+    let first = set(&[("a", &["GPU-0", "GPU-1"]), ("b", &["GPU-1"])]);
+    let prepared = prepare(&layout, &first, &owners, QUANTUM).unwrap();
+    assert!(prepared.problems.is_empty(), "{:?}", prepared.problems);
+    assert_eq!(prepared.created, ["a", "b"]);
+    assert_eq!(prepared.old_files.len(), 2, "{:?}", prepared.old_files);
+    assert!(layout.root().join("unrelated").exists());
+    assert_eq!(mode(layout.root()), 0o711);
+    assert_eq!(mode(&layout.root().join("tenants")), 0o711);
+    assert_eq!(mode(&layout.root().join("gpus")), 0o700);
+    assert_eq!(mode(&layout.root().join("node")), 0o700);
+    for tenant in ["a", "b"] {
+        let dir = layout.tenant_dir(tenant);
+        assert_eq!(mode(&dir), 0o700);
+        let metadata = std::fs::metadata(&dir).unwrap();
+        let owner = owners(tenant);
+        assert_eq!((metadata.uid(), metadata.gid()), (owner.uid, owner.gid));
+        assert_eq!(
+            inode(&layout.nccl_share(tenant)),
+            inode(&layout.root().join("node/nccl-share"))
+        );
+    }
+    let gpu1 = inode(&layout.schedule("GPU-1"));
+    assert_eq!(
+        inode(&vgpu_shm::schedule_path(&layout.tenant_dir("a"), "GPU-1")),
+        gpu1
+    );
+    assert_eq!(
+        inode(&vgpu_shm::schedule_path(&layout.tenant_dir("b"), "GPU-1")),
+        gpu1
+    );
+    assert!(!vgpu_shm::schedule_path(&layout.tenant_dir("b"), "GPU-0").exists());
+    // The schedules are ready for the interposer: initialised, nobody in them yet.
+    assert!(
+        vgpu_shm::read_schedule(&layout.schedule("GPU-0"))
+            .unwrap()
+            .is_empty()
+    );
+
+    // Idempotent.
+    let again = prepare(&layout, &first, &owners, QUANTUM).unwrap();
+    assert!(
+        again.created.is_empty()
+            && again.removed.is_empty()
+            && again.old_files.is_empty()
+            && again.problems.is_empty(),
+        "{again:?}"
+    );
+
+    // a leaves GPU-0, b is released.
+    let second = set(&[("a", &["GPU-1"])]);
+    let prepared = prepare(&layout, &second, &owners, QUANTUM).unwrap();
+    assert_eq!(prepared.removed, ["b"]);
+    assert!(!layout.tenant_dir("b").exists());
+    assert!(!vgpu_shm::schedule_path(&layout.tenant_dir("a"), "GPU-0").exists());
+    assert_eq!(
+        inode(&vgpu_shm::schedule_path(&layout.tenant_dir("a"), "GPU-1")),
+        gpu1
+    );
+}
+
+/// Tries to open `path` for reading and writing as `who`; the error kind when refused.
+fn open_as(who: Identity, path: &Path) -> Result<(), String> {
+    let output = Command::new("sh")
+        .arg("-c")
+        .arg("exec 3<>\"$1\"")
+        .arg("sh")
+        .arg(path)
+        .uid(who.uid)
+        .gid(who.gid)
+        .output()
+        .unwrap();
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&output.stderr).into_owned())
+    }
+}
+
+#[test]
+fn another_tenant_or_user_cannot_reach_a_tenants_files() {
+    if !is_root() {
+        // Only root can run processes as other users; the modes are checked by the test above.
+        eprintln!("SKIPPED the cross-user part: not running as root");
+        return;
+    }
+    let shm = tempfile::tempdir().unwrap();
+    // The temporary directory's parent must be searchable by the tenants' users.
+    std::fs::set_permissions(shm.path(), Permissions::from_mode(0o755)).unwrap();
+    let layout = Layout::new(&shm.path().join("vgpu"));
+    let placed = set(&[("a", &["GPU-0"]), ("b", &["GPU-0", "GPU-1"])]);
+    prepare(&layout, &placed, &owners, QUANTUM).unwrap();
+    // The files a tenant's processes create and the agent writes.
+    let ledger = layout.ledger("a");
+    std::fs::write(&ledger, b"").unwrap();
+    std::fs::set_permissions(&ledger, Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::chown(&ledger, Some(A.uid), Some(A.gid)).unwrap();
+    std::fs::write(layout.netshare("a"), b"").unwrap();
+    std::fs::set_permissions(layout.netshare("a"), Permissions::from_mode(0o666)).unwrap();
+
+    // a reaches its own files and the schedule of its GPU.
+    let own_schedule = vgpu_shm::schedule_path(&layout.tenant_dir("a"), "GPU-0");
+    for path in [&ledger, &layout.netshare("a"), &own_schedule] {
+        open_as(A, path).unwrap_or_else(|e| panic!("a cannot open {}: {e}", path.display()));
+    }
+    // b, and a user that is no tenant, reach none of a's files ...
+    let stranger = Identity {
+        uid: 65532,
+        gid: 65532,
+    };
+    for who in [B, stranger] {
+        for path in [&ledger, &layout.netshare("a"), &own_schedule] {
+            let refused = open_as(who, path).expect_err("opened another tenant's file");
+            assert!(refused.contains("Permission denied"), "{refused}");
+        }
+    }
+    // ... nor the originals of the shared tables, nor a GPU schedule they are not placed on.
+    for path in [
+        layout.schedule("GPU-0"),
+        layout.root().join("node/nccl-share"),
+    ] {
+        assert!(open_as(stranger, &path).is_err());
+    }
+    assert!(open_as(A, &layout.schedule("GPU-1")).is_err());
+    // Nobody but the agent can list who is placed here.
+    let listing = Command::new("ls")
+        .arg(layout.root().join("tenants"))
+        .uid(A.uid)
+        .gid(A.gid)
+        .output()
+        .unwrap();
+    assert!(!listing.status.success());
+}
