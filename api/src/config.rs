@@ -114,6 +114,11 @@ impl KeyDoc {
 
     /// The example as an environment variable would hold it: TOML strings unquoted, arrays and
     /// tables as comma-separated lists (`a,b`, `k=v,k2=v2`).
+    /// The variable and its aliases.
+    pub fn env_names(&self) -> impl Iterator<Item = &'static str> + use<> {
+        std::iter::once(self.env).chain(self.env_aliases.iter().copied())
+    }
+
     pub fn example_for_env(&self) -> String {
         let text = self.example.trim();
         let unquote = |item: &str| item.trim().trim_matches('"').to_owned();

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use api::config::KeyDoc;
 use clap::Parser as _;
 use proptest::prelude::*;
 use vgpuctl::cli::{self, Cli, GpuAmount};
@@ -206,14 +207,9 @@ fn check_config_env(env: BTreeMap<String, String>) {
 }
 
 fn environment() -> impl Strategy<Value = BTreeMap<String, String>> {
-    let vars: Vec<String> = KEYS
-        .iter()
-        .flat_map(|key| std::iter::once(key.env).chain(key.env_aliases.iter().copied()))
-        .map(String::from)
-        .collect();
     let mut values: Vec<String> = KEYS.iter().map(|key| key.example_for_env()).collect();
     values.extend(value_examples());
-    proptest::collection::btree_map(proptest::sample::select(vars), fuzz::hostile(values), 0..6)
+    fuzz::environment(KEYS.iter().flat_map(KeyDoc::env_names), values, 6)
 }
 
 proptest! {

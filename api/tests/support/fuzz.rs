@@ -11,6 +11,7 @@
 
 use proptest::prelude::*;
 use proptest::test_runner::Config;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Cases per target when `VGPU_FUZZ_CASES` is unset: what CI runs (seconds for all targets).
@@ -284,4 +285,16 @@ pub fn toml_document(keys: Vec<String>, texts: Vec<String>) -> impl Strategy<Val
 /// Whether `message` reads as an explanation: not empty, not a bare debug dump.
 pub fn explains(message: &str) -> bool {
     message.split_whitespace().count() >= 3
+}
+
+/// Environments for a binary's configuration: up to `most` of `vars` (`KEYS`' variables and
+/// aliases, `KeyDoc::env_names`), each set to hostile text around `values`.
+#[allow(dead_code)]
+pub fn environment(
+    vars: impl IntoIterator<Item = &'static str>,
+    values: Vec<String>,
+    most: usize,
+) -> impl Strategy<Value = BTreeMap<String, String>> {
+    let vars: Vec<String> = vars.into_iter().map(String::from).collect();
+    proptest::collection::btree_map(proptest::sample::select(vars), hostile(values), 0..most)
 }

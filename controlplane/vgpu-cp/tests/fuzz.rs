@@ -15,6 +15,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use api::ErrorCode;
+use api::config::KeyDoc;
 use api::v1::{self, agent_server::Agent, cluster_server::Cluster, pool_server::Pool};
 use api::v1::{RaftPayload, raft_server::Raft as RaftService};
 use proptest::prelude::*;
@@ -909,16 +910,7 @@ fn check_config_env((env, hostname): (BTreeMap<String, String>, String)) {
 }
 
 fn environment() -> impl Strategy<Value = BTreeMap<String, String>> {
-    let vars: Vec<String> = KEYS
-        .iter()
-        .flat_map(|key| std::iter::once(key.env).chain(key.env_aliases.iter().copied()))
-        .map(String::from)
-        .collect();
-    proptest::collection::btree_map(
-        proptest::sample::select(vars),
-        fuzz::hostile(value_examples()),
-        0..8,
-    )
+    fuzz::environment(KEYS.iter().flat_map(KeyDoc::env_names), value_examples(), 8)
 }
 
 proptest! {

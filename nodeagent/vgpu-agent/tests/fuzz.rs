@@ -10,6 +10,7 @@ mod fuzz;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use api::config::KeyDoc;
 use proptest::prelude::*;
 use vgpu_agent::config::{KEYS, Settings};
 use vgpu_agent::inventory::simulated::SimulatedSpec;
@@ -320,16 +321,7 @@ fn check_config_env(env: BTreeMap<String, String>) {
 }
 
 fn environment() -> impl Strategy<Value = BTreeMap<String, String>> {
-    let vars: Vec<String> = KEYS
-        .iter()
-        .flat_map(|key| std::iter::once(key.env).chain(key.env_aliases.iter().copied()))
-        .map(String::from)
-        .collect();
-    proptest::collection::btree_map(
-        proptest::sample::select(vars),
-        fuzz::hostile(value_examples()),
-        0..8,
-    )
+    fuzz::environment(KEYS.iter().flat_map(KeyDoc::env_names), value_examples(), 8)
 }
 
 proptest! {
