@@ -1,5 +1,10 @@
 //! Checks a placement request before it reaches the replicated log, so that bad input is refused
 //! with a message that says what to change, and never becomes a state change.
+//!
+//! Two levels: [`validate_request`] is also applied by every replica to each logged request, so
+//! its rules must never change (a replica of another version, or a replay of an old log, would
+//! otherwise decide the same entry differently). New restrictions go only into
+//! [`admit_request`], which the member receiving a call (and vgpuctl) checks before proposing.
 
 use crate::v1::{NvlinkPolicy, PlacementRequest};
 
@@ -8,6 +13,8 @@ pub const PRIORITY_MIN: i32 = -1000;
 /// Largest gang: nodes x GPUs per node.
 pub const GANG_GPUS_MAX: u32 = 4096;
 pub const SELECTOR_PAIRS_MAX: usize = 32;
+/// Longest node-selector key or value, and longest owner (a DNS name's length).
+pub const SELECTOR_TEXT_MAX: usize = 253;
 /// Most memory one GPU may report (16 TiB, a hundred times today's largest): with 64 GPUs a node
 /// and thousands of nodes, totals of memory stay far from overflowing a `u64`.
 pub const GPU_MEMORY_BYTES_MAX: u64 = 1 << 44;
@@ -36,8 +43,18 @@ pub enum RequestError {
     UnknownNvlinkPolicy(i32),
     #[error("the node selector has {0} pairs; the limit is {SELECTOR_PAIRS_MAX}")]
     SelectorTooLarge(usize),
-    #[error("the node selector key `{0}` is empty or longer than 253 characters")]
+    #[error("the node selector key `{0}` is empty or longer than {SELECTOR_TEXT_MAX} characters")]
     BadSelectorKey(String),
+    #[error(
+        "the node selector value of `{0}` is longer than {SELECTOR_TEXT_MAX} characters; node labels are never that long"
+    )]
+    BadSelectorValue(String),
+    #[error(
+        "{0} bytes of memory per GPU is more than any GPU has (the limit is {GPU_MEMORY_BYTES_MAX} bytes, 16 TiB); give a size such as `--memory 40GiB`"
+    )]
+    MemoryOutOfRange(u64),
+    #[error("the owner is {0} characters long; the limit is {SELECTOR_TEXT_MAX}")]
+    OwnerTooLong(usize),
     #[error(
         "the bandwidth weight is {0}; give a weight between 1 and {BANDWIDTH_WEIGHT_MAX}, or leave it out to follow the compute share"
     )]
@@ -78,9 +95,29 @@ pub fn validate_request(request: &PlacementRequest) -> Result<(), RequestError> 
     if let Some(key) = request
         .node_selector
         .keys()
-        .find(|k| k.is_empty() || k.len() > 253)
+        .find(|k| k.is_empty() || k.len() > SELECTOR_TEXT_MAX)
     {
         return Err(RequestError::BadSelectorKey(key.clone()));
+    }
+    Ok(())
+}
+
+/// What a new request must satisfy before it is proposed: [`validate_request`], plus the bounds
+/// added after requests were first logged (memory per GPU, selector values, owner length).
+pub fn admit_request(request: &PlacementRequest) -> Result<(), RequestError> {
+    validate_request(request)?;
+    if request.memory_bytes_per_gpu > GPU_MEMORY_BYTES_MAX {
+        return Err(RequestError::MemoryOutOfRange(request.memory_bytes_per_gpu));
+    }
+    if request.owner.len() > SELECTOR_TEXT_MAX {
+        return Err(RequestError::OwnerTooLong(request.owner.len()));
+    }
+    if let Some((key, _)) = request
+        .node_selector
+        .iter()
+        .find(|(_, v)| v.len() > SELECTOR_TEXT_MAX)
+    {
+        return Err(RequestError::BadSelectorValue(key.clone()));
     }
     Ok(())
 }
@@ -188,5 +225,35 @@ mod tests {
             validate_request(&policy),
             Err(RequestError::UnknownNvlinkPolicy(42))
         );
+        // Admission only: the log's rule accepts them (see the module docs).
+        let memory = PlacementRequest {
+            memory_bytes_per_gpu: GPU_MEMORY_BYTES_MAX + 1,
+            ..whole(1)
+        };
+        assert_eq!(
+            admit_request(&memory),
+            Err(RequestError::MemoryOutOfRange(GPU_MEMORY_BYTES_MAX + 1))
+        );
+        let at_most = PlacementRequest {
+            memory_bytes_per_gpu: GPU_MEMORY_BYTES_MAX,
+            ..whole(1)
+        };
+        assert_eq!(admit_request(&at_most), Ok(()));
+        let value = PlacementRequest {
+            node_selector: [("zone".to_owned(), "a".repeat(254))].into(),
+            ..whole(1)
+        };
+        assert_eq!(
+            admit_request(&value),
+            Err(RequestError::BadSelectorValue("zone".to_owned()))
+        );
+        let owner = PlacementRequest {
+            owner: "o".repeat(300),
+            ..whole(1)
+        };
+        assert_eq!(admit_request(&owner), Err(RequestError::OwnerTooLong(300)));
+        for accepted_by_the_log in [&memory, &value, &owner] {
+            assert_eq!(validate_request(accepted_by_the_log), Ok(()));
+        }
     }
 }

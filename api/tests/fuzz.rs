@@ -17,7 +17,7 @@ use api::size::{SizeError, format_bytes, parse_bytes};
 use api::v1::PlacementRequest;
 use api::validate::{
     BANDWIDTH_WEIGHT_MAX, GANG_GPUS_MAX, PRIORITY_MAX, PRIORITY_MIN, RequestError,
-    SELECTOR_PAIRS_MAX, validate_request,
+    SELECTOR_PAIRS_MAX, admit_request, validate_request,
 };
 use proptest::prelude::*;
 use prost::Message as _;
@@ -132,12 +132,18 @@ fn request_is_valid(request: &PlacementRequest) -> bool {
         && request.node_selector.len() <= SELECTOR_PAIRS_MAX
         && request
             .node_selector
-            .keys()
-            .all(|key| !key.is_empty() && key.len() <= 253)
+            .iter()
+            .all(|(key, value)| !key.is_empty() && key.len() <= 253 && value.len() <= 253)
+        && request.memory_bytes_per_gpu <= 1 << 44
+        && request.owner.len() <= 253
 }
 
 fn check_request(request: PlacementRequest) {
-    match validate_request(&request) {
+    // Whatever admission accepts, the log's rule accepts too.
+    if admit_request(&request).is_ok() {
+        assert_eq!(validate_request(&request), Ok(()), "{request:?}");
+    }
+    match admit_request(&request) {
         Ok(()) => {
             assert!(request_is_valid(&request), "accepted {request:?}");
             let bytes = request.encode_to_vec();
@@ -187,7 +193,12 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
         (
             edge_u32(),
             edge_u32(),
-            any::<u64>(),
+            prop_oneof![
+                Just(1u64 << 44),
+                Just((1u64 << 44) + 1),
+                0u64..=(1 << 44),
+                any::<u64>(),
+            ],
             edge_u32(),
             any::<bool>(),
         ),

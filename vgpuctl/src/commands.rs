@@ -49,7 +49,7 @@ pub async fn execute(
     }
 }
 
-/// The API request for `place` flags, checked with [`api::validate::validate_request`].
+/// The API request for `place` flags, checked with [`api::validate::admit_request`].
 pub fn placement_request(args: &PlaceArgs) -> Result<PlacementRequest, UsageError> {
     let (whole_gpus, milli_gpus) = match args.gpus {
         GpuAmount::Whole(count) => (count, 0),
@@ -80,7 +80,7 @@ pub fn placement_request(args: &PlaceArgs) -> Result<PlacementRequest, UsageErro
         bandwidth_weight: args.bandwidth.unwrap_or(0),
         latency: args.latency,
     };
-    api::validate::validate_request(&request).map_err(|error| UsageError(error.to_string()))?;
+    api::validate::admit_request(&request).map_err(|error| UsageError(error.to_string()))?;
     Ok(request)
 }
 

@@ -131,7 +131,7 @@ impl v1::pool_server::Pool for Service {
         let mut placement = request
             .request
             .ok_or_else(|| invalid("the placement request is missing"))?;
-        api::validate::validate_request(&placement).map_err(invalid)?;
+        api::validate::admit_request(&placement).map_err(invalid)?;
         if let TenantScope::Owner(owner) = &scope {
             if !placement.owner.is_empty() && placement.owner != *owner {
                 return Err(denied(
