@@ -17,6 +17,7 @@
 use crate::config::{Config, DEVICES_MAX};
 use crate::ledger::{Ledger, ProcLiveness, own_start_time};
 use crate::tracker::{Charge, Key, Tracker};
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -352,6 +353,27 @@ pub fn slice_of(ordinal: usize) -> Option<(u64, u64)> {
         return None;
     }
     limited(i32::try_from(ordinal).ok())
+}
+
+/// The pids of this tenant's live processes, as its ledger records them, and this process's own,
+/// if the device with this CUDA ordinal is limited: whose entries NVML's process lists show.
+/// `None`: not a limited device (or no usable ledger), and the list is NVML's own.
+///
+/// The pids are the ones the tenant's processes see; NVML reports pids of the host's namespace,
+/// so in a container with a PID namespace of its own nothing matches and the lists are empty.
+pub fn tenant_pids(ordinal: usize) -> Option<BTreeSet<u32>> {
+    let Mode::Enforcing(enforcer) = mode() else {
+        return None;
+    };
+    let device = Some(ordinal).filter(|&d| d < DEVICES_MAX)?;
+    let ledger = enforcer.ledger().ok()?;
+    ledger.region.limit(device)?;
+    let usage = ledger.region.usage(&ProcLiveness);
+    let mut pids: BTreeSet<u32> = usage.processes.iter().map(|p| p.pid).collect();
+    // This process may hold a context without a slot yet (`cuCtxCreate`, nothing allocated).
+    pids.insert(std::process::id());
+    assert!(pids.len() <= crate::ledger::SLOTS + 1);
+    Some(pids)
 }
 
 /// `cuDeviceTotalMem` as the tenant should see it: min(limit, real).

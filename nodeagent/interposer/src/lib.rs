@@ -7,7 +7,8 @@
 //! Layers, from the C boundary inwards:
 //! - `dlsym_shim` exports `dlsym`, so that `dlsym(libcuda, "cuMemAlloc_v2")` finds our hooks.
 //! - `exports` holds every `extern "C"` hook of the driver; each body is wrapped in
-//!   `ffi_boundary!`. `nvml_exports` does the same for NVML's memory queries (policy in `nvml`).
+//!   `ffi_boundary!`. `nvml_exports` does the same for NVML's memory queries and process lists
+//!   (policy in `nvml`).
 //! - `real` reaches the real driver (`dlopen` + `dlsym`) and is the only caller of it.
 //! - `shm` maps the tenant's ledger file.
 //! - `sys` declares the few CUDA driver types and constants we use, by hand (no `cuda.h` on the

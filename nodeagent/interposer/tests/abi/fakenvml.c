@@ -7,12 +7,22 @@
  * driver's 2, NVML device 0 is a GPU that CUDA does not show, 1 is CUDA device 1 and 2 is CUDA
  * device 0. The uuids are fakecuda.c's: bytes a0..ae, then the CUDA ordinal.
  *
+ * Process lists (nvmlDevice{Compute,Graphics,MPSCompute}RunningProcesses, unversioned with
+ * nvmlProcessInfo_v1_t, _v2 and _v3 with nvmlProcessInfo_v2_t, as nvml.h declares them) are the
+ * same on every device: FAKE_NVML_PROCESSES, FAKE_NVML_GRAPHICS_PROCESSES and
+ * FAKE_NVML_MPS_PROCESSES, each "pid:bytes,pid:bytes,..." (default: none), where the pid "self"
+ * is the calling process's. Entry i has gpuInstanceId i and computeInstanceId 100 + i, so that a
+ * test can see those fields carried through. They follow NVML's convention: *infoCount too small
+ * (or 0, with infos allowed to be NULL): NVML_ERROR_INSUFFICIENT_SIZE and *infoCount = the number
+ * needed (NVML_SUCCESS and 0 for an empty list); otherwise the entries and their number.
+ *
  * Built with -Wl,-Bsymbolic, like the fake driver, so that it never calls the interposer's
  * exports of its own names.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int nvmlReturn_t;
 typedef struct fake_device *nvmlDevice_t;
@@ -24,6 +34,17 @@ typedef struct {
   unsigned int version;
   unsigned long long total, reserved, free, used;
 } nvmlMemory_v2_t;
+typedef struct {
+  unsigned int pid;
+  unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+typedef struct {
+  unsigned int pid;
+  unsigned long long usedGpuMemory;
+  unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_v2_t;
+_Static_assert(sizeof(nvmlProcessInfo_v1_t) == 16, "nvml.h's v1 layout");
+_Static_assert(sizeof(nvmlProcessInfo_v2_t) == 24, "nvml.h's v2 layout");
 
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
@@ -32,6 +53,7 @@ typedef struct {
 #define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 #define NVML_MEMORY_V2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
 #define MAX_DEVICES 16
+#define MAX_PROCESSES 4096
 #define MIB (1ULL << 20)
 
 struct fake_device {
@@ -116,3 +138,74 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
   memory->free = memory->total - used;
   return NVML_SUCCESS;
 }
+
+/* The processes listed in `variable`: their number, at most MAX_PROCESSES. */
+static unsigned int parse_processes(const char *variable, unsigned int *pids,
+                                    unsigned long long *bytes) {
+  const char *list = getenv(variable);
+  unsigned int n = 0;
+  while (list != NULL && *list != '\0' && n < MAX_PROCESSES) {
+    char *end;
+    if (strncmp(list, "self", 4) == 0) {
+      pids[n] = (unsigned int)getpid();
+      end = (char *)list + 4;
+    } else {
+      pids[n] = (unsigned int)strtoul(list, &end, 10);
+    }
+    bytes[n] = *end == ':' ? strtoull(end + 1, &end, 10) : 0;
+    n++;
+    list = strchr(end, ',');
+    if (list != NULL) list++;
+  }
+  return n;
+}
+
+/* One process-list query, for either entry layout (`v2`: nvmlProcessInfo_v2_t). */
+static nvmlReturn_t processes(const char *variable, nvmlDevice_t device, unsigned int *count,
+                              void *infos, int v2) {
+  static unsigned int pids[MAX_PROCESSES];
+  static unsigned long long bytes[MAX_PROCESSES];
+  if (!initialised) return NVML_ERROR_UNINITIALIZED;
+  if (!valid(device) || count == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+  unsigned int n = parse_processes(variable, pids, bytes);
+  if (*count < n) {
+    *count = n;
+    return NVML_ERROR_INSUFFICIENT_SIZE;
+  }
+  if (n > 0 && infos == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+  for (unsigned int i = 0; i < n; i++) {
+    if (v2) {
+      nvmlProcessInfo_v2_t *entry = (nvmlProcessInfo_v2_t *)infos + i;
+      entry->pid = pids[i];
+      entry->usedGpuMemory = bytes[i];
+      entry->gpuInstanceId = i;
+      entry->computeInstanceId = 100 + i;
+    } else {
+      nvmlProcessInfo_v1_t *entry = (nvmlProcessInfo_v1_t *)infos + i;
+      entry->pid = pids[i];
+      entry->usedGpuMemory = bytes[i];
+    }
+  }
+  *count = n;
+  return NVML_SUCCESS;
+}
+
+#define PROCESS_LIST(name, variable, entry, v2)                                              \
+  nvmlReturn_t name(nvmlDevice_t device, unsigned int *count, entry *infos) {               \
+    return processes(variable, device, count, infos, v2);                                    \
+  }
+PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses, "FAKE_NVML_PROCESSES", nvmlProcessInfo_v1_t, 0)
+PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses_v2, "FAKE_NVML_PROCESSES", nvmlProcessInfo_v2_t, 1)
+PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses_v3, "FAKE_NVML_PROCESSES", nvmlProcessInfo_v2_t, 1)
+PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses, "FAKE_NVML_GRAPHICS_PROCESSES",
+             nvmlProcessInfo_v1_t, 0)
+PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses_v2, "FAKE_NVML_GRAPHICS_PROCESSES",
+             nvmlProcessInfo_v2_t, 1)
+PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses_v3, "FAKE_NVML_GRAPHICS_PROCESSES",
+             nvmlProcessInfo_v2_t, 1)
+PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses, "FAKE_NVML_MPS_PROCESSES",
+             nvmlProcessInfo_v1_t, 0)
+PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v2, "FAKE_NVML_MPS_PROCESSES",
+             nvmlProcessInfo_v2_t, 1)
+PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v3, "FAKE_NVML_MPS_PROCESSES",
+             nvmlProcessInfo_v2_t, 1)

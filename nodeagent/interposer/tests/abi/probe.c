@@ -35,9 +35,17 @@
  *                    (nvmlDeviceGetMemoryInfo / _v2): "nvml_dl <rc> <total> <free> <used> lib=",
  *                    "nvml2_dl <rc> <total> <reserved> <free> <used> lib=" (rc -1: no library)
  *   nvml_default     nvmlDeviceGetMemoryInfo from dlsym(RTLD_DEFAULT), on a null device: "<rc> lib="
+ *   pid              prints "pid <getpid()>"
+ *   procs_dl KIND I N    NVML device I's process list through dlsym(dlopen("libnvidia-ml.so.1")),
+ *                    KIND: compute, compute_v2, compute_v3, graphics[_v2|_v3], mps[_v2|_v3] (the
+ *                    unversioned symbols with nvmlProcessInfo_v1_t, the others with _v2_t), with
+ *                    room for N entries (N "null": infos NULL and *infoCount 0; I "null": a null
+ *                    device): "procs_dl <rc> <*infoCount> [<pid>:<bytes>[:<gi>:<ci>] for each
+ *                    entry on success] [overwritten: an entry past *infoCount changed] lib="
  * Built with -DPROBE_NVML_LINKED (and linked against libnvidia-ml.so.1), also:
  *   nvml I | nvml2 I NVML device I's memory, called directly (as nvml_dl / nvml2_dl)
  *   nvml2_version I V   nvmlDeviceGetMemoryInfo_v2 with the struct version V: "<rc> <total>"
+ *   procs KIND I N   as procs_dl, called directly (without "lib=")
  * PROBE_NO_CUDA=1: the process starts without a CUDA context (no cuInit, no primary context).
  * APIs: kernel, kernel_ptsz, ex, ex_ptsz, coop, coop_ptsz, multi (cooperative multi-device),
  * ex_coop (cuLaunchKernelEx with the cooperative attribute), graph, graph_ptsz, gpa / gpa_ptsz
@@ -133,6 +141,15 @@ typedef struct {
   unsigned long long total, reserved, free, used;
 } nvmlMemory_v2_t;
 #define NVML_MEMORY_V2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
+typedef struct {
+  unsigned int pid;
+  unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+typedef struct {
+  unsigned int pid;
+  unsigned long long usedGpuMemory;
+  unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_v2_t;
 typedef nvmlReturn_t (*nvml_init_fn)(void);
 typedef nvmlReturn_t (*nvml_handle_fn)(unsigned int, void **);
 typedef nvmlReturn_t (*nvml_mem_fn)(void *, nvmlMemory_t *);
@@ -142,7 +159,48 @@ nvmlReturn_t nvmlInit_v2(void);
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int, void **);
 nvmlReturn_t nvmlDeviceGetMemoryInfo(void *, nvmlMemory_t *);
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(void *, nvmlMemory_v2_t *);
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(void *, unsigned int *, nvmlProcessInfo_v1_t *);
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(void *, unsigned int *, nvmlProcessInfo_v2_t *);
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(void *, unsigned int *, nvmlProcessInfo_v2_t *);
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(void *, unsigned int *, nvmlProcessInfo_v1_t *);
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(void *, unsigned int *, nvmlProcessInfo_v2_t *);
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(void *, unsigned int *, nvmlProcessInfo_v2_t *);
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(void *, unsigned int *, nvmlProcessInfo_v1_t *);
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(void *, unsigned int *,
+                                                        nvmlProcessInfo_v2_t *);
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(void *, unsigned int *,
+                                                        nvmlProcessInfo_v2_t *);
+#define LINKED(f) ((void *)(f))
+#else
+#define LINKED(f) NULL
 #endif
+typedef nvmlReturn_t (*nvml_processes_fn)(void *, unsigned int *, void *);
+
+/* The process-list queries by the probe's names for them. */
+static const struct {
+  const char *kind, *symbol;
+  int v2;
+  void *linked;
+} process_queries[] = {
+    {"compute", "nvmlDeviceGetComputeRunningProcesses", 0,
+     LINKED(nvmlDeviceGetComputeRunningProcesses)},
+    {"compute_v2", "nvmlDeviceGetComputeRunningProcesses_v2", 1,
+     LINKED(nvmlDeviceGetComputeRunningProcesses_v2)},
+    {"compute_v3", "nvmlDeviceGetComputeRunningProcesses_v3", 1,
+     LINKED(nvmlDeviceGetComputeRunningProcesses_v3)},
+    {"graphics", "nvmlDeviceGetGraphicsRunningProcesses", 0,
+     LINKED(nvmlDeviceGetGraphicsRunningProcesses)},
+    {"graphics_v2", "nvmlDeviceGetGraphicsRunningProcesses_v2", 1,
+     LINKED(nvmlDeviceGetGraphicsRunningProcesses_v2)},
+    {"graphics_v3", "nvmlDeviceGetGraphicsRunningProcesses_v3", 1,
+     LINKED(nvmlDeviceGetGraphicsRunningProcesses_v3)},
+    {"mps", "nvmlDeviceGetMPSComputeRunningProcesses", 0,
+     LINKED(nvmlDeviceGetMPSComputeRunningProcesses)},
+    {"mps_v2", "nvmlDeviceGetMPSComputeRunningProcesses_v2", 1,
+     LINKED(nvmlDeviceGetMPSComputeRunningProcesses_v2)},
+    {"mps_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v3", 1,
+     LINKED(nvmlDeviceGetMPSComputeRunningProcesses_v3)},
+};
 
 typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
 typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
@@ -265,6 +323,67 @@ static void nvml_via_dlsym(int v2, unsigned int index) {
     if (rc == 0) rc = ((nvml_mem_fn)f)(device, &m);
     printf("%s %d %llu %llu %llu lib=%s\n", name, rc, m.total, m.free, m.used, lib_of(f));
   }
+}
+
+/* One "procs" or "procs_dl" line: the process list `kind` of NVML device `index` (or a null
+ * device), with room for `room` entries (or a NULL buffer). */
+static void process_list(const char *command, const char *kind, const char *index,
+                         const char *room_arg, int via_dlsym) {
+  void *f = NULL;
+  int v2 = 0;
+  nvml_init_fn init = NULL;
+  nvml_handle_fn handle = NULL;
+  if (via_dlsym) {
+    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    if (lib == NULL) {
+      printf("%s -1 0 lib=none\n", command);
+      return;
+    }
+    init = (nvml_init_fn)dlsym(lib, "nvmlInit_v2");
+    handle = (nvml_handle_fn)dlsym(lib, "nvmlDeviceGetHandleByIndex_v2");
+  }
+#ifdef PROBE_NVML_LINKED
+  if (!via_dlsym) {
+    init = nvmlInit_v2;
+    handle = nvmlDeviceGetHandleByIndex_v2;
+  }
+#endif
+  for (size_t q = 0; q < sizeof process_queries / sizeof process_queries[0]; q++) {
+    if (strcmp(process_queries[q].kind, kind) != 0) continue;
+    v2 = process_queries[q].v2;
+    f = via_dlsym ? dlsym(dlopen("libnvidia-ml.so.1", RTLD_NOW), process_queries[q].symbol)
+                  : process_queries[q].linked;
+  }
+  size_t entry = v2 ? sizeof(nvmlProcessInfo_v2_t) : sizeof(nvmlProcessInfo_v1_t);
+  int null_infos = !strcmp(room_arg, "null");
+  unsigned int room = null_infos ? 0 : (unsigned int)strtoul(room_arg, NULL, 10);
+  unsigned char *infos = malloc((room + 1) * entry);
+  memset(infos, 0xab, (room + 1) * entry);
+  unsigned int count = room;
+  void *device = NULL;
+  nvmlReturn_t rc = init && handle && f ? init() : -1;
+  if (rc == 0 && strcmp(index, "null") != 0) rc = handle((unsigned int)atoi(index), &device);
+  if (rc == 0) rc = ((nvml_processes_fn)f)(device, &count, null_infos ? NULL : infos);
+  printf("%s %d %u", command, rc, count);
+  for (unsigned int k = 0; rc == 0 && k < count && k < room; k++) {
+    if (v2) {
+      nvmlProcessInfo_v2_t *e = (nvmlProcessInfo_v2_t *)infos + k;
+      printf(" %u:%llu:%u:%u", e->pid, e->usedGpuMemory, e->gpuInstanceId, e->computeInstanceId);
+    } else {
+      nvmlProcessInfo_v1_t *e = (nvmlProcessInfo_v1_t *)infos + k;
+      printf(" %u:%llu", e->pid, e->usedGpuMemory);
+    }
+  }
+  size_t written = rc == 0 && count <= room ? count * entry : 0;
+  for (size_t b = written; b < (room + 1) * entry; b++) {
+    if (infos[b] != 0xab) {
+      printf(" overwritten");
+      break;
+    }
+  }
+  if (via_dlsym) printf(" lib=%s", lib_of(f));
+  printf("\n");
+  free(infos);
 }
 
 int main(int argc, char **argv) {
@@ -438,6 +557,11 @@ int main(int argc, char **argv) {
     } else if (!strcmp(c, "nvml_dl") || !strcmp(c, "nvml2_dl")) {
       nvml_via_dlsym(!strcmp(c, "nvml2_dl"), (unsigned int)atoi(a));
       i++;
+    } else if (!strcmp(c, "pid")) {
+      printf("pid %d\n", (int)getpid());
+    } else if (!strcmp(c, "procs_dl") || !strcmp(c, "procs")) {
+      process_list(c, a, argv[i + 2], argv[i + 3], !strcmp(c, "procs_dl"));
+      i += 3;
     } else if (!strcmp(c, "nvml_default")) {
       void *f = dlsym(RTLD_DEFAULT, "nvmlDeviceGetMemoryInfo");
       nvmlMemory_t m = {0, 0, 0};
