@@ -105,6 +105,43 @@ pub struct Peer {
     pub role: Role,
     /// The certificate's common name.
     pub name: String,
+    /// The certificate's serial number ([`normalize_serial`] form); empty without a certificate
+    /// (`--insecure`).
+    pub serial: String,
+}
+
+/// A certificate serial as vgpu keeps it: lowercase hex, no colons, no leading zeros (`0` for
+/// zero). `None` for anything else than hex digits and colons, or more than 40 digits (RFC 5280
+/// serials are at most 20 bytes).
+pub fn normalize_serial(text: &str) -> Option<String> {
+    let digits: String = text
+        .trim()
+        .chars()
+        .filter(|c| *c != ':')
+        .map(|c| c.to_ascii_lowercase())
+        .collect();
+    if digits.is_empty() || digits.len() > 40 || !digits.chars().all(|c| c.is_ascii_hexdigit()) {
+        return None;
+    }
+    let trimmed = digits.trim_start_matches('0');
+    Some(if trimmed.is_empty() { "0" } else { trimmed }.to_owned())
+}
+
+/// The serial of the first certificate in `pem`, normalized.
+pub fn serial_of_pem(pem: &str) -> Result<String, String> {
+    let der = crate::pki::first_certificate_der(pem).map_err(|error| error.to_string())?;
+    let (_, cert) = x509_parser::parse_x509_certificate(&der)
+        .map_err(|error| format!("unreadable certificate: {error}"))?;
+    Ok(serial_of(&cert))
+}
+
+fn serial_of(cert: &x509_parser::certificate::X509Certificate<'_>) -> String {
+    let hex: String = cert
+        .raw_serial()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    normalize_serial(&hex).unwrap_or_else(|| "0".to_owned())
 }
 
 impl Peer {
@@ -134,7 +171,11 @@ impl Peer {
             .and_then(|attribute| attribute.as_str().ok())
             .ok_or_else(|| "the client certificate names no role (subject O)".to_owned())?
             .parse::<Role>()?;
-        Ok(Peer { role, name })
+        Ok(Peer {
+            role,
+            name,
+            serial: serial_of(&cert),
+        })
     }
 }
 
@@ -446,6 +487,16 @@ impl ServerCertVerifier for PinnedCaVerifier {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn serials_are_normalized_or_refused() {
+        assert_eq!(normalize_serial("0A:1b").as_deref(), Some("a1b"));
+        assert_eq!(normalize_serial(" 00 ").as_deref(), Some("0"));
+        assert_eq!(normalize_serial(&"f".repeat(40)), Some("f".repeat(40)));
+        for bad in ["", ":", "xyz", "0x1f", &"f".repeat(41)] {
+            assert_eq!(normalize_serial(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn roles_round_trip_and_unknown_ones_say_what_to_write() {

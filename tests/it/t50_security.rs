@@ -287,3 +287,70 @@ fn unknown_and_expired_tokens_are_refused() -> Result<()> {
     ensure!(!state_dir.join("tls/agent.crt").exists());
     Ok(())
 }
+
+#[test]
+fn a_revoked_certificate_is_refused_by_every_member_and_after_a_restart() -> Result<()> {
+    let mut cluster = Cluster::start_secure(3, &[])?;
+    let pki = cluster.pki.as_ref().context("secure")?;
+    let alice = pki.issue("tenant:alice", "alice", &[])?;
+    let bob = pki.issue("tenant:bob", "bob", &[])?;
+    let admin = pki.admin.clone();
+    let as_user = |flags: &[String], endpoint: &str, args: &[&str]| {
+        let mut all: Vec<&str> = flags.iter().map(String::as_str).collect();
+        all.extend_from_slice(args);
+        tests::vgpuctl(endpoint, &all)
+    };
+    let first = cluster.members[0].address.clone();
+    let listed = as_user(&alice, &first, &["get", "tenants"])?;
+    ensure!(listed.status.success(), "{}", stderr(&listed));
+
+    // The revocation itself, as an operator runs it: the certificate file and an admin's.
+    let revoke = |who: &[String], file: &str| -> Result<std::process::Output> {
+        Ok(Command::new(binary("vgpu-cp"))
+            .args(["cert", "revoke", "--file", file, "--endpoint", &first])
+            .args(["--ca-cert", &who[1], "--cert", &who[3], "--key", &who[5]])
+            .output()?)
+    };
+    // A tenant cannot revoke (not even another tenant's certificate).
+    let refused = revoke(&alice, &bob[3])?;
+    ensure!(!refused.status.success(), "a tenant revoked: {refused:?}");
+    ensure!(
+        stderr(&refused).contains("VGPU-PERMISSION-DENIED"),
+        "{}",
+        stderr(&refused)
+    );
+    let revoked = revoke(&admin, &alice[3])?;
+    ensure!(revoked.status.success(), "{}", stderr(&revoked));
+    let text = String::from_utf8_lossy(&revoked.stdout).into_owned();
+    ensure!(text.contains("revoked; 1 revoked in all"), "{text}");
+    let again = revoke(&admin, &alice[3])?;
+    ensure!(
+        String::from_utf8_lossy(&again.stdout).contains("was already revoked"),
+        "{again:?}"
+    );
+
+    // Every member refuses alice now (followers apply the entry a moment later); bob is fine.
+    let refused_everywhere = |cluster: &Cluster| -> Result<()> {
+        for member in &cluster.members {
+            wait_for(
+                "a member to refuse the revoked certificate",
+                Duration::from_secs(10),
+                || {
+                    let output = as_user(&alice, &member.address, &["get", "tenants"]).ok()?;
+                    let text = stderr(&output);
+                    (!output.status.success() && text.contains("was revoked")).then_some(())
+                },
+            )?;
+        }
+        Ok(())
+    };
+    refused_everywhere(&cluster)?;
+    let listed = as_user(&bob, &first, &["get", "tenants"])?;
+    ensure!(listed.status.success(), "{}", stderr(&listed));
+
+    // A member that restarts rebuilds the list from its log and snapshot.
+    cluster.member(2).kill();
+    cluster.member(2).start()?;
+    refused_everywhere(&cluster)?;
+    Ok(())
+}

@@ -282,4 +282,13 @@ impl Cluster for Fake {
     ) -> Result<Response<api::v1::CreateJoinTokenResponse>, Status> {
         Err(Status::unimplemented("vgpuctl does not create tokens"))
     }
+
+    async fn revoke_certificate(
+        &self,
+        _: Request<api::v1::RevokeCertificateRequest>,
+    ) -> Result<Response<api::v1::RevokeCertificateResponse>, Status> {
+        Err(Status::unimplemented(
+            "vgpuctl does not revoke certificates",
+        ))
+    }
 }

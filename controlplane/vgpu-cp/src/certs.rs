@@ -105,6 +105,31 @@ pub async fn token_create(
         .map_err(|status| CertError::Refused(status.message().to_owned()))
 }
 
+/// Revokes the certificate with `serial` through `endpoint` with an admin certificate.
+pub async fn revoke(
+    transport: &Transport,
+    endpoint: &str,
+    serial: &str,
+) -> Result<api::v1::RevokeCertificateResponse, CertError> {
+    let channel = transport
+        .endpoint(endpoint)?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(15))
+        .connect()
+        .await
+        .map_err(|error| CertError::Unreachable {
+            endpoint: endpoint.to_owned(),
+            detail: format!("{error:?}"),
+        })?;
+    api::v1::cluster_client::ClusterClient::new(channel)
+        .revoke_certificate(api::v1::RevokeCertificateRequest {
+            serial: serial.to_owned(),
+        })
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|status| CertError::Refused(status.message().to_owned()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

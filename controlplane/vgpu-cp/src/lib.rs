@@ -162,6 +162,7 @@ impl Security {
             insecure: transport.is_insecure(),
             ca_cert_pem,
             ca_signer,
+            revoked: security::Revocations::default(),
         };
         Ok((transport, guard))
     }
@@ -353,6 +354,10 @@ fn serve(
     transport: &api::tls::Transport,
     guard: security::Guard,
 ) -> Result<impl std::future::Future<Output = Result<(), Error>> + use<>, Error> {
+    let guard = security::Guard {
+        revoked: security::Revocations::of(control_plane.shared.clone()),
+        ..guard
+    };
     let service = service::Service {
         control_plane: control_plane.clone(),
         guard: Arc::new(guard),

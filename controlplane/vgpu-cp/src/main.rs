@@ -103,6 +103,38 @@ enum CertCommand {
         #[arg(long, value_name = "DIR")]
         out_dir: PathBuf,
     },
+    /// Print a certificate's serial number (what `cert revoke --serial` takes).
+    Serial {
+        /// The certificate.
+        #[arg(long, value_name = "FILE")]
+        cert: PathBuf,
+    },
+    /// Revoke a certificate (needs an admin certificate): every member refuses it from then on.
+    Revoke {
+        /// The certificate to revoke.
+        #[arg(
+            long,
+            value_name = "FILE",
+            required_unless_present = "serial",
+            conflicts_with = "serial"
+        )]
+        file: Option<PathBuf>,
+        /// Or its serial number, hex.
+        #[arg(long)]
+        serial: Option<String>,
+        /// A control-plane member, HOST:PORT.
+        #[arg(long, default_value = "127.0.0.1:7401")]
+        endpoint: String,
+        /// The cluster CA certificate.
+        #[arg(long, value_name = "FILE")]
+        ca_cert: PathBuf,
+        /// An admin certificate.
+        #[arg(long, value_name = "FILE")]
+        cert: PathBuf,
+        /// Its key.
+        #[arg(long, value_name = "FILE")]
+        key: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -327,14 +359,49 @@ fn ca(command: CaCommand) -> anyhow::Result<()> {
 }
 
 fn cert(command: CertCommand) -> anyhow::Result<()> {
-    let CertCommand::Issue {
-        ca_dir,
-        role,
-        name,
-        host,
-        days,
-        out_dir,
-    } = command;
+    let (ca_dir, role, name, host, days, out_dir) = match command {
+        CertCommand::Issue {
+            ca_dir,
+            role,
+            name,
+            host,
+            days,
+            out_dir,
+        } => (ca_dir, role, name, host, days, out_dir),
+        CertCommand::Serial { cert } => {
+            println!("{}", serial_of_file(&cert)?);
+            return Ok(());
+        }
+        CertCommand::Revoke {
+            file,
+            serial,
+            endpoint,
+            ca_cert,
+            cert,
+            key,
+        } => {
+            let serial = match (file, serial) {
+                (Some(file), _) => serial_of_file(&file)?,
+                (None, Some(text)) => text,
+                (None, None) => unreachable!("clap requires --revoke or --serial"),
+            };
+            let files = api::tls::TlsFiles { ca_cert, cert, key };
+            let transport = api::tls::Transport::choose(false, Some(&files), "")?;
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            let answer =
+                runtime.block_on(vgpu_cp::certs::revoke(&transport, &endpoint, &serial))?;
+            let state = if answer.newly_revoked {
+                "revoked"
+            } else {
+                "was already revoked"
+            };
+            println!(
+                "certificate {serial} {state}; {} revoked in all",
+                answer.revoked_total
+            );
+            return Ok(());
+        }
+    };
     let ca = vgpu_cp::certs::load_ca(
         &ca_dir.join(vgpu_cp::certs::CA_CERT_FILE),
         &ca_dir.join(vgpu_cp::certs::CA_KEY_FILE),
@@ -343,6 +410,14 @@ fn cert(command: CertCommand) -> anyhow::Result<()> {
     println!("certificate: {} (role {role}, name {name})", cert.display());
     println!("key:         {} (mode 0600)", key.display());
     Ok(())
+}
+
+fn serial_of_file(path: &std::path::Path) -> anyhow::Result<String> {
+    let pem = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the certificate {}", path.display()))?;
+    api::tls::serial_of_pem(&pem)
+        .map_err(anyhow::Error::msg)
+        .with_context(|| format!("reading the certificate {}", path.display()))
 }
 
 fn token(command: TokenCommand) -> anyhow::Result<()> {

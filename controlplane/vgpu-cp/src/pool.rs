@@ -58,10 +58,21 @@ pub enum Command {
         expires_unix_ms: i64,
         unix_ms: i64,
     },
+    /// Revokes the certificate with this serial (normalized hex, `api::tls::normalize_serial`).
+    /// (Appended last, like `CreateToken`. A member of an older version cannot read it: revoke
+    /// only once every member runs a version that knows it.)
+    RevokeCertificate {
+        serial: String,
+        unix_ms: i64,
+    },
 }
 
 /// Most unexpired bootstrap tokens the pool keeps.
 pub const TOKENS_MAX: usize = 1024;
+
+/// Most revoked certificates the pool keeps (they are kept for good: a certificate lives up to
+/// years; replace the CA long before this fills).
+pub const REVOKED_MAX: usize = 65_536;
 
 /// Most commands in one `Command::Batch` (their sequence numbers are `index << 16 | position`).
 pub const BATCH_COMMANDS_MAX: usize = 1024;
@@ -76,6 +87,11 @@ pub enum CommandResult {
     Failed {
         code: ErrorCode,
         message: String,
+    },
+    /// A certificate revocation: whether it was new, and how many are revoked now.
+    Revoked {
+        newly: bool,
+        total: u32,
     },
 }
 
@@ -134,6 +150,12 @@ pub struct PoolState {
     pub counters: Counters,
     /// Bootstrap tokens: SHA-256 (hex) -> expiry, unix ms.
     pub tokens: BTreeMap<String, i64>,
+    /// Revoked certificates: serial (normalized hex) -> when, unix ms. Not part of this
+    /// struct's encoding: the snapshot carries it next to the pool (format 2), so that a pool
+    /// without revocations encodes exactly as before (format 1) and older members can still
+    /// read its snapshots during a rolling upgrade (`store::state_machine`).
+    #[serde(skip)]
+    pub revoked: BTreeMap<String, i64>,
 }
 
 impl Default for PoolState {
@@ -145,6 +167,7 @@ impl Default for PoolState {
             node_revisions: BTreeMap::new(),
             counters: Counters::default(),
             tokens: BTreeMap::new(),
+            revoked: BTreeMap::new(),
         }
     }
 }
@@ -210,6 +233,9 @@ impl PoolState {
                 expires_unix_ms,
                 unix_ms,
             } => self.create_token(hash, expires_unix_ms, unix_ms),
+            Command::RevokeCertificate { serial, unix_ms } => {
+                self.revoke_certificate(serial, unix_ms)
+            }
             Command::Retry { unix_ms } => {
                 let Some(commands) = self.handle_guarded(Event::Retry) else {
                     return engine_failure();
@@ -239,6 +265,34 @@ impl PoolState {
         self.tokens.insert(hash, expires_unix_ms);
         assert!(self.tokens.len() <= TOKENS_MAX, "tokens are bounded");
         CommandResult::Done
+    }
+
+    fn revoke_certificate(&mut self, serial: String, unix_ms: i64) -> CommandResult {
+        if api::tls::normalize_serial(&serial).as_deref() != Some(serial.as_str()) {
+            return failed(
+                ErrorCode::InvalidArgument,
+                format!("`{serial}` is not a certificate serial (hex digits)"),
+            );
+        }
+        if self.revoked.contains_key(&serial) {
+            return CommandResult::Revoked {
+                newly: false,
+                total: self.revoked.len() as u32,
+            };
+        }
+        if self.revoked.len() >= REVOKED_MAX {
+            return failed(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "{REVOKED_MAX} certificates are revoked already; replace the cluster CA (docs/security.md)"
+                ),
+            );
+        }
+        self.revoked.insert(serial, unix_ms);
+        CommandResult::Revoked {
+            newly: true,
+            total: self.revoked.len() as u32,
+        }
     }
 
     /// The expiry (unix ms) of the token with this SHA-256 (hex), if the pool knows it (an

@@ -424,3 +424,42 @@ fn tokens_keep_only_their_hash_and_expire() {
         CommandResult::Failed { .. }
     ));
 }
+
+#[test]
+fn revocations_are_kept_once_in_normal_form_and_bounded() {
+    let mut state = PoolState::default();
+    let revoke = |serial: &str| Command::RevokeCertificate {
+        serial: serial.to_owned(),
+        unix_ms: 7,
+    };
+    assert_eq!(
+        state.apply(1, revoke("1f")),
+        CommandResult::Revoked {
+            newly: true,
+            total: 1
+        }
+    );
+    assert_eq!(
+        state.apply(2, revoke("1f")),
+        CommandResult::Revoked {
+            newly: false,
+            total: 1
+        }
+    );
+    // Only the normal form is logged (the member normalizes before proposing).
+    for bad in ["1F", "0x1f", "", "01f", "zz"] {
+        assert!(
+            matches!(state.apply(3, revoke(bad)), CommandResult::Failed { .. }),
+            "{bad}"
+        );
+    }
+    assert_eq!(state.revoked, BTreeMap::from([("1f".to_owned(), 7)]));
+    for index in 1..REVOKED_MAX as u64 {
+        state.apply(4, revoke(&format!("{:x}", 0x1000 + index)));
+    }
+    assert_eq!(state.revoked.len(), REVOKED_MAX);
+    assert!(matches!(
+        state.apply(5, revoke("abc")),
+        CommandResult::Failed { .. }
+    ));
+}

@@ -9,11 +9,15 @@
 //! - `member`: the Raft transport (`Raft.*`), `Cluster.Status` and `Cluster.AddMember` (joining).
 //! - no certificate: only `Agent.JoinNode`, which proves a bootstrap token instead.
 //!
+//! A certificate whose serial the replicated state lists as revoked (`Cluster.RevokeCertificate`)
+//! is refused whatever its role.
+//!
 //! Under `--insecure` there are no certificates and every caller is an admin.
 
 use api::ErrorCode;
 use api::pki::CertAndKey;
 use api::tls::{Peer, Role};
+use std::sync::Arc;
 use tonic::{Request, Status};
 
 /// The common name given to callers under `--insecure`.
@@ -30,6 +34,34 @@ pub struct Guard {
     pub ca_cert_pem: Option<String>,
     /// The cluster CA with its key, when this member signs joining agents' certificates.
     pub ca_signer: Option<CertAndKey>,
+    /// Where the revoked serials are read (the replicated state).
+    pub revoked: Revocations,
+}
+
+/// The revoked certificates, read from the member's replicated state at each call. Empty
+/// until [`Revocations::of`] connects it (tests, and the moment before the store is open).
+#[derive(Clone, Default)]
+pub struct Revocations(Option<Arc<crate::store::Shared>>);
+
+impl Revocations {
+    pub fn of(shared: Arc<crate::store::Shared>) -> Revocations {
+        Revocations(Some(shared))
+    }
+
+    /// When (unix ms) the certificate with this serial was revoked, if it was.
+    pub fn revoked_at(&self, serial: &str) -> Option<i64> {
+        self.0.as_ref()?.read().pool.revoked.get(serial).copied()
+    }
+}
+
+impl std::fmt::Debug for Revocations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Revocations(replicated state)"
+        } else {
+            "Revocations(none)"
+        })
+    }
 }
 
 /// Which tenants a caller may see and change.
@@ -65,10 +97,17 @@ impl Guard {
             return Ok(Peer {
                 role: Role::Admin,
                 name: INSECURE_CALLER.to_owned(),
+                serial: String::new(),
             });
         }
         match Peer::of(request) {
-            Some(Ok(peer)) => Ok(peer),
+            Some(Ok(peer)) => match self.revoked.revoked_at(&peer.serial) {
+                None => Ok(peer),
+                Some(at) => Err(ErrorCode::PermissionDenied.status(format!(
+                    "the certificate of `{}` (role {}, serial {}) was revoked at unix ms {at}; ask an admin for a new one (`vgpu-cp cert issue`)",
+                    peer.name, peer.role, peer.serial
+                ))),
+            },
             Some(Err(problem)) => Err(ErrorCode::PermissionDenied.status(format!(
                 "{problem}; issue a new certificate with `vgpu-cp cert issue --role ...`"
             ))),
@@ -134,6 +173,7 @@ mod tests {
         Peer {
             role,
             name: name.to_owned(),
+            serial: "1".to_owned(),
         }
     }
 
@@ -143,6 +183,7 @@ mod tests {
             insecure: true,
             ca_cert_pem: None,
             ca_signer: None,
+            revoked: Revocations::default(),
         };
         let caller = insecure.admin(&Request::new(()), "anything").unwrap();
         assert_eq!(caller.role, Role::Admin);
@@ -150,6 +191,7 @@ mod tests {
             insecure: false,
             ca_cert_pem: None,
             ca_signer: None,
+            revoked: Revocations::default(),
         };
         let status = secure.caller(&Request::new(())).unwrap_err();
         assert_eq!(status.code(), tonic::Code::Unauthenticated);

@@ -36,7 +36,7 @@ fn result_to_tenant(result: CommandResult, service: &Service) -> Result<v1::Tena
             .pool
             .tenant_to_proto(&record)),
         CommandResult::Failed { code, message } => Err(code.status(message)),
-        CommandResult::Done | CommandResult::Batch(_) => {
+        CommandResult::Done | CommandResult::Batch(_) | CommandResult::Revoked { .. } => {
             Err(ErrorCode::Internal.status("the write returned no tenant"))
         }
     }
@@ -548,6 +548,33 @@ impl v1::cluster_server::Cluster for Service {
             .remove_member(request.into_inner().id)
             .await?;
         Ok(Response::new(self.status()))
+    }
+
+    async fn revoke_certificate(
+        &self,
+        request: Request<v1::RevokeCertificateRequest>,
+    ) -> Result<Response<v1::RevokeCertificateResponse>, Status> {
+        self.guard.admin(&request, "revoking certificates")?;
+        let text = request.into_inner().serial;
+        let Some(serial) = api::tls::normalize_serial(&text) else {
+            return Err(invalid(format!(
+                "`{text}` is not a certificate serial; give its hex digits (`vgpu-cp cert serial --cert FILE` prints them)"
+            )));
+        };
+        let command = Command::RevokeCertificate {
+            serial,
+            unix_ms: unix_ms(),
+        };
+        match self.control_plane.write(command).await? {
+            CommandResult::Revoked { newly, total } => {
+                Ok(Response::new(v1::RevokeCertificateResponse {
+                    newly_revoked: newly,
+                    revoked_total: total,
+                }))
+            }
+            CommandResult::Failed { code, message } => Err(code.status(message)),
+            _ => Err(ErrorCode::Internal.status("the revocation returned no result")),
+        }
     }
 
     async fn create_join_token(

@@ -97,6 +97,7 @@ fn member() -> &'static Member {
             insecure,
             ca_cert_pem: None,
             ca_signer: None,
+            revoked: vgpu_cp::security::Revocations::default(),
         };
         Member {
             cluster_id: control_plane.cluster_id.clone(),
@@ -531,6 +532,7 @@ enum Call {
     AddMember(v1::AddMemberRequest),
     RemoveMember(v1::RemoveMemberRequest),
     CreateJoinToken(v1::CreateJoinTokenRequest),
+    RevokeCertificate(v1::RevokeCertificateRequest),
 }
 
 fn any_call() -> impl Strategy<Value = Call> {
@@ -557,6 +559,8 @@ fn any_call() -> impl Strategy<Value = Call> {
             .prop_map(|(id, address)| Call::AddMember(v1::AddMemberRequest { id, address })),
         1 => any::<u64>().prop_map(|id| Call::RemoveMember(v1::RemoveMemberRequest { id })),
         1 => edge_u64().prop_map(|ttl_seconds| Call::CreateJoinToken(v1::CreateJoinTokenRequest { ttl_seconds })),
+        1 => fuzz::hostile(vec!["1f".into(), "0A:1B:2c".into(), "f".repeat(40)])
+            .prop_map(|serial| Call::RevokeCertificate(v1::RevokeCertificateRequest { serial })),
     ]
 }
 
@@ -593,6 +597,7 @@ async fn dispatch(service: &Service, call: Call) -> Result<(), Status> {
         Call::AddMember(m) => service.add_member(Request::new(m)).await.map(drop),
         Call::RemoveMember(m) => service.remove_member(Request::new(m)).await.map(drop),
         Call::CreateJoinToken(m) => service.create_join_token(Request::new(m)).await.map(drop),
+        Call::RevokeCertificate(m) => service.revoke_certificate(Request::new(m)).await.map(drop),
     }
 }
 
@@ -604,7 +609,7 @@ fn must_refuse(call: &Call) -> bool {
         Call::Place(m) => {
             bad_name(&m.name)
                 || m.request.as_ref().is_none_or(|request| {
-                    api::validate::validate_request(request).is_err()
+                    api::validate::admit_request(request).is_err()
                         || (!request.owner.is_empty() && bad_name(&request.owner))
                 })
         }
@@ -618,6 +623,7 @@ fn must_refuse(call: &Call) -> bool {
         Call::WatchAssignments(m) => bad_name(&m.node),
         Call::AddMember(m) => m.id == 0,
         Call::CreateJoinToken(_) => true,
+        Call::RevokeCertificate(m) => api::tls::normalize_serial(&m.serial).is_none(),
         _ => false,
     }
 }
@@ -704,6 +710,9 @@ fn check_bytes(bytes: Vec<u8>) {
     }
     if let Ok(m) = v1::CreateJoinTokenRequest::decode(slice) {
         calls.push(Call::CreateJoinToken(m));
+    }
+    if let Ok(m) = v1::RevokeCertificateRequest::decode(slice) {
+        calls.push(Call::RevokeCertificate(m));
     }
     for call in calls {
         check_call(call);

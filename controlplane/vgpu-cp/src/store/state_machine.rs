@@ -13,12 +13,16 @@ use crate::raft_types::{
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder, StorageIOError};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::io::{Cursor, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::watch;
 
-const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+/// Format 1: the applied state. Format 2: the same, then the revoked certificates. A snapshot
+/// without revocations is written as format 1, which members of earlier versions read too.
+const SNAPSHOT_FORMAT_VERSION: u32 = 2;
+const SNAPSHOT_FORMAT_WITHOUT_REVOCATIONS: u32 = 1;
 const SNAPSHOT_FILE: &str = "snapshot.bin";
 
 /// What has been applied: the pool plus Raft's own bookkeeping.
@@ -46,11 +50,28 @@ impl Shared {
     }
 }
 
-#[derive(Serialize, Deserialize)]
+/// A snapshot as the rest of the store uses it: `applied.pool.revoked` filled.
 struct SnapshotFile {
+    meta: SnapshotMeta,
+    applied: Applied,
+}
+
+/// Format 1 on disk and on the wire.
+#[derive(Serialize, Deserialize)]
+struct SnapshotV1 {
     format_version: u32,
     meta: SnapshotMeta,
     applied: Applied,
+}
+
+/// Format 2: format 1's fields, then the revoked certificates (`PoolState::revoked` is not part
+/// of `PoolState`'s encoding).
+#[derive(Serialize, Deserialize)]
+struct SnapshotV2 {
+    format_version: u32,
+    meta: SnapshotMeta,
+    applied: Applied,
+    revoked: BTreeMap<String, i64>,
 }
 
 struct StoredSnapshot {
@@ -100,9 +121,25 @@ impl StateMachineStore {
     }
 }
 
-/// Encodes a snapshot file: 8 bytes of checksum, then the bincode body.
+/// Encodes a snapshot file: 8 bytes of checksum, then the bincode body (format 1 when nothing is
+/// revoked, else format 2).
 fn encode_snapshot(file: &SnapshotFile) -> Vec<u8> {
-    let body = encode(file).expect("encoding plain data cannot fail");
+    let revoked = &file.applied.pool.revoked;
+    let body = if revoked.is_empty() {
+        encode(&SnapshotV1 {
+            format_version: SNAPSHOT_FORMAT_WITHOUT_REVOCATIONS,
+            meta: file.meta.clone(),
+            applied: file.applied.clone(),
+        })
+    } else {
+        encode(&SnapshotV2 {
+            format_version: SNAPSHOT_FORMAT_VERSION,
+            meta: file.meta.clone(),
+            applied: file.applied.clone(),
+            revoked: revoked.clone(),
+        })
+    }
+    .expect("encoding plain data cannot fail");
     let mut bytes = Vec::with_capacity(body.len() + 8);
     bytes.extend_from_slice(&checksum(&body).to_le_bytes());
     bytes.extend_from_slice(&body);
@@ -126,14 +163,35 @@ fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotFile, StorageError> {
             "snapshot checksum mismatch: the file is corrupt".to_owned(),
         ));
     }
-    let file: SnapshotFile =
-        decode(body).map_err(|e| corrupt(format!("undecodable snapshot: {e}")))?;
-    if file.format_version != SNAPSHOT_FORMAT_VERSION {
-        return Err(corrupt(format!(
-            "snapshot format {} is not {SNAPSHOT_FORMAT_VERSION}",
-            file.format_version
-        )));
-    }
+    let undecodable =
+        |e: bincode::error::DecodeError| corrupt(format!("undecodable snapshot: {e}"));
+    // Every format starts with its version.
+    let (format_version, _): (u32, usize) =
+        bincode::serde::decode_from_slice(body, bincode::config::standard())
+            .map_err(undecodable)?;
+    let file = match format_version {
+        SNAPSHOT_FORMAT_WITHOUT_REVOCATIONS => {
+            let v1: SnapshotV1 = decode(body).map_err(undecodable)?;
+            SnapshotFile {
+                meta: v1.meta,
+                applied: v1.applied,
+            }
+        }
+        SNAPSHOT_FORMAT_VERSION => {
+            let v2: SnapshotV2 = decode(body).map_err(undecodable)?;
+            let mut applied = v2.applied;
+            applied.pool.revoked = v2.revoked;
+            SnapshotFile {
+                meta: v2.meta,
+                applied,
+            }
+        }
+        other => {
+            return Err(corrupt(format!(
+                "snapshot format {other} is not one this version reads (1 or {SNAPSHOT_FORMAT_VERSION}); was it written by a newer vgpu-cp?"
+            )));
+        }
+    };
     assert_eq!(
         file.meta.last_log_id, file.applied.last_applied,
         "snapshot meta and content disagree"
@@ -180,7 +238,6 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             ),
         };
         let file = SnapshotFile {
-            format_version: SNAPSHOT_FORMAT_VERSION,
             meta: meta.clone(),
             applied,
         };
@@ -295,5 +352,68 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             meta: stored.meta.clone(),
             snapshot: Box::new(Cursor::new(stored.bytes.clone())),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(revoked: &[(&str, i64)]) -> SnapshotFile {
+        let mut applied = Applied::default();
+        applied.pool.tokens.insert("ab".repeat(32), 99);
+        applied.pool.revoked = revoked.iter().map(|(s, t)| (s.to_string(), *t)).collect();
+        SnapshotFile {
+            meta: SnapshotMeta::default(),
+            applied,
+        }
+    }
+
+    fn version(bytes: &[u8]) -> u32 {
+        bincode::serde::decode_from_slice::<u32, _>(&bytes[8..], bincode::config::standard())
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    fn revocations_travel_in_format_2_and_a_snapshot_without_them_stays_format_1() {
+        let plain = encode_snapshot(&file(&[]));
+        assert_eq!(
+            version(&plain),
+            1,
+            "readable by members of earlier versions"
+        );
+        // Exactly what an earlier version wrote: the format-1 struct on its own.
+        let earlier = file(&[]);
+        let body = encode(&SnapshotV1 {
+            format_version: 1,
+            meta: earlier.meta,
+            applied: earlier.applied,
+        })
+        .unwrap();
+        assert_eq!(&plain[8..], body.as_slice());
+        let read = decode_snapshot(&plain).unwrap();
+        assert!(read.applied.pool.revoked.is_empty());
+        assert_eq!(read.applied.pool.tokens.len(), 1);
+
+        let revoked = encode_snapshot(&file(&[("1f", 5), ("a0", 7)]));
+        assert_eq!(version(&revoked), 2);
+        let read = decode_snapshot(&revoked).unwrap();
+        assert_eq!(
+            read.applied.pool.revoked,
+            BTreeMap::from([("1f".to_owned(), 5), ("a0".to_owned(), 7)])
+        );
+        assert_eq!(read.applied.pool.tokens.len(), 1);
+    }
+
+    #[test]
+    fn a_snapshot_of_an_unknown_format_is_refused_with_a_reason() {
+        let mut bytes = encode_snapshot(&file(&[]));
+        // Rewrite the version (a one-byte varint) and the checksum.
+        bytes[8] = 9;
+        let sum = checksum(&bytes[8..]).to_le_bytes();
+        bytes[..8].copy_from_slice(&sum);
+        let error = decode_snapshot(&bytes).err().unwrap().to_string();
+        assert!(error.contains("snapshot format 9"), "{error}");
     }
 }
