@@ -10,6 +10,10 @@
 #   isolation  two jobs at once on the GPU pair, bandwidth weights 75/25: without vgpu (driver
 #              time slicing), MPS alone, and MPS + our tuner; the 75 job alone for reference
 #   overhead   one job on NCCL's own NVLink path with and without the plugin loaded, no sharing
+#   interposer (issue 3, point 5) one tenant's all-reduce across both GPUs with libvgpu_cuda.so
+#              preloaded (memory limit, compute share with burst), against the same job without;
+#              correctness on random data. INTERPOSER=path (default dist-nccl/libvgpu_cuda.so).
+#              Not in the default SECTIONS.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 SO=$(realpath "${1:-$ROOT/dist-nccl/libvgpu_nccl.so}")
@@ -80,6 +84,16 @@ for s in $SECTIONS; do
     job vgpu_A 29500 2 "${PLUG[@]}" "${A[@]}" -- --mib 256 & job vgpu_B 29501 2 "${PLUG[@]}" "${B[@]}" -- --mib 256; wait
     nomps
     ;;
+  interposer)
+    log "interposer"
+    IP=$(realpath "${INTERPOSER:-$ROOT/dist-nccl/libvgpu_cuda.so}")
+    IPSHM=$(mktemp -d /dev/shm/vgpu-nccl-ip.XXXXXX)
+    job ip_none 29500 2 -- --check "$CHECK" --mib 256 --lead 2
+    job ip_tenant 29500 2 LD_PRELOAD="$IP" VGPU_TENANT=one VGPU_MEMORY_LIMIT=40GiB \
+      VGPU_COMPUTE_SHARES=0:50,1:50 VGPU_BURST=1 VGPU_SHM_DIR="$IPSHM" VGPU_LOG=1 -- --check "$CHECK" --mib 256 --lead 2
+    grep -h "vgpu" "$LOGS/ip_tenant.log" | head -5 >"$LOGS/ip_tenant_interposer_lines.txt"
+    rm -rf "$IPSHM"
+    ;;
   overhead)
     log "overhead"
     for r in 1 2; do
@@ -115,6 +129,8 @@ for p in ["tsl", "mps", "vgpu"]:
 lat = {r["label"]: r["ops"]["all_reduce"]["p50_ms"] for r in rows if "all_reduce" in r["ops"]}
 if "vgpu_A" in lat and "mps_alone_A" in lat:
     print(f"guarantee: A's all-reduce p50 next to B: {lat['vgpu_A']:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat['vgpu_A']/lat['mps_alone_A']:.2f}x; vs alone without MPS {lat.get('alone_plain', 0):.2f} = {lat['vgpu_A']/lat.get('alone_plain', 1):.2f}x (target 1.15x)")
+if "ip_tenant" in by:
+    print(f"interposer: one tenant's collectives across 2 GPUs under libvgpu_cuda.so: {by['ip_tenant']:.1f} GB/s vs {by.get('ip_none', 0):.1f} without (checks in the table)")
 if "plugin_r1" in by:
     n = (by.get("noplugin_r1", 0) + by.get("noplugin_r2", 0)) / 2
     p = (by.get("plugin_r1", 0) + by.get("plugin_r2", 0)) / 2
