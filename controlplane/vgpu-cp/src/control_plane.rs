@@ -684,6 +684,12 @@ impl ControlPlane {
     /// The leader's periodic duties: mark nodes lost or back, retry pending tenants.
     pub async fn leader_loop(self: Arc<Self>) {
         let mut leader_since: Option<Instant> = None;
+        // Ready nodes without a heartbeat yet, and when this leader first saw them: a node's
+        // registration is applied before its first heartbeat is recorded (the register call
+        // records one after the write, the agent beats within an interval), and judging such a
+        // node against `leader_since` marked hundreds of freshly registered nodes lost (and
+        // ready again) during a 10,000-node ramp-up, each a log entry and a re-placement.
+        let mut first_seen: HashMap<String, Instant> = HashMap::new();
         let mut last_retry = Instant::now();
         let mut interval = tokio::time::interval(self.timings.leader_loop_interval);
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -691,6 +697,7 @@ impl ControlPlane {
             interval.tick().await;
             if !self.is_leader() {
                 leader_since = None;
+                first_seen.clear();
                 continue;
             }
             let since = *leader_since.get_or_insert_with(|| {
@@ -700,7 +707,7 @@ impl ControlPlane {
                 );
                 Instant::now()
             });
-            let changes = self.node_state_changes(since);
+            let changes = self.node_state_changes(since, &mut first_seen);
             for (node, state, reason) in changes {
                 tracing::warn!(%node, ?state, %reason, "node state change");
                 let command = Command::SetNodeState {
@@ -726,6 +733,7 @@ impl ControlPlane {
     fn node_state_changes(
         &self,
         leader_since: Instant,
+        first_seen: &mut HashMap<String, Instant>,
     ) -> Vec<(String, placement::NodeState, String)> {
         let now = Instant::now();
         let timeout = self.timings.node_lost_timeout;
@@ -739,7 +747,10 @@ impl ControlPlane {
             let last = heartbeats.get(name).map(|(at, _)| *at);
             match state {
                 placement::NodeState::Ready => {
-                    let reference = last.map_or(leader_since, |at| at.max(leader_since));
+                    let reference = match last {
+                        Some(at) => at.max(leader_since),
+                        None => *first_seen.entry(name.to_owned()).or_insert(now),
+                    };
                     if now.duration_since(reference) > timeout {
                         let reason =
                             format!("no heartbeat for more than {:.1}s", timeout.as_secs_f64());
@@ -758,6 +769,12 @@ impl ControlPlane {
                 placement::NodeState::Draining => {}
             }
         }
+        // Bounded by the nodes: entries leave once their node has beaten (or is gone).
+        first_seen.retain(|name, _| !heartbeats.contains_key(name));
+        if first_seen.len() > applied.pool.nodes.len() {
+            first_seen.retain(|name, _| applied.pool.nodes.contains_key(name));
+        }
+        debug_assert!(first_seen.len() <= applied.pool.nodes.len());
         changes
     }
 }

@@ -48,6 +48,9 @@ struct Args {
     /// Extra arguments for `vgpu-agent simulate-fleet`, e.g. `--nodes-per-connection=100`.
     #[arg(long, allow_hyphen_values = true)]
     fleet_arg: Vec<String>,
+    /// Extra arguments for every `vgpu-cp` member, e.g. `--member-arg=--election-timeout-ms=1000`.
+    #[arg(long, allow_hyphen_values = true)]
+    member_arg: Vec<String>,
 }
 
 fn main() -> Result<()> {
@@ -68,7 +71,8 @@ fn main() -> Result<()> {
     let load_before = std::fs::read_to_string("/proc/loadavg")?;
     let uptime_before = uptime();
 
-    let cluster = Cluster::start(3, &[])?;
+    let member_args: Vec<&str> = args.member_arg.iter().map(String::as_str).collect();
+    let cluster = Cluster::start(3, &member_args)?;
     let endpoints: Vec<String> = cluster.members.iter().map(|m| m.address.clone()).collect();
     let summary_path = out_dir.join("fleet-summary.json");
     let mut fleet_command = Command::new(binary("vgpu-agent"));
@@ -87,27 +91,60 @@ fn main() -> Result<()> {
     let started = Instant::now();
     let gpus_expected = args.nodes * gpus_in_spec(&args.spec)?;
     let ramp_patience = Duration::from_secs(120 + args.nodes as u64 / 20);
+    // The fleet says when every node's Register call returned (each returns once its entry is
+    // committed); the leader's state confirms it. Polling the leader's `/metrics` instead, every
+    // 50 ms, made it render the health series of every registered GPU each time (at 10,000
+    // nodes an estimated 40-60 MB of text per scrape), which loaded the leader more than the
+    // fleet did.
+    let registered_line = format!("all {} nodes registered", args.nodes);
     wait_for(
         &format!("{} nodes registered", args.nodes),
         ramp_patience,
         || {
+            std::thread::sleep(Duration::from_millis(200));
+            std::fs::read_to_string(&fleet.log)
+                .ok()?
+                .contains(&registered_line)
+                .then_some(())
+        },
+    )
+    .with_context(|| format!("fleet log: {}", fleet.log.display()))?;
+    wait_for(
+        "the leader's state to show every GPU",
+        Duration::from_secs(60),
+        || {
+            std::thread::sleep(Duration::from_millis(500));
             let leader = cluster.leader().ok()?;
             let address = &cluster.members[leader as usize - 1].address;
             let gpus = metric(&http_get(address, "/metrics").ok()?, "vgpu_pool_gpus")?;
             (gpus as usize >= gpus_expected).then_some(())
         },
-    )
-    .with_context(|| format!("fleet log: {}", fleet.log.display()))?;
+    )?;
     let ramp = started.elapsed();
     println!(
-        "{} nodes x {} registered in {:.1} s (as the leader's state shows)",
+        "{} nodes x {} registered in {:.1} s (as the fleet saw it, confirmed by the leader's state)",
         args.nodes,
         args.spec,
         ramp.as_secs_f64()
     );
     std::thread::sleep(Duration::from_secs(args.settle));
 
-    let leader = cluster.leader()?;
+    // Every member's own view, not one member's answer: right after an election a member may
+    // still name the old leader, and the CPU columns would be labelled wrongly.
+    let leader = wait_for(
+        "a leader every member agrees on",
+        Duration::from_secs(30),
+        || {
+            let texts = scrape_all(&cluster).ok()?;
+            let leaders: std::collections::BTreeSet<u64> = texts
+                .values()
+                .map(|text| metric(text, "vgpu_raft_leader_id").unwrap_or(0.0) as u64)
+                .collect();
+            (leaders.len() == 1)
+                .then(|| leaders.into_iter().next())?
+                .filter(|&id| id > 0)
+        },
+    )?;
     let leader_member = &cluster.members[leader as usize - 1];
     let mut pids: Vec<(String, u32)> = cluster
         .members
