@@ -15,7 +15,9 @@ simulate="${VGPU_SIMULATE:-8xH100-80GB}"
 
 echo "building vgpu (release)..." >&2
 cargo build --release --quiet --bins -p vgpu-cp -p vgpu-agent -p vgpuctl
-bin="$PWD/target/release"
+target_dir="${CARGO_TARGET_DIR:-target}"
+case "$target_dir" in /*) ;; *) target_dir="$PWD/$target_dir" ;; esac
+bin="$target_dir/release"
 mkdir -p "$state"
 
 if "$bin/vgpuctl" --endpoints "127.0.0.1:$port" --timeout 1s cluster status >/dev/null 2>&1; then
