@@ -154,3 +154,65 @@ fn bandwidth_weights_and_slice_identities_reach_the_tenant_environment() -> Resu
     assert_eq!(tenants.as_array().map(Vec::len), Some(2), "{tenants}");
     Ok(())
 }
+
+/// Two simulated agents on one host (as in the README's three-member example) each keep their
+/// tenants' private directories under their own state directory, and `vgpu-agent env` finds
+/// the right one without being told.
+#[test]
+fn simulated_agents_on_one_host_keep_their_tenants_directories_apart() -> Result<()> {
+    let mut cluster = Cluster::start(1, &[])?;
+    cluster.start_agent_with("node-a", "1xH100-80GB", &["--labels", "host=a"])?;
+    cluster.start_agent_with("node-b", "1xH100-80GB", &["--labels", "host=b"])?;
+    cluster.wait_nodes_ready(2)?;
+    for (tenant, host) in [("on-a", "a"), ("on-b", "b")] {
+        let placed = cluster.vgpuctl(&[
+            "place",
+            tenant,
+            "--gpus",
+            "0.5",
+            "--selector",
+            &format!("host={host}"),
+        ])?;
+        assert!(
+            placed.status.success(),
+            "{}",
+            String::from_utf8_lossy(&placed.stderr)
+        );
+    }
+    for (tenant, node) in [("on-a", 0), ("on-b", 1)] {
+        let state_dir = cluster.agents[node].state_dir.clone();
+        let own = state_dir.join("shm/tenants").join(tenant);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !own.join("nccl-share").exists() {
+            if Instant::now() > deadline {
+                bail!("{} never appeared", own.display());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let out = Command::new(binary("vgpu-agent"))
+            .args(["env", "--tenant", tenant, "--name"])
+            .arg(if node == 0 { "node-a" } else { "node-b" })
+            .arg("--state-dir")
+            .arg(&state_dir)
+            .output()?;
+        let text = String::from_utf8(out.stdout)?;
+        assert!(
+            text.contains(&format!("VGPU_SHM_DIR='{}'", own.display())),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Each agent's prepare left the other's tenant alone (and its own directory holds only its
+    // own tenant).
+    let listing = |node: usize| -> Result<Vec<String>> {
+        let dir = cluster.agents[node].state_dir.join("shm/tenants");
+        let mut names: Vec<String> = std::fs::read_dir(dir)?
+            .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+            .collect::<Result<_>>()?;
+        names.sort();
+        Ok(names)
+    };
+    assert_eq!(listing(0)?, ["on-a"]);
+    assert_eq!(listing(1)?, ["on-b"]);
+    Ok(())
+}

@@ -105,6 +105,7 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     let state = StateDir::open(&config.state_dir, &config.name)?;
     let mut follower = Follower::restore(state.clone(), &config.name)?;
     state.write_inventory(&inventory)?;
+    state.write_shm_dir(&config.shm_dir)?;
     follower = follower.with_private(crate::private::Layout::new(&config.shm_dir));
     if let Some(mps) = &config.mps {
         // Before any tenant can be started here: their environment names the daemon's pipes.

@@ -127,7 +127,7 @@ const SHM_DIR: KeyDoc = KeyDoc {
     env: "VGPU_AGENT_SHM_DIR",
     env_aliases: &["VGPU_SHM_DIR"],
     flag: Some("--shm-dir"),
-    default: tenant::SHM_DIR_DEFAULT,
+    default: "/dev/shm/vgpu; with simulate, STATE_DIR/shm (exec and env: the agent's, from STATE_DIR/shm-dir)",
     example: "\"/dev/shm/vgpu\"",
 };
 
@@ -295,18 +295,40 @@ impl Settings {
         })
     }
 
-    /// The interposers' shared-memory directory.
+    /// The interposers' shared-memory directory as given, else `/dev/shm/vgpu`.
     pub fn shm_dir(&self) -> PathBuf {
         self.shm_dir
             .clone()
             .unwrap_or_else(|| PathBuf::from(tenant::SHM_DIR_DEFAULT))
     }
 
-    /// The MPS pipe directory tenants connect to, when the node runs MPS (`mps = true`).
-    pub fn mps_pipe_dir(&self) -> Option<PathBuf> {
+    /// The shared-memory directory `join` uses: as given, else `STATE_DIR/shm` for simulated
+    /// GPUs (several simulated agents may share a host, and each one's tenant directories must
+    /// be its own), else `/dev/shm/vgpu`. Absolute.
+    pub fn join_shm_dir(&self, state_dir: &Path) -> PathBuf {
+        absolute(&match (&self.shm_dir, &self.simulate) {
+            (Some(given), _) => given.clone(),
+            (None, Some(_)) => state_dir.join("shm"),
+            (None, None) => PathBuf::from(tenant::SHM_DIR_DEFAULT),
+        })
+    }
+
+    /// The shared-memory directory `exec` and `env` use: as given, else the one the running
+    /// agent recorded in its state directory, else `/dev/shm/vgpu`.
+    pub fn tenant_shm_dir(&self) -> PathBuf {
+        if let Some(given) = &self.shm_dir {
+            return given.clone();
+        }
+        crate::state::read_shm_dir(&self.tenant_state_dir())
+            .unwrap_or_else(|| PathBuf::from(tenant::SHM_DIR_DEFAULT))
+    }
+
+    /// The MPS pipe directory tenants connect to, when the node runs MPS (`mps = true`), for the
+    /// shared-memory directory `shm_dir`.
+    pub fn mps_pipe_dir(&self, shm_dir: &Path) -> Option<PathBuf> {
         self.mps
             .unwrap_or(false)
-            .then(|| crate::mps::pipe_dir(&absolute(&self.shm_dir())))
+            .then(|| crate::mps::pipe_dir(&absolute(shm_dir)))
     }
 
     /// The interposer to preload; `executable` is vgpu-agent's own path.
@@ -348,9 +370,9 @@ impl Settings {
                 crate::cdi::default_cdi_dir(&state_dir, self.simulate.is_some())
             }),
             interposer: self.interposer(executable),
-            shm_dir: absolute(&self.shm_dir()),
+            shm_dir: self.join_shm_dir(&state_dir),
             state_dir: absolute(&state_dir),
-            mps_pipe_dir: self.mps_pipe_dir(),
+            mps_pipe_dir: self.mps_pipe_dir(&self.join_shm_dir(&state_dir)),
         });
         let security = crate::bootstrap::Security {
             insecure: self.insecure.unwrap_or(false),
@@ -368,7 +390,7 @@ impl Settings {
                 "--token needs --ca-cert-hash sha256:... (the pin `vgpu-cp token create` prints), so that the agent knows it talks to its cluster".to_owned(),
             ));
         }
-        let shm_dir = absolute(&self.shm_dir());
+        let shm_dir = self.join_shm_dir(&state_dir);
         let mps = self.mps.unwrap_or(false).then(|| {
             crate::mps::MpsConfig::new(self.mps_control.clone(), &shm_dir, &absolute(&state_dir))
         });
@@ -460,6 +482,50 @@ mod tests {
         let file = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(file.path(), text).unwrap();
         file
+    }
+
+    #[test]
+    fn the_shared_memory_directory_is_per_agent_when_simulating_and_exec_finds_the_agents() {
+        let state = tempfile::tempdir().unwrap();
+        let simulated = Settings {
+            simulate: Some("1xH100-80GB".into()),
+            state_dir: Some(state.path().to_owned()),
+            ..Settings::default()
+        };
+        assert_eq!(
+            simulated.join_shm_dir(state.path()),
+            state.path().join("shm")
+        );
+        let real = Settings::default();
+        assert_eq!(
+            real.join_shm_dir(state.path()),
+            PathBuf::from(tenant::SHM_DIR_DEFAULT)
+        );
+        let given = Settings {
+            shm_dir: Some("/dev/shm/mine".into()),
+            ..simulated.clone()
+        };
+        assert_eq!(
+            given.join_shm_dir(state.path()),
+            PathBuf::from("/dev/shm/mine")
+        );
+        // exec and env: what the agent recorded, unless given.
+        let for_exec = Settings {
+            state_dir: Some(state.path().to_owned()),
+            ..Settings::default()
+        };
+        assert_eq!(
+            for_exec.tenant_shm_dir(),
+            PathBuf::from(tenant::SHM_DIR_DEFAULT)
+        );
+        let dir = crate::state::StateDir::open(state.path(), "node-a").unwrap();
+        dir.write_shm_dir(&state.path().join("shm")).unwrap();
+        assert_eq!(for_exec.tenant_shm_dir(), state.path().join("shm"));
+        let given = Settings {
+            shm_dir: Some("/dev/shm/mine".into()),
+            ..for_exec
+        };
+        assert_eq!(given.tenant_shm_dir(), PathBuf::from("/dev/shm/mine"));
     }
 
     #[test]

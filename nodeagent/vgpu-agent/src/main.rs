@@ -348,8 +348,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 state_dir: settings.tenant_state_dir(),
                 node_hint: settings.node(),
                 interposer: (!no_interposer).then(|| settings.interposer(executable.as_deref())),
-                shm_dir: settings.shm_dir(),
-                mps_pipe_dir: settings.mps_pipe_dir(),
+                shm_dir: settings.tenant_shm_dir(),
+                mps_pipe_dir: settings.mps_pipe_dir(&settings.tenant_shm_dir()),
                 tenant,
                 command: args.command,
             };
@@ -369,9 +369,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             let config = EnvConfig {
                 interposer,
-                shm_dir: settings.shm_dir(),
+                shm_dir: settings.tenant_shm_dir(),
                 state_dir,
-                mps_pipe_dir: settings.mps_pipe_dir(),
+                mps_pipe_dir: settings.mps_pipe_dir(&settings.tenant_shm_dir()),
             };
             let environment =
                 tenant::tenant_environment(&placement.node, &placement.assignment, &config, None);

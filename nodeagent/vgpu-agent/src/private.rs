@@ -1,7 +1,9 @@
 //! Per-tenant node-local state, readable and writable only by the tenant and the agent.
 //!
 //! Everything a tenant's processes share with the agent lives in the tenant's own directory
-//! under the shared-memory directory (`shm_dir`, default `/dev/shm/vgpu`):
+//! under the shared-memory directory (`shm_dir`: `/dev/shm/vgpu` by default, `STATE_DIR/shm` for
+//! a simulated agent so that several on one host keep apart; the agent records it in
+//! `STATE_DIR/shm-dir`, where `exec` and `env` find it):
 //!
 //! | path | mode, owner | what |
 //! | --- | --- | --- |

@@ -38,6 +38,8 @@ pub const STATE_FILE_BYTES_MAX: u64 = 64 << 20;
 
 const ASSIGNMENTS_FILE: &str = "assignments.json";
 const INVENTORY_FILE: &str = "inventory.json";
+/// The shared-memory directory of the running agent (a path, for `exec` and `env`).
+const SHM_DIR_FILE: &str = "shm-dir";
 const TENANTS_DIR: &str = "tenants";
 const TEMPORARY_SUFFIX: &str = ".tmp";
 
@@ -225,6 +227,14 @@ impl StateDir {
         Ok(report)
     }
 
+    /// Records the shared-memory directory the agent uses, for `exec` and `env`.
+    pub fn write_shm_dir(&self, shm_dir: &Path) -> Result<()> {
+        write_atomically(
+            &self.root.join(SHM_DIR_FILE),
+            shm_dir.to_string_lossy().as_bytes(),
+        )
+    }
+
     /// Records the inventory that was registered.
     pub fn write_inventory(&self, inventory: &Inventory) -> Result<()> {
         assert_eq!(inventory.node, self.node);
@@ -300,6 +310,13 @@ pub fn read_assignments_file(root: &Path) -> Result<Option<AssignmentsFile>> {
 }
 
 /// `tenants/<tenant>.json` of the state directory at `root`, read-only; `None` when there is none.
+/// The shared-memory directory the agent of `root` recorded, if any.
+pub fn read_shm_dir(root: &Path) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(root.join(SHM_DIR_FILE)).ok()?;
+    let path = PathBuf::from(text.trim());
+    path.is_absolute().then_some(path)
+}
+
 pub fn read_tenant_file(root: &Path, tenant: &str) -> Result<Option<TenantFile>> {
     api::names::validate("tenant", tenant)?;
     let path = root.join(TENANTS_DIR).join(format!("{tenant}.json"));
