@@ -25,7 +25,7 @@
 
 use crate::nvml::{self, Memory};
 use crate::real::{lookup, with_guard};
-use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_ulonglong, c_void};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::OnceLock;
 
 pub type nvmlReturn_t = c_int;
@@ -231,22 +231,10 @@ pub fn nvml() -> Option<&'static Nvml> {
 }
 
 fn load() -> Option<Nvml> {
-    let path = std::env::var("VGPU_REAL_LIBNVML")
-        .ok()
-        .filter(|p| !p.is_empty())
-        .unwrap_or_else(|| "libnvidia-ml.so.1".to_owned());
-    let Ok(c_path) = CString::new(path.clone()) else {
-        crate::log::error(format_args!(
-            "VGPU_REAL_LIBNVML `{path}` contains a NUL byte"
-        ));
-        return None;
-    };
-    // SAFETY: `c_path` is NUL-terminated; dlopen has no other preconditions.
-    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-    if handle.is_null() {
-        crate::log::debug(format_args!("no NVML library `{path}`"));
-        return None;
-    }
+    let (handle, path) =
+        crate::real::open_library("VGPU_REAL_LIBNVML", "libnvidia-ml.so.1", |path| {
+            crate::log::debug(format_args!("no NVML library `{path}`"))
+        })?;
     let resolve = |name: &CStr| {
         let found = lookup(handle, name);
         (!found.is_null()).then_some(found)

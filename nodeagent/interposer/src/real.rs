@@ -193,25 +193,37 @@ pub fn driver() -> Option<&'static Driver> {
     DRIVER.get_or_init(|| with_guard(load)).as_ref()
 }
 
-fn load() -> Option<Driver> {
-    let path = std::env::var("VGPU_REAL_LIBCUDA")
+/// Opens the real library that the variable `variable` names, else `default`: its handle and
+/// path, or `None` (a path with a NUL byte is logged here; a library that does not load is left
+/// to `missing`, which knows whether that is an error).
+pub(crate) fn open_library(
+    variable: &str,
+    default: &str,
+    missing: impl FnOnce(&str),
+) -> Option<(*mut c_void, String)> {
+    let path = std::env::var(variable)
         .ok()
         .filter(|p| !p.is_empty())
-        .unwrap_or_else(|| "libcuda.so.1".to_owned());
+        .unwrap_or_else(|| default.to_owned());
     let Ok(c_path) = CString::new(path.clone()) else {
-        crate::log::error(format_args!(
-            "VGPU_REAL_LIBCUDA `{path}` contains a NUL byte"
-        ));
+        crate::log::error(format_args!("{variable} `{path}` contains a NUL byte"));
         return None;
     };
     // SAFETY: `c_path` is NUL-terminated; dlopen has no other preconditions.
     let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if handle.is_null() {
-        crate::log::error(format_args!(
-            "cannot load the real CUDA driver `{path}` (set VGPU_REAL_LIBCUDA to its path)"
-        ));
+        missing(&path);
         return None;
     }
+    Some((handle, path))
+}
+
+fn load() -> Option<Driver> {
+    let (handle, path) = open_library("VGPU_REAL_LIBCUDA", "libcuda.so.1", |path| {
+        crate::log::error(format_args!(
+            "cannot load the real CUDA driver `{path}` (set VGPU_REAL_LIBCUDA to its path)"
+        ))
+    })?;
     let fns = Fns::resolve(handle);
     let substitutes: Vec<(usize, usize)> = crate::exports::hooks()
         .iter()
