@@ -295,13 +295,6 @@ impl Settings {
         })
     }
 
-    /// The interposers' shared-memory directory as given, else `/dev/shm/vgpu`.
-    pub fn shm_dir(&self) -> PathBuf {
-        self.shm_dir
-            .clone()
-            .unwrap_or_else(|| PathBuf::from(tenant::SHM_DIR_DEFAULT))
-    }
-
     /// The shared-memory directory `join` uses: as given, else `STATE_DIR/shm` for simulated
     /// GPUs (several simulated agents may share a host, and each one's tenant directories must
     /// be its own), else `/dev/shm/vgpu`. Absolute.
@@ -555,7 +548,7 @@ mod tests {
         assert!(matches!(join.source, InventorySource::Simulated(_)));
         assert_eq!(join.labels.get("zone").map(String::as_str), Some("a"));
         assert!(join.cdi.is_none(), "cdi = false writes no spec");
-        assert_eq!(settings.shm_dir(), PathBuf::from("/dev/shm/old-name"));
+        assert_eq!(join.shm_dir, PathBuf::from("/dev/shm/old-name"));
     }
 
     #[test]
@@ -567,8 +560,12 @@ mod tests {
             state_dir: Some("/tmp/vgpu-agent-config-test".into()),
             ..Settings::default()
         };
-        assert_eq!(settings.shm_dir(), PathBuf::from(tenant::SHM_DIR_DEFAULT));
         let join = settings.join(None, None).unwrap();
+        // Simulated: under the state directory (see join_shm_dir).
+        assert_eq!(
+            join.shm_dir,
+            PathBuf::from("/tmp/vgpu-agent-config-test/shm")
+        );
         let cdi = join.cdi.expect("CDI is on by default");
         assert_eq!(cdi.dir, PathBuf::from("/tmp/vgpu-agent-config-test/cdi"));
         assert_eq!(join.address, "");
