@@ -19,6 +19,12 @@ pub struct Config {
     pub speed_mbps: i32,
     /// `VGPU_NCCL_MIN_PART`: smallest piece of a request given to one TCP stream.
     pub min_part: u64,
+    /// `VGPU_NCCL_OWN_CONTEXT`: the same-host copy workers issue their copies from a CUDA
+    /// context of their own instead of the application's (default on). With the application's
+    /// context and CUDA's lazy module loading, a kernel the application loads while NCCL's
+    /// kernel waits for one of our copies deadlocks the process (the loader holds the context
+    /// while it waits for the GPU to go idle); measured on 2 x H200.
+    pub own_context: bool,
     /// `VGPU_NETSHARE_TABLE` and `VGPU_NETSHARE_FLOW`: the node's token-bucket table and this
     /// tenant's flow in it; sends wait for tokens when both are set.
     pub netshare: Option<(std::path::PathBuf, u64)>,
@@ -92,6 +98,7 @@ impl Config {
             addr,
             speed_mbps: var("VGPU_NCCL_SPEED_MBPS", 400_000i32, |n| *n > 0),
             min_part: var("VGPU_NCCL_MIN_PART", 256u64 << 10, |n| *n >= 4096),
+            own_context: flag("VGPU_NCCL_OWN_CONTEXT", true),
             netshare,
         }
     }

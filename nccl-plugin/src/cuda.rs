@@ -69,6 +69,7 @@ driver! {
     ctx_get_current: b"cuCtxGetCurrent\0" => fn(*mut CUcontext);
     ctx_set_current: b"cuCtxSetCurrent\0" => fn(CUcontext);
     ctx_get_device: b"cuCtxGetDevice\0" => fn(*mut c_int);
+    ctx_create: b"cuCtxCreate_v2\0" => fn(*mut CUcontext, c_uint, c_int);
     get_address_range: b"cuMemGetAddressRange_v2\0" => fn(*mut CUdeviceptr, *mut usize, CUdeviceptr);
     retain_allocation_handle: b"cuMemRetainAllocationHandle\0" => fn(*mut CUmemHandle, *mut c_void);
     release: b"cuMemRelease\0" => fn(CUmemHandle);
@@ -92,6 +93,9 @@ driver! {
     memcpy_async: b"cuMemcpyAsync\0" => fn(CUdeviceptr, CUdeviceptr, usize, CUstream);
     host_alloc: b"cuMemHostAlloc\0" => fn(*mut *mut c_void, usize, c_uint);
     free_host: b"cuMemFreeHost\0" => fn(*mut c_void);
+    pointer_attribute: b"cuPointerGetAttribute\0" => fn(*mut c_void, c_int, CUdeviceptr);
+    device_count: b"cuDeviceGetCount\0" => fn(*mut c_int);
+    primary_state: b"cuDevicePrimaryCtxGetState\0" => fn(c_int, *mut c_uint, *mut c_int);
 }
 
 pub struct Cuda {
@@ -149,11 +153,69 @@ impl Mapping {
 }
 
 impl Cuda {
+    /// What the driver knows of `ptr` (memory type, device, context), for debugging traces.
+    pub fn describe(&self, ptr: CUdeviceptr) -> String {
+        const CONTEXT: c_int = 1;
+        const MEMORY_TYPE: c_int = 2;
+        const DEVICE_ORDINAL: c_int = 9;
+        let (mut kind, mut ordinal): (c_uint, c_int) = (0, -1);
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: each out-pointer points to a local of the type the attribute writes.
+        let codes = unsafe {
+            [
+                (self.fns.pointer_attribute)((&mut kind as *mut c_uint).cast(), MEMORY_TYPE, ptr),
+                (self.fns.pointer_attribute)(
+                    (&mut ordinal as *mut c_int).cast(),
+                    DEVICE_ORDINAL,
+                    ptr,
+                ),
+                (self.fns.pointer_attribute)((&mut ctx as *mut CUcontext).cast(), CONTEXT, ptr),
+            ]
+        };
+        let kind = match kind {
+            1 => "host",
+            2 => "device",
+            3 => "array",
+            4 => "unified",
+            _ => "unknown",
+        };
+        format!("{ptr:#x}: {kind} memory of device {ordinal}, context {ctx:?} (codes {codes:?})")
+    }
+
+    /// The devices on which this process has an active primary context, for debugging traces.
+    pub fn active_devices(&self) -> Vec<c_int> {
+        let mut n = 0;
+        // SAFETY: out-pointer to a local.
+        if unsafe { (self.fns.device_count)(&mut n) } != CUDA_SUCCESS {
+            return Vec::new();
+        }
+        (0..n)
+            .filter(|&d| {
+                let (mut flags, mut active) = (0, 0);
+                // SAFETY: out-pointers to locals; `d` is a device ordinal below the count.
+                let r = unsafe { (self.fns.primary_state)(d, &mut flags, &mut active) };
+                r == CUDA_SUCCESS && active != 0
+            })
+            .collect()
+    }
+
     pub fn current_context(&self) -> Result<CUcontext, CudaError> {
         let mut ctx = std::ptr::null_mut();
         // SAFETY: out-pointer to a local.
         check("cuCtxGetCurrent", unsafe {
             (self.fns.ctx_get_current)(&mut ctx)
+        })?;
+        Ok(ctx)
+    }
+
+    /// A new context on `device` (current on the calling thread until it sets another). It is
+    /// never destroyed: callers keep it for the life of the process.
+    pub fn create_context(&self, device: c_int) -> Result<CUcontext, CudaError> {
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; flags 0 (automatic scheduling); `device` is the
+        // ordinal of the caller's current device.
+        check("cuCtxCreate", unsafe {
+            (self.fns.ctx_create)(&mut ctx, 0, device)
         })?;
         Ok(ctx)
     }

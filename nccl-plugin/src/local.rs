@@ -165,9 +165,10 @@ impl Worker {
             std::sync::atomic::AtomicU64::new(0),
         ));
         let flag = in_call.clone();
+        let own = crate::net::global().config.own_context;
         let thread = std::thread::Builder::new()
             .name("vgpu-nccl-copy".into())
-            .spawn(move || copy_worker(driver, ctx, device, job_rx, done_tx, flag))?;
+            .spawn(move || copy_worker(driver, ctx, own, device, job_rx, done_tx, flag))?;
         Ok(Worker {
             jobs,
             done,
@@ -212,9 +213,26 @@ impl Drop for Worker {
     }
 }
 
+/// The copy workers' CUDA context on `device`: one per device and process, made at the first
+/// same-host GPU send and kept for the life of the process (a context costs device memory, so
+/// the workers of all connections share it). Not used with `VGPU_NCCL_OWN_CONTEXT=0` (the
+/// workers then use the application's context; see config.rs for why ours is the default).
+fn own_context(driver: &'static cuda::Cuda, device: i32) -> Result<usize, cuda::CudaError> {
+    static CONTEXTS: std::sync::Mutex<Vec<(i32, usize)>> = std::sync::Mutex::new(Vec::new());
+    let mut all = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&(_, ctx)) = all.iter().find(|(d, _)| *d == device) {
+        return Ok(ctx);
+    }
+    let ctx = driver.create_context(device)? as usize;
+    trace!("same-host copy workers: own context {ctx:#x} on device {device}");
+    all.push((device, ctx));
+    Ok(ctx)
+}
+
 fn copy_worker(
     driver: &'static cuda::Cuda,
     ctx: usize,
+    own: bool,
     device: i32,
     jobs: std::sync::mpsc::Receiver<Job>,
     done: std::sync::mpsc::SyncSender<JobDone>,
@@ -226,9 +244,19 @@ fn copy_worker(
         in_call.0.store(what, Ordering::Release);
     };
     let leave = || in_call.0.store(IN_NOTHING, Ordering::Release);
-    if driver.set_context(ctx as cuda::CUcontext).is_err() {
-        return; // every job then fails: the channel closes and the proxy reports it
-    }
+    let context = if own {
+        own_context(driver, device)
+    } else {
+        Ok(ctx)
+    };
+    match context.and_then(|c| driver.set_context(c as cuda::CUcontext)) {
+        Ok(()) => {}
+        Err(e) => {
+            // every job then fails: the channel closes and the proxy reports it
+            crate::log::warn!(crate::abi::NCCL_NET, "same-host copy worker: {e}");
+            return;
+        }
+    };
     let Ok(stream) = driver.stream() else { return };
     let mut exports: HashMap<u32, (Export, Option<OwnedFd>)> = HashMap::new();
     let mut maps: HashMap<u32, Mapping> = HashMap::new();
@@ -291,7 +319,14 @@ fn copy_worker(
                             let m = driver.import(export, device);
                             leave();
                             fd.take(); // the mapping holds the allocation now
-                            slot.insert(m.map_err(|e| e.to_string())?).base()
+                            let base = slot.insert(m.map_err(|e| e.to_string())?).base();
+                            trace!(
+                                "same-host copy worker (device {device}, primary contexts on {:?}): region {region} mapped; destination {}; source {}",
+                                driver.active_devices(),
+                                driver.describe(base),
+                                driver.describe(src)
+                            );
+                            base
                         }
                     };
                     let dst = base + offset;

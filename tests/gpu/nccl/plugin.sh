@@ -8,7 +8,9 @@
 #   slices     4 ranks on 2 GPUs (two slices per GPU, one NCCL_HOSTID each) in one communicator:
 #              all-reduce, all-gather, reduce-scatter, broadcast, send/recv on random data
 #   isolation  two jobs at once on the GPU pair, bandwidth weights 75/25: without vgpu (driver
-#              time slicing), MPS alone, and MPS + our tuner; the 75 job alone for reference
+#              time slicing), MPS alone, and MPS + our tuner; the 75 job alone for reference.
+#              ISO_CONFIGS="CHANNELS:EXPONENT ..." (default "24:1.2") runs the tuner pair once per
+#              setting, to compare channel budgets and split exponents in one run
 #   overhead   one job on NCCL's own NVLink path with and without the plugin loaded, no sharing
 #   interposer (issue 3, point 5) one tenant's all-reduce across both GPUs with libvgpu_cuda.so
 #              preloaded (memory limit, compute share with burst), against the same job without;
@@ -64,6 +66,12 @@ for s in $SECTIONS; do
     job vgpu_local_host 29500 2 "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
     # GPU-to-GPU copies (NCCL hands GPU buffers with NCCL_NET_GDR_LEVEL=SYS)
     JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu 29500 2 "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+    # both again with larger NCCL buffers (BIGBUF bytes; 2 MiB steps instead of 512 KiB): the
+    # GPU path is bound by per-step latency, NCCL's socket transport is not helped much
+    if [ -n "${BIGBUF-16777216}" ]; then
+      job socket_bigbuf 29500 2 "${NOPATH[@]}" NCCL_NET=Socket NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_bigbuf 29500 2 "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+    fi
     ;;
   slices)
     log "slices"
@@ -81,7 +89,17 @@ for s in $SECTIONS; do
     mps
     job mps_alone_A 29500 2 "${PLUG[@]}" "${A[@]}" -- --mib 256
     job mps_A 29500 2 -- --mib 256 & job mps_B 29501 2 -- --mib 256; wait
-    job vgpu_A 29500 2 "${PLUG[@]}" "${A[@]}" -- --mib 256 & job vgpu_B 29501 2 "${PLUG[@]}" "${B[@]}" -- --mib 256; wait
+    # ISO_CONFIGS: tuner settings to compare, each CHANNELS:EXPONENT (the total channel budget
+    # split by weight^EXPONENT); the first is labelled vgpu_A/vgpu_B, the others vgpu_A_cC_eE.
+    first=1
+    for cfg in ${ISO_CONFIGS:-24:1.2}; do
+      c=${cfg%%:*} e=${cfg##*:} sfx=""
+      [ $first = 1 ] || sfx="_c${c}_e${e}"
+      first=0
+      T=(VGPU_NCCL_CHANNELS="$c" VGPU_NCCL_SHARE_EXPONENT="$e")
+      job "vgpu_A$sfx" 29500 2 "${PLUG[@]}" "${A[@]}" "${T[@]}" -- --mib 256 &
+      job "vgpu_B$sfx" 29501 2 "${PLUG[@]}" "${B[@]}" "${T[@]}" -- --mib 256; wait
+    done
     nomps
     ;;
   interposer)
@@ -122,13 +140,20 @@ print()
 if "slices4_gpu" in by:
     print(f"slices (4 ranks on 2 GPUs): host path {by.get('slices4', 0):.1f} GB/s, GPU-to-GPU path {by['slices4_gpu']:.1f} GB/s")
 print("transport vs NCCL socket: ours TCP", ratio("vgpu_tcp", "socket"), "x; ours same-host (host buffers)", ratio("vgpu_local_host", "socket"), "x; ours GPU-to-GPU", ratio("vgpu_gpu", "socket"), "x")
+if "vgpu_gpu_bigbuf" in by:
+    print("with larger NCCL buffers (NCCL_BUFFSIZE, both sides): ours GPU-to-GPU", ratio("vgpu_gpu_bigbuf", "socket_bigbuf"), "x NCCL socket; against NCCL socket at its default buffers", ratio("vgpu_gpu_bigbuf", "socket"), "x")
 for p in ["tsl", "mps", "vgpu"]:
     a, b = by.get(f"{p}_A"), by.get(f"{p}_B")
     if a and b and by.get("alone_plain"):
         print(f"isolation {p}: A/B = {a/b:.2f} (target 3.00), together {a+b:.1f} = {(a+b)/by['alone_plain']*100:.0f}% of one job alone ({by['alone_plain']:.1f})")
 lat = {r["label"]: r["ops"]["all_reduce"]["p50_ms"] for r in rows if "all_reduce" in r["ops"]}
-if "vgpu_A" in lat and "mps_alone_A" in lat:
-    print(f"guarantee: A's all-reduce p50 next to B: {lat['vgpu_A']:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat['vgpu_A']/lat['mps_alone_A']:.2f}x; vs alone without MPS {lat.get('alone_plain', 0):.2f} = {lat['vgpu_A']/lat.get('alone_plain', 1):.2f}x (target 1.15x)")
+for la in sorted(l for l in lat if l.startswith("vgpu_A")):
+    lb = "vgpu_B" + la[len("vgpu_A"):]
+    if "mps_alone_A" not in lat or lb not in by:
+        continue
+    a, b = by[la], by[lb]
+    together = f"{(a + b) / by['alone_plain'] * 100:.0f}%" if by.get("alone_plain") else "n/a"
+    print(f"guarantee {la[7:] or 'default'}: A/B = {a/b:.2f}, together {together} of one alone; A's p50 next to B {lat[la]:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat[la]/lat['mps_alone_A']:.2f}x; vs alone without MPS {lat.get('alone_plain', 0):.2f} = {lat[la]/lat.get('alone_plain', 1):.2f}x (target 1.15x)")
 if "ip_tenant" in by:
     print(f"interposer: one tenant's collectives across 2 GPUs under libvgpu_cuda.so: {by['ip_tenant']:.1f} GB/s vs {by.get('ip_none', 0):.1f} without (checks in the table)")
 if "plugin_r1" in by:
