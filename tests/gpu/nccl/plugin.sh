@@ -108,8 +108,8 @@ for s in $SECTIONS; do
     IPSHM=$(mktemp -d /dev/shm/vgpu-nccl-ip.XXXXXX)
     job ip_none 29500 2 -- --check "$CHECK" --mib 256 --lead 2
     job ip_tenant 29500 2 LD_PRELOAD="$IP" VGPU_TENANT=one VGPU_MEMORY_LIMIT=40GiB \
-      VGPU_COMPUTE_SHARES=0:50,1:50 VGPU_BURST=1 VGPU_SHM_DIR="$IPSHM" VGPU_LOG=1 -- --check "$CHECK" --mib 256 --lead 2
-    grep -h "vgpu" "$LOGS/ip_tenant.log" | head -5 >"$LOGS/ip_tenant_interposer_lines.txt"
+      VGPU_COMPUTE_SHARES=0:50,1:50 VGPU_BURST=1 VGPU_SHM_DIR="$IPSHM" VGPU_LOG=2 -- --check "$CHECK" --mib 256 --lead 2
+    grep -h "^vgpu\[" "$LOGS/ip_tenant.log" | sort | uniq -c | sort -rn | head -20 >"$LOGS/ip_tenant_interposer_lines.txt"
     rm -rf "$IPSHM"
     ;;
   overhead)
