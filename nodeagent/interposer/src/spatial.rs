@@ -41,8 +41,8 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 /// SMs left to the latency tenant unless `VGPU_SPATIAL_SMS` says otherwise. Measured on an
-/// H100 (132 SMs) through the agent: the trainer on 112 SMs (20 free) met p99 <= 1.15x of alone
-/// in 7 of 8 runs with the trainer at 85-86%, on 104 (28 free) in 6 of 11 at 83%
+/// H100 (132 SMs): the trainer on 112 SMs (20 free) met p99 <= 1.15x of alone in 7 of 8 runs
+/// (4 of 5 through the agent) with the trainer at 85-86%; on 104 (28 free) in 6 of 11 at 83%
 /// (docs/benchmarks.md).
 pub const SMS_RESERVED_DEFAULT: u32 = 20;
 /// The SM granularity of a partition when the driver does not report one (H100: 8).
