@@ -84,6 +84,95 @@ fn sizes(n: usize) -> Vec<usize> {
         .collect()
 }
 
+/// With `VGPU_NCCL_TEST_GPU=1` (and the fake driver of `tests/fakecuda.c` first on the library
+/// path, named by `VGPU_NCCL_FAKE_CUDA`), some buffers on each side are "device memory" of the
+/// fake driver, so the same-host path exports, imports and copies them as it does on a GPU.
+fn gpu_mode() -> bool {
+    std::env::var("VGPU_NCCL_TEST_GPU").is_ok_and(|v| v == "1")
+}
+
+/// The fake driver, loaded by path: the same object the plugin opens as `libcuda.so.1`.
+fn fake_driver() -> &'static libloading::Library {
+    static LIB: OnceLock<libloading::Library> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let path = std::env::var("VGPU_NCCL_FAKE_CUDA").expect("VGPU_NCCL_FAKE_CUDA");
+        // SAFETY: our own fake driver; its initialisers do nothing.
+        unsafe { libloading::Library::new(path) }.expect("dlopen the fake libcuda")
+    })
+}
+
+/// A buffer NCCL would hand the plugin: host memory, or fake device memory.
+struct Buf {
+    ptr: *mut u8,
+    len: usize,
+    cuda: bool,
+    _host: Vec<u8>,
+}
+
+impl Buf {
+    fn new(len: usize, cuda: bool) -> Buf {
+        if !cuda {
+            let mut host = vec![0u8; len];
+            return Buf {
+                ptr: host.as_mut_ptr(),
+                len,
+                cuda,
+                _host: host,
+            };
+        }
+        // SAFETY: the fake's allocator, `void *fake_device_alloc(size_t)`; the memory is mapped
+        // for the life of the process.
+        let ptr = unsafe {
+            let alloc = fake_driver()
+                .get::<unsafe extern "C" fn(usize) -> *mut u8>(b"fake_device_alloc\0")
+                .expect("fake_device_alloc");
+            alloc(len.max(1))
+        };
+        assert!(!ptr.is_null(), "fake device allocation failed");
+        Buf {
+            ptr,
+            len,
+            cuda,
+            _host: Vec::new(),
+        }
+    }
+
+    fn with(bytes: &[u8], cuda: bool) -> Buf {
+        let b = Buf::new(bytes.len(), cuda);
+        // SAFETY: `b` holds at least `bytes.len()` writable bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), b.ptr, bytes.len()) };
+        b
+    }
+
+    fn bytes(&self, n: usize) -> &[u8] {
+        assert!(n <= self.len);
+        // SAFETY: `n` bytes of a live buffer this value owns or maps.
+        unsafe { std::slice::from_raw_parts(self.ptr, n) }
+    }
+
+    fn kind(&self) -> c_int {
+        if self.cuda {
+            NCCL_PTR_CUDA
+        } else {
+            NCCL_PTR_HOST
+        }
+    }
+}
+
+/// The fake driver's counters: copies issued in the application's (primary) context, copies in
+/// any other context, contexts created.
+fn fake_stats() -> (i64, i64, i64) {
+    let (mut primary, mut other, mut created) = (0i64, 0i64, 0i64);
+    // SAFETY: `void fake_cuda_stats(long *, long *, long *)` with three out-pointers.
+    unsafe {
+        let stats = fake_driver()
+            .get::<unsafe extern "C" fn(*mut i64, *mut i64, *mut i64)>(b"fake_cuda_stats\0")
+            .expect("fake_cuda_stats");
+        stats(&mut primary, &mut other, &mut created);
+    }
+    (primary, other, created)
+}
+
 const MESSAGES: usize = 96;
 const CAP: usize = (4 << 20) + 4096;
 
@@ -174,23 +263,23 @@ fn receiver() {
             "accept",
         );
     }
-    let mut bufs: Vec<Vec<u8>> = (0..32).map(|_| vec![0u8; CAP]).collect();
+    // in GPU mode three of every four receive buffers are device memory
+    let bufs: Vec<Buf> = (0..32)
+        .map(|slot| Buf::new(CAP, gpu_mode() && slot % 4 != 3))
+        .collect();
     let mut mhs = Vec::new();
-    for b in bufs.iter_mut() {
+    for b in &bufs {
         let mut mh = std::ptr::null_mut();
-        // SAFETY: registering a live host buffer.
+        // SAFETY: registering a live buffer of the kind it is.
         ok(
-            unsafe { (p.net.regMr)(rc, b.as_mut_ptr().cast(), CAP, NCCL_PTR_HOST, &mut mh) },
+            unsafe { (p.net.regMr)(rc, b.ptr.cast(), CAP, b.kind(), &mut mh) },
             "regMr",
         );
         mhs.push(mh);
     }
     // a multi-receive is refused: maxRecvs is 1
     {
-        let mut data = [
-            bufs[0].as_mut_ptr().cast::<c_void>(),
-            bufs[1].as_mut_ptr().cast(),
-        ];
+        let mut data = [bufs[0].ptr.cast::<c_void>(), bufs[1].ptr.cast()];
         let mut sz = [CAP, CAP];
         let mut tags = [0, 0];
         let mut mh2 = [mhs[0], mhs[1]];
@@ -218,7 +307,7 @@ fn receiver() {
         let mut reqs = Vec::new();
         for i in round..(round + 32).min(MESSAGES) {
             let slot = i % 32;
-            let mut data = bufs[slot].as_mut_ptr().cast::<c_void>();
+            let mut data = bufs[slot].ptr.cast::<c_void>();
             let mut sz = CAP;
             let mut tag = 0;
             let mut mh = mhs[slot];
@@ -245,7 +334,7 @@ fn receiver() {
         reqs.reverse();
         drain(&p, &mut reqs, &mut got);
         for i in round..(round + 32).min(MESSAGES) {
-            if got[i] as usize != want[i] || bufs[i % 32][..want[i]] != pattern(i, want[i])[..] {
+            if got[i] as usize != want[i] || bufs[i % 32].bytes(want[i]) != pattern(i, want[i]) {
                 bad += 1;
             }
         }
@@ -382,21 +471,17 @@ fn exchange(env: &[(&str, &str)], throttle: Option<(&Path, u64)>) -> (String, us
         }
     }
     let want = sizes(MESSAGES);
-    let payloads: Vec<Vec<u8>> = (0..MESSAGES).map(|i| pattern(i, want[i])).collect();
+    // in GPU mode every third message leaves from device memory: with the receiver's buffers
+    // that makes device-to-device, host-to-device, device-to-host (staged) and host-to-host
+    let payloads: Vec<Buf> = (0..MESSAGES)
+        .map(|i| Buf::with(&pattern(i, want[i]), gpu_mode() && i % 3 == 0))
+        .collect();
     let mut mhs = Vec::new();
     for b in &payloads {
         let mut mh = std::ptr::null_mut();
-        // SAFETY: registering a live host buffer.
+        // SAFETY: registering a live buffer of the kind it is.
         ok(
-            unsafe {
-                (p.net.regMr)(
-                    sc,
-                    b.as_ptr() as *mut c_void,
-                    b.len(),
-                    NCCL_PTR_HOST,
-                    &mut mh,
-                )
-            },
+            unsafe { (p.net.regMr)(sc, b.ptr.cast(), b.len, b.kind(), &mut mh) },
             "regMr",
         );
         mhs.push(mh);
@@ -414,7 +499,7 @@ fn exchange(env: &[(&str, &str)], throttle: Option<(&Path, u64)>) -> (String, us
                     unsafe {
                         (p.net.isend)(
                             sc,
-                            payloads[i].as_ptr() as *mut c_void,
+                            payloads[i].ptr.cast(),
                             want[i],
                             0,
                             mhs[i],
@@ -461,6 +546,12 @@ fn exchange(env: &[(&str, &str)], throttle: Option<(&Path, u64)>) -> (String, us
         }
     }
     assert!(child.wait().unwrap().success());
+    let result = if gpu_mode() {
+        let (primary, other, created) = fake_stats();
+        format!("{result} copies_primary={primary} copies_other={other} contexts_created={created}")
+    } else {
+        result
+    };
     (result, null_requests)
 }
 
@@ -526,6 +617,89 @@ fn host_buffers_between_processes() {
             text.contains(&format!("RESULT received={MESSAGES} bad=0")),
             "{name}: {text}"
         );
+    }
+}
+
+/// The fake driver of `tests/fakecuda.c`, built once as `libcuda.so.1` in a directory of its own.
+fn fake_cuda() -> &'static PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nccl-fakecuda");
+        std::fs::create_dir_all(&dir).expect("creating the fake driver's directory");
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
+        // written under a temporary name and renamed: a concurrent run never loads half a file
+        let partial = dir.join(format!("libcuda.so.1.{}.tmp", std::process::id()));
+        let status = Command::new(cc)
+            .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror"])
+            .args(["-Wl,-soname,libcuda.so.1", "-o"])
+            .arg(&partial)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fakecuda.c"))
+            .status()
+            .expect("running cc (install build-essential)");
+        assert!(status.success(), "compiling tests/fakecuda.c failed");
+        std::fs::rename(&partial, dir.join("libcuda.so.1")).expect("renaming the fake driver");
+        dir
+    })
+}
+
+// The same-host GPU path (export, import, copies into the receiver's device buffers, staging for
+// its host buffers, messages in send order) between two processes, with the fake driver: once
+// with the copies in the plugin's own context (the default), once in the application's.
+#[test]
+fn gpu_buffers_between_processes_through_a_fake_driver() {
+    if std::env::var("VGPU_NCCL_CHILD").is_ok() {
+        return;
+    }
+    library(); // build the .so once, before the children that use it
+    let dir = fake_cuda();
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(rest) if !rest.is_empty() => format!("{}:{rest}", dir.display()),
+        _ => dir.display().to_string(),
+    };
+    // the default first (no variable), then the application's context asked for
+    for own in [None, Some("0")] {
+        let mut scenario = "VGPU_NCCL_LOCAL=1;VGPU_NCCL_TEST_GPU=1".to_owned();
+        if let Some(v) = own {
+            scenario.push_str(&format!(";VGPU_NCCL_OWN_CONTEXT={v}"));
+        }
+        let text = run_alone(
+            "one_scenario",
+            &[
+                ("VGPU_NCCL_SCENARIO", scenario),
+                ("LD_LIBRARY_PATH", path.clone()),
+                (
+                    "VGPU_NCCL_FAKE_CUDA",
+                    dir.join("libcuda.so.1").display().to_string(),
+                ),
+            ],
+        );
+        assert!(
+            text.contains(&format!("RESULT received={MESSAGES} bad=0")),
+            "VGPU_NCCL_OWN_CONTEXT {own:?}: {text}"
+        );
+        let field = |k: &str| -> i64 {
+            let w = text
+                .split_whitespace()
+                .find(|w| w.starts_with(k))
+                .unwrap_or_else(|| panic!("{k} in {text}"));
+            w[k.len()..].parse().unwrap()
+        };
+        let (primary, other, created) = (
+            field("copies_primary="),
+            field("copies_other="),
+            field("contexts_created="),
+        );
+        // 72 of the 96 receives are into device memory, and 8 device sends go to host memory
+        assert!(primary + other >= 72, "too few copies: {text}");
+        if own.is_none() {
+            assert_eq!(
+                (primary, created),
+                (0, 1),
+                "copies left our context: {text}"
+            );
+        } else {
+            assert_eq!((other, created), (0, 0), "{text}");
+        }
     }
 }
 
