@@ -1,6 +1,7 @@
 //! The node-local table through which the tuners of all tenants on a node see who is moving
-//! data right now: one 32-byte slot per process (tenant key, weight, pid, last activity), in a
-//! shared file. Each process writes only its own slot, one atomic word at a time, so a process
+//! data right now: one 32-byte slot per process (tenant key, weight and class, pid, last
+//! activity), in a shared file. The second word holds the weight in its low 32 bits and bit 32
+//! set for a best-effort tenant (clear: guaranteed). Each process writes only its own slot, one atomic word at a time, so a process
 //! killed at any point leaves nothing locked; a dead process's slot goes stale (its activity
 //! stamp stops advancing) and is reclaimed once its pid is gone.
 #![allow(unsafe_code)]
@@ -11,7 +12,10 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub const SLOTS: usize = 64;
-const MAGIC: u64 = 0x5647_5055_4143_5431; // "VGPUACT1"
+/// Version 2 added the class bit; a table of version 1 is refused as foreign (its users would
+/// read a best-effort tenant as a very heavy one).
+const MAGIC: u64 = 0x5647_5055_4143_5432; // "VGPUACT2"
+const BEST_EFFORT: u64 = 1 << 32;
 const HEADER_WORDS: usize = 8;
 const SLOT_WORDS: usize = 4;
 pub const BYTES: usize = (HEADER_WORDS + SLOTS * SLOT_WORDS) * 8;
@@ -47,6 +51,8 @@ unsafe impl Sync for Table {}
 pub struct Peer {
     pub tenant: u64,
     pub weight: u64,
+    /// A guaranteed tenant (its placement's share is reserved); otherwise best effort.
+    pub guaranteed: bool,
     pub last_ns: u64,
 }
 
@@ -58,8 +64,8 @@ fn pid_alive(pid: u64) -> bool {
 }
 
 impl Table {
-    /// Open (creating if needed) and claim a slot for this process.
-    pub fn open(path: &Path, tenant: u64, weight: u64) -> Result<Table, Error> {
+    /// Open (creating if needed) and claim a slot for this process. `weight` must fit 32 bits.
+    pub fn open(path: &Path, tenant: u64, weight: u64, guaranteed: bool) -> Result<Table, Error> {
         let name = path.display().to_string();
         let io = |source| Error::Io {
             path: name.clone(),
@@ -123,7 +129,9 @@ impl Table {
             {
                 t.slot_word(s, 3).store(0, Ordering::Release);
                 t.slot_word(s, 0).store(tenant, Ordering::Release);
-                t.slot_word(s, 1).store(weight, Ordering::Release);
+                let class = if guaranteed { 0 } else { BEST_EFFORT };
+                t.slot_word(s, 1)
+                    .store((weight & 0xffff_ffff) | class, Ordering::Release);
                 t.slot = s;
                 return Ok(t);
             }
@@ -151,10 +159,14 @@ impl Table {
     pub fn peers(&self) -> Vec<Peer> {
         (0..SLOTS)
             .filter(|&s| s != self.slot && self.slot_word(s, 2).load(Ordering::Acquire) != 0)
-            .map(|s| Peer {
-                tenant: self.slot_word(s, 0).load(Ordering::Acquire),
-                weight: self.slot_word(s, 1).load(Ordering::Acquire),
-                last_ns: self.slot_word(s, 3).load(Ordering::Acquire),
+            .map(|s| {
+                let word = self.slot_word(s, 1).load(Ordering::Acquire);
+                Peer {
+                    tenant: self.slot_word(s, 0).load(Ordering::Acquire),
+                    weight: word & 0xffff_ffff,
+                    guaranteed: word & BEST_EFFORT == 0,
+                    last_ns: self.slot_word(s, 3).load(Ordering::Acquire),
+                }
             })
             .collect()
     }
@@ -179,8 +191,8 @@ mod tests {
     fn processes_see_each_other_and_release_their_slot() {
         let dir = std::env::temp_dir().join(format!("vgpu-act-{}", std::process::id()));
         let path = dir.join("table");
-        let a = Table::open(&path, 1, 75).unwrap();
-        let b = Table::open(&path, 2, 25).unwrap();
+        let a = Table::open(&path, 1, 75, true).unwrap();
+        let b = Table::open(&path, 2, 25, false).unwrap();
         a.touch(100);
         b.touch(200);
         assert_eq!(
@@ -188,6 +200,7 @@ mod tests {
             vec![Peer {
                 tenant: 2,
                 weight: 25,
+                guaranteed: false,
                 last_ns: 200
             }]
         );
@@ -196,14 +209,23 @@ mod tests {
             vec![Peer {
                 tenant: 1,
                 weight: 75,
+                guaranteed: true,
                 last_ns: 100
             }]
         );
         drop(b);
         assert!(a.peers().is_empty());
+        // a table of the first version (no class bit) is refused, not misread
+        let mut v1 = vec![0u8; BYTES];
+        v1[..8].copy_from_slice(&0x5647_5055_4143_5431u64.to_ne_bytes());
+        std::fs::write(dir.join("v1"), v1).unwrap();
+        assert!(matches!(
+            Table::open(&dir.join("v1"), 1, 1, true),
+            Err(Error::Foreign(_))
+        ));
         std::fs::write(dir.join("foreign"), b"x").unwrap();
         assert!(matches!(
-            Table::open(&dir.join("foreign"), 1, 1),
+            Table::open(&dir.join("foreign"), 1, 1, true),
             Err(Error::Foreign(_))
         ));
         std::fs::remove_dir_all(&dir).unwrap();

@@ -14,31 +14,66 @@ use crate::activity;
 use crate::log::{info, warn};
 use std::path::PathBuf;
 
-/// Channels for a tenant of weight `mine` while tenants of `others` weights are active, out of a
-/// `budget` of channels one job would use alone. `None` = leave NCCL's choice (alone).
-pub fn channels(mine: u64, others: &[u64], budget: u32, exponent: f64) -> Option<u32> {
-    if others.is_empty() || mine == 0 {
+/// A tenant as the tuner weighs it: its bandwidth weight and whether its share is guaranteed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Share {
+    pub weight: u64,
+    pub guaranteed: bool,
+}
+
+/// Channels for tenant `mine` while the tenants of `others` are active, out of a `budget` of
+/// channels one job would use alone; `None` = leave NCCL's choice.
+///
+/// Guaranteed tenants split the budget among themselves by `weight^exponent` and never yield to
+/// best-effort ones (a guaranteed tenant next to best-effort tenants only keeps NCCL's choice).
+/// A best-effort tenant gets `floor` channels while any guaranteed tenant is active, and splits
+/// the budget with the other best-effort tenants by weight otherwise. Alone: NCCL's choice.
+pub fn channels(
+    mine: Share,
+    others: &[Share],
+    budget: u32,
+    exponent: f64,
+    floor: u32,
+) -> Option<u32> {
+    if mine.weight == 0 {
+        return None;
+    }
+    let budget = budget.max(1);
+    if !mine.guaranteed && others.iter().any(|o| o.guaranteed) {
+        return Some(floor.clamp(1, budget));
+    }
+    let peers: Vec<u64> = others
+        .iter()
+        .filter(|o| o.guaranteed == mine.guaranteed)
+        .map(|o| o.weight)
+        .collect();
+    if peers.is_empty() {
         return None;
     }
     let w = |x: u64| (x as f64).powf(exponent);
-    let total: f64 = w(mine) + others.iter().map(|&o| w(o)).sum::<f64>();
-    let share = w(mine) / total;
-    Some(((budget as f64 * share).round() as u32).clamp(1, budget.max(1)))
+    let total: f64 = w(mine.weight) + peers.iter().map(|&o| w(o)).sum::<f64>();
+    let share = w(mine.weight) / total;
+    Some(((budget as f64 * share).round() as u32).clamp(1, budget))
 }
 
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub tenant: String,
     pub weight: u64,
+    /// `VGPU_GUARANTEED` (the agent sets it from the placement): `0` = best effort.
+    pub guaranteed: bool,
     pub file: PathBuf,
     pub budget: u32,
     pub exponent: f64,
+    /// Channels a best-effort tenant keeps while a guaranteed one is active.
+    pub floor: u32,
     pub active_ns: u64,
 }
 
 impl Settings {
     /// From `VGPU_TENANT`, `VGPU_NCCL_WEIGHT`, `VGPU_NCCL_SHARE_FILE` (all three needed),
-    /// `VGPU_NCCL_CHANNELS` (24), `VGPU_NCCL_SHARE_EXPONENT` (1.2), `VGPU_NCCL_ACTIVE_MS` (200).
+    /// `VGPU_GUARANTEED` (1), `VGPU_NCCL_CHANNELS` (24), `VGPU_NCCL_SHARE_EXPONENT` (1.2),
+    /// `VGPU_NCCL_BEST_EFFORT_CHANNELS` (2), `VGPU_NCCL_ACTIVE_MS` (200).
     pub fn from_env() -> Option<Settings> {
         let tenant = std::env::var("VGPU_TENANT").ok()?;
         let weight: u64 = std::env::var("VGPU_NCCL_WEIGHT")
@@ -57,9 +92,11 @@ impl Settings {
         Some(Settings {
             tenant,
             weight,
+            guaranteed: std::env::var("VGPU_GUARANTEED").map_or(true, |v| v.trim() != "0"),
             file,
             budget: num("VGPU_NCCL_CHANNELS", 24.0, 1.0, 64.0) as u32,
             exponent: num("VGPU_NCCL_SHARE_EXPONENT", 1.2, 0.5, 3.0),
+            floor: num("VGPU_NCCL_BEST_EFFORT_CHANNELS", 2.0, 1.0, 64.0) as u32,
             active_ns: (num("VGPU_NCCL_ACTIVE_MS", 200.0, 1.0, 10_000.0) * 1e6) as u64,
         })
     }
@@ -91,15 +128,21 @@ impl Tuner {
             }
             Some(s) => {
                 let key = tenant_key(&s.tenant);
-                match activity::Table::open(&s.file, key, s.weight) {
+                match activity::Table::open(&s.file, key, s.weight, s.guaranteed) {
                     Ok(t) => {
                         info!(
                             crate::abi::NCCL_TUNING,
-                            "tuner: comm {comm:#x} ({n_ranks} ranks, {n_nodes} nodes): tenant {} weight {}, {} channels shared by weight^{} while others are active",
+                            "tuner: comm {comm:#x} ({n_ranks} ranks, {n_nodes} nodes): tenant {} weight {} ({}), {} channels shared by weight^{} while others are active, {} for best effort next to a guaranteed tenant",
                             s.tenant,
                             s.weight,
+                            if s.guaranteed {
+                                "guaranteed"
+                            } else {
+                                "best effort"
+                            },
                             s.budget,
-                            s.exponent
+                            s.exponent,
+                            s.floor
                         );
                         (key, Some(t))
                     }
@@ -128,7 +171,8 @@ impl Tuner {
             return 0;
         };
         t.touch(now_ns);
-        let mut others: Vec<(u64, u64)> = Vec::new();
+        // one entry per other tenant: its largest weight, guaranteed if any process of it is
+        let mut others: Vec<(u64, Share)> = Vec::new();
         for p in t.peers() {
             if p.tenant == self.key
                 || p.last_ns == 0
@@ -137,28 +181,48 @@ impl Tuner {
                 continue;
             }
             match others.iter_mut().find(|(k, _)| *k == p.tenant) {
-                Some((_, w)) => *w = (*w).max(p.weight),
-                None => others.push((p.tenant, p.weight)),
+                Some((_, o)) => {
+                    o.weight = o.weight.max(p.weight);
+                    o.guaranteed |= p.guaranteed;
+                }
+                None => others.push((
+                    p.tenant,
+                    Share {
+                        weight: p.weight,
+                        guaranteed: p.guaranteed,
+                    },
+                )),
             }
         }
-        let weights: Vec<u64> = others.iter().map(|&(_, w)| w).collect();
-        let choice = channels(s.weight, &weights, s.budget, s.exponent);
+        let shares: Vec<Share> = others.iter().map(|&(_, o)| o).collect();
+        let mine = Share {
+            weight: s.weight,
+            guaranteed: s.guaranteed,
+        };
+        let choice = channels(mine, &shares, s.budget, s.exponent, s.floor);
         if choice != self.last {
             match choice {
                 Some(c) => info!(
                     crate::abi::NCCL_TUNING,
-                    "tuner: comm {:#x}: tenant {} (weight {}) shares with {} other tenant(s) (weights {:?}): {} of {} channels",
+                    "tuner: comm {:#x}: tenant {} (weight {}, {}) shares with {} other tenant(s) ({:?}): {} of {} channels",
                     self.comm,
                     s.tenant,
                     s.weight,
-                    weights.len(),
-                    weights,
+                    if s.guaranteed {
+                        "guaranteed"
+                    } else {
+                        "best effort"
+                    },
+                    shares.len(),
+                    shares,
                     c,
                     s.budget
                 ),
                 None => info!(
                     crate::abi::NCCL_TUNING,
-                    "tuner: comm {:#x}: tenant {} alone: NCCL's channel count", self.comm, s.tenant
+                    "tuner: comm {:#x}: tenant {} alone (or guaranteed next to best effort only): NCCL's channel count",
+                    self.comm,
+                    s.tenant
                 ),
             }
             self.last = choice;
@@ -171,24 +235,54 @@ impl Tuner {
 mod tests {
     use super::*;
 
+    const fn g(weight: u64) -> Share {
+        Share {
+            weight,
+            guaranteed: true,
+        }
+    }
+
+    const fn be(weight: u64) -> Share {
+        Share {
+            weight,
+            guaranteed: false,
+        }
+    }
+
     #[test]
     fn alone_keeps_nccls_choice() {
-        assert_eq!(channels(75, &[], 24, 1.2), None);
+        assert_eq!(channels(g(75), &[], 24, 1.2, 2), None);
+        assert_eq!(channels(be(75), &[], 24, 1.2, 2), None);
     }
 
     #[test]
     fn seventy_five_twenty_five_with_the_fitted_exponent() {
-        assert_eq!(channels(75, &[25], 24, 1.2), Some(19));
-        assert_eq!(channels(25, &[75], 24, 1.2), Some(5));
+        assert_eq!(channels(g(75), &[g(25)], 24, 1.2, 2), Some(19));
+        assert_eq!(channels(g(25), &[g(75)], 24, 1.2, 2), Some(5));
         // exponent 1 is the plain proportional split
-        assert_eq!(channels(75, &[25], 24, 1.0), Some(18));
-        assert_eq!(channels(25, &[75], 24, 1.0), Some(6));
+        assert_eq!(channels(g(75), &[g(25)], 24, 1.0, 2), Some(18));
+        assert_eq!(channels(g(25), &[g(75)], 24, 1.0, 2), Some(6));
+        // best-effort tenants among themselves split the same way
+        assert_eq!(channels(be(75), &[be(25)], 24, 1.0, 2), Some(18));
+    }
+
+    #[test]
+    fn a_guaranteed_tenant_never_yields_to_best_effort_ones() {
+        assert_eq!(channels(g(25), &[be(75)], 24, 1.2, 2), None);
+        assert_eq!(channels(be(75), &[g(25)], 24, 1.2, 2), Some(2));
+        assert_eq!(channels(be(75), &[g(25)], 24, 1.2, 4), Some(4));
+        // with guaranteed and best-effort neighbours, the guaranteed split ignores the latter
+        assert_eq!(channels(g(75), &[g(25), be(50)], 24, 1.0, 2), Some(18));
+        assert_eq!(channels(be(50), &[g(25), be(50)], 24, 1.0, 2), Some(2));
+        // the floor never exceeds the budget nor drops below one channel
+        assert_eq!(channels(be(1), &[g(1)], 3, 1.0, 8), Some(3));
+        assert_eq!(channels(be(1), &[g(1)], 24, 1.0, 0), Some(1));
     }
 
     #[test]
     fn never_below_one_channel() {
-        assert_eq!(channels(1, &[1_000_000], 24, 1.2), Some(1));
-        assert_eq!(channels(50, &[50, 50, 50], 2, 1.0), Some(1));
+        assert_eq!(channels(g(1), &[g(1_000_000)], 24, 1.2, 2), Some(1));
+        assert_eq!(channels(g(50), &[g(50), g(50), g(50)], 2, 1.0, 2), Some(1));
     }
 
     #[test]

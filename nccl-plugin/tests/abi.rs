@@ -787,6 +787,16 @@ fn tuner_caps_channels_only_while_another_tenant_is_active() {
         text.contains("TUNER alone=0 shared=19 other=5 later=0"),
         "{text}"
     );
+    // the second tenant best effort: the guaranteed one keeps NCCL's choice, the other gets the
+    // best-effort floor (2 channels) while the guaranteed one is active
+    let text = run_alone(
+        "one_tuner",
+        &[("VGPU_NCCL_TEST_OTHER_GUARANTEED", "0".into())],
+    );
+    assert!(
+        text.contains("TUNER alone=0 shared=0 other=2 later=0"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -852,6 +862,10 @@ fn one_tuner() {
         ])
         .env("VGPU_TENANT", "serve")
         .env("VGPU_NCCL_WEIGHT", "25")
+        .env(
+            "VGPU_GUARANTEED",
+            std::env::var("VGPU_NCCL_TEST_OTHER_GUARANTEED").unwrap_or_else(|_| "1".into()),
+        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()

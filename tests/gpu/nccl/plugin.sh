@@ -10,7 +10,8 @@
 #   isolation  two jobs at once on the GPU pair, bandwidth weights 75/25: without vgpu (driver
 #              time slicing), MPS alone, and MPS + our tuner; the 75 job alone for reference.
 #              ISO_CONFIGS="CHANNELS:EXPONENT ..." (default "24:1.2") runs the tuner pair once per
-#              setting, to compare channel budgets and split exponents in one run
+#              setting, to compare channel budgets and split exponents in one run; then A
+#              guaranteed next to B best effort (the guarantee against a noisy neighbour)
 #   overhead   one job on NCCL's own NVLink path with and without the plugin loaded, no sharing
 #   interposer (issue 3, point 5) one tenant's all-reduce across both GPUs with libvgpu_cuda.so
 #              preloaded (memory limit, compute share with burst), against the same job without;
@@ -100,6 +101,10 @@ for s in $SECTIONS; do
       job "vgpu_A$sfx" 29500 2 "${PLUG[@]}" "${A[@]}" "${T[@]}" -- --mib 256 &
       job "vgpu_B$sfx" 29501 2 "${PLUG[@]}" "${B[@]}" "${T[@]}" -- --mib 256; wait
     done
+    # the guarantee against a noisy best-effort neighbour: A guaranteed, B best effort (the
+    # agent's VGPU_GUARANTEED); B keeps VGPU_NCCL_BEST_EFFORT_CHANNELS (2) while A is active
+    job gbe_A 29500 2 "${PLUG[@]}" "${A[@]}" VGPU_GUARANTEED=1 -- --mib 256 &
+    job gbe_B 29501 2 "${PLUG[@]}" "${B[@]}" VGPU_GUARANTEED=0 -- --mib 256; wait
     nomps
     ;;
   interposer)
@@ -154,6 +159,8 @@ for la in sorted(l for l in lat if l.startswith("vgpu_A")):
     a, b = by[la], by[lb]
     together = f"{(a + b) / by['alone_plain'] * 100:.0f}%" if by.get("alone_plain") else "n/a"
     print(f"guarantee {la[7:] or 'default'}: A/B = {a/b:.2f}, together {together} of one alone; A's p50 next to B {lat[la]:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat[la]/lat['mps_alone_A']:.2f}x; vs alone without MPS {lat.get('alone_plain', 0):.2f} = {lat[la]/lat.get('alone_plain', 1):.2f}x (target 1.15x)")
+if "gbe_A" in lat and "mps_alone_A" in lat:
+    print(f"guarantee next to a best-effort neighbour: A's p50 {lat['gbe_A']:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat['gbe_A']/lat['mps_alone_A']:.2f}x (target 1.15x); A {by.get('gbe_A', 0):.1f} GB/s, B {by.get('gbe_B', 0):.1f} GB/s")
 if "ip_tenant" in by:
     print(f"interposer: one tenant's collectives across 2 GPUs under libvgpu_cuda.so: {by['ip_tenant']:.1f} GB/s vs {by.get('ip_none', 0):.1f} without (checks in the table)")
 if "plugin_r1" in by:
