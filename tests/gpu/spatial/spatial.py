@@ -128,18 +128,31 @@ def mlp(args):
             torch.cuda.synchronize()
             t1 = time.monotonic()
             if args.start_at <= t0 and t1 <= end:
-                samples.append((t1 - t0) * 1e3)
+                samples.append(((t1 - t0) * 1e3, t0 - args.start_at))
             if t1 > end:
                 break
             pause = 0.002 - (time.monotonic() - t0)
             if pause > 0:
                 time.sleep(pause)
-    samples.sort()
+    def pick(values, q):
+        values = sorted(values)
+        return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else -1
 
-    def pick(q):
-        return round(samples[min(len(samples) - 1, int(q * len(samples)))], 3) if samples else -1
-
-    print("RESULT " + json.dumps({"steps": len(samples), "p50_ms": pick(0.5), "p99_ms": pick(0.99)}), flush=True)
+    latencies = [ms for ms, _ in samples]
+    # the p99 of each second of the window, to tell a shifted run from a few bursts of slow steps
+    seconds = {}
+    for ms, at in samples:
+        seconds.setdefault(int(at), []).append(ms)
+    per_second = [pick(seconds[k], 0.99) for k in sorted(seconds)]
+    result = {
+        "steps": len(samples),
+        "p50_ms": pick(latencies, 0.5),
+        "p99_ms": pick(latencies, 0.99),
+        "p999_ms": pick(latencies, 0.999),
+        "max_ms": pick(latencies, 1.0),
+        "p99_per_second_ms": per_second,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def main():
