@@ -100,6 +100,9 @@ row() {
   green=$(grep -ho 'green context of [0-9]* SMs' "$LOGS/$name.trainer.log" 2>/dev/null | head -n1)
   printf '%s\t%s\t%s\t%s\t%s\n' "$name" "${p50:--}" "${p99:--}" "${tf:--}" "${green:-}" >>"$RESULTS"
   log "$name: p50 ${p50:--} p99 ${p99:--} ms, trainer ${tf:--} TFLOP/s ${green:-}"
+  local tail
+  tail=$(field "$LOGS/$name.mlp.log" p99_per_second_ms)
+  [ -n "$tail" ] && log "$name: p99.9 $(field "$LOGS/$name.mlp.log" p999_ms), max $(field "$LOGS/$name.mlp.log" max_ms) ms; p99 of each second: $tail"
 }
 
 log "machine: $(nvidia-smi --query-gpu=name,driver_version,compute_mode,mig.mode.current --format=csv,noheader | head -n1)"
