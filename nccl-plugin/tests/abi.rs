@@ -579,6 +579,15 @@ fn run_alone(name: &str, env: &[(&str, String)]) -> String {
     text
 }
 
+/// The number after `key` (such as `nulls=`) in a child's output.
+fn number(text: &str, key: &str) -> f64 {
+    let word = text
+        .split_whitespace()
+        .find(|w| w.starts_with(key))
+        .unwrap_or_else(|| panic!("{key} in {text}"));
+    word[key.len()..].parse().unwrap()
+}
+
 // Each scenario runs in its own test process run (env is per process): cargo runs the tests of
 // this file in threads of one process, so the scenarios that set variables are serialised here.
 #[test]
@@ -677,13 +686,7 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
             text.contains(&format!("RESULT received={MESSAGES} bad=0")),
             "VGPU_NCCL_OWN_CONTEXT {own:?}: {text}"
         );
-        let field = |k: &str| -> i64 {
-            let w = text
-                .split_whitespace()
-                .find(|w| w.starts_with(k))
-                .unwrap_or_else(|| panic!("{k} in {text}"));
-            w[k.len()..].parse().unwrap()
-        };
+        let field = |k: &str| number(&text, k) as i64;
         let (primary, other, created) = (
             field("copies_primary="),
             field("copies_other="),
@@ -757,13 +760,7 @@ fn throttled_sends_return_null_requests() {
         text.contains(&format!("RESULT received={MESSAGES} bad=0")),
         "{text}"
     );
-    let field = |k: &str| -> f64 {
-        let s = text
-            .split_whitespace()
-            .find(|w| w.starts_with(k))
-            .unwrap_or_else(|| panic!("{k} in {text}"));
-        s[k.len()..].parse().unwrap()
-    };
+    let field = |k: &str| number(&text, k);
     assert!(
         field("nulls=") > 0.0,
         "the bucket never pushed back: {text}"
