@@ -91,8 +91,26 @@ row() {
     fi
     PIDS+=($!)
   fi
+  # what the GPU's clocks and power did meanwhile (read only), to tell a throttled run apart
+  nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv,noheader,nounits -lms 500 >"$LOGS/$name.clocks.csv" 2>/dev/null &
+  local sampler=$!
   wait "${PIDS[@]}" 2>/dev/null
+  kill "$sampler" 2>/dev/null
+  wait "$sampler" 2>/dev/null
   PIDS=()
+  log "$name: GPU during the row: $("$PY" - "$LOGS/$name.clocks.csv" <<'PYEOF'
+import statistics, sys
+rows = [l.split(",") for l in open(sys.argv[1]) if l.count(",") == 3]
+try:
+    sm = [float(r[0]) for r in rows]
+    watts = [float(r[1]) for r in rows]
+    reasons = sorted({r[3].strip() for r in rows})
+    print(f"SM clock median {statistics.median(sm):.0f} MHz (min {min(sm):.0f}), power max {max(watts):.0f} W, clock event reasons {reasons}")
+except (ValueError, statistics.StatisticsError):
+    print("no clock samples")
+PYEOF
+)"
   local p50 p99 tf green
   p50=$(field "$LOGS/$name.mlp.log" p50_ms)
   p99=$(field "$LOGS/$name.mlp.log" p99_ms)
