@@ -245,7 +245,15 @@ fn copy_worker(
     };
     let leave = || in_call.0.store(IN_NOTHING, Ordering::Release);
     let context = if own {
-        own_context(driver, device)
+        own_context(driver, device).or_else(|e| {
+            // a context of our own can be refused (device memory, an MPS client limit): the
+            // application's context still works unless lazy module loading gets in the way
+            crate::log::warn!(
+                crate::abi::NCCL_NET,
+                "same-host copies: no context of our own ({e}); using the application's, which can deadlock while the application loads CUDA modules lazily (set CUDA_MODULE_LOADING=EAGER, or free device memory)"
+            );
+            Ok(ctx)
+        })
     } else {
         Ok(ctx)
     };

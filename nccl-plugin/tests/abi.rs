@@ -665,11 +665,15 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         Ok(rest) if !rest.is_empty() => format!("{}:{rest}", dir.display()),
         _ => dir.display().to_string(),
     };
-    // the default first (no variable), then the application's context asked for
-    for own in [None, Some("0")] {
+    // the default first (no variable), then the application's context asked for, then the
+    // default on a driver that refuses a context of our own (the application's is used)
+    for (own, refuse) in [(None, false), (Some("0"), false), (None, true)] {
         let mut scenario = "VGPU_NCCL_LOCAL=1;VGPU_NCCL_TEST_GPU=1".to_owned();
         if let Some(v) = own {
             scenario.push_str(&format!(";VGPU_NCCL_OWN_CONTEXT={v}"));
+        }
+        if refuse {
+            scenario.push_str(";FAKE_CUDA_CTX_CREATE_FAIL=1");
         }
         let text = run_alone(
             "one_scenario",
@@ -684,7 +688,7 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         );
         assert!(
             text.contains(&format!("RESULT received={MESSAGES} bad=0")),
-            "VGPU_NCCL_OWN_CONTEXT {own:?}: {text}"
+            "VGPU_NCCL_OWN_CONTEXT {own:?}, context refused {refuse}: {text}"
         );
         let field = |k: &str| number(&text, k) as i64;
         let (primary, other, created) = (
@@ -694,7 +698,7 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         );
         // 72 of the 96 receives are into device memory, and 8 device sends go to host memory
         assert!(primary + other >= 72, "too few copies: {text}");
-        if own.is_none() {
+        if own.is_none() && !refuse {
             assert_eq!(
                 (primary, created),
                 (0, 1),

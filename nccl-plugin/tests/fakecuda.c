@@ -8,7 +8,8 @@
  * to the argument types the plugin passes.
  *
  * Contexts: the calling thread's current context is the primary context (PRIMARY) until it
- * sets another; cuCtxCreate_v2 makes new ones. Every cuMemcpyAsync is counted by whether it
+ * sets another; cuCtxCreate_v2 makes new ones (FAKE_CUDA_CTX_CREATE_FAIL=1: it refuses, out of
+ * memory). Every cuMemcpyAsync is counted by whether it
  * ran in the primary context, so a test can check in which context the plugin copies.
  *
  * Test-only entry points (not CUDA): fake_device_alloc(bytes) allocates "device memory";
@@ -88,6 +89,8 @@ CUresult cuCtxGetDevice(int *device) {
 CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, int device) {
   (void)flags;
   if (device != 0) return CUDA_ERROR_INVALID_VALUE;
+  const char *fail = getenv("FAKE_CUDA_CTX_CREATE_FAIL");
+  if (fail && fail[0] == '1') return CUDA_ERROR_OUT_OF_MEMORY;
   long n = atomic_fetch_add(&contexts_created, 1);
   *ctx = (CUcontext)(uintptr_t)(0x2000 + 0x10 * n);
   current = *ctx;
