@@ -19,8 +19,9 @@ pub struct Config {
     pub speed_mbps: i32,
     /// `VGPU_NCCL_MIN_PART`: smallest piece of a request given to one TCP stream.
     pub min_part: u64,
-    /// `VGPU_NCCL_OWN_CONTEXT`: the same-host copy workers issue their copies from a CUDA
-    /// context of their own instead of the application's (default on). With the application's
+    /// `VGPU_NCCL_OWN_CONTEXT`: the plugin's threads (same-host copy workers, TCP stream
+    /// threads staging GPU buffers) issue their copies from a CUDA context of the plugin's own
+    /// instead of the application's (default on). With the application's
     /// context and CUDA's lazy module loading, a kernel the application loads while NCCL's
     /// kernel waits for one of our copies deadlocks the process (the loader holds the context
     /// while it waits for the GPU to go idle); measured on 2 x H200.

@@ -165,10 +165,9 @@ impl Worker {
             std::sync::atomic::AtomicU64::new(0),
         ));
         let flag = in_call.clone();
-        let own = crate::net::global().config.own_context;
         let thread = std::thread::Builder::new()
             .name("vgpu-nccl-copy".into())
-            .spawn(move || copy_worker(driver, ctx, own, device, job_rx, done_tx, flag))?;
+            .spawn(move || copy_worker(driver, ctx, device, job_rx, done_tx, flag))?;
         Ok(Worker {
             jobs,
             done,
@@ -213,10 +212,9 @@ impl Drop for Worker {
     }
 }
 
-/// The copy workers' CUDA context on `device`: one per device and process, made at the first
-/// same-host GPU send and kept for the life of the process (a context costs device memory, so
-/// the workers of all connections share it). Not used with `VGPU_NCCL_OWN_CONTEXT=0` (the
-/// workers then use the application's context; see config.rs for why ours is the default).
+/// The plugin's own CUDA context on `device`: one per device and process, made at the first GPU
+/// copy and kept for the life of the process (a context costs device memory, so the copy threads
+/// of all connections share it).
 fn own_context(driver: &'static cuda::Cuda, device: i32) -> Result<usize, cuda::CudaError> {
     static CONTEXTS: std::sync::Mutex<Vec<(i32, usize)>> = std::sync::Mutex::new(Vec::new());
     let mut all = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
@@ -224,15 +222,40 @@ fn own_context(driver: &'static cuda::Cuda, device: i32) -> Result<usize, cuda::
         return Ok(ctx);
     }
     let ctx = driver.create_context(device)? as usize;
-    trace!("same-host copy workers: own context {ctx:#x} on device {device}");
+    trace!("copy threads: own context {ctx:#x} on device {device}");
     all.push((device, ctx));
     Ok(ctx)
+}
+
+/// Makes current, on the calling thread of the plugin's own (a same-host copy worker or a TCP
+/// stream thread), the context its GPU copies for a connection made in the application's
+/// context `app` (on `device`) run in: the plugin's own context on that device
+/// (`VGPU_NCCL_OWN_CONTEXT`, on by default; config.rs says why), or `app` when that is turned off
+/// or the driver refuses a context of ours (with a warning: it can deadlock under lazy loading).
+pub(crate) fn enter_copy_context(
+    driver: &'static cuda::Cuda,
+    app: usize,
+    device: i32,
+) -> Result<(), cuda::CudaError> {
+    let ctx = if crate::net::global().config.own_context {
+        own_context(driver, device).unwrap_or_else(|e| {
+            // a context of our own can be refused (device memory, an MPS client limit): the
+            // application's context still works unless lazy module loading gets in the way
+            crate::log::warn!(
+                crate::abi::NCCL_NET,
+                "GPU copies: no context of our own ({e}); using the application's, which can deadlock while the application loads CUDA modules lazily (set CUDA_MODULE_LOADING=EAGER, or free device memory)"
+            );
+            app
+        })
+    } else {
+        app
+    };
+    driver.set_context(ctx as cuda::CUcontext)
 }
 
 fn copy_worker(
     driver: &'static cuda::Cuda,
     ctx: usize,
-    own: bool,
     device: i32,
     jobs: std::sync::mpsc::Receiver<Job>,
     done: std::sync::mpsc::SyncSender<JobDone>,
@@ -244,27 +267,11 @@ fn copy_worker(
         in_call.0.store(what, Ordering::Release);
     };
     let leave = || in_call.0.store(IN_NOTHING, Ordering::Release);
-    let context = if own {
-        own_context(driver, device).or_else(|e| {
-            // a context of our own can be refused (device memory, an MPS client limit): the
-            // application's context still works unless lazy module loading gets in the way
-            crate::log::warn!(
-                crate::abi::NCCL_NET,
-                "same-host copies: no context of our own ({e}); using the application's, which can deadlock while the application loads CUDA modules lazily (set CUDA_MODULE_LOADING=EAGER, or free device memory)"
-            );
-            Ok(ctx)
-        })
-    } else {
-        Ok(ctx)
-    };
-    match context.and_then(|c| driver.set_context(c as cuda::CUcontext)) {
-        Ok(()) => {}
-        Err(e) => {
-            // every job then fails: the channel closes and the proxy reports it
-            crate::log::warn!(crate::abi::NCCL_NET, "same-host copy worker: {e}");
-            return;
-        }
-    };
+    if let Err(e) = enter_copy_context(driver, ctx, device) {
+        // every job then fails: the channel closes and the proxy reports it
+        crate::log::warn!(crate::abi::NCCL_NET, "same-host copy worker: {e}");
+        return;
+    }
     let Ok(stream) = driver.stream() else { return };
     let mut exports: HashMap<u32, (Export, Option<OwnedFd>)> = HashMap::new();
     let mut maps: HashMap<u32, Mapping> = HashMap::new();

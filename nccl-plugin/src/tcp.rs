@@ -43,16 +43,17 @@ struct Part {
     cuda: bool,
 }
 
-/// The context stream threads make current before touching GPU memory.
+/// The application's context and device when the connection was made (NCCL's proxy thread has
+/// them current); stream threads copy GPU memory in the plugin's own context on that device
+/// (`local::enter_copy_context`).
 #[derive(Clone, Copy)]
-struct Ctx(usize);
+struct Ctx(usize, i32);
 
 fn current_ctx() -> Option<Ctx> {
-    cuda::driver()
-        .ok()
-        .and_then(|d| d.current_context().ok())
-        .filter(|c| !c.is_null())
-        .map(|c| Ctx(c as usize))
+    let driver = cuda::driver().ok()?;
+    let ctx = driver.current_context().ok().filter(|c| !c.is_null())?;
+    let device = driver.current_device().ok()?;
+    Some(Ctx(ctx as usize, device))
 }
 
 /// Pinned staging and a stream, made lazily by a thread that meets GPU memory.
@@ -68,7 +69,7 @@ impl Staging {
         let ctx = ctx.ok_or(Error::Protocol(
             "a GPU buffer on a connection made without a CUDA context",
         ))?;
-        driver.set_context(ctx.0 as cuda::CUcontext)?;
+        crate::local::enter_copy_context(driver, ctx.0, ctx.1)?;
         let buf = driver.host_alloc(STAGING)?;
         let stream = driver.stream()?;
         Ok(Staging {
