@@ -15,11 +15,15 @@
 #   overhead   one job on NCCL's own NVLink path with and without the plugin loaded, no sharing
 #   interposer (issue 3, point 5) one tenant's all-reduce across both GPUs with libvgpu_cuda.so
 #              preloaded (memory limit, compute share with burst), against the same job without;
-#              correctness on random data. INTERPOSER=path (default dist-nccl/libvgpu_cuda.so).
+#              correctness on random data. INTERPOSER=path (default libvgpu_cuda.so beside the
+#              plugin's default: dist-nccl/, else dist/).
 #              Not in the default SECTIONS.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
-SO=$(realpath "${1:-$ROOT/dist-nccl/libvgpu_nccl.so}")
+# the artefacts: dist-nccl/ if it exists, else dist/ (tests/gpu/README.md builds dist/)
+DIST="$ROOT/dist-nccl"
+[ -d "$DIST" ] || DIST="$ROOT/dist"
+SO=$(realpath "${1:-$DIST/libvgpu_nccl.so}")
 PY=${PYTHON:-python3}
 BENCH="$ROOT/tests/gpu/nccl/bench.py"
 WRAP="$ROOT/tests/gpu/nccl/slice_rank.sh"
@@ -109,7 +113,7 @@ for s in $SECTIONS; do
     ;;
   interposer)
     log "interposer"
-    IP=$(realpath "${INTERPOSER:-$ROOT/dist-nccl/libvgpu_cuda.so}")
+    IP=$(realpath "${INTERPOSER:-$DIST/libvgpu_cuda.so}")
     IPSHM=$(mktemp -d /dev/shm/vgpu-nccl-ip.XXXXXX)
     job ip_none 29500 2 -- --check "$CHECK" --mib 256 --lead 2
     job ip_tenant 29500 2 LD_PRELOAD="$IP" VGPU_TENANT=one VGPU_MEMORY_LIMIT=40GiB \
