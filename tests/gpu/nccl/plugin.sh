@@ -7,6 +7,7 @@
 #              and our TCP path); all-reduce correctness on random data and bus bandwidth
 #   slices     4 ranks on 2 GPUs (two slices per GPU, one NCCL_HOSTID each) in one communicator:
 #              all-reduce, all-gather, reduce-scatter, broadcast, send/recv on random data
+#              (SLICES_MPS=1 adds the GPU path under MPS)
 #   isolation  two jobs at once on the GPU pair, bandwidth weights 75/25: without vgpu (driver
 #              time slicing), MPS alone, and MPS + our tuner; the 75 job alone for reference.
 #              ISO_CONFIGS="CHANNELS:EXPONENT ..." (default "24:1.2") runs the tuner pair once per
@@ -84,6 +85,14 @@ for s in $SECTIONS; do
       --check "$CHECK" --ops all_reduce,all_gather --mib 128 --lead 2
     JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job slices4_gpu 29500 4 "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS BENCH_GPU_OF_RANK=0,0,1,1 SLICE_PREFIX=s -- \
       --check "$CHECK" --ops all_reduce --mib 128 --lead 2
+    # SLICES_MPS=1: the GPU path again under MPS, where the two ranks of each GPU run their
+    # kernels side by side instead of being time-sliced (the suspected cause of its slowness)
+    if [ "${SLICES_MPS:-0}" = 1 ]; then
+      mps
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job slices4_gpu_mps 29500 4 "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS BENCH_GPU_OF_RANK=0,0,1,1 SLICE_PREFIX=s -- \
+        --check "$CHECK" --ops all_reduce --mib 128 --lead 2
+      nomps
+    fi
     ;;
   isolation)
     log "isolation"
@@ -147,7 +156,7 @@ def ratio(a, b):
     return f"{by[a] / by[b]:.2f}" if a in by and b in by and by[b] else "n/a"
 print()
 if "slices4_gpu" in by:
-    print(f"slices (4 ranks on 2 GPUs): host path {by.get('slices4', 0):.1f} GB/s, GPU-to-GPU path {by['slices4_gpu']:.1f} GB/s")
+    print(f"slices (4 ranks on 2 GPUs): host path {by.get('slices4', 0):.1f} GB/s, GPU-to-GPU path {by['slices4_gpu']:.1f} GB/s" + (f", GPU-to-GPU under MPS {by['slices4_gpu_mps']:.1f} GB/s" if "slices4_gpu_mps" in by else ""))
 print("transport vs NCCL socket: ours TCP", ratio("vgpu_tcp", "socket"), "x; ours same-host (host buffers)", ratio("vgpu_local_host", "socket"), "x; ours GPU-to-GPU", ratio("vgpu_gpu", "socket"), "x")
 if "vgpu_gpu_bigbuf" in by:
     print("with larger NCCL buffers (NCCL_BUFFSIZE, both sides): ours GPU-to-GPU", ratio("vgpu_gpu_bigbuf", "socket_bigbuf"), "x NCCL socket; against NCCL socket at its default buffers", ratio("vgpu_gpu_bigbuf", "socket"), "x")
