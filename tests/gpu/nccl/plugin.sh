@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 4 on 2 x H200: libvgpu_nccl.so against NCCL without it, in one run. Prints a table last.
 #   tests/gpu/nccl/plugin.sh [path/to/libvgpu_nccl.so]      (OUT=dir keeps the logs there)
-# ONLY=<regex> runs only the jobs whose label matches.
+# ONLY=<regex> runs only the jobs whose label matches. NPROC=4 on 4 x H200 (one rank per GPU).
 # Sections (SECTIONS="transport slices isolation overhead" by default):
 #   transport  2 ranks, P2P and SHM off: NCCL's socket transport vs ours (same-host GPU path,
 #              and our TCP path); all-reduce correctness on random data and bus bandwidth
@@ -33,6 +33,8 @@ mkdir -p "$LOGS"
 RES="$LOGS/results.jsonl"
 : >"$RES"
 SECTIONS=${SECTIONS:-"transport slices isolation overhead"}
+# ranks per job outside the slices section: one per GPU (4 on the 4 x H200 machine)
+NPROC=${NPROC:-2}
 SECS=${SECS:-6}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,TUNING
@@ -67,16 +69,16 @@ for s in $SECTIONS; do
   case $s in
   transport)
     log "transport"
-    job socket 29500 2 "${NOPATH[@]}" NCCL_NET=Socket SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
-    job vgpu_tcp 29500 2 "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
-    job vgpu_local_host 29500 2 "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+    job socket 29500 "$NPROC" "${NOPATH[@]}" NCCL_NET=Socket SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+    job vgpu_tcp 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+    job vgpu_local_host 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
     # GPU-to-GPU copies (NCCL hands GPU buffers with NCCL_NET_GDR_LEVEL=SYS)
-    JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu 29500 2 "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+    JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
     # both again with larger NCCL buffers (BIGBUF bytes; 2 MiB steps instead of 512 KiB): the
     # GPU path is bound by per-step latency, NCCL's socket transport is not helped much
     if [ -n "${BIGBUF-16777216}" ]; then
-      job socket_bigbuf 29500 2 "${NOPATH[@]}" NCCL_NET=Socket NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
-      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_bigbuf 29500 2 "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+      job socket_bigbuf 29500 "$NPROC" "${NOPATH[@]}" NCCL_NET=Socket NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_bigbuf 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
     fi
     ;;
   slices)
@@ -98,11 +100,11 @@ for s in $SECTIONS; do
     log "isolation"
     A=(VGPU_TENANT=train VGPU_NCCL_WEIGHT=75 VGPU_NCCL_SHARE_FILE="$SHARE")
     B=(VGPU_TENANT=noisy VGPU_NCCL_WEIGHT=25 VGPU_NCCL_SHARE_FILE="$SHARE")
-    job alone_plain 29500 2 -- --mib 256
-    job tsl_A 29500 2 -- --mib 256 & job tsl_B 29501 2 -- --mib 256; wait
+    job alone_plain 29500 "$NPROC" -- --mib 256
+    job tsl_A 29500 "$NPROC" -- --mib 256 & job tsl_B 29501 "$NPROC" -- --mib 256; wait
     mps
-    job mps_alone_A 29500 2 "${PLUG[@]}" "${A[@]}" -- --mib 256
-    job mps_A 29500 2 -- --mib 256 & job mps_B 29501 2 -- --mib 256; wait
+    job mps_alone_A 29500 "$NPROC" "${PLUG[@]}" "${A[@]}" -- --mib 256
+    job mps_A 29500 "$NPROC" -- --mib 256 & job mps_B 29501 "$NPROC" -- --mib 256; wait
     # ISO_CONFIGS: tuner settings to compare, each CHANNELS:EXPONENT (the total channel budget
     # split by weight^EXPONENT); the first is labelled vgpu_A/vgpu_B, the others vgpu_A_cC_eE.
     first=1
@@ -111,21 +113,21 @@ for s in $SECTIONS; do
       [ $first = 1 ] || sfx="_c${c}_e${e}"
       first=0
       T=(VGPU_NCCL_CHANNELS="$c" VGPU_NCCL_SHARE_EXPONENT="$e")
-      job "vgpu_A$sfx" 29500 2 "${PLUG[@]}" "${A[@]}" "${T[@]}" -- --mib 256 &
-      job "vgpu_B$sfx" 29501 2 "${PLUG[@]}" "${B[@]}" "${T[@]}" -- --mib 256; wait
+      job "vgpu_A$sfx" 29500 "$NPROC" "${PLUG[@]}" "${A[@]}" "${T[@]}" -- --mib 256 &
+      job "vgpu_B$sfx" 29501 "$NPROC" "${PLUG[@]}" "${B[@]}" "${T[@]}" -- --mib 256; wait
     done
     # the guarantee against a noisy best-effort neighbour: A guaranteed, B best effort (the
     # agent's VGPU_GUARANTEED); B keeps VGPU_NCCL_BEST_EFFORT_CHANNELS (2) while A is active
-    job gbe_A 29500 2 "${PLUG[@]}" "${A[@]}" VGPU_GUARANTEED=1 -- --mib 256 &
-    job gbe_B 29501 2 "${PLUG[@]}" "${B[@]}" VGPU_GUARANTEED=0 -- --mib 256; wait
+    job gbe_A 29500 "$NPROC" "${PLUG[@]}" "${A[@]}" VGPU_GUARANTEED=1 -- --mib 256 &
+    job gbe_B 29501 "$NPROC" "${PLUG[@]}" "${B[@]}" VGPU_GUARANTEED=0 -- --mib 256; wait
     nomps
     ;;
   interposer)
     log "interposer"
     IP=$(realpath "${INTERPOSER:-$DIST/libvgpu_cuda.so}")
     IPSHM=$(mktemp -d /dev/shm/vgpu-nccl-ip.XXXXXX)
-    job ip_none 29500 2 -- --check "$CHECK" --mib 256 --lead 2
-    job ip_tenant 29500 2 LD_PRELOAD="$IP" VGPU_TENANT=one VGPU_MEMORY_LIMIT=40GiB \
+    job ip_none 29500 "$NPROC" -- --check "$CHECK" --mib 256 --lead 2
+    job ip_tenant 29500 "$NPROC" LD_PRELOAD="$IP" VGPU_TENANT=one VGPU_MEMORY_LIMIT=40GiB \
       VGPU_COMPUTE_SHARES=0:50,1:50 VGPU_BURST=1 VGPU_SHM_DIR="$IPSHM" VGPU_LOG=2 -- --check "$CHECK" --mib 256 --lead 2
     grep -h "^vgpu\[" "$LOGS/ip_tenant.log" | sort | uniq -c | sort -rn | head -20 >"$LOGS/ip_tenant_interposer_lines.txt"
     rm -rf "$IPSHM"
@@ -133,8 +135,8 @@ for s in $SECTIONS; do
   overhead)
     log "overhead"
     for r in 1 2; do
-      job "noplugin_r$r" 29500 2 -- --mib 256
-      job "plugin_r$r" 29500 2 "${PLUG[@]}" -- --mib 256
+      job "noplugin_r$r" 29500 "$NPROC" -- --mib 256
+      job "plugin_r$r" 29500 "$NPROC" "${PLUG[@]}" -- --mib 256
     done
     ;;
   esac
