@@ -14,6 +14,7 @@
 #   alone_latency, alone_trainer   no vgpu, no MPS: the baselines
 #   plain                          both, no vgpu, no MPS (the driver's time slicing)
 #   vgpu_turns                     both through the agent without --mps (turns only)
+#   mps_only                       both as clients of the agent's MPS daemon, without vgpu
 #   vgpu_mps                       both through the agent with --mps (MPS + spatial partitioning)
 #   vgpu_mps_trainer_alone         the trainer alone through the agent with --mps
 # REPEAT=n repeats vgpu_mps. Target: p99 <= 1.15x alone_latency, trainer >= 80% of alone_trainer.
@@ -66,16 +67,21 @@ agent() { # agent [--mps]: (re)start the agent with the same state
   fi
 }
 
-# row NAME MODE(plain|vgpu) WHO(both|latency|trainer)
+# `vgpu-agent exec`'s tenant arguments; nothing for the MPS peer (run is `env ...` there)
+tenant_args() { [ "${run[0]}" = env ] || echo "--tenant $1 --"; }
+
+# row NAME MODE(plain|vgpu|mps) WHO(both|latency|trainer)
 row() {
   local name=$1 mode=$2 who=$3 T
   T=$(start_at "$LEAD")
   local run=()
   [ "$mode" = vgpu ] && run=("$BIN/vgpu-agent" exec --name gpu-node --state-dir "$WORK/agent"
     --shm-dir "$SHM" --interposer "$BIN/libvgpu_cuda.so")
+  # mps: both as clients of the agent's MPS daemon, without vgpu (the MPS peer)
+  [ "$mode" = mps ] && { run=(env CUDA_MPS_PIPE_DIRECTORY="$SHM/mps"); mode=vgpu; }
   if [ "$who" != trainer ]; then
     if [ "$mode" = vgpu ]; then
-      VGPU_LOG=2 "${run[@]}" --tenant serve -- "$PY" "$HELPER" mlp --start-at "$T" --window "$WINDOW" \
+      VGPU_LOG=2 "${run[@]}" $(tenant_args serve) "$PY" "$HELPER" mlp --start-at "$T" --window "$WINDOW" \
         >"$LOGS/$name.mlp.log" 2>&1 &
     else
       "$PY" "$HELPER" mlp --start-at "$T" --window "$WINDOW" >"$LOGS/$name.mlp.log" 2>&1 &
@@ -84,7 +90,7 @@ row() {
   fi
   if [ "$who" != latency ]; then
     if [ "$mode" = vgpu ]; then
-      VGPU_LOG=2 "${run[@]}" --tenant train -- "$PY" "$HELPER" trainer --start-at "$T" --window "$WINDOW" \
+      VGPU_LOG=2 "${run[@]}" $(tenant_args train) "$PY" "$HELPER" trainer --start-at "$T" --window "$WINDOW" \
         >"$LOGS/$name.trainer.log" 2>&1 &
     else
       "$PY" "$HELPER" trainer --start-at "$T" --window "$WINDOW" >"$LOGS/$name.trainer.log" 2>&1 &
@@ -148,6 +154,7 @@ export VGPU_AGENT_MPS=true
   >"$LOGS/env-train-mps.txt" 2>&1
 "$BIN/vgpu-agent" env --tenant serve --name gpu-node --state-dir "$WORK/agent" --shm-dir "$SHM" \
   >"$LOGS/env-serve-mps.txt" 2>&1
+row mps_only mps both
 for r in $(seq "$REPEAT"); do
   row "vgpu_mps_r$r" vgpu both
 done
