@@ -77,29 +77,35 @@ pub fn cert_issue(
     Ok((cert_path, key_path))
 }
 
-/// A new bootstrap token, created through `endpoint` with an admin certificate (`transport`).
-pub async fn token_create(
+/// A Cluster API client for `endpoint`, authenticated by `transport` (an admin certificate).
+async fn cluster_client(
     transport: &Transport,
     endpoint: &str,
-    ttl: Duration,
-) -> Result<api::v1::CreateJoinTokenResponse, CertError> {
-    let unreachable = |detail: String| CertError::Unreachable {
-        endpoint: endpoint.to_owned(),
-        detail,
-    };
+) -> Result<api::v1::cluster_client::ClusterClient<tonic::transport::Channel>, CertError> {
     let channel = transport
         .endpoint(endpoint)?
         .connect_timeout(Duration::from_secs(5))
         .timeout(Duration::from_secs(15))
         .connect()
         .await
-        .map_err(|error| unreachable(format!("{error:?}")))?;
-    let mut client = api::v1::cluster_client::ClusterClient::new(channel);
-    let request = api::v1::CreateJoinTokenRequest {
-        ttl_seconds: ttl.as_secs().max(1),
-    };
-    client
-        .create_join_token(request)
+        .map_err(|error| CertError::Unreachable {
+            endpoint: endpoint.to_owned(),
+            detail: format!("{error:?}"),
+        })?;
+    Ok(api::v1::cluster_client::ClusterClient::new(channel))
+}
+
+/// A new bootstrap token, created through `endpoint` with an admin certificate (`transport`).
+pub async fn token_create(
+    transport: &Transport,
+    endpoint: &str,
+    ttl: Duration,
+) -> Result<api::v1::CreateJoinTokenResponse, CertError> {
+    cluster_client(transport, endpoint)
+        .await?
+        .create_join_token(api::v1::CreateJoinTokenRequest {
+            ttl_seconds: ttl.as_secs().max(1),
+        })
         .await
         .map(tonic::Response::into_inner)
         .map_err(|status| CertError::Refused(status.message().to_owned()))
@@ -111,17 +117,8 @@ pub async fn revoke(
     endpoint: &str,
     serial: &str,
 ) -> Result<api::v1::RevokeCertificateResponse, CertError> {
-    let channel = transport
-        .endpoint(endpoint)?
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(15))
-        .connect()
-        .await
-        .map_err(|error| CertError::Unreachable {
-            endpoint: endpoint.to_owned(),
-            detail: format!("{error:?}"),
-        })?;
-    api::v1::cluster_client::ClusterClient::new(channel)
+    cluster_client(transport, endpoint)
+        .await?
         .revoke_certificate(api::v1::RevokeCertificateRequest {
             serial: serial.to_owned(),
         })

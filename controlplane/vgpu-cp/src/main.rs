@@ -122,19 +122,41 @@ enum CertCommand {
         /// Or its serial number, hex.
         #[arg(long)]
         serial: Option<String>,
-        /// A control-plane member, HOST:PORT.
-        #[arg(long, default_value = "127.0.0.1:7401")]
-        endpoint: String,
-        /// The cluster CA certificate.
-        #[arg(long, value_name = "FILE")]
-        ca_cert: PathBuf,
-        /// An admin certificate.
-        #[arg(long, value_name = "FILE")]
-        cert: PathBuf,
-        /// Its key.
-        #[arg(long, value_name = "FILE")]
-        key: PathBuf,
+        #[command(flatten)]
+        admin: AdminArgs,
     },
+}
+
+/// How an admin command reaches the cluster: a member and an admin certificate.
+#[derive(clap::Args)]
+struct AdminArgs {
+    /// A control-plane member, HOST:PORT.
+    #[arg(long, default_value = "127.0.0.1:7401")]
+    endpoint: String,
+    /// The cluster CA certificate.
+    #[arg(long, value_name = "FILE")]
+    ca_cert: PathBuf,
+    /// An admin certificate.
+    #[arg(long, value_name = "FILE")]
+    cert: PathBuf,
+    /// Its key.
+    #[arg(long, value_name = "FILE")]
+    key: PathBuf,
+}
+
+impl AdminArgs {
+    /// The mutual-TLS transport these files make, and the endpoint.
+    fn connect(self) -> anyhow::Result<(api::tls::Transport, String)> {
+        let files = api::tls::TlsFiles {
+            ca_cert: self.ca_cert,
+            cert: self.cert,
+            key: self.key,
+        };
+        Ok((
+            api::tls::Transport::choose(false, Some(&files), "")?,
+            self.endpoint,
+        ))
+    }
 }
 
 #[derive(Subcommand)]
@@ -145,18 +167,8 @@ enum TokenCommand {
         /// How long the token is valid: `30m`, `1h`, `24h` (at most 7 days).
         #[arg(long, default_value = "1h", value_parser = ttl)]
         ttl: std::time::Duration,
-        /// A control-plane member, HOST:PORT.
-        #[arg(long, default_value = "127.0.0.1:7401")]
-        endpoint: String,
-        /// The cluster CA certificate.
-        #[arg(long, value_name = "FILE")]
-        ca_cert: PathBuf,
-        /// An admin certificate.
-        #[arg(long, value_name = "FILE")]
-        cert: PathBuf,
-        /// Its key.
-        #[arg(long, value_name = "FILE")]
-        key: PathBuf,
+        #[command(flatten)]
+        admin: AdminArgs,
         /// Also write the token and the CA pin to FILE (mode 0600) as a vgpu-agent configuration
         /// file (keys `token` and `ca_cert_hash`), for agents in images without a shell: point
         /// `VGPU_AGENT_CONFIG` at it.
@@ -375,18 +387,14 @@ fn cert(command: CertCommand) -> anyhow::Result<()> {
         CertCommand::Revoke {
             file,
             serial,
-            endpoint,
-            ca_cert,
-            cert,
-            key,
+            admin,
         } => {
             let serial = match (file, serial) {
                 (Some(file), _) => serial_of_file(&file)?,
                 (None, Some(text)) => text,
                 (None, None) => unreachable!("clap requires --revoke or --serial"),
             };
-            let files = api::tls::TlsFiles { ca_cert, cert, key };
-            let transport = api::tls::Transport::choose(false, Some(&files), "")?;
+            let (transport, endpoint) = admin.connect()?;
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let answer =
                 runtime.block_on(vgpu_cp::certs::revoke(&transport, &endpoint, &serial))?;
@@ -423,14 +431,10 @@ fn serial_of_file(path: &std::path::Path) -> anyhow::Result<String> {
 fn token(command: TokenCommand) -> anyhow::Result<()> {
     let TokenCommand::Create {
         ttl,
-        endpoint,
-        ca_cert,
-        cert,
-        key,
+        admin,
         agent_config,
     } = command;
-    let files = api::tls::TlsFiles { ca_cert, cert, key };
-    let transport = api::tls::Transport::choose(false, Some(&files), "")?;
+    let (transport, endpoint) = admin.connect()?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let created = runtime.block_on(vgpu_cp::certs::token_create(&transport, &endpoint, ttl))?;
     if let Some(path) = &agent_config {
