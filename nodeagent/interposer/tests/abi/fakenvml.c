@@ -24,34 +24,15 @@
 #include <string.h>
 #include <unistd.h>
 
-typedef int nvmlReturn_t;
-typedef struct fake_device *nvmlDevice_t;
+#include "nvml_layouts.h"
 
-typedef struct {
-  unsigned long long total, free, used;
-} nvmlMemory_t;
-typedef struct {
-  unsigned int version;
-  unsigned long long total, reserved, free, used;
-} nvmlMemory_v2_t;
-typedef struct {
-  unsigned int pid;
-  unsigned long long usedGpuMemory;
-} nvmlProcessInfo_v1_t;
-typedef struct {
-  unsigned int pid;
-  unsigned long long usedGpuMemory;
-  unsigned int gpuInstanceId, computeInstanceId;
-} nvmlProcessInfo_v2_t;
-_Static_assert(sizeof(nvmlProcessInfo_v1_t) == 16, "nvml.h's v1 layout");
-_Static_assert(sizeof(nvmlProcessInfo_v2_t) == 24, "nvml.h's v2 layout");
+typedef struct fake_device *nvmlDevice_t;
 
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
-#define NVML_MEMORY_V2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
 #define MAX_DEVICES 16
 #define MAX_PROCESSES 4096
 #define MIB (1ULL << 20)

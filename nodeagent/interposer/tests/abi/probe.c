@@ -132,24 +132,7 @@ unsigned long long fakeGpuUsedNs(void);
 unsigned long long fakeLaunches(void);
 const char *fakeTrace(void);
 
-typedef int nvmlReturn_t;
-typedef struct {
-  unsigned long long total, free, used;
-} nvmlMemory_t;
-typedef struct {
-  unsigned int version;
-  unsigned long long total, reserved, free, used;
-} nvmlMemory_v2_t;
-#define NVML_MEMORY_V2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
-typedef struct {
-  unsigned int pid;
-  unsigned long long usedGpuMemory;
-} nvmlProcessInfo_v1_t;
-typedef struct {
-  unsigned int pid;
-  unsigned long long usedGpuMemory;
-  unsigned int gpuInstanceId, computeInstanceId;
-} nvmlProcessInfo_v2_t;
+#include "nvml_layouts.h"
 typedef nvmlReturn_t (*nvml_init_fn)(void);
 typedef nvmlReturn_t (*nvml_handle_fn)(unsigned int, void **);
 typedef nvmlReturn_t (*nvml_mem_fn)(void *, nvmlMemory_t *);
