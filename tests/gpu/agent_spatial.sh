@@ -70,6 +70,20 @@ agent() { # agent [--mps]: (re)start the agent with the same state
 # `vgpu-agent exec`'s tenant arguments; nothing for the MPS peer (run is `env ...` there)
 tenant_args() { [ "${run[0]}" = env ] || echo "--tenant $1 --"; }
 
+# launch ROLE TENANT, inside row (it reads row's name, mode, run and T): one workload of the row
+# (spatial.py mlp|trainer), through the agent (or the MPS peer's environment) or plain; logs to
+# $LOGS/$name.ROLE.log
+launch() {
+  local log="$LOGS/$name.$1.log"
+  if [ "$mode" = vgpu ]; then
+    VGPU_LOG=2 "${run[@]}" $(tenant_args "$2") "$PY" "$HELPER" "$1" --start-at "$T" \
+      --window "$WINDOW" >"$log" 2>&1 &
+  else
+    "$PY" "$HELPER" "$1" --start-at "$T" --window "$WINDOW" >"$log" 2>&1 &
+  fi
+  PIDS+=($!)
+}
+
 # row NAME MODE(plain|vgpu|mps) WHO(both|latency|trainer)
 row() {
   local name=$1 mode=$2 who=$3 T
@@ -79,24 +93,8 @@ row() {
     --shm-dir "$SHM" --interposer "$BIN/libvgpu_cuda.so")
   # mps: both as clients of the agent's MPS daemon, without vgpu (the MPS peer)
   [ "$mode" = mps ] && { run=(env CUDA_MPS_PIPE_DIRECTORY="$SHM/mps"); mode=vgpu; }
-  if [ "$who" != trainer ]; then
-    if [ "$mode" = vgpu ]; then
-      VGPU_LOG=2 "${run[@]}" $(tenant_args serve) "$PY" "$HELPER" mlp --start-at "$T" --window "$WINDOW" \
-        >"$LOGS/$name.mlp.log" 2>&1 &
-    else
-      "$PY" "$HELPER" mlp --start-at "$T" --window "$WINDOW" >"$LOGS/$name.mlp.log" 2>&1 &
-    fi
-    PIDS+=($!)
-  fi
-  if [ "$who" != latency ]; then
-    if [ "$mode" = vgpu ]; then
-      VGPU_LOG=2 "${run[@]}" $(tenant_args train) "$PY" "$HELPER" trainer --start-at "$T" --window "$WINDOW" \
-        >"$LOGS/$name.trainer.log" 2>&1 &
-    else
-      "$PY" "$HELPER" trainer --start-at "$T" --window "$WINDOW" >"$LOGS/$name.trainer.log" 2>&1 &
-    fi
-    PIDS+=($!)
-  fi
+  [ "$who" != trainer ] && launch mlp serve
+  [ "$who" != latency ] && launch trainer train
   # what the GPU's clocks and power did meanwhile (read only), to tell a throttled run apart
   nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
     --format=csv,noheader,nounits -lms 500 >"$LOGS/$name.clocks.csv" 2>/dev/null &
