@@ -1,9 +1,10 @@
 //! The node-local table through which the tuners of all tenants on a node see who is moving
 //! data right now: one 32-byte slot per process (tenant key, weight and class, pid, last
 //! activity), in a shared file. The second word holds the weight in its low 32 bits and bit 32
-//! set for a best-effort tenant (clear: guaranteed). Each process writes only its own slot, one atomic word at a time, so a process
-//! killed at any point leaves nothing locked; a dead process's slot goes stale (its activity
-//! stamp stops advancing) and is reclaimed once its pid is gone.
+//! set for a best-effort tenant (clear: guaranteed). Each process writes only its own slot, one
+//! atomic word at a time, so a process killed at any point leaves nothing locked; a dead
+//! process's slot goes stale (its activity stamp stops advancing) and is reclaimed once its pid
+//! is gone.
 #![allow(unsafe_code)]
 
 use std::fs::OpenOptions;

@@ -13,6 +13,7 @@
 pub mod abi;
 mod activity;
 mod config;
+mod context;
 mod cuda;
 mod exports;
 mod local;

@@ -45,7 +45,7 @@ struct Part {
 
 /// The application's context and device when the connection was made (NCCL's proxy thread has
 /// them current); stream threads copy GPU memory in the plugin's own context on that device
-/// (`local::enter_copy_context`).
+/// (`context::enter_copy_context`).
 #[derive(Clone, Copy)]
 struct Ctx(usize, i32);
 
@@ -69,7 +69,7 @@ impl Staging {
         let ctx = ctx.ok_or(Error::Protocol(
             "a GPU buffer on a connection made without a CUDA context",
         ))?;
-        crate::local::enter_copy_context(driver, ctx.0, ctx.1)?;
+        crate::context::enter_copy_context(driver, ctx.0, ctx.1)?;
         let buf = driver.host_alloc(STAGING)?;
         let stream = driver.stream()?;
         Ok(Staging {
