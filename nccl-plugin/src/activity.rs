@@ -5,6 +5,13 @@
 //! atomic word at a time, so a process killed at any point leaves nothing locked; a dead
 //! process's slot goes stale (its activity stamp stops advancing) and is reclaimed once its pid
 //! is gone.
+//!
+//! After the process slots come the communicators' decision logs ([`COMMS`] of them): every
+//! rank of a communicator must give NCCL the same channel count for the same collective, or the
+//! ranks run different rings and the collective hangs. Ranks reach a collective at different
+//! times and could read the activity slots differently, so the first rank to reach collective
+//! `n` decides and publishes the decision in slot `n % RING` of the communicator's log, and the
+//! others take it from there (one compare-and-swap per collective, no lock).
 #![allow(unsafe_code)]
 
 use std::fs::OpenOptions;
@@ -13,13 +20,27 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub const SLOTS: usize = 64;
-/// Version 2 added the class bit; a table of version 1 is refused as foreign (its users would
-/// read a best-effort tenant as a very heavy one).
-const MAGIC: u64 = 0x5647_5055_4143_5432; // "VGPUACT2"
+/// Version 2 added the class bit, version 3 the communicators' decision logs; older tables are
+/// refused as foreign (their size differs, and a version-1 reader would take a best-effort
+/// tenant for a very heavy one).
+const MAGIC: u64 = 0x5647_5055_4143_5433; // "VGPUACT3"
 const BEST_EFFORT: u64 = 1 << 32;
 const HEADER_WORDS: usize = 8;
 const SLOT_WORDS: usize = 4;
-pub const BYTES: usize = (HEADER_WORDS + SLOTS * SLOT_WORDS) * 8;
+/// Communicators whose ranks on this node can agree on decisions at once.
+pub const COMMS: usize = 32;
+/// Decisions a communicator's log remembers: how far its slowest rank on this node may trail
+/// the fastest one, in collectives. A rank runs ahead only as far as its GPU's launch queue
+/// lets it (about a thousand kernels), since the GPUs of a communicator move in step.
+pub const RING: usize = 4096;
+/// A log: communicator id, processes attached, last decision time, then the decisions.
+const COMM_HEAD: usize = 3;
+const COMM_WORDS: usize = COMM_HEAD + RING;
+const COMMS_START: usize = HEADER_WORDS + SLOTS * SLOT_WORDS;
+pub const BYTES: usize = (COMMS_START + COMMS * COMM_WORDS) * 8;
+/// A log nobody has decided in for this long is taken over when the logs are all in use (its
+/// processes were killed before they could detach).
+const COMM_STALE_NS: u64 = 600 * 1_000_000_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -34,11 +55,20 @@ pub enum Error {
     Foreign(String),
     #[error("activity table {0} is full ({SLOTS} processes)")]
     Full(String),
+    #[error(
+        "activity table {0} has no free communicator log ({COMMS} in use); channel caps are off for this communicator"
+    )]
+    CommsFull(String),
+    #[error(
+        "this rank reached collective {seq} after the communicator's log had moved on to collective {newer} (more than {RING} collectives behind another rank on this node); its channel decision is lost"
+    )]
+    Behind { seq: u64, newer: u64 },
 }
 
 pub struct Table {
     words: *const AtomicU64,
     slot: usize,
+    path: String,
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics; it lives as long as the
@@ -108,6 +138,7 @@ impl Table {
         let mut t = Table {
             words,
             slot: usize::MAX,
+            path: name.clone(),
         };
         // a fresh file is all zeros: stamp the magic once; anything else must carry it
         match t
@@ -156,6 +187,124 @@ impl Table {
             .store(now_ns, Ordering::Release);
     }
 
+    fn comm_word(&self, log: usize, i: usize) -> &AtomicU64 {
+        assert!(log < COMMS && i < COMM_WORDS);
+        self.word(COMMS_START + log * COMM_WORDS + i)
+    }
+
+    /// Attach this process to communicator `comm`'s decision log (its ranks on this node all
+    /// find the same one), claiming a free log, or a stale one, if none has it yet.
+    pub fn join_comm(&self, comm: u64, now_ns: u64) -> Result<CommLog, Error> {
+        let id = comm.max(1); // 0 marks a free log
+        let start = (id % COMMS as u64) as usize;
+        let order = (0..COMMS).map(|i| (start + i) % COMMS);
+        for log in order.clone() {
+            let w = self.comm_word(log, 0);
+            let mut cur = w.load(Ordering::Acquire);
+            if cur == 0 {
+                cur = match w.compare_exchange(0, id, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => {
+                        self.comm_word(log, 2).store(now_ns, Ordering::Release);
+                        id
+                    }
+                    Err(other) => other,
+                };
+            }
+            if cur == id {
+                self.comm_word(log, 1).fetch_add(1, Ordering::AcqRel);
+                return Ok(CommLog { log, id });
+            }
+        }
+        // all in use: take over one whose processes died without detaching
+        for log in order {
+            let last = self.comm_word(log, 2).load(Ordering::Acquire);
+            let old = self.comm_word(log, 0).load(Ordering::Acquire);
+            if now_ns.saturating_sub(last) > COMM_STALE_NS
+                && self
+                    .comm_word(log, 0)
+                    .compare_exchange(old, id, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                for i in COMM_HEAD..COMM_WORDS {
+                    self.comm_word(log, i).store(0, Ordering::Release);
+                }
+                self.comm_word(log, 2).store(now_ns, Ordering::Release);
+                self.comm_word(log, 1).store(1, Ordering::Release);
+                return Ok(CommLog { log, id });
+            }
+        }
+        Err(Error::CommsFull(self.path.clone()))
+    }
+
+    /// Detach from a communicator's log; the last process to leave frees it.
+    pub fn leave_comm(&self, c: &CommLog) {
+        if self.comm_word(c.log, 0).load(Ordering::Acquire) != c.id {
+            return; // taken over meanwhile
+        }
+        if self.comm_word(c.log, 1).fetch_sub(1, Ordering::AcqRel) == 1 {
+            for i in COMM_HEAD..COMM_WORDS {
+                self.comm_word(c.log, i).store(0, Ordering::Release);
+            }
+            let _ = self.comm_word(c.log, 0).compare_exchange(
+                c.id,
+                0,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+    }
+
+    /// Processes of this node attached to the communicator's log.
+    pub fn comm_members(&self, c: &CommLog) -> u64 {
+        self.comm_word(c.log, 1).load(Ordering::Acquire)
+    }
+
+    /// The decision (0..=255) for the communicator's collective `seq` (0, 1, 2, ... in the
+    /// order NCCL asks): the one another rank on this node published, or `decide()`'s, published
+    /// now for the others.
+    pub fn agree(
+        &self,
+        c: &CommLog,
+        seq: u64,
+        now_ns: u64,
+        decide: impl FnOnce() -> u8,
+    ) -> Result<u8, Error> {
+        let cell = self.comm_word(c.log, COMM_HEAD + (seq % RING as u64) as usize);
+        // a cell holds (collective + 1) << 8 | decision; 0 = never written
+        let tag = seq + 1;
+        let mut cur = cell.load(Ordering::Acquire);
+        let mut decide = Some(decide);
+        let mut mine = 0u8;
+        loop {
+            let have = cur >> 8;
+            if have == tag {
+                return Ok((cur & 0xff) as u8);
+            }
+            if have > tag {
+                return Err(Error::Behind {
+                    seq,
+                    newer: have - 1,
+                });
+            }
+            if let Some(f) = decide.take() {
+                mine = f();
+            }
+            let d = mine;
+            match cell.compare_exchange(
+                cur,
+                (tag << 8) | d as u64,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    self.comm_word(c.log, 2).store(now_ns, Ordering::Release);
+                    return Ok(d);
+                }
+                Err(other) => cur = other,
+            }
+        }
+    }
+
     /// Every other slot with a live process.
     pub fn peers(&self) -> Vec<Peer> {
         (0..SLOTS)
@@ -171,6 +320,13 @@ impl Table {
             })
             .collect()
     }
+}
+
+/// A process's attachment to one communicator's decision log ([`Table::join_comm`]).
+#[derive(Debug)]
+pub struct CommLog {
+    log: usize,
+    id: u64,
 }
 
 impl Drop for Table {
@@ -229,6 +385,54 @@ mod tests {
             Table::open(&dir.join("foreign"), 1, 1, true),
             Err(Error::Foreign(_))
         ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_communicators_ranks_share_one_decision_per_collective() {
+        let dir = std::env::temp_dir().join(format!("vgpu-act-comm-{}", std::process::id()));
+        let path = dir.join("table");
+        let a = Table::open(&path, 1, 75, true).unwrap();
+        let b = Table::open(&path, 1, 75, true).unwrap();
+        let la = a.join_comm(42, 10).unwrap();
+        let lb = b.join_comm(42, 10).unwrap();
+        assert_eq!(a.comm_members(&la), 2);
+        // the first to reach a collective decides; the other never runs its own decision
+        assert_eq!(a.agree(&la, 0, 20, || 0).unwrap(), 0);
+        assert_eq!(b.agree(&lb, 0, 21, || panic!("decided twice")).unwrap(), 0);
+        assert_eq!(b.agree(&lb, 1, 22, || 19).unwrap(), 19);
+        assert_eq!(a.agree(&la, 1, 23, || 24).unwrap(), 19);
+        // a rank that trails by more than the log holds gets an error, not a guess
+        assert_eq!(a.agree(&la, RING as u64 + 5, 24, || 7).unwrap(), 7);
+        assert!(matches!(
+            b.agree(&lb, 5, 25, || 7),
+            Err(Error::Behind { seq: 5, .. })
+        ));
+        // another communicator gets another log; the last rank to leave frees it
+        let other = a.join_comm(43, 30).unwrap();
+        assert_eq!(a.agree(&other, 1, 31, || 3).unwrap(), 3);
+        a.leave_comm(&la);
+        assert_eq!(b.comm_members(&lb), 1);
+        b.leave_comm(&lb);
+        let again = b.join_comm(42, 40).unwrap();
+        assert_eq!(b.comm_members(&again), 1);
+        assert_eq!(b.agree(&again, 1, 41, || 4).unwrap(), 4, "a fresh log");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn logs_of_dead_communicators_are_taken_over_once_stale() {
+        let dir = std::env::temp_dir().join(format!("vgpu-act-stale-{}", std::process::id()));
+        let t = Table::open(&dir.join("table"), 1, 1, true).unwrap();
+        let logs: Vec<CommLog> = (0..COMMS as u64)
+            .map(|c| t.join_comm(100 + c, 1).unwrap())
+            .collect();
+        assert!(matches!(t.join_comm(999, 2), Err(Error::CommsFull(_))));
+        // none of them decided for COMM_STALE_NS: one is reused, with an empty log
+        let taken = t.join_comm(999, 2 + COMM_STALE_NS).unwrap();
+        assert_eq!(t.comm_members(&taken), 1);
+        assert_eq!(t.agree(&taken, 0, 3 + COMM_STALE_NS, || 6).unwrap(), 6);
+        drop(logs);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

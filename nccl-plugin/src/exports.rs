@@ -40,7 +40,7 @@ const NAME: &std::ffi::CStr = c"vgpu";
 /// One comm pointer handed to NCCL: regMr/deregMr take either kind.
 enum AnyComm {
     Send(Box<SendComm>),
-    Recv(RecvComm),
+    Recv(Box<RecvComm>),
 }
 
 enum Req {
@@ -293,7 +293,10 @@ unsafe extern "C" fn accept(
         // SAFETY: made by listen_impl's Box::into_raw; used by one thread at a time.
         let l = unsafe { &mut *lc.cast::<Listener>() };
         if let Some(r) = l.accept()? {
-            out(recv_comm, Box::into_raw(Box::new(AnyComm::Recv(r))).cast())?;
+            out(
+                recv_comm,
+                Box::into_raw(Box::new(AnyComm::Recv(Box::new(r)))).cast(),
+            )?;
         }
         Ok(())
     })
@@ -614,7 +617,7 @@ unsafe extern "C" fn get_coll_info(
         // SAFETY: made by tuner_new's Box::into_raw; NCCL calls one communicator's tuner from
         // one thread at a time.
         let t = unsafe { &mut *ctx.cast::<tuner::Tuner>() };
-        let c = t.decide(netshare::shm::monotonic_now_ns());
+        let c = t.decide(netshare::shm::monotonic_now_ns())?;
         if c > 0 {
             out(n_channels, c)?;
         }

@@ -52,4 +52,6 @@ pub enum Error {
     Truncated { sent: usize, posted: usize },
     #[error("invalid argument: {0}")]
     Invalid(&'static str),
+    #[error("tuner: {0}")]
+    Activity(#[from] activity::Error),
 }

@@ -143,11 +143,28 @@ struct Worker {
     jobs: std::sync::mpsc::SyncSender<Job>,
     done: std::sync::mpsc::Receiver<JobDone>,
     thread: Option<std::thread::JoinHandle<()>>,
-    in_call: std::sync::Arc<(std::sync::atomic::AtomicU8, std::sync::atomic::AtomicU64)>,
+    shared: std::sync::Arc<WorkerShared>,
     reported: bool,
 }
 
+/// What the worker publishes to the proxy thread: the CUDA call it is in (for the stall
+/// report) and its timing counters (for the close-time summary).
+#[derive(Default)]
+struct WorkerShared {
+    in_call: std::sync::atomic::AtomicU8,
+    since_ns: std::sync::atomic::AtomicU64,
+    /// Time spent inside cuMemcpyAsync calls (the API cost, not the copy).
+    api_ns: std::sync::atomic::AtomicU64,
+    /// How often the worker went to sleep waiting for a job (each costs a wake-up).
+    sleeps: std::sync::atomic::AtomicU64,
+}
+
 const JOB_QUEUE: usize = 64;
+
+/// How long an idle worker keeps polling for the next job before it sleeps: the next step's
+/// copy usually follows within microseconds, and a futex wake-up would add its latency to
+/// every step.
+const SPIN_NS: u64 = 100_000;
 
 fn now_ns() -> u64 {
     netshare::shm::monotonic_now_ns()
@@ -160,19 +177,16 @@ impl Worker {
         let device = driver.current_device()?;
         let (jobs, job_rx) = std::sync::mpsc::sync_channel::<Job>(JOB_QUEUE);
         let (done_tx, done) = std::sync::mpsc::sync_channel::<JobDone>(JOB_QUEUE);
-        let in_call = std::sync::Arc::new((
-            std::sync::atomic::AtomicU8::new(0),
-            std::sync::atomic::AtomicU64::new(0),
-        ));
-        let flag = in_call.clone();
+        let shared = std::sync::Arc::new(WorkerShared::default());
+        let theirs = shared.clone();
         let thread = std::thread::Builder::new()
             .name("vgpu-nccl-copy".into())
-            .spawn(move || copy_worker(driver, ctx, device, job_rx, done_tx, flag))?;
+            .spawn(move || copy_worker(driver, ctx, device, job_rx, done_tx, theirs))?;
         Ok(Worker {
             jobs,
             done,
             thread: Some(thread),
-            in_call,
+            shared,
             reported: false,
         })
     }
@@ -187,8 +201,8 @@ impl Worker {
     fn check_stall(&mut self) {
         use std::sync::atomic::Ordering;
         let (what, since) = (
-            self.in_call.0.load(Ordering::Acquire),
-            self.in_call.1.load(Ordering::Acquire),
+            self.shared.in_call.load(Ordering::Acquire),
+            self.shared.since_ns.load(Ordering::Acquire),
         );
         if what != IN_NOTHING && !self.reported && now_ns().saturating_sub(since) > 2_000_000_000 {
             self.reported = true;
@@ -212,20 +226,45 @@ impl Drop for Worker {
     }
 }
 
+/// The next job for an idle worker: polled for `SPIN_NS`, then waited for. `None` once the
+/// proxy side has closed the channel.
+fn next_job(jobs: &std::sync::mpsc::Receiver<Job>, shared: &WorkerShared) -> Option<Job> {
+    let start = now_ns();
+    loop {
+        match jobs.try_recv() {
+            Ok(j) => return Some(j),
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => return None,
+            Err(std::sync::mpsc::TryRecvError::Empty) => {}
+        }
+        if now_ns().saturating_sub(start) > SPIN_NS {
+            shared
+                .sleeps
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return jobs.recv().ok();
+        }
+        std::thread::yield_now();
+    }
+}
+
 fn copy_worker(
     driver: &'static cuda::Cuda,
     ctx: usize,
     device: i32,
     jobs: std::sync::mpsc::Receiver<Job>,
     done: std::sync::mpsc::SyncSender<JobDone>,
-    in_call: std::sync::Arc<(std::sync::atomic::AtomicU8, std::sync::atomic::AtomicU64)>,
+    shared: std::sync::Arc<WorkerShared>,
 ) {
     use std::sync::atomic::Ordering;
     let enter = |what: u8| {
-        in_call.1.store(now_ns(), Ordering::Release);
-        in_call.0.store(what, Ordering::Release);
+        shared.since_ns.store(now_ns(), Ordering::Release);
+        shared.in_call.store(what, Ordering::Release);
     };
-    let leave = || in_call.0.store(IN_NOTHING, Ordering::Release);
+    let leave = || {
+        if shared.in_call.swap(IN_NOTHING, Ordering::AcqRel) == IN_COPY {
+            let spent = now_ns().saturating_sub(shared.since_ns.load(Ordering::Acquire));
+            shared.api_ns.fetch_add(spent, Ordering::Relaxed);
+        }
+    };
     if let Err(e) = crate::context::enter_copy_context(driver, ctx, device) {
         // every job then fails: the channel closes and the proxy reports it
         crate::log::warn!(crate::abi::NCCL_NET, "same-host copy worker: {e}");
@@ -239,11 +278,11 @@ fn copy_worker(
     let mut staging: Option<(*mut u8, usize)> = None;
     let mut open = true;
     while open || !inflight.is_empty() {
-        // take jobs: block only when no copy is in flight
+        // take jobs: sleep only when no copy is in flight and none came for SPIN_NS
         let job = if inflight.is_empty() {
-            match jobs.recv() {
-                Ok(j) => Some(j),
-                Err(_) => {
+            match next_job(&jobs, &shared) {
+                Some(j) => Some(j),
+                None => {
                     open = false;
                     None
                 }
@@ -426,6 +465,51 @@ struct SendOp {
     size: usize,
     cuda: bool,
     state: OpState,
+    /// When NCCL posted it, and when its copy went to the worker (for `Timing`).
+    posted_ns: u64,
+    issued_ns: u64,
+}
+
+/// Where one connection's steps spent their time, logged when NCCL closes it (NCCL_DEBUG=INFO,
+/// subsystem NET): the same-host GPU path is bound by per-step latency, and this says which
+/// part of a step to shorten.
+#[derive(Default)]
+struct Timing {
+    steps: u64,
+    bytes: u64,
+    /// Sender: isend until the receiver's ready-to-receive was there. Receiver: irecv until
+    /// the sender's `Fin` (or data) arrived.
+    wait_ns: u64,
+    /// Sender: from handing a GPU copy to the worker until hearing that it finished.
+    copy_ns: u64,
+    max_copy_ns: u64,
+    copies: u64,
+    /// The first step's start and the last step's end: steps / span is the connection's rate.
+    first_ns: u64,
+    last_ns: u64,
+}
+
+impl Timing {
+    fn us(ns: u64, n: u64) -> f64 {
+        ns as f64 / 1e3 / n.max(1) as f64
+    }
+
+    /// Count one step that started at `start_ns` and ended now.
+    fn step(&mut self, start_ns: u64, bytes: usize) {
+        let now = now_ns();
+        if self.steps == 0 {
+            self.first_ns = start_ns;
+        }
+        self.steps += 1;
+        self.bytes += bytes as u64;
+        self.wait_ns += now.saturating_sub(start_ns);
+        self.last_ns = now;
+    }
+
+    /// Average time between step starts, in microseconds.
+    fn interval_us(&self) -> f64 {
+        Self::us(self.last_ns.saturating_sub(self.first_ns), self.steps)
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -449,6 +533,7 @@ pub struct Sender {
     next_seq: u32,
     worker: Option<Worker>,
     staging_busy: bool,
+    timing: Timing,
 }
 
 const READ_CHUNK: usize = 64 << 10;
@@ -468,6 +553,7 @@ impl Sender {
             next_seq: 0,
             worker: None,
             staging_busy: false,
+            timing: Timing::default(),
         })
     }
 
@@ -480,6 +566,8 @@ impl Sender {
             size,
             cuda: mr.cuda,
             state: OpState::Waiting,
+            posted_ns: now_ns(),
+            issued_ns: 0,
         });
         self.progress()?;
         Ok(seq)
@@ -614,6 +702,8 @@ impl Sender {
                     posted: rtr.cap as usize,
                 });
             }
+            self.timing.step(self.ops[i].posted_ns, size);
+            self.ops[i].issued_ns = now_ns();
             if rtr.region != HOST_REGION {
                 self.worker()?.send(Job::Copy {
                     seq,
@@ -645,6 +735,10 @@ impl Sender {
                 })?;
                 if let Some(op) = self.ops.iter_mut().find(|o| o.seq == d.seq) {
                     op.state = OpState::Copied(staged);
+                    let took = now_ns().saturating_sub(op.issued_ns);
+                    self.timing.copies += 1;
+                    self.timing.copy_ns += took;
+                    self.timing.max_copy_ns = self.timing.max_copy_ns.max(took);
                 }
             }
         }
@@ -706,10 +800,36 @@ impl Sender {
     }
 }
 
+impl Drop for Sender {
+    fn drop(&mut self) {
+        let t = &self.timing;
+        if t.steps == 0 {
+            return;
+        }
+        let (api, sleeps) = self.worker.as_ref().map_or((0, 0), |w| {
+            use std::sync::atomic::Ordering::Relaxed;
+            (w.shared.api_ns.load(Relaxed), w.shared.sleeps.load(Relaxed))
+        });
+        crate::log::info!(
+            crate::abi::NCCL_NET,
+            "same-host send closed: {} steps, {:.1} MiB, one every {:.1} us; per step: waited {:.1} us for the receiver, GPU copy {:.1} us (max {:.1}, of which cuMemcpyAsync {:.1}); copy worker slept {} times",
+            t.steps,
+            t.bytes as f64 / (1 << 20) as f64,
+            t.interval_us(),
+            Timing::us(t.wait_ns, t.steps),
+            Timing::us(t.copy_ns, t.copies),
+            t.max_copy_ns as f64 / 1e3,
+            Timing::us(api, t.copies),
+            sleeps
+        );
+    }
+}
+
 struct Posted {
     seq: u32,
     ptr: u64,
     cap: usize,
+    posted_ns: u64,
 }
 
 struct Incoming {
@@ -728,6 +848,23 @@ pub struct Receiver {
     incoming: Option<Incoming>,
     done: HashMap<u32, usize>,
     next_seq: u32,
+    timing: Timing,
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        let t = &self.timing;
+        if t.steps > 0 {
+            crate::log::info!(
+                crate::abi::NCCL_NET,
+                "same-host recv closed: {} steps, {:.1} MiB, one every {:.1} us; per step: {:.1} us from posting to the sender's completion",
+                t.steps,
+                t.bytes as f64 / (1 << 20) as f64,
+                t.interval_us(),
+                Timing::us(t.wait_ns, t.steps)
+            );
+        }
+    }
 }
 
 impl Receiver {
@@ -742,6 +879,7 @@ impl Receiver {
             incoming: None,
             done: HashMap::new(),
             next_seq: 0,
+            timing: Timing::default(),
         })
     }
 
@@ -820,7 +958,12 @@ impl Receiver {
             offset,
             cap: cap as u64,
         });
-        self.posted.push_back(Posted { seq, ptr, cap });
+        self.posted.push_back(Posted {
+            seq,
+            ptr,
+            cap,
+            posted_ns: now_ns(),
+        });
         self.progress()?;
         Ok(seq)
     }
@@ -893,6 +1036,7 @@ impl Receiver {
                                 posted: p.cap,
                             });
                         }
+                        self.timing.step(p.posted_ns, size as usize);
                         if matches!(msg, Msg::Fin { .. }) || size == 0 {
                             self.done.insert(seq, size as usize);
                         } else {

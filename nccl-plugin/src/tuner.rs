@@ -9,6 +9,13 @@
 //! time-sliced without MPS the same caps gave 83 + 46. Fewer channels get more bandwidth each,
 //! so channels are split by `weight^exponent` (exponent 1.2 by default, fitted to those runs)
 //! rather than by weight.
+//!
+//! Every rank of a communicator must pick the same channel count for a collective (ranks on
+//! different rings hang). Decisions therefore go through the communicator's log in the node's
+//! activity table ([`activity::Table::agree`]): the first rank on the node to reach a collective
+//! decides for all. A rank on another node cannot see that log, so caps apply only while every
+//! rank of the communicator is attached on this node (slices of one node's GPUs count, whatever
+//! NCCL's own node count says); otherwise all ranks keep NCCL's choice.
 
 use crate::activity;
 use crate::log::{info, warn};
@@ -111,8 +118,22 @@ pub struct Tuner {
     settings: Option<Settings>,
     key: u64,
     table: Option<activity::Table>,
+    /// The communicator's decision log; without one (no communicator id, or no free log) the
+    /// tuner keeps NCCL's choices, as every rank then does.
+    log: Option<activity::CommLog>,
+    /// Collectives asked about so far (the next one's number in the log).
+    seq: u64,
+    n_ranks: usize,
     last: Option<u32>,
     comm: u64,
+}
+
+impl Drop for Tuner {
+    fn drop(&mut self) {
+        if let (Some(t), Some(l)) = (&self.table, &self.log) {
+            t.leave_comm(l);
+        }
+    }
 }
 
 impl Tuner {
@@ -156,21 +177,64 @@ impl Tuner {
                 }
             }
         };
+        let log = match &table {
+            Some(_) if comm == 0 => {
+                info!(
+                    crate::abi::NCCL_TUNING,
+                    "tuner: this NCCL gives the tuner no communicator id (tuner API v4), so its ranks cannot agree on channel caps; NCCL's choices are kept"
+                );
+                None
+            }
+            Some(t) => match t.join_comm(comm, netshare::shm::monotonic_now_ns()) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    warn!(crate::abi::NCCL_TUNING, "tuner: comm {comm:#x}: {e}");
+                    None
+                }
+            },
+            None => None,
+        };
         Tuner {
             settings,
             key,
             table,
+            log,
+            seq: 0,
+            n_ranks,
             last: None,
             comm,
         }
     }
 
-    /// The channel cap for the next collective (0 = NCCL's own choice).
-    pub fn decide(&mut self, now_ns: u64) -> i32 {
-        let (Some(s), Some(t)) = (&self.settings, &self.table) else {
-            return 0;
+    /// The channel cap for the next collective (0 = NCCL's own choice): the same on every rank
+    /// of the communicator.
+    pub fn decide(&mut self, now_ns: u64) -> Result<i32, activity::Error> {
+        let (Some(t), Some(log)) = (&self.table, &self.log) else {
+            return Ok(0);
         };
         t.touch(now_ns);
+        let seq = self.seq;
+        self.seq += 1;
+        let all_here = t.comm_members(log) >= self.n_ranks as u64;
+        let mut fresh = None;
+        let agreed = t.agree(log, seq, now_ns, || {
+            let c = if all_here { self.choose(now_ns) } else { None };
+            fresh = Some(c);
+            c.map_or(0, |c| c.min(255) as u8)
+        })?;
+        let choice = (agreed > 0).then_some(agreed as u32);
+        if choice != self.last {
+            self.report(choice, fresh.is_none(), all_here);
+            self.last = choice;
+        }
+        Ok(choice.map_or(0, |c| c as i32))
+    }
+
+    /// This rank's own view: the channels for its tenant given who else is active now.
+    fn choose(&self, now_ns: u64) -> Option<u32> {
+        let (Some(s), Some(t)) = (&self.settings, &self.table) else {
+            return None;
+        };
         // one entry per other tenant: its largest weight, guaranteed if any process of it is
         let mut others: Vec<(u64, Share)> = Vec::new();
         for p in t.peers() {
@@ -199,35 +263,48 @@ impl Tuner {
             weight: s.weight,
             guaranteed: s.guaranteed,
         };
-        let choice = channels(mine, &shares, s.budget, s.exponent, s.floor);
-        if choice != self.last {
-            match choice {
-                Some(c) => info!(
-                    crate::abi::NCCL_TUNING,
-                    "tuner: comm {:#x}: tenant {} (weight {}, {}) shares with {} other tenant(s) ({:?}): {} of {} channels",
-                    self.comm,
-                    s.tenant,
-                    s.weight,
-                    if s.guaranteed {
-                        "guaranteed"
-                    } else {
-                        "best effort"
-                    },
-                    shares.len(),
-                    shares,
-                    c,
-                    s.budget
-                ),
-                None => info!(
-                    crate::abi::NCCL_TUNING,
-                    "tuner: comm {:#x}: tenant {} alone (or guaranteed next to best effort only): NCCL's channel count",
-                    self.comm,
-                    s.tenant
-                ),
-            }
-            self.last = choice;
+        channels(mine, &shares, s.budget, s.exponent, s.floor)
+    }
+
+    /// Log a change of this communicator's channel count (once per change, per rank).
+    fn report(&self, choice: Option<u32>, from_peer: bool, all_here: bool) {
+        let Some(s) = &self.settings else { return };
+        let by = if from_peer {
+            "decided by another rank"
+        } else {
+            "decided here"
+        };
+        match choice {
+            Some(c) => info!(
+                crate::abi::NCCL_TUNING,
+                "tuner: comm {:#x}: tenant {} (weight {}, {}) shares the links: {} of {} channels from collective {} ({by})",
+                self.comm,
+                s.tenant,
+                s.weight,
+                if s.guaranteed {
+                    "guaranteed"
+                } else {
+                    "best effort"
+                },
+                c,
+                s.budget,
+                self.seq - 1
+            ),
+            None if !all_here => info!(
+                crate::abi::NCCL_TUNING,
+                "tuner: comm {:#x}: not all {} ranks are on this node (or attached yet): NCCL's channel count from collective {} ({by})",
+                self.comm,
+                self.n_ranks,
+                self.seq - 1
+            ),
+            None => info!(
+                crate::abi::NCCL_TUNING,
+                "tuner: comm {:#x}: tenant {} alone (or guaranteed next to best effort only): NCCL's channel count from collective {} ({by})",
+                self.comm,
+                s.tenant,
+                self.seq - 1
+            ),
         }
-        choice.map_or(0, |c| c as i32)
     }
 }
 

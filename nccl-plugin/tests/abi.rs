@@ -786,6 +786,50 @@ fn throttled_sends_return_null_requests() {
     );
 }
 
+/// A tuner context for communicator `comm` of `ranks` ranks, as NCCL's init makes one.
+fn tuner_init(p: &Plugin, comm: u64, ranks: usize, nodes: usize) -> *mut c_void {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: tuner init with valid pointers (the constants are not touched).
+    ok(
+        unsafe {
+            (p.tuner.init)(
+                &mut ctx,
+                comm,
+                ranks,
+                nodes,
+                None,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        },
+        "tuner init",
+    );
+    ctx
+}
+
+/// The channels the tuner picks for the context's next collective (0 = NCCL's choice).
+fn tuner_call(p: &Plugin, ctx: *mut c_void) -> c_int {
+    let mut ch: c_int = 0;
+    // SAFETY: a live tuner context; NCCL's cost table is not read by our tuner.
+    ok(
+        unsafe {
+            (p.tuner.getCollInfo)(
+                ctx,
+                NCCL_FUNC_ALLREDUCE,
+                1 << 28,
+                1,
+                std::ptr::null_mut(),
+                7,
+                3,
+                0,
+                &mut ch,
+            )
+        },
+        "getCollInfo",
+    );
+    ch
+}
+
 #[test]
 fn tuner_caps_channels_only_while_another_tenant_is_active() {
     if std::env::var("VGPU_NCCL_CHILD").is_ok() {
@@ -822,43 +866,10 @@ fn one_tuner() {
         std::env::set_var("VGPU_NCCL_ACTIVE_MS", "3000");
     }
     let p = plugin();
-    let call = |ctx: *mut c_void| -> c_int {
-        let mut ch: c_int = 0;
-        // SAFETY: a live tuner context; NCCL's cost table is not read by our tuner.
-        ok(
-            unsafe {
-                (p.tuner.getCollInfo)(
-                    ctx,
-                    NCCL_FUNC_ALLREDUCE,
-                    1 << 28,
-                    1,
-                    std::ptr::null_mut(),
-                    7,
-                    3,
-                    0,
-                    &mut ch,
-                )
-            },
-            "getCollInfo",
-        );
-        ch
-    };
-    let mut ctx = std::ptr::null_mut();
-    // SAFETY: tuner init with valid pointers (the constants are not touched).
-    ok(
-        unsafe {
-            (p.tuner.init)(
-                &mut ctx,
-                1,
-                2,
-                2,
-                None,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-            )
-        },
-        "tuner init",
-    );
+    let call = |ctx: *mut c_void| tuner_call(&p, ctx);
+    // a communicator of one rank: caps apply only once all of a communicator's ranks are on
+    // this node, and this one's are
+    let ctx = tuner_init(&p, 1, 1, 1);
     let alone = call(ctx);
     // another tenant, in another process, becomes active
     let mut other = Command::new(std::env::current_exe().unwrap())
@@ -906,41 +917,9 @@ fn one_tuner() {
 #[ignore = "the second tenant of one_tuner"]
 fn tuner_other() {
     let p = plugin();
-    let mut ctx = std::ptr::null_mut();
-    // SAFETY: as in one_tuner.
-    ok(
-        unsafe {
-            (p.tuner.init)(
-                &mut ctx,
-                2,
-                2,
-                2,
-                None,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-            )
-        },
-        "tuner init",
-    );
-    let mut ch: c_int = 0;
+    let ctx = tuner_init(&p, 2, 1, 1);
     // the trainer was active a moment ago, so this tenant shares
-    // SAFETY: as in one_tuner.
-    ok(
-        unsafe {
-            (p.tuner.getCollInfo)(
-                ctx,
-                NCCL_FUNC_ALLREDUCE,
-                1 << 28,
-                1,
-                std::ptr::null_mut(),
-                7,
-                3,
-                0,
-                &mut ch,
-            )
-        },
-        "getCollInfo",
-    );
+    let ch = tuner_call(&p, ctx);
     println!("OTHER {ch}");
     std::io::stdout().flush().unwrap();
     // stay registered (and active) until the trainer has asked again
@@ -949,4 +928,54 @@ fn tuner_other() {
 
     // SAFETY: finalize the context made above.
     ok(unsafe { (p.tuner.finalize)(ctx) }, "tuner finalize");
+}
+
+#[test]
+fn ranks_of_one_communicator_agree_on_every_collective() {
+    if std::env::var("VGPU_NCCL_CHILD").is_ok() {
+        return;
+    }
+    library();
+    let text = run_alone("two_ranks_one_comm", &[]);
+    // collective 0: rank 0 decided before the noisy tenant showed up (NCCL's choice), and rank
+    // 1, asking after it did, takes that decision instead of capping (which hung NCCL on the
+    // 2 x H200); collective 1 is capped on both; a communicator with a rank elsewhere is not
+    assert!(
+        text.contains("AGREE c0=0/0 c1=19/19 noisy=5 partial=0"),
+        "{text}"
+    );
+}
+
+#[test]
+#[ignore = "run by ranks_of_one_communicator_agree_on_every_collective in its own process"]
+fn two_ranks_one_comm() {
+    let dir = std::env::temp_dir().join(format!("vgpu-nccl-agree-{}", std::process::id()));
+    // SAFETY: set before the plugin reads them (each tuner init reads them), one test thread.
+    let tenant = |name: &str, weight: &str| unsafe {
+        std::env::set_var("VGPU_TENANT", name);
+        std::env::set_var("VGPU_NCCL_WEIGHT", weight);
+        std::env::set_var("VGPU_NCCL_SHARE_FILE", dir.join("share"));
+        std::env::set_var("VGPU_NCCL_ACTIVE_MS", "3000");
+    };
+    let p = plugin();
+    tenant("train", "75");
+    // two ranks of one communicator (as two processes would: each its own slot in the table)
+    let r0 = tuner_init(&p, 7, 2, 2);
+    let r1 = tuner_init(&p, 7, 2, 2);
+    // a communicator of 3 ranks, of which only this one is on this node
+    let partial = tuner_init(&p, 11, 3, 1);
+    let c0_r0 = tuner_call(&p, r0);
+    tenant("noisy", "25");
+    let noisy = tuner_init(&p, 9, 1, 1);
+    let noisy_ch = tuner_call(&p, noisy);
+    let c0_r1 = tuner_call(&p, r1);
+    let c1_r1 = tuner_call(&p, r1);
+    let c1_r0 = tuner_call(&p, r0);
+    let partial_ch = tuner_call(&p, partial);
+    println!("AGREE c0={c0_r0}/{c0_r1} c1={c1_r0}/{c1_r1} noisy={noisy_ch} partial={partial_ch}");
+    for ctx in [r0, r1, partial, noisy] {
+        // SAFETY: finalize each context made above, once.
+        ok(unsafe { (p.tuner.finalize)(ctx) }, "tuner finalize");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -80,6 +80,16 @@ for s in $SECTIONS; do
       job socket_bigbuf 29500 "$NPROC" "${NOPATH[@]}" NCCL_NET=Socket NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_bigbuf 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
     fi
+    # TRANSPORT_PROBES=1: what bounds the GPU path at NCCL's default buffers (more channels,
+    # a faster advertised port), and our TCP path handed GPU buffers (staged through host
+    # memory by the plugin; what the agent would get by setting NCCL_NET_GDR_LEVEL=SYS)
+    if [ "${TRANSPORT_PROBES:-0}" = 1 ]; then
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch16 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=16 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch32 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=32 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch16_bigbuf 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=16 NCCL_BUFFSIZE=16777216 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_fast 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_SPEED_MBPS=1600000 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_tcp_gdr 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+    fi
     ;;
   slices)
     log "slices"
@@ -118,8 +128,15 @@ for s in $SECTIONS; do
     done
     # the guarantee against a noisy best-effort neighbour: A guaranteed, B best effort (the
     # agent's VGPU_GUARANTEED); B keeps VGPU_NCCL_BEST_EFFORT_CHANNELS (2) while A is active
-    job gbe_A 29500 "$NPROC" "${PLUG[@]}" "${A[@]}" VGPU_GUARANTEED=1 -- --mib 256 &
-    job gbe_B 29501 "$NPROC" "${PLUG[@]}" "${B[@]}" VGPU_GUARANTEED=0 -- --mib 256; wait
+    # GBE_FLOORS="2 1": B's channel floor per pair (the first labelled gbe_A/gbe_B)
+    first=1
+    for fl in ${GBE_FLOORS:-2}; do
+      sfx=""
+      [ $first = 1 ] || sfx="_f$fl"
+      first=0
+      job "gbe_A$sfx" 29500 "$NPROC" "${PLUG[@]}" "${A[@]}" VGPU_GUARANTEED=1 -- --mib 256 &
+      job "gbe_B$sfx" 29501 "$NPROC" "${PLUG[@]}" "${B[@]}" VGPU_GUARANTEED=0 VGPU_NCCL_BEST_EFFORT_CHANNELS="$fl" -- --mib 256; wait
+    done
     nomps
     ;;
   interposer)
@@ -143,6 +160,12 @@ for s in $SECTIONS; do
 done
 
 grep -h "vgpu" "$LOGS"/*.log | grep -E "tuner|connected|net plugin ready" | sort | uniq -c | sort -rn | head -20 >"$LOGS/plugin_lines.txt"
+# per job: NCCL's channel count and the same-host path's per-step timing (logged at close)
+for f in "$LOGS"/*.log; do
+  [ "$(basename "$f")" = run.log ] && continue
+  echo "== $(basename "$f" .log): $(grep -m1 -oE 'Channel [0-9]+/[0-9]+' "$f")"
+  grep -h -oE 'same-host (send|recv) closed.*' "$f" | head -4
+done >"$LOGS/steps.txt"
 "$PY" - "$RES" <<'PYEOF' | tee "$LOGS/table.txt"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -174,8 +197,14 @@ for la in sorted(l for l in lat if l.startswith("vgpu_A")):
     a, b = by[la], by[lb]
     together = f"{(a + b) / by['alone_plain'] * 100:.0f}%" if by.get("alone_plain") else "n/a"
     print(f"guarantee {la[7:] or 'default'}: A/B = {a/b:.2f}, together {together} of one alone; A's p50 next to B {lat[la]:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat[la]/lat['mps_alone_A']:.2f}x; vs alone without MPS {lat.get('alone_plain', 0):.2f} = {lat[la]/lat.get('alone_plain', 1):.2f}x (target 1.15x)")
-if "gbe_A" in lat and "mps_alone_A" in lat:
-    print(f"guarantee next to a best-effort neighbour: A's p50 {lat['gbe_A']:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat['gbe_A']/lat['mps_alone_A']:.2f}x (target 1.15x); A {by.get('gbe_A', 0):.1f} GB/s, B {by.get('gbe_B', 0):.1f} GB/s")
+for la in sorted(l for l in lat if l.startswith("gbe_A")):
+    if "mps_alone_A" not in lat:
+        continue
+    lb = "gbe_B" + la[len("gbe_A"):]
+    print(f"guarantee next to a best-effort neighbour{la[5:]}: A's p50 {lat[la]:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat[la]/lat['mps_alone_A']:.2f}x (target 1.15x); A {by.get(la, 0):.1f} GB/s, B {by.get(lb, 0):.1f} GB/s")
+for probe in ["vgpu_gpu_ch16", "vgpu_gpu_ch32", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_fast", "vgpu_tcp_gdr"]:
+    if probe in by:
+        print(f"probe {probe}: {by[probe]:.1f} GB/s ({ratio(probe, 'socket')}x NCCL socket)")
 if "ip_tenant" in by:
     print(f"interposer: one tenant's collectives across 2 GPUs under libvgpu_cuda.so: {by['ip_tenant']:.1f} GB/s vs {by.get('ip_none', 0):.1f} without (checks in the table)")
 if "plugin_r1" in by:
