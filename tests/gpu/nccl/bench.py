@@ -61,7 +61,7 @@ def check(op, rank, world, dev, n):
     return bool(torch.equal(t, want))
 
 
-def timed(op, rank, world, dev, nbytes, lead, seconds):
+def timed(op, rank, world, dev, nbytes, lead, seconds, start_at=0.0):
     n = nbytes // 4
     if op == "all_reduce":
         x = torch.ones(n, device=dev)
@@ -91,8 +91,9 @@ def timed(op, rank, world, dev, nbytes, lead, seconds):
             for r in dist.batch_isend_irecv(ops):
                 r.wait()
         factor = 1.0
-    # warm up for `lead` seconds
-    end = time.time() + lead
+    # warm up for `lead` seconds, or until `start_at` (wall clock) if that is later: two jobs
+    # given the same start_at measure the same window even if one took longer to initialise
+    end = max(time.time() + lead, start_at)
     while True:
         fn()
         torch.cuda.synchronize()
@@ -118,7 +119,7 @@ def timed(op, rank, world, dev, nbytes, lead, seconds):
     times.sort()
     iters = len(times)
     busbw = factor * nbytes * iters / wall / 1e9
-    return {"iters": iters, "wall_s": wall, "busbw_gbs": busbw,
+    return {"iters": iters, "wall_s": wall, "start_unix": start, "busbw_gbs": busbw,
             "p50_ms": times[iters // 2] * 1e3, "p99_ms": times[min(iters - 1, int(iters * 0.99))] * 1e3}
 
 
@@ -130,6 +131,8 @@ def main():
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--lead", type=float, default=3.0)
     p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--start-at", type=float, default=0.0,
+                   help="unix time at which the first timed op starts (after at least --lead of warm-up)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -145,8 +148,9 @@ def main():
         flag = torch.tensor([1 if ok else 0], device=dev)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         result["checks"][op] = bool(flag.item() == 1)
-    for op in [o for o in a.ops.split(",") if o]:
-        result["ops"][op] = timed(op, rank, world, dev, a.mib << 20, a.lead, a.seconds)
+    for i, op in enumerate(o for o in a.ops.split(",") if o):
+        result["ops"][op] = timed(op, rank, world, dev, a.mib << 20, a.lead, a.seconds,
+                                  a.start_at if i == 0 else 0.0)
     if rank == 0:
         with open(a.out, "a") as f:
             f.write(json.dumps(result) + "\n")

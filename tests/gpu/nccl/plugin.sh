@@ -62,6 +62,9 @@ job() {
   [ $rc = 0 ] || log "$label failed (rc $rc): $(grep -m3 -E 'Error|error|WARN' "$LOGS/$label.log" | tr '\n' ' ')"
 }
 mps() { nvidia-cuda-mps-control -d; sleep 1; }
+# the start of a pair's common measuring window: both jobs warm up until then (PAIR_DELAY
+# seconds from now covers both jobs' start-up), so neither measures while the other is gone
+pair_start() { echo $(( $(date +%s) + ${PAIR_DELAY:-30} )); }
 nomps() { echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; sleep 2; }
 CHECK=all_reduce,all_gather,reduce_scatter,broadcast,send_recv
 
@@ -111,10 +114,12 @@ for s in $SECTIONS; do
     A=(VGPU_TENANT=train VGPU_NCCL_WEIGHT=75 VGPU_NCCL_SHARE_FILE="$SHARE")
     B=(VGPU_TENANT=noisy VGPU_NCCL_WEIGHT=25 VGPU_NCCL_SHARE_FILE="$SHARE")
     job alone_plain 29500 "$NPROC" -- --mib 256
-    job tsl_A 29500 "$NPROC" -- --mib 256 & job tsl_B 29501 "$NPROC" -- --mib 256; wait
+    T0=$(pair_start)
+    job tsl_A 29500 "$NPROC" -- --mib 256 --start-at "$T0" & job tsl_B 29501 "$NPROC" -- --mib 256 --start-at "$T0"; wait
     mps
     job mps_alone_A 29500 "$NPROC" "${PLUG[@]}" "${A[@]}" -- --mib 256
-    job mps_A 29500 "$NPROC" -- --mib 256 & job mps_B 29501 "$NPROC" -- --mib 256; wait
+    T0=$(pair_start)
+    job mps_A 29500 "$NPROC" -- --mib 256 --start-at "$T0" & job mps_B 29501 "$NPROC" -- --mib 256 --start-at "$T0"; wait
     # ISO_CONFIGS: tuner settings to compare, each CHANNELS:EXPONENT (the total channel budget
     # split by weight^EXPONENT); the first is labelled vgpu_A/vgpu_B, the others vgpu_A_cC_eE.
     first=1
@@ -123,8 +128,9 @@ for s in $SECTIONS; do
       [ $first = 1 ] || sfx="_c${c}_e${e}"
       first=0
       T=(VGPU_NCCL_CHANNELS="$c" VGPU_NCCL_SHARE_EXPONENT="$e")
-      job "vgpu_A$sfx" 29500 "$NPROC" "${PLUG[@]}" "${A[@]}" "${T[@]}" -- --mib 256 &
-      job "vgpu_B$sfx" 29501 "$NPROC" "${PLUG[@]}" "${B[@]}" "${T[@]}" -- --mib 256; wait
+      T0=$(pair_start)
+      job "vgpu_A$sfx" 29500 "$NPROC" "${PLUG[@]}" "${A[@]}" "${T[@]}" -- --mib 256 --start-at "$T0" &
+      job "vgpu_B$sfx" 29501 "$NPROC" "${PLUG[@]}" "${B[@]}" "${T[@]}" -- --mib 256 --start-at "$T0"; wait
     done
     # the guarantee against a noisy best-effort neighbour: A guaranteed, B best effort (the
     # agent's VGPU_GUARANTEED); B keeps VGPU_NCCL_BEST_EFFORT_CHANNELS (2) while A is active
@@ -134,8 +140,9 @@ for s in $SECTIONS; do
       sfx=""
       [ $first = 1 ] || sfx="_f$fl"
       first=0
-      job "gbe_A$sfx" 29500 "$NPROC" "${PLUG[@]}" "${A[@]}" VGPU_GUARANTEED=1 -- --mib 256 &
-      job "gbe_B$sfx" 29501 "$NPROC" "${PLUG[@]}" "${B[@]}" VGPU_GUARANTEED=0 VGPU_NCCL_BEST_EFFORT_CHANNELS="$fl" -- --mib 256; wait
+      T0=$(pair_start)
+      job "gbe_A$sfx" 29500 "$NPROC" "${PLUG[@]}" "${A[@]}" VGPU_GUARANTEED=1 -- --mib 256 --start-at "$T0" &
+      job "gbe_B$sfx" 29501 "$NPROC" "${PLUG[@]}" "${B[@]}" VGPU_GUARANTEED=0 VGPU_NCCL_BEST_EFFORT_CHANNELS="$fl" -- --mib 256 --start-at "$T0"; wait
     done
     nomps
     ;;
@@ -180,6 +187,13 @@ for r in rows:
 def ratio(a, b):
     return f"{by[a] / by[b]:.2f}" if a in by and b in by and by[b] else "n/a"
 print()
+win = {r["label"]: (o["start_unix"], o["start_unix"] + o["wall_s"]) for r in rows for o in r["ops"].values() if "start_unix" in o}
+for la in sorted(l for l in win if l.endswith("_A") or "_A_" in l):
+    lb = la.replace("_A", "_B", 1)
+    if lb in win:
+        (a0, a1), (b0, b1) = win[la], win[lb]
+        both = max(0.0, min(a1, b1) - max(a0, b0))
+        print(f"pair {la}/{lb}: measured windows overlap {both:.1f} s of {a1 - a0:.1f} / {b1 - b0:.1f} s")
 if "slices4_gpu" in by:
     print(f"slices (4 ranks on 2 GPUs): host path {by.get('slices4', 0):.1f} GB/s, GPU-to-GPU path {by['slices4_gpu']:.1f} GB/s" + (f", GPU-to-GPU under MPS {by['slices4_gpu_mps']:.1f} GB/s" if "slices4_gpu_mps" in by else ""))
 print("transport vs NCCL socket: ours TCP", ratio("vgpu_tcp", "socket"), "x; ours same-host (host buffers)", ratio("vgpu_local_host", "socket"), "x; ours GPU-to-GPU", ratio("vgpu_gpu", "socket"), "x")
