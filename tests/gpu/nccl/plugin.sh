@@ -4,7 +4,9 @@
 # ONLY=<regex> runs only the jobs whose label matches. NPROC=4 on 4 x H200 (one rank per GPU).
 # Sections (SECTIONS="transport slices isolation overhead" by default):
 #   transport  2 ranks, P2P and SHM off: NCCL's socket transport vs ours (same-host GPU path,
-#              and our TCP path); all-reduce correctness on random data and bus bandwidth
+#              and our TCP path); all-reduce correctness on random data and bus bandwidth;
+#              TRANSPORT_PROBES=1 adds channel counts, buffer sizes, a faster advertised port,
+#              and the TCP path with GPU buffers
 #   slices     4 ranks on 2 GPUs (two slices per GPU, one NCCL_HOSTID each) in one communicator:
 #              all-reduce, all-gather, reduce-scatter, broadcast, send/recv on random data
 #              (SLICES_MPS=1 adds the GPU path under MPS)
@@ -12,7 +14,9 @@
 #              time slicing), MPS alone, and MPS + our tuner; the 75 job alone for reference.
 #              ISO_CONFIGS="CHANNELS:EXPONENT ..." (default "24:1.2") runs the tuner pair once per
 #              setting, to compare channel budgets and split exponents in one run; then A
-#              guaranteed next to B best effort (the guarantee against a noisy neighbour)
+#              guaranteed next to B best effort (the guarantee against a noisy neighbour).
+#              The two jobs of a pair measure the same wall-clock window, PAIR_DELAY (30) s
+#              after the pair starts (bench.py --start-at)
 #   overhead   one job on NCCL's own NVLink path with and without the plugin loaded, no sharing
 #   interposer (issue 3, point 5) one tenant's all-reduce across both GPUs with libvgpu_cuda.so
 #              preloaded (memory limit, compute share with burst), against the same job without;
