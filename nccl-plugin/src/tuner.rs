@@ -109,6 +109,17 @@ impl Settings {
     }
 }
 
+impl Settings {
+    /// The tenant's class, as the log says it.
+    fn class(&self) -> &'static str {
+        if self.guaranteed {
+            "guaranteed"
+        } else {
+            "best effort"
+        }
+    }
+}
+
 /// FNV-1a of the tenant name: the key under which a tenant's processes are grouped.
 pub fn tenant_key(name: &str) -> u64 {
     netshare::FlowId::of_tenant(name).0
@@ -156,11 +167,7 @@ impl Tuner {
                             "tuner: comm {comm:#x} ({n_ranks} ranks, {n_nodes} nodes): tenant {} weight {} ({}), {} channels shared by weight^{} while others are active, {} for best effort next to a guaranteed tenant",
                             s.tenant,
                             s.weight,
-                            if s.guaranteed {
-                                "guaranteed"
-                            } else {
-                                "best effort"
-                            },
+                            s.class(),
                             s.budget,
                             s.exponent,
                             s.floor
@@ -281,11 +288,7 @@ impl Tuner {
                 self.comm,
                 s.tenant,
                 s.weight,
-                if s.guaranteed {
-                    "guaranteed"
-                } else {
-                    "best effort"
-                },
+                s.class(),
                 c,
                 s.budget,
                 self.seq - 1
