@@ -50,7 +50,7 @@ pub enum Error {
         source: std::io::Error,
     },
     #[error(
-        "{0} is not a vgpu activity table (wrong magic or size); remove it or point VGPU_NCCL_SHARE_FILE elsewhere"
+        "{0} is not a vgpu activity table of this version (wrong magic or size), or processes of an earlier vgpu version still use it; stop them, or remove the file, or point VGPU_NCCL_SHARE_FILE elsewhere"
     )]
     Foreign(String),
     #[error("activity table {0} is full ({SLOTS} processes)")]
@@ -76,6 +76,48 @@ pub struct Table {
 unsafe impl Send for Table {}
 // SAFETY: as above: all access is atomic.
 unsafe impl Sync for Table {}
+
+/// The advisory lock that serialises [`Table::open`]s of one file. Released explicitly on
+/// drop: the mapping keeps the open file description (and with it a `flock`) alive after the
+/// descriptor closes.
+struct OpenLock<'f>(&'f std::fs::File);
+
+impl<'f> OpenLock<'f> {
+    fn take(file: &'f std::fs::File) -> std::io::Result<OpenLock<'f>> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor that `file` owns for the guard's lifetime.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(OpenLock(file))
+    }
+}
+
+impl Drop for OpenLock<'_> {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: as in `take`.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// Whether the file at `path` is an activity table of an earlier version (its magic is
+/// "VGPUACT" and an older digit) none of whose process slots holds a live process: the agent
+/// keeps the node's table across restarts, so an upgrade finds the old one there.
+fn unused_older_table(path: &Path) -> bool {
+    let Ok(bytes) = std::fs::read(path) else {
+        return false;
+    };
+    let word = |i: usize| -> Option<u64> {
+        let b = bytes.get(i * 8..i * 8 + 8)?;
+        Some(u64::from_ne_bytes(b.try_into().ok()?))
+    };
+    let Some(magic) = word(0) else { return false };
+    let older = magic >> 8 == MAGIC >> 8 && (magic & 0xff) < (MAGIC & 0xff);
+    older
+        && (0..SLOTS)
+            .all(|s| word(HEADER_WORDS + s * SLOT_WORDS + 2).is_none_or(|pid| !pid_alive(pid)))
+}
 
 /// One other process's slot as seen now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,13 +155,21 @@ impl Table {
             .mode(0o666)
             .open(path)
             .map_err(io)?;
+        use std::os::fd::AsRawFd;
+        // Opening (sizing, upgrading, claiming a slot) is serialised by an advisory lock, taken
+        // here and dropped when this function returns; using the table takes no lock.
+        let _opening = OpenLock::take(&file).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len != 0 && len != BYTES as u64 && unused_older_table(path) {
+            // a table of an earlier plugin version that no live process uses: start afresh
+            file.set_len(0).map_err(io)?;
+        }
         let len = file.metadata().map_err(io)?.len();
         if len == 0 {
             file.set_len(BYTES as u64).map_err(io)?;
         } else if len != BYTES as u64 {
             return Err(Error::Foreign(name));
         }
-        use std::os::fd::AsRawFd;
         // SAFETY: mapping BYTES bytes of a file of exactly that size, shared, read-write.
         let p = unsafe {
             libc::mmap(
@@ -372,14 +422,30 @@ mod tests {
         );
         drop(b);
         assert!(a.peers().is_empty());
-        // a table of the first version (no class bit) is refused, not misread
-        let mut v1 = vec![0u8; BYTES];
-        v1[..8].copy_from_slice(&0x5647_5055_4143_5431u64.to_ne_bytes());
-        std::fs::write(dir.join("v1"), v1).unwrap();
+        // a table of an earlier version (version 2: 2112 bytes, no decision logs) is refused,
+        // not misread, while a live process uses it, and replaced once none does
+        let older = |pid: u64| {
+            let mut v2 = vec![0u8; (HEADER_WORDS + SLOTS * SLOT_WORDS) * 8];
+            v2[..8].copy_from_slice(&0x5647_5055_4143_5432u64.to_ne_bytes());
+            let at = (HEADER_WORDS + 5 * SLOT_WORDS + 2) * 8;
+            v2[at..at + 8].copy_from_slice(&pid.to_ne_bytes());
+            std::fs::write(dir.join("v2"), v2).unwrap();
+        };
+        older(std::process::id() as u64);
         assert!(matches!(
-            Table::open(&dir.join("v1"), 1, 1, true),
+            Table::open(&dir.join("v2"), 1, 1, true),
             Err(Error::Foreign(_))
         ));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id() as u64;
+        child.wait().unwrap();
+        older(dead);
+        let upgraded = Table::open(&dir.join("v2"), 1, 1, true).unwrap();
+        assert!(upgraded.peers().is_empty());
+        assert_eq!(
+            std::fs::metadata(dir.join("v2")).unwrap().len(),
+            BYTES as u64
+        );
         std::fs::write(dir.join("foreign"), b"x").unwrap();
         assert!(matches!(
             Table::open(&dir.join("foreign"), 1, 1, true),
