@@ -26,6 +26,10 @@ pub struct Config {
     /// kernel waits for one of our copies deadlocks the process (the loader holds the context
     /// while it waits for the GPU to go idle); measured on 2 x H200.
     pub own_context: bool,
+    /// `VGPU_NCCL_COPY_PIECES`: the same-host path cuts each step's GPU copy into up to this
+    /// many pieces (of at least 128 KiB), one stream each, 1..=8 (default 1: one copy). An
+    /// experiment: more streams may use more copy engines.
+    pub copy_pieces: usize,
     /// `VGPU_NETSHARE_TABLE` and `VGPU_NETSHARE_FLOW`: the node's token-bucket table and this
     /// tenant's flow in it; sends wait for tokens when both are set.
     pub netshare: Option<(std::path::PathBuf, u64)>,
@@ -100,6 +104,7 @@ impl Config {
             speed_mbps: var("VGPU_NCCL_SPEED_MBPS", 400_000i32, |n| *n > 0),
             min_part: var("VGPU_NCCL_MIN_PART", 256u64 << 10, |n| *n >= 4096),
             own_context: flag("VGPU_NCCL_OWN_CONTEXT", true),
+            copy_pieces: var("VGPU_NCCL_COPY_PIECES", 1usize, |n| (1..=8).contains(n)),
             netshare,
         }
     }

@@ -8,7 +8,7 @@
 //! copies are polled through CUDA events.
 #![allow(unsafe_code)]
 
-use crate::cuda::{self, CUevent, Export, Mapping};
+use crate::cuda::{self, CUevent, CUstream, Export, Mapping};
 use crate::log::trace;
 use crate::sys;
 use crate::wire::{HOST_REGION, Msg};
@@ -271,10 +271,16 @@ fn copy_worker(
         return;
     }
     let Ok(stream) = driver.stream() else { return };
+    // VGPU_NCCL_COPY_PIECES > 1: a step's copy is cut into pieces issued on as many streams,
+    // which the driver may spread over several copy engines
+    let extra: Vec<CUstream> = (1..crate::net::global().config.copy_pieces)
+        .map_while(|_| driver.stream().ok())
+        .collect();
     let mut exports: HashMap<u32, (Export, Option<OwnedFd>)> = HashMap::new();
     let mut maps: HashMap<u32, Mapping> = HashMap::new();
     let mut events: Vec<CUevent> = Vec::new();
-    let mut inflight: VecDeque<(u32, CUevent, Option<u64>)> = VecDeque::new();
+    // (send, its event on the main stream, staging buffer, its events on the extra streams)
+    let mut inflight: VecDeque<(u32, CUevent, Option<u64>, Vec<CUevent>)> = VecDeque::new();
     let mut staging: Option<(*mut u8, usize)> = None;
     let mut open = true;
     while open || !inflight.is_empty() {
@@ -298,7 +304,7 @@ fn copy_worker(
             }
         };
         if let Some(job) = job {
-            let issued: Result<Option<(u32, Option<u64>)>, String> = (|| match job {
+            let issued: Result<Option<(u32, Option<u64>, usize)>, String> = (|| match job {
                 Job::Region {
                     region,
                     export,
@@ -311,6 +317,9 @@ fn copy_worker(
                     exports.remove(&region);
                     if let Some(m) = maps.remove(&region) {
                         let _ = driver.synchronize(stream);
+                        for &s in &extra {
+                            let _ = driver.synchronize(s);
+                        }
                         driver.unmap(&m);
                     }
                     Ok(None)
@@ -343,14 +352,19 @@ fn copy_worker(
                         }
                     };
                     let dst = base + offset;
-                    if size > 0 {
+                    let pieces = pieces_of(size, extra.len() + 1);
+                    for (i, (at, len)) in pieces.iter().enumerate() {
+                        let on = if i == 0 { stream } else { extra[i - 1] };
                         enter(IN_COPY);
-                        let r = driver.copy_async(dst, src, size, stream);
+                        let r = driver.copy_async(dst + at, src + at, *len, on);
                         leave();
                         r.map_err(|e| e.to_string())?;
                     }
-                    trace!("same-host send {seq}: copy {size} bytes {src:#x} -> {dst:#x}");
-                    Ok(Some((seq, None)))
+                    trace!(
+                        "same-host send {seq}: copy {size} bytes {src:#x} -> {dst:#x} in {} piece(s)",
+                        pieces.len()
+                    );
+                    Ok(Some((seq, None, pieces.len())))
                 }
                 Job::Stage { seq, src, size } => {
                     if staging.is_none_or(|(_, cap)| cap < size) {
@@ -365,19 +379,27 @@ fn copy_worker(
                     let r = driver.copy_async(p as u64, src, size, stream);
                     leave();
                     r.map_err(|e| e.to_string())?;
-                    Ok(Some((seq, Some(p as u64))))
+                    Ok(Some((seq, Some(p as u64), 1)))
                 }
             })();
             match issued {
                 Ok(None) => {}
-                Ok(Some((seq, staged))) => {
-                    let ev = match events.pop() {
-                        Some(e) => Ok(e),
-                        None => driver.event(),
+                Ok(Some((seq, staged, pieces))) => {
+                    let mut record = |on: CUstream| {
+                        let ev = match events.pop() {
+                            Some(e) => Ok(e),
+                            None => driver.event(),
+                        };
+                        ev.and_then(|ev| driver.record(ev, on).map(|()| ev))
                     };
-                    match ev.and_then(|ev| driver.record(ev, stream).map(|()| ev)) {
-                        Ok(ev) => inflight.push_back((seq, ev, staged)),
-                        Err(e) => {
+                    let main = record(stream);
+                    let others: Result<Vec<CUevent>, _> = extra[..pieces.saturating_sub(1)]
+                        .iter()
+                        .map(|&on| record(on))
+                        .collect();
+                    match (main, others) {
+                        (Ok(ev), Ok(others)) => inflight.push_back((seq, ev, staged, others)),
+                        (Err(e), _) | (_, Err(e)) => {
                             let _ = done.send(JobDone {
                                 seq,
                                 result: Err(e.to_string()),
@@ -395,15 +417,20 @@ fn copy_worker(
             }
             continue;
         }
-        // poll the oldest copy (copies on one stream finish in order)
-        if let Some(&(seq, ev, staged)) = inflight.front() {
+        // poll the oldest copy (copies on one stream finish in order; a copy in pieces is
+        // done when every piece is)
+        if let Some((seq, ev, staged, others)) = inflight.front() {
+            let (seq, ev, staged) = (*seq, *ev, *staged);
             enter(IN_QUERY);
-            let r = driver.done(ev);
+            let r: Result<bool, cuda::CudaError> = std::iter::once(&ev)
+                .chain(others)
+                .try_fold(true, |all, &e| Ok(all && driver.done(e)?));
             leave();
             match r {
                 Ok(true) => {
-                    inflight.pop_front();
+                    let (_, _, _, others) = inflight.pop_front().expect("front exists");
                     events.push(ev);
+                    events.extend(others);
                     trace!("same-host send {seq}: copy done");
                     if done
                         .send(JobDone {
@@ -427,6 +454,9 @@ fn copy_worker(
         }
     }
     let _ = driver.synchronize(stream);
+    for &s in &extra {
+        let _ = driver.synchronize(s);
+    }
     for m in maps.values() {
         driver.unmap(m);
     }
@@ -437,6 +467,24 @@ fn copy_worker(
         driver.free_host(p);
     }
     driver.destroy_stream(stream);
+    for s in extra {
+        driver.destroy_stream(s);
+    }
+}
+
+/// A copy of `size` bytes cut into at most `streams` pieces of at least `MIN_PIECE` bytes
+/// (whole 4 KiB pages but the last): `(offset, length)` of each.
+fn pieces_of(size: usize, streams: usize) -> Vec<(u64, usize)> {
+    const MIN_PIECE: usize = 128 << 10;
+    if size == 0 {
+        return Vec::new();
+    }
+    let k = streams.min(size / MIN_PIECE).max(1);
+    let piece = size.div_ceil(k).next_multiple_of(4096);
+    (0..size)
+        .step_by(piece)
+        .map(|at| (at as u64, piece.min(size - at)))
+        .collect()
 }
 
 /// A send's life. Its messages to the receiver (`Fin`, or `Data` + payload) must leave in send
@@ -1059,6 +1107,50 @@ impl Receiver {
                 Some(0) => return Err(Error::PeerClosed),
                 Some(n) => self.inbuf.extend_from_slice(&buf[..n]),
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pieces_of;
+
+    #[test]
+    fn a_copy_is_cut_into_page_aligned_pieces_that_cover_it_once() {
+        assert!(pieces_of(0, 4).is_empty());
+        assert_eq!(
+            pieces_of(1000, 4),
+            vec![(0, 1000)],
+            "small copies stay whole"
+        );
+        assert_eq!(pieces_of(1 << 20, 1), vec![(0, 1 << 20)]);
+        assert_eq!(
+            pieces_of(1 << 20, 4),
+            vec![
+                (0, 256 << 10),
+                (256 << 10, 256 << 10),
+                (512 << 10, 256 << 10),
+                (768 << 10, 256 << 10)
+            ]
+        );
+        // no piece under 128 KiB: 300 KiB in at most 2
+        assert_eq!(pieces_of(300 << 10, 8).len(), 2);
+        for (size, streams) in [
+            ((3 << 20) + 17, 4),
+            (999_999, 3),
+            (128 << 10, 8),
+            (5 << 20, 7),
+        ] {
+            let p = pieces_of(size, streams);
+            assert!(p.len() <= streams);
+            let mut next = 0u64;
+            for &(at, len) in &p {
+                assert_eq!(at, next, "pieces are contiguous");
+                assert!(len > 0);
+                assert_eq!(at % 4096, 0);
+                next = at + len as u64;
+            }
+            assert_eq!(next, size as u64, "{size} in {streams}");
         }
     }
 }

@@ -666,15 +666,21 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         _ => dir.display().to_string(),
     };
     // the same-host path with the default (no variable), with the application's context asked
-    // for, and on a driver that refuses a context of our own (the application's is used); then
-    // the TCP path, whose stream threads stage GPU buffers through pinned memory
-    for (local, own, refuse) in [
-        ("1", None, false),
-        ("1", Some("0"), false),
-        ("1", None, true),
-        ("0", None, false),
+    // for, on a driver that refuses a context of our own (the application's is used), and with
+    // each step's copy cut into pieces on several streams; then the TCP path, whose stream
+    // threads stage GPU buffers through pinned memory
+    let mut one_piece_copies = None;
+    for (local, own, refuse, pieces) in [
+        ("1", None, false, None),
+        ("1", Some("0"), false, None),
+        ("1", None, true, None),
+        ("1", None, false, Some("4")),
+        ("0", None, false, None),
     ] {
         let mut scenario = format!("VGPU_NCCL_LOCAL={local};VGPU_NCCL_TEST_GPU=1");
+        if let Some(n) = pieces {
+            scenario.push_str(&format!(";VGPU_NCCL_COPY_PIECES={n}"));
+        }
         if let Some(v) = own {
             scenario.push_str(&format!(";VGPU_NCCL_OWN_CONTEXT={v}"));
         }
@@ -707,6 +713,16 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         // counted in its own process)
         let least = if local == "1" { 72 } else { 31 };
         assert!(primary + other >= least, "too few copies: {text}");
+        if local == "1" && own.is_none() && !refuse {
+            match pieces {
+                // a third of the messages are 512 KiB or more: each of those is 4 copies now
+                Some(_) => assert!(
+                    primary + other >= one_piece_copies.expect("the default ran first") + 40,
+                    "the copies were not cut into pieces: {text}"
+                ),
+                None => one_piece_copies = Some(primary + other),
+            }
+        }
         if own.is_none() && !refuse {
             assert_eq!(
                 (primary, created),

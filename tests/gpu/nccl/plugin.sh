@@ -94,6 +94,7 @@ for s in $SECTIONS; do
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch16 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=16 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch32 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=32 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch16_bigbuf 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=16 NCCL_BUFFSIZE=16777216 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_pieces4 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_COPY_PIECES=4 SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_fast 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_SPEED_MBPS=1600000 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_tcp_gdr 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
     fi
@@ -220,7 +221,7 @@ for la in sorted(l for l in lat if l.startswith("gbe_A")):
         continue
     lb = "gbe_B" + la[len("gbe_A"):]
     print(f"guarantee next to a best-effort neighbour{la[5:]}: A's p50 {lat[la]:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat[la]/lat['mps_alone_A']:.2f}x (target 1.15x); A {by.get(la, 0):.1f} GB/s, B {by.get(lb, 0):.1f} GB/s")
-for probe in ["vgpu_gpu_ch16", "vgpu_gpu_ch32", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_fast", "vgpu_tcp_gdr"]:
+for probe in ["vgpu_gpu_ch16", "vgpu_gpu_ch32", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_pieces4", "vgpu_gpu_fast", "vgpu_tcp_gdr"]:
     if probe in by:
         print(f"probe {probe}: {by[probe]:.1f} GB/s ({ratio(probe, 'socket')}x NCCL socket)")
 if "ip_tenant" in by:
