@@ -20,9 +20,10 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub const SLOTS: usize = 64;
-/// Version 2 added the class bit, version 3 the communicators' decision logs; older tables are
-/// refused as foreign (their size differs, and a version-1 reader would take a best-effort
-/// tenant for a very heavy one).
+/// Version 2 added the class bit, version 3 the communicators' decision logs. An older table is
+/// never read as this one: it is replaced once no live process is listed in it, and refused as
+/// foreign while one is (a version-1 reader would take a best-effort tenant for a very heavy
+/// one).
 const MAGIC: u64 = 0x5647_5055_4143_5433; // "VGPUACT3"
 const BEST_EFFORT: u64 = 1 << 32;
 const HEADER_WORDS: usize = 8;

@@ -107,9 +107,7 @@ impl Settings {
             active_ns: (num("VGPU_NCCL_ACTIVE_MS", 200.0, 1.0, 10_000.0) * 1e6) as u64,
         })
     }
-}
 
-impl Settings {
     /// The tenant's class, as the log says it.
     fn class(&self) -> &'static str {
         if self.guaranteed {
@@ -223,15 +221,15 @@ impl Tuner {
         let seq = self.seq;
         self.seq += 1;
         let all_here = t.comm_members(log) >= self.n_ranks as u64;
-        let mut fresh = None;
+        let mut decided_here = false;
         let agreed = t.agree(log, seq, now_ns, || {
+            decided_here = true;
             let c = if all_here { self.choose(now_ns) } else { None };
-            fresh = Some(c);
             c.map_or(0, |c| c.min(255) as u8)
         })?;
         let choice = (agreed > 0).then_some(agreed as u32);
         if choice != self.last {
-            self.report(choice, fresh.is_none(), all_here);
+            self.report(choice, !decided_here, all_here);
             self.last = choice;
         }
         Ok(choice.map_or(0, |c| c as i32))
