@@ -40,24 +40,29 @@ def latency(src, dst, size, reps=200):
     return times[len(times) // 2] * 1e6, times[int(len(times) * 0.99)] * 1e6
 
 
+def one_round(ss, src, dst, piece):
+    """Copy piece i of `piece` bytes on stream i, all at once; seconds until every one is done."""
+    evs = []
+    t0 = time.perf_counter()
+    for i, s in enumerate(ss):
+        off = i * piece
+        with torch.cuda.stream(s):
+            dst[off:off + piece].copy_(src[off:off + piece], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(s)
+        evs.append(ev)
+    for ev in evs:
+        wait(ev)
+    return time.perf_counter() - t0
+
+
 def streams(src, dst, n, step=1 << 20, seconds=1.0):
     ss = [torch.cuda.Stream(device=src.device) for _ in range(n)]
     copies = 0
     t0 = time.perf_counter()
     per = []
     while time.perf_counter() - t0 < seconds:
-        evs = []
-        t1 = time.perf_counter()
-        for i, s in enumerate(ss):
-            off = i * step
-            with torch.cuda.stream(s):
-                dst[off:off + step].copy_(src[off:off + step], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(s)
-            evs.append(ev)
-        for ev in evs:
-            wait(ev)
-        per.append(time.perf_counter() - t1)
+        per.append(one_round(ss, src, dst, step))
         copies += n
     wall = time.perf_counter() - t0
     per.sort()
@@ -66,21 +71,7 @@ def streams(src, dst, n, step=1 << 20, seconds=1.0):
 
 def split(src, dst, k, step=1 << 20, reps=200):
     ss = [torch.cuda.Stream(device=src.device) for _ in range(k)]
-    piece = step // k
-    times = []
-    for _ in range(reps):
-        evs = []
-        t0 = time.perf_counter()
-        for i, s in enumerate(ss):
-            with torch.cuda.stream(s):
-                dst[i * piece:(i + 1) * piece].copy_(src[i * piece:(i + 1) * piece], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(s)
-            evs.append(ev)
-        for ev in evs:
-            wait(ev)
-        times.append(time.perf_counter() - t0)
-    times.sort()
+    times = sorted(one_round(ss, src, dst, step // k) for _ in range(reps))
     return times[len(times) // 2] * 1e6
 
 
