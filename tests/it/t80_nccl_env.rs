@@ -182,19 +182,29 @@ fn simulated_agents_on_one_host_keep_their_tenants_directories_apart() -> Result
     for (tenant, node) in [("on-a", 0), ("on-b", 1)] {
         let state_dir = cluster.agents[node].state_dir.clone();
         let own = state_dir.join("shm/tenants").join(tenant);
+        // The private directory is made before the assignment is committed (the commit point
+        // is `assignments.json`), so `env` may still say "not placed" for a moment: wait for
+        // both.
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !own.join("nccl-share").exists() {
+        let out = loop {
+            let out = Command::new(binary("vgpu-agent"))
+                .args(["env", "--tenant", tenant, "--name"])
+                .arg(if node == 0 { "node-a" } else { "node-b" })
+                .arg("--state-dir")
+                .arg(&state_dir)
+                .output()?;
+            if out.status.success() && own.join("nccl-share").exists() {
+                break out;
+            }
             if Instant::now() > deadline {
-                bail!("{} never appeared", own.display());
+                bail!(
+                    "{} never appeared or `vgpu-agent env` kept failing: {}",
+                    own.display(),
+                    String::from_utf8_lossy(&out.stderr)
+                );
             }
             std::thread::sleep(Duration::from_millis(100));
-        }
-        let out = Command::new(binary("vgpu-agent"))
-            .args(["env", "--tenant", tenant, "--name"])
-            .arg(if node == 0 { "node-a" } else { "node-b" })
-            .arg("--state-dir")
-            .arg(&state_dir)
-            .output()?;
+        };
         let text = String::from_utf8(out.stdout)?;
         assert!(
             text.contains(&format!("VGPU_SHM_DIR='{}'", own.display())),
