@@ -236,7 +236,7 @@ impl ComputeConfig {
 /// | `VGPU_SPATIAL` | `1`: spatial mode on (default `0`: off, nothing changes) |
 /// | `VGPU_LATENCY` | `1`: a latency tenant (never held by turns, stamps the GPU's schedule) |
 /// | `VGPU_SPATIAL_HOLD_MS` | how long after a latency launch others stay squeezed (default 50) |
-/// | `VGPU_SPATIAL_SMS` | SMs a squeezed tenant keeps (default: all but 36, 8-SM granularity) |
+/// | `VGPU_SPATIAL_SMS` | SMs a squeezed tenant keeps (default: all but 28, 8-SM granularity) |
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpatialConfig {
     pub tenant: String,

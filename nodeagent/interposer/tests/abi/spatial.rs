@@ -70,7 +70,7 @@ fn a_fresh_latency_stamp_moves_launches_to_a_green_stream_in_order() {
         .run("launch kernel 10 launch ex 10 launch graph 10 launch kernel_ptsz 10 trace");
     assert_eq!(out.matches("launch 0 ").count(), 4, "{out}");
     let want = [
-        "C:96".to_owned(),
+        "C:104".to_owned(),
         redirected("5000", "9000", 1, 2),
         redirected("5000", "9000", 1, 2),
         redirected("5000", "9000", 1, 2),
@@ -141,7 +141,7 @@ fn missing_or_failing_green_contexts_fail_open() {
         .env("FAKE_CUDA_GREEN_LAUNCH_FAIL", "1")
         .run("launch kernel 10 launch kernel 10 trace");
     assert_eq!(out.matches("launch 0 ").count(), 2, "{out}");
-    assert_eq!(trace(&out), "C:96 R:1:5000 W:9000:1 K:5000 K:5000");
+    assert_eq!(trace(&out), "C:104 R:1:5000 W:9000:1 K:5000 K:5000");
 }
 
 #[test]
