@@ -171,21 +171,9 @@ impl Table {
         } else if len != BYTES as u64 {
             return Err(Error::Foreign(name));
         }
-        // SAFETY: mapping BYTES bytes of a file of exactly that size, shared, read-write.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                BYTES,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io(std::io::Error::last_os_error()));
-        }
-        let words = p as *const AtomicU64;
+        // a file of exactly BYTES bytes (checked above)
+        let p = crate::sys::map_shared(file.as_raw_fd(), BYTES).map_err(io)?;
+        let words = p.as_ptr() as *const AtomicU64;
         let mut t = Table {
             words,
             slot: usize::MAX,
@@ -386,8 +374,8 @@ impl Drop for Table {
             self.slot_word(self.slot, 3).store(0, Ordering::Release);
             self.slot_word(self.slot, 2).store(0, Ordering::Release);
         }
-        // SAFETY: unmapping the mapping made in `open`, once.
-        unsafe { libc::munmap(self.words as *mut libc::c_void, BYTES) };
+        // SAFETY: the mapping made in `open`, unmapped once; no reference into it outlives self.
+        unsafe { crate::sys::unmap(self.words as *mut libc::c_void, BYTES) };
     }
 }
 

@@ -30,6 +30,14 @@ pub struct Config {
     /// many pieces (of at least 128 KiB), one stream each, 1..=8 (default 1: one copy). An
     /// experiment: more streams may use more copy engines.
     pub copy_pieces: usize,
+    /// `VGPU_NCCL_SPIN_US`: how long an idle same-host copy worker polls for its next job before
+    /// it sleeps (0..=100000, default 100). A sleeping worker costs the next step a wake-up;
+    /// a polling one costs a CPU core.
+    pub spin_ns: u64,
+    /// `VGPU_NCCL_FIN_RING`: the same-host path's GPU copies complete through a ring in shared
+    /// memory that the sender's copy worker writes and the receiver polls, not through a `Fin`
+    /// message on the socket (default off: an experiment; the receiving side decides).
+    pub fin_ring: bool,
     /// `VGPU_NETSHARE_TABLE` and `VGPU_NETSHARE_FLOW`: the node's token-bucket table and this
     /// tenant's flow in it; sends wait for tokens when both are set.
     pub netshare: Option<(std::path::PathBuf, u64)>,
@@ -105,6 +113,8 @@ impl Config {
             min_part: var("VGPU_NCCL_MIN_PART", 256u64 << 10, |n| *n >= 4096),
             own_context: flag("VGPU_NCCL_OWN_CONTEXT", true),
             copy_pieces: var("VGPU_NCCL_COPY_PIECES", 1usize, |n| (1..=8).contains(n)),
+            spin_ns: var("VGPU_NCCL_SPIN_US", 100u64, |n| *n <= 100_000) * 1000,
+            fin_ring: flag("VGPU_NCCL_FIN_RING", false),
             netshare,
         }
     }

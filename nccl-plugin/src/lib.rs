@@ -5,7 +5,8 @@
 //! - `exports`: the C tables NCCL `dlsym`s and their entry points (panics caught, errors logged
 //!   and returned as NCCL codes).
 //! - `net`: listen/connect/accept without blocking, the per-connection transport choice.
-//! - `local`: same-host transport: control over a Unix socket, GPU-to-GPU copies (CUDA IPC).
+//! - `local`: same-host transport: control over a Unix socket, GPU-to-GPU copies (CUDA IPC);
+//!   `finring`: its optional completion ring in shared memory.
 //! - `tcp`: cross-host transport: several streams with a thread each.
 //! - `tuner`, `activity`: channel caps by bandwidth share while other tenants are active.
 //! - `wire`: every byte layout that crosses a process boundary; `cuda`: the driver calls.
@@ -16,6 +17,7 @@ mod config;
 mod context;
 mod cuda;
 mod exports;
+mod finring;
 mod local;
 mod log;
 mod net;

@@ -9,6 +9,7 @@
 #![allow(unsafe_code)]
 
 use crate::cuda::{self, CUevent, CUstream, Export, Mapping};
+use crate::finring::FinRing;
 use crate::log::trace;
 use crate::sys;
 use crate::wire::{HOST_REGION, Msg};
@@ -97,14 +98,18 @@ enum Job {
     Forget {
         region: u32,
     },
-    /// Copy `size` bytes from `src` into the receiver's region at `offset`.
+    /// Copy `size` bytes from `src` into the receiver's region at `offset` (`queued_ns`: when
+    /// the proxy handed it over, for the step timing).
     Copy {
         seq: u32,
         region: u32,
         offset: u64,
         src: u64,
         size: usize,
+        queued_ns: u64,
     },
+    /// The receiver's completion ring: finished copies are published there from now on.
+    Ring(FinRing),
     /// Copy GPU data into the staging buffer (bound for the receiver's host memory).
     Stage {
         seq: u32,
@@ -118,6 +123,38 @@ enum Job {
 struct JobDone {
     seq: u32,
     result: Result<Option<u64>, String>,
+    /// When the worker saw the copy finish (0 for failures), for the step timing.
+    done_ns: u64,
+    /// The completion went to the receiver through the ring (no `Fin` message is due).
+    published: bool,
+}
+
+impl JobDone {
+    /// Send `seq` failed (`u32::MAX`: a job without a send, which poisons the connection).
+    fn failed(seq: u32, error: String) -> JobDone {
+        JobDone {
+            seq,
+            result: Err(error),
+            done_ns: 0,
+            published: false,
+        }
+    }
+}
+
+/// What a job put on the GPU: its send, the staging buffer (`Stage`), the number of pieces,
+/// and the bytes of a `Copy` (for the completion ring).
+type Issued = (u32, Option<u64>, usize, Option<u64>);
+
+/// A copy the worker has issued: its send, the event on the main stream, the staging buffer
+/// (`Stage` jobs), the events on the extra streams, and when its issue call returned.
+struct InFlight {
+    seq: u32,
+    ev: CUevent,
+    staged: Option<u64>,
+    others: Vec<CUevent>,
+    issued_ns: u64,
+    /// Bytes of a `Copy` job (`None` for staging), for the completion ring.
+    copied: Option<u64>,
 }
 
 /// Which CUDA call the worker is in, for the stall report.
@@ -157,14 +194,21 @@ struct WorkerShared {
     api_ns: std::sync::atomic::AtomicU64,
     /// How often the worker went to sleep waiting for a job (each costs a wake-up).
     sleeps: std::sync::atomic::AtomicU64,
+    /// GPU copies issued, the time their jobs waited before the worker took them, and the time
+    /// from the issue call's return until the worker saw their event complete.
+    copies: std::sync::atomic::AtomicU64,
+    pickup_ns: std::sync::atomic::AtomicU64,
+    gpu_ns: std::sync::atomic::AtomicU64,
 }
 
 const JOB_QUEUE: usize = 64;
 
-/// How long an idle worker keeps polling for the next job before it sleeps: the next step's
-/// copy usually follows within microseconds, and a futex wake-up would add its latency to
-/// every step.
-const SPIN_NS: u64 = 100_000;
+/// How long an idle worker keeps polling for the next job before it sleeps
+/// (`VGPU_NCCL_SPIN_US`, default 100 us): the next step's copy usually follows within
+/// microseconds, and a futex wake-up would add its latency to that step.
+fn spin_ns() -> u64 {
+    crate::net::global().config.spin_ns
+}
 
 fn now_ns() -> u64 {
     netshare::shm::monotonic_now_ns()
@@ -226,17 +270,18 @@ impl Drop for Worker {
     }
 }
 
-/// The next job for an idle worker: polled for `SPIN_NS`, then waited for. `None` once the
+/// The next job for an idle worker: polled for `spin_ns()`, then waited for. `None` once the
 /// proxy side has closed the channel.
 fn next_job(jobs: &std::sync::mpsc::Receiver<Job>, shared: &WorkerShared) -> Option<Job> {
     let start = now_ns();
+    let spin = spin_ns();
     loop {
         match jobs.try_recv() {
             Ok(j) => return Some(j),
             Err(std::sync::mpsc::TryRecvError::Disconnected) => return None,
             Err(std::sync::mpsc::TryRecvError::Empty) => {}
         }
-        if now_ns().saturating_sub(start) > SPIN_NS {
+        if now_ns().saturating_sub(start) > spin {
             shared
                 .sleeps
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -279,12 +324,12 @@ fn copy_worker(
     let mut exports: HashMap<u32, (Export, Option<OwnedFd>)> = HashMap::new();
     let mut maps: HashMap<u32, Mapping> = HashMap::new();
     let mut events: Vec<CUevent> = Vec::new();
-    // (send, its event on the main stream, staging buffer, its events on the extra streams)
-    let mut inflight: VecDeque<(u32, CUevent, Option<u64>, Vec<CUevent>)> = VecDeque::new();
+    let mut inflight: VecDeque<InFlight> = VecDeque::new();
     let mut staging: Option<(*mut u8, usize)> = None;
+    let mut ring: Option<FinRing> = None;
     let mut open = true;
     while open || !inflight.is_empty() {
-        // take jobs: sleep only when no copy is in flight and none came for SPIN_NS
+        // take jobs: sleep only when no copy is in flight and none came for spin_ns()
         let job = if inflight.is_empty() {
             match next_job(&jobs, &shared) {
                 Some(j) => Some(j),
@@ -304,87 +349,99 @@ fn copy_worker(
             }
         };
         if let Some(job) = job {
-            let issued: Result<Option<(u32, Option<u64>, usize)>, String> = (|| match job {
-                Job::Region {
-                    region,
-                    export,
-                    _fd,
-                } => {
-                    exports.insert(region, (export, _fd));
-                    Ok(None)
-                }
-                Job::Forget { region } => {
-                    exports.remove(&region);
-                    if let Some(m) = maps.remove(&region) {
-                        let _ = driver.synchronize(stream);
-                        for &s in &extra {
-                            let _ = driver.synchronize(s);
-                        }
-                        driver.unmap(&m);
+            let issued: Result<Option<Issued>, String> = (|| {
+                match job {
+                    Job::Region {
+                        region,
+                        export,
+                        _fd,
+                    } => {
+                        exports.insert(region, (export, _fd));
+                        Ok(None)
                     }
-                    Ok(None)
-                }
-                Job::Copy {
-                    seq,
-                    region,
-                    offset,
-                    src,
-                    size,
-                } => {
-                    let base = match maps.entry(region) {
-                        std::collections::hash_map::Entry::Occupied(m) => m.get().base(),
-                        std::collections::hash_map::Entry::Vacant(slot) => {
-                            let (export, fd) = exports
-                                .get_mut(&region)
-                                .ok_or("a receive into an unknown region")?;
-                            enter(IN_IMPORT);
-                            let m = driver.import(export, device);
-                            leave();
-                            fd.take(); // the mapping holds the allocation now
-                            let base = slot.insert(m.map_err(|e| e.to_string())?).base();
-                            trace!(
-                                "same-host copy worker (device {device}, primary contexts on {:?}): region {region} mapped; destination {}; source {}",
-                                driver.active_devices(),
-                                driver.describe(base),
-                                driver.describe(src)
-                            );
-                            base
+                    Job::Ring(r) => {
+                        ring = Some(r);
+                        Ok(None)
+                    }
+                    Job::Forget { region } => {
+                        exports.remove(&region);
+                        if let Some(m) = maps.remove(&region) {
+                            let _ = driver.synchronize(stream);
+                            for &s in &extra {
+                                let _ = driver.synchronize(s);
+                            }
+                            driver.unmap(&m);
                         }
-                    };
-                    let dst = base + offset;
-                    let pieces = pieces_of(size, extra.len() + 1);
-                    for (i, (at, len)) in pieces.iter().enumerate() {
-                        let on = if i == 0 { stream } else { extra[i - 1] };
+                        Ok(None)
+                    }
+                    Job::Copy {
+                        seq,
+                        region,
+                        offset,
+                        src,
+                        size,
+                        queued_ns,
+                    } => {
+                        shared
+                            .pickup_ns
+                            .fetch_add(now_ns().saturating_sub(queued_ns), Ordering::Relaxed);
+                        shared.copies.fetch_add(1, Ordering::Relaxed);
+                        let base = match maps.entry(region) {
+                            std::collections::hash_map::Entry::Occupied(m) => m.get().base(),
+                            std::collections::hash_map::Entry::Vacant(slot) => {
+                                let (export, fd) = exports
+                                    .get_mut(&region)
+                                    .ok_or("a receive into an unknown region")?;
+                                enter(IN_IMPORT);
+                                let m = driver.import(export, device);
+                                leave();
+                                fd.take(); // the mapping holds the allocation now
+                                let base = slot.insert(m.map_err(|e| e.to_string())?).base();
+                                trace!(
+                                    "same-host copy worker (device {device}, primary contexts on {:?}): region {region} mapped; destination {}; source {}",
+                                    driver.active_devices(),
+                                    driver.describe(base),
+                                    driver.describe(src)
+                                );
+                                base
+                            }
+                        };
+                        let dst = base + offset;
+                        let pieces = pieces_of(size, extra.len() + 1);
+                        for (i, (at, len)) in pieces.iter().enumerate() {
+                            let on = if i == 0 { stream } else { extra[i - 1] };
+                            enter(IN_COPY);
+                            let r = driver.copy_async(dst + at, src + at, *len, on);
+                            leave();
+                            r.map_err(|e| e.to_string())?;
+                        }
+                        trace!(
+                            "same-host send {seq}: copy {size} bytes {src:#x} -> {dst:#x} in {} piece(s)",
+                            pieces.len()
+                        );
+                        Ok(Some((seq, None, pieces.len(), Some(size as u64))))
+                    }
+                    Job::Stage { seq, src, size } => {
+                        if staging.is_none_or(|(_, cap)| cap < size) {
+                            if let Some((p, _)) = staging.take() {
+                                driver.free_host(p);
+                            }
+                            let cap = size.next_power_of_two().max(1 << 20);
+                            staging =
+                                Some((driver.host_alloc(cap).map_err(|e| e.to_string())?, cap));
+                        }
+                        let (p, _) = staging.expect("allocated above");
                         enter(IN_COPY);
-                        let r = driver.copy_async(dst + at, src + at, *len, on);
+                        let r = driver.copy_async(p as u64, src, size, stream);
                         leave();
                         r.map_err(|e| e.to_string())?;
+                        Ok(Some((seq, Some(p as u64), 1, None)))
                     }
-                    trace!(
-                        "same-host send {seq}: copy {size} bytes {src:#x} -> {dst:#x} in {} piece(s)",
-                        pieces.len()
-                    );
-                    Ok(Some((seq, None, pieces.len())))
-                }
-                Job::Stage { seq, src, size } => {
-                    if staging.is_none_or(|(_, cap)| cap < size) {
-                        if let Some((p, _)) = staging.take() {
-                            driver.free_host(p);
-                        }
-                        let cap = size.next_power_of_two().max(1 << 20);
-                        staging = Some((driver.host_alloc(cap).map_err(|e| e.to_string())?, cap));
-                    }
-                    let (p, _) = staging.expect("allocated above");
-                    enter(IN_COPY);
-                    let r = driver.copy_async(p as u64, src, size, stream);
-                    leave();
-                    r.map_err(|e| e.to_string())?;
-                    Ok(Some((seq, Some(p as u64), 1)))
                 }
             })();
             match issued {
                 Ok(None) => {}
-                Ok(Some((seq, staged, pieces))) => {
+                Ok(Some((seq, staged, pieces, copied))) => {
                     let mut record = |on: CUstream| {
                         let ev = match events.pop() {
                             Some(e) => Ok(e),
@@ -398,44 +455,62 @@ fn copy_worker(
                         .map(|&on| record(on))
                         .collect();
                     match (main, others) {
-                        (Ok(ev), Ok(others)) => inflight.push_back((seq, ev, staged, others)),
+                        (Ok(ev), Ok(others)) => inflight.push_back(InFlight {
+                            seq,
+                            ev,
+                            staged,
+                            others,
+                            issued_ns: now_ns(),
+                            copied,
+                        }),
                         (Err(e), _) | (_, Err(e)) => {
-                            let _ = done.send(JobDone {
-                                seq,
-                                result: Err(e.to_string()),
-                            });
+                            let _ = done.send(JobDone::failed(seq, e.to_string()));
                         }
                     }
                 }
                 Err(e) => {
                     // a failed job poisons the connection: report it on the next send
-                    let _ = done.send(JobDone {
-                        seq: u32::MAX,
-                        result: Err(e),
-                    });
+                    let _ = done.send(JobDone::failed(u32::MAX, e));
                 }
             }
             continue;
         }
         // poll the oldest copy (copies on one stream finish in order; a copy in pieces is
         // done when every piece is)
-        if let Some((seq, ev, staged, others)) = inflight.front() {
-            let (seq, ev, staged) = (*seq, *ev, *staged);
+        if let Some(front) = inflight.front() {
+            let seq = front.seq;
             enter(IN_QUERY);
-            let r: Result<bool, cuda::CudaError> = std::iter::once(&ev)
-                .chain(others)
+            let r: Result<bool, cuda::CudaError> = std::iter::once(&front.ev)
+                .chain(&front.others)
                 .try_fold(true, |all, &e| Ok(all && driver.done(e)?));
             leave();
             match r {
                 Ok(true) => {
-                    let (_, _, _, others) = inflight.pop_front().expect("front exists");
-                    events.push(ev);
-                    events.extend(others);
+                    let f = inflight.pop_front().expect("front exists");
+                    let now = now_ns();
+                    if f.staged.is_none() {
+                        shared
+                            .gpu_ns
+                            .fetch_add(now.saturating_sub(f.issued_ns), Ordering::Relaxed);
+                    }
+                    events.push(f.ev);
+                    events.extend(f.others);
                     trace!("same-host send {seq}: copy done");
+                    // the receiver hears of a GPU copy through the ring at once, without
+                    // waiting for the proxy thread's next `test` and a socket message
+                    let (result, published) = match (&ring, f.copied) {
+                        (Some(r), Some(size)) => match r.push(seq, size) {
+                            Ok(()) => (Ok(f.staged), true),
+                            Err(e) => (Err(e.to_string()), false),
+                        },
+                        _ => (Ok(f.staged), false),
+                    };
                     if done
                         .send(JobDone {
                             seq,
-                            result: Ok(staged),
+                            result,
+                            done_ns: now,
+                            published,
                         })
                         .is_err()
                     {
@@ -445,10 +520,7 @@ fn copy_worker(
                 Ok(false) => std::thread::yield_now(),
                 Err(e) => {
                     inflight.pop_front();
-                    let _ = done.send(JobDone {
-                        seq,
-                        result: Err(e.to_string()),
-                    });
+                    let _ = done.send(JobDone::failed(seq, e.to_string()));
                 }
             }
         }
@@ -516,6 +588,8 @@ struct SendOp {
     /// When NCCL posted it, and when its copy went to the worker (for `Timing`).
     posted_ns: u64,
     issued_ns: u64,
+    /// Its copy's completion went to the receiver through the ring: no `Fin` is due.
+    published: bool,
 }
 
 /// Where one connection's steps spent their time, logged when NCCL closes it (NCCL_DEBUG=INFO,
@@ -532,6 +606,9 @@ struct Timing {
     copy_ns: u64,
     max_copy_ns: u64,
     copies: u64,
+    /// Sender: from the worker seeing a copy finish until the proxy thread heard of it (at
+    /// NCCL's next `test` of that send).
+    heard_ns: u64,
     /// The first step's start and the last step's end: steps / span is the connection's rate.
     first_ns: u64,
     last_ns: u64,
@@ -554,10 +631,23 @@ impl Timing {
         self.last_ns = now;
     }
 
+    /// Bytes moved, in MiB.
+    fn mib(&self) -> f64 {
+        self.bytes as f64 / (1 << 20) as f64
+    }
+
     /// Average time between step starts, in microseconds.
     fn interval_us(&self) -> f64 {
         Self::us(self.last_ns.saturating_sub(self.first_ns), self.steps)
     }
+}
+
+/// The oldest descriptor received with the socket's messages (they arrive in message order).
+fn take_fd(fds: &mut Vec<OwnedFd>, missing: &'static str) -> Result<OwnedFd, Error> {
+    if fds.is_empty() {
+        return Err(Error::Protocol(missing));
+    }
+    Ok(fds.remove(0))
 }
 
 #[derive(Clone, Copy)]
@@ -616,6 +706,7 @@ impl Sender {
             state: OpState::Waiting,
             posted_ns: now_ns(),
             issued_ns: 0,
+            published: false,
         });
         self.progress()?;
         Ok(seq)
@@ -687,12 +778,10 @@ impl Sender {
                             None,
                         ),
                         None => {
-                            if self.fds.is_empty() {
-                                return Err(Error::Protocol(
-                                    "a registration arrived without its descriptor",
-                                ));
-                            }
-                            let fd = self.fds.remove(0);
+                            let fd = take_fd(
+                                &mut self.fds,
+                                "a registration arrived without its descriptor",
+                            )?;
                             (
                                 Export::Fd {
                                     fd: fd.as_raw_fd(),
@@ -709,6 +798,13 @@ impl Sender {
                     })?;
                 }
                 Msg::Dereg { region } => self.queue_job(Job::Forget { region })?,
+                Msg::Ring => {
+                    let fd = take_fd(
+                        &mut self.fds,
+                        "the completion ring arrived without its descriptor",
+                    )?;
+                    self.queue_job(Job::Ring(FinRing::open(&fd)?))?;
+                }
                 Msg::Rtr {
                     seq,
                     region,
@@ -730,7 +826,14 @@ impl Sender {
     }
 
     fn progress(&mut self) -> Result<(), Error> {
-        self.read()?;
+        // The receiver's messages (registrations, then ready-to-receive) matter only to a send
+        // that waits for one; while every send is copying, NCCL's `test` calls skip the socket,
+        // a system call each, which shortens NCCL's proxy loop for every connection. Messages
+        // stay queued in order in the socket until then (a deregistration is applied at the
+        // next send or at close).
+        if self.ops.iter().any(|o| matches!(o.state, OpState::Waiting)) {
+            self.read()?;
+        }
         // start waiting sends in order, each with the next ready-to-receive
         for i in 0..self.ops.len() {
             if !matches!(self.ops[i].state, OpState::Waiting) {
@@ -759,6 +862,7 @@ impl Sender {
                     offset: rtr.offset,
                     src,
                     size,
+                    queued_ns: now_ns(),
                 })?;
                 self.ops[i].state = OpState::Copying;
             } else if src_cuda {
@@ -781,8 +885,12 @@ impl Sender {
                     crate::log::warn!(crate::abi::NCCL_NET, "same-host send {}: {e}", d.seq);
                     Error::Protocol("a GPU copy failed (see the log)")
                 })?;
+                if d.done_ns != 0 {
+                    self.timing.heard_ns += now_ns().saturating_sub(d.done_ns);
+                }
                 if let Some(op) = self.ops.iter_mut().find(|o| o.seq == d.seq) {
                     op.state = OpState::Copied(staged);
+                    op.published = d.published;
                     let took = now_ns().saturating_sub(op.issued_ns);
                     self.timing.copies += 1;
                     self.timing.copy_ns += took;
@@ -810,10 +918,12 @@ impl Sender {
                     self.ops[i].state = OpState::Writing;
                 }
                 OpState::Copied(None) => {
-                    self.out.msg(Msg::Fin {
-                        seq,
-                        size: size as u64,
-                    });
+                    if !self.ops[i].published {
+                        self.out.msg(Msg::Fin {
+                            seq,
+                            size: size as u64,
+                        });
+                    }
                     self.done.insert(seq, size);
                     self.ops[i].state = OpState::Finished;
                 }
@@ -854,20 +964,31 @@ impl Drop for Sender {
         if t.steps == 0 {
             return;
         }
-        let (api, sleeps) = self.worker.as_ref().map_or((0, 0), |w| {
-            use std::sync::atomic::Ordering::Relaxed;
-            (w.shared.api_ns.load(Relaxed), w.shared.sleeps.load(Relaxed))
-        });
+        let (api, sleeps, worker_copies, pickup, gpu) =
+            self.worker.as_ref().map_or((0, 0, 0, 0, 0), |w| {
+                use std::sync::atomic::Ordering::Relaxed;
+                let sh = &w.shared;
+                (
+                    sh.api_ns.load(Relaxed),
+                    sh.sleeps.load(Relaxed),
+                    sh.copies.load(Relaxed),
+                    sh.pickup_ns.load(Relaxed),
+                    sh.gpu_ns.load(Relaxed),
+                )
+            });
         crate::log::info!(
             crate::abi::NCCL_NET,
-            "same-host send closed: {} steps, {:.1} MiB, one every {:.1} us; per step: waited {:.1} us for the receiver, GPU copy {:.1} us (max {:.1}, of which cuMemcpyAsync {:.1}); copy worker slept {} times",
+            "same-host send closed: {} steps, {:.1} MiB, one every {:.1} us; per step: waited {:.1} us for the receiver, GPU copy {:.1} us (max {:.1}) = until the worker took it {:.1} + cuMemcpyAsync {:.1} + until its event completed {:.1} + until the proxy heard {:.1}; copy worker slept {} times",
             t.steps,
-            t.bytes as f64 / (1 << 20) as f64,
+            t.mib(),
             t.interval_us(),
             Timing::us(t.wait_ns, t.steps),
             Timing::us(t.copy_ns, t.copies),
             t.max_copy_ns as f64 / 1e3,
-            Timing::us(api, t.copies),
+            Timing::us(pickup, worker_copies),
+            Timing::us(api, worker_copies),
+            Timing::us(gpu, worker_copies),
+            Timing::us(t.heard_ns, t.copies),
             sleeps
         );
     }
@@ -878,7 +999,13 @@ struct Posted {
     ptr: u64,
     cap: usize,
     posted_ns: u64,
+    /// Into GPU memory: the sender copies, and completes it with `Fin` or through the ring.
+    device: bool,
 }
+
+/// With the completion ring, how often a receiver whose oldest receive waits for a GPU copy
+/// still reads the socket (only to notice a sender that went away): 1 ms.
+const RING_READ_EVERY_NS: u64 = 1_000_000;
 
 struct Incoming {
     seq: u32,
@@ -897,6 +1024,13 @@ pub struct Receiver {
     done: HashMap<u32, usize>,
     next_seq: u32,
     timing: Timing,
+    /// The completion ring (`VGPU_NCCL_FIN_RING`): GPU copies complete through it, never by a
+    /// `Fin` message.
+    ring: Option<FinRing>,
+    /// Receives completed through the ring, for the close-time summary.
+    ring_completions: u64,
+    /// When the socket was last read.
+    read_ns: u64,
 }
 
 impl Drop for Receiver {
@@ -905,11 +1039,12 @@ impl Drop for Receiver {
         if t.steps > 0 {
             crate::log::info!(
                 crate::abi::NCCL_NET,
-                "same-host recv closed: {} steps, {:.1} MiB, one every {:.1} us; per step: {:.1} us from posting to the sender's completion",
+                "same-host recv closed: {} steps, {:.1} MiB, one every {:.1} us; per step: {:.1} us from posting to the sender's completion; {} completed through the ring",
                 t.steps,
-                t.bytes as f64 / (1 << 20) as f64,
+                t.mib(),
                 t.interval_us(),
-                Timing::us(t.wait_ns, t.steps)
+                Timing::us(t.wait_ns, t.steps),
+                self.ring_completions
             );
         }
     }
@@ -918,9 +1053,21 @@ impl Drop for Receiver {
 impl Receiver {
     pub fn new(sock: UnixStream) -> Result<Receiver, Error> {
         sock.set_nonblocking(true)?;
+        let mut out = Out::default();
+        // the ring goes first, before any ready-to-receive, so that the sender completes
+        // every GPU copy of this connection through it
+        let ring = if crate::net::global().config.fin_ring {
+            let (ring, fd) = FinRing::create()?;
+            let mut b = Vec::new();
+            Msg::Ring.encode(&mut b);
+            out.items.push_back(Item::WithFd(b, fd));
+            Some(ring)
+        } else {
+            None
+        };
         Ok(Receiver {
             sock,
-            out: Out::default(),
+            out,
             inbuf: Vec::new(),
             next_region: 0,
             posted: VecDeque::new(),
@@ -928,6 +1075,9 @@ impl Receiver {
             done: HashMap::new(),
             next_seq: 0,
             timing: Timing::default(),
+            ring,
+            ring_completions: 0,
+            read_ns: 0,
         })
     }
 
@@ -1011,6 +1161,7 @@ impl Receiver {
             ptr,
             cap,
             posted_ns: now_ns(),
+            device: region != HOST_REGION,
         });
         self.progress()?;
         Ok(seq)
@@ -1027,6 +1178,26 @@ impl Receiver {
     fn flush(&mut self) -> Result<(), Error> {
         let mut none = Vec::new();
         self.out.flush(&self.sock, &mut none)
+    }
+
+    /// The oldest posted receive, which the sender's completion of `seq` (`size` bytes) ends:
+    /// checked and counted in the step timing.
+    fn take_front(&mut self, seq: u32, size: u64) -> Result<Posted, Error> {
+        let p = self
+            .posted
+            .pop_front()
+            .ok_or(Error::Protocol("data for no posted receive"))?;
+        if p.seq != seq {
+            return Err(Error::Protocol("sends and receives out of step"));
+        }
+        if size as usize > p.cap {
+            return Err(Error::Truncated {
+                sent: size as usize,
+                posted: p.cap,
+            });
+        }
+        self.timing.step(p.posted_ns, size as usize);
+        Ok(p)
     }
 
     fn progress(&mut self) -> Result<(), Error> {
@@ -1066,25 +1237,30 @@ impl Receiver {
                 }
                 continue;
             }
+            // A GPU copy completed through the ring. Entries come in send order, but a host
+            // receive posted earlier may still wait for its data on the socket: an entry is taken
+            // only for the oldest posted receive. (The sender writes a later receive's socket
+            // message only after an earlier copy's entry is published.)
+            if let Some((ring, (seq, size))) = self.ring.as_ref().and_then(|r| Some((r, r.peek()?)))
+                && self.posted.front().is_some_and(|p| p.seq == seq)
+            {
+                ring.pop();
+                self.ring_completions += 1;
+                self.take_front(seq, size)?;
+                self.done.insert(seq, size as usize);
+                continue;
+            }
             if let Some((msg, n)) = Msg::decode(&self.inbuf)? {
                 self.inbuf.drain(..n);
                 trace!("same-host recv: got {msg:?}");
                 match msg {
+                    Msg::Fin { .. } if self.ring.is_some() => {
+                        return Err(Error::Protocol(
+                            "a Fin on the socket although the completion ring is in use",
+                        ));
+                    }
                     Msg::Fin { seq, size } | Msg::Data { seq, size } => {
-                        let p = self
-                            .posted
-                            .pop_front()
-                            .ok_or(Error::Protocol("data for no posted receive"))?;
-                        if p.seq != seq {
-                            return Err(Error::Protocol("sends and receives out of step"));
-                        }
-                        if size as usize > p.cap {
-                            return Err(Error::Truncated {
-                                sent: size as usize,
-                                posted: p.cap,
-                            });
-                        }
-                        self.timing.step(p.posted_ns, size as usize);
+                        let p = self.take_front(seq, size)?;
                         if matches!(msg, Msg::Fin { .. }) || size == 0 {
                             self.done.insert(seq, size as usize);
                         } else {
@@ -1100,6 +1276,17 @@ impl Receiver {
                 }
                 continue;
             }
+            // With the ring, the oldest receive into GPU memory can only complete through it;
+            // the socket (data for later host receives, a closed peer) can wait a while, and
+            // NCCL's `test` calls skip a system call each.
+            let now = now_ns();
+            if self.ring.is_some()
+                && self.posted.front().is_some_and(|p| p.device)
+                && now.saturating_sub(self.read_ns) < RING_READ_EVERY_NS
+            {
+                return Ok(());
+            }
+            self.read_ns = now;
             let mut buf = [0u8; 4096];
             // SAFETY: a local buffer of the given length.
             match unsafe { sys::recv_raw(fd, buf.as_mut_ptr(), buf.len())? } {

@@ -1,9 +1,42 @@
 //! Socket calls std does not offer: sending a file descriptor with a message (SCM_RIGHTS),
-//! receiving descriptors, and non-blocking sends/receives into raw buffers that NCCL owns.
+//! receiving descriptors, and non-blocking sends/receives into raw buffers that NCCL owns; and
+//! the shared mappings of the node-local tables and completion rings.
 #![allow(unsafe_code)]
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+/// A read-write `MAP_SHARED` mapping of the first `bytes` bytes of `fd` (which must be at
+/// least that long); page-aligned. Undo with [`unmap`].
+pub fn map_shared(fd: RawFd, bytes: usize) -> io::Result<std::ptr::NonNull<libc::c_void>> {
+    // SAFETY: a fresh shared mapping; the kernel picks the address and failure is MAP_FAILED,
+    // checked below. It touches no existing memory.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(std::ptr::NonNull::new(p).expect("mmap never returns NULL here"))
+}
+
+/// Unmaps what [`map_shared`] mapped.
+///
+/// # Safety
+/// `p` and `bytes` are exactly a `map_shared` result and its length, and no reference into the
+/// mapping outlives this call.
+pub unsafe fn unmap(p: *mut libc::c_void, bytes: usize) {
+    // SAFETY: as the caller promises.
+    let result = unsafe { libc::munmap(p, bytes) };
+    debug_assert_eq!(result, 0, "munmap of our own mapping failed");
+}
 
 /// Non-blocking send of `buf`, optionally passing `fd` along. Returns bytes sent (0 on EAGAIN).
 pub fn send(sock: RawFd, buf: &[u8], fd: Option<RawFd>) -> io::Result<usize> {

@@ -80,7 +80,7 @@ pub struct Settings {
 impl Settings {
     /// From `VGPU_TENANT`, `VGPU_NCCL_WEIGHT`, `VGPU_NCCL_SHARE_FILE` (all three needed),
     /// `VGPU_GUARANTEED` (1), `VGPU_NCCL_CHANNELS` (24), `VGPU_NCCL_SHARE_EXPONENT` (1.2),
-    /// `VGPU_NCCL_BEST_EFFORT_CHANNELS` (2), `VGPU_NCCL_ACTIVE_MS` (200).
+    /// `VGPU_NCCL_BEST_EFFORT_CHANNELS` (1), `VGPU_NCCL_ACTIVE_MS` (200).
     pub fn from_env() -> Option<Settings> {
         let tenant = std::env::var("VGPU_TENANT").ok()?;
         let weight: u64 = std::env::var("VGPU_NCCL_WEIGHT")
@@ -103,7 +103,7 @@ impl Settings {
             file,
             budget: num("VGPU_NCCL_CHANNELS", 24.0, 1.0, 64.0) as u32,
             exponent: num("VGPU_NCCL_SHARE_EXPONENT", 1.2, 0.5, 3.0),
-            floor: num("VGPU_NCCL_BEST_EFFORT_CHANNELS", 2.0, 1.0, 64.0) as u32,
+            floor: num("VGPU_NCCL_BEST_EFFORT_CHANNELS", 1.0, 1.0, 64.0) as u32,
             active_ns: (num("VGPU_NCCL_ACTIVE_MS", 200.0, 1.0, 10_000.0) * 1e6) as u64,
         })
     }

@@ -145,8 +145,8 @@ pub fn same_secret(a: &[u8; 16], b: &[u8; 16]) -> bool {
 /// Region id meaning "host memory: send the bytes through the socket".
 pub const HOST_REGION: u32 = u32::MAX;
 
-/// Control messages of the same-host path. Receiver to sender: `Reg`, `Dereg`, `Rtr`; sender to
-/// receiver: `Fin`, `Data` (followed by `size` payload bytes).
+/// Control messages of the same-host path. Receiver to sender: `Ring`, `Reg`, `Dereg`, `Rtr`;
+/// sender to receiver: `Fin`, `Data` (followed by `size` payload bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Msg {
     /// A GPU allocation of the receiver, exported. `legacy` carries a cudaIpc handle; otherwise
@@ -176,6 +176,9 @@ pub enum Msg {
         seq: u32,
         size: u64,
     },
+    /// The connection's completion ring (`finring`): its memfd travels with this message, and
+    /// GPU copies complete through it instead of `Fin`.
+    Ring,
 }
 
 const T_REG: u8 = 1;
@@ -184,6 +187,7 @@ const T_DEREG: u8 = 3;
 const T_RTR: u8 = 4;
 const T_FIN: u8 = 5;
 const T_DATA: u8 = 6;
+const T_RING: u8 = 7;
 
 impl Msg {
     pub fn encode(&self, out: &mut Vec<u8>) {
@@ -229,6 +233,7 @@ impl Msg {
                 out.extend_from_slice(&seq.to_le_bytes());
                 out.extend_from_slice(&size.to_le_bytes());
             }
+            Msg::Ring => out.push(T_RING),
         }
     }
 
@@ -241,6 +246,7 @@ impl Msg {
             T_DEREG => 5,
             T_RTR => 25,
             T_FIN | T_DATA => 13,
+            T_RING => 1,
             _ => return Err(WireError::Malformed("control message type")),
         };
         if b.len() < need {
@@ -270,6 +276,7 @@ impl Msg {
                 seq: u32_at(1),
                 size: u64_at(5),
             },
+            T_RING => Msg::Ring,
             _ => Msg::Data {
                 seq: u32_at(1),
                 size: u64_at(5),
@@ -393,6 +400,7 @@ mod tests {
             ),
             (any::<u32>(), any::<u64>()).prop_map(|(seq, size)| Msg::Fin { seq, size }),
             (any::<u32>(), any::<u64>()).prop_map(|(seq, size)| Msg::Data { seq, size }),
+            Just(Msg::Ring),
         ]
     }
 

@@ -596,7 +596,7 @@ fn host_buffers_between_processes() {
         return;
     }
     library(); // build the .so once, before the children that use it
-    let scenarios: [(&str, Vec<(&str, &str)>); 3] = [
+    let scenarios: [(&str, Vec<(&str, &str)>); 4] = [
         (
             "tcp, 4 streams, v11",
             vec![
@@ -606,6 +606,11 @@ fn host_buffers_between_processes() {
             ],
         ),
         ("same-host socket, v11", vec![("VGPU_NCCL_LOCAL", "1")]),
+        // the completion ring set up but idle: host receives keep the socket
+        (
+            "same-host socket with the completion ring, v11",
+            vec![("VGPU_NCCL_LOCAL", "1"), ("VGPU_NCCL_FIN_RING", "1")],
+        ),
         (
             "tcp, 3 streams, v10",
             vec![
@@ -666,18 +671,25 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         _ => dir.display().to_string(),
     };
     // the same-host path with the default (no variable), with the application's context asked
-    // for, on a driver that refuses a context of our own (the application's is used), and with
-    // each step's copy cut into pieces on several streams; then the TCP path, whose stream
-    // threads stage GPU buffers through pinned memory
+    // for, on a driver that refuses a context of our own (the application's is used), with
+    // each step's copy cut into pieces on several streams, and with copies completing through
+    // the shared-memory ring (the receiver refuses a socket Fin then, so passing proves that
+    // the ring carried every GPU copy's completion, host receives still in the mix); then the
+    // TCP path, whose stream threads stage GPU buffers through pinned memory
     let mut one_piece_copies = None;
-    for (local, own, refuse, pieces) in [
-        ("1", None, false, None),
-        ("1", Some("0"), false, None),
-        ("1", None, true, None),
-        ("1", None, false, Some("4")),
-        ("0", None, false, None),
+    for (local, own, refuse, pieces, ring) in [
+        ("1", None, false, None, false),
+        ("1", Some("0"), false, None, false),
+        ("1", None, true, None, false),
+        ("1", None, false, Some("4"), false),
+        ("1", None, false, None, true),
+        ("1", None, false, Some("4"), true),
+        ("0", None, false, None, false),
     ] {
         let mut scenario = format!("VGPU_NCCL_LOCAL={local};VGPU_NCCL_TEST_GPU=1");
+        if ring {
+            scenario.push_str(";VGPU_NCCL_FIN_RING=1");
+        }
         if let Some(n) = pieces {
             scenario.push_str(&format!(";VGPU_NCCL_COPY_PIECES={n}"));
         }
@@ -700,7 +712,7 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         );
         assert!(
             text.contains(&format!("RESULT received={MESSAGES} bad=0")),
-            "VGPU_NCCL_LOCAL {local}, VGPU_NCCL_OWN_CONTEXT {own:?}, context refused {refuse}: {text}"
+            "VGPU_NCCL_LOCAL {local}, VGPU_NCCL_OWN_CONTEXT {own:?}, context refused {refuse}, pieces {pieces:?}, ring {ring}: {text}"
         );
         let field = |k: &str| number(&text, k) as i64;
         let (primary, other, created) = (
@@ -713,7 +725,7 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         // counted in its own process)
         let least = if local == "1" { 72 } else { 31 };
         assert!(primary + other >= least, "too few copies: {text}");
-        if local == "1" && own.is_none() && !refuse {
+        if local == "1" && own.is_none() && !refuse && !ring {
             match pieces {
                 // a third of the messages are 512 KiB or more: each of those is 4 copies now
                 Some(_) => assert!(
@@ -858,13 +870,13 @@ fn tuner_caps_channels_only_while_another_tenant_is_active() {
         "{text}"
     );
     // the second tenant best effort: the guaranteed one keeps NCCL's choice, the other gets the
-    // best-effort floor (2 channels) while the guaranteed one is active
+    // best-effort floor (1 channel) while the guaranteed one is active
     let text = run_alone(
         "one_tuner",
         &[("VGPU_NCCL_TEST_OTHER_GUARANTEED", "0".into())],
     );
     assert!(
-        text.contains("TUNER alone=0 shared=0 other=2 later=0"),
+        text.contains("TUNER alone=0 shared=0 other=1 later=0"),
         "{text}"
     );
 }

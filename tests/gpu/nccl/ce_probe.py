@@ -7,6 +7,9 @@ and 140-240 us with 16. This probe separates the parts, with no NCCL in the way:
   latency   one copy at a time (issue, record, poll the event until done), per size
   streams   N streams each copying 1 MiB steps back to back: aggregate GB/s and per-copy time
   split     one 1 MiB step cut into k pieces on k streams: does it finish sooner?
+  kernel    the same copy done by SMs instead (torch's cross-device copy with a bf16 -> fp16
+            conversion runs as a kernel reading or writing the peer over NVLink): one at a time
+            per size, against the copy engine through the same torch call
 
 Run on a machine with two GPUs (peer access is enabled here; NCCL's cuMem buffers get the same):
     python3 tests/gpu/nccl/ce_probe.py [--json out.jsonl]
@@ -25,19 +28,31 @@ def wait(ev):
         pass
 
 
-def latency(src, dst, size, reps=200):
+def timed(src, copy, reps=200):
+    """p50 and p99 in us of `copy()` issued on a stream of src's GPU, polled until done."""
     s = torch.cuda.Stream(device=src.device)
     times = []
     for _ in range(reps):
         ev = torch.cuda.Event()
         t0 = time.perf_counter()
         with torch.cuda.stream(s):
-            dst[:size].copy_(src[:size], non_blocking=True)
+            copy()
             ev.record(s)
         wait(ev)
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2] * 1e6, times[int(len(times) * 0.99)] * 1e6
+
+
+def latency(src, dst, size, reps=200):
+    return timed(src, lambda: dst[:size].copy_(src[:size], non_blocking=True), reps)
+
+
+def kernel_latency(src, dst, size, reps=200):
+    """Like `latency`, with an SM copy: same bytes, but a dtype conversion forces a kernel."""
+    a, b = src.view(torch.bfloat16), dst.view(torch.float16)
+    n = size // 2
+    return timed(src, lambda: b[:n].copy_(a[:n], non_blocking=True), reps)
 
 
 def one_round(ss, src, dst, piece):
@@ -103,6 +118,11 @@ def main():
     torch.cuda.synchronize(1)
     if not torch.equal(dst[:16 << 20].cpu(), src[:16 << 20].cpu()):
         raise SystemExit("copied data differs")
+    # after the data check: these overwrite dst with converted values
+    for size in (256 << 10, 1 << 20, 4 << 20):
+        p50, p99 = kernel_latency(src, dst, size)
+        rows.append({"probe": "kernel", "bytes": size, "p50_us": p50, "p99_us": p99,
+                     "gbs": size / p50 / 1e3})
     if a.json:
         with open(a.json, "a") as f:
             for r in rows:
@@ -114,6 +134,8 @@ def main():
             print(f"| one copy at a time | {r['bytes'] >> 10} KiB | {r['p50_us']:.1f} (p99 {r['p99_us']:.1f}) | {r['gbs']:.1f} |")
         elif r["probe"] == "streams":
             print(f"| 1 MiB per stream, back to back | {r['streams']} streams | {r['round_p50_us']:.1f} per round | {r['gbs']:.1f} |")
+        elif r["probe"] == "kernel":
+            print(f"| SM copy (kernel), one at a time | {r['bytes'] >> 10} KiB | {r['p50_us']:.1f} (p99 {r['p99_us']:.1f}) | {r['gbs']:.1f} |")
         else:
             print(f"| 1 MiB cut into pieces on streams | {r['pieces']} pieces | {r['p50_us']:.1f} | {(1 << 20) / r['p50_us'] / 1e3:.1f} |")
 

@@ -5,8 +5,8 @@
 # Sections (SECTIONS="transport slices isolation overhead" by default):
 #   transport  2 ranks, P2P and SHM off: NCCL's socket transport vs ours (same-host GPU path,
 #              and our TCP path); all-reduce correctness on random data and bus bandwidth;
-#              TRANSPORT_PROBES=1 adds channel counts, buffer sizes, a faster advertised port,
-#              and the TCP path with GPU buffers
+#              TRANSPORT_PROBES=1 adds channel counts, buffer sizes, copies in pieces, copy
+#              workers that poll longer, the completion ring, and the TCP path with GPU buffers
 #   slices     4 ranks on 2 GPUs (two slices per GPU, one NCCL_HOSTID each) in one communicator:
 #              all-reduce, all-gather, reduce-scatter, broadcast, send/recv on random data
 #              (SLICES_MPS=1 adds the GPU path under MPS)
@@ -88,14 +88,20 @@ for s in $SECTIONS; do
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_bigbuf 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
     fi
     # TRANSPORT_PROBES=1: what bounds the GPU path at NCCL's default buffers (more channels,
-    # a faster advertised port), and our TCP path handed GPU buffers (staged through host
-    # memory by the plugin; what the agent would get by setting NCCL_NET_GDR_LEVEL=SYS)
+    # copies in pieces, copy workers that poll longer, the completion ring), and our TCP path
+    # handed GPU buffers (staged through host memory by the plugin; what the agent would get
+    # by setting NCCL_NET_GDR_LEVEL=SYS)
     if [ "${TRANSPORT_PROBES:-0}" = 1 ]; then
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch16 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=16 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
-      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch32 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=32 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch16_bigbuf 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=16 NCCL_BUFFSIZE=16777216 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_pieces4 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_COPY_PIECES=4 SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
-      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_fast 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_SPEED_MBPS=1600000 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+      # idle copy workers poll 5 ms instead of 100 us before sleeping (the step log says how
+      # long a step's copy waited for its worker)
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_spin5ms 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_SPIN_US=5000 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
+      # GPU copies complete through the shared-memory ring instead of a Fin on the socket,
+      # alone and with the longer spin
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ring 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_FIN_RING=1 SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ring_spin5ms 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_FIN_RING=1 VGPU_NCCL_SPIN_US=5000 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_tcp_gdr 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
     fi
     ;;
@@ -138,10 +144,10 @@ for s in $SECTIONS; do
       job "vgpu_B$sfx" 29501 "$NPROC" "${PLUG[@]}" "${B[@]}" "${T[@]}" -- --mib 256 --start-at "$T0"; wait
     done
     # the guarantee against a noisy best-effort neighbour: A guaranteed, B best effort (the
-    # agent's VGPU_GUARANTEED); B keeps VGPU_NCCL_BEST_EFFORT_CHANNELS (2) while A is active
-    # GBE_FLOORS="2 1": B's channel floor per pair (the first labelled gbe_A/gbe_B)
+    # agent's VGPU_GUARANTEED); B keeps VGPU_NCCL_BEST_EFFORT_CHANNELS (1) while A is active
+    # GBE_FLOORS="1 2": B's channel floor per pair (the first labelled gbe_A/gbe_B)
     first=1
-    for fl in ${GBE_FLOORS:-2}; do
+    for fl in ${GBE_FLOORS:-1}; do
       sfx=""
       [ $first = 1 ] || sfx="_f$fl"
       first=0
@@ -176,7 +182,8 @@ grep -h "vgpu" "$LOGS"/*.log | grep -E "tuner|connected|net plugin ready" | sort
 for f in "$LOGS"/*.log; do
   [ "$(basename "$f")" = run.log ] && continue
   echo "== $(basename "$f" .log): $(grep -m1 -oE 'Channel [0-9]+/[0-9]+' "$f")"
-  grep -h -oE 'same-host (send|recv) closed.*' "$f" | head -4
+  grep -h -oE 'same-host send closed.*' "$f" | head -2
+  grep -h -oE 'same-host recv closed.*' "$f" | head -2
 done >"$LOGS/steps.txt"
 "$PY" - "$RES" <<'PYEOF' | tee "$LOGS/table.txt"
 import json, sys
@@ -221,7 +228,7 @@ for la in sorted(l for l in lat if l.startswith("gbe_A")):
         continue
     lb = "gbe_B" + la[len("gbe_A"):]
     print(f"guarantee next to a best-effort neighbour{la[5:]}: A's p50 {lat[la]:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat[la]/lat['mps_alone_A']:.2f}x (target 1.15x); A {by.get(la, 0):.1f} GB/s, B {by.get(lb, 0):.1f} GB/s")
-for probe in ["vgpu_gpu_ch16", "vgpu_gpu_ch32", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_pieces4", "vgpu_gpu_fast", "vgpu_tcp_gdr"]:
+for probe in ["vgpu_gpu_ch16", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_pieces4", "vgpu_gpu_spin5ms", "vgpu_gpu_ring", "vgpu_gpu_ring_spin5ms", "vgpu_tcp_gdr"]:
     if probe in by:
         print(f"probe {probe}: {by[probe]:.1f} GB/s ({ratio(probe, 'socket')}x NCCL socket)")
 if "ip_tenant" in by:
