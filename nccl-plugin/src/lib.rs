@@ -57,3 +57,19 @@ pub enum Error {
     #[error("tuner: {0}")]
     Activity(#[from] activity::Error),
 }
+
+impl Error {
+    /// The other end of the connection is gone (it closed its comm or its process ended).
+    pub fn peer_gone(&self) -> bool {
+        match self {
+            Error::PeerClosed => true,
+            Error::Io(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::NotConnected
+            ),
+            _ => false,
+        }
+    }
+}

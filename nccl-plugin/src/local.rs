@@ -1031,6 +1031,9 @@ pub struct Receiver {
     ring_completions: u64,
     /// When the socket was last read.
     read_ns: u64,
+    /// The sender closed its end (end of stream, or reset). What it wrote before still
+    /// completes receives; a receive that nothing completes fails with `PeerClosed`.
+    peer_closed: bool,
 }
 
 impl Drop for Receiver {
@@ -1078,6 +1081,7 @@ impl Receiver {
             ring,
             ring_completions: 0,
             read_ns: 0,
+            peer_closed: false,
         })
     }
 
@@ -1134,6 +1138,9 @@ impl Receiver {
         })
     }
 
+    /// Tells the sender to forget region `mr`. The ranks of a communicator tear down in any
+    /// order, so the sender may have closed its end already: then nothing of ours is mapped
+    /// there any more, and the deregistration succeeds.
     pub fn deregister(&mut self, mr: &Mr) -> Result<(), Error> {
         if mr.region != HOST_REGION {
             self.out.msg(Msg::Dereg { region: mr.region });
@@ -1172,12 +1179,32 @@ impl Receiver {
             return Ok(Some(n));
         }
         self.progress()?;
-        Ok(self.done.remove(&seq))
+        match self.done.remove(&seq) {
+            Some(n) => Ok(Some(n)),
+            None if self.peer_closed => Err(Error::PeerClosed),
+            None => Ok(None),
+        }
     }
 
     fn flush(&mut self) -> Result<(), Error> {
         let mut none = Vec::new();
-        self.out.flush(&self.sock, &mut none)
+        let r = self.out.flush(&self.sock, &mut none);
+        self.peer_gone(r)
+    }
+
+    /// Takes a socket error that says the sender has gone as the end of its stream: the
+    /// ranks of a communicator close in any order, and a sender may close right after its
+    /// last `Fin` (with our later messages unread, which Linux reports to us as a reset).
+    fn peer_gone(&mut self, r: Result<(), Error>) -> Result<(), Error> {
+        match r {
+            Err(e) if e.peer_gone() => {
+                trace!("same-host recv: the sender has gone ({e})");
+                self.peer_closed = true;
+                self.out = Out::default();
+                Ok(())
+            }
+            other => other,
+        }
     }
 
     /// The oldest posted receive, which the sender's completion of `seq` (`size` bytes) ends:
@@ -1221,14 +1248,18 @@ impl Receiver {
                     self.inbuf.drain(..take);
                 }
                 if inc.got < inc.size {
+                    if self.peer_closed {
+                        return Ok(());
+                    }
                     // SAFETY: as above; the range written is within the posted buffer.
                     let r = unsafe {
-                        sys::recv_raw(fd, (inc.ptr as *mut u8).add(inc.got), inc.size - inc.got)?
+                        sys::recv_raw(fd, (inc.ptr as *mut u8).add(inc.got), inc.size - inc.got)
                     };
                     match r {
-                        None => return Ok(()),
-                        Some(0) => return Err(Error::PeerClosed),
-                        Some(n) => inc.got += n,
+                        Ok(None) => return Ok(()),
+                        Ok(Some(0)) => return self.peer_gone(Err(Error::PeerClosed)),
+                        Ok(Some(n)) => inc.got += n,
+                        Err(e) => return self.peer_gone(Err(e.into())),
                     }
                 }
                 if inc.got == inc.size {
@@ -1279,6 +1310,9 @@ impl Receiver {
             // With the ring, the oldest receive into GPU memory can only complete through it;
             // the socket (data for later host receives, a closed peer) can wait a while, and
             // NCCL's `test` calls skip a system call each.
+            if self.peer_closed {
+                return Ok(());
+            }
             let now = now_ns();
             if self.ring.is_some()
                 && self.posted.front().is_some_and(|p| p.device)
@@ -1289,10 +1323,11 @@ impl Receiver {
             self.read_ns = now;
             let mut buf = [0u8; 4096];
             // SAFETY: a local buffer of the given length.
-            match unsafe { sys::recv_raw(fd, buf.as_mut_ptr(), buf.len())? } {
-                None => return Ok(()),
-                Some(0) => return Err(Error::PeerClosed),
-                Some(n) => self.inbuf.extend_from_slice(&buf[..n]),
+            match unsafe { sys::recv_raw(fd, buf.as_mut_ptr(), buf.len()) } {
+                Ok(None) => return Ok(()),
+                Ok(Some(0)) => return self.peer_gone(Err(Error::PeerClosed)),
+                Ok(Some(n)) => self.inbuf.extend_from_slice(&buf[..n]),
+                Err(e) => return self.peer_gone(Err(e.into())),
             }
         }
     }
@@ -1300,7 +1335,70 @@ impl Receiver {
 
 #[cfg(test)]
 mod tests {
-    use super::pieces_of;
+    use super::{HOST_REGION, Msg, Receiver, pieces_of};
+    use crate::{Error, Mr};
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn deregistering_after_the_sender_closed_succeeds() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut rx = Receiver::new(ours).unwrap();
+        let mr = |region| Mr {
+            ptr: 0x1000,
+            size: 4096,
+            cuda: true,
+            region,
+            base: 0x1000,
+        };
+        // while the sender is there, it hears of the deregistration
+        rx.deregister(&mr(3)).unwrap();
+        theirs.set_nonblocking(true).unwrap();
+        let mut heard = [0u8; 256];
+        assert!((&theirs).read(&mut heard).unwrap() > 0, "no message sent");
+        // ranks tear down in any order: a sender that closed first forgets everything itself
+        drop(theirs);
+        rx.deregister(&mr(4)).unwrap();
+        rx.deregister(&mr(HOST_REGION)).unwrap();
+    }
+
+    /// A sender may close right after its last `Fin`, with or without reading what we wrote
+    /// (unread, Linux reports a reset): the receives its messages completed still complete,
+    /// and only a receive that nothing completes fails.
+    #[test]
+    fn a_sender_that_closes_after_its_last_fin_completes_the_receive() {
+        for sender_reads in [true, false] {
+            let (ours, mut theirs) = UnixStream::pair().unwrap();
+            let mut rx = Receiver::new(ours).unwrap();
+            let mr = Mr {
+                ptr: 0x10000,
+                size: 1 << 20,
+                cuda: true,
+                region: 2,
+                base: 0x10000,
+            };
+            let seq = rx.irecv(0x10000, 4096, &mr).unwrap();
+            if sender_reads {
+                theirs.set_nonblocking(true).unwrap();
+                let mut rtr = [0u8; 256];
+                assert!(theirs.read(&mut rtr).unwrap() > 0, "no ready-to-receive");
+            }
+            let mut fin = Vec::new();
+            Msg::Fin { seq, size: 4000 }.encode(&mut fin);
+            theirs.write_all(&fin).unwrap();
+            drop(theirs);
+            assert_eq!(
+                rx.poll(seq).unwrap(),
+                Some(4000),
+                "sender read: {sender_reads}"
+            );
+            let next = rx.irecv(0x10000, 4096, &mr).unwrap();
+            assert!(
+                matches!(rx.poll(next), Err(Error::PeerClosed)),
+                "a receive nothing completes fails (sender read: {sender_reads})"
+            );
+        }
+    }
 
     #[test]
     fn a_copy_is_cut_into_page_aligned_pieces_that_cover_it_once() {

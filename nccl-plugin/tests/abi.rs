@@ -8,67 +8,13 @@
 
 use std::ffi::{c_int, c_void};
 use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use vgpu_nccl::abi::*;
 
-fn library() -> &'static PathBuf {
-    static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let exe = std::env::current_exe().expect("test executable");
-        let mut dir = exe.parent().expect("has a directory").to_owned();
-        if dir.ends_with("deps") {
-            dir.pop();
-        }
-        if std::env::var("VGPU_NCCL_NO_BUILD").is_err() {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut b = Command::new(cargo);
-            b.args(["build", "-p", "nccl-plugin", "--lib"]);
-            if dir.ends_with("release") {
-                b.arg("--release");
-            }
-            assert!(
-                b.status().expect("cargo build").success(),
-                "building libvgpu_nccl.so failed"
-            );
-        }
-        let so = dir.join("libvgpu_nccl.so");
-        assert!(so.exists(), "{} is missing", so.display());
-        so
-    })
-}
-
-struct Plugin {
-    _lib: libloading::Library,
-    net: &'static ncclNet_v11_t,
-    v10: &'static ncclNet_v10_t,
-    tuner: &'static ncclTuner_v5_t,
-}
-
-fn plugin() -> Plugin {
-    // SAFETY: loading our own plugin library; the symbols are the static tables it exports,
-    // with the layouts pinned by the abi module's tests.
-    unsafe {
-        let lib = libloading::Library::new(library()).expect("dlopen libvgpu_nccl.so");
-        let net = &**lib
-            .get::<*const ncclNet_v11_t>(b"ncclNetPlugin_v11\0")
-            .expect("v11 symbol");
-        let v10 = &**lib
-            .get::<*const ncclNet_v10_t>(b"ncclNetPlugin_v10\0")
-            .expect("v10 symbol");
-        let tuner = &**lib
-            .get::<*const ncclTuner_v5_t>(b"ncclTunerPlugin_v5\0")
-            .expect("tuner symbol");
-        Plugin {
-            _lib: lib,
-            net,
-            v10,
-            tuner,
-        }
-    }
-}
+mod support;
+use support::{Buf, Plugin, fake_cuda_env, fake_driver, library, ok, plugin};
 
 /// The bytes of message `i` of a run: every byte depends on the message and its position.
 fn pattern(i: usize, len: usize) -> Vec<u8> {
@@ -91,74 +37,6 @@ fn gpu_mode() -> bool {
     std::env::var("VGPU_NCCL_TEST_GPU").is_ok_and(|v| v == "1")
 }
 
-/// The fake driver, loaded by path: the same object the plugin opens as `libcuda.so.1`.
-fn fake_driver() -> &'static libloading::Library {
-    static LIB: OnceLock<libloading::Library> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let path = std::env::var("VGPU_NCCL_FAKE_CUDA").expect("VGPU_NCCL_FAKE_CUDA");
-        // SAFETY: our own fake driver; its initialisers do nothing.
-        unsafe { libloading::Library::new(path) }.expect("dlopen the fake libcuda")
-    })
-}
-
-/// A buffer NCCL would hand the plugin: host memory, or fake device memory.
-struct Buf {
-    ptr: *mut u8,
-    len: usize,
-    cuda: bool,
-    _host: Vec<u8>,
-}
-
-impl Buf {
-    fn new(len: usize, cuda: bool) -> Buf {
-        if !cuda {
-            let mut host = vec![0u8; len];
-            return Buf {
-                ptr: host.as_mut_ptr(),
-                len,
-                cuda,
-                _host: host,
-            };
-        }
-        // SAFETY: the fake's allocator, `void *fake_device_alloc(size_t)`; the memory is mapped
-        // for the life of the process.
-        let ptr = unsafe {
-            let alloc = fake_driver()
-                .get::<unsafe extern "C" fn(usize) -> *mut u8>(b"fake_device_alloc\0")
-                .expect("fake_device_alloc");
-            alloc(len.max(1))
-        };
-        assert!(!ptr.is_null(), "fake device allocation failed");
-        Buf {
-            ptr,
-            len,
-            cuda,
-            _host: Vec::new(),
-        }
-    }
-
-    fn with(bytes: &[u8], cuda: bool) -> Buf {
-        let b = Buf::new(bytes.len(), cuda);
-        // SAFETY: `b` holds at least `bytes.len()` writable bytes.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), b.ptr, bytes.len()) };
-        b
-    }
-
-    fn bytes(&self, n: usize) -> &[u8] {
-        assert!(n <= self.len);
-        // SAFETY: `n` bytes of a live buffer this value owns or maps.
-        unsafe { std::slice::from_raw_parts(self.ptr, n) }
-    }
-
-    fn kind(&self) -> c_int {
-        if self.cuda {
-            NCCL_PTR_CUDA
-        } else {
-            NCCL_PTR_HOST
-        }
-    }
-}
-
 /// The fake driver's counters: copies issued in the application's (primary) context, copies in
 /// any other context, contexts created.
 fn fake_stats() -> (i64, i64, i64) {
@@ -175,10 +53,6 @@ fn fake_stats() -> (i64, i64, i64) {
 
 const MESSAGES: usize = 96;
 const CAP: usize = (4 << 20) + 4096;
-
-fn ok(r: ncclResult_t, what: &str) {
-    assert_eq!(r, NCCL_SUCCESS, "{what} returned {r}");
-}
 
 fn init(p: &Plugin, v10: bool) -> *mut c_void {
     let mut ctx = std::ptr::null_mut();
@@ -634,28 +508,6 @@ fn host_buffers_between_processes() {
     }
 }
 
-/// The fake driver of `tests/fakecuda.c`, built once as `libcuda.so.1` in a directory of its own.
-fn fake_cuda() -> &'static PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nccl-fakecuda");
-        std::fs::create_dir_all(&dir).expect("creating the fake driver's directory");
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
-        // written under a temporary name and renamed: a concurrent run never loads half a file
-        let partial = dir.join(format!("libcuda.so.1.{}.tmp", std::process::id()));
-        let status = Command::new(cc)
-            .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror"])
-            .args(["-Wl,-soname,libcuda.so.1", "-o"])
-            .arg(&partial)
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fakecuda.c"))
-            .status()
-            .expect("running cc (install build-essential)");
-        assert!(status.success(), "compiling tests/fakecuda.c failed");
-        std::fs::rename(&partial, dir.join("libcuda.so.1")).expect("renaming the fake driver");
-        dir
-    })
-}
-
 // The same-host GPU path (export, import, copies into the receiver's device buffers, staging for
 // its host buffers, messages in send order) between two processes, with the fake driver: once
 // with the copies in the plugin's own context (the default), once in the application's.
@@ -665,11 +517,7 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         return;
     }
     library(); // build the .so once, before the children that use it
-    let dir = fake_cuda();
-    let path = match std::env::var("LD_LIBRARY_PATH") {
-        Ok(rest) if !rest.is_empty() => format!("{}:{rest}", dir.display()),
-        _ => dir.display().to_string(),
-    };
+    let fake = fake_cuda_env();
     // the same-host path with the default (no variable), with the application's context asked
     // for, on a driver that refuses a context of our own (the application's is used), with
     // each step's copy cut into pieces on several streams, and with copies completing through
@@ -699,17 +547,9 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         if refuse {
             scenario.push_str(";FAKE_CUDA_CTX_CREATE_FAIL=1");
         }
-        let text = run_alone(
-            "one_scenario",
-            &[
-                ("VGPU_NCCL_SCENARIO", scenario),
-                ("LD_LIBRARY_PATH", path.clone()),
-                (
-                    "VGPU_NCCL_FAKE_CUDA",
-                    dir.join("libcuda.so.1").display().to_string(),
-                ),
-            ],
-        );
+        let mut env = fake.clone();
+        env.push(("VGPU_NCCL_SCENARIO", scenario));
+        let text = run_alone("one_scenario", &env);
         assert!(
             text.contains(&format!("RESULT received={MESSAGES} bad=0")),
             "VGPU_NCCL_LOCAL {local}, VGPU_NCCL_OWN_CONTEXT {own:?}, context refused {refuse}, pieces {pieces:?}, ring {ring}: {text}"

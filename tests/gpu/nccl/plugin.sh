@@ -5,8 +5,9 @@
 # Sections (SECTIONS="transport slices isolation overhead" by default):
 #   transport  2 ranks, P2P and SHM off: NCCL's socket transport vs ours (same-host GPU path,
 #              and our TCP path); all-reduce correctness on random data and bus bandwidth;
-#              TRANSPORT_PROBES=1 adds channel counts, buffer sizes, copies in pieces, copy
-#              workers that poll longer, the completion ring, and the TCP path with GPU buffers
+#              TRANSPORT_PROBES=1 adds the completion ring, copy workers that poll longer or
+#              not at all, 16 channels, 16 MiB buffers (PROBES_OLD=1: copies in pieces, the
+#              TCP path with GPU buffers)
 #   slices     4 ranks on 2 GPUs (two slices per GPU, one NCCL_HOSTID each) in one communicator:
 #              all-reduce, all-gather, reduce-scatter, broadcast, send/recv on random data
 #              (SLICES_MPS=1 adds the GPU path under MPS)
@@ -87,22 +88,28 @@ for s in $SECTIONS; do
       job socket_bigbuf 29500 "$NPROC" "${NOPATH[@]}" NCCL_NET=Socket NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_bigbuf 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
     fi
-    # TRANSPORT_PROBES=1: what bounds the GPU path at NCCL's default buffers (more channels,
-    # copies in pieces, copy workers that poll longer, the completion ring), and our TCP path
-    # handed GPU buffers (staged through host memory by the plugin; what the agent would get
-    # by setting NCCL_NET_GDR_LEVEL=SYS)
+    # TRANSPORT_PROBES=1: what bounds the GPU path at NCCL's default buffers. At 4 channels it
+    # moves ~12 GB/s per channel, NCCL's own NVLink path ~12-20: per-channel latency. At 16
+    # channels only ~3.6 per channel: a cost shared by the channels (the proxy thread's loop,
+    # whose receive tests each read the socket without the ring; 16 copy workers spinning per
+    # rank). The probes: the completion ring (no socket read per test, no wait for the sending
+    # proxy), workers that poll 5 ms, both, the ring at 16 channels, and 16 channels with
+    # workers that never spin. PROBES_OLD=1 adds the ones already measured (copies in pieces,
+    # our TCP path handed GPU buffers).
     if [ "${TRANSPORT_PROBES:-0}" = 1 ]; then
-      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch16 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=16 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
-      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ch16_bigbuf 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_MIN_NCHANNELS=16 NCCL_BUFFSIZE=16777216 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
-      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_pieces4 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_COPY_PIECES=4 SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
-      # idle copy workers poll 5 ms instead of 100 us before sleeping (the step log says how
-      # long a step's copy waited for its worker)
-      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_spin5ms 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_SPIN_US=5000 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
-      # GPU copies complete through the shared-memory ring instead of a Fin on the socket,
-      # alone and with the longer spin
-      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ring 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_FIN_RING=1 SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
-      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_ring_spin5ms 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS VGPU_NCCL_FIN_RING=1 VGPU_NCCL_SPIN_US=5000 SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
-      JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_tcp_gdr 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+      GPU=("${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a)
+      probe() { local label=$1; shift; JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job "$label" 29500 "$NPROC" "${GPU[@]}" "$@" -- --check "$CHECK" --mib 256 --lead 2; }
+      probe vgpu_gpu_ring VGPU_NCCL_FIN_RING=1
+      probe vgpu_gpu_spin5ms VGPU_NCCL_SPIN_US=5000
+      probe vgpu_gpu_ring_spin5ms VGPU_NCCL_FIN_RING=1 VGPU_NCCL_SPIN_US=5000
+      probe vgpu_gpu_ch16 NCCL_MIN_NCHANNELS=16
+      probe vgpu_gpu_ring_ch16 VGPU_NCCL_FIN_RING=1 NCCL_MIN_NCHANNELS=16
+      probe vgpu_gpu_ch16_spin0 VGPU_NCCL_SPIN_US=0 NCCL_MIN_NCHANNELS=16
+      probe vgpu_gpu_ch16_bigbuf NCCL_MIN_NCHANNELS=16 NCCL_BUFFSIZE=16777216
+      if [ "${PROBES_OLD:-0}" = 1 ]; then
+        probe vgpu_gpu_pieces4 VGPU_NCCL_COPY_PIECES=4
+        JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_tcp_gdr 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
+      fi
     fi
     ;;
   slices)

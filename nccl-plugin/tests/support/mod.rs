@@ -1,0 +1,179 @@
+//! What the ABI tests and the same-host bench share: the built plugin `dlopen`ed through its
+//! real tables, and the fake CUDA driver of `tests/fakecuda.c` with buffers in its "device"
+//! memory. Included by `tests/abi.rs` and `benches/handoff.rs`; not every user needs every item.
+#![allow(dead_code, unsafe_code)]
+
+use std::ffi::c_int;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use vgpu_nccl::abi::*;
+
+/// The built `libvgpu_nccl.so` beside this executable's profile directory, built first unless
+/// `VGPU_NCCL_NO_BUILD` is set (children of a run that built it already).
+pub fn library() -> &'static PathBuf {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test executable");
+        let mut dir = exe.parent().expect("has a directory").to_owned();
+        if dir.ends_with("deps") {
+            dir.pop();
+        }
+        if std::env::var("VGPU_NCCL_NO_BUILD").is_err() {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut b = Command::new(cargo);
+            b.args(["build", "-p", "nccl-plugin", "--lib"]);
+            if dir.ends_with("release") {
+                b.arg("--release");
+            }
+            assert!(
+                b.status().expect("cargo build").success(),
+                "building libvgpu_nccl.so failed"
+            );
+        }
+        let so = dir.join("libvgpu_nccl.so");
+        assert!(so.exists(), "{} is missing", so.display());
+        so
+    })
+}
+
+pub struct Plugin {
+    _lib: libloading::Library,
+    pub net: &'static ncclNet_v11_t,
+    pub v10: &'static ncclNet_v10_t,
+    pub tuner: &'static ncclTuner_v5_t,
+}
+
+pub fn plugin() -> Plugin {
+    // SAFETY: loading our own plugin library; the symbols are the static tables it exports,
+    // with the layouts pinned by the abi module's tests.
+    unsafe {
+        let lib = libloading::Library::new(library()).expect("dlopen libvgpu_nccl.so");
+        let net = &**lib
+            .get::<*const ncclNet_v11_t>(b"ncclNetPlugin_v11\0")
+            .expect("v11 symbol");
+        let v10 = &**lib
+            .get::<*const ncclNet_v10_t>(b"ncclNetPlugin_v10\0")
+            .expect("v10 symbol");
+        let tuner = &**lib
+            .get::<*const ncclTuner_v5_t>(b"ncclTunerPlugin_v5\0")
+            .expect("tuner symbol");
+        Plugin {
+            _lib: lib,
+            net,
+            v10,
+            tuner,
+        }
+    }
+}
+
+/// The fake driver, loaded by path: the same object the plugin opens as `libcuda.so.1`.
+pub fn fake_driver() -> &'static libloading::Library {
+    static LIB: OnceLock<libloading::Library> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let path = std::env::var("VGPU_NCCL_FAKE_CUDA").expect("VGPU_NCCL_FAKE_CUDA");
+        // SAFETY: our own fake driver; its initialisers do nothing.
+        unsafe { libloading::Library::new(path) }.expect("dlopen the fake libcuda")
+    })
+}
+
+/// A buffer NCCL would hand the plugin: host memory, or fake device memory.
+pub struct Buf {
+    pub ptr: *mut u8,
+    pub len: usize,
+    cuda: bool,
+    _host: Vec<u8>,
+}
+
+impl Buf {
+    pub fn new(len: usize, cuda: bool) -> Buf {
+        if !cuda {
+            let mut host = vec![0u8; len];
+            return Buf {
+                ptr: host.as_mut_ptr(),
+                len,
+                cuda,
+                _host: host,
+            };
+        }
+        // SAFETY: the fake's allocator, `void *fake_device_alloc(size_t)`; the memory is mapped
+        // for the life of the process.
+        let ptr = unsafe {
+            let alloc = fake_driver()
+                .get::<unsafe extern "C" fn(usize) -> *mut u8>(b"fake_device_alloc\0")
+                .expect("fake_device_alloc");
+            alloc(len.max(1))
+        };
+        assert!(!ptr.is_null(), "fake device allocation failed");
+        Buf {
+            ptr,
+            len,
+            cuda,
+            _host: Vec::new(),
+        }
+    }
+
+    pub fn with(bytes: &[u8], cuda: bool) -> Buf {
+        let b = Buf::new(bytes.len(), cuda);
+        // SAFETY: `b` holds at least `bytes.len()` writable bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), b.ptr, bytes.len()) };
+        b
+    }
+
+    pub fn bytes(&self, n: usize) -> &[u8] {
+        assert!(n <= self.len);
+        // SAFETY: `n` bytes of a live buffer this value owns or maps.
+        unsafe { std::slice::from_raw_parts(self.ptr, n) }
+    }
+
+    pub fn kind(&self) -> c_int {
+        if self.cuda {
+            NCCL_PTR_CUDA
+        } else {
+            NCCL_PTR_HOST
+        }
+    }
+}
+
+pub fn ok(r: ncclResult_t, what: &str) {
+    assert_eq!(r, NCCL_SUCCESS, "{what} returned {r}");
+}
+
+/// The fake driver of `tests/fakecuda.c`, built once as `libcuda.so.1` in a directory of its own.
+pub fn fake_cuda() -> &'static PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nccl-fakecuda");
+        std::fs::create_dir_all(&dir).expect("creating the fake driver's directory");
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
+        // written under a temporary name and renamed: a concurrent run never loads half a file
+        let partial = dir.join(format!("libcuda.so.1.{}.tmp", std::process::id()));
+        let status = Command::new(cc)
+            .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror"])
+            .args(["-Wl,-soname,libcuda.so.1", "-o"])
+            .arg(&partial)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fakecuda.c"))
+            .status()
+            .expect("running cc (install build-essential)");
+        assert!(status.success(), "compiling tests/fakecuda.c failed");
+        std::fs::rename(&partial, dir.join("libcuda.so.1")).expect("renaming the fake driver");
+        dir
+    })
+}
+
+/// The variables that make the plugin (in a child process) open the fake driver, and let the
+/// child allocate its "device" buffers from it.
+pub fn fake_cuda_env() -> Vec<(&'static str, String)> {
+    let dir = fake_cuda();
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(rest) if !rest.is_empty() => format!("{}:{rest}", dir.display()),
+        _ => dir.display().to_string(),
+    };
+    vec![
+        ("LD_LIBRARY_PATH", path),
+        (
+            "VGPU_NCCL_FAKE_CUDA",
+            dir.join("libcuda.so.1").display().to_string(),
+        ),
+    ]
+}
