@@ -11,7 +11,8 @@
 //! with socket `Fin`s the receiver hears of a finished copy only at the sender's next visit.
 //!
 //! `cargo bench -p nccl-plugin --bench handoff` prints a table (latency from `isend` to the
-//! receiver's completed `test`, p50 and p99, and messages per second). `HANDOFF_MESSAGES`
+//! receiver's completed `test`, p50 and p99, messages per second, and the mean time one receive
+//! `test` takes: NCCL's proxy thread pays it for every connection on every pass). `HANDOFF_MESSAGES`
 //! (default 4000) and `HANDOFF_SIZES` (bytes, default `4096,262144`) change the run.
 #![allow(unsafe_code)]
 
@@ -109,6 +110,8 @@ fn receiver(messages: usize, size: usize) {
     let mut posted = std::collections::VecDeque::new();
     let mut times = Vec::with_capacity(messages);
     let (mut next, mut received) = (0, 0);
+    // what one `test` costs NCCL's receiving proxy thread (its loop visits every connection)
+    let (mut tests, mut test_ns) = (0u64, 0u64);
     while received < messages {
         while next < messages && posted.len() < DEPTH {
             let slot = next % DEPTH;
@@ -134,8 +137,12 @@ fn receiver(messages: usize, size: usize) {
             posted.push_back((next, req));
             next += 1;
         }
-        if let Some(&(i, req)) = posted.front()
-            && done(&p, req, size)
+        let before = now_ns();
+        let finished = posted.front().is_some_and(|&(_, req)| done(&p, req, size));
+        test_ns += now_ns() - before;
+        tests += 1;
+        if let Some(&(i, _)) = posted.front()
+            && finished
         {
             times.push(now_ns());
             let first = bufs[i % DEPTH].bytes(size)[0];
@@ -150,6 +157,7 @@ fn receiver(messages: usize, size: usize) {
     for (i, t) in times.iter().enumerate() {
         println!("DONE {i} {t}");
     }
+    println!("TESTS {tests} {test_ns}");
     // SAFETY: closing what was opened above, after every request completed.
     unsafe {
         for mh in mhs {
@@ -269,6 +277,8 @@ struct Row {
     latency_p50_us: f64,
     latency_p99_us: f64,
     messages_per_s: f64,
+    /// Mean time inside the receiver's `test` calls.
+    test_ns: f64,
 }
 
 /// One case: a receiver and a sender process with `env`; returns what they measured.
@@ -319,6 +329,15 @@ fn case(env: &[(&str, String)], messages: usize, size: usize, pass_us: u64) -> R
         latency_p50_us: pct(0.5),
         latency_p99_us: pct(0.99),
         messages_per_s: (messages - skip) as f64 / span,
+        test_ns: {
+            let (calls, total) = rx_lines
+                .iter()
+                .find_map(|l| l.strip_prefix("TESTS "))
+                .and_then(|rest| rest.split_once(' '))
+                .map(|(c, t)| (c.parse::<f64>().unwrap(), t.trim().parse::<f64>().unwrap()))
+                .expect("the receiver printed its test count");
+            total / calls.max(1.0)
+        },
     }
 }
 
@@ -356,9 +375,9 @@ fn main() {
         "same-host GPU path through the fake driver: {messages} messages, {DEPTH} in flight, {cpus} CPUs"
     );
     println!(
-        "| bytes | completion | sender visits | latency p50 (us) | latency p99 (us) | messages/s |"
+        "| bytes | completion | sender visits | latency p50 (us) | latency p99 (us) | messages/s | receiver test (ns) |"
     );
-    println!("| ---: | --- | --- | ---: | ---: | ---: |");
+    println!("| ---: | --- | --- | ---: | ---: | ---: | ---: |");
     for &size in &sizes {
         for pass_us in [0u64, 50] {
             for (name, vars) in &modes {
@@ -372,8 +391,8 @@ fn main() {
                     format!("every {pass_us} us")
                 };
                 println!(
-                    "| {size} | {name} | {visits} | {:.1} | {:.1} | {:.0} |",
-                    row.latency_p50_us, row.latency_p99_us, row.messages_per_s
+                    "| {size} | {name} | {visits} | {:.1} | {:.1} | {:.0} | {:.0} |",
+                    row.latency_p50_us, row.latency_p99_us, row.messages_per_s, row.test_ns
                 );
             }
         }
