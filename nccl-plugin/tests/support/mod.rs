@@ -10,10 +10,14 @@ use std::sync::OnceLock;
 use vgpu_nccl::abi::*;
 
 /// The built `libvgpu_nccl.so` beside this executable's profile directory, built first unless
-/// `VGPU_NCCL_NO_BUILD` is set (children of a run that built it already).
+/// `VGPU_NCCL_NO_BUILD` is set (children of a run that built it already); `VGPU_NCCL_LIB`
+/// names another (a bench carried to a machine without Rust).
 pub fn library() -> &'static PathBuf {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
+        if let Some(so) = std::env::var_os("VGPU_NCCL_LIB") {
+            return PathBuf::from(so);
+        }
         let exe = std::env::current_exe().expect("test executable");
         let mut dir = exe.parent().expect("has a directory").to_owned();
         if dir.ends_with("deps") {
@@ -139,10 +143,14 @@ pub fn ok(r: ncclResult_t, what: &str) {
     assert_eq!(r, NCCL_SUCCESS, "{what} returned {r}");
 }
 
-/// The fake driver of `tests/fakecuda.c`, built once as `libcuda.so.1` in a directory of its own.
+/// The fake driver of `tests/fakecuda.c`, built once as `libcuda.so.1` in a directory of its own
+/// (`VGPU_NCCL_FAKE_CUDA_DIR`: a directory that already holds it).
 pub fn fake_cuda() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
+        if let Some(dir) = std::env::var_os("VGPU_NCCL_FAKE_CUDA_DIR") {
+            return PathBuf::from(dir);
+        }
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nccl-fakecuda");
         std::fs::create_dir_all(&dir).expect("creating the fake driver's directory");
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
