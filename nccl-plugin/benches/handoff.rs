@@ -23,7 +23,7 @@ use std::ffi::c_void;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{Buf, fake_cuda_env, library, ok, plugin};
+use support::{Buf, fake_cuda_env, irecv_one, library, ok, plugin};
 use vgpu_nccl::abi::*;
 
 /// Requests in flight per side: NCCL's ring all-reduce keeps 4 (8 steps of 2 slices).
@@ -115,24 +115,7 @@ fn receiver(messages: usize, size: usize) {
     while received < messages {
         while next < messages && posted.len() < DEPTH {
             let slot = next % DEPTH;
-            let (mut data, mut sz, mut tag, mut mh) = (bufs[slot].ptr.cast(), size, 0, mhs[slot]);
-            let mut req = std::ptr::null_mut();
-            // SAFETY: one registered buffer of `size` bytes.
-            ok(
-                unsafe {
-                    (p.net.irecv)(
-                        rc,
-                        1,
-                        &mut data,
-                        &mut sz,
-                        &mut tag,
-                        &mut mh,
-                        std::ptr::null_mut(),
-                        &mut req,
-                    )
-                },
-                "irecv",
-            );
+            let req = irecv_one(&p, rc, bufs[slot].ptr, size, mhs[slot]);
             assert!(!req.is_null(), "irecv refused a receive");
             posted.push_back((next, req));
             next += 1;

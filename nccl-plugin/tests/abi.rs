@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use vgpu_nccl::abi::*;
 
 mod support;
-use support::{Buf, Plugin, fake_cuda_env, fake_driver, library, ok, plugin};
+use support::{Buf, Plugin, fake_cuda_env, fake_driver, irecv_one, library, ok, plugin};
 
 /// The bytes of message `i` of a run: every byte depends on the message and its position.
 fn pattern(i: usize, len: usize) -> Vec<u8> {
@@ -181,27 +181,7 @@ fn receiver() {
         let mut reqs = Vec::new();
         for i in round..(round + 32).min(MESSAGES) {
             let slot = i % 32;
-            let mut data = bufs[slot].ptr.cast::<c_void>();
-            let mut sz = CAP;
-            let mut tag = 0;
-            let mut mh = mhs[slot];
-            let mut req = std::ptr::null_mut();
-            // SAFETY: one valid buffer, registered above.
-            ok(
-                unsafe {
-                    (p.net.irecv)(
-                        rc,
-                        1,
-                        &mut data,
-                        &mut sz,
-                        &mut tag,
-                        &mut mh,
-                        std::ptr::null_mut(),
-                        &mut req,
-                    )
-                },
-                "irecv",
-            );
+            let req = irecv_one(&p, rc, bufs[slot].ptr, CAP, mhs[slot]);
             assert!(!req.is_null());
             reqs.push((i, req));
         }

@@ -3,7 +3,7 @@
 //! memory. Included by `tests/abi.rs` and `benches/handoff.rs`; not every user needs every item.
 #![allow(dead_code, unsafe_code)]
 
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -141,6 +141,36 @@ impl Buf {
 
 pub fn ok(r: ncclResult_t, what: &str) {
     assert_eq!(r, NCCL_SUCCESS, "{what} returned {r}");
+}
+
+/// Posts one receive of up to `size` bytes into `data` (registered as `mh`) on `rc`; returns
+/// the request (NULL if the plugin refused it for now).
+pub fn irecv_one(
+    p: &Plugin,
+    rc: *mut c_void,
+    data: *mut u8,
+    size: usize,
+    mh: *mut c_void,
+) -> *mut c_void {
+    let (mut data, mut size, mut tag, mut mh) = (data.cast::<c_void>(), size, 0, mh);
+    let mut req = std::ptr::null_mut();
+    // SAFETY: one receive, its buffer live and registered on `rc` as the caller says.
+    ok(
+        unsafe {
+            (p.net.irecv)(
+                rc,
+                1,
+                &mut data,
+                &mut size,
+                &mut tag,
+                &mut mh,
+                std::ptr::null_mut(),
+                &mut req,
+            )
+        },
+        "irecv",
+    );
+    req
 }
 
 /// The fake driver of `tests/fakecuda.c`, built once as `libcuda.so.1` in a directory of its own
