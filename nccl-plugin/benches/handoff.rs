@@ -23,7 +23,7 @@ use std::ffi::c_void;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{Buf, fake_cuda_env, irecv_one, library, ok, plugin};
+use support::{Buf, accept_polled, fake_cuda_env, irecv_one, library, ok, plugin};
 use vgpu_nccl::abi::*;
 
 /// Requests in flight per side: NCCL's ring all-reduce keeps 4 (8 steps of 2 slices).
@@ -95,16 +95,7 @@ fn receiver(messages: usize, size: usize) {
     );
     let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
     println!("HANDLE {hex}");
-    let mut rc: *mut c_void = std::ptr::null_mut();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while rc.is_null() {
-        assert!(Instant::now() < deadline, "accept never completed");
-        // SAFETY: polling accept as NCCL does.
-        ok(
-            unsafe { (p.net.accept)(lc, &mut rc, std::ptr::null_mut()) },
-            "accept",
-        );
-    }
+    let rc = accept_polled(&p, lc);
     let bufs: Vec<Buf> = (0..DEPTH).map(|_| Buf::new(size, true)).collect();
     let mhs = register(&p, rc, &bufs);
     let mut posted = std::collections::VecDeque::new();

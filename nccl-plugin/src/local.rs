@@ -1189,13 +1189,13 @@ impl Receiver {
     fn flush(&mut self) -> Result<(), Error> {
         let mut none = Vec::new();
         let r = self.out.flush(&self.sock, &mut none);
-        self.peer_gone(r)
+        self.end_if_peer_gone(r)
     }
 
     /// Takes a socket error that says the sender has gone as the end of its stream: the
     /// ranks of a communicator close in any order, and a sender may close right after its
     /// last `Fin` (with our later messages unread, which Linux reports to us as a reset).
-    fn peer_gone(&mut self, r: Result<(), Error>) -> Result<(), Error> {
+    fn end_if_peer_gone(&mut self, r: Result<(), Error>) -> Result<(), Error> {
         match r {
             Err(e) if e.peer_gone() => {
                 trace!("same-host recv: the sender has gone ({e})");
@@ -1257,9 +1257,9 @@ impl Receiver {
                     };
                     match r {
                         Ok(None) => return Ok(()),
-                        Ok(Some(0)) => return self.peer_gone(Err(Error::PeerClosed)),
+                        Ok(Some(0)) => return self.end_if_peer_gone(Err(Error::PeerClosed)),
                         Ok(Some(n)) => inc.got += n,
-                        Err(e) => return self.peer_gone(Err(e.into())),
+                        Err(e) => return self.end_if_peer_gone(Err(e.into())),
                     }
                 }
                 if inc.got == inc.size {
@@ -1325,9 +1325,9 @@ impl Receiver {
             // SAFETY: a local buffer of the given length.
             match unsafe { sys::recv_raw(fd, buf.as_mut_ptr(), buf.len()) } {
                 Ok(None) => return Ok(()),
-                Ok(Some(0)) => return self.peer_gone(Err(Error::PeerClosed)),
+                Ok(Some(0)) => return self.end_if_peer_gone(Err(Error::PeerClosed)),
                 Ok(Some(n)) => self.inbuf.extend_from_slice(&buf[..n]),
-                Err(e) => return self.peer_gone(Err(e.into())),
+                Err(e) => return self.end_if_peer_gone(Err(e.into())),
             }
         }
     }

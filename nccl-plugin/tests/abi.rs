@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use vgpu_nccl::abi::*;
 
 mod support;
-use support::{Buf, Plugin, fake_cuda_env, fake_driver, irecv_one, library, ok, plugin};
+use support::{
+    Buf, Plugin, accept_polled, fake_cuda_env, fake_driver, irecv_one, library, ok, plugin,
+};
 
 /// The bytes of message `i` of a run: every byte depends on the message and its position.
 fn pattern(i: usize, len: usize) -> Vec<u8> {
@@ -127,16 +129,7 @@ fn receiver() {
     let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
     println!("\nHANDLE {hex}");
     std::io::stdout().flush().unwrap();
-    let mut rc: *mut c_void = std::ptr::null_mut();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while rc.is_null() {
-        assert!(Instant::now() < deadline, "accept never completed");
-        // SAFETY: polling accept as NCCL does.
-        ok(
-            unsafe { (p.net.accept)(lc, &mut rc, std::ptr::null_mut()) },
-            "accept",
-        );
-    }
+    let rc = accept_polled(&p, lc);
     // in GPU mode three of every four receive buffers are device memory
     let bufs: Vec<Buf> = (0..32)
         .map(|slot| Buf::new(CAP, gpu_mode() && slot % 4 != 3))

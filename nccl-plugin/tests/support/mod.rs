@@ -143,6 +143,24 @@ pub fn ok(r: ncclResult_t, what: &str) {
     assert_eq!(r, NCCL_SUCCESS, "{what} returned {r}");
 }
 
+/// Polls `accept` on listener `lc` until the connection arrives (30 s at most), as NCCL does.
+pub fn accept_polled(p: &Plugin, lc: *mut c_void) -> *mut c_void {
+    let mut rc: *mut c_void = std::ptr::null_mut();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while rc.is_null() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "accept never completed"
+        );
+        // SAFETY: polling accept on a live listener, as NCCL does.
+        ok(
+            unsafe { (p.net.accept)(lc, &mut rc, std::ptr::null_mut()) },
+            "accept",
+        );
+    }
+    rc
+}
+
 /// Posts one receive of up to `size` bytes into `data` (registered as `mh`) on `rc`; returns
 /// the request (NULL if the plugin refused it for now).
 pub fn irecv_one(
