@@ -2,7 +2,7 @@
 //! `libvgpu_nccl.so` through its real `ncclNet_v11` table the way NCCL's proxy threads do (the
 //! receiver keeps `DEPTH` receives posted, the sender keeps `DEPTH` sends in flight, both test
 //! in a loop), with every buffer in the fake driver's "device" memory, so each message takes
-//! the GPU path: the copy worker, its event, and the completion (a socket `Fin`, or the
+//! the GPU path: the copy thread, its event, and the completion (a socket `Fin`, or the
 //! shared-memory ring). The fake driver's copy is a `memcpy` and its events are done at once,
 //! so what is measured is the plugin's own path: thread hand-offs, system calls, wake-ups.
 //!
@@ -337,11 +337,11 @@ fn main() {
         })
         .collect();
     let modes: [(&str, &[(&str, &str)]); 3] = [
-        ("socket Fin (default)", &[]),
-        ("ring", &[("VGPU_NCCL_FIN_RING", "1")]),
+        ("socket Fin", &[("VGPU_NCCL_FIN_RING", "0")]),
+        ("ring (default)", &[]),
         (
-            "ring, worker spins 5 ms",
-            &[("VGPU_NCCL_FIN_RING", "1"), ("VGPU_NCCL_SPIN_US", "5000")],
+            "ring, copy thread sleeps after 100 us",
+            &[("VGPU_NCCL_SPIN_US", "100")],
         ),
     ];
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());

@@ -6,7 +6,8 @@
 //!   and returned as NCCL codes).
 //! - `net`: listen/connect/accept without blocking, the per-connection transport choice.
 //! - `local`: same-host transport: control over a Unix socket, GPU-to-GPU copies (CUDA IPC);
-//!   `finring`: its optional completion ring in shared memory.
+//!   `copier`: the copy threads that issue and poll those copies; `finring`: the completion
+//!   ring in shared memory through which the receiver hears of them.
 //! - `tcp`: cross-host transport: several streams with a thread each.
 //! - `tuner`, `activity`: channel caps by bandwidth share while other tenants are active.
 //! - `wire`: every byte layout that crosses a process boundary; `cuda`: the driver calls.
@@ -15,6 +16,7 @@ pub mod abi;
 mod activity;
 mod config;
 mod context;
+mod copier;
 mod cuda;
 mod exports;
 mod finring;

@@ -4,11 +4,12 @@
 //! one GPU between two slices), with no host bounce. Data whose destination is host memory (the
 //! LL protocol's buffers, or hosts without GPUs) goes through the socket.
 //!
-//! Everything here runs on NCCL's proxy thread and never blocks: sockets are non-blocking and
-//! copies are polled through CUDA events.
+//! Everything here runs on NCCL's proxy thread and never blocks: sockets are non-blocking, and
+//! the sender's CUDA work runs on the process's copy threads (`copier`).
 #![allow(unsafe_code)]
 
-use crate::cuda::{self, CUevent, CUstream, Export, Mapping};
+use crate::copier::{JOB_QUEUE, Job, Worker, now_ns};
+use crate::cuda::{self, Export};
 use crate::finring::FinRing;
 use crate::log::trace;
 use crate::sys;
@@ -85,478 +86,6 @@ impl Out {
         }
         Ok(())
     }
-}
-
-/// What the proxy thread asks of the sender's copy worker, in send order.
-enum Job {
-    /// A registration of the receiver: keep it until a send needs it (owns the descriptor).
-    Region {
-        region: u32,
-        export: Export,
-        _fd: Option<OwnedFd>,
-    },
-    Forget {
-        region: u32,
-    },
-    /// Copy `size` bytes from `src` into the receiver's region at `offset` (`queued_ns`: when
-    /// the proxy handed it over, for the step timing).
-    Copy {
-        seq: u32,
-        region: u32,
-        offset: u64,
-        src: u64,
-        size: usize,
-        queued_ns: u64,
-    },
-    /// The receiver's completion ring: finished copies are published there from now on.
-    Ring(FinRing),
-    /// Copy GPU data into the staging buffer (bound for the receiver's host memory).
-    Stage {
-        seq: u32,
-        src: u64,
-        size: usize,
-    },
-}
-
-/// What the worker reports back: send `seq` finished its copy (`staged` holds the staging
-/// buffer for `Stage` jobs), or failed.
-struct JobDone {
-    seq: u32,
-    result: Result<Option<u64>, String>,
-    /// When the worker saw the copy finish (0 for failures), for the step timing.
-    done_ns: u64,
-    /// The completion went to the receiver through the ring (no `Fin` message is due).
-    published: bool,
-}
-
-impl JobDone {
-    /// Send `seq` failed (`u32::MAX`: a job without a send, which poisons the connection).
-    fn failed(seq: u32, error: String) -> JobDone {
-        JobDone {
-            seq,
-            result: Err(error),
-            done_ns: 0,
-            published: false,
-        }
-    }
-}
-
-/// What a job put on the GPU: its send, the staging buffer (`Stage`), the number of pieces,
-/// and the bytes of a `Copy` (for the completion ring).
-type Issued = (u32, Option<u64>, usize, Option<u64>);
-
-/// A copy the worker has issued: its send, the event on the main stream, the staging buffer
-/// (`Stage` jobs), the events on the extra streams, and when its issue call returned.
-struct InFlight {
-    seq: u32,
-    ev: CUevent,
-    staged: Option<u64>,
-    others: Vec<CUevent>,
-    issued_ns: u64,
-    /// Bytes of a `Copy` job (`None` for staging), for the completion ring.
-    copied: Option<u64>,
-}
-
-/// Which CUDA call the worker is in, for the stall report.
-const IN_NOTHING: u8 = 0;
-const IN_IMPORT: u8 = 1;
-const IN_COPY: u8 = 2;
-const IN_QUERY: u8 = 3;
-
-fn call_name(c: u8) -> &'static str {
-    match c {
-        IN_IMPORT => "importing the receiver's buffer",
-        IN_COPY => "cuMemcpyAsync",
-        IN_QUERY => "cuEventQuery",
-        _ => "nothing",
-    }
-}
-
-/// The sender's CUDA work runs on its own thread, never on NCCL's proxy thread: a driver call
-/// that waits for the GPU (whose NCCL kernel may itself wait for this proxy) must not stop the
-/// proxy from serving the other connections. Jobs and results go through bounded channels (64:
-/// twice NCCL's 32 requests in flight per connection).
-struct Worker {
-    jobs: std::sync::mpsc::SyncSender<Job>,
-    done: std::sync::mpsc::Receiver<JobDone>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    shared: std::sync::Arc<WorkerShared>,
-    reported: bool,
-}
-
-/// What the worker publishes to the proxy thread: the CUDA call it is in (for the stall
-/// report) and its timing counters (for the close-time summary).
-#[derive(Default)]
-struct WorkerShared {
-    in_call: std::sync::atomic::AtomicU8,
-    since_ns: std::sync::atomic::AtomicU64,
-    /// Time spent inside cuMemcpyAsync calls (the API cost, not the copy).
-    api_ns: std::sync::atomic::AtomicU64,
-    /// How often the worker went to sleep waiting for a job (each costs a wake-up).
-    sleeps: std::sync::atomic::AtomicU64,
-    /// GPU copies issued, the time their jobs waited before the worker took them, and the time
-    /// from the issue call's return until the worker saw their event complete.
-    copies: std::sync::atomic::AtomicU64,
-    pickup_ns: std::sync::atomic::AtomicU64,
-    gpu_ns: std::sync::atomic::AtomicU64,
-}
-
-const JOB_QUEUE: usize = 64;
-
-/// How long an idle worker keeps polling for the next job before it sleeps
-/// (`VGPU_NCCL_SPIN_US`, default 100 us): the next step's copy usually follows within
-/// microseconds, and a futex wake-up would add its latency to that step.
-fn spin_ns() -> u64 {
-    crate::net::global().config.spin_ns
-}
-
-fn now_ns() -> u64 {
-    netshare::shm::monotonic_now_ns()
-}
-
-impl Worker {
-    fn start() -> Result<Worker, Error> {
-        let driver = cuda::driver()?;
-        let ctx = driver.current_context()? as usize;
-        let device = driver.current_device()?;
-        let (jobs, job_rx) = std::sync::mpsc::sync_channel::<Job>(JOB_QUEUE);
-        let (done_tx, done) = std::sync::mpsc::sync_channel::<JobDone>(JOB_QUEUE);
-        let shared = std::sync::Arc::new(WorkerShared::default());
-        let theirs = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("vgpu-nccl-copy".into())
-            .spawn(move || copy_worker(driver, ctx, device, job_rx, done_tx, theirs))?;
-        Ok(Worker {
-            jobs,
-            done,
-            thread: Some(thread),
-            shared,
-            reported: false,
-        })
-    }
-
-    fn send(&self, job: Job) -> Result<(), Error> {
-        self.jobs
-            .try_send(job)
-            .map_err(|_| Error::Protocol("the copy worker's queue is full or it stopped"))
-    }
-
-    /// Log once if the worker has been inside one CUDA call for more than 2 s.
-    fn check_stall(&mut self) {
-        use std::sync::atomic::Ordering;
-        let (what, since) = (
-            self.shared.in_call.load(Ordering::Acquire),
-            self.shared.since_ns.load(Ordering::Acquire),
-        );
-        if what != IN_NOTHING && !self.reported && now_ns().saturating_sub(since) > 2_000_000_000 {
-            self.reported = true;
-            crate::log::warn!(
-                crate::abi::NCCL_NET,
-                "same-host copy worker stuck in {} for more than 2 s",
-                call_name(what)
-            );
-        }
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        // closing the job channel ends the worker once its copies are done
-        let (tx, _) = std::sync::mpsc::sync_channel(1);
-        drop(std::mem::replace(&mut self.jobs, tx));
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// The next job for an idle worker: polled for `spin_ns()`, then waited for. `None` once the
-/// proxy side has closed the channel.
-fn next_job(jobs: &std::sync::mpsc::Receiver<Job>, shared: &WorkerShared) -> Option<Job> {
-    let start = now_ns();
-    let spin = spin_ns();
-    loop {
-        match jobs.try_recv() {
-            Ok(j) => return Some(j),
-            Err(std::sync::mpsc::TryRecvError::Disconnected) => return None,
-            Err(std::sync::mpsc::TryRecvError::Empty) => {}
-        }
-        if now_ns().saturating_sub(start) > spin {
-            shared
-                .sleeps
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return jobs.recv().ok();
-        }
-        std::thread::yield_now();
-    }
-}
-
-fn copy_worker(
-    driver: &'static cuda::Cuda,
-    ctx: usize,
-    device: i32,
-    jobs: std::sync::mpsc::Receiver<Job>,
-    done: std::sync::mpsc::SyncSender<JobDone>,
-    shared: std::sync::Arc<WorkerShared>,
-) {
-    use std::sync::atomic::Ordering;
-    let enter = |what: u8| {
-        shared.since_ns.store(now_ns(), Ordering::Release);
-        shared.in_call.store(what, Ordering::Release);
-    };
-    let leave = || {
-        if shared.in_call.swap(IN_NOTHING, Ordering::AcqRel) == IN_COPY {
-            let spent = now_ns().saturating_sub(shared.since_ns.load(Ordering::Acquire));
-            shared.api_ns.fetch_add(spent, Ordering::Relaxed);
-        }
-    };
-    if let Err(e) = crate::context::enter_copy_context(driver, ctx, device) {
-        // every job then fails: the channel closes and the proxy reports it
-        crate::log::warn!(crate::abi::NCCL_NET, "same-host copy worker: {e}");
-        return;
-    }
-    let Ok(stream) = driver.stream() else { return };
-    // VGPU_NCCL_COPY_PIECES > 1: a step's copy is cut into pieces issued on as many streams,
-    // which the driver may spread over several copy engines
-    let extra: Vec<CUstream> = (1..crate::net::global().config.copy_pieces)
-        .map_while(|_| driver.stream().ok())
-        .collect();
-    let mut exports: HashMap<u32, (Export, Option<OwnedFd>)> = HashMap::new();
-    let mut maps: HashMap<u32, Mapping> = HashMap::new();
-    let mut events: Vec<CUevent> = Vec::new();
-    let mut inflight: VecDeque<InFlight> = VecDeque::new();
-    let mut staging: Option<(*mut u8, usize)> = None;
-    let mut ring: Option<FinRing> = None;
-    let mut open = true;
-    while open || !inflight.is_empty() {
-        // take jobs: sleep only when no copy is in flight and none came for spin_ns()
-        let job = if inflight.is_empty() {
-            match next_job(&jobs, &shared) {
-                Some(j) => Some(j),
-                None => {
-                    open = false;
-                    None
-                }
-            }
-        } else {
-            match jobs.try_recv() {
-                Ok(j) => Some(j),
-                Err(std::sync::mpsc::TryRecvError::Empty) => None,
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    open = false;
-                    None
-                }
-            }
-        };
-        if let Some(job) = job {
-            let issued: Result<Option<Issued>, String> = (|| {
-                match job {
-                    Job::Region {
-                        region,
-                        export,
-                        _fd,
-                    } => {
-                        exports.insert(region, (export, _fd));
-                        Ok(None)
-                    }
-                    Job::Ring(r) => {
-                        ring = Some(r);
-                        Ok(None)
-                    }
-                    Job::Forget { region } => {
-                        exports.remove(&region);
-                        if let Some(m) = maps.remove(&region) {
-                            let _ = driver.synchronize(stream);
-                            for &s in &extra {
-                                let _ = driver.synchronize(s);
-                            }
-                            driver.unmap(&m);
-                        }
-                        Ok(None)
-                    }
-                    Job::Copy {
-                        seq,
-                        region,
-                        offset,
-                        src,
-                        size,
-                        queued_ns,
-                    } => {
-                        shared
-                            .pickup_ns
-                            .fetch_add(now_ns().saturating_sub(queued_ns), Ordering::Relaxed);
-                        shared.copies.fetch_add(1, Ordering::Relaxed);
-                        let base = match maps.entry(region) {
-                            std::collections::hash_map::Entry::Occupied(m) => m.get().base(),
-                            std::collections::hash_map::Entry::Vacant(slot) => {
-                                let (export, fd) = exports
-                                    .get_mut(&region)
-                                    .ok_or("a receive into an unknown region")?;
-                                enter(IN_IMPORT);
-                                let m = driver.import(export, device);
-                                leave();
-                                fd.take(); // the mapping holds the allocation now
-                                let base = slot.insert(m.map_err(|e| e.to_string())?).base();
-                                trace!(
-                                    "same-host copy worker (device {device}, primary contexts on {:?}): region {region} mapped; destination {}; source {}",
-                                    driver.active_devices(),
-                                    driver.describe(base),
-                                    driver.describe(src)
-                                );
-                                base
-                            }
-                        };
-                        let dst = base + offset;
-                        let pieces = pieces_of(size, extra.len() + 1);
-                        for (i, (at, len)) in pieces.iter().enumerate() {
-                            let on = if i == 0 { stream } else { extra[i - 1] };
-                            enter(IN_COPY);
-                            let r = driver.copy_async(dst + at, src + at, *len, on);
-                            leave();
-                            r.map_err(|e| e.to_string())?;
-                        }
-                        trace!(
-                            "same-host send {seq}: copy {size} bytes {src:#x} -> {dst:#x} in {} piece(s)",
-                            pieces.len()
-                        );
-                        Ok(Some((seq, None, pieces.len(), Some(size as u64))))
-                    }
-                    Job::Stage { seq, src, size } => {
-                        if staging.is_none_or(|(_, cap)| cap < size) {
-                            if let Some((p, _)) = staging.take() {
-                                driver.free_host(p);
-                            }
-                            let cap = size.next_power_of_two().max(1 << 20);
-                            staging =
-                                Some((driver.host_alloc(cap).map_err(|e| e.to_string())?, cap));
-                        }
-                        let (p, _) = staging.expect("allocated above");
-                        enter(IN_COPY);
-                        let r = driver.copy_async(p as u64, src, size, stream);
-                        leave();
-                        r.map_err(|e| e.to_string())?;
-                        Ok(Some((seq, Some(p as u64), 1, None)))
-                    }
-                }
-            })();
-            match issued {
-                Ok(None) => {}
-                Ok(Some((seq, staged, pieces, copied))) => {
-                    let mut record = |on: CUstream| {
-                        let ev = match events.pop() {
-                            Some(e) => Ok(e),
-                            None => driver.event(),
-                        };
-                        ev.and_then(|ev| driver.record(ev, on).map(|()| ev))
-                    };
-                    let main = record(stream);
-                    let others: Result<Vec<CUevent>, _> = extra[..pieces.saturating_sub(1)]
-                        .iter()
-                        .map(|&on| record(on))
-                        .collect();
-                    match (main, others) {
-                        (Ok(ev), Ok(others)) => inflight.push_back(InFlight {
-                            seq,
-                            ev,
-                            staged,
-                            others,
-                            issued_ns: now_ns(),
-                            copied,
-                        }),
-                        (Err(e), _) | (_, Err(e)) => {
-                            let _ = done.send(JobDone::failed(seq, e.to_string()));
-                        }
-                    }
-                }
-                Err(e) => {
-                    // a failed job poisons the connection: report it on the next send
-                    let _ = done.send(JobDone::failed(u32::MAX, e));
-                }
-            }
-            continue;
-        }
-        // poll the oldest copy (copies on one stream finish in order; a copy in pieces is
-        // done when every piece is)
-        if let Some(front) = inflight.front() {
-            let seq = front.seq;
-            enter(IN_QUERY);
-            let r: Result<bool, cuda::CudaError> = std::iter::once(&front.ev)
-                .chain(&front.others)
-                .try_fold(true, |all, &e| Ok(all && driver.done(e)?));
-            leave();
-            match r {
-                Ok(true) => {
-                    let f = inflight.pop_front().expect("front exists");
-                    let now = now_ns();
-                    if f.staged.is_none() {
-                        shared
-                            .gpu_ns
-                            .fetch_add(now.saturating_sub(f.issued_ns), Ordering::Relaxed);
-                    }
-                    events.push(f.ev);
-                    events.extend(f.others);
-                    trace!("same-host send {seq}: copy done");
-                    // the receiver hears of a GPU copy through the ring at once, without
-                    // waiting for the proxy thread's next `test` and a socket message
-                    let (result, published) = match (&ring, f.copied) {
-                        (Some(r), Some(size)) => match r.push(seq, size) {
-                            Ok(()) => (Ok(f.staged), true),
-                            Err(e) => (Err(e.to_string()), false),
-                        },
-                        _ => (Ok(f.staged), false),
-                    };
-                    if done
-                        .send(JobDone {
-                            seq,
-                            result,
-                            done_ns: now,
-                            published,
-                        })
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-                Ok(false) => std::thread::yield_now(),
-                Err(e) => {
-                    inflight.pop_front();
-                    let _ = done.send(JobDone::failed(seq, e.to_string()));
-                }
-            }
-        }
-    }
-    let _ = driver.synchronize(stream);
-    for &s in &extra {
-        let _ = driver.synchronize(s);
-    }
-    for m in maps.values() {
-        driver.unmap(m);
-    }
-    for e in events {
-        driver.destroy_event(e);
-    }
-    if let Some((p, _)) = staging {
-        driver.free_host(p);
-    }
-    driver.destroy_stream(stream);
-    for s in extra {
-        driver.destroy_stream(s);
-    }
-}
-
-/// A copy of `size` bytes cut into at most `streams` pieces of at least `MIN_PIECE` bytes
-/// (whole 4 KiB pages but the last): `(offset, length)` of each.
-fn pieces_of(size: usize, streams: usize) -> Vec<(u64, usize)> {
-    const MIN_PIECE: usize = 128 << 10;
-    if size == 0 {
-        return Vec::new();
-    }
-    let k = streams.min(size / MIN_PIECE).max(1);
-    let piece = size.div_ceil(k).next_multiple_of(4096);
-    (0..size)
-        .step_by(piece)
-        .map(|at| (at as u64, piece.min(size - at)))
-        .collect()
 }
 
 /// A send's life. Its messages to the receiver (`Fin`, or `Data` + payload) must leave in send
@@ -723,7 +252,7 @@ impl Sender {
 
     fn worker(&mut self) -> Result<&mut Worker, Error> {
         if self.worker.is_none() {
-            let w = Worker::start()?;
+            let mut w = Worker::start()?;
             for job in self.early.drain(..) {
                 w.send(job)?;
             }
@@ -733,7 +262,7 @@ impl Sender {
     }
 
     fn queue_job(&mut self, job: Job) -> Result<(), Error> {
-        match &self.worker {
+        match &mut self.worker {
             Some(w) => w.send(job),
             None => {
                 if self.early.len() >= JOB_QUEUE {
@@ -880,7 +409,7 @@ impl Sender {
         // results from the worker
         if let Some(w) = self.worker.as_mut() {
             w.check_stall();
-            while let Ok(d) = w.done.try_recv() {
+            while let Some(d) = w.try_done() {
                 let staged = d.result.map_err(|e| {
                     crate::log::warn!(crate::abi::NCCL_NET, "same-host send {}: {e}", d.seq);
                     Error::Protocol("a GPU copy failed (see the log)")
@@ -967,10 +496,10 @@ impl Drop for Sender {
         let (api, sleeps, worker_copies, pickup, gpu) =
             self.worker.as_ref().map_or((0, 0, 0, 0, 0), |w| {
                 use std::sync::atomic::Ordering::Relaxed;
-                let sh = &w.shared;
+                let sh = &w.counters;
                 (
                     sh.api_ns.load(Relaxed),
-                    sh.sleeps.load(Relaxed),
+                    w.sleeps(),
                     sh.copies.load(Relaxed),
                     sh.pickup_ns.load(Relaxed),
                     sh.gpu_ns.load(Relaxed),
@@ -978,7 +507,7 @@ impl Drop for Sender {
             });
         crate::log::info!(
             crate::abi::NCCL_NET,
-            "same-host send closed: {} steps, {:.1} MiB, one every {:.1} us; per step: waited {:.1} us for the receiver, GPU copy {:.1} us (max {:.1}) = until the worker took it {:.1} + cuMemcpyAsync {:.1} + until its event completed {:.1} + until the proxy heard {:.1}; copy worker slept {} times",
+            "same-host send closed: {} steps, {:.1} MiB, one every {:.1} us; per step: waited {:.1} us for the receiver, GPU copy {:.1} us (max {:.1}) = until the copy thread took it {:.1} + cuMemcpyAsync {:.1} + until its event completed {:.1} + until the proxy heard {:.1}; its copy thread slept {} times",
             t.steps,
             t.mib(),
             t.interval_us(),
@@ -1054,12 +583,19 @@ impl Drop for Receiver {
 }
 
 impl Receiver {
+    /// A receiver with the completion ring or not as configured (`VGPU_NCCL_FIN_RING`).
     pub fn new(sock: UnixStream) -> Result<Receiver, Error> {
+        Receiver::with_ring(sock, crate::net::global().config.fin_ring)
+    }
+
+    /// A receiver whose GPU receives complete through the completion ring (`ring`), or
+    /// through the sender's `Fin` messages.
+    pub fn with_ring(sock: UnixStream, ring: bool) -> Result<Receiver, Error> {
         sock.set_nonblocking(true)?;
         let mut out = Out::default();
         // the ring goes first, before any ready-to-receive, so that the sender completes
         // every GPU copy of this connection through it
-        let ring = if crate::net::global().config.fin_ring {
+        let ring = if ring {
             let (ring, fd) = FinRing::create()?;
             let mut b = Vec::new();
             Msg::Ring.encode(&mut b);
@@ -1335,7 +871,7 @@ impl Receiver {
 
 #[cfg(test)]
 mod tests {
-    use super::{HOST_REGION, Msg, Receiver, pieces_of};
+    use super::{HOST_REGION, Msg, Receiver};
     use crate::{Error, Mr};
     use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
@@ -1348,7 +884,7 @@ mod tests {
     #[test]
     fn deregistering_after_the_sender_closed_succeeds() {
         let (ours, theirs) = UnixStream::pair().unwrap();
-        let mut rx = Receiver::new(ours).unwrap();
+        let mut rx = Receiver::with_ring(ours, false).unwrap();
         let mr = |region| Mr {
             ptr: 0x1000,
             size: 4096,
@@ -1374,7 +910,7 @@ mod tests {
     fn a_sender_that_closes_after_its_last_fin_completes_the_receive() {
         for sender_reads in [true, false] {
             let (ours, mut theirs) = UnixStream::pair().unwrap();
-            let mut rx = Receiver::new(ours).unwrap();
+            let mut rx = Receiver::with_ring(ours, false).unwrap();
             let mr = Mr {
                 ptr: 0x10000,
                 size: 1 << 20,
@@ -1414,45 +950,6 @@ mod tests {
                 matches!(r, Err(Error::PeerClosed)),
                 "a receive nothing completes fails (sender read: {sender_reads}): {r:?}"
             );
-        }
-    }
-
-    #[test]
-    fn a_copy_is_cut_into_page_aligned_pieces_that_cover_it_once() {
-        assert!(pieces_of(0, 4).is_empty());
-        assert_eq!(
-            pieces_of(1000, 4),
-            vec![(0, 1000)],
-            "small copies stay whole"
-        );
-        assert_eq!(pieces_of(1 << 20, 1), vec![(0, 1 << 20)]);
-        assert_eq!(
-            pieces_of(1 << 20, 4),
-            vec![
-                (0, 256 << 10),
-                (256 << 10, 256 << 10),
-                (512 << 10, 256 << 10),
-                (768 << 10, 256 << 10)
-            ]
-        );
-        // no piece under 128 KiB: 300 KiB in at most 2
-        assert_eq!(pieces_of(300 << 10, 8).len(), 2);
-        for (size, streams) in [
-            ((3 << 20) + 17, 4),
-            (999_999, 3),
-            (128 << 10, 8),
-            (5 << 20, 7),
-        ] {
-            let p = pieces_of(size, streams);
-            assert!(p.len() <= streams);
-            let mut next = 0u64;
-            for &(at, len) in &p {
-                assert_eq!(at, next, "pieces are contiguous");
-                assert!(len > 0);
-                assert_eq!(at % 4096, 0);
-                next = at + len as u64;
-            }
-            assert_eq!(next, size as u64, "{size} in {streams}");
         }
     }
 }

@@ -452,11 +452,14 @@ fn host_buffers_between_processes() {
                 ("VGPU_NCCL_MIN_PART", "65536"),
             ],
         ),
-        ("same-host socket, v11", vec![("VGPU_NCCL_LOCAL", "1")]),
-        // the completion ring set up but idle: host receives keep the socket
+        (
+            "same-host socket without the completion ring, v11",
+            vec![("VGPU_NCCL_LOCAL", "1"), ("VGPU_NCCL_FIN_RING", "0")],
+        ),
+        // the completion ring (the default) set up but idle: host receives keep the socket
         (
             "same-host socket with the completion ring, v11",
-            vec![("VGPU_NCCL_LOCAL", "1"), ("VGPU_NCCL_FIN_RING", "1")],
+            vec![("VGPU_NCCL_LOCAL", "1")],
         ),
         (
             "tcp, 3 streams, v10",
@@ -491,12 +494,13 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
     }
     library(); // build the .so once, before the children that use it
     let fake = fake_cuda_env();
-    // the same-host path with the default (no variable), with the application's context asked
-    // for, on a driver that refuses a context of our own (the application's is used), with
-    // each step's copy cut into pieces on several streams, and with copies completing through
-    // the shared-memory ring (the receiver refuses a socket Fin then, so passing proves that
-    // the ring carried every GPU copy's completion, host receives still in the mix); then the
-    // TCP path, whose stream threads stage GPU buffers through pinned memory
+    // the same-host path with copies completing through socket `Fin`s (the ring turned off),
+    // with the application's context asked for, on a driver that refuses a context of our own
+    // (the application's is used), with each step's copy cut into pieces on several streams,
+    // and with the default: copies completing through the shared-memory ring (the receiver
+    // refuses a socket Fin then, so passing proves that the ring carried every GPU copy's
+    // completion, host receives still in the mix); then the TCP path, whose stream threads
+    // stage GPU buffers through pinned memory
     let mut one_piece_copies = None;
     for (local, own, refuse, pieces, ring) in [
         ("1", None, false, None, false),
@@ -508,8 +512,8 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         ("0", None, false, None, false),
     ] {
         let mut scenario = format!("VGPU_NCCL_LOCAL={local};VGPU_NCCL_TEST_GPU=1");
-        if ring {
-            scenario.push_str(";VGPU_NCCL_FIN_RING=1");
+        if !ring {
+            scenario.push_str(";VGPU_NCCL_FIN_RING=0");
         }
         if let Some(n) = pieces {
             scenario.push_str(&format!(";VGPU_NCCL_COPY_PIECES={n}"));

@@ -5,8 +5,9 @@
 # Sections (SECTIONS="transport slices isolation overhead" by default):
 #   transport  2 ranks, P2P and SHM off: NCCL's socket transport vs ours (same-host GPU path,
 #              and our TCP path); all-reduce correctness on random data and bus bandwidth;
-#              TRANSPORT_PROBES=1 adds the completion ring, copy workers that poll longer or
-#              not at all, 16 channels, 16 MiB buffers (PROBES_OLD=1: copies in pieces, the
+#              TRANSPORT_PROBES=1 adds the socket `Fin` instead of the completion ring, a copy
+#              thread per connection, copy threads that poll longer, 16 channels, 16 MiB
+#              buffers, NCCL's socket transport again (PROBES_OLD=1: copies in pieces, the
 #              TCP path with GPU buffers)
 #   slices     4 ranks on 2 GPUs (two slices per GPU, one NCCL_HOSTID each) in one communicator:
 #              all-reduce, all-gather, reduce-scatter, broadcast, send/recv on random data
@@ -89,23 +90,24 @@ for s in $SECTIONS; do
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_bigbuf 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
     fi
     # TRANSPORT_PROBES=1: what bounds the GPU path at NCCL's default buffers. At 4 channels it
-    # moves ~12 GB/s per channel, NCCL's own NVLink path ~12-20: per-channel latency. At 16
-    # channels only ~3.6 per channel: a cost shared by the channels (the proxy thread's loop,
-    # whose receive tests each read the socket without the ring; 16 copy workers spinning per
-    # rank). The probes: the completion ring (no socket read per test, no wait for the sending
-    # proxy), workers that poll 5 ms, both, the ring at 16 channels, and 16 channels with
-    # workers that never spin. PROBES_OLD=1 adds the ones already measured (copies in pieces,
-    # our TCP path handed GPU buffers).
+    # is per-step latency (each channel's CTA waits on each hop); at 16 channels a cost the
+    # channels share (one copy thread per connection, as before, contended for the CPUs and
+    # the driver). The defaults now: the completion ring, one copy thread per device and
+    # process, polling 100 us before it sleeps. The probes: the old socket `Fin`, a copy thread
+    # per connection (4 threads at 4 channels), threads that poll 5 ms, 16 channels with one
+    # and with 4 threads, 16 channels with 16 MiB buffers. PROBES_OLD=1 adds the ones already
+    # measured (copies in pieces, our TCP path handed GPU buffers).
     if [ "${TRANSPORT_PROBES:-0}" = 1 ]; then
       GPU=("${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a)
       probe() { local label=$1; shift; JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job "$label" 29500 "$NPROC" "${GPU[@]}" "$@" -- --check "$CHECK" --mib 256 --lead 2; }
-      probe vgpu_gpu_ring VGPU_NCCL_FIN_RING=1
+      probe vgpu_gpu_noring VGPU_NCCL_FIN_RING=0
+      probe vgpu_gpu_threads4 VGPU_NCCL_COPY_THREADS=4
       probe vgpu_gpu_spin5ms VGPU_NCCL_SPIN_US=5000
-      probe vgpu_gpu_ring_spin5ms VGPU_NCCL_FIN_RING=1 VGPU_NCCL_SPIN_US=5000
       probe vgpu_gpu_ch16 NCCL_MIN_NCHANNELS=16
-      probe vgpu_gpu_ring_ch16 VGPU_NCCL_FIN_RING=1 NCCL_MIN_NCHANNELS=16
-      probe vgpu_gpu_ch16_spin0 VGPU_NCCL_SPIN_US=0 NCCL_MIN_NCHANNELS=16
+      probe vgpu_gpu_ch16_threads4 NCCL_MIN_NCHANNELS=16 VGPU_NCCL_COPY_THREADS=4
       probe vgpu_gpu_ch16_bigbuf NCCL_MIN_NCHANNELS=16 NCCL_BUFFSIZE=16777216
+      # NCCL's socket transport once more: how much the reference moves between runs
+      job socket_again 29500 "$NPROC" "${NOPATH[@]}" NCCL_NET=Socket SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
       if [ "${PROBES_OLD:-0}" = 1 ]; then
         probe vgpu_gpu_pieces4 VGPU_NCCL_COPY_PIECES=4
         JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_tcp_gdr 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
@@ -235,7 +237,7 @@ for la in sorted(l for l in lat if l.startswith("gbe_A")):
         continue
     lb = "gbe_B" + la[len("gbe_A"):]
     print(f"guarantee next to a best-effort neighbour{la[5:]}: A's p50 {lat[la]:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat[la]/lat['mps_alone_A']:.2f}x (target 1.15x); A {by.get(la, 0):.1f} GB/s, B {by.get(lb, 0):.1f} GB/s")
-for probe in ["vgpu_gpu_ch16", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_pieces4", "vgpu_gpu_spin5ms", "vgpu_gpu_ring", "vgpu_gpu_ring_spin5ms", "vgpu_tcp_gdr"]:
+for probe in ["vgpu_gpu_noring", "vgpu_gpu_threads4", "vgpu_gpu_spin5ms", "vgpu_gpu_ch16", "vgpu_gpu_ch16_threads4", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_pieces4", "vgpu_tcp_gdr", "socket_again"]:
     if probe in by:
         print(f"probe {probe}: {by[probe]:.1f} GB/s ({ratio(probe, 'socket')}x NCCL socket)")
 if "ip_tenant" in by:
