@@ -559,6 +559,72 @@ impl Gpu<'_> {
         n
     }
 
+    /// Takes the messages waiting, at most [`MESSAGES_PER_PASS`].
+    fn take_waiting(
+        &mut self,
+        from: &mpsc::Receiver<ToThread>,
+        conns: &mut HashMap<u64, Conn>,
+        ready: &Result<(), String>,
+    ) {
+        for _ in 0..MESSAGES_PER_PASS {
+            match from.try_recv() {
+                Ok(m) => self.handle(conns, ready, m),
+                Err(_) => return,
+            }
+        }
+    }
+
+    fn handle(
+        &mut self,
+        conns: &mut HashMap<u64, Conn>,
+        ready: &Result<(), String>,
+        message: ToThread,
+    ) {
+        match message {
+            ToThread::Open {
+                conn,
+                done,
+                counters,
+            } => {
+                let (stream, extra) = self.open(ready);
+                conns.insert(
+                    conn,
+                    Conn {
+                        done,
+                        counters,
+                        stream,
+                        extra,
+                        exports: HashMap::new(),
+                        maps: HashMap::new(),
+                        inflight: VecDeque::new(),
+                        staging: None,
+                        ring: None,
+                        closing: None,
+                    },
+                );
+            }
+            ToThread::Job { conn, job } => {
+                let Some(c) = conns.get_mut(&conn) else {
+                    return;
+                };
+                match self.issue(c, job) {
+                    Ok(Some(f)) => c.inflight.push_back(f),
+                    Ok(None) => {}
+                    // a failed job poisons the connection: report it on its next send
+                    Err(e) => {
+                        let _ = c.done.send(JobDone::failed(u32::MAX, e));
+                    }
+                }
+            }
+            ToThread::Close { conn, ack } => match conns.get_mut(&conn) {
+                Some(c) => c.closing = Some(ack),
+                None => {
+                    let _ = ack.send(());
+                }
+            },
+        }
+    }
+
     /// Releases what a connection holds once its copies are done.
     fn release(&mut self, c: Conn) {
         c.sync(self.driver);
@@ -611,69 +677,33 @@ fn copy_thread(
         events: Vec::new(),
     };
     let mut conns: HashMap<u64, Conn> = HashMap::new();
+    let mut ids: Vec<u64> = Vec::new();
     'serve: loop {
         // take the messages waiting (a bounded batch, so polling is never starved); when no
         // copy is in flight, wait for one: polled for spin_ns(), then asleep
         let busy = conns.values().any(|c| !c.inflight.is_empty());
-        for taken in 0..MESSAGES_PER_PASS {
-            let message = if taken == 0 && !busy {
-                match next_message(&from, &state) {
-                    Some(m) => m,
-                    None => break 'serve,
-                }
-            } else {
-                match from.try_recv() {
-                    Ok(m) => m,
-                    Err(_) => break,
-                }
-            };
-            match message {
-                ToThread::Open {
-                    conn,
-                    done,
-                    counters,
-                } => {
-                    let (stream, extra) = gpu.open(&ready);
-                    conns.insert(
-                        conn,
-                        Conn {
-                            done,
-                            counters,
-                            stream,
-                            extra,
-                            exports: HashMap::new(),
-                            maps: HashMap::new(),
-                            inflight: VecDeque::new(),
-                            staging: None,
-                            ring: None,
-                            closing: None,
-                        },
-                    );
-                }
-                ToThread::Job { conn, job } => {
-                    let Some(c) = conns.get_mut(&conn) else {
-                        continue;
-                    };
-                    match gpu.issue(c, job) {
-                        Ok(Some(f)) => c.inflight.push_back(f),
-                        Ok(None) => {}
-                        // a failed job poisons the connection: report it on its next send
-                        Err(e) => {
-                            let _ = c.done.send(JobDone::failed(u32::MAX, e));
-                        }
-                    }
-                }
-                ToThread::Close { conn, ack } => match conns.get_mut(&conn) {
-                    Some(c) => c.closing = Some(ack),
-                    None => {
-                        let _ = ack.send(());
-                    }
-                },
+        if !busy {
+            match next_message(&from, &state) {
+                Some(m) => gpu.handle(&mut conns, &ready, m),
+                None => break 'serve,
             }
         }
+        gpu.take_waiting(&from, &mut conns, &ready);
+        // poll each connection's copies, and between two connections take what came: a copy
+        // handed over while the thread polls waits only for the connection being polled
         let mut reaped = 0;
-        for c in conns.values_mut() {
-            reaped += gpu.reap(c);
+        ids.clear();
+        ids.extend(
+            conns
+                .iter()
+                .filter(|(_, c)| !c.inflight.is_empty())
+                .map(|(&id, _)| id),
+        );
+        for id in &ids {
+            if let Some(c) = conns.get_mut(id) {
+                reaped += gpu.reap(c);
+            }
+            gpu.take_waiting(&from, &mut conns, &ready);
         }
         let finished: Vec<u64> = conns
             .iter()
