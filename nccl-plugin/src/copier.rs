@@ -395,7 +395,7 @@ impl Gpu<'_> {
 
     /// Puts a job's copy on the GPU; `Ok(None)` for jobs that copy nothing.
     fn issue(&mut self, c: &mut Conn, job: Job) -> Result<Option<InFlight>, String> {
-        let (seq, staged, pieces, copied) = match job {
+        let (seq, staged, pieces, copied, stream) = match job {
             Job::Region {
                 region,
                 export,
@@ -464,7 +464,7 @@ impl Gpu<'_> {
                     "same-host send {seq}: copy {size} bytes {src:#x} -> {dst:#x} in {} piece(s)",
                     pieces.len()
                 );
-                (seq, None, pieces.len(), Some(size as u64))
+                (seq, None, pieces.len(), Some(size as u64), stream)
             }
             Job::Stage { seq, src, size } => {
                 let stream = c.stream.clone()?;
@@ -481,10 +481,9 @@ impl Gpu<'_> {
                 let r = self.driver.copy_async(p as u64, src, size, stream);
                 self.leave();
                 r.map_err(|e| e.to_string())?;
-                (seq, Some(p as u64), 1, None)
+                (seq, Some(p as u64), 1, None, stream)
             }
         };
-        let stream = c.stream.clone()?;
         let mut record = |on: CUstream| {
             let ev = match self.events.pop() {
                 Some(e) => Ok(e),
