@@ -336,11 +336,15 @@ fn main() {
                 .expect("HANDOFF_SIZES: bytes, comma separated")
         })
         .collect();
-    let modes: [(&str, &[(&str, &str)]); 3] = [
+    let modes: [(&str, &[(&str, &str)]); 4] = [
         ("socket Fin", &[("VGPU_NCCL_FIN_RING", "0")]),
-        ("ring (default)", &[]),
         (
-            "ring, copy thread sleeps after 100 us",
+            "ring, published by the copy thread",
+            &[("VGPU_NCCL_GPU_FIN", "0")],
+        ),
+        ("ring, published by the GPU (default)", &[]),
+        (
+            "ring by the GPU, copy thread sleeps after 100 us",
             &[("VGPU_NCCL_SPIN_US", "100")],
         ),
     ];

@@ -40,6 +40,11 @@ pub struct Config {
     /// message on the socket (default on: 60.2 against 50.2 GB/s on 2 x H200 at NCCL's
     /// defaults; `0` turns it off; the receiving side decides).
     pub fin_ring: bool,
+    /// `VGPU_NCCL_GPU_FIN`: with the completion ring, the GPU itself publishes each finished
+    /// copy (a `cuStreamWriteValue64` into the ring's page right behind the copy on its
+    /// stream) instead of the copy thread after polling the copy's event (default on where the
+    /// driver allows; `0` turns it off; the sending side decides).
+    pub gpu_fin: bool,
     /// `VGPU_NCCL_COPY_THREADS`: the copy threads per device and process that serve every
     /// same-host sender's GPU copies (1..=16, default 1; connections take them in turn).
     pub copy_threads: usize,
@@ -120,6 +125,7 @@ impl Config {
             copy_pieces: var("VGPU_NCCL_COPY_PIECES", 1usize, |n| (1..=8).contains(n)),
             spin_ns: var("VGPU_NCCL_SPIN_US", 5000u64, |n| *n <= 100_000) * 1000,
             fin_ring: flag("VGPU_NCCL_FIN_RING", true),
+            gpu_fin: flag("VGPU_NCCL_GPU_FIN", true),
             copy_threads: var("VGPU_NCCL_COPY_THREADS", 1usize, |n| (1..=16).contains(n)),
             netshare,
         }

@@ -13,7 +13,7 @@
 //! error), so its completion channel never holds more than that.
 #![allow(unsafe_code)]
 
-use crate::cuda::{self, CUevent, CUstream, Export, Mapping};
+use crate::cuda::{self, CUdeviceptr, CUevent, CUstream, Export, Mapping};
 use crate::finring::FinRing;
 use crate::log::trace;
 use std::collections::{HashMap, VecDeque};
@@ -46,8 +46,9 @@ pub(crate) enum Job {
         size: usize,
         queued_ns: u64,
     },
-    /// The receiver's completion ring: finished copies are published there from now on.
-    Ring(FinRing),
+    /// The receiver's completion ring: finished copies are published there from now on (by
+    /// the GPU where the driver allows, `VGPU_NCCL_GPU_FIN`).
+    Ring(Arc<FinRing>),
     /// Copy GPU data into the staging buffer (bound for the receiver's host memory).
     Stage {
         seq: u32,
@@ -72,6 +73,9 @@ pub(crate) struct JobDone {
     pub done_ns: u64,
     /// The completion went to the receiver through the ring (no `Fin` message is due).
     pub published: bool,
+    /// Issued, not done: the GPU publishes this copy as ring entry `n` (the copy is done once
+    /// the ring's published count exceeds `n`). The sender's proxy reads the ring itself.
+    pub ring_slot: Option<u64>,
 }
 
 impl JobDone {
@@ -82,6 +86,7 @@ impl JobDone {
             result: Err(error),
             done_ns: 0,
             published: false,
+            ring_slot: None,
         }
     }
 }
@@ -96,6 +101,16 @@ struct InFlight {
     issued_ns: u64,
     /// Bytes of a `Copy` job (`None` for staging), for the completion ring.
     copied: Option<u64>,
+}
+
+/// What issuing a job put on the GPU.
+enum Issued {
+    /// Nothing (registrations, the ring).
+    Nothing,
+    /// A copy the thread completes when its event has.
+    Event(InFlight),
+    /// A copy the GPU publishes in the ring as entry `slot`.
+    OnGpu { seq: u32, slot: u64 },
 }
 
 /// Which CUDA call a copy thread is in, for the stall report.
@@ -352,7 +367,15 @@ struct Conn {
     maps: HashMap<u32, Mapping>,
     inflight: VecDeque<InFlight>,
     staging: Option<(*mut u8, usize)>,
-    ring: Option<FinRing>,
+    ring: Option<Arc<FinRing>>,
+    /// The ring's page as the GPU writes it (registered with the driver): its copies are
+    /// published by the GPU. `None`: the thread publishes them after their events.
+    gpu_head: Option<CUdeviceptr>,
+    /// Ring entries this connection's copies were given (GPU-published ones).
+    ring_issued: u64,
+    /// When the thread last asked the driver about the stream of GPU-published copies that
+    /// have not appeared in the ring yet (a failed copy would otherwise never appear).
+    queried_ns: u64,
     /// Closing: answered once its copies are done.
     closing: Option<mpsc::SyncSender<()>>,
 }
@@ -393,8 +416,8 @@ impl Gpu<'_> {
         (stream, extra)
     }
 
-    /// Puts a job's copy on the GPU; `Ok(None)` for jobs that copy nothing.
-    fn issue(&mut self, c: &mut Conn, job: Job) -> Result<Option<InFlight>, String> {
+    /// Puts a job's copy on the GPU.
+    fn issue(&mut self, c: &mut Conn, job: Job) -> Result<Issued, String> {
         let (seq, staged, pieces, copied, stream) = match job {
             Job::Region {
                 region,
@@ -402,11 +425,12 @@ impl Gpu<'_> {
                 _fd,
             } => {
                 c.exports.insert(region, (export, _fd));
-                return Ok(None);
+                return Ok(Issued::Nothing);
             }
             Job::Ring(r) => {
+                c.gpu_head = self.gpu_publisher(c, &r);
                 c.ring = Some(r);
-                return Ok(None);
+                return Ok(Issued::Nothing);
             }
             Job::Forget { region } => {
                 c.exports.remove(&region);
@@ -414,7 +438,7 @@ impl Gpu<'_> {
                     c.sync(self.driver);
                     self.driver.unmap(&m);
                 }
-                return Ok(None);
+                return Ok(Issued::Nothing);
             }
             Job::Copy {
                 seq,
@@ -452,6 +476,30 @@ impl Gpu<'_> {
                     }
                 };
                 let dst = base + offset;
+                if let (Some(head), Some(ring)) = (c.gpu_head, &c.ring) {
+                    // the entry first, then the copy, then the GPU's write of the head
+                    let slot = c.ring_issued;
+                    ring.stage(slot, seq, size as u64)
+                        .map_err(|e| e.to_string())?;
+                    self.enter(IN_COPY);
+                    let r = self
+                        .driver
+                        .copy_async(dst, src, size, stream)
+                        .and_then(|()| {
+                            self.driver.write_value(
+                                stream,
+                                head + FinRing::HEAD_OFFSET as u64,
+                                slot + 1,
+                            )
+                        });
+                    c.counters.api_ns.fetch_add(self.leave(), Ordering::Relaxed);
+                    r.map_err(|e| e.to_string())?;
+                    c.ring_issued += 1;
+                    trace!(
+                        "same-host send {seq}: copy {size} bytes {src:#x} -> {dst:#x}, published by the GPU as ring entry {slot}"
+                    );
+                    return Ok(Issued::OnGpu { seq, slot });
+                }
                 let pieces = pieces_of(size, c.extra.len() + 1);
                 for (i, (at, len)) in pieces.iter().enumerate() {
                     let on = if i == 0 { stream } else { c.extra[i - 1] };
@@ -497,7 +545,7 @@ impl Gpu<'_> {
             .map(|&on| record(on))
             .collect::<Result<Vec<CUevent>, _>>()
             .map_err(|e| e.to_string())?;
-        Ok(Some(InFlight {
+        Ok(Issued::Event(InFlight {
             seq,
             ev,
             staged,
@@ -505,6 +553,68 @@ impl Gpu<'_> {
             issued_ns: now_ns(),
             copied,
         }))
+    }
+
+    /// The device address of the ring's page if this connection's copies can be published by
+    /// the GPU (`VGPU_NCCL_GPU_FIN`, one stream per copy, a driver with stream memory
+    /// operations); `None` leaves it to the thread.
+    fn gpu_publisher(&self, c: &Conn, ring: &FinRing) -> Option<CUdeviceptr> {
+        if !crate::net::global().config.gpu_fin || !c.extra.is_empty() || c.stream.is_err() {
+            return None;
+        }
+        let (page, len) = ring.page();
+        let r = if self.driver.has_memops() {
+            self.driver
+                .register_host(page, len)
+                .map_err(|e| e.to_string())
+        } else {
+            Err("the driver has no stream memory operations".to_string())
+        };
+        match r {
+            Ok(dev) => Some(dev),
+            Err(e) => {
+                static WARNED: std::sync::atomic::AtomicBool =
+                    std::sync::atomic::AtomicBool::new(false);
+                if !WARNED.swap(true, Ordering::Relaxed) {
+                    crate::log::warn!(
+                        crate::abi::NCCL_NET,
+                        "same-host path: the GPU cannot publish copy completions ({e}); the copy thread does"
+                    );
+                }
+                None
+            }
+        }
+    }
+
+    /// Watches a connection's GPU-published copies: every millisecond while some have not
+    /// appeared in the ring, asks whether its stream failed (or drained without publishing,
+    /// which would leave the receiver waiting for ever). Returns how many appeared.
+    fn watch(&mut self, c: &mut Conn) -> usize {
+        let Some(ring) = &c.ring else { return 0 };
+        let published = ring.published();
+        if c.gpu_head.is_none() || published >= c.ring_issued {
+            return 0;
+        }
+        let now = now_ns();
+        if now.saturating_sub(c.queried_ns) < 1_000_000 {
+            return 0;
+        }
+        c.queried_ns = now;
+        let Ok(stream) = &c.stream else { return 0 };
+        let stream = *stream;
+        self.enter(IN_QUERY);
+        let r = self.driver.stream_done(stream);
+        self.leave();
+        let failure = match r {
+            Ok(false) => return 0,
+            Ok(true) if ring.published() >= c.ring_issued => return 1,
+            Ok(true) => "the GPU finished a copy but its completion never reached the ring".into(),
+            Err(e) => e.to_string(),
+        };
+        // stop watching: the connection is poisoned
+        c.ring_issued = published;
+        let _ = c.done.send(JobDone::failed(u32::MAX, failure));
+        1
     }
 
     /// Completes the connection's finished copies, oldest first (copies on one stream finish
@@ -544,6 +654,7 @@ impl Gpu<'_> {
                         result,
                         done_ns: now,
                         published,
+                        ring_slot: None,
                     });
                     n += 1;
                 }
@@ -598,6 +709,9 @@ impl Gpu<'_> {
                         inflight: VecDeque::new(),
                         staging: None,
                         ring: None,
+                        gpu_head: None,
+                        ring_issued: 0,
+                        queried_ns: 0,
                         closing: None,
                     },
                 );
@@ -607,8 +721,17 @@ impl Gpu<'_> {
                     return;
                 };
                 match self.issue(c, job) {
-                    Ok(Some(f)) => c.inflight.push_back(f),
-                    Ok(None) => {}
+                    Ok(Issued::Event(f)) => c.inflight.push_back(f),
+                    Ok(Issued::OnGpu { seq, slot }) => {
+                        let _ = c.done.send(JobDone {
+                            seq,
+                            result: Ok(None),
+                            done_ns: 0,
+                            published: true,
+                            ring_slot: Some(slot),
+                        });
+                    }
+                    Ok(Issued::Nothing) => {}
                     // a failed job poisons the connection: report it on its next send
                     Err(e) => {
                         let _ = c.done.send(JobDone::failed(u32::MAX, e));
@@ -633,6 +756,9 @@ impl Gpu<'_> {
         if let Some((p, _)) = c.staging {
             self.driver.free_host(p);
         }
+        if let (Some(_), Some(ring)) = (c.gpu_head, &c.ring) {
+            self.driver.unregister_host(ring.page().0);
+        }
         if let Ok(s) = c.stream {
             self.driver.destroy_stream(s);
         }
@@ -646,6 +772,17 @@ impl Gpu<'_> {
 }
 
 impl Conn {
+    /// Whether it has copies the thread still watches: issued with an event, or published
+    /// by the GPU and not yet in the ring.
+    fn busy(&self) -> bool {
+        !self.inflight.is_empty()
+            || (self.gpu_head.is_some()
+                && self
+                    .ring
+                    .as_ref()
+                    .is_some_and(|r| r.published() < self.ring_issued))
+    }
+
     /// Waits for everything on the connection's streams.
     fn sync(&self, driver: &cuda::Cuda) {
         if let Ok(s) = &self.stream {
@@ -680,7 +817,7 @@ fn copy_thread(
     'serve: loop {
         // take the messages waiting (a bounded batch, so polling is never starved); when no
         // copy is in flight, wait for one: polled for spin_ns(), then asleep
-        let busy = conns.values().any(|c| !c.inflight.is_empty());
+        let busy = conns.values().any(Conn::busy);
         if !busy {
             match next_message(&from, &state) {
                 Some(m) => gpu.handle(&mut conns, &ready, m),
@@ -692,15 +829,10 @@ fn copy_thread(
         // handed over while the thread polls waits only for the connection being polled
         let mut reaped = 0;
         ids.clear();
-        ids.extend(
-            conns
-                .iter()
-                .filter(|(_, c)| !c.inflight.is_empty())
-                .map(|(&id, _)| id),
-        );
+        ids.extend(conns.iter().filter(|(_, c)| c.busy()).map(|(&id, _)| id));
         for id in &ids {
             if let Some(c) = conns.get_mut(id) {
-                reaped += gpu.reap(c);
+                reaped += gpu.reap(c) + gpu.watch(c);
             }
             gpu.take_waiting(&from, &mut conns, &ready);
         }

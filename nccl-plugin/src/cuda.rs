@@ -98,8 +98,52 @@ driver! {
     primary_state: b"cuDevicePrimaryCtxGetState\0" => fn(c_int, *mut c_uint, *mut c_int);
 }
 
+/// Entry points the plugin can do without: stream memory operations and host registration,
+/// through which the GPU itself publishes a finished copy into the completion ring
+/// (`VGPU_NCCL_GPU_FIN`). A driver without them keeps the copy thread's event polling.
+struct MemOps {
+    host_register: unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CUresult,
+    host_unregister: unsafe extern "C" fn(*mut c_void) -> CUresult,
+    host_device_pointer: unsafe extern "C" fn(*mut CUdeviceptr, *mut c_void, c_uint) -> CUresult,
+    write_value64: unsafe extern "C" fn(CUstream, CUdeviceptr, u64, c_uint) -> CUresult,
+    stream_query: unsafe extern "C" fn(CUstream) -> CUresult,
+}
+
+impl MemOps {
+    fn load(lib: &libloading::Library) -> Option<MemOps> {
+        /// The first of `names` the library exports, as a function of type `T`.
+        ///
+        /// SAFETY (of the callers): `T` must be the prototype of every symbol in `names`.
+        unsafe fn first<T: Copy>(lib: &libloading::Library, names: &[&[u8]]) -> Option<T> {
+            names
+                .iter()
+                // SAFETY: the caller names symbols whose prototype is `T`.
+                .find_map(|n| unsafe { lib.get::<T>(n) }.ok().map(|f| *f))
+        }
+        // SAFETY: prototypes of cuda.h (CUDA 12/13); the `_v2` names are what cuda.h's macros
+        // resolve to (cuStreamWriteValue64_v2 needs no driver option, unlike the first
+        // version of the stream memory operations).
+        unsafe {
+            Some(MemOps {
+                host_register: first(lib, &[b"cuMemHostRegister_v2\0", b"cuMemHostRegister\0"])?,
+                host_unregister: first(lib, &[b"cuMemHostUnregister\0"])?,
+                host_device_pointer: first(
+                    lib,
+                    &[
+                        b"cuMemHostGetDevicePointer_v2\0",
+                        b"cuMemHostGetDevicePointer\0",
+                    ],
+                )?,
+                write_value64: first(lib, &[b"cuStreamWriteValue64_v2\0"])?,
+                stream_query: first(lib, &[b"cuStreamQuery\0"])?,
+            })
+        }
+    }
+}
+
 pub struct Cuda {
     fns: Fns,
+    memops: Option<MemOps>,
     _lib: libloading::Library,
 }
 
@@ -121,7 +165,12 @@ pub fn driver() -> Result<&'static Cuda, CudaError> {
             let lib =
                 unsafe { libloading::Library::new("libcuda.so.1") }.map_err(|e| e.to_string())?;
             let fns = load(&lib)?;
-            Ok(Cuda { fns, _lib: lib })
+            let memops = MemOps::load(&lib);
+            Ok(Cuda {
+                fns,
+                memops,
+                _lib: lib,
+            })
         })
         .as_ref()
         .map_err(|e| CudaError::NoDriver(e.clone()))
@@ -437,5 +486,75 @@ impl Cuda {
     pub fn free_host(&self, p: *mut u8) {
         // SAFETY: `p` came from `host_alloc` and is freed once.
         unsafe { (self.fns.free_host)(p.cast()) };
+    }
+
+    /// Whether the driver has what [`Cuda::register_host`] and [`Cuda::write_value`] need.
+    pub fn has_memops(&self) -> bool {
+        self.memops.is_some()
+    }
+
+    fn memops(&self, call: &'static str) -> Result<&MemOps, CudaError> {
+        // CUDA_ERROR_NOT_SUPPORTED
+        self.memops
+            .as_ref()
+            .ok_or(CudaError::Call { call, code: 801 })
+    }
+
+    /// Pins `len` bytes of host memory at `p` (page-aligned, mapped by this process) for the
+    /// current context's device and returns the address the device writes them at.
+    ///
+    /// The caller keeps the mapping alive until [`Cuda::unregister_host`].
+    pub fn register_host(&self, p: *mut u8, len: usize) -> Result<CUdeviceptr, CudaError> {
+        const PORTABLE: c_uint = 1;
+        const DEVICEMAP: c_uint = 2;
+        let m = self.memops("cuMemHostRegister")?;
+        // SAFETY: `p..p+len` is a live mapping of this process (the caller's contract).
+        check("cuMemHostRegister", unsafe {
+            (m.host_register)(p.cast(), len, PORTABLE | DEVICEMAP)
+        })?;
+        let mut dev = 0;
+        // SAFETY: out-pointer to a local; `p` was just registered; flags must be 0.
+        let r = check("cuMemHostGetDevicePointer", unsafe {
+            (m.host_device_pointer)(&mut dev, p.cast(), 0)
+        });
+        if let Err(e) = r {
+            // SAFETY: registered above, unregistered once.
+            unsafe { (m.host_unregister)(p.cast()) };
+            return Err(e);
+        }
+        Ok(dev)
+    }
+
+    pub fn unregister_host(&self, p: *mut u8) {
+        if let Some(m) = &self.memops {
+            // SAFETY: `p` was registered by `register_host` and is unregistered once.
+            unsafe { (m.host_unregister)(p.cast()) };
+        }
+    }
+
+    /// Queue a write of `value` to `addr` (device-visible memory) on `s`, after everything
+    /// queued on `s` before it, with a system-wide memory fence first (the default flags):
+    /// whoever sees the value also sees what the stream's earlier copies wrote.
+    pub fn write_value(&self, s: CUstream, addr: CUdeviceptr, value: u64) -> Result<(), CudaError> {
+        let m = self.memops("cuStreamWriteValue64")?;
+        // SAFETY: `s` is a live stream; `addr` is device-visible memory the caller keeps
+        // registered until the stream has drained.
+        check("cuStreamWriteValue64", unsafe {
+            (m.write_value64)(s, addr, value, 0)
+        })
+    }
+
+    /// Whether everything queued on `s` has finished (`Err`: it failed).
+    pub fn stream_done(&self, s: CUstream) -> Result<bool, CudaError> {
+        let m = self.memops("cuStreamQuery")?;
+        // SAFETY: live stream of this process.
+        match unsafe { (m.stream_query)(s) } {
+            CUDA_SUCCESS => Ok(true),
+            CUDA_ERROR_NOT_READY => Ok(false),
+            code => Err(CudaError::Call {
+                call: "cuStreamQuery",
+                code,
+            }),
+        }
     }
 }

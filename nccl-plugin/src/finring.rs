@@ -11,6 +11,13 @@
 //! entry belongs to a posted receive, so it cannot fill up; if it ever did, the sender reports a
 //! protocol error rather than wait.
 //!
+//! Two kinds of producer fill it. By default the GPU publishes (`VGPU_NCCL_GPU_FIN`): the copy
+//! thread writes the entry when it issues the copy ([`FinRing::stage`]) and queues, right
+//! behind the copy on its stream, a GPU write of the new head into this page (registered with
+//! the driver by the sending process), so the receiver hears of the copy as soon as it is done,
+//! without the copy thread polling an event. Otherwise the copy thread publishes
+//! ([`FinRing::push`]) once it sees the copy's event complete.
+//!
 //! Everything here is atomics in a `MAP_SHARED` mapping; the only `unsafe` is the mapping.
 #![allow(unsafe_code)]
 
@@ -113,16 +120,43 @@ impl FinRing {
     /// Producer: publish that the copy for `seq` (`size` bytes) is complete. `Err` if the ring
     /// is full (cannot happen while the receiver keeps at most `SLOTS` receives posted).
     pub fn push(&self, seq: u32, size: u64) -> Result<(), Error> {
+        let head = self.region().head.load(Ordering::Relaxed);
+        self.stage(head, seq, size)?;
+        self.region()
+            .head
+            .store(head.wrapping_add(1), Ordering::Release);
+        Ok(())
+    }
+
+    /// Producer that lets the GPU publish: write entry `index` (the producer's count of
+    /// entries so far) without publishing it. The copy's stream then writes `index + 1` to
+    /// [`FinRing::HEAD_OFFSET`] once the copy is done ([`crate::cuda::Cuda::write_value`], whose
+    /// fence orders it after this store and the copy). `Err` if the ring is full.
+    pub fn stage(&self, index: u64, seq: u32, size: u64) -> Result<(), Error> {
         let r = self.region();
-        let head = r.head.load(Ordering::Relaxed);
-        if head.wrapping_sub(r.tail.load(Ordering::Acquire)) >= SLOTS {
+        if index.wrapping_sub(r.tail.load(Ordering::Acquire)) >= SLOTS {
             return Err(Error::Protocol("the completion ring is full"));
         }
-        let e = &r.entries[(head % SLOTS) as usize];
+        let e = &r.entries[(index % SLOTS) as usize];
         e.seq.store(u64::from(seq), Ordering::Relaxed);
         e.size.store(size, Ordering::Relaxed);
-        r.head.store(head.wrapping_add(1), Ordering::Release);
+        // the entry is visible before anything this thread does next (the driver call that
+        // queues the GPU's write of the head)
+        std::sync::atomic::fence(Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Entries published so far (by either kind of producer).
+    pub fn published(&self) -> u64 {
+        self.region().head.load(Ordering::Acquire)
+    }
+
+    /// Where the head counter sits in the page.
+    pub const HEAD_OFFSET: usize = std::mem::offset_of!(Region, head);
+
+    /// The page, for registering it with the driver (`BYTES` long, page-aligned).
+    pub fn page(&self) -> (*mut u8, usize) {
+        (self.region.as_ptr().cast(), BYTES)
     }
 
     /// Consumer: the oldest unconsumed completion, if any: `(seq, size)`.
@@ -181,6 +215,35 @@ mod tests {
             next_consumed += 1;
         }
         assert_eq!(next_consumed, 3 * SLOTS as u32);
+    }
+
+    #[test]
+    fn staged_entries_appear_only_once_the_head_moves_past_them() {
+        let (receiver, fd) = FinRing::create().unwrap();
+        let sender = FinRing::open(&fd).unwrap();
+        sender.stage(0, 7, 100).unwrap();
+        sender.stage(1, 8, 200).unwrap();
+        assert_eq!(receiver.peek(), None, "staged, not published");
+        // what the GPU's write does: the head, as a plain 64-bit store at HEAD_OFFSET
+        let head = |v: u64| {
+            let (page, _) = sender.page();
+            // SAFETY: HEAD_OFFSET is inside the mapped page and 8-byte aligned.
+            let p = unsafe { page.add(FinRing::HEAD_OFFSET) }.cast::<AtomicU64>();
+            // SAFETY: as above; the head is an AtomicU64.
+            unsafe { &*p }.store(v, Ordering::Release);
+        };
+        head(1);
+        assert_eq!(receiver.peek(), Some((7, 100)));
+        receiver.pop();
+        assert_eq!(receiver.peek(), None);
+        head(2);
+        assert_eq!(receiver.peek(), Some((8, 200)));
+        assert_eq!(sender.published(), 2);
+        // a full ring refuses to stage
+        for i in 2..SLOTS + 1 {
+            sender.stage(i, i as u32, 1).unwrap();
+        }
+        assert!(sender.stage(SLOTS + 1, 0, 1).is_err());
     }
 
     #[test]

@@ -18,6 +18,7 @@ use crate::{Error, Mr};
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 
 /// Bytes and payloads waiting to be written to the socket, in order.
 #[derive(Default)]
@@ -96,6 +97,8 @@ enum OpState {
     Waiting,
     /// The worker is copying into the receiver's GPU memory.
     Copying,
+    /// The copy is on the GPU, which publishes its completion as ring entry `n`.
+    OnGpu(u64),
     /// The worker is copying GPU data into staging, bound for the receiver's host memory.
     Staging,
     /// The copy (or staging, at the address given) is done; its messages may go out in order.
@@ -201,6 +204,10 @@ pub struct Sender {
     worker: Option<Worker>,
     staging_busy: bool,
     timing: Timing,
+    /// The receiver's completion ring (this side's mapping), once it arrived.
+    ring: Option<Arc<FinRing>>,
+    /// Copies whose completion the GPU published in the ring.
+    gpu_completions: u64,
 }
 
 const READ_CHUNK: usize = 64 << 10;
@@ -221,6 +228,8 @@ impl Sender {
             worker: None,
             staging_busy: false,
             timing: Timing::default(),
+            ring: None,
+            gpu_completions: 0,
         })
     }
 
@@ -332,7 +341,9 @@ impl Sender {
                         &mut self.fds,
                         "the completion ring arrived without its descriptor",
                     )?;
-                    self.queue_job(Job::Ring(FinRing::open(&fd)?))?;
+                    let ring = Arc::new(FinRing::open(&fd)?);
+                    self.ring = Some(ring.clone());
+                    self.queue_job(Job::Ring(ring))?;
                 }
                 Msg::Rtr {
                     seq,
@@ -418,8 +429,12 @@ impl Sender {
                     self.timing.heard_ns += now_ns().saturating_sub(d.done_ns);
                 }
                 if let Some(op) = self.ops.iter_mut().find(|o| o.seq == d.seq) {
-                    op.state = OpState::Copied(staged);
                     op.published = d.published;
+                    if let Some(slot) = d.ring_slot {
+                        op.state = OpState::OnGpu(slot);
+                        continue;
+                    }
+                    op.state = OpState::Copied(staged);
                     let took = now_ns().saturating_sub(op.issued_ns);
                     self.timing.copies += 1;
                     self.timing.copy_ns += took;
@@ -427,11 +442,32 @@ impl Sender {
                 }
             }
         }
+        // copies the GPU publishes: done once the ring's head has passed their entries (this
+        // side reads the same page as the receiver)
+        if let Some(ring) = &self.ring {
+            let published = ring.published();
+            for op in self.ops.iter_mut() {
+                match op.state {
+                    OpState::OnGpu(slot) if slot < published => {
+                        op.state = OpState::Copied(None);
+                        let took = now_ns().saturating_sub(op.issued_ns);
+                        self.timing.copies += 1;
+                        self.timing.copy_ns += took;
+                        self.timing.max_copy_ns = self.timing.max_copy_ns.max(took);
+                        self.gpu_completions += 1;
+                    }
+                    OpState::OnGpu(_) => break, // one stream: later copies finish later
+                    _ => {}
+                }
+            }
+        }
         // emit the receiver's messages in send order, stopping at the first send not ready
         for i in 0..self.ops.len() {
             let (seq, size, src) = (self.ops[i].seq, self.ops[i].size, self.ops[i].src);
             match self.ops[i].state {
-                OpState::Waiting | OpState::Copying | OpState::Staging => break,
+                OpState::Waiting | OpState::Copying | OpState::OnGpu(_) | OpState::Staging => {
+                    break;
+                }
                 OpState::Writing | OpState::Finished => {}
                 OpState::HostReady => {
                     self.out.msg(Msg::Data {
@@ -507,7 +543,7 @@ impl Drop for Sender {
             });
         crate::log::info!(
             crate::abi::NCCL_NET,
-            "same-host send closed: {} steps, {:.1} MiB, one every {:.1} us; per step: waited {:.1} us for the receiver, GPU copy {:.1} us (max {:.1}) = until the copy thread took it {:.1} + cuMemcpyAsync {:.1} + until its event completed {:.1} + until the proxy heard {:.1}; its copy thread slept {} times",
+            "same-host send closed: {} steps, {:.1} MiB, one every {:.1} us; per step: waited {:.1} us for the receiver, GPU copy {:.1} us (max {:.1}) = until the copy thread took it {:.1} + cuMemcpyAsync {:.1} + until its event completed {:.1} + until the proxy heard {:.1}; {} completions published by the GPU (for those, the copy is the whole time from issue to the proxy seeing the ring); its copy thread slept {} times",
             t.steps,
             t.mib(),
             t.interval_us(),
@@ -518,6 +554,7 @@ impl Drop for Sender {
             Timing::us(api, worker_copies),
             Timing::us(gpu, worker_copies),
             Timing::us(t.heard_ns, t.copies),
+            self.gpu_completions,
             sleeps
         );
     }

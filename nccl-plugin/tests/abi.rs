@@ -56,6 +56,16 @@ fn fake_stats() -> (i64, i64, i64) {
 const MESSAGES: usize = 96;
 const CAP: usize = (4 << 20) + 4096;
 
+/// The fake driver's count of stream value writes (the GPU publishing completions).
+fn fake_writes() -> i64 {
+    // SAFETY: `long fake_cuda_writes(void)`.
+    unsafe {
+        fake_driver()
+            .get::<unsafe extern "C" fn() -> i64>(b"fake_cuda_writes\0")
+            .expect("fake_cuda_writes")()
+    }
+}
+
 fn init(p: &Plugin, v10: bool) -> *mut c_void {
     let mut ctx = std::ptr::null_mut();
     // SAFETY: calling the plugin's entry points with valid arguments, as NCCL does.
@@ -395,7 +405,10 @@ fn exchange(env: &[(&str, &str)], throttle: Option<(&Path, u64)>) -> (String, us
     assert!(child.wait().unwrap().success());
     let result = if gpu_mode() {
         let (primary, other, created) = fake_stats();
-        format!("{result} copies_primary={primary} copies_other={other} contexts_created={created}")
+        let writes = fake_writes();
+        format!(
+            "{result} copies_primary={primary} copies_other={other} contexts_created={created} value_writes={writes}"
+        )
     } else {
         result
     };
@@ -500,16 +513,21 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
     // and with the default: copies completing through the shared-memory ring (the receiver
     // refuses a socket Fin then, so passing proves that the ring carried every GPU copy's
     // completion, host receives still in the mix); then the TCP path, whose stream threads
-    // stage GPU buffers through pinned memory
+    // stage GPU buffers through pinned memory. With the ring, the GPU publishes each copy's
+    // completion (a stream value write into the ring's page) unless turned off
+    // (`VGPU_NCCL_GPU_FIN=0`), the driver refuses to register the page, or copies are cut in
+    // pieces: then the copy thread does, after the copy's event
     let mut one_piece_copies = None;
-    for (local, own, refuse, pieces, ring) in [
-        ("1", None, false, None, false),
-        ("1", Some("0"), false, None, false),
-        ("1", None, true, None, false),
-        ("1", None, false, Some("4"), false),
-        ("1", None, false, None, true),
-        ("1", None, false, Some("4"), true),
-        ("0", None, false, None, false),
+    for (local, own, refuse, pieces, ring, gpu_fin) in [
+        ("1", None, false, None, false, None),
+        ("1", Some("0"), false, None, false, None),
+        ("1", None, true, None, false, None),
+        ("1", None, false, Some("4"), false, None),
+        ("1", None, false, None, true, None),
+        ("1", None, false, None, true, Some("0")),
+        ("1", None, false, None, true, Some("refused")),
+        ("1", None, false, Some("4"), true, None),
+        ("0", None, false, None, false, None),
     ] {
         let mut scenario = format!("VGPU_NCCL_LOCAL={local};VGPU_NCCL_TEST_GPU=1");
         if !ring {
@@ -524,12 +542,17 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         if refuse {
             scenario.push_str(";FAKE_CUDA_CTX_CREATE_FAIL=1");
         }
+        match gpu_fin {
+            Some("refused") => scenario.push_str(";FAKE_CUDA_HOST_REGISTER_FAIL=1"),
+            Some(v) => scenario.push_str(&format!(";VGPU_NCCL_GPU_FIN={v}")),
+            None => {}
+        }
         let mut env = fake.clone();
         env.push(("VGPU_NCCL_SCENARIO", scenario));
         let text = run_alone("one_scenario", &env);
         assert!(
             text.contains(&format!("RESULT received={MESSAGES} bad=0")),
-            "VGPU_NCCL_LOCAL {local}, VGPU_NCCL_OWN_CONTEXT {own:?}, context refused {refuse}, pieces {pieces:?}, ring {ring}: {text}"
+            "VGPU_NCCL_LOCAL {local}, VGPU_NCCL_OWN_CONTEXT {own:?}, context refused {refuse}, pieces {pieces:?}, ring {ring}, GPU completions {gpu_fin:?}: {text}"
         );
         let field = |k: &str| number(&text, k) as i64;
         let (primary, other, created) = (
@@ -542,6 +565,13 @@ fn gpu_buffers_between_processes_through_a_fake_driver() {
         // counted in its own process)
         let least = if local == "1" { 72 } else { 31 };
         assert!(primary + other >= least, "too few copies: {text}");
+        // every device-to-device copy (72 of them) published by the GPU, or none
+        let writes = field("value_writes=");
+        if local == "1" && ring && gpu_fin.is_none() && pieces.is_none() {
+            assert_eq!(writes, 72, "the GPU did not publish every copy: {text}");
+        } else {
+            assert_eq!(writes, 0, "the GPU published where it should not: {text}");
+        }
         if local == "1" && own.is_none() && !refuse && !ring {
             match pieces {
                 // a third of the messages are 512 KiB or more: each of those is 4 copies now

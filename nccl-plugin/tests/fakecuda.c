@@ -12,8 +12,14 @@
  * memory). Every cuMemcpyAsync is counted by whether it
  * ran in the primary context, so a test can check in which context the plugin copies.
  *
+ * Host registration and stream memory operations: cuMemHostRegister_v2 records the range
+ * (FAKE_CUDA_HOST_REGISTER_FAIL=1: it refuses) and hands out a device address that differs from
+ * the host one, so a write through the host address is caught; cuStreamWriteValue64_v2 accepts
+ * only device addresses inside a registered range, writes at once, and is counted.
+ *
  * Test-only entry points (not CUDA): fake_device_alloc(bytes) allocates "device memory";
- * fake_cuda_stats(&primary, &other, &created) reads the counters.
+ * fake_cuda_stats(&primary, &other, &created) reads the counters; fake_cuda_writes() the number
+ * of stream value writes.
  */
 #define _GNU_SOURCE
 #include <stdatomic.h>
@@ -47,6 +53,15 @@ static struct {
 static atomic_int allocation_count;
 static atomic_long copies_primary, copies_other, contexts_created;
 static __thread CUcontext current;
+static atomic_long value_writes;
+
+/* registered host ranges; their device addresses are the host ones plus DEVMAP */
+#define DEVMAP 0x100000000000ull
+#define HOST_RANGES 256
+static struct {
+  _Atomic uint64_t base;
+  _Atomic uint64_t size;
+} host_ranges[HOST_RANGES];
 
 static int find(uint64_t ptr) {
   int n = atomic_load(&allocation_count);
@@ -234,3 +249,59 @@ CUresult cuMemFreeHost(void *p) {
   free(p);
   return CUDA_SUCCESS;
 }
+
+CUresult cuMemHostRegister_v2(void *p, size_t bytes, unsigned flags) {
+  (void)flags;
+  const char *fail = getenv("FAKE_CUDA_HOST_REGISTER_FAIL");
+  if (fail && fail[0] == '1') return CUDA_ERROR_NOT_SUPPORTED;
+  if (((uintptr_t)p & 4095) != 0 || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+  for (int i = 0; i < HOST_RANGES; i++) {
+    uint64_t expected = 0;
+    if (atomic_compare_exchange_strong(&host_ranges[i].base, &expected, (uint64_t)(uintptr_t)p)) {
+      atomic_store(&host_ranges[i].size, bytes);
+      return CUDA_SUCCESS;
+    }
+  }
+  return CUDA_ERROR_OUT_OF_MEMORY;
+}
+CUresult cuMemHostUnregister(void *p) {
+  for (int i = 0; i < HOST_RANGES; i++)
+    if (atomic_load(&host_ranges[i].base) == (uint64_t)(uintptr_t)p) {
+      atomic_store(&host_ranges[i].size, 0);
+      atomic_store(&host_ranges[i].base, 0);
+      return CUDA_SUCCESS;
+    }
+  return CUDA_ERROR_INVALID_VALUE;
+}
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *dev, void *p, unsigned flags) {
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  for (int i = 0; i < HOST_RANGES; i++) {
+    uint64_t base = atomic_load(&host_ranges[i].base);
+    if (base && (uint64_t)(uintptr_t)p >= base &&
+        (uint64_t)(uintptr_t)p < base + atomic_load(&host_ranges[i].size)) {
+      *dev = (uint64_t)(uintptr_t)p + DEVMAP;
+      return CUDA_SUCCESS;
+    }
+  }
+  return CUDA_ERROR_INVALID_VALUE;
+}
+CUresult cuStreamWriteValue64_v2(void *stream, CUdeviceptr addr, uint64_t value, unsigned flags) {
+  (void)stream;
+  if (flags != 0 || addr < DEVMAP || (addr & 7) != 0) return CUDA_ERROR_INVALID_VALUE;
+  uint64_t host = addr - DEVMAP;
+  for (int i = 0; i < HOST_RANGES; i++) {
+    uint64_t base = atomic_load(&host_ranges[i].base);
+    if (base && host >= base && host + 8 <= base + atomic_load(&host_ranges[i].size)) {
+      /* the copies before it on the stream are done (they ran at once): publish */
+      atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)host, value, memory_order_release);
+      atomic_fetch_add(&value_writes, 1);
+      return CUDA_SUCCESS;
+    }
+  }
+  return CUDA_ERROR_INVALID_VALUE;
+}
+CUresult cuStreamQuery(void *stream) {
+  (void)stream;
+  return CUDA_SUCCESS;
+}
+long fake_cuda_writes(void) { return atomic_load(&value_writes); }

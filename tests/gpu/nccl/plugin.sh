@@ -5,10 +5,12 @@
 # Sections (SECTIONS="transport slices isolation overhead" by default):
 #   transport  2 ranks, P2P and SHM off: NCCL's socket transport vs ours (same-host GPU path,
 #              and our TCP path); all-reduce correctness on random data and bus bandwidth;
-#              TRANSPORT_PROBES=1 adds the socket `Fin` instead of the completion ring, a copy
-#              thread per connection, copy threads that poll longer, 16 channels, 16 MiB
-#              buffers, NCCL's socket transport again (PROBES_OLD=1: copies in pieces, the
-#              TCP path with GPU buffers)
+#              TRANSPORT_PROBES=1 adds the socket `Fin` instead of the completion ring, the
+#              copy thread publishing completions instead of the GPU, a copy thread per
+#              connection, 16 channels, 16 MiB buffers, NCCL's socket transport again
+#              (PROBES_OLD=1: copies in pieces, the TCP path with GPU buffers).
+#              ONE_GPU=1: every rank on GPU 0, each its own slice (NCCL_HOSTID), under MPS, so
+#              the transport runs on a one-GPU machine (copies inside one GPU, not NVLink)
 #   slices     4 ranks on 2 GPUs (two slices per GPU, one NCCL_HOSTID each) in one communicator:
 #              all-reduce, all-gather, reduce-scatter, broadcast, send/recv on random data
 #              (SLICES_MPS=1 adds the GPU path under MPS)
@@ -41,6 +43,10 @@ RES="$LOGS/results.jsonl"
 SECTIONS=${SECTIONS:-"transport slices isolation overhead"}
 # ranks per job outside the slices section: one per GPU (4 on the 4 x H200 machine)
 NPROC=${NPROC:-2}
+# ONE_GPU=1: all ranks on GPU 0 (slices of one GPU), for machines with one GPU
+if [ "${ONE_GPU:-0}" = 1 ]; then
+  BENCH_GPU_OF_RANK=$(printf '0,%.0s' $(seq 1 4)); export BENCH_GPU_OF_RANK=${BENCH_GPU_OF_RANK%,}
+fi
 SECS=${SECS:-6}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,TUNING
@@ -78,6 +84,10 @@ for s in $SECTIONS; do
   case $s in
   transport)
     log "transport"
+    # slices of one GPU run their kernels side by side only under MPS (time-sliced, each
+    # rank's kernel would wait for a peer that is not running): every job here, NCCL's socket
+    # transport too
+    [ "${ONE_GPU:-0}" = 1 ] && mps
     job socket 29500 "$NPROC" "${NOPATH[@]}" NCCL_NET=Socket SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
     job vgpu_tcp 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
     job vgpu_local_host 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu SLICE_PREFIX=a -- --check all_reduce --mib 256 --lead 2
@@ -90,20 +100,21 @@ for s in $SECTIONS; do
       JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_gpu_bigbuf 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_BUFFSIZE="${BIGBUF:-16777216}" SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
     fi
     # TRANSPORT_PROBES=1: what bounds the GPU path at NCCL's default buffers. At 4 channels it
-    # is per-step latency (each channel's CTA waits on each hop); at 16 channels a cost the
-    # channels share (one copy thread per connection, as before, contended for the CPUs and
-    # the driver). The defaults now: the completion ring, one copy thread per device and
-    # process, polling 100 us before it sleeps. The probes: the old socket `Fin`, a copy thread
-    # per connection (4 threads at 4 channels), threads that poll 5 ms, 16 channels with one
-    # and with 4 threads, 16 channels with 16 MiB buffers. PROBES_OLD=1 adds the ones already
+    # is per-step latency (each channel's CTA waits on each hop). The defaults now: the
+    # completion ring, published by the GPU (a stream write behind each copy), one copy thread
+    # per device and process, polling 5 ms before it sleeps. The probes: the old socket
+    # `Fin`, the copy thread publishing after the copy's event (the previous default), a
+    # copy thread per connection (4 threads at 4 channels), 16 channels (GPU- and
+    # thread-published), 16 channels with 16 MiB buffers. PROBES_OLD=1 adds the ones already
     # measured (copies in pieces, our TCP path handed GPU buffers).
     if [ "${TRANSPORT_PROBES:-0}" = 1 ]; then
       GPU=("${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a)
       probe() { local label=$1; shift; JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job "$label" 29500 "$NPROC" "${GPU[@]}" "$@" -- --check "$CHECK" --mib 256 --lead 2; }
       probe vgpu_gpu_noring VGPU_NCCL_FIN_RING=0
+      probe vgpu_gpu_threadfin VGPU_NCCL_GPU_FIN=0
       probe vgpu_gpu_threads4 VGPU_NCCL_COPY_THREADS=4
-      probe vgpu_gpu_spin5ms VGPU_NCCL_SPIN_US=5000
       probe vgpu_gpu_ch16 NCCL_MIN_NCHANNELS=16
+      probe vgpu_gpu_ch16_threadfin NCCL_MIN_NCHANNELS=16 VGPU_NCCL_GPU_FIN=0
       probe vgpu_gpu_ch16_threads4 NCCL_MIN_NCHANNELS=16 VGPU_NCCL_COPY_THREADS=4
       probe vgpu_gpu_ch16_bigbuf NCCL_MIN_NCHANNELS=16 NCCL_BUFFSIZE=16777216
       # NCCL's socket transport once more: how much the reference moves between runs
@@ -113,6 +124,7 @@ for s in $SECTIONS; do
         JOB_TIMEOUT=${GPU_PATH_TIMEOUT:-60} job vgpu_tcp_gdr 29500 "$NPROC" "${NOPATH[@]}" "${PLUG[@]}" NCCL_NET=vgpu VGPU_NCCL_LOCAL=0 NCCL_NET_GDR_LEVEL=SYS SLICE_PREFIX=a -- --check "$CHECK" --mib 256 --lead 2
       fi
     fi
+    [ "${ONE_GPU:-0}" = 1 ] && nomps
     ;;
   slices)
     log "slices"
@@ -237,7 +249,7 @@ for la in sorted(l for l in lat if l.startswith("gbe_A")):
         continue
     lb = "gbe_B" + la[len("gbe_A"):]
     print(f"guarantee next to a best-effort neighbour{la[5:]}: A's p50 {lat[la]:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat[la]/lat['mps_alone_A']:.2f}x (target 1.15x); A {by.get(la, 0):.1f} GB/s, B {by.get(lb, 0):.1f} GB/s")
-for probe in ["vgpu_gpu_noring", "vgpu_gpu_threads4", "vgpu_gpu_spin5ms", "vgpu_gpu_ch16", "vgpu_gpu_ch16_threads4", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_pieces4", "vgpu_tcp_gdr", "socket_again"]:
+for probe in ["vgpu_gpu_noring", "vgpu_gpu_threadfin", "vgpu_gpu_threads4", "vgpu_gpu_ch16", "vgpu_gpu_ch16_threadfin", "vgpu_gpu_ch16_threads4", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_pieces4", "vgpu_tcp_gdr", "socket_again"]:
     if probe in by:
         print(f"probe {probe}: {by[probe]:.1f} GB/s ({ratio(probe, 'socket')}x NCCL socket)")
 if "ip_tenant" in by:
