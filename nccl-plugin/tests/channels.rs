@@ -1,0 +1,310 @@
+//! Several connections of one process, as NCCL's channels are: one rank opens a connection per
+//! channel to its peer, and every same-host sender of the process hands its GPU copies to the
+//! same copy thread (`VGPU_NCCL_COPY_THREADS`, default 1). Through the real ABI and the fake
+//! driver of `tests/fakecuda.c`, between two processes: `CONNS` connections from one listener,
+//! messages spread over them with up to 32 in flight at once, every buffer in "device" memory
+//! so every message is a GPU copy, data checked byte for byte on the receiving side. Run with
+//! the GPU publishing completions (the default) and with the copy thread publishing them
+//! after each copy's event (`VGPU_NCCL_GPU_FIN=0`).
+//!
+//! Three processes: the test re-executes this binary as the sending rank (the dynamic loader
+//! must find the fake `libcuda.so.1` from the start), which re-executes it as the receiving
+//! rank.
+
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use vgpu_nccl::abi::*;
+
+mod support;
+use support::{Buf, Plugin, accept_polled, fake_cuda_env, fake_driver, irecv_one, library, ok};
+
+/// Connections (NCCL's channels at its defaults on this path: 4).
+const CONNS: usize = 4;
+/// Messages per connection.
+const PER_CONN: usize = 24;
+/// Receives (and sends) in flight per connection: 8 x 4 = NCCL's 32 per process.
+const DEPTH: usize = 8;
+const CAP: usize = (1 << 20) + 8192;
+
+/// The bytes of message `i` on connection `c`.
+fn pattern(c: usize, i: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|j| ((c * 53 + i * 131 + j * 7 + (j >> 9)) % 251) as u8)
+        .collect()
+}
+
+fn size(c: usize, i: usize) -> usize {
+    [1usize << 20, 4096, 0, 65_537, 300_000][(c + i) % 5] + (c * 131 + i * 977) % 2048
+}
+
+fn run_self(test: &str, env: &[(&str, String)]) -> std::process::Child {
+    Command::new(std::env::current_exe().unwrap())
+        .env("VGPU_NCCL_NO_BUILD", "1")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .args([
+            test,
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--ignored",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("re-executing the test binary")
+}
+
+fn init(p: &Plugin) -> *mut c_void {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: the plugin's init with valid arguments, as NCCL calls it.
+    ok(
+        unsafe { (p.net.init)(&mut ctx, 7, std::ptr::null_mut(), None, None) },
+        "init",
+    );
+    ctx
+}
+
+/// Tests `reqs` in the order given until all are done; `sizes[k]` gets request k's size.
+fn drain(p: &Plugin, reqs: &mut Vec<(usize, *mut c_void)>, sizes: &mut [i32]) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !reqs.is_empty() {
+        assert!(Instant::now() < deadline, "requests never completed");
+        reqs.retain(|&(k, r)| {
+            let (mut done, mut size) = (0, -1);
+            // SAFETY: a live request from isend/irecv.
+            ok(unsafe { (p.net.test)(r, &mut done, &mut size) }, "test");
+            if done == 1 {
+                sizes[k] = size;
+            }
+            done == 0
+        });
+    }
+}
+
+#[test]
+#[ignore = "the receiving rank of connections_of_one_process_share_its_copy_thread"]
+fn channels_receiver() {
+    let p = support::plugin();
+    let ctx = init(&p);
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    let mut lc = std::ptr::null_mut();
+    // SAFETY: listen with a handle buffer of NCCL's size.
+    ok(
+        unsafe { (p.net.listen)(ctx, 0, handle.as_mut_ptr().cast(), &mut lc) },
+        "listen",
+    );
+    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
+    println!("\nHANDLE {hex}");
+    std::io::stdout().flush().unwrap();
+    // the connections arrive in any order; the sender says which is which in its first message
+    let rcs: Vec<*mut c_void> = (0..CONNS).map(|_| accept_polled(&p, lc)).collect();
+    let bufs: Vec<Vec<Buf>> = (0..CONNS)
+        .map(|_| (0..DEPTH).map(|_| Buf::new(CAP, true)).collect())
+        .collect();
+    let mut mhs = vec![vec![std::ptr::null_mut(); DEPTH]; CONNS];
+    for (c, rc) in rcs.iter().enumerate() {
+        for (slot, b) in bufs[c].iter().enumerate() {
+            // SAFETY: registering a live device buffer.
+            ok(
+                unsafe { (p.net.regMr)(*rc, b.ptr.cast(), CAP, NCCL_PTR_CUDA, &mut mhs[c][slot]) },
+                "regMr",
+            );
+        }
+    }
+    // which connection is which: the first message on each names its sender-side index
+    let mut order = vec![usize::MAX; CONNS];
+    let mut bad = 0;
+    for round in (0..PER_CONN).step_by(DEPTH) {
+        let mut reqs = Vec::new();
+        for i in round..(round + DEPTH).min(PER_CONN) {
+            for (c, rc) in rcs.iter().enumerate() {
+                let slot = i % DEPTH;
+                let req = irecv_one(&p, *rc, bufs[c][slot].ptr, CAP, mhs[c][slot]);
+                assert!(!req.is_null());
+                reqs.push((c * PER_CONN + i, req));
+            }
+        }
+        reqs.reverse(); // completions tested out of order
+        let mut got = vec![-1i32; CONNS * PER_CONN];
+        drain(&p, &mut reqs, &mut got);
+        for (c, sender_index) in order.iter_mut().enumerate() {
+            if *sender_index == usize::MAX {
+                // message 0 of sender connection s is 1 MiB + ... with the first byte s-dependent
+                let first = bufs[c][0].bytes(1)[0];
+                *sender_index = (0..CONNS)
+                    .find(|&s| pattern(s, 0, 1)[0] == first)
+                    .unwrap_or(usize::MAX);
+            }
+            let s = *sender_index;
+            for i in round..(round + DEPTH).min(PER_CONN) {
+                let n = got[c * PER_CONN + i];
+                if s == usize::MAX
+                    || n as usize != size(s, i)
+                    || bufs[c][i % DEPTH].bytes(n as usize) != pattern(s, i, n as usize)
+                {
+                    bad += 1;
+                }
+            }
+        }
+    }
+    for (c, rc) in rcs.iter().enumerate() {
+        for mh in &mhs[c] {
+            // SAFETY: handles from regMr on this comm.
+            ok(unsafe { (p.net.deregMr)(*rc, *mh) }, "deregMr");
+        }
+        // SAFETY: closing a comm made above.
+        ok(unsafe { (p.net.closeRecv)(*rc) }, "closeRecv");
+    }
+    // SAFETY: closing the listener and the context made above.
+    unsafe {
+        ok((p.net.closeListen)(lc), "closeListen");
+        ok((p.net.finalize)(ctx), "finalize");
+    }
+    println!("RESULT received={} bad={bad}", CONNS * PER_CONN);
+}
+
+#[test]
+#[ignore = "the sending rank of connections_of_one_process_share_its_copy_thread"]
+fn channels_sender() {
+    // the receiving rank inherits this process's settings and the fake driver's path
+    let mut child = run_self("channels_receiver", &[]);
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines
+        .by_ref()
+        .map(|l| l.unwrap())
+        .find(|l| l.contains("HANDLE "))
+        .expect("the receiver printed its handle");
+    let hex = &line[line.find("HANDLE ").unwrap() + 7..];
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    for (i, b) in handle.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let p = support::plugin();
+    let ctx = init(&p);
+    let mut scs = Vec::new();
+    for _ in 0..CONNS {
+        let mut h = handle;
+        let mut sc: *mut c_void = std::ptr::null_mut();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while sc.is_null() {
+            assert!(Instant::now() < deadline, "connect never completed");
+            // SAFETY: polling connect with the same handle buffer, as NCCL does.
+            ok(
+                unsafe {
+                    (p.net.connect)(ctx, 0, h.as_mut_ptr().cast(), &mut sc, std::ptr::null_mut())
+                },
+                "connect",
+            );
+        }
+        scs.push(sc);
+    }
+    let payloads: Vec<Vec<Buf>> = (0..CONNS)
+        .map(|c| {
+            (0..PER_CONN)
+                .map(|i| Buf::with(&pattern(c, i, size(c, i)), true))
+                .collect()
+        })
+        .collect();
+    let mut mhs = vec![vec![std::ptr::null_mut(); PER_CONN]; CONNS];
+    for (c, sc) in scs.iter().enumerate() {
+        for (i, b) in payloads[c].iter().enumerate() {
+            // SAFETY: registering a live device buffer.
+            ok(
+                unsafe { (p.net.regMr)(*sc, b.ptr.cast(), b.len, NCCL_PTR_CUDA, &mut mhs[c][i]) },
+                "regMr",
+            );
+        }
+    }
+    // every connection's sends posted before any is tested, interleaved across connections
+    let mut sent = vec![-1i32; CONNS * PER_CONN];
+    for round in (0..PER_CONN).step_by(DEPTH) {
+        let mut reqs = Vec::new();
+        for i in round..(round + DEPTH).min(PER_CONN) {
+            for (c, sc) in scs.iter().enumerate() {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    let mut req = std::ptr::null_mut();
+                    // SAFETY: a registered live buffer of the given size.
+                    ok(
+                        unsafe {
+                            (p.net.isend)(
+                                *sc,
+                                payloads[c][i].ptr.cast(),
+                                payloads[c][i].len,
+                                0,
+                                mhs[c][i],
+                                std::ptr::null_mut(),
+                                &mut req,
+                            )
+                        },
+                        "isend",
+                    );
+                    if !req.is_null() {
+                        reqs.push((c * PER_CONN + i, req));
+                        break;
+                    }
+                    assert!(Instant::now() < deadline, "isend never admitted");
+                }
+            }
+        }
+        reqs.sort_by_key(|&(k, _)| (k % 3, k));
+        drain(&p, &mut reqs, &mut sent);
+    }
+    for c in 0..CONNS {
+        for i in 0..PER_CONN {
+            assert_eq!(sent[c * PER_CONN + i] as usize, size(c, i), "send {c}/{i}");
+        }
+    }
+    // read to the end: the receiver prints more after its result
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let result = rest
+        .iter()
+        .find(|l| l.contains("RESULT"))
+        .expect("the receiver printed a result");
+    for (c, sc) in scs.iter().enumerate() {
+        for mh in &mhs[c] {
+            // SAFETY: handles from regMr on this comm.
+            ok(unsafe { (p.net.deregMr)(*sc, *mh) }, "deregMr");
+        }
+        // SAFETY: closing a comm made above.
+        ok(unsafe { (p.net.closeSend)(*sc) }, "closeSend");
+    }
+    // SAFETY: finalizing the context made above.
+    ok(unsafe { (p.net.finalize)(ctx) }, "finalize");
+    assert!(child.wait().unwrap().success());
+    // SAFETY: the fake driver's `long fake_cuda_writes(void)`.
+    let writes = unsafe {
+        fake_driver()
+            .get::<unsafe extern "C" fn() -> i64>(b"fake_cuda_writes\0")
+            .expect("fake_cuda_writes")()
+    };
+    println!("{result} value_writes={writes}");
+}
+
+#[test]
+fn connections_of_one_process_share_its_copy_thread() {
+    library(); // built once, before the ranks load it
+    for gpu_fin in ["1", "0"] {
+        let mut env = fake_cuda_env();
+        env.push(("VGPU_NCCL_LOCAL", "1".into()));
+        env.push(("VGPU_NCCL_GPU_FIN", gpu_fin.into()));
+        let out = run_self("channels_sender", &env)
+            .wait_with_output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "VGPU_NCCL_GPU_FIN={gpu_fin}: {text}");
+        assert!(
+            text.contains(&format!("RESULT received={} bad=0", CONNS * PER_CONN)),
+            "VGPU_NCCL_GPU_FIN={gpu_fin}: {text}"
+        );
+        // every message is a device-to-device copy: all published by the GPU, or none
+        let want = if gpu_fin == "1" { CONNS * PER_CONN } else { 0 };
+        assert!(
+            text.contains(&format!("value_writes={want}")),
+            "VGPU_NCCL_GPU_FIN={gpu_fin}: expected {want} GPU-published completions: {text}"
+        );
+    }
+}
