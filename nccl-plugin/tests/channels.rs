@@ -115,7 +115,7 @@ fn channels_receiver() {
         }
     }
     // which connection is which: the first message on each names its sender-side index
-    let mut order = vec![usize::MAX; CONNS];
+    let mut order = [usize::MAX; CONNS];
     let mut bad = 0;
     for round in (0..PER_CONN).step_by(DEPTH) {
         let mut reqs = Vec::new();
