@@ -321,6 +321,21 @@ pub struct ncclTuner_v4_t {
     pub destroy: unsafe extern "C" fn(ctx: *mut c_void) -> ncclResult_t,
 }
 
+/// `ncclEnv_v1_t` (NCCL 2.28+, `NCCL_ENV_PLUGIN`): NCCL asks it for every variable it reads.
+/// The string returned must stay valid until `finalize` or the next `getEnv` of that name.
+#[repr(C)]
+pub struct ncclEnv_v1_t {
+    pub name: *const c_char,
+    pub init: unsafe extern "C" fn(
+        major: u8,
+        minor: u8,
+        patch: u8,
+        suffix: *const c_char,
+    ) -> ncclResult_t,
+    pub finalize: unsafe extern "C" fn() -> ncclResult_t,
+    pub getEnv: unsafe extern "C" fn(name: *const c_char) -> *const c_char,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -348,5 +363,7 @@ mod tests {
         assert_eq!(size_of::<ncclNet_v10_t>(), 20 * 8);
         assert_eq!(size_of::<ncclTuner_v5_t>(), 4 * 8);
         assert_eq!(size_of::<ncclTuner_v4_t>(), 4 * 8);
+        assert_eq!(size_of::<ncclEnv_v1_t>(), 4 * 8);
+        assert_eq!(offset_of!(ncclEnv_v1_t, getEnv), 24);
     }
 }

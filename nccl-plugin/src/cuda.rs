@@ -109,17 +109,23 @@ struct MemOps {
     stream_query: unsafe extern "C" fn(CUstream) -> CUresult,
 }
 
+/// The first of `names` the library exports, as a function of type `T`.
+///
+/// # Safety
+/// `T` must be the prototype of every symbol in `names`.
+unsafe fn first<T: Copy>(lib: &libloading::Library, names: &[&[u8]]) -> Option<T> {
+    names
+        .iter()
+        // SAFETY: the caller names symbols whose prototype is `T`.
+        .find_map(|n| unsafe { lib.get::<T>(n) }.ok().map(|f| *f))
+}
+
+/// `cuDeviceGetUuid`: which physical GPU a device is (for the per-GPU rank slots of
+/// `identity`); optional like the memory operations.
+type DeviceUuid = unsafe extern "C" fn(*mut [u8; 16], c_int) -> CUresult;
+
 impl MemOps {
     fn load(lib: &libloading::Library) -> Option<MemOps> {
-        /// The first of `names` the library exports, as a function of type `T`.
-        ///
-        /// SAFETY (of the callers): `T` must be the prototype of every symbol in `names`.
-        unsafe fn first<T: Copy>(lib: &libloading::Library, names: &[&[u8]]) -> Option<T> {
-            names
-                .iter()
-                // SAFETY: the caller names symbols whose prototype is `T`.
-                .find_map(|n| unsafe { lib.get::<T>(n) }.ok().map(|f| *f))
-        }
         // SAFETY: prototypes of cuda.h (CUDA 12/13); the `_v2` names are what cuda.h's macros
         // resolve to (cuStreamWriteValue64_v2 needs no driver option, unlike the first
         // version of the stream memory operations).
@@ -144,6 +150,7 @@ impl MemOps {
 pub struct Cuda {
     fns: Fns,
     memops: Option<MemOps>,
+    device_uuid: Option<DeviceUuid>,
     _lib: libloading::Library,
 }
 
@@ -166,9 +173,13 @@ pub fn driver() -> Result<&'static Cuda, CudaError> {
                 unsafe { libloading::Library::new("libcuda.so.1") }.map_err(|e| e.to_string())?;
             let fns = load(&lib)?;
             let memops = MemOps::load(&lib);
+            // SAFETY: the prototype of cuda.h (the `_v2` name is what its macro resolves to).
+            let device_uuid =
+                unsafe { first(&lib, &[b"cuDeviceGetUuid_v2\0", b"cuDeviceGetUuid\0"]) };
             Ok(Cuda {
                 fns,
                 memops,
+                device_uuid,
                 _lib: lib,
             })
         })
@@ -283,6 +294,19 @@ impl Cuda {
             (self.fns.ctx_get_device)(&mut dev)
         })?;
         Ok(dev)
+    }
+
+    /// The physical GPU of the calling thread's current context (its UUID).
+    pub fn current_gpu_uuid(&self) -> Result<[u8; 16], CudaError> {
+        let get = self.device_uuid.ok_or(CudaError::Call {
+            call: "cuDeviceGetUuid",
+            code: 801,
+        })?;
+        let device = self.current_device()?;
+        let mut uuid = [0u8; 16];
+        // SAFETY: out-pointer to a local of the 16 bytes CUuuid holds; a valid ordinal.
+        check("cuDeviceGetUuid", unsafe { get(&mut uuid, device) })?;
+        Ok(uuid)
     }
 
     /// The allocation that holds `ptr`: its base and size.

@@ -648,3 +648,45 @@ pub static ncclTunerPlugin_v4: Table<ncclTuner_v4_t> = Table(ncclTuner_v4_t {
     getCollInfo: get_coll_info,
     destroy: tuner_finalize,
 });
+
+// ---- env (NCCL 2.28+, loaded only when NCCL_ENV_PLUGIN names this library) ----
+
+unsafe extern "C" fn env_init(
+    _major: u8,
+    _minor: u8,
+    _patch: u8,
+    _suffix: *const c_char,
+) -> ncclResult_t {
+    NCCL_SUCCESS
+}
+
+unsafe extern "C" fn env_finalize() -> ncclResult_t {
+    NCCL_SUCCESS
+}
+
+/// What NCCL reads: the process environment, except `NCCL_HOSTID` for a rank that shares its
+/// GPU with another rank of the same identity (`identity`).
+unsafe extern "C" fn env_get(name: *const c_char) -> *const c_char {
+    if name.is_null() {
+        return std::ptr::null();
+    }
+    // SAFETY: NCCL passes a NUL-terminated variable name.
+    let wanted = unsafe { std::ffi::CStr::from_ptr(name) };
+    if wanted.to_bytes() == b"NCCL_HOSTID" {
+        // a panic keeps the environment's value rather than unwinding into NCCL
+        if let Ok(Some(id)) = catch_unwind(crate::identity::host_id) {
+            return id.as_ptr();
+        }
+    }
+    // SAFETY: as NCCL's own env plugin does; the pointer stays valid while nobody changes the
+    // variable, which NCCL's contract already asks of the application.
+    unsafe { libc::getenv(name) }
+}
+
+#[unsafe(no_mangle)]
+pub static ncclEnvPlugin_v1: Table<ncclEnv_v1_t> = Table(ncclEnv_v1_t {
+    name: NAME.as_ptr(),
+    init: env_init,
+    finalize: env_finalize,
+    getEnv: env_get,
+});

@@ -20,6 +20,7 @@ mod copier;
 mod cuda;
 mod exports;
 mod finring;
+mod identity;
 mod local;
 mod log;
 mod net;

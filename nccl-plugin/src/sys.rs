@@ -205,3 +205,24 @@ pub struct SendPtr(pub u64);
 // SAFETY: the pointee is memory NCCL keeps valid until `test` reports the request done; only
 // one worker touches each byte range.
 unsafe impl Send for SendPtr {}
+
+/// Takes an exclusive `flock` on `file` without waiting: `Ok(false)` if another open file
+/// description holds it.
+pub fn try_lock(file: &std::fs::File) -> io::Result<bool> {
+    // SAFETY: flock on a descriptor `file` owns.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.kind() == io::ErrorKind::WouldBlock {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// The process's user id.
+pub fn uid() -> u32 {
+    // SAFETY: getuid has no failure mode and touches no memory of ours.
+    unsafe { libc::getuid() }
+}

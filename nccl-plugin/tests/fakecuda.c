@@ -12,6 +12,9 @@
  * memory). Every cuMemcpyAsync is counted by whether it
  * ran in the primary context, so a test can check in which context the plugin copies.
  *
+ * cuCtxGetDevice fails with FAKE_CUDA_NO_CONTEXT=1 (no current context); device 0 has a fixed
+ * UUID.
+ *
  * Host registration and stream memory operations: cuMemHostRegister_v2 records the range
  * (FAKE_CUDA_HOST_REGISTER_FAIL=1: it refuses) and hands out a device address that differs from
  * the host one, so a write through the host address is caught; cuStreamWriteValue64_v2 accepts
@@ -98,7 +101,14 @@ CUresult cuCtxSetCurrent(CUcontext ctx) {
   return CUDA_SUCCESS;
 }
 CUresult cuCtxGetDevice(int *device) {
+  const char *none = getenv("FAKE_CUDA_NO_CONTEXT");
+  if (none && none[0] == '1') return 201; /* CUDA_ERROR_INVALID_CONTEXT */
   *device = 0;
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetUuid_v2(unsigned char uuid[16], int device) {
+  if (device != 0) return CUDA_ERROR_INVALID_VALUE;
+  for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xa0 + i);
   return CUDA_SUCCESS;
 }
 CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, int device) {

@@ -21,6 +21,7 @@
 //! | `VGPU_NCCL_SHARE_FILE` | `nccl-share` in the tenant's directory: where the tenants' NCCL tuners see each other |
 //! | `VGPU_NETSHARE_TABLE`, `VGPU_NETSHARE_FLOW` | `netshare` in the tenant's directory and the tenant's flow in it: the token bucket its NCCL network sends wait on ([`crate::bandwidth`]) |
 //! | `NCCL_NET_PLUGIN`, `NCCL_TUNER_PLUGIN` | `libvgpu_nccl.so` beside the interposer, when it is there |
+//! | `NCCL_ENV_PLUGIN` | the same library, for a tenant with a fraction of a GPU: the rank of it that shares a GPU with another of its ranks gets a host identity of its own (`<NCCL_HOSTID>-slot<k>`), so two of its ranks on one GPU join one communicator |
 //! | `NCCL_HOSTID`, `NCCL_NET` | for a tenant with a fraction of a GPU: `vgpu-<node>-<tenant>` and `vgpu`, so NCCL treats the slice as its own device (no "Duplicate GPU detected" when two tenants' ranks share a GPU) and connects it through the plugin |
 //!
 //! Ordinals follow `CUDA_VISIBLE_DEVICES`: the process's device 0 is the tenant's first slice.
@@ -155,12 +156,18 @@ pub fn tenant_environment(
             crate::bandwidth::flow_id(&assignment.tenant).0.to_string(),
         ),
     ]);
+    let identity = slice_identity_environment(node, assignment);
     if let Some(plugin) = nccl_plugin_beside(config.interposer.as_deref()) {
         let plugin = plugin.to_string_lossy().into_owned();
         environment.push(("NCCL_NET_PLUGIN".to_owned(), plugin.clone()));
-        environment.push(("NCCL_TUNER_PLUGIN".to_owned(), plugin));
+        environment.push(("NCCL_TUNER_PLUGIN".to_owned(), plugin.clone()));
+        // two ranks of a fractional tenant on one GPU tell themselves apart through the
+        // plugin's env table (a slot per rank on each GPU: nccl-plugin's `identity`)
+        if !identity.is_empty() {
+            environment.push(("NCCL_ENV_PLUGIN".to_owned(), plugin));
+        }
     }
-    environment.extend(slice_identity_environment(node, assignment));
+    environment.extend(identity);
     if let Some(pipes) = &config.mps_pipe_dir {
         environment.extend(concurrent_sharing_environment(pipes, assignment));
     }

@@ -291,7 +291,9 @@ fn nccl_settings_follow_the_slices_and_the_installed_plugin() {
         .to_string_lossy()
         .into_owned();
     assert_eq!(get(&environment, "NCCL_NET_PLUGIN"), Some(plugin.clone()));
-    assert_eq!(get(&environment, "NCCL_TUNER_PLUGIN"), Some(plugin));
+    assert_eq!(get(&environment, "NCCL_TUNER_PLUGIN"), Some(plugin.clone()));
+    // whole GPUs: NCCL's own identities, no env plugin
+    assert_eq!(get(&environment, "NCCL_ENV_PLUGIN"), None);
     // Two tenants on one GPU get different host identities.
     let a = TenantAssignment {
         tenant: "a".into(),
@@ -314,6 +316,13 @@ fn nccl_settings_follow_the_slices_and_the_installed_plugin() {
         )
     };
     assert_ne!(id(&a), id(&b));
+    // a fractional tenant's ranks on one GPU get identities of their own from the env plugin
+    let environment = tenant_environment("node-a", &a, &installed, None);
+    assert_eq!(get(&environment, "NCCL_ENV_PLUGIN"), Some(plugin));
+    assert_eq!(
+        get(&environment, "NCCL_HOSTID").as_deref(),
+        Some("vgpu-node-a-a")
+    );
     assert_eq!(
         get(
             &tenant_environment("node-a", &b, &config(), None),

@@ -22,6 +22,12 @@
 #              The two jobs of a pair measure the same wall-clock window, PAIR_DELAY (30) s
 #              after the pair starts (bench.py --start-at)
 #   overhead   one job on NCCL's own NVLink path with and without the plugin loaded, no sharing
+#   identity   ranks of one tenant on one GPU in one communicator, given only what the agent
+#              hands a fractional tenant (one NCCL_HOSTID for all its ranks, NCCL_NET=vgpu):
+#              without NCCL_ENV_PLUGIN NCCL refuses them ("Duplicate GPU detected"); with our
+#              env plugin each rank takes a slot on its GPU and its own identity: 2 and 3 ranks
+#              on GPU 0 under MPS, all five collectives on random data. Not in the default
+#              SECTIONS.
 #   interposer (issue 3, point 5) one tenant's all-reduce across both GPUs with libvgpu_cuda.so
 #              preloaded (memory limit, compute share with burst), against the same job without;
 #              correctness on random data. INTERPOSER=path (default libvgpu_cuda.so beside the
@@ -178,6 +184,17 @@ for s in $SECTIONS; do
     done
     nomps
     ;;
+  identity)
+    log "identity"
+    mps
+    IDENV=("${PLUG[@]}" NCCL_DEBUG_SUBSYS=INIT,NET,ENV NCCL_NET=vgpu NCCL_NET_GDR_LEVEL=SYS NCCL_HOSTID=vgpu-node-a-tenant BENCH_GPU_OF_RANK=0,0,0,0 VGPU_SHM_DIR="$MPS_DIR")
+    JOB_TIMEOUT=60 job ident_none 29500 2 "${IDENV[@]}" -- --check "$CHECK" --mib 64 --lead 1
+    grep -m1 -o "Duplicate GPU detected.*" "$LOGS/ident_none.log" | head -c 200 >"$LOGS/ident_none_refusal.txt"
+    JOB_TIMEOUT=90 job ident_env2 29500 2 "${IDENV[@]}" NCCL_ENV_PLUGIN="$SO" -- --check "$CHECK" --mib 256 --lead 2
+    JOB_TIMEOUT=90 job ident_env3 29500 3 "${IDENV[@]}" NCCL_ENV_PLUGIN="$SO" -- --check "$CHECK" --mib 128 --lead 2
+    grep -h "NCCL_HOSTID set by environment\|vgpu env plugin" "$LOGS"/ident_env*.log | sed 's/^.*NCCL INFO //' | sort | uniq -c >"$LOGS/ident_lines.txt"
+    nomps
+    ;;
   interposer)
     log "interposer"
     IP=$(realpath "${INTERPOSER:-$DIST/libvgpu_cuda.so}")
@@ -252,6 +269,12 @@ for la in sorted(l for l in lat if l.startswith("gbe_A")):
 for probe in ["vgpu_gpu_noring", "vgpu_gpu_threadfin", "vgpu_gpu_threads4", "vgpu_gpu_ch16", "vgpu_gpu_ch16_threadfin", "vgpu_gpu_ch16_threads4", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_pieces4", "vgpu_tcp_gdr", "socket_again"]:
     if probe in by:
         print(f"probe {probe}: {by[probe]:.1f} GB/s ({ratio(probe, 'socket')}x NCCL socket)")
+import os
+refusal = os.path.join(os.path.dirname(sys.argv[1]), "ident_none_refusal.txt")
+if os.path.exists(refusal):
+    ref = open(refusal).read().strip()
+    without = "refused: " + ref if ref else ("ran" if "ident_none" in by else "failed without the refusal message (see ident_none.log)")
+    print(f"identity: 2 ranks on one GPU, one NCCL_HOSTID, no env plugin: {without}; with the env plugin: 2 ranks {by.get('ident_env2', 0):.1f} GB/s, 3 ranks {by.get('ident_env3', 0):.1f} GB/s (checks in the table)")
 if "ip_tenant" in by:
     print(f"interposer: one tenant's collectives across 2 GPUs under libvgpu_cuda.so: {by['ip_tenant']:.1f} GB/s vs {by.get('ip_none', 0):.1f} without (checks in the table)")
 if "plugin_r1" in by:
