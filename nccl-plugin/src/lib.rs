@@ -10,6 +10,7 @@
 //!   ring in shared memory through which the receiver hears of them.
 //! - `tcp`: cross-host transport: several streams with a thread each.
 //! - `tuner`, `activity`: channel caps by bandwidth share while other tenants are active.
+//! - `identity`: the env plugin's `NCCL_HOSTID`, one per rank on a shared GPU.
 //! - `wire`: every byte layout that crosses a process boundary; `cuda`: the driver calls.
 
 pub mod abi;
