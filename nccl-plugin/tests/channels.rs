@@ -308,3 +308,42 @@ fn connections_of_one_process_share_its_copy_thread() {
         );
     }
 }
+
+/// A GPU-published completion that never reaches the ring (the driver's stream drained, the
+/// head unchanged) must fail the connection, not leave NCCL's ranks waiting for ever: the copy
+/// thread asks the driver about the stream once a millisecond while such copies are out.
+#[test]
+fn a_completion_that_never_lands_fails_the_send_instead_of_hanging() {
+    library();
+    let mut env = fake_cuda_env();
+    env.push(("VGPU_NCCL_LOCAL", "1".into()));
+    env.push(("FAKE_CUDA_DROP_VALUE_WRITES", "1".into()));
+    let started = Instant::now();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .env("VGPU_NCCL_NO_BUILD", "1")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .args([
+            "channels_sender",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--ignored",
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "the sends completed: {stdout}");
+    assert!(
+        stderr.contains("completion never reached the ring"),
+        "not failed for the lost completion: {stdout}\n{stderr}"
+    );
+    // well inside the harness's own 60 s deadline: the connection failed, nothing timed out
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        started.elapsed()
+    );
+}

@@ -18,7 +18,8 @@
  * Host registration and stream memory operations: cuMemHostRegister_v2 records the range
  * (FAKE_CUDA_HOST_REGISTER_FAIL=1: it refuses) and hands out a device address that differs from
  * the host one, so a write through the host address is caught; cuStreamWriteValue64_v2 accepts
- * only device addresses inside a registered range, writes at once, and is counted.
+ * only device addresses inside a registered range, writes at once (FAKE_CUDA_DROP_VALUE_WRITES=1:
+ * never), and is counted.
  *
  * Test-only entry points (not CUDA): fake_device_alloc(bytes) allocates "device memory";
  * fake_cuda_stats(&primary, &other, &created) reads the counters; fake_cuda_writes() the number
@@ -302,8 +303,11 @@ CUresult cuStreamWriteValue64_v2(void *stream, CUdeviceptr addr, uint64_t value,
   for (int i = 0; i < HOST_RANGES; i++) {
     uint64_t base = atomic_load(&host_ranges[i].base);
     if (base && host >= base && host + 8 <= base + atomic_load(&host_ranges[i].size)) {
-      /* the copies before it on the stream are done (they ran at once): publish */
-      atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)host, value, memory_order_release);
+      /* the copies before it on the stream are done (they ran at once): publish, unless
+       * FAKE_CUDA_DROP_VALUE_WRITES=1 (a write that never lands) */
+      const char *drop = getenv("FAKE_CUDA_DROP_VALUE_WRITES");
+      if (!(drop && drop[0] == '1'))
+        atomic_store_explicit((_Atomic uint64_t *)(uintptr_t)host, value, memory_order_release);
       atomic_fetch_add(&value_writes, 1);
       return CUDA_SUCCESS;
     }
