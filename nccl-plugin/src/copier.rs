@@ -370,7 +370,7 @@ struct Conn {
     ring: Option<Arc<FinRing>>,
     /// The ring's page as the GPU writes it (registered with the driver): its copies are
     /// published by the GPU. `None`: the thread publishes them after their events.
-    gpu_head: Option<CUdeviceptr>,
+    gpu_page: Option<CUdeviceptr>,
     /// Ring entries this connection's copies were given (GPU-published ones).
     ring_issued: u64,
     /// When the thread last asked the driver about the stream of GPU-published copies that
@@ -428,7 +428,7 @@ impl Gpu<'_> {
                 return Ok(Issued::Nothing);
             }
             Job::Ring(r) => {
-                c.gpu_head = self.gpu_publisher(c, &r);
+                c.gpu_page = self.gpu_publisher(c, &r);
                 c.ring = Some(r);
                 return Ok(Issued::Nothing);
             }
@@ -476,7 +476,7 @@ impl Gpu<'_> {
                     }
                 };
                 let dst = base + offset;
-                if let (Some(head), Some(ring)) = (c.gpu_head, &c.ring) {
+                if let (Some(page), Some(ring)) = (c.gpu_page, &c.ring) {
                     // the entry first, then the copy, then the GPU's write of the head
                     let slot = c.ring_issued;
                     ring.stage(slot, seq, size as u64)
@@ -488,7 +488,7 @@ impl Gpu<'_> {
                         .and_then(|()| {
                             self.driver.write_value(
                                 stream,
-                                head + FinRing::HEAD_OFFSET as u64,
+                                page + FinRing::HEAD_OFFSET as u64,
                                 slot + 1,
                             )
                         });
@@ -592,7 +592,7 @@ impl Gpu<'_> {
     fn watch(&mut self, c: &mut Conn) -> usize {
         let Some(ring) = &c.ring else { return 0 };
         let published = ring.published();
-        if c.gpu_head.is_none() || published >= c.ring_issued {
+        if c.gpu_page.is_none() || published >= c.ring_issued {
             return 0;
         }
         let now = now_ns();
@@ -709,7 +709,7 @@ impl Gpu<'_> {
                         inflight: VecDeque::new(),
                         staging: None,
                         ring: None,
-                        gpu_head: None,
+                        gpu_page: None,
                         ring_issued: 0,
                         queried_ns: 0,
                         closing: None,
@@ -756,7 +756,7 @@ impl Gpu<'_> {
         if let Some((p, _)) = c.staging {
             self.driver.free_host(p);
         }
-        if let (Some(_), Some(ring)) = (c.gpu_head, &c.ring) {
+        if let (Some(_), Some(ring)) = (c.gpu_page, &c.ring) {
             self.driver.unregister_host(ring.page().0);
         }
         if let Ok(s) = c.stream {
@@ -776,7 +776,7 @@ impl Conn {
     /// by the GPU and not yet in the ring.
     fn busy(&self) -> bool {
         !self.inflight.is_empty()
-            || (self.gpu_head.is_some()
+            || (self.gpu_page.is_some()
                 && self
                     .ring
                     .as_ref()
