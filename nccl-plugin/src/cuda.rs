@@ -17,6 +17,8 @@ pub type CUmemHandle = u64;
 
 const CUDA_SUCCESS: CUresult = 0;
 const CUDA_ERROR_NOT_READY: CUresult = 600;
+/// What a missing optional entry point reports.
+const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_int = 1;
 const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
@@ -300,7 +302,7 @@ impl Cuda {
     pub fn current_gpu_uuid(&self) -> Result<[u8; 16], CudaError> {
         let get = self.device_uuid.ok_or(CudaError::Call {
             call: "cuDeviceGetUuid",
-            code: 801,
+            code: CUDA_ERROR_NOT_SUPPORTED,
         })?;
         let device = self.current_device()?;
         let mut uuid = [0u8; 16];
@@ -518,10 +520,10 @@ impl Cuda {
     }
 
     fn memops(&self, call: &'static str) -> Result<&MemOps, CudaError> {
-        // CUDA_ERROR_NOT_SUPPORTED
-        self.memops
-            .as_ref()
-            .ok_or(CudaError::Call { call, code: 801 })
+        self.memops.as_ref().ok_or(CudaError::Call {
+            call,
+            code: CUDA_ERROR_NOT_SUPPORTED,
+        })
     }
 
     /// Pins `len` bytes of host memory at `p` (page-aligned, mapped by this process) for the
