@@ -121,6 +121,9 @@ for s in $SECTIONS; do
       probe vgpu_gpu_threads4 VGPU_NCCL_COPY_THREADS=4
       probe vgpu_gpu_ch16 NCCL_MIN_NCHANNELS=16
       probe vgpu_gpu_ch16_threadfin NCCL_MIN_NCHANNELS=16 VGPU_NCCL_GPU_FIN=0
+      # NCCL's legacy cudaMalloc buffers instead of cuMem: the receiver exports them as legacy
+      # IPC handles
+      probe vgpu_gpu_legacy_ipc NCCL_CUMEM_ENABLE=0
       probe vgpu_gpu_ch16_threads4 NCCL_MIN_NCHANNELS=16 VGPU_NCCL_COPY_THREADS=4
       probe vgpu_gpu_ch16_bigbuf NCCL_MIN_NCHANNELS=16 NCCL_BUFFSIZE=16777216
       # NCCL's socket transport once more: how much the reference moves between runs
@@ -266,7 +269,7 @@ for la in sorted(l for l in lat if l.startswith("gbe_A")):
         continue
     lb = "gbe_B" + la[len("gbe_A"):]
     print(f"guarantee next to a best-effort neighbour{la[5:]}: A's p50 {lat[la]:.2f} ms vs alone under MPS {lat['mps_alone_A']:.2f} = {lat[la]/lat['mps_alone_A']:.2f}x (target 1.15x); A {by.get(la, 0):.1f} GB/s, B {by.get(lb, 0):.1f} GB/s")
-for probe in ["vgpu_gpu_noring", "vgpu_gpu_threadfin", "vgpu_gpu_threads4", "vgpu_gpu_ch16", "vgpu_gpu_ch16_threadfin", "vgpu_gpu_ch16_threads4", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_pieces4", "vgpu_tcp_gdr", "socket_again"]:
+for probe in ["vgpu_gpu_noring", "vgpu_gpu_threadfin", "vgpu_gpu_legacy_ipc", "vgpu_gpu_threads4", "vgpu_gpu_ch16", "vgpu_gpu_ch16_threadfin", "vgpu_gpu_ch16_threads4", "vgpu_gpu_ch16_bigbuf", "vgpu_gpu_pieces4", "vgpu_tcp_gdr", "socket_again"]:
     if probe in by:
         print(f"probe {probe}: {by[probe]:.1f} GB/s ({ratio(probe, 'socket')}x NCCL socket)")
 import os
