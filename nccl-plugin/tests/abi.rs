@@ -224,6 +224,7 @@ fn intrude(handle: &[u8]) -> Vec<Box<dyn std::any::Any>> {
             streams: 1,
             pid: 1,
             secret: [0x42; 16],
+            rdma: false,
         }
         .encode()
     };
