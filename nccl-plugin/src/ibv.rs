@@ -701,6 +701,18 @@ pub struct Remote {
     pub mtu: u8,
 }
 
+/// One RDMA write with immediate: `len` bytes from `src` (covered by the local key `lkey`) to
+/// `remote_addr` under `rkey`, completing as `wr_id`, carrying `imm` (host order here).
+pub struct WriteImm {
+    pub wr_id: u64,
+    pub src: u64,
+    pub len: u32,
+    pub lkey: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+    pub imm: u32,
+}
+
 /// A reliable-connected queue pair.
 pub struct Qp {
     verbs: &'static Verbs,
@@ -833,33 +845,23 @@ impl Qp {
         )
     }
 
-    /// Posts a signaled RDMA write with immediate of `len` bytes from `src` (covered by the
-    /// local key `lkey`) to `remote_addr` under `rkey`; zero bytes post no scatter entry.
-    pub fn post_write_imm(
-        &self,
-        wr_id: u64,
-        src: u64,
-        len: u32,
-        lkey: u32,
-        remote_addr: u64,
-        rkey: u32,
-        imm: u32,
-    ) -> Result<(), VerbsError> {
+    /// Posts a signaled RDMA write with immediate (`w`); zero bytes post no scatter entry.
+    pub fn post_write_imm(&self, w: &WriteImm) -> Result<(), VerbsError> {
         let mut sge = ibv_sge {
-            addr: src,
-            length: len,
-            lkey,
+            addr: w.src,
+            length: w.len,
+            lkey: w.lkey,
         };
         let mut wr = ibv_send_wr {
-            wr_id,
+            wr_id: w.wr_id,
             next: std::ptr::null_mut(),
             sg_list: &mut sge,
-            num_sge: c_int::from(len > 0),
+            num_sge: c_int::from(w.len > 0),
             opcode: IBV_WR_RDMA_WRITE_WITH_IMM,
             send_flags: IBV_SEND_SIGNALED,
-            imm_data: imm.to_be(),
-            remote_addr,
-            rkey,
+            imm_data: w.imm.to_be(),
+            remote_addr: w.remote_addr,
+            rkey: w.rkey,
             _wr_rest: [0; 5],
             qp_type_xrc_remote_srqn: 0,
             _tail: [0; 6],

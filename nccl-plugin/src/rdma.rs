@@ -419,15 +419,15 @@ impl Sender {
         } else {
             self.regions.covering(mr, src, size as u64)?.lkey
         };
-        self.ep.qp.post_write_imm(
-            u64::from(seq),
+        self.ep.qp.post_write_imm(&ibv::WriteImm {
+            wr_id: u64::from(seq),
             src,
-            size as u32,
+            len: size as u32,
             lkey,
-            slot.addr,
-            slot.rkey,
-            seq & SEQ_MASK,
-        )?;
+            remote_addr: slot.addr,
+            rkey: slot.rkey,
+            imm: seq & SEQ_MASK,
+        })?;
         self.inflight.insert(seq, SendState { size, result: None });
         Ok(Some(seq))
     }
