@@ -941,3 +941,156 @@ fn rdma_between_processes_through_a_fake_libibverbs() {
     assert_eq!(count(&log, "has no RDMA device; using TCP"), 1, "{log}");
     assert_eq!(count(&log, "connected (tcp)"), 1, "{log}");
 }
+
+/// A send larger than the receive it meets, on the RDMA path: the sender's `isend` and the
+/// receiver's `test` both fail with NCCL's remote error (the TCP path's rule too).
+#[test]
+fn rdma_truncation_fails_both_ends() {
+    if std::env::var("VGPU_NCCL_CHILD").is_ok() {
+        return;
+    }
+    let Some(dir) = fake_ibverbs() else {
+        eprintln!("SKIPPED rdma_truncation_fails_both_ends: verbs.h is missing");
+        return;
+    };
+    library();
+    let mut env = fake_ibverbs_env(dir, 1);
+    env.push(("VGPU_NCCL_LOCAL", "0".into()));
+    env.push(("VGPU_NCCL_LOG_STDERR", "1".into()));
+    let (text, log) = run_alone_with_stderr("one_truncated", &env);
+    assert!(text.contains("SENDER rc=6"), "{text}\n{log}");
+    assert!(text.contains("RECEIVER rc=6"), "{text}\n{log}");
+    assert!(log.contains("connected (rdma)"), "{log}");
+    assert!(
+        log.contains("a send of 8192 bytes does not fit the 4096-byte receive"),
+        "{log}"
+    );
+}
+
+#[test]
+#[ignore = "run by rdma_truncation_fails_both_ends in its own process"]
+fn one_truncated() {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env("VGPU_NCCL_NO_BUILD", "1")
+        .env("VGPU_NCCL_CHILD", "1")
+        .args([
+            "truncated_receiver",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--ignored",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines
+        .by_ref()
+        .map(|l| l.unwrap())
+        .find(|l| l.contains("HANDLE "))
+        .expect("child printed its handle");
+    let hex = &line[line.find("HANDLE ").unwrap() + "HANDLE ".len()..];
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    for (i, b) in handle.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let p = plugin();
+    let ctx = init(&p, false);
+    let mut sc: *mut c_void = std::ptr::null_mut();
+    while sc.is_null() {
+        // SAFETY: polling connect with the same handle buffer, as NCCL does.
+        ok(
+            unsafe {
+                (p.net.connect)(
+                    ctx,
+                    0,
+                    handle.as_mut_ptr().cast(),
+                    &mut sc,
+                    std::ptr::null_mut(),
+                )
+            },
+            "connect",
+        );
+    }
+    let payload = Buf::with(&pattern(1, 8192), false);
+    let mut mh = std::ptr::null_mut();
+    // SAFETY: registering a live host buffer.
+    ok(
+        unsafe { (p.net.regMr)(sc, payload.ptr.cast(), 8192, NCCL_PTR_HOST, &mut mh) },
+        "regMr",
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let rc = loop {
+        let mut req = std::ptr::null_mut();
+        // SAFETY: a registered live buffer.
+        let rc = unsafe {
+            (p.net.isend)(
+                sc,
+                payload.ptr.cast(),
+                8192,
+                0,
+                mh,
+                std::ptr::null_mut(),
+                &mut req,
+            )
+        };
+        if rc != NCCL_SUCCESS || !req.is_null() {
+            break rc;
+        }
+        assert!(Instant::now() < deadline, "no slot ever came");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    println!("SENDER rc={rc}");
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    println!("{}", rest.join("\n"));
+    assert!(child.wait().unwrap().success());
+    // SAFETY: the handle and comm made above.
+    unsafe {
+        ok((p.net.deregMr)(sc, mh), "deregMr");
+        ok((p.net.closeSend)(sc), "closeSend");
+    }
+}
+
+#[test]
+#[ignore = "the receiving rank of one_truncated"]
+fn truncated_receiver() {
+    let p = plugin();
+    let ctx = init(&p, false);
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    let mut lc = std::ptr::null_mut();
+    // SAFETY: plugin calls with valid arguments.
+    ok(
+        unsafe { (p.net.listen)(ctx, 0, handle.as_mut_ptr().cast(), &mut lc) },
+        "listen",
+    );
+    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
+    println!("\nHANDLE {hex}");
+    std::io::stdout().flush().unwrap();
+    let rc = accept_polled(&p, lc);
+    let buf = Buf::new(4096, false);
+    let mut mh = std::ptr::null_mut();
+    // SAFETY: registering a live host buffer.
+    ok(
+        unsafe { (p.net.regMr)(rc, buf.ptr.cast(), 4096, NCCL_PTR_HOST, &mut mh) },
+        "regMr",
+    );
+    let req = irecv_one(&p, rc, buf.ptr, 4096, mh);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let result = loop {
+        let (mut done, mut size) = (0, -1);
+        // SAFETY: a live request from irecv.
+        let r = unsafe { (p.net.test)(req, &mut done, &mut size) };
+        if r != NCCL_SUCCESS || done == 1 {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "the receive never failed");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    println!("RECEIVER rc={result}");
+    // SAFETY: the handle and comms made above.
+    unsafe {
+        ok((p.net.deregMr)(rc, mh), "deregMr");
+        ok((p.net.closeRecv)(rc), "closeRecv");
+        ok((p.net.closeListen)(lc), "closeListen");
+    }
+}
