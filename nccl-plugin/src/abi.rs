@@ -18,6 +18,7 @@ pub const NCCL_REMOTE_ERROR: ncclResult_t = 6;
 pub const NCCL_NET_HANDLE_MAXSIZE: usize = 128;
 pub const NCCL_PTR_HOST: c_int = 0x1;
 pub const NCCL_PTR_CUDA: c_int = 0x2;
+pub const NCCL_PTR_DMABUF: c_int = 0x4;
 pub const NCCL_NET_MAX_REQUESTS: usize = 32;
 pub const NCCL_NET_MAX_DEVS_PER_NIC: usize = 4;
 /// `NCCL_MAX_NET_SIZE_BYTES`: 1 TiB.

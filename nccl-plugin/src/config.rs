@@ -48,6 +48,18 @@ pub struct Config {
     /// `VGPU_NCCL_COPY_THREADS`: the copy threads per device and process that serve every
     /// same-host sender's GPU copies (1..=16, default 1; connections take them in turn).
     pub copy_threads: usize,
+    /// `VGPU_NCCL_IB`: use the RDMA path (ibverbs) for connections that do not take the
+    /// same-host path, where libibverbs loads and a device has an ACTIVE port (default on; `0`
+    /// never: TCP).
+    pub ib: bool,
+    /// `VGPU_NCCL_IB_DEV`: the RDMA device to use (default: the first with an ACTIVE port).
+    pub ib_dev: Option<String>,
+    /// `VGPU_NCCL_IB_GID_INDEX`: the GID table index of the port (RoCE needs the right one;
+    /// default 0).
+    pub ib_gid_index: u8,
+    /// `VGPU_NCCL_IBVERBS_LIB`: the library to open as libibverbs (default `libibverbs.so.1`;
+    /// the tests name one that does not exist to play a host without it).
+    pub ibverbs_lib: String,
     /// `VGPU_NETSHARE_TABLE` and `VGPU_NETSHARE_FLOW`: the node's token-bucket table and this
     /// tenant's flow in it; sends wait for tokens when both are set.
     pub netshare: Option<(std::path::PathBuf, u64)>,
@@ -127,6 +139,15 @@ impl Config {
             fin_ring: flag("VGPU_NCCL_FIN_RING", true),
             gpu_fin: flag("VGPU_NCCL_GPU_FIN", true),
             copy_threads: var("VGPU_NCCL_COPY_THREADS", 1usize, |n| (1..=16).contains(n)),
+            ib: flag("VGPU_NCCL_IB", true),
+            ib_dev: std::env::var("VGPU_NCCL_IB_DEV")
+                .ok()
+                .filter(|v| !v.trim().is_empty()),
+            ib_gid_index: var("VGPU_NCCL_IB_GID_INDEX", 0u8, |_| true),
+            ibverbs_lib: std::env::var("VGPU_NCCL_IBVERBS_LIB")
+                .ok()
+                .filter(|v| !v.trim().is_empty())
+                .unwrap_or_else(|| "libibverbs.so.1".to_owned()),
             netshare,
         }
     }

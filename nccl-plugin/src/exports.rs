@@ -20,8 +20,10 @@ fn guard(what: &str, f: impl FnOnce() -> Result<(), Error>) -> ncclResult_t {
             match e {
                 Error::Invalid(_) => NCCL_INVALID_ARGUMENT,
                 Error::Cuda(_) => NCCL_UNHANDLED_CUDA_ERROR,
-                Error::PeerClosed | Error::Truncated { .. } => NCCL_REMOTE_ERROR,
-                Error::Io(_) => NCCL_SYSTEM_ERROR,
+                Error::PeerClosed | Error::Truncated { .. } | Error::WorkRequest(_) => {
+                    NCCL_REMOTE_ERROR
+                }
+                Error::Io(_) | Error::Verbs(_) => NCCL_SYSTEM_ERROR,
                 _ => NCCL_INTERNAL_ERROR,
             }
         }
@@ -88,7 +90,14 @@ fn fill_props(dev: c_int, p: &mut ncclNetProperties_v10_t) -> Result<(), Error> 
     p.name = NAME.as_ptr() as *mut c_char;
     p.pciPath = std::ptr::null_mut();
     p.guid = 0x7667_7075_0000_0000;
-    p.ptrSupport = NCCL_PTR_HOST | if gpu { NCCL_PTR_CUDA } else { 0 };
+    let rdma = crate::rdma::device();
+    p.ptrSupport = NCCL_PTR_HOST
+        | if gpu { NCCL_PTR_CUDA } else { 0 }
+        | if rdma.is_some_and(|d| d.has_dmabuf()) {
+            NCCL_PTR_DMABUF
+        } else {
+            0
+        };
     p.regIsGlobal = 0;
     p.forceFlush = 0;
     p.speed = g.config.speed_mbps;
@@ -102,14 +111,23 @@ fn fill_props(dev: c_int, p: &mut ncclNetProperties_v10_t) -> Result<(), Error> 
         ndevs: 1,
         devs: [0; NCCL_NET_MAX_DEVS_PER_NIC],
     };
-    p.maxP2pBytes = NCCL_MAX_NET_SIZE_BYTES;
-    p.maxCollBytes = NCCL_MAX_NET_SIZE_BYTES;
+    // one RDMA write carries a whole request: no request may exceed the port's largest message
+    let largest = rdma.map_or(NCCL_MAX_NET_SIZE_BYTES, |d| {
+        NCCL_MAX_NET_SIZE_BYTES.min(match d.port.max_msg {
+            0 => 1 << 30,
+            m => m as usize,
+        })
+    });
+    p.maxP2pBytes = largest;
+    p.maxCollBytes = largest;
     Ok(())
 }
 
 fn init_common(log: ncclDebugLogger_t) {
     crate::log::set(log);
     let g = net::global();
+    // decided (and logged) once per process: RDMA or TCP for connections to other hosts
+    let _ = crate::rdma::probe();
     info!(
         NCCL_INIT | NCCL_NET,
         "net plugin ready: {} TCP streams per connection, same-host GPU path {}, GPU buffers {}, advertising {}",
@@ -307,6 +325,7 @@ fn reg(
     data: *mut c_void,
     size: usize,
     kind: c_int,
+    dmabuf: Option<(u64, c_int)>,
     mh: *mut *mut c_void,
 ) -> Result<(), Error> {
     let cuda = match kind {
@@ -315,14 +334,8 @@ fn reg(
         _ => return Err(Error::Invalid("memory type (only host and CUDA pointers)")),
     };
     let mr = match comm(c)? {
-        AnyComm::Send(_) => Mr {
-            ptr: data as u64,
-            size,
-            cuda,
-            region: crate::wire::HOST_REGION,
-            base: data as u64,
-        },
-        AnyComm::Recv(r) => r.register(data as u64, size, cuda)?,
+        AnyComm::Send(s) => s.register(data as u64, size, cuda, dmabuf)?,
+        AnyComm::Recv(r) => r.register(data as u64, size, cuda, dmabuf)?,
     };
     out(mh, Box::into_raw(Box::new(mr)).cast())
 }
@@ -334,7 +347,7 @@ unsafe extern "C" fn reg_mr(
     kind: c_int,
     mh: *mut *mut c_void,
 ) -> ncclResult_t {
-    guard("regMr", || reg(c, data, size, kind, mh))
+    guard("regMr", || reg(c, data, size, kind, None, mh))
 }
 
 unsafe extern "C" fn reg_mr_dmabuf(
@@ -342,11 +355,13 @@ unsafe extern "C" fn reg_mr_dmabuf(
     data: *mut c_void,
     size: usize,
     kind: c_int,
-    _offset: u64,
-    _fd: c_int,
+    offset: u64,
+    fd: c_int,
     mh: *mut *mut c_void,
 ) -> ncclResult_t {
-    guard("regMrDmaBuf", || reg(c, data, size, kind, mh))
+    guard("regMrDmaBuf", || {
+        reg(c, data, size, kind, Some((offset, fd)), mh)
+    })
 }
 
 unsafe extern "C" fn dereg_mr(c: *mut c_void, mh: *mut c_void) -> ncclResult_t {
@@ -356,8 +371,9 @@ unsafe extern "C" fn dereg_mr(c: *mut c_void, mh: *mut c_void) -> ncclResult_t {
         }
         // SAFETY: made by reg's Box::into_raw; NCCL deregisters once.
         let mr = unsafe { Box::from_raw(mh.cast::<Mr>()) };
-        if let AnyComm::Recv(r) = comm(c)? {
-            r.deregister(&mr)?;
+        match comm(c)? {
+            AnyComm::Recv(r) => r.deregister(&mr)?,
+            AnyComm::Send(s) => s.deregister(&mr),
         }
         Ok(())
     })

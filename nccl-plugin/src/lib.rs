@@ -9,6 +9,9 @@
 //!   `copier`: the copy threads that issue and poll those copies; `finring`: the completion
 //!   ring in shared memory through which the receiver hears of them.
 //! - `tcp`: cross-host transport: several streams with a thread each.
+//! - `rdma`: the transport for connections that do not take the same-host path when an RDMA
+//!   device is usable (one RC queue pair each, RDMA writes with immediate); `ibv`: libibverbs,
+//!   opened at run time, and the few verbs.h layouts it needs.
 //! - `tuner`, `activity`: channel caps by bandwidth share while other tenants are active.
 //! - `identity`: the env plugin's `NCCL_HOSTID`, one per rank on a shared GPU.
 //! - `wire`: every byte layout that crosses a process boundary; `cuda`: the driver calls.
@@ -21,10 +24,12 @@ mod copier;
 mod cuda;
 mod exports;
 mod finring;
+mod ibv;
 mod identity;
 mod local;
 mod log;
 mod net;
+mod rdma;
 mod sys;
 mod tcp;
 pub mod tuner;
@@ -58,6 +63,12 @@ pub enum Error {
     Truncated { sent: usize, posted: usize },
     #[error("invalid argument: {0}")]
     Invalid(&'static str),
+    #[error("RDMA: {0}")]
+    Verbs(#[from] ibv::VerbsError),
+    #[error(
+        "an RDMA work request failed with status {0} (enum ibv_wc_status; 5 means flushed after an earlier error)"
+    )]
+    WorkRequest(u32),
     #[error("tuner: {0}")]
     Activity(#[from] activity::Error),
 }

@@ -32,9 +32,18 @@ pub fn emit(level: i32, flags: c_ulong, msg: &str) {
                 );
             }
         }
-        None if level <= NCCL_LOG_WARN => eprintln!("{}", text.to_string_lossy()),
+        None if level <= NCCL_LOG_WARN || info_to_stderr() => {
+            eprintln!("{}", text.to_string_lossy())
+        }
         None => {}
     }
+}
+
+/// `VGPU_NCCL_LOG_STDERR=1`: without NCCL's logger (the ABI tests), INFO lines go to stderr
+/// too, so a test can see which transport a connection took.
+fn info_to_stderr() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VGPU_NCCL_LOG_STDERR").is_ok_and(|v| v == "1"))
 }
 
 /// `VGPU_NCCL_TRACE=1`: log every control message and copy (debugging a stuck connection).

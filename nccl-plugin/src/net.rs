@@ -1,11 +1,13 @@
-//! The connection layer: listen, connect and accept without blocking NCCL, then one of two
-//! transports per connection: `local` (same host: Unix socket + GPU-to-GPU copies) or `tcp`
-//! (several streams with their own threads).
+//! The connection layer: listen, connect and accept without blocking NCCL, then one of three
+//! transports per connection: `local` (same host: Unix socket + GPU-to-GPU copies), `rdma`
+//! (any connection that does not take the same-host path, when this process and the
+//! listener's both have a usable RDMA device) or `tcp` (several streams with their own
+//! threads).
 
 use crate::config::{Config, host_id};
 use crate::log::{info, warn};
-use crate::wire::{HELLO_LEN, Hello, ListenHandle, same_secret};
-use crate::{Error, Mr, local, tcp};
+use crate::wire::{HELLO_LEN, Hello, ListenHandle, RDMA_INFO_LEN, RdmaInfo, same_secret};
+use crate::{Error, Mr, local, rdma, tcp};
 use netshare::{Bucket, FlowId, Table};
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -64,6 +66,11 @@ pub fn global() -> &'static Global {
     })
 }
 
+/// A 64-bit value unlikely to repeat (time, pid and a counter, mixed).
+pub(crate) fn random_u64() -> u64 {
+    nonce()
+}
+
 fn nonce() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now()
@@ -94,6 +101,9 @@ enum Incoming {
 struct Pending {
     stream: Incoming,
     buf: Vec<u8>,
+    /// Bytes to read before the connection is complete: the hello, and after a TCP hello
+    /// that asks for RDMA, the connector's queue pair.
+    want: usize,
 }
 
 pub struct Listener {
@@ -157,6 +167,7 @@ impl Listener {
                         self.pending.push(Pending {
                             stream: Incoming::Unix(s),
                             buf: Vec::new(),
+                            want: HELLO_LEN,
                         });
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -171,6 +182,7 @@ impl Listener {
                     self.pending.push(Pending {
                         stream: Incoming::Tcp(s),
                         buf: Vec::new(),
+                        want: HELLO_LEN,
                     });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -180,8 +192,8 @@ impl Listener {
         let mut i = 0;
         while i < self.pending.len() {
             let p = &mut self.pending[i];
-            let mut chunk = [0u8; HELLO_LEN];
-            let want = HELLO_LEN - p.buf.len();
+            let mut chunk = [0u8; HELLO_LEN + RDMA_INFO_LEN];
+            let want = p.want - p.buf.len();
             let r = match &mut p.stream {
                 Incoming::Unix(s) => s.read(&mut chunk[..want]),
                 Incoming::Tcp(s) => s.read(&mut chunk[..want]),
@@ -198,14 +210,22 @@ impl Listener {
                     continue;
                 }
             }
-            if p.buf.len() < HELLO_LEN {
+            if p.buf.len() == HELLO_LEN
+                && p.want == HELLO_LEN
+                && matches!(p.stream, Incoming::Tcp(_))
+                && Hello::asks_rdma(&p.buf)
+            {
+                p.want = HELLO_LEN + RDMA_INFO_LEN;
+            }
+            if p.buf.len() < p.want {
                 i += 1;
                 continue;
             }
             let p = self.pending.swap_remove(i);
             // A connection that does not present this listener's secret is not one of the
             // job's ranks (another process on the node found the socket): drop it and go on.
-            let hello = match Hello::decode(p.buf.as_slice().try_into().expect("HELLO_LEN bytes")) {
+            let hello = match Hello::decode(p.buf[..HELLO_LEN].try_into().expect("HELLO_LEN bytes"))
+            {
                 Ok(hello) if same_secret(&hello.secret, &self.secret) => hello,
                 Ok(hello) => {
                     warn!(
@@ -225,6 +245,34 @@ impl Listener {
                     return Ok(Some(RecvComm {
                         t: RecvT::Local(local::Receiver::new(s)?),
                     }));
+                }
+                Incoming::Tcp(s) if hello.rdma => {
+                    let info = match RdmaInfo::decode(
+                        p.buf[HELLO_LEN..].try_into().expect("RDMA_INFO_LEN bytes"),
+                    ) {
+                        Ok(info) => info,
+                        Err(e) => {
+                            warn!(crate::abi::NCCL_NET, "refused an RDMA connection: {e}");
+                            continue;
+                        }
+                    };
+                    // no device here: the refusal sends the connector to TCP, which arrives
+                    // as new streams
+                    match rdma::accept(s, &info) {
+                        Ok(Some(r)) => {
+                            info!(crate::abi::NCCL_NET, "accepted (rdma)");
+                            return Ok(Some(RecvComm {
+                                t: RecvT::Rdma(Box::new(r)),
+                            }));
+                        }
+                        Ok(None) => {}
+                        // the stream is closed: the connector takes that as a refusal
+                        Err(e) => warn!(
+                            crate::abi::NCCL_NET,
+                            "RDMA setup for pid {} failed ({e}); it will connect over TCP",
+                            hello.pid
+                        ),
+                    }
                 }
                 Incoming::Tcp(s) => {
                     let group = self.groups.entry(hello.conn).or_default();
@@ -258,6 +306,7 @@ impl Listener {
 
 enum Connected {
     Local(UnixStream),
+    Rdma(Box<rdma::Sender>),
     Tcp(Vec<TcpStream>),
 }
 
@@ -282,6 +331,7 @@ fn dial(handle: ListenHandle) -> Result<Connected, Error> {
                         streams: 1,
                         pid,
                         secret: handle.secret,
+                        rdma: false,
                     }
                     .encode(),
                 )?;
@@ -290,6 +340,32 @@ fn dial(handle: ListenHandle) -> Result<Connected, Error> {
             Err(e) => info!(
                 crate::abi::NCCL_NET,
                 "same-host socket of {} unreachable ({e}); using TCP", handle.pid
+            ),
+        }
+    }
+    if rdma::device().is_some() {
+        let mut s = TcpStream::connect_timeout(&handle.tcp, Duration::from_secs(30))?;
+        s.set_nodelay(true)?;
+        s.write_all(
+            &Hello {
+                local: false,
+                conn,
+                index: 0,
+                streams: 1,
+                pid,
+                secret: handle.secret,
+                rdma: true,
+            }
+            .encode(),
+        )?;
+        // Only a refusal (or a stream closed before any answer) falls back to TCP: once the
+        // listener answered, it has handed NCCL a receive comm for this connection, and a
+        // second connection would be paired with the wrong connect.
+        match rdma::offer(s)? {
+            Some(sender) => return Ok(Connected::Rdma(Box::new(sender))),
+            None => info!(
+                crate::abi::NCCL_NET,
+                "the listener of pid {} has no RDMA device; using TCP", handle.pid
             ),
         }
     }
@@ -306,6 +382,7 @@ fn dial(handle: ListenHandle) -> Result<Connected, Error> {
                 streams: n as u8,
                 pid,
                 secret: handle.secret,
+                rdma: false,
             }
             .encode(),
         )?;
@@ -334,6 +411,7 @@ impl Connecting {
         let g = global();
         let t = match connected {
             Connected::Local(s) => SendT::Local(Box::new(local::Sender::new(s)?)),
+            Connected::Rdma(s) => SendT::Rdma(s),
             Connected::Tcp(streams) => SendT::Tcp(tcp::Sender::new(streams, g.config.min_part)?),
         };
         let bucket = g
@@ -347,6 +425,7 @@ impl Connecting {
 
 enum SendT {
     Local(Box<local::Sender>),
+    Rdma(Box<rdma::Sender>),
     Tcp(tcp::Sender),
 }
 
@@ -359,7 +438,34 @@ impl SendComm {
     pub fn kind(&self) -> &'static str {
         match self.t {
             SendT::Local(_) => "same-host",
+            SendT::Rdma(_) => "rdma",
             SendT::Tcp(_) => "tcp",
+        }
+    }
+
+    /// `dmabuf`: the (offset, fd) of `regMrDmaBuf`; only the RDMA path uses it.
+    pub fn register(
+        &mut self,
+        ptr: u64,
+        size: usize,
+        cuda: bool,
+        dmabuf: Option<(u64, i32)>,
+    ) -> Result<Mr, Error> {
+        match &mut self.t {
+            SendT::Rdma(s) => s.register(ptr, size, cuda, dmabuf),
+            SendT::Local(_) | SendT::Tcp(_) => Ok(Mr {
+                ptr,
+                size,
+                cuda,
+                region: crate::wire::HOST_REGION,
+                base: ptr,
+            }),
+        }
+    }
+
+    pub fn deregister(&mut self, mr: &Mr) {
+        if let SendT::Rdma(s) = &mut self.t {
+            s.deregister(mr);
         }
     }
 
@@ -374,6 +480,7 @@ impl SendComm {
         }
         match &mut self.t {
             SendT::Local(s) => s.isend(src, size, mr).map(Some),
+            SendT::Rdma(s) => s.isend(src, size, mr),
             SendT::Tcp(s) => s.isend(src, size, mr).map(Some),
         }
     }
@@ -381,6 +488,7 @@ impl SendComm {
     pub fn poll(&mut self, seq: u32) -> Result<Option<usize>, Error> {
         match &mut self.t {
             SendT::Local(s) => s.poll(seq),
+            SendT::Rdma(s) => s.poll(seq),
             SendT::Tcp(s) => s.poll(seq),
         }
     }
@@ -396,6 +504,7 @@ fn admitted(b: &Bucket<'_>, size: usize) -> bool {
 
 enum RecvT {
     Local(local::Receiver),
+    Rdma(Box<rdma::Receiver>),
     Tcp(tcp::Receiver),
 }
 
@@ -404,9 +513,17 @@ pub struct RecvComm {
 }
 
 impl RecvComm {
-    pub fn register(&mut self, ptr: u64, size: usize, cuda: bool) -> Result<Mr, Error> {
+    /// `dmabuf`: the (offset, fd) of `regMrDmaBuf`; only the RDMA path uses it.
+    pub fn register(
+        &mut self,
+        ptr: u64,
+        size: usize,
+        cuda: bool,
+        dmabuf: Option<(u64, i32)>,
+    ) -> Result<Mr, Error> {
         match &mut self.t {
             RecvT::Local(r) => r.register(ptr, size, cuda),
+            RecvT::Rdma(r) => r.register(ptr, size, cuda, dmabuf),
             RecvT::Tcp(_) => Ok(Mr {
                 ptr,
                 size,
@@ -420,6 +537,10 @@ impl RecvComm {
     pub fn deregister(&mut self, mr: &Mr) -> Result<(), Error> {
         match &mut self.t {
             RecvT::Local(r) => r.deregister(mr),
+            RecvT::Rdma(r) => {
+                r.deregister(mr);
+                Ok(())
+            }
             RecvT::Tcp(_) => Ok(()),
         }
     }
@@ -427,6 +548,7 @@ impl RecvComm {
     pub fn irecv(&mut self, ptr: u64, cap: usize, mr: &Mr) -> Result<u32, Error> {
         match &mut self.t {
             RecvT::Local(r) => r.irecv(ptr, cap, mr),
+            RecvT::Rdma(r) => r.irecv(ptr, cap, mr),
             RecvT::Tcp(r) => r.irecv(ptr, cap, mr),
         }
     }
@@ -434,6 +556,7 @@ impl RecvComm {
     pub fn poll(&mut self, seq: u32) -> Result<Option<usize>, Error> {
         match &mut self.t {
             RecvT::Local(r) => r.poll(seq),
+            RecvT::Rdma(r) => r.poll(seq),
             RecvT::Tcp(r) => r.poll(seq),
         }
     }

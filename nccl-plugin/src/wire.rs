@@ -1,6 +1,7 @@
 //! Byte layouts that cross process boundaries: the listen handle NCCL carries between ranks,
-//! the hello a connector sends, the control messages of the same-host path and the part
-//! headers of the TCP path. Pure encode/decode, little-endian, versioned by `MAGIC`.
+//! the hello a connector sends, the control messages of the same-host path, the part headers
+//! of the TCP path, and the RDMA path's queue-pair info and slot messages. Pure encode/decode,
+//! little-endian, versioned by `MAGIC`.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -101,6 +102,9 @@ pub struct Hello {
     pub pid: u32,
     /// The listener's secret, from its handle.
     pub secret: [u8; 16],
+    /// The connector asks for the RDMA path: its `RdmaInfo` follows the hello, and the
+    /// listener answers with an `RdmaMsg::Info` (or `Refuse`, then TCP streams are dialled).
+    pub rdma: bool,
 }
 
 pub const HELLO_LEN: usize = 40;
@@ -112,6 +116,7 @@ impl Hello {
         b[4] = u8::from(self.local);
         b[5] = self.index;
         b[6] = self.streams;
+        b[7] = u8::from(self.rdma);
         b[8..16].copy_from_slice(&self.conn.to_le_bytes());
         b[16..20].copy_from_slice(&self.pid.to_le_bytes());
         b[24..40].copy_from_slice(&self.secret);
@@ -133,7 +138,14 @@ impl Hello {
             conn: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
             pid: u32::from_le_bytes(b[16..20].try_into().expect("4 bytes")),
             secret: b[24..40].try_into().expect("16 bytes"),
+            rdma: b[7] == 1,
         })
+    }
+
+    /// Whether a hello's first bytes (at least 8) ask for the RDMA path, so that the listener
+    /// knows to read an `RdmaInfo` after it.
+    pub fn asks_rdma(prefix: &[u8]) -> bool {
+        prefix.get(7) == Some(&1)
     }
 }
 
@@ -335,6 +347,147 @@ pub fn split(seq: u32, size: u64, streams: usize, min_part: u64) -> Vec<(usize, 
     out
 }
 
+/// What one end of an RDMA connection tells the other to reach its queue pair: its number and
+/// first packet sequence number (24 bits each), the port's LID (InfiniBand) and GID (RoCE, or
+/// routed InfiniBand), and its active MTU (`enum ibv_mtu`, 1..=5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RdmaInfo {
+    pub qpn: u32,
+    pub psn: u32,
+    pub lid: u16,
+    pub mtu: u8,
+    pub gid: [u8; 16],
+    /// The largest single message its port takes (`max_msg_sz`).
+    pub max_msg: u32,
+}
+
+pub const RDMA_INFO_LEN: usize = 32;
+
+impl RdmaInfo {
+    pub fn encode(&self) -> [u8; RDMA_INFO_LEN] {
+        let mut b = [0u8; RDMA_INFO_LEN];
+        b[0..4].copy_from_slice(&self.qpn.to_le_bytes());
+        b[4..8].copy_from_slice(&self.psn.to_le_bytes());
+        b[8..10].copy_from_slice(&self.lid.to_le_bytes());
+        b[10] = self.mtu;
+        b[12..16].copy_from_slice(&self.max_msg.to_le_bytes());
+        b[16..32].copy_from_slice(&self.gid);
+        b
+    }
+
+    pub fn decode(b: &[u8; RDMA_INFO_LEN]) -> Result<RdmaInfo, WireError> {
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let info = RdmaInfo {
+            qpn: u32_at(0),
+            psn: u32_at(4),
+            lid: u16::from_le_bytes([b[8], b[9]]),
+            mtu: b[10],
+            max_msg: u32_at(12),
+            gid: b[16..32].try_into().expect("16 bytes"),
+        };
+        if info.qpn >= 1 << 24 || info.psn >= 1 << 24 {
+            return Err(WireError::Malformed("RDMA queue pair or sequence number"));
+        }
+        if !(1..=5).contains(&info.mtu) {
+            return Err(WireError::Malformed("RDMA MTU"));
+        }
+        if b[11] != 0 {
+            return Err(WireError::Malformed("RDMA info padding"));
+        }
+        Ok(info)
+    }
+}
+
+/// Control messages of the RDMA path on the bootstrap TCP stream. Receiver to sender: first
+/// `Info` (or `Refuse`), then one `Slot` per posted receive, in receive order; sender to
+/// receiver: only `Truncated`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RdmaMsg {
+    /// The listener's queue pair, already moved to RTS toward the connector's.
+    Info(RdmaInfo),
+    /// The listener cannot use RDMA (no device here): the connector dials TCP streams instead.
+    Refuse,
+    /// Receive `seq` may be written: `size` bytes at `addr` under `rkey`.
+    Slot {
+        seq: u32,
+        addr: u64,
+        rkey: u32,
+        size: u64,
+    },
+    /// Send `seq` of `size` bytes did not fit its slot; the sender failed it and the
+    /// connection is done for.
+    Truncated { seq: u32, size: u64 },
+}
+
+const R_INFO: u8 = 1;
+const R_REFUSE: u8 = 2;
+const R_SLOT: u8 = 3;
+const R_TRUNCATED: u8 = 4;
+pub const RDMA_SLOT_LEN: usize = 25;
+
+impl RdmaMsg {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        match *self {
+            RdmaMsg::Info(info) => {
+                out.push(R_INFO);
+                out.extend_from_slice(&info.encode());
+            }
+            RdmaMsg::Refuse => out.push(R_REFUSE),
+            RdmaMsg::Slot {
+                seq,
+                addr,
+                rkey,
+                size,
+            } => {
+                out.push(R_SLOT);
+                out.extend_from_slice(&seq.to_le_bytes());
+                out.extend_from_slice(&addr.to_le_bytes());
+                out.extend_from_slice(&rkey.to_le_bytes());
+                out.extend_from_slice(&size.to_le_bytes());
+            }
+            RdmaMsg::Truncated { seq, size } => {
+                out.push(R_TRUNCATED);
+                out.extend_from_slice(&seq.to_le_bytes());
+                out.extend_from_slice(&size.to_le_bytes());
+            }
+        }
+    }
+
+    /// Decode one message from the front of `b`: `Ok(None)` if more bytes are needed.
+    pub fn decode(b: &[u8]) -> Result<Option<(RdmaMsg, usize)>, WireError> {
+        let Some(&t) = b.first() else { return Ok(None) };
+        let need = match t {
+            R_INFO => 1 + RDMA_INFO_LEN,
+            R_REFUSE => 1,
+            R_SLOT => RDMA_SLOT_LEN,
+            R_TRUNCATED => 13,
+            _ => return Err(WireError::Malformed("RDMA control message type")),
+        };
+        if b.len() < need {
+            return Ok(None);
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let msg = match t {
+            R_INFO => RdmaMsg::Info(RdmaInfo::decode(
+                b[1..1 + RDMA_INFO_LEN].try_into().expect("info bytes"),
+            )?),
+            R_REFUSE => RdmaMsg::Refuse,
+            R_TRUNCATED => RdmaMsg::Truncated {
+                seq: u32_at(1),
+                size: u64_at(5),
+            },
+            _ => RdmaMsg::Slot {
+                seq: u32_at(1),
+                addr: u64_at(5),
+                rkey: u32_at(13),
+                size: u64_at(17),
+            },
+        };
+        Ok(Some((msg, need)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,8 +522,11 @@ mod tests {
             streams: 4,
             pid: 1,
             secret: [5; 16],
+            rdma: true,
         };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+        assert!(Hello::asks_rdma(&h.encode()));
+        assert!(!Hello::asks_rdma(&Hello { rdma: false, ..h }.encode()));
         assert!(same_secret(&h.secret, &[5; 16]));
         assert!(!same_secret(
             &h.secret,
@@ -404,7 +560,84 @@ mod tests {
         ]
     }
 
+    fn any_rdma_msg() -> impl Strategy<Value = RdmaMsg> {
+        prop_oneof![
+            (
+                0u32..1 << 24,
+                0u32..1 << 24,
+                any::<u16>(),
+                1u8..=5,
+                any::<[u8; 16]>(),
+                any::<u32>()
+            )
+                .prop_map(|(qpn, psn, lid, mtu, gid, max_msg)| RdmaMsg::Info(
+                    RdmaInfo {
+                        qpn,
+                        psn,
+                        lid,
+                        mtu,
+                        gid,
+                        max_msg
+                    }
+                )),
+            Just(RdmaMsg::Refuse),
+            (any::<u32>(), any::<u64>()).prop_map(|(seq, size)| RdmaMsg::Truncated { seq, size }),
+            (any::<u32>(), any::<u64>(), any::<u32>(), any::<u64>()).prop_map(
+                |(seq, addr, rkey, size)| RdmaMsg::Slot {
+                    seq,
+                    addr,
+                    rkey,
+                    size
+                }
+            ),
+        ]
+    }
+
+    #[test]
+    fn rdma_info_refuses_out_of_range_fields() {
+        let info = RdmaInfo {
+            qpn: 0x12_3456,
+            psn: 7,
+            lid: 3,
+            mtu: 5,
+            gid: [1; 16],
+            max_msg: 1 << 30,
+        };
+        assert_eq!(RdmaInfo::decode(&info.encode()), Ok(info));
+        for bad in [
+            RdmaInfo {
+                qpn: 1 << 24,
+                ..info
+            },
+            RdmaInfo {
+                psn: 1 << 24,
+                ..info
+            },
+            RdmaInfo { mtu: 0, ..info },
+            RdmaInfo { mtu: 6, ..info },
+        ] {
+            assert!(RdmaInfo::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
+    }
+
     proptest! {
+        #[test]
+        fn rdma_messages_decode_from_any_chunking(msgs in proptest::collection::vec(any_rdma_msg(), 1..20), cut in 1usize..40) {
+            let mut bytes = Vec::new();
+            for m in &msgs { m.encode(&mut bytes); }
+            let mut buf = Vec::new();
+            let mut got = Vec::new();
+            for chunk in bytes.chunks(cut) {
+                buf.extend_from_slice(chunk);
+                while let Some((m, n)) = RdmaMsg::decode(&buf).unwrap() {
+                    got.push(m);
+                    buf.drain(..n);
+                }
+            }
+            prop_assert!(buf.is_empty());
+            prop_assert_eq!(got, msgs);
+        }
+
         #[test]
         fn messages_decode_from_any_chunking(msgs in proptest::collection::vec(any_msg(), 1..20), cut in 1usize..40) {
             let mut bytes = Vec::new();

@@ -15,7 +15,8 @@ use vgpu_nccl::abi::*;
 
 mod support;
 use support::{
-    Buf, Plugin, accept_polled, fake_cuda_env, fake_driver, irecv_one, library, ok, plugin,
+    Buf, Plugin, accept_polled, fake_cuda_env, fake_driver, fake_ibverbs, fake_ibverbs_env,
+    irecv_one, library, ok, plugin,
 };
 
 /// The bytes of message `i` of a run: every byte depends on the message and its position.
@@ -234,6 +235,7 @@ fn intrude(handle: &[u8]) -> Vec<Box<dyn std::any::Any>> {
             streams: 1,
             pid: 1,
             secret: [0x42; 16],
+            rdma: false,
         }
         .encode()
     };
@@ -262,6 +264,11 @@ fn exchange(env: &[(&str, &str)], throttle: Option<(&Path, u64)>) -> (String, us
         ])
         .env("VGPU_NCCL_CHILD", "1")
         .envs(env.iter().copied())
+        // `CHILD:NAME=value`: a setting of the receiving rank only
+        .envs(
+            env.iter()
+                .filter_map(|(k, v)| Some((k.strip_prefix("CHILD:")?, *v))),
+        )
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn the receiving rank");
@@ -281,7 +288,7 @@ fn exchange(env: &[(&str, &str)], throttle: Option<(&Path, u64)>) -> (String, us
     // handle. The receiver must not take it for the rank: the exchange below only completes if
     // it keeps waiting for the real connection.
     let _intruders = intrude(&handle);
-    for (k, v) in env {
+    for (k, v) in env.iter().filter(|(k, _)| !k.starts_with("CHILD:")) {
         // the sender's settings must match the receiver's (same process env in NCCL)
         // SAFETY: single-threaded at this point of the test, before the plugin reads them.
         unsafe { std::env::set_var(k, v) };
@@ -418,6 +425,12 @@ fn exchange(env: &[(&str, &str)], throttle: Option<(&Path, u64)>) -> (String, us
 /// Runs the ignored test `name` of this binary alone in a new process (the plugin reads its
 /// settings once per process), with `env`; asserts it passed and returns what it printed.
 fn run_alone(name: &str, env: &[(&str, String)]) -> String {
+    run_alone_with_stderr(name, env).0
+}
+
+/// `run_alone`, returning what the test printed to stdout and to stderr (where the plugin's
+/// INFO lines go with `VGPU_NCCL_LOG_STDERR=1`, the receiving child's included).
+fn run_alone_with_stderr(name: &str, env: &[(&str, String)]) -> (String, String) {
     let out = Command::new(std::env::current_exe().unwrap())
         .env("VGPU_NCCL_NO_BUILD", "1")
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
@@ -431,12 +444,9 @@ fn run_alone(name: &str, env: &[(&str, String)]) -> String {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{name}: {text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text
+    let errors = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{name}: {text}\n{errors}");
+    (text, errors)
 }
 
 /// The number after `key` (such as `nulls=`) in a child's output.
@@ -853,4 +863,264 @@ fn two_ranks_one_comm() {
         ok(unsafe { (p.tuner.finalize)(ctx) }, "tuner finalize");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The RDMA path between two processes through the fake libibverbs of `tests/fakeibverbs.c`
+/// (no machine we have has an RDMA device): the same exchange as the TCP scenarios (32 requests
+/// in flight, completions tested out of order, sizes from 0 to over 3 MiB, every byte checked),
+/// with the same-host path off so that the connection is one the RDMA path serves. The
+/// transport each end took is read from the plugin's log; the fake's counters show that every
+/// message went through its RDMA writes. Then the fallbacks to TCP: no libibverbs, no device,
+/// no active port, turned off, and a listener without a device (the connector is refused).
+#[test]
+fn rdma_between_processes_through_a_fake_libibverbs() {
+    if std::env::var("VGPU_NCCL_CHILD").is_ok() {
+        return;
+    }
+    let Some(dir) = fake_ibverbs() else {
+        eprintln!(
+            "SKIPPED rdma_between_processes_through_a_fake_libibverbs: \
+             /usr/include/infiniband/verbs.h is missing (apt-get install libibverbs-dev)"
+        );
+        return;
+    };
+    library(); // build the .so once, before the children that use it
+    let run = |devices: u32, settings: &str| {
+        let mut env = fake_ibverbs_env(dir, devices);
+        env.push((
+            "VGPU_NCCL_SCENARIO",
+            format!(
+                "VGPU_NCCL_LOCAL=0;VGPU_NCCL_LOG_STDERR=1;VGPU_FAKE_IBV_VERBOSE=1;VGPU_NCCL_MIN_PART=65536{settings}"
+            ),
+        ));
+        let (text, log) = run_alone_with_stderr("one_scenario", &env);
+        assert!(
+            text.contains(&format!("RESULT received={MESSAGES} bad=0")),
+            "{settings}: {text}\n{log}"
+        );
+        log
+    };
+    let count = |log: &str, needle: &str| log.matches(needle).count();
+    for (settings, fabric) in [
+        ("", "InfiniBand"),
+        (
+            ";VGPU_FAKE_IBV_LINK=eth;VGPU_NCCL_IB_GID_INDEX=1;VGPU_NCCL_V10=1",
+            "RoCE",
+        ),
+    ] {
+        let log = run(1, settings);
+        // both processes chose RDMA once, and the connection took it on both ends
+        assert_eq!(
+            count(
+                &log,
+                &format!("other hosts: rdma over fake_ib0 port 1 ({fabric}")
+            ),
+            2,
+            "{settings}: {log}"
+        );
+        assert_eq!(count(&log, "connected (rdma)"), 1, "{settings}: {log}");
+        assert_eq!(count(&log, "accepted (rdma)"), 1, "{settings}: {log}");
+        // the sender's QP wrote every message and the receiver's consumed a receive for each
+        assert_eq!(
+            count(&log, &format!("writes={MESSAGES} receives=0")),
+            1,
+            "{settings}: {log}"
+        );
+        assert_eq!(
+            count(&log, &format!("writes=0 receives={MESSAGES}")),
+            1,
+            "{settings}: {log}"
+        );
+    }
+    for (devices, settings, why) in [
+        (
+            1,
+            ";VGPU_NCCL_IBVERBS_LIB=/nonexistent/libibverbs.so.1",
+            "tcp (no libibverbs (/nonexistent/libibverbs.so.1",
+        ),
+        (0, "", "tcp (no RDMA device)"),
+        (
+            1,
+            ";VGPU_FAKE_IBV_PORT_DOWN=1",
+            "tcp (no active port on any RDMA device)",
+        ),
+        (
+            1,
+            ";VGPU_NCCL_IB=0",
+            "tcp (rdma disabled by VGPU_NCCL_IB=0)",
+        ),
+        (
+            1,
+            ";VGPU_NCCL_IB_DEV=mlx5_7",
+            "tcp (no RDMA device named mlx5_7",
+        ),
+    ] {
+        let log = run(devices, settings);
+        assert_eq!(
+            count(&log, &format!("other hosts: {why}")),
+            2,
+            "{settings}: {log}"
+        );
+        assert_eq!(count(&log, "connected (tcp)"), 1, "{settings}: {log}");
+        assert_eq!(count(&log, "(rdma)"), 0, "{settings}: {log}");
+    }
+    // the listener has no device, the connector has one: refused, it connects over TCP
+    let log = run(1, ";CHILD:VGPU_FAKE_IBV_DEVICES=0");
+    assert_eq!(count(&log, "other hosts: rdma over fake_ib0"), 1, "{log}");
+    assert_eq!(count(&log, "other hosts: tcp (no RDMA device)"), 1, "{log}");
+    assert_eq!(count(&log, "has no RDMA device; using TCP"), 1, "{log}");
+    assert_eq!(count(&log, "connected (tcp)"), 1, "{log}");
+}
+
+/// A send larger than the receive it meets, on the RDMA path: the sender's `isend` and the
+/// receiver's `test` both fail with NCCL's remote error (the TCP path's rule too).
+#[test]
+fn rdma_truncation_fails_both_ends() {
+    if std::env::var("VGPU_NCCL_CHILD").is_ok() {
+        return;
+    }
+    let Some(dir) = fake_ibverbs() else {
+        eprintln!("SKIPPED rdma_truncation_fails_both_ends: verbs.h is missing");
+        return;
+    };
+    library();
+    let mut env = fake_ibverbs_env(dir, 1);
+    env.push(("VGPU_NCCL_LOCAL", "0".into()));
+    env.push(("VGPU_NCCL_LOG_STDERR", "1".into()));
+    let (text, log) = run_alone_with_stderr("one_truncated", &env);
+    assert!(text.contains("SENDER rc=6"), "{text}\n{log}");
+    assert!(text.contains("RECEIVER rc=6"), "{text}\n{log}");
+    assert!(log.contains("connected (rdma)"), "{log}");
+    assert!(
+        log.contains("a send of 8192 bytes does not fit the 4096-byte receive"),
+        "{log}"
+    );
+}
+
+#[test]
+#[ignore = "run by rdma_truncation_fails_both_ends in its own process"]
+fn one_truncated() {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env("VGPU_NCCL_NO_BUILD", "1")
+        .env("VGPU_NCCL_CHILD", "1")
+        .args([
+            "truncated_receiver",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--ignored",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines
+        .by_ref()
+        .map(|l| l.unwrap())
+        .find(|l| l.contains("HANDLE "))
+        .expect("child printed its handle");
+    let hex = &line[line.find("HANDLE ").unwrap() + "HANDLE ".len()..];
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    for (i, b) in handle.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let p = plugin();
+    let ctx = init(&p, false);
+    let mut sc: *mut c_void = std::ptr::null_mut();
+    while sc.is_null() {
+        // SAFETY: polling connect with the same handle buffer, as NCCL does.
+        ok(
+            unsafe {
+                (p.net.connect)(
+                    ctx,
+                    0,
+                    handle.as_mut_ptr().cast(),
+                    &mut sc,
+                    std::ptr::null_mut(),
+                )
+            },
+            "connect",
+        );
+    }
+    let payload = Buf::with(&pattern(1, 8192), false);
+    let mut mh = std::ptr::null_mut();
+    // SAFETY: registering a live host buffer.
+    ok(
+        unsafe { (p.net.regMr)(sc, payload.ptr.cast(), 8192, NCCL_PTR_HOST, &mut mh) },
+        "regMr",
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let rc = loop {
+        let mut req = std::ptr::null_mut();
+        // SAFETY: a registered live buffer.
+        let rc = unsafe {
+            (p.net.isend)(
+                sc,
+                payload.ptr.cast(),
+                8192,
+                0,
+                mh,
+                std::ptr::null_mut(),
+                &mut req,
+            )
+        };
+        if rc != NCCL_SUCCESS || !req.is_null() {
+            break rc;
+        }
+        assert!(Instant::now() < deadline, "no slot ever came");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    println!("SENDER rc={rc}");
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    println!("{}", rest.join("\n"));
+    assert!(child.wait().unwrap().success());
+    // SAFETY: the handle and comm made above.
+    unsafe {
+        ok((p.net.deregMr)(sc, mh), "deregMr");
+        ok((p.net.closeSend)(sc), "closeSend");
+    }
+}
+
+#[test]
+#[ignore = "the receiving rank of one_truncated"]
+fn truncated_receiver() {
+    let p = plugin();
+    let ctx = init(&p, false);
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    let mut lc = std::ptr::null_mut();
+    // SAFETY: plugin calls with valid arguments.
+    ok(
+        unsafe { (p.net.listen)(ctx, 0, handle.as_mut_ptr().cast(), &mut lc) },
+        "listen",
+    );
+    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
+    println!("\nHANDLE {hex}");
+    std::io::stdout().flush().unwrap();
+    let rc = accept_polled(&p, lc);
+    let buf = Buf::new(4096, false);
+    let mut mh = std::ptr::null_mut();
+    // SAFETY: registering a live host buffer.
+    ok(
+        unsafe { (p.net.regMr)(rc, buf.ptr.cast(), 4096, NCCL_PTR_HOST, &mut mh) },
+        "regMr",
+    );
+    let req = irecv_one(&p, rc, buf.ptr, 4096, mh);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let result = loop {
+        let (mut done, mut size) = (0, -1);
+        // SAFETY: a live request from irecv.
+        let r = unsafe { (p.net.test)(req, &mut done, &mut size) };
+        if r != NCCL_SUCCESS || done == 1 {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "the receive never failed");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    println!("RECEIVER rc={result}");
+    // SAFETY: the handle and comms made above.
+    unsafe {
+        ok((p.net.deregMr)(rc, mh), "deregMr");
+        ok((p.net.closeRecv)(rc), "closeRecv");
+        ok((p.net.closeListen)(lc), "closeListen");
+    }
 }

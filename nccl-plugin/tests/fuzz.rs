@@ -1,5 +1,6 @@
 //! Fuzz targets for the plugin's wire decoders (`wire`): the listen handle NCCL carries between
-//! ranks, the hello, the control messages of the same-host path and the TCP part headers, all
+//! ranks, the hello, the control messages of the same-host path, the TCP part headers and the
+//! RDMA path's queue-pair info and control messages, all
 //! fed arbitrary bytes (and mutated valid encodings). A decoder must never panic or loop, and
 //! what it accepts must encode back to the bytes it read. The module's own property tests
 //! check that valid messages round-trip; these check what a hostile or broken peer could send.
@@ -10,7 +11,8 @@ mod fuzz;
 
 use proptest::prelude::*;
 use vgpu_nccl::wire::{
-    HANDLE_LEN, HELLO_LEN, Hello, ListenHandle, MAGIC, Msg, PART_LEN, PartHeader, WireError,
+    HANDLE_LEN, HELLO_LEN, Hello, ListenHandle, MAGIC, Msg, PART_LEN, PartHeader, RDMA_INFO_LEN,
+    RdmaInfo, RdmaMsg, WireError,
 };
 
 /// Arbitrary bytes, and bytes that start like ours (the magic, then anything).
@@ -81,8 +83,60 @@ fn check_part(bytes: [u8; PART_LEN]) {
     assert_eq!(encoded, expected);
 }
 
+/// The RDMA control stream as both ends decode it: messages one after another until more bytes
+/// are needed or the stream is refused; each re-encodes to what it read, and an accepted queue
+/// pair keeps its 24-bit numbers and a real MTU.
+fn check_rdma_messages(bytes: Vec<u8>) {
+    let mut rest = bytes.as_slice();
+    loop {
+        match RdmaMsg::decode(rest) {
+            Ok(Some((message, used))) => {
+                assert!(used > 0 && used <= rest.len());
+                if let RdmaMsg::Info(info) = message {
+                    assert!(info.qpn < 1 << 24 && info.psn < 1 << 24);
+                    assert!((1..=5).contains(&info.mtu));
+                }
+                let mut encoded = Vec::new();
+                message.encode(&mut encoded);
+                assert_eq!(encoded.as_slice(), &rest[..used], "{message:?}");
+                rest = &rest[used..];
+            }
+            Ok(None) => return,
+            Err(WireError::Malformed(what)) => {
+                assert!(!what.is_empty());
+                return;
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+}
+
+fn check_rdma_info(bytes: [u8; RDMA_INFO_LEN]) {
+    if let Ok(info) = RdmaInfo::decode(&bytes) {
+        assert_eq!(info.encode(), bytes);
+    }
+}
+
 proptest! {
     #![proptest_config(fuzz::config())]
+
+    #[test]
+    fn rdma_control_messages(bytes in prop_oneof![
+        bytes(200),
+        // Valid type bytes followed by anything, several in a row.
+        proptest::collection::vec(
+            (1u8..=4, proptest::collection::vec(any::<u8>(), 0..40)),
+            1..6,
+        )
+        .prop_map(|parts| parts.into_iter().flat_map(|(t, body)| std::iter::once(t).chain(body)).collect()),
+    ]) {
+        fuzz::bounded(bytes, check_rdma_messages);
+    }
+
+    #[test]
+    fn rdma_queue_pair_info(bytes in proptest::array::uniform32(any::<u8>())) {
+        fuzz::bounded(bytes, check_rdma_info);
+    }
 
     #[test]
     fn listen_handles(bytes in bytes(160)) {

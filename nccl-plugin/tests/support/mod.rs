@@ -233,3 +233,43 @@ pub fn fake_cuda_env() -> Vec<(&'static str, String)> {
         ),
     ]
 }
+
+/// The fake libibverbs of `tests/fakeibverbs.c`, built once as `libibverbs.so.1` in a directory
+/// of its own against the installed `<infiniband/verbs.h>` (so its layouts are the real ones).
+/// `None` when the header is missing (`apt-get install libibverbs-dev`; CI installs it).
+pub fn fake_ibverbs() -> Option<&'static PathBuf> {
+    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        if !Path::new("/usr/include/infiniband/verbs.h").exists() {
+            return None;
+        }
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nccl-fakeibverbs");
+        std::fs::create_dir_all(&dir).expect("creating the fake libibverbs' directory");
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
+        let partial = dir.join(format!("libibverbs.so.1.{}.tmp", std::process::id()));
+        let status = Command::new(cc)
+            .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread"])
+            .args(["-Wl,-soname,libibverbs.so.1", "-o"])
+            .arg(&partial)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fakeibverbs.c"))
+            .status()
+            .expect("running cc (install build-essential)");
+        assert!(status.success(), "compiling tests/fakeibverbs.c failed");
+        std::fs::rename(&partial, dir.join("libibverbs.so.1")).expect("renaming the fake");
+        Some(dir)
+    })
+    .as_ref()
+}
+
+/// The variables that make the plugin (in this process's children) open the fake libibverbs
+/// first, with `devices` devices (0 or 1).
+pub fn fake_ibverbs_env(dir: &Path, devices: u32) -> Vec<(&'static str, String)> {
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(rest) if !rest.is_empty() => format!("{}:{rest}", dir.display()),
+        _ => dir.display().to_string(),
+    };
+    vec![
+        ("LD_LIBRARY_PATH", path),
+        ("VGPU_FAKE_IBV_DEVICES", devices.to_string()),
+    ]
+}
