@@ -5,7 +5,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-pub const MAGIC: u32 = 0x5647_4e32; // "VGN2": the handle and hello carry the listener's secret
+pub const MAGIC: u32 = 0x5647_4e33; // "VGN3": the hello may offer RDMA (VGN2: the handle and hello carry the listener's secret)
 
 /// What `listen` writes into NCCL's 128-byte handle.
 #[derive(Clone, Debug, PartialEq, Eq)]
