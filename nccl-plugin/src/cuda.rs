@@ -360,6 +360,22 @@ impl Cuda {
         ))
     }
 
+    /// Whether `ptr` lies in a cuMem (VMM) allocation, which every context on its device can
+    /// reach; a legacy cudaMalloc allocation belongs to the context that made it.
+    pub fn is_vmm(&self, ptr: CUdeviceptr) -> Result<bool, CudaError> {
+        let (base, _) = self.address_range(ptr)?;
+        let mut handle: CUmemHandle = 0;
+        // SAFETY: out-pointer to a local; `base` is a device address the driver knows.
+        let retained =
+            unsafe { (self.fns.retain_allocation_handle)(&mut handle, base as *mut c_void) };
+        if retained != CUDA_SUCCESS {
+            return Ok(false);
+        }
+        // SAFETY: balances the retain above.
+        unsafe { (self.fns.release)(handle) };
+        Ok(true)
+    }
+
     /// Map a peer's exported allocation into this process, accessible from `device`.
     pub fn import(&self, export: &Export, device: c_int) -> Result<Mapping, CudaError> {
         match export {

@@ -71,6 +71,10 @@ pub enum Error {
     WorkRequest(u32),
     #[error("tuner: {0}")]
     Activity(#[from] activity::Error),
+    #[error(
+        "GPU buffer {0:#x} is a legacy cudaMalloc allocation (NCCL_CUMEM_ENABLE=0?): the plugin copies from a CUDA context of its own, which cannot read such memory without waiting behind NCCL's kernel (it hung on an H100); unset NCCL_CUMEM_ENABLE (cuMem buffers are NCCL's default), or leave NCCL_NET_GDR_LEVEL unset so GPU buffers stay off this plugin"
+    )]
+    LegacyGpuBuffer(u64),
 }
 
 impl Error {

@@ -453,13 +453,17 @@ impl SendComm {
     ) -> Result<Mr, Error> {
         match &mut self.t {
             SendT::Rdma(s) => s.register(ptr, size, cuda, dmabuf),
-            SendT::Local(_) | SendT::Tcp(_) => Ok(Mr {
-                ptr,
-                size,
-                cuda,
-                region: crate::wire::HOST_REGION,
-                base: ptr,
-            }),
+            SendT::Local(_) | SendT::Tcp(_) => {
+                // the copy threads read GPU send buffers from the plugin's own context
+                refuse_legacy(ptr, cuda)?;
+                Ok(Mr {
+                    ptr,
+                    size,
+                    cuda,
+                    region: crate::wire::HOST_REGION,
+                    base: ptr,
+                })
+            }
         }
     }
 
@@ -494,6 +498,17 @@ impl SendComm {
     }
 }
 
+/// The plugin's own CUDA context reaches cuMem allocations but stalls on legacy cudaMalloc
+/// ones (a copy from one waited behind NCCL's kernel in the application's context: measured on
+/// an H100 with `NCCL_CUMEM_ENABLE=0`): such GPU buffers are refused at registration, with
+/// what to do, rather than hang the job.
+fn refuse_legacy(ptr: u64, cuda: bool) -> Result<(), Error> {
+    if cuda && global().config.own_context && !crate::cuda::driver()?.is_vmm(ptr)? {
+        return Err(Error::LegacyGpuBuffer(ptr));
+    }
+    Ok(())
+}
+
 fn admitted(b: &Bucket<'_>, size: usize) -> bool {
     use netshare::Admission;
     matches!(
@@ -524,13 +539,17 @@ impl RecvComm {
         match &mut self.t {
             RecvT::Local(r) => r.register(ptr, size, cuda),
             RecvT::Rdma(r) => r.register(ptr, size, cuda, dmabuf),
-            RecvT::Tcp(_) => Ok(Mr {
-                ptr,
-                size,
-                cuda,
-                region: crate::wire::HOST_REGION,
-                base: ptr,
-            }),
+            RecvT::Tcp(_) => {
+                // the TCP threads copy into GPU receive buffers from the plugin's own context
+                refuse_legacy(ptr, cuda)?;
+                Ok(Mr {
+                    ptr,
+                    size,
+                    cuda,
+                    region: crate::wire::HOST_REGION,
+                    base: ptr,
+                })
+            }
         }
     }
 

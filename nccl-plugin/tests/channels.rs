@@ -347,3 +347,133 @@ fn a_completion_that_never_lands_fails_the_send_instead_of_hanging() {
         started.elapsed()
     );
 }
+
+/// One process, both ends of a connection: a GPU buffer made as cudaMalloc makes it (no cuMem
+/// handle, what `NCCL_CUMEM_ENABLE=0` gives NCCL) is refused at registration with what to do,
+/// on the sending side of the same-host and TCP paths and the receiving side of TCP, while a
+/// cuMem buffer is taken.
+#[test]
+#[ignore = "run by legacy_gpu_buffers_are_refused_at_registration"]
+fn legacy_registration() {
+    let p = support::plugin();
+    let ctx = init(&p);
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    let mut lc = std::ptr::null_mut();
+    // SAFETY: plugin calls with valid arguments, as NCCL makes them.
+    ok(
+        unsafe { (p.net.listen)(ctx, 0, handle.as_mut_ptr().cast(), &mut lc) },
+        "listen",
+    );
+    let (mut sc, mut rc): (*mut c_void, *mut c_void) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sc.is_null() || rc.is_null() {
+        assert!(Instant::now() < deadline, "connect/accept never completed");
+        // SAFETY: polling connect and accept, as NCCL's proxy does.
+        unsafe {
+            if sc.is_null() {
+                ok(
+                    (p.net.connect)(
+                        ctx,
+                        0,
+                        handle.as_mut_ptr().cast(),
+                        &mut sc,
+                        std::ptr::null_mut(),
+                    ),
+                    "connect",
+                );
+            }
+            if rc.is_null() {
+                ok((p.net.accept)(lc, &mut rc, std::ptr::null_mut()), "accept");
+            }
+        }
+    }
+    // SAFETY: the fake driver's `void *fake_device_alloc_legacy(size_t)`.
+    let legacy = unsafe {
+        fake_driver()
+            .get::<unsafe extern "C" fn(usize) -> *mut u8>(b"fake_device_alloc_legacy\0")
+            .expect("fake_device_alloc_legacy")(1 << 20)
+    };
+    let vmm = Buf::new(1 << 20, true);
+    for (name, comm) in [("send", sc), ("recv", rc)] {
+        for (kind, ptr) in [("legacy", legacy), ("cumem", vmm.ptr)] {
+            let mut mh = std::ptr::null_mut();
+            // SAFETY: a live fake device buffer of 1 MiB.
+            let r = unsafe { (p.net.regMr)(comm, ptr.cast(), 1 << 20, NCCL_PTR_CUDA, &mut mh) };
+            println!("REG {name} {kind} {r}");
+            if r == NCCL_SUCCESS {
+                // SAFETY: the handle regMr just gave.
+                ok(unsafe { (p.net.deregMr)(comm, mh) }, "deregMr");
+            }
+        }
+    }
+    // SAFETY: closing what was opened above.
+    unsafe {
+        ok((p.net.closeSend)(sc), "closeSend");
+        ok((p.net.closeRecv)(rc), "closeRecv");
+        ok((p.net.closeListen)(lc), "closeListen");
+        ok((p.net.finalize)(ctx), "finalize");
+    }
+}
+
+#[test]
+fn legacy_gpu_buffers_are_refused_at_registration() {
+    library();
+    for local in ["1", "0"] {
+        let mut env = fake_cuda_env();
+        env.push(("VGPU_NCCL_LOCAL", local.into()));
+        let out = Command::new(std::env::current_exe().unwrap())
+            .env("VGPU_NCCL_NO_BUILD", "1")
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .args([
+                "legacy_registration",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+                "--ignored",
+            ])
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            out.status.success(),
+            "VGPU_NCCL_LOCAL={local}: {stdout}\n{stderr}"
+        );
+        let code = |line: &str| {
+            let at = stdout
+                .find(line)
+                .unwrap_or_else(|| panic!("no {line:?}: {stdout}"));
+            stdout[at + line.len()..]
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse::<i32>()
+                .unwrap()
+        };
+        assert_ne!(
+            code("REG send legacy "),
+            NCCL_SUCCESS,
+            "VGPU_NCCL_LOCAL={local}"
+        );
+        assert_eq!(
+            code("REG send cumem "),
+            NCCL_SUCCESS,
+            "VGPU_NCCL_LOCAL={local}"
+        );
+        assert_eq!(
+            code("REG recv cumem "),
+            NCCL_SUCCESS,
+            "VGPU_NCCL_LOCAL={local}"
+        );
+        if local == "0" {
+            // the TCP threads copy into GPU receive buffers from the plugin's context too
+            assert_ne!(code("REG recv legacy "), NCCL_SUCCESS);
+        }
+        assert!(
+            stderr.contains("legacy cudaMalloc allocation (NCCL_CUMEM_ENABLE=0?)"),
+            "the refusal says what to do: {stderr}"
+        );
+    }
+}

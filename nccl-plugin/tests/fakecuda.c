@@ -21,7 +21,8 @@
  * only device addresses inside a registered range, writes at once (FAKE_CUDA_DROP_VALUE_WRITES=1:
  * never), and is counted.
  *
- * Test-only entry points (not CUDA): fake_device_alloc(bytes) allocates "device memory";
+ * Test-only entry points (not CUDA): fake_device_alloc(bytes) allocates "device memory" as
+ * cuMem does, fake_device_alloc_legacy(bytes) as cudaMalloc does (no cuMem handle);
  * fake_cuda_stats(&primary, &other, &created) reads the counters; fake_cuda_writes() the number
  * of stream value writes.
  */
@@ -53,6 +54,7 @@ static struct {
   uint64_t base;
   size_t size;
   int fd;
+  int legacy; /* a cudaMalloc allocation: no cuMem handle */
 } allocations[ALLOCATIONS];
 static atomic_int allocation_count;
 static atomic_long copies_primary, copies_other, contexts_created;
@@ -84,6 +86,14 @@ void *fake_device_alloc(size_t bytes) {
   allocations[i].size = bytes;
   allocations[i].fd = fd;
   allocations[i].base = (uint64_t)(uintptr_t)p;
+  return p;
+}
+
+/* "device memory" as cudaMalloc makes it (NCCL_CUMEM_ENABLE=0): no cuMem handle */
+void *fake_device_alloc_legacy(size_t bytes) {
+  void *p = fake_device_alloc(bytes);
+  int i = p ? find((uint64_t)(uintptr_t)p) : -1;
+  if (i >= 0) allocations[i].legacy = 1;
   return p;
 }
 
@@ -149,7 +159,7 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr pt
 }
 CUresult cuMemRetainAllocationHandle(uint64_t *handle, void *ptr) {
   int i = find((uint64_t)(uintptr_t)ptr);
-  if (i < 0) return CUDA_ERROR_INVALID_VALUE;
+  if (i < 0 || allocations[i].legacy) return CUDA_ERROR_INVALID_VALUE;
   *handle = HANDLE_ALLOCATION | (uint64_t)i;
   return CUDA_SUCCESS;
 }
