@@ -15,7 +15,7 @@ use vgpu_nccl::abi::*;
 
 mod support;
 use support::{
-    Buf, Plugin, accept_polled, fake_cuda_env, fake_driver, fake_ibverbs, fake_ibverbs_env,
+    Buf, Plugin, accept_polled, drain, fake_cuda_env, fake_driver, fake_ibverbs, fake_ibverbs_env,
     irecv_one, library, ok, plugin,
 };
 
@@ -98,23 +98,6 @@ fn init(p: &Plugin, v10: bool) -> *mut c_void {
         );
     }
     ctx
-}
-
-/// Test every request in `reqs` (in the order given) until all are done; returns sizes.
-fn drain(p: &Plugin, reqs: &mut Vec<(usize, *mut c_void)>, sizes: &mut [i32]) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !reqs.is_empty() {
-        assert!(Instant::now() < deadline, "requests never completed");
-        reqs.retain(|&(i, r)| {
-            let (mut done, mut size) = (0, -1);
-            // SAFETY: `r` is a live request from isend/irecv.
-            ok(unsafe { (p.net.test)(r, &mut done, &mut size) }, "test");
-            if done == 1 {
-                sizes[i] = size;
-            }
-            done == 0
-        });
-    }
 }
 
 fn receiver() {

@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 use vgpu_nccl::abi::*;
 
 mod support;
-use support::{Buf, Plugin, accept_polled, fake_cuda_env, fake_driver, irecv_one, library, ok};
+use support::{
+    Buf, Plugin, accept_polled, drain, fake_cuda_env, fake_driver, irecv_one, library, ok,
+};
 
 /// Connections (NCCL's channels at its defaults on this path: 4).
 const CONNS: usize = 4;
@@ -57,6 +59,28 @@ fn run_self(test: &str, env: &[(&str, String)]) -> std::process::Child {
         .expect("re-executing the test binary")
 }
 
+/// Runs the ignored test `test` of this binary in a process of its own with `env`: whether it
+/// passed, and what it printed on stdout and stderr.
+fn run_self_output(test: &str, env: &[(&str, String)]) -> (bool, String, String) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .env("VGPU_NCCL_NO_BUILD", "1")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .args([
+            test,
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--ignored",
+        ])
+        .output()
+        .expect("re-executing the test binary");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 fn init(p: &Plugin) -> *mut c_void {
     let mut ctx = std::ptr::null_mut();
     // SAFETY: the plugin's init with valid arguments, as NCCL calls it.
@@ -65,23 +89,6 @@ fn init(p: &Plugin) -> *mut c_void {
         "init",
     );
     ctx
-}
-
-/// Tests `reqs` in the order given until all are done; `sizes[k]` gets request k's size.
-fn drain(p: &Plugin, reqs: &mut Vec<(usize, *mut c_void)>, sizes: &mut [i32]) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !reqs.is_empty() {
-        assert!(Instant::now() < deadline, "requests never completed");
-        reqs.retain(|&(k, r)| {
-            let (mut done, mut size) = (0, -1);
-            // SAFETY: a live request from isend/irecv.
-            ok(unsafe { (p.net.test)(r, &mut done, &mut size) }, "test");
-            if done == 1 {
-                sizes[k] = size;
-            }
-            done == 0
-        });
-    }
 }
 
 #[test]
@@ -291,11 +298,8 @@ fn connections_of_one_process_share_its_copy_thread() {
         let mut env = fake_cuda_env();
         env.push(("VGPU_NCCL_LOCAL", "1".into()));
         env.push(("VGPU_NCCL_GPU_FIN", gpu_fin.into()));
-        let out = run_self("channels_sender", &env)
-            .wait_with_output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "VGPU_NCCL_GPU_FIN={gpu_fin}: {text}");
+        let (passed, text, stderr) = run_self_output("channels_sender", &env);
+        assert!(passed, "VGPU_NCCL_GPU_FIN={gpu_fin}: {text}\n{stderr}");
         assert!(
             text.contains(&format!("RESULT received={} bad=0", CONNS * PER_CONN)),
             "VGPU_NCCL_GPU_FIN={gpu_fin}: {text}"
@@ -319,23 +323,8 @@ fn a_completion_that_never_lands_fails_the_send_instead_of_hanging() {
     env.push(("VGPU_NCCL_LOCAL", "1".into()));
     env.push(("FAKE_CUDA_DROP_VALUE_WRITES", "1".into()));
     let started = Instant::now();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .env("VGPU_NCCL_NO_BUILD", "1")
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .args([
-            "channels_sender",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-            "--ignored",
-        ])
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(!out.status.success(), "the sends completed: {stdout}");
+    let (passed, stdout, stderr) = run_self_output("channels_sender", &env);
+    assert!(!passed, "the sends completed: {stdout}");
     assert!(
         stderr.contains("completion never reached the ring"),
         "not failed for the lost completion: {stdout}\n{stderr}"
@@ -421,26 +410,8 @@ fn legacy_gpu_buffers_are_refused_at_registration() {
     for local in ["1", "0"] {
         let mut env = fake_cuda_env();
         env.push(("VGPU_NCCL_LOCAL", local.into()));
-        let out = Command::new(std::env::current_exe().unwrap())
-            .env("VGPU_NCCL_NO_BUILD", "1")
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .args([
-                "legacy_registration",
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-                "--ignored",
-            ])
-            .output()
-            .unwrap();
-        let (stdout, stderr) = (
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-        );
-        assert!(
-            out.status.success(),
-            "VGPU_NCCL_LOCAL={local}: {stdout}\n{stderr}"
-        );
+        let (passed, stdout, stderr) = run_self_output("legacy_registration", &env);
+        assert!(passed, "VGPU_NCCL_LOCAL={local}: {stdout}\n{stderr}");
         let code = |line: &str| {
             let at = stdout
                 .find(line)

@@ -273,3 +273,23 @@ pub fn fake_ibverbs_env(dir: &Path, devices: u32) -> Vec<(&'static str, String)>
         ("VGPU_FAKE_IBV_DEVICES", devices.to_string()),
     ]
 }
+
+/// Test every request in `reqs` (in the order given) until all are done; returns sizes.
+pub fn drain(p: &Plugin, reqs: &mut Vec<(usize, *mut c_void)>, sizes: &mut [i32]) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !reqs.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "requests never completed"
+        );
+        reqs.retain(|&(i, r)| {
+            let (mut done, mut size) = (0, -1);
+            // SAFETY: `r` is a live request from isend/irecv.
+            ok(unsafe { (p.net.test)(r, &mut done, &mut size) }, "test");
+            if done == 1 {
+                sizes[i] = size;
+            }
+            done == 0
+        });
+    }
+}
