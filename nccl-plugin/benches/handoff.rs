@@ -23,8 +23,10 @@ use std::ffi::c_void;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{Buf, accept_polled, fake_cuda_env, irecv_one, library, ok, plugin};
-use vgpu_nccl::abi::*;
+use support::{
+    Buf, accept_polled, connect_polled, fake_cuda_env, handle_from_hex, irecv_one, library,
+    listen_announced, ok, plugin,
+};
 
 /// Requests in flight per side: NCCL's ring all-reduce keeps 4 (8 steps of 2 slices).
 const DEPTH: usize = 4;
@@ -86,15 +88,7 @@ fn done(p: &support::Plugin, req: *mut c_void, size: usize) -> bool {
 fn receiver(messages: usize, size: usize) {
     let p = plugin();
     let ctx = init(&p);
-    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
-    let mut lc = std::ptr::null_mut();
-    // SAFETY: listen with a handle buffer of NCCL's size.
-    ok(
-        unsafe { (p.net.listen)(ctx, 0, handle.as_mut_ptr().cast(), &mut lc) },
-        "listen",
-    );
-    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
-    println!("HANDLE {hex}");
+    let lc = listen_announced(&p, ctx);
     let rc = accept_polled(&p, lc);
     let bufs: Vec<Buf> = (0..DEPTH).map(|_| Buf::new(size, true)).collect();
     let mhs = register(&p, rc, &bufs);
@@ -146,24 +140,9 @@ fn receiver(messages: usize, size: usize) {
 /// The sending rank: connects to `handle`, sends `messages` messages with `DEPTH` in flight,
 /// testing every `pass_us` (0: continuously); prints one `SENT <i> <ns>` per message.
 fn sender(handle: &str, messages: usize, size: usize, pass_us: u64) {
-    let mut h = [0u8; NCCL_NET_HANDLE_MAXSIZE];
-    for (i, b) in h.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&handle[2 * i..2 * i + 2], 16).expect("a hex handle");
-    }
     let p = plugin();
     let ctx = init(&p);
-    let mut sc: *mut c_void = std::ptr::null_mut();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while sc.is_null() {
-        assert!(Instant::now() < deadline, "connect never completed");
-        // SAFETY: polling connect with the same handle, as NCCL does.
-        ok(
-            unsafe {
-                (p.net.connect)(ctx, 0, h.as_mut_ptr().cast(), &mut sc, std::ptr::null_mut())
-            },
-            "connect",
-        );
-    }
+    let sc = connect_polled(&p, ctx, &handle_from_hex(handle));
     // one source buffer per message slot, refilled with the message's byte before its send
     let bufs: Vec<Buf> = (0..DEPTH).map(|_| Buf::new(size, true)).collect();
     let mhs = register(&p, sc, &bufs);

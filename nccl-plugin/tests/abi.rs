@@ -15,8 +15,8 @@ use vgpu_nccl::abi::*;
 
 mod support;
 use support::{
-    Buf, Plugin, accept_polled, drain, fake_cuda_env, fake_driver, fake_ibverbs, fake_ibverbs_env,
-    irecv_one, library, ok, plugin,
+    Buf, Plugin, accept_polled, connect_polled, drain, fake_cuda_env, fake_driver, fake_ibverbs,
+    fake_ibverbs_env, irecv_one, library, listen_announced, ok, plugin, read_handle,
 };
 
 /// The bytes of message `i` of a run: every byte depends on the message and its position.
@@ -997,34 +997,10 @@ fn one_truncated() {
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines
-        .by_ref()
-        .map(|l| l.unwrap())
-        .find(|l| l.contains("HANDLE "))
-        .expect("child printed its handle");
-    let hex = &line[line.find("HANDLE ").unwrap() + "HANDLE ".len()..];
-    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
-    for (i, b) in handle.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-    }
+    let handle = read_handle(lines.by_ref().map(|l| l.unwrap()));
     let p = plugin();
     let ctx = init(&p, false);
-    let mut sc: *mut c_void = std::ptr::null_mut();
-    while sc.is_null() {
-        // SAFETY: polling connect with the same handle buffer, as NCCL does.
-        ok(
-            unsafe {
-                (p.net.connect)(
-                    ctx,
-                    0,
-                    handle.as_mut_ptr().cast(),
-                    &mut sc,
-                    std::ptr::null_mut(),
-                )
-            },
-            "connect",
-        );
-    }
+    let sc = connect_polled(&p, ctx, &handle);
     let payload = Buf::with(&pattern(1, 8192), false);
     let mut mh = std::ptr::null_mut();
     // SAFETY: registering a live host buffer.
@@ -1069,16 +1045,7 @@ fn one_truncated() {
 fn truncated_receiver() {
     let p = plugin();
     let ctx = init(&p, false);
-    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
-    let mut lc = std::ptr::null_mut();
-    // SAFETY: plugin calls with valid arguments.
-    ok(
-        unsafe { (p.net.listen)(ctx, 0, handle.as_mut_ptr().cast(), &mut lc) },
-        "listen",
-    );
-    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
-    println!("\nHANDLE {hex}");
-    std::io::stdout().flush().unwrap();
+    let lc = listen_announced(&p, ctx);
     let rc = accept_polled(&p, lc);
     let buf = Buf::new(4096, false);
     let mut mh = std::ptr::null_mut();

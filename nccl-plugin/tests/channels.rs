@@ -14,14 +14,15 @@
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use vgpu_nccl::abi::*;
 
 mod support;
 use support::{
-    Buf, Plugin, accept_polled, drain, fake_cuda_env, fake_driver, irecv_one, library, ok,
+    Buf, Plugin, accept_polled, connect_polled, drain, fake_cuda_env, fake_driver, irecv_one,
+    library, listen_announced, ok, read_handle,
 };
 
 /// Connections (NCCL's channels at its defaults on this path: 4).
@@ -96,16 +97,7 @@ fn init(p: &Plugin) -> *mut c_void {
 fn channels_receiver() {
     let p = support::plugin();
     let ctx = init(&p);
-    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
-    let mut lc = std::ptr::null_mut();
-    // SAFETY: listen with a handle buffer of NCCL's size.
-    ok(
-        unsafe { (p.net.listen)(ctx, 0, handle.as_mut_ptr().cast(), &mut lc) },
-        "listen",
-    );
-    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
-    println!("\nHANDLE {hex}");
-    std::io::stdout().flush().unwrap();
+    let lc = listen_announced(&p, ctx);
     // the connections arrive in any order; the sender says which is which in its first message
     let rcs: Vec<*mut c_void> = (0..CONNS).map(|_| accept_polled(&p, lc)).collect();
     let bufs: Vec<Vec<Buf>> = (0..CONNS)
@@ -179,35 +171,12 @@ fn channels_sender() {
     // the receiving rank inherits this process's settings and the fake driver's path
     let mut child = run_self("channels_receiver", &[]);
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines
-        .by_ref()
-        .map(|l| l.unwrap())
-        .find(|l| l.contains("HANDLE "))
-        .expect("the receiver printed its handle");
-    let hex = &line[line.find("HANDLE ").unwrap() + 7..];
-    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
-    for (i, b) in handle.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-    }
+    let handle = read_handle(lines.by_ref().map(|l| l.unwrap()));
     let p = support::plugin();
     let ctx = init(&p);
-    let mut scs = Vec::new();
-    for _ in 0..CONNS {
-        let mut h = handle;
-        let mut sc: *mut c_void = std::ptr::null_mut();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while sc.is_null() {
-            assert!(Instant::now() < deadline, "connect never completed");
-            // SAFETY: polling connect with the same handle buffer, as NCCL does.
-            ok(
-                unsafe {
-                    (p.net.connect)(ctx, 0, h.as_mut_ptr().cast(), &mut sc, std::ptr::null_mut())
-                },
-                "connect",
-            );
-        }
-        scs.push(sc);
-    }
+    let scs: Vec<*mut c_void> = (0..CONNS)
+        .map(|_| connect_polled(&p, ctx, &handle))
+        .collect();
     let payloads: Vec<Vec<Buf>> = (0..CONNS)
         .map(|c| {
             (0..PER_CONN)

@@ -293,3 +293,64 @@ pub fn drain(p: &Plugin, reqs: &mut Vec<(usize, *mut c_void)>, sizes: &mut [i32]
         });
     }
 }
+
+/// Listens on device 0 of the v11 table and prints the handle as a `HANDLE <hex>` line (its own
+/// line, flushed) for the rank that will connect; returns the listen comm.
+pub fn listen_announced(p: &Plugin, ctx: *mut c_void) -> *mut c_void {
+    use std::io::Write;
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    let mut lc = std::ptr::null_mut();
+    // SAFETY: listen with a handle buffer of NCCL's size, as NCCL calls it.
+    ok(
+        unsafe { (p.net.listen)(ctx, 0, handle.as_mut_ptr().cast(), &mut lc) },
+        "listen",
+    );
+    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
+    println!("\nHANDLE {hex}");
+    std::io::stdout().flush().expect("stdout");
+    lc
+}
+
+/// The handle of the first `HANDLE <hex>` line among `lines` (the harness may print
+/// `test name ... ` before it on the same line).
+pub fn read_handle(lines: impl Iterator<Item = String>) -> [u8; NCCL_NET_HANDLE_MAXSIZE] {
+    let mut lines = lines;
+    let line = lines
+        .find(|l| l.contains("HANDLE "))
+        .expect("the listening rank printed its handle");
+    handle_from_hex(&line[line.find("HANDLE ").unwrap() + "HANDLE ".len()..])
+}
+
+pub fn handle_from_hex(hex: &str) -> [u8; NCCL_NET_HANDLE_MAXSIZE] {
+    let mut handle = [0u8; NCCL_NET_HANDLE_MAXSIZE];
+    for (i, b) in handle.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("a hex handle");
+    }
+    handle
+}
+
+/// Polls the v11 `connect` to `handle` (a copy: connect keeps its state in the handle) until
+/// the connection is made, 30 s at most, as NCCL does.
+pub fn connect_polled(
+    p: &Plugin,
+    ctx: *mut c_void,
+    handle: &[u8; NCCL_NET_HANDLE_MAXSIZE],
+) -> *mut c_void {
+    let mut h = *handle;
+    let mut sc: *mut c_void = std::ptr::null_mut();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while sc.is_null() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "connect never completed"
+        );
+        // SAFETY: polling connect with the same handle buffer, as NCCL does.
+        ok(
+            unsafe {
+                (p.net.connect)(ctx, 0, h.as_mut_ptr().cast(), &mut sc, std::ptr::null_mut())
+            },
+            "connect",
+        );
+    }
+    sc
+}
