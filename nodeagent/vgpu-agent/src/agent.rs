@@ -1,51 +1,63 @@
 //! The `join` runtime: register the node, then heartbeat and follow assignments at the same time
-//! until shutdown.
+//! until shutdown. What is said to the control plane and when is the node [`Session`]'s
+//! business ([`crate::session`], the same one every node of `simulate-fleet` drives); this file
+//! is its I/O shell: it makes the calls the session asks for, with timeouts, keeps its timers,
+//! hands each stream message to the [`Follower`] and logs.
 //!
 //! * Registration retries across the control-plane addresses with backoff until one accepts the
 //!   node. Only a refusal of the inventory itself (`INVALID_ARGUMENT`) stops the agent: retrying
-//!   the same inventory cannot succeed.
-//! * The heartbeat loop beats at the interval the control plane gave; a beat carries the health
-//!   and usage report only when it changed, as a refresh, or when the leader asks for it
-//!   ([`ReportSender`]). When the control plane answers `known = false`, or the assignment
-//!   stream says the node is not registered, it registers again (an identical inventory keeps
-//!   the node's tenants). Failed beats move to the next address and retry sooner, with backoff,
-//!   never later than the interval.
-//! * The watch loop holds one `WatchAssignments` stream; when it ends or fails it moves to the
-//!   next address and calls again after a backoff. Each message goes to the [`Follower`].
+//!   the same inventory cannot succeed ([`Refusals::InvalidInventory`]).
+//! * Heartbeats come at the interval the control plane gave; a beat carries the health and usage
+//!   report ([`Monitor::latest`]) only when it changed, as a refresh, or when the leader asks for
+//!   it ([`crate::report::ReportSender`], inside the session). When the control plane answers
+//!   `known = false`, or the assignment stream says the node is not registered, the agent
+//!   registers again (an identical inventory keeps the node's tenants). Failed beats move to the
+//!   next address and retry sooner, with backoff, never later than the interval.
+//! * One `WatchAssignments` stream is held; when it ends or fails the agent moves to the next
+//!   address and calls again after a backoff. Each message goes to the [`Follower`]; a message
+//!   it cannot apply drops the stream.
 //!
-//! Bounds: every wait is a [`Backoff`] (100 ms doubling to 2 s by default) or the heartbeat
-//! interval, every call has a timeout, and nothing is queued. The loops have no attempt limit on
-//! purpose: an agent's job is to stay joined through control-plane outages, and shutdown (SIGINT,
-//! SIGTERM) ends them at any point. State writes are synchronous, so cancelling a loop never
-//! leaves a half-written file.
+//! Bounds: every wait is a backoff (100 ms doubling to 2 s by default) or the heartbeat
+//! interval, every call has a timeout, and nothing is queued: at most one unary call and one
+//! stream are in flight. There is no attempt limit on purpose: an agent's job is to stay joined
+//! through control-plane outages, and shutdown (SIGINT, SIGTERM) ends the loop at any point.
+//! State writes are synchronous, so stopping never leaves a half-written file.
+//!
+//! The pieces of I/O that `simulate-fleet` shares (`Timers`, `AssignmentStream`) are here
+//! too, so both shells open streams and keep time the same way.
 
 use std::collections::BTreeMap;
-use std::convert::Infallible;
 use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::time::Duration;
 
-use api::ErrorCode;
-use api::v1::{RegisterRequest, WatchAssignmentsRequest};
-use tokio::sync::Notify;
-use tokio::time::{Instant, sleep, timeout};
+use api::v1::{
+    Assignments, HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse,
+    WatchAssignmentsRequest,
+};
+use tokio::time::error::Elapsed;
+use tokio::time::timeout;
+use tonic::Streaming;
 use tracing::{debug, error, info, warn};
 
-use crate::backoff::Backoff;
 use crate::cdi::{CdiConfig, CdiWriter};
 use crate::endpoints::Endpoints;
 use crate::error::{Error, Result};
 use crate::follower::Follower;
 use crate::inventory::InventorySource;
-use crate::monitor::{Monitor, MonitorConfig};
+use crate::monitor::{Monitor, MonitorConfig, Report};
 use crate::report::{ReportPolicy, ReportSender};
+use crate::session::{
+    Action, CallError, Event, Lane, Refusals, RegisterReason, Session, SessionConfig, Stop,
+    WatchEnd,
+};
 use crate::state::StateDir;
 
-/// Used when the control plane hands out no heartbeat interval.
-pub const HEARTBEAT_INTERVAL_DEFAULT: Duration = Duration::from_secs(1);
-/// Bounds on the interval the control plane may hand out.
-pub const HEARTBEAT_INTERVAL_MIN: Duration = Duration::from_millis(50);
-pub const HEARTBEAT_INTERVAL_MAX: Duration = Duration::from_secs(60);
+pub use crate::session::{
+    HEARTBEAT_INTERVAL_DEFAULT, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN,
+};
+
 /// How often GPU health and tenant usage are sampled for the heartbeats ([`crate::monitor`]).
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -142,7 +154,6 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
         node: inventory.to_proto(&config.address, &config.labels),
         endpoints,
         timings: config.timings,
-        reregister: Notify::new(),
         monitor,
     };
     let shaper = tokio::spawn(crate::bandwidth::run(
@@ -150,13 +161,7 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
         config.shm_dir.clone(),
         config.nic_bytes_per_second,
     ));
-    let result = tokio::select! {
-        result = agent.run(follower) => result,
-        () = shutdown => {
-            info!("shutting down");
-            Ok(())
-        }
-    };
+    let result = agent.run(follower, shutdown).await;
     shaper.abort();
     result
 }
@@ -165,33 +170,100 @@ struct Agent {
     node: api::v1::Node,
     endpoints: Endpoints,
     timings: Timings,
-    /// Raised by the watch loop when the control plane does not know the node.
-    reregister: Notify,
     /// GPU health and tenant usage for the heartbeats.
     monitor: Monitor,
 }
 
-/// Why an assignment stream ended.
-enum StreamEnd {
-    Closed,
-    OpenTimedOut,
-    NotRegistered(tonic::Status),
-    Failed(tonic::Status),
-    Persist(Error),
+enum Answer {
+    Register(Reply<RegisterResponse>),
+    /// With the wait the session gave it.
+    Heartbeat(Reply<HeartbeatResponse>, Duration),
+}
+
+/// What to log once the session has said what comes next.
+enum Note {
+    RegisterFailed { address: usize, problem: String },
+    HeartbeatFailed { address: usize, problem: String },
+    StreamEnded { address: usize, end: StreamEnd },
+    Unapplied(Error),
 }
 
 impl Agent {
-    async fn run(&self, follower: Follower) -> Result<()> {
-        let mut cursor = 0;
-        let interval = self.register(&mut cursor).await?;
-        let outcome = tokio::select! {
-            outcome = self.heartbeat_loop(cursor, interval) => outcome,
-            // Start watching where registration got through: that address answers.
-            outcome = self.watch_loop(cursor, follower) => outcome,
-        };
-        match outcome {
-            Ok(never) => match never {},
-            Err(error) => Err(error),
+    /// Drives the node's session until it stops: `Ok` after `shutdown`, an error after a refusal
+    /// that retrying cannot fix.
+    async fn run(&self, mut follower: Follower, shutdown: impl Future<Output = ()>) -> Result<()> {
+        let mut session = Session::new(SessionConfig {
+            node: self.name().to_owned(),
+            addresses: self.endpoints.len(),
+            first_address: 0,
+            retry_initial: self.timings.retry_initial,
+            retry_max: self.timings.retry_max,
+            call_timeout: self.timings.call_timeout,
+            watch: true,
+            refusals: Refusals::InvalidInventory,
+            jitter: None,
+            report_policy: ReportPolicy::default(),
+            first_generation: ReportSender::first_generation_now(),
+        });
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut io = Io::<Answer>::default();
+        // Heartbeat failures in a row, for the log.
+        let mut failures: u64 = 0;
+        let mut actions = session.handle(now(), Event::Start);
+        loop {
+            for action in actions {
+                if let Some(stopped) = self.execute(action, &mut io) {
+                    return stopped;
+                }
+            }
+            let latest: Report;
+            let mut note = None;
+            let event = tokio::select! {
+                () = &mut shutdown => {
+                    info!("shutting down");
+                    Some(Event::Shutdown)
+                }
+                lane = io.timers.next() => Some(match lane {
+                    Lane::Heartbeat => {
+                        latest = self.monitor.latest();
+                        Event::HeartbeatTimer { latest: &latest }
+                    }
+                    Lane::Watch => Event::WatchTimer,
+                }),
+                answer = maybe(io.call.as_mut().map(|call| &mut call.answer)) => {
+                    let address = io.call.take().expect("the call answered").address;
+                    Some(self.answered(address, answer, &mut failures, &mut note))
+                }
+                item = next_item(io.stream.as_mut()) => {
+                    let address = io.stream.as_ref().expect("the stream yielded").address;
+                    match item {
+                        StreamItem::Message(message) => {
+                            match follower.on_message(&message, self.endpoints.address(address)) {
+                                Ok(_changes) => None,
+                                Err(problem) => {
+                                    io.stream = None;
+                                    note = Some(Note::Unapplied(problem));
+                                    Some(Event::WatchEnded(WatchEnd::Unapplied))
+                                }
+                            }
+                        }
+                        StreamItem::Ended(end) => {
+                            io.stream = None;
+                            let event = Event::WatchEnded(end.watch_end());
+                            note = Some(Note::StreamEnded { address, end });
+                            Some(event)
+                        }
+                    }
+                }
+            };
+            let at = now();
+            actions = match event {
+                Some(event) => session.handle(at, event),
+                None => Vec::new(),
+            };
+            if let Some(note) = note {
+                self.log_note(note, &actions, &session, at, failures);
+            }
         }
     }
 
@@ -199,243 +271,416 @@ impl Agent {
         &self.node.name
     }
 
-    /// Registers, moving across addresses with backoff until one accepts. Returns the heartbeat
-    /// interval.
-    async fn register(&self, cursor: &mut usize) -> Result<Duration> {
-        let gpus = self.node.gpus.len();
-        let mut backoff = Backoff::new(self.timings.retry_initial, self.timings.retry_max);
-        let mut attempt: u64 = 0;
-        loop {
-            attempt += 1;
-            let address = self.endpoints.address(*cursor).to_owned();
-            info!(
-                "registering node {} with {gpus} GPUs at {address} (attempt {attempt})",
-                self.name()
-            );
-            let request = RegisterRequest {
-                node: Some(self.node.clone()),
-            };
-            let mut client = self.endpoints.client(*cursor);
-            match timeout(self.timings.call_timeout, client.register(request)).await {
-                Ok(Ok(response)) => {
-                    let interval = heartbeat_interval(response.get_ref().heartbeat_interval_ms);
-                    info!(
-                        "registered node {} with {gpus} GPUs via {address}; heartbeat every {} ms",
-                        self.name(),
-                        interval.as_millis()
-                    );
-                    return Ok(interval);
-                }
-                Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => {
-                    return Err(Error::RegisterRefused {
-                        address,
-                        message: status.message().to_owned(),
-                    });
-                }
-                Ok(Err(status)) => warn!("registering at {address} failed: {}", describe(&status)),
-                Err(_) => warn!(
-                    "registering at {address} timed out after {} ms",
-                    self.timings.call_timeout.as_millis()
-                ),
+    /// Does what the session asked for; returns how the agent ends if it said to stop.
+    fn execute(&self, action: Action, io: &mut Io<'static, Answer>) -> Option<Result<()>> {
+        match action {
+            Action::Register {
+                address,
+                attempt,
+                reason,
+            } => {
+                self.log_register(address, attempt, reason);
+                io.call = Some(self.register(address));
             }
-            *cursor = self.endpoints.next(*cursor);
-            sleep(backoff.next_delay()).await;
+            Action::Heartbeat {
+                address,
+                timeout,
+                request,
+            } => io.call = Some(self.heartbeat(address, timeout, request)),
+            Action::Watch { address } => {
+                io.stream = Some(AssignmentStream::open(
+                    &self.endpoints,
+                    address,
+                    self.name(),
+                    self.timings.call_timeout,
+                ));
+            }
+            Action::WakeAt { lane, at } => io.timers.set(lane, at),
+            Action::Stop(Stop::Shutdown) => return Some(Ok(())),
+            Action::Stop(Stop::Refused { address, message }) => {
+                return Some(Err(Error::RegisterRefused {
+                    address: self.endpoints.address(address).to_owned(),
+                    message,
+                }));
+            }
         }
+        None
     }
 
-    async fn heartbeat_loop(
+    fn register(&self, address: usize) -> Call<'static, Answer> {
+        let request = RegisterRequest {
+            node: Some(self.node.clone()),
+        };
+        let mut client = self.endpoints.client(address);
+        let call_timeout = self.timings.call_timeout;
+        let answer = Box::pin(async move {
+            Answer::Register(timeout(call_timeout, client.register(request)).await)
+        });
+        Call { address, answer }
+    }
+
+    fn heartbeat(
         &self,
-        mut cursor: usize,
-        mut interval: Duration,
-    ) -> Result<Infallible> {
-        let mut backoff = Backoff::new(self.timings.retry_initial, self.timings.retry_max);
-        let mut failures: u64 = 0;
-        let mut delay = interval;
-        let mut reports = ReportSender::new(
-            ReportPolicy::default(),
-            ReportSender::first_generation_now(),
-        );
-        loop {
-            let reregister = tokio::select! {
-                () = sleep(delay) => false,
-                () = self.reregister.notified() => true,
-            };
-            if reregister {
+        address: usize,
+        limit: Duration,
+        request: HeartbeatRequest,
+    ) -> Call<'static, Answer> {
+        let mut client = self.endpoints.client(address);
+        let answer = Box::pin(async move {
+            Answer::Heartbeat(timeout(limit, client.heartbeat(request)).await, limit)
+        });
+        Call { address, answer }
+    }
+
+    /// The event of a call's answer; logs what needs no word from the session.
+    fn answered(
+        &self,
+        address: usize,
+        answer: Answer,
+        failures: &mut u64,
+        note: &mut Option<Note>,
+    ) -> Event<'static> {
+        let at = self.endpoints.address(address);
+        let timed_out = |limit: Duration| format!("timed out after {} ms", limit.as_millis());
+        match answer {
+            Answer::Register(Ok(Ok(response))) => {
+                let interval_ms = response.get_ref().heartbeat_interval_ms;
                 info!(
-                    "the control plane does not know node {}; registering again",
-                    self.name()
+                    "registered node {} with {} GPUs via {at}; heartbeat every {} ms",
+                    self.name(),
+                    self.node.gpus.len(),
+                    crate::session::heartbeat_interval(interval_ms).as_millis()
                 );
-                interval = self.register(&mut cursor).await?;
-                (delay, failures) = (interval, 0);
-                backoff.reset();
-                reports.answered(false, false);
-                continue;
+                *failures = 0;
+                Event::RegisterAnswered {
+                    heartbeat_interval_ms: interval_ms,
+                }
             }
-            let address = self.endpoints.address(cursor).to_owned();
-            let request = reports.beat(self.name(), &self.monitor.latest());
-            let mut client = self.endpoints.client(cursor);
-            let call_timeout = interval.clamp(
-                Duration::from_secs(1),
-                self.timings.call_timeout.max(Duration::from_secs(1)),
-            );
-            let problem = match timeout(call_timeout, client.heartbeat(request)).await {
-                Ok(Ok(response)) if response.get_ref().known => {
-                    reports.answered(true, response.get_ref().report_wanted);
-                    if failures > 0 {
+            Answer::Register(Ok(Err(status))) => {
+                let problem = format!("failed: {}", describe(&status));
+                *note = Some(Note::RegisterFailed { address, problem });
+                Event::RegisterFailed(CallError::of(&status))
+            }
+            Answer::Register(Err(_)) => {
+                let problem = timed_out(self.timings.call_timeout);
+                *note = Some(Note::RegisterFailed { address, problem });
+                Event::RegisterFailed(CallError::TimedOut)
+            }
+            Answer::Heartbeat(Ok(Ok(response)), _) => {
+                let response = response.into_inner();
+                if response.known {
+                    if *failures > 0 {
                         info!(
-                            "heartbeats reach the control plane again via {address} after {failures} failures"
+                            "heartbeats reach the control plane again via {at} after {failures} failures"
                         );
                     }
-                    debug!("heartbeat via {address}");
-                    (delay, failures) = (interval, 0);
-                    backoff.reset();
-                    continue;
+                    debug!("heartbeat via {at}");
+                    *failures = 0;
                 }
-                Ok(Ok(_)) => {
-                    reports.answered(false, false);
-                    warn!(
-                        "the control plane at {address} does not know node {}; registering again",
-                        self.name()
-                    );
-                    interval = self.register(&mut cursor).await?;
-                    (delay, failures) = (interval, 0);
-                    backoff.reset();
-                    continue;
+                Event::HeartbeatAnswered {
+                    known: response.known,
+                    report_wanted: response.report_wanted,
                 }
-                Ok(Err(status)) => describe(&status),
-                Err(_) => format!("timed out after {} ms", call_timeout.as_millis()),
-            };
-            reports.failed();
-            failures += 1;
-            cursor = self.endpoints.next(cursor);
-            delay = backoff.next_delay().min(interval);
-            // The first failure and then ever more rarely, so an outage does not flood the log.
-            if failures.is_power_of_two() || failures.is_multiple_of(64) {
-                warn!(
-                    "heartbeat via {address} failed ({failures} in a row): {problem}; next via {} in {} ms",
-                    self.endpoints.address(cursor),
-                    delay.as_millis()
-                );
+            }
+            Answer::Heartbeat(Ok(Err(status)), _) => {
+                *failures += 1;
+                let problem = describe(&status);
+                *note = Some(Note::HeartbeatFailed { address, problem });
+                Event::HeartbeatFailed
+            }
+            Answer::Heartbeat(Err(_), limit) => {
+                *failures += 1;
+                let problem = timed_out(limit);
+                *note = Some(Note::HeartbeatFailed { address, problem });
+                Event::HeartbeatFailed
             }
         }
     }
 
-    async fn watch_loop(&self, mut cursor: usize, mut follower: Follower) -> Result<Infallible> {
-        let mut backoff = Backoff::new(self.timings.retry_initial, self.timings.retry_max);
-        loop {
-            let address = self.endpoints.address(cursor).to_owned();
-            let opened = Instant::now();
-            let end = self.watch_once(cursor, &mut follower).await;
-            // A stream that lived a while was healthy: reconnect quickly. One that failed at
-            // once keeps backing off, so a broken control-plane node is not hammered.
-            if opened.elapsed() >= self.timings.retry_max && !matches!(end, StreamEnd::Persist(_)) {
-                backoff.reset();
-            }
-            cursor = self.endpoints.next(cursor);
-            let delay = backoff.next_delay();
-            let next = self.endpoints.address(cursor);
-            let retry = format!("watching again via {next} in {} ms", delay.as_millis());
-            match end {
-                StreamEnd::Closed => info!("the assignment stream from {address} ended; {retry}"),
-                StreamEnd::OpenTimedOut => warn!(
-                    "opening the assignment stream at {address} timed out after {} ms; {retry}",
-                    self.timings.call_timeout.as_millis()
+    fn log_register(&self, address: usize, attempt: u64, reason: RegisterReason) {
+        let at = self.endpoints.address(address);
+        if attempt == 1 {
+            match reason {
+                RegisterReason::Join => {}
+                RegisterReason::Unknown => warn!(
+                    "the control plane at {at} does not know node {}; registering again",
+                    self.name()
                 ),
-                StreamEnd::NotRegistered(status) => {
-                    warn!(
-                        "the assignment stream from {address} says: {}; {retry}",
-                        describe(&status)
-                    );
-                    self.reregister.notify_one();
-                }
-                StreamEnd::Failed(status) => {
-                    warn!(
-                        "the assignment stream from {address} failed: {}; {retry}",
-                        describe(&status)
-                    )
-                }
-                StreamEnd::Persist(problem) => {
-                    error!("cannot apply the assignments: {problem}; {retry}")
-                }
+                RegisterReason::NotRegistered => info!(
+                    "the control plane does not know node {}; registering again",
+                    self.name()
+                ),
             }
-            sleep(delay).await;
         }
+        info!(
+            "registering node {} with {} GPUs at {at} (attempt {attempt})",
+            self.name(),
+            self.node.gpus.len()
+        );
     }
 
-    async fn watch_once(&self, cursor: usize, follower: &mut Follower) -> StreamEnd {
-        let address = self.endpoints.address(cursor);
-        let request = WatchAssignmentsRequest {
-            node: self.name().to_owned(),
+    /// Logs a failure with what the session does next: where it calls, and after how long.
+    fn log_note(
+        &self,
+        note: Note,
+        actions: &[Action],
+        session: &Session,
+        at: std::time::Instant,
+        failures: u64,
+    ) {
+        let delay_ms = |lane: Lane| {
+            let wake = actions.iter().find_map(|action| match action {
+                Action::WakeAt { lane: woken, at } if *woken == lane => Some(*at),
+                _ => None,
+            });
+            wake.map_or(0, |wake| wake.saturating_duration_since(at).as_millis())
         };
-        let mut client = self.endpoints.client(cursor);
-        let mut stream =
-            match timeout(self.timings.call_timeout, client.watch_assignments(request)).await {
-                Err(_) => return StreamEnd::OpenTimedOut,
-                Ok(Err(status)) => return classify(status),
-                Ok(Ok(response)) => response.into_inner(),
-            };
-        debug!("watching assignments via {address}");
-        loop {
-            match stream.message().await {
-                Ok(Some(message)) => {
-                    if let Err(problem) = follower.on_message(&message, address) {
-                        return StreamEnd::Persist(problem);
-                    }
+        let address = |index: usize| self.endpoints.address(index);
+        let watch_again = || {
+            format!(
+                "watching again via {} in {} ms",
+                address(session.watch_address()),
+                delay_ms(Lane::Watch)
+            )
+        };
+        match note {
+            Note::RegisterFailed {
+                address: to,
+                problem,
+            } => {
+                // A refusal that stops the agent is told by the error it returns.
+                let stops = actions.iter().any(|a| matches!(a, Action::Stop(_)));
+                if !stops {
+                    warn!("registering at {} {problem}", address(to));
                 }
-                Ok(None) => return StreamEnd::Closed,
-                Err(status) => return classify(status),
+            }
+            Note::HeartbeatFailed {
+                address: to,
+                problem,
+            } => {
+                // The first failure and then ever more rarely, so an outage does not flood the log.
+                if failures.is_power_of_two() || failures.is_multiple_of(64) {
+                    warn!(
+                        "heartbeat via {} failed ({failures} in a row): {problem}; next via {} in {} ms",
+                        address(to),
+                        address(session.heartbeat_address()),
+                        delay_ms(Lane::Heartbeat)
+                    );
+                }
+            }
+            Note::StreamEnded { address: from, end } => {
+                let from = address(from);
+                match end {
+                    StreamEnd::Closed => {
+                        info!("the assignment stream from {from} ended; {}", watch_again())
+                    }
+                    StreamEnd::OpenTimedOut => warn!(
+                        "opening the assignment stream at {from} timed out after {} ms; {}",
+                        self.timings.call_timeout.as_millis(),
+                        watch_again()
+                    ),
+                    StreamEnd::Status(status) if end_is_not_registered(&status) => warn!(
+                        "the assignment stream from {from} says: {}; {}",
+                        describe(&status),
+                        watch_again()
+                    ),
+                    StreamEnd::Status(status) => warn!(
+                        "the assignment stream from {from} failed: {}; {}",
+                        describe(&status),
+                        watch_again()
+                    ),
+                }
+            }
+            Note::Unapplied(problem) => {
+                error!("cannot apply the assignments: {problem}; {}", watch_again())
             }
         }
     }
 }
 
-fn classify(status: tonic::Status) -> StreamEnd {
-    if ErrorCode::of(&status) == Some(ErrorCode::NodeNotFound)
-        || status.code() == tonic::Code::NotFound
-    {
-        StreamEnd::NotRegistered(status)
-    } else {
-        StreamEnd::Failed(status)
+fn end_is_not_registered(status: &tonic::Status) -> bool {
+    WatchEnd::of(status) == WatchEnd::NotRegistered
+}
+
+/// A call's outcome: its answer, an error status, or no answer within its timeout.
+pub(crate) type Reply<T> =
+    std::result::Result<std::result::Result<tonic::Response<T>, tonic::Status>, Elapsed>;
+/// A call in flight, owned, so that it survives the `select!` rounds it does not win.
+pub(crate) type Pending<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The unary call in flight: the index of the address it went to, and its answer to come.
+pub(crate) struct Call<'a, A> {
+    pub(crate) address: usize,
+    pub(crate) answer: Pending<'a, A>,
+}
+
+/// What a session's shell has in flight: at most one unary call (a registration or a
+/// heartbeat), one assignment stream and one timer per lane.
+pub(crate) struct Io<'a, A> {
+    pub(crate) call: Option<Call<'a, A>>,
+    pub(crate) stream: Option<AssignmentStream>,
+    pub(crate) timers: Timers,
+}
+
+impl<A> Default for Io<'_, A> {
+    fn default() -> Self {
+        Io {
+            call: None,
+            stream: None,
+            timers: Timers::default(),
+        }
     }
 }
 
-/// The interval to heartbeat at, from the control plane's answer, within sane bounds.
-fn heartbeat_interval(interval_ms: u32) -> Duration {
-    if interval_ms == 0 {
-        return HEARTBEAT_INTERVAL_DEFAULT;
+/// The time now, on tokio's clock, for a [`Session`] event.
+pub(crate) fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Completes with `future`'s output, or never when there is none: a `select!` branch for a call
+/// that may not be in flight.
+pub(crate) async fn maybe<F: Future + Unpin>(future: Option<F>) -> F::Output {
+    match future {
+        Some(future) => future.await,
+        None => std::future::pending().await,
     }
-    Duration::from_millis(u64::from(interval_ms))
-        .clamp(HEARTBEAT_INTERVAL_MIN, HEARTBEAT_INTERVAL_MAX)
+}
+
+/// The two timers a [`Session`] asks for, one per [`Lane`]; setting one replaces it.
+#[derive(Debug, Default)]
+pub(crate) struct Timers {
+    heartbeat: Option<std::time::Instant>,
+    watch: Option<std::time::Instant>,
+}
+
+impl Timers {
+    pub(crate) fn set(&mut self, lane: Lane, at: std::time::Instant) {
+        *self.slot(lane) = Some(at);
+    }
+
+    /// Waits for the earlier timer, clears it and returns its lane; never completes while none
+    /// is set. Cancel-safe: a timer is cleared only once it fired.
+    pub(crate) async fn next(&mut self) -> Lane {
+        let due = [(self.heartbeat, Lane::Heartbeat), (self.watch, Lane::Watch)]
+            .into_iter()
+            .filter_map(|(at, lane)| Some((at?, lane)))
+            .min();
+        let Some((at, lane)) = due else {
+            return std::future::pending().await;
+        };
+        tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await;
+        *self.slot(lane) = None;
+        lane
+    }
+
+    fn slot(&mut self, lane: Lane) -> &mut Option<std::time::Instant> {
+        match lane {
+            Lane::Heartbeat => &mut self.heartbeat,
+            Lane::Watch => &mut self.watch,
+        }
+    }
+}
+
+/// One `WatchAssignments` stream, from its opening on.
+pub(crate) struct AssignmentStream {
+    /// The index of the address it was opened at.
+    pub(crate) address: usize,
+    /// That address, for the log.
+    name: String,
+    state: StreamState,
+}
+
+enum StreamState {
+    Opening(Pending<'static, Reply<Streaming<Assignments>>>),
+    /// Boxed: a stream is large, and every simulated node of a fleet holds one.
+    Open(Box<Streaming<Assignments>>),
+}
+
+/// What an assignment stream yielded.
+pub(crate) enum StreamItem {
+    Message(Assignments),
+    /// The stream is over; drop it.
+    Ended(StreamEnd),
+}
+
+/// How an assignment stream ended.
+pub(crate) enum StreamEnd {
+    Closed,
+    OpenTimedOut,
+    Status(tonic::Status),
+}
+
+impl StreamEnd {
+    /// What the session is told.
+    pub(crate) fn watch_end(&self) -> WatchEnd {
+        match self {
+            StreamEnd::Closed => WatchEnd::Closed,
+            StreamEnd::OpenTimedOut => WatchEnd::Failed,
+            StreamEnd::Status(status) => WatchEnd::of(status),
+        }
+    }
+}
+
+impl AssignmentStream {
+    /// Starts opening `node`'s stream at the address with index `address`, waiting at most
+    /// `call_timeout` for it to open.
+    pub(crate) fn open(
+        endpoints: &Endpoints,
+        address: usize,
+        node: &str,
+        call_timeout: Duration,
+    ) -> AssignmentStream {
+        let request = WatchAssignmentsRequest {
+            node: node.to_owned(),
+        };
+        let mut client = endpoints.client(address);
+        let opening =
+            Box::pin(async move { timeout(call_timeout, client.watch_assignments(request)).await });
+        AssignmentStream {
+            address,
+            name: endpoints.address(address).to_owned(),
+            state: StreamState::Opening(opening),
+        }
+    }
+
+    /// The next message, or the end. Cancel-safe: the opening call and the stream live in
+    /// `self`.
+    pub(crate) async fn next(&mut self) -> StreamItem {
+        loop {
+            match &mut self.state {
+                StreamState::Opening(opening) => match opening.await {
+                    Err(_) => return StreamItem::Ended(StreamEnd::OpenTimedOut),
+                    Ok(Err(status)) => return StreamItem::Ended(StreamEnd::Status(status)),
+                    Ok(Ok(response)) => {
+                        debug!("watching assignments via {}", self.name);
+                        self.state = StreamState::Open(Box::new(response.into_inner()));
+                    }
+                },
+                StreamState::Open(stream) => {
+                    return match stream.message().await {
+                        Ok(Some(message)) => StreamItem::Message(message),
+                        Ok(None) => StreamItem::Ended(StreamEnd::Closed),
+                        Err(status) => StreamItem::Ended(StreamEnd::Status(status)),
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// The next item of `stream`, or never when there is none: a `select!` branch.
+pub(crate) async fn next_item(stream: Option<&mut AssignmentStream>) -> StreamItem {
+    match stream {
+        Some(stream) => stream.next().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// A status for a log line: its message, or its code when the message is empty.
-fn describe(status: &tonic::Status) -> String {
+pub(crate) fn describe(status: &tonic::Status) -> String {
     if status.message().is_empty() {
         format!("{:?}", status.code())
     } else {
         format!("{:?}: {}", status.code(), status.message())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_heartbeat_interval_is_bounded() {
-        assert_eq!(heartbeat_interval(0), HEARTBEAT_INTERVAL_DEFAULT);
-        assert_eq!(heartbeat_interval(1), HEARTBEAT_INTERVAL_MIN);
-        assert_eq!(heartbeat_interval(250), Duration::from_millis(250));
-        assert_eq!(heartbeat_interval(u32::MAX), HEARTBEAT_INTERVAL_MAX);
-    }
-
-    #[test]
-    fn a_stream_that_does_not_know_the_node_asks_for_registration() {
-        let not_found = ErrorCode::NodeNotFound.status("node `a` is not registered");
-        assert!(matches!(classify(not_found), StreamEnd::NotRegistered(_)));
-        assert!(matches!(
-            classify(tonic::Status::unavailable("down")),
-            StreamEnd::Failed(_)
-        ));
     }
 }

@@ -1,7 +1,10 @@
 //! The fleet simulator behind `vgpu-agent simulate-fleet`: many simulated nodes in one process,
-//! each doing what `join` does on the wire (register, heartbeat at the interval the control plane
-//! hands out, watch its assignments), so that a real control-plane cluster can be loaded with a
-//! thousand or more nodes from one machine.
+//! each driving the same node [`Session`] as `join` (register, heartbeat at the interval the
+//! control plane hands out, register again when forgotten, watch its assignments), so that a
+//! real control-plane cluster can be loaded with a thousand or more nodes from one machine, and
+//! what it measures is the protocol real nodes speak. This file is the session's I/O shell for
+//! a simulated node: it makes the calls (with the stream and timer pieces of [`crate::agent`])
+//! and counts what happens.
 //!
 //! Each node is a tokio task. Nodes share gRPC channels: about `nodes_per_connection` nodes use
 //! one HTTP/2 connection to each control-plane address, and node `i` starts at address
@@ -11,16 +14,18 @@
 //! messages and tenants it is sent.
 //!
 //! Each node has a health report of its GPUs (fixed made-up values, as `join --simulate`
-//! sends), unless `report_health` is off, and sends it the way `join` does
+//! sends), unless `report_health` is off, and the session sends it the way `join` does
 //! ([`crate::report::ReportSender`]): in full on the first beat, when the leader asks for it, and
 //! every 30 beats; the other beats name the report the leader holds. The transport is plain text
 //! (`--insecure`) or mutual TLS with one certificate for the whole fleet, which must then have
-//! the admin role (an agent certificate acts only for its own node).
+//! the admin role (an agent certificate acts only for its own node); so unlike `join`, a node
+//! also stops on a registration refused for its credentials
+//! ([`Refusals::InvalidInventoryOrCredentials`]).
 //!
 //! Heartbeat intervals are jittered (± `heartbeat_jitter_percent`) and the first heartbeat of
 //! each node falls at a random point of its first interval, so the fleet does not beat in
-//! lockstep. The jitter is drawn from a per-node SplitMix64 sequence seeded by the node's index,
-//! so two runs with the same settings send the same schedule.
+//! lockstep. The jitter is drawn from a per-node SplitMix64 sequence seeded by the node's index
+//! ([`Jitter`]), so two runs with the same settings send the same schedule.
 
 pub mod latency;
 
@@ -32,24 +37,28 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use api::ErrorCode;
 use api::tls::Transport;
-use api::v1::{GpuHealth, RegisterRequest, WatchAssignmentsRequest};
+use api::v1::{GpuHealth, HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse};
 use serde::Serialize;
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep, timeout};
 use tracing::{info, warn};
 
-use crate::agent::{HEARTBEAT_INTERVAL_DEFAULT, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN};
-use crate::backoff::Backoff;
+use crate::agent::{
+    AssignmentStream, Call, Io, Reply, StreamEnd, StreamItem, describe, maybe, next_item, now,
+};
 use crate::endpoints::Endpoints;
 use crate::error::{Error, Result};
 use crate::inventory::InventorySource;
 use crate::monitor::Report;
 use crate::report::{ReportPolicy, ReportSender};
+use crate::session::{
+    Action, CallError, Event, Jitter, Lane, Refusals, Session, SessionConfig, Stop, WatchEnd,
+};
 use crate::{Timings, parse_label};
 
+pub use crate::session::HEARTBEAT_JITTER_PERCENT_MAX;
 pub use latency::{LatencyHistogram, LatencySummary};
 
 /// Most nodes one fleet process simulates.
@@ -62,8 +71,6 @@ pub const NODES_PER_CONNECTION_MAX: usize = 1000;
 /// at this concurrency).
 pub const REGISTRATIONS_IN_FLIGHT_DEFAULT: usize = 32;
 pub const REGISTRATIONS_IN_FLIGHT_MAX: usize = 1024;
-/// Largest heartbeat jitter, in percent of the interval.
-pub const HEARTBEAT_JITTER_PERCENT_MAX: u32 = 50;
 
 /// What `vgpu-agent simulate-fleet` runs with.
 #[derive(Debug, Clone)]
@@ -346,19 +353,244 @@ impl Stats {
     }
 }
 
-/// Why an assignment stream ended.
-enum StreamEnd {
-    Closed,
-    NotRegistered,
-    Failed(String),
+/// A simulated node's calls' answers, with how long they took.
+enum Answer {
+    Register(Reply<RegisterResponse>, Duration),
+    /// With the wait the session gave it.
+    Heartbeat(Reply<HeartbeatResponse>, Duration, Duration),
 }
 
 impl Fleet {
+    /// Drives node `index`'s session and counts what happens; returns only on a registration
+    /// refused for good.
     async fn run_node(&self, index: usize, node: api::v1::Node) -> Result<Infallible> {
         let endpoints = &self.endpoints[(index / self.addresses) % self.endpoints.len()];
-        let mut cursor = index % self.addresses;
-        let reregister = Notify::new();
-        let interval = self.register(endpoints, &mut cursor, &node, true).await?;
+        let timings = &self.config.timings;
+        let report = Report {
+            gpus: if self.config.report_health {
+                simulated_health(&node)
+            } else {
+                Vec::new()
+            },
+            usage: Vec::new(),
+        };
+        let mut session = Session::new(SessionConfig {
+            node: node.name.clone(),
+            addresses: self.addresses,
+            first_address: index % self.addresses,
+            retry_initial: timings.retry_initial,
+            retry_max: timings.retry_max,
+            call_timeout: timings.call_timeout,
+            watch: self.config.watch,
+            refusals: Refusals::InvalidInventoryOrCredentials,
+            jitter: Some(Jitter {
+                percent: self.config.heartbeat_jitter_percent,
+                seed: self.config.first_index as u64 + index as u64,
+            }),
+            report_policy: ReportPolicy::default(),
+            first_generation: self.first_generation,
+        });
+        let mut io = Io::<Answer>::default();
+        // Whether the node registered once; until then registrations take a permit.
+        let mut joined = false;
+        // The node's tenant assignments, as its last message listed them.
+        let mut tenants: i64 = 0;
+        let mut actions = session.handle(now(), Event::Start);
+        loop {
+            for action in actions {
+                if let Some(refused) = self.execute(endpoints, &node, joined, action, &mut io) {
+                    return Err(refused);
+                }
+            }
+            let event = tokio::select! {
+                lane = io.timers.next() => Some(match lane {
+                    Lane::Heartbeat => Event::HeartbeatTimer { latest: &report },
+                    Lane::Watch => Event::WatchTimer,
+                }),
+                answer = maybe(io.call.as_mut().map(|call| &mut call.answer)) => {
+                    let address = io.call.take().expect("the call answered").address;
+                    let at = endpoints.address(address);
+                    Some(self.count_answer(&node.name, at, answer, &mut joined))
+                }
+                item = next_item(io.stream.as_mut()) => match item {
+                    StreamItem::Message(message) => {
+                        let stats = &self.stats;
+                        stats.assignment_messages.fetch_add(1, Ordering::Relaxed);
+                        let held = message.assignments.len() as i64;
+                        stats.tenants_assigned.fetch_add(held - tenants, Ordering::Relaxed);
+                        tenants = held;
+                        None
+                    }
+                    StreamItem::Ended(end) => {
+                        let address = io.stream.take().expect("the stream ended").address;
+                        self.count_stream_end(&node.name, endpoints.address(address), &end);
+                        Some(Event::WatchEnded(end.watch_end()))
+                    }
+                },
+            };
+            actions = match event {
+                Some(event) => session.handle(now(), event),
+                None => Vec::new(),
+            };
+        }
+    }
+
+    /// Does what the session asked for; returns the error if it said to stop.
+    fn execute<'a>(
+        &'a self,
+        endpoints: &Endpoints,
+        node: &api::v1::Node,
+        joined: bool,
+        action: Action,
+        io: &mut Io<'a, Answer>,
+    ) -> Option<Error> {
+        match action {
+            Action::Register { address, .. } => {
+                io.call = Some(self.register(endpoints, address, node, !joined));
+            }
+            Action::Heartbeat {
+                address,
+                timeout,
+                request,
+            } => io.call = Some(self.heartbeat(endpoints, address, timeout, request)),
+            Action::Watch { address } => {
+                io.stream = Some(AssignmentStream::open(
+                    endpoints,
+                    address,
+                    &node.name,
+                    self.config.timings.call_timeout,
+                ));
+            }
+            Action::WakeAt { lane, at } => io.timers.set(lane, at),
+            Action::Stop(Stop::Refused { address, message }) => {
+                return Some(Error::RegisterRefused {
+                    address: endpoints.address(address).to_owned(),
+                    message,
+                });
+            }
+            Action::Stop(Stop::Shutdown) => {
+                unreachable!("the fleet aborts its nodes instead of shutting them down")
+            }
+        }
+        None
+    }
+
+    /// A registration of `node` at `address`; one that joins waits for a permit first, so that
+    /// at most `registrations_in_flight` nodes join at once.
+    fn register<'a>(
+        &'a self,
+        endpoints: &Endpoints,
+        address: usize,
+        node: &api::v1::Node,
+        joining: bool,
+    ) -> Call<'a, Answer> {
+        let request = RegisterRequest {
+            node: Some(node.clone()),
+        };
+        let mut client = endpoints.client(address);
+        let call_timeout = self.config.timings.call_timeout;
+        let answer = Box::pin(async move {
+            let _permit = if joining {
+                Some(self.registrations.acquire().await.expect("never closed"))
+            } else {
+                None
+            };
+            let started = Instant::now();
+            let reply = timeout(call_timeout, client.register(request)).await;
+            Answer::Register(reply, started.elapsed())
+        });
+        Call { address, answer }
+    }
+
+    fn heartbeat(
+        &self,
+        endpoints: &Endpoints,
+        address: usize,
+        limit: Duration,
+        request: HeartbeatRequest,
+    ) -> Call<'static, Answer> {
+        if !request.gpus.is_empty() || !request.usage.is_empty() {
+            self.stats.reports_sent.fetch_add(1, Ordering::Relaxed);
+        }
+        self.stats.heartbeats_sent.fetch_add(1, Ordering::Relaxed);
+        let mut client = endpoints.client(address);
+        let answer = Box::pin(async move {
+            let started = Instant::now();
+            let reply = timeout(limit, client.heartbeat(request)).await;
+            Answer::Heartbeat(reply, limit, started.elapsed())
+        });
+        Call { address, answer }
+    }
+
+    /// Counts a call's answer and turns it into the session's event.
+    fn count_answer(
+        &self,
+        node: &str,
+        address: &str,
+        answer: Answer,
+        joined: &mut bool,
+    ) -> Event<'static> {
+        let stats = &self.stats;
+        let relaxed = Ordering::Relaxed;
+        match answer {
+            Answer::Register(Ok(Ok(response)), elapsed) => {
+                stats.register_latency.record(elapsed);
+                stats.registrations.fetch_add(1, relaxed);
+                if !*joined {
+                    *joined = true;
+                    self.joined();
+                }
+                Event::RegisterAnswered {
+                    heartbeat_interval_ms: response.get_ref().heartbeat_interval_ms,
+                }
+            }
+            Answer::Register(Ok(Err(status)), _) => {
+                stats.registration_failures.fetch_add(1, relaxed);
+                stats.failure(format!(
+                    "registering {node} at {address}: {}",
+                    describe(&status)
+                ));
+                Event::RegisterFailed(CallError::of(&status))
+            }
+            Answer::Register(Err(_), _) => {
+                stats.registration_failures.fetch_add(1, relaxed);
+                stats.failure(format!(
+                    "registering {node} at {address}: timed out after {} ms",
+                    self.config.timings.call_timeout.as_millis()
+                ));
+                Event::RegisterFailed(CallError::TimedOut)
+            }
+            Answer::Heartbeat(Ok(Ok(response)), _, elapsed) => {
+                stats.heartbeat_latency.record(elapsed);
+                if stats.steady.load(relaxed) {
+                    stats.heartbeat_latency_steady.record(elapsed);
+                }
+                let answer = response.into_inner();
+                if answer.report_wanted {
+                    stats.reports_wanted.fetch_add(1, relaxed);
+                }
+                if !answer.known {
+                    stats.heartbeats_unknown.fetch_add(1, relaxed);
+                }
+                Event::HeartbeatAnswered {
+                    known: answer.known,
+                    report_wanted: answer.report_wanted,
+                }
+            }
+            Answer::Heartbeat(failed, limit, _) => {
+                let problem = match failed {
+                    Ok(Err(status)) => describe(&status),
+                    _ => format!("timed out after {} ms", limit.as_millis()),
+                };
+                stats.heartbeat_failures.fetch_add(1, relaxed);
+                stats.failure(format!("heartbeat of {node} via {address}: {problem}"));
+                Event::HeartbeatFailed
+            }
+        }
+    }
+
+    /// A node registered for the first time; the last one ends the ramp-up.
+    fn joined(&self) {
         let registered = self.stats.registered.fetch_add(1, Ordering::Relaxed) + 1;
         assert!(registered <= self.config.count);
         if registered == self.config.count {
@@ -367,257 +599,19 @@ impl Fleet {
             self.stats.steady.store(true, Ordering::Relaxed);
             self.all_registered.notify_waiters();
         }
-        let health = if self.config.report_health {
-            simulated_health(&node)
-        } else {
-            Vec::new()
+    }
+
+    fn count_stream_end(&self, node: &str, address: &str, end: &StreamEnd) {
+        self.stats.watch_reconnects.fetch_add(1, Ordering::Relaxed);
+        let problem = match end {
+            StreamEnd::Closed => return,
+            StreamEnd::OpenTimedOut => "opening timed out".to_owned(),
+            StreamEnd::Status(_) if end.watch_end() == WatchEnd::NotRegistered => return,
+            StreamEnd::Status(status) => describe(status),
         };
-        let report = Report {
-            gpus: health,
-            usage: Vec::new(),
-        };
-        let heartbeats = self.heartbeat_loop(
-            index,
-            endpoints,
-            cursor,
-            interval,
-            &node,
-            &report,
-            &reregister,
-        );
-        if !self.config.watch {
-            return heartbeats.await;
-        }
-        tokio::select! {
-            outcome = heartbeats => outcome,
-            outcome = self.watch_loop(endpoints, cursor, &node.name, &reregister) => outcome,
-        }
-    }
-
-    /// Registers, moving across addresses with backoff until one accepts. Returns the heartbeat
-    /// interval.
-    async fn register(
-        &self,
-        endpoints: &Endpoints,
-        cursor: &mut usize,
-        node: &api::v1::Node,
-        first: bool,
-    ) -> Result<Duration> {
-        let timings = &self.config.timings;
-        let mut backoff = Backoff::new(timings.retry_initial, timings.retry_max);
-        loop {
-            let address = endpoints.address(*cursor).to_owned();
-            let request = RegisterRequest {
-                node: Some(node.clone()),
-            };
-            let mut client = endpoints.client(*cursor);
-            let outcome = {
-                let _permit = if first {
-                    Some(self.registrations.acquire().await.expect("never closed"))
-                } else {
-                    None
-                };
-                let started = Instant::now();
-                let outcome = timeout(timings.call_timeout, client.register(request)).await;
-                if matches!(outcome, Ok(Ok(_))) {
-                    self.stats.register_latency.record(started.elapsed());
-                }
-                outcome
-            };
-            match outcome {
-                Ok(Ok(response)) => {
-                    self.stats.registrations.fetch_add(1, Ordering::Relaxed);
-                    return Ok(heartbeat_interval(response.get_ref().heartbeat_interval_ms));
-                }
-                // Refused for good (bad input, or a certificate that may not act for the
-                // node): retrying cannot help, and a thousand nodes retrying would hide it.
-                Ok(Err(status))
-                    if matches!(
-                        status.code(),
-                        tonic::Code::InvalidArgument
-                            | tonic::Code::PermissionDenied
-                            | tonic::Code::Unauthenticated
-                    ) =>
-                {
-                    return Err(Error::RegisterRefused {
-                        address,
-                        message: status.message().to_owned(),
-                    });
-                }
-                Ok(Err(status)) => self.stats.failure(format!(
-                    "registering {} at {address}: {}",
-                    node.name,
-                    describe(&status)
-                )),
-                Err(_) => self.stats.failure(format!(
-                    "registering {} at {address}: timed out after {} ms",
-                    node.name,
-                    timings.call_timeout.as_millis()
-                )),
-            }
-            self.stats
-                .registration_failures
-                .fetch_add(1, Ordering::Relaxed);
-            *cursor = endpoints.next(*cursor);
-            sleep(backoff.next_delay()).await;
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn heartbeat_loop(
-        &self,
-        index: usize,
-        endpoints: &Endpoints,
-        mut cursor: usize,
-        mut interval: Duration,
-        node: &api::v1::Node,
-        report: &Report,
-        reregister: &Notify,
-    ) -> Result<Infallible> {
-        let timings = &self.config.timings;
-        let mut backoff = Backoff::new(timings.retry_initial, timings.retry_max);
-        // The same report logic as `join`: full reports only when asked, or as a refresh.
-        let mut reports = ReportSender::new(ReportPolicy::default(), self.first_generation);
-        let mut random = SplitMix64::new(self.config.first_index as u64 + index as u64);
-        // The first heartbeat lands anywhere in the first interval, so nodes that registered
-        // together do not beat together.
-        let mut delay = interval.mul_f64(random.unit());
-        loop {
-            let again = tokio::select! {
-                () = sleep(delay) => false,
-                () = reregister.notified() => true,
-            };
-            if again {
-                interval = self.register(endpoints, &mut cursor, node, false).await?;
-                delay = self.jittered(interval, &mut random);
-                backoff.reset();
-                reports.answered(false, false);
-                continue;
-            }
-            let address = endpoints.address(cursor);
-            let request = reports.beat(&node.name, report);
-            if !request.gpus.is_empty() || !request.usage.is_empty() {
-                self.stats.reports_sent.fetch_add(1, Ordering::Relaxed);
-            }
-            let mut client = endpoints.client(cursor);
-            let call_timeout = interval.clamp(
-                Duration::from_secs(1),
-                timings.call_timeout.max(Duration::from_secs(1)),
-            );
-            self.stats.heartbeats_sent.fetch_add(1, Ordering::Relaxed);
-            let started = Instant::now();
-            let problem = match timeout(call_timeout, client.heartbeat(request)).await {
-                Ok(Ok(response)) => {
-                    let elapsed = started.elapsed();
-                    self.stats.heartbeat_latency.record(elapsed);
-                    if self.stats.steady.load(Ordering::Relaxed) {
-                        self.stats.heartbeat_latency_steady.record(elapsed);
-                    }
-                    let answer = response.get_ref();
-                    reports.answered(answer.known, answer.report_wanted);
-                    if answer.report_wanted {
-                        self.stats.reports_wanted.fetch_add(1, Ordering::Relaxed);
-                    }
-                    if answer.known {
-                        delay = self.jittered(interval, &mut random);
-                        backoff.reset();
-                    } else {
-                        self.stats
-                            .heartbeats_unknown
-                            .fetch_add(1, Ordering::Relaxed);
-                        interval = self.register(endpoints, &mut cursor, node, false).await?;
-                        delay = self.jittered(interval, &mut random);
-                        backoff.reset();
-                    }
-                    continue;
-                }
-                Ok(Err(status)) => describe(&status),
-                Err(_) => format!("timed out after {} ms", call_timeout.as_millis()),
-            };
-            reports.failed();
-            self.stats
-                .heartbeat_failures
-                .fetch_add(1, Ordering::Relaxed);
-            self.stats.failure(format!(
-                "heartbeat of {} via {address}: {problem}",
-                node.name
-            ));
-            cursor = endpoints.next(cursor);
-            delay = backoff.next_delay().min(interval);
-        }
-    }
-
-    async fn watch_loop(
-        &self,
-        endpoints: &Endpoints,
-        mut cursor: usize,
-        node: &str,
-        reregister: &Notify,
-    ) -> Result<Infallible> {
-        let timings = &self.config.timings;
-        let mut backoff = Backoff::new(timings.retry_initial, timings.retry_max);
-        let mut tenants: i64 = 0;
-        loop {
-            let opened = Instant::now();
-            let end = self.watch_once(endpoints, cursor, node, &mut tenants).await;
-            if opened.elapsed() >= timings.retry_max {
-                backoff.reset();
-            }
-            match end {
-                StreamEnd::Closed => {}
-                StreamEnd::NotRegistered => reregister.notify_one(),
-                StreamEnd::Failed(problem) => self.stats.failure(format!(
-                    "assignment stream of {node} from {}: {problem}",
-                    endpoints.address(cursor)
-                )),
-            }
-            self.stats.watch_reconnects.fetch_add(1, Ordering::Relaxed);
-            cursor = endpoints.next(cursor);
-            sleep(backoff.next_delay()).await;
-        }
-    }
-
-    async fn watch_once(
-        &self,
-        endpoints: &Endpoints,
-        cursor: usize,
-        node: &str,
-        tenants: &mut i64,
-    ) -> StreamEnd {
-        let request = WatchAssignmentsRequest {
-            node: node.to_owned(),
-        };
-        let mut client = endpoints.client(cursor);
-        let opened = timeout(
-            self.config.timings.call_timeout,
-            client.watch_assignments(request),
-        )
-        .await;
-        let mut stream = match opened {
-            Err(_) => return StreamEnd::Failed("opening timed out".to_owned()),
-            Ok(Err(status)) => return classify(&status),
-            Ok(Ok(response)) => response.into_inner(),
-        };
-        loop {
-            match stream.message().await {
-                Ok(Some(message)) => {
-                    self.stats
-                        .assignment_messages
-                        .fetch_add(1, Ordering::Relaxed);
-                    let now = message.assignments.len() as i64;
-                    self.stats
-                        .tenants_assigned
-                        .fetch_add(now - *tenants, Ordering::Relaxed);
-                    *tenants = now;
-                }
-                Ok(None) => return StreamEnd::Closed,
-                Err(status) => return classify(&status),
-            }
-        }
-    }
-
-    fn jittered(&self, interval: Duration, random: &mut SplitMix64) -> Duration {
-        jittered(interval, self.config.heartbeat_jitter_percent, random)
+        self.stats.failure(format!(
+            "assignment stream of {node} from {address}: {problem}"
+        ));
     }
 
     /// Logs progress; completes `duration` after the last node registered (never without one).
@@ -704,25 +698,6 @@ impl Fleet {
     }
 }
 
-fn classify(status: &tonic::Status) -> StreamEnd {
-    if ErrorCode::of(status) == Some(ErrorCode::NodeNotFound)
-        || status.code() == tonic::Code::NotFound
-    {
-        StreamEnd::NotRegistered
-    } else {
-        StreamEnd::Failed(describe(status))
-    }
-}
-
-/// `interval` give or take up to `percent`%, uniformly.
-fn jittered(interval: Duration, percent: u32, random: &mut SplitMix64) -> Duration {
-    assert!(percent <= HEARTBEAT_JITTER_PERCENT_MAX);
-    let spread = f64::from(percent) / 100.0;
-    let factor = 1.0 + spread * (2.0 * random.unit() - 1.0);
-    assert!((0.5..=1.5).contains(&factor));
-    interval.mul_f64(factor)
-}
-
 /// The health report of a simulated node's GPUs: what an idle, healthy GPU reports (40 °C plus
 /// its index, nothing in use, no XID or ECC errors), the same on every beat.
 fn simulated_health(node: &api::v1::Node) -> Vec<GpuHealth> {
@@ -739,46 +714,6 @@ fn simulated_health(node: &api::v1::Node) -> Vec<GpuHealth> {
             ..GpuHealth::default()
         })
         .collect()
-}
-
-/// The interval to heartbeat at, from the control plane's answer, within the agent's bounds.
-fn heartbeat_interval(interval_ms: u32) -> Duration {
-    if interval_ms == 0 {
-        return HEARTBEAT_INTERVAL_DEFAULT;
-    }
-    Duration::from_millis(u64::from(interval_ms))
-        .clamp(HEARTBEAT_INTERVAL_MIN, HEARTBEAT_INTERVAL_MAX)
-}
-
-fn describe(status: &tonic::Status) -> String {
-    if status.message().is_empty() {
-        format!("{:?}", status.code())
-    } else {
-        format!("{:?}: {}", status.code(), status.message())
-    }
-}
-
-/// SplitMix64 (Steele, Lea and Flood, 2014): a tiny, seedable generator, good enough for
-/// spreading timers.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn new(seed: u64) -> SplitMix64 {
-        SplitMix64(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 #[cfg(test)]
@@ -821,25 +756,5 @@ mod tests {
         config.first_index = 1000;
         config.name_prefix = "rack-a".into();
         assert_eq!(config.node_name(2), "rack-a-01002");
-    }
-
-    #[test]
-    fn jitter_stays_within_its_bounds_and_spreads() {
-        let fleet_jitter = |random: &mut SplitMix64| jittered(Duration::from_secs(1), 10, random);
-        let mut random = SplitMix64::new(7);
-        let delays: Vec<Duration> = (0..1000).map(|_| fleet_jitter(&mut random)).collect();
-        let (low, high) = (Duration::from_millis(900), Duration::from_millis(1100));
-        assert!(delays.iter().all(|d| (low..=high).contains(d)));
-        let below = delays
-            .iter()
-            .filter(|d| **d < Duration::from_secs(1))
-            .count();
-        assert!(
-            (400..600).contains(&below),
-            "{below} of 1000 below the mean"
-        );
-        // Same seed, same schedule.
-        let mut again = SplitMix64::new(7);
-        assert_eq!(fleet_jitter(&mut again), delays[0]);
     }
 }

@@ -41,6 +41,7 @@ pub mod mps;
 pub mod private;
 pub mod reconcile;
 pub mod report;
+pub mod session;
 pub mod state;
 pub mod tenant;
 pub mod usage;
