@@ -1,6 +1,7 @@
 //! Cross-component tests with real processes: `vgpu-cp` members, `vgpu-agent`s with simulated
 //! GPUs and `vgpuctl`, on loopback. Files are numbered by layer.
 
+mod t00_tidy;
 mod t10_pool;
 mod t20_bad_input;
 mod t30_cluster;
