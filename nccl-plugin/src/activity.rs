@@ -51,7 +51,7 @@ pub enum Error {
         source: std::io::Error,
     },
     #[error(
-        "{0} is not a vgpu activity table of this version (wrong magic or size), or processes of an earlier vgpu version still use it; stop them, or remove the file, or point VGPU_NCCL_SHARE_FILE elsewhere"
+        "{0} is not a vgpu activity table of this version (wrong magic or size), or processes of an earlier vgpu version still use it; stop them, or remove the file, or point VGPU_NCCL_ACTIVITY_FILE elsewhere"
     )]
     Foreign(String),
     #[error("activity table {0} is full ({SLOTS} processes)")]

@@ -4,6 +4,9 @@
 
 use std::net::IpAddr;
 
+use tenant_abi::NetshareEnv;
+use tenant_abi::env::var;
+
 #[derive(Clone, Debug)]
 pub struct Config {
     /// `VGPU_NCCL_SOCKETS`: TCP streams (each with its own thread) per connection, 1..=16.
@@ -98,53 +101,45 @@ fn flag(name: &str, default: bool) -> bool {
 
 impl Config {
     pub fn from_env() -> Config {
-        let addr = std::env::var("VGPU_NCCL_ADDR")
+        let addr = std::env::var(var::NCCL_ADDR)
             .ok()
             .and_then(|v| match v.parse() {
                 Ok(a) => Some(a),
                 Err(_) => {
                     crate::log::warn!(
                         crate::abi::NCCL_INIT,
-                        "ignoring VGPU_NCCL_ADDR={v:?}: not an IP address"
+                        "ignoring {}={v:?}: not an IP address",
+                        var::NCCL_ADDR
                     );
                     None
                 }
             });
-        let netshare = match (
-            std::env::var("VGPU_NETSHARE_TABLE"),
-            std::env::var("VGPU_NETSHARE_FLOW"),
-        ) {
-            (Ok(path), Ok(flow)) => match flow.parse::<u64>() {
-                Ok(f) if f != 0 => Some((path.into(), f)),
-                _ => {
-                    crate::log::warn!(
-                        crate::abi::NCCL_INIT,
-                        "ignoring VGPU_NETSHARE_FLOW={flow:?}: not a flow id"
-                    );
-                    None
-                }
-            },
-            _ => None,
+        let netshare = match NetshareEnv::from_lookup(|name| std::env::var(name).ok()) {
+            Ok(netshare) => netshare.map(|netshare| (netshare.table, netshare.flow)),
+            Err(error) => {
+                crate::log::warn!(crate::abi::NCCL_INIT, "ignoring {error}");
+                None
+            }
         };
         Config {
-            sockets: var("VGPU_NCCL_SOCKETS", 4usize, |n| (1..=16).contains(n)),
-            local: flag("VGPU_NCCL_LOCAL", true),
-            gdr: flag("VGPU_NCCL_GDR", true),
+            sockets: var(var::NCCL_SOCKETS, 4usize, |n| (1..=16).contains(n)),
+            local: flag(var::NCCL_LOCAL, true),
+            gdr: flag(var::NCCL_GDR, true),
             addr,
-            speed_mbps: var("VGPU_NCCL_SPEED_MBPS", 400_000i32, |n| *n > 0),
-            min_part: var("VGPU_NCCL_MIN_PART", 256u64 << 10, |n| *n >= 4096),
-            own_context: flag("VGPU_NCCL_OWN_CONTEXT", true),
-            copy_pieces: var("VGPU_NCCL_COPY_PIECES", 1usize, |n| (1..=8).contains(n)),
-            spin_ns: var("VGPU_NCCL_SPIN_US", 5000u64, |n| *n <= 100_000) * 1000,
-            fin_ring: flag("VGPU_NCCL_FIN_RING", true),
-            gpu_fin: flag("VGPU_NCCL_GPU_FIN", true),
-            copy_threads: var("VGPU_NCCL_COPY_THREADS", 1usize, |n| (1..=16).contains(n)),
-            ib: flag("VGPU_NCCL_IB", true),
-            ib_dev: std::env::var("VGPU_NCCL_IB_DEV")
+            speed_mbps: var(var::NCCL_SPEED_MBPS, 400_000i32, |n| *n > 0),
+            min_part: var(var::NCCL_MIN_PART, 256u64 << 10, |n| *n >= 4096),
+            own_context: flag(var::NCCL_OWN_CONTEXT, true),
+            copy_pieces: var(var::NCCL_COPY_PIECES, 1usize, |n| (1..=8).contains(n)),
+            spin_ns: var(var::NCCL_SPIN_US, 5000u64, |n| *n <= 100_000) * 1000,
+            fin_ring: flag(var::NCCL_FIN_RING, true),
+            gpu_fin: flag(var::NCCL_GPU_FIN, true),
+            copy_threads: var(var::NCCL_COPY_THREADS, 1usize, |n| (1..=16).contains(n)),
+            ib: flag(var::NCCL_IB, true),
+            ib_dev: std::env::var(var::NCCL_IB_DEV)
                 .ok()
                 .filter(|v| !v.trim().is_empty()),
-            ib_gid_index: var("VGPU_NCCL_IB_GID_INDEX", 0u8, |_| true),
-            ibverbs_lib: std::env::var("VGPU_NCCL_IBVERBS_LIB")
+            ib_gid_index: var(var::NCCL_IB_GID_INDEX, 0u8, |_| true),
+            ibverbs_lib: std::env::var(var::NCCL_IBVERBS_LIB)
                 .ok()
                 .filter(|v| !v.trim().is_empty())
                 .unwrap_or_else(|| "libibverbs.so.1".to_owned()),

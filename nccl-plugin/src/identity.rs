@@ -73,10 +73,8 @@ fn default_base() -> String {
 }
 
 fn slot_dir() -> PathBuf {
-    match std::env::var_os("VGPU_SHM_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from("/dev/shm"),
-    }
+    tenant_abi::env::private_dir(|name| std::env::var(name).ok())
+        .unwrap_or_else(|| PathBuf::from("/dev/shm"))
 }
 
 /// Claims the lowest free slot of GPU `uuid` under `dir`; the lock is held for the rest of the

@@ -43,13 +43,13 @@ pub fn emit(level: i32, flags: c_ulong, msg: &str) {
 /// too, so a test can see which transport a connection took.
 fn info_to_stderr() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VGPU_NCCL_LOG_STDERR").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var(tenant_abi::env::var::NCCL_LOG_STDERR).is_ok_and(|v| v == "1"))
 }
 
 /// `VGPU_NCCL_TRACE=1`: log every control message and copy (debugging a stuck connection).
 pub fn tracing() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VGPU_NCCL_TRACE").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var(tenant_abi::env::var::NCCL_TRACE).is_ok_and(|v| v == "1"))
 }
 
 macro_rules! trace {

@@ -17,6 +17,9 @@
 //! rank of the communicator is attached on this node (slices of one node's GPUs count, whatever
 //! NCCL's own node count says); otherwise all ranks keep NCCL's choice.
 
+use tenant_abi::NcclEnv;
+use tenant_abi::env::var;
+
 use crate::activity;
 use crate::log::{info, warn};
 use std::path::PathBuf;
@@ -78,17 +81,22 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// From `VGPU_TENANT`, `VGPU_NCCL_WEIGHT`, `VGPU_NCCL_SHARE_FILE` (all three needed),
-    /// `VGPU_GUARANTEED` (1), `VGPU_NCCL_CHANNELS` (24), `VGPU_NCCL_SHARE_EXPONENT` (1.2),
-    /// `VGPU_NCCL_BEST_EFFORT_CHANNELS` (1), `VGPU_NCCL_ACTIVE_MS` (200).
+    /// The tenant's part of the environment ([`NcclEnv`]: `VGPU_TENANT`, `VGPU_NCCL_WEIGHT` and
+    /// `VGPU_NCCL_ACTIVITY_FILE` all needed, `VGPU_GUARANTEED`), then the knobs
+    /// `VGPU_NCCL_CHANNELS` (24), `VGPU_NCCL_SHARE_EXPONENT` (1.2),
+    /// `VGPU_NCCL_BEST_EFFORT_CHANNELS` (1), `VGPU_NCCL_ACTIVE_MS` (200). A contract variable
+    /// the tuner cannot read turns it off with a warning (NCCL's choices are kept).
     pub fn from_env() -> Option<Settings> {
-        let tenant = std::env::var("VGPU_TENANT").ok()?;
-        let weight: u64 = std::env::var("VGPU_NCCL_WEIGHT")
-            .ok()?
-            .parse()
-            .ok()
-            .filter(|w| (1..=1_000_000).contains(w))?;
-        let file = std::env::var("VGPU_NCCL_SHARE_FILE").ok()?.into();
+        let nccl = match NcclEnv::from_lookup(|name| std::env::var(name).ok()) {
+            Ok(nccl) => nccl?,
+            Err(error) => {
+                warn!(
+                    crate::abi::NCCL_TUNING,
+                    "tuner: {error}; NCCL's choices are kept"
+                );
+                return None;
+            }
+        };
         let num = |name: &str, default: f64, lo: f64, hi: f64| -> f64 {
             std::env::var(name)
                 .ok()
@@ -97,14 +105,14 @@ impl Settings {
                 .unwrap_or(default)
         };
         Some(Settings {
-            tenant,
-            weight,
-            guaranteed: std::env::var("VGPU_GUARANTEED").map_or(true, |v| v.trim() != "0"),
-            file,
-            budget: num("VGPU_NCCL_CHANNELS", 24.0, 1.0, 64.0) as u32,
-            exponent: num("VGPU_NCCL_SHARE_EXPONENT", 1.2, 0.5, 3.0),
-            floor: num("VGPU_NCCL_BEST_EFFORT_CHANNELS", 1.0, 1.0, 64.0) as u32,
-            active_ns: (num("VGPU_NCCL_ACTIVE_MS", 200.0, 1.0, 10_000.0) * 1e6) as u64,
+            tenant: nccl.tenant,
+            weight: nccl.weight,
+            guaranteed: nccl.guaranteed,
+            file: nccl.activity_file,
+            budget: num(var::NCCL_CHANNELS, 24.0, 1.0, 64.0) as u32,
+            exponent: num(var::NCCL_SHARE_EXPONENT, 1.2, 0.5, 3.0),
+            floor: num(var::NCCL_BEST_EFFORT_CHANNELS, 1.0, 1.0, 64.0) as u32,
+            active_ns: (num(var::NCCL_ACTIVE_MS, 200.0, 1.0, 10_000.0) * 1e6) as u64,
         })
     }
 
@@ -152,7 +160,7 @@ impl Tuner {
             None => {
                 info!(
                     crate::abi::NCCL_TUNING,
-                    "tuner: no bandwidth share configured (VGPU_NCCL_WEIGHT, VGPU_NCCL_SHARE_FILE); NCCL's choices are kept"
+                    "tuner: no bandwidth weight configured (VGPU_NCCL_WEIGHT, VGPU_NCCL_ACTIVITY_FILE); NCCL's choices are kept"
                 );
                 (0, None)
             }

@@ -730,7 +730,7 @@ fn one_tuner() {
     unsafe {
         std::env::set_var("VGPU_TENANT", "train");
         std::env::set_var("VGPU_NCCL_WEIGHT", "75");
-        std::env::set_var("VGPU_NCCL_SHARE_FILE", &file);
+        std::env::set_var("VGPU_NCCL_ACTIVITY_FILE", &file);
         std::env::set_var("VGPU_NCCL_ACTIVE_MS", "3000");
     }
     let p = plugin();
@@ -822,7 +822,7 @@ fn two_ranks_one_comm() {
     let tenant = |name: &str, weight: &str| unsafe {
         std::env::set_var("VGPU_TENANT", name);
         std::env::set_var("VGPU_NCCL_WEIGHT", weight);
-        std::env::set_var("VGPU_NCCL_SHARE_FILE", dir.join("share"));
+        std::env::set_var("VGPU_NCCL_ACTIVITY_FILE", dir.join("share"));
         std::env::set_var("VGPU_NCCL_ACTIVE_MS", "3000");
     };
     let p = plugin();

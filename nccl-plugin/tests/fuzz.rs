@@ -6,8 +6,7 @@
 //! check that valid messages round-trip; these check what a hostile or broken peer could send.
 //! `VGPU_FUZZ_CASES` sets the cases per target; `docs/fuzzing.md` says more.
 
-#[path = "../../api/tests/support/fuzz.rs"]
-mod fuzz;
+use fuzzkit as fuzz;
 
 use proptest::prelude::*;
 use vgpu_nccl::wire::{

@@ -4,8 +4,7 @@
 //! without a panic whatever the slots hold. `VGPU_FUZZ_CASES` sets the cases;
 //! `docs/fuzzing.md` says more.
 
-#[path = "../../api/tests/support/fuzz.rs"]
-mod fuzz;
+use fuzzkit as fuzz;
 
 use netshare::{
     Admission, BucketConfig, FlowId, MAGIC, REGION_BYTES, SLOTS, Table, TableOwner, VERSION,

@@ -40,9 +40,13 @@ RESULTS="$LOGS/results.tsv"
 : >"$RESULTS"
 PIDS=()
 AGENT=""
+CP=""
 cleanup() {
-  for pid in "${PIDS[@]}" $AGENT; do kill -9 "$pid" 2>/dev/null; done
-  wait 2>/dev/null
+  # every process this script started, the control plane too: an exit on any path (exit 3 on a
+  # disturbed baseline included) must not leave one running, or `wait` would block on it
+  local pid
+  for pid in "${PIDS[@]}" $AGENT $CP; do kill -9 "$pid" 2>/dev/null; done
+  for pid in "${PIDS[@]}" $AGENT $CP; do wait "$pid" 2>/dev/null; done
   echo quit | CUDA_MPS_PIPE_DIRECTORY="$SHM/mps" nvidia-cuda-mps-control >/dev/null 2>&1
   cp -r "$WORK/agent/mps-log" "$LOGS/mps-log" 2>/dev/null
   rm -rf "$WORK" "$SHM"
@@ -137,7 +141,7 @@ for _ in $(seq 100); do ctl cluster status >/dev/null 2>&1 && break; sleep 0.1; 
 agent
 ctl place serve --gpus 0.25 --memory 8GiB --latency 2>&1 | tee -a "$LOGS/run.log"
 ctl place train --gpus 0.75 --memory 40GiB --burst 2>&1 | tee -a "$LOGS/run.log"
-for _ in $(seq 100); do [ -e "$SHM/tenants/train/nccl-share" ] && break; sleep 0.1; done
+for _ in $(seq 100); do [ -e "$SHM/tenants/train/nccl-activity" ] && break; sleep 0.1; done
 ctl describe tenant serve >"$LOGS/serve.txt" 2>&1
 
 row alone_latency plain latency

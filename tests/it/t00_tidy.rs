@@ -20,7 +20,7 @@
 //! 4. No `#[path = "..."]` in any `.rs` file of a member resolves to a file outside that member's
 //!    folder. The path is resolved against the folder of the file that holds the attribute.
 //! 5. No `"VGPU_` string literal appears in a member's `.rs` files outside `tenant-abi/`, except
-//!    in tests. Tests are files under a `tests/` or `benches/` folder (the whole `tests/` member
+//!    in tests. Tests are files under a `tests/` or `benches/` folder (the whole `tests/` member and the test-only `fuzzkit/` crate
 //!    among them), `*_test.rs` and `*_tests.rs`, and a top-level test module. A top-level test
 //!    module starts at a line that is exactly `#[cfg(test)]`, has more attributes or none, then a
 //!    `mod` line, and ends at the next line that is exactly `}`. Comment lines are skipped. Each
@@ -490,7 +490,9 @@ fn is_test_path(relative_path: &str) -> bool {
             .parent()
             .into_iter()
             .flat_map(Path::components)
-            .any(|c| c.as_os_str() == "tests" || c.as_os_str() == "benches")
+            .any(|c| {
+                c.as_os_str() == "tests" || c.as_os_str() == "benches" || c.as_os_str() == "fuzzkit"
+            })
 }
 
 /// The lines of a file with their numbers, less its top-level test modules (see rule 5).

@@ -1,5 +1,5 @@
 //! Usage and health reporting end to end: a real agent (simulated GPUs) reads the interposer's
-//! shared files, written here through the interposer's own protocol code (`vgpu_shm::writer`)
+//! shared files, written here through the interposer's own protocol code (`tenant_abi::writer`)
 //! as a tenant process would, and reports them with its heartbeats; `vgpuctl describe` (on a
 //! follower too) and the leader's `/metrics` show the numbers.
 
@@ -44,8 +44,8 @@ fn agents_report_tenant_usage_and_gpu_health() -> Result<()> {
 
     // A tenant process: 3 GiB charged on its device 0, and 2.5 s of turns on the GPU.
     let pid = std::process::id();
-    let start_time = vgpu_shm::ledger::own_start_time();
-    let mut limits = [None; vgpu_shm::DEVICES_MAX];
+    let start_time = tenant_abi::ledger::own_start_time();
+    let mut limits = [None; tenant_abi::DEVICES_MAX];
     limits[0] = Some(10 * GIB);
     // The layout the agent made: the tenant's private directory, the GPU's schedule.
     let private = shm_dir.join("tenants/train");
@@ -54,14 +54,15 @@ fn agents_report_tenant_usage_and_gpu_health() -> Result<()> {
         "the agent did not link {gpu}'s schedule into {}",
         private.display()
     );
-    let ledger = vgpu_shm::writer::ledger(&vgpu_shm::ledger_path(&private, "train"), &limits)?;
-    vgpu_shm::writer::charge_memory(&ledger, pid, start_time, 0, 3 * GIB)
+    let ledger =
+        tenant_abi::writer::ledger(&tenant_abi::layout::ledger_path(&private, "train"), &limits)?;
+    tenant_abi::writer::charge_memory(&ledger, pid, start_time, 0, 3 * GIB)
         .map_err(anyhow::Error::msg)?;
-    let schedule = vgpu_shm::writer::schedule(
-        &vgpu_shm::schedule_path(&private, &gpu),
-        vgpu_shm::compute::QUANTUM_NS_DEFAULT,
+    let schedule = tenant_abi::writer::schedule(
+        &tenant_abi::layout::schedule_path(&private, &gpu),
+        tenant_abi::compute::QUANTUM_NS_DEFAULT,
     )?;
-    vgpu_shm::writer::charge_time(
+    tenant_abi::writer::charge_time(
         &schedule,
         "train",
         pid,

@@ -81,7 +81,7 @@ fn bandwidth_weights_and_slice_identities_reach_the_tenant_environment() -> Resu
     assert!(train.contains("NCCL_HOSTID='vgpu-node-a-train'"), "{train}");
     assert!(serve.contains("NCCL_HOSTID='vgpu-node-a-serve'"), "{serve}");
     assert!(train.contains("NCCL_NET='vgpu'"), "{train}");
-    assert!(train.contains("VGPU_NCCL_SHARE_FILE="), "{train}");
+    assert!(train.contains("VGPU_NCCL_ACTIVITY_FILE="), "{train}");
     // The latency flag travels with the placement; it matters only where the node runs MPS.
     assert!(!serve.contains("VGPU_LATENCY"), "{serve}");
     let mps = [("VGPU_AGENT_MPS", "true")];
@@ -193,7 +193,7 @@ fn simulated_agents_on_one_host_keep_their_tenants_directories_apart() -> Result
                 .arg("--state-dir")
                 .arg(&state_dir)
                 .output()?;
-            if out.status.success() && own.join("nccl-share").exists() {
+            if out.status.success() && own.join("nccl-activity").exists() {
                 break out;
             }
             if Instant::now() > deadline {

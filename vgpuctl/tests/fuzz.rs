@@ -4,8 +4,7 @@
 //! message that names the problem. `VGPU_FUZZ_CASES` sets the cases per target;
 //! `docs/fuzzing.md` says more.
 
-#[path = "../../api/tests/support/fuzz.rs"]
-mod fuzz;
+use fuzzkit as fuzz;
 
 use std::collections::BTreeMap;
 use std::path::Path;

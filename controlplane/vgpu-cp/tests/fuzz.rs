@@ -6,8 +6,7 @@
 //! the member must keep answering afterwards. `VGPU_FUZZ_CASES` sets the cases per target;
 //! `docs/fuzzing.md` says more.
 
-#[path = "../../../api/tests/support/fuzz.rs"]
-mod fuzz;
+use fuzzkit as fuzz;
 
 use std::collections::BTreeMap;
 use std::path::Path;

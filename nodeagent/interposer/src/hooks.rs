@@ -14,12 +14,12 @@
 //!
 //! The compute side (launch gating) is `launch`, with its own failure policy (fail open).
 
-use crate::config::{Config, DEVICES_MAX};
 use crate::ledger::{Ledger, ProcLiveness, own_start_time};
 use crate::tracker::{Charge, Key, Tracker};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
+use tenant_abi::{DEVICES_MAX, MemoryEnv};
 
 /// What `admit` decided.
 #[derive(Debug)]
@@ -49,7 +49,7 @@ enum Mode {
 }
 
 struct Enforcer {
-    config: Config,
+    config: MemoryEnv,
     ledger: OnceLock<Result<Ledger<'static, ProcLiveness>, String>>,
     process: Mutex<Process>,
 }
@@ -76,7 +76,7 @@ impl Process {
 fn mode() -> &'static Mode {
     static MODE: OnceLock<Mode> = OnceLock::new();
     MODE.get_or_init(
-        || match Config::from_lookup(|name| std::env::var(name).ok()) {
+        || match MemoryEnv::from_lookup(|name| std::env::var(name).ok()) {
             Ok(None) => Mode::PassThrough,
             Ok(Some(config)) => {
                 crate::log::debug(format_args!(

@@ -29,7 +29,6 @@
 //! without uuid, or a full table: the launch goes to the driver ungated, with one log line.
 
 use crate::compute::{Member, QUANTUM_NS_DEFAULT, Schedule, Step, TenantConfig};
-use crate::config::{ComputeConfig, DEVICES_MAX};
 use crate::ledger::{ProcLiveness, own_start_time};
 use crate::shm::monotonic_ns;
 use std::cell::Cell;
@@ -37,6 +36,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
+use tenant_abi::{ComputeEnv, DEVICES_MAX};
 
 /// Record an event every this many launches of a thread while alone on the GPU...
 pub const SAMPLE_ALONE: u32 = 16;
@@ -205,7 +205,7 @@ pub fn after(gpu: &dyn Gpu, pending: Pending, launched: bool) {
 }
 
 struct Gates {
-    config: ComputeConfig,
+    config: ComputeEnv,
     single_device: OnceLock<bool>,
     devices: [OnceLock<Option<Gate>>; DEVICES_MAX],
 }
@@ -214,12 +214,12 @@ fn gates() -> Option<&'static Gates> {
     static GATES: OnceLock<Option<Gates>> = OnceLock::new();
     GATES
         .get_or_init(
-            || match ComputeConfig::from_lookup(|name| std::env::var(name).ok()) {
+            || match ComputeEnv::from_lookup(|name| std::env::var(name).ok()) {
                 Ok(Some(config)) => {
                     crate::log::debug(format_args!(
                         "tenant {} compute shares {:?}, burst {}, guaranteed {}, priority {}",
                         config.tenant,
-                        config.shares_pct,
+                        config.percent,
                         config.burst,
                         config.guaranteed,
                         config.priority
@@ -259,7 +259,7 @@ impl Gates {
     fn gate(&self, device: usize, gpu: &dyn Gpu) -> Option<&Gate> {
         self.devices[device]
             .get_or_init(|| {
-                let share_pct = self.config.shares_pct[device]?;
+                let share_pct = self.config.percent[device]?;
                 match Gate::open(&self.config, device, share_pct, gpu) {
                     Ok(gate) => Some(gate),
                     Err(e) => {
@@ -300,7 +300,7 @@ struct Event {
 
 impl Gate {
     fn open(
-        config: &ComputeConfig,
+        config: &ComputeEnv,
         device: usize,
         share_pct: u32,
         gpu: &dyn Gpu,

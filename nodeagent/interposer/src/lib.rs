@@ -17,20 +17,20 @@
 //!   report. `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
 //!   moves launches to a green context with fewer SMs while a latency tenant is active (opt-in,
 //!   `VGPU_SPATIAL=1`).
-//! - `ledger`, `tracker`, `compute` and `config` are pure: no FFI, no globals, unit-tested here.
+//! - `tracker` is pure: no FFI, no globals, unit-tested here. The environment it reads
+//!   (`tenant_abi::env`), the ledger's and the compute schedule's layouts and protocols
+//!   (`tenant_abi::ledger`, `tenant_abi::compute`) are the tenant contract's, shared with the
+//!   agent; `crate::ledger` and `crate::compute` name them here.
 //!
 //! **Invariant:** `unsafe` appears only in `sys`, `real`, `shm`, `exports`, `nvml_exports` and
 //! `dlsym_shim`, and no panic crosses the C boundary.
 
 #[macro_use]
 mod boundary;
-pub mod compute;
-pub mod config;
 mod dlsym_shim;
 mod exports;
 mod hooks;
 mod launch;
-pub mod ledger;
 mod log;
 mod nvml;
 mod nvml_exports;
@@ -38,4 +38,5 @@ mod real;
 mod shm;
 mod spatial;
 mod sys;
+use tenant_abi::{compute, ledger};
 pub mod tracker;

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 fn level() -> u8 {
     static LEVEL: OnceLock<u8> = OnceLock::new();
     *LEVEL.get_or_init(|| {
-        std::env::var("VGPU_LOG")
+        std::env::var(tenant_abi::env::var::LOG)
             .ok()
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(1)

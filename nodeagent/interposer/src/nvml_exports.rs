@@ -231,10 +231,11 @@ pub fn nvml() -> Option<&'static Nvml> {
 }
 
 fn load() -> Option<Nvml> {
-    let (handle, path) =
-        crate::real::open_library("VGPU_REAL_LIBNVML", "libnvidia-ml.so.1", |path| {
-            crate::log::debug(format_args!("no NVML library `{path}`"))
-        })?;
+    let (handle, path) = crate::real::open_library(
+        tenant_abi::env::var::REAL_LIBNVML,
+        "libnvidia-ml.so.1",
+        |path| crate::log::debug(format_args!("no NVML library `{path}`")),
+    )?;
     let resolve = |name: &CStr| {
         let found = lookup(handle, name);
         (!found.is_null()).then_some(found)
@@ -287,7 +288,8 @@ fn load() -> Option<Nvml> {
     };
     if nvml.substitutes.iter().any(|&(real, hook)| real == hook) {
         crate::log::error(format_args!(
-            "VGPU_REAL_LIBNVML `{path}` is the interposer itself; point it at libnvidia-ml"
+            "{} `{path}` is the interposer itself; point it at libnvidia-ml",
+            tenant_abi::env::var::REAL_LIBNVML
         ));
         return None;
     }

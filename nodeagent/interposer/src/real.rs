@@ -219,11 +219,12 @@ pub(crate) fn open_library(
 }
 
 fn load() -> Option<Driver> {
-    let (handle, path) = open_library("VGPU_REAL_LIBCUDA", "libcuda.so.1", |path| {
-        crate::log::error(format_args!(
-            "cannot load the real CUDA driver `{path}` (set VGPU_REAL_LIBCUDA to its path)"
-        ))
-    })?;
+    let (handle, path) =
+        open_library(tenant_abi::env::var::REAL_LIBCUDA, "libcuda.so.1", |path| {
+            crate::log::error(format_args!(
+                "cannot load the real CUDA driver `{path}` (set VGPU_REAL_LIBCUDA to its path)"
+            ))
+        })?;
     let fns = Fns::resolve(handle);
     let substitutes: Vec<(usize, usize)> = crate::exports::hooks()
         .iter()
@@ -234,7 +235,8 @@ fn load() -> Option<Driver> {
         .collect();
     if substitutes.iter().any(|&(real, hook)| real == hook) {
         crate::log::error(format_args!(
-            "VGPU_REAL_LIBCUDA `{path}` is the interposer itself; point it at the real driver"
+            "{} `{path}` is the interposer itself; point it at the real driver",
+            tenant_abi::env::var::REAL_LIBCUDA
         ));
         return None;
     }

@@ -13,19 +13,19 @@
 #![allow(unsafe_code)]
 
 use crate::compute;
-use crate::config::Config;
 use crate::ledger::{REGION_BYTES, Region};
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
+use tenant_abi::MemoryEnv;
 
 /// How long a process waits for another to publish a new ledger file.
 pub const INIT_WAIT: Duration = Duration::from_secs(1);
 
 /// Opens (creating if needed) and maps the ledger of `config`'s tenant, then stores the limits.
-pub fn open(config: &Config) -> Result<&'static Region, String> {
+pub fn open(config: &MemoryEnv) -> Result<&'static Region, String> {
     let path = config.ledger_path();
     let shown = path.display();
     let (file, created) = create_or_open(&config.shm_dir, &path, 0o600, REGION_BYTES, "ledger")?;

@@ -33,12 +33,12 @@
 //! application's stream, after the redirected work (the event pair orders them).
 
 use crate::compute::{QUANTUM_NS_DEFAULT, Region};
-use crate::config::{DEVICES_MAX, SpatialConfig};
 use crate::launch::{Gpu, StreamRef, uuid_text};
 use crate::shm::monotonic_ns;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, OnceLock};
+use tenant_abi::{DEVICES_MAX, SpatialEnv};
 
 /// SMs left to the latency tenant unless `VGPU_SPATIAL_SMS` says otherwise. Measured through
 /// the agent on an H100 (132 SMs, docs/benchmarks.md): the trainer on 104 SMs (28 free) met
@@ -189,7 +189,7 @@ impl Redirect {
 }
 
 struct Spatial {
-    config: SpatialConfig,
+    config: SpatialEnv,
     hold_ns: u64,
     single_device: OnceLock<bool>,
     devices: [OnceLock<Option<Device>>; DEVICES_MAX],
@@ -199,7 +199,7 @@ fn spatial() -> Option<&'static Spatial> {
     static SPATIAL: OnceLock<Option<Spatial>> = OnceLock::new();
     SPATIAL
         .get_or_init(
-            || match SpatialConfig::from_lookup(|name| std::env::var(name).ok()) {
+            || match SpatialEnv::from_lookup(|name| std::env::var(name).ok()) {
                 Ok(Some(config)) => {
                     crate::log::debug(format_args!(
                         "tenant {} spatial mode: {}, hold {} ms, SMs {:?}",
@@ -284,7 +284,7 @@ struct Pair {
 }
 
 impl Device {
-    fn open(config: &SpatialConfig, index: usize, gpu: &dyn Gpu) -> Result<Device, String> {
+    fn open(config: &SpatialEnv, index: usize, gpu: &dyn Gpu) -> Result<Device, String> {
         let uuid = gpu
             .uuid(index as i32)
             .ok_or("cuDeviceGetUuid failed".to_owned())?;
@@ -301,7 +301,7 @@ impl Device {
     fn redirect(
         &'static self,
         gpu: &dyn Green,
-        config: &SpatialConfig,
+        config: &SpatialEnv,
         stream: StreamRef,
     ) -> Option<Redirect> {
         let context = gpu.current_context();
@@ -357,7 +357,7 @@ impl Device {
         &self,
         state: &mut State,
         gpu: &dyn Green,
-        config: &SpatialConfig,
+        config: &SpatialEnv,
         context: usize,
     ) -> Option<usize> {
         if let Some(&(_, green)) = state.contexts.iter().find(|c| c.0 == context) {

@@ -125,7 +125,7 @@ const INTERPOSER: KeyDoc = KeyDoc {
 const SHM_DIR: KeyDoc = KeyDoc {
     key: "shm_dir",
     env: "VGPU_AGENT_SHM_DIR",
-    env_aliases: &["VGPU_SHM_DIR"],
+    env_aliases: &[tenant_abi::env::var::SHM_DIR],
     flag: Some("--shm-dir"),
     default: "/dev/shm/vgpu; with simulate, STATE_DIR/shm (exec and env: the agent's, from STATE_DIR/shm-dir)",
     example: "\"/dev/shm/vgpu\"",

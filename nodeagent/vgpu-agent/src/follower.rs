@@ -75,7 +75,7 @@ impl Follower {
     /// fail to open their files with a message), never a reason to refuse the assignments.
     fn prepare_private(&self, set: &AssignmentSet) {
         let Some(layout) = &self.private else { return };
-        let quantum = vgpu_shm::compute::QUANTUM_NS_DEFAULT;
+        let quantum = tenant_abi::compute::QUANTUM_NS_DEFAULT;
         match private::prepare(layout, set, &private::agent_owner, quantum) {
             Ok(prepared) => {
                 for tenant in &prepared.created {

@@ -229,13 +229,13 @@ mod tests {
         let mut follower = crate::follower::Follower::restore(state, "node-a").unwrap();
         follower.on_message(&message, "cp").unwrap();
         let shm_dir = directory.path().join("shm");
-        let ledger = vgpu_shm::writer::ledger(
+        let ledger = tenant_abi::writer::ledger(
             &crate::private::Layout::new(&shm_dir).ledger("train"),
-            &[None; vgpu_shm::DEVICES_MAX],
+            &[None; tenant_abi::DEVICES_MAX],
         )
         .unwrap();
-        let start_time = vgpu_shm::ledger::own_start_time();
-        vgpu_shm::writer::charge_memory(&ledger, std::process::id(), start_time, 0, 1 << 30)
+        let start_time = tenant_abi::ledger::own_start_time();
+        tenant_abi::writer::charge_memory(&ledger, std::process::id(), start_time, 0, 1 << 30)
             .unwrap();
         let config = MonitorConfig {
             node: "node-a".into(),

@@ -12,7 +12,7 @@
 //! | `tenants/<t>/<t>.mem` | 0600, created by the interposer | the tenant's memory ledger |
 //! | `tenants/<t>/netshare` | 0666, agent | the tenant's token bucket: the agent sets its rate, the NCCL plugin takes from it |
 //! | `tenants/<t>/<gpu uuid>.compute` | hard link to `gpus/<gpu uuid>.compute` | the compute schedule of each GPU the tenant is on |
-//! | `tenants/<t>/nccl-share` | hard link to `node/nccl-share` | the NCCL tuners' activity table |
+//! | `tenants/<t>/nccl-activity` | hard link to `node/nccl-activity` | the NCCL tuners' activity table |
 //! | `gpus/`, `node/` | 0700, agent | the originals of the tables tenants share |
 //!
 //! The tenant's user is `vgpu-<tenant>` when the node has such a user ([`crate::users`]), else
@@ -36,10 +36,9 @@ use std::path::{Path, PathBuf};
 use crate::assignments::AssignmentSet;
 use crate::users::{self, Identity};
 
-/// The NCCL tuners' activity table, in a tenant's directory.
-pub const NCCL_SHARE_FILE: &str = "nccl-share";
-/// A tenant's token-bucket table, in its directory.
-pub const NETSHARE_FILE: &str = "netshare";
+use tenant_abi::layout::{
+    NCCL_ACTIVITY_FILE, NCCL_ACTIVITY_FILE_OLD, NETSHARE_FILE, NETSHARE_LOCK_FILE,
+};
 
 const ROOT_MODE: u32 = 0o711;
 const TENANT_MODE: u32 = 0o700;
@@ -73,21 +72,21 @@ impl Layout {
 
     /// The tenant's memory ledger (the interposer's own naming rule, in the tenant's directory).
     pub fn ledger(&self, tenant: &str) -> PathBuf {
-        vgpu_shm::ledger_path(&self.tenant_dir(tenant), tenant)
+        tenant_abi::layout::ledger_path(&self.tenant_dir(tenant), tenant)
     }
 
     /// The original of GPU `uuid`'s compute schedule.
     pub fn schedule(&self, uuid: &str) -> PathBuf {
-        vgpu_shm::schedule_path(&self.root.join("gpus"), uuid)
+        tenant_abi::layout::schedule_path(&self.root.join("gpus"), uuid)
     }
 
-    fn node_share(&self) -> PathBuf {
-        self.root.join("node").join(NCCL_SHARE_FILE)
+    fn node_activity(&self) -> PathBuf {
+        self.root.join("node").join(NCCL_ACTIVITY_FILE)
     }
 
     /// The tenant's link to the tuners' activity table.
-    pub fn nccl_share(&self, tenant: &str) -> PathBuf {
-        self.tenant_dir(tenant).join(NCCL_SHARE_FILE)
+    pub fn nccl_activity(&self, tenant: &str) -> PathBuf {
+        self.tenant_dir(tenant).join(NCCL_ACTIVITY_FILE)
     }
 
     /// The tenant's token-bucket table.
@@ -160,14 +159,15 @@ pub fn prepare(
     directory(&layout.root.join("gpus"), AGENT_ONLY_MODE)?;
     directory(&layout.root.join("node"), AGENT_ONLY_MODE)?;
     directory(&layout.tenants(), ROOT_MODE)?;
-    shared_file(&layout.node_share())?;
+    rename_old_activity_table(layout)?;
+    shared_file(&layout.node_activity())?;
     let gpus: BTreeSet<&str> = set
         .tenants
         .values()
         .flat_map(|t| t.slices.iter().map(|s| s.gpu_uuid.as_str()))
         .collect();
     for uuid in &gpus {
-        vgpu_shm::create_schedule(&layout.schedule(uuid), quantum_ns).map_err(|error| {
+        tenant_abi::create_schedule(&layout.schedule(uuid), quantum_ns).map_err(|error| {
             PrivateError::Schedule {
                 uuid: (*uuid).to_owned(),
                 message: error.to_string(),
@@ -247,7 +247,7 @@ fn shared_file(path: &Path) -> Result<(), PrivateError> {
 /// the directory is shared with something else.
 fn remove_old_layout(root: &Path) -> Result<Vec<String>, PrivateError> {
     let old = |name: &str| {
-        [NCCL_SHARE_FILE, NETSHARE_FILE, "netshare.lock"].contains(&name)
+        [NCCL_ACTIVITY_FILE_OLD, NETSHARE_FILE, NETSHARE_LOCK_FILE].contains(&name)
             || name.ends_with(".mem")
             || name.ends_with(".compute")
     };
@@ -285,11 +285,15 @@ fn tenant_directory(
             }
         })?;
     }
-    link(&layout.node_share(), &layout.nccl_share(tenant))?;
+    link(&layout.node_activity(), &layout.nccl_activity(tenant))?;
+    let old_link = path.join(NCCL_ACTIVITY_FILE_OLD);
+    if std::fs::symlink_metadata(&old_link).is_ok() {
+        std::fs::remove_file(&old_link).map_err(io("unlink", &old_link))?;
+    }
     for uuid in gpus {
         link(
             &layout.schedule(uuid),
-            &vgpu_shm::schedule_path(&path, uuid),
+            &tenant_abi::layout::schedule_path(&path, uuid),
         )?;
     }
     // Schedules of GPUs the tenant is no longer on.
@@ -304,6 +308,18 @@ fn tenant_directory(
         }
     }
     Ok(created)
+}
+
+/// The activity table's original under its name before agents called it `nccl-activity` is
+/// renamed, not replaced: it is the same file (inode) the tenants' links of an older agent reach,
+/// so running tuners and new ones keep seeing each other across the upgrade.
+fn rename_old_activity_table(layout: &Layout) -> Result<(), PrivateError> {
+    let old = layout.root.join("node").join(NCCL_ACTIVITY_FILE_OLD);
+    let new = layout.node_activity();
+    if std::fs::symlink_metadata(&old).is_ok() && std::fs::symlink_metadata(&new).is_err() {
+        std::fs::rename(&old, &new).map_err(io("rename", &old))?;
+    }
+    Ok(())
 }
 
 /// Makes `link` a hard link to `original` (replacing whatever else is there).
@@ -325,7 +341,7 @@ pub fn agent_owner(tenant: &str) -> Identity {
 
 /// Whether tenant `tenant`'s directory is ready for its processes (for `exec` and `env`).
 pub fn is_prepared(layout: &Layout, tenant: &str) -> bool {
-    layout.nccl_share(tenant).exists()
+    layout.nccl_activity(tenant).exists()
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@ use crate::assignments::{SliceAssignment, TenantAssignment};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
-const QUANTUM: u64 = vgpu_shm::compute::QUANTUM_NS_DEFAULT;
+const QUANTUM: u64 = tenant_abi::compute::QUANTUM_NS_DEFAULT;
 /// Two unprivileged identities for the tenants (the usual `nobody`, and one below it).
 const A: Identity = Identity {
     uid: 65534,
@@ -94,23 +94,29 @@ fn each_tenant_gets_a_private_directory_with_links_to_exactly_its_shared_tables(
         let owner = owners(tenant);
         assert_eq!((metadata.uid(), metadata.gid()), (owner.uid, owner.gid));
         assert_eq!(
-            inode(&layout.nccl_share(tenant)),
-            inode(&layout.root().join("node/nccl-share"))
+            inode(&layout.nccl_activity(tenant)),
+            inode(&layout.root().join("node/nccl-activity"))
         );
     }
     let gpu1 = inode(&layout.schedule("GPU-1"));
     assert_eq!(
-        inode(&vgpu_shm::schedule_path(&layout.tenant_dir("a"), "GPU-1")),
+        inode(&tenant_abi::layout::schedule_path(
+            &layout.tenant_dir("a"),
+            "GPU-1"
+        )),
         gpu1
     );
     assert_eq!(
-        inode(&vgpu_shm::schedule_path(&layout.tenant_dir("b"), "GPU-1")),
+        inode(&tenant_abi::layout::schedule_path(
+            &layout.tenant_dir("b"),
+            "GPU-1"
+        )),
         gpu1
     );
-    assert!(!vgpu_shm::schedule_path(&layout.tenant_dir("b"), "GPU-0").exists());
+    assert!(!tenant_abi::layout::schedule_path(&layout.tenant_dir("b"), "GPU-0").exists());
     // The schedules are ready for the interposer: initialised, nobody in them yet.
     assert!(
-        vgpu_shm::read_schedule(&layout.schedule("GPU-0"))
+        tenant_abi::read_schedule(&layout.schedule("GPU-0"))
             .unwrap()
             .is_empty()
     );
@@ -130,9 +136,12 @@ fn each_tenant_gets_a_private_directory_with_links_to_exactly_its_shared_tables(
     let prepared = prepare(&layout, &second, &owners, QUANTUM).unwrap();
     assert_eq!(prepared.removed, ["b"]);
     assert!(!layout.tenant_dir("b").exists());
-    assert!(!vgpu_shm::schedule_path(&layout.tenant_dir("a"), "GPU-0").exists());
+    assert!(!tenant_abi::layout::schedule_path(&layout.tenant_dir("a"), "GPU-0").exists());
     assert_eq!(
-        inode(&vgpu_shm::schedule_path(&layout.tenant_dir("a"), "GPU-1")),
+        inode(&tenant_abi::layout::schedule_path(
+            &layout.tenant_dir("a"),
+            "GPU-1"
+        )),
         gpu1
     );
 }
@@ -177,7 +186,7 @@ fn another_tenant_or_user_cannot_reach_a_tenants_files() {
     std::fs::set_permissions(layout.netshare("a"), Permissions::from_mode(0o666)).unwrap();
 
     // a reaches its own files and the schedule of its GPU.
-    let own_schedule = vgpu_shm::schedule_path(&layout.tenant_dir("a"), "GPU-0");
+    let own_schedule = tenant_abi::layout::schedule_path(&layout.tenant_dir("a"), "GPU-0");
     for path in [&ledger, &layout.netshare("a"), &own_schedule] {
         open_as(A, path).unwrap_or_else(|e| panic!("a cannot open {}: {e}", path.display()));
     }
@@ -195,7 +204,7 @@ fn another_tenant_or_user_cannot_reach_a_tenants_files() {
     // ... nor the originals of the shared tables, nor a GPU schedule they are not placed on.
     for path in [
         layout.schedule("GPU-0"),
-        layout.root().join("node/nccl-share"),
+        layout.root().join("node/nccl-activity"),
     ] {
         assert!(open_as(stranger, &path).is_err());
     }

@@ -18,11 +18,17 @@
 //! | `VGPU_SHM_DIR` | the tenant's private directory `<shm dir>/tenants/<tenant>` ([`crate::private`]): its memory ledger and links to its GPUs' compute schedules |
 //! | `VGPU_AGENT_STATE_DIR` | the agent's state directory (the tenant files) |
 //! | `VGPU_NCCL_WEIGHT` | the tenant's bandwidth weight: as placed (`vgpuctl place --bandwidth`), else its compute percents summed (at least 1) |
-//! | `VGPU_NCCL_SHARE_FILE` | `nccl-share` in the tenant's directory: where the tenants' NCCL tuners see each other |
+//! | `VGPU_NCCL_ACTIVITY_FILE` | `nccl-activity` in the tenant's directory: where the tenants' NCCL tuners see each other |
 //! | `VGPU_NETSHARE_TABLE`, `VGPU_NETSHARE_FLOW` | `netshare` in the tenant's directory and the tenant's flow in it: the token bucket its NCCL network sends wait on ([`crate::bandwidth`]) |
 //! | `NCCL_NET_PLUGIN`, `NCCL_TUNER_PLUGIN` | `libvgpu_nccl.so` beside the interposer, when it is there |
 //! | `NCCL_ENV_PLUGIN` | the same library, for a tenant with a fraction of a GPU: the rank of it that shares a GPU with another of its ranks gets a host identity of its own (`<NCCL_HOSTID>-slot<k>`), so two of its ranks on one GPU join one communicator |
+//! | `VGPU_SPATIAL`, `VGPU_LATENCY` | on a node that runs MPS: the interposer's spatial mode for tenants with a fraction of a GPU and for latency tenants, and which is the latency tenant ([`concurrent_sharing_mode`]) |
 //! | `NCCL_HOSTID`, `NCCL_NET` | for a tenant with a fraction of a GPU: `vgpu-<node>-<tenant>` and `vgpu`, so NCCL treats the slice as its own device (no "Duplicate GPU detected" when two tenants' ranks share a GPU) and connects it through the plugin |
+//!
+//! | `CUDA_MPS_PIPE_DIRECTORY` | on a node that runs MPS: the daemon's pipes |
+//!
+//! The `VGPU_*` part is one [`TenantEnv`] (the tenant contract, `tenant_abi::env`), written by
+//! its `to_env` and read back by the interposer and the NCCL plugin through the same crate.
 //!
 //! Ordinals follow `CUDA_VISIBLE_DEVICES`: the process's device 0 is the tenant's first slice.
 
@@ -30,7 +36,9 @@ use std::convert::Infallible;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use crate::assignments::TenantAssignment;
+use tenant_abi::{DEVICES_MAX, NetshareEnv, TenantEnv};
+
+use crate::assignments::{SliceAssignment, TenantAssignment};
 use crate::error::{Error, Result};
 use crate::state::{read_assignments_file, read_tenant_file};
 
@@ -41,7 +49,7 @@ pub const INTERPOSER_SYSTEM_PATH: &str = "/usr/lib/vgpu/libvgpu_cuda.so";
 /// The NCCL plugin's file name, looked for beside the interposer.
 pub const NCCL_PLUGIN_FILE: &str = "libvgpu_nccl.so";
 /// The interposers' shared-memory directory by default.
-pub const SHM_DIR_DEFAULT: &str = "/dev/shm/vgpu";
+pub const SHM_DIR_DEFAULT: &str = tenant_abi::env::SHM_DIR_DEFAULT;
 
 /// What the environment is built from besides the tenant's assignment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,13 +87,10 @@ pub fn tenant_environment(
     assert!(assignment.slices.is_sorted(), "slices are in GPU order");
     let slices = &assignment.slices;
     let layout = crate::private::Layout::new(&config.shm_dir);
-    let per_ordinal = |value: &dyn Fn(usize) -> String| {
-        (0..slices.len())
-            .map(|ordinal| format!("{ordinal}:{}", value(ordinal)))
-            .collect::<Vec<_>>()
-            .join(",")
-    };
-    let flag = |all: bool| if all { "1" } else { "0" }.to_owned();
+    assert!(
+        slices.len() <= DEVICES_MAX,
+        "a node has at most {DEVICES_MAX} GPUs a process can number"
+    );
     let mut environment = vec![(
         "CUDA_VISIBLE_DEVICES".to_owned(),
         slices
@@ -100,62 +105,31 @@ pub fn tenant_environment(
             ld_preload(&interposer.to_string_lossy(), inherited_ld_preload),
         ));
     }
-    environment.extend([
-        ("VGPU_TENANT".to_owned(), assignment.tenant.clone()),
-        ("VGPU_NODE".to_owned(), node.to_owned()),
-        (
-            "VGPU_MEMORY_LIMITS".to_owned(),
-            per_ordinal(&|ordinal| slices[ordinal].memory_bytes.to_string()),
-        ),
-        (
-            "VGPU_COMPUTE_SHARES".to_owned(),
-            per_ordinal(&|ordinal| slices[ordinal].compute_percent.to_string()),
-        ),
-        ("VGPU_PRIORITY".to_owned(), assignment.priority.to_string()),
-        (
-            "VGPU_BURST".to_owned(),
-            flag(slices.iter().all(|slice| slice.burst)),
-        ),
-        (
-            "VGPU_GUARANTEED".to_owned(),
-            flag(slices.iter().all(|slice| slice.guaranteed)),
-        ),
-        (
-            "VGPU_SHM_DIR".to_owned(),
-            layout
-                .tenant_dir(&assignment.tenant)
-                .to_string_lossy()
-                .into_owned(),
-        ),
-        (
-            "VGPU_AGENT_STATE_DIR".to_owned(),
-            config.state_dir.to_string_lossy().into_owned(),
-        ),
-    ]);
-    environment.extend([
-        (
-            "VGPU_NCCL_WEIGHT".to_owned(),
-            crate::bandwidth::weight(assignment).to_string(),
-        ),
-        (
-            "VGPU_NCCL_SHARE_FILE".to_owned(),
-            layout
-                .nccl_share(&assignment.tenant)
-                .to_string_lossy()
-                .into_owned(),
-        ),
-        (
-            "VGPU_NETSHARE_TABLE".to_owned(),
-            layout
-                .netshare(&assignment.tenant)
-                .to_string_lossy()
-                .into_owned(),
-        ),
-        (
-            "VGPU_NETSHARE_FLOW".to_owned(),
-            crate::bandwidth::flow_id(&assignment.tenant).0.to_string(),
-        ),
-    ]);
+    let (spatial, latency) = match &config.mps_pipe_dir {
+        Some(_) => concurrent_sharing_mode(assignment),
+        None => (false, false),
+    };
+    let tenant_env = TenantEnv {
+        tenant: assignment.tenant.clone(),
+        node: node.to_owned(),
+        shm_dir: layout.tenant_dir(&assignment.tenant),
+        agent_state_dir: config.state_dir.clone(),
+        memory_limits_bytes: per_ordinal(slices, |slice| slice.memory_bytes),
+        compute_pct: per_ordinal(slices, |slice| slice.compute_percent),
+        priority: assignment.priority,
+        burst: slices.iter().all(|slice| slice.burst),
+        guaranteed: slices.iter().all(|slice| slice.guaranteed),
+        nccl_weight: u64::from(crate::bandwidth::weight(assignment)),
+        nccl_activity_file: layout.nccl_activity(&assignment.tenant),
+        netshare: NetshareEnv {
+            table: layout.netshare(&assignment.tenant),
+            flow: crate::bandwidth::flow_id(&assignment.tenant).0,
+        },
+        spatial,
+        latency,
+        latency_target_us: None,
+    };
+    environment.extend(tenant_env.to_env());
     let identity = slice_identity_environment(node, assignment);
     if let Some(plugin) = nccl_plugin_beside(config.interposer.as_deref()) {
         let plugin = plugin.to_string_lossy().into_owned();
@@ -169,7 +143,10 @@ pub fn tenant_environment(
     }
     environment.extend(identity);
     if let Some(pipes) = &config.mps_pipe_dir {
-        environment.extend(concurrent_sharing_environment(pipes, assignment));
+        environment.push((
+            "CUDA_MPS_PIPE_DIRECTORY".to_owned(),
+            pipes.to_string_lossy().into_owned(),
+        ));
     }
     assert!(
         environment
@@ -178,6 +155,18 @@ pub fn tenant_environment(
         "environment entries are well formed"
     );
     environment
+}
+
+/// A value per device ordinal as the process sees it: the tenant's first slice is its device 0.
+fn per_ordinal<T: Copy>(
+    slices: &[SliceAssignment],
+    value: impl Fn(&SliceAssignment) -> T,
+) -> [Option<T>; DEVICES_MAX] {
+    let mut values = [None; DEVICES_MAX];
+    for (ordinal, slice) in slices.iter().enumerate() {
+        values[ordinal] = Some(value(slice));
+    }
+    values
 }
 
 /// Per-slice identity for NCCL. NCCL refuses two ranks on one GPU that share a host identity
@@ -206,30 +195,17 @@ pub fn slice_identity_environment(
     ]
 }
 
-/// On a node that runs MPS: the daemon's pipes for every tenant, and the interposer's spatial
-/// mode for tenants that share a GPU (a fraction of one) and for latency-sensitive tenants, which
-/// also get `VGPU_LATENCY=1`. Spatial mode costs a squeezable tenant nothing while no latency
-/// tenant is active on its GPU, so it is on whether or not one is placed there now: a latency
-/// tenant placed later is protected from the tenants already running.
-pub fn concurrent_sharing_environment(
-    pipes: &Path,
-    assignment: &TenantAssignment,
-) -> Vec<(String, String)> {
-    let mut environment = vec![(
-        "CUDA_MPS_PIPE_DIRECTORY".to_owned(),
-        pipes.to_string_lossy().into_owned(),
-    )];
+/// On a node that runs MPS: whether the tenant runs in the interposer's spatial mode, and
+/// whether it is the latency tenant there. Spatial mode is on for tenants that share a GPU (a
+/// fraction of one) and for latency-sensitive tenants. It costs a squeezable tenant nothing while
+/// no latency tenant is active on its GPU, so it is on whether or not one is placed there now: a
+/// latency tenant placed later is protected from the tenants already running.
+pub fn concurrent_sharing_mode(assignment: &TenantAssignment) -> (bool, bool) {
     let fractional = assignment
         .slices
         .iter()
         .any(|slice| slice.compute_percent < 100);
-    if fractional || assignment.latency {
-        environment.push(("VGPU_SPATIAL".to_owned(), "1".to_owned()));
-    }
-    if assignment.latency {
-        environment.push(("VGPU_LATENCY".to_owned(), "1".to_owned()));
-    }
-    environment
+    (fractional || assignment.latency, assignment.latency)
 }
 
 /// `libvgpu_nccl.so` beside the interposer, when it is installed there.

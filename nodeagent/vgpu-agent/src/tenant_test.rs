@@ -53,8 +53,8 @@ fn the_environment_describes_the_slices_by_process_ordinal() {
         ("VGPU_AGENT_STATE_DIR", "/var/lib/vgpu-agent/node-a"),
         ("VGPU_NCCL_WEIGHT", "80"),
         (
-            "VGPU_NCCL_SHARE_FILE",
-            "/dev/shm/vgpu/tenants/trainer/nccl-share",
+            "VGPU_NCCL_ACTIVITY_FILE",
+            "/dev/shm/vgpu/tenants/trainer/nccl-activity",
         ),
         (
             "VGPU_NETSHARE_TABLE",
@@ -234,7 +234,7 @@ fn exec_refuses_a_tenant_that_is_not_here_and_a_missing_interposer() {
         &layout,
         &set,
         &crate::private::agent_owner,
-        vgpu_shm::compute::QUANTUM_NS_DEFAULT,
+        tenant_abi::compute::QUANTUM_NS_DEFAULT,
     )
     .unwrap();
     assert_eq!(prepared.created, ["trainer"]);
@@ -353,7 +353,7 @@ fn exec_runs_as_the_owner_of_the_tenants_directory() {
     let layout = crate::private::Layout::new(directory.path());
     let dir = layout.tenant_dir("trainer");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(layout.nccl_share("trainer"), b"").unwrap();
+    std::fs::write(layout.nccl_activity("trainer"), b"").unwrap();
     // Owned by the caller: no switch.
     assert_eq!(tenant_user(directory.path(), "trainer").unwrap(), None);
     let me = crate::users::current();
@@ -414,4 +414,54 @@ fn an_mps_node_gives_the_pipes_to_all_and_spatial_roles_to_sharing_and_latency_t
             .all(|(k, _)| !k.starts_with("CUDA_MPS") && k != "VGPU_SPATIAL" && k != "VGPU_LATENCY"),
         "{plain:?}"
     );
+}
+
+/// What the agent writes is what the tenant side reads: the interposer's memory, compute and
+/// spatial views and the NCCL plugin's tuner and token-bucket views, each through its own parser
+/// in `tenant_abi`.
+#[test]
+fn the_tenant_side_reads_what_the_agent_writes() {
+    let mut tenant = trainer();
+    tenant.slices[0].guaranteed = false;
+    tenant.latency = true;
+    let mps = EnvConfig {
+        mps_pipe_dir: Some(PathBuf::from("/dev/shm/vgpu/mps")),
+        ..config()
+    };
+    let environment = tenant_environment("node-a", &tenant, &mps, None);
+    let get = |name: &str| {
+        environment
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.clone())
+    };
+    let private = PathBuf::from("/dev/shm/vgpu/tenants/trainer");
+    let memory = tenant_abi::MemoryEnv::from_lookup(get).unwrap().unwrap();
+    assert_eq!(memory.tenant, "trainer");
+    assert_eq!(
+        memory.limits_bytes[..3],
+        [Some(10 << 30), Some(20 << 30), None]
+    );
+    assert_eq!(memory.ledger_path(), private.join("trainer.mem"));
+    let compute = tenant_abi::ComputeEnv::from_lookup(get).unwrap().unwrap();
+    assert_eq!(compute.percent[..3], [Some(50), Some(30), None]);
+    assert_eq!(
+        (compute.burst, compute.guaranteed, compute.priority),
+        (true, false, 5)
+    );
+    assert_eq!(compute.shm_dir, private);
+    let spatial = tenant_abi::SpatialEnv::from_lookup(get).unwrap().unwrap();
+    assert!(spatial.latency);
+    let nccl = tenant_abi::NcclEnv::from_lookup(get).unwrap().unwrap();
+    assert_eq!(
+        (nccl.weight, nccl.guaranteed),
+        (u64::from(crate::bandwidth::weight(&tenant)), false)
+    );
+    assert_eq!(nccl.activity_file, private.join("nccl-activity"));
+    let netshare = tenant_abi::NetshareEnv::from_lookup(get).unwrap().unwrap();
+    assert_eq!(netshare.table, private.join("netshare"));
+    assert_eq!(netshare.flow, crate::bandwidth::flow_id("trainer").0);
+    // And the whole contract reads back as one value.
+    let whole = tenant_abi::TenantEnv::from_lookup(get).unwrap().unwrap();
+    assert_eq!((whole.node.as_str(), whole.spatial), ("node-a", true));
 }

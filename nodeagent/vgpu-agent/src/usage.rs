@@ -8,7 +8,7 @@
 //! * `gpus/<gpu uuid>.compute`, the GPU's compute schedule (linked into its tenants'
 //!   directories): turn time charged to each tenant.
 //!
-//! Both are read through `vgpu_shm` (the interposer's own layout code, mapped read-only, atomic
+//! Both are read through `tenant_abi::shm` (the interposer's own layout code, mapped read-only, atomic
 //! loads only), so a tenant process is never made to wait and nothing is written. Only tenants
 //! assigned to this node are reported, one entry per slice, zeros included; files of tenants
 //! that left are ignored. [`combine`] is pure; [`collect`] does the reading.
@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use api::v1::{ProcessUsage, TenantUsage};
-use vgpu_shm::{DEVICES_MAX, LedgerUsage, TenantTime};
+use tenant_abi::{DEVICES_MAX, LedgerUsage, TenantTime};
 
 use crate::assignments::TenantAssignment;
 
@@ -39,7 +39,7 @@ pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, V
     let layout = crate::private::Layout::new(shm_dir);
     for assignment in assignments {
         let path = layout.ledger(&assignment.tenant);
-        match vgpu_shm::read_ledger(&path) {
+        match tenant_abi::read_ledger(&path) {
             Ok(ledger) => {
                 files.ledgers.insert(assignment.tenant.clone(), ledger);
             }
@@ -51,7 +51,7 @@ pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, V
                 continue;
             }
             let path = layout.schedule(&slice.gpu_uuid);
-            match vgpu_shm::read_schedule(&path) {
+            match tenant_abi::read_schedule(&path) {
                 Ok(times) => {
                     files.schedules.insert(slice.gpu_uuid.clone(), times);
                 }
@@ -131,7 +131,7 @@ pub fn tenants_by_pid(files: &Files) -> BTreeMap<u32, String> {
 mod tests {
     use super::*;
     use crate::assignments::SliceAssignment;
-    use vgpu_shm::ProcessCharge;
+    use tenant_abi::ProcessCharge;
 
     const GIB: u64 = 1 << 30;
 
@@ -260,15 +260,15 @@ mod tests {
         std::fs::remove_file(layout.ledger("train")).unwrap();
         let mut limits = [None; DEVICES_MAX];
         limits[0] = Some(10 * GIB);
-        let ledger = vgpu_shm::writer::ledger(&layout.ledger("train"), &limits).unwrap();
-        let (pid, start_time) = (std::process::id(), vgpu_shm::ledger::own_start_time());
-        vgpu_shm::writer::charge_memory(&ledger, pid, start_time, 0, 3 * GIB).unwrap();
-        let schedule = vgpu_shm::writer::schedule(
+        let ledger = tenant_abi::writer::ledger(&layout.ledger("train"), &limits).unwrap();
+        let (pid, start_time) = (std::process::id(), tenant_abi::ledger::own_start_time());
+        tenant_abi::writer::charge_memory(&ledger, pid, start_time, 0, 3 * GIB).unwrap();
+        let schedule = tenant_abi::writer::schedule(
             &layout.schedule("GPU-0"),
-            vgpu_shm::compute::QUANTUM_NS_DEFAULT,
+            tenant_abi::compute::QUANTUM_NS_DEFAULT,
         )
         .unwrap();
-        vgpu_shm::writer::charge_time(&schedule, "train", pid, start_time, 1_000, 1_500_000_000)
+        tenant_abi::writer::charge_time(&schedule, "train", pid, start_time, 1_000, 1_500_000_000)
             .unwrap();
         let (files, problems) = read_files(directory.path(), &assignments);
         assert!(problems.is_empty(), "{problems:?}");

@@ -59,7 +59,7 @@ export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,TUNING
 MPS_DIR=$(mktemp -d)
 export CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_DIR/log"
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-SHARE=/dev/shm/vgpu-nccl-share-$$
+SHARE=/dev/shm/vgpu-nccl-activity-$$
 cleanup() { echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; rm -rf "$MPS_DIR" "$SHARE"; }
 trap cleanup EXIT
 log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
@@ -152,8 +152,8 @@ for s in $SECTIONS; do
     ;;
   isolation)
     log "isolation"
-    A=(VGPU_TENANT=train VGPU_NCCL_WEIGHT=75 VGPU_NCCL_SHARE_FILE="$SHARE")
-    B=(VGPU_TENANT=noisy VGPU_NCCL_WEIGHT=25 VGPU_NCCL_SHARE_FILE="$SHARE")
+    A=(VGPU_TENANT=train VGPU_NCCL_WEIGHT=75 VGPU_NCCL_ACTIVITY_FILE="$SHARE")
+    B=(VGPU_TENANT=noisy VGPU_NCCL_WEIGHT=25 VGPU_NCCL_ACTIVITY_FILE="$SHARE")
     job alone_plain 29500 "$NPROC" -- --mib 256
     T0=$(pair_start)
     job tsl_A 29500 "$NPROC" -- --mib 256 --start-at "$T0" & job tsl_B 29501 "$NPROC" -- --mib 256 --start-at "$T0"; wait

@@ -51,7 +51,7 @@ pub fn sm_counts_by_bus_id() -> Result<BTreeMap<String, u32>, DiscoveryError> {
 }
 
 fn load() -> Result<Library, DiscoveryError> {
-    let candidates: Vec<String> = match std::env::var("VGPU_CUDA_LIBRARY") {
+    let candidates: Vec<String> = match std::env::var(tenant_abi::env::var::CUDA_LIBRARY) {
         Ok(path) if !path.is_empty() => vec![path],
         _ => CUDA_LIBRARY_CANDIDATES
             .iter()

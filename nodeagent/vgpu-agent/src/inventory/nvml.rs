@@ -50,7 +50,7 @@ pub struct NvmlDiscovery {
 impl NvmlDiscovery {
     /// Loads and initialises NVML. The error says what was tried.
     pub fn open() -> Result<NvmlDiscovery, DiscoveryError> {
-        let from_environment = std::env::var("VGPU_NVML_LIBRARY")
+        let from_environment = std::env::var(tenant_abi::env::var::NVML_LIBRARY)
             .ok()
             .filter(|path| !path.is_empty());
         let candidates: Vec<String> = match from_environment {

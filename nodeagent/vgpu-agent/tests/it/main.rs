@@ -341,7 +341,7 @@ async fn joins_follows_assignments_and_recovers() {
     assert!(spec.contains("CUDA_MPS_PIPE_DIRECTORY="), "{spec}");
     // The placed tenant has its private directory; the one that left has none.
     let tenants = state_dir.join("shm/tenants");
-    assert!(tenants.join("infer-b/nccl-share").exists());
+    assert!(tenants.join("infer-b/nccl-activity").exists());
     assert!(!tenants.join("infer-a").exists());
     // `exec` and `env` find the placed tenant, and refuse the one that left.
     let placement = vgpu_agent::tenant::load_placement(&state_dir, "infer-b", "x").unwrap();

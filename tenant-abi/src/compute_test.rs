@@ -523,7 +523,7 @@ fn latency_stamps_are_fresh_within_the_hold_only() {
 }
 
 #[test]
-fn version_1_schedules_are_read_and_others_refused() {
+fn compatible_schedules_are_read_and_others_refused() {
     let region = region();
     assert_eq!(region.header.version.load(SeqCst), VERSION);
     region.header.version.store(VERSION_COMPATIBLE_MIN, SeqCst);

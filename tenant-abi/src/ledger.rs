@@ -27,7 +27,7 @@
 //! The file starts zeroed (`ftruncate`); a zero limit means "no limit on this device", so a
 //! zeroed header is a valid one.
 
-use crate::config::DEVICES_MAX;
+use crate::DEVICES_MAX;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 
 /// `VGPUMEM1`, little-endian: written last when a ledger file is initialised.

@@ -1,13 +1,11 @@
-//! What every crate's `tests/fuzz.rs` shares (included with `#[path]`, since test files of
-//! different crates cannot import each other): the case count, a hang bound, and generators of
-//! hostile text (arbitrary strings, mutated valid examples, TOML documents over known keys).
+//! What every crate's `tests/fuzz.rs` shares (a dev-dependency of each; test files of different
+//! crates cannot import each other): the case count, a hang bound, and generators of hostile text
+//! (arbitrary strings, mutated valid examples, TOML documents over known keys).
 //!
 //! The fuzz targets are property tests: a parser of outside input must never panic, must finish
 //! within [`CASE_TIME_MAX`], and must either accept (and then the result round-trips or holds its
 //! invariants) or refuse with a typed error whose message names the problem. `docs/fuzzing.md`
 //! says how to run them longer.
-
-#![allow(dead_code)]
 
 use proptest::prelude::*;
 use proptest::test_runner::Config;

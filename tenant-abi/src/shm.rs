@@ -1,11 +1,6 @@
-//! The interposer's shared-memory formats, read from outside the tenants' processes (the node
-//! agent's usage report).
-//!
-//! The layouts and their lock-free protocols are the interposer's own source files
-//! (`nodeagent/interposer/src/{config,ledger,compute}.rs`), compiled into this crate as well
-//! (`#[path]`), so there is one definition of each format and no copy that could drift. The agent
-//! cannot link the interposer's rlib instead: that crate exports `#[no_mangle]` driver hooks and
-//! a `dlsym` override, which would be linked into the agent and catch its own `dlsym` calls.
+//! The shared files read from outside the tenants' processes (the node agent's usage report),
+//! through the same layout code ([`crate::ledger`], [`crate::compute`]) the interposer uses
+//! inside them, so there is one definition of each format and no copy that could drift.
 //!
 //! Reading ([`read_ledger`], [`read_schedule`]) maps an existing file read-only and performs
 //! atomic loads only, the way the interposer's processes read each other's words: it never
@@ -15,26 +10,12 @@
 //! The one write: [`create_schedule`] makes a GPU's compute schedule, initialised, before any
 //! tenant process runs, so that the agent can hand the same file to every tenant placed on that
 //! GPU through the tenants' private directories (`vgpu_agent::private`).
-//!
-//! **Architecture Invariant:** this crate depends on nothing but libc and thiserror; `unsafe`
-//! lives only in `map`.
-
-#[path = "../../interposer/src/compute.rs"]
-#[allow(dead_code)]
-pub mod compute;
-#[path = "../../interposer/src/config.rs"]
-#[allow(dead_code)]
-pub mod config;
-#[path = "../../interposer/src/ledger.rs"]
-#[allow(dead_code)]
-pub mod ledger;
-mod map;
 
 use std::path::{Path, PathBuf};
 
-pub use compute::TenantTime;
-pub use config::DEVICES_MAX;
-pub use ledger::{LedgerUsage, ProcLiveness, ProcessCharge};
+use crate::compute::{self, TenantTime};
+use crate::ledger::{self, LedgerUsage, ProcLiveness};
+use crate::map;
 
 /// Why a file could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -69,26 +50,6 @@ impl ReadError {
     pub fn is_not_found(&self) -> bool {
         matches!(self, ReadError::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
     }
-}
-
-/// The memory ledger of `tenant` under `shm_dir` (`<shm_dir>/<tenant>.mem`).
-pub fn ledger_path(shm_dir: &Path, tenant: &str) -> PathBuf {
-    // The interposer's own rule (`config::Config::ledger_path`), from the environment a tenant
-    // process would have; a name it would refuse still gets the plain `<tenant>.mem`.
-    let environment = |key: &str| match key {
-        "VGPU_TENANT" => Some(tenant.to_owned()),
-        "VGPU_SHM_DIR" => Some(shm_dir.to_string_lossy().into_owned()),
-        _ => None,
-    };
-    match config::Config::from_lookup(environment) {
-        Ok(Some(config)) => config.ledger_path(),
-        _ => shm_dir.join(format!("{tenant}.mem")),
-    }
-}
-
-/// The compute schedule of the GPU `uuid` under `shm_dir` (`<shm_dir>/<uuid>.compute`).
-pub fn schedule_path(shm_dir: &Path, uuid: &str) -> PathBuf {
-    shm_dir.join(format!("{uuid}.compute"))
 }
 
 /// Reads a tenant's memory ledger: limits and the live processes' charges per device ordinal
@@ -169,6 +130,5 @@ pub fn create_schedule(path: &Path, quantum_ns: u64) -> Result<bool, ReadError> 
 }
 
 #[cfg(test)]
-mod reader_tests;
-#[cfg(any(test, feature = "writer"))]
-pub mod writer;
+#[path = "shm_test.rs"]
+mod tests;

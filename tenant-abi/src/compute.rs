@@ -37,11 +37,11 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed, Ordering::SeqCs
 /// `VGPUCMP1`, little-endian: written last when a schedule file is initialised.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUCMP1");
 /// Bumped on any layout change; a process refuses a schedule file of another version, except
-/// the compatible ones from `VERSION_COMPATIBLE_MIN` on (version 2 gave a reserved header word a
-/// meaning, `Header::latency_ns`, which version 1 leaves zero and never reads).
-pub const VERSION: u32 = 2;
+/// the compatible ones from `VERSION_COMPATIBLE_MIN` on. Version 3 appended the closed-loop
+/// words (`Region::control`), so files of versions 1 and 2 are too short to map.
+pub const VERSION: u32 = 3;
 /// The oldest layout this build reads and writes unchanged.
-pub const VERSION_COMPATIBLE_MIN: u32 = 1;
+pub const VERSION_COMPATIBLE_MIN: u32 = 3;
 /// Tenants per GPU (one bit each in `Header::active`).
 pub const TENANTS: usize = 32;
 /// Gated processes per GPU.
@@ -143,10 +143,14 @@ pub struct Region {
     pub header: Header,
     pub tenants: [TenantSlot; TENANTS],
     pub procs: [ProcSlot; PROCS],
+    /// Closed-loop sharing (version 3): latency tenants' step histograms and the agent's
+    /// decision for the others.
+    pub control: crate::control::Control,
 }
 
 /// The file size; part of the on-disk format (checked so a field change bumps `VERSION`).
-pub const REGION_BYTES: usize = 80 + TENANTS * 112 + PROCS * 24;
+pub const REGION_BYTES: usize =
+    80 + TENANTS * 112 + PROCS * 24 + crate::control::CONTROL_BYTES;
 const _: () = assert!(std::mem::size_of::<Region>() == REGION_BYTES);
 const _: () = assert!(std::mem::align_of::<Region>() == 8);
 const _: () = assert!(TENANTS <= 64 && TENANTS < OWNER_IDLE);
@@ -185,6 +189,20 @@ impl Region {
                 start_time: zero(),
                 busy_ns: zero(),
             }),
+            control: crate::control::Control {
+                decision: zero(),
+                decision_ns: zero(),
+                step_open_ns: zero(),
+                step_close_ns: zero(),
+                paused_ns: zero(),
+                bounded_launches: zero(),
+                reserved: std::array::from_fn(|_| zero()),
+                latency: std::array::from_fn(|_| crate::control::LatencyStats {
+                    steps: zero(),
+                    total_ns: zero(),
+                    buckets: std::array::from_fn(|_| zero()),
+                }),
+            },
         })
     }
 
@@ -655,6 +673,7 @@ impl<'r, L: Liveness> Schedule<'r, L> {
             .store(self.region.header.floor_vt.load(SeqCst), SeqCst);
         slot.demand_ns.store(now_ns, SeqCst);
         slot.used_ns.store(0, SeqCst);
+        self.region.control.clear_latency(mine);
         let named = state(PHASE_NAMED, pid);
         slot.state.store(named, SeqCst);
         let free_mine = || slot.state.store(0, SeqCst);

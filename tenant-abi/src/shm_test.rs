@@ -2,6 +2,8 @@
 //! mapping reads.
 
 use super::*;
+use crate::layout::{ledger_path, schedule_path};
+use crate::{DEVICES_MAX, writer};
 
 const GIB: u64 = 1 << 30;
 

@@ -1,0 +1,357 @@
+//! Closed-loop sharing of one GPU: the part of the GPU's schedule file (`compute::Region::control`)
+//! through which latency tenants report what their steps took, the node agent's controller
+//! decides how far the other tenants on the GPU are held back, and those tenants' interposers
+//! obey. Pure: no FFI, no clock (callers pass `now_ns`, CLOCK_MONOTONIC), atomics only.
+//!
+//! **Roles.**
+//! - A latency tenant's process (`VGPU_LATENCY=1`) opens a *step* at a launch when it has none
+//!   open and closes it when a synchronisation returns ([`Control::open_step`],
+//!   [`Control::close_step`]); each closed step's latency goes into the tenant's histogram
+//!   ([`Control::record_step`]). The open/close stamps tell the others "a latency step is in
+//!   flight now".
+//! - The agent reads the histograms ([`Control::latency`]), runs the controller and writes a
+//!   [`Decision`] with its time ([`Control::publish`]).
+//! - Every other tenant's launch reads the decision ([`Control::decision`], two relaxed loads)
+//!   and, while a latency step is in flight, waits, bounds its queued work or moves to fewer SMs
+//!   as decided. A decision older than [`DECISION_TTL_NS`] is ignored: an agent that died or
+//!   stopped leaves the GPU unrestricted (fail open), never paused.
+//!
+//! **Histograms.** Log buckets, 8 per doubling (each about 9% wide) from 8 µs: bucket
+//! `LATENCY_BUCKETS - 1` holds everything from about 0.5 s on. Counts only grow; a reader takes
+//! the difference of two snapshots for a window. A process killed mid-update loses at most one
+//! count.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Buckets per latency histogram.
+pub const LATENCY_BUCKETS: usize = 128;
+/// The lower bound of bucket 1 (bucket 0 holds everything below it).
+pub const LATENCY_BUCKET_MIN_NS: u64 = 8_000;
+/// Buckets per doubling of latency.
+pub const LATENCY_BUCKETS_PER_DOUBLING: u32 = 8;
+/// A decision older than this is void (the agent writes one every control period).
+pub const DECISION_TTL_NS: u64 = 500_000_000;
+/// A step open for longer than this no longer holds anyone back (its process may have died, or
+/// it never synchronises): the bound on how long a neighbour can be paused by one step.
+pub const STEP_OPEN_MAX_NS: u64 = 100_000_000;
+
+/// What the controller asks of the squeezable tenants of a GPU while a latency tenant is active.
+/// `Decision::default()` asks nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Decision {
+    /// SMs a squeezed tenant keeps (under MPS, through a green context); 0: all.
+    pub sms: u16,
+    /// Launches a squeezed tenant may have queued on the GPU per stream; 0: unbounded.
+    pub inflight: u8,
+    /// Whether a squeezed tenant waits before launching while a latency step is in flight.
+    pub pause: bool,
+    /// The controller's level (statistics and logs; the levers above are what counts).
+    pub level: u8,
+}
+
+impl Decision {
+    /// One word: `level << 32 | pause << 24 | inflight << 16 | sms`.
+    pub fn pack(self) -> u64 {
+        u64::from(self.level) << 32
+            | u64::from(self.pause) << 24
+            | u64::from(self.inflight) << 16
+            | u64::from(self.sms)
+    }
+
+    pub fn unpack(word: u64) -> Decision {
+        Decision {
+            sms: word as u16,
+            inflight: (word >> 16) as u8,
+            pause: (word >> 24) & 1 == 1,
+            level: (word >> 32) as u8,
+        }
+    }
+
+    /// Whether the decision restricts anything.
+    pub fn restricts(self) -> bool {
+        self.sms != 0 || self.inflight != 0 || self.pause
+    }
+}
+
+/// One tenant's step latencies since the file was made.
+#[repr(C)]
+pub struct LatencyStats {
+    pub steps: AtomicU64,
+    pub total_ns: AtomicU64,
+    pub buckets: [AtomicU64; LATENCY_BUCKETS],
+}
+
+/// The closed-loop words of one GPU.
+#[repr(C)]
+pub struct Control {
+    /// `Decision::pack`, written by the agent.
+    pub decision: AtomicU64,
+    /// When the agent wrote `decision` (0: never).
+    pub decision_ns: AtomicU64,
+    /// When a latency process last opened a step, and last closed one (0: never).
+    pub step_open_ns: AtomicU64,
+    pub step_close_ns: AtomicU64,
+    /// Statistics of the squeezed side: time its launches waited for latency steps, and
+    /// launches that waited for their stream's queue to shrink.
+    pub paused_ns: AtomicU64,
+    pub bounded_launches: AtomicU64,
+    pub reserved: [AtomicU64; 10],
+    /// Per tenant slot of the schedule (`compute::Region::tenants`).
+    pub latency: [LatencyStats; crate::compute::TENANTS],
+}
+
+/// The bytes of [`Control`]; part of the schedule file's size.
+pub const CONTROL_BYTES: usize = 16 * 8 + crate::compute::TENANTS * (16 + LATENCY_BUCKETS * 8);
+const _: () = assert!(std::mem::size_of::<Control>() == CONTROL_BYTES);
+
+/// The histogram bucket of a latency.
+pub fn latency_bucket(latency_ns: u64) -> usize {
+    if latency_ns < LATENCY_BUCKET_MIN_NS {
+        return 0;
+    }
+    // log2(latency / min) in units of 1/8, from the integer part and the next bits.
+    let ratio = latency_ns / LATENCY_BUCKET_MIN_NS;
+    let whole = 63 - ratio.leading_zeros();
+    let scaled = (latency_ns << 3) / (LATENCY_BUCKET_MIN_NS << whole); // 8..16
+    let fraction = (scaled.clamp(8, 15) - 8) as u32;
+    let bucket = 1 + whole * LATENCY_BUCKETS_PER_DOUBLING + fraction;
+    (bucket as usize).min(LATENCY_BUCKETS - 1)
+}
+
+/// The lower bound of bucket `bucket` (0 for bucket 0).
+pub fn bucket_floor_ns(bucket: usize) -> u64 {
+    if bucket == 0 {
+        return 0;
+    }
+    let index = (bucket - 1) as u32;
+    let whole = index / LATENCY_BUCKETS_PER_DOUBLING;
+    let fraction = u64::from(index % LATENCY_BUCKETS_PER_DOUBLING);
+    (LATENCY_BUCKET_MIN_NS << whole) * (8 + fraction) / 8
+}
+
+/// A copy of one tenant's histogram, or the difference of two (a window).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LatencySnapshot {
+    pub steps: u64,
+    pub total_ns: u64,
+    pub buckets: [u64; LATENCY_BUCKETS],
+}
+
+impl Default for LatencySnapshot {
+    fn default() -> Self {
+        LatencySnapshot {
+            steps: 0,
+            total_ns: 0,
+            buckets: [0; LATENCY_BUCKETS],
+        }
+    }
+}
+
+impl LatencySnapshot {
+    /// What happened between `earlier` and `self` (counts that went backwards, from a file that
+    /// was made anew, count from zero).
+    pub fn since(&self, earlier: &LatencySnapshot) -> LatencySnapshot {
+        if self.steps < earlier.steps {
+            return self.clone();
+        }
+        LatencySnapshot {
+            steps: self.steps - earlier.steps,
+            total_ns: self.total_ns.saturating_sub(earlier.total_ns),
+            buckets: std::array::from_fn(|i| self.buckets[i].saturating_sub(earlier.buckets[i])),
+        }
+    }
+
+    /// Adds another window.
+    pub fn add(&mut self, other: &LatencySnapshot) {
+        self.steps += other.steps;
+        self.total_ns += other.total_ns;
+        for (mine, theirs) in self.buckets.iter_mut().zip(&other.buckets) {
+            *mine += theirs;
+        }
+    }
+
+    /// The latency at quantile `q` (0..=1), as the upper edge of its bucket (so a reported p99
+    /// is never below the true one by more than a bucket); `None` without steps.
+    pub fn quantile_ns(&self, q: f64) -> Option<u64> {
+        assert!((0.0..=1.0).contains(&q), "a quantile is within 0..=1");
+        let counted: u64 = self.buckets.iter().sum();
+        if counted == 0 {
+            return None;
+        }
+        let rank = ((q * counted as f64).ceil() as u64).clamp(1, counted);
+        let mut seen = 0;
+        for (bucket, count) in self.buckets.iter().enumerate() {
+            seen += count;
+            if seen >= rank {
+                return Some(bucket_floor_ns(bucket + 1));
+            }
+        }
+        unreachable!("the ranks add up to the count")
+    }
+
+    /// Steps slower than `threshold_ns` (counting a bucket only when all of it is slower).
+    pub fn slower_than(&self, threshold_ns: u64) -> u64 {
+        self.buckets
+            .iter()
+            .enumerate()
+            .filter(|(bucket, _)| bucket_floor_ns(*bucket) >= threshold_ns)
+            .map(|(_, count)| count)
+            .sum()
+    }
+}
+
+impl Control {
+    /// A latency process launches with no step open: it opens one at `now_ns`.
+    #[inline]
+    pub fn open_step(&self, now_ns: u64) {
+        debug_assert!(now_ns > 0);
+        self.step_open_ns.store(now_ns, Relaxed);
+    }
+
+    /// A latency process's synchronisation returned at `now_ns`: its open step closed.
+    #[inline]
+    pub fn close_step(&self, now_ns: u64) {
+        debug_assert!(now_ns > 0);
+        self.step_close_ns.store(now_ns, Relaxed);
+    }
+
+    /// Whether a latency step is in flight at `now_ns`: opened after the last close, at most
+    /// [`STEP_OPEN_MAX_NS`] ago.
+    #[inline]
+    pub fn step_in_flight(&self, now_ns: u64) -> bool {
+        let opened = self.step_open_ns.load(Relaxed);
+        opened != 0
+            && opened > self.step_close_ns.load(Relaxed)
+            && now_ns.saturating_sub(opened) < STEP_OPEN_MAX_NS
+    }
+
+    /// Adds one step of `latency_ns` to tenant slot `tenant`'s histogram.
+    pub fn record_step(&self, tenant: usize, latency_ns: u64) {
+        let stats = &self.latency[tenant];
+        stats.buckets[latency_bucket(latency_ns)].fetch_add(1, Relaxed);
+        stats.total_ns.fetch_add(latency_ns, Relaxed);
+        stats.steps.fetch_add(1, Relaxed);
+    }
+
+    /// A copy of tenant slot `tenant`'s histogram.
+    pub fn latency(&self, tenant: usize) -> LatencySnapshot {
+        let stats = &self.latency[tenant];
+        LatencySnapshot {
+            steps: stats.steps.load(Relaxed),
+            total_ns: stats.total_ns.load(Relaxed),
+            buckets: std::array::from_fn(|i| stats.buckets[i].load(Relaxed)),
+        }
+    }
+
+    /// Clears tenant slot `tenant`'s histogram (its slot was given to another tenant).
+    pub fn clear_latency(&self, tenant: usize) {
+        let stats = &self.latency[tenant];
+        stats.steps.store(0, Relaxed);
+        stats.total_ns.store(0, Relaxed);
+        for bucket in &stats.buckets {
+            bucket.store(0, Relaxed);
+        }
+    }
+
+    /// The agent's decision at `now_ns` (published `at_ns`).
+    pub fn publish(&self, decision: Decision, now_ns: u64) {
+        debug_assert!(now_ns > 0);
+        self.decision.store(decision.pack(), Relaxed);
+        self.decision_ns.store(now_ns, Relaxed);
+    }
+
+    /// The decision in force at `now_ns`: the last one published, unless it is older than
+    /// [`DECISION_TTL_NS`] (then none).
+    #[inline]
+    pub fn decision(&self, now_ns: u64) -> Decision {
+        let at = self.decision_ns.load(Relaxed);
+        if at == 0 || now_ns.saturating_sub(at) > DECISION_TTL_NS {
+            return Decision::default();
+        }
+        Decision::unpack(self.decision.load(Relaxed))
+    }
+
+    /// A squeezed launch waited `waited_ns` for a latency step.
+    pub fn count_pause(&self, waited_ns: u64) {
+        self.paused_ns.fetch_add(waited_ns, Relaxed);
+    }
+
+    /// A squeezed launch waited for its stream's queue.
+    pub fn count_bounded(&self) {
+        self.bounded_launches.fetch_add(1, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_monotonic_and_about_nine_percent_wide() {
+        let mut previous = 0;
+        for ns in (1_000..2_000_000_000u64).step_by(7_919) {
+            let bucket = latency_bucket(ns);
+            assert!(bucket >= previous, "{ns}");
+            previous = bucket;
+            assert!(bucket_floor_ns(bucket) <= ns, "{ns} in {bucket}");
+            if bucket + 1 < LATENCY_BUCKETS {
+                assert!(ns < bucket_floor_ns(bucket + 1), "{ns} in {bucket}");
+            }
+        }
+        for bucket in 2..LATENCY_BUCKETS {
+            let width = bucket_floor_ns(bucket) as f64 / bucket_floor_ns(bucket - 1) as f64;
+            assert!((1.05..=1.13).contains(&width), "{bucket}: {width}");
+        }
+        assert_eq!(latency_bucket(u64::MAX), LATENCY_BUCKETS - 1);
+    }
+
+    #[test]
+    fn quantiles_of_a_window() {
+        let mut window = LatencySnapshot::default();
+        for ms in 1..=100u64 {
+            window.buckets[latency_bucket(ms * 1_000_000)] += 1;
+            window.steps += 1;
+        }
+        let p50 = window.quantile_ns(0.5).unwrap();
+        let p99 = window.quantile_ns(0.99).unwrap();
+        assert!((50_000_000..=56_000_000).contains(&p50), "{p50}");
+        assert!((99_000_000..=109_000_000).contains(&p99), "{p99}");
+        assert_eq!(LatencySnapshot::default().quantile_ns(0.99), None);
+        assert!(window.slower_than(90_000_000) <= 10);
+    }
+
+    #[test]
+    fn a_decision_round_trips_and_expires() {
+        let decision = Decision {
+            sms: 96,
+            inflight: 2,
+            pause: true,
+            level: 7,
+        };
+        assert_eq!(Decision::unpack(decision.pack()), decision);
+        let region = crate::compute::Region::new_boxed();
+        let control = &region.control;
+        assert_eq!(control.decision(1), Decision::default());
+        control.publish(decision, 1_000);
+        assert_eq!(control.decision(1_000 + DECISION_TTL_NS), decision);
+        assert_eq!(control.decision(2_000 + DECISION_TTL_NS), Decision::default());
+    }
+
+    #[test]
+    fn a_step_holds_others_back_only_while_open_and_never_for_ever() {
+        let region = crate::compute::Region::new_boxed();
+        let control = &region.control;
+        assert!(!control.step_in_flight(10));
+        control.open_step(100);
+        assert!(control.step_in_flight(200));
+        control.close_step(300);
+        assert!(!control.step_in_flight(400));
+        control.open_step(500);
+        assert!(!control.step_in_flight(500 + STEP_OPEN_MAX_NS));
+        control.record_step(3, 1_500_000);
+        let snapshot = control.latency(3);
+        assert_eq!((snapshot.steps, snapshot.total_ns), (1, 1_500_000));
+        let later = control.latency(3);
+        assert_eq!(later.since(&snapshot).steps, 0);
+    }
+}

@@ -1,0 +1,47 @@
+//! The contract between the node agent and the processes of a tenant: everything the agent hands
+//! a tenant process, and everything they share through files.
+//!
+//! - `env`: the `VGPU_*` environment. Every variable name is a constant in [`env::var`]; the
+//!   agent writes a [`TenantEnv`] with [`TenantEnv::to_env`], the interposer and the NCCL plugin
+//!   read their part of it with the views' `from_lookup` ([`MemoryEnv`], [`ComputeEnv`],
+//!   [`SpatialEnv`], [`NcclEnv`], [`NetshareEnv`]), which share one parser per kind of value.
+//! - `layout`: the file names of a tenant's private directory (memory ledger, compute
+//!   schedules, the NCCL tuners' activity table, the token-bucket table).
+//! - `size`: the one parser and formatter of byte sizes (`20GiB`), used by the API and the
+//!   environment alike.
+//! - `ledger` and `compute`: the `#[repr(C)]` layouts of the memory ledger and of a GPU's compute
+//!   schedule, and the lock-free protocols over them. Pure: no FFI, no clock, no globals.
+//! - `control`: the closed-loop part of a GPU's schedule: latency tenants' step histograms, the
+//!   agent's `Decision` for the other tenants on the GPU.
+//! - `shm` (with `map`): mapping those files from outside a tenant (the agent's usage report reads
+//!   them; the agent creates a GPU's schedule before any tenant runs). `writer` (feature
+//!   `writer`) plays a tenant process against them for tests and tools.
+//!
+//! **Architecture Invariant:** this crate depends on nothing but libc and thiserror: it is
+//! linked into every tenant process (`libvgpu_cuda.so`, `libvgpu_nccl.so`), so it never pulls in
+//! an async runtime, gRPC or the API. `unsafe` lives only in `map`.
+//!
+//! **API Boundary:** what crosses between the agent and a tenant is plain data: environment
+//! variables and `#[repr(C)]` regions of atomics. A format change bumps the region's version
+//! (`ledger::VERSION`, `compute::VERSION`); a renamed variable keeps its old name as an alias for
+//! one release (`env::var::NCCL_SHARE_FILE_OLD`).
+
+pub mod compute;
+pub mod control;
+pub mod env;
+pub mod layout;
+pub mod ledger;
+mod map;
+pub mod shm;
+pub mod size;
+#[cfg(any(test, feature = "writer"))]
+pub mod writer;
+
+pub use compute::TenantTime;
+pub use env::{ComputeEnv, EnvError, MemoryEnv, NcclEnv, NetshareEnv, SpatialEnv, TenantEnv};
+pub use ledger::{LedgerUsage, ProcLiveness, ProcessCharge};
+pub use shm::{ReadError, create_schedule, read_ledger, read_schedule};
+
+/// The most devices a tenant process's ledger and environment describe; higher ordinals are
+/// passed through unlimited.
+pub const DEVICES_MAX: usize = 16;
