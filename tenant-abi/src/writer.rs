@@ -8,7 +8,7 @@
 use std::fs::OpenOptions;
 use std::path::Path;
 
-use crate::map::Mapping;
+pub use crate::map::Mapping;
 use crate::{ReadError, compute, ledger};
 
 /// Opens (creating and initialising if needed) a read-write mapping of a region file.

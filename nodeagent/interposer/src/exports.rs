@@ -25,7 +25,7 @@ use crate::tracker::{Key, array_bytes};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 
 /// Every hook, by the driver symbol it replaces.
-pub fn hooks() -> [(&'static CStr, *const c_void); 35] {
+pub fn hooks() -> [(&'static CStr, *const c_void); 42] {
     macro_rules! table {
         ($($name:ident),* $(,)?) => {
             [$((
@@ -74,6 +74,13 @@ pub fn hooks() -> [(&'static CStr, *const c_void); 35] {
         cuStreamBeginCapture_v2_ptsz,
         cuStreamEndCapture,
         cuStreamEndCapture_ptsz,
+        cuStreamSynchronize,
+        cuStreamSynchronize_ptsz,
+        cuStreamQuery,
+        cuStreamQuery_ptsz,
+        cuEventSynchronize,
+        cuEventQuery,
+        cuCtxSynchronize,
     ]
 }
 
@@ -918,6 +925,14 @@ fn gated_launch(
         return call(stream);
     }
     let latency = ffi_boundary!(what, fallback = false, { spatial::stamp_if_latency(&gpu) });
+    // The closed loop's decision for a tenant beside a latency tenant (may wait).
+    let bounded = if latency {
+        None
+    } else {
+        ffi_boundary!(what, fallback = None, {
+            crate::closed_loop::before_launch(&gpu, stream_ref)
+        })
+    };
     let pending = if latency {
         None
     } else {
@@ -953,6 +968,11 @@ fn gated_launch(
     if let Some(pending) = pending {
         ffi_boundary!(what, fallback = (), {
             launch::after(&gpu, pending, rc == CUDA_SUCCESS)
+        });
+    }
+    if let Some(bounded) = bounded {
+        ffi_boundary!(what, fallback = (), {
+            crate::closed_loop::after_launch(&gpu, bounded, rc == CUDA_SUCCESS)
         });
     }
     rc
@@ -1213,6 +1233,37 @@ macro_rules! graph_launch_hook {
 graph_launch_hook!(cuGraphLaunch, graph_launch, false);
 graph_launch_hook!(cuGraphLaunch_ptsz, graph_launch_ptsz, true);
 
+/// A synchronisation or completion query: forwarded unchanged; when it says the work it waited
+/// for is done (`CUDA_SUCCESS`), a latency tenant's open step closes (`closed_loop`).
+macro_rules! sync_hook {
+    ($name:ident, $field:ident, ($($arg:ident: $ty:ty),*)) => {
+        /// # Safety
+        /// The driver's contract for this function.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (driver, real) = real_fn!($field);
+                // SAFETY: forwarded unchanged under the caller's contract.
+                let rc = unsafe { real($($arg),*) };
+                if rc == CUDA_SUCCESS {
+                    ffi_boundary!(stringify!($name), fallback = (), {
+                        crate::closed_loop::synchronised(&RealGpu(driver))
+                    });
+                }
+                rc
+            })
+        }
+    };
+}
+
+sync_hook!(cuStreamSynchronize, stream_synchronize, (stream: CUstream));
+sync_hook!(cuStreamSynchronize_ptsz, stream_synchronize_ptsz, (stream: CUstream));
+sync_hook!(cuStreamQuery, stream_query, (stream: CUstream));
+sync_hook!(cuStreamQuery_ptsz, stream_query_ptsz, (stream: CUstream));
+sync_hook!(cuEventSynchronize, event_synchronize, (event: CUevent));
+sync_hook!(cuEventQuery, event_query, (event: CUevent));
+sync_hook!(cuCtxSynchronize, ctx_synchronize, ());
+
 macro_rules! begin_capture_hook {
     ($name:ident, $field:ident $(, $mode:ident: $mode_ty:ty)?) => {
         /// Counts the capture (`launch::capture_began`) once the driver began it.
@@ -1324,6 +1375,6 @@ mod tests {
             ),
             Some(cuStreamEndCapture_ptsz as *const c_void)
         );
-        assert_eq!(by_base(c"cuStreamSynchronize", 0), None);
+        assert_eq!(by_base(c"cuMemcpyHtoD", 0), None);
     }
 }

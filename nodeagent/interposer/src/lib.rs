@@ -13,6 +13,9 @@
 //! - `shm` maps the tenant's ledger file.
 //! - `sys` declares the few CUDA driver types and constants we use, by hand (no `cuda.h` on the
 //!   machines that build this crate; the layouts are the driver API's public ABI).
+//! - `closed_loop`: a latency tenant measures its steps (launch to the synchronisation that waits
+//!   for it) into the GPU's schedule file; the others obey the agent's decision while a latency
+//!   step is in flight (pause, a bound on queued launches; fewer SMs through `spatial`).
 //! - `hooks` is the memory policy glue, in safe code: what to charge, when to refuse, what to
 //!   report. `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
 //!   moves launches to a green context with fewer SMs while a latency tenant is active (opt-in,
@@ -27,6 +30,7 @@
 
 #[macro_use]
 mod boundary;
+mod closed_loop;
 mod dlsym_shim;
 mod exports;
 mod hooks;

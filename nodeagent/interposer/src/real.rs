@@ -140,6 +140,12 @@ driver_functions! {
     event_record: FnEventRecord = c"cuEventRecord";
     event_query: FnEventQuery = c"cuEventQuery";
     event_destroy: FnEventDestroy = c"cuEventDestroy_v2";
+    event_synchronize: FnEventSynchronize = c"cuEventSynchronize";
+    stream_synchronize: FnStreamSync = c"cuStreamSynchronize";
+    stream_synchronize_ptsz: FnStreamSync = c"cuStreamSynchronize_ptsz";
+    stream_query: FnStreamSync = c"cuStreamQuery";
+    stream_query_ptsz: FnStreamSync = c"cuStreamQuery_ptsz";
+    ctx_synchronize: FnCtxSynchronize = c"cuCtxSynchronize";
     ctx_get_current: FnCtxGetCurrent = c"cuCtxGetCurrent";
     device_get_count: FnDeviceGetCount = c"cuDeviceGetCount";
     device_get_uuid_v2: FnDeviceGetUuid = c"cuDeviceGetUuid_v2";

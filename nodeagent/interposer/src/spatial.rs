@@ -38,6 +38,7 @@ use crate::shm::monotonic_ns;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, OnceLock};
+use tenant_abi::control::Decision;
 use tenant_abi::{DEVICES_MAX, SpatialEnv};
 
 /// SMs left to the latency tenant unless `VGPU_SPATIAL_SMS` says otherwise. Measured through
@@ -49,8 +50,8 @@ use tenant_abi::{DEVICES_MAX, SpatialEnv};
 pub const SMS_RESERVED_DEFAULT: u32 = 28;
 /// The SM granularity of a partition when the driver does not report one (H100: 8).
 pub const SM_GRANULARITY_DEFAULT: u32 = 8;
-/// Application contexts per device that get a green context.
-const CONTEXTS_MAX: usize = 8;
+/// Green contexts per device (application contexts x the SM counts the controller asked for).
+const CONTEXTS_MAX: usize = 32;
 /// Application streams per device that get a green stream and an event pair.
 const STREAMS_MAX: usize = 256;
 
@@ -110,7 +111,9 @@ pub fn stamp_if_latency(gpu: &dyn Gpu) -> bool {
         return false;
     }
     if let Some(device) = spatial.device(gpu) {
-        device.region.stamp_latency(monotonic_ns().max(1));
+        let now = monotonic_ns().max(1);
+        device.region.stamp_latency(now);
+        crate::closed_loop::latency_launched(device, now);
     }
     true
 }
@@ -125,14 +128,22 @@ pub fn redirect(gpu: &dyn Green, stream: StreamRef) -> Option<Redirect> {
         return None;
     }
     let device = spatial.device(gpu)?;
-    if !device
-        .region
-        .latency_active(monotonic_ns(), spatial.hold_ns)
-        || device.off.load(Relaxed)
-    {
+    let now = monotonic_ns();
+    if !device.region.latency_active(now, spatial.hold_ns) || device.off.load(Relaxed) {
         return None;
     }
-    device.redirect(gpu, &spatial.config, stream)
+    let sms = squeeze_sms(device.region.control.decision(now), spatial.config.sms)?;
+    device.redirect(gpu, sms, stream)
+}
+
+/// The SMs a squeezed launch keeps: the agent's decision while it has one in force (`None`: it
+/// asks for all of them); without one, only an explicit `VGPU_SPATIAL_SMS` squeezes (an agent
+/// that stopped leaves the GPU unrestricted: fail open).
+pub fn squeeze_sms(decision: Decision, configured: Option<u32>) -> Option<u32> {
+    if decision != Decision::default() {
+        return (decision.sms != 0).then_some(u32::from(decision.sms));
+    }
+    configured
 }
 
 /// A launch moved to a green stream; holds the device's mutex until reported.
@@ -176,8 +187,8 @@ impl Redirect {
             return;
         }
         let context = self.context;
-        if let Some(entry) = self.state.contexts.iter_mut().find(|c| c.0 == context) {
-            entry.1 = None;
+        for entry in self.state.contexts.iter_mut().filter(|c| c.0 == context) {
+            entry.2 = None;
         }
         crate::log::error(format_args!(
             "spatial partitioning on device {}: a launch on the green stream failed (CUresult \
@@ -188,14 +199,14 @@ impl Redirect {
     }
 }
 
-struct Spatial {
-    config: SpatialEnv,
-    hold_ns: u64,
+pub(crate) struct Spatial {
+    pub(crate) config: SpatialEnv,
+    pub(crate) hold_ns: u64,
     single_device: OnceLock<bool>,
     devices: [OnceLock<Option<Device>>; DEVICES_MAX],
 }
 
-fn spatial() -> Option<&'static Spatial> {
+pub(crate) fn spatial() -> Option<&'static Spatial> {
     static SPATIAL: OnceLock<Option<Spatial>> = OnceLock::new();
     SPATIAL
         .get_or_init(
@@ -231,7 +242,7 @@ fn spatial() -> Option<&'static Spatial> {
 
 impl Spatial {
     /// The current device's state, opened on first use (`None`: not usable, logged once).
-    fn device(&'static self, gpu: &dyn Gpu) -> Option<&'static Device> {
+    pub(crate) fn device(&'static self, gpu: &dyn Gpu) -> Option<&'static Device> {
         let single = *self
             .single_device
             .get_or_init(|| gpu.device_count() == Some(1));
@@ -257,20 +268,23 @@ impl Spatial {
 }
 
 /// One device of this process.
-struct Device {
-    index: usize,
-    region: &'static Region,
+pub(crate) struct Device {
+    pub(crate) index: usize,
+    pub(crate) region: &'static Region,
     /// Set after a failure that makes redirection unsafe on this device.
     off: AtomicBool,
     state: Mutex<State>,
+    /// The closed loop's per-process state on this device (`closed_loop`).
+    pub(crate) closed_loop: crate::closed_loop::DeviceLoop,
 }
 
 #[derive(Default)]
 struct State {
-    /// Application context → its green context (`None`: creation or a launch failed).
-    contexts: Vec<(usize, Option<usize>)>,
-    /// (application context, stream key) → green stream and events.
-    pairs: HashMap<(usize, (usize, u64)), Pair>,
+    /// (application context, SMs) → its green context of that size (`None`: creation or a
+    /// launch failed).
+    contexts: Vec<(usize, u32, Option<usize>)>,
+    /// (application context, stream key, SMs) → green stream and events.
+    pairs: HashMap<(usize, (usize, u64), u32), Pair>,
     full_logged: bool,
 }
 
@@ -295,25 +309,21 @@ impl Device {
             region,
             off: AtomicBool::new(false),
             state: Mutex::new(State::default()),
+            closed_loop: crate::closed_loop::DeviceLoop::default(),
         })
     }
 
-    fn redirect(
-        &'static self,
-        gpu: &dyn Green,
-        config: &SpatialEnv,
-        stream: StreamRef,
-    ) -> Option<Redirect> {
+    fn redirect(&'static self, gpu: &dyn Green, sms: u32, stream: StreamRef) -> Option<Redirect> {
         let context = gpu.current_context();
         if context == 0 {
             return None;
         }
         let (app_handle, key) = stream.resolve();
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let pair = match state.pairs.get(&(context, key)) {
+        let pair = match state.pairs.get(&(context, key, sms)) {
             Some(&pair) => pair,
             None => {
-                let green = self.green_context(&mut state, gpu, config, context)?;
+                let green = self.green_context(&mut state, gpu, sms, context)?;
                 if state.pairs.len() >= STREAMS_MAX {
                     if !state.full_logged {
                         state.full_logged = true;
@@ -326,7 +336,7 @@ impl Device {
                     return None;
                 }
                 let pair = self.new_pair(gpu, green)?;
-                state.pairs.insert((context, key), pair);
+                state.pairs.insert((context, key, sms), pair);
                 pair
             }
         };
@@ -334,7 +344,7 @@ impl Device {
         if !state
             .contexts
             .iter()
-            .any(|c| c.0 == context && c.1.is_some())
+            .any(|c| c.0 == context && c.1 == sms && c.2.is_some())
         {
             return None;
         }
@@ -352,15 +362,15 @@ impl Device {
         })
     }
 
-    /// The green context of `context`, created on first use.
+    /// The green context of `sms` SMs for `context`, created on first use.
     fn green_context(
         &self,
         state: &mut State,
         gpu: &dyn Green,
-        config: &SpatialEnv,
+        sms: u32,
         context: usize,
     ) -> Option<usize> {
-        if let Some(&(_, green)) = state.contexts.iter().find(|c| c.0 == context) {
+        if let Some(&(_, _, green)) = state.contexts.iter().find(|c| c.0 == context && c.1 == sms) {
             return green;
         }
         if state.contexts.len() >= CONTEXTS_MAX {
@@ -368,7 +378,7 @@ impl Device {
         }
         let started = monotonic_ns();
         let created = gpu.green_context_create(self.index as i32, &|resource| {
-            partition_sms(resource, config.sms)
+            partition_sms(resource, Some(sms))
         });
         let green = match created {
             Ok((green, sms)) => {
@@ -389,7 +399,7 @@ impl Device {
                 None
             }
         };
-        state.contexts.push((context, green));
+        state.contexts.push((context, sms, green));
         green
     }
 

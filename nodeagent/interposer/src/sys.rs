@@ -167,6 +167,12 @@ pub type FnEventCreate = unsafe extern "C" fn(*mut CUevent, c_uint) -> CUresult;
 pub type FnEventRecord = unsafe extern "C" fn(CUevent, CUstream) -> CUresult;
 pub type FnEventQuery = unsafe extern "C" fn(CUevent) -> CUresult;
 pub type FnEventDestroy = unsafe extern "C" fn(CUevent) -> CUresult;
+/// `cuStreamSynchronize`, `cuStreamQuery` and their `_ptsz` variants.
+pub type FnStreamSync = unsafe extern "C" fn(CUstream) -> CUresult;
+/// `cuEventSynchronize`.
+pub type FnEventSynchronize = unsafe extern "C" fn(CUevent) -> CUresult;
+/// `cuCtxSynchronize`.
+pub type FnCtxSynchronize = unsafe extern "C" fn() -> CUresult;
 pub type FnCtxGetCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type FnDeviceGetCount = unsafe extern "C" fn(*mut c_int) -> CUresult;
 /// `cuDeviceGetUuid[_v2](CUuuid *, CUdevice)`; `CUuuid` is 16 bytes.

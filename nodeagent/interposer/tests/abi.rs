@@ -5,6 +5,8 @@
 //! put on the library path (`Probe::with_nvml`), with a second build of the probe linked against
 //! it. The C files are compiled here with the system `cc`; the interposer is built with cargo.
 
+#[path = "abi/closed_loop.rs"]
+mod closed_loop;
 #[path = "abi/compute.rs"]
 mod compute;
 #[path = "abi/nvml.rs"]

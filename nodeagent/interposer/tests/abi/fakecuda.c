@@ -539,6 +539,33 @@ CUresult cuStreamIsCapturing(CUstream s, int *status) {
   return OK;
 }
 
+/* Waits until `until` (CLOCK_MONOTONIC ns) has passed. */
+static void sleep_until(unsigned long long until) {
+  unsigned long long now = now_ns();
+  if (until > now) {
+    struct timespec t = {(time_t)((until - now) / 1000000000ULL), (long)((until - now) % 1000000000ULL)};
+    nanosleep(&t, NULL);
+  }
+}
+static unsigned long long stream_end(CUstream s) {
+  pthread_mutex_lock(&lock);
+  unsigned long long end = streams[stream_slot(s)].end;
+  pthread_mutex_unlock(&lock);
+  return end;
+}
+CUresult cuStreamSynchronize(CUstream s) {
+  sleep_until(stream_end(s));
+  return OK;
+}
+CUresult cuStreamSynchronize_ptsz(CUstream s) { return cuStreamSynchronize(PER_THREAD(s)); }
+CUresult cuStreamQuery(CUstream s) { return now_ns() >= stream_end(s) ? OK : NOT_READY; }
+CUresult cuStreamQuery_ptsz(CUstream s) { return cuStreamQuery(PER_THREAD(s)); }
+CUresult cuEventSynchronize(CUevent event) {
+  if (event == NULL) return INVALID_VALUE;
+  sleep_until(((fake_event *)event)->end);
+  return OK;
+}
+
 CUresult cuCtxSynchronize(void) {
   unsigned long long until = last_end, now = now_ns();
   if (until > now) {

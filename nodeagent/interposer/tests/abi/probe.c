@@ -25,6 +25,10 @@
  *                    "spin <rc> used=<ns of GPU time in FAKE_CUDA_WINDOW> launches=<n>
  *                    max_wait_us=<longest launch call>"
  *   sync             cuCtxSynchronize
+ *   stream_sync      cuStreamSynchronize of the user stream
+ *   stream_poll      cuStreamQuery of the user stream until it says CUDA_SUCCESS
+ *   step API US N    N latency "steps": one kernel of US microseconds through API, then
+ *                    cuStreamSynchronize; prints "step <rc> max_us=<the longest step>"
  *   capture MODE API N   captures N kernels of 10 us through API into a graph on the user stream
  *                    (MODE: global or relaxed): "capture <rc> graph=<the graph's us>"; then
  *                    `launch graph US` / `spin graph US` launch graphs as usual
@@ -126,6 +130,8 @@ CUresult cuLaunchCooperativeKernelMultiDevice(void *, unsigned int, unsigned int
 CUresult cuGraphLaunch(void *, void *);
 CUresult cuGraphLaunch_ptsz(void *, void *);
 CUresult cuCtxSynchronize(void);
+CUresult cuStreamSynchronize(void *);
+CUresult cuStreamQuery(void *);
 CUresult cuStreamBeginCapture_v2(void *, int);
 CUresult cuStreamEndCapture(void *, void **);
 unsigned long long fakeGpuUsedNs(void);
@@ -517,6 +523,28 @@ int main(int argc, char **argv) {
       printf("spin %d used=%llu launches=%llu max_wait_us=%llu\n", rc, fakeGpuUsedNs(),
              fakeLaunches(), max_wait / 1000);
       i += 2;
+    } else if (!strcmp(c, "stream_sync")) {
+      rc = cuStreamSynchronize(USER_STREAM);
+      printf("stream_sync %d\n", rc);
+    } else if (!strcmp(c, "stream_poll")) {
+      while ((rc = cuStreamQuery(USER_STREAM)) == 600) {
+        struct timespec t = {0, 100000L};
+        nanosleep(&t, NULL);
+      }
+      printf("stream_poll %d\n", rc);
+    } else if (!strcmp(c, "step")) {
+      const char *lib = "";
+      unsigned long long longest = 0;
+      rc = 0;
+      for (int k = 0; rc == 0 && k < atoi(argv[i + 3]); k++) {
+        unsigned long long before = now_ns();
+        rc = launch_via(a, (unsigned int)atoi(argv[i + 2]), &lib);
+        if (rc == 0) rc = cuStreamSynchronize(USER_STREAM);
+        unsigned long long took = now_ns() - before;
+        if (took > longest) longest = took;
+      }
+      printf("step %d max_us=%llu\n", rc, longest / 1000);
+      i += 3;
     } else if (!strcmp(c, "trace")) {
       printf("trace %s\n", fakeTrace());
     } else if (!strcmp(c, "sleep_ms")) {

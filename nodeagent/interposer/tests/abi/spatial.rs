@@ -22,10 +22,13 @@ fn latency_tenant(shm: &Path) -> Probe {
         .env("VGPU_LATENCY", "1")
 }
 
+/// Squeezed to an explicit SM count (`VGPU_SPATIAL_SMS`, what applies while the agent publishes
+/// no decision; `closed_loop.rs` tests the decisions).
 fn squeezable(shm: &Path) -> Probe {
     Probe::new(shm, Some("trainer"))
         .env("VGPU_SPATIAL", "1")
         .env("VGPU_SPATIAL_HOLD_MS", "60000")
+        .env("VGPU_SPATIAL_SMS", "104")
 }
 
 /// The trace a probe printed (`trace ...` line).

@@ -1,0 +1,286 @@
+//! Closed-loop sharing inside tenant processes, in safe code (spatial mode, `VGPU_SPATIAL=1`;
+//! the words are `tenant_abi::control`, the controller is the agent's).
+//!
+//! - **A latency tenant measures its steps.** A step opens at a launch (kernel or graph) when the
+//!   process has none open, and closes when a synchronisation or completion query of the process
+//!   returns `CUDA_SUCCESS` (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`,
+//!   `cuStreamQuery`, `cuEventQuery`, `_ptsz` included): what the application waited for, from
+//!   launch to the moment it saw the result. That covers eager frameworks (`.item()`, `.cpu()` end
+//!   in a stream synchronisation), CUDA graph replays, and engines that never synchronise the
+//!   device but poll events. Each step's latency goes into the tenant's histogram in the GPU's
+//!   schedule file (the tenant joins the schedule for a slot, never for turns), and the open and
+//!   close stamps tell the GPU's other tenants that a latency step is in flight.
+//! - **The others obey the agent's decision** while it is in force (`Control::decision`; none in
+//!   force: nothing is restricted, fail open): with `pause`, a launch waits while a latency step
+//!   is in flight (at most `PAUSE_WAIT_MAX_NS` per launch, then it goes); with `inflight = N`
+//!   and a latency tenant active on the GPU, a launch waits until its stream has fewer than N
+//!   launches queued (an event recorded after each launch, at most `EVENT_WAIT_MAX_NS` per
+//!   wait); `sms` is applied by `spatial::redirect`.
+//!
+//! Costs: a process that is neither pays one `OnceLock` load per launch and per synchronisation;
+//! a squeezable process pays two relaxed loads per launch while no decision is in force.
+
+use crate::launch::{EventState, Gpu, StreamRef};
+use crate::shm::monotonic_ns;
+use crate::spatial::{Device, spatial};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+use tenant_abi::compute::{Schedule, TenantConfig};
+use tenant_abi::{ComputeEnv, ProcLiveness};
+
+/// The longest one launch waits for latency steps to end before it goes anyway.
+pub const PAUSE_WAIT_MAX_NS: u64 = 50_000_000;
+/// The longest one launch waits for its stream's oldest queued launch.
+pub const EVENT_WAIT_MAX_NS: u64 = 1_000_000_000;
+/// Streams per device whose queued launches are counted; launches on further streams are not
+/// bounded (logged once).
+const STREAMS_MAX: usize = 256;
+/// Events kept for reuse per device.
+const EVENT_POOL_MAX: usize = 64;
+/// Sleep between two looks while pausing or waiting for an event.
+const POLL_SLEEP: Duration = Duration::from_micros(10);
+
+/// This process's closed-loop state on one device.
+#[derive(Default)]
+pub struct DeviceLoop {
+    /// When this process's open latency step began (0: none open).
+    step_open_ns: AtomicU64,
+    /// The tenant's slot in the GPU's schedule (a latency tenant's histogram); `None`: none
+    /// could be had (logged once).
+    slot: OnceLock<Option<usize>>,
+    queued: Mutex<Queued>,
+    streams_full_logged: AtomicBool,
+    pause_logged: AtomicBool,
+}
+
+/// A squeezed process's launches still queued, per (context, stream), oldest first.
+#[derive(Default)]
+struct Queued {
+    streams: HashMap<(usize, (usize, u64)), VecDeque<usize>>,
+    pool: Vec<usize>,
+}
+
+/// A latency tenant launched on `device` at `now_ns`: opens a step unless one is open.
+pub(crate) fn latency_launched(device: &Device, now_ns: u64) {
+    let opened = device
+        .closed_loop
+        .step_open_ns
+        .compare_exchange(0, now_ns, Relaxed, Relaxed)
+        .is_ok();
+    if opened {
+        device.region.control.open_step(now_ns);
+    }
+}
+
+/// A synchronisation or completion query returned `CUDA_SUCCESS`: a latency tenant's open step
+/// on the current device closes, and its latency is recorded.
+pub fn synchronised(gpu: &dyn Gpu) {
+    let Some(spatial) = spatial() else {
+        return;
+    };
+    if !spatial.config.latency {
+        return;
+    }
+    let Some(device) = spatial.device(gpu) else {
+        return;
+    };
+    let opened = device.closed_loop.step_open_ns.swap(0, Relaxed);
+    if opened == 0 {
+        return;
+    }
+    let now = monotonic_ns().max(opened);
+    device.region.control.close_step(now);
+    if let Some(slot) = latency_slot(device, &spatial.config.tenant) {
+        device.region.control.record_step(slot, now - opened);
+    }
+}
+
+/// The tenant's slot in the device's schedule, joined on first use (for its histogram only: a
+/// latency tenant never waits for turns).
+fn latency_slot(device: &Device, tenant: &str) -> Option<usize> {
+    *device.closed_loop.slot.get_or_init(|| {
+        let compute = ComputeEnv::from_lookup(|name| std::env::var(name).ok())
+            .ok()
+            .flatten();
+        let config = TenantConfig {
+            share_pct: compute
+                .as_ref()
+                .and_then(|c| c.percent[device.index])
+                .unwrap_or(1),
+            burst: compute.as_ref().is_some_and(|c| c.burst),
+            guaranteed: compute.as_ref().is_none_or(|c| c.guaranteed),
+            priority: compute.as_ref().map_or(0, |c| c.priority),
+        };
+        let schedule = Schedule::new(device.region, ProcLiveness);
+        match schedule.join(
+            tenant,
+            config,
+            std::process::id(),
+            tenant_abi::ledger::own_start_time(),
+            monotonic_ns(),
+        ) {
+            Ok(member) => Some(member.tenant),
+            Err(e) => {
+                crate::log::error(format_args!(
+                    "closed loop on device {}: {e}; this latency tenant's steps are not reported",
+                    device.index
+                ));
+                None
+            }
+        }
+    })
+}
+
+/// A squeezed launch that must be counted once the driver accepted it.
+#[must_use]
+pub struct Bounded {
+    device: &'static Device,
+    context: usize,
+    key: (usize, u64),
+    app_handle: usize,
+}
+
+/// Before a launch of a tenant that is not a latency tenant: obeys the decision in force (may
+/// wait). Returns what to count after the launch when its stream's queue is bounded.
+pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
+    let spatial = spatial()?;
+    if spatial.config.latency {
+        return None;
+    }
+    let device = spatial.device(gpu)?;
+    let control = &device.region.control;
+    let now = monotonic_ns();
+    let decision = control.decision(now);
+    if !decision.restricts() {
+        return None;
+    }
+    if decision.pause && control.step_in_flight(now) {
+        let waited = wait_until(now, PAUSE_WAIT_MAX_NS, || {
+            !control.step_in_flight(monotonic_ns())
+        });
+        control.count_pause(waited.0);
+        if !waited.1 && !device.closed_loop.pause_logged.swap(true, Relaxed) {
+            crate::log::error(format_args!(
+                "closed loop on device {}: a launch waited {} ms for latency steps and went \
+                 ahead (logged once)",
+                device.index,
+                PAUSE_WAIT_MAX_NS / 1_000_000
+            ));
+        }
+    }
+    if decision.inflight == 0
+        || crate::launch::captures_in_progress()
+        || !device.region.latency_active(now, spatial.hold_ns)
+    {
+        return None;
+    }
+    let context = gpu.current_context();
+    let (app_handle, key) = stream.resolve();
+    let mut queued = device
+        .closed_loop
+        .queued
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let Queued { streams, pool } = &mut *queued;
+    if !streams.contains_key(&(context, key)) && streams.len() >= STREAMS_MAX {
+        if !device.closed_loop.streams_full_logged.swap(true, Relaxed) {
+            crate::log::error(format_args!(
+                "closed loop on device {}: {STREAMS_MAX} streams are bounded already; launches on \
+                 further streams are not",
+                device.index
+            ));
+        }
+        return None;
+    }
+    let ring = streams.entry((context, key)).or_default();
+    retire_finished(gpu, ring, pool);
+    let mut waited = false;
+    while ring.len() >= usize::from(decision.inflight) {
+        let Some(&oldest) = ring.front() else {
+            break;
+        };
+        waited = true;
+        let start = monotonic_ns();
+        let (_, done) = wait_until(start, EVENT_WAIT_MAX_NS, || {
+            gpu.event_query(oldest) != EventState::Pending
+        });
+        if !done {
+            // A kernel that waits for a later launch of this process would never finish: stop
+            // bounding this stream rather than deadlock.
+            break;
+        }
+        retire_finished(gpu, ring, pool);
+    }
+    if waited {
+        control.count_bounded();
+    }
+    Some(Bounded {
+        device,
+        context,
+        key,
+        app_handle,
+    })
+}
+
+/// After a bounded launch: counts it, by an event recorded behind it on the application's stream
+/// (which also orders behind a launch moved to a green stream).
+pub fn after_launch(gpu: &dyn Gpu, bounded: Bounded, launched: bool) {
+    if !launched || crate::launch::captures_in_progress() {
+        return;
+    }
+    let mut queued = bounded
+        .device
+        .closed_loop
+        .queued
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let Queued { streams, pool } = &mut *queued;
+    let Some(event) = pool.pop().or_else(|| gpu.event_create()) else {
+        return;
+    };
+    if !gpu.event_record(event, bounded.app_handle) {
+        gpu.event_destroy(event);
+        return;
+    }
+    let ring = streams.entry((bounded.context, bounded.key)).or_default();
+    ring.push_back(event);
+    assert!(
+        ring.len() <= usize::from(u8::MAX) + 1,
+        "a ring holds at most the cap"
+    );
+}
+
+fn retire_finished(gpu: &dyn Gpu, ring: &mut VecDeque<usize>, pool: &mut Vec<usize>) {
+    while let Some(&front) = ring.front() {
+        match gpu.event_query(front) {
+            EventState::Pending => break,
+            EventState::Done if pool.len() < EVENT_POOL_MAX => pool.push(front),
+            EventState::Done | EventState::Failed => gpu.event_destroy(front),
+        }
+        ring.pop_front();
+    }
+}
+
+/// Polls `done` until it holds or `limit_ns` passed since `start`; returns the time waited and
+/// whether it held.
+fn wait_until(start: u64, limit_ns: u64, done: impl Fn() -> bool) -> (u64, bool) {
+    let mut spins = 0u32;
+    loop {
+        if done() {
+            return (monotonic_ns().saturating_sub(start), true);
+        }
+        let now = monotonic_ns();
+        if now.saturating_sub(start) >= limit_ns {
+            return (now - start, false);
+        }
+        if spins < 32 {
+            spins += 1;
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(POLL_SLEEP);
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! Closed-loop sharing through the real ABI: a latency tenant's steps (a launch, then the
+//! synchronisation or query that sees it done) land in its histogram in the GPU's schedule file,
+//! and a squeezable tenant obeys a decision written there as the agent would (pause while a
+//! latency step is in flight, a bound on queued launches, fewer SMs), and ignores one that is
+//! too old.
+
+use super::{Probe, shm_dir};
+use std::path::Path;
+use tenant_abi::compute::{QUANTUM_NS_DEFAULT, Region};
+use tenant_abi::control::{DECISION_TTL_NS, Decision};
+
+/// The schedule file of the fake's device 0 under `shm`, mapped read-write as the agent maps it.
+fn schedule(shm: &Path) -> tenant_abi::writer::Mapping<Region> {
+    let path = tenant_abi::layout::schedule_path(shm, "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00");
+    tenant_abi::writer::schedule(&path, QUANTUM_NS_DEFAULT).expect("the schedule file")
+}
+
+/// CLOCK_MONOTONIC now, as the probes read it.
+fn now_ns(shm: &Path) -> u64 {
+    Probe::new(shm, None)
+        .run("clock")
+        .trim()
+        .strip_prefix("clock ")
+        .and_then(|v| v.parse().ok())
+        .expect("clock <ns>")
+}
+
+fn latency_tenant(shm: &Path) -> Probe {
+    Probe::new(shm, Some("inference"))
+        .env("VGPU_SPATIAL", "1")
+        .env("VGPU_LATENCY", "1")
+}
+
+fn squeezable(shm: &Path) -> Probe {
+    Probe::new(shm, Some("trainer"))
+        .env("VGPU_SPATIAL", "1")
+        .env("VGPU_SPATIAL_HOLD_MS", "60000")
+}
+
+fn clocks(out: &str) -> Vec<u64> {
+    out.lines()
+        .filter_map(|line| line.strip_prefix("clock "))
+        .filter_map(|v| v.trim().parse().ok())
+        .collect()
+}
+
+#[test]
+fn a_latency_tenants_steps_land_in_its_histogram() {
+    let shm = shm_dir();
+    // 3 synchronised steps of 2 ms, one polled to completion, one ended by a device sync, and a
+    // synchronisation with nothing open (no step).
+    let out = latency_tenant(shm.path())
+        .run("step kernel 2000 3 launch graph 1000 stream_poll launch kernel 500 sync stream_sync");
+    assert!(out.contains("step 0 "), "{out}");
+    let mapping = schedule(shm.path());
+    let region = mapping.region();
+    let (steps, total_ns): (u64, u64) = (0..tenant_abi::compute::TENANTS)
+        .map(|slot| region.control.latency(slot))
+        .fold((0, 0), |(s, t), w| (s + w.steps, t + w.total_ns));
+    assert_eq!(steps, 5, "{out}");
+    assert!(
+        (7_500_000..=200_000_000).contains(&total_ns),
+        "5 steps of 2+2+2+1+0.5 ms took {total_ns} ns"
+    );
+    let control = &region.control;
+    assert!(
+        !control.step_in_flight(now_ns(shm.path())),
+        "the last step closed"
+    );
+}
+
+#[test]
+fn a_squeezed_launch_waits_while_a_latency_step_is_in_flight_and_only_under_a_fresh_decision() {
+    let shm = shm_dir();
+    // The squeezable tenant's first run makes the schedule file.
+    squeezable(shm.path()).run("launch kernel 10");
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    let pause = Decision {
+        pause: true,
+        level: 9,
+        ..Decision::default()
+    };
+    let now = now_ns(shm.path());
+    control.publish(pause, now);
+    control.open_step(now);
+    let out = squeezable(shm.path()).run("clock launch kernel 10 clock");
+    let t = clocks(&out);
+    let waited = t[1] - t[0];
+    assert!(
+        (40_000_000..2_000_000_000).contains(&waited),
+        "paused {waited} ns: the step never closes, so the launch waits its bound (50 ms)"
+    );
+    assert!(control.paused_ns.load(std::sync::atomic::Ordering::Relaxed) >= 40_000_000);
+    // The step closed: no wait.
+    control.close_step(now_ns(shm.path()));
+    let t = clocks(&squeezable(shm.path()).run("clock launch kernel 10 clock"));
+    assert!(
+        t[1] - t[0] < 30_000_000,
+        "{} ns with no step open",
+        t[1] - t[0]
+    );
+    // A step in flight but a decision too old to hold (its agent stopped): no wait.
+    let now = now_ns(shm.path());
+    control.publish(pause, now - DECISION_TTL_NS - 1_000_000);
+    control.open_step(now);
+    let t = clocks(&squeezable(shm.path()).run("clock launch kernel 10 clock"));
+    assert!(
+        t[1] - t[0] < 30_000_000,
+        "{} ns under a stale decision",
+        t[1] - t[0]
+    );
+}
+
+#[test]
+fn a_bound_on_queued_launches_holds_while_a_latency_tenant_is_active() {
+    let shm = shm_dir();
+    latency_tenant(shm.path()).run("launch kernel 10");
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    // Eight kernels of 5 ms launched back to back: how long the launch calls took.
+    let launches = |decision: Decision| {
+        control.publish(decision, now_ns(shm.path()));
+        let script = format!("clock {} clock", ["launch kernel 5000"; 8].join(" "));
+        let t = clocks(&squeezable(shm.path()).run(&script));
+        t[1] - t[0]
+    };
+    // Unbounded: the kernels queue up without the launch calls waiting.
+    let free = launches(Decision::default());
+    assert!(free < 20_000_000, "unbounded launches took {free} ns");
+    // One launch queued at most: each launch waits for the previous kernel.
+    let bounded = launches(Decision {
+        inflight: 1,
+        level: 3,
+        ..Decision::default()
+    });
+    assert!(
+        bounded >= 30_000_000,
+        "bounded launches took only {bounded} ns"
+    );
+    assert!(
+        control
+            .bounded_launches
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+}
+
+#[test]
+fn the_decision_sets_how_many_sms_a_squeezed_launch_keeps() {
+    let trace = |out: &str| {
+        out.lines()
+            .find_map(|line| line.strip_prefix("trace"))
+            .expect("a trace line")
+            .trim()
+            .to_owned()
+    };
+    let shm = shm_dir();
+    latency_tenant(shm.path()).run("launch kernel 10");
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    control.publish(
+        Decision {
+            sms: 64,
+            level: 2,
+            ..Decision::default()
+        },
+        now_ns(shm.path()),
+    );
+    let out = squeezable(shm.path()).run("launch kernel 10 trace");
+    assert!(trace(&out).starts_with("C:64 "), "{out}");
+    // A decision that keeps every SM (here: only a queue bound) moves nothing.
+    control.publish(
+        Decision {
+            inflight: 4,
+            level: 1,
+            ..Decision::default()
+        },
+        now_ns(shm.path()),
+    );
+    let out = squeezable(shm.path()).run("launch kernel 10 trace");
+    assert!(trace(&out).starts_with("K:5000"), "{out}");
+    // No decision in force and no VGPU_SPATIAL_SMS: nothing moves (fail open).
+    let shm = shm_dir();
+    latency_tenant(shm.path()).run("launch kernel 10");
+    let out = squeezable(shm.path()).run("launch kernel 10 trace");
+    assert_eq!(trace(&out), "K:5000", "{out}");
+}
