@@ -15,6 +15,9 @@ pub const PROCESSES_MAX: usize = 16;
 pub const NAMES_MAX: usize = 16;
 /// Longest name (throttle reason, query) kept.
 pub const NAME_LENGTH_MAX: usize = 32;
+/// Largest step latency (baseline, p50, p99) a usage entry may report, in µs: an hour. A step
+/// that long is a hung tenant, not a latency; larger values are clamped to it.
+pub const LATENCY_REPORTED_US_MAX: u64 = 3_600_000_000;
 
 /// What [`bound_heartbeat`] dropped, for a log line.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -23,6 +26,8 @@ pub struct Trimmed {
     pub usage: usize,
     pub processes: usize,
     pub names: usize,
+    /// Usage entries whose latency numbers were clamped.
+    pub latency: usize,
 }
 
 impl Trimmed {
@@ -47,6 +52,7 @@ pub fn bound_heartbeat(request: &mut HeartbeatRequest) -> Trimmed {
     }
     for usage in &mut request.usage {
         trimmed.processes += bound_processes(&mut usage.processes);
+        trimmed.latency += usize::from(bound_latency(usage));
     }
     debug_assert!(request.gpus.len() <= HEALTH_GPUS_MAX);
     debug_assert!(request.usage.len() <= USAGE_ENTRIES_MAX);
@@ -63,6 +69,39 @@ pub fn bound_processes(processes: &mut Vec<ProcessUsage>) -> usize {
         truncate_name(&mut process.tenant, crate::names::NAME_LENGTH_MAX);
     }
     dropped
+}
+
+/// Clamps a usage entry's latency numbers: the target to the range a request may ask for, the
+/// measured ones to [`LATENCY_REPORTED_US_MAX`], and the violations to the steps (a violation is
+/// a step). Returns whether anything changed.
+pub fn bound_latency(usage: &mut TenantUsage) -> bool {
+    let before = (
+        usage.latency_target_us,
+        usage.latency_baseline_us,
+        usage.latency_p50_us,
+        usage.latency_p99_us,
+        usage.latency_violations,
+    );
+    usage.latency_target_us = usage
+        .latency_target_us
+        .min(crate::validate::LATENCY_TARGET_US_MAX);
+    for measured in [
+        &mut usage.latency_baseline_us,
+        &mut usage.latency_p50_us,
+        &mut usage.latency_p99_us,
+    ] {
+        *measured = (*measured).min(LATENCY_REPORTED_US_MAX);
+    }
+    usage.latency_violations = usage.latency_violations.min(usage.latency_steps);
+    debug_assert!(usage.latency_violations <= usage.latency_steps);
+    let after = (
+        usage.latency_target_us,
+        usage.latency_baseline_us,
+        usage.latency_p50_us,
+        usage.latency_p99_us,
+        usage.latency_violations,
+    );
+    before != after
 }
 
 fn bound_names(names: &mut Vec<String>) -> usize {
@@ -145,6 +184,43 @@ mod tests {
                 .iter()
                 .all(|n| n.len() <= NAME_LENGTH_MAX)
         );
+        assert_eq!(bound_heartbeat(&mut request), Trimmed::default());
+    }
+
+    #[test]
+    fn latency_numbers_are_clamped_and_violations_never_exceed_steps() {
+        let mut request = HeartbeatRequest {
+            usage: vec![
+                TenantUsage {
+                    latency_target_us: 2_000,
+                    latency_baseline_us: 1_500,
+                    latency_p50_us: 1_000,
+                    latency_p99_us: 1_900,
+                    latency_steps: 100,
+                    latency_violations: 3,
+                    ..TenantUsage::default()
+                },
+                TenantUsage {
+                    latency_target_us: u64::MAX,
+                    latency_p99_us: u64::MAX,
+                    latency_steps: 5,
+                    latency_violations: 9,
+                    ..TenantUsage::default()
+                },
+            ],
+            ..HeartbeatRequest::default()
+        };
+        let sane = request.usage[0].clone();
+        let trimmed = bound_heartbeat(&mut request);
+        assert_eq!(trimmed.latency, 1);
+        assert_eq!(request.usage[0], sane, "sane numbers are kept");
+        let clamped = &request.usage[1];
+        assert_eq!(
+            clamped.latency_target_us,
+            crate::validate::LATENCY_TARGET_US_MAX
+        );
+        assert_eq!(clamped.latency_p99_us, LATENCY_REPORTED_US_MAX);
+        assert_eq!(clamped.latency_violations, 5);
         assert_eq!(bound_heartbeat(&mut request), Trimmed::default());
     }
 

@@ -20,6 +20,11 @@ pub const SELECTOR_TEXT_MAX: usize = 253;
 pub const GPU_MEMORY_BYTES_MAX: u64 = 1 << 44;
 /// Largest bandwidth weight (the NCCL tuner's and netshare's weight range).
 pub const BANDWIDTH_WEIGHT_MAX: u32 = 1_000_000;
+/// Shortest latency target, in µs: the range the interposer accepts in `VGPU_LATENCY_TARGET_US`
+/// (one definition, in the tenant contract).
+pub const LATENCY_TARGET_US_MIN: u64 = tenant_abi::env::LATENCY_TARGET_US_MIN;
+/// Longest latency target, in µs (60 s).
+pub const LATENCY_TARGET_US_MAX: u64 = tenant_abi::env::LATENCY_TARGET_US_MAX;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestError {
@@ -59,6 +64,14 @@ pub enum RequestError {
         "the bandwidth weight is {0}; give a weight between 1 and {BANDWIDTH_WEIGHT_MAX}, or leave it out to follow the compute share"
     )]
     BandwidthOutOfRange(u32),
+    #[error(
+        "a latency target applies only to a latency tenant; add `--latency` (or leave out `--latency-target`)"
+    )]
+    LatencyTargetWithoutLatency,
+    #[error(
+        "the latency target is {0} microseconds; give a target between 10us and 60s, e.g. `--latency-target 2ms`"
+    )]
+    LatencyTargetOutOfRange(u64),
 }
 
 /// Validates the fields of a placement request on their own (not whether the pool can hold it).
@@ -103,9 +116,11 @@ pub fn validate_request(request: &PlacementRequest) -> Result<(), RequestError> 
 }
 
 /// What a new request must satisfy before it is proposed: [`validate_request`], plus the bounds
-/// added after requests were first logged (memory per GPU, selector values, owner length).
+/// added after requests were first logged (memory per GPU, selector values, owner length, the
+/// latency target).
 pub fn admit_request(request: &PlacementRequest) -> Result<(), RequestError> {
     validate_request(request)?;
+    check_latency_target(request.latency, request.latency_target_us)?;
     if request.memory_bytes_per_gpu > GPU_MEMORY_BYTES_MAX {
         return Err(RequestError::MemoryOutOfRange(request.memory_bytes_per_gpu));
     }
@@ -118,6 +133,21 @@ pub fn admit_request(request: &PlacementRequest) -> Result<(), RequestError> {
         .find(|(_, v)| v.len() > SELECTOR_TEXT_MAX)
     {
         return Err(RequestError::BadSelectorValue(key.clone()));
+    }
+    Ok(())
+}
+
+/// A latency target (µs; 0 = none) for a tenant whose latency flag is `latency`: only a latency
+/// tenant has one, within [`LATENCY_TARGET_US_MIN`]..=[`LATENCY_TARGET_US_MAX`].
+pub fn check_latency_target(latency: bool, latency_target_us: u64) -> Result<(), RequestError> {
+    if latency_target_us == 0 {
+        return Ok(());
+    }
+    if !latency {
+        return Err(RequestError::LatencyTargetWithoutLatency);
+    }
+    if !(LATENCY_TARGET_US_MIN..=LATENCY_TARGET_US_MAX).contains(&latency_target_us) {
+        return Err(RequestError::LatencyTargetOutOfRange(latency_target_us));
     }
     Ok(())
 }
@@ -255,5 +285,38 @@ mod tests {
         for accepted_by_the_log in [&memory, &value, &owner] {
             assert_eq!(validate_request(accepted_by_the_log), Ok(()));
         }
+    }
+
+    #[test]
+    fn a_latency_target_needs_a_latency_tenant_and_is_bounded() {
+        let target = |latency, latency_target_us| PlacementRequest {
+            latency,
+            latency_target_us,
+            ..whole(1)
+        };
+        assert_eq!(admit_request(&target(false, 0)), Ok(()));
+        assert_eq!(
+            admit_request(&target(true, 0)),
+            Ok(()),
+            "no target: derived"
+        );
+        assert_eq!(admit_request(&target(true, 2_000)), Ok(()));
+        assert_eq!(admit_request(&target(true, LATENCY_TARGET_US_MIN)), Ok(()));
+        assert_eq!(admit_request(&target(true, LATENCY_TARGET_US_MAX)), Ok(()));
+        let without = admit_request(&target(false, 2_000)).unwrap_err();
+        assert_eq!(without, RequestError::LatencyTargetWithoutLatency);
+        assert!(without.to_string().contains("add `--latency`"), "{without}");
+        assert_eq!(
+            admit_request(&target(true, 9)),
+            Err(RequestError::LatencyTargetOutOfRange(9))
+        );
+        assert_eq!(
+            admit_request(&target(true, LATENCY_TARGET_US_MAX + 1)),
+            Err(RequestError::LatencyTargetOutOfRange(
+                LATENCY_TARGET_US_MAX + 1
+            ))
+        );
+        // Admission only: a logged request keeps its meaning (see the module docs).
+        assert_eq!(validate_request(&target(false, 2_000)), Ok(()));
     }
 }

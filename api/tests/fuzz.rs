@@ -135,6 +135,8 @@ fn request_is_valid(request: &PlacementRequest) -> bool {
             .all(|(key, value)| !key.is_empty() && key.len() <= 253 && value.len() <= 253)
         && request.memory_bytes_per_gpu <= 1 << 44
         && request.owner.len() <= 253
+        && (request.latency_target_us == 0
+            || (request.latency && (10..=60_000_000).contains(&request.latency_target_us)))
 }
 
 fn check_request(request: PlacementRequest) {
@@ -213,13 +215,27 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
             prop_oneof![-1i32..4, any::<i32>()],
             edge_u32(),
         ),
-        (selector, fuzz::any_text(), edge_u32(), any::<bool>()),
+        (
+            selector,
+            fuzz::any_text(),
+            edge_u32(),
+            any::<bool>(),
+            prop_oneof![
+                Just(0u64),
+                Just(9),
+                Just(10),
+                Just(2_000),
+                Just(60_000_000),
+                Just(60_000_001),
+                any::<u64>(),
+            ],
+        ),
     )
         .prop_map(
             |(
                 (whole_gpus, milli_gpus, memory_bytes_per_gpu, compute_percent, burst),
                 (priority, preemptible, nvlink, nodes),
-                (node_selector, owner, bandwidth_weight, latency),
+                (node_selector, owner, bandwidth_weight, latency, latency_target_us),
             )| PlacementRequest {
                 whole_gpus,
                 milli_gpus,
@@ -234,6 +250,7 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
                 owner,
                 bandwidth_weight,
                 latency,
+                latency_target_us,
             },
         )
 }

@@ -10,3 +10,4 @@ mod t50_security;
 mod t60_usage;
 mod t70_fleet;
 mod t80_nccl_env;
+mod t85_tenant_settings;

@@ -203,6 +203,11 @@ pub struct PlaceArgs {
     #[arg(long)]
     pub latency: bool,
 
+    /// With --latency: the step latency to hold the tenant to (`500us`, `2ms`, `1.5ms`,
+    /// `0.002s`; 10us..=60s). Default: 1.2x its latency alone, as the node measures it.
+    #[arg(long, value_parser = parse_latency_target, allow_hyphen_values = true, value_name = "DURATION")]
+    pub latency_target: Option<u64>,
+
     /// Require every pair of GPUs on a node to be NVLink-connected (default: prefer NVLink).
     #[arg(
         long,
@@ -409,6 +414,81 @@ pub fn parse_bandwidth(text: &str) -> Result<u32, String> {
             api::validate::BANDWIDTH_WEIGHT_MAX
         )),
     }
+}
+
+/// Parses `--latency-target`: a decimal number with a unit (`us` or `µs`, `ms`, `s`), into
+/// whole microseconds within the API's bounds. Exact: `1.5ms` is 1500, and a value finer than a
+/// microsecond is refused rather than rounded.
+pub fn parse_latency_target(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let examples = "write e.g. `500us`, `2ms`, `1.5ms` or `0.002s`";
+    if trimmed.starts_with('-') {
+        return Err(format!(
+            "the latency target `{trimmed}` is negative; {examples}"
+        ));
+    }
+    let split = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let unit_us: u128 = match unit.trim() {
+        "us" | "µs" | "μs" => 1,
+        "ms" => 1_000,
+        "s" => 1_000_000,
+        "" if !number.is_empty() => {
+            return Err(format!(
+                "the latency target `{trimmed}` has no unit; {examples}"
+            ));
+        }
+        _ => {
+            return Err(format!(
+                "cannot read the latency target `{trimmed}`; {examples}"
+            ));
+        }
+    };
+    let (whole_part, fraction_part) = number.split_once('.').unwrap_or((number, ""));
+    let digits_only = |part: &str| part.chars().all(|c| c.is_ascii_digit());
+    if (whole_part.is_empty() && fraction_part.is_empty())
+        || !digits_only(whole_part)
+        || !digits_only(fraction_part)
+    {
+        return Err(format!(
+            "cannot read the latency target `{trimmed}`; {examples}"
+        ));
+    }
+    // The server's message, with the value in microseconds (saturated: far out of range).
+    let out_of_range = |microseconds: u128| {
+        let microseconds = u64::try_from(microseconds).unwrap_or(u64::MAX);
+        RequestError::LatencyTargetOutOfRange(microseconds).to_string()
+    };
+    let whole_part = whole_part.trim_start_matches('0');
+    let fraction_part = fraction_part.trim_end_matches('0');
+    // More digits than these cannot be within 60 s, nor whole microseconds.
+    if whole_part.len() > 12 {
+        return Err(out_of_range(u128::MAX));
+    }
+    if fraction_part.len() > 6 {
+        return Err(format!(
+            "the latency target `{trimmed}` is finer than a microsecond; {examples}"
+        ));
+    }
+    let whole: u128 = whole_part.parse().unwrap_or(0);
+    let fraction: u128 = fraction_part.parse().unwrap_or(0);
+    let fraction_scale = 10u128.pow(fraction_part.len() as u32);
+    if !(fraction * unit_us).is_multiple_of(fraction_scale) {
+        return Err(format!(
+            "the latency target `{trimmed}` is finer than a microsecond; {examples}"
+        ));
+    }
+    let microseconds = whole * unit_us + fraction * unit_us / fraction_scale;
+    let bounds = u128::from(api::validate::LATENCY_TARGET_US_MIN)
+        ..=u128::from(api::validate::LATENCY_TARGET_US_MAX);
+    if !bounds.contains(&microseconds) {
+        return Err(out_of_range(microseconds));
+    }
+    let microseconds = microseconds as u64;
+    debug_assert!(api::validate::check_latency_target(true, microseconds).is_ok());
+    Ok(microseconds)
 }
 
 pub fn parse_priority(text: &str) -> Result<i32, String> {
@@ -716,6 +796,57 @@ mod tests {
     }
 
     #[test]
+    fn latency_targets_are_exact_microseconds_within_bounds() {
+        assert_eq!(parse_latency_target("500us"), Ok(500));
+        assert_eq!(parse_latency_target("500µs"), Ok(500));
+        assert_eq!(parse_latency_target("2ms"), Ok(2_000));
+        assert_eq!(parse_latency_target(" 1.5ms "), Ok(1_500));
+        assert_eq!(parse_latency_target("0.002s"), Ok(2_000));
+        assert_eq!(parse_latency_target("2.000ms"), Ok(2_000));
+        assert_eq!(parse_latency_target("10us"), Ok(10));
+        assert_eq!(parse_latency_target("60s"), Ok(60_000_000));
+        assert_eq!(parse_latency_target(".5ms"), Ok(500));
+        assert_eq!(
+            parse_latency_target("5us").unwrap_err(),
+            "the latency target is 5 microseconds; give a target between 10us and 60s, e.g. `--latency-target 2ms`"
+        );
+        assert!(
+            parse_latency_target("61s")
+                .unwrap_err()
+                .contains("between 10us and 60s")
+        );
+        assert!(
+            parse_latency_target("99999999999999999999s")
+                .unwrap_err()
+                .contains("between 10us and 60s")
+        );
+        assert!(parse_latency_target("2").unwrap_err().contains("no unit"));
+        assert!(
+            parse_latency_target("-2ms")
+                .unwrap_err()
+                .contains("negative")
+        );
+        assert!(
+            parse_latency_target("1.5us")
+                .unwrap_err()
+                .contains("finer than a microsecond")
+        );
+        assert!(
+            parse_latency_target("0.0000001s")
+                .unwrap_err()
+                .contains("finer than a microsecond")
+        );
+        for bad in ["", "ms", "2 hours", "1.2.3ms", "2m", "fast"] {
+            assert!(
+                parse_latency_target(bad)
+                    .unwrap_err()
+                    .contains("`500us`, `2ms`"),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
     fn nodes_and_selectors() {
         assert_eq!(parse_nodes("4"), Ok(4));
         assert!(parse_nodes("0").unwrap_err().contains("1 or more"));
@@ -813,6 +944,29 @@ mod tests {
         assert_eq!(place.priority, -10);
         assert!(place.burst && place.preemptible && place.nvlink && place.no_wait);
         assert_eq!(place.wait_timeout, 30);
+    }
+
+    #[test]
+    fn place_takes_a_latency_target() {
+        let cli = parse(&[
+            "place",
+            "chat",
+            "--gpus",
+            "0.25",
+            "--latency",
+            "--latency-target",
+            "1.5ms",
+        ])
+        .unwrap();
+        let Command::Place(place) = cli.command else {
+            panic!("expected place")
+        };
+        assert!(place.latency);
+        assert_eq!(place.latency_target, Some(1_500));
+        assert!(
+            error_of(&["place", "a", "--gpus", "1", "--latency-target", "-1ms"])
+                .contains("negative")
+        );
     }
 
     #[test]

@@ -79,6 +79,7 @@ pub fn placement_request(args: &PlaceArgs) -> Result<PlacementRequest, UsageErro
         owner: args.owner.clone().unwrap_or_default(),
         bandwidth_weight: args.bandwidth.unwrap_or(0),
         latency: args.latency,
+        latency_target_us: args.latency_target.unwrap_or(0),
     };
     api::validate::admit_request(&request).map_err(|error| UsageError(error.to_string()))?;
     Ok(request)
@@ -644,6 +645,37 @@ mod tests {
         assert_eq!(crate::exit_code(&error), crate::EXIT_USAGE);
         assert!(error.to_string().contains("cannot span 2 nodes"), "{error}");
         assert_eq!(server.state.calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_latency_target_travels_with_a_latency_tenant_only() {
+        let server = fake::start(State::new(Mode::Serve, Some(0)));
+        let args = ["place", "chat", "--gpus", "0.25", "--latency-target", "2ms"];
+        let (result, _) = run_against(&[&server.address], 5000, &args).await;
+        let error = result.unwrap_err();
+        assert_eq!(crate::exit_code(&error), crate::EXIT_USAGE);
+        assert!(error.to_string().contains("add `--latency`"), "{error}");
+        assert_eq!(server.state.calls.load(Ordering::SeqCst), 0);
+
+        let args = [
+            "place",
+            "chat",
+            "--gpus",
+            "0.25",
+            "--latency",
+            "--latency-target",
+            "2ms",
+        ];
+        run_against(&[&server.address], 5000, &args)
+            .await
+            .0
+            .unwrap();
+        let request = server.state.tenants.lock().unwrap()["chat"]
+            .request
+            .clone()
+            .unwrap();
+        assert!(request.latency);
+        assert_eq!(request.latency_target_us, 2_000);
     }
 
     #[tokio::test]

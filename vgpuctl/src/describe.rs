@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use api::size::format_bytes;
 
-use crate::output::{NONE, Table, age, format_milli, or_none, timestamp, yes_no};
+use crate::output::{NONE, Table, age, format_latency, format_milli, or_none, timestamp, yes_no};
 use crate::views::{HealthView, NodeView, ProcessView, SliceView, TenantView, UsageView};
 
 /// Width of the key column, so values line up.
@@ -77,6 +77,13 @@ pub fn tenant_text(tenant: &TenantView, now_unix_ms: i64) -> String {
     };
     field(&mut text, 2, "Bandwidth weight", bandwidth);
     field(&mut text, 2, "Latency", yes_no(request.latency));
+    if request.latency {
+        let target = match request.latency_target_us {
+            0 => "default (1.2x its latency alone)".to_owned(),
+            microseconds => format_latency(microseconds),
+        };
+        field(&mut text, 2, "Latency target", target);
+    }
 
     text.push_str("Placement:\n");
     if tenant.slices.is_empty() {
@@ -96,6 +103,11 @@ pub fn tenant_text(tenant: &TenantView, now_unix_ms: i64) -> String {
                 &usage_table(&tenant.usage, now_unix_ms).render(),
             );
         }
+    }
+
+    if tenant.usage.iter().any(UsageView::has_latency) {
+        text.push_str("Latency:\n");
+        block(&mut text, 2, &latency_table(&tenant.usage).render());
     }
 
     text.push_str("History:\n");
@@ -161,6 +173,37 @@ fn usage_table(usage: &[UsageView], now_unix_ms: i64) -> Table {
             entry.process_count.to_string(),
             processes_text(&entry.processes, false),
             age(entry.reported_unix_ms, now_unix_ms),
+        ]);
+    }
+    table
+}
+
+/// What each node's controller measured for a latency tenant (entries with latency numbers).
+fn latency_table(usage: &[UsageView]) -> Table {
+    let mut table = Table::new(&[
+        "NODE",
+        "GPU",
+        "TARGET",
+        "ALONE P99",
+        "P50",
+        "P99",
+        "STEPS",
+        "VIOLATIONS",
+    ]);
+    let measured = |microseconds: u64| match microseconds {
+        0 => NONE.to_owned(),
+        microseconds => format_latency(microseconds),
+    };
+    for entry in usage.iter().filter(|entry| entry.has_latency()) {
+        table.row(vec![
+            entry.node.clone(),
+            entry.gpu_index.to_string(),
+            measured(entry.latency_target_us),
+            measured(entry.latency_baseline_us),
+            measured(entry.latency_p50_us),
+            measured(entry.latency_p99_us),
+            entry.latency_steps.to_string(),
+            entry.latency_violations.to_string(),
         ]);
     }
     table
@@ -459,6 +502,51 @@ mod tests {
         unreported.usage.clear();
         let text = tenant_text(&unreported, 0);
         assert!(text.contains("Usage:\n  <none reported yet>\n"), "{text}");
+    }
+
+    #[test]
+    fn tenant_text_shows_the_latency_target_and_what_it_achieved() {
+        let tenant = TenantView::from(&samples::latency_tenant());
+        let text = tenant_text(&tenant, 1_700_000_012_000);
+        assert!(
+            text.contains(
+                "  Latency:        yes
+"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "  Latency target: 2ms
+"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "Latency:\n  NODE     GPU   TARGET   ALONE P99   P50     P99     STEPS   VIOLATIONS\n  node-a   3     2ms      1.4ms       900us   1.8ms   12000   7\n"
+            ),
+            "{text}"
+        );
+        // No target: the default, said in words; no measurements: no latency table.
+        let mut derived = tenant.clone();
+        derived.request.latency_target_us = 0;
+        derived.usage[0].latency_target_us = 0;
+        derived.usage[0].latency_steps = 0;
+        derived.usage[0].latency_p99_us = 0;
+        let text = tenant_text(&derived, 0);
+        assert!(
+            text.contains(
+                "  Latency target: default (1.2x its latency alone)
+"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("VIOLATIONS"), "{text}");
+        // Not a latency tenant: no target line at all.
+        let text = tenant_text(&TenantView::from(&samples::placed_tenant()), 0);
+        assert!(!text.contains("Latency target"), "{text}");
+        assert!(!text.contains("VIOLATIONS"), "{text}");
     }
 
     #[test]

@@ -244,6 +244,22 @@ pub fn format_milli(milli: u32) -> String {
     text.trim_end_matches('0').trim_end_matches('.').to_owned()
 }
 
+/// Microseconds in the largest unit that keeps them exact: 500 -> `500us`, 1500 -> `1.5ms`,
+/// 2000000 -> `2s`. `--latency-target` reads every such text back to the same number.
+pub fn format_latency(microseconds: u64) -> String {
+    let (unit, scale, decimals) = match microseconds {
+        1_000_000.. => ("s", 1_000_000, 6),
+        1_000.. => ("ms", 1_000, 3),
+        _ => ("us", 1, 0),
+    };
+    let (whole, fraction) = (microseconds / scale, microseconds % scale);
+    if fraction == 0 {
+        return format!("{whole}{unit}");
+    }
+    let fraction = format!("{fraction:0decimals$}");
+    format!("{whole}.{}{unit}", fraction.trim_end_matches('0'))
+}
+
 /// Guaranteed compute per GPU: from the placement when placed, else from the request.
 fn compute_share(tenant: &TenantView) -> String {
     let burst = if tenant.request.burst { "+burst" } else { "" };
@@ -512,6 +528,17 @@ mod tests {
         assert_eq!(format_milli(250), "0.25");
         assert_eq!(format_milli(125), "0.125");
         assert_eq!(format_milli(1), "0.001");
+        assert_eq!(format_latency(500), "500us");
+        assert_eq!(format_latency(1_500), "1.5ms");
+        assert_eq!(format_latency(2_000), "2ms");
+        assert_eq!(format_latency(1_000_001), "1.000001s");
+        assert_eq!(format_latency(60_000_000), "60s");
+        for microseconds in [10, 999, 1_001, 12_345, 2_500_000, 60_000_000] {
+            assert_eq!(
+                crate::cli::parse_latency_target(&format_latency(microseconds)),
+                Ok(microseconds)
+            );
+        }
         assert_eq!(timestamp(0), "-");
         assert_eq!(timestamp(1_700_000_000_123), "2023-11-14 22:13:20.123Z");
         assert_eq!(timestamp(951_782_400_000), "2000-02-29 00:00:00.000Z");

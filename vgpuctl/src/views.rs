@@ -49,6 +49,29 @@ pub struct UsageView {
     pub processes: Vec<ProcessView>,
     /// When the control-plane leader received the report.
     pub reported_unix_ms: i64,
+    /// A latency tenant's step latency as the node's controller measures it, in microseconds:
+    /// the target it aims at, the tenant's p99 alone, and the recent p50 and p99. Per tenant and
+    /// node, on the tenant's first GPU of the node; 0 without measurements.
+    #[serde(default)]
+    pub latency_target_us: u64,
+    #[serde(default)]
+    pub latency_baseline_us: u64,
+    #[serde(default)]
+    pub latency_p50_us: u64,
+    #[serde(default)]
+    pub latency_p99_us: u64,
+    /// Steps measured, and steps slower than the target, since the node's agent started.
+    #[serde(default)]
+    pub latency_steps: u64,
+    #[serde(default)]
+    pub latency_violations: u64,
+}
+
+impl UsageView {
+    /// Whether the entry carries a latency target or measurements.
+    pub fn has_latency(&self) -> bool {
+        self.latency_target_us > 0 || self.latency_steps > 0 || self.latency_p99_us > 0
+    }
 }
 
 /// A process on a GPU.
@@ -109,6 +132,10 @@ pub struct RequestView {
     pub bandwidth_weight: u32,
     /// Latency-sensitive (spatial partitioning on MPS nodes).
     pub latency: bool,
+    /// The latency tenant's step-latency target in microseconds; 0 = none (1.2x its latency
+    /// alone, as the node measures it).
+    #[serde(default)]
+    pub latency_target_us: u64,
 }
 
 /// One entry of a tenant's history.
@@ -247,6 +274,12 @@ impl From<&TenantUsage> for UsageView {
             process_count: usage.process_count,
             processes: usage.processes.iter().map(ProcessView::from).collect(),
             reported_unix_ms: usage.reported_unix_ms,
+            latency_target_us: usage.latency_target_us,
+            latency_baseline_us: usage.latency_baseline_us,
+            latency_p50_us: usage.latency_p50_us,
+            latency_p99_us: usage.latency_p99_us,
+            latency_steps: usage.latency_steps,
+            latency_violations: usage.latency_violations,
         }
     }
 }
@@ -308,6 +341,7 @@ impl From<&PlacementRequest> for RequestView {
             nodes: request.nodes,
             bandwidth_weight: request.bandwidth_weight,
             latency: request.latency,
+            latency_target_us: request.latency_target_us,
             node_selector: request
                 .node_selector
                 .iter()
@@ -468,9 +502,28 @@ pub(crate) mod samples {
                     tenant: "infer-a".into(),
                 }],
                 reported_unix_ms: 1_700_000_010_000,
+                ..Default::default()
             }],
             ..Default::default()
         }
+    }
+
+    /// A latency tenant with a target and a usage report of its node's controller.
+    pub fn latency_tenant() -> Tenant {
+        let mut tenant = placed_tenant();
+        tenant.name = "chat".into();
+        let request = tenant.request.as_mut().expect("a request");
+        request.latency = true;
+        request.latency_target_us = 2_000;
+        let usage = &mut tenant.usage[0];
+        usage.tenant = "chat".into();
+        usage.latency_target_us = 2_000;
+        usage.latency_baseline_us = 1_400;
+        usage.latency_p50_us = 900;
+        usage.latency_p99_us = 1_800;
+        usage.latency_steps = 12_000;
+        usage.latency_violations = 7;
+        tenant
     }
 
     pub fn pending_tenant() -> Tenant {
@@ -599,6 +652,7 @@ mod tests {
                 "burst",
                 "compute_percent",
                 "latency",
+                "latency_target_us",
                 "memory_bytes_per_gpu",
                 "milli_gpus",
                 "node_selector",
@@ -613,6 +667,53 @@ mod tests {
         assert_eq!(request["nvlink"], "prefer");
         assert_eq!(request["node_selector"]["zone"], "a");
         assert_eq!(json["history"][1]["state"], "placed");
+        assert_eq!(
+            keys(&json["usage"][0]),
+            [
+                "gpu",
+                "gpu_index",
+                "gpu_time_ns",
+                "latency_baseline_us",
+                "latency_p50_us",
+                "latency_p99_us",
+                "latency_steps",
+                "latency_target_us",
+                "latency_violations",
+                "memory_limit_bytes",
+                "memory_used_bytes",
+                "node",
+                "process_count",
+                "processes",
+                "reported_unix_ms"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_latency_tenant_shows_its_target_and_what_it_achieved() {
+        let json = serde_json::to_value(TenantView::from(&samples::latency_tenant())).unwrap();
+        assert_eq!(json["request"]["latency"], true);
+        assert_eq!(json["request"]["latency_target_us"], 2_000);
+        let usage = &json["usage"][0];
+        assert_eq!(usage["latency_target_us"], 2_000);
+        assert_eq!(usage["latency_baseline_us"], 1_400);
+        assert_eq!(usage["latency_p50_us"], 900);
+        assert_eq!(usage["latency_p99_us"], 1_800);
+        assert_eq!(usage["latency_steps"], 12_000);
+        assert_eq!(usage["latency_violations"], 7);
+        // Views written before the fields existed still read.
+        let mut old = json.clone();
+        for field in ["latency_target_us", "latency_p99_us", "latency_steps"] {
+            old["usage"][0].as_object_mut().unwrap().remove(field);
+        }
+        old["request"]
+            .as_object_mut()
+            .unwrap()
+            .remove("latency_target_us");
+        let read: TenantView = serde_json::from_value(old).unwrap();
+        assert_eq!(read.request.latency_target_us, 0);
+        assert!(!read.usage[0].has_latency());
+        assert_eq!(read.usage[0].latency_p50_us, 900);
     }
 
     #[test]

@@ -39,6 +39,12 @@ fn value_examples() -> Vec<String> {
         "infer-a",
         "node-01",
         "0.0000000001s",
+        "500us",
+        "1.5ms",
+        "0.002s",
+        "60s",
+        "9us",
+        "1.0000005ms",
     ]
     .map(String::from)
     .to_vec()
@@ -62,6 +68,19 @@ fn check_values(text: String) {
     }
     match cli::parse_bandwidth(&text) {
         Ok(weight) => assert!((1..=api::validate::BANDWIDTH_WEIGHT_MAX).contains(&weight)),
+        Err(problem) => explained(&problem),
+    }
+    match cli::parse_latency_target(&text) {
+        Ok(microseconds) => {
+            assert!(
+                (api::validate::LATENCY_TARGET_US_MIN..=api::validate::LATENCY_TARGET_US_MAX)
+                    .contains(&microseconds),
+                "`{text}` -> {microseconds}"
+            );
+            // What was accepted is exact: written back, it reads as the same number.
+            let written = vgpuctl::output::format_latency(microseconds);
+            assert_eq!(cli::parse_latency_target(&written), Ok(microseconds));
+        }
         Err(problem) => explained(&problem),
     }
     match cli::parse_priority(&text) {
@@ -140,6 +159,8 @@ fn arguments() -> impl Strategy<Value = Vec<String>> {
         "--selector",
         "--owner",
         "--bandwidth",
+        "--latency",
+        "--latency-target",
         "--endpoints",
         "--timeout",
         "--output",

@@ -572,6 +572,7 @@ impl PoolState {
                     priority: request.priority,
                     bandwidth_weight: request.bandwidth_weight,
                     latency: request.latency,
+                    latency_target_us: request.latency_target_us,
                 });
             }
         }

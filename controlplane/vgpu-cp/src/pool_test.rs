@@ -195,6 +195,48 @@ fn a_lost_node_has_its_tenants_replaced_with_history() {
 }
 
 #[test]
+fn a_latency_target_survives_placement_and_reaches_the_assignment() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    let chat = v1::PlacementRequest {
+        latency: true,
+        latency_target_us: 2_000,
+        ..fraction(250, 10)
+    };
+    let CommandResult::Tenant(record) = place(&mut state, 2, "chat", chat) else {
+        panic!("expected a tenant");
+    };
+    assert_eq!(record.state, TenantState::Placed);
+    let shown = state.tenant_to_proto(&record);
+    let request = shown.request.expect("a request");
+    assert_eq!((request.latency, request.latency_target_us), (true, 2_000));
+    let (_, assignments) = state.assignments("node-a");
+    assert_eq!(assignments.len(), 1);
+    assert_eq!(
+        (assignments[0].latency, assignments[0].latency_target_us),
+        (true, 2_000)
+    );
+    // Re-placed elsewhere when its node is lost, it keeps its target.
+    register(&mut state, 3, "node-b");
+    let lost = Command::SetNodeState {
+        node: "node-a".into(),
+        state: placement::NodeState::Lost,
+        reason: "silent".into(),
+        unix_ms: 4,
+    };
+    assert_eq!(state.apply(4, lost), CommandResult::Done);
+    assert!(state.assignments("node-a").1.is_empty());
+    let (_, moved) = state.assignments("node-b");
+    assert_eq!(moved[0].tenant, "chat");
+    assert_eq!(moved[0].latency_target_us, 2_000);
+    // A tenant without a target has none in its assignment.
+    place(&mut state, 5, "plain", fraction(250, 10));
+    let (_, assignments) = state.assignments("node-b");
+    let plain = assignments.iter().find(|a| a.tenant == "plain").unwrap();
+    assert_eq!((plain.latency, plain.latency_target_us), (false, 0));
+}
+
+#[test]
 fn release_frees_capacity_for_the_pending_queue() {
     let mut state = PoolState::default();
     register(&mut state, 1, "node-a");

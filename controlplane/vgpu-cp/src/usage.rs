@@ -439,6 +439,7 @@ pub fn render(
             usage.process_count
         );
     }
+    render_latency(out, &mut usage().filter(|(_, usage)| has_latency(usage)));
     let gpus = || {
         reports
             .iter()
@@ -552,6 +553,67 @@ pub fn render(
             "vgpu_node_report_age_seconds{{node=\"{}\"}} {age}",
             label(node)
         );
+    }
+}
+
+/// Whether a usage entry carries a latency tenant's target or measurements (the agent puts
+/// them on the tenant's first entry of the node only).
+fn has_latency(usage: &TenantUsage) -> bool {
+    usage.latency_target_us > 0 || usage.latency_steps > 0 || usage.latency_p99_us > 0
+}
+
+/// The latency families, for the entries of `usage` that have latency numbers: the target, the
+/// p50 and p99 of the node's controller (absent until measured), and the violations counter.
+fn render_latency<'a>(
+    out: &mut String,
+    usage: &mut dyn Iterator<Item = (&'a str, &'a TenantUsage)>,
+) {
+    let entries: Vec<(&str, &TenantUsage)> = usage.collect();
+    let seconds = |microseconds: u64| microseconds as f64 / 1e6;
+    type Value = fn(&TenantUsage) -> Option<u64>;
+    let families: [(&str, &str, &str, Value); 4] = [
+        (
+            "vgpu_tenant_latency_target_seconds",
+            "gauge",
+            "The step latency a latency tenant is held to (its request's target, or the one its node derived from its latency alone).",
+            |usage| (usage.latency_target_us > 0).then_some(usage.latency_target_us),
+        ),
+        (
+            "vgpu_tenant_latency_p50_seconds",
+            "gauge",
+            "A latency tenant's median step latency over its node controller's recent window.",
+            |usage| (usage.latency_steps > 0).then_some(usage.latency_p50_us),
+        ),
+        (
+            "vgpu_tenant_latency_p99_seconds",
+            "gauge",
+            "A latency tenant's p99 step latency over its node controller's recent window.",
+            |usage| (usage.latency_steps > 0).then_some(usage.latency_p99_us),
+        ),
+        (
+            "vgpu_tenant_latency_violations_total",
+            "counter",
+            "Steps of a latency tenant slower than its target, since its node's agent started.",
+            |usage| (usage.latency_steps > 0).then_some(usage.latency_violations),
+        ),
+    ];
+    for (name, kind, help, value) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (node, usage) in &entries {
+            let Some(value) = value(usage) else { continue };
+            let labels = format!(
+                "tenant=\"{}\",node=\"{}\",gpu=\"{}\"",
+                label(&usage.tenant),
+                label(node),
+                label(&usage.gpu)
+            );
+            let value = if kind == "counter" {
+                value.to_string()
+            } else {
+                seconds(value).to_string()
+            };
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
     }
 }
 
@@ -738,6 +800,59 @@ mod tests {
         assert!(!out.contains("vgpu_gpu_xid_errors_total{node=\"node-a\",gpu=\"GPU-a1\"}"));
         assert!(!out.contains("GPU-a1\",kind="), "{out}");
         assert!(!out.contains("node-b"), "{out}");
+    }
+
+    #[test]
+    fn metrics_show_latency_targets_and_what_latency_tenants_achieved() {
+        let reports = Reports::default();
+        let measured = TenantUsage {
+            latency_target_us: 2_000,
+            latency_baseline_us: 1_400,
+            latency_p50_us: 900,
+            latency_p99_us: 1_800,
+            latency_steps: 12_000,
+            latency_violations: 7,
+            ..usage("chat", "GPU-a0", 1 << 30, 0)
+        };
+        let not_yet = TenantUsage {
+            latency_target_us: 500,
+            ..usage("voice", "GPU-a0", 0, 0)
+        };
+        reports.record(
+            HeartbeatRequest {
+                node: "node-a".into(),
+                usage: vec![measured, not_yet, usage("train", "GPU-a1", 1, 1)],
+                ..HeartbeatRequest::default()
+            },
+            1_000,
+        );
+        let mut out = String::new();
+        render(&mut out, &reports.snapshot(&Filter::All), |_| true);
+        let chat = "tenant=\"chat\",node=\"node-a\",gpu=\"GPU-a0\"";
+        let voice = "tenant=\"voice\",node=\"node-a\",gpu=\"GPU-a0\"";
+        for line in [
+            format!("vgpu_tenant_latency_target_seconds{{{chat}}} 0.002"),
+            format!("vgpu_tenant_latency_p50_seconds{{{chat}}} 0.0009"),
+            format!("vgpu_tenant_latency_p99_seconds{{{chat}}} 0.0018"),
+            format!("vgpu_tenant_latency_violations_total{{{chat}}} 7"),
+            format!("vgpu_tenant_latency_target_seconds{{{voice}}} 0.0005"),
+            "# TYPE vgpu_tenant_latency_violations_total counter".to_owned(),
+            "# TYPE vgpu_tenant_latency_p99_seconds gauge".to_owned(),
+        ] {
+            assert!(
+                out.contains(&format!("{line}\n")),
+                "missing `{line}` in:\n{out}"
+            );
+        }
+        // Nothing measured yet: a target, but no percentiles; other tenants: no latency series.
+        assert!(
+            !out.contains(&format!("vgpu_tenant_latency_p99_seconds{{{voice}}}")),
+            "{out}"
+        );
+        assert!(
+            !out.contains("latency_target_seconds{tenant=\"train\""),
+            "{out}"
+        );
     }
 
     #[test]

@@ -267,13 +267,14 @@ fn placement_request() -> impl Strategy<Value = v1::PlacementRequest> {
             prop_oneof![3 => Just(String::new()), 1 => name("owner-")],
             edge_u32(),
             any::<bool>(),
+            prop_oneof![3 => Just(0u64), 1 => Just(2_000u64), 1 => edge_u64()],
         ),
     )
         .prop_map(
             |(
                 (whole_gpus, milli_gpus, memory_bytes_per_gpu, compute_percent, burst),
                 (priority, preemptible, nvlink, nodes),
-                (node_selector, owner, bandwidth_weight, latency),
+                (node_selector, owner, bandwidth_weight, latency, latency_target_us),
             )| v1::PlacementRequest {
                 whole_gpus,
                 milli_gpus,
@@ -288,6 +289,7 @@ fn placement_request() -> impl Strategy<Value = v1::PlacementRequest> {
                 owner,
                 bandwidth_weight,
                 latency,
+                latency_target_us,
             },
         )
 }
@@ -471,12 +473,21 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
         (name("t"), name("n"), short_text(), edge_u32()),
         (edge_u64(), edge_u64(), edge_u64(), edge_u32()),
         (proptest::collection::vec(process(), 0..3), any::<i64>()),
+        (edge_u64(), edge_u64(), edge_u64(), edge_u64(), edge_u64(), edge_u64()),
     )
         .prop_map(
             |(
                 (tenant, node, gpu, gpu_index),
                 (memory_used_bytes, memory_limit_bytes, gpu_time_ns, process_count),
                 (processes, reported_unix_ms),
+                (
+                    latency_target_us,
+                    latency_baseline_us,
+                    latency_p50_us,
+                    latency_p99_us,
+                    latency_steps,
+                    latency_violations,
+                ),
             )| v1::TenantUsage {
                 tenant,
                 node,
@@ -488,6 +499,12 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 process_count,
                 processes,
                 reported_unix_ms,
+                latency_target_us,
+                latency_baseline_us,
+                latency_p50_us,
+                latency_p99_us,
+                latency_steps,
+                latency_violations,
             },
         )
 }

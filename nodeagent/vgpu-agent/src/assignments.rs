@@ -37,6 +37,11 @@ pub struct TenantAssignment {
     /// Latency-sensitive (`vgpuctl place --latency`): matters on nodes that run MPS.
     #[serde(default)]
     pub latency: bool,
+    /// A latency tenant's step-latency target in µs (`vgpuctl place --latency-target`); `None`
+    /// when it gave none (its node then derives one from its latency alone). Only ever `Some`
+    /// with `latency`, within the API's bounds ([`AssignmentSet::from_proto`] drops others).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_target_us: Option<u64>,
 }
 
 /// One tenant's share of one GPU.
@@ -90,12 +95,28 @@ impl AssignmentSet {
                 continue;
             }
             slices.sort();
+            let latency_target_us = match api::validate::check_latency_target(
+                assignment.latency,
+                assignment.latency_target_us,
+            ) {
+                Ok(()) => {
+                    (assignment.latency_target_us > 0).then_some(assignment.latency_target_us)
+                }
+                Err(error) => {
+                    warnings.push(format!(
+                        "tenant {}: ignoring its latency target: {error}",
+                        assignment.tenant
+                    ));
+                    None
+                }
+            };
             let entry = TenantAssignment {
                 tenant: assignment.tenant.clone(),
                 priority: assignment.priority,
                 slices,
                 bandwidth_weight: assignment.bandwidth_weight,
                 latency: assignment.latency,
+                latency_target_us,
             };
             if tenants.len() >= TENANTS_PER_NODE_MAX {
                 warnings.push(format!(
@@ -133,6 +154,10 @@ impl AssignmentSet {
             assert!(
                 assignment.slices.is_sorted(),
                 "tenant {name}: slices are sorted"
+            );
+            assert!(
+                assignment.latency_target_us.is_none() || assignment.latency,
+                "tenant {name}: only a latency tenant has a latency target"
             );
         }
     }
@@ -207,6 +232,7 @@ mod tests {
                     priority: 5,
                     bandwidth_weight: 0,
                     latency: false,
+                    latency_target_us: 0,
                 },
                 api::v1::Assignment {
                     tenant: "../escape".into(),
@@ -214,6 +240,7 @@ mod tests {
                     priority: 0,
                     bandwidth_weight: 0,
                     latency: false,
+                    latency_target_us: 0,
                 },
                 api::v1::Assignment {
                     tenant: "elsewhere".into(),
@@ -221,6 +248,7 @@ mod tests {
                     priority: 0,
                     bandwidth_weight: 0,
                     latency: false,
+                    latency_target_us: 0,
                 },
             ],
         };
@@ -235,6 +263,44 @@ mod tests {
             .collect();
         assert_eq!(indexes, [1, 3]);
         assert_eq!(warnings.len(), 3, "{warnings:?}");
+    }
+
+    #[test]
+    fn a_latency_target_is_kept_for_latency_tenants_only() {
+        let assignment = |tenant: &str, latency, latency_target_us| api::v1::Assignment {
+            tenant: tenant.into(),
+            slices: vec![slice("node-a", 0)],
+            latency,
+            latency_target_us,
+            ..api::v1::Assignment::default()
+        };
+        let message = api::v1::Assignments {
+            revision: 3,
+            node_state: api::v1::NodeState::Ready as i32,
+            assignments: vec![
+                assignment("chat", true, 2_000),
+                assignment("derived", true, 0),
+                assignment("batch", false, 2_000),
+                assignment("tiny", true, 1),
+            ],
+        };
+        let (set, warnings) = AssignmentSet::from_proto(&message, "node-a");
+        let targets: Vec<(&str, Option<u64>)> = set
+            .tenants
+            .values()
+            .map(|t| (t.tenant.as_str(), t.latency_target_us))
+            .collect();
+        assert_eq!(
+            targets,
+            [
+                ("batch", None),
+                ("chat", Some(2_000)),
+                ("derived", None),
+                ("tiny", None)
+            ]
+        );
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(warnings[0].contains("tenant batch"), "{warnings:?}");
     }
 
     #[test]

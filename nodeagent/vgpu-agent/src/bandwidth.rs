@@ -332,6 +332,7 @@ mod tests {
             }],
             bandwidth_weight: bandwidth,
             latency: false,
+            latency_target_us: None,
         }
     }
 

@@ -305,6 +305,7 @@ mod tests {
                         priority: 1,
                         bandwidth_weight: 0,
                         latency: false,
+                        latency_target_us: None,
                         slices: gpus
                             .iter()
                             .map(|&index| SliceAssignment {

@@ -189,6 +189,7 @@ mod tests {
                     priority: 0,
                     bandwidth_weight: 0,
                     latency: false,
+                    latency_target_us: 0,
                     slices: vec![api::v1::Slice {
                         node: "node-a".into(),
                         gpu: format!("GPU-{gpu_index}"),

@@ -5,6 +5,10 @@
 //!
 //! The thread ends within one interval after the [`Monitor`] is dropped. Nothing is queued: the
 //! newest report replaces the previous one.
+//!
+//! Latency tenants' step latencies come from a [`LatencySource`] (the node's closed-loop
+//! controller), set with [`Monitor::set_latency_source`]; until one is set, usage entries carry
+//! only the targets the tenants asked for.
 
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
@@ -16,6 +20,7 @@ use api::v1::{GpuHealth, TenantUsage};
 use crate::health::{HealthSource, SimulatedHealth};
 use crate::inventory::{Inventory, InventorySource};
 use crate::state::read_assignments_file;
+use crate::usage::LatencySource;
 
 /// The newest sample.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -38,6 +43,8 @@ pub struct MonitorConfig {
 /// The handle of the monitor thread.
 pub struct Monitor {
     latest: Arc<Mutex<Report>>,
+    /// What the thread asks for latency tenants' numbers at each sample.
+    latency: Arc<Mutex<LatencySource>>,
     /// Dropping it stops the thread.
     _stop: Sender<()>,
 }
@@ -59,9 +66,11 @@ impl Monitor {
     ) -> std::io::Result<Monitor> {
         assert!(!config.interval.is_zero(), "a monitor interval");
         let latest = Arc::new(Mutex::new(Report::default()));
+        let latency = Arc::new(Mutex::new(LatencySource::none()));
         let (stop, stopped) = channel();
         let (first_done, first) = channel();
         let shared = latest.clone();
+        let latency_shared = latency.clone();
         let inventory = inventory.clone();
         let nvml = matches!(source, InventorySource::Nvml);
         std::thread::Builder::new()
@@ -80,14 +89,25 @@ impl Monitor {
                 } else {
                     Box::new(SimulatedHealth::new(&inventory, &config.state_dir))
                 };
-                run(&config, health.as_mut(), &shared, &stopped, first_done);
+                let sources = Sources {
+                    health: health.as_mut(),
+                    latency: &latency_shared,
+                };
+                run(&config, sources, &shared, &stopped, first_done);
             })?;
         // Bounded: the first sample reads a few files and asks NVML a few questions.
         let _ = first.recv_timeout(Duration::from_secs(10));
         Ok(Monitor {
             latest,
+            latency,
             _stop: stop,
         })
+    }
+
+    /// Takes latency tenants' numbers from `source` from the next sample on (the node's
+    /// closed-loop controller: `LatencySource::new(move |tenant| ...)`).
+    pub fn set_latency_source(&self, source: LatencySource) {
+        *self.latency.lock().expect("monitor latency lock") = source;
     }
 
     /// The newest report.
@@ -105,9 +125,15 @@ impl HealthSource for NoHealth {
     }
 }
 
+/// What the monitor thread samples besides the files.
+struct Sources<'a> {
+    health: &'a mut dyn HealthSource,
+    latency: &'a Mutex<LatencySource>,
+}
+
 fn run(
     config: &MonitorConfig,
-    health: &mut dyn HealthSource,
+    sources: Sources<'_>,
     latest: &Mutex<Report>,
     stopped: &Receiver<()>,
     first_done: Sender<()>,
@@ -115,7 +141,13 @@ fn run(
     let mut first_done = Some(first_done);
     let mut logged_problems = std::collections::BTreeSet::new();
     loop {
-        let report = sample(config, health, &mut logged_problems);
+        // Cloned out, so that a slow lookup never holds the lock `set_latency_source` takes.
+        let latency = sources
+            .latency
+            .lock()
+            .expect("monitor latency lock")
+            .clone();
+        let report = sample(config, sources.health, &latency, &mut logged_problems);
         *latest.lock().expect("monitor lock") = report;
         if let Some(done) = first_done.take() {
             let _ = done.send(());
@@ -131,10 +163,12 @@ fn run(
 /// logged at debug level only).
 const LOGGED_PROBLEMS_MAX: usize = 256;
 
-/// One report: health from `health`, usage from the files of the assigned tenants.
+/// One report: health from `health`, usage from the files of the assigned tenants, latency
+/// tenants' step latencies from `latency`.
 pub fn sample(
     config: &MonitorConfig,
     health: &mut dyn HealthSource,
+    latency: &LatencySource,
     logged_problems: &mut std::collections::BTreeSet<String>,
 ) -> Report {
     let mut gpus = health.sample();
@@ -162,7 +196,9 @@ pub fn sample(
             }
         }
     }
-    let usage = crate::usage::combine(&config.node, &assignments, &files);
+    let usage = crate::usage::combine(&config.node, &assignments, &files, &|tenant| {
+        latency.get(tenant)
+    });
     let mut report = Report { gpus, usage };
     let mut request = api::v1::HeartbeatRequest {
         node: config.node.clone(),
@@ -214,7 +250,8 @@ mod tests {
                 tenant: "train".into(),
                 priority: 0,
                 bandwidth_weight: 0,
-                latency: false,
+                latency: true,
+                latency_target_us: 2_000,
                 slices: vec![api::v1::Slice {
                     node: "node-a".into(),
                     gpu: "GPU-0".into(),
@@ -243,9 +280,39 @@ mod tests {
             state_dir: directory.path().join("state"),
             interval: Duration::from_millis(50),
         };
-        let report = sample(&config, &mut OneGpu, &mut Default::default());
+        let report = sample(
+            &config,
+            &mut OneGpu,
+            &LatencySource::none(),
+            &mut Default::default(),
+        );
         assert_eq!(report.usage.len(), 1);
         assert_eq!(report.usage[0].memory_used_bytes, 1 << 30);
+        // No controller: the target the tenant asked for, nothing measured.
+        assert_eq!(report.usage[0].latency_target_us, 2_000);
+        assert_eq!(report.usage[0].latency_steps, 0);
+        let controller = LatencySource::new(|tenant| {
+            (tenant == "train").then(|| {
+                crate::usage::LatencyReport::from_ns(
+                    Some(2_000_000),
+                    Some(1_000_000),
+                    Some(700_000),
+                    Some(1_900_000),
+                    40,
+                    1,
+                )
+            })
+        });
+        let report = sample(&config, &mut OneGpu, &controller, &mut Default::default());
+        let usage = &report.usage[0];
+        assert_eq!(
+            (
+                usage.latency_p99_us,
+                usage.latency_steps,
+                usage.latency_violations
+            ),
+            (1_900, 40, 1)
+        );
         // No limit in the ledger: 0, as the interposer enforces none.
         assert_eq!(report.usage[0].memory_limit_bytes, 0);
         let owners: Vec<(u32, &str)> = report.gpus[0]
@@ -271,6 +338,7 @@ mod tests {
         let report = monitor.latest();
         assert_eq!(report.gpus.len(), 2);
         assert!(report.usage.is_empty(), "no assignments yet");
+        monitor.set_latency_source(LatencySource::new(|_| None));
         drop(monitor);
     }
 }

@@ -39,6 +39,7 @@ fn set(tenants: &[(&str, &[&str])]) -> AssignmentSet {
                     slices,
                     bandwidth_weight: 0,
                     latency: false,
+                    latency_target_us: None,
                 };
                 ((*name).to_owned(), assignment)
             })

@@ -15,7 +15,8 @@ pub enum Change {
     Started(TenantAssignment),
     /// The tenant was on this node and no longer is.
     Stopped(TenantAssignment),
-    /// The tenant stays, with other slices or another priority.
+    /// The tenant stays, with other slices, another priority or latency target, or another
+    /// bandwidth weight.
     Changed {
         before: TenantAssignment,
         after: TenantAssignment,
@@ -116,6 +117,17 @@ impl fmt::Display for Change {
                         before.priority, after.priority
                     )?;
                 }
+                if before.latency_target_us != after.latency_target_us {
+                    let target = |microseconds: Option<u64>| {
+                        microseconds.map_or_else(|| "none".to_owned(), |us| format!("{us}us"))
+                    };
+                    write!(
+                        formatter,
+                        " latency target {} to {}",
+                        target(before.latency_target_us),
+                        target(after.latency_target_us)
+                    )?;
+                }
                 Ok(())
             }
         }
@@ -138,6 +150,7 @@ mod tests {
             priority: 0,
             bandwidth_weight: 0,
             latency: false,
+            latency_target_us: None,
             slices: vec![SliceAssignment {
                 gpu_index,
                 gpu_uuid: format!("GPU-{gpu_index}"),
@@ -225,6 +238,21 @@ mod tests {
                 "tenant move: changed from GPU 1 (50%, 40GiB) to GPU 3 (50%, 40GiB)",
                 "tenant aaa-new: started on GPU 0 (25%, 20GiB)",
             ]
+        );
+    }
+
+    #[test]
+    fn a_new_latency_target_or_share_changes_the_tenant_in_place() {
+        let mut before = tenant("chat", 0, 25, 20);
+        before.latency = true;
+        let mut after = before.clone();
+        after.latency_target_us = Some(1_500);
+        after.slices[0].compute_percent = 40;
+        let changes = reconcile(&set(3, &[before.clone()]), &set(4, &[after.clone()]));
+        assert_eq!(changes, [Change::Changed { before, after }]);
+        assert_eq!(
+            changes[0].to_string(),
+            "tenant chat: changed from GPU 0 (25%, 20GiB) to GPU 0 (40%, 20GiB) latency target none to 1500us"
         );
     }
 

@@ -192,6 +192,12 @@ fn without_counters(usage: &TenantUsage) -> TenantUsage {
         memory_used_bytes: 0,
         gpu_time_ns: 0,
         processes: without_memory(&usage.processes),
+        // A latency tenant's measurements move with every step; its target does not.
+        latency_baseline_us: 0,
+        latency_p50_us: 0,
+        latency_p99_us: 0,
+        latency_steps: 0,
+        latency_violations: 0,
         ..usage.clone()
     }
 }
@@ -348,5 +354,14 @@ mod tests {
         let mut gone = base.clone();
         gone.usage.clear();
         assert!(!only_usage_moved(&base, &gone));
+        // A latency tenant's step latencies are measurements; a new target is not.
+        let mut stepped = base.clone();
+        stepped.usage[0].latency_p99_us = 1_800;
+        stepped.usage[0].latency_steps = 40;
+        stepped.usage[0].latency_violations = 2;
+        assert!(only_usage_moved(&base, &stepped));
+        let mut retargeted = base.clone();
+        retargeted.usage[0].latency_target_us = 1_500;
+        assert!(!only_usage_moved(&base, &retargeted));
     }
 }

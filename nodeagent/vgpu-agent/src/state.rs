@@ -5,8 +5,12 @@
 //! STATE_DIR/
 //!   assignments.json        {"format":1,"node":..,"revision":R,"node_state":"ready","assignments":[..]}
 //!   inventory.json          the inventory last registered (for people and debugging)
-//!   tenants/<tenant>.json   {"format":1,"node":..,"tenant":..,"revision":R,"priority":P,"slices":[..]}
+//!   tenants/<tenant>.json   {"format":1,"node":..,"tenant":..,"revision":R,"priority":P,"slices":[..],
+//!                            "latency":true,"latency_target_us":T}   (the last two for latency tenants)
 //! ```
+//!
+//! Fields added later have a serde default, so files written before them still load (a tenant
+//! without `latency_target_us` has none).
 //!
 //! A tenant file's `revision` is the assignment revision at which the tenant's share of this node
 //! last changed. Every file is written atomically: to a temporary file in the same directory,
@@ -63,6 +67,12 @@ pub struct TenantFile {
     pub revision: u64,
     pub priority: i32,
     pub slices: Vec<SliceAssignment>,
+    /// Latency-sensitive (`vgpuctl place --latency`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub latency: bool,
+    /// The latency tenant's step-latency target in µs; absent: none given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_target_us: Option<u64>,
 }
 
 /// What [`StateDir::apply`] did besides applying the changes it was given.
@@ -249,7 +259,13 @@ impl StateDir {
             revision,
             priority: assignment.priority,
             slices: assignment.slices.clone(),
+            latency: assignment.latency,
+            latency_target_us: assignment.latency_target_us,
         };
+        assert!(
+            file.latency_target_us.is_none() || file.latency,
+            "only a latency tenant has a latency target"
+        );
         write_json(&self.tenant_path(&assignment.tenant), &file)
     }
 
@@ -471,6 +487,7 @@ mod tests {
             priority: 3,
             bandwidth_weight: 0,
             latency: false,
+            latency_target_us: None,
             slices: vec![SliceAssignment {
                 gpu_index,
                 gpu_uuid: format!("GPU-{gpu_index}"),
@@ -540,6 +557,60 @@ mod tests {
         assert_eq!(reopened.load_tenant("b").unwrap().unwrap().revision, 4);
         assert_eq!(reopened.load_tenant("c").unwrap().unwrap().revision, 9);
         assert_eq!(reopened.load_tenant("a").unwrap(), None);
+    }
+
+    #[test]
+    fn a_latency_target_is_persisted_changed_in_place_and_old_files_still_load() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(directory.path(), "node-a").unwrap();
+        let mut chat = tenant("chat", 0);
+        chat.latency = true;
+        chat.latency_target_us = Some(2_000);
+        let first = set(5, &[chat.clone(), tenant("plain", 1)]);
+        state
+            .apply(&first, &reconcile(&AssignmentSet::default(), &first))
+            .unwrap();
+        assert_eq!(state.load().unwrap(), first);
+        let file = state.load_tenant("chat").unwrap().unwrap();
+        assert_eq!((file.latency, file.latency_target_us), (true, Some(2_000)));
+        // A tenant without a target writes no such field: its file reads as before.
+        let plain = fs::read_to_string(state.tenant_path("plain")).unwrap();
+        assert!(!plain.contains("latency"), "{plain}");
+
+        // A change of target and share (`vgpuctl set tenant`) rewrites the tenant's file.
+        chat.latency_target_us = Some(1_500);
+        chat.slices[0].compute_percent = 40;
+        let second = set(8, &[chat.clone(), tenant("plain", 1)]);
+        state
+            .apply(&second, &reconcile(&state.load().unwrap(), &second))
+            .unwrap();
+        assert_eq!(state.load().unwrap(), second);
+        let file = state.load_tenant("chat").unwrap().unwrap();
+        assert_eq!(
+            (
+                file.revision,
+                file.latency_target_us,
+                file.slices[0].compute_percent
+            ),
+            (8, Some(1_500), 40)
+        );
+        assert_eq!(state.load_tenant("plain").unwrap().unwrap().revision, 5);
+
+        // Files written before the fields existed.
+        let old_assignments = r#"{"format": 1, "node": "node-a", "revision": 3,
+            "node_state": "ready", "assignments": [{"tenant": "a", "priority": 0,
+            "slices": [{"gpu_index": 0, "gpu_uuid": "GPU-0", "compute_percent": 25,
+            "memory_bytes": 1, "guaranteed": true, "burst": false}]}]}"#;
+        fs::write(state.assignments_path(), old_assignments).unwrap();
+        let loaded = state.load().unwrap();
+        assert_eq!(loaded.tenants["a"].latency_target_us, None);
+        assert!(!loaded.tenants["a"].latency);
+        let old_tenant = r#"{"format": 1, "node": "node-a", "tenant": "a", "revision": 3,
+            "priority": 0, "slices": [{"gpu_index": 0, "gpu_uuid": "GPU-0",
+            "compute_percent": 25, "memory_bytes": 1, "guaranteed": true, "burst": false}]}"#;
+        fs::write(state.tenant_path("a"), old_tenant).unwrap();
+        let file = state.load_tenant("a").unwrap().unwrap();
+        assert_eq!((file.latency, file.latency_target_us), (false, None));
     }
 
     #[test]

@@ -127,7 +127,7 @@ pub fn tenant_environment(
         },
         spatial,
         latency,
-        latency_target_us: None,
+        latency_target_us: assignment.latency_target_us.filter(|_| latency),
     };
     environment.extend(tenant_env.to_env());
     let identity = slice_identity_environment(node, assignment);
@@ -283,6 +283,7 @@ pub fn load_placement(state_dir: &Path, tenant: &str, node_hint: &str) -> Result
             slices: file.slices,
             bandwidth_weight: entry.bandwidth_weight,
             latency: entry.latency,
+            latency_target_us: entry.latency_target_us,
         }
     } else {
         entry.clone()

@@ -23,6 +23,7 @@ fn trainer() -> TenantAssignment {
         slices: vec![slice(2, 50, 10), slice(5, 30, 20)],
         bandwidth_weight: 0,
         latency: false,
+        latency_target_us: None,
     }
 }
 
@@ -265,6 +266,7 @@ fn nccl_settings_follow_the_slices_and_the_installed_plugin() {
         slices: vec![slice(0, 100, 80), slice(1, 100, 80)],
         bandwidth_weight: 0,
         latency: false,
+        latency_target_us: None,
     };
     let environment = tenant_environment("node-a", &whole, &config(), None);
     assert_eq!(get(&environment, "NCCL_HOSTID"), None);
@@ -301,6 +303,7 @@ fn nccl_settings_follow_the_slices_and_the_installed_plugin() {
         slices: vec![slice(3, 50, 10)],
         bandwidth_weight: 0,
         latency: false,
+        latency_target_us: None,
     };
     let b = TenantAssignment {
         tenant: "b".into(),
@@ -308,6 +311,7 @@ fn nccl_settings_follow_the_slices_and_the_installed_plugin() {
         slices: vec![slice(3, 25, 10)],
         bandwidth_weight: 0,
         latency: false,
+        latency_target_us: None,
     };
     let id = |t: &TenantAssignment| {
         get(
@@ -414,6 +418,38 @@ fn an_mps_node_gives_the_pipes_to_all_and_spatial_roles_to_sharing_and_latency_t
             .all(|(k, _)| !k.starts_with("CUDA_MPS") && k != "VGPU_SPATIAL" && k != "VGPU_LATENCY"),
         "{plain:?}"
     );
+}
+
+#[test]
+fn a_latency_tenant_on_an_mps_node_gets_its_latency_target() {
+    let mps = EnvConfig {
+        mps_pipe_dir: Some(PathBuf::from("/dev/shm/vgpu/mps")),
+        ..config()
+    };
+    let get = |assignment: &TenantAssignment, config: &EnvConfig| {
+        tenant_environment("node-a", assignment, config, None)
+            .into_iter()
+            .find(|(k, _)| k == "VGPU_LATENCY_TARGET_US")
+            .map(|(_, value)| value)
+    };
+    let mut serving = trainer();
+    serving.latency = true;
+    serving.latency_target_us = Some(2_000);
+    assert_eq!(get(&serving, &mps).as_deref(), Some("2000"));
+    let environment = tenant_environment("node-a", &serving, &mps, None);
+    let lookup = |name: &str| {
+        environment
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.clone())
+    };
+    let spatial = tenant_abi::SpatialEnv::from_lookup(lookup)
+        .unwrap()
+        .unwrap();
+    assert_eq!(spatial.latency_target_us, Some(2_000));
+    // No target given: none set (the controller derives one).
+    serving.latency_target_us = None;
+    assert_eq!(get(&serving, &mps), None);
 }
 
 /// What the agent writes is what the tenant side reads: the interposer's memory, compute and

@@ -11,15 +11,94 @@
 //! Both are read through `tenant_abi::shm` (the interposer's own layout code, mapped read-only, atomic
 //! loads only), so a tenant process is never made to wait and nothing is written. Only tenants
 //! assigned to this node are reported, one entry per slice, zeros included; files of tenants
-//! that left are ignored. [`combine`] is pure; [`collect`] does the reading.
+//! that left are ignored. [`combine`] is pure; [`read_files`] does the reading.
+//!
+//! A latency tenant's step latency (target, baseline, p50, p99, steps, violations) comes from
+//! the node's closed-loop controller through a [`LatencySource`]; it goes on the tenant's first
+//! entry (lowest GPU index), since the controller measures per tenant, not per GPU. Without a
+//! source (or before the controller knows the tenant) the entry carries the target the tenant
+//! asked for, if any, and zeros.
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use api::v1::{ProcessUsage, TenantUsage};
 use tenant_abi::{DEVICES_MAX, LedgerUsage, TenantTime};
 
 use crate::assignments::TenantAssignment;
+
+/// One latency tenant's numbers from the node's closed-loop controller, in microseconds: the
+/// target in force (asked for, or derived from the baseline), its p99 alone, and the p50 and
+/// p99 of its recent steps; with the steps seen and those slower than the target (cumulative).
+/// 0 for what is not known yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LatencyReport {
+    pub target_us: u64,
+    pub baseline_us: u64,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub steps: u64,
+    pub violations: u64,
+}
+
+impl LatencyReport {
+    /// From the controller's nanoseconds (`None`: not known yet); rounded up to whole
+    /// microseconds, so a measured latency never shows as 0.
+    pub fn from_ns(
+        target_ns: Option<u64>,
+        baseline_ns: Option<u64>,
+        p50_ns: Option<u64>,
+        p99_ns: Option<u64>,
+        steps: u64,
+        violations: u64,
+    ) -> LatencyReport {
+        let microseconds = |ns: Option<u64>| ns.map_or(0, |ns| ns.div_ceil(1_000));
+        LatencyReport {
+            target_us: microseconds(target_ns),
+            baseline_us: microseconds(baseline_ns),
+            p50_us: microseconds(p50_ns),
+            p99_us: microseconds(p99_ns),
+            steps,
+            violations: violations.min(steps),
+        }
+    }
+}
+
+/// A lookup of latency tenants' numbers by tenant name.
+pub type LatencyLookup = dyn Fn(&str) -> Option<LatencyReport> + Send + Sync;
+
+/// Where the latency numbers come from: a lookup by tenant name, shared with the monitor
+/// thread. [`LatencySource::none`] knows no tenant (the default).
+#[derive(Clone)]
+pub struct LatencySource(Arc<LatencyLookup>);
+
+impl LatencySource {
+    pub fn new(lookup: impl Fn(&str) -> Option<LatencyReport> + Send + Sync + 'static) -> Self {
+        LatencySource(Arc::new(lookup))
+    }
+
+    pub fn none() -> Self {
+        LatencySource::new(|_| None)
+    }
+
+    /// The numbers of `tenant`, if the source has them.
+    pub fn get(&self, tenant: &str) -> Option<LatencyReport> {
+        (self.0)(tenant)
+    }
+}
+
+impl Default for LatencySource {
+    fn default() -> Self {
+        LatencySource::none()
+    }
+}
+
+impl std::fmt::Debug for LatencySource {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("LatencySource")
+    }
+}
 
 /// What the files said, keyed for [`combine`].
 #[derive(Debug, Default)]
@@ -63,13 +142,20 @@ pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, V
     (files, problems)
 }
 
-/// One usage entry per slice of every assigned tenant, in tenant order then slice order.
-pub fn combine(node: &str, assignments: &[TenantAssignment], files: &Files) -> Vec<TenantUsage> {
+/// One usage entry per slice of every assigned tenant, in tenant order then slice order; the
+/// latency numbers of `latency` on each tenant's first entry (see the module docs).
+pub fn combine(
+    node: &str,
+    assignments: &[TenantAssignment],
+    files: &Files,
+    latency: &dyn Fn(&str) -> Option<LatencyReport>,
+) -> Vec<TenantUsage> {
     let mut entries = Vec::new();
     for assignment in assignments {
         let mut slices = assignment.slices.clone();
         slices.sort();
         let ledger = files.ledgers.get(&assignment.tenant);
+        let first_entry = entries.len();
         for (ordinal, slice) in slices.iter().enumerate() {
             let tracked = ordinal < DEVICES_MAX;
             let (memory_used_bytes, memory_limit_bytes, mut processes) = match ledger {
@@ -107,10 +193,39 @@ pub fn combine(node: &str, assignments: &[TenantAssignment], files: &Files) -> V
                 process_count,
                 processes,
                 reported_unix_ms: 0,
+                ..TenantUsage::default()
             });
+        }
+        if let Some(first) = entries.get_mut(first_entry) {
+            attach_latency(first, assignment, latency);
         }
     }
     entries
+}
+
+/// Puts a latency tenant's numbers on `entry`: the controller's, else the target it asked for.
+fn attach_latency(
+    entry: &mut TenantUsage,
+    assignment: &TenantAssignment,
+    latency: &dyn Fn(&str) -> Option<LatencyReport>,
+) {
+    assert_eq!(entry.tenant, assignment.tenant);
+    let measured = if assignment.latency {
+        latency(&assignment.tenant)
+    } else {
+        None
+    };
+    let report = measured.unwrap_or_default();
+    entry.latency_target_us = match report.target_us {
+        0 => assignment.latency_target_us.unwrap_or(0),
+        target => target,
+    };
+    entry.latency_baseline_us = report.baseline_us;
+    entry.latency_p50_us = report.p50_us;
+    entry.latency_p99_us = report.p99_us;
+    entry.latency_steps = report.steps;
+    entry.latency_violations = report.violations.min(report.steps);
+    debug_assert!(assignment.latency || entry.latency_target_us == 0);
 }
 
 /// Which tenant each live ledger process belongs to (to name NVML's processes).
@@ -162,6 +277,7 @@ mod tests {
                 slices: vec![slice(5, 20 * GIB), slice(2, 10 * GIB)],
                 bandwidth_weight: 0,
                 latency: false,
+                latency_target_us: None,
             },
             TenantAssignment {
                 tenant: "idle".into(),
@@ -169,6 +285,7 @@ mod tests {
                 slices: vec![slice(2, 4 * GIB)],
                 bandwidth_weight: 0,
                 latency: false,
+                latency_target_us: None,
             },
         ];
         let mut limits = [None; DEVICES_MAX];
@@ -191,7 +308,7 @@ mod tests {
                 processes: 1,
             }],
         );
-        let entries = combine("node-a", &assignments, &files);
+        let entries = combine("node-a", &assignments, &files, &|_| None);
         let summary: Vec<(&str, u32, u64, u64, u64, u32)> = entries
             .iter()
             .map(|e| {
@@ -228,6 +345,88 @@ mod tests {
     }
 
     #[test]
+    fn a_latency_tenants_numbers_go_on_its_first_entry() {
+        let tenant = |name: &str, latency, latency_target_us, slices| TenantAssignment {
+            tenant: String::from(name),
+            priority: 0,
+            slices,
+            bandwidth_weight: 0,
+            latency,
+            latency_target_us,
+        };
+        let assignments = vec![
+            tenant(
+                "chat",
+                true,
+                Some(2_000),
+                vec![slice(3, GIB), slice(1, GIB)],
+            ),
+            tenant("voice", true, Some(500), vec![slice(1, GIB)]),
+            tenant("derived", true, None, vec![slice(1, GIB)]),
+            tenant("train", false, None, vec![slice(0, GIB)]),
+        ];
+        let controller = |name: &str| match name {
+            "chat" => Some(LatencyReport::from_ns(
+                Some(2_000_000),
+                Some(1_400_000),
+                Some(899_001),
+                Some(1_800_000),
+                12_000,
+                7,
+            )),
+            "derived" => Some(LatencyReport::from_ns(
+                Some(1_680_000),
+                Some(1_400_000),
+                None,
+                None,
+                0,
+                0,
+            )),
+            // A controller never reports a tenant that is not a latency tenant; if it did, the
+            // numbers would be left out.
+            _ => Some(LatencyReport {
+                p99_us: 9,
+                ..LatencyReport::default()
+            })
+            .filter(|_| name == "train"),
+        };
+        let entries = combine("node-a", &assignments, &Files::default(), &controller);
+        let latency: Vec<(&str, u32, [u64; 6])> = entries
+            .iter()
+            .map(|e| {
+                (
+                    e.tenant.as_str(),
+                    e.gpu_index,
+                    [
+                        e.latency_target_us,
+                        e.latency_baseline_us,
+                        e.latency_p50_us,
+                        e.latency_p99_us,
+                        e.latency_steps,
+                        e.latency_violations,
+                    ],
+                )
+            })
+            .collect();
+        assert_eq!(
+            latency,
+            [
+                ("chat", 1, [2_000, 1_400, 900, 1_800, 12_000, 7]),
+                ("chat", 3, [0; 6]),
+                // Not known to the controller yet: the target asked for.
+                ("voice", 1, [500, 0, 0, 0, 0, 0]),
+                ("derived", 1, [1_680, 1_400, 0, 0, 0, 0]),
+                ("train", 0, [0; 6]),
+            ]
+        );
+        // Without a controller, the asked-for targets alone.
+        let plain = combine("node-a", &assignments, &Files::default(), &|_| None);
+        assert_eq!(plain[0].latency_target_us, 2_000);
+        assert_eq!(plain[0].latency_steps, 0);
+        assert_eq!(LatencySource::default().get("chat"), None);
+    }
+
+    #[test]
     fn files_are_read_through_the_interposer_protocol() {
         let directory = tempfile::tempdir().unwrap();
         let assignments = vec![TenantAssignment {
@@ -236,11 +435,12 @@ mod tests {
             slices: vec![slice(0, 10 * GIB)],
             bandwidth_weight: 0,
             latency: false,
+            latency_target_us: None,
         }];
         // Nothing ran yet: no files, no problems, zeros.
         let (files, problems) = read_files(directory.path(), &assignments);
         assert!(problems.is_empty(), "{problems:?}");
-        let entries = combine("n", &assignments, &files);
+        let entries = combine("n", &assignments, &files, &|_| None);
         assert_eq!(entries.len(), 1);
         assert_eq!(
             (entries[0].memory_used_bytes, entries[0].memory_limit_bytes),
@@ -272,7 +472,7 @@ mod tests {
             .unwrap();
         let (files, problems) = read_files(directory.path(), &assignments);
         assert!(problems.is_empty(), "{problems:?}");
-        let entries = combine("n", &assignments, &files);
+        let entries = combine("n", &assignments, &files, &|_| None);
         assert_eq!(entries[0].memory_used_bytes, 3 * GIB);
         assert_eq!(entries[0].gpu_time_ns, 1_500_000_000);
         assert_eq!(entries[0].process_count, 1);

@@ -249,6 +249,7 @@ fn assignments(revision: u64, tenants: &[(&str, u32, u32)]) -> Assignments {
                 priority: 0,
                 bandwidth_weight: 0,
                 latency: false,
+                latency_target_us: 0,
                 slices: vec![Slice {
                     node: "node-a".into(),
                     gpu: format!("GPU-{gpu_index}"),

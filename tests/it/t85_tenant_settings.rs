@@ -1,0 +1,135 @@
+//! A tenant's settings reach its processes: a latency tenant's target (`vgpuctl place
+//! --latency-target`) becomes `VGPU_LATENCY_TARGET_US` in `vgpu-agent env`, shows in `describe`,
+//! comes back in the agent's usage report and in the leader's `/metrics`.
+
+use anyhow::{Context, Result, bail, ensure};
+use std::process::Command;
+use std::time::{Duration, Instant};
+use tests::{Cluster, binary, json, wait_for};
+
+/// The value of `name` in `vgpu-agent env` output (`export NAME='VALUE'` lines).
+fn variable(environment: &str, name: &str) -> Option<String> {
+    environment.lines().find_map(|line| {
+        let value = line.strip_prefix(&format!("export {name}="))?;
+        Some(value.trim_matches('\'').to_owned())
+    })
+}
+
+/// `vgpu-agent env --tenant TENANT` of node-a, on an MPS node (where latency tenants run in
+/// their latency mode), once `ready` accepts its output.
+fn tenant_env_until(
+    cluster: &Cluster,
+    tenant: &str,
+    shm_dir: &str,
+    what: &str,
+    ready: impl Fn(&str) -> bool,
+) -> Result<String> {
+    let state_dir = &cluster.agents[0].state_dir;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = Command::new(binary("vgpu-agent"))
+            .args(["env", "--tenant", tenant, "--name", "node-a"])
+            .args(["--shm-dir", shm_dir])
+            .arg("--state-dir")
+            .arg(state_dir)
+            .env("VGPU_AGENT_MPS", "true")
+            .output()?;
+        let text = String::from_utf8(out.stdout)?;
+        if out.status.success() && ready(&text) {
+            return Ok(text);
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "vgpu-agent env --tenant {tenant}: no {what} within 20 s; last output:\n{text}{}\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                cluster.logs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn succeeded(output: &std::process::Output) -> Result<String> {
+    ensure!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+#[test]
+fn a_latency_target_reaches_the_tenant_environment_and_describe() -> Result<()> {
+    let mut cluster = Cluster::start(1, &[])?;
+    let shm = tempfile::tempdir()?;
+    let shm_dir = shm.path().to_string_lossy().into_owned();
+    cluster.start_agent_with("node-a", "1xH100-80GB", &["--shm-dir", &shm_dir])?;
+    cluster.wait_nodes_ready(1)?;
+
+    // Without `--latency` the target is refused before anything is sent.
+    let refused =
+        cluster.vgpuctl(&["place", "chat", "--gpus", "0.25", "--latency-target", "2ms"])?;
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+    let message = String::from_utf8_lossy(&refused.stderr);
+    assert!(message.contains("add `--latency`"), "{message}");
+
+    succeeded(&cluster.vgpuctl(&[
+        "place",
+        "chat",
+        "--gpus",
+        "0.25",
+        "--latency",
+        "--latency-target",
+        "2ms",
+    ])?)?;
+    let environment = tenant_env_until(&cluster, "chat", &shm_dir, "latency target", |text| {
+        text.contains("VGPU_LATENCY_TARGET_US")
+    })?;
+    assert_eq!(
+        variable(&environment, "VGPU_LATENCY_TARGET_US").as_deref(),
+        Some("2000"),
+        "{environment}"
+    );
+    assert_eq!(variable(&environment, "VGPU_LATENCY").as_deref(), Some("1"));
+
+    let text = succeeded(&cluster.vgpuctl(&["describe", "tenant", "chat"])?)?;
+    assert!(text.contains("  Latency target: 2ms\n"), "{text}");
+    let tenant = json(&cluster.vgpuctl(&["get", "tenants", "chat", "-o", "json"])?)?;
+    assert_eq!(tenant["request"]["latency_target_us"], 2_000, "{tenant}");
+
+    // The agent reports the target with the tenant's usage; nothing is measured without a
+    // tenant process, so only the target shows.
+    let usage = wait_for(
+        "the agent to report the target",
+        Duration::from_secs(20),
+        || {
+            let tenant = json(
+                &cluster
+                    .vgpuctl(&["describe", "tenant", "chat", "-o", "json"])
+                    .ok()?,
+            )
+            .ok()?;
+            (tenant["usage"][0]["latency_target_us"] == 2_000).then_some(tenant)
+        },
+    )
+    .with_context(|| cluster.logs())?;
+    assert_eq!(usage["usage"][0]["latency_steps"], 0, "{usage}");
+    let gpu = usage["usage"][0]["gpu"]
+        .as_str()
+        .context("a GPU")?
+        .to_owned();
+    let metrics = tests::http_get(&cluster.members[0].address, "/metrics")?;
+    let line = format!(
+        "vgpu_tenant_latency_target_seconds{{tenant=\"chat\",node=\"node-a\",gpu=\"{gpu}\"}} 0.002\n"
+    );
+    assert!(metrics.contains(&line), "missing `{line}` in:\n{metrics}");
+
+    // A tenant without a target: the variable is not set (its node derives one).
+    succeeded(&cluster.vgpuctl(&["place", "voice", "--gpus", "0.25", "--latency"])?)?;
+    let environment = tenant_env_until(&cluster, "voice", &shm_dir, "latency mode", |text| {
+        text.contains("VGPU_LATENCY=")
+    })?;
+    assert_eq!(variable(&environment, "VGPU_LATENCY_TARGET_US"), None);
+    drop(cluster.agents.drain(..));
+    Ok(())
+}
