@@ -22,7 +22,7 @@
 //! | `VGPU_NETSHARE_TABLE`, `VGPU_NETSHARE_FLOW` | `netshare` in the tenant's directory and the tenant's flow in it: the token bucket its NCCL network sends wait on ([`crate::bandwidth`]) |
 //! | `NCCL_NET_PLUGIN`, `NCCL_TUNER_PLUGIN` | `libvgpu_nccl.so` beside the interposer, when it is there |
 //! | `NCCL_ENV_PLUGIN` | the same library, for a tenant with a fraction of a GPU: the rank of it that shares a GPU with another of its ranks gets a host identity of its own (`<NCCL_HOSTID>-slot<k>`), so two of its ranks on one GPU join one communicator |
-//! | `VGPU_SPATIAL`, `VGPU_LATENCY` | on a node that runs MPS: the interposer's spatial mode for tenants with a fraction of a GPU and for latency tenants, and which is the latency tenant ([`concurrent_sharing_mode`]) |
+//! | `VGPU_SPATIAL`, `VGPU_LATENCY` | the interposer's spatial mode for tenants with a fraction of a GPU and for latency tenants, and which is the latency tenant ([`concurrent_sharing_mode`]) |
 //! | `NCCL_HOSTID`, `NCCL_NET` | for a tenant with a fraction of a GPU: `vgpu-<node>-<tenant>` and `vgpu`, so NCCL treats the slice as its own device (no "Duplicate GPU detected" when two tenants' ranks share a GPU) and connects it through the plugin |
 //!
 //! | `CUDA_MPS_PIPE_DIRECTORY` | on a node that runs MPS: the daemon's pipes |
@@ -105,10 +105,9 @@ pub fn tenant_environment(
             ld_preload(&interposer.to_string_lossy(), inherited_ld_preload),
         ));
     }
-    let (spatial, latency) = match &config.mps_pipe_dir {
-        Some(_) => concurrent_sharing_mode(assignment),
-        None => (false, false),
-    };
+    // On every node, MPS or not: a latency tenant must never be worse off than plain
+    // co-location, so its launches skip the turns and its neighbours obey the closed loop.
+    let (spatial, latency) = concurrent_sharing_mode(assignment);
     let tenant_env = TenantEnv {
         tenant: assignment.tenant.clone(),
         node: node.to_owned(),
@@ -195,11 +194,13 @@ pub fn slice_identity_environment(
     ]
 }
 
-/// On a node that runs MPS: whether the tenant runs in the interposer's spatial mode, and
-/// whether it is the latency tenant there. Spatial mode is on for tenants that share a GPU (a
-/// fraction of one) and for latency-sensitive tenants. It costs a squeezable tenant nothing while
-/// no latency tenant is active on its GPU, so it is on whether or not one is placed there now: a
-/// latency tenant placed later is protected from the tenants already running.
+/// Whether the tenant runs in the interposer's spatial mode, and whether it is the latency tenant
+/// there. Spatial mode is on for tenants that share a GPU (a fraction of one) and for
+/// latency-sensitive tenants, on every node: a latency tenant's launches skip the turns and its
+/// steps are measured; the others obey the agent's closed-loop decision (pause and queue bounds
+/// everywhere, fewer SMs only under MPS). It costs a squeezable tenant nothing while no decision
+/// is in force on its GPU, so it is on whether or not a latency tenant is placed there now: one
+/// placed later is protected from the tenants already running.
 pub fn concurrent_sharing_mode(assignment: &TenantAssignment) -> (bool, bool) {
     let fractional = assignment
         .slices

@@ -62,6 +62,8 @@ fn the_environment_describes_the_slices_by_process_ordinal() {
             "/dev/shm/vgpu/tenants/trainer/netshare",
         ),
         ("VGPU_NETSHARE_FLOW", &flow),
+        // a fraction of a GPU: squeezable by the closed loop, on every node
+        ("VGPU_SPATIAL", "1"),
         ("NCCL_HOSTID", "vgpu-node-a-trainer"),
         ("NCCL_NET", "vgpu"),
     ];
@@ -410,12 +412,19 @@ fn an_mps_node_gives_the_pipes_to_all_and_spatial_roles_to_sharing_and_latency_t
     }
     assert!(get(&whole, "CUDA_MPS_PIPE_DIRECTORY").is_some());
     assert_eq!(get(&whole, "VGPU_SPATIAL"), None);
-    // Without MPS the latency flag changes nothing (spatial mode needs concurrent kernels).
+    // Without MPS the roles are the same (the closed loop pauses and bounds queues there; only
+    // the SM lever needs MPS), and there are no pipes.
     let plain = tenant_environment("node-a", &serving, &config(), None);
-    assert!(
+    let get_plain = |key: &str| {
         plain
             .iter()
-            .all(|(k, _)| !k.starts_with("CUDA_MPS") && k != "VGPU_SPATIAL" && k != "VGPU_LATENCY"),
+            .find(|(k, _)| k == key)
+            .map(|(_, value)| value.as_str())
+    };
+    assert_eq!(get_plain("VGPU_SPATIAL"), Some("1"));
+    assert_eq!(get_plain("VGPU_LATENCY"), Some("1"));
+    assert!(
+        plain.iter().all(|(k, _)| !k.starts_with("CUDA_MPS")),
         "{plain:?}"
     );
 }
