@@ -1,0 +1,451 @@
+//! The controller of one GPU: [`Controller::handle`] takes one [`Event`] and returns the
+//! [`Output`]: the decision for the neighbours, what changed and why, and the latency tenants'
+//! statuses. The rule is in the crate's docs; this file is its bookkeeping.
+
+use std::collections::BTreeMap;
+
+use crate::ladder::Ladder;
+use crate::tenant::{Judgement, TenantState};
+use crate::types::{
+    Change, Config, Event, Lever, Output, Reason, TENANTS_MAX, TenantStatus, TenantWindow,
+};
+use tenant_abi::control::Decision;
+
+/// A lever must lower the worst p99 by at least this many histogram buckets (about 9% each) to
+/// count as helping: one bucket is the histogram's own rounding.
+pub const LEVER_IMPROVEMENT_BUCKETS: i32 = 2;
+/// A level that failed again waits at most 2^this times its first probe before it is tried
+/// again.
+pub const PROBE_BACKOFF_MAX: u32 = 6;
+
+/// What is known of one lever kind in this episode (since the latency tenants last went idle).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LeverState {
+    /// Nothing measured.
+    Untried,
+    /// The level stepped up into it when the worst excess over target was `reference_buckets`;
+    /// `windows` windows with steps were spent at its levels since.
+    Trying {
+        reference_buckets: i32,
+        windows: u32,
+    },
+    /// It lowered the p99, or releasing it cost violations: kept.
+    Needed,
+    /// Released for a probe (left out of the decision) until the probe ends.
+    Probing,
+    /// Tightening it did not help, or releasing it cost nothing: left out, its levels skipped.
+    Useless,
+}
+
+impl LeverState {
+    fn applies(self) -> bool {
+        !matches!(self, LeverState::Probing | LeverState::Useless)
+    }
+
+    fn undecided(self) -> bool {
+        matches!(self, LeverState::Untried | LeverState::Trying { .. })
+    }
+}
+
+/// What one level's failures cost: the clean steps needed before relaxing to it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Failure {
+    /// Failures not yet earned back (see `Controller::relax`), at most `PROBE_BACKOFF_MAX + 1`.
+    repeats: u32,
+    probe_steps: u64,
+}
+
+/// One GPU's closed-loop controller.
+#[derive(Debug, Clone)]
+pub struct Controller {
+    config: Config,
+    ladder: Ladder,
+    level: usize,
+    levers: [LeverState; 3],
+    tenants: BTreeMap<String, TenantState>,
+    /// Per level (`0..=top`).
+    failures: Vec<Failure>,
+    /// Consecutive clean windows, and their steps, at this decision.
+    clean_windows: u32,
+    clean_steps: u64,
+}
+
+impl Controller {
+    pub fn new(config: Config) -> Controller {
+        config.assert_valid();
+        let ladder = Ladder::new(&config);
+        assert!(ladder.top() <= usize::from(u8::MAX));
+        let failures = vec![Failure::default(); ladder.top() + 1];
+        Controller {
+            config,
+            ladder,
+            level: 0,
+            levers: [LeverState::Untried; 3],
+            tenants: BTreeMap::new(),
+            failures,
+            clean_windows: 0,
+            clean_steps: 0,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn ladder(&self) -> &Ladder {
+        &self.ladder
+    }
+
+    /// The decision in force.
+    pub fn decision(&self) -> Decision {
+        self.ladder
+            .decision(self.level, |lever| self.levers[lever.index()].applies())
+    }
+
+    pub fn lever_state(&self, lever: Lever) -> LeverState {
+        self.levers[lever.index()]
+    }
+
+    pub fn handle(&mut self, event: Event) -> Output {
+        let before = self.decision();
+        let reason = match event {
+            Event::Window {
+                now_ns,
+                tenants,
+                neighbours_active,
+            } => self.window(now_ns, tenants, neighbours_active),
+            Event::TenantGone { name } => {
+                self.tenants.remove(&name);
+                if self.tenants.is_empty() {
+                    self.release()
+                } else {
+                    None
+                }
+            }
+        };
+        self.check_invariants();
+        let decision = self.decision();
+        let change = reason.map(|reason| Change {
+            from: before,
+            to: decision,
+            reason,
+        });
+        assert_eq!(
+            change.is_some(),
+            decision != before,
+            "a change has a reason"
+        );
+        Output {
+            decision,
+            change,
+            tenants: self.statuses(),
+        }
+    }
+
+    /// Every latency tenant's status, by name.
+    pub fn statuses(&self) -> Vec<TenantStatus> {
+        self.tenants
+            .iter()
+            .map(|(name, tenant)| tenant.status(&self.config, name))
+            .collect()
+    }
+
+    fn window(
+        &mut self,
+        now_ns: u64,
+        windows: Vec<TenantWindow>,
+        neighbours_active: bool,
+    ) -> Option<Reason> {
+        assert!(windows.len() <= TENANTS_MAX, "{} windows", windows.len());
+        // The most protective level, with every lever in force: the neighbours were paused for
+        // the tenants' steps (see the crate's docs on the baseline).
+        let protective = neighbours_active
+            && self.level == self.ladder.top()
+            && self.levers.iter().all(|state| state.applies());
+        let mut judged = Vec::new();
+        for window in windows {
+            if !self.tenants.contains_key(&window.name) && self.tenants.len() >= TENANTS_MAX {
+                continue;
+            }
+            let tenant = self
+                .tenants
+                .entry(window.name.clone())
+                .or_insert_with(|| TenantState::new(&self.config, window.target_ns));
+            tenant.explicit_target_ns = window.target_ns;
+            let judgement = tenant.observe(
+                &self.config,
+                now_ns,
+                &window.window,
+                !neighbours_active,
+                protective,
+            );
+            if let Some(judgement) = judgement {
+                judged.push((window.name, judgement));
+            }
+        }
+        let active: Vec<&String> = self
+            .tenants
+            .iter()
+            .filter(|(_, tenant)| !tenant.is_idle(&self.config, now_ns))
+            .map(|(name, _)| name)
+            .collect();
+        if active.is_empty() {
+            return self.release();
+        }
+        let untargeted = active.iter().find(|name| {
+            self.tenants[name.as_str()]
+                .target_ns(&self.config)
+                .is_none()
+        });
+        if let Some(tenant) = untargeted {
+            let tenant = (*tenant).clone();
+            return self.hold_top(Reason::NoTarget { tenant });
+        }
+        if !neighbours_active || judged.is_empty() {
+            // Nothing to learn about the levers: their effect shows only beside a neighbour.
+            return None;
+        }
+        self.adapt(&judged)
+    }
+
+    /// One judged window beside active neighbours: step up, probe, relax or stay.
+    fn adapt(&mut self, judged: &[(String, Judgement)]) -> Option<Reason> {
+        let worst = judged.iter().map(|(_, j)| j.excess_buckets).max();
+        let worst = worst.expect("judged windows");
+        self.learn_lever(worst);
+        let over = judged.iter().find(|(_, j)| j.over_budget);
+        if let Some((tenant, judgement)) = over {
+            self.clean_windows = 0;
+            self.clean_steps = 0;
+            if let Some(lever) = self.probing() {
+                self.levers[lever.index()] = LeverState::Needed;
+                return Some(Reason::LeverNeeded { lever });
+            }
+            let violations: u64 = judged.iter().map(|(_, j)| j.violations).sum();
+            self.remember_failure(violations);
+            let reason = Reason::OverBudget {
+                tenant: tenant.clone(),
+                steps: judgement.steps,
+                violations: judgement.violations,
+            };
+            return self.step_up(worst, reason);
+        }
+        if !judged.iter().all(|(_, j)| j.clean) {
+            self.clean_windows = 0;
+            self.clean_steps = 0;
+            return None;
+        }
+        self.clean_windows += 1;
+        self.clean_steps += judged.iter().map(|(_, j)| j.steps).sum::<u64>();
+        // Tenants without steps in this window do not hold the level up with an old debt.
+        let settled = self.clean_windows >= self.config.relax_windows
+            && judged
+                .iter()
+                .all(|(name, _)| self.tenants[name.as_str()].in_allowance());
+        if !settled || self.level == 0 {
+            return None;
+        }
+        if let Some(lever) = self.probing() {
+            // The probe held: the lever is not needed beside this neighbour.
+            self.levers[lever.index()] = LeverState::Useless;
+        }
+        let below = (0..self.level)
+            .rev()
+            .find(|&level| self.enabled(level))
+            .unwrap_or(0);
+        let blocked = self.clean_steps < self.failures[below].probe_steps;
+        if !blocked {
+            return Some(self.relax(below));
+        }
+        // The level below failed recently, so this one's lever is needed; whether the levers
+        // under it are needed too shows by releasing them one at a time.
+        let lever = self.lever_to_probe()?;
+        self.levers[lever.index()] = LeverState::Probing;
+        self.clean_windows = 0;
+        self.clean_steps = 0;
+        Some(Reason::ProbeLever { lever })
+    }
+
+    /// Counts a window at a level of a lever under trial, and decides it helped when the worst
+    /// excess fell far enough below the one that made the level step up into it.
+    fn learn_lever(&mut self, worst_buckets: i32) {
+        let Some(lever) = self.ladder.lever(self.level) else {
+            return;
+        };
+        let state = &mut self.levers[lever.index()];
+        if let LeverState::Trying {
+            reference_buckets,
+            windows,
+        } = state
+        {
+            if worst_buckets <= *reference_buckets - LEVER_IMPROVEMENT_BUCKETS {
+                *state = LeverState::Needed;
+            } else {
+                *windows += 1;
+            }
+        }
+    }
+
+    /// The current level went over budget with `violations`: trying it again waits for as many
+    /// clean steps as that cost over the budget, doubled per failure not yet earned back.
+    fn remember_failure(&mut self, violations: u64) {
+        let first_probe = (violations.max(1) as f64 / self.config.violation_budget).ceil() as u64;
+        let failure = &mut self.failures[self.level];
+        failure.repeats = (failure.repeats + 1).min(PROBE_BACKOFF_MAX + 1);
+        failure.probe_steps = first_probe << (failure.repeats - 1);
+    }
+
+    /// Over budget at the current level: multiplicatively up, skipping the rest of a lever kind
+    /// that did not help. At the top with levers switched off, they all come back.
+    fn step_up(&mut self, worst_buckets: i32, reason: Reason) -> Option<Reason> {
+        let top = self.ladder.top();
+        if self.level == top {
+            if self.levers.iter().all(|state| state.applies()) {
+                return None;
+            }
+            // Even the top is not enough without the levers learnt useless: the pair changed.
+            self.levers = [LeverState::Untried; 3];
+            return Some(reason);
+        }
+        let current = self.ladder.lever(self.level);
+        let useless = current.filter(|lever| {
+            matches!(
+                self.levers[lever.index()],
+                LeverState::Trying { windows, .. } if windows >= self.config.lever_patience_windows
+            )
+        });
+        let (next, reason) = match useless {
+            Some(lever) => {
+                self.levers[lever.index()] = LeverState::Useless;
+                let levels = self
+                    .ladder
+                    .levels(lever)
+                    .expect("the current level's lever");
+                let past = *levels.end() + 1;
+                (
+                    self.enabled_at_or_above(past),
+                    Reason::LeverUseless { lever },
+                )
+            }
+            None => {
+                let want = self.level + (self.level / 2).max(1);
+                (self.enabled_at_or_above(want.min(top)), reason)
+            }
+        };
+        assert!(next > self.level, "a step up: {} to {next}", self.level);
+        for lever in Lever::ALL {
+            let entered = self
+                .ladder
+                .levels(lever)
+                .is_some_and(|levels| (self.level + 1..=next).contains(levels.start()));
+            if entered && self.levers[lever.index()] == LeverState::Untried {
+                self.levers[lever.index()] = LeverState::Trying {
+                    reference_buckets: worst_buckets,
+                    windows: 0,
+                };
+            }
+        }
+        self.set_level(next);
+        Some(reason)
+    }
+
+    /// One enabled level down, to `below`. The level left, if it once failed and has now held
+    /// for its whole probe, earns one doubling back (conditions changed, or its failure was a
+    /// fluke: the tenant's own hiccups must not keep the level up for ever).
+    fn relax(&mut self, below: usize) -> Reason {
+        assert!(below < self.level && self.enabled(below));
+        let clean_steps = self.clean_steps;
+        let left = &mut self.failures[self.level];
+        if left.repeats > 0 && clean_steps >= left.probe_steps {
+            left.repeats -= 1;
+            left.probe_steps = if left.repeats == 0 {
+                0
+            } else {
+                left.probe_steps / 2
+            };
+        }
+        self.set_level(below);
+        Reason::Relaxed
+    }
+
+    /// The most protective level (with every lever), for lack of a target.
+    fn hold_top(&mut self, reason: Reason) -> Option<Reason> {
+        let before = self.decision();
+        self.levers = [LeverState::Untried; 3];
+        self.set_level(self.ladder.top());
+        (self.decision() != before).then_some(reason)
+    }
+
+    /// Nothing restricted; what was learnt about levers and failures goes with the episode.
+    fn release(&mut self) -> Option<Reason> {
+        let before = self.decision();
+        self.levers = [LeverState::Untried; 3];
+        self.failures.fill(Failure::default());
+        self.set_level(0);
+        (self.decision() != before).then_some(Reason::Idle)
+    }
+
+    fn set_level(&mut self, level: usize) {
+        assert!(level <= self.ladder.top());
+        self.level = level;
+        self.clean_windows = 0;
+        self.clean_steps = 0;
+    }
+
+    /// Whether level `level` is one the controller may stand on (0, or a lever in use).
+    fn enabled(&self, level: usize) -> bool {
+        self.ladder
+            .lever(level)
+            .is_none_or(|lever| self.levers[lever.index()].applies())
+    }
+
+    fn enabled_at_or_above(&self, level: usize) -> usize {
+        let top = self.ladder.top();
+        (level.min(top)..=top)
+            .find(|&l| self.enabled(l))
+            .unwrap_or(top)
+    }
+
+    fn probing(&self) -> Option<Lever> {
+        Lever::ALL
+            .into_iter()
+            .find(|lever| self.levers[lever.index()] == LeverState::Probing)
+    }
+
+    /// A lever kind entirely below the current level's, in force and not yet judged: releasing
+    /// it alone, with the current level's lever known to be needed, tells whether the neighbour
+    /// needs it too (released while a stronger lever is not known to be needed, it would look
+    /// useless only because that lever covers for it).
+    fn lever_to_probe(&self) -> Option<Lever> {
+        let current = self.ladder.lever(self.level)?;
+        Lever::ALL.into_iter().find(|&lever| {
+            lever < current
+                && self.ladder.levels(lever).is_some()
+                && self.levers[lever.index()].undecided()
+        })
+    }
+
+    fn check_invariants(&self) {
+        assert!(self.level <= self.ladder.top());
+        assert!(self.enabled(self.level), "standing on a skipped level");
+        assert!(
+            self.levers[Lever::Pause.index()].applies(),
+            "pause is never released"
+        );
+        assert!(self.tenants.len() <= TENANTS_MAX);
+        let probing = self
+            .levers
+            .iter()
+            .filter(|state| **state == LeverState::Probing)
+            .count();
+        assert!(probing <= 1, "one probe at a time");
+    }
+}
+
+#[cfg(test)]
+#[path = "controller_test.rs"]
+mod tests;
+
+#[cfg(test)]
+#[path = "simulation_test.rs"]
+mod simulation;

@@ -1,0 +1,605 @@
+//! Scenario tests of the controller: one event in, the exact output (or the exact decision and
+//! change) out. No clock, no I/O.
+
+use super::*;
+use tenant_abi::control::{LatencySnapshot, bucket_floor_ns, latency_bucket};
+
+const MS: u64 = 1_000_000;
+const PERIOD: u64 = 10 * MS;
+
+/// A window of one step per latency.
+fn steps(latencies_ns: &[u64]) -> LatencySnapshot {
+    let mut window = LatencySnapshot::default();
+    for &latency in latencies_ns {
+        window.buckets[latency_bucket(latency)] += 1;
+        window.steps += 1;
+        window.total_ns += latency;
+    }
+    window
+}
+
+/// `count` steps of `latency_ns`.
+fn repeat(count: usize, latency_ns: u64) -> LatencySnapshot {
+    steps(&vec![latency_ns; count])
+}
+
+/// What a quantile of steps of `latency_ns` reads as (its bucket's upper edge).
+fn reads_as(latency_ns: u64) -> u64 {
+    bucket_floor_ns(latency_bucket(latency_ns) + 1)
+}
+
+fn window(now_ns: u64, tenant: &str, window: LatencySnapshot, target_ns: Option<u64>) -> Event {
+    Event::Window {
+        now_ns,
+        tenants: vec![TenantWindow {
+            name: tenant.into(),
+            window,
+            target_ns,
+        }],
+        neighbours_active: true,
+    }
+}
+
+fn alone(event: Event) -> Event {
+    match event {
+        Event::Window {
+            now_ns, tenants, ..
+        } => Event::Window {
+            now_ns,
+            tenants,
+            neighbours_active: false,
+        },
+        other => other,
+    }
+}
+
+fn decision(sms: u16, inflight: u8, pause: bool, level: u8) -> Decision {
+    Decision {
+        sms,
+        inflight,
+        pause,
+        level,
+    }
+}
+
+/// A driver that keeps the clock, one period per event.
+struct Driver {
+    controller: Controller,
+    now_ns: u64,
+}
+
+impl Driver {
+    fn new(config: Config) -> Driver {
+        Driver {
+            controller: Controller::new(config),
+            now_ns: 0,
+        }
+    }
+
+    fn next(&mut self, tenant: &str, steps: LatencySnapshot, target_ns: Option<u64>) -> Output {
+        self.now_ns += PERIOD;
+        self.controller
+            .handle(window(self.now_ns, tenant, steps, target_ns))
+    }
+
+    fn next_alone(&mut self, tenant: &str, steps: LatencySnapshot) -> Output {
+        self.now_ns += PERIOD;
+        self.controller
+            .handle(alone(window(self.now_ns, tenant, steps, None)))
+    }
+
+    fn level(&self) -> u8 {
+        self.controller.decision().level
+    }
+}
+
+fn changed(output: &Output) -> Option<(Decision, Reason)> {
+    output
+        .change
+        .as_ref()
+        .map(|change| (change.to, change.reason.clone()))
+}
+
+fn over(tenant: &str, steps: u64, violations: u64) -> Reason {
+    Reason::OverBudget {
+        tenant: tenant.into(),
+        steps,
+        violations,
+    }
+}
+
+#[test]
+fn a_tenant_without_steps_restricts_nothing() {
+    let mut controller = Controller::new(Config::new(true, 132));
+    let output = controller.handle(window(PERIOD, "infer", LatencySnapshot::default(), None));
+    assert_eq!(
+        output,
+        Output {
+            decision: Decision::default(),
+            change: None,
+            tenants: vec![TenantStatus {
+                name: "infer".into(),
+                target_ns: None,
+                baseline_p99_ns: None,
+                p50_ns: None,
+                p99_ns: None,
+                steps: 0,
+                violations: 0,
+            }],
+        }
+    );
+}
+
+#[test]
+fn without_a_target_the_top_is_held_until_the_latency_alone_is_learnt() {
+    let mut driver = Driver::new(Config::new(true, 132));
+    let output = driver.next("infer", repeat(5, 2 * MS), None);
+    assert_eq!(
+        output,
+        Output {
+            decision: decision(8, 1, true, 12),
+            change: Some(Change {
+                from: Decision::default(),
+                to: decision(8, 1, true, 12),
+                reason: Reason::NoTarget {
+                    tenant: "infer".into()
+                },
+            }),
+            tenants: vec![TenantStatus {
+                name: "infer".into(),
+                target_ns: None,
+                baseline_p99_ns: None,
+                p50_ns: Some(reads_as(2 * MS)),
+                p99_ns: Some(reads_as(2 * MS)),
+                steps: 5,
+                violations: 0,
+            }],
+        }
+    );
+    // 99 steps alone: not yet a p99.
+    for _ in 0..9 {
+        driver.next_alone("infer", repeat(11, MS));
+    }
+    assert_eq!(driver.controller.statuses()[0].baseline_p99_ns, None);
+    // The 100th: the baseline is its p99, the target 1.2 times that. The level stays (no
+    // neighbour: nothing to learn about the levers).
+    let output = driver.next_alone("infer", repeat(1, MS));
+    let baseline = reads_as(MS);
+    assert_eq!(output.change, None);
+    assert_eq!(output.decision, decision(8, 1, true, 12));
+    assert_eq!(output.tenants[0].baseline_p99_ns, Some(baseline));
+    assert_eq!(
+        output.tenants[0].target_ns,
+        Some((baseline as f64 * 1.2).round() as u64)
+    );
+}
+
+#[test]
+fn never_alone_the_baseline_comes_from_the_protective_level_and_is_then_frozen() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    // The first window was at level 0: not protective; 20 more make 100 steps.
+    for _ in 0..21 {
+        let output = driver.next("infer", repeat(5, 3 * MS), None);
+        assert_eq!(output.decision, decision(0, 1, true, 5));
+    }
+    let status = &driver.controller.statuses()[0];
+    assert_eq!(status.baseline_p99_ns, Some(reads_as(3 * MS)));
+    // Slower steps at the top do not move it (they are not the tenant alone).
+    for _ in 0..40 {
+        driver.next("infer", repeat(5, 9 * MS), None);
+    }
+    assert_eq!(
+        driver.controller.statuses()[0].baseline_p99_ns,
+        Some(reads_as(3 * MS))
+    );
+    // A real alone baseline replaces it once it has 100 steps.
+    for _ in 0..10 {
+        driver.next_alone("infer", repeat(10, 2 * MS));
+    }
+    assert_eq!(
+        driver.controller.statuses()[0].baseline_p99_ns,
+        Some(reads_as(2 * MS))
+    );
+}
+
+#[test]
+fn an_isolated_slow_step_is_within_budget_and_two_close_together_are_not() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    let output = driver.next("infer", steps(&[MS, MS, 5 * MS]), target);
+    assert_eq!(output.change, None);
+    assert_eq!(output.decision, Decision::default());
+    assert_eq!(output.tenants[0].violations, 1);
+    // The allowance is spent: the next slow step, 4 steps later, is over budget.
+    let output = driver.next("infer", steps(&[MS, MS, MS, 5 * MS]), target);
+    assert_eq!(
+        changed(&output),
+        Some((decision(0, 8, false, 1), over("infer", 4, 1)))
+    );
+}
+
+#[test]
+fn over_budget_climbs_multiplicatively() {
+    // Without MPS: caps 8, 4, 2, 1, then pause (levels 1..=5). The first window is slower than
+    // the rest by more than two buckets, so the caps count as helping and the climb goes on.
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    let mut levels = Vec::new();
+    for window in 0..6 {
+        let slow = if window == 0 { 4 * MS } else { 3 * MS };
+        levels.push(driver.next("infer", repeat(4, slow), target).decision.level);
+    }
+    assert_eq!(levels, [1, 2, 3, 4, 5, 5]);
+    assert_eq!(driver.controller.decision(), decision(0, 1, true, 5));
+    assert_eq!(
+        driver.controller.lever_state(Lever::Inflight),
+        LeverState::Needed
+    );
+
+    // Under MPS: +1 up to 4, then +2, +3, and the top (12).
+    let mut driver = Driver::new(Config::new(true, 132));
+    let mut levels = Vec::new();
+    for window in 0..8 {
+        let slow = if window == 0 { 4 * MS } else { 3 * MS };
+        levels.push(driver.next("infer", repeat(4, slow), target).decision.level);
+    }
+    assert_eq!(levels, [1, 2, 3, 4, 6, 9, 12, 12]);
+}
+
+#[test]
+fn tightening_a_lever_that_does_not_help_skips_its_kind() {
+    // The same p99 whatever the level: after 3 windows at the SM levels, on to the caps.
+    let mut driver = Driver::new(Config::new(true, 132));
+    let target = Some(2 * MS);
+    let mut levels = Vec::new();
+    for _ in 0..4 {
+        let output = driver.next("infer", repeat(4, 3 * MS), target);
+        levels.push(output.decision.level);
+    }
+    assert_eq!(levels, [1, 2, 3, 8]);
+    assert_eq!(
+        driver.controller.lever_state(Lever::Sms),
+        LeverState::Useless
+    );
+}
+
+#[test]
+fn a_lever_kind_that_does_not_lower_the_p99_is_skipped_and_released() {
+    let mut driver = Driver::new(Config::new(true, 132));
+    let target = Some(2 * MS);
+    let slow = || repeat(4, 3 * MS);
+    assert_eq!(
+        changed(&driver.next("infer", slow(), target)),
+        Some((decision(96, 0, false, 1), over("infer", 4, 4)))
+    );
+    assert_eq!(
+        driver.controller.lever_state(Lever::Sms),
+        LeverState::Trying {
+            reference_buckets: latency_bucket(reads_as(3 * MS)) as i32
+                - latency_bucket(2 * MS) as i32,
+            windows: 0,
+        }
+    );
+    driver.next("infer", slow(), target);
+    driver.next("infer", slow(), target);
+    let output = driver.next("infer", slow(), target);
+    assert_eq!(
+        output.change,
+        Some(Change {
+            from: decision(48, 0, false, 3),
+            to: decision(0, 8, false, 8),
+            reason: Reason::LeverUseless { lever: Lever::Sms },
+        })
+    );
+    // Inflight caps helped (two buckets lower): kept; still over, the climb goes on (8 + 4).
+    let output = driver.next("infer", repeat(4, 2_500_000), target);
+    assert_eq!(
+        driver.controller.lever_state(Lever::Inflight),
+        LeverState::Needed
+    );
+    assert_eq!(output.decision, decision(0, 1, true, 12));
+    // Relaxing skips the SM levels: from 8 straight to 0. Level 8 failed (4 violations): going
+    // down to it, and from it, takes 4 / 0.01 = 400 clean steps each.
+    let mut relaxed = Vec::new();
+    for _ in 0..400 {
+        let output = driver.next("infer", repeat(4, MS), target);
+        if let Some((to, reason)) = changed(&output) {
+            relaxed.push((to, reason));
+        }
+    }
+    assert_eq!(
+        relaxed,
+        [
+            (decision(0, 1, false, 11), Reason::Relaxed),
+            (decision(0, 2, false, 10), Reason::Relaxed),
+            (decision(0, 4, false, 9), Reason::Relaxed),
+            (decision(0, 8, false, 8), Reason::Relaxed),
+            (decision(0, 0, false, 0), Reason::Relaxed),
+        ]
+    );
+}
+
+#[test]
+fn relaxing_waits_longer_for_a_level_that_failed() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    // Over budget at 0 (3 violations), then at 1 (3 violations): level 2.
+    driver.next("infer", repeat(3, 3 * MS), target);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    assert_eq!(driver.level(), 2);
+    // Clean: 10 windows would do above a failed level, but 1 failed: 3 / 0.01 = 300 clean steps,
+    // and the allowance has to come back first (10 steps per window).
+    let mut relaxed_after = None;
+    for window in 1..=100 {
+        let output = driver.next("infer", repeat(10, MS), target);
+        if output.change.is_some() {
+            relaxed_after = Some(window);
+            break;
+        }
+    }
+    assert_eq!(relaxed_after, Some(30));
+    assert_eq!(driver.level(), 1);
+    // Level 0 failed too (3 violations): down to it takes 300 clean steps as well.
+    let mut relaxed_after = None;
+    for window in 1..=100 {
+        if driver
+            .next("infer", repeat(10, MS), target)
+            .change
+            .is_some()
+        {
+            relaxed_after = Some(window);
+            break;
+        }
+    }
+    assert_eq!(relaxed_after, Some(30));
+    assert_eq!(driver.level(), 0);
+}
+
+#[test]
+fn a_level_that_fails_again_is_probed_twice_as_rarely() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    driver.next("infer", repeat(1, MS), target);
+    // Level 0 fails (2 violations, past the banked one): level 1.
+    driver.next("infer", repeat(2, 3 * MS), target);
+    let mut waits = Vec::new();
+    for _ in 0..3 {
+        assert_eq!(driver.level(), 1);
+        let mut waited = 0;
+        while driver.level() == 1 {
+            driver.next("infer", repeat(10, MS), target);
+            waited += 1;
+            assert!(waited < 1_000);
+        }
+        waits.push(waited);
+        // Level 0 fails again at once.
+        driver.next("infer", repeat(2, 3 * MS), target);
+    }
+    // 2 violations / 0.01 = 200 clean steps, then 400, then 800 (10 per window).
+    assert_eq!(waits, [20, 40, 80]);
+}
+
+#[test]
+fn below_a_needed_level_lower_levers_are_probed_one_at_a_time() {
+    // A neighbour that hurts unless it is both paused and squeezed.
+    let hurts = |decision: Decision| !decision.pause || decision.sms == 0;
+    let mut driver = Driver::new(Config::new(true, 132));
+    let mut changes = Vec::new();
+    let mut target = None;
+    for _ in 0..400 {
+        let latency = if hurts(driver.controller.decision()) {
+            3 * MS
+        } else {
+            MS
+        };
+        if let Some(change) = changed(&driver.next("infer", repeat(5, latency), target)) {
+            changes.push(change);
+        }
+        target = Some(2 * MS);
+    }
+    assert_eq!(
+        changes[..8],
+        [
+            // No target yet: the top.
+            (
+                decision(8, 1, true, 12),
+                Reason::NoTarget {
+                    tenant: "infer".into()
+                }
+            ),
+            // 10 clean windows: down one.
+            (decision(8, 1, false, 11), Reason::Relaxed),
+            (decision(8, 1, true, 12), over("infer", 5, 5)),
+            // Clean again and in allowance (20 windows), but level 11 failed 100 steps ago (it
+            // takes 500): the pause is needed; are the SMs? Releasing them costs violations.
+            (
+                decision(0, 1, true, 12),
+                Reason::ProbeLever { lever: Lever::Sms }
+            ),
+            (
+                decision(8, 1, true, 12),
+                Reason::LeverNeeded { lever: Lever::Sms }
+            ),
+            // The in-flight cap is not needed: left out, its levels skipped.
+            (
+                decision(8, 0, true, 12),
+                Reason::ProbeLever {
+                    lever: Lever::Inflight
+                }
+            ),
+            (decision(8, 0, false, 7), Reason::Relaxed),
+            (decision(8, 0, true, 12), over("infer", 5, 5)),
+        ]
+    );
+    assert_eq!(
+        driver.controller.lever_state(Lever::Sms),
+        LeverState::Needed
+    );
+    assert_eq!(
+        driver.controller.lever_state(Lever::Inflight),
+        LeverState::Useless
+    );
+    assert_eq!(driver.controller.decision(), decision(8, 0, true, 12));
+}
+
+#[test]
+fn over_budget_at_the_top_without_some_levers_brings_them_all_back() {
+    let mut driver = Driver::new(Config::new(true, 132));
+    let target = Some(2 * MS);
+    for _ in 0..4 {
+        driver.next("infer", repeat(4, 3 * MS), target);
+    }
+    assert_eq!(
+        driver.controller.lever_state(Lever::Sms),
+        LeverState::Useless
+    );
+    // 8 -> 12 (the top, without SMs), then over budget there: every lever back.
+    assert_eq!(
+        driver
+            .next("infer", repeat(4, 3 * MS), target)
+            .decision
+            .level,
+        12
+    );
+    let output = driver.next("infer", repeat(4, 3 * MS), target);
+    assert_eq!(
+        changed(&output),
+        Some((decision(8, 1, true, 12), over("infer", 4, 4)))
+    );
+    assert_eq!(
+        driver.controller.lever_state(Lever::Sms),
+        LeverState::Untried
+    );
+}
+
+#[test]
+fn an_idle_tenant_releases_everything_after_four_of_its_gaps() {
+    let mut driver = Driver::new(Config::new(true, 132));
+    let target = Some(2 * MS);
+    for _ in 0..3 {
+        driver.next("infer", repeat(4, 3 * MS), target);
+    }
+    assert_eq!(driver.level(), 3);
+    // Its rhythm is learnt (a new tenant is assumed to step rarely): after 30 windows with steps
+    // it steps every period, and is idle after max(4 x 10 ms, 50 ms) = 50 ms.
+    for _ in 0..30 {
+        driver.next("infer", repeat(4, MS), target);
+    }
+    assert_eq!(driver.level(), 3);
+    let mut outputs = Vec::new();
+    for _ in 0..5 {
+        outputs.push(driver.next("infer", LatencySnapshot::default(), target));
+    }
+    assert!(outputs[..4].iter().all(|o| o.change.is_none()));
+    assert_eq!(
+        outputs[4].change,
+        Some(Change {
+            from: decision(48, 0, false, 3),
+            to: Decision::default(),
+            reason: Reason::Idle,
+        })
+    );
+    assert_eq!(
+        driver.controller.lever_state(Lever::Sms),
+        LeverState::Untried
+    );
+}
+
+#[test]
+fn a_tenant_with_sparse_steps_is_not_idle_between_them() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    // A step every 100 ms, over target at first.
+    for round in 0..20 {
+        let slow = if round < 2 { 3 * MS } else { MS };
+        driver.next("infer", repeat(2, slow), target);
+        for _ in 0..9 {
+            driver.next("infer", LatencySnapshot::default(), target);
+            assert_ne!(driver.level(), 0, "round {round}");
+        }
+    }
+    // Silent for 4 x 100 ms: released.
+    for _ in 0..40 {
+        driver.next("infer", LatencySnapshot::default(), target);
+    }
+    assert_eq!(driver.level(), 0);
+}
+
+#[test]
+fn windows_without_neighbours_change_no_level() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    let output = driver.controller.handle(Event::Window {
+        now_ns: PERIOD,
+        tenants: vec![TenantWindow {
+            name: "infer".into(),
+            window: repeat(4, 5 * MS),
+            target_ns: target,
+        }],
+        neighbours_active: false,
+    });
+    assert_eq!(output.change, None);
+    assert_eq!(output.tenants[0].violations, 4);
+}
+
+#[test]
+fn two_tenants_share_one_level_and_the_last_one_gone_releases_it() {
+    let mut controller = Controller::new(Config::new(false, 0));
+    let tenants = |a: LatencySnapshot, b: LatencySnapshot| {
+        vec![
+            TenantWindow {
+                name: "a".into(),
+                window: a,
+                target_ns: Some(2 * MS),
+            },
+            TenantWindow {
+                name: "b".into(),
+                window: b,
+                target_ns: Some(5 * MS),
+            },
+        ]
+    };
+    let output = controller.handle(Event::Window {
+        now_ns: PERIOD,
+        tenants: tenants(repeat(2, MS), repeat(3, 6 * MS)),
+        neighbours_active: true,
+    });
+    assert_eq!(
+        changed(&output),
+        Some((decision(0, 8, false, 1), over("b", 3, 3)))
+    );
+    let names: Vec<&str> = output.tenants.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["a", "b"]);
+    let output = controller.handle(Event::TenantGone { name: "b".into() });
+    assert_eq!(output.change, None);
+    assert_eq!(output.tenants.len(), 1);
+    let output = controller.handle(Event::TenantGone { name: "a".into() });
+    assert_eq!(
+        output,
+        Output {
+            decision: Decision::default(),
+            change: Some(Change {
+                from: decision(0, 8, false, 1),
+                to: Decision::default(),
+                reason: Reason::Idle,
+            }),
+            tenants: vec![],
+        }
+    );
+}
+
+#[test]
+fn the_status_covers_the_last_second_of_steps() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(50 * MS);
+    for _ in 0..100 {
+        driver.next("infer", repeat(1, 4 * MS), target);
+    }
+    for _ in 0..100 {
+        driver.next("infer", repeat(1, MS), target);
+    }
+    let status = &driver.controller.statuses()[0];
+    assert_eq!(status.p99_ns, Some(reads_as(MS)));
+    assert_eq!(status.p50_ns, Some(reads_as(MS)));
+    assert_eq!((status.steps, status.violations), (200, 0));
+}

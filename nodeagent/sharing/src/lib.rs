@@ -1,0 +1,79 @@
+//! Closed-loop sharing of one GPU: the controller that holds the step latency of the GPU's
+//! latency tenants (`vgpuctl place --latency`) to a target while restricting their best-effort
+//! neighbours as little as it can. The node agent's closed-loop thread
+//! (`vgpu_agent::closed_loop`) reads the tenants' step histograms from the GPU's schedule file
+//! (`tenant_abi::control`), feeds one [`Event::Window`] per control period to the GPU's
+//! [`Controller`], and publishes the [`Decision`] of the [`Output`] for the neighbours'
+//! interposers to obey.
+//!
+//! **Architecture Invariant:** a sans-IO core. It depends on `tenant-abi` (for `Decision` and
+//! the histograms) and std only: no tokio, no clock (`now_ns` comes in the event), no
+//! randomness, no I/O, no logging. The same events give the same outputs, so tests compare
+//! exact outputs (`controller_test.rs`) and drive it against a simulated GPU
+//! (`simulation_test.rs`).
+//!
+//! **The levers** form a ladder of levels ([`Ladder`]): 0 restricts nothing; under MPS the SMs a
+//! neighbour keeps shrink first, then its launches in flight are capped at 8, 4, 2, 1, then it
+//! pauses while a latency step is in flight. A level holds every restriction below it.
+//!
+//! **The target** of a tenant is the explicit one (`--latency-target`), else `target_ratio`
+//! times its *baseline*, the p99 of its steps alone. The baseline is learnt from windows in
+//! which no neighbour was active. Until 100 such steps were seen (a p99 needs that many), it is
+//! learnt from windows at the most protective level beside active neighbours, where those
+//! neighbours were paused for the tenant's steps and had at most one launch in flight: the
+//! nearest measurement of "alone" a busy GPU offers, a little above it (so the target is a
+//! little loose until a real alone window comes, which then replaces it). That fallback is
+//! learnt only while the tenant has no target and is frozen once it has 100 steps: later
+//! windows at the top are ones the controller climbed to after violations, and learning from
+//! them would let interference loosen its own target. Until a tenant has a target, the
+//! controller holds the most protective level (the safe default) while the tenant is active.
+//!
+//! **The rule**, every window beside active neighbours (windows without neighbours only teach
+//! the baseline: the levers change nothing there):
+//! - *Budget.* Each tenant has an allowance of violations: it grows by `violation_budget` per
+//!   step (to at most one banked violation) and each step over the target spends one. A window
+//!   with a violation that leaves the allowance negative is *over budget*. So a tenant at
+//!   exactly its budget of isolated slow steps passes, two slow steps within
+//!   `1 / violation_budget` steps do not, and in the long run no more than the budget passes
+//!   unanswered.
+//! - *Up, fast.* Over budget at level `l`: to `l + max(1, l / 2)` (multiplicative, so the top is
+//!   reached in a handful of windows from anywhere). The level that failed is remembered.
+//! - *Down, slowly.* After `relax_windows` consecutive clean windows (no violation, p99 under
+//!   `relax_margin` of the target) and with every tenant in allowance, one level down. Going
+//!   down to a level that failed waits for more clean steps: as many as its failure cost over
+//!   the budget (`violations / violation_budget`), doubled for each failure of that level (at
+//!   most 2^6). Probing a level that fails then costs no more than the budget, and the level
+//!   settles instead of oscillating. A level that holds for its whole wait earns one doubling
+//!   back, so a fluke (the tenant's own slow step) is not held against it for ever.
+//! - *Learning the lever.* The controller measures which lever the pair of workloads needs,
+//!   fitting nothing to one workload. Stepping up into a lever kind records the worst excess of
+//!   p99 over target (in histogram buckets); if, after `lever_patience_windows` windows at that
+//!   kind's levels, the p99 has not fallen by two buckets (one is the histogram's rounding) and
+//!   the tenant is still over budget, the kind is switched off and the climb goes on at the next
+//!   kind. And when clean long enough at a level, before relaxing, a lever kind in force below
+//!   the current one that has not been judged is released on its own (the level stays): if the
+//!   tenants stay clean it was not needed; if they go over budget it comes back and stays.
+//!   Pause is never switched off. What was learnt lasts for an *episode*: until the latency
+//!   tenants go idle, or the top level with levers switched off is over budget (the pair
+//!   changed: every lever comes back).
+//! - *Idle.* A tenant is idle after four of its usual gaps between steps without one (clamped to
+//!   `idle_min_ns..=idle_max_ns`); with every latency tenant idle, nothing is restricted.
+//!
+//! Several latency tenants on one GPU share one level: it steps up when any of them is over
+//! budget and relaxes only when all are clean.
+
+mod controller;
+mod ladder;
+mod tenant;
+mod types;
+
+pub use controller::{Controller, LEVER_IMPROVEMENT_BUCKETS, LeverState, PROBE_BACKOFF_MAX};
+pub use ladder::{Ladder, Rung};
+pub use tenant::{
+    ALLOWANCE_MAX_PPM, ALLOWANCE_MIN_PPM, BASELINE_STEPS_MAX, BASELINE_STEPS_MIN, IDLE_GAPS,
+    VIOLATION_PPM,
+};
+pub use tenant_abi::control::{Decision, LatencySnapshot};
+pub use types::{
+    Change, Config, Event, Lever, Output, Reason, TENANTS_MAX, TenantStatus, TenantWindow,
+};

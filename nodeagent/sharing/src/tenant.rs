@@ -1,0 +1,232 @@
+//! One latency tenant as the controller follows it: its baseline (latency alone), its target,
+//! its violation allowance, whether it is idle, and the sliding window of its status.
+
+use std::collections::VecDeque;
+
+use crate::types::{Config, TenantStatus};
+use tenant_abi::control::{LatencySnapshot, bucket_floor_ns, latency_bucket};
+
+/// Steps before a histogram's p99 means something: with fewer than 1 / (1 - 0.99) steps, the
+/// 99th percentile is simply the slowest step.
+pub const BASELINE_STEPS_MIN: u64 = 100;
+/// The alone histogram is halved past this many steps, so that it follows a tenant whose own
+/// latency drifts (a new model, another batch size) and its counts stay bounded.
+pub const BASELINE_STEPS_MAX: u64 = 10_000;
+/// The slots of the status window (the p50 and p99 cover the last 7/8 to 8/8 of
+/// `status_window_ns`, plus the current slot).
+pub const STATUS_SLOTS: u64 = 8;
+/// One violation, in the allowance's unit (integers, so that the arithmetic is exact).
+pub const VIOLATION_PPM: i64 = 1_000_000;
+/// Violations a tenant may bank: its allowance grows by `violation_budget` per step up to this,
+/// and each violation spends one. One banked violation lets an isolated slow step pass; two
+/// within `1 / violation_budget` steps are over budget.
+pub const ALLOWANCE_MAX_PPM: i64 = VIOLATION_PPM;
+/// A debt is remembered down to this (a burst long ago is not paid for ever).
+pub const ALLOWANCE_MIN_PPM: i64 = -VIOLATION_PPM;
+/// A tenant is idle after this many of its usual gaps between steps without one.
+pub const IDLE_GAPS: u64 = 4;
+
+/// What one window of one tenant says about the level that was in force during it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Judgement {
+    pub steps: u64,
+    /// Steps over the target.
+    pub violations: u64,
+    /// Violations in this window, and more than the allowance covers.
+    pub over_budget: bool,
+    /// No violation, and the p99 (its bucket's lower edge) under `relax_margin` of the target.
+    pub clean: bool,
+    /// The window's p99 above the target, in histogram buckets (about 9% each; negative below).
+    pub excess_buckets: i32,
+}
+
+#[derive(Debug, Clone)]
+pub struct TenantState {
+    pub explicit_target_ns: Option<u64>,
+    /// Steps with no neighbour active (decayed, see `BASELINE_STEPS_MAX`).
+    alone: LatencySnapshot,
+    /// Steps at the most protective level while the tenant had no target; frozen once it has
+    /// `BASELINE_STEPS_MIN`.
+    protective: LatencySnapshot,
+    /// `(slot start, steps)`, oldest first, at most `STATUS_SLOTS + 1`.
+    recent: VecDeque<(u64, LatencySnapshot)>,
+    steps: u64,
+    violations: u64,
+    /// Banked violations, in millionths.
+    allowance_ppm: i64,
+    last_step_ns: Option<u64>,
+    /// A moving average (weight 1/4 for the newest) of the time between windows with steps.
+    gap_ns: u64,
+}
+
+impl TenantState {
+    pub fn new(config: &Config, explicit_target_ns: Option<u64>) -> TenantState {
+        TenantState {
+            explicit_target_ns,
+            alone: LatencySnapshot::default(),
+            protective: LatencySnapshot::default(),
+            recent: VecDeque::new(),
+            steps: 0,
+            violations: 0,
+            allowance_ppm: ALLOWANCE_MAX_PPM,
+            last_step_ns: None,
+            // Until its rhythm is measured, a tenant is assumed to step rarely: releasing the
+            // neighbours between its first steps would hit exactly those steps.
+            gap_ns: config.idle_max_ns / IDLE_GAPS,
+        }
+    }
+
+    /// The p99 alone; until `BASELINE_STEPS_MIN` steps alone were seen, the p99 at the most
+    /// protective level.
+    pub fn baseline_p99_ns(&self) -> Option<u64> {
+        [&self.alone, &self.protective]
+            .into_iter()
+            .find(|histogram| histogram.steps >= BASELINE_STEPS_MIN)
+            .and_then(|histogram| histogram.quantile_ns(0.99))
+    }
+
+    pub fn target_ns(&self, config: &Config) -> Option<u64> {
+        self.explicit_target_ns.or_else(|| {
+            let baseline = self.baseline_p99_ns()?;
+            Some((baseline as f64 * config.target_ratio).round() as u64)
+        })
+    }
+
+    /// Whether the tenant has had no step for `IDLE_GAPS` of its usual gaps (clamped).
+    pub fn is_idle(&self, config: &Config, now_ns: u64) -> bool {
+        let idle_after_ns = self
+            .gap_ns
+            .saturating_mul(IDLE_GAPS)
+            .clamp(config.idle_min_ns, config.idle_max_ns);
+        self.last_step_ns
+            .is_none_or(|last| now_ns.saturating_sub(last) >= idle_after_ns)
+    }
+
+    /// Takes one window: judges it against the target in force before it (`None` without steps
+    /// or target), then learns from it. `alone`: no neighbour was active; `protective`: the
+    /// most protective level was in force with neighbours active.
+    pub fn observe(
+        &mut self,
+        config: &Config,
+        now_ns: u64,
+        window: &LatencySnapshot,
+        alone: bool,
+        protective: bool,
+    ) -> Option<Judgement> {
+        if window.steps == 0 {
+            self.forget_old_slots(config, now_ns);
+            return None;
+        }
+        let target = self.target_ns(config);
+        let judgement = target.map(|target| self.judge(config, window, target));
+        self.steps += window.steps;
+        if let Some(last) = self.last_step_ns {
+            let gap = now_ns.saturating_sub(last);
+            self.gap_ns = (self.gap_ns.saturating_mul(3).saturating_add(gap)) / 4;
+        }
+        self.last_step_ns = Some(now_ns);
+        if alone {
+            self.alone.add(window);
+            if self.alone.steps > BASELINE_STEPS_MAX {
+                halve(&mut self.alone);
+            }
+        } else if protective && target.is_none() && self.protective.steps < BASELINE_STEPS_MIN {
+            self.protective.add(window);
+        }
+        self.record_recent(config, now_ns, window);
+        debug_assert!((ALLOWANCE_MIN_PPM..=ALLOWANCE_MAX_PPM).contains(&self.allowance_ppm));
+        judgement
+    }
+
+    fn judge(&mut self, config: &Config, window: &LatencySnapshot, target: u64) -> Judgement {
+        assert!(window.steps > 0);
+        let violations = window.slower_than(target);
+        self.violations += violations;
+        let budget_ppm = (config.violation_budget * VIOLATION_PPM as f64).round() as i64;
+        let earned = budget_ppm.saturating_mul(window.steps.min(i64::MAX as u64) as i64);
+        let spent = VIOLATION_PPM.saturating_mul(violations.min(i64::MAX as u64) as i64);
+        self.allowance_ppm = self
+            .allowance_ppm
+            .saturating_add(earned)
+            .min(ALLOWANCE_MAX_PPM)
+            .saturating_sub(spent);
+        let over_budget = violations > 0 && self.allowance_ppm < 0;
+        self.allowance_ppm = self.allowance_ppm.max(ALLOWANCE_MIN_PPM);
+        let p99 = window.quantile_ns(0.99);
+        // Like the violations, read at the bucket's lower edge: the upper edge would put a p99
+        // a hair above the baseline's bucket a whole bucket (9-12%) higher, and make the margin
+        // unreachable for a tenant sitting well within its target.
+        let clean = violations == 0
+            && p99.is_some_and(|p99| {
+                (bucket_floor_ns(latency_bucket(p99) - 1) as f64)
+                    < config.relax_margin * target as f64
+            });
+        let excess_buckets = p99.map_or(0, |p99| {
+            latency_bucket(p99) as i32 - latency_bucket(target) as i32
+        });
+        Judgement {
+            steps: window.steps,
+            violations,
+            over_budget,
+            clean,
+            excess_buckets,
+        }
+    }
+
+    /// Whether the tenant owes no violations (relaxing waits until it does not).
+    pub fn in_allowance(&self) -> bool {
+        self.allowance_ppm >= 0
+    }
+
+    fn slot_ns(config: &Config) -> u64 {
+        (config.status_window_ns / STATUS_SLOTS).max(1)
+    }
+
+    fn forget_old_slots(&mut self, config: &Config, now_ns: u64) {
+        while self
+            .recent
+            .front()
+            .is_some_and(|(start, _)| start.saturating_add(config.status_window_ns) <= now_ns)
+        {
+            self.recent.pop_front();
+        }
+    }
+
+    fn record_recent(&mut self, config: &Config, now_ns: u64, window: &LatencySnapshot) {
+        self.forget_old_slots(config, now_ns);
+        let slot_ns = TenantState::slot_ns(config);
+        match self.recent.back_mut() {
+            Some((start, slot)) if now_ns < start.saturating_add(slot_ns) => slot.add(window),
+            _ => self.recent.push_back((now_ns, window.clone())),
+        }
+        while self.recent.len() as u64 > STATUS_SLOTS + 1 {
+            self.recent.pop_front();
+        }
+    }
+
+    pub fn status(&self, config: &Config, name: &str) -> TenantStatus {
+        let mut recent = LatencySnapshot::default();
+        for (_, slot) in &self.recent {
+            recent.add(slot);
+        }
+        TenantStatus {
+            name: name.to_owned(),
+            target_ns: self.target_ns(config),
+            baseline_p99_ns: self.baseline_p99_ns(),
+            p50_ns: recent.quantile_ns(0.5),
+            p99_ns: recent.quantile_ns(0.99),
+            steps: self.steps,
+            violations: self.violations,
+        }
+    }
+}
+
+/// Halves every count, keeping the shape.
+fn halve(histogram: &mut LatencySnapshot) {
+    histogram.steps /= 2;
+    histogram.total_ns /= 2;
+    for count in &mut histogram.buckets {
+        *count /= 2;
+    }
+    debug_assert!(histogram.steps >= BASELINE_STEPS_MIN);
+}

@@ -1,0 +1,229 @@
+//! Tests of the closed loop against real schedule files in a temporary directory, written the
+//! way tenant processes write them (`tenant_abi::writer`, `compute::Schedule`).
+
+use super::*;
+use std::sync::atomic::Ordering::Relaxed;
+use tenant_abi::ProcLiveness;
+use tenant_abi::compute::{Member, QUANTUM_NS_DEFAULT, Region, Schedule, TenantConfig};
+use tenant_abi::control::DECISION_TTL_NS;
+
+const MS: u64 = 1_000_000;
+/// A start far from 0, like a real CLOCK_MONOTONIC.
+const T0: u64 = 1_000_000 * MS;
+
+const SHARE: TenantConfig = TenantConfig {
+    share_pct: 50,
+    burst: true,
+    guaranteed: true,
+    priority: 0,
+};
+
+fn latency(target_ns: Option<u64>) -> BTreeMap<String, LatencySpec> {
+    BTreeMap::from([("infer".to_owned(), LatencySpec { target_ns })])
+}
+
+/// A node with GPU-0's schedule, the latency tenant `infer` and the neighbour `train` joined.
+struct Node {
+    _directory: tempfile::TempDir,
+    shm_dir: PathBuf,
+    /// The schedule as the tenants map it (leaked, as it lives as long as the test process).
+    region: &'static Region,
+    infer: Member,
+    train: Member,
+}
+
+impl Node {
+    fn new(now_ns: u64) -> Node {
+        let directory = tempfile::tempdir().unwrap();
+        let shm_dir = directory.path().join("shm");
+        let layout = crate::private::Layout::new(&shm_dir);
+        let mapping =
+            tenant_abi::writer::schedule(&layout.schedule("GPU-0"), QUANTUM_NS_DEFAULT).unwrap();
+        let region: &'static Region = Box::leak(Box::new(mapping)).region();
+        let schedule = Schedule::new(region, ProcLiveness);
+        let (pid, start_time) = (std::process::id(), tenant_abi::ledger::own_start_time());
+        let infer = schedule
+            .join("infer", SHARE, pid, start_time, now_ns)
+            .unwrap();
+        let train = schedule
+            .join("train", SHARE, pid, start_time, now_ns)
+            .unwrap();
+        Node {
+            _directory: directory,
+            shm_dir,
+            region,
+            infer,
+            train,
+        }
+    }
+
+    fn config(&self) -> ClosedLoopConfig {
+        ClosedLoopConfig {
+            shm_dir: self.shm_dir.clone(),
+            mps: false,
+            sm_counts: BTreeMap::new(),
+            period: PERIOD_DEFAULT,
+            neighbour_window: NEIGHBOUR_WINDOW_DEFAULT,
+        }
+    }
+
+    /// `infer` finishes steps of these latencies; `train` launches at `now_ns`.
+    fn period(&self, latencies_ns: &[u64], now_ns: u64) {
+        let region = self.region;
+        for &latency in latencies_ns {
+            region.control.record_step(self.infer.tenant, latency);
+        }
+        Schedule::new(region, ProcLiveness).demand(&self.train, now_ns);
+    }
+
+    /// The decision the tenants read at `now_ns`.
+    fn decision(&self, now_ns: u64) -> Decision {
+        self.region.control.decision(now_ns)
+    }
+}
+
+#[test]
+fn a_gpu_with_a_latency_tenant_gets_a_decision_every_period() {
+    let node = Node::new(T0);
+    let shared = ClosedLoopShared::new();
+    shared.set_tenants(latency(Some(2 * MS)));
+    let mut closed_loop = ClosedLoop::new(node.config());
+
+    // First sight: the histogram is the reference, no steps yet: nothing restricted.
+    node.period(&[MS], T0);
+    let published = closed_loop.tick(&shared, T0);
+    assert_eq!(
+        published,
+        BTreeMap::from([("GPU-0".to_owned(), Decision::default())])
+    );
+    assert_eq!(node.region.control.decision_ns.load(Relaxed), T0);
+
+    // Four steps over the 2 ms target beside a busy neighbour: over budget, one level up
+    // (no MPS: the first in-flight cap).
+    let t1 = T0 + 10 * MS;
+    node.period(&[3 * MS; 4], t1);
+    let published = closed_loop.tick(&shared, t1);
+    let expected = Decision {
+        sms: 0,
+        inflight: 8,
+        pause: false,
+        level: 1,
+    };
+    assert_eq!(published["GPU-0"], expected);
+    assert_eq!(node.decision(t1), expected);
+    let status = &shared.statuses()["infer"];
+    assert_eq!((status.steps, status.violations), (4, 4));
+    assert_eq!(status.target_ns, Some(2 * MS));
+
+    // Republished every period, so it stays in force; a stopped agent's expires.
+    let t2 = t1 + 10 * MS;
+    node.period(&[MS], t2);
+    closed_loop.tick(&shared, t2);
+    assert_eq!(node.decision(t2 + DECISION_TTL_NS), expected);
+    assert_eq!(node.decision(t2 + DECISION_TTL_NS + 1), Decision::default());
+}
+
+#[test]
+fn tenants_that_are_not_latency_tenants_get_no_controller() {
+    let node = Node::new(T0);
+    let shared = ClosedLoopShared::new();
+    let mut closed_loop = ClosedLoop::new(node.config());
+    node.period(&[3 * MS; 4], T0);
+    assert_eq!(closed_loop.tick(&shared, T0), BTreeMap::new());
+    assert!(shared.statuses().is_empty());
+    let stamp = node.region.control.decision_ns.load(Relaxed);
+    assert_eq!(stamp, 0, "nothing published");
+}
+
+#[test]
+fn a_latency_tenant_that_leaves_the_assignments_releases_its_gpu() {
+    let node = Node::new(T0);
+    let shared = ClosedLoopShared::new();
+    shared.set_tenants(latency(Some(2 * MS)));
+    let mut closed_loop = ClosedLoop::new(node.config());
+    node.period(&[], T0);
+    closed_loop.tick(&shared, T0);
+    let t1 = T0 + 10 * MS;
+    node.period(&[3 * MS; 4], t1);
+    closed_loop.tick(&shared, t1);
+    assert!(node.decision(t1).restricts());
+
+    shared.set_tenants(BTreeMap::new());
+    let t2 = t1 + 10 * MS;
+    assert_eq!(closed_loop.tick(&shared, t2), BTreeMap::new());
+    assert_eq!(node.decision(t2), Decision::default());
+    assert!(shared.statuses().is_empty());
+}
+
+#[test]
+fn files_that_are_not_schedules_are_skipped_or_logged_without_stopping_the_others() {
+    let node = Node::new(T0);
+    let gpus = node.shm_dir.join("gpus");
+    std::fs::write(gpus.join("GPU-1.compute"), b"short").unwrap();
+    std::fs::write(gpus.join("GPU-2.compute.tmp.42"), b"").unwrap();
+    std::fs::write(gpus.join("notes"), b"").unwrap();
+    let shared = ClosedLoopShared::new();
+    shared.set_tenants(latency(None));
+    let mut closed_loop = ClosedLoop::new(node.config());
+    let published = closed_loop.tick(&shared, T0);
+    assert_eq!(published.keys().collect::<Vec<_>>(), ["GPU-0"]);
+    assert_eq!(closed_loop.logged.len(), 1, "{:?}", closed_loop.logged);
+    assert!(closed_loop.logged.contains_key(&gpus.join("GPU-1.compute")));
+    // Listed again after the rescan period: logged once still, and GPU-0 kept.
+    let later = T0 + RESCAN_NS;
+    assert_eq!(closed_loop.tick(&shared, later).len(), 1);
+    assert_eq!(closed_loop.logged.len(), 1);
+}
+
+#[test]
+fn statuses_of_a_tenant_on_two_gpus_add_up() {
+    let status = |p99_ns: u64, steps: u64| TenantStatus {
+        name: "infer".into(),
+        target_ns: Some(2 * MS),
+        baseline_p99_ns: None,
+        p50_ns: Some(p99_ns / 2),
+        p99_ns: Some(p99_ns),
+        steps,
+        violations: steps / 10,
+    };
+    let mut statuses = BTreeMap::new();
+    merge_status(&mut statuses, status(3 * MS, 100));
+    merge_status(&mut statuses, status(5 * MS, 50));
+    merge_status(&mut statuses, status(MS, 20));
+    assert_eq!(
+        statuses["infer"],
+        TenantStatus {
+            p50_ns: Some(5 * MS / 2),
+            p99_ns: Some(5 * MS),
+            steps: 170,
+            violations: 17,
+            ..status(0, 0)
+        }
+    );
+}
+
+#[test]
+fn the_thread_publishes_and_stops_when_its_handle_is_dropped() {
+    let node = Node::new(monotonic_ns());
+    let shared = ClosedLoopShared::new();
+    shared.set_tenants(latency(Some(2 * MS)));
+    let handle = spawn(node.config(), shared.clone());
+    // Wait (bounded) for the first period's decision and status.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while shared.statuses().is_empty() {
+        assert!(Instant::now() < deadline, "no period ran");
+        std::thread::yield_now();
+    }
+    let stamp = node.region.control.decision_ns.load(Relaxed);
+    assert!(stamp > 0);
+    let dropped = Instant::now();
+    drop(handle);
+    assert!(dropped.elapsed() < JOIN_WAIT);
+    let stopped_at = node.region.control.decision_ns.load(Relaxed);
+    // No period after the handle is gone: the stamp stays.
+    let deadline = Instant::now() + 3 * PERIOD_DEFAULT;
+    while Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    assert_eq!(node.region.control.decision_ns.load(Relaxed), stopped_at);
+}
