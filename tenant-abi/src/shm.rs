@@ -132,3 +132,130 @@ pub fn create_schedule(path: &Path, quantum_ns: u64) -> Result<bool, ReadError> 
 #[cfg(test)]
 #[path = "shm_test.rs"]
 mod tests;
+
+/// A GPU's schedule file mapped read-write for the node agent's closed loop
+/// (`vgpu_agent::closed_loop`): it reads the latency tenants' step histograms and the other
+/// tenants' demand stamps, and writes one thing, the decision ([`ScheduleControl::publish`]).
+/// Like the readers above it never creates, sizes, initialises or reclaims, and never waits on
+/// a tenant's process.
+pub struct ScheduleControl {
+    path: PathBuf,
+    mapping: map::Mapping<compute::Region>,
+}
+
+impl ScheduleControl {
+    /// Maps the existing, initialised schedule file `path` read-write, after the checks of
+    /// [`read_schedule`] (this build's size, magic and layout).
+    pub fn open(path: &Path) -> Result<ScheduleControl, ReadError> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| ReadError::Open {
+                path: path.to_owned(),
+                source,
+            })?;
+        let mapping =
+            map::Mapping::<compute::Region>::writable(path, &file, compute::REGION_BYTES)?;
+        let region = mapping.region();
+        if !region.is_initialised() {
+            return Err(ReadError::Uninitialised {
+                path: path.to_owned(),
+            });
+        }
+        region.check_layout().map_err(|message| ReadError::Layout {
+            path: path.to_owned(),
+            message,
+        })?;
+        Ok(ScheduleControl {
+            path: path.to_owned(),
+            mapping,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The live tenant slots (as [`read_schedule`] finds them: slots being claimed or
+    /// reclaimed are skipped) with their name and step histogram. Only latency tenants record
+    /// steps; every other tenant's histogram stays empty. Atomic loads only.
+    pub fn latency_tenants(&self) -> Vec<(usize, String, crate::control::LatencySnapshot)> {
+        let region = self.mapping.region();
+        live_slots(region)
+            .into_iter()
+            .map(|(slot, name)| (slot, name, region.control.latency(slot)))
+            .collect()
+    }
+
+    /// Whether a live tenant for which `is_latency` is false wanted to launch within
+    /// `window_ns` of `now_ns`: reads each live slot's demand stamp (`TenantSlot::demand_ns`,
+    /// refreshed by a gated tenant's processes every few hundred µs while they launch, see
+    /// `compute::Schedule::demand`).
+    pub fn neighbours_active(
+        &self,
+        now_ns: u64,
+        window_ns: u64,
+        is_latency: impl Fn(&str) -> bool,
+    ) -> bool {
+        let region = self.mapping.region();
+        live_slots(region).into_iter().any(|(slot, name)| {
+            let stamp = region.tenants[slot]
+                .demand_ns
+                .load(std::sync::atomic::Ordering::Relaxed);
+            !is_latency(&name) && compute::latency_fresh(stamp, now_ns, window_ns)
+        })
+    }
+
+    /// Publishes the agent's decision at `now_ns` (CLOCK_MONOTONIC, the tenants' clock).
+    pub fn publish(&self, decision: crate::control::Decision, now_ns: u64) {
+        assert!(
+            now_ns > 0,
+            "a decision's time is never 0 (0: never published)"
+        );
+        let control = &self.mapping.region().control;
+        control.publish(decision, now_ns);
+        debug_assert_eq!(control.decision(now_ns), decision);
+    }
+
+    /// The decision in force at `now_ns`, as the tenants read it.
+    pub fn decision(&self, now_ns: u64) -> crate::control::Decision {
+        self.mapping.region().control.decision(now_ns)
+    }
+}
+
+/// The live tenant slots of `region` and their names. A slot counts when its name is one
+/// [`compute::Region::tenant_times`] reports (the one definition of "live") and its state word
+/// carries no process id: a slot being claimed, named or reclaimed carries its claimer's pid,
+/// and a free slot (which keeps its old name) is 0.
+fn live_slots(region: &compute::Region) -> Vec<(usize, String)> {
+    use std::sync::atomic::Ordering::SeqCst;
+    let live: std::collections::BTreeSet<String> = region
+        .tenant_times(&ProcLiveness)
+        .into_iter()
+        .map(|time| time.name)
+        .collect();
+    let mut slots = Vec::new();
+    for (index, slot) in region.tenants.iter().enumerate() {
+        let state = slot.state.load(SeqCst);
+        if state == 0 || state as u32 != 0 {
+            continue;
+        }
+        let bytes: Vec<u8> = slot
+            .name
+            .iter()
+            .flat_map(|word| word.load(SeqCst).to_le_bytes())
+            .collect();
+        let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+        let name = String::from_utf8_lossy(&bytes[..end]).into_owned();
+        if live.contains(&name) {
+            slots.push((index, name));
+        }
+    }
+    debug_assert!(slots.len() <= compute::TENANTS);
+    slots
+}
+
+#[cfg(test)]
+#[path = "shm_control_test.rs"]
+mod control_tests;

@@ -150,11 +150,36 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     .await
     .map_err(|error| Error::Monitor(error.to_string()))?
     .map_err(|error| Error::Monitor(error.to_string()))?;
+    // The closed loop of each GPU with a latency tenant (`closed_loop`): its statuses go into the
+    // usage report, its tenants follow the assignments.
+    let closed_loop = crate::closed_loop::ClosedLoopShared::new();
+    closed_loop.set_tenants(latency_tenants(follower.current()));
+    let statuses = closed_loop.clone();
+    monitor.set_latency_source(crate::usage::LatencySource::new(move |tenant| {
+        let status = statuses.statuses().remove(tenant)?;
+        Some(crate::usage::LatencyReport::from_ns(
+            status.target_ns,
+            status.baseline_p99_ns,
+            status.p50_ns,
+            status.p99_ns,
+            status.steps,
+            status.violations,
+        ))
+    }));
+    let _closed_loop_thread = crate::closed_loop::spawn(
+        crate::closed_loop::ClosedLoopConfig::new(
+            config.shm_dir.clone(),
+            config.mps.is_some(),
+            &inventory,
+        ),
+        closed_loop.clone(),
+    );
     let agent = Agent {
         node: inventory.to_proto(&config.address, &config.labels),
         endpoints,
         timings: config.timings,
         monitor,
+        closed_loop,
     };
     let shaper = tokio::spawn(crate::bandwidth::run(
         config.state_dir.clone(),
@@ -172,6 +197,22 @@ struct Agent {
     timings: Timings,
     /// GPU health and tenant usage for the heartbeats.
     monitor: Monitor,
+    /// The latency tenants the closed loop follows.
+    closed_loop: std::sync::Arc<crate::closed_loop::ClosedLoopShared>,
+}
+
+/// The latency tenants of an assignment set, with their explicit targets.
+fn latency_tenants(
+    set: &crate::assignments::AssignmentSet,
+) -> BTreeMap<String, crate::closed_loop::LatencySpec> {
+    set.tenants
+        .iter()
+        .filter(|(_, tenant)| tenant.latency)
+        .map(|(name, tenant)| {
+            let target_ns = tenant.latency_target_us.map(|us| us.saturating_mul(1_000));
+            (name.clone(), crate::closed_loop::LatencySpec { target_ns })
+        })
+        .collect()
 }
 
 enum Answer {
@@ -239,7 +280,10 @@ impl Agent {
                     match item {
                         StreamItem::Message(message) => {
                             match follower.on_message(&message, self.endpoints.address(address)) {
-                                Ok(_changes) => None,
+                                Ok(_changes) => {
+                                    self.closed_loop.set_tenants(latency_tenants(follower.current()));
+                                    None
+                                }
                                 Err(problem) => {
                                     io.stream = None;
                                     note = Some(Note::Unapplied(problem));

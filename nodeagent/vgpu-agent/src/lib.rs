@@ -29,6 +29,7 @@ pub mod backoff;
 pub mod bandwidth;
 pub mod bootstrap;
 pub mod cdi;
+pub mod closed_loop;
 pub mod config;
 pub mod endpoints;
 pub mod error;
