@@ -5,8 +5,11 @@
 //! its rules must never change (a replica of another version, or a replay of an old log, would
 //! otherwise decide the same entry differently). New restrictions go only into
 //! [`admit_request`], which the member receiving a call (and vgpuctl) checks before proposing.
+//!
+//! A change to a running tenant (`Pool.SetTenant`) is checked by [`validate_change`], on
+//! admission and again by every replica for every logged change: its rules never change either.
 
-use crate::v1::{NvlinkPolicy, PlacementRequest};
+use crate::v1::{NvlinkPolicy, PlacementRequest, SetTenantRequest};
 
 pub const PRIORITY_MAX: i32 = 1000;
 pub const PRIORITY_MIN: i32 = -1000;
@@ -72,6 +75,8 @@ pub enum RequestError {
         "the latency target is {0} microseconds; give a target between 10us and 60s, e.g. `--latency-target 2ms`"
     )]
     LatencyTargetOutOfRange(u64),
+    #[error("say what to change: `--compute PCT`, `--latency-target DURATION` or `--priority P`")]
+    NothingToChange,
 }
 
 /// Validates the fields of a placement request on their own (not whether the pool can hold it).
@@ -148,6 +153,34 @@ pub fn check_latency_target(latency: bool, latency_target_us: u64) -> Result<(),
     }
     if !(LATENCY_TARGET_US_MIN..=LATENCY_TARGET_US_MAX).contains(&latency_target_us) {
         return Err(RequestError::LatencyTargetOutOfRange(latency_target_us));
+    }
+    Ok(())
+}
+
+/// Validates the fields of a change to a running tenant on their own: at least one field, a
+/// compute share of 1..=100, a priority within bounds, and a latency target of 0 (none) or within
+/// bounds. Whether the share fits the tenant's GPUs, and whether the tenant is a latency tenant,
+/// is decided where the change is applied. Logged changes are checked with it again: its rules
+/// never change (see the module docs).
+pub fn validate_change(change: &SetTenantRequest) -> Result<(), RequestError> {
+    if change.compute_percent.is_none()
+        && change.priority.is_none()
+        && change.latency_target_us.is_none()
+    {
+        return Err(RequestError::NothingToChange);
+    }
+    if let Some(percent) = change.compute_percent
+        && !(1..=100).contains(&percent)
+    {
+        return Err(RequestError::ComputeOutOfRange(percent));
+    }
+    if let Some(priority) = change.priority
+        && !(PRIORITY_MIN..=PRIORITY_MAX).contains(&priority)
+    {
+        return Err(RequestError::PriorityOutOfRange(priority));
+    }
+    if let Some(target) = change.latency_target_us {
+        check_latency_target(true, target)?;
     }
     Ok(())
 }
@@ -285,6 +318,44 @@ mod tests {
         for accepted_by_the_log in [&memory, &value, &owner] {
             assert_eq!(validate_request(accepted_by_the_log), Ok(()));
         }
+    }
+
+    #[test]
+    fn a_change_names_something_to_change_within_bounds() {
+        let change = |compute_percent, priority, latency_target_us| SetTenantRequest {
+            name: "chat".into(),
+            compute_percent,
+            priority,
+            latency_target_us,
+        };
+        assert_eq!(
+            validate_change(&change(None, None, None)),
+            Err(RequestError::NothingToChange)
+        );
+        assert_eq!(validate_change(&change(Some(40), None, None)), Ok(()));
+        assert_eq!(validate_change(&change(None, Some(-1000), None)), Ok(()));
+        assert_eq!(validate_change(&change(None, None, Some(1_500))), Ok(()));
+        assert_eq!(
+            validate_change(&change(None, None, Some(0))),
+            Ok(()),
+            "0 removes the target"
+        );
+        assert_eq!(
+            validate_change(&change(Some(0), None, None)),
+            Err(RequestError::ComputeOutOfRange(0))
+        );
+        assert_eq!(
+            validate_change(&change(Some(101), Some(0), None)),
+            Err(RequestError::ComputeOutOfRange(101))
+        );
+        assert_eq!(
+            validate_change(&change(None, Some(1001), None)),
+            Err(RequestError::PriorityOutOfRange(1001))
+        );
+        assert_eq!(
+            validate_change(&change(None, None, Some(9))),
+            Err(RequestError::LatencyTargetOutOfRange(9))
+        );
     }
 
     #[test]

@@ -141,6 +141,10 @@ fn roles_limit_what_a_certificate_may_do_and_refusals_leave_no_trace() -> Result
     denied(as_user(&bob, &["get", "tenants", "a1"])?, "bob reading a1")?;
     denied(as_user(&bob, &["release", "a1"])?, "bob releasing a1")?;
     denied(
+        as_user(&bob, &["set", "tenant", "a1", "--priority", "1"])?,
+        "bob changing a1",
+    )?;
+    denied(
         as_user(&bob, &["place", "a1", "--gpus", "0.25"])?,
         "bob placing over a1",
     )?;
@@ -224,7 +228,9 @@ fn roles_limit_what_a_certificate_may_do_and_refusals_leave_no_trace() -> Result
     let admin_view = json(&cluster.vgpuctl(&["get", "tenants", "a1", "-o", "json"])?)?;
     ensure!(admin_view["state"] == "placed", "{admin_view}");
 
-    // Alice may release her own tenant.
+    // Alice may change and release her own tenant.
+    let changed = as_user(&alice, &["set", "tenant", "a1", "--priority", "2"])?;
+    ensure!(changed.status.success(), "{}", stderr(&changed));
     let released = as_user(&alice, &["release", "a1"])?;
     ensure!(released.status.success(), "{}", stderr(&released));
     Ok(())

@@ -126,6 +126,11 @@ pub enum Command {
     /// pending then is reported as pending with its reason, and the exit status is 0: the request
     /// was accepted and stays queued. Placing the same name with the same request again is safe.
     Place(PlaceArgs),
+    /// Changes a running tenant in place: its compute share, priority or latency target.
+    Set {
+        #[command(subcommand)]
+        target: SetTarget,
+    },
     /// Releases a tenant's GPUs and forgets it.
     Release {
         /// Tenant name.
@@ -240,6 +245,40 @@ pub struct PlaceArgs {
     /// owner).
     #[arg(long, value_parser = owner_name, value_name = "OWNER")]
     pub owner: Option<String>,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum SetTarget {
+    /// A tenant: give at least one of --compute, --latency-target and --priority.
+    ///
+    /// The tenant stays on its GPUs: a compute share that does not fit them is refused with the
+    /// reason (release it and place it again to move it). The change is recorded in its history
+    /// and reaches its node with the next assignment; processes started after that get the new
+    /// values.
+    #[command(visible_alias = "tenants")]
+    Tenant(SetTenantArgs),
+}
+
+/// Flags of `vgpuctl set tenant`.
+#[derive(Debug, Clone, Args)]
+pub struct SetTenantArgs {
+    /// Tenant name.
+    #[arg(value_parser = tenant_name)]
+    pub name: String,
+
+    /// New guaranteed compute share per GPU in percent (1..=100), for a tenant with a fraction
+    /// of a GPU; it must fit the GPU the tenant is on.
+    #[arg(long, value_parser = parse_compute, allow_hyphen_values = true, value_name = "PCT")]
+    pub compute: Option<u32>,
+
+    /// New step-latency target of a latency tenant (`500us`, `2ms`, `1.5ms`, `0.002s`;
+    /// 10us..=60s), or `default` to remove it (1.2x its latency alone).
+    #[arg(long, value_parser = parse_latency_target_setting, allow_hyphen_values = true, value_name = "DURATION|default")]
+    pub latency_target: Option<u64>,
+
+    /// New priority (-1000..=1000).
+    #[arg(long, value_parser = parse_priority, allow_hyphen_values = true, value_name = "P")]
+    pub priority: Option<i32>,
 }
 
 /// Flags of `vgpuctl get`.
@@ -489,6 +528,16 @@ pub fn parse_latency_target(text: &str) -> Result<u64, String> {
     let microseconds = microseconds as u64;
     debug_assert!(api::validate::check_latency_target(true, microseconds).is_ok());
     Ok(microseconds)
+}
+
+/// Parses `set tenant --latency-target`: a target as [`parse_latency_target`] reads it, or
+/// `default` (or `none`) for 0, which removes the tenant's target.
+pub fn parse_latency_target_setting(text: &str) -> Result<u64, String> {
+    match text.trim() {
+        "default" | "none" => Ok(0),
+        _ => parse_latency_target(text)
+            .map_err(|problem| format!("{problem}, or `default` to remove the target")),
+    }
 }
 
 pub fn parse_priority(text: &str) -> Result<i32, String> {
@@ -967,6 +1016,57 @@ mod tests {
             error_of(&["place", "a", "--gpus", "1", "--latency-target", "-1ms"])
                 .contains("negative")
         );
+    }
+
+    #[test]
+    fn set_tenant_parses_each_change() {
+        let cli = parse(&[
+            "set",
+            "tenant",
+            "chat",
+            "--compute",
+            "40%",
+            "--latency-target",
+            "1.5ms",
+            "--priority",
+            "-5",
+            "-o",
+            "json",
+        ])
+        .unwrap();
+        let Command::Set {
+            target: SetTarget::Tenant(set),
+        } = cli.command
+        else {
+            panic!("expected set tenant")
+        };
+        assert_eq!(set.name, "chat");
+        assert_eq!(
+            (set.compute, set.latency_target, set.priority),
+            (Some(40), Some(1_500), Some(-5))
+        );
+        let cli = parse(&["set", "tenant", "chat", "--latency-target", "default"]).unwrap();
+        let Command::Set {
+            target: SetTarget::Tenant(set),
+        } = cli.command
+        else {
+            panic!("expected set tenant")
+        };
+        assert_eq!(
+            (set.compute, set.latency_target, set.priority),
+            (None, Some(0), None)
+        );
+        assert!(
+            error_of(&["set", "tenant", "chat", "--compute", "0"]).contains("between 1 and 100")
+        );
+        assert!(
+            error_of(&["set", "tenant", "chat", "--latency-target", "5us"])
+                .contains("`default` to remove the target")
+        );
+        assert!(
+            error_of(&["set", "tenant", "Bad_Name", "--priority", "1"]).contains("tenant name")
+        );
+        assert!(error_of(&["set", "node", "a"]).contains("unrecognized subcommand"));
     }
 
     #[test]

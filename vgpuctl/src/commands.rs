@@ -11,12 +11,13 @@ use api::v1::pool_client::PoolClient;
 use api::v1::{
     AddMemberRequest, ClusterStatusRequest, DrainRequest, GetNodeRequest, GetTenantRequest,
     ListRequest, Node, NvlinkPolicy, PlaceRequest, PlacementRequest, ReleaseRequest,
-    RemoveMemberRequest, Tenant, TenantState,
+    RemoveMemberRequest, SetTenantRequest, Tenant, TenantState,
 };
 use serde::Serialize;
 
 use crate::cli::{
-    ClusterCommand, Command, DescribeTarget, GetArgs, GpuAmount, Kind, PlaceArgs, merge_selectors,
+    ClusterCommand, Command, DescribeTarget, GetArgs, GpuAmount, Kind, PlaceArgs, SetTarget,
+    SetTenantArgs, merge_selectors,
 };
 use crate::endpoints::{Delivery, Endpoints};
 use crate::output::{self, write_structured};
@@ -40,6 +41,9 @@ pub async fn execute(
 ) -> anyhow::Result<()> {
     match command {
         Command::Place(args) => place(args, session, out).await,
+        Command::Set {
+            target: SetTarget::Tenant(args),
+        } => set_tenant(args, session, out).await,
         Command::Release { name } => release(name, session, out).await,
         Command::Get(args) => get(args, session, out).await,
         Command::Describe { target } => describe(target, session, out).await,
@@ -146,6 +150,63 @@ async fn place(args: &PlaceArgs, session: &Session, out: &mut dyn Write) -> anyh
             );
         }
     }
+    Ok(())
+}
+
+/// The API request for `set tenant` flags, checked with [`api::validate::validate_change`].
+pub fn set_tenant_request(args: &SetTenantArgs) -> Result<SetTenantRequest, UsageError> {
+    let change = SetTenantRequest {
+        name: args.name.clone(),
+        compute_percent: args.compute,
+        priority: args.priority,
+        latency_target_us: args.latency_target,
+    };
+    api::validate::validate_change(&change).map_err(|error| UsageError(error.to_string()))?;
+    Ok(change)
+}
+
+async fn set_tenant(
+    args: &SetTenantArgs,
+    session: &Session,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let change = set_tenant_request(args)?;
+    let name = &args.name;
+    // Setting values is idempotent (the same values again change nothing), so the failover may
+    // resend it.
+    let response = session
+        .endpoints
+        .call(
+            &format!("change of tenant {name}"),
+            Delivery::Idempotent,
+            "",
+            |channel| {
+                let change = change.clone();
+                async move { PoolClient::new(channel).set_tenant(change).await }
+            },
+        )
+        .await?;
+    let tenant = response
+        .tenant
+        .context("the control plane changed the tenant but sent it back empty; check with `vgpuctl describe tenant`")?;
+    let view = TenantView::from(&tenant);
+    if session.format != Format::Table {
+        return write_structured(out, session.format, &view);
+    }
+    let mut settings = Vec::new();
+    if !view.slices.is_empty() {
+        settings.push(output::placement_summary(&view.slices));
+    } else {
+        settings.push(format!("{} (not placed)", view.state));
+    }
+    settings.push(format!("priority {}", view.priority));
+    if view.request.latency {
+        settings.push(match view.request.latency_target_us {
+            0 => "latency target default".to_owned(),
+            target => format!("latency target {}", output::format_latency(target)),
+        });
+    }
+    writeln!(out, "tenant {name} set: {}", settings.join(", "))?;
     Ok(())
 }
 
@@ -676,6 +737,69 @@ mod tests {
             .unwrap();
         assert!(request.latency);
         assert_eq!(request.latency_target_us, 2_000);
+    }
+
+    #[tokio::test]
+    async fn set_tenant_sends_the_change_and_prints_the_result() {
+        let server = fake::start(State::new(Mode::Serve, Some(0)));
+        let address = [server.address.as_str()];
+        let args = ["place", "chat", "--gpus", "0.25", "--latency"];
+        run_against(&address, 5000, &args).await.0.unwrap();
+        let args = [
+            "set",
+            "tenant",
+            "chat",
+            "--compute",
+            "40",
+            "--latency-target",
+            "1.5ms",
+            "--priority",
+            "5",
+        ];
+        let (result, out) = run_against(&address, 5000, &args).await;
+        result.unwrap();
+        assert_eq!(
+            out,
+            "tenant chat set: node-a GPU 3 (40%, 20GiB, burst), priority 5, latency target 1.5ms\n"
+        );
+        let (result, out) = run_against(
+            &address,
+            5000,
+            &["set", "tenant", "chat", "--priority", "1", "-o", "json"],
+        )
+        .await;
+        result.unwrap();
+        let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(json["priority"], 1);
+        assert_eq!(json["request"]["latency_target_us"], 1_500);
+
+        // Nothing to change: refused before anything is sent.
+        let calls = server.state.calls.load(Ordering::SeqCst);
+        let (result, _) = run_against(&address, 5000, &["set", "tenant", "chat"]).await;
+        let error = result.unwrap_err();
+        assert_eq!(crate::exit_code(&error), crate::EXIT_USAGE);
+        assert!(error.to_string().contains("say what to change"), "{error}");
+        assert_eq!(server.state.calls.load(Ordering::SeqCst), calls);
+        // The control plane's refusals keep their code.
+        let (result, _) = run_against(
+            &address,
+            5000,
+            &["set", "tenant", "ghost", "--priority", "1"],
+        )
+        .await;
+        assert_eq!(
+            call_error(result).code(),
+            Some(api::ErrorCode::TenantNotFound)
+        );
+        let (result, _) = run_against(
+            &address,
+            5000,
+            &["set", "tenant", "chat", "--compute", "90"],
+        )
+        .await;
+        let error = call_error(result);
+        assert_eq!(error.code(), Some(api::ErrorCode::Unplaceable));
+        assert!(error.to_string().contains("room for 75%"), "{error}");
     }
 
     #[tokio::test]

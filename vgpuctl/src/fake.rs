@@ -164,6 +164,44 @@ impl Pool for Fake {
         }
     }
 
+    /// Changes the stored tenant; a share above 75% does not fit its (shared) GPU.
+    async fn set_tenant(
+        &self,
+        request: Request<SetTenantRequest>,
+    ) -> Result<Response<SetTenantResponse>, Status> {
+        self.0.enter().await?;
+        let change = request.into_inner();
+        let mut tenants = self.0.tenants.lock().unwrap();
+        let tenant = tenants.get_mut(&change.name).ok_or_else(|| {
+            ErrorCode::TenantNotFound.status(format!("there is no tenant {}", change.name))
+        })?;
+        if let Some(percent) = change.compute_percent {
+            if percent > 75 {
+                return Err(ErrorCode::Unplaceable.status(format!(
+                    "GPU 3 of node node-a has room for 75% for tenant {}",
+                    change.name
+                )));
+            }
+            tenant
+                .slices
+                .iter_mut()
+                .for_each(|slice| slice.compute_percent = percent);
+        }
+        let request = tenant.request.get_or_insert_default();
+        if let Some(percent) = change.compute_percent {
+            request.compute_percent = percent;
+        }
+        if let Some(priority) = change.priority {
+            request.priority = priority;
+        }
+        if let Some(target) = change.latency_target_us {
+            request.latency_target_us = target;
+        }
+        Ok(Response::new(SetTenantResponse {
+            tenant: Some(tenant.clone()),
+        }))
+    }
+
     async fn get_tenant(
         &self,
         request: Request<GetTenantRequest>,

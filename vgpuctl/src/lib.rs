@@ -1,5 +1,5 @@
 //! vgpuctl, the command-line client of the vgpu control plane, in the manner of kubectl:
-//! `place`, `release`, `get`, `describe`, `drain`, `uncordon` and `cluster`.
+//! `place`, `set`, `release`, `get`, `describe`, `drain`, `uncordon` and `cluster`.
 //!
 //! The binary's `main.rs` parses a [`Cli`], installs tracing and calls [`run`]; everything else is
 //! here: [`cli`] (flags and their parsers), [`endpoints`] (connections and failover between

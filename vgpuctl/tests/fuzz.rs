@@ -45,6 +45,7 @@ fn value_examples() -> Vec<String> {
         "60s",
         "9us",
         "1.0000005ms",
+        "default",
     ]
     .map(String::from)
     .to_vec()
@@ -81,6 +82,12 @@ fn check_values(text: String) {
             let written = vgpuctl::output::format_latency(microseconds);
             assert_eq!(cli::parse_latency_target(&written), Ok(microseconds));
         }
+        Err(problem) => explained(&problem),
+    }
+    match cli::parse_latency_target_setting(&text) {
+        // 0 removes the target; anything else is a target `--latency-target` accepts.
+        Ok(0) => assert!(matches!(text.trim(), "default" | "none"), "`{text}`"),
+        Ok(microseconds) => assert_eq!(cli::parse_latency_target(&text), Ok(microseconds)),
         Err(problem) => explained(&problem),
     }
     match cli::parse_priority(&text) {
@@ -139,6 +146,7 @@ fn check_arguments(arguments: Vec<String>) {
 fn arguments() -> impl Strategy<Value = Vec<String>> {
     let words: Vec<String> = [
         "place",
+        "set",
         "release",
         "get",
         "tenants",

@@ -5,7 +5,8 @@
 //! State: nodes by name (each with its usage and summary), tenants by name (placed or pending),
 //! the pending queue (priority high to low, then `seq`), an index of Ready nodes by number of
 //! fully free GPUs (for whole-GPU requests), the workload model the fragmentation scorer reads,
-//! and the rotating scan cursor. The search lives in `search.rs`, preemption in `preempt.rs`.
+//! and the rotating scan cursor. The search lives in `search.rs`, preemption in `preempt.rs`,
+//! changes to a tenant in place in `update.rs`.
 
 use crate::node::Node;
 use crate::search::Need;
@@ -58,7 +59,7 @@ pub(crate) struct QueueKey {
 }
 
 impl QueueKey {
-    fn of(tenant: &str, record: &TenantRecord) -> QueueKey {
+    pub(crate) fn of(tenant: &str, record: &TenantRecord) -> QueueKey {
         QueueKey {
             priority_negated: -i64::from(record.request.priority),
             seq: record.seq,
@@ -140,6 +141,11 @@ impl Engine {
             } => self.submit(tenant, request, seq, &mut commands),
             Event::Release { tenant } => self.release(&tenant, &mut commands),
             Event::Retry => self.retry_pending(&mut commands),
+            Event::Update {
+                tenant,
+                compute_percent,
+                priority,
+            } => self.update(&tenant, compute_percent, priority, &mut commands),
         }
         commands
     }
@@ -410,7 +416,7 @@ impl Engine {
     /// Tries pending tenants in queue order, at most `retry_per_event_max`; a tenant that does
     /// not fit does not block the ones behind it (backfill). Sends `Pending` only when a reason
     /// changes.
-    fn retry_pending(&mut self, commands: &mut Vec<Command>) {
+    pub(crate) fn retry_pending(&mut self, commands: &mut Vec<Command>) {
         let batch: Vec<TenantName> = self
             .queue
             .iter()
@@ -538,7 +544,7 @@ impl Engine {
         slices
     }
 
-    fn index_remove(&mut self, name: &str) {
+    pub(crate) fn index_remove(&mut self, name: &str) {
         let node = &self.nodes[name];
         if node.state != NodeState::Ready {
             return;
@@ -554,7 +560,7 @@ impl Engine {
         }
     }
 
-    fn index_insert(&mut self, name: &str) {
+    pub(crate) fn index_insert(&mut self, name: &str) {
         let node = &self.nodes[name];
         if node.state != NodeState::Ready {
             return;

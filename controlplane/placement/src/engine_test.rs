@@ -734,3 +734,132 @@ fn a_restored_engine_continues_identically() {
         serde_json::to_string(&restored).unwrap()
     );
 }
+
+fn update(tenant: &str, compute_percent: Option<u32>, priority: Option<i32>) -> Event {
+    Event::Update {
+        tenant: tenant.to_string(),
+        compute_percent,
+        priority,
+    }
+}
+
+fn updated(tenant: &str, slices: Vec<SliceAssignment>) -> Command {
+    Command::Updated {
+        tenant: tenant.to_string(),
+        slices,
+    }
+}
+
+#[test]
+fn a_share_that_fits_its_gpu_is_changed_in_place() {
+    let mut engine = engine_with(&[node_spec("a", 2, 80 * GIB, Interconnect::All)]);
+    handle(&mut engine, submit("chat", fraction(250), 1));
+    handle(&mut engine, submit("batch", fraction(500), 2));
+    // 25 + 50 on GPU 0: chat may grow to 50%, on the same GPU, with the same memory.
+    assert_eq!(
+        handle(&mut engine, update("chat", Some(50), None)),
+        vec![updated("chat", vec![slice("a", 0, 50, 20 * GIB)])]
+    );
+    let usage = &engine.node("a").unwrap().usage[0];
+    assert_eq!(usage.compute_allocated_percent, 100);
+    assert_eq!(engine.slices("chat").unwrap()[0].compute_percent, 50);
+    // The same share again changes nothing but says so.
+    assert_eq!(
+        handle(&mut engine, update("chat", Some(50), None)),
+        vec![updated("chat", vec![slice("a", 0, 50, 20 * GIB)])]
+    );
+}
+
+#[test]
+fn a_share_that_does_not_fit_is_refused_and_the_tenant_is_not_moved() {
+    let mut engine = engine_with(&[node_spec("a", 2, 80 * GIB, Interconnect::All)]);
+    handle(&mut engine, submit("chat", fraction(250), 1));
+    handle(&mut engine, submit("batch", fraction(500), 2));
+    let before = engine.clone();
+    // GPU 1 is empty, but a placed tenant stays where it is.
+    assert_eq!(
+        handle(&mut engine, update("chat", Some(60), Some(7))),
+        vec![Command::Refused {
+            tenant: "chat".to_string(),
+            reason: "GPU 0 of node a has room for 50% for tenant chat (25% now, 25% unallocated); a placed tenant is not moved: ask for at most 50%, or release it and place it again".to_string()
+        }]
+    );
+    assert_eq!(
+        format!("{engine:?}"),
+        format!("{before:?}"),
+        "nothing changed"
+    );
+    // Whole GPUs are exclusive; unknown tenants are refused too.
+    handle(&mut engine, submit("train", whole(1), 3));
+    let refused = |commands: Vec<Command>| match commands.as_slice() {
+        [Command::Refused { reason, .. }] => reason.clone(),
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    assert!(refused(handle(&mut engine, update("train", Some(50), None))).contains("whole GPUs"),);
+    assert_eq!(
+        refused(handle(&mut engine, update("ghost", None, Some(1)))),
+        "no tenant is named ghost"
+    );
+    assert_eq!(
+        refused(handle(&mut engine, update("ghost", Some(10), None))),
+        "no tenant is named ghost"
+    );
+}
+
+#[test]
+fn a_smaller_share_lets_a_pending_tenant_in_and_a_new_priority_counts_at_once() {
+    let mut engine = engine_with(&[node_spec("a", 1, 80 * GIB, Interconnect::All)]);
+    handle(
+        &mut engine,
+        submit("big", with_compute(fraction(250), 80), 1),
+    );
+    let commands = handle(&mut engine, submit("small", fraction(250), 2));
+    assert!(
+        matches!(commands.as_slice(), [Command::Pending { tenant, .. }] if tenant == "small"),
+        "{commands:?}"
+    );
+    // A pending tenant's share is its request's; it waits with it, for the new reason.
+    assert_eq!(
+        handle(&mut engine, update("small", Some(30), None)),
+        vec![
+            updated("small", vec![]),
+            pending(
+                "small",
+                "no GPU has 30% compute and 20GiB memory free; the most free is a GPU 0 with 20% compute and 60GiB"
+            )
+        ]
+    );
+    assert_eq!(engine.pending(), vec!["small".to_string()]);
+    // The placed tenant gives up compute: the pending one fits now and is placed at once.
+    assert_eq!(
+        handle(&mut engine, update("big", Some(70), None)),
+        vec![
+            updated("big", vec![slice("a", 0, 70, 20 * GIB)]),
+            bind("small", vec![slice("a", 0, 30, 20 * GIB)]),
+        ]
+    );
+    assert!(engine.pending().is_empty());
+    // A waiting tenant raised above a placed one preempts it on the spot.
+    handle(
+        &mut engine,
+        submit("urgent", with_compute(fraction(250), 60), 3),
+    );
+    assert_eq!(engine.pending(), vec!["urgent".to_string()]);
+    let commands = handle(&mut engine, update("urgent", None, Some(5)));
+    assert_eq!(commands[0], updated("urgent", vec![]));
+    assert!(
+        commands
+            .iter()
+            .any(|c| matches!(c, Command::Preempted { tenant, by, .. } if tenant == "big" && by == "urgent")),
+        "{commands:?}"
+    );
+    assert!(
+        commands.contains(&bind("urgent", vec![slice("a", 0, 60, 20 * GIB)])),
+        "{commands:?}"
+    );
+}
+
+fn with_compute(mut request: Request, compute_percent: u32) -> Request {
+    request.compute_percent = Some(compute_percent);
+    request
+}

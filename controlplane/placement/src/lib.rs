@@ -14,6 +14,7 @@ mod search;
 mod topology;
 mod types;
 mod units;
+mod update;
 mod workload;
 
 #[cfg(test)]

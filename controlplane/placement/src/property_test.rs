@@ -82,6 +82,7 @@ enum Step {
     State(usize, NodeState),
     Readd(NodeSpec),
     Remove(usize),
+    Update(usize, Option<u32>, Option<i32>),
 }
 
 fn step_strategy() -> impl Strategy<Value = Step> {
@@ -93,6 +94,12 @@ fn step_strategy() -> impl Strategy<Value = Step> {
             .prop_map(|(node, state)| Step::State(node, state)),
         1 => (0..NODE_NAMES.len()).prop_flat_map(|node| node_strategy(NODE_NAMES[node]).prop_map(Step::Readd)),
         1 => (0..NODE_NAMES.len()).prop_map(Step::Remove),
+        2 => (
+            0..TENANTS_MAX,
+            prop::option::weighted(0.7, prop_oneof![1u32..=100, Just(0u32), Just(101u32)]),
+            prop::option::weighted(0.4, -1i32..5),
+        )
+            .prop_map(|(tenant, compute, priority)| Step::Update(tenant, compute, priority)),
     ]
 }
 
@@ -115,6 +122,11 @@ fn events(pool: Vec<NodeSpec>, steps: Vec<Step>) -> Vec<Event> {
             },
             Step::Readd(spec) => Event::AddNode(spec),
             Step::Remove(node) => Event::RemoveNode(NODE_NAMES[node].to_string()),
+            Step::Update(tenant, compute_percent, priority) => Event::Update {
+                tenant: format!("t{tenant}"),
+                compute_percent,
+                priority,
+            },
         });
     }
     events
@@ -161,8 +173,67 @@ impl Model {
                 self.requests.insert(tenant.clone(), request.clone());
             }
         }
+        if let Event::Update {
+            tenant,
+            compute_percent,
+            priority,
+        } = event
+        {
+            let known = self.requests.get_mut(tenant);
+            match commands.first() {
+                Some(Command::Refused {
+                    tenant: refused, ..
+                }) => {
+                    assert_eq!(refused, tenant);
+                    assert_eq!(commands.len(), 1, "a refusal changes nothing");
+                    if let (Some(request), Some(percent)) = (&known, compute_percent) {
+                        let whole = matches!(request.gpus, GpuCount::Whole(_));
+                        let out_of_range = !(1..=100).contains(percent);
+                        let grows = self.placed.get(tenant).is_some_and(|slices| {
+                            slices.iter().any(|s| s.compute_percent < *percent)
+                        });
+                        assert!(whole || out_of_range || grows, "{tenant}: {commands:?}");
+                    }
+                }
+                Some(Command::Updated {
+                    tenant: changed,
+                    slices,
+                }) => {
+                    assert_eq!(changed, tenant);
+                    let request = known.expect("only known tenants are changed");
+                    if let Some(percent) = compute_percent {
+                        assert!(matches!(request.gpus, GpuCount::Milli(_)));
+                        request.compute_percent = Some(*percent);
+                        assert!(slices.iter().all(|s| s.compute_percent == *percent));
+                    }
+                    if let Some(priority) = priority {
+                        request.priority = *priority;
+                    }
+                    match self.placed.get_mut(tenant) {
+                        Some(placed) => {
+                            let gpus = |slices: &[SliceAssignment]| -> Vec<(String, u32, u64)> {
+                                slices
+                                    .iter()
+                                    .map(|s| (s.node.clone(), s.gpu_index, s.memory_bytes))
+                                    .collect()
+                            };
+                            assert_eq!(gpus(placed), gpus(slices), "{tenant} moved");
+                            *placed = slices.clone();
+                        }
+                        None => assert!(slices.is_empty()),
+                    }
+                }
+                other => panic!("{tenant}: an update answered {other:?}"),
+            }
+            assert!(
+                commands[1..]
+                    .iter()
+                    .all(|c| !matches!(c, Command::Updated { .. } | Command::Refused { .. }))
+            );
+        }
         for command in commands {
             match command {
+                Command::Updated { .. } | Command::Refused { .. } => {}
                 Command::Bind { tenant, slices } => {
                     let request = &self.requests[tenant];
                     let (gpus, nodes) = match request.gpus {
@@ -214,6 +285,8 @@ fn command_tenant(command: &Command) -> &str {
         | Command::Preempted { tenant, .. }
         | Command::Unbound { tenant, .. }
         | Command::Reject { tenant, .. }
+        | Command::Updated { tenant, .. }
+        | Command::Refused { tenant, .. }
         | Command::Released { tenant } => tenant,
     }
 }

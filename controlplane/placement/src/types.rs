@@ -114,6 +114,14 @@ pub enum Event {
     },
     /// Try the pending queue again (the leader sends it periodically).
     Retry,
+    /// Change a tenant in place: its guaranteed compute share per GPU (a fraction's, 1..=100)
+    /// and/or its priority. A placed tenant keeps its GPUs: a share that does not fit them is
+    /// refused. Answered by `Updated` (then the pending queue is tried again) or `Refused`.
+    Update {
+        tenant: TenantName,
+        compute_percent: Option<u32>,
+        priority: Option<i32>,
+    },
 }
 
 /// What the engine decided. The caller updates its tenant records (state, reason, history) from
@@ -141,6 +149,15 @@ pub enum Command {
     Reject { tenant: TenantName, reason: String },
     /// The release of this tenant is done (also emitted for a tenant the engine did not know).
     Released { tenant: TenantName },
+    /// The tenant was changed in place (`Event::Update`); `slices` are what it holds now (empty
+    /// while pending), on the same GPUs as before.
+    Updated {
+        tenant: TenantName,
+        slices: Vec<SliceAssignment>,
+    },
+    /// The change was not made (an unknown tenant, whole GPUs, a share that does not fit); the
+    /// engine's state is as before.
+    Refused { tenant: TenantName, reason: String },
 }
 
 /// How the engine scores candidate GPUs.

@@ -65,6 +65,18 @@ pub enum Command {
         serial: String,
         unix_ms: i64,
     },
+    /// Changes a tenant in place (`Pool.SetTenant`): each `Some` field is set. `owner` is the
+    /// caller's owner when a tenant certificate asked (it may change only its owner's tenants);
+    /// `None` for admins. (Appended last, like `RevokeCertificate`: a member of an older version
+    /// cannot read it; change tenants only once every member runs a version that knows it.)
+    SetTenant {
+        name: String,
+        compute_percent: Option<u32>,
+        priority: Option<i32>,
+        latency_target_us: Option<u64>,
+        owner: Option<String>,
+        unix_ms: i64,
+    },
 }
 
 /// Most unexpired bootstrap tokens the pool keeps.
@@ -112,7 +124,8 @@ pub struct HistoryEvent {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TenantRecord {
     pub name: String,
-    /// prost-encoded `vgpu.v1.PlacementRequest`, exactly as submitted.
+    /// prost-encoded `vgpu.v1.PlacementRequest`, exactly as submitted, then rewritten by each
+    /// `SetTenant` that changed it (so `Place` again with the first request is a conflict).
     pub request: Vec<u8>,
     pub state: TenantState,
     pub reason: String,
@@ -235,6 +248,22 @@ impl PoolState {
             } => self.create_token(hash, expires_unix_ms, unix_ms),
             Command::RevokeCertificate { serial, unix_ms } => {
                 self.revoke_certificate(serial, unix_ms)
+            }
+            Command::SetTenant {
+                name,
+                compute_percent,
+                priority,
+                latency_target_us,
+                owner,
+                unix_ms,
+            } => {
+                let change = v1::SetTenantRequest {
+                    name,
+                    compute_percent,
+                    priority,
+                    latency_target_us,
+                };
+                self.set_tenant(index, change, owner.as_deref(), unix_ms)
             }
             Command::Retry { unix_ms } => {
                 let Some(commands) = self.handle_guarded(Event::Retry) else {
@@ -430,6 +459,135 @@ impl PoolState {
         CommandResult::Done
     }
 
+    /// Changes tenant `change.name` in place; see `Command::SetTenant`. The engine decides
+    /// whether a new share fits the GPUs the tenant holds (it is never moved); the request is
+    /// rewritten with the new values, the change goes into the tenant's history, and the nodes
+    /// it is on get a new revision, so their agents receive it. A change to the values the
+    /// tenant has already is answered with the tenant and changes nothing.
+    fn set_tenant(
+        &mut self,
+        index: u64,
+        change: v1::SetTenantRequest,
+        owner: Option<&str>,
+        unix_ms: i64,
+    ) -> CommandResult {
+        let name = change.name.clone();
+        let Some(record) = self.tenants.get(&name) else {
+            return failed(
+                ErrorCode::TenantNotFound,
+                format!("no tenant is named `{name}`; `vgpuctl get tenants` lists them"),
+            );
+        };
+        let mut request = decode_request(&record.request);
+        if let Some(owner) = owner
+            && request.owner != owner
+        {
+            return failed(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "tenant `{name}` belongs to another owner; a tenant certificate changes only its own owner's tenants"
+                ),
+            );
+        }
+        if let Err(error) = api::validate::validate_change(&change) {
+            return failed(ErrorCode::InvalidArgument, error.to_string());
+        }
+        if change.latency_target_us.is_some_and(|target| target > 0) && !request.latency {
+            return failed(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "tenant `{name}` is not a latency tenant, and a latency target applies only to one; place a tenant with `--latency` to give it a target"
+                ),
+            );
+        }
+        // Only what differs from what the tenant has is changed (and recorded).
+        let compute_percent = change
+            .compute_percent
+            .filter(|&percent| percent != current_compute_percent(record, &request));
+        let priority = change.priority.filter(|&p| p != request.priority);
+        let latency_target_us = change
+            .latency_target_us
+            .filter(|&target| target != request.latency_target_us);
+        let mut changes = Vec::new();
+        if let Some(percent) = compute_percent {
+            let now = current_compute_percent(record, &request);
+            changes.push(format!("compute {now}% -> {percent}%"));
+        }
+        if let Some(priority) = priority {
+            changes.push(format!("priority {} -> {priority}", request.priority));
+        }
+        if let Some(target) = latency_target_us {
+            let text = |us: u64| match us {
+                0 => "none".to_owned(),
+                us => format!("{us}us"),
+            };
+            changes.push(format!(
+                "latency target {} -> {}",
+                text(request.latency_target_us),
+                text(target)
+            ));
+        }
+        if changes.is_empty() {
+            return CommandResult::Tenant(Box::new(record.clone()));
+        }
+        if compute_percent.is_some() || priority.is_some() {
+            let Some(commands) = self.handle_guarded(Event::Update {
+                tenant: name.clone(),
+                compute_percent,
+                priority,
+            }) else {
+                return engine_failure();
+            };
+            if let Some(reason) = commands.iter().find_map(|command| match command {
+                placement::Command::Refused { reason, .. } => Some(reason.clone()),
+                _ => None,
+            }) {
+                assert_eq!(commands.len(), 1, "a refusal changes nothing");
+                return failed(ErrorCode::Unplaceable, reason);
+            }
+            self.record(index, unix_ms, commands, None);
+        }
+        if let Some(percent) = compute_percent {
+            request.compute_percent = percent;
+        }
+        if let Some(priority) = priority {
+            request.priority = priority;
+        }
+        if let Some(target) = latency_target_us {
+            request.latency_target_us = target;
+        }
+        assert!(
+            api::validate::validate_request(&request).is_ok(),
+            "a changed request stays valid"
+        );
+        let record = self
+            .tenants
+            .get_mut(&name)
+            .expect("a changed tenant is kept");
+        record.request = request.encode_to_vec();
+        record.revision = index;
+        let state = record.state;
+        record.history.push_back(HistoryEvent {
+            unix_ms,
+            state,
+            message: format!("changed: {}", changes.join(", ")),
+        });
+        while record.history.len() > TENANT_HISTORY_MAX {
+            record.history.pop_front();
+        }
+        let nodes: BTreeSet<String> = record.slices.iter().map(|s| s.node.clone()).collect();
+        for node in nodes {
+            self.node_revisions.insert(node, index);
+        }
+        let record = self.tenants.get(&name).expect("a changed tenant is kept");
+        assert_eq!(
+            self.engine.slices(&name).unwrap_or_default(),
+            record.slices.as_slice(),
+            "the engine and the record agree on the tenant's slices"
+        );
+        CommandResult::Tenant(Box::new(record.clone()))
+    }
+
     /// Runs the engine on one event. A panic inside the engine is a bug, but letting it unwind
     /// would stop every replica at the same log entry, and again at every restart (a poison
     /// entry). So it is caught and the command fails; every replica catches it at the same point
@@ -544,6 +702,23 @@ impl PoolState {
                     if let Some(record) = self.tenants.remove(&tenant) {
                         touched.extend(record.slices.into_iter().map(|s| s.node));
                     }
+                }
+                placement::Command::Updated { tenant, slices } => {
+                    let record = self
+                        .tenants
+                        .get_mut(&tenant)
+                        .expect("engine changes known tenants");
+                    assert_eq!(
+                        record.slices.len(),
+                        slices.len(),
+                        "a changed tenant keeps its GPUs"
+                    );
+                    touched.extend(slices.iter().map(|s| s.node.clone()));
+                    record.slices = slices;
+                    record.revision = index;
+                }
+                placement::Command::Refused { tenant, reason } => {
+                    unreachable!("the caller handles a refused change of {tenant}: {reason}")
                 }
             }
         }
@@ -671,6 +846,19 @@ fn transition(
     });
     while record.history.len() > TENANT_HISTORY_MAX {
         record.history.pop_front();
+    }
+}
+
+/// The compute share `record` holds per GPU now: its slices' when placed, else what its request
+/// asks for (0 there: the fraction's share, or 100 for whole GPUs).
+fn current_compute_percent(record: &TenantRecord, request: &v1::PlacementRequest) -> u32 {
+    if let Some(slice) = record.slices.first() {
+        return slice.compute_percent;
+    }
+    match request.compute_percent {
+        0 if request.milli_gpus > 0 => request.milli_gpus.div_ceil(10),
+        0 => 100,
+        percent => percent,
     }
 }
 

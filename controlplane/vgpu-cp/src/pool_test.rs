@@ -505,3 +505,214 @@ fn revocations_are_kept_once_in_normal_form_and_bounded() {
         CommandResult::Failed { .. }
     ));
 }
+
+fn set(
+    state: &mut PoolState,
+    index: u64,
+    name: &str,
+    change: (Option<u32>, Option<i32>, Option<u64>),
+    owner: Option<&str>,
+) -> CommandResult {
+    let (compute_percent, priority, latency_target_us) = change;
+    state.apply(
+        index,
+        Command::SetTenant {
+            name: name.to_owned(),
+            compute_percent,
+            priority,
+            latency_target_us,
+            owner: owner.map(str::to_owned),
+            unix_ms: index as i64,
+        },
+    )
+}
+
+fn refusal(result: CommandResult) -> (ErrorCode, String) {
+    match result {
+        CommandResult::Failed { code, message } => (code, message),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+fn latency_tenant(owner: &str) -> v1::PlacementRequest {
+    v1::PlacementRequest {
+        latency: true,
+        latency_target_us: 2_000,
+        owner: owner.to_owned(),
+        ..fraction(250, 10)
+    }
+}
+
+#[test]
+fn a_change_that_fits_reaches_the_assignment_and_the_history() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    place(&mut state, 2, "chat", latency_tenant("acme"));
+    let gpu = state.tenants["chat"].slices[0].gpu_index;
+    let CommandResult::Tenant(record) = set(
+        &mut state,
+        3,
+        "chat",
+        (Some(40), Some(5), Some(1_500)),
+        Some("acme"),
+    ) else {
+        panic!("expected the changed tenant");
+    };
+    assert_eq!(record.state, TenantState::Placed);
+    assert_eq!(record.slices[0].compute_percent, 40);
+    assert_eq!(record.slices[0].gpu_index, gpu, "not moved");
+    assert_eq!(record.revision, 3);
+    assert_eq!(
+        record.history.back().unwrap().message,
+        "changed: compute 25% -> 40%, priority 0 -> 5, latency target 2000us -> 1500us"
+    );
+    let request = decode_request(&record.request);
+    assert_eq!(
+        (
+            request.compute_percent,
+            request.priority,
+            request.latency_target_us
+        ),
+        (40, 5, 1_500)
+    );
+    assert_eq!(
+        state.node_revisions["node-a"], 3,
+        "the node's agent is told"
+    );
+    let (revision, assignments) = state.assignments("node-a");
+    assert_eq!(revision, 3);
+    assert_eq!(assignments[0].slices[0].compute_percent, 40);
+    assert_eq!(assignments[0].priority, 5);
+    assert_eq!(assignments[0].latency_target_us, 1_500);
+    let usage = &state.engine.node("node-a").unwrap().usage[gpu as usize];
+    assert_eq!(usage.compute_allocated_percent, 40);
+
+    // The same values again: nothing changes (a resent call), no history, no new revision.
+    let again = set(&mut state, 4, "chat", (Some(40), Some(5), None), None);
+    assert_eq!(
+        again,
+        CommandResult::Tenant(Box::new(state.tenants["chat"].clone()))
+    );
+    assert_eq!(state.tenants["chat"].revision, 3);
+    assert_eq!(state.node_revisions["node-a"], 3);
+    // A target of 0 removes it.
+    set(&mut state, 5, "chat", (None, None, Some(0)), None);
+    assert_eq!(state.assignments("node-a").1[0].latency_target_us, 0);
+    assert_eq!(
+        state.tenants["chat"].history.back().unwrap().message,
+        "changed: latency target 1500us -> none"
+    );
+}
+
+#[test]
+fn a_change_that_does_not_fit_is_refused_with_the_reason_and_changes_nothing() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    place(&mut state, 2, "chat", latency_tenant("acme"));
+    let gpu = state.tenants["chat"].slices[0].gpu_index;
+    // Fill the rest of chat's GPU: 25% + 70% = 95%.
+    let filler = state.tenants["chat"].slices[0].gpu_uuid.clone();
+    place(
+        &mut state,
+        3,
+        "batch",
+        v1::PlacementRequest {
+            compute_percent: 70,
+            ..fraction(250, 10)
+        },
+    );
+    assert_eq!(state.tenants["batch"].slices[0].gpu_uuid, filler);
+    let before = state.tenants.clone();
+    let (code, message) = refusal(set(&mut state, 4, "chat", (Some(40), Some(9), None), None));
+    assert_eq!(code, ErrorCode::Unplaceable);
+    assert!(
+        message.contains(&format!("GPU {gpu} of node node-a has room for 30%")),
+        "{message}"
+    );
+    assert_eq!(
+        state.tenants, before,
+        "nothing changed, not even the priority"
+    );
+    assert_eq!(state.node_revisions["node-a"], 3);
+    // Whole GPUs are exclusive.
+    place(&mut state, 5, "train", whole(1));
+    let (code, message) = refusal(set(&mut state, 6, "train", (Some(50), None, None), None));
+    assert_eq!(code, ErrorCode::Unplaceable);
+    assert!(message.contains("whole GPUs"), "{message}");
+}
+
+#[test]
+fn changes_of_unknown_or_foreign_tenants_and_bad_targets_are_refused() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    place(&mut state, 2, "chat", latency_tenant("acme"));
+    place(&mut state, 3, "plain", fraction(250, 10));
+    let before = state.tenants.clone();
+    let (code, _) = refusal(set(&mut state, 4, "ghost", (Some(40), None, None), None));
+    assert_eq!(code, ErrorCode::TenantNotFound);
+    let (code, message) = refusal(set(
+        &mut state,
+        5,
+        "chat",
+        (Some(40), None, None),
+        Some("globex"),
+    ));
+    assert_eq!(code, ErrorCode::PermissionDenied);
+    assert!(message.contains("another owner"), "{message}");
+    let (code, message) = refusal(set(&mut state, 6, "plain", (None, None, Some(2_000)), None));
+    assert_eq!(code, ErrorCode::InvalidArgument);
+    assert!(message.contains("not a latency tenant"), "{message}");
+    for bad in [
+        (None, None, None),
+        (Some(0), None, None),
+        (None, Some(5_000), None),
+        (None, None, Some(5)),
+    ] {
+        let (code, _) = refusal(set(&mut state, 7, "chat", bad, None));
+        assert_eq!(code, ErrorCode::InvalidArgument, "{bad:?}");
+    }
+    assert_eq!(state.tenants, before);
+}
+
+#[test]
+fn a_pending_tenant_changes_its_request_and_a_smaller_share_lets_it_in() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    // Four GPUs: each 80% taken.
+    for (index, name) in [(2, "a"), (3, "b"), (4, "c"), (5, "d")] {
+        place(
+            &mut state,
+            index,
+            name,
+            v1::PlacementRequest {
+                compute_percent: 80,
+                ..fraction(250, 10)
+            },
+        );
+    }
+    let CommandResult::Tenant(waiting) = place(
+        &mut state,
+        6,
+        "late",
+        v1::PlacementRequest {
+            compute_percent: 30,
+            ..fraction(250, 10)
+        },
+    ) else {
+        panic!("kept")
+    };
+    assert_eq!(waiting.state, TenantState::Pending);
+    let CommandResult::Tenant(late) = set(&mut state, 7, "late", (Some(20), None, None), None)
+    else {
+        panic!("changed")
+    };
+    assert_eq!(late.state, TenantState::Placed, "20% fits next to 80%");
+    assert_eq!(late.slices[0].compute_percent, 20);
+    assert!(
+        late.history
+            .iter()
+            .any(|event| event.message == "changed: compute 30% -> 20%"),
+        "{:?}",
+        late.history
+    );
+}

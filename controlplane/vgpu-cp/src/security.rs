@@ -3,7 +3,8 @@
 //! leaves no trace in the replicated state.
 //!
 //! - `admin`: everything.
-//! - `tenant:OWNER`: place, release, get and list the tenants whose owner is OWNER.
+//! - `tenant:OWNER`: place, change (`SetTenant`), release, get and list the tenants whose owner
+//!   is OWNER.
 //! - `agent`: `Register`, `Heartbeat` and `WatchAssignments` for the node named by its
 //!   certificate's common name.
 //! - `member`: the Raft transport (`Raft.*`), `Cluster.Status` and `Cluster.AddMember` (joining).

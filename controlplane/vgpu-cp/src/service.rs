@@ -180,6 +180,39 @@ impl v1::pool_server::Pool for Service {
         Ok(Response::new(v1::ReleaseResponse {}))
     }
 
+    async fn set_tenant(
+        &self,
+        request: Request<v1::SetTenantRequest>,
+    ) -> Result<Response<v1::SetTenantResponse>, Status> {
+        let (peer, scope) = self.guard.tenants(&request, "changing tenants")?;
+        let change = request.into_inner();
+        api::names::validate("tenant", &change.name).map_err(invalid)?;
+        api::validate::validate_change(&change).map_err(invalid)?;
+        let owner = match &scope {
+            TenantScope::All => None,
+            TenantScope::Owner(owner) => {
+                // Up to date, so that the owner checked is the owner the change would meet; the
+                // change carries the owner too, and applying it checks again.
+                self.control_plane.linearize().await?;
+                self.check_owner(&peer, &scope, &change.name, "changing")?;
+                Some(owner.clone())
+            }
+        };
+        let command = Command::SetTenant {
+            name: change.name,
+            compute_percent: change.compute_percent,
+            priority: change.priority,
+            latency_target_us: change.latency_target_us,
+            owner,
+            unix_ms: unix_ms(),
+        };
+        let result = self.control_plane.write(command).await?;
+        let tenant = result_to_tenant(result, self)?;
+        Ok(Response::new(v1::SetTenantResponse {
+            tenant: Some(tenant),
+        }))
+    }
+
     async fn get_tenant(
         &self,
         request: Request<v1::GetTenantRequest>,

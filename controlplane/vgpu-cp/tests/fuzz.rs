@@ -473,7 +473,14 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
         (name("t"), name("n"), short_text(), edge_u32()),
         (edge_u64(), edge_u64(), edge_u64(), edge_u32()),
         (proptest::collection::vec(process(), 0..3), any::<i64>()),
-        (edge_u64(), edge_u64(), edge_u64(), edge_u64(), edge_u64(), edge_u64()),
+        (
+            edge_u64(),
+            edge_u64(),
+            edge_u64(),
+            edge_u64(),
+            edge_u64(),
+            edge_u64(),
+        ),
     )
         .prop_map(
             |(
@@ -534,6 +541,7 @@ fn heartbeat() -> impl Strategy<Value = v1::HeartbeatRequest> {
 enum Call {
     Place(v1::PlaceRequest),
     Release(v1::ReleaseRequest),
+    SetTenant(v1::SetTenantRequest),
     GetTenant(v1::GetTenantRequest),
     ListTenants(v1::ListRequest),
     GetNode(v1::GetNodeRequest),
@@ -558,6 +566,15 @@ fn any_call() -> impl Strategy<Value = Call> {
         6 => (name("t"), proptest::option::weighted(0.9, placement_request()))
             .prop_map(|(name, request)| Call::Place(v1::PlaceRequest { name, request })),
         2 => name("t").prop_map(|name| Call::Release(v1::ReleaseRequest { name })),
+        2 => (
+            name("t"),
+            proptest::option::weighted(0.5, prop_oneof![3 => 1u32..=100, 1 => edge_u32()]),
+            proptest::option::weighted(0.4, prop_oneof![3 => -10i32..10, 1 => any::<i32>()]),
+            proptest::option::weighted(0.4, prop_oneof![Just(0u64), Just(2_000u64), edge_u64()]),
+        )
+            .prop_map(|(name, compute_percent, priority, latency_target_us)| {
+                Call::SetTenant(v1::SetTenantRequest { name, compute_percent, priority, latency_target_us })
+            }),
         2 => read_name().prop_map(|(name, stale)| Call::GetTenant(v1::GetTenantRequest { name, stale })),
         1 => any::<bool>().prop_map(|stale| Call::ListTenants(v1::ListRequest { stale })),
         2 => (name("n"), any::<bool>()).prop_map(|(name, stale)| Call::GetNode(v1::GetNodeRequest { name, stale })),
@@ -599,6 +616,7 @@ async fn dispatch(service: &Service, call: Call) -> Result<(), Status> {
     match call {
         Call::Place(m) => service.place(Request::new(m)).await.map(drop),
         Call::Release(m) => service.release(Request::new(m)).await.map(drop),
+        Call::SetTenant(m) => service.set_tenant(Request::new(m)).await.map(drop),
         Call::GetTenant(m) => service.get_tenant(Request::new(m)).await.map(drop),
         Call::ListTenants(m) => service.list_tenants(Request::new(m)).await.map(drop),
         Call::GetNode(m) => service.get_node(Request::new(m)).await.map(drop),
@@ -630,6 +648,7 @@ fn must_refuse(call: &Call) -> bool {
                 })
         }
         Call::Release(m) => bad_name(&m.name),
+        Call::SetTenant(m) => bad_name(&m.name) || api::validate::validate_change(m).is_err(),
         Call::Drain(m) | Call::Uncordon(m) => bad_name(&m.node),
         Call::Register(m) => m.node.as_ref().is_none_or(|node| {
             vgpu_cp::pool::validate_node_spec(&vgpu_cp::pool::node_spec_from_proto(node)).is_err()
@@ -696,6 +715,9 @@ fn check_bytes(bytes: Vec<u8>) {
     }
     if let Ok(m) = v1::ReleaseRequest::decode(slice) {
         calls.push(Call::Release(m));
+    }
+    if let Ok(m) = v1::SetTenantRequest::decode(slice) {
+        calls.push(Call::SetTenant(m));
     }
     if let Ok(m) = v1::GetTenantRequest::decode(slice) {
         calls.push(Call::GetTenant(m));
@@ -951,6 +973,7 @@ proptest! {
         proptest::collection::vec(any::<u8>(), 0..96),
         any_call().prop_map(|call| match call {
             Call::Place(m) => m.encode_to_vec(),
+            Call::SetTenant(m) => m.encode_to_vec(),
             Call::Register(m) => m.encode_to_vec(),
             Call::Heartbeat(m) => m.encode_to_vec(),
             other => format!("{other:?}").into_bytes(),

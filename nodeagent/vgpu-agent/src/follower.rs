@@ -247,6 +247,47 @@ mod tests {
     }
 
     #[test]
+    fn a_tenant_changed_in_place_is_rewritten_for_new_processes() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(directory.path(), "node-a").unwrap();
+        let mut follower = Follower::restore(state.clone(), "node-a").unwrap();
+        let mut first = message(5, &[("chat", 0)]);
+        first.assignments[0].latency = true;
+        first.assignments[0].latency_target_us = 2_000;
+        first.assignments[0].slices[0].compute_percent = 25;
+        follower.on_message(&first, "cp-1").unwrap();
+        // `vgpuctl set tenant chat --compute 40 --latency-target 1.5ms --priority 5`.
+        let mut second = first.clone();
+        second.revision = 6;
+        second.assignments[0].latency_target_us = 1_500;
+        second.assignments[0].priority = 5;
+        second.assignments[0].slices[0].compute_percent = 40;
+        let changes = follower.on_message(&second, "cp-1").unwrap();
+        assert_eq!(changes.len(), 1);
+        assert!(matches!(changes[0], Change::Changed { .. }));
+        assert_eq!(
+            changes[0].to_string(),
+            "tenant chat: changed from GPU 0 (25%, 80GiB) to GPU 0 (40%, 80GiB) priority 0 to 5 latency target 2000us to 1500us"
+        );
+        // What `vgpu-agent exec` and `env` read from now on.
+        let placement = crate::tenant::load_placement(directory.path(), "chat", "node-a").unwrap();
+        let assignment = &placement.assignment;
+        assert_eq!(
+            (
+                assignment.slices[0].compute_percent,
+                assignment.priority,
+                assignment.latency_target_us
+            ),
+            (40, 5, Some(1_500))
+        );
+        let file = state.load_tenant("chat").unwrap().unwrap();
+        assert_eq!(
+            (file.revision, file.priority, file.latency_target_us),
+            (6, 5, Some(1_500))
+        );
+    }
+
+    #[test]
     fn an_older_revision_from_another_control_plane_node_is_still_followed() {
         let directory = tempfile::tempdir().unwrap();
         let state = StateDir::open(directory.path(), "node-a").unwrap();
