@@ -82,8 +82,10 @@ fn bandwidth_weights_and_slice_identities_reach_the_tenant_environment() -> Resu
     assert!(serve.contains("NCCL_HOSTID='vgpu-node-a-serve'"), "{serve}");
     assert!(train.contains("NCCL_NET='vgpu'"), "{train}");
     assert!(train.contains("VGPU_NCCL_ACTIVITY_FILE="), "{train}");
-    // The latency flag travels with the placement; it matters only where the node runs MPS.
-    assert!(!serve.contains("VGPU_LATENCY"), "{serve}");
+    // The latency role holds on every node (the closed loop pauses and bounds queues without
+    // MPS too); only the MPS pipes depend on the node.
+    assert!(serve.contains("VGPU_LATENCY='1'"), "{serve}");
+    assert!(!serve.contains("CUDA_MPS_PIPE_DIRECTORY"), "{serve}");
     let mps = [("VGPU_AGENT_MPS", "true")];
     let serve_mps = tenant_env_with(&cluster, "serve", &shm_dir, &mps)?;
     let train_mps = tenant_env_with(&cluster, "train", &shm_dir, &mps)?;
