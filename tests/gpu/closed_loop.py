@@ -1,0 +1,630 @@
+"""Workloads of tests/gpu/closed_loop.sh (issue 15: a latency guarantee that holds on workloads we
+have not tuned for), plus the two helpers the script needs (`schedule`, `report`).
+
+Latency tenants: one step, a synchronisation, then a sleep until the next period starts (a closed
+loop that does not saturate the GPU). A step's latency runs from issuing it to the
+synchronisation returning. RESULT per window: steps, p50_ms, p99_ms, p999_ms, max_ms, mean_ms.
+  decoder  a CUDA-graph decoder step as inference servers run it: 16 attention-free blocks,
+           2048 wide (gated token mixing 2048 -> 3x2048 -> 2048, SwiGLU MLP 5632), bf16,
+           batch 4, captured in a torch.cuda.CUDAGraph and replayed, then torch.cuda.synchronize
+           (1.6 GB of weights; ~1-1.5 ms alone on an H100); default period 3 ms
+  eager    a ResNet-18-like CNN in plain torch.nn (conv/bn/relu blocks), batch 1, 224x224, fp16,
+           eval, torch.no_grad(), eager launches, `.item()` of one logit at the end; period 5 ms
+  bert     nn.TransformerEncoder of 6 nn.TransformerEncoderLayer (d_model 1024, 16 heads, ff
+           4096), seq 128, batch 8, fp16, eval, torch.no_grad(), torch.cuda.synchronize; 2 ms
+Neighbours: launch back to back, at most DEPTH chunks queued (a CUDA event per chunk); RESULT per
+window: work_per_s in `unit`, chunks, chunk_ms_p50 (GPU time of one chunk, from its events).
+  gemm     bf16 8192^3 matmuls, 4 per chunk (compute bound)                    TFLOP/s
+  train    a small transformer (4 layers, d 512, seq 256, batch 16) fwd+bwd+AdamW under bf16
+           autocast: hundreds of small kernels per step                         steps/s
+  stream   y.copy_(x) over two 3 GiB tensors (~2 ms per kernel, HBM bound), 4 per chunk   GB/s
+           (bytes read + written)
+  long     one bf16 16384^3 matmul per chunk (~12 ms, one kernel)              kernels/s
+           (its length under sharing: chunk_ms_p50 = kernel_ms)
+Every workload allocates at most ~7 GiB (stream), the decoder ~2 GiB, the rest < 2 GiB.
+
+Two ways to run a workload:
+  closed_loop.py WORKLOAD --start-at T [--window W] [--settle S]
+      warm up, then run from T-S to T+W and measure inside [T, T+W] (T on time.monotonic(),
+      common to all processes of a pair)
+  closed_loop.py WORKLOAD --name ID --ready FILE --schedule FILE [--window W] [--settle S]
+      warm up, touch the ready file, wait for the schedule (JSON, written by `schedule`), then
+      run only in the windows whose `active` list names ID, idle in between, and exit after the
+      schedule's last window (so that no process of the group ends during another's window).
+Either way it prints exactly one line `RESULT {json}` at the end: the workload, torch and GPU,
+and `windows` (tag -> that window's numbers); with --start-at also that window's numbers at the
+top level. A failure prints `RESULT {"error": ...}` and exits 1.
+
+  closed_loop.py schedule --out FILE --window W --settle S --gap G TAG=ID,ID ...
+      writes the schedule: back-to-back windows, each preceded by `settle` seconds in which its
+      processes already run (not measured) and separated by `gap` seconds of idleness; prints
+      "TAG START_OFFSET_S" per window (offset from now).
+  closed_loop.py report --logs DIR --pairs "lat:nb ..." --modes "..." [--limit 1.2]
+      reads every RESULT under DIR/*/, writes DIR/results.tsv and DIR/table.txt, prints the table.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections import deque
+
+LATENCY_PERIOD_MS = {"decoder": 3.0, "eager": 5.0, "bert": 2.0}
+NEIGHBOURS = ("gemm", "train", "stream", "long")
+# Neighbour chunks queued on the GPU at once: keeps the GPU fed without queueing seconds of work.
+DEPTH = 2
+SCHEDULE_TIMEOUT_S = 300.0
+
+
+def log(message):
+    print(f"[{time.monotonic():.3f}] {message}", flush=True)
+
+
+def sleep_until(t):
+    d = t - time.monotonic()
+    if d > 0:
+        time.sleep(d)
+
+
+def pick(values, q):
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else -1
+
+
+# ---------------------------------------------------------------- latency tenants
+
+
+def make_decoder(torch):
+    import torch.nn.functional as F
+
+    d, ff, layers, batch = 2048, 5632, 16, 4
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+
+    def weight(out_features, in_features):
+        return torch.randn(out_features, in_features, **kw) * in_features**-0.5
+
+    blocks = [
+        dict(
+            n1=torch.ones(d, **kw),
+            qkv=weight(3 * d, d),
+            o=weight(d, d),
+            n2=torch.ones(d, **kw),
+            up=weight(2 * ff, d),
+            down=weight(d, ff),
+        )
+        for _ in range(layers)
+    ]
+
+    def forward(x):
+        for p in blocks:
+            q, k, v = F.linear(F.rms_norm(x, (d,), p["n1"]), p["qkv"]).chunk(3, -1)
+            x = x + F.linear(torch.sigmoid(q) * k * v, p["o"])
+            g, u = F.linear(F.rms_norm(x, (d,), p["n2"]), p["up"]).chunk(2, -1)
+            x = x + F.linear(F.silu(g) * u, p["down"])
+        return x
+
+    static_in = torch.randn(batch, d, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):
+            forward(static_in)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out = forward(static_in)
+    torch.cuda.synchronize()
+    params = sum(t.numel() for p in blocks for t in p.values())
+    log(f"decoder: {layers} blocks, {params / 1e6:.0f}M bf16 parameters, batch {batch}, one CUDA graph")
+
+    def step():
+        graph.replay()
+        torch.cuda.synchronize()
+
+    step.keep = (graph, static_in, static_out, blocks)
+    return step
+
+
+def make_eager(torch):
+    nn = torch.nn
+
+    class Basic(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.relu = nn.ReLU(inplace=True)
+            self.short = None
+            if stride != 1 or cin != cout:
+                self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+        def forward(self, x):
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            return self.relu(out + (x if self.short is None else self.short(x)))
+
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [Basic(cin, cout, stride), Basic(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000)]
+    model = nn.Sequential(*layers).to("cuda", torch.float16).eval()
+    x = torch.randn(1, 3, 224, 224, device="cuda", dtype=torch.float16)
+    log("eager: ResNet-18-like CNN, batch 1, 224x224, fp16, eager")
+
+    def step():
+        with torch.no_grad():
+            model(x)[0, 0].item()
+
+    step.keep = (model, x)
+    return step
+
+
+def make_bert(torch):
+    nn = torch.nn
+    layer = nn.TransformerEncoderLayer(1024, 16, 4096, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 6, enable_nested_tensor=False).to("cuda", torch.float16).eval()
+    x = torch.randn(8, 128, 1024, device="cuda", dtype=torch.float16)
+    log("bert: 6 x TransformerEncoderLayer(1024, 16 heads, ff 4096), seq 128, batch 8, fp16, eager")
+
+    def step():
+        with torch.no_grad():
+            model(x)
+        torch.cuda.synchronize()
+
+    step.keep = (model, x)
+    return step
+
+
+def run_latency(step, windows, args):
+    period = args.period_ms / 1e3
+    results = {}
+    for w in windows:
+        start, end = w["start"], w["start"] + args.window
+        begin = start - args.settle
+        late = max(0.0, time.monotonic() - begin)
+        sleep_until(begin)
+        samples = []
+        gaps = 0
+        following = time.monotonic()
+        while True:
+            t0 = time.monotonic()
+            step()
+            t1 = time.monotonic()
+            if t0 >= start and t1 <= end:
+                samples.append(((t1 - t0) * 1e3, t0 - start))
+            if t1 >= end:
+                break
+            following += period
+            if following < t1:
+                # the step overran its period: the next one starts at once, no catch-up burst
+                following = t1
+                gaps += 1
+            sleep_until(following)
+        latencies = [ms for ms, _ in samples]
+        seconds = {}
+        for ms, at in samples:
+            seconds.setdefault(int(at), []).append(ms)
+        r = {
+            "steps": len(samples),
+            "p50_ms": pick(latencies, 0.5),
+            "p99_ms": pick(latencies, 0.99),
+            "p999_ms": pick(latencies, 0.999),
+            "max_ms": pick(latencies, 1.0),
+            "mean_ms": round(statistics.fmean(latencies), 3) if latencies else -1,
+            "period_ms": args.period_ms,
+            "overruns": gaps,
+            "p99_per_second_ms": [pick(seconds[k], 0.99) for k in sorted(seconds)],
+            "late_s": round(late, 3),
+        }
+        results[w["tag"]] = r
+        log(f"{w['tag']}: {r['steps']} steps, p50 {r['p50_ms']} p99 {r['p99_ms']} p99.9 {r['p999_ms']} max {r['max_ms']} ms")
+    return results
+
+
+# ---------------------------------------------------------------- neighbours
+
+
+def make_gemm(torch):
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+
+    def chunk():
+        for _ in range(4):
+            torch.matmul(a, b, out=c)
+
+    chunk.keep = (a, b, c)
+    return chunk, 4 * 2 * n**3 / 1e12, "TFLOP/s"
+
+
+def make_train(torch):
+    nn = torch.nn
+    layer = nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.1, batch_first=True, norm_first=True)
+    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).to("cuda").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(16, 256, 512, device="cuda")
+
+    def chunk():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    chunk.keep = (model, opt, x)
+    return chunk, 1.0, "steps/s"
+
+
+def make_stream(torch):
+    gib = 3
+    numel = gib * 2**30 // 2
+    x = torch.ones(numel, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+
+    def chunk():
+        for _ in range(4):
+            y.copy_(x)
+
+    chunk.keep = (x, y)
+    return chunk, 4 * 2 * numel * 2 / 1e9, "GB/s"
+
+
+def make_long(torch):
+    n = 16384
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+
+    def chunk():
+        torch.matmul(a, b, out=c)
+
+    chunk.keep = (a, b, c)
+    return chunk, 1.0, "kernels/s"
+
+
+def run_neighbour(torch, chunk, work, unit, windows, args):
+    results = {}
+    for w in windows:
+        start, end = w["start"], w["start"] + args.window
+        begin = start - args.settle
+        late = max(0.0, time.monotonic() - begin)
+        sleep_until(begin)
+        pending = deque()
+        counted = 0
+        lengths = []
+
+        def retire():
+            nonlocal counted
+            ev0, ev1 = pending.popleft()
+            ev1.synchronize()
+            t = time.monotonic()
+            if start < t <= end:
+                counted += 1
+                lengths.append(ev0.elapsed_time(ev1))
+
+        while time.monotonic() < end:
+            ev0 = torch.cuda.Event(enable_timing=True)
+            ev1 = torch.cuda.Event(enable_timing=True)
+            ev0.record()
+            chunk()
+            ev1.record()
+            pending.append((ev0, ev1))
+            while len(pending) > DEPTH:
+                retire()
+        while pending:
+            retire()
+        r = {
+            "work_per_s": round(counted * work / args.window, 2),
+            "unit": unit,
+            "chunks": counted,
+            "chunk_ms_p50": pick(lengths, 0.5),
+            "chunk_ms_max": pick(lengths, 1.0),
+            "late_s": round(late, 3),
+        }
+        results[w["tag"]] = r
+        log(f"{w['tag']}: {r['work_per_s']} {unit} ({counted} chunks, {r['chunk_ms_p50']} ms each)")
+    return results
+
+
+MAKERS = {
+    "decoder": make_decoder,
+    "eager": make_eager,
+    "bert": make_bert,
+    "gemm": make_gemm,
+    "train": make_train,
+    "stream": make_stream,
+    "long": make_long,
+}
+
+
+def windows_for(args):
+    """The windows this process runs in, after the warm-up; the end of the whole schedule."""
+    if args.start_at is not None:
+        w = {"tag": args.tag, "start": args.start_at, "active": [args.name]}
+        return [w], args.start_at + args.window
+    with open(args.ready, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    log("ready; waiting for the schedule")
+    deadline = time.monotonic() + SCHEDULE_TIMEOUT_S
+    while not os.path.exists(args.schedule):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no schedule {args.schedule} after {SCHEDULE_TIMEOUT_S:.0f} s")
+        time.sleep(0.01)
+    with open(args.schedule) as f:
+        schedule = json.load(f)
+    args.window = schedule["window"]
+    args.settle = schedule["settle"]
+    everything = schedule["windows"]
+    mine = [w for w in everything if args.name in w["active"]]
+    last = max((w["start"] for w in everything), default=time.monotonic()) + args.window
+    log(f"schedule: {len(mine)} of {len(everything)} windows are mine")
+    return mine, last
+
+
+def workload(args):
+    result = {"workload": args.workload, "name": args.name}
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        result.update(
+            torch=torch.__version__,
+            cuda=torch.version.cuda,
+            device=props.name,
+            sms=props.multi_processor_count,
+        )
+        env = {k: v for k, v in os.environ.items() if k.startswith(("VGPU_", "CUDA_MPS", "CUDA_VISIBLE"))}
+        log(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {props.name}, "
+            f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.1f} GiB; env {env}")
+        t = time.monotonic()
+        latency = args.workload in LATENCY_PERIOD_MS
+        if latency:
+            if args.period_ms <= 0:
+                args.period_ms = LATENCY_PERIOD_MS[args.workload]
+            step = MAKERS[args.workload](torch)
+            times = []
+            for _ in range(30):
+                t0 = time.monotonic()
+                step()
+                times.append((time.monotonic() - t0) * 1e3)
+            result["warmup_step_ms_p50"] = pick(times[10:], 0.5)
+            log(f"warm-up: step p50 {result['warmup_step_ms_p50']} ms (other processes may be warming up too), "
+                f"period {args.period_ms} ms")
+        else:
+            chunk, work, unit = MAKERS[args.workload](torch)
+            for _ in range(3):
+                chunk()
+            torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        result["warmup_s"] = round(time.monotonic() - t, 2)
+        result["allocated_gib"] = round(torch.cuda.memory_reserved() / 2**30, 2)
+        log(f"warmed up in {result['warmup_s']} s; reserved {result['allocated_gib']} GiB, "
+            f"GPU free {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
+        windows, last = windows_for(args)
+        if latency:
+            result["windows"] = run_latency(step, windows, args)
+        else:
+            result["windows"] = run_neighbour(torch, chunk, work, unit, windows, args)
+        if args.start_at is not None:
+            result.update(result["windows"].get(args.tag, {}))
+        # leave only after the group's last window: a context torn down in the middle of another
+        # pair's window would disturb it
+        sleep_until(last + 0.05)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    except Exception as e:  # one RESULT line on every path
+        traceback.print_exc()
+        result["error"] = f"{type(e).__name__}: {e}"
+        print("RESULT " + json.dumps(result), flush=True)
+        return 1
+
+
+# ---------------------------------------------------------------- helpers of the script
+
+
+def schedule(args):
+    windows = []
+    t = time.monotonic() + args.lead + args.settle
+    for spec in args.windows:
+        tag, _, active = spec.partition("=")
+        windows.append({"tag": tag, "start": t, "active": [a for a in active.split(",") if a]})
+        t += args.window + args.gap + args.settle
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"window": args.window, "settle": args.settle, "windows": windows}, f, indent=1)
+    os.replace(tmp, args.out)
+    now = time.monotonic()
+    for w in windows:
+        print(f"{w['tag']} {w['start'] - now:.3f}")
+    return 0
+
+
+def report(args):
+    by_tag = {}
+    machine = set()
+    problems = []
+    for group in sorted(os.listdir(args.logs)):
+        folder = os.path.join(args.logs, group)
+        if not os.path.isdir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(".log"):
+                continue
+            lines = [l for l in open(os.path.join(folder, name), errors="replace") if l.startswith("RESULT ")]
+            if not lines:
+                problems.append(f"{group}/{name}: no RESULT line (killed or crashed before the end)")
+                continue
+            try:
+                r = json.loads(lines[-1][len("RESULT "):])
+            except ValueError:
+                problems.append(f"{group}/{name}: unreadable RESULT")
+                continue
+            if "error" in r:
+                problems.append(f"{group}/{name}: {r['error']}")
+            if "device" in r:
+                machine.add(f"{r['device']} ({r.get('sms')} SMs), torch {r.get('torch')}, CUDA {r.get('cuda')}")
+            for tag, w in r.get("windows", {}).items():
+                by_tag.setdefault(tag, {})["nb" if "work_per_s" in w else "lat"] = w
+                if w.get("late_s", 0) > 0.2:
+                    problems.append(f"{tag}: {r['workload']} started {w['late_s']} s late (its warm-up outran the schedule)")
+                if w.get("steps") == 0 or w.get("chunks") == 0:
+                    problems.append(f"{tag}: {r['workload']} measured nothing")
+
+    pairs = [tuple(p.split(":")) for p in args.pairs.split()]
+    modes = args.modes.split()
+    lats = list(dict.fromkeys(l for l, _ in pairs))
+    nbs = list(dict.fromkeys(n for _, n in pairs))
+    limit = args.limit
+
+    def lat_of(tag):
+        return by_tag.get(tag, {}).get("lat")
+
+    def nb_of(tag):
+        return by_tag.get(tag, {}).get("nb")
+
+    alone_p99 = {l: (lat_of(f"alone:{l}:-") or {}).get("p99_ms") for l in lats}
+    alone_work = {n: (nb_of(f"alone:-:{n}") or {}).get("work_per_s") for n in nbs}
+
+    def ratio(a, b):
+        return a / b if a is not None and b and a >= 0 else None
+
+    rows = []  # (latency, neighbour, mode, lat dict, nb dict, p99 ratio, work ratio, verdict)
+    for l in lats:
+        if "alone" in modes:
+            w = lat_of(f"alone:{l}:-")
+            rows.append((l, "-", "alone", w, None, ratio((w or {}).get("p99_ms"), alone_p99[l]), None, ""))
+    for n in nbs:
+        if "alone" in modes:
+            w = nb_of(f"alone:-:{n}")
+            rows.append(("-", n, "alone", None, w, None, ratio((w or {}).get("work_per_s"), alone_work[n]), ""))
+    summary = {m: {"pairs": 0, "p99_ok": 0, "work": [], "ok": 0} for m in modes if m != "alone"}
+    for l, n in pairs:
+        peers = {}
+        for m in modes:
+            if m == "alone":
+                continue
+            tag = f"{m}:{l}:{n}"
+            lw, nw = lat_of(tag), nb_of(tag)
+            pr = ratio((lw or {}).get("p99_ms"), alone_p99[l])
+            wr = ratio((nw or {}).get("work_per_s"), alone_work[n])
+            peers[m] = (pr, (nw or {}).get("work_per_s"))
+            rows.append([l, n, m, lw, nw, pr, wr, ""])
+            s = summary[m]
+            s["pairs"] += 1
+            s["p99_ok"] += pr is not None and pr <= limit
+            if wr is not None:
+                s["work"].append(wr)
+        # the verdict of the vgpu rows against the best peer that kept the p99
+        best = [w for m, (pr, w) in peers.items() if m in ("plain", "mps", "mps50") and pr is not None and pr <= limit and w is not None]
+        for row in rows:
+            if row[0] == l and row[1] == n and row[2] in ("vgpu", "vgpu-mps"):
+                pr, work = peers[row[2]]
+                if alone_p99[l] is None:
+                    row[7] = "? (no alone)"
+                elif pr is None or work is None:
+                    row[7] = "miss (no data)"
+                elif pr <= limit and (not best or work >= max(best)):
+                    row[7] = "ok"
+                else:
+                    row[7] = "miss"
+                summary[row[2]]["ok"] += row[7] == "ok"
+
+    def f(v, nd=3):
+        return "-" if v is None or v == -1 else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+    tsv = ["latency\tneighbour\tmode\tsteps\tp50_ms\tp99_ms\tp999_ms\tmax_ms\tp99_vs_alone\twork_per_s\tunit\twork_vs_alone\tchunk_ms_p50\tverdict"]
+    table = [
+        f"closed loop: latency tenants next to neighbours on one GPU, window {args.window} s; verdict of a vgpu row: "
+        f"ok when p99 <= {limit}x alone and the neighbour is at least as fast as the best of plain/mps/mps50 "
+        f"that also kept p99 <= {limit}x",
+        "machine: " + ("; ".join(sorted(machine)) or "unknown"),
+        "",
+        "| latency | neighbour | mode | p50 ms | p99 ms | p99 / alone | neighbour work | unit | work / alone | verdict |",
+        "| --- | --- | --- | --: | --: | --: | --: | --- | --: | --- |",
+    ]
+    for l, n, m, lw, nw, pr, wr, verdict in rows:
+        lw, nw = lw or {}, nw or {}
+        table.append(
+            f"| {l} | {n} | {m} | {f(lw.get('p50_ms'))} | {f(lw.get('p99_ms'))} | {f(pr, 2)} | "
+            f"{f(nw.get('work_per_s'), 1)} | {nw.get('unit', '')} | {f(wr, 2)} | {verdict} |"
+        )
+        tsv.append("\t".join(f(v) if not isinstance(v, str) else v for v in (
+            l, n, m, lw.get("steps"), lw.get("p50_ms"), lw.get("p99_ms"), lw.get("p999_ms"), lw.get("max_ms"),
+            None if pr is None else round(pr, 3), nw.get("work_per_s"), nw.get("unit", ""),
+            None if wr is None else round(wr, 3), nw.get("chunk_ms_p50"), verdict)))
+    table.append("")
+    for l in lats:
+        w = lat_of(f"alone:{l}:-")
+        if w and w.get("p50_ms", -1) > 0 and not 1.5 <= w["period_ms"] / w["p50_ms"] <= 4:
+            problems.append(f"{l}: period {w['period_ms']} ms is not ~2x its alone p50 {w['p50_ms']} ms: "
+                            f"set PERIODS='{l}={max(0.5, round(2 * w['p50_ms'] * 4) / 4)}'")
+    for m, s in summary.items():
+        work = s["work"]
+        line = (f"mode {m}: p99 <= {limit}x alone in {s['p99_ok']}/{s['pairs']} pairs; neighbour "
+                + (f"median {statistics.median(work):.2f}x alone (min {min(work):.2f}x)" if work else "no data"))
+        if m in ("vgpu", "vgpu-mps"):
+            line += f"; verdict ok in {s['ok']}/{s['pairs']}"
+        table.append(line)
+    if problems:
+        table.append("")
+        table += ["problem: " + p for p in problems]
+    with open(os.path.join(args.logs, "results.tsv"), "w") as out:
+        out.write("\n".join(tsv) + "\n")
+    with open(os.path.join(args.logs, "table.txt"), "w") as out:
+        out.write("\n".join(table) + "\n")
+    print("\n".join(table))
+    missing = any(r[3] is None and r[4] is None for r in rows) or any(
+        (r[3] is None or r[4] is None) and r[2] != "alone" for r in rows)
+    return 4 if missing else 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in MAKERS:
+        p = sub.add_parser(name)
+        p.set_defaults(workload=name)
+        p.add_argument("--name", default=name, help="this process in the schedule's `active` lists")
+        p.add_argument("--start-at", type=float, default=None, help="one window from T (time.monotonic())")
+        p.add_argument("--tag", default="window", help="the window's tag with --start-at")
+        p.add_argument("--schedule", default="", help="the schedule file to wait for")
+        p.add_argument("--ready", default="", help="touched once warmed up")
+        p.add_argument("--window", type=float, default=8.0)
+        p.add_argument("--settle", type=float, default=0.75, help="seconds run before the window, unmeasured")
+        if name in LATENCY_PERIOD_MS:
+            p.add_argument("--period-ms", type=float, default=0.0,
+                           help=f"step period (default {LATENCY_PERIOD_MS[name]})")
+    p = sub.add_parser("schedule")
+    p.add_argument("--out", required=True)
+    p.add_argument("--window", type=float, required=True)
+    p.add_argument("--settle", type=float, required=True)
+    p.add_argument("--gap", type=float, required=True)
+    p.add_argument("--lead", type=float, default=0.5)
+    p.add_argument("windows", nargs="*")
+    p = sub.add_parser("report")
+    p.add_argument("--logs", required=True)
+    p.add_argument("--pairs", required=True)
+    p.add_argument("--modes", required=True)
+    p.add_argument("--window", type=float, default=0.0)
+    p.add_argument("--limit", type=float, default=1.2)
+    args = parser.parse_args()
+    if args.command == "schedule":
+        return schedule(args)
+    if args.command == "report":
+        return report(args)
+    if args.start_at is None and not (args.schedule and args.ready):
+        parser.error("give --start-at, or --schedule and --ready")
+    return workload(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,448 @@
+#!/usr/bin/env bash
+# The latency-guarantee matrix (issue 15: "a latency guarantee that holds on workloads we have not
+# tuned for"). Three latency tenants x four neighbours on ONE GPU (tests/gpu/closed_loop.py):
+#   latency tenants  decoder (CUDA-graph decoder step, bf16, batch 4), eager (ResNet-18-like CNN,
+#                    batch 1, fp16, eager launches, .item()), bert (6 encoder layers, d 1024,
+#                    seq 128, batch 8, fp16); each steps, synchronises, sleeps to its next period
+#   neighbours       gemm (bf16 8192^3, TFLOP/s), train (small transformer fwd+bwd+AdamW,
+#                    steps/s), stream (3 GiB copies, GB/s), long (bf16 16384^3, ~12 ms kernels,
+#                    kernels/s)
+# For every pair, in one run, the modes:
+#   alone     each latency tenant alone (its p50/p99) and each neighbour alone (its throughput)
+#   plain     both as plain processes (the driver's time slicing)
+#   mps       both as clients of an MPS daemon started here (pipe and log dirs in the work dir)
+#   mps50     the same, the neighbour at CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
+#   vgpu-mps  through vgpu: vgpu-cp, `vgpu-agent join --mps`, `vgpuctl place lat --gpus 0.25
+#             --memory 16GiB --latency`, `vgpuctl place nb --gpus 0.75 --memory 40GiB --burst`,
+#             both run with `vgpu-agent exec --tenant lat|nb`
+#   vgpu      the same through an agent without --mps (the default node setting)
+# The table printed last has one row per (latency, neighbour, mode): p50, p99, p99 against that
+# tenant alone, the neighbour's throughput and its ratio to the neighbour alone, and for the vgpu
+# rows a verdict: `ok` when p99 <= 1.2x alone AND the neighbour is at least as fast as the best
+# of plain/mps/mps50 of that pair that also kept p99 <= 1.2x (or there is none), else `miss`;
+# then one summary line per mode.
+#
+# Run from the repository root on a GPU machine (one GPU, MIG off, compute mode Default), with
+# the release binaries carried in dist/ (tests/gpu/README.md, "Build and carry"):
+#
+#   WINDOW=6 VGPU_BIN=dist tests/gpu/closed_loop.sh          # the full matrix, ~8.7 min
+#   PAIRS="decoder:gemm decoder:stream eager:train bert:long" VGPU_BIN=dist tests/gpu/closed_loop.sh
+#
+# Knobs: PAIRS (latency:neighbour ..., default all 12), MODES (default "alone plain mps mps50
+# vgpu-mps vgpu"), WINDOW (measured seconds per window, 8), SETTLE (seconds a window's processes
+# run before it, unmeasured, 0.75), GAP (idle seconds between windows, 0.25), PERIODS (step
+# periods in ms, e.g. "eager=6 bert=2.5"; defaults decoder 3, eager 5, bert 2), VGPU_BIN (dist),
+# PY (python3, or /opt/torch/.venv/bin/python3 where it exists), OUT (/tmp/closed-loop-out),
+# VGPU_PORT (7474), DEADLINE_S (570: a group that would end later is skipped, so that the
+# table and the tar still come back inside a 10-minute command; 0: never skip).
+#
+# How the device time is kept small: the processes of a mode are started ONCE (a "group") and warm
+# up together (import, CUDA context, model, CUDA graph), each touches a ready file, then
+# `closed_loop.py schedule` writes back-to-back windows and each process runs only in the windows
+# that name it, idle (context and memory kept) in between, and leaves after the group's last one.
+# Groups: plain (alone + plain windows), mps (mps + mps50 windows; the mps50 neighbours are
+# separate processes), vgpu-mps (agent with --mps), vgpu (the agent restarted without --mps,
+# after its MPS daemon was told to quit). The cp is started once, the two tenants placed once;
+# every workload is `vgpu-agent exec`ed into the same two tenants. "Alone" thus means the only
+# process with work on the GPU: the group's other processes sit idle beside it, as in every mode.
+# Time: windows x (SETTLE + WINDOW + GAP) + groups x ~8-10 s (import, warm-up, exit) + ~12 s
+# (MPS daemon, cp, agent twice, placement):
+#   full matrix, WINDOW=6:  (3 + 4 alone + 12 pairs x 5 modes) = 67 windows x 7.0 s = 469 s
+#                           + 4 groups x ~10 s + ~12 s = ~520 s (8.7 min)
+#   PAIRS="decoder:gemm decoder:stream eager:train bert:long", WINDOW=6: (3 + 4 + 4 x 5) = 27
+#                           windows x 7.0 s = 189 s + ~52 s = ~240 s (4 min); WINDOW=8: ~300 s
+#   The full matrix at the default WINDOW=8 needs ~660 s: more than one 10-minute command, so
+#   DEADLINE_S skips the groups that would not end in time (vgpu first: the groups run in the
+#   order plain, mps, vgpu-mps, vgpu). Run it with WINDOW=6, or split it with MODES.
+# Logs: $OUT/closed_loop (one folder per group: one log per process, the schedule, clocks,
+# `vgpuctl describe tenant lat|nb` taken during every vgpu window), tarred into
+# $OUT/closed_loop.tgz at exit; $OUT/closed_loop keeps only table.txt and results.tsv.
+# No GPU setting is changed and nothing is reset; the MPS daemons are told to quit on exit.
+# Exit: 0 done, 3 wrong machine (compute mode not Default, or MIG on), 2 usage, 4 windows without
+# data (see the "problem:" lines under the table).
+# shellcheck disable=SC2317 # cleanup and the wait tests are called indirectly (trap, bounded_wait)
+set -u
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+HELPER="$ROOT/tests/gpu/closed_loop.py"
+if [ -z "${PY:-}" ]; then
+  PY=python3
+  [ -x /opt/torch/.venv/bin/python3 ] && PY=/opt/torch/.venv/bin/python3
+fi
+BIN=${VGPU_BIN:-dist}
+case "$BIN" in
+/*) ;;
+*) if [ -d "$PWD/$BIN" ]; then BIN="$PWD/$BIN"; else BIN="$ROOT/$BIN"; fi ;;
+esac
+WINDOW=${WINDOW:-8}
+SETTLE=${SETTLE:-0.75}
+GAP=${GAP:-0.25}
+ALL_PAIRS=""
+for l in decoder eager bert; do for n in gemm train stream long; do ALL_PAIRS+="$l:$n "; done; done
+PAIRS=${PAIRS:-$ALL_PAIRS}
+MODES=${MODES:-alone plain mps mps50 vgpu-mps vgpu}
+PERIODS=${PERIODS:-}
+DEADLINE_S=${DEADLINE_S:-570}
+READY_TIMEOUT_S=${READY_TIMEOUT_S:-120}
+OUT=${OUT:-/tmp/closed-loop-out}
+LOGS="$OUT/closed_loop"
+PORT=${VGPU_PORT:-7474}
+EP="127.0.0.1:$PORT"
+SHM=/dev/shm/vgpu-closed-loop.$$
+export PYTHONUNBUFFERED=1
+
+for m in $MODES; do
+  case "$m" in alone | plain | mps | mps50 | vgpu-mps | vgpu) ;; *)
+    echo "MODES: unknown mode $m (alone plain mps mps50 vgpu-mps vgpu)" >&2
+    exit 2
+    ;;
+  esac
+done
+LATS=()
+NBS=()
+for p in $PAIRS; do
+  l=${p%%:*}
+  n=${p#*:}
+  case "$l" in decoder | eager | bert) ;; *) echo "PAIRS: unknown latency tenant in $p" >&2; exit 2 ;; esac
+  case "$n" in gemm | train | stream | long) ;; *) echo "PAIRS: unknown neighbour in $p" >&2; exit 2 ;; esac
+  [[ " ${LATS[*]} " == *" $l "* ]] || LATS+=("$l")
+  [[ " ${NBS[*]} " == *" $n "* ]] || NBS+=("$n")
+done
+has_mode() { [[ " $MODES " == *" $1 "* ]]; }
+if has_mode vgpu || has_mode vgpu-mps; then
+  for f in vgpu-cp vgpu-agent vgpuctl libvgpu_cuda.so; do
+    [ -e "$BIN/$f" ] || { echo "$BIN/$f is missing: build and carry it (VGPU_BIN), or leave the vgpu modes out of MODES" >&2; exit 2; }
+  done
+fi
+
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
+WORK=$(mktemp -d /tmp/closed-loop.XXXXXX)
+MPS_PIPE="$WORK/mps/pipe"
+MPS_LOG="$WORK/mps/log"
+PIDS=() # every process this script started and has not reaped yet (cp and agent included)
+CP=""
+AGENT=""
+MPS_OWN=0   # our MPS daemon runs
+AGENT_MPS=0 # the agent was started with --mps (its daemon outlives it)
+
+forget() { # forget PID: reaped, no longer ours to kill
+  local p keep=()
+  for p in "${PIDS[@]}"; do [ "$p" != "$1" ] && keep+=("$p"); done
+  PIDS=("${keep[@]}")
+}
+cleanup() {
+  local rc=$? pid
+  trap - EXIT
+  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
+  [ "$MPS_OWN" = 1 ] && echo quit | CUDA_MPS_PIPE_DIRECTORY="$MPS_PIPE" nvidia-cuda-mps-control >/dev/null 2>&1
+  [ "$AGENT_MPS" = 1 ] && echo quit | CUDA_MPS_PIPE_DIRECTORY="$SHM/mps" nvidia-cuda-mps-control >/dev/null 2>&1
+  cp -r "$MPS_LOG" "$LOGS/mps-log" 2>/dev/null
+  cp -r "$WORK/agent/mps-log" "$LOGS/agent-mps-log" 2>/dev/null
+  rm -rf "$WORK" "$SHM"
+  # one file back: the tar; beside it only the table and the results
+  if tar -czf "$OUT/closed_loop.tgz" -C "$OUT" closed_loop 2>/dev/null; then
+    find "$LOGS" -mindepth 1 -maxdepth 1 ! -name table.txt ! -name results.tsv -exec rm -rf {} +
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 143' TERM INT HUP
+
+log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
+ctl() { "$BIN/vgpuctl" --insecure --endpoints "$EP" "$@"; }
+group_s() { # group_s WINDOWS: the estimated seconds of a group (warm-up and exit ~8 s)
+  awk -v n="$1" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) + 8 }'
+}
+fits() { # fits NAME WINDOWS EXTRA_S: whether the group ends before DEADLINE_S (else a message)
+  local est
+  est=$(($(group_s "$2") + $3))
+  [ "$DEADLINE_S" = 0 ] || [ $((SECONDS + est)) -le "$DEADLINE_S" ] && return 0
+  log "$1: SKIPPED: $2 windows, ~${est}s, would end after DEADLINE_S=$DEADLINE_S (now ${SECONDS}s)"
+  return 1
+}
+# seconds from now until REF (a `date +%s.%N`) + OFFSET, never negative
+until_rel() { awk -v r="$1" -v o="$2" -v n="$(date +%s.%N)" 'BEGIN { d = r + o - n; printf "%.3f\n", (d > 0 ? d : 0) }'; }
+period_of() { # period_of WORKLOAD: its step period in ms from PERIODS, or nothing
+  local kv
+  for kv in $PERIODS; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done
+  return 0
+}
+bounded_wait() { # bounded_wait SECONDS WHAT TEST...: poll TEST every 0.1 s; a message on timeout
+  local limit=$1 what=$2 i
+  shift 2
+  for i in $(seq $((limit * 10))); do "$@" && return 0; sleep 0.1; done
+  log "timed out after ${limit}s waiting for $what"
+  return 1
+}
+gone() { ! kill -0 "$1" 2>/dev/null; }
+stop_pid() { # stop_pid PID: TERM, up to 10 s, then KILL; reap it
+  kill "$1" 2>/dev/null
+  bounded_wait 10 "process $1 to exit after TERM" gone "$1" || kill -9 "$1" 2>/dev/null
+  wait "$1" 2>/dev/null
+  forget "$1"
+}
+
+# ---------------------------------------------------------------- one group of processes
+
+# run_group NAME: starts every process of GROUP_PROCS ("id workload how"; how: plain, mps, mps50,
+# vgpu:TENANT), waits for each to be warm, writes the schedule of GROUP_WINS ("tag=id,id"), takes
+# `vgpuctl describe` during the windows of a vgpu group, and waits for the processes to leave.
+run_group() {
+  local name=$1 G="$LOGS/$1" spec id wl how tenant pid i t_ref sched_out per
+  local gp=() gid=()
+  mkdir -p "$G"
+  fits "$name" "${#GROUP_WINS[@]}" 0 || return 1
+  log "$name: ${#GROUP_PROCS[@]} processes, ${#GROUP_WINS[@]} windows (~$(group_s "${#GROUP_WINS[@]}")s)"
+  for spec in "${GROUP_PROCS[@]}"; do
+    read -r id wl how <<<"$spec"
+    local args=("$HELPER" "$wl" --name "$id" --schedule "$G/schedule.json" --ready "$G/ready.$id")
+    per=$(period_of "$wl")
+    [ -n "$per" ] && args+=(--period-ms "$per")
+    case "$how" in
+    plain) "$PY" "${args[@]}" >"$G/$id.log" 2>&1 & ;;
+    mps) CUDA_MPS_PIPE_DIRECTORY="$MPS_PIPE" "$PY" "${args[@]}" >"$G/$id.log" 2>&1 & ;;
+    mps50) CUDA_MPS_PIPE_DIRECTORY="$MPS_PIPE" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 \
+      "$PY" "${args[@]}" >"$G/$id.log" 2>&1 & ;;
+    vgpu:*)
+      tenant=${how#vgpu:}
+      VGPU_LOG="${VGPU_LOG:-2}" "${EXEC[@]}" --tenant "$tenant" -- "$PY" "${args[@]}" >"$G/$id.log" 2>&1 &
+      ;;
+    esac
+    pid=$!
+    PIDS+=("$pid")
+    gp+=("$pid")
+    gid+=("$id")
+  done
+  # what the GPU's clocks and power did meanwhile (read only), to tell a throttled run apart
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv,noheader,nounits -lms 500 >"$G/clocks.csv" 2>/dev/null &
+  local sampler=$!
+  PIDS+=("$sampler")
+
+  # every process warm (ready file) or gone
+  local deadline=$((SECONDS + READY_TIMEOUT_S)) pending
+  while :; do
+    pending=()
+    for i in "${!gp[@]}"; do
+      [ -e "$G/ready.${gid[$i]}" ] || gone "${gp[$i]}" || pending+=("${gid[$i]}")
+    done
+    [ ${#pending[@]} = 0 ] && break
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      log "$name: not warm after ${READY_TIMEOUT_S}s: ${pending[*]}; scheduling without them (they start late)"
+      break
+    fi
+    sleep 0.1
+  done
+  for i in "${!gp[@]}"; do
+    if [ ! -e "$G/ready.${gid[$i]}" ] && gone "${gp[$i]}"; then
+      log "$name: ${gid[$i]} exited during its warm-up; its log ends:"
+      tail -n 5 "$G/${gid[$i]}.log" | sed 's/^/    /' | tee -a "$LOGS/run.log"
+    fi
+  done
+  log "$name: warm after $((SECONDS - deadline + READY_TIMEOUT_S))s"
+
+  sched_out=$("$PY" "$HELPER" schedule --out "$G/schedule.json" --window "$WINDOW" --settle "$SETTLE" \
+    --gap "$GAP" "${GROUP_WINS[@]}")
+  t_ref=$(date +%s.%N)
+  echo "$sched_out" >"$G/schedule.txt"
+  local tag off last_end=0
+  while read -r tag off; do
+    [ -n "$tag" ] || continue
+    last_end=$(awk -v o="$off" -v w="$WINDOW" 'BEGIN { print o + w }')
+    if [ "$name" = vgpu ] || [ "$name" = vgpu-mps ]; then
+      # the agent's view of the pair, near the end of its window
+      sleep "$(until_rel "$t_ref" "$(awk -v o="$off" -v w="$WINDOW" 'BEGIN { print o + w - 1 }')")"
+      { ctl describe tenant lat; echo; ctl describe tenant nb; } >"$G/describe.${tag//:/_}.txt" 2>&1
+    fi
+  done <<<"$sched_out"
+  sleep "$(until_rel "$t_ref" "$last_end")"
+  # the processes leave right after the last window; bound the wait for stragglers
+  local left=()
+  for i in "${!gp[@]}"; do
+    if ! bounded_wait 60 "${gid[$i]} to leave after the last window" gone "${gp[$i]}"; then
+      left+=("${gid[$i]}")
+      kill -9 "${gp[$i]}" 2>/dev/null
+    fi
+    wait "${gp[$i]}" 2>/dev/null
+    forget "${gp[$i]}"
+  done
+  [ ${#left[@]} -gt 0 ] && log "$name: killed after the bound: ${left[*]}"
+  kill "$sampler" 2>/dev/null
+  wait "$sampler" 2>/dev/null
+  forget "$sampler"
+  log "$name: GPU meanwhile: $("$PY" - "$G/clocks.csv" <<'PYEOF'
+import statistics, sys
+rows = [l.split(",") for l in open(sys.argv[1]) if l.count(",") == 4]
+try:
+    sm = [float(r[1]) for r in rows]
+    watts = [float(r[2]) for r in rows]
+    reasons = sorted({r[4].strip() for r in rows})
+    print(f"SM clock median {statistics.median(sm):.0f} MHz (min {min(sm):.0f}), power max {max(watts):.0f} W, clock event reasons {reasons}")
+except (ValueError, statistics.StatisticsError):
+    print("no clock samples")
+PYEOF
+)"
+  # every window's line of every process, in time order
+  grep -h '^\[[0-9.]*\] [a-z0-9-]*:[a-z-]*:[a-z-]*: ' "$G"/*.log 2>/dev/null | sort -t']' -k1,1 | sed 's/^/    /' >>"$LOGS/run.log"
+  return 0
+}
+
+# ---------------------------------------------------------------- MPS and vgpu
+
+mps_start() {
+  mkdir -p "$MPS_PIPE" "$MPS_LOG"
+  if CUDA_MPS_PIPE_DIRECTORY="$MPS_PIPE" CUDA_MPS_LOG_DIRECTORY="$MPS_LOG" nvidia-cuda-mps-control -d; then
+    MPS_OWN=1
+    bounded_wait 10 "the MPS daemon's control pipe" test -e "$MPS_PIPE/control"
+  else
+    log "nvidia-cuda-mps-control -d failed"
+    return 1
+  fi
+}
+mps_gone() { ! pgrep -f 'nvidia-cuda-mps-(control|server)' >/dev/null; }
+mps_stop() {
+  [ "$MPS_OWN" = 1 ] || return 0
+  echo quit | CUDA_MPS_PIPE_DIRECTORY="$MPS_PIPE" nvidia-cuda-mps-control >/dev/null 2>&1
+  MPS_OWN=0
+  # its server must be gone before the agent's daemon starts one
+  bounded_wait 15 "the MPS daemon and server to quit" mps_gone
+}
+
+node_listed() { ctl get nodes 2>/dev/null | grep -q gpu-node; }
+cp_answers() { ctl cluster status >/dev/null 2>&1; }
+agent_start() { # agent_start [--mps]: (re)start the agent with the same state
+  [ -n "$AGENT" ] && stop_pid "$AGENT"
+  "$BIN/vgpu-agent" join --insecure --control-plane "$EP" --name gpu-node --state-dir "$WORK/agent" \
+    --shm-dir "$SHM" --cdi-dir "$WORK/cdi" "$@" 2>>"$LOGS/agent.log" &
+  AGENT=$!
+  PIDS+=("$AGENT")
+  bounded_wait 10 "node gpu-node in vgpuctl get nodes" node_listed || return 1
+  if [ "${1:-}" = --mps ]; then
+    AGENT_MPS=1
+    bounded_wait 10 "the agent's MPS daemon ($SHM/mps/control)" test -e "$SHM/mps/control" || return 1
+  fi
+}
+PLACED=0
+vgpu_up() { # vgpu_up [--mps]: cp once, the agent in the wanted mode, the two tenants placed once
+  if [ -z "$CP" ]; then
+    "$BIN/vgpu-cp" bootstrap --insecure --id 1 --listen "$EP" --data-dir "$WORK/cp" 2>"$LOGS/cp.log" &
+    CP=$!
+    PIDS+=("$CP")
+    bounded_wait 10 "the control plane on $EP" cp_answers || return 1
+  fi
+  agent_start "$@" || return 1
+  if [ "$PLACED" = 0 ]; then
+    ctl place lat --gpus 0.25 --memory 16GiB --latency 2>&1 | tee -a "$LOGS/run.log"
+    ctl place nb --gpus 0.75 --memory 40GiB --burst 2>&1 | tee -a "$LOGS/run.log"
+    PLACED=1
+  fi
+  local t
+  for t in lat nb; do
+    bounded_wait 15 "tenant $t's private directory ($SHM/tenants/$t/nccl-activity)" \
+      test -e "$SHM/tenants/$t/nccl-activity" || return 1
+  done
+  ctl describe tenant lat >"$LOGS/describe-lat${1:-}.txt" 2>&1
+  ctl describe tenant nb >"$LOGS/describe-nb${1:-}.txt" 2>&1
+}
+
+# ---------------------------------------------------------------- the run
+
+gpu=$(nvidia-smi --query-gpu=name,driver_version,compute_mode,mig.mode.current --format=csv,noheader 2>&1 | head -n1)
+log "machine: $gpu"
+log "python: $PY; binaries: $BIN; pairs: $PAIRS; modes: $MODES; WINDOW=$WINDOW SETTLE=$SETTLE GAP=$GAP PERIODS='$PERIODS'"
+cmode=$(echo "$gpu" | awk -F', *' '{ print $3 }')
+mig=$(echo "$gpu" | awk -F', *' '{ print $4 }')
+if [ "$cmode" != Default ] || [ "$mig" = Enabled ]; then
+  log "this needs one GPU in compute mode Default with MIG off (compute mode '$cmode', MIG '$mig'); no setting is changed here, stopping"
+  exit 3
+fi
+n_pairs=$(echo "$PAIRS" | wc -w)
+n_win=0
+has_mode alone && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]}))
+for m in plain mps mps50 vgpu-mps vgpu; do has_mode "$m" && n_win=$((n_win + n_pairs)); done
+log "plan: $n_win windows of ${WINDOW}s (+${SETTLE}s settle, ${GAP}s gap): ~$(awk -v n="$n_win" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) }')s of windows, plus ~8s per group"
+
+# plain: the alone windows and the plain pairs
+GROUP_PROCS=()
+GROUP_WINS=()
+if has_mode alone || has_mode plain; then
+  for l in "${LATS[@]}"; do GROUP_PROCS+=("$l $l plain"); done
+  for n in "${NBS[@]}"; do GROUP_PROCS+=("$n $n plain"); done
+  if has_mode alone; then
+    for l in "${LATS[@]}"; do GROUP_WINS+=("alone:$l:-=$l"); done
+    for n in "${NBS[@]}"; do GROUP_WINS+=("alone:-:$n=$n"); done
+  fi
+  if has_mode plain; then
+    for p in $PAIRS; do GROUP_WINS+=("plain:$p=${p%%:*},${p#*:}"); done
+  fi
+  run_group plain
+fi
+
+# mps: both as MPS clients; mps50: the neighbour at 50% of the SMs (processes of their own)
+if has_mode mps || has_mode mps50; then
+  GROUP_PROCS=()
+  GROUP_WINS=()
+  for l in "${LATS[@]}"; do GROUP_PROCS+=("$l $l mps"); done
+  if has_mode mps; then
+    for n in "${NBS[@]}"; do GROUP_PROCS+=("$n $n mps"); done
+    for p in $PAIRS; do GROUP_WINS+=("mps:$p=${p%%:*},${p#*:}"); done
+  fi
+  if has_mode mps50; then
+    for n in "${NBS[@]}"; do GROUP_PROCS+=("$n-50 $n mps50"); done
+    for p in $PAIRS; do GROUP_WINS+=("mps50:$p=${p%%:*},${p#*:}-50"); done
+  fi
+  mps_start && run_group mps
+  mps_stop
+fi
+
+EXEC_BASE=("$BIN/vgpu-agent" exec --name gpu-node --state-dir "$WORK/agent" --shm-dir "$SHM"
+  --interposer "$BIN/libvgpu_cuda.so")
+vgpu_group() { # vgpu_group MODE: the pairs through the agent (vgpu: without MPS, vgpu-mps: with)
+  local t
+  for t in lat nb; do
+    "${EXEC[@]:0:2}" "$BIN/vgpu-agent" env --tenant "$t" --name gpu-node --state-dir "$WORK/agent" \
+      --shm-dir "$SHM" >"$LOGS/env-$t-$1.txt" 2>&1
+  done
+  GROUP_PROCS=()
+  GROUP_WINS=()
+  for l in "${LATS[@]}"; do GROUP_PROCS+=("$l $l vgpu:lat"); done
+  for n in "${NBS[@]}"; do GROUP_PROCS+=("$n $n vgpu:nb"); done
+  for p in $PAIRS; do GROUP_WINS+=("$1:$p=${p%%:*},${p#*:}"); done
+  run_group "$1"
+}
+# with MPS first (the mode that matters most comes before the deadline can bite); `exec` and `env`
+# read the node's settings like the agent, hence VGPU_AGENT_MPS beside them
+if has_mode vgpu-mps && fits vgpu-mps "$n_pairs" 8; then
+  EXEC=(env VGPU_AGENT_MPS=true "${EXEC_BASE[@]}")
+  if vgpu_up --mps; then
+    vgpu_group vgpu-mps
+  else
+    log "vgpu-mps: the control plane or agent did not come up (cp.log, agent.log); mode skipped"
+  fi
+fi
+if has_mode vgpu && fits vgpu "$n_pairs" 8; then
+  EXEC=(env VGPU_AGENT_MPS=false "${EXEC_BASE[@]}")
+  if [ "$AGENT_MPS" = 1 ]; then
+    # the agent never stops the MPS daemon it started: stop the agent, then the daemon (no tenant
+    # process is left), so that the agent without --mps shares the GPU by turns only
+    stop_pid "$AGENT"
+    AGENT=""
+    echo quit | CUDA_MPS_PIPE_DIRECTORY="$SHM/mps" nvidia-cuda-mps-control >/dev/null 2>&1
+    AGENT_MPS=0
+    bounded_wait 15 "the agent's MPS daemon and server to quit" mps_gone
+  fi
+  if vgpu_up; then
+    vgpu_group vgpu
+  else
+    log "vgpu: the control plane or agent did not come up (cp.log, agent.log); mode skipped"
+  fi
+fi
+[ -n "$AGENT" ] && stop_pid "$AGENT"
+[ -n "$CP" ] && stop_pid "$CP"
+
+log "done after ${SECONDS}s"
+echo
+"$PY" "$HELPER" report --logs "$LOGS" --pairs "$PAIRS" --modes "$MODES" --window "$WINDOW"
+exit $?
