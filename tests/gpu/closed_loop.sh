@@ -12,9 +12,10 @@
 #   plain     both as plain processes (the driver's time slicing)
 #   mps       both as clients of an MPS daemon started here (pipe and log dirs in the work dir)
 #   mps50     the same, the neighbour at CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
-#   vgpu-mps  through vgpu: vgpu-cp, `vgpu-agent join --mps`, `vgpuctl place lat --gpus 0.25
-#             --memory 16GiB --latency`, `vgpuctl place nb --gpus 0.75 --memory 40GiB --burst`,
-#             both run with `vgpu-agent exec --tenant lat|nb`
+#   vgpu-mps  through vgpu: vgpu-cp, `vgpu-agent join --mps`, `vgpuctl place lat-L --gpus 0.08
+#             --memory 10GiB --latency` for each latency workload L (each its own tenant, so
+#             each has its own learnt target), `vgpuctl place nb --gpus 0.75 --memory 40GiB
+#             --burst`, all run with `vgpu-agent exec --tenant lat-L|nb`
 #   vgpu      the same through an agent without --mps (the default node setting)
 # The table printed last has one row per (latency, neighbour, mode): p50, p99, p99 against that
 # tenant alone, the neighbour's throughput and its ratio to the neighbour alone, and for the vgpu
@@ -254,7 +255,9 @@ run_group() {
     if [ "$name" = vgpu ] || [ "$name" = vgpu-mps ]; then
       # the agent's view of the pair, near the end of its window
       sleep "$(until_rel "$t_ref" "$(awk -v o="$off" -v w="$WINDOW" 'BEGIN { print o + w - 1 }')")"
-      { ctl describe tenant lat; echo; ctl describe tenant nb; } >"$G/describe.${tag//:/_}.txt" 2>&1
+      local l=${tag#*:}
+      l=${l%%:*}
+      { ctl describe tenant "lat-$l"; echo; ctl describe tenant nb; } >"$G/describe.${tag//:/_}.txt" 2>&1
     fi
   done <<<"$sched_out"
   sleep "$(until_rel "$t_ref" "$last_end")"
@@ -333,18 +336,22 @@ vgpu_up() { # vgpu_up [--mps]: cp once, the agent in the wanted mode, the two te
     bounded_wait 10 "the control plane on $EP" cp_answers || return 1
   fi
   agent_start "$@" || return 1
+  # one latency tenant per latency workload: each has its own target, learnt from its own steps
   if [ "$PLACED" = 0 ]; then
-    ctl place lat --gpus 0.25 --memory 16GiB --latency 2>&1 | tee -a "$LOGS/run.log"
+    for l in "${LATS[@]}"; do
+      ctl place "lat-$l" --gpus 0.08 --memory 10GiB --latency 2>&1 | tee -a "$LOGS/run.log"
+    done
     ctl place nb --gpus 0.75 --memory 40GiB --burst 2>&1 | tee -a "$LOGS/run.log"
     PLACED=1
   fi
   local t
-  for t in lat nb; do
+  for t in "${LATS[@]/#/lat-}" nb; do
     bounded_wait 15 "tenant $t's private directory ($SHM/tenants/$t/nccl-activity)" \
       test -e "$SHM/tenants/$t/nccl-activity" || return 1
   done
-  ctl describe tenant lat >"$LOGS/describe-lat${1:-}.txt" 2>&1
-  ctl describe tenant nb >"$LOGS/describe-nb${1:-}.txt" 2>&1
+  for t in "${LATS[@]/#/lat-}" nb; do
+    ctl describe tenant "$t" >"$LOGS/describe-$t${1:-}.txt" 2>&1
+  done
 }
 
 # ---------------------------------------------------------------- the run
@@ -401,13 +408,13 @@ EXEC_BASE=("$BIN/vgpu-agent" exec --name gpu-node --state-dir "$WORK/agent" --sh
   --interposer "$BIN/libvgpu_cuda.so")
 vgpu_group() { # vgpu_group MODE: the pairs through the agent (vgpu: without MPS, vgpu-mps: with)
   local t
-  for t in lat nb; do
+  for t in "${LATS[@]/#/lat-}" nb; do
     "${EXEC[@]:0:2}" "$BIN/vgpu-agent" env --tenant "$t" --name gpu-node --state-dir "$WORK/agent" \
       --shm-dir "$SHM" >"$LOGS/env-$t-$1.txt" 2>&1
   done
   GROUP_PROCS=()
   GROUP_WINS=()
-  for l in "${LATS[@]}"; do GROUP_PROCS+=("$l $l vgpu:lat"); done
+  for l in "${LATS[@]}"; do GROUP_PROCS+=("$l $l vgpu:lat-$l"); done
   for n in "${NBS[@]}"; do GROUP_PROCS+=("$n $n vgpu:nb"); done
   for p in $PAIRS; do GROUP_WINS+=("$1:$p=${p%%:*},${p#*:}"); done
   run_group "$1"
