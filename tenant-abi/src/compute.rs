@@ -196,6 +196,7 @@ impl Region {
                 step_close_ns: zero(),
                 paused_ns: zero(),
                 bounded_launches: zero(),
+                next_step_ns: zero(),
                 reserved: std::array::from_fn(|_| zero()),
                 latency: std::array::from_fn(|_| crate::control::LatencyStats {
                     steps: zero(),

@@ -31,6 +31,12 @@ pub const LATENCY_BUCKET_MIN_NS: u64 = 8_000;
 pub const LATENCY_BUCKETS_PER_DOUBLING: u32 = 8;
 /// A decision older than this is void (the agent writes one every control period).
 pub const DECISION_TTL_NS: u64 = 500_000_000;
+/// The unit of `Decision::guard_us` in the packed word.
+pub const GUARD_UNIT_US: u32 = 16;
+/// The longest one launch of a squeezed tenant waits under `Decision::exclusive` before it goes
+/// anyway (the bound that keeps a neighbour from hanging behind a latency tenant that never
+/// stops).
+pub const EXCLUSIVE_WAIT_MAX_NS: u64 = 1_000_000_000;
 /// A step open for longer than this no longer holds anyone back (its process may have died, or
 /// it never synchronises): the bound on how long a neighbour can be paused by one step.
 pub const STEP_OPEN_MAX_NS: u64 = 100_000_000;
@@ -45,14 +51,26 @@ pub struct Decision {
     pub inflight: u8,
     /// Whether a squeezed tenant waits before launching while a latency step is in flight.
     pub pause: bool,
+    /// With `pause`: a squeezed tenant also waits when the latency tenant's next step is
+    /// predicted to start within this many microseconds (`Control::next_step_ns`), so that the
+    /// step does not start behind a kernel just launched; 0: no guard.
+    pub guard_us: u32,
+    /// A squeezed tenant waits while a latency tenant is active at all (launched within the
+    /// hold time): the GPU is the latency tenant's alone, up to `EXCLUSIVE_WAIT_MAX_NS` per
+    /// launch. The top of the ladder, where a tenant's latency alone is learnt.
+    pub exclusive: bool,
     /// The controller's level (statistics and logs; the levers above are what counts).
     pub level: u8,
 }
 
 impl Decision {
-    /// One word: `level << 32 | pause << 24 | inflight << 16 | sms`.
+    /// One word: `guard / 16 µs << 40 | level << 32 | exclusive << 25 | pause << 24 |
+    /// inflight << 16 | sms`. The guard is kept in 16 µs units (at most about 1 s).
     pub fn pack(self) -> u64 {
-        u64::from(self.level) << 32
+        let guard = u64::from(self.guard_us.div_ceil(GUARD_UNIT_US)).min(0xFFFF);
+        guard << 40
+            | u64::from(self.level) << 32
+            | u64::from(self.exclusive) << 25
             | u64::from(self.pause) << 24
             | u64::from(self.inflight) << 16
             | u64::from(self.sms)
@@ -63,13 +81,15 @@ impl Decision {
             sms: word as u16,
             inflight: (word >> 16) as u8,
             pause: (word >> 24) & 1 == 1,
+            exclusive: (word >> 25) & 1 == 1,
             level: (word >> 32) as u8,
+            guard_us: ((word >> 40) & 0xFFFF) as u32 * GUARD_UNIT_US,
         }
     }
 
     /// Whether the decision restricts anything.
     pub fn restricts(self) -> bool {
-        self.sms != 0 || self.inflight != 0 || self.pause
+        self.sms != 0 || self.inflight != 0 || self.pause || self.exclusive
     }
 }
 
@@ -95,7 +115,10 @@ pub struct Control {
     /// launches that waited for their stream's queue to shrink.
     pub paused_ns: AtomicU64,
     pub bounded_launches: AtomicU64,
-    pub reserved: [AtomicU64; 10],
+    /// When a latency process expects its next step to start (its last step's start plus its
+    /// usual period between starts; 0: unknown), for `Decision::guard_us`.
+    pub next_step_ns: AtomicU64,
+    pub reserved: [AtomicU64; 9],
     /// Per tenant slot of the schedule (`compute::Region::tenants`).
     pub latency: [LatencyStats; crate::compute::TENANTS],
 }
@@ -280,6 +303,28 @@ impl Control {
     pub fn count_bounded(&self) {
         self.bounded_launches.fetch_add(1, Relaxed);
     }
+
+    /// A latency process expects its next step at `at_ns`.
+    pub fn predict_step(&self, at_ns: u64) {
+        self.next_step_ns.store(at_ns, Relaxed);
+    }
+
+    /// Whether a latency step is predicted to start within `guard_ns` of `now_ns` (and the
+    /// prediction is not stale: a step predicted more than `guard_ns` ago that never came does
+    /// not hold anyone back).
+    #[inline]
+    pub fn step_due(&self, now_ns: u64, guard_ns: u64) -> bool {
+        let due = self.next_step_ns.load(Relaxed);
+        due != 0 && now_ns + guard_ns >= due && now_ns <= due.saturating_add(guard_ns)
+    }
+
+    /// When the oldest latency step still in flight began, if one is (the agent's view of a
+    /// step that has not ended yet: a starving latency tenant shows here before any step of it
+    /// closes).
+    pub fn open_step_since(&self, now_ns: u64) -> Option<u64> {
+        self.step_in_flight(now_ns)
+            .then(|| self.step_open_ns.load(Relaxed))
+    }
 }
 
 #[cfg(test)]
@@ -326,6 +371,8 @@ mod tests {
             sms: 96,
             inflight: 2,
             pause: true,
+            guard_us: 480,
+            exclusive: true,
             level: 7,
         };
         assert_eq!(Decision::unpack(decision.pack()), decision);

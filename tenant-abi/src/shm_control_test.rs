@@ -130,6 +130,7 @@ fn a_published_decision_is_what_tenants_read_until_it_expires() {
         inflight: 2,
         pause: false,
         level: 9,
+        ..Decision::default()
     };
     assert_eq!(agent.decision(1_000), Decision::default());
     agent.publish(decision, 1_000);

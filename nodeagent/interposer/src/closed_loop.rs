@@ -12,7 +12,10 @@
 //!   close stamps tell the GPU's other tenants that a latency step is in flight.
 //! - **The others obey the agent's decision** while it is in force (`Control::decision`; none in
 //!   force: nothing is restricted, fail open): with `pause`, a launch waits while a latency step
-//!   is in flight (at most `PAUSE_WAIT_MAX_NS` per launch, then it goes); with `inflight = N`
+//!   is in flight, and with a guard also while the latency tenant's next step is due within the
+//!   guard (its process predicts it from the smoothed time between its step starts), at most
+//!   `PAUSE_WAIT_MAX_NS` per launch, then it goes; with `exclusive`, while a latency tenant is
+//!   active at all (at most `EXCLUSIVE_WAIT_MAX_NS` per launch); with `inflight = N`
 //!   and a latency tenant active on the GPU, a launch waits until its stream has fewer than N
 //!   launches queued (an event recorded after each launch, at most `EVENT_WAIT_MAX_NS` per
 //!   wait); `sms` is applied by `spatial::redirect`.
@@ -33,6 +36,8 @@ use tenant_abi::{ComputeEnv, ProcLiveness};
 
 /// The longest one launch waits for latency steps to end before it goes anyway.
 pub const PAUSE_WAIT_MAX_NS: u64 = 50_000_000;
+/// A latency tenant's steps further apart than this have no rhythm to predict.
+const PERIOD_MAX_NS: u64 = 1_000_000_000;
 /// The longest one launch waits for its stream's oldest queued launch.
 pub const EVENT_WAIT_MAX_NS: u64 = 1_000_000_000;
 /// Streams per device whose queued launches are counted; launches on further streams are not
@@ -48,6 +53,10 @@ const POLL_SLEEP: Duration = Duration::from_micros(10);
 pub struct DeviceLoop {
     /// When this process's open latency step began (0: none open).
     step_open_ns: AtomicU64,
+    /// When this process's last latency step began, and the smoothed time between two step
+    /// starts (0: not known yet), for the prediction of the next step (`Control::predict_step`).
+    last_start_ns: AtomicU64,
+    period_ns: AtomicU64,
     /// The tenant's slot in the GPU's schedule (a latency tenant's histogram); `None`: none
     /// could be had (logged once).
     slot: OnceLock<Option<usize>>,
@@ -71,7 +80,23 @@ pub(crate) fn latency_launched(device: &Device, now_ns: u64) {
         .compare_exchange(0, now_ns, Relaxed, Relaxed)
         .is_ok();
     if opened {
-        device.region.control.open_step(now_ns);
+        let control = &device.region.control;
+        control.open_step(now_ns);
+        let state = &device.closed_loop;
+        let last = state.last_start_ns.swap(now_ns, Relaxed);
+        let gap = now_ns.saturating_sub(last);
+        if last != 0 && gap <= PERIOD_MAX_NS {
+            // An exponential average over about eight steps: a rhythm that changes is followed
+            // within a few steps, one late step moves it by an eighth.
+            let old = state.period_ns.load(Relaxed);
+            let period = if old == 0 {
+                gap
+            } else {
+                old - old / 8 + gap / 8
+            };
+            state.period_ns.store(period, Relaxed);
+            control.predict_step(now_ns + period);
+        }
     }
 }
 
@@ -157,10 +182,20 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
     if !decision.restricts() {
         return None;
     }
-    if decision.pause && control.step_in_flight(now) {
-        let waited = wait_until(now, PAUSE_WAIT_MAX_NS, || {
-            !control.step_in_flight(monotonic_ns())
+    let guard_ns = u64::from(decision.guard_us) * 1_000;
+    let held = |now: u64| {
+        (decision.pause && control.step_in_flight(now))
+            || (decision.pause && guard_ns > 0 && control.step_due(now, guard_ns))
+    };
+    if decision.exclusive && device.region.latency_active(now, spatial.hold_ns) {
+        let waited = wait_until(now, tenant_abi::control::EXCLUSIVE_WAIT_MAX_NS, || {
+            !device
+                .region
+                .latency_active(monotonic_ns(), spatial.hold_ns)
         });
+        control.count_pause(waited.0);
+    } else if held(now) {
+        let waited = wait_until(now, PAUSE_WAIT_MAX_NS, || !held(monotonic_ns()));
         control.count_pause(waited.0);
         if !waited.1 && !device.closed_loop.pause_logged.swap(true, Relaxed) {
             crate::log::error(format_args!(

@@ -25,7 +25,7 @@ use crate::tracker::{Key, array_bytes};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 
 /// Every hook, by the driver symbol it replaces.
-pub fn hooks() -> [(&'static CStr, *const c_void); 42] {
+pub fn hooks() -> [(&'static CStr, *const c_void); 43] {
     macro_rules! table {
         ($($name:ident),* $(,)?) => {
             [$((
@@ -81,6 +81,7 @@ pub fn hooks() -> [(&'static CStr, *const c_void); 42] {
         cuEventSynchronize,
         cuEventQuery,
         cuCtxSynchronize,
+        cuCtxSynchronize_v2,
     ]
 }
 
@@ -1263,6 +1264,8 @@ sync_hook!(cuStreamQuery_ptsz, stream_query_ptsz, (stream: CUstream));
 sync_hook!(cuEventSynchronize, event_synchronize, (event: CUevent));
 sync_hook!(cuEventQuery, event_query, (event: CUevent));
 sync_hook!(cuCtxSynchronize, ctx_synchronize, ());
+// CUDA 13: what `cuGetProcAddress("cuCtxSynchronize", 13000)` resolves to (a context argument).
+sync_hook!(cuCtxSynchronize_v2, ctx_synchronize_v2, (context: CUcontext));
 
 macro_rules! begin_capture_hook {
     ($name:ident, $field:ident $(, $mode:ident: $mode_ty:ty)?) => {

@@ -146,6 +146,7 @@ driver_functions! {
     stream_query: FnStreamSync = c"cuStreamQuery";
     stream_query_ptsz: FnStreamSync = c"cuStreamQuery_ptsz";
     ctx_synchronize: FnCtxSynchronize = c"cuCtxSynchronize";
+    ctx_synchronize_v2: FnCtxSynchronizeV2 = c"cuCtxSynchronize_v2";
     ctx_get_current: FnCtxGetCurrent = c"cuCtxGetCurrent";
     device_get_count: FnDeviceGetCount = c"cuDeviceGetCount";
     device_get_uuid_v2: FnDeviceGetUuid = c"cuDeviceGetUuid_v2";

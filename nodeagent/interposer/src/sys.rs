@@ -173,6 +173,8 @@ pub type FnStreamSync = unsafe extern "C" fn(CUstream) -> CUresult;
 pub type FnEventSynchronize = unsafe extern "C" fn(CUevent) -> CUresult;
 /// `cuCtxSynchronize`.
 pub type FnCtxSynchronize = unsafe extern "C" fn() -> CUresult;
+/// `cuCtxSynchronize_v2(CUcontext)` (CUDA 13).
+pub type FnCtxSynchronizeV2 = unsafe extern "C" fn(CUcontext) -> CUresult;
 pub type FnCtxGetCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type FnDeviceGetCount = unsafe extern "C" fn(*mut c_int) -> CUresult;
 /// `cuDeviceGetUuid[_v2](CUuuid *, CUdevice)`; `CUuuid` is 16 bytes.

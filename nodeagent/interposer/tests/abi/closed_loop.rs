@@ -186,3 +186,76 @@ fn the_decision_sets_how_many_sms_a_squeezed_launch_keeps() {
     let out = squeezable(shm.path()).run("launch kernel 10 trace");
     assert_eq!(trace(&out), "K:5000", "{out}");
 }
+
+#[test]
+fn a_guard_holds_launches_before_a_predicted_step_and_exclusive_while_a_latency_tenant_runs() {
+    let shm = shm_dir();
+    squeezable(shm.path()).run("launch kernel 10");
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    // A step predicted 10 ms from now and a guard of 20 ms: held until the prediction is 20 ms
+    // past (no step came), about 30 ms.
+    let now = now_ns(shm.path());
+    control.publish(
+        Decision {
+            pause: true,
+            guard_us: 20_000,
+            level: 10,
+            ..Decision::default()
+        },
+        now,
+    );
+    control.predict_step(now + 10_000_000);
+    let t = clocks(&squeezable(shm.path()).run("clock launch kernel 10 clock"));
+    assert!(
+        (10_000_000..48_000_000).contains(&(t[1] - t[0])),
+        "held {} ns by a guard",
+        t[1] - t[0]
+    );
+    // A predicted step far away: no wait.
+    control.predict_step(now_ns(shm.path()) + 5_000_000_000);
+    let t = clocks(&squeezable(shm.path()).run("clock launch kernel 10 clock"));
+    assert!(t[1] - t[0] < 10_000_000, "held {} ns", t[1] - t[0]);
+    // Exclusive: held while the latency tenant launched within the hold time (100 ms here).
+    latency_tenant(shm.path()).run("launch kernel 10");
+    control.publish(
+        Decision {
+            exclusive: true,
+            level: 14,
+            ..Decision::default()
+        },
+        now_ns(shm.path()),
+    );
+    let t = clocks(
+        &squeezable(shm.path())
+            .env("VGPU_SPATIAL_HOLD_MS", "100")
+            .run("clock launch kernel 10 clock"),
+    );
+    assert!(
+        (20_000_000..900_000_000).contains(&(t[1] - t[0])),
+        "held {} ns under exclusive",
+        t[1] - t[0]
+    );
+}
+
+#[test]
+fn a_latency_tenant_predicts_its_next_step_from_its_rhythm() {
+    let shm = shm_dir();
+    let out = latency_tenant(shm.path())
+        .run("step kernel 1000 1 sleep_ms 4 step kernel 1000 1 sleep_ms 4 step kernel 1000 1");
+    assert!(out.contains("step 0 "), "{out}");
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    let due = control
+        .next_step_ns
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let opened = control
+        .step_open_ns
+        .load(std::sync::atomic::Ordering::Relaxed);
+    // Steps start about 5 ms apart (1 ms step, 4 ms sleep): the next one is due about then.
+    assert!(
+        (3_000_000..30_000_000).contains(&due.saturating_sub(opened)),
+        "due {} ns after the last start",
+        due.saturating_sub(opened)
+    );
+}
