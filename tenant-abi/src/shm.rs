@@ -222,6 +222,12 @@ impl ScheduleControl {
     pub fn decision(&self, now_ns: u64) -> crate::control::Decision {
         self.mapping.region().control.decision(now_ns)
     }
+
+    /// When the oldest latency step still in flight on the GPU began, at `now_ns`
+    /// (`Control::open_step_since`): a starving latency tenant shows here before its steps end.
+    pub fn open_step_since(&self, now_ns: u64) -> Option<u64> {
+        self.mapping.region().control.open_step_since(now_ns)
+    }
 }
 
 /// The live tenant slots of `region` and their names. A slot counts when its name is one

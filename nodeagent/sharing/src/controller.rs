@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use crate::ladder::Ladder;
-use crate::tenant::{Judgement, TenantState};
+use crate::tenant::{Judgement, Seen, TenantState};
 use crate::types::{
     Change, Config, Event, Lever, Output, Reason, TENANTS_MAX, TenantStatus, TenantWindow,
 };
@@ -17,6 +17,8 @@ pub const LEVER_IMPROVEMENT_BUCKETS: i32 = 2;
 /// A level that failed again waits at most 2^this times its first probe before it is tried
 /// again.
 pub const PROBE_BACKOFF_MAX: u32 = 6;
+
+const LEVERS: usize = Lever::ALL.len();
 
 /// What is known of one lever kind in this episode (since the latency tenants last went idle).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -61,10 +63,17 @@ pub struct Controller {
     config: Config,
     ladder: Ladder,
     level: usize,
-    levers: [LeverState; 3],
+    levers: [LeverState; LEVERS],
     tenants: BTreeMap<String, TenantState>,
+    /// The shortest step period of the active latency tenants, which sizes the guards; frozen
+    /// while a guard level is in force (so that a decision changes only with a reason).
+    step_period_ns: Option<u64>,
+    /// Events handled since the decision last changed.
+    decision_age: u32,
     /// Per level (`0..=top`).
     failures: Vec<Failure>,
+    /// Violations since the level was set: what trying it has cost so far.
+    level_violations: u64,
     /// Consecutive clean windows, and their steps, at this decision.
     clean_windows: u32,
     clean_steps: u64,
@@ -80,9 +89,12 @@ impl Controller {
             config,
             ladder,
             level: 0,
-            levers: [LeverState::Untried; 3],
+            levers: [LeverState::Untried; LEVERS],
             tenants: BTreeMap::new(),
+            step_period_ns: None,
+            decision_age: 0,
             failures,
+            level_violations: 0,
             clean_windows: 0,
             clean_steps: 0,
         }
@@ -98,8 +110,16 @@ impl Controller {
 
     /// The decision in force.
     pub fn decision(&self) -> Decision {
-        self.ladder
-            .decision(self.level, |lever| self.levers[lever.index()].applies())
+        self.ladder.decision(
+            self.level,
+            |lever| self.lever_enabled(lever),
+            self.step_period_ns,
+        )
+    }
+
+    /// The step period that sizes the guards (`None`: the guard levels are skipped).
+    pub fn step_period_ns(&self) -> Option<u64> {
+        self.step_period_ns
     }
 
     pub fn lever_state(&self, lever: Lever) -> LeverState {
@@ -113,7 +133,8 @@ impl Controller {
                 now_ns,
                 tenants,
                 neighbours_active,
-            } => self.window(now_ns, tenants, neighbours_active),
+                open_step_since_ns,
+            } => self.window(now_ns, tenants, neighbours_active, open_step_since_ns),
             Event::TenantGone { name } => {
                 self.tenants.remove(&name);
                 if self.tenants.is_empty() {
@@ -135,6 +156,11 @@ impl Controller {
             decision != before,
             "a change has a reason"
         );
+        self.decision_age = if change.is_some() {
+            0
+        } else {
+            self.decision_age.saturating_add(1)
+        };
         Output {
             decision,
             change,
@@ -155,16 +181,23 @@ impl Controller {
         now_ns: u64,
         windows: Vec<TenantWindow>,
         neighbours_active: bool,
+        open_step_since_ns: Option<u64>,
     ) -> Option<Reason> {
         assert!(windows.len() <= TENANTS_MAX, "{} windows", windows.len());
-        // The most protective level, with every lever in force: the neighbours were paused for
-        // the tenants' steps (see the crate's docs on the baseline).
-        let protective = neighbours_active
-            && self.level == self.ladder.top()
-            && self.levers.iter().all(|state| state.applies());
-        let mut judged = Vec::new();
-        for window in windows {
-            if !self.tenants.contains_key(&window.name) && self.tenants.len() >= TENANTS_MAX {
+        assert!(open_step_since_ns.is_none_or(|since| since <= now_ns));
+        // Exclusive, in force since before this window began (the neighbours' work already
+        // queued when it came has drained): nothing else ran, the tenants' steps are as good
+        // as alone (see the crate's docs on the baseline).
+        let seen = if !neighbours_active {
+            Seen::Alone
+        } else if self.decision().exclusive && self.decision_age >= 1 {
+            Seen::Exclusive
+        } else {
+            Seen::Shared
+        };
+        let mut windows = windows;
+        for window in &windows {
+            if self.tenants.len() >= TENANTS_MAX && !self.tenants.contains_key(&window.name) {
                 continue;
             }
             let tenant = self
@@ -172,25 +205,33 @@ impl Controller {
                 .entry(window.name.clone())
                 .or_insert_with(|| TenantState::new(&self.config, window.target_ns));
             tenant.explicit_target_ns = window.target_ns;
-            let judgement = tenant.observe(
-                &self.config,
-                now_ns,
-                &window.window,
-                !neighbours_active,
-                protective,
-            );
+        }
+        windows.retain(|window| self.tenants.contains_key(&window.name));
+        let charged = open_step_since_ns.and_then(|since| self.open_step_owner(now_ns, since));
+        let mut judged = Vec::new();
+        for window in windows {
+            let tenant = self.tenants.get_mut(&window.name).expect("entered above");
+            let open = open_step_since_ns.filter(|_| charged.as_ref() == Some(&window.name));
+            let judgement = tenant.observe(&self.config, now_ns, &window.window, seen, open);
             if let Some(judgement) = judgement {
                 judged.push((window.name, judgement));
             }
         }
+        let sole = self.tenants.len() == 1;
         let active: Vec<&String> = self
             .tenants
             .iter()
-            .filter(|(_, tenant)| !tenant.is_idle(&self.config, now_ns))
+            .filter(|(_, tenant)| !tenant.is_idle(&self.config, now_ns, open_step_since_ns, sole))
             .map(|(name, _)| name)
             .collect();
         if active.is_empty() {
             return self.release();
+        }
+        if self.ladder.lever(self.level) != Some(Lever::Guard) {
+            self.step_period_ns = active
+                .iter()
+                .filter_map(|name| self.tenants[name.as_str()].step_period_ns())
+                .min();
         }
         let untargeted = active.iter().find(|name| {
             self.tenants[name.as_str()]
@@ -208,11 +249,29 @@ impl Controller {
         self.adapt(&judged)
     }
 
+    /// The tenant a latency step open since `since_ns` is charged to: the GPU's only latency
+    /// tenant; with several, the one with the loosest target among those active when the step
+    /// began (open past that target, it is past every active tenant's: a violation whoever's it
+    /// is; past only tighter ones, it may be the loose tenant's own long step).
+    fn open_step_owner(&self, now_ns: u64, since_ns: u64) -> Option<String> {
+        if self.tenants.len() == 1 {
+            return self.tenants.keys().next().cloned();
+        }
+        self.tenants
+            .iter()
+            .filter(|(_, tenant)| !tenant.is_idle(&self.config, now_ns, Some(since_ns), false))
+            .filter_map(|(name, tenant)| Some((tenant.target_ns(&self.config)?, name)))
+            .max()
+            .map(|(_, name)| name.clone())
+    }
+
     /// One judged window beside active neighbours: step up, probe, relax or stay.
     fn adapt(&mut self, judged: &[(String, Judgement)]) -> Option<Reason> {
         let worst = judged.iter().map(|(_, j)| j.excess_buckets).max();
         let worst = worst.expect("judged windows");
         self.learn_lever(worst);
+        let violations: u64 = judged.iter().map(|(_, j)| j.violations).sum();
+        self.level_violations = self.level_violations.saturating_add(violations);
         let over = judged.iter().find(|(_, j)| j.over_budget);
         if let Some((tenant, judgement)) = over {
             self.clean_windows = 0;
@@ -221,8 +280,8 @@ impl Controller {
                 self.levers[lever.index()] = LeverState::Needed;
                 return Some(Reason::LeverNeeded { lever });
             }
-            let violations: u64 = judged.iter().map(|(_, j)| j.violations).sum();
-            self.remember_failure(violations);
+            // Everything the level cost since it was set, the banked violations it spent too.
+            self.remember_failure(self.level_violations);
             let reason = Reason::OverBudget {
                 tenant: tenant.clone(),
                 steps: judgement.steps,
@@ -286,7 +345,7 @@ impl Controller {
         }
     }
 
-    /// The current level went over budget with `violations`: trying it again waits for as many
+    /// The current level went over budget after costing `violations`: trying it again waits for as many
     /// clean steps as that cost over the budget, doubled per failure not yet earned back.
     fn remember_failure(&mut self, violations: u64) {
         let first_probe = (violations.max(1) as f64 / self.config.violation_budget).ceil() as u64;
@@ -304,12 +363,14 @@ impl Controller {
                 return None;
             }
             // Even the top is not enough without the levers learnt useless: the pair changed.
-            self.levers = [LeverState::Untried; 3];
-            return Some(reason);
+            let before = self.decision();
+            self.levers = [LeverState::Untried; LEVERS];
+            return (self.decision() != before).then_some(reason);
         }
         let current = self.ladder.lever(self.level);
         let useless = current.filter(|lever| {
-            matches!(
+            lever.can_be_released()
+                && matches!(
                 self.levers[lever.index()],
                 LeverState::Trying { windows, .. } if windows >= self.config.lever_patience_windows
             )
@@ -329,7 +390,14 @@ impl Controller {
             }
             None => {
                 let want = self.level + (self.level / 2).max(1);
-                (self.enabled_at_or_above(want.min(top)), reason)
+                let mut next = self.enabled_at_or_above(want.min(top));
+                // Past the levels that failed in this episode and have not earned it back:
+                // climbing through them again costs a violation each (a starving tenant's
+                // violations come one long step apart).
+                while next < top && self.failures[next].repeats > 0 {
+                    next = self.enabled_at_or_above(next + 1);
+                }
+                (next, reason)
             }
         };
         assert!(next > self.level, "a step up: {} to {next}", self.level);
@@ -338,7 +406,10 @@ impl Controller {
                 .ladder
                 .levels(lever)
                 .is_some_and(|levels| (self.level + 1..=next).contains(levels.start()));
-            if entered && self.levers[lever.index()] == LeverState::Untried {
+            if entered
+                && self.lever_enabled(lever)
+                && self.levers[lever.index()] == LeverState::Untried
+            {
                 self.levers[lever.index()] = LeverState::Trying {
                     reference_buckets: worst_buckets,
                     windows: 0,
@@ -368,10 +439,10 @@ impl Controller {
         Reason::Relaxed
     }
 
-    /// The most protective level (with every lever), for lack of a target.
+    /// Exclusive, the most protective level (with every lever), for lack of a target.
     fn hold_top(&mut self, reason: Reason) -> Option<Reason> {
         let before = self.decision();
-        self.levers = [LeverState::Untried; 3];
+        self.levers = [LeverState::Untried; LEVERS];
         self.set_level(self.ladder.top());
         (self.decision() != before).then_some(reason)
     }
@@ -379,7 +450,7 @@ impl Controller {
     /// Nothing restricted; what was learnt about levers and failures goes with the episode.
     fn release(&mut self) -> Option<Reason> {
         let before = self.decision();
-        self.levers = [LeverState::Untried; 3];
+        self.levers = [LeverState::Untried; LEVERS];
         self.failures.fill(Failure::default());
         self.set_level(0);
         (self.decision() != before).then_some(Reason::Idle)
@@ -388,6 +459,7 @@ impl Controller {
     fn set_level(&mut self, level: usize) {
         assert!(level <= self.ladder.top());
         self.level = level;
+        self.level_violations = 0;
         self.clean_windows = 0;
         self.clean_steps = 0;
     }
@@ -396,7 +468,14 @@ impl Controller {
     fn enabled(&self, level: usize) -> bool {
         self.ladder
             .lever(level)
-            .is_none_or(|lever| self.levers[lever.index()].applies())
+            .is_none_or(|lever| self.lever_enabled(lever))
+    }
+
+    /// Whether `lever` is in use: not learnt useless nor released for a probe, and for the
+    /// guard, a step period to size it.
+    fn lever_enabled(&self, lever: Lever) -> bool {
+        self.levers[lever.index()].applies()
+            && (lever != Lever::Guard || self.step_period_ns.is_some())
     }
 
     fn enabled_at_or_above(&self, level: usize) -> usize {
@@ -418,8 +497,14 @@ impl Controller {
     /// useless only because that lever covers for it).
     fn lever_to_probe(&self) -> Option<Lever> {
         let current = self.ladder.lever(self.level)?;
+        if current == Lever::Exclusive {
+            // Nothing else runs at Exclusive: every lever below would look useless there.
+            return None;
+        }
         Lever::ALL.into_iter().find(|&lever| {
             lever < current
+                && lever.can_be_released()
+                && self.lever_enabled(lever)
                 && self.ladder.levels(lever).is_some()
                 && self.levers[lever.index()].undecided()
         })
@@ -428,10 +513,18 @@ impl Controller {
     fn check_invariants(&self) {
         assert!(self.level <= self.ladder.top());
         assert!(self.enabled(self.level), "standing on a skipped level");
-        assert!(
-            self.levers[Lever::Pause.index()].applies(),
-            "pause is never released"
-        );
+        for lever in Lever::ALL {
+            assert!(
+                lever.can_be_released() || self.levers[lever.index()].applies(),
+                "{lever:?} is never released"
+            );
+        }
+        if self.ladder.lever(self.level) == Some(Lever::Guard) {
+            assert!(
+                self.step_period_ns.is_some(),
+                "a guard is sized by a period"
+            );
+        }
         assert!(self.tenants.len() <= TENANTS_MAX);
         let probing = self
             .levers

@@ -37,17 +37,22 @@ fn window(now_ns: u64, tenant: &str, window: LatencySnapshot, target_ns: Option<
             target_ns,
         }],
         neighbours_active: true,
+        open_step_since_ns: None,
     }
 }
 
 fn alone(event: Event) -> Event {
     match event {
         Event::Window {
-            now_ns, tenants, ..
+            now_ns,
+            tenants,
+            open_step_since_ns,
+            ..
         } => Event::Window {
             now_ns,
             tenants,
             neighbours_active: false,
+            open_step_since_ns,
         },
         other => other,
     }
@@ -59,6 +64,23 @@ fn decision(sms: u16, inflight: u8, pause: bool, level: u8) -> Decision {
         inflight,
         pause,
         level,
+        ..Decision::default()
+    }
+}
+
+/// Level `level` of the guards: pause and a guard of `guard_us`.
+fn guarded(sms: u16, inflight: u8, guard_us: u32, level: u8) -> Decision {
+    Decision {
+        guard_us,
+        ..decision(sms, inflight, true, level)
+    }
+}
+
+/// The top: Exclusive (with pause and whatever else is in force below it).
+fn exclusive(sms: u16, inflight: u8, level: u8) -> Decision {
+    Decision {
+        exclusive: true,
+        ..decision(sms, inflight, true, level)
     }
 }
 
@@ -86,6 +108,25 @@ impl Driver {
         self.now_ns += PERIOD;
         self.controller
             .handle(alone(window(self.now_ns, tenant, steps, None)))
+    }
+
+    /// A window beside active neighbours with a latency step open since `open_since_ns`.
+    fn next_open(
+        &mut self,
+        tenant: &str,
+        steps: LatencySnapshot,
+        target_ns: Option<u64>,
+        open_since_ns: Option<u64>,
+    ) -> Output {
+        self.now_ns += PERIOD;
+        let mut event = window(self.now_ns, tenant, steps, target_ns);
+        if let Event::Window {
+            open_step_since_ns, ..
+        } = &mut event
+        {
+            *open_step_since_ns = open_since_ns;
+        }
+        self.controller.handle(event)
     }
 
     fn level(&self) -> u8 {
@@ -137,10 +178,10 @@ fn without_a_target_the_top_is_held_until_the_latency_alone_is_learnt() {
     assert_eq!(
         output,
         Output {
-            decision: decision(8, 1, true, 12),
+            decision: exclusive(8, 1, 17),
             change: Some(Change {
                 from: Decision::default(),
-                to: decision(8, 1, true, 12),
+                to: exclusive(8, 1, 17),
                 reason: Reason::NoTarget {
                     tenant: "infer".into()
                 },
@@ -166,7 +207,7 @@ fn without_a_target_the_top_is_held_until_the_latency_alone_is_learnt() {
     let output = driver.next_alone("infer", repeat(1, MS));
     let baseline = reads_as(MS);
     assert_eq!(output.change, None);
-    assert_eq!(output.decision, decision(8, 1, true, 12));
+    assert_eq!(output.decision, exclusive(8, 1, 17));
     assert_eq!(output.tenants[0].baseline_p99_ns, Some(baseline));
     assert_eq!(
         output.tenants[0].target_ns,
@@ -175,13 +216,16 @@ fn without_a_target_the_top_is_held_until_the_latency_alone_is_learnt() {
 }
 
 #[test]
-fn never_alone_the_baseline_comes_from_the_protective_level_and_is_then_frozen() {
+fn never_alone_the_baseline_comes_from_exclusive_and_is_then_frozen() {
     let mut driver = Driver::new(Config::new(false, 0));
-    // The first window was at level 0: not protective; 20 more make 100 steps.
+    // The first window was at level 0, the second the first at Exclusive (the neighbours' queued
+    // work may still run in it): neither counts; 20 more make 100 steps.
     for _ in 0..21 {
         let output = driver.next("infer", repeat(5, 3 * MS), None);
-        assert_eq!(output.decision, decision(0, 1, true, 5));
+        assert_eq!(output.decision, exclusive(0, 1, 10));
     }
+    assert_eq!(driver.controller.statuses()[0].baseline_p99_ns, None);
+    driver.next("infer", repeat(5, 3 * MS), None);
     let status = &driver.controller.statuses()[0];
     assert_eq!(status.baseline_p99_ns, Some(reads_as(3 * MS)));
     // Slower steps at the top do not move it (they are not the tenant alone).
@@ -220,30 +264,37 @@ fn an_isolated_slow_step_is_within_budget_and_two_close_together_are_not() {
 
 #[test]
 fn over_budget_climbs_multiplicatively() {
-    // Without MPS: caps 8, 4, 2, 1, then pause (levels 1..=5). The first window is slower than
-    // the rest by more than two buckets, so the caps count as helping and the climb goes on.
+    // Without MPS: caps 8, 4, 2, 1, pause, guards, Exclusive (levels 1..=10). The first window
+    // is slower than the rest by more than two buckets, so the caps count as helping and the
+    // climb goes on. Four steps per 10 ms window: a step period of 2.5 ms, known from the fifth
+    // window on, so the guards are there (4 + 2 = 6: a guard of 2.5 ms / 4).
     let mut driver = Driver::new(Config::new(false, 0));
     let target = Some(2 * MS);
     let mut levels = Vec::new();
-    for window in 0..6 {
+    for window in 0..8 {
         let slow = if window == 0 { 4 * MS } else { 3 * MS };
-        levels.push(driver.next("infer", repeat(4, slow), target).decision.level);
+        let output = driver.next("infer", repeat(4, slow), target);
+        levels.push(output.decision.level);
+        if output.decision.level == 6 {
+            assert_eq!(output.decision, guarded(0, 1, 640, 6));
+        }
     }
-    assert_eq!(levels, [1, 2, 3, 4, 5, 5]);
-    assert_eq!(driver.controller.decision(), decision(0, 1, true, 5));
+    assert_eq!(levels, [1, 2, 3, 4, 6, 9, 10, 10]);
+    assert_eq!(driver.controller.step_period_ns(), Some(2_500_000));
+    assert_eq!(driver.controller.decision(), exclusive(0, 1, 10));
     assert_eq!(
         driver.controller.lever_state(Lever::Inflight),
         LeverState::Needed
     );
 
-    // Under MPS: +1 up to 4, then +2, +3, and the top (12).
+    // Under MPS: +1 up to 4, then +2, +3, +4 and the top (17).
     let mut driver = Driver::new(Config::new(true, 132));
     let mut levels = Vec::new();
-    for window in 0..8 {
+    for window in 0..9 {
         let slow = if window == 0 { 4 * MS } else { 3 * MS };
         levels.push(driver.next("infer", repeat(4, slow), target).decision.level);
     }
-    assert_eq!(levels, [1, 2, 3, 4, 6, 9, 12, 12]);
+    assert_eq!(levels, [1, 2, 3, 4, 6, 9, 13, 17, 17]);
 }
 
 #[test]
@@ -397,40 +448,54 @@ fn below_a_needed_level_lower_levers_are_probed_one_at_a_time() {
         }
         target = Some(2 * MS);
     }
-    assert_eq!(
-        changes[..8],
-        [
-            // No target yet: the top.
-            (
-                decision(8, 1, true, 12),
-                Reason::NoTarget {
-                    tenant: "infer".into()
-                }
-            ),
-            // 10 clean windows: down one.
-            (decision(8, 1, false, 11), Reason::Relaxed),
-            (decision(8, 1, true, 12), over("infer", 5, 5)),
-            // Clean again and in allowance (20 windows), but level 11 failed 100 steps ago (it
-            // takes 500): the pause is needed; are the SMs? Releasing them costs violations.
-            (
-                decision(0, 1, true, 12),
-                Reason::ProbeLever { lever: Lever::Sms }
-            ),
-            (
-                decision(8, 1, true, 12),
-                Reason::LeverNeeded { lever: Lever::Sms }
-            ),
-            // The in-flight cap is not needed: left out, its levels skipped.
-            (
-                decision(8, 0, true, 12),
-                Reason::ProbeLever {
-                    lever: Lever::Inflight
-                }
-            ),
-            (decision(8, 0, false, 7), Reason::Relaxed),
-            (decision(8, 0, true, 12), over("infer", 5, 5)),
-        ]
-    );
+    // Five steps per window: a step period of 2 ms, guards of 0.5, 1, 2 and 4 ms (16 µs units).
+    let guards = |from: u8| {
+        (13..=from)
+            .rev()
+            .map(|level| {
+                let guard = [512, 1008, 2000, 4000][usize::from(level - 13)];
+                (guarded(8, 1, guard, level), Reason::Relaxed)
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut expected = vec![
+        // No target yet: the top.
+        (
+            exclusive(8, 1, 17),
+            Reason::NoTarget {
+                tenant: "infer".into(),
+            },
+        ),
+    ];
+    // 10 clean windows per level: down the guards, to pause, and one below (no pause): over.
+    expected.extend(guards(16));
+    expected.push((decision(8, 1, true, 12), Reason::Relaxed));
+    expected.push((decision(8, 1, false, 11), Reason::Relaxed));
+    expected.push((guarded(8, 1, 4000, 16), over("infer", 5, 5)));
+    expected.extend(guards(15));
+    expected.extend([
+        (decision(8, 1, true, 12), Reason::Relaxed),
+        // Clean again and in allowance, but level 11 failed (it takes 500 clean steps): the
+        // pause is needed; are the SMs? Releasing them costs violations.
+        (
+            decision(0, 1, true, 12),
+            Reason::ProbeLever { lever: Lever::Sms },
+        ),
+        (
+            decision(8, 1, true, 12),
+            Reason::LeverNeeded { lever: Lever::Sms },
+        ),
+        // The in-flight cap is not needed: left out, its levels skipped.
+        (
+            decision(8, 0, true, 12),
+            Reason::ProbeLever {
+                lever: Lever::Inflight,
+            },
+        ),
+        (decision(8, 0, false, 7), Reason::Relaxed),
+        (decision(8, 0, true, 12), over("infer", 5, 5)),
+    ]);
+    assert_eq!(changes[..expected.len()], expected);
     assert_eq!(
         driver.controller.lever_state(Lever::Sms),
         LeverState::Needed
@@ -453,18 +518,18 @@ fn over_budget_at_the_top_without_some_levers_brings_them_all_back() {
         driver.controller.lever_state(Lever::Sms),
         LeverState::Useless
     );
-    // 8 -> 12 (the top, without SMs), then over budget there: every lever back.
-    assert_eq!(
-        driver
-            .next("infer", repeat(4, 3 * MS), target)
-            .decision
-            .level,
-        12
-    );
+    // 8 -> 12 -> 17 (the top, without SMs), then over budget there: every lever back.
+    let mut levels = Vec::new();
+    for _ in 0..2 {
+        let output = driver.next("infer", repeat(4, 3 * MS), target);
+        levels.push(output.decision.level);
+    }
+    assert_eq!(levels, [12, 17]);
+    assert_eq!(driver.controller.decision(), exclusive(0, 1, 17));
     let output = driver.next("infer", repeat(4, 3 * MS), target);
     assert_eq!(
         changed(&output),
-        Some((decision(8, 1, true, 12), over("infer", 4, 4)))
+        Some((exclusive(8, 1, 17), over("infer", 4, 4)))
     );
     assert_eq!(
         driver.controller.lever_state(Lever::Sms),
@@ -537,6 +602,7 @@ fn windows_without_neighbours_change_no_level() {
             target_ns: target,
         }],
         neighbours_active: false,
+        open_step_since_ns: None,
     });
     assert_eq!(output.change, None);
     assert_eq!(output.tenants[0].violations, 4);
@@ -563,6 +629,7 @@ fn two_tenants_share_one_level_and_the_last_one_gone_releases_it() {
         now_ns: PERIOD,
         tenants: tenants(repeat(2, MS), repeat(3, 6 * MS)),
         neighbours_active: true,
+        open_step_since_ns: None,
     });
     assert_eq!(
         changed(&output),
@@ -602,4 +669,148 @@ fn the_status_covers_the_last_second_of_steps() {
     assert_eq!(status.p99_ns, Some(reads_as(MS)));
     assert_eq!(status.p50_ns, Some(reads_as(MS)));
     assert_eq!((status.steps, status.violations), (200, 0));
+}
+
+#[test]
+fn a_step_open_past_the_target_is_a_violation_at_once_and_keeps_the_tenant_active() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    for _ in 0..10 {
+        driver.next("infer", repeat(3, MS), target);
+    }
+    // A step opens 1 ms into the next window and does not end (a starving tenant): 9 ms open
+    // at the window's end, past the 2 ms target, one violation (the banked one pays for it).
+    let since = driver.now_ns + MS;
+    let output = driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
+    assert_eq!(output.change, None);
+    assert_eq!(output.tenants[0].violations, 1);
+    // Counted once per open step; and never idle while it is open (200 ms: four of its gaps
+    // and the 50 ms floor long past).
+    for _ in 0..20 {
+        let output = driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
+        assert_eq!(output.tenants[0].violations, 1);
+        assert_eq!(output.decision, Decision::default());
+    }
+    // It ends, 205 ms long: the same step, not counted again.
+    let output = driver.next_open("infer", repeat(1, 205 * MS), target, None);
+    assert_eq!(
+        (output.tenants[0].steps, output.tenants[0].violations),
+        (31, 1)
+    );
+    // The next one is open past the target too: over budget within the window, before it ends.
+    let since = driver.now_ns + 5 * MS;
+    let output = driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
+    assert_eq!(
+        changed(&output),
+        Some((decision(0, 8, false, 1), over("infer", 0, 1)))
+    );
+    // The agent stops reporting the step (open for longer than it reports, or ended unseen):
+    // with no step ended since it was seen open, the silent tenant is idle only after 1 s.
+    let mut released = None;
+    for window in 1..=100 {
+        let output = driver.next_open("infer", LatencySnapshot::default(), target, None);
+        if output.change.is_some() {
+            released = Some((window, changed(&output)));
+            break;
+        }
+    }
+    assert_eq!(
+        released,
+        Some((100, Some((Decision::default(), Reason::Idle))))
+    );
+}
+
+#[test]
+fn with_several_tenants_an_open_step_keeps_those_active_when_it_began() {
+    let mut controller = Controller::new(Config::new(false, 0));
+    let tenants = |a: LatencySnapshot| {
+        vec![
+            TenantWindow {
+                name: "a".into(),
+                window: a,
+                target_ns: Some(2 * MS),
+            },
+            TenantWindow {
+                name: "b".into(),
+                window: LatencySnapshot::default(),
+                target_ns: Some(50 * MS),
+            },
+        ]
+    };
+    let mut now_ns = 0;
+    let mut event = |a: LatencySnapshot, open_step_since_ns: Option<u64>| {
+        now_ns += PERIOD;
+        let output = controller.handle(Event::Window {
+            now_ns,
+            tenants: tenants(a),
+            neighbours_active: true,
+            open_step_since_ns,
+        });
+        (now_ns, output)
+    };
+    // `a` steps every period (its rhythm is learnt), then goes over budget: level 1.
+    for _ in 0..30 {
+        event(repeat(3, MS), None);
+    }
+    let (now_ns, output) = event(repeat(3, 3 * MS), None);
+    assert_eq!(output.decision.level, 1);
+    // A step opens: `a` was active then, `b` never was (the step is a's). It stays active while
+    // the step is open, 300 ms, long past its 50 ms idle bound; 3 ms open, past a's target
+    // (the loosest of the active tenants): over budget.
+    let since = now_ns + 7 * MS;
+    let mut levels = Vec::new();
+    for _ in 0..30 {
+        levels.push(
+            event(LatencySnapshot::default(), Some(since))
+                .1
+                .decision
+                .level,
+        );
+    }
+    assert_eq!(levels[0], 2);
+    assert!(levels.iter().all(|&level| level == 2), "{levels:?}");
+    // The step is no longer reported and no new one of a's comes: both idle, `idle_max_ns` after it was
+    // last seen open: 1 s, as none of a's steps ended since it was seen open.
+    let mut released = None;
+    for window in 1..=150 {
+        let (_, output) = event(LatencySnapshot::default(), None);
+        if output.change.is_some() {
+            released = Some((window, changed(&output)));
+            break;
+        }
+    }
+    assert_eq!(
+        released,
+        Some((100, Some((Decision::default(), Reason::Idle))))
+    );
+}
+
+#[test]
+fn a_level_that_failed_right_after_relaxing_into_it_is_not_relaxed_into_10_windows_later() {
+    // Without MPS, a neighbour that hurts below level 6 (the first guard). The first window is
+    // slower, so the caps count as helping: the climb goes 1, 2, 3, 4, 6 (three steps a window,
+    // a period of 3.3 ms known by then).
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    let mut levels = Vec::new();
+    for window in 0..3_000 {
+        let latency = match (window, driver.level()) {
+            (0, _) => 4 * MS,
+            (_, level) if level < 6 => 3 * MS,
+            _ => MS,
+        };
+        let output = driver.next("infer", repeat(3, latency), target);
+        if output.change.is_some() {
+            levels.push(output.decision.level);
+        }
+    }
+    // 6 holds; 5 never failed, so it is tried after 10 clean windows, and fails at once (3
+    // steps over): up to 7. Back to 6 after 10 windows; then 5 waits for 3 / 0.01 = 300 clean
+    // steps (100 windows) at 6, doubled each time it fails again.
+    assert_eq!(&levels[..9], [1, 2, 3, 4, 6, 5, 7, 6, 5]);
+    let probes = levels.iter().filter(|&&level| level == 5).count();
+    // 3000 windows: tries of 5 after 10, 100, 200, 400, 800 and 1600 windows at 6 (plus the
+    // climbs back), not every 20 windows.
+    assert!(probes <= 6, "{probes} tries of level 5: {levels:?}");
+    assert!(levels.len() <= 5 + 3 * probes, "{levels:?}");
 }

@@ -7,11 +7,20 @@
 //!   132-SM H100 with 8-SM granules, 96, 72, 48, 32, 24, 16, 8. (Linear steps of one granule
 //!   would spend many levels near "all SMs", where a squeeze changes little.)
 //! - Then in-flight caps, halving from `inflight_max` to 1 (8, 4, 2, 1).
-//! - Then pause, always last: with in-flight 1 and pause a neighbour has at most one launch per
-//!   stream on the GPU while a latency step runs, the nearest thing to being alone.
+//! - Then pause: with in-flight 1 and pause a neighbour has at most one launch per stream on
+//!   the GPU while a latency step runs.
+//! - Then guards: the neighbours also wait when the latency tenant's next step is predicted
+//!   within 1/4, 1/2, 1 and 2 of its step period (the time between its step starts), so that a
+//!   step does not start behind a neighbour's kernel launched just before it: the answer to a
+//!   neighbour kernel longer than the latency budget. In quarters of the period the controller
+//!   measures, so the levels scale with the tenant rather than with constants fitted to one
+//!   workload; without a known period they are skipped.
+//! - Then Exclusive, always last: the neighbours do not launch while a latency tenant is active
+//!   at all. Nothing else runs, so the tenant's latency there is its latency alone.
 //!
 //! A lever kind can be switched off (`enabled` in [`Ladder::decision`]): its levels are then
-//! skipped and its restriction left out of every level's decision. Pause is never switched off.
+//! skipped and its restriction left out of every level's decision. Pause and Exclusive are
+//! never switched off.
 
 use crate::types::{Config, Lever};
 use tenant_abi::control::Decision;
@@ -24,7 +33,12 @@ pub struct Rung {
     pub sms: u16,
     /// For `Lever::Inflight`: the cap.
     pub inflight: u8,
+    /// For `Lever::Guard`: the guard in quarters of the latency tenant's step period.
+    pub guard_quarters: u8,
 }
+
+/// The guard levels, in quarters of the step period: 1/4, 1/2, 1 and 2 periods.
+pub const GUARD_QUARTERS: [u8; 4] = [1, 2, 4, 8];
 
 /// Levels `0..=top()`; `rungs[i]` is level `i + 1`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,36 +62,36 @@ impl Ladder {
                     break;
                 }
                 rungs.push(Rung {
-                    lever: Lever::Sms,
                     sms: next,
-                    inflight: 0,
+                    ..Rung::of(Lever::Sms)
                 });
                 kept = next;
             }
             if kept > floor {
                 rungs.push(Rung {
-                    lever: Lever::Sms,
                     sms: floor,
-                    inflight: 0,
+                    ..Rung::of(Lever::Sms)
                 });
             }
         }
         let mut cap = config.inflight_max;
         while cap > 0 {
             rungs.push(Rung {
-                lever: Lever::Inflight,
-                sms: 0,
                 inflight: cap,
+                ..Rung::of(Lever::Inflight)
             });
             cap /= 2;
         }
-        rungs.push(Rung {
-            lever: Lever::Pause,
-            sms: 0,
-            inflight: 0,
-        });
+        rungs.push(Rung::of(Lever::Pause));
+        for quarters in GUARD_QUARTERS {
+            rungs.push(Rung {
+                guard_quarters: quarters,
+                ..Rung::of(Lever::Guard)
+            });
+        }
+        rungs.push(Rung::of(Lever::Exclusive));
         assert!(rungs.len() <= usize::from(u8::MAX), "levels fit a u8");
-        assert_eq!(rungs.last().map(|r| r.lever), Some(Lever::Pause));
+        assert_eq!(rungs.last().map(|r| r.lever), Some(Lever::Exclusive));
         Ladder { rungs }
     }
 
@@ -99,8 +113,15 @@ impl Ladder {
         Some(first + 1..=last + 1)
     }
 
-    /// What level `level` asks of the neighbours, leaving out the levers `enabled` refuses.
-    pub fn decision(&self, level: usize, enabled: impl Fn(Lever) -> bool) -> Decision {
+    /// What level `level` asks of the neighbours, leaving out the levers `enabled` refuses;
+    /// `step_period_ns` sizes the guards (none without it). Exclusive leaves the guard out: a
+    /// neighbour waits for the whole activity of the latency tenant, the guard adds nothing.
+    pub fn decision(
+        &self,
+        level: usize,
+        enabled: impl Fn(Lever) -> bool,
+        step_period_ns: Option<u64>,
+    ) -> Decision {
         assert!(level <= self.top(), "level {level} of {}", self.top());
         let mut decision = Decision {
             level: level as u8,
@@ -114,59 +135,141 @@ impl Ladder {
                 Lever::Sms => decision.sms = rung.sms,
                 Lever::Inflight => decision.inflight = rung.inflight,
                 Lever::Pause => decision.pause = true,
+                Lever::Guard => {
+                    if let Some(period_ns) = step_period_ns {
+                        decision.guard_us = guard_us(period_ns, rung.guard_quarters);
+                    }
+                }
+                Lever::Exclusive => {
+                    decision.exclusive = true;
+                    decision.pause = true;
+                    decision.guard_us = 0;
+                }
             }
         }
+        debug_assert!(!decision.exclusive || level == self.top());
         debug_assert!(level == 0 || decision.restricts() || !enabled(Lever::Pause));
         decision
     }
+}
+
+impl Rung {
+    fn of(lever: Lever) -> Rung {
+        Rung {
+            lever,
+            sms: 0,
+            inflight: 0,
+            guard_quarters: 0,
+        }
+    }
+}
+
+/// The guard of `quarters` quarters of a step period of `period_ns`, in µs, rounded up to the
+/// decision word's unit (so that it reads back as published): at least one unit (a guard of 0
+/// is none), at most what the word holds.
+pub fn guard_us(period_ns: u64, quarters: u8) -> u32 {
+    assert!(quarters > 0);
+    let unit = u64::from(tenant_abi::control::GUARD_UNIT_US);
+    let us = (period_ns / 1_000).saturating_mul(u64::from(quarters)) / 4;
+    let guard = us.div_ceil(unit).clamp(1, 0xFFFF) * unit;
+    debug_assert!(guard % unit == 0 && guard <= u64::from(u32::MAX));
+    guard as u32
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn rungs(ladder: &Ladder) -> Vec<(Lever, u16, u8)> {
+    const MS: u64 = 1_000_000;
+
+    fn rungs(ladder: &Ladder) -> Vec<(Lever, u16, u8, u8)> {
         ladder
             .rungs
             .iter()
-            .map(|r| (r.lever, r.sms, r.inflight))
+            .map(|r| (r.lever, r.sms, r.inflight, r.guard_quarters))
             .collect()
     }
 
     #[test]
-    fn an_h100_under_mps_squeezes_sms_then_caps_then_pauses() {
+    fn an_h100_under_mps_squeezes_caps_pauses_guards_then_goes_exclusive() {
         let ladder = Ladder::new(&Config::new(true, 132));
         let sms: Vec<u16> = ladder.rungs.iter().map(|r| r.sms).collect();
         assert_eq!(&sms[..7], [96, 72, 48, 32, 24, 16, 8]);
-        assert_eq!(ladder.top(), 12);
+        assert_eq!(ladder.top(), 17);
         assert_eq!(ladder.levels(Lever::Sms), Some(1..=7));
         assert_eq!(ladder.levels(Lever::Inflight), Some(8..=11));
         assert_eq!(ladder.levels(Lever::Pause), Some(12..=12));
-        assert_eq!(ladder.decision(0, |_| true), Decision::default());
-        let top = ladder.decision(12, |_| true);
+        assert_eq!(ladder.levels(Lever::Guard), Some(13..=16));
+        assert_eq!(ladder.levels(Lever::Exclusive), Some(17..=17));
+        assert_eq!(ladder.decision(0, |_| true, None), Decision::default());
+        let pause = ladder.decision(12, |_| true, Some(3 * MS));
         assert_eq!(
-            (top.sms, top.inflight, top.pause, top.level),
-            (8, 1, true, 12)
+            (pause.sms, pause.inflight, pause.pause, pause.guard_us),
+            (8, 1, true, 0)
         );
-        let without_sms = ladder.decision(9, |lever| lever != Lever::Sms);
+        // Guards in quarters of a 3 ms step period: 750 µs, 1.5 ms, 3 ms, 6 ms (in 16 µs units).
+        let guards: Vec<u32> = (13..=16)
+            .map(|level| ladder.decision(level, |_| true, Some(3 * MS)).guard_us)
+            .collect();
+        assert_eq!(guards, [752, 1504, 3008, 6000]);
+        let top = ladder.decision(17, |_| true, Some(3 * MS));
+        assert_eq!(
+            (
+                top.sms,
+                top.inflight,
+                top.pause,
+                top.exclusive,
+                top.guard_us,
+                top.level
+            ),
+            (8, 1, true, true, 0, 17)
+        );
+        let without_sms = ladder.decision(9, |lever| lever != Lever::Sms, None);
         assert_eq!((without_sms.sms, without_sms.inflight), (0, 4));
+        // Without a period, a guard level asks for no guard (the controller skips it).
+        assert_eq!(ladder.decision(14, |_| true, None).guard_us, 0);
     }
 
     #[test]
-    fn without_mps_or_sm_count_there_are_caps_and_pause_only() {
+    fn without_mps_or_sm_count_there_are_caps_pause_guards_and_exclusive() {
         for config in [Config::new(false, 132), Config::new(true, 0)] {
             let ladder = Ladder::new(&config);
             assert_eq!(
                 rungs(&ladder),
                 [
-                    (Lever::Inflight, 0, 8),
-                    (Lever::Inflight, 0, 4),
-                    (Lever::Inflight, 0, 2),
-                    (Lever::Inflight, 0, 1),
-                    (Lever::Pause, 0, 0)
+                    (Lever::Inflight, 0, 8, 0),
+                    (Lever::Inflight, 0, 4, 0),
+                    (Lever::Inflight, 0, 2, 0),
+                    (Lever::Inflight, 0, 1, 0),
+                    (Lever::Pause, 0, 0, 0),
+                    (Lever::Guard, 0, 0, 1),
+                    (Lever::Guard, 0, 0, 2),
+                    (Lever::Guard, 0, 0, 4),
+                    (Lever::Guard, 0, 0, 8),
+                    (Lever::Exclusive, 0, 0, 0),
                 ]
             );
             assert_eq!(ladder.levels(Lever::Sms), None);
+        }
+    }
+
+    #[test]
+    fn guards_are_whole_units_of_the_decision_word() {
+        use tenant_abi::control::GUARD_UNIT_US;
+        assert_eq!(guard_us(1_000, 1), GUARD_UNIT_US);
+        assert_eq!(guard_us(64_000, 1), GUARD_UNIT_US);
+        assert_eq!(guard_us(80_000, 4), 80);
+        assert_eq!(guard_us(u64::MAX, 8), GUARD_UNIT_US * 0xFFFF);
+        for period_ns in [1, 999_999, 3 * MS, 185 * MS] {
+            for quarters in GUARD_QUARTERS {
+                let guard = guard_us(period_ns, quarters);
+                let decision = Decision {
+                    pause: true,
+                    guard_us: guard,
+                    ..Decision::default()
+                };
+                assert_eq!(Decision::unpack(decision.pack()), decision);
+            }
         }
     }
 
@@ -186,6 +289,6 @@ mod tests {
         config.inflight_max = 0;
         let ladder = Ladder::new(&config);
         assert_eq!(ladder.levels(Lever::Inflight), None);
-        assert_eq!(ladder.top(), 2);
+        assert_eq!(ladder.top(), 7);
     }
 }

@@ -14,22 +14,35 @@
 //!
 //! **The levers** form a ladder of levels ([`Ladder`]): 0 restricts nothing; under MPS the SMs a
 //! neighbour keeps shrink first, then its launches in flight are capped at 8, 4, 2, 1, then it
-//! pauses while a latency step is in flight. A level holds every restriction below it.
+//! pauses while a latency step is in flight (*Pause*), then it also waits when the latency
+//! tenant's next step is predicted within 1/4, 1/2, 1, 2 of the tenant's step period (*Guard*:
+//! a step must not start behind a neighbour kernel launched just before it, which pausing during
+//! steps cannot prevent when that kernel is longer than the latency budget), and at the top it
+//! does not launch while a latency tenant is active at all (*Exclusive*). A level holds every
+//! restriction below it. The step period is the time between the tenant's step starts,
+//! measured from its steps per window (the shortest among several tenants); until it is known
+//! the guard levels are skipped, and while one of them is in force it is not updated (the
+//! decision changes only with a reason).
 //!
 //! **The target** of a tenant is the explicit one (`--latency-target`), else `target_ratio`
 //! times its *baseline*, the p99 of its steps alone. The baseline is learnt from windows in
 //! which no neighbour was active. Until 100 such steps were seen (a p99 needs that many), it is
-//! learnt from windows at the most protective level beside active neighbours, where those
-//! neighbours were paused for the tenant's steps and had at most one launch in flight: the
-//! nearest measurement of "alone" a busy GPU offers, a little above it (so the target is a
-//! little loose until a real alone window comes, which then replaces it). That fallback is
-//! learnt only while the tenant has no target and is frozen once it has 100 steps: later
-//! windows at the top are ones the controller climbed to after violations, and learning from
-//! them would let interference loosen its own target. Until a tenant has a target, the
-//! controller holds the most protective level (the safe default) while the tenant is active.
+//! learnt from windows at Exclusive beside active neighbours (from the second window there on:
+//! the first may still hold the neighbours' queued work): nothing else runs, as good as alone.
+//! Only there: at Pause or Guard, a neighbour kernel launched before a step can still triple it,
+//! and a baseline learnt there makes the target that much too loose. That fallback is learnt
+//! only while the tenant has no target and is frozen once it has 100 steps: later windows at the
+//! top are ones the controller climbed to after violations, and learning from them would let
+//! interference loosen its own target. Until a tenant has a target, the controller holds
+//! Exclusive (the safe default) while the tenant is active.
 //!
 //! **The rule**, every window beside active neighbours (windows without neighbours only teach
 //! the baseline: the levers change nothing there):
+//! - *Open steps.* A latency step still in flight (`open_step_since_ns`) that has been open for
+//!   longer than the target counts as a violation at once, once per open step (its end is not
+//!   counted again), so a starving tenant, whose steps end rarely, is answered within a period
+//!   or two. With one latency tenant it is that tenant's; with several, it is charged to the
+//!   one with the loosest target among those active when it began.
 //! - *Budget.* Each tenant has an allowance of violations: it grows by `violation_budget` per
 //!   step (to at most one banked violation) and each step over the target spends one. A window
 //!   with a violation that leaves the allowance negative is *over budget*. So a tenant at
@@ -37,7 +50,8 @@
 //!   `1 / violation_budget` steps do not, and in the long run no more than the budget passes
 //!   unanswered.
 //! - *Up, fast.* Over budget at level `l`: to `l + max(1, l / 2)` (multiplicative, so the top is
-//!   reached in a handful of windows from anywhere). The level that failed is remembered.
+//!   reached in a handful of windows from anywhere), and past every level that failed in this
+//!   episode and has not earned it back. The level that failed is remembered.
 //! - *Down, slowly.* After `relax_windows` consecutive clean windows (no violation, p99 under
 //!   `relax_margin` of the target) and with every tenant in allowance, one level down. Going
 //!   down to a level that failed waits for more clean steps: as many as its failure cost over
@@ -53,11 +67,16 @@
 //!   kind. And when clean long enough at a level, before relaxing, a lever kind in force below
 //!   the current one that has not been judged is released on its own (the level stays): if the
 //!   tenants stay clean it was not needed; if they go over budget it comes back and stays.
-//!   Pause is never switched off. What was learnt lasts for an *episode*: until the latency
+//!   Pause and Exclusive are never switched off, and nothing is probed at Exclusive (nothing
+//!   else runs there: every lever would look useless). What was learnt lasts for an *episode*: until the latency
 //!   tenants go idle, or the top level with levers switched off is over budget (the pair
 //!   changed: every lever comes back).
 //! - *Idle.* A tenant is idle after four of its usual gaps between steps without one (clamped to
-//!   `idle_min_ns..=idle_max_ns`); with every latency tenant idle, nothing is restricted.
+//!   `idle_min_ns..=idle_max_ns`); with every latency tenant idle, nothing is restricted. Never
+//!   while a latency step is open on the GPU: with one latency tenant, the step is its own; with
+//!   several, those that were active when the step began stay active. And a tenant whose step
+//!   was seen open, with no step ended since, is idle only after `idle_max_ns` (the agent stops
+//!   reporting a step open for longer than 100 ms; a starving step can take longer).
 //!
 //! Several latency tenants on one GPU share one level: it steps up when any of them is over
 //! budget and relaxes only when all are clean.
@@ -68,10 +87,10 @@ mod tenant;
 mod types;
 
 pub use controller::{Controller, LEVER_IMPROVEMENT_BUCKETS, LeverState, PROBE_BACKOFF_MAX};
-pub use ladder::{Ladder, Rung};
+pub use ladder::{GUARD_QUARTERS, Ladder, Rung, guard_us};
 pub use tenant::{
     ALLOWANCE_MAX_PPM, ALLOWANCE_MIN_PPM, BASELINE_STEPS_MAX, BASELINE_STEPS_MIN, IDLE_GAPS,
-    VIOLATION_PPM,
+    PERIOD_SAMPLES_MIN, VIOLATION_PPM,
 };
 pub use tenant_abi::control::{Decision, LatencySnapshot};
 pub use types::{

@@ -1,5 +1,6 @@
 //! One latency tenant as the controller follows it: its baseline (latency alone), its target,
-//! its violation allowance, whether it is idle, and the sliding window of its status.
+//! its violation allowance, whether it is idle, its step period, a step of it still open past
+//! its target, and the sliding window of its status.
 
 use std::collections::VecDeque;
 
@@ -25,6 +26,9 @@ pub const ALLOWANCE_MAX_PPM: i64 = VIOLATION_PPM;
 pub const ALLOWANCE_MIN_PPM: i64 = -VIOLATION_PPM;
 /// A tenant is idle after this many of its usual gaps between steps without one.
 pub const IDLE_GAPS: u64 = 4;
+/// Windows with steps measured before a tenant's step period counts as known (the guards are
+/// sized by it).
+pub const PERIOD_SAMPLES_MIN: u32 = 4;
 
 /// What one window of one tenant says about the level that was in force during it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -40,12 +44,24 @@ pub struct Judgement {
     pub excess_buckets: i32,
 }
 
+/// What the neighbours did during a window, for the baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seen {
+    /// No neighbour was active: the tenant alone.
+    Alone,
+    /// Neighbours were active and held off by Exclusive for the whole window: as good as
+    /// alone.
+    Exclusive,
+    /// Neighbours were active and ran.
+    Shared,
+}
+
 #[derive(Debug, Clone)]
 pub struct TenantState {
     pub explicit_target_ns: Option<u64>,
     /// Steps with no neighbour active (decayed, see `BASELINE_STEPS_MAX`).
     alone: LatencySnapshot,
-    /// Steps at the most protective level while the tenant had no target; frozen once it has
+    /// Steps at Exclusive while the tenant had no target; frozen once it has
     /// `BASELINE_STEPS_MIN`.
     protective: LatencySnapshot,
     /// `(slot start, steps)`, oldest first, at most `STATUS_SLOTS + 1`.
@@ -55,8 +71,24 @@ pub struct TenantState {
     /// Banked violations, in millionths.
     allowance_ppm: i64,
     last_step_ns: Option<u64>,
+    /// The last window that ended with a step of it in flight.
+    last_open_ns: Option<u64>,
+    /// A step was seen in flight and no step has ended since: it may still run, unreported (the
+    /// agent stops reporting a step open for longer than
+    /// `tenant_abi::control::STEP_OPEN_MAX_NS`), so the tenant is idle only after
+    /// `idle_max_ns`, not after its usual gaps.
+    open_unended: bool,
     /// A moving average (weight 1/4 for the newest) of the time between windows with steps.
     gap_ns: u64,
+    /// A moving average (weight 1/4) of the time between step starts: the time since the last
+    /// window with steps over the steps of this one. Known after `PERIOD_SAMPLES_MIN` samples.
+    period_ns: u64,
+    period_samples: u32,
+    /// The start of the open step counted as a violation before it ended (each open step is
+    /// counted once), and whether its own end is still to be taken out of a later window's
+    /// violations (it is the same step).
+    open_counted_ns: Option<u64>,
+    open_credit_due: bool,
 }
 
 impl TenantState {
@@ -70,10 +102,21 @@ impl TenantState {
             violations: 0,
             allowance_ppm: ALLOWANCE_MAX_PPM,
             last_step_ns: None,
+            last_open_ns: None,
+            open_unended: false,
             // Until its rhythm is measured, a tenant is assumed to step rarely: releasing the
             // neighbours between its first steps would hit exactly those steps.
             gap_ns: config.idle_max_ns / IDLE_GAPS,
+            period_ns: 0,
+            period_samples: 0,
+            open_counted_ns: None,
+            open_credit_due: false,
         }
+    }
+
+    /// The time between the tenant's step starts, once measured.
+    pub fn step_period_ns(&self) -> Option<u64> {
+        (self.period_samples >= PERIOD_SAMPLES_MIN && self.period_ns > 0).then_some(self.period_ns)
     }
 
     /// The p99 alone; until `BASELINE_STEPS_MIN` steps alone were seen, the p99 at the most
@@ -92,45 +135,105 @@ impl TenantState {
         })
     }
 
-    /// Whether the tenant has had no step for `IDLE_GAPS` of its usual gaps (clamped).
-    pub fn is_idle(&self, config: &Config, now_ns: u64) -> bool {
-        let idle_after_ns = self
-            .gap_ns
-            .saturating_mul(IDLE_GAPS)
-            .clamp(config.idle_min_ns, config.idle_max_ns);
+    /// Whether the tenant has had no step for `IDLE_GAPS` of its usual gaps (clamped). A latency
+    /// step open on the GPU since `open_step_since_ns` keeps it active: when it is the GPU's
+    /// `sole` latency tenant, the step is its own; else it is active if it was when the step
+    /// began (the step is one of the active tenants').
+    pub fn is_idle(
+        &self,
+        config: &Config,
+        now_ns: u64,
+        open_step_since_ns: Option<u64>,
+        sole: bool,
+    ) -> bool {
+        match open_step_since_ns {
+            Some(_) if sole => false,
+            Some(since) => self.idle_at(config, since.min(now_ns)),
+            None => self.idle_at(config, now_ns),
+        }
+    }
+
+    fn idle_at(&self, config: &Config, now_ns: u64) -> bool {
+        let idle_after_ns = if self.open_unended {
+            config.idle_max_ns
+        } else {
+            self.gap_ns
+                .saturating_mul(IDLE_GAPS)
+                .clamp(config.idle_min_ns, config.idle_max_ns)
+        };
         self.last_step_ns
+            .max(self.last_open_ns)
             .is_none_or(|last| now_ns.saturating_sub(last) >= idle_after_ns)
     }
 
     /// Takes one window: judges it against the target in force before it (`None` without steps
-    /// or target), then learns from it. `alone`: no neighbour was active; `protective`: the
-    /// most protective level was in force with neighbours active.
+    /// or target), then learns from it. `alone`: no neighbour was active; `protective`:
+    /// Exclusive was in force with neighbours active for the whole window; `open_step_since_ns`:
+    /// a latency step open on the GPU since then, charged to this tenant (it counts as a
+    /// violation once it is open for longer than the target, once per open step).
     pub fn observe(
         &mut self,
         config: &Config,
         now_ns: u64,
         window: &LatencySnapshot,
-        alone: bool,
-        protective: bool,
+        seen: Seen,
+        open_step_since_ns: Option<u64>,
     ) -> Option<Judgement> {
+        let target = self.target_ns(config);
+        if let Some(since) = open_step_since_ns {
+            // Its step is in flight: the tenant is active now.
+            debug_assert!(since <= now_ns);
+            self.last_open_ns = Some(now_ns);
+            self.open_unended = true;
+        } else if window.steps > 0 {
+            self.open_unended = false;
+        }
+        let open_ns = open_step_since_ns
+            .filter(|&since| self.open_counted_ns != Some(since))
+            .map(|since| now_ns.saturating_sub(since))
+            .filter(|&open| target.is_some_and(|target| open > target));
+        if let Some(since) = open_step_since_ns
+            && open_ns.is_some()
+        {
+            self.open_counted_ns = Some(since);
+            self.open_credit_due = true;
+        }
+        // The counted step ended: its end, in this window's histogram, is not counted again.
+        let credit = u64::from(
+            self.open_credit_due && window.steps > 0 && open_step_since_ns != self.open_counted_ns,
+        );
+        if credit == 1 {
+            self.open_credit_due = false;
+        }
         if window.steps == 0 {
             self.forget_old_slots(config, now_ns);
-            return None;
+            return target
+                .zip(open_ns)
+                .map(|(target, open)| self.judge(config, window, target, Some(open), 0));
         }
-        let target = self.target_ns(config);
-        let judgement = target.map(|target| self.judge(config, window, target));
+        let judgement = target.map(|target| self.judge(config, window, target, open_ns, credit));
         self.steps += window.steps;
         if let Some(last) = self.last_step_ns {
             let gap = now_ns.saturating_sub(last);
             self.gap_ns = (self.gap_ns.saturating_mul(3).saturating_add(gap)) / 4;
+            let period = gap / window.steps;
+            self.period_ns = if self.period_samples == 0 {
+                period
+            } else {
+                (self.period_ns.saturating_mul(3).saturating_add(period)) / 4
+            };
+            self.period_samples = self.period_samples.saturating_add(1);
         }
         self.last_step_ns = Some(now_ns);
-        if alone {
+        if seen == Seen::Alone {
             self.alone.add(window);
             if self.alone.steps > BASELINE_STEPS_MAX {
                 halve(&mut self.alone);
             }
-        } else if protective && target.is_none() && self.protective.steps < BASELINE_STEPS_MIN {
+        } else if seen == Seen::Exclusive
+            && target.is_none()
+            && self.protective.steps < BASELINE_STEPS_MIN
+        {
             self.protective.add(window);
         }
         self.record_recent(config, now_ns, window);
@@ -138,9 +241,20 @@ impl TenantState {
         judgement
     }
 
-    fn judge(&mut self, config: &Config, window: &LatencySnapshot, target: u64) -> Judgement {
-        assert!(window.steps > 0);
-        let violations = window.slower_than(target);
+    /// Judges `window` against `target`, with a step open for `open_ns` (past the target) as
+    /// one more violation and `credit` violations taken out (a counted open step that ended).
+    fn judge(
+        &mut self,
+        config: &Config,
+        window: &LatencySnapshot,
+        target: u64,
+        open_ns: Option<u64>,
+        credit: u64,
+    ) -> Judgement {
+        assert!(window.steps > 0 || open_ns.is_some());
+        assert!(open_ns.is_none_or(|open| open > target));
+        let violations =
+            window.slower_than(target).saturating_sub(credit) + u64::from(open_ns.is_some());
         self.violations += violations;
         let budget_ppm = (config.violation_budget * VIOLATION_PPM as f64).round() as i64;
         let earned = budget_ppm.saturating_mul(window.steps.min(i64::MAX as u64) as i64);
@@ -152,7 +266,7 @@ impl TenantState {
             .saturating_sub(spent);
         let over_budget = violations > 0 && self.allowance_ppm < 0;
         self.allowance_ppm = self.allowance_ppm.max(ALLOWANCE_MIN_PPM);
-        let p99 = window.quantile_ns(0.99);
+        let p99 = window.quantile_ns(0.99).max(open_ns);
         // Like the violations, read at the bucket's lower edge: the upper edge would put a p99
         // a hair above the baseline's bucket a whole bucket (9-12%) higher, and make the margin
         // unreachable for a tenant sitting well within its target.

@@ -110,11 +110,14 @@ pub struct TenantWindow {
 pub enum Event {
     /// One control period ended at `now_ns`. `tenants`: the latency tenants on the GPU (one
     /// missing from the list had no steps); `neighbours_active`: whether any other tenant on the
-    /// GPU launched work during the period.
+    /// GPU launched work during the period; `open_step_since_ns`: when the oldest latency step
+    /// still in flight on the GPU began (`tenant_abi::control::Control::open_step_since`), so
+    /// that a starving tenant, whose steps do not end, is seen before they do.
     Window {
         now_ns: u64,
         tenants: Vec<TenantWindow>,
         neighbours_active: bool,
+        open_step_since_ns: Option<u64>,
     },
     /// A latency tenant left the GPU: its baseline and status go.
     TenantGone { name: String },
@@ -129,10 +132,27 @@ pub enum Lever {
     Inflight,
     /// Neighbours wait while a latency step is in flight.
     Pause,
+    /// Neighbours also wait when a latency step is predicted to start soon
+    /// (`Decision::guard_us`), so that it does not start behind a kernel launched just before.
+    Guard,
+    /// Neighbours do not launch while a latency tenant is active at all (`Decision::exclusive`).
+    Exclusive,
 }
 
 impl Lever {
-    pub const ALL: [Lever; 3] = [Lever::Sms, Lever::Inflight, Lever::Pause];
+    pub const ALL: [Lever; 5] = [
+        Lever::Sms,
+        Lever::Inflight,
+        Lever::Pause,
+        Lever::Guard,
+        Lever::Exclusive,
+    ];
+
+    /// Whether the controller may learn the lever useless and leave it out: Pause and
+    /// Exclusive are always in force at their levels (the ladder's last resorts).
+    pub fn can_be_released(self) -> bool {
+        !matches!(self, Lever::Pause | Lever::Exclusive)
+    }
 
     pub fn index(self) -> usize {
         self as usize
@@ -159,7 +179,7 @@ pub enum Reason {
     /// Releasing `lever` cost violations: it is restored, and kept for this episode.
     LeverNeeded { lever: Lever },
     /// `tenant` is active and has no target yet (none given, its latency alone not learnt):
-    /// the most protective level, the safe default.
+    /// Exclusive, the most protective level: the safe default.
     NoTarget { tenant: String },
     /// No latency tenant has had steps for a while: nothing is restricted.
     Idle,
@@ -180,8 +200,8 @@ pub struct TenantStatus {
     /// The target in force: the explicit one, else `target_ratio` times the baseline; `None`
     /// while neither is known.
     pub target_ns: Option<u64>,
-    /// The p99 of its steps alone (or, until such steps are seen, at the most protective level:
-    /// see the crate's docs).
+    /// The p99 of its steps alone (or, until such steps are seen, at Exclusive: see the
+    /// crate's docs).
     pub baseline_p99_ns: Option<u64>,
     /// Over the last `status_window_ns` of steps; `None` without steps there.
     pub p50_ns: Option<u64>,

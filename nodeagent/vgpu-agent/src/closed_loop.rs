@@ -1,7 +1,8 @@
 //! The closed-loop thread: every period, for each GPU of the node with a live latency tenant,
 //! it reads the latency tenants' step histograms from the GPU's schedule file
 //! (`<shm_dir>/gpus/<uuid>.compute`, [`crate::private::Layout::schedule`]), takes their
-//! difference with the previous period's as windows, feeds them to the GPU's
+//! difference with the previous period's as windows, feeds them (with when the GPU's oldest
+//! latency step still in flight began, so that a starving tenant is seen) to the GPU's
 //! [`sharing::Controller`], and publishes the controller's decision in the file for the
 //! neighbours' interposers (`tenant_abi::shm::ScheduleControl`). The latency tenants' statuses
 //! are kept in [`ClosedLoopShared`] for the usage report.
@@ -458,10 +459,17 @@ impl GpuLoop {
         let neighbours_active =
             self.control
                 .neighbours_active(now_ns, neighbour_window_ns, |name| specs.contains_key(name));
+        // A step opened after `now_ns` (the clocks of this thread and the tenants' race) is
+        // not open yet for this period.
+        let open_step_since_ns = self
+            .control
+            .open_step_since(now_ns)
+            .filter(|&since| since <= now_ns);
         let output = controller.handle(Event::Window {
             now_ns,
             tenants: windows,
             neighbours_active,
+            open_step_since_ns,
         });
         self.control.publish(output.decision, now_ns);
         if let Some(change) = &output.change {

@@ -104,10 +104,9 @@ fn a_gpu_with_a_latency_tenant_gets_a_decision_every_period() {
     node.period(&[3 * MS; 4], t1);
     let published = closed_loop.tick(&shared, t1);
     let expected = Decision {
-        sms: 0,
         inflight: 8,
-        pause: false,
         level: 1,
+        ..Decision::default()
     };
     assert_eq!(published["GPU-0"], expected);
     assert_eq!(node.decision(t1), expected);
@@ -121,6 +120,30 @@ fn a_gpu_with_a_latency_tenant_gets_a_decision_every_period() {
     closed_loop.tick(&shared, t2);
     assert_eq!(node.decision(t2 + DECISION_TTL_NS), expected);
     assert_eq!(node.decision(t2 + DECISION_TTL_NS + 1), Decision::default());
+}
+
+#[test]
+fn a_latency_step_still_open_past_its_target_counts_before_it_ends() {
+    let node = Node::new(T0);
+    let shared = ClosedLoopShared::new();
+    shared.set_tenants(latency(Some(2 * MS)));
+    let mut closed_loop = ClosedLoop::new(node.config());
+    node.period(&[], T0);
+    closed_loop.tick(&shared, T0);
+    // A step opened 5 ms before the period's end and has not ended: one violation already.
+    let t1 = T0 + 10 * MS;
+    node.region.control.open_step(t1 - 5 * MS);
+    node.period(&[], t1);
+    closed_loop.tick(&shared, t1);
+    let status = &shared.statuses()["infer"];
+    assert_eq!((status.steps, status.violations), (0, 1));
+    // It ends, 12 ms long: the same step, not counted again.
+    let t2 = t1 + 10 * MS;
+    node.region.control.close_step(t2 - 3 * MS);
+    node.period(&[12 * MS], t2);
+    closed_loop.tick(&shared, t2);
+    let status = &shared.statuses()["infer"];
+    assert_eq!((status.steps, status.violations), (1, 1));
 }
 
 #[test]
