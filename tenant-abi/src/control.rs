@@ -31,6 +31,9 @@ pub const LATENCY_BUCKET_MIN_NS: u64 = 8_000;
 pub const LATENCY_BUCKETS_PER_DOUBLING: u32 = 8;
 /// A decision older than this is void (the agent writes one every control period).
 pub const DECISION_TTL_NS: u64 = 500_000_000;
+/// A step open for longer than this is taken for one whose process died (the agent stops seeing
+/// it).
+pub const STEP_VISIBLE_MAX_NS: u64 = 10_000_000_000;
 /// The unit of `Decision::guard_us` in the packed word.
 pub const GUARD_UNIT_US: u32 = 16;
 /// The longest one launch of a squeezed tenant waits under `Decision::exclusive` before it goes
@@ -322,8 +325,13 @@ impl Control {
     /// step that has not ended yet: a starving latency tenant shows here before any step of it
     /// closes).
     pub fn open_step_since(&self, now_ns: u64) -> Option<u64> {
-        self.step_in_flight(now_ns)
-            .then(|| self.step_open_ns.load(Relaxed))
+        // Not `step_in_flight`: its bound is how long a step may hold a neighbour back, and a
+        // starving step (hundreds of ms) must stay visible to the agent until it ends.
+        let opened = self.step_open_ns.load(Relaxed);
+        (opened != 0
+            && opened > self.step_close_ns.load(Relaxed)
+            && now_ns.saturating_sub(opened) < STEP_VISIBLE_MAX_NS)
+            .then_some(opened)
     }
 }
 

@@ -25,7 +25,7 @@ use crate::tracker::{Key, array_bytes};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 
 /// Every hook, by the driver symbol it replaces.
-pub fn hooks() -> [(&'static CStr, *const c_void); 43] {
+pub fn hooks() -> [(&'static CStr, *const c_void); 51] {
     macro_rules! table {
         ($($name:ident),* $(,)?) => {
             [$((
@@ -82,6 +82,14 @@ pub fn hooks() -> [(&'static CStr, *const c_void); 43] {
         cuEventQuery,
         cuCtxSynchronize,
         cuCtxSynchronize_v2,
+        cuMemcpyAsync,
+        cuMemcpyAsync_ptsz,
+        cuMemcpyDtoDAsync_v2,
+        cuMemcpyDtoDAsync_v2_ptsz,
+        cuMemcpyHtoDAsync_v2,
+        cuMemcpyHtoDAsync_v2_ptsz,
+        cuMemcpyDtoHAsync_v2,
+        cuMemcpyDtoHAsync_v2_ptsz,
     ]
 }
 
@@ -1233,6 +1241,78 @@ macro_rules! graph_launch_hook {
 
 graph_launch_hook!(cuGraphLaunch, graph_launch, false);
 graph_launch_hook!(cuGraphLaunch_ptsz, graph_launch_ptsz, true);
+
+/// An asynchronous copy goes through the closed loop like a launch (a latency tenant's copy opens
+/// its step; another tenant's copy pauses or waits for its stream's queue as decided), and counts
+/// as the tenant's demand, but waits for no turn and moves to no green stream: the copy engines
+/// are shared neither by turns nor by SMs. A bandwidth-bound neighbour made of copies is thus
+/// held back like one made of kernels.
+fn copy_launch(
+    what: &'static str,
+    driver: &Driver,
+    stream: CUstream,
+    per_thread: bool,
+    call: impl Fn() -> CUresult,
+) -> CUresult {
+    let gpu = RealGpu(driver);
+    let stream_ref = StreamRef {
+        handle: stream as usize,
+        per_thread,
+    };
+    let captured = ffi_boundary!(what, fallback = false, {
+        launch::is_captured(&gpu, stream_ref)
+    });
+    if captured {
+        return call();
+    }
+    let latency = ffi_boundary!(what, fallback = false, { spatial::stamp_if_latency(&gpu) });
+    let bounded = if latency {
+        None
+    } else {
+        ffi_boundary!(what, fallback = None, {
+            launch::copy_demand(&gpu);
+            crate::closed_loop::before_launch(&gpu, stream_ref)
+        })
+    };
+    let rc = call();
+    if let Some(bounded) = bounded {
+        ffi_boundary!(what, fallback = (), {
+            crate::closed_loop::after_launch(&gpu, bounded, rc == CUDA_SUCCESS)
+        });
+    }
+    rc
+}
+
+macro_rules! copy_hook {
+    ($name:ident, $field:ident, $per_thread:expr) => {
+        /// # Safety
+        /// The driver's contract for this copy.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            dst: u64,
+            src: u64,
+            bytes: usize,
+            stream: CUstream,
+        ) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (driver, real) = real_fn!($field);
+                copy_launch(stringify!($name), driver, stream, $per_thread, || {
+                    // SAFETY: forwarded unchanged under the caller's contract.
+                    unsafe { real(dst, src, bytes, stream) }
+                })
+            })
+        }
+    };
+}
+
+copy_hook!(cuMemcpyAsync, memcpy_async, false);
+copy_hook!(cuMemcpyAsync_ptsz, memcpy_async_ptsz, true);
+copy_hook!(cuMemcpyDtoDAsync_v2, memcpy_dtod_async, false);
+copy_hook!(cuMemcpyDtoDAsync_v2_ptsz, memcpy_dtod_async_ptsz, true);
+copy_hook!(cuMemcpyHtoDAsync_v2, memcpy_htod_async, false);
+copy_hook!(cuMemcpyHtoDAsync_v2_ptsz, memcpy_htod_async_ptsz, true);
+copy_hook!(cuMemcpyDtoHAsync_v2, memcpy_dtoh_async, false);
+copy_hook!(cuMemcpyDtoHAsync_v2_ptsz, memcpy_dtoh_async_ptsz, true);
 
 /// A synchronisation or completion query: forwarded unchanged; when it says the work it waited
 /// for is done (`CUDA_SUCCESS`), a latency tenant's open step closes (`closed_loop`).

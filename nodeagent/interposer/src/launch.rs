@@ -196,6 +196,21 @@ pub fn before(gpu: &dyn Gpu, stream: StreamRef) -> Option<Pending> {
     n.is_multiple_of(every).then_some(Pending { gate, stream })
 }
 
+/// An asynchronous copy or memset on the current device: not gated by turns (the copy engines are
+/// not what the turns share), but it counts as the tenant's demand, so that a tenant whose work
+/// is copies shows as active to the schedule and to the closed loop.
+pub fn copy_demand(gpu: &dyn Gpu) {
+    let Some(gates) = gates() else {
+        return;
+    };
+    let Some(device) = gates.device(gpu) else {
+        return;
+    };
+    if let Some(gate) = gates.gate(device, gpu) {
+        gate.demand(monotonic_ns());
+    }
+}
+
 /// The driver accepted (`launched`) or refused a sampled launch.
 pub fn after(gpu: &dyn Gpu, pending: Pending, launched: bool) {
     // A capture that began since `before` (on another thread) forbids the record too.

@@ -146,6 +146,14 @@ driver_functions! {
     stream_query: FnStreamSync = c"cuStreamQuery";
     stream_query_ptsz: FnStreamSync = c"cuStreamQuery_ptsz";
     ctx_synchronize: FnCtxSynchronize = c"cuCtxSynchronize";
+    memcpy_async: FnMemcpyAsync = c"cuMemcpyAsync";
+    memcpy_async_ptsz: FnMemcpyAsync = c"cuMemcpyAsync_ptsz";
+    memcpy_dtod_async: FnMemcpyAsync = c"cuMemcpyDtoDAsync_v2";
+    memcpy_dtod_async_ptsz: FnMemcpyAsync = c"cuMemcpyDtoDAsync_v2_ptsz";
+    memcpy_htod_async: FnMemcpyAsync = c"cuMemcpyHtoDAsync_v2";
+    memcpy_htod_async_ptsz: FnMemcpyAsync = c"cuMemcpyHtoDAsync_v2_ptsz";
+    memcpy_dtoh_async: FnMemcpyAsync = c"cuMemcpyDtoHAsync_v2";
+    memcpy_dtoh_async_ptsz: FnMemcpyAsync = c"cuMemcpyDtoHAsync_v2_ptsz";
     ctx_synchronize_v2: FnCtxSynchronizeV2 = c"cuCtxSynchronize_v2";
     ctx_get_current: FnCtxGetCurrent = c"cuCtxGetCurrent";
     device_get_count: FnDeviceGetCount = c"cuDeviceGetCount";

@@ -171,6 +171,10 @@ pub type FnEventDestroy = unsafe extern "C" fn(CUevent) -> CUresult;
 pub type FnStreamSync = unsafe extern "C" fn(CUstream) -> CUresult;
 /// `cuEventSynchronize`.
 pub type FnEventSynchronize = unsafe extern "C" fn(CUevent) -> CUresult;
+/// `cuMemcpyAsync`, `cuMemcpyDtoDAsync_v2`, `cuMemcpyHtoDAsync_v2`, `cuMemcpyDtoHAsync_v2` and
+/// their `_ptsz` variants: destination, source (a device pointer or a host pointer, the same
+/// width), bytes, stream.
+pub type FnMemcpyAsync = unsafe extern "C" fn(u64, u64, usize, CUstream) -> CUresult;
 /// `cuCtxSynchronize`.
 pub type FnCtxSynchronize = unsafe extern "C" fn() -> CUresult;
 /// `cuCtxSynchronize_v2(CUcontext)` (CUDA 13).

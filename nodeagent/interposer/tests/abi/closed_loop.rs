@@ -259,3 +259,33 @@ fn a_latency_tenant_predicts_its_next_step_from_its_rhythm() {
         due.saturating_sub(opened)
     );
 }
+
+#[test]
+fn copies_are_steps_of_a_latency_tenant_and_held_back_in_a_neighbour() {
+    let shm = shm_dir();
+    let out = latency_tenant(shm.path()).run("copy 2000 stream_sync copy 1000 stream_sync");
+    assert!(out.contains("copy 0"), "{out}");
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    let steps: u64 = (0..tenant_abi::compute::TENANTS)
+        .map(|slot| control.latency(slot).steps)
+        .sum();
+    assert_eq!(steps, 2, "{out}");
+    // A neighbour's copy waits while a latency step is in flight under pause.
+    let now = now_ns(shm.path());
+    control.publish(
+        Decision {
+            pause: true,
+            level: 9,
+            ..Decision::default()
+        },
+        now,
+    );
+    control.open_step(now);
+    let t = clocks(&squeezable(shm.path()).run("clock copy 10 clock"));
+    assert!(
+        (40_000_000..2_000_000_000).contains(&(t[1] - t[0])),
+        "a neighbour's copy waited {} ns",
+        t[1] - t[0]
+    );
+}

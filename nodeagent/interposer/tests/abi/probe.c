@@ -26,6 +26,7 @@
  *                    max_wait_us=<longest launch call>"
  *   sync             cuCtxSynchronize
  *   stream_sync      cuStreamSynchronize of the user stream
+ *   copy US          cuMemcpyDtoDAsync_v2 on the user stream, which the fake runs for US us
  *   stream_poll      cuStreamQuery of the user stream until it says CUDA_SUCCESS
  *   step API US N    N latency "steps": one kernel of US microseconds through API, then
  *                    cuStreamSynchronize; prints "step <rc> max_us=<the longest step>"
@@ -132,6 +133,7 @@ CUresult cuGraphLaunch_ptsz(void *, void *);
 CUresult cuCtxSynchronize(void);
 CUresult cuStreamSynchronize(void *);
 CUresult cuStreamQuery(void *);
+CUresult cuMemcpyDtoDAsync_v2(unsigned long long, unsigned long long, size_t, void *);
 CUresult cuStreamBeginCapture_v2(void *, int);
 CUresult cuStreamEndCapture(void *, void **);
 unsigned long long fakeGpuUsedNs(void);
@@ -523,6 +525,10 @@ int main(int argc, char **argv) {
       printf("spin %d used=%llu launches=%llu max_wait_us=%llu\n", rc, fakeGpuUsedNs(),
              fakeLaunches(), max_wait / 1000);
       i += 2;
+    } else if (!strcmp(c, "copy")) {
+      rc = cuMemcpyDtoDAsync_v2(0, 0, (size_t)atoi(a) * 1000, USER_STREAM);
+      printf("copy %d\n", rc);
+      i++;
     } else if (!strcmp(c, "stream_sync")) {
       rc = cuStreamSynchronize(USER_STREAM);
       printf("stream_sync %d\n", rc);
