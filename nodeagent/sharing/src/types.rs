@@ -45,6 +45,13 @@ pub struct Config {
 }
 
 impl Config {
+    /// Clean steps needed before one relaxation: as many as it takes one violation to exceed
+    /// the budget (100 at 1%).
+    pub fn relax_steps(&self) -> u64 {
+        assert!(self.violation_budget > 0.0, "a violation budget");
+        (1.0 / self.violation_budget).ceil() as u64
+    }
+
     /// The defaults for a GPU of `sm_count` SMs (0: unknown), with or without MPS: H100's
     /// granule of 8 SMs, a floor of one granule, in-flight caps 8, 4, 2, 1, a target of 1.2x the
     /// tenant's own p99 alone, 1% of steps allowed over it, a 10 ms period, and a status span
