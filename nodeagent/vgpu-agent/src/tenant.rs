@@ -23,6 +23,7 @@
 //! | `NCCL_NET_PLUGIN`, `NCCL_TUNER_PLUGIN` | `libvgpu_nccl.so` beside the interposer, when it is there |
 //! | `NCCL_ENV_PLUGIN` | the same library, for a tenant with a fraction of a GPU: the rank of it that shares a GPU with another of its ranks gets a host identity of its own (`<NCCL_HOSTID>-slot<k>`), so two of its ranks on one GPU join one communicator |
 //! | `VGPU_SPATIAL`, `VGPU_LATENCY` | the interposer's spatial mode for tenants with a fraction of a GPU and for latency tenants, and which is the latency tenant ([`concurrent_sharing_mode`]) |
+//! | `VGPU_LATENCY_TARGET_US` | a latency tenant's explicit step target (`vgpuctl place --latency-target`) |
 //! | `NCCL_HOSTID`, `NCCL_NET` | for a tenant with a fraction of a GPU: `vgpu-<node>-<tenant>` and `vgpu`, so NCCL treats the slice as its own device (no "Duplicate GPU detected" when two tenants' ranks share a GPU) and connects it through the plugin |
 //!
 //! | `CUDA_MPS_PIPE_DIRECTORY` | on a node that runs MPS: the daemon's pipes |
