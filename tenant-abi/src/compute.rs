@@ -149,8 +149,7 @@ pub struct Region {
 }
 
 /// The file size; part of the on-disk format (checked so a field change bumps `VERSION`).
-pub const REGION_BYTES: usize =
-    80 + TENANTS * 112 + PROCS * 24 + crate::control::CONTROL_BYTES;
+pub const REGION_BYTES: usize = 80 + TENANTS * 112 + PROCS * 24 + crate::control::CONTROL_BYTES;
 const _: () = assert!(std::mem::size_of::<Region>() == REGION_BYTES);
 const _: () = assert!(std::mem::align_of::<Region>() == 8);
 const _: () = assert!(TENANTS <= 64 && TENANTS < OWNER_IDLE);

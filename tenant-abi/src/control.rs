@@ -389,7 +389,10 @@ mod tests {
         assert_eq!(control.decision(1), Decision::default());
         control.publish(decision, 1_000);
         assert_eq!(control.decision(1_000 + DECISION_TTL_NS), decision);
-        assert_eq!(control.decision(2_000 + DECISION_TTL_NS), Decision::default());
+        assert_eq!(
+            control.decision(2_000 + DECISION_TTL_NS),
+            Decision::default()
+        );
     }
 
     #[test]
