@@ -506,11 +506,21 @@ def report(args):
         if "alone" in modes:
             w = nb_of(f"alone:-:{n}")
             rows.append(("-", n, "alone", None, w, None, ratio((w or {}).get("work_per_s"), alone_work[n]), ""))
-    summary = {m: {"pairs": 0, "p99_ok": 0, "work": [], "ok": 0} for m in modes if m != "alone"}
+    # Alone through vgpu (vgpu-alone, vgpu-mps-alone): vgpu's own cost, against alone.
+    for m in modes:
+        if not m.endswith("-alone"):
+            continue
+        for l in lats:
+            w = lat_of(f"{m}:{l}:-")
+            rows.append((l, "-", m, w, None, ratio((w or {}).get("p99_ms"), alone_p99[l]), None, ""))
+        for n in nbs:
+            w = nb_of(f"{m}:-:{n}")
+            rows.append(("-", n, m, None, w, None, ratio((w or {}).get("work_per_s"), alone_work[n]), ""))
+    summary = {m: {"pairs": 0, "p99_ok": 0, "work": [], "ok": 0} for m in modes if not m.endswith("alone")}
     for l, n in pairs:
         peers = {}
         for m in modes:
-            if m == "alone":
+            if m.endswith("alone"):
                 continue
             tag = f"{m}:{l}:{n}"
             lw, nw = lat_of(tag), nb_of(tag)
@@ -583,7 +593,7 @@ def report(args):
         out.write("\n".join(table) + "\n")
     print("\n".join(table))
     missing = any(r[3] is None and r[4] is None for r in rows) or any(
-        (r[3] is None or r[4] is None) and r[2] != "alone" for r in rows)
+        (r[3] is None or r[4] is None) and not r[2].endswith("alone") for r in rows)
     return 4 if missing else 0
 
 

@@ -30,7 +30,8 @@
 #   PAIRS="decoder:gemm decoder:stream eager:train bert:long" VGPU_BIN=dist tests/gpu/closed_loop.sh
 #
 # Knobs: PAIRS (latency:neighbour ..., default all 12), MODES (default "alone plain mps mps50
-# vgpu-mps vgpu"), WINDOW (measured seconds per window, 8), SETTLE (seconds a window's processes
+# vgpu-mps vgpu"; also vgpu-mps-alone and vgpu-alone: each workload alone through vgpu, its own
+# cost against "alone"), WINDOW (measured seconds per window, 8), SETTLE (seconds a window's processes
 # run before it, unmeasured, 0.75), GAP (idle seconds between windows, 0.25), PERIODS (step
 # periods in ms, e.g. "eager=6 bert=2.5"; defaults decoder 3, eager 5, bert 2), VGPU_BIN (dist),
 # PY (python3, or /opt/torch/.venv/bin/python3 where it exists), OUT (/tmp/closed-loop-out),
@@ -93,8 +94,8 @@ SHM=/dev/shm/vgpu-closed-loop.$$
 export PYTHONUNBUFFERED=1
 
 for m in $MODES; do
-  case "$m" in alone | plain | mps | mps50 | vgpu-mps | vgpu) ;; *)
-    echo "MODES: unknown mode $m (alone plain mps mps50 vgpu-mps vgpu)" >&2
+  case "$m" in alone | plain | mps | mps50 | vgpu-mps | vgpu | vgpu-mps-alone | vgpu-alone) ;; *)
+    echo "MODES: unknown mode $m (alone plain mps mps50 vgpu-mps vgpu vgpu-mps-alone vgpu-alone)" >&2
     exit 2
     ;;
   esac
@@ -110,7 +111,7 @@ for p in $PAIRS; do
   [[ " ${NBS[*]} " == *" $n "* ]] || NBS+=("$n")
 done
 has_mode() { [[ " $MODES " == *" $1 "* ]]; }
-if has_mode vgpu || has_mode vgpu-mps; then
+if has_mode vgpu || has_mode vgpu-mps || has_mode vgpu-alone || has_mode vgpu-mps-alone; then
   for f in vgpu-cp vgpu-agent vgpuctl libvgpu_cuda.so; do
     [ -e "$BIN/$f" ] || { echo "$BIN/$f is missing: build and carry it (VGPU_BIN), or leave the vgpu modes out of MODES" >&2; exit 2; }
   done
@@ -369,6 +370,7 @@ n_pairs=$(echo "$PAIRS" | wc -w)
 n_win=0
 has_mode alone && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]}))
 for m in plain mps mps50 vgpu-mps vgpu; do has_mode "$m" && n_win=$((n_win + n_pairs)); done
+for m in vgpu-mps-alone vgpu-alone; do has_mode "$m" && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]})); done
 log "plan: $n_win windows of ${WINDOW}s (+${SETTLE}s settle, ${GAP}s gap): ~$(awk -v n="$n_win" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) }')s of windows, plus ~8s per group"
 
 # plain: the alone windows and the plain pairs
@@ -416,12 +418,19 @@ vgpu_group() { # vgpu_group MODE: the pairs through the agent (vgpu: without MPS
   GROUP_WINS=()
   for l in "${LATS[@]}"; do GROUP_PROCS+=("$l $l vgpu:lat-$l"); done
   for n in "${NBS[@]}"; do GROUP_PROCS+=("$n $n vgpu:nb"); done
-  for p in $PAIRS; do GROUP_WINS+=("$1:$p=${p%%:*},${p#*:}"); done
+  # each workload alone through vgpu first (vgpu's own cost), then the pairs
+  if has_mode "$1-alone"; then
+    for l in "${LATS[@]}"; do GROUP_WINS+=("$1-alone:$l:-=$l"); done
+    for n in "${NBS[@]}"; do GROUP_WINS+=("$1-alone:-:$n=$n"); done
+  fi
+  if has_mode "$1"; then
+    for p in $PAIRS; do GROUP_WINS+=("$1:$p=${p%%:*},${p#*:}"); done
+  fi
   run_group "$1"
 }
 # with MPS first (the mode that matters most comes before the deadline can bite); `exec` and `env`
 # read the node's settings like the agent, hence VGPU_AGENT_MPS beside them
-if has_mode vgpu-mps && fits vgpu-mps "$n_pairs" 8; then
+if { has_mode vgpu-mps || has_mode vgpu-mps-alone; } && fits vgpu-mps "$n_pairs" 8; then
   EXEC=(env VGPU_AGENT_MPS=true "${EXEC_BASE[@]}")
   if vgpu_up --mps; then
     vgpu_group vgpu-mps
@@ -429,7 +438,7 @@ if has_mode vgpu-mps && fits vgpu-mps "$n_pairs" 8; then
     log "vgpu-mps: the control plane or agent did not come up (cp.log, agent.log); mode skipped"
   fi
 fi
-if has_mode vgpu && fits vgpu "$n_pairs" 8; then
+if { has_mode vgpu || has_mode vgpu-alone; } && fits vgpu "$n_pairs" 8; then
   EXEC=(env VGPU_AGENT_MPS=false "${EXEC_BASE[@]}")
   if [ "$AGENT_MPS" = 1 ]; then
     # the agent never stops the MPS daemon it started: stop the agent, then the daemon (no tenant
