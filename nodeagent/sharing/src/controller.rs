@@ -331,7 +331,9 @@ impl Controller {
     }
 
     /// Counts a window at a level of a lever under trial, and decides it helped when the worst
-    /// excess fell far enough below the one that made the level step up into it.
+    /// excess fell far enough below the one that made the level step up into it. Only the
+    /// current level's lever is judged: the in-flight cap only at its own levels, below Pause
+    /// (from Pause up its bound is in force whatever is learnt of it).
     fn learn_lever(&mut self, worst_buckets: i32) {
         let Some(lever) = self.ladder.lever(self.level) else {
             return;
@@ -499,7 +501,9 @@ impl Controller {
     /// A lever kind entirely below the current level's, in force and not yet judged: releasing
     /// it alone, with the current level's lever known to be needed, tells whether the neighbour
     /// needs it too (released while a stronger lever is not known to be needed, it would look
-    /// useless only because that lever covers for it).
+    /// useless only because that lever covers for it). Never the in-flight cap from Pause up:
+    /// there its bound of 1 is part of the pause (see `Ladder::decision`), not a free lever, and
+    /// releasing it would change nothing.
     fn lever_to_probe(&self) -> Option<Lever> {
         let current = self.ladder.lever(self.level)?;
         if current == Lever::Exclusive {
@@ -509,6 +513,7 @@ impl Controller {
         Lever::ALL.into_iter().find(|&lever| {
             lever < current
                 && lever.can_be_released()
+                && !(lever == Lever::Inflight && current >= Lever::Pause)
                 && self.lever_enabled(lever)
                 && self.ladder.levels(lever).is_some()
                 && self.levers[lever.index()].undecided()
@@ -537,6 +542,18 @@ impl Controller {
             .filter(|state| **state == LeverState::Probing)
             .count();
         assert!(probing <= 1, "one probe at a time");
+        if self
+            .ladder
+            .lever(self.level)
+            .is_some_and(|lever| lever >= Lever::Pause)
+        {
+            // From Pause up the in-flight bound is part of the level: no probe of it there.
+            assert_ne!(
+                self.levers[Lever::Inflight.index()],
+                LeverState::Probing,
+                "the in-flight bound is not probed from Pause up"
+            );
+        }
     }
 }
 

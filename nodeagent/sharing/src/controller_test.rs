@@ -485,26 +485,75 @@ fn below_a_needed_level_lower_levers_are_probed_one_at_a_time() {
             decision(8, 1, true, 12),
             Reason::LeverNeeded { lever: Lever::Sms },
         ),
-        // The in-flight cap is not needed: left out, its levels skipped.
-        (
-            decision(8, 0, true, 12),
-            Reason::ProbeLever {
-                lever: Lever::Inflight,
-            },
-        ),
-        (decision(8, 0, false, 7), Reason::Relaxed),
-        (decision(8, 0, true, 12), over("infer", 5, 5)),
+        // The in-flight cap is not probed at Pause (its bound of 1 is part of the pause there:
+        // a pause holds back new launches, not queued ones), so nothing is left to probe: once
+        // level 11 has waited out its failure it is tried again, fails, and the climb goes on.
+        (decision(8, 1, false, 11), Reason::Relaxed),
+        (guarded(8, 1, 4000, 16), over("infer", 5, 5)),
     ]);
     assert_eq!(changes[..expected.len()], expected);
     assert_eq!(
         driver.controller.lever_state(Lever::Sms),
         LeverState::Needed
     );
+    // Never entered from below, never probed: untried, and in force from Pause up.
+    assert_eq!(
+        driver.controller.lever_state(Lever::Inflight),
+        LeverState::Untried
+    );
+    assert!(driver.controller.decision().pause);
+    assert_eq!(driver.controller.decision().inflight, 1);
+}
+
+#[test]
+fn beside_a_neighbour_where_only_pause_and_bound_help_inflight_learnt_useless_below_pause_still_comes_with_pause()
+ {
+    // Without MPS: caps 8, 4, 2, 1 (levels 1..=4), pause (5). The neighbour's queued kernels
+    // delay every step unless it is both bounded to 1 and paused: the caps alone do not lower
+    // the p99, so after 3 windows at their levels the in-flight lever is learnt useless and
+    // the climb goes on at Pause, which still brings the bound (the H200 run's defect: Pause
+    // with an unbounded queue failed, and so did every guard, up to Exclusive).
+    let hurts = |decision: Decision| !(decision.pause && decision.inflight == 1);
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    let mut changes = Vec::new();
+    for _ in 0..300 {
+        let latency = if hurts(driver.controller.decision()) {
+            3 * MS
+        } else {
+            MS
+        };
+        let output = driver.next("infer", repeat(4, latency), target);
+        if let Some(change) = changed(&output) {
+            changes.push(change);
+        }
+        // From Pause up the bound is there whatever was learnt.
+        if output.decision.pause {
+            assert_eq!(output.decision.inflight, 1, "{:?}", output.decision);
+        }
+    }
+    assert_eq!(
+        changes[..4],
+        [
+            (decision(0, 8, false, 1), over("infer", 4, 4)),
+            (decision(0, 4, false, 2), over("infer", 4, 4)),
+            (decision(0, 2, false, 3), over("infer", 4, 4)),
+            (
+                decision(0, 1, true, 5),
+                Reason::LeverUseless {
+                    lever: Lever::Inflight
+                }
+            ),
+        ]
+    );
     assert_eq!(
         driver.controller.lever_state(Lever::Inflight),
         LeverState::Useless
     );
-    assert_eq!(driver.controller.decision(), decision(8, 0, true, 12));
+    // Pause holds: no guard, no Exclusive. Level 0 failed (4 violations): relaxing to it waits
+    // for 400 clean steps (100 windows), then it fails and Pause comes back, bound and all.
+    assert!(changes.iter().all(|(to, _)| to.level <= 5), "{changes:?}");
+    assert_eq!(driver.controller.decision(), decision(0, 1, true, 5));
 }
 
 #[test]

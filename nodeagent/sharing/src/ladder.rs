@@ -20,7 +20,11 @@
 //!
 //! A lever kind can be switched off (`enabled` in [`Ladder::decision`]): its levels are then
 //! skipped and its restriction left out of every level's decision. Pause and Exclusive are
-//! never switched off.
+//! never switched off. One exception: from Pause up, the in-flight cap of 1 is always in force
+//! (when the ladder has the in-flight lever), switched off or not: a pause or a guard holds
+//! back new launches, not work already queued, so the queue bound is their prerequisite (on an
+//! H200 without MPS, the cap learnt away left eight queued kernels running into every step at
+//! Pause and at the guards, and the controller ended at Exclusive).
 
 use crate::types::{Config, Lever};
 use tenant_abi::control::Decision;
@@ -147,9 +151,28 @@ impl Ladder {
                 }
             }
         }
+        // The queue bound is a prerequisite of Pause, Guard and Exclusive, not a lever of its
+        // own there: they hold back new launches, not work already queued, so with the cap
+        // learnt away a neighbour's queued kernels would still run into every latency step.
+        let held_back = self.rungs[..level].iter().any(|r| r.lever >= Lever::Pause);
+        if held_back && let Some(bound) = self.inflight_bound() {
+            decision.inflight = bound;
+        }
         debug_assert!(!decision.exclusive || level == self.top());
         debug_assert!(level == 0 || decision.restricts() || !enabled(Lever::Pause));
         decision
+    }
+}
+
+impl Ladder {
+    /// The tightest in-flight cap (1), which every level from Pause up holds whatever was
+    /// learnt of the in-flight lever; `None` when the ladder has no in-flight lever.
+    pub fn inflight_bound(&self) -> Option<u8> {
+        self.rungs
+            .iter()
+            .filter(|r| r.lever == Lever::Inflight)
+            .map(|r| r.inflight)
+            .min()
     }
 }
 

@@ -68,7 +68,12 @@
 //!   the current one that has not been judged is released on its own (the level stays): if the
 //!   tenants stay clean it was not needed; if they go over budget it comes back and stays.
 //!   Pause and Exclusive are never switched off, and nothing is probed at Exclusive (nothing
-//!   else runs there: every lever would look useless). What was learnt lasts for an *episode*: until the latency
+//!   else runs there: every lever would look useless). Levers interact: the in-flight bound of
+//!   1 is a prerequisite of Pause and Guard (they hold back new launches, not work already
+//!   queued), so every level from Pause up holds it whatever was learnt of the in-flight kind,
+//!   which is therefore judged only at its own levels below Pause and never probed from Pause
+//!   up (on an H200 without MPS the cap learnt away left Pause and the guards unbounded: the
+//!   neighbour's queued kernels ran into every step and the controller ended at Exclusive). What was learnt lasts for an *episode*: until the latency
 //!   tenants go idle, or the top level with levers switched off is over budget (the pair
 //!   changed: every lever comes back).
 //! - *Idle.* A tenant is idle after four of its usual gaps between steps without one (clamped to

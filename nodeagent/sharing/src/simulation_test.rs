@@ -15,6 +15,12 @@
 //!   bandwidth-bound kernel). A step that starts while it runs waits for its rest: up to the
 //!   whole kernel without a guard, up to `kernel - guard` with one (kernels launched within the
 //!   guard before the predicted start are held back), nothing under Exclusive.
+//! - `queued`: waiting behind kernels the neighbour queued before the step (the H200 run
+//!   without MPS: bf16 GEMMs beside a decoder). Gone only with both the in-flight bound of 1
+//!   and the pause (or Exclusive): a cap alone still lets a kernel start during the step, a
+//!   pause alone still lets the queued ones run into it. So tightening the caps alone does not
+//!   help, the in-flight lever is learnt useless below Pause, and Pause must still bring the
+//!   bound.
 //! - `starve`: while the neighbours are not paused, a step takes this many times its latency
 //!   alone (a latency tenant starving under MPS beside a bandwidth hog); its steps then end
 //!   rarely, and are seen as open steps first.
@@ -42,6 +48,7 @@ struct Neighbour {
     queue: f64,
     bandwidth: f64,
     kernel_ns: u64,
+    queued: f64,
     starve: f64,
 }
 
@@ -62,9 +69,12 @@ impl Neighbour {
         } else {
             (1.0, 1.0, 1.0)
         };
+        let bounded_and_paused = decision.exclusive || (decision.pause && decision.inflight == 1);
+        let queued = if bounded_and_paused { 0.0 } else { self.queued };
         self.sm * kept * sm_left
             + self.queue * depth / QUEUE_UNBOUNDED * queue_left
             + self.bandwidth * bandwidth_left
+            + queued
     }
 
     /// The wait behind the long kernel, for a step starting at `phase` (uniform in [0, 1)) of it.
@@ -270,6 +280,7 @@ const QUIET: Neighbour = Neighbour {
     queue: 0.0,
     bandwidth: 0.0,
     kernel_ns: 0,
+    queued: 0.0,
     starve: 1.0,
 };
 
@@ -307,6 +318,12 @@ fn neighbour() -> impl Strategy<Value = Neighbour> {
         (1_000_000..15_000_000u64, 0.0..0.3f64).prop_map(|(kernel_ns, queue)| Neighbour {
             queue,
             kernel_ns,
+            ..QUIET
+        }),
+        // Queued kernels that delay a step unless both the bound and the pause are in force.
+        (0.5..2.0f64, 0.0..0.2f64).prop_map(|(queued, sm)| Neighbour {
+            sm,
+            queued,
             ..QUIET
         }),
         // Starving unless paused: steps 100 times their latency alone.
@@ -443,8 +460,13 @@ fn each_kind_of_neighbour_gets_its_lever() {
             steady.violations as f64 <= budget * steady.steps as f64,
             "{neighbour:?}: {steady:?}"
         );
-        // A few probes of a level that failed, each rarer than the one before.
-        assert!(steady.changes <= 10, "{neighbour:?}: {steady:?}");
+        // A few probes of a level that failed, each rarer than the one before. Up to 7 changes
+        // a probe: relaxing from Pause goes to the cap of 1 without the pause (the in-flight
+        // lever is no longer probed away at Pause, where its bound is part of the pause), a
+        // failure there climbs multiplicatively (11 -> 16), the window after still holds steps
+        // that began at 11 (-> 17), and the guards come down one by one; the bandwidth-bound
+        // neighbour's probes fall twice in these 2000 windows (16 changes; 10 held before).
+        assert!(steady.changes <= 16, "{neighbour:?}: {steady:?}");
         steady.last.unwrap()
     };
     // SM squeezes answer a compute-bound neighbour: no pause.
@@ -519,5 +541,43 @@ fn a_starving_tenant_is_answered_before_its_steps_end() {
     assert!(
         steady.violations as f64 <= budget * steady.steps as f64,
         "{steady:?}"
+    );
+}
+
+#[test]
+fn queued_kernels_are_answered_at_pause_with_the_bound() {
+    // The H200 run without MPS: a decoder step every ~3 ms beside a neighbour whose queued
+    // kernels delay it unless both the bound of 1 and the pause are in force, climbing from
+    // level 0 (an explicit target). The caps alone do not help: learnt useless below Pause.
+    // Pause brings the bound anyway, so the level holds there rather than failing the guards
+    // and ending at Exclusive (the defect: Pause with the cap learnt away left it unbounded).
+    let scenario = Scenario {
+        neighbour: Neighbour {
+            queued: 1.0,
+            ..QUIET
+        },
+        base_ns: 2 * MS,
+        noise: 0.02,
+        spikes: 0.0,
+        steps_per_window: 3,
+        start: Start::Explicit(1.5),
+        seed: 5,
+        mps: false,
+    };
+    let mut gpu = started(&scenario, 1_000);
+    assert_eq!(
+        gpu.controller.lever_state(Lever::Inflight),
+        LeverState::Useless
+    );
+    let steady = gpu.run(2_000, true, true);
+    let budget = gpu.controller.config().violation_budget;
+    assert!(
+        steady.violations as f64 <= budget * steady.steps as f64,
+        "{steady:?}"
+    );
+    let last = steady.last.unwrap();
+    assert!(
+        last.pause && last.inflight == 1 && last.guard_us == 0 && !last.exclusive,
+        "{last:?}"
     );
 }
