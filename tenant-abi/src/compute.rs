@@ -259,6 +259,49 @@ impl Region {
         u64::from(self.header.quantum_us.load(Relaxed).clamp(1000, 1_000_000)) * 1000
     }
 
+    /// Rewrites the config word of the live tenant slot named `name` with `change` applied to
+    /// the config in it (normalised the way `TenantConfig::pack` stores it), and returns the
+    /// config before and after; `None` when no live slot has that name. The running processes'
+    /// turn logic unpacks this word at every selection (`Schedule::select`), so the change takes
+    /// effect at the next handover. A compare-and-swap: a process joining meanwhile (which
+    /// stores its own environment's config) wins or loses as a whole, and `change` is applied
+    /// again to what it wrote. An unchanged config is not stored, so `|config| config` reads.
+    pub fn update_tenant_config(
+        &self,
+        name: &str,
+        change: impl Fn(TenantConfig) -> TenantConfig,
+    ) -> Option<(TenantConfig, TenantConfig)> {
+        if name.is_empty() || name.len() >= NAME_BYTES {
+            return None;
+        }
+        let words = name_words(name);
+        let index = (0..TENANTS).find(|&index| {
+            self.tenants[index].state.load(SeqCst) == state(PHASE_LIVE, 0)
+                && self.name_matches(index, &words)
+        })?;
+        let word = &self.tenants[index].config;
+        for _ in 0..1000 {
+            let old_word = word.load(SeqCst);
+            let old = TenantConfig::unpack(old_word);
+            let new_word = change(old).pack();
+            let new = TenantConfig::unpack(new_word);
+            debug_assert_eq!(new.pack(), new_word, "a packed config round-trips");
+            if new_word == old_word
+                || word
+                    .compare_exchange(old_word, new_word, SeqCst, SeqCst)
+                    .is_ok()
+            {
+                // The slot may have been reclaimed and claimed by another name in between (only
+                // once none of its processes is alive); then the claimer's own store decides.
+                let still_ours = self.tenants[index].state.load(SeqCst) == state(PHASE_LIVE, 0)
+                    && self.name_matches(index, &words);
+                return still_ours.then_some((old, new));
+            }
+            std::thread::yield_now();
+        }
+        None
+    }
+
     fn name_matches(&self, index: usize, name: &[u64; NAME_BYTES / 8]) -> bool {
         self.tenants[index]
             .name

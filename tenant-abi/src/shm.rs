@@ -135,7 +135,8 @@ mod tests;
 
 /// A GPU's schedule file mapped read-write for the node agent's closed loop
 /// (`vgpu_agent::closed_loop`): it reads the latency tenants' step histograms and the other
-/// tenants' demand stamps, and writes one thing, the decision ([`ScheduleControl::publish`]).
+/// tenants' demand stamps, and writes the decision ([`ScheduleControl::publish`]) and, when an
+/// assignment changes, a running tenant's share and priority ([`ScheduleControl::set_share`]).
 /// Like the readers above it never creates, sizes, initialises or reclaims, and never waits on
 /// a tenant's process.
 pub struct ScheduleControl {
@@ -227,6 +228,46 @@ impl ScheduleControl {
     /// (`Control::open_step_since`): a starving latency tenant shows here before its steps end.
     pub fn open_step_since(&self, now_ns: u64) -> Option<u64> {
         self.mapping.region().control.open_step_since(now_ns)
+    }
+
+    /// The config of the live tenant `tenant` on this GPU, as its processes' turn logic reads it
+    /// now; `None` when none of its processes has joined (or its slot was freed).
+    pub fn tenant_config(&self, tenant: &str) -> Option<crate::compute::TenantConfig> {
+        self.mapping
+            .region()
+            .update_tenant_config(tenant, |config| config)
+            .map(|(config, _)| config)
+    }
+
+    /// Gives the running processes of `tenant` on this GPU a new share and priority: rewrites
+    /// the config word of its live slot, keeping its burst and guaranteed bits. Returns the config
+    /// before and after (the share as stored: clamped to 1..=100), or `None` when the tenant has no live
+    /// slot here (no process of it has joined yet: its processes will join with their
+    /// environment, which the agent already rewrote). The turn logic reads the word at every
+    /// handover, so the new split applies from the next turn on; `Member::uncapped` (the fast
+    /// path) is a copy taken at join and does not follow (`compute::Region::update_tenant_config`).
+    pub fn set_share(
+        &self,
+        tenant: &str,
+        share_pct: u32,
+        priority: i32,
+    ) -> Option<(crate::compute::TenantConfig, crate::compute::TenantConfig)> {
+        let changed = self
+            .mapping
+            .region()
+            .update_tenant_config(tenant, |config| crate::compute::TenantConfig {
+                share_pct,
+                priority,
+                ..config
+            });
+        if let Some((old, new)) = changed {
+            debug_assert_eq!((old.burst, old.guaranteed), (new.burst, new.guaranteed));
+            debug_assert_eq!(
+                (new.share_pct, new.priority),
+                (share_pct.clamp(1, 100), priority)
+            );
+        }
+        changed
     }
 }
 

@@ -7,7 +7,7 @@
 //! tenants' private directories ([`crate::private`]) are brought in line with each set before
 //! it is committed, so a tenant is never seen as placed before its directory exists.
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::assignments::AssignmentSet;
 use crate::cdi::CdiWriter;
@@ -103,6 +103,59 @@ impl Follower {
         }
     }
 
+    /// Gives the running processes of each changed tenant its new compute share and priority:
+    /// for every slice that stays on the same GPU with another compute percent, or on a tenant
+    /// whose priority changed, rewrites the tenant's config word in that GPU's schedule
+    /// ([`ScheduleControl::set_share`](tenant_abi::shm::ScheduleControl::set_share)); their turn
+    /// logic reads it at the next handover. New processes get the same values from their
+    /// environment. A GPU without a schedule file, or without a live slot of the tenant, has no
+    /// running process to change. Best effort: a file that cannot be opened is logged.
+    fn retune_running(&self, changes: &[Change]) {
+        let Some(layout) = &self.private else { return };
+        for change in changes {
+            let Change::Changed { before, after } = change else {
+                continue;
+            };
+            for slice in &after.slices {
+                let Some(old_slice) = before
+                    .slices
+                    .iter()
+                    .find(|old| old.gpu_uuid == slice.gpu_uuid)
+                else {
+                    continue;
+                };
+                if old_slice.compute_percent == slice.compute_percent
+                    && before.priority == after.priority
+                {
+                    continue;
+                }
+                let path = layout.schedule(&slice.gpu_uuid);
+                let control = match tenant_abi::shm::ScheduleControl::open(&path) {
+                    Ok(control) => control,
+                    Err(error) if error.is_not_found() => continue,
+                    Err(error) => {
+                        warn!(
+                            "tenant {}: cannot give its running processes on GPU {} the new share: {error}",
+                            after.tenant, slice.gpu_uuid
+                        );
+                        continue;
+                    }
+                };
+                let tenant = &after.tenant;
+                match control.set_share(tenant, slice.compute_percent, after.priority) {
+                    Some((old, new)) => info!(
+                        "tenant {tenant}: running processes on GPU {} now at {}% priority {} (were {}% priority {})",
+                        slice.gpu_uuid, new.share_pct, new.priority, old.share_pct, old.priority
+                    ),
+                    None => debug!(
+                        "tenant {tenant}: no running process on GPU {} to give the new share",
+                        slice.gpu_uuid
+                    ),
+                }
+            }
+        }
+    }
+
     fn update_cdi(&mut self) {
         let Some(writer) = &mut self.cdi else {
             return;
@@ -146,6 +199,7 @@ impl Follower {
         for change in &changes {
             info!("{change}");
         }
+        self.retune_running(&changes);
         for tenant in &report.rewritten {
             warn!("tenant {tenant}: its state file was missing; rewrote it");
         }
@@ -285,6 +339,76 @@ mod tests {
             (file.revision, file.priority, file.latency_target_us),
             (6, 5, Some(1_500))
         );
+    }
+
+    #[test]
+    fn a_changed_share_and_priority_reach_the_running_processes_schedule_slots() {
+        use tenant_abi::compute::{QUANTUM_NS_DEFAULT, Schedule, TenantConfig};
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(&directory.path().join("state"), "node-a").unwrap();
+        let layout = Layout::new(&directory.path().join("shm"));
+        let mut follower = Follower::restore(state, "node-a")
+            .unwrap()
+            .with_private(layout.clone());
+        let mut first = message(5, &[("chat", 0), ("train", 0), ("idle", 1)]);
+        first.assignments[0].slices[0].compute_percent = 25;
+        first.assignments[1].slices[0].compute_percent = 50;
+        first.assignments[2].slices[0].compute_percent = 30;
+        follower.on_message(&first, "cp-1").unwrap();
+
+        // Processes of `chat` and `train` run on GPU 0; none of `idle` has run on GPU 1, whose
+        // schedule the agent made but where `idle` has no slot yet.
+        let mapping =
+            tenant_abi::writer::schedule(&layout.schedule("GPU-0"), QUANTUM_NS_DEFAULT).unwrap();
+        let schedule = Schedule::new(mapping.region(), tenant_abi::ProcLiveness);
+        let (pid, start_time) = (std::process::id(), tenant_abi::ledger::own_start_time());
+        let joined = |share_pct| TenantConfig {
+            share_pct,
+            burst: true,
+            guaranteed: false,
+            priority: 0,
+        };
+        schedule
+            .join("chat", joined(25), pid, start_time, 1_000)
+            .unwrap();
+        schedule
+            .join("train", joined(50), pid, start_time, 1_000)
+            .unwrap();
+
+        // `vgpuctl set tenant chat --compute 40 --priority 5`, `... idle --compute 60`, and a
+        // change of `train` that touches neither its share nor its priority.
+        let mut second = first.clone();
+        second.revision = 6;
+        second.assignments[0].priority = 5;
+        second.assignments[0].slices[0].compute_percent = 40;
+        second.assignments[1].slices[0].memory_bytes = 40 << 30;
+        second.assignments[2].slices[0].compute_percent = 60;
+        let changes = follower.on_message(&second, "cp-1").unwrap();
+        assert_eq!(changes.len(), 3);
+
+        let control = tenant_abi::shm::ScheduleControl::open(&layout.schedule("GPU-0")).unwrap();
+        // The share and priority are the new ones; burst and guaranteed stay as the slot had them.
+        assert_eq!(
+            control.tenant_config("chat"),
+            Some(TenantConfig {
+                share_pct: 40,
+                priority: 5,
+                ..joined(25)
+            })
+        );
+        assert_eq!(control.tenant_config("train"), Some(joined(50)));
+        let gpu_1 = tenant_abi::shm::ScheduleControl::open(&layout.schedule("GPU-1")).unwrap();
+        assert_eq!(gpu_1.tenant_config("idle"), None, "no slot is made for it");
+
+        // Moving to another GPU changes nothing on the old one (its processes keep their slot
+        // until they exit); the new GPU's processes join with the new environment.
+        let mut third = second.clone();
+        third.revision = 7;
+        third.assignments[0].slices[0].gpu = "GPU-1".into();
+        third.assignments[0].slices[0].gpu_index = 1;
+        third.assignments[0].slices[0].compute_percent = 10;
+        follower.on_message(&third, "cp-1").unwrap();
+        assert_eq!(control.tenant_config("chat").unwrap().share_pct, 40);
     }
 
     #[test]
