@@ -242,6 +242,17 @@ impl Controller {
             let tenant = (*tenant).clone();
             return self.hold_top(Reason::NoTarget { tenant });
         }
+        if neighbours_active
+            && self.level != self.ladder.top()
+            && let Some(tenant) = charged.filter(|name| {
+                open_step_since_ns.is_some_and(|since| {
+                    self.tenants[name.as_str()].starving(&self.config, now_ns, since)
+                })
+            })
+        {
+            let violations = judged.iter().map(|(_, j)| j.violations).sum();
+            return self.starve(tenant, violations);
+        }
         if !neighbours_active || judged.is_empty() {
             // Nothing to learn about the levers: their effect shows only beside a neighbour.
             return None;
@@ -444,6 +455,23 @@ impl Controller {
         }
         self.set_level(below);
         Reason::Relaxed
+    }
+
+    /// `tenant` is starving now (its step open for longer than `STARVING_TARGETS` times its
+    /// target, `violations` counted in this window): straight to the top, the level known to
+    /// give it its latency alone, instead of one level per starving step. The level left failed
+    /// (relaxing back into it waits its backoff) and a lever under probe is needed. What was
+    /// learnt of the other levers stays: starving says the level was not enough, not that the
+    /// pair changed (if the top without some levers is over budget, they all come back).
+    fn starve(&mut self, tenant: String, violations: u64) -> Option<Reason> {
+        assert!(self.level < self.ladder.top());
+        let before = self.decision();
+        if let Some(lever) = self.probing() {
+            self.levers[lever.index()] = LeverState::Needed;
+        }
+        self.remember_failure(self.level_violations.saturating_add(violations));
+        self.set_level(self.ladder.top());
+        (self.decision() != before).then_some(Reason::Starving { tenant })
     }
 
     /// Exclusive, the most protective level (with every lever), for lack of a target.

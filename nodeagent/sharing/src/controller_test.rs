@@ -729,16 +729,26 @@ fn a_step_open_past_the_target_is_a_violation_at_once_and_keeps_the_tenant_activ
     }
     // A step opens 1 ms into the next window and does not end (a starving tenant): 9 ms open
     // at the window's end, past the 2 ms target, one violation (the banked one pays for it).
+    // Past twice the target too: starving, so the top at once (before this rule, it stayed at
+    // 0 here and climbed one level per starving step).
+    let top = driver.controller.ladder().top() as u8;
     let since = driver.now_ns + MS;
     let output = driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
-    assert_eq!(output.change, None);
+    let starving = Reason::Starving {
+        tenant: "infer".into(),
+    };
+    assert_eq!(
+        changed(&output).map(|(to, reason)| (to.level, to.exclusive, reason)),
+        Some((top, true, starving))
+    );
     assert_eq!(output.tenants[0].violations, 1);
+    let top_decision = output.decision;
     // Counted once per open step; and never idle while it is open (200 ms: four of its gaps
-    // and the 50 ms floor long past).
+    // and the 50 ms floor long past): the top holds.
     for _ in 0..20 {
         let output = driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
         assert_eq!(output.tenants[0].violations, 1);
-        assert_eq!(output.decision, Decision::default());
+        assert_eq!((output.decision, output.change), (top_decision, None));
     }
     // It ends, 205 ms long: the same step, not counted again.
     let output = driver.next_open("infer", repeat(1, 205 * MS), target, None);
@@ -746,13 +756,12 @@ fn a_step_open_past_the_target_is_a_violation_at_once_and_keeps_the_tenant_activ
         (output.tenants[0].steps, output.tenants[0].violations),
         (31, 1)
     );
-    // The next one is open past the target too: over budget within the window, before it ends.
-    let since = driver.now_ns + 5 * MS;
+    // The next one is open past the target too (3 ms, not yet starving): a violation within
+    // the window, before it ends (over budget, but already at the top: no change).
+    let since = driver.now_ns + 7 * MS;
     let output = driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
-    assert_eq!(
-        changed(&output),
-        Some((decision(0, 8, false, 1), over("infer", 0, 1)))
-    );
+    assert_eq!(output.tenants[0].violations, 2);
+    assert_eq!((output.decision, output.change), (top_decision, None));
     // The agent stops reporting the step (open for longer than it reports, or ended unseen):
     // with no step ended since it was seen open, the silent tenant is idle only after 1 s.
     let mut released = None;
@@ -771,6 +780,7 @@ fn a_step_open_past_the_target_is_a_violation_at_once_and_keeps_the_tenant_activ
 
 #[test]
 fn with_several_tenants_an_open_step_keeps_those_active_when_it_began() {
+    let controller_top = || Ladder::new(&Config::new(false, 0)).top() as u8;
     let mut controller = Controller::new(Config::new(false, 0));
     let tenants = |a: LatencySnapshot| {
         vec![
@@ -805,19 +815,24 @@ fn with_several_tenants_an_open_step_keeps_those_active_when_it_began() {
     assert_eq!(output.decision.level, 1);
     // A step opens: `a` was active then, `b` never was (the step is a's). It stays active while
     // the step is open, 300 ms, long past its 50 ms idle bound; 3 ms open, past a's target
-    // (the loosest of the active tenants): over budget.
+    // (the loosest of the active tenants): over budget, level 2. One window later, 13 ms open,
+    // past twice a's target: `a` is starving, the top at once (before that rule, the open step
+    // was counted once and the level stayed at 2), and held while the step is open.
+    let top = controller_top();
     let since = now_ns + 7 * MS;
     let mut levels = Vec::new();
+    let mut reasons = Vec::new();
     for _ in 0..30 {
-        levels.push(
-            event(LatencySnapshot::default(), Some(since))
-                .1
-                .decision
-                .level,
-        );
+        let (_, output) = event(LatencySnapshot::default(), Some(since));
+        levels.push(output.decision.level);
+        reasons.extend(changed(&output).map(|(_, reason)| reason));
     }
     assert_eq!(levels[0], 2);
-    assert!(levels.iter().all(|&level| level == 2), "{levels:?}");
+    assert!(levels[1..].iter().all(|&level| level == top), "{levels:?}");
+    assert_eq!(
+        reasons,
+        [over("a", 0, 1), Reason::Starving { tenant: "a".into() }]
+    );
     // The step is no longer reported and no new one of a's comes: both idle, `idle_max_ns` after it was
     // last seen open: 1 s, as none of a's steps ended since it was seen open.
     let mut released = None;
@@ -862,4 +877,69 @@ fn a_level_that_failed_right_after_relaxing_into_it_is_not_relaxed_into_10_windo
     // climbs back), not every 20 windows.
     assert!(probes <= 6, "{probes} tries of level 5: {levels:?}");
     assert!(levels.len() <= 5 + 3 * probes, "{levels:?}");
+}
+
+#[test]
+fn a_starving_open_step_goes_to_the_top_in_one_window_and_relaxes_later() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    for _ in 0..10 {
+        assert_eq!(driver.next("infer", repeat(3, MS), target).change, None);
+    }
+    assert_eq!(driver.level(), 0);
+    // A step open for 5 ms at the window's end, past twice the 2 ms target: starving now.
+    let since = driver.now_ns + 5 * MS;
+    let output = driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
+    let top = driver.controller.ladder().top() as u8;
+    let change = output.change.expect("a change");
+    assert_eq!(change.from, Decision::default());
+    assert_eq!((change.to.level, change.to.exclusive), (top, true));
+    assert_eq!(
+        change.reason,
+        Reason::Starving {
+            tenant: "infer".into()
+        }
+    );
+    // It ends, then the tenant is served: down by the usual relaxation, to 0 in the end.
+    driver.next_open("infer", repeat(1, 30 * MS), target, None);
+    let mut reasons = Vec::new();
+    for _ in 0..3_000 {
+        let output = driver.next("infer", repeat(3, MS), target);
+        reasons.extend(changed(&output).map(|(_, reason)| reason));
+    }
+    assert_eq!(driver.level(), 0);
+    assert!(!reasons.is_empty());
+    assert!(
+        reasons.iter().all(|reason| *reason == Reason::Relaxed),
+        "{reasons:?}"
+    );
+}
+
+#[test]
+fn starving_windows_are_no_samples_of_the_step_period() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    for _ in 0..20 {
+        driver.next("infer", repeat(3, MS), target);
+    }
+    let period = driver.controller.step_period_ns();
+    assert_eq!(period, Some(PERIOD / 3));
+    // A starving episode: a step open for 150 ms (the top at once), then it ends with two
+    // steps of the tenant's own pace; 160 ms since the last steps over 3 steps would be a
+    // 53 ms "period".
+    let since = driver.now_ns + MS;
+    for _ in 0..15 {
+        driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
+    }
+    driver.next_open("infer", steps(&[150 * MS, MS, MS]), target, None);
+    assert_eq!(driver.controller.step_period_ns(), period);
+    // A window with a step over twice the target, its gap as usual: not a sample either.
+    driver.next("infer", steps(&[MS, 9 * MS]), target);
+    assert_eq!(driver.controller.step_period_ns(), period);
+    // The tenant's own rhythm is measured again.
+    driver.next("infer", repeat(2, MS), target);
+    assert_eq!(
+        driver.controller.step_period_ns(),
+        Some((3 * (PERIOD / 3) + PERIOD / 2) / 4)
+    );
 }

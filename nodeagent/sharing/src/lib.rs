@@ -43,6 +43,15 @@
 //!   counted again), so a starving tenant, whose steps end rarely, is answered within a period
 //!   or two. With one latency tenant it is that tenant's; with several, it is charged to the
 //!   one with the loosest target among those active when it began.
+//! - *Starving.* Open for longer than `STARVING_TARGETS` (2) times that tenant's target, the
+//!   tenant is starving now: straight to the top (the level known to give it its latency
+//!   alone), not one level per starving step (on an H100 beside a copy-engine hog, steps of
+//!   150-190 ms for a 1.4 ms target climbed one level each and starved the tenant for a second
+//!   per episode). The level left failed, as when over budget (relaxing back into it waits its
+//!   backoff), a lever under probe is needed, and what was learnt of the other levers stays.
+//!   From the top, down by the usual relaxation. Windows in which a step starved (one took, or
+//!   was seen open for, that long) are no samples of the step period: it would be the
+//!   neighbour's pace, and size the guards ten times too wide.
 //! - *Budget.* Each tenant has an allowance of violations: it grows by `violation_budget` per
 //!   step (to at most one banked violation) and each step over the target spends one. A window
 //!   with a violation that leaves the allowance negative is *over budget*. So a tenant at
@@ -95,7 +104,7 @@ pub use controller::{Controller, LEVER_IMPROVEMENT_BUCKETS, LeverState, PROBE_BA
 pub use ladder::{GUARD_QUARTERS, Ladder, Rung, guard_us};
 pub use tenant::{
     ALLOWANCE_MAX_PPM, ALLOWANCE_MIN_PPM, BASELINE_STEPS_MAX, BASELINE_STEPS_MIN, IDLE_GAPS,
-    PERIOD_SAMPLES_MIN, VIOLATION_PPM,
+    PERIOD_SAMPLES_MIN, STARVING_TARGETS, VIOLATION_PPM,
 };
 pub use tenant_abi::control::{Decision, LatencySnapshot};
 pub use types::{

@@ -29,6 +29,10 @@ pub const IDLE_GAPS: u64 = 4;
 /// Windows with steps measured before a tenant's step period counts as known (the guards are
 /// sized by it).
 pub const PERIOD_SAMPLES_MIN: u32 = 4;
+/// A tenant whose step has been open (or took) longer than this many times its target is
+/// starving: the controller goes to the top at once, and the window's steps say nothing about
+/// the tenant's rhythm (its period is not measured from them).
+pub const STARVING_TARGETS: u64 = 2;
 
 /// What one window of one tenant says about the level that was in force during it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -84,6 +88,9 @@ pub struct TenantState {
     /// window with steps over the steps of this one. Known after `PERIOD_SAMPLES_MIN` samples.
     period_ns: u64,
     period_samples: u32,
+    /// A step of it was seen open for longer than `STARVING_TARGETS` times its target since
+    /// its last window with steps: the next window with steps is not a period sample.
+    starved: bool,
     /// The start of the open step counted as a violation before it ended (each open step is
     /// counted once), and whether its own end is still to be taken out of a later window's
     /// violations (it is the same step).
@@ -109,6 +116,7 @@ impl TenantState {
             gap_ns: config.idle_max_ns / IDLE_GAPS,
             period_ns: 0,
             period_samples: 0,
+            starved: false,
             open_counted_ns: None,
             open_credit_due: false,
         }
@@ -117,6 +125,14 @@ impl TenantState {
     /// The time between the tenant's step starts, once measured.
     pub fn step_period_ns(&self) -> Option<u64> {
         (self.period_samples >= PERIOD_SAMPLES_MIN && self.period_ns > 0).then_some(self.period_ns)
+    }
+
+    /// Whether a step open since `since_ns` (charged to this tenant) has been open for longer
+    /// than `STARVING_TARGETS` times its target at `now_ns`.
+    pub fn starving(&self, config: &Config, now_ns: u64, since_ns: u64) -> bool {
+        self.target_ns(config).is_some_and(|target| {
+            now_ns.saturating_sub(since_ns) > target.saturating_mul(STARVING_TARGETS)
+        })
     }
 
     /// The p99 alone; until `BASELINE_STEPS_MIN` steps alone were seen, the p99 at the most
@@ -185,6 +201,7 @@ impl TenantState {
             debug_assert!(since <= now_ns);
             self.last_open_ns = Some(now_ns);
             self.open_unended = true;
+            self.starved |= self.starving(config, now_ns, since);
         } else if window.steps > 0 {
             self.open_unended = false;
         }
@@ -213,9 +230,19 @@ impl TenantState {
         }
         let judgement = target.map(|target| self.judge(config, window, target, open_ns, credit));
         self.steps += window.steps;
+        // Steps that starved (one took, or was seen open for, longer than `STARVING_TARGETS`
+        // times the target) came at the neighbour's pace, not the tenant's: a period measured
+        // from them (31-44 ms for a 3 ms tenant on the H100) would size the guards wrongly.
+        let starved = std::mem::take(&mut self.starved)
+            || target.is_some_and(|target| {
+                window.slower_than(target.saturating_mul(STARVING_TARGETS)) > 0
+            });
         if let Some(last) = self.last_step_ns {
             let gap = now_ns.saturating_sub(last);
             self.gap_ns = (self.gap_ns.saturating_mul(3).saturating_add(gap)) / 4;
+        }
+        if let Some(last) = self.last_step_ns.filter(|_| !starved) {
+            let gap = now_ns.saturating_sub(last);
             let period = gap / window.steps;
             self.period_ns = if self.period_samples == 0 {
                 period

@@ -188,6 +188,10 @@ pub enum Reason {
     /// `tenant` is active and has no target yet (none given, its latency alone not learnt):
     /// Exclusive, the most protective level: the safe default.
     NoTarget { tenant: String },
+    /// A step of `tenant` has been open for longer than `STARVING_TARGETS` times its target:
+    /// the top at once (the level that gives it its latency alone), then down by the usual
+    /// relaxation.
+    Starving { tenant: String },
     /// No latency tenant has had steps for a while: nothing is restricted.
     Idle,
 }
