@@ -328,7 +328,6 @@ impl Region {
     /// Process slots count when `liveness` says their process runs (dead ones wait for a
     /// launching process to reclaim them).
     pub fn tenant_times(&self, liveness: &impl Liveness) -> Vec<TenantTime> {
-        let live = state(PHASE_LIVE, 0);
         let mut processes = [0u32; TENANTS];
         for proc in &self.procs {
             let tenant = proc.tenant.load(SeqCst) as usize;
@@ -341,7 +340,34 @@ impl Region {
                 processes[tenant - 1] += 1;
             }
         }
-        let mut times = Vec::new();
+        let times: Vec<TenantTime> = self
+            .live_slots_with(|slot| slot.used_ns.load(SeqCst))
+            .into_iter()
+            .map(|(index, name, used_ns)| TenantTime {
+                name,
+                used_ns,
+                processes: processes[index],
+            })
+            .collect();
+        debug_assert!(times.len() <= TENANTS);
+        times
+    }
+
+    /// The live tenant slots and their names (slots being claimed or reclaimed skipped, as
+    /// [`Region::tenant_times`] skips them): atomic loads only.
+    pub fn live_slots(&self) -> Vec<(usize, String)> {
+        self.live_slots_with(|_| ())
+            .into_iter()
+            .map(|(index, name, ())| (index, name))
+            .collect()
+    }
+
+    /// Each live slot's index, name and `read(slot)`, read between two checks that the slot is
+    /// live under the same name; a name whose bytes changed while being read (a slot reused at
+    /// that instant) is read again, at most twice.
+    fn live_slots_with<T>(&self, read: impl Fn(&TenantSlot) -> T) -> Vec<(usize, String, T)> {
+        let live = state(PHASE_LIVE, 0);
+        let mut slots = Vec::new();
         for (index, slot) in self.tenants.iter().enumerate() {
             for _ in 0..3 {
                 if slot.state.load(SeqCst) != live {
@@ -349,7 +375,7 @@ impl Region {
                 }
                 let words: [u64; NAME_BYTES / 8] =
                     std::array::from_fn(|i| slot.name[i].load(SeqCst));
-                let used_ns = slot.used_ns.load(SeqCst);
+                let value = read(slot);
                 if slot.state.load(SeqCst) != live || !self.name_matches(index, &words) {
                     continue;
                 }
@@ -357,17 +383,13 @@ impl Region {
                 let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
                 let name = String::from_utf8_lossy(&bytes[..end]).into_owned();
                 if !name.is_empty() {
-                    times.push(TenantTime {
-                        name,
-                        used_ns,
-                        processes: processes[index],
-                    });
+                    slots.push((index, name, value));
                 }
                 break;
             }
         }
-        debug_assert!(times.len() <= TENANTS);
-        times
+        debug_assert!(slots.len() <= TENANTS);
+        slots
     }
 }
 

@@ -52,20 +52,26 @@ impl ReadError {
     }
 }
 
+/// The checks every reader makes of a mapped region: its creator has published it, and its
+/// layout is this build's.
+fn checked(path: &Path, initialised: bool, layout: Result<(), String>) -> Result<(), ReadError> {
+    if !initialised {
+        return Err(ReadError::Uninitialised {
+            path: path.to_owned(),
+        });
+    }
+    layout.map_err(|message| ReadError::Layout {
+        path: path.to_owned(),
+        message,
+    })
+}
+
 /// Reads a tenant's memory ledger: limits and the live processes' charges per device ordinal
 /// (as the tenant's processes number their devices).
 pub fn read_ledger(path: &Path) -> Result<LedgerUsage, ReadError> {
     let mapped = map::ReadOnly::<ledger::Region>::open(path, ledger::REGION_BYTES)?;
     let region = mapped.region();
-    if !region.is_initialised() {
-        return Err(ReadError::Uninitialised {
-            path: path.to_owned(),
-        });
-    }
-    region.check_layout().map_err(|message| ReadError::Layout {
-        path: path.to_owned(),
-        message,
-    })?;
+    checked(path, region.is_initialised(), region.check_layout())?;
     Ok(region.usage(&ProcLiveness))
 }
 
@@ -73,15 +79,7 @@ pub fn read_ledger(path: &Path) -> Result<LedgerUsage, ReadError> {
 pub fn read_schedule(path: &Path) -> Result<Vec<TenantTime>, ReadError> {
     let mapped = map::ReadOnly::<compute::Region>::open(path, compute::REGION_BYTES)?;
     let region = mapped.region();
-    if !region.is_initialised() {
-        return Err(ReadError::Uninitialised {
-            path: path.to_owned(),
-        });
-    }
-    region.check_layout().map_err(|message| ReadError::Layout {
-        path: path.to_owned(),
-        message,
-    })?;
+    checked(path, region.is_initialised(), region.check_layout())?;
     Ok(region.tenant_times(&ProcLiveness))
 }
 
@@ -159,15 +157,7 @@ impl ScheduleControl {
         let mapping =
             map::Mapping::<compute::Region>::writable(path, &file, compute::REGION_BYTES)?;
         let region = mapping.region();
-        if !region.is_initialised() {
-            return Err(ReadError::Uninitialised {
-                path: path.to_owned(),
-            });
-        }
-        region.check_layout().map_err(|message| ReadError::Layout {
-            path: path.to_owned(),
-            message,
-        })?;
+        checked(path, region.is_initialised(), region.check_layout())?;
         Ok(ScheduleControl {
             path: path.to_owned(),
             mapping,
@@ -183,7 +173,8 @@ impl ScheduleControl {
     /// steps; every other tenant's histogram stays empty. Atomic loads only.
     pub fn latency_tenants(&self) -> Vec<(usize, String, crate::control::LatencySnapshot)> {
         let region = self.mapping.region();
-        live_slots(region)
+        region
+            .live_slots()
             .into_iter()
             .map(|(slot, name)| (slot, name, region.control.latency(slot)))
             .collect()
@@ -200,7 +191,7 @@ impl ScheduleControl {
         is_latency: impl Fn(&str) -> bool,
     ) -> bool {
         let region = self.mapping.region();
-        live_slots(region).into_iter().any(|(slot, name)| {
+        region.live_slots().into_iter().any(|(slot, name)| {
             let stamp = region.tenants[slot]
                 .demand_ns
                 .load(std::sync::atomic::Ordering::Relaxed);
@@ -269,38 +260,6 @@ impl ScheduleControl {
         }
         changed
     }
-}
-
-/// The live tenant slots of `region` and their names. A slot counts when its name is one
-/// [`compute::Region::tenant_times`] reports (the one definition of "live") and its state word
-/// carries no process id: a slot being claimed, named or reclaimed carries its claimer's pid,
-/// and a free slot (which keeps its old name) is 0.
-fn live_slots(region: &compute::Region) -> Vec<(usize, String)> {
-    use std::sync::atomic::Ordering::SeqCst;
-    let live: std::collections::BTreeSet<String> = region
-        .tenant_times(&ProcLiveness)
-        .into_iter()
-        .map(|time| time.name)
-        .collect();
-    let mut slots = Vec::new();
-    for (index, slot) in region.tenants.iter().enumerate() {
-        let state = slot.state.load(SeqCst);
-        if state == 0 || state as u32 != 0 {
-            continue;
-        }
-        let bytes: Vec<u8> = slot
-            .name
-            .iter()
-            .flat_map(|word| word.load(SeqCst).to_le_bytes())
-            .collect();
-        let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-        let name = String::from_utf8_lossy(&bytes[..end]).into_owned();
-        if live.contains(&name) {
-            slots.push((index, name));
-        }
-    }
-    debug_assert!(slots.len() <= compute::TENANTS);
-    slots
 }
 
 #[cfg(test)]

@@ -34,8 +34,12 @@ RESULTS="$LOGS/results.tsv"
 PIDS=()
 
 cleanup() {
-  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null; done
-  wait 2>/dev/null
+  # every background job of this script, tracked in PIDS or not (a build, a sampler), and then
+  # a wait for exactly those: a bare `wait` would block on anything left running
+  local pid left
+  left=$(jobs -p)
+  for pid in "${PIDS[@]}" $left; do kill -9 "$pid" 2>/dev/null; done
+  for pid in "${PIDS[@]}" $left; do wait "$pid" 2>/dev/null; done
   rm -rf "$SHM"
 }
 trap cleanup EXIT
@@ -161,7 +165,7 @@ else
   record "(n2) holder of 3 GiB" "HOLDING" "never held (see n2_holder.log)" FAIL
 fi
 kill -9 "${PIDS[@]}" 2>/dev/null
-wait 2>/dev/null
+for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
 PIDS=()
 
 # (n3) What a process really loses beyond PyTorch's reservation, without the interposer.

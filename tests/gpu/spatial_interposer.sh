@@ -56,8 +56,12 @@ mps_stop() {
   fi
 }
 cleanup() {
-  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null; done
-  wait 2>/dev/null
+  # every background job of this script, tracked in PIDS or not (a build, a sampler), and then
+  # a wait for exactly those: a bare `wait` would block on anything left running
+  local pid left
+  left=$(jobs -p)
+  for pid in "${PIDS[@]}" $left; do kill -9 "$pid" 2>/dev/null; done
+  for pid in "${PIDS[@]}" $left; do wait "$pid" 2>/dev/null; done
   echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
   cp -r "$CUDA_MPS_LOG_DIRECTORY" "$LOGS/mps-log" 2>/dev/null
   [ -n "$SHM" ] && rm -rf "$SHM"

@@ -27,8 +27,12 @@ RESULTS="$LOGS/results.tsv"
 : >"$RESULTS"
 PIDS=()
 cleanup() {
-  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null; done
-  wait 2>/dev/null
+  # every background job of this script, tracked in PIDS or not (a build, a sampler), and then
+  # a wait for exactly those: a bare `wait` would block on anything left running
+  local pid left
+  left=$(jobs -p)
+  for pid in "${PIDS[@]}" $left; do kill -9 "$pid" 2>/dev/null; done
+  for pid in "${PIDS[@]}" $left; do wait "$pid" 2>/dev/null; done
   rm -rf "$WORK" "$VGPU_AGENT_SHM_DIR"
 }
 trap cleanup EXIT

@@ -908,6 +908,10 @@ enum Placement {
     Movable,
     /// Stays on the application's stream (cooperative launches: see `spatial`).
     Fixed,
+    /// An asynchronous copy: on the application's stream, and past no turn (the copy engines are
+    /// shared neither by turns nor by SMs), but it counts as the tenant's demand and obeys the
+    /// closed loop like a launch, so a neighbour made of copies is held back too.
+    Copy,
 }
 
 /// Runs a launch through the gate: wait for the tenant's turn (not for a latency tenant), pick
@@ -943,6 +947,9 @@ fn gated_launch(
         })
     };
     let pending = if latency {
+        None
+    } else if placement == Placement::Copy {
+        ffi_boundary!(what, fallback = (), { launch::copy_demand(&gpu) });
         None
     } else {
         ffi_boundary!(what, fallback = None, { launch::before(&gpu, stream_ref) })
@@ -1242,47 +1249,6 @@ macro_rules! graph_launch_hook {
 graph_launch_hook!(cuGraphLaunch, graph_launch, false);
 graph_launch_hook!(cuGraphLaunch_ptsz, graph_launch_ptsz, true);
 
-/// An asynchronous copy goes through the closed loop like a launch (a latency tenant's copy opens
-/// its step; another tenant's copy pauses or waits for its stream's queue as decided), and counts
-/// as the tenant's demand, but waits for no turn and moves to no green stream: the copy engines
-/// are shared neither by turns nor by SMs. A bandwidth-bound neighbour made of copies is thus
-/// held back like one made of kernels.
-fn copy_launch(
-    what: &'static str,
-    driver: &Driver,
-    stream: CUstream,
-    per_thread: bool,
-    call: impl Fn() -> CUresult,
-) -> CUresult {
-    let gpu = RealGpu(driver);
-    let stream_ref = StreamRef {
-        handle: stream as usize,
-        per_thread,
-    };
-    let captured = ffi_boundary!(what, fallback = false, {
-        launch::is_captured(&gpu, stream_ref)
-    });
-    if captured {
-        return call();
-    }
-    let latency = ffi_boundary!(what, fallback = false, { spatial::stamp_if_latency(&gpu) });
-    let bounded = if latency {
-        None
-    } else {
-        ffi_boundary!(what, fallback = None, {
-            launch::copy_demand(&gpu);
-            crate::closed_loop::before_launch(&gpu, stream_ref)
-        })
-    };
-    let rc = call();
-    if let Some(bounded) = bounded {
-        ffi_boundary!(what, fallback = (), {
-            crate::closed_loop::after_launch(&gpu, bounded, rc == CUDA_SUCCESS)
-        });
-    }
-    rc
-}
-
 macro_rules! copy_hook {
     ($name:ident, $field:ident, $per_thread:expr) => {
         /// # Safety
@@ -1296,10 +1262,16 @@ macro_rules! copy_hook {
         ) -> CUresult {
             ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
                 let (driver, real) = real_fn!($field);
-                copy_launch(stringify!($name), driver, stream, $per_thread, || {
-                    // SAFETY: forwarded unchanged under the caller's contract.
-                    unsafe { real(dst, src, bytes, stream) }
-                })
+                gated_launch(
+                    stringify!($name),
+                    driver,
+                    stream,
+                    $per_thread,
+                    Placement::Copy,
+                    // SAFETY: forwarded unchanged under the caller's contract (a copy is never
+                    // moved off the application's stream).
+                    |_| unsafe { real(dst, src, bytes, stream) },
+                )
             })
         }
     };
