@@ -380,8 +380,8 @@ pub struct SpatialEnv {
     pub shm_dir: PathBuf,
     pub latency: bool,
     pub hold_ms: u64,
-    /// `None`: the default (the interposer's `spatial::SMS_RESERVED_DEFAULT` left to the latency
-    /// tenant).
+    /// `None`: squeezed only as the agent's closed-loop decision says (an explicit count
+    /// squeezes to it also while no decision is in force).
     pub sms: Option<u32>,
     /// A latency tenant's explicit step target.
     pub latency_target_us: Option<u64>,

@@ -4,10 +4,12 @@
 //! Two roles share one word of the per-GPU schedule file, `compute::Header::latency_ns`:
 //! - A **latency tenant** (`VGPU_LATENCY=1`) stores "a latency tenant launched at `now`" at every
 //!   launch, and its launches skip the turn scheduler (`exports` does not call `launch::before`
-//!   for it): its guarantee is the SMs the others leave free, not a turn.
+//!   for it): its guarantee is what the closed loop holds the others to (`closed_loop`), not a
+//!   turn.
 //! - Every other tenant with `VGPU_SPATIAL=1` is **squeezable**: while that stamp is fresher than
-//!   `VGPU_SPATIAL_HOLD_MS`, its launches go to a stream of a green context with fewer SMs
-//!   (`VGPU_SPATIAL_SMS`, default all but `SMS_RESERVED_DEFAULT`), paired with the application's
+//!   `VGPU_SPATIAL_HOLD_MS`, its launches go to a stream of a green context with the SMs the
+//!   agent's decision leaves it (`squeeze_sms`; without a decision in force only an explicit
+//!   `VGPU_SPATIAL_SMS` squeezes), paired with the application's
 //!   stream by two events so that the application's stream order holds:
 //!   record A on the application's stream → the green stream waits for A → the launch on the
 //!   green stream → record B on the green stream → the application's stream waits for B. With a
@@ -41,7 +43,9 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use tenant_abi::control::Decision;
 use tenant_abi::{DEVICES_MAX, SpatialEnv};
 
-/// SMs left to the latency tenant unless `VGPU_SPATIAL_SMS` says otherwise. Measured through
+/// SMs left to the latency tenant by `partition_sms` when no count is requested (the static split
+/// of the earlier design; the interposer now always requests the decided or configured count, so
+/// only `partition_sms`'s own tests reach it). Measured through
 /// the agent on an H100 (132 SMs, docs/benchmarks.md): the trainer on 104 SMs (28 free) met
 /// both targets in 8 of 8 runs of one call (p99 0.82-1.04x of alone, trainer 83.3-83.8%); in
 /// the same session 96 SMs (36 free) kept the p99 (0.63-1.08x) but left the trainer at
