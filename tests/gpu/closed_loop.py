@@ -448,6 +448,9 @@ def schedule(args):
     return 0
 
 
+BASELINE_MAX_P99_OVER_P50 = 2.0
+
+
 def report(args):
     by_tag = {}
     machine = set()
@@ -577,6 +580,15 @@ def report(args):
         if w and w.get("p50_ms", -1) > 0 and not 1.5 <= w["period_ms"] / w["p50_ms"] <= 4:
             problems.append(f"{l}: period {w['period_ms']} ms is not ~2x its alone p50 {w['p50_ms']} ms: "
                             f"set PERIODS='{l}={max(0.5, round(2 * w['p50_ms'] * 4) / 4)}'")
+    # A baseline with a p99 over twice its p50 alone was disturbed (another process, a throttled
+    # clock): every ratio against it flatters the modes. Reported, and the run exits 5.
+    disturbed = []
+    for l in lats:
+        w = lat_of(f"alone:{l}:-")
+        if w and w.get("p50_ms", -1) > 0 and w.get("p99_ms", -1) > BASELINE_MAX_P99_OVER_P50 * w["p50_ms"]:
+            disturbed.append(l)
+            problems.append(f"{l}: DISTURBED BASELINE: alone p99 {w['p99_ms']} ms > {BASELINE_MAX_P99_OVER_P50}x its p50 "
+                            f"{w['p50_ms']} ms; rerun on a quiet machine before comparing this run's ratios")
     for m, s in summary.items():
         work = s["work"]
         line = (f"mode {m}: p99 <= {limit}x alone in {s['p99_ok']}/{s['pairs']} pairs; neighbour "
@@ -594,7 +606,7 @@ def report(args):
     print("\n".join(table))
     missing = any(r[3] is None and r[4] is None for r in rows) or any(
         (r[3] is None or r[4] is None) and not r[2].endswith("alone") for r in rows)
-    return 4 if missing else 0
+    return 4 if missing else 5 if disturbed else 0
 
 
 def main():

@@ -61,7 +61,8 @@
 # $OUT/closed_loop.tgz at exit; $OUT/closed_loop keeps only table.txt and results.tsv.
 # No GPU setting is changed and nothing is reset; the MPS daemons are told to quit on exit.
 # Exit: 0 done, 3 wrong machine (compute mode not Default, or MIG on), 2 usage, 4 windows without
-# data (see the "problem:" lines under the table).
+# data, 5 a disturbed baseline (a latency tenant alone with p99 > 2x its p50: the machine was not
+# quiet, the ratios of this run are not to be compared; see the "problem:" lines under the table).
 # shellcheck disable=SC2317 # cleanup and the wait tests are called indirectly (trap, bounded_wait)
 set -u
 

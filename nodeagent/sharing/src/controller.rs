@@ -77,6 +77,15 @@ pub struct Controller {
     /// Consecutive clean windows, and their steps, at this decision.
     clean_windows: u32,
     clean_steps: u64,
+    /// The lowest level that held for a whole relaxation wait in this episode: a climb from
+    /// below it goes no higher (it is known to be enough); `None` once it failed itself.
+    known_good: Option<usize>,
+    /// Where the next episode starts (see `Controller::resume`): the level the last episode
+    /// had settled on, so that a bursty tenant is protected from its first step on instead of
+    /// paying a climb from 0 at every burst.
+    resume_level: Option<usize>,
+    /// Whether a latency tenant was active since the last release (an episode is under way).
+    in_episode: bool,
 }
 
 impl Controller {
@@ -97,6 +106,9 @@ impl Controller {
             level_violations: 0,
             clean_windows: 0,
             clean_steps: 0,
+            known_good: None,
+            resume_level: None,
+            in_episode: false,
         }
     }
 
@@ -138,7 +150,10 @@ impl Controller {
             Event::TenantGone { name } => {
                 self.tenants.remove(&name);
                 if self.tenants.is_empty() {
-                    self.release()
+                    // Nobody left to resume for: a new tenant starts from its own baseline.
+                    let reason = self.release();
+                    self.resume_level = None;
+                    reason
                 } else {
                     None
                 }
@@ -227,6 +242,7 @@ impl Controller {
         if active.is_empty() {
             return self.release();
         }
+        self.in_episode = true;
         if self.ladder.lever(self.level) != Some(Lever::Guard) {
             self.step_period_ns = active
                 .iter()
@@ -241,6 +257,15 @@ impl Controller {
         if let Some(tenant) = untargeted {
             let tenant = (*tenant).clone();
             return self.hold_top(Reason::NoTarget { tenant });
+        }
+        if neighbours_active
+            && self.level == 0
+            && let Some(level) = self.resume_level.take()
+        {
+            let reason = self.resume(level);
+            if reason.is_some() {
+                return reason;
+            }
         }
         if neighbours_active
             && self.level != self.ladder.top()
@@ -324,6 +349,9 @@ impl Controller {
             // The probe held: the lever is not needed beside this neighbour.
             self.levers[lever.index()] = LeverState::Useless;
         }
+        if let Some(to) = self.bisect_down() {
+            return Some(self.relax(to));
+        }
         let below = (0..self.level)
             .rev()
             .find(|&level| self.enabled(level))
@@ -367,6 +395,10 @@ impl Controller {
     /// clean steps as that cost over the budget, doubled per failure not yet earned back.
     fn remember_failure(&mut self, violations: u64) {
         let first_probe = (violations.max(1) as f64 / self.config.violation_budget).ceil() as u64;
+        if self.known_good.is_some_and(|good| good <= self.level) {
+            // The level known to hold failed after all: the pair changed.
+            self.known_good = None;
+        }
         let failure = &mut self.failures[self.level];
         failure.repeats = (failure.repeats + 1).min(PROBE_BACKOFF_MAX + 1);
         failure.probe_steps = first_probe << (failure.repeats - 1);
@@ -407,7 +439,12 @@ impl Controller {
                 )
             }
             None => {
-                let want = self.level + (self.level / 2).max(1);
+                let mut want = self.level + (self.level / 2).max(1);
+                // No higher than the lowest level known to hold (a failed probe of a level
+                // below it, found by bisection, needs no more than that).
+                if let Some(good) = self.known_good.filter(|&good| good > self.level) {
+                    want = want.min(good);
+                }
                 let mut next = self.enabled_at_or_above(want.min(top));
                 // Past the levels that failed in this episode and have not earned it back:
                 // climbing through them again costs a violation each (a starving tenant's
@@ -438,11 +475,13 @@ impl Controller {
         Some(reason)
     }
 
-    /// One enabled level down, to `below`. The level left, if it once failed and has now held
+    /// Down to the enabled level `below`. The level left, if it once failed and has now held
     /// for its whole probe, earns one doubling back (conditions changed, or its failure was a
     /// fluke: the tenant's own hiccups must not keep the level up for ever).
     fn relax(&mut self, below: usize) -> Reason {
         assert!(below < self.level && self.enabled(below));
+        // The level left held for a whole wait: a climb from below goes no higher.
+        self.known_good = Some(self.level);
         let clean_steps = self.clean_steps;
         let left = &mut self.failures[self.level];
         if left.repeats > 0 && clean_steps >= left.probe_steps {
@@ -474,6 +513,31 @@ impl Controller {
         (self.decision() != before).then_some(Reason::Starving { tenant })
     }
 
+    /// Where a relaxation goes when levels between the current one and the highest level that
+    /// failed in this episode (or level 0) are untried: halfway down, so that the level that
+    /// holds is found in a few probes instead of one relaxation wait per level (after a
+    /// starving tenant went to the top, one level at a time took longer than most workloads
+    /// stay together). `None` when the next level down is the failed one: then its backoff
+    /// decides, as before.
+    fn bisect_down(&self) -> Option<usize> {
+        let floor = (0..self.level)
+            .rev()
+            .find(|&level| self.failures[level].repeats > 0);
+        let lowest = floor.map_or(0, |failed| failed + 1);
+        let candidates: Vec<usize> = (lowest..self.level).filter(|&l| self.enabled(l)).collect();
+        // With one candidate left this is the plain one-level relaxation.
+        (candidates.len() >= 2).then(|| candidates[candidates.len() / 2])
+    }
+
+    /// A new episode beside active neighbours starts at the level the last one settled on (see
+    /// `resume_level`); the relaxation takes it down from there if this pair needs less.
+    fn resume(&mut self, level: usize) -> Option<Reason> {
+        let before = self.decision();
+        let level = self.enabled_at_or_above(level.max(1));
+        self.set_level(level);
+        (self.decision() != before).then_some(Reason::Resumed)
+    }
+
     /// Exclusive, the most protective level (with every lever), for lack of a target.
     fn hold_top(&mut self, reason: Reason) -> Option<Reason> {
         let before = self.decision();
@@ -485,8 +549,16 @@ impl Controller {
     /// Nothing restricted; what was learnt about levers and failures goes with the episode.
     fn release(&mut self) -> Option<Reason> {
         let before = self.decision();
+        if std::mem::take(&mut self.in_episode) {
+            // The level this episode settled on: the lowest one known to hold, else where it
+            // stands (it did not relax, so nothing lower is known to be enough); none when it
+            // ended unrestricted.
+            self.resume_level =
+                (self.level != 0).then(|| self.known_good.unwrap_or(self.level).min(self.level));
+        }
         self.levers = [LeverState::Untried; LEVERS];
         self.failures.fill(Failure::default());
+        self.known_good = None;
         self.set_level(0);
         (self.decision() != before).then_some(Reason::Idle)
     }

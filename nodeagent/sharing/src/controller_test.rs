@@ -349,8 +349,9 @@ fn a_lever_kind_that_does_not_lower_the_p99_is_skipped_and_released() {
         LeverState::Needed
     );
     assert_eq!(output.decision, decision(0, 1, true, 12));
-    // Relaxing skips the SM levels: from 8 straight to 0. Level 8 failed (4 violations): going
-    // down to it, and from it, takes 4 / 0.01 = 400 clean steps each.
+    // Relaxing halves the untried levels between 12 and the highest that failed (8): to 10,
+    // then one down to 9. Level 8 failed (4 violations): going down to it, and from it, takes
+    // 4 / 0.01 = 400 clean steps each; from 8 it skips the SM levels, straight to 0.
     let mut relaxed = Vec::new();
     for _ in 0..400 {
         let output = driver.next("infer", repeat(4, MS), target);
@@ -361,7 +362,6 @@ fn a_lever_kind_that_does_not_lower_the_p99_is_skipped_and_released() {
     assert_eq!(
         relaxed,
         [
-            (decision(0, 1, false, 11), Reason::Relaxed),
             (decision(0, 2, false, 10), Reason::Relaxed),
             (decision(0, 4, false, 9), Reason::Relaxed),
             (decision(0, 8, false, 8), Reason::Relaxed),
@@ -448,17 +448,8 @@ fn below_a_needed_level_lower_levers_are_probed_one_at_a_time() {
         }
         target = Some(2 * MS);
     }
-    // Five steps per window: a step period of 2 ms, guards of 0.5, 1, 2 and 4 ms (16 µs units).
-    let guards = |from: u8| {
-        (13..=from)
-            .rev()
-            .map(|level| {
-                let guard = [512, 1008, 2000, 4000][usize::from(level - 13)];
-                (guarded(8, 1, guard, level), Reason::Relaxed)
-            })
-            .collect::<Vec<_>>()
-    };
-    let mut expected = vec![
+    let over5 = || over("infer", 5, 5);
+    let expected = vec![
         // No target yet: the top.
         (
             exclusive(8, 1, 17),
@@ -466,15 +457,16 @@ fn below_a_needed_level_lower_levers_are_probed_one_at_a_time() {
                 tenant: "infer".into(),
             },
         ),
-    ];
-    // 10 clean windows per level: down the guards, to pause, and one below (no pause): over.
-    expected.extend(guards(16));
-    expected.push((decision(8, 1, true, 12), Reason::Relaxed));
-    expected.push((decision(8, 1, false, 11), Reason::Relaxed));
-    expected.push((guarded(8, 1, 4000, 16), over("infer", 5, 5)));
-    expected.extend(guards(15));
-    expected.extend([
-        (decision(8, 1, true, 12), Reason::Relaxed),
+        // Clean there: halfway down (nothing below has failed yet), to the in-flight cap of 8
+        // without the pause: over, and up multiplicatively (8 + 4), no higher than 17.
+        (decision(8, 8, false, 8), Reason::Relaxed),
+        (decision(8, 1, true, 12), over5()),
+        // Pause holds; halfway between it and the level that failed: 10, over, back to 12
+        // (known to hold, so no higher); then 11, the last untried level, over again.
+        (decision(8, 2, false, 10), Reason::Relaxed),
+        (decision(8, 1, true, 12), over5()),
+        (decision(8, 1, false, 11), Reason::Relaxed),
+        (decision(8, 1, true, 12), over5()),
         // Clean again and in allowance, but level 11 failed (it takes 500 clean steps): the
         // pause is needed; are the SMs? Releasing them costs violations.
         (
@@ -487,10 +479,10 @@ fn below_a_needed_level_lower_levers_are_probed_one_at_a_time() {
         ),
         // The in-flight cap is not probed at Pause (its bound of 1 is part of the pause there:
         // a pause holds back new launches, not queued ones), so nothing is left to probe: once
-        // level 11 has waited out its failure it is tried again, fails, and the climb goes on.
+        // level 11 has waited out its failure it is tried again, fails, and is back at Pause.
         (decision(8, 1, false, 11), Reason::Relaxed),
-        (guarded(8, 1, 4000, 16), over("infer", 5, 5)),
-    ]);
+        (decision(8, 1, true, 12), over5()),
+    ];
     assert_eq!(changes[..expected.len()], expected);
     assert_eq!(
         driver.controller.lever_state(Lever::Sms),
@@ -869,9 +861,10 @@ fn a_level_that_failed_right_after_relaxing_into_it_is_not_relaxed_into_10_windo
         }
     }
     // 6 holds; 5 never failed, so it is tried after 10 clean windows, and fails at once (3
-    // steps over): up to 7. Back to 6 after 10 windows; then 5 waits for 3 / 0.01 = 300 clean
-    // steps (100 windows) at 6, doubled each time it fails again.
-    assert_eq!(&levels[..9], [1, 2, 3, 4, 6, 5, 7, 6, 5]);
+    // steps over): back up to 6, no higher (6 held for a whole wait: known to be enough). Then
+    // 5 waits for 3 / 0.01 = 300 clean steps (100 windows) at 6, doubled each time it fails
+    // again.
+    assert_eq!(&levels[..9], [1, 2, 3, 4, 6, 5, 6, 5, 6]);
     let probes = levels.iter().filter(|&&level| level == 5).count();
     // 3000 windows: tries of 5 after 10, 100, 200, 400, 800 and 1600 windows at 6 (plus the
     // climbs back), not every 20 windows.
@@ -942,4 +935,95 @@ fn starving_windows_are_no_samples_of_the_step_period() {
         driver.controller.step_period_ns(),
         Some((3 * (PERIOD / 3) + PERIOD / 2) / 4)
     );
+}
+
+#[test]
+fn after_starving_the_relaxation_halves_its_way_down_to_the_level_that_holds() {
+    // Without MPS (top 10): a neighbour that starves the tenant below Pause (level 5) and does
+    // not hurt from there up. One level at a time, from the top to Pause took five waits of
+    // 100 clean steps; halving takes two (10 -> 5 directly: 0 failed, 1..=9 untried, the
+    // middle of them is 5), and the tenant is served at Pause from then on.
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    for _ in 0..10 {
+        driver.next("infer", repeat(3, MS), target);
+    }
+    let since = driver.now_ns + 5 * MS;
+    driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
+    assert_eq!(driver.level(), 10);
+    let mut levels = Vec::new();
+    let mut windows_to_pause = None;
+    for window in 1..=1_000 {
+        let latency = if driver.level() < 5 { 30 * MS } else { MS };
+        let output = driver.next("infer", repeat(3, latency), target);
+        if output.change.is_some() {
+            levels.push(output.decision.level);
+        }
+        if windows_to_pause.is_none() && driver.level() == 5 {
+            windows_to_pause = Some(window);
+        }
+    }
+    // 100 clean steps at 3 a window: 34 windows per wait.
+    assert_eq!(windows_to_pause, Some(34));
+    // Below Pause: 3 (the middle of 1..=4), over, up by one to 4 (the climb is multiplicative
+    // from the level that failed, and never above 5, known to hold), over, 5; later probes wait
+    // out their failures, and the level never goes above 5 again.
+    assert_eq!(levels[..4], [5, 3, 4, 5]);
+    assert!(levels.iter().all(|&level| level <= 5), "{levels:?}");
+}
+
+#[test]
+fn a_tenant_back_from_idle_resumes_at_the_level_its_last_episode_settled_on() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    // Over budget at 0 and 1: level 2, which holds.
+    driver.next("infer", repeat(3, 3 * MS), target);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    assert_eq!(driver.level(), 2);
+    for _ in 0..40 {
+        driver.next("infer", repeat(3, MS), target);
+    }
+    // Idle: released.
+    let mut released = false;
+    for _ in 0..20 {
+        let output = driver.next("infer", LatencySnapshot::default(), target);
+        released |= changed(&output).is_some_and(|(_, reason)| reason == Reason::Idle);
+    }
+    assert!(released);
+    assert_eq!(driver.level(), 0);
+    // Back beside an active neighbour: level 2 from the first window, not a climb from 0.
+    let output = driver.next("infer", repeat(3, MS), target);
+    assert_eq!(
+        changed(&output),
+        Some((decision(0, 4, false, 2), Reason::Resumed))
+    );
+    // Back without a neighbour: nothing to protect from; the resume waits.
+    let mut driver = Driver::new(Config::new(false, 0));
+    driver.next("infer", repeat(3, 3 * MS), target);
+    // (One window of steps teaches no rhythm: idle after the longest bound, 1 s.)
+    for _ in 0..120 {
+        driver.next("infer", LatencySnapshot::default(), target);
+    }
+    assert_eq!(driver.level(), 0);
+    driver.now_ns += PERIOD;
+    let now_ns = driver.now_ns;
+    let output = driver
+        .controller
+        .handle(alone(window(now_ns, "infer", repeat(3, MS), target)));
+    assert_eq!(output.change, None, "no restriction without neighbours");
+    // The neighbour comes: the resume, at the level the episode ended on (it never relaxed).
+    assert_eq!(
+        changed(&driver.next("infer", repeat(3, MS), target))
+            .map(|(to, reason)| (to.level, reason)),
+        Some((1, Reason::Resumed))
+    );
+    // An episode that ended unrestricted resumes at 0.
+    let mut driver = Driver::new(Config::new(false, 0));
+    for _ in 0..5 {
+        driver.next("infer", repeat(3, MS), target);
+    }
+    for _ in 0..120 {
+        driver.next("infer", LatencySnapshot::default(), target);
+    }
+    assert_eq!(driver.next("infer", repeat(3, MS), target).change, None);
 }

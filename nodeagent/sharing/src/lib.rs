@@ -61,8 +61,14 @@
 //! - *Up, fast.* Over budget at level `l`: to `l + max(1, l / 2)` (multiplicative, so the top is
 //!   reached in a handful of windows from anywhere), and past every level that failed in this
 //!   episode and has not earned it back. The level that failed is remembered.
-//! - *Down, slowly.* After `relax_windows` consecutive clean windows (no violation, p99 under
-//!   `relax_margin` of the target) and with every tenant in allowance, one level down. Going
+//! - *Down, by halves.* After `relax_windows` consecutive clean windows (no violation, p99 under
+//!   `relax_margin` of the target) and with every tenant in allowance, down: to the middle of
+//!   the untried levels between the current one and the highest level that failed in this
+//!   episode (or 0), or one level when only one is left. One level per wait took 17 waits of
+//!   100 steps from the top of an H100's ladder, longer than most pairs of workloads stay
+//!   together (the neighbour then sat at Exclusive); halving finds the level that holds in a
+//!   few probes. The level left is *known to hold*: a climb from a failed probe below it goes no
+//!   higher than it (until it fails itself). Going
 //!   down to a level that failed waits for more clean steps: as many as its failure cost over
 //!   the budget (`violations / violation_budget`), doubled for each failure of that level (at
 //!   most 2^6). Probing a level that fails then costs no more than the budget, and the level
@@ -85,6 +91,11 @@
 //!   neighbour's queued kernels ran into every step and the controller ended at Exclusive). What was learnt lasts for an *episode*: until the latency
 //!   tenants go idle, or the top level with levers switched off is over budget (the pair
 //!   changed: every lever comes back).
+//! - *Resume.* An episode ends when the latency tenants go idle (everything is released). The
+//!   next one, beside active neighbours, starts at the level the last one settled on (its
+//!   lowest level known to hold, else where it stood), not at 0: a bursty serving tenant is
+//!   protected from the first step of every burst, and the relaxation takes the level down if
+//!   the neighbours now need less.
 //! - *Idle.* A tenant is idle after four of its usual gaps between steps without one (clamped to
 //!   `idle_min_ns..=idle_max_ns`); with every latency tenant idle, nothing is restricted. Never
 //!   while a latency step is open on the GPU: with one latency tenant, the step is its own; with

@@ -194,6 +194,9 @@ pub enum Reason {
     Starving { tenant: String },
     /// No latency tenant has had steps for a while: nothing is restricted.
     Idle,
+    /// The latency tenants are active again beside active neighbours: the level the last
+    /// episode settled on, from the first window (not a climb from 0 at every burst).
+    Resumed,
 }
 
 /// A change of the decision.
