@@ -681,13 +681,34 @@ impl ControlPlane {
         }
     }
 
-    /// The leader's periodic duties: mark nodes lost or back, retry pending tenants.
+    /// The leadership this member holds now, per its Raft metrics (`None`: it does not lead).
+    fn leadership(&self) -> Option<crate::leader::Leadership> {
+        let receiver = self.raft.metrics();
+        let metrics = receiver.borrow();
+        let vote = &metrics.vote;
+        (metrics.current_leader == Some(self.id)
+            && vote.committed
+            && vote.leader_id.node_id == self.id)
+            .then_some(crate::leader::Leadership {
+                term: vote.leader_id.term,
+                leader: vote.leader_id.node_id,
+            })
+    }
+
+    /// The leader's periodic duties: mark nodes lost or back, retry pending tenants. Both are
+    /// decided by this member's clock, so both are proposed as `Command::LeaderDecision` under
+    /// the leadership they were decided in, and only here (never forwarded): a member that lost
+    /// the lead meanwhile proposes nothing, and an entry of a newer leader refuses them.
     pub async fn leader_loop(self: Arc<Self>) {
-        let mut leader_since: Option<Instant> = None;
+        // A tick later than this (the process paused or starved) restarts the watch: nodes get a
+        // full timeout again (`leader`).
+        let gap_max =
+            (self.timings.node_lost_timeout / 5).max(self.timings.leader_loop_interval * 2);
+        let mut watch = crate::leader::LeaderWatch::new(gap_max);
         // Ready nodes without a heartbeat yet, and when this leader first saw them: a node's
         // registration is applied before its first heartbeat is recorded (the register call
         // records one after the write, the agent beats within an interval), and judging such a
-        // node against `leader_since` marked hundreds of freshly registered nodes lost (and
+        // node against the watch's start marked hundreds of freshly registered nodes lost (and
         // ready again) during a 10,000-node ramp-up, each a log entry and a re-placement.
         let mut first_seen: HashMap<String, Instant> = HashMap::new();
         let mut last_retry = Instant::now();
@@ -695,19 +716,27 @@ impl ControlPlane {
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             interval.tick().await;
-            if !self.is_leader() {
-                leader_since = None;
+            let leadership = self.leadership();
+            let Some(tick) = watch.tick(Instant::now(), leadership) else {
                 first_seen.clear();
                 continue;
-            }
-            let since = *leader_since.get_or_insert_with(|| {
-                tracing::info!(
+            };
+            let leadership = leadership.expect("a watch is kept only while leading");
+            match tick.started {
+                Some(crate::leader::WatchStart::Elected) => tracing::info!(
                     id = self.id,
+                    term = leadership.term,
                     "became leader; giving every node one lost-timeout of grace"
-                );
-                Instant::now()
-            });
-            let changes = self.node_state_changes(since, &mut first_seen);
+                ),
+                Some(crate::leader::WatchStart::Gap(gap)) => tracing::warn!(
+                    id = self.id,
+                    term = leadership.term,
+                    gap_ms = gap.as_millis() as u64,
+                    "the leader loop did not run for a while (paused or starved); it did not observe the nodes meanwhile, so every node gets one lost-timeout of grace again"
+                ),
+                None => {}
+            }
+            let changes = self.node_state_changes(tick.since, &mut first_seen);
             for (node, state, reason) in changes {
                 tracing::warn!(%node, ?state, %reason, "node state change");
                 let command = Command::SetNodeState {
@@ -716,64 +745,59 @@ impl ControlPlane {
                     reason,
                     unix_ms: unix_ms(),
                 };
-                if let Err(status) = self.write(command).await {
-                    tracing::warn!(error = %status.message(), "could not record a node state change");
+                if let Err(message) = self.propose_decision(leadership, command).await {
+                    tracing::warn!(%message, "did not record a node state change");
                 }
             }
             let pending = self.shared.read().pool.engine.pending_count();
             if pending > 0 && last_retry.elapsed() >= self.timings.retry_interval {
                 last_retry = Instant::now();
-                if let Err(status) = self.write(Command::Retry { unix_ms: unix_ms() }).await {
-                    tracing::warn!(error = %status.message(), "could not retry the pending queue");
+                let command = Command::Retry { unix_ms: unix_ms() };
+                if let Err(message) = self.propose_decision(leadership, command).await {
+                    tracing::warn!(%message, "did not retry the pending queue");
                 }
             }
         }
     }
 
+    /// Proposes a leader decision on this member only, fenced by `leadership`. `Err` says why it
+    /// was not applied (no longer the leader, a stale term, a failure).
+    async fn propose_decision(
+        &self,
+        leadership: crate::leader::Leadership,
+        command: Command,
+    ) -> Result<(), String> {
+        let fenced = Command::LeaderDecision {
+            term: leadership.term,
+            leader: leadership.leader,
+            command: Box::new(command),
+        };
+        match self.write_local(fenced).await {
+            Ok(Ok(CommandResult::Failed { message, .. })) => Err(message),
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(_)) => Err("this member no longer leads; the new leader decides".to_owned()),
+            Err(status) => Err(status.message().to_owned()),
+        }
+    }
+
     fn node_state_changes(
         &self,
-        leader_since: Instant,
+        since: Instant,
         first_seen: &mut HashMap<String, Instant>,
-    ) -> Vec<(String, placement::NodeState, String)> {
-        let now = Instant::now();
-        let timeout = self.timings.node_lost_timeout;
+    ) -> Vec<crate::leader::NodeChange> {
         let applied = self.shared.read();
         // Looked up under the lock rather than cloned: with thousands of nodes a copy of the map
         // every loop tick costs more than the lookups. Lock order: state, then heartbeats
         // (`record_heartbeat` never holds both).
         let heartbeats = self.heartbeats.lock().expect("heartbeats lock");
-        let mut changes = Vec::new();
-        for (name, state) in applied.pool.engine.node_states() {
-            let last = heartbeats.get(name).map(|(at, _)| *at);
-            match state {
-                placement::NodeState::Ready => {
-                    let reference = match last {
-                        Some(at) => at.max(leader_since),
-                        None => *first_seen.entry(name.to_owned()).or_insert(now),
-                    };
-                    if now.duration_since(reference) > timeout {
-                        let reason =
-                            format!("no heartbeat for more than {:.1}s", timeout.as_secs_f64());
-                        changes.push((name.to_owned(), placement::NodeState::Lost, reason));
-                    }
-                }
-                placement::NodeState::Lost => {
-                    if last.is_some_and(|at| now.duration_since(at) < timeout) {
-                        changes.push((
-                            name.to_owned(),
-                            placement::NodeState::Ready,
-                            "heartbeats resumed".to_owned(),
-                        ));
-                    }
-                }
-                placement::NodeState::Draining => {}
-            }
-        }
-        // Bounded by the nodes: entries leave once their node has beaten (or is gone).
-        first_seen.retain(|name, _| !heartbeats.contains_key(name));
-        if first_seen.len() > applied.pool.nodes.len() {
-            first_seen.retain(|name, _| applied.pool.nodes.contains_key(name));
-        }
+        let changes = crate::leader::judge_nodes(
+            Instant::now(),
+            since,
+            self.timings.node_lost_timeout,
+            applied.pool.engine.node_states(),
+            |name| heartbeats.get(name).map(|(at, _)| *at),
+            first_seen,
+        );
         debug_assert!(first_seen.len() <= applied.pool.nodes.len());
         changes
     }

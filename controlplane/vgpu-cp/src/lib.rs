@@ -10,6 +10,7 @@ pub mod certs;
 pub mod config;
 pub mod control_plane;
 pub mod identity;
+pub mod leader;
 pub mod metrics;
 pub mod network;
 pub mod pool;

@@ -77,6 +77,17 @@ pub enum Command {
         owner: Option<String>,
         unix_ms: i64,
     },
+    /// A command the leader decided by time (`SetNodeState` for a silent or resumed node,
+    /// `Retry`), fenced by the leadership it was decided under: applied only when the entry
+    /// carrying it was appended by that same leader (`term`, `leader`), else refused with
+    /// `[VGPU-NOT-LEADER]` and nothing changes. A leader paused past an election, or deposed
+    /// between deciding and proposing, cannot unbind tenants on a stale view (issue 22).
+    /// (Appended last, like `SetTenant`.)
+    LeaderDecision {
+        term: u64,
+        leader: u64,
+        command: Box<Command>,
+    },
 }
 
 /// Most unexpired bootstrap tokens the pool keeps.
@@ -199,9 +210,27 @@ fn failed(code: ErrorCode, message: impl Into<String>) -> CommandResult {
     }
 }
 
+/// Which leader appended a log entry: its term and its member id (openraft's `LeaderId`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EntryLeader {
+    pub term: u64,
+    pub leader: u64,
+}
+
 impl PoolState {
-    /// Applies the command of log entry `index`.
+    /// Applies the command of log entry `index`, appended by an unknown leader: a
+    /// `Command::LeaderDecision` in it is refused. The state machine calls [`Self::apply_entry`].
     pub fn apply(&mut self, index: u64, command: Command) -> CommandResult {
+        self.apply_entry(index, EntryLeader::default(), command)
+    }
+
+    /// Applies the command of log entry `index`, which `appended_by` appended.
+    pub fn apply_entry(
+        &mut self,
+        index: u64,
+        appended_by: EntryLeader,
+        command: Command,
+    ) -> CommandResult {
         match command {
             Command::Batch(commands) => {
                 assert!(commands.len() <= BATCH_COMMANDS_MAX, "batches are bounded");
@@ -210,13 +239,57 @@ impl PoolState {
                     .enumerate()
                     .map(|(position, command)| {
                         assert!(!matches!(command, Command::Batch(_)), "batches do not nest");
-                        self.apply_at(index, index << 16 | position as u64, command)
+                        self.apply_fenced(
+                            index,
+                            index << 16 | position as u64,
+                            appended_by,
+                            command,
+                        )
                     })
                     .collect();
                 CommandResult::Batch(results)
             }
-            command => self.apply_at(index, index << 16, command),
+            command => self.apply_fenced(index, index << 16, appended_by, command),
         }
+    }
+
+    /// Unwraps a `Command::LeaderDecision` whose leadership appended the entry; refuses one
+    /// decided under another (see the variant).
+    fn apply_fenced(
+        &mut self,
+        index: u64,
+        seq: u64,
+        appended_by: EntryLeader,
+        command: Command,
+    ) -> CommandResult {
+        let (term, leader, command) = match command {
+            Command::LeaderDecision {
+                term,
+                leader,
+                command,
+            } => (term, leader, command),
+            command => return self.apply_at(index, seq, command),
+        };
+        if !matches!(
+            *command,
+            Command::SetNodeState { .. } | Command::Retry { .. }
+        ) {
+            return failed(
+                ErrorCode::InvalidArgument,
+                "only node state changes and retries are leader decisions (a bug in the proposer)",
+            );
+        }
+        let decided = EntryLeader { term, leader };
+        if decided != appended_by {
+            return failed(
+                ErrorCode::NotLeader,
+                format!(
+                    "a decision of leader {leader} in term {term} reached the log under leader {} in term {}; it was made on a stale view and is dropped (the current leader decides again)",
+                    appended_by.leader, appended_by.term
+                ),
+            );
+        }
+        self.apply_at(index, seq, *command)
     }
 
     /// Applies one (non-batch) command of log entry `index`; `seq` orders tenants submitted in
@@ -224,6 +297,7 @@ impl PoolState {
     fn apply_at(&mut self, index: u64, seq: u64, command: Command) -> CommandResult {
         match command {
             Command::Batch(_) => unreachable!("batches are unpacked by apply"),
+            Command::LeaderDecision { .. } => unreachable!("decisions are unwrapped by apply"),
             Command::RegisterNode {
                 spec,
                 address,

@@ -716,3 +716,95 @@ fn a_pending_tenant_changes_its_request_and_a_smaller_share_lets_it_in() {
         late.history
     );
 }
+
+/// Issue 22, point 2: the leader of term 3 decided `node-a` lost on its stale view (it had been
+/// paused while term 4 elected another leader), and the decision reached the log in an entry of
+/// the new leader. Applying it does nothing: the tenant stays where it is.
+#[test]
+fn a_decision_of_a_deposed_leader_does_nothing() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    place(&mut state, 2, "train", whole(4));
+    register(&mut state, 3, "node-b");
+    let revision = state.node_revisions["node-a"];
+    let decided = |term, leader| Command::LeaderDecision {
+        term,
+        leader,
+        command: Box::new(Command::SetNodeState {
+            node: "node-a".into(),
+            state: placement::NodeState::Lost,
+            reason: "no heartbeat for more than 5.0s".into(),
+            unix_ms: 4,
+        }),
+    };
+    let new_leader = EntryLeader { term: 4, leader: 2 };
+    let CommandResult::Failed { code, message } = state.apply_entry(4, new_leader, decided(3, 1))
+    else {
+        panic!("a stale decision is refused");
+    };
+    assert_eq!(code, ErrorCode::NotLeader);
+    assert!(message.contains("term 3"), "{message}");
+    // Batched with other writes, it is refused alone.
+    let batch = Command::Batch(vec![decided(3, 1), Command::Retry { unix_ms: 5 }]);
+    let CommandResult::Batch(results) = state.apply_entry(5, new_leader, batch) else {
+        panic!("a batch answers per command");
+    };
+    assert!(matches!(results[0], CommandResult::Failed { .. }));
+    assert_eq!(results[1], CommandResult::Done);
+    // The same leader id in a later term (re-elected) is another leadership too.
+    let reelected = EntryLeader { term: 5, leader: 1 };
+    assert!(matches!(
+        state.apply_entry(6, reelected, decided(3, 1)),
+        CommandResult::Failed { .. }
+    ));
+    // Not applied through the plain path either (the leader is unknown there).
+    assert!(matches!(
+        state.apply(7, decided(3, 1)),
+        CommandResult::Failed { .. }
+    ));
+    assert_eq!(state.tenants["train"].state, TenantState::Placed);
+    assert!(
+        state.tenants["train"]
+            .slices
+            .iter()
+            .all(|s| s.node == "node-a")
+    );
+    assert_eq!(state.node_revisions["node-a"], revision);
+    assert_eq!(
+        state.engine.node("node-a").map(|view| view.state),
+        Some(placement::NodeState::Ready)
+    );
+    // Decided and appended by the same leadership, it applies.
+    assert_eq!(
+        state.apply_entry(8, reelected, decided(5, 1)),
+        CommandResult::Done
+    );
+    assert!(
+        state.tenants["train"]
+            .slices
+            .iter()
+            .all(|s| s.node == "node-b")
+    );
+}
+
+#[test]
+fn only_node_states_and_retries_are_leader_decisions() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    let leader = EntryLeader { term: 2, leader: 1 };
+    let release = Command::LeaderDecision {
+        term: 2,
+        leader: 1,
+        command: Box::new(Command::Release {
+            name: "x".into(),
+            unix_ms: 0,
+        }),
+    };
+    assert!(matches!(
+        state.apply_entry(2, leader, release),
+        CommandResult::Failed {
+            code: ErrorCode::InvalidArgument,
+            ..
+        }
+    ));
+}

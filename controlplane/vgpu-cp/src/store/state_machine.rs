@@ -291,7 +291,13 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 let result = match entry.payload {
                     EntryPayload::Blank => CommandResult::Done,
                     EntryPayload::Normal(command) => {
-                        applied.pool.apply(entry.log_id.index, command)
+                        let appended_by = crate::pool::EntryLeader {
+                            term: entry.log_id.leader_id.term,
+                            leader: entry.log_id.leader_id.node_id,
+                        };
+                        applied
+                            .pool
+                            .apply_entry(entry.log_id.index, appended_by, command)
                     }
                     EntryPayload::Membership(membership) => {
                         applied.membership = StoredMembership::new(Some(entry.log_id), membership);
