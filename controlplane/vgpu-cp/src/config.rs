@@ -377,6 +377,7 @@ impl Settings {
             insecure: self.insecure.unwrap_or(false),
             tls,
             ca_key: self.tls_ca_key,
+            tenant_priority_max: None,
         };
         let config = Config {
             mode,

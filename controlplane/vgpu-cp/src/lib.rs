@@ -138,6 +138,9 @@ pub struct Security {
     pub tls: Option<api::tls::TlsFiles>,
     /// The CA's key: lets this member sign the certificates of agents joining with a token.
     pub ca_key: Option<PathBuf>,
+    /// The highest priority a `tenant:OWNER` certificate may give its tenants (`None`:
+    /// [`security::TENANT_PRIORITY_MAX_DEFAULT`]); admins may use the whole range.
+    pub tenant_priority_max: Option<i32>,
 }
 
 /// What `vgpu-cp` says when it has neither certificates nor `--insecure`.
@@ -164,6 +167,9 @@ impl Security {
             ca_cert_pem,
             ca_signer,
             revoked: security::Revocations::default(),
+            tenant_priority_max: self
+                .tenant_priority_max
+                .unwrap_or(security::TENANT_PRIORITY_MAX_DEFAULT),
         };
         Ok((transport, guard))
     }

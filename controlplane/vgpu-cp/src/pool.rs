@@ -88,6 +88,17 @@ pub enum Command {
         leader: u64,
         command: Box<Command>,
     },
+    /// A write a `tenant:OWNER` certificate asked for (`Place`, `Release`, `SetTenant`), with
+    /// the owner it may act for: applied only when the tenant does not exist yet or is stored
+    /// with that owner (and a `Place` asks for that owner), else refused with
+    /// `[VGPU-PERMISSION-DENIED]` and nothing changes. The entry member checks the owner before
+    /// proposing too, but only apply sees the state the write meets: a release racing another
+    /// owner's place of the same name cannot remove that owner's tenant (issue 22).
+    /// (Appended last, like `LeaderDecision`.)
+    AsOwner {
+        owner: String,
+        command: Box<Command>,
+    },
 }
 
 /// Most unexpired bootstrap tokens the pool keeps.
@@ -253,8 +264,8 @@ impl PoolState {
         }
     }
 
-    /// Unwraps a `Command::LeaderDecision` whose leadership appended the entry; refuses one
-    /// decided under another (see the variant).
+    /// Unwraps a `Command::LeaderDecision` whose leadership appended the entry, and a
+    /// `Command::AsOwner` whose owner holds the tenant; refuses the others (see the variants).
     fn apply_fenced(
         &mut self,
         index: u64,
@@ -268,6 +279,12 @@ impl PoolState {
                 leader,
                 command,
             } => (term, leader, command),
+            Command::AsOwner { owner, command } => {
+                if let Err(refusal) = self.check_owner(&owner, &command) {
+                    return refusal;
+                }
+                return self.apply_at(index, seq, *command);
+            }
             command => return self.apply_at(index, seq, command),
         };
         if !matches!(
@@ -297,7 +314,9 @@ impl PoolState {
     fn apply_at(&mut self, index: u64, seq: u64, command: Command) -> CommandResult {
         match command {
             Command::Batch(_) => unreachable!("batches are unpacked by apply"),
-            Command::LeaderDecision { .. } => unreachable!("decisions are unwrapped by apply"),
+            Command::LeaderDecision { .. } | Command::AsOwner { .. } => {
+                unreachable!("decisions and owned writes are unwrapped by apply")
+            }
             Command::RegisterNode {
                 spec,
                 address,
@@ -347,6 +366,45 @@ impl PoolState {
                 CommandResult::Done
             }
         }
+    }
+
+    /// Whether `owner` may apply `command` (see `Command::AsOwner`).
+    fn check_owner(&self, owner: &str, command: &Command) -> Result<(), CommandResult> {
+        let name = match command {
+            Command::Place { name, request, .. } => {
+                let asked = v1::PlacementRequest::decode(request.as_slice())
+                    .map(|request| request.owner)
+                    .unwrap_or_default();
+                if asked != owner {
+                    return Err(failed(
+                        ErrorCode::PermissionDenied,
+                        format!(
+                            "a tenant certificate of owner `{owner}` placed tenant `{name}` for another owner; it places only for its own"
+                        ),
+                    ));
+                }
+                name
+            }
+            Command::Release { name, .. } | Command::SetTenant { name, .. } => name,
+            _ => {
+                return Err(failed(
+                    ErrorCode::InvalidArgument,
+                    "only placing, changing and releasing tenants act for an owner (a bug in the proposer)",
+                ));
+            }
+        };
+        let Some(record) = self.tenants.get(name) else {
+            return Ok(());
+        };
+        if decode_request(&record.request).owner == owner {
+            return Ok(());
+        }
+        Err(failed(
+            ErrorCode::PermissionDenied,
+            format!(
+                "tenant `{name}` belongs to another owner than `{owner}`; a tenant certificate acts only on its own owner's tenants, and nothing was changed"
+            ),
+        ))
     }
 
     fn create_token(&mut self, hash: String, expires_unix_ms: i64, unix_ms: i64) -> CommandResult {

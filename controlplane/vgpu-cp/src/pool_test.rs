@@ -808,3 +808,88 @@ fn only_node_states_and_retries_are_leader_decisions() {
         }
     ));
 }
+
+fn owned(owner: &str, command: Command) -> Command {
+    Command::AsOwner {
+        owner: owner.to_owned(),
+        command: Box::new(command),
+    }
+}
+
+/// Issue 22, point 4 (a): bob's release checked the owner at his member and was proposed; by
+/// the time it was applied the name belonged to alice's new tenant. Applying it refuses and
+/// leaves alice's tenant alone.
+#[test]
+fn a_release_for_another_owner_is_refused_where_it_is_applied() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    let alices = v1::PlacementRequest {
+        owner: "alice".into(),
+        ..fraction(250, 10)
+    };
+    let place_alice = Command::Place {
+        name: "a1".into(),
+        request: alices.encode_to_vec(),
+        unix_ms: 2,
+    };
+    assert!(matches!(
+        state.apply(2, owned("alice", place_alice.clone())),
+        CommandResult::Tenant(_)
+    ));
+    let release = Command::Release {
+        name: "a1".into(),
+        unix_ms: 3,
+    };
+    let CommandResult::Failed { code, message } = state.apply(3, owned("bob", release.clone()))
+    else {
+        panic!("bob may not release alice's tenant");
+    };
+    assert_eq!(code, ErrorCode::PermissionDenied);
+    assert!(message.contains("another owner"), "{message}");
+    assert_eq!(state.tenants["a1"].state, TenantState::Placed);
+    // Nor change it, nor place over it, nor place for alice.
+    let change = Command::SetTenant {
+        name: "a1".into(),
+        compute_percent: None,
+        priority: Some(5),
+        latency_target_us: None,
+        owner: Some("bob".into()),
+        unix_ms: 4,
+    };
+    assert!(matches!(
+        state.apply(4, owned("bob", change)),
+        CommandResult::Failed {
+            code: ErrorCode::PermissionDenied,
+            ..
+        }
+    ));
+    assert!(matches!(
+        state.apply(5, owned("bob", place_alice)),
+        CommandResult::Failed {
+            code: ErrorCode::PermissionDenied,
+            ..
+        }
+    ));
+    assert_eq!(state.tenants["a1"].revision, 2, "nothing changed");
+    // Alice releases her own; a name nobody holds is not found, whoever asks.
+    assert_eq!(
+        state.apply(6, owned("alice", release.clone())),
+        CommandResult::Done
+    );
+    assert!(matches!(
+        state.apply(7, owned("bob", release)),
+        CommandResult::Failed {
+            code: ErrorCode::TenantNotFound,
+            ..
+        }
+    ));
+    // Only tenant writes act for an owner.
+    let retry = owned("bob", Command::Retry { unix_ms: 8 });
+    assert!(matches!(
+        state.apply(8, retry),
+        CommandResult::Failed {
+            code: ErrorCode::InvalidArgument,
+            ..
+        }
+    ));
+}

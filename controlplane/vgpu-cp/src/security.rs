@@ -4,7 +4,9 @@
 //!
 //! - `admin`: everything.
 //! - `tenant:OWNER`: place, change (`SetTenant`), release, get and list the tenants whose owner
-//!   is OWNER.
+//!   is OWNER, at a priority of at most the member's ceiling (`Guard::tenant_priority_max`), so
+//!   a tenant cannot preempt what an admin placed above it. Writes carry the owner into the log
+//!   (`pool::Command::AsOwner`), and applying them checks it again.
 //! - `agent`: `Register`, `Heartbeat` and `WatchAssignments` for the node named by its
 //!   certificate's common name.
 //! - `member`: the Raft transport (`Raft.*`), `Cluster.Status` and `Cluster.AddMember` (joining).
@@ -23,6 +25,9 @@ use tonic::{Request, Status};
 
 /// The common name given to callers under `--insecure`.
 pub const INSECURE_CALLER: &str = "insecure";
+/// The highest priority tenant certificates may use unless the member is configured otherwise:
+/// the upper tenth of the range (`api::validate::PRIORITY_MAX`) is left to admins.
+pub const TENANT_PRIORITY_MAX_DEFAULT: i32 = 100;
 /// Longest bootstrap token lifetime (`vgpu-cp token create --ttl`).
 pub const TOKEN_TTL_MAX_SECONDS: u64 = 7 * 24 * 3600;
 
@@ -37,6 +42,8 @@ pub struct Guard {
     pub ca_signer: Option<CertAndKey>,
     /// Where the revoked serials are read (the replicated state).
     pub revoked: Revocations,
+    /// The highest priority a `tenant:OWNER` caller may place or set; admins are not bound.
+    pub tenant_priority_max: i32,
 }
 
 /// The revoked certificates, read from the member's replicated state at each call. Empty
@@ -150,6 +157,23 @@ impl Guard {
         }
     }
 
+    /// Refuses a priority above [`Guard::tenant_priority_max`] asked by a tenant certificate,
+    /// with a message that says the ceiling.
+    pub fn check_priority(
+        &self,
+        peer: &Peer,
+        scope: &TenantScope,
+        priority: i32,
+    ) -> Result<(), Status> {
+        if *scope == TenantScope::All || priority <= self.tenant_priority_max {
+            return Ok(());
+        }
+        Err(ErrorCode::PermissionDenied.status(format!(
+            "the certificate of `{}` (role {}) may use priorities up to {} (the ceiling for tenant certificates), not {priority}; ask an admin to place or change it above that",
+            peer.name, peer.role, self.tenant_priority_max
+        )))
+    }
+
     /// Admins (all tenants) and tenants (their own).
     pub fn tenants<T>(
         &self,
@@ -185,6 +209,7 @@ mod tests {
             ca_cert_pem: None,
             ca_signer: None,
             revoked: Revocations::default(),
+            tenant_priority_max: TENANT_PRIORITY_MAX_DEFAULT,
         };
         let caller = insecure.admin(&Request::new(()), "anything").unwrap();
         assert_eq!(caller.role, Role::Admin);
@@ -193,6 +218,7 @@ mod tests {
             ca_cert_pem: None,
             ca_signer: None,
             revoked: Revocations::default(),
+            tenant_priority_max: TENANT_PRIORITY_MAX_DEFAULT,
         };
         let status = secure.caller(&Request::new(())).unwrap_err();
         assert_eq!(status.code(), tonic::Code::Unauthenticated);
@@ -218,5 +244,35 @@ mod tests {
         assert!(!TenantScope::Owner("a".into()).covers("b"));
         assert!(!TenantScope::Owner("a".into()).covers(""));
         assert!(TenantScope::All.covers("anyone"));
+    }
+
+    #[test]
+    fn tenant_certificates_are_held_below_the_priority_ceiling_and_admins_are_not() {
+        let guard = Guard {
+            insecure: false,
+            ca_cert_pem: None,
+            ca_signer: None,
+            revoked: Revocations::default(),
+            tenant_priority_max: 100,
+        };
+        let alice = peer(Role::Tenant("alice".into()), "alice");
+        let owner = TenantScope::Owner("alice".into());
+        assert!(guard.check_priority(&alice, &owner, 100).is_ok());
+        assert!(guard.check_priority(&alice, &owner, -1000).is_ok());
+        let status = guard.check_priority(&alice, &owner, 1000).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        let message = status.message();
+        assert!(
+            message.starts_with("[VGPU-PERMISSION-DENIED]")
+                && message.contains("up to 100")
+                && message.contains("not 1000"),
+            "{message}"
+        );
+        let admin = peer(Role::Admin, "ops");
+        assert!(
+            guard
+                .check_priority(&admin, &TenantScope::All, 1000)
+                .is_ok()
+        );
     }
 }

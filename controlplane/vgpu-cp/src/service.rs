@@ -42,6 +42,18 @@ fn result_to_tenant(result: CommandResult, service: &Service) -> Result<v1::Tena
     }
 }
 
+/// A write a tenant certificate asked for carries its owner into the log (`Command::AsOwner`):
+/// applying it checks the owner again on the state it meets. Admins' writes go as they are.
+fn as_owner(scope: &TenantScope, command: Command) -> Command {
+    match scope {
+        TenantScope::All => command,
+        TenantScope::Owner(owner) => Command::AsOwner {
+            owner: owner.clone(),
+            command: Box::new(command),
+        },
+    }
+}
+
 fn result_to_unit(result: CommandResult) -> Result<(), Status> {
     match result {
         CommandResult::Failed { code, message } => Err(code.status(message)),
@@ -132,6 +144,8 @@ impl v1::pool_server::Pool for Service {
             .request
             .ok_or_else(|| invalid("the placement request is missing"))?;
         api::validate::admit_request(&placement).map_err(invalid)?;
+        self.guard
+            .check_priority(&peer, &scope, placement.priority)?;
         if let TenantScope::Owner(owner) = &scope {
             if !placement.owner.is_empty() && placement.owner != *owner {
                 return Err(denied(
@@ -145,11 +159,14 @@ impl v1::pool_server::Pool for Service {
         if !placement.owner.is_empty() {
             api::names::validate("owner", &placement.owner).map_err(invalid)?;
         }
-        let command = Command::Place {
-            name: request.name,
-            request: placement.encode_to_vec(),
-            unix_ms: unix_ms(),
-        };
+        let command = as_owner(
+            &scope,
+            Command::Place {
+                name: request.name,
+                request: placement.encode_to_vec(),
+                unix_ms: unix_ms(),
+            },
+        );
         let result = self.control_plane.write(command).await?;
         let tenant = result_to_tenant(result, self)?;
         Ok(Response::new(v1::PlaceResponse {
@@ -169,14 +186,14 @@ impl v1::pool_server::Pool for Service {
             self.control_plane.linearize().await?;
             self.check_owner(&peer, &scope, &name, "releasing")?;
         }
-        result_to_unit(
-            self.control_plane
-                .write(Command::Release {
-                    name,
-                    unix_ms: unix_ms(),
-                })
-                .await?,
-        )?;
+        let command = as_owner(
+            &scope,
+            Command::Release {
+                name,
+                unix_ms: unix_ms(),
+            },
+        );
+        result_to_unit(self.control_plane.write(command).await?)?;
         Ok(Response::new(v1::ReleaseResponse {}))
     }
 
@@ -188,6 +205,9 @@ impl v1::pool_server::Pool for Service {
         let change = request.into_inner();
         api::names::validate("tenant", &change.name).map_err(invalid)?;
         api::validate::validate_change(&change).map_err(invalid)?;
+        if let Some(priority) = change.priority {
+            self.guard.check_priority(&peer, &scope, priority)?;
+        }
         let owner = match &scope {
             TenantScope::All => None,
             TenantScope::Owner(owner) => {

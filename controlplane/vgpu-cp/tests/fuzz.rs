@@ -97,6 +97,7 @@ fn member() -> &'static Member {
             ca_cert_pem: None,
             ca_signer: None,
             revoked: vgpu_cp::security::Revocations::default(),
+            tenant_priority_max: vgpu_cp::security::TENANT_PRIORITY_MAX_DEFAULT,
         };
         Member {
             cluster_id: control_plane.cluster_id.clone(),
