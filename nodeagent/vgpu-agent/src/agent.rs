@@ -14,14 +14,22 @@
 //!   registers again (an identical inventory keeps the node's tenants). Failed beats move to the
 //!   next address and retry sooner, with backoff, never later than the interval.
 //! * One `WatchAssignments` stream is held; when it ends or fails the agent moves to the next
-//!   address and calls again after a backoff. Each message goes to the [`Follower`]; a message
-//!   it cannot apply drops the stream.
+//!   address and calls again after a backoff. Each message goes to the [`Follower`] on a thread
+//!   of its own ([`follower::Worker`](crate::follower::Worker)); a message it cannot apply drops
+//!   the stream it came on.
+//!
+//! **Architecture Invariant:** the loop here does no file I/O and never waits for the
+//! assignments to be applied: handing a message over is a swap in a one-message slot. So a
+//! beat is never late because a state write is slow or blocked, or because the stream brings
+//! hundreds of updates a second (issue 22, point 3: a node under churn went silent and was
+//! declared lost). Updates are coalesced: only the newest set waits while one is applied.
 //!
 //! Bounds: every wait is a backoff (100 ms doubling to 2 s by default) or the heartbeat
-//! interval, every call has a timeout, and nothing is queued: at most one unary call and one
-//! stream are in flight. There is no attempt limit on purpose: an agent's job is to stay joined
-//! through control-plane outages, and shutdown (SIGINT, SIGTERM) ends the loop at any point.
-//! State writes are synchronous, so stopping never leaves a half-written file.
+//! interval, every call has a timeout, and nothing else is queued: at most one unary call and
+//! one stream are in flight, and one assignment message waits. There is no attempt limit on
+//! purpose: an agent's job is to stay joined through control-plane outages, and shutdown
+//! (SIGINT, SIGTERM) ends the loop at any point. State files are written atomically, and
+//! shutdown waits up to [`WORKER_STOP_LIMIT`] for the application in progress.
 //!
 //! The pieces of I/O that `simulate-fleet` shares (`Timers`, `AssignmentStream`) are here
 //! too, so both shells open streams and keep time the same way.
@@ -44,7 +52,7 @@ use tracing::{debug, error, info, warn};
 use crate::cdi::{CdiConfig, CdiWriter};
 use crate::endpoints::Endpoints;
 use crate::error::{Error, Result};
-use crate::follower::Follower;
+use crate::follower::{Follower, Worker};
 use crate::inventory::InventorySource;
 use crate::monitor::{Monitor, MonitorConfig, Report};
 use crate::report::{ReportPolicy, ReportSender};
@@ -60,6 +68,8 @@ pub use crate::session::{
 
 /// How often GPU health and tenant usage are sampled for the heartbeats ([`crate::monitor`]).
 pub const MONITOR_INTERVAL: Duration = Duration::from_secs(1);
+/// Longest wait at shutdown for the assignment set being applied.
+pub const WORKER_STOP_LIMIT: Duration = Duration::from_secs(10);
 
 /// What `vgpu-agent join` runs with.
 #[derive(Debug, Clone)]
@@ -174,20 +184,35 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
         ),
         closed_loop.clone(),
     );
+    let mut worker = Worker::spawn(move |message, source| {
+        follower.on_message(message, source)?;
+        closed_loop.set_tenants(latency_tenants(follower.current()));
+        Ok(())
+    })?;
     let agent = Agent {
         node: inventory.to_proto(&config.address, &config.labels),
         endpoints,
         timings: config.timings,
         monitor,
-        closed_loop,
     };
     let shaper = tokio::spawn(crate::bandwidth::run(
         config.state_dir.clone(),
         config.shm_dir.clone(),
         config.nic_bytes_per_second,
     ));
-    let result = agent.run(follower, shutdown).await;
+    let result = agent.run(&mut worker, shutdown).await;
     shaper.abort();
+    let counts = worker.counts();
+    if !worker.stop(WORKER_STOP_LIMIT).await {
+        warn!(
+            "the assignment set being applied was not done within {} s (is the state directory's disk stuck?); exiting anyway, state files are replaced atomically",
+            WORKER_STOP_LIMIT.as_secs()
+        );
+    }
+    info!(
+        "assignment messages: {} received, {} applied, {} replaced by a newer one first",
+        counts.offered, counts.applied, counts.coalesced
+    );
     result
 }
 
@@ -197,8 +222,6 @@ struct Agent {
     timings: Timings,
     /// GPU health and tenant usage for the heartbeats.
     monitor: Monitor,
-    /// The latency tenants the closed loop follows.
-    closed_loop: std::sync::Arc<crate::closed_loop::ClosedLoopShared>,
 }
 
 /// The latency tenants of an assignment set, with their explicit targets.
@@ -232,7 +255,7 @@ enum Note {
 impl Agent {
     /// Drives the node's session until it stops: `Ok` after `shutdown`, an error after a refusal
     /// that retrying cannot fix.
-    async fn run(&self, mut follower: Follower, shutdown: impl Future<Output = ()>) -> Result<()> {
+    async fn run(&self, worker: &mut Worker, shutdown: impl Future<Output = ()>) -> Result<()> {
         let mut session = Session::new(SessionConfig {
             node: self.name().to_owned(),
             addresses: self.endpoints.len(),
@@ -250,10 +273,13 @@ impl Agent {
         let mut io = Io::<Answer>::default();
         // Heartbeat failures in a row, for the log.
         let mut failures: u64 = 0;
+        // The number of the stream last opened, so that a failure of a message from an earlier
+        // one does not drop the current one.
+        let mut streams: u64 = 0;
         let mut actions = session.handle(now(), Event::Start);
         loop {
             for action in actions {
-                if let Some(stopped) = self.execute(action, &mut io) {
+                if let Some(stopped) = self.execute(action, &mut io, &mut streams) {
                     return stopped;
                 }
             }
@@ -279,17 +305,11 @@ impl Agent {
                     let address = io.stream.as_ref().expect("the stream yielded").address;
                     match item {
                         StreamItem::Message(message) => {
-                            match follower.on_message(&message, self.endpoints.address(address)) {
-                                Ok(_changes) => {
-                                    self.closed_loop.set_tenants(latency_tenants(follower.current()));
-                                    None
-                                }
-                                Err(problem) => {
-                                    io.stream = None;
-                                    note = Some(Note::Unapplied(problem));
-                                    Some(Event::WatchEnded(WatchEnd::Unapplied))
-                                }
+                            let revision = message.revision;
+                            if worker.offer(message, self.endpoints.address(address), streams) {
+                                debug!("assignments revision {revision} replaced an unapplied set");
                             }
+                            None
                         }
                         StreamItem::Ended(end) => {
                             io.stream = None;
@@ -297,6 +317,22 @@ impl Agent {
                             note = Some(Note::StreamEnded { address, end });
                             Some(event)
                         }
+                    }
+                }
+                failure = worker.failure() => {
+                    let Some(failure) = failure else {
+                        return Err(Error::WorkerGone);
+                    };
+                    if io.stream.is_some() && failure.stream == streams {
+                        io.stream = None;
+                        note = Some(Note::Unapplied(failure.error));
+                        Some(Event::WatchEnded(WatchEnd::Unapplied))
+                    } else {
+                        warn!(
+                            "cannot apply the assignments of revision {} from an earlier stream: {}; the current stream's set is applied next",
+                            failure.revision, failure.error
+                        );
+                        None
                     }
                 }
             };
@@ -316,7 +352,12 @@ impl Agent {
     }
 
     /// Does what the session asked for; returns how the agent ends if it said to stop.
-    fn execute(&self, action: Action, io: &mut Io<'static, Answer>) -> Option<Result<()>> {
+    fn execute(
+        &self,
+        action: Action,
+        io: &mut Io<'static, Answer>,
+        streams: &mut u64,
+    ) -> Option<Result<()>> {
         match action {
             Action::Register {
                 address,
@@ -332,6 +373,7 @@ impl Agent {
                 request,
             } => io.call = Some(self.heartbeat(address, timeout, request)),
             Action::Watch { address } => {
+                *streams += 1;
                 io.stream = Some(AssignmentStream::open(
                     &self.endpoints,
                     address,

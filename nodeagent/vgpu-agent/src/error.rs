@@ -79,6 +79,14 @@ pub enum Error {
     },
     #[error(transparent)]
     Mps(#[from] crate::mps::MpsError),
+    #[error(
+        "cannot start the thread that applies assignments: {0}; the node is short of threads or memory"
+    )]
+    WorkerThread(std::io::Error),
+    #[error(
+        "the thread that applies assignments stopped; this is a bug in vgpu-agent (its panic is in the log above), restart the agent"
+    )]
+    WorkerGone,
     #[error("cannot start the health and usage monitor thread: {0}")]
     Monitor(String),
     #[error("cannot run `{program}`: {source}")]

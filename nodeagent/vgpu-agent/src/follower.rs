@@ -7,6 +7,9 @@
 //! tenants' private directories ([`crate::private`]) are brought in line with each set before
 //! it is committed, so a tenant is never seen as placed before its directory exists.
 
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
 use tracing::{debug, info, warn};
 
 use crate::assignments::AssignmentSet;
@@ -228,6 +231,176 @@ impl Follower {
     }
 }
 
+/// Failures the [`Worker`] holds for its owner to collect; more are logged and dropped (the
+/// owner is dropping the stream by then anyway).
+pub const WORKER_FAILURES_MAX: usize = 4;
+
+/// One stream message handed to the [`Worker`].
+#[derive(Debug)]
+struct Offered {
+    message: api::v1::Assignments,
+    /// The control-plane address it came from, for the log.
+    source: String,
+    /// The number of the stream it came on ([`Failure::stream`]).
+    stream: u64,
+}
+
+/// A message the [`Worker`] could not apply.
+#[derive(Debug)]
+pub struct Failure {
+    /// The stream it came on, as numbered by [`Worker::offer`]'s caller.
+    pub stream: u64,
+    pub revision: u64,
+    pub error: Error,
+}
+
+/// What a [`Worker`] did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerCounts {
+    /// Messages offered.
+    pub offered: u64,
+    /// Messages replaced by a newer one before they were applied.
+    pub coalesced: u64,
+    /// Applications (successful or not).
+    pub applied: u64,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    /// The newest message not yet taken; a newer one replaces it.
+    pending: Option<Offered>,
+    stopping: bool,
+    counts: WorkerCounts,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    slot: Mutex<Slot>,
+    wake: Condvar,
+}
+
+/// Applies assignment messages on a thread of its own, so that the heartbeat lane never waits
+/// for a file write (issue 22, point 3: a node under churn went silent while its one task wrote
+/// files). Messages are coalesced: each stream message is the node's whole set, so only the
+/// newest matters, and at most one waits while another is applied ([`Worker::offer`]); a burst
+/// of updates becomes a few applications of the latest set. A message that cannot be applied
+/// comes back as a [`Failure`] ([`Worker::failure`]), and the owner drops the stream it came on,
+/// so the next stream's first message tries again from the same base.
+pub struct Worker {
+    shared: Arc<Shared>,
+    failures: tokio::sync::mpsc::Receiver<Failure>,
+    finished: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl Worker {
+    /// Starts the thread; `apply` takes each message and the address it came from.
+    pub fn spawn(
+        mut apply: impl FnMut(&api::v1::Assignments, &str) -> Result<()> + Send + 'static,
+    ) -> Result<Worker> {
+        let shared = Arc::new(Shared::default());
+        let (failure_sender, failures) = tokio::sync::mpsc::channel(WORKER_FAILURES_MAX);
+        let (finished_sender, finished) = tokio::sync::oneshot::channel();
+        let thread_shared = shared.clone();
+        std::thread::Builder::new()
+            .name("vgpu-assignments".into())
+            .spawn(move || {
+                while let Some(offered) = thread_shared.take() {
+                    let result = apply(&offered.message, &offered.source);
+                    thread_shared.slot().counts.applied += 1;
+                    let Err(error) = result else { continue };
+                    let failure = Failure {
+                        stream: offered.stream,
+                        revision: offered.message.revision,
+                        error,
+                    };
+                    if let Err(dropped) = failure_sender.try_send(failure) {
+                        warn!("an assignment failure was not passed on: {dropped}");
+                    }
+                }
+                // Dropping `failure_sender` too tells the owner the thread is gone.
+                let _ = finished_sender.send(());
+            })
+            .map_err(Error::WorkerThread)?;
+        Ok(Worker {
+            shared,
+            failures,
+            finished: Some(finished),
+        })
+    }
+
+    /// Hands over the newest message of stream number `stream`, replacing one that waits; says
+    /// whether it replaced one. Never blocks on the application.
+    pub fn offer(&self, message: api::v1::Assignments, source: &str, stream: u64) -> bool {
+        let mut slot = self.shared.slot();
+        assert!(!slot.stopping, "no offers after stop");
+        let replaced = slot
+            .pending
+            .replace(Offered {
+                message,
+                source: source.to_owned(),
+                stream,
+            })
+            .is_some();
+        slot.counts.offered += 1;
+        slot.counts.coalesced += u64::from(replaced);
+        assert!(slot.counts.coalesced + slot.counts.applied <= slot.counts.offered);
+        drop(slot);
+        self.shared.wake.notify_one();
+        replaced
+    }
+
+    /// The next message that could not be applied; `None` once the thread is gone (it ended
+    /// after [`Worker::stop`], or panicked). Cancel-safe.
+    pub async fn failure(&mut self) -> Option<Failure> {
+        self.failures.recv().await
+    }
+
+    pub fn counts(&self) -> WorkerCounts {
+        self.shared.slot().counts
+    }
+
+    /// Drops what waits and stops the thread once the application in progress is done; says
+    /// whether that happened within `limit`. State files are written atomically, so a process
+    /// that exits without waiting leaves the old or the new file, never a mix.
+    pub async fn stop(mut self, limit: Duration) -> bool {
+        {
+            let mut slot = self.shared.slot();
+            slot.stopping = true;
+            slot.pending = None;
+        }
+        self.shared.wake.notify_one();
+        let finished = self.finished.take().expect("stopped once");
+        tokio::time::timeout(limit, finished).await.is_ok()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.shared.slot().stopping = true;
+        self.shared.wake.notify_one();
+    }
+}
+
+impl Shared {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.slot.lock().expect("the assignment slot")
+    }
+
+    /// Waits for the next message; `None` when stopping.
+    fn take(&self) -> Option<Offered> {
+        let mut slot = self.slot();
+        loop {
+            if slot.stopping {
+                return None;
+            }
+            if let Some(offered) = slot.pending.take() {
+                return Some(offered);
+            }
+            slot = self.wake.wait(slot).expect("the assignment slot");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -422,6 +595,68 @@ mod tests {
         let changes = follower.on_message(&message(9, &[]), "cp-2").unwrap();
         assert_eq!(changes.len(), 1);
         assert_eq!(follower.current().revision, 9);
+    }
+
+    /// A worker whose application of each message waits for the test's word, and tells which
+    /// revision it started on.
+    fn gated_worker() -> (
+        Worker,
+        std::sync::mpsc::Receiver<u64>,
+        std::sync::mpsc::SyncSender<Result<()>>,
+    ) {
+        let (started_sender, started) = std::sync::mpsc::channel();
+        let (gate, gate_receiver) = std::sync::mpsc::sync_channel::<Result<()>>(0);
+        let worker = Worker::spawn(move |message, _| {
+            started_sender.send(message.revision).unwrap();
+            gate_receiver.recv().unwrap()
+        })
+        .unwrap();
+        (worker, started, gate)
+    }
+
+    #[tokio::test]
+    async fn a_burst_of_updates_becomes_two_applications_of_the_latest_set() {
+        let (worker, started, gate) = gated_worker();
+        assert!(!worker.offer(message(1, &[("a", 0)]), "cp-1", 1));
+        assert_eq!(started.recv().unwrap(), 1, "the first is being applied");
+        // 199 more while it is: each replaces the one that waits, and `offer` never blocks.
+        for revision in 2..=200 {
+            let replaced = worker.offer(message(revision, &[("a", 0)]), "cp-1", 1);
+            assert_eq!(replaced, revision > 2);
+        }
+        assert_eq!(
+            worker.counts(),
+            WorkerCounts {
+                offered: 200,
+                coalesced: 198,
+                applied: 0
+            }
+        );
+        gate.send(Ok(())).unwrap();
+        assert_eq!(started.recv().unwrap(), 200, "then only the newest");
+        gate.send(Ok(())).unwrap();
+        assert!(worker.stop(Duration::from_secs(10)).await);
+        assert!(started.try_recv().is_err(), "nothing else was applied");
+    }
+
+    #[tokio::test]
+    async fn a_message_that_cannot_be_applied_comes_back_with_its_stream() {
+        let (mut worker, started, gate) = gated_worker();
+        worker.offer(message(7, &[]), "cp-1", 3);
+        assert_eq!(started.recv().unwrap(), 7);
+        gate.send(Err(Error::BadLabel("x".into()))).unwrap();
+        let failure = worker.failure().await.unwrap();
+        assert_eq!((failure.stream, failure.revision), (3, 7));
+        assert!(matches!(failure.error, Error::BadLabel(_)));
+        // Stopping while nothing is applied ends the thread at once; its failures end too.
+        assert!(worker.stop(Duration::from_secs(10)).await);
+    }
+
+    #[tokio::test]
+    async fn a_worker_whose_thread_died_says_so() {
+        let mut worker = Worker::spawn(|_, _| panic!("a programmer error")).unwrap();
+        worker.offer(message(1, &[]), "cp-1", 1);
+        assert!(worker.failure().await.is_none());
     }
 
     #[test]

