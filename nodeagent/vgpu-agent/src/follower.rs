@@ -6,6 +6,13 @@
 //! logged, never a reason to refuse the assignments. With [`Follower::with_private`], the
 //! tenants' private directories ([`crate::private`]) are brought in line with each set before
 //! it is committed, so a tenant is never seen as placed before its directory exists.
+//!
+//! A damaged `assignments.json` at start (issue 22: a truncated one made the agent delete every
+//! tenant's private directory, ledger and schedule links included, before the control plane's
+//! set brought them back empty) is moved aside and the restored set is *unknown*: until the
+//! first message is applied, no private directory is removed and the CDI spec is left as it is.
+//! The first message then removes only the directories of tenants the control plane no longer
+//! places here.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -25,33 +32,49 @@ pub struct Follower {
     state: StateDir,
     node: String,
     current: AssignmentSet,
+    /// False while `current` stands for a damaged file: what the node runs is unknown until the
+    /// control plane's first set is applied, so nothing is removed on its strength.
+    known: bool,
     reconciled: bool,
     cdi: Option<CdiWriter>,
     private: Option<Layout>,
 }
 
 impl Follower {
-    /// Loads the persisted assignments. A damaged file is logged and treated as empty: the
-    /// control plane is the source of truth and its first message rebuilds everything.
+    /// Loads the persisted assignments. A damaged file is moved aside and logged, and the set is
+    /// unknown until the control plane's first message, which rebuilds everything; tenant files
+    /// that do not read back are removed (the first message writes them again).
     pub fn restore(state: StateDir, node: &str) -> Result<Follower> {
-        let current = match state.load() {
-            Ok(set) => set,
+        let (current, known) = match state.load() {
+            Ok(set) => (set, true),
             Err(error @ Error::StateCorrupt { .. }) => {
-                warn!("{error}");
-                AssignmentSet::default()
+                let aside = state.quarantine_assignments()?;
+                warn!(
+                    "{error}; moved it to {} and keeping every tenant's private directory until the control plane's assignments arrive",
+                    aside.display()
+                );
+                (AssignmentSet::default(), false)
             }
             Err(error) => return Err(error),
         };
-        info!(
-            "restored {} assignments (revision {}) from {}",
-            current.tenants.len(),
-            current.revision,
-            state.root().display()
-        );
+        for tenant in state.remove_damaged_tenant_files()? {
+            warn!(
+                "tenant {tenant}: its state file was damaged; removed it until the control plane's assignments rewrite it"
+            );
+        }
+        if known {
+            info!(
+                "restored {} assignments (revision {}) from {}",
+                current.tenants.len(),
+                current.revision,
+                state.root().display()
+            );
+        }
         Ok(Follower {
             state,
             node: node.to_owned(),
             current,
+            known,
             reconciled: false,
             cdi: None,
             private: None,
@@ -78,6 +101,10 @@ impl Follower {
     /// fail to open their files with a message), never a reason to refuse the assignments.
     fn prepare_private(&self, set: &AssignmentSet) {
         let Some(layout) = &self.private else { return };
+        if !self.known {
+            // Preparing for an empty set would remove every tenant's directory.
+            return;
+        }
         let quantum = tenant_abi::compute::QUANTUM_NS_DEFAULT;
         match private::prepare(layout, set, &private::agent_owner, quantum) {
             Ok(prepared) => {
@@ -163,6 +190,10 @@ impl Follower {
         let Some(writer) = &mut self.cdi else {
             return;
         };
+        if !self.known {
+            // The spec of the last good set stays until the control plane's set replaces it.
+            return;
+        }
         match writer.update(&self.current) {
             Ok(true) => info!(
                 "CDI spec {} now lists {} tenants",
@@ -177,6 +208,12 @@ impl Follower {
     /// The set last applied (or restored).
     pub fn current(&self) -> &AssignmentSet {
         &self.current
+    }
+
+    /// Whether [`Follower::current`] is what the node runs: false after a damaged state file,
+    /// until the control plane's first set is applied.
+    pub fn is_known(&self) -> bool {
+        self.known
     }
 
     /// Applies one stream message from the control-plane node at `source`. On error nothing is
@@ -197,6 +234,8 @@ impl Follower {
             );
         }
         let changes = reconcile(&self.current, &new);
+        // The control plane's set is what the node runs, whatever the restored one was.
+        self.known = true;
         self.prepare_private(&new);
         let report = self.state.apply(&new, &changes)?;
         for change in &changes {
@@ -666,9 +705,68 @@ mod tests {
         std::fs::write(state.assignments_path(), "garbage").unwrap();
         let mut follower = Follower::restore(state.clone(), "node-a").unwrap();
         assert_eq!(follower.current(), &AssignmentSet::default());
+        assert!(!follower.is_known());
+        // Moved aside as it was, for people to look at.
+        let aside = directory.path().join("assignments.json.damaged");
+        assert_eq!(std::fs::read_to_string(aside).unwrap(), "garbage");
+        assert!(!state.assignments_path().exists());
         follower
             .on_message(&message(3, &[("a", 0)]), "cp-1")
             .unwrap();
+        assert!(follower.is_known());
         assert_eq!(state.load().unwrap().tenants.len(), 1);
+    }
+
+    /// Issue 22: an agent restarted with a truncated `assignments.json` deleted every tenant's
+    /// private directory (ledger, schedule links) before the control plane's set came.
+    #[test]
+    fn a_truncated_state_file_keeps_the_private_directories_until_the_control_plane_speaks() {
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(&directory.path().join("state"), "node-a").unwrap();
+        let layout = Layout::new(&directory.path().join("shm"));
+        let mut follower = Follower::restore(state.clone(), "node-a")
+            .unwrap()
+            .with_private(layout.clone());
+        follower
+            .on_message(&message(5, &[("stays", 0), ("leaves", 1)]), "cp-1")
+            .unwrap();
+        drop(follower);
+        // The tenants' processes keep state in their directories (here: the ledger's place).
+        for tenant in ["stays", "leaves"] {
+            std::fs::write(layout.ledger(tenant), tenant).unwrap();
+        }
+        let text = std::fs::read(state.assignments_path()).unwrap();
+        std::fs::write(state.assignments_path(), &text[..text.len() / 2]).unwrap();
+        // And one tenant file is damaged too.
+        std::fs::write(state.tenant_path("stays"), "{\"format\": 1, \"no").unwrap();
+
+        let mut restarted = Follower::restore(state.clone(), "node-a")
+            .unwrap()
+            .with_private(layout.clone());
+        assert!(!restarted.is_known());
+        for tenant in ["stays", "leaves"] {
+            assert_eq!(
+                std::fs::read_to_string(layout.ledger(tenant)).unwrap(),
+                tenant,
+                "{tenant}'s directory is kept while the set is unknown"
+            );
+        }
+        assert_eq!(
+            state.load_tenant("stays").unwrap(),
+            None,
+            "damaged: removed"
+        );
+
+        // The control plane's set: `stays` keeps its directory and ledger, `leaves` goes.
+        restarted
+            .on_message(&message(6, &[("stays", 0)]), "cp-1")
+            .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(layout.ledger("stays")).unwrap(),
+            "stays"
+        );
+        assert!(!layout.tenant_dir("leaves").exists());
+        assert_eq!(state.load().unwrap().revision, 6);
+        assert_eq!(state.load_tenant("stays").unwrap().unwrap().revision, 6);
     }
 }

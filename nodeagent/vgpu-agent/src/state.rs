@@ -14,7 +14,11 @@
 //!
 //! A tenant file's `revision` is the assignment revision at which the tenant's share of this node
 //! last changed. Every file is written atomically: to a temporary file in the same directory,
-//! fsynced, renamed over the old one, then the directory is fsynced. Tenant files are written
+//! fsynced, renamed over the old one, then the directory is fsynced.
+//! A damaged `assignments.json` (truncated by a full disk or a copy, or edited) is refused, never
+//! half read: [`StateDir::quarantine_assignments`] moves it to `assignments.json.damaged` for
+//! people to look at, and the follower waits for the control plane's set before it touches any
+//! tenant's files ([`crate::follower`]). Tenant files are written
 //! before `assignments.json`, so `assignments.json` is the commit point: after a crash in between,
 //! the next reconcile (from the older `assignments.json`) rewrites the tenant files again, and any
 //! tenant file that no current tenant owns is removed.
@@ -46,6 +50,8 @@ const INVENTORY_FILE: &str = "inventory.json";
 const SHM_DIR_FILE: &str = "shm-dir";
 const TENANTS_DIR: &str = "tenants";
 const TEMPORARY_SUFFIX: &str = ".tmp";
+/// Appended to the name of a damaged state file that was moved aside.
+const DAMAGED_SUFFIX: &str = ".damaged";
 
 /// `assignments.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,15 +164,24 @@ impl StateDir {
                 expected: self.node.clone(),
             });
         }
+        if file.assignments.len() > crate::assignments::TENANTS_PER_NODE_MAX {
+            return Err(Error::StateCorrupt {
+                path,
+                message: format!("it lists {} tenants", file.assignments.len()),
+            });
+        }
         let mut set = AssignmentSet {
             revision: file.revision,
             node_state: file.node_state,
             ..Default::default()
         };
         for mut assignment in file.assignments {
-            if api::names::validate("tenant", &assignment.tenant).is_err()
-                || assignment.slices.is_empty()
-            {
+            // What the control plane could not have sent is damage, not a reason to crash.
+            let usable = api::names::validate("tenant", &assignment.tenant).is_ok()
+                && !assignment.slices.is_empty()
+                && (assignment.latency || assignment.latency_target_us.is_none())
+                && !set.tenants.contains_key(&assignment.tenant);
+            if !usable {
                 return Err(Error::StateCorrupt {
                     path,
                     message: format!("the tenant entry `{}` is unusable", assignment.tenant),
@@ -177,6 +192,58 @@ impl StateDir {
         }
         set.assert_consistent();
         Ok(set)
+    }
+
+    /// Moves a damaged `assignments.json` aside to `assignments.json.damaged` (replacing an
+    /// older one there), so that nothing reads it again; returns where it went.
+    pub fn quarantine_assignments(&self) -> Result<PathBuf> {
+        let path = self.assignments_path();
+        let aside = self
+            .root
+            .join(format!("{ASSIGNMENTS_FILE}{DAMAGED_SUFFIX}"));
+        fs::rename(&path, &aside).map_err(|source| Error::StateIo {
+            action: "move the damaged state file aside",
+            path: path.clone(),
+            source,
+        })?;
+        sync_directory(&self.root)?;
+        assert!(!path.exists(), "the damaged file is gone from its place");
+        Ok(aside)
+    }
+
+    /// Removes tenant files that do not read back as their tenant's, so that `exec` and `env`
+    /// find none rather than a damaged one until the next applied set writes them again (a
+    /// missing file is rewritten, [`ApplyReport::rewritten`]); returns the tenants.
+    pub fn remove_damaged_tenant_files(&self) -> Result<Vec<String>> {
+        let directory = self.root.join(TENANTS_DIR);
+        let entries = fs::read_dir(&directory).map_err(|source| Error::StateIo {
+            action: "list",
+            path: directory.clone(),
+            source,
+        })?;
+        let mut removed = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|source| Error::StateIo {
+                action: "list",
+                path: directory.clone(),
+                source,
+            })?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(tenant) = name.strip_suffix(".json") else {
+                continue;
+            };
+            if name.starts_with('.') || api::names::validate("tenant", tenant).is_err() {
+                continue;
+            }
+            if matches!(
+                read_tenant_file(&self.root, tenant),
+                Err(Error::StateCorrupt { .. })
+            ) {
+                remove_if_present(&entry.path())?;
+                removed.push(tenant.to_owned());
+            }
+        }
+        Ok(removed)
     }
 
     /// One tenant's file, if there is one.
@@ -458,10 +525,18 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     file.sync_all().map_err(io_error("fsync", &temporary))?;
     drop(file);
     fs::rename(&temporary, path).map_err(io_error("rename into place", path))?;
+    sync_directory(directory)
+}
+
+/// Makes a rename in `directory` durable.
+fn sync_directory(directory: &Path) -> Result<()> {
     fs::File::open(directory)
         .and_then(|directory| directory.sync_all())
-        .map_err(io_error("fsync", directory))?;
-    Ok(())
+        .map_err(|source| Error::StateIo {
+            action: "fsync",
+            path: directory.to_owned(),
+            source,
+        })
 }
 
 pub(crate) fn remove_if_present(path: &Path) -> Result<()> {
@@ -647,6 +722,38 @@ mod tests {
             matches!(&error, Error::StateOtherNode { found, .. } if found == "node-b"),
             "{error}"
         );
+
+        // Well-formed JSON that the control plane could not have sent is damage too, not a
+        // reason to crash at every start.
+        for impossible in [
+            r#"{"tenant": "a", "priority": 0, "latency_target_us": 5, "slices": [{"gpu_index": 0,
+                "gpu_uuid": "GPU-0", "compute_percent": 25, "memory_bytes": 1,
+                "guaranteed": true, "burst": false}]}"#,
+            r#"{"tenant": "a", "priority": 0, "slices": []}"#,
+        ] {
+            let text = format!(
+                r#"{{"format": 1, "node": "node-a", "revision": 3, "node_state": "ready",
+                "assignments": [{impossible}]}}"#
+            );
+            fs::write(state.assignments_path(), text).unwrap();
+            let error = state.load().unwrap_err();
+            assert!(matches!(error, Error::StateCorrupt { .. }), "{error}");
+        }
+        let twice = set(1, &[tenant("a", 0)]);
+        let mut file = AssignmentsFile {
+            format: STATE_FORMAT,
+            node: "node-a".into(),
+            revision: 1,
+            node_state: "ready".into(),
+            assignments: twice.tenants.values().cloned().collect(),
+        };
+        file.assignments.push(file.assignments[0].clone());
+        fs::write(state.assignments_path(), serde_json::to_vec(&file).unwrap()).unwrap();
+        assert!(matches!(state.load(), Err(Error::StateCorrupt { .. })));
+        // Moved aside, it is no longer read.
+        let aside = state.quarantine_assignments().unwrap();
+        assert!(aside.ends_with("assignments.json.damaged"));
+        assert_eq!(state.load().unwrap(), AssignmentSet::default());
 
         fs::write(
             state.assignments_path(),

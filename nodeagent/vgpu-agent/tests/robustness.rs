@@ -4,7 +4,8 @@
 //! deadline; nothing waits a fixed time to let something happen.
 //!
 //! * Heartbeats go on while the application of an assignment set is blocked in a file write.
-//! * A restart with a damaged `assignments.json` keeps the tenants' private directories.
+//! * A restart with a damaged `assignments.json` keeps the tenants' private directories until the
+//!   control plane's set arrives.
 
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -29,6 +30,8 @@ const NODE: &str = "node-a";
 struct FakeState {
     registrations: Vec<RegisterRequest>,
     current: Assignments,
+    /// Open streams get nothing until [`FakeControlPlane::publish`] (a slow control plane).
+    silent: bool,
     watchers: Vec<mpsc::UnboundedSender<Result<Assignments, Status>>>,
 }
 
@@ -56,6 +59,7 @@ impl FakeControlPlane {
     fn publish(&self, assignments: Assignments) {
         self.with(|state| {
             state.current = assignments.clone();
+            state.silent = false;
             state
                 .watchers
                 .retain(|watcher| watcher.send(Ok(assignments.clone())).is_ok());
@@ -118,7 +122,9 @@ impl Agent for FakeControlPlane {
     ) -> Result<Response<AssignmentStream>, Status> {
         let (sender, receiver) = mpsc::unbounded_channel();
         self.with(|state| {
-            sender.send(Ok(state.current.clone())).unwrap();
+            if !state.silent {
+                sender.send(Ok(state.current.clone())).unwrap();
+            }
             state.watchers.push(sender);
         });
         let stream = futures::stream::unfold(receiver, |mut receiver| async move {
@@ -319,5 +325,84 @@ async fn heartbeats_go_on_while_a_state_write_is_blocked() {
     .await;
     assert!(state_dir.join("tenants/infer-b.json").is_file());
     drop(reader);
+    agent.stop().await;
+}
+
+/// Issue 22: an agent restarted with a truncated `assignments.json` deleted its tenants' private
+/// directories (their ledgers and schedule links) before the control plane's set recreated them
+/// empty. Now the file is moved aside and every directory stays until that set arrives; then only
+/// the directories of tenants no longer placed here go.
+#[tokio::test]
+async fn a_truncated_assignments_file_keeps_the_tenants_directories() {
+    let fake = FakeControlPlane::new();
+    fake.publish(assignments(4, &[("stays", 0), ("leaves", 1)]));
+    let address = serve(fake.clone()).await;
+    let directory = tempfile::tempdir().unwrap();
+    let state_dir = directory.path().join("state");
+    let agent = start(address.clone(), &state_dir);
+    wait_until("revision 4 on disk", || {
+        persisted_revision(&state_dir) == Some(4)
+    })
+    .await;
+    wait_until("both private directories", || {
+        ["stays", "leaves"].iter().all(|tenant| {
+            private_dir(&state_dir, tenant)
+                .join("nccl-activity")
+                .exists()
+        })
+    })
+    .await;
+    agent.stop().await;
+    // What the tenants' processes keep there (the memory ledger's place, here a marker).
+    for tenant in ["stays", "leaves"] {
+        std::fs::write(
+            private_dir(&state_dir, tenant).join(format!("{tenant}.mem")),
+            tenant,
+        )
+        .unwrap();
+    }
+    let file = state_dir.join("assignments.json");
+    let text = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &text[..text.len() / 3]).unwrap();
+
+    // The control plane is slow to send its set; the agent registers and waits for it.
+    fake.with(|state| state.silent = true);
+    let registrations = fake.with(|state| state.registrations.len());
+    let agent = start(address, &state_dir);
+    wait_until("the registration after the restart", || {
+        fake.with(|state| state.registrations.len() > registrations)
+    })
+    .await;
+    // The registration comes after the private directories were dealt with at start.
+    for tenant in ["stays", "leaves"] {
+        let ledger = private_dir(&state_dir, tenant).join(format!("{tenant}.mem"));
+        assert_eq!(
+            std::fs::read_to_string(&ledger).ok().as_deref(),
+            Some(tenant),
+            "{tenant}'s private directory is kept while the set is unknown"
+        );
+    }
+    assert_eq!(
+        std::fs::read(state_dir.join("assignments.json.damaged")).unwrap(),
+        &text[..text.len() / 3],
+        "the damaged file is kept aside as it was"
+    );
+
+    fake.publish(assignments(5, &[("stays", 0)]));
+    wait_until("revision 5 on disk", || {
+        persisted_revision(&state_dir) == Some(5)
+    })
+    .await;
+    wait_until("the directory of the tenant that left to go", || {
+        !private_dir(&state_dir, "leaves").exists()
+    })
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(private_dir(&state_dir, "stays").join("stays.mem")).unwrap(),
+        "stays",
+        "the placed tenant's ledger survived the restart"
+    );
+    assert!(state_dir.join("tenants/stays.json").is_file());
+    assert!(!state_dir.join("tenants/leaves.json").exists());
     agent.stop().await;
 }
