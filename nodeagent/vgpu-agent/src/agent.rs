@@ -13,6 +13,12 @@
 //!   `known = false`, or the assignment stream says the node is not registered, the agent
 //!   registers again (an identical inventory keeps the node's tenants). Failed beats move to the
 //!   next address and retry sooner, with backoff, never later than the interval.
+//! * Every call carries the node key from the state directory
+//!   ([`crate::state::NodeKey`]), and every beat the number of the registration it is for. When
+//!   the control plane says another registration holds the node's name, the agent stops with
+//!   [`Error::NodeNameTaken`]: acting for a node that another agent now runs would run its
+//!   tenants twice, and a takeover must be seen (issue 22, point 5). When the node was
+//!   forgotten and registered again, the log says its registration changed.
 //! * One `WatchAssignments` stream is held; when it ends or fails the agent moves to the next
 //!   address and calls again after a backoff. Each message goes to the [`Follower`] on a thread
 //!   of its own ([`follower::Worker`](crate::follower::Worker)); a message it cannot apply drops
@@ -57,10 +63,10 @@ use crate::inventory::InventorySource;
 use crate::monitor::{Monitor, MonitorConfig, Report};
 use crate::report::{ReportPolicy, ReportSender};
 use crate::session::{
-    Action, CallError, Event, Lane, Refusals, RegisterReason, Session, SessionConfig, Stop,
-    WatchEnd,
+    Action, CallError, Event, Lane, NODE_KEY_METADATA, REGISTRATION_METADATA, Refusals,
+    RegisterReason, Session, SessionConfig, Stop, WatchEnd, name_taken,
 };
-use crate::state::StateDir;
+use crate::state::{NodeKey, StateDir};
 
 pub use crate::session::{
     HEARTBEAT_INTERVAL_DEFAULT, HEARTBEAT_INTERVAL_MAX, HEARTBEAT_INTERVAL_MIN,
@@ -125,6 +131,7 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
         crate::bootstrap::transport(&config.security, &config.name, &config.control_plane).await?;
     let inventory = config.source.discover(&config.name)?;
     let state = StateDir::open(&config.state_dir, &config.name)?;
+    let node_key = state.node_key()?;
     let mut follower = Follower::restore(state.clone(), &config.name)?;
     state.write_inventory(&inventory)?;
     state.write_shm_dir(&config.shm_dir)?;
@@ -191,6 +198,7 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     })?;
     let agent = Agent {
         node: inventory.to_proto(&config.address, &config.labels),
+        node_key,
         endpoints,
         timings: config.timings,
         monitor,
@@ -218,6 +226,8 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
 
 struct Agent {
     node: api::v1::Node,
+    /// Sent with every call.
+    node_key: NodeKey,
     endpoints: Endpoints,
     timings: Timings,
     /// GPU health and tenant usage for the heartbeats.
@@ -299,7 +309,8 @@ impl Agent {
                 }),
                 answer = maybe(io.call.as_mut().map(|call| &mut call.answer)) => {
                     let address = io.call.take().expect("the call answered").address;
-                    Some(self.answered(address, answer, &mut failures, &mut note))
+                    let registration = session.registration();
+                    Some(self.answered(address, answer, registration, &mut failures, &mut note))
                 }
                 item = next_item(io.stream.as_mut()) => {
                     let address = io.stream.as_ref().expect("the stream yielded").address;
@@ -310,6 +321,10 @@ impl Agent {
                                 debug!("assignments revision {revision} replaced an unapplied set");
                             }
                             None
+                        }
+                        StreamItem::Ended(StreamEnd::Status(status)) if name_taken(&status) => {
+                            io.stream = None;
+                            Some(Event::NameTaken { message: status.message().to_owned() })
                         }
                         StreamItem::Ended(end) => {
                             io.stream = None;
@@ -370,14 +385,16 @@ impl Agent {
             Action::Heartbeat {
                 address,
                 timeout,
+                registration,
                 request,
-            } => io.call = Some(self.heartbeat(address, timeout, request)),
+            } => io.call = Some(self.heartbeat(address, timeout, registration, request)),
             Action::Watch { address } => {
                 *streams += 1;
                 io.stream = Some(AssignmentStream::open(
                     &self.endpoints,
                     address,
                     self.name(),
+                    &self.node_key,
                     self.timings.call_timeout,
                 ));
             }
@@ -389,14 +406,24 @@ impl Agent {
                     message,
                 }));
             }
+            Action::Stop(Stop::NameTaken { message }) => {
+                return Some(Err(Error::NodeNameTaken {
+                    node: self.name().to_owned(),
+                    message,
+                }));
+            }
         }
         None
     }
 
     fn register(&self, address: usize) -> Call<'static, Answer> {
-        let request = RegisterRequest {
-            node: Some(self.node.clone()),
-        };
+        let request = keyed(
+            RegisterRequest {
+                node: Some(self.node.clone()),
+            },
+            &self.node_key,
+            None,
+        );
         let mut client = self.endpoints.client(address);
         let call_timeout = self.timings.call_timeout;
         let answer = Box::pin(async move {
@@ -409,8 +436,10 @@ impl Agent {
         &self,
         address: usize,
         limit: Duration,
+        registration: u64,
         request: HeartbeatRequest,
     ) -> Call<'static, Answer> {
+        let request = keyed(request, &self.node_key, Some(registration));
         let mut client = self.endpoints.client(address);
         let answer = Box::pin(async move {
             Answer::Heartbeat(timeout(limit, client.heartbeat(request)).await, limit)
@@ -423,6 +452,7 @@ impl Agent {
         &self,
         address: usize,
         answer: Answer,
+        registration_before: u64,
         failures: &mut u64,
         note: &mut Option<Note>,
     ) -> Event<'static> {
@@ -431,15 +461,30 @@ impl Agent {
         match answer {
             Answer::Register(Ok(Ok(response))) => {
                 let interval_ms = response.get_ref().heartbeat_interval_ms;
+                let registration = registration_of(&response);
                 info!(
-                    "registered node {} with {} GPUs via {at}; heartbeat every {} ms",
+                    "registered node {} with {} GPUs via {at} (registration {registration}); heartbeat every {} ms",
                     self.name(),
                     self.node.gpus.len(),
                     crate::session::heartbeat_interval(interval_ms).as_millis()
                 );
+                if registration_before != 0 && registration != registration_before {
+                    warn!(
+                        "node {} was registered anew: its registration changed from {registration_before} to {registration}, because the control plane had forgotten the node (an admin removed it, or its state was lost); the assignment stream says which tenants it runs now",
+                        self.name()
+                    );
+                }
                 *failures = 0;
                 Event::RegisterAnswered {
                     heartbeat_interval_ms: interval_ms,
+                    registration,
+                }
+            }
+            Answer::Register(Ok(Err(status))) | Answer::Heartbeat(Ok(Err(status)), _)
+                if name_taken(&status) =>
+            {
+                Event::NameTaken {
+                    message: status.message().to_owned(),
                 }
             }
             Answer::Register(Ok(Err(status))) => {
@@ -714,11 +759,16 @@ impl AssignmentStream {
         endpoints: &Endpoints,
         address: usize,
         node: &str,
+        node_key: &NodeKey,
         call_timeout: Duration,
     ) -> AssignmentStream {
-        let request = WatchAssignmentsRequest {
-            node: node.to_owned(),
-        };
+        let request = keyed(
+            WatchAssignmentsRequest {
+                node: node.to_owned(),
+            },
+            node_key,
+            None,
+        );
         let mut client = endpoints.client(address);
         let opening =
             Box::pin(async move { timeout(call_timeout, client.watch_assignments(request)).await });
@@ -760,6 +810,33 @@ pub(crate) async fn next_item(stream: Option<&mut AssignmentStream>) -> StreamIt
         Some(stream) => stream.next().await,
         None => std::future::pending().await,
     }
+}
+
+/// `message` as a request that carries the node key and, for a beat, the registration it is for.
+pub(crate) fn keyed<T>(
+    message: T,
+    node_key: &NodeKey,
+    registration: Option<u64>,
+) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    let metadata = request.metadata_mut();
+    let key = node_key.as_str().parse().expect("hex digits are ASCII");
+    metadata.insert(NODE_KEY_METADATA, key);
+    if let Some(registration) = registration {
+        metadata.insert(REGISTRATION_METADATA, registration.into());
+    }
+    request
+}
+
+/// The number of the registration a `Register` answer accepted; 0 when there is none (a
+/// control plane that does not number registrations).
+pub(crate) fn registration_of<T>(response: &tonic::Response<T>) -> u64 {
+    response
+        .metadata()
+        .get(REGISTRATION_METADATA)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(0)
 }
 
 /// A status for a log line: its message, or its code when the message is empty.

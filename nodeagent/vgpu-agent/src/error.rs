@@ -108,6 +108,14 @@ pub enum Error {
     BadLabel(String),
     #[error("the control plane at {address} refused to register this node: {message}")]
     RegisterRefused { address: String, message: String },
+    #[error(
+        "node `{node}` is no longer this agent's: {message}. Another agent holds the name (another machine with the same --name, or a copy of this state directory). If this machine is `{node}`, an admin removes the other registration (`vgpuctl node remove {node}`) and this agent is started again; otherwise start this one with its own --name"
+    )]
+    NodeNameTaken { node: String, message: String },
+    #[error(
+        "the node key `{path}` is damaged (it must hold 64 hex digits); the control plane knows this node by it. Restore it from a backup, or delete it and have an admin remove the node (`vgpuctl node remove NAME`) so that it registers as a new identity"
+    )]
+    NodeKeyDamaged { path: PathBuf },
     #[error("cannot simulate this fleet: {problem}")]
     FleetSettings { problem: String },
     #[error("no control-plane address given; pass --control-plane HOST:PORT[,HOST:PORT...]")]

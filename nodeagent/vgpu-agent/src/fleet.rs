@@ -11,7 +11,9 @@
 //! `i mod addresses`, so the load spreads over the members (followers forward heartbeats and
 //! writes to the leader, as they do for real agents). What a simulated node leaves out on
 //! purpose: the state directory, CDI specs and anything GPU-side; it only counts the assignment
-//! messages and tenants it is sent.
+//! messages and tenants it is sent. Its node key is derived from its name
+//! ([`NodeKey::derived`]), so a second run with the same names registers the same nodes again; a
+//! node whose name another registration holds stops the fleet, as a refused registration does.
 //!
 //! Each node has a health report of its GPUs (fixed made-up values, as `join --simulate`
 //! sends), unless `report_health` is off, and the session sends it the way `join` does
@@ -46,7 +48,8 @@ use tokio::time::{Instant, sleep, timeout};
 use tracing::{info, warn};
 
 use crate::agent::{
-    AssignmentStream, Call, Io, Reply, StreamEnd, StreamItem, describe, maybe, next_item, now,
+    AssignmentStream, Call, Io, Reply, StreamEnd, StreamItem, describe, keyed, maybe, next_item,
+    now, registration_of,
 };
 use crate::endpoints::Endpoints;
 use crate::error::{Error, Result};
@@ -55,7 +58,9 @@ use crate::monitor::Report;
 use crate::report::{ReportPolicy, ReportSender};
 use crate::session::{
     Action, CallError, Event, Jitter, Lane, Refusals, Session, SessionConfig, Stop, WatchEnd,
+    name_taken,
 };
+use crate::state::NodeKey;
 use crate::{Timings, parse_label};
 
 pub use crate::session::HEARTBEAT_JITTER_PERCENT_MAX;
@@ -390,6 +395,7 @@ impl Fleet {
             report_policy: ReportPolicy::default(),
             first_generation: self.first_generation,
         });
+        let node_key = NodeKey::derived(&node.name);
         let mut io = Io::<Answer>::default();
         // Whether the node registered once; until then registrations take a permit.
         let mut joined = false;
@@ -398,7 +404,9 @@ impl Fleet {
         let mut actions = session.handle(now(), Event::Start);
         loop {
             for action in actions {
-                if let Some(refused) = self.execute(endpoints, &node, joined, action, &mut io) {
+                let keyed_node = (&node, &node_key);
+                if let Some(refused) = self.execute(endpoints, keyed_node, joined, action, &mut io)
+                {
                     return Err(refused);
                 }
             }
@@ -424,7 +432,12 @@ impl Fleet {
                     StreamItem::Ended(end) => {
                         let address = io.stream.take().expect("the stream ended").address;
                         self.count_stream_end(&node.name, endpoints.address(address), &end);
-                        Some(Event::WatchEnded(end.watch_end()))
+                        match end {
+                            StreamEnd::Status(status) if name_taken(&status) => {
+                                Some(Event::NameTaken { message: status.message().to_owned() })
+                            }
+                            end => Some(Event::WatchEnded(end.watch_end())),
+                        }
                     }
                 },
             };
@@ -439,25 +452,30 @@ impl Fleet {
     fn execute<'a>(
         &'a self,
         endpoints: &Endpoints,
-        node: &api::v1::Node,
+        (node, node_key): (&api::v1::Node, &NodeKey),
         joined: bool,
         action: Action,
         io: &mut Io<'a, Answer>,
     ) -> Option<Error> {
         match action {
             Action::Register { address, .. } => {
-                io.call = Some(self.register(endpoints, address, node, !joined));
+                io.call = Some(self.register(endpoints, address, node, node_key, !joined));
             }
             Action::Heartbeat {
                 address,
                 timeout,
+                registration,
                 request,
-            } => io.call = Some(self.heartbeat(endpoints, address, timeout, request)),
+            } => {
+                let request = keyed(request, node_key, Some(registration));
+                io.call = Some(self.heartbeat(endpoints, address, timeout, request));
+            }
             Action::Watch { address } => {
                 io.stream = Some(AssignmentStream::open(
                     endpoints,
                     address,
                     &node.name,
+                    node_key,
                     self.config.timings.call_timeout,
                 ));
             }
@@ -465,6 +483,12 @@ impl Fleet {
             Action::Stop(Stop::Refused { address, message }) => {
                 return Some(Error::RegisterRefused {
                     address: endpoints.address(address).to_owned(),
+                    message,
+                });
+            }
+            Action::Stop(Stop::NameTaken { message }) => {
+                return Some(Error::NodeNameTaken {
+                    node: node.name.clone(),
                     message,
                 });
             }
@@ -482,11 +506,16 @@ impl Fleet {
         endpoints: &Endpoints,
         address: usize,
         node: &api::v1::Node,
+        node_key: &NodeKey,
         joining: bool,
     ) -> Call<'a, Answer> {
-        let request = RegisterRequest {
-            node: Some(node.clone()),
-        };
+        let request = keyed(
+            RegisterRequest {
+                node: Some(node.clone()),
+            },
+            node_key,
+            None,
+        );
         let mut client = endpoints.client(address);
         let call_timeout = self.config.timings.call_timeout;
         let answer = Box::pin(async move {
@@ -507,9 +536,10 @@ impl Fleet {
         endpoints: &Endpoints,
         address: usize,
         limit: Duration,
-        request: HeartbeatRequest,
+        request: tonic::Request<HeartbeatRequest>,
     ) -> Call<'static, Answer> {
-        if !request.gpus.is_empty() || !request.usage.is_empty() {
+        let beat = request.get_ref();
+        if !beat.gpus.is_empty() || !beat.usage.is_empty() {
             self.stats.reports_sent.fetch_add(1, Ordering::Relaxed);
         }
         self.stats.heartbeats_sent.fetch_add(1, Ordering::Relaxed);
@@ -542,6 +572,15 @@ impl Fleet {
                 }
                 Event::RegisterAnswered {
                     heartbeat_interval_ms: response.get_ref().heartbeat_interval_ms,
+                    registration: registration_of(&response),
+                }
+            }
+            Answer::Register(Ok(Err(status)), _) | Answer::Heartbeat(Ok(Err(status)), _, _)
+                if name_taken(&status) =>
+            {
+                stats.failure(format!("{node} at {address}: {}", describe(&status)));
+                Event::NameTaken {
+                    message: status.message().to_owned(),
                 }
             }
             Answer::Register(Ok(Err(status)), _) => {

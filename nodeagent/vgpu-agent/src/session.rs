@@ -18,6 +18,17 @@
 //!   heartbeat lane register again as soon as it is free (at once when it is waiting for a
 //!   beat).
 //!
+//! The node's name is bound to the node's identity (issue 22, point 5): the shell sends the
+//! node key ([`NODE_KEY_METADATA`]) with every call, each accepted registration has a number
+//! ([`REGISTRATION_METADATA`] on the answer), and every beat says which registration it is for
+//! ([`Action::Heartbeat::registration`]). When the control plane says the name is held by
+//! another registration ([`NODE_NAME_TAKEN`], [`name_taken`]: another key registered it, or
+//! another agent with this key registered it after this one), the session stops
+//! ([`Stop::NameTaken`]) rather than act for a node that is no longer its own: two agents
+//! running one node's tenants is the accident this prevents, and a takeover must not go
+//! unnoticed. A node the control plane forgot (`known = false`, removed by an admin) is
+//! registered again as before, under a new number.
+//!
 //! The shell feeds [`Event`]s to [`Session::handle`] and does what the returned [`Action`]s say:
 //! it makes the calls, keeps one timer per [`Lane`] and reports every call's outcome back. Timers
 //! that are no longer wanted are not cancelled; the session ignores a timer event that is not
@@ -46,6 +57,27 @@ pub const HEARTBEAT_INTERVAL_MAX: Duration = Duration::from_secs(60);
 pub const HEARTBEAT_TIMEOUT_MIN: Duration = Duration::from_secs(1);
 /// Largest heartbeat jitter, in percent of the interval.
 pub const HEARTBEAT_JITTER_PERCENT_MAX: u32 = 50;
+
+/// Request metadata of `Register`, `Heartbeat` and `WatchAssignments`: the node key, 64 hex
+/// digits the agent drew once and keeps in its state directory ([`crate::state::NodeKey`]).
+/// The control plane binds the node's name to the first key that registered it.
+pub const NODE_KEY_METADATA: &str = "vgpu-node-key";
+/// Response metadata of `Register` (the number of this registration, decimal) and request
+/// metadata of `Heartbeat` (the registration the beat is for). Absent or 0: a control plane
+/// that does not number registrations.
+pub const REGISTRATION_METADATA: &str = "vgpu-registration";
+/// The error code (`[VGPU-NODE-NAME-TAKEN] ...` at the start of a status message) of a call for
+/// a node whose name another registration holds.
+pub const NODE_NAME_TAKEN: &str = "VGPU-NODE-NAME-TAKEN";
+
+/// Whether `status` says the node's name is held by another registration.
+pub fn name_taken(status: &tonic::Status) -> bool {
+    status
+        .message()
+        .strip_prefix('[')
+        .and_then(|rest| rest.strip_prefix(NODE_NAME_TAKEN))
+        .is_some_and(|rest| rest.starts_with(']'))
+}
 
 /// What a session runs with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,6 +216,9 @@ pub enum Event<'a> {
     WatchTimer,
     RegisterAnswered {
         heartbeat_interval_ms: u32,
+        /// The registration's number ([`REGISTRATION_METADATA`]); 0 when the control plane
+        /// gave none.
+        registration: u64,
     },
     RegisterFailed(CallError),
     HeartbeatAnswered {
@@ -194,6 +229,11 @@ pub enum Event<'a> {
     HeartbeatFailed,
     /// The assignment stream ended; the shell has dropped it.
     WatchEnded(WatchEnd),
+    /// A registration, beat or stream was refused because another registration holds the node's
+    /// name ([`name_taken`]); the shell has dropped the call or stream.
+    NameTaken {
+        message: String,
+    },
     /// The node stops (SIGINT, SIGTERM).
     Shutdown,
 }
@@ -208,10 +248,12 @@ pub enum Action {
         attempt: u64,
         reason: RegisterReason,
     },
-    /// Call `Heartbeat` at the address with this index, waiting at most `timeout`.
+    /// Call `Heartbeat` at the address with this index, waiting at most `timeout`, for
+    /// registration number `registration` ([`REGISTRATION_METADATA`]).
     Heartbeat {
         address: usize,
         timeout: Duration,
+        registration: u64,
         request: HeartbeatRequest,
     },
     /// Open the assignment stream at the address with this index, waiting at most the call
@@ -230,6 +272,8 @@ pub enum Stop {
     Shutdown,
     /// The control plane at the address with this index refused the registration for good.
     Refused { address: usize, message: String },
+    /// Another registration holds the node's name ([`Event::NameTaken`]).
+    NameTaken { message: String },
 }
 
 /// One node's session with the control plane.
@@ -249,6 +293,9 @@ pub struct Session {
     /// The stream said the node is not registered while the heartbeat lane was busy: register
     /// as soon as it is free.
     register_pending: bool,
+    /// The number of the last accepted registration; 0 before one, or from a control plane
+    /// that does not number them.
+    registration: u64,
     stopped: bool,
     /// The time of the last event.
     now: Option<Instant>,
@@ -310,6 +357,7 @@ impl Session {
             watch_address: 0,
             watch_backoff: backoff,
             register_pending: false,
+            registration: 0,
             stopped: false,
             now: None,
             config,
@@ -336,7 +384,8 @@ impl Session {
             Event::WatchTimer => self.watch_timer(now, &mut actions),
             Event::RegisterAnswered {
                 heartbeat_interval_ms,
-            } => self.registered(now, heartbeat_interval_ms, &mut actions),
+                registration,
+            } => self.registered(now, heartbeat_interval_ms, registration, &mut actions),
             Event::RegisterFailed(error) => self.register_failed(now, error, &mut actions),
             Event::HeartbeatAnswered {
                 known,
@@ -344,6 +393,10 @@ impl Session {
             } => self.heartbeat_answered(now, known, report_wanted, &mut actions),
             Event::HeartbeatFailed => self.heartbeat_failed(now, &mut actions),
             Event::WatchEnded(end) => self.watch_ended(now, end, &mut actions),
+            Event::NameTaken { message } => {
+                self.stopped = true;
+                actions.push(Action::Stop(Stop::NameTaken { message }));
+            }
             Event::Shutdown => {
                 self.stopped = true;
                 actions.push(Action::Stop(Stop::Shutdown));
@@ -361,6 +414,11 @@ impl Session {
     /// Where the watch lane opens the stream next.
     pub fn watch_address(&self) -> usize {
         self.watch_address
+    }
+
+    /// The number of the last accepted registration (0 before one).
+    pub fn registration(&self) -> u64 {
+        self.registration
     }
 
     /// The interval of the last registration ([`HEARTBEAT_INTERVAL_DEFAULT`] before one).
@@ -387,10 +445,17 @@ impl Session {
         self.heartbeats = Heartbeats::Registering(round);
     }
 
-    fn registered(&mut self, now: Instant, interval_ms: u32, actions: &mut Vec<Action>) {
+    fn registered(
+        &mut self,
+        now: Instant,
+        interval_ms: u32,
+        registration: u64,
+        actions: &mut Vec<Action>,
+    ) {
         let Heartbeats::Registering(round) = self.take_heartbeats() else {
             panic!("a registration answered that was not made");
         };
+        self.registration = registration;
         self.interval = heartbeat_interval(interval_ms);
         self.heartbeat_backoff.reset();
         // The control plane may hold no report of the node now: start over with a full one.
@@ -448,6 +513,7 @@ impl Session {
                 actions.push(Action::Heartbeat {
                     address: self.heartbeat_address,
                     timeout: self.heartbeat_timeout(),
+                    registration: self.registration,
                     request,
                 });
             }
@@ -628,14 +694,14 @@ fn jittered(interval: Duration, percent: u32, random: &mut SplitMix64) -> Durati
 /// SplitMix64 (Steele, Lea and Flood, 2014): a tiny, seedable generator, good enough for
 /// spreading timers.
 #[derive(Debug, Clone)]
-struct SplitMix64(u64);
+pub(crate) struct SplitMix64(u64);
 
 impl SplitMix64 {
-    fn new(seed: u64) -> SplitMix64 {
+    pub(crate) fn new(seed: u64) -> SplitMix64 {
         SplitMix64(seed)
     }
 
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

@@ -6,6 +6,8 @@ use tonic::Code;
 use super::*;
 
 const INTERVAL_MS: u32 = 1000;
+/// The number the control plane gives every registration in these tests.
+const REGISTRATION: u64 = 41;
 
 /// A session of `node-a` against three addresses, as `join` configures it (100 ms doubling to
 /// 2 s, 5 s calls, watching, no jitter).
@@ -63,6 +65,7 @@ fn full_beat(address: usize, generation: u64) -> Action {
     Action::Heartbeat {
         address,
         timeout: Duration::from_secs(1),
+        registration: REGISTRATION,
         request: HeartbeatRequest {
             node: "node-a".to_owned(),
             report: ReportKind::Full as i32,
@@ -78,6 +81,7 @@ fn unchanged_beat(address: usize, generation: u64) -> Action {
     Action::Heartbeat {
         address,
         timeout: Duration::from_secs(1),
+        registration: REGISTRATION,
         request: HeartbeatRequest {
             node: "node-a".to_owned(),
             report: ReportKind::Unchanged as i32,
@@ -97,6 +101,7 @@ fn unavailable() -> Event<'static> {
 fn answered(ms: u32) -> Event<'static> {
     Event::RegisterAnswered {
         heartbeat_interval_ms: ms,
+        registration: REGISTRATION,
     }
 }
 
@@ -585,4 +590,86 @@ fn a_stream_that_does_not_know_the_node_asks_for_registration() {
         WatchEnd::of(&tonic::Status::unavailable("down")),
         WatchEnd::Failed
     );
+}
+
+#[test]
+fn beats_name_the_registration_they_are_for_and_a_new_one_replaces_it() {
+    let clock = Clock::new();
+    let mut session = joined(&clock);
+    assert_eq!(session.registration(), REGISTRATION);
+    let latest = report();
+    assert_eq!(
+        session.handle(clock.at(1000), Event::HeartbeatTimer { latest: &latest }),
+        vec![full_beat(0, 100)]
+    );
+    // Forgotten (an admin removed the node): registered again, under a new number.
+    assert_eq!(
+        session.handle(
+            clock.at(1010),
+            Event::HeartbeatAnswered {
+                known: false,
+                report_wanted: false
+            }
+        ),
+        vec![register(0, 1, RegisterReason::Unknown)]
+    );
+    assert_eq!(
+        session.handle(
+            clock.at(1020),
+            Event::RegisterAnswered {
+                heartbeat_interval_ms: INTERVAL_MS,
+                registration: 97,
+            }
+        ),
+        vec![wake(Lane::Heartbeat, clock.at(2020))]
+    );
+    assert_eq!(session.registration(), 97);
+    let actions = session.handle(clock.at(2020), Event::HeartbeatTimer { latest: &latest });
+    let [Action::Heartbeat { registration, .. }] = actions.as_slice() else {
+        panic!("one beat, not {actions:?}");
+    };
+    assert_eq!(*registration, 97);
+}
+
+#[test]
+fn a_name_held_by_another_registration_stops_the_session_whatever_it_was_doing() {
+    let clock = Clock::new();
+    let taken = |message: &str| Event::NameTaken {
+        message: message.to_owned(),
+    };
+    let stop = |message: &str| {
+        vec![Action::Stop(Stop::NameTaken {
+            message: message.to_owned(),
+        })]
+    };
+    // The registration is refused.
+    let mut session = Session::new(config());
+    session.handle(clock.at(0), Event::Start);
+    assert_eq!(session.handle(clock.at(5), taken("first")), stop("first"));
+    // A beat in flight is refused.
+    let mut session = joined(&clock);
+    let latest = report();
+    session.handle(clock.at(1000), Event::HeartbeatTimer { latest: &latest });
+    assert_eq!(session.handle(clock.at(1005), taken("beat")), stop("beat"));
+    // The stream is refused while the lane waits for the next beat.
+    let mut session = joined(&clock);
+    assert_eq!(
+        session.handle(clock.at(10), taken("stream")),
+        stop("stream")
+    );
+}
+
+#[test]
+fn a_name_taken_refusal_is_told_by_its_code() {
+    let taken = tonic::Status::failed_precondition(format!(
+        "[{NODE_NAME_TAKEN}] node `node-a` is registered with another node key"
+    ));
+    assert!(name_taken(&taken));
+    for other in [
+        tonic::Status::failed_precondition("node `node-a` is registered with another node key"),
+        tonic::Status::failed_precondition(format!("[{NODE_NAME_TAKEN}-OTHER] x")),
+        ErrorCode::NodeNotFound.status("node `a` is not registered"),
+    ] {
+        assert!(!name_taken(&other), "{other:?}");
+    }
 }

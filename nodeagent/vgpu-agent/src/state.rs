@@ -5,6 +5,7 @@
 //! STATE_DIR/
 //!   assignments.json        {"format":1,"node":..,"revision":R,"node_state":"ready","assignments":[..]}
 //!   inventory.json          the inventory last registered (for people and debugging)
+//!   node-key                the node's identity: 64 hex digits, drawn once, mode 0600
 //!   tenants/<tenant>.json   {"format":1,"node":..,"tenant":..,"revision":R,"priority":P,"slices":[..],
 //!                            "latency":true,"latency_target_us":T}   (the last two for latency tenants)
 //! ```
@@ -22,6 +23,12 @@
 //! before `assignments.json`, so `assignments.json` is the commit point: after a crash in between,
 //! the next reconcile (from the older `assignments.json`) rewrites the tenant files again, and any
 //! tenant file that no current tenant owns is removed.
+//!
+//! The node key ([`NodeKey`], [`StateDir::node_key`]) is what the control plane binds the node's
+//! name to when the node first registers: a second agent with the same `--name` but another
+//! state directory (a cloned machine, or someone holding a bootstrap token) is refused. It is
+//! drawn from the kernel's random source the first time and never changes; a damaged key file
+//! stops the agent rather than make it a new identity silently ([`Error::NodeKeyDamaged`]).
 //!
 //! The default directory is `$VGPU_AGENT_STATE_DIR` (read by the command line), else
 //! `/var/lib/vgpu-agent/NAME` when it can be created and written, else
@@ -48,6 +55,9 @@ const ASSIGNMENTS_FILE: &str = "assignments.json";
 const INVENTORY_FILE: &str = "inventory.json";
 /// The shared-memory directory of the running agent (a path, for `exec` and `env`).
 const SHM_DIR_FILE: &str = "shm-dir";
+const NODE_KEY_FILE: &str = "node-key";
+/// Random bytes in a node key; it is written as twice as many hex digits.
+pub const NODE_KEY_BYTES: usize = 32;
 const TENANTS_DIR: &str = "tenants";
 const TEMPORARY_SUFFIX: &str = ".tmp";
 /// Appended to the name of a damaged state file that was moved aside.
@@ -88,6 +98,47 @@ pub struct ApplyReport {
     pub rewritten: Vec<String>,
     /// Files under `tenants/` that no current tenant owns; removed.
     pub removed_stale: Vec<String>,
+}
+
+/// The node's identity towards the control plane ([`crate::session::NODE_KEY_METADATA`]):
+/// [`NODE_KEY_BYTES`] random bytes as lower-case hex. A secret: `Debug` does not show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct NodeKey(String);
+
+impl NodeKey {
+    /// The key written as `text`, if it is one.
+    pub fn from_hex(text: &str) -> Option<NodeKey> {
+        let well_formed = text.len() == 2 * NODE_KEY_BYTES
+            && text
+                .bytes()
+                .all(|byte| byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte));
+        well_formed.then(|| NodeKey(text.to_owned()))
+    }
+
+    /// A key that is a function of `seed`, for the simulated nodes of `simulate-fleet`: the same
+    /// node gets the same key in every run, so a second run registers its nodes again. Not a
+    /// secret; real agents use [`StateDir::node_key`].
+    pub fn derived(seed: &str) -> NodeKey {
+        // FNV-1a of the seed, then SplitMix64 for the digits.
+        let hash = seed.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let mut random = crate::session::SplitMix64::new(hash);
+        let text: String = (0..NODE_KEY_BYTES / 8)
+            .map(|_| format!("{:016x}", random.next()))
+            .collect();
+        NodeKey::from_hex(&text).expect("hex digits")
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for NodeKey {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("NodeKey(..)")
+    }
 }
 
 /// An opened state directory of one node.
@@ -304,6 +355,29 @@ impl StateDir {
         Ok(report)
     }
 
+    /// The node key: the one in `node-key`, or a new one drawn from the kernel's random source
+    /// and written there (mode 0600) when there is none. A file that holds no key is an error:
+    /// replacing it would make the node a new identity, which the control plane refuses.
+    pub fn node_key(&self) -> Result<NodeKey> {
+        let path = self.root.join(NODE_KEY_FILE);
+        if let Some(text) = read_bounded(&path)? {
+            return NodeKey::from_hex(text.trim_end()).ok_or(Error::NodeKeyDamaged { path });
+        }
+        let mut bytes = [0_u8; NODE_KEY_BYTES];
+        fs::File::open("/dev/urandom")
+            .and_then(|mut random| random.read_exact(&mut bytes))
+            .map_err(|source| Error::StateIo {
+                action: "read random bytes for the node key from",
+                path: "/dev/urandom".into(),
+                source,
+            })?;
+        assert!(bytes.iter().any(|byte| *byte != 0), "random bytes");
+        let text: String = bytes.iter().map(|byte| format!("{byte:02x}")).collect();
+        let key = NodeKey::from_hex(&text).expect("hex digits");
+        write_atomically_with_mode(&path, format!("{text}\n").as_bytes(), 0o600)?;
+        Ok(key)
+    }
+
     /// Records the shared-memory directory the agent uses, for `exec` and `env`.
     pub fn write_shm_dir(&self, shm_dir: &Path) -> Result<()> {
         write_atomically(
@@ -505,6 +579,12 @@ pub(crate) fn write_json<
 /// Writes `bytes` to `path` so that a reader (or a crash) sees the old or the new content, never
 /// a mix: a temporary file in the same directory, fsync, rename, fsync of the directory.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomically_with_mode(path, bytes, 0o644)
+}
+
+/// [`write_atomically`], the file with permission bits `mode`.
+fn write_atomically_with_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let directory = path.parent().expect("state files live in a directory");
     let name = path
         .file_name()
@@ -519,7 +599,16 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
             source,
         }
     };
-    let mut file = fs::File::create(&temporary).map_err(io_error("create", &temporary))?;
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(&temporary)
+        .map_err(io_error("create", &temporary))?;
+    // A temporary file left by a crash keeps its old mode on `open`.
+    file.set_permissions(fs::Permissions::from_mode(mode))
+        .map_err(io_error("set the mode of", &temporary))?;
     file.write_all(bytes)
         .map_err(io_error("write", &temporary))?;
     file.sync_all().map_err(io_error("fsync", &temporary))?;
@@ -764,6 +853,34 @@ mod tests {
             state.load(),
             Err(Error::StateFormat { found: 99, .. })
         ));
+    }
+
+    #[test]
+    fn the_node_key_is_drawn_once_kept_private_and_never_replaced_silently() {
+        use std::os::unix::fs::PermissionsExt;
+        let directory = tempfile::tempdir().unwrap();
+        let state = StateDir::open(directory.path(), "node-a").unwrap();
+        let key = state.node_key().unwrap();
+        assert_eq!(key.as_str().len(), 2 * NODE_KEY_BYTES);
+        assert_eq!(format!("{key:?}"), "NodeKey(..)", "not in logs");
+        let path = directory.path().join(NODE_KEY_FILE);
+        let mode = fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        // A restart reads the same key; another state directory draws another.
+        let reopened = StateDir::open(directory.path(), "node-a").unwrap();
+        assert_eq!(reopened.node_key().unwrap(), key);
+        let other = tempfile::tempdir().unwrap();
+        let elsewhere = StateDir::open(other.path(), "node-a").unwrap();
+        assert_ne!(elsewhere.node_key().unwrap(), key);
+        // A damaged key stops the agent instead of becoming a new identity.
+        fs::write(&path, &key.as_str()[..20]).unwrap();
+        let error = state.node_key().unwrap_err();
+        assert!(matches!(error, Error::NodeKeyDamaged { .. }), "{error}");
+        assert!(error.to_string().contains("vgpuctl node remove"), "{error}");
+        // Simulated nodes derive theirs from the name, the same in every run.
+        assert_eq!(NodeKey::derived("sim-1"), NodeKey::derived("sim-1"));
+        assert_ne!(NodeKey::derived("sim-1"), NodeKey::derived("sim-2"));
+        assert_eq!(NodeKey::from_hex("AB"), None);
     }
 
     #[test]

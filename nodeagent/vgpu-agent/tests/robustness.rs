@@ -6,6 +6,12 @@
 //! * Heartbeats go on while the application of an assignment set is blocked in a file write.
 //! * A restart with a damaged `assignments.json` keeps the tenants' private directories until the
 //!   control plane's set arrives.
+//! * A second agent with the node's name but another node key is refused and stops; an agent
+//!   whose name another registration took stops too, and says why.
+//!
+//! The fake binds the node's name to the first node key that registers it, as the control plane
+//! is to (issue 22, point 5): a registration with another key is refused, every accepted one gets
+//! a new number, and a beat or stream with another key or an older number is refused.
 
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -26,9 +32,20 @@ use vgpu_agent::{InventorySource, JoinConfig, Timings};
 const DEADLINE: Duration = Duration::from_secs(20);
 const NODE: &str = "node-a";
 
+/// The error code of a call for a node whose name another registration holds.
+const NAME_TAKEN: &str = "[VGPU-NODE-NAME-TAKEN]";
+
 #[derive(Default)]
 struct FakeState {
     registrations: Vec<RegisterRequest>,
+    /// The node key the name is bound to, and the number of the newest registration.
+    binding: Option<(String, u64)>,
+    /// Registrations accepted so far; the next one gets this plus one.
+    registered: u64,
+    /// The node key and registration of every beat.
+    beats: Vec<(String, u64)>,
+    /// Answer the next beat `known = false` and forget the binding (an admin removed the node).
+    forget_once: bool,
     current: Assignments,
     /// Open streams get nothing until [`FakeControlPlane::publish`] (a slow control plane).
     silent: bool,
@@ -66,6 +83,15 @@ impl FakeControlPlane {
         });
     }
 
+    /// What an admin's removal followed by another agent's registration leaves: the name bound
+    /// to `key` under a new registration.
+    fn take_over(&self, key: &str) {
+        self.with(|state| {
+            state.registered += 1;
+            state.binding = Some((key.to_owned(), state.registered));
+        });
+    }
+
     fn heartbeats(&self) -> u64 {
         *self.heartbeats.borrow()
     }
@@ -82,25 +108,73 @@ impl FakeControlPlane {
 
 type AssignmentStream = Pin<Box<dyn Stream<Item = Result<Assignments, Status>> + Send>>;
 
+/// A request's metadata entry `name`, or "" without one.
+fn metadata<T>(request: &Request<T>, name: &str) -> String {
+    request
+        .metadata()
+        .get(name)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn taken(held_by: u64) -> Status {
+    Status::failed_precondition(format!(
+        "{NAME_TAKEN} node `{NODE}` is registered by another node key (registration {held_by})"
+    ))
+}
+
 #[tonic::async_trait]
 impl Agent for FakeControlPlane {
     async fn register(
         &self,
         request: Request<RegisterRequest>,
     ) -> Result<Response<RegisterResponse>, Status> {
-        self.with(|state| state.registrations.push(request.into_inner()));
-        Ok(Response::new(RegisterResponse {
+        let key = metadata(&request, "vgpu-node-key");
+        assert_eq!(key.len(), 64, "every registration carries the node key");
+        let registration = self.with(|state| {
+            if let Some((bound, held_by)) = &state.binding
+                && *bound != key
+            {
+                return Err(taken(*held_by));
+            }
+            state.registered += 1;
+            state.binding = Some((key, state.registered));
+            state.registrations.push(request.into_inner());
+            Ok(state.registered)
+        })?;
+        let mut response = Response::new(RegisterResponse {
             heartbeat_interval_ms: 50,
-        }))
+        });
+        response
+            .metadata_mut()
+            .insert("vgpu-registration", registration.into());
+        Ok(response)
     }
 
     async fn heartbeat(
         &self,
-        _: Request<HeartbeatRequest>,
+        request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
+        let key = metadata(&request, "vgpu-node-key");
+        let registration: u64 = metadata(&request, "vgpu-registration").parse().unwrap();
+        let known = self.with(|state| {
+            state.beats.push((key.clone(), registration));
+            if std::mem::take(&mut state.forget_once) {
+                state.binding = None;
+                return Ok(false);
+            }
+            match &state.binding {
+                Some((bound, held_by)) if *bound != key || *held_by != registration => {
+                    Err(taken(*held_by))
+                }
+                Some(_) => Ok(true),
+                None => Ok(false),
+            }
+        })?;
         self.heartbeats.send_modify(|count| *count += 1);
         Ok(Response::new(HeartbeatResponse {
-            known: true,
+            known,
             report_wanted: false,
         }))
     }
@@ -118,15 +192,22 @@ impl Agent for FakeControlPlane {
 
     async fn watch_assignments(
         &self,
-        _: Request<WatchAssignmentsRequest>,
+        request: Request<WatchAssignmentsRequest>,
     ) -> Result<Response<AssignmentStream>, Status> {
+        let key = metadata(&request, "vgpu-node-key");
         let (sender, receiver) = mpsc::unbounded_channel();
         self.with(|state| {
+            if let Some((bound, held_by)) = &state.binding
+                && *bound != key
+            {
+                return Err(taken(*held_by));
+            }
             if !state.silent {
                 sender.send(Ok(state.current.clone())).unwrap();
             }
             state.watchers.push(sender);
-        });
+            Ok(())
+        })?;
         let stream = futures::stream::unfold(receiver, |mut receiver| async move {
             receiver.recv().await.map(|item| (item, receiver))
         });
@@ -157,6 +238,11 @@ struct RunningAgent {
 }
 
 impl RunningAgent {
+    /// How the agent ended by itself.
+    async fn ended(self) -> vgpu_agent::Result<()> {
+        ended(self.result).await
+    }
+
     async fn stop(self) {
         self.stop.send(()).unwrap();
         ended(self.result)
@@ -405,4 +491,89 @@ async fn a_truncated_assignments_file_keeps_the_tenants_directories() {
     assert!(state_dir.join("tenants/stays.json").is_file());
     assert!(!state_dir.join("tenants/leaves.json").exists());
     agent.stop().await;
+}
+
+fn node_key(state_dir: &Path) -> String {
+    std::fs::read_to_string(state_dir.join("node-key"))
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// Issue 22, point 5: a bootstrap token, or a cloned machine with the same host name, took over a
+/// live node's name, and the real agent kept heartbeating without noticing. Now the name is
+/// bound to the node key of the agent that registered it first: another key is refused and that
+/// agent stops with the reason; a restart of the real agent keeps its key and its name; an admin's
+/// removal makes the agent register again under a new number; and when another agent holds the
+/// name after all, the real one stops and says so.
+#[tokio::test]
+async fn a_node_name_belongs_to_the_agent_that_registered_it_first() {
+    let fake = FakeControlPlane::new();
+    fake.publish(assignments(1, &[("infer-a", 0)]));
+    let address = serve(fake.clone()).await;
+    let directory = tempfile::tempdir().unwrap();
+    let real_dir = directory.path().join("real");
+    let real = start(address.clone(), &real_dir);
+    fake.wait_for_heartbeats(2, "the real agent's first beats")
+        .await;
+    let real_key = node_key(&real_dir);
+    assert_eq!(
+        fake.with(|state| state.beats.last().cloned()),
+        Some((real_key.clone(), 1)),
+        "beats carry the node key and the registration's number"
+    );
+
+    // A second agent with the same name and its own state directory: refused, and it stops.
+    let intruder_dir = directory.path().join("intruder");
+    let error = start(address.clone(), &intruder_dir)
+        .ended()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert_ne!(node_key(&intruder_dir), real_key);
+    assert!(
+        error.contains("node `node-a` is no longer this agent's")
+            && error.contains(NAME_TAKEN)
+            && error.contains("vgpuctl node remove node-a"),
+        "{error}"
+    );
+    let beats = fake.heartbeats();
+    fake.wait_for_heartbeats(beats + 2, "the real agent beating on")
+        .await;
+    assert_eq!(
+        fake.with(|state| state.registrations.len()),
+        1,
+        "the intruder's inventory never replaced the node's"
+    );
+
+    // The real agent restarts: the same key, so the same node, under a new number.
+    real.stop().await;
+    let real = start(address.clone(), &real_dir);
+    let beats = fake.heartbeats();
+    fake.wait_for_heartbeats(beats + 2, "beats after the restart")
+        .await;
+    assert_eq!(node_key(&real_dir), real_key);
+    assert_eq!(
+        fake.with(|state| state.beats.last().cloned()),
+        Some((real_key.clone(), 2))
+    );
+
+    // An admin removes the node: the agent registers it again, under a new number.
+    fake.with(|state| state.forget_once = true);
+    let beats = fake.heartbeats();
+    fake.wait_for_heartbeats(beats + 3, "beats after the removal")
+        .await;
+    assert_eq!(
+        fake.with(|state| state.beats.last().cloned()),
+        Some((real_key.clone(), 3))
+    );
+
+    // Another key holds the name now (removed, then registered by someone else): the real
+    // agent's next beat is refused, and it stops with the reason instead of beating on.
+    fake.take_over(&"0".repeat(64));
+    let error = real.ended().await.unwrap_err().to_string();
+    assert!(
+        error.contains("node `node-a` is no longer this agent's") && error.contains(NAME_TAKEN),
+        "{error}"
+    );
 }
