@@ -310,8 +310,7 @@ impl Controller {
         self.level_violations = self.level_violations.saturating_add(violations);
         let over = judged.iter().find(|(_, j)| j.over_budget);
         if let Some((tenant, judgement)) = over {
-            self.clean_windows = 0;
-            self.clean_steps = 0;
+            self.break_run();
             if let Some(lever) = self.probing() {
                 self.levers[lever.index()] = LeverState::Needed;
                 return Some(Reason::LeverNeeded { lever });
@@ -326,8 +325,7 @@ impl Controller {
             return self.step_up(worst, reason);
         }
         if !judged.iter().all(|(_, j)| j.clean) {
-            self.clean_windows = 0;
-            self.clean_steps = 0;
+            self.break_run();
             return None;
         }
         self.clean_windows += 1;
@@ -339,9 +337,10 @@ impl Controller {
         // stall every ~50 steps passed 10 clean windows of 10 ms again and again).
         let settled = self.clean_windows >= self.config.relax_windows
             && self.clean_steps >= self.config.relax_steps()
-            && judged
-                .iter()
-                .all(|(name, _)| self.tenants[name.as_str()].in_allowance());
+            && judged.iter().all(|(name, _)| {
+                let tenant = &self.tenants[name.as_str()];
+                tenant.in_allowance() && tenant.streak_in_margin(&self.config)
+            });
         if !settled || self.level == 0 {
             return None;
         }
@@ -364,8 +363,7 @@ impl Controller {
         // under it are needed too shows by releasing them one at a time.
         let lever = self.lever_to_probe()?;
         self.levers[lever.index()] = LeverState::Probing;
-        self.clean_windows = 0;
-        self.clean_steps = 0;
+        self.break_run();
         Some(Reason::ProbeLever { lever })
     }
 
@@ -567,8 +565,16 @@ impl Controller {
         assert!(level <= self.ladder.top());
         self.level = level;
         self.level_violations = 0;
+        self.break_run();
+    }
+
+    /// Ends the run of clean windows (its count, its steps, and each tenant's steps in it).
+    fn break_run(&mut self) {
         self.clean_windows = 0;
         self.clean_steps = 0;
+        for tenant in self.tenants.values_mut() {
+            tenant.reset_streak();
+        }
     }
 
     /// Whether level `level` is one the controller may stand on (0, or a lever in use).

@@ -61,8 +61,11 @@
 //! - *Up, fast.* Over budget at level `l`: to `l + max(1, l / 2)` (multiplicative, so the top is
 //!   reached in a handful of windows from anywhere), and past every level that failed in this
 //!   episode and has not earned it back. The level that failed is remembered.
-//! - *Down, by halves.* After `relax_windows` consecutive clean windows (no violation, p99 under
-//!   `relax_margin` of the target) and with every tenant in allowance, down: to the middle of
+//! - *Down, by halves.* After `relax_windows` consecutive clean windows (no violation) holding
+//!   at least `1 / violation_budget` steps whose p99 is under `relax_margin` of the target (the
+//!   margin judged on the whole run: a window's own p99 is its slowest of two or three steps, and
+//!   judging each window so held levels up on a few percent of steps between margin and target),
+//!   and with every tenant in allowance, down: to the middle of
 //!   the untried levels between the current one and the highest level that failed in this
 //!   episode (or 0), or one level when only one is left. One level per wait took 17 waits of
 //!   100 steps from the top of an H100's ladder, longer than most pairs of workloads stay

@@ -42,7 +42,8 @@ pub struct Judgement {
     pub violations: u64,
     /// Violations in this window, and more than the allowance covers.
     pub over_budget: bool,
-    /// No violation, and the p99 (its bucket's lower edge) under `relax_margin` of the target.
+    /// Steps, and none over the target (the margin is judged over the run of clean windows:
+    /// `TenantState::streak_in_margin`).
     pub clean: bool,
     /// The window's p99 above the target, in histogram buckets (about 9% each; negative below).
     pub excess_buckets: i32,
@@ -96,6 +97,8 @@ pub struct TenantState {
     /// violations (it is the same step).
     open_counted_ns: Option<u64>,
     open_credit_due: bool,
+    /// The steps of the current run of clean windows (see `streak_in_margin`).
+    streak: LatencySnapshot,
 }
 
 impl TenantState {
@@ -119,6 +122,7 @@ impl TenantState {
             starved: false,
             open_counted_ns: None,
             open_credit_due: false,
+            streak: LatencySnapshot::default(),
         }
     }
 
@@ -297,11 +301,17 @@ impl TenantState {
         // Like the violations, read at the bucket's lower edge: the upper edge would put a p99
         // a hair above the baseline's bucket a whole bucket (9-12%) higher, and make the margin
         // unreachable for a tenant sitting well within its target.
-        let clean = violations == 0
-            && p99.is_some_and(|p99| {
-                (bucket_floor_ns(latency_bucket(p99) - 1) as f64)
-                    < config.relax_margin * target as f64
-            });
+        // Clean: nothing over the target. The margin is judged on the whole run of clean
+        // windows (`streak_in_margin`), not per window: a window's p99 is the max of its two or
+        // three steps, and requiring every step under the margin for 100 steps in a row held
+        // a level up on a few percent of steps between the margin and the target (a decoder
+        // beside a bandwidth hog sat at Exclusive for whole 4 s windows on an H100).
+        let clean = violations == 0 && window.steps > 0;
+        if clean {
+            self.streak.add(window);
+        } else {
+            self.streak = LatencySnapshot::default();
+        }
         let excess_buckets = p99.map_or(0, |p99| {
             latency_bucket(p99) as i32 - latency_bucket(target) as i32
         });
@@ -317,6 +327,24 @@ impl TenantState {
     /// Whether the tenant owes no violations (relaxing waits until it does not).
     pub fn in_allowance(&self) -> bool {
         self.allowance_ppm >= 0
+    }
+
+    /// Whether the p99 of the steps of its current run of clean windows (read at its bucket's
+    /// lower edge, like the violations: the upper edge would put a p99 a hair above the
+    /// baseline's bucket a whole bucket higher) is under `relax_margin` of the target: the
+    /// headroom that makes the level below worth a try. True without such steps.
+    pub fn streak_in_margin(&self, config: &Config) -> bool {
+        let Some(target) = self.target_ns(config) else {
+            return false;
+        };
+        self.streak.quantile_ns(0.99).is_none_or(|p99| {
+            (bucket_floor_ns(latency_bucket(p99) - 1) as f64) < config.relax_margin * target as f64
+        })
+    }
+
+    /// Starts a new run of clean windows (the level changed, or the controller's run broke).
+    pub fn reset_streak(&mut self) {
+        self.streak = LatencySnapshot::default();
     }
 
     fn slot_ns(config: &Config) -> u64 {
