@@ -64,9 +64,13 @@ impl ErrorCode {
         }
     }
 
-    /// Builds a status whose message is `[CODE] message`.
+    /// Builds a status whose message is `[CODE] message`. A message longer than
+    /// [`STATUS_MESSAGE_BYTES_MAX`] (one that quotes a huge input) keeps its start and its end
+    /// (where the advice is) and says how much was left out: gRPC carries the message in a
+    /// header, and a huge one reached the client as "metadata size exceeds limit" instead.
     pub fn status(self, message: impl std::fmt::Display) -> tonic::Status {
-        tonic::Status::new(self.grpc_code(), format!("[{}] {message}", self.as_str()))
+        let message = format!("[{}] {message}", self.as_str());
+        tonic::Status::new(self.grpc_code(), shorten(message))
     }
 
     /// Reads the code back from a status produced by [`ErrorCode::status`].
@@ -78,6 +82,38 @@ impl ErrorCode {
             .copied()
             .find(|candidate| candidate.as_str() == code)
     }
+}
+
+/// Longest status message sent (gRPC's default header limit is 8 KiB for all headers).
+pub const STATUS_MESSAGE_BYTES_MAX: usize = 2048;
+
+/// `message` cut to at most [`STATUS_MESSAGE_BYTES_MAX`] bytes, on character boundaries.
+fn shorten(message: String) -> String {
+    if message.len() <= STATUS_MESSAGE_BYTES_MAX {
+        return message;
+    }
+    let boundary_below = |mut at: usize| {
+        while !message.is_char_boundary(at) {
+            at -= 1;
+        }
+        at
+    };
+    let head = boundary_below(STATUS_MESSAGE_BYTES_MAX * 3 / 4);
+    let mut tail = message.len() - STATUS_MESSAGE_BYTES_MAX / 5;
+    while !message.is_char_boundary(tail) {
+        tail += 1;
+    }
+    let shortened = format!(
+        "{} [... {} bytes left out ...] {}",
+        &message[..head],
+        tail - head,
+        &message[tail..]
+    );
+    assert!(
+        shortened.len() <= STATUS_MESSAGE_BYTES_MAX,
+        "a status message is bounded"
+    );
+    shortened
 }
 
 const ALL: [ErrorCode; 15] = [
@@ -110,5 +146,26 @@ mod tests {
             assert_eq!(status.code(), code.grpc_code());
         }
         assert_eq!(ErrorCode::of(&tonic::Status::internal("plain")), None);
+    }
+
+    /// Issue 22: an error quoting a huge input stays a short message with its code and advice.
+    #[test]
+    fn a_message_quoting_a_huge_input_is_shortened() {
+        let huge = "é".repeat(1 << 20);
+        let status = ErrorCode::InvalidArgument.status(format!(
+            "the tenant name `{huge}` is too long; use at most 63 characters"
+        ));
+        let message = status.message();
+        assert!(
+            message.len() <= STATUS_MESSAGE_BYTES_MAX,
+            "{}",
+            message.len()
+        );
+        assert!(message.starts_with("[VGPU-INVALID-ARGUMENT] the tenant name"));
+        assert!(message.ends_with("use at most 63 characters"));
+        assert!(message.contains("bytes left out"));
+        assert_eq!(ErrorCode::of(&status), Some(ErrorCode::InvalidArgument));
+        let short = ErrorCode::NoLeader.status("no leader");
+        assert_eq!(short.message(), "[VGPU-NO-LEADER] no leader");
     }
 }

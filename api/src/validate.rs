@@ -185,6 +185,141 @@ pub fn validate_change(change: &SetTenantRequest) -> Result<(), RequestError> {
     Ok(())
 }
 
+/// Longest address an agent registers: a DNS name (253), `:` and a port, or an IPv6 literal.
+pub const NODE_ADDRESS_TEXT_MAX: usize = 261;
+/// Most labels a node registers (a node selector matches at most [`SELECTOR_PAIRS_MAX`]).
+pub const NODE_LABELS_MAX: usize = 64;
+/// Most GPUs a node registers.
+pub const NODE_GPUS_MAX: usize = 64;
+/// Longest GPU uuid or model name (NVML's are under 96 characters).
+pub const GPU_TEXT_MAX: usize = 128;
+/// Longest PCI bus id (`00000000:3B:00.0` is 16).
+pub const PCI_BUS_ID_TEXT_MAX: usize = 32;
+/// Most NICs listed nearest one GPU, and the longest NIC name.
+pub const GPU_NICS_MAX: usize = 16;
+pub const NIC_NAME_TEXT_MAX: usize = 64;
+/// Most NVLink links between two GPUs (an H100 has 18 in all).
+pub const NVLINK_LINKS_MAX: u32 = 64;
+/// Largest registration in all (a node of [`NODE_GPUS_MAX`] GPUs with every field at its bound
+/// stays well under it); the fields the control plane fills in count too.
+pub const REGISTER_BYTES_MAX: usize = 256 << 10;
+/// Longest certificate signing request a joining agent sends (an RSA-4096 CSR is under 2 KiB).
+pub const CSR_PEM_TEXT_MAX: usize = 16 << 10;
+/// Longest serial text `RevokeCertificate` takes (a serial has at most 20 bytes: 40 hex digits,
+/// with colons 59).
+pub const SERIAL_TEXT_MAX: usize = 128;
+
+/// Why a node's registration is refused on admission; each message says what to change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NodeError {
+    #[error("the node is missing from the registration")]
+    Missing,
+    #[error(
+        "the registration is {0} bytes; the limit is {REGISTER_BYTES_MAX} (check the node's labels and GPU inventory)"
+    )]
+    TooLarge(usize),
+    #[error(
+        "the node's address is {0} characters long; the limit is {NODE_ADDRESS_TEXT_MAX} (HOST:PORT)"
+    )]
+    AddressTooLong(usize),
+    #[error("the node has {0} labels; the limit is {NODE_LABELS_MAX}")]
+    TooManyLabels(usize),
+    #[error(
+        "a node label key is empty or longer than {SELECTOR_TEXT_MAX} characters, or its value is longer than {SELECTOR_TEXT_MAX} (key starting `{0}`)"
+    )]
+    BadLabel(String),
+    #[error("the node reports {0} GPUs; the limit is {NODE_GPUS_MAX}")]
+    TooManyGpus(usize),
+    #[error("GPU {index} has a {field} of {length} characters; the limit is {limit}")]
+    GpuTextTooLong {
+        index: u32,
+        field: &'static str,
+        length: usize,
+        limit: usize,
+    },
+    #[error("GPU {index} lists {count} nearest NICs; the limit is {GPU_NICS_MAX}")]
+    TooManyNics { index: u32, count: usize },
+    #[error(
+        "GPU {index} lists {count} NVLink peers; a GPU has at most {NODE_GPUS_MAX} peers, each listed once with at most {NVLINK_LINKS_MAX} links"
+    )]
+    BadNvlinkPeers { index: u32, count: usize },
+}
+
+/// What a registering node must satisfy before its registration is proposed: every string and
+/// list within its bound (the replicated log keeps what is admitted, and every member applies
+/// it). Whether the inventory is consistent (indexes, uuids, memory) is checked again where it
+/// is applied.
+pub fn admit_node(node: Option<&crate::v1::Node>) -> Result<(), NodeError> {
+    use prost::Message;
+    let node = node.ok_or(NodeError::Missing)?;
+    let size = node.encoded_len();
+    if size > REGISTER_BYTES_MAX {
+        return Err(NodeError::TooLarge(size));
+    }
+    if node.address.len() > NODE_ADDRESS_TEXT_MAX {
+        return Err(NodeError::AddressTooLong(node.address.len()));
+    }
+    if node.labels.len() > NODE_LABELS_MAX {
+        return Err(NodeError::TooManyLabels(node.labels.len()));
+    }
+    if let Some((key, _)) = node.labels.iter().find(|(key, value)| {
+        key.is_empty() || key.len() > SELECTOR_TEXT_MAX || value.len() > SELECTOR_TEXT_MAX
+    }) {
+        return Err(NodeError::BadLabel(excerpt(key, 32)));
+    }
+    if node.gpus.len() > NODE_GPUS_MAX {
+        return Err(NodeError::TooManyGpus(node.gpus.len()));
+    }
+    for gpu in &node.gpus {
+        let texts = [
+            ("uuid", gpu.uuid.len(), GPU_TEXT_MAX),
+            ("model", gpu.model.len(), GPU_TEXT_MAX),
+            ("PCI bus id", gpu.pci_bus_id.len(), PCI_BUS_ID_TEXT_MAX),
+        ];
+        let longest_nic = gpu.nearest_nics.iter().map(String::len).max().unwrap_or(0);
+        let nic = ("NIC name", longest_nic, NIC_NAME_TEXT_MAX);
+        if let Some((field, length, limit)) = texts
+            .into_iter()
+            .chain([nic])
+            .find(|(_, length, limit)| length > limit)
+        {
+            return Err(NodeError::GpuTextTooLong {
+                index: gpu.index,
+                field,
+                length,
+                limit,
+            });
+        }
+        if gpu.nearest_nics.len() > GPU_NICS_MAX {
+            return Err(NodeError::TooManyNics {
+                index: gpu.index,
+                count: gpu.nearest_nics.len(),
+            });
+        }
+        let peers = &gpu.nvlink_peers;
+        let distinct: std::collections::BTreeSet<u32> = peers.iter().map(|p| p.gpu_index).collect();
+        if peers.len() > NODE_GPUS_MAX
+            || distinct.len() != peers.len()
+            || peers.iter().any(|p| p.link_count > NVLINK_LINKS_MAX)
+        {
+            return Err(NodeError::BadNvlinkPeers {
+                index: gpu.index,
+                count: peers.len(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// At most `max` characters of `text`, with `...` when it was cut: for messages that quote
+/// what a caller sent.
+pub fn excerpt(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        None => text.to_owned(),
+        Some((end, _)) => format!("{}...", &text[..end]),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -389,5 +524,112 @@ mod tests {
         );
         // Admission only: a logged request keeps its meaning (see the module docs).
         assert_eq!(validate_request(&target(false, 2_000)), Ok(()));
+    }
+
+    fn registered() -> crate::v1::Node {
+        crate::v1::Node {
+            name: "node-a".into(),
+            address: "10.0.0.1:7402".into(),
+            labels: [("zone".to_owned(), "a".to_owned())].into(),
+            gpus: (0..8)
+                .map(|index| crate::v1::Gpu {
+                    uuid: format!("GPU-{index:08x}-0000-0000-0000-000000000000"),
+                    index,
+                    model: "NVIDIA H100 80GB HBM3".into(),
+                    memory_bytes: 80 << 30,
+                    pci_bus_id: format!("00000000:{index:02X}:00.0"),
+                    nearest_nics: vec!["mlx5_0".into()],
+                    nvlink_peers: (0..8)
+                        .filter(|&peer| peer != index)
+                        .map(|gpu_index| crate::v1::NvlinkPeer {
+                            gpu_index,
+                            link_count: 18,
+                        })
+                        .collect(),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_ordinary_registration_is_admitted() {
+        assert_eq!(admit_node(Some(&registered())), Ok(()));
+        assert_eq!(admit_node(None), Err(NodeError::Missing));
+    }
+
+    /// Issue 22, point 1: every field of a registration is bounded on admission.
+    #[test]
+    fn every_unbounded_registration_field_is_refused() {
+        let long = |n: usize| "x".repeat(n);
+        type Change = Box<dyn Fn(&mut crate::v1::Node)>;
+        let cases: Vec<(&str, Change)> = vec![
+            ("address", Box::new(move |n| n.address = long(262))),
+            (
+                "labels",
+                Box::new(|n| {
+                    n.labels = (0..65).map(|i| (format!("k{i}"), String::new())).collect()
+                }),
+            ),
+            (
+                "label value",
+                Box::new(move |n| {
+                    n.labels.insert("zone".into(), long(254));
+                }),
+            ),
+            (
+                "label key",
+                Box::new(|n| {
+                    n.labels.insert(String::new(), "a".into());
+                }),
+            ),
+            ("uuid", Box::new(move |n| n.gpus[0].uuid = long(129))),
+            ("model", Box::new(move |n| n.gpus[1].model = long(129))),
+            ("pci", Box::new(move |n| n.gpus[2].pci_bus_id = long(33))),
+            (
+                "nics",
+                Box::new(|n| n.gpus[3].nearest_nics = vec!["mlx".into(); 17]),
+            ),
+            (
+                "nic name",
+                Box::new(move |n| n.gpus[3].nearest_nics = vec![long(65)]),
+            ),
+            (
+                "peers",
+                Box::new(|n| {
+                    let peer = n.gpus[4].nvlink_peers[0];
+                    n.gpus[4].nvlink_peers.push(peer);
+                }),
+            ),
+            (
+                "links",
+                Box::new(|n| n.gpus[5].nvlink_peers[0].link_count = 65),
+            ),
+            (
+                "gpus",
+                Box::new(|n| {
+                    let gpu = n.gpus[0].clone();
+                    n.gpus = vec![gpu; 65];
+                }),
+            ),
+            (
+                "size",
+                Box::new(move |n| n.gpus[6].tenants = vec![long(1000); 300]),
+            ),
+        ];
+        for (what, change) in cases {
+            let mut node = registered();
+            change(&mut node);
+            let error = admit_node(Some(&node)).expect_err(what);
+            assert!(error.to_string().len() < 300, "{what}: {error}");
+        }
+    }
+
+    #[test]
+    fn an_excerpt_is_cut_on_a_character_boundary() {
+        assert_eq!(excerpt("short", 8), "short");
+        assert_eq!(excerpt("ééééé", 2), "éé...");
+        assert_eq!(excerpt(&"y".repeat(1 << 20), 4), "yyyy...");
     }
 }

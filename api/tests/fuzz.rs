@@ -339,6 +339,66 @@ fn check_config_file(text: String) {
     }
 }
 
+/// A registration is admitted only with every field within its bound, and a refusal's message
+/// stays short whatever it quotes.
+fn check_node(node: api::v1::Node) {
+    use api::validate::*;
+    match admit_node(Some(&node)) {
+        Ok(()) => {
+            assert!(node.encoded_len() <= REGISTER_BYTES_MAX);
+            assert!(node.address.len() <= NODE_ADDRESS_TEXT_MAX);
+            assert!(node.labels.len() <= NODE_LABELS_MAX);
+            assert!(node.gpus.len() <= NODE_GPUS_MAX);
+            for gpu in &node.gpus {
+                assert!(gpu.uuid.len() <= GPU_TEXT_MAX && gpu.model.len() <= GPU_TEXT_MAX);
+                assert!(gpu.pci_bus_id.len() <= PCI_BUS_ID_TEXT_MAX);
+                assert!(gpu.nearest_nics.len() <= GPU_NICS_MAX);
+                assert!(gpu.nvlink_peers.len() <= NODE_GPUS_MAX);
+            }
+        }
+        Err(error) => assert!(error.to_string().len() < 400, "{error}"),
+    }
+}
+
+fn registration() -> impl Strategy<Value = api::v1::Node> {
+    let text = || prop_oneof![fuzz::any_text(), (0usize..600).prop_map(|n| "x".repeat(n))];
+    let gpu = (
+        text(),
+        text(),
+        text(),
+        proptest::collection::vec(text(), 0..20),
+        0usize..70,
+    )
+        .prop_map(
+            |(uuid, model, pci_bus_id, nearest_nics, peers)| api::v1::Gpu {
+                uuid,
+                model,
+                pci_bus_id,
+                nearest_nics,
+                memory_bytes: 80 << 30,
+                nvlink_peers: (0..peers as u32)
+                    .map(|gpu_index| api::v1::NvlinkPeer {
+                        gpu_index: gpu_index % 66,
+                        link_count: gpu_index,
+                    })
+                    .collect(),
+                ..Default::default()
+            },
+        );
+    (
+        text(),
+        proptest::collection::btree_map(text(), text(), 0..70),
+        proptest::collection::vec(gpu, 0..70),
+    )
+        .prop_map(|(address, labels, gpus)| api::v1::Node {
+            name: "node-a".into(),
+            address,
+            labels: labels.into_iter().collect(),
+            gpus,
+            ..Default::default()
+        })
+}
+
 fn check_error_code(message: String) {
     let status = tonic::Status::invalid_argument(message.clone());
     if let Some(code) = api::ErrorCode::of(&status) {
@@ -346,6 +406,7 @@ fn check_error_code(message: String) {
     }
     let made = api::ErrorCode::Unplaceable.status(&message);
     assert_eq!(api::ErrorCode::of(&made), Some(api::ErrorCode::Unplaceable));
+    assert!(made.message().len() <= api::codes::STATUS_MESSAGE_BYTES_MAX);
 }
 
 proptest! {
@@ -401,6 +462,20 @@ proptest! {
         fuzz::bounded(bytes, |bytes| {
             if let Ok(request) = PlacementRequest::decode(bytes.as_slice()) {
                 check_request(request);
+            }
+        });
+    }
+
+    #[test]
+    fn registrations(node in registration()) {
+        fuzz::bounded(node, check_node);
+    }
+
+    #[test]
+    fn registrations_from_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        fuzz::bounded(bytes, |bytes| {
+            if let Ok(node) = api::v1::Node::decode(bytes.as_slice()) {
+                check_node(node);
             }
         });
     }

@@ -161,6 +161,22 @@ pub enum Command {
         #[command(subcommand)]
         command: ClusterCommand,
     },
+    /// Nodes of the pool (admins).
+    Node {
+        #[command(subcommand)]
+        command: NodeCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum NodeCommand {
+    /// Forgets a node that is gone for good or was registered by mistake: its tenants are
+    /// re-placed elsewhere. An agent still running for it registers it again.
+    Remove {
+        /// Node name.
+        #[arg(value_parser = node_name)]
+        node: String,
+    },
 }
 
 /// Flags of `vgpuctl place`.

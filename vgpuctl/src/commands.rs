@@ -10,14 +10,14 @@ use api::v1::cluster_client::ClusterClient;
 use api::v1::pool_client::PoolClient;
 use api::v1::{
     AddMemberRequest, ClusterStatusRequest, DrainRequest, GetNodeRequest, GetTenantRequest,
-    ListRequest, Node, NvlinkPolicy, PlaceRequest, PlacementRequest, ReleaseRequest,
-    RemoveMemberRequest, SetTenantRequest, Tenant, TenantState,
+    ListPageRequest, Node, NvlinkPolicy, PlaceRequest, PlacementRequest, ReleaseRequest,
+    RemoveMemberRequest, RemoveNodeRequest, SetTenantRequest, Tenant, TenantState,
 };
 use serde::Serialize;
 
 use crate::cli::{
-    ClusterCommand, Command, DescribeTarget, GetArgs, GpuAmount, Kind, PlaceArgs, SetTarget,
-    SetTenantArgs, merge_selectors,
+    ClusterCommand, Command, DescribeTarget, GetArgs, GpuAmount, Kind, NodeCommand, PlaceArgs,
+    SetTarget, SetTenantArgs, merge_selectors,
 };
 use crate::endpoints::{Delivery, Endpoints};
 use crate::output::{self, write_structured};
@@ -50,7 +50,65 @@ pub async fn execute(
         Command::Drain { node } => drain(node, true, session, out).await,
         Command::Uncordon { node } => drain(node, false, session, out).await,
         Command::Cluster { command } => cluster(command, session, out).await,
+        Command::Node {
+            command: NodeCommand::Remove { node },
+        } => remove_node(node, session, out).await,
     }
+}
+
+/// Most pages one listing reads (a page holds up to 1,000 items): a bound, not a size any pool
+/// reaches.
+pub const LIST_PAGES_MAX: usize = 1000;
+
+/// Reads every page of a listing: `fetch(token)` gets the page after `token`.
+async fn all_pages<T, F, Fut>(what: &str, mut fetch: F) -> anyhow::Result<Vec<T>>
+where
+    F: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<(Vec<T>, String)>>,
+{
+    let mut items = Vec::new();
+    let mut token = String::new();
+    for _ in 0..LIST_PAGES_MAX {
+        let (page, next) = fetch(token).await?;
+        items.extend(page);
+        if next.is_empty() {
+            return Ok(items);
+        }
+        token = next;
+    }
+    anyhow::bail!(
+        "the {what} did not end within {LIST_PAGES_MAX} pages; the pool is larger than vgpuctl lists"
+    )
+}
+
+async fn remove_node(node: &str, session: &Session, out: &mut dyn Write) -> anyhow::Result<()> {
+    let advice = "check with `vgpuctl get nodes` before removing it again";
+    session
+        .endpoints
+        .call(
+            &format!("removal of node {node}"),
+            Delivery::AtMostOnce,
+            advice,
+            |channel| {
+                let request = RemoveNodeRequest {
+                    node: node.to_owned(),
+                };
+                async move { PoolClient::new(channel).remove_node(request).await }
+            },
+        )
+        .await?;
+    match session.format {
+        Format::Table => writeln!(
+            out,
+            "node {node} removed: its tenants are re-placed elsewhere; an agent still running for it registers it again"
+        )?,
+        format => write_structured(
+            out,
+            format,
+            &serde_json::json!({ "name": node, "removed": true }),
+        )?,
+    }
+    Ok(())
 }
 
 /// The API request for `place` flags, checked with [`api::validate::admit_request`].
@@ -265,20 +323,20 @@ async fn get_tenant(session: &Session, name: &str, stale: bool) -> anyhow::Resul
 }
 
 async fn list_tenants(session: &Session, stale: bool) -> anyhow::Result<Vec<Tenant>> {
-    let response = session
-        .endpoints
-        .call(
-            "list of tenants",
-            Delivery::Idempotent,
-            "",
-            |channel| async move {
-                PoolClient::new(channel)
-                    .list_tenants(ListRequest { stale })
-                    .await
-            },
-        )
-        .await?;
-    let mut tenants = response.tenants;
+    let mut tenants = all_pages("list of tenants", |page_token| async move {
+        let response = session
+            .endpoints
+            .call("list of tenants", Delivery::Idempotent, "", |channel| {
+                let request = ListPageRequest {
+                    stale,
+                    page_token: page_token.clone(),
+                };
+                async move { PoolClient::new(channel).list_tenants_page(request).await }
+            })
+            .await?;
+        Ok((response.tenants, response.next_page_token))
+    })
+    .await?;
     tenants.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(tenants)
 }
@@ -303,20 +361,20 @@ async fn get_node(session: &Session, name: &str, stale: bool) -> anyhow::Result<
 }
 
 async fn list_nodes(session: &Session, stale: bool) -> anyhow::Result<Vec<Node>> {
-    let response = session
-        .endpoints
-        .call(
-            "list of nodes",
-            Delivery::Idempotent,
-            "",
-            |channel| async move {
-                PoolClient::new(channel)
-                    .list_nodes(ListRequest { stale })
-                    .await
-            },
-        )
-        .await?;
-    let mut nodes = response.nodes;
+    let mut nodes = all_pages("list of nodes", |page_token| async move {
+        let response = session
+            .endpoints
+            .call("list of nodes", Delivery::Idempotent, "", |channel| {
+                let request = ListPageRequest {
+                    stale,
+                    page_token: page_token.clone(),
+                };
+                async move { PoolClient::new(channel).list_nodes_page(request).await }
+            })
+            .await?;
+        Ok((response.nodes, response.next_page_token))
+    })
+    .await?;
     nodes.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(nodes)
 }

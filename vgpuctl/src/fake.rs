@@ -229,7 +229,55 @@ impl Pool for Fake {
     ) -> Result<Response<ListTenantsResponse>, Status> {
         self.0.enter().await?;
         let tenants = self.0.tenants.lock().unwrap().values().cloned().collect();
-        Ok(Response::new(ListTenantsResponse { tenants }))
+        Ok(Response::new(ListTenantsResponse {
+            tenants,
+            next_page_token: String::new(),
+        }))
+    }
+
+    /// Pages of one tenant each, so that vgpuctl's paging is exercised.
+    async fn list_tenants_page(
+        &self,
+        request: Request<ListPageRequest>,
+    ) -> Result<Response<ListTenantsResponse>, Status> {
+        self.0.enter().await?;
+        let after = request.into_inner().page_token;
+        let tenants = self.0.tenants.lock().unwrap();
+        let mut rest = tenants
+            .iter()
+            .filter(|(name, _)| after.is_empty() || **name > after);
+        let tenants: Vec<Tenant> = rest.next().map(|(_, t)| t.clone()).into_iter().collect();
+        let next_page_token = match (rest.next(), tenants.first()) {
+            (Some(_), Some(last)) => last.name.clone(),
+            _ => String::new(),
+        };
+        Ok(Response::new(ListTenantsResponse {
+            tenants,
+            next_page_token,
+        }))
+    }
+
+    async fn list_nodes_page(
+        &self,
+        _: Request<ListPageRequest>,
+    ) -> Result<Response<ListNodesResponse>, Status> {
+        self.0.enter().await?;
+        Ok(Response::new(ListNodesResponse {
+            nodes: vec![samples::node()],
+            next_page_token: String::new(),
+        }))
+    }
+
+    async fn remove_node(
+        &self,
+        request: Request<RemoveNodeRequest>,
+    ) -> Result<Response<RemoveNodeResponse>, Status> {
+        self.0.enter().await?;
+        let name = request.into_inner().node;
+        if name != samples::node().name {
+            return Err(ErrorCode::NodeNotFound.status(format!("there is no node {name}")));
+        }
+        Ok(Response::new(RemoveNodeResponse {}))
     }
 
     async fn get_node(&self, request: Request<GetNodeRequest>) -> Result<Response<Node>, Status> {
@@ -248,6 +296,7 @@ impl Pool for Fake {
         self.0.enter().await?;
         Ok(Response::new(ListNodesResponse {
             nodes: vec![samples::node()],
+            next_page_token: String::new(),
         }))
     }
 

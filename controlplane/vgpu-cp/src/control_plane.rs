@@ -125,7 +125,16 @@ pub struct ControlPlane {
 
 /// What a local write gets back: the result, or the leader to forward to.
 type LocalWrite = Result<Result<CommandResult, Option<BasicNode>>, Status>;
-type BatchItem = (Command, tokio::sync::oneshot::Sender<LocalWrite>);
+/// A queued write: the command, its encoded size, and where its result goes.
+type BatchItem = (Command, usize, tokio::sync::oneshot::Sender<LocalWrite>);
+
+/// Largest command one write may propose, encoded. Admission bounds every field of every
+/// request well below it (a registration is at most `api::validate::REGISTER_BYTES_MAX`); this
+/// is the last line, so that no entry can be larger than replication can carry.
+pub const COMMAND_BYTES_MAX: usize = 512 << 10;
+/// Largest log entry the batcher builds (a batch stops before the command that would pass it;
+/// a lone command is at most [`COMMAND_BYTES_MAX`]).
+pub const ENTRY_BYTES_MAX: usize = 1 << 20;
 
 /// Writes waiting for the batcher before callers wait for room.
 const BATCH_QUEUE_MAX: usize = 8192;
@@ -328,6 +337,7 @@ impl ControlPlane {
 
     /// Commits a command through Raft (here or at the leader) and returns what applying it gave.
     pub async fn write(&self, command: Command) -> Result<CommandResult, Status> {
+        command_size(&command)?;
         let request = ForwardRequest::Write(command);
         self.until_leader("a write", || async {
             let ForwardRequest::Write(command) = &request else {
@@ -359,9 +369,10 @@ impl ControlPlane {
     /// batched into one log entry (see [`run_batcher`]).
     async fn write_local(&self, command: Command) -> LocalWrite {
         let started = Instant::now();
+        let size = command_size(&command)?;
         let (done, wait) = tokio::sync::oneshot::channel();
         self.batcher
-            .send((command, done))
+            .send((command, size, done))
             .await
             .map_err(|_| ErrorCode::Internal.status("the write batcher stopped"))?;
         let result = wait
@@ -817,24 +828,63 @@ async fn run_batcher(raft: Raft, mut queue: tokio::sync::mpsc::Receiver<BatchIte
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
+        let mut bytes = first.1;
         let mut items = vec![first];
+        // What does not fit this entry opens the next one.
+        let mut held: Option<BatchItem> = None;
         while items.len() < crate::pool::BATCH_COMMANDS_MAX {
             match queue.try_recv() {
-                Ok(item) => items.push(item),
+                Ok(item) if bytes + item.1 > ENTRY_BYTES_MAX => {
+                    held = Some(item);
+                    break;
+                }
+                Ok(item) => {
+                    bytes += item.1;
+                    items.push(item);
+                }
                 Err(_) => break,
             }
         }
-        let raft = raft.clone();
+        debug_assert!(items.len() == 1 || bytes <= ENTRY_BYTES_MAX);
+        let proposer = raft.clone();
         tokio::spawn(async move {
-            propose(&raft, items).await;
+            propose(&proposer, items).await;
             drop(permit);
         });
+        if let Some(item) = held {
+            let permit = in_flight
+                .clone()
+                .acquire_owned()
+                .await
+                .expect("the semaphore is never closed");
+            let raft = raft.clone();
+            tokio::spawn(async move {
+                propose(&raft, vec![item]).await;
+                drop(permit);
+            });
+        }
     }
+}
+
+/// The encoded size of `command`, refused past [`COMMAND_BYTES_MAX`].
+fn command_size(command: &Command) -> Result<usize, Status> {
+    let size = crate::raft_types::encode(command)
+        .map_err(|error| ErrorCode::Internal.status(error))?
+        .len();
+    if size > COMMAND_BYTES_MAX {
+        return Err(ErrorCode::InvalidArgument.status(format!(
+            "the write is {size} bytes, more than a log entry may hold ({COMMAND_BYTES_MAX}); send less (a node's labels and inventory, a tenant's selector)"
+        )));
+    }
+    Ok(size)
 }
 
 /// Proposes one batch and hands every caller its own result.
 async fn propose(raft: &Raft, items: Vec<BatchItem>) {
-    let (commands, callers): (Vec<Command>, Vec<_>) = items.into_iter().unzip();
+    let (commands, callers): (Vec<Command>, Vec<_>) = items
+        .into_iter()
+        .map(|(command, _, caller)| (command, caller))
+        .unzip();
     let single = commands.len() == 1;
     let entry = if single {
         commands.into_iter().next().expect("one command")

@@ -370,11 +370,14 @@ fn serve(
         guard: Arc::new(guard),
     };
     let size = network::MESSAGE_BYTES_MAX;
+    let client_size = network::CLIENT_MESSAGE_BYTES_MAX;
     let routes = tonic::service::Routes::new(
-        api::v1::pool_server::PoolServer::new(service.clone()).max_decoding_message_size(size),
+        api::v1::pool_server::PoolServer::new(service.clone())
+            .max_decoding_message_size(client_size),
     )
     .add_service(
-        api::v1::agent_server::AgentServer::new(service.clone()).max_decoding_message_size(size),
+        api::v1::agent_server::AgentServer::new(service.clone())
+            .max_decoding_message_size(client_size),
     )
     .add_service(api::v1::cluster_server::ClusterServer::new(service.clone()))
     .add_service(

@@ -99,6 +99,12 @@ pub enum Command {
         owner: String,
         command: Box<Command>,
     },
+    /// Forgets a node (`Pool.RemoveNode`, admins): its tenants are re-placed, and it leaves the
+    /// pool until its agent registers it again. (Appended last, like `AsOwner`.)
+    RemoveNode {
+        node: String,
+        unix_ms: i64,
+    },
 }
 
 /// Most unexpired bootstrap tokens the pool keeps.
@@ -334,6 +340,7 @@ impl PoolState {
                 unix_ms,
             } => self.place(index, seq, name, request, unix_ms),
             Command::Release { name, unix_ms } => self.release(index, name, unix_ms),
+            Command::RemoveNode { node, unix_ms } => self.remove_node(index, node, unix_ms),
             Command::CreateToken {
                 hash,
                 expires_unix_ms,
@@ -484,6 +491,30 @@ impl PoolState {
         self.nodes.insert(name.clone(), record);
         self.node_revisions.insert(name, index);
         self.record(index, unix_ms, commands, None);
+        CommandResult::Done
+    }
+
+    fn remove_node(&mut self, index: u64, node: String, unix_ms: i64) -> CommandResult {
+        if !self.nodes.contains_key(&node) {
+            return failed(
+                ErrorCode::NodeNotFound,
+                format!("no node is named `{node}`; `vgpuctl get nodes` lists them"),
+            );
+        }
+        let Some(commands) = self.handle_guarded(Event::RemoveNode(node.clone())) else {
+            return engine_failure();
+        };
+        self.record(index, unix_ms, commands, None);
+        self.nodes.remove(&node);
+        // A watch of the node sees its revision go to 0, then an empty set.
+        self.node_revisions.remove(&node);
+        assert!(self.engine.node(&node).is_none(), "a removed node is gone");
+        assert!(
+            self.tenants
+                .values()
+                .all(|tenant| tenant.slices.iter().all(|slice| slice.node != node)),
+            "no tenant keeps a slice on a removed node"
+        );
         CommandResult::Done
     }
 

@@ -893,3 +893,34 @@ fn a_release_for_another_owner_is_refused_where_it_is_applied() {
         }
     ));
 }
+
+/// Issue 22, point 1: no API removed a lost or junk node. `RemoveNode` re-places its tenants
+/// and forgets it; a node nobody knows is not found.
+#[test]
+fn a_removed_node_is_forgotten_and_its_tenants_move() {
+    let mut state = PoolState::default();
+    register(&mut state, 1, "node-a");
+    place(&mut state, 2, "train", whole(4));
+    register(&mut state, 3, "node-b");
+    let remove = |node: &str, unix_ms| Command::RemoveNode {
+        node: node.to_owned(),
+        unix_ms,
+    };
+    assert_eq!(state.apply(4, remove("node-a", 4)), CommandResult::Done);
+    assert!(!state.nodes.contains_key("node-a"));
+    assert!(state.engine.node("node-a").is_none());
+    assert!(!state.node_revisions.contains_key("node-a"));
+    let train = &state.tenants["train"];
+    assert_eq!(train.state, TenantState::Placed);
+    assert!(train.slices.iter().all(|s| s.node == "node-b"));
+    assert!(matches!(
+        state.apply(5, remove("node-a", 5)),
+        CommandResult::Failed {
+            code: ErrorCode::NodeNotFound,
+            ..
+        }
+    ));
+    // It may register again.
+    register(&mut state, 6, "node-a");
+    assert!(state.nodes.contains_key("node-a"));
+}

@@ -54,6 +54,74 @@ fn as_owner(scope: &TenantScope, command: Command) -> Command {
     }
 }
 
+/// Checks a joining member's address before anything is proposed: HOST:PORT with a port of
+/// 1..=65535 and a host of DNS-name characters (or an IP literal), at most
+/// `api::validate::NODE_ADDRESS_TEXT_MAX` long. A bad one was added as a learner before, which
+/// the leader then tried to reach for good.
+pub fn check_member_address(address: &str) -> Result<(), String> {
+    let quoted = api::validate::excerpt(address, 64);
+    let bad = || {
+        format!("`{quoted}` is not a HOST:PORT address (`cp4.example.net:7401`, `10.0.0.4:7401`)")
+    };
+    if address.len() > api::validate::NODE_ADDRESS_TEXT_MAX {
+        return Err(bad());
+    }
+    if address.parse::<std::net::SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let (host, port) = address.rsplit_once(':').ok_or_else(bad)?;
+    let port_ok = port.parse::<u16>().is_ok_and(|port| port > 0);
+    let host_ok = !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_');
+    if !(port_ok && host_ok) {
+        return Err(bad());
+    }
+    Ok(())
+}
+
+/// Most items in one page of a list, and about the most bytes (a page stops after the item
+/// that passes it; one item is at most a registration, `api::validate::REGISTER_BYTES_MAX`, plus
+/// what the control plane adds), so a page stays far below any client's message limit.
+pub const PAGE_ITEMS_MAX: usize = 1000;
+pub const PAGE_BYTES_MAX: usize = 1 << 20;
+
+/// Where a page starts: after the name in `token` (empty: at the first).
+fn page_start(token: &str) -> Result<std::ops::Bound<&str>, Status> {
+    if token.is_empty() {
+        return Ok(std::ops::Bound::Unbounded);
+    }
+    if token.len() > api::names::NAME_LENGTH_MAX {
+        return Err(invalid(
+            "the page token is not one this control plane gave; list again from the first page",
+        ));
+    }
+    Ok(std::ops::Bound::Excluded(token))
+}
+
+/// Takes one page of `items` (in name order): up to [`PAGE_ITEMS_MAX`] items and about
+/// [`PAGE_BYTES_MAX`] bytes. The token is the page's last name when more items follow.
+fn page<T: Message>(
+    items: impl Iterator<Item = T>,
+    name: impl Fn(&T) -> &String,
+) -> (Vec<T>, String) {
+    let mut items = items.peekable();
+    let mut taken = Vec::new();
+    let mut bytes = 0;
+    while let Some(item) = items.next_if(|_| taken.len() < PAGE_ITEMS_MAX && bytes < PAGE_BYTES_MAX)
+    {
+        bytes += item.encoded_len();
+        taken.push(item);
+    }
+    let token = match (items.peek(), taken.last()) {
+        (Some(_), Some(last)) => name(last).clone(),
+        _ => String::new(),
+    };
+    assert!(taken.len() <= PAGE_ITEMS_MAX, "pages are bounded");
+    (taken, token)
+}
+
 fn result_to_unit(result: CommandResult) -> Result<(), Status> {
     match result {
         CommandResult::Failed { code, message } => Err(code.status(message)),
@@ -239,6 +307,7 @@ impl v1::pool_server::Pool for Service {
     ) -> Result<Response<v1::Tenant>, Status> {
         let (peer, scope) = self.guard.tenants(&request, "reading tenants")?;
         let request = request.into_inner();
+        api::names::validate("tenant", &request.name).map_err(invalid)?;
         self.read_prepare(request.stale).await?;
         self.check_owner(&peer, &scope, &request.name, "reading")?;
         let mut tenant = {
@@ -266,17 +335,38 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::ListRequest>,
     ) -> Result<Response<v1::ListTenantsResponse>, Status> {
+        let stale = request.get_ref().stale;
+        let page = Request::from_parts(
+            request.metadata().clone(),
+            request.extensions().clone(),
+            v1::ListPageRequest {
+                stale,
+                page_token: String::new(),
+            },
+        );
+        self.list_tenants_page(page).await
+    }
+
+    async fn list_tenants_page(
+        &self,
+        request: Request<v1::ListPageRequest>,
+    ) -> Result<Response<v1::ListTenantsResponse>, Status> {
         let (_, scope) = self.guard.tenants(&request, "listing tenants")?;
-        self.read_prepare(request.into_inner().stale).await?;
+        let request = request.into_inner();
+        let after = page_start(&request.page_token)?;
+        self.read_prepare(request.stale).await?;
         let applied = self.control_plane.shared.read();
         let tenants = applied
             .pool
             .tenants
-            .values()
-            .map(|record| applied.pool.tenant_to_proto(record))
-            .filter(|tenant| scope.covers(&tenant.owner))
-            .collect();
-        Ok(Response::new(v1::ListTenantsResponse { tenants }))
+            .range::<str, _>((after, std::ops::Bound::Unbounded))
+            .map(|(_, record)| applied.pool.tenant_to_proto(record))
+            .filter(|tenant| scope.covers(&tenant.owner));
+        let (tenants, next_page_token) = page(tenants, |tenant| &tenant.name);
+        Ok(Response::new(v1::ListTenantsResponse {
+            tenants,
+            next_page_token,
+        }))
     }
 
     async fn get_node(
@@ -285,6 +375,7 @@ impl v1::pool_server::Pool for Service {
     ) -> Result<Response<v1::Node>, Status> {
         self.guard.admin(&request, "reading nodes")?;
         let request = request.into_inner();
+        api::names::validate("node", &request.name).map_err(invalid)?;
         self.read_prepare(request.stale).await?;
         Ok(Response::new(self.node(&request.name).await?))
     }
@@ -293,23 +384,60 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::ListRequest>,
     ) -> Result<Response<v1::ListNodesResponse>, Status> {
+        let stale = request.get_ref().stale;
+        let page = Request::from_parts(
+            request.metadata().clone(),
+            request.extensions().clone(),
+            v1::ListPageRequest {
+                stale,
+                page_token: String::new(),
+            },
+        );
+        self.list_nodes_page(page).await
+    }
+
+    async fn list_nodes_page(
+        &self,
+        request: Request<v1::ListPageRequest>,
+    ) -> Result<Response<v1::ListNodesResponse>, Status> {
         self.guard.admin(&request, "listing nodes")?;
-        self.read_prepare(request.into_inner().stale).await?;
+        let request = request.into_inner();
+        let after = page_start(&request.page_token)?;
+        self.read_prepare(request.stale).await?;
         let heartbeats = self.control_plane.last_heartbeats().await;
         let reports = self.control_plane.reports(crate::usage::Filter::All).await;
         let applied = self.control_plane.shared.read();
         let nodes = applied
             .pool
             .nodes
-            .keys()
-            .filter_map(|name| {
+            .range::<str, _>((after, std::ops::Bound::Unbounded))
+            .filter_map(|(name, _)| {
                 let mut node = applied.pool.node_to_proto(name)?;
                 node.last_heartbeat_unix_ms = heartbeats.get(name).copied().unwrap_or(0);
                 crate::usage::attach_health(&mut node, reports.get(name));
                 Some(node)
-            })
-            .collect();
-        Ok(Response::new(v1::ListNodesResponse { nodes }))
+            });
+        let (nodes, next_page_token) = page(nodes, |node| &node.name);
+        Ok(Response::new(v1::ListNodesResponse {
+            nodes,
+            next_page_token,
+        }))
+    }
+
+    async fn remove_node(
+        &self,
+        request: Request<v1::RemoveNodeRequest>,
+    ) -> Result<Response<v1::RemoveNodeResponse>, Status> {
+        self.guard.admin(&request, "removing nodes")?;
+        let node = request.into_inner().node;
+        api::names::validate("node", &node).map_err(invalid)?;
+        let command = Command::RemoveNode {
+            node: node.clone(),
+            unix_ms: unix_ms(),
+        };
+        result_to_unit(self.control_plane.write(command).await?)?;
+        tracing::warn!(%node, "an admin removed the node");
+        Ok(Response::new(v1::RemoveNodeResponse {}))
     }
 
     async fn drain(
@@ -402,6 +530,7 @@ impl v1::agent_server::Agent for Service {
             .map(|node| node.name.clone())
             .unwrap_or_default();
         self.guard.agent(&request, &name, "registering nodes")?;
+        api::validate::admit_node(request.get_ref().node.as_ref()).map_err(invalid)?;
         let node = request
             .into_inner()
             .node
@@ -447,6 +576,13 @@ impl v1::agent_server::Agent for Service {
         // No certificate needed: the token is the credential.
         let request = request.into_inner();
         api::names::validate("node", &request.node).map_err(invalid)?;
+        if request.csr_pem.len() > api::validate::CSR_PEM_TEXT_MAX {
+            return Err(invalid(format!(
+                "the certificate signing request is {} bytes; the limit is {}",
+                request.csr_pem.len(),
+                api::validate::CSR_PEM_TEXT_MAX
+            )));
+        }
         if self.guard.insecure {
             return Err(invalid(
                 "this member runs with --insecure: agents join without a token (pass --insecure to vgpu-agent)",
@@ -578,14 +714,7 @@ impl v1::cluster_server::Cluster for Service {
         if request.id == 0 {
             return Err(invalid("member ids start at 1"));
         }
-        if request.address.parse::<std::net::SocketAddr>().is_err()
-            && !request.address.contains(':')
-        {
-            return Err(invalid(format!(
-                "`{}` is not a HOST:PORT address",
-                request.address
-            )));
-        }
+        check_member_address(&request.address).map_err(invalid)?;
         self.control_plane
             .add_member(request.id, request.address)
             .await?;
@@ -609,9 +738,13 @@ impl v1::cluster_server::Cluster for Service {
     ) -> Result<Response<v1::RevokeCertificateResponse>, Status> {
         self.guard.admin(&request, "revoking certificates")?;
         let text = request.into_inner().serial;
-        let Some(serial) = api::tls::normalize_serial(&text) else {
+        let serial = (text.len() <= api::validate::SERIAL_TEXT_MAX)
+            .then(|| api::tls::normalize_serial(&text))
+            .flatten();
+        let Some(serial) = serial else {
             return Err(invalid(format!(
-                "`{text}` is not a certificate serial; give its hex digits (`vgpu-cp cert serial --cert FILE` prints them)"
+                "`{}` is not a certificate serial; give its hex digits (`vgpu-cp cert serial --cert FILE` prints them)",
+                api::validate::excerpt(&text, 64)
             )));
         };
         let command = Command::RevokeCertificate {
@@ -736,5 +869,66 @@ impl Service {
         let message = decode(&payload.data).map_err(undecodable)?;
         let answer = handle(message).await;
         reply(&answer, &self.control_plane.cluster_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, padding: usize) -> v1::Node {
+        v1::Node {
+            name: name.to_owned(),
+            address: "x".repeat(padding),
+            ..Default::default()
+        }
+    }
+
+    /// Issue 22, point 1: `vgpuctl get nodes` failed with "decoded message length too large"
+    /// once junk nodes filled the pool. Lists come in pages bounded by count and bytes.
+    #[test]
+    fn pages_are_bounded_by_items_and_bytes_and_chain() {
+        let names: Vec<String> = (0..2500).map(|i| format!("n{i:05}")).collect();
+        let (first, token) = page(names.iter().map(|n| node(n, 0)), |n| &n.name);
+        assert_eq!(first.len(), PAGE_ITEMS_MAX);
+        assert_eq!(token, "n00999");
+        let rest = names.iter().filter(|n| n.as_str() > token.as_str());
+        let (second, _) = page(rest.map(|n| node(n, 0)), |n| &n.name);
+        assert_eq!(second[0].name, "n01000");
+        // Large items: a page stops after the item that passes the byte bound.
+        let (large, token) = page(names.iter().map(|n| node(n, 256 << 10)), |n| &n.name);
+        assert_eq!(large.len(), 4);
+        assert_eq!(token, "n00003");
+        let (all, token) = page(names[..3].iter().map(|n| node(n, 0)), |n| &n.name);
+        assert_eq!((all.len(), token.as_str()), (3, ""));
+        assert!(page_start(&"y".repeat(64)).is_err());
+        assert_eq!(page_start("").unwrap(), std::ops::Bound::Unbounded);
+    }
+
+    /// Issue 22: `AddMember` with a bad address added a learner anyway.
+    #[test]
+    fn a_member_address_is_host_and_port() {
+        for good in [
+            "10.0.0.4:7401",
+            "[::1]:7401",
+            "cp4.example.net:7401",
+            "cp_4:1",
+        ] {
+            assert!(check_member_address(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            "cp4",
+            "cp4:",
+            ":7401",
+            "cp4:0",
+            "cp4:99999",
+            "cp 4:7401",
+            "a/b:1",
+            &format!("{}:1", "h".repeat(300)),
+        ] {
+            let message = check_member_address(bad).expect_err(bad);
+            assert!(message.len() < 200, "{message}");
+        }
     }
 }

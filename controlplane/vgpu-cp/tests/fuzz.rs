@@ -558,6 +558,9 @@ enum Call {
     RemoveMember(v1::RemoveMemberRequest),
     CreateJoinToken(v1::CreateJoinTokenRequest),
     RevokeCertificate(v1::RevokeCertificateRequest),
+    ListTenantsPage(v1::ListPageRequest),
+    ListNodesPage(v1::ListPageRequest),
+    RemoveNode(v1::RemoveNodeRequest),
 }
 
 fn any_call() -> impl Strategy<Value = Call> {
@@ -595,6 +598,11 @@ fn any_call() -> impl Strategy<Value = Call> {
         1 => edge_u64().prop_map(|ttl_seconds| Call::CreateJoinToken(v1::CreateJoinTokenRequest { ttl_seconds })),
         1 => fuzz::hostile(vec!["1f".into(), "0A:1B:2c".into(), "f".repeat(40)])
             .prop_map(|serial| Call::RevokeCertificate(v1::RevokeCertificateRequest { serial })),
+        1 => (any::<bool>(), prop_oneof![Just(String::new()), name("t")])
+            .prop_map(|(stale, page_token)| Call::ListTenantsPage(v1::ListPageRequest { stale, page_token })),
+        1 => (any::<bool>(), prop_oneof![Just(String::new()), name("n")])
+            .prop_map(|(stale, page_token)| Call::ListNodesPage(v1::ListPageRequest { stale, page_token })),
+        1 => name("n").prop_map(|node| Call::RemoveNode(v1::RemoveNodeRequest { node })),
     ]
 }
 
@@ -603,9 +611,7 @@ fn any_call() -> impl Strategy<Value = Call> {
 fn changes_membership(call: &Call) -> bool {
     match call {
         Call::AddMember(request) => {
-            request.id != 0
-                && (request.address.parse::<std::net::SocketAddr>().is_ok()
-                    || request.address.contains(':'))
+            request.id != 0 && vgpu_cp::service::check_member_address(&request.address).is_ok()
         }
         Call::RemoveMember(request) => request.id == 1,
         _ => false,
@@ -623,6 +629,9 @@ async fn dispatch(service: &Service, call: Call) -> Result<(), Status> {
         Call::GetNode(m) => service.get_node(Request::new(m)).await.map(drop),
         Call::ListNodes(m) => service.list_nodes(Request::new(m)).await.map(drop),
         Call::Drain(m) => service.drain(Request::new(m)).await.map(drop),
+        Call::ListTenantsPage(m) => service.list_tenants_page(Request::new(m)).await.map(drop),
+        Call::ListNodesPage(m) => service.list_nodes_page(Request::new(m)).await.map(drop),
+        Call::RemoveNode(m) => service.remove_node(Request::new(m)).await.map(drop),
         Call::Uncordon(m) => service.uncordon(Request::new(m)).await.map(drop),
         Call::Register(m) => service.register(Request::new(m)).await.map(drop),
         Call::Heartbeat(m) => service.heartbeat(Request::new(m)).await.map(drop),
@@ -652,14 +661,24 @@ fn must_refuse(call: &Call) -> bool {
         Call::SetTenant(m) => bad_name(&m.name) || api::validate::validate_change(m).is_err(),
         Call::Drain(m) | Call::Uncordon(m) => bad_name(&m.node),
         Call::Register(m) => m.node.as_ref().is_none_or(|node| {
-            vgpu_cp::pool::validate_node_spec(&vgpu_cp::pool::node_spec_from_proto(node)).is_err()
+            api::validate::admit_node(Some(node)).is_err()
+                || vgpu_cp::pool::validate_node_spec(&vgpu_cp::pool::node_spec_from_proto(node))
+                    .is_err()
         }),
+        Call::GetTenant(m) => bad_name(&m.name),
+        Call::GetNode(m) => bad_name(&m.name),
+        Call::RemoveNode(m) => bad_name(&m.node),
         Call::Heartbeat(m) => bad_name(&m.node),
         Call::JoinNode(_) => true,
         Call::WatchAssignments(m) => bad_name(&m.node),
-        Call::AddMember(m) => m.id == 0,
+        Call::AddMember(m) => {
+            m.id == 0 || vgpu_cp::service::check_member_address(&m.address).is_err()
+        }
         Call::CreateJoinToken(_) => true,
-        Call::RevokeCertificate(m) => api::tls::normalize_serial(&m.serial).is_none(),
+        Call::RevokeCertificate(m) => {
+            m.serial.len() > api::validate::SERIAL_TEXT_MAX
+                || api::tls::normalize_serial(&m.serial).is_none()
+        }
         _ => false,
     }
 }
