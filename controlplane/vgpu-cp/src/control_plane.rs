@@ -121,6 +121,10 @@ pub struct ControlPlane {
     /// Follower only: heartbeats waiting to be forwarded in a batch; the batcher task starts
     /// with the first beat (it holds a weak reference to this member).
     beat_queue: std::sync::OnceLock<tokio::sync::mpsc::Sender<crate::beats::QueuedBeat>>,
+    /// Writes of each tenant owner through this member (`crate::limits`).
+    pub owner_writes: Mutex<crate::limits::PerKey>,
+    /// Linearizable reads that `JoinNode` calls with tokens this member does not know may cost.
+    pub join_reads: Mutex<crate::limits::TokenBucket>,
 }
 
 /// What a local write gets back: the result, or the leader to forward to.
@@ -181,6 +185,15 @@ impl ControlPlane {
             transport,
             batcher,
             beat_queue: std::sync::OnceLock::new(),
+            owner_writes: Mutex::new(crate::limits::PerKey::new(
+                crate::limits::OWNER_WRITES_PER_SECOND,
+                crate::limits::OWNER_WRITES_BURST,
+            )),
+            join_reads: Mutex::new(crate::limits::TokenBucket::new(
+                crate::limits::JOIN_READS_PER_SECOND,
+                crate::limits::JOIN_READS_BURST,
+                Instant::now(),
+            )),
         }
     }
 

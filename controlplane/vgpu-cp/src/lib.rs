@@ -11,6 +11,7 @@ pub mod config;
 pub mod control_plane;
 pub mod identity;
 pub mod leader;
+pub mod limits;
 pub mod metrics;
 pub mod network;
 pub mod pool;
@@ -353,6 +354,13 @@ pub async fn start(config: Config) -> Result<Started, Error> {
     })
 }
 
+/// Longest a call may take to answer (its response head; a watch stream then runs on). The
+/// slowest call, adding a member, waits up to three request deadlines (30 s).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// Streams one connection may carry at once (a vgpuctl or agent uses a few; a member forwarding
+/// many callers' writes, more).
+pub const STREAMS_PER_CONNECTION_MAX: u32 = 1024;
+
 /// Serves the gRPC API and `/metrics` on one listener (TLS under mTLS: `/metrics` then needs
 /// the cluster CA to verify the server, but no client certificate).
 fn serve(
@@ -419,6 +427,17 @@ fn serve(
             .tls_config(tls)
             .map_err(|e| Error::Serve(format!("the TLS settings: {e}")))?;
     }
+    // Every connection is bounded (issue 22: half-open requests and idle connections without a
+    // certificate were never closed): a request is answered within REQUEST_TIMEOUT, a peer that
+    // stops answering HTTP/2 pings is dropped, and a connection carries a bounded number of
+    // streams.
+    builder = builder
+        .timeout(REQUEST_TIMEOUT)
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .tcp_keepalive(Some(Duration::from_secs(30)))
+        .max_concurrent_streams(Some(STREAMS_PER_CONNECTION_MAX))
+        .concurrency_limit_per_connection(STREAMS_PER_CONNECTION_MAX as usize);
     let server = builder
         .accept_http1(true)
         .add_routes(tonic::service::Routes::from(router));

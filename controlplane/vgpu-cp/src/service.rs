@@ -42,6 +42,33 @@ fn result_to_tenant(result: CommandResult, service: &Service) -> Result<v1::Tena
     }
 }
 
+/// Keeps only the usage a node may report: its own tenants' on itself (issue 22: an agent could
+/// report usage for tenants of other nodes). A tenant released meanwhile loses its last report,
+/// which is what its release does anyway.
+fn own_usage_only(shared: &crate::store::Shared, request: &mut v1::HeartbeatRequest) {
+    if request.usage.is_empty() {
+        return;
+    }
+    let applied = shared.read();
+    let node = request.node.as_str();
+    let before = request.usage.len();
+    request.usage.retain(|usage| {
+        usage.node == node
+            && applied
+                .pool
+                .tenants
+                .get(&usage.tenant)
+                .is_some_and(|tenant| tenant.slices.iter().any(|slice| slice.node == node))
+    });
+    if request.usage.len() < before {
+        tracing::debug!(
+            node,
+            dropped = before - request.usage.len(),
+            "dropped usage reported for tenants not on the reporting node"
+        );
+    }
+}
+
 /// A write a tenant certificate asked for carries its owner into the log (`Command::AsOwner`):
 /// applying it checks the owner again on the state it meets. Admins' writes go as they are.
 fn as_owner(scope: &TenantScope, command: Command) -> Command {
@@ -130,6 +157,26 @@ fn result_to_unit(result: CommandResult) -> Result<(), Status> {
 }
 
 impl Service {
+    /// Holds one tenant owner's writes to its rate (`crate::limits`); admins are not limited.
+    fn limit_owner(&self, scope: &TenantScope) -> Result<(), Status> {
+        let TenantScope::Owner(owner) = scope else {
+            return Ok(());
+        };
+        let taken = self
+            .control_plane
+            .owner_writes
+            .lock()
+            .expect("owner limits lock")
+            .take(owner, std::time::Instant::now());
+        taken.map_err(|wait| {
+            ErrorCode::Unavailable.status(format!(
+                "owner `{owner}` writes faster than {} a second through this member; slow down (retry in {} ms)",
+                crate::limits::OWNER_WRITES_PER_SECOND,
+                wait.as_millis().max(1)
+            ))
+        })
+    }
+
     async fn read_prepare(&self, stale: bool) -> Result<(), Status> {
         if stale {
             Ok(())
@@ -206,6 +253,7 @@ impl v1::pool_server::Pool for Service {
         request: Request<v1::PlaceRequest>,
     ) -> Result<Response<v1::PlaceResponse>, Status> {
         let (peer, scope) = self.guard.tenants(&request, "placing tenants")?;
+        self.limit_owner(&scope)?;
         let request = request.into_inner();
         api::names::validate("tenant", &request.name).map_err(invalid)?;
         let mut placement = request
@@ -247,6 +295,7 @@ impl v1::pool_server::Pool for Service {
         request: Request<v1::ReleaseRequest>,
     ) -> Result<Response<v1::ReleaseResponse>, Status> {
         let (peer, scope) = self.guard.tenants(&request, "releasing tenants")?;
+        self.limit_owner(&scope)?;
         let name = request.into_inner().name;
         api::names::validate("tenant", &name).map_err(invalid)?;
         if scope != TenantScope::All {
@@ -270,6 +319,7 @@ impl v1::pool_server::Pool for Service {
         request: Request<v1::SetTenantRequest>,
     ) -> Result<Response<v1::SetTenantResponse>, Status> {
         let (peer, scope) = self.guard.tenants(&request, "changing tenants")?;
+        self.limit_owner(&scope)?;
         let change = request.into_inner();
         api::names::validate("tenant", &change.name).map_err(invalid)?;
         api::validate::validate_change(&change).map_err(invalid)?;
@@ -557,8 +607,9 @@ impl v1::agent_server::Agent for Service {
         self.guard
             .agent(&request, &request.get_ref().node, "heartbeats")?;
         let started = std::time::Instant::now();
-        let request = request.into_inner();
+        let mut request = request.into_inner();
         api::names::validate("node", &request.node).map_err(invalid)?;
+        own_usage_only(&self.control_plane.shared, &mut request);
         let answer = self.control_plane.heartbeat_report(request).await?;
         self.control_plane
             .metrics
@@ -598,10 +649,28 @@ impl v1::agent_server::Agent for Service {
                 "this member holds no CA key (tls_ca_key), so it cannot sign certificates; join through a member that does",
             ));
         };
-        self.control_plane.linearize().await?;
+        // A token this member knows, unexpired, is good (tokens are never withdrawn, only
+        // expire): no read. Only an unknown one costs a linearizable read (it may be newer than
+        // this member's state), and those are rate-limited, so that unauthenticated calls cannot
+        // load the leader.
         let hash = api::pki::token_hash(&request.token);
-        let expiry = self.control_plane.shared.read().pool.token_expiry(&hash);
         let now = unix_ms();
+        let known = self.control_plane.shared.read().pool.token_expiry(&hash);
+        if known.is_none_or(|expires| expires <= now) {
+            let taken = self
+                .control_plane
+                .join_reads
+                .lock()
+                .expect("join limit lock")
+                .take(std::time::Instant::now());
+            if taken.is_err() {
+                return Err(ErrorCode::Unavailable.status(
+                    "too many joins with unknown bootstrap tokens reach this member; retry in a second",
+                ));
+            }
+            self.control_plane.linearize().await?;
+        }
+        let expiry = self.control_plane.shared.read().pool.token_expiry(&hash);
         match expiry {
             None => {
                 return Err(ErrorCode::TokenInvalid.status(

@@ -1,0 +1,155 @@
+//! Rate limits of one member, sans-IO (callers pass `now`): a [`TokenBucket`], and
+//! [`PerKey`] buckets for the writes of each tenant owner and for the linearizable reads that
+//! unauthenticated `JoinNode` calls may cost.
+//!
+//! A limit is per member, not per cluster: a caller that spreads its calls over every member
+//! gets each member's rate. That still bounds what one caller costs the leader to a small
+//! multiple of one rate, which is what they are for (issue 22: 150-200 writes a second from one
+//! tenant starved its node's heartbeats; 433 unauthenticated joins a second each cost a
+//! linearizable read).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// Writes a second one tenant owner may make through one member, and the burst it may save up.
+pub const OWNER_WRITES_PER_SECOND: u32 = 50;
+pub const OWNER_WRITES_BURST: u32 = 100;
+/// Linearizable reads a second that `JoinNode` calls with an unknown token may cost one member.
+pub const JOIN_READS_PER_SECOND: u32 = 20;
+pub const JOIN_READS_BURST: u32 = 40;
+/// Most keys [`PerKey`] remembers; past it, the keys whose buckets are full are forgotten (they
+/// are as good as new), and if none is, the caller is refused until some refill.
+pub const KEYS_MAX: usize = 4096;
+
+/// A token bucket: `rate` tokens a second, at most `burst` saved.
+#[derive(Clone, Debug)]
+pub struct TokenBucket {
+    rate: u32,
+    burst: u32,
+    tokens: f64,
+    at: Instant,
+}
+
+impl TokenBucket {
+    pub fn new(rate: u32, burst: u32, now: Instant) -> TokenBucket {
+        assert!(
+            rate > 0 && burst > 0,
+            "a bucket refills and holds something"
+        );
+        TokenBucket {
+            rate,
+            burst,
+            tokens: f64::from(burst),
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * f64::from(self.rate)).min(f64::from(self.burst));
+        self.at = self.at.max(now);
+    }
+
+    /// Takes one token at `now`; `Err` says how long until one is there.
+    pub fn take(&mut self, now: Instant) -> Result<(), Duration> {
+        self.refill(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            debug_assert!(self.tokens >= 0.0);
+            return Ok(());
+        }
+        let missing = 1.0 - self.tokens;
+        Err(Duration::from_secs_f64(missing / f64::from(self.rate)))
+    }
+
+    fn is_full(&mut self, now: Instant) -> bool {
+        self.refill(now);
+        self.tokens >= f64::from(self.burst)
+    }
+}
+
+/// One [`TokenBucket`] per key (a tenant owner), at most [`KEYS_MAX`] keys.
+#[derive(Debug)]
+pub struct PerKey {
+    rate: u32,
+    burst: u32,
+    buckets: HashMap<String, TokenBucket>,
+}
+
+impl PerKey {
+    pub fn new(rate: u32, burst: u32) -> PerKey {
+        PerKey {
+            rate,
+            burst,
+            buckets: HashMap::new(),
+        }
+    }
+
+    /// Takes one token of `key`'s bucket at `now`; `Err` says how long until one is there.
+    pub fn take(&mut self, key: &str, now: Instant) -> Result<(), Duration> {
+        if !self.buckets.contains_key(key) && self.buckets.len() >= KEYS_MAX {
+            self.buckets.retain(|_, bucket| !bucket.is_full(now));
+            if self.buckets.len() >= KEYS_MAX {
+                return Err(Duration::from_secs(1));
+            }
+        }
+        let (rate, burst) = (self.rate, self.burst);
+        let bucket = self
+            .buckets
+            .entry(key.to_owned())
+            .or_insert_with(|| TokenBucket::new(rate, burst, now));
+        let taken = bucket.take(now);
+        assert!(self.buckets.len() <= KEYS_MAX, "keys are bounded");
+        taken
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bucket_allows_its_burst_then_its_rate() {
+        let start = Instant::now();
+        let mut bucket = TokenBucket::new(10, 3, start);
+        for _ in 0..3 {
+            assert!(bucket.take(start).is_ok());
+        }
+        let wait = bucket.take(start).unwrap_err();
+        assert!(wait <= Duration::from_millis(100), "{wait:?}");
+        assert!(bucket.take(start + Duration::from_millis(100)).is_ok());
+        assert!(bucket.take(start + Duration::from_millis(110)).is_err());
+        // It never saves more than its burst.
+        let later = start + Duration::from_secs(60);
+        for _ in 0..3 {
+            assert!(bucket.take(later).is_ok());
+        }
+        assert!(bucket.take(later).is_err());
+    }
+
+    /// Issue 22: one owner's churn is held to its rate, and others are not slowed by it.
+    #[test]
+    fn owners_are_limited_apart_and_keys_are_bounded() {
+        let start = Instant::now();
+        let mut owners = PerKey::new(OWNER_WRITES_PER_SECOND, OWNER_WRITES_BURST);
+        let allowed = (0..1000)
+            .filter(|_| owners.take("alice", start).is_ok())
+            .count();
+        assert_eq!(allowed, OWNER_WRITES_BURST as usize);
+        assert!(owners.take("bob", start).is_ok());
+        // Over one second alice gets her rate back, no more.
+        let second = start + Duration::from_secs(1);
+        let allowed = (0..1000)
+            .filter(|_| owners.take("alice", second).is_ok())
+            .count();
+        assert_eq!(allowed, OWNER_WRITES_PER_SECOND as usize);
+        let mut many = PerKey::new(1, 1);
+        for key in 0..KEYS_MAX {
+            assert!(many.take(&key.to_string(), start).is_ok());
+        }
+        assert!(many.take("one more", start).is_err(), "no key is full yet");
+        let refilled = start + Duration::from_secs(2);
+        assert!(many.take("one more", refilled).is_ok());
+        assert!(many.buckets.len() <= KEYS_MAX);
+    }
+}
