@@ -1070,3 +1070,23 @@ fn a_rare_step_between_the_margin_and_the_target_does_not_hold_the_level_up() {
         );
     }
 }
+
+#[test]
+fn an_idle_spell_is_no_sample_of_the_step_period() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    for _ in 0..20 {
+        driver.next("infer", repeat(3, MS), target);
+    }
+    let period = driver.controller.step_period_ns();
+    assert_eq!(period, Some(PERIOD / 3));
+    // 250 ms without steps (idle after 50 ms), then the same rhythm again: 260 ms over 3 steps
+    // would be an 87 ms "period" and guards thirty times too wide.
+    for _ in 0..25 {
+        driver.next("infer", LatencySnapshot::default(), target);
+    }
+    driver.next("infer", repeat(3, MS), target);
+    assert_eq!(driver.controller.step_period_ns(), period);
+    driver.next("infer", repeat(3, MS), target);
+    assert_eq!(driver.controller.step_period_ns(), period);
+}

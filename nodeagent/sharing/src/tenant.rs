@@ -200,6 +200,13 @@ impl TenantState {
         open_step_since_ns: Option<u64>,
     ) -> Option<Judgement> {
         let target = self.target_ns(config);
+        // Back from idle: the silence before these steps is no gap between steps and no step
+        // period (after 250 ms idle, one sample made a 3 ms tenant's period 47 ms on an H100,
+        // and the guards sized by it held the neighbour back like Exclusive).
+        let back_from_idle = window.steps > 0
+            && open_step_since_ns.is_none()
+            && self.last_step_ns.is_some()
+            && self.idle_at(config, now_ns);
         if let Some(since) = open_step_since_ns {
             // Its step is in flight: the tenant is active now.
             debug_assert!(since <= now_ns);
@@ -241,11 +248,11 @@ impl TenantState {
             || target.is_some_and(|target| {
                 window.slower_than(target.saturating_mul(STARVING_TARGETS)) > 0
             });
-        if let Some(last) = self.last_step_ns {
+        if let Some(last) = self.last_step_ns.filter(|_| !back_from_idle) {
             let gap = now_ns.saturating_sub(last);
             self.gap_ns = (self.gap_ns.saturating_mul(3).saturating_add(gap)) / 4;
         }
-        if let Some(last) = self.last_step_ns.filter(|_| !starved) {
+        if let Some(last) = self.last_step_ns.filter(|_| !starved && !back_from_idle) {
             let gap = now_ns.saturating_sub(last);
             let period = gap / window.steps;
             self.period_ns = if self.period_samples == 0 {
