@@ -23,6 +23,9 @@ pub enum ErrorCode {
     Unauthenticated,
     /// A bootstrap token is unknown or expired.
     TokenInvalid,
+    /// A node's name is bound to another node key (another machine registered it first), or
+    /// to a later registration with the same key (`api::metadata`).
+    NodeNameTaken,
 }
 
 impl ErrorCode {
@@ -43,6 +46,7 @@ impl ErrorCode {
             ErrorCode::PermissionDenied => "VGPU-PERMISSION-DENIED",
             ErrorCode::Unauthenticated => "VGPU-UNAUTHENTICATED",
             ErrorCode::TokenInvalid => "VGPU-TOKEN-INVALID",
+            ErrorCode::NodeNameTaken => "VGPU-NODE-NAME-TAKEN",
         }
     }
 
@@ -52,7 +56,9 @@ impl ErrorCode {
             ErrorCode::InvalidArgument => tonic::Code::InvalidArgument,
             ErrorCode::TenantNotFound | ErrorCode::NodeNotFound => tonic::Code::NotFound,
             ErrorCode::TenantExists => tonic::Code::AlreadyExists,
-            ErrorCode::Unplaceable | ErrorCode::Membership => tonic::Code::FailedPrecondition,
+            ErrorCode::Unplaceable | ErrorCode::Membership | ErrorCode::NodeNameTaken => {
+                tonic::Code::FailedPrecondition
+            }
             ErrorCode::NotLeader | ErrorCode::NoLeader | ErrorCode::Unavailable => {
                 tonic::Code::Unavailable
             }
@@ -116,7 +122,7 @@ fn shorten(message: String) -> String {
     shortened
 }
 
-const ALL: [ErrorCode; 15] = [
+const ALL: [ErrorCode; 16] = [
     ErrorCode::InvalidArgument,
     ErrorCode::TenantNotFound,
     ErrorCode::TenantExists,
@@ -132,6 +138,7 @@ const ALL: [ErrorCode; 15] = [
     ErrorCode::PermissionDenied,
     ErrorCode::Unauthenticated,
     ErrorCode::TokenInvalid,
+    ErrorCode::NodeNameTaken,
 ];
 
 #[cfg(test)]

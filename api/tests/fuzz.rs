@@ -21,6 +21,44 @@ use api::validate::{
 use proptest::prelude::*;
 use prost::Message as _;
 
+/// Checks `text` as the `vgpu-node-key` and as the `vgpu-registration` metadata of a call.
+fn check_identity_metadata(text: String) {
+    use api::metadata::{self, MetadataError};
+    let Ok(value) = text.parse::<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>() else {
+        return;
+    };
+    let mut map = tonic::metadata::MetadataMap::new();
+    map.insert(metadata::NODE_KEY, value.clone());
+    map.insert(metadata::REGISTRATION, value);
+    let is_key = text.len() == 64
+        && text
+            .chars()
+            .all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c));
+    match metadata::node_key(&map) {
+        Ok(Some(key)) => {
+            assert!(is_key, "{text:?} accepted as a node key");
+            assert_eq!(key, text);
+            assert_eq!(metadata::node_key_sha256(key).len(), 64);
+        }
+        Ok(None) => panic!("a key that is there is read"),
+        Err(error) => {
+            assert!(!is_key, "{text:?} refused as a node key");
+            assert_eq!(error, MetadataError::MalformedNodeKey);
+            assert!(error.to_string().contains(metadata::NODE_KEY));
+        }
+    }
+    let number = (!text.is_empty() && text.chars().all(|c| c.is_ascii_digit()))
+        .then(|| text.parse::<u64>().ok())
+        .flatten();
+    match metadata::registration(&map) {
+        Ok(read) => assert_eq!(read, Some(number.expect("only numbers are accepted"))),
+        Err(error) => {
+            assert_eq!(number, None, "{text:?} refused as a registration");
+            assert!(fuzz::explains(&error.to_string()));
+        }
+    }
+}
+
 fn size_examples() -> Vec<String> {
     [
         "20GiB",
@@ -478,6 +516,17 @@ proptest! {
                 check_node(node);
             }
         });
+    }
+
+    /// Node keys and registration numbers as call metadata (issue 22, point 5): any value that
+    /// is valid metadata text is either the rule's (64 lowercase hex digits; decimal digits that
+    /// fit a `u64`) or refused with a message that names the metadata.
+    #[test]
+    fn node_identity_metadata(text in fuzz::hostile(vec![
+        "0123456789abcdef".repeat(4), "f".repeat(64), "A".repeat(64), "0".into(),
+        "18446744073709551615".into(), "18446744073709551616".into(), "-1".into(),
+    ])) {
+        fuzz::bounded(text, check_identity_metadata);
     }
 
     #[test]

@@ -105,6 +105,19 @@ pub enum Command {
         node: String,
         unix_ms: i64,
     },
+    /// A registration that carries the agent's node key (`api::metadata::NODE_KEY`), as its
+    /// SHA-256 (`api::metadata::node_key_sha256`; the key itself never enters the log). The
+    /// first keyed registration binds the node's name to the key; another key's is refused with
+    /// `[VGPU-NODE-NAME-TAKEN]` until an admin removes the node (issue 22, point 5). Checked
+    /// here, in apply, so that of two racing registrations only the first can bind. A plain
+    /// `RegisterNode` (an agent without a key) is accepted only for a name that is not bound.
+    /// (Appended last, like `RemoveNode`.)
+    RegisterKeyedNode {
+        spec: NodeSpec,
+        address: String,
+        key_sha256: String,
+        unix_ms: i64,
+    },
 }
 
 /// Most unexpired bootstrap tokens the pool keeps.
@@ -132,6 +145,12 @@ pub enum CommandResult {
     Revoked {
         newly: bool,
         total: u32,
+    },
+    /// A keyed registration was accepted as registration number `registration`
+    /// (`api::metadata::REGISTRATION`); a plain one answers `Done`. (Appended last: only members
+    /// that propose `RegisterKeyedNode` get it back.)
+    Registered {
+        registration: u64,
     },
 }
 
@@ -197,6 +216,31 @@ pub struct PoolState {
     /// read its snapshots during a rolling upgrade (`store::state_machine`).
     #[serde(skip)]
     pub revoked: BTreeMap<String, i64>,
+    /// The nodes whose names are bound to a node key (`Command::RegisterKeyedNode`), by name.
+    /// Never shown by any read. Not part of this struct's encoding, like `revoked`: the
+    /// snapshot carries it (format 3) only when some name is bound.
+    #[serde(skip)]
+    pub node_keys: BTreeMap<String, NodeKeyBinding>,
+}
+
+/// What binds a node's name: the SHA-256 of the node key that registered it first, and the
+/// number of its latest registration (the sequence number of the entry that applied it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeKeyBinding {
+    pub key_sha256: String,
+    pub registration: u64,
+}
+
+/// Why a call for a node is refused: its name is held by another key or registration. The
+/// message goes out coded `[VGPU-NODE-NAME-TAKEN]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NameTaken(pub String);
+
+/// The message of a call whose key is not the one `node` is bound to (or that has no key).
+fn name_taken_message(node: &str) -> String {
+    format!(
+        "node `{node}` is registered by another node key; if this machine is meant to replace it, an admin removes the node first (`vgpuctl node remove {node}`), otherwise give this machine its own name (`vgpu-agent join --name ...`)"
+    )
 }
 
 impl Default for PoolState {
@@ -209,6 +253,7 @@ impl Default for PoolState {
             counters: Counters::default(),
             tokens: BTreeMap::new(),
             revoked: BTreeMap::new(),
+            node_keys: BTreeMap::new(),
         }
     }
 }
@@ -327,7 +372,13 @@ impl PoolState {
                 spec,
                 address,
                 unix_ms,
-            } => self.register_node(index, spec, address, unix_ms),
+            } => self.register_node(index, seq, spec, address, None, unix_ms),
+            Command::RegisterKeyedNode {
+                spec,
+                address,
+                key_sha256,
+                unix_ms,
+            } => self.register_node(index, seq, spec, address, Some(key_sha256), unix_ms),
             Command::SetNodeState {
                 node,
                 state,
@@ -469,17 +520,36 @@ impl PoolState {
         self.tokens.get(hash).copied()
     }
 
+    /// Registers (or re-registers) a node; `key_sha256` is its node key's digest, `None` for an
+    /// agent without a key. A name bound to another key, or bound at all for a keyless call,
+    /// is refused and nothing changes. A keyed registration binds the name and gets the number
+    /// `seq` (unique and growing across entries and within a batch).
     fn register_node(
         &mut self,
         index: u64,
+        seq: u64,
         spec: NodeSpec,
         address: String,
+        key_sha256: Option<String>,
         unix_ms: i64,
     ) -> CommandResult {
         if let Err(message) = validate_node_spec(&spec) {
             return failed(ErrorCode::InvalidArgument, message);
         }
+        if let Some(key) = &key_sha256
+            && !api::metadata::is_node_key(key)
+        {
+            return failed(
+                ErrorCode::InvalidArgument,
+                "a keyed registration carries the SHA-256 of its node key as 64 lowercase hex digits (a bug in the proposer)",
+            );
+        }
         let name = spec.name.clone();
+        if let Some(bound) = self.node_keys.get(&name)
+            && key_sha256.as_deref() != Some(bound.key_sha256.as_str())
+        {
+            return failed(ErrorCode::NodeNameTaken, name_taken_message(&name));
+        }
         let Some(commands) = self.handle_guarded(Event::AddNode(spec)) else {
             return engine_failure();
         };
@@ -489,9 +559,57 @@ impl PoolState {
             state_reason: "registered".to_owned(),
         };
         self.nodes.insert(name.clone(), record);
-        self.node_revisions.insert(name, index);
+        self.node_revisions.insert(name.clone(), index);
         self.record(index, unix_ms, commands, None);
-        CommandResult::Done
+        let Some(key_sha256) = key_sha256 else {
+            assert!(
+                !self.node_keys.contains_key(&name),
+                "a keyless name stays unbound"
+            );
+            return CommandResult::Done;
+        };
+        let previous = self.node_keys.insert(
+            name,
+            NodeKeyBinding {
+                key_sha256,
+                registration: seq,
+            },
+        );
+        assert!(
+            previous.is_none_or(|previous| previous.registration < seq),
+            "registration numbers grow"
+        );
+        CommandResult::Registered { registration: seq }
+    }
+
+    /// Whether a call for `node` that carries the node key digest `key_sha256` (and, for a
+    /// heartbeat, names `registration`) may act for it: `Err` when the name is bound to another
+    /// key (or the call has none), or to a later registration. A node that is not registered,
+    /// or whose name is not bound (registered by an agent without a key), passes: the call's
+    /// own answer says what to do then.
+    pub fn check_node_claim(
+        &self,
+        node: &str,
+        key_sha256: Option<&str>,
+        registration: Option<u64>,
+    ) -> Result<(), NameTaken> {
+        let Some(bound) = self.node_keys.get(node) else {
+            return Ok(());
+        };
+        debug_assert!(
+            self.nodes.contains_key(node),
+            "only registered names are bound"
+        );
+        if key_sha256 != Some(bound.key_sha256.as_str()) {
+            return Err(NameTaken(name_taken_message(node)));
+        }
+        match registration {
+            Some(registration) if registration != bound.registration => Err(NameTaken(format!(
+                "node `{node}` was registered again (registration {}) after this agent's registration {registration}, with the same node key: another agent runs with this node's state directory or a copy of it; stop one of them, or give it its own state directory and name (`vgpu-agent join --state-dir ... --name ...`)",
+                bound.registration
+            ))),
+            _ => Ok(()),
+        }
     }
 
     fn remove_node(&mut self, index: u64, node: String, unix_ms: i64) -> CommandResult {
@@ -506,6 +624,8 @@ impl PoolState {
         };
         self.record(index, unix_ms, commands, None);
         self.nodes.remove(&node);
+        // The name is free again: the next agent to register it binds it.
+        self.node_keys.remove(&node);
         // A watch of the node sees its revision go to 0, then an empty set.
         self.node_revisions.remove(&node);
         assert!(self.engine.node(&node).is_none(), "a removed node is gone");

@@ -924,3 +924,174 @@ fn a_removed_node_is_forgotten_and_its_tenants_move() {
     register(&mut state, 6, "node-a");
     assert!(state.nodes.contains_key("node-a"));
 }
+
+fn keyed(name: &str, key: &str) -> Command {
+    Command::RegisterKeyedNode {
+        spec: node(name),
+        address: String::new(),
+        key_sha256: api::metadata::node_key_sha256(key),
+        unix_ms: 0,
+    }
+}
+
+fn keyless(name: &str) -> Command {
+    Command::RegisterNode {
+        spec: node(name),
+        address: String::new(),
+        unix_ms: 0,
+    }
+}
+
+fn registration(result: CommandResult) -> u64 {
+    match result {
+        CommandResult::Registered { registration } => registration,
+        other => panic!("expected a registration, got {other:?}"),
+    }
+}
+
+/// Issue 22, point 5: a node's name is bound to the node key that registered it first. Another
+/// key (a stolen bootstrap token, a cloned machine) is refused and changes nothing; the same key
+/// registers again under a new number; removing the node frees the name.
+#[test]
+fn a_node_name_is_bound_to_the_key_that_registered_it_first() {
+    let (key_a, key_b) = ("a".repeat(64), "b".repeat(64));
+    let digest_a = api::metadata::node_key_sha256(&key_a);
+    let mut state = PoolState::default();
+    let first = registration(state.apply(1, keyed("node-a", &key_a)));
+    assert_eq!(state.node_keys["node-a"].key_sha256, digest_a);
+    assert_eq!(state.node_keys["node-a"].registration, first);
+    place(&mut state, 2, "train", whole(4));
+    let before = state.assignments("node-a");
+
+    let (code, message) = refusal(state.apply(3, keyed("node-a", &key_b)));
+    assert_eq!(code, ErrorCode::NodeNameTaken);
+    assert!(
+        message.starts_with("node `node-a` is registered by another node key")
+            && message.contains("vgpuctl node remove node-a")
+            && message.contains("--name"),
+        "{message}"
+    );
+    // An agent without a key cannot take a bound name either.
+    let (code, _) = refusal(state.apply(4, keyless("node-a")));
+    assert_eq!(code, ErrorCode::NodeNameTaken);
+    assert_eq!(
+        state.assignments("node-a"),
+        before,
+        "refusals change nothing"
+    );
+    assert_eq!(state.node_keys["node-a"].registration, first);
+
+    let again = registration(state.apply(5, keyed("node-a", &key_a)));
+    assert!(again > first, "every registration gets a new number");
+    assert_eq!(state.tenants["train"].state, TenantState::Placed);
+    assert_eq!(
+        state.check_node_claim("node-a", Some(&digest_a), Some(again)),
+        Ok(())
+    );
+
+    let remove = Command::RemoveNode {
+        node: "node-a".to_owned(),
+        unix_ms: 6,
+    };
+    assert_eq!(state.apply(6, remove), CommandResult::Done);
+    assert!(
+        state.node_keys.is_empty(),
+        "removing the node frees its name"
+    );
+    let taken_over = registration(state.apply(7, keyed("node-a", &key_b)));
+    assert_eq!(
+        state.node_keys["node-a"].key_sha256,
+        api::metadata::node_key_sha256(&key_b)
+    );
+    assert!(taken_over > again);
+}
+
+/// Agents of earlier versions send no key: they register a name nobody bound, and it stays
+/// unbound until the first keyed registration binds it.
+#[test]
+fn a_keyless_registration_leaves_its_name_unbound() {
+    let mut state = PoolState::default();
+    assert_eq!(state.apply(1, keyless("node-a")), CommandResult::Done);
+    assert_eq!(state.apply(2, keyless("node-a")), CommandResult::Done);
+    assert!(state.node_keys.is_empty());
+    assert_eq!(state.check_node_claim("node-a", None, Some(0)), Ok(()));
+    let key = "c".repeat(64);
+    registration(state.apply(3, keyed("node-a", &key)));
+    assert!(state.node_keys.contains_key("node-a"));
+    let (code, _) = refusal(state.apply(4, keyless("node-a")));
+    assert_eq!(code, ErrorCode::NodeNameTaken);
+}
+
+/// Two registrations of one name with different keys in one entry (or in two entries, in
+/// either order): the one applied first binds the name, the other is refused on every replica.
+#[test]
+fn of_two_racing_registrations_only_the_first_binds_the_name() {
+    let (key_a, key_b) = ("a".repeat(64), "b".repeat(64));
+    let batch = Command::Batch(vec![keyed("node-a", &key_b), keyed("node-a", &key_a)]);
+    let mut replicas = [PoolState::default(), PoolState::default()];
+    for state in &mut replicas {
+        let CommandResult::Batch(results) = state.apply(1, batch.clone()) else {
+            panic!("a batch answers a batch");
+        };
+        assert_eq!(
+            results[0],
+            CommandResult::Registered {
+                registration: 1 << 16
+            }
+        );
+        assert_eq!(refusal(results[1].clone()).0, ErrorCode::NodeNameTaken);
+        assert_eq!(
+            state.node_keys["node-a"].key_sha256,
+            api::metadata::node_key_sha256(&key_b)
+        );
+    }
+    assert_eq!(replicas[0].node_keys, replicas[1].node_keys);
+    // The same key twice in one entry: both accepted, each with its own number.
+    let mut state = PoolState::default();
+    let batch = Command::Batch(vec![keyed("node-a", &key_a), keyed("node-a", &key_a)]);
+    let CommandResult::Batch(results) = state.apply(1, batch) else {
+        panic!("a batch answers a batch");
+    };
+    let numbers: Vec<u64> = results.into_iter().map(registration).collect();
+    assert_eq!(numbers, vec![1 << 16, 1 << 16 | 1]);
+    assert_eq!(state.node_keys["node-a"].registration, 1 << 16 | 1);
+}
+
+/// What heartbeats and assignment streams are judged by: the key's digest, and for a beat the
+/// registration it names.
+#[test]
+fn calls_for_a_bound_name_need_its_key_and_its_latest_registration() {
+    let key = "d".repeat(64);
+    let digest = api::metadata::node_key_sha256(&key);
+    let other = api::metadata::node_key_sha256(&"e".repeat(64));
+    let mut state = PoolState::default();
+    let first = registration(state.apply(1, keyed("node-a", &key)));
+    let second = registration(state.apply(2, keyed("node-a", &key)));
+    assert_eq!(
+        state.check_node_claim("node-a", Some(&digest), None),
+        Ok(())
+    );
+    assert_eq!(
+        state.check_node_claim("node-a", Some(&digest), Some(second)),
+        Ok(())
+    );
+    let NameTaken(stale) = state
+        .check_node_claim("node-a", Some(&digest), Some(first))
+        .unwrap_err();
+    assert!(
+        stale.contains(&format!("registration {second}"))
+            && stale.contains(&format!("registration {first}")),
+        "{stale}"
+    );
+    for (key, registration) in [(Some(other.as_str()), Some(second)), (None, None)] {
+        let NameTaken(message) = state
+            .check_node_claim("node-a", key, registration)
+            .unwrap_err();
+        assert!(message.contains("another node key"), "{message}");
+    }
+    // A node that is not registered is left to the call's own answer (`known = false`).
+    assert_eq!(
+        state.check_node_claim("node-b", Some(&other), Some(9)),
+        Ok(())
+    );
+}

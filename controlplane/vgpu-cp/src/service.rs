@@ -36,7 +36,10 @@ fn result_to_tenant(result: CommandResult, service: &Service) -> Result<v1::Tena
             .pool
             .tenant_to_proto(&record)),
         CommandResult::Failed { code, message } => Err(code.status(message)),
-        CommandResult::Done | CommandResult::Batch(_) | CommandResult::Revoked { .. } => {
+        CommandResult::Done
+        | CommandResult::Batch(_)
+        | CommandResult::Revoked { .. }
+        | CommandResult::Registered { .. } => {
             Err(ErrorCode::Internal.status("the write returned no tenant"))
         }
     }
@@ -66,6 +69,35 @@ fn own_usage_only(shared: &crate::store::Shared, request: &mut v1::HeartbeatRequ
             dropped = before - request.usage.len(),
             "dropped usage reported for tenants not on the reporting node"
         );
+    }
+}
+
+/// What a call for a node says about the agent making it (`api::metadata`): the SHA-256 of its
+/// node key (`None`: an agent without a key) and, for a beat, the registration it is for.
+struct NodeClaim {
+    key_sha256: Option<String>,
+    registration: Option<u64>,
+}
+
+impl NodeClaim {
+    /// Reads the claim of `request`, refusing malformed metadata (`INVALID_ARGUMENT`). A beat
+    /// always names a registration: one without the metadata names none (0).
+    fn of<T>(request: &Request<T>, beat: bool) -> Result<NodeClaim, Status> {
+        let metadata = request.metadata();
+        let key = api::metadata::node_key(metadata).map_err(invalid)?;
+        let registration = if beat {
+            Some(
+                api::metadata::registration(metadata)
+                    .map_err(invalid)?
+                    .unwrap_or(0),
+            )
+        } else {
+            None
+        };
+        Ok(NodeClaim {
+            key_sha256: key.map(api::metadata::node_key_sha256),
+            registration,
+        })
     }
 }
 
@@ -547,6 +579,28 @@ impl Service {
         }
     }
 
+    /// Refuses a call for `node` whose claim does not hold the name (`PoolState::check_node_claim`)
+    /// with `[VGPU-NODE-NAME-TAKEN]`. A mismatch is judged again after a linearizable read
+    /// before it is refused: this member may not have applied the registration the agent just
+    /// made through another member (a refusal stops the agent for good).
+    async fn check_node_claim(&self, node: &str, claim: &NodeClaim) -> Result<(), Status> {
+        let check = || {
+            self.control_plane.shared.read().pool.check_node_claim(
+                node,
+                claim.key_sha256.as_deref(),
+                claim.registration,
+            )
+        };
+        if check().is_ok() {
+            return Ok(());
+        }
+        self.control_plane.linearize().await?;
+        check().map_err(|crate::pool::NameTaken(message)| {
+            tracing::warn!(%node, %message, "refused a call for a node whose name another registration holds");
+            ErrorCode::NodeNameTaken.status(message)
+        })
+    }
+
     async fn set_state(
         &self,
         node: String,
@@ -580,6 +634,7 @@ impl v1::agent_server::Agent for Service {
             .map(|node| node.name.clone())
             .unwrap_or_default();
         self.guard.agent(&request, &name, "registering nodes")?;
+        let claim = NodeClaim::of(&request, false)?;
         api::validate::admit_node(request.get_ref().node.as_ref()).map_err(invalid)?;
         let node = request
             .into_inner()
@@ -587,17 +642,37 @@ impl v1::agent_server::Agent for Service {
             .ok_or_else(|| invalid("the node is missing"))?;
         let spec = node_spec_from_proto(&node);
         validate_node_spec(&spec).map_err(invalid)?;
-        let command = Command::RegisterNode {
-            spec,
-            address: node.address,
-            unix_ms: unix_ms(),
+        // Whether the name is free for this key is decided where the registration is applied,
+        // so that of two racing registrations only the first binds it.
+        let command = match claim.key_sha256 {
+            Some(key_sha256) => Command::RegisterKeyedNode {
+                spec,
+                address: node.address,
+                key_sha256,
+                unix_ms: unix_ms(),
+            },
+            None => Command::RegisterNode {
+                spec,
+                address: node.address,
+                unix_ms: unix_ms(),
+            },
         };
-        result_to_unit(self.control_plane.write(command).await?)?;
+        let registration = match self.control_plane.write(command).await? {
+            CommandResult::Registered { registration } => Some(registration),
+            CommandResult::Failed { code, message } => return Err(code.status(message)),
+            _ => None,
+        };
         self.control_plane.heartbeat(&node.name).await?;
         let interval = self.control_plane.timings.heartbeat_interval.as_millis() as u32;
-        Ok(Response::new(v1::RegisterResponse {
+        let mut response = Response::new(v1::RegisterResponse {
             heartbeat_interval_ms: interval,
-        }))
+        });
+        if let Some(registration) = registration {
+            response
+                .metadata_mut()
+                .insert(api::metadata::REGISTRATION, registration.into());
+        }
+        Ok(response)
     }
 
     async fn heartbeat(
@@ -607,8 +682,10 @@ impl v1::agent_server::Agent for Service {
         self.guard
             .agent(&request, &request.get_ref().node, "heartbeats")?;
         let started = std::time::Instant::now();
+        let claim = NodeClaim::of(&request, true)?;
         let mut request = request.into_inner();
         api::names::validate("node", &request.node).map_err(invalid)?;
+        self.check_node_claim(&request.node, &claim).await?;
         own_usage_only(&self.control_plane.shared, &mut request);
         let answer = self.control_plane.heartbeat_report(request).await?;
         self.control_plane
@@ -708,8 +785,10 @@ impl v1::agent_server::Agent for Service {
     ) -> Result<Response<Self::WatchAssignmentsStream>, Status> {
         self.guard
             .agent(&request, &request.get_ref().node, "watching assignments")?;
+        let claim = NodeClaim::of(&request, false)?;
         let node = request.into_inner().node;
         api::names::validate("node", &node).map_err(invalid)?;
+        self.check_node_claim(&node, &claim).await?;
         if !self
             .control_plane
             .shared
@@ -1001,3 +1080,7 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "service_test.rs"]
+mod node_identity_tests;

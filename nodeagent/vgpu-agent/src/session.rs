@@ -61,22 +61,18 @@ pub const HEARTBEAT_JITTER_PERCENT_MAX: u32 = 50;
 /// Request metadata of `Register`, `Heartbeat` and `WatchAssignments`: the node key, 64 hex
 /// digits the agent drew once and keeps in its state directory ([`crate::state::NodeKey`]).
 /// The control plane binds the node's name to the first key that registered it.
-pub const NODE_KEY_METADATA: &str = "vgpu-node-key";
+pub use api::metadata::NODE_KEY as NODE_KEY_METADATA;
 /// Response metadata of `Register` (the number of this registration, decimal) and request
 /// metadata of `Heartbeat` (the registration the beat is for). Absent or 0: a control plane
 /// that does not number registrations.
-pub const REGISTRATION_METADATA: &str = "vgpu-registration";
+pub use api::metadata::REGISTRATION as REGISTRATION_METADATA;
 /// The error code (`[VGPU-NODE-NAME-TAKEN] ...` at the start of a status message) of a call for
 /// a node whose name another registration holds.
-pub const NODE_NAME_TAKEN: &str = "VGPU-NODE-NAME-TAKEN";
+pub const NODE_NAME_TAKEN: &str = ErrorCode::NodeNameTaken.as_str();
 
 /// Whether `status` says the node's name is held by another registration.
 pub fn name_taken(status: &tonic::Status) -> bool {
-    status
-        .message()
-        .strip_prefix('[')
-        .and_then(|rest| rest.strip_prefix(NODE_NAME_TAKEN))
-        .is_some_and(|rest| rest.starts_with(']'))
+    ErrorCode::of(status) == Some(ErrorCode::NodeNameTaken)
 }
 
 /// What a session runs with.

@@ -19,9 +19,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::watch;
 
-/// Format 1: the applied state. Format 2: the same, then the revoked certificates. A snapshot
-/// without revocations is written as format 1, which members of earlier versions read too.
-const SNAPSHOT_FORMAT_VERSION: u32 = 2;
+/// Format 1: the applied state. Format 2: the same, then the revoked certificates. Format 3:
+/// format 2, then the node names bound to node keys. A snapshot is written in the lowest format
+/// that holds it (without revocations or bound names: format 1), which members of earlier
+/// versions read too.
+const SNAPSHOT_FORMAT_VERSION: u32 = 3;
+const SNAPSHOT_FORMAT_WITH_REVOCATIONS: u32 = 2;
 const SNAPSHOT_FORMAT_WITHOUT_REVOCATIONS: u32 = 1;
 const SNAPSHOT_FILE: &str = "snapshot.bin";
 
@@ -50,7 +53,7 @@ impl Shared {
     }
 }
 
-/// A snapshot as the rest of the store uses it: `applied.pool.revoked` filled.
+/// A snapshot as the rest of the store uses it: `applied.pool.revoked` and `node_keys` filled.
 struct SnapshotFile {
     meta: SnapshotMeta,
     applied: Applied,
@@ -72,6 +75,17 @@ struct SnapshotV2 {
     meta: SnapshotMeta,
     applied: Applied,
     revoked: BTreeMap<String, i64>,
+}
+
+/// Format 3: format 2's fields, then the bound node names (`PoolState::node_keys` is not part
+/// of `PoolState`'s encoding either).
+#[derive(Serialize, Deserialize)]
+struct SnapshotV3 {
+    format_version: u32,
+    meta: SnapshotMeta,
+    applied: Applied,
+    revoked: BTreeMap<String, i64>,
+    node_keys: BTreeMap<String, crate::pool::NodeKeyBinding>,
 }
 
 struct StoredSnapshot {
@@ -122,10 +136,19 @@ impl StateMachineStore {
 }
 
 /// Encodes a snapshot file: 8 bytes of checksum, then the bincode body (format 1 when nothing is
-/// revoked, else format 2).
+/// revoked and no name is bound, format 2 when only certificates are revoked, else format 3).
 fn encode_snapshot(file: &SnapshotFile) -> Vec<u8> {
     let revoked = &file.applied.pool.revoked;
-    let body = if revoked.is_empty() {
+    let node_keys = &file.applied.pool.node_keys;
+    let body = if !node_keys.is_empty() {
+        encode(&SnapshotV3 {
+            format_version: SNAPSHOT_FORMAT_VERSION,
+            meta: file.meta.clone(),
+            applied: file.applied.clone(),
+            revoked: revoked.clone(),
+            node_keys: node_keys.clone(),
+        })
+    } else if revoked.is_empty() {
         encode(&SnapshotV1 {
             format_version: SNAPSHOT_FORMAT_WITHOUT_REVOCATIONS,
             meta: file.meta.clone(),
@@ -133,7 +156,7 @@ fn encode_snapshot(file: &SnapshotFile) -> Vec<u8> {
         })
     } else {
         encode(&SnapshotV2 {
-            format_version: SNAPSHOT_FORMAT_VERSION,
+            format_version: SNAPSHOT_FORMAT_WITH_REVOCATIONS,
             meta: file.meta.clone(),
             applied: file.applied.clone(),
             revoked: revoked.clone(),
@@ -177,7 +200,7 @@ fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotFile, StorageError> {
                 applied: v1.applied,
             }
         }
-        SNAPSHOT_FORMAT_VERSION => {
+        SNAPSHOT_FORMAT_WITH_REVOCATIONS => {
             let v2: SnapshotV2 = decode(body).map_err(undecodable)?;
             let mut applied = v2.applied;
             applied.pool.revoked = v2.revoked;
@@ -186,9 +209,19 @@ fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotFile, StorageError> {
                 applied,
             }
         }
+        SNAPSHOT_FORMAT_VERSION => {
+            let v3: SnapshotV3 = decode(body).map_err(undecodable)?;
+            let mut applied = v3.applied;
+            applied.pool.revoked = v3.revoked;
+            applied.pool.node_keys = v3.node_keys;
+            SnapshotFile {
+                meta: v3.meta,
+                applied,
+            }
+        }
         other => {
             return Err(corrupt(format!(
-                "snapshot format {other} is not one this version reads (1 or {SNAPSHOT_FORMAT_VERSION}); was it written by a newer vgpu-cp?"
+                "snapshot format {other} is not one this version reads (1 to {SNAPSHOT_FORMAT_VERSION}); was it written by a newer vgpu-cp?"
             )));
         }
     };
@@ -410,6 +443,32 @@ mod tests {
             BTreeMap::from([("1f".to_owned(), 5), ("a0".to_owned(), 7)])
         );
         assert_eq!(read.applied.pool.tokens.len(), 1);
+    }
+
+    /// Issue 22, point 5: bound node names survive a snapshot (format 3), with the revocations;
+    /// a pool without them keeps the formats earlier members read.
+    #[test]
+    fn bound_node_names_travel_in_format_3() {
+        let binding = crate::pool::NodeKeyBinding {
+            key_sha256: "c".repeat(64),
+            registration: 7 << 16,
+        };
+        let mut bound = file(&[("1f", 5)]);
+        bound
+            .applied
+            .pool
+            .node_keys
+            .insert("node-a".to_owned(), binding.clone());
+        let bytes = encode_snapshot(&bound);
+        assert_eq!(version(&bytes), 3);
+        let read = decode_snapshot(&bytes).unwrap();
+        assert_eq!(
+            read.applied.pool.node_keys,
+            BTreeMap::from([("node-a".to_owned(), binding)])
+        );
+        assert_eq!(read.applied.pool.revoked.len(), 1);
+        assert_eq!(read.applied.pool.tokens.len(), 1);
+        assert_eq!(version(&encode_snapshot(&file(&[("1f", 5)]))), 2);
     }
 
     #[test]
