@@ -77,6 +77,7 @@ pub struct Settings {
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub tls_ca_key: Option<PathBuf>,
+    pub tenant_priority_max: Option<i32>,
 }
 
 fn socket_address<'de, D: Deserializer<'de>>(
@@ -231,6 +232,15 @@ const TLS_CA_KEY: KeyDoc = KeyDoc {
     example: "\"/etc/vgpu/tls/ca.key\"",
 };
 
+const TENANT_PRIORITY_MAX: KeyDoc = KeyDoc {
+    key: "tenant_priority_max",
+    env: "VGPU_CP_TENANT_PRIORITY_MAX",
+    env_aliases: &[],
+    flag: Some("--tenant-priority-max"),
+    default: "100",
+    example: "100",
+};
+
 /// Every key of the `vgpu-cp` configuration file, in the order of the documentation.
 pub const KEYS: &[KeyDoc] = &[
     MODE,
@@ -251,6 +261,7 @@ pub const KEYS: &[KeyDoc] = &[
     TLS_CERT,
     TLS_KEY,
     TLS_CA_KEY,
+    TENANT_PRIORITY_MAX,
 ];
 
 impl Settings {
@@ -277,6 +288,11 @@ impl Settings {
             tls_cert: common::from_env(env, &TLS_CERT, common::parse_path)?,
             tls_key: common::from_env(env, &TLS_KEY, common::parse_path)?,
             tls_ca_key: common::from_env(env, &TLS_CA_KEY, common::parse_path)?,
+            tenant_priority_max: common::from_env(
+                env,
+                &TENANT_PRIORITY_MAX,
+                common::parse_from_str("give a priority from -1000 to 1000, such as 100"),
+            )?,
         })
     }
 
@@ -373,11 +389,24 @@ impl Settings {
             [TLS_CA_CERT.key, TLS_CERT.key, TLS_KEY.key],
         )
         .map_err(|error| ConfigError::Conflict(error.to_string()))?;
+        let tenant_priority_max = self.tenant_priority_max;
+        if let Some(ceiling) = tenant_priority_max
+            && !(api::validate::PRIORITY_MIN..=api::validate::PRIORITY_MAX).contains(&ceiling)
+        {
+            return Err(ConfigError::Conflict(format!(
+                "`{}` ({}, {}) is {ceiling}; give a priority from {} to {} (tenant certificates may use priorities up to it)",
+                TENANT_PRIORITY_MAX.key,
+                TENANT_PRIORITY_MAX.flag.unwrap_or("no flag"),
+                TENANT_PRIORITY_MAX.env,
+                api::validate::PRIORITY_MIN,
+                api::validate::PRIORITY_MAX
+            )));
+        }
         let security = crate::Security {
             insecure: self.insecure.unwrap_or(false),
             tls,
             ca_key: self.tls_ca_key,
-            tenant_priority_max: None,
+            tenant_priority_max,
         };
         let config = Config {
             mode,
@@ -425,6 +454,7 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         tls_cert: higher.tls_cert.or(lower.tls_cert),
         tls_key: higher.tls_key.or(lower.tls_key),
         tls_ca_key: higher.tls_ca_key.or(lower.tls_ca_key),
+        tenant_priority_max: higher.tenant_priority_max.or(lower.tenant_priority_max),
     }
 }
 
@@ -568,6 +598,40 @@ mod tests {
         .to_string();
         assert!(error.contains("VGPU_CP_LISTEN=`port 80`"), "{error}");
         assert!(error.contains("0.0.0.0:7401"), "{error}");
+    }
+
+    /// The tenant priority ceiling (issue 22, point 4) is a setting like any other, bounded by
+    /// the priority range.
+    #[test]
+    fn the_tenant_priority_ceiling_is_a_bounded_setting() {
+        let base = Settings {
+            mode: Some(ModeName::Bootstrap),
+            id: Some(1),
+            data_dir: Some("/d".into()),
+            ..Settings::default()
+        };
+        let config = base.clone().resolve(None, None).unwrap();
+        assert_eq!(config.security.tenant_priority_max, None, "the default");
+        let vars = env(&[("VGPU_CP_TENANT_PRIORITY_MAX", "250")]);
+        let from_env = Settings::from_env(&vars).unwrap();
+        assert_eq!(from_env.tenant_priority_max, Some(250));
+        let config = merge(from_env, base.clone()).resolve(None, None).unwrap();
+        assert_eq!(config.security.tenant_priority_max, Some(250));
+        let error = Settings {
+            tenant_priority_max: Some(5000),
+            ..base
+        }
+        .resolve(None, None)
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("tenant_priority_max") && error.contains("-1000 to 1000"),
+            "{error}"
+        );
+        let error = Settings::from_env(&env(&[("VGPU_CP_TENANT_PRIORITY_MAX", "high")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("VGPU_CP_TENANT_PRIORITY_MAX"), "{error}");
     }
 
     #[test]

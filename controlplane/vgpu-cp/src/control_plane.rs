@@ -813,7 +813,14 @@ impl ControlPlane {
         // Looked up under the lock rather than cloned: with thousands of nodes a copy of the map
         // every loop tick costs more than the lookups. Lock order: state, then heartbeats
         // (`record_heartbeat` never holds both).
-        let heartbeats = self.heartbeats.lock().expect("heartbeats lock");
+        let mut heartbeats = self.heartbeats.lock().expect("heartbeats lock");
+        let forgotten =
+            crate::leader::prune_beats(&mut heartbeats, applied.pool.nodes.len(), |name| {
+                applied.pool.nodes.contains_key(name)
+            });
+        if forgotten > 0 {
+            tracing::debug!(forgotten, "forgot the heartbeats of removed nodes");
+        }
         let changes = crate::leader::judge_nodes(
             Instant::now(),
             since,

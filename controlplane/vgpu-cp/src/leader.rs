@@ -141,6 +141,24 @@ pub fn judge_nodes<'a>(
     changes
 }
 
+/// Forgets the heartbeats of nodes the pool no longer has (removed by an admin), so that the
+/// leader's map stays bounded by the registered nodes: a beat is recorded only for a registered
+/// node, so a map larger than the pool (`nodes`) holds a removed one. Scans only then; returns
+/// how many it forgot.
+pub fn prune_beats<Beat>(
+    beats: &mut HashMap<String, Beat>,
+    nodes: usize,
+    registered: impl Fn(&str) -> bool,
+) -> usize {
+    if beats.len() <= nodes {
+        return 0;
+    }
+    let before = beats.len();
+    beats.retain(|name, _| registered(name));
+    debug_assert!(beats.len() <= nodes, "only registered nodes keep a beat");
+    before - beats.len()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,5 +320,22 @@ mod tests {
             &mut first_seen,
         );
         assert!(first_seen.is_empty(), "a node that beats leaves first_seen");
+    }
+
+    /// Issue 22 follow-up: a removed node's last beat left the leader's map only with a
+    /// restart; now the next tick that finds more beats than nodes forgets it.
+    #[test]
+    fn beats_of_removed_nodes_are_forgotten() {
+        let mut beats: HashMap<String, u32> = [("node-a", 1), ("node-b", 2)]
+            .map(|(name, at)| (name.to_owned(), at))
+            .into();
+        let registered = |name: &str| name == "node-b" || name == "node-c";
+        // node-a removed, node-c registered but silent: as many beats as nodes, nothing scanned.
+        assert_eq!(prune_beats(&mut beats, 2, registered), 0);
+        assert_eq!(beats.len(), 2);
+        beats.insert("node-c".to_owned(), 3);
+        assert_eq!(prune_beats(&mut beats, 2, registered), 1);
+        assert!(!beats.contains_key("node-a"));
+        assert_eq!(beats.len(), 2);
     }
 }

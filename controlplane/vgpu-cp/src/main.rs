@@ -263,6 +263,10 @@ struct Common {
     /// tls_ca_key].
     #[arg(long, value_name = "FILE")]
     tls_ca_key: Option<PathBuf>,
+    /// The highest priority a tenant certificate may give its tenants; admins use the whole
+    /// range, -1000 to 1000 [default: 100] [config: tenant_priority_max].
+    #[arg(long, allow_hyphen_values = true)]
+    tenant_priority_max: Option<i32>,
 }
 
 impl Common {
@@ -287,6 +291,7 @@ impl Common {
             tls_cert: self.tls_cert,
             tls_key: self.tls_key,
             tls_ca_key: self.tls_ca_key,
+            tenant_priority_max: self.tenant_priority_max,
         }
     }
 }
