@@ -243,6 +243,14 @@ impl Controller {
             return self.release();
         }
         self.in_episode = true;
+        // The last episode's level is for this episode's first window beside active
+        // neighbours, whatever else that window decides (a resume later, after the level came
+        // down to 0 on its own, would undo what this episode learnt).
+        let resume = if neighbours_active {
+            self.resume_level.take()
+        } else {
+            None
+        };
         if self.ladder.lever(self.level) != Some(Lever::Guard) {
             self.step_period_ns = active
                 .iter()
@@ -258,9 +266,8 @@ impl Controller {
             let tenant = (*tenant).clone();
             return self.hold_top(Reason::NoTarget { tenant });
         }
-        if neighbours_active
-            && self.level == 0
-            && let Some(level) = self.resume_level.take()
+        if self.level == 0
+            && let Some(level) = resume
         {
             let reason = self.resume(level);
             if reason.is_some() {

@@ -1090,3 +1090,32 @@ fn an_idle_spell_is_no_sample_of_the_step_period() {
     driver.next("infer", repeat(3, MS), target);
     assert_eq!(driver.controller.step_period_ns(), period);
 }
+
+#[test]
+fn a_resume_is_for_the_first_window_beside_neighbours_only() {
+    // An episode that settles at level 2, then idles; the next one starts without a target for
+    // a new tenant (the top), and when it comes down to 0 on its own, no stale resume follows.
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    for _ in 0..40 {
+        driver.next("infer", repeat(3, MS), target);
+    }
+    for _ in 0..20 {
+        driver.next("infer", LatencySnapshot::default(), target);
+    }
+    assert_eq!(driver.level(), 0);
+    let mut reasons = Vec::new();
+    for _ in 0..2_000 {
+        let output = driver.next("other", repeat(3, MS), None);
+        reasons.extend(changed(&output).map(|(_, reason)| reason));
+    }
+    assert_eq!(
+        reasons.first(),
+        Some(&Reason::NoTarget {
+            tenant: "other".into()
+        })
+    );
+    assert!(!reasons.contains(&Reason::Resumed), "{reasons:?}");
+}
