@@ -186,7 +186,10 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     let _closed_loop_thread = crate::closed_loop::spawn(
         crate::closed_loop::ClosedLoopConfig::new(
             config.shm_dir.clone(),
-            config.mps.is_some(),
+            config
+                .mps
+                .as_ref()
+                .is_some_and(|mps| mps.tenants.latency_tenants_join()),
             &inventory,
         ),
         closed_loop.clone(),

@@ -97,6 +97,8 @@ pub struct CdiConfig {
     pub state_dir: PathBuf,
     /// The node's MPS pipe directory when it runs MPS, mounted into every container.
     pub mps_pipe_dir: Option<PathBuf>,
+    /// Which tenants join the node's MPS daemon.
+    pub mps_tenants: crate::mps::MpsTenants,
 }
 
 /// `/var/run/cdi` when it can be created and written, else `<state dir>/cdi`. Simulated nodes
@@ -128,6 +130,7 @@ pub fn build_spec(
         shm_dir: config.shm_dir.clone(),
         state_dir: config.state_dir.clone(),
         mps_pipe_dir: config.mps_pipe_dir.clone(),
+        mps_tenants: config.mps_tenants,
     };
     let path = |path: &Path| path.to_string_lossy().into_owned();
     let layout = crate::private::Layout::new(&config.shm_dir);
@@ -331,6 +334,7 @@ mod tests {
             shm_dir: PathBuf::from("/dev/shm/vgpu"),
             state_dir: PathBuf::from("/var/lib/vgpu-agent/node-a"),
             mps_pipe_dir: None,
+            mps_tenants: crate::mps::MpsTenants::default(),
         }
     }
 

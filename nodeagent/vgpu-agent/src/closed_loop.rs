@@ -68,7 +68,10 @@ pub struct LatencySpec {
 pub struct ClosedLoopConfig {
     /// The interposers' shared-memory directory (the agent's `shm_dir`).
     pub shm_dir: PathBuf,
-    /// Whether the node runs MPS (the SM lever exists).
+    /// Whether the latency tenants and their neighbours are clients of one MPS daemon, so that
+    /// the neighbours' SMs are a lever (`mps_tenants = "all"`); with latency tenants in contexts
+    /// of their own, the GPU time-slices between them and the MPS server, and fewer SMs for the
+    /// neighbours would only cost them.
     pub mps: bool,
     /// SMs per GPU uuid; a GPU missing here (or with 0) gets no SM lever.
     pub sm_counts: BTreeMap<String, u16>,

@@ -41,6 +41,7 @@ pub struct Settings {
     pub shm_dir: Option<PathBuf>,
     pub nic_gbps: Option<u32>,
     pub mps: Option<bool>,
+    pub mps_tenants: Option<crate::mps::MpsTenants>,
     pub mps_control: Option<PathBuf>,
     pub insecure: Option<bool>,
     pub tls_ca_cert: Option<PathBuf>,
@@ -148,6 +149,14 @@ const MPS: KeyDoc = KeyDoc {
     default: "false",
     example: "false",
 };
+const MPS_TENANTS: KeyDoc = KeyDoc {
+    key: "mps_tenants",
+    env: "VGPU_AGENT_MPS_TENANTS",
+    env_aliases: &[],
+    flag: Some("--mps-tenants"),
+    default: "best-effort",
+    example: "\"best-effort\"",
+};
 const MPS_CONTROL: KeyDoc = KeyDoc {
     key: "mps_control",
     env: "VGPU_AGENT_MPS_CONTROL",
@@ -222,6 +231,7 @@ pub const KEYS: &[KeyDoc] = &[
     SHM_DIR,
     NIC_GBPS,
     MPS,
+    MPS_TENANTS,
     MPS_CONTROL,
     INSECURE,
     TLS_CA_CERT,
@@ -272,6 +282,7 @@ impl Settings {
             shm_dir: path(&SHM_DIR)?,
             nic_gbps: common::from_env(env, &NIC_GBPS, parse_gbps)?,
             mps: common::from_env(env, &MPS, common::parse_bool)?,
+            mps_tenants: common::from_env(env, &MPS_TENANTS, crate::mps::MpsTenants::parse)?,
             mps_control: path(&MPS_CONTROL)?,
             insecure: common::from_env(env, &INSECURE, common::parse_bool)?,
             tls_ca_cert: path(&TLS_CA_CERT)?,
@@ -366,6 +377,7 @@ impl Settings {
             shm_dir: self.join_shm_dir(&state_dir),
             state_dir: absolute(&state_dir),
             mps_pipe_dir: self.mps_pipe_dir(&self.join_shm_dir(&state_dir)),
+            mps_tenants: self.mps_tenants.unwrap_or_default(),
         });
         let security = crate::bootstrap::Security {
             insecure: self.insecure.unwrap_or(false),
@@ -385,7 +397,12 @@ impl Settings {
         }
         let shm_dir = self.join_shm_dir(&state_dir);
         let mps = self.mps.unwrap_or(false).then(|| {
-            crate::mps::MpsConfig::new(self.mps_control.clone(), &shm_dir, &absolute(&state_dir))
+            crate::mps::MpsConfig::new(
+                self.mps_control.clone(),
+                &shm_dir,
+                &absolute(&state_dir),
+                self.mps_tenants.unwrap_or_default(),
+            )
         });
         Ok(JoinConfig {
             mps,
@@ -425,6 +442,7 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         shm_dir: higher.shm_dir.or(lower.shm_dir),
         nic_gbps: higher.nic_gbps.or(lower.nic_gbps),
         mps: higher.mps.or(lower.mps),
+        mps_tenants: higher.mps_tenants.or(lower.mps_tenants),
         mps_control: higher.mps_control.or(lower.mps_control),
         insecure: higher.insecure.or(lower.insecure),
         tls_ca_cert: higher.tls_ca_cert.or(lower.tls_ca_cert),

@@ -142,6 +142,12 @@ struct JoinArgs {
     /// latency-sensitive tenants (docs: nodeagent/vgpu-agent/README.md) [config: mps].
     #[arg(long)]
     mps: bool,
+    /// On an MPS node, which tenants are MPS clients: `best-effort` (burst and preemptible
+    /// tenants; latency and other guaranteed tenants keep a context of their own, fault-isolated)
+    /// or `all` (latency tenants too: they give up fault isolation for running side by side)
+    /// [default: best-effort] [config: mps_tenants].
+    #[arg(long, value_name = "WHICH", value_parser = vgpu_agent::mps::MpsTenants::parse)]
+    mps_tenants: Option<vgpu_agent::mps::MpsTenants>,
     #[command(flatten)]
     security: SecurityArgs,
     #[command(flatten)]
@@ -188,6 +194,7 @@ impl JoinArgs {
             cdi: self.no_cdi.then_some(false),
             nic_gbps: self.nic_gbps,
             mps: self.mps.then_some(true),
+            mps_tenants: self.mps_tenants,
             cdi_dir: self.cdi_dir,
             insecure: self.security.insecure.then_some(true),
             tls_ca_cert: self.security.tls_ca_cert,
@@ -350,6 +357,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 interposer: (!no_interposer).then(|| settings.interposer(executable.as_deref())),
                 shm_dir: settings.tenant_shm_dir(),
                 mps_pipe_dir: settings.mps_pipe_dir(&settings.tenant_shm_dir()),
+                mps_tenants: settings.mps_tenants.unwrap_or_default(),
                 tenant,
                 command: args.command,
             };
@@ -372,6 +380,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 shm_dir: settings.tenant_shm_dir(),
                 state_dir,
                 mps_pipe_dir: settings.mps_pipe_dir(&settings.tenant_shm_dir()),
+                mps_tenants: settings.mps_tenants.unwrap_or_default(),
             };
             let environment =
                 tenant::tenant_environment(&placement.node, &placement.assignment, &config, None);

@@ -1,9 +1,8 @@
 //! Concurrent sharing (`mps = true`): the agent runs NVIDIA's MPS control daemon for the node, so
-//! that the kernels of the tenants sharing a GPU run side by side instead of being time-sliced by
-//! the driver, and hands its pipe directory to every tenant process. On such a node the
-//! interposer's spatial mode is on for every tenant with a fraction of a GPU: while a
-//! latency-sensitive tenant (`vgpuctl place --latency`) is active on a GPU, the others' kernels
-//! go to a green context with fewer SMs (`docs/design/spatial-partitioning.md`).
+//! that the kernels of the tenants that are its clients run side by side instead of being
+//! time-sliced by the driver, and hands its pipe directory to those tenants' processes
+//! ([`MpsTenants`]: by default the best-effort ones; latency tenants and other guaranteed
+//! tenants keep contexts of their own unless `mps_tenants = "all"`).
 //!
 //! The daemon is started once (`nvidia-cuda-mps-control -d`, with `CUDA_MPS_PIPE_DIRECTORY`
 //! `<shm dir>/mps` and `CUDA_MPS_LOG_DIRECTORY` `<state dir>/mps-log`); one that already answers
@@ -11,9 +10,10 @@
 //! take the running tenants' MPS server with it, so an agent restart or upgrade leaves tenants
 //! running. To stop it: `echo quit | CUDA_MPS_PIPE_DIRECTORY=<shm dir>/mps nvidia-cuda-mps-control`.
 //!
-//! The price, stated in ARCHITECTURE.md: under MPS a GPU fault (illegal address, ECC error) in one
-//! client is reported to every client of that GPU. That is why concurrent sharing is a per-node
-//! choice and off by default: tenants that need fault isolation go to nodes without it. MPS also
+//! The price, stated in ARCHITECTURE.md and measured by `tests/gpu/fault_matrix.sh`: MPS puts its
+//! clients in one fault domain. A fatal fault of one client (an illegal address; on an H100 even
+//! a `kill -9` with kernels in flight) ends every client of that GPU, and new clients are refused
+//! until all of them have exited. That is why only tenants that allow it are clients. MPS also
 //! serves one Unix user at a time per GPU: run the tenants of an MPS node as one user.
 
 use std::io::Write;
@@ -22,6 +22,50 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use tracing::info;
+
+/// Which tenants of an MPS node run as MPS clients (`mps_tenants`). MPS puts its clients in
+/// one fault domain: a fatal fault of one (an illegal address; on an H100 even a `kill -9`
+/// with kernels in flight) ends every client of that GPU, and new clients are refused until
+/// all of them have exited (docs/benchmarks.md, "Fault matrix"). So only tenants that allow
+/// it join: by default the best-effort ones, which gain the most from running side by side.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MpsTenants {
+    /// Tenants that may use idle compute beyond their share (`--burst`) or may be preempted
+    /// (`--preemptible`), never latency tenants: a latency tenant keeps a context of its own
+    /// (time-sliced against the MPS server, fault-isolated from it, and without the MPS
+    /// client's cost on its own steps: 12-40% of p99 on an H100).
+    #[default]
+    BestEffort,
+    /// Every tenant, latency tenants included: they trade fault isolation for running beside
+    /// their neighbours (and the SM lever of the closed loop).
+    All,
+}
+
+impl MpsTenants {
+    /// Whether a tenant with these flags runs as an MPS client on an MPS node.
+    pub fn joins(self, latency: bool, burst: bool, guaranteed: bool) -> bool {
+        match self {
+            MpsTenants::All => true,
+            MpsTenants::BestEffort => !latency && (burst || !guaranteed),
+        }
+    }
+
+    /// Whether latency tenants are MPS clients (then the neighbours' SMs are a lever).
+    pub fn latency_tenants_join(self) -> bool {
+        self.joins(true, false, true)
+    }
+
+    pub fn parse(text: &str) -> Result<MpsTenants, String> {
+        match text.trim() {
+            "best-effort" => Ok(MpsTenants::BestEffort),
+            "all" => Ok(MpsTenants::All),
+            other => Err(format!(
+                "`{other}` is not a choice of MPS tenants: `best-effort` (burst and preemptible tenants, the default) or `all` (latency tenants too, giving up their fault isolation)"
+            )),
+        }
+    }
+}
 
 /// The MPS control program, looked up in `PATH` unless configured.
 pub const CONTROL_DEFAULT: &str = "nvidia-cuda-mps-control";
@@ -37,15 +81,23 @@ pub struct MpsConfig {
     pub pipe_dir: PathBuf,
     /// `CUDA_MPS_LOG_DIRECTORY`.
     pub log_dir: PathBuf,
+    /// Which tenants are its clients.
+    pub tenants: MpsTenants,
 }
 
 impl MpsConfig {
     /// The node's daemon under `shm_dir` and `state_dir`.
-    pub fn new(control: Option<PathBuf>, shm_dir: &Path, state_dir: &Path) -> MpsConfig {
+    pub fn new(
+        control: Option<PathBuf>,
+        shm_dir: &Path,
+        state_dir: &Path,
+        tenants: MpsTenants,
+    ) -> MpsConfig {
         MpsConfig {
             control: control.unwrap_or_else(|| PathBuf::from(CONTROL_DEFAULT)),
             pipe_dir: pipe_dir(shm_dir),
             log_dir: state_dir.join("mps-log"),
+            tenants,
         }
     }
 }
@@ -216,6 +268,7 @@ read command; echo "$command" >> "$CUDA_MPS_LOG_DIRECTORY/commands"; exit 0
             Some(fake_control(directory.path())),
             &directory.path().join("shm"),
             &directory.path().join("state"),
+            MpsTenants::default(),
         );
         assert_eq!(config.pipe_dir, directory.path().join("shm/mps"));
         assert_eq!(ensure_running(&config).unwrap(), Started::Started);
@@ -239,6 +292,7 @@ read command; echo "$command" >> "$CUDA_MPS_LOG_DIRECTORY/commands"; exit 0
             Some(directory.path().join("no-such-program")),
             directory.path(),
             directory.path(),
+            MpsTenants::default(),
         );
         let error = ensure_running(&missing).unwrap_err();
         assert!(matches!(error, MpsError::Spawn { .. }), "{error}");
@@ -247,7 +301,12 @@ read command; echo "$command" >> "$CUDA_MPS_LOG_DIRECTORY/commands"; exit 0
         let failing = directory.path().join("failing");
         std::fs::write(&failing, "#!/bin/sh\necho no GPU >&2\nexit 3\n").unwrap();
         std::fs::set_permissions(&failing, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let config = MpsConfig::new(Some(failing), directory.path(), directory.path());
+        let config = MpsConfig::new(
+            Some(failing),
+            directory.path(),
+            directory.path(),
+            MpsTenants::default(),
+        );
         let error = ensure_running(&config).unwrap_err();
         assert!(error.to_string().contains("no GPU"), "{error}");
     }

@@ -62,6 +62,8 @@ pub struct EnvConfig {
     pub state_dir: PathBuf,
     /// The node's MPS pipe directory when it runs MPS (concurrent sharing, [`crate::mps`]).
     pub mps_pipe_dir: Option<PathBuf>,
+    /// Which tenants join it (the others keep a context of their own).
+    pub mps_tenants: crate::mps::MpsTenants,
 }
 
 /// A tenant's placement on this node, as the agent last persisted it.
@@ -142,7 +144,11 @@ pub fn tenant_environment(
         }
     }
     environment.extend(identity);
-    if let Some(pipes) = &config.mps_pipe_dir {
+    if let Some(pipes) = &config.mps_pipe_dir
+        && config
+            .mps_tenants
+            .joins(latency, tenant_env.burst, tenant_env.guaranteed)
+    {
         environment.push((
             "CUDA_MPS_PIPE_DIRECTORY".to_owned(),
             pipes.to_string_lossy().into_owned(),
@@ -313,6 +319,7 @@ pub struct ExecConfig {
     pub shm_dir: PathBuf,
     /// The node's MPS pipe directory when it runs MPS ([`crate::mps`]).
     pub mps_pipe_dir: Option<PathBuf>,
+    pub mps_tenants: crate::mps::MpsTenants,
     /// The program and its arguments.
     pub command: Vec<OsString>,
 }
@@ -339,6 +346,7 @@ pub fn exec(config: ExecConfig) -> Result<Infallible> {
         shm_dir: config.shm_dir.clone(),
         state_dir: config.state_dir.clone(),
         mps_pipe_dir: config.mps_pipe_dir.clone(),
+        mps_tenants: config.mps_tenants,
     };
     let inherited = std::env::var("LD_PRELOAD").ok();
     let environment = tenant_environment(

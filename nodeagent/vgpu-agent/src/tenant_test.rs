@@ -33,6 +33,7 @@ fn config() -> EnvConfig {
         shm_dir: PathBuf::from("/dev/shm/vgpu"),
         state_dir: PathBuf::from("/var/lib/vgpu-agent/node-a"),
         mps_pipe_dir: None,
+        mps_tenants: crate::mps::MpsTenants::default(),
     }
 }
 
@@ -217,6 +218,7 @@ fn exec_refuses_a_tenant_that_is_not_here_and_a_missing_interposer() {
         interposer: Some(directory.path().join(interposer)),
         shm_dir: directory.path().join("shm"),
         mps_pipe_dir: None,
+        mps_tenants: crate::mps::MpsTenants::default(),
         command: vec!["true".into()],
     };
     assert!(matches!(
@@ -381,7 +383,8 @@ fn exec_runs_as_the_owner_of_the_tenants_directory() {
 }
 
 #[test]
-fn an_mps_node_gives_the_pipes_to_all_and_spatial_roles_to_sharing_and_latency_tenants() {
+fn an_mps_node_gives_the_pipes_to_best_effort_tenants_and_spatial_roles_to_sharing_and_latency_tenants()
+ {
     let mps = EnvConfig {
         mps_pipe_dir: Some(PathBuf::from("/dev/shm/vgpu/mps")),
         ..config()
@@ -405,6 +408,30 @@ fn an_mps_node_gives_the_pipes_to_all_and_spatial_roles_to_sharing_and_latency_t
     serving.latency = true;
     assert_eq!(get(&serving, "VGPU_SPATIAL").as_deref(), Some("1"));
     assert_eq!(get(&serving, "VGPU_LATENCY").as_deref(), Some("1"));
+    // It keeps a context of its own (fault-isolated from the MPS clients), unless the node lets
+    // every tenant join (`mps_tenants = "all"`).
+    assert_eq!(get(&serving, "CUDA_MPS_PIPE_DIRECTORY"), None);
+    let all = EnvConfig {
+        mps_tenants: crate::mps::MpsTenants::All,
+        ..mps.clone()
+    };
+    let pipes = |assignment: &TenantAssignment, config: &EnvConfig| {
+        tenant_environment("node-a", assignment, config, None)
+            .into_iter()
+            .any(|(k, _)| k == "CUDA_MPS_PIPE_DIRECTORY")
+    };
+    assert!(pipes(&serving, &all));
+    // So does a guaranteed tenant that does not burst; a preemptible one joins.
+    let mut steady = trainer.clone();
+    for slice in &mut steady.slices {
+        slice.burst = false;
+    }
+    assert!(!pipes(&steady, &mps));
+    assert!(pipes(&steady, &all));
+    for slice in &mut steady.slices {
+        slice.guaranteed = false;
+    }
+    assert!(pipes(&steady, &mps));
     // A tenant with whole GPUs shares none: pipes only.
     let mut whole = trainer.clone();
     for slice in &mut whole.slices {

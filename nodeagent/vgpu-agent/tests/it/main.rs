@@ -205,6 +205,8 @@ fn start(control_plane: Vec<String>, state_dir: &Path) -> RunningAgent {
             shm_dir: state_dir.join("shm"),
             state_dir: state_dir.to_owned(),
             mps_pipe_dir: Some(vgpu_agent::mps::pipe_dir(&state_dir.join("shm"))),
+            // Every tenant an MPS client, so that the spec shows the pipes whatever the flags.
+            mps_tenants: vgpu_agent::mps::MpsTenants::All,
         }),
         // Concurrent sharing, with a stand-in for nvidia-cuda-mps-control that records its
         // start (the real one needs a GPU; tests/gpu runs it).
@@ -212,6 +214,7 @@ fn start(control_plane: Vec<String>, state_dir: &Path) -> RunningAgent {
             Some(fake_mps_control(state_dir)),
             &state_dir.join("shm"),
             state_dir,
+            vgpu_agent::mps::MpsTenants::All,
         )),
         security: vgpu_agent::bootstrap::Security {
             insecure: true,
