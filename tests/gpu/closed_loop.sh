@@ -35,7 +35,8 @@
 # run before it, unmeasured, 0.75), GAP (idle seconds between windows, 0.25), PERIODS (step
 # periods in ms, e.g. "eager=6 bert=2.5"; defaults decoder 3, eager 5, bert 2), VGPU_BIN (dist),
 # PY (python3, or /opt/torch/.venv/bin/python3 where it exists), OUT (/tmp/closed-loop-out),
-# VGPU_PORT (7474), DEADLINE_S (570: a group that would end later is skipped, so that the
+# VGPU_PORT (7474), MPS_TENANTS (the agent's `--mps-tenants`: best-effort, its default, keeps the
+# latency tenants out of MPS; all makes them MPS clients too, with the SM lever), DEADLINE_S (570: a group that would end later is skipped, so that the
 # table and the tar still come back inside a 10-minute command; 0: never skip).
 #
 # How the device time is kept small: the processes of a mode are started ONCE (a "group") and warm
@@ -86,6 +87,7 @@ PAIRS=${PAIRS:-$ALL_PAIRS}
 MODES=${MODES:-alone plain mps mps50 vgpu-mps vgpu}
 PERIODS=${PERIODS:-}
 DEADLINE_S=${DEADLINE_S:-570}
+MPS_TENANTS=${MPS_TENANTS:-best-effort}
 READY_TIMEOUT_S=${READY_TIMEOUT_S:-120}
 OUT=${OUT:-/tmp/closed-loop-out}
 LOGS="$OUT/closed_loop"
@@ -320,7 +322,7 @@ cp_answers() { ctl cluster status >/dev/null 2>&1; }
 agent_start() { # agent_start [--mps]: (re)start the agent with the same state
   [ -n "$AGENT" ] && stop_pid "$AGENT"
   "$BIN/vgpu-agent" join --insecure --control-plane "$EP" --name gpu-node --state-dir "$WORK/agent" \
-    --shm-dir "$SHM" --cdi-dir "$WORK/cdi" "$@" 2>>"$LOGS/agent.log" &
+    --shm-dir "$SHM" --cdi-dir "$WORK/cdi" --mps-tenants "$MPS_TENANTS" "$@" 2>>"$LOGS/agent.log" &
   AGENT=$!
   PIDS+=("$AGENT")
   bounded_wait 10 "node gpu-node in vgpuctl get nodes" node_listed || return 1
@@ -407,6 +409,7 @@ if has_mode mps || has_mode mps50; then
   mps_stop
 fi
 
+export VGPU_AGENT_MPS_TENANTS="$MPS_TENANTS"
 EXEC_BASE=("$BIN/vgpu-agent" exec --name gpu-node --state-dir "$WORK/agent" --shm-dir "$SHM"
   --interposer "$BIN/libvgpu_cuda.so")
 vgpu_group() { # vgpu_group MODE: the pairs through the agent (vgpu: without MPS, vgpu-mps: with)

@@ -21,7 +21,8 @@
 #   VGPU_BIN=dist tests/gpu/fault_matrix.sh          # ~3 min on an H100
 #
 # Knobs: MODES (plain mps vgpu vgpu-mps), FAULTS (illegal kill), LINGER (5), VGPU_BIN (dist), PY,
-# OUT (/tmp/fault-matrix-out), VGPU_PORT (7475).
+# OUT (/tmp/fault-matrix-out), VGPU_PORT (7475), MPS_TENANTS (the agent's `--mps-tenants`:
+# best-effort, its default, or all: the latency tenant an MPS client too).
 # No GPU setting is changed and nothing is reset; every process started here is killed and reaped
 # on exit, and the MPS daemons are told to quit. Exit: 0 done, 2 usage, 3 wrong machine.
 # shellcheck disable=SC2317 # cleanup and the wait tests are called indirectly (trap, bounded_wait)
@@ -41,6 +42,7 @@ esac
 MODES=${MODES:-plain mps vgpu vgpu-mps}
 FAULTS=${FAULTS:-illegal kill}
 LINGER=${LINGER:-5}
+MPS_TENANTS=${MPS_TENANTS:-best-effort}
 OUT=${OUT:-/tmp/fault-matrix-out}
 LOGS="$OUT/fault_matrix"
 PORT=${VGPU_PORT:-7475}
@@ -128,7 +130,7 @@ start() {
   vgpu | vgpu-mps)
     local flag=false
     [ "$MODE" = vgpu-mps ] && flag=true
-    VGPU_AGENT_MPS=$flag VGPU_LOG="${VGPU_LOG:-2}" "$BIN/vgpu-agent" exec --name gpu-node \
+    VGPU_AGENT_MPS=$flag VGPU_AGENT_MPS_TENANTS=$MPS_TENANTS VGPU_LOG="${VGPU_LOG:-2}" "$BIN/vgpu-agent" exec --name gpu-node \
       --state-dir "$WORK/agent" --shm-dir "$SHM" --interposer "$BIN/libvgpu_cuda.so" \
       --tenant "$tenant" -- "$PY" "$HELPER" "$@" >"$logf" 2>&1 &
     ;;
@@ -179,7 +181,7 @@ vgpu_up() { # vgpu_up [--mps]
   fi
   [ -n "$AGENT" ] && stop_pid "$AGENT"
   "$BIN/vgpu-agent" join --insecure --control-plane "$EP" --name gpu-node --state-dir "$WORK/agent" \
-    --shm-dir "$SHM" --cdi-dir "$WORK/cdi" "$@" 2>>"$LOGS/agent.log" &
+    --shm-dir "$SHM" --cdi-dir "$WORK/cdi" --mps-tenants "$MPS_TENANTS" "$@" 2>>"$LOGS/agent.log" &
   AGENT=$!
   PIDS+=("$AGENT")
   bounded_wait 10 "node gpu-node" node_listed || return 1
@@ -204,7 +206,7 @@ agent_mps_down() {
 }
 
 gpu=$(nvidia-smi --query-gpu=name,driver_version,compute_mode,mig.mode.current --format=csv,noheader 2>&1 | head -n1)
-log "machine: $gpu; modes: $MODES; faults: $FAULTS; LINGER=$LINGER"
+log "machine: $gpu; modes: $MODES; faults: $FAULTS; LINGER=$LINGER MPS_TENANTS=$MPS_TENANTS"
 cmode=$(echo "$gpu" | awk -F', *' '{ print $3 }')
 mig=$(echo "$gpu" | awk -F', *' '{ print $4 }')
 if [ "$cmode" != Default ] || [ "$mig" = Enabled ]; then
