@@ -1287,7 +1287,8 @@ copy_hook!(cuMemcpyDtoHAsync_v2, memcpy_dtoh_async, false);
 copy_hook!(cuMemcpyDtoHAsync_v2_ptsz, memcpy_dtoh_async_ptsz, true);
 
 /// A synchronisation or completion query: forwarded unchanged; when it says the work it waited
-/// for is done (`CUDA_SUCCESS`), a latency tenant's open step closes (`closed_loop`).
+/// for is done (`CUDA_SUCCESS`), a latency tenant's open step closes (`closed_loop`); when it
+/// says the context is lost, the process is told why once (`fault`).
 macro_rules! sync_hook {
     ($name:ident, $field:ident, ($($arg:ident: $ty:ty),*)) => {
         /// # Safety
@@ -1301,6 +1302,10 @@ macro_rules! sync_hook {
                 if rc == CUDA_SUCCESS {
                     ffi_boundary!(stringify!($name), fallback = (), {
                         crate::closed_loop::synchronised(&RealGpu(driver))
+                    });
+                } else {
+                    ffi_boundary!(stringify!($name), fallback = (), {
+                        crate::fault::sync_failed(rc)
                     });
                 }
                 rc

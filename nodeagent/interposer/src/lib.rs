@@ -33,6 +33,7 @@ mod boundary;
 mod closed_loop;
 mod dlsym_shim;
 mod exports;
+mod fault;
 mod hooks;
 mod launch;
 mod log;

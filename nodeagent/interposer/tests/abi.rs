@@ -667,3 +667,34 @@ fn many_processes_racing_never_exceed_the_limit() {
     let free = 10 * GIB - granted as u64 * 2 * GIB;
     assert_eq!(out, format!("info 0 {free} {}\n", 10 * GIB));
 }
+
+#[test]
+fn a_lost_context_is_explained_once_with_whose_fault_it_may_be() {
+    let shm = shm_dir();
+    let run = |mps: bool| {
+        let mut probe = Probe::new(shm.path(), Some("a")).env("FAKE_CUDA_SYNC_RESULT", "700");
+        if mps {
+            probe = probe.env("CUDA_MPS_PIPE_DIRECTORY", shm.path().join("mps"));
+        }
+        probe.command.args(["stream_sync", "stream_sync"]);
+        let output = probe.command.output().expect("running the probe");
+        (
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let (stdout, stderr) = run(true);
+    // The driver's result reaches the application unchanged, twice; the line comes once.
+    assert_eq!(stdout, "stream_sync 700\nstream_sync 700\n");
+    assert_eq!(
+        stderr.matches("CUDA context is lost").count(),
+        1,
+        "{stderr}"
+    );
+    assert!(stderr.contains("another tenant's too"), "{stderr}");
+    let (_, stderr) = run(false);
+    assert!(
+        stderr.contains("other tenants are not affected"),
+        "{stderr}"
+    );
+}

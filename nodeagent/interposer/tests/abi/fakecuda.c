@@ -560,7 +560,9 @@ static unsigned long long stream_end(CUstream s) {
 }
 CUresult cuStreamSynchronize(CUstream s) {
   sleep_until(stream_end(s));
-  return OK;
+  /* FAKE_CUDA_SYNC_RESULT: what every stream synchronisation returns (a lost context) */
+  const char *result = getenv("FAKE_CUDA_SYNC_RESULT");
+  return result ? (CUresult)atoi(result) : OK;
 }
 CUresult cuStreamSynchronize_ptsz(CUstream s) { return cuStreamSynchronize(PER_THREAD(s)); }
 CUresult cuStreamQuery(CUstream s) { return now_ns() >= stream_end(s) ? OK : NOT_READY; }
