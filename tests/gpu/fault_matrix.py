@@ -241,17 +241,25 @@ def analyze(args):
             probe_after = float(open(os.path.join(folder, "probe_at")).read()) - fault_t if fault_t else None
         except (OSError, ValueError):
             pass
-        rows.append((mode, fault, outcome, len(after), p50, worst, probe_s, probe_after))
+        pr2 = read_result(os.path.join(folder, "probe2.log"))
+        probe2_s = "-" if pr2 is None else ("ok" if pr2.get("ok") else f"failed: {(pr2.get('error') or '')[:50]}")
+        try:
+            probe2_after = float(open(os.path.join(folder, "probe2_at")).read()) - fault_t if fault_t else None
+        except (OSError, ValueError):
+            probe2_after = None
+        rows.append((mode, fault, outcome, len(after), p50, worst, probe_s, probe_after,
+                     probe2_s, probe2_after))
 
     def f(v, nd=1):
         return "-" if v is None else f"{v:.{nd}f}"
 
-    out = ["| mode | fault of the neighbour | victim | victim steps after | victim p50 before ms | worst step around ms | new client (started s after the fault) |",
-           "| --- | --- | --- | --: | --: | --: | --- |"]
-    tsv = ["mode\tfault\tvictim\tsteps_after\tp50_ms\tworst_ms\tprobe\tprobe_after_s"]
-    for mode, fault, outcome, n_after, p50, worst, probe_s, probe_after in rows:
-        out.append(f"| {mode} | {fault} | {outcome} | {n_after} | {f(p50, 2)} | {f(worst)} | {probe_s} ({f(probe_after)} s) |")
-        tsv.append("\t".join(str(x) for x in (mode, fault, outcome, n_after, p50, worst, probe_s, probe_after)))
+    out = ["| mode | fault of the neighbour | victim | victim steps after | victim p50 before ms | worst step around ms | new client (started s after the fault) | later new client |",
+           "| --- | --- | --- | --: | --: | --: | --- | --- |"]
+    tsv = ["mode\tfault\tvictim\tsteps_after\tp50_ms\tworst_ms\tprobe\tprobe_after_s\tprobe2\tprobe2_after_s"]
+    for row in rows:
+        mode, fault, outcome, n_after, p50, worst, probe_s, probe_after, probe2_s, probe2_after = row
+        out.append(f"| {mode} | {fault} | {outcome} | {n_after} | {f(p50, 2)} | {f(worst)} | {probe_s} ({f(probe_after)} s) | {probe2_s} ({f(probe2_after)} s) |")
+        tsv.append("\t".join(str(x) for x in row))
     with open(os.path.join(args.logs, "results.tsv"), "w") as fh:
         fh.write("\n".join(tsv) + "\n")
     print("\n".join(out))

@@ -9,7 +9,9 @@
 #              illegal  a kernel stores through a null pointer (CUDA_ERROR_ILLEGAL_ADDRESS)
 #              kill     SIGKILL from this script with kernels in flight
 #   probe    a new client started 0.5 s after the fault: CUDA init and one checked matmul (MPS
-#            refuses new clients until every client of a faulted server has exited)
+#            refuses new clients until every client of a faulted server has exited), and another
+#            one PROBE2_AFTER s after the fault (after the agent's grace for lingering clients of a
+#            faulted MPS server, 10 s: it terminates them so that new clients are accepted)
 # Modes: plain (two processes, the driver's time slicing), mps (both clients of an MPS daemon
 # started here), vgpu (vgpu-cp + `vgpu-agent join`, the victim placed with --latency, the faulter
 # and the probe in a --burst tenant, all through `vgpu-agent exec`), vgpu-mps (the same with
@@ -42,6 +44,7 @@ esac
 MODES=${MODES:-plain mps vgpu vgpu-mps}
 FAULTS=${FAULTS:-illegal kill}
 LINGER=${LINGER:-5}
+PROBE2_AFTER=${PROBE2_AFTER:-13}
 MPS_TENANTS=${MPS_TENANTS:-best-effort}
 OUT=${OUT:-/tmp/fault-matrix-out}
 LOGS="$OUT/fault_matrix"
@@ -164,6 +167,12 @@ run_case() { # run_case FAULT
   start nb "$D/probe.log" probe
   probe=$LAST
   reap "$probe" 45 || log "new client did not finish within 45 s: killed (HUNG)"
+  local wait_s
+  wait_s=$(awk -v t="$(cat "$D/probe_at")" -v a="$PROBE2_AFTER" -v n="$(date +%s.%N)" 'BEGIN { d = t - 0.5 + a - n; printf "%.2f", d > 0 ? d : 0 }')
+  sleep "$wait_s"
+  date +%s.%N >"$D/probe2_at"
+  start nb "$D/probe2.log" probe
+  reap "$LAST" 45 || log "the later new client did not finish within 45 s: killed (HUNG)"
   reap "$victim" $((20 + LINGER + 20)) || log "victim did not exit in time: killed (HUNG)"
   if [ "$MODE" = vgpu ] || [ "$MODE" = vgpu-mps ]; then
     ctl describe tenant lat >"$D/describe-lat.txt" 2>&1

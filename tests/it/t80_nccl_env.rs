@@ -89,9 +89,20 @@ fn bandwidth_weights_and_slice_identities_reach_the_tenant_environment() -> Resu
     let mps = [("VGPU_AGENT_MPS", "true")];
     let serve_mps = tenant_env_with(&cluster, "serve", &shm_dir, &mps)?;
     let train_mps = tenant_env_with(&cluster, "train", &shm_dir, &mps)?;
+    // On an MPS node the latency tenant keeps a context of its own by default (MPS shares one
+    // fault domain); `mps_tenants = all` makes it a client too.
     assert!(
-        serve_mps.contains(&format!("CUDA_MPS_PIPE_DIRECTORY='{shm_dir}/mps'")),
+        !serve_mps.contains("CUDA_MPS_PIPE_DIRECTORY"),
         "{serve_mps}"
+    );
+    let all = [
+        ("VGPU_AGENT_MPS", "true"),
+        ("VGPU_AGENT_MPS_TENANTS", "all"),
+    ];
+    let serve_all = tenant_env_with(&cluster, "serve", &shm_dir, &all)?;
+    assert!(
+        serve_all.contains(&format!("CUDA_MPS_PIPE_DIRECTORY='{shm_dir}/mps'")),
+        "{serve_all}"
     );
     assert!(serve_mps.contains("VGPU_LATENCY='1'"), "{serve_mps}");
     assert!(train_mps.contains("VGPU_SPATIAL='1'"), "{train_mps}");

@@ -139,6 +139,9 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     if let Some(mps) = &config.mps {
         // Before any tenant can be started here: their environment names the daemon's pipes.
         crate::mps::ensure_running(mps)?;
+        // Faults of its clients: reported, and clients that keep a lost context terminated so
+        // that new ones are accepted again.
+        let _mps_watch = crate::mps_watch::spawn(mps.clone(), crate::mps_watch::GRACE_DEFAULT);
     }
     if let Some(cdi) = config.cdi {
         if !cdi.interposer.is_file() {

@@ -39,6 +39,7 @@ pub mod health;
 pub mod inventory;
 pub mod monitor;
 pub mod mps;
+pub mod mps_watch;
 pub mod private;
 pub mod reconcile;
 pub mod report;

@@ -130,6 +130,15 @@ pub enum MpsError {
         output: String,
         log: String,
     },
+    #[error(
+        "`{command}` to the MPS control daemon failed ({status}): {output}; see {log}/control.log"
+    )]
+    Command {
+        command: String,
+        status: String,
+        output: String,
+        log: String,
+    },
     #[error("the MPS control program `{program}` did not answer within {COMMAND_TIMEOUT:?}")]
     Timeout { program: String },
 }
@@ -178,6 +187,26 @@ pub fn ensure_running(config: &MpsConfig) -> Result<Started, MpsError> {
         config.log_dir.display()
     );
     Ok(Started::Started)
+}
+
+/// Ends the MPS client `client` of the server `server` (`terminate_client`): its CUDA calls then
+/// fail with `CUDA_ERROR_MPS_CLIENT_TERMINATED`. For clients whose context a fault already lost
+/// (`crate::mps_watch`), so that the server recovers and takes new clients.
+pub fn terminate_client(config: &MpsConfig, server: u32, client: u32) -> Result<(), MpsError> {
+    let command = format!("terminate_client {server} {client}");
+    let output = run(config, &[], Some(&format!("{command}\n")))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(MpsError::Command {
+            command,
+            status: output.status.to_string(),
+            output: String::from_utf8_lossy(&[output.stdout, output.stderr].concat())
+                .trim()
+                .to_owned(),
+            log: config.log_dir.display().to_string(),
+        })
+    }
 }
 
 /// Whether a daemon answers on the pipe directory (`get_server_list` succeeds).
