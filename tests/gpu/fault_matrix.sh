@@ -10,7 +10,7 @@
 #              kill     SIGKILL from this script with kernels in flight
 #   probe    a new client started 0.5 s after the fault: CUDA init and one checked matmul (MPS
 #            refuses new clients until every client of a faulted server has exited), and another
-#            one PROBE2_AFTER s after the fault (after the agent's grace for lingering clients of a
+#            one PROBE2_AFTER (25) s after the fault (after the agent's grace for lingering clients of a
 #            faulted MPS server, 10 s: it terminates them so that new clients are accepted)
 # Modes: plain (two processes, the driver's time slicing), mps (both clients of an MPS daemon
 # started here), vgpu (vgpu-cp + `vgpu-agent join`, the victim placed with --latency, the faulter
@@ -44,7 +44,7 @@ esac
 MODES=${MODES:-plain mps vgpu vgpu-mps}
 FAULTS=${FAULTS:-illegal kill}
 LINGER=${LINGER:-5}
-PROBE2_AFTER=${PROBE2_AFTER:-13}
+PROBE2_AFTER=${PROBE2_AFTER:-25}
 MPS_TENANTS=${MPS_TENANTS:-best-effort}
 OUT=${OUT:-/tmp/fault-matrix-out}
 LOGS="$OUT/fault_matrix"
@@ -168,7 +168,7 @@ run_case() { # run_case FAULT
   probe=$LAST
   reap "$probe" 45 || log "new client did not finish within 45 s: killed (HUNG)"
   local wait_s
-  wait_s=$(awk -v t="$(cat "$D/probe_at")" -v a="$PROBE2_AFTER" -v n="$(date +%s.%N)" 'BEGIN { d = t - 0.5 + a - n; printf "%.2f", d > 0 ? d : 0 }')
+  wait_s=$(awk -v t="$(cat "$D/probe_at")" -v a="$PROBE2_AFTER" -v n="$(date +%s.%N)" 'BEGIN { d = t - 0.5 + a - n; printf "%.2f", (d > 0 ? d : 0) }')
   sleep "$wait_s"
   date +%s.%N >"$D/probe2_at"
   start nb "$D/probe2.log" probe
