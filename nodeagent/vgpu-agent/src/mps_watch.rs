@@ -294,10 +294,11 @@ pub fn spawn(config: crate::mps::MpsConfig, grace: Duration) -> std::thread::Joi
                             if terminated.insert(client, now).is_some() {
                                 continue;
                             }
+                            // Named before: a terminated client may exit at once.
+                            let tenant = tenant_of(client).unwrap_or_else(|| "unknown".into());
                             match crate::mps::terminate_client(&config, server, client) {
                                 Ok(()) => tracing::warn!(
-                                    "terminated MPS client {client} (tenant {}) of the faulted server {server}: it kept a lost context past the grace period",
-                                    tenant_of(client).unwrap_or_else(|| "unknown".into())
+                                    "terminated MPS client {client} (tenant {tenant}) of the faulted server {server}: it kept a lost context past the grace period"
                                 ),
                                 Err(e) => tracing::warn!(
                                     "could not terminate MPS client {client} of the faulted server {server}: {e}; new MPS clients are refused until it exits"
