@@ -494,7 +494,14 @@ def report(args):
     def nb_of(tag):
         return by_tag.get(tag, {}).get("nb")
 
-    alone_p99 = {l: (lat_of(f"alone:{l}:-") or {}).get("p99_ms") for l in lats}
+    # A latency tenant's baseline: the quieter (lower p99) of its two alone windows (`alone` at the
+    # start of the plain group, `alone2` at its end): a stricter target, never a looser one.
+    def quieter(l):
+        seen = [w for w in (lat_of(f"alone:{l}:-"), lat_of(f"alone2:{l}:-")) if w and w.get("p99_ms", -1) > 0]
+        return min(seen, key=lambda w: w["p99_ms"]) if seen else None
+
+    baseline = {l: quieter(l) for l in lats}
+    alone_p99 = {l: (baseline[l] or {}).get("p99_ms") for l in lats}
     alone_work = {n: (nb_of(f"alone:-:{n}") or {}).get("work_per_s") for n in nbs}
 
     def ratio(a, b):
@@ -505,6 +512,9 @@ def report(args):
         if "alone" in modes:
             w = lat_of(f"alone:{l}:-")
             rows.append((l, "-", "alone", w, None, ratio((w or {}).get("p99_ms"), alone_p99[l]), None, ""))
+            w2 = lat_of(f"alone2:{l}:-")
+            if w2:
+                rows.append((l, "-", "alone again", w2, None, ratio(w2.get("p99_ms"), alone_p99[l]), None, ""))
     for n in nbs:
         if "alone" in modes:
             w = nb_of(f"alone:-:{n}")
@@ -584,7 +594,7 @@ def report(args):
     # clock): every ratio against it flatters the modes. Reported, and the run exits 5.
     disturbed = []
     for l in lats:
-        w = lat_of(f"alone:{l}:-")
+        w = baseline[l]
         if w and w.get("p50_ms", -1) > 0 and w.get("p99_ms", -1) > BASELINE_MAX_P99_OVER_P50 * w["p50_ms"]:
             disturbed.append(l)
             problems.append(f"{l}: DISTURBED BASELINE: alone p99 {w['p99_ms']} ms > {BASELINE_MAX_P99_OVER_P50}x its p50 "

@@ -371,7 +371,7 @@ if [ "$cmode" != Default ] || [ "$mig" = Enabled ]; then
 fi
 n_pairs=$(echo "$PAIRS" | wc -w)
 n_win=0
-has_mode alone && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]}))
+has_mode alone && n_win=$((n_win + 2 * ${#LATS[@]} + ${#NBS[@]}))
 for m in plain mps mps50 vgpu-mps vgpu; do has_mode "$m" && n_win=$((n_win + n_pairs)); done
 for m in vgpu-mps-alone vgpu-alone; do has_mode "$m" && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]})); done
 log "plan: $n_win windows of ${WINDOW}s (+${SETTLE}s settle, ${GAP}s gap): ~$(awk -v n="$n_win" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) }')s of windows, plus ~8s per group"
@@ -388,6 +388,12 @@ if has_mode alone || has_mode plain; then
   fi
   if has_mode plain; then
     for p in $PAIRS; do GROUP_WINS+=("plain:$p=${p%%:*},${p#*:}"); done
+  fi
+  # each latency tenant alone once more at the end: the quieter of its two alone windows is its
+  # baseline (the first ones, right after the warm-up, were slow in their first seconds in every
+  # call of the eleventh session for eager and bert)
+  if has_mode alone; then
+    for l in "${LATS[@]}"; do GROUP_WINS+=("alone2:$l:-=$l"); done
   fi
   run_group plain
 fi
