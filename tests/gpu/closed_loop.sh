@@ -35,7 +35,7 @@
 # run before it, unmeasured, 0.75), GAP (idle seconds between windows, 0.25), PERIODS (step
 # periods in ms, e.g. "eager=6 bert=2.5"; defaults decoder 3, eager 5, bert 2), VGPU_BIN (dist),
 # PY (python3, or /opt/torch/.venv/bin/python3 where it exists), OUT (/tmp/closed-loop-out),
-# VGPU_PORT (7474), MPS_TENANTS (the agent's `--mps-tenants`: best-effort, its default, keeps the
+# VGPU_PORT (7474), MPS_TENANTS (the agent's `--mps-tenants`: non-latency, its default, keeps the
 # latency tenants out of MPS; all makes them MPS clients too, with the SM lever), DEADLINE_S (570: a group that would end later is skipped, so that the
 # table and the tar still come back inside a 10-minute command; 0: never skip).
 #
@@ -87,7 +87,7 @@ PAIRS=${PAIRS:-$ALL_PAIRS}
 MODES=${MODES:-alone plain mps mps50 vgpu-mps vgpu}
 PERIODS=${PERIODS:-}
 DEADLINE_S=${DEADLINE_S:-570}
-MPS_TENANTS=${MPS_TENANTS:-best-effort}
+MPS_TENANTS=${MPS_TENANTS:-non-latency}
 READY_TIMEOUT_S=${READY_TIMEOUT_S:-120}
 OUT=${OUT:-/tmp/closed-loop-out}
 LOGS="$OUT/closed_loop"

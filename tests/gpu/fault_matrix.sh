@@ -24,7 +24,7 @@
 #
 # Knobs: MODES (plain mps vgpu vgpu-mps), FAULTS (illegal kill), LINGER (5), VGPU_BIN (dist), PY,
 # OUT (/tmp/fault-matrix-out), VGPU_PORT (7475), MPS_TENANTS (the agent's `--mps-tenants`:
-# best-effort, its default, or all: the latency tenant an MPS client too).
+# non-latency, its default, or all: the latency tenant an MPS client too).
 # No GPU setting is changed and nothing is reset; every process started here is killed and reaped
 # on exit, and the MPS daemons are told to quit. Exit: 0 done, 2 usage, 3 wrong machine.
 # shellcheck disable=SC2317 # cleanup and the wait tests are called indirectly (trap, bounded_wait)
@@ -45,7 +45,7 @@ MODES=${MODES:-plain mps vgpu vgpu-mps}
 FAULTS=${FAULTS:-illegal kill}
 LINGER=${LINGER:-5}
 PROBE2_AFTER=${PROBE2_AFTER:-25}
-MPS_TENANTS=${MPS_TENANTS:-best-effort}
+MPS_TENANTS=${MPS_TENANTS:-non-latency}
 OUT=${OUT:-/tmp/fault-matrix-out}
 LOGS="$OUT/fault_matrix"
 PORT=${VGPU_PORT:-7475}

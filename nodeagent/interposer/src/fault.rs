@@ -31,8 +31,8 @@ fn message(rc: CUresult, mps: bool) -> String {
              server, which makes every client of a GPU one fault domain: a fatal fault of any \
              client (another tenant's too) ends them all. Restart the process; the MPS server takes \
              new clients once every client of the faulted one has exited. A tenant that must not \
-             share a fault domain runs outside MPS (the agent's `mps_tenants = \"best-effort\"`, \
-             the default, keeps latency and guaranteed tenants out)."
+             share a fault domain runs outside MPS (the agent's `mps_tenants = \"non-latency\"`, \
+             the default, keeps latency tenants out)."
         )
     } else {
         format!(

@@ -154,8 +154,8 @@ const MPS_TENANTS: KeyDoc = KeyDoc {
     env: "VGPU_AGENT_MPS_TENANTS",
     env_aliases: &[],
     flag: Some("--mps-tenants"),
-    default: "best-effort",
-    example: "\"best-effort\"",
+    default: "non-latency",
+    example: "\"non-latency\"",
 };
 const MPS_CONTROL: KeyDoc = KeyDoc {
     key: "mps_control",

@@ -142,10 +142,10 @@ struct JoinArgs {
     /// latency-sensitive tenants (docs: nodeagent/vgpu-agent/README.md) [config: mps].
     #[arg(long)]
     mps: bool,
-    /// On an MPS node, which tenants are MPS clients: `best-effort` (burst and preemptible
-    /// tenants; latency and other guaranteed tenants keep a context of their own, fault-isolated)
-    /// or `all` (latency tenants too: they give up fault isolation for running side by side)
-    /// [default: best-effort] [config: mps_tenants].
+    /// On an MPS node, which tenants are MPS clients: `non-latency` (every tenant but latency
+    /// tenants, which keep a context of their own, fault-isolated) or `all` (latency tenants
+    /// too: they give up fault isolation for running side by side) [default: non-latency]
+    /// [config: mps_tenants].
     #[arg(long, value_name = "WHICH", value_parser = vgpu_agent::mps::MpsTenants::parse)]
     mps_tenants: Option<vgpu_agent::mps::MpsTenants>,
     #[command(flatten)]

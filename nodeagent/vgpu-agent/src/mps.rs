@@ -1,8 +1,8 @@
 //! Concurrent sharing (`mps = true`): the agent runs NVIDIA's MPS control daemon for the node, so
 //! that the kernels of the tenants that are its clients run side by side instead of being
 //! time-sliced by the driver, and hands its pipe directory to those tenants' processes
-//! ([`MpsTenants`]: by default the best-effort ones; latency tenants and other guaranteed
-//! tenants keep contexts of their own unless `mps_tenants = "all"`).
+//! ([`MpsTenants`]: by default every tenant but latency tenants, which keep contexts of their own
+//! unless `mps_tenants = "all"`).
 //!
 //! The daemon is started once (`nvidia-cuda-mps-control -d`, with `CUDA_MPS_PIPE_DIRECTORY`
 //! `<shm dir>/mps` and `CUDA_MPS_LOG_DIRECTORY` `<state dir>/mps-log`); one that already answers
@@ -26,17 +26,18 @@ use tracing::info;
 /// Which tenants of an MPS node run as MPS clients (`mps_tenants`). MPS puts its clients in
 /// one fault domain: a fatal fault of one (an illegal address; on an H100 even a `kill -9`
 /// with kernels in flight) ends every client of that GPU, and new clients are refused until
-/// all of them have exited (docs/benchmarks.md, "Fault matrix"). So only tenants that allow
-/// it join: by default the best-effort ones, which gain the most from running side by side.
+/// all of them have exited (docs/benchmarks.md, "Fault matrix"). A latency tenant, whose
+/// guarantee is the point, is therefore no client unless the node says so; the others are (the
+/// operator chose MPS for the node: multi-rank jobs of one tenant on one GPU need it to run their
+/// ranks at once, issue 16).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum MpsTenants {
-    /// Tenants that may use idle compute beyond their share (`--burst`) or may be preempted
-    /// (`--preemptible`), never latency tenants: a latency tenant keeps a context of its own
-    /// (time-sliced against the MPS server, fault-isolated from it, and without the MPS
+    /// Every tenant but latency tenants: a latency tenant keeps a context of its own
+    /// (time-sliced against the MPS server, fault-isolated from its clients, and without the MPS
     /// client's cost on its own steps: 12-40% of p99 on an H100).
     #[default]
-    BestEffort,
+    NonLatency,
     /// Every tenant, latency tenants included: they trade fault isolation for running beside
     /// their neighbours (and the SM lever of the closed loop).
     All,
@@ -44,24 +45,24 @@ pub enum MpsTenants {
 
 impl MpsTenants {
     /// Whether a tenant with these flags runs as an MPS client on an MPS node.
-    pub fn joins(self, latency: bool, burst: bool, guaranteed: bool) -> bool {
+    pub fn joins(self, latency: bool) -> bool {
         match self {
             MpsTenants::All => true,
-            MpsTenants::BestEffort => !latency && (burst || !guaranteed),
+            MpsTenants::NonLatency => !latency,
         }
     }
 
     /// Whether latency tenants are MPS clients (then the neighbours' SMs are a lever).
     pub fn latency_tenants_join(self) -> bool {
-        self.joins(true, false, true)
+        self.joins(true)
     }
 
     pub fn parse(text: &str) -> Result<MpsTenants, String> {
         match text.trim() {
-            "best-effort" => Ok(MpsTenants::BestEffort),
+            "non-latency" => Ok(MpsTenants::NonLatency),
             "all" => Ok(MpsTenants::All),
             other => Err(format!(
-                "`{other}` is not a choice of MPS tenants: `best-effort` (burst and preemptible tenants, the default) or `all` (latency tenants too, giving up their fault isolation)"
+                "`{other}` is not a choice of MPS tenants: `non-latency` (every tenant but latency tenants, the default) or `all` (latency tenants too, giving up their fault isolation)"
             )),
         }
     }

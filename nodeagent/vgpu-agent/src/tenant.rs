@@ -145,9 +145,7 @@ pub fn tenant_environment(
     }
     environment.extend(identity);
     if let Some(pipes) = &config.mps_pipe_dir
-        && config
-            .mps_tenants
-            .joins(latency, tenant_env.burst, tenant_env.guaranteed)
+        && config.mps_tenants.joins(latency)
     {
         environment.push((
             "CUDA_MPS_PIPE_DIRECTORY".to_owned(),

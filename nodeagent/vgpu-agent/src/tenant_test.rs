@@ -421,17 +421,13 @@ fn an_mps_node_gives_the_pipes_to_best_effort_tenants_and_spatial_roles_to_shari
             .any(|(k, _)| k == "CUDA_MPS_PIPE_DIRECTORY")
     };
     assert!(pipes(&serving, &all));
-    // So does a guaranteed tenant that does not burst; a preemptible one joins.
+    // A guaranteed tenant that does not burst is a client (its ranks on one GPU run at once).
     let mut steady = trainer.clone();
     for slice in &mut steady.slices {
         slice.burst = false;
     }
-    assert!(!pipes(&steady, &mps));
-    assert!(pipes(&steady, &all));
-    for slice in &mut steady.slices {
-        slice.guaranteed = false;
-    }
     assert!(pipes(&steady, &mps));
+    assert!(pipes(&steady, &all));
     // A tenant with whole GPUs shares none: pipes only.
     let mut whole = trainer.clone();
     for slice in &mut whole.slices {
