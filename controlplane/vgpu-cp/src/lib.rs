@@ -9,6 +9,7 @@ pub mod beats;
 pub mod certs;
 pub mod config;
 pub mod control_plane;
+pub mod dashboard;
 pub mod identity;
 pub mod leader;
 pub mod limits;
@@ -361,7 +362,7 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// many callers' writes, more).
 pub const STREAMS_PER_CONNECTION_MAX: u32 = 1024;
 
-/// Serves the gRPC API and `/metrics` on one listener (TLS under mTLS: `/metrics` then needs
+/// Serves the gRPC API, `/metrics` and the dashboard (`/ui/`) on one listener (TLS under mTLS: `/metrics` then needs
 /// the cluster CA to verify the server, but no client certificate).
 fn serve(
     control_plane: Arc<ControlPlane>,
@@ -373,9 +374,10 @@ fn serve(
         revoked: security::Revocations::of(control_plane.shared.clone()),
         ..guard
     };
+    let guard = Arc::new(guard);
     let service = service::Service {
         control_plane: control_plane.clone(),
-        guard: Arc::new(guard),
+        guard: guard.clone(),
     };
     let size = network::MESSAGE_BYTES_MAX;
     let client_size = network::CLIENT_MESSAGE_BYTES_MAX;
@@ -420,6 +422,8 @@ fn serve(
             }
         }),
     );
+    // The dashboard (`/ui/`), with the API's authentication (see `dashboard`).
+    let router = router.merge(dashboard::router(control_plane.clone(), guard));
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = transport.server_config() {

@@ -1,0 +1,131 @@
+// The vgpu pool dashboard: polls the JSON views of the visible tab (every 2 s, never two
+// requests at once, not while the page is hidden) and draws them. No external code.
+"use strict";
+const POLL_MS = 2000;
+const state = { view: "pool", tokens: { pool: [""], tenants: [""] }, timer: null };
+
+const $ = (id) => document.getElementById(id);
+const esc = (text) => String(text).replace(/[&<>"']/g, (c) => "&#" + c.charCodeAt(0) + ";");
+const gib = (bytes) => (bytes / 2 ** 30).toFixed(bytes >= 10 * 2 ** 30 ? 0 : 1) + " GiB";
+const ago = (ms) => (ms ? Math.max(0, Math.round((Date.now() - ms) / 1000)) + " s ago" : "never");
+const stat = (label, value, bad) => `<div class="stat"><b class="${bad ? "bad" : ""}">${esc(value)}</b>${esc(label)}</div>`;
+const hue = (name) => { let h = 0; for (const c of name) h = (h * 31 + c.charCodeAt(0)) % 360; return h; };
+
+function query(view) {
+  const params = new URLSearchParams();
+  const form = view === "pool" ? $("pool-filters") : view === "tenants" ? $("tenant-filters") : null;
+  if (form) for (const [key, value] of new FormData(form)) if (value) params.set(key, value);
+  const tokens = state.tokens[view];
+  if (tokens && tokens[tokens.length - 1]) params.set("page_token", tokens[tokens.length - 1]);
+  return params.toString();
+}
+
+async function load(view) {
+  const response = await fetch(`api/${view}?${query(view)}`, { cache: "no-store" });
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error || response.statusText);
+  return body;
+}
+
+function drawPool(page) {
+  const o = page.overview;
+  $("overview").innerHTML = [
+    stat("nodes", o.nodes), stat("GPUs", o.gpus),
+    stat("compute allocated", (o.compute_allocated_percent / Math.max(1, o.gpus)).toFixed(0) + " %"),
+    stat("memory allocated", gib(o.memory_allocated_bytes) + " / " + gib(o.memory_bytes)),
+    stat("tenants placed", o.tenants_placed), stat("tenants pending", o.tenants_pending, o.tenants_pending > 0),
+    stat("unhealthy GPUs", o.gpus_unhealthy, o.gpus_unhealthy > 0),
+    ...Object.entries(o.nodes_by_state).map(([s, n]) => stat("nodes " + s, n, s !== "ready")),
+    ...Object.entries(o.gpus_by_model).map(([m, n]) => stat(m, n)),
+    stat("matching filters", page.nodes_matched),
+  ].join("");
+  $("nodes").innerHTML = page.nodes.map((node) => `
+    <div class="node ${esc(node.state)}" data-node="${esc(node.name)}">
+      <h3><span>${esc(node.name)}</span><span>${esc(node.state)} · ${esc(ago(node.last_heartbeat_unix_ms))}</span></h3>
+      <div class="meta">${Object.entries(node.labels).map(([k, v]) => esc(k + "=" + v)).join(" ")}</div>
+      ${node.gpus.map(drawGpu).join("")}
+    </div>`).join("") || "<p>No node matches.</p>";
+  state.next = page.next_page_token;
+}
+
+function drawGpu(gpu) {
+  const h = gpu.health;
+  const problems = h ? [
+    h.xid_errors ? `XID ${h.last_xid} (${h.xid_errors})` : "",
+    h.ecc_uncorrected ? `ECC ${h.ecc_uncorrected}` : "",
+    h.throttle_reasons.length ? "throttled: " + h.throttle_reasons.join(",") : "",
+  ].filter(Boolean) : [];
+  const segments = gpu.segments.map((s) =>
+    `<div class="seg" title="${esc(s.tenant)}: ${s.compute_percent}% · ${esc(gib(s.memory_bytes))}" style="width:${s.compute_percent}%;background:hsl(${hue(s.tenant)},55%,55%)"></div>`).join("");
+  const used = gpu.utilization_percent == null ? "" : ` · util ${gpu.utilization_percent}%`;
+  const memUsed = gpu.memory_used_bytes == null ? "" : ` · used ${gib(gpu.memory_used_bytes)}`;
+  return `<div class="gpu" data-gpu="${gpu.index}">
+    <div class="meta"><span>GPU ${gpu.index} ${esc(gpu.model)}</span><span>${gpu.compute_allocated_percent}% · ${esc(gib(gpu.memory_allocated_bytes))}/${esc(gib(gpu.memory_bytes))}${used}${memUsed}</span></div>
+    <div class="bar">${segments}</div>
+    ${problems.length ? `<div class="meta bad">${esc(problems.join(" · "))}</div>` : ""}
+  </div>`;
+}
+
+function drawTenants(page) {
+  $("tenant-counts").innerHTML = Object.entries(page.counts).map(([s, n]) => stat(s, n, s !== "placed")).join("");
+  $("tenant-rows").innerHTML = page.tenants.map((t) => {
+    const r = t.request;
+    const ask = (r.whole_gpus ? `${r.whole_gpus} GPU` : `${r.milli_gpus / 1000} GPU`) + (r.nodes > 1 ? ` × ${r.nodes} nodes` : "") + ` · prio ${r.priority}`;
+    const placed = t.placement.map((s) => `${s.node}/${s.gpu_index} ${s.compute_percent}%`).join(", ");
+    const u = t.usage;
+    const latency = u && u.latency_p99_us ? `${u.latency_p99_us} / ${u.latency_target_us} µs` : (r.latency_target_us ? `– / ${r.latency_target_us} µs` : "");
+    const last = t.history.length ? t.history[t.history.length - 1].message : "";
+    return `<tr data-tenant="${esc(t.name)}"><td>${esc(t.name)}</td><td>${esc(t.owner)}</td><td class="${esc(t.state)}">${esc(t.state)}</td>
+      <td>${esc(ask)}</td><td>${esc(placed)}</td><td>${u ? esc(gib(u.memory_used_bytes)) : ""}</td><td>${esc(latency)}</td><td>${esc(t.reason || last)}</td></tr>`;
+  }).join("");
+  state.next = page.next_page_token;
+}
+
+function drawCluster(view) {
+  $("cluster-facts").innerHTML = [stat("cluster", view.cluster_id), stat("leader", view.leader || "none", !view.leader),
+    stat("term", view.term), stat("last log index", view.last_log_index), stat("applied", view.last_applied), stat("answered by", view.responder)].join("");
+  $("member-rows").innerHTML = view.members.map((m) => `<tr><td>${m.id}</td><td>${esc(m.address)}</td>
+    <td>${m.id === view.leader ? "leader" : m.voter ? "voter" : "learner"}</td><td>${m.matched_index || ""}</td></tr>`).join("");
+  const agents = view.agents;
+  $("agent-ages").innerHTML = agents ? Object.entries(agents.heartbeat_age).map(([b, n]) => stat("heard " + b, n, b === "older" || b === "never")).join("") : "<p>Agents are shown to admins.</p>";
+  $("agent-rows").innerHTML = agents ? agents.stalest.map((a) => `<tr><td>${esc(a.node)}</td><td>${esc(ago(a.last_heartbeat_unix_ms))}</td></tr>`).join("") : "";
+}
+
+async function refresh() {
+  clearTimeout(state.timer);
+  const view = state.view;
+  try {
+    const body = await load(view);
+    if (view !== state.view) return;
+    ({ pool: drawPool, tenants: drawTenants, cluster: drawCluster })[view](body);
+    $("status").textContent = "updated " + new Date().toLocaleTimeString();
+    $("status").className = "";
+  } catch (error) {
+    $("status").textContent = error.message;
+    $("status").className = "error";
+  }
+  // A hidden page stops polling; `visibilitychange` starts it again.
+  state.timer = setTimeout(() => { if (!document.hidden) refresh(); }, POLL_MS);
+}
+
+function show(view) {
+  state.view = view;
+  for (const button of document.querySelectorAll("nav button")) button.classList.toggle("active", button.dataset.view === view);
+  for (const section of document.querySelectorAll("main section")) section.hidden = section.id !== view;
+  refresh();
+}
+
+document.querySelectorAll("nav button").forEach((b) => b.addEventListener("click", () => show(b.dataset.view)));
+document.querySelectorAll(".filters").forEach((form) => form.addEventListener("change", () => {
+  state.tokens[state.view] = [""];
+  refresh();
+}));
+document.querySelectorAll(".filters").forEach((form) => form.addEventListener("submit", (e) => e.preventDefault()));
+document.querySelectorAll(".pager button").forEach((b) => b.addEventListener("click", () => {
+  const tokens = state.tokens[b.parentElement.dataset.for];
+  if (b.dataset.page === "first") tokens.splice(1);
+  else if (state.next) tokens.push(state.next);
+  refresh();
+}));
+document.addEventListener("visibilitychange", () => { if (!document.hidden) refresh(); });
+show("pool");
