@@ -336,3 +336,83 @@ fn the_page_is_self_contained() {
         );
     }
 }
+
+/// Every metric `deploy/grafana/vgpu-pool.json` queries is one that `/metrics` renders (with a
+/// leader's reports), so the Grafana dashboard cannot drift from the names silently.
+#[test]
+fn the_grafana_dashboard_queries_only_metrics_that_exist() {
+    const GRAFANA: &str = include_str!("../../../deploy/grafana/vgpu-pool.json");
+    let dashboard: serde_json::Value = serde_json::from_str(GRAFANA).expect("valid JSON");
+    let mut exprs = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            exprs.push(target["expr"].as_str().expect("an expr").to_owned());
+        }
+    }
+    for variable in dashboard["templating"]["list"]
+        .as_array()
+        .expect("variables")
+    {
+        if let Some(query) = variable["query"].as_str() {
+            exprs.push(query.to_owned());
+        }
+    }
+    assert!(exprs.len() >= 20, "the dashboard has its panels: {exprs:?}");
+    // Render what a leader serves: a pool with a placed tenant, and a report with everything.
+    let state = pool(1, 1);
+    let slice = state.tenants["t00"].slices[0].clone();
+    let mut report = report("t00", &slice.gpu_uuid);
+    report.gpus[0].ecc_uncorrected = Some(1);
+    report.gpus[0].ecc_corrected = Some(3);
+    report.gpus[0].temperature_celsius = Some(60);
+    report.usage[0].memory_limit_bytes = 10 << 30;
+    report.usage[0].latency_p50_us = 3_000;
+    report.usage[0].latency_violations = 4;
+    report.usage[0].latency_steps = 100;
+    let shared = crate::store::Shared {
+        applied: std::sync::RwLock::new(crate::store::Applied {
+            pool: state,
+            ..Default::default()
+        }),
+        applied_index: tokio::sync::watch::channel(0).0,
+        watchers: crate::watchers::NodeWatchers::default(),
+    };
+    let facts = crate::metrics::RaftFacts {
+        id: 1,
+        term: 1,
+        leader: Some(1),
+        last_log_index: 1,
+        last_applied: 1,
+    };
+    let metrics = crate::metrics::Metrics::default();
+    metrics.observe_commit(Duration::from_millis(1));
+    let mut out = metrics.render(&facts, &shared);
+    let reports: BTreeMap<String, NodeReport> = [("n0".to_owned(), report)].into();
+    crate::usage::render(&mut out, &reports, |_| true);
+    let rendered = |name: &str| {
+        out.lines().any(|line| {
+            line.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+    };
+    let mut names: Vec<&str> = Vec::new();
+    for expr in &exprs {
+        let mut rest = expr.as_str();
+        while let Some(at) = rest.find("vgpu_") {
+            let tail = &rest[at..];
+            let end = tail
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(tail.len());
+            names.push(&tail[..end]);
+            rest = &tail[end..];
+        }
+    }
+    names.sort_unstable();
+    names.dedup();
+    assert!(
+        names.len() >= 30,
+        "the dashboard uses the metrics: {names:?}"
+    );
+    let missing: Vec<&&str> = names.iter().filter(|name| !rendered(name)).collect();
+    assert!(missing.is_empty(), "not in /metrics: {missing:?}\n{out}");
+}
