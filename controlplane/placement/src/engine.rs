@@ -8,7 +8,7 @@
 //! and the rotating scan cursor. The search lives in `search.rs`, preemption in `preempt.rs`,
 //! changes to a tenant in place in `update.rs`.
 
-use crate::node::Node;
+use crate::node::{HostUse, Node};
 use crate::search::Need;
 use crate::types::*;
 use crate::workload::WorkloadModel;
@@ -30,6 +30,79 @@ pub struct Engine {
     /// The next scan starts at the first node at or after this name (kube-scheduler rotates its
     /// start the same way, so the first nodes are not always the ones filled).
     pub(crate) scan_cursor: NodeName,
+    /// What kept tenants (placed or pending) that ask for host capacity ask in all: read by the fragmentation scorer to tell
+    /// GPUs stranded behind exhausted CPU or host memory. Derived from the tenants, so left out
+    /// of the serde encoding and recomputed by [`Engine::restore_host_state`].
+    #[serde(skip)]
+    pub(crate) host_mix: HostMix,
+}
+
+/// Totals over kept tenants that ask for CPU or host memory: GPUs (thousandths), CPU
+/// (millicores) and host memory asked. Tenants that ask for neither count nothing, so an engine
+/// without constraints has all zeros, decoded or not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct HostMix {
+    pub gpu_milli: u128,
+    pub cpu_milli: u128,
+    pub memory_bytes: u128,
+}
+
+impl HostMix {
+    fn of(request: &Request, constraints: &Constraints) -> HostMix {
+        if !constraints.asks_host() {
+            return HostMix::default();
+        }
+        let nodes = u128::from(request.nodes.max(1));
+        let gpu_milli = match request.gpus {
+            GpuCount::Whole(gpus) => 1000 * u128::from(gpus) * nodes,
+            GpuCount::Milli(milli) => u128::from(milli),
+        };
+        HostMix {
+            gpu_milli,
+            cpu_milli: u128::from(constraints.cpu_milli) * nodes,
+            memory_bytes: u128::from(constraints.host_memory_bytes) * nodes,
+        }
+    }
+
+    /// Whether any kept tenant asks for CPU or host memory (else nothing is ever stranded).
+    pub(crate) fn asks_host(&self) -> bool {
+        self.cpu_milli > 0 || self.memory_bytes > 0
+    }
+
+    /// GPU compute (percent) of `compute_free_sum` that `host_free` cannot feed at the CPU and
+    /// host memory per GPU of the kept tenants that ask for them: stranded behind exhausted CPU or host memory, a
+    /// fragment for every shape. 0 when nothing asks for host capacity.
+    pub(crate) fn stranded_percent(&self, compute_free_sum: u64, host_free: HostUse) -> u64 {
+        // Percent of a GPU that `free` can feed when `per_gpu_total` is needed per `gpu_milli`.
+        let feedable = |free: u64, asked_total: u128| -> u128 {
+            if asked_total == 0 || free == u64::MAX {
+                return u128::MAX;
+            }
+            u128::from(free) * self.gpu_milli / asked_total / 10
+        };
+        let feedable_percent = feedable(host_free.cpu_milli, self.cpu_milli)
+            .min(feedable(host_free.memory_bytes, self.memory_bytes));
+        let stranded = u128::from(compute_free_sum).saturating_sub(feedable_percent);
+        assert!(stranded <= u128::from(compute_free_sum));
+        stranded as u64
+    }
+
+    fn add(&mut self, other: HostMix) {
+        self.gpu_milli += other.gpu_milli;
+        self.cpu_milli += other.cpu_milli;
+        self.memory_bytes += other.memory_bytes;
+    }
+
+    fn remove(&mut self, other: HostMix) {
+        assert!(
+            self.gpu_milli >= other.gpu_milli
+                && self.cpu_milli >= other.cpu_milli
+                && self.memory_bytes >= other.memory_bytes
+        );
+        self.gpu_milli -= other.gpu_milli;
+        self.cpu_milli -= other.cpu_milli;
+        self.memory_bytes -= other.memory_bytes;
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,6 +110,9 @@ pub(crate) struct TenantRecord {
     pub request: Request,
     pub seq: u64,
     pub placement: Placement,
+    /// Not in the serde encoding (see [`Constraints`]): restored by `Engine::restore_host_state`.
+    #[serde(skip)]
+    pub constraints: Constraints,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,6 +196,7 @@ impl Engine {
             workload: WorkloadModel::default(),
             placed_by_priority: BTreeMap::new(),
             scan_cursor: NodeName::new(),
+            host_mix: HostMix::default(),
         }
     }
 
@@ -131,14 +208,21 @@ impl Engine {
     pub fn handle(&mut self, event: Event) -> Vec<Command> {
         let mut commands = Vec::new();
         match event {
-            Event::AddNode(spec) => self.add_node(spec, &mut commands),
+            Event::AddNode(spec) => self.add_node(spec, HostCapacity::default(), &mut commands),
+            Event::RegisterNode { spec, host } => self.add_node(spec, host, &mut commands),
             Event::RemoveNode(name) => self.remove_node(&name, &mut commands),
             Event::SetNodeState { node, state } => self.set_node_state(&node, state, &mut commands),
             Event::Submit {
                 tenant,
                 request,
                 seq,
-            } => self.submit(tenant, request, seq, &mut commands),
+            } => self.submit(tenant, request, Constraints::default(), seq, &mut commands),
+            Event::SubmitConstrained {
+                tenant,
+                request,
+                constraints,
+                seq,
+            } => self.submit(tenant, request, constraints, seq, &mut commands),
             Event::Release { tenant } => self.release(&tenant, &mut commands),
             Event::Retry => self.retry_pending(&mut commands),
             Event::Update {
@@ -148,6 +232,65 @@ impl Engine {
             } => self.update(&tenant, compute_percent, priority, &mut commands),
         }
         commands
+    }
+
+    /// What the serde encoding leaves out: non-default host capacities and constraints.
+    pub fn host_state(&self) -> HostState {
+        let nodes = self
+            .nodes
+            .iter()
+            .filter(|(_, node)| node.host != HostCapacity::default())
+            .map(|(name, node)| (name.clone(), node.host))
+            .collect();
+        let tenants = self
+            .tenants
+            .iter()
+            .filter(|(_, record)| record.constraints != Constraints::default())
+            .map(|(name, record)| (name.clone(), record.constraints.clone()))
+            .collect();
+        HostState { nodes, tenants }
+    }
+
+    /// Gives a decoded engine back what [`Engine::host_state`] took from it, and recomputes what
+    /// derives from it. Call it after every decode (with the default state when none was kept).
+    /// Panics on names the engine does not know or on host capacity over-committed: the state
+    /// must come from the same engine.
+    pub fn restore_host_state(&mut self, state: HostState) {
+        for node in self.nodes.values_mut() {
+            node.host = state
+                .nodes
+                .get(&node.spec.name)
+                .copied()
+                .unwrap_or_default();
+            node.host_used = HostUse::default();
+        }
+        assert!(
+            state.nodes.keys().all(|name| self.nodes.contains_key(name)),
+            "host state names an unknown node"
+        );
+        assert!(
+            state
+                .tenants
+                .keys()
+                .all(|name| self.tenants.contains_key(name)),
+            "host state names an unknown tenant"
+        );
+        self.host_mix = HostMix::default();
+        for (name, record) in &mut self.tenants {
+            record.constraints = state.tenants.get(name).cloned().unwrap_or_default();
+            self.host_mix
+                .add(HostMix::of(&record.request, &record.constraints));
+            if let Placement::Placed { slices } = &record.placement {
+                for node_name in slice_nodes(slices) {
+                    let node = self
+                        .nodes
+                        .get_mut(node_name)
+                        .expect("slices name known nodes");
+                    node.host_allocate(&record.constraints);
+                }
+            }
+        }
+        assert_eq!(self.host_state(), state, "restored host state differs");
     }
 
     pub fn node(&self, name: &str) -> Option<NodeView<'_>> {
@@ -246,23 +389,37 @@ impl Engine {
 
     // ---- events ----
 
-    fn add_node(&mut self, spec: NodeSpec, commands: &mut Vec<Command>) {
+    fn add_node(&mut self, spec: NodeSpec, host: HostCapacity, commands: &mut Vec<Command>) {
         let name = spec.name.clone();
         if let Some(existing) = self.nodes.get(&name) {
-            if existing.spec.gpus == spec.gpus {
+            let host_still_fits = host
+                .cpu_milli
+                .is_none_or(|cpu| existing.host_used.cpu_milli <= cpu)
+                && host
+                    .memory_bytes
+                    .is_none_or(|memory| existing.host_used.memory_bytes <= memory);
+            if existing.spec.gpus == spec.gpus && host_still_fits {
                 // Same hardware: keep its tenants, take the new labels, schedulable again.
                 self.index_remove(&name);
                 let node = self.nodes.get_mut(&name).expect("checked above");
                 node.spec = spec;
+                node.host = host;
                 node.state = NodeState::Ready;
                 self.index_insert(&name);
                 self.retry_pending(commands);
                 return;
             }
-            let reason = format!("node {name} re-registered with a different GPU inventory");
+            let reason = if existing.spec.gpus == spec.gpus {
+                format!(
+                    "node {name} re-registered with less CPU or host memory than its tenants use"
+                )
+            } else {
+                format!("node {name} re-registered with a different GPU inventory")
+            };
             self.forget_node(&name, &reason, commands);
         }
-        let node = Node::new(spec);
+        let mut node = Node::new(spec);
+        node.host = host;
         assert_eq!(node.state, NodeState::Ready);
         self.nodes.insert(name.clone(), node);
         self.index_insert(&name);
@@ -352,6 +509,7 @@ impl Engine {
         &mut self,
         tenant: TenantName,
         request: Request,
+        constraints: Constraints,
         seq: u64,
         commands: &mut Vec<Command>,
     ) {
@@ -366,12 +524,14 @@ impl Engine {
                 return;
             }
         };
+        let mix = HostMix::of(&request, &constraints);
         let record = TenantRecord {
             request,
             seq,
             placement: Placement::Pending {
                 reason: String::new(),
             },
+            constraints,
         };
         self.queue.insert(QueueKey::of(&tenant, &record));
         self.tenants.insert(tenant.clone(), record);
@@ -388,6 +548,7 @@ impl Engine {
                 commands.push(Command::Pending { tenant, reason });
             }
         }
+        self.host_mix.add(mix);
         // Counted after the decision: the model describes tenants kept (placed or pending).
         self.workload.observe(need.shape());
     }
@@ -405,6 +566,8 @@ impl Engine {
         }
         let record = self.tenants.remove(tenant).expect("checked above");
         assert!(self.queue.remove(&QueueKey::of(tenant, &record)));
+        self.host_mix
+            .remove(HostMix::of(&record.request, &record.constraints));
         commands.push(Command::Released {
             tenant: tenant.to_string(),
         });
@@ -446,8 +609,9 @@ impl Engine {
     /// Places a pending tenant if it fits now, else (guaranteed only) by preemption.
     fn attempt(&mut self, tenant: &str, reject_check: bool) -> Attempt {
         let request = self.tenants[tenant].request.clone();
+        let constraints = self.tenants[tenant].constraints.clone();
         let need = Need::of(&request).expect("validated at submit");
-        if let Some(found) = self.find(&request, need, None) {
+        if let Some(found) = self.find(&request, &constraints, need, None) {
             self.scan_cursor = found.cursor_next;
             self.bind(tenant, found.slices.clone());
             return Attempt::Bound(vec![Command::Bind {
@@ -455,7 +619,7 @@ impl Engine {
                 slices: found.slices,
             }]);
         }
-        if reject_check && let Some(reason) = self.never_fits_reason(&request, need) {
+        if reject_check && let Some(reason) = self.never_fits_reason(&request, &constraints, need) {
             return Attempt::Rejected(reason);
         }
         if !request.preemptible
@@ -463,7 +627,7 @@ impl Engine {
         {
             return Attempt::Bound(commands);
         }
-        Attempt::Unfit(self.unfit_reason(&request, need))
+        Attempt::Unfit(self.unfit_reason(&request, &constraints, need))
     }
 
     fn set_pending_reason(&mut self, tenant: &str, reason: String) {
@@ -489,6 +653,16 @@ impl Engine {
             let position = node.position_of[&slice.gpu_index];
             node.allocate(position, tenant, slice.compute_percent, slice.memory_bytes);
             self.index_insert(&slice.node);
+        }
+        let constraints = &self.tenants[tenant].constraints;
+        if constraints.asks_host() {
+            for node_name in slice_nodes(&slices) {
+                let node = self
+                    .nodes
+                    .get_mut(node_name)
+                    .expect("slices name known nodes");
+                node.host_allocate(constraints);
+            }
         }
         let record = self.tenants.get_mut(tenant).expect("known tenant");
         record.placement = Placement::Placed { slices };
@@ -540,6 +714,16 @@ impl Engine {
             node.free(position, tenant, slice.compute_percent, slice.memory_bytes);
             self.index_insert(&slice.node);
         }
+        let constraints = &self.tenants[tenant].constraints;
+        if constraints.asks_host() {
+            for node_name in slice_nodes(&slices) {
+                let node = self
+                    .nodes
+                    .get_mut(node_name)
+                    .expect("slices name known nodes");
+                node.host_free_of(constraints);
+            }
+        }
         assert!(self.queue.insert(key), "a placed tenant is not queued");
         slices
     }
@@ -578,8 +762,11 @@ impl Engine {
     /// tenants, and the free index holds exactly the Ready nodes. O(pool): for tests and benches.
     pub fn check_invariants(&self) {
         let mut expected: BTreeMap<(&str, u32), GpuUsage> = BTreeMap::new();
+        let mut host_expected: BTreeMap<&str, HostUse> = BTreeMap::new();
+        let mut mix_expected = HostMix::default();
         for (tenant, record) in &self.tenants {
             let key = QueueKey::of(tenant, record);
+            mix_expected.add(HostMix::of(&record.request, &record.constraints));
             match &record.placement {
                 Placement::Pending { .. } => {
                     assert!(self.queue.contains(&key), "{tenant} pending but not queued")
@@ -608,6 +795,18 @@ impl Engine {
                         nodes as usize,
                         "{tenant}: gang nodes not distinct"
                     );
+                    for node_name in slice_nodes(slices) {
+                        let node = &self.nodes[node_name];
+                        assert!(
+                            positions_of_slices(node, slices).all(|position| record
+                                .constraints
+                                .allows_model(&node.spec.gpus[position].model)),
+                            "{tenant}: a GPU of a model it does not allow"
+                        );
+                        let host = host_expected.entry(node_name).or_default();
+                        host.cpu_milli += record.constraints.cpu_milli;
+                        host.memory_bytes += record.constraints.host_memory_bytes;
+                    }
                     for slice in slices {
                         let node = &self.nodes[&slice.node];
                         assert_eq!(
@@ -672,6 +871,12 @@ impl Engine {
                     gpu.index
                 );
             }
+            assert_eq!(
+                node.host_used,
+                host_expected.remove(name.as_str()).unwrap_or_default(),
+                "{name}: host use differs from the tenants' constraints"
+            );
+            let _ = node.host_free(); // Asserts nothing is over-committed.
             let mut refreshed = node.clone();
             refreshed.topology = crate::topology::Topology::new(&node.spec);
             refreshed.refresh_summary();
@@ -685,9 +890,26 @@ impl Engine {
             }
         }
         assert!(expected.is_empty(), "slices on unknown GPUs: {expected:?}");
+        assert_eq!(mix_expected, self.host_mix, "host_mix is stale");
         assert_eq!(
             indexed,
             self.free_index.values().map(BTreeSet::len).sum::<usize>()
         );
     }
+}
+
+/// The distinct nodes of `slices`, by name: a tenant's constraints are charged once per node.
+pub(crate) fn slice_nodes(slices: &[SliceAssignment]) -> BTreeSet<&str> {
+    slices.iter().map(|slice| slice.node.as_str()).collect()
+}
+
+/// Positions on `node` of the slices of `slices` that are on it.
+fn positions_of_slices<'a>(
+    node: &'a Node,
+    slices: &'a [SliceAssignment],
+) -> impl Iterator<Item = usize> + 'a {
+    slices
+        .iter()
+        .filter(|slice| slice.node == node.spec.name)
+        .map(|slice| node.position_of[&slice.gpu_index])
 }

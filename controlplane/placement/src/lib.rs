@@ -20,6 +20,8 @@ mod workload;
 #[cfg(test)]
 mod engine_test;
 #[cfg(test)]
+mod host_test;
+#[cfg(test)]
 mod property_test;
 #[cfg(test)]
 mod testing;

@@ -3,7 +3,7 @@
 
 use crate::engine::GpuUsage;
 use crate::topology::{Topology, bit};
-use crate::types::{NodeSpec, NodeState, TenantName};
+use crate::types::{Constraints, HostCapacity, NodeSpec, NodeState, TenantName};
 use crate::workload::GpuFree;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -21,6 +21,21 @@ pub(crate) struct Node {
     /// GPU index -> position in `spec.gpus`.
     pub position_of: BTreeMap<u32, usize>,
     pub summary: NodeSummary,
+    /// Host capacity; not in the serde encoding (see [`HostCapacity`]): restored by
+    /// `Engine::restore_host_state`.
+    #[serde(skip)]
+    pub host: HostCapacity,
+    /// CPU and host memory taken by the placed tenants' constraints (once per tenant on this
+    /// node); derived, so also left out of the encoding.
+    #[serde(skip)]
+    pub host_used: HostUse,
+}
+
+/// CPU and host memory allocated on one node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct HostUse {
+    pub cpu_milli: u64,
+    pub memory_bytes: u64,
 }
 
 /// Kept up to date on every allocation change (O(GPUs per node)).
@@ -59,6 +74,8 @@ impl Node {
             topology,
             position_of,
             summary: NodeSummary::default(),
+            host: HostCapacity::default(),
+            host_used: HostUse::default(),
         };
         node.refresh_summary();
         assert_eq!(
@@ -66,6 +83,73 @@ impl Node {
             node.spec.gpus.len()
         );
         node
+    }
+
+    /// Free CPU and host memory; `u64::MAX` where the capacity is not reported.
+    pub(crate) fn host_free(&self) -> HostUse {
+        let free = |capacity: Option<u64>, used: u64| {
+            capacity.map_or(u64::MAX, |capacity| {
+                assert!(used <= capacity, "{}: host over-committed", self.spec.name);
+                capacity - used
+            })
+        };
+        HostUse {
+            cpu_milli: free(self.host.cpu_milli, self.host_used.cpu_milli),
+            memory_bytes: free(self.host.memory_bytes, self.host_used.memory_bytes),
+        }
+    }
+
+    /// Whether `constraints`' CPU and host memory fit what is free here now.
+    pub(crate) fn host_fits(&self, constraints: &Constraints) -> bool {
+        if !constraints.asks_host() {
+            return true;
+        }
+        let free = self.host_free();
+        constraints.cpu_milli <= free.cpu_milli
+            && constraints.host_memory_bytes <= free.memory_bytes
+    }
+
+    /// Whether `constraints`' CPU and host memory fit this node when empty.
+    pub(crate) fn host_could_fit(&self, constraints: &Constraints) -> bool {
+        self.host
+            .cpu_milli
+            .is_none_or(|cpu| constraints.cpu_milli <= cpu)
+            && self
+                .host
+                .memory_bytes
+                .is_none_or(|memory| constraints.host_memory_bytes <= memory)
+    }
+
+    /// GPUs (a bitmask over positions) of a model `constraints` allows.
+    pub(crate) fn model_mask(&self, constraints: &Constraints) -> u64 {
+        if constraints.gpu_models.is_empty() {
+            return (0..self.spec.gpus.len()).fold(0, |mask, position| mask | bit(position));
+        }
+        self.spec
+            .gpus
+            .iter()
+            .enumerate()
+            .filter(|(_, gpu)| constraints.gpu_models.contains(&gpu.model))
+            .fold(0, |mask, (position, _)| mask | bit(position))
+    }
+
+    pub(crate) fn host_allocate(&mut self, constraints: &Constraints) {
+        assert!(
+            self.host_fits(constraints),
+            "{}: host over-committed",
+            self.spec.name
+        );
+        self.host_used.cpu_milli += constraints.cpu_milli;
+        self.host_used.memory_bytes += constraints.host_memory_bytes;
+    }
+
+    pub(crate) fn host_free_of(&mut self, constraints: &Constraints) {
+        assert!(
+            self.host_used.cpu_milli >= constraints.cpu_milli
+                && self.host_used.memory_bytes >= constraints.host_memory_bytes
+        );
+        self.host_used.cpu_milli -= constraints.cpu_milli;
+        self.host_used.memory_bytes -= constraints.host_memory_bytes;
     }
 
     pub(crate) fn gpu_free(&self, position: usize) -> GpuFree {

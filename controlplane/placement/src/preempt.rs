@@ -15,7 +15,9 @@ use crate::engine::{Engine, Placement};
 use crate::node::Node;
 use crate::search::{Need, selector_matches};
 use crate::topology::{bit, positions};
-use crate::types::{Command, NodeName, NodeState, Request, SliceAssignment, TenantName};
+use crate::types::{
+    Command, Constraints, NodeName, NodeState, Request, SliceAssignment, TenantName,
+};
 use std::collections::BTreeSet;
 
 /// Pairs are searched exhaustively up to this many candidate victims on a node (276 pairs).
@@ -58,6 +60,7 @@ impl Engine {
     /// eviction would make it fit (the state is then unchanged).
     pub(crate) fn try_preempt(&mut self, tenant: &str) -> Option<Vec<Command>> {
         let request = self.tenants[tenant].request.clone();
+        let constraints = self.tenants[tenant].constraints.clone();
         assert!(!request.preemptible, "preemptible tenants never preempt");
         assert!(matches!(
             self.tenants[tenant].placement,
@@ -83,7 +86,10 @@ impl Engine {
             if node.state != NodeState::Ready || !selector_matches(node, &request) {
                 continue;
             }
-            if let Some(plan) = self.node_plan(name, node, &request, need) {
+            if !node.host_could_fit(&constraints) || node.model_mask(&constraints) == 0 {
+                continue;
+            }
+            if let Some(plan) = self.node_plan(name, node, &request, &constraints, need) {
                 plans.push(plan);
                 if plans.len() >= plans_max {
                     break;
@@ -112,7 +118,7 @@ impl Engine {
             let slices = self.unbind(victim, &reason);
             evicted.push((victim.clone(), slices));
         }
-        let Some(found) = self.find(&request, need, Some(&chosen)) else {
+        let Some(found) = self.find(&request, &constraints, need, Some(&chosen)) else {
             // The what-if said it fits; if the real search disagrees, undo rather than evict for
             // nothing.
             for (victim, slices) in evicted {
@@ -143,6 +149,7 @@ impl Engine {
         name: &NodeName,
         node: &Node,
         request: &Request,
+        constraints: &Constraints,
         need: Need,
     ) -> Option<NodePlan> {
         let mut candidates: Vec<Candidate> = node
@@ -180,11 +187,17 @@ impl Engine {
             // fits without victims was already placed by the normal search.
             return None;
         }
-        if self.fits_without(node, request, need, &[]) {
+        if self.fits_without(node, request, constraints, need, &[]) {
             return Some(plan(&[]));
         }
         if candidates.is_empty()
-            || !self.fits_without(node, request, need, &candidates.iter().collect::<Vec<_>>())
+            || !self.fits_without(
+                node,
+                request,
+                constraints,
+                need,
+                &candidates.iter().collect::<Vec<_>>(),
+            )
         {
             return None;
         }
@@ -198,7 +211,7 @@ impl Engine {
         });
         if let Some(single) = candidates
             .iter()
-            .find(|victim| self.fits_without(node, request, need, &[victim]))
+            .find(|victim| self.fits_without(node, request, constraints, need, &[victim]))
         {
             return Some(plan(&[single]));
         }
@@ -206,7 +219,7 @@ impl Engine {
             let mut best: Option<NodePlan> = None;
             for (i, first) in candidates.iter().enumerate() {
                 for second in &candidates[i + 1..] {
-                    if self.fits_without(node, request, need, &[first, second]) {
+                    if self.fits_without(node, request, constraints, need, &[first, second]) {
                         let pair = plan(&[first, second]);
                         if best.as_ref().is_none_or(|best| pair.key < best.key) {
                             best = Some(pair);
@@ -230,18 +243,18 @@ impl Engine {
         let mut chosen: Vec<&Candidate> = Vec::new();
         for victim in greedy {
             chosen.push(victim);
-            if self.fits_without(node, request, need, &chosen) {
+            if self.fits_without(node, request, constraints, need, &chosen) {
                 break;
             }
         }
         assert!(
-            self.fits_without(node, request, need, &chosen),
+            self.fits_without(node, request, constraints, need, &chosen),
             "all candidates together fit"
         );
         for at in (0..chosen.len()).rev() {
             let mut fewer = chosen.clone();
             fewer.remove(at);
-            if self.fits_without(node, request, need, &fewer) {
+            if self.fits_without(node, request, constraints, need, &fewer) {
                 chosen = fewer;
             }
         }
@@ -253,9 +266,11 @@ impl Engine {
         &self,
         node: &Node,
         request: &Request,
+        constraints: &Constraints,
         need: Need,
         victims: &[&Candidate],
     ) -> bool {
+        let mut host_free = node.host_free();
         let mut gpus: Vec<WhatIfGpu> = (0..node.usage.len())
             .map(|position| {
                 let free = node.gpu_free(position);
@@ -267,9 +282,17 @@ impl Engine {
             })
             .collect();
         for victim in victims {
-            let Placement::Placed { slices } = &self.tenants[&victim.tenant].placement else {
+            let record = &self.tenants[&victim.tenant];
+            let Placement::Placed { slices } = &record.placement else {
                 unreachable!("victims are placed")
             };
+            // Charged once per node (`Engine::bind`); a victim here has a slice here.
+            host_free.cpu_milli = host_free
+                .cpu_milli
+                .saturating_add(record.constraints.cpu_milli);
+            host_free.memory_bytes = host_free
+                .memory_bytes
+                .saturating_add(record.constraints.host_memory_bytes);
             for slice in slices.iter().filter(|slice| slice.node == node.spec.name) {
                 let gpu = &mut gpus[node.position_of[&slice.gpu_index]];
                 gpu.compute_free_percent += slice.compute_percent;
@@ -278,12 +301,18 @@ impl Engine {
             }
         }
         assert!(gpus.iter().all(|gpu| gpu.compute_free_percent <= 100));
+        if constraints.cpu_milli > host_free.cpu_milli
+            || constraints.host_memory_bytes > host_free.memory_bytes
+        {
+            return false;
+        }
         match need {
             Need::Fraction {
                 compute_percent,
                 memory,
             } => gpus.iter().enumerate().any(|(position, gpu)| {
-                gpu.compute_free_percent >= compute_percent
+                constraints.allows_model(&node.spec.gpus[position].model)
+                    && gpu.compute_free_percent >= compute_percent
                     && gpu.memory_free_bytes
                         >= memory.bytes_on(node.spec.gpus[position].memory_bytes)
             }),
@@ -295,7 +324,8 @@ impl Engine {
                 let eligible = gpus.iter().enumerate().fold(0u64, |mask, (position, gpu)| {
                     let memory_ok = memory_bytes
                         .is_none_or(|bytes| node.spec.gpus[position].memory_bytes >= bytes);
-                    if gpu.slices == 0 && memory_ok {
+                    let model_ok = constraints.allows_model(&node.spec.gpus[position].model);
+                    if gpu.slices == 0 && memory_ok && model_ok {
                         mask | bit(position)
                     } else {
                         mask

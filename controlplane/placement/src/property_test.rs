@@ -9,24 +9,69 @@ use std::collections::{BTreeMap, BTreeSet};
 const NODE_NAMES: [&str; 5] = ["n0", "n1", "n2", "n3", "n4"];
 const TENANTS_MAX: usize = 40;
 
-fn node_strategy(name: &'static str) -> impl Strategy<Value = NodeSpec> {
+const MODELS: [&str; 2] = ["H100-80GB", "A100-40GB"];
+
+/// A node and its host capacity: a third of nodes report none (unbounded), the others 4..=64
+/// CPUs and 64..=512 GiB; GPUs of one model each, or (a quarter of nodes) of both models.
+fn node_strategy(name: &'static str) -> impl Strategy<Value = (NodeSpec, HostCapacity)> {
     (
         1u32..=8,
         prop::sample::select(vec![16u64, 40, 80]),
         0u8..3,
         prop::bool::ANY,
+        0u8..4,
+        prop::option::weighted(0.67, (4u64..=64, 64u64..=512)),
     )
-        .prop_map(move |(gpus, memory_gib, interconnect, zone_a)| {
-            let interconnect = [
-                Interconnect::All,
-                Interconnect::None,
-                Interconnect::Islands4,
-            ][interconnect as usize];
-            with_labels(
-                node_spec(name, gpus, memory_gib * GIB, interconnect),
-                &[("zone", if zone_a { "a" } else { "b" })],
-            )
-        })
+        .prop_map(
+            move |(gpus, memory_gib, interconnect, zone_a, models, host)| {
+                let interconnect = [
+                    Interconnect::All,
+                    Interconnect::None,
+                    Interconnect::Islands4,
+                ][interconnect as usize];
+                let mut spec = with_labels(
+                    node_spec(name, gpus, memory_gib * GIB, interconnect),
+                    &[("zone", if zone_a { "a" } else { "b" })],
+                );
+                for gpu in &mut spec.gpus {
+                    gpu.model = match models {
+                        0 | 1 => MODELS[0],
+                        2 => MODELS[1],
+                        _ => MODELS[(gpu.index % 2) as usize],
+                    }
+                    .to_string();
+                }
+                let host =
+                    host.map_or(HostCapacity::default(), |(cpus, memory_gib)| HostCapacity {
+                        cpu_milli: Some(cpus * 1000),
+                        memory_bytes: Some(memory_gib * GIB),
+                    });
+                (spec, host)
+            },
+        )
+}
+
+/// Half of requests ask nothing more; the others some CPU (up to 48 CPUs), host memory (up to
+/// 384 GiB) and/or one or two allowed models.
+fn constraints_strategy() -> impl Strategy<Value = Constraints> {
+    prop_oneof![
+        1 => Just(Constraints::default()),
+        1 => (
+            prop::option::weighted(0.6, 1u64..=48),
+            prop::option::weighted(0.5, 1u64..=384),
+            prop::sample::select(vec![0u8, 0, 1, 2, 3]),
+        )
+            .prop_map(|(cpus, memory_gib, models)| Constraints {
+                cpu_milli: cpus.map_or(0, |cpus| cpus * 1000),
+                host_memory_bytes: memory_gib.map_or(0, |gib| gib * GIB),
+                gpu_models: match models {
+                    1 => [MODELS[0].to_string()].into(),
+                    2 => [MODELS[1].to_string()].into(),
+                    3 => MODELS.iter().map(|model| model.to_string()).collect(),
+                    _ => BTreeSet::new(),
+                },
+            }),
+    ]
 }
 
 fn request_strategy() -> impl Strategy<Value = Request> {
@@ -76,23 +121,26 @@ fn request_strategy() -> impl Strategy<Value = Request> {
 /// Events without tenant names; names are assigned in order so Submits never repeat one.
 #[derive(Clone, Debug)]
 enum Step {
-    Submit(Request),
+    Submit(Request, Constraints),
     Release(usize),
     Retry,
     State(usize, NodeState),
-    Readd(NodeSpec),
+    Readd(NodeSpec, HostCapacity),
     Remove(usize),
     Update(usize, Option<u32>, Option<i32>),
 }
 
 fn step_strategy() -> impl Strategy<Value = Step> {
     prop_oneof![
-        6 => request_strategy().prop_map(Step::Submit),
+        6 => (request_strategy(), constraints_strategy())
+            .prop_map(|(request, constraints)| Step::Submit(request, constraints)),
         3 => (0..TENANTS_MAX).prop_map(Step::Release),
         1 => Just(Step::Retry),
         1 => (0..NODE_NAMES.len(), prop::sample::select(vec![NodeState::Ready, NodeState::Lost, NodeState::Draining]))
             .prop_map(|(node, state)| Step::State(node, state)),
-        1 => (0..NODE_NAMES.len()).prop_flat_map(|node| node_strategy(NODE_NAMES[node]).prop_map(Step::Readd)),
+        1 => (0..NODE_NAMES.len()).prop_flat_map(|node| {
+            node_strategy(NODE_NAMES[node]).prop_map(|(spec, host)| Step::Readd(spec, host))
+        }),
         1 => (0..NODE_NAMES.len()).prop_map(Step::Remove),
         2 => (
             0..TENANTS_MAX,
@@ -103,14 +151,26 @@ fn step_strategy() -> impl Strategy<Value = Step> {
     ]
 }
 
-fn events(pool: Vec<NodeSpec>, steps: Vec<Step>) -> Vec<Event> {
-    let mut events: Vec<Event> = pool.into_iter().map(Event::AddNode).collect();
+fn events(pool: Vec<(NodeSpec, HostCapacity)>, steps: Vec<Step>) -> Vec<Event> {
+    let mut events: Vec<Event> = pool
+        .into_iter()
+        .map(|(spec, host)| Event::RegisterNode { spec, host })
+        .collect();
     let mut submitted = 0usize;
     for step in steps {
         events.push(match step {
-            Step::Submit(request) => {
+            Step::Submit(request, constraints) => {
                 submitted += 1;
-                submit(&format!("t{submitted}"), request, submitted as u64)
+                if constraints == Constraints::default() {
+                    submit(&format!("t{submitted}"), request, submitted as u64)
+                } else {
+                    Event::SubmitConstrained {
+                        tenant: format!("t{submitted}"),
+                        request,
+                        constraints,
+                        seq: submitted as u64,
+                    }
+                }
             }
             Step::Release(tenant) => Event::Release {
                 tenant: format!("t{tenant}"),
@@ -120,7 +180,7 @@ fn events(pool: Vec<NodeSpec>, steps: Vec<Step>) -> Vec<Event> {
                 node: NODE_NAMES[node].to_string(),
                 state,
             },
-            Step::Readd(spec) => Event::AddNode(spec),
+            Step::Readd(spec, host) => Event::RegisterNode { spec, host },
             Step::Remove(node) => Event::RemoveNode(NODE_NAMES[node].to_string()),
             Step::Update(tenant, compute_percent, priority) => Event::Update {
                 tenant: format!("t{tenant}"),
@@ -132,7 +192,7 @@ fn events(pool: Vec<NodeSpec>, steps: Vec<Step>) -> Vec<Event> {
     events
 }
 
-fn pool_strategy() -> impl Strategy<Value = Vec<NodeSpec>> {
+fn pool_strategy() -> impl Strategy<Value = Vec<(NodeSpec, HostCapacity)>> {
     (1usize..=NODE_NAMES.len()).prop_flat_map(|count| {
         NODE_NAMES[..count]
             .iter()
@@ -150,10 +210,16 @@ struct Model {
 
 impl Model {
     fn apply(&mut self, event: &Event, commands: &[Command]) {
-        if let Event::Submit {
-            tenant, request, ..
-        } = event
-        {
+        let submitted = match event {
+            Event::Submit {
+                tenant, request, ..
+            }
+            | Event::SubmitConstrained {
+                tenant, request, ..
+            } => Some((tenant, request)),
+            _ => None,
+        };
+        if let Some((tenant, request)) = submitted {
             let own: Vec<&Command> = commands
                 .iter()
                 .filter(|command| command_tenant(command) == tenant)
@@ -310,7 +376,12 @@ proptest! {
         let mut model = Model::default();
         for (at, event) in events(pool, steps).into_iter().enumerate() {
             if at == snapshot_at {
-                restored = Some(serde_json::from_str(&serde_json::to_string(&engine).unwrap()).unwrap());
+                // As the control plane does: the engine's encoding, then its host state beside it.
+                let mut decoded: Engine =
+                    serde_json::from_str(&serde_json::to_string(&engine).unwrap()).unwrap();
+                decoded.restore_host_state(engine.host_state());
+                decoded.check_invariants();
+                restored = Some(decoded);
             }
             let commands = engine.handle(event.clone());
             engine.check_invariants();

@@ -9,10 +9,12 @@
 //! (`max(nodes_scored_max, nodes)` for gangs).
 
 use crate::engine::Engine;
-use crate::node::Node;
+use crate::node::{HostUse, Node};
 use crate::topology::{SetScore, Topology, bit, positions};
-use crate::types::{GpuCount, NodeName, NodeState, NvlinkPolicy, Request, Scorer, SliceAssignment};
-use crate::units::{format_bytes, format_selector, plural};
+use crate::types::{
+    Constraints, GpuCount, NodeName, NodeState, NvlinkPolicy, Request, Scorer, SliceAssignment,
+};
+use crate::units::{format_bytes, format_cpu, format_selector, plural};
 use crate::workload::{Shape, ShapeMemory};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
@@ -100,9 +102,10 @@ pub(crate) struct Found {
     pub cursor_next: NodeName,
 }
 
-/// Lower is better: whether the set opens an empty node (Fragmentation only; always `false` for
-/// BestFit), then topology (Prefer/Require), then fully free GPUs left, then free compute left.
-type WholeKey = (bool, Reverse<SetScore>, u32, u64);
+/// Lower is better: the change of GPUs stranded behind CPU or host memory (Fragmentation only;
+/// 0 for BestFit and whenever no tenant asks for host capacity), whether the set opens an empty
+/// node (Fragmentation only; always `false` for BestFit), then topology (Prefer/Require), then fully free GPUs left, then free compute left.
+type WholeKey = (i64, bool, Reverse<SetScore>, u32, u64);
 
 pub(crate) fn selector_matches(node: &Node, request: &Request) -> bool {
     request
@@ -151,6 +154,7 @@ impl Engine {
     pub(crate) fn find(
         &self,
         request: &Request,
+        constraints: &Constraints,
         need: Need,
         only: Option<&BTreeSet<NodeName>>,
     ) -> Option<Found> {
@@ -158,18 +162,19 @@ impl Engine {
             Need::Fraction {
                 compute_percent,
                 memory,
-            } => self.find_fraction(request, compute_percent, memory, only),
+            } => self.find_fraction(request, constraints, compute_percent, memory, only),
             Need::Whole {
                 gpus,
                 nodes,
                 memory_bytes,
-            } => self.find_whole(request, gpus, nodes, memory_bytes, only),
+            } => self.find_whole(request, constraints, gpus, nodes, memory_bytes, only),
         }
     }
 
     fn find_fraction(
         &self,
         request: &Request,
+        constraints: &Constraints,
         compute_percent: u32,
         memory: ShapeMemory,
         only: Option<&BTreeSet<NodeName>>,
@@ -181,7 +186,10 @@ impl Engine {
         let mut last_examined: Option<&str> = None;
         for (name, node) in self.rotation(only) {
             last_examined = Some(name);
-            if node.state != NodeState::Ready || !selector_matches(node, request) {
+            if node.state != NodeState::Ready
+                || !selector_matches(node, request)
+                || !node.host_fits(constraints)
+            {
                 continue;
             }
             let summary = &node.summary;
@@ -195,11 +203,13 @@ impl Engine {
             // whether the GPU is fully free: computed at most once per node and case.
             let node_totals = (summary.fully_free_count(), summary.compute_free_sum_percent);
             let mut whole_parts: [Option<i64>; 2] = [None, None];
+            let mut stranding: Option<i64> = None;
             for position in 0..node.usage.len() {
                 let free = node.gpu_free(position);
                 let memory_bytes = memory.bytes_on(free.memory_total_bytes);
                 if free.compute_free_percent < compute_percent
                     || free.memory_free_bytes < memory_bytes
+                    || !constraints.allows_model(&node.spec.gpus[position].model)
                 {
                     continue;
                 }
@@ -212,7 +222,11 @@ impl Engine {
                                 self.workload
                                     .whole_part(node_totals, fully_free, compute_percent)
                             });
+                        let stranded = *stranding.get_or_insert_with(|| {
+                            self.stranding_delta(node, constraints, u64::from(compute_percent))
+                        });
                         whole
+                            + stranded
                             + self
                                 .workload
                                 .fraction_part(free, compute_percent, memory_bytes)
@@ -262,9 +276,45 @@ impl Engine {
         })
     }
 
-    /// GPUs of `node` a whole-GPU request could take now: fully free with enough memory.
-    fn whole_eligible(node: &Node, memory_bytes: Option<u64>) -> u64 {
+    /// Change of the GPU compute stranded on `node` behind its CPU and host memory when a task
+    /// with `constraints` takes `compute_percent` there, scaled like the workload model's deltas
+    /// (a stranded GPU is a fragment for every shape). 0 when no kept tenant asks for host
+    /// capacity.
+    fn stranding_delta(&self, node: &Node, constraints: &Constraints, compute_percent: u64) -> i64 {
+        if !self.host_mix.asks_host() {
+            return 0;
+        }
+        let sum = node.summary.compute_free_sum_percent;
+        assert!(sum >= compute_percent, "the search checked the fit");
+        let free = node.host_free();
+        // `u64::MAX` is unbounded, and stays so.
+        let take = |free: u64, asked: u64| {
+            if free == u64::MAX {
+                free
+            } else {
+                free.saturating_sub(asked)
+            }
+        };
+        let after = HostUse {
+            cpu_milli: take(free.cpu_milli, constraints.cpu_milli),
+            memory_bytes: take(free.memory_bytes, constraints.host_memory_bytes),
+        };
+        let before = self.host_mix.stranded_percent(sum, free) as i64;
+        let later = self.host_mix.stranded_percent(sum - compute_percent, after) as i64;
+        (later - before) * self.workload.weight_total() as i64
+    }
+
+    /// GPUs of `node` a whole-GPU request could take now: fully free, of an allowed model, with
+    /// enough memory.
+    pub(crate) fn whole_eligible(
+        node: &Node,
+        memory_bytes: Option<u64>,
+        constraints: &Constraints,
+    ) -> u64 {
         let mut eligible = node.summary.fully_free_mask;
+        if !constraints.gpu_models.is_empty() {
+            eligible &= node.model_mask(constraints);
+        }
         if let Some(memory_bytes) = memory_bytes {
             for position in positions(eligible) {
                 if node.spec.gpus[position].memory_bytes < memory_bytes {
@@ -278,6 +328,7 @@ impl Engine {
     fn find_whole(
         &self,
         request: &Request,
+        constraints: &Constraints,
         gpus: u32,
         nodes: u32,
         memory_bytes: Option<u64>,
@@ -306,10 +357,10 @@ impl Engine {
                     NodeState::Ready,
                     "the free index holds Ready nodes only"
                 );
-                if !selector_matches(node, request) {
+                if !selector_matches(node, request) || !node.host_fits(constraints) {
                     continue;
                 }
-                let eligible = Self::whole_eligible(node, memory_bytes);
+                let eligible = Self::whole_eligible(node, memory_bytes, constraints);
                 let Some((set, score)) =
                     choose_memo.choose(&node.topology, eligible, gpus, request.nvlink)
                 else {
@@ -325,10 +376,21 @@ impl Engine {
                 // fully free GPUs left (best fit): the FGD delta of a whole-GPU set depends only
                 // on the node's free-GPU count, and ordering those counts by it measured no
                 // better than best fit (docs/benchmarks.md).
-                let opens_empty_node = self.config.scorer == Scorer::Fragmentation
-                    && summary.fully_free_count() as usize == node.usage.len();
+                let fragmentation = self.config.scorer == Scorer::Fragmentation;
+                let opens_empty_node =
+                    fragmentation && summary.fully_free_count() as usize == node.usage.len();
+                // GPUs the set would strand behind this node's CPU or host memory (0 unless some
+                // tenant asks for them): first, as a stranded GPU is lost to every shape, and a
+                // task that needs little CPU belongs on a node whose GPUs only such tasks can use,
+                // even an empty one.
+                let stranding = if fragmentation {
+                    self.stranding_delta(node, constraints, 100 * u64::from(gpus))
+                } else {
+                    0
+                };
                 candidates.push((
                     (
+                        stranding,
                         opens_empty_node,
                         Reverse(score),
                         fully_free_after,
@@ -374,8 +436,13 @@ impl Engine {
     }
 
     /// Why `request` does not fit now (it may later): for the `Pending` command.
-    pub(crate) fn unfit_reason(&self, request: &Request, need: Need) -> String {
-        let ready: Vec<(&NodeName, &Node)> = self
+    pub(crate) fn unfit_reason(
+        &self,
+        request: &Request,
+        constraints: &Constraints,
+        need: Need,
+    ) -> String {
+        let mut ready: Vec<(&NodeName, &Node)> = self
             .nodes
             .iter()
             .filter(|(_, node)| node.state == NodeState::Ready && selector_matches(node, request))
@@ -390,6 +457,39 @@ impl Engine {
                 )
             };
         }
+        if !constraints.gpu_models.is_empty() {
+            ready.retain(|(_, node)| node.model_mask(constraints) != 0);
+            if ready.is_empty() {
+                return format!(
+                    "no Ready node has a GPU of model {}",
+                    models_text(constraints)
+                );
+            }
+        }
+        if constraints.asks_host() {
+            let host_ready: Vec<(&NodeName, &Node)> = ready
+                .iter()
+                .filter(|(_, node)| node.host_fits(constraints))
+                .copied()
+                .collect();
+            if host_ready.is_empty() {
+                let (name, free) = ready
+                    .iter()
+                    .map(|(name, node)| (name.as_str(), node.host_free()))
+                    .max_by_key(|(name, free)| (free.cpu_milli, free.memory_bytes, Reverse(*name)))
+                    .expect("ready is not empty");
+                return format!(
+                    "no Ready node has {} free; the most free is {name} with {}",
+                    host_text(
+                        constraints,
+                        constraints.cpu_milli,
+                        constraints.host_memory_bytes
+                    ),
+                    host_text(constraints, free.cpu_milli, free.memory_bytes),
+                );
+            }
+            ready = host_ready;
+        }
         match need {
             Need::Fraction {
                 compute_percent,
@@ -399,6 +499,9 @@ impl Engine {
                 let mut most_free: Option<((u32, u64), &str, usize)> = None;
                 for (name, node) in &ready {
                     for position in 0..node.usage.len() {
+                        if !constraints.allows_model(&node.spec.gpus[position].model) {
+                            continue;
+                        }
                         let free = node.gpu_free(position);
                         let key = (free.compute_free_percent, free.memory_free_bytes);
                         if most_free.is_none_or(|(best_key, _, _)| key > best_key) {
@@ -424,7 +527,7 @@ impl Engine {
             } => {
                 let require = request.nvlink == NvlinkPolicy::Require && gpus >= 2;
                 let usable = |node: &Node| {
-                    let eligible = Self::whole_eligible(node, memory_bytes);
+                    let eligible = Self::whole_eligible(node, memory_bytes, constraints);
                     if require {
                         node.topology.max_clique(eligible)
                     } else {
@@ -467,8 +570,13 @@ impl Engine {
 
     /// Why `request` can never fit this pool as built, counting every node whatever its state;
     /// `None` when it could fit an empty pool.
-    pub(crate) fn never_fits_reason(&self, request: &Request, need: Need) -> Option<String> {
-        let matching: Vec<(&NodeName, &Node)> = self
+    pub(crate) fn never_fits_reason(
+        &self,
+        request: &Request,
+        constraints: &Constraints,
+        need: Need,
+    ) -> Option<String> {
+        let mut matching: Vec<(&NodeName, &Node)> = self
             .nodes
             .iter()
             .filter(|(_, node)| selector_matches(node, request))
@@ -481,12 +589,66 @@ impl Engine {
                 format!("no node matches selector {selector_text}")
             });
         }
+        if !constraints.gpu_models.is_empty() {
+            matching.retain(|(_, node)| node.model_mask(constraints) != 0);
+            if matching.is_empty() {
+                return Some(format!(
+                    "no node has a GPU of model {}",
+                    models_text(constraints)
+                ));
+            }
+        }
+        if constraints.asks_host() {
+            let host_matching: Vec<(&NodeName, &Node)> = matching
+                .iter()
+                .filter(|(_, node)| node.host_could_fit(constraints))
+                .copied()
+                .collect();
+            if host_matching.len() < needed_nodes(need) {
+                let (name, largest) = matching
+                    .iter()
+                    .map(|(name, node)| {
+                        let host = node.host;
+                        let cpu = host.cpu_milli.unwrap_or(u64::MAX);
+                        let memory = host.memory_bytes.unwrap_or(u64::MAX);
+                        (name.as_str(), (cpu, memory))
+                    })
+                    .max_by_key(|(name, capacity)| (*capacity, Reverse(*name)))
+                    .expect("matching is not empty");
+                let asked = host_text(
+                    constraints,
+                    constraints.cpu_milli,
+                    constraints.host_memory_bytes,
+                );
+                return Some(if needed_nodes(need) == 1 {
+                    format!(
+                        "no node has {asked}; the largest is {name} with {}",
+                        host_text(constraints, largest.0, largest.1)
+                    )
+                } else {
+                    format!(
+                        "{} needed with {asked}, {} {}",
+                        plural(needed_nodes(need) as u64, "node"),
+                        plural(host_matching.len() as u64, "node"),
+                        if host_matching.len() == 1 {
+                            "has it"
+                        } else {
+                            "have it"
+                        },
+                    )
+                });
+            }
+            matching = host_matching;
+        }
         match need {
             Need::Fraction { memory, .. } => {
                 // Compute (at most 100%) always fits an empty GPU; memory may not.
                 let mut largest: Option<(u64, &str, u32)> = None;
                 for (name, node) in &matching {
                     for gpu in &node.spec.gpus {
+                        if !constraints.allows_model(&gpu.model) {
+                            continue;
+                        }
                         if memory.bytes_on(gpu.memory_bytes) <= gpu.memory_bytes {
                             return None;
                         }
@@ -513,8 +675,7 @@ impl Engine {
                 let capacity: BTreeMap<&str, u32> = matching
                     .iter()
                     .map(|(name, node)| {
-                        let mut eligible = (0..node.spec.gpus.len())
-                            .fold(0u64, |mask, position| mask | bit(position));
+                        let mut eligible = node.model_mask(constraints);
                         for (position, gpu) in node.spec.gpus.iter().enumerate() {
                             if memory_bytes.is_some_and(|bytes| gpu.memory_bytes < bytes) {
                                 eligible &= !bit(position);
@@ -609,6 +770,44 @@ impl<'a> ChooseMemo<'a> {
         assert!(self.entries.len() <= CHOOSE_MEMO_ENTRIES_MAX);
         choice
     }
+}
+
+fn needed_nodes(need: Need) -> usize {
+    match need {
+        Need::Fraction { .. } => 1,
+        Need::Whole { nodes, .. } => nodes as usize,
+    }
+}
+
+/// `H100-80GB or A100-40GB`.
+fn models_text(constraints: &Constraints) -> String {
+    let models: Vec<&str> = constraints.gpu_models.iter().map(String::as_str).collect();
+    models.join(" or ")
+}
+
+/// The CPU and host memory `constraints` asks for, with these amounts: `8 CPUs and 64GiB host
+/// memory`, `2.5 CPUs`, `16GiB host memory`; `unbounded` for an amount not reported.
+fn host_text(constraints: &Constraints, cpu_milli: u64, memory_bytes: u64) -> String {
+    let mut parts = Vec::new();
+    if constraints.cpu_milli > 0 {
+        parts.push(if cpu_milli == u64::MAX {
+            "unbounded CPU".to_string()
+        } else {
+            format_cpu(cpu_milli)
+        });
+    }
+    if constraints.host_memory_bytes > 0 {
+        parts.push(if memory_bytes == u64::MAX {
+            "unbounded host memory".to_string()
+        } else {
+            format!("{} host memory", format_bytes(memory_bytes))
+        });
+    }
+    assert!(
+        !parts.is_empty(),
+        "only for constraints that ask for host capacity"
+    );
+    parts.join(" and ")
 }
 
 /// `2 NVLink-connected GPUs with 40GiB`, `1 GPU`.

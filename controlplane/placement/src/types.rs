@@ -3,7 +3,7 @@
 //! the output, and the output must be the same on every replica).
 
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 pub type NodeName = String;
 pub type TenantName = String;
@@ -76,6 +76,51 @@ pub struct Request {
     pub node_selector: BTreeMap<String, String>,
 }
 
+/// A node's host (non-GPU) capacity. `None`: not reported, so not a constraint (the default, and
+/// what every node registered by [`Event::AddNode`] has).
+///
+/// Not part of [`NodeSpec`]: the spec is stored in the control plane's Raft log and snapshots with
+/// bincode, where an added field would make older entries undecodable. It travels in
+/// [`Event::RegisterNode`] and is carried across snapshots by [`HostState`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostCapacity {
+    pub cpu_milli: Option<u64>,
+    pub memory_bytes: Option<u64>,
+}
+
+/// What a request asks of every node it is placed on beyond GPU capacity. The default asks
+/// nothing (what [`Event::Submit`] means). Kept beside [`Request`], not in it, for the same reason
+/// as [`HostCapacity`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Constraints {
+    /// CPU per node of the placement, in millicores; 0: none.
+    pub cpu_milli: u64,
+    /// Host memory per node of the placement, in bytes; 0: none.
+    pub host_memory_bytes: u64,
+    /// GPU models allowed (`GpuSpec::model`, exact); empty: any.
+    pub gpu_models: BTreeSet<String>,
+}
+
+impl Constraints {
+    pub fn allows_model(&self, model: &str) -> bool {
+        self.gpu_models.is_empty() || self.gpu_models.contains(model)
+    }
+
+    pub fn asks_host(&self) -> bool {
+        self.cpu_milli > 0 || self.host_memory_bytes > 0
+    }
+}
+
+/// The engine state that its serde encoding leaves out (so that an engine without it encodes
+/// exactly as before): host capacities of nodes and constraints of tenants that are not the
+/// default. The control plane carries it beside the engine in its snapshots and gives it back
+/// with [`Engine::restore_host_state`](crate::Engine::restore_host_state) after decoding.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostState {
+    pub nodes: BTreeMap<NodeName, HostCapacity>,
+    pub tenants: BTreeMap<TenantName, Constraints>,
+}
+
 /// One GPU (or part of one) given to a tenant.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SliceAssignment {
@@ -121,6 +166,20 @@ pub enum Event {
         tenant: TenantName,
         compute_percent: Option<u32>,
         priority: Option<i32>,
+    },
+    /// [`Event::AddNode`] with the node's host capacity (appended: the control plane may number
+    /// variants by position). The same GPUs with tenants whose CPU and host memory still fit keep
+    /// their tenants; otherwise as a changed inventory.
+    RegisterNode {
+        spec: NodeSpec,
+        host: HostCapacity,
+    },
+    /// [`Event::Submit`] with constraints: hard, on every node of the placement.
+    SubmitConstrained {
+        tenant: TenantName,
+        request: Request,
+        constraints: Constraints,
+        seq: u64,
     },
 }
 

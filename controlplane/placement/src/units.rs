@@ -30,6 +30,23 @@ pub(crate) fn format_bytes(bytes: u64) -> String {
     unreachable!("the last unit is one byte")
 }
 
+/// Millicores as CPUs: `1 CPU`, `8 CPUs`, `2.5 CPUs`, `0.25 CPUs`.
+pub(crate) fn format_cpu(milli: u64) -> String {
+    let whole = milli / 1000;
+    let rest = milli % 1000;
+    let number = if rest == 0 {
+        whole.to_string()
+    } else {
+        let decimals = format!("{rest:03}");
+        format!("{whole}.{}", decimals.trim_end_matches('0'))
+    };
+    if milli == 1000 {
+        "1 CPU".to_string()
+    } else {
+        format!("{number} CPUs")
+    }
+}
+
 /// `a=1,b=2` in key order (BTreeMap order, so the text is the same on every replica).
 pub(crate) fn format_selector(selector: &BTreeMap<String, String>) -> String {
     let pairs: Vec<String> = selector
@@ -74,5 +91,9 @@ mod tests {
         assert_eq!(format_selector(&selector), "gpu=h100,zone=a");
         assert_eq!(plural(1, "node"), "1 node");
         assert_eq!(plural(2, "node"), "2 nodes");
+        assert_eq!(format_cpu(1000), "1 CPU");
+        assert_eq!(format_cpu(8000), "8 CPUs");
+        assert_eq!(format_cpu(2500), "2.5 CPUs");
+        assert_eq!(format_cpu(250), "0.25 CPUs");
     }
 }

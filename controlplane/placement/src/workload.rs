@@ -121,6 +121,11 @@ impl WorkloadModel {
         &self.weights
     }
 
+    /// Sum of all weights: the scale of a fragment that counts for every shape (stranded GPUs).
+    pub(crate) fn weight_total(&self) -> u64 {
+        self.weights.iter().map(|(_, weight)| weight).sum()
+    }
+
     pub(crate) fn observe(&mut self, shape: Shape) {
         match self
             .observed
