@@ -1,13 +1,19 @@
 //! Fragmentation bench: how much of the pool is allocated when the first request fails to place,
-//! Fragmentation (FGD-style) vs BestFit, on the same traces.
+//! and as the arrived load reaches 100/110/120/130% of the pool's GPUs, Fragmentation (FGD-style)
+//! vs BestFit, on the same traces.
 //!
 //! Replay: events are taken in time order (a departure before an arrival at the same second);
 //! an arrival is a Submit; one that does not place at once (Pending) counts as failed and is
 //! withdrawn (Release), so both scorers see the same offered load; a departure releases the
 //! tenant if it was placed. Reported per trace: the allocated share (sum of allocated compute /
 //! total GPUs) at the first failure, the share of arrivals that failed, and the mean allocated
-//! share at failures; then, per mix, the mean, min and max over seeds and how many seeds each
-//! scorer is ahead on (a difference of at most `TIE_POINTS` is a tie).
+//! share at failures, and the allocated share right after the arrival that brings the arrived
+//! load (GPUs asked by all arrivals so far, whether placed or not, over the pool's GPUs) to 100,
+//! 110, 120 and 130% (`-` when the trace stops short): the field's usual measure (FGD, ATC'23),
+//! which does not saturate when nothing departs. Then, per mix, the mean, min and max over seeds
+//! and how many seeds each scorer is ahead on (a difference of at most `TIE_POINTS` is a tie).
+//! Requests may ask for CPU, host memory and GPU models (`common/mod.rs`); they are hard
+//! constraints for both scorers.
 //!
 //! The share at the first failure is a threshold measure: the first failure is nearly always a
 //! whole-node (8-GPU) task arriving while no node is empty, so one empty node more or less at that
@@ -19,7 +25,8 @@
 //! also replays the committed sample in `traces/` when present. Poisson arrivals whose rate rises
 //! linearly so the offered load (rate x mean duration x mean GPUs) goes from 50% to 150% of the
 //! pool over `RAMP_S`; exponential durations with mean `DURATION_MEAN_S`; memory proportional to
-//! the fraction. Mixes: see `Profile`.
+//! the fraction. Mixes: see `Profile`; `Constrained` is different: a mixed pool with CPU and host
+//! memory, nothing departs, and arrivals stop past 135% of the pool.
 //!
 //! Run: `CARGO_TARGET_DIR=/work/target-placement cargo bench -p placement --bench fragmentation`
 //! Other seeds: `... -- --seeds 11..80` (inclusive).
@@ -30,10 +37,10 @@
 mod common;
 
 use common::{
-    H100_MEMORY_BYTES, Rng, TraceRequest, draw_shape, parse_nodes, parse_requests, request,
-    write_nodes, write_requests,
+    GIB, H100_MEMORY_BYTES, NodeLine, Rng, TraceNode, TraceRequest, draw_shape, parse_nodes,
+    parse_requests, request, write_nodes, write_requests,
 };
-use placement::{Command, Engine, EngineConfig, Event, NodeSpec, Scorer};
+use placement::{Command, Engine, EngineConfig, Event, Scorer};
 use std::path::{Path, PathBuf};
 
 const SEEDS: std::ops::RangeInclusive<u64> = 1..=10;
@@ -44,6 +51,10 @@ const RAMP_S: f64 = 6.0 * 3600.0;
 const DURATION_MEAN_S: f64 = 3600.0;
 const LOAD_START: f64 = 0.5;
 const LOAD_END: f64 = 1.5;
+/// Arrived load (share of the pool's GPUs) at which the allocated share is reported.
+const ARRIVED: [f64; 4] = [1.0, 1.1, 1.2, 1.3];
+/// `Constrained` traces stop arriving past this arrived load.
+const ARRIVED_END: f64 = 1.35;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -60,7 +71,10 @@ fn main() {
     }
     if let (Some(nodes), Some(requests)) = (value_of("--nodes", 1), value_of("--requests", 1)) {
         print_trace_header();
-        replay_both(&nodes, Path::new(&nodes), Path::new(&requests));
+        let label = Path::new(&requests)
+            .file_name()
+            .map_or(requests.clone(), |name| name.to_string_lossy().into_owned());
+        replay_both(&label, Path::new(&nodes), Path::new(&requests));
         return;
     }
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("placement-traces");
@@ -68,7 +82,7 @@ fn main() {
         let profile = PROFILES
             .into_iter()
             .find(|profile| format!("{profile:?}") == mix)
-            .expect("--diagnose Typical|Awkward|Sharing SEED");
+            .expect("--diagnose Typical|Awkward|Sharing|Constrained SEED");
         let seed: u64 = seed.parse().expect("--diagnose MIX SEED");
         let (nodes, requests) = write_trace(&dir, &format!("{mix}-seed{seed}"), seed, profile);
         let nodes = parse_nodes(&std::fs::read_to_string(nodes).expect("read nodes CSV"));
@@ -108,13 +122,97 @@ fn main() {
     }
     println!();
     print_summary(&by_profile);
+    println!();
+    print_arrived_summary(&by_profile);
 }
 
 fn print_trace_header() {
     println!(
-        "| trace | requests | Fragmentation: at first failure | BestFit: at first failure | arrivals failed (Frag / BestFit) | allocated at failures, mean (Frag / BestFit) |"
+        "| trace | requests | Fragmentation: at first failure | BestFit: at first failure | arrivals failed (Frag / BestFit) | allocated at failures, mean (Frag / BestFit) | allocated at arrived 100/110/120/130%: Fragmentation | same: BestFit |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+}
+
+/// `97.1 / 98.0 / - / -`.
+fn arrived_text(result: &Replay) -> String {
+    let values: Vec<String> = result
+        .share_at_arrived
+        .iter()
+        .map(|share| {
+            if share.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{:.1}", 100.0 * share)
+            }
+        })
+        .collect();
+    values.join(" / ")
+}
+
+/// One row per mix: the allocated share at each arrived load, mean over the seeds that reach it,
+/// for each scorer; then the difference at 130% (mean [min, max]) and the seeds ahead / tied /
+/// behind there.
+fn print_arrived_summary(by_profile: &[(Profile, Vec<(Replay, Replay)>)]) {
+    println!(
+        "| mix | seeds reaching 130% | allocated at arrived 100/110/120/130%, mean: Fragmentation | same: BestFit | difference at 130%, points: mean [min, max] | Fragmentation ahead / tied / behind at 130% |"
     );
     println!("|---|---|---|---|---|---|");
+    for (profile, results) in by_profile {
+        let mean_at = |at: usize, pick: &dyn Fn(&(Replay, Replay)) -> &Replay| {
+            let values: Vec<f64> = results
+                .iter()
+                .map(|pair| pick(pair).share_at_arrived[at])
+                .filter(|share| !share.is_nan())
+                .collect();
+            if values.is_empty() {
+                "-".to_string()
+            } else {
+                format!(
+                    "{:.1}",
+                    100.0 * values.iter().sum::<f64>() / values.len() as f64
+                )
+            }
+        };
+        let row = |pick: &dyn Fn(&(Replay, Replay)) -> &Replay| {
+            (0..ARRIVED.len())
+                .map(|at| mean_at(at, pick))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        };
+        let last = ARRIVED.len() - 1;
+        let differences: Vec<f64> = results
+            .iter()
+            .filter(|(frag, best)| {
+                !frag.share_at_arrived[last].is_nan() && !best.share_at_arrived[last].is_nan()
+            })
+            .map(|(frag, best)| 100.0 * (frag.share_at_arrived[last] - best.share_at_arrived[last]))
+            .collect();
+        let (difference, tally) = if differences.is_empty() {
+            ("-".to_string(), "-".to_string())
+        } else {
+            let mean = differences.iter().sum::<f64>() / differences.len() as f64;
+            let min = differences.iter().copied().fold(f64::INFINITY, f64::min);
+            let max = differences
+                .iter()
+                .copied()
+                .fold(f64::NEG_INFINITY, f64::max);
+            let ahead = differences.iter().filter(|&&d| d > TIE_POINTS).count();
+            let behind = differences.iter().filter(|&&d| d < -TIE_POINTS).count();
+            (
+                format!("{mean:+.2} [{min:+.2}, {max:+.2}]"),
+                format!(
+                    "{ahead} / {} / {behind}",
+                    differences.len() - ahead - behind
+                ),
+            )
+        };
+        println!(
+            "| {profile:?} | {} | {} | {} | {difference} | {tally} |",
+            differences.len(),
+            row(&|(frag, _)| frag),
+            row(&|(_, best)| best),
+        );
+    }
 }
 
 /// One row per mix: share at the first failure (mean [min, max]) for each scorer and for the
@@ -174,9 +272,21 @@ enum Profile {
     /// whole-GPU tasks): 80% fractions of 0.05/0.1/0.2/0.25/0.3/0.5 GPU weighted 10/25/20/15/10/20,
     /// 20% whole 1/2/4/8 GPUs weighted 60/20/12/8.
     Sharing,
+    /// Shaped like a public heterogeneous GPU-cluster trace: the `Sharing` shapes on a mixed
+    /// pool (`constrained_pool`: H100 and A100 nodes of 8 GPUs, V100 nodes of 4, CPU-rich T4
+    /// nodes of 2) whose CPU binds. Each task asks 2..=8 CPUs per GPU (at least 1 CPU) and 4 GiB
+    /// of host memory per CPU; 10% are CPU-heavy (8..=32 CPUs, whatever their GPUs); 30% allow
+    /// only some models (a third H100 only, a third A100 only, a third H100 or A100). Nothing
+    /// departs; arrivals stop past `ARRIVED_END` of the pool's GPUs.
+    Constrained,
 }
 
-const PROFILES: [Profile; 3] = [Profile::Typical, Profile::Awkward, Profile::Sharing];
+const PROFILES: [Profile; 4] = [
+    Profile::Typical,
+    Profile::Awkward,
+    Profile::Sharing,
+    Profile::Constrained,
+];
 
 impl Profile {
     /// `((gpus_milli, gpu_count), weight)`: whole GPUs are `gpus_milli` 1000.
@@ -203,7 +313,7 @@ impl Profile {
                 ((1000, 4), 18),
                 ((1000, 8), 36),
             ],
-            Profile::Sharing => &[
+            Profile::Sharing | Profile::Constrained => &[
                 ((50, 1), 800),
                 ((100, 1), 2_000),
                 ((200, 1), 1_600),
@@ -230,7 +340,7 @@ impl Profile {
                     (1000, [1, 2, 4, 8][rng.weighted(&[20, 20, 20, 40])])
                 }
             }
-            Profile::Sharing => {
+            Profile::Sharing | Profile::Constrained => {
                 let weights: Vec<u32> = self.shapes().iter().map(|(_, weight)| *weight).collect();
                 self.shapes()[rng.weighted(&weights)].0
             }
@@ -251,15 +361,29 @@ impl Profile {
 /// Writes `{stem}-nodes.csv` and `{stem}-requests.csv`.
 fn write_trace(dir: &Path, stem: &str, seed: u64, profile: Profile) -> (PathBuf, PathBuf) {
     std::fs::create_dir_all(dir).expect("create trace dir");
-    let nodes: Vec<_> = (0..POOL_NODES)
-        .map(|index| {
-            (
-                format!("node-{index:03}"),
-                8,
-                "H100-80GB".to_string(),
-                H100_MEMORY_BYTES,
-                "all".to_string(),
-            )
+    let (nodes, requests) = match profile {
+        Profile::Constrained => constrained_trace(seed),
+        _ => ramp_trace(seed, profile),
+    };
+    let nodes_path = dir.join(format!("{stem}-nodes.csv"));
+    let requests_path = dir.join(format!("{stem}-requests.csv"));
+    std::fs::write(&nodes_path, write_nodes(&nodes)).expect("write nodes");
+    std::fs::write(&requests_path, write_requests(&requests)).expect("write requests");
+    (nodes_path, requests_path)
+}
+
+/// `POOL_NODES` x 8 H100 without host capacity; Poisson arrivals on the load ramp, exponential
+/// durations.
+fn ramp_trace(seed: u64, profile: Profile) -> (Vec<NodeLine>, Vec<TraceRequest>) {
+    let nodes: Vec<NodeLine> = (0..POOL_NODES)
+        .map(|index| NodeLine {
+            name: format!("node-{index:03}"),
+            gpu_count: 8,
+            model: "H100-80GB".to_string(),
+            memory_bytes: H100_MEMORY_BYTES,
+            nvlink: "all".to_string(),
+            cpu_milli: 0,
+            memory_mib: 0,
         })
         .collect();
     let gpus_total = (POOL_NODES * 8) as f64;
@@ -281,13 +405,75 @@ fn write_trace(dir: &Path, stem: &str, seed: u64, profile: Profile) -> (PathBuf,
             gpus_milli,
             gpu_count,
             memory_bytes: 0,
+            cpu_milli: 0,
+            memory_mib: 0,
+            gpu_models: Vec::new(),
         });
     }
-    let nodes_path = dir.join(format!("{stem}-nodes.csv"));
-    let requests_path = dir.join(format!("{stem}-requests.csv"));
-    std::fs::write(&nodes_path, write_nodes(&nodes)).expect("write nodes");
-    std::fs::write(&requests_path, write_requests(&requests)).expect("write requests");
-    (nodes_path, requests_path)
+    (nodes, requests)
+}
+
+/// (count, GPUs per node, model, GPU memory GiB, nvlink, CPUs, host memory GiB) of the
+/// `Constrained` pool: 400 GPUs on 64 nodes, 4, 8, 12 and 48 CPUs per GPU.
+const CONSTRAINED_POOL: [(usize, u32, &str, u64, &str, u64, u64); 4] = [
+    (24, 8, "H100-80GB", 80, "all", 96, 1024),
+    (16, 8, "A100-40GB", 40, "all", 64, 512),
+    (16, 4, "V100-32GB", 32, "none", 16, 128),
+    (8, 2, "T4-16GB", 16, "none", 96, 384),
+];
+
+fn constrained_trace(seed: u64) -> (Vec<NodeLine>, Vec<TraceRequest>) {
+    let mut nodes = Vec::new();
+    for (count, gpu_count, model, memory_gib, nvlink, cpus, host_gib) in CONSTRAINED_POOL {
+        for _ in 0..count {
+            nodes.push(NodeLine {
+                name: format!("node-{:03}", nodes.len()),
+                gpu_count,
+                model: model.to_string(),
+                memory_bytes: memory_gib * GIB,
+                nvlink: nvlink.to_string(),
+                cpu_milli: cpus * 1000,
+                memory_mib: host_gib * 1024,
+            });
+        }
+    }
+    let gpus_milli_total: u64 = nodes
+        .iter()
+        .map(|node| u64::from(node.gpu_count) * 1000)
+        .sum();
+    let mut rng = Rng::new(seed);
+    let mut requests: Vec<TraceRequest> = Vec::new();
+    let mut arrived_milli = 0u64;
+    // Bounded: every task asks at least 50 milli-GPUs.
+    while (arrived_milli as f64) < ARRIVED_END * gpus_milli_total as f64 {
+        let (gpus_milli, gpu_count) = Profile::Constrained.draw(&mut rng);
+        let gpus = f64::from(gpus_milli * gpu_count) / 1000.0;
+        let cpus = if rng.weighted(&[90, 10]) == 0 {
+            (gpus * (2 + rng.next_u64() % 7) as f64).max(1.0)
+        } else {
+            (8 + rng.next_u64() % 25) as f64
+        };
+        let cpu_milli = (cpus * 1000.0).round() as u64;
+        let gpu_models: Vec<String> = match rng.weighted(&[70, 10, 10, 10]) {
+            0 => Vec::new(),
+            1 => vec!["H100-80GB".to_string()],
+            2 => vec!["A100-40GB".to_string()],
+            _ => vec!["A100-40GB".to_string(), "H100-80GB".to_string()],
+        };
+        arrived_milli += u64::from(gpus_milli * gpu_count);
+        requests.push(TraceRequest {
+            name: format!("r{:05}", requests.len()),
+            arrival_s: requests.len() as f64,
+            departure_s: f64::INFINITY,
+            gpus_milli,
+            gpu_count,
+            memory_bytes: 0,
+            cpu_milli,
+            memory_mib: cpu_milli * 4096 / 1000,
+            gpu_models,
+        });
+    }
+    (nodes, requests)
 }
 
 /// Replays one trace with each scorer and prints one row; returns (Fragmentation, BestFit).
@@ -297,11 +483,12 @@ fn replay_both(label: &str, nodes_path: &Path, requests_path: &Path) -> (Replay,
         parse_requests(&std::fs::read_to_string(requests_path).expect("read requests CSV"));
     let fragmentation = replay(&nodes, &requests, Scorer::Fragmentation, false);
     let best_fit = replay(&nodes, &requests, Scorer::BestFit, false);
+    assert_eq!(fragmentation.arrivals, best_fit.arrivals);
     let failed = |result: &Replay| 100.0 * result.failed as f64 / requests.len() as f64;
     let at_failures =
         |result: &Replay| 100.0 * result.share_at_failures_sum / result.failed.max(1) as f64;
     println!(
-        "| {label} | {} | {:.1}% | {:.1}% | {:.1}% / {:.1}% | {:.1}% / {:.1}% |",
+        "| {label} | {} | {:.1}% | {:.1}% | {:.1}% / {:.1}% | {:.1}% / {:.1}% | {} | {} |",
         requests.len(),
         100.0 * fragmentation.share_at_first_failure,
         100.0 * best_fit.share_at_first_failure,
@@ -309,6 +496,8 @@ fn replay_both(label: &str, nodes_path: &Path, requests_path: &Path) -> (Replay,
         failed(&best_fit),
         at_failures(&fragmentation),
         at_failures(&best_fit),
+        arrived_text(&fragmentation),
+        arrived_text(&best_fit),
     );
     (fragmentation, best_fit)
 }
@@ -318,16 +507,27 @@ struct Replay {
     share_at_first_failure: f64,
     failed: usize,
     share_at_failures_sum: f64,
+    /// Allocated share right after the arrival that brought the arrived load to each of
+    /// `ARRIVED`; NaN when the trace stops short.
+    share_at_arrived: [f64; 4],
 }
 
 /// `diagnose`: print the first failed request and the pool at that moment.
-fn replay(nodes: &[NodeSpec], requests: &[TraceRequest], scorer: Scorer, diagnose: bool) -> Replay {
+fn replay(
+    nodes: &[TraceNode],
+    requests: &[TraceRequest],
+    scorer: Scorer,
+    diagnose: bool,
+) -> Replay {
     let mut engine = Engine::new(EngineConfig {
         scorer,
         ..EngineConfig::default()
     });
-    for spec in nodes {
-        engine.handle(Event::AddNode(spec.clone()));
+    for node in nodes {
+        engine.handle(Event::RegisterNode {
+            spec: node.spec.clone(),
+            host: node.host,
+        });
     }
     let gpus_total = engine.summary().gpus_total as f64;
     // (time, 0 = departure first, request index)
@@ -344,7 +544,10 @@ fn replay(nodes: &[NodeSpec], requests: &[TraceRequest], scorer: Scorer, diagnos
         share_at_first_failure: f64::NAN,
         failed: 0,
         share_at_failures_sum: 0.0,
+        share_at_arrived: [f64::NAN; 4],
     };
+    let mut arrived_milli = 0u64;
+    let mut thresholds_passed = 0usize;
     for (_, kind, index) in timeline {
         let trace_request = &requests[index];
         let tenant = trace_request.name.clone();
@@ -361,12 +564,15 @@ fn replay(nodes: &[NodeSpec], requests: &[TraceRequest], scorer: Scorer, diagnos
             continue;
         }
         let shape = (trace_request.gpus_milli, trace_request.gpu_count);
-        let event = Event::Submit {
+        let event = Event::SubmitConstrained {
             tenant: tenant.clone(),
             request: request(shape, trace_request.memory_bytes),
+            constraints: trace_request.constraints(),
             seq: index as u64,
         };
-        match engine.handle(event).as_slice() {
+        arrived_milli += trace_request.gpus_milli_total();
+        let commands = engine.handle(event);
+        match commands.as_slice() {
             [Command::Bind { slices, .. }] => {
                 placed[index] = true;
                 compute_allocated_percent += slices
@@ -386,6 +592,12 @@ fn replay(nodes: &[NodeSpec], requests: &[TraceRequest], scorer: Scorer, diagnos
                 result.share_at_failures_sum += share;
                 engine.handle(Event::Release { tenant });
             }
+        }
+        let arrived = arrived_milli as f64 / 1000.0 / gpus_total;
+        while thresholds_passed < ARRIVED.len() && arrived >= ARRIVED[thresholds_passed] {
+            result.share_at_arrived[thresholds_passed] =
+                compute_allocated_percent as f64 / 100.0 / gpus_total;
+            thresholds_passed += 1;
         }
     }
     engine.check_invariants();

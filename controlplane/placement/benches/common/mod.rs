@@ -1,25 +1,32 @@
 //! Shared by the placement benches: a tiny deterministic PRNG (splitmix64), the workload mix,
 //! node specs, and the trace CSV formats (read and written).
 //!
-//! Nodes CSV, one node per line after a header line (`#` lines are comments):
-//!   `name,gpu_count,gpu_model,gpu_memory_bytes[,nvlink]`
+//! Both CSVs have a header line that names the columns (in any order; `#` lines are comments).
+//! Nodes CSV, one node per line:
+//!   `name,gpu_count,gpu_model,gpu_memory_bytes[,nvlink][,cpu_milli][,memory_mib]`
 //!   nvlink: `all` (every pair linked, NVSwitch; the default), `none` (PCIe only) or `islands4`
 //!   (cliques {0..3}, {4..7}, ...). GPUs 0..n/2 are NUMA node 0, the rest NUMA node 1.
-//! Requests CSV, one request per line after a header line, sorted by arrival:
-//!   `name,arrival_s,departure_s,gpus_milli,gpu_count,memory_bytes`
+//!   cpu_milli, memory_mib: the node's CPU (millicores) and host memory (MiB); absent, empty or
+//!   0: not reported (unbounded).
+//! Requests CSV, one request per line, sorted by arrival:
+//!   `name,arrival_s,departure_s,gpus_milli,gpu_count,memory_bytes[,cpu_milli][,memory_mib][,gpu_model]`
 //!   gpus_milli: 1..=999 is a fraction of one GPU (gpu_count must be 1); 1000 means whole GPUs,
 //!   gpu_count of them on one node (the Alibaba `openb` pod lists use the same pair of columns,
 //!   `gpu_milli` and `num_gpu`). memory_bytes: per GPU; 0 means the default (the GPU's share for
-//!   a fraction, the whole GPU for whole GPUs). Times are seconds (decimals allowed).
+//!   a fraction, the whole GPU for whole GPUs). Times are seconds (decimals allowed); an empty
+//!   departure_s never departs. cpu_milli, memory_mib: CPU and host memory the task needs on its
+//!   node (absent, empty or 0: none). gpu_model: the allowed GPU models, separated by `|`
+//!   (absent or empty: any).
 
 #![allow(dead_code)] // Each bench uses a different part.
 
-use placement::{GpuCount, GpuSpec, NodeSpec, NvlinkPolicy, Request};
+use placement::{Constraints, GpuCount, GpuSpec, HostCapacity, NodeSpec, NvlinkPolicy, Request};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 pub const GIB: u64 = 1 << 30;
 pub const H100_MEMORY_BYTES: u64 = 80 * GIB;
+pub const MIB: u64 = 1 << 20;
 
 /// splitmix64: deterministic, seedable, good enough for workload generation.
 pub struct Rng(u64);
@@ -147,85 +154,225 @@ pub struct TraceRequest {
     pub gpus_milli: u32,
     pub gpu_count: u32,
     pub memory_bytes: u64,
+    /// 0: none.
+    pub cpu_milli: u64,
+    /// Host memory, MiB; 0: none.
+    pub memory_mib: u64,
+    /// Allowed GPU models; empty: any.
+    pub gpu_models: Vec<String>,
 }
 
-fn data_lines(text: &str) -> impl Iterator<Item = (usize, Vec<&str>)> {
-    text.lines()
+impl TraceRequest {
+    pub fn constraints(&self) -> Constraints {
+        Constraints {
+            cpu_milli: self.cpu_milli,
+            host_memory_bytes: self.memory_mib * MIB,
+            gpu_models: self.gpu_models.iter().cloned().collect(),
+        }
+    }
+
+    /// GPUs asked, in thousandths.
+    pub fn gpus_milli_total(&self) -> u64 {
+        u64::from(self.gpus_milli) * u64::from(self.gpu_count)
+    }
+}
+
+/// One node line of the nodes CSV.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceNode {
+    pub spec: NodeSpec,
+    pub host: HostCapacity,
+}
+
+/// One line of the nodes CSV, to write.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeLine {
+    pub name: String,
+    pub gpu_count: u32,
+    pub model: String,
+    pub memory_bytes: u64,
+    pub nvlink: String,
+    /// 0: not reported.
+    pub cpu_milli: u64,
+    /// 0: not reported.
+    pub memory_mib: u64,
+}
+
+/// The header's column names, then the data lines (line number, fields).
+fn table(text: &str) -> (Vec<String>, Vec<(usize, Vec<&str>)>) {
+    let mut lines = text
+        .lines()
         .enumerate()
-        .filter(|(_, line)| !line.trim().is_empty() && !line.trim_start().starts_with('#'))
-        .skip(1) // The header.
+        .filter(|(_, line)| !line.trim().is_empty() && !line.trim_start().starts_with('#'));
+    let header: Vec<String> = lines
+        .next()
+        .map(|(_, line)| {
+            line.split(',')
+                .map(|name| name.trim().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    let rows = lines
         .map(|(number, line)| (number + 1, line.split(',').map(str::trim).collect()))
+        .collect();
+    (header, rows)
 }
 
-pub fn parse_nodes(text: &str) -> Vec<NodeSpec> {
-    data_lines(text)
-        .map(|(line, fields)| {
-            assert!(
-                fields.len() == 4 || fields.len() == 5,
-                "nodes line {line}: 4 or 5 fields"
-            );
-            let number = |at: usize| {
-                fields[at]
-                    .parse::<u64>()
-                    .unwrap_or_else(|_| panic!("nodes line {line}: field {at}"))
-            };
-            node_spec(
-                fields[0],
-                number(1) as u32,
-                fields[2],
-                number(3),
-                fields.get(4).copied().unwrap_or("all"),
+/// Reads the fields of one table row by column name.
+struct Row<'a> {
+    what: &'static str,
+    line: usize,
+    header: &'a [String],
+    fields: &'a [&'a str],
+}
+
+impl Row<'_> {
+    fn optional(&self, column: &str) -> Option<&str> {
+        let at = self.header.iter().position(|name| name == column)?;
+        self.fields
+            .get(at)
+            .copied()
+            .filter(|field| !field.is_empty())
+    }
+
+    fn text(&self, column: &str) -> &str {
+        self.optional(column).unwrap_or_else(|| {
+            panic!(
+                "{} line {}: column {column} is missing or empty",
+                self.what, self.line
             )
         })
-        .collect()
+    }
+
+    fn integer(&self, column: &str) -> u64 {
+        self.text(column).parse().unwrap_or_else(|_| {
+            panic!(
+                "{} line {}: column {column} is not an integer",
+                self.what, self.line
+            )
+        })
+    }
+
+    fn integer_or_zero(&self, column: &str) -> u64 {
+        self.optional(column).map_or(0, |_| self.integer(column))
+    }
+
+    fn float(&self, column: &str) -> f64 {
+        self.text(column).parse().unwrap_or_else(|_| {
+            panic!(
+                "{} line {}: column {column} is not a number",
+                self.what, self.line
+            )
+        })
+    }
 }
 
-pub fn parse_requests(text: &str) -> Vec<TraceRequest> {
-    data_lines(text)
+pub fn parse_nodes(text: &str) -> Vec<TraceNode> {
+    let (header, rows) = table(text);
+    rows.iter()
         .map(|(line, fields)| {
-            assert_eq!(fields.len(), 6, "requests line {line}: 6 fields");
-            let float = |at: usize| {
-                fields[at]
-                    .parse::<f64>()
-                    .unwrap_or_else(|_| panic!("requests line {line}: field {at}"))
+            let row = Row {
+                what: "nodes",
+                line: *line,
+                header: &header,
+                fields,
             };
-            let integer = |at: usize| {
-                fields[at]
-                    .parse::<u64>()
-                    .unwrap_or_else(|_| panic!("requests line {line}: field {at}"))
-            };
-            TraceRequest {
-                name: fields[0].to_string(),
-                arrival_s: float(1),
-                departure_s: float(2),
-                gpus_milli: integer(3) as u32,
-                gpu_count: integer(4) as u32,
-                memory_bytes: integer(5),
+            let reported = |value: u64| (value > 0).then_some(value);
+            TraceNode {
+                spec: node_spec(
+                    row.text("name"),
+                    row.integer("gpu_count") as u32,
+                    row.text("gpu_model"),
+                    row.integer("gpu_memory_bytes"),
+                    row.optional("nvlink").unwrap_or("all"),
+                ),
+                host: HostCapacity {
+                    cpu_milli: reported(row.integer_or_zero("cpu_milli")),
+                    memory_bytes: reported(row.integer_or_zero("memory_mib") * MIB),
+                },
             }
         })
         .collect()
 }
 
-pub fn write_nodes(nodes: &[(String, u32, String, u64, String)]) -> String {
-    let mut text = String::from("name,gpu_count,gpu_model,gpu_memory_bytes,nvlink\n");
-    for (name, gpu_count, model, memory_bytes, nvlink) in nodes {
-        writeln!(text, "{name},{gpu_count},{model},{memory_bytes},{nvlink}").unwrap();
+pub fn parse_requests(text: &str) -> Vec<TraceRequest> {
+    let (header, rows) = table(text);
+    rows.iter()
+        .map(|(line, fields)| {
+            let row = Row {
+                what: "requests",
+                line: *line,
+                header: &header,
+                fields,
+            };
+            TraceRequest {
+                name: row.text("name").to_string(),
+                arrival_s: row.float("arrival_s"),
+                departure_s: row
+                    .optional("departure_s")
+                    .map_or(f64::INFINITY, |_| row.float("departure_s")),
+                gpus_milli: row.integer("gpus_milli") as u32,
+                gpu_count: row.integer("gpu_count") as u32,
+                memory_bytes: row.integer_or_zero("memory_bytes"),
+                cpu_milli: row.integer_or_zero("cpu_milli"),
+                memory_mib: row.integer_or_zero("memory_mib"),
+                gpu_models: row
+                    .optional("gpu_model")
+                    .map(|models| {
+                        models
+                            .split('|')
+                            .map(str::trim)
+                            .filter(|model| !model.is_empty())
+                            .map(str::to_string)
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+            }
+        })
+        .collect()
+}
+
+pub fn write_nodes(nodes: &[NodeLine]) -> String {
+    let mut text =
+        String::from("name,gpu_count,gpu_model,gpu_memory_bytes,nvlink,cpu_milli,memory_mib\n");
+    for node in nodes {
+        writeln!(
+            text,
+            "{},{},{},{},{},{},{}",
+            node.name,
+            node.gpu_count,
+            node.model,
+            node.memory_bytes,
+            node.nvlink,
+            node.cpu_milli,
+            node.memory_mib
+        )
+        .unwrap();
     }
     text
 }
 
 pub fn write_requests(requests: &[TraceRequest]) -> String {
-    let mut text = String::from("name,arrival_s,departure_s,gpus_milli,gpu_count,memory_bytes\n");
+    let mut text = String::from(
+        "name,arrival_s,departure_s,gpus_milli,gpu_count,memory_bytes,cpu_milli,memory_mib,gpu_model\n",
+    );
     for request in requests {
+        let departure = if request.departure_s.is_finite() {
+            format!("{:.1}", request.departure_s)
+        } else {
+            String::new()
+        };
         writeln!(
             text,
-            "{},{:.1},{:.1},{},{},{}",
+            "{},{:.1},{departure},{},{},{},{},{},{}",
             request.name,
             request.arrival_s,
-            request.departure_s,
             request.gpus_milli,
             request.gpu_count,
-            request.memory_bytes
+            request.memory_bytes,
+            request.cpu_milli,
+            request.memory_mib,
+            request.gpu_models.join("|"),
         )
         .unwrap();
     }
