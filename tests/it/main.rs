@@ -4,6 +4,7 @@
 mod t00_tidy;
 mod t10_pool;
 mod t20_bad_input;
+mod t21_dashboard;
 mod t22_node_identity;
 mod t22_owner_priority;
 mod t30_cluster;
