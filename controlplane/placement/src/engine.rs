@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(from = "EngineFields")]
 pub struct Engine {
     pub(crate) config: EngineConfig,
     pub(crate) nodes: BTreeMap<NodeName, Node>,
@@ -35,6 +36,190 @@ pub struct Engine {
     /// of the serde encoding and recomputed by [`Engine::restore_host_state`].
     #[serde(skip)]
     pub(crate) host_mix: HostMix,
+    /// GPUs per model and what model-constrained tenants ask of each: read by the
+    /// fragmentation scorer to keep GPUs of a model in demand for the tenants that need it.
+    /// Derived, so left out of the serde encoding; recomputed on decoding and by
+    /// [`Engine::restore_host_state`].
+    #[serde(skip)]
+    pub(crate) models: ModelBook,
+}
+
+/// The encoded fields of [`Engine`], in the same order and with the same types (the encoding is
+/// unchanged): decoding goes through it so that what derives from the nodes is recomputed.
+#[derive(Deserialize)]
+#[serde(rename = "Engine")]
+struct EngineFields {
+    config: EngineConfig,
+    nodes: BTreeMap<NodeName, Node>,
+    tenants: BTreeMap<TenantName, TenantRecord>,
+    queue: BTreeSet<QueueKey>,
+    free_index: BTreeMap<u32, BTreeSet<NodeName>>,
+    workload: WorkloadModel,
+    placed_by_priority: BTreeMap<i32, (u64, u64)>,
+    scan_cursor: NodeName,
+}
+
+impl From<EngineFields> for Engine {
+    fn from(fields: EngineFields) -> Engine {
+        let mut engine = Engine {
+            config: fields.config,
+            nodes: fields.nodes,
+            tenants: fields.tenants,
+            queue: fields.queue,
+            free_index: fields.free_index,
+            workload: fields.workload,
+            placed_by_priority: fields.placed_by_priority,
+            scan_cursor: fields.scan_cursor,
+            host_mix: HostMix::default(),
+            models: ModelBook::default(),
+        };
+        engine.models = ModelBook::of_nodes(engine.nodes.values());
+        for record in engine.tenants.values() {
+            engine.models.kept_milli += HostMix::gpu_milli_of(&record.request);
+        }
+        assert!(engine.models.demand_milli.is_empty());
+        engine
+    }
+}
+
+/// Per GPU model: how many GPUs the pool has and how much of their compute is free (every node,
+/// whatever its state), and the GPUs (thousandths) that kept model-constrained tenants ask of
+/// it, a tenant allowing k models counting 1/k for each (a model nobody constrains to has no
+/// demand entry); and the GPUs all kept tenants ask.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ModelBook {
+    pub capacity: BTreeMap<String, u64>,
+    pub free_percent: BTreeMap<String, u64>,
+    pub free_percent_total: u64,
+    pub demand_milli: BTreeMap<String, u128>,
+    pub kept_milli: u128,
+}
+
+impl ModelBook {
+    /// Capacity and free compute from the nodes; no demand.
+    fn of_nodes<'a>(nodes: impl Iterator<Item = &'a Node> + Clone) -> ModelBook {
+        let mut book = ModelBook {
+            capacity: Self::capacity_of(nodes.clone()),
+            ..ModelBook::default()
+        };
+        for node in nodes {
+            for position in 0..node.usage.len() {
+                let free = u64::from(node.gpu_free(position).compute_free_percent);
+                *book
+                    .free_percent
+                    .entry(node.spec.gpus[position].model.clone())
+                    .or_default() += free;
+                book.free_percent_total += free;
+            }
+        }
+        book
+    }
+
+    /// `percent` of a GPU of `model` taken (positive) or given back (negative).
+    pub(crate) fn take(&mut self, model: &str, percent: i64) {
+        let free = self
+            .free_percent
+            .get_mut(model)
+            .expect("known nodes' models are counted");
+        assert!(*free as i64 >= percent && self.free_percent_total as i64 >= percent);
+        *free = (*free as i64 - percent) as u64;
+        self.free_percent_total = (self.free_percent_total as i64 - percent) as u64;
+    }
+
+    fn capacity_of<'a>(nodes: impl Iterator<Item = &'a Node>) -> BTreeMap<String, u64> {
+        let mut capacity: BTreeMap<String, u64> = BTreeMap::new();
+        for node in nodes {
+            for gpu in &node.spec.gpus {
+                *capacity.entry(gpu.model.clone()).or_default() += 1;
+            }
+        }
+        capacity
+    }
+
+    fn add_node(&mut self, node: &Node) {
+        for gpu in &node.spec.gpus {
+            *self.capacity.entry(gpu.model.clone()).or_default() += 1;
+            *self.free_percent.entry(gpu.model.clone()).or_default() += 100;
+            self.free_percent_total += 100;
+        }
+    }
+
+    fn remove_node(&mut self, node: &Node) {
+        for gpu in &node.spec.gpus {
+            let count = self
+                .capacity
+                .get_mut(&gpu.model)
+                .expect("known nodes' models are counted");
+            assert!(*count >= 1);
+            *count -= 1;
+            if *count == 0 {
+                self.capacity.remove(&gpu.model);
+            }
+            // A node is removed empty.
+            self.take(&gpu.model, 100);
+            if self.free_percent[&gpu.model] == 0 && !self.capacity.contains_key(&gpu.model) {
+                self.free_percent.remove(&gpu.model);
+            }
+        }
+    }
+
+    /// Each allowed model's share of the tenant's GPUs.
+    fn demand_of(request: &Request, constraints: &Constraints) -> u128 {
+        let allowed = constraints.gpu_models.len() as u128;
+        assert!(allowed >= 1);
+        HostMix::gpu_milli_of(request) / allowed
+    }
+
+    fn add_demand(&mut self, request: &Request, constraints: &Constraints) {
+        if constraints.gpu_models.is_empty() {
+            return;
+        }
+        let share = Self::demand_of(request, constraints);
+        for model in &constraints.gpu_models {
+            *self.demand_milli.entry(model.clone()).or_default() += share;
+        }
+    }
+
+    fn remove_demand(&mut self, request: &Request, constraints: &Constraints) {
+        if constraints.gpu_models.is_empty() {
+            return;
+        }
+        let share = Self::demand_of(request, constraints);
+        for model in &constraints.gpu_models {
+            let demand = self
+                .demand_milli
+                .get_mut(model)
+                .expect("kept tenants' models are counted");
+            assert!(*demand >= share);
+            *demand -= share;
+            if *demand == 0 {
+                self.demand_milli.remove(model);
+            }
+        }
+    }
+
+    /// How scarce `model` is for the tenants constrained to it, in thousandths (at most 1000):
+    /// 0 while its share of the pool's free compute is at least its share of the kept tenants'
+    /// GPUs (what constrained arrivals are expected to ask of it), rising to 1000 as its free
+    /// share falls to half of that. The share of a GPU of this model that an unconstrained task
+    /// would take from the tenants that need it.
+    pub(crate) fn scarcity_permille(&self, model: &str) -> u64 {
+        let Some(&demand) = self.demand_milli.get(model) else {
+            return 0;
+        };
+        let free = u128::from(self.free_percent.get(model).copied().unwrap_or(0));
+        let free_total = u128::from(self.free_percent_total);
+        if self.kept_milli == 0 || free_total == 0 {
+            return 0;
+        }
+        // demand share / free share, in thousandths: (demand / kept) / (free / free_total).
+        let ratio_permille = if free == 0 {
+            u128::MAX
+        } else {
+            1000 * demand * free_total / (self.kept_milli * free)
+        };
+        (ratio_permille.saturating_sub(1000) * 2).min(1000) as u64
+    }
 }
 
 /// Totals over kept tenants that ask for CPU or host memory: GPUs (thousandths), CPU
@@ -48,17 +233,21 @@ pub(crate) struct HostMix {
 }
 
 impl HostMix {
+    fn gpu_milli_of(request: &Request) -> u128 {
+        let nodes = u128::from(request.nodes.max(1));
+        match request.gpus {
+            GpuCount::Whole(gpus) => 1000 * u128::from(gpus) * nodes,
+            GpuCount::Milli(milli) => u128::from(milli),
+        }
+    }
+
     fn of(request: &Request, constraints: &Constraints) -> HostMix {
         if !constraints.asks_host() {
             return HostMix::default();
         }
         let nodes = u128::from(request.nodes.max(1));
-        let gpu_milli = match request.gpus {
-            GpuCount::Whole(gpus) => 1000 * u128::from(gpus) * nodes,
-            GpuCount::Milli(milli) => u128::from(milli),
-        };
         HostMix {
-            gpu_milli,
+            gpu_milli: Self::gpu_milli_of(request),
             cpu_milli: u128::from(constraints.cpu_milli) * nodes,
             memory_bytes: u128::from(constraints.host_memory_bytes) * nodes,
         }
@@ -197,6 +386,7 @@ impl Engine {
             placed_by_priority: BTreeMap::new(),
             scan_cursor: NodeName::new(),
             host_mix: HostMix::default(),
+            models: ModelBook::default(),
         }
     }
 
@@ -276,8 +466,11 @@ impl Engine {
             "host state names an unknown tenant"
         );
         self.host_mix = HostMix::default();
+        self.models = ModelBook::of_nodes(self.nodes.values());
         for (name, record) in &mut self.tenants {
+            self.models.kept_milli += HostMix::gpu_milli_of(&record.request);
             record.constraints = state.tenants.get(name).cloned().unwrap_or_default();
+            self.models.add_demand(&record.request, &record.constraints);
             self.host_mix
                 .add(HostMix::of(&record.request, &record.constraints));
             if let Placement::Placed { slices } = &record.placement {
@@ -420,6 +613,7 @@ impl Engine {
         }
         let mut node = Node::new(spec);
         node.host = host;
+        self.models.add_node(&node);
         assert_eq!(node.state, NodeState::Ready);
         self.nodes.insert(name.clone(), node);
         self.index_insert(&name);
@@ -441,6 +635,7 @@ impl Engine {
         self.nodes.get_mut(name).expect("known node").state = NodeState::Draining;
         self.displace_tenants(name, reason, commands);
         let node = self.nodes.remove(name).expect("known node");
+        self.models.remove_node(&node);
         assert!(node.usage.iter().all(|usage| usage.tenants.is_empty()));
         assert!(!self.free_index.values().any(|bucket| bucket.contains(name)));
     }
@@ -525,6 +720,10 @@ impl Engine {
             }
         };
         let mix = HostMix::of(&request, &constraints);
+        // What the model book counts once the tenant is kept (after the decision, as `observe`).
+        let kept_milli = HostMix::gpu_milli_of(&request);
+        let model_demand =
+            (!constraints.gpu_models.is_empty()).then(|| (request.clone(), constraints.clone()));
         let record = TenantRecord {
             request,
             seq,
@@ -549,6 +748,10 @@ impl Engine {
             }
         }
         self.host_mix.add(mix);
+        self.models.kept_milli += kept_milli;
+        if let Some((request, constraints)) = model_demand {
+            self.models.add_demand(&request, &constraints);
+        }
         // Counted after the decision: the model describes tenants kept (placed or pending).
         self.workload.observe(need.shape());
     }
@@ -568,6 +771,11 @@ impl Engine {
         assert!(self.queue.remove(&QueueKey::of(tenant, &record)));
         self.host_mix
             .remove(HostMix::of(&record.request, &record.constraints));
+        self.models
+            .remove_demand(&record.request, &record.constraints);
+        let kept_milli = HostMix::gpu_milli_of(&record.request);
+        assert!(self.models.kept_milli >= kept_milli);
+        self.models.kept_milli -= kept_milli;
         commands.push(Command::Released {
             tenant: tenant.to_string(),
         });
@@ -652,6 +860,8 @@ impl Engine {
             assert_eq!(node.state, NodeState::Ready);
             let position = node.position_of[&slice.gpu_index];
             node.allocate(position, tenant, slice.compute_percent, slice.memory_bytes);
+            let model = &node.spec.gpus[position].model;
+            self.models.take(model, i64::from(slice.compute_percent));
             self.index_insert(&slice.node);
         }
         let constraints = &self.tenants[tenant].constraints;
@@ -712,6 +922,8 @@ impl Engine {
                 .expect("slices name known nodes");
             let position = node.position_of[&slice.gpu_index];
             node.free(position, tenant, slice.compute_percent, slice.memory_bytes);
+            let model = &node.spec.gpus[position].model;
+            self.models.take(model, -i64::from(slice.compute_percent));
             self.index_insert(&slice.node);
         }
         let constraints = &self.tenants[tenant].constraints;
@@ -764,9 +976,12 @@ impl Engine {
         let mut expected: BTreeMap<(&str, u32), GpuUsage> = BTreeMap::new();
         let mut host_expected: BTreeMap<&str, HostUse> = BTreeMap::new();
         let mut mix_expected = HostMix::default();
+        let mut models_expected = ModelBook::of_nodes(self.nodes.values());
         for (tenant, record) in &self.tenants {
             let key = QueueKey::of(tenant, record);
             mix_expected.add(HostMix::of(&record.request, &record.constraints));
+            models_expected.add_demand(&record.request, &record.constraints);
+            models_expected.kept_milli += HostMix::gpu_milli_of(&record.request);
             match &record.placement {
                 Placement::Pending { .. } => {
                     assert!(self.queue.contains(&key), "{tenant} pending but not queued")
@@ -891,6 +1106,7 @@ impl Engine {
         }
         assert!(expected.is_empty(), "slices on unknown GPUs: {expected:?}");
         assert_eq!(mix_expected, self.host_mix, "host_mix is stale");
+        assert_eq!(models_expected, self.models, "models is stale");
         assert_eq!(
             indexed,
             self.free_index.values().map(BTreeSet::len).sum::<usize>()

@@ -430,3 +430,38 @@ fn the_host_state_travels_beside_the_encoding() {
     let models: BTreeSet<String> = ["H100-80GB".to_string()].into();
     assert!(asks(0, 0, &["H100-80GB"]).gpu_models == models);
 }
+
+/// A100 node a and H100 node h; a tenant constrained to H100s holds two of h's GPUs. An
+/// unconstrained whole GPU then goes to a under Fragmentation (it would take an H100 from the
+/// tenants that need one, even though a is empty), to h under BestFit (fewest free GPUs left).
+#[test]
+fn unconstrained_tasks_leave_a_model_in_demand_to_those_that_need_it() {
+    for scorer in [Scorer::Fragmentation, Scorer::BestFit] {
+        let mut engine = engine_of(
+            scorer,
+            vec![
+                (
+                    with_model(node_spec("a", 8, 80 * GIB, Interconnect::All), "A100"),
+                    HostCapacity::default(),
+                ),
+                (
+                    with_model(node_spec("h", 8, 80 * GIB, Interconnect::All), "H100"),
+                    HostCapacity::default(),
+                ),
+            ],
+        );
+        handle(
+            &mut engine,
+            submit_with("needs-h100", whole(2), asks(0, 0, &["H100"]), 1),
+        );
+        let commands = handle(&mut engine, submit("any", whole(1), 2));
+        let [Command::Bind { slices, .. }] = commands.as_slice() else {
+            panic!("{commands:?}")
+        };
+        let expected = match scorer {
+            Scorer::Fragmentation => "a",
+            Scorer::BestFit => "h",
+        };
+        assert_eq!(slices[0].node, expected, "{scorer:?}");
+    }
+}

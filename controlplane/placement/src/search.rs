@@ -102,8 +102,9 @@ pub(crate) struct Found {
     pub cursor_next: NodeName,
 }
 
-/// Lower is better: the change of GPUs stranded behind CPU or host memory (Fragmentation only;
-/// 0 for BestFit and whenever no tenant asks for host capacity), whether the set opens an empty
+/// Lower is better: the change of GPUs stranded behind CPU or host memory plus the scarcity cost
+/// of the set's models (Fragmentation only; 0 for BestFit and whenever no tenant asks for host
+/// capacity or a model), whether the set opens an empty
 /// node (Fragmentation only; always `false` for BestFit), then topology (Prefer/Require), then fully free GPUs left, then free compute left.
 type WholeKey = (i64, bool, Reverse<SetScore>, u32, u64);
 
@@ -204,6 +205,7 @@ impl Engine {
             let node_totals = (summary.fully_free_count(), summary.compute_free_sum_percent);
             let mut whole_parts: [Option<i64>; 2] = [None, None];
             let mut stranding: Option<i64> = None;
+            let mut scarcity_memo: Option<(&str, i64)> = None;
             for position in 0..node.usage.len() {
                 let free = node.gpu_free(position);
                 let memory_bytes = memory.bytes_on(free.memory_total_bytes);
@@ -225,8 +227,18 @@ impl Engine {
                         let stranded = *stranding.get_or_insert_with(|| {
                             self.stranding_delta(node, constraints, u64::from(compute_percent))
                         });
+                        let model = node.spec.gpus[position].model.as_str();
+                        let scarcity = match scarcity_memo {
+                            Some((known, value)) if known == model => value,
+                            _ => {
+                                let value = self.scarcity_cost(model, u64::from(compute_percent));
+                                scarcity_memo = Some((model, value));
+                                value
+                            }
+                        };
                         whole
                             + stranded
+                            + scarcity
                             + self
                                 .workload
                                 .fraction_part(free, compute_percent, memory_bytes)
@@ -302,6 +314,20 @@ impl Engine {
         let before = self.host_mix.stranded_percent(sum, free) as i64;
         let later = self.host_mix.stranded_percent(sum - compute_percent, after) as i64;
         (later - before) * self.workload.weight_total() as i64
+    }
+
+    /// What taking `compute_percent` of a GPU of `model` costs the tenants constrained to that
+    /// model, on the workload model's scale: the compute taken times the model's scarcity (the
+    /// share of its GPUs that constrained tenants ask), so an unconstrained task (or one allowing
+    /// several models) leaves a model in demand to the tasks that need it. 0 when no kept
+    /// tenant is constrained to a model.
+    fn scarcity_cost(&self, model: &str, compute_percent: u64) -> i64 {
+        if self.models.demand_milli.is_empty() {
+            return 0;
+        }
+        let permille = self.models.scarcity_permille(model);
+        assert!(permille <= 1000);
+        (compute_percent * permille * self.workload.weight_total() / 1000) as i64
     }
 
     /// GPUs of `node` a whole-GPU request could take now: fully free, of an allowed model, with
@@ -380,11 +406,21 @@ impl Engine {
                 let opens_empty_node =
                     fragmentation && summary.fully_free_count() as usize == node.usage.len();
                 // GPUs the set would strand behind this node's CPU or host memory (0 unless some
-                // tenant asks for them): first, as a stranded GPU is lost to every shape, and a
-                // task that needs little CPU belongs on a node whose GPUs only such tasks can use,
-                // even an empty one.
+                // tenant asks for them), plus the GPUs it would take from tenants constrained to
+                // their model (0 unless some tenant is): first, as a stranded GPU is lost to every
+                // shape, and a task that needs little CPU belongs on a node whose GPUs only such
+                // tasks can use, even an empty one.
                 let stranding = if fragmentation {
-                    self.stranding_delta(node, constraints, 100 * u64::from(gpus))
+                    let scarcity: i64 = if self.models.demand_milli.is_empty() {
+                        0
+                    } else {
+                        positions(set)
+                            .map(|position| {
+                                self.scarcity_cost(&node.spec.gpus[position].model, 100)
+                            })
+                            .sum()
+                    };
+                    self.stranding_delta(node, constraints, 100 * u64::from(gpus)) + scarcity
                 } else {
                     0
                 };

@@ -158,6 +158,9 @@ impl Engine {
             let position = node.position_of[&slice.gpu_index];
             node.free(position, tenant, slice.compute_percent, slice.memory_bytes);
             node.allocate(position, tenant, percent, slice.memory_bytes);
+            let model = &node.spec.gpus[position].model;
+            self.models
+                .take(model, i64::from(percent) - i64::from(slice.compute_percent));
             self.index_insert(&slice.node);
         }
     }
