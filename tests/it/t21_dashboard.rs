@@ -1,8 +1,9 @@
 //! The pool dashboard of a live pool (issue 21): three members, two agents with simulated GPUs
 //! and labels, placed and pending tenants; a follower serves `/ui/` and its JSON views, with the
-//! leader's heartbeat times, paged and filtered.
+//! leader's heartbeat times, paged and filtered. Under mTLS the views follow the API's roles.
 
 use anyhow::{Context, Result, bail, ensure};
+use api::tls::{TlsFiles, Transport};
 use serde_json::Value;
 use std::time::Duration;
 use tests::{Cluster, wait_for};
@@ -162,5 +163,94 @@ fn a_follower_serves_the_dashboard_and_its_json_views() -> Result<()> {
     // A malformed query is refused with a reason.
     let (status, body) = get(&follower, "/ui/api/pool?limit=0")?;
     ensure!(status == 400 && body.contains("limit"), "{status} {body}");
+    Ok(())
+}
+
+/// A GET over the API's own transport (HTTP/2, mTLS with the certificate in `flags`): the
+/// status code and the body.
+fn get_as(flags: &[String], address: &str, path: &str) -> Result<(u16, String)> {
+    use tonic::codegen::{Body as _, Service as _, http};
+    let files = TlsFiles {
+        ca_cert: flags[1].clone().into(),
+        cert: flags[3].clone().into(),
+        key: flags[5].clone().into(),
+    };
+    let transport = Transport::choose(false, Some(&files), "")?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    let exchange = async {
+        let mut channel = transport.endpoint(address)?.connect().await?;
+        std::future::poll_fn(|cx| channel.poll_ready(cx)).await?;
+        let request = http::Request::get(path).body(tonic::body::Body::empty())?;
+        let response = channel.call(request).await?;
+        let status = response.status().as_u16();
+        let mut body = std::pin::pin!(response.into_body());
+        let mut bytes = Vec::new();
+        while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+            if let Ok(data) = frame?.into_data() {
+                bytes.extend_from_slice(&data);
+            }
+        }
+        anyhow::Ok((status, String::from_utf8(bytes)?))
+    };
+    runtime.block_on(async { tokio::time::timeout(Duration::from_secs(10), exchange).await })?
+}
+
+#[test]
+fn under_mtls_the_views_follow_the_roles_of_the_api() -> Result<()> {
+    let mut cluster = Cluster::start_secure(1, &[])?;
+    cluster.start_agent("node-a", "1xH100-80GB")?;
+    cluster.wait_nodes_ready(1)?;
+    let pki = cluster.pki.as_ref().context("secure")?;
+    let alice = pki.issue("tenant:alice", "alice", &[])?;
+    let bob = pki.issue("tenant:bob", "bob", &[])?;
+    let as_user = |flags: &[String], args: &[&str]| {
+        let mut all: Vec<&str> = flags.iter().map(String::as_str).collect();
+        all.extend_from_slice(args);
+        tests::vgpuctl(&cluster.endpoints(), &all)
+    };
+    for (flags, name) in [(&alice, "a1"), (&bob, "b1")] {
+        let placed = as_user(flags, &["place", name, "--gpus", "0.25"])?;
+        ensure!(
+            placed.status.success(),
+            "{}",
+            String::from_utf8_lossy(&placed.stderr)
+        );
+    }
+    let address = cluster.members[0].address.clone();
+    let admin = &pki.admin;
+
+    // Admins see everything.
+    let (status, body) = get_as(admin, &address, "/ui/api/pool")?;
+    ensure!(status == 200, "{status} {body}");
+    let (status, body) = get_as(admin, &address, "/ui/api/tenants")?;
+    ensure!(
+        status == 200 && body.contains("a1") && body.contains("b1"),
+        "{body}"
+    );
+    let cluster_view: Value = serde_json::from_str(&get_as(admin, &address, "/ui/api/cluster")?.1)?;
+    ensure!(cluster_view["agents"].is_object(), "{cluster_view}");
+
+    // A tenant certificate: no pool (as `ListNodes`), its own tenants, the cluster without agents.
+    let (status, body) = get_as(&alice, &address, "/ui/api/pool")?;
+    ensure!(status == 403 && body.contains("alice"), "{status} {body}");
+    let (status, body) = get_as(&alice, &address, "/ui/api/tenants")?;
+    let view: Value = serde_json::from_str(&body)?;
+    let names: Vec<&str> = view["tenants"]
+        .as_array()
+        .context("rows")?
+        .iter()
+        .filter_map(|row| row["name"].as_str())
+        .collect();
+    ensure!(status == 200 && names == ["a1"], "{status} {body}");
+    let (status, body) = get_as(&alice, &address, "/ui/api/cluster")?;
+    let view: Value = serde_json::from_str(&body)?;
+    ensure!(
+        status == 200 && view["agents"].is_null() && view["leader"] == 1,
+        "{body}"
+    );
+
+    // The page itself holds no data: served to any certificate.
+    let (status, page) = get_as(&bob, &address, "/ui/")?;
+    ensure!(status == 200 && page.contains("app.js"), "{status} {page}");
     Ok(())
 }
