@@ -47,6 +47,8 @@ pub const STALEST_AGENTS_MAX: usize = 20;
 pub const MODELS_MAX: usize = 32;
 /// Longest query string taken, in bytes.
 pub const QUERY_BYTES_MAX: usize = 2048;
+/// Longest value of one parameter, decoded, in bytes (names and labels are shorter).
+pub const QUERY_VALUE_BYTES_MAX: usize = 256;
 /// How old the leader's soft state may be before a request fetches it again.
 pub const SOFT_STATE_MAX_AGE: Duration = Duration::from_secs(1);
 
@@ -97,7 +99,7 @@ impl PageQuery {
                 value: value.clone(),
                 why,
             };
-            if value.len() > api::names::NAME_LENGTH_MAX.max(253) {
+            if value.len() > QUERY_VALUE_BYTES_MAX {
                 return Err(invalid("too long"));
             }
             match key {

@@ -93,6 +93,14 @@ fn queries_parse_filters_and_refuse_what_is_malformed() {
         PageQuery::parse("model=%zz"),
         Err(QueryError::Invalid { .. })
     ));
+    let value = format!("model={}", "x".repeat(QUERY_VALUE_BYTES_MAX + 1));
+    assert!(matches!(
+        PageQuery::parse(&value),
+        Err(QueryError::Invalid {
+            why: "too long",
+            ..
+        })
+    ));
     let long = format!("model={}", "x".repeat(QUERY_BYTES_MAX));
     assert_eq!(PageQuery::parse(&long), Err(QueryError::TooLong));
 }
