@@ -199,10 +199,12 @@ impl ModelBook {
     }
 
     /// How scarce `model` is for the tenants constrained to it, in thousandths (at most 1000):
-    /// 0 while its share of the pool's free compute is at least its share of the kept tenants'
-    /// GPUs (what constrained arrivals are expected to ask of it), rising to 1000 as its free
-    /// share falls to half of that. The share of a GPU of this model that an unconstrained task
-    /// would take from the tenants that need it.
+    /// half the ratio of its share of the kept tenants' GPUs (what constrained arrivals are
+    /// expected to ask of it) to its share of the pool's free compute, so 500 when the two shares
+    /// are equal and 1000 once its free share is half its demand share. The share of a GPU of
+    /// this model that an unconstrained task would take from the tenants that need it. (Half:
+    /// on the bench's Constrained mix the full ratio cost a point with CPU in the trace, a
+    /// threshold at equal shares lost to BestFit without it; docs/benchmarks.md.)
     pub(crate) fn scarcity_permille(&self, model: &str) -> u64 {
         let Some(&demand) = self.demand_milli.get(model) else {
             return 0;
@@ -218,7 +220,7 @@ impl ModelBook {
         } else {
             1000 * demand * free_total / (self.kept_milli * free)
         };
-        (ratio_permille.saturating_sub(1000) * 2).min(1000) as u64
+        (ratio_permille / 2).min(1000) as u64
     }
 }
 

@@ -317,8 +317,8 @@ impl Engine {
     }
 
     /// What taking `compute_percent` of a GPU of `model` costs the tenants constrained to that
-    /// model, on the workload model's scale: the compute taken times the model's scarcity (the
-    /// share of its GPUs that constrained tenants ask), so an unconstrained task (or one allowing
+    /// model, on the workload model's scale: the compute taken times the model's scarcity
+    /// (`ModelBook::scarcity_permille`), so an unconstrained task (or one allowing
     /// several models) leaves a model in demand to the tasks that need it. 0 when no kept
     /// tenant is constrained to a model.
     fn scarcity_cost(&self, model: &str, compute_percent: u64) -> i64 {
