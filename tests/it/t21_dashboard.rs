@@ -8,8 +8,8 @@ use serde_json::Value;
 use std::time::Duration;
 use tests::{Cluster, wait_for};
 
-/// A plain HTTP/1.1 GET: the status code and the body.
-fn get(address: &str, path: &str) -> Result<(u16, String)> {
+/// A plain HTTP/1.1 GET: the status code, the head (lower case) and the body.
+fn get(address: &str, path: &str) -> Result<(u16, String, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(address)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
@@ -27,7 +27,7 @@ fn get(address: &str, path: &str) -> Result<(u16, String)> {
         .nth(1)
         .and_then(|code| code.parse().ok())
         .with_context(|| format!("no status in {head}"))?;
-    Ok((status, body.to_owned()))
+    Ok((status, head.to_ascii_lowercase(), body.to_owned()))
 }
 
 fn get_json(address: &str, path: &str) -> Result<Value> {
@@ -65,7 +65,11 @@ fn a_follower_serves_the_dashboard_and_its_json_views() -> Result<()> {
         .clone();
 
     // The page and its assets, with nothing from elsewhere.
-    let page = tests::http_get(&follower, "/ui/")?;
+    let (status, head, page) = get(&follower, "/ui/")?;
+    ensure!(
+        status == 200 && head.contains("content-security-policy: default-src 'self'"),
+        "{status} {head}"
+    );
     ensure!(
         page.contains("<script src=\"app.js\">") && page.contains("app.css"),
         "{page}"
@@ -161,7 +165,7 @@ fn a_follower_serves_the_dashboard_and_its_json_views() -> Result<()> {
     ensure!(view["last_log_index"].as_u64() > Some(0), "{view}");
 
     // A malformed query is refused with a reason.
-    let (status, body) = get(&follower, "/ui/api/pool?limit=0")?;
+    let (status, _, body) = get(&follower, "/ui/api/pool?limit=0")?;
     ensure!(status == 400 && body.contains("limit"), "{status} {body}");
     Ok(())
 }
