@@ -9,12 +9,15 @@
 //!
 //! Run: `CARGO_TARGET_DIR=/work/target-placement cargo bench -p placement --bench decision`
 //! (add `-- --quick` for 1,000 nodes only, `-- --fill 0.95` for another fill share, `-- --by-shape`
-//! for percentiles per request shape).
+//! for percentiles per request shape, `-- --constrained` for whole-node constraints: every node
+//! reports 96 CPUs and 1 TiB, every fourth node has A100-80GB GPUs, and requests ask for CPU
+//! and host memory, 10% CPU-heavy, 30% allowing only some models, drawn from a second PRNG so the
+//! GPU shapes are the same as without).
 
 mod common;
 
-use common::{H100_MEMORY_BYTES, Rng, draw_shape, node_spec, request};
-use placement::{Command, Engine, EngineConfig, Event, Request, Scorer};
+use common::{GIB, H100_MEMORY_BYTES, Rng, Shape, draw_shape, node_spec, request};
+use placement::{Command, Constraints, Engine, EngineConfig, Event, HostCapacity, Request, Scorer};
 use std::time::{Duration, Instant};
 
 const WARMUP: usize = 500;
@@ -32,31 +35,82 @@ fn main() {
         .position(|arg| arg == "--fill")
         .map_or(FILL_SHARE, |at| args[at + 1].parse().expect("--fill SHARE"));
     let sizes: &[usize] = if quick { &[1_000] } else { &[1_000, 10_000] };
+    let constrained = args.iter().any(|arg| arg == "--constrained");
     println!("| nodes x GPUs | scorer | fill (s) | p50 (us) | p99 (us) | max (us) | pending |");
     println!("|---|---|---|---|---|---|---|");
     for &nodes in sizes {
         for scorer in [Scorer::Fragmentation, Scorer::BestFit] {
-            run(nodes, scorer, fill_share);
+            run(nodes, scorer, fill_share, constrained);
         }
     }
 }
 
-fn run(node_count: usize, scorer: Scorer, fill_share: f64) {
+/// CPU and host memory for `shape` (2..=8 CPUs per GPU, at least 1; 10% CPU-heavy, 8..=32 CPUs;
+/// 4 GiB per CPU) and, for 30%, the allowed models.
+fn draw_constraints(rng: &mut Rng, shape: Shape) -> Constraints {
+    let gpus = f64::from(shape.0 * shape.1) / 1000.0;
+    let cpus = if rng.weighted(&[90, 10]) == 0 {
+        (gpus * (2 + rng.next_u64() % 7) as f64).max(1.0)
+    } else {
+        (8 + rng.next_u64() % 25) as f64
+    };
+    let cpu_milli = (cpus * 1000.0).round() as u64;
+    let gpu_models = match rng.weighted(&[70, 10, 10, 10]) {
+        0 => vec![],
+        1 => vec!["H100-80GB"],
+        2 => vec!["A100-80GB"],
+        _ => vec!["A100-80GB", "H100-80GB"],
+    };
+    Constraints {
+        cpu_milli,
+        host_memory_bytes: cpu_milli * 4 * GIB / 1000,
+        gpu_models: gpu_models.into_iter().map(str::to_string).collect(),
+    }
+}
+
+fn run(node_count: usize, scorer: Scorer, fill_share: f64, constrained: bool) {
     let mut engine = Engine::new(EngineConfig {
         scorer,
         ..EngineConfig::default()
     });
     for index in 0..node_count {
+        let model = if constrained && index % 4 == 3 {
+            "A100-80GB"
+        } else {
+            "H100-80GB"
+        };
         let spec = node_spec(
             &format!("node-{index:05}"),
             8,
-            "H100-80GB",
+            model,
             H100_MEMORY_BYTES,
             "all",
         );
-        assert!(engine.handle(Event::AddNode(spec)).is_empty());
+        let host = if constrained {
+            HostCapacity {
+                cpu_milli: Some(96_000),
+                memory_bytes: Some(1024 * GIB),
+            }
+        } else {
+            HostCapacity::default()
+        };
+        assert!(engine.handle(Event::RegisterNode { spec, host }).is_empty());
     }
     let mut rng = Rng::new(42);
+    let mut constraints_rng = Rng::new(43);
+    let mut submit = |tenant: String, request: Request, shape: Shape, seq: u64| {
+        let constraints = if constrained {
+            draw_constraints(&mut constraints_rng, shape)
+        } else {
+            Constraints::default()
+        };
+        Event::SubmitConstrained {
+            tenant,
+            request,
+            constraints,
+            seq,
+        }
+    };
     let mut seq = 0u64;
     let fill_started = Instant::now();
     let gpus_total = engine.summary().gpus_total as f64;
@@ -68,11 +122,8 @@ fn run(node_count: usize, scorer: Scorer, fill_share: f64) {
         }
         seq += 1;
         let tenant = format!("fill-{seq}");
-        let commands = engine.handle(Event::Submit {
-            tenant: tenant.clone(),
-            request: request(draw_shape(&mut rng), 0),
-            seq,
-        });
+        let shape = draw_shape(&mut rng);
+        let commands = engine.handle(submit(tenant.clone(), request(shape, 0), shape, seq));
         match commands.as_slice() {
             [Command::Bind { slices, .. }] => {
                 compute_allocated_percent += slices
@@ -106,11 +157,7 @@ fn run(node_count: usize, scorer: Scorer, fill_share: f64) {
         seq += 1;
         let tenant = format!("probe-{seq}");
         let shape = draw_shape(&mut rng);
-        let event = Event::Submit {
-            tenant: tenant.clone(),
-            request: request(shape, 0),
-            seq,
-        };
+        let event = submit(tenant.clone(), request(shape, 0), shape, seq);
         let started = Instant::now();
         let commands = engine.handle(event);
         let elapsed = started.elapsed();
@@ -126,8 +173,9 @@ fn run(node_count: usize, scorer: Scorer, fill_share: f64) {
     times.sort();
     let percentile =
         |p: f64| times[((times.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e6;
+    let what = if constrained { ", constrained" } else { "" };
     println!(
-        "| {node_count} x 8 | {scorer:?} | {fill_s:.1} | {:.0} | {:.0} | {:.0} | {:.1}% |",
+        "| {node_count} x 8{what} | {scorer:?} | {fill_s:.1} | {:.0} | {:.0} | {:.0} | {:.1}% |",
         percentile(0.50),
         percentile(0.99),
         percentile(1.0),

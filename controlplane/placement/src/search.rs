@@ -227,13 +227,20 @@ impl Engine {
                         let stranded = *stranding.get_or_insert_with(|| {
                             self.stranding_delta(node, constraints, u64::from(compute_percent))
                         });
-                        let model = node.spec.gpus[position].model.as_str();
-                        let scarcity = match scarcity_memo {
-                            Some((known, value)) if known == model => value,
-                            _ => {
-                                let value = self.scarcity_cost(model, u64::from(compute_percent));
-                                scarcity_memo = Some((model, value));
-                                value
+                        // Only read when some tenant is constrained to a model: the model's name
+                        // is another cache line per GPU.
+                        let scarcity = if self.models.demand_milli.is_empty() {
+                            0
+                        } else {
+                            let model = node.spec.gpus[position].model.as_str();
+                            match scarcity_memo {
+                                Some((known, value)) if known == model => value,
+                                _ => {
+                                    let value =
+                                        self.scarcity_cost(model, u64::from(compute_percent));
+                                    scarcity_memo = Some((model, value));
+                                    value
+                                }
                             }
                         };
                         whole
