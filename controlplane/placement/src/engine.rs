@@ -353,6 +353,14 @@ pub struct NodeView<'a> {
     pub usage: Vec<GpuUsage>,
 }
 
+/// A node's CPU and host memory: capacity (unset: unbounded) and what placed tenants ask.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeHost {
+    pub capacity: HostCapacity,
+    pub cpu_milli_used: u64,
+    pub memory_bytes_used: u64,
+}
+
 /// Pool-wide and per-node totals, for metrics.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolSummary {
@@ -486,6 +494,21 @@ impl Engine {
             }
         }
         assert_eq!(self.host_state(), state, "restored host state differs");
+    }
+
+    /// A node's host capacity and what the placed tenants' constraints take of it.
+    pub fn node_host(&self, name: &str) -> Option<NodeHost> {
+        let node = self.nodes.get(name)?;
+        Some(NodeHost {
+            capacity: node.host,
+            cpu_milli_used: node.host_used.cpu_milli,
+            memory_bytes_used: node.host_used.memory_bytes,
+        })
+    }
+
+    /// A kept tenant's constraints (the default for one submitted without).
+    pub fn constraints(&self, tenant: &str) -> Option<&Constraints> {
+        Some(&self.tenants.get(tenant)?.constraints)
     }
 
     pub fn node(&self, name: &str) -> Option<NodeView<'_>> {

@@ -419,6 +419,15 @@ fn the_host_state_travels_beside_the_encoding() {
     let mut restored: Engine = serde_json::from_str(&json).unwrap();
     restored.restore_host_state(state);
     restored.check_invariants();
+    assert_eq!(
+        restored.node_host("a"),
+        Some(NodeHost {
+            capacity: host(16, 256),
+            cpu_milli_used: 12 * CPU,
+            memory_bytes_used: 64 * GIB,
+        })
+    );
+
     for seq in 3..6 {
         let event = submit_with(&format!("n{seq}"), fraction(500), asks(2, 32, &[]), seq);
         assert_eq!(
@@ -427,6 +436,7 @@ fn the_host_state_travels_beside_the_encoding() {
         );
     }
     assert_eq!(engine.host_state(), restored.host_state());
+    assert_eq!(restored.constraints("t2"), Some(&Constraints::default()));
     let models: BTreeSet<String> = ["H100-80GB".to_string()].into();
     assert!(asks(0, 0, &["H100-80GB"]).gpu_models == models);
 }

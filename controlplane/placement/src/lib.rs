@@ -26,5 +26,5 @@ mod property_test;
 #[cfg(test)]
 mod testing;
 
-pub use engine::{Engine, GpuUsage, NodeView, PoolSummary};
+pub use engine::{Engine, GpuUsage, NodeHost, NodeView, PoolSummary};
 pub use types::*;
