@@ -73,6 +73,9 @@ impl From<EngineFields> for Engine {
             host_mix: HostMix::default(),
             models: ModelBook::default(),
         };
+        for node in engine.nodes.values_mut() {
+            node.refresh_models();
+        }
         engine.models = ModelBook::of_nodes(engine.nodes.values());
         for record in engine.tenants.values() {
             engine.models.kept_milli += HostMix::gpu_milli_of(&record.request);
@@ -621,6 +624,7 @@ impl Engine {
                 self.index_remove(&name);
                 let node = self.nodes.get_mut(&name).expect("checked above");
                 node.spec = spec;
+                node.refresh_models();
                 node.host = host;
                 node.state = NodeState::Ready;
                 self.index_insert(&name);
@@ -1120,6 +1124,7 @@ impl Engine {
             let mut refreshed = node.clone();
             refreshed.topology = crate::topology::Topology::new(&node.spec);
             refreshed.refresh_summary();
+            refreshed.refresh_models();
             assert_eq!(
                 &refreshed, node,
                 "{name}: derived topology or summary is stale"

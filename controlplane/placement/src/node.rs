@@ -29,6 +29,11 @@ pub(crate) struct Node {
     /// node); derived, so also left out of the encoding.
     #[serde(skip)]
     pub host_used: HostUse,
+    /// The model of every GPU when they all have one (the common case), so that a model
+    /// constraint is one lookup per node rather than one per GPU. Derived from the spec: left out
+    /// of the encoding, recomputed on decoding (`Engine`'s `From<EngineFields>`).
+    #[serde(skip)]
+    pub model_of_all: Option<String>,
 }
 
 /// CPU and host memory allocated on one node.
@@ -76,7 +81,9 @@ impl Node {
             summary: NodeSummary::default(),
             host: HostCapacity::default(),
             host_used: HostUse::default(),
+            model_of_all: None,
         };
+        node.refresh_models();
         node.refresh_summary();
         assert_eq!(
             node.summary.fully_free_count() as usize,
@@ -120,10 +127,25 @@ impl Node {
                 .is_none_or(|memory| constraints.host_memory_bytes <= memory)
     }
 
+    pub(crate) fn refresh_models(&mut self) {
+        let first = self.spec.gpus.first().map(|gpu| &gpu.model);
+        self.model_of_all = first
+            .filter(|first| self.spec.gpus.iter().all(|gpu| &gpu.model == *first))
+            .cloned();
+    }
+
     /// GPUs (a bitmask over positions) of a model `constraints` allows.
     pub(crate) fn model_mask(&self, constraints: &Constraints) -> u64 {
+        let all = || (0..self.spec.gpus.len()).fold(0, |mask, position| mask | bit(position));
         if constraints.gpu_models.is_empty() {
-            return (0..self.spec.gpus.len()).fold(0, |mask, position| mask | bit(position));
+            return all();
+        }
+        if let Some(model) = &self.model_of_all {
+            return if constraints.gpu_models.contains(model) {
+                all()
+            } else {
+                0
+            };
         }
         self.spec
             .gpus

@@ -193,6 +193,15 @@ impl Engine {
             {
                 continue;
             }
+            // Every GPU when no model is asked for (the common case: no per-node work).
+            let models_allowed = if constraints.gpu_models.is_empty() {
+                u64::MAX
+            } else {
+                node.model_mask(constraints)
+            };
+            if models_allowed == 0 {
+                continue;
+            }
             let summary = &node.summary;
             if summary.compute_free_max_percent < compute_percent
                 || summary.memory_free_max_bytes < memory.bytes_on(summary.memory_gpu_min_bytes)
@@ -211,7 +220,7 @@ impl Engine {
                 let memory_bytes = memory.bytes_on(free.memory_total_bytes);
                 if free.compute_free_percent < compute_percent
                     || free.memory_free_bytes < memory_bytes
-                    || !constraints.allows_model(&node.spec.gpus[position].model)
+                    || models_allowed & bit(position) == 0
                 {
                     continue;
                 }
