@@ -130,12 +130,10 @@ CP=""
 AGENT=""
 MPS_OWN=0   # our MPS daemon runs
 AGENT_MPS=0 # the agent was started with --mps (its daemon outlives it)
+# forget, bounded_wait, gone, stop_pid, mps_gone
+# shellcheck source=tests/gpu/procs.sh
+source "$ROOT/tests/gpu/procs.sh"
 
-forget() { # forget PID: reaped, no longer ours to kill
-  local p keep=()
-  for p in "${PIDS[@]}"; do [ "$p" != "$1" ] && keep+=("$p"); done
-  PIDS=("${keep[@]}")
-}
 cleanup() {
   local rc=$? pid
   trap - EXIT
@@ -173,20 +171,6 @@ period_of() { # period_of WORKLOAD: its step period in ms from PERIODS, or nothi
   local kv
   for kv in $PERIODS; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done
   return 0
-}
-bounded_wait() { # bounded_wait SECONDS WHAT TEST...: poll TEST every 0.1 s; a message on timeout
-  local limit=$1 what=$2 i
-  shift 2
-  for i in $(seq $((limit * 10))); do "$@" && return 0; sleep 0.1; done
-  log "timed out after ${limit}s waiting for $what"
-  return 1
-}
-gone() { ! kill -0 "$1" 2>/dev/null; }
-stop_pid() { # stop_pid PID: TERM, up to 10 s, then KILL; reap it
-  kill "$1" 2>/dev/null
-  bounded_wait 10 "process $1 to exit after TERM" gone "$1" || kill -9 "$1" 2>/dev/null
-  wait "$1" 2>/dev/null
-  forget "$1"
 }
 
 # ---------------------------------------------------------------- one group of processes
@@ -308,7 +292,6 @@ mps_start() {
     return 1
   fi
 }
-mps_gone() { ! pgrep -f 'nvidia-cuda-mps-(control|server)' >/dev/null; }
 mps_stop() {
   [ "$MPS_OWN" = 1 ] || return 0
   echo quit | CUDA_MPS_PIPE_DIRECTORY="$MPS_PIPE" nvidia-cuda-mps-control >/dev/null 2>&1

@@ -27,7 +27,9 @@ import os
 import sys
 import time
 
-N = 2048
+# The checked matmuls and the null-pointer store are isolation.py's (issue 3's fault tests).
+from isolation import checked_setup, launch_illegal_store
+
 PERIOD_S = 0.003
 
 
@@ -38,18 +40,6 @@ def emit(tag, **fields):
 
 def first_line(e):
     return f"{type(e).__name__}: {str(e).splitlines()[0][:240] if str(e) else ''}"
-
-
-def checked_setup(seed):
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    a = torch.randint(-4, 5, (N, N), generator=g, dtype=torch.float32)
-    b = torch.randint(-4, 5, (N, N), generator=g, dtype=torch.float32)
-    # |entries| <= 4, N = 2048: every partial sum is an integer below 2^24, so fp32 is exact.
-    reference = (a.double() @ b.double()).float().cuda()
-    return a.cuda(), b.cuda(), reference
 
 
 def victim(args):
@@ -90,48 +80,6 @@ def victim(args):
     return 0 if error is None else 1
 
 
-PTX_NULL_STORE = b"""
-.version 8.0
-.target sm_90
-.address_size 64
-
-.visible .entry null_store(
-    .param .u64 null_store_param_0
-)
-{
-    .reg .b32 %r<3>;
-    .reg .b64 %rd<5>;
-    ld.param.u64 %rd1, [null_store_param_0];
-    cvta.to.global.u64 %rd2, %rd1;
-    mov.u32 %r1, %tid.x;
-    mul.wide.u32 %rd3, %r1, 4;
-    add.s64 %rd4, %rd2, %rd3;
-    st.global.u32 [%rd4], %r1;
-    ret;
-}
-\0"""
-
-
-def launch_illegal_store():
-    import ctypes
-
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
-    cuda.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                                         ctypes.c_char_p]
-    cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
-        ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    module, function = ctypes.c_void_p(), ctypes.c_void_p()
-    r = cuda.cuModuleLoadData(ctypes.byref(module), PTX_NULL_STORE)
-    if r == 0:
-        r = cuda.cuModuleGetFunction(ctypes.byref(function), module, b"null_store")
-    if r == 0:
-        pointer = ctypes.c_uint64(0)
-        params = (ctypes.c_void_p * 1)(ctypes.addressof(pointer))
-        r = cuda.cuLaunchKernel(function, 1, 1, 1, 32, 1, 1, 0, None, params, None)
-    return r
-
-
 def faulter(args):
     import torch
 
@@ -149,8 +97,8 @@ def faulter(args):
     if args.mode == "illegal":
         for _ in range(4):
             c = a @ b
-        r = launch_illegal_store()
-        emit("FAULT", t=time.time(), launch_result=r)
+        how = launch_illegal_store()
+        emit("FAULT", t=time.time(), how=how)
         try:
             torch.cuda.synchronize()
             emit("RESULT", error=None)

@@ -75,12 +75,10 @@ MPS_OWN=0
 AGENT_MPS=0
 PLACED=0
 LAST=""
+# forget, bounded_wait, gone, stop_pid, mps_gone
+# shellcheck source=tests/gpu/procs.sh
+source "$ROOT/tests/gpu/procs.sh"
 
-forget() {
-  local p keep=()
-  for p in "${PIDS[@]}"; do [ "$p" != "$1" ] && keep+=("$p"); done
-  PIDS=("${keep[@]}")
-}
 cleanup() {
   local rc=$? pid
   trap - EXIT
@@ -99,21 +97,7 @@ trap 'exit 143' TERM INT HUP
 
 log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
 ctl() { "$BIN/vgpuctl" --insecure --endpoints "$EP" "$@"; }
-bounded_wait() { # bounded_wait SECONDS WHAT TEST...
-  local limit=$1 what=$2 i
-  shift 2
-  for i in $(seq $((limit * 10))); do "$@" && return 0; sleep 0.1; done
-  log "timed out after ${limit}s waiting for $what"
-  return 1
-}
-gone() { ! kill -0 "$1" 2>/dev/null; }
 has() { grep -q "^$2 " "$1" 2>/dev/null; }
-stop_pid() { # TERM, up to 10 s, then KILL; reap
-  kill "$1" 2>/dev/null
-  bounded_wait 10 "process $1 to exit after TERM" gone "$1" || kill -9 "$1" 2>/dev/null
-  wait "$1" 2>/dev/null
-  forget "$1"
-}
 reap() { # reap PID SECONDS: wait up to SECONDS for it to exit, else KILL; returns 1 if killed
   local killed=0
   bounded_wait "$2" "process $1 to exit" gone "$1" || { kill -9 "$1" 2>/dev/null; killed=1; }
@@ -121,7 +105,6 @@ reap() { # reap PID SECONDS: wait up to SECONDS for it to exit, else KILL; retur
   forget "$1"
   return $killed
 }
-mps_gone() { ! pgrep -f 'nvidia-cuda-mps-(control|server)' >/dev/null; }
 
 # start ROLE TENANT LOG ARGS...: runs the helper the way the current mode runs a tenant process
 start() {
