@@ -207,11 +207,7 @@ fn under_mtls_the_views_follow_the_roles_of_the_api() -> Result<()> {
     let pki = cluster.pki.as_ref().context("secure")?;
     let alice = pki.issue("tenant:alice", "alice", &[])?;
     let bob = pki.issue("tenant:bob", "bob", &[])?;
-    let as_user = |flags: &[String], args: &[&str]| {
-        let mut all: Vec<&str> = flags.iter().map(String::as_str).collect();
-        all.extend_from_slice(args);
-        tests::vgpuctl(&cluster.endpoints(), &all)
-    };
+    let as_user = |flags: &[String], args: &[&str]| cluster.vgpuctl_as(flags, args);
     for (flags, name) in [(&alice, "a1"), (&bob, "b1")] {
         let placed = as_user(flags, &["place", name, "--gpus", "0.25"])?;
         ensure!(

@@ -115,11 +115,7 @@ fn roles_limit_what_a_certificate_may_do_and_refusals_leave_no_trace() -> Result
     let pki = cluster.pki.as_ref().context("secure")?;
     let alice = pki.issue("tenant:alice", "alice", &[])?;
     let bob = pki.issue("tenant:bob", "bob", &[])?;
-    let as_user = |flags: &[String], args: &[&str]| {
-        let mut all: Vec<&str> = flags.iter().map(String::as_str).collect();
-        all.extend_from_slice(args);
-        tests::vgpuctl(&cluster.endpoints(), &all)
-    };
+    let as_user = |flags: &[String], args: &[&str]| cluster.vgpuctl_as(flags, args);
 
     let placed = as_user(&alice, &["place", "a1", "--gpus", "0.25"])?;
     ensure!(placed.status.success(), "{}", stderr(&placed));

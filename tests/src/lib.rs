@@ -430,6 +430,13 @@ impl Cluster {
         }
     }
 
+    /// `vgpuctl` with another identity's flags (`Pki::issue`'s `--tls-*` arguments).
+    pub fn vgpuctl_as(&self, flags: &[String], args: &[&str]) -> Result<Output> {
+        let mut all: Vec<&str> = flags.iter().map(String::as_str).collect();
+        all.extend_from_slice(args);
+        vgpuctl(&self.endpoints(), &all)
+    }
+
     /// A bootstrap token from `vgpu-cp token create` with the admin's certificate.
     pub fn create_token(&self, ttl: &str) -> Result<String> {
         let pki = self

@@ -147,6 +147,19 @@ pub const PAGE_ITEMS_MAX: usize = 1000;
 pub const PAGE_BYTES_MAX: usize = 1 << 20;
 
 /// Where a page starts: after the name in `token` (empty: at the first).
+/// The first page of a list, asked with the caller's metadata and extensions (its certificate):
+/// what the unpaged `ListTenants`/`ListNodes` return.
+fn first_page(request: &Request<v1::ListRequest>) -> Request<v1::ListPageRequest> {
+    Request::from_parts(
+        request.metadata().clone(),
+        request.extensions().clone(),
+        v1::ListPageRequest {
+            stale: request.get_ref().stale,
+            page_token: String::new(),
+        },
+    )
+}
+
 fn page_start(token: &str) -> Result<std::ops::Bound<&str>, Status> {
     if token.is_empty() {
         return Ok(std::ops::Bound::Unbounded);
@@ -417,16 +430,7 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::ListRequest>,
     ) -> Result<Response<v1::ListTenantsResponse>, Status> {
-        let stale = request.get_ref().stale;
-        let page = Request::from_parts(
-            request.metadata().clone(),
-            request.extensions().clone(),
-            v1::ListPageRequest {
-                stale,
-                page_token: String::new(),
-            },
-        );
-        self.list_tenants_page(page).await
+        self.list_tenants_page(first_page(&request)).await
     }
 
     async fn list_tenants_page(
@@ -466,16 +470,7 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::ListRequest>,
     ) -> Result<Response<v1::ListNodesResponse>, Status> {
-        let stale = request.get_ref().stale;
-        let page = Request::from_parts(
-            request.metadata().clone(),
-            request.extensions().clone(),
-            v1::ListPageRequest {
-                stale,
-                page_token: String::new(),
-            },
-        );
-        self.list_nodes_page(page).await
+        self.list_nodes_page(first_page(&request)).await
     }
 
     async fn list_nodes_page(
