@@ -1035,6 +1035,17 @@ impl<'r, L: Liveness> Schedule<'r, L> {
             }
             _ => now_ns,
         };
+        // Nor is a turn charged past its deadline plus grace: an owner that launches after its
+        // deadline re-selects itself (a new turn), so a turn runs on only while its owner does
+        // not launch (copies, CPU work, a synchronisation), and its queue (bounded by the gate)
+        // drains within the grace. Charging such a stretch (NCCL setting up connections for
+        // seconds) to a capped tenant would owe the idle pseudo-tenant as much: seconds of idle
+        // turns (issue 16).
+        let end = end.min(
+            old.start_ns()
+                .saturating_add(self.quantum_ns)
+                .saturating_add(self.grace_ns()),
+        );
         let elapsed = if old.start_us == 0 {
             0
         } else {

@@ -589,3 +589,48 @@ fn an_owner_that_went_quiet_is_not_charged_for_the_gap_before_the_next_launch() 
     let b = sim.shares(&[sim.tenant_of(1)])[0];
     assert!(b > 5.0, "b got {b}% of the window");
 }
+
+#[test]
+fn a_turn_held_past_its_deadline_without_launches_is_charged_one_quantum_at_most() {
+    // A capped tenant (issue 16: DDP ranks of a `--gpus 0.5` tenant) takes the GPU, then only
+    // copies for seconds (NCCL setting up its connections: demand stamps, no launches), so its
+    // turn runs on past the deadline. Its next launch must wait an idle turn or two, not the
+    // seconds of idle turns that charging the whole stretch to it would owe the cap (4.4 s on an
+    // H100).
+    let region = region();
+    let live = Fake::with(&[10]);
+    let s = Schedule::new(&region, &live);
+    let m = s.join("trainer", guaranteed(50), 10, 1, 0).unwrap();
+    assert!(matches!(s.step(&m, MS), Step::Go { .. }));
+    s.drained(&m);
+    let mut now = MS;
+    while now < 5_000 * MS {
+        s.demand(&m, now);
+        now += MS;
+    }
+    let began = now;
+    loop {
+        match s.step(&m, now) {
+            Step::Go { .. } => break,
+            Step::Drain => s.drained(&m),
+            Step::Wait => {}
+        }
+        now += 100_000;
+        assert!(
+            now - began < 5 * s.quantum_ns(),
+            "the launch after the copies waited {} ms",
+            (now - began) / MS
+        );
+    }
+    // what the turn was charged (quantum plus grace) is owed to the idle pseudo-tenant: two idle
+    // turns at most
+    let quantum = s.quantum_ns();
+    assert!(
+        now - began <= 2 * quantum + MS,
+        "waited {} ms",
+        (now - began) / MS
+    );
+    // and the tenant's GPU time counts the turn it had, not the 5 s
+    let used = region.tenants[m.tenant].used_ns.load(SeqCst);
+    assert!(used <= quantum + s.grace_ns(), "charged {} ms", used / MS);
+}

@@ -87,8 +87,9 @@ pub fn charge_memory(
 }
 
 /// Gives `tenant` (as the live process `pid`) `held_ns` of turn time on the GPU of `mapping`, as
-/// the launch gate does: a turn at `start_ns`, handed over `held_ns` later (the tenant joins with
-/// a 100% burst share, so the turn goes back to it and is charged). Times are on the schedule's
+/// the launch gate does: a turn at `start_ns`, renewed by launches every half quantum until
+/// `held_ns` later (the tenant joins with a 100% burst share, so each turn goes back to it and is
+/// charged). Times are on the schedule's
 /// clock (CLOCK_MONOTONIC in real use).
 pub fn charge_time(
     mapping: &Mapping<compute::Region>,
@@ -106,7 +107,14 @@ pub fn charge_time(
         priority: 0,
     };
     let member = schedule.join(tenant, config, pid, start_time, start_ns)?;
-    schedule.step(&member, start_ns);
+    // launches every half quantum, as a busy tenant's: each turn is charged at its renewal (a
+    // turn without launches is charged one quantum plus grace at most)
+    let every = (schedule.quantum_ns() / 2).max(1);
+    let mut now = start_ns;
+    while now < start_ns + held_ns {
+        schedule.step(&member, now);
+        now = (now + every).min(start_ns + held_ns);
+    }
     schedule.step(&member, start_ns + held_ns);
     Ok(())
 }

@@ -58,6 +58,107 @@ const WAIT_MAX_NS: u64 = 5_000_000_000;
 /// launch of the same process would otherwise deadlock).
 const EVENT_WAIT_MAX_NS: u64 = 1_000_000_000;
 
+/// Where this process's launches waited, for diagnosis: reported at `VGPU_LOG=2` at most every
+/// `STATS_EVERY_NS` from the slow paths, and the bounds hit reported once at the default level.
+/// A job that runs slower inside a slice than bare shows here whether it waited for turns, for
+/// its own queued kernels (the queue bound) or at handovers (drains).
+struct Stats {
+    turn_waits: AtomicU64,
+    turn_wait_ns: AtomicU64,
+    /// Of `turn_waits`: those that found the GPU in an idle turn (a capped tenant's share).
+    idle_turn_waits: AtomicU64,
+    turn_wait_max_ns: AtomicU64,
+    queue_waits: AtomicU64,
+    queue_wait_ns: AtomicU64,
+    queue_timeouts: AtomicU64,
+    drains: AtomicU64,
+    drain_ns: AtomicU64,
+    drain_timeouts: AtomicU64,
+    reported_ns: AtomicU64,
+}
+
+static STATS: Stats = Stats {
+    turn_waits: AtomicU64::new(0),
+    turn_wait_ns: AtomicU64::new(0),
+    idle_turn_waits: AtomicU64::new(0),
+    turn_wait_max_ns: AtomicU64::new(0),
+    queue_waits: AtomicU64::new(0),
+    queue_wait_ns: AtomicU64::new(0),
+    queue_timeouts: AtomicU64::new(0),
+    drains: AtomicU64::new(0),
+    drain_ns: AtomicU64::new(0),
+    drain_timeouts: AtomicU64::new(0),
+    reported_ns: AtomicU64::new(0),
+};
+
+/// How often the statistics are reported at most (debug level).
+const STATS_EVERY_NS: u64 = 2_000_000_000;
+
+impl Stats {
+    fn turn_wait(&self, waited_ns: u64) {
+        self.turn_waits.fetch_add(1, Relaxed);
+        self.turn_wait_ns.fetch_add(waited_ns, Relaxed);
+        self.turn_wait_max_ns.fetch_max(waited_ns, Relaxed);
+        self.maybe_report();
+    }
+
+    fn queue_wait(&self, waited_ns: u64, timed_out: bool) {
+        self.queue_waits.fetch_add(1, Relaxed);
+        self.queue_wait_ns.fetch_add(waited_ns, Relaxed);
+        if timed_out && self.queue_timeouts.fetch_add(1, Relaxed) == 0 {
+            crate::log::error(format_args!(
+                "a kernel launch waited {} s for this process's own queued kernels (a kernel that \
+                 waits for another process, e.g. a collective whose peer has not launched yet); \
+                 launching anyway (logged once; VGPU_LOG=2 reports every wait)",
+                EVENT_WAIT_MAX_NS / 1_000_000_000
+            ));
+        }
+        self.maybe_report();
+    }
+
+    fn drain(&self, waited_ns: u64, timed_out: bool) {
+        self.drains.fetch_add(1, Relaxed);
+        self.drain_ns.fetch_add(waited_ns, Relaxed);
+        if timed_out {
+            self.drain_timeouts.fetch_add(1, Relaxed);
+        }
+        self.maybe_report();
+    }
+
+    fn maybe_report(&self) {
+        let now = monotonic_ns();
+        let last = self.reported_ns.load(Relaxed);
+        if now.saturating_sub(last) < STATS_EVERY_NS
+            || self
+                .reported_ns
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        let ms = |a: &AtomicU64| a.load(Relaxed) / 1_000_000;
+        let unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        crate::log::debug(format_args!(
+            "gate at unix {}.{:03}: {} turn waits ({} in idle turns) {} ms, longest {} ms; {} queue-bound waits {} \
+             ms ({} at the bound); {} drains {} ms ({} at the grace bound)",
+            unix_ms / 1000,
+            unix_ms % 1000,
+            self.turn_waits.load(Relaxed),
+            self.idle_turn_waits.load(Relaxed),
+            ms(&self.turn_wait_ns),
+            ms(&self.turn_wait_max_ns),
+            self.queue_waits.load(Relaxed),
+            ms(&self.queue_wait_ns),
+            self.queue_timeouts.load(Relaxed),
+            self.drains.load(Relaxed),
+            ms(&self.drain_ns),
+            self.drain_timeouts.load(Relaxed),
+        ));
+    }
+}
+
 /// The driver, as the gate needs it. Implemented by `exports` over the real driver and by fakes
 /// in tests.
 pub trait Gpu {
@@ -370,6 +471,7 @@ impl Gate {
     /// The slow path: waits for the tenant's turn; returns whether other tenants are active.
     fn wait_for_turn(&self, gpu: &dyn Gpu, start: u64) -> bool {
         let mut now = start;
+        let mut waited = false;
         loop {
             match self.schedule.step(&self.member, now) {
                 Step::Go { contended } => {
@@ -377,6 +479,9 @@ impl Gate {
                         self.schedule.mark_busy(&self.member, now);
                     }
                     self.demand_stamp_ns.store(now, Relaxed);
+                    if waited {
+                        STATS.turn_wait(now.saturating_sub(start));
+                    }
                     return contended;
                 }
                 Step::Drain => {
@@ -384,12 +489,19 @@ impl Gate {
                     // report the drain unobserved (the next tenant's kernels may then overlap
                     // ours for up to the queue we had).
                     if !captures_in_progress() {
-                        self.drain(gpu, now.saturating_add(self.schedule.grace_ns()));
+                        let deadline = now.saturating_add(self.schedule.grace_ns());
+                        let drained = self.drain(gpu, deadline);
+                        STATS.drain(monotonic_ns().saturating_sub(now), !drained);
                     }
                     self.schedule.drained(&self.member);
                 }
                 Step::Wait => {
+                    if !waited && self.schedule.turn().owner == crate::compute::OWNER_IDLE {
+                        STATS.idle_turn_waits.fetch_add(1, Relaxed);
+                    }
+                    waited = true;
                     if now.saturating_sub(start) >= WAIT_MAX_NS {
+                        STATS.turn_wait(now.saturating_sub(start));
                         if !self.waited_too_long.swap(true, Relaxed) {
                             crate::log::error(format_args!(
                                 "a kernel launch waited {} s for its turn on the GPU; launching \
@@ -439,13 +551,18 @@ impl Gate {
         };
         let Some(oldest) = oldest else { return };
         // Wait without holding the tracker: other threads keep launching on other streams.
-        let deadline = monotonic_ns().saturating_add(EVENT_WAIT_MAX_NS);
-        let state = wait_event(gpu, oldest, deadline);
+        let began = monotonic_ns();
+        let state = wait_event(gpu, oldest, began.saturating_add(EVENT_WAIT_MAX_NS));
+        STATS.queue_wait(
+            monotonic_ns().saturating_sub(began),
+            state == EventState::Pending,
+        );
         self.give_back(gpu, oldest, state);
     }
 
-    /// Waits (until `deadline`) for every recorded event of this process on this GPU.
-    fn drain(&self, gpu: &dyn Gpu, deadline: u64) {
+    /// Waits (until `deadline`) for every recorded event of this process on this GPU; whether
+    /// they all finished.
+    fn drain(&self, gpu: &dyn Gpu, deadline: u64) -> bool {
         loop {
             let unfinished = {
                 let mut tracker = self.tracker();
@@ -456,8 +573,11 @@ impl Gate {
                 streams.retain(|_, ring| !ring.is_empty());
                 !streams.is_empty()
             };
-            if !unfinished || monotonic_ns() >= deadline {
-                return;
+            if !unfinished {
+                return true;
+            }
+            if monotonic_ns() >= deadline {
+                return false;
             }
             std::thread::sleep(EVENT_POLL_SLEEP);
         }
