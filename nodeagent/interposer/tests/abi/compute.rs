@@ -373,3 +373,19 @@ fn graphs_captured_under_gating_are_gated_at_launch() {
     );
     assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
 }
+
+#[test]
+fn the_queue_bound_waits_at_most_one_turn_for_a_kernel_that_does_not_finish() {
+    // Kernels whose events never say done (in real life a collective waiting for a peer that
+    // waits for us, issue 16: 1 s stalls) must not hold a capped tenant's launches for long: the
+    // queue bound gives up after one turn, so no launch call takes much more than a turn, an
+    // idle turn and a drain.
+    let shm = shm_dir();
+    let stuck = spinner("ranks", "0:50", "kernel").env("FAKE_CUDA_EVENTS_NEVER", "1");
+    let spun = spin_together(shm.path(), vec![stuck], (100, 1300), 1500);
+    assert!(
+        spun[0].max_wait_us < 300_000,
+        "a launch call took {} ms",
+        spun[0].max_wait_us / 1000
+    );
+}

@@ -6,6 +6,9 @@
  * Built with -Wl,-Bsymbolic so that its own references (cuGetProcAddress answers) point at its
  * functions even while the interposer, preloaded, exports the same names.
  *
+ * FAKE_CUDA_EVENTS_NEVER=1: cuEventQuery always says CUDA_ERROR_NOT_READY, as for a kernel that
+ * waits for another process (a collective whose peer has not launched yet).
+ *
  * FAKE_CUDA_GPA_THUNKS=1 makes cuGetProcAddress answer "cuMemAlloc" with a thunk instead of the
  * exported cuMemAlloc_v2, to exercise the interposer's by-name fallback.
  *
@@ -482,6 +485,9 @@ CUresult cuEventQuery(CUevent event) {
   }
   pthread_mutex_unlock(&lock);
   if (illegal) return CAPTURE_UNSUPPORTED;
+  static int never = -1;
+  if (never < 0) never = getenv("FAKE_CUDA_EVENTS_NEVER") != NULL;
+  if (never) return NOT_READY;
   return now_ns() >= ((fake_event *)event)->end ? OK : NOT_READY;
 }
 CUresult cuEventDestroy_v2(CUevent event) {
