@@ -10,7 +10,9 @@
 //! - no request invoked during the rolling restart may fail for good (clients fail over between
 //!   members, as vgpuctl does);
 //! - tenants nobody releases keep their placement through every fault, a leader paused during
-//!   a churn load included ([`stability`]).
+//!   a churn load included ([`stability`]);
+//! - a follower paused after registrations as large as admission allows catches up
+//!   ([`registrations`]).
 //!
 //! The history is written to `history.jsonl` (one [`linearizability::Operation`] per line) and
 //! the outcome to `summary.txt` in the output directory; `--check FILE` checks a kept history
@@ -19,6 +21,7 @@
 pub mod client;
 pub mod docker;
 pub mod phase;
+pub mod registrations;
 pub mod stability;
 
 use anyhow::{Context, Result, bail};
@@ -275,6 +278,49 @@ async fn nemesis(
     );
     settle(config, clock).await?;
     let when = "after the leader's pause during churn";
+    unstable.extend(stability::check(&config.endpoints, stable, when).await?);
+
+    // A follower paused while registrations as large as admission allows go into the log: once
+    // awake it must catch up on them and serve a linearizable read (issue 22, point 1: a
+    // follower behind such a batch never caught up).
+    clock.set_phase(Phase::BulkRegistration);
+    let leader = leader_service(&config.endpoints).await?;
+    let follower = config
+        .endpoints
+        .iter()
+        .find(|endpoint| endpoint.service != leader)
+        .expect("three members")
+        .clone();
+    let others: Vec<Endpoint> = config
+        .endpoints
+        .iter()
+        .filter(|endpoint| endpoint.service != follower.service)
+        .cloned()
+        .collect();
+    let at = clock.elapsed_s();
+    tracing::info!(follower = %follower.service, "pausing a follower, then registering the bulk nodes");
+    project.act("pause", &[], &follower.service).await?;
+    let paused = Instant::now();
+    let registered = registrations::register(&others).await;
+    tokio::time::sleep(hold.saturating_sub(paused.elapsed())).await;
+    project.act("unpause", &[], &follower.service).await?;
+    let bytes = registered?;
+    let unpaused = Instant::now();
+    wait_healthy(&config.endpoints).await?;
+    wait_caught_up(&follower).await?;
+    let caught_up_s = unpaused.elapsed().as_secs_f64();
+    registrations::remove(&config.endpoints).await?;
+    record(
+        at,
+        format!(
+            "docker pause of the follower {2} while {0} registrations of {1:.1} MiB in all were committed (it served a linearizable read {caught_up_s:.1} s after it woke; nodes removed)",
+            registrations::BULK_NODES,
+            bytes as f64 / f64::from(1u32 << 20),
+            follower.service
+        ),
+    );
+    settle(config, clock).await?;
+    let when = "after the bulk registrations and the follower's pause";
     unstable.extend(stability::check(&config.endpoints, stable, when).await?);
 
     for role in ["follower", "leader"] {
