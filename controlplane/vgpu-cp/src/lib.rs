@@ -200,23 +200,11 @@ impl Security {
 /// nothing, so it exits with [`Error::CoreStopped`] rather than answer `Status` and `/metrics`
 /// as if healthy; restarted once space is back, it resumes from its log and snapshots.
 pub async fn run(config: Config) -> Result<(), Error> {
-    let data_dir = config.data_dir.clone();
     let started = start(config).await?;
     if let Err(error) = systemd::notify("READY=1") {
         tracing::warn!(%error, "could not tell systemd that the member is ready");
     }
-    tokio::select! {
-        () = wait_for_signal() => {}
-        problem = started.core_stopped() => {
-            tracing::error!(%problem, "exiting: the Raft core stopped");
-            systemd::notify("STOPPING=1").ok();
-            return Err(Error::CoreStopped { path: data_dir, problem });
-        }
-    }
-    tracing::info!("shutting down");
-    systemd::notify("STOPPING=1").ok();
-    started.control_plane.raft.shutdown().await.ok();
-    Ok(())
+    started.run_until(wait_for_signal()).await
 }
 
 /// A started member, for tests that run members in process.
@@ -226,10 +214,30 @@ pub struct Started {
     pub local_address: SocketAddr,
     /// Makes the Raft log's writes fail as on a full disk (tests only).
     pub log_fault: store::WriteFault,
+    data_dir: PathBuf,
     _lock: std::fs::File,
 }
 
 impl Started {
+    /// Serves until `stop` completes (then shuts Raft down), or until the Raft core stops on its
+    /// own: a storage failure such as a full disk, after which the member can serve nothing, so
+    /// this returns [`Error::CoreStopped`] for `vgpu-cp` to exit with rather than go on
+    /// answering `Status` and `/metrics` as if healthy.
+    pub async fn run_until(self, stop: impl std::future::Future<Output = ()>) -> Result<(), Error> {
+        tokio::select! {
+            () = stop => {}
+            problem = self.core_stopped() => {
+                tracing::error!(%problem, "exiting: the Raft core stopped");
+                systemd::notify("STOPPING=1").ok();
+                return Err(Error::CoreStopped { path: self.data_dir.clone(), problem });
+            }
+        }
+        tracing::info!("shutting down");
+        systemd::notify("STOPPING=1").ok();
+        self.control_plane.raft.shutdown().await.ok();
+        Ok(())
+    }
+
     /// Waits until the member's Raft core stops for good, and says why
     /// ([`ControlPlane::health`]).
     pub async fn core_stopped(&self) -> String {
@@ -422,6 +430,7 @@ pub async fn start(config: Config) -> Result<Started, Error> {
         control_plane,
         local_address,
         log_fault,
+        data_dir,
         _lock: lock,
     })
 }

@@ -1,8 +1,9 @@
 //! A member whose disk fills (issue 22): its Raft log's writes fail (an injected
 //! `ErrorKind::StorageFull`, `store::WriteFault`), the Raft core stops, and from then on the
 //! member says so: `/healthz` answers 503 with the reason, `/metrics` has `vgpu_member_up 0`,
-//! `Cluster.Status` is `[VGPU-UNAVAILABLE]`, and `Started::core_stopped` (which `run` waits on
-//! before exiting with `Error::CoreStopped`) returns the reason. (A restart once space is back
+//! `Cluster.Status` is `[VGPU-UNAVAILABLE]`, and `Started::run_until` (what `vgpu-cp run` runs
+//! until a signal) returns `Error::CoreStopped` with the reason, the data directory and what to
+//! do, which `vgpu-cp` exits with. (A restart once space is back
 //! is an ordinary restart from the data directory.)
 
 use crate::control_plane::Timings;
@@ -80,12 +81,22 @@ async fn a_full_disk_stops_the_member_and_it_says_so() {
     started.log_fault.set(true);
     let refused = plane.write(revoke("b2")).await;
     assert!(refused.is_err(), "a write on a full disk: {refused:?}");
-    let problem = tokio::time::timeout(Duration::from_secs(10), started.core_stopped())
-        .await
-        .expect("the core stops within 10 s of a failed write");
+    // What `vgpu-cp run` does: serve until a signal, or until the core stops.
+    let ended = tokio::time::timeout(
+        Duration::from_secs(10),
+        started.run_until(std::future::pending()),
+    )
+    .await
+    .expect("the member stops serving within 10 s of a failed write");
+    let error = ended.unwrap_err();
+    let message = error.to_string();
     assert!(
-        problem.contains("stopped") && problem.contains("free space"),
-        "{problem}"
+        matches!(error, crate::Error::CoreStopped { .. })
+            && message.contains("Raft core of member 1 stopped")
+            && message.contains("free space")
+            && message.contains(&directory.path().display().to_string())
+            && message.contains("start vgpu-cp again"),
+        "{message}"
     );
     let (status, body) = get(address, "/healthz").await;
     assert!(
@@ -119,11 +130,5 @@ async fn a_full_disk_stops_the_member_and_it_says_so() {
         status.code() == tonic::Code::Unavailable && status.message().contains("free space"),
         "{status:?}"
     );
-    let error = crate::Error::CoreStopped {
-        path: directory.path().to_owned(),
-        problem,
-    };
-    assert!(error.to_string().contains("start vgpu-cp again"), "{error}");
-
     plane.raft.shutdown().await.ok();
 }
