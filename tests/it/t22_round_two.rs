@@ -59,6 +59,20 @@ fn metrics_need_a_metrics_member_or_admin_certificate() -> Result<()> {
     let (status, body) = get_through(anonymous()?, "/healthz")?;
     ensure!((status, body.as_str()) == (200, "ok\n"), "{status} {body}");
 
+    // The metrics role allows nothing else of the API but the cluster's status.
+    let listed = cluster.vgpuctl_as(&scraper, &["get", "tenants"])?;
+    let refusal = String::from_utf8_lossy(&listed.stderr);
+    ensure!(
+        !listed.status.success() && refusal.contains("VGPU-PERMISSION-DENIED"),
+        "a metrics certificate listed tenants: {refusal}"
+    );
+    let status = cluster.vgpuctl_as(&scraper, &["cluster", "status"])?;
+    ensure!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+
     // A revoked scraper is refused like any revoked certificate.
     let revoked = Command::new(binary("vgpu-cp"))
         .args([
