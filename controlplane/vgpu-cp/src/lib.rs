@@ -74,9 +74,13 @@ pub enum Error {
         id: u64,
         cluster: String,
     },
-    #[error("cannot open the Raft log in {path}: {source}")]
+    #[error(
+        "cannot open the Raft log in {path}: {source}; check that its disk has space and is writable (a full disk stops a member; it resumes once started with space back)"
+    )]
     Log { path: PathBuf, source: redb::Error },
-    #[error("cannot open the state machine: {0}")]
+    #[error(
+        "cannot open the state machine: {0}; check that the data directory's disk has space and is writable"
+    )]
     StateMachine(raft_types::StorageError),
     #[error("invalid Raft settings: {0}")]
     RaftConfig(#[from] openraft::ConfigError),
