@@ -274,7 +274,8 @@ impl ControlPlane {
     }
 
     /// Whether this member can serve: `Err` once its Raft core stopped (a storage failure such
-    /// as a full disk; `lib::run` then exits), with what happened and what to do.
+    /// as a full disk; `Started::run_until`, and so `vgpu-cp run`, then ends), with what
+    /// happened and what to do.
     pub fn health(&self) -> Result<(), String> {
         match &self.raft.metrics().borrow().running_state {
             Ok(()) => Ok(()),
