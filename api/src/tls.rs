@@ -9,7 +9,7 @@
 //! certificate by the service ([`Peer::of`] gives the caller).
 //!
 //! **Roles** live in the certificate subject: the organisation is the role (`admin`,
-//! `tenant:OWNER`, `agent`, `member`), the common name the holder (node name, member id).
+//! `tenant:OWNER`, `agent`, `member`, `metrics`), the common name the holder (node name, member id).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -64,6 +64,8 @@ pub enum Role {
     Agent,
     /// A control-plane member: Raft traffic, forwarding, joining.
     Member,
+    /// A metrics scraper (Prometheus): `GET /metrics` of every member, nothing else.
+    Metrics,
 }
 
 impl std::fmt::Display for Role {
@@ -73,6 +75,7 @@ impl std::fmt::Display for Role {
             Role::Tenant(owner) => write!(f, "tenant:{owner}"),
             Role::Agent => f.write_str("agent"),
             Role::Member => f.write_str("member"),
+            Role::Metrics => f.write_str("metrics"),
         }
     }
 }
@@ -85,6 +88,7 @@ impl std::str::FromStr for Role {
             "admin" => Ok(Role::Admin),
             "agent" => Ok(Role::Agent),
             "member" => Ok(Role::Member),
+            "metrics" => Ok(Role::Metrics),
             other => match other.strip_prefix("tenant:") {
                 Some(owner) => {
                     crate::names::validate("tenant owner", owner)
@@ -92,7 +96,7 @@ impl std::str::FromStr for Role {
                     Ok(Role::Tenant(owner.to_owned()))
                 }
                 None => Err(format!(
-                    "the role `{other}` is unknown; write `admin`, `tenant:OWNER`, `agent` or `member`"
+                    "the role `{other}` is unknown; write `admin`, `tenant:OWNER`, `agent`, `member` or `metrics`"
                 )),
             },
         }
@@ -504,6 +508,7 @@ mod tests {
             Role::Admin,
             Role::Agent,
             Role::Member,
+            Role::Metrics,
             Role::Tenant("team-a".into()),
         ] {
             assert_eq!(role.to_string().parse::<Role>().unwrap(), role);

@@ -7,6 +7,7 @@ mod t20_bad_input;
 mod t21_dashboard;
 mod t22_node_identity;
 mod t22_owner_priority;
+mod t22_round_two;
 mod t30_cluster;
 mod t40_agent_loss;
 mod t50_security;

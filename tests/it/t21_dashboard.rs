@@ -3,10 +3,9 @@
 //! leader's heartbeat times, paged and filtered. Under mTLS the views follow the API's roles.
 
 use anyhow::{Context, Result, bail, ensure};
-use api::tls::{TlsFiles, Transport};
 use serde_json::Value;
 use std::time::Duration;
-use tests::{Cluster, wait_for};
+use tests::{Cluster, get_as, wait_for};
 
 /// A plain HTTP/1.1 GET: the status code, the head (lower case) and the body.
 fn get(address: &str, path: &str) -> Result<(u16, String, String)> {
@@ -168,35 +167,6 @@ fn a_follower_serves_the_dashboard_and_its_json_views() -> Result<()> {
     let (status, _, body) = get(&follower, "/ui/api/pool?limit=0")?;
     ensure!(status == 400 && body.contains("limit"), "{status} {body}");
     Ok(())
-}
-
-/// A GET over the API's own transport (HTTP/2, mTLS with the certificate in `flags`): the
-/// status code and the body.
-fn get_as(flags: &[String], address: &str, path: &str) -> Result<(u16, String)> {
-    use tonic::codegen::{Body as _, Service as _, http};
-    let files = TlsFiles {
-        ca_cert: flags[1].clone().into(),
-        cert: flags[3].clone().into(),
-        key: flags[5].clone().into(),
-    };
-    let transport = Transport::choose(false, Some(&files), "")?;
-    let runtime = tokio::runtime::Runtime::new()?;
-    let exchange = async {
-        let mut channel = transport.endpoint(address)?.connect().await?;
-        std::future::poll_fn(|cx| channel.poll_ready(cx)).await?;
-        let request = http::Request::get(path).body(tonic::body::Body::empty())?;
-        let response = channel.call(request).await?;
-        let status = response.status().as_u16();
-        let mut body = std::pin::pin!(response.into_body());
-        let mut bytes = Vec::new();
-        while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
-            if let Ok(data) = frame?.into_data() {
-                bytes.extend_from_slice(&data);
-            }
-        }
-        anyhow::Ok((status, String::from_utf8(bytes)?))
-    };
-    runtime.block_on(async { tokio::time::timeout(Duration::from_secs(10), exchange).await })?
 }
 
 #[test]

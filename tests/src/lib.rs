@@ -642,6 +642,41 @@ pub fn fraction(milli: u32, memory_gib: u64) -> api::v1::PlacementRequest {
     }
 }
 
+/// A GET over the API's own transport (HTTP/2, mTLS with the certificate in `flags`, as
+/// [`Pki::issue`] returns them): the status code and the body.
+pub fn get_as(flags: &[String], address: &str, path: &str) -> Result<(u16, String)> {
+    let files = api::tls::TlsFiles {
+        ca_cert: flags[1].clone().into(),
+        cert: flags[3].clone().into(),
+        key: flags[5].clone().into(),
+    };
+    let transport = api::tls::Transport::choose(false, Some(&files), "")?;
+    get_through(transport.endpoint(address)?, path)
+}
+
+/// A GET over HTTP/2 through `endpoint` (e.g. `api::tls::pinned_endpoint`, which presents no
+/// client certificate): the status code and the body, within 10 s.
+pub fn get_through(endpoint: tonic::transport::Endpoint, path: &str) -> Result<(u16, String)> {
+    use tonic::codegen::{Body as _, Service as _, http};
+    let runtime = tokio::runtime::Runtime::new()?;
+    let exchange = async {
+        let mut channel = endpoint.connect().await?;
+        std::future::poll_fn(|cx| channel.poll_ready(cx)).await?;
+        let request = http::Request::get(path).body(tonic::body::Body::empty())?;
+        let response = channel.call(request).await?;
+        let status = response.status().as_u16();
+        let mut body = std::pin::pin!(response.into_body());
+        let mut bytes = Vec::new();
+        while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+            if let Ok(data) = frame?.into_data() {
+                bytes.extend_from_slice(&data);
+            }
+        }
+        anyhow::Ok((status, String::from_utf8(bytes)?))
+    };
+    runtime.block_on(async { tokio::time::timeout(Duration::from_secs(10), exchange).await })?
+}
+
 /// A plain HTTP/1.1 GET on loopback (for `/metrics`); returns the body.
 pub fn http_get(address: &str, path: &str) -> Result<String> {
     use std::io::{Read, Write};

@@ -8,7 +8,11 @@
 //! - every acknowledged placement that no release may have undone must be in every member's final
 //!   state (no lost acknowledged write);
 //! - no request invoked during the rolling restart may fail for good (clients fail over between
-//!   members, as vgpuctl does).
+//!   members, as vgpuctl does);
+//! - tenants nobody releases keep their placement through every fault, a leader paused during
+//!   a churn load included ([`stability`]);
+//! - a follower paused after registrations as large as admission allows catches up
+//!   ([`registrations`]).
 //!
 //! The history is written to `history.jsonl` (one [`linearizability::Operation`] per line) and
 //! the outcome to `summary.txt` in the output directory; `--check FILE` checks a kept history
@@ -17,6 +21,8 @@
 pub mod client;
 pub mod docker;
 pub mod phase;
+pub mod registrations;
+pub mod stability;
 
 use anyhow::{Context, Result, bail};
 use api::v1::ListRequest;
@@ -31,13 +37,15 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long the cluster may take to have one leader that every member agrees on.
 const HEALTHY_TIMEOUT: Duration = Duration::from_secs(90);
 /// How long one status probe of a member may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Tasks of the churn load while the leader is paused (`Phase::ChurnPause`).
+const CHURN_TASKS: usize = 4;
 
 /// Settings of one run.
 #[derive(Clone, Debug)]
@@ -87,6 +95,11 @@ pub async fn run(config: Config) -> Result<Report> {
 
     tracing::info!(endpoints = ?config.endpoints, "waiting for one leader on every member");
     wait_healthy(&config.endpoints).await?;
+    let stable = stability::place(&config.endpoints).await?;
+    tracing::info!(
+        tenants = stable.len(),
+        "placed the tenants that must not move"
+    );
 
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
@@ -102,7 +115,8 @@ pub async fn run(config: Config) -> Result<Report> {
         tasks.push(tokio::spawn(client.run(stop.clone())));
     }
 
-    let nemesis = nemesis(&config, &clock).await;
+    let mut unstable = Vec::new();
+    let nemesis = nemesis(&config, &clock, &stable, &mut unstable).await;
     clock.set_phase(Phase::Quiet);
     stop.store(true, Ordering::Relaxed);
     let mut requests: Vec<Request> = Vec::new();
@@ -115,6 +129,7 @@ pub async fn run(config: Config) -> Result<Report> {
     tracing::info!("reading every member's final state");
     wait_healthy(&config.endpoints).await?;
     let finals = final_reads(&config.endpoints, &names, &history, &clock).await?;
+    unstable.extend(stability::check(&config.endpoints, &stable, "at the end").await?);
 
     let mut operations = history.operations();
     if config.doctor_stale_read {
@@ -135,6 +150,8 @@ pub async fn run(config: Config) -> Result<Report> {
         .iter()
         .filter(|request| request.phase == Phase::RollingRestart && request.answered.is_none())
         .collect();
+    let stable_held = unstable.is_empty();
+    violations.append(&mut unstable);
     for request in &rolling_failures {
         violations.push(format!(
             "client {} request `{}` invoked during the rolling restart failed for good after {} attempts in {:?}",
@@ -150,6 +167,8 @@ pub async fn run(config: Config) -> Result<Report> {
         clients_done_s,
         check_s,
         violations: violations.len(),
+        stable: stable.len(),
+        stable_held,
     });
     std::fs::write(config.out_dir.join("summary.txt"), &summary)?;
     Ok(Report {
@@ -172,7 +191,13 @@ pub fn check(
 
 /// The fault schedule: each fault lasts `fault_duration`, then the cluster gets
 /// `quiet_duration` without faults and must have one leader again before the next.
-async fn nemesis(config: &Config, clock: &PhaseClock) -> Result<Vec<Fault>> {
+/// After each, the stable tenants must be where they were (`unstable` collects who moved).
+async fn nemesis(
+    config: &Config,
+    clock: &PhaseClock,
+    stable: &BTreeMap<String, stability::Placement>,
+    unstable: &mut Vec<String>,
+) -> Result<Vec<Fault>> {
     let project = &config.project;
     let hold = config.fault_duration;
     let quiet = config.quiet_duration;
@@ -199,6 +224,8 @@ async fn nemesis(config: &Config, clock: &PhaseClock) -> Result<Vec<Fault>> {
         format!("network disconnect of the leader {leader} ({elected})"),
     );
     settle(config, clock).await?;
+    let when = "after the partition of the leader healed";
+    unstable.extend(stability::check(&config.endpoints, stable, when).await?);
 
     clock.set_phase(Phase::Pause);
     let leader = leader_service(&config.endpoints).await?;
@@ -212,6 +239,89 @@ async fn nemesis(config: &Config, clock: &PhaseClock) -> Result<Vec<Fault>> {
         format!("docker pause of the leader {leader} ({elected})"),
     );
     settle(config, clock).await?;
+    let when = "after the leader's pause";
+    unstable.extend(stability::check(&config.endpoints, stable, when).await?);
+
+    // Churn while the leader is paused: a load of places and releases before, during and after
+    // the pause (issue 22: churn made nodes lost; a paused leader evicted every tenant).
+    clock.set_phase(Phase::ChurnPause);
+    let stop_churn = Arc::new(AtomicBool::new(false));
+    let answered = Arc::new(AtomicU64::new(0));
+    let churners: Vec<_> = (0..CHURN_TASKS)
+        .map(|_| {
+            tokio::spawn(stability::churn(
+                config.endpoints.clone(),
+                stop_churn.clone(),
+                answered.clone(),
+            ))
+        })
+        .collect();
+    tokio::time::sleep(hold / 2).await;
+    let leader = leader_service(&config.endpoints).await?;
+    let at = clock.elapsed_s();
+    tracing::info!(%leader, "pausing the leader during churn");
+    project.act("pause", &[], &leader).await?;
+    let elected = wait_other_leader(&config.endpoints, &leader, hold).await;
+    project.act("unpause", &[], &leader).await?;
+    let elected = elected?;
+    tokio::time::sleep(hold / 2).await;
+    stop_churn.store(true, Ordering::Relaxed);
+    for churner in churners {
+        churner.await.context("a churn task panicked")?;
+    }
+    record(
+        at,
+        format!(
+            "docker pause of the leader {leader} during churn ({elected}; {} churn calls answered)",
+            answered.load(Ordering::Relaxed)
+        ),
+    );
+    settle(config, clock).await?;
+    let when = "after the leader's pause during churn";
+    unstable.extend(stability::check(&config.endpoints, stable, when).await?);
+
+    // A follower paused while registrations as large as admission allows go into the log: once
+    // awake it must catch up on them and serve a linearizable read (issue 22, point 1: a
+    // follower behind such a batch never caught up).
+    clock.set_phase(Phase::BulkRegistration);
+    let leader = leader_service(&config.endpoints).await?;
+    let follower = config
+        .endpoints
+        .iter()
+        .find(|endpoint| endpoint.service != leader)
+        .expect("three members")
+        .clone();
+    let others: Vec<Endpoint> = config
+        .endpoints
+        .iter()
+        .filter(|endpoint| endpoint.service != follower.service)
+        .cloned()
+        .collect();
+    let at = clock.elapsed_s();
+    tracing::info!(follower = %follower.service, "pausing a follower, then registering the bulk nodes");
+    project.act("pause", &[], &follower.service).await?;
+    let paused = Instant::now();
+    let registered = registrations::register(&others).await;
+    tokio::time::sleep(hold.saturating_sub(paused.elapsed())).await;
+    project.act("unpause", &[], &follower.service).await?;
+    let bytes = registered?;
+    let unpaused = Instant::now();
+    wait_healthy(&config.endpoints).await?;
+    wait_caught_up(&follower).await?;
+    let caught_up_s = unpaused.elapsed().as_secs_f64();
+    registrations::remove(&config.endpoints).await?;
+    record(
+        at,
+        format!(
+            "docker pause of the follower {2} while {0} registrations of {1:.1} MiB in all were committed (it served a linearizable read {caught_up_s:.1} s after it woke; nodes removed)",
+            registrations::BULK_NODES,
+            bytes as f64 / f64::from(1u32 << 20),
+            follower.service
+        ),
+    );
+    settle(config, clock).await?;
+    let when = "after the bulk registrations and the follower's pause";
+    unstable.extend(stability::check(&config.endpoints, stable, when).await?);
 
     for role in ["follower", "leader"] {
         clock.set_phase(Phase::Kill);
@@ -233,6 +343,8 @@ async fn nemesis(config: &Config, clock: &PhaseClock) -> Result<Vec<Fault>> {
         project.act("start", &[], &victim).await?;
         record(at, format!("kill -9 of the {role} {victim}, started again"));
         settle(config, clock).await?;
+        let when = format!("after the kill of the {role}");
+        unstable.extend(stability::check(&config.endpoints, stable, &when).await?);
     }
 
     clock.set_phase(Phase::RollingRestart);
@@ -561,6 +673,9 @@ struct Summary<'a> {
     clients_done_s: f64,
     check_s: f64,
     violations: usize,
+    /// Tenants that must not move, and whether every one kept its placement.
+    stable: usize,
+    stable_held: bool,
 }
 
 fn summarize(summary: &Summary) -> String {
@@ -628,8 +743,18 @@ fn summarize(summary: &Summary) -> String {
             slowest.as_secs_f64()
         );
     }
+    let _ = writeln!(
+        text,
+        "placement stability: {} tenants nobody releases {} their placement after every fault",
+        summary.stable,
+        if summary.stable_held {
+            "kept"
+        } else {
+            "did NOT keep"
+        }
+    );
     let verdict = if summary.violations == 0 {
-        "PASS: linearizable, no acknowledged write lost, no request failed for good during the rolling restart".to_owned()
+        "PASS: linearizable, no acknowledged write lost, no request failed for good during the rolling restart, no stable tenant moved".to_owned()
     } else {
         format!("FAIL: {} violations", summary.violations)
     };

@@ -41,6 +41,9 @@ pub struct Timings {
     pub retry_interval: Duration,
     /// Longest a write or read waits for a leader before failing.
     pub request_deadline: Duration,
+    /// Longest the API server waits for a call's answer, its request body included
+    /// (`crate::REQUEST_TIMEOUT`; tests shorten it).
+    pub request_timeout: Duration,
 }
 
 impl Default for Timings {
@@ -51,6 +54,7 @@ impl Default for Timings {
             leader_loop_interval: Duration::from_millis(200),
             retry_interval: Duration::from_secs(2),
             request_deadline: Duration::from_secs(10),
+            request_timeout: crate::REQUEST_TIMEOUT,
         }
     }
 }
@@ -266,6 +270,19 @@ impl ControlPlane {
                 ))));
             }
             tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
+        }
+    }
+
+    /// Whether this member can serve: `Err` once its Raft core stopped (a storage failure such
+    /// as a full disk; `Started::run_until`, and so `vgpu-cp run`, then ends), with what
+    /// happened and what to do.
+    pub fn health(&self) -> Result<(), String> {
+        match &self.raft.metrics().borrow().running_state {
+            Ok(()) => Ok(()),
+            Err(fatal) => Err(format!(
+                "the Raft core of member {} stopped: {fatal}; this member serves nothing until it is started again (if its disk is full, free space on its data directory first; what it acknowledged is on disk)",
+                self.id
+            )),
         }
     }
 

@@ -391,6 +391,7 @@ fn the_grafana_dashboard_queries_only_metrics_that_exist() {
         leader: Some(1),
         last_log_index: 1,
         last_applied: 1,
+        storage_failure: None,
     };
     let metrics = crate::metrics::Metrics::default();
     metrics.observe_commit(Duration::from_millis(1));

@@ -25,6 +25,11 @@ pub mod systemd;
 pub mod usage;
 pub mod watchers;
 
+#[cfg(test)]
+mod connection_bounds_test;
+#[cfg(test)]
+mod storage_failure_test;
+
 use control_plane::{ControlPlane, Timings};
 use raft_types::Raft;
 use std::net::SocketAddr;
@@ -61,9 +66,21 @@ pub enum Error {
         theirs: String,
         peer: String,
     },
-    #[error("cannot open the Raft log in {path}: {source}")]
+    #[error(
+        "the data directory {path} holds member {id} of cluster {cluster}, which joined that cluster through its peers; `bootstrap` there would start it as that cluster's member, not a new cluster. To restart that member, start it in join mode (`vgpu-cp join --peer ...`, or mode = \"join\"); to create a new cluster, give `bootstrap` an empty --data-dir"
+    )]
+    JoinedMember {
+        path: PathBuf,
+        id: u64,
+        cluster: String,
+    },
+    #[error(
+        "cannot open the Raft log in {path}: {source}; check that its disk has space and is writable (a full disk stops a member; it resumes once started with space back)"
+    )]
     Log { path: PathBuf, source: redb::Error },
-    #[error("cannot open the state machine: {0}")]
+    #[error(
+        "cannot open the state machine: {0}; check that the data directory's disk has space and is writable"
+    )]
     StateMachine(raft_types::StorageError),
     #[error("invalid Raft settings: {0}")]
     RaftConfig(#[from] openraft::ConfigError),
@@ -82,6 +99,10 @@ pub enum Error {
     Join(String),
     #[error("the gRPC server failed: {0}")]
     Serve(String),
+    #[error(
+        "{problem}; the data directory is {path}: check that its disk has space and is writable, then start vgpu-cp again (a supervisor such as systemd, Docker or Kubernetes does)"
+    )]
+    CoreStopped { path: PathBuf, problem: String },
     #[error(transparent)]
     Tls(#[from] api::tls::TlsError),
 }
@@ -178,22 +199,62 @@ impl Security {
 }
 
 /// Runs one control-plane member until it is told to stop.
+///
+/// A member whose Raft core stops (a storage failure: a full disk, an I/O error) can serve
+/// nothing, so it exits with [`Error::CoreStopped`] rather than answer `Status` and `/metrics`
+/// as if healthy; restarted once space is back, it resumes from its log and snapshots.
 pub async fn run(config: Config) -> Result<(), Error> {
     let started = start(config).await?;
     if let Err(error) = systemd::notify("READY=1") {
         tracing::warn!(%error, "could not tell systemd that the member is ready");
     }
-    wait_for_signal().await;
-    tracing::info!("shutting down");
-    systemd::notify("STOPPING=1").ok();
-    started.control_plane.raft.shutdown().await.ok();
-    Ok(())
+    started.run_until(wait_for_signal()).await
 }
 
 /// A started member, for tests that run members in process.
 pub struct Started {
     pub control_plane: Arc<ControlPlane>,
+    /// The address the API listens on (the configured one, with its port once bound).
+    pub local_address: SocketAddr,
+    /// Makes the Raft log's writes fail as on a full disk (tests only).
+    pub log_fault: store::WriteFault,
+    data_dir: PathBuf,
     _lock: std::fs::File,
+}
+
+impl Started {
+    /// Serves until `stop` completes (then shuts Raft down), or until the Raft core stops on its
+    /// own: a storage failure such as a full disk, after which the member can serve nothing, so
+    /// this returns [`Error::CoreStopped`] for `vgpu-cp` to exit with rather than go on
+    /// answering `Status` and `/metrics` as if healthy.
+    pub async fn run_until(self, stop: impl std::future::Future<Output = ()>) -> Result<(), Error> {
+        tokio::select! {
+            () = stop => {}
+            problem = self.core_stopped() => {
+                tracing::error!(%problem, "exiting: the Raft core stopped");
+                systemd::notify("STOPPING=1").ok();
+                return Err(Error::CoreStopped { path: self.data_dir.clone(), problem });
+            }
+        }
+        tracing::info!("shutting down");
+        systemd::notify("STOPPING=1").ok();
+        self.control_plane.raft.shutdown().await.ok();
+        Ok(())
+    }
+
+    /// Waits until the member's Raft core stops for good, and says why
+    /// ([`ControlPlane::health`]).
+    pub async fn core_stopped(&self) -> String {
+        let mut metrics = self.control_plane.raft.metrics();
+        loop {
+            if let Err(problem) = self.control_plane.health() {
+                return problem;
+            }
+            if metrics.changed().await.is_err() {
+                return format!("the Raft core of member {} stopped", self.control_plane.id);
+            }
+        }
+    }
 }
 
 pub async fn start(config: Config) -> Result<Started, Error> {
@@ -240,7 +301,18 @@ pub async fn start(config: Config) -> Result<Started, Error> {
             }
             found.cluster_id.clone()
         }
-        (Some(found), Mode::Bootstrap) => found.cluster_id.clone(),
+        (Some(found), Mode::Bootstrap) => {
+            // A member that joined a cluster restarts only as what it is (issue 22: `bootstrap`
+            // on another cluster's data directory started as that cluster's member).
+            if found.origin == Some(identity::Origin::Join) {
+                return Err(Error::JoinedMember {
+                    path: data_dir,
+                    id: found.node_id,
+                    cluster: found.cluster_id.clone(),
+                });
+            }
+            found.cluster_id.clone()
+        }
         (None, Mode::Bootstrap) => identity::new_cluster_id(),
         (None, Mode::Join { peers }) => {
             match peer_cluster_id(&transport, peers, Duration::from_secs(30)).await? {
@@ -256,6 +328,10 @@ pub async fn start(config: Config) -> Result<Started, Error> {
             &identity::Identity {
                 cluster_id: cluster_id.clone(),
                 node_id: config.id,
+                origin: Some(match config.mode {
+                    Mode::Bootstrap => identity::Origin::Bootstrap,
+                    Mode::Join { .. } => identity::Origin::Join,
+                }),
             },
         )
         .map_err(io)?;
@@ -267,6 +343,7 @@ pub async fn start(config: Config) -> Result<Started, Error> {
         path: log_path,
         source,
     })?;
+    let log_fault = log.write_fault();
     let (state_machine, shared) =
         store::StateMachineStore::open(&data_dir).map_err(Error::StateMachine)?;
     let raft_config = openraft::Config {
@@ -310,6 +387,10 @@ pub async fn start(config: Config) -> Result<Started, Error> {
             address: config.listen,
             source,
         })?;
+    let local_address = listener.local_addr().map_err(|source| Error::Listen {
+        address: config.listen,
+        source,
+    })?;
     let server = serve(control_plane.clone(), listener, &transport, guard)?;
     tokio::spawn(async move {
         if let Err(error) = server.await {
@@ -351,19 +432,25 @@ pub async fn start(config: Config) -> Result<Started, Error> {
     tokio::spawn(control_plane.clone().leader_loop());
     Ok(Started {
         control_plane,
+        local_address,
+        log_fault,
+        data_dir,
         _lock: lock,
     })
 }
 
-/// Longest a call may take to answer (its response head; a watch stream then runs on). The
-/// slowest call, adding a member, waits up to three request deadlines (30 s).
+/// Longest a call may take to answer (its response head; a watch stream then runs on), unless
+/// `Timings::request_timeout` says otherwise. The slowest call, adding a member, waits up to
+/// three request deadlines (30 s). A request whose body stops arriving (a half-open request)
+/// is dropped at this bound, and what it buffered with it.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// Streams one connection may carry at once (a vgpuctl or agent uses a few; a member forwarding
 /// many callers' writes, more).
 pub const STREAMS_PER_CONNECTION_MAX: u32 = 1024;
 
-/// Serves the gRPC API, `/metrics` and the dashboard (`/ui/`) on one listener (TLS under mTLS: `/metrics` then needs
-/// the cluster CA to verify the server, but no client certificate).
+/// Serves the gRPC API, `/metrics`, `/healthz` and the dashboard (`/ui/`) on one listener. Under
+/// mTLS `/metrics` needs a client certificate of role `metrics`, `member` or `admin` (it names
+/// every owner's tenants, nodes and usage); `/healthz` needs none and names nothing.
 fn serve(
     control_plane: Arc<ControlPlane>,
     listener: tokio::net::TcpListener,
@@ -396,35 +483,56 @@ fn serve(
             .max_encoding_message_size(size),
     );
     let metrics_plane = control_plane.clone();
-    let router = routes.into_axum_router().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let control_plane = metrics_plane.clone();
-            async move {
-                let metrics = control_plane.raft.metrics().borrow().clone();
-                let facts = metrics::RaftFacts {
-                    id: control_plane.id,
-                    term: metrics.current_term,
-                    leader: metrics.current_leader,
-                    last_log_index: metrics.last_log_index.unwrap_or(0),
-                    last_applied: metrics.last_applied.map_or(0, |id| id.index),
-                };
-                let mut text = control_plane.metrics.render(&facts, &control_plane.shared);
-                // Usage and health: on the leader only (see `usage`).
-                if control_plane.is_leader() {
-                    let reports = control_plane.reports.snapshot(&usage::Filter::All);
-                    let applied = control_plane.shared.read();
-                    usage::render(&mut text, &reports, |node| {
-                        applied.pool.nodes.contains_key(node)
-                    });
-                }
-                text
-            }
-        }),
-    );
+    let metrics_guard = guard.clone();
+    let health_plane = control_plane.clone();
+    let router = routes
+        .into_axum_router()
+        .route(
+            "/metrics",
+            axum::routing::get(move |request: axum::extract::Request| {
+                let control_plane = metrics_plane.clone();
+                let guard = metrics_guard.clone();
+                async move { metrics_answer(&control_plane, &guard, request) }
+            }),
+        )
+        .route(
+            "/healthz",
+            axum::routing::get(move || {
+                let control_plane = health_plane.clone();
+                async move { health_answer(&control_plane) }
+            }),
+        );
     // The dashboard (`/ui/`), with the API's authentication (see `dashboard`).
     let router = router.merge(dashboard::router(control_plane.clone(), guard));
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let request_timeout = control_plane.timings.request_timeout;
+    let incoming = tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(30)));
+    // At most `CONNECTIONS_PER_PEER_MAX` connections of one address at once; one more is
+    // closed as soon as it is accepted (issue 22).
+    let connections = limits::PeerConnections::new(limits::CONNECTIONS_PER_PEER_MAX);
+    let incoming = tokio_stream::StreamExt::filter_map(incoming, move |accepted| {
+        let stream = match accepted {
+            Ok(stream) => stream,
+            Err(error) => return Some(Err(error)),
+        };
+        let peer = stream.peer_addr().ok()?.ip();
+        match connections.admit(peer) {
+            Some(permit) => Some(Ok(PeerStream {
+                stream,
+                _permit: permit,
+            })),
+            None => {
+                let refused =
+                    limits::CONNECTIONS_REFUSED.load(std::sync::atomic::Ordering::Relaxed);
+                // Logged at the first refusal and then at powers of two, not per connection.
+                if refused.is_power_of_two() {
+                    tracing::warn!(%peer, refused, max = limits::CONNECTIONS_PER_PEER_MAX, "closed a connection: its address holds the most connections one peer may");
+                }
+                None
+            }
+        }
+    });
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = transport.server_config() {
         builder = builder
@@ -436,10 +544,9 @@ fn serve(
     // stops answering HTTP/2 pings is dropped, and a connection carries a bounded number of
     // streams.
     builder = builder
-        .timeout(REQUEST_TIMEOUT)
+        .timeout(request_timeout)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-        .tcp_keepalive(Some(Duration::from_secs(30)))
         .max_concurrent_streams(Some(STREAMS_PER_CONNECTION_MAX))
         .concurrency_limit_per_connection(STREAMS_PER_CONNECTION_MAX as usize);
     let server = builder
@@ -451,6 +558,133 @@ fn serve(
             .await
             .map_err(|e| Error::Serve(e.to_string()))
     })
+}
+
+/// `GET /metrics`: the caller's certificate must allow it (`security::Guard::metrics`).
+fn metrics_answer(
+    control_plane: &ControlPlane,
+    guard: &security::Guard,
+    request: axum::extract::Request,
+) -> axum::response::Response {
+    use axum::http::{StatusCode, header};
+    use axum::response::IntoResponse;
+    // The guard reads the caller's certificate from the connection, as for a gRPC call.
+    let (_, extensions, _) = tonic::Request::from_http(request).into_parts();
+    let caller = tonic::Request::from_parts(tonic::metadata::MetadataMap::new(), extensions, ());
+    if let Err(status) = guard.metrics(&caller, "reading /metrics") {
+        let code = match status.code() {
+            tonic::Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+            _ => StatusCode::FORBIDDEN,
+        };
+        let text = format!(
+            "{}\n/metrics needs a client certificate of role metrics, member or admin (`vgpu-cp cert issue --role metrics`); /healthz needs none\n",
+            status.message()
+        );
+        return (
+            code,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            text,
+        )
+            .into_response();
+    }
+    let metrics = control_plane.raft.metrics().borrow().clone();
+    let facts = metrics::RaftFacts {
+        id: control_plane.id,
+        term: metrics.current_term,
+        leader: metrics.current_leader,
+        last_log_index: metrics.last_log_index.unwrap_or(0),
+        last_applied: metrics.last_applied.map_or(0, |id| id.index),
+        storage_failure: control_plane.health().err(),
+    };
+    let mut text = control_plane.metrics.render(&facts, &control_plane.shared);
+    // Usage and health: on the leader only (see `usage`).
+    if control_plane.is_leader() {
+        let reports = control_plane.reports.snapshot(&usage::Filter::All);
+        let applied = control_plane.shared.read();
+        usage::render(&mut text, &reports, |node| {
+            applied.pool.nodes.contains_key(node)
+        });
+    }
+    text.into_response()
+}
+
+/// `GET /healthz`, for liveness probes: `200 ok`, or `503` and why the member cannot serve
+/// (its Raft core stopped, e.g. on a full disk). Needs no certificate and names nothing of the
+/// pool.
+fn health_answer(control_plane: &ControlPlane) -> axum::response::Response {
+    use axum::http::{StatusCode, header};
+    use axum::response::IntoResponse;
+    let plain = [(header::CONTENT_TYPE, "text/plain; charset=utf-8")];
+    match control_plane.health() {
+        Ok(()) => (StatusCode::OK, plain, "ok\n".to_owned()).into_response(),
+        Err(problem) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            plain,
+            format!("{problem}\n"),
+        )
+            .into_response(),
+    }
+}
+
+/// An accepted connection that holds its peer's place among `limits::PeerConnections` until it
+/// closes.
+struct PeerStream {
+    stream: tokio::net::TcpStream,
+    _permit: limits::ConnectionPermit,
+}
+
+impl tonic::transport::server::Connected for PeerStream {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl tokio::io::AsyncRead for PeerStream {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for PeerStream {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
 }
 
 /// Asks the peers, in turn, for their cluster id. Retries until `patience` runs out.

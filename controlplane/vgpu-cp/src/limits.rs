@@ -1,6 +1,7 @@
 //! Rate limits of one member, sans-IO (callers pass `now`): a [`TokenBucket`], and
 //! [`PerKey`] buckets for the writes of each tenant owner and for the linearizable reads that
-//! unauthenticated `JoinNode` calls may cost.
+//! unauthenticated `JoinNode` calls may cost; and [`PeerConnections`], the connections each peer
+//! address may hold open at once.
 //!
 //! A limit is per member, not per cluster: a caller that spreads its calls over every member
 //! gets each member's rate. That still bounds what one caller costs the leader to a small
@@ -9,6 +10,9 @@
 //! linearizable read).
 
 use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Writes a second one tenant owner may make through one member, and the burst it may save up.
@@ -104,9 +108,127 @@ impl PerKey {
     }
 }
 
+/// Connections one peer address may hold open at one member at once (issue 22: 600 idle TLS
+/// connections without a certificate, from one address, used up a member's descriptors). A
+/// vgpuctl call, an agent or a member uses one or two; a simulated fleet one per 50 nodes.
+pub const CONNECTIONS_PER_PEER_MAX: usize = 256;
+
+/// Connections refused because their peer already held [`CONNECTIONS_PER_PEER_MAX`], for
+/// `/metrics`.
+pub static CONNECTIONS_REFUSED: AtomicU64 = AtomicU64::new(0);
+
+/// The open connections of each peer address. Loopback peers are not counted: a process on the
+/// member's own host can use up its descriptors whatever the member does, and the test clusters
+/// and simulated fleets all run there. The map holds only peers with an open connection, so it
+/// is bounded by the member's descriptors.
+#[derive(Debug)]
+pub struct PeerConnections {
+    per_peer_max: usize,
+    open: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// One admitted connection; dropping it (the connection closed) frees its place.
+#[derive(Debug)]
+pub struct ConnectionPermit {
+    connections: Arc<PeerConnections>,
+    peer: Option<IpAddr>,
+}
+
+impl PeerConnections {
+    pub fn new(per_peer_max: usize) -> Arc<PeerConnections> {
+        assert!(per_peer_max > 0, "a peer may hold some connection");
+        Arc::new(PeerConnections {
+            per_peer_max,
+            open: Mutex::default(),
+        })
+    }
+
+    /// Admits one more connection of `peer`, or `None` when it holds the most it may (counted
+    /// in [`CONNECTIONS_REFUSED`]).
+    pub fn admit(self: &Arc<Self>, peer: IpAddr) -> Option<ConnectionPermit> {
+        let peer = peer.to_canonical();
+        if peer.is_loopback() {
+            return Some(ConnectionPermit {
+                connections: self.clone(),
+                peer: None,
+            });
+        }
+        let mut open = self.open.lock().expect("connections lock");
+        let count = open.entry(peer).or_insert(0);
+        if *count >= self.per_peer_max {
+            CONNECTIONS_REFUSED.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        *count += 1;
+        assert!(*count <= self.per_peer_max);
+        Some(ConnectionPermit {
+            connections: self.clone(),
+            peer: Some(peer),
+        })
+    }
+
+    /// The connections `peer` holds open (0 for loopback peers, which are not counted).
+    pub fn open(&self, peer: IpAddr) -> usize {
+        let open = self.open.lock().expect("connections lock");
+        open.get(&peer.to_canonical()).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for ConnectionPermit {
+    fn drop(&mut self) {
+        let Some(peer) = self.peer else {
+            return;
+        };
+        let mut open = self.connections.open.lock().expect("connections lock");
+        let count = open
+            .get_mut(&peer)
+            .expect("an admitted peer is counted until its last permit is dropped");
+        assert!(*count > 0);
+        *count -= 1;
+        if *count == 0 {
+            open.remove(&peer);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 22: one address cannot hold more than its share of a member's connections, and a
+    /// closed connection frees its place.
+    #[test]
+    fn a_peer_holds_at_most_its_connections_and_closing_frees_them() {
+        let connections = PeerConnections::new(3);
+        let attacker: IpAddr = "192.0.2.7".parse().unwrap();
+        let other: IpAddr = "192.0.2.8".parse().unwrap();
+        let refused_before = CONNECTIONS_REFUSED.load(Ordering::Relaxed);
+        let mut held: Vec<ConnectionPermit> = (0..3)
+            .map(|_| connections.admit(attacker).unwrap())
+            .collect();
+        assert!(connections.admit(attacker).is_none());
+        assert!(CONNECTIONS_REFUSED.load(Ordering::Relaxed) > refused_before);
+        // The same address written as IPv4-mapped IPv6 is the same peer.
+        let mapped: IpAddr = "::ffff:192.0.2.7".parse().unwrap();
+        assert!(connections.admit(mapped).is_none());
+        let _other = connections.admit(other).unwrap();
+        assert_eq!(
+            (connections.open(attacker), connections.open(other)),
+            (3, 1)
+        );
+        held.pop();
+        assert_eq!(connections.open(attacker), 2);
+        held.push(connections.admit(attacker).unwrap());
+        held.clear();
+        assert_eq!(connections.open(attacker), 0);
+        assert!(!connections.open.lock().unwrap().contains_key(&attacker));
+        // Loopback peers are not counted.
+        let local: Vec<ConnectionPermit> = (0..10)
+            .map(|_| connections.admit("127.0.0.1".parse().unwrap()).unwrap())
+            .collect();
+        assert_eq!(local.len(), 10);
+        assert_eq!(connections.open("127.0.0.1".parse().unwrap()), 0);
+    }
 
     #[test]
     fn a_bucket_allows_its_burst_then_its_rate() {

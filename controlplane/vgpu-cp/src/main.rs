@@ -86,7 +86,8 @@ enum CertCommand {
         /// The CA's directory, as `ca init` made it (ca.crt and ca.key).
         #[arg(long, value_name = "DIR")]
         ca_dir: PathBuf,
-        /// admin, tenant:OWNER, agent (NAME = the node name) or member (NAME = the member id).
+        /// admin, tenant:OWNER, agent (NAME = the node name), member (NAME = the member id) or
+        /// metrics (a Prometheus scraper: `GET /metrics` only).
         #[arg(long, value_parser = role)]
         role: api::tls::Role,
         /// The certificate's common name (and file name).

@@ -109,6 +109,8 @@ pub struct RaftFacts {
     pub leader: Option<u64>,
     pub last_log_index: u64,
     pub last_applied: u64,
+    /// Why this member's Raft core stopped, if it did (`ControlPlane::health`).
+    pub storage_failure: Option<String>,
 }
 
 impl Metrics {
@@ -147,6 +149,12 @@ impl Metrics {
             "vgpu_raft_node_id",
             "This control-plane node's Raft id.",
             raft.id as f64,
+        );
+        gauge(
+            &mut out,
+            "vgpu_member_up",
+            "1 while this member's Raft core runs; 0 once it stopped (a storage failure such as a full disk: the member exits, see /healthz and its log).",
+            f64::from(u8::from(raft.storage_failure.is_none())),
         );
         gauge(
             &mut out,
@@ -234,6 +242,12 @@ impl Metrics {
                 "vgpu_raft_log_entries_appended_total",
                 "Entries appended to the log.",
                 c::LOG_ENTRIES_APPENDED.load(relaxed),
+            );
+            counter(
+                &mut out,
+                "vgpu_connections_refused_total",
+                "Connections closed at accept because their address already held the most connections one peer may (limits::CONNECTIONS_PER_PEER_MAX).",
+                crate::limits::CONNECTIONS_REFUSED.load(relaxed),
             );
         }
         let applied = shared.read();

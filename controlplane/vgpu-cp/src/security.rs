@@ -10,6 +10,8 @@
 //! - `agent`: `Register`, `Heartbeat` and `WatchAssignments` for the node named by its
 //!   certificate's common name.
 //! - `member`: the Raft transport (`Raft.*`), `Cluster.Status` and `Cluster.AddMember` (joining).
+//! - `metrics`: `GET /metrics` (which names every owner's tenants and nodes), and
+//!   `Cluster.Status`; admins and members may read `/metrics` too.
 //! - no certificate: only `Agent.JoinNode`, which proves a bootstrap token instead.
 //!
 //! A certificate whose serial the replicated state lists as revoked (`Cluster.RevokeCertificate`)
@@ -139,6 +141,16 @@ impl Guard {
         let peer = self.caller(request)?;
         match peer.role {
             Role::Admin | Role::Member => Ok(peer),
+            _ => Err(denied(&peer, what)),
+        }
+    }
+
+    /// Admins, members and metrics scrapers: `GET /metrics`, which names every owner's tenants,
+    /// nodes and usage.
+    pub fn metrics<T>(&self, request: &Request<T>, what: &str) -> Result<Peer, Status> {
+        let peer = self.caller(request)?;
+        match peer.role {
+            Role::Admin | Role::Member | Role::Metrics => Ok(peer),
             _ => Err(denied(&peer, what)),
         }
     }

@@ -778,7 +778,8 @@ impl v1::agent_server::Agent for Service {
         &self,
         request: Request<v1::WatchAssignmentsRequest>,
     ) -> Result<Response<Self::WatchAssignmentsStream>, Status> {
-        self.guard
+        let peer = self
+            .guard
             .agent(&request, &request.get_ref().node, "watching assignments")?;
         let claim = NodeClaim::of(&request, false)?;
         let node = request.into_inner().node;
@@ -798,11 +799,23 @@ impl v1::agent_server::Agent for Service {
         }
         let (sender, receiver) = tokio::sync::mpsc::channel(WATCH_BUFFER_MAX);
         let shared = self.control_plane.shared.clone();
+        let guard = self.guard.clone();
         tokio::spawn(async move {
             // Subscribed before the first read, so no change after it is missed.
             let mut changes = crate::watchers::subscribe(&shared, &node);
             let mut last_sent: Option<u64> = None;
             loop {
+                // A stream lives only as long as its caller's certificate: a revocation applied
+                // here wakes it (`watchers`) and closes it with the reason.
+                if let Some(at) = guard.revoked.revoked_at(&peer.serial) {
+                    let refusal = ErrorCode::PermissionDenied.status(format!(
+                        "the certificate of `{}` (role {}, serial {}) was revoked at unix ms {at}; this stream is closed; ask an admin for a new certificate (`vgpu-cp cert issue`)",
+                        peer.name, peer.role, peer.serial
+                    ));
+                    // Never waits: with the buffer full, dropping the sender ends the stream.
+                    let _ = sender.try_send(Err(refusal));
+                    return;
+                }
                 let message = {
                     let applied = shared.read();
                     // Every applied entry wakes every watcher: look at the node's revision
@@ -843,8 +856,12 @@ impl v1::cluster_server::Cluster for Service {
         &self,
         request: Request<v1::ClusterStatusRequest>,
     ) -> Result<Response<v1::ClusterStatus>, Status> {
-        // Any authenticated caller: clients use it to find a live member.
+        // Any authenticated caller: clients use it to find a live member, so a member whose
+        // Raft core stopped says so instead of answering as if healthy.
         self.guard.caller(&request)?;
+        self.control_plane
+            .health()
+            .map_err(|problem| ErrorCode::Unavailable.status(problem))?;
         Ok(Response::new(self.status()))
     }
 

@@ -11,6 +11,10 @@
 //! "revision above the applied index it saw then" (one pass over the revisions, integer
 //! comparisons only). A stream that subscribes before it reads the state misses nothing: a change
 //! after the subscription marks it changed.
+//!
+//! Every stream also wakes when a certificate is revoked (the dispatcher counts the revoked
+//! serials), so that a stream whose caller's certificate was revoked is closed as soon as this
+//! member applies the revocation (issue 22: such a stream kept receiving updates).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,16 +25,28 @@ use tokio::sync::watch;
 use crate::store::Shared;
 
 /// The streams' wake-up channels, by node (each channel carries the node's latest revision).
-#[derive(Default)]
 pub struct NodeWatchers {
     senders: Mutex<HashMap<String, watch::Sender<u64>>>,
+    /// How many certificates the applied state lists as revoked (it only grows).
+    revocations: watch::Sender<usize>,
     dispatcher_started: AtomicBool,
+}
+
+impl Default for NodeWatchers {
+    fn default() -> NodeWatchers {
+        NodeWatchers {
+            senders: Mutex::default(),
+            revocations: watch::channel(0).0,
+            dispatcher_started: AtomicBool::new(false),
+        }
+    }
 }
 
 /// One stream's wake-ups; dropping it forgets the node once no stream watches it.
 pub struct Subscription {
     node: String,
     receiver: watch::Receiver<u64>,
+    revocations: watch::Receiver<usize>,
     shared: Weak<Shared>,
 }
 
@@ -54,14 +70,19 @@ pub fn subscribe(shared: &Arc<Shared>, node: &str) -> Subscription {
     Subscription {
         node: node.to_owned(),
         receiver,
+        revocations: watchers.revocations.subscribe(),
         shared: Arc::downgrade(shared),
     }
 }
 
 impl Subscription {
-    /// Waits until the node's assignments may have changed. `false`: the member is stopping.
+    /// Waits until the node's assignments may have changed, or a certificate was revoked (the
+    /// stream then checks its caller's). `false`: the member is stopping.
     pub async fn changed(&mut self) -> bool {
-        self.receiver.changed().await.is_ok()
+        tokio::select! {
+            changed = self.receiver.changed() => changed.is_ok(),
+            changed = self.revocations.changed() => changed.is_ok(),
+        }
     }
 }
 
@@ -89,16 +110,22 @@ async fn dispatch(shared: Weak<Shared>, mut applied: watch::Receiver<u64>, mut s
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        let changed: Vec<(String, u64)> = {
+        let (changed, revoked): (Vec<(String, u64)>, usize) = {
             let state = shared.read();
-            state
+            let changed = state
                 .pool
                 .node_revisions
                 .iter()
                 .filter(|(_, revision)| **revision > seen)
                 .map(|(node, revision)| (node.clone(), *revision))
-                .collect()
+                .collect();
+            (changed, state.pool.revoked.len())
         };
+        shared.watchers.revocations.send_if_modified(|count| {
+            let grew = revoked != *count;
+            *count = revoked;
+            grew
+        });
         // The state may already hold entries past `index`; they are looked at again next time,
         // which wakes a stream twice at worst.
         seen = seen.max(index);
@@ -120,7 +147,7 @@ mod tests {
     use std::time::Duration;
 
     #[tokio::test]
-    async fn only_the_streams_of_changed_nodes_wake() {
+    async fn only_the_streams_of_changed_nodes_wake_and_revocations_wake_all() {
         let directory = tempfile::tempdir().unwrap();
         let (_store, shared) = crate::store::StateMachineStore::open(directory.path()).unwrap();
         let mut a = subscribe(&shared, "node-a");
@@ -149,6 +176,17 @@ mod tests {
         change("node-b", 5);
         assert!(woke(&mut b).await);
         assert!(!woke(&mut a).await);
+
+        // A revocation wakes every stream (each checks its own caller's certificate).
+        {
+            let mut state = shared.applied.write().unwrap();
+            state.pool.revoked.insert("1f".to_owned(), 1);
+        }
+        shared.applied_index.send_replace(6);
+        assert!(woke(&mut a).await, "a revocation wakes node-a's stream");
+        assert!(woke(&mut b).await, "and node-b's");
+        shared.applied_index.send_replace(7);
+        assert!(!woke(&mut a).await, "nothing more was revoked");
 
         // The channel of a node goes away with its last stream.
         drop(a);

@@ -13,6 +13,11 @@ pub enum Phase {
     Partition,
     /// A member (the leader) is frozen with `docker pause`.
     Pause,
+    /// The leader is frozen while a churn load places and releases tenants as fast as the
+    /// members answer.
+    ChurnPause,
+    /// Registrations as large as admission allows, then a follower paused: it must catch up.
+    BulkRegistration,
     /// Members are killed with SIGKILL and started again.
     Kill,
     /// Every member in turn is stopped and started (`docker restart`): no request may fail.
@@ -22,10 +27,12 @@ pub enum Phase {
 }
 
 impl Phase {
-    const ALL: [Phase; 6] = [
+    const ALL: [Phase; 8] = [
         Phase::Warmup,
         Phase::Partition,
         Phase::Pause,
+        Phase::ChurnPause,
+        Phase::BulkRegistration,
         Phase::Kill,
         Phase::RollingRestart,
         Phase::Quiet,

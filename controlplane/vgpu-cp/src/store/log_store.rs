@@ -92,6 +92,30 @@ pub struct LogStore {
     database: Arc<Database>,
     overlay: Arc<Mutex<Overlay>>,
     writer: Writer,
+    fault: WriteFault,
+}
+
+/// An injectable storage fault, for tests of what a member does when its disk fills: while set,
+/// every write of the log fails as a full disk would (`ErrorKind::StorageFull`), before redb is
+/// touched. Clones share one switch. Nothing sets it outside tests.
+#[derive(Clone, Default)]
+pub struct WriteFault(Arc<std::sync::atomic::AtomicBool>);
+
+impl WriteFault {
+    /// Makes every later write fail (`true`) or succeed again (`false`).
+    pub fn set(&self, failing: bool) {
+        self.0.store(failing, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn check(&self) -> Result<(), redb::Error> {
+        if self.0.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(redb::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                "no space left on device (a fault injected by a test)",
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl LogStore {
@@ -124,15 +148,19 @@ impl LogStore {
             overlay.last_log_id = overlay.last_log_id.or(overlay.last_purged);
         }
         let overlay = Arc::new(Mutex::new(overlay));
+        let fault = WriteFault::default();
         let writer = match mode {
             WriteMode::Inline => Writer::Inline,
             WriteMode::GroupCommit => {
                 let (sender, queue) = sync_channel(WRITE_QUEUE_MAX);
                 let thread_database = database.clone();
                 let thread_overlay = overlay.clone();
+                let thread_fault = fault.clone();
                 std::thread::Builder::new()
                     .name("raft-log-writer".to_owned())
-                    .spawn(move || run_writer(&thread_database, &thread_overlay, &queue))
+                    .spawn(move || {
+                        run_writer(&thread_database, &thread_overlay, &thread_fault, &queue)
+                    })
                     .expect("spawning the log writer thread");
                 Writer::Thread(sender)
             }
@@ -141,7 +169,13 @@ impl LogStore {
             database,
             overlay,
             writer,
+            fault,
         })
+    }
+
+    /// The switch that makes this store's writes fail (tests of a full disk).
+    pub fn write_fault(&self) -> WriteFault {
+        self.fault.clone()
     }
 
     fn overlay(&self) -> std::sync::MutexGuard<'_, Overlay> {
@@ -175,7 +209,7 @@ impl LogStore {
                 StorageIOError::write_logs(&error).into()
             }),
             Writer::Inline => {
-                complete_batch(&self.database, &self.overlay, vec![write]);
+                complete_batch(&self.database, &self.overlay, &self.fault, vec![write]);
                 Ok(())
             }
         }
@@ -194,7 +228,12 @@ impl LogStore {
 }
 
 /// The writer thread: drains the queue in order, one transaction and one fsync per batch.
-fn run_writer(database: &Database, overlay: &Mutex<Overlay>, queue: &Receiver<Write>) {
+fn run_writer(
+    database: &Database,
+    overlay: &Mutex<Overlay>,
+    fault: &WriteFault,
+    queue: &Receiver<Write>,
+) {
     while let Ok(first) = queue.recv() {
         let mut batch = vec![first];
         while batch.len() < WRITE_BATCH_MAX {
@@ -203,13 +242,21 @@ fn run_writer(database: &Database, overlay: &Mutex<Overlay>, queue: &Receiver<Wr
                 Err(_) => break,
             }
         }
-        complete_batch(database, overlay, batch);
+        complete_batch(database, overlay, fault, batch);
     }
 }
 
 /// Writes a batch in one transaction, then acknowledges each mutation in order.
-fn complete_batch(database: &Database, overlay: &Mutex<Overlay>, batch: Vec<Write>) {
-    let result = write_batch(database, &batch).map_err(|e| e.to_string());
+fn complete_batch(
+    database: &Database,
+    overlay: &Mutex<Overlay>,
+    fault: &WriteFault,
+    batch: Vec<Write>,
+) {
+    let result = fault
+        .check()
+        .and_then(|()| write_batch(database, &batch))
+        .map_err(|e| e.to_string());
     LOG_TRANSACTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     if result.is_ok() {
         // Durable now: drop them from the overlay, unless a truncate replaced them since.

@@ -4,7 +4,7 @@
 mod log_store;
 mod state_machine;
 
-pub use log_store::{LogStore, WriteMode};
+pub use log_store::{LogStore, WriteFault, WriteMode};
 
 /// Counters of the log writer.
 pub mod log_store_counters {

@@ -1,0 +1,88 @@
+//! Half-open requests (issue 22): a client without a certificate that sends a call's headers and
+//! the length prefix of its message, then nothing, held the request (and what it had buffered)
+//! for good. Now the server answers every call within `Timings::request_timeout` and drops the
+//! request with it. The member runs with mTLS; the client authenticates the server only (as an
+//! agent joining with a token does) and sends `Pool.Place` as HTTP/2 headers and one DATA frame
+//! (a 5-byte prefix announcing 1 MiB, then 100 bytes), without ending the stream.
+
+use crate::control_plane::Timings;
+use crate::{Config, Mode, RaftTimings, Security, start};
+use api::tls::{Role, TlsFiles};
+use std::time::{Duration, Instant};
+use tonic::codegen::{Bytes, Service as _, http};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_request_without_a_certificate_is_answered_within_the_request_timeout() {
+    let directory = tempfile::tempdir().unwrap();
+    let pki = directory.path().join("pki");
+    std::fs::create_dir_all(&pki).unwrap();
+    let (ca_cert, ca_key, pin) = crate::certs::ca_init(&pki, "test", 1).unwrap();
+    let ca = crate::certs::load_ca(&ca_cert, &ca_key).unwrap();
+    let hosts = vec!["127.0.0.1".to_owned()];
+    let (cert, key) = crate::certs::cert_issue(&ca, Role::Member, "1", hosts, 1, &pki).unwrap();
+    let request_timeout = Duration::from_secs(1);
+    let started = start(Config {
+        mode: Mode::Bootstrap,
+        id: 1,
+        listen: "127.0.0.1:0".parse().unwrap(),
+        advertise: "127.0.0.1:1".to_owned(),
+        data_dir: directory.path().join("data"),
+        timings: Timings {
+            request_timeout,
+            ..Timings::default()
+        },
+        raft: RaftTimings::default(),
+        security: Security {
+            insecure: false,
+            tls: Some(TlsFiles { ca_cert, cert, key }),
+            ..Security::default()
+        },
+    })
+    .await
+    .unwrap();
+
+    let address = started.local_address.to_string();
+    let mut channel = api::tls::pinned_endpoint(&address, &pin)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    std::future::poll_fn(|cx| channel.poll_ready(cx))
+        .await
+        .unwrap();
+    // A message of 1 MiB announced (uncompressed), 100 bytes of it sent, then silence.
+    let mut data = vec![0, 0x00, 0x10, 0x00, 0x00];
+    data.extend_from_slice(&[0x0a; 100]);
+    let sent_part = futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from(data))]);
+    let silence = futures::stream::pending();
+    let body = axum::body::Body::from_stream(futures::StreamExt::chain(sent_part, silence));
+    let request = http::Request::post("/vgpu.v1.Pool/Place")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(tonic::body::Body::new(body))
+        .unwrap();
+    // Taken before the call: the server's clock for it starts after this.
+    let sent = Instant::now();
+    let bound = request_timeout + Duration::from_secs(10);
+    let response = tokio::time::timeout(bound, channel.call(request))
+        .await
+        .expect("the server answers a half-open request within its request timeout")
+        .expect("an answer, not a broken connection");
+    let waited = sent.elapsed();
+    assert!(
+        waited >= request_timeout,
+        "nothing but the timeout ends it: {waited:?}"
+    );
+    let code = response
+        .headers()
+        .get("grpc-status")
+        .and_then(|code| code.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        !code.is_empty() && code != "0",
+        "a gRPC error ends the call: {:?}",
+        response.headers()
+    );
+    started.control_plane.raft.shutdown().await.ok();
+}
