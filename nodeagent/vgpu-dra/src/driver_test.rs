@@ -1,0 +1,169 @@
+//! Tests of `driver`: prepare and unprepare on real files, the checkpoint across reopening.
+
+use super::*;
+use crate::claim::AllocatedDevice;
+use vgpu_agent::InventorySource;
+
+struct Node {
+    _root: tempfile::TempDir,
+    config: DriverConfig,
+    inventory: Inventory,
+}
+
+fn node() -> Node {
+    let root = tempfile::tempdir().unwrap();
+    let config = DriverConfig {
+        node: "node-a".into(),
+        state_dir: root.path().join("state"),
+        cdi: CdiConfig {
+            dir: root.path().join("cdi"),
+            interposer: root.path().join("lib/libvgpu_cuda.so"),
+            shm_dir: root.path().join("shm"),
+            state_dir: root.path().join("state"),
+            mps_pipe_dir: None,
+            mps_tenants: Default::default(),
+        },
+        quantum_ns: tenant_abi::compute::QUANTUM_NS_DEFAULT,
+    };
+    let inventory = InventorySource::from_simulate_arg("2xH100-80GB")
+        .unwrap()
+        .discover("node-a")
+        .unwrap();
+    Node {
+        _root: root,
+        config,
+        inventory,
+    }
+}
+
+fn allocation(name: &str, uid: &str, compute: &str) -> Allocation {
+    Allocation {
+        claim: ClaimRef {
+            namespace: "ml".into(),
+            name: name.into(),
+            uid: uid.into(),
+        },
+        devices: vec![AllocatedDevice {
+            request: "gpu".into(),
+            pool: "node-a".into(),
+            device: "gpu-1".into(),
+            consumed: BTreeMap::from([
+                ("memory".into(), "20Gi".into()),
+                ("compute".into(), compute.into()),
+            ]),
+        }],
+    }
+}
+
+const UID_A: &str = "aaaaaaaa-0000-4000-8000-000000000001";
+const UID_B: &str = "bbbbbbbb-0000-4000-8000-000000000002";
+
+fn read_spec(node: &Node, uid: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(spec_path(&node.config.cdi.dir, uid)).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn a_prepared_claim_is_a_tenant_with_a_cdi_device() {
+    let node = node();
+    let mut driver = Driver::open(node.config.clone(), node.inventory.clone()).unwrap();
+    let prepared = driver.prepare(&allocation("train", UID_A, "25")).unwrap();
+    assert_eq!(prepared.assignment.tenant, "train-aaaaaaaa");
+    assert_eq!(
+        prepared.devices[0].cdi_device_ids,
+        ["vgpu.dev/claim=train-aaaaaaaa"]
+    );
+    let spec = read_spec(&node, UID_A);
+    assert_eq!(spec["cdiVersion"], "0.6.0");
+    assert_eq!(spec["kind"], "vgpu.dev/claim");
+    let device = &spec["devices"][0];
+    assert_eq!(device["name"], "train-aaaaaaaa");
+    // The environment is the one `vgpu-agent exec` builds for the same tenant.
+    let exec_env: Vec<String> = vgpu_agent::tenant::tenant_environment(
+        "node-a",
+        &prepared.assignment,
+        &vgpu_agent::tenant::EnvConfig {
+            interposer: Some(vgpu_agent::cdi::CONTAINER_INTERPOSER_PATH.into()),
+            shm_dir: node.config.cdi.shm_dir.clone(),
+            state_dir: node.config.state_dir.clone(),
+            mps_pipe_dir: None,
+            mps_tenants: Default::default(),
+        },
+        None,
+    )
+    .into_iter()
+    .map(|(key, value)| format!("{key}={value}"))
+    .collect();
+    let spec_env: Vec<String> =
+        serde_json::from_value(device["containerEdits"]["env"].clone()).unwrap();
+    let mut expected = exec_env;
+    expected.extend(toolkit_environment(&prepared.assignment));
+    assert_eq!(spec_env, expected);
+    assert!(spec_env.contains(&format!(
+        "NVIDIA_VISIBLE_DEVICES={}",
+        node.inventory.gpus[1].uuid
+    )));
+    assert!(spec_env.contains(&"VGPU_COMPUTE_SHARES=0:25".to_owned()));
+    assert!(spec_env.contains(&format!("VGPU_MEMORY_LIMITS=0:{}", 20u64 << 30)));
+    // The tenant's private directory exists, with its GPU's schedule linked in.
+    let layout = Layout::new(&node.config.cdi.shm_dir);
+    assert!(private::is_prepared(&layout, "train-aaaaaaaa"));
+    let schedule = layout
+        .tenant_dir("train-aaaaaaaa")
+        .join(format!("{}.compute", node.inventory.gpus[1].uuid));
+    assert!(schedule.exists(), "{}", schedule.display());
+}
+
+#[test]
+fn prepare_and_unprepare_are_idempotent() {
+    let node = node();
+    let mut driver = Driver::open(node.config.clone(), node.inventory.clone()).unwrap();
+    let first = driver.prepare(&allocation("train", UID_A, "25")).unwrap();
+    // The same claim again (even if the apiserver now said otherwise) is what was prepared.
+    let again = driver.prepare(&allocation("train", UID_A, "50")).unwrap();
+    assert_eq!(first, again);
+    driver.prepare(&allocation("infer", UID_B, "50")).unwrap();
+    assert_eq!(driver.checkpoint().claims.len(), 2);
+
+    driver.unprepare(UID_A).unwrap();
+    driver.unprepare(UID_A).unwrap();
+    assert!(!spec_path(&node.config.cdi.dir, UID_A).exists());
+    let layout = Layout::new(&node.config.cdi.shm_dir);
+    assert!(!layout.tenant_dir("train-aaaaaaaa").exists());
+    assert!(private::is_prepared(&layout, "infer-bbbbbbbb"));
+    assert!(spec_path(&node.config.cdi.dir, UID_B).exists());
+    driver
+        .unprepare("cccccccc-0000-4000-8000-000000000003")
+        .unwrap();
+}
+
+#[test]
+fn the_checkpoint_is_the_truth_after_a_restart() {
+    let node = node();
+    let mut driver = Driver::open(node.config.clone(), node.inventory.clone()).unwrap();
+    let prepared = driver.prepare(&allocation("train", UID_A, "25")).unwrap();
+    drop(driver);
+    // A crash left a spec and a directory of a claim that never reached the checkpoint, and the
+    // prepared claim's spec was lost.
+    let stray = spec_path(&node.config.cdi.dir, UID_B);
+    std::fs::copy(spec_path(&node.config.cdi.dir, UID_A), &stray).unwrap();
+    std::fs::remove_file(spec_path(&node.config.cdi.dir, UID_A)).unwrap();
+    let layout = Layout::new(&node.config.cdi.shm_dir);
+    std::fs::create_dir_all(layout.tenant_dir("infer-bbbbbbbb")).unwrap();
+
+    let driver = Driver::open(node.config.clone(), node.inventory.clone()).unwrap();
+    assert_eq!(driver.prepared(UID_A), Some(&prepared));
+    assert!(spec_path(&node.config.cdi.dir, UID_A).exists());
+    assert!(!stray.exists());
+    assert!(!layout.tenant_dir("infer-bbbbbbbb").exists());
+    assert!(private::is_prepared(&layout, "train-aaaaaaaa"));
+}
+
+#[test]
+fn a_damaged_checkpoint_says_what_to_do() {
+    let node = node();
+    std::fs::create_dir_all(&node.config.state_dir).unwrap();
+    std::fs::write(node.config.state_dir.join(CHECKPOINT_FILE), b"{not json").unwrap();
+    let error = Driver::open(node.config.clone(), node.inventory.clone()).unwrap_err();
+    assert!(error.to_string().contains("move it away"), "{error}");
+}
