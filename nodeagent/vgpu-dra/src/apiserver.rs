@@ -9,6 +9,7 @@
 //! further: [`crate::kubelet::PluginConfig::apiserver_timeout`] for claims, [`PUBLISH_TIMEOUT`]
 //! for the slice).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
@@ -21,6 +22,8 @@ use crate::slices::{self, SliceAction};
 
 /// The bound on one publication of the slice (read, then create or replace).
 pub const PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest wait between two attempts to publish the slice.
+pub const PUBLISH_RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// Reads claims from the apiserver.
 #[derive(Clone)]
@@ -92,6 +95,53 @@ pub async fn publish(client: &kube::Client, wanted: ResourceSlice) -> Result<Sli
                 PUBLISH_TIMEOUT.as_secs()
             ),
         })?
+}
+
+/// Keeps the node's slice published: at once, then whenever the tainted GPUs (`unhealthy`, from
+/// [`crate::health::spawn_sampler`]) change. A failed publication is retried after 1 s,
+/// doubling up to [`PUBLISH_RETRY_MAX`], or at the next change. Returns when `unhealthy`'s
+/// sender is gone and the last publication succeeded.
+pub async fn keep_published(
+    client: kube::Client,
+    inventory: vgpu_agent::Inventory,
+    pcie_roots: BTreeMap<u32, String>,
+    mut unhealthy: tokio::sync::watch::Receiver<BTreeMap<u32, String>>,
+) {
+    let first_wait = Duration::from_secs(1);
+    let mut wait = first_wait;
+    loop {
+        let facts = slices::NodeFacts {
+            pcie_roots: pcie_roots.clone(),
+            unhealthy: unhealthy.borrow_and_update().clone(),
+        };
+        let wanted = slices::resource_slice(&inventory, &facts, 0);
+        match publish(&client, wanted).await {
+            Ok(action) => {
+                let done = match action {
+                    SliceAction::Create(_) => "created",
+                    SliceAction::Replace(_) => "replaced",
+                    SliceAction::Unchanged => "kept",
+                };
+                tracing::info!(
+                    "{done} ResourceSlice {} (tainted GPUs: {:?})",
+                    slices::slice_name(&inventory.node),
+                    facts.unhealthy
+                );
+                wait = first_wait;
+                if unhealthy.changed().await.is_err() {
+                    return;
+                }
+            }
+            Err(error) => {
+                tracing::warn!("{error}; retrying in {} s", wait.as_secs());
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    _ = unhealthy.changed() => {}
+                }
+                wait = (wait * 2).min(PUBLISH_RETRY_MAX);
+            }
+        }
+    }
 }
 
 /// A kube error with what to check next.

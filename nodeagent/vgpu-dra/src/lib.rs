@@ -9,6 +9,7 @@
 //! * [`driver`]: preparing and unpreparing claims on the node's files, checkpointed.
 //! * [`kubelet`]: the plugin-registration and DRA gRPC services on the kubelet's unix sockets.
 //! * [`apiserver`]: the apiserver calls (claims, the slice) through kube-rs.
+//! * [`health`]: which GPUs the slice taints, from the agent's health samples.
 //! * [`error`]: the typed errors.
 //!
 //! **Architecture Invariant:** the tenant's environment, CDI device and private directory come
@@ -20,11 +21,11 @@ pub mod apiserver;
 pub mod claim;
 pub mod driver;
 pub mod error;
+pub mod health;
 pub mod kubelet;
 pub mod slices;
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 pub use error::{Error, Result};
 
@@ -36,11 +37,8 @@ pub struct RunConfig {
     pub inventory: vgpu_agent::InventorySource,
 }
 
-/// Longest wait between two attempts to publish the slice.
-pub const PUBLISH_RETRY_MAX: Duration = Duration::from_secs(60);
-
-/// Runs the driver until `shutdown` completes: publishes the node's slice (retrying with a
-/// capped backoff while it fails), serves the kubelet, and stops serving on shutdown.
+/// Runs the driver until `shutdown` completes: keeps the node's slice published (with the GPUs
+/// that fail health checks tainted), serves the kubelet, and stops serving on shutdown.
 pub async fn run(
     config: RunConfig,
     client: kube::Client,
@@ -48,40 +46,38 @@ pub async fn run(
 ) -> Result<()> {
     let node = config.driver.node.clone();
     let inventory = config.inventory.discover(&node)?;
-    let facts = slices::NodeFacts {
-        pcie_roots: if inventory.simulated {
-            Default::default()
-        } else {
-            pcie_roots(&inventory, Path::new("/sys/bus/pci/devices"))
-        },
-        unhealthy: Default::default(),
+    let pcie_roots = if inventory.simulated {
+        Default::default()
+    } else {
+        pcie_roots(&inventory, Path::new("/sys/bus/pci/devices"))
     };
-    let slice = slices::resource_slice(&inventory, &facts, 0);
-    let publisher = {
-        let client = client.clone();
-        tokio::spawn(async move {
-            let mut wait = Duration::from_secs(1);
-            loop {
-                match apiserver::publish(&client, slice.clone()).await {
-                    Ok(action) => {
-                        let done = match action {
-                            slices::SliceAction::Create(_) => "created",
-                            slices::SliceAction::Replace(_) => "replaced",
-                            slices::SliceAction::Unchanged => "kept",
-                        };
-                        tracing::info!(
-                            "{done} ResourceSlice {}",
-                            slices::slice_name(&slice.spec.pool.name)
-                        );
-                        return;
-                    }
-                    Err(error) => tracing::warn!("{error}; retrying in {} s", wait.as_secs()),
+    let unhealthy = {
+        let inventory = inventory.clone();
+        let state_dir = config.driver.state_dir.clone();
+        health::spawn_sampler(
+            move || -> Option<Box<dyn vgpu_agent::health::HealthSource>> {
+                if inventory.simulated {
+                    return Some(Box::new(vgpu_agent::health::SimulatedHealth::new(
+                        &inventory, &state_dir,
+                    )));
                 }
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(PUBLISH_RETRY_MAX);
-            }
-        })
+                match vgpu_agent::health::nvml::NvmlHealth::open(&inventory) {
+                    Ok(source) => Some(Box::new(source)),
+                    Err(error) => {
+                        tracing::warn!("cannot sample GPU health through NVML: {error}");
+                        None
+                    }
+                }
+            },
+            health::SAMPLE_PERIOD_DEFAULT,
+        )
     };
+    let publisher = tokio::spawn(apiserver::keep_published(
+        client.clone(),
+        inventory.clone(),
+        pcie_roots,
+        unhealthy,
+    ));
     let driver = driver::Driver::open(config.driver, inventory)?;
     let claims = apiserver::KubeClaims::new(client, &node);
     let plugin = kubelet::Plugin::start(config.plugin, driver, claims)?;

@@ -24,6 +24,17 @@ struct Apiserver {
     /// Every request, as `METHOD path`.
     log: Vec<String>,
     next_version: u64,
+    /// Told the number of slice writes so far, when set.
+    writes: Option<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Apiserver {
+    fn wrote(&mut self) {
+        self.next_version += 1;
+        if let Some(writes) = &self.writes {
+            writes.send_modify(|count| *count += 1);
+        }
+    }
 }
 
 type Shared = Arc<Mutex<Apiserver>>;
@@ -82,7 +93,7 @@ async fn slice(
                 &serde_json::json!({"kind": "Status", "code": 409}),
             );
         }
-        server.next_version += 1;
+        server.wrote();
         sent["metadata"]["resourceVersion"] = server.next_version.to_string().into();
         server.slices.insert(name, sent.clone());
         return json(StatusCode::OK, &sent);
@@ -105,7 +116,7 @@ async fn create_slice(
     assert_eq!(sent["apiVersion"], "resource.k8s.io/v1");
     assert_eq!(sent["kind"], "ResourceSlice");
     let name = sent["metadata"]["name"].as_str().unwrap().to_owned();
-    server.next_version += 1;
+    server.wrote();
     sent["metadata"]["resourceVersion"] = server.next_version.to_string().into();
     server.slices.insert(name, sent.clone());
     json(StatusCode::CREATED, &sent)
@@ -235,4 +246,40 @@ async fn a_claim_is_read_and_its_allocation_on_this_node_taken() {
         .unwrap_err();
     assert!(error.to_string().contains("not found"), "{error}");
     assert!(error.to_string().contains("object was deleted"), "{error}");
+}
+
+#[tokio::test]
+async fn the_slice_follows_the_health_of_the_gpus() {
+    let server = Shared::default();
+    let (writes, mut written) = tokio::sync::watch::channel(0u64);
+    server.lock().unwrap().writes = Some(writes);
+    let client = start(Arc::clone(&server)).await;
+    let (health, unhealthy) = tokio::sync::watch::channel(BTreeMap::new());
+    let publisher = tokio::spawn(vgpu_dra::apiserver::keep_published(
+        client,
+        inventory(),
+        BTreeMap::new(),
+        unhealthy,
+    ));
+    tokio::time::timeout(WAIT, written.wait_for(|count| *count == 1))
+        .await
+        .unwrap()
+        .unwrap();
+    health.send_replace(BTreeMap::from([(0, "xid-79".to_owned())]));
+    tokio::time::timeout(WAIT, written.wait_for(|count| *count == 2))
+        .await
+        .unwrap()
+        .unwrap();
+    {
+        let server = server.lock().unwrap();
+        let stored = &server.slices["node-a-vgpu.dev"];
+        assert_eq!(stored["spec"]["devices"][0]["taints"][0]["value"], "xid-79");
+        assert_eq!(stored["spec"]["pool"]["generation"], 1);
+    }
+    // The health thread gone, the publisher ends after its last publication.
+    drop(health);
+    tokio::time::timeout(WAIT, publisher)
+        .await
+        .unwrap()
+        .unwrap();
 }
