@@ -35,6 +35,10 @@ use crate::state::{probe_writable, remove_if_present, write_json};
 use crate::tenant::{EnvConfig, nccl_plugin_beside, tenant_environment_with_plugin};
 
 pub const CDI_VERSION: &str = "0.6.0";
+/// The oldest CDI version that has everything vgpu writes except device annotations: what a spec
+/// without annotations may declare, so that older container runtimes (containerd 1.7's first
+/// releases read CDI 0.5.0 at most) accept it.
+pub const CDI_VERSION_WITHOUT_ANNOTATIONS: &str = "0.5.0";
 pub const CDI_KIND: &str = "vgpu.dev/tenant";
 /// The spec's file name in the CDI directory.
 pub const CDI_FILE: &str = "vgpu.dev-tenant.json";
@@ -242,10 +246,16 @@ fn bind_options(mode: &str) -> Vec<String> {
 }
 
 impl CdiSpec {
-    /// What CDI requires of what vgpu writes: a `vendor/class` kind, unique device names of the allowed characters,
+    /// What CDI requires of what vgpu writes: a version that has every field used, a
+    /// `vendor/class` kind, unique device names of the allowed characters,
     /// absolute paths, `KEY=VALUE` environment entries.
     pub fn assert_valid(&self) {
-        assert_eq!(self.cdi_version, CDI_VERSION);
+        let annotated = self.devices.iter().any(|d| !d.annotations.is_empty());
+        assert!(
+            self.cdi_version == CDI_VERSION
+                || (self.cdi_version == CDI_VERSION_WITHOUT_ANNOTATIONS && !annotated),
+            "CDI {CDI_VERSION}, or {CDI_VERSION_WITHOUT_ANNOTATIONS} without device annotations"
+        );
         let (vendor, class) = self
             .kind
             .split_once('/')
@@ -454,6 +464,34 @@ mod tests {
         assert_eq!(device.container_edits.device_nodes[0].path, "/dev/nvidia6");
         let json = serde_json::to_value(&spec).unwrap();
         assert!(json["devices"][0].get("annotations").is_none());
+    }
+
+    #[test]
+    fn the_nccl_plugin_beside_the_hosts_interposer_is_mounted_and_named() {
+        let directory = tempfile::tempdir().unwrap();
+        let inventory = simulated();
+        let mut config = config(Path::new("/cdi"));
+        config.interposer = directory.path().join("libvgpu_cuda.so");
+        std::fs::write(&config.interposer, b"").unwrap();
+        let set = set(&[("infer", &[1])], &inventory);
+        let without = build_spec("node-a", &set, &inventory, &config).unwrap();
+        assert_eq!(without.devices[0].container_edits.mounts.len(), 2);
+        assert!(
+            !without.devices[0]
+                .container_edits
+                .env
+                .iter()
+                .any(|entry| entry.starts_with("NCCL_NET_PLUGIN="))
+        );
+        let plugin = directory.path().join("libvgpu_nccl.so");
+        std::fs::write(&plugin, b"").unwrap();
+        let with = build_spec("node-a", &set, &inventory, &config).unwrap();
+        let edits = &with.devices[0].container_edits;
+        assert_eq!(edits.mounts[1].host_path, plugin.to_str().unwrap());
+        assert_eq!(edits.mounts[1].container_path, CONTAINER_NCCL_PLUGIN_PATH);
+        assert_eq!(edits.mounts[1].options[0], "ro");
+        let named = format!("NCCL_NET_PLUGIN={CONTAINER_NCCL_PLUGIN_PATH}");
+        assert!(edits.env.contains(&named), "{:?}", edits.env);
     }
 
     #[test]

@@ -26,7 +26,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use vgpu_agent::assignments::{AssignmentSet, TenantAssignment};
-use vgpu_agent::cdi::{CDI_VERSION, CdiConfig, CdiSpec, tenant_device};
+use vgpu_agent::cdi::{
+    CDI_VERSION, CDI_VERSION_WITHOUT_ANNOTATIONS, CdiConfig, CdiSpec, tenant_device,
+};
 use vgpu_agent::inventory::Inventory;
 use vgpu_agent::private::{self, Layout};
 use vgpu_agent::state::{remove_if_present, write_json};
@@ -202,8 +204,15 @@ impl Driver {
             .container_edits
             .env
             .extend(toolkit_environment(&prepared.assignment));
+        // The oldest version that has what the device uses: containerd 1.7's first releases read
+        // CDI 0.5.0 at most, and only simulated GPUs' devices carry annotations (0.6.0).
+        let version = if device.annotations.is_empty() {
+            CDI_VERSION_WITHOUT_ANNOTATIONS
+        } else {
+            CDI_VERSION
+        };
         let spec = CdiSpec {
-            cdi_version: CDI_VERSION.to_owned(),
+            cdi_version: version.to_owned(),
             kind: CDI_KIND.to_owned(),
             devices: vec![device],
         };

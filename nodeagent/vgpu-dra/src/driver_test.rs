@@ -74,6 +74,7 @@ fn a_prepared_claim_is_a_tenant_with_a_cdi_device() {
         ["vgpu.dev/claim=train-aaaaaaaa"]
     );
     let spec = read_spec(&node, UID_A);
+    // Simulated GPUs' devices carry an annotation, which needs CDI 0.6.0.
     assert_eq!(spec["cdiVersion"], "0.6.0");
     assert_eq!(spec["kind"], "vgpu.dev/claim");
     let device = &spec["devices"][0];
@@ -112,6 +113,33 @@ fn a_prepared_claim_is_a_tenant_with_a_cdi_device() {
         .tenant_dir("train-aaaaaaaa")
         .join(format!("{}.compute", node.inventory.gpus[1].uuid));
     assert!(schedule.exists(), "{}", schedule.display());
+}
+
+#[test]
+fn real_gpus_get_the_oldest_cdi_version_and_the_nccl_plugin_when_installed() {
+    let mut node = node();
+    node.inventory.simulated = false;
+    let libraries = node.config.cdi.interposer.parent().unwrap().to_owned();
+    std::fs::create_dir_all(&libraries).unwrap();
+    std::fs::write(&node.config.cdi.interposer, b"").unwrap();
+    std::fs::write(libraries.join("libvgpu_nccl.so"), b"").unwrap();
+    let mut driver = Driver::open(node.config.clone(), node.inventory.clone()).unwrap();
+    driver.prepare(&allocation("train", UID_A, "25")).unwrap();
+    let spec = read_spec(&node, UID_A);
+    assert_eq!(spec["cdiVersion"], "0.5.0");
+    let device = &spec["devices"][0];
+    assert!(device.get("annotations").is_none());
+    let mounts = device["containerEdits"]["mounts"].as_array().unwrap();
+    assert_eq!(mounts[1]["containerPath"], "/usr/lib/vgpu/libvgpu_nccl.so");
+    assert_eq!(
+        mounts[1]["hostPath"],
+        libraries.join("libvgpu_nccl.so").to_str().unwrap()
+    );
+    let env: Vec<String> = serde_json::from_value(device["containerEdits"]["env"].clone()).unwrap();
+    assert!(env.contains(&"NCCL_NET_PLUGIN=/usr/lib/vgpu/libvgpu_nccl.so".to_owned()));
+    // A fraction of a GPU: the plugin's env part too, and the slice's own NCCL host identity.
+    assert!(env.contains(&"NCCL_ENV_PLUGIN=/usr/lib/vgpu/libvgpu_nccl.so".to_owned()));
+    assert!(env.contains(&"NCCL_HOSTID=vgpu-node-a-train-aaaaaaaa".to_owned()));
 }
 
 #[test]
