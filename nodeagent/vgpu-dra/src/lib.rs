@@ -83,8 +83,22 @@ pub async fn run(
     let plugin = kubelet::Plugin::start(config.plugin, driver, claims)?;
     shutdown.await;
     publisher.abort();
-    plugin.stop().await
+    // The kubelet keeps its connections open; they get a GOAWAY, and calls in flight this long
+    // to finish.
+    match tokio::time::timeout(STOP_TIMEOUT, plugin.stop()).await {
+        Ok(stopped) => stopped,
+        Err(_) => {
+            tracing::warn!(
+                "calls still in flight after {} s; stopping anyway (the kubelet retries them)",
+                STOP_TIMEOUT.as_secs()
+            );
+            Ok(())
+        }
+    }
 }
+
+/// How long calls in flight may take to finish at shutdown (the DaemonSet gives 15 s).
+pub const STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The PCIe root complex of each real GPU, from sysfs (`<devices>/<bus id>` links to
 /// `.../pci<domain>:<bus>/...`); GPUs whose link cannot be read are left out.

@@ -284,6 +284,44 @@ async fn claims_are_prepared_once_and_survive_a_restart() {
         .unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pods_of_one_claim_preparing_at_once_get_one_tenant() {
+    let node = Node::new();
+    let claims = Arc::new(FakeClaims::default());
+    claims
+        .allocations
+        .lock()
+        .unwrap()
+        .insert(UID_A.into(), allocation("shared", UID_A));
+    let plugin = node.start(Arc::clone(&claims));
+    let endpoint = node.kubelet_root().join("plugins/vgpu.dev/dra.sock");
+    let mut first = DraPluginClient::new(connect(&endpoint).await);
+    let mut second = DraPluginClient::new(connect(&endpoint).await);
+    let request = || NodePrepareResourcesRequest {
+        claims: vec![claim("shared", UID_A)],
+    };
+    let (a, b) = tokio::join!(
+        first.node_prepare_resources(request()),
+        second.node_prepare_resources(request())
+    );
+    let (a, b) = (a.unwrap().into_inner(), b.unwrap().into_inner());
+    assert_eq!(a.claims[UID_A], b.claims[UID_A]);
+    assert_eq!(
+        a.claims[UID_A].devices[0].cdi_device_ids,
+        ["vgpu.dev/claim=shared-aaaaaaaa"]
+    );
+    let checkpoint: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(node.root.path().join("state/dra-checkpoint.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(checkpoint["claims"].as_object().unwrap().len(), 1);
+    drop((first, second));
+    tokio::time::timeout(WAIT, plugin.stop())
+        .await
+        .unwrap()
+        .unwrap();
+}
+
 #[tokio::test]
 async fn too_many_claims_in_one_call_are_refused() {
     let node = Node::new();
