@@ -153,6 +153,9 @@ fn describe(error: &kube::Error) -> String {
         kube::Error::Api(status) if status.code == 404 => format!(
             "{error}; either the object was deleted, or resource.k8s.io/v1 is not served (it needs Kubernetes 1.34 or newer)"
         ),
-        _ => error.to_string(),
+        kube::Error::Api(_) => error.to_string(),
+        _ => format!(
+            "{error}; check that the apiserver is reachable from the node and that the driver's pod mounts its service account token"
+        ),
     }
 }

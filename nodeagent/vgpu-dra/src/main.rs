@@ -115,6 +115,11 @@ fn main() -> anyhow::Result<()> {
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let node = args.node.node_name.clone();
     api::names::validate("node", &node)?;
+    anyhow::ensure!(
+        args.kubelet_root.is_absolute(),
+        "--kubelet-root {} is relative; the kubelet dials the socket path the driver reports, so give the absolute path (usually /var/lib/kubelet)",
+        args.kubelet_root.display()
+    );
     let config = vgpu_dra::RunConfig {
         inventory: inventory_source(&args.node)?,
         driver: vgpu_dra::driver::DriverConfig {
