@@ -126,9 +126,13 @@ pub fn allocation_from_claim(
         .and_then(|allocation| allocation.devices.as_ref())
         .and_then(|devices| devices.results.as_deref())
         .ok_or_else(|| ClaimError::NotAllocated(wanted.clone()))?;
-    let devices: Vec<AllocatedDevice> = results
-        .iter()
-        .filter(|result| result.driver == DRIVER_NAME)
+    let ours = || results.iter().filter(|result| result.driver == DRIVER_NAME);
+    // Admin access consumes no capacity, so the claim would be a tenant the scheduler did not
+    // count: on a GPU's compute schedule it would take turns from the tenants that were.
+    if ours().any(|result| result.admin_access == Some(true)) {
+        return Err(ClaimError::AdminAccess(wanted.clone()));
+    }
+    let devices: Vec<AllocatedDevice> = ours()
         .map(|result| AllocatedDevice {
             request: result.request.clone(),
             pool: result.pool.clone(),

@@ -128,6 +128,11 @@ fn an_allocation_is_read_from_the_claim() {
     assert!(matches!(error, ClaimError::NoDevices(_)), "{error}");
     let error = allocation_from_claim(&claim, &wanted, "node-b").unwrap_err();
     assert!(error.to_string().contains("--node-name"), "{error}");
+    let mut admin = result("gpu-0", &[]);
+    admin.admin_access = Some(true);
+    let error = allocation_from_claim(&resource_claim(&wanted.uid, vec![admin]), &wanted, "node-a")
+        .unwrap_err();
+    assert!(matches!(error, ClaimError::AdminAccess(_)), "{error}");
     let mut unallocated = claim.clone();
     unallocated.status = None;
     let error = allocation_from_claim(&unallocated, &wanted, "node-a").unwrap_err();

@@ -16,6 +16,10 @@ pub enum ClaimError {
         "claim {claim} was replaced: the apiserver has uid `{uid}` under that name; the kubelet will retry with the new claim"
     )]
     Replaced { claim: ClaimRef, uid: String },
+    #[error(
+        "claim {0} asks for admin access, which vgpu.dev does not give: a slice is a tenant with a share, and admin access takes none; to watch the GPUs use `vgpuctl describe` or the agent's metrics"
+    )]
+    AdminAccess(ClaimRef),
     #[error("claim {0} has no device of driver vgpu.dev; check its DeviceClass is `vgpu.dev`")]
     NoDevices(ClaimRef),
     #[error(
