@@ -266,13 +266,15 @@ impl CdiSpec {
         );
         let mut names = std::collections::BTreeSet::new();
         for device in &self.devices {
+            let alphanumeric = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
             assert!(
-                !device.name.is_empty()
+                alphanumeric(device.name.chars().next())
+                    && alphanumeric(device.name.chars().last())
                     && device
                         .name
                         .chars()
                         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':')),
-                "CDI device names are tenant names"
+                "CDI device names begin and end with a letter or digit (they are tenant names)"
             );
             assert!(names.insert(&device.name), "CDI device names are unique");
             let edits = &device.container_edits;

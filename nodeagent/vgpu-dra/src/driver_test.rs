@@ -142,6 +142,59 @@ fn real_gpus_get_the_oldest_cdi_version_and_the_nccl_plugin_when_installed() {
     assert!(env.contains(&"NCCL_HOSTID=vgpu-node-a-train-aaaaaaaa".to_owned()));
 }
 
+/// The CDI format's rules (CDI's SPEC.md) that a runtime checks when it loads the spec: only
+/// known fields, a `vendor/class` kind of DNS and label characters, device names that begin and
+/// end with a letter or digit, absolute paths, `KEY=VALUE` environment entries.
+fn assert_cdi_format(spec: &serde_json::Value) {
+    let keys = |value: &serde_json::Value, allowed: &[&str]| {
+        for key in value.as_object().unwrap().keys() {
+            assert!(allowed.contains(&key.as_str()), "unknown CDI field {key}");
+        }
+    };
+    keys(spec, &["cdiVersion", "kind", "devices", "containerEdits"]);
+    let (vendor, class) = spec["kind"].as_str().unwrap().split_once('/').unwrap();
+    assert!(vendor.split('.').all(|label| {
+        !label.is_empty() && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+    }));
+    assert!(class.len() <= 63 && class.chars().all(|c| c.is_ascii_alphanumeric()));
+    let devices = spec["devices"].as_array().unwrap();
+    assert!(!devices.is_empty());
+    for device in devices {
+        keys(device, &["name", "annotations", "containerEdits"]);
+        let name = device["name"].as_str().unwrap();
+        assert!(name.starts_with(|c: char| c.is_ascii_alphanumeric()));
+        assert!(name.ends_with(|c: char| c.is_ascii_alphanumeric()));
+        let edits = &device["containerEdits"];
+        keys(edits, &["env", "deviceNodes", "mounts", "hooks"]);
+        for entry in edits["env"].as_array().unwrap() {
+            let (key, _) = entry.as_str().unwrap().split_once('=').unwrap();
+            assert!(!key.is_empty());
+        }
+        for node in edits["deviceNodes"].as_array().unwrap() {
+            keys(
+                node,
+                &["path", "hostPath", "type", "major", "minor", "permissions"],
+            );
+            assert!(node["path"].as_str().unwrap().starts_with("/dev/"));
+        }
+        for mount in edits["mounts"].as_array().unwrap() {
+            keys(mount, &["hostPath", "containerPath", "options", "type"]);
+            assert!(mount["hostPath"].as_str().unwrap().starts_with('/'));
+            assert!(mount["containerPath"].as_str().unwrap().starts_with('/'));
+        }
+    }
+}
+
+#[test]
+fn the_claims_cdi_spec_keeps_the_cdi_format() {
+    let node = node();
+    let mut driver = Driver::open(node.config.clone(), node.inventory.clone()).unwrap();
+    driver
+        .prepare(&allocation("Train_Job.1", UID_A, "25"))
+        .unwrap();
+    assert_cdi_format(&read_spec(&node, UID_A));
+}
+
 #[test]
 fn prepare_and_unprepare_are_idempotent() {
     let node = node();
