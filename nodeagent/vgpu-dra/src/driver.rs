@@ -19,7 +19,8 @@
 //!
 //! **Architecture Invariant:** on a Kubernetes-managed node, the driver is the only writer of
 //! tenants' private directories and of `vgpu.dev/claim` CDI specs (see ARCHITECTURE.md, "Pods get
-//! slices through DRA").
+//! slices through DRA"); [`Driver::open`] records it as the shared-memory directory's keeper
+//! (`vgpu_agent::private::claim_keeper`) and refuses to start where the agent keeps it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -104,6 +105,12 @@ impl Driver {
                 source,
             })?;
         }
+        // Before anything under the shared-memory directory is touched: where the agent keeps
+        // the tenants, the driver would remove them (and the agent the pods').
+        private::claim_keeper(
+            &Layout::new(&config.cdi.shm_dir),
+            private::Keeper::KubernetesDriver,
+        )?;
         let checkpoint = read_checkpoint(&config.state_dir.join(CHECKPOINT_FILE))?;
         let driver = Driver {
             config,

@@ -241,6 +241,17 @@ fn the_checkpoint_is_the_truth_after_a_restart() {
 }
 
 #[test]
+fn the_driver_does_not_start_where_the_agent_keeps_the_tenants() {
+    let node = node();
+    let layout = Layout::new(&node.config.cdi.shm_dir);
+    private::claim_keeper(&layout, private::Keeper::Agent).unwrap();
+    std::fs::create_dir_all(layout.tenant_dir("placed-by-vgpuctl")).unwrap();
+    let error = Driver::open(node.config.clone(), node.inventory.clone()).unwrap_err();
+    assert!(error.to_string().contains("never both"), "{error}");
+    assert!(layout.tenant_dir("placed-by-vgpuctl").exists());
+}
+
+#[test]
 fn a_damaged_checkpoint_says_what_to_do() {
     let node = node();
     std::fs::create_dir_all(&node.config.state_dir).unwrap();
