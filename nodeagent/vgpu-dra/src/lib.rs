@@ -46,6 +46,9 @@ pub async fn run(
 ) -> Result<()> {
     let node = config.driver.node.clone();
     let inventory = config.inventory.discover(&node)?;
+    // The node's files first: a driver that cannot keep its tenants (the agent keeps them, the
+    // checkpoint is damaged) must not offer the node's GPUs to the scheduler.
+    let driver = driver::Driver::open(config.driver.clone(), inventory.clone())?;
     let pcie_roots = if inventory.simulated {
         Default::default()
     } else {
@@ -74,11 +77,10 @@ pub async fn run(
     };
     let publisher = tokio::spawn(apiserver::keep_published(
         client.clone(),
-        inventory.clone(),
+        inventory,
         pcie_roots,
         unhealthy,
     ));
-    let driver = driver::Driver::open(config.driver, inventory)?;
     let claims = apiserver::KubeClaims::new(client, &node);
     let plugin = kubelet::Plugin::start(config.plugin, driver, claims)?;
     shutdown.await;
