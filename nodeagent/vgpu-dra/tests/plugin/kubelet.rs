@@ -103,6 +103,27 @@ async fn connect(path: &Path) -> Channel {
     tokio::time::timeout(WAIT, connect).await.unwrap().unwrap()
 }
 
+/// Finds CDI device `id` (`vendor/class=name`) among the specs in `cdi_dir` as a runtime does, and
+/// returns its environment. Panics unless exactly one spec of that kind defines the device.
+fn resolve_cdi(cdi_dir: &Path, id: &str) -> Vec<String> {
+    let (kind, name) = id.split_once('=').unwrap();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(cdi_dir).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        let spec: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if spec["kind"] != kind {
+            continue;
+        }
+        for device in spec["devices"].as_array().unwrap() {
+            if device["name"] == name {
+                found.push(device["containerEdits"]["env"].clone());
+            }
+        }
+    }
+    assert_eq!(found.len(), 1, "CDI device {id} is defined once");
+    serde_json::from_value(found.remove(0)).unwrap()
+}
+
 fn claim(name: &str, uid: &str) -> Claim {
     Claim {
         namespace: "ml".into(),
@@ -242,6 +263,19 @@ async fn claims_are_prepared_once_and_survive_a_restart() {
     );
     let spec = spec_path(&node.driver_config().cdi.dir, UID_A);
     assert!(spec.exists());
+    // As the container runtime does: every CDI id the kubelet got names a device of a spec in
+    // the CDI directory, whose environment is the tenant's.
+    for id in &device.cdi_device_ids {
+        let env = resolve_cdi(&node.driver_config().cdi.dir, id);
+        assert!(
+            env.contains(&"VGPU_TENANT=train-aaaaaaaa".to_owned()),
+            "{env:?}"
+        );
+        assert!(
+            env.contains(&"VGPU_COMPUTE_SHARES=0:25".to_owned()),
+            "{env:?}"
+        );
+    }
     assert_eq!(claims.asked.load(Ordering::SeqCst), 2);
 
     // The driver restarts; the apiserver now knows nothing. The kubelet asks again (it does after
