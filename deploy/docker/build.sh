@@ -35,7 +35,7 @@ case "$profile" in
 esac
 
 echo "building the binaries ($profile; vgpu-cp and vgpuctl: $libc)..." >&2
-cargo build "${profile_flag[@]}" --quiet -p vgpu-cp -p vgpu-agent -p vgpuctl
+cargo build "${profile_flag[@]}" --quiet -p vgpu-cp -p vgpu-agent -p vgpu-dra -p vgpuctl
 cargo_target="${CARGO_TARGET_DIR:-$PWD/target}"
 glibc_bin="$cargo_target/$profile"
 small_bin="$glibc_bin"
@@ -82,6 +82,8 @@ done
 add "$context/cp" "$small_bin/vgpu-cp"
 add "$context/cp" "$small_bin/vgpuctl"
 add "$context/agent" "$glibc_bin/vgpu-agent"
+# The Kubernetes DRA driver (deploy/k8s/dra) runs from the agent image.
+add "$context/agent" "$glibc_bin/vgpu-dra"
 add "$context/agent" "$small_bin/vgpuctl"
 mkdir -p "$context/agent/var/lib/vgpu-agent" "$context/agent/var/run/cdi"
 for lib in libvgpu_cuda.so libvgpu_nccl.so; do
@@ -104,6 +106,8 @@ done
 docker run --rm "vgpu/vgpuctl:$tag" --version >/dev/null
 docker run --rm --entrypoint /usr/local/bin/vgpu-cp "vgpu/vgpu-cp:$tag" --version >/dev/null
 docker run --rm "vgpu/vgpu-agent:$tag" inventory --simulate 2xH100-80GB --name smoke >/dev/null
+docker run --rm --entrypoint /usr/local/bin/vgpu-dra "vgpu/vgpu-agent:$tag" \
+  print-slice --node-name smoke --simulate 2xH100-80GB >/dev/null
 
 echo "images (vgpu-cp/vgpuctl: $libc):"
 for image in vgpu-cp vgpu-agent vgpuctl; do

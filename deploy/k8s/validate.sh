@@ -6,7 +6,11 @@
 #      the oldest and newest Kubernetes versions we claim (1.30, 1.37): unknown fields fail;
 #   3. checks that the validator does reject a bad manifest (so a green run means something);
 #   4. checks that every VGPU_* variable the manifests set is documented in docs/configuration.md;
-#   5. checks that nothing runs with --insecure: the manifests are mutual TLS only.
+#   5. checks that nothing runs with --insecure: the manifests are mutual TLS only;
+#   6. validates the DRA driver (deploy/k8s/dra: kustomization, examples/, and the ResourceSlice
+#      the driver publishes, dra/resourceslice-example.yaml, which a unit test of vgpu-dra keeps
+#      equal to the driver's output) against 1.36 and 1.37, the versions with resource.k8s.io/v1
+#      consumable capacity.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -36,6 +40,27 @@ for version in 1.30.0 1.37.0; do
   "$validate" --strict --quiet -k "$version" "$rendered"
 done
 echo "kubernetes-validate --strict: $(grep -c '^kind:' "$rendered") resources pass against 1.30 and 1.37"
+dra="$work/dra.yaml"
+if command -v kubectl >/dev/null 2>&1; then
+  kubectl kustomize deploy/k8s/dra >"$dra"
+else
+  for file in deploy/k8s/dra/*.yaml; do
+    case "$(basename "$file")" in kustomization.yaml | resourceslice-example.yaml) continue ;; esac
+    cat "$file"
+    echo "---"
+  done >"$dra"
+fi
+# The examples and the published slice are checked for their schema only: they are not deployed
+# with the driver (the VGPU_* and insecure checks below cover what is).
+examples="$work/dra-examples.yaml"
+for file in deploy/k8s/dra/examples/*.yaml deploy/k8s/dra/resourceslice-example.yaml; do
+  cat "$file"
+  echo "---"
+done >"$examples"
+for version in 1.36.0 1.37.0; do
+  "$validate" --strict --quiet -k "$version" "$dra" "$examples"
+done
+echo "kubernetes-validate --strict: $(cat "$dra" "$examples" | grep -cE '^kind:|^  "kind":') DRA resources, examples and the published slice pass against 1.36 and 1.37"
 
 # The validator must fail on a misspelt field.
 sed 's/^  serviceName: vgpu-cp$/  serviceNmae: vgpu-cp/' "$rendered" >"$work/bad.yaml"
@@ -50,11 +75,11 @@ while read -r variable; do
     echo "validate.sh: $variable is set in deploy/k8s but not documented in docs/configuration.md" >&2
     missing=1
   fi
-done < <(grep -o 'VGPU_[A-Z_]*' "$rendered" | sort -u)
+done < <(cat "$rendered" "$dra" | grep -o 'VGPU_[A-Z_]*' | sort -u)
 [ "$missing" = 0 ]
 echo "every VGPU_* variable in the manifests is documented"
 
-if grep -n -i 'insecure' "$rendered" | grep -v '^[0-9]*: *#' >&2; then
+if cat "$rendered" "$dra" | grep -n -i 'insecure' | grep -v '^[0-9]*: *#' >&2; then
   echo "validate.sh: the lines above turn on plain text; the manifests run with mutual TLS only" >&2
   exit 1
 fi

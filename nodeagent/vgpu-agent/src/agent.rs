@@ -135,7 +135,11 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     let mut follower = Follower::restore(state.clone(), &config.name)?;
     state.write_inventory(&inventory)?;
     state.write_shm_dir(&config.shm_dir)?;
-    follower = follower.with_private(crate::private::Layout::new(&config.shm_dir));
+    let layout = crate::private::Layout::new(&config.shm_dir);
+    // Before any tenant directory is touched: on a Kubernetes-managed node the DRA driver keeps
+    // them, and the agent would remove its pods' tenants.
+    crate::private::claim_keeper(&layout, crate::private::Keeper::Agent)?;
+    follower = follower.with_private(layout);
     if let Some(mps) = &config.mps {
         // Before any tenant can be started here: their environment names the daemon's pipes.
         crate::mps::ensure_running(mps)?;

@@ -11,7 +11,9 @@
 //!   `/dev/nvidia-uvm` and `/dev/nvidia-uvm-tools` (the runtime reads type and numbers from the
 //!   host's nodes); simulated GPUs use their index as the minor and the device carries the
 //!   annotation `vgpu.dev/simulated: "true"`;
-//! * `mounts`: the interposer (read-only) at [`CONTAINER_INTERPOSER_PATH`] and the tenant's own
+//! * `mounts`: the interposer (read-only) at [`CONTAINER_INTERPOSER_PATH`], the NCCL plugin
+//!   (read-only) at [`CONTAINER_NCCL_PLUGIN_PATH`] when it is installed beside the interposer on
+//!   the host, and the tenant's own
 //!   private directory ([`crate::private`]; read-write, at the same path as on the host, so that
 //!   accounting spans containers and host processes). Nothing of the other tenants and nothing
 //!   of the agent's state directory is mounted.
@@ -26,18 +28,24 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::assignments::AssignmentSet;
+use crate::assignments::{AssignmentSet, TenantAssignment};
 use crate::error::{Error, Result};
 use crate::inventory::Inventory;
 use crate::state::{probe_writable, remove_if_present, write_json};
-use crate::tenant::{EnvConfig, tenant_environment};
+use crate::tenant::{EnvConfig, nccl_plugin_beside, tenant_environment_with_plugin};
 
 pub const CDI_VERSION: &str = "0.6.0";
+/// The oldest CDI version that has everything vgpu writes except device annotations: what a spec
+/// without annotations may declare, so that older container runtimes (containerd 1.7's first
+/// releases read CDI 0.5.0 at most) accept it.
+pub const CDI_VERSION_WITHOUT_ANNOTATIONS: &str = "0.5.0";
 pub const CDI_KIND: &str = "vgpu.dev/tenant";
 /// The spec's file name in the CDI directory.
 pub const CDI_FILE: &str = "vgpu.dev-tenant.json";
 /// Where the interposer appears inside containers.
 pub const CONTAINER_INTERPOSER_PATH: &str = "/usr/lib/vgpu/libvgpu_cuda.so";
+/// Where the NCCL plugin appears inside containers, when it is installed beside the interposer.
+pub const CONTAINER_NCCL_PLUGIN_PATH: &str = "/usr/lib/vgpu/libvgpu_nccl.so";
 /// The system CDI directory, used when it is writable.
 pub const SYSTEM_CDI_DIR: &str = "/var/run/cdi";
 /// Annotation on devices of simulated GPUs.
@@ -125,6 +133,29 @@ pub fn build_spec(
     if set.tenants.is_empty() {
         return None;
     }
+    let devices = set
+        .tenants
+        .values()
+        .map(|assignment| tenant_device(node, assignment, inventory, config))
+        .collect();
+    let spec = CdiSpec {
+        cdi_version: CDI_VERSION.to_owned(),
+        kind: CDI_KIND.to_owned(),
+        devices,
+    };
+    spec.assert_valid();
+    Some(spec)
+}
+
+/// The CDI device of one tenant, named after it: what `vgpu-agent exec` gives the tenant's
+/// processes, for a container. The Kubernetes DRA driver (`vgpu-dra`) puts the same device in
+/// a spec of its own kind, so a pod gets exactly what an `exec`ed process gets.
+pub fn tenant_device(
+    node: &str,
+    assignment: &TenantAssignment,
+    inventory: &Inventory,
+    config: &CdiConfig,
+) -> CdiDevice {
     let env_config = EnvConfig {
         interposer: Some(PathBuf::from(CONTAINER_INTERPOSER_PATH)),
         shm_dir: config.shm_dir.clone(),
@@ -136,72 +167,76 @@ pub fn build_spec(
     let layout = crate::private::Layout::new(&config.shm_dir);
     // A container sees the interposer, its own tenant's directory and the MPS pipes (on an MPS
     // node), nothing of the other tenants and nothing of the agent's state.
-    let mounts = |tenant: &str| {
-        let own = path(&layout.tenant_dir(tenant));
-        let pipes = config.mps_pipe_dir.iter().map(|pipes| Mount {
-            host_path: path(pipes),
-            container_path: path(pipes),
+    let own = path(&layout.tenant_dir(&assignment.tenant));
+    let pipes = config.mps_pipe_dir.iter().map(|pipes| Mount {
+        host_path: path(pipes),
+        container_path: path(pipes),
+        options: bind_options("rw"),
+    });
+    let mut mounts = vec![
+        Mount {
+            host_path: path(&config.interposer),
+            container_path: CONTAINER_INTERPOSER_PATH.to_owned(),
+            options: bind_options("ro"),
+        },
+        Mount {
+            host_path: own.clone(),
+            container_path: own,
             options: bind_options("rw"),
-        });
-        let mut mounts = vec![
+        },
+    ];
+    mounts.extend(pipes);
+    // The NCCL plugin is mounted (and named in the environment) when it is installed beside the
+    // interposer on the host.
+    let host_plugin = nccl_plugin_beside(Some(&config.interposer));
+    if let Some(plugin) = &host_plugin {
+        mounts.insert(
+            1,
             Mount {
-                host_path: path(&config.interposer),
-                container_path: CONTAINER_INTERPOSER_PATH.to_owned(),
+                host_path: path(plugin),
+                container_path: CONTAINER_NCCL_PLUGIN_PATH.to_owned(),
                 options: bind_options("ro"),
             },
-            Mount {
-                host_path: own.clone(),
-                container_path: own,
-                options: bind_options("rw"),
-            },
-        ];
-        mounts.extend(pipes);
-        mounts
+        );
+    }
+    let container_plugin = host_plugin.map(|_| PathBuf::from(CONTAINER_NCCL_PLUGIN_PATH));
+    let env = tenant_environment_with_plugin(
+        node,
+        assignment,
+        &env_config,
+        None,
+        container_plugin.as_deref(),
+    )
+    .into_iter()
+    .map(|(key, value)| format!("{key}={value}"))
+    .collect();
+    let gpu_nodes = assignment.slices.iter().map(|slice| {
+        let minor = inventory
+            .gpu_by_uuid(&slice.gpu_uuid)
+            .and_then(|gpu| gpu.device_minor)
+            .unwrap_or(slice.gpu_index);
+        format!("/dev/nvidia{minor}")
+    });
+    let mut device_nodes: Vec<DeviceNode> = Vec::new();
+    for node_path in gpu_nodes.chain(CONTROL_DEVICE_NODES.map(str::to_owned)) {
+        if !device_nodes.iter().any(|known| known.path == node_path) {
+            device_nodes.push(DeviceNode { path: node_path });
+        }
+    }
+    let annotations = if inventory.simulated {
+        BTreeMap::from([(SIMULATED_ANNOTATION.to_owned(), "true".to_owned())])
+    } else {
+        BTreeMap::new()
     };
-    let devices = set
-        .tenants
-        .values()
-        .map(|assignment| {
-            let env = tenant_environment(node, assignment, &env_config, None)
-                .into_iter()
-                .map(|(key, value)| format!("{key}={value}"))
-                .collect();
-            let gpu_nodes = assignment.slices.iter().map(|slice| {
-                let minor = inventory
-                    .gpu_by_uuid(&slice.gpu_uuid)
-                    .and_then(|gpu| gpu.device_minor)
-                    .unwrap_or(slice.gpu_index);
-                format!("/dev/nvidia{minor}")
-            });
-            let mut device_nodes: Vec<DeviceNode> = Vec::new();
-            for node_path in gpu_nodes.chain(CONTROL_DEVICE_NODES.map(str::to_owned)) {
-                if !device_nodes.iter().any(|known| known.path == node_path) {
-                    device_nodes.push(DeviceNode { path: node_path });
-                }
-            }
-            let annotations = if inventory.simulated {
-                BTreeMap::from([(SIMULATED_ANNOTATION.to_owned(), "true".to_owned())])
-            } else {
-                BTreeMap::new()
-            };
-            CdiDevice {
-                name: assignment.tenant.clone(),
-                annotations,
-                container_edits: ContainerEdits {
-                    env,
-                    device_nodes,
-                    mounts: mounts(&assignment.tenant),
-                },
-            }
-        })
-        .collect();
-    let spec = CdiSpec {
-        cdi_version: CDI_VERSION.to_owned(),
-        kind: CDI_KIND.to_owned(),
-        devices,
-    };
-    spec.assert_valid();
-    Some(spec)
+    CdiDevice {
+        name: assignment.tenant.clone(),
+        annotations,
+        container_edits: ContainerEdits {
+            env,
+            device_nodes,
+            mounts,
+        },
+    }
 }
 
 fn bind_options(mode: &str) -> Vec<String> {
@@ -211,20 +246,35 @@ fn bind_options(mode: &str) -> Vec<String> {
 }
 
 impl CdiSpec {
-    /// What CDI requires of what vgpu writes: unique device names of the allowed characters,
+    /// What CDI requires of what vgpu writes: a version that has every field used, a
+    /// `vendor/class` kind, unique device names of the allowed characters,
     /// absolute paths, `KEY=VALUE` environment entries.
     pub fn assert_valid(&self) {
-        assert_eq!(self.cdi_version, CDI_VERSION);
-        assert_eq!(self.kind, CDI_KIND);
+        let annotated = self.devices.iter().any(|d| !d.annotations.is_empty());
+        assert!(
+            self.cdi_version == CDI_VERSION
+                || (self.cdi_version == CDI_VERSION_WITHOUT_ANNOTATIONS && !annotated),
+            "CDI {CDI_VERSION}, or {CDI_VERSION_WITHOUT_ANNOTATIONS} without device annotations"
+        );
+        let (vendor, class) = self
+            .kind
+            .split_once('/')
+            .expect("a CDI kind is vendor/class");
+        assert!(
+            vendor.contains('.') && !class.is_empty() && !class.contains('/'),
+            "a CDI kind is a domain name, `/`, then a class"
+        );
         let mut names = std::collections::BTreeSet::new();
         for device in &self.devices {
+            let alphanumeric = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
             assert!(
-                !device.name.is_empty()
+                alphanumeric(device.name.chars().next())
+                    && alphanumeric(device.name.chars().last())
                     && device
                         .name
                         .chars()
                         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':')),
-                "CDI device names are tenant names"
+                "CDI device names begin and end with a letter or digit (they are tenant names)"
             );
             assert!(names.insert(&device.name), "CDI device names are unique");
             let edits = &device.container_edits;
@@ -416,6 +466,34 @@ mod tests {
         assert_eq!(device.container_edits.device_nodes[0].path, "/dev/nvidia6");
         let json = serde_json::to_value(&spec).unwrap();
         assert!(json["devices"][0].get("annotations").is_none());
+    }
+
+    #[test]
+    fn the_nccl_plugin_beside_the_hosts_interposer_is_mounted_and_named() {
+        let directory = tempfile::tempdir().unwrap();
+        let inventory = simulated();
+        let mut config = config(Path::new("/cdi"));
+        config.interposer = directory.path().join("libvgpu_cuda.so");
+        std::fs::write(&config.interposer, b"").unwrap();
+        let set = set(&[("infer", &[1])], &inventory);
+        let without = build_spec("node-a", &set, &inventory, &config).unwrap();
+        assert_eq!(without.devices[0].container_edits.mounts.len(), 2);
+        assert!(
+            !without.devices[0]
+                .container_edits
+                .env
+                .iter()
+                .any(|entry| entry.starts_with("NCCL_NET_PLUGIN="))
+        );
+        let plugin = directory.path().join("libvgpu_nccl.so");
+        std::fs::write(&plugin, b"").unwrap();
+        let with = build_spec("node-a", &set, &inventory, &config).unwrap();
+        let edits = &with.devices[0].container_edits;
+        assert_eq!(edits.mounts[1].host_path, plugin.to_str().unwrap());
+        assert_eq!(edits.mounts[1].container_path, CONTAINER_NCCL_PLUGIN_PATH);
+        assert_eq!(edits.mounts[1].options[0], "ro");
+        let named = format!("NCCL_NET_PLUGIN={CONTAINER_NCCL_PLUGIN_PATH}");
+        assert!(edits.env.contains(&named), "{:?}", edits.env);
     }
 
     #[test]

@@ -79,6 +79,8 @@ pub enum Error {
     },
     #[error(transparent)]
     Mps(#[from] crate::mps::MpsError),
+    #[error(transparent)]
+    Private(#[from] crate::private::PrivateError),
     #[error(
         "cannot start the thread that applies assignments: {0}; the node is short of threads or memory"
     )]

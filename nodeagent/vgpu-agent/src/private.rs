@@ -24,6 +24,10 @@
 //! unlinked when a tenant leaves; they hold shares, timestamps, process ids and name hashes,
 //! never a tenant's data. Containers get only their tenant's directory (see [`crate::cdi`]).
 //!
+//! One program keeps a shared-memory directory's tenants ([`Keeper`], recorded in
+//! [`KEEPER_FILE`] by [`claim_keeper`]): the agent, or on a Kubernetes-managed node the DRA
+//! driver.
+//!
 //! [`prepare`] is idempotent and runs before every assignment set is committed, so a tenant's
 //! directory exists before `vgpu-agent exec` or a container can see the tenant as placed, and
 //! a released tenant's directory goes with its placement.
@@ -95,8 +99,77 @@ impl Layout {
     }
 }
 
+/// The file in the shared-memory directory that names who keeps its tenant directories.
+pub const KEEPER_FILE: &str = "keeper";
+
+/// Who keeps the tenant directories of a shared-memory directory. Each of them removes the
+/// directories of tenants it does not know ([`prepare`]), so there is exactly one per node: a
+/// node is Kubernetes-managed (the DRA driver keeps its pods' claims) or vgpu-managed (the agent
+/// keeps the control plane's tenants), never both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Keeper {
+    /// `vgpu-agent join`.
+    Agent,
+    /// `vgpu-dra run`, the Kubernetes DRA driver.
+    KubernetesDriver,
+}
+
+impl Keeper {
+    /// The name written into [`KEEPER_FILE`].
+    pub fn name(self) -> &'static str {
+        match self {
+            Keeper::Agent => "vgpu-agent",
+            Keeper::KubernetesDriver => "vgpu-dra",
+        }
+    }
+}
+
+/// Records `keeper` as the keeper of `layout`'s tenant directories, or refuses when the other
+/// keeper is recorded there. The record is made atomically (a hard link of a complete file), so
+/// of two keepers starting at once exactly one wins; it stays until someone removes it (the
+/// error says when to), or until the reboot that empties `/dev/shm`.
+pub fn claim_keeper(layout: &Layout, keeper: Keeper) -> Result<(), PrivateError> {
+    directory(layout.root(), ROOT_MODE)?;
+    let path = layout.root().join(KEEPER_FILE);
+    let recorded = |path: &Path| -> Result<String, PrivateError> {
+        let text = std::fs::read_to_string(path).map_err(io("read", path))?;
+        Ok(text.trim().to_owned())
+    };
+    if !path.exists() {
+        let temporary = layout
+            .root()
+            .join(format!(".{KEEPER_FILE}.{}.tmp", std::process::id()));
+        std::fs::write(&temporary, format!("{}\n", keeper.name()))
+            .map_err(io("write", &temporary))?;
+        let linked = std::fs::hard_link(&temporary, &path);
+        let _ = std::fs::remove_file(&temporary);
+        match linked {
+            Ok(()) => return Ok(()),
+            Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(error) => return Err(io("create", &path)(error)),
+        }
+    }
+    let holder = recorded(&path)?;
+    if holder == keeper.name() {
+        return Ok(());
+    }
+    Err(PrivateError::OtherKeeper {
+        path,
+        holder,
+        wanted: keeper.name(),
+    })
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PrivateError {
+    #[error(
+        "{path} says the tenant directories here are kept by {holder}, so {wanted} must not keep them too (each removes the other's tenants): a node is Kubernetes-managed (vgpu-dra) or vgpu-managed (vgpu-agent join), never both. To hand the node over, stop {holder} and remove {path}"
+    )]
+    OtherKeeper {
+        path: PathBuf,
+        holder: String,
+        wanted: &'static str,
+    },
     #[error(
         "cannot {action} {path}: {source}; tenants' node-local state is not private until this is fixed (is the shared-memory directory on a local filesystem, and does the agent run as root or as the directory's owner?)"
     )]

@@ -219,3 +219,25 @@ fn another_tenant_or_user_cannot_reach_a_tenants_files() {
         .unwrap();
     assert!(!listing.status.success());
 }
+
+#[test]
+fn one_keeper_per_shared_memory_directory() {
+    let directory = tempfile::tempdir().unwrap();
+    let layout = Layout::new(&directory.path().join("shm"));
+    claim_keeper(&layout, Keeper::Agent).unwrap();
+    // The same keeper again (a restart) is fine; the other one is refused, and told what to do.
+    claim_keeper(&layout, Keeper::Agent).unwrap();
+    let error = claim_keeper(&layout, Keeper::KubernetesDriver).unwrap_err();
+    let message = error.to_string();
+    assert!(message.contains("kept by vgpu-agent"), "{message}");
+    assert!(message.contains("remove"), "{message}");
+    // Handed over: the record removed, the driver keeps the directory from now on.
+    std::fs::remove_file(layout.root().join(KEEPER_FILE)).unwrap();
+    claim_keeper(&layout, Keeper::KubernetesDriver).unwrap();
+    assert!(claim_keeper(&layout, Keeper::Agent).is_err());
+    let names: Vec<String> = std::fs::read_dir(layout.root())
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, [KEEPER_FILE], "no temporary file is left");
+}

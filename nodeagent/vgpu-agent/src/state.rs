@@ -560,9 +560,9 @@ fn read_bounded(path: &Path) -> Result<Option<String>> {
     Ok(Some(text))
 }
 
-pub(crate) fn write_json<
-    T: Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug,
->(
+/// Writes `value` as JSON to `path` atomically (see `write_atomically`), after checking that it
+/// reads back as the same value.
+pub fn write_json<T: Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug>(
     path: &Path,
     value: &T,
 ) -> Result<()> {
@@ -628,7 +628,8 @@ fn sync_directory(directory: &Path) -> Result<()> {
         })
 }
 
-pub(crate) fn remove_if_present(path: &Path) -> Result<()> {
+/// Removes the file at `path`; a missing file is not an error.
+pub fn remove_if_present(path: &Path) -> Result<()> {
     match fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),

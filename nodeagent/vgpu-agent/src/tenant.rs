@@ -83,6 +83,26 @@ pub fn tenant_environment(
     config: &EnvConfig,
     inherited_ld_preload: Option<&str>,
 ) -> Vec<(String, String)> {
+    let plugin = nccl_plugin_beside(config.interposer.as_deref());
+    tenant_environment_with_plugin(
+        node,
+        assignment,
+        config,
+        inherited_ld_preload,
+        plugin.as_deref(),
+    )
+}
+
+/// [`tenant_environment`] with the NCCL plugin named by the caller rather than looked for beside
+/// the interposer: a CDI spec names the plugin's path inside the container, which need not
+/// exist where the spec is written.
+pub fn tenant_environment_with_plugin(
+    node: &str,
+    assignment: &TenantAssignment,
+    config: &EnvConfig,
+    inherited_ld_preload: Option<&str>,
+    nccl_plugin: Option<&Path>,
+) -> Vec<(String, String)> {
     assert!(
         !assignment.slices.is_empty(),
         "a placed tenant has slices on this node"
@@ -133,7 +153,7 @@ pub fn tenant_environment(
     };
     environment.extend(tenant_env.to_env());
     let identity = slice_identity_environment(node, assignment);
-    if let Some(plugin) = nccl_plugin_beside(config.interposer.as_deref()) {
+    if let Some(plugin) = nccl_plugin {
         let plugin = plugin.to_string_lossy().into_owned();
         environment.push(("NCCL_NET_PLUGIN".to_owned(), plugin.clone()));
         environment.push(("NCCL_TUNER_PLUGIN".to_owned(), plugin.clone()));
