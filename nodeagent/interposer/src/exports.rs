@@ -104,7 +104,7 @@ pub fn hook_by_name(name: &CStr) -> Option<*const c_void> {
 /// The hook for a `cuGetProcAddress` base name ("cuMemAlloc") on CUDA 12+, where every hooked
 /// entry point resolves to its newest version (`_v2`), or `_ptsz` with per-thread default
 /// streams. Used only when the driver's answer is not an address we know.
-fn hook_by_base_name(base: &CStr, flags: cuuint64_t) -> Option<*const c_void> {
+pub(crate) fn hook_by_base_name(base: &CStr, flags: cuuint64_t) -> Option<*const c_void> {
     let base = base.to_str().ok()?;
     let per_thread = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
     // `_v2_ptsz` first: "cuStreamBeginCapture" per-thread is `cuStreamBeginCapture_v2_ptsz`, and

@@ -20,6 +20,9 @@
 //!   report. `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
 //!   moves launches to a green context with fewer SMs while a latency tenant is active (opt-in,
 //!   `VGPU_SPATIAL=1`).
+//! - `compat` judges, once at load, whether the driver is one the hooks were written for (its
+//!   API version; what its `cuGetProcAddress` answers for every entry point we wrap) and says
+//!   what does not match; `real::check` asks the driver.
 //! - `tracker` is pure: no FFI, no globals, unit-tested here. The environment it reads
 //!   (`tenant_abi::env`), the ledger's and the compute schedule's layouts and protocols
 //!   (`tenant_abi::ledger`, `tenant_abi::compute`) are the tenant contract's, shared with the
@@ -31,6 +34,7 @@
 #[macro_use]
 mod boundary;
 mod closed_loop;
+mod compat;
 mod dlsym_shim;
 mod exports;
 mod fault;

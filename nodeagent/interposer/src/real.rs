@@ -12,7 +12,7 @@
 
 use crate::sys::*;
 use std::cell::Cell;
-use std::ffi::{CStr, CString, c_void};
+use std::ffi::{CStr, CString, c_int, c_void};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
@@ -167,6 +167,7 @@ driver_functions! {
     green_ctx_create: FnGreenCtxCreate = c"cuGreenCtxCreate";
     green_ctx_stream_create: FnGreenCtxStreamCreate = c"cuGreenCtxStreamCreate";
     stream_wait_event: FnStreamWaitEvent = c"cuStreamWaitEvent";
+    driver_get_version: FnDriverGetVersion = c"cuDriverGetVersion";
 }
 
 /// The loaded real driver.
@@ -260,5 +261,49 @@ fn load() -> Option<Driver> {
         substitutes.len(),
         crate::exports::hooks().len()
     ));
-    Some(Driver { fns, substitutes })
+    let driver = Driver { fns, substitutes };
+    check(&driver);
+    Some(driver)
+}
+
+/// Checks once, at load, that this driver is one the hooks were written for (`crate::compat`):
+/// its API version, and what its `cuGetProcAddress` answers for every entry point we wrap, for
+/// the default and the per-thread default stream, at its own version and at the one we were
+/// built for. Logs what does not match; never fails the load.
+fn check(driver: &Driver) {
+    let version = driver.fns.driver_get_version.and_then(|get| {
+        let mut version: c_int = 0;
+        // SAFETY: `cuDriverGetVersion` writes one int through a valid pointer.
+        (unsafe { get(&mut version) } == CUDA_SUCCESS).then_some(version)
+    });
+    let mut unknown = Vec::new();
+    if let (Some(get_proc), Some(version)) = (driver.fns.get_proc_address_v2, version) {
+        for base in crate::compat::base_names() {
+            let Ok(c_base) = CString::new(base.clone()) else {
+                continue;
+            };
+            for asked in crate::compat::versions_to_ask(version) {
+                for flags in [0, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM] {
+                    let mut found: *mut c_void = std::ptr::null_mut();
+                    let mut status: c_int = 0;
+                    // SAFETY: `c_base` is NUL-terminated, `found` and `status` are valid for
+                    // writes; the real driver's contract for `cuGetProcAddress_v2`.
+                    let rc = with_guard(|| unsafe {
+                        get_proc(c_base.as_ptr(), &mut found, asked, flags, &mut status)
+                    });
+                    if rc != CUDA_SUCCESS || found.is_null() || driver.substitute(found).is_some() {
+                        continue;
+                    }
+                    if crate::exports::hook_by_base_name(&c_base, flags).is_some()
+                        && !unknown.contains(&base)
+                    {
+                        unknown.push(base.clone());
+                    }
+                }
+            }
+        }
+    }
+    for line in crate::compat::findings(version, &unknown) {
+        crate::log::error(format_args!("{line}"));
+    }
 }

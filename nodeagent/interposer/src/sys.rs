@@ -106,6 +106,8 @@ pub type FnArrayDestroy = unsafe extern "C" fn(CUarray) -> CUresult;
 pub type FnMemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> CUresult;
 pub type FnDeviceTotalMem = unsafe extern "C" fn(*mut usize, CUdevice) -> CUresult;
 pub type FnCtxGetDevice = unsafe extern "C" fn(*mut CUdevice) -> CUresult;
+/// `cuDriverGetVersion`: the driver API version, 1000 * major + 10 * minor.
+pub type FnDriverGetVersion = unsafe extern "C" fn(*mut c_int) -> CUresult;
 pub type FnDevicePrimaryCtxRetain = unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult;
 /// `cuGetProcAddress` (CUDA 11.3+): symbol, pfn, cudaVersion, flags.
 pub type FnGetProcAddress =

@@ -489,6 +489,45 @@ fn an_unknown_get_proc_address_answer_is_hooked_by_name() {
     assert_eq!(out, "gpa_alloc 0 lib=libvgpu_cuda.so\nalloc 2\n");
 }
 
+/// Runs `script` in a probe of tenant "a" with `env`; its stdout and stderr.
+fn run_with_stderr(shm: &Path, env: &[(&str, &str)], script: &str) -> (String, String) {
+    let mut probe = Probe::new(shm, Some("a")).env("VGPU_MEMORY_LIMIT", "1GiB");
+    for (name, value) in env {
+        probe = probe.env(name, value);
+    }
+    probe.command.args(script.split_whitespace());
+    let output = probe.command.output().expect("running the probe");
+    (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_driver_is_checked_at_load_and_mismatches_are_said_not_fatal() {
+    let shm = shm_dir();
+    // the driver the hooks were written for: nothing to say
+    let (out, err) = run_with_stderr(shm.path(), &[], "alloc 1M gpa_alloc 1M");
+    assert_eq!(out, "alloc 0\ngpa_alloc 0 lib=libvgpu_cuda.so\n");
+    assert!(err.is_empty(), "{err}");
+    // a newer driver: a warning, and the limits still hold
+    let (out, err) = run_with_stderr(
+        shm.path(),
+        &[("FAKE_CUDA_DRIVER_VERSION", "14010")],
+        "alloc 1M alloc 2G",
+    );
+    assert_eq!(out, "alloc 0\nalloc 2\n");
+    assert_eq!(err.matches("newer than the 13.0").count(), 1, "{err}");
+    assert!(err.contains("14.1"), "{err}");
+    // a driver whose cuGetProcAddress answers with functions we do not know: named at load
+    let (out, err) = run_with_stderr(shm.path(), &[("FAKE_CUDA_GPA_THUNKS", "1")], "alloc 1M");
+    assert_eq!(out, "alloc 0\n");
+    assert!(
+        err.contains("resolves cuMemAlloc (through cuGetProcAddress)"),
+        "{err}"
+    );
+}
+
 #[test]
 fn every_allocation_api_is_charged_and_credited() {
     let shm = shm_dir();

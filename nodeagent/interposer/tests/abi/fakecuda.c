@@ -6,6 +6,8 @@
  * Built with -Wl,-Bsymbolic so that its own references (cuGetProcAddress answers) point at its
  * functions even while the interposer, preloaded, exports the same names.
  *
+ * FAKE_CUDA_DRIVER_VERSION=<n> is what cuDriverGetVersion says (default 13000).
+ *
  * FAKE_CUDA_EVENTS_NEVER=1: cuEventQuery always says CUDA_ERROR_NOT_READY, as for a kernel that
  * waits for another process (a collective whose peer has not launched yet).
  *
@@ -153,7 +155,11 @@ static CUresult alloc_on_current(unsigned long long *out, unsigned long long byt
 }
 
 CUresult cuInit(unsigned int flags) { (void)flags; return OK; }
-CUresult cuDriverGetVersion(int *version) { *version = 13000; return OK; }
+CUresult cuDriverGetVersion(int *version) {
+  const char *v = getenv("FAKE_CUDA_DRIVER_VERSION");
+  *version = v ? atoi(v) : 13000;
+  return OK;
+}
 CUresult cuDeviceGetCount(int *count) { *count = devices(); return OK; }
 CUresult cuDeviceGet(int *device, int ordinal) {
   if (ordinal < 0 || ordinal >= devices()) return INVALID_DEVICE;
