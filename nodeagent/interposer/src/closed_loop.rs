@@ -38,8 +38,11 @@ use tenant_abi::{ComputeEnv, ProcLiveness};
 pub const PAUSE_WAIT_MAX_NS: u64 = 50_000_000;
 /// A latency tenant's steps further apart than this have no rhythm to predict.
 const PERIOD_MAX_NS: u64 = 1_000_000_000;
-/// The longest one launch waits for its stream's oldest queued launch.
-pub const EVENT_WAIT_MAX_NS: u64 = 1_000_000_000;
+/// The longest one launch waits for its stream's oldest queued launch: as long as it would wait
+/// for latency steps. A kernel that takes longer holds the GPU anyway, and is often one that
+/// waits for another process (a collective waiting for a peer that may be waiting for us) or for
+/// a later launch of this one: waiting longer only stalls the neighbour (1 s, before: issue 16).
+pub const EVENT_WAIT_MAX_NS: u64 = PAUSE_WAIT_MAX_NS;
 /// Streams per device whose queued launches are counted; launches on further streams are not
 /// bounded (logged once).
 const STREAMS_MAX: usize = 256;
@@ -243,8 +246,8 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
             gpu.event_query(oldest) != EventState::Pending
         });
         if !done {
-            // A kernel that waits for a later launch of this process would never finish: stop
-            // bounding this stream rather than deadlock.
+            // A kernel that waits for another process or a later launch of this one may not
+            // finish without it: stop bounding this launch rather than stall.
             break;
         }
         retire_finished(gpu, ring, pool);

@@ -147,6 +147,34 @@ fn a_bound_on_queued_launches_holds_while_a_latency_tenant_is_active() {
 }
 
 #[test]
+fn a_bound_on_queued_launches_gives_up_on_kernels_that_do_not_finish() {
+    // A neighbour's kernels that wait for another process (a collective's peer) do not finish
+    // while it waits: each bounded launch gives up after the pause bound, not after a second.
+    let shm = shm_dir();
+    latency_tenant(shm.path()).run("launch kernel 10");
+    let mapping = schedule(shm.path());
+    mapping.region().control.publish(
+        Decision {
+            inflight: 1,
+            level: 3,
+            ..Decision::default()
+        },
+        now_ns(shm.path()),
+    );
+    let script = format!("clock {} clock", ["launch kernel 10"; 8].join(" "));
+    let t = clocks(
+        &squeezable(shm.path())
+            .env("FAKE_CUDA_EVENTS_NEVER", "1")
+            .run(&script),
+    );
+    assert!(
+        t[1] - t[0] < 500_000_000,
+        "8 bounded launches took {} ms",
+        (t[1] - t[0]) / 1_000_000
+    );
+}
+
+#[test]
 fn the_decision_sets_how_many_sms_a_squeezed_launch_keeps() {
     let trace = |out: &str| {
         out.lines()
