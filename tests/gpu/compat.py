@@ -468,8 +468,9 @@ def compare(ref_path, got_path, rtol):
     if len(a) != len(b):
         print(f"differ: {len(a)} vs {len(b)} losses")
         return 1
-    # the first loss comes from the same weights and data before any reduction: it must be exact
-    if a and a[0] != b[0]:
+    # a training job's first loss comes from the same weights and data before any reduction: it
+    # must be exact
+    if ref.get("job") in ("ddp", "fsdp") and a and a[0] != b[0]:
         print(f"differ: first loss {a[0]!r} vs {b[0]!r}")
         return 1
     worst = max((abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)), default=0.0)
