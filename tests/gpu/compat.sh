@@ -37,7 +37,9 @@
 # Knobs: ROWS, MODES, ROW_TIMEOUT (150 s), STEPS (20), VGPU_BIN (dist), PY, OUT (/tmp/compat-out),
 # VGPU_PORT (7477), TENANT_FLAGS (extra `vgpuctl place` flags for trainer), EXEC_WRAP (a command
 # put between `vgpu-agent exec --` and the job, e.g. `env -u LD_PRELOAD`, for diagnosis), JOB_ARGS
-# (extra arguments of the distributed jobs, e.g. `--bare-nccl`).
+# (extra arguments of the distributed jobs, e.g. `--bare-nccl`), AGENT_FLAGS (extra `vgpu-agent
+# join` flags; `--simulate 1xH100` with a stand-in PY checks this script on a machine without a
+# GPU).
 # No GPU setting is changed; every process started here is killed and reaped on exit, and the
 # agent's MPS daemon is told to quit. Exit: 0 no row failed or hung, 1 some did, 2 usage, 3 wrong
 # machine.
@@ -63,6 +65,7 @@ STEPS=${STEPS:-20}
 TENANT_FLAGS=${TENANT_FLAGS:-}
 EXEC_WRAP=${EXEC_WRAP:-}
 JOB_ARGS=${JOB_ARGS:-}
+AGENT_FLAGS=${AGENT_FLAGS:-}
 # ImageNet-sized inputs, as the job that hung in issue 16 (ResNet-18, 224x224)
 DDP_SHAPE=${DDP_SHAPE:---image 224 --batch 32}
 OUT=${OUT:-/tmp/compat-out}
@@ -298,7 +301,7 @@ run_oom() { # the trainer fills its quota while the neighbour's checked matmuls 
   if [ "$rc" = hung ]; then
     record oom "$MODE" HUNG "$secs" "killed after ${ROW_TIMEOUT}s"
   elif [ "$rc" = 0 ] && [ -s "$D/result.json" ] && [ "$nb_ok" = yes ]; then
-    record oom "$MODE" PASS "$secs" "$("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"OOM after {r[\"gib_before_oom\"]} GiB (reports {r[\"reported_total\"]>>30} GiB), then computes; neighbour unharmed")' "$D/result.json")"
+    record oom "$MODE" PASS "$secs" "$("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("OOM after %s GiB (reports %s GiB), then computes; neighbour unharmed" % (r["gib_before_oom"], r["reported_total"] >> 30))' "$D/result.json")"
   else
     record oom "$MODE" FAIL "$secs" "job exit $rc, neighbour ok: $nb_ok"
   fi
@@ -347,6 +350,7 @@ run_kill9() { # rank 1 of a 2-rank DDP job SIGKILLed mid-training
 
 node_listed() { ctl get nodes 2>/dev/null | grep -q gpu-node; }
 cp_answers() { ctl cluster status >/dev/null 2>&1; }
+# shellcheck disable=SC2086 # AGENT_FLAGS is words on purpose
 vgpu_up() { # vgpu_up [--mps]
   if [ -z "$CP" ]; then
     "$BIN/vgpu-cp" bootstrap --insecure --id 1 --listen "$EP" --data-dir "$WORK/cp" 2>"$LOGS/cp.log" &
@@ -356,7 +360,7 @@ vgpu_up() { # vgpu_up [--mps]
   fi
   [ -n "$AGENT" ] && stop_pid "$AGENT"
   "$BIN/vgpu-agent" join --insecure --control-plane "$EP" --name gpu-node --state-dir "$WORK/agent" \
-    --shm-dir "$SHM" --cdi-dir "$WORK/cdi" "$@" 2>>"$LOGS/agent.log" &
+    --shm-dir "$SHM" --cdi-dir "$WORK/cdi" $AGENT_FLAGS "$@" 2>>"$LOGS/agent.log" &
   AGENT=$!
   PIDS+=("$AGENT")
   bounded_wait 10 "node gpu-node" node_listed || return 1
