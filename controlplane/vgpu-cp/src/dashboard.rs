@@ -8,6 +8,7 @@
 //!   (like `ListTenants`), the cluster view is for any authenticated caller (like
 //!   `Cluster.Status`), its agents' heartbeats for admins only. Under `--insecure` all is open.
 //!   The page itself (`/ui/`, its script and style) holds no data and is served to anyone.
+//!   One tenant's view (`/ui/api/tenant?name=`) follows `GetTenant`: 403 for another owner's.
 //! * Reads are stale reads of this member's applied state (a dashboard does not need
 //!   linearizability), plus the leader's soft state (heartbeat times, health and usage
 //!   reports), fetched at most once per [`SOFT_STATE_MAX_AGE`] per member however many
@@ -15,11 +16,16 @@
 //! * Every answer is bounded: pages of at most [`POOL_PAGE_NODES_MAX`] nodes or
 //!   [`TENANTS_PAGE_MAX`] tenants, in name order with a `next_page_token`, plus whole-pool
 //!   aggregates computed on the fly; never the whole pool at once.
-//! * The JSON is built by pure functions ([`pool_page`], [`tenants_page`], [`cluster_view`])
-//!   from the applied `PoolState` and [`SoftState`], tested without sockets.
+//! * The JSON is built by pure functions ([`pool_page`], [`tenants_page`], [`tenant_page`],
+//!   [`cluster_view`]) from the applied `PoolState` and [`SoftState`], tested without sockets.
+//! * Two bounded memories ([`history`]): the leader samples each tenant's usage (one hour, for
+//!   the tenant's plot; followers ask the leader for it), and every member keeps the last
+//!   changes of term and leader it saw (the cluster view's elections).
+
+pub mod history;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use api::tls::Role;
@@ -28,7 +34,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use crate::control_plane::{ControlPlane, unix_ms};
+use crate::control_plane::{ControlPlane, ForwardRequest, ForwardResponse, unix_ms};
 use crate::pool::{PoolState, TenantState, decode_request};
 use crate::security::{Guard, TenantScope};
 use crate::usage::{Filter, NodeReport};
@@ -78,6 +84,8 @@ pub struct PageQuery {
     /// A node state (`ready`, `lost`, `draining`) or a tenant state (`pending`, `placed`,
     /// `preempted`).
     pub state: Option<String>,
+    /// One tenant's name (`/ui/api/tenant`).
+    pub name: Option<String>,
 }
 
 impl PageQuery {
@@ -117,6 +125,7 @@ impl PageQuery {
                 }
                 "model" if !value.is_empty() => parsed.model = Some(value),
                 "state" if !value.is_empty() => parsed.state = Some(value.to_ascii_lowercase()),
+                "name" if !value.is_empty() => parsed.name = Some(value),
                 _ => {}
             }
         }
@@ -308,6 +317,37 @@ pub struct UsageView {
     pub reported_unix_ms: i64,
 }
 
+/// `GET /ui/api/tenant?name=NAME`: one tenant, its whole recorded history, and its usage
+/// over the last hour.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TenantPage {
+    pub tenant: TenantRow,
+    /// `None` when the leader, which keeps it, could not be asked.
+    pub usage_history: Option<UsageHistoryView>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct UsageHistoryView {
+    /// One sample per bucket of this many milliseconds, over at most `window_ms`.
+    pub bucket_ms: i64,
+    pub window_ms: i64,
+    /// The answering member's clock, for the plot's time axis.
+    pub now_unix_ms: i64,
+    /// Oldest first (`gpu_time_ns` is a counter: plot its rate).
+    pub samples: Vec<history::UsageSample>,
+}
+
+/// Why one tenant's view is refused.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum TenantPageError {
+    #[error("the query names no tenant (`name=`)")]
+    NoName,
+    #[error("no tenant is named `{0}`")]
+    NotFound(String),
+    #[error("tenant `{0}` belongs to another owner")]
+    NotYours(String),
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct EventView {
     pub unix_ms: i64,
@@ -327,6 +367,9 @@ pub struct ClusterView {
     pub last_log_index: u64,
     pub last_applied: u64,
     pub members: Vec<MemberView>,
+    /// The last changes of term or leader this member saw, newest first (at most
+    /// [`history::ELECTIONS_MAX`]; since it started).
+    pub elections: Vec<history::Election>,
     /// Admins only (`None` for other callers).
     pub agents: Option<AgentsView>,
 }
@@ -566,12 +609,13 @@ fn usage_of(record: &crate::pool::TenantRecord, soft: &SoftState) -> Option<Usag
     Some(usage)
 }
 
-fn tenant_row(record: &crate::pool::TenantRecord, soft: &SoftState) -> TenantRow {
+fn tenant_row(
+    record: &crate::pool::TenantRecord,
+    soft: &SoftState,
+    history_max: usize,
+) -> TenantRow {
     let request = decode_request(&record.request);
-    let skip = record
-        .history
-        .len()
-        .saturating_sub(TENANT_HISTORY_SHOWN_MAX);
+    let skip = record.history.len().saturating_sub(history_max);
     TenantRow {
         name: record.name.clone(),
         owner: request.owner.clone(),
@@ -648,7 +692,7 @@ pub fn tenants_page(
         .peekable();
     let mut tenants = Vec::with_capacity(limit.min(pool.tenants.len()));
     while let Some(record) = records.next_if(|_| tenants.len() < limit) {
-        tenants.push(tenant_row(record, soft));
+        tenants.push(tenant_row(record, soft, TENANT_HISTORY_SHOWN_MAX));
     }
     let next_page_token = match (records.peek(), tenants.last()) {
         (Some(_), Some(last)) => last.name.clone(),
@@ -662,6 +706,32 @@ pub fn tenants_page(
     }
 }
 
+/// The tenant `query.name` with all its recorded events, if it is in `scope`; its usage
+/// history is the caller's to add.
+pub fn tenant_page(
+    pool: &PoolState,
+    soft: &SoftState,
+    query: &PageQuery,
+    scope: &TenantScope,
+) -> Result<TenantRow, TenantPageError> {
+    let name = query.name.as_deref().ok_or(TenantPageError::NoName)?;
+    let record = pool
+        .tenants
+        .get(name)
+        .ok_or_else(|| TenantPageError::NotFound(name.to_owned()))?;
+    if !scope.covers(&decode_request(&record.request).owner) {
+        return Err(TenantPageError::NotYours(name.to_owned()));
+    }
+    let row = tenant_row(record, soft, usize::MAX);
+    assert_eq!(row.name, name);
+    assert_eq!(
+        row.history.len(),
+        record.history.len(),
+        "every recorded event"
+    );
+    Ok(row)
+}
+
 /// The Raft facts of the cluster view, read from openraft's metrics by the caller.
 #[derive(Debug, Clone, Default)]
 pub struct ClusterFacts {
@@ -672,6 +742,7 @@ pub struct ClusterFacts {
     pub last_log_index: u64,
     pub last_applied: u64,
     pub members: Vec<MemberView>,
+    pub elections: Vec<history::Election>,
 }
 
 /// The cluster view; `agents` only when `show_agents` (admins), over the registered nodes.
@@ -722,6 +793,7 @@ pub fn cluster_view(
         last_log_index: facts.last_log_index,
         last_applied: facts.last_applied,
         members: facts.members,
+        elections: facts.elections,
         agents,
     }
 }
@@ -744,6 +816,8 @@ struct Dashboard {
     /// The leader's soft state and when it was fetched; the lock also keeps fetches to one at
     /// a time per member.
     soft: tokio::sync::Mutex<Option<(Instant, Arc<SoftState>)>>,
+    /// The changes of term and leader this member saw (filled by [`watch_elections`]).
+    elections: Arc<Mutex<history::Elections>>,
 }
 
 impl Dashboard {
@@ -787,7 +861,84 @@ impl Dashboard {
                         .map_or(0, |log_id| log_id.index),
                 })
                 .collect(),
+            elections: self
+                .elections
+                .lock()
+                .expect("elections lock")
+                .newest_first(),
         }
+    }
+}
+
+/// Records every change of term or leader in this member's Raft metrics, until Raft stops.
+async fn watch_elections(
+    mut metrics: tokio::sync::watch::Receiver<
+        openraft::RaftMetrics<crate::raft_types::NodeId, openraft::BasicNode>,
+    >,
+    elections: Arc<Mutex<history::Elections>>,
+) {
+    loop {
+        let (term, leader) = {
+            let metrics = metrics.borrow_and_update();
+            (metrics.current_term, metrics.current_leader.unwrap_or(0))
+        };
+        elections
+            .lock()
+            .expect("elections lock")
+            .observe(unix_ms(), term, leader);
+        if metrics.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Adds the leader's reports to its usage history at `now_unix_ms` (see [`history`]).
+pub fn sample_usage(control_plane: &ControlPlane, now_unix_ms: i64) {
+    let mut totals = history::Totals::default();
+    control_plane
+        .reports
+        .visit_usage(|received_unix_ms, usage| totals.add(now_unix_ms, received_unix_ms, usage));
+    let mut usage_history = control_plane
+        .usage_history
+        .lock()
+        .expect("usage history lock");
+    usage_history.record(now_unix_ms, totals);
+    assert!(usage_history.tenants() <= history::TENANTS_TRACKED_MAX);
+}
+
+/// Samples every [`history::SAMPLE_TICK`] while this member leads, until it is dropped.
+async fn sample_usage_while_leading(control_plane: Weak<ControlPlane>) {
+    let mut tick = tokio::time::interval(history::SAMPLE_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tick.tick().await;
+        let Some(control_plane) = control_plane.upgrade() else {
+            return;
+        };
+        if control_plane.is_leader() {
+            sample_usage(&control_plane, unix_ms());
+        }
+    }
+}
+
+/// `tenant`'s usage history from the leader; `None` when it cannot be asked within
+/// `crate::usage::FORWARD_TIMEOUT` (or is too old to know the request).
+async fn usage_history(
+    control_plane: &ControlPlane,
+    tenant: &str,
+) -> Option<Vec<history::UsageSample>> {
+    if control_plane.is_leader() {
+        let usage_history = control_plane
+            .usage_history
+            .lock()
+            .expect("usage history lock");
+        return Some(usage_history.samples(tenant));
+    }
+    let request = ForwardRequest::UsageHistory(tenant.to_owned());
+    let attempt = control_plane.forward_once(control_plane.leader_node(), &request);
+    match tokio::time::timeout(crate::usage::FORWARD_TIMEOUT, attempt).await {
+        Ok(Ok(Some(ForwardResponse::UsageHistory(samples)))) => Some(samples),
+        _ => None,
     }
 }
 
@@ -796,15 +947,23 @@ impl Dashboard {
 enum View {
     Pool,
     Tenants,
+    Tenant,
     Cluster,
 }
 
 /// The `/ui/` routes, to merge into the API's router.
 pub fn router(control_plane: Arc<ControlPlane>, guard: Arc<Guard>) -> axum::Router {
+    let elections = Arc::new(Mutex::new(history::Elections::default()));
+    tokio::spawn(watch_elections(
+        control_plane.raft.metrics(),
+        elections.clone(),
+    ));
+    tokio::spawn(sample_usage_while_leading(Arc::downgrade(&control_plane)));
     let dashboard = Arc::new(Dashboard {
         control_plane,
         guard,
         soft: tokio::sync::Mutex::new(None),
+        elections,
     });
     let json = |view: View| {
         let dashboard = dashboard.clone();
@@ -838,6 +997,7 @@ pub fn router(control_plane: Arc<ControlPlane>, guard: Arc<Guard>) -> axum::Rout
         .route("/ui/app.css", asset("text/css; charset=utf-8", APP_CSS))
         .route("/ui/api/pool", json(View::Pool))
         .route("/ui/api/tenants", json(View::Tenants))
+        .route("/ui/api/tenant", json(View::Tenant))
         .route("/ui/api/cluster", json(View::Cluster))
 }
 
@@ -889,6 +1049,38 @@ async fn answer(dashboard: &Dashboard, view: View, request: axum::extract::Reque
             let soft = dashboard.soft_state().await;
             let applied = dashboard.control_plane.shared.read();
             serde_json::to_string(&tenants_page(&applied.pool, &soft, &query, &scope))
+        }
+        View::Tenant => {
+            let scope = match guard.tenants(&caller, "reading a tenant's dashboard") {
+                Ok((_, scope)) => scope,
+                Err(status) => return status_response(&status),
+            };
+            let soft = dashboard.soft_state().await;
+            let row = {
+                let applied = dashboard.control_plane.shared.read();
+                tenant_page(&applied.pool, &soft, &query, &scope)
+            };
+            let tenant = match row {
+                Ok(row) => row,
+                Err(error) => {
+                    let status = match error {
+                        TenantPageError::NoName => StatusCode::BAD_REQUEST,
+                        TenantPageError::NotFound(_) => StatusCode::NOT_FOUND,
+                        TenantPageError::NotYours(_) => StatusCode::FORBIDDEN,
+                    };
+                    return error_response(status, &error.to_string());
+                }
+            };
+            let samples = usage_history(&dashboard.control_plane, &tenant.name).await;
+            serde_json::to_string(&TenantPage {
+                tenant,
+                usage_history: samples.map(|samples| UsageHistoryView {
+                    bucket_ms: history::SAMPLE_BUCKET_MS,
+                    window_ms: history::HISTORY_WINDOW_MS,
+                    now_unix_ms: unix_ms(),
+                    samples,
+                }),
+            })
         }
         View::Cluster => {
             let peer = match guard.caller(&caller) {

@@ -297,6 +297,11 @@ fn the_cluster_view_buckets_agents_and_hides_them_from_non_admins() {
             voter: true,
             matched_index: 10,
         }],
+        elections: vec![history::Election {
+            unix_ms: now - 5_000,
+            term: 3,
+            leader: 1,
+        }],
     };
     let view = cluster_view(facts.clone(), &state, &soft, now, true);
     let agents = view.agents.as_ref().expect("admins see agents");
@@ -309,6 +314,7 @@ fn the_cluster_view_buckets_agents_and_hides_them_from_non_admins() {
     assert_eq!(agents.stalest[0].node, "n3", "never heard from comes first");
     assert_eq!(agents.stalest[1].node, "n2");
     assert_eq!(view.members.len(), 1);
+    assert_eq!(view.elections[0].term, 3);
     assert!(
         cluster_view(facts, &state, &soft, now, false)
             .agents
@@ -424,4 +430,29 @@ fn the_grafana_dashboard_queries_only_metrics_that_exist() {
     );
     let missing: Vec<&&str> = names.iter().filter(|name| !rendered(name)).collect();
     assert!(missing.is_empty(), "not in /metrics: {missing:?}\n{out}");
+}
+
+#[test]
+fn a_tenants_own_view_has_its_whole_history_and_follows_the_owner() {
+    let state = pool(1, 12);
+    let query = |name: &str| PageQuery::parse(&format!("name={name}")).expect("valid");
+    let soft = SoftState::default();
+    let row = tenant_page(&state, &soft, &query("t00"), &TenantScope::All).expect("found");
+    assert_eq!(row.name, "t00");
+    assert_eq!(row.owner, "alice");
+    assert_eq!(row.history.len(), state.tenants["t00"].history.len());
+    let alice = TenantScope::Owner("alice".to_owned());
+    assert!(tenant_page(&state, &soft, &query("t00"), &alice).is_ok());
+    assert_eq!(
+        tenant_page(&state, &soft, &query("t01"), &alice),
+        Err(TenantPageError::NotYours("t01".to_owned()))
+    );
+    assert_eq!(
+        tenant_page(&state, &soft, &query("nobody"), &TenantScope::All),
+        Err(TenantPageError::NotFound("nobody".to_owned()))
+    );
+    assert_eq!(
+        tenant_page(&state, &soft, &all(), &TenantScope::All),
+        Err(TenantPageError::NoName)
+    );
 }

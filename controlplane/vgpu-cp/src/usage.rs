@@ -127,6 +127,17 @@ impl Reports {
             .insert(request.node, report);
     }
 
+    /// Calls `visit` with every usage entry held and the time its report was last stamped,
+    /// under the lock and without copying (the dashboard's usage history samples this way).
+    pub fn visit_usage(&self, mut visit: impl FnMut(i64, &TenantUsage)) {
+        let nodes = self.nodes.lock().expect("reports lock");
+        for report in nodes.values() {
+            for usage in &report.usage {
+                visit(report.received_unix_ms, usage);
+            }
+        }
+    }
+
     /// The reports `filter` asks for, by node; each entry stamped with its report's time.
     pub fn snapshot(&self, filter: &Filter) -> BTreeMap<String, NodeReport> {
         let nodes = self.nodes.lock().expect("reports lock");
