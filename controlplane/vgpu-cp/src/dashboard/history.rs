@@ -185,8 +185,13 @@ pub struct Elections {
 
 impl Elections {
     /// Takes the member's current term and leader; records them when they differ from the last
-    /// change. A leader found in the same term completes a change that had none.
+    /// change. A leader found in the same term completes a change that had none. Term 0 (before
+    /// any election) is not recorded.
     pub fn observe(&mut self, now_unix_ms: i64, term: u64, leader: u64) {
+        // A member that has not voted yet (term 0) saw no election.
+        if term == 0 {
+            return;
+        }
         let change = Election {
             unix_ms: now_unix_ms,
             term,
@@ -318,6 +323,7 @@ mod tests {
     #[test]
     fn elections_record_changes_of_term_and_leader() {
         let mut elections = Elections::default();
+        elections.observe(0, 0, 0);
         elections.observe(1, 1, 0);
         elections.observe(2, 1, 1);
         elections.observe(3, 1, 1);
