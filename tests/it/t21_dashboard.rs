@@ -352,6 +352,14 @@ fn under_mtls_the_views_follow_the_roles_of_the_api() -> Result<()> {
         .filter_map(|row| row["name"].as_str())
         .collect();
     ensure!(status == 200 && names == ["a1"], "{status} {body}");
+    // One tenant's page as `GetTenant`: its own, not another owner's.
+    let (status, body) = get_as(&alice, &address, "/ui/api/tenant?name=a1")?;
+    ensure!(
+        status == 200 && body.contains("usage_history"),
+        "{status} {body}"
+    );
+    let (status, body) = get_as(&alice, &address, "/ui/api/tenant?name=b1")?;
+    ensure!(status == 403 && body.contains("b1"), "{status} {body}");
     let (status, body) = get_as(&alice, &address, "/ui/api/cluster")?;
     let view: Value = serde_json::from_str(&body)?;
     ensure!(
