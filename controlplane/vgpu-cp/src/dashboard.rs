@@ -10,9 +10,12 @@
 //!   The page itself (`/ui/`, its script and style) holds no data and is served to anyone.
 //!   One tenant's view (`/ui/api/tenant?name=`) follows `GetTenant`: 403 for another owner's.
 //! * Reads are stale reads of this member's applied state (a dashboard does not need
-//!   linearizability), plus the leader's soft state (heartbeat times, health and usage
-//!   reports), fetched at most once per [`SOFT_STATE_MAX_AGE`] per member however many
-//!   browsers poll, and empty when the leader cannot be reached (as `ListNodes` does).
+//!   linearizability), plus the leader's soft state: heartbeat times, and only the health and
+//!   usage reports the page shows (its nodes', its tenants' nodes', and the health of nodes
+//!   with an unhealthy GPU for the overview's count: `usage::Filter::Nodes`), never every
+//!   node's. Each is fetched at most once per [`SOFT_STATE_MAX_AGE`] per member and page
+//!   however many browsers poll it, and is empty when the leader cannot be reached (as
+//!   `ListNodes` does).
 //! * Every answer is bounded: pages of at most [`POOL_PAGE_NODES_MAX`] nodes or
 //!   [`TENANTS_PAGE_MAX`] tenants, in name order with a `next_page_token`, plus whole-pool
 //!   aggregates computed on the fly; never the whole pool at once.
@@ -57,6 +60,8 @@ pub const QUERY_BYTES_MAX: usize = 2048;
 pub const QUERY_VALUE_BYTES_MAX: usize = 256;
 /// How old the leader's soft state may be before a request fetches it again.
 pub const SOFT_STATE_MAX_AGE: Duration = Duration::from_secs(1);
+/// Fetches of the leader's soft state (for different pages) kept at once.
+pub const SOFT_STATE_CACHED_MAX: usize = 16;
 
 /// What is wrong with a request to the JSON API.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -419,9 +424,7 @@ fn tenant_state_name(state: TenantState) -> &'static str {
 }
 
 fn unhealthy(health: &GpuHealth) -> bool {
-    health.xid_errors > 0
-        || health.ecc_uncorrected.unwrap_or(0) > 0
-        || !health.throttle_reasons.is_empty()
+    crate::usage::gpu_unhealthy(health)
 }
 
 fn overview(pool: &PoolState, soft: &SoftState) -> PoolOverview {
@@ -548,29 +551,45 @@ fn node_tile(pool: &PoolState, soft: &SoftState, view: &placement::NodeView<'_>)
     }
 }
 
-/// The pool page for `query`: the overview of the whole pool, and up to `limit` (at most
-/// [`POOL_PAGE_NODES_MAX`]) nodes that pass its filters, after `page_token` in name order.
-pub fn pool_page(pool: &PoolState, soft: &SoftState, query: &PageQuery) -> PoolPage {
+/// The names of the nodes on the pool page for `query`, and whether more follow: the soft
+/// state a page needs is these nodes' reports (see [`Dashboard::soft_state`]).
+pub fn pool_page_nodes(pool: &PoolState, query: &PageQuery) -> (Vec<String>, bool) {
     let limit = query.limit(POOL_PAGE_NODES_DEFAULT, POOL_PAGE_NODES_MAX);
-    let nodes_matched = pool
-        .engine
-        .nodes()
-        .iter()
-        .filter(|view| node_matches(view, query))
-        .count() as u64;
     let mut names = pool
         .nodes
         .range::<str, _>((query.start(), std::ops::Bound::Unbounded))
         .map(|(name, _)| name)
         .filter_map(|name| pool.engine.node(name))
         .filter(|view| node_matches(view, query))
+        .map(|view| view.spec.name.clone())
         .peekable();
-    let mut nodes = Vec::with_capacity(limit);
-    while let Some(view) = names.next_if(|_| nodes.len() < limit) {
-        nodes.push(node_tile(pool, soft, &view));
+    let mut page = Vec::with_capacity(limit);
+    while let Some(name) = names.next_if(|_| page.len() < limit) {
+        page.push(name);
     }
-    let next_page_token = match (names.peek(), nodes.last()) {
-        (Some(_), Some(last)) => last.name.clone(),
+    let more = names.peek().is_some();
+    assert!(page.len() <= POOL_PAGE_NODES_MAX, "pages are bounded");
+    (page, more)
+}
+
+/// The pool page for `query`: the overview of the whole pool, and up to `limit` (at most
+/// [`POOL_PAGE_NODES_MAX`]) nodes that pass its filters, after `page_token` in name order.
+pub fn pool_page(pool: &PoolState, soft: &SoftState, query: &PageQuery) -> PoolPage {
+    let nodes_matched = pool
+        .engine
+        .nodes()
+        .iter()
+        .filter(|view| node_matches(view, query))
+        .count() as u64;
+    let (names, more) = pool_page_nodes(pool, query);
+    let nodes: Vec<NodeTile> = names
+        .iter()
+        .filter_map(|name| pool.engine.node(name))
+        .map(|view| node_tile(pool, soft, &view))
+        .collect();
+    assert_eq!(nodes.len(), names.len(), "the page's nodes are registered");
+    let next_page_token = match (more, nodes.last()) {
+        (true, Some(last)) => last.name.clone(),
         _ => String::new(),
     };
     assert!(nodes.len() <= POOL_PAGE_NODES_MAX, "pages are bounded");
@@ -809,31 +828,45 @@ const APP_CSS: &str = include_str!("dashboard/app.css");
 const CONTENT_SECURITY_POLICY: &str =
     "default-src 'self'; style-src 'self' 'unsafe-inline'; frame-ancestors 'none'";
 
+/// Fetched soft state: when, for which reports, and what came.
+type SoftStateEntry = (Instant, Option<Filter>, Arc<SoftState>);
+
 /// What the routes share: the member, its guard, and the cached soft state.
 struct Dashboard {
     control_plane: Arc<ControlPlane>,
     guard: Arc<Guard>,
-    /// The leader's soft state and when it was fetched; the lock also keeps fetches to one at
-    /// a time per member.
-    soft: tokio::sync::Mutex<Option<(Instant, Arc<SoftState>)>>,
+    /// The leader's soft state by the reports asked for, and when it was fetched (at most
+    /// [`SOFT_STATE_CACHED_MAX`]); the lock also keeps fetches to one at a time per member.
+    soft: tokio::sync::Mutex<std::collections::VecDeque<SoftStateEntry>>,
     /// The changes of term and leader this member saw (filled by [`watch_elections`]).
     elections: Arc<Mutex<history::Elections>>,
 }
 
 impl Dashboard {
-    async fn soft_state(&self) -> Arc<SoftState> {
+    /// The heartbeat times and the reports `filter` asks for (none without one), fetched at
+    /// most once per [`SOFT_STATE_MAX_AGE`] per filter: browsers polling the same page share
+    /// one fetch.
+    async fn soft_state(&self, filter: Option<Filter>) -> Arc<SoftState> {
         let mut cached = self.soft.lock().await;
-        if let Some((at, soft)) = cached.as_ref()
-            && at.elapsed() < SOFT_STATE_MAX_AGE
-        {
+        cached.retain(|(at, _, _)| at.elapsed() < SOFT_STATE_MAX_AGE);
+        if let Some((_, _, soft)) = cached.iter().find(|(_, held, _)| *held == filter) {
             return soft.clone();
         }
         // Each fetch is bounded (one second each, `crate::usage::FORWARD_TIMEOUT`).
+        let heartbeats = self.control_plane.last_heartbeats().await;
+        let reports = match &filter {
+            Some(filter) => self.control_plane.reports(filter.clone()).await,
+            None => BTreeMap::new(),
+        };
         let soft = Arc::new(SoftState {
-            heartbeats: self.control_plane.last_heartbeats().await,
-            reports: self.control_plane.reports(Filter::All).await,
+            heartbeats,
+            reports,
         });
-        *cached = Some((Instant::now(), soft.clone()));
+        if cached.len() == SOFT_STATE_CACHED_MAX {
+            cached.pop_front();
+        }
+        cached.push_back((Instant::now(), filter, soft.clone()));
+        assert!(cached.len() <= SOFT_STATE_CACHED_MAX);
         soft
     }
 
@@ -962,7 +995,7 @@ pub fn router(control_plane: Arc<ControlPlane>, guard: Arc<Guard>) -> axum::Rout
     let dashboard = Arc::new(Dashboard {
         control_plane,
         guard,
-        soft: tokio::sync::Mutex::new(None),
+        soft: tokio::sync::Mutex::new(std::collections::VecDeque::new()),
         elections,
     });
     let json = |view: View| {
@@ -1001,6 +1034,18 @@ pub fn router(control_plane: Arc<ControlPlane>, guard: Arc<Guard>) -> axum::Rout
         .route("/ui/api/cluster", json(View::Cluster))
 }
 
+/// The reports a page of tenants needs: those of the nodes they are placed on.
+fn placement_nodes(rows: &[TenantRow]) -> Filter {
+    let names: std::collections::BTreeSet<&str> = rows
+        .iter()
+        .flat_map(|row| row.placement.iter().map(|slice| slice.node.as_str()))
+        .collect();
+    Filter::Nodes {
+        names: names.into_iter().map(str::to_owned).collect(),
+        unhealthy: false,
+    }
+}
+
 fn error_response(status: StatusCode, message: &str) -> Response {
     let body = serde_json::json!({ "error": message }).to_string();
     (
@@ -1037,7 +1082,14 @@ async fn answer(dashboard: &Dashboard, view: View, request: axum::extract::Reque
             if let Err(status) = guard.admin(&caller, "reading the pool dashboard") {
                 return status_response(&status);
             }
-            let soft = dashboard.soft_state().await;
+            // Only the page's nodes' reports, and the health of every unhealthy node (for the
+            // overview's count): what a page needs, not the whole pool.
+            let (names, _) = pool_page_nodes(&dashboard.control_plane.shared.read().pool, &query);
+            let filter = Filter::Nodes {
+                names,
+                unhealthy: true,
+            };
+            let soft = dashboard.soft_state(Some(filter)).await;
             let applied = dashboard.control_plane.shared.read();
             serde_json::to_string(&pool_page(&applied.pool, &soft, &query))
         }
@@ -1046,7 +1098,13 @@ async fn answer(dashboard: &Dashboard, view: View, request: axum::extract::Reque
                 Ok((_, scope)) => scope,
                 Err(status) => return status_response(&status),
             };
-            let soft = dashboard.soft_state().await;
+            // The reports of the nodes that the page's tenants are placed on.
+            let nodes = {
+                let applied = dashboard.control_plane.shared.read();
+                let rows = tenants_page(&applied.pool, &SoftState::default(), &query, &scope);
+                placement_nodes(&rows.tenants)
+            };
+            let soft = dashboard.soft_state(Some(nodes)).await;
             let applied = dashboard.control_plane.shared.read();
             serde_json::to_string(&tenants_page(&applied.pool, &soft, &query, &scope))
         }
@@ -1055,10 +1113,18 @@ async fn answer(dashboard: &Dashboard, view: View, request: axum::extract::Reque
                 Ok((_, scope)) => scope,
                 Err(status) => return status_response(&status),
             };
-            let soft = dashboard.soft_state().await;
-            let row = {
+            let nodes = {
                 let applied = dashboard.control_plane.shared.read();
-                tenant_page(&applied.pool, &soft, &query, &scope)
+                tenant_page(&applied.pool, &SoftState::default(), &query, &scope)
+                    .map(|row| placement_nodes(std::slice::from_ref(&row)))
+            };
+            let row = match nodes {
+                Ok(nodes) => {
+                    let soft = dashboard.soft_state(Some(nodes)).await;
+                    let applied = dashboard.control_plane.shared.read();
+                    tenant_page(&applied.pool, &soft, &query, &scope)
+                }
+                Err(error) => Err(error),
             };
             let tenant = match row {
                 Ok(row) => row,
@@ -1089,7 +1155,7 @@ async fn answer(dashboard: &Dashboard, view: View, request: axum::extract::Reque
             };
             let show_agents = peer.role == Role::Admin;
             let soft = if show_agents {
-                dashboard.soft_state().await
+                dashboard.soft_state(None).await
             } else {
                 Arc::default()
             };
