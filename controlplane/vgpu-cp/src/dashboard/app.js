@@ -124,9 +124,15 @@ function drawTenant(page) {
     stat("priority", r.priority), stat("memory used", u ? gib(u.memory_used_bytes) : "–"),
     stat("latency p99 / target", u && u.latency_p99_us ? `${u.latency_p99_us} / ${u.latency_target_us} µs` : (r.latency_target_us ? `– / ${r.latency_target_us} µs` : "–")),
   ].join("");
-  const h = page.usage_history;
+  // When the leader could not be asked, the last history received for this tenant stays drawn.
+  let h = page.usage_history, note = "";
+  if (h) state.history = { tenant: t.name, history: h };
+  else if (state.history && state.history.tenant === t.name) {
+    h = state.history.history;
+    note = "<p>The leader could not be asked just now; the plot is from the last answer.</p>";
+  }
   $("tenant-plot").innerHTML = !h ? "<p>The leader could not be asked for the usage history.</p>"
-    : h.samples.length ? usagePlot(h) : "<p>No usage reported in the last hour.</p>";
+    : note + (h.samples.length ? usagePlot(h) : "<p>No usage reported in the last hour.</p>");
   $("tenant-placement").innerHTML = t.placement.map((s) => `<tr><td>${esc(s.node)}</td><td>${s.gpu_index}</td><td>${s.compute_percent}%</td><td>${esc(gib(s.memory_bytes))}</td></tr>`).join("");
   $("tenant-events").innerHTML = t.history.slice().reverse().map((e) => `<tr><td>${esc(new Date(e.unix_ms).toLocaleString())}</td><td>${esc(e.state)}</td><td>${esc(e.message)}</td></tr>`).join("");
 }
