@@ -2,10 +2,11 @@
 //!
 //! * [`UsageHistory`]: each tenant's usage over the last hour, one [`UsageSample`] per
 //!   [`SAMPLE_BUCKET_MS`] (at most [`SAMPLES_PER_TENANT_MAX`] per tenant, for at most
-//!   [`TENANTS_TRACKED_MAX`] tenants: at most 983,040 samples of 32 bytes, about 30 MiB with
-//!   the rings' overhead, however large the pool). The leader fills it from the reports it
-//!   holds (`crate::usage::Reports`), every [`SAMPLE_TICK`]; the newest sample of a bucket is
-//!   replaced until the bucket is over, so the last point of a plot is at most one tick old.
+//!   [`TENANTS_TRACKED_MAX`] tenants: at most 983,040 samples of 32 bytes in rings allocated
+//!   whole, 30 MiB, plus the tenants' names, however large the pool). The leader fills it from
+//!   the reports it holds (`crate::usage::Reports`), every [`SAMPLE_TICK`]; the newest sample
+//!   of a bucket is replaced until the bucket is over, so the last point of a plot is at most
+//!   one tick old.
 //!   Like the reports it is soft state: a new leader starts an empty history.
 //! * [`Elections`]: the last [`ELECTIONS_MAX`] changes of term or leader that this member saw
 //!   in its Raft metrics, each with the time it saw it.
@@ -109,7 +110,10 @@ impl UsageHistory {
                 self.untracked += 1;
                 continue;
             }
-            let ring = self.tenants.entry(tenant).or_default();
+            let ring = self
+                .tenants
+                .entry(tenant)
+                .or_insert_with(|| VecDeque::with_capacity(SAMPLES_PER_TENANT_MAX));
             match ring.back_mut() {
                 Some(last) if bucket(last.unix_ms) == bucket(now_unix_ms) => *last = sample,
                 // A clock stepped back: keep the ring in time order.
