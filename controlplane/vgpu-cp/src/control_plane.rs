@@ -84,6 +84,9 @@ pub enum ForwardRequest {
     /// `HeartbeatBatch`, one answer per beat in order. (New variants go last: the variant index
     /// is the wire tag.)
     HeartbeatBatch(Vec<Vec<u8>>),
+    /// The leader's usage history of one tenant (`crate::dashboard::history`). Answered with
+    /// `UsageHistory`.
+    UsageHistory(String),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -103,6 +106,7 @@ pub enum ForwardResponse {
         message: String,
     },
     HeartbeatBatch(Vec<Result<crate::beats::BeatAnswer, String>>),
+    UsageHistory(Vec<crate::dashboard::history::UsageSample>),
 }
 
 pub struct ControlPlane {
@@ -116,6 +120,8 @@ pub struct ControlPlane {
     heartbeats: Mutex<HashMap<String, (Instant, i64)>>,
     /// Leader only: each node's latest health and usage report (soft state, not logged).
     pub reports: crate::usage::Reports,
+    /// Leader only: each tenant's usage over the last hour, sampled from `reports` (soft state).
+    pub usage_history: Mutex<crate::dashboard::history::UsageHistory>,
     /// Cached channels to peers, by address.
     peers: Mutex<HashMap<String, RaftClient<Channel>>>,
     /// Plain text or mTLS, for forwarding to peers.
@@ -185,6 +191,7 @@ impl ControlPlane {
             metrics: Metrics::default(),
             heartbeats: Mutex::new(HashMap::new()),
             reports: crate::usage::Reports::default(),
+            usage_history: Mutex::default(),
             peers: Mutex::new(HashMap::new()),
             transport,
             batcher,
@@ -495,6 +502,13 @@ impl ControlPlane {
                     return ForwardResponse::NotLeader;
                 }
                 ForwardResponse::HeartbeatBatch(self.record_heartbeat_batch(&beats))
+            }
+            ForwardRequest::UsageHistory(tenant) => {
+                if !self.is_leader() {
+                    return ForwardResponse::NotLeader;
+                }
+                let history = self.usage_history.lock().expect("usage history lock");
+                ForwardResponse::UsageHistory(history.samples(&tenant))
             }
             ForwardRequest::HeartbeatTimes => {
                 if !self.is_leader() {

@@ -8,18 +8,27 @@
 //!   (like `ListTenants`), the cluster view is for any authenticated caller (like
 //!   `Cluster.Status`), its agents' heartbeats for admins only. Under `--insecure` all is open.
 //!   The page itself (`/ui/`, its script and style) holds no data and is served to anyone.
+//!   One tenant's view (`/ui/api/tenant?name=`) follows `GetTenant`: 403 for another owner's.
 //! * Reads are stale reads of this member's applied state (a dashboard does not need
-//!   linearizability), plus the leader's soft state (heartbeat times, health and usage
-//!   reports), fetched at most once per [`SOFT_STATE_MAX_AGE`] per member however many
-//!   browsers poll, and empty when the leader cannot be reached (as `ListNodes` does).
+//!   linearizability), plus the leader's soft state: heartbeat times, and only the health and
+//!   usage reports the page shows (its nodes', its tenants' nodes', and the health of nodes
+//!   with an unhealthy GPU for the overview's count: `usage::Filter::Nodes`), never every
+//!   node's. Each is fetched at most once per [`SOFT_STATE_MAX_AGE`] per member and page
+//!   however many browsers poll it, and is empty when the leader cannot be reached (as
+//!   `ListNodes` does).
 //! * Every answer is bounded: pages of at most [`POOL_PAGE_NODES_MAX`] nodes or
 //!   [`TENANTS_PAGE_MAX`] tenants, in name order with a `next_page_token`, plus whole-pool
 //!   aggregates computed on the fly; never the whole pool at once.
-//! * The JSON is built by pure functions ([`pool_page`], [`tenants_page`], [`cluster_view`])
-//!   from the applied `PoolState` and [`SoftState`], tested without sockets.
+//! * The JSON is built by pure functions ([`pool_page`], [`tenants_page`], [`tenant_page`],
+//!   [`cluster_view`]) from the applied `PoolState` and [`SoftState`], tested without sockets.
+//! * Two bounded memories ([`history`]): the leader samples each tenant's usage (one hour, for
+//!   the tenant's plot; followers ask the leader for it), and every member keeps the last
+//!   changes of term and leader it saw (the cluster view's elections).
+
+pub mod history;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use api::tls::Role;
@@ -28,7 +37,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use crate::control_plane::{ControlPlane, unix_ms};
+use crate::control_plane::{ControlPlane, ForwardRequest, ForwardResponse, unix_ms};
 use crate::pool::{PoolState, TenantState, decode_request};
 use crate::security::{Guard, TenantScope};
 use crate::usage::{Filter, NodeReport};
@@ -51,6 +60,8 @@ pub const QUERY_BYTES_MAX: usize = 2048;
 pub const QUERY_VALUE_BYTES_MAX: usize = 256;
 /// How old the leader's soft state may be before a request fetches it again.
 pub const SOFT_STATE_MAX_AGE: Duration = Duration::from_secs(1);
+/// Fetches of the leader's soft state (for different pages) kept at once.
+pub const SOFT_STATE_CACHED_MAX: usize = 16;
 
 /// What is wrong with a request to the JSON API.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -78,6 +89,8 @@ pub struct PageQuery {
     /// A node state (`ready`, `lost`, `draining`) or a tenant state (`pending`, `placed`,
     /// `preempted`).
     pub state: Option<String>,
+    /// One tenant's name (`/ui/api/tenant`).
+    pub name: Option<String>,
 }
 
 impl PageQuery {
@@ -117,6 +130,7 @@ impl PageQuery {
                 }
                 "model" if !value.is_empty() => parsed.model = Some(value),
                 "state" if !value.is_empty() => parsed.state = Some(value.to_ascii_lowercase()),
+                "name" if !value.is_empty() => parsed.name = Some(value),
                 _ => {}
             }
         }
@@ -308,6 +322,37 @@ pub struct UsageView {
     pub reported_unix_ms: i64,
 }
 
+/// `GET /ui/api/tenant?name=NAME`: one tenant, its whole recorded history, and its usage
+/// over the last hour.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TenantPage {
+    pub tenant: TenantRow,
+    /// `None` when the leader, which keeps it, could not be asked.
+    pub usage_history: Option<UsageHistoryView>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct UsageHistoryView {
+    /// One sample per bucket of this many milliseconds, over at most `window_ms`.
+    pub bucket_ms: i64,
+    pub window_ms: i64,
+    /// The answering member's clock, for the plot's time axis.
+    pub now_unix_ms: i64,
+    /// Oldest first (`gpu_time_ns` is a counter: plot its rate).
+    pub samples: Vec<history::UsageSample>,
+}
+
+/// Why one tenant's view is refused.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum TenantPageError {
+    #[error("the query names no tenant (`name=`)")]
+    NoName,
+    #[error("no tenant is named `{0}`")]
+    NotFound(String),
+    #[error("tenant `{0}` belongs to another owner")]
+    NotYours(String),
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct EventView {
     pub unix_ms: i64,
@@ -327,6 +372,9 @@ pub struct ClusterView {
     pub last_log_index: u64,
     pub last_applied: u64,
     pub members: Vec<MemberView>,
+    /// The last changes of term or leader this member saw, newest first (at most
+    /// [`history::ELECTIONS_MAX`]; since it started).
+    pub elections: Vec<history::Election>,
     /// Admins only (`None` for other callers).
     pub agents: Option<AgentsView>,
 }
@@ -376,9 +424,7 @@ fn tenant_state_name(state: TenantState) -> &'static str {
 }
 
 fn unhealthy(health: &GpuHealth) -> bool {
-    health.xid_errors > 0
-        || health.ecc_uncorrected.unwrap_or(0) > 0
-        || !health.throttle_reasons.is_empty()
+    crate::usage::gpu_unhealthy(health)
 }
 
 fn overview(pool: &PoolState, soft: &SoftState) -> PoolOverview {
@@ -505,29 +551,45 @@ fn node_tile(pool: &PoolState, soft: &SoftState, view: &placement::NodeView<'_>)
     }
 }
 
-/// The pool page for `query`: the overview of the whole pool, and up to `limit` (at most
-/// [`POOL_PAGE_NODES_MAX`]) nodes that pass its filters, after `page_token` in name order.
-pub fn pool_page(pool: &PoolState, soft: &SoftState, query: &PageQuery) -> PoolPage {
+/// The names of the nodes on the pool page for `query`, and whether more follow: the soft
+/// state a page needs is these nodes' reports (see [`Dashboard::soft_state`]).
+pub fn pool_page_nodes(pool: &PoolState, query: &PageQuery) -> (Vec<String>, bool) {
     let limit = query.limit(POOL_PAGE_NODES_DEFAULT, POOL_PAGE_NODES_MAX);
-    let nodes_matched = pool
-        .engine
-        .nodes()
-        .iter()
-        .filter(|view| node_matches(view, query))
-        .count() as u64;
     let mut names = pool
         .nodes
         .range::<str, _>((query.start(), std::ops::Bound::Unbounded))
         .map(|(name, _)| name)
         .filter_map(|name| pool.engine.node(name))
         .filter(|view| node_matches(view, query))
+        .map(|view| view.spec.name.clone())
         .peekable();
-    let mut nodes = Vec::with_capacity(limit);
-    while let Some(view) = names.next_if(|_| nodes.len() < limit) {
-        nodes.push(node_tile(pool, soft, &view));
+    let mut page = Vec::with_capacity(limit);
+    while let Some(name) = names.next_if(|_| page.len() < limit) {
+        page.push(name);
     }
-    let next_page_token = match (names.peek(), nodes.last()) {
-        (Some(_), Some(last)) => last.name.clone(),
+    let more = names.peek().is_some();
+    assert!(page.len() <= POOL_PAGE_NODES_MAX, "pages are bounded");
+    (page, more)
+}
+
+/// The pool page for `query`: the overview of the whole pool, and up to `limit` (at most
+/// [`POOL_PAGE_NODES_MAX`]) nodes that pass its filters, after `page_token` in name order.
+pub fn pool_page(pool: &PoolState, soft: &SoftState, query: &PageQuery) -> PoolPage {
+    let nodes_matched = pool
+        .engine
+        .nodes()
+        .iter()
+        .filter(|view| node_matches(view, query))
+        .count() as u64;
+    let (names, more) = pool_page_nodes(pool, query);
+    let nodes: Vec<NodeTile> = names
+        .iter()
+        .filter_map(|name| pool.engine.node(name))
+        .map(|view| node_tile(pool, soft, &view))
+        .collect();
+    assert_eq!(nodes.len(), names.len(), "the page's nodes are registered");
+    let next_page_token = match (more, nodes.last()) {
+        (true, Some(last)) => last.name.clone(),
         _ => String::new(),
     };
     assert!(nodes.len() <= POOL_PAGE_NODES_MAX, "pages are bounded");
@@ -566,12 +628,13 @@ fn usage_of(record: &crate::pool::TenantRecord, soft: &SoftState) -> Option<Usag
     Some(usage)
 }
 
-fn tenant_row(record: &crate::pool::TenantRecord, soft: &SoftState) -> TenantRow {
+fn tenant_row(
+    record: &crate::pool::TenantRecord,
+    soft: &SoftState,
+    history_max: usize,
+) -> TenantRow {
     let request = decode_request(&record.request);
-    let skip = record
-        .history
-        .len()
-        .saturating_sub(TENANT_HISTORY_SHOWN_MAX);
+    let skip = record.history.len().saturating_sub(history_max);
     TenantRow {
         name: record.name.clone(),
         owner: request.owner.clone(),
@@ -648,7 +711,7 @@ pub fn tenants_page(
         .peekable();
     let mut tenants = Vec::with_capacity(limit.min(pool.tenants.len()));
     while let Some(record) = records.next_if(|_| tenants.len() < limit) {
-        tenants.push(tenant_row(record, soft));
+        tenants.push(tenant_row(record, soft, TENANT_HISTORY_SHOWN_MAX));
     }
     let next_page_token = match (records.peek(), tenants.last()) {
         (Some(_), Some(last)) => last.name.clone(),
@@ -662,6 +725,32 @@ pub fn tenants_page(
     }
 }
 
+/// The tenant `query.name` with all its recorded events, if it is in `scope`; its usage
+/// history is the caller's to add.
+pub fn tenant_page(
+    pool: &PoolState,
+    soft: &SoftState,
+    query: &PageQuery,
+    scope: &TenantScope,
+) -> Result<TenantRow, TenantPageError> {
+    let name = query.name.as_deref().ok_or(TenantPageError::NoName)?;
+    let record = pool
+        .tenants
+        .get(name)
+        .ok_or_else(|| TenantPageError::NotFound(name.to_owned()))?;
+    if !scope.covers(&decode_request(&record.request).owner) {
+        return Err(TenantPageError::NotYours(name.to_owned()));
+    }
+    let row = tenant_row(record, soft, usize::MAX);
+    assert_eq!(row.name, name);
+    assert_eq!(
+        row.history.len(),
+        record.history.len(),
+        "every recorded event"
+    );
+    Ok(row)
+}
+
 /// The Raft facts of the cluster view, read from openraft's metrics by the caller.
 #[derive(Debug, Clone, Default)]
 pub struct ClusterFacts {
@@ -672,6 +761,7 @@ pub struct ClusterFacts {
     pub last_log_index: u64,
     pub last_applied: u64,
     pub members: Vec<MemberView>,
+    pub elections: Vec<history::Election>,
 }
 
 /// The cluster view; `agents` only when `show_agents` (admins), over the registered nodes.
@@ -722,6 +812,7 @@ pub fn cluster_view(
         last_log_index: facts.last_log_index,
         last_applied: facts.last_applied,
         members: facts.members,
+        elections: facts.elections,
         agents,
     }
 }
@@ -737,29 +828,45 @@ const APP_CSS: &str = include_str!("dashboard/app.css");
 const CONTENT_SECURITY_POLICY: &str =
     "default-src 'self'; style-src 'self' 'unsafe-inline'; frame-ancestors 'none'";
 
+/// Fetched soft state: when, for which reports, and what came.
+type SoftStateEntry = (Instant, Option<Filter>, Arc<SoftState>);
+
 /// What the routes share: the member, its guard, and the cached soft state.
 struct Dashboard {
     control_plane: Arc<ControlPlane>,
     guard: Arc<Guard>,
-    /// The leader's soft state and when it was fetched; the lock also keeps fetches to one at
-    /// a time per member.
-    soft: tokio::sync::Mutex<Option<(Instant, Arc<SoftState>)>>,
+    /// The leader's soft state by the reports asked for, and when it was fetched (at most
+    /// [`SOFT_STATE_CACHED_MAX`]); the lock also keeps fetches to one at a time per member.
+    soft: tokio::sync::Mutex<std::collections::VecDeque<SoftStateEntry>>,
+    /// The changes of term and leader this member saw (filled by [`watch_elections`]).
+    elections: Arc<Mutex<history::Elections>>,
 }
 
 impl Dashboard {
-    async fn soft_state(&self) -> Arc<SoftState> {
+    /// The heartbeat times and the reports `filter` asks for (none without one), fetched at
+    /// most once per [`SOFT_STATE_MAX_AGE`] per filter: browsers polling the same page share
+    /// one fetch.
+    async fn soft_state(&self, filter: Option<Filter>) -> Arc<SoftState> {
         let mut cached = self.soft.lock().await;
-        if let Some((at, soft)) = cached.as_ref()
-            && at.elapsed() < SOFT_STATE_MAX_AGE
-        {
+        cached.retain(|(at, _, _)| at.elapsed() < SOFT_STATE_MAX_AGE);
+        if let Some((_, _, soft)) = cached.iter().find(|(_, held, _)| *held == filter) {
             return soft.clone();
         }
         // Each fetch is bounded (one second each, `crate::usage::FORWARD_TIMEOUT`).
+        let heartbeats = self.control_plane.last_heartbeats().await;
+        let reports = match &filter {
+            Some(filter) => self.control_plane.reports(filter.clone()).await,
+            None => BTreeMap::new(),
+        };
         let soft = Arc::new(SoftState {
-            heartbeats: self.control_plane.last_heartbeats().await,
-            reports: self.control_plane.reports(Filter::All).await,
+            heartbeats,
+            reports,
         });
-        *cached = Some((Instant::now(), soft.clone()));
+        if cached.len() == SOFT_STATE_CACHED_MAX {
+            cached.pop_front();
+        }
+        cached.push_back((Instant::now(), filter, soft.clone()));
+        assert!(cached.len() <= SOFT_STATE_CACHED_MAX);
         soft
     }
 
@@ -787,7 +894,84 @@ impl Dashboard {
                         .map_or(0, |log_id| log_id.index),
                 })
                 .collect(),
+            elections: self
+                .elections
+                .lock()
+                .expect("elections lock")
+                .newest_first(),
         }
+    }
+}
+
+/// Records every change of term or leader in this member's Raft metrics, until Raft stops.
+async fn watch_elections(
+    mut metrics: tokio::sync::watch::Receiver<
+        openraft::RaftMetrics<crate::raft_types::NodeId, openraft::BasicNode>,
+    >,
+    elections: Arc<Mutex<history::Elections>>,
+) {
+    loop {
+        let (term, leader) = {
+            let metrics = metrics.borrow_and_update();
+            (metrics.current_term, metrics.current_leader.unwrap_or(0))
+        };
+        elections
+            .lock()
+            .expect("elections lock")
+            .observe(unix_ms(), term, leader);
+        if metrics.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Adds the leader's reports to its usage history at `now_unix_ms` (see [`history`]).
+pub fn sample_usage(control_plane: &ControlPlane, now_unix_ms: i64) {
+    let mut totals = history::Totals::default();
+    control_plane
+        .reports
+        .visit_usage(|received_unix_ms, usage| totals.add(now_unix_ms, received_unix_ms, usage));
+    let mut usage_history = control_plane
+        .usage_history
+        .lock()
+        .expect("usage history lock");
+    usage_history.record(now_unix_ms, totals);
+    assert!(usage_history.tenants() <= history::TENANTS_TRACKED_MAX);
+}
+
+/// Samples every [`history::SAMPLE_TICK`] while this member leads, until it is dropped.
+async fn sample_usage_while_leading(control_plane: Weak<ControlPlane>) {
+    let mut tick = tokio::time::interval(history::SAMPLE_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tick.tick().await;
+        let Some(control_plane) = control_plane.upgrade() else {
+            return;
+        };
+        if control_plane.is_leader() {
+            sample_usage(&control_plane, unix_ms());
+        }
+    }
+}
+
+/// `tenant`'s usage history from the leader; `None` when it cannot be asked within
+/// `crate::usage::FORWARD_TIMEOUT` (or is too old to know the request).
+async fn usage_history(
+    control_plane: &ControlPlane,
+    tenant: &str,
+) -> Option<Vec<history::UsageSample>> {
+    if control_plane.is_leader() {
+        let usage_history = control_plane
+            .usage_history
+            .lock()
+            .expect("usage history lock");
+        return Some(usage_history.samples(tenant));
+    }
+    let request = ForwardRequest::UsageHistory(tenant.to_owned());
+    let attempt = control_plane.forward_once(control_plane.leader_node(), &request);
+    match tokio::time::timeout(crate::usage::FORWARD_TIMEOUT, attempt).await {
+        Ok(Ok(Some(ForwardResponse::UsageHistory(samples)))) => Some(samples),
+        _ => None,
     }
 }
 
@@ -796,15 +980,23 @@ impl Dashboard {
 enum View {
     Pool,
     Tenants,
+    Tenant,
     Cluster,
 }
 
 /// The `/ui/` routes, to merge into the API's router.
 pub fn router(control_plane: Arc<ControlPlane>, guard: Arc<Guard>) -> axum::Router {
+    let elections = Arc::new(Mutex::new(history::Elections::default()));
+    tokio::spawn(watch_elections(
+        control_plane.raft.metrics(),
+        elections.clone(),
+    ));
+    tokio::spawn(sample_usage_while_leading(Arc::downgrade(&control_plane)));
     let dashboard = Arc::new(Dashboard {
         control_plane,
         guard,
-        soft: tokio::sync::Mutex::new(None),
+        soft: tokio::sync::Mutex::new(std::collections::VecDeque::new()),
+        elections,
     });
     let json = |view: View| {
         let dashboard = dashboard.clone();
@@ -838,7 +1030,20 @@ pub fn router(control_plane: Arc<ControlPlane>, guard: Arc<Guard>) -> axum::Rout
         .route("/ui/app.css", asset("text/css; charset=utf-8", APP_CSS))
         .route("/ui/api/pool", json(View::Pool))
         .route("/ui/api/tenants", json(View::Tenants))
+        .route("/ui/api/tenant", json(View::Tenant))
         .route("/ui/api/cluster", json(View::Cluster))
+}
+
+/// The reports a page of tenants needs: those of the nodes they are placed on.
+fn placement_nodes(rows: &[TenantRow]) -> Filter {
+    let names: std::collections::BTreeSet<&str> = rows
+        .iter()
+        .flat_map(|row| row.placement.iter().map(|slice| slice.node.as_str()))
+        .collect();
+    Filter::Nodes {
+        names: names.into_iter().map(str::to_owned).collect(),
+        unhealthy: false,
+    }
 }
 
 fn error_response(status: StatusCode, message: &str) -> Response {
@@ -877,7 +1082,14 @@ async fn answer(dashboard: &Dashboard, view: View, request: axum::extract::Reque
             if let Err(status) = guard.admin(&caller, "reading the pool dashboard") {
                 return status_response(&status);
             }
-            let soft = dashboard.soft_state().await;
+            // Only the page's nodes' reports, and the health of every unhealthy node (for the
+            // overview's count): what a page needs, not the whole pool.
+            let (names, _) = pool_page_nodes(&dashboard.control_plane.shared.read().pool, &query);
+            let filter = Filter::Nodes {
+                names,
+                unhealthy: true,
+            };
+            let soft = dashboard.soft_state(Some(filter)).await;
             let applied = dashboard.control_plane.shared.read();
             serde_json::to_string(&pool_page(&applied.pool, &soft, &query))
         }
@@ -886,9 +1098,55 @@ async fn answer(dashboard: &Dashboard, view: View, request: axum::extract::Reque
                 Ok((_, scope)) => scope,
                 Err(status) => return status_response(&status),
             };
-            let soft = dashboard.soft_state().await;
+            // The reports of the nodes that the page's tenants are placed on.
+            let nodes = {
+                let applied = dashboard.control_plane.shared.read();
+                let rows = tenants_page(&applied.pool, &SoftState::default(), &query, &scope);
+                placement_nodes(&rows.tenants)
+            };
+            let soft = dashboard.soft_state(Some(nodes)).await;
             let applied = dashboard.control_plane.shared.read();
             serde_json::to_string(&tenants_page(&applied.pool, &soft, &query, &scope))
+        }
+        View::Tenant => {
+            let scope = match guard.tenants(&caller, "reading a tenant's dashboard") {
+                Ok((_, scope)) => scope,
+                Err(status) => return status_response(&status),
+            };
+            let nodes = {
+                let applied = dashboard.control_plane.shared.read();
+                tenant_page(&applied.pool, &SoftState::default(), &query, &scope)
+                    .map(|row| placement_nodes(std::slice::from_ref(&row)))
+            };
+            let row = match nodes {
+                Ok(nodes) => {
+                    let soft = dashboard.soft_state(Some(nodes)).await;
+                    let applied = dashboard.control_plane.shared.read();
+                    tenant_page(&applied.pool, &soft, &query, &scope)
+                }
+                Err(error) => Err(error),
+            };
+            let tenant = match row {
+                Ok(row) => row,
+                Err(error) => {
+                    let status = match error {
+                        TenantPageError::NoName => StatusCode::BAD_REQUEST,
+                        TenantPageError::NotFound(_) => StatusCode::NOT_FOUND,
+                        TenantPageError::NotYours(_) => StatusCode::FORBIDDEN,
+                    };
+                    return error_response(status, &error.to_string());
+                }
+            };
+            let samples = usage_history(&dashboard.control_plane, &tenant.name).await;
+            serde_json::to_string(&TenantPage {
+                tenant,
+                usage_history: samples.map(|samples| UsageHistoryView {
+                    bucket_ms: history::SAMPLE_BUCKET_MS,
+                    window_ms: history::HISTORY_WINDOW_MS,
+                    now_unix_ms: unix_ms(),
+                    samples,
+                }),
+            })
         }
         View::Cluster => {
             let peer = match guard.caller(&caller) {
@@ -897,7 +1155,7 @@ async fn answer(dashboard: &Dashboard, view: View, request: axum::extract::Reque
             };
             let show_agents = peer.role == Role::Admin;
             let soft = if show_agents {
-                dashboard.soft_state().await
+                dashboard.soft_state(None).await
             } else {
                 Arc::default()
             };

@@ -297,6 +297,11 @@ fn the_cluster_view_buckets_agents_and_hides_them_from_non_admins() {
             voter: true,
             matched_index: 10,
         }],
+        elections: vec![history::Election {
+            unix_ms: now - 5_000,
+            term: 3,
+            leader: 1,
+        }],
     };
     let view = cluster_view(facts.clone(), &state, &soft, now, true);
     let agents = view.agents.as_ref().expect("admins see agents");
@@ -309,6 +314,7 @@ fn the_cluster_view_buckets_agents_and_hides_them_from_non_admins() {
     assert_eq!(agents.stalest[0].node, "n3", "never heard from comes first");
     assert_eq!(agents.stalest[1].node, "n2");
     assert_eq!(view.members.len(), 1);
+    assert_eq!(view.elections[0].term, 3);
     assert!(
         cluster_view(facts, &state, &soft, now, false)
             .agents
@@ -424,4 +430,91 @@ fn the_grafana_dashboard_queries_only_metrics_that_exist() {
     );
     let missing: Vec<&&str> = names.iter().filter(|name| !rendered(name)).collect();
     assert!(missing.is_empty(), "not in /metrics: {missing:?}\n{out}");
+}
+
+#[test]
+fn a_tenants_own_view_has_its_whole_history_and_follows_the_owner() {
+    let state = pool(1, 12);
+    let query = |name: &str| PageQuery::parse(&format!("name={name}")).expect("valid");
+    let soft = SoftState::default();
+    let row = tenant_page(&state, &soft, &query("t00"), &TenantScope::All).expect("found");
+    assert_eq!(row.name, "t00");
+    assert_eq!(row.owner, "alice");
+    assert_eq!(row.history.len(), state.tenants["t00"].history.len());
+    let alice = TenantScope::Owner("alice".to_owned());
+    assert!(tenant_page(&state, &soft, &query("t00"), &alice).is_ok());
+    assert_eq!(
+        tenant_page(&state, &soft, &query("t01"), &alice),
+        Err(TenantPageError::NotYours("t01".to_owned()))
+    );
+    assert_eq!(
+        tenant_page(&state, &soft, &query("nobody"), &TenantScope::All),
+        Err(TenantPageError::NotFound("nobody".to_owned()))
+    );
+    assert_eq!(
+        tenant_page(&state, &soft, &all(), &TenantScope::All),
+        Err(TenantPageError::NoName)
+    );
+}
+
+#[test]
+fn a_page_asks_the_leader_for_its_nodes_and_the_unhealthy_ones_only() {
+    let state = pool(5, 0);
+    let (names, more) = pool_page_nodes(&state, &PageQuery::parse("limit=2").expect("valid"));
+    assert_eq!(
+        (names.as_slice(), more),
+        (&["n0".to_owned(), "n1".to_owned()][..], true)
+    );
+    let (names, more) = pool_page_nodes(&state, &PageQuery::parse("label=zone%3Db").expect("ok"));
+    assert_eq!(
+        (names.as_slice(), more),
+        (&["n1".to_owned(), "n3".to_owned()][..], false)
+    );
+    // The leader's reports: n4's GPU is unhealthy, the others are well.
+    let reports = crate::usage::Reports::default();
+    for node in ["n0", "n1", "n2", "n3", "n4"] {
+        let mut gpu = GpuHealth {
+            uuid: format!("GPU-{node}-0"),
+            ..Default::default()
+        };
+        if node == "n4" {
+            gpu.xid_errors = 1;
+        }
+        let usage = TenantUsage {
+            tenant: "t".to_owned(),
+            gpu: gpu.uuid.clone(),
+            ..Default::default()
+        };
+        let beat = v1::HeartbeatRequest {
+            node: node.to_owned(),
+            gpus: vec![gpu],
+            usage: vec![usage],
+            ..Default::default()
+        };
+        reports.record(beat, 1_000);
+    }
+    let filter = crate::usage::Filter::Nodes {
+        names: vec!["n0".to_owned(), "n1".to_owned()],
+        unhealthy: true,
+    };
+    let taken = reports.snapshot(&filter);
+    assert_eq!(taken.keys().collect::<Vec<_>>(), ["n0", "n1", "n4"]);
+    assert_eq!(taken["n0"].usage.len(), 1, "the page's nodes in full");
+    assert!(
+        taken["n4"].usage.is_empty(),
+        "only the health of the others"
+    );
+    // The overview still counts the whole pool's unhealthy GPUs from it.
+    let soft = SoftState {
+        heartbeats: BTreeMap::new(),
+        reports: taken,
+    };
+    let page = pool_page(&state, &soft, &PageQuery::parse("limit=2").expect("valid"));
+    assert_eq!(page.overview.gpus_unhealthy, 1);
+    assert_eq!(page.nodes.len(), 2);
+    let without = crate::usage::Filter::Nodes {
+        names: vec!["n2".to_owned()],
+        unhealthy: false,
+    };
+    assert_eq!(reports.snapshot(&without).len(), 1);
 }

@@ -55,6 +55,24 @@ pub enum Filter {
     Tenant(String),
     /// Only this node's report.
     Node(String),
+    /// The reports of these nodes (the first [`NODES_FILTER_MAX`]), and, when `unhealthy`, the
+    /// GPU health (no usage) of every node with a GPU that [`gpu_unhealthy`]: what one page of
+    /// the dashboard needs, whatever the size of the pool. (New variants go last: the variant
+    /// index is the wire tag.)
+    Nodes {
+        names: Vec<String>,
+        unhealthy: bool,
+    },
+}
+
+/// Nodes one [`Filter::Nodes`] names at most (the dashboard's pages name at most a few hundred).
+pub const NODES_FILTER_MAX: usize = 1024;
+
+/// Whether a GPU's health shows a problem: an XID, an uncorrected ECC error or throttling.
+pub fn gpu_unhealthy(health: &GpuHealth) -> bool {
+    health.xid_errors > 0
+        || health.ecc_uncorrected.unwrap_or(0) > 0
+        || !health.throttle_reasons.is_empty()
 }
 
 /// The leader's reports, by node.
@@ -127,6 +145,17 @@ impl Reports {
             .insert(request.node, report);
     }
 
+    /// Calls `visit` with every usage entry held and the time its report was last stamped,
+    /// under the lock and without copying (the dashboard's usage history samples this way).
+    pub fn visit_usage(&self, mut visit: impl FnMut(i64, &TenantUsage)) {
+        let nodes = self.nodes.lock().expect("reports lock");
+        for report in nodes.values() {
+            for usage in &report.usage {
+                visit(report.received_unix_ms, usage);
+            }
+        }
+    }
+
     /// The reports `filter` asks for, by node; each entry stamped with its report's time.
     pub fn snapshot(&self, filter: &Filter) -> BTreeMap<String, NodeReport> {
         let nodes = self.nodes.lock().expect("reports lock");
@@ -140,6 +169,27 @@ impl Reports {
                 .map(|report| (name.clone(), report.clone()))
                 .into_iter()
                 .collect(),
+            Filter::Nodes { names, unhealthy } => {
+                let mut taken: BTreeMap<String, NodeReport> = names
+                    .iter()
+                    .take(NODES_FILTER_MAX)
+                    .filter_map(|name| Some((name.clone(), nodes.get(name)?.clone())))
+                    .collect();
+                if *unhealthy {
+                    for (node, report) in nodes.iter() {
+                        if !taken.contains_key(node) && report.gpus.iter().any(gpu_unhealthy) {
+                            let health = NodeReport {
+                                received_unix_ms: report.received_unix_ms,
+                                generation: report.generation,
+                                gpus: report.gpus.clone(),
+                                usage: Vec::new(),
+                            };
+                            taken.insert(node.clone(), health);
+                        }
+                    }
+                }
+                taken
+            }
             Filter::Tenant(tenant) => nodes
                 .iter()
                 .filter_map(|(node, report)| {
