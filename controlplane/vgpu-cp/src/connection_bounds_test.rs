@@ -86,3 +86,97 @@ async fn a_half_open_request_without_a_certificate_is_answered_within_the_reques
     );
     started.control_plane.raft.shutdown().await.ok();
 }
+
+/// Idle TLS connections without a certificate were never closed (issue 22). Now a connection on
+/// which no request showed a client certificate is closed `anonymous_connection_max` after it was
+/// accepted, at its next read; one whose requests carry a certificate stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_shows_no_certificate_is_closed_after_its_time() {
+    let directory = tempfile::tempdir().unwrap();
+    let pki = directory.path().join("pki");
+    std::fs::create_dir_all(&pki).unwrap();
+    let (ca_cert, ca_key, pin) = crate::certs::ca_init(&pki, "test", 1).unwrap();
+    let ca = crate::certs::load_ca(&ca_cert, &ca_key).unwrap();
+    let hosts = vec!["127.0.0.1".to_owned()];
+    let (cert, key) = crate::certs::cert_issue(&ca, Role::Member, "1", hosts, 1, &pki).unwrap();
+    let admin_dir = directory.path().join("admin");
+    std::fs::create_dir_all(&admin_dir).unwrap();
+    let (admin_cert, admin_key) =
+        crate::certs::cert_issue(&ca, Role::Admin, "ops", Vec::new(), 1, &admin_dir).unwrap();
+    let anonymous_max = Duration::from_secs(1);
+    let started = start(Config {
+        mode: Mode::Bootstrap,
+        id: 1,
+        listen: "127.0.0.1:0".parse().unwrap(),
+        advertise: "127.0.0.1:1".to_owned(),
+        data_dir: directory.path().join("data"),
+        timings: Timings {
+            anonymous_connection_max: anonymous_max,
+            ..Timings::default()
+        },
+        raft: RaftTimings::default(),
+        security: Security {
+            insecure: false,
+            tls: Some(TlsFiles {
+                ca_cert: ca_cert.clone(),
+                cert,
+                key,
+            }),
+            ..Security::default()
+        },
+    })
+    .await
+    .unwrap();
+    let address = started.local_address.to_string();
+    let status = |channel: tonic::transport::Channel| async move {
+        api::v1::cluster_client::ClusterClient::new(channel)
+            .status(api::v1::ClusterStatusRequest {})
+            .await
+    };
+
+    // Without a certificate: answered (refused) at first, the connection closed once its time
+    // is up; the next call on it finds it gone.
+    let anonymous = api::tls::pinned_endpoint(&address, &pin)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let first = status(anonymous.clone()).await.unwrap_err();
+    assert!(
+        matches!(
+            first.code(),
+            tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+        ),
+        "an answer, not a closed connection: {first:?}"
+    );
+    // the time passing is what is tested here, not a synchronisation
+    tokio::time::sleep(anonymous_max + Duration::from_millis(300)).await;
+    let later = status(anonymous).await.unwrap_err();
+    assert!(
+        !matches!(
+            later.code(),
+            tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+        ),
+        "the connection should be closed, not answered: {later:?}"
+    );
+
+    // With a certificate: the connection stays past the time.
+    let files = TlsFiles {
+        ca_cert,
+        cert: admin_cert,
+        key: admin_key,
+    };
+    let admin = api::tls::Transport::choose(false, Some(&files), "test")
+        .unwrap()
+        .endpoint(&address)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    status(admin.clone()).await.unwrap();
+    tokio::time::sleep(anonymous_max + Duration::from_millis(300)).await;
+    status(admin)
+        .await
+        .expect("an authenticated connection stays");
+    started.control_plane.raft.shutdown().await.ok();
+}

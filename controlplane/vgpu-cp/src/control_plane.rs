@@ -44,6 +44,9 @@ pub struct Timings {
     /// Longest the API server waits for a call's answer, its request body included
     /// (`crate::REQUEST_TIMEOUT`; tests shorten it).
     pub request_timeout: Duration,
+    /// Under mTLS, how long a connection may stay open before a request on it shows a client
+    /// certificate (`limits::ANONYMOUS_CONNECTION_MAX`; tests shorten it).
+    pub anonymous_connection_max: Duration,
 }
 
 impl Default for Timings {
@@ -55,6 +58,7 @@ impl Default for Timings {
             retry_interval: Duration::from_secs(2),
             request_deadline: Duration::from_secs(10),
             request_timeout: crate::REQUEST_TIMEOUT,
+            anonymous_connection_max: crate::limits::ANONYMOUS_CONNECTION_MAX,
         }
     }
 }

@@ -504,6 +504,21 @@ fn serve(
         );
     // The dashboard (`/ui/`), with the API's authentication (see `dashboard`).
     let router = router.merge(dashboard::router(control_plane.clone(), guard));
+    // Under mTLS a connection that has not shown a client certificate is closed a minute after it
+    // was accepted (`limits::Anonymous`); a request that carries one marks its connection.
+    let anonymous = transport
+        .server_config()
+        .is_some()
+        .then(|| limits::Anonymous::new(control_plane.timings.anonymous_connection_max));
+    let router = match anonymous.clone() {
+        Some(anonymous) => router.layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                mark_authenticated(&anonymous, &request);
+                next.run(request)
+            },
+        )),
+        None => router,
+    };
     let request_timeout = control_plane.timings.request_timeout;
     let incoming = tonic::transport::server::TcpIncoming::from(listener)
         .with_nodelay(Some(true))
@@ -519,6 +534,14 @@ fn serve(
         let peer = stream.peer_addr().ok()?.ip();
         match connections.admit(peer) {
             Some(permit) => Some(Ok(PeerStream {
+                anonymous: anonymous.clone().zip(stream.peer_addr().ok()).map(
+                    |(anonymous, remote)| AnonymousWatch {
+                        anonymous,
+                        remote,
+                        accepted: std::time::Instant::now(),
+                        authenticated: false,
+                    },
+                ),
                 stream,
                 _permit: permit,
             })),
@@ -626,11 +649,56 @@ fn health_answer(control_plane: &ControlPlane) -> axum::response::Response {
     }
 }
 
+/// Marks the connection of `request` authenticated when the request carries a client
+/// certificate (`limits::Anonymous`).
+fn mark_authenticated(anonymous: &limits::Anonymous, request: &axum::extract::Request) {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    let Some(info) = request.extensions().get::<TlsConnectInfo<TcpConnectInfo>>() else {
+        return;
+    };
+    let has_certificate = info.peer_certs().is_some_and(|certs| !certs.is_empty());
+    if let (true, Some(remote)) = (has_certificate, info.get_ref().remote_addr()) {
+        anonymous.authenticated(remote);
+    }
+}
+
 /// An accepted connection that holds its peer's place among `limits::PeerConnections` until it
-/// closes.
+/// closes, and under mTLS is closed if no request on it showed a client certificate within
+/// `limits::Anonymous::max` (checked when it reads: the server's HTTP/2 pings make an idle
+/// client answer every 10 s, and one that does not answer is dropped for that).
 struct PeerStream {
     stream: tokio::net::TcpStream,
     _permit: limits::ConnectionPermit,
+    anonymous: Option<AnonymousWatch>,
+}
+
+struct AnonymousWatch {
+    anonymous: Arc<limits::Anonymous>,
+    remote: std::net::SocketAddr,
+    accepted: std::time::Instant,
+    /// Seen authenticated once: no more lookups.
+    authenticated: bool,
+}
+
+impl AnonymousWatch {
+    /// Whether the connection must close now.
+    fn expired(&mut self) -> bool {
+        if self.authenticated {
+            return false;
+        }
+        if self.anonymous.is_authenticated(self.remote) {
+            self.authenticated = true;
+            return false;
+        }
+        self.anonymous
+            .expired(self.remote, self.accepted, std::time::Instant::now())
+    }
+}
+
+impl Drop for AnonymousWatch {
+    fn drop(&mut self) {
+        self.anonymous.forget(self.remote);
+    }
 }
 
 impl tonic::transport::server::Connected for PeerStream {
@@ -647,6 +715,20 @@ impl tokio::io::AsyncRead for PeerStream {
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
+        if let Some(watch) = self.anonymous.as_mut()
+            && watch.expired()
+        {
+            let count = limits::ANONYMOUS_CONNECTIONS_CLOSED
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                + 1;
+            if count.is_power_of_two() {
+                tracing::info!(peer = %watch.remote, closed = count, "closed a connection that showed no client certificate within its time");
+            }
+            return std::task::Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no client certificate shown within the time a connection may stay anonymous",
+            )));
+        }
         std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
     }
 }

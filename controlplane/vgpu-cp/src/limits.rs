@@ -1,7 +1,8 @@
 //! Rate limits of one member, sans-IO (callers pass `now`): a [`TokenBucket`], and
 //! [`PerKey`] buckets for the writes of each tenant owner and for the linearizable reads that
-//! unauthenticated `JoinNode` calls may cost; and [`PeerConnections`], the connections each peer
-//! address may hold open at once.
+//! unauthenticated `JoinNode` calls may cost; [`PeerConnections`], the connections each peer
+//! address may hold open at once; and [`Anonymous`], how long a connection may stay open without
+//! showing a client certificate.
 //!
 //! A limit is per member, not per cluster: a caller that spreads its calls over every member
 //! gets each member's rate. That still bounds what one caller costs the leader to a small
@@ -9,8 +10,8 @@
 //! tenant starved its node's heartbeats; 433 unauthenticated joins a second each cost a
 //! linearizable read).
 
-use std::collections::HashMap;
-use std::net::IpAddr;
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -117,6 +118,68 @@ pub const CONNECTIONS_PER_PEER_MAX: usize = 256;
 /// `/metrics`.
 pub static CONNECTIONS_REFUSED: AtomicU64 = AtomicU64::new(0);
 
+/// How long a connection may stay open under mTLS before a request on it has shown a client
+/// certificate (issue 22: idle TLS connections without a certificate were never closed). What
+/// needs no certificate is one call each (`JoinNode` with a bootstrap token, `/healthz`), so a
+/// minute is ample; a client that keeps such a connection gets a new one.
+pub const ANONYMOUS_CONNECTION_MAX: Duration = Duration::from_secs(60);
+/// Connections remembered as authenticated at once (open connections: bounded by descriptors;
+/// past it a connection is treated as anonymous, which costs it only a reconnection).
+const AUTHENTICATED_MAX: usize = 65_536;
+
+/// Closed by [`Anonymous`], for `/metrics`.
+pub static ANONYMOUS_CONNECTIONS_CLOSED: AtomicU64 = AtomicU64::new(0);
+
+/// The connections on which a request showed a client certificate, by peer address and port
+/// (unique among open connections): the others are closed [`Anonymous::max`] after they were
+/// accepted. Marked by the request path, read and forgotten by the connection.
+#[derive(Debug)]
+pub struct Anonymous {
+    max: Duration,
+    authenticated: Mutex<HashSet<SocketAddr>>,
+}
+
+impl Anonymous {
+    pub fn new(max: Duration) -> Arc<Anonymous> {
+        Arc::new(Anonymous {
+            max,
+            authenticated: Mutex::default(),
+        })
+    }
+
+    pub fn max(&self) -> Duration {
+        self.max
+    }
+
+    /// A request on the connection from `peer` carried a client certificate.
+    pub fn authenticated(&self, peer: SocketAddr) {
+        let mut authenticated = self.authenticated.lock().expect("anonymous lock");
+        if authenticated.len() < AUTHENTICATED_MAX {
+            authenticated.insert(peer);
+        }
+    }
+
+    pub fn is_authenticated(&self, peer: SocketAddr) -> bool {
+        self.authenticated
+            .lock()
+            .expect("anonymous lock")
+            .contains(&peer)
+    }
+
+    /// Whether the connection from `peer`, accepted at `accepted`, must be closed at `now`.
+    pub fn expired(&self, peer: SocketAddr, accepted: Instant, now: Instant) -> bool {
+        now.saturating_duration_since(accepted) >= self.max && !self.is_authenticated(peer)
+    }
+
+    /// The connection from `peer` closed.
+    pub fn forget(&self, peer: SocketAddr) {
+        self.authenticated
+            .lock()
+            .expect("anonymous lock")
+            .remove(&peer);
+    }
+}
+
 /// The open connections of each peer address. Loopback peers are not counted: a process on the
 /// member's own host can use up its descriptors whatever the member does, and the test clusters
 /// and simulated fleets all run there. The map holds only peers with an open connection, so it
@@ -193,6 +256,23 @@ impl Drop for ConnectionPermit {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn an_anonymous_connection_expires_and_an_authenticated_one_does_not() {
+        let anonymous = Anonymous::new(Duration::from_secs(60));
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "10.0.0.1:4000".parse().unwrap(),
+            "10.0.0.1:4001".parse().unwrap(),
+        );
+        let t0 = Instant::now();
+        assert!(!anonymous.expired(a, t0, t0 + Duration::from_secs(59)));
+        assert!(anonymous.expired(a, t0, t0 + Duration::from_secs(60)));
+        anonymous.authenticated(b);
+        assert!(!anonymous.expired(b, t0, t0 + Duration::from_secs(3600)));
+        // a closed connection is forgotten: its address and port may come back unauthenticated
+        anonymous.forget(b);
+        assert!(anonymous.expired(b, t0, t0 + Duration::from_secs(60)));
+    }
     use super::*;
 
     /// Issue 22: one address cannot hold more than its share of a member's connections, and a

@@ -249,6 +249,12 @@ impl Metrics {
                 "Connections closed at accept because their address already held the most connections one peer may (limits::CONNECTIONS_PER_PEER_MAX).",
                 crate::limits::CONNECTIONS_REFUSED.load(relaxed),
             );
+            counter(
+                &mut out,
+                "vgpu_anonymous_connections_closed_total",
+                "Connections closed because no request on them showed a client certificate within limits::ANONYMOUS_CONNECTION_MAX (under mTLS).",
+                crate::limits::ANONYMOUS_CONNECTIONS_CLOSED.load(relaxed),
+            );
         }
         let applied = shared.read();
         let pool = &applied.pool;
