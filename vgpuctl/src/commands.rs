@@ -142,6 +142,17 @@ pub fn placement_request(args: &PlaceArgs) -> Result<PlacementRequest, UsageErro
         bandwidth_weight: args.bandwidth.unwrap_or(0),
         latency: args.latency,
         latency_target_us: args.latency_target.unwrap_or(0),
+        cpu_milli: args.cpu.unwrap_or(0),
+        host_memory_bytes: args.host_memory.unwrap_or(0),
+        // Sorted and once each, so that placing again with the flags in another order is the
+        // same request (placing is idempotent only for an identical one).
+        gpu_models: args
+            .gpu_models
+            .iter()
+            .cloned()
+            .collect::<std::collections::BTreeSet<String>>()
+            .into_iter()
+            .collect(),
     };
     api::validate::admit_request(&request).map_err(|error| UsageError(error.to_string()))?;
     Ok(request)
