@@ -125,7 +125,7 @@ fn constrained_placements_agree_on_every_member_and_survive_failover_and_restart
         ],
     )?;
     ensure!(node_of(&h100) == "node-h", "{h100}");
-    // node-h has 4 CPUs left (and a free GPU): an H100 tenant asking 8 waits, and says why.
+    // node-h has 4 CPUs left and a free GPU: an H100 tenant asking 8 CPUs waits, and says why.
     let waiting = place(
         &cluster,
         &[
@@ -145,19 +145,22 @@ fn constrained_placements_agree_on_every_member_and_survive_failover_and_restart
                 .is_some_and(|r| r.contains("8 CPUs")),
         "{waiting}"
     );
+    // Either model, but only node-a has 12 CPUs left: node-h keeps its free GPU.
     let either = place(
         &cluster,
         &[
             "either",
             "--gpus",
             "0.5",
+            "--cpu",
+            "12",
             "--gpu-model",
             "H100-80GB",
             "--gpu-model",
             "A100-80GB",
         ],
     )?;
-    ensure!(either["state"] == "placed", "{either}");
+    ensure!(node_of(&either) == "node-a", "{either}");
     // Enough entries for a snapshot on every member (on node-a, so node-h's CPUs stay as they
     // are).
     for index in 0..8 {
@@ -169,7 +172,7 @@ fn constrained_placements_agree_on_every_member_and_survive_failover_and_restart
                 "--gpus",
                 "0.05",
                 "--cpu",
-                "0.5",
+                "250m",
                 "--gpu-model",
                 "A100-80GB",
             ],
@@ -216,8 +219,8 @@ fn constrained_placements_agree_on_every_member_and_survive_failover_and_restart
         cluster.logs()
     );
 
-    // The restored host state decides: node-h still has 4 CPUs left, so a second waiting tenant
-    // waits too, and releasing `h100` gives its CPUs to the older one.
+    // The restored host state decides: node-h still has 4 CPUs left (and a free GPU), so a
+    // second tenant asking 8 waits too, and releasing `h100` gives its CPUs to the older one.
     let probe = place(
         &cluster,
         &[
@@ -230,7 +233,13 @@ fn constrained_placements_agree_on_every_member_and_survive_failover_and_restart
             "H100-80GB",
         ],
     )?;
-    ensure!(probe["state"] == "pending", "{probe}");
+    ensure!(
+        probe["state"] == "pending"
+            && probe["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("8 CPUs")),
+        "{probe}"
+    );
     let released = cluster.vgpuctl(&["release", "h100"])?;
     ensure!(released.status.success(), "{released:?}");
     wait_for(
