@@ -1,6 +1,6 @@
 //! The vgpu.v1 API shared by every vgpu binary: the tonic/prost code generated from
 //! `proto/vgpu/v1/vgpu.proto`, plus the input rules that every entry point applies the same way
-//! (size strings, names, placement-request validation, configuration files with environment
+//! (size strings, CPU amounts, names, placement-request validation, configuration files with environment
 //! overrides), the stable error codes that cross the gRPC boundary, the call metadata agents and
 //! the control plane exchange (`metadata`: the node key and the registration number), and
 //! transport security (`tls`: mutual TLS, roles, `--insecure`; `pki`: the cluster CA,
@@ -11,6 +11,7 @@
 
 pub mod codes;
 pub mod config;
+pub mod cpu;
 pub mod metadata;
 pub mod names;
 pub mod pki;

@@ -28,6 +28,13 @@ pub const BANDWIDTH_WEIGHT_MAX: u32 = 1_000_000;
 pub const LATENCY_TARGET_US_MIN: u64 = tenant_abi::env::LATENCY_TARGET_US_MIN;
 /// Longest latency target, in µs (60 s).
 pub const LATENCY_TARGET_US_MAX: u64 = tenant_abi::env::LATENCY_TARGET_US_MAX;
+/// Most CPU a request asks per node, or a node reports, in millicores (16,384 CPUs: more than
+/// the largest single machines have): totals over thousands of nodes stay far from overflowing.
+pub const CPU_MILLI_MAX: u64 = 16_384 * crate::cpu::MILLI_PER_CPU;
+/// Most host memory a request asks per node, or a node reports (256 TiB).
+pub const HOST_MEMORY_BYTES_MAX: u64 = 1 << 48;
+/// Most GPU models one request allows.
+pub const GPU_MODELS_MAX: usize = 16;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestError {
@@ -77,6 +84,26 @@ pub enum RequestError {
     LatencyTargetOutOfRange(u64),
     #[error("say what to change: `--compute PCT`, `--latency-target DURATION` or `--priority P`")]
     NothingToChange,
+    #[error(
+        "{} CPUs per node is more than any node has (the limit is {}); give CPUs such as `--cpu 8`",
+        crate::cpu::format_cpu_milli(*.0),
+        crate::cpu::format_cpu_milli(CPU_MILLI_MAX)
+    )]
+    CpuOutOfRange(u64),
+    #[error(
+        "{} of host memory per node is more than any node has (the limit is {}); give a size such as `--host-memory 64GiB`",
+        crate::size::format_bytes(*.0),
+        crate::size::format_bytes(HOST_MEMORY_BYTES_MAX)
+    )]
+    HostMemoryOutOfRange(u64),
+    #[error("the request allows {0} GPU models; the limit is {GPU_MODELS_MAX}")]
+    TooManyGpuModels(usize),
+    #[error(
+        "the GPU model `{0}` is empty or longer than {GPU_TEXT_MAX} characters; give a model as `vgpuctl get gpus` shows it, e.g. `--gpu-model H100-80GB`"
+    )]
+    BadGpuModel(String),
+    #[error("the GPU model `{0}` is listed twice; list each model once")]
+    RepeatedGpuModel(String),
 }
 
 /// Validates the fields of a placement request on their own (not whether the pool can hold it).
@@ -122,10 +149,11 @@ pub fn validate_request(request: &PlacementRequest) -> Result<(), RequestError> 
 
 /// What a new request must satisfy before it is proposed: [`validate_request`], plus the bounds
 /// added after requests were first logged (memory per GPU, selector values, owner length, the
-/// latency target).
+/// latency target, the whole-node constraints).
 pub fn admit_request(request: &PlacementRequest) -> Result<(), RequestError> {
     validate_request(request)?;
     check_latency_target(request.latency, request.latency_target_us)?;
+    check_constraints(request)?;
     if request.memory_bytes_per_gpu > GPU_MEMORY_BYTES_MAX {
         return Err(RequestError::MemoryOutOfRange(request.memory_bytes_per_gpu));
     }
@@ -138,6 +166,32 @@ pub fn admit_request(request: &PlacementRequest) -> Result<(), RequestError> {
         .find(|(_, v)| v.len() > SELECTOR_TEXT_MAX)
     {
         return Err(RequestError::BadSelectorValue(key.clone()));
+    }
+    Ok(())
+}
+
+/// The whole-node constraints of a request (issue 19): CPU and host memory per node within what
+/// a node can report, and a short list of distinct, non-empty GPU model names.
+pub fn check_constraints(request: &PlacementRequest) -> Result<(), RequestError> {
+    if request.cpu_milli > CPU_MILLI_MAX {
+        return Err(RequestError::CpuOutOfRange(request.cpu_milli));
+    }
+    if request.host_memory_bytes > HOST_MEMORY_BYTES_MAX {
+        return Err(RequestError::HostMemoryOutOfRange(
+            request.host_memory_bytes,
+        ));
+    }
+    if request.gpu_models.len() > GPU_MODELS_MAX {
+        return Err(RequestError::TooManyGpuModels(request.gpu_models.len()));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for model in &request.gpu_models {
+        if model.is_empty() || model.len() > GPU_TEXT_MAX {
+            return Err(RequestError::BadGpuModel(excerpt(model, 32)));
+        }
+        if !seen.insert(model.as_str()) {
+            return Err(RequestError::RepeatedGpuModel(model.clone()));
+        }
     }
     Ok(())
 }
@@ -243,6 +297,14 @@ pub enum NodeError {
         "GPU {index} lists {count} NVLink peers; a GPU has at most {NODE_GPUS_MAX} peers, each listed once with at most {NVLINK_LINKS_MAX} links"
     )]
     BadNvlinkPeers { index: u32, count: usize },
+    #[error(
+        "the node reports {0} millicores of CPU; the limit is {CPU_MILLI_MAX} (check the agent's CPU count and --reserved-cpu)"
+    )]
+    CpuOutOfRange(u64),
+    #[error(
+        "the node reports {0} bytes of host memory; the limit is {HOST_MEMORY_BYTES_MAX} (check the agent's memory and --reserved-host-memory)"
+    )]
+    HostMemoryOutOfRange(u64),
 }
 
 /// What a registering node must satisfy before its registration is proposed: every string and
@@ -269,6 +331,12 @@ pub fn admit_node(node: Option<&crate::v1::Node>) -> Result<(), NodeError> {
     }
     if node.gpus.len() > NODE_GPUS_MAX {
         return Err(NodeError::TooManyGpus(node.gpus.len()));
+    }
+    if node.cpu_milli > CPU_MILLI_MAX {
+        return Err(NodeError::CpuOutOfRange(node.cpu_milli));
+    }
+    if node.host_memory_bytes > HOST_MEMORY_BYTES_MAX {
+        return Err(NodeError::HostMemoryOutOfRange(node.host_memory_bytes));
     }
     for gpu in &node.gpus {
         let texts = [
@@ -455,6 +523,77 @@ mod tests {
         }
     }
 
+    /// Issue 19: CPU, host memory and GPU models are bounded on admission only (a logged request
+    /// keeps its meaning).
+    #[test]
+    fn whole_node_constraints_are_bounded_on_admission() {
+        let constrained = PlacementRequest {
+            cpu_milli: 8_000,
+            host_memory_bytes: 64 << 30,
+            gpu_models: vec!["H100-80GB".into(), "A100-80GB".into()],
+            ..whole(1)
+        };
+        assert_eq!(admit_request(&constrained), Ok(()));
+        let at_most = PlacementRequest {
+            cpu_milli: CPU_MILLI_MAX,
+            host_memory_bytes: HOST_MEMORY_BYTES_MAX,
+            gpu_models: (0..GPU_MODELS_MAX).map(|i| format!("m{i}")).collect(),
+            ..whole(1)
+        };
+        assert_eq!(admit_request(&at_most), Ok(()));
+        let cases = [
+            (
+                PlacementRequest {
+                    cpu_milli: CPU_MILLI_MAX + 1,
+                    ..whole(1)
+                },
+                RequestError::CpuOutOfRange(CPU_MILLI_MAX + 1),
+            ),
+            (
+                PlacementRequest {
+                    host_memory_bytes: HOST_MEMORY_BYTES_MAX + 1,
+                    ..whole(1)
+                },
+                RequestError::HostMemoryOutOfRange(HOST_MEMORY_BYTES_MAX + 1),
+            ),
+            (
+                PlacementRequest {
+                    gpu_models: (0..=GPU_MODELS_MAX).map(|i| format!("m{i}")).collect(),
+                    ..whole(1)
+                },
+                RequestError::TooManyGpuModels(GPU_MODELS_MAX + 1),
+            ),
+            (
+                PlacementRequest {
+                    gpu_models: vec![String::new()],
+                    ..whole(1)
+                },
+                RequestError::BadGpuModel(String::new()),
+            ),
+            (
+                PlacementRequest {
+                    gpu_models: vec!["x".repeat(GPU_TEXT_MAX + 1)],
+                    ..whole(1)
+                },
+                RequestError::BadGpuModel(format!("{}...", "x".repeat(32))),
+            ),
+            (
+                PlacementRequest {
+                    gpu_models: vec!["H100".into(), "H100".into()],
+                    ..whole(1)
+                },
+                RequestError::RepeatedGpuModel("H100".into()),
+            ),
+        ];
+        for (request, error) in cases {
+            assert_eq!(admit_request(&request), Err(error.clone()));
+            assert!(error.to_string().len() < 300, "{error}");
+            assert_eq!(validate_request(&request), Ok(()), "{error}: log rule");
+        }
+        let message = RequestError::CpuOutOfRange(20_000_000).to_string();
+        assert!(message.contains("20000 CPUs"), "{message}");
+    }
+
     #[test]
     fn a_change_names_something_to_change_within_bounds() {
         let change = |compute_percent, priority, latency_target_us| SetTenantRequest {
@@ -556,6 +695,12 @@ mod tests {
     #[test]
     fn an_ordinary_registration_is_admitted() {
         assert_eq!(admit_node(Some(&registered())), Ok(()));
+        let host = crate::v1::Node {
+            cpu_milli: 96_000,
+            host_memory_bytes: 2 << 40,
+            ..registered()
+        };
+        assert_eq!(admit_node(Some(&host)), Ok(()));
         assert_eq!(admit_node(None), Err(NodeError::Missing));
     }
 
@@ -616,6 +761,11 @@ mod tests {
             (
                 "size",
                 Box::new(move |n| n.gpus[6].tenants = vec![long(1000); 300]),
+            ),
+            ("cpu", Box::new(|n| n.cpu_milli = CPU_MILLI_MAX + 1)),
+            (
+                "host memory",
+                Box::new(|n| n.host_memory_bytes = HOST_MEMORY_BYTES_MAX + 1),
             ),
         ];
         for (what, change) in cases {

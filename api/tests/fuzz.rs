@@ -135,6 +135,20 @@ fn check_size(text: String) {
     }
 }
 
+/// A CPU amount read is printed back to the same millicores; a refusal says what to write.
+fn check_cpu(text: String) {
+    match api::cpu::parse_cpu_milli(&text) {
+        Ok(milli) => {
+            let shown = api::cpu::format_cpu_milli(milli);
+            assert_eq!(api::cpu::parse_cpu_milli(&shown), Ok(milli), "`{text}`");
+        }
+        Err(error) => {
+            let message = error.to_string();
+            assert!(fuzz::explains(&message) && message.len() < 300, "{message}");
+        }
+    }
+}
+
 fn check_name(name: String) {
     match api::names::validate("tenant", &name) {
         Ok(()) => assert!(is_dns_label(&name), "`{name}` was accepted"),
@@ -175,6 +189,19 @@ fn request_is_valid(request: &PlacementRequest) -> bool {
         && request.owner.len() <= 253
         && (request.latency_target_us == 0
             || (request.latency && (10..=60_000_000).contains(&request.latency_target_us)))
+        && request.cpu_milli <= 16_384_000
+        && request.host_memory_bytes <= 1 << 48
+        && request.gpu_models.len() <= 16
+        && request
+            .gpu_models
+            .iter()
+            .all(|model| !model.is_empty() && model.len() <= 128)
+        && request
+            .gpu_models
+            .iter()
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+            == request.gpu_models.len()
 }
 
 fn check_request(request: PlacementRequest) {
@@ -268,12 +295,26 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
                 any::<u64>(),
             ],
         ),
+        (
+            prop_oneof![Just(0u64), Just(16_384_000), Just(16_384_001), any::<u64>()],
+            prop_oneof![Just(0u64), Just(1 << 48), Just((1 << 48) + 1), any::<u64>()],
+            proptest::collection::vec(
+                prop_oneof![
+                    Just("H100-80GB".to_owned()),
+                    Just(String::new()),
+                    Just("m".repeat(129)),
+                    fuzz::any_text(),
+                ],
+                0..18,
+            ),
+        ),
     )
         .prop_map(
             |(
                 (whole_gpus, milli_gpus, memory_bytes_per_gpu, compute_percent, burst),
                 (priority, preemptible, nvlink, nodes),
                 (node_selector, owner, bandwidth_weight, latency, latency_target_us),
+                (cpu_milli, host_memory_bytes, gpu_models),
             )| PlacementRequest {
                 whole_gpus,
                 milli_gpus,
@@ -289,6 +330,9 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
                 bandwidth_weight,
                 latency,
                 latency_target_us,
+                cpu_milli,
+                host_memory_bytes,
+                gpu_models,
             },
         )
 }
@@ -387,6 +431,8 @@ fn check_node(node: api::v1::Node) {
             assert!(node.address.len() <= NODE_ADDRESS_TEXT_MAX);
             assert!(node.labels.len() <= NODE_LABELS_MAX);
             assert!(node.gpus.len() <= NODE_GPUS_MAX);
+            assert!(node.cpu_milli <= CPU_MILLI_MAX);
+            assert!(node.host_memory_bytes <= HOST_MEMORY_BYTES_MAX);
             for gpu in &node.gpus {
                 assert!(gpu.uuid.len() <= GPU_TEXT_MAX && gpu.model.len() <= GPU_TEXT_MAX);
                 assert!(gpu.pci_bus_id.len() <= PCI_BUS_ID_TEXT_MAX);
@@ -427,14 +473,20 @@ fn registration() -> impl Strategy<Value = api::v1::Node> {
         text(),
         proptest::collection::btree_map(text(), text(), 0..70),
         proptest::collection::vec(gpu, 0..70),
+        prop_oneof![Just(0u64), Just(16_384_001), any::<u64>()],
+        prop_oneof![Just(0u64), Just((1 << 48) + 1), any::<u64>()],
     )
-        .prop_map(|(address, labels, gpus)| api::v1::Node {
-            name: "node-a".into(),
-            address,
-            labels: labels.into_iter().collect(),
-            gpus,
-            ..Default::default()
-        })
+        .prop_map(
+            |(address, labels, gpus, cpu_milli, host_memory_bytes)| api::v1::Node {
+                name: "node-a".into(),
+                address,
+                labels: labels.into_iter().collect(),
+                gpus,
+                cpu_milli,
+                host_memory_bytes,
+                ..Default::default()
+            },
+        )
 }
 
 fn check_error_code(message: String) {
@@ -453,6 +505,11 @@ proptest! {
     #[test]
     fn size_strings(text in fuzz::hostile(size_examples())) {
         fuzz::bounded(text, check_size);
+    }
+
+    #[test]
+    fn cpu_amounts(text in fuzz::hostile(["8", "2.5", "0.125", "500m", "0", ".5"].map(String::from).to_vec())) {
+        fuzz::bounded(text, check_cpu);
     }
 
     #[test]

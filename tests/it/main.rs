@@ -9,6 +9,7 @@ mod t22_node_identity;
 mod t22_owner_priority;
 mod t22_round_two;
 mod t30_cluster;
+mod t32_whole_node;
 mod t40_agent_loss;
 mod t50_security;
 mod t60_usage;

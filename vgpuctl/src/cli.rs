@@ -249,6 +249,20 @@ pub struct PlaceArgs {
     #[arg(long, visible_alias = "node-selector", value_parser = parse_selector, value_name = "K=V,...")]
     pub selector: Vec<BTreeMap<String, String>>,
 
+    /// CPU the tenant needs on each node it is placed on (`8`, `2.5`, `500m`): only nodes whose
+    /// agents report that much not yet requested qualify. Default: none.
+    #[arg(long, value_parser = parse_cpu, allow_hyphen_values = true, value_name = "CPUS")]
+    pub cpu: Option<u64>,
+
+    /// Host memory (RAM) the tenant needs on each node it is placed on (`64GiB`). Default: none.
+    #[arg(long, value_parser = parse_memory, allow_hyphen_values = true, value_name = "SIZE")]
+    pub host_memory: Option<u64>,
+
+    /// Only GPUs of this model, as `vgpuctl get gpus` shows it (`H100-80GB`); repeat the flag to
+    /// allow several models. Default: any model.
+    #[arg(long = "gpu-model", value_parser = parse_gpu_model, value_name = "MODEL")]
+    pub gpu_models: Vec<String>,
+
     /// Return as soon as the control plane accepted the tenant, placed or pending.
     #[arg(long)]
     pub no_wait: bool,
@@ -554,6 +568,30 @@ pub fn parse_latency_target_setting(text: &str) -> Result<u64, String> {
         _ => parse_latency_target(text)
             .map_err(|problem| format!("{problem}, or `default` to remove the target")),
     }
+}
+
+/// Parses `--cpu` with [`api::cpu::parse_cpu_milli`]: CPUs or millicores, more than zero.
+pub fn parse_cpu(text: &str) -> Result<u64, String> {
+    let milli = api::cpu::parse_cpu_milli(text).map_err(|error| error.to_string())?;
+    if milli == 0 {
+        return Err(format!(
+            "the CPU amount `{}` is zero; leave out --cpu to ask for none, or give CPUs such as `--cpu 8`",
+            text.trim()
+        ));
+    }
+    Ok(milli)
+}
+
+/// Parses `--gpu-model`: a model name as the GPUs report it, not empty.
+pub fn parse_gpu_model(text: &str) -> Result<String, String> {
+    let model = text.trim();
+    if model.is_empty() {
+        return Err(
+            "the GPU model is empty; give a model as `vgpuctl get gpus` shows it, e.g. `--gpu-model H100-80GB`"
+                .to_owned(),
+        );
+    }
+    Ok(model.to_owned())
 }
 
 pub fn parse_priority(text: &str) -> Result<i32, String> {
@@ -1009,6 +1047,47 @@ mod tests {
         assert_eq!(place.priority, -10);
         assert!(place.burst && place.preemptible && place.nvlink && place.no_wait);
         assert_eq!(place.wait_timeout, 30);
+    }
+
+    #[test]
+    fn place_takes_cpu_host_memory_and_gpu_models() {
+        let cli = parse(&[
+            "place",
+            "train",
+            "--gpus",
+            "2",
+            "--cpu",
+            "8",
+            "--host-memory",
+            "64GiB",
+            "--gpu-model",
+            "H100-80GB",
+            "--gpu-model",
+            "A100-80GB",
+        ])
+        .unwrap();
+        let Command::Place(place) = cli.command else {
+            panic!("expected place")
+        };
+        assert_eq!(place.cpu, Some(8_000));
+        assert_eq!(place.host_memory, Some(64 << 30));
+        assert_eq!(place.gpu_models, vec!["H100-80GB", "A100-80GB"]);
+        let millicores = parse(&["place", "t", "--gpus", "1", "--cpu", "500m"]).unwrap();
+        let Command::Place(place) = millicores.command else {
+            panic!("expected place")
+        };
+        assert_eq!(place.cpu, Some(500));
+        for (flag, value, says) in [
+            ("--cpu", "-2", "negative"),
+            ("--cpu", "0", "leave out --cpu"),
+            ("--cpu", "eight", "cannot read the CPU amount"),
+            ("--cpu", "1.2345", "thousandths"),
+            ("--host-memory", "lots", "20GiB"),
+            ("--gpu-model", " ", "H100-80GB"),
+        ] {
+            let error = error_of(&["place", "t", "--gpus", "1", flag, value]);
+            assert!(error.contains(says), "{flag} {value}: {error}");
+        }
     }
 
     #[test]

@@ -142,6 +142,17 @@ pub fn placement_request(args: &PlaceArgs) -> Result<PlacementRequest, UsageErro
         bandwidth_weight: args.bandwidth.unwrap_or(0),
         latency: args.latency,
         latency_target_us: args.latency_target.unwrap_or(0),
+        cpu_milli: args.cpu.unwrap_or(0),
+        host_memory_bytes: args.host_memory.unwrap_or(0),
+        // Sorted and once each, so that placing again with the flags in another order is the
+        // same request (placing is idempotent only for an identical one).
+        gpu_models: args
+            .gpu_models
+            .iter()
+            .cloned()
+            .collect::<std::collections::BTreeSet<String>>()
+            .into_iter()
+            .collect(),
     };
     api::validate::admit_request(&request).map_err(|error| UsageError(error.to_string()))?;
     Ok(request)
@@ -169,6 +180,9 @@ async fn place(args: &PlaceArgs, session: &Session, out: &mut dyn Write) -> anyh
     let mut tenant = response
         .tenant
         .context("the control plane accepted the tenant but sent it back empty; check with `vgpuctl get tenants`")?;
+    if let Some(warning) = dropped_constraints(&request, tenant.request.as_ref()) {
+        eprintln!("warning: {warning}");
+    }
     let wait = if args.no_wait {
         Duration::ZERO
     } else {
@@ -209,6 +223,34 @@ async fn place(args: &PlaceArgs, session: &Session, out: &mut dyn Write) -> anyh
         }
     }
     Ok(())
+}
+
+/// What the control plane dropped of the whole-node constraints `sent` (`--cpu`,
+/// `--host-memory`, `--gpu-model`), judging by the request it `kept`: a member of an earlier
+/// version does not know these fields and places without them. `None` when nothing was dropped
+/// (or the tenant existed already with another request, which the answer says itself).
+pub fn dropped_constraints(
+    sent: &PlacementRequest,
+    kept: Option<&PlacementRequest>,
+) -> Option<String> {
+    let kept = kept?;
+    let mut dropped = Vec::new();
+    if sent.cpu_milli > 0 && kept.cpu_milli == 0 {
+        dropped.push("--cpu");
+    }
+    if sent.host_memory_bytes > 0 && kept.host_memory_bytes == 0 {
+        dropped.push("--host-memory");
+    }
+    if !sent.gpu_models.is_empty() && kept.gpu_models.is_empty() {
+        dropped.push("--gpu-model");
+    }
+    if dropped.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "the control plane placed the tenant without {}: its members run an earlier version that does not know them. Release the tenant (`vgpuctl release NAME`), upgrade every member, and place it again",
+        dropped.join(", ")
+    ))
 }
 
 /// The API request for `set tenant` flags, checked with [`api::validate::validate_change`].
@@ -643,6 +685,51 @@ mod tests {
     use crate::Cli;
     use crate::endpoints::{CallError, EndpointsConfig};
     use crate::fake::{self, Mode, State};
+
+    /// Issue 19: flags are sorted and once each in the request, and a control plane that drops
+    /// them (an earlier version) is noticed.
+    #[test]
+    fn constraints_reach_the_request_and_dropped_ones_are_noticed() {
+        let cli = Cli::try_parse_from([
+            "vgpuctl",
+            "place",
+            "t",
+            "--gpus",
+            "1",
+            "--cpu",
+            "8",
+            "--gpu-model",
+            "H100-80GB",
+            "--gpu-model",
+            "A100-80GB",
+            "--gpu-model",
+            "H100-80GB",
+        ])
+        .unwrap();
+        let crate::cli::Command::Place(args) = cli.command else {
+            panic!("expected place")
+        };
+        let request = placement_request(&args).unwrap();
+        assert_eq!(request.cpu_milli, 8_000);
+        assert_eq!(request.gpu_models, vec!["A100-80GB", "H100-80GB"]);
+        assert_eq!(dropped_constraints(&request, Some(&request)), None);
+        assert_eq!(dropped_constraints(&request, None), None);
+        let older = PlacementRequest {
+            whole_gpus: 1,
+            ..Default::default()
+        };
+        let warning = dropped_constraints(&request, Some(&older)).unwrap();
+        assert!(
+            warning.contains("--cpu, --gpu-model") && warning.contains("upgrade every member"),
+            "{warning}"
+        );
+        let too_many = PlaceArgs {
+            cpu: Some(api::validate::CPU_MILLI_MAX + 1),
+            ..args
+        };
+        let error = placement_request(&too_many).unwrap_err().0;
+        assert!(error.contains("--cpu 8"), "{error}");
+    }
 
     /// Runs a command line against `addresses` and returns its outcome and stdout.
     async fn run_against(

@@ -84,6 +84,22 @@ pub fn tenant_text(tenant: &TenantView, now_unix_ms: i64) -> String {
         };
         field(&mut text, 2, "Latency target", target);
     }
+    let cpu = match request.cpu_milli {
+        0 => "<none>".to_owned(),
+        milli => format!("{} per node", api::cpu::format_cpu_milli(milli)),
+    };
+    field(&mut text, 2, "CPU", cpu);
+    let host_memory = match request.host_memory_bytes {
+        0 => "<none>".to_owned(),
+        bytes => format!("{} per node", format_bytes(bytes)),
+    };
+    field(&mut text, 2, "Host memory", host_memory);
+    let models = if request.gpu_models.is_empty() {
+        "any".to_owned()
+    } else {
+        request.gpu_models.join(", ")
+    };
+    field(&mut text, 2, "GPU models", models);
 
     text.push_str("Placement:\n");
     if tenant.slices.is_empty() {
@@ -340,6 +356,24 @@ pub fn node_text(node: &NodeView, tenants: &[TenantView], now_unix_ms: i64) -> S
             format_bytes(memory_total)
         ),
     );
+    let cpu = match node.cpu_milli {
+        0 => "not reported (unbounded)".to_owned(),
+        total => format!(
+            "{}/{} requested",
+            api::cpu::format_cpu_milli(node.cpu_milli_allocated),
+            api::cpu::format_cpu_milli(total)
+        ),
+    };
+    field(&mut text, 0, "CPU", cpu);
+    let host_memory = match node.host_memory_bytes {
+        0 => "not reported (unbounded)".to_owned(),
+        total => format!(
+            "{}/{} requested",
+            format_bytes(node.host_memory_allocated_bytes),
+            format_bytes(total)
+        ),
+    };
+    field(&mut text, 0, "Host memory", host_memory);
     field(&mut text, 0, "GPUs", node.gpus.len());
     for gpu in &node.gpus {
         writeln!(text, "  GPU {}:", gpu.index).expect("writing to a String");
@@ -478,6 +512,22 @@ mod tests {
         );
         assert!(text.contains("  Memory/GPU:     20GiB\n"), "{text}");
         assert!(text.contains("  Node selector:  zone=a\n"), "{text}");
+        assert!(text.contains("  CPU:            <none>\n"), "{text}");
+        assert!(text.contains("  GPU models:     any\n"), "{text}");
+        let mut constrained = TenantView::from(&samples::placed_tenant());
+        constrained.request.cpu_milli = 8_000;
+        constrained.request.host_memory_bytes = 64 << 30;
+        constrained.request.gpu_models = vec!["A100-80GB".into(), "H100-80GB".into()];
+        let text = tenant_text(&constrained, 1_700_000_012_000);
+        assert!(text.contains("  CPU:            8 per node\n"), "{text}");
+        assert!(
+            text.contains("  Host memory:    64GiB per node\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  GPU models:     A100-80GB, H100-80GB\n"),
+            "{text}"
+        );
         assert!(
             text.contains("node-a   3     GPU-0003   25%       20GiB    yes          yes"),
             "{text}"
@@ -612,6 +662,10 @@ mod tests {
         assert!(text.contains("Labels:           zone=a\n"), "{text}");
         assert!(text.contains("(1s ago)"), "{text}");
         assert!(
+            text.contains("CPU:              not reported (unbounded)\n"),
+            "{text}"
+        );
+        assert!(
             text.contains("    NVLink peers: GPU 1 (18 links)\n"),
             "{text}"
         );
@@ -620,5 +674,19 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("    NUMA node:    0\n"), "{text}");
+        let mut reported = node.clone();
+        reported.cpu_milli = 96_000;
+        reported.cpu_milli_allocated = 8_500;
+        reported.host_memory_bytes = 1 << 40;
+        reported.host_memory_allocated_bytes = 64 << 30;
+        let text = node_text(&reported, &[], node.last_heartbeat_unix_ms);
+        assert!(
+            text.contains("CPU:              8.5/96 requested\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("Host memory:      64GiB/1TiB requested\n"),
+            "{text}"
+        );
     }
 }

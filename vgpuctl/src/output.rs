@@ -114,7 +114,8 @@ pub fn tenants_table(tenants: &[TenantView]) -> Table {
     table
 }
 
-/// `NAME STATE GPUS ALLOCATED-COMPUTE ALLOCATED-MEMORY LAST-HEARTBEAT`.
+/// `NAME STATE GPUS ALLOCATED-COMPUTE ALLOCATED-MEMORY ALLOCATED-CPU LAST-HEARTBEAT`; the CPU is
+/// `-` for a node whose agent reports none (unbounded).
 pub fn nodes_table(nodes: &[NodeView], now_unix_ms: i64) -> Table {
     let mut table = Table::new(&[
         "NAME",
@@ -122,6 +123,7 @@ pub fn nodes_table(nodes: &[NodeView], now_unix_ms: i64) -> Table {
         "GPUS",
         "ALLOCATED-COMPUTE",
         "ALLOCATED-MEMORY",
+        "ALLOCATED-CPU",
         "LAST-HEARTBEAT",
     ]);
     for node in nodes {
@@ -138,6 +140,14 @@ pub fn nodes_table(nodes: &[NodeView], now_unix_ms: i64) -> Table {
             node.gpus.len().to_string(),
             format!("{compute}%/{}%", node.gpus.len() * 100),
             format!("{}/{}", format_bytes(memory), format_bytes(memory_total)),
+            match node.cpu_milli {
+                0 => NONE.to_owned(),
+                total => format!(
+                    "{}/{}",
+                    api::cpu::format_cpu_milli(node.cpu_milli_allocated),
+                    api::cpu::format_cpu_milli(total)
+                ),
+            },
             age(node.last_heartbeat_unix_ms, now_unix_ms),
         ]);
     }
@@ -470,8 +480,18 @@ mod tests {
         let text = nodes_table(std::slice::from_ref(&node), now).render();
         assert_eq!(
             text,
-            "NAME     STATE   GPUS   ALLOCATED-COMPUTE   ALLOCATED-MEMORY   LAST-HEARTBEAT\n\
-             node-a   ready   2      25%/200%            20GiB/160GiB       3s ago\n"
+            "NAME     STATE   GPUS   ALLOCATED-COMPUTE   ALLOCATED-MEMORY   ALLOCATED-CPU   LAST-HEARTBEAT\n\
+             node-a   ready   2      25%/200%            20GiB/160GiB       -               3s ago\n"
+        );
+        let reported = NodeView {
+            cpu_milli: 64_000,
+            cpu_milli_allocated: 8_000,
+            ..node.clone()
+        };
+        let text = nodes_table(std::slice::from_ref(&reported), now).render();
+        assert!(
+            text.contains("20GiB/160GiB       8/64            3s ago"),
+            "{text}"
         );
         let text = gpus_table(&node.gpus).render();
         let lines: Vec<&str> = text.lines().collect();

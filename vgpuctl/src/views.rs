@@ -136,6 +136,15 @@ pub struct RequestView {
     /// alone, as the node measures it).
     #[serde(default)]
     pub latency_target_us: u64,
+    /// CPU needed on each node of the placement, in millicores; 0 = none.
+    #[serde(default)]
+    pub cpu_milli: u64,
+    /// Host memory needed on each node of the placement; 0 = none.
+    #[serde(default)]
+    pub host_memory_bytes: u64,
+    /// GPU models allowed; empty = any.
+    #[serde(default)]
+    pub gpu_models: Vec<String>,
 }
 
 /// One entry of a tenant's history.
@@ -157,6 +166,18 @@ pub struct NodeView {
     /// 0 when no heartbeat was seen yet.
     pub last_heartbeat_unix_ms: i64,
     pub gpus: Vec<GpuView>,
+    /// CPU for tenants as the node's agent reports it, in millicores; 0 = not reported
+    /// (unbounded).
+    #[serde(default)]
+    pub cpu_milli: u64,
+    /// Host memory for tenants as the agent reports it; 0 = not reported (unbounded).
+    #[serde(default)]
+    pub host_memory_bytes: u64,
+    /// What placed tenants' requests take of them.
+    #[serde(default)]
+    pub cpu_milli_allocated: u64,
+    #[serde(default)]
+    pub host_memory_allocated_bytes: u64,
 }
 
 /// One GPU with its topology and allocation; `vgpuctl get gpus -o json` prints an array of these.
@@ -342,6 +363,9 @@ impl From<&PlacementRequest> for RequestView {
             bandwidth_weight: request.bandwidth_weight,
             latency: request.latency,
             latency_target_us: request.latency_target_us,
+            cpu_milli: request.cpu_milli,
+            host_memory_bytes: request.host_memory_bytes,
+            gpu_models: request.gpu_models.clone(),
             node_selector: request
                 .node_selector
                 .iter()
@@ -378,6 +402,10 @@ impl From<&Node> for NodeView {
                 .iter()
                 .map(|gpu| GpuView::of(gpu, &node.name))
                 .collect(),
+            cpu_milli: node.cpu_milli,
+            host_memory_bytes: node.host_memory_bytes,
+            cpu_milli_allocated: node.cpu_milli_allocated,
+            host_memory_allocated_bytes: node.host_memory_allocated_bytes,
         }
     }
 }
@@ -575,6 +603,7 @@ pub(crate) mod samples {
                     health: None,
                 })
                 .collect(),
+            ..Default::default()
         }
     }
 
@@ -651,6 +680,9 @@ mod tests {
                 "bandwidth_weight",
                 "burst",
                 "compute_percent",
+                "cpu_milli",
+                "gpu_models",
+                "host_memory_bytes",
                 "latency",
                 "latency_target_us",
                 "memory_bytes_per_gpu",
@@ -739,7 +771,11 @@ mod tests {
             keys(&json),
             [
                 "address",
+                "cpu_milli",
+                "cpu_milli_allocated",
                 "gpus",
+                "host_memory_allocated_bytes",
+                "host_memory_bytes",
                 "labels",
                 "last_heartbeat_unix_ms",
                 "name",

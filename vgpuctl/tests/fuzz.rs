@@ -46,6 +46,9 @@ fn value_examples() -> Vec<String> {
         "9us",
         "1.0000005ms",
         "default",
+        "2.5",
+        "500m",
+        "H100-80GB",
     ]
     .map(String::from)
     .to_vec()
@@ -65,6 +68,18 @@ fn check_values(text: String) {
     }
     match cli::parse_compute(&text) {
         Ok(percent) => assert!((1..=100).contains(&percent)),
+        Err(problem) => explained(&problem),
+    }
+    match cli::parse_cpu(&text) {
+        Ok(milli) => {
+            assert!(milli > 0, "`{text}`");
+            let shown = api::cpu::format_cpu_milli(milli);
+            assert_eq!(api::cpu::parse_cpu_milli(&shown), Ok(milli), "`{text}`");
+        }
+        Err(problem) => explained(&problem),
+    }
+    match cli::parse_gpu_model(&text) {
+        Ok(model) => assert!(!model.is_empty() && model == model.trim(), "`{text}`"),
         Err(problem) => explained(&problem),
     }
     match cli::parse_bandwidth(&text) {

@@ -9,7 +9,9 @@
 
 use api::ErrorCode;
 use api::v1;
-use placement::{Engine, EngineConfig, Event, NodeSpec, SliceAssignment};
+use placement::{
+    Constraints, Engine, EngineConfig, Event, HostCapacity, NodeSpec, SliceAssignment,
+};
 use prost::Message;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -116,6 +118,28 @@ pub enum Command {
         spec: NodeSpec,
         address: String,
         key_sha256: String,
+        unix_ms: i64,
+    },
+    /// A registration that reports the node's host capacity (CPU, host memory: issue 19), keyed
+    /// (`RegisterKeyedNode`) or not (`RegisterNode`). Proposed only when the agent reported some
+    /// host capacity, so that agents of earlier versions keep producing the entries older
+    /// members read. (Appended last, like `RegisterKeyedNode`: a member of an older version
+    /// cannot read it; run agents that report host capacity only once every member knows it.)
+    RegisterHostNode {
+        spec: NodeSpec,
+        host: HostCapacity,
+        address: String,
+        key_sha256: Option<String>,
+        unix_ms: i64,
+    },
+    /// `Place` of a request with whole-node constraints (`cpu_milli`, `host_memory_bytes`,
+    /// `gpu_models`: issue 19). Applied exactly as `Place`, which reads the constraints from the
+    /// request; its own variant only so that a member of an older version, which would ignore
+    /// the request's new fields and place differently, stops at the entry instead of diverging.
+    /// (Appended last, like `RegisterHostNode`.)
+    PlaceConstrained {
+        name: String,
+        request: Vec<u8>,
         unix_ms: i64,
     },
 }
@@ -372,13 +396,44 @@ impl PoolState {
                 spec,
                 address,
                 unix_ms,
-            } => self.register_node(index, seq, spec, address, None, unix_ms),
+            } => {
+                let registration = Registration {
+                    spec,
+                    host: HostCapacity::default(),
+                    address,
+                    key_sha256: None,
+                };
+                self.register_node(index, seq, registration, unix_ms)
+            }
             Command::RegisterKeyedNode {
                 spec,
                 address,
                 key_sha256,
                 unix_ms,
-            } => self.register_node(index, seq, spec, address, Some(key_sha256), unix_ms),
+            } => {
+                let registration = Registration {
+                    spec,
+                    host: HostCapacity::default(),
+                    address,
+                    key_sha256: Some(key_sha256),
+                };
+                self.register_node(index, seq, registration, unix_ms)
+            }
+            Command::RegisterHostNode {
+                spec,
+                host,
+                address,
+                key_sha256,
+                unix_ms,
+            } => {
+                let registration = Registration {
+                    spec,
+                    host,
+                    address,
+                    key_sha256,
+                };
+                self.register_node(index, seq, registration, unix_ms)
+            }
             Command::SetNodeState {
                 node,
                 state,
@@ -386,6 +441,11 @@ impl PoolState {
                 unix_ms,
             } => self.set_node_state(index, node, state, reason, unix_ms),
             Command::Place {
+                name,
+                request,
+                unix_ms,
+            }
+            | Command::PlaceConstrained {
                 name,
                 request,
                 unix_ms,
@@ -429,7 +489,8 @@ impl PoolState {
     /// Whether `owner` may apply `command` (see `Command::AsOwner`).
     fn check_owner(&self, owner: &str, command: &Command) -> Result<(), CommandResult> {
         let name = match command {
-            Command::Place { name, request, .. } => {
+            Command::Place { name, request, .. }
+            | Command::PlaceConstrained { name, request, .. } => {
                 let asked = v1::PlacementRequest::decode(request.as_slice())
                     .map(|request| request.owner)
                     .unwrap_or_default();
@@ -528,12 +589,19 @@ impl PoolState {
         &mut self,
         index: u64,
         seq: u64,
-        spec: NodeSpec,
-        address: String,
-        key_sha256: Option<String>,
+        registration: Registration,
         unix_ms: i64,
     ) -> CommandResult {
+        let Registration {
+            spec,
+            host,
+            address,
+            key_sha256,
+        } = registration;
         if let Err(message) = validate_node_spec(&spec) {
+            return failed(ErrorCode::InvalidArgument, message);
+        }
+        if let Err(message) = validate_host_capacity(&spec.name, &host) {
             return failed(ErrorCode::InvalidArgument, message);
         }
         if let Some(key) = &key_sha256
@@ -550,9 +618,14 @@ impl PoolState {
         {
             return failed(ErrorCode::NodeNameTaken, name_taken_message(&name));
         }
-        let Some(commands) = self.handle_guarded(Event::AddNode(spec)) else {
+        let Some(commands) = self.handle_guarded(Event::RegisterNode { spec, host }) else {
             return engine_failure();
         };
+        debug_assert_eq!(
+            self.engine.node_host(&name).map(|node| node.capacity),
+            Some(host),
+            "the engine keeps the host capacity registered"
+        );
         let record = NodeRecord {
             address,
             registered_unix_ms: unix_ms,
@@ -708,11 +781,25 @@ impl PoolState {
         };
         self.tenants.insert(name.clone(), record);
         let engine_request = to_engine_request(&request);
-        let commands = self.engine.handle(Event::Submit {
-            tenant: name.clone(),
-            request: engine_request,
-            seq,
-        });
+        let constraints = constraints_of(&request);
+        let event = if constraints == Constraints::default() {
+            Event::Submit {
+                tenant: name.clone(),
+                request: engine_request,
+                seq,
+            }
+        } else {
+            Event::SubmitConstrained {
+                tenant: name.clone(),
+                request: engine_request,
+                constraints,
+                seq,
+            }
+        };
+        let Some(commands) = self.handle_guarded(event) else {
+            self.tenants.remove(&name);
+            return engine_failure();
+        };
         let rejection = self.record(index, unix_ms, commands, Some(&name));
         if let Some(reason) = rejection {
             return failed(ErrorCode::Unplaceable, reason);
@@ -1096,6 +1183,7 @@ impl PoolState {
                 health: None,
             })
             .collect();
+        let host = self.engine.node_host(name).unwrap_or_default();
         Some(v1::Node {
             name: name.to_owned(),
             address: record.address.clone(),
@@ -1103,6 +1191,10 @@ impl PoolState {
             state: node_state_to_proto(view.state) as i32,
             last_heartbeat_unix_ms: 0,
             gpus,
+            cpu_milli: host.capacity.cpu_milli.unwrap_or(0),
+            host_memory_bytes: host.capacity.memory_bytes.unwrap_or(0),
+            cpu_milli_allocated: host.cpu_milli_used,
+            host_memory_allocated_bytes: host.memory_bytes_used,
         })
     }
 }
@@ -1191,6 +1283,56 @@ pub fn to_engine_request(request: &v1::PlacementRequest) -> placement::Request {
         nvlink,
         node_selector: request.node_selector.clone().into_iter().collect(),
     }
+}
+
+/// The whole-node constraints of a validated API request (issue 19): 0 and an empty list ask
+/// nothing.
+pub fn constraints_of(request: &v1::PlacementRequest) -> Constraints {
+    Constraints {
+        cpu_milli: request.cpu_milli,
+        host_memory_bytes: request.host_memory_bytes,
+        gpu_models: request.gpu_models.iter().cloned().collect(),
+    }
+}
+
+/// A node's host capacity as its agent registers it: 0 is not reported (unbounded).
+pub fn host_capacity_from_proto(node: &v1::Node) -> HostCapacity {
+    HostCapacity {
+        cpu_milli: (node.cpu_milli > 0).then_some(node.cpu_milli),
+        memory_bytes: (node.host_memory_bytes > 0).then_some(node.host_memory_bytes),
+    }
+}
+
+/// Checks a registering node's host capacity: a reported amount is within the admission bounds
+/// (`api::validate::CPU_MILLI_MAX`, `HOST_MEMORY_BYTES_MAX`) and not zero. Checked in apply too
+/// (like [`validate_node_spec`]), since `RegisterHostNode` exists only in this version: its rule
+/// is this one from the start.
+pub fn validate_host_capacity(node: &str, host: &HostCapacity) -> Result<(), String> {
+    if let Some(cpu_milli) = host.cpu_milli
+        && !(1..=api::validate::CPU_MILLI_MAX).contains(&cpu_milli)
+    {
+        return Err(format!(
+            "node `{node}` reports {cpu_milli} millicores of CPU; give between 1 and {}",
+            api::validate::CPU_MILLI_MAX
+        ));
+    }
+    if let Some(memory_bytes) = host.memory_bytes
+        && !(1..=api::validate::HOST_MEMORY_BYTES_MAX).contains(&memory_bytes)
+    {
+        return Err(format!(
+            "node `{node}` reports {memory_bytes} bytes of host memory; give between 1 and {}",
+            api::validate::HOST_MEMORY_BYTES_MAX
+        ));
+    }
+    Ok(())
+}
+
+/// What a registration entry carries, whichever of its variants.
+struct Registration {
+    spec: NodeSpec,
+    host: HostCapacity,
+    address: String,
+    key_sha256: Option<String>,
 }
 
 /// Checks a registering node's inventory; the message says what is wrong.
@@ -1314,3 +1456,7 @@ pub fn node_spec_from_proto(node: &v1::Node) -> NodeSpec {
 #[cfg(test)]
 #[path = "pool_test.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "pool_host_test.rs"]
+mod host_tests;

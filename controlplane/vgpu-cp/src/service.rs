@@ -4,7 +4,10 @@
 //! reaches the log, so a refused or bad request gets a clear message and changes nothing.
 
 use crate::control_plane::{ControlPlane, ForwardRequest, unix_ms};
-use crate::pool::{Command, CommandResult, node_spec_from_proto, validate_node_spec};
+use crate::pool::{
+    Command, CommandResult, host_capacity_from_proto, node_spec_from_proto, validate_host_capacity,
+    validate_node_spec,
+};
 use crate::raft_types::{decode, encode};
 use crate::security::{Guard, TOKEN_TTL_MAX_SECONDS, TenantScope, denied};
 use api::ErrorCode;
@@ -320,14 +323,24 @@ impl v1::pool_server::Pool for Service {
         if !placement.owner.is_empty() {
             api::names::validate("owner", &placement.owner).map_err(invalid)?;
         }
-        let command = as_owner(
-            &scope,
+        let constrained = placement.cpu_milli > 0
+            || placement.host_memory_bytes > 0
+            || !placement.gpu_models.is_empty();
+        let (name, request, unix_ms) = (request.name, placement.encode_to_vec(), unix_ms());
+        let place = if constrained {
+            Command::PlaceConstrained {
+                name,
+                request,
+                unix_ms,
+            }
+        } else {
             Command::Place {
-                name: request.name,
-                request: placement.encode_to_vec(),
-                unix_ms: unix_ms(),
-            },
-        );
+                name,
+                request,
+                unix_ms,
+            }
+        };
+        let command = as_owner(&scope, place);
         let result = self.control_plane.write(command).await?;
         let tenant = result_to_tenant(result, self)?;
         Ok(Response::new(v1::PlaceResponse {
@@ -637,9 +650,19 @@ impl v1::agent_server::Agent for Service {
             .ok_or_else(|| invalid("the node is missing"))?;
         let spec = node_spec_from_proto(&node);
         validate_node_spec(&spec).map_err(invalid)?;
+        let host = host_capacity_from_proto(&node);
+        validate_host_capacity(&spec.name, &host).map_err(invalid)?;
         // Whether the name is free for this key is decided where the registration is applied,
-        // so that of two racing registrations only the first binds it.
+        // so that of two racing registrations only the first binds it. A node that reports no
+        // host capacity registers with the entries members of earlier versions read.
         let command = match claim.key_sha256 {
+            key_sha256 if host != placement::HostCapacity::default() => Command::RegisterHostNode {
+                spec,
+                host,
+                address: node.address,
+                key_sha256,
+                unix_ms: unix_ms(),
+            },
             Some(key_sha256) => Command::RegisterKeyedNode {
                 spec,
                 address: node.address,

@@ -270,12 +270,22 @@ fn placement_request() -> impl Strategy<Value = v1::PlacementRequest> {
             any::<bool>(),
             prop_oneof![3 => Just(0u64), 1 => Just(2_000u64), 1 => edge_u64()],
         ),
+        (
+            prop_oneof![3 => Just(0u64), 1 => Just(4_000u64), 1 => edge_u64()],
+            prop_oneof![3 => Just(0u64), 1 => Just(64u64 << 30), 1 => edge_u64()],
+            prop_oneof![
+                3 => Just(Vec::new()),
+                1 => Just(vec!["H100-80GB".to_owned()]),
+                1 => proptest::collection::vec(short_text(), 0..20),
+            ],
+        ),
     )
         .prop_map(
             |(
                 (whole_gpus, milli_gpus, memory_bytes_per_gpu, compute_percent, burst),
                 (priority, preemptible, nvlink, nodes),
                 (node_selector, owner, bandwidth_weight, latency, latency_target_us),
+                (cpu_milli, host_memory_bytes, gpu_models),
             )| v1::PlacementRequest {
                 whole_gpus,
                 milli_gpus,
@@ -291,6 +301,9 @@ fn placement_request() -> impl Strategy<Value = v1::PlacementRequest> {
                 bandwidth_weight,
                 latency,
                 latency_target_us,
+                cpu_milli,
+                host_memory_bytes,
+                gpu_models,
             },
         )
 }
@@ -392,16 +405,30 @@ fn node() -> impl Strategy<Value = v1::Node> {
                 8 => proptest::collection::vec(gpu(), 0..6),
                 1 => proptest::collection::vec(gpu(), 60..70),
             ],
-            any::<i32>(),
+            (
+                any::<i32>(),
+                prop_oneof![3 => Just(0u64), 1 => Just(64_000u64), 1 => edge_u64()],
+                prop_oneof![3 => Just(0u64), 1 => Just(512u64 << 30), 1 => edge_u64()],
+            ),
         )
             .prop_map(
-                |(name, address, labels, last_heartbeat_unix_ms, gpus, state)| v1::Node {
+                |(
+                    name,
+                    address,
+                    labels,
+                    last_heartbeat_unix_ms,
+                    gpus,
+                    (state, cpu_milli, host_memory_bytes),
+                )| v1::Node {
                     name,
                     address,
                     labels,
                     last_heartbeat_unix_ms,
                     gpus,
                     state,
+                    cpu_milli,
+                    host_memory_bytes,
+                    ..Default::default()
                 }
             ),
     ]

@@ -96,6 +96,9 @@ pub struct JoinConfig {
     pub shm_dir: PathBuf,
     /// The NIC bandwidth the tenants' NCCL traffic shares by weight ([`crate::bandwidth`]).
     pub nic_bytes_per_second: u64,
+    /// CPU and host memory kept for work outside vgpu, subtracted from what the node registers
+    /// (`inventory::host`).
+    pub host_reserve: crate::inventory::host::HostReserve,
     /// Plain text, certificates, or a bootstrap token.
     pub security: crate::bootstrap::Security,
     /// Concurrent sharing: the node's MPS daemon ([`crate::mps`]); `None`: time slicing only.
@@ -129,7 +132,13 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     // First, so that an agent without credentials stops before it touches anything.
     let transport =
         crate::bootstrap::transport(&config.security, &config.name, &config.control_plane).await?;
-    let inventory = config.source.discover(&config.name)?;
+    let mut inventory = config.source.discover(&config.name)?;
+    inventory.host = inventory.host.less(config.host_reserve)?;
+    info!(
+        cpu_milli = inventory.host.cpu_milli,
+        host_memory_bytes = inventory.host.memory_bytes,
+        "host capacity for tenants (0: not reported)"
+    );
     let state = StateDir::open(&config.state_dir, &config.name)?;
     let node_key = state.node_key()?;
     let mut follower = Follower::restore(state.clone(), &config.name)?;

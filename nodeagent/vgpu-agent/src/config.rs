@@ -40,6 +40,12 @@ pub struct Settings {
     pub interposer: Option<PathBuf>,
     pub shm_dir: Option<PathBuf>,
     pub nic_gbps: Option<u32>,
+    /// Millicores (`"4"`, `"500m"` in the file).
+    #[serde(default, deserialize_with = "reserved_cpu")]
+    pub reserved_cpu: Option<u64>,
+    /// Bytes (`"16GiB"` in the file).
+    #[serde(default, deserialize_with = "reserved_host_memory")]
+    pub reserved_host_memory: Option<u64>,
     pub mps: Option<bool>,
     pub mps_tenants: Option<crate::mps::MpsTenants>,
     pub mps_control: Option<PathBuf>,
@@ -141,6 +147,24 @@ const NIC_GBPS: KeyDoc = KeyDoc {
     example: "100",
 };
 
+const RESERVED_CPU: KeyDoc = KeyDoc {
+    key: "reserved_cpu",
+    env: "VGPU_AGENT_RESERVED_CPU",
+    env_aliases: &[],
+    flag: Some("--reserved-cpu"),
+    default: "0",
+    example: "\"4\"",
+};
+
+const RESERVED_HOST_MEMORY: KeyDoc = KeyDoc {
+    key: "reserved_host_memory",
+    env: "VGPU_AGENT_RESERVED_HOST_MEMORY",
+    env_aliases: &[],
+    flag: Some("--reserved-host-memory"),
+    default: "0",
+    example: "\"16GiB\"",
+};
+
 const MPS: KeyDoc = KeyDoc {
     key: "mps",
     env: "VGPU_AGENT_MPS",
@@ -230,6 +254,8 @@ pub const KEYS: &[KeyDoc] = &[
     INTERPOSER,
     SHM_DIR,
     NIC_GBPS,
+    RESERVED_CPU,
+    RESERVED_HOST_MEMORY,
     MPS,
     MPS_TENANTS,
     MPS_CONTROL,
@@ -248,6 +274,28 @@ fn parse_gbps(text: &str) -> std::result::Result<u32, String> {
             "`{text}` is not a NIC speed; give whole gigabits per second between 1 and 100000"
         )),
     }
+}
+
+/// Parses `--reserved-cpu`: CPUs or millicores (`4`, `0.5`, `500m`).
+pub fn parse_reserved_cpu(text: &str) -> std::result::Result<u64, String> {
+    api::cpu::parse_cpu_milli(text).map_err(|error| error.to_string())
+}
+
+/// Parses `--reserved-host-memory`: a size (`16GiB`).
+pub fn parse_reserved_host_memory(text: &str) -> std::result::Result<u64, String> {
+    api::size::parse_bytes(text).map_err(|error| error.to_string())
+}
+
+fn reserved_cpu<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Option<u64>, D::Error> {
+    common::parse_with(deserializer, parse_reserved_cpu)
+}
+
+fn reserved_host_memory<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Option<u64>, D::Error> {
+    common::parse_with(deserializer, parse_reserved_host_memory)
 }
 
 fn parse_labels(text: &str) -> std::result::Result<BTreeMap<String, String>, String> {
@@ -281,6 +329,12 @@ impl Settings {
             interposer: path(&INTERPOSER)?,
             shm_dir: path(&SHM_DIR)?,
             nic_gbps: common::from_env(env, &NIC_GBPS, parse_gbps)?,
+            reserved_cpu: common::from_env(env, &RESERVED_CPU, parse_reserved_cpu)?,
+            reserved_host_memory: common::from_env(
+                env,
+                &RESERVED_HOST_MEMORY,
+                parse_reserved_host_memory,
+            )?,
             mps: common::from_env(env, &MPS, common::parse_bool)?,
             mps_tenants: common::from_env(env, &MPS_TENANTS, crate::mps::MpsTenants::parse)?,
             mps_control: path(&MPS_CONTROL)?,
@@ -417,6 +471,10 @@ impl Settings {
             shm_dir,
             nic_bytes_per_second: u64::from(self.nic_gbps.unwrap_or(NIC_GBPS_DEFAULT))
                 * 125_000_000,
+            host_reserve: crate::inventory::host::HostReserve {
+                cpu_milli: self.reserved_cpu.unwrap_or(0),
+                memory_bytes: self.reserved_host_memory.unwrap_or(0),
+            },
             cdi,
         })
     }
@@ -441,6 +499,8 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         interposer: higher.interposer.or(lower.interposer),
         shm_dir: higher.shm_dir.or(lower.shm_dir),
         nic_gbps: higher.nic_gbps.or(lower.nic_gbps),
+        reserved_cpu: higher.reserved_cpu.or(lower.reserved_cpu),
+        reserved_host_memory: higher.reserved_host_memory.or(lower.reserved_host_memory),
         mps: higher.mps.or(lower.mps),
         mps_tenants: higher.mps_tenants.or(lower.mps_tenants),
         mps_control: higher.mps_control.or(lower.mps_control),
@@ -591,6 +651,42 @@ mod tests {
             !Settings::default().node().is_empty(),
             "the host name is the default name"
         );
+    }
+
+    /// Issue 19: the host reserve comes from flags, variables or the file, and bad amounts say
+    /// what to write.
+    #[test]
+    fn the_host_reserve_is_read_from_each_layer() {
+        let file = write_config(
+            "control_plane = [\"a:1\"]\nsimulate = \"1xH100-80GB\"\nreserved_cpu = \"2.5\"\nreserved_host_memory = \"16GiB\"\n",
+        );
+        let (settings, _) = load(Settings::default(), Some(file.path()), &env(&[])).unwrap();
+        let join = settings.join(None, None).unwrap();
+        assert_eq!(join.host_reserve.cpu_milli, 2_500);
+        assert_eq!(join.host_reserve.memory_bytes, 16 << 30);
+        let (settings, _) = load(
+            Settings::default(),
+            Some(file.path()),
+            &env(&[("VGPU_AGENT_RESERVED_CPU", "500m")]),
+        )
+        .unwrap();
+        assert_eq!(settings.reserved_cpu, Some(500), "the variable wins");
+        let error = load(
+            Settings::default(),
+            None,
+            &env(&[("VGPU_AGENT_RESERVED_CPU", "lots")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("VGPU_AGENT_RESERVED_CPU") && error.contains("500m"),
+            "{error}"
+        );
+        let file = write_config("reserved_host_memory = \"much\"\n");
+        let error = load(Settings::default(), Some(file.path()), &env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("reserved_host_memory"), "{error}");
     }
 
     #[test]

@@ -164,6 +164,14 @@ pub enum Error {
         found: u32,
         expected: u32,
     },
+    #[error(
+        "{flag} {reserved} is all of this node's {total} or more, which would leave tenants nothing; lower {flag} (it is what work outside vgpu keeps)"
+    )]
+    HostReserveTooLarge {
+        flag: &'static str,
+        reserved: String,
+        total: String,
+    },
 }
 
 /// What is wrong inside a topology file, after it parsed.

@@ -11,6 +11,7 @@
 
 pub mod cuda;
 pub mod discovery;
+pub mod host;
 pub mod nvml;
 pub mod simulated;
 pub mod topology;
@@ -76,6 +77,10 @@ pub struct Inventory {
     /// GPUs the driver reported that are not registered (MIG enabled, unreadable).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<SkippedGpu>,
+    /// CPU and host memory for tenants (`host`): the machine's for discovered GPUs, defaults for
+    /// simulated ones; `join` subtracts the reserve before registering.
+    #[serde(default)]
+    pub host: host::HostResources,
 }
 
 /// Where the inventory comes from.
@@ -131,7 +136,9 @@ impl InventorySource {
 fn discover_with_nvml(node: &str) -> Result<Inventory> {
     let nvml = nvml::NvmlDiscovery::open().map_err(|error| Error::NoGpu { reason: error.0 })?;
     tracing::info!("NVML loaded from {}", nvml.library());
-    let (inventory, findings) = discovery::assemble(node, &nvml, &discovery::HostFiles::system())?;
+    let (mut inventory, findings) =
+        discovery::assemble(node, &nvml, &discovery::HostFiles::system())?;
+    inventory.host = host::read_system();
     for note in &findings.notes {
         tracing::info!("{note}");
     }
@@ -208,6 +215,8 @@ impl Inventory {
                     ..Default::default()
                 })
                 .collect(),
+            cpu_milli: self.host.cpu_milli,
+            host_memory_bytes: self.host.memory_bytes,
             ..Default::default()
         }
     }
@@ -228,6 +237,15 @@ impl Inventory {
             self.gpus.len(),
             api::size::format_bytes(total)
         );
+        let cpu = match self.host.cpu_milli {
+            0 => "not reported".to_owned(),
+            milli => format!("{} CPUs", api::cpu::format_cpu_milli(milli)),
+        };
+        let memory = match self.host.memory_bytes {
+            0 => "not reported".to_owned(),
+            bytes => api::size::format_bytes(bytes),
+        };
+        let _ = writeln!(out, "host: {cpu}, {memory} memory");
         let _ = writeln!(
             out,
             "{:<5} {:<42} {:<12} {:>10} {:>4} {:>4} {:<13} {:<10} NVLINK",
@@ -360,8 +378,11 @@ mod tests {
             }]
         );
         assert_eq!(node.gpus[1].memory_bytes, 81559 << 20);
+        assert_eq!(node.cpu_milli, 32_000, "simulated: 16 CPUs a GPU");
+        assert_eq!(node.host_memory_bytes, 256 << 30);
         let text = inventory.to_text();
         assert!(text.starts_with("node node-a: 2 GPUs"), "{text}");
+        assert!(text.contains("host: 32 CPUs, 256GiB memory\n"), "{text}");
         assert!(text.contains("0:NV18"), "{text}");
     }
 }

@@ -138,6 +138,15 @@ struct JoinArgs {
     /// 100].
     #[arg(long, value_name = "GBPS")]
     nic_gbps: Option<u32>,
+    /// CPU that work outside vgpu keeps on this node (`4`, `0.5`, `500m`): the node registers
+    /// its online CPUs less this, and tenants' `--cpu` is placed against the rest [default: 0]
+    /// [config: reserved_cpu].
+    #[arg(long, value_name = "CPUS", value_parser = vgpu_agent::config::parse_reserved_cpu)]
+    reserved_cpu: Option<u64>,
+    /// Host memory that work outside vgpu keeps on this node (`16GiB`): the node registers its
+    /// MemTotal less this [default: 0] [config: reserved_host_memory].
+    #[arg(long, value_name = "SIZE", value_parser = vgpu_agent::config::parse_reserved_host_memory)]
+    reserved_host_memory: Option<u64>,
     /// Concurrent sharing: run NVIDIA MPS for the node's GPUs and partition SMs for
     /// latency-sensitive tenants (docs: nodeagent/vgpu-agent/README.md) [config: mps].
     #[arg(long)]
@@ -193,6 +202,8 @@ impl JoinArgs {
             address: self.address,
             cdi: self.no_cdi.then_some(false),
             nic_gbps: self.nic_gbps,
+            reserved_cpu: self.reserved_cpu,
+            reserved_host_memory: self.reserved_host_memory,
             mps: self.mps.then_some(true),
             mps_tenants: self.mps_tenants,
             cdi_dir: self.cdi_dir,

@@ -274,6 +274,7 @@ fn config(control_plane: String, state_dir: &Path) -> JoinConfig {
         },
         shm_dir: shm_dir(state_dir),
         nic_bytes_per_second: 12_500_000_000,
+        host_reserve: Default::default(),
         cdi: None,
         mps: None,
         security: vgpu_agent::bootstrap::Security {

@@ -20,10 +20,12 @@ use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::watch;
 
 /// Format 1: the applied state. Format 2: the same, then the revoked certificates. Format 3:
-/// format 2, then the node names bound to node keys. A snapshot is written in the lowest format
-/// that holds it (without revocations or bound names: format 1), which members of earlier
-/// versions read too.
-const SNAPSHOT_FORMAT_VERSION: u32 = 3;
+/// format 2, then the node names bound to node keys. Format 4: format 3, then the placement
+/// engine's host state (nodes' CPU and host memory, tenants' constraints: issue 19). A snapshot
+/// is written in the lowest format that holds it (without revocations, bound names or host state:
+/// format 1), which members of earlier versions read too.
+const SNAPSHOT_FORMAT_VERSION: u32 = 4;
+const SNAPSHOT_FORMAT_WITH_NODE_KEYS: u32 = 3;
 const SNAPSHOT_FORMAT_WITH_REVOCATIONS: u32 = 2;
 const SNAPSHOT_FORMAT_WITHOUT_REVOCATIONS: u32 = 1;
 const SNAPSHOT_FILE: &str = "snapshot.bin";
@@ -53,7 +55,8 @@ impl Shared {
     }
 }
 
-/// A snapshot as the rest of the store uses it: `applied.pool.revoked` and `node_keys` filled.
+/// A snapshot as the rest of the store uses it: `applied.pool.revoked` and `node_keys` filled,
+/// and the engine's host state restored.
 struct SnapshotFile {
     meta: SnapshotMeta,
     applied: Applied,
@@ -86,6 +89,18 @@ struct SnapshotV3 {
     applied: Applied,
     revoked: BTreeMap<String, i64>,
     node_keys: BTreeMap<String, crate::pool::NodeKeyBinding>,
+}
+
+/// Format 4: format 3's fields, then the placement engine's host state (`Engine::host_state`, not
+/// part of the engine's encoding).
+#[derive(Serialize, Deserialize)]
+struct SnapshotV4 {
+    format_version: u32,
+    meta: SnapshotMeta,
+    applied: Applied,
+    revoked: BTreeMap<String, i64>,
+    node_keys: BTreeMap<String, crate::pool::NodeKeyBinding>,
+    host_state: placement::HostState,
 }
 
 struct StoredSnapshot {
@@ -136,13 +151,24 @@ impl StateMachineStore {
 }
 
 /// Encodes a snapshot file: 8 bytes of checksum, then the bincode body (format 1 when nothing is
-/// revoked and no name is bound, format 2 when only certificates are revoked, else format 3).
+/// revoked, no name is bound and no host state is kept, format 2 when only certificates are
+/// revoked, format 3 when names are bound too, else format 4).
 fn encode_snapshot(file: &SnapshotFile) -> Vec<u8> {
     let revoked = &file.applied.pool.revoked;
     let node_keys = &file.applied.pool.node_keys;
-    let body = if !node_keys.is_empty() {
-        encode(&SnapshotV3 {
+    let host_state = file.applied.pool.engine.host_state();
+    let body = if host_state != placement::HostState::default() {
+        encode(&SnapshotV4 {
             format_version: SNAPSHOT_FORMAT_VERSION,
+            meta: file.meta.clone(),
+            applied: file.applied.clone(),
+            revoked: revoked.clone(),
+            node_keys: node_keys.clone(),
+            host_state,
+        })
+    } else if !node_keys.is_empty() {
+        encode(&SnapshotV3 {
+            format_version: SNAPSHOT_FORMAT_WITH_NODE_KEYS,
             meta: file.meta.clone(),
             applied: file.applied.clone(),
             revoked: revoked.clone(),
@@ -209,13 +235,29 @@ fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotFile, StorageError> {
                 applied,
             }
         }
-        SNAPSHOT_FORMAT_VERSION => {
+        SNAPSHOT_FORMAT_WITH_NODE_KEYS => {
             let v3: SnapshotV3 = decode(body).map_err(undecodable)?;
             let mut applied = v3.applied;
             applied.pool.revoked = v3.revoked;
             applied.pool.node_keys = v3.node_keys;
             SnapshotFile {
                 meta: v3.meta,
+                applied,
+            }
+        }
+        SNAPSHOT_FORMAT_VERSION => {
+            let v4: SnapshotV4 = decode(body).map_err(undecodable)?;
+            if !host_state_fits(&v4.applied.pool.engine, &v4.host_state) {
+                return Err(corrupt(
+                    "the snapshot's host state names nodes or tenants its pool does not have: the file is corrupt".to_owned(),
+                ));
+            }
+            let mut applied = v4.applied;
+            applied.pool.revoked = v4.revoked;
+            applied.pool.node_keys = v4.node_keys;
+            applied.pool.engine.restore_host_state(v4.host_state);
+            SnapshotFile {
+                meta: v4.meta,
                 applied,
             }
         }
@@ -230,6 +272,19 @@ fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotFile, StorageError> {
         "snapshot meta and content disagree"
     );
     Ok(file)
+}
+
+/// Whether every node and tenant of `host_state` is in `engine` (what `restore_host_state`
+/// asserts), so that a damaged snapshot is refused with a reason rather than a panic.
+fn host_state_fits(engine: &placement::Engine, host_state: &placement::HostState) -> bool {
+    host_state
+        .nodes
+        .keys()
+        .all(|node| engine.node(node).is_some())
+        && host_state
+            .tenants
+            .keys()
+            .all(|tenant| engine.constraints(tenant).is_some())
 }
 
 /// FNV-1a, 64 bit: enough to detect torn or corrupted snapshot files.
@@ -469,6 +524,77 @@ mod tests {
         assert_eq!(read.applied.pool.revoked.len(), 1);
         assert_eq!(read.applied.pool.tokens.len(), 1);
         assert_eq!(version(&encode_snapshot(&file(&[("1f", 5)]))), 2);
+    }
+
+    /// Issue 19: nodes' host capacity and tenants' constraints survive a snapshot (format 4),
+    /// and the restored engine decides like the one that wrote it.
+    #[test]
+    fn host_state_travels_in_format_4() {
+        use crate::pool::{Command, CommandResult};
+        use api::v1;
+        use prost::Message;
+        let spec = placement::NodeSpec {
+            name: "node-a".into(),
+            labels: BTreeMap::new(),
+            gpus: (0..2)
+                .map(|index| placement::GpuSpec {
+                    uuid: format!("GPU-{index}"),
+                    index,
+                    model: "H100-80GB".into(),
+                    memory_bytes: 80 << 30,
+                    sm_count: 132,
+                    nvlink_peers: BTreeMap::new(),
+                    numa_node: 0,
+                    pci_bus_id: String::new(),
+                    nearest_nics: Vec::new(),
+                })
+                .collect(),
+        };
+        let mut written = file(&[]);
+        let registered = written.applied.pool.apply(
+            1,
+            Command::RegisterHostNode {
+                spec,
+                host: placement::HostCapacity {
+                    cpu_milli: Some(16_000),
+                    memory_bytes: None,
+                },
+                address: String::new(),
+                key_sha256: None,
+                unix_ms: 0,
+            },
+        );
+        assert_eq!(registered, CommandResult::Done);
+        let place = |name: &str| Command::PlaceConstrained {
+            name: name.into(),
+            request: v1::PlacementRequest {
+                whole_gpus: 1,
+                cpu_milli: 10_000,
+                ..Default::default()
+            }
+            .encode_to_vec(),
+            unix_ms: 0,
+        };
+        let placed = written.applied.pool.apply(2, place("t1"));
+        assert!(matches!(placed, CommandResult::Tenant(_)), "{placed:?}");
+        let bytes = encode_snapshot(&written);
+        assert_eq!(version(&bytes), 4);
+        let mut read = decode_snapshot(&bytes).unwrap();
+        assert_eq!(
+            read.applied.pool.engine.host_state(),
+            written.applied.pool.engine.host_state()
+        );
+        assert_eq!(read.applied.pool.tokens.len(), 1);
+        // A second tenant asking 10 CPUs does not fit the 6 left, on both.
+        let left = written.applied.pool.apply(3, place("t2"));
+        let right = read.applied.pool.apply(3, place("t2"));
+        assert_eq!(left, right);
+        let CommandResult::Tenant(pending) = right else {
+            panic!("expected a pending tenant, got {right:?}");
+        };
+        assert!(pending.reason.contains("CPU"), "{}", pending.reason);
+        // Without host state the formats earlier members read are kept.
+        assert_eq!(version(&encode_snapshot(&file(&[]))), 1);
     }
 
     #[test]

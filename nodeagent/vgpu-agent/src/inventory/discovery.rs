@@ -500,6 +500,8 @@ pub fn assemble(
         simulated: false,
         driver_version: discovery.driver_version(),
         skipped,
+        // Read from the machine by the caller (`host::read_system`): not part of what NVML says.
+        host: super::host::HostResources::default(),
     };
     inventory.assert_consistent();
     Ok((inventory, findings))

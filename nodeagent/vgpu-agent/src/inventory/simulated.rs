@@ -216,9 +216,10 @@ impl SimulatedSpec {
                     device_minor: None,
                 }
             })
-            .collect();
+            .collect::<Vec<_>>();
         Inventory {
             node: node.to_owned(),
+            host: super::host::simulated(&gpus),
             gpus,
             simulated: true,
             driver_version: None,

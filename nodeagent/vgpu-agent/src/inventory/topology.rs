@@ -17,6 +17,10 @@
 //! nvlink_peers = [{ gpu = 1, links = 18 }]   # default: none; adds to the islands
 //! uuid = "GPU-..."               # default: derived from the node name and index
 //! device_minor = 0               # default: none (CDI specs use the index)
+//!
+//! [host]                         # optional: what the node offers tenants besides GPUs
+//! cpu_milli = 64000              # default: 16 CPUs a GPU (`host::simulated`); 0: not reported
+//! memory_bytes = 549755813888    # default: 128 GiB a GPU; 0: not reported
 //! ```
 //!
 //! The JSON form has the same fields. The output of `vgpu-agent inventory -o json` is itself a
@@ -60,6 +64,9 @@ pub struct TopologyFile {
     pub driver_version: Option<String>,
     #[serde(default)]
     pub skipped: Option<serde::de::IgnoredAny>,
+    /// The node's CPU and host memory; absent: the simulated default for its GPUs.
+    #[serde(default)]
+    pub host: Option<super::host::HostResources>,
 }
 
 /// All-to-all NVLink inside each island.
@@ -338,6 +345,7 @@ pub fn build(file: TopologyFile, node: &str) -> Result<(Inventory, Vec<String>),
     }
     let inventory = Inventory {
         node: node.to_owned(),
+        host: file.host.unwrap_or_else(|| super::host::simulated(&gpus)),
         gpus,
         simulated: true,
         driver_version: None,
@@ -450,6 +458,17 @@ mod tests {
         assert_eq!(inventory.gpus[4].memory_bytes, 24_000_000_000);
         assert_eq!(inventory.gpus[0].memory_bytes, 85_899_345_920);
         assert_eq!(inventory.gpus[5].sm_count, 58);
+    }
+
+    #[test]
+    fn a_file_may_give_the_host_capacity_else_gpus_give_the_default() {
+        let (plain, _) = from_toml(&(gpu_toml(0, "") + &gpu_toml(1, ""))).unwrap();
+        assert_eq!(plain.host, crate::inventory::host::simulated(&plain.gpus));
+        assert_eq!(plain.host.cpu_milli, 32_000);
+        let text = gpu_toml(0, "") + "[host]\ncpu_milli = 96000\nmemory_bytes = 1099511627776\n";
+        let (given, _) = from_toml(&text).unwrap();
+        assert_eq!(given.host.cpu_milli, 96_000);
+        assert_eq!(given.host.memory_bytes, 1 << 40);
     }
 
     #[test]
