@@ -13,6 +13,8 @@
 //!   schedule, and the lock-free protocols over them. Pure: no FFI, no clock, no globals.
 //! - `control`: the closed-loop part of a GPU's schedule: latency tenants' step histograms, the
 //!   agent's `Decision` for the other tenants on the GPU.
+//! - `reclaim` (pure, not wired yet): elastic memory's rule for which borrowers give memory back
+//!   when a tenant needs its request (`docs/design/elastic-memory.md`).
 //! - `shm` (with `map`): mapping those files from outside a tenant (the agent's usage report reads
 //!   them; the agent creates a GPU's schedule before any tenant runs). `writer` (feature
 //!   `writer`) plays a tenant process against them for tests and tools.
@@ -32,6 +34,7 @@ pub mod env;
 pub mod layout;
 pub mod ledger;
 mod map;
+pub mod reclaim;
 pub mod shm;
 pub mod size;
 #[cfg(any(test, feature = "writer"))]

@@ -1,0 +1,217 @@
+//! Elastic memory (issue 17, `docs/design/elastic-memory.md`): which borrowers give memory back
+//! when a tenant needs memory within its request that the GPU no longer has free. Pure: the
+//! tenants' figures in, the reclaim asks out. Not wired yet: the per-GPU memory board and the
+//! interposer's swap are the next steps of the design; this is the rule they will follow.
+//!
+//! The rule, in order:
+//! 1. Only memory *above a tenant's request* is ever taken (its borrowed part); a tenant is never
+//!    asked to go below its request, and the tenant that needs the memory is never asked.
+//! 2. Lower priority gives first; at equal priority, preemptible before guaranteed; then the
+//!    tenant that borrowed the most; then the name, so that every process plans the same.
+//! 3. Each borrower is asked for at most what it borrowed, and in all just the shortfall.
+//!
+//! A need that the request does not cover (the tenant asks past its request) is no reclaim: it
+//! borrows only what is free, like everyone else.
+
+/// One tenant of the GPU, as the planner sees it (bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub name: String,
+    pub request: u64,
+    /// Resident on the GPU now (allocated and not swapped out).
+    pub resident: u64,
+    pub priority: i32,
+    pub guaranteed: bool,
+}
+
+impl Holder {
+    /// What it holds above its request: what may be taken back.
+    pub fn borrowed(&self) -> u64 {
+        self.resident.saturating_sub(self.request)
+    }
+}
+
+/// Why nothing is planned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NoReclaim {
+    #[error("tenant `{0}` is not on this GPU")]
+    UnknownTenant(String),
+    #[error(
+        "tenant `{tenant}` asks {asked} bytes past its request ({request} bytes, {resident} resident): \
+         memory past a request is borrowed from what is free, never taken from others"
+    )]
+    PastRequest {
+        tenant: String,
+        asked: u64,
+        request: u64,
+        resident: u64,
+    },
+}
+
+/// What `needy` must get back from borrowers so that `bytes` more fit on a GPU with `free` bytes
+/// free now: `(borrower, bytes)` pairs in the order to ask them. Empty when it fits already.
+/// The sum covers the shortfall whenever the borrowers hold that much (they always do when every
+/// request was booked without overbooking: the shortfall is then at most what others borrowed).
+pub fn plan(
+    holders: &[Holder],
+    needy: &str,
+    bytes: u64,
+    free: u64,
+) -> Result<Vec<(String, u64)>, NoReclaim> {
+    let Some(me) = holders.iter().find(|h| h.name == needy) else {
+        return Err(NoReclaim::UnknownTenant(needy.to_owned()));
+    };
+    let within_request = me.request.saturating_sub(me.resident);
+    if bytes > within_request {
+        return Err(NoReclaim::PastRequest {
+            tenant: needy.to_owned(),
+            asked: bytes,
+            request: me.request,
+            resident: me.resident,
+        });
+    }
+    let mut shortfall = bytes.saturating_sub(free);
+    let mut order: Vec<&Holder> = holders
+        .iter()
+        .filter(|h| h.name != needy && h.borrowed() > 0)
+        .collect();
+    order.sort_by(|a, b| {
+        a.priority
+            .cmp(&b.priority)
+            .then(a.guaranteed.cmp(&b.guaranteed))
+            .then(b.borrowed().cmp(&a.borrowed()))
+            .then(a.name.cmp(&b.name))
+    });
+    let mut asks = Vec::new();
+    for holder in order {
+        if shortfall == 0 {
+            break;
+        }
+        let take = holder.borrowed().min(shortfall);
+        shortfall -= take;
+        asks.push((holder.name.clone(), take));
+    }
+    Ok(asks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn holder(name: &str, request: u64, resident: u64, priority: i32, guaranteed: bool) -> Holder {
+        Holder {
+            name: name.to_owned(),
+            request,
+            resident,
+            priority,
+            guaranteed,
+        }
+    }
+
+    #[test]
+    fn the_issues_case_takes_the_borrowed_memory_back() {
+        // 80 GiB GPU: "a" (request 30, limit 70) grew to 60 while "b" (request 30) idled; "b"
+        // now allocates its 30 with 20 free.
+        let holders = [
+            holder("a", 30 * GIB, 60 * GIB, 0, true),
+            holder("b", 30 * GIB, 0, 0, true),
+        ];
+        assert_eq!(
+            plan(&holders, "b", 30 * GIB, 20 * GIB),
+            Ok(vec![("a".to_owned(), 10 * GIB)])
+        );
+        // it fits already: nothing to ask
+        assert_eq!(plan(&holders, "b", 10 * GIB, 20 * GIB), Ok(vec![]));
+        // past its request: no reclaim, whatever is free
+        assert!(matches!(
+            plan(&holders, "b", 31 * GIB, 0),
+            Err(NoReclaim::PastRequest { .. })
+        ));
+        assert!(matches!(
+            plan(&holders, "c", GIB, 0),
+            Err(NoReclaim::UnknownTenant(_))
+        ));
+    }
+
+    #[test]
+    fn lower_priority_then_preemptible_then_the_biggest_borrower_gives_first() {
+        let holders = [
+            holder("needy", 40 * GIB, 0, 5, true),
+            holder("high", 0, 10 * GIB, 9, false),
+            holder("low-guaranteed", 0, 10 * GIB, 1, true),
+            holder("low-small", 0, 2 * GIB, 1, false),
+            holder("low-big", 0, 8 * GIB, 1, false),
+        ];
+        let asks = plan(&holders, "needy", 25 * GIB, 0).unwrap();
+        assert_eq!(
+            asks,
+            vec![
+                ("low-big".to_owned(), 8 * GIB),
+                ("low-small".to_owned(), 2 * GIB),
+                ("low-guaranteed".to_owned(), 10 * GIB),
+                ("high".to_owned(), 5 * GIB),
+            ]
+        );
+    }
+
+    fn holders() -> impl Strategy<Value = Vec<Holder>> {
+        prop::collection::vec((0u64..40, 0u64..80, -3i32..3, any::<bool>()), 1..8).prop_map(
+            |specs| {
+                specs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (request, resident, priority, guaranteed))| {
+                        holder(
+                            &format!("t{i}"),
+                            request * GIB,
+                            resident * GIB,
+                            priority,
+                            guaranteed,
+                        )
+                    })
+                    .collect()
+            },
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn asks_never_go_below_a_request_and_cover_what_borrowers_can_give(
+            holders in holders(),
+            pick in 0usize..8,
+            bytes in 0u64..50,
+            free in 0u64..20,
+        ) {
+            let needy = holders[pick % holders.len()].name.clone();
+            let (bytes, free) = (bytes * GIB, free * GIB);
+            match plan(&holders, &needy, bytes, free) {
+                Err(NoReclaim::PastRequest { .. }) => {
+                    let me = holders.iter().find(|h| h.name == needy).unwrap();
+                    prop_assert!(bytes > me.request.saturating_sub(me.resident));
+                }
+                Err(other) => prop_assert!(false, "{other}"),
+                Ok(asks) => {
+                    let mut seen = std::collections::BTreeSet::new();
+                    for (name, take) in &asks {
+                        prop_assert!(name != &needy, "the needy tenant is never asked");
+                        prop_assert!(seen.insert(name.clone()), "each borrower once");
+                        let h = holders.iter().find(|h| &h.name == name).unwrap();
+                        prop_assert!(*take > 0 && *take <= h.borrowed(), "{name}: {take} of {}", h.borrowed());
+                    }
+                    let asked: u64 = asks.iter().map(|(_, take)| take).sum();
+                    let shortfall = bytes.saturating_sub(free);
+                    let lendable: u64 = holders
+                        .iter()
+                        .filter(|h| h.name != needy)
+                        .map(Holder::borrowed)
+                        .sum();
+                    prop_assert!(asked <= shortfall, "never more than the shortfall");
+                    prop_assert_eq!(asked, shortfall.min(lendable));
+                }
+            }
+        }
+    }
+}
