@@ -27,7 +27,8 @@
 # (`place trainer --gpus 0.5 --memory 30GiB`), the oom row's neighbour in `neighbour`
 # (`--gpus 0.25 --memory 8GiB`).
 #
-# Verdicts: PASS (ran, result as bare), FAIL (error or wrong result), REFUSED (vgpu refused it at
+# Verdicts: PASS (ran, result as bare), SKIP (its library is not installed: cupy, JAX), FAIL
+# (error or wrong result), REFUSED (vgpu refused it at
 # the start with a message naming what to change), HUNG (no end within ROW_TIMEOUT: its Python
 # stacks (py-spy when carried as $VGPU_BIN/tools/py-spy, else faulthandler) and nvidia-smi are kept
 # in the row's log directory, then it is killed). No row may hang.
@@ -240,6 +241,10 @@ run_row() {
   local secs=$ELAPSED
   if [ "$RC" = hung ]; then
     record "$row" "$MODE" HUNG "$secs" "killed after ${ROW_TIMEOUT}s; stacks in $MODE/$row"
+    return
+  fi
+  if [ "$RC" = 77 ]; then
+    record "$row" "$MODE" SKIP "$secs" "$(grep -m1 '^SKIP' "$D/out.log")"
     return
   fi
   if [ "$RC" != 0 ] || [ ! -s "$res" ]; then
