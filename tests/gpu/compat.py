@@ -117,7 +117,8 @@ def dist_init(args, torch):
         # Bare NCCL refuses two ranks on one GPU of one host ("Duplicate GPU detected"); a host
         # identity per rank makes them talk over NCCL's own socket transport instead.
         os.environ["NCCL_HOSTID"] = f"compat-bare-{rank}"
-    torch.cuda.set_device(0)
+    # one GPU: every rank on it (the slices case); several: rank i on GPU i mod count
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.pg_timeout))
     say(f"process group {args.backend} up, world {world}")
     return dist, rank, world
@@ -131,11 +132,11 @@ def job_ddp(args):
     """DDP training of ResNet-18 on synthetic data, every rank on the tenant's one GPU."""
     torch = torch_setup()
     dist, rank, world = dist_init(args, torch)
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     model = resnet18(torch, image=args.image).to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[0], bucket_cap_mb=args.bucket_mb, static_graph=args.static_graph
+        model, device_ids=[dev.index], bucket_cap_mb=args.bucket_mb, static_graph=args.static_graph
     )
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     losses = []
@@ -167,7 +168,7 @@ def job_fsdp(args):
     dist, rank, world = dist_init(args, torch)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     nn = torch.nn
     model = nn.Sequential(

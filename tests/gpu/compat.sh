@@ -24,8 +24,10 @@
 #                  tenant's memory is released
 #   cumem0         DDP 2 ranks with NCCL_CUMEM_ENABLE=0
 # Modes (MODES, default `bare vgpu vgpu-mps`). In the vgpu modes the job runs in tenant `trainer`
-# (`place trainer --gpus 0.5 --memory 30GiB`), the oom row's neighbour in `neighbour`
-# (`--gpus 0.25 --memory 8GiB`).
+# (`place trainer --gpus 0.5 --memory 30GiB`, or TRAINER_GPUS instead of 0.5), the oom row's
+# neighbour in `neighbour` (`--gpus 0.25 --memory 8GiB`). Ranks go to GPU LOCAL_RANK mod the GPUs
+# the process sees: on a two-GPU machine `TRAINER_GPUS=2` (or `1.5`: slices of two GPUs) runs the
+# distributed rows across GPUs (not part of issue 16's one-GPU acceptance).
 #
 # Verdicts: PASS (ran, result as bare), SKIP (its library is not installed: cupy, JAX), FAIL
 # (error or wrong result), REFUSED (vgpu refused it at
@@ -67,6 +69,7 @@ TENANT_FLAGS=${TENANT_FLAGS:-}
 EXEC_WRAP=${EXEC_WRAP:-}
 JOB_ARGS=${JOB_ARGS:-}
 AGENT_FLAGS=${AGENT_FLAGS:-}
+TRAINER_GPUS=${TRAINER_GPUS:-0.5}
 # ImageNet-sized inputs, as the job that hung in issue 16 (ResNet-18, 224x224)
 DDP_SHAPE=${DDP_SHAPE:---image 224 --batch 32}
 OUT=${OUT:-/tmp/compat-out}
@@ -293,6 +296,11 @@ run_row() {
 
 run_oom() { # the trainer fills its quota while the neighbour's checked matmuls run
   local D=$1 nb
+  if [ "$MODE" != bare ] &&
+    ! bounded_wait 15 "the neighbour's directory" test -e "$SHM/tenants/neighbour/nccl-activity"; then
+    record oom "$MODE" SKIP 0 "the neighbour tenant found no room beside trainer (TRAINER_GPUS=$TRAINER_GPUS)"
+    return
+  fi
   launch neighbour "$D/neighbour" "$PY" "$HELPER" loop --seconds 40 --out "$D/neighbour.json"
   nb=$LAST
   local nb_tag=$TAG
@@ -375,11 +383,12 @@ vgpu_up() { # vgpu_up [--mps]
   fi
   if [ "$PLACED" = 0 ]; then
     # shellcheck disable=SC2086 # TENANT_FLAGS is words on purpose
-    ctl place trainer --gpus 0.5 --memory 30GiB $TENANT_FLAGS 2>&1 | tee -a "$LOGS/run.log"
-    ctl place neighbour --gpus 0.25 --memory 8GiB 2>&1 | tee -a "$LOGS/run.log"
+    ctl place trainer --gpus "$TRAINER_GPUS" --memory 30GiB $TENANT_FLAGS 2>&1 | tee -a "$LOGS/run.log"
+    # the oom row's neighbour; with TRAINER_GPUS filling the node it stays pending (oom: SKIP)
+    ctl place neighbour --gpus 0.25 --memory 8GiB --no-wait 2>&1 | tee -a "$LOGS/run.log"
     PLACED=1
   fi
-  bounded_wait 15 "tenant directories" test -e "$SHM/tenants/neighbour/nccl-activity"
+  bounded_wait 15 "the trainer's directory" test -e "$SHM/tenants/trainer/nccl-activity"
 }
 agent_mps_down() {
   [ "$AGENT_MPS" = 1 ] || return 0
