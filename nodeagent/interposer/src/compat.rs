@@ -48,6 +48,24 @@ fn dotted(version: i32) -> String {
     format!("{}.{}", version / 1000, version % 1000 / 10)
 }
 
+/// Whether a finding is for every tenant (`Warn`, the default log level) or for diagnosis
+/// (`Debug`, `VGPU_LOG=2`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Warn,
+    Debug,
+}
+
+/// How loud to say `findings`: on the driver we were built for, an unknown `cuGetProcAddress`
+/// answer is one the hook substitutes by name at run time (and says so there), so it is a debug
+/// line; on any other driver every finding is a warning.
+pub fn level(version: Option<i32>) -> Level {
+    match version {
+        Some(v) if v / 1000 == BUILT_FOR / 1000 && v >= OLDEST_TESTED => Level::Debug,
+        _ => Level::Warn,
+    }
+}
+
 /// What to tell the tenant about this driver: its version `version` (`None`: unreadable) and the
 /// base names its `cuGetProcAddress` resolves to functions we do not know (`unknown`).
 pub fn findings(version: Option<i32>, unknown: &[String]) -> Vec<String> {
@@ -117,6 +135,15 @@ mod tests {
         assert_eq!(versions_to_ask(13_000), [13_000]);
         assert_eq!(versions_to_ask(14_000), [14_000, 13_000]);
         assert_eq!(versions_to_ask(12_080), [12_080, 12_080]);
+    }
+
+    #[test]
+    fn only_drivers_of_another_version_make_warnings() {
+        assert_eq!(level(Some(13_000)), Level::Debug);
+        assert_eq!(level(Some(13_020)), Level::Debug);
+        assert_eq!(level(Some(14_000)), Level::Warn);
+        assert_eq!(level(Some(12_080)), Level::Warn);
+        assert_eq!(level(None), Level::Warn);
     }
 
     #[test]

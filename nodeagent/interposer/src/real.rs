@@ -303,7 +303,11 @@ fn check(driver: &Driver) {
             }
         }
     }
+    let level = crate::compat::level(version);
     for line in crate::compat::findings(version, &unknown) {
-        crate::log::error(format_args!("{line}"));
+        match level {
+            crate::compat::Level::Warn => crate::log::error(format_args!("{line}")),
+            crate::compat::Level::Debug => crate::log::debug(format_args!("{line}")),
+        }
     }
 }

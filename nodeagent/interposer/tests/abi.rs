@@ -519,9 +519,23 @@ fn the_driver_is_checked_at_load_and_mismatches_are_said_not_fatal() {
     assert_eq!(out, "alloc 0\nalloc 2\n");
     assert_eq!(err.matches("newer than the 13.0").count(), 1, "{err}");
     assert!(err.contains("14.1"), "{err}");
-    // a driver whose cuGetProcAddress answers with functions we do not know: named at load
-    let (out, err) = run_with_stderr(shm.path(), &[("FAKE_CUDA_GPA_THUNKS", "1")], "alloc 1M");
+    // a driver whose cuGetProcAddress answers with functions we do not know: named at load, as
+    // a warning on a driver of another version, a debug line on the one we were built for (the
+    // hook substitutes by name there, and says so when it does)
+    let thunks = ("FAKE_CUDA_GPA_THUNKS", "1");
+    let (out, err) = run_with_stderr(
+        shm.path(),
+        &[thunks, ("FAKE_CUDA_DRIVER_VERSION", "14000")],
+        "alloc 1M",
+    );
     assert_eq!(out, "alloc 0\n");
+    assert!(
+        err.contains("resolves cuMemAlloc (through cuGetProcAddress)"),
+        "{err}"
+    );
+    let (_, err) = run_with_stderr(shm.path(), &[thunks], "alloc 1M");
+    assert!(err.is_empty(), "{err}");
+    let (_, err) = run_with_stderr(shm.path(), &[thunks, ("VGPU_LOG", "2")], "alloc 1M");
     assert!(
         err.contains("resolves cuMemAlloc (through cuGetProcAddress)"),
         "{err}"
