@@ -69,15 +69,13 @@ set -u
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 HELPER="$ROOT/tests/gpu/closed_loop.py"
-if [ -z "${PY:-}" ]; then
-  PY=python3
-  [ -x /opt/torch/.venv/bin/python3 ] && PY=/opt/torch/.venv/bin/python3
-fi
-BIN=${VGPU_BIN:-dist}
-case "$BIN" in
-/*) ;;
-*) if [ -d "$PWD/$BIN" ]; then BIN="$PWD/$BIN"; else BIN="$ROOT/$BIN"; fi ;;
-esac
+# forget, bounded_wait, gone, stop_pid, mps_gone; gpu_paths, ctl, vgpu_cp_up, vgpu_agent_up,
+# agent_mps_down
+# shellcheck source=tests/gpu/procs.sh
+source "$ROOT/tests/gpu/procs.sh"
+# shellcheck source=tests/gpu/node.sh
+source "$ROOT/tests/gpu/node.sh"
+gpu_paths
 WINDOW=${WINDOW:-8}
 SETTLE=${SETTLE:-0.75}
 GAP=${GAP:-0.25}
@@ -130,9 +128,6 @@ CP=""
 AGENT=""
 MPS_OWN=0   # our MPS daemon runs
 AGENT_MPS=0 # the agent was started with --mps (its daemon outlives it)
-# forget, bounded_wait, gone, stop_pid, mps_gone
-# shellcheck source=tests/gpu/procs.sh
-source "$ROOT/tests/gpu/procs.sh"
 
 cleanup() {
   local rc=$? pid
@@ -154,7 +149,6 @@ trap cleanup EXIT
 trap 'exit 143' TERM INT HUP
 
 log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
-ctl() { "$BIN/vgpuctl" --insecure --endpoints "$EP" "$@"; }
 group_s() { # group_s WINDOWS: the estimated seconds of a group (warm-up and exit ~8 s)
   awk -v n="$1" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) + 8 }'
 }
@@ -300,29 +294,10 @@ mps_stop() {
   bounded_wait 15 "the MPS daemon and server to quit" mps_gone
 }
 
-node_listed() { ctl get nodes 2>/dev/null | grep -q gpu-node; }
-cp_answers() { ctl cluster status >/dev/null 2>&1; }
-agent_start() { # agent_start [--mps]: (re)start the agent with the same state
-  [ -n "$AGENT" ] && stop_pid "$AGENT"
-  "$BIN/vgpu-agent" join --insecure --control-plane "$EP" --name gpu-node --state-dir "$WORK/agent" \
-    --shm-dir "$SHM" --cdi-dir "$WORK/cdi" --mps-tenants "$MPS_TENANTS" "$@" 2>>"$LOGS/agent.log" &
-  AGENT=$!
-  PIDS+=("$AGENT")
-  bounded_wait 10 "node gpu-node in vgpuctl get nodes" node_listed || return 1
-  if [ "${1:-}" = --mps ]; then
-    AGENT_MPS=1
-    bounded_wait 10 "the agent's MPS daemon ($SHM/mps/control)" test -e "$SHM/mps/control" || return 1
-  fi
-}
 PLACED=0
 vgpu_up() { # vgpu_up [--mps]: cp once, the agent in the wanted mode, the two tenants placed once
-  if [ -z "$CP" ]; then
-    "$BIN/vgpu-cp" bootstrap --insecure --id 1 --listen "$EP" --data-dir "$WORK/cp" 2>"$LOGS/cp.log" &
-    CP=$!
-    PIDS+=("$CP")
-    bounded_wait 10 "the control plane on $EP" cp_answers || return 1
-  fi
-  agent_start "$@" || return 1
+  vgpu_cp_up || return 1
+  vgpu_agent_up --mps-tenants "$MPS_TENANTS" "$@" || return 1
   # one latency tenant per latency workload: each has its own target, learnt from its own steps
   if [ "$PLACED" = 0 ]; then
     for l in "${LATS[@]}"; do
@@ -434,13 +409,8 @@ fi
 if { has_mode vgpu || has_mode vgpu-alone; } && fits vgpu "$n_pairs" 8; then
   EXEC=(env VGPU_AGENT_MPS=false "${EXEC_BASE[@]}")
   if [ "$AGENT_MPS" = 1 ]; then
-    # the agent never stops the MPS daemon it started: stop the agent, then the daemon (no tenant
-    # process is left), so that the agent without --mps shares the GPU by turns only
-    stop_pid "$AGENT"
-    AGENT=""
-    echo quit | CUDA_MPS_PIPE_DIRECTORY="$SHM/mps" nvidia-cuda-mps-control >/dev/null 2>&1
-    AGENT_MPS=0
-    bounded_wait 15 "the agent's MPS daemon and server to quit" mps_gone
+    # no tenant process is left: the agent without --mps shares the GPU by turns only
+    agent_mps_down
   fi
   if vgpu_up; then
     vgpu_group vgpu

@@ -32,15 +32,13 @@ set -u
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 HELPER="$ROOT/tests/gpu/fault_matrix.py"
-if [ -z "${PY:-}" ]; then
-  PY=python3
-  [ -x /opt/torch/.venv/bin/python3 ] && PY=/opt/torch/.venv/bin/python3
-fi
-BIN=${VGPU_BIN:-dist}
-case "$BIN" in
-/*) ;;
-*) if [ -d "$PWD/$BIN" ]; then BIN="$PWD/$BIN"; else BIN="$ROOT/$BIN"; fi ;;
-esac
+# forget, bounded_wait, gone, stop_pid, mps_gone; gpu_paths, ctl, vgpu_cp_up, vgpu_agent_up,
+# agent_mps_down
+# shellcheck source=tests/gpu/procs.sh
+source "$ROOT/tests/gpu/procs.sh"
+# shellcheck source=tests/gpu/node.sh
+source "$ROOT/tests/gpu/node.sh"
+gpu_paths
 MODES=${MODES:-plain mps vgpu vgpu-mps}
 FAULTS=${FAULTS:-illegal kill}
 LINGER=${LINGER:-5}
@@ -75,9 +73,6 @@ MPS_OWN=0
 AGENT_MPS=0
 PLACED=0
 LAST=""
-# forget, bounded_wait, gone, stop_pid, mps_gone
-# shellcheck source=tests/gpu/procs.sh
-source "$ROOT/tests/gpu/procs.sh"
 
 cleanup() {
   local rc=$? pid
@@ -96,7 +91,6 @@ trap cleanup EXIT
 trap 'exit 143' TERM INT HUP
 
 log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
-ctl() { "$BIN/vgpuctl" --insecure --endpoints "$EP" "$@"; }
 has() { grep -q "^$2 " "$1" 2>/dev/null; }
 reap() { # reap PID SECONDS: wait up to SECONDS for it to exit, else KILL; returns 1 if killed
   local killed=0
@@ -162,39 +156,15 @@ run_case() { # run_case FAULT
   fi
 }
 
-node_listed() { ctl get nodes 2>/dev/null | grep -q gpu-node; }
-cp_answers() { ctl cluster status >/dev/null 2>&1; }
 vgpu_up() { # vgpu_up [--mps]
-  if [ -z "$CP" ]; then
-    "$BIN/vgpu-cp" bootstrap --insecure --id 1 --listen "$EP" --data-dir "$WORK/cp" 2>"$LOGS/cp.log" &
-    CP=$!
-    PIDS+=("$CP")
-    bounded_wait 10 "the control plane on $EP" cp_answers || return 1
-  fi
-  [ -n "$AGENT" ] && stop_pid "$AGENT"
-  "$BIN/vgpu-agent" join --insecure --control-plane "$EP" --name gpu-node --state-dir "$WORK/agent" \
-    --shm-dir "$SHM" --cdi-dir "$WORK/cdi" --mps-tenants "$MPS_TENANTS" "$@" 2>>"$LOGS/agent.log" &
-  AGENT=$!
-  PIDS+=("$AGENT")
-  bounded_wait 10 "node gpu-node" node_listed || return 1
-  if [ "${1:-}" = --mps ]; then
-    AGENT_MPS=1
-    bounded_wait 10 "the agent's MPS daemon" test -e "$SHM/mps/control" || return 1
-  fi
+  vgpu_cp_up || return 1
+  vgpu_agent_up --mps-tenants "$MPS_TENANTS" "$@" || return 1
   if [ "$PLACED" = 0 ]; then
     ctl place lat --gpus 0.25 --memory 8GiB --latency 2>&1 | tee -a "$LOGS/run.log"
     ctl place nb --gpus 0.5 --memory 30GiB --burst 2>&1 | tee -a "$LOGS/run.log"
     PLACED=1
   fi
   bounded_wait 15 "tenant directories" test -e "$SHM/tenants/nb/nccl-activity"
-}
-agent_mps_down() {
-  [ "$AGENT_MPS" = 1 ] || return 0
-  [ -n "$AGENT" ] && stop_pid "$AGENT"
-  AGENT=""
-  echo quit | CUDA_MPS_PIPE_DIRECTORY="$SHM/mps" nvidia-cuda-mps-control >/dev/null 2>&1
-  AGENT_MPS=0
-  bounded_wait 15 "the agent's MPS daemon to quit" mps_gone
 }
 
 gpu=$(nvidia-smi --query-gpu=name,driver_version,compute_mode,mig.mode.current --format=csv,noheader 2>&1 | head -n1)
