@@ -11,35 +11,55 @@ use api::tls::{Role, TlsFiles};
 use std::time::{Duration, Instant};
 use tonic::codegen::{Bytes, Service as _, http};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_half_open_request_without_a_certificate_is_answered_within_the_request_timeout() {
-    let directory = tempfile::tempdir().unwrap();
-    let pki = directory.path().join("pki");
+/// A member under mTLS in `directory`, with `timings`; the CA (to issue clients' certificates),
+/// its certificate file and its pin.
+async fn member_under_mtls(
+    directory: &std::path::Path,
+    timings: Timings,
+) -> (
+    crate::Started,
+    api::pki::CertAndKey,
+    std::path::PathBuf,
+    String,
+) {
+    let pki = directory.join("pki");
     std::fs::create_dir_all(&pki).unwrap();
     let (ca_cert, ca_key, pin) = crate::certs::ca_init(&pki, "test", 1).unwrap();
     let ca = crate::certs::load_ca(&ca_cert, &ca_key).unwrap();
     let hosts = vec!["127.0.0.1".to_owned()];
     let (cert, key) = crate::certs::cert_issue(&ca, Role::Member, "1", hosts, 1, &pki).unwrap();
-    let request_timeout = Duration::from_secs(1);
     let started = start(Config {
         mode: Mode::Bootstrap,
         id: 1,
         listen: "127.0.0.1:0".parse().unwrap(),
         advertise: "127.0.0.1:1".to_owned(),
-        data_dir: directory.path().join("data"),
-        timings: Timings {
-            request_timeout,
-            ..Timings::default()
-        },
+        data_dir: directory.join("data"),
+        timings,
         raft: RaftTimings::default(),
         security: Security {
             insecure: false,
-            tls: Some(TlsFiles { ca_cert, cert, key }),
+            tls: Some(TlsFiles {
+                ca_cert: ca_cert.clone(),
+                cert,
+                key,
+            }),
             ..Security::default()
         },
     })
     .await
     .unwrap();
+    (started, ca, ca_cert, pin)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_request_without_a_certificate_is_answered_within_the_request_timeout() {
+    let directory = tempfile::tempdir().unwrap();
+    let request_timeout = Duration::from_secs(1);
+    let timings = Timings {
+        request_timeout,
+        ..Timings::default()
+    };
+    let (started, _, _, pin) = member_under_mtls(directory.path(), timings).await;
 
     let address = started.local_address.to_string();
     let mut channel = api::tls::pinned_endpoint(&address, &pin)
@@ -93,40 +113,16 @@ async fn a_half_open_request_without_a_certificate_is_answered_within_the_reques
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_shows_no_certificate_is_closed_after_its_time() {
     let directory = tempfile::tempdir().unwrap();
-    let pki = directory.path().join("pki");
-    std::fs::create_dir_all(&pki).unwrap();
-    let (ca_cert, ca_key, pin) = crate::certs::ca_init(&pki, "test", 1).unwrap();
-    let ca = crate::certs::load_ca(&ca_cert, &ca_key).unwrap();
-    let hosts = vec!["127.0.0.1".to_owned()];
-    let (cert, key) = crate::certs::cert_issue(&ca, Role::Member, "1", hosts, 1, &pki).unwrap();
+    let anonymous_max = Duration::from_secs(1);
+    let timings = Timings {
+        anonymous_connection_max: anonymous_max,
+        ..Timings::default()
+    };
+    let (started, ca, ca_cert, pin) = member_under_mtls(directory.path(), timings).await;
     let admin_dir = directory.path().join("admin");
     std::fs::create_dir_all(&admin_dir).unwrap();
     let (admin_cert, admin_key) =
         crate::certs::cert_issue(&ca, Role::Admin, "ops", Vec::new(), 1, &admin_dir).unwrap();
-    let anonymous_max = Duration::from_secs(1);
-    let started = start(Config {
-        mode: Mode::Bootstrap,
-        id: 1,
-        listen: "127.0.0.1:0".parse().unwrap(),
-        advertise: "127.0.0.1:1".to_owned(),
-        data_dir: directory.path().join("data"),
-        timings: Timings {
-            anonymous_connection_max: anonymous_max,
-            ..Timings::default()
-        },
-        raft: RaftTimings::default(),
-        security: Security {
-            insecure: false,
-            tls: Some(TlsFiles {
-                ca_cert: ca_cert.clone(),
-                cert,
-                key,
-            }),
-            ..Security::default()
-        },
-    })
-    .await
-    .unwrap();
     let address = started.local_address.to_string();
     let status = |channel: tonic::transport::Channel| async move {
         api::v1::cluster_client::ClusterClient::new(channel)
