@@ -11,26 +11,6 @@ fn engine_with(nodes: &[NodeSpec]) -> Engine {
     engine
 }
 
-fn handle(engine: &mut Engine, event: Event) -> Vec<Command> {
-    let commands = engine.handle(event);
-    engine.check_invariants();
-    commands
-}
-
-fn pending(tenant: &str, reason: &str) -> Command {
-    Command::Pending {
-        tenant: tenant.to_string(),
-        reason: reason.to_string(),
-    }
-}
-
-fn reject(tenant: &str, reason: &str) -> Command {
-    Command::Reject {
-        tenant: tenant.to_string(),
-        reason: reason.to_string(),
-    }
-}
-
 fn released(tenant: &str) -> Command {
     Command::Released {
         tenant: tenant.to_string(),

@@ -57,26 +57,6 @@ fn engine_of(scorer: Scorer, nodes: Vec<(NodeSpec, HostCapacity)>) -> Engine {
     engine
 }
 
-fn handle(engine: &mut Engine, event: Event) -> Vec<Command> {
-    let commands = engine.handle(event);
-    engine.check_invariants();
-    commands
-}
-
-fn pending(tenant: &str, reason: &str) -> Command {
-    Command::Pending {
-        tenant: tenant.to_string(),
-        reason: reason.to_string(),
-    }
-}
-
-fn reject(tenant: &str, reason: &str) -> Command {
-    Command::Reject {
-        tenant: tenant.to_string(),
-        reason: reason.to_string(),
-    }
-}
-
 fn one_node(cpus: u64, memory_gib: u64) -> Engine {
     engine_of(
         Scorer::Fragmentation,

@@ -122,3 +122,24 @@ pub(crate) fn bind(tenant: &str, slices: Vec<SliceAssignment>) -> Command {
         slices,
     }
 }
+
+/// Hands `event` to `engine` and checks its invariants after it.
+pub(crate) fn handle(engine: &mut crate::Engine, event: Event) -> Vec<Command> {
+    let commands = engine.handle(event);
+    engine.check_invariants();
+    commands
+}
+
+pub(crate) fn pending(tenant: &str, reason: &str) -> Command {
+    Command::Pending {
+        tenant: tenant.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+pub(crate) fn reject(tenant: &str, reason: &str) -> Command {
+    Command::Reject {
+        tenant: tenant.to_string(),
+        reason: reason.to_string(),
+    }
+}
