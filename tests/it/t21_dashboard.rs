@@ -16,28 +16,6 @@ use tests::{Cluster, Process, binary, get_as, wait_for};
 
 const GIB: u64 = 1 << 30;
 
-/// A plain HTTP/1.1 GET: the status code, the head (lower case) and the body.
-fn get(address: &str, path: &str) -> Result<(u16, String, String)> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(address)?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let Some((head, body)) = response.split_once("\r\n\r\n") else {
-        bail!("malformed HTTP response: {response}")
-    };
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .with_context(|| format!("no status in {head}"))?;
-    Ok((status, head.to_ascii_lowercase(), body.to_owned()))
-}
-
 fn get_json(address: &str, path: &str) -> Result<Value> {
     let body = tests::http_get(address, path)?;
     serde_json::from_str(&body).with_context(|| format!("GET {path}: not JSON: {body}"))
@@ -79,7 +57,7 @@ fn a_follower_serves_the_dashboard_and_its_json_views() -> Result<()> {
         .clone();
 
     // The page and its assets, with nothing from elsewhere.
-    let (status, head, page) = get(&follower, "/ui/")?;
+    let (status, head, page) = tests::http_request(&follower, "/ui/")?;
     ensure!(
         status == 200 && head.contains("content-security-policy: default-src 'self'"),
         "{status} {head}"
@@ -183,7 +161,7 @@ fn a_follower_serves_the_dashboard_and_its_json_views() -> Result<()> {
             && train["usage_history"]["window_ms"] == 3_600_000,
         "{train}"
     );
-    let (status, _, body) = get(&follower, "/ui/api/tenant?name=nobody")?;
+    let (status, _, body) = tests::http_request(&follower, "/ui/api/tenant?name=nobody")?;
     ensure!(status == 404 && body.contains("nobody"), "{status} {body}");
 
     // The cluster: members, the leader, agents heard from, the elections this member saw.
@@ -205,7 +183,7 @@ fn a_follower_serves_the_dashboard_and_its_json_views() -> Result<()> {
     );
 
     // A malformed query is refused with a reason.
-    let (status, _, body) = get(&follower, "/ui/api/pool?limit=0")?;
+    let (status, _, body) = tests::http_request(&follower, "/ui/api/pool?limit=0")?;
     ensure!(status == 400 && body.contains("limit"), "{status} {body}");
 
     browser_draws_the_pages(&follower, leader)
@@ -384,7 +362,7 @@ fn timed_get(address: &str, path: &str) -> Result<(usize, Duration, Duration)> {
     let mut bytes = 0;
     for _ in 0..TIMED_REQUESTS {
         let started = Instant::now();
-        let (status, _, body) = get(address, path)?;
+        let (status, _, body) = tests::http_request(address, path)?;
         times.push(started.elapsed());
         ensure!(status == 200, "GET {path}: {status} {body}");
         bytes = body.len();

@@ -677,8 +677,8 @@ pub fn get_through(endpoint: tonic::transport::Endpoint, path: &str) -> Result<(
     runtime.block_on(async { tokio::time::timeout(Duration::from_secs(10), exchange).await })?
 }
 
-/// A plain HTTP/1.1 GET on loopback (for `/metrics`); returns the body.
-pub fn http_get(address: &str, path: &str) -> Result<String> {
+/// A plain HTTP/1.1 GET on loopback: the status code, the head (lower case) and the body.
+pub fn http_request(address: &str, path: &str) -> Result<(u16, String, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(address)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
@@ -691,8 +691,19 @@ pub fn http_get(address: &str, path: &str) -> Result<String> {
     let Some((head, body)) = response.split_once("\r\n\r\n") else {
         bail!("malformed HTTP response: {response}")
     };
-    if !head.starts_with("HTTP/1.1 200") {
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .with_context(|| format!("no status in {head}"))?;
+    Ok((status, head.to_ascii_lowercase(), body.to_owned()))
+}
+
+/// A plain HTTP/1.1 GET on loopback (for `/metrics`); returns the body of a 200 answer.
+pub fn http_get(address: &str, path: &str) -> Result<String> {
+    let (status, head, body) = http_request(address, path)?;
+    if status != 200 {
         bail!("GET {path} failed: {head}");
     }
-    Ok(body.to_owned())
+    Ok(body)
 }
