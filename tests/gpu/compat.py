@@ -31,8 +31,13 @@ SKIP_EXIT = 77
 
 
 def say(*parts):
+    # One write per line: the ranks share one log, and print() writes its pieces separately,
+    # so two ranks' lines interleaved mid-line (and hid a rank's `STEP 5` from the harness).
     now = time.time()
-    print(f"[{now - T0:7.2f}s rank {os.environ.get('RANK', '-')} unix {now:.3f}]", *parts, file=sys.stderr, flush=True)
+    text = " ".join(str(p) for p in parts)
+    line = f"[{now - T0:7.2f}s rank {os.environ.get('RANK', '-')} unix {now:.3f}] {text}\n"
+    sys.stderr.flush()
+    os.write(2, line.encode())
 
 
 def write_result(path, result):

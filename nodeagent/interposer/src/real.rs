@@ -277,6 +277,7 @@ fn check(driver: &Driver) {
         (unsafe { get(&mut version) } == CUDA_SUCCESS).then_some(version)
     });
     let mut unknown = Vec::new();
+    let mut asks = 0usize;
     if let (Some(get_proc), Some(version)) = (driver.fns.get_proc_address_v2, version) {
         for base in crate::compat::base_names() {
             let Ok(c_base) = CString::new(base.clone()) else {
@@ -291,6 +292,7 @@ fn check(driver: &Driver) {
                     let rc = with_guard(|| unsafe {
                         get_proc(c_base.as_ptr(), &mut found, asked, flags, &mut status)
                     });
+                    asks += 1;
                     if rc != CUDA_SUCCESS || found.is_null() || driver.substitute(found).is_some() {
                         continue;
                     }
@@ -304,6 +306,13 @@ fn check(driver: &Driver) {
         }
     }
     let level = crate::compat::level(version);
+    if unknown.is_empty() && asks > 0 {
+        crate::log::debug(format_args!(
+            "driver check: CUDA driver API {:?}; {asks} cuGetProcAddress answers for {} wrapped entry points, every one a function the hooks know",
+            version,
+            crate::compat::base_names().len()
+        ));
+    }
     for line in crate::compat::findings(version, &unknown) {
         match level {
             crate::compat::Level::Warn => crate::log::error(format_args!("{line}")),
