@@ -505,7 +505,8 @@ fn serve(
     // The dashboard (`/ui/`), with the API's authentication (see `dashboard`).
     let router = router.merge(dashboard::router(control_plane.clone(), guard));
     // Under mTLS a connection that has not shown a client certificate is closed a minute after it
-    // was accepted (`limits::Anonymous`); a request that carries one marks its connection.
+    // was accepted (`limits::Anonymous`); a request that carries one marks its connection, and
+    // requests without one are bounded in number and size (`bound_anonymous`).
     let anonymous = transport
         .server_config()
         .is_some()
@@ -513,8 +514,8 @@ fn serve(
     let router = match anonymous.clone() {
         Some(anonymous) => router.layer(axum::middleware::from_fn(
             move |request: axum::extract::Request, next: axum::middleware::Next| {
-                mark_authenticated(&anonymous, &request);
-                next.run(request)
+                let anonymous = anonymous.clone();
+                async move { bound_anonymous(&anonymous, request, next).await }
             },
         )),
         None => router,
@@ -649,16 +650,67 @@ fn health_answer(control_plane: &ControlPlane) -> axum::response::Response {
     }
 }
 
-/// Marks the connection of `request` authenticated when the request carries a client
-/// certificate (`limits::Anonymous`).
-fn mark_authenticated(anonymous: &limits::Anonymous, request: &axum::extract::Request) {
+/// Under mTLS: marks the connection of `request` authenticated when the request carries a
+/// client certificate (`limits::Anonymous`), and bounds a request without one (issue 22:
+/// half-open requests without a certificate grew a member to 1.93 GB): its connection may have
+/// at most `limits::ANONYMOUS_REQUESTS_PER_CONNECTION_MAX` such requests in flight (one more is
+/// answered at once, its body never read) and its body is cut at
+/// `limits::ANONYMOUS_REQUEST_BYTES_MAX`. With the request timeout and the anonymous
+/// connection's lifetime, what one connection without a certificate can make a member hold is
+/// a few hundred KiB for at most a minute.
+async fn bound_anonymous(
+    anonymous: &Arc<limits::Anonymous>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
     use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
     let Some(info) = request.extensions().get::<TlsConnectInfo<TcpConnectInfo>>() else {
-        return;
+        return next.run(request).await;
     };
-    let has_certificate = info.peer_certs().is_some_and(|certs| !certs.is_empty());
-    if let (true, Some(remote)) = (has_certificate, info.get_ref().remote_addr()) {
+    let Some(remote) = info.get_ref().remote_addr() else {
+        return next.run(request).await;
+    };
+    if info.peer_certs().is_some_and(|certs| !certs.is_empty()) {
         anonymous.authenticated(remote);
+        return next.run(request).await;
+    }
+    let Some(permit) = anonymous.admit_request(remote) else {
+        return too_many_anonymous_requests(&request);
+    };
+    let request = request.map(|body| {
+        axum::body::Body::new(http_body_util::Limited::new(
+            body,
+            limits::ANONYMOUS_REQUEST_BYTES_MAX,
+        ))
+    });
+    let response = next.run(request).await;
+    drop(permit);
+    response
+}
+
+/// The answer to a request without a certificate on a connection that has the most such
+/// requests in flight: a gRPC error for gRPC calls, `429` otherwise.
+fn too_many_anonymous_requests(request: &axum::extract::Request) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let message = format!(
+        "a connection without a client certificate may have at most {} requests in flight; what needs no certificate (`JoinNode` with a bootstrap token, `/healthz`) is one call at a time: wait for the answer, or connect with a client certificate",
+        limits::ANONYMOUS_REQUESTS_PER_CONNECTION_MAX
+    );
+    let grpc = request
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with("application/grpc"));
+    if grpc {
+        api::ErrorCode::Unavailable
+            .status(message)
+            .into_http::<axum::body::Body>()
+    } else {
+        (
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            format!("{message}\n"),
+        )
+            .into_response()
     }
 }
 

@@ -129,6 +129,17 @@ const AUTHENTICATED_MAX: usize = 65_536;
 
 /// Closed by [`Anonymous`], for `/metrics`.
 pub static ANONYMOUS_CONNECTIONS_CLOSED: AtomicU64 = AtomicU64::new(0);
+/// Requests without a client certificate that one connection may have in flight at once under
+/// mTLS. What needs no certificate is one small call at a time (`JoinNode`, `/healthz`); without
+/// this bound one such connection could hold `lib::STREAMS_PER_CONNECTION_MAX` half-sent
+/// requests of up to 4 MiB each (issue 22: a member grew to 1.93 GB under half-open requests).
+pub const ANONYMOUS_REQUESTS_PER_CONNECTION_MAX: u32 = 4;
+/// Largest body of a request without a client certificate under mTLS: a `JoinNode` request (a
+/// token, a node name and a public key) is a few hundred bytes; the bound leaves room for growth.
+pub const ANONYMOUS_REQUEST_BYTES_MAX: usize = 64 << 10;
+/// Requests without a client certificate refused because their connection had
+/// [`ANONYMOUS_REQUESTS_PER_CONNECTION_MAX`] in flight, for `/metrics`.
+pub static ANONYMOUS_REQUESTS_REFUSED: AtomicU64 = AtomicU64::new(0);
 
 /// The connections on which a request showed a client certificate, by peer address and port
 /// (unique among open connections): the others are closed [`Anonymous::max`] after they were
@@ -137,6 +148,28 @@ pub static ANONYMOUS_CONNECTIONS_CLOSED: AtomicU64 = AtomicU64::new(0);
 pub struct Anonymous {
     max: Duration,
     authenticated: Mutex<HashSet<SocketAddr>>,
+    /// Requests without a certificate in flight, by connection (only connections with one).
+    in_flight: Mutex<HashMap<SocketAddr, u32>>,
+}
+
+/// One request without a client certificate in flight on its connection; dropping it (the
+/// request answered or abandoned) frees its place.
+#[derive(Debug)]
+pub struct AnonymousRequest {
+    anonymous: Arc<Anonymous>,
+    peer: SocketAddr,
+}
+
+impl Drop for AnonymousRequest {
+    fn drop(&mut self) {
+        let mut in_flight = self.anonymous.in_flight.lock().expect("anonymous lock");
+        if let Some(count) = in_flight.get_mut(&self.peer) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                in_flight.remove(&self.peer);
+            }
+        }
+    }
 }
 
 impl Anonymous {
@@ -144,7 +177,32 @@ impl Anonymous {
         Arc::new(Anonymous {
             max,
             authenticated: Mutex::default(),
+            in_flight: Mutex::default(),
         })
+    }
+
+    /// Admits one more request without a client certificate on the connection from `peer`, or
+    /// `None` when it has [`ANONYMOUS_REQUESTS_PER_CONNECTION_MAX`] in flight (counted in
+    /// [`ANONYMOUS_REQUESTS_REFUSED`]). The map holds only connections with a request in flight,
+    /// so it is bounded by the member's connections times that bound.
+    pub fn admit_request(self: &Arc<Self>, peer: SocketAddr) -> Option<AnonymousRequest> {
+        let mut in_flight = self.in_flight.lock().expect("anonymous lock");
+        let count = in_flight.entry(peer).or_insert(0);
+        if *count >= ANONYMOUS_REQUESTS_PER_CONNECTION_MAX {
+            ANONYMOUS_REQUESTS_REFUSED.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        *count += 1;
+        Some(AnonymousRequest {
+            anonymous: self.clone(),
+            peer,
+        })
+    }
+
+    /// Requests without a certificate in flight on the connection from `peer`.
+    pub fn requests_in_flight(&self, peer: SocketAddr) -> u32 {
+        let in_flight = self.in_flight.lock().expect("anonymous lock");
+        in_flight.get(&peer).copied().unwrap_or(0)
     }
 
     pub fn max(&self) -> Duration {
@@ -274,6 +332,37 @@ mod tests {
         assert!(anonymous.expired(b, t0, t0 + Duration::from_secs(60)));
     }
     use super::*;
+
+    /// Issue 22: a connection without a certificate has a few requests in flight at once, each
+    /// connection apart, and an answered request frees its place.
+    #[test]
+    fn a_connection_without_a_certificate_has_few_requests_in_flight() {
+        let anonymous = Anonymous::new(Duration::from_secs(60));
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "10.0.0.1:4000".parse().unwrap(),
+            "10.0.0.1:4001".parse().unwrap(),
+        );
+        let refused = ANONYMOUS_REQUESTS_REFUSED.load(Ordering::Relaxed);
+        let mut held: Vec<_> = (0..ANONYMOUS_REQUESTS_PER_CONNECTION_MAX)
+            .map(|_| anonymous.admit_request(a).expect("within the bound"))
+            .collect();
+        assert!(anonymous.admit_request(a).is_none(), "one more is refused");
+        assert!(ANONYMOUS_REQUESTS_REFUSED.load(Ordering::Relaxed) > refused);
+        assert!(
+            anonymous.admit_request(b).is_some(),
+            "another connection is apart"
+        );
+        held.pop();
+        let again = anonymous.admit_request(a);
+        assert!(again.is_some(), "an answered request frees its place");
+        drop(again);
+        held.clear();
+        assert_eq!(anonymous.requests_in_flight(a), 0);
+        assert!(
+            anonymous.in_flight.lock().unwrap().is_empty(),
+            "connections without requests in flight are not kept"
+        );
+    }
 
     /// Issue 22: one address cannot hold more than its share of a member's connections, and a
     /// closed connection frees its place.

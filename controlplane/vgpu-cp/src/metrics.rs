@@ -255,6 +255,12 @@ impl Metrics {
                 "Connections closed because no request on them showed a client certificate within limits::ANONYMOUS_CONNECTION_MAX (under mTLS).",
                 crate::limits::ANONYMOUS_CONNECTIONS_CLOSED.load(relaxed),
             );
+            counter(
+                &mut out,
+                "vgpu_anonymous_requests_refused_total",
+                "Requests without a client certificate refused because their connection had limits::ANONYMOUS_REQUESTS_PER_CONNECTION_MAX in flight (under mTLS).",
+                crate::limits::ANONYMOUS_REQUESTS_REFUSED.load(relaxed),
+            );
         }
         let applied = shared.read();
         let pool = &applied.pool;
