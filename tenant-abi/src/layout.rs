@@ -6,6 +6,7 @@
 //! | --- | --- |
 //! | `<tenant>.mem` | the tenant's memory ledger ([`crate::ledger`]), created by its first process |
 //! | `<gpu uuid>.compute` | the compute schedule of a GPU the tenant is on ([`crate::compute`]) |
+//! | `<gpu uuid>.memory` | the memory board of a GPU the tenant is on ([`crate::board`]; not wired yet) |
 //! | `nccl-activity` | the NCCL tuners' activity table (who runs collectives on the node, with what weight) |
 //! | `netshare` | the tenant's token-bucket table (`netshare::table`) |
 
@@ -38,6 +39,15 @@ pub fn schedule_path(dir: &Path, uuid: &str) -> PathBuf {
     dir.join(format!("{uuid}.compute"))
 }
 
+/// The memory board of the GPU `uuid` in `dir` (`<dir>/<uuid>.memory`).
+pub fn board_path(dir: &Path, uuid: &str) -> PathBuf {
+    assert!(
+        !uuid.is_empty() && !uuid.contains('/'),
+        "GPU uuids never contain a path separator"
+    );
+    dir.join(format!("{uuid}.memory"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -47,6 +57,7 @@ mod tests {
         let dir = Path::new("/dev/shm/vgpu/tenants/a");
         assert_eq!(ledger_path(dir, "a"), dir.join("a.mem"));
         assert_eq!(schedule_path(dir, "GPU-1"), dir.join("GPU-1.compute"));
+        assert_eq!(board_path(dir, "GPU-1"), dir.join("GPU-1.memory"));
         assert_ne!(NCCL_ACTIVITY_FILE, NCCL_ACTIVITY_FILE_OLD);
     }
 }

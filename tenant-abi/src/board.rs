@@ -1,0 +1,502 @@
+//! The per-GPU memory board of elastic memory (issue 17, `docs/design/elastic-memory.md`): one
+//! `#[repr(C)]` file per GPU (`<uuid>.memory`, [`crate::layout::board_path`]) mapped by the agent
+//! and by every process of every tenant on that GPU, and the lock-free protocol that lets a
+//! tenant use memory past its request (up to its limit) while no one else needs it, and get its
+//! request back when it does.
+//!
+//! **Who writes what.** The agent writes the board's static part: the capacity (what tenants may
+//! hold on the GPU in all: the card's memory less what the agent keeps back for contexts, NCCL
+//! and headroom) and one entry per tenant (name, request, limit, priority, guaranteed), published
+//! by its `present` word last. Each tenant process owns one slot and counts in it what it holds
+//! resident on the GPU and what it swapped out. A tenant that needs memory within its request
+//! that the GPU no longer has posts a *want* on the borrowers `reclaim::plan` chose; their
+//! interposers take it and give memory back (hints, then swap).
+//!
+//! **Reserve protocol** for `bytes` by the process of slot `s`, tenant `t`:
+//! 1. `slot[s].resident += bytes` (published before checking);
+//! 2. sum what `t` holds (resident and swapped, its limit covers both) and what every slot holds
+//!    resident on the GPU;
+//! 3. over `t`'s limit, or over the capacity: reclaim the slots of dead processes and sum again;
+//!    if still over, `slot[s].resident -= bytes` and refuse, saying whether a reclaim can help
+//!    (the bytes are within `t`'s request: others borrowed them) or not.
+//!
+//! All `SeqCst`, so as in `ledger`, of two processes racing near the capacity at least one sees
+//! the other's step 1: both may be refused, but what is granted never passes the capacity or a
+//! limit. Swapping in is the same protocol against the capacity only (the limit already counts
+//! swapped bytes).
+//!
+//! The file starts zeroed; a zero capacity lends nothing and refuses everything, so a board the
+//! agent has not written yet is safe.
+
+use crate::ledger::{Liveness, RECLAIMING_BIT, reclaim_dead_slots};
+use crate::reclaim::Holder;
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::SeqCst};
+
+/// `VGPUBRD1`, little-endian: written last when a board is initialised.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUBRD1");
+/// Bumped on any layout change; a process refuses a board of another version.
+pub const VERSION: u32 = 1;
+/// Tenants one GPU's board describes at once.
+pub const TENANTS: usize = 64;
+/// Process slots per GPU: the most processes of all tenants on one GPU alive at once.
+pub const SLOTS: usize = 512;
+/// Bytes of a tenant's name in its entry; tenant names are at most 63 bytes (`api::names`).
+pub const NAME_BYTES: usize = 64;
+/// A tenant entry's flag: its request is guaranteed (never overbooked by placement).
+pub const GUARANTEED: u32 = 1;
+
+#[repr(C)]
+pub struct Header {
+    pub magic: AtomicU64,
+    pub version: AtomicU32,
+    pub tenant_count: AtomicU32,
+    pub slot_count: AtomicU32,
+    pub reserved: AtomicU32,
+    /// What the tenants may hold resident on the GPU in all (bytes).
+    pub capacity_bytes: AtomicU64,
+}
+
+/// One tenant of the GPU, written by the agent.
+#[repr(C)]
+pub struct Tenant {
+    /// The name, NUL-padded, as little-endian words.
+    pub name: [AtomicU64; NAME_BYTES / 8],
+    /// 1 when the entry describes a tenant; stored last when written, first when removed.
+    pub present: AtomicU32,
+    pub flags: AtomicU32,
+    pub priority: AtomicI32,
+    pub reserved: AtomicU32,
+    pub request_bytes: AtomicU64,
+    /// What the tenant may hold, resident and swapped; 0 = its request.
+    pub limit_bytes: AtomicU64,
+    /// Bytes other tenants asked it to give back and it has not taken yet.
+    pub want_bytes: AtomicU64,
+    /// Counts every want posted, so a borrower notices one with one load.
+    pub want_epoch: AtomicU64,
+}
+
+/// One process's memory on the GPU.
+#[repr(C)]
+pub struct Slot {
+    pub pid: AtomicU32,
+    /// The index of its tenant's entry.
+    pub tenant: AtomicU32,
+    pub start_time: AtomicU64,
+    pub resident_bytes: AtomicU64,
+    pub swapped_bytes: AtomicU64,
+}
+
+/// The whole board file.
+#[repr(C)]
+pub struct Region {
+    pub header: Header,
+    pub tenants: [Tenant; TENANTS],
+    pub slots: [Slot; SLOTS],
+}
+
+/// The file size; part of the on-disk format (checked so a field change bumps `VERSION`).
+pub const REGION_BYTES: usize = 32 + TENANTS * 112 + SLOTS * 32;
+const _: () = assert!(std::mem::size_of::<Region>() == REGION_BYTES);
+const _: () = assert!(std::mem::align_of::<Region>() == 8);
+
+/// A tenant entry the agent writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantSpec {
+    pub name: String,
+    pub request_bytes: u64,
+    /// At least the request; equal to it for a tenant that does not borrow.
+    pub limit_bytes: u64,
+    pub priority: i32,
+    pub guaranteed: bool,
+}
+
+/// Why the agent could not write an entry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("tenant name `{0}` is empty or longer than {max} bytes", max = NAME_BYTES - 1)]
+    Name(String),
+    #[error("tenant `{name}`: limit {limit} bytes is below its request {request} bytes")]
+    LimitBelowRequest {
+        name: String,
+        request: u64,
+        limit: u64,
+    },
+    #[error(
+        "the board of this GPU describes {TENANTS} tenants already; remove a tenant that left first"
+    )]
+    Full,
+}
+
+/// What a granted reservation is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grant {
+    /// Within the tenant's request.
+    Within,
+    /// Past its request: borrowed, so it may be asked back.
+    Borrowed,
+}
+
+/// A refused reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("the tenant holds {held} of its limit of {limit} bytes")]
+    OverLimit { held: u64, limit: u64 },
+    /// Within the request, but others borrowed the memory: ask them (`reclaim::plan` with
+    /// [`Region::holders`]), then try again.
+    #[error("within the request, but the GPU is short of {shortfall} bytes that others borrowed")]
+    NeedsReclaim { shortfall: u64 },
+    /// Past the request, and the GPU does not have that much free.
+    #[error("past the request, {asked} bytes asked and {free} free on the GPU")]
+    NothingFree { asked: u64, free: u64 },
+}
+
+impl Region {
+    /// A zeroed region on the heap (tests; the real one is a mapped file).
+    pub fn new_boxed() -> Box<Region> {
+        let tenant = || Tenant {
+            name: std::array::from_fn(|_| AtomicU64::new(0)),
+            present: AtomicU32::new(0),
+            flags: AtomicU32::new(0),
+            priority: AtomicI32::new(0),
+            reserved: AtomicU32::new(0),
+            request_bytes: AtomicU64::new(0),
+            limit_bytes: AtomicU64::new(0),
+            want_bytes: AtomicU64::new(0),
+            want_epoch: AtomicU64::new(0),
+        };
+        let slot = || Slot {
+            pid: AtomicU32::new(0),
+            tenant: AtomicU32::new(0),
+            start_time: AtomicU64::new(0),
+            resident_bytes: AtomicU64::new(0),
+            swapped_bytes: AtomicU64::new(0),
+        };
+        Box::new(Region {
+            header: Header {
+                magic: AtomicU64::new(0),
+                version: AtomicU32::new(0),
+                tenant_count: AtomicU32::new(0),
+                slot_count: AtomicU32::new(0),
+                reserved: AtomicU32::new(0),
+                capacity_bytes: AtomicU64::new(0),
+            },
+            tenants: std::array::from_fn(|_| tenant()),
+            slots: std::array::from_fn(|_| slot()),
+        })
+    }
+
+    /// Writes the constant header fields and publishes the magic (idempotent).
+    pub fn initialise(&self) {
+        self.header.version.store(VERSION, SeqCst);
+        self.header.tenant_count.store(TENANTS as u32, SeqCst);
+        self.header.slot_count.store(SLOTS as u32, SeqCst);
+        self.header.magic.store(MAGIC, SeqCst);
+    }
+
+    pub fn is_initialised(&self) -> bool {
+        self.header.magic.load(SeqCst) == MAGIC
+    }
+
+    /// Checks an initialised header against this build's layout.
+    pub fn check_layout(&self) -> Result<(), String> {
+        let h = &self.header;
+        let (version, tenants, slots) = (
+            h.version.load(SeqCst),
+            h.tenant_count.load(SeqCst),
+            h.slot_count.load(SeqCst),
+        );
+        if version != VERSION || tenants as usize != TENANTS || slots as usize != SLOTS {
+            return Err(format!(
+                "the memory board has version {version} ({tenants} tenants, {slots} slots); this \
+                 build uses version {VERSION} ({TENANTS}, {SLOTS}): the agent and a tenant \
+                 process are of two vgpu versions"
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.header.capacity_bytes.load(SeqCst)
+    }
+
+    /// The agent: what tenants may hold on the GPU in all.
+    pub fn set_capacity(&self, bytes: u64) {
+        self.header.capacity_bytes.store(bytes, SeqCst);
+    }
+
+    /// The agent: writes (or rewrites) `spec`'s entry; returns its index.
+    pub fn set_tenant(&self, spec: &TenantSpec) -> Result<usize, SpecError> {
+        let words = name_words(&spec.name).ok_or_else(|| SpecError::Name(spec.name.clone()))?;
+        if spec.limit_bytes < spec.request_bytes {
+            return Err(SpecError::LimitBelowRequest {
+                name: spec.name.clone(),
+                request: spec.request_bytes,
+                limit: spec.limit_bytes,
+            });
+        }
+        let index = match self.find(&spec.name) {
+            Some(index) => index,
+            None => self
+                .tenants
+                .iter()
+                .position(|t| t.present.load(SeqCst) == 0)
+                .ok_or(SpecError::Full)?,
+        };
+        let entry = &self.tenants[index];
+        for (stored, word) in entry.name.iter().zip(words) {
+            stored.store(word, SeqCst);
+        }
+        entry.request_bytes.store(spec.request_bytes, SeqCst);
+        entry.limit_bytes.store(spec.limit_bytes, SeqCst);
+        entry.priority.store(spec.priority, SeqCst);
+        entry
+            .flags
+            .store(if spec.guaranteed { GUARANTEED } else { 0 }, SeqCst);
+        entry.present.store(1, SeqCst);
+        Ok(index)
+    }
+
+    /// The agent: the tenant left the GPU. Its processes' slots keep their counts until they
+    /// exit (the driver holds that memory until then).
+    pub fn remove_tenant(&self, name: &str) -> bool {
+        let Some(index) = self.find(name) else {
+            return false;
+        };
+        let entry = &self.tenants[index];
+        entry.present.store(0, SeqCst);
+        entry.want_bytes.store(0, SeqCst);
+        true
+    }
+
+    /// The index of `name`'s entry.
+    pub fn find(&self, name: &str) -> Option<usize> {
+        let words = name_words(name)?;
+        self.tenants.iter().position(|t| {
+            t.present.load(SeqCst) == 1
+                && t.name.iter().zip(&words).all(|(a, b)| a.load(SeqCst) == *b)
+        })
+    }
+
+    fn name_of(&self, index: usize) -> String {
+        let bytes: Vec<u8> = self.tenants[index]
+            .name
+            .iter()
+            .flat_map(|w| w.load(SeqCst).to_le_bytes())
+            .take_while(|b| *b != 0)
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Sums over the slots: (what `tenant` holds resident and swapped, what all hold resident).
+    fn sums(&self, tenant: u32) -> (u64, u64) {
+        let (mut held, mut resident) = (0u64, 0u64);
+        for slot in &self.slots {
+            if slot.pid.load(SeqCst) == 0 {
+                continue;
+            }
+            let r = slot.resident_bytes.load(SeqCst);
+            resident = resident.saturating_add(r);
+            if slot.tenant.load(SeqCst) == tenant {
+                held = held
+                    .saturating_add(r)
+                    .saturating_add(slot.swapped_bytes.load(SeqCst));
+            }
+        }
+        (held, resident)
+    }
+
+    /// Bytes resident on the GPU now, dead processes' included until reclaimed.
+    pub fn resident_total(&self) -> u64 {
+        self.sums(u32::MAX).1
+    }
+
+    /// What the capacity leaves free now.
+    pub fn free(&self) -> u64 {
+        self.capacity().saturating_sub(self.resident_total())
+    }
+
+    /// The tenants as the reclaim planner sees them.
+    pub fn holders(&self) -> Vec<Holder> {
+        (0..TENANTS)
+            .filter(|&i| self.tenants[i].present.load(SeqCst) == 1)
+            .map(|i| {
+                let entry = &self.tenants[i];
+                let resident = self
+                    .slots
+                    .iter()
+                    .filter(|s| s.pid.load(SeqCst) != 0 && s.tenant.load(SeqCst) == i as u32)
+                    .fold(0u64, |sum, s| {
+                        sum.saturating_add(s.resident_bytes.load(SeqCst))
+                    });
+                Holder {
+                    name: self.name_of(i),
+                    request: entry.request_bytes.load(SeqCst),
+                    resident,
+                    priority: entry.priority.load(SeqCst),
+                    guaranteed: entry.flags.load(SeqCst) & GUARANTEED != 0,
+                }
+            })
+            .collect()
+    }
+}
+
+/// `name` as NUL-padded little-endian words, if it fits with at least one NUL.
+fn name_words(name: &str) -> Option<[u64; NAME_BYTES / 8]> {
+    let bytes = name.as_bytes();
+    if bytes.is_empty() || bytes.len() >= NAME_BYTES || bytes.contains(&0) {
+        return None;
+    }
+    let mut padded = [0u8; NAME_BYTES];
+    padded[..bytes.len()].copy_from_slice(bytes);
+    Some(std::array::from_fn(|i| {
+        u64::from_le_bytes(padded[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+    }))
+}
+
+/// The protocol over a board, for one process.
+pub struct Board<'r, L> {
+    pub region: &'r Region,
+    pub liveness: L,
+}
+
+impl<'r, L: Liveness> Board<'r, L> {
+    pub fn new(region: &'r Region, liveness: L) -> Self {
+        Board { region, liveness }
+    }
+
+    /// Claims a free slot for `pid` of the tenant at `tenant`, reclaiming dead processes' slots
+    /// once if all are taken.
+    pub fn claim_slot(&self, pid: u32, start_time: u64, tenant: usize) -> Option<usize> {
+        assert!(
+            pid != 0 && pid & RECLAIMING_BIT == 0,
+            "pid {pid} cannot own a slot"
+        );
+        assert!(tenant < TENANTS);
+        for attempt in 0..2 {
+            for (index, slot) in self.region.slots.iter().enumerate() {
+                if slot.pid.compare_exchange(0, pid, SeqCst, SeqCst).is_ok() {
+                    slot.tenant.store(tenant as u32, SeqCst);
+                    slot.start_time.store(start_time, SeqCst);
+                    return Some(index);
+                }
+            }
+            if attempt == 0 && self.reclaim_dead(pid) == 0 {
+                break;
+            }
+        }
+        None
+    }
+
+    /// Charges `bytes` to `slot` if its tenant's limit and the GPU's capacity allow.
+    pub fn reserve(&self, slot: usize, bytes: u64) -> Result<Grant, Refusal> {
+        let me = &self.region.slots[slot];
+        let tenant = me.tenant.load(SeqCst);
+        let entry = &self.region.tenants[tenant as usize];
+        let request = entry.request_bytes.load(SeqCst);
+        let limit = entry.limit_bytes.load(SeqCst).max(request);
+        let capacity = self.region.capacity();
+        me.resident_bytes.fetch_add(bytes, SeqCst);
+        let mut sums = self.region.sums(tenant);
+        let over = |(held, resident): (u64, u64)| held > limit || resident > capacity;
+        if over(sums) && self.reclaim_dead(me.pid.load(SeqCst)) > 0 {
+            sums = self.region.sums(tenant);
+        }
+        let (held, resident) = sums;
+        if !over(sums) {
+            return Ok(if held > request {
+                Grant::Borrowed
+            } else {
+                Grant::Within
+            });
+        }
+        self.credit(&me.resident_bytes, bytes);
+        let held_before = held.saturating_sub(bytes);
+        if held > limit {
+            return Err(Refusal::OverLimit {
+                held: held_before,
+                limit,
+            });
+        }
+        if held <= request {
+            return Err(Refusal::NeedsReclaim {
+                shortfall: resident - capacity,
+            });
+        }
+        Err(Refusal::NothingFree {
+            asked: bytes,
+            free: capacity.saturating_sub(resident.saturating_sub(bytes)),
+        })
+    }
+
+    /// Credits `bytes` freed by `slot`.
+    pub fn release(&self, slot: usize, bytes: u64) {
+        self.credit(&self.region.slots[slot].resident_bytes, bytes);
+    }
+
+    /// `bytes` of `slot` went to host memory: no longer resident, still held.
+    pub fn swapped_out(&self, slot: usize, bytes: u64) {
+        let me = &self.region.slots[slot];
+        me.swapped_bytes.fetch_add(bytes, SeqCst);
+        self.credit(&me.resident_bytes, bytes);
+    }
+
+    /// Makes `bytes` of `slot`'s swapped memory resident again if the capacity allows; `false`
+    /// when it does not (try again when others free memory).
+    pub fn swap_in(&self, slot: usize, bytes: u64) -> bool {
+        let me = &self.region.slots[slot];
+        let capacity = self.region.capacity();
+        me.resident_bytes.fetch_add(bytes, SeqCst);
+        let mut resident = self.region.resident_total();
+        if resident > capacity && self.reclaim_dead(me.pid.load(SeqCst)) > 0 {
+            resident = self.region.resident_total();
+        }
+        if resident > capacity {
+            self.credit(&me.resident_bytes, bytes);
+            return false;
+        }
+        self.credit(&me.swapped_bytes, bytes);
+        true
+    }
+
+    /// Freed while swapped out (the application freed a swapped allocation).
+    pub fn release_swapped(&self, slot: usize, bytes: u64) {
+        self.credit(&self.region.slots[slot].swapped_bytes, bytes);
+    }
+
+    fn credit(&self, counter: &AtomicU64, bytes: u64) {
+        let update = counter.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_sub(bytes)));
+        debug_assert!(update.unwrap_or_else(|v| v) >= bytes, "credited past zero");
+    }
+
+    /// A needy tenant asks the tenant at `tenant` for `bytes` back; returns the new epoch.
+    pub fn post_want(&self, tenant: usize, bytes: u64) -> u64 {
+        let entry = &self.region.tenants[tenant];
+        entry.want_bytes.fetch_add(bytes, SeqCst);
+        entry.want_epoch.fetch_add(1, SeqCst) + 1
+    }
+
+    /// A borrower's process takes what it was asked to give back (0 when nothing), so that two
+    /// of its processes do not both act on one want.
+    pub fn take_want(&self, tenant: usize) -> u64 {
+        self.region.tenants[tenant].want_bytes.swap(0, SeqCst)
+    }
+
+    /// Reclaims the slots of processes that no longer run; returns how many.
+    pub fn reclaim_dead(&self, reclaimer_pid: u32) -> usize {
+        reclaim_dead_slots(
+            &self.region.slots,
+            &self.liveness,
+            reclaimer_pid,
+            |slot| (&slot.pid, &slot.start_time),
+            |slot| {
+                slot.resident_bytes.store(0, SeqCst);
+                slot.swapped_bytes.store(0, SeqCst);
+                slot.tenant.store(0, SeqCst);
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+#[path = "board_test.rs"]
+mod tests;

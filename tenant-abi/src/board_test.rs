@@ -1,0 +1,263 @@
+use super::*;
+use crate::reclaim;
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+const GIB: u64 = 1 << 30;
+
+/// Liveness decided by the test: the set of live pids.
+#[derive(Default)]
+struct Fake(Mutex<BTreeSet<u32>>);
+impl Liveness for &Fake {
+    fn is_alive(&self, pid: u32, _start_time: u64) -> bool {
+        self.0.lock().unwrap().contains(&pid)
+    }
+}
+impl Fake {
+    fn with(pids: &[u32]) -> Fake {
+        Fake(Mutex::new(pids.iter().copied().collect()))
+    }
+    fn kill(&self, pid: u32) {
+        self.0.lock().unwrap().remove(&pid);
+    }
+}
+
+fn spec(name: &str, request: u64, limit: u64) -> TenantSpec {
+    TenantSpec {
+        name: name.to_owned(),
+        request_bytes: request,
+        limit_bytes: limit,
+        priority: 0,
+        guaranteed: true,
+    }
+}
+
+/// An 80 GiB board with tenants "a" and "b", each requesting 30 GiB with a limit of 70 GiB.
+fn issue_board() -> Box<Region> {
+    let region = Region::new_boxed();
+    region.initialise();
+    region.set_capacity(80 * GIB);
+    region.set_tenant(&spec("a", 30 * GIB, 70 * GIB)).unwrap();
+    region.set_tenant(&spec("b", 30 * GIB, 70 * GIB)).unwrap();
+    region
+}
+
+#[test]
+fn a_zeroed_board_lends_nothing() {
+    let region = Region::new_boxed();
+    assert!(!region.is_initialised());
+    region.initialise();
+    region.check_layout().unwrap();
+    let index = region.set_tenant(&spec("a", GIB, GIB)).unwrap();
+    let live = Fake::with(&[10]);
+    let board = Board::new(&*region, &live);
+    let slot = board.claim_slot(10, 1, index).unwrap();
+    // No capacity written yet: nothing may be held, and the request is not the GPU's to give.
+    assert_eq!(
+        board.reserve(slot, 1),
+        Err(Refusal::NeedsReclaim { shortfall: 1 })
+    );
+}
+
+#[test]
+fn the_agent_writes_entries_and_refuses_bad_ones() {
+    let region = Region::new_boxed();
+    region.initialise();
+    let a = region.set_tenant(&spec("a", GIB, 2 * GIB)).unwrap();
+    assert_eq!(region.find("a"), Some(a));
+    assert_eq!(region.find("ab"), None);
+    // Rewriting keeps the index.
+    assert_eq!(region.set_tenant(&spec("a", 2 * GIB, 2 * GIB)), Ok(a));
+    assert_eq!(region.holders()[0].request, 2 * GIB);
+    let long = "x".repeat(NAME_BYTES);
+    assert!(matches!(
+        region.set_tenant(&spec(&long, 1, 1)),
+        Err(SpecError::Name(_))
+    ));
+    let longest = "y".repeat(NAME_BYTES - 1);
+    let y = region.set_tenant(&spec(&longest, 1, 1)).unwrap();
+    assert_eq!(region.find(&longest), Some(y));
+    assert_eq!(region.holders()[1].name, longest);
+    assert!(matches!(
+        region.set_tenant(&spec("c", 2, 1)),
+        Err(SpecError::LimitBelowRequest { .. })
+    ));
+    for i in 2..TENANTS {
+        region.set_tenant(&spec(&format!("t{i}"), 1, 1)).unwrap();
+    }
+    assert_eq!(region.set_tenant(&spec("late", 1, 1)), Err(SpecError::Full));
+    assert!(region.remove_tenant("a"));
+    assert_eq!(region.find("a"), None);
+    assert!(region.set_tenant(&spec("late", 1, 1)).is_ok());
+}
+
+/// The issue's case on an 80 GiB GPU: "a" (request 30, limit 70) grows to 60 GiB while "b" idles;
+/// then "b" takes its 30: it is short by 10 GiB, the planner asks "a" for them, "a" swaps them
+/// out, "b" gets its request. "a" swaps back in only once "b" frees memory.
+#[test]
+fn a_borrower_gives_back_what_a_request_needs() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[100, 200]);
+    let board = Board::new(&*region, &live);
+    let sa = board.claim_slot(100, 1, a).unwrap();
+    let sb = board.claim_slot(200, 1, b).unwrap();
+
+    assert_eq!(board.reserve(sa, 30 * GIB), Ok(Grant::Within));
+    assert_eq!(board.reserve(sa, 30 * GIB), Ok(Grant::Borrowed));
+    // Past its limit: refused whatever is free.
+    assert_eq!(
+        board.reserve(sa, 11 * GIB),
+        Err(Refusal::OverLimit {
+            held: 60 * GIB,
+            limit: 70 * GIB
+        })
+    );
+    assert_eq!(board.reserve(sb, 20 * GIB), Ok(Grant::Within));
+    let short = board.reserve(sb, 10 * GIB);
+    assert_eq!(
+        short,
+        Err(Refusal::NeedsReclaim {
+            shortfall: 10 * GIB
+        })
+    );
+
+    let asks = reclaim::plan(&region.holders(), "b", 10 * GIB, region.free()).unwrap();
+    assert_eq!(asks, vec![("a".to_owned(), 10 * GIB)]);
+    let epoch = board.post_want(a, 10 * GIB);
+    assert_eq!(epoch, 1);
+    // "a"'s process takes the want once and swaps that much out.
+    let asked = board.take_want(a);
+    assert_eq!((asked, board.take_want(a)), (10 * GIB, 0));
+    board.swapped_out(sa, asked);
+    assert_eq!(board.reserve(sb, 10 * GIB), Ok(Grant::Within));
+    // Swapped memory still counts against a's limit.
+    assert!(matches!(
+        board.reserve(sa, 11 * GIB),
+        Err(Refusal::OverLimit { .. })
+    ));
+    assert!(!board.swap_in(sa, 10 * GIB), "no room until b frees");
+    board.release(sb, 10 * GIB);
+    assert!(board.swap_in(sa, 10 * GIB));
+    assert_eq!(region.free(), 0);
+}
+
+#[test]
+fn past_the_request_only_what_is_free_is_lent() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[100, 200]);
+    let board = Board::new(&*region, &live);
+    let sa = board.claim_slot(100, 1, a).unwrap();
+    let sb = board.claim_slot(200, 1, b).unwrap();
+    assert_eq!(board.reserve(sb, 30 * GIB), Ok(Grant::Within));
+    assert_eq!(board.reserve(sa, 30 * GIB), Ok(Grant::Within));
+    assert_eq!(board.reserve(sa, 20 * GIB), Ok(Grant::Borrowed));
+    // 80 of 80 held: a borrower asking more is not a reclaim, just refused.
+    assert_eq!(
+        board.reserve(sa, GIB),
+        Err(Refusal::NothingFree {
+            asked: GIB,
+            free: 0
+        })
+    );
+    assert_eq!(
+        reclaim::plan(&region.holders(), "a", GIB, region.free()).map(|_| ()),
+        Err(reclaim::NoReclaim::PastRequest {
+            tenant: "a".to_owned(),
+            asked: GIB,
+            request: 30 * GIB,
+            resident: 50 * GIB,
+        })
+    );
+}
+
+#[test]
+fn a_dead_process_frees_what_it_held() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[100, 200]);
+    let board = Board::new(&*region, &live);
+    let sa = board.claim_slot(100, 1, a).unwrap();
+    let sb = board.claim_slot(200, 1, b).unwrap();
+    board.reserve(sa, 70 * GIB).unwrap();
+    board.swapped_out(sa, 10 * GIB);
+    live.kill(100);
+    // b needs its request; the dead borrower's memory is reclaimed on the way, no want needed.
+    assert_eq!(board.reserve(sb, 30 * GIB), Ok(Grant::Within));
+    assert_eq!(region.resident_total(), 30 * GIB);
+    assert_eq!(region.slots[sa].pid.load(SeqCst), 0);
+    assert_eq!(region.slots[sa].swapped_bytes.load(SeqCst), 0);
+}
+
+/// Many processes of several tenants reserving and freeing at once never hold more than the
+/// capacity or a tenant's limit: each thread adds what it was granted to a shared total after
+/// the grant and takes it off before it frees, so the total never exceeds what the board has
+/// granted, and two grants the board made past the capacity while both were held show in it.
+#[test]
+fn racing_processes_never_pass_the_capacity_or_a_limit() {
+    use std::sync::atomic::AtomicU64 as Counter;
+    let region = Region::new_boxed();
+    region.initialise();
+    let capacity = 64 * GIB;
+    region.set_capacity(capacity);
+    let tenants: Vec<usize> = (0..4)
+        .map(|t| {
+            region
+                .set_tenant(&spec(&format!("t{t}"), 8 * GIB, 24 * GIB))
+                .unwrap()
+        })
+        .collect();
+    let pids: Vec<u32> = (1..=8).collect();
+    let live = Fake::with(&pids);
+    let granted_total = Counter::new(0);
+    let per_tenant: Vec<Counter> = (0..4).map(|_| Counter::new(0)).collect();
+    let peak_total = Counter::new(0);
+    let peak_tenant = Counter::new(0);
+    std::thread::scope(|scope| {
+        for (i, &pid) in pids.iter().enumerate() {
+            let (region, live) = (&*region, &live);
+            let (granted_total, per_tenant) = (&granted_total, &per_tenant);
+            let (peak_total, peak_tenant) = (&peak_total, &peak_tenant);
+            let tenant = tenants[i % tenants.len()];
+            scope.spawn(move || {
+                let board = Board::new(region, live);
+                let slot = board.claim_slot(pid, 1, tenant).unwrap();
+                // A small deterministic generator per thread.
+                let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(pid);
+                let mut held: Vec<u64> = Vec::new();
+                for _ in 0..3000 {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    if held.len() < 8 && state % 3 != 0 {
+                        let bytes = (state >> 8) % (6 * GIB) + 1;
+                        if board.reserve(slot, bytes).is_ok() {
+                            let total = granted_total.fetch_add(bytes, SeqCst) + bytes;
+                            let mine = per_tenant[tenant].fetch_add(bytes, SeqCst) + bytes;
+                            peak_total.fetch_max(total, SeqCst);
+                            peak_tenant.fetch_max(mine, SeqCst);
+                            held.push(bytes);
+                        }
+                    } else if let Some(bytes) = held.pop() {
+                        per_tenant[tenant].fetch_sub(bytes, SeqCst);
+                        granted_total.fetch_sub(bytes, SeqCst);
+                        board.release(slot, bytes);
+                    }
+                }
+                for bytes in held {
+                    per_tenant[tenant].fetch_sub(bytes, SeqCst);
+                    granted_total.fetch_sub(bytes, SeqCst);
+                    board.release(slot, bytes);
+                }
+            });
+        }
+    });
+    assert!(peak_total.load(SeqCst) <= capacity, "capacity passed");
+    assert!(peak_tenant.load(SeqCst) <= 24 * GIB, "a limit passed");
+    assert!(
+        peak_total.load(SeqCst) > capacity / 2,
+        "the test exercised a full board"
+    );
+    assert_eq!(region.resident_total(), 0);
+}
