@@ -50,7 +50,7 @@ fn a_zeroed_board_lends_nothing() {
     region.check_layout().unwrap();
     let index = region.set_tenant(&spec("a", GIB, GIB)).unwrap();
     let live = Fake::with(&[10]);
-    let board = Board::new(&*region, &live);
+    let board = Board::new(&region, &live);
     let slot = board.claim_slot(10, 1, index).unwrap();
     // No capacity written yet: nothing may be held, and the request is not the GPU's to give.
     assert_eq!(
@@ -99,7 +99,7 @@ fn a_borrower_gives_back_what_a_request_needs() {
     let region = issue_board();
     let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
     let live = Fake::with(&[100, 200]);
-    let board = Board::new(&*region, &live);
+    let board = Board::new(&region, &live);
     let sa = board.claim_slot(100, 1, a).unwrap();
     let sb = board.claim_slot(200, 1, b).unwrap();
 
@@ -147,7 +147,7 @@ fn past_the_request_only_what_is_free_is_lent() {
     let region = issue_board();
     let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
     let live = Fake::with(&[100, 200]);
-    let board = Board::new(&*region, &live);
+    let board = Board::new(&region, &live);
     let sa = board.claim_slot(100, 1, a).unwrap();
     let sb = board.claim_slot(200, 1, b).unwrap();
     assert_eq!(board.reserve(sb, 30 * GIB), Ok(Grant::Within));
@@ -177,7 +177,7 @@ fn a_dead_process_frees_what_it_held() {
     let region = issue_board();
     let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
     let live = Fake::with(&[100, 200]);
-    let board = Board::new(&*region, &live);
+    let board = Board::new(&region, &live);
     let sa = board.claim_slot(100, 1, a).unwrap();
     let sb = board.claim_slot(200, 1, b).unwrap();
     board.reserve(sa, 70 * GIB).unwrap();
@@ -230,7 +230,7 @@ fn racing_processes_never_pass_the_capacity_or_a_limit() {
                     state ^= state << 13;
                     state ^= state >> 7;
                     state ^= state << 17;
-                    if held.len() < 8 && state % 3 != 0 {
+                    if held.len() < 8 && !state.is_multiple_of(3) {
                         let bytes = (state >> 8) % (6 * GIB) + 1;
                         if board.reserve(slot, bytes).is_ok() {
                             let total = granted_total.fetch_add(bytes, SeqCst) + bytes;
