@@ -5,6 +5,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
+use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::keys::Keys;
@@ -12,6 +13,9 @@ use crate::keys::Keys;
 /// The longest answer a read may decode: `READ_ENTRIES_MAX` entries of `ENTRY_BYTES_MAX` plus
 /// headers. tonic's default (4 MiB) would refuse a page of large entries.
 pub const DECODE_BYTES_MAX: usize = 96 << 20;
+
+/// Pause between tries of a request etcd could not serve (a member gone, a leader changing).
+pub const RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 /// How to reach the etcd cluster, and which prefix in it holds this pool.
 #[derive(Debug, Clone)]
@@ -139,8 +143,9 @@ impl Connection {
         };
         let probe = connection.keys.cluster();
         connection
-            .call("connect", |mut client| async move {
-                client.get(probe, None).await
+            .call_retrying("connect", |mut client| {
+                let probe = probe.clone();
+                async move { client.get(probe, None).await }
             })
             .await?;
         Ok(connection)
@@ -180,6 +185,37 @@ impl Connection {
                 reason: "no answer".into(),
             }),
         }
+    }
+
+    /// `call` for a request that is safe to repeat (a read, a put of the same value, a delete):
+    /// tries again while etcd answers `Unavailable` (the balancer still on a dead member, an
+    /// etcd leader election), until `request_timeout` has passed since the first try.
+    pub async fn call_retrying<T, F, Fut>(
+        &self,
+        operation: &'static str,
+        mut request: F,
+    ) -> Result<T>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let deadline = Instant::now() + self.request_timeout;
+        loop {
+            match self.call(operation, &mut request).await {
+                Err(Error::Unavailable { reason, .. })
+                    if Instant::now() + RETRY_PAUSE < deadline =>
+                {
+                    tracing::debug!(operation, reason, "etcd unavailable; trying again");
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Whether `request_timeout` has passed since `started`: retry loops stop there.
+    pub fn past_bound(&self, started: Instant) -> bool {
+        Instant::now() + RETRY_PAUSE >= started + self.request_timeout
     }
 
     /// `Error::Unavailable` for `operation`, for bounds this module does not apply itself.

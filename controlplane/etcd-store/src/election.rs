@@ -17,7 +17,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::connection::Connection;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::log::{Fence, get_kv};
 
 /// The lease's TTL and this member's own deadline inside it.
@@ -128,8 +128,10 @@ impl Election {
                 .or_else([TxnOp::get(keys.leader(), None)]);
             let response = self
                 .connection
-                .call("campaign for leader", |mut client| async move {
-                    client.txn(txn).await
+                // Safe to repeat: a retry of a campaign that won finds its own lease's key.
+                .call_retrying("campaign for leader", |mut client| {
+                    let txn = txn.clone();
+                    async move { client.txn(txn).await }
                 })
                 .await?;
             let revision = response
@@ -173,8 +175,9 @@ impl Election {
         let options = WatchOptions::new().with_start_revision(from_revision);
         let mut watch = self
             .connection
-            .call("watch the leader key", |mut client| async move {
-                client.watch(key, Some(options)).await
+            .call_retrying("watch the leader key", |mut client| {
+                let (key, options) = (key.clone(), options.clone());
+                async move { client.watch(key, Some(options)).await }
             })
             .await?;
         loop {
@@ -253,15 +256,27 @@ impl Election {
                 )])
                 .and_then([TxnOp::delete(key, None)]);
             self.connection
-                .call("resign", |mut client| async move { client.txn(txn).await })
+                .call_retrying("resign", |mut client| {
+                    let txn = txn.clone();
+                    async move { client.txn(txn).await }
+                })
                 .await?;
         }
         if let Some(lease_id) = lease_id {
-            self.connection
-                .call("revoke the lease", |mut client| async move {
+            let revoked = self
+                .connection
+                .call_retrying("revoke the lease", |mut client| async move {
                     client.lease_revoke(lease_id).await
                 })
-                .await?;
+                .await;
+            match revoked {
+                Ok(_) => {}
+                // Already gone (expired, or a retried revoke whose first try worked): the goal.
+                Err(Error::Rejected { source, .. }) => {
+                    tracing::debug!(lease_id, %source, "the lease was already gone");
+                }
+                Err(error) => return Err(error),
+            }
         }
         Ok(())
     }

@@ -55,10 +55,10 @@ impl Follower {
     pub async fn next(&mut self, wait: Duration) -> Result<Option<Applied>> {
         let deadline = Instant::now() + wait;
         loop {
-            if self.watch.is_none() {
-                if let Some(applied) = self.catch_up().await? {
-                    return Ok(Some(applied));
-                }
+            if self.watch.is_none()
+                && let Some(applied) = self.catch_up().await?
+            {
+                return Ok(Some(applied));
             }
             let Some(watch) = self.watch.as_mut() else {
                 continue;
@@ -140,12 +140,15 @@ impl Follower {
             .with_start_revision(start_revision);
         self.log
             .connection()
-            .call("watch the log", |client| async move {
-                client
-                    .watch_client()
-                    .max_decoding_message_size(crate::connection::DECODE_BYTES_MAX)
-                    .watch(prefix, Some(options))
-                    .await
+            .call_retrying("watch the log", |client| {
+                let (prefix, options) = (prefix.clone(), options.clone());
+                async move {
+                    client
+                        .watch_client()
+                        .max_decoding_message_size(crate::connection::DECODE_BYTES_MAX)
+                        .watch(prefix, Some(options))
+                        .await
+                }
             })
             .await
     }
@@ -172,6 +175,7 @@ impl Follower {
             entries.push(Entry {
                 seq,
                 bytes: kv.value().to_vec(),
+                revision: kv.create_revision(),
             });
             self.next_seq += 1;
         }

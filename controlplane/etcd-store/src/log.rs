@@ -11,7 +11,9 @@ use etcd_client::{
     Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
 };
 
-use crate::connection::{Connection, DECODE_BYTES_MAX, EtcdConfig};
+use tokio::time::Instant;
+
+use crate::connection::{Connection, DECODE_BYTES_MAX, EtcdConfig, RETRY_PAUSE};
 use crate::error::{Error, Result};
 use crate::keys::{Keys, format_seq, parse_seq, prefix_end};
 use crate::snapshot::SnapshotPointer;
@@ -37,6 +39,8 @@ pub const READ_ENTRIES_MAX: usize = 64;
 pub struct Entry {
     pub seq: u64,
     pub bytes: Vec<u8>,
+    /// The etcd revision of the transaction that appended it.
+    pub revision: i64,
 }
 
 /// The head of the log: the last sequence number appended (0 for an empty log) and the etcd
@@ -102,10 +106,12 @@ impl EtcdLog {
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key.clone(), cluster_id, None)])
             .or_else([TxnOp::get(key.clone(), None)]);
+        // Safe to repeat: a retry of a claim that committed finds this cluster's own id.
         let response = self
             .connection
-            .call("claim the cluster prefix", |mut client| async move {
-                client.txn(txn).await
+            .call_retrying("claim the cluster prefix", |mut client| {
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
             })
             .await?;
         if !response.succeeded() {
@@ -136,16 +142,19 @@ impl EtcdLog {
         let key = self.keys().head();
         let response = self
             .connection
-            .call("read the log head", |mut client| async move {
-                client.get(key, None).await
+            .call_retrying("read the log head", |mut client| {
+                let key = key.clone();
+                async move { client.get(key, None).await }
             })
             .await?;
         self.parse_head(response.kvs().first())
     }
 
     /// Appends `entries` after the current head and returns their sequence numbers. Never forks:
-    /// each entry gets a number no other append got. On `Error::Unavailable` the outcome is
-    /// unknown (the transaction may have committed before the answer was lost).
+    /// each entry gets a number no other append got. When a transaction's answer is lost, the
+    /// next attempt first looks whether it committed (its entries at its numbers, written by
+    /// one transaction), so a retry does not append twice. On `Error::Unavailable` the outcome
+    /// is unknown: the last transaction may still commit.
     pub async fn append(&self, entries: &[Vec<u8>]) -> Result<RangeInclusive<u64>> {
         self.append_inner(entries, None).await
     }
@@ -168,17 +177,36 @@ impl EtcdLog {
     ) -> Result<RangeInclusive<u64>> {
         let cluster_id = self.claimed()?;
         check_append_size(entries)?;
+        let started = Instant::now();
         let mut head = self.head().await?;
+        // The first sequence numbers of attempts whose answer was lost: each may have committed.
+        let mut unknown: Vec<u64> = Vec::new();
         for attempt in 1..=APPEND_ATTEMPTS_MAX {
+            if let Some(seqs) = self.find_own_append(&unknown, head, entries).await? {
+                return Ok(seqs);
+            }
             let first = head.seq + 1;
             let last = head.seq + entries.len() as u64;
             let txn = self.append_txn(cluster_id, head, entries, fence);
-            let response = self
+            let answer = self
                 .connection
                 .call("append to the log", |mut client| async move {
                     client.txn(txn).await
                 })
-                .await?;
+                .await;
+            let response = match answer {
+                Ok(response) => response,
+                Err(error @ Error::Unavailable { .. }) => {
+                    unknown.push(first);
+                    if self.connection.past_bound(started) {
+                        return Err(error);
+                    }
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                    head = self.head().await?;
+                    continue;
+                }
+                Err(error) => return Err(error),
+            };
             if response.succeeded() {
                 assert!(first <= last);
                 tracing::debug!(first, last, attempt, "appended");
@@ -197,7 +225,7 @@ impl EtcdLog {
                 }
             }
             let new_head = self.parse_head(kvs.get(1).copied().flatten())?;
-            if new_head == head {
+            if new_head == head && unknown.is_empty() {
                 // Only the next key's absence failed: someone wrote a log key without the head.
                 return Err(Error::Corrupt {
                     key: self.keys().log(head.seq + 1),
@@ -207,9 +235,60 @@ impl EtcdLog {
             tracing::debug!(attempt, seen = head.seq, now = new_head.seq, "append raced");
             head = new_head;
         }
+        if let Some(seqs) = self.find_own_append(&unknown, head, entries).await? {
+            return Ok(seqs);
+        }
         Err(Error::Contended {
             attempts: APPEND_ATTEMPTS_MAX,
         })
+    }
+
+    /// The numbers of an earlier attempt of this append that committed after all: starting at
+    /// one of `firsts`, the entries equal ours byte for byte and were written at one etcd
+    /// revision that neither neighbour shares (one transaction of exactly these entries).
+    async fn find_own_append(
+        &self,
+        firsts: &[u64],
+        head: Head,
+        entries: &[Vec<u8>],
+    ) -> Result<Option<RangeInclusive<u64>>> {
+        let count = entries.len() as u64;
+        for &first in firsts {
+            let last = first + count - 1;
+            if last > head.seq {
+                continue;
+            }
+            let from = first.saturating_sub(1).max(1);
+            let batch = match self.read_from(from, count as usize + 2).await {
+                Ok(batch) => batch,
+                // Already under a snapshot: too old to be the attempt still in question.
+                Err(Error::Compacted { .. }) => continue,
+                Err(error) => return Err(error),
+            };
+            let ours: Vec<&Entry> = batch
+                .entries
+                .iter()
+                .filter(|entry| (first..=last).contains(&entry.seq))
+                .collect();
+            let Some(revision) = ours.first().map(|entry| entry.revision) else {
+                continue;
+            };
+            let same = ours.len() == entries.len()
+                && ours
+                    .iter()
+                    .zip(entries)
+                    .all(|(entry, bytes)| entry.revision == revision && entry.bytes == *bytes);
+            let neighbours_differ = batch
+                .entries
+                .iter()
+                .filter(|entry| !(first..=last).contains(&entry.seq))
+                .all(|entry| entry.revision != revision);
+            if same && neighbours_differ {
+                tracing::info!(first, last, "an append whose answer was lost had committed");
+                return Ok(Some(first..=last));
+            }
+        }
+        Ok(None)
     }
 
     fn append_txn(
@@ -265,12 +344,15 @@ impl EtcdLog {
         ]);
         let response = self
             .connection
-            .call("read the log", |client| async move {
-                client
-                    .kv_client()
-                    .max_decoding_message_size(DECODE_BYTES_MAX)
-                    .txn(txn)
-                    .await
+            .call_retrying("read the log", |client| {
+                let txn = txn.clone();
+                async move {
+                    client
+                        .kv_client()
+                        .max_decoding_message_size(DECODE_BYTES_MAX)
+                        .txn(txn)
+                        .await
+                }
             })
             .await?;
         let revision = response
@@ -297,6 +379,7 @@ impl EtcdLog {
                 entries.push(Entry {
                     seq: key_seq,
                     bytes: kv.value().to_vec(),
+                    revision: kv.create_revision(),
                 });
             }
         }

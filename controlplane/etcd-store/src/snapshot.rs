@@ -121,20 +121,18 @@ impl EtcdLog {
         }
         let keys = self.keys().clone();
         // Chunks first: the pointer below makes them visible only once all are written.
-        for (index, chunk) in bytes.chunks(SNAPSHOT_CHUNK_BYTES).enumerate() {
+        // An empty snapshot still has its one (empty) chunk.
+        let chunks: Vec<&[u8]> = if bytes.is_empty() {
+            vec![&[]]
+        } else {
+            bytes.chunks(SNAPSHOT_CHUNK_BYTES).collect()
+        };
+        for (index, chunk) in chunks.into_iter().enumerate() {
             let key = keys.snapshot_chunk(seq, index as u32);
-            let chunk = chunk.to_vec();
             self.connection()
-                .call("write a snapshot chunk", |mut client| async move {
-                    client.put(key, chunk, None).await
-                })
-                .await?;
-        }
-        if bytes.is_empty() {
-            let key = keys.snapshot_chunk(seq, 0);
-            self.connection()
-                .call("write a snapshot chunk", |mut client| async move {
-                    client.put(key, Vec::new(), None).await
+                .call_retrying("write a snapshot chunk", |mut client| {
+                    let (key, chunk) = (key.clone(), chunk.to_vec());
+                    async move { client.put(key, chunk, None).await }
                 })
                 .await?;
         }
@@ -144,13 +142,18 @@ impl EtcdLog {
                 Compare::mod_revision(keys.snapshot(), CompareOp::Equal, current_revision),
             ])
             .and_then([TxnOp::put(keys.snapshot(), pointer.encode(), None)]);
-        let moved = self
+        let mut moved = self
             .connection()
-            .call("move the snapshot pointer", |mut client| async move {
-                client.txn(txn).await
+            .call_retrying("move the snapshot pointer", |mut client| {
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
             })
             .await?
             .succeeded();
+        if !moved {
+            // A retried transaction whose first try committed fails its comparison: look.
+            moved = self.snapshot_pointer().await?.0.as_ref() == Some(&pointer);
+        }
         if !moved {
             // Another member stored a snapshot meanwhile: drop our chunks, keep theirs.
             self.delete_prefix("delete unused snapshot chunks", keys.snapshot_chunks(seq))
@@ -180,10 +183,13 @@ impl EtcdLog {
         let from = keys.log(1);
         let to = keys.log(seq + 1);
         self.connection()
-            .call("compact the log", |mut client| async move {
-                client
-                    .delete(from, Some(DeleteOptions::new().with_range(to)))
-                    .await
+            .call_retrying("compact the log", |mut client| {
+                let (from, to) = (from.clone(), to.clone());
+                async move {
+                    client
+                        .delete(from, Some(DeleteOptions::new().with_range(to)))
+                        .await
+                }
             })
             .await?;
         Ok(())
@@ -192,10 +198,13 @@ impl EtcdLog {
     async fn delete_prefix(&self, operation: &'static str, prefix: String) -> Result<()> {
         let end = prefix_end(&prefix);
         self.connection()
-            .call(operation, |mut client| async move {
-                client
-                    .delete(prefix, Some(DeleteOptions::new().with_range(end)))
-                    .await
+            .call_retrying(operation, |mut client| {
+                let (prefix, end) = (prefix.clone(), end.clone());
+                async move {
+                    client
+                        .delete(prefix, Some(DeleteOptions::new().with_range(end)))
+                        .await
+                }
             })
             .await?;
         Ok(())
@@ -204,11 +213,11 @@ impl EtcdLog {
     /// The current pointer (if any) and the `snapshot` key's mod revision (0 if absent).
     async fn snapshot_pointer(&self) -> Result<(Option<SnapshotPointer>, i64)> {
         let key = self.keys().snapshot();
-        let get_key = key.clone();
         let response = self
             .connection()
-            .call("read the snapshot pointer", |mut client| async move {
-                client.get(get_key, None).await
+            .call_retrying("read the snapshot pointer", |mut client| {
+                let key = key.clone();
+                async move { client.get(key, None).await }
             })
             .await?;
         match response.kvs().first() {
@@ -251,15 +260,17 @@ impl EtcdLog {
                 .with_revision(revision)
                 .with_limit(SNAPSHOT_CHUNKS_PER_READ)
                 .with_sort(SortTarget::Key, SortOrder::Ascend);
-            let start = from.clone();
             let response = self
                 .connection()
-                .call("read a snapshot", |client| async move {
-                    client
-                        .kv_client()
-                        .max_decoding_message_size(DECODE_BYTES_MAX)
-                        .get(start, Some(options))
-                        .await
+                .call_retrying("read a snapshot", |client| {
+                    let (start, options) = (from.clone(), options.clone());
+                    async move {
+                        client
+                            .kv_client()
+                            .max_decoding_message_size(DECODE_BYTES_MAX)
+                            .get(start, Some(options))
+                            .await
+                    }
                 })
                 .await?;
             for kv in response.kvs() {
