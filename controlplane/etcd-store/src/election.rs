@@ -16,7 +16,7 @@ use etcd_client::{Compare, CompareOp, EventType, PutOptions, Txn, TxnOp, WatchOp
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::connection::Connection;
+use crate::connection::{Connection, RETRY_PAUSE};
 use crate::error::{Error, Result};
 use crate::log::{Fence, get_kv};
 
@@ -109,12 +109,28 @@ impl Election {
     }
 
     /// Tries to become leader, waiting up to `wait` for the current leader to go. `Ok(None)`
-    /// when another member still leads at the end of `wait`.
+    /// when another member still leads at the end of `wait`. etcd being unreachable is retried
+    /// until then too (an etcd election after a member died takes a moment); the error is
+    /// returned only when it lasts past `wait`.
     pub async fn campaign(&mut self, wait: Duration) -> Result<Option<Leadership>> {
         if let Some(leadership) = self.is_leader() {
             return Ok(Some(leadership));
         }
         let deadline = Instant::now() + wait;
+        loop {
+            match self.campaign_until(deadline).await {
+                Err(Error::Unavailable { reason, .. })
+                    if Instant::now() + RETRY_PAUSE < deadline =>
+                {
+                    tracing::debug!(reason, "etcd unavailable while campaigning; trying again");
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn campaign_until(&mut self, deadline: Instant) -> Result<Option<Leadership>> {
         loop {
             let lease_id = self.live_lease().await?;
             let keys = self.connection.keys().clone();

@@ -141,3 +141,56 @@ async fn resigning_hands_over_at_once_and_dropping_after_the_ttl() {
     );
     assert!(third.fence.leader_revision > second.fence.leader_revision);
 }
+
+#[tokio::test]
+async fn a_leader_cut_off_from_etcd_stops_acting_before_a_successor_is_elected() {
+    let Some(mut etcd) = EtcdCluster::start("a_leader_cut_off_from_etcd_stops_acting", 3).await
+    else {
+        return;
+    };
+    // `a` reaches etcd only through member 2; `b` through members 0 and 1.
+    let mut only_member_2 = etcd.config("/elect/");
+    only_member_2.endpoints = vec![etcd.endpoint(2)];
+    let connection = Connection::connect(&only_member_2).await.expect("connect");
+    let mut a = Election::new(connection, ElectionConfig::new("a", LEASE_TTL));
+    let mut others = etcd.config("/elect/");
+    others.endpoints = vec![etcd.endpoint(0), etcd.endpoint(1)];
+    let connection = Connection::connect(&others).await.expect("connect");
+    let mut b = Election::new(connection, ElectionConfig::new("b", LEASE_TTL));
+    let leadership = a
+        .campaign(Duration::ZERO)
+        .await
+        .expect("campaign")
+        .expect("a leads");
+
+    etcd.kill(2);
+    let cut_off = Instant::now();
+    let a_stops = async {
+        while a.is_leader().is_some() {
+            assert!(
+                cut_off.elapsed() < Duration::from_secs(10),
+                "a never stopped leading"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Instant::now()
+    };
+    let b_wins = async {
+        let won = b.campaign(Duration::from_secs(15)).await.expect("campaign");
+        (Instant::now(), won.expect("b leads once a's lease expired"))
+    };
+    let (stopped, (elected, successor)) = tokio::join!(a_stops, b_wins);
+    assert!(
+        stopped < elected,
+        "a acted as leader until {:?} after the cut, b was elected at {:?}",
+        stopped - cut_off,
+        elected - cut_off
+    );
+    // a stops within its deadline (two thirds of the TTL) of its last answered keepalive.
+    assert!(
+        stopped - cut_off <= LEASE_TTL,
+        "a stopped {:?} after the cut",
+        stopped - cut_off
+    );
+    assert!(successor.fence.leader_revision > leadership.fence.leader_revision);
+}
