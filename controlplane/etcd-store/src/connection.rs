@@ -237,6 +237,13 @@ fn classify(
     timeout: Duration,
     error: etcd_client::Error,
 ) -> Error {
+    if is_tls_failure(&error) {
+        return Error::Tls {
+            endpoints: endpoints.to_string(),
+            operation,
+            reason: error.to_string(),
+        };
+    }
     let unavailable = match &error {
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
         etcd_client::Error::GRpcStatus(status) => {
@@ -264,4 +271,30 @@ fn classify(
             source: error,
         }
     }
+}
+
+/// Whether the error (or a cause of it) is a failed TLS handshake. rustls and hyper report these
+/// only as text inside an I/O error, so the chain's messages are searched.
+fn is_tls_failure(error: &etcd_client::Error) -> bool {
+    const MARKS: [&str; 5] = [
+        "certificate",
+        "Certificate",
+        "HandshakeFailure",
+        "InvalidContentType",
+        "CorruptMessage",
+    ];
+    let mut cause: Option<&dyn std::error::Error> = Some(error);
+    let mut depth = 0;
+    // Bounded: error chains are short, but a cyclic `source` must not hang us.
+    while let Some(current) = cause
+        && depth < 16
+    {
+        let text = format!("{current:?}");
+        if MARKS.iter().any(|mark| text.contains(mark)) {
+            return true;
+        }
+        cause = current.source();
+        depth += 1;
+    }
+    false
 }

@@ -25,6 +25,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// The TLS handshake failed: a certificate one side does not trust, or TLS on one side only.
+    #[error(
+        "TLS to etcd at {endpoints} failed during {operation} ({reason}): check that the CA file \
+         signed etcd's server certificate, that etcd trusts the CA of the client certificate \
+         (its --trusted-ca-file), and that the endpoints say https://"
+    )]
+    Tls {
+        endpoints: String,
+        operation: &'static str,
+        reason: String,
+    },
+
     /// etcd answered, and refused (permission denied, a request past its size limit, ...).
     #[error("etcd at {endpoints} refused {operation}: {source}")]
     Rejected {

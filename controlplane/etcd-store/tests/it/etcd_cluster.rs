@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use etcd_store::{EtcdConfig, EtcdLog};
+use etcd_store::{EtcdConfig, EtcdLog, TlsPem};
 use tokio::time::Instant;
 
 /// How long a member (or, for 3, a quorum) has to answer after it starts.
@@ -20,8 +20,18 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub struct EtcdCluster {
     dir: tempfile::TempDir,
+    tls: Option<ClusterTls>,
     members: Vec<Member>,
     initial_cluster: String,
+}
+
+/// mTLS on the client port: etcd's server certificate and the CA it trusts for clients, and the
+/// client material the tests connect with.
+pub struct ClusterTls {
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub ca: PathBuf,
+    pub client: TlsPem,
 }
 
 struct Member {
@@ -34,6 +44,15 @@ struct Member {
 impl EtcdCluster {
     /// Starts `size` members and waits until every one answers a linearizable read.
     pub async fn start(test: &str, size: usize) -> Option<EtcdCluster> {
+        EtcdCluster::start_with(test, size, None).await
+    }
+
+    /// `start`, with mTLS on the client port when `tls` is given.
+    pub async fn start_with(
+        test: &str,
+        size: usize,
+        tls: Option<ClusterTls>,
+    ) -> Option<EtcdCluster> {
         assert!(size == 1 || size == 3);
         if !etcd_installed(test) {
             return None;
@@ -55,6 +74,7 @@ impl EtcdCluster {
             .join(",");
         let mut cluster = EtcdCluster {
             dir,
+            tls,
             members,
             initial_cluster,
         };
@@ -74,12 +94,14 @@ impl EtcdCluster {
     }
 
     pub fn endpoint(&self, index: usize) -> String {
-        format!("http://127.0.0.1:{}", self.members[index].client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.members[index].client_port)
     }
 
     /// A config for all members under `prefix`, with the tests' short bounds.
     pub fn config(&self, prefix: &str) -> EtcdConfig {
         let mut config = EtcdConfig::new(self.endpoints(), prefix);
+        config.tls = self.tls.as_ref().map(|tls| tls.client.clone());
         config.connect_timeout = REQUEST_TIMEOUT;
         config.request_timeout = REQUEST_TIMEOUT;
         config
@@ -120,9 +142,21 @@ impl EtcdCluster {
             .append(true)
             .open(self.dir.path().join(format!("{}.log", member.name)))
             .expect("etcd's log file");
-        let client_url = format!("http://127.0.0.1:{}", member.client_port);
+        let client_url = self.endpoint(index);
+        let member = &self.members[index];
         let peer_url = format!("http://127.0.0.1:{}", member.peer_port);
-        let child = Command::new("etcd")
+        let mut command = Command::new("etcd");
+        if let Some(tls) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(&tls.server_cert)
+                .arg("--key-file")
+                .arg(&tls.server_key)
+                .arg("--trusted-ca-file")
+                .arg(&tls.ca)
+                .arg("--client-cert-auth");
+        }
+        let child = command
             .arg("--name")
             .arg(&member.name)
             .arg("--data-dir")
@@ -152,6 +186,7 @@ impl EtcdCluster {
         let deadline = Instant::now() + READY_BOUND;
         for &index in members {
             let mut config = EtcdConfig::new(vec![self.endpoint(index)], "/ready/");
+            config.tls = self.tls.as_ref().map(|tls| tls.client.clone());
             config.connect_timeout = Duration::from_millis(500);
             config.request_timeout = Duration::from_millis(500);
             loop {

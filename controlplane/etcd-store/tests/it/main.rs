@@ -6,3 +6,4 @@ mod t10_log;
 mod t20_follower;
 mod t30_election;
 mod t40_quorum;
+mod t50_tls;
