@@ -108,6 +108,26 @@ impl Election {
         valid.then_some(leadership)
     }
 
+    /// Who leads now, as etcd has it: the leader key's value (the member's name) and its
+    /// leadership. Followers use it to find where to forward what only the leader keeps.
+    pub async fn current_leader(&self) -> Result<Option<(String, Fence)>> {
+        let key = self.connection.keys().leader();
+        let response = self
+            .connection
+            .call_retrying("read the leader key", |mut client| {
+                let key = key.clone();
+                async move { client.get(key, None).await }
+            })
+            .await?;
+        Ok(response.kvs().first().map(|kv| {
+            let member = String::from_utf8_lossy(kv.value()).into_owned();
+            let fence = Fence {
+                leader_revision: kv.create_revision(),
+            };
+            (member, fence)
+        }))
+    }
+
     /// Tries to become leader, waiting up to `wait` for the current leader to go. `Ok(None)`
     /// when another member still leads at the end of `wait`. etcd being unreachable is retried
     /// until then too (an etcd election after a member died takes a moment); the error is

@@ -83,6 +83,23 @@ pub enum Error {
     )]
     Compacted { seq: u64, snapshot_seq: u64 },
 
+    /// This member has not applied far enough within the wait (it is catching up, or cut off
+    /// from etcd).
+    #[error(
+        "this member applied the log up to {applied}, not yet {wanted}, within {} ms: it is \
+         catching up with etcd; retry, and check its connection to etcd if this lasts",
+        waited.as_millis()
+    )]
+    Lagging {
+        applied: u64,
+        wanted: u64,
+        waited: Duration,
+    },
+
+    /// The member's apply task stopped for good (its state machine refused an entry).
+    #[error("{reason}")]
+    Stopped { reason: String },
+
     /// A key under the prefix does not hold what this crate writes there.
     #[error("etcd key {key} is corrupt ({reason}): restore the prefix from a backup")]
     Corrupt { key: String, reason: String },

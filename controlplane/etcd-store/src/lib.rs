@@ -1,12 +1,13 @@
 //! vgpu-cp's replicated state on an existing etcd cluster: the command log (`EtcdLog`), every
-//! member's apply stream (`Follower`), snapshots with log compaction, and leader election with
-//! fencing (`Election`). See `docs/design/etcd-store.md` for how this maps onto what the Raft
-//! store guarantees.
+//! member's apply stream (`Follower`) and apply task (`Applier`, with linearizable reads),
+//! snapshots with log compaction, and leader election with fencing (`Election`). See
+//! `docs/design/etcd-store.md` for how this maps onto what the Raft store guarantees.
 //!
 //! The crate knows bytes and sequence numbers, not `PoolState`: vgpu-cp encodes its commands and
 //! snapshots and applies them. It does not depend on openraft or vgpu-cp, so it builds and tests
 //! on its own against a real etcd.
 
+mod applier;
 mod connection;
 mod election;
 mod error;
@@ -15,6 +16,7 @@ mod keys;
 mod log;
 mod snapshot;
 
+pub use applier::Applier;
 pub use connection::{Connection, DECODE_BYTES_MAX, EtcdConfig, TlsPem};
 pub use election::{Election, ElectionConfig, Leadership};
 pub use error::{Error, Result};

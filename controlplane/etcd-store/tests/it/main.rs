@@ -7,3 +7,4 @@ mod t20_follower;
 mod t30_election;
 mod t40_quorum;
 mod t50_tls;
+mod t60_applier;

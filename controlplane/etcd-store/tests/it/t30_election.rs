@@ -52,6 +52,12 @@ async fn one_leader_and_a_revoked_lease_hands_over_and_fences_the_old_leader() {
     }
     assert_eq!(won.len(), 1, "exactly one leader: {won:?}");
     let (leader, leadership) = won[0];
+    let named = candidates[(leader + 1) % 3]
+        .current_leader()
+        .await
+        .expect("read the leader");
+    let names = ["a", "b", "c"];
+    assert_eq!(named, Some((names[leader].to_string(), leadership.fence)));
     log.append_fenced(&[b"decided by the leader".to_vec()], leadership.fence)
         .await
         .expect("the leader's fenced append");
