@@ -6,6 +6,7 @@
 //! finds the new head in its transaction's else branch and tries again after it.
 
 use std::ops::RangeInclusive;
+use std::time::Duration;
 
 use etcd_client::{
     Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
@@ -29,7 +30,12 @@ pub const APPEND_BYTES_MAX: usize = 1_400_000;
 
 /// Attempts of one append against other writers before `Error::Contended`. Each lost attempt
 /// means another writer's append committed, so the log made progress meanwhile.
-pub const APPEND_ATTEMPTS_MAX: u32 = 16;
+pub const APPEND_ATTEMPTS_MAX: u32 = 32;
+
+/// The longest pause after a lost race. Pauses are random, growing with each loss up to this:
+/// without them a writer whose round trip is longer (its etcd member forwards to etcd's leader)
+/// loses every race to a faster one that appends back to back, and starves.
+const CONTENDED_PAUSE_MAX: Duration = Duration::from_millis(64);
 
 /// Entries one `read_from` returns at most.
 pub const READ_ENTRIES_MAX: usize = 64;
@@ -234,6 +240,7 @@ impl EtcdLog {
             }
             tracing::debug!(attempt, seen = head.seq, now = new_head.seq, "append raced");
             head = new_head;
+            tokio::time::sleep(contended_pause(attempt)).await;
         }
         if let Some(seqs) = self.find_own_append(&unknown, head, entries).await? {
             return Ok(seqs);
@@ -449,6 +456,13 @@ impl EtcdLog {
             mod_revision: kv.mod_revision(),
         })
     }
+}
+
+/// A random pause in `[0, min(2^attempt ms, CONTENDED_PAUSE_MAX))`.
+fn contended_pause(attempt: u32) -> Duration {
+    use rand::Rng as _;
+    let ceiling = Duration::from_millis(1 << attempt.min(16)).min(CONTENDED_PAUSE_MAX);
+    rand::thread_rng().gen_range(Duration::ZERO..ceiling)
 }
 
 fn check_append_size(entries: &[Vec<u8>]) -> Result<()> {

@@ -67,3 +67,92 @@ async fn without_a_quorum_appends_fail_within_the_bound_and_resume_after() {
         .collect();
     assert_eq!(written, [&b"before"[..], b"one member down", b"after"]);
 }
+
+#[tokio::test]
+async fn appends_while_etcd_members_die_and_return_never_fork_or_duplicate() {
+    let Some(mut etcd) = EtcdCluster::start("appends_while_etcd_members_die", 3).await else {
+        return;
+    };
+    const APPENDS: usize = 60;
+    let mut writers = Vec::new();
+    for writer in 0..2 {
+        let log = etcd.claimed_log("/churn/", "c").await;
+        writers.push(tokio::spawn(async move {
+            // (payload, Some(numbers) when acknowledged, None when the outcome is unknown)
+            let mut outcomes = Vec::new();
+            for append in 0..APPENDS {
+                let payload = format!("w{writer}-{append}").into_bytes();
+                match log.append(std::slice::from_ref(&payload)).await {
+                    Ok(seqs) => outcomes.push((payload, Some(seqs))),
+                    // No retry here: a second append of the payload could duplicate it, and
+                    // the test checks that `append`'s own retries never do.
+                    Err(Error::Unavailable { .. }) => outcomes.push((payload, None)),
+                    // Nothing was written: the payload must not be in the log.
+                    Err(Error::Contended { .. }) => outcomes.push((payload, Some(0..=0))),
+                    Err(error) => panic!("append: {error}"),
+                }
+            }
+            outcomes
+        }));
+    }
+    // Kill and restart each member in turn while the writers run: answers get lost mid-call.
+    for member in [0, 1, 2, 0] {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        etcd.kill(member);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        etcd.restart(member).await;
+    }
+    let mut outcomes = Vec::new();
+    for writer in writers {
+        outcomes.extend(writer.await.expect("writer task"));
+    }
+
+    let reader = etcd.claimed_log("/churn/", "c").await;
+    let mut log = Vec::new();
+    loop {
+        let batch = reader
+            .read_from(log.len() as u64 + 1, 64)
+            .await
+            .expect("read");
+        if batch.entries.is_empty() {
+            break;
+        }
+        log.extend(batch.entries);
+    }
+    for (index, entry) in log.iter().enumerate() {
+        assert_eq!(entry.seq, index as u64 + 1, "the log is dense");
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for entry in &log {
+        assert!(
+            seen.insert(entry.bytes.clone()),
+            "{:?} appended twice",
+            entry.bytes
+        );
+    }
+    let acknowledged = outcomes
+        .iter()
+        .filter(|(_, seqs)| seqs.as_ref().is_some_and(|seqs| *seqs.start() > 0))
+        .count();
+    for (payload, seqs) in &outcomes {
+        match seqs {
+            Some(seqs) if *seqs.start() == 0 => {
+                assert!(!seen.contains(payload), "a contended append was written");
+            }
+            Some(seqs) => {
+                let at = &log[*seqs.start() as usize - 1].bytes;
+                assert_eq!(at, payload, "acknowledged at {seqs:?}");
+            }
+            None => {}
+        }
+    }
+    assert!(
+        acknowledged >= APPENDS,
+        "most appends went through ({acknowledged})"
+    );
+    eprintln!(
+        "{} appends, {acknowledged} acknowledged, {} in the log",
+        outcomes.len(),
+        log.len()
+    );
+}
