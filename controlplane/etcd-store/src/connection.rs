@@ -237,6 +237,12 @@ fn classify(
     timeout: Duration,
     error: etcd_client::Error,
 ) -> Error {
+    if let etcd_client::Error::InvalidUri(problem) = &error {
+        return Error::Config(format!(
+            "an etcd endpoint in {endpoints} is not a URL ({problem}): give URLs such as \
+             https://10.0.0.1:2379 in --etcd-endpoints"
+        ));
+    }
     if is_tls_failure(&error) {
         return Error::Tls {
             endpoints: endpoints.to_string(),

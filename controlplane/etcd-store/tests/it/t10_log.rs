@@ -141,3 +141,25 @@ async fn connecting_to_nothing_fails_within_its_bound() {
         "{message}"
     );
 }
+
+#[tokio::test]
+async fn settings_that_cannot_work_are_refused_before_any_request() {
+    let no_endpoint = EtcdConfig::new(Vec::new(), "/vgpu/");
+    let error = EtcdLog::connect(&no_endpoint)
+        .await
+        .err()
+        .expect("no endpoint");
+    assert!(matches!(error, Error::Config(_)), "{error}");
+    let no_slash = EtcdConfig::new(vec!["http://127.0.0.1:2379".into()], "/vgpu");
+    let error = EtcdLog::connect(&no_slash)
+        .await
+        .err()
+        .expect("a prefix without '/'");
+    assert!(
+        error.to_string().contains("must be a path ending with '/'"),
+        "{error}"
+    );
+    let not_a_url = EtcdConfig::new(vec!["http://[::1".into()], "/vgpu/");
+    let error = EtcdLog::connect(&not_a_url).await.err().expect("not a URL");
+    assert!(matches!(error, Error::Config(_)), "{error}");
+}
