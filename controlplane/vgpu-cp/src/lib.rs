@@ -10,6 +10,7 @@ pub mod certs;
 pub mod config;
 pub mod control_plane;
 pub mod dashboard;
+pub mod etcd_entry;
 pub mod identity;
 pub mod leader;
 pub mod limits;
