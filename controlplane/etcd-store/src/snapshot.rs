@@ -115,7 +115,7 @@ impl EtcdLog {
             "a snapshot at {seq} past the log's head {}",
             head.seq
         );
-        let (current, current_revision) = self.snapshot_pointer().await?;
+        let (current, current_revision, _) = self.snapshot_pointer().await?;
         if current.as_ref().is_some_and(|current| current.seq >= seq) {
             return Ok(false);
         }
@@ -210,8 +210,9 @@ impl EtcdLog {
         Ok(())
     }
 
-    /// The current pointer (if any) and the `snapshot` key's mod revision (0 if absent).
-    async fn snapshot_pointer(&self) -> Result<(Option<SnapshotPointer>, i64)> {
+    /// The current pointer (if any), the `snapshot` key's mod revision (0 if absent), and the
+    /// revision the read saw.
+    async fn snapshot_pointer(&self) -> Result<(Option<SnapshotPointer>, i64, i64)> {
         let key = self.keys().snapshot();
         let response = self
             .connection()
@@ -220,11 +221,16 @@ impl EtcdLog {
                 async move { client.get(key, None).await }
             })
             .await?;
+        let read_at = response
+            .header()
+            .map(|header| header.revision())
+            .unwrap_or(0);
         match response.kvs().first() {
-            None => Ok((None, 0)),
+            None => Ok((None, 0, read_at)),
             Some(kv) => Ok((
                 Some(SnapshotPointer::parse(&key, kv.value())?),
                 kv.mod_revision(),
+                read_at,
             )),
         }
     }
@@ -234,7 +240,10 @@ impl EtcdLog {
     pub async fn read_snapshot(&self) -> Result<Option<Snapshot>> {
         let mut last_error = None;
         for _ in 0..SNAPSHOT_READ_ATTEMPTS_MAX {
-            let (pointer, revision) = self.snapshot_pointer().await?;
+            // The chunks are read at the revision the pointer was read at, not at the pointer's
+            // own (older) mod revision: etcd may have compacted that one long ago, and at the
+            // read's revision the pointer's chunks still exist (they go only after it moves).
+            let (pointer, _, revision) = self.snapshot_pointer().await?;
             let Some(pointer) = pointer else {
                 return Ok(None);
             };

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use etcd_store::{Applied, Entry, Error, EtcdLog, Follower, SNAPSHOT_CHUNK_BYTES};
+use etcd_store::{Applied, Entry, Error, EtcdLog, Follower, SNAPSHOT_CHUNK_BYTES, Snapshot};
 use tokio::time::Instant;
 
 use crate::etcd_cluster::EtcdCluster;
@@ -196,4 +196,62 @@ async fn a_fresh_member_catches_up_from_the_snapshot() {
         0,
         "the log is compacted up to the snapshot"
     );
+}
+
+#[tokio::test]
+async fn followers_and_snapshots_survive_etcd_compacting_its_revisions() {
+    let Some(etcd) = EtcdCluster::start("followers_survive_etcd_compaction", 1).await else {
+        return;
+    };
+    let log = etcd.claimed_log("/compact/", "c").await;
+    append_each(&log, 0..10).await;
+    assert!(
+        log.put_snapshot(10, b"state at 10")
+            .await
+            .expect("snapshot")
+    );
+    // A follower waiting on its watch from an old revision while etcd compacts past it.
+    let mut watching = Follower::new(etcd.claimed_log("/compact/", "c").await, 11);
+    assert!(
+        watching
+            .next(Duration::from_millis(200))
+            .await
+            .expect("next")
+            .is_none()
+    );
+    append_each(&log, 10..20).await;
+
+    // What an operator's --auto-compaction does: forget every revision before now.
+    let mut raw = etcd_client::Client::connect(etcd.endpoints(), None)
+        .await
+        .expect("client");
+    let now = raw.get("/compact/head", None).await.expect("get");
+    let revision = now.header().expect("a header").revision();
+    raw.compact(revision, None)
+        .await
+        .expect("compact etcd's revisions");
+
+    // The snapshot's pointer was written long before that revision; it still loads.
+    let snapshot = log
+        .read_snapshot()
+        .await
+        .expect("read")
+        .expect("a snapshot");
+    assert_eq!(
+        (snapshot.seq, snapshot.bytes),
+        (10, b"state at 10".to_vec())
+    );
+    let mut fresh = Follower::new(etcd.claimed_log("/compact/", "c").await, 1);
+    assert!(matches!(
+        fresh.next(Duration::from_secs(5)).await.expect("next"),
+        Some(Applied::Snapshot(Snapshot { seq: 10, .. }))
+    ));
+    let mut seen = Vec::new();
+    follow(&mut fresh, 10, &mut seen).await;
+    assert_eq!(seen.first().map(|entry| entry.seq), Some(11));
+
+    let mut resumed = Vec::new();
+    follow(&mut watching, 10, &mut resumed).await;
+    let seqs: Vec<u64> = resumed.iter().map(|entry| entry.seq).collect();
+    assert_eq!(seqs, (11..=20).collect::<Vec<u64>>());
 }
