@@ -108,6 +108,19 @@ impl Election {
         valid.then_some(leadership)
     }
 
+    /// Stops acting as leader at once, keeping the lease: for when a fenced write said
+    /// `Error::Deposed` while the lease still looked alive (the `leader` key was deleted or
+    /// replaced behind this member's back). `campaign` may win again, under a new fence.
+    pub fn step_down(&mut self) {
+        if let Some(leadership) = self.leadership.take() {
+            tracing::warn!(
+                member = self.config.member,
+                leader_revision = leadership.fence.leader_revision,
+                "stepped down: the leadership ended in etcd"
+            );
+        }
+    }
+
     /// Who leads now, as etcd has it: the leader key's value (the member's name) and its
     /// leadership. Followers use it to find where to forward what only the leader keeps.
     pub async fn current_leader(&self) -> Result<Option<(String, Fence)>> {

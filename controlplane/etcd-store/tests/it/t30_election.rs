@@ -200,3 +200,40 @@ async fn a_leader_cut_off_from_etcd_stops_acting_before_a_successor_is_elected()
     );
     assert!(successor.fence.leader_revision > leadership.fence.leader_revision);
 }
+
+#[tokio::test]
+async fn a_leader_whose_key_was_deleted_behind_its_back_steps_down_and_campaigns_again() {
+    let Some(etcd) = EtcdCluster::start("a_leader_whose_key_was_deleted", 1).await else {
+        return;
+    };
+    let log = etcd.claimed_log("/elect/", "c").await;
+    let mut a = candidate(&etcd, "a").await;
+    let first = a
+        .campaign(Duration::ZERO)
+        .await
+        .expect("campaign")
+        .expect("a leads");
+    // Someone deletes the key (an operator, a script): the lease lives on.
+    let mut raw = etcd_client::Client::connect(etcd.endpoints(), None)
+        .await
+        .expect("client");
+    raw.delete("/elect/leader", None).await.expect("delete");
+    assert!(a.is_leader().is_some(), "the lease alone cannot tell");
+    let deposed = log
+        .append_fenced(&[b"decision".to_vec()], first.fence)
+        .await
+        .expect_err("the fence is gone");
+    assert!(matches!(deposed, Error::Deposed { .. }), "{deposed}");
+    a.step_down();
+    assert!(a.is_leader().is_none());
+    let again = a
+        .campaign(Duration::ZERO)
+        .await
+        .expect("campaign")
+        .expect("a leads again");
+    assert_eq!(again.lease_id, first.lease_id, "the same lease");
+    assert!(again.fence.leader_revision > first.fence.leader_revision);
+    log.append_fenced(&[b"decision".to_vec()], again.fence)
+        .await
+        .expect("fenced on the new leadership");
+}
