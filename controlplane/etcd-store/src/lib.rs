@@ -15,6 +15,7 @@ mod follower;
 mod keys;
 mod log;
 mod snapshot;
+pub mod testing;
 
 pub use applier::Applier;
 pub use connection::{Connection, DECODE_BYTES_MAX, EtcdConfig, TlsPem};

@@ -7,11 +7,13 @@ use std::time::Duration;
 use etcd_store::{Error, EtcdConfig, EtcdLog};
 use tokio::time::Instant;
 
-use crate::etcd_cluster::{EtcdCluster, REQUEST_TIMEOUT, free_ports};
+use crate::etcd_cluster::{EtcdCluster, REQUEST_TIMEOUT, free_ports, required};
 
 #[tokio::test]
 async fn a_prefix_of_another_cluster_is_refused() {
-    let Some(etcd) = EtcdCluster::start("a_prefix_of_another_cluster_is_refused", 1).await else {
+    let Some(etcd) =
+        EtcdCluster::start("a_prefix_of_another_cluster_is_refused", 1, required()).await
+    else {
         return;
     };
     let mut first = EtcdLog::connect(&etcd.config("/pool/"))
@@ -65,7 +67,8 @@ async fn a_prefix_of_another_cluster_is_refused() {
 
 #[tokio::test]
 async fn concurrent_appenders_never_fork() {
-    let Some(etcd) = EtcdCluster::start("concurrent_appenders_never_fork", 1).await else {
+    let Some(etcd) = EtcdCluster::start("concurrent_appenders_never_fork", 1, required()).await
+    else {
         return;
     };
     const APPENDS: usize = 40;

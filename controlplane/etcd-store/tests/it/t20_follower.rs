@@ -6,7 +6,7 @@ use std::time::Duration;
 use etcd_store::{Applied, Entry, Error, EtcdLog, Follower, SNAPSHOT_CHUNK_BYTES, Snapshot};
 use tokio::time::Instant;
 
-use crate::etcd_cluster::EtcdCluster;
+use crate::etcd_cluster::{EtcdCluster, required};
 
 /// Bound on a test's waits for its follower.
 const FOLLOW_BOUND: Duration = Duration::from_secs(30);
@@ -52,6 +52,7 @@ async fn the_follower_sees_every_entry_in_order_across_an_etcd_restart() {
     let Some(mut etcd) = EtcdCluster::start(
         "the_follower_sees_every_entry_in_order_across_an_etcd_restart",
         1,
+        required(),
     )
     .await
     else {
@@ -92,7 +93,8 @@ async fn the_follower_sees_every_entry_in_order_across_an_etcd_restart() {
 
 #[tokio::test]
 async fn a_fresh_member_catches_up_from_the_snapshot() {
-    let Some(etcd) = EtcdCluster::start("a_fresh_member_catches_up_from_the_snapshot", 1).await
+    let Some(etcd) =
+        EtcdCluster::start("a_fresh_member_catches_up_from_the_snapshot", 1, required()).await
     else {
         return;
     };
@@ -200,7 +202,8 @@ async fn a_fresh_member_catches_up_from_the_snapshot() {
 
 #[tokio::test]
 async fn followers_and_snapshots_survive_etcd_compacting_its_revisions() {
-    let Some(etcd) = EtcdCluster::start("followers_survive_etcd_compaction", 1).await else {
+    let Some(etcd) = EtcdCluster::start("followers_survive_etcd_compaction", 1, required()).await
+    else {
         return;
     };
     let log = etcd.claimed_log("/compact/", "c").await;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use etcd_store::{Connection, Election, ElectionConfig, Error};
 use tokio::time::Instant;
 
-use crate::etcd_cluster::EtcdCluster;
+use crate::etcd_cluster::{EtcdCluster, required};
 
 const LEASE_TTL: Duration = Duration::from_secs(2);
 
@@ -31,7 +31,8 @@ async fn wait_not_leader(election: &Election, bound: Duration) {
 
 #[tokio::test]
 async fn one_leader_and_a_revoked_lease_hands_over_and_fences_the_old_leader() {
-    let Some(etcd) = EtcdCluster::start("one_leader_and_a_revoked_lease_hands_over", 1).await
+    let Some(etcd) =
+        EtcdCluster::start("one_leader_and_a_revoked_lease_hands_over", 1, required()).await
     else {
         return;
     };
@@ -101,7 +102,7 @@ async fn one_leader_and_a_revoked_lease_hands_over_and_fences_the_old_leader() {
 
 #[tokio::test]
 async fn resigning_hands_over_at_once_and_dropping_after_the_ttl() {
-    let Some(etcd) = EtcdCluster::start("resigning_hands_over_at_once", 1).await else {
+    let Some(etcd) = EtcdCluster::start("resigning_hands_over_at_once", 1, required()).await else {
         return;
     };
     let mut a = candidate(&etcd, "a").await;
@@ -150,7 +151,8 @@ async fn resigning_hands_over_at_once_and_dropping_after_the_ttl() {
 
 #[tokio::test]
 async fn a_leader_cut_off_from_etcd_stops_acting_before_a_successor_is_elected() {
-    let Some(mut etcd) = EtcdCluster::start("a_leader_cut_off_from_etcd_stops_acting", 3).await
+    let Some(mut etcd) =
+        EtcdCluster::start("a_leader_cut_off_from_etcd_stops_acting", 3, required()).await
     else {
         return;
     };
@@ -203,7 +205,8 @@ async fn a_leader_cut_off_from_etcd_stops_acting_before_a_successor_is_elected()
 
 #[tokio::test]
 async fn a_leader_whose_key_was_deleted_behind_its_back_steps_down_and_campaigns_again() {
-    let Some(etcd) = EtcdCluster::start("a_leader_whose_key_was_deleted", 1).await else {
+    let Some(etcd) = EtcdCluster::start("a_leader_whose_key_was_deleted", 1, required()).await
+    else {
         return;
     };
     let log = etcd.claimed_log("/elect/", "c").await;

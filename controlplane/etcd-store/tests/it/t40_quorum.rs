@@ -6,11 +6,12 @@ use std::time::Duration;
 use etcd_store::Error;
 use tokio::time::Instant;
 
-use crate::etcd_cluster::{EtcdCluster, REQUEST_TIMEOUT};
+use crate::etcd_cluster::{EtcdCluster, REQUEST_TIMEOUT, required};
 
 #[tokio::test]
 async fn without_a_quorum_appends_fail_within_the_bound_and_resume_after() {
-    let Some(mut etcd) = EtcdCluster::start("without_a_quorum_appends_fail", 3).await else {
+    let Some(mut etcd) = EtcdCluster::start("without_a_quorum_appends_fail", 3, required()).await
+    else {
         return;
     };
     let log = etcd.claimed_log("/quorum/", "c").await;
@@ -70,7 +71,8 @@ async fn without_a_quorum_appends_fail_within_the_bound_and_resume_after() {
 
 #[tokio::test]
 async fn appends_while_etcd_members_die_and_return_never_fork_or_duplicate() {
-    let Some(mut etcd) = EtcdCluster::start("appends_while_etcd_members_die", 3).await else {
+    let Some(mut etcd) = EtcdCluster::start("appends_while_etcd_members_die", 3, required()).await
+    else {
         return;
     };
     const APPENDS: usize = 60;

@@ -7,7 +7,7 @@ use api::pki::{CertAndKey, Subject, issue, new_ca};
 use api::tls::Role;
 use etcd_store::{Error, EtcdLog, TlsPem};
 
-use crate::etcd_cluster::{ClusterTls, EtcdCluster};
+use crate::etcd_cluster::{ClusterTls, EtcdCluster, required};
 
 fn write(dir: &Path, name: &str, pem: &str) -> std::path::PathBuf {
     let path = dir.join(name);
@@ -45,8 +45,13 @@ async fn mutual_tls_admits_a_trusted_client_and_refuses_another() {
         ca: write(certs.path(), "ca.pem", &ca.cert_pem),
         client: client_pem(&ca, &client),
     };
-    let Some(etcd) =
-        EtcdCluster::start_with("mutual_tls_admits_a_trusted_client", 1, Some(tls)).await
+    let Some(etcd) = EtcdCluster::start_with(
+        "mutual_tls_admits_a_trusted_client",
+        1,
+        Some(tls),
+        required(),
+    )
+    .await
     else {
         return;
     };

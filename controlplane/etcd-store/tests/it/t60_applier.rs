@@ -7,13 +7,15 @@ use std::time::Duration;
 
 use etcd_store::{Applied, Applier, Error};
 
-use crate::etcd_cluster::EtcdCluster;
+use crate::etcd_cluster::{EtcdCluster, required};
 
 const WAIT: Duration = Duration::from_secs(5);
 
 #[tokio::test]
 async fn a_linearizable_read_sees_every_append_acknowledged_before_it() {
-    let Some(etcd) = EtcdCluster::start("a_linearizable_read_sees_every_append", 3).await else {
+    let Some(etcd) =
+        EtcdCluster::start("a_linearizable_read_sees_every_append", 3, required()).await
+    else {
         return;
     };
     // Two members: `writer` appends, `reader` applies into its state and reads linearizably.
@@ -59,7 +61,9 @@ async fn a_linearizable_read_sees_every_append_acknowledged_before_it() {
 
 #[tokio::test]
 async fn a_refused_entry_stops_the_apply_task_with_its_reason() {
-    let Some(etcd) = EtcdCluster::start("a_refused_entry_stops_the_apply_task", 1).await else {
+    let Some(etcd) =
+        EtcdCluster::start("a_refused_entry_stops_the_apply_task", 1, required()).await
+    else {
         return;
     };
     let log = etcd.claimed_log("/stop/", "c").await;
