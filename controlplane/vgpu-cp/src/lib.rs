@@ -29,6 +29,8 @@ pub mod watchers;
 #[cfg(test)]
 mod connection_bounds_test;
 #[cfg(test)]
+mod etcd_store_test;
+#[cfg(test)]
 mod storage_failure_test;
 
 use control_plane::{ControlPlane, Timings};
