@@ -222,6 +222,12 @@ impl EtcdLog {
             let reads = response.op_responses();
             let kvs: Vec<Option<&KeyValue>> = reads.iter().map(get_kv).collect();
             self.check_cluster(cluster_id, kvs.first().copied().flatten())?;
+            let new_head = self.parse_head(kvs.get(1).copied().flatten())?;
+            // An earlier attempt whose answer was lost may be what moved the head: then it is
+            // written, whatever this attempt found (even a leadership that ended since).
+            if let Some(seqs) = self.find_own_append(&unknown, new_head, entries).await? {
+                return Ok(seqs);
+            }
             if let Some(fence) = fence {
                 let leader = kvs.get(2).copied().flatten();
                 if leader.map(KeyValue::create_revision) != Some(fence.leader_revision) {
@@ -230,7 +236,6 @@ impl EtcdLog {
                     });
                 }
             }
-            let new_head = self.parse_head(kvs.get(1).copied().flatten())?;
             if new_head == head && unknown.is_empty() {
                 // Only the next key's absence failed: someone wrote a log key without the head.
                 return Err(Error::Corrupt {
@@ -242,8 +247,20 @@ impl EtcdLog {
             head = new_head;
             tokio::time::sleep(contended_pause(attempt)).await;
         }
-        if let Some(seqs) = self.find_own_append(&unknown, head, entries).await? {
-            return Ok(seqs);
+        if !unknown.is_empty() {
+            // Out of attempts with answers lost on the way: `Contended` would claim that nothing
+            // was written, which only holds if none of those attempts committed.
+            let head = self.head().await?;
+            if let Some(seqs) = self.find_own_append(&unknown, head, entries).await? {
+                return Ok(seqs);
+            }
+            return Err(self.connection.unavailable(
+                "append to the log",
+                format!(
+                    "{} of its attempts lost their answers; one may still commit",
+                    unknown.len()
+                ),
+            ));
         }
         Err(Error::Contended {
             attempts: APPEND_ATTEMPTS_MAX,
