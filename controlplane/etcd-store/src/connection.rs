@@ -189,7 +189,8 @@ impl Connection {
 
     /// `call` for a request that is safe to repeat (a read, a put of the same value, a delete):
     /// tries again while etcd answers `Unavailable` (the balancer still on a dead member, an
-    /// etcd leader election), until `request_timeout` has passed since the first try.
+    /// etcd leader election), starting tries only within `retry_window` of the first one, so it
+    /// ends within `retry_window + request_timeout`.
     pub async fn call_retrying<T, F, Fut>(
         &self,
         operation: &'static str,
@@ -199,7 +200,7 @@ impl Connection {
         F: FnMut(Client) -> Fut,
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
-        let deadline = Instant::now() + self.request_timeout;
+        let deadline = Instant::now() + self.retry_window();
         loop {
             match self.call(operation, &mut request).await {
                 Err(Error::Unavailable { reason, .. })
@@ -213,9 +214,12 @@ impl Connection {
         }
     }
 
-    /// Whether `request_timeout` has passed since `started`: retry loops stop there.
-    pub fn past_bound(&self, started: Instant) -> bool {
-        Instant::now() + RETRY_PAUSE >= started + self.request_timeout
+    /// How long after a request's first try another may start: one and a half request
+    /// timeouts, so that a try that hung until its timeout on a member that just died (the
+    /// client's balancer still routes to it for a moment) leaves room for one through a live
+    /// member.
+    pub fn retry_window(&self) -> Duration {
+        self.request_timeout * 3 / 2
     }
 
     /// `Error::Unavailable` for `operation`, for bounds this module does not apply itself.

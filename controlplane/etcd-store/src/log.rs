@@ -6,6 +6,7 @@
 //! finds the new head in its transaction's else branch and tries again after it.
 
 use std::ops::RangeInclusive;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{
@@ -80,6 +81,10 @@ pub struct Fence {
 pub struct EtcdLog {
     connection: Connection,
     cluster_id: Option<String>,
+    /// The head as of this member's last append or read, shared by clones: an append starts
+    /// from it instead of reading the head first (one round trip instead of two). When another
+    /// writer moved the head since, the transaction fails and its else branch brings the new one.
+    head_seen: Arc<Mutex<Option<Head>>>,
 }
 
 impl EtcdLog {
@@ -92,6 +97,7 @@ impl EtcdLog {
         EtcdLog {
             connection,
             cluster_id: None,
+            head_seen: Arc::default(),
         }
     }
 
@@ -153,14 +159,36 @@ impl EtcdLog {
                 async move { client.get(key, None).await }
             })
             .await?;
-        self.parse_head(response.kvs().first())
+        let head = self.parse_head(response.kvs().first())?;
+        self.see_head(head);
+        Ok(head)
+    }
+
+    fn seen_head(&self) -> Option<Head> {
+        *self
+            .head_seen
+            .lock()
+            .expect("the head lock is never poisoned")
+    }
+
+    /// Remembers `head` unless a later one was seen already (answers can arrive out of order).
+    fn see_head(&self, head: Head) {
+        let mut seen = self
+            .head_seen
+            .lock()
+            .expect("the head lock is never poisoned");
+        if seen.is_none_or(|seen| seen.mod_revision < head.mod_revision) {
+            *seen = Some(head);
+        }
     }
 
     /// Appends `entries` after the current head and returns their sequence numbers. Never forks:
     /// each entry gets a number no other append got. When a transaction's answer is lost, the
     /// next attempt first looks whether it committed (its entries at its numbers, written by
-    /// one transaction), so a retry does not append twice. On `Error::Unavailable` the outcome
-    /// is unknown: the last transaction may still commit.
+    /// one transaction), so a retry does not append twice. Tries start only within the retry
+    /// window (`Connection::retry_window`) of the append's start.
+    /// On `Error::Unavailable` the outcome is unknown: the last transaction may still commit
+    /// (etcd may hold it in its own log and commit it once its quorum returns).
     pub async fn append(&self, entries: &[Vec<u8>]) -> Result<RangeInclusive<u64>> {
         self.append_inner(entries, None).await
     }
@@ -184,7 +212,10 @@ impl EtcdLog {
         let cluster_id = self.claimed()?;
         check_append_size(entries)?;
         let started = Instant::now();
-        let mut head = self.head().await?;
+        let mut head = match self.seen_head() {
+            Some(head) => head,
+            None => self.head().await?,
+        };
         // The first sequence numbers of attempts whose answer was lost: each may have committed.
         let mut unknown: Vec<u64> = Vec::new();
         for attempt in 1..=APPEND_ATTEMPTS_MAX {
@@ -204,17 +235,26 @@ impl EtcdLog {
                 Ok(response) => response,
                 Err(error @ Error::Unavailable { .. }) => {
                     unknown.push(first);
-                    if self.connection.past_bound(started) {
+                    // Another try only within the retry window (`Connection::retry_window`).
+                    if Instant::now() + RETRY_PAUSE >= started + self.connection.retry_window() {
                         return Err(error);
                     }
                     tokio::time::sleep(RETRY_PAUSE).await;
-                    head = self.head().await?;
+                    // The same head again: if the lost try committed, this one's comparison
+                    // fails and its else branch shows it (no extra read that could hang too).
                     continue;
                 }
                 Err(error) => return Err(error),
             };
             if response.succeeded() {
                 assert!(first <= last);
+                // The transaction wrote the head at its own revision.
+                if let Some(header) = response.header() {
+                    self.see_head(Head {
+                        seq: last,
+                        mod_revision: header.revision(),
+                    });
+                }
                 tracing::debug!(first, last, attempt, "appended");
                 return Ok(first..=last);
             }
@@ -244,6 +284,7 @@ impl EtcdLog {
                 });
             }
             tracing::debug!(attempt, seen = head.seq, now = new_head.seq, "append raced");
+            self.see_head(new_head);
             head = new_head;
             tokio::time::sleep(contended_pause(attempt)).await;
         }
