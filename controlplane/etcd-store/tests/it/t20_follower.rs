@@ -258,3 +258,29 @@ async fn followers_and_snapshots_survive_etcd_compacting_its_revisions() {
     let seqs: Vec<u64> = resumed.iter().map(|entry| entry.seq).collect();
     assert_eq!(seqs, (11..=20).collect::<Vec<u64>>());
 }
+
+#[tokio::test]
+async fn the_follower_sees_every_entry_in_order_while_etcd_members_die_and_return() {
+    let Some(mut etcd) =
+        EtcdCluster::start("the_follower_while_etcd_members_die", 3, required()).await
+    else {
+        return;
+    };
+    let writer = etcd.claimed_log("/rolling/", "c").await;
+    let mut follower = Follower::new(etcd.claimed_log("/rolling/", "c").await, 1);
+    let mut seen = Vec::new();
+    // A rolling restart of etcd under the follower's watch, appends between the steps.
+    for (step, member) in [0, 1, 2].into_iter().enumerate() {
+        append_each(&writer, step * 10..step * 10 + 5).await;
+        follow(&mut follower, step * 10 + 5, &mut seen).await;
+        etcd.kill(member);
+        append_each(&writer, step * 10 + 5..step * 10 + 10).await;
+        etcd.restart(member).await;
+    }
+    follow(&mut follower, 30, &mut seen).await;
+    let seqs: Vec<u64> = seen.iter().map(|entry| entry.seq).collect();
+    assert_eq!(seqs, (1..=30).collect::<Vec<u64>>());
+    for (index, entry) in seen.iter().enumerate() {
+        assert_eq!(entry.bytes, format!("entry-{index}").into_bytes());
+    }
+}
