@@ -10,6 +10,7 @@ pub mod certs;
 pub mod config;
 pub mod control_plane;
 pub mod dashboard;
+pub mod etcd_entry;
 pub mod identity;
 pub mod leader;
 pub mod limits;
@@ -27,6 +28,8 @@ pub mod watchers;
 
 #[cfg(test)]
 mod connection_bounds_test;
+#[cfg(test)]
+mod etcd_store_test;
 #[cfg(test)]
 mod storage_failure_test;
 

@@ -10,7 +10,9 @@ pub use log_store::{LogStore, WriteFault, WriteMode};
 pub mod log_store_counters {
     pub use super::log_store::{LOG_APPEND_CALLS, LOG_ENTRIES_APPENDED, LOG_TRANSACTIONS};
 }
-pub use state_machine::{Applied, Shared, StateMachineStore};
+pub use state_machine::{
+    Applied, Shared, StateMachineStore, decode_pool_snapshot, encode_pool_snapshot,
+};
 
 #[cfg(test)]
 mod conformance_test;

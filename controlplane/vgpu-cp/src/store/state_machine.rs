@@ -274,6 +274,41 @@ fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotFile, StorageError> {
     Ok(file)
 }
 
+/// The pool as the etcd store (issue 20; not used yet) will snapshot it: this store's encoding
+/// (checksum, formats 1 to 4, the checks on decoding) with `last_applied` at the etcd log's
+/// sequence number `seq` and no Raft membership, so one encoding and its checks serve both.
+pub fn encode_pool_snapshot(seq: u64, pool: &PoolState) -> Vec<u8> {
+    assert!(seq >= 1, "a snapshot covers at least entry 1");
+    // etcd has no terms or Raft leaders: the log id carries only the sequence number.
+    let last = Some(LogId::new(openraft::CommittedLeaderId::new(0, 0), seq));
+    let file = SnapshotFile {
+        meta: SnapshotMeta {
+            last_log_id: last,
+            last_membership: StoredMembership::default(),
+            snapshot_id: format!("etcd-{seq}"),
+        },
+        applied: Applied {
+            pool: pool.clone(),
+            last_applied: last,
+            membership: StoredMembership::default(),
+        },
+    };
+    let bytes = encode_snapshot(&file);
+    assert!(bytes.len() > 8, "a checksum and a body");
+    bytes
+}
+
+/// The inverse of `encode_pool_snapshot`: the sequence number it covers and the pool.
+pub fn decode_pool_snapshot(bytes: &[u8]) -> Result<(u64, PoolState), StorageError> {
+    let file = decode_snapshot(bytes)?;
+    let seq = file.applied.last_applied.map_or(0, |id| id.index);
+    assert!(
+        file.applied.membership == StoredMembership::default(),
+        "an etcd snapshot carries no Raft membership"
+    );
+    Ok((seq, file.applied.pool))
+}
+
 /// Whether every node and tenant of `host_state` is in `engine` (what `restore_host_state`
 /// asserts), so that a damaged snapshot is refused with a reason rather than a panic.
 fn host_state_fits(engine: &placement::Engine, host_state: &placement::HostState) -> bool {
@@ -595,6 +630,21 @@ mod tests {
         assert!(pending.reason.contains("CPU"), "{}", pending.reason);
         // Without host state the formats earlier members read are kept.
         assert_eq!(version(&encode_snapshot(&file(&[]))), 1);
+    }
+
+    #[test]
+    fn the_etcd_store_snapshots_the_pool_in_this_encoding() {
+        let pool = file(&[("cafe", 7)]).applied.pool;
+        let bytes = encode_pool_snapshot(12, &pool);
+        assert_eq!(version(&bytes), SNAPSHOT_FORMAT_WITH_REVOCATIONS);
+        let (seq, decoded) = decode_pool_snapshot(&bytes).expect("decode");
+        assert_eq!(seq, 12);
+        assert_eq!(decoded.revoked, pool.revoked);
+        // Pair check: what decodes encodes to the same bytes.
+        assert_eq!(encode_pool_snapshot(12, &decoded), bytes);
+        let mut damaged = bytes.clone();
+        *damaged.last_mut().expect("bytes") ^= 1;
+        assert!(decode_pool_snapshot(&damaged).is_err());
     }
 
     #[test]
