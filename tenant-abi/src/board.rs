@@ -28,7 +28,7 @@
 //! The file starts zeroed; a zero capacity lends nothing and refuses everything, so a board the
 //! agent has not written yet is safe.
 
-use crate::ledger::{Liveness, RECLAIMING_BIT, reclaim_dead_slots};
+use crate::ledger::{Liveness, RECLAIMING_BIT, claim_free_slot, reclaim_dead_slots};
 use crate::reclaim::Holder;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::SeqCst};
 
@@ -372,19 +372,14 @@ impl<'r, L: Liveness> Board<'r, L> {
             "pid {pid} cannot own a slot"
         );
         assert!(tenant < TENANTS);
-        for attempt in 0..2 {
-            for (index, slot) in self.region.slots.iter().enumerate() {
-                if slot.pid.compare_exchange(0, pid, SeqCst, SeqCst).is_ok() {
-                    slot.tenant.store(tenant as u32, SeqCst);
-                    slot.start_time.store(start_time, SeqCst);
-                    return Some(index);
-                }
-            }
-            if attempt == 0 && self.reclaim_dead(pid) == 0 {
-                break;
-            }
-        }
-        None
+        claim_free_slot(
+            &self.region.slots,
+            pid,
+            start_time,
+            |slot| (&slot.pid, &slot.start_time),
+            |slot| slot.tenant.store(tenant as u32, SeqCst),
+            || self.reclaim_dead(pid),
+        )
     }
 
     /// Charges `bytes` to `slot` if its tenant's limit and the GPU's capacity allow.

@@ -1,26 +1,8 @@
 use super::*;
+use crate::ledger::test_liveness::Fake;
 use crate::reclaim;
-use std::collections::BTreeSet;
-use std::sync::Mutex;
 
 const GIB: u64 = 1 << 30;
-
-/// Liveness decided by the test: the set of live pids.
-#[derive(Default)]
-struct Fake(Mutex<BTreeSet<u32>>);
-impl Liveness for &Fake {
-    fn is_alive(&self, pid: u32, _start_time: u64) -> bool {
-        self.0.lock().unwrap().contains(&pid)
-    }
-}
-impl Fake {
-    fn with(pids: &[u32]) -> Fake {
-        Fake(Mutex::new(pids.iter().copied().collect()))
-    }
-    fn kill(&self, pid: u32) {
-        self.0.lock().unwrap().remove(&pid);
-    }
-}
 
 fn spec(name: &str, request: u64, limit: u64) -> TenantSpec {
     TenantSpec {

@@ -2,30 +2,9 @@
 //! simulated processes launch kernels through the protocol, as the interposer does.
 
 use super::*;
-use std::collections::BTreeSet;
-use std::sync::Mutex;
+use crate::ledger::test_liveness::Fake;
 
 const MS: u64 = 1_000_000;
-
-/// Liveness decided by the test: the set of live pids.
-#[derive(Default)]
-struct Fake(Mutex<BTreeSet<u32>>);
-impl Liveness for &Fake {
-    fn is_alive(&self, pid: u32, _start_time: u64) -> bool {
-        self.0.lock().unwrap().contains(&pid)
-    }
-}
-impl Fake {
-    fn with(pids: &[u32]) -> Fake {
-        Fake(Mutex::new(pids.iter().copied().collect()))
-    }
-    fn kill(&self, pid: u32) {
-        self.0.lock().unwrap().remove(&pid);
-    }
-    fn add(&self, pid: u32) {
-        self.0.lock().unwrap().insert(pid);
-    }
-}
 
 fn region() -> Box<Region> {
     let region = Region::new_boxed();
@@ -252,10 +231,7 @@ impl<'r, 'l> Sim<'r, 'l> {
 
     fn act(&mut self, i: usize, now: u64) {
         let p = &mut self.procs[i];
-        if now < p.from_ns
-            || now >= p.until_ns
-            || !self.live.0.lock().unwrap().contains(&p.member.pid)
-        {
+        if now < p.from_ns || now >= p.until_ns || !self.live.contains(p.member.pid) {
             return;
         }
         p.queued.retain(|&end| end > now);

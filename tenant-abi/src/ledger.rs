@@ -181,19 +181,14 @@ impl<'r, L: Liveness> Ledger<'r, L> {
             pid != 0 && pid & RECLAIMING_BIT == 0,
             "pid {pid} cannot own a slot"
         );
-        for attempt in 0..2 {
-            for (index, slot) in self.region.slots.iter().enumerate() {
-                if slot.pid.compare_exchange(0, pid, SeqCst, SeqCst).is_ok() {
-                    debug_assert!(slot.used_bytes.iter().all(|u| u.load(SeqCst) == 0));
-                    slot.start_time.store(start_time, SeqCst);
-                    return Some(index);
-                }
-            }
-            if attempt == 0 && self.reclaim_dead(pid) == 0 {
-                break;
-            }
-        }
-        None
+        claim_free_slot(
+            &self.region.slots,
+            pid,
+            start_time,
+            |slot| (&slot.pid, &slot.start_time),
+            |slot| debug_assert!(slot.used_bytes.iter().all(|u| u.load(SeqCst) == 0)),
+            || self.reclaim_dead(pid),
+        )
     }
 
     /// Charges `bytes` on `device` to `slot`, unless that takes the tenant past its limit.
@@ -256,7 +251,35 @@ impl<'r, L: Liveness> Ledger<'r, L> {
     }
 }
 
-/// The reclaim protocol shared by the memory ledger and the compute schedule: for each slot of a
+/// The claim protocol shared by the memory ledger and the memory board: the first slot whose pid
+/// is 0 is taken by CAS to `pid`, `claimed` fills the slot's own fields, then its start time is
+/// stored; when every slot is taken, `reclaim_dead` frees dead processes' slots once and the
+/// search runs again. Returns the slot's index.
+pub fn claim_free_slot<S>(
+    slots: &[S],
+    pid: u32,
+    start_time: u64,
+    identity: impl Fn(&S) -> (&AtomicU32, &AtomicU64),
+    claimed: impl Fn(&S),
+    reclaim_dead: impl Fn() -> usize,
+) -> Option<usize> {
+    for attempt in 0..2 {
+        for (index, slot) in slots.iter().enumerate() {
+            let (pid_word, start) = identity(slot);
+            if pid_word.compare_exchange(0, pid, SeqCst, SeqCst).is_ok() {
+                claimed(slot);
+                start.store(start_time, SeqCst);
+                return Some(index);
+            }
+        }
+        if attempt == 0 && reclaim_dead() == 0 {
+            break;
+        }
+    }
+    None
+}
+
+/// The reclaim protocol shared by the memory ledger, the memory board and the compute schedule: for each slot of a
 /// process that no longer runs, take the slot by CAS of its pid to `RECLAIMING_BIT | reclaimer`
 /// (so only one reclaimer zeroes it, and a reclaimer that dies half-way is itself reclaimed
 /// later), zero its payload with `clear`, then its start time, and free it (pid 0) last.
@@ -394,30 +417,46 @@ pub fn parse_stat(stat: &str) -> Option<(char, u64)> {
     Some((state, start_time))
 }
 
+/// Liveness decided by a test (the ledger's, the schedule's and the board's tests): the set of
+/// live pids.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod test_liveness {
+    use super::Liveness;
     use std::collections::BTreeSet;
     use std::sync::Mutex;
 
-    const GIB: u64 = 1 << 30;
-
-    /// Liveness decided by the test: the set of live pids.
     #[derive(Default)]
-    struct Fake(Mutex<BTreeSet<u32>>);
+    pub struct Fake(Mutex<BTreeSet<u32>>);
+
     impl Liveness for &Fake {
         fn is_alive(&self, pid: u32, _start_time: u64) -> bool {
             self.0.lock().unwrap().contains(&pid)
         }
     }
+
     impl Fake {
-        fn with(pids: &[u32]) -> Fake {
+        pub fn with(pids: &[u32]) -> Fake {
             Fake(Mutex::new(pids.iter().copied().collect()))
         }
-        fn kill(&self, pid: u32) {
+        pub fn kill(&self, pid: u32) {
             self.0.lock().unwrap().remove(&pid);
         }
+        pub fn add(&self, pid: u32) {
+            self.0.lock().unwrap().insert(pid);
+        }
+        pub fn contains(&self, pid: u32) -> bool {
+            self.0.lock().unwrap().contains(&pid)
+        }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    use crate::ledger::test_liveness::Fake;
 
     fn region_with_limit(device: usize, bytes: u64) -> Box<Region> {
         let region = Region::new_boxed();
@@ -492,7 +531,7 @@ mod tests {
         assert_eq!(region.used_total(0), 8 * GIB);
         assert_eq!(region.slots[a].pid.load(SeqCst), 0);
         // The slot is free for a new process.
-        live.0.lock().unwrap().insert(12);
+        live.add(12);
         assert_eq!(ledger.claim_slot(12, 1), Some(a));
     }
 
@@ -517,7 +556,7 @@ mod tests {
         for &pid in &pids {
             ledger.claim_slot(pid, 1).unwrap();
         }
-        live.0.lock().unwrap().insert(5000);
+        live.add(5000);
         assert_eq!(ledger.claim_slot(5000, 1), None);
         live.kill(7);
         assert_eq!(ledger.claim_slot(5000, 1), Some(6));
