@@ -22,6 +22,7 @@ use crate::real::{self, Driver};
 use crate::spatial;
 use crate::sys::*;
 use crate::tracker::{Key, array_bytes};
+use crate::vmm;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 
 /// Every hook, by the driver symbol it replaces.
@@ -205,10 +206,25 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
             "cuMemAlloc_v2",
             || current_device(driver),
             bytesize as u64,
-            // SAFETY: forwarded unchanged under the caller's contract.
-            || unsafe { real(dptr, bytesize) },
-            // SAFETY: the driver wrote `*dptr` on success.
-            || unsafe { read(dptr) }.map(|p| (Key::Pointer(p), bytesize as u64)),
+            || {
+                // `VGPU_MEMORY_VMM=1`: backed by VMM where it can be (`vmm`).
+                let backed = if vmm::enabled() {
+                    current_device(driver)
+                        // SAFETY: `dptr` is valid for a write under the caller's contract.
+                        .and_then(|device| unsafe { vmm::alloc(driver, device, bytesize, dptr) })
+                } else {
+                    None
+                };
+                // SAFETY: forwarded unchanged under the caller's contract.
+                backed.unwrap_or_else(|| unsafe { real(dptr, bytesize) })
+            },
+            || {
+                // SAFETY: the driver (or `vmm::alloc`) wrote `*dptr` on success.
+                unsafe { read(dptr) }.map(|p| {
+                    let size = vmm::size_of(p).unwrap_or(bytesize as u64);
+                    (Key::Pointer(p), size)
+                })
+            },
         )
     })
 }
@@ -279,9 +295,11 @@ pub unsafe extern "C" fn cuMemAllocManaged(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     ffi_boundary!("cuMemFree_v2", fallback = CUDA_ERROR_UNKNOWN, {
-        let (_, real) = real_fn!(mem_free);
-        // SAFETY: forwarded unchanged under the caller's contract.
-        accounted_free("cuMemFree_v2", Key::Pointer(dptr), || unsafe { real(dptr) })
+        let (driver, real) = real_fn!(mem_free);
+        accounted_free("cuMemFree_v2", Key::Pointer(dptr), || {
+            // SAFETY: forwarded unchanged under the caller's contract.
+            vmm::free(driver, dptr).unwrap_or_else(|| unsafe { real(dptr) })
+        })
     })
 }
 

@@ -47,5 +47,6 @@ mod real;
 mod shm;
 mod spatial;
 mod sys;
+mod vmm;
 use tenant_abi::{compute, ledger};
 pub mod tracker;

@@ -104,6 +104,12 @@ driver_functions! {
     mem_free: FnMemFree = c"cuMemFree_v2";
     mem_create: FnMemCreate = c"cuMemCreate";
     mem_release: FnMemRelease = c"cuMemRelease";
+    mem_address_reserve: FnMemAddressReserve = c"cuMemAddressReserve";
+    mem_address_free: FnMemAddressFree = c"cuMemAddressFree";
+    mem_map: FnMemMap = c"cuMemMap";
+    mem_unmap: FnMemUnmap = c"cuMemUnmap";
+    mem_set_access: FnMemSetAccess = c"cuMemSetAccess";
+    mem_get_allocation_granularity: FnMemGetAllocationGranularity = c"cuMemGetAllocationGranularity";
     mem_alloc_async: FnMemAllocAsync = c"cuMemAllocAsync";
     mem_alloc_async_ptsz: FnMemAllocAsync = c"cuMemAllocAsync_ptsz";
     mem_alloc_from_pool_async: FnMemAllocFromPoolAsync = c"cuMemAllocFromPoolAsync";

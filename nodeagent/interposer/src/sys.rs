@@ -64,6 +64,17 @@ pub struct CUmemAllocationProp {
     pub alloc_flags: [u8; 8],
 }
 
+/// `CUmemAccessDesc`: who may access a mapping, and how.
+#[repr(C)]
+pub struct CUmemAccessDesc {
+    pub location: CUmemLocation,
+    pub flags: c_int,
+}
+
+pub const CU_MEM_ALLOCATION_TYPE_PINNED: c_int = 1;
+pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
+pub const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int = 0;
+
 #[repr(C)]
 pub struct CUDA_ARRAY_DESCRIPTOR {
     pub width: usize,
@@ -94,6 +105,21 @@ pub type FnMemCreate = unsafe extern "C" fn(
     c_ulonglong,
 ) -> CUresult;
 pub type FnMemRelease = unsafe extern "C" fn(CUmemGenericAllocationHandle) -> CUresult;
+pub type FnMemAddressReserve =
+    unsafe extern "C" fn(*mut CUdeviceptr, usize, usize, CUdeviceptr, c_ulonglong) -> CUresult;
+pub type FnMemAddressFree = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
+pub type FnMemMap = unsafe extern "C" fn(
+    CUdeviceptr,
+    usize,
+    usize,
+    CUmemGenericAllocationHandle,
+    c_ulonglong,
+) -> CUresult;
+pub type FnMemUnmap = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
+pub type FnMemSetAccess =
+    unsafe extern "C" fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize) -> CUresult;
+pub type FnMemGetAllocationGranularity =
+    unsafe extern "C" fn(*mut usize, *const CUmemAllocationProp, c_int) -> CUresult;
 pub type FnMemAllocAsync = unsafe extern "C" fn(*mut CUdeviceptr, usize, CUstream) -> CUresult;
 pub type FnMemAllocFromPoolAsync =
     unsafe extern "C" fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream) -> CUresult;

@@ -751,3 +751,33 @@ fn a_lost_context_is_explained_once_with_whose_fault_it_may_be() {
         "{stderr}"
     );
 }
+
+/// Issue 17: with `VGPU_MEMORY_VMM=1` every `cuMemAlloc_v2` is backed by a reserved address
+/// range with created and mapped memory (what elastic memory needs to swap it later), charged at
+/// its size rounded to the driver's granularity, and undone by `cuMemFree_v2`; without it the
+/// driver's own `cuMemAlloc_v2` serves.
+#[test]
+fn vmm_backed_allocations_are_charged_rounded_and_undone() {
+    const MIB: u64 = 1 << 20;
+    let shm = shm_dir();
+    let out = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "10GiB")
+        .env("VGPU_MEMORY_VMM", "1")
+        .run("alloc 3G vmm info alloc 1 info alloc 7G free free vmm info");
+    let three = 3 * GIB;
+    assert_eq!(
+        out,
+        format!(
+            "alloc 0\nvmm 0 reserved={three} mapped={three}\ninfo 0 {} {ten}\nalloc 0\n\
+             info 0 {} {ten}\nalloc 2\nfree 0\nfree 0\nvmm 0 reserved=0 mapped=0\n\
+             info 0 {ten} {ten}\n",
+            7 * GIB,
+            7 * GIB - 2 * MIB,
+            ten = 10 * GIB,
+        )
+    );
+    let plain = Probe::new(shm.path(), Some("a"))
+        .env("VGPU_MEMORY_LIMIT", "10GiB")
+        .run("alloc 1 vmm free");
+    assert_eq!(plain, "alloc 0\nvmm 0 reserved=0 mapped=0\nfree 0\n");
+}

@@ -228,6 +228,99 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 }
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) { return give(handle); }
 
+/* Virtual memory management: address ranges come from their own region (0x7f... addresses), and
+ * the fake counts what is reserved and mapped (fakeVmmReservedBytes, fakeVmmMappedBytes) so the
+ * tests can see that an allocation went this way and was undone. Physical memory is cuMemCreate's
+ * (counted as used, above). */
+#define MAX_RANGES 4096
+static struct { unsigned long long address, bytes, mapped; } ranges[MAX_RANGES];
+static unsigned long long next_range = 0x7f0000000000ULL, reserved_bytes, mapped_bytes;
+#define VMM_GRANULARITY (2ULL << 20)
+
+unsigned long long fakeVmmReservedBytes(void) { return reserved_bytes; }
+unsigned long long fakeVmmMappedBytes(void) { return mapped_bytes; }
+
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                       int option) {
+  (void)option;
+  if (granularity == NULL || prop == NULL) return INVALID_VALUE;
+  *granularity = VMM_GRANULARITY;
+  return OK;
+}
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags) {
+  (void)alignment; (void)addr; (void)flags;
+  if (ptr == NULL || size == 0 || size % VMM_GRANULARITY) return INVALID_VALUE;
+  CUresult rc = OUT_OF_MEMORY;
+  pthread_mutex_lock(&lock);
+  for (int i = 0; i < MAX_RANGES; i++) {
+    if (ranges[i].address == 0) {
+      ranges[i].address = next_range;
+      ranges[i].bytes = size;
+      ranges[i].mapped = 0;
+      next_range += size + VMM_GRANULARITY;
+      reserved_bytes += size;
+      *ptr = ranges[i].address;
+      rc = OK;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&lock);
+  return rc;
+}
+static int range_at(CUdeviceptr address, size_t size) {
+  for (int i = 0; i < MAX_RANGES; i++)
+    if (ranges[i].address != 0 && ranges[i].address == address && ranges[i].bytes == size) return i;
+  return -1;
+}
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  CUresult rc = INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  int i = range_at(ptr, size);
+  if (i >= 0 && !ranges[i].mapped) {
+    ranges[i].address = 0;
+    reserved_bytes -= size;
+    rc = OK;
+  }
+  pthread_mutex_unlock(&lock);
+  return rc;
+}
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags) {
+  (void)flags;
+  if (offset != 0 || handle == 0) return INVALID_VALUE;
+  CUresult rc = INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  int i = range_at(ptr, size);
+  if (i >= 0 && !ranges[i].mapped) {
+    ranges[i].mapped = 1;
+    mapped_bytes += size;
+    rc = OK;
+  }
+  pthread_mutex_unlock(&lock);
+  return rc;
+}
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  CUresult rc = INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  int i = range_at(ptr, size);
+  if (i >= 0 && ranges[i].mapped) {
+    ranges[i].mapped = 0;
+    mapped_bytes -= size;
+    rc = OK;
+  }
+  pthread_mutex_unlock(&lock);
+  return rc;
+}
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t count) {
+  if (desc == NULL || count == 0) return INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  int i = range_at(ptr, size);
+  CUresult rc = i >= 0 && ranges[i].mapped ? OK : INVALID_VALUE;
+  pthread_mutex_unlock(&lock);
+  return rc;
+}
+
 static unsigned long long element_bytes(int format) {
   switch (format) {
     case 0x01: case 0x08: return 1;

@@ -34,6 +34,7 @@
  *                    (MODE: global or relaxed): "capture <rc> graph=<the graph's us>"; then
  *                    `launch graph US` / `spin graph US` launch graphs as usual
  *   trace            prints "trace <the fake driver's trace>" (which stream each kernel ran on)
+ *   vmm              prints "vmm 0 reserved=<bytes> mapped=<bytes>": the fake's VMM address ranges
  *   sleep_ms N       sleeps N milliseconds
  *   retain D         cuDevicePrimaryCtxRetain(D) and, if it succeeds, makes it current
  *   nvml_dl I | nvml2_dl I    NVML device I's memory through dlsym(dlopen("libnvidia-ml.so.1"))
@@ -137,6 +138,8 @@ CUresult cuMemcpyDtoDAsync_v2(unsigned long long, unsigned long long, size_t, vo
 CUresult cuStreamBeginCapture_v2(void *, int);
 CUresult cuStreamEndCapture(void *, void **);
 unsigned long long fakeGpuUsedNs(void);
+unsigned long long fakeVmmReservedBytes(void);
+unsigned long long fakeVmmMappedBytes(void);
 unsigned long long fakeLaunches(void);
 const char *fakeTrace(void);
 
@@ -551,6 +554,8 @@ int main(int argc, char **argv) {
       }
       printf("step %d max_us=%llu\n", rc, longest / 1000);
       i += 3;
+    } else if (!strcmp(c, "vmm")) {
+      printf("vmm 0 reserved=%llu mapped=%llu\n", fakeVmmReservedBytes(), fakeVmmMappedBytes());
     } else if (!strcmp(c, "trace")) {
       printf("trace %s\n", fakeTrace());
     } else if (!strcmp(c, "sleep_ms")) {

@@ -1,0 +1,194 @@
+//! Allocations backed by the driver's virtual memory management (issue 17,
+//! `docs/design/elastic-memory.md`): an address range reserved (`cuMemAddressReserve`), physical
+//! memory created on the device (`cuMemCreate`), mapped into the range and made accessible
+//! (`cuMemMap`, `cuMemSetAccess`). Elastic memory backs borrowed allocations this way, because
+//! only memory the interposer maps itself can be swapped out and back under the same address.
+//!
+//! Today it serves `VGPU_MEMORY_VMM=1` only: every `cuMemAlloc_v2` of the process is backed so,
+//! to prove on real jobs that frameworks run unchanged on such memory before anything is
+//! swapped. Sizes round up to the driver's granularity (2 MiB on an H100), and that rounded size
+//! is what the allocation is charged. A driver without one of the functions, or a call that
+//! fails, leaves the allocation to the real `cuMemAlloc_v2` (logged once): nothing is refused
+//! for want of this path.
+//!
+//! The physical memory is created through the real `cuMemCreate`, not our hook, so the
+//! allocation is charged once, as the pointer `cuMemAlloc_v2` returned.
+#![allow(unsafe_code)]
+
+use crate::real::Driver;
+use crate::sys::*;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+/// Whether `VGPU_MEMORY_VMM=1` asks for every `cuMemAlloc_v2` to be VMM-backed.
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var_os(tenant_abi::env::var::MEMORY_VMM).is_some_and(|value| value == "1")
+    })
+}
+
+/// One VMM-backed allocation: its physical memory and the (rounded) size of its range.
+#[derive(Clone, Copy)]
+struct Backed {
+    handle: CUmemGenericAllocationHandle,
+    size: usize,
+}
+
+fn backed() -> std::sync::MutexGuard<'static, HashMap<CUdeviceptr, Backed>> {
+    static BACKED: OnceLock<Mutex<HashMap<CUdeviceptr, Backed>>> = OnceLock::new();
+    BACKED
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The functions this path needs, if the driver has them all.
+struct Vmm {
+    create: FnMemCreate,
+    release: FnMemRelease,
+    reserve: FnMemAddressReserve,
+    free_range: FnMemAddressFree,
+    map: FnMemMap,
+    unmap: FnMemUnmap,
+    set_access: FnMemSetAccess,
+    granularity: FnMemGetAllocationGranularity,
+}
+
+impl Vmm {
+    fn of(driver: &Driver) -> Option<Vmm> {
+        let f = &driver.fns;
+        Some(Vmm {
+            create: f.mem_create?,
+            release: f.mem_release?,
+            reserve: f.mem_address_reserve?,
+            free_range: f.mem_address_free?,
+            map: f.mem_map?,
+            unmap: f.mem_unmap?,
+            set_access: f.mem_set_access?,
+            granularity: f.mem_get_allocation_granularity?,
+        })
+    }
+}
+
+fn unavailable_once(why: &str) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        crate::log::error(format_args!(
+            "{}=1: {why}; allocations use cuMemAlloc_v2 instead (said once)",
+            tenant_abi::env::var::MEMORY_VMM
+        ));
+    }
+}
+
+/// Backs an allocation of `bytes` on `device` with VMM and writes its address to `out`. `None`
+/// when this path cannot serve it (the caller then calls the real `cuMemAlloc_v2`); otherwise the
+/// driver's answer (`CUDA_ERROR_OUT_OF_MEMORY` included: the device has no room either way).
+///
+/// # Safety
+/// `out` is valid for a write of one `CUdeviceptr` (the caller's `cuMemAlloc_v2` contract).
+pub unsafe fn alloc(
+    driver: &Driver,
+    device: CUdevice,
+    bytes: usize,
+    out: *mut CUdeviceptr,
+) -> Option<CUresult> {
+    if out.is_null() || bytes == 0 {
+        return None;
+    }
+    let Some(vmm) = Vmm::of(driver) else {
+        unavailable_once("the driver lacks a virtual memory management function");
+        return None;
+    };
+    let prop = CUmemAllocationProp {
+        type_: CU_MEM_ALLOCATION_TYPE_PINNED,
+        requested_handle_types: 0,
+        location: CUmemLocation {
+            type_: CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device,
+        },
+        win32_handle_meta_data: std::ptr::null_mut(),
+        alloc_flags: [0; 8],
+    };
+    let mut granularity = 0usize;
+    // SAFETY: both pointers are valid for the call; the driver's contract.
+    let rc =
+        unsafe { (vmm.granularity)(&mut granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) };
+    if rc != CUDA_SUCCESS || granularity == 0 {
+        unavailable_once("cuMemGetAllocationGranularity failed");
+        return None;
+    }
+    let size = bytes.checked_next_multiple_of(granularity)?;
+    let mut handle: CUmemGenericAllocationHandle = 0;
+    // SAFETY: `handle` and `prop` are valid; the real driver's `cuMemCreate`.
+    let rc = unsafe { (vmm.create)(&mut handle, size, &prop, 0) };
+    if rc != CUDA_SUCCESS {
+        return Some(rc);
+    }
+    let mut address: CUdeviceptr = 0;
+    // SAFETY: `address` is valid for a write; no fixed address or alignment asked.
+    let rc = unsafe { (vmm.reserve)(&mut address, size, 0, 0, 0) };
+    if rc != CUDA_SUCCESS {
+        // SAFETY: `handle` came from `cuMemCreate` above and is released once.
+        unsafe { (vmm.release)(handle) };
+        return Some(rc);
+    }
+    // SAFETY: the range was reserved above with `size` bytes, `handle` holds `size` bytes.
+    let mut rc = unsafe { (vmm.map)(address, size, 0, handle, 0) };
+    if rc == CUDA_SUCCESS {
+        let access = CUmemAccessDesc {
+            location: CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: device,
+            },
+            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range is mapped; one descriptor.
+        rc = unsafe { (vmm.set_access)(address, size, &access, 1) };
+        if rc != CUDA_SUCCESS {
+            // SAFETY: mapped just above.
+            unsafe { (vmm.unmap)(address, size) };
+        }
+    }
+    if rc != CUDA_SUCCESS {
+        // SAFETY: reserved and created above, each undone once.
+        unsafe {
+            (vmm.free_range)(address, size);
+            (vmm.release)(handle);
+        }
+        return Some(rc);
+    }
+    backed().insert(address, Backed { handle, size });
+    // SAFETY: `out` is valid for a write by the caller's contract.
+    unsafe { out.write(address) };
+    Some(CUDA_SUCCESS)
+}
+
+/// The size a VMM-backed allocation at `address` takes on the device, if it is one.
+pub fn size_of(address: CUdeviceptr) -> Option<u64> {
+    backed().get(&address).map(|b| b.size as u64)
+}
+
+/// Frees `address` if it is a VMM-backed allocation: unmaps it, releases its memory and its
+/// range. `None` when it is not one of ours (the caller calls the real `cuMemFree_v2`).
+pub fn free(driver: &Driver, address: CUdeviceptr) -> Option<CUresult> {
+    let found = backed().remove(&address)?;
+    let Some(vmm) = Vmm::of(driver) else {
+        // Only allocated when every function was there.
+        return Some(CUDA_ERROR_UNKNOWN);
+    };
+    // SAFETY: `address` was mapped by `alloc` with `found.size` bytes and `found.handle`, and was
+    // just removed from the table, so it is undone once.
+    unsafe {
+        let unmapped = (vmm.unmap)(address, found.size);
+        let released = (vmm.release)(found.handle);
+        let freed = (vmm.free_range)(address, found.size);
+        Some(
+            [unmapped, released, freed]
+                .into_iter()
+                .find(|rc| *rc != CUDA_SUCCESS)
+                .unwrap_or(CUDA_SUCCESS),
+        )
+    }
+}
