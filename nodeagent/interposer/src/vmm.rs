@@ -159,6 +159,13 @@ pub unsafe fn alloc(
         }
         return Some(rc);
     }
+    static FIRST: AtomicBool = AtomicBool::new(true);
+    if FIRST.swap(false, Ordering::Relaxed) {
+        crate::log::debug(format_args!(
+            "{}=1: the first cuMemAlloc_v2 ({bytes} bytes on device {device}) is VMM-backed: {size} bytes mapped at {address:#x} (granularity {granularity})",
+            tenant_abi::env::var::MEMORY_VMM
+        ));
+    }
     backed().insert(address, Backed { handle, size });
     // SAFETY: `out` is valid for a write by the caller's contract.
     unsafe { out.write(address) };
