@@ -1,6 +1,6 @@
 //! Maps a shared file for the life of a value and unmaps it on drop. Read-only for the readers;
-//! read-write for [`crate::create_schedule`] (the agent making a GPU's schedule before handing
-//! it to tenants) and [`crate::writer`] (tests and tools that play a tenant process).
+//! read-write for [`crate::create_schedule`] and [`crate::shm::write_board`] (the agent making a
+//! GPU's schedule and memory board before handing them to tenants) and [`crate::writer`] (tests and tools that play a tenant process).
 #![allow(unsafe_code)]
 
 use std::fs::File;
@@ -20,6 +20,9 @@ pub unsafe trait SharedRegion {}
 unsafe impl SharedRegion for crate::ledger::Region {}
 // SAFETY: `compute::Region` is `#[repr(C)]` and consists of `AtomicU32`/`AtomicU64` fields only.
 unsafe impl SharedRegion for crate::compute::Region {}
+// SAFETY: `board::Region` is `#[repr(C)]` and consists of `AtomicU32`/`AtomicI32`/`AtomicU64`
+// fields only.
+unsafe impl SharedRegion for crate::board::Region {}
 
 /// A mapping of a whole region file.
 pub struct Mapping<T: SharedRegion> {

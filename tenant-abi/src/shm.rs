@@ -7,12 +7,14 @@
 //! creates, writes, initialises or reclaims, and never waits on a process of a tenant (there is
 //! nothing to wait on: the formats have no locks).
 //!
-//! The one write: [`create_schedule`] makes a GPU's compute schedule, initialised, before any
+//! The writes: [`create_schedule`] makes a GPU's compute schedule, initialised, before any
 //! tenant process runs, so that the agent can hand the same file to every tenant placed on that
-//! GPU through the tenants' private directories (`vgpu_agent::private`).
+//! GPU through the tenants' private directories (`vgpu_agent::private`); [`create_board`] and
+//! [`write_board`] make and fill a GPU's memory board (`crate::board`) the same way.
 
 use std::path::{Path, PathBuf};
 
+use crate::board;
 use crate::compute::{self, TenantTime};
 use crate::ledger::{self, LedgerUsage, ProcLiveness};
 use crate::map;
@@ -89,6 +91,97 @@ pub fn read_schedule(path: &Path) -> Result<Vec<TenantTime>, ReadError> {
 /// sees a half-made schedule, and a concurrent creator's file is kept. Mode 0666: who may open
 /// it is decided by the directories it is reachable through.
 pub fn create_schedule(path: &Path, quantum_ns: u64) -> Result<bool, ReadError> {
+    create_region::<compute::Region>(path, compute::REGION_BYTES, |region| {
+        region.initialise(quantum_ns)
+    })
+}
+
+/// Creates the memory board of a GPU at `path` (`crate::board`), initialised with nothing lent
+/// (capacity 0, no tenants) until [`write_board`] fills it, unless a file is already there; as
+/// [`create_schedule`].
+pub fn create_board(path: &Path) -> Result<bool, ReadError> {
+    create_region::<board::Region>(path, board::REGION_BYTES, board::Region::initialise)
+}
+
+/// The agent writes a GPU's board: what tenants may hold in all, and one entry per tenant placed
+/// on the GPU (`specs`); entries of tenants no longer in `specs` are removed (their processes'
+/// slots keep their counts until those processes exit). The board must exist
+/// ([`create_board`]).
+pub fn write_board(
+    path: &Path,
+    capacity_bytes: u64,
+    specs: &[board::TenantSpec],
+) -> Result<(), BoardWriteError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|source| ReadError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+    let size = file
+        .metadata()
+        .map_err(|source| ReadError::Open {
+            path: path.to_owned(),
+            source,
+        })?
+        .len();
+    if size != board::REGION_BYTES as u64 {
+        return Err(ReadError::Size {
+            path: path.to_owned(),
+            found: size,
+            expected: board::REGION_BYTES,
+        }
+        .into());
+    }
+    let mapping = map::Mapping::<board::Region>::writable(path, &file, board::REGION_BYTES)?;
+    let region = mapping.region();
+    checked(path, region.is_initialised(), region.check_layout())?;
+    region.set_capacity(capacity_bytes);
+    for holder in region.holders() {
+        if !specs.iter().any(|spec| spec.name == holder.name) {
+            region.remove_tenant(&holder.name);
+        }
+    }
+    for spec in specs {
+        region
+            .set_tenant(spec)
+            .map_err(|source| BoardWriteError::Spec {
+                path: path.to_owned(),
+                source,
+            })?;
+    }
+    Ok(())
+}
+
+/// Why the agent could not write a board.
+#[derive(Debug, thiserror::Error)]
+pub enum BoardWriteError {
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    #[error("{path}: {source}")]
+    Spec {
+        path: PathBuf,
+        source: board::SpecError,
+    },
+}
+
+/// Reads a GPU's memory board: its capacity and its tenants as the reclaim planner sees them.
+pub fn read_board(path: &Path) -> Result<(u64, Vec<crate::reclaim::Holder>), ReadError> {
+    let mapped = map::ReadOnly::<board::Region>::open(path, board::REGION_BYTES)?;
+    let region = mapped.region();
+    checked(path, region.is_initialised(), region.check_layout())?;
+    Ok((region.capacity(), region.holders()))
+}
+
+/// Creates the region file `path` of `bytes`, initialised by `initialise`, unless one is there:
+/// built under a temporary name and linked into place.
+fn create_region<R: map::SharedRegion>(
+    path: &Path,
+    bytes: usize,
+    initialise: impl FnOnce(&R),
+) -> Result<bool, ReadError> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     if path.exists() {
         return Ok(false);
@@ -111,11 +204,9 @@ pub fn create_schedule(path: &Path, quantum_ns: u64) -> Result<bool, ReadError> 
     let made = (|| {
         file.set_permissions(std::fs::Permissions::from_mode(0o666))
             .map_err(open_error(&temporary))?;
-        file.set_len(compute::REGION_BYTES as u64)
-            .map_err(open_error(&temporary))?;
-        let mapping =
-            map::Mapping::<compute::Region>::writable(&temporary, &file, compute::REGION_BYTES)?;
-        mapping.region().initialise(quantum_ns);
+        file.set_len(bytes as u64).map_err(open_error(&temporary))?;
+        let mapping = map::Mapping::<R>::writable(&temporary, &file, bytes)?;
+        initialise(mapping.region());
         drop(mapping);
         match std::fs::hard_link(&temporary, path) {
             Ok(()) => Ok(true),

@@ -110,3 +110,67 @@ fn a_created_schedule_is_initialised_and_an_existing_one_is_kept() {
         .collect();
     assert_eq!(names, ["GPU-1.compute"], "no temporary file is left");
 }
+
+/// Issue 17: the agent creates a GPU's memory board once, fills it, and rewrites it as tenants
+/// come and go; a reader sees the capacity and the tenants.
+#[test]
+fn a_board_is_created_once_and_rewritten_as_tenants_change() {
+    use crate::board::TenantSpec;
+    let directory = tempfile::tempdir().unwrap();
+    let path = crate::layout::board_path(directory.path(), "GPU-1234");
+    assert!(create_board(&path).unwrap());
+    assert!(!create_board(&path).unwrap(), "an existing board is kept");
+    let (capacity, holders) = read_board(&path).unwrap();
+    assert_eq!(
+        (capacity, holders.len()),
+        (0, 0),
+        "nothing lent before it is written"
+    );
+    let spec = |name: &str, request: u64, guaranteed: bool| TenantSpec {
+        name: name.to_owned(),
+        request_bytes: request,
+        limit_bytes: request,
+        priority: 0,
+        guaranteed,
+    };
+    write_board(
+        &path,
+        78 * GIB,
+        &[spec("a", 30 * GIB, true), spec("b", 20 * GIB, false)],
+    )
+    .unwrap();
+    let (capacity, holders) = read_board(&path).unwrap();
+    assert_eq!(capacity, 78 * GIB);
+    let names: Vec<_> = holders
+        .iter()
+        .map(|h| (h.name.as_str(), h.request))
+        .collect();
+    assert_eq!(names, [("a", 30 * GIB), ("b", 20 * GIB)]);
+    assert!(holders[0].guaranteed && !holders[1].guaranteed);
+    // "a" left, "c" came, "b" grew.
+    write_board(
+        &path,
+        78 * GIB,
+        &[spec("b", 25 * GIB, false), spec("c", 10 * GIB, true)],
+    )
+    .unwrap();
+    let (_, holders) = read_board(&path).unwrap();
+    let mut names: Vec<_> = holders
+        .iter()
+        .map(|h| (h.name.clone(), h.request))
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [("b".to_owned(), 25 * GIB), ("c".to_owned(), 10 * GIB)]
+    );
+    // A bad entry is refused with the file named; a file of another size is not a board.
+    let bad = write_board(&path, GIB, &[spec(&"x".repeat(80), 1, true)]).unwrap_err();
+    assert!(bad.to_string().contains("GPU-1234.memory"), "{bad}");
+    let other = directory.path().join("other.memory");
+    std::fs::write(&other, b"not a board").unwrap();
+    assert!(matches!(
+        write_board(&other, GIB, &[]),
+        Err(BoardWriteError::Read(ReadError::Size { .. }))
+    ));
+}

@@ -148,7 +148,12 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     // Before any tenant directory is touched: on a Kubernetes-managed node the DRA driver keeps
     // them, and the agent would remove its pods' tenants.
     crate::private::claim_keeper(&layout, crate::private::Keeper::Agent)?;
-    follower = follower.with_private(layout);
+    let gpu_memory = inventory
+        .gpus
+        .iter()
+        .map(|gpu| (gpu.uuid.clone(), gpu.memory_bytes))
+        .collect();
+    follower = follower.with_gpu_memory(gpu_memory).with_private(layout);
     if let Some(mps) = &config.mps {
         // Before any tenant can be started here: their environment names the daemon's pipes.
         crate::mps::ensure_running(mps)?;

@@ -38,6 +38,9 @@ pub struct Follower {
     reconciled: bool,
     cdi: Option<CdiWriter>,
     private: Option<Layout>,
+    /// The node's GPUs (uuid -> memory bytes) whose memory boards are kept with the private
+    /// directories (`private::publish_boards`); empty: none.
+    gpu_memory: std::collections::BTreeMap<String, u64>,
 }
 
 impl Follower {
@@ -78,7 +81,15 @@ impl Follower {
             reconciled: false,
             cdi: None,
             private: None,
+            gpu_memory: Default::default(),
         })
+    }
+
+    /// Keeps a memory board for each of these GPUs (uuid -> memory bytes) beside the private
+    /// directories, from the next preparation on (set it before [`Follower::with_private`]).
+    pub fn with_gpu_memory(mut self, gpus: std::collections::BTreeMap<String, u64>) -> Follower {
+        self.gpu_memory = gpus;
+        self
     }
 
     /// Keeps a CDI spec in step with the assignments, starting with the restored set.
@@ -126,6 +137,9 @@ impl Follower {
                     );
                 }
                 for problem in &prepared.problems {
+                    warn!("{problem}");
+                }
+                for problem in private::publish_boards(layout, set, &self.gpu_memory) {
                     warn!("{problem}");
                 }
             }

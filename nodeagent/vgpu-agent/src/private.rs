@@ -14,6 +14,7 @@
 //! | `tenants/<t>/<gpu uuid>.compute` | hard link to `gpus/<gpu uuid>.compute` | the compute schedule of each GPU the tenant is on |
 //! | `tenants/<t>/nccl-activity` | hard link to `node/nccl-activity` | the NCCL tuners' activity table |
 //! | `gpus/`, `node/` | 0700, agent | the originals of the tables tenants share |
+//! | `gpus/<gpu uuid>.memory` | 0666, agent | the GPU's memory board (elastic memory: capacity and the tenants' requests; [`publish_boards`]; not linked to tenants yet) |
 //!
 //! The tenant's user is `vgpu-<tenant>` when the node has such a user ([`crate::users`]), else
 //! the agent's own user. A file's permission bits only matter to whoever can reach a path to it,
@@ -82,6 +83,12 @@ impl Layout {
     /// The original of GPU `uuid`'s compute schedule.
     pub fn schedule(&self, uuid: &str) -> PathBuf {
         tenant_abi::layout::schedule_path(&self.root.join("gpus"), uuid)
+    }
+
+    /// A GPU's memory board (elastic memory, issue 17: written by the agent, not yet read by
+    /// tenants' processes, so not linked into their directories).
+    pub fn board(&self, uuid: &str) -> PathBuf {
+        tenant_abi::layout::board_path(&self.root.join("gpus"), uuid)
     }
 
     fn node_activity(&self) -> PathBuf {
@@ -190,6 +197,8 @@ pub enum PrivateError {
     },
     #[error("cannot create the compute schedule of GPU {uuid}: {message}")]
     Schedule { uuid: String, message: String },
+    #[error("cannot write the memory board of GPU {uuid}: {message}")]
+    Board { uuid: String, message: String },
 }
 
 fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> PrivateError {
@@ -278,6 +287,58 @@ pub fn prepare(
         }
     }
     Ok(prepared)
+}
+
+/// What a GPU's memory board keeps back from its tenants: contexts, NCCL's buffers and
+/// fragmentation headroom (`docs/design/elastic-memory.md`).
+pub const BOARD_RESERVE_BYTES: u64 = 2 << 30;
+
+/// Creates (once) and writes the memory board of every GPU of `gpus` (uuid -> its memory in
+/// bytes): what the tenants may hold in all (the memory less [`BOARD_RESERVE_BYTES`]) and one
+/// entry per tenant of `set` placed on it (request and limit: its slice's memory; its priority;
+/// whether the slice is guaranteed). Elastic memory's first step on the node (issue 17): the
+/// boards are kept true, nothing reads them yet. Returns the GPUs whose board could not be
+/// written; the others are written. Call after [`prepare`] (which makes `gpus/`).
+pub fn publish_boards(
+    layout: &Layout,
+    set: &AssignmentSet,
+    gpus: &std::collections::BTreeMap<String, u64>,
+) -> Vec<PrivateError> {
+    let mut problems = Vec::new();
+    for (uuid, memory_bytes) in gpus {
+        let specs: Vec<tenant_abi::board::TenantSpec> = set
+            .tenants
+            .values()
+            .flat_map(|tenant| {
+                tenant
+                    .slices
+                    .iter()
+                    .filter(|slice| &slice.gpu_uuid == uuid)
+                    .map(|slice| tenant_abi::board::TenantSpec {
+                        name: tenant.tenant.clone(),
+                        request_bytes: slice.memory_bytes,
+                        limit_bytes: slice.memory_bytes,
+                        priority: tenant.priority,
+                        guaranteed: slice.guaranteed,
+                    })
+            })
+            .collect();
+        let path = layout.board(uuid);
+        let capacity = memory_bytes.saturating_sub(BOARD_RESERVE_BYTES);
+        let written = tenant_abi::shm::create_board(&path)
+            .map_err(|error| error.to_string())
+            .and_then(|_| {
+                tenant_abi::shm::write_board(&path, capacity, &specs)
+                    .map_err(|error| error.to_string())
+            });
+        if let Err(message) = written {
+            problems.push(PrivateError::Board {
+                uuid: uuid.clone(),
+                message,
+            });
+        }
+    }
+    problems
 }
 
 /// Creates `path` (and its parents) if missing and sets `mode`.

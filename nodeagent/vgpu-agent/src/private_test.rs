@@ -241,3 +241,41 @@ fn one_keeper_per_shared_memory_directory() {
         .collect();
     assert_eq!(names, [KEEPER_FILE], "no temporary file is left");
 }
+
+/// Issue 17: every GPU of the node gets a memory board with its capacity and the tenants placed
+/// on it, rewritten as they come and go.
+#[test]
+fn each_gpu_gets_a_memory_board_of_its_tenants() {
+    let shm = tempfile::tempdir().unwrap();
+    let layout = Layout::new(&shm.path().join("vgpu"));
+    let gpus: std::collections::BTreeMap<String, u64> = [
+        ("GPU-1".to_owned(), 80 << 30),
+        ("GPU-2".to_owned(), 80 << 30),
+    ]
+    .into();
+    let first = set(&[("a", &["GPU-1"]), ("b", &["GPU-1", "GPU-2"])]);
+    prepare(&layout, &first, &owners, QUANTUM).unwrap();
+    assert!(publish_boards(&layout, &first, &gpus).is_empty());
+    let (capacity, holders) = tenant_abi::shm::read_board(&layout.board("GPU-1")).unwrap();
+    assert_eq!(capacity, (80 << 30) - BOARD_RESERVE_BYTES);
+    let names: Vec<_> = holders
+        .iter()
+        .map(|h| (h.name.as_str(), h.request))
+        .collect();
+    assert_eq!(names, [("a", 1 << 30), ("b", 1 << 30)]);
+    let (_, holders) = tenant_abi::shm::read_board(&layout.board("GPU-2")).unwrap();
+    assert_eq!(holders.len(), 1);
+    let second = set(&[("b", &["GPU-1"])]);
+    prepare(&layout, &second, &owners, QUANTUM).unwrap();
+    assert!(publish_boards(&layout, &second, &gpus).is_empty());
+    let (_, holders) = tenant_abi::shm::read_board(&layout.board("GPU-1")).unwrap();
+    assert_eq!(
+        holders.iter().map(|h| h.name.as_str()).collect::<Vec<_>>(),
+        ["b"]
+    );
+    let (_, holders) = tenant_abi::shm::read_board(&layout.board("GPU-2")).unwrap();
+    assert!(
+        holders.is_empty(),
+        "a GPU without tenants keeps an empty board"
+    );
+}
