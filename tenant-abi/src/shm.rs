@@ -112,30 +112,7 @@ pub fn write_board(
     capacity_bytes: u64,
     specs: &[board::TenantSpec],
 ) -> Result<(), BoardWriteError> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(|source| ReadError::Open {
-            path: path.to_owned(),
-            source,
-        })?;
-    let size = file
-        .metadata()
-        .map_err(|source| ReadError::Open {
-            path: path.to_owned(),
-            source,
-        })?
-        .len();
-    if size != board::REGION_BYTES as u64 {
-        return Err(ReadError::Size {
-            path: path.to_owned(),
-            found: size,
-            expected: board::REGION_BYTES,
-        }
-        .into());
-    }
-    let mapping = map::Mapping::<board::Region>::writable(path, &file, board::REGION_BYTES)?;
+    let mapping = open_writable::<board::Region>(path, board::REGION_BYTES)?;
     let region = mapping.region();
     checked(path, region.is_initialised(), region.check_layout())?;
     region.set_capacity(capacity_bytes);
@@ -173,6 +150,23 @@ pub fn read_board(path: &Path) -> Result<(u64, Vec<crate::reclaim::Holder>), Rea
     let region = mapped.region();
     checked(path, region.is_initialised(), region.check_layout())?;
     Ok((region.capacity(), region.holders()))
+}
+
+/// Maps the existing region file `path` (exactly `bytes` long) read-write; the caller checks its
+/// header.
+fn open_writable<R: map::SharedRegion>(
+    path: &Path,
+    bytes: usize,
+) -> Result<map::Mapping<R>, ReadError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|source| ReadError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+    map::Mapping::<R>::writable(path, &file, bytes)
 }
 
 /// Creates the region file `path` of `bytes`, initialised by `initialise`, unless one is there:
@@ -237,16 +231,7 @@ impl ScheduleControl {
     /// Maps the existing, initialised schedule file `path` read-write, after the checks of
     /// [`read_schedule`] (this build's size, magic and layout).
     pub fn open(path: &Path) -> Result<ScheduleControl, ReadError> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|source| ReadError::Open {
-                path: path.to_owned(),
-                source,
-            })?;
-        let mapping =
-            map::Mapping::<compute::Region>::writable(path, &file, compute::REGION_BYTES)?;
+        let mapping = open_writable::<compute::Region>(path, compute::REGION_BYTES)?;
         let region = mapping.region();
         checked(path, region.is_initialised(), region.check_layout())?;
         Ok(ScheduleControl {
