@@ -300,6 +300,15 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::PlaceRequest>,
     ) -> Result<Response<v1::PlaceResponse>, Status> {
+        if let Some(pin) = request
+            .get_ref()
+            .request
+            .as_ref()
+            .and_then(|placement| placement.pin.as_ref())
+        {
+            let node = pin.node.clone();
+            return self.place_pinned(request, &node).await;
+        }
         let (peer, scope) = self.guard.tenants(&request, "placing tenants")?;
         self.limit_owner(&scope)?;
         let request = request.into_inner();
@@ -558,6 +567,38 @@ impl v1::pool_server::Pool for Service {
 }
 
 impl Service {
+    /// `Pool.Place` of a request with a pin on `node` (issue 18): only that node's agent
+    /// certificate may ask (`Guard::pin`), for a tenant named after the claim its owner names
+    /// (`api::validate::admit_claim_tenant`), within the request bounds
+    /// (`api::validate::admit_request`). Proposed as `Command::PlacePinned`; the engine binds the
+    /// pin or refuses it, and the same request again is answered with the tenant (the driver
+    /// retries by repeating it).
+    async fn place_pinned(
+        &self,
+        request: Request<v1::PlaceRequest>,
+        node: &str,
+    ) -> Result<Response<v1::PlaceResponse>, Status> {
+        self.guard.pin(&request, node)?;
+        let request = request.into_inner();
+        api::names::validate("tenant", &request.name).map_err(invalid)?;
+        let placement = request
+            .request
+            .ok_or_else(|| invalid("the placement request is missing"))?;
+        api::validate::admit_request(&placement).map_err(invalid)?;
+        api::validate::admit_claim_tenant(&request.name, &placement).map_err(invalid)?;
+        assert!(placement.pin.is_some(), "only pinned requests come here");
+        let command = Command::PlacePinned {
+            name: request.name,
+            request: placement.encode_to_vec(),
+            unix_ms: unix_ms(),
+        };
+        let result = self.control_plane.write(command).await?;
+        let tenant = result_to_tenant(result, self)?;
+        Ok(Response::new(v1::PlaceResponse {
+            tenant: Some(tenant),
+        }))
+    }
+
     /// Refuses a tenant-scoped caller `what`ing the tenant `name` when it exists under another
     /// owner (a tenant that does not exist is left to the call's own answer).
     fn check_owner(
@@ -656,6 +697,14 @@ impl v1::agent_server::Agent for Service {
         // so that of two racing registrations only the first binds it. A node that reports no
         // host capacity registers with the entries members of earlier versions read.
         let command = match claim.key_sha256 {
+            // Only a Kubernetes-managed node registers with the entry this version introduced.
+            key_sha256 if node.kubernetes_managed => Command::RegisterKubernetesNode {
+                spec,
+                host,
+                address: node.address,
+                key_sha256,
+                unix_ms: unix_ms(),
+            },
             key_sha256 if host != placement::HostCapacity::default() => Command::RegisterHostNode {
                 spec,
                 host,
