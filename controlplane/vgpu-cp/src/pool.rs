@@ -711,6 +711,33 @@ impl PoolState {
         CommandResult::Registered { registration: seq }
     }
 
+    /// The owner (its claim, `k8s:<namespace>/<claim>`) of tenant `tenant` when the agent of
+    /// `node` may release it: the tenant is pinned to `node` (issue 18: the node's DRA driver
+    /// releases its claims' tenants with the node's agent certificate). `Err` with the code and
+    /// message of the refusal otherwise: an unknown tenant is `TenantNotFound` (a repeated
+    /// release), any other tenant `PermissionDenied`.
+    pub fn pinned_release_owner(
+        &self,
+        node: &str,
+        tenant: &str,
+    ) -> Result<String, (ErrorCode, String)> {
+        let Some(record) = self.tenants.get(tenant) else {
+            return Err((
+                ErrorCode::TenantNotFound,
+                format!("no tenant is named `{tenant}`; it may be released already"),
+            ));
+        };
+        match self.engine.pin(tenant) {
+            Some(pin) if pin.node == node => Ok(decode_request(&record.request).owner),
+            _ => Err((
+                ErrorCode::PermissionDenied,
+                format!(
+                    "tenant `{tenant}` is not pinned to node `{node}`; the agent certificate of a node releases only the tenants pinned there (its DRA driver's claims)"
+                ),
+            )),
+        }
+    }
+
     /// Whether a call for `node` that carries the node key digest `key_sha256` (and, for a
     /// heartbeat, names `registration`) may act for it: `Err` when the name is bound to another
     /// key (or the call has none), or to a later registration. A node that is not registered,

@@ -1190,6 +1190,20 @@ fn pins_hold_kubernetes_managed_nodes_and_other_tenants_stay_off_them() {
     assert_eq!(state.tenants["train-3f2a9c1e"].state, TenantState::Placed);
     assert_eq!(state.tenants["train-3f2a9c1e"].slices, tenant.slices);
     assert!(state.node_to_proto("node-k").unwrap().kubernetes_managed);
+    // The node's agent (its DRA driver) may release the pinned tenant, and nothing else.
+    assert_eq!(
+        state.pinned_release_owner("node-k", "train-3f2a9c1e"),
+        Ok("k8s:ml/train".to_owned())
+    );
+    for (node, tenant, code) in [
+        ("node-v", "train-3f2a9c1e", ErrorCode::PermissionDenied),
+        ("node-v", "t5", ErrorCode::PermissionDenied),
+        ("node-k", "t5", ErrorCode::PermissionDenied),
+        ("node-k", "gone", ErrorCode::TenantNotFound),
+    ] {
+        let refused = state.pinned_release_owner(node, tenant).unwrap_err();
+        assert_eq!(refused.0, code, "{node} {tenant}: {}", refused.1);
+    }
     assert!(!state.node_to_proto("node-v").unwrap().kubernetes_managed);
     state.engine.check_invariants();
 }

@@ -11,7 +11,8 @@
 //!   certificate's common name, and `Place` of a pinned request (`PlacementRequest.pin`, a
 //!   Kubernetes claim's slices: issue 18) on that node, which only that agent may place: the
 //!   node's DRA driver holds its certificate. Not admins either: a pin is what the kube-scheduler
-//!   allocated, which no person decides.
+//!   allocated, which no person decides. `Release` of a tenant pinned to that node too
+//!   (`PoolState::pinned_release_owner`); admins may release any tenant, pinned or not.
 //! - `member`: the Raft transport (`Raft.*`), `Cluster.Status` and `Cluster.AddMember` (joining).
 //! - `metrics`: `GET /metrics` (which names every owner's tenants and nodes), and
 //!   `Cluster.Status`; admins and members may read `/metrics` too.

@@ -361,6 +361,9 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::ReleaseRequest>,
     ) -> Result<Response<v1::ReleaseResponse>, Status> {
+        if !self.guard.insecure && self.guard.caller(&request)?.role == api::tls::Role::Agent {
+            return self.release_pinned(request).await;
+        }
         let (peer, scope) = self.guard.tenants(&request, "releasing tenants")?;
         self.limit_owner(&scope)?;
         let name = request.into_inner().name;
@@ -597,6 +600,38 @@ impl Service {
         Ok(Response::new(v1::PlaceResponse {
             tenant: Some(tenant),
         }))
+    }
+
+    /// `Pool.Release` by an agent certificate (issue 18): only a tenant pinned to the agent's
+    /// node (`PoolState::pinned_release_owner`), proposed as the tenant's owner
+    /// (`Command::AsOwner`), so that apply refuses it if the name meanwhile holds another
+    /// claim's tenant.
+    async fn release_pinned(
+        &self,
+        request: Request<v1::ReleaseRequest>,
+    ) -> Result<Response<v1::ReleaseResponse>, Status> {
+        let peer = self.guard.caller(&request)?;
+        assert_eq!(peer.role, api::tls::Role::Agent, "only agents come here");
+        let name = request.into_inner().name;
+        api::names::validate("tenant", &name).map_err(invalid)?;
+        // Up to date, so that the pin checked is the one the release would meet.
+        self.control_plane.linearize().await?;
+        let owner = self
+            .control_plane
+            .shared
+            .read()
+            .pool
+            .pinned_release_owner(&peer.name, &name)
+            .map_err(|(code, message)| code.status(message))?;
+        let command = Command::AsOwner {
+            owner,
+            command: Box::new(Command::Release {
+                name,
+                unix_ms: unix_ms(),
+            }),
+        };
+        result_to_unit(self.control_plane.write(command).await?)?;
+        Ok(Response::new(v1::ReleaseResponse {}))
     }
 
     /// Refuses a tenant-scoped caller `what`ing the tenant `name` when it exists under another
