@@ -76,6 +76,8 @@ impl From<EngineFields> for Engine {
         for node in engine.nodes.values_mut() {
             node.refresh_models();
         }
+        // The Kubernetes-managed flags and pins are not decoded yet: this counts as if there were
+        // none, and `Engine::restore_host_state` counts again with them.
         engine.models = ModelBook::of_nodes(engine.nodes.values());
         for record in engine.tenants.values() {
             engine.models.kept_milli += HostMix::gpu_milli_of(&record.request);
@@ -85,10 +87,12 @@ impl From<EngineFields> for Engine {
     }
 }
 
-/// Per GPU model: how many GPUs the pool has and how much of their compute is free (every node,
-/// whatever its state), and the GPUs (thousandths) that kept model-constrained tenants ask of
-/// it, a tenant allowing k models counting 1/k for each (a model nobody constrains to has no
-/// demand entry); and the GPUs all kept tenants ask.
+/// Per GPU model: how many GPUs the pool has and how much of their compute is free (every node
+/// the engine places on, whatever its state: not the Kubernetes-managed ones), and the GPUs
+/// (thousandths) that kept model-constrained tenants ask of it, a tenant allowing k models
+/// counting 1/k for each (a model nobody constrains to has no demand entry); and the GPUs all
+/// kept tenants but the pinned ones ask. Pods' GPUs are the kube-scheduler's, so they weigh
+/// nothing in the engine's scoring.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct ModelBook {
     pub capacity: BTreeMap<String, u64>,
@@ -101,6 +105,7 @@ pub(crate) struct ModelBook {
 impl ModelBook {
     /// Capacity and free compute from the nodes; no demand.
     fn of_nodes<'a>(nodes: impl Iterator<Item = &'a Node> + Clone) -> ModelBook {
+        let nodes = nodes.filter(|node| !node.kubernetes_managed);
         let mut book = ModelBook {
             capacity: Self::capacity_of(nodes.clone()),
             ..ModelBook::default()
@@ -140,6 +145,9 @@ impl ModelBook {
     }
 
     fn add_node(&mut self, node: &Node) {
+        if node.kubernetes_managed {
+            return;
+        }
         for gpu in &node.spec.gpus {
             *self.capacity.entry(gpu.model.clone()).or_default() += 1;
             *self.free_percent.entry(gpu.model.clone()).or_default() += 100;
@@ -148,6 +156,9 @@ impl ModelBook {
     }
 
     fn remove_node(&mut self, node: &Node) {
+        if node.kubernetes_managed {
+            return;
+        }
         for gpu in &node.spec.gpus {
             let count = self
                 .capacity
@@ -543,9 +554,11 @@ impl Engine {
         self.host_mix = HostMix::default();
         self.models = ModelBook::of_nodes(self.nodes.values());
         for (name, record) in &mut self.tenants {
-            self.models.kept_milli += HostMix::gpu_milli_of(&record.request);
             record.constraints = state.tenants.get(name).cloned().unwrap_or_default();
             record.pin = state.pins.get(name).cloned();
+            if record.pin.is_none() {
+                self.models.kept_milli += HostMix::gpu_milli_of(&record.request);
+            }
             self.models.add_demand(&record.request, &record.constraints);
             self.host_mix
                 .add(HostMix::of(&record.request, &record.constraints));
@@ -884,7 +897,9 @@ impl Engine {
             }
         }
         self.host_mix.add(mix);
-        self.models.kept_milli += kept_milli;
+        if !pinned {
+            self.models.kept_milli += kept_milli;
+        }
         if let Some((request, constraints)) = model_demand {
             self.models.add_demand(&request, &constraints);
         }
@@ -913,9 +928,11 @@ impl Engine {
             .remove(HostMix::of(&record.request, &record.constraints));
         self.models
             .remove_demand(&record.request, &record.constraints);
-        let kept_milli = HostMix::gpu_milli_of(&record.request);
-        assert!(self.models.kept_milli >= kept_milli);
-        self.models.kept_milli -= kept_milli;
+        if record.pin.is_none() {
+            let kept_milli = HostMix::gpu_milli_of(&record.request);
+            assert!(self.models.kept_milli >= kept_milli);
+            self.models.kept_milli -= kept_milli;
+        }
         commands.push(Command::Released {
             tenant: tenant.to_string(),
         });
@@ -1094,8 +1111,10 @@ impl Engine {
             assert_eq!(node.state, NodeState::Ready);
             let position = node.position_of[&slice.gpu_index];
             node.allocate(position, tenant, slice.compute_percent, slice.memory_bytes);
-            let model = &node.spec.gpus[position].model;
-            self.models.take(model, i64::from(slice.compute_percent));
+            if !node.kubernetes_managed {
+                let model = &node.spec.gpus[position].model;
+                self.models.take(model, i64::from(slice.compute_percent));
+            }
             self.index_insert(&slice.node);
         }
         let constraints = &self.tenants[tenant].constraints;
@@ -1156,8 +1175,10 @@ impl Engine {
                 .expect("slices name known nodes");
             let position = node.position_of[&slice.gpu_index];
             node.free(position, tenant, slice.compute_percent, slice.memory_bytes);
-            let model = &node.spec.gpus[position].model;
-            self.models.take(model, -i64::from(slice.compute_percent));
+            if !node.kubernetes_managed {
+                let model = &node.spec.gpus[position].model;
+                self.models.take(model, -i64::from(slice.compute_percent));
+            }
             self.index_insert(&slice.node);
         }
         let constraints = &self.tenants[tenant].constraints;
@@ -1217,7 +1238,9 @@ impl Engine {
             let key = QueueKey::of(tenant, record);
             mix_expected.add(HostMix::of(&record.request, &record.constraints));
             models_expected.add_demand(&record.request, &record.constraints);
-            models_expected.kept_milli += HostMix::gpu_milli_of(&record.request);
+            if record.pin.is_none() {
+                models_expected.kept_milli += HostMix::gpu_milli_of(&record.request);
+            }
             match &record.placement {
                 Placement::Pending { .. } => {
                     assert!(self.queue.contains(&key), "{tenant} pending but not queued")
