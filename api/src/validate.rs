@@ -104,6 +104,40 @@ pub enum RequestError {
     BadGpuModel(String),
     #[error("the GPU model `{0}` is listed twice; list each model once")]
     RepeatedGpuModel(String),
+    #[error(
+        "the pin names the node `{0}`, which is not a node name; pin to a node as `vgpuctl get nodes` shows it"
+    )]
+    PinBadNode(String),
+    #[error(
+        "the pin has {0} GPUs; pin 1 to {NODE_GPUS_MAX} GPUs, each with its uuid, compute and memory"
+    )]
+    PinGpusOutOfRange(usize),
+    #[error(
+        "the pin has {pinned} GPUs and the request asks for {asked}; ask `whole_gpus` = the pinned GPUs, or `milli_gpus` for one pinned GPU"
+    )]
+    PinGpuCount { pinned: usize, asked: u32 },
+    #[error("a pin is on one node; the request asks for {0} nodes (leave `nodes` at 0 or 1)")]
+    PinAcrossNodes(u32),
+    #[error(
+        "the pin's GPU uuid `{0}` is empty or longer than {GPU_TEXT_MAX} characters; give the uuid as `vgpuctl get gpus` shows it"
+    )]
+    PinBadGpu(String),
+    #[error("the pin names GPU `{0}` twice; pin each GPU once")]
+    PinRepeatedGpu(String),
+    #[error("the pin asks {percent}% of GPU `{uuid}`; a pinned slice takes 1 to 100%")]
+    PinComputeOutOfRange { uuid: String, percent: u32 },
+    #[error(
+        "the pin asks {bytes} bytes of GPU `{uuid}`, more than any GPU has (the limit is {GPU_MEMORY_BYTES_MAX} bytes)"
+    )]
+    PinMemoryOutOfRange { uuid: String, bytes: u64 },
+    #[error(
+        "a pinned tenant's owner is its claim, `k8s:<namespace>/<claim>` (got `{0}`); the DRA driver sets it from the claim it prepares"
+    )]
+    PinBadOwner(String),
+    #[error(
+        "tenant `{tenant}` is not named after claim `{claim}`; a claim's tenant is named as the DRA driver names it (`api::names::claim_tenant_name`: the claim's name, `-`, the first 8 hex digits of its uid)"
+    )]
+    PinTenantName { tenant: String, claim: String },
 }
 
 /// Validates the fields of a placement request on their own (not whether the pool can hold it).
@@ -157,8 +191,12 @@ pub fn admit_request(request: &PlacementRequest) -> Result<(), RequestError> {
     if request.memory_bytes_per_gpu > GPU_MEMORY_BYTES_MAX {
         return Err(RequestError::MemoryOutOfRange(request.memory_bytes_per_gpu));
     }
-    if request.owner.len() > SELECTOR_TEXT_MAX {
+    // A pinned request's owner is its claim, bounded by the claim owner rule in `check_pin`.
+    if request.pin.is_none() && request.owner.len() > SELECTOR_TEXT_MAX {
         return Err(RequestError::OwnerTooLong(request.owner.len()));
+    }
+    if let Some(pin) = &request.pin {
+        check_pin(request, pin)?;
     }
     if let Some((key, _)) = request
         .node_selector
@@ -166,6 +204,77 @@ pub fn admit_request(request: &PlacementRequest) -> Result<(), RequestError> {
         .find(|(_, v)| v.len() > SELECTOR_TEXT_MAX)
     {
         return Err(RequestError::BadSelectorValue(key.clone()));
+    }
+    Ok(())
+}
+
+/// The pin of a request (issue 18), on its own: a node name, 1 to [`NODE_GPUS_MAX`] distinct
+/// GPUs of bounded uuids with 1..=100% compute and memory a GPU can have, as many GPUs as the
+/// request asks, one node, and an owner that names a claim. Whether the pool can hold it is
+/// decided where it is applied.
+fn check_pin(request: &PlacementRequest, pin: &crate::v1::Pin) -> Result<(), RequestError> {
+    if crate::names::validate("node", &pin.node).is_err() {
+        return Err(RequestError::PinBadNode(excerpt(&pin.node, 64)));
+    }
+    if pin.gpus.is_empty() || pin.gpus.len() > NODE_GPUS_MAX {
+        return Err(RequestError::PinGpusOutOfRange(pin.gpus.len()));
+    }
+    if request.nodes > 1 {
+        return Err(RequestError::PinAcrossNodes(request.nodes));
+    }
+    let asked = if request.milli_gpus > 0 {
+        1
+    } else {
+        request.whole_gpus
+    };
+    if pin.gpus.len() != asked as usize {
+        return Err(RequestError::PinGpuCount {
+            pinned: pin.gpus.len(),
+            asked,
+        });
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for gpu in &pin.gpus {
+        if gpu.uuid.is_empty() || gpu.uuid.len() > GPU_TEXT_MAX {
+            return Err(RequestError::PinBadGpu(excerpt(&gpu.uuid, 32)));
+        }
+        if !seen.insert(gpu.uuid.as_str()) {
+            return Err(RequestError::PinRepeatedGpu(gpu.uuid.clone()));
+        }
+        if !(1..=100).contains(&gpu.compute_percent) {
+            return Err(RequestError::PinComputeOutOfRange {
+                uuid: gpu.uuid.clone(),
+                percent: gpu.compute_percent,
+            });
+        }
+        if gpu.memory_bytes > GPU_MEMORY_BYTES_MAX {
+            return Err(RequestError::PinMemoryOutOfRange {
+                uuid: gpu.uuid.clone(),
+                bytes: gpu.memory_bytes,
+            });
+        }
+    }
+    if crate::names::parse_claim_owner(&request.owner).is_none() {
+        return Err(RequestError::PinBadOwner(excerpt(&request.owner, 64)));
+    }
+    Ok(())
+}
+
+/// Whether tenant `tenant` may hold the pin of `request` (admitted by [`admit_request`]): its
+/// name is the one the DRA driver gives the claim its owner names
+/// (`crate::names::is_claim_tenant_name`). A request without a pin passes.
+pub fn admit_claim_tenant(tenant: &str, request: &PlacementRequest) -> Result<(), RequestError> {
+    if request.pin.is_none() {
+        return Ok(());
+    }
+    let Some((_, claim)) = crate::names::parse_claim_owner(&request.owner) else {
+        return Err(RequestError::PinBadOwner(excerpt(&request.owner, 64)));
+    };
+    if !crate::names::is_claim_tenant_name(claim, tenant) {
+        return Err(RequestError::PinTenantName {
+            tenant: excerpt(tenant, 64),
+            claim: claim.to_owned(),
+        });
     }
     Ok(())
 }
@@ -781,5 +890,111 @@ mod tests {
         assert_eq!(excerpt("short", 8), "short");
         assert_eq!(excerpt("ééééé", 2), "éé...");
         assert_eq!(excerpt(&"y".repeat(1 << 20), 4), "yyyy...");
+    }
+
+    fn pinned(gpus: &[(&str, u32, u64)]) -> PlacementRequest {
+        PlacementRequest {
+            whole_gpus: gpus.len() as u32,
+            owner: "k8s:ml/train".to_owned(),
+            pin: Some(crate::v1::Pin {
+                node: "gpu-1".to_owned(),
+                gpus: gpus
+                    .iter()
+                    .map(
+                        |&(uuid, compute_percent, memory_bytes)| crate::v1::PinnedGpu {
+                            uuid: uuid.to_owned(),
+                            compute_percent,
+                            memory_bytes,
+                        },
+                    )
+                    .collect(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn pins_are_bounded_on_admission() {
+        let good = pinned(&[("GPU-a", 25, 20 << 30), ("GPU-b", 100, 80 << 30)]);
+        assert_eq!(admit_request(&good), Ok(()));
+        let fraction = PlacementRequest {
+            whole_gpus: 0,
+            milli_gpus: 250,
+            ..pinned(&[("GPU-a", 25, 20 << 30)])
+        };
+        assert_eq!(admit_request(&fraction), Ok(()));
+        let mut bad_node = good.clone();
+        bad_node.pin.as_mut().unwrap().node = "GPU 1".to_owned();
+        let too_many: Vec<(String, u32, u64)> = (0..=NODE_GPUS_MAX)
+            .map(|i| (format!("GPU-{i}"), 1, 0))
+            .collect();
+        let too_many: Vec<(&str, u32, u64)> = too_many
+            .iter()
+            .map(|(u, c, m)| (u.as_str(), *c, *m))
+            .collect();
+        let long_uuid = "u".repeat(GPU_TEXT_MAX + 1);
+        let mut wrong_count = good.clone();
+        wrong_count.whole_gpus = 3;
+        let mut across = good.clone();
+        across.nodes = 2;
+        let mut not_a_claim = good.clone();
+        not_a_claim.owner = "alice".to_owned();
+        let cases = [
+            (bad_node, RequestError::PinBadNode("GPU 1".to_owned())),
+            (pinned(&[]), RequestError::NoGpus),
+            (pinned(&too_many), RequestError::PinGpusOutOfRange(65)),
+            (
+                wrong_count,
+                RequestError::PinGpuCount {
+                    pinned: 2,
+                    asked: 3,
+                },
+            ),
+            (across, RequestError::PinAcrossNodes(2)),
+            (
+                pinned(&[(&long_uuid, 1, 0)]),
+                RequestError::PinBadGpu(excerpt(&long_uuid, 32)),
+            ),
+            (
+                pinned(&[("GPU-a", 1, 0), ("GPU-a", 1, 0)]),
+                RequestError::PinRepeatedGpu("GPU-a".to_owned()),
+            ),
+            (
+                pinned(&[("GPU-a", 0, 0)]),
+                RequestError::PinComputeOutOfRange {
+                    uuid: "GPU-a".to_owned(),
+                    percent: 0,
+                },
+            ),
+            (
+                pinned(&[("GPU-a", 10, GPU_MEMORY_BYTES_MAX + 1)]),
+                RequestError::PinMemoryOutOfRange {
+                    uuid: "GPU-a".to_owned(),
+                    bytes: GPU_MEMORY_BYTES_MAX + 1,
+                },
+            ),
+            (not_a_claim, RequestError::PinBadOwner("alice".to_owned())),
+        ];
+        for (request, error) in cases {
+            assert_eq!(admit_request(&request), Err(error));
+        }
+        // A claim owner may be longer than other owners.
+        let mut long_owner = good.clone();
+        long_owner.owner = crate::names::claim_owner(&"n".repeat(63), &"c".repeat(253));
+        assert_eq!(admit_request(&long_owner), Ok(()));
+    }
+
+    #[test]
+    fn a_pin_is_for_the_tenant_named_after_its_claim() {
+        let request = pinned(&[("GPU-a", 25, 20 << 30)]);
+        assert_eq!(admit_claim_tenant("train-3f2a9c1e", &request), Ok(()));
+        assert_eq!(
+            admit_claim_tenant("infer-3f2a9c1e", &request),
+            Err(RequestError::PinTenantName {
+                tenant: "infer-3f2a9c1e".to_owned(),
+                claim: "train".to_owned(),
+            })
+        );
+        assert_eq!(admit_claim_tenant("anything", &whole(1)), Ok(()));
     }
 }

@@ -186,7 +186,11 @@ fn request_is_valid(request: &PlacementRequest) -> bool {
             .iter()
             .all(|(key, value)| !key.is_empty() && key.len() <= 253 && value.len() <= 253)
         && request.memory_bytes_per_gpu <= 1 << 44
-        && request.owner.len() <= 253
+        && (request.pin.is_some() || request.owner.len() <= 253)
+        && request
+            .pin
+            .as_ref()
+            .is_none_or(|pin| pin_is_valid(request, pin))
         && (request.latency_target_us == 0
             || (request.latency && (10..=60_000_000).contains(&request.latency_target_us)))
         && request.cpu_milli <= 16_384_000
@@ -202,6 +206,71 @@ fn request_is_valid(request: &PlacementRequest) -> bool {
             .collect::<std::collections::BTreeSet<_>>()
             .len()
             == request.gpu_models.len()
+}
+
+/// The pin rules (issue 18), written out independently of `api::validate`.
+fn pin_is_valid(request: &PlacementRequest, pin: &api::v1::Pin) -> bool {
+    let asked = if request.milli_gpus > 0 {
+        1
+    } else {
+        request.whole_gpus as usize
+    };
+    let uuids: std::collections::BTreeSet<&str> =
+        pin.gpus.iter().map(|gpu| gpu.uuid.as_str()).collect();
+    let kubernetes_name = |text: &str, most: usize| {
+        (1..=most).contains(&text.len())
+            && text
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+    };
+    let claim_owner = request
+        .owner
+        .strip_prefix("k8s:")
+        .and_then(|rest| rest.split_once('/'))
+        .is_some_and(|(namespace, claim)| {
+            kubernetes_name(namespace, 63) && kubernetes_name(claim, 253)
+        });
+    is_dns_label(&pin.node)
+        && (1..=64).contains(&pin.gpus.len())
+        && request.nodes <= 1
+        && pin.gpus.len() == asked
+        && uuids.len() == pin.gpus.len()
+        && pin.gpus.iter().all(|gpu| {
+            !gpu.uuid.is_empty()
+                && gpu.uuid.len() <= 128
+                && (1..=100).contains(&gpu.compute_percent)
+                && gpu.memory_bytes <= 1 << 44
+        })
+        && claim_owner
+}
+
+fn pinned_gpu() -> impl Strategy<Value = api::v1::PinnedGpu> {
+    (
+        prop_oneof![
+            4 => "GPU-[0-9a-f]{1,2}",
+            1 => Just(String::new()),
+            1 => Just("u".repeat(129)),
+            1 => fuzz::any_text(),
+        ],
+        edge_u32(),
+        prop_oneof![Just(0u64), Just(1 << 44), Just((1 << 44) + 1), any::<u64>()],
+    )
+        .prop_map(|(uuid, compute_percent, memory_bytes)| api::v1::PinnedGpu {
+            uuid,
+            compute_percent,
+            memory_bytes,
+        })
+}
+
+fn pin() -> impl Strategy<Value = api::v1::Pin> {
+    (
+        prop_oneof![3 => "gpu-[0-9]", 1 => Just(String::new()), 1 => fuzz::any_text()],
+        prop_oneof![
+            8 => proptest::collection::vec(pinned_gpu(), 0..4),
+            1 => proptest::collection::vec(pinned_gpu(), 64..=66),
+        ],
+    )
+        .prop_map(|(node, gpus)| api::v1::Pin { node, gpus })
 }
 
 fn check_request(request: PlacementRequest) {
@@ -308,6 +377,9 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
                 0..18,
             ),
         ),
+        // A third of requests pin; most of those name a claim as owner (0 and 1: a short and
+        // the longest claim owner; else the owner above).
+        (proptest::option::weighted(0.3, pin()), 0u8..4),
     )
         .prop_map(
             |(
@@ -315,6 +387,7 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
                 (priority, preemptible, nvlink, nodes),
                 (node_selector, owner, bandwidth_weight, latency, latency_target_us),
                 (cpu_milli, host_memory_bytes, gpu_models),
+                (pin, claim_owner),
             )| PlacementRequest {
                 whole_gpus,
                 milli_gpus,
@@ -326,13 +399,18 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
                 nvlink,
                 nodes,
                 node_selector: node_selector.into_iter().collect(),
-                owner,
+                owner: match claim_owner {
+                    0 => "k8s:ml/train".to_owned(),
+                    1 => api::names::claim_owner(&"n".repeat(63), &"c".repeat(253)),
+                    _ => owner,
+                },
                 bandwidth_weight,
                 latency,
                 latency_target_us,
                 cpu_milli,
                 host_memory_bytes,
                 gpu_models,
+                pin,
             },
         )
 }

@@ -153,6 +153,8 @@ pub fn placement_request(args: &PlaceArgs) -> Result<PlacementRequest, UsageErro
             .collect::<std::collections::BTreeSet<String>>()
             .into_iter()
             .collect(),
+        // Pins are the DRA driver's (a Kubernetes claim's slices), never a person's.
+        pin: None,
     };
     api::validate::admit_request(&request).map_err(|error| UsageError(error.to_string()))?;
     Ok(request)

@@ -324,6 +324,14 @@ pub fn node_text(node: &NodeView, tenants: &[TenantView], now_unix_ms: i64) -> S
     let mut text = String::new();
     field(&mut text, 0, "Name", &node.name);
     field(&mut text, 0, "State", &node.state);
+    if node.kubernetes_managed {
+        field(
+            &mut text,
+            0,
+            "Managed by",
+            "Kubernetes (pods get its GPUs through DRA claims; `vgpuctl place` never lands here)",
+        );
+    }
     field(&mut text, 0, "Address", or_none(node.address.clone()));
     if node.labels.is_empty() {
         field(&mut text, 0, "Labels", "<none>");
@@ -686,6 +694,16 @@ mod tests {
         );
         assert!(
             text.contains("Host memory:      64GiB/1TiB requested\n"),
+            "{text}"
+        );
+        assert!(!text.contains("Managed by"), "{text}");
+        let managed = NodeView {
+            kubernetes_managed: true,
+            ..node.clone()
+        };
+        let text = node_text(&managed, &[], node.last_heartbeat_unix_ms);
+        assert!(
+            text.contains("Managed by:       Kubernetes (pods get its GPUs through DRA claims"),
             "{text}"
         );
     }

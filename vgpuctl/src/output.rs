@@ -115,7 +115,9 @@ pub fn tenants_table(tenants: &[TenantView]) -> Table {
 }
 
 /// `NAME STATE GPUS ALLOCATED-COMPUTE ALLOCATED-MEMORY ALLOCATED-CPU LAST-HEARTBEAT`; the CPU is
-/// `-` for a node whose agent reports none (unbounded).
+/// `-` for a node whose agent reports none (unbounded). The state of a Kubernetes-managed node
+/// says so (`ready (kubernetes)`): a suffix rather than a column, so the table of a pool without
+/// such nodes reads as before.
 pub fn nodes_table(nodes: &[NodeView], now_unix_ms: i64) -> Table {
     let mut table = Table::new(&[
         "NAME",
@@ -136,7 +138,11 @@ pub fn nodes_table(nodes: &[NodeView], now_unix_ms: i64) -> Table {
         let memory_total: u64 = node.gpus.iter().map(|gpu| gpu.memory_bytes).sum();
         table.row(vec![
             node.name.clone(),
-            node.state.clone(),
+            if node.kubernetes_managed {
+                format!("{} (kubernetes)", node.state)
+            } else {
+                node.state.clone()
+            },
             node.gpus.len().to_string(),
             format!("{compute}%/{}%", node.gpus.len() * 100),
             format!("{}/{}", format_bytes(memory), format_bytes(memory_total)),
@@ -493,6 +499,12 @@ mod tests {
             text.contains("20GiB/160GiB       8/64            3s ago"),
             "{text}"
         );
+        let managed = NodeView {
+            kubernetes_managed: true,
+            ..node.clone()
+        };
+        let text = nodes_table(std::slice::from_ref(&managed), now).render();
+        assert!(text.contains("node-a   ready (kubernetes)   2 "), "{text}");
         let text = gpus_table(&node.gpus).render();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(

@@ -178,6 +178,9 @@ pub struct NodeView {
     pub cpu_milli_allocated: u64,
     #[serde(default)]
     pub host_memory_allocated_bytes: u64,
+    /// The kube-scheduler allocates this node's GPUs (DRA); `vgpuctl place` never lands here.
+    #[serde(default)]
+    pub kubernetes_managed: bool,
 }
 
 /// One GPU with its topology and allocation; `vgpuctl get gpus -o json` prints an array of these.
@@ -406,6 +409,7 @@ impl From<&Node> for NodeView {
             host_memory_bytes: node.host_memory_bytes,
             cpu_milli_allocated: node.cpu_milli_allocated,
             host_memory_allocated_bytes: node.host_memory_allocated_bytes,
+            kubernetes_managed: node.kubernetes_managed,
         }
     }
 }
@@ -776,6 +780,7 @@ mod tests {
                 "gpus",
                 "host_memory_allocated_bytes",
                 "host_memory_bytes",
+                "kubernetes_managed",
                 "labels",
                 "last_heartbeat_unix_ms",
                 "name",

@@ -76,6 +76,8 @@ impl From<EngineFields> for Engine {
         for node in engine.nodes.values_mut() {
             node.refresh_models();
         }
+        // The Kubernetes-managed flags and pins are not decoded yet: this counts as if there were
+        // none, and `Engine::restore_host_state` counts again with them.
         engine.models = ModelBook::of_nodes(engine.nodes.values());
         for record in engine.tenants.values() {
             engine.models.kept_milli += HostMix::gpu_milli_of(&record.request);
@@ -85,10 +87,12 @@ impl From<EngineFields> for Engine {
     }
 }
 
-/// Per GPU model: how many GPUs the pool has and how much of their compute is free (every node,
-/// whatever its state), and the GPUs (thousandths) that kept model-constrained tenants ask of
-/// it, a tenant allowing k models counting 1/k for each (a model nobody constrains to has no
-/// demand entry); and the GPUs all kept tenants ask.
+/// Per GPU model: how many GPUs the pool has and how much of their compute is free (every node
+/// the engine places on, whatever its state: not the Kubernetes-managed ones), and the GPUs
+/// (thousandths) that kept model-constrained tenants ask of it, a tenant allowing k models
+/// counting 1/k for each (a model nobody constrains to has no demand entry); and the GPUs all
+/// kept tenants but the pinned ones ask. Pods' GPUs are the kube-scheduler's, so they weigh
+/// nothing in the engine's scoring.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct ModelBook {
     pub capacity: BTreeMap<String, u64>,
@@ -101,6 +105,7 @@ pub(crate) struct ModelBook {
 impl ModelBook {
     /// Capacity and free compute from the nodes; no demand.
     fn of_nodes<'a>(nodes: impl Iterator<Item = &'a Node> + Clone) -> ModelBook {
+        let nodes = nodes.filter(|node| !node.kubernetes_managed);
         let mut book = ModelBook {
             capacity: Self::capacity_of(nodes.clone()),
             ..ModelBook::default()
@@ -140,6 +145,9 @@ impl ModelBook {
     }
 
     fn add_node(&mut self, node: &Node) {
+        if node.kubernetes_managed {
+            return;
+        }
         for gpu in &node.spec.gpus {
             *self.capacity.entry(gpu.model.clone()).or_default() += 1;
             *self.free_percent.entry(gpu.model.clone()).or_default() += 100;
@@ -148,6 +156,9 @@ impl ModelBook {
     }
 
     fn remove_node(&mut self, node: &Node) {
+        if node.kubernetes_managed {
+            return;
+        }
         for gpu in &node.spec.gpus {
             let count = self
                 .capacity
@@ -307,6 +318,11 @@ pub(crate) struct TenantRecord {
     /// Not in the serde encoding (see [`Constraints`]): restored by `Engine::restore_host_state`.
     #[serde(skip)]
     pub constraints: Constraints,
+    /// The slices Kubernetes allocated (`Event::SubmitPinned`); `None` for the engine's own
+    /// tenants. Not in the serde encoding either, for the same reason: restored by
+    /// `Engine::restore_host_state`.
+    #[serde(skip)]
+    pub pin: Option<Pin>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -352,6 +368,8 @@ pub struct GpuUsage {
 pub struct NodeView<'a> {
     pub spec: &'a NodeSpec,
     pub state: NodeState,
+    /// Registered by `Event::RegisterKubernetesNode`: only pinned tenants hold slices here.
+    pub kubernetes_managed: bool,
     /// Same order as `spec.gpus`.
     pub usage: Vec<GpuUsage>,
 }
@@ -411,21 +429,42 @@ impl Engine {
     pub fn handle(&mut self, event: Event) -> Vec<Command> {
         let mut commands = Vec::new();
         match event {
-            Event::AddNode(spec) => self.add_node(spec, HostCapacity::default(), &mut commands),
-            Event::RegisterNode { spec, host } => self.add_node(spec, host, &mut commands),
+            Event::AddNode(spec) => {
+                self.add_node(spec, HostCapacity::default(), false, &mut commands)
+            }
+            Event::RegisterNode { spec, host } => self.add_node(spec, host, false, &mut commands),
+            Event::RegisterKubernetesNode { spec, host } => {
+                self.add_node(spec, host, true, &mut commands)
+            }
             Event::RemoveNode(name) => self.remove_node(&name, &mut commands),
             Event::SetNodeState { node, state } => self.set_node_state(&node, state, &mut commands),
             Event::Submit {
                 tenant,
                 request,
                 seq,
-            } => self.submit(tenant, request, Constraints::default(), seq, &mut commands),
+            } => self.submit(
+                tenant,
+                request,
+                Constraints::default(),
+                None,
+                seq,
+                &mut commands,
+            ),
             Event::SubmitConstrained {
                 tenant,
                 request,
                 constraints,
                 seq,
-            } => self.submit(tenant, request, constraints, seq, &mut commands),
+            } => self.submit(tenant, request, constraints, None, seq, &mut commands),
+            Event::SubmitPinned {
+                tenant,
+                request,
+                pin,
+                seq,
+            } => {
+                let constraints = Constraints::default();
+                self.submit(tenant, request, constraints, Some(pin), seq, &mut commands)
+            }
             Event::Release { tenant } => self.release(&tenant, &mut commands),
             Event::Retry => self.retry_pending(&mut commands),
             Event::Update {
@@ -437,7 +476,8 @@ impl Engine {
         commands
     }
 
-    /// What the serde encoding leaves out: non-default host capacities and constraints.
+    /// What the serde encoding leaves out: non-default host capacities and constraints, the
+    /// Kubernetes-managed nodes and the pins.
     pub fn host_state(&self) -> HostState {
         let nodes = self
             .nodes
@@ -451,7 +491,23 @@ impl Engine {
             .filter(|(_, record)| record.constraints != Constraints::default())
             .map(|(name, record)| (name.clone(), record.constraints.clone()))
             .collect();
-        HostState { nodes, tenants }
+        let kubernetes_nodes = self
+            .nodes
+            .iter()
+            .filter(|(_, node)| node.kubernetes_managed)
+            .map(|(name, _)| name.clone())
+            .collect();
+        let pins = self
+            .tenants
+            .iter()
+            .filter_map(|(name, record)| Some((name.clone(), record.pin.clone()?)))
+            .collect();
+        HostState {
+            nodes,
+            tenants,
+            kubernetes_nodes,
+            pins,
+        }
     }
 
     /// Gives a decoded engine back what [`Engine::host_state`] took from it, and recomputes what
@@ -466,23 +522,43 @@ impl Engine {
                 .copied()
                 .unwrap_or_default();
             node.host_used = HostUse::default();
+            node.kubernetes_managed = state.kubernetes_nodes.contains(&node.spec.name);
         }
         assert!(
-            state.nodes.keys().all(|name| self.nodes.contains_key(name)),
+            state
+                .nodes
+                .keys()
+                .chain(&state.kubernetes_nodes)
+                .all(|name| self.nodes.contains_key(name)),
             "host state names an unknown node"
         );
         assert!(
             state
                 .tenants
                 .keys()
+                .chain(state.pins.keys())
                 .all(|name| self.tenants.contains_key(name)),
             "host state names an unknown tenant"
         );
+        // The free index holds the schedulable nodes, which the Kubernetes-managed ones are not.
+        self.free_index = BTreeMap::new();
+        let schedulable: Vec<NodeName> = self
+            .nodes
+            .iter()
+            .filter(|(_, node)| node.schedulable())
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in schedulable {
+            self.index_insert(&name);
+        }
         self.host_mix = HostMix::default();
         self.models = ModelBook::of_nodes(self.nodes.values());
         for (name, record) in &mut self.tenants {
-            self.models.kept_milli += HostMix::gpu_milli_of(&record.request);
             record.constraints = state.tenants.get(name).cloned().unwrap_or_default();
+            record.pin = state.pins.get(name).cloned();
+            if record.pin.is_none() {
+                self.models.kept_milli += HostMix::gpu_milli_of(&record.request);
+            }
             self.models.add_demand(&record.request, &record.constraints);
             self.host_mix
                 .add(HostMix::of(&record.request, &record.constraints));
@@ -509,6 +585,11 @@ impl Engine {
         })
     }
 
+    /// A kept tenant's pin (`None` for the engine's own tenants and unknown ones).
+    pub fn pin(&self, tenant: &str) -> Option<&Pin> {
+        self.tenants.get(tenant)?.pin.as_ref()
+    }
+
     /// A kept tenant's constraints (the default for one submitted without).
     pub fn constraints(&self, tenant: &str) -> Option<&Constraints> {
         Some(&self.tenants.get(tenant)?.constraints)
@@ -527,6 +608,7 @@ impl Engine {
         NodeView {
             spec: &node.spec,
             state: node.state,
+            kubernetes_managed: node.kubernetes_managed,
             usage: node.usage.clone(),
         }
     }
@@ -610,7 +692,13 @@ impl Engine {
 
     // ---- events ----
 
-    fn add_node(&mut self, spec: NodeSpec, host: HostCapacity, commands: &mut Vec<Command>) {
+    fn add_node(
+        &mut self,
+        spec: NodeSpec,
+        host: HostCapacity,
+        kubernetes_managed: bool,
+        commands: &mut Vec<Command>,
+    ) {
         let name = spec.name.clone();
         if let Some(existing) = self.nodes.get(&name) {
             let host_still_fits = host
@@ -619,7 +707,8 @@ impl Engine {
                 && host
                     .memory_bytes
                     .is_none_or(|memory| existing.host_used.memory_bytes <= memory);
-            if existing.spec.gpus == spec.gpus && host_still_fits {
+            let same_kind = existing.kubernetes_managed == kubernetes_managed;
+            if existing.spec.gpus == spec.gpus && host_still_fits && same_kind {
                 // Same hardware: keep its tenants, take the new labels, schedulable again.
                 self.index_remove(&name);
                 let node = self.nodes.get_mut(&name).expect("checked above");
@@ -631,7 +720,11 @@ impl Engine {
                 self.retry_pending(commands);
                 return;
             }
-            let reason = if existing.spec.gpus == spec.gpus {
+            let reason = if !same_kind && kubernetes_managed {
+                format!("node {name} re-registered as Kubernetes-managed")
+            } else if !same_kind {
+                format!("node {name} re-registered as no longer Kubernetes-managed")
+            } else if existing.spec.gpus == spec.gpus {
                 format!(
                     "node {name} re-registered with less CPU or host memory than its tenants use"
                 )
@@ -642,6 +735,7 @@ impl Engine {
         }
         let mut node = Node::new(spec);
         node.host = host;
+        node.kubernetes_managed = kubernetes_managed;
         self.models.add_node(&node);
         assert_eq!(node.state, NodeState::Ready);
         self.nodes.insert(name.clone(), node);
@@ -662,7 +756,8 @@ impl Engine {
         self.index_remove(name);
         // Unschedulable while its tenants are re-placed, so none lands back on it.
         self.nodes.get_mut(name).expect("known node").state = NodeState::Draining;
-        self.displace_tenants(name, reason, commands);
+        // Pinned tenants too: their GPUs are gone.
+        self.displace_tenants(name, reason, false, commands);
         let node = self.nodes.remove(name).expect("known node");
         self.models.remove_node(&node);
         assert!(node.usage.iter().all(|usage| usage.tenants.is_empty()));
@@ -684,18 +779,35 @@ impl Engine {
             (_, NodeState::Ready) => self.retry_pending(commands),
             (NodeState::Ready, _) => {
                 let reason = format!("node {name} is {state:?}");
-                self.displace_tenants(name, &reason, commands);
+                // Pinned tenants stay: the kubelet, not vgpu, decides what becomes of the pod.
+                self.displace_tenants(name, &reason, true, commands);
                 self.retry_pending(commands);
             }
-            // Lost <-> Draining: it has no tenants (they left when it stopped being Ready).
-            _ => assert!(self.nodes[name].tenants().is_empty()),
+            // Lost <-> Draining: it has only pinned tenants (the others left when it stopped
+            // being Ready).
+            _ => assert!(
+                self.nodes[name]
+                    .tenants()
+                    .iter()
+                    .all(|tenant| self.tenants[tenant].pin.is_some())
+            ),
         }
     }
 
-    /// `Unbound` every tenant of the node, then a `Bind` or `Pending` for each, in queue order.
-    fn displace_tenants(&mut self, name: &str, reason: &str, commands: &mut Vec<Command>) {
+    /// `Unbound` every tenant of the node (but the pinned ones when `keep_pinned`), then a
+    /// `Bind` or `Pending` for each, in queue order.
+    fn displace_tenants(
+        &mut self,
+        name: &str,
+        reason: &str,
+        keep_pinned: bool,
+        commands: &mut Vec<Command>,
+    ) {
         assert_ne!(self.nodes[name].state, NodeState::Ready);
-        let displaced = self.nodes[name].tenants();
+        let mut displaced = self.nodes[name].tenants();
+        if keep_pinned {
+            displaced.retain(|tenant| self.tenants[tenant].pin.is_none());
+        }
         for tenant in &displaced {
             self.unbind(tenant, reason);
             commands.push(Command::Unbound {
@@ -734,6 +846,7 @@ impl Engine {
         tenant: TenantName,
         request: Request,
         constraints: Constraints,
+        pin: Option<Pin>,
         seq: u64,
         commands: &mut Vec<Command>,
     ) {
@@ -741,6 +854,11 @@ impl Engine {
             !self.tenants.contains_key(&tenant),
             "duplicate tenant {tenant}: the control plane checks first"
         );
+        assert!(
+            pin.is_none() || constraints == Constraints::default(),
+            "a pin carries no constraints"
+        );
+        let pinned = pin.is_some();
         let need = match Need::of(&request) {
             Ok(need) => need,
             Err(reason) => {
@@ -760,6 +878,7 @@ impl Engine {
                 reason: String::new(),
             },
             constraints,
+            pin,
         };
         self.queue.insert(QueueKey::of(&tenant, &record));
         self.tenants.insert(tenant.clone(), record);
@@ -772,17 +891,24 @@ impl Engine {
                 return;
             }
             Attempt::Unfit(reason) => {
+                assert!(!pinned, "a pinned tenant is bound or rejected at once");
                 self.set_pending_reason(&tenant, reason.clone());
                 commands.push(Command::Pending { tenant, reason });
             }
         }
         self.host_mix.add(mix);
-        self.models.kept_milli += kept_milli;
+        if !pinned {
+            self.models.kept_milli += kept_milli;
+        }
         if let Some((request, constraints)) = model_demand {
             self.models.add_demand(&request, &constraints);
         }
-        // Counted after the decision: the model describes tenants kept (placed or pending).
-        self.workload.observe(need.shape());
+        // Counted after the decision: the model describes tenants kept (placed or pending). Not
+        // pinned ones: the model predicts what the engine will be asked to place, and pods never
+        // are.
+        if !pinned {
+            self.workload.observe(need.shape());
+        }
     }
 
     fn release(&mut self, tenant: &str, commands: &mut Vec<Command>) {
@@ -802,9 +928,11 @@ impl Engine {
             .remove(HostMix::of(&record.request, &record.constraints));
         self.models
             .remove_demand(&record.request, &record.constraints);
-        let kept_milli = HostMix::gpu_milli_of(&record.request);
-        assert!(self.models.kept_milli >= kept_milli);
-        self.models.kept_milli -= kept_milli;
+        if record.pin.is_none() {
+            let kept_milli = HostMix::gpu_milli_of(&record.request);
+            assert!(self.models.kept_milli >= kept_milli);
+            self.models.kept_milli -= kept_milli;
+        }
         commands.push(Command::Released {
             tenant: tenant.to_string(),
         });
@@ -844,7 +972,22 @@ impl Engine {
     }
 
     /// Places a pending tenant if it fits now, else (guaranteed only) by preemption.
+    /// A pinned tenant is bound to its pin or not at all (rejected when `reject_check`).
     fn attempt(&mut self, tenant: &str, reject_check: bool) -> Attempt {
+        if let Some(pin) = self.tenants[tenant].pin.clone() {
+            let request = &self.tenants[tenant].request;
+            return match self.pinned_slices(request, &pin) {
+                Ok(slices) => {
+                    self.bind(tenant, slices.clone());
+                    Attempt::Bound(vec![Command::Bind {
+                        tenant: tenant.to_string(),
+                        slices,
+                    }])
+                }
+                Err(reason) if reject_check => Attempt::Rejected(reason),
+                Err(reason) => Attempt::Unfit(reason),
+            };
+        }
         let request = self.tenants[tenant].request.clone();
         let constraints = self.tenants[tenant].constraints.clone();
         let need = Need::of(&request).expect("validated at submit");
@@ -865,6 +1008,85 @@ impl Engine {
             return Attempt::Bound(commands);
         }
         Attempt::Unfit(self.unfit_reason(&request, &constraints, need))
+    }
+
+    /// The slices of `pin` for a tenant asking `request`, if they fit now; else why not, for a
+    /// person. Every check of a pin is here, so a pin the control plane admitted but the pool
+    /// cannot hold is refused with a reason, never a panic.
+    fn pinned_slices(&self, request: &Request, pin: &Pin) -> Result<Vec<SliceAssignment>, String> {
+        let gpus_asked = match Need::of(request)? {
+            Need::Fraction { .. } => 1,
+            Need::Whole { gpus, nodes: 1, .. } => gpus as usize,
+            Need::Whole { .. } => {
+                return Err("a pin is on one node; the request asks for several".to_string());
+            }
+        };
+        if pin.gpus.len() != gpus_asked {
+            return Err(format!(
+                "the pin has {} GPUs and the request asks for {gpus_asked}",
+                pin.gpus.len()
+            ));
+        }
+        let node_name = &pin.node;
+        let Some(node) = self.nodes.get(node_name) else {
+            return Err(format!("the pool has no node {node_name}"));
+        };
+        if !node.kubernetes_managed {
+            return Err(format!(
+                "node {node_name} is not Kubernetes-managed: vgpu places its tenants there; pin only to nodes whose agent runs with --kubernetes-managed"
+            ));
+        }
+        if node.state != NodeState::Ready {
+            return Err(format!("node {node_name} is {:?}", node.state));
+        }
+        let mut slices = Vec::with_capacity(pin.gpus.len());
+        let mut seen = BTreeSet::new();
+        for pinned in &pin.gpus {
+            let Some(position) = node
+                .spec
+                .gpus
+                .iter()
+                .position(|gpu| gpu.uuid == pinned.uuid)
+            else {
+                return Err(format!("node {node_name} has no GPU {}", pinned.uuid));
+            };
+            if !seen.insert(position) {
+                return Err(format!("the pin names GPU {} twice", pinned.uuid));
+            }
+            let gpu = &node.spec.gpus[position];
+            let usage = &node.usage[position];
+            if !(1..=100).contains(&pinned.compute_percent) {
+                return Err(format!(
+                    "the pin asks {}% of GPU {}; a slice is 1 to 100%",
+                    pinned.compute_percent, gpu.uuid
+                ));
+            }
+            let compute_free = 100 - usage.compute_allocated_percent;
+            let memory_free = gpu.memory_bytes - usage.memory_allocated_bytes;
+            if pinned.compute_percent > compute_free
+                || pinned.memory_bytes > memory_free
+                || usage.tenants.len() >= crate::node::SLICES_PER_GPU_MAX
+            {
+                return Err(format!(
+                    "GPU {} of node {node_name} has {compute_free}% and {memory_free} bytes free, and the pin asks {}% and {} bytes (its tenants: {})",
+                    gpu.uuid,
+                    pinned.compute_percent,
+                    pinned.memory_bytes,
+                    usage.tenants.join(", ")
+                ));
+            }
+            slices.push(SliceAssignment {
+                node: node_name.clone(),
+                gpu_uuid: gpu.uuid.clone(),
+                gpu_index: gpu.index,
+                compute_percent: pinned.compute_percent,
+                memory_bytes: pinned.memory_bytes,
+                guaranteed: !request.preemptible,
+                burst: request.burst,
+            });
+        }
+        assert_eq!(slices.len(), gpus_asked);
+        Ok(slices)
     }
 
     fn set_pending_reason(&mut self, tenant: &str, reason: String) {
@@ -889,8 +1111,10 @@ impl Engine {
             assert_eq!(node.state, NodeState::Ready);
             let position = node.position_of[&slice.gpu_index];
             node.allocate(position, tenant, slice.compute_percent, slice.memory_bytes);
-            let model = &node.spec.gpus[position].model;
-            self.models.take(model, i64::from(slice.compute_percent));
+            if !node.kubernetes_managed {
+                let model = &node.spec.gpus[position].model;
+                self.models.take(model, i64::from(slice.compute_percent));
+            }
             self.index_insert(&slice.node);
         }
         let constraints = &self.tenants[tenant].constraints;
@@ -951,8 +1175,10 @@ impl Engine {
                 .expect("slices name known nodes");
             let position = node.position_of[&slice.gpu_index];
             node.free(position, tenant, slice.compute_percent, slice.memory_bytes);
-            let model = &node.spec.gpus[position].model;
-            self.models.take(model, -i64::from(slice.compute_percent));
+            if !node.kubernetes_managed {
+                let model = &node.spec.gpus[position].model;
+                self.models.take(model, -i64::from(slice.compute_percent));
+            }
             self.index_insert(&slice.node);
         }
         let constraints = &self.tenants[tenant].constraints;
@@ -971,7 +1197,7 @@ impl Engine {
 
     pub(crate) fn index_remove(&mut self, name: &str) {
         let node = &self.nodes[name];
-        if node.state != NodeState::Ready {
+        if !node.schedulable() {
             return;
         }
         let count = node.summary.fully_free_count();
@@ -987,7 +1213,7 @@ impl Engine {
 
     pub(crate) fn index_insert(&mut self, name: &str) {
         let node = &self.nodes[name];
-        if node.state != NodeState::Ready {
+        if !node.schedulable() {
             return;
         }
         let inserted = self
@@ -1000,7 +1226,9 @@ impl Engine {
 
     /// Panics unless the bookkeeping is consistent: usage equals the sum of placed tenants'
     /// slices, nothing is over-committed, gangs are whole, the queue holds exactly the pending
-    /// tenants, and the free index holds exactly the Ready nodes. O(pool): for tests and benches.
+    /// tenants, the free index holds exactly the schedulable nodes (Ready, not
+    /// Kubernetes-managed), and only pinned tenants are on Kubernetes-managed nodes. O(pool): for
+    /// tests and benches.
     pub fn check_invariants(&self) {
         let mut expected: BTreeMap<(&str, u32), GpuUsage> = BTreeMap::new();
         let mut host_expected: BTreeMap<&str, HostUse> = BTreeMap::new();
@@ -1010,7 +1238,9 @@ impl Engine {
             let key = QueueKey::of(tenant, record);
             mix_expected.add(HostMix::of(&record.request, &record.constraints));
             models_expected.add_demand(&record.request, &record.constraints);
-            models_expected.kept_milli += HostMix::gpu_milli_of(&record.request);
+            if record.pin.is_none() {
+                models_expected.kept_milli += HostMix::gpu_milli_of(&record.request);
+            }
             match &record.placement {
                 Placement::Pending { .. } => {
                     assert!(self.queue.contains(&key), "{tenant} pending but not queued")
@@ -1053,10 +1283,15 @@ impl Engine {
                     }
                     for slice in slices {
                         let node = &self.nodes[&slice.node];
-                        assert_eq!(
-                            node.state,
-                            NodeState::Ready,
+                        // Pinned tenants stay on a Lost or Draining node; the others leave.
+                        assert!(
+                            node.state == NodeState::Ready || record.pin.is_some(),
                             "{tenant} placed on a node not Ready"
+                        );
+                        assert_eq!(
+                            node.kubernetes_managed,
+                            record.pin.is_some(),
+                            "{tenant}: pinned tenants, and only they, are on Kubernetes-managed nodes"
                         );
                         let usage = expected
                             .entry((slice.node.as_str(), slice.gpu_index))
@@ -1129,7 +1364,7 @@ impl Engine {
                 &refreshed, node,
                 "{name}: derived topology or summary is stale"
             );
-            if node.state == NodeState::Ready {
+            if node.schedulable() {
                 indexed += 1;
                 assert!(self.free_index[&node.summary.fully_free_count()].contains(name));
             }

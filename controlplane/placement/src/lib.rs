@@ -22,6 +22,8 @@ mod engine_test;
 #[cfg(test)]
 mod host_test;
 #[cfg(test)]
+mod pin_test;
+#[cfg(test)]
 mod property_test;
 #[cfg(test)]
 mod testing;

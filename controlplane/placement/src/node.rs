@@ -34,6 +34,11 @@ pub(crate) struct Node {
     /// of the encoding, recomputed on decoding (`Engine`'s `From<EngineFields>`).
     #[serde(skip)]
     pub model_of_all: Option<String>,
+    /// Registered as Kubernetes-managed (`Event::RegisterKubernetesNode`): only pinned tenants
+    /// hold slices here. Not in the serde encoding, like `host`: restored by
+    /// `Engine::restore_host_state`.
+    #[serde(skip)]
+    pub kubernetes_managed: bool,
 }
 
 /// CPU and host memory allocated on one node.
@@ -63,6 +68,13 @@ impl NodeSummary {
 }
 
 impl Node {
+    /// Whether the engine may choose this node: Ready and not Kubernetes-managed (its GPUs are
+    /// the kube-scheduler's). Search, preemption and re-placement look only at these nodes, and
+    /// the free-GPU index holds exactly these.
+    pub(crate) fn schedulable(&self) -> bool {
+        self.state == NodeState::Ready && !self.kubernetes_managed
+    }
+
     pub(crate) fn new(spec: NodeSpec) -> Node {
         let topology = Topology::new(&spec);
         let position_of = spec
@@ -82,6 +94,7 @@ impl Node {
             host: HostCapacity::default(),
             host_used: HostUse::default(),
             model_of_all: None,
+            kubernetes_managed: false,
         };
         node.refresh_models();
         node.refresh_summary();

@@ -15,9 +15,7 @@ use crate::engine::{Engine, Placement};
 use crate::node::Node;
 use crate::search::{Need, selector_matches};
 use crate::topology::{bit, positions};
-use crate::types::{
-    Command, Constraints, NodeName, NodeState, Request, SliceAssignment, TenantName,
-};
+use crate::types::{Command, Constraints, NodeName, Request, SliceAssignment, TenantName};
 use std::collections::BTreeSet;
 
 /// Pairs are searched exhaustively up to this many candidate victims on a node (276 pairs).
@@ -51,7 +49,9 @@ struct WhatIfGpu {
 impl Engine {
     fn can_preempt(&self, preemptor_priority: i32, victim: &str) -> bool {
         let record = &self.tenants[victim];
-        matches!(record.placement, Placement::Placed { .. })
+        // A pinned tenant holds what Kubernetes allocated: never a victim.
+        record.pin.is_none()
+            && matches!(record.placement, Placement::Placed { .. })
             && (record.request.priority < preemptor_priority
                 || (record.request.preemptible && record.request.priority <= preemptor_priority))
     }
@@ -83,7 +83,7 @@ impl Engine {
         let plans_max = self.config.nodes_scored_max.max(nodes_needed);
         let mut plans: Vec<NodePlan> = Vec::new();
         for (name, node) in &self.nodes {
-            if node.state != NodeState::Ready || !selector_matches(node, &request) {
+            if !node.schedulable() || !selector_matches(node, &request) {
                 continue;
             }
             if !node.host_could_fit(&constraints) || node.model_mask(&constraints) == 0 {

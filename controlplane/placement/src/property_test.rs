@@ -128,6 +128,11 @@ enum Step {
     Readd(NodeSpec, HostCapacity),
     Remove(usize),
     Update(usize, Option<u32>, Option<i32>),
+    /// A node registered again as Kubernetes-managed.
+    ReaddKubernetes(NodeSpec, HostCapacity),
+    /// A pin on node `.0`: (GPU index, compute percent, memory GiB) per GPU, some of them not
+    /// on the node or not fitting it.
+    SubmitPinned(usize, Vec<(u32, u32, u64)>),
 }
 
 fn step_strategy() -> impl Strategy<Value = Step> {
@@ -148,13 +153,31 @@ fn step_strategy() -> impl Strategy<Value = Step> {
             prop::option::weighted(0.4, -1i32..5),
         )
             .prop_map(|(tenant, compute, priority)| Step::Update(tenant, compute, priority)),
+        1 => (0..NODE_NAMES.len()).prop_flat_map(|node| {
+            node_strategy(NODE_NAMES[node])
+                .prop_map(|(spec, host)| Step::ReaddKubernetes(spec, host))
+        }),
+        3 => (
+            0..NODE_NAMES.len(),
+            prop::collection::vec((0u32..9, prop_oneof![1u32..=100, Just(100u32)], 0u64..=48), 1..=2),
+        )
+            .prop_map(|(node, gpus)| Step::SubmitPinned(node, gpus)),
     ]
 }
 
 fn events(pool: Vec<(NodeSpec, HostCapacity)>, steps: Vec<Step>) -> Vec<Event> {
+    // In a pool of two or more nodes the last is Kubernetes-managed, so that pins bind.
+    let managed_at = (pool.len() >= 2).then(|| pool.len() - 1);
     let mut events: Vec<Event> = pool
         .into_iter()
-        .map(|(spec, host)| Event::RegisterNode { spec, host })
+        .enumerate()
+        .map(|(position, (spec, host))| {
+            if Some(position) == managed_at {
+                Event::RegisterKubernetesNode { spec, host }
+            } else {
+                Event::RegisterNode { spec, host }
+            }
+        })
         .collect();
     let mut submitted = 0usize;
     for step in steps {
@@ -181,6 +204,33 @@ fn events(pool: Vec<(NodeSpec, HostCapacity)>, steps: Vec<Step>) -> Vec<Event> {
                 state,
             },
             Step::Readd(spec, host) => Event::RegisterNode { spec, host },
+            Step::ReaddKubernetes(spec, host) => Event::RegisterKubernetesNode { spec, host },
+            Step::SubmitPinned(node, gpus) => {
+                submitted += 1;
+                let node = NODE_NAMES[node];
+                let request = if gpus.len() == 1 {
+                    fraction(500)
+                } else {
+                    whole(gpus.len() as u32)
+                };
+                let pin = Pin {
+                    node: node.to_string(),
+                    gpus: gpus
+                        .into_iter()
+                        .map(|(index, compute_percent, memory_gib)| PinnedGpu {
+                            uuid: format!("GPU-{node}-{index}"),
+                            compute_percent,
+                            memory_bytes: memory_gib * GIB,
+                        })
+                        .collect(),
+                };
+                Event::SubmitPinned {
+                    tenant: format!("t{submitted}"),
+                    request,
+                    pin,
+                    seq: submitted as u64,
+                }
+            }
             Step::Remove(node) => Event::RemoveNode(NODE_NAMES[node].to_string()),
             Step::Update(tenant, compute_percent, priority) => Event::Update {
                 tenant: format!("t{tenant}"),
@@ -206,6 +256,7 @@ fn pool_strategy() -> impl Strategy<Value = Vec<(NodeSpec, HostCapacity)>> {
 struct Model {
     requests: BTreeMap<TenantName, Request>,
     placed: BTreeMap<TenantName, Vec<SliceAssignment>>,
+    pins: BTreeMap<TenantName, Pin>,
 }
 
 impl Model {
@@ -216,9 +267,47 @@ impl Model {
             }
             | Event::SubmitConstrained {
                 tenant, request, ..
+            }
+            | Event::SubmitPinned {
+                tenant, request, ..
             } => Some((tenant, request)),
             _ => None,
         };
+        if let Event::SubmitPinned { tenant, pin, .. } = event {
+            // Bound to exactly the pin, or rejected: never pending, never preempting.
+            assert_eq!(commands.len(), 1, "{tenant}: {commands:?}");
+            match &commands[0] {
+                Command::Bind { slices, .. } => {
+                    let pinned: Vec<(&str, &str, u32, u64)> = pin
+                        .gpus
+                        .iter()
+                        .map(|g| {
+                            (
+                                pin.node.as_str(),
+                                g.uuid.as_str(),
+                                g.compute_percent,
+                                g.memory_bytes,
+                            )
+                        })
+                        .collect();
+                    let bound: Vec<(&str, &str, u32, u64)> = slices
+                        .iter()
+                        .map(|s| {
+                            (
+                                s.node.as_str(),
+                                s.gpu_uuid.as_str(),
+                                s.compute_percent,
+                                s.memory_bytes,
+                            )
+                        })
+                        .collect();
+                    assert_eq!(pinned, bound);
+                    self.pins.insert(tenant.clone(), pin.clone());
+                }
+                Command::Reject { .. } => {}
+                other => panic!("{tenant}: a pin answered {other:?}"),
+            }
+        }
         if let Some((tenant, request)) = submitted {
             let own: Vec<&Command> = commands
                 .iter()
@@ -258,7 +347,11 @@ impl Model {
                         let grows = self.placed.get(tenant).is_some_and(|slices| {
                             slices.iter().any(|s| s.compute_percent < *percent)
                         });
-                        assert!(whole || out_of_range || grows, "{tenant}: {commands:?}");
+                        let pinned = self.pins.contains_key(tenant);
+                        assert!(
+                            whole || out_of_range || grows || pinned,
+                            "{tenant}: {commands:?}"
+                        );
                     }
                 }
                 Some(Command::Updated {
@@ -266,6 +359,10 @@ impl Model {
                     slices,
                 }) => {
                     assert_eq!(changed, tenant);
+                    assert!(
+                        !self.pins.contains_key(tenant),
+                        "a pinned tenant is never changed"
+                    );
                     let request = known.expect("only known tenants are changed");
                     if let Some(percent) = compute_percent {
                         assert!(matches!(request.gpus, GpuCount::Milli(_)));
@@ -301,6 +398,11 @@ impl Model {
             match command {
                 Command::Updated { .. } | Command::Refused { .. } => {}
                 Command::Bind { tenant, slices } => {
+                    if let Some(pin) = self.pins.get(tenant) {
+                        let uuids: Vec<&str> = pin.gpus.iter().map(|g| g.uuid.as_str()).collect();
+                        let bound: Vec<&str> = slices.iter().map(|s| s.gpu_uuid.as_str()).collect();
+                        assert_eq!(uuids, bound, "{tenant} bound off its pin");
+                    }
                     let request = &self.requests[tenant];
                     let (gpus, nodes) = match request.gpus {
                         GpuCount::Whole(gpus) => (gpus, request.nodes),
@@ -322,6 +424,14 @@ impl Model {
                     );
                 }
                 Command::Preempted { tenant, by, .. } => {
+                    assert!(
+                        !self.pins.contains_key(tenant),
+                        "a pinned tenant is never a victim"
+                    );
+                    assert!(
+                        !self.pins.contains_key(by),
+                        "a pinned tenant never preempts"
+                    );
                     let victim = &self.requests[tenant];
                     let preemptor = &self.requests[by];
                     assert!(!preemptor.preemptible);
@@ -336,6 +446,7 @@ impl Model {
                 Command::Released { tenant } => {
                     self.placed.remove(tenant);
                     self.requests.remove(tenant);
+                    self.pins.remove(tenant);
                 }
                 Command::Pending { tenant, .. } => assert!(!self.placed.contains_key(tenant)),
                 Command::Reject { .. } => {}

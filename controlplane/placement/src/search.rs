@@ -12,7 +12,7 @@ use crate::engine::Engine;
 use crate::node::{HostUse, Node};
 use crate::topology::{SetScore, Topology, bit, positions};
 use crate::types::{
-    Constraints, GpuCount, NodeName, NodeState, NvlinkPolicy, Request, Scorer, SliceAssignment,
+    Constraints, GpuCount, NodeName, NvlinkPolicy, Request, Scorer, SliceAssignment,
 };
 use crate::units::{format_bytes, format_cpu, format_selector, plural};
 use crate::workload::{Shape, ShapeMemory};
@@ -187,7 +187,7 @@ impl Engine {
         let mut last_examined: Option<&str> = None;
         for (name, node) in self.rotation(only) {
             last_examined = Some(name);
-            if node.state != NodeState::Ready
+            if !node.schedulable()
                 || !selector_matches(node, request)
                 || !node.host_fits(constraints)
             {
@@ -394,10 +394,9 @@ impl Engine {
             for name in names {
                 last_examined = Some(name);
                 let node = &self.nodes[name];
-                assert_eq!(
-                    node.state,
-                    NodeState::Ready,
-                    "the free index holds Ready nodes only"
+                assert!(
+                    node.schedulable(),
+                    "the free index holds schedulable nodes only"
                 );
                 if !selector_matches(node, request) || !node.host_fits(constraints) {
                     continue;
@@ -497,7 +496,7 @@ impl Engine {
         let mut ready: Vec<(&NodeName, &Node)> = self
             .nodes
             .iter()
-            .filter(|(_, node)| node.state == NodeState::Ready && selector_matches(node, request))
+            .filter(|(_, node)| node.schedulable() && selector_matches(node, request))
             .collect();
         if ready.is_empty() {
             return if request.node_selector.is_empty() {
@@ -628,14 +627,24 @@ impl Engine {
         constraints: &Constraints,
         need: Need,
     ) -> Option<String> {
+        // Kubernetes-managed nodes are never the engine's to fill, whatever their state.
         let mut matching: Vec<(&NodeName, &Node)> = self
             .nodes
             .iter()
-            .filter(|(_, node)| selector_matches(node, request))
+            .filter(|(_, node)| !node.kubernetes_managed && selector_matches(node, request))
             .collect();
         let selector_text = format_selector(&request.node_selector);
         if matching.is_empty() {
-            return Some(if request.node_selector.is_empty() {
+            let managed = self
+                .nodes
+                .values()
+                .filter(|node| node.kubernetes_managed)
+                .count();
+            return Some(if request.node_selector.is_empty() && managed > 0 {
+                format!(
+                    "every node of the pool ({managed}) is Kubernetes-managed: pods get their GPUs through DRA (docs/kubernetes.md), and vgpuctl places only on nodes whose agent runs without --kubernetes-managed"
+                )
+            } else if request.node_selector.is_empty() {
                 "the pool has no nodes".to_string()
             } else {
                 format!("no node matches selector {selector_text}")

@@ -115,10 +115,35 @@ impl Constraints {
 /// exactly as before): host capacities of nodes and constraints of tenants that are not the
 /// default. The control plane carries it beside the engine in its snapshots and gives it back
 /// with [`Engine::restore_host_state`](crate::Engine::restore_host_state) after decoding.
+///
+/// `kubernetes_nodes` and `pins` came later (issue 18): a decoder of the earlier layout fills
+/// them empty. The control plane writes them only in a snapshot format that has them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostState {
     pub nodes: BTreeMap<NodeName, HostCapacity>,
     pub tenants: BTreeMap<TenantName, Constraints>,
+    /// The Kubernetes-managed nodes ([`Event::RegisterKubernetesNode`]).
+    pub kubernetes_nodes: BTreeSet<NodeName>,
+    /// The pinned tenants' pins ([`Event::SubmitPinned`]).
+    pub pins: BTreeMap<TenantName, Pin>,
+}
+
+/// One GPU of a [`Pin`]: the slice Kubernetes allocated on it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PinnedGpu {
+    pub uuid: String,
+    pub compute_percent: u32,
+    pub memory_bytes: u64,
+}
+
+/// The exact slices a tenant holds, decided outside vgpu (by the kube-scheduler for a DRA
+/// claim): one node, each GPU at most once. The engine binds them or refuses; it never searches,
+/// queues at submission, preempts for or moves a pinned tenant. Kept beside [`Request`], not in
+/// it, for the same reason as [`Constraints`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pin {
+    pub node: NodeName,
+    pub gpus: Vec<PinnedGpu>,
 }
 
 /// One GPU (or part of one) given to a tenant.
@@ -179,6 +204,28 @@ pub enum Event {
         tenant: TenantName,
         request: Request,
         constraints: Constraints,
+        seq: u64,
+    },
+    /// [`Event::RegisterNode`] of a Kubernetes-managed node (appended, like `SubmitConstrained`):
+    /// its GPUs are the kube-scheduler's, so the engine's search, preemption and re-placement
+    /// never use it; only pinned tenants ([`Event::SubmitPinned`]) hold slices there. A node
+    /// registered again with the other kind of registration changes kind as a changed
+    /// inventory does (its tenants are unbound first).
+    RegisterKubernetesNode {
+        spec: NodeSpec,
+        host: HostCapacity,
+    },
+    /// A tenant whose slices were decided outside vgpu (a DRA claim): it is bound to exactly
+    /// `pin` at once, or rejected at once (`Reject`): never pending, never preempting. The pin
+    /// must be on a Kubernetes-managed node and its GPU count must be the request's. A pinned
+    /// tenant is never preempted or moved, and stays bound while its node is Lost or Draining
+    /// (the kubelet, not vgpu, decides what becomes of the pod). Only when its node is removed
+    /// or re-registered with other GPUs does it lose its slices; it then waits, pending, until
+    /// its node comes back with the pinned GPUs, or until it is released.
+    SubmitPinned {
+        tenant: TenantName,
+        request: Request,
+        pin: Pin,
         seq: u64,
     },
 }

@@ -1,7 +1,7 @@
 //! Changing a tenant in place (`Event::Update`): a new guaranteed compute share on the GPUs it
 //! holds, or a new priority. A placed tenant is never moved: a share that does not fit its GPU
 //! is refused with the reason, and nothing changes. Whole GPUs are exclusive, so their share is
-//! not theirs to change. After a change the pending queue is tried again (a smaller share or
+//! not theirs to change, and a pinned tenant's slices are its Kubernetes claim's. After a change the pending queue is tried again (a smaller share or
 //! another priority may let a waiting tenant in).
 
 use crate::engine::{Engine, Placement, QueueKey};
@@ -16,7 +16,15 @@ impl Engine {
         priority: Option<i32>,
         commands: &mut Vec<Command>,
     ) {
+        let pinned = self
+            .tenants
+            .get(tenant)
+            .is_some_and(|record| record.pin.is_some());
         let checked = match compute_percent {
+            // Kubernetes allocated a pinned tenant's slices: a change belongs in its claim.
+            _ if pinned => Err(format!(
+                "tenant {tenant} holds a Kubernetes claim's slices; change the claim (its ResourceClaim), not the tenant"
+            )),
             Some(percent) => self.check_share(tenant, percent),
             None if self.tenants.contains_key(tenant) => Ok(()),
             None => Err(format!("no tenant is named {tenant}")),

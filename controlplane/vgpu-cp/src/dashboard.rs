@@ -224,6 +224,8 @@ pub struct NodeTile {
     /// 0: the leader saw none (or could not be asked).
     pub last_heartbeat_unix_ms: i64,
     pub gpus: Vec<GpuTile>,
+    /// The kube-scheduler allocates this node's GPUs (issue 18): its tenants are claims.
+    pub kubernetes_managed: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -548,6 +550,7 @@ fn node_tile(pool: &PoolState, soft: &SoftState, view: &placement::NodeView<'_>)
         labels: view.spec.labels.clone(),
         last_heartbeat_unix_ms: soft.heartbeats.get(name).copied().unwrap_or(0),
         gpus,
+        kubernetes_managed: view.kubernetes_managed,
     }
 }
 

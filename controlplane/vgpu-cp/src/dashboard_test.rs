@@ -223,6 +223,7 @@ fn reports_fill_in_health_utilisation_and_usage() {
     assert_eq!(page.overview.gpus_unhealthy, 1);
     let tile = &page.nodes[0];
     assert_eq!(tile.last_heartbeat_unix_ms, 900);
+    assert!(!tile.kubernetes_managed);
     let gpu = &tile.gpus[slice.gpu_index as usize];
     assert_eq!(gpu.utilization_percent, Some(40));
     assert_eq!(gpu.memory_used_bytes, Some(7 << 30));

@@ -142,6 +142,27 @@ pub enum Command {
         request: Vec<u8>,
         unix_ms: i64,
     },
+    /// A registration of a Kubernetes-managed node (`Node.kubernetes_managed`, issue 18),
+    /// keyed or not, with its host capacity (none reported: the default). The placement engine
+    /// never places there itself; only pins do. (Appended last, like `PlaceConstrained`: a
+    /// member of an older version cannot read it; run agents with `--kubernetes-managed` only
+    /// once every member knows it.)
+    RegisterKubernetesNode {
+        spec: NodeSpec,
+        host: HostCapacity,
+        address: String,
+        key_sha256: Option<String>,
+        unix_ms: i64,
+    },
+    /// `Place` of a request with a pin (`PlacementRequest.pin`, issue 18): bound exactly to the
+    /// pin or refused. Applied exactly as `Place`, which reads the pin from the request; its own
+    /// variant for the reason `PlaceConstrained` has one: a member of an older version would
+    /// place the request by search. (Appended last, like `RegisterKubernetesNode`.)
+    PlacePinned {
+        name: String,
+        request: Vec<u8>,
+        unix_ms: i64,
+    },
 }
 
 /// Most unexpired bootstrap tokens the pool keeps.
@@ -402,6 +423,7 @@ impl PoolState {
                     host: HostCapacity::default(),
                     address,
                     key_sha256: None,
+                    kubernetes_managed: false,
                 };
                 self.register_node(index, seq, registration, unix_ms)
             }
@@ -416,6 +438,7 @@ impl PoolState {
                     host: HostCapacity::default(),
                     address,
                     key_sha256: Some(key_sha256),
+                    kubernetes_managed: false,
                 };
                 self.register_node(index, seq, registration, unix_ms)
             }
@@ -431,6 +454,23 @@ impl PoolState {
                     host,
                     address,
                     key_sha256,
+                    kubernetes_managed: false,
+                };
+                self.register_node(index, seq, registration, unix_ms)
+            }
+            Command::RegisterKubernetesNode {
+                spec,
+                host,
+                address,
+                key_sha256,
+                unix_ms,
+            } => {
+                let registration = Registration {
+                    spec,
+                    host,
+                    address,
+                    key_sha256,
+                    kubernetes_managed: true,
                 };
                 self.register_node(index, seq, registration, unix_ms)
             }
@@ -446,6 +486,11 @@ impl PoolState {
                 unix_ms,
             }
             | Command::PlaceConstrained {
+                name,
+                request,
+                unix_ms,
+            }
+            | Command::PlacePinned {
                 name,
                 request,
                 unix_ms,
@@ -597,6 +642,7 @@ impl PoolState {
             host,
             address,
             key_sha256,
+            kubernetes_managed,
         } = registration;
         if let Err(message) = validate_node_spec(&spec) {
             return failed(ErrorCode::InvalidArgument, message);
@@ -618,9 +664,19 @@ impl PoolState {
         {
             return failed(ErrorCode::NodeNameTaken, name_taken_message(&name));
         }
-        let Some(commands) = self.handle_guarded(Event::RegisterNode { spec, host }) else {
+        let event = if kubernetes_managed {
+            Event::RegisterKubernetesNode { spec, host }
+        } else {
+            Event::RegisterNode { spec, host }
+        };
+        let Some(commands) = self.handle_guarded(event) else {
             return engine_failure();
         };
+        debug_assert_eq!(
+            self.engine.node(&name).map(|node| node.kubernetes_managed),
+            Some(kubernetes_managed),
+            "the engine keeps the kind registered"
+        );
         debug_assert_eq!(
             self.engine.node_host(&name).map(|node| node.capacity),
             Some(host),
@@ -653,6 +709,33 @@ impl PoolState {
             "registration numbers grow"
         );
         CommandResult::Registered { registration: seq }
+    }
+
+    /// The owner (its claim, `k8s:<namespace>/<claim>`) of tenant `tenant` when the agent of
+    /// `node` may release it: the tenant is pinned to `node` (issue 18: the node's DRA driver
+    /// releases its claims' tenants with the node's agent certificate). `Err` with the code and
+    /// message of the refusal otherwise: an unknown tenant is `TenantNotFound` (a repeated
+    /// release), any other tenant `PermissionDenied`.
+    pub fn pinned_release_owner(
+        &self,
+        node: &str,
+        tenant: &str,
+    ) -> Result<String, (ErrorCode, String)> {
+        let Some(record) = self.tenants.get(tenant) else {
+            return Err((
+                ErrorCode::TenantNotFound,
+                format!("no tenant is named `{tenant}`; it may be released already"),
+            ));
+        };
+        match self.engine.pin(tenant) {
+            Some(pin) if pin.node == node => Ok(decode_request(&record.request).owner),
+            _ => Err((
+                ErrorCode::PermissionDenied,
+                format!(
+                    "tenant `{tenant}` is not pinned to node `{node}`; the agent certificate of a node releases only the tenants pinned there (its DRA driver's claims)"
+                ),
+            )),
+        }
     }
 
     /// Whether a call for `node` that carries the node key digest `key_sha256` (and, for a
@@ -782,7 +865,16 @@ impl PoolState {
         self.tenants.insert(name.clone(), record);
         let engine_request = to_engine_request(&request);
         let constraints = constraints_of(&request);
-        let event = if constraints == Constraints::default() {
+        // A pin was admitted only with its bounds (`api::validate::admit_request`) and from the
+        // node's agent; the engine decides whether the pool holds it.
+        let event = if let Some(pin) = &request.pin {
+            Event::SubmitPinned {
+                tenant: name.clone(),
+                request: engine_request,
+                pin: pin_of(pin),
+                seq,
+            }
+        } else if constraints == Constraints::default() {
             Event::Submit {
                 tenant: name.clone(),
                 request: engine_request,
@@ -1195,6 +1287,7 @@ impl PoolState {
             host_memory_bytes: host.capacity.memory_bytes.unwrap_or(0),
             cpu_milli_allocated: host.cpu_milli_used,
             host_memory_allocated_bytes: host.memory_bytes_used,
+            kubernetes_managed: view.kubernetes_managed,
         })
     }
 }
@@ -1295,6 +1388,22 @@ pub fn constraints_of(request: &v1::PlacementRequest) -> Constraints {
     }
 }
 
+/// The engine's pin of an API pin.
+pub fn pin_of(pin: &v1::Pin) -> placement::Pin {
+    placement::Pin {
+        node: pin.node.clone(),
+        gpus: pin
+            .gpus
+            .iter()
+            .map(|gpu| placement::PinnedGpu {
+                uuid: gpu.uuid.clone(),
+                compute_percent: gpu.compute_percent,
+                memory_bytes: gpu.memory_bytes,
+            })
+            .collect(),
+    }
+}
+
 /// A node's host capacity as its agent registers it: 0 is not reported (unbounded).
 pub fn host_capacity_from_proto(node: &v1::Node) -> HostCapacity {
     HostCapacity {
@@ -1333,6 +1442,7 @@ struct Registration {
     host: HostCapacity,
     address: String,
     key_sha256: Option<String>,
+    kubernetes_managed: bool,
 }
 
 /// Checks a registering node's inventory; the message says what is wrong.

@@ -1095,3 +1095,115 @@ fn calls_for_a_bound_name_need_its_key_and_its_latest_registration() {
         Ok(())
     );
 }
+
+fn register_kubernetes(state: &mut PoolState, index: u64, name: &str) {
+    let result = state.apply(
+        index,
+        Command::RegisterKubernetesNode {
+            spec: node(name),
+            host: HostCapacity::default(),
+            address: String::new(),
+            key_sha256: None,
+            unix_ms: 0,
+        },
+    );
+    assert_eq!(result, CommandResult::Done);
+}
+
+fn place_pinned(
+    state: &mut PoolState,
+    index: u64,
+    name: &str,
+    node: &str,
+    gpu_index: u32,
+) -> CommandResult {
+    let request = v1::PlacementRequest {
+        milli_gpus: 500,
+        owner: "k8s:ml/train".to_owned(),
+        pin: Some(v1::Pin {
+            node: node.to_owned(),
+            gpus: vec![v1::PinnedGpu {
+                uuid: format!("GPU-{node}-{gpu_index}"),
+                compute_percent: 50,
+                memory_bytes: 40 << 30,
+            }],
+        }),
+        ..Default::default()
+    };
+    state.apply(
+        index,
+        Command::PlacePinned {
+            name: name.to_owned(),
+            request: request.encode_to_vec(),
+            unix_ms: index as i64,
+        },
+    )
+}
+
+/// Issue 18: a pin binds on a Kubernetes-managed node and stays while the node is lost; a pin on
+/// an ordinary node is refused; vgpuctl's tenants go only to the ordinary node, and reads say
+/// which node is which.
+#[test]
+fn pins_hold_kubernetes_managed_nodes_and_other_tenants_stay_off_them() {
+    let mut state = PoolState::default();
+    register_kubernetes(&mut state, 1, "node-k");
+    register(&mut state, 2, "node-v");
+    let CommandResult::Tenant(tenant) = place_pinned(&mut state, 3, "train-3f2a9c1e", "node-k", 2)
+    else {
+        panic!("expected a tenant");
+    };
+    assert_eq!(tenant.state, TenantState::Placed);
+    assert_eq!(tenant.slices[0].node, "node-k");
+    assert_eq!(tenant.slices[0].gpu_index, 2);
+    let CommandResult::Failed { code, message } =
+        place_pinned(&mut state, 4, "other-3f2a9c1e", "node-v", 0)
+    else {
+        panic!("a pin on an ordinary node is refused");
+    };
+    assert_eq!(code, ErrorCode::Unplaceable);
+    assert!(message.contains("not Kubernetes-managed"), "{message}");
+    for index in 5..9 {
+        let CommandResult::Tenant(tenant) =
+            place(&mut state, index, &format!("t{index}"), whole(1))
+        else {
+            panic!("expected a tenant");
+        };
+        assert_eq!(
+            tenant.slices[0].node, "node-v",
+            "vgpuctl's tenants stay off node-k"
+        );
+    }
+    let CommandResult::Tenant(waiting) = place(&mut state, 9, "t9", whole(1)) else {
+        panic!("expected a pending tenant");
+    };
+    assert_eq!(waiting.state, TenantState::Pending);
+    let lost = state.apply(
+        10,
+        Command::SetNodeState {
+            node: "node-k".to_owned(),
+            state: placement::NodeState::Lost,
+            reason: "missed heartbeats".to_owned(),
+            unix_ms: 10,
+        },
+    );
+    assert_eq!(lost, CommandResult::Done);
+    assert_eq!(state.tenants["train-3f2a9c1e"].state, TenantState::Placed);
+    assert_eq!(state.tenants["train-3f2a9c1e"].slices, tenant.slices);
+    assert!(state.node_to_proto("node-k").unwrap().kubernetes_managed);
+    // The node's agent (its DRA driver) may release the pinned tenant, and nothing else.
+    assert_eq!(
+        state.pinned_release_owner("node-k", "train-3f2a9c1e"),
+        Ok("k8s:ml/train".to_owned())
+    );
+    for (node, tenant, code) in [
+        ("node-v", "train-3f2a9c1e", ErrorCode::PermissionDenied),
+        ("node-v", "t5", ErrorCode::PermissionDenied),
+        ("node-k", "t5", ErrorCode::PermissionDenied),
+        ("node-k", "gone", ErrorCode::TenantNotFound),
+    ] {
+        let refused = state.pinned_release_owner(node, tenant).unwrap_err();
+        assert_eq!(refused.0, code, "{node} {tenant}: {}", refused.1);
+    }
+    assert!(!state.node_to_proto("node-v").unwrap().kubernetes_managed);
+    state.engine.check_invariants();
+}

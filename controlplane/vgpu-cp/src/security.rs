@@ -8,7 +8,11 @@
 //!   a tenant cannot preempt what an admin placed above it. Writes carry the owner into the log
 //!   (`pool::Command::AsOwner`), and applying them checks it again.
 //! - `agent`: `Register`, `Heartbeat` and `WatchAssignments` for the node named by its
-//!   certificate's common name.
+//!   certificate's common name, and `Place` of a pinned request (`PlacementRequest.pin`, a
+//!   Kubernetes claim's slices: issue 18) on that node, which only that agent may place: the
+//!   node's DRA driver holds its certificate. Not admins either: a pin is what the kube-scheduler
+//!   allocated, which no person decides. `Release` of a tenant pinned to that node too
+//!   (`PoolState::pinned_release_owner`); admins may release any tenant, pinned or not.
 //! - `member`: the Raft transport (`Raft.*`), `Cluster.Status` and `Cluster.AddMember` (joining).
 //! - `metrics`: `GET /metrics` (which names every owner's tenants and nodes), and
 //!   `Cluster.Status`; admins and members may read `/metrics` too.
@@ -17,7 +21,9 @@
 //! A certificate whose serial the replicated state lists as revoked (`Cluster.RevokeCertificate`)
 //! is refused whatever its role.
 //!
-//! Under `--insecure` there are no certificates and every caller is an admin.
+//! Under `--insecure` there are no certificates and every caller is an admin; a pin is then
+//! accepted from anyone, like every other call (a cluster without certificates trusts its
+//! network, and the DRA driver of such a cluster has no certificate to show).
 
 use api::ErrorCode;
 use api::pki::CertAndKey;
@@ -169,6 +175,29 @@ impl Guard {
         }
     }
 
+    /// The agent of `node` only, for placing a pin there (see the module docs); any caller
+    /// under `--insecure`.
+    pub fn pin<T>(&self, request: &Request<T>, node: &str) -> Result<Peer, Status> {
+        let peer = self.caller(request)?;
+        self.check_pin(peer, node)
+    }
+
+    /// [`Guard::pin`] for a caller already known.
+    pub fn check_pin(&self, peer: Peer, node: &str) -> Result<Peer, Status> {
+        if self.insecure {
+            return Ok(peer);
+        }
+        match &peer.role {
+            Role::Agent if peer.name == node => Ok(peer),
+            _ => Err(denied(
+                &peer,
+                &format!(
+                    "placing a pinned tenant on node `{node}`: only that node's agent certificate may (its DRA driver places the slices Kubernetes allocated)"
+                ),
+            )),
+        }
+    }
+
     /// Refuses a priority above [`Guard::tenant_priority_max`] asked by a tenant certificate,
     /// with a message that says the ceiling.
     pub fn check_priority(
@@ -286,5 +315,38 @@ mod tests {
                 .check_priority(&admin, &TenantScope::All, 1000)
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn only_the_nodes_own_agent_places_a_pin_there() {
+        let guard = Guard {
+            insecure: false,
+            ca_cert_pem: None,
+            ca_signer: None,
+            revoked: Revocations::default(),
+            tenant_priority_max: TENANT_PRIORITY_MAX_DEFAULT,
+        };
+        let own = guard.check_pin(peer(Role::Agent, "gpu-1"), "gpu-1");
+        assert_eq!(own.unwrap().name, "gpu-1");
+        for caller in [
+            peer(Role::Agent, "gpu-2"),
+            peer(Role::Admin, "ops"),
+            peer(Role::Tenant("ml".into()), "ml"),
+            peer(Role::Member, "cp-1"),
+        ] {
+            let status = guard.check_pin(caller, "gpu-1").unwrap_err();
+            assert_eq!(status.code(), tonic::Code::PermissionDenied);
+            assert!(
+                status
+                    .message()
+                    .contains("only that node's agent certificate"),
+                "{status:?}"
+            );
+        }
+        let insecure = Guard {
+            insecure: true,
+            ..guard
+        };
+        assert!(insecure.pin(&Request::new(()), "gpu-1").is_ok());
     }
 }

@@ -300,6 +300,15 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::PlaceRequest>,
     ) -> Result<Response<v1::PlaceResponse>, Status> {
+        if let Some(pin) = request
+            .get_ref()
+            .request
+            .as_ref()
+            .and_then(|placement| placement.pin.as_ref())
+        {
+            let node = pin.node.clone();
+            return self.place_pinned(request, &node).await;
+        }
         let (peer, scope) = self.guard.tenants(&request, "placing tenants")?;
         self.limit_owner(&scope)?;
         let request = request.into_inner();
@@ -352,6 +361,9 @@ impl v1::pool_server::Pool for Service {
         &self,
         request: Request<v1::ReleaseRequest>,
     ) -> Result<Response<v1::ReleaseResponse>, Status> {
+        if !self.guard.insecure && self.guard.caller(&request)?.role == api::tls::Role::Agent {
+            return self.release_pinned(request).await;
+        }
         let (peer, scope) = self.guard.tenants(&request, "releasing tenants")?;
         self.limit_owner(&scope)?;
         let name = request.into_inner().name;
@@ -558,6 +570,70 @@ impl v1::pool_server::Pool for Service {
 }
 
 impl Service {
+    /// `Pool.Place` of a request with a pin on `node` (issue 18): only that node's agent
+    /// certificate may ask (`Guard::pin`), for a tenant named after the claim its owner names
+    /// (`api::validate::admit_claim_tenant`), within the request bounds
+    /// (`api::validate::admit_request`). Proposed as `Command::PlacePinned`; the engine binds the
+    /// pin or refuses it, and the same request again is answered with the tenant (the driver
+    /// retries by repeating it).
+    async fn place_pinned(
+        &self,
+        request: Request<v1::PlaceRequest>,
+        node: &str,
+    ) -> Result<Response<v1::PlaceResponse>, Status> {
+        self.guard.pin(&request, node)?;
+        let request = request.into_inner();
+        api::names::validate("tenant", &request.name).map_err(invalid)?;
+        let placement = request
+            .request
+            .ok_or_else(|| invalid("the placement request is missing"))?;
+        api::validate::admit_request(&placement).map_err(invalid)?;
+        api::validate::admit_claim_tenant(&request.name, &placement).map_err(invalid)?;
+        assert!(placement.pin.is_some(), "only pinned requests come here");
+        let command = Command::PlacePinned {
+            name: request.name,
+            request: placement.encode_to_vec(),
+            unix_ms: unix_ms(),
+        };
+        let result = self.control_plane.write(command).await?;
+        let tenant = result_to_tenant(result, self)?;
+        Ok(Response::new(v1::PlaceResponse {
+            tenant: Some(tenant),
+        }))
+    }
+
+    /// `Pool.Release` by an agent certificate (issue 18): only a tenant pinned to the agent's
+    /// node (`PoolState::pinned_release_owner`), proposed as the tenant's owner
+    /// (`Command::AsOwner`), so that apply refuses it if the name meanwhile holds another
+    /// claim's tenant.
+    async fn release_pinned(
+        &self,
+        request: Request<v1::ReleaseRequest>,
+    ) -> Result<Response<v1::ReleaseResponse>, Status> {
+        let peer = self.guard.caller(&request)?;
+        assert_eq!(peer.role, api::tls::Role::Agent, "only agents come here");
+        let name = request.into_inner().name;
+        api::names::validate("tenant", &name).map_err(invalid)?;
+        // Up to date, so that the pin checked is the one the release would meet.
+        self.control_plane.linearize().await?;
+        let owner = self
+            .control_plane
+            .shared
+            .read()
+            .pool
+            .pinned_release_owner(&peer.name, &name)
+            .map_err(|(code, message)| code.status(message))?;
+        let command = Command::AsOwner {
+            owner,
+            command: Box::new(Command::Release {
+                name,
+                unix_ms: unix_ms(),
+            }),
+        };
+        result_to_unit(self.control_plane.write(command).await?)?;
+        Ok(Response::new(v1::ReleaseResponse {}))
+    }
+
     /// Refuses a tenant-scoped caller `what`ing the tenant `name` when it exists under another
     /// owner (a tenant that does not exist is left to the call's own answer).
     fn check_owner(
@@ -656,6 +732,14 @@ impl v1::agent_server::Agent for Service {
         // so that of two racing registrations only the first binds it. A node that reports no
         // host capacity registers with the entries members of earlier versions read.
         let command = match claim.key_sha256 {
+            // Only a Kubernetes-managed node registers with the entry this version introduced.
+            key_sha256 if node.kubernetes_managed => Command::RegisterKubernetesNode {
+                spec,
+                host,
+                address: node.address,
+                key_sha256,
+                unix_ms: unix_ms(),
+            },
             key_sha256 if host != placement::HostCapacity::default() => Command::RegisterHostNode {
                 spec,
                 host,

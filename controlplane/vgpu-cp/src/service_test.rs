@@ -268,3 +268,103 @@ async fn beat_raw(member: &Member, key: &str, registration: &str) -> Result<bool
         .await?;
     Ok(response.into_inner().known)
 }
+
+/// A pinned request for the claim `train` of namespace `ml` on GPU 0 of `node` (issue 18).
+fn pinned(node: &str) -> v1::PlacementRequest {
+    v1::PlacementRequest {
+        milli_gpus: 250,
+        owner: api::names::claim_owner("ml", "train"),
+        pin: Some(v1::Pin {
+            node: node.to_owned(),
+            gpus: vec![v1::PinnedGpu {
+                uuid: format!("GPU-{node}-0"),
+                compute_percent: 25,
+                memory_bytes: 20 << 30,
+            }],
+        }),
+        ..Default::default()
+    }
+}
+
+async fn place(
+    member: &Member,
+    name: &str,
+    request: v1::PlacementRequest,
+) -> Result<v1::Tenant, Status> {
+    let request = v1::PlaceRequest {
+        name: name.to_owned(),
+        request: Some(request),
+    };
+    let response = member.service.place(Request::new(request)).await?;
+    Ok(response.into_inner().tenant.expect("a placed tenant"))
+}
+
+/// Issue 18: a Kubernetes-managed node registers as one, takes the pin of a claim's tenant
+/// (again and again: the driver retries), refuses a pin for a tenant not named after its claim,
+/// and never takes a tenant of vgpuctl. (Which certificates may pin is `security`'s test; this
+/// member runs `--insecure`, where every caller may.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubernetes_managed_node_takes_pins_and_no_other_tenant() {
+    let member = member().await;
+    let mut node = inventory("gpu-k");
+    node.kubernetes_managed = true;
+    let request = v1::RegisterRequest { node: Some(node) };
+    member
+        .service
+        .register(with_claim(request, None, None))
+        .await
+        .unwrap();
+    let shown = member
+        .service
+        .get_node(Request::new(v1::GetNodeRequest {
+            name: "gpu-k".to_owned(),
+            stale: false,
+        }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(shown.kubernetes_managed, "{shown:?}");
+
+    let tenant = place(&member, "train-3f2a9c1e", pinned("gpu-k"))
+        .await
+        .unwrap();
+    assert_eq!(tenant.state, v1::TenantState::Placed as i32);
+    assert_eq!(tenant.owner, "k8s:ml/train");
+    assert_eq!(tenant.slices.len(), 1);
+    assert_eq!(tenant.slices[0].compute_percent, 25);
+    let again = place(&member, "train-3f2a9c1e", pinned("gpu-k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        again.slices, tenant.slices,
+        "the same pin again is answered with the tenant"
+    );
+
+    let status = place(&member, "infer-3f2a9c1e", pinned("gpu-k"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        ErrorCode::of(&status),
+        Some(ErrorCode::InvalidArgument),
+        "{status:?}"
+    );
+    assert!(
+        status.message().contains("not named after claim `train`"),
+        "{status:?}"
+    );
+
+    let plain = v1::PlacementRequest {
+        milli_gpus: 100,
+        ..Default::default()
+    };
+    let status = place(&member, "vgpuctl-a", plain).await.unwrap_err();
+    assert_eq!(
+        ErrorCode::of(&status),
+        Some(ErrorCode::Unplaceable),
+        "{status:?}"
+    );
+    assert!(
+        status.message().contains("Kubernetes-managed"),
+        "{status:?}"
+    );
+}

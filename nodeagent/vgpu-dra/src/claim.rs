@@ -29,8 +29,6 @@ pub const CAPACITY_MEMORY: &str = "memory";
 pub const CAPACITY_COMPUTE: &str = "compute";
 /// Most devices one claim may hold on this node (every GPU of the largest node twice).
 pub const CLAIM_DEVICES_MAX: usize = 2 * vgpu_agent::inventory::MAX_GPUS_PER_NODE;
-/// Hex digits of the claim's uid in its tenant's name.
-const UID_DIGITS: usize = 8;
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
@@ -69,41 +67,10 @@ pub fn device_name(index: u32) -> String {
     format!("gpu-{index}")
 }
 
-/// The tenant that claim `claim` becomes (see the module docs). Always a valid tenant name.
+/// The tenant that claim `claim` becomes (see the module docs). Always a valid tenant name. The
+/// rule is `api::names::claim_tenant_name`, which the control plane checks pins against.
 pub fn tenant_name(claim: &ClaimRef) -> String {
-    let uid: String = claim
-        .uid
-        .chars()
-        .filter(char::is_ascii_hexdigit)
-        .map(|c| c.to_ascii_lowercase())
-        .take(UID_DIGITS)
-        .collect();
-    let room = api::names::NAME_LENGTH_MAX - UID_DIGITS - 1;
-    let label: String = claim
-        .name
-        .chars()
-        .map(|c| {
-            let c = c.to_ascii_lowercase();
-            if c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .take(room)
-        .collect();
-    let label = label.trim_matches('-');
-    let name = match (label.is_empty(), uid.is_empty()) {
-        (true, true) => "claim".to_owned(),
-        (true, false) => format!("claim-{uid}"),
-        (false, true) => label.to_owned(),
-        (false, false) => format!("{label}-{uid}"),
-    };
-    assert!(
-        api::names::validate("tenant", &name).is_ok(),
-        "a claim's tenant name is a valid name: {name}"
-    );
-    name
+    api::names::claim_tenant_name(&claim.name, &claim.uid)
 }
 
 /// Reads the allocation of `wanted` on node `node` out of the claim the apiserver returned.

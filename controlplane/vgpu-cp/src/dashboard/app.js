@@ -45,7 +45,7 @@ function drawPool(page) {
   ].join("");
   $("nodes").innerHTML = page.nodes.map((node) => `
     <div class="node ${esc(node.state)}" data-node="${esc(node.name)}">
-      <h3><span>${esc(node.name)}</span><span>${esc(node.state)} · ${esc(ago(node.last_heartbeat_unix_ms))}</span></h3>
+      <h3><span>${esc(node.name)}</span><span>${esc(node.state)}${node.kubernetes_managed ? " · kubernetes" : ""} · ${esc(ago(node.last_heartbeat_unix_ms))}</span></h3>
       <div class="meta">${Object.entries(node.labels).map(([k, v]) => esc(k + "=" + v)).join(" ")}</div>
       ${node.gpus.map(drawGpu).join("")}
     </div>`).join("") || "<p>No node matches.</p>";

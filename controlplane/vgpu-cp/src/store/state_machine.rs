@@ -21,10 +21,12 @@ use tokio::sync::watch;
 
 /// Format 1: the applied state. Format 2: the same, then the revoked certificates. Format 3:
 /// format 2, then the node names bound to node keys. Format 4: format 3, then the placement
-/// engine's host state (nodes' CPU and host memory, tenants' constraints: issue 19). A snapshot
-/// is written in the lowest format that holds it (without revocations, bound names or host state:
-/// format 1), which members of earlier versions read too.
-const SNAPSHOT_FORMAT_VERSION: u32 = 4;
+/// engine's host state (nodes' CPU and host memory, tenants' constraints: issue 19). Format 5:
+/// format 4 with the host state's later fields (Kubernetes-managed nodes and pins: issue 18). A
+/// snapshot is written in the lowest format that holds it (without revocations, bound names or
+/// host state: format 1), which members of earlier versions read too.
+const SNAPSHOT_FORMAT_VERSION: u32 = 5;
+const SNAPSHOT_FORMAT_WITH_HOST_STATE: u32 = 4;
 const SNAPSHOT_FORMAT_WITH_NODE_KEYS: u32 = 3;
 const SNAPSHOT_FORMAT_WITH_REVOCATIONS: u32 = 2;
 const SNAPSHOT_FORMAT_WITHOUT_REVOCATIONS: u32 = 1;
@@ -92,9 +94,28 @@ struct SnapshotV3 {
 }
 
 /// Format 4: format 3's fields, then the placement engine's host state (`Engine::host_state`, not
-/// part of the engine's encoding).
+/// part of the engine's encoding) as it was first laid out.
 #[derive(Serialize, Deserialize)]
 struct SnapshotV4 {
+    format_version: u32,
+    meta: SnapshotMeta,
+    applied: Applied,
+    revoked: BTreeMap<String, i64>,
+    node_keys: BTreeMap<String, crate::pool::NodeKeyBinding>,
+    host_state: HostStateV4,
+}
+
+/// `placement::HostState` as format 4 lays it out: its first two fields.
+#[derive(Serialize, Deserialize)]
+struct HostStateV4 {
+    nodes: BTreeMap<String, placement::HostCapacity>,
+    tenants: BTreeMap<String, placement::Constraints>,
+}
+
+/// Format 5: format 4 with the whole host state (`placement::HostState`, with the
+/// Kubernetes-managed nodes and the pins).
+#[derive(Serialize, Deserialize)]
+struct SnapshotV5 {
     format_version: u32,
     meta: SnapshotMeta,
     applied: Applied,
@@ -152,19 +173,33 @@ impl StateMachineStore {
 
 /// Encodes a snapshot file: 8 bytes of checksum, then the bincode body (format 1 when nothing is
 /// revoked, no name is bound and no host state is kept, format 2 when only certificates are
-/// revoked, format 3 when names are bound too, else format 4).
+/// revoked, format 3 when names are bound too, format 4 with host capacities or constraints,
+/// format 5 with Kubernetes-managed nodes or pins).
 fn encode_snapshot(file: &SnapshotFile) -> Vec<u8> {
     let revoked = &file.applied.pool.revoked;
     let node_keys = &file.applied.pool.node_keys;
     let host_state = file.applied.pool.engine.host_state();
-    let body = if host_state != placement::HostState::default() {
-        encode(&SnapshotV4 {
+    let kubernetes = !host_state.kubernetes_nodes.is_empty() || !host_state.pins.is_empty();
+    let body = if kubernetes {
+        encode(&SnapshotV5 {
             format_version: SNAPSHOT_FORMAT_VERSION,
             meta: file.meta.clone(),
             applied: file.applied.clone(),
             revoked: revoked.clone(),
             node_keys: node_keys.clone(),
             host_state,
+        })
+    } else if host_state != placement::HostState::default() {
+        encode(&SnapshotV4 {
+            format_version: SNAPSHOT_FORMAT_WITH_HOST_STATE,
+            meta: file.meta.clone(),
+            applied: file.applied.clone(),
+            revoked: revoked.clone(),
+            node_keys: node_keys.clone(),
+            host_state: HostStateV4 {
+                nodes: host_state.nodes,
+                tenants: host_state.tenants,
+            },
         })
     } else if !node_keys.is_empty() {
         encode(&SnapshotV3 {
@@ -245,21 +280,19 @@ fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotFile, StorageError> {
                 applied,
             }
         }
-        SNAPSHOT_FORMAT_VERSION => {
+        SNAPSHOT_FORMAT_WITH_HOST_STATE => {
             let v4: SnapshotV4 = decode(body).map_err(undecodable)?;
-            if !host_state_fits(&v4.applied.pool.engine, &v4.host_state) {
-                return Err(corrupt(
-                    "the snapshot's host state names nodes or tenants its pool does not have: the file is corrupt".to_owned(),
-                ));
-            }
-            let mut applied = v4.applied;
-            applied.pool.revoked = v4.revoked;
-            applied.pool.node_keys = v4.node_keys;
-            applied.pool.engine.restore_host_state(v4.host_state);
-            SnapshotFile {
-                meta: v4.meta,
-                applied,
-            }
+            let host_state = placement::HostState {
+                nodes: v4.host_state.nodes,
+                tenants: v4.host_state.tenants,
+                ..placement::HostState::default()
+            };
+            restored(v4.meta, v4.applied, v4.revoked, v4.node_keys, host_state).map_err(corrupt)?
+        }
+        SNAPSHOT_FORMAT_VERSION => {
+            let v5: SnapshotV5 = decode(body).map_err(undecodable)?;
+            restored(v5.meta, v5.applied, v5.revoked, v5.node_keys, v5.host_state)
+                .map_err(corrupt)?
         }
         other => {
             return Err(corrupt(format!(
@@ -274,8 +307,26 @@ fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotFile, StorageError> {
     Ok(file)
 }
 
+/// A snapshot of format 4 or 5 with what the pool's encoding leaves out put back; `Err` when the
+/// host state does not fit the pool (a damaged file), so it is refused rather than panicking.
+fn restored(
+    meta: SnapshotMeta,
+    mut applied: Applied,
+    revoked: BTreeMap<String, i64>,
+    node_keys: BTreeMap<String, crate::pool::NodeKeyBinding>,
+    host_state: placement::HostState,
+) -> Result<SnapshotFile, String> {
+    if !host_state_fits(&applied.pool.engine, &host_state) {
+        return Err("the snapshot's host state names nodes or tenants its pool does not have: the file is corrupt".to_owned());
+    }
+    applied.pool.revoked = revoked;
+    applied.pool.node_keys = node_keys;
+    applied.pool.engine.restore_host_state(host_state);
+    Ok(SnapshotFile { meta, applied })
+}
+
 /// The pool as the etcd store (issue 20; not used yet) will snapshot it: this store's encoding
-/// (checksum, formats 1 to 4, the checks on decoding) with `last_applied` at the etcd log's
+/// (checksum, formats 1 to 5, the checks on decoding) with `last_applied` at the etcd log's
 /// sequence number `seq` and no Raft membership, so one encoding and its checks serve both.
 pub fn encode_pool_snapshot(seq: u64, pool: &PoolState) -> Vec<u8> {
     assert!(seq >= 1, "a snapshot covers at least entry 1");
@@ -315,10 +366,12 @@ fn host_state_fits(engine: &placement::Engine, host_state: &placement::HostState
     host_state
         .nodes
         .keys()
+        .chain(&host_state.kubernetes_nodes)
         .all(|node| engine.node(node).is_some())
         && host_state
             .tenants
             .keys()
+            .chain(host_state.pins.keys())
             .all(|tenant| engine.constraints(tenant).is_some())
 }
 
@@ -630,6 +683,80 @@ mod tests {
         assert!(pending.reason.contains("CPU"), "{}", pending.reason);
         // Without host state the formats earlier members read are kept.
         assert_eq!(version(&encode_snapshot(&file(&[]))), 1);
+    }
+
+    /// Issue 18: Kubernetes-managed nodes and pins survive a snapshot (format 5), the restored
+    /// pool keeps the pinned tenant bound, and a pool without them keeps format 4 and below.
+    #[test]
+    fn kubernetes_nodes_and_pins_travel_in_format_5() {
+        use crate::pool::{Command, CommandResult};
+        use api::v1;
+        use prost::Message;
+        let spec = placement::NodeSpec {
+            name: "node-k".into(),
+            labels: BTreeMap::new(),
+            gpus: vec![placement::GpuSpec {
+                uuid: "GPU-0".into(),
+                index: 0,
+                model: "H100-80GB".into(),
+                memory_bytes: 80 << 30,
+                sm_count: 132,
+                nvlink_peers: BTreeMap::new(),
+                numa_node: 0,
+                pci_bus_id: String::new(),
+                nearest_nics: Vec::new(),
+            }],
+        };
+        let mut written = file(&[]);
+        let registered = written.applied.pool.apply(
+            1,
+            Command::RegisterKubernetesNode {
+                spec,
+                host: placement::HostCapacity::default(),
+                address: String::new(),
+                key_sha256: None,
+                unix_ms: 0,
+            },
+        );
+        assert_eq!(registered, CommandResult::Done);
+        let request = v1::PlacementRequest {
+            milli_gpus: 250,
+            owner: "k8s:ml/train".into(),
+            pin: Some(v1::Pin {
+                node: "node-k".into(),
+                gpus: vec![v1::PinnedGpu {
+                    uuid: "GPU-0".into(),
+                    compute_percent: 25,
+                    memory_bytes: 20 << 30,
+                }],
+            }),
+            ..Default::default()
+        };
+        let placed = written.applied.pool.apply(
+            2,
+            Command::PlacePinned {
+                name: "train-3f2a9c1e".into(),
+                request: request.encode_to_vec(),
+                unix_ms: 0,
+            },
+        );
+        assert!(matches!(placed, CommandResult::Tenant(_)), "{placed:?}");
+        let bytes = encode_snapshot(&written);
+        assert_eq!(version(&bytes), SNAPSHOT_FORMAT_VERSION);
+        let read = decode_snapshot(&bytes).unwrap();
+        let engine = &read.applied.pool.engine;
+        assert_eq!(
+            engine.host_state(),
+            written.applied.pool.engine.host_state()
+        );
+        assert!(engine.node("node-k").unwrap().kubernetes_managed);
+        assert_eq!(
+            engine.pin("train-3f2a9c1e"),
+            Some(&crate::pool::pin_of(request.pin.as_ref().unwrap()))
+        );
+        engine.check_invariants();
+        // Pair check: what decodes encodes to the same bytes.
+        assert_eq!(encode_snapshot(&read), bytes);
     }
 
     #[test]
