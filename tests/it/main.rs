@@ -16,3 +16,4 @@ mod t60_usage;
 mod t70_fleet;
 mod t80_nccl_env;
 mod t85_tenant_settings;
+mod t90_kubernetes;

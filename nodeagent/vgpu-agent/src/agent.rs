@@ -103,6 +103,9 @@ pub struct JoinConfig {
     pub security: crate::bootstrap::Security,
     /// Concurrent sharing: the node's MPS daemon ([`crate::mps`]); `None`: time slicing only.
     pub mps: Option<crate::mps::MpsConfig>,
+    /// Registers the node as Kubernetes-managed (issue 18): the control plane then places no
+    /// tenant here itself; only tenants pinned by the DRA driver hold its slices.
+    pub kubernetes_managed: bool,
 }
 
 /// Retry and timeout settings.
@@ -221,7 +224,10 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
         Ok(())
     })?;
     let agent = Agent {
-        node: inventory.to_proto(&config.address, &config.labels),
+        node: api::v1::Node {
+            kubernetes_managed: config.kubernetes_managed,
+            ..inventory.to_proto(&config.address, &config.labels)
+        },
         node_key,
         endpoints,
         timings: config.timings,

@@ -49,6 +49,8 @@ pub struct Settings {
     pub mps: Option<bool>,
     pub mps_tenants: Option<crate::mps::MpsTenants>,
     pub mps_control: Option<PathBuf>,
+    /// The kube-scheduler allocates this node's GPUs through DRA (issue 18).
+    pub kubernetes_managed: Option<bool>,
     pub insecure: Option<bool>,
     pub tls_ca_cert: Option<PathBuf>,
     pub tls_cert: Option<PathBuf>,
@@ -189,6 +191,14 @@ const MPS_CONTROL: KeyDoc = KeyDoc {
     default: "nvidia-cuda-mps-control (from PATH)",
     example: "\"/usr/bin/nvidia-cuda-mps-control\"",
 };
+const KUBERNETES_MANAGED: KeyDoc = KeyDoc {
+    key: "kubernetes_managed",
+    env: "VGPU_AGENT_KUBERNETES_MANAGED",
+    env_aliases: &[],
+    flag: Some("--kubernetes-managed"),
+    default: "false",
+    example: "false",
+};
 const INSECURE: KeyDoc = KeyDoc {
     key: "insecure",
     env: "VGPU_AGENT_INSECURE",
@@ -259,6 +269,7 @@ pub const KEYS: &[KeyDoc] = &[
     MPS,
     MPS_TENANTS,
     MPS_CONTROL,
+    KUBERNETES_MANAGED,
     INSECURE,
     TLS_CA_CERT,
     TLS_CERT,
@@ -338,6 +349,7 @@ impl Settings {
             mps: common::from_env(env, &MPS, common::parse_bool)?,
             mps_tenants: common::from_env(env, &MPS_TENANTS, crate::mps::MpsTenants::parse)?,
             mps_control: path(&MPS_CONTROL)?,
+            kubernetes_managed: common::from_env(env, &KUBERNETES_MANAGED, common::parse_bool)?,
             insecure: common::from_env(env, &INSECURE, common::parse_bool)?,
             tls_ca_cert: path(&TLS_CA_CERT)?,
             tls_cert: path(&TLS_CERT)?,
@@ -460,6 +472,7 @@ impl Settings {
         });
         Ok(JoinConfig {
             mps,
+            kubernetes_managed: self.kubernetes_managed.unwrap_or(false),
             security,
             control_plane,
             source,
@@ -504,6 +517,7 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         mps: higher.mps.or(lower.mps),
         mps_tenants: higher.mps_tenants.or(lower.mps_tenants),
         mps_control: higher.mps_control.or(lower.mps_control),
+        kubernetes_managed: higher.kubernetes_managed.or(lower.kubernetes_managed),
         insecure: higher.insecure.or(lower.insecure),
         tls_ca_cert: higher.tls_ca_cert.or(lower.tls_ca_cert),
         tls_cert: higher.tls_cert.or(lower.tls_cert),

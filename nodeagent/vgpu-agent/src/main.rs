@@ -157,6 +157,11 @@ struct JoinArgs {
     /// [config: mps_tenants].
     #[arg(long, value_name = "WHICH", value_parser = vgpu_agent::mps::MpsTenants::parse)]
     mps_tenants: Option<vgpu_agent::mps::MpsTenants>,
+    /// The kube-scheduler allocates this node's GPUs through the DRA driver `vgpu.dev`: the
+    /// control plane places no tenant here itself, only the claims' pinned tenants
+    /// (docs/kubernetes.md) [config: kubernetes_managed].
+    #[arg(long)]
+    kubernetes_managed: bool,
     #[command(flatten)]
     security: SecurityArgs,
     #[command(flatten)]
@@ -206,6 +211,7 @@ impl JoinArgs {
             reserved_host_memory: self.reserved_host_memory,
             mps: self.mps.then_some(true),
             mps_tenants: self.mps_tenants,
+            kubernetes_managed: self.kubernetes_managed.then_some(true),
             cdi_dir: self.cdi_dir,
             insecure: self.security.insecure.then_some(true),
             tls_ca_cert: self.security.tls_ca_cert,

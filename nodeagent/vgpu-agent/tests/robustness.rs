@@ -276,6 +276,7 @@ fn config(control_plane: String, state_dir: &Path) -> JoinConfig {
         nic_bytes_per_second: 12_500_000_000,
         host_reserve: Default::default(),
         cdi: None,
+        kubernetes_managed: false,
         mps: None,
         security: vgpu_agent::bootstrap::Security {
             insecure: true,
