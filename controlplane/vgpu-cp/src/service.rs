@@ -571,7 +571,8 @@ impl v1::pool_server::Pool for Service {
 
 impl Service {
     /// `Pool.Place` of a request with a pin on `node` (issue 18): only that node's agent
-    /// certificate may ask (`Guard::pin`), for a tenant named after the claim its owner names
+    /// certificate may ask (`Guard::pin`), with the node's key where its name is bound to one
+    /// (`vgpu-node-key` metadata, as for beats), for a tenant named after the claim its owner names
     /// (`api::validate::admit_claim_tenant`), within the request bounds
     /// (`api::validate::admit_request`). Proposed as `Command::PlacePinned`; the engine binds the
     /// pin or refuses it, and the same request again is answered with the tenant (the driver
@@ -582,6 +583,11 @@ impl Service {
         node: &str,
     ) -> Result<Response<v1::PlaceResponse>, Status> {
         self.guard.pin(&request, node)?;
+        // A node name bound to a node key (issue 22) takes pins only from the agent holding
+        // that key, as it takes beats and watches: a second machine with the same name and a
+        // certificate of its own (a clone) must not place on the first one's GPUs.
+        let claim = NodeClaim::of(&request, false)?;
+        self.check_node_claim(node, &claim).await?;
         let request = request.into_inner();
         api::names::validate("tenant", &request.name).map_err(invalid)?;
         let placement = request
@@ -612,6 +618,8 @@ impl Service {
     ) -> Result<Response<v1::ReleaseResponse>, Status> {
         let peer = self.guard.caller(&request)?;
         assert_eq!(peer.role, api::tls::Role::Agent, "only agents come here");
+        let claim = NodeClaim::of(&request, false)?;
+        self.check_node_claim(&peer.name, &claim).await?;
         let name = request.into_inner().name;
         api::names::validate("tenant", &name).map_err(invalid)?;
         // Up to date, so that the pin checked is the one the release would meet.

@@ -368,3 +368,38 @@ async fn a_kubernetes_managed_node_takes_pins_and_no_other_tenant() {
         "{status:?}"
     );
 }
+
+/// Issue 18 with issue 22's node identity: the name of a Kubernetes-managed node registered with
+/// a node key takes pins only with that key (a clone with the same name and its own certificate
+/// cannot place on its GPUs); with the key, the pin binds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pin_needs_the_key_that_holds_the_node_name() {
+    let member = member().await;
+    let (key, other) = ("ab".repeat(32), "cd".repeat(32));
+    let mut node = inventory("gpu-k");
+    node.kubernetes_managed = true;
+    let request = v1::RegisterRequest { node: Some(node) };
+    member
+        .service
+        .register(with_claim(request, Some(&key), None))
+        .await
+        .unwrap();
+    let pin = |key: Option<&str>| {
+        let request = v1::PlaceRequest {
+            name: "train-3f2a9c1e".to_owned(),
+            request: Some(pinned("gpu-k")),
+        };
+        with_claim(request, key, None)
+    };
+    for wrong in [None, Some(other.as_str())] {
+        let status = member.service.place(pin(wrong)).await.unwrap_err();
+        assert_eq!(
+            ErrorCode::of(&status),
+            Some(ErrorCode::NodeNameTaken),
+            "{wrong:?}: {status:?}"
+        );
+    }
+    let placed = member.service.place(pin(Some(&key))).await.unwrap();
+    let tenant = placed.into_inner().tenant.unwrap();
+    assert_eq!(tenant.state, v1::TenantState::Placed as i32);
+}
