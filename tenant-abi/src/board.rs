@@ -277,6 +277,14 @@ impl Region {
         })
     }
 
+    /// The names of the tenants the board describes.
+    pub fn tenant_names(&self) -> Vec<String> {
+        (0..TENANTS)
+            .filter(|&i| self.tenants[i].present.load(SeqCst) == 1)
+            .map(|i| self.name_of(i))
+            .collect()
+    }
+
     fn name_of(&self, index: usize) -> String {
         let bytes: Vec<u8> = self.tenants[index]
             .name

@@ -116,9 +116,9 @@ pub fn write_board(
     let region = mapping.region();
     checked(path, region.is_initialised(), region.check_layout())?;
     region.set_capacity(capacity_bytes);
-    for holder in region.holders() {
-        if !specs.iter().any(|spec| spec.name == holder.name) {
-            region.remove_tenant(&holder.name);
+    for name in region.tenant_names() {
+        if !specs.iter().any(|spec| spec.name == name) {
+            region.remove_tenant(&name);
         }
     }
     for spec in specs {

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::{EtcdConfig, EtcdLog, TlsPem};
+use crate::{Entry, EtcdConfig, EtcdLog, TlsPem};
 use tokio::time::Instant;
 
 /// How long a member (or, for 3, a quorum) has to answer after it starts.
@@ -250,4 +250,20 @@ pub fn free_ports(count: usize) -> Vec<u16> {
         .iter()
         .map(|listener| listener.local_addr().expect("a bound address").port())
         .collect()
+}
+
+/// Every entry of `log` from 1, read in batches until one comes back empty, and the head's
+/// sequence number that empty batch saw.
+pub async fn read_whole_log(log: &EtcdLog) -> (Vec<Entry>, u64) {
+    let mut entries = Vec::new();
+    loop {
+        let batch = log
+            .read_from(entries.len() as u64 + 1, 64)
+            .await
+            .expect("read");
+        if batch.entries.is_empty() {
+            return (entries, batch.head.seq);
+        }
+        entries.extend(batch.entries);
+    }
 }

@@ -172,14 +172,23 @@ pub unsafe fn alloc(
     Some(CUDA_SUCCESS)
 }
 
-/// The size a VMM-backed allocation at `address` takes on the device, if it is one.
+/// The size a VMM-backed allocation at `address` takes on the device, if it is one. Without
+/// `VGPU_MEMORY_VMM` there are none, and no table is looked at.
 pub fn size_of(address: CUdeviceptr) -> Option<u64> {
+    if !enabled() {
+        return None;
+    }
     backed().get(&address).map(|b| b.size as u64)
 }
 
 /// Frees `address` if it is a VMM-backed allocation: unmaps it, releases its memory and its
 /// range. `None` when it is not one of ours (the caller calls the real `cuMemFree_v2`).
 pub fn free(driver: &Driver, address: CUdeviceptr) -> Option<CUresult> {
+    // Every `cuMemFree_v2` passes here: without `VGPU_MEMORY_VMM` nothing is VMM-backed, so no
+    // lock is taken.
+    if !enabled() {
+        return None;
+    }
     let found = backed().remove(&address)?;
     let Some(vmm) = Vmm::of(driver) else {
         // Only allocated when every function was there.

@@ -95,18 +95,8 @@ async fn concurrent_appenders_never_fork() {
     }
 
     let reader = etcd.claimed_log("/fork/", "c").await;
-    let mut log = Vec::new();
-    loop {
-        let batch = reader
-            .read_from(log.len() as u64 + 1, 64)
-            .await
-            .expect("read");
-        if batch.entries.is_empty() {
-            assert_eq!(batch.head.seq, log.len() as u64);
-            break;
-        }
-        log.extend(batch.entries);
-    }
+    let (log, head) = etcd_store::testing::read_whole_log(&reader).await;
+    assert_eq!(head, log.len() as u64);
     // Dense from 1, and each writer's acknowledged numbers hold exactly what it wrote.
     for (index, entry) in log.iter().enumerate() {
         assert_eq!(entry.seq, index as u64 + 1);

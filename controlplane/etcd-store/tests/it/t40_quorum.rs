@@ -132,17 +132,7 @@ async fn appends_while_etcd_members_die_and_return_never_fork_or_duplicate() {
     }
 
     let reader = etcd.claimed_log("/churn/", "c").await;
-    let mut log = Vec::new();
-    loop {
-        let batch = reader
-            .read_from(log.len() as u64 + 1, 64)
-            .await
-            .expect("read");
-        if batch.entries.is_empty() {
-            break;
-        }
-        log.extend(batch.entries);
-    }
+    let (log, _) = etcd_store::testing::read_whole_log(&reader).await;
     for (index, entry) in log.iter().enumerate() {
         assert_eq!(entry.seq, index as u64 + 1, "the log is dense");
     }

@@ -616,15 +616,12 @@ mod tests {
 
     /// Issue 19: nodes' host capacity and tenants' constraints survive a snapshot (format 4),
     /// and the restored engine decides like the one that wrote it.
-    #[test]
-    fn host_state_travels_in_format_4() {
-        use crate::pool::{Command, CommandResult};
-        use api::v1;
-        use prost::Message;
-        let spec = placement::NodeSpec {
-            name: "node-a".into(),
+    /// A node `name` with `gpus` H100s, `GPU-0`, `GPU-1`, ...
+    fn h100_node(name: &str, gpus: u32) -> placement::NodeSpec {
+        placement::NodeSpec {
+            name: name.into(),
             labels: BTreeMap::new(),
-            gpus: (0..2)
+            gpus: (0..gpus)
                 .map(|index| placement::GpuSpec {
                     uuid: format!("GPU-{index}"),
                     index,
@@ -637,7 +634,15 @@ mod tests {
                     nearest_nics: Vec::new(),
                 })
                 .collect(),
-        };
+        }
+    }
+
+    #[test]
+    fn host_state_travels_in_format_4() {
+        use crate::pool::{Command, CommandResult};
+        use api::v1;
+        use prost::Message;
+        let spec = h100_node("node-a", 2);
         let mut written = file(&[]);
         let registered = written.applied.pool.apply(
             1,
@@ -692,21 +697,7 @@ mod tests {
         use crate::pool::{Command, CommandResult};
         use api::v1;
         use prost::Message;
-        let spec = placement::NodeSpec {
-            name: "node-k".into(),
-            labels: BTreeMap::new(),
-            gpus: vec![placement::GpuSpec {
-                uuid: "GPU-0".into(),
-                index: 0,
-                model: "H100-80GB".into(),
-                memory_bytes: 80 << 30,
-                sm_count: 132,
-                nvlink_peers: BTreeMap::new(),
-                numa_node: 0,
-                pci_bus_id: String::new(),
-                nearest_nics: Vec::new(),
-            }],
-        };
+        let spec = h100_node("node-k", 1);
         let mut written = file(&[]);
         let registered = written.applied.pool.apply(
             1,
