@@ -138,6 +138,9 @@ pub struct Controller {
     free_worse: bool,
     /// Whether the top is held for lack of a target (`Reason::NoTarget`).
     holding_for_target: bool,
+    /// Whether level 0 failed in the last episode (over budget or starving there): a resumed
+    /// episode then finds its way down by the usual relaxation, without trying level 0 first.
+    floor_failed_last: bool,
 }
 
 impl Controller {
@@ -170,6 +173,7 @@ impl Controller {
             free_sampling: false,
             free_worse: false,
             holding_for_target: false,
+            floor_failed_last: false,
         }
     }
 
@@ -214,6 +218,7 @@ impl Controller {
                     // Nobody left to resume for: a new tenant starts from its own baseline.
                     let reason = self.release();
                     self.resume_level = None;
+                    self.floor_failed_last = false;
                     reason
                 } else {
                     None
@@ -392,6 +397,9 @@ impl Controller {
 
     /// One judged window beside active neighbours: step up, probe, relax or stay.
     fn adapt(&mut self, judged: &[(String, Judgement)]) -> Option<Reason> {
+        if self.level == 0 {
+            self.free_probed = true;
+        }
         let worst = judged.iter().map(|(_, j)| j.excess_buckets).max();
         let worst = worst.expect("judged windows");
         self.learn_lever(worst);
@@ -400,9 +408,7 @@ impl Controller {
         self.level_steps = self
             .level_steps
             .saturating_add(judged.iter().map(|(_, j)| j.steps).sum());
-        if self.level == 0 {
-            self.free_probed = true;
-        } else if self.no_better_than_free(judged) {
+        if self.level != 0 && self.no_better_than_free(judged) {
             let level = self.level;
             for dominated in &mut self.dominated[1..=level] {
                 *dominated = true;
@@ -692,6 +698,8 @@ impl Controller {
     /// `resume_level`); the relaxation takes it down from there if this pair needs less.
     fn resume(&mut self, level: usize) -> Option<Reason> {
         let before = self.decision();
+        // Level 0 failed beside the last episode's neighbours: not tried first again.
+        self.free_probed = std::mem::take(&mut self.floor_failed_last);
         let level = self.enabled_at_or_above(level.max(1));
         self.set_level(level);
         (self.decision() != before).then_some(Reason::Resumed)
@@ -717,6 +725,8 @@ impl Controller {
             // ended unrestricted.
             self.resume_level =
                 (self.level != 0).then(|| self.known_good.unwrap_or(self.level).min(self.level));
+            self.floor_failed_last =
+                self.level != 0 && (self.free_worse || self.failures[0].repeats > 0);
         }
         self.levers = [LeverState::Untried; LEVERS];
         self.failures.fill(Failure::default());
@@ -844,6 +854,7 @@ impl Controller {
             self.free_probe_from = None;
             self.free_sampling = false;
         }
+
         self.level = level;
         self.level_violations = 0;
         self.level_steps = 0;

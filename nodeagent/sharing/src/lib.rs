@@ -116,7 +116,10 @@
 //!   moment the target is learnt: many pairs need no restriction at all (an H100 run: bert next
 //!   to a training loop at 1.11x alone unrestricted, while the ladder's relaxation held Pause
 //!   and the guards and left the trainer 9-23% of its speed). Over budget at 0, the level the
-//!   probe came from returns at once (not a climb through every level below it).
+//!   probe came from returns at once (not a climb through every level below it). An episode
+//!   that resumes after one whose level 0 failed does not try it first (most likely the same
+//!   pair: a decoder beside GEMMs paid a starving step for it at every burst); its relaxation
+//!   still halves its way down to 0.
 //! - *Dominance.* Once a tenant has `FLOOR_RELAX_WAITS` relaxation waits of steps (200 at 1%)
 //!   both at the current level and at 0, the level is kept only if it is measurably better for
 //!   some tenant: a p99 `LEVER_IMPROVEMENT_BUCKETS` lower, or a share of steps over the target
