@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod network;
 pub mod pool;
 pub mod raft_types;
+pub mod replication;
 pub mod runtime;
 pub mod security;
 pub mod service;
@@ -241,22 +242,17 @@ impl Started {
         }
         tracing::info!("shutting down");
         systemd::notify("STOPPING=1").ok();
-        self.control_plane.raft.shutdown().await.ok();
+        self.control_plane.replication.shutdown().await;
         Ok(())
     }
 
     /// Waits until the member's Raft core stops for good, and says why
     /// ([`ControlPlane::health`]).
     pub async fn core_stopped(&self) -> String {
-        let mut metrics = self.control_plane.raft.metrics();
-        loop {
-            if let Err(problem) = self.control_plane.health() {
-                return problem;
-            }
-            if metrics.changed().await.is_err() {
-                return format!("the Raft core of member {} stopped", self.control_plane.id);
-            }
-        }
+        self.control_plane
+            .replication
+            .stopped(self.control_plane.id)
+            .await
     }
 }
 
@@ -378,7 +374,7 @@ pub async fn start(config: Config) -> Result<Started, Error> {
     let control_plane = Arc::new(ControlPlane::new(
         config.id,
         cluster_id,
-        raft,
+        replication::Replication::Raft(replication::RaftReplication::new(config.id, raft.clone())),
         shared,
         config.timings.clone(),
         transport.clone(),
@@ -403,8 +399,7 @@ pub async fn start(config: Config) -> Result<Started, Error> {
 
     match &config.mode {
         Mode::Bootstrap => {
-            let initialized = control_plane
-                .raft
+            let initialized = raft
                 .is_initialized()
                 .await
                 .map_err(|e| Error::RaftStart(e.to_string()))?;
@@ -413,17 +408,14 @@ pub async fn start(config: Config) -> Result<Started, Error> {
                     config.id,
                     openraft::BasicNode::new(&config.advertise),
                 )]);
-                control_plane
-                    .raft
-                    .initialize(members)
+                raft.initialize(members)
                     .await
                     .map_err(|e| Error::RaftStart(e.to_string()))?;
                 tracing::info!("initialised a new one-voter cluster");
             }
         }
         Mode::Join { peers } => {
-            let initialized = control_plane
-                .raft
+            let initialized = raft
                 .is_initialized()
                 .await
                 .map_err(|e| Error::RaftStart(e.to_string()))?;
@@ -614,13 +606,13 @@ fn metrics_answer(
         )
             .into_response();
     }
-    let metrics = control_plane.raft.metrics().borrow().clone();
+    let replication = control_plane.replication.facts();
     let facts = metrics::RaftFacts {
         id: control_plane.id,
-        term: metrics.current_term,
-        leader: metrics.current_leader,
-        last_log_index: metrics.last_log_index.unwrap_or(0),
-        last_applied: metrics.last_applied.map_or(0, |id| id.index),
+        term: replication.term,
+        leader: (replication.leader != 0).then_some(replication.leader),
+        last_log_index: replication.last_log_index,
+        last_applied: replication.last_applied,
         storage_failure: control_plane.health().err(),
     };
     let mut text = control_plane.metrics.render(&facts, &control_plane.shared);

@@ -37,7 +37,8 @@ async fn member() -> Member {
     let started = crate::start(config).await.unwrap();
     started
         .control_plane
-        .raft
+        .raft()
+        .expect("the Raft store")
         .wait(Some(ELECTION_TIME_MAX))
         .current_leader(1, "the member elects itself")
         .await
