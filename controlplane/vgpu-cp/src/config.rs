@@ -427,6 +427,7 @@ impl Settings {
                 snapshot_keep_logs: self.snapshot_keep_logs.unwrap_or(1000),
             },
             security,
+            etcd: None,
         };
         debug_assert!(config.raft.election_timeout_max_ms > config.raft.election_timeout_min_ms);
         Ok(config)

@@ -36,6 +36,7 @@ async fn member_under_mtls(
         data_dir: directory.join("data"),
         timings,
         raft: RaftTimings::default(),
+        etcd: None,
         security: Security {
             insecure: false,
             tls: Some(TlsFiles {

@@ -2,7 +2,8 @@
 //! the applied state, and the paths every API call takes.
 //!
 //! - Writes: through this member's batcher if it leads, otherwise forwarded to the leader over
-//!   the internal `Raft.Forward` call; retried (bounded) while an election is under way.
+//!   the internal `Raft.Forward` call; retried (bounded) while an election is under way. On
+//!   etcd a member that knows no reachable leader appends itself.
 //! - Linearizable reads: the leader confirms its leadership (`ensure_linearizable`); a follower
 //!   asks the leader for its read index, waits until it has applied that far, then reads locally
 //!   (the ReadIndex protocol).
@@ -403,6 +404,14 @@ impl ControlPlane {
                         Some(ForwardResponse::Write(result)) => Ok(Some(result)),
                         Some(other) => Err(ErrorCode::Internal
                             .status(format!("unexpected forward answer {other:?}"))),
+                        // On etcd any member may append: a leader that cannot be reached (it
+                        // died, its lease has not expired yet) does not hold the write up.
+                        None if matches!(self.replication, Replication::Etcd(_)) => {
+                            match self.write_local(command.clone()).await? {
+                                Ok(result) => Ok(Some(result)),
+                                Err(_) => Ok(None),
+                            }
+                        }
                         None => Ok(None),
                     }
                 }
@@ -427,6 +436,7 @@ impl ControlPlane {
     pub async fn linearize(&self) -> Result<(), Status> {
         match &self.replication {
             Replication::Raft(replication) => self.linearize_raft(&replication.raft).await,
+            Replication::Etcd(etcd) => etcd.linearize().await,
         }
     }
 
@@ -722,7 +732,13 @@ impl ControlPlane {
             leader: leadership.leader,
             command: Box::new(command),
         };
-        match self.write_local(fenced).await {
+        let proposed = match &self.replication {
+            Replication::Raft(_) => self.write_local(fenced).await,
+            // Appended with `append_fenced` on this leadership, never through the batcher: etcd
+            // commits it only while the leadership lasts.
+            Replication::Etcd(etcd) => etcd.propose_decision(leadership, fenced).await,
+        };
+        match proposed {
             Ok(Ok(CommandResult::Failed { message, .. })) => Err(message),
             Ok(Ok(_)) => Ok(()),
             Ok(Err(_)) => Err("this member no longer leads; the new leader decides".to_owned()),

@@ -8,6 +8,8 @@
 //!
 //! - `Raft`: openraft with the redb log (`crate::store`); the batcher proposes with
 //!   `client_write`, and a member that does not lead answers with the leader to forward to.
+//! - `Etcd`: the log, snapshots and election in an etcd cluster (`crate::etcd_replication`);
+//!   any member may append, so a member that knows no leader writes itself.
 
 use crate::control_plane::{BatchItem, LocalWrite};
 use crate::pool::{Command, CommandResult};
@@ -21,14 +23,16 @@ use std::time::{Duration, Instant};
 use tonic::Status;
 
 /// Batches proposed to the log at the same time.
-const BATCHES_IN_FLIGHT_MAX: usize = 4;
+pub(crate) const BATCHES_IN_FLIGHT_MAX: usize = 4;
 /// Writes waiting for the batcher before callers wait for room.
-const BATCH_QUEUE_MAX: usize = 8192;
+pub(crate) const BATCH_QUEUE_MAX: usize = 8192;
 
 /// Where this member's replicated state lives.
 pub enum Replication {
     /// The built-in store: openraft over the members' own redb logs.
     Raft(RaftReplication),
+    /// An etcd cluster the operator runs (issue 20).
+    Etcd(crate::etcd_replication::EtcdReplication),
 }
 
 /// What the cluster status and `/metrics` show of the replication, on either store.
@@ -58,12 +62,14 @@ impl Replication {
     pub fn health(&self) -> Result<(), String> {
         match self {
             Replication::Raft(raft) => raft.health(),
+            Replication::Etcd(etcd) => etcd.health(),
         }
     }
 
     pub fn is_leader(&self) -> bool {
         match self {
             Replication::Raft(raft) => raft.is_leader(),
+            Replication::Etcd(etcd) => etcd.is_leader(),
         }
     }
 
@@ -71,6 +77,7 @@ impl Replication {
     pub fn leadership(&self) -> Option<crate::leader::Leadership> {
         match self {
             Replication::Raft(raft) => raft.leadership(),
+            Replication::Etcd(etcd) => etcd.leadership(),
         }
     }
 
@@ -78,6 +85,7 @@ impl Replication {
     pub fn other_leader_node(&self) -> Option<BasicNode> {
         match self {
             Replication::Raft(raft) => raft.other_leader_node(),
+            Replication::Etcd(etcd) => etcd.other_leader_node(),
         }
     }
 
@@ -85,6 +93,7 @@ impl Replication {
     pub fn leader_node(&self) -> Option<BasicNode> {
         match self {
             Replication::Raft(raft) => raft.leader_node(),
+            Replication::Etcd(etcd) => etcd.leader_node(),
         }
     }
 
@@ -93,6 +102,7 @@ impl Replication {
     pub async fn submit(&self, command: Command, size: usize) -> LocalWrite {
         let batcher = match self {
             Replication::Raft(raft) => &raft.batcher,
+            Replication::Etcd(etcd) => etcd.batcher(),
         };
         let (done, wait) = tokio::sync::oneshot::channel();
         batcher
@@ -112,6 +122,7 @@ impl Replication {
     ) -> Result<bool, Status> {
         match self {
             Replication::Raft(raft) => raft.add_member_local(id, address, request_deadline).await,
+            Replication::Etcd(_) => Err(etcd_membership()),
         }
     }
 
@@ -119,6 +130,7 @@ impl Replication {
     pub async fn remove_member_local(&self, id: NodeId) -> Result<bool, Status> {
         match self {
             Replication::Raft(raft) => raft.remove_member_local(id).await,
+            Replication::Etcd(_) => Err(etcd_membership()),
         }
     }
 
@@ -127,6 +139,7 @@ impl Replication {
     pub fn facts(&self) -> ReplicationFacts {
         match self {
             Replication::Raft(raft) => raft.facts(),
+            Replication::Etcd(etcd) => etcd.facts(),
         }
     }
 
@@ -134,6 +147,7 @@ impl Replication {
     pub fn raft(&self) -> Option<&Raft> {
         match self {
             Replication::Raft(raft) => Some(&raft.raft),
+            Replication::Etcd(_) => None,
         }
     }
 
@@ -143,6 +157,7 @@ impl Replication {
             Replication::Raft(raft) => {
                 raft.raft.shutdown().await.ok();
             }
+            Replication::Etcd(etcd) => etcd.shutdown().await,
         }
     }
 
@@ -160,6 +175,7 @@ impl Replication {
                     }
                 }
             }
+            Replication::Etcd(etcd) => etcd.stopped().await,
         }
     }
 }
@@ -176,7 +192,7 @@ impl RaftReplication {
     /// Starts the batcher (a task) for `raft`, the member `id`'s Raft handle.
     pub fn new(id: NodeId, raft: Raft) -> RaftReplication {
         let (batcher, queue) = tokio::sync::mpsc::channel(BATCH_QUEUE_MAX);
-        tokio::spawn(run_batcher(raft.clone(), queue));
+        tokio::spawn(run_batcher(Proposer::Raft(raft.clone()), queue));
         RaftReplication { id, raft, batcher }
     }
 
@@ -363,7 +379,10 @@ impl RaftReplication {
 /// entry per client write caps throughput at one fsync per write. Batching what queued up while
 /// the previous entries were in flight turns that into one fsync per batch; a lone write is
 /// proposed on its own, so it waits for nothing.
-async fn run_batcher(raft: Raft, mut queue: tokio::sync::mpsc::Receiver<BatchItem>) {
+pub(crate) async fn run_batcher(
+    proposer: Proposer,
+    mut queue: tokio::sync::mpsc::Receiver<BatchItem>,
+) {
     let in_flight = Arc::new(tokio::sync::Semaphore::new(BATCHES_IN_FLIGHT_MAX));
     while let Some(first) = queue.recv().await {
         let permit = in_flight
@@ -389,9 +408,9 @@ async fn run_batcher(raft: Raft, mut queue: tokio::sync::mpsc::Receiver<BatchIte
             }
         }
         debug_assert!(items.len() == 1 || bytes <= crate::control_plane::ENTRY_BYTES_MAX);
-        let proposer = raft.clone();
+        let batch_proposer = proposer.clone();
         tokio::spawn(async move {
-            propose(&proposer, items).await;
+            batch_proposer.propose(items).await;
             drop(permit);
         });
         if let Some(item) = held {
@@ -400,13 +419,36 @@ async fn run_batcher(raft: Raft, mut queue: tokio::sync::mpsc::Receiver<BatchIte
                 .acquire_owned()
                 .await
                 .expect("the semaphore is never closed");
-            let raft = raft.clone();
+            let batch_proposer = proposer.clone();
             tokio::spawn(async move {
-                propose(&raft, vec![item]).await;
+                batch_proposer.propose(vec![item]).await;
                 drop(permit);
             });
         }
     }
+}
+
+/// What the batcher hands its batches to.
+#[derive(Clone)]
+pub(crate) enum Proposer {
+    Raft(Raft),
+    Etcd(crate::etcd_replication::EtcdProposer),
+}
+
+impl Proposer {
+    async fn propose(&self, items: Vec<BatchItem>) {
+        match self {
+            Proposer::Raft(raft) => propose(raft, items).await,
+            Proposer::Etcd(etcd) => etcd.propose(items).await,
+        }
+    }
+}
+
+/// Membership is not a Raft vote on etcd: members register under the prefix (not built yet).
+fn etcd_membership() -> Status {
+    ErrorCode::Membership.status(
+        "this cluster keeps its state in etcd: a member joins by starting with the same --etcd-endpoints and --etcd-prefix, and leaves by stopping; there is no Raft membership to change",
+    )
 }
 
 /// Proposes one batch and hands every caller its own result.

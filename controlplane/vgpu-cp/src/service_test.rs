@@ -29,6 +29,7 @@ async fn member() -> Member {
         data_dir: data.path().to_owned(),
         timings: Default::default(),
         raft: Default::default(),
+        etcd: None,
         security: crate::Security {
             insecure: true,
             ..Default::default()

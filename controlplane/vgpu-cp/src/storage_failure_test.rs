@@ -20,6 +20,7 @@ fn config(data_dir: &std::path::Path) -> Config {
         data_dir: data_dir.to_owned(),
         timings: Timings::default(),
         raft: RaftTimings::default(),
+        etcd: None,
         security: Security {
             insecure: true,
             ..Security::default()
