@@ -112,7 +112,8 @@ pub enum Error {
     CoreStopped { path: PathBuf, problem: String },
     #[error(transparent)]
     Tls(#[from] api::tls::TlsError),
-    #[error("the etcd store: {0}")]
+    /// etcd's own messages name the endpoints or prefix and say what to check.
+    #[error(transparent)]
     Etcd(#[from] etcd_store::Error),
     #[error(
         "cannot read the etcd {what} {path}: {source}; check --etcd-ca, --etcd-cert and --etcd-key"
