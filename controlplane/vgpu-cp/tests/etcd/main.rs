@@ -1,0 +1,364 @@
+//! vgpu-cp on the etcd store (issue 20), as operators run it: three `vgpu-cp` processes started
+//! with `--etcd-endpoints` against three real etcd members (`etcd_store::testing`), driven
+//! through the normal gRPC API. Skipped without `etcd` unless `VGPU_ETCD_REQUIRED` is set.
+//!
+//! Checked: placements acknowledged before and during a `kill -9` of the leading member are all
+//! there afterwards; another member takes the lead and runs the leader loop (heartbeats reach
+//! it through the `leader` key's address, so the beating node stays ready, and the node that
+//! stops beating is marked lost by it); a prefix of another cluster is refused.
+//!
+//! Every wait polls with a bound ([`WAIT`]); nothing sleeps to synchronise.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use api::v1;
+use etcd_store::testing::{EtcdCluster, free_ports};
+use tonic::transport::Channel;
+
+/// Bound on every wait: the leader's etcd lease is 5 s, so a failover takes at most about that.
+const WAIT: Duration = Duration::from_secs(40);
+/// How often the test's stand-in agents beat (the members are told to expect it).
+const BEAT_EVERY: Duration = Duration::from_millis(200);
+const PREFIX: &str = "/it-pool/";
+
+/// One `vgpu-cp` process, killed (SIGKILL) when dropped.
+struct Member {
+    id: u64,
+    address: String,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Member {
+    fn spawn(id: u64, port: u16, mode: &[&str], etcd: &EtcdCluster, dir: &Path) -> Member {
+        let address = format!("127.0.0.1:{port}");
+        let log = dir.join(format!("member-{id}.log"));
+        let data_dir = dir.join(format!("member-{id}"));
+        let mut command = Command::new(env!("CARGO_BIN_EXE_vgpu-cp"));
+        command
+            .args(mode)
+            .args(["--id", &id.to_string(), "--listen", &address, "--insecure"])
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .args(["--etcd-endpoints", &etcd.endpoints().join(",")])
+            .args(["--etcd-prefix", PREFIX])
+            .args([
+                "--node-lost-timeout-ms",
+                "1500",
+                "--agent-heartbeat-ms",
+                "200",
+            ])
+            .env("RUST_LOG", "info,openraft=warn,h2=warn,tower=warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("member log"));
+        let child = command.spawn().expect("start vgpu-cp");
+        Member {
+            id,
+            address,
+            child: Some(child),
+            log,
+        }
+    }
+
+    /// `kill -9`: no resignation, the lease expires on its own.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().expect("SIGKILL");
+            child.wait().expect("reap");
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let start = text.len().saturating_sub(3000);
+        format!("--- member {} ---\n{}", self.id, &text[start..])
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // It may have exited on its own already.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn logs(members: &[Member]) -> String {
+    members.iter().map(Member::log_tail).collect()
+}
+
+async fn channel(member: &Member) -> Option<Channel> {
+    let endpoint = Channel::from_shared(member.endpoint())
+        .ok()?
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(15));
+    endpoint.connect().await.ok()
+}
+
+async fn status(member: &Member) -> Option<v1::ClusterStatus> {
+    let mut client = v1::cluster_client::ClusterClient::new(channel(member).await?);
+    let status = client.status(v1::ClusterStatusRequest {}).await.ok()?;
+    Some(status.into_inner())
+}
+
+/// Polls `probe` every 100 ms until it yields, at most [`WAIT`].
+async fn wait_for<T, F, Fut>(what: &str, members: &[Member], mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Some(value) = probe().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not within {WAIT:?}\n{}",
+            logs(members)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn node(name: &str) -> v1::Node {
+    let gpu = |index: u32| v1::Gpu {
+        uuid: format!("GPU-{name}-{index}"),
+        index,
+        model: "H100-80GB".to_owned(),
+        memory_bytes: 80 << 30,
+        sm_count: 132,
+        numa_node: 0,
+        pci_bus_id: format!("0000:{index:02x}:00.0"),
+        ..Default::default()
+    };
+    v1::Node {
+        name: name.to_owned(),
+        gpus: (0..4).map(gpu).collect(),
+        ..Default::default()
+    }
+}
+
+/// Places `name` (one whole GPU) through `member`; `true` when acknowledged.
+async fn place(member: &Member, name: &str) -> bool {
+    let Some(channel) = channel(member).await else {
+        return false;
+    };
+    let request = v1::PlaceRequest {
+        name: name.to_owned(),
+        request: Some(v1::PlacementRequest {
+            whole_gpus: 1,
+            ..Default::default()
+        }),
+    };
+    v1::pool_client::PoolClient::new(channel)
+        .place(request)
+        .await
+        .is_ok()
+}
+
+async fn get_node(member: &Member, name: &str) -> Option<v1::Node> {
+    let mut client = v1::pool_client::PoolClient::new(channel(member).await?);
+    let request = v1::GetNodeRequest {
+        name: name.to_owned(),
+        stale: false,
+    };
+    Some(client.get_node(request).await.ok()?.into_inner())
+}
+
+/// Stand-in agents: every [`BEAT_EVERY`], a heartbeat for each node in `beating`, sent to the
+/// first of `endpoints` that answers (as an agent moves on from a dead member).
+fn beat(
+    endpoints: Vec<String>,
+    beating: Arc<Mutex<BTreeSet<String>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(BEAT_EVERY);
+        loop {
+            tick.tick().await;
+            let nodes: Vec<String> = beating.lock().unwrap().iter().cloned().collect();
+            for node in nodes {
+                for endpoint in &endpoints {
+                    let Ok(endpoint) = Channel::from_shared(endpoint.clone()) else {
+                        continue;
+                    };
+                    let endpoint = endpoint
+                        .connect_timeout(Duration::from_millis(300))
+                        .timeout(Duration::from_secs(2));
+                    let Ok(channel) = endpoint.connect().await else {
+                        continue;
+                    };
+                    let request = v1::HeartbeatRequest {
+                        node: node.clone(),
+                        ..Default::default()
+                    };
+                    let mut client = v1::agent_client::AgentClient::new(channel);
+                    if client.heartbeat(request).await.is_ok() {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_placements_survive_kill_9_of_the_leader_and_a_new_leader_runs_the_leader_loop()
+ {
+    let required = std::env::var_os("VGPU_ETCD_REQUIRED").is_some();
+    let Some(etcd) = EtcdCluster::start("vgpu_cp_on_etcd", 3, required).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ports = free_ports(4);
+    let mut members = vec![Member::spawn(
+        1,
+        ports[0],
+        &["bootstrap"],
+        &etcd,
+        dir.path(),
+    )];
+    wait_for("member 1 leads", &members, || async {
+        status(&members[0])
+            .await
+            .filter(|status| status.leader == 1)
+    })
+    .await;
+    let peer = members[0].address.clone();
+    for (id, port) in [(2, ports[1]), (3, ports[2])] {
+        members.push(Member::spawn(
+            id,
+            port,
+            &["join", "--peer", &peer],
+            &etcd,
+            dir.path(),
+        ));
+    }
+    for index in 1..3 {
+        wait_for("the member answers", &members, || async {
+            status(&members[index]).await
+        })
+        .await;
+    }
+
+    // Two nodes register through a follower; stand-in agents beat for both.
+    for name in ["node-a", "node-b"] {
+        let channel = channel(&members[1]).await.expect("member 2");
+        v1::agent_client::AgentClient::new(channel)
+            .register(v1::RegisterRequest {
+                node: Some(node(name)),
+            })
+            .await
+            .expect("register");
+    }
+    let beating = Arc::new(Mutex::new(BTreeSet::from([
+        "node-a".to_owned(),
+        "node-b".to_owned(),
+    ])));
+    let endpoints: Vec<String> = members.iter().map(Member::endpoint).collect();
+    let beats = beat(endpoints, beating.clone());
+
+    // Placements through every member, all acknowledged.
+    let mut acknowledged = Vec::new();
+    for index in 0..4 {
+        let name = format!("before-{index}");
+        assert!(
+            place(&members[index % 3], &name).await,
+            "{name}\n{}",
+            logs(&members)
+        );
+        acknowledged.push(name);
+    }
+
+    // kill -9 of the leader; placements go on through the others meanwhile (a write that fails
+    // during the failover is not acknowledged, and need not be there).
+    let old_leader = status(&members[1]).await.expect("status").leader;
+    assert!(old_leader >= 1, "a leader is known");
+    let killed = members
+        .iter()
+        .position(|member| member.id == old_leader)
+        .expect("the leader is one of ours");
+    members[killed].kill();
+    let survivors: Vec<usize> = (0..3).filter(|&index| index != killed).collect();
+    for index in 0..2 {
+        let name = format!("during-{index}");
+        if place(&members[survivors[index % 2]], &name).await {
+            acknowledged.push(name);
+        }
+    }
+    let new_leader = wait_for("a surviving member leads", &members, || async {
+        let status = status(&members[survivors[0]]).await?;
+        (status.leader != 0 && status.leader != old_leader).then_some(status.leader)
+    })
+    .await;
+    assert!(members.iter().any(|member| member.id == new_leader));
+    eprintln!(
+        "member {old_leader} led and was killed; member {new_leader} leads; acknowledged: {acknowledged:?}"
+    );
+
+    // The new leader runs the leader loop: node-b stops beating and is marked lost; node-a's
+    // beats reach the new leader (forwarded through the `leader` key's address) and keep it
+    // ready.
+    beating.lock().unwrap().remove("node-b");
+    wait_for("the new leader marks node-b lost", &members, || async {
+        let node = get_node(&members[survivors[1]], "node-b").await?;
+        (node.state == v1::NodeState::Lost as i32).then_some(())
+    })
+    .await;
+    let node_a = get_node(&members[survivors[0]], "node-a")
+        .await
+        .expect("node-a");
+    assert_eq!(
+        node_a.state,
+        v1::NodeState::Ready as i32,
+        "{}",
+        logs(&members)
+    );
+
+    // Every acknowledged placement is there, read linearizably through both survivors.
+    for &index in &survivors {
+        let mut client =
+            v1::pool_client::PoolClient::new(channel(&members[index]).await.expect("survivor"));
+        let tenants = client
+            .list_tenants(v1::ListRequest { stale: false })
+            .await
+            .expect("list")
+            .into_inner()
+            .tenants;
+        let names: BTreeSet<&str> = tenants.iter().map(|tenant| tenant.name.as_str()).collect();
+        for name in &acknowledged {
+            assert!(
+                names.contains(name.as_str()),
+                "{name} lost\n{}",
+                logs(&members)
+            );
+        }
+    }
+
+    // A member of another cluster (bootstrap with a fresh data directory) is refused the prefix.
+    let mut other = Member::spawn(9, ports[3], &["bootstrap"], &etcd, dir.path());
+    let exited = wait_for("the other cluster's member exits", &members, || {
+        let child = other.child.as_mut().expect("running");
+        let exited = child.try_wait().expect("wait");
+        async move { exited }
+    })
+    .await;
+    assert!(!exited.success());
+    let log = std::fs::read_to_string(&other.log).unwrap();
+    assert!(
+        log.contains(PREFIX) && log.contains("--etcd-prefix"),
+        "{log}"
+    );
+    beats.abort();
+}
