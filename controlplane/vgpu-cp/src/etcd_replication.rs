@@ -17,6 +17,8 @@
 //!   `leader` key's value is `<id>@<address>`, so followers know where to forward heartbeats.
 //! - Snapshots: the leader stores the state every `snapshot_every_entries` entries, which
 //!   compacts the log under it.
+//! - Members: each member keeps `members/<id>` (its address) on a lease of its own
+//!   (`etcd_store::Presence`), so `Cluster.Status` lists who is up; there is no vote to change.
 
 use crate::control_plane::{BatchItem, LocalWrite};
 use crate::etcd_entry::{EtcdEntry, apply_etcd_entry};
@@ -25,7 +27,7 @@ use crate::raft_types::NodeId;
 use crate::replication::{MemberFacts, ReplicationFacts};
 use crate::store::Shared;
 use api::ErrorCode;
-use etcd_store::{Applied, Applier, Election, ElectionConfig, EtcdLog, Fence};
+use etcd_store::{Applied, Applier, Election, ElectionConfig, EtcdLog, Fence, Presence};
 use openraft::BasicNode;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -87,6 +89,8 @@ struct Core {
     leader: watch::Sender<Option<LeaderView>>,
     /// Set by a fenced append that found the leadership gone; the election task steps down.
     deposed: AtomicBool,
+    /// The members registered under `members/` (id, address), refreshed by the presence task.
+    members: watch::Sender<Vec<(NodeId, String)>>,
 }
 
 /// The etcd store of one member: its apply task, election task, batcher and snapshotter.
@@ -96,8 +100,9 @@ pub struct EtcdReplication {
     batcher: tokio::sync::mpsc::Sender<BatchItem>,
     /// The batcher and snapshot tasks, aborted on shutdown.
     tasks: Vec<JoinHandle<()>>,
-    /// The election task: told to stop through `stop`, it resigns and ends.
-    election: Mutex<Option<JoinHandle<()>>>,
+    /// The election and presence tasks: told to stop through `stop`, they resign, leave and
+    /// end.
+    stoppable: Mutex<Vec<JoinHandle<()>>>,
     stop: watch::Sender<bool>,
 }
 
@@ -124,6 +129,7 @@ impl EtcdReplication {
             leading: watch::channel(None).0,
             leader: watch::channel(None).0,
             deposed: AtomicBool::new(false),
+            members: watch::channel(Vec::new()).0,
         });
         let applier = Arc::new(spawn_applier(Arc::clone(&core), shared.clone()));
         let (batcher, queue) = tokio::sync::mpsc::channel(crate::replication::BATCH_QUEUE_MAX);
@@ -132,7 +138,11 @@ impl EtcdReplication {
             ElectionConfig::new(&format!("{id}@{address}"), settings.lease_ttl),
         );
         let (stop, stopping) = watch::channel(false);
-        let election = tokio::spawn(run_election(Arc::clone(&core), election, stopping));
+        let presence = Presence::new(log.connection().clone(), id, address, settings.lease_ttl);
+        let stoppable = vec![
+            tokio::spawn(run_presence(Arc::clone(&core), presence, stopping.clone())),
+            tokio::spawn(run_election(Arc::clone(&core), election, stopping)),
+        ];
         let tasks = vec![
             tokio::spawn(crate::replication::run_batcher(
                 crate::replication::Proposer::Etcd(EtcdProposer {
@@ -151,7 +161,7 @@ impl EtcdReplication {
             applier,
             batcher,
             tasks,
-            election: Mutex::new(Some(election)),
+            stoppable: Mutex::new(stoppable),
             stop,
         }
     }
@@ -231,6 +241,26 @@ impl EtcdReplication {
     pub fn facts(&self) -> ReplicationFacts {
         let leader = self.core.leader.borrow().clone();
         let applied = self.applier.applied();
+        let registered = self.core.members.borrow().clone();
+        if !registered.is_empty() {
+            return ReplicationFacts {
+                leader: leader.as_ref().map_or(0, |view| view.id),
+                term: leader.as_ref().map_or(0, |view| view.revision as u64),
+                last_log_index: applied,
+                last_applied: applied,
+                members: registered
+                    .into_iter()
+                    .map(|(id, address)| MemberFacts {
+                        id,
+                        address,
+                        voter: true,
+                        // Only this member's own progress is known here.
+                        matched_index: if id == self.core.id { applied } else { 0 },
+                    })
+                    .collect(),
+            };
+        }
+        // Before the first read of `members/`: this member and the leader.
         let mut members = vec![MemberFacts {
             id: self.core.id,
             address: String::new(),
@@ -266,13 +296,11 @@ impl EtcdReplication {
         }
         self.core.leading.send_replace(None);
         self.stop.send_replace(true);
-        let election = self.election.lock().expect("election lock").take();
-        if let Some(election) = election
-            && tokio::time::timeout(RESIGN_WAIT * 2, election)
-                .await
-                .is_err()
-        {
-            tracing::warn!("the etcd election task did not end in time");
+        let stoppable = std::mem::take(&mut *self.stoppable.lock().expect("tasks lock"));
+        for task in stoppable {
+            if tokio::time::timeout(RESIGN_WAIT * 2, task).await.is_err() {
+                tracing::warn!("an etcd task (election, presence) did not end in time");
+            }
         }
     }
 
@@ -293,8 +321,8 @@ impl Drop for EtcdReplication {
         for task in &self.tasks {
             task.abort();
         }
-        if let Some(election) = self.election.lock().expect("election lock").take() {
-            election.abort();
+        for task in self.stoppable.lock().expect("tasks lock").iter() {
+            task.abort();
         }
     }
 }
@@ -506,6 +534,35 @@ async fn run_election(core: Arc<Core>, mut election: Election, mut stop: watch::
         Ok(Ok(())) => tracing::info!(id = core.id, "resigned from the etcd election"),
         Ok(Err(error)) => tracing::warn!(%error, "could not resign the etcd leadership"),
         Err(_) => tracing::warn!("resigning the etcd leadership took too long"),
+    }
+}
+
+/// Keeps this member registered under `members/` and refreshes the list of registered members,
+/// every `Presence::renew_interval`; leaves (revokes its lease) when `stop` says so.
+async fn run_presence(core: Arc<Core>, mut presence: Presence, mut stop: watch::Receiver<bool>) {
+    while !*stop.borrow() {
+        if let Err(error) = presence.renew().await {
+            tracing::warn!(%error, "could not renew this member's registration in etcd");
+        }
+        match Presence::members(core.log.connection()).await {
+            Ok(members) => {
+                core.members.send_if_modified(|current| {
+                    let changed = *current != members;
+                    *current = members;
+                    changed
+                });
+            }
+            Err(error) => tracing::debug!(%error, "could not list the members in etcd"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(presence.renew_interval()) => {}
+            _ = stop.changed() => {}
+        }
+    }
+    match tokio::time::timeout(RESIGN_WAIT, presence.leave()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::warn!(%error, "could not remove this member's registration"),
+        Err(_) => tracing::warn!("removing this member's registration took too long"),
     }
 }
 

@@ -1,8 +1,9 @@
 //! `ControlPlane` on the etcd store (issue 20, phase 2), in process against 3 real etcd members
 //! (`etcd_store::testing`): members bootstrap and join on one prefix, writes through either
 //! member reach the same applied state, exactly one member leads, and when it stops another
-//! takes over and runs the leader loop (it marks the nodes lost, which have no agents here). A
-//! member of another cluster is refused the prefix. Skipped without `etcd` unless
+//! takes over and runs the leader loop (it marks the nodes lost, which have no agents here); the
+//! cluster status lists the members registered under `members/`. A member of another cluster is
+//! refused the prefix. Skipped without `etcd` unless
 //! `VGPU_ETCD_REQUIRED` is set.
 
 use std::path::Path;
@@ -106,6 +107,17 @@ async fn members_on_etcd_share_the_pool_and_hand_over_the_leader_loop() {
     .expect("join on etcd");
     let (a, b) = (&one.control_plane, &two.control_plane);
     wait_until("one leader", || leaders(&[a, b]).len() == 1).await;
+    // Both registered themselves under `members/`: the cluster status lists them.
+    let member_ids = |member: &ControlPlane| -> Vec<u64> {
+        member
+            .replication
+            .facts()
+            .members
+            .iter()
+            .map(|member| member.id)
+            .collect()
+    };
+    wait_until("both members listed", || member_ids(a) == [1, 2]).await;
 
     // Writes through either member; both apply the same entries to the same state.
     for (member, node) in [(b, "node-a"), (a, "node-b")] {
@@ -146,6 +158,11 @@ async fn members_on_etcd_share_the_pool_and_hand_over_the_leader_loop() {
     leader.control_plane.replication.shutdown().await;
     drop(leader);
     wait_until("the survivor leads", || survivor.is_leader()).await;
+    // The stopped member left `members/` (it revoked its registration's lease).
+    wait_until("only the survivor listed", || {
+        member_ids(&survivor) == [survivor.id]
+    })
+    .await;
     wait_until("the new leader marks the silent nodes lost", || {
         let applied = survivor.shared.read();
         let states: Vec<_> = applied.pool.engine.node_states().collect();

@@ -5,7 +5,8 @@
 //! Checked: placements acknowledged before and during a `kill -9` of the leading member are all
 //! there afterwards; another member takes the lead and runs the leader loop (heartbeats reach
 //! it through the `leader` key's address, so the beating node stays ready, and the node that
-//! stops beating is marked lost by it); a prefix of another cluster is refused.
+//! stops beating is marked lost by it); the cluster status lists the members that are up (the
+//! killed one drops out when its lease expires); a prefix of another cluster is refused.
 //!
 //! Every wait polls with a bound ([`WAIT`]); nothing sleeps to synchronise.
 
@@ -252,6 +253,14 @@ async fn acknowledged_placements_survive_kill_9_of_the_leader_and_a_new_leader_r
         .await;
     }
 
+    // Every member lists all three (each keeps `members/<id>` on a lease of its own).
+    wait_for("three members listed", &members, || async {
+        let status = status(&members[0]).await?;
+        let ids: Vec<u64> = status.members.iter().map(|member| member.id).collect();
+        (ids == [1, 2, 3]).then_some(())
+    })
+    .await;
+
     // Two nodes register through a follower; stand-in agents beat for both.
     for name in ["node-a", "node-b"] {
         let channel = channel(&members[1]).await.expect("member 2");
@@ -315,6 +324,18 @@ async fn acknowledged_placements_survive_kill_9_of_the_leader_and_a_new_leader_r
         let node = get_node(&members[survivors[1]], "node-b").await?;
         (node.state == v1::NodeState::Lost as i32).then_some(())
     })
+    .await;
+    // The killed member's registration lapses with its lease.
+    let killed_id = members[killed].id;
+    wait_for(
+        "the killed member is no longer listed",
+        &members,
+        || async {
+            let status = status(&members[survivors[0]]).await?;
+            let listed = status.members.iter().any(|member| member.id == killed_id);
+            (!listed && status.members.len() == 2).then_some(())
+        },
+    )
     .await;
     let node_a = get_node(&members[survivors[0]], "node-a")
         .await
