@@ -6,7 +6,10 @@
 //! there afterwards; another member takes the lead and runs the leader loop (heartbeats reach
 //! it through the `leader` key's address, so the beating node stays ready, and the node that
 //! stops beating is marked lost by it); the cluster status lists the members that are up (the
-//! killed one drops out when its lease expires); a prefix of another cluster is refused.
+//! killed one drops out when its lease expires); a prefix of another cluster is refused. And
+//! under etcd failures: placements go on through a `kill -9` of one etcd member; with two of
+//! three killed a placement fails within its bounds with a message about etcd, and placements
+//! resume once they return; every acknowledged placement is there.
 //!
 //! Every wait polls with a bound ([`WAIT`]); nothing sleeps to synchronise.
 
@@ -21,7 +24,7 @@ use etcd_store::testing::{EtcdCluster, free_ports};
 use tonic::transport::Channel;
 
 /// Bound on every wait: the leader's etcd lease is 5 s, so a failover takes at most about that.
-const WAIT: Duration = Duration::from_secs(40);
+const WAIT: Duration = Duration::from_secs(60);
 /// How often the test's stand-in agents beat (the members are told to expect it).
 const BEAT_EVERY: Duration = Duration::from_millis(200);
 const PREFIX: &str = "/it-pool/";
@@ -103,7 +106,8 @@ async fn channel(member: &Member) -> Option<Channel> {
     let endpoint = Channel::from_shared(member.endpoint())
         .ok()?
         .connect_timeout(Duration::from_secs(1))
-        .timeout(Duration::from_secs(15));
+        // Longer than a write may take while etcd has no quorum (its bounds, then the answer).
+        .timeout(Duration::from_secs(40));
     endpoint.connect().await.ok()
 }
 
@@ -153,8 +157,13 @@ fn node(name: &str) -> v1::Node {
 
 /// Places `name` (one whole GPU) through `member`; `true` when acknowledged.
 async fn place(member: &Member, name: &str) -> bool {
+    place_answer(member, name).await.is_ok()
+}
+
+/// Places `name` (one whole GPU) through `member`: `Err` with the message when not acknowledged.
+async fn place_answer(member: &Member, name: &str) -> Result<(), String> {
     let Some(channel) = channel(member).await else {
-        return false;
+        return Err(format!("member {} cannot be reached", member.id));
     };
     let request = v1::PlaceRequest {
         name: name.to_owned(),
@@ -166,7 +175,8 @@ async fn place(member: &Member, name: &str) -> bool {
     v1::pool_client::PoolClient::new(channel)
         .place(request)
         .await
-        .is_ok()
+        .map(|_| ())
+        .map_err(|status| status.message().to_owned())
 }
 
 async fn get_node(member: &Member, name: &str) -> Option<v1::Node> {
@@ -382,4 +392,89 @@ async fn acknowledged_placements_survive_kill_9_of_the_leader_and_a_new_leader_r
         "{log}"
     );
     beats.abort();
+}
+
+/// Places one tenant through `member`, retrying (bounded) until one attempt is acknowledged.
+async fn place_eventually(members: &[Member], member: usize, name: &str) {
+    wait_for("a placement is acknowledged", members, || async {
+        place(&members[member], name).await.then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placements_go_on_through_etcd_member_loss_and_fail_clearly_without_a_quorum() {
+    let required = std::env::var_os("VGPU_ETCD_REQUIRED").is_some();
+    let Some(mut etcd) = EtcdCluster::start("vgpu_cp_etcd_failures", 3, required).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ports = free_ports(2);
+    let mut members = vec![Member::spawn(
+        1,
+        ports[0],
+        &["bootstrap"],
+        &etcd,
+        dir.path(),
+    )];
+    wait_for("member 1 leads", &members, || async {
+        status(&members[0])
+            .await
+            .filter(|status| status.leader == 1)
+    })
+    .await;
+    let peer = members[0].address.clone();
+    members.push(Member::spawn(
+        2,
+        ports[1],
+        &["join", "--peer", &peer],
+        &etcd,
+        dir.path(),
+    ));
+    wait_for("both members listed", &members, || async {
+        let status = status(&members[1]).await?;
+        (status.members.len() == 2).then_some(())
+    })
+    .await;
+    let channel_2 = channel(&members[1]).await.expect("member 2");
+    v1::agent_client::AgentClient::new(channel_2)
+        .register(v1::RegisterRequest {
+            node: Some(node("node-a")),
+        })
+        .await
+        .expect("register");
+    let mut acknowledged = Vec::new();
+    place_eventually(&members, 1, "first").await;
+    acknowledged.push("first");
+
+    // kill -9 of one etcd member: placements go on (through a follower, forwarded).
+    etcd.kill(0);
+    place_eventually(&members, 1, "after-one-etcd-member").await;
+    acknowledged.push("after-one-etcd-member");
+
+    // Two of three gone: no quorum. A placement fails within its bounds and says why.
+    etcd.kill(1);
+    let started = tokio::time::Instant::now();
+    let refused = place_answer(&members[1], "without-quorum").await;
+    let message = refused.expect_err("no etcd quorum, no acknowledged write");
+    assert!(message.contains("etcd"), "{message}\n{}", logs(&members));
+    assert!(started.elapsed() < WAIT, "took {:?}", started.elapsed());
+
+    // The quorum returns: placements resume.
+    etcd.restart(0).await;
+    etcd.restart(1).await;
+    place_eventually(&members, 0, "after-quorum").await;
+    acknowledged.push("after-quorum");
+    let channel_1 = channel(&members[0]).await.expect("member 1");
+    let tenants = v1::pool_client::PoolClient::new(channel_1)
+        .list_tenants(v1::ListRequest { stale: false })
+        .await
+        .expect("list")
+        .into_inner()
+        .tenants;
+    let names: BTreeSet<&str> = tenants.iter().map(|tenant| tenant.name.as_str()).collect();
+    for name in acknowledged {
+        assert!(names.contains(name), "{name} lost\n{}", logs(&members));
+    }
+    eprintln!("without a quorum: {message}");
 }
