@@ -901,18 +901,16 @@ impl Dashboard {
     }
 }
 
-/// Records every change of term or leader in this member's Raft metrics, until Raft stops.
-async fn watch_elections(
-    mut metrics: tokio::sync::watch::Receiver<
-        openraft::RaftMetrics<crate::raft_types::NodeId, openraft::BasicNode>,
-    >,
+/// Records every change of term or leader this member sees (in its Raft metrics, or on etcd in
+/// who leads and under which leadership), until its store stops. `read` gives the term and the
+/// leader (0: none).
+async fn watch_elections<T>(
+    mut metrics: tokio::sync::watch::Receiver<T>,
+    read: impl Fn(&T) -> (u64, u64),
     elections: Arc<Mutex<history::Elections>>,
 ) {
     loop {
-        let (term, leader) = {
-            let metrics = metrics.borrow_and_update();
-            (metrics.current_term, metrics.current_leader.unwrap_or(0))
-        };
+        let (term, leader) = read(&metrics.borrow_and_update());
         elections
             .lock()
             .expect("elections lock")
@@ -985,8 +983,21 @@ enum View {
 /// The `/ui/` routes, to merge into the API's router.
 pub fn router(control_plane: Arc<ControlPlane>, guard: Arc<Guard>) -> axum::Router {
     let elections = Arc::new(Mutex::new(history::Elections::default()));
-    if let Some(raft) = control_plane.raft() {
-        tokio::spawn(watch_elections(raft.metrics(), elections.clone()));
+    match &control_plane.replication {
+        crate::replication::Replication::Raft(raft) => {
+            tokio::spawn(watch_elections(
+                raft.raft.metrics(),
+                |metrics| (metrics.current_term, metrics.current_leader.unwrap_or(0)),
+                elections.clone(),
+            ));
+        }
+        crate::replication::Replication::Etcd(etcd) => {
+            tokio::spawn(watch_elections(
+                etcd.leader_changes(),
+                crate::etcd_replication::term_and_leader,
+                elections.clone(),
+            ));
+        }
     }
     tokio::spawn(sample_usage_while_leading(Arc::downgrade(&control_plane)));
     let dashboard = Arc::new(Dashboard {

@@ -56,7 +56,6 @@ const RESIGN_WAIT: Duration = Duration::from_secs(2);
 /// The settings of the etcd store for one member.
 #[derive(Clone, Debug)]
 pub struct EtcdSettings {
-    pub etcd: etcd_store::EtcdConfig,
     /// The election lease's TTL (whole seconds, at least 2): how long after a leader's death
     /// another member takes over.
     pub lease_ttl: Duration,
@@ -66,7 +65,7 @@ pub struct EtcdSettings {
 
 /// Who leads, as this member last learned it from etcd.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct LeaderView {
+pub(crate) struct LeaderView {
     id: NodeId,
     address: String,
     /// The `leader` key's create revision: the leadership's identity (the "term").
@@ -164,6 +163,11 @@ impl EtcdReplication {
             stoppable: Mutex::new(stoppable),
             stop,
         }
+    }
+
+    /// Who leads, as it changes (for the dashboard's list of elections).
+    pub(crate) fn leader_changes(&self) -> watch::Receiver<Option<LeaderView>> {
+        self.core.leader.subscribe()
     }
 
     pub(crate) fn batcher(&self) -> &tokio::sync::mpsc::Sender<BatchItem> {
@@ -592,6 +596,12 @@ async fn publish_leader(core: &Core, election: &Election) {
         }
         Err(error) => tracing::debug!(%error, "could not read who leads on etcd"),
     }
+}
+
+/// The leadership (its revision, the "term") and the leader's id; zeros without a leader.
+pub(crate) fn term_and_leader(view: &Option<LeaderView>) -> (u64, u64) {
+    view.as_ref()
+        .map_or((0, 0), |view| (view.revision as u64, view.id))
 }
 
 /// `<id>@<address>`, the `leader` key's value.

@@ -60,6 +60,19 @@ async fn wait_until(what: &str, mut check: impl FnMut() -> bool) {
     }
 }
 
+/// A plain HTTP/1.1 GET's body.
+async fn get(address: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: member\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_owned()
+}
+
 fn leaders(members: &[&Arc<ControlPlane>]) -> Vec<u64> {
     members
         .iter()
@@ -158,6 +171,16 @@ async fn members_on_etcd_share_the_pool_and_hand_over_the_leader_loop() {
     leader.control_plane.replication.shutdown().await;
     drop(leader);
     wait_until("the survivor leads", || survivor.is_leader()).await;
+    // The dashboard's cluster view lists the survivor's leadership among its elections.
+    let cluster = get(follower.local_address, "/ui/api/cluster").await;
+    let cluster: serde_json::Value = serde_json::from_str(&cluster).expect("the cluster view");
+    let elections = cluster["elections"].as_array().expect("elections");
+    assert!(
+        elections
+            .iter()
+            .any(|election| election["leader"] == survivor.id),
+        "{cluster}"
+    );
     // The stopped member left `members/` (it revoked its registration's lease).
     wait_until("only the survivor listed", || {
         member_ids(&survivor) == [survivor.id]

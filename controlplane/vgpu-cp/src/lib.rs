@@ -542,7 +542,6 @@ async fn start_etcd(
         watchers: watchers::NodeWatchers::default(),
     });
     let settings = etcd_replication::EtcdSettings {
-        etcd: client_config,
         lease_ttl: etcd.lease_ttl,
         snapshot_every_entries: config.raft.snapshot_logs_since_last,
     };
