@@ -421,7 +421,7 @@ impl ControlPlane {
     }
 
     /// Writes on this node if it leads. `Err(leader)` when it does not. Concurrent writes are
-    /// batched into one log entry (see [`run_batcher`]).
+    /// batched into one log entry (see `replication::run_batcher`).
     async fn write_local(&self, command: Command) -> LocalWrite {
         let started = Instant::now();
         let size = command_size(&command)?;

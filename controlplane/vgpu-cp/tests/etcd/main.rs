@@ -9,7 +9,9 @@
 //! killed one drops out when its lease expires); a prefix of another cluster is refused. And
 //! under etcd failures: placements go on through a `kill -9` of one etcd member; with two of
 //! three killed a placement fails within its bounds with a message about etcd, and placements
-//! resume once they return; every acknowledged placement is there.
+//! resume once they return; every acknowledged placement is there. And a leader paused past its
+//! lease (`kill -STOP`): the other member takes over and re-places the tenant of a silent node
+//! once; when the paused one resumes it does not act as leader again, so the tenant moved once.
 //!
 //! Every wait polls with a bound ([`WAIT`]); nothing sleeps to synchronise.
 
@@ -75,6 +77,16 @@ impl Member {
             child.kill().expect("SIGKILL");
             child.wait().expect("reap");
         }
+    }
+
+    /// `kill -STOP` or `kill -CONT`: a paused process (a VM freeze, a long GC-like stall).
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("running").id().to_string();
+        let status = Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill {signal} {pid}");
     }
 
     fn endpoint(&self) -> String {
@@ -477,4 +489,107 @@ async fn placements_go_on_through_etcd_member_loss_and_fail_clearly_without_a_qu
         assert!(names.contains(name), "{name} lost\n{}", logs(&members));
     }
     eprintln!("without a quorum: {message}");
+}
+
+async fn get_tenant(member: &Member, name: &str) -> Option<v1::Tenant> {
+    let mut client = v1::pool_client::PoolClient::new(channel(member).await?);
+    let request = v1::GetTenantRequest {
+        name: name.to_owned(),
+        stale: false,
+    };
+    Some(client.get_tenant(request).await.ok()?.into_inner())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_paused_past_its_lease_does_not_act_again_and_a_tenant_moves_once() {
+    let required = std::env::var_os("VGPU_ETCD_REQUIRED").is_some();
+    let Some(etcd) = EtcdCluster::start("vgpu_cp_etcd_paused_leader", 3, required).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ports = free_ports(2);
+    let mut members = vec![Member::spawn(
+        1,
+        ports[0],
+        &["bootstrap"],
+        &etcd,
+        dir.path(),
+    )];
+    wait_for("member 1 leads", &members, || async {
+        status(&members[0])
+            .await
+            .filter(|status| status.leader == 1)
+    })
+    .await;
+    let peer = members[0].address.clone();
+    members.push(Member::spawn(
+        2,
+        ports[1],
+        &["join", "--peer", &peer],
+        &etcd,
+        dir.path(),
+    ));
+    wait_for("member 2 answers", &members, || async {
+        status(&members[1]).await
+    })
+    .await;
+    for name in ["node-a", "node-b"] {
+        let channel = channel(&members[1]).await.expect("member 2");
+        v1::agent_client::AgentClient::new(channel)
+            .register(v1::RegisterRequest {
+                node: Some(node(name)),
+            })
+            .await
+            .expect("register");
+    }
+    let beating = Arc::new(Mutex::new(BTreeSet::from([
+        "node-a".to_owned(),
+        "node-b".to_owned(),
+    ])));
+    // Beats go to member 2 only: member 1 will be paused.
+    let beats = beat(vec![members[1].endpoint()], beating.clone());
+    let channel_2 = channel(&members[1]).await.expect("member 2");
+    v1::pool_client::PoolClient::new(channel_2)
+        .place(v1::PlaceRequest {
+            name: "train".to_owned(),
+            request: Some(v1::PlacementRequest {
+                whole_gpus: 4,
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("place");
+    let first = get_tenant(&members[1], "train").await.expect("train");
+    let first_node = first.slices[0].node.clone();
+
+    // Member 1 (the leader) pauses; its node goes silent. Member 2 takes over once member 1's
+    // lease expires, marks the node lost and moves the tenant.
+    members[0].signal("-STOP");
+    beating.lock().unwrap().remove(&first_node);
+    let moved = wait_for("member 2 moves the tenant", &members, || async {
+        let tenant = get_tenant(&members[1], "train").await?;
+        let node = &tenant.slices.first()?.node;
+        (*node != first_node).then_some(tenant)
+    })
+    .await;
+    assert_eq!(status(&members[1]).await.expect("status").leader, 2);
+
+    // Member 1 resumes. Once it sees member 2 lead, whatever it decided on its stale view is
+    // behind it: the tenant moved exactly once (two placements in its history).
+    members[0].signal("-CONT");
+    wait_for("member 1 sees member 2 lead", &members, || async {
+        status(&members[0])
+            .await
+            .filter(|status| status.leader == 2)
+    })
+    .await;
+    let tenant = get_tenant(&members[0], "train").await.expect("train");
+    assert_eq!(tenant.slices, moved.slices, "{}", logs(&members));
+    let placements = tenant
+        .history
+        .iter()
+        .filter(|event| event.state == v1::TenantState::Placed as i32)
+        .count();
+    assert_eq!(placements, 2, "{:?}\n{}", tenant.history, logs(&members));
+    beats.abort();
 }
