@@ -12,6 +12,9 @@
 //! resume once they return; every acknowledged placement is there. And a leader paused past its
 //! lease (`kill -STOP`): the other member takes over and re-places the tenant of a silent node
 //! once; when the paused one resumes it does not act as leader again, so the tenant moved once.
+//! And clients placing, releasing and reading tenants through every member while the leader is
+//! killed: the history is linearizable (`controlplane/linearizability`) and every acknowledged
+//! placement is in the survivors' final states.
 //!
 //! Every wait polls with a bound ([`WAIT`]); nothing sleeps to synchronise.
 
@@ -592,4 +595,267 @@ async fn a_leader_paused_past_its_lease_does_not_act_again_and_a_tenant_moves_on
         .count();
     assert_eq!(placements, 2, "{:?}\n{}", tenant.history, logs(&members));
     beats.abort();
+}
+
+/// A client's operations: a small linear congruential generator, so a run is reproducible from
+/// its seed without a random-number dependency.
+struct Steps(u64);
+
+impl Steps {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (self.0 >> 33) % below
+    }
+}
+
+/// One operation of the register model through the gRPC API, sent to `members` starting at
+/// `first`: a member that cannot be reached or finds no leader did not take it, so the next one
+/// is tried (bounded); an answer lost mid-call is an unknown outcome.
+async fn operate(
+    endpoints: &[String],
+    first: usize,
+    name: &str,
+    call: linearizability::Call,
+) -> (linearizability::Outcome, String) {
+    use api::ErrorCode;
+    use linearizability::{Call, Outcome};
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut attempt = 0;
+    loop {
+        let endpoint = &endpoints[(first + attempt) % endpoints.len()];
+        attempt += 1;
+        let connected = match Channel::from_shared(endpoint.clone()) {
+            Ok(channel) => channel
+                .connect_timeout(Duration::from_millis(500))
+                .timeout(Duration::from_secs(20))
+                .connect()
+                .await
+                .ok(),
+            Err(_) => None,
+        };
+        let answer = match connected {
+            None => Err(None),
+            Some(channel) => {
+                let mut pool = v1::pool_client::PoolClient::new(channel);
+                let result = match call {
+                    Call::Place(milli_gpus) => pool
+                        .place(v1::PlaceRequest {
+                            name: name.to_owned(),
+                            request: Some(v1::PlacementRequest {
+                                milli_gpus,
+                                ..Default::default()
+                            }),
+                        })
+                        .await
+                        .map(|answer| {
+                            match answer.into_inner().tenant.and_then(|tenant| tenant.request) {
+                                Some(request) if request.milli_gpus == milli_gpus => {
+                                    Outcome::Placed
+                                }
+                                _ => Outcome::Unexpected,
+                            }
+                        }),
+                    Call::Release => pool
+                        .release(v1::ReleaseRequest {
+                            name: name.to_owned(),
+                        })
+                        .await
+                        .map(|_| Outcome::Released),
+                    Call::Read => pool
+                        .get_tenant(v1::GetTenantRequest {
+                            name: name.to_owned(),
+                            stale: false,
+                        })
+                        .await
+                        .map(|answer| match answer.into_inner().request {
+                            Some(request) => Outcome::Present(request.milli_gpus),
+                            None => Outcome::Unexpected,
+                        }),
+                };
+                result.map_err(Some)
+            }
+        };
+        let status = match answer {
+            Ok(outcome) => return (outcome, endpoint.clone()),
+            Err(status) => status,
+        };
+        let not_delivered = match &status {
+            None => true,
+            Some(status) => match ErrorCode::of(status) {
+                Some(ErrorCode::NoLeader | ErrorCode::NotLeader) => true,
+                Some(ErrorCode::Unavailable | ErrorCode::Storage) => {
+                    return (
+                        Outcome::Unknown,
+                        format!("{endpoint}: {}", status.message()),
+                    );
+                }
+                Some(ErrorCode::TenantExists) if matches!(call, Call::Place(_)) => {
+                    return (Outcome::Exists, endpoint.clone());
+                }
+                Some(ErrorCode::Unplaceable) if matches!(call, Call::Place(_)) => {
+                    return (Outcome::Unplaceable, endpoint.clone());
+                }
+                Some(ErrorCode::TenantNotFound) if call == Call::Release => {
+                    return (Outcome::NotFound, endpoint.clone());
+                }
+                Some(ErrorCode::TenantNotFound) if call == Call::Read => {
+                    return (Outcome::Absent, endpoint.clone());
+                }
+                Some(_) => {
+                    return (
+                        Outcome::Unexpected,
+                        format!("{endpoint}: {}", status.message()),
+                    );
+                }
+                None => false,
+            },
+        };
+        if !not_delivered || tokio::time::Instant::now() >= deadline {
+            let detail = status.map_or("unreachable".to_owned(), |status| status.to_string());
+            return (Outcome::Unknown, format!("{endpoint}: {detail}"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn histories_through_a_leader_kill_are_linearizable() {
+    use linearizability::{Call, History, Operation, Outcome};
+    let required = std::env::var_os("VGPU_ETCD_REQUIRED").is_some();
+    let Some(etcd) = EtcdCluster::start("vgpu_cp_etcd_linearizable", 3, required).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ports = free_ports(3);
+    let mut members = vec![Member::spawn(
+        1,
+        ports[0],
+        &["bootstrap"],
+        &etcd,
+        dir.path(),
+    )];
+    wait_for("member 1 leads", &members, || async {
+        status(&members[0])
+            .await
+            .filter(|status| status.leader == 1)
+    })
+    .await;
+    let peer = members[0].address.clone();
+    for (id, port) in [(2, ports[1]), (3, ports[2])] {
+        members.push(Member::spawn(
+            id,
+            port,
+            &["join", "--peer", &peer],
+            &etcd,
+            dir.path(),
+        ));
+    }
+    for index in 1..3 {
+        wait_for("the member answers", &members, || async {
+            status(&members[index]).await
+        })
+        .await;
+    }
+    let channel_2 = channel(&members[1]).await.expect("member 2");
+    v1::agent_client::AgentClient::new(channel_2)
+        .register(v1::RegisterRequest {
+            node: Some(node("node-a")),
+        })
+        .await
+        .expect("register");
+    let beating = Arc::new(Mutex::new(BTreeSet::from(["node-a".to_owned()])));
+    let endpoints: Vec<String> = members.iter().map(Member::endpoint).collect();
+    let beats = beat(endpoints.clone(), beating);
+
+    const CLIENTS: u32 = 4;
+    const OPERATIONS: u32 = 20;
+    let history = Arc::new(History::default());
+    let started = tokio::time::Instant::now();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|client| {
+            let (history, endpoints) = (history.clone(), endpoints.clone());
+            tokio::spawn(async move {
+                let mut steps = Steps(0x5eed + u64::from(client));
+                for _ in 0..OPERATIONS {
+                    let name = format!("t{}", steps.next(3));
+                    let call = match steps.next(3) {
+                        0 => Call::Place(100 * (1 + steps.next(2) as u32)),
+                        1 => Call::Release,
+                        _ => Call::Read,
+                    };
+                    let first = steps.next(endpoints.len() as u64) as usize;
+                    let invoked = history.event();
+                    let invoked_us = started.elapsed().as_micros() as u64;
+                    let (outcome, note) = operate(&endpoints, first, &name, call).await;
+                    if outcome == Outcome::Unknown && call == Call::Read {
+                        continue;
+                    }
+                    let (returned, returned_us) = if outcome == Outcome::Unknown {
+                        (u64::MAX, u64::MAX)
+                    } else {
+                        (history.event(), started.elapsed().as_micros() as u64)
+                    };
+                    history.record(Operation {
+                        client,
+                        name,
+                        call,
+                        invoked,
+                        returned,
+                        invoked_us,
+                        returned_us,
+                        outcome,
+                        note,
+                    });
+                }
+            })
+        })
+        .collect();
+
+    // The leader dies while the clients run.
+    wait_for("some operations done", &members, || async {
+        (history.operations().len() >= 10).then_some(())
+    })
+    .await;
+    let leader = status(&members[1]).await.expect("status").leader;
+    let killed = members
+        .iter()
+        .position(|member| member.id == leader)
+        .expect("the leader is one of ours");
+    members[killed].kill();
+    for client in clients {
+        client.await.expect("client");
+    }
+    beats.abort();
+
+    let operations = history.operations();
+    let failures = linearizability::check_linearizable(&operations);
+    assert!(failures.is_empty(), "{failures:#?}\n{}", logs(&members));
+    let mut finals = std::collections::BTreeMap::new();
+    for (index, member) in members.iter().enumerate() {
+        if index == killed {
+            continue;
+        }
+        let mut client = v1::pool_client::PoolClient::new(channel(member).await.expect("survivor"));
+        let tenants = client
+            .list_tenants(v1::ListRequest { stale: false })
+            .await
+            .expect("list")
+            .into_inner()
+            .tenants;
+        let state: std::collections::BTreeMap<String, u32> = tenants
+            .into_iter()
+            .filter_map(|tenant| Some((tenant.name, tenant.request?.milli_gpus)))
+            .collect();
+        finals.insert(member.id, state);
+    }
+    let lost = linearizability::check_acknowledged_writes(&operations, &finals);
+    assert!(lost.is_empty(), "{lost:#?}");
+    let unknown = operations.iter().filter(|op| !op.is_complete()).count();
+    eprintln!(
+        "{} operations ({unknown} of unknown outcome), member {leader} killed mid-run: linearizable",
+        operations.len()
+    );
 }
