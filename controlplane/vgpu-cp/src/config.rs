@@ -83,6 +83,7 @@ pub struct Settings {
     pub etcd_ca: Option<PathBuf>,
     pub etcd_cert: Option<PathBuf>,
     pub etcd_key: Option<PathBuf>,
+    pub etcd_lease_ttl_s: Option<u64>,
 }
 
 fn socket_address<'de, D: Deserializer<'de>>(
@@ -286,6 +287,16 @@ const ETCD_KEY: KeyDoc = KeyDoc {
     default: "none (plain http:// endpoints)",
     example: "\"/etc/vgpu/etcd/client.key\"",
 };
+const ETCD_LEASE_TTL_S: KeyDoc = KeyDoc {
+    key: "etcd_lease_ttl_s",
+    env: "VGPU_CP_ETCD_LEASE_TTL_S",
+    env_aliases: &[],
+    flag: Some("--etcd-lease-ttl-s"),
+    default: "5",
+    example: "5",
+};
+/// The longest leader lease on etcd: an hour (a dead leader is replaced only after it).
+pub const ETCD_LEASE_TTL_S_MAX: u64 = 3600;
 
 /// Every key of the `vgpu-cp` configuration file, in the order of the documentation.
 pub const KEYS: &[KeyDoc] = &[
@@ -313,6 +324,7 @@ pub const KEYS: &[KeyDoc] = &[
     ETCD_CA,
     ETCD_CERT,
     ETCD_KEY,
+    ETCD_LEASE_TTL_S,
 ];
 
 impl Settings {
@@ -351,6 +363,7 @@ impl Settings {
             etcd_ca: common::from_env(env, &ETCD_CA, common::parse_path)?,
             etcd_cert: common::from_env(env, &ETCD_CERT, common::parse_path)?,
             etcd_key: common::from_env(env, &ETCD_KEY, common::parse_path)?,
+            etcd_lease_ttl_s: number(&ETCD_LEASE_TTL_S, 2)?,
         })
     }
 
@@ -464,6 +477,7 @@ impl Settings {
             self.etcd_endpoints,
             self.etcd_prefix,
             [self.etcd_ca, self.etcd_cert, self.etcd_key],
+            self.etcd_lease_ttl_s,
         )?;
         let security = crate::Security {
             insecure: self.insecure.unwrap_or(false),
@@ -524,6 +538,7 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         etcd_ca: higher.etcd_ca.or(lower.etcd_ca),
         etcd_cert: higher.etcd_cert.or(lower.etcd_cert),
         etcd_key: higher.etcd_key.or(lower.etcd_key),
+        etcd_lease_ttl_s: higher.etcd_lease_ttl_s.or(lower.etcd_lease_ttl_s),
     }
 }
 
@@ -533,6 +548,7 @@ fn etcd_store(
     endpoints: Option<Vec<String>>,
     prefix: Option<String>,
     tls: [Option<PathBuf>; 3],
+    lease_ttl_s: Option<u64>,
 ) -> Result<Option<crate::EtcdStore>, ConfigError> {
     let endpoints: Vec<String> = endpoints
         .unwrap_or_default()
@@ -549,16 +565,19 @@ fn etcd_store(
         )
     };
     if endpoints.is_empty() {
-        let given: Vec<String> = [(&ETCD_PREFIX, prefix.is_some())]
-            .into_iter()
-            .chain(
-                [&ETCD_CA, &ETCD_CERT, &ETCD_KEY]
-                    .into_iter()
-                    .zip(tls.iter().map(Option::is_some)),
-            )
-            .filter(|(_, given)| *given)
-            .map(|(key, _)| named(key))
-            .collect();
+        let given: Vec<String> = [
+            (&ETCD_PREFIX, prefix.is_some()),
+            (&ETCD_LEASE_TTL_S, lease_ttl_s.is_some()),
+        ]
+        .into_iter()
+        .chain(
+            [&ETCD_CA, &ETCD_CERT, &ETCD_KEY]
+                .into_iter()
+                .zip(tls.iter().map(Option::is_some)),
+        )
+        .filter(|(_, given)| *given)
+        .map(|(key, _)| named(key))
+        .collect();
         if !given.is_empty() {
             return Err(ConfigError::Conflict(format!(
                 "{} set without {}: give the etcd cluster's endpoints, or drop the etcd settings to use the built-in Raft store",
@@ -596,11 +615,23 @@ fn etcd_store(
             )));
         }
     };
+    let lease_ttl = match lease_ttl_s {
+        None => crate::ETCD_LEASE_TTL_DEFAULT,
+        Some(seconds) if (2..=ETCD_LEASE_TTL_S_MAX).contains(&seconds) => {
+            Duration::from_secs(seconds)
+        }
+        Some(seconds) => {
+            return Err(ConfigError::Conflict(format!(
+                "{} is {seconds}; give 2 to {ETCD_LEASE_TTL_S_MAX} seconds (etcd leases are whole seconds; a dead leader is replaced within about this long)",
+                named(&ETCD_LEASE_TTL_S)
+            )));
+        }
+    };
     Ok(Some(crate::EtcdStore {
         endpoints,
         prefix,
         tls,
-        lease_ttl: crate::ETCD_LEASE_TTL_DEFAULT,
+        lease_ttl,
     }))
 }
 
@@ -876,9 +907,15 @@ mod tests {
         );
         let error = with(Settings {
             etcd_endpoints: Some(vec!["e1:2379".to_owned()]),
-            ..base
+            ..base.clone()
         });
         assert!(error.contains("not a URL"), "{error}");
+        let error = with(Settings {
+            etcd_endpoints: endpoints.clone(),
+            etcd_lease_ttl_s: Some(7200),
+            ..base
+        });
+        assert!(error.contains("--etcd-lease-ttl-s"), "{error}");
     }
 
     #[test]

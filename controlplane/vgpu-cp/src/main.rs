@@ -286,6 +286,10 @@ struct Common {
     /// Its private key [config: etcd_key].
     #[arg(long, value_name = "FILE")]
     etcd_key: Option<PathBuf>,
+    /// The leader's etcd lease, whole seconds: a dead leader is replaced within about this long
+    /// [default: 5] [config: etcd_lease_ttl_s].
+    #[arg(long, value_name = "SECONDS")]
+    etcd_lease_ttl_s: Option<u64>,
 }
 
 impl Common {
@@ -316,6 +320,7 @@ impl Common {
             etcd_ca: self.etcd_ca,
             etcd_cert: self.etcd_cert,
             etcd_key: self.etcd_key,
+            etcd_lease_ttl_s: self.etcd_lease_ttl_s,
         }
     }
 }

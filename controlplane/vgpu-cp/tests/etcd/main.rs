@@ -28,7 +28,7 @@ use api::v1;
 use etcd_store::testing::{EtcdCluster, free_ports};
 use tonic::transport::Channel;
 
-/// Bound on every wait: the leader's etcd lease is 5 s, so a failover takes at most about that.
+/// Bound on every wait, far above a failover (the leader's etcd lease is 2 s here).
 const WAIT: Duration = Duration::from_secs(60);
 /// How often the test's stand-in agents beat (the members are told to expect it).
 const BEAT_EVERY: Duration = Duration::from_millis(200);
@@ -55,6 +55,8 @@ impl Member {
             .arg(&data_dir)
             .args(["--etcd-endpoints", &etcd.endpoints().join(",")])
             .args(["--etcd-prefix", PREFIX])
+            // A dead or paused leader is replaced within 2 s.
+            .args(["--etcd-lease-ttl-s", "2"])
             .args([
                 "--node-lost-timeout-ms",
                 "1500",
