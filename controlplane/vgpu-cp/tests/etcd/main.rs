@@ -33,6 +33,13 @@ const WAIT: Duration = Duration::from_secs(60);
 /// How often the test's stand-in agents beat (the members are told to expect it).
 const BEAT_EVERY: Duration = Duration::from_millis(200);
 const PREFIX: &str = "/it-pool/";
+/// A node silent this long is lost (members started by `Member::spawn`).
+const NODE_LOST_TIMEOUT_MS: u64 = 1500;
+/// The node-lost timeout of the paused-leader test: longer than a heartbeat batch that a
+/// follower forwarded to the paused leader may hang before HTTP/2's keepalive gives up on it
+/// (about 10 s), during which that follower's later beats wait behind it. Shorter, and the
+/// member that takes over can mark a beating node lost because its beats were stuck.
+const PAUSED_NODE_LOST_TIMEOUT_MS: u64 = 12_000;
 
 /// One `vgpu-cp` process, killed (SIGKILL) when dropped.
 struct Member {
@@ -44,6 +51,18 @@ struct Member {
 
 impl Member {
     fn spawn(id: u64, port: u16, mode: &[&str], etcd: &EtcdCluster, dir: &Path) -> Member {
+        Member::spawn_with(id, port, mode, etcd, dir, NODE_LOST_TIMEOUT_MS)
+    }
+
+    /// `spawn` with another node-lost timeout.
+    fn spawn_with(
+        id: u64,
+        port: u16,
+        mode: &[&str],
+        etcd: &EtcdCluster,
+        dir: &Path,
+        node_lost_timeout_ms: u64,
+    ) -> Member {
         let address = format!("127.0.0.1:{port}");
         let log = dir.join(format!("member-{id}.log"));
         let data_dir = dir.join(format!("member-{id}"));
@@ -57,12 +76,8 @@ impl Member {
             .args(["--etcd-prefix", PREFIX])
             // A dead or paused leader is replaced within 2 s.
             .args(["--etcd-lease-ttl-s", "2"])
-            .args([
-                "--node-lost-timeout-ms",
-                "1500",
-                "--agent-heartbeat-ms",
-                "200",
-            ])
+            .args(["--node-lost-timeout-ms", &node_lost_timeout_ms.to_string()])
+            .args(["--agent-heartbeat-ms", "200"])
             .env("RUST_LOG", "info,openraft=warn,h2=warn,tower=warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -513,12 +528,15 @@ async fn a_leader_paused_past_its_lease_does_not_act_again_and_a_tenant_moves_on
     };
     let dir = tempfile::tempdir().unwrap();
     let ports = free_ports(2);
-    let mut members = vec![Member::spawn(
+    let lost_ms = PAUSED_NODE_LOST_TIMEOUT_MS;
+    let bootstrap = ["bootstrap"];
+    let mut members = vec![Member::spawn_with(
         1,
         ports[0],
-        &["bootstrap"],
+        &bootstrap,
         &etcd,
         dir.path(),
+        lost_ms,
     )];
     wait_for("member 1 leads", &members, || async {
         status(&members[0])
@@ -527,12 +545,14 @@ async fn a_leader_paused_past_its_lease_does_not_act_again_and_a_tenant_moves_on
     })
     .await;
     let peer = members[0].address.clone();
-    members.push(Member::spawn(
+    let join = ["join", "--peer", &peer];
+    members.push(Member::spawn_with(
         2,
         ports[1],
-        &["join", "--peer", &peer],
+        &join,
         &etcd,
         dir.path(),
+        lost_ms,
     ));
     wait_for("member 2 answers", &members, || async {
         status(&members[1]).await
