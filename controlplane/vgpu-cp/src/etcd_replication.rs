@@ -75,6 +75,8 @@ pub(crate) struct LeaderView {
 /// What the batcher, the apply task and the election task share.
 struct Core {
     id: NodeId,
+    /// Where the other members reach this one (what the `leader` key names).
+    address: String,
     log: EtcdLog,
     /// The applied state (for how far this member applied).
     shared: Arc<Shared>,
@@ -120,6 +122,7 @@ impl EtcdReplication {
         assert!(!address.is_empty(), "followers forward to this address");
         let core = Arc::new(Core {
             id,
+            address: address.to_owned(),
             log: log.clone(),
             shared: shared.clone(),
             request_deadline,
@@ -500,13 +503,18 @@ async fn run_election(core: Arc<Core>, mut election: Election, mut stop: watch::
         match campaign {
             Ok(Some(leadership)) => {
                 core.deposed.store(false, Ordering::SeqCst);
+                // Who leads is known without asking etcd: this member, under this leadership.
+                core.leader.send_replace(Some(LeaderView {
+                    id: core.id,
+                    address: core.address.clone(),
+                    revision: leadership.fence.leader_revision,
+                }));
                 core.leading.send_replace(Some(leadership));
                 tracing::info!(
                     id = core.id,
                     leader_revision = leadership.fence.leader_revision,
                     "leads the pool on etcd"
                 );
-                publish_leader(&core, &election).await;
                 while election.is_leader() == Some(leadership)
                     && !core.deposed.load(Ordering::SeqCst)
                     && !*stop.borrow()

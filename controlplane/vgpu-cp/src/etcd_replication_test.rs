@@ -172,15 +172,21 @@ async fn members_on_etcd_share_the_pool_and_hand_over_the_leader_loop() {
     drop(leader);
     wait_until("the survivor leads", || survivor.is_leader()).await;
     // The dashboard's cluster view lists the survivor's leadership among its elections.
-    let cluster = get(follower.local_address, "/ui/api/cluster").await;
-    let cluster: serde_json::Value = serde_json::from_str(&cluster).expect("the cluster view");
-    let elections = cluster["elections"].as_array().expect("elections");
-    assert!(
-        elections
+    // (The dashboard records it on its own task: poll, bounded.)
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let cluster = get(follower.local_address, "/ui/api/cluster").await;
+        let cluster: serde_json::Value = serde_json::from_str(&cluster).expect("the cluster view");
+        let elections = cluster["elections"].as_array().expect("elections");
+        if elections
             .iter()
-            .any(|election| election["leader"] == survivor.id),
-        "{cluster}"
-    );
+            .any(|election| election["leader"] == survivor.id)
+        {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{cluster}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // The stopped member left `members/` (it revoked its registration's lease).
     wait_until("only the survivor listed", || {
         member_ids(&survivor) == [survivor.id]
