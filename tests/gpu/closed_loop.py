@@ -52,7 +52,9 @@ import time
 import traceback
 from collections import deque
 
-LATENCY_PERIOD_MS = {"decoder": 3.0, "eager": 5.0, "bert": 2.0}
+LATENCY_PERIOD_MS = {"decoder": 3.0, "eager": 5.0, "bert": 2.0, "launches": 4.0}
+# The `launches` probe: this many tiny kernels per step (its step time is launch cost).
+LAUNCHES_PER_STEP = 400
 NEIGHBOURS = ("gemm", "train", "stream", "long")
 # Neighbour chunks queued on the GPU at once: keeps the GPU fed without queueing seconds of work.
 DEPTH = 2
@@ -180,6 +182,19 @@ def make_bert(torch):
         torch.cuda.synchronize()
 
     step.keep = (model, x)
+    return step
+
+
+def make_launches(torch):
+    x = torch.zeros(16, device="cuda")
+    log(f"launches: {LAUNCHES_PER_STEP} tiny in-place adds, then one synchronisation (the launch path's cost)")
+
+    def step():
+        for _ in range(LAUNCHES_PER_STEP):
+            x.add_(1.0)
+        torch.cuda.synchronize()
+
+    step.keep = (x,)
     return step
 
 
@@ -339,6 +354,7 @@ MAKERS = {
     "decoder": make_decoder,
     "eager": make_eager,
     "bert": make_bert,
+    "launches": make_launches,
     "gemm": make_gemm,
     "train": make_train,
     "stream": make_stream,

@@ -106,7 +106,7 @@ NBS=()
 for p in $PAIRS; do
   l=${p%%:*}
   n=${p#*:}
-  case "$l" in decoder | eager | bert) ;; *) echo "PAIRS: unknown latency tenant in $p" >&2; exit 2 ;; esac
+  case "$l" in decoder | eager | bert | launches) ;; *) echo "PAIRS: unknown latency tenant in $p" >&2; exit 2 ;; esac
   case "$n" in gemm | train | stream | long) ;; *) echo "PAIRS: unknown neighbour in $p" >&2; exit 2 ;; esac
   [[ " ${LATS[*]} " == *" $l "* ]] || LATS+=("$l")
   [[ " ${NBS[*]} " == *" $n "* ]] || NBS+=("$n")

@@ -5,11 +5,12 @@
 use std::collections::BTreeMap;
 
 use crate::ladder::Ladder;
+use crate::tenant::BASELINE_STEPS_MAX;
 use crate::tenant::{Judgement, Seen, TenantState};
 use crate::types::{
     Change, Config, Event, Lever, Output, Reason, TENANTS_MAX, TenantStatus, TenantWindow,
 };
-use tenant_abi::control::Decision;
+use tenant_abi::control::{Decision, LatencySnapshot, latency_bucket};
 
 /// A lever must lower the worst p99 by at least this many histogram buckets (about 9% each) to
 /// count as helping: one bucket is the histogram's own rounding.
@@ -18,7 +19,37 @@ pub const LEVER_IMPROVEMENT_BUCKETS: i32 = 2;
 /// again.
 pub const PROBE_BACKOFF_MAX: u32 = 6;
 
+/// Steps of a tenant needed both at a level and at level 0 before the two are compared (the
+/// floor), in relaxation waits (`Config::relax_steps`): 200 at a 1% budget, so that each p99
+/// is a second-slowest step rather than a single one.
+pub const FLOOR_RELAX_WAITS: u64 = 2;
+
+/// How sure (in standard errors of the difference of two rates) the controller must be that
+/// a level has fewer violations than level 0 to keep it (one-sided, about 2% of chance
+/// verdicts), and that level 0, while sampled, has more than the top to stop sampling it.
+pub const FLOOR_BETTER_Z: f64 = 2.0;
+pub const FLOOR_FAR_WORSE_Z: f64 = 3.0;
+
 const LEVERS: usize = Lever::ALL.len();
+
+/// Whether the rate of `a` (`(steps, violations)`) is higher than that of `b` by more than
+/// `z` standard errors of their difference (the pooled two-proportion test).
+fn rate_higher(a: (u64, u64), b: (u64, u64), z: f64) -> bool {
+    let ((a_steps, a_hits), (b_steps, b_hits)) = (a, b);
+    if a_steps == 0 || b_steps == 0 {
+        return false;
+    }
+    let (a_rate, b_rate) = (
+        a_hits as f64 / a_steps as f64,
+        b_hits as f64 / b_steps as f64,
+    );
+    let pooled = (a_hits + b_hits) as f64 / (a_steps + b_steps) as f64;
+    let error = (pooled * (1.0 - pooled) * (1.0 / a_steps as f64 + 1.0 / b_steps as f64)).sqrt();
+    if error == 0.0 {
+        return a_rate > b_rate;
+    }
+    (a_rate - b_rate) / error > z
+}
 
 /// What is known of one lever kind in this episode (since the latency tenants last went idle).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -74,6 +105,8 @@ pub struct Controller {
     failures: Vec<Failure>,
     /// Violations since the level was set: what trying it has cost so far.
     level_violations: u64,
+    /// Steps judged since the level was set: with `level_violations`, the level's own trial.
+    level_steps: u64,
     /// Consecutive clean windows, and their steps, at this decision.
     clean_windows: u32,
     clean_steps: u64,
@@ -86,6 +119,25 @@ pub struct Controller {
     resume_level: Option<usize>,
     /// Whether a latency tenant was active since the last release (an episode is under way).
     in_episode: bool,
+    /// Per level (`0..=top`), each tenant's steps measured at it in this episode beside active
+    /// neighbours (from the second window of a decision on, none while a lever is released for
+    /// a probe): what each level buys against level 0, the floor.
+    measured: Vec<BTreeMap<String, LatencySnapshot>>,
+    /// Levels found no better than level 0 in this episode: skipped until it ends.
+    dominated: Vec<bool>,
+    /// Whether level 0 was judged beside active neighbours in this episode.
+    free_probed: bool,
+    /// The level a probe of level 0 came from: over budget at 0, it comes back at once (or,
+    /// while `free_sampling`, once level 0 has steps enough to compare).
+    free_probe_from: Option<usize>,
+    /// Level 0 is being measured because the top is over budget too: it stays until it has
+    /// the steps to compare the two (unless a step starves).
+    free_sampling: bool,
+    /// Level 0 was seen to be far worse than the top in this episode (a step starved there, or
+    /// it ran up many more violations while sampled): it is not sampled again.
+    free_worse: bool,
+    /// Whether the top is held for lack of a target (`Reason::NoTarget`).
+    holding_for_target: bool,
 }
 
 impl Controller {
@@ -94,6 +146,7 @@ impl Controller {
         let ladder = Ladder::new(&config);
         assert!(ladder.top() <= usize::from(u8::MAX));
         let failures = vec![Failure::default(); ladder.top() + 1];
+        let levels = ladder.top() + 1;
         Controller {
             config,
             ladder,
@@ -104,11 +157,19 @@ impl Controller {
             decision_age: 0,
             failures,
             level_violations: 0,
+            level_steps: 0,
             clean_windows: 0,
             clean_steps: 0,
             known_good: None,
             resume_level: None,
             in_episode: false,
+            measured: vec![BTreeMap::new(); levels],
+            dominated: vec![false; levels],
+            free_probed: false,
+            free_probe_from: None,
+            free_sampling: false,
+            free_worse: false,
+            holding_for_target: false,
         }
     }
 
@@ -224,10 +285,22 @@ impl Controller {
         windows.retain(|window| self.tenants.contains_key(&window.name));
         let charged = open_step_since_ns.and_then(|since| self.open_step_owner(now_ns, since));
         let mut judged = Vec::new();
+        // What this level buys (the floor): steps beside running neighbours, not the first
+        // window of a decision (it still holds the last one's queued work), not under a probe.
+        let measuring = neighbours_active && self.decision_age >= 1 && self.probing().is_none();
         for window in windows {
             let tenant = self.tenants.get_mut(&window.name).expect("entered above");
             let open = open_step_since_ns.filter(|_| charged.as_ref() == Some(&window.name));
             let judgement = tenant.observe(&self.config, now_ns, &window.window, seen, open);
+            if measuring && window.window.steps > 0 {
+                let measured = self.measured[self.level]
+                    .entry(window.name.clone())
+                    .or_default();
+                measured.add(&window.window);
+                if measured.steps > BASELINE_STEPS_MAX {
+                    crate::tenant::halve(measured);
+                }
+            }
             if let Some(judgement) = judgement {
                 judged.push((window.name, judgement));
             }
@@ -266,6 +339,14 @@ impl Controller {
             let tenant = (*tenant).clone();
             return self.hold_top(Reason::NoTarget { tenant });
         }
+        if std::mem::take(&mut self.holding_for_target)
+            && neighbours_active
+            && self.level == self.ladder.top()
+        {
+            // The target is known: whether these neighbours need any restriction at all shows
+            // at level 0, not after a relaxation down the whole ladder.
+            return Some(self.probe_free());
+        }
         if self.level == 0
             && let Some(level) = resume
         {
@@ -276,6 +357,7 @@ impl Controller {
         }
         if neighbours_active
             && self.level != self.ladder.top()
+            && !self.dominated[self.ladder.top()]
             && let Some(tenant) = charged.filter(|name| {
                 open_step_since_ns.is_some_and(|since| {
                     self.tenants[name.as_str()].starving(&self.config, now_ns, since)
@@ -315,7 +397,31 @@ impl Controller {
         self.learn_lever(worst);
         let violations: u64 = judged.iter().map(|(_, j)| j.violations).sum();
         self.level_violations = self.level_violations.saturating_add(violations);
-        let over = judged.iter().find(|(_, j)| j.over_budget);
+        self.level_steps = self
+            .level_steps
+            .saturating_add(judged.iter().map(|(_, j)| j.steps).sum());
+        if self.level == 0 {
+            self.free_probed = true;
+        } else if self.no_better_than_free(judged) {
+            let level = self.level;
+            for dominated in &mut self.dominated[1..=level] {
+                *dominated = true;
+            }
+            self.set_level(0);
+            return Some(Reason::NoBetterThanUnrestricted { level });
+        }
+        // A tenant over its budget moves the level only once the level itself has failed its
+        // trial: more violations since it was set than one plus the budget's share of its
+        // steps. A tenant still in debt from the level below would otherwise fail each level
+        // on its first slow step (on an H100, a 7 ms tenant with one step per window climbed
+        // from 0 to Exclusive in seven windows, one violation each, beside a neighbour that
+        // plain co-location already kept within 1.2x).
+        let level_failed = self.level_violations as f64
+            > 1.0 + self.config.violation_budget * self.level_steps as f64;
+        let over = judged
+            .iter()
+            .find(|(_, j)| j.over_budget)
+            .filter(|_| level_failed);
         if let Some((tenant, judgement)) = over {
             self.break_run();
             if let Some(lever) = self.probing() {
@@ -329,6 +435,32 @@ impl Controller {
                 steps: judgement.steps,
                 violations: judgement.violations,
             };
+            if self.free_sampling {
+                if self.floor_far_worse(judged) {
+                    self.free_worse = true;
+                } else if !self.floor_measured(judged) {
+                    // Level 0 beside a top that misses the target too: measured to the end.
+                    return None;
+                }
+            }
+            if let Some(from) = self.free_probe_from.take() {
+                // The probe of the floor failed: back to where it came from, at once.
+                self.set_level(self.enabled_at_or_above(from));
+                return Some(reason);
+            }
+            if self.level == self.ladder.top()
+                && !self.free_worse
+                && !self.floor_measured(judged)
+                && self.level_measured(self.level, judged)
+                && self.misses_in_the_long_run(self.level, judged)
+            {
+                // Even the top misses the target: whether it is any better than level 0 (where
+                // the neighbours lose nothing) needs level 0 measured as long as the top was.
+                self.set_level(0);
+                self.free_probe_from = Some(self.ladder.top());
+                self.free_sampling = true;
+                return Some(Reason::ProbeUnrestricted);
+            }
             return self.step_up(worst, reason);
         }
         if !judged.iter().all(|(_, j)| j.clean) {
@@ -349,18 +481,27 @@ impl Controller {
                 tenant.in_allowance() && tenant.streak_in_margin(&self.config)
             });
         if !settled || self.level == 0 {
+            if settled {
+                // Level 0 holds: a later failure climbs as from any level.
+                self.free_probe_from = None;
+                self.free_sampling = false;
+            }
             return None;
         }
         if let Some(lever) = self.probing() {
             // The probe held: the lever is not needed beside this neighbour.
             self.levers[lever.index()] = LeverState::Useless;
         }
+        if !self.free_probed && self.failures[0].repeats == 0 {
+            self.known_good = Some(self.level);
+            return Some(self.probe_free());
+        }
         if let Some(to) = self.bisect_down() {
             return Some(self.relax(to));
         }
         let below = (0..self.level)
             .rev()
-            .find(|&level| self.enabled(level))
+            .find(|&level| self.enabled(level) && !self.dominated[level])
             .unwrap_or(0);
         let blocked = self.clean_steps < self.failures[below].probe_steps;
         if !blocked {
@@ -460,6 +601,15 @@ impl Controller {
                 (next, reason)
             }
         };
+        // Past the levels no better than level 0 (see the floor); with none left above, the
+        // restriction cannot buy latency here: stay.
+        let mut next = next;
+        while next < top && self.dominated[next] {
+            next = self.enabled_at_or_above(next + 1);
+        }
+        if self.dominated[next] {
+            return None;
+        }
         assert!(next > self.level, "a step up: {} to {next}", self.level);
         for lever in Lever::ALL {
             let entered = self
@@ -510,6 +660,8 @@ impl Controller {
     fn starve(&mut self, tenant: String, violations: u64) -> Option<Reason> {
         assert!(self.level < self.ladder.top());
         let before = self.decision();
+        self.free_probed |= self.level == 0;
+        self.free_worse |= self.level == 0;
         if let Some(lever) = self.probing() {
             self.levers[lever.index()] = LeverState::Needed;
         }
@@ -529,7 +681,9 @@ impl Controller {
             .rev()
             .find(|&level| self.failures[level].repeats > 0);
         let lowest = floor.map_or(0, |failed| failed + 1);
-        let candidates: Vec<usize> = (lowest..self.level).filter(|&l| self.enabled(l)).collect();
+        let candidates: Vec<usize> = (lowest..self.level)
+            .filter(|&l| self.enabled(l) && (l == 0 || !self.dominated[l]))
+            .collect();
         // With one candidate left this is the plain one-level relaxation.
         (candidates.len() >= 2).then(|| candidates[candidates.len() / 2])
     }
@@ -547,6 +701,9 @@ impl Controller {
     fn hold_top(&mut self, reason: Reason) -> Option<Reason> {
         let before = self.decision();
         self.levers = [LeverState::Untried; LEVERS];
+        // A tenant new to these neighbours: what the levels bought the others says little.
+        self.forget_floor();
+        self.holding_for_target = true;
         self.set_level(self.ladder.top());
         (self.decision() != before).then_some(reason)
     }
@@ -564,14 +721,132 @@ impl Controller {
         self.levers = [LeverState::Untried; LEVERS];
         self.failures.fill(Failure::default());
         self.known_good = None;
+        self.forget_floor();
+        self.holding_for_target = false;
         self.set_level(0);
         (self.decision() != before).then_some(Reason::Idle)
     }
 
+    /// Level 0 from `self.level` (which held, or holds the top for a target just learnt), to
+    /// measure the floor: over budget there, `self.level` comes back at once.
+    fn probe_free(&mut self) -> Reason {
+        let from = self.level;
+        assert!(from > 0, "a probe of the floor comes from above it");
+        self.set_level(0);
+        self.free_probe_from = Some(from);
+        Reason::ProbeUnrestricted
+    }
+
+    /// Whether every tenant judged in this window has had steps enough at the current level
+    /// and at level 0 in this episode, and none of them is measurably better off at the
+    /// current level: its p99 not `LEVER_IMPROVEMENT_BUCKETS` lower, and its share of steps
+    /// over its target neither within the budget where level 0's is not, nor half of level
+    /// 0's. Then the level only costs the neighbours (never worse than plain co-location on
+    /// both axes at once).
+    fn no_better_than_free(&self, judged: &[(String, crate::tenant::Judgement)]) -> bool {
+        if self.probing().is_some() {
+            return false;
+        }
+        let needed = FLOOR_RELAX_WAITS * self.config.relax_steps();
+        let budget = self.config.violation_budget;
+        judged.iter().all(|(name, _)| {
+            let (Some(here), Some(free)) = (
+                self.measured[self.level].get(name),
+                self.measured[0].get(name),
+            ) else {
+                return false;
+            };
+            let Some(target) = self.tenants[name.as_str()].target_ns(&self.config) else {
+                return false;
+            };
+            if here.steps < needed || free.steps < needed {
+                return false;
+            }
+            let (Some(here_p99), Some(free_p99)) = (here.quantile_ns(0.99), free.quantile_ns(0.99))
+            else {
+                return false;
+            };
+            let lower_p99 = latency_bucket(free_p99) as i32 - latency_bucket(here_p99) as i32
+                >= LEVER_IMPROVEMENT_BUCKETS;
+            let counts = |h: &LatencySnapshot| (h.steps, h.slower_than(target));
+            let fewer_violations = free.slower_than(target) as f64 > budget * free.steps as f64
+                && rate_higher(counts(free), counts(here), FLOOR_BETTER_Z);
+            !lower_p99 && !fewer_violations
+        })
+    }
+
+    /// Whether every tenant judged has the steps at `level` to compare it with another.
+    fn level_measured(&self, level: usize, judged: &[(String, crate::tenant::Judgement)]) -> bool {
+        let needed = FLOOR_RELAX_WAITS * self.config.relax_steps();
+        judged.iter().all(|(name, _)| {
+            self.measured[level]
+                .get(name)
+                .is_some_and(|steps| steps.steps >= needed)
+        })
+    }
+
+    fn floor_measured(&self, judged: &[(String, crate::tenant::Judgement)]) -> bool {
+        self.level_measured(0, judged)
+    }
+
+    /// Steps of `name` measured at `level`, and those over its target.
+    fn violations_at(&self, level: usize, name: &str) -> (u64, u64) {
+        let target = self.tenants[name].target_ns(&self.config);
+        self.measured[level].get(name).map_or((0, 0), |steps| {
+            (
+                steps.steps,
+                target.map_or(0, |target| steps.slower_than(target)),
+            )
+        })
+    }
+
+    /// Whether a tenant judged has more of its steps at `level` over its target than the
+    /// budget allows, over all of them in this episode (not a burst of two within one
+    /// relaxation wait, which the tenant's own hiccups cause at any level).
+    fn misses_in_the_long_run(
+        &self,
+        level: usize,
+        judged: &[(String, crate::tenant::Judgement)],
+    ) -> bool {
+        judged.iter().any(|(name, _)| {
+            let (steps, violations) = self.violations_at(level, name);
+            violations as f64 > self.config.violation_budget * steps as f64
+        })
+    }
+
+    /// While level 0 is sampled: whether a tenant's violations there are already far more
+    /// frequent than at the top (beyond what sampling explains, `FLOOR_FAR_WORSE_Z`).
+    fn floor_far_worse(&self, judged: &[(String, crate::tenant::Judgement)]) -> bool {
+        judged.iter().any(|(name, _)| {
+            let floor = self.violations_at(0, name);
+            floor.1 as f64 > self.config.violation_budget * floor.0 as f64
+                && rate_higher(
+                    floor,
+                    self.violations_at(self.ladder.top(), name),
+                    FLOOR_FAR_WORSE_Z,
+                )
+        })
+    }
+
+    /// What the levels bought in this episode: forgotten when the pair changes.
+    fn forget_floor(&mut self) {
+        self.measured.iter_mut().for_each(BTreeMap::clear);
+        self.dominated.fill(false);
+        self.free_probed = false;
+        self.free_probe_from = None;
+        self.free_sampling = false;
+        self.free_worse = false;
+    }
+
     fn set_level(&mut self, level: usize) {
         assert!(level <= self.ladder.top());
+        if level != 0 {
+            self.free_probe_from = None;
+            self.free_sampling = false;
+        }
         self.level = level;
         self.level_violations = 0;
+        self.level_steps = 0;
         self.break_run();
     }
 
@@ -649,6 +924,12 @@ impl Controller {
             );
         }
         assert!(self.tenants.len() <= TENANTS_MAX);
+        assert!(
+            self.level == 0 || !self.dominated[self.level],
+            "standing on a level no better than level 0"
+        );
+        assert!(self.free_probe_from.is_none() || self.level == 0);
+        assert!(!self.free_sampling || self.free_probe_from.is_some());
         let probing = self
             .levers
             .iter()

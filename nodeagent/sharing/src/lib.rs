@@ -106,6 +106,30 @@
 //!   was seen open, with no step ended since, is idle only after `idle_max_ns` (the agent stops
 //!   reporting a step open for longer than 100 ms; a starving step can take longer).
 //!
+//! **The floor.** No level may leave the latency tenants no better off than level 0 (plain
+//! co-location) while it costs the neighbours: the issue's "never worse than plain co-location
+//! on both axes at once", judged from measurement. Per episode, the controller keeps each
+//! tenant's steps per level (beside running neighbours, from a decision's second window on,
+//! not under a lever probe), and:
+//! - *Level 0 first.* The first relaxation of an episode whose level 0 is unmeasured goes
+//!   straight to 0 (`Reason::ProbeUnrestricted`), and so does the end of a `NoTarget` hold the
+//!   moment the target is learnt: many pairs need no restriction at all (an H100 run: bert next
+//!   to a training loop at 1.11x alone unrestricted, while the ladder's relaxation held Pause
+//!   and the guards and left the trainer 9-23% of its speed). Over budget at 0, the level the
+//!   probe came from returns at once (not a climb through every level below it).
+//! - *Dominance.* Once a tenant has `FLOOR_RELAX_WAITS` relaxation waits of steps (200 at 1%)
+//!   both at the current level and at 0, the level is kept only if it is measurably better for
+//!   some tenant: a p99 `LEVER_IMPROVEMENT_BUCKETS` lower, or a share of steps over the target
+//!   lower by more than `FLOOR_BETTER_Z` standard errors (level 0's share over the budget).
+//!   Otherwise it and every level under it are *dominated*: level 0
+//!   (`Reason::NoBetterThanUnrestricted`), and climbs, relaxations and starving skip them for the
+//!   rest of the episode; with the top dominated, nothing restricts.
+//! - *Sampling the floor.* A failing level 0 leaves few steps to compare with, so when even the
+//!   top misses the target over all its steps in the episode (not a burst: the tenant's own
+//!   hiccups), level 0 is sampled until it has as many steps, unless its violations are already
+//!   far more frequent than the top's (`FLOOR_FAR_WORSE_Z` standard errors) or a step starves
+//!   there: then level 0 is worse, and it is not sampled again in the episode.
+//!
 //! Several latency tenants on one GPU share one level: it steps up when any of them is over
 //! budget and relaxes only when all are clean.
 
@@ -114,7 +138,10 @@ mod ladder;
 mod tenant;
 mod types;
 
-pub use controller::{Controller, LEVER_IMPROVEMENT_BUCKETS, LeverState, PROBE_BACKOFF_MAX};
+pub use controller::{
+    Controller, FLOOR_BETTER_Z, FLOOR_FAR_WORSE_Z, FLOOR_RELAX_WAITS, LEVER_IMPROVEMENT_BUCKETS,
+    LeverState, PROBE_BACKOFF_MAX,
+};
 pub use ladder::{GUARD_QUARTERS, Ladder, Rung, guard_us};
 pub use tenant::{
     ALLOWANCE_MAX_PPM, ALLOWANCE_MIN_PPM, BASELINE_STEPS_MAX, BASELINE_STEPS_MIN, IDLE_GAPS,

@@ -197,6 +197,16 @@ pub enum Reason {
     /// The latency tenants are active again beside active neighbours: the level the last
     /// episode settled on, from the first window (not a climb from 0 at every burst).
     Resumed,
+    /// The first relaxation of an episode whose unrestricted latency beside these neighbours
+    /// is not measured yet (the target just learnt, or a resumed episode): straight to level
+    /// 0, the floor (plain co-location), which may need no restriction at all. Over budget
+    /// there, the level left comes back at once.
+    ProbeUnrestricted,
+    /// Level `level` and every level under it do not measurably lower the latency tenants'
+    /// latency against level 0 beside these neighbours (see `Controller`'s docs on the
+    /// floor): they only cost the neighbours, so level 0, and the climb skips them for the
+    /// rest of the episode.
+    NoBetterThanUnrestricted { level: usize },
 }
 
 /// A change of the decision.
