@@ -73,6 +73,21 @@ impl Keys {
     pub fn snapshot_chunk(&self, seq: u64, index: u32) -> String {
         format!("{}{index:010}", self.snapshot_chunks(seq))
     }
+
+    /// Every member's registration: `members/<id>` (`Presence`).
+    pub fn members_prefix(&self) -> String {
+        format!("{}members/", self.prefix)
+    }
+
+    pub fn member(&self, id: u64) -> String {
+        format!("{}{id:0SEQ_DIGITS$}", self.members_prefix())
+    }
+
+    /// The member id of a `members/` key, `None` for any other key.
+    pub fn member_id(&self, key: &[u8]) -> Option<u64> {
+        let rest = key.strip_prefix(self.members_prefix().as_bytes())?;
+        parse_seq(rest)
+    }
 }
 
 /// A sequence number as stored: exactly `SEQ_DIGITS` ASCII digits.
@@ -111,6 +126,14 @@ mod tests {
         assert_eq!(keys.log_seq(keys.log(u64::MAX).as_bytes()), Some(u64::MAX));
         assert_eq!(keys.log_seq(keys.head().as_bytes()), None);
         assert_eq!(keys.log_seq(b"/vgpu/log/12"), None);
+    }
+
+    #[test]
+    fn member_keys_parse_back() {
+        let keys = Keys::new("/vgpu/");
+        assert_eq!(keys.member(3), "/vgpu/members/00000000000000000003");
+        assert_eq!(keys.member_id(keys.member(3).as_bytes()), Some(3));
+        assert_eq!(keys.member_id(keys.log(3).as_bytes()), None);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! vgpu-cp's replicated state on an existing etcd cluster: the command log (`EtcdLog`), every
 //! member's apply stream (`Follower`) and apply task (`Applier`, with linearizable reads),
-//! snapshots with log compaction, and leader election with fencing (`Election`). See
+//! snapshots with log compaction, leader election with fencing (`Election`), and which members
+//! are up (`Presence`). See
 //! `docs/design/etcd-store.md` for how this maps onto what the Raft store guarantees.
 //!
 //! The crate knows bytes and sequence numbers, not `PoolState`: vgpu-cp encodes its commands and
@@ -14,6 +15,7 @@ mod error;
 mod follower;
 mod keys;
 mod log;
+mod presence;
 mod snapshot;
 pub mod testing;
 
@@ -27,4 +29,5 @@ pub use log::{
     APPEND_ATTEMPTS_MAX, APPEND_BYTES_MAX, APPEND_ENTRIES_MAX, Entry, EtcdLog, Fence, Head,
     READ_ENTRIES_MAX, ReadBatch,
 };
+pub use presence::{MEMBERS_MAX, Presence};
 pub use snapshot::{SNAPSHOT_CHUNK_BYTES, SNAPSHOT_CHUNKS_MAX, Snapshot, SnapshotPointer};

@@ -78,6 +78,12 @@ pub struct Settings {
     pub tls_key: Option<PathBuf>,
     pub tls_ca_key: Option<PathBuf>,
     pub tenant_priority_max: Option<i32>,
+    pub etcd_endpoints: Option<Vec<String>>,
+    pub etcd_prefix: Option<String>,
+    pub etcd_ca: Option<PathBuf>,
+    pub etcd_cert: Option<PathBuf>,
+    pub etcd_key: Option<PathBuf>,
+    pub etcd_lease_ttl_s: Option<u64>,
 }
 
 fn socket_address<'de, D: Deserializer<'de>>(
@@ -241,6 +247,57 @@ const TENANT_PRIORITY_MAX: KeyDoc = KeyDoc {
     example: "100",
 };
 
+const ETCD_ENDPOINTS: KeyDoc = KeyDoc {
+    key: "etcd_endpoints",
+    env: "VGPU_CP_ETCD_ENDPOINTS",
+    env_aliases: &[],
+    flag: Some("--etcd-endpoints"),
+    default: "none (the built-in Raft store)",
+    example: "[\"https://etcd1.example.net:2379\", \"https://etcd2.example.net:2379\"]",
+};
+const ETCD_PREFIX: KeyDoc = KeyDoc {
+    key: "etcd_prefix",
+    env: "VGPU_CP_ETCD_PREFIX",
+    env_aliases: &[],
+    flag: Some("--etcd-prefix"),
+    default: "/vgpu/",
+    example: "\"/vgpu/\"",
+};
+const ETCD_CA: KeyDoc = KeyDoc {
+    key: "etcd_ca",
+    env: "VGPU_CP_ETCD_CA",
+    env_aliases: &[],
+    flag: Some("--etcd-ca"),
+    default: "none (plain http:// endpoints)",
+    example: "\"/etc/vgpu/etcd/ca.crt\"",
+};
+const ETCD_CERT: KeyDoc = KeyDoc {
+    key: "etcd_cert",
+    env: "VGPU_CP_ETCD_CERT",
+    env_aliases: &[],
+    flag: Some("--etcd-cert"),
+    default: "none (plain http:// endpoints)",
+    example: "\"/etc/vgpu/etcd/client.crt\"",
+};
+const ETCD_KEY: KeyDoc = KeyDoc {
+    key: "etcd_key",
+    env: "VGPU_CP_ETCD_KEY",
+    env_aliases: &[],
+    flag: Some("--etcd-key"),
+    default: "none (plain http:// endpoints)",
+    example: "\"/etc/vgpu/etcd/client.key\"",
+};
+const ETCD_LEASE_TTL_S: KeyDoc = KeyDoc {
+    key: "etcd_lease_ttl_s",
+    env: "VGPU_CP_ETCD_LEASE_TTL_S",
+    env_aliases: &[],
+    flag: Some("--etcd-lease-ttl-s"),
+    default: "5",
+    example: "5",
+};
+/// The longest leader lease on etcd: an hour (a dead leader is replaced only after it).
+pub const ETCD_LEASE_TTL_S_MAX: u64 = 3600;
+
 /// Every key of the `vgpu-cp` configuration file, in the order of the documentation.
 pub const KEYS: &[KeyDoc] = &[
     MODE,
@@ -262,6 +319,12 @@ pub const KEYS: &[KeyDoc] = &[
     TLS_KEY,
     TLS_CA_KEY,
     TENANT_PRIORITY_MAX,
+    ETCD_ENDPOINTS,
+    ETCD_PREFIX,
+    ETCD_CA,
+    ETCD_CERT,
+    ETCD_KEY,
+    ETCD_LEASE_TTL_S,
 ];
 
 impl Settings {
@@ -293,6 +356,14 @@ impl Settings {
                 &TENANT_PRIORITY_MAX,
                 common::parse_from_str("give a priority from -1000 to 1000, such as 100"),
             )?,
+            etcd_endpoints: common::from_env(env, &ETCD_ENDPOINTS, |text| {
+                Ok(common::split_list(text))
+            })?,
+            etcd_prefix: common::from_env(env, &ETCD_PREFIX, |text| Ok(text.to_owned()))?,
+            etcd_ca: common::from_env(env, &ETCD_CA, common::parse_path)?,
+            etcd_cert: common::from_env(env, &ETCD_CERT, common::parse_path)?,
+            etcd_key: common::from_env(env, &ETCD_KEY, common::parse_path)?,
+            etcd_lease_ttl_s: number(&ETCD_LEASE_TTL_S, 2)?,
         })
     }
 
@@ -402,6 +473,12 @@ impl Settings {
                 api::validate::PRIORITY_MAX
             )));
         }
+        let etcd = etcd_store(
+            self.etcd_endpoints,
+            self.etcd_prefix,
+            [self.etcd_ca, self.etcd_cert, self.etcd_key],
+            self.etcd_lease_ttl_s,
+        )?;
         let security = crate::Security {
             insecure: self.insecure.unwrap_or(false),
             tls,
@@ -427,6 +504,7 @@ impl Settings {
                 snapshot_keep_logs: self.snapshot_keep_logs.unwrap_or(1000),
             },
             security,
+            etcd,
         };
         debug_assert!(config.raft.election_timeout_max_ms > config.raft.election_timeout_min_ms);
         Ok(config)
@@ -455,7 +533,106 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         tls_key: higher.tls_key.or(lower.tls_key),
         tls_ca_key: higher.tls_ca_key.or(lower.tls_ca_key),
         tenant_priority_max: higher.tenant_priority_max.or(lower.tenant_priority_max),
+        etcd_endpoints: higher.etcd_endpoints.or(lower.etcd_endpoints),
+        etcd_prefix: higher.etcd_prefix.or(lower.etcd_prefix),
+        etcd_ca: higher.etcd_ca.or(lower.etcd_ca),
+        etcd_cert: higher.etcd_cert.or(lower.etcd_cert),
+        etcd_key: higher.etcd_key.or(lower.etcd_key),
+        etcd_lease_ttl_s: higher.etcd_lease_ttl_s.or(lower.etcd_lease_ttl_s),
     }
+}
+
+/// The etcd store's settings, or `None` (the Raft store) when no endpoint is given; the other
+/// `etcd_*` keys without endpoints are a mistake, and so are some of the three TLS files only.
+fn etcd_store(
+    endpoints: Option<Vec<String>>,
+    prefix: Option<String>,
+    tls: [Option<PathBuf>; 3],
+    lease_ttl_s: Option<u64>,
+) -> Result<Option<crate::EtcdStore>, ConfigError> {
+    let endpoints: Vec<String> = endpoints
+        .unwrap_or_default()
+        .into_iter()
+        .map(|endpoint| endpoint.trim().to_owned())
+        .filter(|endpoint| !endpoint.is_empty())
+        .collect();
+    let named = |key: &KeyDoc| {
+        format!(
+            "`{}` ({}, {})",
+            key.key,
+            key.flag.unwrap_or("no flag"),
+            key.env
+        )
+    };
+    if endpoints.is_empty() {
+        let given: Vec<String> = [
+            (&ETCD_PREFIX, prefix.is_some()),
+            (&ETCD_LEASE_TTL_S, lease_ttl_s.is_some()),
+        ]
+        .into_iter()
+        .chain(
+            [&ETCD_CA, &ETCD_CERT, &ETCD_KEY]
+                .into_iter()
+                .zip(tls.iter().map(Option::is_some)),
+        )
+        .filter(|(_, given)| *given)
+        .map(|(key, _)| named(key))
+        .collect();
+        if !given.is_empty() {
+            return Err(ConfigError::Conflict(format!(
+                "{} set without {}: give the etcd cluster's endpoints, or drop the etcd settings to use the built-in Raft store",
+                given.join(", "),
+                named(&ETCD_ENDPOINTS)
+            )));
+        }
+        return Ok(None);
+    }
+    if let Some(endpoint) = endpoints
+        .iter()
+        .find(|endpoint| !endpoint.starts_with("http://") && !endpoint.starts_with("https://"))
+    {
+        return Err(ConfigError::Conflict(format!(
+            "the etcd endpoint `{endpoint}` ({}) is not a URL; write http://HOST:PORT, or https://HOST:PORT with etcd_ca, etcd_cert and etcd_key",
+            named(&ETCD_ENDPOINTS)
+        )));
+    }
+    let prefix = prefix.unwrap_or_else(|| crate::ETCD_PREFIX_DEFAULT.to_owned());
+    if !prefix.starts_with('/') || !prefix.ends_with('/') || prefix.len() < 2 {
+        return Err(ConfigError::Conflict(format!(
+            "the etcd prefix `{prefix}` ({}) must start and end with `/`, such as /vgpu/ (one prefix per pool)",
+            named(&ETCD_PREFIX)
+        )));
+    }
+    let tls = match tls {
+        [None, None, None] => None,
+        [Some(ca), Some(cert), Some(key)] => Some(crate::EtcdTlsFiles { ca, cert, key }),
+        _ => {
+            return Err(ConfigError::Conflict(format!(
+                "mTLS to etcd needs all three of {}, {} and {}",
+                named(&ETCD_CA),
+                named(&ETCD_CERT),
+                named(&ETCD_KEY)
+            )));
+        }
+    };
+    let lease_ttl = match lease_ttl_s {
+        None => crate::ETCD_LEASE_TTL_DEFAULT,
+        Some(seconds) if (2..=ETCD_LEASE_TTL_S_MAX).contains(&seconds) => {
+            Duration::from_secs(seconds)
+        }
+        Some(seconds) => {
+            return Err(ConfigError::Conflict(format!(
+                "{} is {seconds}; give 2 to {ETCD_LEASE_TTL_S_MAX} seconds (etcd leases are whole seconds; a dead leader is replaced within about this long)",
+                named(&ETCD_LEASE_TTL_S)
+            )));
+        }
+    };
+    Ok(Some(crate::EtcdStore {
+        endpoints,
+        prefix,
+        tls,
+        lease_ttl,
+    }))
 }
 
 /// The member's [`Config`] from the command line's `flags`, the environment and the
@@ -681,6 +858,64 @@ mod tests {
                 .to_string()
                 .contains("must exceed")
         );
+    }
+
+    #[test]
+    fn the_etcd_store_is_one_setting_and_its_mistakes_are_named() {
+        let base = Settings {
+            mode: Some(ModeName::Bootstrap),
+            id: Some(1),
+            data_dir: Some("/d".into()),
+            ..Settings::default()
+        };
+        assert!(base.clone().resolve(None, None).unwrap().etcd.is_none());
+        let vars = env(&[
+            ("VGPU_CP_ETCD_ENDPOINTS", "http://e1:2379, http://e2:2379"),
+            ("VGPU_CP_ETCD_PREFIX", "/pool-a/"),
+        ]);
+        let config = merge(Settings::from_env(&vars).unwrap(), base.clone())
+            .resolve(None, None)
+            .unwrap();
+        let etcd = config.etcd.expect("the etcd store");
+        assert_eq!(etcd.endpoints, ["http://e1:2379", "http://e2:2379"]);
+        assert_eq!(etcd.prefix, "/pool-a/");
+        assert!(etcd.tls.is_none());
+        let with = |settings: Settings| settings.resolve(None, None).unwrap_err().to_string();
+        let endpoints = Some(vec!["http://e1:2379".to_owned()]);
+        let error = with(Settings {
+            etcd_prefix: Some("/p/".into()),
+            ..base.clone()
+        });
+        assert!(
+            error.contains("--etcd-endpoints") && error.contains("--etcd-prefix"),
+            "{error}"
+        );
+        let error = with(Settings {
+            etcd_endpoints: endpoints.clone(),
+            etcd_prefix: Some("vgpu".into()),
+            ..base.clone()
+        });
+        assert!(error.contains("must start and end with `/`"), "{error}");
+        let error = with(Settings {
+            etcd_endpoints: endpoints.clone(),
+            etcd_ca: Some("/ca".into()),
+            ..base.clone()
+        });
+        assert!(
+            error.contains("all three") && error.contains("--etcd-key"),
+            "{error}"
+        );
+        let error = with(Settings {
+            etcd_endpoints: Some(vec!["e1:2379".to_owned()]),
+            ..base.clone()
+        });
+        assert!(error.contains("not a URL"), "{error}");
+        let error = with(Settings {
+            etcd_endpoints: endpoints.clone(),
+            etcd_lease_ttl_s: Some(7200),
+            ..base
+        });
+        assert!(error.contains("--etcd-lease-ttl-s"), "{error}");
     }
 
     #[test]

@@ -36,6 +36,7 @@ async fn member_under_mtls(
         data_dir: directory.join("data"),
         timings,
         raft: RaftTimings::default(),
+        etcd: None,
         security: Security {
             insecure: false,
             tls: Some(TlsFiles {
@@ -104,7 +105,7 @@ async fn a_half_open_request_without_a_certificate_is_answered_within_the_reques
         "a gRPC error ends the call: {:?}",
         response.headers()
     );
-    started.control_plane.raft.shutdown().await.ok();
+    started.control_plane.replication.shutdown().await;
 }
 
 /// Idle TLS connections without a certificate were never closed (issue 22). Now a connection on
@@ -174,5 +175,5 @@ async fn a_connection_that_shows_no_certificate_is_closed_after_its_time() {
     status(admin)
         .await
         .expect("an authenticated connection stays");
-    started.control_plane.raft.shutdown().await.ok();
+    started.control_plane.replication.shutdown().await;
 }

@@ -1,8 +1,9 @@
-//! One control-plane node at run time: the Raft handle, the applied state, and the paths every
-//! API call takes.
+//! One control-plane node at run time: its replication (`crate::replication`: the Raft store),
+//! the applied state, and the paths every API call takes.
 //!
-//! - Writes: `client_write` here if this node leads, otherwise forwarded to the leader over the
-//!   internal `Raft.Forward` call; retried (bounded) while an election is under way.
+//! - Writes: through this member's batcher if it leads, otherwise forwarded to the leader over
+//!   the internal `Raft.Forward` call; retried (bounded) while an election is under way. On
+//!   etcd a member that knows no reachable leader appends itself.
 //! - Linearizable reads: the leader confirms its leadership (`ensure_linearizable`); a follower
 //!   asks the leader for its read index, waits until it has applied that far, then reads locally
 //!   (the ReadIndex protocol).
@@ -14,15 +15,16 @@ use crate::beats::{BatchLimits, BeatOutcome, QueuedBeat};
 use crate::metrics::Metrics;
 use crate::network;
 use crate::pool::{Command, CommandResult};
-use crate::raft_types::{NodeId, Raft, decode, encode};
+use crate::raft_types::{NodeId, decode, encode};
+use crate::replication::Replication;
 use crate::store::Shared;
 use api::ErrorCode;
 use api::v1::RaftPayload;
 use api::v1::raft_client::RaftClient;
 use openraft::BasicNode;
-use openraft::error::{CheckIsLeaderError, ClientWriteError, ForwardToLeader, RaftError};
+use openraft::error::{CheckIsLeaderError, RaftError};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::Status;
@@ -116,7 +118,8 @@ pub enum ForwardResponse {
 pub struct ControlPlane {
     pub id: NodeId,
     pub cluster_id: String,
-    pub raft: Raft,
+    /// Where the replicated state lives, and the batcher that writes to it.
+    pub replication: Replication,
     pub shared: Arc<Shared>,
     pub timings: Timings,
     pub metrics: Metrics,
@@ -130,8 +133,6 @@ pub struct ControlPlane {
     peers: Mutex<HashMap<String, RaftClient<Channel>>>,
     /// Plain text or mTLS, for forwarding to peers.
     transport: api::tls::Transport,
-    /// Local writes, batched into `Command::Batch` entries.
-    batcher: tokio::sync::mpsc::Sender<BatchItem>,
     /// Follower only: heartbeats waiting to be forwarded in a batch; the batcher task starts
     /// with the first beat (it holds a weak reference to this member).
     beat_queue: std::sync::OnceLock<tokio::sync::mpsc::Sender<crate::beats::QueuedBeat>>,
@@ -142,9 +143,9 @@ pub struct ControlPlane {
 }
 
 /// What a local write gets back: the result, or the leader to forward to.
-type LocalWrite = Result<Result<CommandResult, Option<BasicNode>>, Status>;
+pub(crate) type LocalWrite = Result<Result<CommandResult, Option<BasicNode>>, Status>;
 /// A queued write: the command, its encoded size, and where its result goes.
-type BatchItem = (Command, usize, tokio::sync::oneshot::Sender<LocalWrite>);
+pub(crate) type BatchItem = (Command, usize, tokio::sync::oneshot::Sender<LocalWrite>);
 
 /// Largest command one write may propose, encoded. Admission bounds every field of every
 /// request well below it (a registration is at most `api::validate::REGISTER_BYTES_MAX`); this
@@ -153,11 +154,6 @@ pub const COMMAND_BYTES_MAX: usize = 512 << 10;
 /// Largest log entry the batcher builds (a batch stops before the command that would pass it;
 /// a lone command is at most [`COMMAND_BYTES_MAX`]).
 pub const ENTRY_BYTES_MAX: usize = 1 << 20;
-
-/// Writes waiting for the batcher before callers wait for room.
-const BATCH_QUEUE_MAX: usize = 8192;
-/// Batches proposed to Raft at the same time.
-const BATCHES_IN_FLIGHT_MAX: usize = 4;
 
 pub fn unix_ms() -> i64 {
     std::time::SystemTime::now()
@@ -179,17 +175,15 @@ impl ControlPlane {
     pub fn new(
         id: NodeId,
         cluster_id: String,
-        raft: Raft,
+        replication: Replication,
         shared: Arc<Shared>,
         timings: Timings,
         transport: api::tls::Transport,
     ) -> ControlPlane {
-        let (batcher, queue) = tokio::sync::mpsc::channel(BATCH_QUEUE_MAX);
-        tokio::spawn(run_batcher(raft.clone(), queue));
         ControlPlane {
             id,
             cluster_id,
-            raft,
+            replication,
             shared,
             timings,
             metrics: Metrics::default(),
@@ -198,7 +192,6 @@ impl ControlPlane {
             usage_history: Mutex::default(),
             peers: Mutex::new(HashMap::new()),
             transport,
-            batcher,
             beat_queue: std::sync::OnceLock::new(),
             owner_writes: Mutex::new(crate::limits::PerKey::new(
                 crate::limits::OWNER_WRITES_PER_SECOND,
@@ -284,21 +277,34 @@ impl ControlPlane {
         }
     }
 
-    /// Whether this member can serve: `Err` once its Raft core stopped (a storage failure such
-    /// as a full disk; `Started::run_until`, and so `vgpu-cp run`, then ends), with what
-    /// happened and what to do.
+    /// Whether this member can serve: `Err` once its core stopped (on the Raft store, a storage
+    /// failure such as a full disk; `Started::run_until`, and so `vgpu-cp run`, then ends), with
+    /// what happened and what to do.
     pub fn health(&self) -> Result<(), String> {
-        match &self.raft.metrics().borrow().running_state {
-            Ok(()) => Ok(()),
-            Err(fatal) => Err(format!(
-                "the Raft core of member {} stopped: {fatal}; this member serves nothing until it is started again (if its disk is full, free space on its data directory first; what it acknowledged is on disk)",
-                self.id
-            )),
-        }
+        self.replication.health()
     }
 
     pub fn is_leader(&self) -> bool {
-        self.raft.metrics().borrow().current_leader == Some(self.id)
+        self.replication.is_leader()
+    }
+
+    /// The Raft handle, on the Raft store only.
+    pub fn raft(&self) -> Option<&crate::raft_types::Raft> {
+        self.replication.raft()
+    }
+
+    /// The leader's node when it is known and is not this member.
+    fn other_leader_node(&self) -> Option<BasicNode> {
+        self.replication.other_leader_node()
+    }
+
+    pub(crate) fn leader_node(&self) -> Option<BasicNode> {
+        self.replication.leader_node()
+    }
+
+    /// The leadership this member holds now (`None`: it does not lead).
+    fn leadership(&self) -> Option<crate::leader::Leadership> {
+        self.replication.leadership()
     }
 
     fn peer(&self, address: &str) -> Result<RaftClient<Channel>, Status> {
@@ -398,6 +404,14 @@ impl ControlPlane {
                         Some(ForwardResponse::Write(result)) => Ok(Some(result)),
                         Some(other) => Err(ErrorCode::Internal
                             .status(format!("unexpected forward answer {other:?}"))),
+                        // On etcd any member may append: a leader that cannot be reached (it
+                        // died, its lease has not expired yet) does not hold the write up.
+                        None if matches!(self.replication, Replication::Etcd(_)) => {
+                            match self.write_local(command.clone()).await? {
+                                Ok(result) => Ok(Some(result)),
+                                Err(_) => Ok(None),
+                            }
+                        }
                         None => Ok(None),
                     }
                 }
@@ -407,18 +421,11 @@ impl ControlPlane {
     }
 
     /// Writes on this node if it leads. `Err(leader)` when it does not. Concurrent writes are
-    /// batched into one log entry (see [`run_batcher`]).
+    /// batched into one log entry (see `replication::run_batcher`).
     async fn write_local(&self, command: Command) -> LocalWrite {
         let started = Instant::now();
         let size = command_size(&command)?;
-        let (done, wait) = tokio::sync::oneshot::channel();
-        self.batcher
-            .send((command, size, done))
-            .await
-            .map_err(|_| ErrorCode::Internal.status("the write batcher stopped"))?;
-        let result = wait
-            .await
-            .map_err(|_| ErrorCode::Internal.status("the write batcher dropped a write"))?;
+        let result = self.replication.submit(command, size).await;
         if matches!(result, Ok(Ok(_))) {
             self.metrics.observe_commit(started.elapsed());
         }
@@ -427,9 +434,18 @@ impl ControlPlane {
 
     /// Makes sure this node's applied state includes every write acknowledged before the call.
     pub async fn linearize(&self) -> Result<(), Status> {
+        match &self.replication {
+            Replication::Raft(replication) => self.linearize_raft(&replication.raft).await,
+            Replication::Etcd(etcd) => etcd.linearize().await,
+        }
+    }
+
+    /// ReadIndex: the leader confirms its leadership; a follower asks the leader for its read
+    /// index and waits until it has applied that far.
+    async fn linearize_raft(&self, raft: &crate::raft_types::Raft) -> Result<(), Status> {
         let index = self
             .until_leader("a linearizable read", || async {
-                match self.raft.ensure_linearizable().await {
+                match raft.ensure_linearizable().await {
                     Ok(_) => Ok(Some(None)),
                     Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(forward))) => {
                         match self
@@ -448,8 +464,7 @@ impl ControlPlane {
             })
             .await?;
         if let Some(index) = index {
-            self.raft
-                .wait(Some(self.timings.request_deadline))
+            raft.wait(Some(self.timings.request_deadline))
                 .applied_index_at_least(Some(index), "linearizable read")
                 .await
                 .map_err(|e| {
@@ -467,9 +482,14 @@ impl ControlPlane {
                 Ok(Err(_)) => ForwardResponse::NotLeader,
                 Err(status) => failed_from(&status),
             },
-            ForwardRequest::ReadIndex => match self.raft.ensure_linearizable().await {
-                Ok(read_log_id) => ForwardResponse::ReadIndex(read_log_id.map_or(0, |id| id.index)),
-                Err(_) => ForwardResponse::NotLeader,
+            ForwardRequest::ReadIndex => match self.replication.raft() {
+                Some(raft) => match raft.ensure_linearizable().await {
+                    Ok(read_log_id) => {
+                        ForwardResponse::ReadIndex(read_log_id.map_or(0, |id| id.index))
+                    }
+                    Err(_) => ForwardResponse::NotLeader,
+                },
+                None => ForwardResponse::NotLeader,
             },
             ForwardRequest::Heartbeat { node } => {
                 if !self.is_leader() {
@@ -521,17 +541,23 @@ impl ControlPlane {
                 ForwardResponse::HeartbeatTimes(self.heartbeat_times())
             }
             ForwardRequest::AddMember { id, address } => {
-                match self.add_member_local(id, address).await {
+                match self
+                    .replication
+                    .add_member_local(id, address, self.timings.request_deadline)
+                    .await
+                {
                     Ok(true) => ForwardResponse::Membership,
                     Ok(false) => ForwardResponse::NotLeader,
                     Err(status) => failed_from(&status),
                 }
             }
-            ForwardRequest::RemoveMember { id } => match self.remove_member_local(id).await {
-                Ok(true) => ForwardResponse::Membership,
-                Ok(false) => ForwardResponse::NotLeader,
-                Err(status) => failed_from(&status),
-            },
+            ForwardRequest::RemoveMember { id } => {
+                match self.replication.remove_member_local(id).await {
+                    Ok(true) => ForwardResponse::Membership,
+                    Ok(false) => ForwardResponse::NotLeader,
+                    Err(status) => failed_from(&status),
+                }
+            }
         }
     }
 
@@ -593,29 +619,6 @@ impl ControlPlane {
         }
     }
 
-    /// The leader's node when it is known and is not this member.
-    fn other_leader_node(&self) -> Option<BasicNode> {
-        let receiver = self.raft.metrics();
-        let metrics = receiver.borrow();
-        let leader = metrics.current_leader.filter(|&leader| leader != self.id)?;
-        metrics
-            .membership_config
-            .membership()
-            .get_node(&leader)
-            .cloned()
-    }
-
-    pub(crate) fn leader_node(&self) -> Option<BasicNode> {
-        let receiver = self.raft.metrics();
-        let metrics = receiver.borrow();
-        let leader = metrics.current_leader?;
-        metrics
-            .membership_config
-            .membership()
-            .get_node(&leader)
-            .cloned()
-    }
-
     /// Adds a member: as a learner first, then as a voter once it has caught up.
     pub async fn add_member(&self, id: NodeId, address: String) -> Result<(), Status> {
         let request = ForwardRequest::AddMember {
@@ -623,7 +626,11 @@ impl ControlPlane {
             address: address.clone(),
         };
         self.until_leader("adding a member", || async {
-            if self.add_member_local(id, address.clone()).await? {
+            if self
+                .replication
+                .add_member_local(id, address.clone(), self.timings.request_deadline)
+                .await?
+            {
                 return Ok(Some(()));
             }
             match self.forward_once(self.leader_node(), &request).await? {
@@ -632,69 +639,12 @@ impl ControlPlane {
             }
         })
         .await
-    }
-
-    /// `Ok(false)`: this node is not the leader.
-    async fn add_member_local(&self, id: NodeId, address: String) -> Result<bool, Status> {
-        if !self.is_leader() {
-            return Ok(false);
-        }
-        let membership = self
-            .raft
-            .metrics()
-            .borrow()
-            .membership_config
-            .membership()
-            .clone();
-        if membership.voter_ids().any(|voter| voter == id) {
-            let known = membership.get_node(&id).map(|node| node.addr.clone());
-            if known.as_deref() == Some(address.as_str()) {
-                return Ok(true);
-            }
-            return Err(ErrorCode::Membership.status(format!(
-                "member {id} already exists at {}; remove it first (`vgpuctl cluster remove {id}`) or pick another id",
-                known.unwrap_or_default()
-            )));
-        }
-        tracing::info!(id, %address, "adding a learner and waiting for it to catch up");
-        let node = BasicNode::new(address);
-        let deadline = Instant::now() + self.timings.request_deadline * 3;
-        // Another membership change in progress (several members joining at once) is waited out,
-        // with a bound.
-        loop {
-            match self.raft.add_learner(id, node.clone(), true).await {
-                Ok(_) => break,
-                Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => return Ok(false),
-                Err(error) if is_in_progress(&error) && Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(error) => return Err(ErrorCode::Membership.status(error)),
-            }
-        }
-        loop {
-            let voters: BTreeSet<NodeId> = BTreeSet::from([id]);
-            match self
-                .raft
-                .change_membership(openraft::ChangeMembers::AddVoterIds(voters), false)
-                .await
-            {
-                Ok(_) => {
-                    tracing::info!(id, "promoted the learner to voter");
-                    return Ok(true);
-                }
-                Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => return Ok(false),
-                Err(error) if is_in_progress(&error) && Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(error) => return Err(ErrorCode::Membership.status(error)),
-            }
-        }
     }
 
     pub async fn remove_member(&self, id: NodeId) -> Result<(), Status> {
         let request = ForwardRequest::RemoveMember { id };
         self.until_leader("removing a member", || async {
-            if self.remove_member_local(id).await? {
+            if self.replication.remove_member_local(id).await? {
                 return Ok(Some(()));
             }
             match self.forward_once(self.leader_node(), &request).await? {
@@ -703,55 +653,6 @@ impl ControlPlane {
             }
         })
         .await
-    }
-
-    async fn remove_member_local(&self, id: NodeId) -> Result<bool, Status> {
-        if !self.is_leader() {
-            return Ok(false);
-        }
-        let membership = self
-            .raft
-            .metrics()
-            .borrow()
-            .membership_config
-            .membership()
-            .clone();
-        let is_voter = membership.voter_ids().any(|voter| voter == id);
-        let is_learner = membership.learner_ids().any(|learner| learner == id);
-        if !is_voter && !is_learner {
-            return Err(ErrorCode::Membership.status(format!(
-                "no member has id {id}; `vgpuctl cluster status` lists the members"
-            )));
-        }
-        if is_voter && membership.voter_ids().count() == 1 {
-            return Err(ErrorCode::Membership.status(format!(
-                "member {id} is the last voter; a cluster cannot remove its last voter"
-            )));
-        }
-        let change = if is_voter {
-            openraft::ChangeMembers::RemoveVoters(BTreeSet::from([id]))
-        } else {
-            openraft::ChangeMembers::RemoveNodes(BTreeSet::from([id]))
-        };
-        match self.raft.change_membership(change, false).await {
-            Ok(_) => Ok(true),
-            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => Ok(false),
-            Err(error) => Err(ErrorCode::Membership.status(error)),
-        }
-    }
-
-    /// The leadership this member holds now, per its Raft metrics (`None`: it does not lead).
-    fn leadership(&self) -> Option<crate::leader::Leadership> {
-        let receiver = self.raft.metrics();
-        let metrics = receiver.borrow();
-        let vote = &metrics.vote;
-        (metrics.current_leader == Some(self.id)
-            && vote.committed
-            && vote.leader_id.node_id == self.id)
-            .then_some(crate::leader::Leadership {
-                term: vote.leader_id.term,
-                leader: vote.leader_id.node_id,
-            })
     }
 
     /// The leader's periodic duties: mark nodes lost or back, retry pending tenants. Both are
@@ -831,7 +732,13 @@ impl ControlPlane {
             leader: leadership.leader,
             command: Box::new(command),
         };
-        match self.write_local(fenced).await {
+        let proposed = match &self.replication {
+            Replication::Raft(_) => self.write_local(fenced).await,
+            // Appended with `append_fenced` on this leadership, never through the batcher: etcd
+            // commits it only while the leadership lasts.
+            Replication::Etcd(etcd) => etcd.propose_decision(leadership, fenced).await,
+        };
+        match proposed {
             Ok(Ok(CommandResult::Failed { message, .. })) => Err(message),
             Ok(Ok(_)) => Ok(()),
             Ok(Err(_)) => Err("this member no longer leads; the new leader decides".to_owned()),
@@ -869,58 +776,6 @@ impl ControlPlane {
     }
 }
 
-/// Proposes queued local writes to Raft, as many as are waiting in one `Command::Batch` entry.
-///
-/// openraft 0.9 makes each proposal's log append durable before it takes the next one, so one
-/// entry per client write caps throughput at one fsync per write. Batching what queued up while
-/// the previous entries were in flight turns that into one fsync per batch; a lone write is
-/// proposed on its own, so it waits for nothing.
-async fn run_batcher(raft: Raft, mut queue: tokio::sync::mpsc::Receiver<BatchItem>) {
-    let in_flight = Arc::new(tokio::sync::Semaphore::new(BATCHES_IN_FLIGHT_MAX));
-    while let Some(first) = queue.recv().await {
-        let permit = in_flight
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the semaphore is never closed");
-        let mut bytes = first.1;
-        let mut items = vec![first];
-        // What does not fit this entry opens the next one.
-        let mut held: Option<BatchItem> = None;
-        while items.len() < crate::pool::BATCH_COMMANDS_MAX {
-            match queue.try_recv() {
-                Ok(item) if bytes + item.1 > ENTRY_BYTES_MAX => {
-                    held = Some(item);
-                    break;
-                }
-                Ok(item) => {
-                    bytes += item.1;
-                    items.push(item);
-                }
-                Err(_) => break,
-            }
-        }
-        debug_assert!(items.len() == 1 || bytes <= ENTRY_BYTES_MAX);
-        let proposer = raft.clone();
-        tokio::spawn(async move {
-            propose(&proposer, items).await;
-            drop(permit);
-        });
-        if let Some(item) = held {
-            let permit = in_flight
-                .clone()
-                .acquire_owned()
-                .await
-                .expect("the semaphore is never closed");
-            let raft = raft.clone();
-            tokio::spawn(async move {
-                propose(&raft, vec![item]).await;
-                drop(permit);
-            });
-        }
-    }
-}
-
 /// The encoded size of `command`, refused past [`COMMAND_BYTES_MAX`].
 fn command_size(command: &Command) -> Result<usize, Status> {
     let size = crate::raft_types::encode(command)
@@ -932,76 +787,6 @@ fn command_size(command: &Command) -> Result<usize, Status> {
         )));
     }
     Ok(size)
-}
-
-/// Proposes one batch and hands every caller its own result.
-async fn propose(raft: &Raft, items: Vec<BatchItem>) {
-    let (commands, callers): (Vec<Command>, Vec<_>) = items
-        .into_iter()
-        .map(|(command, _, caller)| (command, caller))
-        .unzip();
-    let single = commands.len() == 1;
-    let entry = if single {
-        commands.into_iter().next().expect("one command")
-    } else {
-        Command::Batch(commands)
-    };
-    let outcome: Result<Vec<LocalWrite>, LocalWrite> = match raft.client_write(entry).await {
-        Ok(response) if single => Ok(vec![Ok(Ok(response.data))]),
-        Ok(response) => match response.data {
-            CommandResult::Batch(results) => {
-                assert_eq!(
-                    results.len(),
-                    callers.len(),
-                    "one result per batched command"
-                );
-                Ok(results.into_iter().map(|result| Ok(Ok(result))).collect())
-            }
-            other => Err(Err(
-                ErrorCode::Internal.status(format!("a batch applied as {other:?}"))
-            )),
-        },
-        Err(RaftError::APIError(ClientWriteError::ForwardToLeader(ForwardToLeader {
-            leader_node,
-            ..
-        }))) => Err(Ok(Err(leader_node))),
-        Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(error))) => {
-            Err(Err(ErrorCode::Membership.status(error)))
-        }
-        Err(RaftError::Fatal(fatal)) => Err(Err(ErrorCode::Storage.status(format!(
-            "this control-plane node stopped ({fatal}); see its log and restart it"
-        )))),
-    };
-    match outcome {
-        Ok(results) => {
-            for (caller, result) in callers.into_iter().zip(results) {
-                let _ = caller.send(result);
-            }
-        }
-        Err(shared) => {
-            for caller in callers {
-                let _ = caller.send(clone_local_write(&shared));
-            }
-        }
-    }
-}
-
-fn clone_local_write(write: &LocalWrite) -> LocalWrite {
-    match write {
-        Ok(Ok(result)) => Ok(Ok(result.clone())),
-        Ok(Err(leader)) => Ok(Err(leader.clone())),
-        Err(status) => Err(Status::new(status.code(), status.message())),
-    }
-}
-
-/// True when a membership change was refused because another one has not finished yet.
-fn is_in_progress(error: &RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>) -> bool {
-    matches!(
-        error,
-        RaftError::APIError(ClientWriteError::ChangeMembershipError(
-            openraft::error::ChangeMembershipError::InProgress(_)
-        ))
-    )
 }
 
 fn failed_from(status: &Status) -> ForwardResponse {

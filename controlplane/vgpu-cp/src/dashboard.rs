@@ -874,27 +874,22 @@ impl Dashboard {
     }
 
     fn cluster_facts(&self) -> ClusterFacts {
-        let metrics = self.control_plane.raft.metrics().borrow().clone();
-        let membership = metrics.membership_config.membership();
-        let matched = metrics.replication.clone().unwrap_or_default();
+        let facts = self.control_plane.replication.facts();
         ClusterFacts {
             cluster_id: self.control_plane.cluster_id.clone(),
             responder: self.control_plane.id,
-            leader: metrics.current_leader.unwrap_or(0),
-            term: metrics.current_term,
-            last_log_index: metrics.last_log_index.unwrap_or(0),
-            last_applied: metrics.last_applied.map_or(0, |id| id.index),
-            members: membership
-                .nodes()
-                .map(|(id, node)| MemberView {
-                    id: *id,
-                    address: node.addr.clone(),
-                    voter: membership.voter_ids().any(|voter| voter == *id),
-                    matched_index: matched
-                        .get(id)
-                        .copied()
-                        .flatten()
-                        .map_or(0, |log_id| log_id.index),
+            leader: facts.leader,
+            term: facts.term,
+            last_log_index: facts.last_log_index,
+            last_applied: facts.last_applied,
+            members: facts
+                .members
+                .into_iter()
+                .map(|member| MemberView {
+                    id: member.id,
+                    address: member.address,
+                    voter: member.voter,
+                    matched_index: member.matched_index,
                 })
                 .collect(),
             elections: self
@@ -906,18 +901,16 @@ impl Dashboard {
     }
 }
 
-/// Records every change of term or leader in this member's Raft metrics, until Raft stops.
-async fn watch_elections(
-    mut metrics: tokio::sync::watch::Receiver<
-        openraft::RaftMetrics<crate::raft_types::NodeId, openraft::BasicNode>,
-    >,
+/// Records every change of term or leader this member sees (in its Raft metrics, or on etcd in
+/// who leads and under which leadership), until its store stops. `read` gives the term and the
+/// leader (0: none).
+async fn watch_elections<T>(
+    mut metrics: tokio::sync::watch::Receiver<T>,
+    read: impl Fn(&T) -> (u64, u64),
     elections: Arc<Mutex<history::Elections>>,
 ) {
     loop {
-        let (term, leader) = {
-            let metrics = metrics.borrow_and_update();
-            (metrics.current_term, metrics.current_leader.unwrap_or(0))
-        };
+        let (term, leader) = read(&metrics.borrow_and_update());
         elections
             .lock()
             .expect("elections lock")
@@ -990,10 +983,22 @@ enum View {
 /// The `/ui/` routes, to merge into the API's router.
 pub fn router(control_plane: Arc<ControlPlane>, guard: Arc<Guard>) -> axum::Router {
     let elections = Arc::new(Mutex::new(history::Elections::default()));
-    tokio::spawn(watch_elections(
-        control_plane.raft.metrics(),
-        elections.clone(),
-    ));
+    match &control_plane.replication {
+        crate::replication::Replication::Raft(raft) => {
+            tokio::spawn(watch_elections(
+                raft.raft.metrics(),
+                |metrics| (metrics.current_term, metrics.current_leader.unwrap_or(0)),
+                elections.clone(),
+            ));
+        }
+        crate::replication::Replication::Etcd(etcd) => {
+            tokio::spawn(watch_elections(
+                etcd.leader_changes(),
+                crate::etcd_replication::term_and_leader,
+                elections.clone(),
+            ));
+        }
+    }
     tokio::spawn(sample_usage_while_leading(Arc::downgrade(&control_plane)));
     let dashboard = Arc::new(Dashboard {
         control_plane,

@@ -109,7 +109,7 @@ impl Member {
     }
 }
 
-fn register(name: &str) -> Command {
+pub(crate) fn register(name: &str) -> Command {
     let gpu = |index: u32| placement::GpuSpec {
         uuid: format!("GPU-{name}-{index}"),
         index,

@@ -11,6 +11,7 @@ pub mod config;
 pub mod control_plane;
 pub mod dashboard;
 pub mod etcd_entry;
+pub mod etcd_replication;
 pub mod identity;
 pub mod leader;
 pub mod limits;
@@ -18,6 +19,7 @@ pub mod metrics;
 pub mod network;
 pub mod pool;
 pub mod raft_types;
+pub mod replication;
 pub mod runtime;
 pub mod security;
 pub mod service;
@@ -28,6 +30,8 @@ pub mod watchers;
 
 #[cfg(test)]
 mod connection_bounds_test;
+#[cfg(test)]
+mod etcd_replication_test;
 #[cfg(test)]
 mod etcd_store_test;
 #[cfg(test)]
@@ -108,6 +112,17 @@ pub enum Error {
     CoreStopped { path: PathBuf, problem: String },
     #[error(transparent)]
     Tls(#[from] api::tls::TlsError),
+    /// etcd's own messages name the endpoints or prefix and say what to check.
+    #[error(transparent)]
+    Etcd(#[from] etcd_store::Error),
+    #[error(
+        "cannot read the etcd {what} {path}: {source}; check --etcd-ca, --etcd-cert and --etcd-key"
+    )]
+    EtcdTlsFile {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -153,6 +168,58 @@ pub struct Config {
     pub timings: Timings,
     pub raft: RaftTimings,
     pub security: Security,
+    /// The pool's state in an existing etcd cluster instead of the built-in Raft store
+    /// (issue 20); `None`: the Raft store.
+    pub etcd: Option<EtcdStore>,
+}
+
+/// The etcd store's settings (`--etcd-endpoints`, `--etcd-prefix`, `--etcd-ca/cert/key`).
+#[derive(Clone, Debug)]
+pub struct EtcdStore {
+    /// Client URLs of the etcd cluster, e.g. `https://10.0.0.1:2379`.
+    pub endpoints: Vec<String>,
+    /// Every key of this pool lives under it; ends with `/`.
+    pub prefix: String,
+    /// mTLS to etcd; `None` for plain `http://` endpoints.
+    pub tls: Option<EtcdTlsFiles>,
+    /// The leader's etcd lease: a dead leader is replaced within about this long.
+    pub lease_ttl: Duration,
+}
+
+/// The prefix when `--etcd-prefix` is not given.
+pub const ETCD_PREFIX_DEFAULT: &str = "/vgpu/";
+/// The leader's lease when none is given (the design's plan: `docs/design/etcd-store.md`).
+pub const ETCD_LEASE_TTL_DEFAULT: Duration = Duration::from_secs(5);
+
+/// The CA that signed etcd's server certificates, this member's client certificate and key.
+#[derive(Clone, Debug)]
+pub struct EtcdTlsFiles {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl EtcdStore {
+    /// The etcd client's settings: the files read, the default bounds.
+    fn client_config(&self) -> Result<etcd_store::EtcdConfig, Error> {
+        let mut config = etcd_store::EtcdConfig::new(self.endpoints.clone(), &self.prefix);
+        if let Some(files) = &self.tls {
+            let read = |what: &'static str, path: &PathBuf| {
+                std::fs::read(path).map_err(|source| Error::EtcdTlsFile {
+                    what,
+                    path: path.clone(),
+                    source,
+                })
+            };
+            config.tls = Some(etcd_store::TlsPem {
+                ca: read("CA certificate", &files.ca)?,
+                client_cert: read("client certificate", &files.cert)?,
+                client_key: read("client key", &files.key)?,
+                server_name: None,
+            });
+        }
+        Ok(config)
+    }
 }
 
 /// Transport security of a member (`api::tls`).
@@ -241,22 +308,17 @@ impl Started {
         }
         tracing::info!("shutting down");
         systemd::notify("STOPPING=1").ok();
-        self.control_plane.raft.shutdown().await.ok();
+        self.control_plane.replication.shutdown().await;
         Ok(())
     }
 
     /// Waits until the member's Raft core stops for good, and says why
     /// ([`ControlPlane::health`]).
     pub async fn core_stopped(&self) -> String {
-        let mut metrics = self.control_plane.raft.metrics();
-        loop {
-            if let Err(problem) = self.control_plane.health() {
-                return problem;
-            }
-            if metrics.changed().await.is_err() {
-                return format!("the Raft core of member {} stopped", self.control_plane.id);
-            }
-        }
+        self.control_plane
+            .replication
+            .stopped(self.control_plane.id)
+            .await
     }
 }
 
@@ -341,49 +403,6 @@ pub async fn start(config: Config) -> Result<Started, Error> {
     }
     tracing::info!(id = config.id, %cluster_id, fresh, data_dir = %data_dir.display(), "starting control-plane member");
 
-    let log_path = data_dir.join("raft.redb");
-    let log = store::LogStore::open(&log_path).map_err(|source| Error::Log {
-        path: log_path,
-        source,
-    })?;
-    let log_fault = log.write_fault();
-    let (state_machine, shared) =
-        store::StateMachineStore::open(&data_dir).map_err(Error::StateMachine)?;
-    let raft_config = openraft::Config {
-        cluster_name: format!("vgpu-{cluster_id}"),
-        heartbeat_interval: config.raft.heartbeat_interval_ms,
-        election_timeout_min: config.raft.election_timeout_min_ms,
-        election_timeout_max: config.raft.election_timeout_max_ms,
-        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(
-            config.raft.snapshot_logs_since_last,
-        ),
-        max_in_snapshot_log_to_keep: config.raft.snapshot_keep_logs,
-        install_snapshot_timeout: 10_000,
-        ..Default::default()
-    }
-    .validate()?;
-    let network = network::NetworkFactory {
-        cluster_id: cluster_id.clone(),
-        transport: transport.clone(),
-    };
-    let raft = Raft::new(
-        config.id,
-        Arc::new(raft_config),
-        network,
-        log,
-        state_machine,
-    )
-    .await
-    .map_err(|e| Error::RaftStart(e.to_string()))?;
-    let control_plane = Arc::new(ControlPlane::new(
-        config.id,
-        cluster_id,
-        raft,
-        shared,
-        config.timings.clone(),
-        transport.clone(),
-    ));
-
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| Error::Listen {
@@ -394,6 +413,66 @@ pub async fn start(config: Config) -> Result<Started, Error> {
         address: config.listen,
         source,
     })?;
+    let (replication, shared, log_fault, raft) = match &config.etcd {
+        None => {
+            let log_path = data_dir.join("raft.redb");
+            let log = store::LogStore::open(&log_path).map_err(|source| Error::Log {
+                path: log_path,
+                source,
+            })?;
+            let log_fault = log.write_fault();
+            let (state_machine, shared) =
+                store::StateMachineStore::open(&data_dir).map_err(Error::StateMachine)?;
+            let raft_config = openraft::Config {
+                cluster_name: format!("vgpu-{cluster_id}"),
+                heartbeat_interval: config.raft.heartbeat_interval_ms,
+                election_timeout_min: config.raft.election_timeout_min_ms,
+                election_timeout_max: config.raft.election_timeout_max_ms,
+                snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(
+                    config.raft.snapshot_logs_since_last,
+                ),
+                max_in_snapshot_log_to_keep: config.raft.snapshot_keep_logs,
+                install_snapshot_timeout: 10_000,
+                ..Default::default()
+            }
+            .validate()?;
+            let network = network::NetworkFactory {
+                cluster_id: cluster_id.clone(),
+                transport: transport.clone(),
+            };
+            let raft = Raft::new(
+                config.id,
+                Arc::new(raft_config),
+                network,
+                log,
+                state_machine,
+            )
+            .await
+            .map_err(|e| Error::RaftStart(e.to_string()))?;
+            let replication = replication::Replication::Raft(replication::RaftReplication::new(
+                config.id,
+                raft.clone(),
+            ));
+            (replication, shared, log_fault, Some(raft))
+        }
+        Some(etcd) => {
+            // A port of 0 (tests) is the bound one: the leader key must say where to forward.
+            let advertise = match config.advertise.rsplit_once(':') {
+                Some((host, "0")) => format!("{host}:{}", local_address.port()),
+                _ => config.advertise.clone(),
+            };
+            let (replication, shared) = start_etcd(etcd, &config, &cluster_id, &advertise).await?;
+            (replication, shared, store::WriteFault::default(), None)
+        }
+    };
+    let control_plane = Arc::new(ControlPlane::new(
+        config.id,
+        cluster_id,
+        replication,
+        shared,
+        config.timings.clone(),
+        transport.clone(),
+    ));
     let server = serve(control_plane.clone(), listener, &transport, guard)?;
     tokio::spawn(async move {
         if let Err(error) = server.await {
@@ -401,34 +480,32 @@ pub async fn start(config: Config) -> Result<Started, Error> {
         }
     });
 
-    match &config.mode {
-        Mode::Bootstrap => {
-            let initialized = control_plane
-                .raft
-                .is_initialized()
-                .await
-                .map_err(|e| Error::RaftStart(e.to_string()))?;
-            if !initialized {
-                let members = std::collections::BTreeMap::from([(
-                    config.id,
-                    openraft::BasicNode::new(&config.advertise),
-                )]);
-                control_plane
-                    .raft
-                    .initialize(members)
+    if let Some(raft) = &raft {
+        match &config.mode {
+            Mode::Bootstrap => {
+                let initialized = raft
+                    .is_initialized()
                     .await
                     .map_err(|e| Error::RaftStart(e.to_string()))?;
-                tracing::info!("initialised a new one-voter cluster");
+                if !initialized {
+                    let members = std::collections::BTreeMap::from([(
+                        config.id,
+                        openraft::BasicNode::new(&config.advertise),
+                    )]);
+                    raft.initialize(members)
+                        .await
+                        .map_err(|e| Error::RaftStart(e.to_string()))?;
+                    tracing::info!("initialised a new one-voter cluster");
+                }
             }
-        }
-        Mode::Join { peers } => {
-            let initialized = control_plane
-                .raft
-                .is_initialized()
-                .await
-                .map_err(|e| Error::RaftStart(e.to_string()))?;
-            if !initialized {
-                join(&transport, peers, config.id, &config.advertise).await?;
+            Mode::Join { peers } => {
+                let initialized = raft
+                    .is_initialized()
+                    .await
+                    .map_err(|e| Error::RaftStart(e.to_string()))?;
+                if !initialized {
+                    join(&transport, peers, config.id, &config.advertise).await?;
+                }
             }
         }
     }
@@ -440,6 +517,43 @@ pub async fn start(config: Config) -> Result<Started, Error> {
         data_dir,
         _lock: lock,
     })
+}
+
+/// Connects to etcd, claims (`bootstrap`) or checks (`join`, a restart) the prefix for
+/// `cluster_id`, and starts following the log from its newest snapshot: the member's state is
+/// in etcd, its data directory keeps only its identity.
+async fn start_etcd(
+    etcd: &EtcdStore,
+    config: &Config,
+    cluster_id: &str,
+    advertise: &str,
+) -> Result<(replication::Replication, Arc<store::Shared>), Error> {
+    let client_config = etcd.client_config()?;
+    let mut log = etcd_store::EtcdLog::connect(&client_config).await?;
+    log.claim_cluster(cluster_id).await?;
+    tracing::info!(
+        endpoints = %etcd.endpoints.join(","),
+        prefix = %etcd.prefix,
+        "the pool's state is in etcd"
+    );
+    let shared = Arc::new(store::Shared {
+        applied: std::sync::RwLock::new(store::Applied::default()),
+        applied_index: tokio::sync::watch::channel(0).0,
+        watchers: watchers::NodeWatchers::default(),
+    });
+    let settings = etcd_replication::EtcdSettings {
+        lease_ttl: etcd.lease_ttl,
+        snapshot_every_entries: config.raft.snapshot_logs_since_last,
+    };
+    let replication = etcd_replication::EtcdReplication::start(
+        config.id,
+        advertise,
+        log,
+        shared.clone(),
+        &settings,
+        config.timings.request_deadline,
+    );
+    Ok((replication::Replication::Etcd(replication), shared))
 }
 
 /// Longest a call may take to answer (its response head; a watch stream then runs on), unless
@@ -614,13 +728,13 @@ fn metrics_answer(
         )
             .into_response();
     }
-    let metrics = control_plane.raft.metrics().borrow().clone();
+    let replication = control_plane.replication.facts();
     let facts = metrics::RaftFacts {
         id: control_plane.id,
-        term: metrics.current_term,
-        leader: metrics.current_leader,
-        last_log_index: metrics.last_log_index.unwrap_or(0),
-        last_applied: metrics.last_applied.map_or(0, |id| id.index),
+        term: replication.term,
+        leader: (replication.leader != 0).then_some(replication.leader),
+        last_log_index: replication.last_log_index,
+        last_applied: replication.last_applied,
         storage_failure: control_plane.health().err(),
     };
     let mut text = control_plane.metrics.render(&facts, &control_plane.shared);

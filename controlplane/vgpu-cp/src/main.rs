@@ -268,6 +268,28 @@ struct Common {
     /// range, -1000 to 1000 [default: 100] [config: tenant_priority_max].
     #[arg(long, allow_hyphen_values = true)]
     tenant_priority_max: Option<i32>,
+    /// Keep the pool's state in this etcd cluster instead of the built-in Raft store: its client
+    /// URLs (comma-separated or repeated) [config: etcd_endpoints].
+    #[arg(long, value_delimiter = ',', value_name = "URL")]
+    etcd_endpoints: Vec<String>,
+    /// The key prefix of this pool in etcd; one prefix per pool [default: /vgpu/] [config:
+    /// etcd_prefix].
+    #[arg(long, value_name = "PREFIX")]
+    etcd_prefix: Option<String>,
+    /// The CA certificate that signed etcd's server certificates (mTLS to etcd) [config:
+    /// etcd_ca].
+    #[arg(long, value_name = "FILE")]
+    etcd_ca: Option<PathBuf>,
+    /// This member's client certificate for etcd [config: etcd_cert].
+    #[arg(long, value_name = "FILE")]
+    etcd_cert: Option<PathBuf>,
+    /// Its private key [config: etcd_key].
+    #[arg(long, value_name = "FILE")]
+    etcd_key: Option<PathBuf>,
+    /// The leader's etcd lease, whole seconds: a dead leader is replaced within about this long
+    /// [default: 5] [config: etcd_lease_ttl_s].
+    #[arg(long, value_name = "SECONDS")]
+    etcd_lease_ttl_s: Option<u64>,
 }
 
 impl Common {
@@ -293,6 +315,12 @@ impl Common {
             tls_key: self.tls_key,
             tls_ca_key: self.tls_ca_key,
             tenant_priority_max: self.tenant_priority_max,
+            etcd_endpoints: (!self.etcd_endpoints.is_empty()).then_some(self.etcd_endpoints),
+            etcd_prefix: self.etcd_prefix,
+            etcd_ca: self.etcd_ca,
+            etcd_cert: self.etcd_cert,
+            etcd_key: self.etcd_key,
+            etcd_lease_ttl_s: self.etcd_lease_ttl_s,
         }
     }
 }

@@ -266,29 +266,24 @@ impl Service {
     }
 
     fn status(&self) -> v1::ClusterStatus {
-        let metrics = self.control_plane.raft.metrics().borrow().clone();
-        let membership = metrics.membership_config.membership();
-        let matched = metrics.replication.clone().unwrap_or_default();
-        let members = membership
-            .nodes()
-            .map(|(id, node)| v1::Member {
-                id: *id,
-                address: node.addr.clone(),
-                voter: membership.voter_ids().any(|voter| voter == *id),
-                matched_index: matched
-                    .get(id)
-                    .copied()
-                    .flatten()
-                    .map_or(0, |log_id| log_id.index),
+        let facts = self.control_plane.replication.facts();
+        let members = facts
+            .members
+            .into_iter()
+            .map(|member| v1::Member {
+                id: member.id,
+                address: member.address,
+                voter: member.voter,
+                matched_index: member.matched_index,
             })
             .collect();
         v1::ClusterStatus {
-            leader: metrics.current_leader.unwrap_or(0),
-            term: metrics.current_term,
+            leader: facts.leader,
+            term: facts.term,
             members,
             responder: self.control_plane.id,
-            last_log_index: metrics.last_log_index.unwrap_or(0),
-            last_applied: metrics.last_applied.map_or(0, |id| id.index),
+            last_log_index: facts.last_log_index,
+            last_applied: facts.last_applied,
             cluster_id: self.control_plane.cluster_id.clone(),
         }
     }
@@ -1094,13 +1089,13 @@ impl v1::raft_server::Raft for Service {
         &self,
         request: Request<RaftPayload>,
     ) -> Result<Response<RaftPayload>, Status> {
-        let raft = &self.control_plane.raft;
+        let raft = self.raft()?;
         self.peer_call(request, |message| raft.append_entries(message))
             .await
     }
 
     async fn vote(&self, request: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
-        let raft = &self.control_plane.raft;
+        let raft = self.raft()?;
         self.peer_call(request, |message| raft.vote(message)).await
     }
 
@@ -1108,7 +1103,7 @@ impl v1::raft_server::Raft for Service {
         &self,
         request: Request<RaftPayload>,
     ) -> Result<Response<RaftPayload>, Status> {
-        let raft = &self.control_plane.raft;
+        let raft = self.raft()?;
         self.peer_call(request, |message| raft.install_snapshot(message))
             .await
     }
@@ -1126,6 +1121,15 @@ impl v1::raft_server::Raft for Service {
 }
 
 impl Service {
+    /// The Raft handle for a Raft peer call; a member on the etcd store has none.
+    fn raft(&self) -> Result<&crate::raft_types::Raft, Status> {
+        self.control_plane.raft().ok_or_else(|| {
+            ErrorCode::Membership.status(
+                "this member keeps the pool's state in etcd, not in a Raft group; it takes no Raft traffic",
+            )
+        })
+    }
+
     /// One peer-to-peer call: refuse other clusters, decode the message, handle it, encode the
     /// answer.
     async fn peer_call<Message, Answer, Handling>(

@@ -29,6 +29,7 @@ async fn member() -> Member {
         data_dir: data.path().to_owned(),
         timings: Default::default(),
         raft: Default::default(),
+        etcd: None,
         security: crate::Security {
             insecure: true,
             ..Default::default()
@@ -37,7 +38,8 @@ async fn member() -> Member {
     let started = crate::start(config).await.unwrap();
     started
         .control_plane
-        .raft
+        .raft()
+        .expect("the Raft store")
         .wait(Some(ELECTION_TIME_MAX))
         .current_leader(1, "the member elects itself")
         .await

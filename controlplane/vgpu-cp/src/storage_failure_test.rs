@@ -20,6 +20,7 @@ fn config(data_dir: &std::path::Path) -> Config {
         data_dir: data_dir.to_owned(),
         timings: Timings::default(),
         raft: RaftTimings::default(),
+        etcd: None,
         security: Security {
             insecure: true,
             ..Security::default()
@@ -48,7 +49,11 @@ fn revoke(serial: &str) -> Command {
 }
 
 async fn wait_until_leader(started: &crate::Started) {
-    let mut metrics = started.control_plane.raft.metrics();
+    let mut metrics = started
+        .control_plane
+        .raft()
+        .expect("the Raft store")
+        .metrics();
     tokio::time::timeout(
         Duration::from_secs(10),
         metrics.wait_for(|m| m.current_leader == Some(1)),
@@ -130,5 +135,5 @@ async fn a_full_disk_stops_the_member_and_it_says_so() {
         status.code() == tonic::Code::Unavailable && status.message().contains("free space"),
         "{status:?}"
     );
-    plane.raft.shutdown().await.ok();
+    plane.replication.shutdown().await;
 }

@@ -78,6 +78,7 @@ fn member() -> &'static Member {
             data_dir: data.path().to_owned(),
             timings: Default::default(),
             raft: Default::default(),
+            etcd: None,
             security: vgpu_cp::Security {
                 insecure: true,
                 ..Default::default()

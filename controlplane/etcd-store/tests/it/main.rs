@@ -8,3 +8,4 @@ mod t30_election;
 mod t40_quorum;
 mod t50_tls;
 mod t60_applier;
+mod t70_presence;
