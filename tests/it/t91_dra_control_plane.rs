@@ -25,6 +25,7 @@ use vgpu_dra::pool::{ControlPlane, ControlPlaneConfig};
 const NODE: &str = "k8s-node";
 const UID_TRAIN: &str = "aaaaaaaa-0000-4000-8000-000000000001";
 const UID_GREEDY: &str = "bbbbbbbb-0000-4000-8000-000000000002";
+const UID_LATE: &str = "cccccccc-0000-4000-8000-000000000003";
 /// The bound on every wait here.
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -286,6 +287,59 @@ fn a_prepared_claim_is_a_control_plane_tenant_owned_by_its_claim() -> Result<()>
         tenant(&cluster, "train-aaaaaaaa").ok().flatten()
     })?;
 
+    drop(kubelet);
+    runtime.block_on(async { tokio::time::timeout(WAIT, plugin.stop()).await })??;
+
+    // A driver that reads another directory than the agent's (here: one with only the node
+    // key) gets its pin, waits for a tenant file that never comes, and tells the kubelet what
+    // to check; its unprepare releases the pin.
+    let elsewhere = root.join("not-the-agent");
+    std::fs::create_dir_all(&elsewhere)?;
+    std::fs::copy(agent_state_dir.join("node-key"), elsewhere.join("node-key"))?;
+    claims.allocations.lock().expect("not poisoned").insert(
+        UID_LATE.to_owned(),
+        allocation("late", UID_LATE, "10Gi", "10"),
+    );
+    let other_root = root.join("other-driver");
+    let other_kubelet_root = other_root.join("kubelet");
+    let (plugin, mut kubelet) = runtime.block_on(async {
+        let driver = driver(&other_root, &elsewhere, &shm_dir)?;
+        let settings = ControlPlaneConfig {
+            endpoints: endpoints.split(',').map(str::to_owned).collect(),
+            tls: Some(vgpu_agent::bootstrap::Security::default_files(
+                &agent_state_dir,
+            )),
+            agent_state_dir: elsewhere.clone(),
+            placement_timeout: Duration::from_secs(1),
+        };
+        let plugin = Plugin::start_with(
+            PluginConfig {
+                kubelet_root: other_kubelet_root.clone(),
+                apiserver_timeout: WAIT,
+            },
+            driver,
+            std::sync::Arc::clone(&claims),
+            Some(ControlPlane::new(settings, NODE)?),
+        )?;
+        let socket = vgpu_dra::kubelet::dra_socket(&other_kubelet_root);
+        let kubelet = DraPluginClient::new(connect(&socket).await?);
+        anyhow::Ok((plugin, kubelet))
+    })?;
+    let late = runtime.block_on(prepare(&mut kubelet, "late", UID_LATE))?;
+    ensure!(
+        late.error.contains("did not write") && late.error.contains("--agent-state-dir"),
+        "{late:?}"
+    );
+    let held = tenant(&cluster, "late-cccccccc")?.context("the pin was taken")?;
+    ensure!(held["owner"] == "k8s:ml/late", "{held}");
+    let answer = runtime.block_on(kubelet.node_unprepare_resources(
+        NodeUnprepareResourcesRequest {
+            claims: vec![kubelet_claim("late", UID_LATE)],
+        },
+    ))?;
+    let answer = answer.into_inner();
+    ensure!(answer.claims[UID_LATE].error.is_empty(), "{answer:?}");
+    ensure!(tenant(&cluster, "late-cccccccc")?.is_none());
     drop(kubelet);
     runtime.block_on(async { tokio::time::timeout(WAIT, plugin.stop()).await })??;
     Ok(())
