@@ -70,7 +70,7 @@ impl ControlPlane {
             Some(files) => {
                 Transport::choose(false, Some(files), "").map_err(|error| Error::ControlPlaneSetup {
                     reason: format!(
-                        "{error}; mount the node's agent certificate (vgpu-agent's STATE_DIR/tls/agent.crt, agent.key, ca.crt) into the driver, or pass --insecure for a control plane started with --insecure"
+                        "{error}; the driver uses the node's agent certificate (vgpu-agent's STATE_DIR/tls/agent.crt, agent.key, ca.crt), which the agent writes when it first joins: start `vgpu-agent join --kubernetes-managed` on this node and mount its state directory into the driver (--agent-state-dir), or pass --insecure for a control plane started with --insecure"
                     ),
                 })?
             }
