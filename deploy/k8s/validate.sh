@@ -50,6 +50,21 @@ else
     echo "---"
   done >"$dra"
 fi
+# The second stage (dra-control-plane: an agent DaemonSet on the Kubernetes-managed nodes and a
+# patch of the driver's DaemonSet, itself a complete DaemonSet so that it is checked without
+# kustomize too).
+stage2="$work/dra-control-plane.yaml"
+if command -v kubectl >/dev/null 2>&1; then
+  kubectl kustomize deploy/k8s/dra-control-plane >"$stage2"
+else
+  for file in deploy/k8s/dra-control-plane/*.yaml; do
+    [ "$(basename "$file")" = kustomization.yaml ] && continue
+    cat "$file"
+    echo "---"
+  done >"$stage2"
+fi
+dra_all="$work/dra-all.yaml"
+{ cat "$dra"; echo "---"; cat "$stage2"; } >"$dra_all"
 # The examples and the published slice are checked for their schema only: they are not deployed
 # with the driver (the VGPU_* and insecure checks below cover what is).
 examples="$work/dra-examples.yaml"
@@ -58,9 +73,9 @@ for file in deploy/k8s/dra/examples/*.yaml deploy/k8s/dra/resourceslice-example.
   echo "---"
 done >"$examples"
 for version in 1.36.0 1.37.0; do
-  "$validate" --strict --quiet -k "$version" "$dra" "$examples"
+  "$validate" --strict --quiet -k "$version" "$dra_all" "$examples"
 done
-echo "kubernetes-validate --strict: $(cat "$dra" "$examples" | grep -cE '^kind:|^  "kind":') DRA resources, examples and the published slice pass against 1.36 and 1.37"
+echo "kubernetes-validate --strict: $(cat "$dra_all" "$examples" | grep -cE '^kind:|^  "kind":') DRA resources (both stages), examples and the published slice pass against 1.36 and 1.37"
 
 # The validator must fail on a misspelt field.
 sed 's/^  serviceName: vgpu-cp$/  serviceNmae: vgpu-cp/' "$rendered" >"$work/bad.yaml"
@@ -75,11 +90,11 @@ while read -r variable; do
     echo "validate.sh: $variable is set in deploy/k8s but not documented in docs/configuration.md" >&2
     missing=1
   fi
-done < <(cat "$rendered" "$dra" | grep -o 'VGPU_[A-Z_]*' | sort -u)
+done < <(cat "$rendered" "$dra_all" | grep -o 'VGPU_[A-Z_]*' | sort -u)
 [ "$missing" = 0 ]
 echo "every VGPU_* variable in the manifests is documented"
 
-if cat "$rendered" "$dra" | grep -n -i 'insecure' | grep -v '^[0-9]*: *#' >&2; then
+if cat "$rendered" "$dra_all" | grep -n -i 'insecure' | grep -v '^[0-9]*: *#' >&2; then
   echo "validate.sh: the lines above turn on plain text; the manifests run with mutual TLS only" >&2
   exit 1
 fi

@@ -17,3 +17,4 @@ mod t70_fleet;
 mod t80_nccl_env;
 mod t85_tenant_settings;
 mod t90_kubernetes;
+mod t91_dra_control_plane;

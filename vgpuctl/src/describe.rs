@@ -45,6 +45,9 @@ pub fn tenant_text(tenant: &TenantView, now_unix_ms: i64) -> String {
     field(&mut text, 0, "Reason", or_none(tenant.reason.clone()));
     field(&mut text, 0, "Created", timestamp(tenant.created_unix_ms));
     field(&mut text, 0, "Revision", tenant.revision);
+    if !tenant.owner.is_empty() {
+        field(&mut text, 0, "Owner", &tenant.owner);
+    }
 
     let request = &tenant.request;
     text.push_str("Request:\n");

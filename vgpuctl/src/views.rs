@@ -28,6 +28,10 @@ pub struct TenantView {
     pub revision: u64,
     /// Most recent last.
     pub history: Vec<EventView>,
+    /// Who owns the tenant (`tenant:OWNER` certificates' owner, or `k8s:<namespace>/<claim>` for
+    /// a Kubernetes claim's tenant); absent when none was recorded.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub owner: String,
     /// Usage per GPU as the node agents last reported it (`describe tenant` only; absent when
     /// none was reported).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -281,6 +285,7 @@ impl From<&Tenant> for TenantView {
             created_unix_ms: tenant.created_unix_ms,
             revision: tenant.revision,
             history: tenant.history.iter().map(EventView::from).collect(),
+            owner: tenant.owner.clone(),
             usage: tenant.usage.iter().map(UsageView::from).collect(),
         }
     }
@@ -645,6 +650,21 @@ mod tests {
             .collect();
         keys.sort_unstable();
         keys
+    }
+
+    #[test]
+    fn a_tenants_owner_is_shown_when_recorded() {
+        let mut tenant = samples::placed_tenant();
+        tenant.owner = String::new();
+        let json = serde_json::to_value(TenantView::from(&tenant)).unwrap();
+        assert!(json.get("owner").is_none(), "{json}");
+        tenant.owner = "k8s:ml/train".into();
+        let view = TenantView::from(&tenant);
+        assert_eq!(
+            serde_json::to_value(&view).unwrap()["owner"],
+            "k8s:ml/train"
+        );
+        assert!(crate::describe::tenant_text(&view, 0).contains("k8s:ml/train"));
     }
 
     #[test]

@@ -17,10 +17,15 @@
 //! * open: the checkpoint is the truth. Every claim in it gets its directory and spec again, and
 //!   specs and directories of claims not in it are removed.
 //!
-//! **Architecture Invariant:** on a Kubernetes-managed node, the driver is the only writer of
-//! tenants' private directories and of `vgpu.dev/claim` CDI specs (see ARCHITECTURE.md, "Pods get
-//! slices through DRA"); [`Driver::open`] records it as the shared-memory directory's keeper
-//! (`vgpu_agent::private::claim_keeper`) and refuses to start where the agent keeps it.
+//! **Architecture Invariant:** the driver is the only writer of `vgpu.dev/claim` CDI specs. In
+//! the first stage ([`Stage::Node`]) it is also the only writer of tenants' private directories
+//! (see ARCHITECTURE.md, "Pods get slices through DRA"): [`Driver::open`] records it as the
+//! shared-memory directory's keeper (`vgpu_agent::private::claim_keeper`) and refuses to start
+//! where the agent keeps it. In the second stage ([`Stage::ControlPlane`]) the agent keeps them
+//! (its tenants include the claims the driver pins, `crate::pool`), and the driver writes no
+//! directory: it records a claim ([`Driver::record`]) with the tenant the agent wrote, after
+//! noting it as being placed ([`Driver::begin_placing`]), so an unprepare after a crash in between
+//! still releases it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -60,6 +65,19 @@ pub struct DriverConfig {
     pub cdi: CdiConfig,
     /// The time slice of each GPU's compute schedule.
     pub quantum_ns: u64,
+    /// Who makes a claim a tenant on the node.
+    pub stage: Stage,
+}
+
+/// Who makes a prepared claim a tenant on the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The first stage: the driver alone, without the control plane; it keeps the tenants'
+    /// private directories.
+    Node,
+    /// The second stage: the control plane holds each claim as a pinned tenant and the node's
+    /// agent (`vgpu-agent join --kubernetes-managed`) keeps its private directory.
+    ControlPlane,
 }
 
 /// A device of a prepared claim, as the kubelet is told about it.
@@ -84,6 +102,10 @@ pub struct PreparedClaim {
 pub struct Checkpoint {
     pub version: u32,
     pub claims: BTreeMap<String, PreparedClaim>,
+    /// In the second stage, claims whose pin was asked of the control plane and not yet
+    /// recorded as prepared, by uid: an unprepare releases them too.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub placing: BTreeMap<String, ClaimRef>,
 }
 
 /// The prepared claims of one node and the files that make them tenants.
@@ -107,10 +129,12 @@ impl Driver {
         }
         // Before anything under the shared-memory directory is touched: where the agent keeps
         // the tenants, the driver would remove them (and the agent the pods').
-        private::claim_keeper(
-            &Layout::new(&config.cdi.shm_dir),
-            private::Keeper::KubernetesDriver,
-        )?;
+        if config.stage == Stage::Node {
+            private::claim_keeper(
+                &Layout::new(&config.cdi.shm_dir),
+                private::Keeper::KubernetesDriver,
+            )?;
+        }
         let checkpoint = read_checkpoint(&config.state_dir.join(CHECKPOINT_FILE))?;
         let driver = Driver {
             config,
@@ -138,12 +162,23 @@ impl Driver {
         &self.inventory
     }
 
-    /// Makes `allocation`'s claim a tenant; a claim already prepared is returned as it was.
+    pub fn stage(&self) -> Stage {
+        self.config.stage
+    }
+
+    /// Makes `allocation`'s claim a tenant (the first stage); a claim already prepared is
+    /// returned as it was.
     pub fn prepare(&mut self, allocation: &Allocation) -> Result<PreparedClaim> {
-        let uid = &allocation.claim.uid;
-        if let Some(prepared) = self.checkpoint.claims.get(uid) {
+        assert_eq!(self.config.stage, Stage::Node, "the second stage records");
+        if let Some(prepared) = self.checkpoint.claims.get(&allocation.claim.uid) {
             return Ok(prepared.clone());
         }
+        let assignment = self.plan(allocation)?;
+        self.record(allocation, assignment)
+    }
+
+    /// The tenant `allocation`'s claim becomes on this node, if one more claim fits.
+    pub fn plan(&self, allocation: &Allocation) -> Result<TenantAssignment> {
         if self.checkpoint.claims.len() >= CLAIMS_MAX {
             return Err(Error::Io {
                 action: "prepare a claim on",
@@ -153,7 +188,43 @@ impl Driver {
                 )),
             });
         }
-        let assignment = claim::assignment(allocation, &self.inventory)?;
+        Ok(claim::assignment(allocation, &self.inventory)?)
+    }
+
+    /// The second stage: notes that `claim`'s pin is being asked of the control plane, so that
+    /// an unprepare releases it even when the driver stops before [`Driver::record`].
+    pub fn begin_placing(&mut self, claim: &ClaimRef) -> Result<()> {
+        assert_eq!(self.config.stage, Stage::ControlPlane);
+        if self.checkpoint.claims.contains_key(&claim.uid)
+            || self.checkpoint.placing.get(&claim.uid) == Some(claim)
+        {
+            return Ok(());
+        }
+        let mut next = self.checkpoint.clone();
+        next.placing.insert(claim.uid.clone(), claim.clone());
+        self.commit(next)
+    }
+
+    /// The tenant of claim `uid` that the control plane may hold (prepared, or being placed).
+    pub fn tenant_of(&self, uid: &str) -> Option<String> {
+        if let Some(prepared) = self.checkpoint.claims.get(uid) {
+            return Some(prepared.assignment.tenant.clone());
+        }
+        self.checkpoint.placing.get(uid).map(claim::tenant_name)
+    }
+
+    /// Records `allocation`'s claim as the tenant `assignment` (its CDI spec, in the first stage
+    /// its private directory, then the checkpoint); a claim already prepared is returned as it
+    /// was.
+    pub fn record(
+        &mut self,
+        allocation: &Allocation,
+        assignment: TenantAssignment,
+    ) -> Result<PreparedClaim> {
+        let uid = &allocation.claim.uid;
+        if let Some(prepared) = self.checkpoint.claims.get(uid) {
+            return Ok(prepared.clone());
+        }
         let cdi_id = format!("{CDI_KIND}={}", assignment.tenant);
         let prepared = PreparedClaim {
             claim: allocation.claim.clone(),
@@ -171,19 +242,22 @@ impl Driver {
         };
         let mut next = self.checkpoint.clone();
         next.claims.insert(uid.clone(), prepared.clone());
+        next.placing.remove(uid);
         self.write_spec(&prepared)?;
         self.prepare_directories(&next)?;
         self.commit(next)?;
         Ok(prepared)
     }
 
-    /// Undoes [`Driver::prepare`]; a claim that is not prepared is done already.
+    /// Undoes [`Driver::prepare`] (or [`Driver::record`]); a claim that is not prepared is done
+    /// already. In the second stage the caller releases the tenant first.
     pub fn unprepare(&mut self, uid: &str) -> Result<()> {
-        if !self.checkpoint.claims.contains_key(uid) {
+        if !self.checkpoint.claims.contains_key(uid) && !self.checkpoint.placing.contains_key(uid) {
             return Ok(());
         }
         let mut next = self.checkpoint.clone();
         next.claims.remove(uid);
+        next.placing.remove(uid);
         self.prepare_directories(&next)?;
         remove_if_present(&self.spec_path(uid))?;
         self.commit(next)
@@ -253,6 +327,10 @@ impl Driver {
     }
 
     fn prepare_directories(&self, checkpoint: &Checkpoint) -> Result<()> {
+        if self.config.stage == Stage::ControlPlane {
+            // The agent keeps them.
+            return Ok(());
+        }
         let set = AssignmentSet {
             revision: 0,
             node_state: "ready".to_owned(),
@@ -311,7 +389,7 @@ fn read_checkpoint(path: &Path) -> Result<Checkpoint> {
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
             return Ok(Checkpoint {
                 version: CHECKPOINT_VERSION,
-                claims: BTreeMap::new(),
+                ..Checkpoint::default()
             });
         }
         Err(error) => return Err(bad(error.to_string())),
@@ -335,6 +413,11 @@ fn read_checkpoint(path: &Path) -> Result<Checkpoint> {
     }
     for (uid, prepared) in &checkpoint.claims {
         if *uid != prepared.claim.uid || !valid_uid(uid) {
+            return Err(bad(format!("claim uid `{uid}` does not match its entry")));
+        }
+    }
+    for (uid, claim) in &checkpoint.placing {
+        if *uid != claim.uid || !valid_uid(uid) {
             return Err(bad(format!("claim uid `{uid}` does not match its entry")));
         }
     }

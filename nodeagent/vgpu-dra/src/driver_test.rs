@@ -24,6 +24,7 @@ fn node() -> Node {
             mps_tenants: Default::default(),
         },
         quantum_ns: tenant_abi::compute::QUANTUM_NS_DEFAULT,
+        stage: crate::driver::Stage::Node,
     };
     let inventory = InventorySource::from_simulate_arg("2xH100-80GB")
         .unwrap()
@@ -258,4 +259,70 @@ fn a_damaged_checkpoint_says_what_to_do() {
     std::fs::write(node.config.state_dir.join(CHECKPOINT_FILE), b"{not json").unwrap();
     let error = Driver::open(node.config.clone(), node.inventory.clone()).unwrap_err();
     assert!(error.to_string().contains("move it away"), "{error}");
+}
+
+/// The second stage: the driver keeps no private directory and records no keeper (the agent
+/// keeps them); a claim noted as being placed is the tenant an unprepare releases, and after a
+/// reopen too; recording it writes the CDI spec from the tenant the agent wrote.
+#[test]
+fn in_the_second_stage_the_agent_keeps_the_directories() {
+    let mut node = node();
+    node.config.stage = Stage::ControlPlane;
+    let layout = Layout::new(&node.config.cdi.shm_dir);
+    // The agent keeps the node's tenants: the second stage's driver starts beside it.
+    private::claim_keeper(&layout, private::Keeper::Agent).unwrap();
+    let mut driver = Driver::open(node.config.clone(), node.inventory.clone()).unwrap();
+    let train = allocation("train", UID_A, "25");
+    let planned = driver.plan(&train).unwrap();
+    assert_eq!(driver.tenant_of(UID_A), None);
+    driver.begin_placing(&train.claim).unwrap();
+    assert_eq!(driver.tenant_of(UID_A).as_deref(), Some("train-aaaaaaaa"));
+    assert!(driver.prepared(UID_A).is_none());
+    let mut driver = Driver::open(node.config.clone(), node.inventory.clone()).unwrap();
+    assert_eq!(driver.tenant_of(UID_A).as_deref(), Some("train-aaaaaaaa"));
+
+    let prepared = driver.record(&train, planned.clone()).unwrap();
+    assert_eq!(prepared.assignment, planned);
+    assert!(driver.checkpoint().placing.is_empty());
+    assert_eq!(
+        read_spec(&node, UID_A)["devices"][0]["name"],
+        "train-aaaaaaaa"
+    );
+    assert!(
+        !private::is_prepared(&layout, "train-aaaaaaaa"),
+        "the agent makes the directory, not the driver"
+    );
+    // Recorded again (two pods of the claim): as it was.
+    assert_eq!(driver.record(&train, planned).unwrap(), prepared);
+
+    driver.unprepare(UID_A).unwrap();
+    assert_eq!(driver.tenant_of(UID_A), None);
+    assert!(!spec_path(&node.config.cdi.dir, UID_A).exists());
+    // A claim only noted is forgotten by unprepare too.
+    driver
+        .begin_placing(&allocation("eval", UID_B, "10").claim)
+        .unwrap();
+    driver.unprepare(UID_B).unwrap();
+    assert_eq!(driver.checkpoint().placing.len(), 0);
+}
+
+#[test]
+fn a_pin_request_is_the_claims_slices_owned_by_the_claim() {
+    let node = node();
+    let driver = Driver::open(node.config.clone(), node.inventory.clone()).unwrap();
+    let train = allocation("train", UID_A, "25");
+    let planned = driver.plan(&train).unwrap();
+    let request = crate::pool::pin_request("node-a", &train.claim, &planned);
+    assert_eq!(request.name, "train-aaaaaaaa");
+    let placement = request.request.unwrap();
+    assert_eq!(placement.owner, "k8s:ml/train");
+    let pin = placement.pin.clone().unwrap();
+    assert_eq!(pin.node, "node-a");
+    assert_eq!(pin.gpus.len(), 1);
+    assert_eq!(pin.gpus[0].uuid, node.inventory.gpus[1].uuid);
+    assert_eq!(pin.gpus[0].compute_percent, 25);
+    assert_eq!(pin.gpus[0].memory_bytes, 20 << 30);
+    // What the control plane admits.
+    api::validate::admit_request(&placement).unwrap();
+    api::validate::admit_claim_tenant(&request.name, &placement).unwrap();
 }

@@ -87,6 +87,39 @@ pub enum Error {
     ApiserverTimeout { claim: ClaimRef, seconds: u64 },
     #[error("cannot publish the ResourceSlice {name}: {reason}")]
     Publish { name: String, reason: String },
+    #[error("the control-plane settings do not work: {reason}")]
+    ControlPlaneSetup { reason: String },
+    #[error(
+        "cannot {what} claim {claim}: no control-plane member at {endpoints} answered (last: {reason}); check vgpu-cp runs and the driver's --control-plane addresses reach it from this node; the kubelet will retry"
+    )]
+    ControlPlaneUnreachable {
+        claim: ClaimRef,
+        what: &'static str,
+        endpoints: String,
+        reason: String,
+    },
+    #[error("the control plane refused to {what} claim {claim} ({code:?}): {reason}; {hint}")]
+    PinRefused {
+        claim: ClaimRef,
+        what: &'static str,
+        code: tonic::Code,
+        reason: String,
+        hint: &'static str,
+    },
+    #[error(
+        "the agent's node key {path} cannot be read ({reason}); the control plane takes a claim's pin only with the key of the agent that registered the node: start `vgpu-agent join --kubernetes-managed` on this node first, and mount its state directory into the driver (--agent-state-dir)"
+    )]
+    NodeKey { path: PathBuf, reason: String },
+    #[error(
+        "the control plane holds tenant {tenant} of claim {claim}, but the agent did not {waiting_for} {path} within {seconds} s; check `vgpu-agent join --kubernetes-managed` runs on this node with the state directory the driver reads (--agent-state-dir) and reaches the control plane; the kubelet will retry"
+    )]
+    AgentTimeout {
+        claim: ClaimRef,
+        tenant: String,
+        waiting_for: &'static str,
+        path: PathBuf,
+        seconds: u64,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

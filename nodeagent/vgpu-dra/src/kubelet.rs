@@ -11,6 +11,10 @@
 //!   [`Driver`]. Each claim's failure is reported in its own entry, so one bad claim does not
 //!   hold up the others.
 //!
+//! In the second stage ([`Plugin::start_with`] with a [`ControlPlane`]) a claim not in the
+//! checkpoint is pinned in the control plane and waited for (see `crate::pool`), and unprepare
+//! releases it there first.
+//!
 //! The v1beta1 service (kubelets before 1.34) is not served: `resource.k8s.io/v1` with
 //! consumable capacity needs 1.34 or newer anyway.
 
@@ -26,8 +30,9 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
 use crate::claim::{Allocation, ClaimRef, DRIVER_NAME};
-use crate::driver::{Driver, PreparedClaim, valid_uid};
+use crate::driver::{Driver, PreparedClaim, Stage, valid_uid};
 use crate::error::{Error, Result};
+use crate::pool::ControlPlane;
 
 /// The generated messages and services.
 pub mod pb {
@@ -116,6 +121,22 @@ impl Plugin {
         driver: Driver,
         source: S,
     ) -> Result<Plugin> {
+        Plugin::start_with(config, driver, source, None)
+    }
+
+    /// [`Plugin::start`] for the second stage when `control_plane` is given: each claim is
+    /// pinned in the control plane and made a tenant by the node's agent (`crate::pool`).
+    pub fn start_with<S: ClaimSource>(
+        config: PluginConfig,
+        driver: Driver,
+        source: S,
+        control_plane: Option<ControlPlane>,
+    ) -> Result<Plugin> {
+        assert_eq!(
+            control_plane.is_some(),
+            driver.stage() == Stage::ControlPlane,
+            "the second stage has a control plane, the first none"
+        );
         let registration_socket = registration_socket(&config.kubelet_root);
         let dra_socket = dra_socket(&config.kubelet_root);
         let dra_listener = bind(&dra_socket)?;
@@ -129,6 +150,7 @@ impl Plugin {
             driver: Arc::new(Mutex::new(driver)),
             source: Arc::new(source),
             timeout: config.apiserver_timeout,
+            control_plane: control_plane.map(Arc::new),
         };
         let (stop, stopped) = oneshot::channel::<()>();
         let (stop_dra, stopped_dra) = oneshot::channel::<()>();
@@ -251,6 +273,8 @@ struct DraService<S> {
     driver: Arc<Mutex<Driver>>,
     source: Arc<S>,
     timeout: Duration,
+    /// The second stage's control plane.
+    control_plane: Option<Arc<ControlPlane>>,
 }
 
 impl<S: ClaimSource> DraService<S> {
@@ -269,9 +293,27 @@ impl<S: ClaimSource> DraService<S> {
             "the source answers about the claim"
         );
         let driver = Arc::clone(&self.driver);
-        let prepared = tokio::task::spawn_blocking(move || lock(&driver).prepare(&allocation))
-            .await
-            .unwrap_or_else(|join| std::panic::resume_unwind(join.into_panic()))?;
+        let prepared = match &self.control_plane {
+            None => blocking(move || lock(&driver).prepare(&allocation)).await?,
+            Some(control_plane) => {
+                // The control plane is called without the driver's lock, so one slow claim does
+                // not hold up the others; `record` answers a claim recorded meanwhile as it was.
+                let planned = lock(&self.driver).plan(&allocation)?;
+                let noted = Arc::clone(&self.driver);
+                let placing = claim.clone();
+                blocking(move || lock(&noted).begin_placing(&placing)).await?;
+                let written = control_plane.place(&claim, &planned).await?;
+                if written.slices != planned.slices {
+                    tracing::warn!(
+                        "the agent wrote tenant {} with slices {:?}, where claim {claim} was allocated {:?}; the CDI spec follows the agent",
+                        written.tenant,
+                        written.slices,
+                        planned.slices
+                    );
+                }
+                blocking(move || lock(&driver).record(&allocation, written)).await?
+            }
+        };
         tracing::info!(
             "prepared claim {claim} as tenant {}",
             prepared.assignment.tenant
@@ -280,14 +322,29 @@ impl<S: ClaimSource> DraService<S> {
     }
 
     async fn unprepare(&self, claim: ClaimRef) -> Result<()> {
+        if let Some(control_plane) = &self.control_plane {
+            // A claim neither prepared nor being placed holds no tenant: done, without the
+            // control plane.
+            let tenant = lock(&self.driver).tenant_of(&claim.uid);
+            if let Some(tenant) = tenant {
+                control_plane.release(&claim, &tenant).await?;
+            }
+        }
         let driver = Arc::clone(&self.driver);
         let uid = claim.uid.clone();
-        tokio::task::spawn_blocking(move || lock(&driver).unprepare(&uid))
-            .await
-            .unwrap_or_else(|join| std::panic::resume_unwind(join.into_panic()))?;
+        blocking(move || lock(&driver).unprepare(&uid)).await?;
         tracing::info!("unprepared claim {claim}");
         Ok(())
     }
+}
+
+/// Runs `work` (file writes) off the runtime's threads.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|join| std::panic::resume_unwind(join.into_panic()))
 }
 
 fn lock(driver: &Mutex<Driver>) -> std::sync::MutexGuard<'_, Driver> {

@@ -8,6 +8,8 @@
 //! * [`slices`]: the node's GPUs as a ResourceSlice, and what to send to the apiserver (pure).
 //! * [`driver`]: preparing and unpreparing claims on the node's files, checkpointed.
 //! * [`kubelet`]: the plugin-registration and DRA gRPC services on the kubelet's unix sockets.
+//! * [`pool`]: the second stage's control-plane calls (the claim's pin, its release) and the
+//!   bounded waits for the agent's tenant files.
 //! * [`apiserver`]: the apiserver calls (claims, the slice) through kube-rs.
 //! * [`health`]: which GPUs the slice taints, from the agent's health samples.
 //! * [`error`]: the typed errors.
@@ -23,6 +25,7 @@ pub mod driver;
 pub mod error;
 pub mod health;
 pub mod kubelet;
+pub mod pool;
 pub mod slices;
 
 use std::path::{Path, PathBuf};
@@ -35,6 +38,8 @@ pub struct RunConfig {
     pub driver: driver::DriverConfig,
     pub plugin: kubelet::PluginConfig,
     pub inventory: vgpu_agent::InventorySource,
+    /// The second stage's control plane (with `driver.stage` = [`driver::Stage::ControlPlane`]).
+    pub control_plane: Option<pool::ControlPlaneConfig>,
 }
 
 /// Runs the driver until `shutdown` completes: keeps the node's slice published (with the GPUs
@@ -82,7 +87,11 @@ pub async fn run(
         unhealthy,
     ));
     let claims = apiserver::KubeClaims::new(client, &node);
-    let plugin = kubelet::Plugin::start(config.plugin, driver, claims)?;
+    let control_plane = config
+        .control_plane
+        .map(|settings| pool::ControlPlane::new(settings, &node))
+        .transpose()?;
+    let plugin = kubelet::Plugin::start_with(config.plugin, driver, claims, control_plane)?;
     shutdown.await;
     publisher.abort();
     // The kubelet keeps its connections open; they get a GOAWAY, and calls in flight this long

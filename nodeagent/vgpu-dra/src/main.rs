@@ -1,11 +1,14 @@
 //! `vgpu-dra`: parses the command line, installs tracing, and runs the driver
 //! ([`vgpu_dra::run`]) or prints the node's ResourceSlice.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+
+/// Where the agent's state directories are on a node (`/var/lib/vgpu-agent/NODE`).
+const AGENT_STATE_ROOT: &str = "/var/lib/vgpu-agent";
 
 #[derive(Parser)]
 #[command(
@@ -21,7 +24,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serves the kubelet and publishes the node's ResourceSlice until SIGTERM.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Prints the ResourceSlice the driver would publish for this node (JSON, which YAML tools
     /// read too).
     PrintSlice(NodeArgs),
@@ -70,6 +73,61 @@ struct RunArgs {
     /// How long one claim's read from the apiserver may take, in seconds.
     #[arg(long, default_value_t = 10)]
     apiserver_timeout_s: u64,
+    #[command(flatten)]
+    control_plane: ControlPlaneArgs,
+}
+
+/// The second stage: with --control-plane, each claim is a pinned tenant of the control plane
+/// and the node's agent (`vgpu-agent join --kubernetes-managed`) makes it a tenant on the node.
+#[derive(clap::Args)]
+struct ControlPlaneArgs {
+    /// The control-plane members, HOST:PORT[,HOST:PORT...]. Without it the driver runs the first
+    /// stage: claims become tenants on the node only, unknown to the control plane.
+    #[arg(long, value_delimiter = ',')]
+    control_plane: Vec<String>,
+    /// The state directory of the node's agent: its node key, its certificate (tls/) and the
+    /// tenant files the driver waits for [default: /var/lib/vgpu-agent/NODE_NAME, the agent's].
+    #[arg(long)]
+    agent_state_dir: Option<PathBuf>,
+    /// The cluster CA certificate [default: AGENT_STATE_DIR/tls/ca.crt].
+    #[arg(long)]
+    tls_ca_cert: Option<PathBuf>,
+    /// The node's agent certificate [default: AGENT_STATE_DIR/tls/agent.crt].
+    #[arg(long)]
+    tls_cert: Option<PathBuf>,
+    /// Its key [default: AGENT_STATE_DIR/tls/agent.key].
+    #[arg(long)]
+    tls_key: Option<PathBuf>,
+    /// Plain-text gRPC, for a control plane started with --insecure.
+    #[arg(long)]
+    insecure: bool,
+    /// How long a prepare waits for the agent to write the claim's tenant (and an unprepare for
+    /// it to go), in seconds; the kubelet retries after.
+    #[arg(long, default_value_t = vgpu_dra::pool::PLACEMENT_TIMEOUT_DEFAULT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=600))]
+    placement_timeout: u64,
+}
+
+impl ControlPlaneArgs {
+    fn config(self, node: &str) -> Option<vgpu_dra::pool::ControlPlaneConfig> {
+        if self.control_plane.is_empty() {
+            return None;
+        }
+        let agent_state_dir = self
+            .agent_state_dir
+            .unwrap_or_else(|| Path::new(AGENT_STATE_ROOT).join(node));
+        let defaults = vgpu_agent::bootstrap::Security::default_files(&agent_state_dir);
+        let tls = (!self.insecure).then(|| api::tls::TlsFiles {
+            ca_cert: self.tls_ca_cert.unwrap_or(defaults.ca_cert),
+            cert: self.tls_cert.unwrap_or(defaults.cert),
+            key: self.tls_key.unwrap_or(defaults.key),
+        });
+        Some(vgpu_dra::pool::ControlPlaneConfig {
+            endpoints: self.control_plane,
+            tls,
+            agent_state_dir,
+            placement_timeout: Duration::from_secs(self.placement_timeout),
+        })
+    }
 }
 
 fn inventory_source(args: &NodeArgs) -> anyhow::Result<vgpu_agent::InventorySource> {
@@ -107,7 +165,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Run(args) => {
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(run(args))
+            runtime.block_on(run(*args))
         }
     }
 }
@@ -120,7 +178,19 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         "--kubelet-root {} is relative; the kubelet dials the socket path the driver reports, so give the absolute path (usually /var/lib/kubelet)",
         args.kubelet_root.display()
     );
+    let control_plane = args.control_plane.config(&node);
+    // The tenant's environment names the state directory of whoever keeps its tenant: the
+    // agent's in the second stage.
+    let tenant_state_dir = control_plane
+        .as_ref()
+        .map_or_else(|| args.state_dir.clone(), |cp| cp.agent_state_dir.clone());
+    let stage = if control_plane.is_some() {
+        vgpu_dra::driver::Stage::ControlPlane
+    } else {
+        vgpu_dra::driver::Stage::Node
+    };
     let config = vgpu_dra::RunConfig {
+        control_plane,
         inventory: inventory_source(&args.node)?,
         driver: vgpu_dra::driver::DriverConfig {
             node,
@@ -129,11 +199,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 dir: args.cdi_dir,
                 interposer: args.interposer,
                 shm_dir: args.shm_dir,
-                state_dir: args.state_dir,
+                state_dir: tenant_state_dir,
                 mps_pipe_dir: None,
                 mps_tenants: Default::default(),
             },
             quantum_ns: tenant_abi::compute::QUANTUM_NS_DEFAULT,
+            stage,
         },
         plugin: vgpu_dra::kubelet::PluginConfig {
             kubelet_root: args.kubelet_root,

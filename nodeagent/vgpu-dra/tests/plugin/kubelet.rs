@@ -73,6 +73,7 @@ impl Node {
                 mps_tenants: Default::default(),
             },
             quantum_ns: tenant_abi::compute::QUANTUM_NS_DEFAULT,
+            stage: vgpu_dra::driver::Stage::Node,
         }
     }
 
