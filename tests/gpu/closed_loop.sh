@@ -4,6 +4,8 @@
 #   latency tenants  decoder (CUDA-graph decoder step, bf16, batch 4), eager (ResNet-18-like CNN,
 #                    batch 1, fp16, eager launches, .item()), bert (6 encoder layers, d 1024,
 #                    seq 128, batch 8, fp16); each steps, synchronises, sleeps to its next period
+#                    (also `launches`, only when PAIRS names it: 400 tiny in-place adds and one
+#                    synchronisation a step, the launch path's own cost)
 #   neighbours       gemm (bf16 8192^3, TFLOP/s), train (small transformer fwd+bwd+AdamW,
 #                    steps/s), stream (3 GiB copies, GB/s), long (bf16 16384^3, ~12 ms kernels,
 #                    kernels/s)

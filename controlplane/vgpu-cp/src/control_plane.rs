@@ -246,7 +246,18 @@ impl ControlPlane {
                 };
                 return Ok(self.record_heartbeat_batch(beats));
             }
-            let sent = self.forward_once(self.leader_node(), &request).await;
+            // Bounded: a leader that stopped answering (paused, not gone) keeps the call open
+            // until HTTP/2 keepalive gives up, about 10 s, and this follower's later beats queue
+            // behind it; a new leader could then take its nodes for lost.
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let Ok(sent) =
+                tokio::time::timeout(remaining, self.forward_once(self.leader_node(), &request))
+                    .await
+            else {
+                return Err(BeatOutcome::Failed(ErrorCode::NoLeader.status(format!(
+                    "the control-plane leader did not answer a heartbeat within {BEAT_BATCH_DEADLINE:?}; check `vgpuctl cluster status`"
+                ))));
+            };
             if matches!(sent, Ok(Some(_))) {
                 self.metrics.count_heartbeat_batch();
             }

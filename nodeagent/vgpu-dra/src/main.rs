@@ -66,6 +66,10 @@ struct RunArgs {
     /// The shared-memory directory of the tenants' private directories.
     #[arg(long, default_value = vgpu_agent::tenant::SHM_DIR_DEFAULT)]
     shm_dir: PathBuf,
+    /// The node's agent runs MPS (`vgpu-agent join --mps`): containers get its MPS pipes, as
+    /// `vgpu-agent exec` gives tenants (latency tenants excepted, the agent's default).
+    #[arg(long)]
+    mps: bool,
     /// The interposer on the host, mounted into every container; the NCCL plugin is mounted too
     /// when it is beside it.
     #[arg(long, default_value = vgpu_agent::tenant::INTERPOSER_SYSTEM_PATH)]
@@ -198,9 +202,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             cdi: vgpu_agent::cdi::CdiConfig {
                 dir: args.cdi_dir,
                 interposer: args.interposer,
+                mps_pipe_dir: args.mps.then(|| vgpu_agent::mps::pipe_dir(&args.shm_dir)),
                 shm_dir: args.shm_dir,
                 state_dir: tenant_state_dir,
-                mps_pipe_dir: None,
                 mps_tenants: Default::default(),
             },
             quantum_ns: tenant_abi::compute::QUANTUM_NS_DEFAULT,
