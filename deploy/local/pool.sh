@@ -13,6 +13,17 @@ export VGPU_CP_INSECURE=true VGPU_AGENT_INSECURE=true VGPUCTL_INSECURE=true
 state="${VGPU_LOCAL_DIR:-$PWD/.vgpu-local}"
 simulate="${VGPU_SIMULATE:-8xH100-80GB}"
 
+# vgpu-cp's etcd client compiles etcd's protos with a system protoc (README, "Build").
+if [ -z "${PROTOC:-}" ] && ! command -v protoc >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing protoc (Debian's protobuf-compiler)..." >&2
+    apt-get install -y -qq protobuf-compiler >/dev/null ||
+      { apt-get update -qq && apt-get install -y -qq protobuf-compiler >/dev/null; }
+  else
+    echo "pool.sh: building vgpu-cp needs protoc: install it (Debian/Ubuntu: sudo apt-get install protobuf-compiler) or set PROTOC to one" >&2
+    exit 1
+  fi
+fi
 echo "building vgpu (release)..." >&2
 cargo build --release --quiet --bins -p vgpu-cp -p vgpu-agent -p vgpuctl
 target_dir="${CARGO_TARGET_DIR:-target}"
