@@ -92,6 +92,11 @@ struct Core {
     deposed: AtomicBool,
     /// The members registered under `members/` (id, address), refreshed by the presence task.
     members: watch::Sender<Vec<(NodeId, String)>>,
+    /// One append of this member at a time: etcd takes appends one after another anyway, and
+    /// the batcher's concurrent batches raced each other for the log's head until one gave up
+    /// (`Error::Contended` after 32 tries, at 16 clients in `cluster-bench --store etcd`);
+    /// what queues meanwhile goes into the next batch.
+    append_turn: tokio::sync::Mutex<()>,
 }
 
 /// The etcd store of one member: its apply task, election task, batcher and snapshotter.
@@ -132,6 +137,7 @@ impl EtcdReplication {
             leader: watch::channel(None).0,
             deposed: AtomicBool::new(false),
             members: watch::channel(Vec::new()).0,
+            append_turn: tokio::sync::Mutex::new(()),
         });
         let applier = Arc::new(spawn_applier(Arc::clone(&core), shared.clone()));
         let (batcher, queue) = tokio::sync::mpsc::channel(crate::replication::BATCH_QUEUE_MAX);
@@ -358,9 +364,12 @@ impl Core {
             .lock()
             .expect("waiters lock")
             .insert(batch, done);
-        let appended = match fence {
-            Some(fence) => self.log.append_fenced(&[bytes], fence).await,
-            None => self.log.append(&[bytes]).await,
+        let appended = {
+            let _turn = self.append_turn.lock().await;
+            match fence {
+                Some(fence) => self.log.append_fenced(&[bytes], fence).await,
+                None => self.log.append(&[bytes]).await,
+            }
         };
         let forget = || {
             self.waiters.lock().expect("waiters lock").remove(&batch);

@@ -3,6 +3,8 @@
 //! `kill -9` of the leader to the next committed placement.
 //!
 //! Run: `cargo run --release -p tests --bin cluster-bench` (builds the release binaries first).
+//! `--store etcd` runs the same members on the etcd store (issue 20) against three real etcd
+//! members started on loopback (Debian's `etcd-server`), so the two stores compare in one run.
 
 use anyhow::{Context, Result, ensure};
 use clap::Parser;
@@ -26,6 +28,15 @@ struct Args {
     /// Leader kills for the failover measurement.
     #[arg(long, default_value = "5")]
     failovers: usize,
+    /// Where the members keep the pool's state: their own Raft group, or an etcd cluster.
+    #[arg(long, value_enum, default_value = "raft")]
+    store: Store,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Store {
+    Raft,
+    Etcd,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -182,13 +193,39 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     // Agents are not run: the nodes are registered directly, so they must not time out.
-    let mut cluster = Cluster::start(3, &["--node-lost-timeout-ms", "86400000"])?;
+    let mut extra = vec!["--node-lost-timeout-ms".to_owned(), "86400000".to_owned()];
+    // Kept until the end: dropping it stops the etcd members.
+    let etcd = match args.store {
+        Store::Raft => None,
+        Store::Etcd => {
+            let etcd = runtime
+                .block_on(etcd_store::testing::EtcdCluster::start(
+                    "cluster_bench",
+                    3,
+                    true,
+                ))
+                .context("no etcd to run on: install Debian's etcd-server")?;
+            extra.extend([
+                "--etcd-endpoints".to_owned(),
+                etcd.endpoints().join(","),
+                "--etcd-prefix".to_owned(),
+                "/vgpu-bench/".to_owned(),
+            ]);
+            Some(etcd)
+        }
+    };
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut cluster = Cluster::start(3, &extra)?;
     let endpoints: Vec<String> = cluster.members.iter().map(|m| m.address.clone()).collect();
     runtime
         .block_on(register_nodes(&endpoints[0], args.nodes))
         .context("registering nodes")?;
     println!(
-        "three-member cluster on loopback, {} nodes x 8 GPUs registered",
+        "three-member cluster on loopback ({}), {} nodes x 8 GPUs registered",
+        match args.store {
+            Store::Raft => "built-in Raft store",
+            Store::Etcd => "etcd store, three etcd members",
+        },
         args.nodes
     );
     println!("| clients | committed placements/s | p50 ms | p99 ms |");
@@ -221,5 +258,7 @@ fn main() -> Result<()> {
             times.last().expect("non-empty").as_secs_f64() * 1e3
         );
     }
+    drop(cluster);
+    drop(etcd);
     Ok(())
 }
