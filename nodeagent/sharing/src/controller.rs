@@ -754,10 +754,12 @@ impl Controller {
     /// 0's. Then the level only costs the neighbours (never worse than plain co-location on
     /// both axes at once).
     fn no_better_than_free(&self, judged: &[(String, crate::tenant::Judgement)]) -> bool {
-        if self.probing().is_some() {
+        if self.probing().is_some()
+            || !self.level_measured(self.level, judged)
+            || !self.floor_measured(judged)
+        {
             return false;
         }
-        let needed = FLOOR_RELAX_WAITS * self.config.relax_steps();
         let budget = self.config.violation_budget;
         judged.iter().all(|(name, _)| {
             let (Some(here), Some(free)) = (
@@ -769,9 +771,6 @@ impl Controller {
             let Some(target) = self.tenants[name.as_str()].target_ns(&self.config) else {
                 return false;
             };
-            if here.steps < needed || free.steps < needed {
-                return false;
-            }
             let (Some(here_p99), Some(free_p99)) = (here.quantile_ns(0.99), free.quantile_ns(0.99))
             else {
                 return false;

@@ -256,22 +256,9 @@ fn beat(
     })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acknowledged_placements_survive_kill_9_of_the_leader_and_a_new_leader_runs_the_leader_loop()
- {
-    let required = std::env::var_os("VGPU_ETCD_REQUIRED").is_some();
-    let Some(etcd) = EtcdCluster::start("vgpu_cp_on_etcd", 3, required).await else {
-        return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let ports = free_ports(4);
-    let mut members = vec![Member::spawn(
-        1,
-        ports[0],
-        &["bootstrap"],
-        &etcd,
-        dir.path(),
-    )];
+/// Members 1 (bootstrap, leading), 2 and 3 (joined through it) on `ports[0..3]`, each answering.
+async fn start_three(etcd: &EtcdCluster, dir: &Path, ports: &[u16]) -> Vec<Member> {
+    let mut members = vec![Member::spawn(1, ports[0], &["bootstrap"], etcd, dir)];
     wait_for("member 1 leads", &members, || async {
         status(&members[0])
             .await
@@ -284,8 +271,8 @@ async fn acknowledged_placements_survive_kill_9_of_the_leader_and_a_new_leader_r
             id,
             port,
             &["join", "--peer", &peer],
-            &etcd,
-            dir.path(),
+            etcd,
+            dir,
         ));
     }
     for index in 1..3 {
@@ -294,6 +281,19 @@ async fn acknowledged_placements_survive_kill_9_of_the_leader_and_a_new_leader_r
         })
         .await;
     }
+    members
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_placements_survive_kill_9_of_the_leader_and_a_new_leader_runs_the_leader_loop()
+ {
+    let required = std::env::var_os("VGPU_ETCD_REQUIRED").is_some();
+    let Some(etcd) = EtcdCluster::start("vgpu_cp_on_etcd", 3, required).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ports = free_ports(4);
+    let mut members = start_three(&etcd, dir.path(), &ports).await;
 
     // Every member lists all three (each keeps `members/<id>` on a lease of its own).
     wait_for("three members listed", &members, || async {
@@ -752,35 +752,7 @@ async fn histories_through_a_leader_kill_are_linearizable() {
     };
     let dir = tempfile::tempdir().unwrap();
     let ports = free_ports(3);
-    let mut members = vec![Member::spawn(
-        1,
-        ports[0],
-        &["bootstrap"],
-        &etcd,
-        dir.path(),
-    )];
-    wait_for("member 1 leads", &members, || async {
-        status(&members[0])
-            .await
-            .filter(|status| status.leader == 1)
-    })
-    .await;
-    let peer = members[0].address.clone();
-    for (id, port) in [(2, ports[1]), (3, ports[2])] {
-        members.push(Member::spawn(
-            id,
-            port,
-            &["join", "--peer", &peer],
-            &etcd,
-            dir.path(),
-        ));
-    }
-    for index in 1..3 {
-        wait_for("the member answers", &members, || async {
-            status(&members[index]).await
-        })
-        .await;
-    }
+    let mut members = start_three(&etcd, dir.path(), &ports).await;
     let channel_2 = channel(&members[1]).await.expect("member 2");
     v1::agent_client::AgentClient::new(channel_2)
         .register(v1::RegisterRequest {
