@@ -1254,3 +1254,31 @@ fn a_starving_floor_is_not_sampled_again() {
     }
     assert_eq!(at_zero, 0, "level 0 starves this tenant");
 }
+
+#[test]
+fn the_hypergeometric_tail_is_exact() {
+    // 10 items, 4 marked, 5 drawn: P(X >= 3) = (C(4,3) C(6,2) + C(4,4) C(6,1)) / C(10,5).
+    let tail = hypergeometric_upper_tail(10, 4, 5, 3);
+    assert!((tail - (4.0 * 15.0 + 6.0) / 252.0).abs() < 1e-12, "{tail}");
+    assert_eq!(hypergeometric_upper_tail(10, 4, 5, 0), 1.0);
+    assert_eq!(hypergeometric_upper_tail(10, 4, 5, 5), 0.0);
+    // Every item drawn: all the marked ones are.
+    assert_eq!(hypergeometric_upper_tail(10, 4, 10, 4), 1.0);
+    // Large samples stay probabilities, and a lopsided split is unlikely.
+    let tail = hypergeometric_upper_tail(40_000, 400, 20_000, 260);
+    assert!(tail > 0.0 && tail < 1e-6, "{tail}");
+}
+
+#[test]
+fn few_violations_are_not_called_a_higher_rate() {
+    // 4 of 40 against 7 of 400: 3.2 standard errors by the normal approximation, but a 1.2%
+    // chance by the exact test: not far worse.
+    assert!(!rate_higher((40, 4), (400, 7), FLOOR_FAR_WORSE_P));
+    assert!(rate_higher((40, 4), (400, 7), 0.05));
+    // Clear differences are called at both thresholds; equal or lower rates never.
+    assert!(rate_higher((200, 40), (400, 4), FLOOR_FAR_WORSE_P));
+    assert!(rate_higher((300, 15), (300, 3), FLOOR_BETTER_P));
+    assert!(!rate_higher((300, 3), (300, 3), 0.5));
+    assert!(!rate_higher((300, 3), (300, 15), 0.5));
+    assert!(!rate_higher((0, 0), (300, 15), 0.5));
+}

@@ -123,15 +123,22 @@
 //! - *Dominance.* Once a tenant has `FLOOR_RELAX_WAITS` relaxation waits of steps (200 at 1%)
 //!   both at the current level and at 0, the level is kept only if it is measurably better for
 //!   some tenant: a p99 `LEVER_IMPROVEMENT_BUCKETS` lower, or a share of steps over the target
-//!   lower by more than `FLOOR_BETTER_Z` standard errors (level 0's share over the budget).
+//!   lower beyond chance (`FLOOR_BETTER_P`, an exact binomial tail; level 0's share over the
+//!   budget).
 //!   Otherwise it and every level under it are *dominated*: level 0
 //!   (`Reason::NoBetterThanUnrestricted`), and climbs, relaxations and starving skip them for the
 //!   rest of the episode; with the top dominated, nothing restricts.
 //! - *Sampling the floor.* A failing level 0 leaves few steps to compare with, so when even the
 //!   top misses the target over all its steps in the episode (not a burst: the tenant's own
-//!   hiccups), level 0 is sampled until it has as many steps, unless its violations are already
-//!   far more frequent than the top's (`FLOOR_FAR_WORSE_Z` standard errors) or a step starves
-//!   there: then level 0 is worse, and it is not sampled again in the episode.
+//!   hiccups), level 0 is sampled until it has the steps to compare (and, sampled again each
+//!   time the top's steps outgrow it, at least `1 / FLOOR_SAMPLE_SHARE` of the top's: a verdict
+//!   drawn by chance from a small sample does not stand for the rest of the episode), unless its
+//!   violations are already far more frequent than the top's (`FLOOR_FAR_WORSE_P`) or a step
+//!   starves there: then level 0 is worse, and it is not sampled again in the episode.
+//! - *A level's trial.* Over budget, a level fails only once it has failed its own trial: more
+//!   violations since it was set than the budget's share of its steps (credited for one
+//!   relaxation wait of steps at most: from there the tenant's allowance judges it alone), plus
+//!   one when a tenant was already in debt as it was set (its debt is the level below's).
 //!
 //! Several latency tenants on one GPU share one level: it steps up when any of them is over
 //! budget and relaxes only when all are clean.
@@ -142,8 +149,8 @@ mod tenant;
 mod types;
 
 pub use controller::{
-    Controller, FLOOR_BETTER_Z, FLOOR_FAR_WORSE_Z, FLOOR_RELAX_WAITS, LEVER_IMPROVEMENT_BUCKETS,
-    LeverState, PROBE_BACKOFF_MAX,
+    Controller, FLOOR_BETTER_P, FLOOR_FAR_WORSE_P, FLOOR_RELAX_WAITS, FLOOR_SAMPLE_SHARE,
+    LEVER_IMPROVEMENT_BUCKETS, LeverState, PROBE_BACKOFF_MAX,
 };
 pub use ladder::{GUARD_QUARTERS, Ladder, Rung, guard_us};
 pub use tenant::{
