@@ -582,7 +582,9 @@ def report(args):
 
     tsv = ["latency\tneighbour\tmode\tsteps\tp50_ms\tp99_ms\tp999_ms\tmax_ms\tp99_vs_alone\twork_per_s\tunit\twork_vs_alone\tchunk_ms_p50\tverdict"]
     table = [
-        f"closed loop: latency tenants next to neighbours on one GPU, window {args.window} s; verdict of a vgpu row: "
+        f"closed loop: latency tenants next to neighbours on one GPU, window {args.window} s"
+        + (f" (vgpu rows {args.vgpu_window} s)" if args.vgpu_window and args.vgpu_window != args.window else "")
+        + "; verdict of a vgpu row: "
         f"ok when p99 <= {limit}x alone and the neighbour is at least as fast as the best of plain/mps/mps50 "
         f"that also kept p99 <= {limit}x",
         "machine: " + ("; ".join(sorted(machine)) or "unknown"),
@@ -663,6 +665,7 @@ def main():
     p.add_argument("--pairs", required=True)
     p.add_argument("--modes", required=True)
     p.add_argument("--window", type=float, default=0.0)
+    p.add_argument("--vgpu-window", type=float, default=0.0)
     p.add_argument("--limit", type=float, default=1.2)
     args = parser.parse_args()
     if args.command == "schedule":

@@ -33,7 +33,9 @@
 #
 # Knobs: PAIRS (latency:neighbour ..., default all 12), MODES (default "alone plain mps mps50
 # vgpu-mps vgpu"; also vgpu-mps-alone and vgpu-alone: each workload alone through vgpu, its own
-# cost against "alone"), WINDOW (measured seconds per window, 8), SETTLE (seconds a window's processes
+# cost against "alone"), WINDOW (measured seconds per window, 8), VGPU_WINDOW (the windows of
+# the vgpu groups, default WINDOW: a pair's first seconds are the controller's learning, and a
+# longer window weighs them as a pair that stays together longer would), SETTLE (seconds a window's processes
 # run before it, unmeasured, 0.75), GAP (idle seconds between windows, 0.25), PERIODS (step
 # periods in ms, e.g. "eager=6 bert=2.5"; defaults decoder 3, eager 5, bert 2), VGPU_BIN (dist),
 # PY (python3, or /opt/torch/.venv/bin/python3 where it exists), OUT (/tmp/closed-loop-out),
@@ -79,6 +81,7 @@ source "$ROOT/tests/gpu/procs.sh"
 source "$ROOT/tests/gpu/node.sh"
 gpu_paths
 WINDOW=${WINDOW:-8}
+VGPU_WINDOW=${VGPU_WINDOW:-$WINDOW}
 SETTLE=${SETTLE:-0.75}
 GAP=${GAP:-0.25}
 ALL_PAIRS=""
@@ -151,12 +154,15 @@ trap cleanup EXIT
 trap 'exit 143' TERM INT HUP
 
 log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
-group_s() { # group_s WINDOWS: the estimated seconds of a group (warm-up and exit ~8 s)
-  awk -v n="$1" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) + 8 }'
+window_of() { # window_of GROUP: its window in seconds (VGPU_WINDOW for the vgpu groups)
+  case "$1" in vgpu | vgpu-mps) echo "$VGPU_WINDOW" ;; *) echo "$WINDOW" ;; esac
+}
+group_s() { # group_s WINDOWS [WINDOW_S]: the estimated seconds of a group (warm-up and exit ~8 s)
+  awk -v n="$1" -v w="${2:-$WINDOW}" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) + 8 }'
 }
 fits() { # fits NAME WINDOWS EXTRA_S: whether the group ends before DEADLINE_S (else a message)
   local est
-  est=$(($(group_s "$2") + $3))
+  est=$(($(group_s "$2" "$(window_of "$1")") + $3))
   [ "$DEADLINE_S" = 0 ] || [ $((SECONDS + est)) -le "$DEADLINE_S" ] && return 0
   log "$1: SKIPPED: $2 windows, ~${est}s, would end after DEADLINE_S=$DEADLINE_S (now ${SECONDS}s)"
   return 1
@@ -176,10 +182,11 @@ period_of() { # period_of WORKLOAD: its step period in ms from PERIODS, or nothi
 # `vgpuctl describe` during the windows of a vgpu group, and waits for the processes to leave.
 run_group() {
   local name=$1 G="$LOGS/$1" spec id wl how tenant pid i t_ref sched_out per
-  local gp=() gid=()
+  local gp=() gid=() gw
+  gw=$(window_of "$name")
   mkdir -p "$G"
   fits "$name" "${#GROUP_WINS[@]}" 0 || return 1
-  log "$name: ${#GROUP_PROCS[@]} processes, ${#GROUP_WINS[@]} windows (~$(group_s "${#GROUP_WINS[@]}")s)"
+  log "$name: ${#GROUP_PROCS[@]} processes, ${#GROUP_WINS[@]} windows of ${gw}s (~$(group_s "${#GROUP_WINS[@]}" "$gw")s)"
   for spec in "${GROUP_PROCS[@]}"; do
     read -r id wl how <<<"$spec"
     local args=("$HELPER" "$wl" --name "$id" --schedule "$G/schedule.json" --ready "$G/ready.$id")
@@ -228,17 +235,17 @@ run_group() {
   done
   log "$name: warm after $((SECONDS - deadline + READY_TIMEOUT_S))s"
 
-  sched_out=$("$PY" "$HELPER" schedule --out "$G/schedule.json" --window "$WINDOW" --settle "$SETTLE" \
+  sched_out=$("$PY" "$HELPER" schedule --out "$G/schedule.json" --window "$gw" --settle "$SETTLE" \
     --gap "$GAP" "${GROUP_WINS[@]}")
   t_ref=$(date +%s.%N)
   echo "$sched_out" >"$G/schedule.txt"
   local tag off last_end=0
   while read -r tag off; do
     [ -n "$tag" ] || continue
-    last_end=$(awk -v o="$off" -v w="$WINDOW" 'BEGIN { print o + w }')
+    last_end=$(awk -v o="$off" -v w="$gw" 'BEGIN { print o + w }')
     if [ "$name" = vgpu ] || [ "$name" = vgpu-mps ]; then
       # the agent's view of the pair, near the end of its window
-      sleep "$(until_rel "$t_ref" "$(awk -v o="$off" -v w="$WINDOW" 'BEGIN { print o + w - 1 }')")"
+      sleep "$(until_rel "$t_ref" "$(awk -v o="$off" -v w="$gw" 'BEGIN { print o + w - 1 }')")"
       local l=${tag#*:}
       l=${l%%:*}
       { ctl describe tenant "lat-$l"; echo; ctl describe tenant nb; } >"$G/describe.${tag//:/_}.txt" 2>&1
@@ -322,7 +329,7 @@ vgpu_up() { # vgpu_up [--mps]: cp once, the agent in the wanted mode, the two te
 
 gpu=$(nvidia-smi --query-gpu=name,driver_version,compute_mode,mig.mode.current --format=csv,noheader 2>&1 | head -n1)
 log "machine: $gpu"
-log "python: $PY; binaries: $BIN; pairs: $PAIRS; modes: $MODES; WINDOW=$WINDOW SETTLE=$SETTLE GAP=$GAP PERIODS='$PERIODS'"
+log "python: $PY; binaries: $BIN; pairs: $PAIRS; modes: $MODES; WINDOW=$WINDOW VGPU_WINDOW=$VGPU_WINDOW SETTLE=$SETTLE GAP=$GAP PERIODS='$PERIODS'"
 cmode=$(echo "$gpu" | awk -F', *' '{ print $3 }')
 mig=$(echo "$gpu" | awk -F', *' '{ print $4 }')
 if [ "$cmode" != Default ] || [ "$mig" = Enabled ]; then
@@ -334,7 +341,7 @@ n_win=0
 has_mode alone && n_win=$((n_win + 2 * ${#LATS[@]} + ${#NBS[@]}))
 for m in plain mps mps50 vgpu-mps vgpu; do has_mode "$m" && n_win=$((n_win + n_pairs)); done
 for m in vgpu-mps-alone vgpu-alone; do has_mode "$m" && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]})); done
-log "plan: $n_win windows of ${WINDOW}s (+${SETTLE}s settle, ${GAP}s gap): ~$(awk -v n="$n_win" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) }')s of windows, plus ~8s per group"
+log "plan: $n_win windows of ${WINDOW}s (the vgpu groups' ${VGPU_WINDOW}s) (+${SETTLE}s settle, ${GAP}s gap): ~$(awk -v n="$n_win" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) }')s of windows, plus ~8s per group"
 
 # plain: the alone windows and the plain pairs
 GROUP_PROCS=()
@@ -425,5 +432,6 @@ fi
 
 log "done after ${SECONDS}s"
 echo
-"$PY" "$HELPER" report --logs "$LOGS" --pairs "$PAIRS" --modes "$MODES" --window "$WINDOW"
+"$PY" "$HELPER" report --logs "$LOGS" --pairs "$PAIRS" --modes "$MODES" --window "$WINDOW" \
+  --vgpu-window "$VGPU_WINDOW"
 exit $?
