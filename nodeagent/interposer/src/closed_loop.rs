@@ -190,15 +190,28 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
         (decision.pause && control.step_in_flight(now))
             || (decision.pause && guard_ns > 0 && control.step_due(now, guard_ns))
     };
+    // A held launch still wants the GPU: its tenant's demand stays fresh while it waits (the
+    // gate stamps it only once the launch goes). Silent for longer than the agent's neighbour
+    // window (250 ms), a neighbour held at Exclusive read as gone: the latency tenant's windows
+    // then counted as alone (its baseline learnt the held launch's interference), and nothing
+    // was relaxed until the neighbour's next launch, up to `EXCLUSIVE_WAIT_MAX_NS` later.
+    let wanting = |done: bool| {
+        if !done {
+            crate::launch::stamp_demand(gpu);
+        }
+        done
+    };
     if decision.exclusive && device.region.latency_active(now, spatial.hold_ns) {
         let waited = wait_until(now, tenant_abi::control::EXCLUSIVE_WAIT_MAX_NS, || {
-            !device
-                .region
-                .latency_active(monotonic_ns(), spatial.hold_ns)
+            wanting(
+                !device
+                    .region
+                    .latency_active(monotonic_ns(), spatial.hold_ns),
+            )
         });
         control.count_pause(waited.0);
     } else if held(now) {
-        let waited = wait_until(now, PAUSE_WAIT_MAX_NS, || !held(monotonic_ns()));
+        let waited = wait_until(now, PAUSE_WAIT_MAX_NS, || wanting(!held(monotonic_ns())));
         control.count_pause(waited.0);
         if !waited.1 && !device.closed_loop.pause_logged.swap(true, Relaxed) {
             crate::log::error(format_args!(

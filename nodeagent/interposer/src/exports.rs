@@ -967,7 +967,7 @@ fn gated_launch(
     let pending = if latency {
         None
     } else if placement == Placement::Copy {
-        ffi_boundary!(what, fallback = (), { launch::copy_demand(&gpu) });
+        ffi_boundary!(what, fallback = (), { launch::stamp_demand(&gpu) });
         None
     } else {
         ffi_boundary!(what, fallback = None, { launch::before(&gpu, stream_ref) })

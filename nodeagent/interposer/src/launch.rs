@@ -296,10 +296,11 @@ pub fn before(gpu: &dyn Gpu, stream: StreamRef) -> Option<Pending> {
     n.is_multiple_of(every).then_some(Pending { gate, stream })
 }
 
-/// An asynchronous copy or memset on the current device: not gated by turns (the copy engines are
-/// not what the turns share), but it counts as the tenant's demand, so that a tenant whose work
-/// is copies shows as active to the schedule and to the closed loop.
-pub fn copy_demand(gpu: &dyn Gpu) {
+/// Stamps the tenant's demand on the current device (throttled to `DEMAND_EVERY_NS`) without
+/// gating anything: for an asynchronous copy or memset (not gated by turns: the copy engines are
+/// not what the turns share, but a tenant whose work is copies must show as active to the
+/// schedule and to the closed loop), and for a launch the closed loop holds back.
+pub fn stamp_demand(gpu: &dyn Gpu) {
     let Some(gates) = gates() else {
         return;
     };

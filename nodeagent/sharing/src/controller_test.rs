@@ -219,8 +219,8 @@ fn without_a_target_the_top_is_held_until_the_latency_alone_is_learnt() {
 fn never_alone_the_baseline_comes_from_exclusive_and_is_then_frozen() {
     let mut driver = Driver::new(Config::new(false, 0));
     // The first window was at level 0, the second the first at Exclusive (the neighbours' queued
-    // work may still run in it): neither counts; 20 more make 100 steps.
-    for _ in 0..21 {
+    // work may still run in it): neither counts; 40 more make two blocks of 100 steps that agree.
+    for _ in 0..41 {
         let output = driver.next("infer", repeat(5, 3 * MS), None);
         assert_eq!(output.decision, exclusive(0, 1, 10));
     }
@@ -243,6 +243,54 @@ fn never_alone_the_baseline_comes_from_exclusive_and_is_then_frozen() {
     assert_eq!(
         driver.controller.statuses()[0].baseline_p99_ns,
         Some(reads_as(2 * MS))
+    );
+}
+
+#[test]
+fn a_baseline_at_exclusive_waits_until_the_queued_work_has_drained() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    // Level 0, then the first window at Exclusive: not counted.
+    driver.next("infer", repeat(5, 3 * MS), None);
+    driver.next("infer", repeat(5, 3 * MS), None);
+    // The first block still waits behind queued neighbour work now and then (3 slow steps of
+    // 100: its p99 is the slow one); the next block is clean and disagrees with it; the third
+    // agrees with the second, and the lower of the two is the baseline.
+    for window in 0..20 {
+        let latency = if window % 7 == 0 { 6 * MS } else { 3 * MS };
+        driver.next("infer", repeat(5, latency), None);
+    }
+    for _ in 0..39 {
+        driver.next("infer", repeat(5, 3 * MS), None);
+        assert_eq!(driver.controller.statuses()[0].baseline_p99_ns, None);
+    }
+    driver.next("infer", repeat(5, 3 * MS), None);
+    assert_eq!(
+        driver.controller.statuses()[0].baseline_p99_ns,
+        Some(reads_as(3 * MS))
+    );
+}
+
+#[test]
+fn a_baseline_at_exclusive_is_taken_after_the_last_block_even_without_agreement() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    driver.next("infer", repeat(5, 3 * MS), None);
+    driver.next("infer", repeat(5, 3 * MS), None);
+    // Blocks whose p99s keep jumping (the neighbours' queue never quite drains): after
+    // PROTECTIVE_BLOCKS_MAX blocks, the lowest.
+    let block_latency = [9 * MS, 3 * MS, 9 * MS, 6 * MS];
+    for (block, latency) in block_latency.into_iter().enumerate() {
+        for _ in 0..20 {
+            assert_eq!(
+                driver.controller.statuses()[0].baseline_p99_ns,
+                None,
+                "{block}"
+            );
+            driver.next("infer", repeat(5, latency), None);
+        }
+    }
+    assert_eq!(
+        driver.controller.statuses()[0].baseline_p99_ns,
+        Some(reads_as(3 * MS))
     );
 }
 

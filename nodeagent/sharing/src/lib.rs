@@ -29,9 +29,13 @@
 //! which no neighbour was active. Until 100 such steps were seen (a p99 needs that many), it is
 //! learnt from windows at Exclusive beside active neighbours (from the second window there on:
 //! the first may still hold the neighbours' queued work): nothing else runs, as good as alone.
+//! Work queued before Exclusive can take longer than a window to drain, so the steps there are
+//! taken in blocks of 100, and a block becomes the baseline only once the next one agrees with
+//! it (p99s within one bucket; the lower of the two), or the lowest after
+//! `PROTECTIVE_BLOCKS_MAX` blocks.
 //! Only there: at Pause or Guard, a neighbour kernel launched before a step can still triple it,
 //! and a baseline learnt there makes the target that much too loose. That fallback is learnt
-//! only while the tenant has no target and is frozen once it has 100 steps: later windows at the
+//! only while the tenant has no target and is frozen once a block is taken: later windows at the
 //! top are ones the controller climbed to after violations, and learning from them would let
 //! interference loosen its own target. Until a tenant has a target, the controller holds
 //! Exclusive (the safe default) while the tenant is active.
@@ -155,7 +159,7 @@ pub use controller::{
 pub use ladder::{GUARD_QUARTERS, Ladder, Rung, guard_us};
 pub use tenant::{
     ALLOWANCE_MAX_PPM, ALLOWANCE_MIN_PPM, BASELINE_STEPS_MAX, BASELINE_STEPS_MIN, IDLE_GAPS,
-    PERIOD_SAMPLES_MIN, STARVING_TARGETS, VIOLATION_PPM,
+    PERIOD_SAMPLES_MIN, PROTECTIVE_BLOCKS_MAX, STARVING_TARGETS, VIOLATION_PPM,
 };
 pub use tenant_abi::control::{Decision, LatencySnapshot};
 pub use types::{

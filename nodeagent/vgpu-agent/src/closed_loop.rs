@@ -267,7 +267,18 @@ struct GpuLoop {
     /// Each latency tenant's last histogram, with its slot (a slot given to another tenant
     /// starts its histogram again).
     previous: BTreeMap<String, (usize, LatencySnapshot)>,
+    /// Latency tenants still assigned whose slot did not read as live, since when (see
+    /// [`TENANT_GONE_NS`]).
+    missing_since_ns: BTreeMap<String, u64>,
 }
+
+/// How long a latency tenant that is still assigned may be missing from the GPU's live slots
+/// before the controller forgets it (its baseline and target with it). A slot reads as not
+/// live for an instant while a process of the GPU checks it in `Schedule::reclaim_tenants`;
+/// forgetting the tenant then made it learn its target again at Exclusive, beside busy
+/// neighbours (an H100 run: a decoder's target relearnt so, 1.7x too loose, for the rest of
+/// the run). A tenant that leaves the assignments is forgotten at once.
+pub const TENANT_GONE_NS: u64 = 100_000_000;
 
 /// The closed loop's state: the GPUs' files and controllers. [`ClosedLoop::tick`] is one period.
 pub struct ClosedLoop {
@@ -360,6 +371,7 @@ impl ClosedLoop {
                         control,
                         controller: None,
                         previous: BTreeMap::new(),
+                        missing_since_ns: BTreeMap::new(),
                     };
                     self.gpus.insert(uuid, gpu);
                 }
@@ -419,7 +431,24 @@ impl GpuLoop {
             .into_iter()
             .filter(|(_, name, _)| specs.contains_key(name))
             .collect();
+        let missing: Vec<String> = self
+            .previous
+            .keys()
+            .filter(|name| specs.contains_key(*name) && !live.iter().any(|(_, n, _)| n == *name))
+            .cloned()
+            .collect();
+        self.missing_since_ns
+            .retain(|name, _| missing.contains(name));
+        for name in missing {
+            self.missing_since_ns.entry(name).or_insert(now_ns);
+        }
+        let forgotten = |since: &u64| now_ns.saturating_sub(*since) >= TENANT_GONE_NS;
         if live.is_empty() {
+            if self.controller.is_some() && !self.missing_since_ns.values().all(forgotten) {
+                // Only missing for an instant, most likely: the decision in force stays.
+                return None;
+            }
+            self.missing_since_ns.clear();
             if let Some(controller) = self.controller.take()
                 && controller.decision().restricts()
             {
@@ -453,10 +482,12 @@ impl GpuLoop {
             .previous
             .keys()
             .filter(|name| !windows.iter().any(|window| &window.name == *name))
+            .filter(|name| self.missing_since_ns.get(*name).is_none_or(forgotten))
             .cloned()
             .collect();
         for name in gone {
             self.previous.remove(&name);
+            self.missing_since_ns.remove(&name);
             controller.handle(Event::TenantGone { name });
         }
         let neighbours_active =

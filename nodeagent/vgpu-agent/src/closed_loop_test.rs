@@ -179,6 +179,51 @@ fn a_latency_tenant_that_leaves_the_assignments_releases_its_gpu() {
 }
 
 #[test]
+fn a_latency_tenant_missing_from_the_live_slots_for_an_instant_is_not_forgotten() {
+    let node = Node::new(T0);
+    let shared = ClosedLoopShared::new();
+    shared.set_tenants(latency(Some(2 * MS)));
+    let mut closed_loop = ClosedLoop::new(node.config());
+    node.period(&[], T0);
+    closed_loop.tick(&shared, T0);
+    let mut now = T0 + 10 * MS;
+    node.period(&[3 * MS; 4], now);
+    closed_loop.tick(&shared, now);
+    let restricted = node.decision(now);
+    assert!(restricted.restricts());
+    let steps = shared.statuses()["infer"].steps;
+
+    // The slot reads as not live (as while a process checks it in `reclaim_tenants`) for a few
+    // periods: the decision in force stays, and so does what the controller knows of `infer`.
+    let slot = &node.region.tenants[node.infer.tenant].state;
+    let live = slot.load(Relaxed);
+    slot.store(live | 1 << 40, Relaxed);
+    for _ in 0..3 {
+        now += 10 * MS;
+        node.period(&[], now);
+        assert_eq!(closed_loop.tick(&shared, now), BTreeMap::new());
+        assert_eq!(node.decision(now), restricted);
+    }
+    slot.store(live, Relaxed);
+    now += 10 * MS;
+    node.period(&[3 * MS; 4], now);
+    closed_loop.tick(&shared, now);
+    assert!(node.decision(now).restricts());
+    assert_eq!(shared.statuses()["infer"].steps, steps + 4);
+
+    // Missing for longer than TENANT_GONE_NS: forgotten, and the GPU released.
+    slot.store(live | 1 << 40, Relaxed);
+    let since = now + 10 * MS;
+    while now < since + TENANT_GONE_NS {
+        now += 10 * MS;
+        node.period(&[], now);
+        closed_loop.tick(&shared, now);
+    }
+    assert_eq!(node.decision(now), Decision::default());
+    slot.store(live, Relaxed);
+}
+
+#[test]
 fn files_that_are_not_schedules_are_skipped_or_logged_without_stopping_the_others() {
     let node = Node::new(T0);
     let gpus = node.shm_dir.join("gpus");

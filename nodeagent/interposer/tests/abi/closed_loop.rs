@@ -267,6 +267,62 @@ fn a_guard_holds_launches_before_a_predicted_step_and_exclusive_while_a_latency_
 }
 
 #[test]
+fn a_launch_held_at_exclusive_keeps_its_tenants_demand_fresh() {
+    let shm = shm_dir();
+    latency_tenant(shm.path()).run("launch kernel 10");
+    let mapping = schedule(shm.path());
+    let region = mapping.region();
+    region.control.publish(
+        Decision {
+            exclusive: true,
+            level: 14,
+            ..Decision::default()
+        },
+        now_ns(shm.path()),
+    );
+    // Held (the latency tenant launched within the hold time, 60 s here) for up to
+    // EXCLUSIVE_WAIT_MAX_NS: meanwhile its demand stamp keeps moving, so the agent sees a
+    // neighbour that wants the GPU.
+    let start = now_ns(shm.path());
+    // A compute share, as the agent gives every tenant: the tenant is a member of the
+    // schedule, with a demand stamp.
+    let mut held = squeezable(shm.path())
+        .env("VGPU_COMPUTE_SHARES", "0:75")
+        .start_holding("launch kernel 10");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let stamp = || {
+        let slot = region
+            .live_slots()
+            .into_iter()
+            .find(|(_, name)| name == "trainer")
+            .map(|(slot, _)| slot)?;
+        Some(
+            region.tenants[slot]
+                .demand_ns
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    };
+    // A stamp 300 ms or more into the hold, seen before the hold can have ended (it lasts at
+    // most EXCLUSIVE_WAIT_MAX_NS from the launch, which began after `start`): stamped while
+    // held, not only by the launch that went afterwards.
+    let hold_ns = tenant_abi::control::EXCLUSIVE_WAIT_MAX_NS;
+    loop {
+        let stamp = stamp();
+        let since = stamp.map(|stamp| stamp.saturating_sub(start));
+        if since.is_some_and(|since| (300_000_000..hold_ns).contains(&since)) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline && since.is_none_or(|since| since < hold_ns),
+            "the held tenant's demand was last stamped {:?} ms after the launch began",
+            since.map(|since| since / 1_000_000)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    held.wait_held();
+}
+
+#[test]
 fn a_latency_tenant_predicts_its_next_step_from_its_rhythm() {
     let shm = shm_dir();
     let out = latency_tenant(shm.path())
