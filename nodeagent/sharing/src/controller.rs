@@ -31,6 +31,10 @@ pub const FLOOR_RELAX_WAITS: u64 = 2;
 pub const FLOOR_BETTER_P: f64 = 0.0228;
 pub const FLOOR_FAR_WORSE_P: f64 = 0.00135;
 
+/// The longest a climb's settling lasts (see `Controller::settling_since_ns`): a level whose
+/// windows are never clean is measured after this.
+pub const SETTLE_MAX_NS: u64 = 500_000_000;
+
 /// While even the top misses the target, level 0's sample is kept at least 1/this of the top's
 /// (see `Controller::floor_sampled`).
 pub const FLOOR_SAMPLE_SHARE: u64 = 4;
@@ -138,6 +142,13 @@ pub struct Controller {
     step_period_ns: Option<u64>,
     /// Events handled since the decision last changed.
     decision_age: u32,
+    /// Since a climb (the time of its first window), until the tenants' first clean window or
+    /// `SETTLE_MAX_NS`: the neighbours' work queued under the lower level still drains, and
+    /// the steps waiting behind it are that level's cost, not this one's (they are not
+    /// measured for the floor).
+    settling_since_ns: Option<u64>,
+    /// The time of the window being handled.
+    now_ns: u64,
     /// Per level (`0..=top`).
     failures: Vec<Failure>,
     /// Violations since the level was set: what trying it has cost so far.
@@ -198,6 +209,8 @@ impl Controller {
             tenants: BTreeMap::new(),
             step_period_ns: None,
             decision_age: 0,
+            settling_since_ns: None,
+            now_ns: 0,
             failures,
             level_violations: 0,
             level_steps: 0,
@@ -307,6 +320,7 @@ impl Controller {
     ) -> Option<Reason> {
         assert!(windows.len() <= TENANTS_MAX, "{} windows", windows.len());
         assert!(open_step_since_ns.is_none_or(|since| since <= now_ns));
+        self.now_ns = now_ns;
         // Exclusive, in force since before this window began (the neighbours' work already
         // queued when it came has drained): nothing else ran, the tenants' steps are as good
         // as alone (see the crate's docs on the baseline).
@@ -333,10 +347,20 @@ impl Controller {
         let mut judged = Vec::new();
         // What this level buys (the floor): steps beside running neighbours, not the first
         // window of a decision (it still holds the last one's queued work), not under a probe.
-        let measuring = neighbours_active && self.decision_age >= 1 && self.probing().is_none();
+        let settling = self.settling_since_ns.is_some();
+        let measuring =
+            neighbours_active && self.decision_age >= 1 && self.probing().is_none() && !settling;
+        // Whether every tenant's steps in this window, open or ended, were within its target:
+        // the end of a climb's settling (a step counted while open is not credited here).
+        let mut within_targets = !windows.is_empty();
         for window in windows {
             let tenant = self.tenants.get_mut(&window.name).expect("entered above");
             let open = open_step_since_ns.filter(|_| charged.as_ref() == Some(&window.name));
+            within_targets &= window.window.steps > 0
+                && tenant.target_ns(&self.config).is_some_and(|target| {
+                    window.window.slower_than(target) == 0
+                        && open.is_none_or(|since| now_ns.saturating_sub(since) <= target)
+                });
             let judgement = tenant.observe(&self.config, now_ns, &window.window, seen, open);
             if measuring && window.window.steps > 0 {
                 let measured = self.measured[self.level]
@@ -349,6 +373,11 @@ impl Controller {
             }
             if let Some(judgement) = judgement {
                 judged.push((window.name, judgement));
+            }
+        }
+        if let Some(since) = self.settling_since_ns {
+            if within_targets || now_ns.saturating_sub(since) >= SETTLE_MAX_NS {
+                self.settling_since_ns = None;
             }
         }
         let sole = self.tenants.len() == 1;
@@ -405,9 +434,9 @@ impl Controller {
             && self.level != self.ladder.top()
             && !self.dominated[self.ladder.top()]
             && let Some(tenant) = charged.filter(|name| {
-                open_step_since_ns.is_some_and(|since| {
-                    self.tenants[name.as_str()].starving(&self.config, now_ns, since)
-                })
+                let tenant = &self.tenants[name.as_str()];
+                open_step_since_ns.is_some_and(|since| tenant.starving(&self.config, now_ns, since))
+                    && !tenant.in_allowance()
             })
         {
             let violations = judged.iter().map(|(_, j)| j.violations).sum();
@@ -915,6 +944,12 @@ impl Controller {
 
     fn set_level(&mut self, level: usize) {
         assert!(level <= self.ladder.top());
+        if level > self.level {
+            self.settling_since_ns = Some(self.now_ns);
+        } else if level < self.level {
+            // Less restricted: the neighbours queue more, which is this level's own cost.
+            self.settling_since_ns = None;
+        }
         if level != 0 {
             self.free_probe_from = None;
             self.free_sampling = false;

@@ -47,11 +47,14 @@
 //!   counted again), so a starving tenant, whose steps end rarely, is answered within a period
 //!   or two. With one latency tenant it is that tenant's; with several, it is charged to the
 //!   one with the loosest target among those active when it began.
-//! - *Starving.* Open for longer than `STARVING_TARGETS` (2) times that tenant's target, the
-//!   tenant is starving now: straight to the top (the level known to give it its latency
-//!   alone), not one level per starving step (on an H100 beside a copy-engine hog, steps of
-//!   150-190 ms for a 1.4 ms target climbed one level each and starved the tenant for a second
-//!   per episode). The level left failed, as when over budget (relaxing back into it waits its
+//! - *Starving.* Open for longer than `STARVING_TARGETS` (2) times that tenant's target, and
+//!   the tenant over its budget with it, the tenant is starving now: straight to the top (the
+//!   level known to give it its latency alone), not one level per starving step (on an H100
+//!   beside a copy-engine hog, steps of 150-190 ms for a 1.4 ms target climbed one level each
+//!   and starved the tenant for a second per episode). One such step within the allowance is
+//!   a violation like any other: an eager PyTorch tenant's own rare steps run past twice its
+//!   target (p99.9 beside a training loop, plain, 3x its p99), and each sent the level to the
+//!   top, where the trainer made no step at all. The level left failed, as when over budget (relaxing back into it waits its
 //!   backoff), a lever under probe is needed, and what was learnt of the other levers stays.
 //!   From the top, down by the usual relaxation. Windows in which a step starved (one took, or
 //!   was seen open for, that long) are no samples of the step period: it would be the
@@ -154,7 +157,7 @@ mod types;
 
 pub use controller::{
     Controller, FLOOR_BETTER_P, FLOOR_FAR_WORSE_P, FLOOR_RELAX_WAITS, FLOOR_SAMPLE_SHARE,
-    LEVER_IMPROVEMENT_BUCKETS, LeverState, PROBE_BACKOFF_MAX,
+    LEVER_IMPROVEMENT_BUCKETS, LeverState, PROBE_BACKOFF_MAX, SETTLE_MAX_NS,
 };
 pub use ladder::{GUARD_QUARTERS, Ladder, Rung, guard_us};
 pub use tenant::{
