@@ -375,10 +375,10 @@ impl Controller {
                 judged.push((window.name, judgement));
             }
         }
-        if let Some(since) = self.settling_since_ns {
-            if within_targets || now_ns.saturating_sub(since) >= SETTLE_MAX_NS {
-                self.settling_since_ns = None;
-            }
+        if let Some(since) = self.settling_since_ns
+            && (within_targets || now_ns.saturating_sub(since) >= SETTLE_MAX_NS)
+        {
+            self.settling_since_ns = None;
         }
         let sole = self.tenants.len() == 1;
         let active: Vec<&String> = self
