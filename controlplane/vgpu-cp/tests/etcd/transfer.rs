@@ -2,7 +2,8 @@
 //! on the Raft store is exported, imported into etcd and started there; then exported from etcd
 //! and imported into the Raft store again. After each move the nodes, the tenants (with their
 //! owners, slices, revisions and history) and the cluster id are those of the pool that was
-//! exported, and the imported pool places new tenants. Refused on the way: exporting a running
+//! exported, and the imported pool places new tenants; a member that joins the imported Raft pool
+//! gets its state. Refused on the way: exporting a running
 //! pool (either store), importing into a data directory or a prefix that holds something.
 
 use std::path::Path;
@@ -191,7 +192,7 @@ async fn a_pool_moves_from_raft_to_etcd_and_back_with_its_nodes_tenants_and_owne
     };
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
-    let ports = free_ports(3);
+    let ports = free_ports(4);
 
     // A pool on the Raft store: two nodes of 4 GPUs, 8 tenants of two owners fill them, and a
     // ninth waits (pending).
@@ -357,5 +358,41 @@ async fn a_pool_moves_from_raft_to_etcd_and_back_with_its_nodes_tenants_and_owne
     assert_eq!(after.1, before.1, "the tenants moved back as they were");
     let last = place_for(&back, "placed-on-raft-again", "team-b").await;
     assert_eq!(last.owner, "team-b");
-    drop(back);
+
+    // Another member joins the imported Raft pool as usual and gets its state (the imported
+    // snapshot, then what followed), read locally (`stale`) from its own copy.
+    let mut join_args = vec!["join".to_owned(), "--peer".to_owned(), back.address.clone()];
+    join_args.extend(member_args(2, ports[3], &Store::Raft, dir, "raft-2-joined"));
+    let joined_log = dir.join("raft-2-joined.log");
+    let joined = Member {
+        id: 2,
+        address: format!("127.0.0.1:{}", ports[3]),
+        child: Some(
+            Command::new(env!("CARGO_BIN_EXE_vgpu-cp"))
+                .args(&join_args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&joined_log).expect("member log"))
+                .spawn()
+                .expect("start vgpu-cp"),
+        ),
+        log: joined_log,
+    };
+    let wanted = pool_view(&back).await.1;
+    let members = [back, joined];
+    wait_for(
+        "the joined member holds the imported state",
+        &members,
+        || async {
+            let mut client = v1::pool_client::PoolClient::new(channel(&members[1]).await?);
+            let tenants = client
+                .list_tenants(v1::ListRequest { stale: true })
+                .await
+                .ok()?
+                .into_inner()
+                .tenants;
+            (tenants == wanted).then_some(())
+        },
+    )
+    .await;
 }
