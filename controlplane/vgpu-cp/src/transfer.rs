@@ -5,7 +5,8 @@
 //! The file is a short text header, a blank line, then the body: the pool as the etcd store
 //! snapshots it (`store::encode_pool_snapshot`, the Raft store's checksummed snapshot encoding,
 //! formats 1 to 5). The header says which file format it is, which store and cluster it came
-//! from, the log index the state is at, and the body's size and SHA-256:
+//! from, the log index the state is at and the body's size; its last line is the SHA-256 of the
+//! header lines above it and the body, so a changed header is refused like a changed body:
 //!
 //! ```text
 //! vgpu-pool-export
@@ -14,7 +15,7 @@
 //! cluster_id=5f0c8e4d2a91b7c3
 //! last_applied_index=1234
 //! body_bytes=5678
-//! body_sha256=<64 hex digits>
+//! sha256=<64 hex digits>
 //!
 //! <body>
 //! ```
@@ -91,7 +92,8 @@ pub struct ExportHeader {
     /// The log index (Raft) or sequence number (etcd) of the last entry in the state.
     pub last_applied_index: u64,
     pub body_bytes: u64,
-    pub body_sha256: String,
+    /// SHA-256 (hex) of the header's lines before it and the body.
+    pub sha256: String,
 }
 
 /// An export read back: its header and the pool.
@@ -135,9 +137,8 @@ pub enum TransferError {
     )]
     UnknownFormat { path: PathBuf, found: String },
     #[error(
-        "{path} fails its checksum (its body's sha256 is {found}, its header says {expected}): \
-         the file changed or was cut short after the export; copy it again, or export the pool \
-         again"
+        "{path} fails its checksum (sha256 {found}, its header says {expected}): the file \
+         changed or was cut short after the export; copy it again, or export the pool again"
     )]
     Checksum {
         path: PathBuf,
@@ -219,24 +220,12 @@ pub fn encode_export(
 ) -> Vec<u8> {
     assert!(!cluster_id.is_empty() && !cluster_id.contains(char::is_whitespace));
     let body = store::encode_pool_snapshot(last_applied_index, pool);
-    let header = ExportHeader {
-        format_version: EXPORT_FORMAT_VERSION,
-        source_store,
-        cluster_id: cluster_id.to_owned(),
-        last_applied_index,
-        body_bytes: body.len() as u64,
-        body_sha256: sha256_hex(&body),
-    };
-    let mut bytes = format!(
-        "{MAGIC}\nformat_version={}\nsource_store={}\ncluster_id={}\nlast_applied_index={}\nbody_bytes={}\nbody_sha256={}\n\n",
-        header.format_version,
-        header.source_store,
-        header.cluster_id,
-        header.last_applied_index,
-        header.body_bytes,
-        header.body_sha256
-    )
-    .into_bytes();
+    let covered = format!(
+        "{MAGIC}\nformat_version={EXPORT_FORMAT_VERSION}\nsource_store={source_store}\ncluster_id={cluster_id}\nlast_applied_index={last_applied_index}\nbody_bytes={}\n",
+        body.len()
+    );
+    let sha256 = sha256_hex(covered.as_bytes(), &body);
+    let mut bytes = format!("{covered}sha256={sha256}\n\n").into_bytes();
     assert!(bytes.len() < HEADER_BYTES_MAX, "the header stays short");
     bytes.extend_from_slice(&body);
     bytes
@@ -262,6 +251,8 @@ pub fn decode_export(path: &Path, bytes: &[u8]) -> Result<Export, TransferError>
     let text = std::str::from_utf8(&bytes[..end])
         .map_err(|_| damaged("its header is not text".to_owned()))?;
     let body = &bytes[end + 2..];
+    // The checksum is the header's last line and covers the lines before it and the body.
+    let covered = text.rfind("\nsha256=").map_or(text, |at| &text[..at + 1]);
     let fields: std::collections::BTreeMap<&str, &str> = text
         .lines()
         .skip(1)
@@ -293,7 +284,7 @@ pub fn decode_export(path: &Path, bytes: &[u8]) -> Result<Export, TransferError>
         cluster_id: field("cluster_id")?.to_owned(),
         last_applied_index: number("last_applied_index")?,
         body_bytes: number("body_bytes")?,
-        body_sha256: field("body_sha256")?.to_owned(),
+        sha256: field("sha256")?.to_owned(),
     };
     if header.cluster_id.is_empty() {
         return Err(damaged("its header's cluster_id is empty".to_owned()));
@@ -305,11 +296,11 @@ pub fn decode_export(path: &Path, bytes: &[u8]) -> Result<Export, TransferError>
             header.body_bytes
         )));
     }
-    let found = sha256_hex(body);
-    if found != header.body_sha256 {
+    let found = sha256_hex(covered.as_bytes(), body);
+    if found != header.sha256 {
         return Err(TransferError::Checksum {
             path: path.to_owned(),
-            expected: header.body_sha256,
+            expected: header.sha256,
             found,
         });
     }
@@ -324,8 +315,13 @@ pub fn decode_export(path: &Path, bytes: &[u8]) -> Result<Export, TransferError>
     Ok(Export { header, pool })
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
-    ring::digest::digest(&ring::digest::SHA256, bytes)
+/// SHA-256 (hex) of `header` then `body`.
+fn sha256_hex(header: &[u8], body: &[u8]) -> String {
+    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+    context.update(header);
+    context.update(body);
+    context
+        .finish()
         .as_ref()
         .iter()
         .map(|byte| format!("{byte:02x}"))
@@ -596,6 +592,22 @@ mod tests {
         out
     }
 
+    /// `bytes` with its checksum line made right for its header and body again (a file changed
+    /// by someone who also fixed the checksum, to reach the checks after it).
+    fn resealed(bytes: &[u8]) -> Vec<u8> {
+        let end = bytes.windows(2).position(|pair| pair == b"\n\n").unwrap();
+        let header = std::str::from_utf8(&bytes[..end]).unwrap();
+        let covered = &header[..header.rfind("\nsha256=").unwrap() + 1];
+        let body = &bytes[end + 2..];
+        let mut out = format!(
+            "{covered}sha256={}\n\n",
+            sha256_hex(covered.as_bytes(), body)
+        )
+        .into_bytes();
+        out.extend_from_slice(body);
+        out
+    }
+
     fn refusal(bytes: &[u8]) -> String {
         match decode_export(Path::new("/tmp/pool.export"), bytes) {
             Ok(_) => panic!("accepted"),
@@ -630,6 +642,12 @@ mod tests {
     }
 
     #[test]
+    fn a_changed_header_fails_the_checksum() {
+        let message = refusal(&with_field(&file(), "cluster_id", "00000000000000bb"));
+        assert!(message.contains("fails its checksum"), "{message}");
+    }
+
+    #[test]
     fn a_cut_short_file_is_refused() {
         let bytes = file();
         let message = refusal(&bytes[..bytes.len() - 3]);
@@ -648,8 +666,12 @@ mod tests {
 
     #[test]
     fn a_header_that_disagrees_with_its_body_is_refused() {
-        let message = refusal(&with_field(&file(), "last_applied_index", "8"));
+        let changed = with_field(&file(), "last_applied_index", "8");
+        let message = refusal(&changed);
+        assert!(message.contains("fails its checksum"), "{message}");
+        let message = refusal(&resealed(&changed));
         assert!(message.contains("index 7"), "{message}");
+        assert_eq!(resealed(&file()), file(), "resealing keeps a sound file");
         let message = refusal(&with_field(&file(), "source_store", "zookeeper"));
         assert!(message.contains("source_store"), "{message}");
     }
