@@ -57,6 +57,14 @@ pub enum Error {
         expected: String,
     },
 
+    /// A first snapshot (an imported pool) may go only into a prefix that holds no log and no
+    /// snapshot yet.
+    #[error(
+        "etcd prefix {prefix} already holds {what}: an imported pool starts only in a new, empty \
+         prefix; choose another --etcd-prefix"
+    )]
+    NotEmpty { prefix: String, what: String },
+
     /// A log operation before `EtcdLog::claim_cluster`.
     #[error("etcd prefix {prefix} is not claimed by this member yet: call claim_cluster first")]
     Unclaimed { prefix: String },

@@ -177,6 +177,123 @@ impl EtcdLog {
         Ok(true)
     }
 
+    /// Starts the log of a new pool at a snapshot: stores `bytes` as the snapshot covering
+    /// entries `1..=seq` and moves the head to `seq`, so the first append is `seq + 1` and every
+    /// member loads this snapshot before anything else (`read_from` says `Error::Compacted` for
+    /// the numbers under it). Only into a claimed prefix with no head and no snapshot yet
+    /// (`Error::NotEmpty` otherwise, with nothing visible written): this is how an exported pool
+    /// is imported (vgpu-cp's `transfer`).
+    pub async fn install_first_snapshot(&self, seq: u64, bytes: &[u8]) -> Result<()> {
+        let cluster_id = self.claimed()?.to_string();
+        assert!(seq >= 1, "a snapshot covers at least entry 1");
+        let pointer = SnapshotPointer::of(seq, bytes);
+        if pointer.chunks > SNAPSHOT_CHUNKS_MAX {
+            return Err(Error::TooLarge {
+                what: "a snapshot's bytes",
+                size: bytes.len(),
+                limit: SNAPSHOT_CHUNKS_MAX as usize * SNAPSHOT_CHUNK_BYTES,
+            });
+        }
+        let keys = self.keys().clone();
+        let not_empty = |what: &str| Error::NotEmpty {
+            prefix: keys.prefix().to_string(),
+            what: what.to_string(),
+        };
+        let (current, _, _) = self.snapshot_pointer().await?;
+        if current.is_some() {
+            return Err(not_empty("a snapshot"));
+        }
+        let head = self.head().await?.seq;
+        if head > 0 {
+            return Err(not_empty(&format!("a log of {head} entries")));
+        }
+        let chunks: Vec<&[u8]> = if bytes.is_empty() {
+            vec![&[]]
+        } else {
+            bytes.chunks(SNAPSHOT_CHUNK_BYTES).collect()
+        };
+        for (index, chunk) in chunks.into_iter().enumerate() {
+            let key = keys.snapshot_chunk(seq, index as u32);
+            self.connection()
+                .call_retrying("write a snapshot chunk", |mut client| {
+                    let (key, chunk) = (key.clone(), chunk.to_vec());
+                    async move { client.put(key, chunk, None).await }
+                })
+                .await?;
+        }
+        // The pointer and the head together, only where neither exists: a reader sees no pool
+        // or the whole imported one, and a log started meanwhile is never overwritten.
+        let txn = Txn::new()
+            .when([
+                Compare::value(keys.cluster(), CompareOp::Equal, cluster_id),
+                Compare::create_revision(keys.snapshot(), CompareOp::Equal, 0),
+                Compare::create_revision(keys.head(), CompareOp::Equal, 0),
+            ])
+            .and_then([
+                TxnOp::put(keys.snapshot(), pointer.encode(), None),
+                TxnOp::put(keys.head(), format_seq(seq), None),
+            ]);
+        let installed = self
+            .connection()
+            .call_retrying("install the first snapshot", |mut client| {
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
+            })
+            .await?
+            .succeeded();
+        // A retried transaction whose first try committed fails its comparison: look.
+        let (found, _, _) = self.snapshot_pointer().await?;
+        if !installed && found.as_ref() != Some(&pointer) {
+            // Another writer started a log or stored a snapshot meanwhile: keep theirs.
+            self.delete_prefix("delete unused snapshot chunks", keys.snapshot_chunks(seq))
+                .await?;
+            return Err(not_empty("a log or a snapshot written meanwhile"));
+        }
+        let head = self.head().await?;
+        assert_eq!(head.seq, seq, "the head starts at the first snapshot");
+        tracing::info!(
+            seq,
+            bytes = bytes.len(),
+            "installed the first snapshot in etcd"
+        );
+        Ok(())
+    }
+
+    /// How many keys the prefix holds (every key this crate writes is under it): 0 for a prefix
+    /// no pool ever used.
+    pub async fn count_keys(&self) -> Result<i64> {
+        let prefix = self.keys().prefix().to_string();
+        let response = self
+            .connection()
+            .call_retrying("count the keys under the prefix", |mut client| {
+                let options = GetOptions::new()
+                    .with_range(prefix_end(&prefix))
+                    .with_count_only();
+                let prefix = prefix.clone();
+                async move { client.get(prefix, Some(options)).await }
+            })
+            .await?;
+        let count = response.count();
+        assert!(count >= 0, "etcd counts keys from zero");
+        Ok(count)
+    }
+
+    /// The cluster id the prefix was claimed for, without claiming it (`None`: never claimed).
+    pub async fn stored_cluster_id(&self) -> Result<Option<String>> {
+        let key = self.keys().cluster();
+        let response = self
+            .connection()
+            .call_retrying("read the cluster key", |mut client| {
+                let key = key.clone();
+                async move { client.get(key, None).await }
+            })
+            .await?;
+        Ok(response
+            .kvs()
+            .first()
+            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()))
+    }
+
     /// Deletes log keys `1..=seq`. Only below a stored snapshot: readers behind it load that.
     async fn compact_log(&self, seq: u64) -> Result<()> {
         let keys = self.keys().clone();

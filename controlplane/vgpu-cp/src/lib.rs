@@ -25,6 +25,7 @@ pub mod security;
 pub mod service;
 pub mod store;
 pub mod systemd;
+pub mod transfer;
 pub mod usage;
 pub mod watchers;
 
@@ -201,7 +202,7 @@ pub struct EtcdTlsFiles {
 
 impl EtcdStore {
     /// The etcd client's settings: the files read, the default bounds.
-    fn client_config(&self) -> Result<etcd_store::EtcdConfig, Error> {
+    pub(crate) fn client_config(&self) -> Result<etcd_store::EtcdConfig, Error> {
         let mut config = etcd_store::EtcdConfig::new(self.endpoints.clone(), &self.prefix);
         if let Some(files) = &self.tls {
             let read = |what: &'static str, path: &PathBuf| {

@@ -51,6 +51,50 @@ enum Mode {
     /// Bootstrap tokens for `vgpu-agent join --token`.
     #[command(subcommand)]
     Token(TokenCommand),
+    /// Write a stopped pool's state to a file, to import it on the other store (docs/etcd.md).
+    Export(ExportArgs),
+    /// Make an exported pool's state the first snapshot of a new cluster on the store these
+    /// settings name (an empty --data-dir, and an empty --etcd-prefix on etcd); then start the
+    /// member with `vgpu-cp bootstrap` and the same settings.
+    Import {
+        /// The file `vgpu-cp export` wrote.
+        #[arg(long = "in", value_name = "FILE")]
+        input: PathBuf,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+/// Where `vgpu-cp export` reads the stopped pool, and where it writes.
+#[derive(Args)]
+struct ExportArgs {
+    /// The data directory of one of the pool's members, on the Raft store (the one that led
+    /// last has every committed entry).
+    #[arg(
+        long,
+        value_name = "DIR",
+        required_unless_present = "etcd_endpoints",
+        conflicts_with = "etcd_endpoints"
+    )]
+    data_dir: Option<PathBuf>,
+    /// The etcd cluster that holds the pool, on the etcd store: its client URLs.
+    #[arg(long, value_delimiter = ',', value_name = "URL")]
+    etcd_endpoints: Vec<String>,
+    /// The pool's key prefix in etcd.
+    #[arg(long, value_name = "PREFIX", default_value = vgpu_cp::ETCD_PREFIX_DEFAULT)]
+    etcd_prefix: String,
+    /// The CA certificate that signed etcd's server certificates (mTLS to etcd).
+    #[arg(long, value_name = "FILE", requires_all = ["etcd_cert", "etcd_key"])]
+    etcd_ca: Option<PathBuf>,
+    /// A client certificate for etcd.
+    #[arg(long, value_name = "FILE")]
+    etcd_cert: Option<PathBuf>,
+    /// Its private key.
+    #[arg(long, value_name = "FILE")]
+    etcd_key: Option<PathBuf>,
+    /// Where the export goes [default: standard output, when it is not a terminal].
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -349,6 +393,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Mode::Ca(command) => return ca(command),
         Mode::Cert(command) => return cert(command),
         Mode::Token(command) => return token(command),
+        Mode::Export(args) => return export(args),
+        Mode::Import { input, common } => {
+            let flags = common.settings(Some(ModeName::Bootstrap), Vec::new());
+            let config = vgpu_cp::config::load(
+                flags,
+                cli.config.as_deref(),
+                &api::config::ProcessEnvironment,
+            )?;
+            return import(&config, &input);
+        }
     };
     let config = vgpu_cp::config::load(
         flags,
@@ -489,6 +543,85 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
         ttl.as_secs(),
         created.token,
         created.ca_cert_hash
+    );
+    Ok(())
+}
+
+fn export(args: ExportArgs) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    let source = match args.data_dir {
+        Some(data_dir) => vgpu_cp::transfer::Source::Raft { data_dir },
+        None => vgpu_cp::transfer::Source::Etcd(vgpu_cp::EtcdStore {
+            endpoints: args.etcd_endpoints,
+            prefix: args.etcd_prefix,
+            tls: args.etcd_ca.map(|ca| vgpu_cp::EtcdTlsFiles {
+                ca,
+                cert: args
+                    .etcd_cert
+                    .expect("clap requires --etcd-cert with --etcd-ca"),
+                key: args
+                    .etcd_key
+                    .expect("clap requires --etcd-key with --etcd-ca"),
+            }),
+            lease_ttl: vgpu_cp::ETCD_LEASE_TTL_DEFAULT,
+        }),
+    };
+    anyhow::ensure!(
+        args.out.is_some() || !std::io::stdout().is_terminal(),
+        "the export is binary: pass --out FILE, or redirect standard output to a file"
+    );
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let (bytes, summary) = runtime.block_on(vgpu_cp::transfer::export(&source))?;
+    match &args.out {
+        Some(path) => {
+            // Whole or not at all: a file cut short by a crash would be refused on import anyway.
+            let temporary = path.with_extension("partial");
+            std::fs::write(&temporary, &bytes)
+                .with_context(|| format!("writing {}", temporary.display()))?;
+            std::fs::rename(&temporary, path).with_context(|| {
+                format!("renaming {} to {}", temporary.display(), path.display())
+            })?;
+        }
+        None => std::io::Write::write_all(&mut std::io::stdout(), &bytes)
+            .context("writing the export to standard output")?,
+    }
+    eprintln!(
+        "exported cluster {} from the {} store at index {}: {} nodes, {} tenants, {} bytes",
+        summary.header.cluster_id,
+        summary.header.source_store,
+        summary.header.last_applied_index,
+        summary.nodes,
+        summary.tenants,
+        bytes.len()
+    );
+    if summary.entries_left_out > 0 {
+        eprintln!(
+            "warning: {} entries in this member's log come after the last commit it recorded and were left out (they may never have committed); export from the member that led last, or start the pool once more, stop it, and export again",
+            summary.entries_left_out
+        );
+    }
+    Ok(())
+}
+
+fn import(config: &vgpu_cp::Config, input: &std::path::Path) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let summary = runtime.block_on(vgpu_cp::transfer::import(config, input))?;
+    let store = match &config.etcd {
+        None => "the Raft store".to_owned(),
+        Some(etcd) => format!("the etcd store (prefix {})", etcd.prefix),
+    };
+    println!(
+        "imported cluster {} ({} nodes, {} tenants, at index {}, exported from the {} store) into {store}, member {} in {}",
+        summary.header.cluster_id,
+        summary.nodes,
+        summary.tenants,
+        summary.header.last_applied_index,
+        summary.header.source_store,
+        config.id,
+        config.data_dir.display()
+    );
+    println!(
+        "next: start this member with `vgpu-cp bootstrap` and the same settings, then the others with `vgpu-cp join`; do not start the old pool's members again"
     );
     Ok(())
 }

@@ -444,12 +444,15 @@ impl Proposer {
     }
 }
 
-/// Membership is not a Raft vote on etcd: members register under the prefix (not built yet).
+/// Membership is not a Raft vote on etcd: members register under the prefix on leases of their
+/// own (`etcd_store::Presence`), so `vgpuctl cluster add`/`remove` have nothing to change; the
+/// answer says what to do instead.
 fn etcd_membership() -> Status {
-    ErrorCode::Membership.status(
-        "this cluster keeps its state in etcd: a member joins by starting with the same --etcd-endpoints and --etcd-prefix, and leaves by stopping; there is no Raft membership to change",
-    )
+    ErrorCode::Membership.status(ETCD_MEMBERSHIP_MESSAGE)
 }
+
+/// What `vgpuctl cluster add`/`remove` answer on the etcd store.
+const ETCD_MEMBERSHIP_MESSAGE: &str = "this pool keeps its state in etcd, so there is no Raft membership for `vgpuctl cluster add`/`remove` to change: to add a vgpu-cp member, start it with `vgpu-cp join --peer ADDRESS` and the same --etcd-endpoints and --etcd-prefix (it registers itself); to remove one, stop it (it leaves `vgpuctl cluster status` at once, or when its etcd lease expires after a crash). etcd's own members are managed with etcd's tools (`etcdctl member add`/`remove`), not through vgpu-cp";
 
 /// Proposes one batch and hands every caller its own result.
 async fn propose(raft: &Raft, items: Vec<BatchItem>) {
@@ -519,4 +522,24 @@ fn is_in_progress(error: &RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>
             openraft::error::ChangeMembershipError::InProgress(_)
         ))
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_etcd_refusal_of_cluster_add_and_remove_says_what_to_do_instead() {
+        let status = etcd_membership();
+        let message = status.message();
+        for needed in [
+            "vgpu-cp join --peer",
+            "--etcd-endpoints",
+            "--etcd-prefix",
+            "stop it",
+            "etcdctl member add",
+        ] {
+            assert!(message.contains(needed), "{needed} missing from: {message}");
+        }
+    }
 }

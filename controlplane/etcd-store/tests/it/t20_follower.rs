@@ -316,3 +316,65 @@ async fn two_members_snapshotting_one_state_at_once_leave_a_readable_snapshot() 
         assert_eq!(snapshot.bytes, bytes);
     }
 }
+
+/// An imported pool: a first snapshot at 40 in an empty prefix, which a follower loads before the
+/// entries appended after it (numbered from 41); a prefix that holds a log or a snapshot is
+/// refused.
+#[tokio::test]
+async fn a_first_snapshot_starts_a_new_log_after_it() {
+    let Some(etcd) = EtcdCluster::start("a_first_snapshot_starts_a_new_log", 1, required()).await
+    else {
+        return;
+    };
+    let fresh = EtcdLog::connect(&etcd.config("/import/"))
+        .await
+        .expect("connect");
+    assert_eq!(fresh.count_keys().await.expect("count"), 0);
+    assert_eq!(fresh.stored_cluster_id().await.expect("read"), None);
+    let log = etcd.claimed_log("/import/", "c").await;
+    assert_eq!(
+        log.stored_cluster_id().await.expect("read").as_deref(),
+        Some("c")
+    );
+    let state: Vec<u8> = (0..SNAPSHOT_CHUNK_BYTES + 5)
+        .map(|i| (i % 13) as u8)
+        .collect();
+    log.install_first_snapshot(40, &state)
+        .await
+        .expect("install");
+    assert_eq!(log.head().await.expect("head").seq, 40);
+    let again = log
+        .install_first_snapshot(40, b"other")
+        .await
+        .expect_err("a second first snapshot");
+    assert!(matches!(again, Error::NotEmpty { .. }), "{again}");
+    assert!(again.to_string().contains("--etcd-prefix"), "{again}");
+    let appended = log.append(&[b"after".to_vec()]).await.expect("append");
+    assert_eq!(appended, 41..=41);
+
+    let mut follower = Follower::new(etcd.claimed_log("/import/", "c").await, 1);
+    match follower.next(Duration::from_secs(5)).await.expect("next") {
+        Some(Applied::Snapshot(Snapshot { seq, bytes })) => {
+            assert_eq!(seq, 40);
+            assert!(bytes == state, "the snapshot's bytes came back changed");
+        }
+        other => panic!("expected the snapshot, got {other:?}"),
+    }
+    let mut seen = Vec::new();
+    follow(&mut follower, 1, &mut seen).await;
+    assert_eq!(
+        (seen[0].seq, seen[0].bytes.clone()),
+        (41, b"after".to_vec())
+    );
+
+    // A prefix with a log (and no snapshot) is refused too, and keeps its log.
+    let used = etcd.claimed_log("/used/", "d").await;
+    append_each(&used, 0..3).await;
+    let refused = used
+        .install_first_snapshot(9, b"state")
+        .await
+        .expect_err("a prefix with a log");
+    assert!(matches!(refused, Error::NotEmpty { .. }), "{refused}");
+    assert_eq!(used.head().await.expect("head").seq, 3);
+    assert!(used.count_keys().await.expect("count") >= 5);
+}

@@ -12,6 +12,7 @@ pub mod log_store_counters {
 }
 pub use state_machine::{
     Applied, Shared, StateMachineStore, decode_pool_snapshot, encode_pool_snapshot,
+    write_first_snapshot,
 };
 
 #[cfg(test)]

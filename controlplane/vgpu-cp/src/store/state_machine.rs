@@ -360,6 +360,49 @@ pub fn decode_pool_snapshot(bytes: &[u8]) -> Result<(u64, PoolState), StorageErr
     Ok((seq, file.applied.pool))
 }
 
+/// Writes `pool` into the empty data directory `directory` as the first snapshot of a new
+/// one-voter Raft cluster whose only member is `id`, reachable at `address`: the snapshot covers
+/// log index `index`, and its membership is that one voter (at the same log id, as if the
+/// membership entry had been compacted into it). On start, openraft finds the log empty and the
+/// state at `index`, purges the log up to it and elects the member: the cluster counts as
+/// initialised, and more members join as usual. This is how `transfer::import` moves a pool
+/// onto the Raft store; the snapshot file is written as `build_snapshot` writes one.
+pub fn write_first_snapshot(
+    directory: &Path,
+    id: crate::raft_types::NodeId,
+    address: &str,
+    index: u64,
+    pool: &PoolState,
+) -> std::io::Result<()> {
+    assert!(index >= 1, "a snapshot covers at least entry 1");
+    assert!(
+        !directory.join(SNAPSHOT_FILE).exists(),
+        "a first snapshot goes into a directory without one"
+    );
+    // No Raft leader appended these entries: term 0, as the etcd store's snapshots say.
+    let last = Some(LogId::new(openraft::CommittedLeaderId::new(0, 0), index));
+    let voters = std::collections::BTreeSet::from([id]);
+    let nodes = BTreeMap::from([(id, openraft::BasicNode::new(address))]);
+    let membership = StoredMembership::new(last, openraft::Membership::new(vec![voters], nodes));
+    let file = SnapshotFile {
+        meta: SnapshotMeta {
+            last_log_id: last,
+            last_membership: membership.clone(),
+            snapshot_id: format!("import-{index}"),
+        },
+        applied: Applied {
+            pool: pool.clone(),
+            last_applied: last,
+            membership,
+        },
+    };
+    let bytes = encode_snapshot(&file);
+    // Pair assertion: what we are about to persist reads back as the same state.
+    let read = decode_snapshot(&bytes).map_err(std::io::Error::other)?;
+    assert_eq!(read.applied.last_applied, last);
+    write_durably(directory, &bytes)
+}
+
 /// Whether every node and tenant of `host_state` is in `engine` (what `restore_host_state`
 /// asserts), so that a damaged snapshot is refused with a reason rather than a panic.
 fn host_state_fits(engine: &placement::Engine, host_state: &placement::HostState) -> bool {

@@ -14,9 +14,13 @@
 //! once; when the paused one resumes it does not act as leader again, so the tenant moved once.
 //! And clients placing, releasing and reading tenants through every member while the leader is
 //! killed: the history is linearizable (`controlplane/linearizability`) and every acknowledged
-//! placement is in the survivors' final states.
+//! placement is in the survivors' final states. And a pool moved from the Raft store to etcd and
+//! back (`transfer`: `vgpu-cp export` and `import`) keeps its nodes, tenants, owners and cluster
+//! id, and serves placements after each move.
 //!
 //! Every wait polls with a bound ([`WAIT`]); nothing sleeps to synchronise.
+
+mod transfer;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
