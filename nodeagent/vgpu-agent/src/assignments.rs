@@ -217,6 +217,7 @@ mod tests {
             memory_bytes: 20 << 30,
             guaranteed: true,
             burst: false,
+            memory_limit_bytes: 0,
         }
     }
 
