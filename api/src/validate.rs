@@ -68,6 +68,24 @@ pub enum RequestError {
         "{0} bytes of memory per GPU is more than any GPU has (the limit is {GPU_MEMORY_BYTES_MAX} bytes, 16 TiB); give a size such as `--memory 40GiB`"
     )]
     MemoryOutOfRange(u64),
+    #[error(
+        "a memory limit needs a memory request: add `--memory SIZE` (the part that is guaranteed) to `--memory-limit`"
+    )]
+    MemoryLimitWithoutRequest,
+    #[error(
+        "the memory limit ({}) is below the memory request ({}); the limit is what the tenant may grow to, so give `--memory-limit` at least `--memory`",
+        crate::size::format_bytes(*limit),
+        crate::size::format_bytes(*request)
+    )]
+    MemoryLimitBelowRequest { request: u64, limit: u64 },
+    #[error(
+        "{0} bytes of memory limit per GPU is more than any GPU has (the limit is {GPU_MEMORY_BYTES_MAX} bytes, 16 TiB); give a size such as `--memory-limit 60GiB`"
+    )]
+    MemoryLimitOutOfRange(u64),
+    #[error(
+        "a pinned tenant holds exactly its pinned memory; leave `memory_limit_bytes_per_gpu` out of a pin"
+    )]
+    MemoryLimitWithPin,
     #[error("the owner is {0} characters long; the limit is {SELECTOR_TEXT_MAX}")]
     OwnerTooLong(usize),
     #[error(
@@ -191,6 +209,7 @@ pub fn admit_request(request: &PlacementRequest) -> Result<(), RequestError> {
     if request.memory_bytes_per_gpu > GPU_MEMORY_BYTES_MAX {
         return Err(RequestError::MemoryOutOfRange(request.memory_bytes_per_gpu));
     }
+    check_memory_limit(request)?;
     // A pinned request's owner is its claim, bounded by the claim owner rule in `check_pin`.
     if request.pin.is_none() && request.owner.len() > SELECTOR_TEXT_MAX {
         return Err(RequestError::OwnerTooLong(request.owner.len()));
@@ -204,6 +223,32 @@ pub fn admit_request(request: &PlacementRequest) -> Result<(), RequestError> {
         .find(|(_, v)| v.len() > SELECTOR_TEXT_MAX)
     {
         return Err(RequestError::BadSelectorValue(key.clone()));
+    }
+    Ok(())
+}
+
+/// The elastic memory limit of a request (issue 17): 0 (the request is the limit), or an
+/// explicit request no larger than it, within what a GPU can have, without a pin. Whether a GPU
+/// of the pool is large enough is decided where the request is applied.
+fn check_memory_limit(request: &PlacementRequest) -> Result<(), RequestError> {
+    let limit = request.memory_limit_bytes_per_gpu;
+    if limit == 0 {
+        return Ok(());
+    }
+    if request.pin.is_some() {
+        return Err(RequestError::MemoryLimitWithPin);
+    }
+    if request.memory_bytes_per_gpu == 0 {
+        return Err(RequestError::MemoryLimitWithoutRequest);
+    }
+    if limit < request.memory_bytes_per_gpu {
+        return Err(RequestError::MemoryLimitBelowRequest {
+            request: request.memory_bytes_per_gpu,
+            limit,
+        });
+    }
+    if limit > GPU_MEMORY_BYTES_MAX {
+        return Err(RequestError::MemoryLimitOutOfRange(limit));
     }
     Ok(())
 }
@@ -634,6 +679,41 @@ mod tests {
 
     /// Issue 19: CPU, host memory and GPU models are bounded on admission only (a logged request
     /// keeps its meaning).
+    #[test]
+    fn a_memory_limit_needs_a_request_it_covers() {
+        const GIB: u64 = 1 << 30;
+        let elastic = |request: u64, limit: u64| PlacementRequest {
+            milli_gpus: 250,
+            memory_bytes_per_gpu: request,
+            memory_limit_bytes_per_gpu: limit,
+            ..Default::default()
+        };
+        assert_eq!(admit_request(&elastic(20 * GIB, 60 * GIB)), Ok(()));
+        assert_eq!(admit_request(&elastic(20 * GIB, 20 * GIB)), Ok(()));
+        assert_eq!(admit_request(&elastic(20 * GIB, 0)), Ok(()));
+        assert_eq!(
+            admit_request(&elastic(0, 60 * GIB)),
+            Err(RequestError::MemoryLimitWithoutRequest)
+        );
+        let below = admit_request(&elastic(20 * GIB, 10 * GIB)).unwrap_err();
+        assert_eq!(
+            below,
+            RequestError::MemoryLimitBelowRequest {
+                request: 20 * GIB,
+                limit: 10 * GIB
+            }
+        );
+        assert!(below.to_string().contains("at least `--memory`"), "{below}");
+        assert_eq!(
+            admit_request(&elastic(20 * GIB, GPU_MEMORY_BYTES_MAX + 1)),
+            Err(RequestError::MemoryLimitOutOfRange(
+                GPU_MEMORY_BYTES_MAX + 1
+            ))
+        );
+        // The log's rule accepts them: the bounds came after requests were first logged.
+        assert_eq!(validate_request(&elastic(0, 60 * GIB)), Ok(()));
+    }
+
     #[test]
     fn whole_node_constraints_are_bounded_on_admission() {
         let constrained = PlacementRequest {

@@ -186,6 +186,11 @@ fn request_is_valid(request: &PlacementRequest) -> bool {
             .iter()
             .all(|(key, value)| !key.is_empty() && key.len() <= 253 && value.len() <= 253)
         && request.memory_bytes_per_gpu <= 1 << 44
+        && (request.memory_limit_bytes_per_gpu == 0
+            || (request.pin.is_none()
+                && request.memory_bytes_per_gpu > 0
+                && request.memory_limit_bytes_per_gpu >= request.memory_bytes_per_gpu
+                && request.memory_limit_bytes_per_gpu <= 1 << 44))
         && (request.pin.is_some() || request.owner.len() <= 253)
         && request
             .pin
@@ -376,6 +381,12 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
                 ],
                 0..18,
             ),
+            prop_oneof![
+                Just(0u64),
+                Just(60 << 30),
+                Just((1 << 44) + 1),
+                any::<u64>()
+            ],
         ),
         // A third of requests pin; most of those name a claim as owner (0 and 1: a short and
         // the longest claim owner; else the owner above).
@@ -386,12 +397,13 @@ fn placement_request() -> impl Strategy<Value = PlacementRequest> {
                 (whole_gpus, milli_gpus, memory_bytes_per_gpu, compute_percent, burst),
                 (priority, preemptible, nvlink, nodes),
                 (node_selector, owner, bandwidth_weight, latency, latency_target_us),
-                (cpu_milli, host_memory_bytes, gpu_models),
+                (cpu_milli, host_memory_bytes, gpu_models, memory_limit_bytes_per_gpu),
                 (pin, claim_owner),
             )| PlacementRequest {
                 whole_gpus,
                 milli_gpus,
                 memory_bytes_per_gpu,
+                memory_limit_bytes_per_gpu,
                 compute_percent,
                 burst,
                 priority,

@@ -348,6 +348,54 @@ impl Region {
     }
 }
 
+/// What one tenant holds on a GPU, as the agent reports it (bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantUsage {
+    pub name: String,
+    pub request_bytes: u64,
+    /// At least the request (an entry's 0 reads as the request).
+    pub limit_bytes: u64,
+    /// Resident on the GPU now, over the tenant's live slots.
+    pub resident_bytes: u64,
+    /// Swapped out to host memory, over the tenant's live slots.
+    pub swapped_bytes: u64,
+}
+
+impl TenantUsage {
+    /// What it holds resident above its request: what may be taken back (as
+    /// [`Holder::borrowed`]).
+    pub fn borrowed_bytes(&self) -> u64 {
+        self.resident_bytes.saturating_sub(self.request_bytes)
+    }
+}
+
+impl Region {
+    /// Every tenant the board describes, with what its processes' slots hold.
+    pub fn tenant_usage(&self) -> Vec<TenantUsage> {
+        (0..TENANTS)
+            .filter(|&i| self.tenants[i].present.load(SeqCst) == 1)
+            .map(|i| {
+                let entry = &self.tenants[i];
+                let (mut resident, mut swapped) = (0u64, 0u64);
+                for slot in &self.slots {
+                    if slot.pid.load(SeqCst) != 0 && slot.tenant.load(SeqCst) == i as u32 {
+                        resident = resident.saturating_add(slot.resident_bytes.load(SeqCst));
+                        swapped = swapped.saturating_add(slot.swapped_bytes.load(SeqCst));
+                    }
+                }
+                let request_bytes = entry.request_bytes.load(SeqCst);
+                TenantUsage {
+                    name: self.name_of(i),
+                    request_bytes,
+                    limit_bytes: entry.limit_bytes.load(SeqCst).max(request_bytes),
+                    resident_bytes: resident,
+                    swapped_bytes: swapped,
+                }
+            })
+            .collect()
+    }
+}
+
 /// `name` as NUL-padded little-endian words, if it fits with at least one NUL.
 fn name_words(name: &str) -> Option<[u64; NAME_BYTES / 8]> {
     let bytes = name.as_bytes();

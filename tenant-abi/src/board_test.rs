@@ -243,3 +243,41 @@ fn racing_processes_never_pass_the_capacity_or_a_limit() {
     );
     assert_eq!(region.resident_total(), 0);
 }
+
+/// What the agent reports per tenant: request, limit, resident, swapped, and the borrowed part.
+#[test]
+fn tenant_usage_sums_each_tenants_live_slots() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[100, 101, 200]);
+    let board = Board::new(&region, &live);
+    let a1 = board.claim_slot(100, 1, a).unwrap();
+    let a2 = board.claim_slot(101, 1, a).unwrap();
+    let b1 = board.claim_slot(200, 1, b).unwrap();
+    assert_eq!(board.reserve(a1, 30 * GIB), Ok(Grant::Within));
+    assert_eq!(board.reserve(a2, 10 * GIB), Ok(Grant::Borrowed));
+    assert_eq!(board.reserve(b1, 5 * GIB), Ok(Grant::Within));
+    board.swapped_out(a2, 4 * GIB);
+    let usage = region.tenant_usage();
+    assert_eq!(
+        usage,
+        [
+            TenantUsage {
+                name: "a".to_owned(),
+                request_bytes: 30 * GIB,
+                limit_bytes: 70 * GIB,
+                resident_bytes: 36 * GIB,
+                swapped_bytes: 4 * GIB,
+            },
+            TenantUsage {
+                name: "b".to_owned(),
+                request_bytes: 30 * GIB,
+                limit_bytes: 70 * GIB,
+                resident_bytes: 5 * GIB,
+                swapped_bytes: 0,
+            }
+        ]
+    );
+    assert_eq!(usage[0].borrowed_bytes(), 6 * GIB);
+    assert_eq!(usage[1].borrowed_bytes(), 0);
+}

@@ -152,6 +152,18 @@ pub fn read_board(path: &Path) -> Result<(u64, Vec<crate::reclaim::Holder>), Rea
     Ok((region.capacity(), region.holders()))
 }
 
+/// The agent's periodic look at a GPU's board: reclaims the slots of processes that died without
+/// giving their memory back (so their bytes no longer count against the capacity, their tenant's
+/// limit or the report), then reads what each tenant holds. Returns the usage and how many slots
+/// were reclaimed.
+pub fn sample_board(path: &Path) -> Result<(Vec<board::TenantUsage>, usize), ReadError> {
+    let mapping = open_writable::<board::Region>(path, board::REGION_BYTES)?;
+    let region = mapping.region();
+    checked(path, region.is_initialised(), region.check_layout())?;
+    let reclaimed = board::Board::new(region, crate::ProcLiveness).reclaim_dead(std::process::id());
+    Ok((region.tenant_usage(), reclaimed))
+}
+
 /// Maps the existing region file `path` (exactly `bytes` long) read-write; the caller checks its
 /// header.
 fn open_writable<R: map::SharedRegion>(

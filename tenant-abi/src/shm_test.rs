@@ -174,3 +174,48 @@ fn a_board_is_created_once_and_rewritten_as_tenants_change() {
         Err(BoardWriteError::Read(ReadError::Size { .. }))
     ));
 }
+
+/// Issue 17: the agent's sample of a board reclaims a dead process's slot before it reports, so a
+/// process killed without freeing no longer holds memory on the board.
+#[test]
+fn sampling_a_board_reclaims_dead_processes_and_reports_each_tenant() {
+    use crate::board::{Board, TenantSpec};
+    let directory = tempfile::tempdir().unwrap();
+    let path = crate::layout::board_path(directory.path(), "GPU-1234");
+    create_board(&path).unwrap();
+    let spec = TenantSpec {
+        name: "a".to_owned(),
+        request_bytes: 20 * GIB,
+        limit_bytes: 60 * GIB,
+        priority: 0,
+        guaranteed: true,
+    };
+    write_board(&path, 78 * GIB, &[spec]).unwrap();
+    // A process that has exited: its pid no longer runs.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead_pid = child.id();
+    child.wait().unwrap();
+    {
+        let mapping =
+            open_writable::<crate::board::Region>(&path, crate::board::REGION_BYTES).unwrap();
+        let region = mapping.region();
+        let live = crate::ledger::test_liveness::Fake::with(&[dead_pid]);
+        let board = Board::new(region, &live);
+        let tenant = region.find("a").unwrap();
+        let slot = board.claim_slot(dead_pid, 1, tenant).unwrap();
+        board.reserve(slot, 25 * GIB).unwrap();
+    }
+    let (usage, reclaimed) = sample_board(&path).unwrap();
+    assert_eq!(reclaimed, 1);
+    assert_eq!(usage.len(), 1);
+    assert_eq!(
+        (
+            usage[0].request_bytes,
+            usage[0].limit_bytes,
+            usage[0].resident_bytes
+        ),
+        (20 * GIB, 60 * GIB, 0)
+    );
+    let (_, again) = sample_board(&path).unwrap();
+    assert_eq!(again, 0, "nothing left to reclaim");
+}

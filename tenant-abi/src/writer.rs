@@ -9,7 +9,7 @@ use std::fs::OpenOptions;
 use std::path::Path;
 
 pub use crate::map::Mapping;
-use crate::{ReadError, compute, ledger};
+use crate::{ReadError, board, compute, ledger};
 
 /// Opens (creating and initialising if needed) a read-write mapping of a region file.
 fn open_writable<T: crate::map::SharedRegion>(
@@ -117,4 +117,38 @@ pub fn charge_time(
     }
     schedule.step(&member, start_ns + held_ns);
     Ok(())
+}
+
+/// Reserves `bytes` for `tenant` (as the live process `pid`, started at `start_time`) on the
+/// memory board at `path`, which the agent created and wrote, as the interposer will on an
+/// allocation (`board::Board::reserve`). Returns the mapping (the slot stays while it is held)
+/// and whether the bytes were within the request or borrowed.
+pub fn reserve_board(
+    path: &Path,
+    tenant: &str,
+    pid: u32,
+    start_time: u64,
+    bytes: u64,
+) -> Result<(Mapping<board::Region>, board::Grant), String> {
+    let mapping = open_writable::<board::Region>(path, board::REGION_BYTES)
+        .map_err(|error| error.to_string())?;
+    let region = mapping.region();
+    if !region.is_initialised() {
+        return Err(format!(
+            "{}: the agent has not written this board",
+            path.display()
+        ));
+    }
+    region.check_layout()?;
+    let index = region
+        .find(tenant)
+        .ok_or_else(|| format!("tenant {tenant} is not on the board {}", path.display()))?;
+    let board = board::Board::new(region, ledger::ProcLiveness);
+    let slot = board
+        .claim_slot(pid, start_time, index)
+        .ok_or_else(|| "every slot of the board is taken".to_owned())?;
+    let grant = board
+        .reserve(slot, bytes)
+        .map_err(|refused| format!("refused: {refused:?}"))?;
+    Ok((mapping, grant))
 }

@@ -227,6 +227,91 @@ fn agents_report_tenant_usage_and_gpu_health() -> Result<()> {
     Ok(())
 }
 
+/// Issue 17: a tenant placed with a memory limit gets it on its GPU's memory board, linked into
+/// its private directory; what its process holds there (here reserved through the board's own
+/// protocol, as the interposer will) comes back as request, limit, resident and borrowed bytes in
+/// `describe tenant` and `/metrics`.
+#[test]
+fn a_memory_limit_reaches_the_board_and_borrowed_bytes_come_back() -> Result<()> {
+    let mut cluster = Cluster::start(1, &tests::FAST_FLAGS)?;
+    let shm_dir = cluster.dir.path().join("shm");
+    let shm = shm_dir.to_str().context("a UTF-8 path")?.to_owned();
+    cluster.start_agent_with("node-a", "1xH100-80GB", &["--shm-dir", &shm])?;
+    cluster.wait_nodes_ready(1)?;
+    let placed = cluster.vgpuctl(&[
+        "place",
+        "kv",
+        "--gpus",
+        "0.25",
+        "--memory",
+        "10GiB",
+        "--memory-limit",
+        "30GiB",
+    ])?;
+    ensure!(
+        placed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&placed.stderr)
+    );
+    let tenant = json(&cluster.vgpuctl(&["get", "tenants", "kv", "-o", "json"])?)?;
+    ensure!(
+        tenant["slices"][0]["memory_limit_bytes"] == 30 * GIB,
+        "{tenant}"
+    );
+    let gpu = tenant["slices"][0]["gpu"]
+        .as_str()
+        .context("a placed slice")?
+        .to_owned();
+    let board = tenant_abi::layout::board_path(&shm_dir.join("tenants/kv"), &gpu);
+    wait_for(
+        "the agent to link the board",
+        Duration::from_secs(20),
+        || board.exists().then_some(()),
+    )
+    .with_context(|| cluster.logs())?;
+    let (_held, grant) = tenant_abi::writer::reserve_board(
+        &board,
+        "kv",
+        std::process::id(),
+        tenant_abi::ledger::own_start_time(),
+        12 * GIB,
+    )
+    .map_err(anyhow::Error::msg)?;
+    ensure!(grant == tenant_abi::board::Grant::Borrowed, "{grant:?}");
+
+    let text = wait_for("the board in describe", Duration::from_secs(20), || {
+        let text = describe(&cluster, &["describe", "tenant", "kv"])?;
+        text.contains("Elastic memory:").then_some(text)
+    })
+    .with_context(|| cluster.logs())?;
+    let row = text
+        .lines()
+        .skip_while(|line| !line.starts_with("Elastic memory:"))
+        .nth(2)
+        .context("an elastic memory row")?;
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    ensure!(
+        cells[2..] == ["10GiB", "30GiB", "12GiB", "2GiB", "0B"],
+        "{row}\n{text}"
+    );
+    let metrics = tests::http_get(&cluster.members[0].address, "/metrics")?;
+    let labels = format!("tenant=\"kv\",node=\"node-a\",gpu=\"{gpu}\"");
+    for line in [
+        format!("vgpu_tenant_memory_request_bytes{{{labels}}} {}", 10 * GIB),
+        format!(
+            "vgpu_tenant_memory_board_limit_bytes{{{labels}}} {}",
+            30 * GIB
+        ),
+        format!("vgpu_tenant_memory_borrowed_bytes{{{labels}}} {}", 2 * GIB),
+    ] {
+        ensure!(
+            metrics.contains(&format!("{line}\n")),
+            "`{line}` missing from /metrics:\n{metrics}"
+        );
+    }
+    Ok(())
+}
+
 fn describe(cluster: &Cluster, args: &[&str]) -> Option<String> {
     let output = cluster.vgpuctl(args).ok()?;
     output

@@ -196,6 +196,13 @@ pub struct PlaceArgs {
     #[arg(long, value_parser = parse_memory, allow_hyphen_values = true, value_name = "SIZE")]
     pub memory: Option<u64>,
 
+    /// Elastic memory: what the tenant may grow to per GPU (`60GiB`), at least `--memory` and
+    /// at most a GPU's memory. Only `--memory` is booked; above it the tenant borrows memory the
+    /// GPU has free, and gives it back (swapped to host memory, never killed) when others need
+    /// their requests. Needs `--memory`. Default: the request (a hard quota).
+    #[arg(long, value_parser = parse_memory, allow_hyphen_values = true, value_name = "SIZE")]
+    pub memory_limit: Option<u64>,
+
     /// Guaranteed compute share per GPU in percent (1..=100). Default: 100 for whole GPUs, the
     /// requested fraction otherwise.
     #[arg(long, value_parser = parse_compute, allow_hyphen_values = true, value_name = "PCT")]
@@ -1022,6 +1029,8 @@ mod tests {
             "0.25",
             "--memory",
             "20GiB",
+            "--memory-limit",
+            "60GiB",
             "--compute",
             "25",
             "--burst",
@@ -1043,6 +1052,7 @@ mod tests {
         };
         assert_eq!(place.gpus, GpuAmount::Milli(250));
         assert_eq!(place.memory, Some(20 << 30));
+        assert_eq!(place.memory_limit, Some(60 << 30));
         assert_eq!(place.compute, Some(25));
         assert_eq!(place.priority, -10);
         assert!(place.burst && place.preemptible && place.nvlink && place.no_wait);

@@ -128,6 +128,7 @@ pub fn placement_request(args: &PlaceArgs) -> Result<PlacementRequest, UsageErro
         whole_gpus,
         milli_gpus,
         memory_bytes_per_gpu: args.memory.unwrap_or(0),
+        memory_limit_bytes_per_gpu: args.memory_limit.unwrap_or(0),
         compute_percent: args.compute.unwrap_or(0),
         burst: args.burst,
         priority: args.priority,

@@ -64,6 +64,17 @@ pub fn tenant_text(tenant: &TenantView, now_unix_ms: i64) -> String {
         bytes => format_bytes(bytes),
     };
     field(&mut text, 2, "Memory/GPU", memory);
+    if request.memory_limit_bytes_per_gpu > request.memory_bytes_per_gpu {
+        field(
+            &mut text,
+            2,
+            "Memory limit/GPU",
+            format!(
+                "{} (borrowed above the request when the GPU has it free)",
+                format_bytes(request.memory_limit_bytes_per_gpu)
+            ),
+        );
+    }
     let compute = match request.compute_percent {
         0 => "default (the GPU's share)".to_owned(),
         percent => format!("{percent}%"),
@@ -122,6 +133,11 @@ pub fn tenant_text(tenant: &TenantView, now_unix_ms: i64) -> String {
                 &usage_table(&tenant.usage, now_unix_ms).render(),
             );
         }
+    }
+
+    if tenant.usage.iter().any(UsageView::has_board) {
+        text.push_str("Elastic memory:\n");
+        block(&mut text, 2, &elastic_memory_table(&tenant.usage).render());
     }
 
     if tenant.usage.iter().any(UsageView::has_latency) {
@@ -192,6 +208,26 @@ fn usage_table(usage: &[UsageView], now_unix_ms: i64) -> Table {
             entry.process_count.to_string(),
             processes_text(&entry.processes, false),
             age(entry.reported_unix_ms, now_unix_ms),
+        ]);
+    }
+    table
+}
+
+/// The GPUs' memory boards for the tenant (entries with board figures): its request and limit,
+/// what it holds resident, what of that it borrowed above the request, and what it swapped out.
+fn elastic_memory_table(usage: &[UsageView]) -> Table {
+    let mut table = Table::new(&[
+        "NODE", "GPU", "REQUEST", "LIMIT", "RESIDENT", "BORROWED", "SWAPPED",
+    ]);
+    for entry in usage.iter().filter(|entry| entry.has_board()) {
+        table.row(vec![
+            entry.node.clone(),
+            entry.gpu_index.to_string(),
+            format_bytes(entry.memory_request_bytes),
+            format_bytes(entry.memory_board_limit_bytes),
+            format_bytes(entry.memory_resident_bytes),
+            format_bytes(entry.memory_borrowed_bytes),
+            format_bytes(entry.memory_swapped_bytes),
         ]);
     }
     table
@@ -309,12 +345,21 @@ fn slices_table(slices: &[SliceView]) -> Table {
         "BURST",
     ]);
     for slice in slices {
+        let memory = if slice.memory_limit_bytes > slice.memory_bytes {
+            format!(
+                "{} (limit {})",
+                format_bytes(slice.memory_bytes),
+                format_bytes(slice.memory_limit_bytes)
+            )
+        } else {
+            format_bytes(slice.memory_bytes)
+        };
         table.row(vec![
             slice.node.clone(),
             slice.gpu_index.to_string(),
             slice.gpu.clone(),
             format!("{}%", slice.compute_percent),
-            format_bytes(slice.memory_bytes),
+            memory,
             yes_no(slice.guaranteed).into(),
             yes_no(slice.burst).into(),
         ]);
@@ -563,6 +608,38 @@ mod tests {
         unreported.usage.clear();
         let text = tenant_text(&unreported, 0);
         assert!(text.contains("Usage:\n  <none reported yet>\n"), "{text}");
+    }
+
+    #[test]
+    fn tenant_text_shows_request_limit_and_borrowed_memory_per_gpu() {
+        let mut tenant = TenantView::from(&samples::placed_tenant());
+        let text = tenant_text(&tenant, 1_700_000_012_000);
+        assert!(
+            !text.contains("Elastic memory:"),
+            "no board, no table: {text}"
+        );
+        tenant.request.memory_limit_bytes_per_gpu = 60 << 30;
+        tenant.slices[0].memory_limit_bytes = 60 << 30;
+        let usage = &mut tenant.usage[0];
+        usage.memory_request_bytes = 20 << 30;
+        usage.memory_board_limit_bytes = 60 << 30;
+        usage.memory_resident_bytes = 26 << 30;
+        usage.memory_borrowed_bytes = 6 << 30;
+        usage.memory_swapped_bytes = 2 << 30;
+        let text = tenant_text(&tenant, 1_700_000_012_000);
+        assert!(
+            text.contains(
+                "  Memory limit/GPU: 60GiB (borrowed above the request when the GPU has it free)\n"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("20GiB (limit 60GiB)"), "{text}");
+        assert!(
+            text.contains(
+                "Elastic memory:\n  NODE     GPU   REQUEST   LIMIT   RESIDENT   BORROWED   SWAPPED\n  node-a   3     20GiB     60GiB   26GiB      6GiB       2GiB\n"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

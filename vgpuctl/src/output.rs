@@ -547,6 +547,7 @@ mod tests {
             memory_bytes: 80 << 30,
             guaranteed: true,
             burst: false,
+            memory_limit_bytes: 80 << 30,
         };
         let slices = [slice("a", 0), slice("a", 1), slice("b", 0), slice("b", 1)];
         assert_eq!(

@@ -69,9 +69,27 @@ pub struct UsageView {
     pub latency_steps: u64,
     #[serde(default)]
     pub latency_violations: u64,
+    /// Elastic memory (issue 17), from the GPU's memory board: the request and limit the agent
+    /// wrote, what the tenant holds resident, the part above its request, and what it swapped
+    /// out. All 0 from agents without boards.
+    #[serde(default)]
+    pub memory_request_bytes: u64,
+    #[serde(default)]
+    pub memory_board_limit_bytes: u64,
+    #[serde(default)]
+    pub memory_resident_bytes: u64,
+    #[serde(default)]
+    pub memory_borrowed_bytes: u64,
+    #[serde(default)]
+    pub memory_swapped_bytes: u64,
 }
 
 impl UsageView {
+    /// Whether the entry carries the GPU's memory board figures.
+    pub fn has_board(&self) -> bool {
+        self.memory_request_bytes > 0 || self.memory_board_limit_bytes > 0
+    }
+
     /// Whether the entry carries a latency target or measurements.
     pub fn has_latency(&self) -> bool {
         self.latency_target_us > 0 || self.latency_steps > 0 || self.latency_p99_us > 0
@@ -116,6 +134,9 @@ pub struct SliceView {
     pub memory_bytes: u64,
     pub guaranteed: bool,
     pub burst: bool,
+    /// What the tenant may hold on the GPU; `memory_bytes` when it does not borrow.
+    #[serde(default)]
+    pub memory_limit_bytes: u64,
 }
 
 /// What the tenant asked for, as sent (0 means "the default" as in the API).
@@ -124,6 +145,9 @@ pub struct RequestView {
     pub whole_gpus: u32,
     pub milli_gpus: u32,
     pub memory_bytes_per_gpu: u64,
+    /// Elastic memory: what the tenant may grow to per GPU; 0 = the request.
+    #[serde(default)]
+    pub memory_limit_bytes_per_gpu: u64,
     pub compute_percent: u32,
     pub burst: bool,
     pub priority: i32,
@@ -309,6 +333,11 @@ impl From<&TenantUsage> for UsageView {
             latency_p99_us: usage.latency_p99_us,
             latency_steps: usage.latency_steps,
             latency_violations: usage.latency_violations,
+            memory_request_bytes: usage.memory_request_bytes,
+            memory_board_limit_bytes: usage.memory_board_limit_bytes,
+            memory_resident_bytes: usage.memory_resident_bytes,
+            memory_borrowed_bytes: usage.memory_borrowed_bytes,
+            memory_swapped_bytes: usage.memory_swapped_bytes,
         }
     }
 }
@@ -352,6 +381,7 @@ impl From<&Slice> for SliceView {
             memory_bytes: slice.memory_bytes,
             guaranteed: slice.guaranteed,
             burst: slice.burst,
+            memory_limit_bytes: slice.memory_limit_bytes.max(slice.memory_bytes),
         }
     }
 }
@@ -362,6 +392,7 @@ impl From<&PlacementRequest> for RequestView {
             whole_gpus: request.whole_gpus,
             milli_gpus: request.milli_gpus,
             memory_bytes_per_gpu: request.memory_bytes_per_gpu,
+            memory_limit_bytes_per_gpu: request.memory_limit_bytes_per_gpu,
             compute_percent: request.compute_percent,
             burst: request.burst,
             priority: request.priority,
@@ -509,6 +540,7 @@ pub(crate) mod samples {
                 memory_bytes: 20 << 30,
                 guaranteed: true,
                 burst: true,
+                memory_limit_bytes: 0,
             }],
             history: vec![
                 TenantEvent {
@@ -693,6 +725,7 @@ mod tests {
                 "gpu_index",
                 "guaranteed",
                 "memory_bytes",
+                "memory_limit_bytes",
                 "node"
             ]
         );
@@ -710,6 +743,7 @@ mod tests {
                 "latency",
                 "latency_target_us",
                 "memory_bytes_per_gpu",
+                "memory_limit_bytes_per_gpu",
                 "milli_gpus",
                 "node_selector",
                 "nodes",
@@ -735,7 +769,12 @@ mod tests {
                 "latency_steps",
                 "latency_target_us",
                 "latency_violations",
+                "memory_board_limit_bytes",
+                "memory_borrowed_bytes",
                 "memory_limit_bytes",
+                "memory_request_bytes",
+                "memory_resident_bytes",
+                "memory_swapped_bytes",
                 "memory_used_bytes",
                 "node",
                 "process_count",

@@ -8,6 +8,7 @@
 //! the Raft state machine's `apply`.
 
 mod engine;
+pub mod memory;
 mod node;
 mod preempt;
 mod search;

@@ -1091,7 +1091,10 @@ impl PoolState {
                         .expect("engine binds known tenants");
                     touched.extend(record.slices.iter().map(|s| s.node.clone()));
                     touched.extend(slices.iter().map(|s| s.node.clone()));
-                    let message = format!("placed on {}", describe_slices(&slices));
+                    let mut message = format!("placed on {}", describe_slices(&slices));
+                    if let Some(note) = borrow_note_of(&record.request) {
+                        message = format!("{message}; {note}");
+                    }
                     record.slices = slices;
                     transition(
                         record,
@@ -1111,6 +1114,10 @@ impl PoolState {
                         TenantState::Preempted
                     } else {
                         TenantState::Pending
+                    };
+                    let reason = match borrow_note_of(&record.request) {
+                        Some(note) => format!("{reason} ({note})"),
+                        None => reason,
                     };
                     let message = format!("pending: {reason}");
                     transition(record, index, unix_ms, state, reason, message);
@@ -1195,36 +1202,78 @@ impl PoolState {
         let revision = self.node_revisions.get(node).copied().unwrap_or(0);
         let mut assignments = Vec::new();
         for record in self.tenants.values() {
+            if !record.slices.iter().any(|s| s.node == node) {
+                continue;
+            }
+            let request = decode_request(&record.request);
             let slices: Vec<v1::Slice> = record
                 .slices
                 .iter()
                 .filter(|s| s.node == node)
-                .map(slice_to_proto)
+                .map(|slice| self.slice_of(slice, &request))
                 .collect();
-            if !slices.is_empty() {
-                let request = decode_request(&record.request);
-                assignments.push(v1::Assignment {
-                    tenant: record.name.clone(),
-                    slices,
-                    priority: request.priority,
-                    bandwidth_weight: request.bandwidth_weight,
-                    latency: request.latency,
-                    latency_target_us: request.latency_target_us,
-                });
-            }
+            assignments.push(v1::Assignment {
+                tenant: record.name.clone(),
+                slices,
+                priority: request.priority,
+                bandwidth_weight: request.bandwidth_weight,
+                latency: request.latency,
+                latency_target_us: request.latency_target_us,
+            });
         }
         (revision, assignments)
     }
 
+    /// A slice as the API shows it, with the tenant's memory limit on its GPU
+    /// (`placement::memory::slice_limit`: capped at the GPU's memory, never below the request).
+    fn slice_of(&self, slice: &SliceAssignment, request: &v1::PlacementRequest) -> v1::Slice {
+        let gpu_memory_bytes = self
+            .engine
+            .node(&slice.node)
+            .and_then(|view| {
+                view.spec
+                    .gpus
+                    .iter()
+                    .find(|gpu| gpu.uuid == slice.gpu_uuid)
+                    .map(|gpu| gpu.memory_bytes)
+            })
+            .unwrap_or(u64::MAX);
+        v1::Slice {
+            memory_limit_bytes: placement::memory::slice_limit(
+                slice.memory_bytes,
+                request.memory_limit_bytes_per_gpu,
+                gpu_memory_bytes,
+            ),
+            ..slice_to_proto(slice)
+        }
+    }
+
+    /// The largest GPU memory of the registered nodes; 0 when none has a GPU. Admission
+    /// (`Service::place`) refuses a memory limit past it; `apply` does not, so that members of
+    /// versions that do not know limits apply the same entries the same way.
+    pub fn largest_gpu_memory_bytes(&self) -> u64 {
+        self.engine
+            .nodes()
+            .iter()
+            .flat_map(|view| view.spec.gpus.iter().map(|gpu| gpu.memory_bytes))
+            .max()
+            .unwrap_or(0)
+    }
+
     pub fn tenant_to_proto(&self, record: &TenantRecord) -> v1::Tenant {
         let request = decode_request(&record.request);
+        let slices = record
+            .slices
+            .iter()
+            .map(|slice| self.slice_of(slice, &request))
+            .collect();
         v1::Tenant {
             name: record.name.clone(),
             owner: request.owner.clone(),
             request: Some(request),
             state: tenant_state_to_proto(record.state) as i32,
             reason: record.reason.clone(),
-            slices: record.slices.iter().map(slice_to_proto).collect(),
+            slices,
             history: record
                 .history
                 .iter()
@@ -1328,6 +1377,15 @@ fn current_compute_percent(record: &TenantRecord, request: &v1::PlacementRequest
         0 => 100,
         percent => percent,
     }
+}
+
+/// The sentence about borrowed memory for a stored request whose limit passes its request.
+fn borrow_note_of(request_bytes: &[u8]) -> Option<String> {
+    let request = decode_request(request_bytes);
+    placement::memory::borrow_note(
+        request.memory_bytes_per_gpu,
+        request.memory_limit_bytes_per_gpu,
+    )
 }
 
 fn describe_slices(slices: &[SliceAssignment]) -> String {
@@ -1517,6 +1575,7 @@ pub fn slice_to_proto(slice: &SliceAssignment) -> v1::Slice {
         memory_bytes: slice.memory_bytes,
         guaranteed: slice.guaranteed,
         burst: slice.burst,
+        memory_limit_bytes: slice.memory_bytes,
     }
 }
 

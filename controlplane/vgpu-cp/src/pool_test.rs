@@ -1207,3 +1207,109 @@ fn pins_hold_kubernetes_managed_nodes_and_other_tenants_stay_off_them() {
     assert!(!state.node_to_proto("node-v").unwrap().kubernetes_managed);
     state.engine.check_invariants();
 }
+
+fn elastic(request_gib: u64, limit_gib: u64) -> v1::PlacementRequest {
+    v1::PlacementRequest {
+        memory_limit_bytes_per_gpu: limit_gib << 30,
+        ..fraction(250, request_gib)
+    }
+}
+
+/// One node with one 80 GiB GPU, so that every tenant lands on the same GPU.
+fn register_one_gpu(state: &mut PoolState, index: u64, name: &str) {
+    let spec = NodeSpec {
+        gpus: vec![placement::GpuSpec {
+            nvlink_peers: BTreeMap::new(),
+            ..gpu(name, 0)
+        }],
+        ..node(name)
+    };
+    let result = state.apply(
+        index,
+        Command::RegisterNode {
+            spec,
+            address: String::new(),
+            unix_ms: 0,
+        },
+    );
+    assert_eq!(result, CommandResult::Done);
+}
+
+#[test]
+fn limits_are_overbooked_but_requests_never_are() {
+    let mut state = PoolState::default();
+    register_one_gpu(&mut state, 1, "node-a");
+    for (index, name) in [(2, "first"), (3, "second")] {
+        let CommandResult::Tenant(tenant) = place(&mut state, index, name, elastic(30, 70)) else {
+            panic!("expected {name} placed");
+        };
+        assert_eq!(
+            tenant.state,
+            TenantState::Placed,
+            "{name}: {}",
+            tenant.reason
+        );
+        let placed = &tenant.history.back().expect("a placement event").message;
+        assert!(placed.contains("borrows what the GPU has free"), "{placed}");
+    }
+    // The limits add up to 140 GiB on an 80 GiB GPU; the requests to 60 GiB. A third request of
+    // 30 GiB would pass the GPU's memory: it waits, limit or not.
+    let CommandResult::Tenant(third) = place(&mut state, 4, "third", fraction(250, 30)) else {
+        panic!("expected a tenant");
+    };
+    assert_eq!(third.state, TenantState::Pending);
+    assert!(!third.reason.contains("borrow"), "{}", third.reason);
+    let CommandResult::Tenant(fourth) = place(&mut state, 5, "fourth", elastic(30, 40)) else {
+        panic!("expected a tenant");
+    };
+    assert_eq!(fourth.state, TenantState::Pending);
+    assert!(
+        fourth.reason.contains("request 30GiB per GPU is booked"),
+        "{}",
+        fourth.reason
+    );
+    // The assignments carry each slice's limit; a tenant without one has its request as limit.
+    let (_, assignments) = state.assignments("node-a");
+    let limits: Vec<(String, u64, u64)> = assignments
+        .iter()
+        .map(|a| {
+            let slice = &a.slices[0];
+            (
+                a.tenant.clone(),
+                slice.memory_bytes,
+                slice.memory_limit_bytes,
+            )
+        })
+        .collect();
+    assert_eq!(
+        limits,
+        [
+            ("first".to_owned(), 30 << 30, 70 << 30),
+            ("second".to_owned(), 30 << 30, 70 << 30)
+        ]
+    );
+    let first = state.tenant_to_proto(&state.tenants["first"]);
+    assert_eq!(first.slices[0].memory_limit_bytes, 70 << 30);
+}
+
+#[test]
+fn a_limit_is_capped_at_its_gpu_and_one_without_a_limit_is_its_request() {
+    let mut state = PoolState::default();
+    register_one_gpu(&mut state, 1, "node-a");
+    assert_eq!(state.largest_gpu_memory_bytes(), 80 << 30);
+    // Admission (`Service::place`) refuses a limit past every GPU; `apply` takes what reaches the
+    // log (a member of a version without limits would too) and caps it at the GPU's memory.
+    let CommandResult::Tenant(greedy) = place(&mut state, 2, "greedy", elastic(30, 100)) else {
+        panic!("expected a tenant");
+    };
+    assert_eq!(greedy.state, TenantState::Placed);
+    let proto = state.tenant_to_proto(&state.tenants["greedy"]);
+    assert_eq!(proto.slices[0].memory_limit_bytes, 80 << 30);
+    // A record from before limits existed: no limit field, so the request is the limit.
+    let CommandResult::Tenant(tenant) = place(&mut state, 3, "plain", fraction(250, 20)) else {
+        panic!("expected a tenant");
+    };
+    assert_eq!(tenant.slices[0].memory_bytes, 20 << 30);
+    let proto = state.tenant_to_proto(&state.tenants["plain"]);
+    assert_eq!(proto.slices[0].memory_limit_bytes, 20 << 30);
+}

@@ -312,6 +312,14 @@ impl v1::pool_server::Pool for Service {
             .request
             .ok_or_else(|| invalid("the placement request is missing"))?;
         api::validate::admit_request(&placement).map_err(invalid)?;
+        let largest_gpu_bytes = self
+            .control_plane
+            .shared
+            .read()
+            .pool
+            .largest_gpu_memory_bytes();
+        placement::memory::check_limit(placement.memory_limit_bytes_per_gpu, largest_gpu_bytes)
+            .map_err(invalid)?;
         self.guard
             .check_priority(&peer, &scope, placement.priority)?;
         if let TenantScope::Owner(owner) = &scope {

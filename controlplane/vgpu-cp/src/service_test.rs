@@ -405,3 +405,40 @@ async fn a_pin_needs_the_key_that_holds_the_node_name() {
     let tenant = placed.into_inner().tenant.unwrap();
     assert_eq!(tenant.state, v1::TenantState::Placed as i32);
 }
+
+/// Issue 17: admission refuses a memory limit past every GPU of the pool, and a limit within it
+/// is placed, booked at its request, with the limit on its slice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_limit_past_every_gpu_is_refused_at_admission() {
+    let member = member().await;
+    let request = v1::RegisterRequest {
+        node: Some(inventory("gpu-a")),
+    };
+    member
+        .service
+        .register(with_claim(request, None, None))
+        .await
+        .unwrap();
+    let elastic = |limit_gib: u64| v1::PlacementRequest {
+        milli_gpus: 250,
+        memory_bytes_per_gpu: 20 << 30,
+        memory_limit_bytes_per_gpu: limit_gib << 30,
+        ..Default::default()
+    };
+    let status = place(&member, "greedy", elastic(100)).await.unwrap_err();
+    assert_eq!(
+        ErrorCode::of(&status),
+        Some(ErrorCode::InvalidArgument),
+        "{status:?}"
+    );
+    assert!(
+        status
+            .message()
+            .contains("more than any GPU of the pool has (the largest has 80GiB)"),
+        "{status:?}"
+    );
+    let tenant = place(&member, "elastic", elastic(60)).await.unwrap();
+    assert_eq!(tenant.state, v1::TenantState::Placed as i32);
+    assert_eq!(tenant.slices[0].memory_bytes, 20 << 30);
+    assert_eq!(tenant.slices[0].memory_limit_bytes, 60 << 30);
+}

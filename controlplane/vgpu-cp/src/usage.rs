@@ -461,6 +461,47 @@ pub fn render(
             usage.memory_limit_bytes
         );
     }
+    // Elastic memory (issue 17), from the GPU's memory board where the node keeps one: only
+    // entries with board figures, so nodes without boards add no series.
+    type Family = (&'static str, &'static str, fn(&TenantUsage) -> u64);
+    let elastic: [Family; 5] = [
+        (
+            "vgpu_tenant_memory_request_bytes",
+            "A tenant's memory request on a GPU (booked by placement), from the GPU's memory board.",
+            |u| u.memory_request_bytes,
+        ),
+        (
+            "vgpu_tenant_memory_board_limit_bytes",
+            "What a tenant may hold on a GPU, resident and swapped (its memory limit), from the GPU's memory board.",
+            |u| u.memory_board_limit_bytes,
+        ),
+        (
+            "vgpu_tenant_memory_resident_bytes",
+            "GPU memory a tenant's processes hold resident on a GPU, from the GPU's memory board.",
+            |u| u.memory_resident_bytes,
+        ),
+        (
+            "vgpu_tenant_memory_borrowed_bytes",
+            "What a tenant holds resident above its request on a GPU (borrowed), from the GPU's memory board.",
+            |u| u.memory_borrowed_bytes,
+        ),
+        (
+            "vgpu_tenant_memory_swapped_bytes",
+            "A tenant's GPU memory swapped out to host memory, from the GPU's memory board.",
+            |u| u.memory_swapped_bytes,
+        ),
+    ];
+    for (name, help, value) in elastic {
+        family(out, name, "gauge", help);
+        for (node, usage) in usage().filter(|(_, u)| u.memory_board_limit_bytes > 0) {
+            let _ = writeln!(
+                out,
+                "{name}{{{}}} {}",
+                tenant_labels(node, usage),
+                value(usage)
+            );
+        }
+    }
     family(
         out,
         "vgpu_tenant_gpu_time_seconds_total",
@@ -850,6 +891,54 @@ mod tests {
         assert!(!out.contains("vgpu_gpu_xid_errors_total{node=\"node-a\",gpu=\"GPU-a1\"}"));
         assert!(!out.contains("GPU-a1\",kind="), "{out}");
         assert!(!out.contains("node-b"), "{out}");
+    }
+
+    /// Issue 17: entries with board figures have the elastic memory gauges; others have none.
+    #[test]
+    fn metrics_show_elastic_memory_from_the_boards() {
+        let reports = Reports::default();
+        let elastic = TenantUsage {
+            tenant: "elastic".into(),
+            node: "node-a".into(),
+            gpu: "GPU-a0".into(),
+            memory_request_bytes: 20 << 30,
+            memory_board_limit_bytes: 60 << 30,
+            memory_resident_bytes: 26 << 30,
+            memory_borrowed_bytes: 6 << 30,
+            memory_swapped_bytes: 2 << 30,
+            ..TenantUsage::default()
+        };
+        let plain = TenantUsage {
+            tenant: "plain".into(),
+            node: "node-a".into(),
+            gpu: "GPU-a0".into(),
+            ..TenantUsage::default()
+        };
+        reports.record(
+            HeartbeatRequest {
+                node: "node-a".into(),
+                usage: vec![elastic, plain],
+                ..HeartbeatRequest::default()
+            },
+            1_000,
+        );
+        let mut out = String::new();
+        render(&mut out, &reports.snapshot(&Filter::All), |_| true);
+        let labels = "tenant=\"elastic\",node=\"node-a\",gpu=\"GPU-a0\"";
+        for (name, value) in [
+            ("vgpu_tenant_memory_request_bytes", 20u64 << 30),
+            ("vgpu_tenant_memory_board_limit_bytes", 60 << 30),
+            ("vgpu_tenant_memory_resident_bytes", 26 << 30),
+            ("vgpu_tenant_memory_borrowed_bytes", 6 << 30),
+            ("vgpu_tenant_memory_swapped_bytes", 2 << 30),
+        ] {
+            let line = format!("{name}{{{labels}}} {value}\n");
+            assert!(out.contains(&line), "missing `{line}` in:\n{out}");
+        }
+        assert!(
+            !out.contains("vgpu_tenant_memory_request_bytes{tenant=\"plain\""),
+            "{out}"
+        );
     }
 
     #[test]

@@ -279,6 +279,7 @@ fn placement_request() -> impl Strategy<Value = v1::PlacementRequest> {
                 1 => Just(vec!["H100-80GB".to_owned()]),
                 1 => proptest::collection::vec(short_text(), 0..20),
             ],
+            prop_oneof![3 => Just(0u64), 1 => Just(60u64 << 30), 1 => edge_u64()],
         ),
     )
         .prop_map(
@@ -286,11 +287,12 @@ fn placement_request() -> impl Strategy<Value = v1::PlacementRequest> {
                 (whole_gpus, milli_gpus, memory_bytes_per_gpu, compute_percent, burst),
                 (priority, preemptible, nvlink, nodes),
                 (node_selector, owner, bandwidth_weight, latency, latency_target_us),
-                (cpu_milli, host_memory_bytes, gpu_models),
+                (cpu_milli, host_memory_bytes, gpu_models, memory_limit_bytes_per_gpu),
             )| v1::PlacementRequest {
                 whole_gpus,
                 milli_gpus,
                 memory_bytes_per_gpu,
+                memory_limit_bytes_per_gpu,
                 compute_percent,
                 burst,
                 priority,
@@ -513,6 +515,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
             edge_u64(),
             edge_u64(),
         ),
+        (edge_u64(), edge_u64(), edge_u64(), edge_u64(), edge_u64()),
     )
         .prop_map(
             |(
@@ -526,6 +529,13 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                     latency_p99_us,
                     latency_steps,
                     latency_violations,
+                ),
+                (
+                    memory_request_bytes,
+                    memory_board_limit_bytes,
+                    memory_resident_bytes,
+                    memory_borrowed_bytes,
+                    memory_swapped_bytes,
                 ),
             )| v1::TenantUsage {
                 tenant,
@@ -544,6 +554,11 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 latency_p99_us,
                 latency_steps,
                 latency_violations,
+                memory_request_bytes,
+                memory_board_limit_bytes,
+                memory_resident_bytes,
+                memory_borrowed_bytes,
+                memory_swapped_bytes,
             },
         )
 }

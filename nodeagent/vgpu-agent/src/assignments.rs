@@ -55,6 +55,17 @@ pub struct SliceAssignment {
     pub guaranteed: bool,
     /// Whether the tenant may use idle compute beyond its share.
     pub burst: bool,
+    /// Elastic memory (issue 17): what the tenant may hold on the GPU, at least `memory_bytes`;
+    /// 0 (a control plane or a state file from before limits): `memory_bytes`.
+    #[serde(default)]
+    pub memory_limit_bytes: u64,
+}
+
+impl SliceAssignment {
+    /// The tenant's memory limit on this GPU: never below its request.
+    pub fn limit_bytes(&self) -> u64 {
+        self.memory_limit_bytes.max(self.memory_bytes)
+    }
 }
 
 impl AssignmentSet {
@@ -82,6 +93,7 @@ impl AssignmentSet {
                     memory_bytes: slice.memory_bytes,
                     guaranteed: slice.guaranteed,
                     burst: slice.burst,
+                    memory_limit_bytes: slice.memory_limit_bytes,
                 })
                 .collect();
             if slices.len() != assignment.slices.len() {
@@ -217,6 +229,7 @@ mod tests {
             memory_bytes: 20 << 30,
             guaranteed: true,
             burst: false,
+            memory_limit_bytes: 0,
         }
     }
 
@@ -312,6 +325,7 @@ mod tests {
             memory_bytes: 20 << 30,
             guaranteed: true,
             burst: false,
+            memory_limit_bytes: 0,
         };
         assert_eq!(slice.to_string(), "GPU 0 (25%, 20GiB)");
         slice.burst = true;

@@ -329,6 +329,7 @@ mod tests {
                 memory_bytes: 1 << 30,
                 guaranteed: true,
                 burst: false,
+                memory_limit_bytes: 0,
             }],
             bandwidth_weight: bandwidth,
             latency: false,

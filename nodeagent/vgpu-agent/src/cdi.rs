@@ -368,6 +368,7 @@ mod tests {
                                 memory_bytes: 10 << 30,
                                 guaranteed: true,
                                 burst: false,
+                                memory_limit_bytes: 0,
                             })
                             .collect(),
                     };

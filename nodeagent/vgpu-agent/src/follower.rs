@@ -478,6 +478,7 @@ mod tests {
                         memory_bytes: 80 << 30,
                         guaranteed: true,
                         burst: false,
+                        memory_limit_bytes: 0,
                     }],
                 })
                 .collect(),

@@ -260,6 +260,7 @@ mod tests {
                     memory_bytes: 8 << 30,
                     guaranteed: true,
                     burst: false,
+                    memory_limit_bytes: 0,
                 }],
             }],
         };

@@ -14,7 +14,8 @@
 //! | `tenants/<t>/<gpu uuid>.compute` | hard link to `gpus/<gpu uuid>.compute` | the compute schedule of each GPU the tenant is on |
 //! | `tenants/<t>/nccl-activity` | hard link to `node/nccl-activity` | the NCCL tuners' activity table |
 //! | `gpus/`, `node/` | 0700, agent | the originals of the tables tenants share |
-//! | `gpus/<gpu uuid>.memory` | 0666, agent | the GPU's memory board (elastic memory: capacity and the tenants' requests; [`publish_boards`]; not linked to tenants yet) |
+//! | `tenants/<t>/<gpu uuid>.memory` | hard link to `gpus/<gpu uuid>.memory` | the memory board of each GPU the tenant is on, where the agent keeps boards |
+//! | `gpus/<gpu uuid>.memory` | 0666, agent | the GPU's memory board (elastic memory: capacity, the tenants' requests and limits, what their processes hold; [`publish_boards`]) |
 //!
 //! The tenant's user is `vgpu-<tenant>` when the node has such a user ([`crate::users`]), else
 //! the agent's own user. A file's permission bits only matter to whoever can reach a path to it,
@@ -85,8 +86,8 @@ impl Layout {
         tenant_abi::layout::schedule_path(&self.root.join("gpus"), uuid)
     }
 
-    /// A GPU's memory board (elastic memory, issue 17: written by the agent, not yet read by
-    /// tenants' processes, so not linked into their directories).
+    /// The original of GPU `uuid`'s memory board (elastic memory, issue 17), linked into the
+    /// directories of its tenants by [`publish_boards`].
     pub fn board(&self, uuid: &str) -> PathBuf {
         tenant_abi::layout::board_path(&self.root.join("gpus"), uuid)
     }
@@ -295,10 +296,12 @@ pub const BOARD_RESERVE_BYTES: u64 = 2 << 30;
 
 /// Creates (once) and writes the memory board of every GPU of `gpus` (uuid -> its memory in
 /// bytes): what the tenants may hold in all (the memory less [`BOARD_RESERVE_BYTES`]) and one
-/// entry per tenant of `set` placed on it (request and limit: its slice's memory; its priority;
-/// whether the slice is guaranteed). Elastic memory's first step on the node (issue 17): the
-/// boards are kept true, nothing reads them yet. Returns the GPUs whose board could not be
-/// written; the others are written. Call after [`prepare`] (which makes `gpus/`).
+/// entry per tenant of `set` placed on it (request: its slice's memory; limit: the slice's
+/// memory limit; its priority; whether the slice is guaranteed), and links each board into the
+/// directories of the tenants on its GPU. Elastic memory on the node (issue 17): the agent reads
+/// the boards back for usage reports (`usage`); the interposer does not map them yet. Returns
+/// what could not be written or linked; the rest is. Call after [`prepare`] (which makes `gpus/`
+/// and the tenants' directories, and unlinks boards of GPUs a tenant left).
 pub fn publish_boards(
     layout: &Layout,
     set: &AssignmentSet,
@@ -317,7 +320,7 @@ pub fn publish_boards(
                     .map(|slice| tenant_abi::board::TenantSpec {
                         name: tenant.tenant.clone(),
                         request_bytes: slice.memory_bytes,
-                        limit_bytes: slice.memory_bytes,
+                        limit_bytes: slice.limit_bytes(),
                         priority: tenant.priority,
                         guaranteed: slice.guaranteed,
                     })
@@ -336,6 +339,18 @@ pub fn publish_boards(
                 uuid: uuid.clone(),
                 message,
             });
+            continue;
+        }
+        // Linked into the directory of each tenant on the GPU, as its compute schedule is
+        // (`prepare` unlinks the boards of GPUs a tenant left).
+        for spec in &specs {
+            let tenant_dir = layout.tenant_dir(&spec.name);
+            if !tenant_dir.is_dir() {
+                continue;
+            }
+            if let Err(error) = link(&path, &tenant_abi::layout::board_path(&tenant_dir, uuid)) {
+                problems.push(error);
+            }
         }
     }
     problems
@@ -430,11 +445,13 @@ fn tenant_directory(
             &tenant_abi::layout::schedule_path(&path, uuid),
         )?;
     }
-    // Schedules of GPUs the tenant is no longer on.
+    // Schedules and memory boards of GPUs the tenant is no longer on.
     for entry in std::fs::read_dir(&path).map_err(io("list", &path))? {
         let entry = entry.map_err(io("list", &path))?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        if let Some(uuid) = name.strip_suffix(".compute")
+        if let Some(uuid) = name
+            .strip_suffix(".compute")
+            .or_else(|| name.strip_suffix(".memory"))
             && !gpus.contains(uuid)
         {
             let stale = entry.path();

@@ -31,6 +31,7 @@ fn set(tenants: &[(&str, &[&str])]) -> AssignmentSet {
                         memory_bytes: 1 << 30,
                         guaranteed: true,
                         burst: false,
+                        memory_limit_bytes: 0,
                     })
                     .collect();
                 let assignment = TenantAssignment {
@@ -265,9 +266,31 @@ fn each_gpu_gets_a_memory_board_of_its_tenants() {
     assert_eq!(names, [("a", 1 << 30), ("b", 1 << 30)]);
     let (_, holders) = tenant_abi::shm::read_board(&layout.board("GPU-2")).unwrap();
     assert_eq!(holders.len(), 1);
+    // Each tenant reaches the boards of its GPUs, and only those, from its own directory.
+    let inode = |path: &std::path::Path| std::fs::metadata(path).map(|m| m.ino()).ok();
+    let board_link =
+        |tenant: &str, uuid: &str| tenant_abi::layout::board_path(&layout.tenant_dir(tenant), uuid);
+    assert_eq!(
+        inode(&board_link("a", "GPU-1")),
+        inode(&layout.board("GPU-1"))
+    );
+    assert_eq!(
+        inode(&board_link("b", "GPU-2")),
+        inode(&layout.board("GPU-2"))
+    );
+    assert_eq!(inode(&board_link("a", "GPU-2")), None);
     let second = set(&[("b", &["GPU-1"])]);
     prepare(&layout, &second, &owners, QUANTUM).unwrap();
     assert!(publish_boards(&layout, &second, &gpus).is_empty());
+    assert_eq!(
+        inode(&board_link("b", "GPU-2")),
+        None,
+        "the board of a GPU the tenant left is unlinked"
+    );
+    assert_eq!(
+        inode(&board_link("b", "GPU-1")),
+        inode(&layout.board("GPU-1"))
+    );
     let (_, holders) = tenant_abi::shm::read_board(&layout.board("GPU-1")).unwrap();
     assert_eq!(
         holders.iter().map(|h| h.name.as_str()).collect::<Vec<_>>(),
@@ -278,4 +301,23 @@ fn each_gpu_gets_a_memory_board_of_its_tenants() {
         holders.is_empty(),
         "a GPU without tenants keeps an empty board"
     );
+}
+
+/// Issue 17: a slice's memory limit is the board entry's limit; a slice without one (0) has its
+/// request as limit.
+#[test]
+fn a_board_entry_carries_the_slices_limit() {
+    let shm = tempfile::tempdir().unwrap();
+    let layout = Layout::new(&shm.path().join("vgpu"));
+    let gpus: std::collections::BTreeMap<String, u64> = [("GPU-1".to_owned(), 80 << 30)].into();
+    let mut placed = set(&[("a", &["GPU-1"]), ("b", &["GPU-1"])]);
+    placed.tenants.get_mut("a").unwrap().slices[0].memory_limit_bytes = 60 << 30;
+    prepare(&layout, &placed, &owners, QUANTUM).unwrap();
+    assert!(publish_boards(&layout, &placed, &gpus).is_empty());
+    let (usage, _) = tenant_abi::shm::sample_board(&layout.board("GPU-1")).unwrap();
+    let limits: Vec<_> = usage
+        .iter()
+        .map(|t| (t.name.as_str(), t.request_bytes, t.limit_bytes))
+        .collect();
+    assert_eq!(limits, [("a", 1 << 30, 60 << 30), ("b", 1 << 30, 1 << 30)]);
 }

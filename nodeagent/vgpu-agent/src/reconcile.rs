@@ -158,6 +158,7 @@ mod tests {
                 memory_bytes: memory_gib << 30,
                 guaranteed: true,
                 burst: false,
+                memory_limit_bytes: 0,
             }],
         }
     }

@@ -190,6 +190,10 @@ fn without_gauges(gpu: &GpuHealth) -> GpuHealth {
 fn without_counters(usage: &TenantUsage) -> TenantUsage {
     TenantUsage {
         memory_used_bytes: 0,
+        // Elastic memory's gauges (issue 17); the request and limit are not gauges.
+        memory_resident_bytes: 0,
+        memory_borrowed_bytes: 0,
+        memory_swapped_bytes: 0,
         gpu_time_ns: 0,
         processes: without_memory(&usage.processes),
         // A latency tenant's measurements move with every step; its target does not.

@@ -660,6 +660,7 @@ mod tests {
                 memory_bytes: 20 << 30,
                 guaranteed: true,
                 burst: true,
+                memory_limit_bytes: 0,
             }],
         }
     }

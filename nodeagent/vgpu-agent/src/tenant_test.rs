@@ -13,6 +13,7 @@ fn slice(gpu_index: u32, compute_percent: u32, memory_gib: u64) -> SliceAssignme
         memory_bytes: memory_gib << 30,
         guaranteed: true,
         burst: true,
+        memory_limit_bytes: 0,
     }
 }
 

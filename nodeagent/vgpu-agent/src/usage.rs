@@ -6,7 +6,11 @@
 //!   *ordinal as the tenant's processes see it*, which is the slice's position in the tenant's
 //!   slices sorted by GPU index (`CUDA_VISIBLE_DEVICES` order, see [`crate::tenant`]);
 //! * `gpus/<gpu uuid>.compute`, the GPU's compute schedule (linked into its tenants'
-//!   directories): turn time charged to each tenant.
+//!   directories): turn time charged to each tenant;
+//! * `gpus/<gpu uuid>.memory`, the GPU's memory board (elastic memory, issue 17, where the agent
+//!   keeps one): each tenant's request and limit, and what its processes hold resident, borrowed
+//!   above the request, and swapped out. Sampling a board also reclaims the slots of processes
+//!   that died ([`tenant_abi::shm::sample_board`]), the one write this module makes.
 //!
 //! Both are read through `tenant_abi::shm` (the interposer's own layout code, mapped read-only, atomic
 //! loads only), so a tenant process is never made to wait and nothing is written. Only tenants
@@ -107,6 +111,8 @@ pub struct Files {
     pub ledgers: BTreeMap<String, LedgerUsage>,
     /// GPU uuid → its schedule's tenants (absent: no gated launch on the GPU yet).
     pub schedules: BTreeMap<String, Vec<TenantTime>>,
+    /// GPU uuid → its memory board's tenants (absent: the agent keeps no board for the GPU).
+    pub boards: BTreeMap<String, Vec<tenant_abi::board::TenantUsage>>,
 }
 
 /// Reads the files of `assignments`' tenants and GPUs under `shm_dir`. A file that is missing
@@ -126,6 +132,15 @@ pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, V
             Err(error) => problems.push(format!("tenant {}: {error}", assignment.tenant)),
         }
         for slice in &assignment.slices {
+            if !files.boards.contains_key(&slice.gpu_uuid) {
+                match tenant_abi::shm::sample_board(&layout.board(&slice.gpu_uuid)) {
+                    Ok((tenants, _reclaimed)) => {
+                        files.boards.insert(slice.gpu_uuid.clone(), tenants);
+                    }
+                    Err(error) if error.is_not_found() => {}
+                    Err(error) => problems.push(format!("GPU {}: {error}", slice.gpu_uuid)),
+                }
+            }
             if files.schedules.contains_key(&slice.gpu_uuid) {
                 continue;
             }
@@ -182,7 +197,16 @@ pub fn combine(
                 .and_then(|times| times.iter().find(|t| t.name == assignment.tenant));
             let process_count = (processes.len() as u32).max(time.map_or(0, |t| t.processes));
             api::usage::bound_processes(&mut processes);
+            let board = files
+                .boards
+                .get(&slice.gpu_uuid)
+                .and_then(|tenants| tenants.iter().find(|t| t.name == assignment.tenant));
             entries.push(TenantUsage {
+                memory_request_bytes: board.map_or(0, |b| b.request_bytes),
+                memory_board_limit_bytes: board.map_or(0, |b| b.limit_bytes),
+                memory_resident_bytes: board.map_or(0, |b| b.resident_bytes),
+                memory_borrowed_bytes: board.map_or(0, |b| b.borrowed_bytes()),
+                memory_swapped_bytes: board.map_or(0, |b| b.swapped_bytes),
                 tenant: assignment.tenant.clone(),
                 node: node.to_owned(),
                 gpu: slice.gpu_uuid.clone(),
@@ -258,6 +282,7 @@ mod tests {
             memory_bytes,
             guaranteed: true,
             burst: false,
+            memory_limit_bytes: 0,
         }
     }
 
@@ -265,6 +290,51 @@ mod tests {
         let mut used_bytes = [0; DEVICES_MAX];
         used_bytes[..per_ordinal.len()].copy_from_slice(per_ordinal);
         ProcessCharge { pid, used_bytes }
+    }
+
+    /// Issue 17: each entry carries its GPU's board figures for the tenant; a GPU without a board
+    /// reports zeros.
+    #[test]
+    fn board_figures_go_on_each_gpus_entry() {
+        let assignments = vec![TenantAssignment {
+            tenant: "elastic".into(),
+            priority: 0,
+            slices: vec![slice(0, 20 * GIB), slice(1, 20 * GIB)],
+            bandwidth_weight: 0,
+            latency: false,
+            latency_target_us: None,
+        }];
+        let mut files = Files::default();
+        files.boards.insert(
+            "GPU-0".into(),
+            vec![tenant_abi::board::TenantUsage {
+                name: "elastic".into(),
+                request_bytes: 20 * GIB,
+                limit_bytes: 60 * GIB,
+                resident_bytes: 26 * GIB,
+                swapped_bytes: 2 * GIB,
+            }],
+        );
+        let entries = combine("node-a", &assignments, &files, &|_| None);
+        let figures: Vec<(u64, u64, u64, u64, u64)> = entries
+            .iter()
+            .map(|e| {
+                (
+                    e.memory_request_bytes,
+                    e.memory_board_limit_bytes,
+                    e.memory_resident_bytes,
+                    e.memory_borrowed_bytes,
+                    e.memory_swapped_bytes,
+                )
+            })
+            .collect();
+        assert_eq!(
+            figures,
+            [
+                (20 * GIB, 60 * GIB, 26 * GIB, 6 * GIB, 2 * GIB),
+                (0, 0, 0, 0, 0)
+            ]
+        );
     }
 
     #[test]

@@ -184,6 +184,7 @@ pub fn assignment(
             memory_bytes,
             guaranteed: true,
             burst: false,
+            memory_limit_bytes: 0,
         });
     }
     let assignment = TenantAssignment {

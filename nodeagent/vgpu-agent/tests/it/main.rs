@@ -263,6 +263,7 @@ fn assignments(revision: u64, tenants: &[(&str, u32, u32)]) -> Assignments {
                     memory_bytes: 20 << 30,
                     guaranteed: true,
                     burst: false,
+                    memory_limit_bytes: 0,
                 }],
             })
             .collect(),
