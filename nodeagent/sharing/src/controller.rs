@@ -414,9 +414,11 @@ impl Controller {
             let tenant = (*tenant).clone();
             return self.hold_top(Reason::NoTarget { tenant });
         }
-        if std::mem::take(&mut self.holding_for_target)
-            && neighbours_active
+        // Taken only beside a neighbour: a target learnt in a window without one (the tenant
+        // alone) still ends the hold at the first window with one.
+        if neighbours_active
             && self.level == self.ladder.top()
+            && std::mem::take(&mut self.holding_for_target)
         {
             // The target is known: whether these neighbours need any restriction at all shows
             // at level 0, not after a relaxation down the whole ladder.
@@ -435,8 +437,10 @@ impl Controller {
             && !self.dominated[self.ladder.top()]
             && let Some(tenant) = charged.filter(|name| {
                 let tenant = &self.tenants[name.as_str()];
-                open_step_since_ns.is_some_and(|since| tenant.starving(&self.config, now_ns, since))
-                    && !tenant.in_allowance()
+                open_step_since_ns.is_some_and(|since| {
+                    tenant.starving(&self.config, now_ns, since)
+                        && (!tenant.in_allowance() || tenant.beyond_own_tail(now_ns, since))
+                })
             })
         {
             let violations = judged.iter().map(|(_, j)| j.violations).sum();

@@ -922,27 +922,45 @@ fn a_level_that_failed_right_after_relaxing_into_it_is_not_relaxed_into_10_windo
 }
 
 #[test]
-fn one_step_past_twice_the_target_within_the_allowance_is_a_violation_not_starving() {
-    // The tenant's own rare long step (an eager PyTorch tenant's p99.9 runs past twice its
-    // target alone): the banked violation pays for it, nothing climbs.
+fn a_long_step_within_the_tenants_own_tail_and_allowance_is_a_violation_not_starving() {
+    // Alone: 300 steps of 1 ms and one of 6 ms (the tenant's own rare hiccup, as an eager
+    // PyTorch tenant's p99.9 runs past twice its target): a target of 1.2 ms.
     let mut driver = Driver::new(Config::new(false, 0));
-    let target = Some(2 * MS);
+    for window in 0..30 {
+        let steps = if window == 7 {
+            steps(&[MS, MS, MS, MS, MS, MS, MS, MS, MS, 6 * MS])
+        } else {
+            repeat(10, MS)
+        };
+        driver.next_alone("infer", steps);
+    }
+    let target = driver.controller.statuses()[0].target_ns.expect("learnt");
+    assert!(target < 2 * MS, "{target}");
+    // Held at the top while it had no target; the first window beside a neighbour tries
+    // level 0 (the target was learnt in a window without one).
+    let output = driver.next("infer", repeat(3, MS), None);
+    assert_eq!(
+        output.change.map(|change| (change.to.level, change.reason)),
+        Some((0, Reason::ProbeUnrestricted))
+    );
     for _ in 0..10 {
-        driver.next("infer", repeat(3, MS), target);
+        driver.next("infer", repeat(3, MS), None);
     }
-    let since = driver.now_ns + 5 * MS;
-    let output = driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
-    assert_eq!(output.change, None);
-    assert_eq!(output.tenants[0].violations, 1);
-    let output = driver.next_open("infer", steps(&[6 * MS, MS]), target, None);
-    assert_eq!(output.change, None);
     assert_eq!(driver.level(), 0);
-    // A second one within 100 steps is over budget: starving, the top.
+    // A step open for 4 ms: past twice the target, but no longer than the tenant's own
+    // slowest step alone, and the banked violation pays for it: nothing climbs.
+    let since = driver.now_ns + 6 * MS;
+    let output = driver.next_open("infer", LatencySnapshot::default(), None, Some(since));
+    assert_eq!(output.change, None);
+    driver.next_open("infer", steps(&[4 * MS, MS]), None, None);
+    assert_eq!(driver.level(), 0);
     for _ in 0..5 {
-        driver.next("infer", repeat(3, MS), target);
+        driver.next("infer", repeat(3, MS), None);
     }
-    let since = driver.now_ns + 5 * MS;
-    let output = driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
+    // Open for 10 ms, longer than anything the tenant did alone: starving at once (before,
+    // a decoder behind GEMMs queued at level 0 stayed open for 680 ms, counted once).
+    let since = driver.now_ns;
+    let output = driver.next_open("infer", LatencySnapshot::default(), None, Some(since));
     assert_eq!(
         output.change.map(|change| change.reason),
         Some(Reason::Starving {

@@ -48,13 +48,17 @@
 //!   or two. With one latency tenant it is that tenant's; with several, it is charged to the
 //!   one with the loosest target among those active when it began.
 //! - *Starving.* Open for longer than `STARVING_TARGETS` (2) times that tenant's target, and
-//!   the tenant over its budget with it, the tenant is starving now: straight to the top (the
+//!   either the tenant over its budget with it or the step open for longer than any step it
+//!   took alone (no tenant's own tail explains that), the tenant is starving now: straight to
+//!   the top (the
 //!   level known to give it its latency alone), not one level per starving step (on an H100
 //!   beside a copy-engine hog, steps of 150-190 ms for a 1.4 ms target climbed one level each
-//!   and starved the tenant for a second per episode). One such step within the allowance is
-//!   a violation like any other: an eager PyTorch tenant's own rare steps run past twice its
-//!   target (p99.9 beside a training loop, plain, 3x its p99), and each sent the level to the
-//!   top, where the trainer made no step at all. The level left failed, as when over budget (relaxing back into it waits its
+//!   and starved the tenant for a second per episode). A step within the tenant's own tail and
+//!   its allowance is a violation like any other: an eager PyTorch tenant's own rare steps run
+//!   past twice its target (p99.9 beside a training loop, plain, 3x its p99), and each sent the
+//!   level to the top, where the trainer made no step at all; but a decoder behind GEMMs
+//!   queued during a probe of level 0 stayed open, counted once, for 680 ms until the
+//!   allowance alone was the rule. The level left failed, as when over budget (relaxing back into it waits its
 //!   backoff), a lever under probe is needed, and what was learnt of the other levers stays.
 //!   From the top, down by the usual relaxation. Windows in which a step starved (one took, or
 //!   was seen open for, that long) are no samples of the step period: it would be the

@@ -150,6 +150,28 @@ impl TenantState {
         })
     }
 
+    /// Whether a step open since `since_ns` has been open for longer than every step the
+    /// tenant took alone (its baseline's histogram: alone, else at Exclusive; the upper end of
+    /// the slowest bucket). `true` when no baseline was measured (an explicit target).
+    pub fn beyond_own_tail(&self, now_ns: u64, since_ns: u64) -> bool {
+        let Some(histogram) = [&self.alone, &self.protective]
+            .into_iter()
+            .find(|histogram| histogram.steps >= BASELINE_STEPS_MIN)
+        else {
+            return true;
+        };
+        let slowest = histogram
+            .buckets
+            .iter()
+            .rposition(|&count| count > 0)
+            .map_or(0, |bucket| {
+                tenant_abi::control::bucket_floor_ns(
+                    (bucket + 1).min(tenant_abi::control::LATENCY_BUCKETS - 1),
+                )
+            });
+        now_ns.saturating_sub(since_ns) > slowest
+    }
+
     /// The p99 alone; until `BASELINE_STEPS_MIN` steps alone were seen, the p99 at the most
     /// protective level.
     pub fn baseline_p99_ns(&self) -> Option<u64> {
