@@ -326,7 +326,10 @@ impl Controller {
         // as alone (see the crate's docs on the baseline).
         let seen = if !neighbours_active {
             Seen::Alone
-        } else if self.decision().exclusive && self.decision_age >= 1 {
+        } else if self.decision().exclusive
+            && self.decision_age >= 1
+            && self.settling_since_ns.is_none()
+        {
             Seen::Exclusive
         } else {
             Seen::Shared
@@ -356,8 +359,10 @@ impl Controller {
         for window in windows {
             let tenant = self.tenants.get_mut(&window.name).expect("entered above");
             let open = open_step_since_ns.filter(|_| charged.as_ref() == Some(&window.name));
+            // A tenant without a target cannot tell (its baseline's blocks at Exclusive wait
+            // out the drain themselves, see `TenantState::learn_protective`).
             within_targets &= window.window.steps > 0
-                && tenant.target_ns(&self.config).is_some_and(|target| {
+                && tenant.target_ns(&self.config).is_none_or(|target| {
                     window.window.slower_than(target) == 0
                         && open.is_none_or(|since| now_ns.saturating_sub(since) <= target)
                 });

@@ -1430,3 +1430,40 @@ fn steps_behind_the_work_queued_before_a_climb_are_not_the_new_levels() {
         "{steps} {violations}"
     );
 }
+
+#[test]
+fn a_baseline_the_tenant_misses_even_at_exclusive_is_replaced() {
+    // Alone, a warm-up of short synchronisations: a baseline of ~0.7 ms.
+    let mut driver = Driver::new(Config::new(false, 0));
+    for _ in 0..20 {
+        driver.next_alone("infer", repeat(10, 700_000));
+    }
+    let stale = driver.controller.statuses()[0].target_ns.expect("learnt");
+    assert!(stale < MS, "{stale}");
+    // Its real steps take 3 ms: beside a neighbour every one is a violation, the level goes
+    // to the top, and there too (nothing else runs) the steps are 3 ms. After the climb's
+    // settling (never within the target: SETTLE_MAX_NS, 50 windows) and a block of 100 steps
+    // at Exclusive, they are the baseline: within a second.
+    let top = driver.controller.ladder().top() as u8;
+    let mut replaced_after = None;
+    for window in 1..=200 {
+        driver.next("infer", repeat(3, 3 * MS), None);
+        let target = driver.controller.statuses()[0].target_ns.expect("a target");
+        if target > 3 * MS {
+            replaced_after = Some(window);
+            break;
+        }
+        assert_eq!(target, stale);
+    }
+    let windows = replaced_after.expect("the baseline replaced");
+    assert!(windows <= 100, "{windows} windows");
+    assert_eq!(
+        driver.controller.statuses()[0].baseline_p99_ns,
+        Some(reads_as(3 * MS))
+    );
+    // And then the tenant is within its target: the level comes down again.
+    for _ in 0..300 {
+        driver.next("infer", repeat(3, 3 * MS), None);
+    }
+    assert!(driver.level() < top, "{}", driver.level());
+}

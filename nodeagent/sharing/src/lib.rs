@@ -32,7 +32,10 @@
 //! Work queued before Exclusive can take longer than a window to drain, so the steps there are
 //! taken in blocks of 100, and a block becomes the baseline only once the next one agrees with
 //! it (p99s within one bucket; the lower of the two), or the lowest after
-//! `PROTECTIVE_BLOCKS_MAX` blocks.
+//! `PROTECTIVE_BLOCKS_MAX` blocks. A learnt target must be one the tenant meets where nothing
+//! else runs: a block of 100 steps at Exclusive (settled after a climb) whose p99 misses it by
+//! `STALE_BASELINE_BUCKETS` replaces the baseline (a baseline learnt from a warm-up's short
+//! synchronisations, 0.7 ms against steps of 3-4 ms, held the level at Exclusive for good).
 //! Only there: at Pause or Guard, a neighbour kernel launched before a step can still triple it,
 //! and a baseline learnt there makes the target that much too loose. That fallback is learnt
 //! only while the tenant has no target and is frozen once a block is taken: later windows at the
@@ -166,7 +169,8 @@ pub use controller::{
 pub use ladder::{GUARD_QUARTERS, Ladder, Rung, guard_us};
 pub use tenant::{
     ALLOWANCE_MAX_PPM, ALLOWANCE_MIN_PPM, BASELINE_STEPS_MAX, BASELINE_STEPS_MIN, IDLE_GAPS,
-    PERIOD_SAMPLES_MIN, PROTECTIVE_BLOCKS_MAX, STARVING_TARGETS, VIOLATION_PPM,
+    PERIOD_SAMPLES_MIN, PROTECTIVE_BLOCKS_MAX, STALE_BASELINE_BUCKETS, STARVING_TARGETS,
+    VIOLATION_PPM,
 };
 pub use tenant_abi::control::{Decision, LatencySnapshot};
 pub use types::{

@@ -32,6 +32,9 @@ pub const PERIOD_SAMPLES_MIN: u32 = 4;
 /// Blocks of `BASELINE_STEPS_MIN` steps at Exclusive after which the protective baseline is
 /// taken even if no two blocks in a row agreed (the lowest block's p99).
 pub const PROTECTIVE_BLOCKS_MAX: u32 = 4;
+/// Histogram buckets (about 9% each) by which a block's p99 at Exclusive must miss a learnt
+/// target to replace the baseline (two: one is the histogram's rounding).
+pub const STALE_BASELINE_BUCKETS: i32 = 2;
 /// A tenant whose step has been open (or took) longer than this many times its target is
 /// starving: the controller goes to the top at once, and the window's steps say nothing about
 /// the tenant's rhythm (its period is not measured from them).
@@ -77,6 +80,10 @@ pub struct TenantState {
     protective_block: LatencySnapshot,
     protective_last: Option<LatencySnapshot>,
     protective_blocks: u32,
+    /// Steps at Exclusive once the tenant has a learnt target, in blocks of
+    /// `BASELINE_STEPS_MIN`: a block whose p99 misses the target by `STALE_BASELINE_BUCKETS`
+    /// shows the baseline no longer describes the tenant (see `check_baseline`).
+    exclusive_block: LatencySnapshot,
     /// `(slot start, steps)`, oldest first, at most `STATUS_SLOTS + 1`.
     recent: VecDeque<(u64, LatencySnapshot)>,
     steps: u64,
@@ -118,6 +125,7 @@ impl TenantState {
             protective_block: LatencySnapshot::default(),
             protective_last: None,
             protective_blocks: 0,
+            exclusive_block: LatencySnapshot::default(),
             recent: VecDeque::new(),
             steps: 0,
             violations: 0,
@@ -303,6 +311,8 @@ impl TenantState {
             }
         } else if seen == Seen::Exclusive && target.is_none() {
             self.learn_protective(window);
+        } else if seen == Seen::Exclusive && self.explicit_target_ns.is_none() {
+            self.check_baseline(config, window);
         }
         self.record_recent(config, now_ns, window);
         debug_assert!((ALLOWANCE_MIN_PPM..=ALLOWANCE_MAX_PPM).contains(&self.allowance_ppm));
@@ -340,6 +350,28 @@ impl TenantState {
             // Keep the lower one: the next block is compared with it, and after the last
             // block the lowest is taken.
             self.protective_last = Some(lower);
+        }
+    }
+
+    /// At Exclusive (nothing else runs: as good as alone) a tenant must be able to meet a
+    /// learnt target. A block of `BASELINE_STEPS_MIN` steps there whose p99 is
+    /// `STALE_BASELINE_BUCKETS` over the target says the baseline describes another tenant
+    /// than the one running now (an H100 run: an eager tenant's baseline learnt from its
+    /// warm-up's short synchronisations was 0.7 ms against 3-4 ms steps; every step was a
+    /// violation, the level sat at Exclusive and its neighbour made no step for a whole
+    /// window): the block becomes the baseline.
+    fn check_baseline(&mut self, config: &Config, window: &LatencySnapshot) {
+        self.exclusive_block.add(window);
+        if self.exclusive_block.steps < BASELINE_STEPS_MIN {
+            return;
+        }
+        let block = std::mem::take(&mut self.exclusive_block);
+        let (Some(target), Some(p99)) = (self.target_ns(config), block.quantile_ns(0.99)) else {
+            return;
+        };
+        if latency_bucket(p99) as i32 - latency_bucket(target) as i32 >= STALE_BASELINE_BUCKETS {
+            self.alone = block;
+            self.protective = LatencySnapshot::default();
         }
     }
 
