@@ -393,7 +393,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Mode::Ca(command) => return ca(command),
         Mode::Cert(command) => return cert(command),
         Mode::Token(command) => return token(command),
-        Mode::Export(args) => return export(args),
+        Mode::Export(args) => {
+            // Refused rather than ignored: a user who names the file expects it to be read.
+            anyhow::ensure!(
+                cli.config.is_none(),
+                "vgpu-cp export does not read a configuration file: name the stopped pool with \
+                 --data-dir (Raft store) or --etcd-endpoints and --etcd-prefix (etcd store, with \
+                 --etcd-ca/--etcd-cert/--etcd-key for mTLS), as the file says"
+            );
+            return export(args);
+        }
         Mode::Import { input, common } => {
             let flags = common.settings(Some(ModeName::Bootstrap), Vec::new());
             let config = vgpu_cp::config::load(
