@@ -94,21 +94,47 @@ impl SnapshotPointer {
     }
 }
 
+/// The pointer to a snapshot of `bytes` covering entries `1..=seq`, if it fits the chunk limit.
+fn snapshot_pointer_of(seq: u64, bytes: &[u8]) -> Result<SnapshotPointer> {
+    let pointer = SnapshotPointer::of(seq, bytes);
+    if pointer.chunks > SNAPSHOT_CHUNKS_MAX {
+        return Err(Error::TooLarge {
+            what: "a snapshot's bytes",
+            size: bytes.len(),
+            limit: SNAPSHOT_CHUNKS_MAX as usize * SNAPSHOT_CHUNK_BYTES,
+        });
+    }
+    Ok(pointer)
+}
+
 impl EtcdLog {
+    /// Writes the chunks of the snapshot at `seq` (invisible until its pointer names them). An
+    /// empty snapshot still has its one (empty) chunk.
+    async fn write_snapshot_chunks(&self, seq: u64, bytes: &[u8]) -> Result<()> {
+        let chunks: Vec<&[u8]> = if bytes.is_empty() {
+            vec![&[]]
+        } else {
+            bytes.chunks(SNAPSHOT_CHUNK_BYTES).collect()
+        };
+        for (index, chunk) in chunks.into_iter().enumerate() {
+            let key = self.keys().snapshot_chunk(seq, index as u32);
+            self.connection()
+                .call_retrying("write a snapshot chunk", |mut client| {
+                    let (key, chunk) = (key.clone(), chunk.to_vec());
+                    async move { client.put(key, chunk, None).await }
+                })
+                .await?;
+        }
+        Ok(())
+    }
+
     /// Stores `bytes` as the snapshot covering entries `1..=seq`, then deletes those log keys
     /// and the previous snapshot. Returns `false` (and stores nothing) when a snapshot at `seq`
     /// or later is already there. `seq` must be appended already.
     pub async fn put_snapshot(&self, seq: u64, bytes: &[u8]) -> Result<bool> {
         let cluster_id = self.claimed()?.to_string();
         assert!(seq >= 1, "a snapshot covers at least entry 1");
-        let pointer = SnapshotPointer::of(seq, bytes);
-        if pointer.chunks > SNAPSHOT_CHUNKS_MAX {
-            return Err(Error::TooLarge {
-                what: "a snapshot's bytes",
-                size: bytes.len(),
-                limit: SNAPSHOT_CHUNKS_MAX as usize * SNAPSHOT_CHUNK_BYTES,
-            });
-        }
+        let pointer = snapshot_pointer_of(seq, bytes)?;
         let head = self.head().await?;
         assert!(
             seq <= head.seq,
@@ -121,21 +147,7 @@ impl EtcdLog {
         }
         let keys = self.keys().clone();
         // Chunks first: the pointer below makes them visible only once all are written.
-        // An empty snapshot still has its one (empty) chunk.
-        let chunks: Vec<&[u8]> = if bytes.is_empty() {
-            vec![&[]]
-        } else {
-            bytes.chunks(SNAPSHOT_CHUNK_BYTES).collect()
-        };
-        for (index, chunk) in chunks.into_iter().enumerate() {
-            let key = keys.snapshot_chunk(seq, index as u32);
-            self.connection()
-                .call_retrying("write a snapshot chunk", |mut client| {
-                    let (key, chunk) = (key.clone(), chunk.to_vec());
-                    async move { client.put(key, chunk, None).await }
-                })
-                .await?;
-        }
+        self.write_snapshot_chunks(seq, bytes).await?;
         let txn = Txn::new()
             .when([
                 Compare::value(keys.cluster(), CompareOp::Equal, cluster_id),
@@ -186,14 +198,7 @@ impl EtcdLog {
     pub async fn install_first_snapshot(&self, seq: u64, bytes: &[u8]) -> Result<()> {
         let cluster_id = self.claimed()?.to_string();
         assert!(seq >= 1, "a snapshot covers at least entry 1");
-        let pointer = SnapshotPointer::of(seq, bytes);
-        if pointer.chunks > SNAPSHOT_CHUNKS_MAX {
-            return Err(Error::TooLarge {
-                what: "a snapshot's bytes",
-                size: bytes.len(),
-                limit: SNAPSHOT_CHUNKS_MAX as usize * SNAPSHOT_CHUNK_BYTES,
-            });
-        }
+        let pointer = snapshot_pointer_of(seq, bytes)?;
         let keys = self.keys().clone();
         let not_empty = |what: &str| Error::NotEmpty {
             prefix: keys.prefix().to_string(),
@@ -207,20 +212,7 @@ impl EtcdLog {
         if head > 0 {
             return Err(not_empty(&format!("a log of {head} entries")));
         }
-        let chunks: Vec<&[u8]> = if bytes.is_empty() {
-            vec![&[]]
-        } else {
-            bytes.chunks(SNAPSHOT_CHUNK_BYTES).collect()
-        };
-        for (index, chunk) in chunks.into_iter().enumerate() {
-            let key = keys.snapshot_chunk(seq, index as u32);
-            self.connection()
-                .call_retrying("write a snapshot chunk", |mut client| {
-                    let (key, chunk) = (key.clone(), chunk.to_vec());
-                    async move { client.put(key, chunk, None).await }
-                })
-                .await?;
-        }
+        self.write_snapshot_chunks(seq, bytes).await?;
         // The pointer and the head together, only where neither exists: a reader sees no pool
         // or the whole imported one, and a log started meanwhile is never overwritten.
         let txn = Txn::new()
