@@ -129,6 +129,17 @@ impl Driver {
         self.controller.handle(event)
     }
 
+    /// Ten clean windows at level 0, one slow step that spends the banked violation, then a
+    /// step open for 5 ms past a 2 ms `target`: over budget and starving, to the top.
+    fn starve_to_top(&mut self, target: Option<u64>) {
+        for _ in 0..10 {
+            self.next("infer", repeat(3, MS), target);
+        }
+        self.next("infer", steps(&[MS, 3 * MS]), target);
+        let since = self.now_ns + 5 * MS;
+        self.next_open("infer", LatencySnapshot::default(), target, Some(since));
+    }
+
     fn level(&self) -> u8 {
         self.controller.decision().level
     }
@@ -1048,12 +1059,7 @@ fn after_starving_the_relaxation_halves_its_way_down_to_the_level_that_holds() {
     // middle of them is 5), and the tenant is served at Pause from then on.
     let mut driver = Driver::new(Config::new(false, 0));
     let target = Some(2 * MS);
-    for _ in 0..10 {
-        driver.next("infer", repeat(3, MS), target);
-    }
-    driver.next("infer", steps(&[MS, 3 * MS]), target);
-    let since = driver.now_ns + 5 * MS;
-    driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
+    driver.starve_to_top(target);
     assert_eq!(driver.level(), 10);
     let mut levels = Vec::new();
     let mut windows_to_pause = None;
@@ -1393,12 +1399,7 @@ fn steps_behind_the_work_queued_before_a_climb_are_not_the_new_levels() {
     // To the top by a starving step (the banked violation spent first).
     let mut driver = Driver::new(Config::new(false, 0));
     let target = Some(2 * MS);
-    for _ in 0..10 {
-        driver.next("infer", repeat(3, MS), target);
-    }
-    driver.next("infer", steps(&[MS, 3 * MS]), target);
-    let since = driver.now_ns + 5 * MS;
-    driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
+    driver.starve_to_top(target);
     let top = driver.controller.ladder().top();
     assert_eq!(driver.level(), top as u8);
     // The neighbour's work queued at level 0 still drains: slow steps for a few windows, then
@@ -1414,12 +1415,7 @@ fn steps_behind_the_work_queued_before_a_climb_are_not_the_new_levels() {
     assert_eq!(driver.controller.violations_at(top, "infer"), (57, 0));
     // A level never clean is measured after SETTLE_MAX_NS all the same.
     let mut driver = Driver::new(Config::new(false, 0));
-    for _ in 0..10 {
-        driver.next("infer", repeat(3, MS), target);
-    }
-    driver.next("infer", steps(&[MS, 3 * MS]), target);
-    let since = driver.now_ns + 5 * MS;
-    driver.next_open("infer", LatencySnapshot::default(), target, Some(since));
+    driver.starve_to_top(target);
     let settle_windows = SETTLE_MAX_NS / PERIOD;
     for _ in 0..settle_windows + 10 {
         driver.next("infer", repeat(3, 3 * MS), target);
