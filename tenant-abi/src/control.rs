@@ -36,10 +36,15 @@ pub const DECISION_TTL_NS: u64 = 500_000_000;
 pub const STEP_VISIBLE_MAX_NS: u64 = 10_000_000_000;
 /// The unit of `Decision::guard_us` in the packed word.
 pub const GUARD_UNIT_US: u32 = 16;
-/// The longest one launch of a squeezed tenant waits under `Decision::exclusive` before it goes
-/// anyway (the bound that keeps a neighbour from hanging behind a latency tenant that never
-/// stops).
-pub const EXCLUSIVE_WAIT_MAX_NS: u64 = 1_000_000_000;
+/// The longest one launch of a squeezed tenant waits under `Decision::exclusive`, or under a
+/// guard (`Decision::guard_us`), before it goes anyway. The hold ends before that as soon as
+/// the agent stops asking for it (it relaxed, or it stopped publishing and the decision lapsed
+/// after [`DECISION_TTL_NS`]), so this bounds only a hold the agent keeps asking for: a latency
+/// tenant that never goes idle while the controller stays at the top. 1 s at Exclusive and
+/// 50 ms at the guards, before: one 12 ms neighbour kernel went through every second of a
+/// decoder's run at Exclusive (about 4 steps in 330, over a 1% budget), and a GEMM every 50 ms
+/// at the guards.
+pub const HOLD_WAIT_MAX_NS: u64 = 10_000_000_000;
 /// A step open for longer than this no longer holds anyone back (its process may have died, or
 /// it never synchronises): the bound on how long a neighbour can be paused by one step.
 pub const STEP_OPEN_MAX_NS: u64 = 100_000_000;
@@ -59,7 +64,7 @@ pub struct Decision {
     /// step does not start behind a kernel just launched; 0: no guard.
     pub guard_us: u32,
     /// A squeezed tenant waits while a latency tenant is active at all (launched within the
-    /// hold time): the GPU is the latency tenant's alone, up to `EXCLUSIVE_WAIT_MAX_NS` per
+    /// hold time): the GPU is the latency tenant's alone, up to `HOLD_WAIT_MAX_NS` per
     /// launch. The top of the ladder, where a tenant's latency alone is learnt.
     pub exclusive: bool,
     /// The controller's level (statistics and logs; the levers above are what counts).

@@ -303,6 +303,19 @@ impl ScheduleControl {
         self.mapping.region().control.decision(now_ns)
     }
 
+    /// The squeezed side's counters (`Control::paused_ns`, `Control::bounded_launches`): the
+    /// time its launches waited for latency steps and the launches that waited for their
+    /// stream's queue, since the file was made.
+    pub fn squeezed_counters(&self) -> (u64, u64) {
+        let control = &self.mapping.region().control;
+        (
+            control.paused_ns.load(std::sync::atomic::Ordering::Relaxed),
+            control
+                .bounded_launches
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
     /// When the oldest latency step still in flight on the GPU began, at `now_ns`
     /// (`Control::open_step_since`): a starving latency tenant shows here before its steps end.
     pub fn open_step_since(&self, now_ns: u64) -> Option<u64> {

@@ -12,13 +12,14 @@
 //!   close stamps tell the GPU's other tenants that a latency step is in flight.
 //! - **The others obey the agent's decision** while it is in force (`Control::decision`; none in
 //!   force: nothing is restricted, fail open): with `pause`, a launch waits while a latency step
-//!   is in flight, and with a guard also while the latency tenant's next step is due within the
-//!   guard (its process predicts it from the smoothed time between its step starts), at most
-//!   `PAUSE_WAIT_MAX_NS` per launch, then it goes; with `exclusive`, while a latency tenant is
-//!   active at all (at most `EXCLUSIVE_WAIT_MAX_NS` per launch); with `inflight = N`
-//!   and a latency tenant active on the GPU, a launch waits until its stream has fewer than N
-//!   launches queued (an event recorded after each launch, at most `EVENT_WAIT_MAX_NS` per
-//!   wait); `sms` is applied by `spatial::redirect`.
+//!   is in flight (at most `PAUSE_WAIT_MAX_NS` per launch, then it goes), and with a guard also
+//!   while the latency tenant's next step is due within the guard (its process predicts it from
+//!   the smoothed time between its step starts); with `exclusive`, while a latency tenant is
+//!   active at all. A guard's or Exclusive's hold lasts while the agent keeps it in force (the
+//!   decision is read again while waiting), at most `HOLD_WAIT_MAX_NS` per launch. With
+//!   `inflight = N` and a latency tenant active on the GPU, a launch waits until its stream has
+//!   fewer than N launches queued (an event recorded after each launch, at most
+//!   `EVENT_WAIT_MAX_NS` per wait); `sms` is applied by `spatial::redirect`.
 //!
 //! Costs: a process that is neither pays one `OnceLock` load per launch and per synchronisation;
 //! a squeezable process pays two relaxed loads per launch while no decision is in force.
@@ -185,16 +186,26 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
     if !decision.restricts() {
         return None;
     }
-    let guard_ns = u64::from(decision.guard_us) * 1_000;
-    let held = |now: u64| {
-        (decision.pause && control.step_in_flight(now))
-            || (decision.pause && guard_ns > 0 && control.step_due(now, guard_ns))
+    // Held by a step in flight: at most `PAUSE_WAIT_MAX_NS` (steps back to back leave no gap
+    // to launch in; the bound lets one launch through per period of it). Held by a guard (a
+    // step predicted within it): as long as the agent keeps the guard in force, like
+    // Exclusive. A guard at least as long as the gap between two steps leaves no gap either,
+    // and a launch let through every 50 ms there put one neighbour kernel into every 16th step
+    // of a decoder (an H200 beside bf16 GEMMs: the guard levels failed, and the controller
+    // ended at Exclusive).
+    let step_held = |decision: tenant_abi::control::Decision, now: u64| {
+        decision.pause && control.step_in_flight(now)
+    };
+    let guard_held = |decision: tenant_abi::control::Decision, now: u64| {
+        decision.pause
+            && decision.guard_us > 0
+            && control.step_due(now, u64::from(decision.guard_us) * 1_000)
     };
     // A held launch still wants the GPU: its tenant's demand stays fresh while it waits (the
     // gate stamps it only once the launch goes). Silent for longer than the agent's neighbour
     // window (250 ms), a neighbour held at Exclusive read as gone: the latency tenant's windows
     // then counted as alone (its baseline learnt the held launch's interference), and nothing
-    // was relaxed until the neighbour's next launch, up to `EXCLUSIVE_WAIT_MAX_NS` later.
+    // was relaxed until the neighbour's next launch, up to `HOLD_WAIT_MAX_NS` later.
     let wanting = |done: bool| {
         if !done {
             crate::launch::stamp_demand(gpu);
@@ -202,23 +213,36 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
         done
     };
     if decision.exclusive && device.region.latency_active(now, spatial.hold_ns) {
-        let waited = wait_until(now, tenant_abi::control::EXCLUSIVE_WAIT_MAX_NS, || {
+        // Held while a latency tenant is active and the agent still says Exclusive: a decision
+        // it relaxed, or one that lapsed (the agent stopped publishing), lets the launch go at
+        // once, so the bound below is only for a hold the agent keeps asking for.
+        let waited = wait_until(now, tenant_abi::control::HOLD_WAIT_MAX_NS, || {
+            let now = monotonic_ns();
             wanting(
-                !device
-                    .region
-                    .latency_active(monotonic_ns(), spatial.hold_ns),
+                !control.decision(now).exclusive
+                    || !device.region.latency_active(now, spatial.hold_ns),
             )
         });
         control.count_pause(waited.0);
-    } else if held(now) {
-        let waited = wait_until(now, PAUSE_WAIT_MAX_NS, || wanting(!held(monotonic_ns())));
+    } else if step_held(decision, now) || guard_held(decision, now) {
+        let pause_over = std::cell::Cell::new(false);
+        let waited = wait_until(now, tenant_abi::control::HOLD_WAIT_MAX_NS, || {
+            let at = monotonic_ns();
+            let decision = control.decision(at);
+            if guard_held(decision, at) {
+                return wanting(false);
+            }
+            let stepping = step_held(decision, at);
+            pause_over.set(stepping && at.saturating_sub(now) >= PAUSE_WAIT_MAX_NS);
+            wanting(!stepping || pause_over.get())
+        });
         control.count_pause(waited.0);
-        if !waited.1 && !device.closed_loop.pause_logged.swap(true, Relaxed) {
+        if (pause_over.get() || !waited.1) && !device.closed_loop.pause_logged.swap(true, Relaxed) {
             crate::log::error(format_args!(
                 "closed loop on device {}: a launch waited {} ms for latency steps and went \
                  ahead (logged once)",
                 device.index,
-                PAUSE_WAIT_MAX_NS / 1_000_000
+                waited.0 / 1_000_000
             ));
         }
     }

@@ -9,6 +9,10 @@ use std::path::Path;
 use tenant_abi::compute::{QUANTUM_NS_DEFAULT, Region};
 use tenant_abi::control::{DECISION_TTL_NS, Decision};
 
+/// The interposer's bound on a launch held by a step in flight (`closed_loop::PAUSE_WAIT_MAX_NS`,
+/// private to the cdylib: restated).
+const PAUSE_WAIT_MAX_NS: u64 = 50_000_000;
+
 /// The schedule file of the fake's device 0 under `shm`, mapped read-write as the agent maps it.
 fn schedule(shm: &Path) -> tenant_abi::writer::Mapping<Region> {
     let path = tenant_abi::layout::schedule_path(shm, "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00");
@@ -280,16 +284,21 @@ fn a_launch_held_at_exclusive_keeps_its_tenants_demand_fresh() {
         },
         now_ns(shm.path()),
     );
-    // Held (the latency tenant launched within the hold time, 60 s here) for up to
-    // EXCLUSIVE_WAIT_MAX_NS: meanwhile its demand stamp keeps moving, so the agent sees a
+    // Held (the latency tenant launched within the hold time, 60 s here) while the agent keeps
+    // publishing Exclusive: meanwhile its demand stamp keeps moving, so the agent sees a
     // neighbour that wants the GPU.
     let start = now_ns(shm.path());
+    let exclusive = Decision {
+        exclusive: true,
+        level: 14,
+        ..Decision::default()
+    };
     // A compute share, as the agent gives every tenant: the tenant is a member of the
     // schedule, with a demand stamp.
     let mut held = squeezable(shm.path())
         .env("VGPU_COMPUTE_SHARES", "0:75")
         .start_holding("launch kernel 10");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(8);
     let stamp = || {
         let slot = region
             .live_slots()
@@ -302,14 +311,15 @@ fn a_launch_held_at_exclusive_keeps_its_tenants_demand_fresh() {
                 .load(std::sync::atomic::Ordering::Relaxed),
         )
     };
-    // A stamp 300 ms or more into the hold, seen before the hold can have ended (it lasts at
-    // most EXCLUSIVE_WAIT_MAX_NS from the launch, which began after `start`): stamped while
-    // held, not only by the launch that went afterwards.
-    let hold_ns = tenant_abi::control::EXCLUSIVE_WAIT_MAX_NS;
+    // A stamp 1.2 s or more into the hold (past the old 1 s bound, and past the decision's
+    // lifetime: the hold follows the agent's republished decision), seen while it is still
+    // held: stamped while held, not only by the launch that went afterwards.
+    let hold_ns = tenant_abi::control::HOLD_WAIT_MAX_NS;
     loop {
+        region.control.publish(exclusive, now_ns(shm.path()));
         let stamp = stamp();
         let since = stamp.map(|stamp| stamp.saturating_sub(start));
-        if since.is_some_and(|since| (300_000_000..hold_ns).contains(&since)) {
+        if since.is_some_and(|since| (1_200_000_000..hold_ns).contains(&since)) {
             break;
         }
         assert!(
@@ -319,7 +329,60 @@ fn a_launch_held_at_exclusive_keeps_its_tenants_demand_fresh() {
         );
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+    // The agent stops saying Exclusive (here: stops publishing; the decision lapses): the launch
+    // goes, long before HOLD_WAIT_MAX_NS.
     held.wait_held();
+    let end = now_ns(shm.path());
+    assert!(
+        end.saturating_sub(start) < hold_ns,
+        "held {} ms after the decision was last published",
+        end.saturating_sub(start) / 1_000_000
+    );
+}
+
+#[test]
+fn a_guard_holds_a_launch_for_as_long_as_the_agent_keeps_it_and_steps_keep_coming() {
+    let shm = shm_dir();
+    squeezable(shm.path()).run("launch kernel 10");
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    let guard = Decision {
+        pause: true,
+        guard_us: 20_000,
+        level: 9,
+        ..Decision::default()
+    };
+    // A latency tenant whose next step is always due within the guard (steps closer together
+    // than the guard leave no gap), and an agent that keeps the guard in force: the launch
+    // waits past PAUSE_WAIT_MAX_NS (the old bound, which let a kernel into every 16th step).
+    let keep = |until: std::time::Instant| {
+        while std::time::Instant::now() < until {
+            let now = now_ns(shm.path());
+            control.publish(guard, now);
+            control.predict_step(now + 5_000_000);
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    };
+    let now = now_ns(shm.path());
+    control.publish(guard, now);
+    control.predict_step(now + 5_000_000);
+    let mut held = squeezable(shm.path()).start_holding("clock launch kernel 10 clock");
+    keep(std::time::Instant::now() + std::time::Duration::from_millis(400));
+    // The steps stop coming (no new prediction): the launch goes once the last one is a guard
+    // past.
+    held.wait_held();
+    let t = clocks(&held.output);
+    let waited = t[1] - t[0];
+    assert!(
+        waited >= 2 * PAUSE_WAIT_MAX_NS,
+        "held {} ms by a guard kept in force for 400 ms",
+        waited / 1_000_000
+    );
+    assert!(
+        waited < tenant_abi::control::HOLD_WAIT_MAX_NS,
+        "held {} ms",
+        waited / 1_000_000
+    );
 }
 
 #[test]
