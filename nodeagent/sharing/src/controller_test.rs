@@ -1182,6 +1182,41 @@ fn a_rare_step_between_the_margin_and_the_target_does_not_hold_the_level_up() {
 }
 
 #[test]
+fn a_level_below_that_has_not_failed_is_probed_without_headroom_under_the_target() {
+    // Steps at 1.99 ms against a 2 ms target (its bucket reads 1.92-2.05 ms: over the 1.8 ms
+    // margin, under the target) whatever the level: the restriction buys nothing. In an episode
+    // where the levels below have not failed, they are probed anyway, and level 0 holds.
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    assert_eq!(driver.level(), 2);
+    // Idle: the episode ends; the next one resumes at level 2 with no failure remembered.
+    for _ in 0..120 {
+        driver.next("infer", LatencySnapshot::default(), target);
+    }
+    assert_eq!(driver.level(), 0);
+    driver.next("infer", repeat(3, 1_990_000), target);
+    assert_eq!(driver.level(), 2, "resumed where the last episode settled");
+    let mut reached_zero = None;
+    for window in 1..=100 {
+        driver.next("infer", repeat(3, 1_990_000), target);
+        if driver.level() == 0 {
+            reached_zero = Some(window);
+            break;
+        }
+    }
+    assert!(reached_zero.is_some(), "still at level {}", driver.level());
+    for window in 1..=200 {
+        assert_eq!(
+            driver.next("infer", repeat(3, 1_990_000), target).change,
+            None,
+            "window {window} at level 0"
+        );
+    }
+}
+
+#[test]
 fn an_idle_spell_is_no_sample_of_the_step_period() {
     let mut driver = Driver::new(Config::new(false, 0));
     let target = Some(2 * MS);

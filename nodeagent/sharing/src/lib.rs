@@ -76,10 +76,8 @@
 //!   reached in a handful of windows from anywhere), and past every level that failed in this
 //!   episode and has not earned it back. The level that failed is remembered.
 //! - *Down, by halves.* After `relax_windows` consecutive clean windows (no violation) holding
-//!   at least `1 / violation_budget` steps whose p99 is under `relax_margin` of the target (the
-//!   margin judged on the whole run: a window's own p99 is its slowest of two or three steps, and
-//!   judging each window so held levels up on a few percent of steps between margin and target),
-//!   and with every tenant in allowance, down: to the middle of
+//!   at least `1 / violation_budget` steps, and with every tenant in allowance, down: to the
+//!   middle of
 //!   the untried levels between the current one and the highest level that failed in this
 //!   episode (or 0), or one level when only one is left. One level per wait took 17 waits of
 //!   100 steps from the top of an H100's ladder, longer than most pairs of workloads stay
@@ -89,7 +87,13 @@
 //!   down to a level that failed waits for more clean steps: as many as its failure cost over
 //!   the budget (`violations / violation_budget`), doubled for each failure of that level (at
 //!   most 2^6). Probing a level that fails then costs no more than the budget, and the level
-//!   settles instead of oscillating. A level that holds for its whole wait earns one doubling
+//!   settles instead of oscillating. Going down to a level that failed, or releasing a lever
+//!   (below), also needs headroom: the p99 of the run of clean windows under `relax_margin` of
+//!   the target (judged on the whole run: a window's own p99 is its slowest of two or three
+//!   steps, and judging each window so held levels up on a few percent of steps between margin
+//!   and target). A level that has not failed is tried without it: asked of every probe, it
+//!   kept a restriction that bought nothing (a decoder at 1.15x its latency alone next to a
+//!   training loop, at level 2 and at level 0 alike, held the trainer at 0.60 of its speed). A level that holds for its whole wait earns one doubling
 //!   back, so a fluke (the tenant's own slow step) is not held against it for ever.
 //! - *Learning the lever.* The controller measures which lever the pair of workloads needs,
 //!   fitting nothing to one workload. Stepping up into a lever kind records the worst excess of

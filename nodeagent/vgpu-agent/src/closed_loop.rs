@@ -270,7 +270,15 @@ struct GpuLoop {
     /// Latency tenants still assigned whose slot did not read as live, since when (see
     /// [`TENANT_GONE_NS`]).
     missing_since_ns: BTreeMap<String, u64>,
+    /// The squeezed side's counters at the last period (`ScheduleControl::squeezed_counters`),
+    /// for the per-window trace.
+    squeezed: (u64, u64),
 }
+
+/// The target of the per-window trace: one line per GPU and control period with each latency
+/// tenant's steps and window p50/p99, the level, and how long the neighbours waited
+/// (`RUST_LOG=vgpu_agent::closed_loop::window=debug`; off by default: about 100 lines a second).
+const WINDOW_TRACE: &str = "vgpu_agent::closed_loop::window";
 
 /// How long a latency tenant that is still assigned may be missing from the GPU's live slots
 /// before the controller forgets it (its baseline and target with it). A slot reads as not
@@ -372,6 +380,7 @@ impl ClosedLoop {
                         controller: None,
                         previous: BTreeMap::new(),
                         missing_since_ns: BTreeMap::new(),
+                        squeezed: (0, 0),
                     };
                     self.gpus.insert(uuid, gpu);
                 }
@@ -499,6 +508,25 @@ impl GpuLoop {
             .control
             .open_step_since(now_ns)
             .filter(|&since| since <= now_ns);
+        let trace = tracing::enabled!(target: WINDOW_TRACE, tracing::Level::DEBUG).then(|| {
+            let mut line = String::new();
+            for tenant in &windows {
+                let ms = |q: f64| {
+                    tenant
+                        .window
+                        .quantile_ns(q)
+                        .map_or(0.0, |ns| ns as f64 / 1e6)
+                };
+                line.push_str(&format!(
+                    " {}: {} steps p50 {:.3} p99 {:.3} ms;",
+                    tenant.name,
+                    tenant.window.steps,
+                    ms(0.5),
+                    ms(0.99)
+                ));
+            }
+            line
+        });
         let output = controller.handle(Event::Window {
             now_ns,
             tenants: windows,
@@ -506,6 +534,27 @@ impl GpuLoop {
             open_step_since_ns,
         });
         self.control.publish(output.decision, now_ns);
+        if let Some(mut tenants) = trace {
+            let squeezed = self.control.squeezed_counters();
+            for status in &output.tenants {
+                tenants.push_str(&format!(
+                    " {} target {:.3} violations {};",
+                    status.name,
+                    status.target_ns.map_or(0.0, |ns| ns as f64 / 1e6),
+                    status.violations
+                ));
+            }
+            tracing::debug!(
+                target: WINDOW_TRACE,
+                "{uuid} level {} neighbours {} open {:?} paused {:.1} ms bounded {}:{tenants}",
+                output.decision.level,
+                neighbours_active,
+                open_step_since_ns.map(|since| now_ns.saturating_sub(since) / 1_000),
+                squeezed.0.saturating_sub(self.squeezed.0) as f64 / 1e6,
+                squeezed.1.saturating_sub(self.squeezed.1),
+            );
+            self.squeezed = squeezed;
+        }
         if let Some(change) = &output.change {
             tracing::info!(
                 "closed loop on GPU {uuid}: level {} -> {} ({:?}): {:?}",
