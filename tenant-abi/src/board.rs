@@ -313,6 +313,13 @@ impl Region {
         (held, resident)
     }
 
+    /// The request and the limit (at least the request) of the tenant at `tenant`.
+    pub fn request_and_limit(&self, tenant: usize) -> (u64, u64) {
+        let entry = &self.tenants[tenant];
+        let request = entry.request_bytes.load(SeqCst);
+        (request, entry.limit_bytes.load(SeqCst).max(request))
+    }
+
     /// Bytes resident on the GPU now, dead processes' included until reclaimed.
     pub fn resident_total(&self) -> u64 {
         self.sums(u32::MAX).1
@@ -477,6 +484,14 @@ impl<'r, L: Liveness> Board<'r, L> {
             asked: bytes,
             free: capacity.saturating_sub(resident.saturating_sub(bytes)),
         })
+    }
+
+    /// Charges `bytes` to `slot` without a check: a correction after the driver chose the size
+    /// of an allocation the board granted already (the pitch of `cuMemAllocPitch`).
+    pub fn charge(&self, slot: usize, bytes: u64) {
+        self.region.slots[slot]
+            .resident_bytes
+            .fetch_add(bytes, SeqCst);
     }
 
     /// Credits `bytes` freed by `slot`.

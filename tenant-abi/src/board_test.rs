@@ -281,3 +281,20 @@ fn tenant_usage_sums_each_tenants_live_slots() {
     assert_eq!(usage[0].borrowed_bytes(), 6 * GIB);
     assert_eq!(usage[1].borrowed_bytes(), 0);
 }
+
+#[test]
+fn a_charge_corrects_a_granted_size_and_a_release_undoes_it() {
+    let region = issue_board();
+    let a = region.find("a").unwrap();
+    assert_eq!(region.request_and_limit(a), (30 * GIB, 70 * GIB));
+    let live = Fake::with(&[100]);
+    let board = Board::new(&region, &live);
+    let slot = board.claim_slot(100, 1, a).unwrap();
+    assert_eq!(board.reserve(slot, GIB), Ok(Grant::Within));
+    // The driver took a little more (a pitch): charged without a check.
+    board.charge(slot, 4096);
+    assert_eq!(region.resident_total(), GIB + 4096);
+    board.release(slot, GIB + 4096);
+    assert_eq!(region.resident_total(), 0);
+    assert_eq!(region.free(), 80 * GIB);
+}

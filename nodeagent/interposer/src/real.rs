@@ -120,6 +120,7 @@ driver_functions! {
     array_3d_create: FnArray3DCreate = c"cuArray3DCreate_v2";
     array_destroy: FnArrayDestroy = c"cuArrayDestroy";
     mem_get_info: FnMemGetInfo = c"cuMemGetInfo_v2";
+    ipc_get_mem_handle: FnIpcGetMemHandle = c"cuIpcGetMemHandle";
     device_total_mem: FnDeviceTotalMem = c"cuDeviceTotalMem_v2";
     ctx_get_device: FnCtxGetDevice = c"cuCtxGetDevice";
     device_primary_ctx_retain: FnDevicePrimaryCtxRetain = c"cuDevicePrimaryCtxRetain";

@@ -342,6 +342,17 @@ CUresult cuArray3DCreate_v2(CUarray *array, const CUDA_ARRAY3D_DESCRIPTOR *d) {
 }
 CUresult cuArrayDestroy(CUarray array) { return give((unsigned long long)(uintptr_t)array); }
 
+/* Legacy IPC: any allocation of this process's; the handle's bytes carry the pointer. */
+typedef struct {
+  char reserved[64];
+} CUipcMemHandle;
+CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) {
+  if (handle == NULL || dptr == 0) return INVALID_VALUE;
+  memset(handle, 0, sizeof *handle);
+  memcpy(handle->reserved, &dptr, sizeof dptr);
+  return OK;
+}
+
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
   if (free_bytes == NULL || total == NULL) return INVALID_VALUE;
   if (current < 0) return INVALID_CONTEXT;

@@ -14,6 +14,7 @@
  *   pitch W H        cuMemAllocPitch_v2 (prints the pitch)
  *   create S | release              cuMemCreate on the current device / cuMemRelease newest
  *   array W H | array3d W H D | destroy     CUDA arrays (FLOAT, 4 channels)
+ *   ipc              cuIpcGetMemHandle of the newest pointer
  *   info             cuMemGetInfo_v2: "info 0 <free> <total>"
  *   total D          cuDeviceTotalMem_v2
  *   parent           prints getppid() (wrapped by a preloaded test library through RTLD_NEXT)
@@ -107,6 +108,10 @@ CUresult cuArrayCreate_v2(void **, const CUDA_ARRAY_DESCRIPTOR *);
 CUresult cuArray3DCreate_v2(void **, const CUDA_ARRAY3D_DESCRIPTOR *);
 CUresult cuArrayDestroy(void *);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
+typedef struct {
+  char reserved[64];
+} CUipcMemHandle;
+CUresult cuIpcGetMemHandle(CUipcMemHandle *, CUdeviceptr);
 CUresult cuDeviceTotalMem_v2(size_t *, int);
 
 typedef struct {
@@ -487,6 +492,9 @@ int main(int argc, char **argv) {
       printf("%s %d\n", c, rc);
     } else if (!strcmp(c, "destroy")) {
       printf("destroy %d\n", n_arrays ? cuArrayDestroy(arrays[--n_arrays]) : -1);
+    } else if (!strcmp(c, "ipc")) {
+      CUipcMemHandle h;
+      printf("ipc %d\n", n_pointers ? cuIpcGetMemHandle(&h, pointers[n_pointers - 1]) : -1);
     } else if (!strcmp(c, "info")) {
       size_t f = 0, t = 0;
       rc = cuMemGetInfo_v2(&f, &t);

@@ -1,0 +1,283 @@
+//! Elastic memory through the real ABI (issue 17, `docs/design/elastic-memory.md`): the test
+//! plays the agent and writes CUDA device 0's memory board (`<uuid>.memory` beside the ledgers,
+//! with each tenant's request and limit and the GPU's capacity), and tenant processes allocate
+//! past their request (`VGPU_MEMORY_LIMITS`, what the agent sets to the request) against it. The
+//! board is read back as the agent reads it for its reports (`tenant_abi::shm::sample_board`).
+
+use super::{GIB, Holder, Probe, shm_dir};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use tenant_abi::board::{TenantSpec, TenantUsage};
+
+const MIB: u64 = 1 << 20;
+/// CUDA device 0's uuid (fakecuda.c's bytes a0..ae, then the ordinal): names its board.
+const GPU_0: &str = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00";
+
+/// Writes device 0's board: `capacity` and `(tenant, request, limit)` entries.
+fn board(shm: &Path, capacity: u64, tenants: &[(&str, u64, u64)]) -> PathBuf {
+    let path = tenant_abi::layout::board_path(shm, GPU_0);
+    tenant_abi::shm::create_board(&path).expect("creating the board");
+    let specs: Vec<TenantSpec> = tenants
+        .iter()
+        .map(|&(name, request, limit)| TenantSpec {
+            name: name.to_owned(),
+            request_bytes: request,
+            limit_bytes: limit,
+            priority: 0,
+            guaranteed: true,
+        })
+        .collect();
+    tenant_abi::shm::write_board(&path, capacity, &specs).expect("writing the board");
+    path
+}
+
+/// What the agent would report for `tenant` from the board now (dead processes reclaimed).
+fn usage(board: &Path, tenant: &str) -> TenantUsage {
+    let (tenants, _) = tenant_abi::shm::sample_board(board).expect("sampling the board");
+    tenants
+        .into_iter()
+        .find(|t| t.name == tenant)
+        .expect("the tenant is on the board")
+}
+
+/// A process of `tenant` whose request on device 0 is `request` (as the agent sets it).
+fn tenant(shm: &Path, name: &str, request: &str) -> Probe {
+    Probe::new(shm, Some(name)).env("VGPU_MEMORY_LIMITS", format!("0:{request}"))
+}
+
+/// Runs `script`; its stdout and stderr (the probe may refuse; it must not fail).
+fn run(probe: Probe, script: &str) -> (String, String) {
+    let mut probe = probe;
+    probe.command.args(script.split_whitespace());
+    let output = probe.command.output().expect("running the probe");
+    assert!(output.status.success(), "the probe `{script}` failed");
+    (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Kills a holding probe and returns what it wrote to stderr.
+fn stderr_of(mut holder: Holder) -> String {
+    holder.child.kill().expect("kill");
+    holder.child.wait().expect("wait");
+    let mut text = String::new();
+    if let Some(mut stderr) = holder.child.stderr.take() {
+        stderr.read_to_string(&mut text).expect("reading stderr");
+    }
+    text
+}
+
+fn lines(text: &str) -> Vec<&str> {
+    text.lines().collect()
+}
+
+#[test]
+fn past_the_request_a_tenant_borrows_vmm_backed_memory_up_to_its_limit() {
+    let shm = shm_dir();
+    let board = board(shm.path(), 40 * GIB, &[("a", 10 * GIB, 30 * GIB)]);
+    // 8 GiB within the request, then 4 GiB past it: borrowed, so VMM-backed (the fake's ranges).
+    let holder = tenant(shm.path(), "a", "10GiB").hold("info alloc 8G alloc 4G vmm info");
+    assert_eq!(
+        lines(&holder.output),
+        [
+            // The limit is the total; free: the GPU's 40 GiB free, within the limit.
+            format!("info 0 {} {}", 30 * GIB, 30 * GIB).as_str(),
+            "alloc 0",
+            "alloc 0",
+            format!("vmm 0 reserved={} mapped={}", 4 * GIB, 4 * GIB).as_str(),
+            // 12 held: 18 more up to the limit, and the GPU has 28 free.
+            format!("info 0 {} {}", 18 * GIB, 30 * GIB).as_str(),
+        ]
+    );
+    let held = usage(&board, "a");
+    assert_eq!((held.resident_bytes, held.swapped_bytes), (12 * GIB, 0));
+    assert_eq!(held.borrowed_bytes(), 2 * GIB);
+    // A second process of the tenant: past the limit it is refused and told what to do; up to
+    // the limit it borrows; its free gives the bytes back to the board.
+    let (out, err) = run(
+        tenant(shm.path(), "a", "10GiB"),
+        "alloc 20G alloc 18G vmm info free vmm info",
+    );
+    assert_eq!(
+        lines(&out),
+        [
+            "alloc 2",
+            "alloc 0",
+            format!("vmm 0 reserved={} mapped={}", 18 * GIB, 18 * GIB).as_str(),
+            format!("info 0 0 {}", 30 * GIB).as_str(),
+            "free 0",
+            "vmm 0 reserved=0 mapped=0",
+            format!("info 0 {} {}", 18 * GIB, 30 * GIB).as_str(),
+        ]
+    );
+    assert_eq!(
+        err.matches("raise the limit (--memory-limit)").count(),
+        1,
+        "{err}"
+    );
+    assert_eq!(usage(&board, "a").resident_bytes, 12 * GIB);
+    drop(holder);
+    assert_eq!(usage(&board, "a").resident_bytes, 0);
+}
+
+#[test]
+fn a_borrow_is_refused_when_the_gpu_is_full_and_a_request_waits_for_borrowers() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        40 * GIB,
+        &[("a", 10 * GIB, 35 * GIB), ("b", 20 * GIB, 20 * GIB)],
+    );
+    // "a" grows to 30 GiB (20 borrowed) while "b" idles: 10 of the GPU's 40 GiB stay free.
+    let _a = tenant(shm.path(), "a", "10GiB").hold("alloc 10G alloc 20G");
+    assert_eq!(usage(&board, "a").borrowed_bytes(), 20 * GIB);
+    // "b" takes its request: its free says the request is its own (guaranteed), but until the
+    // swap gives borrowed memory back only what is free is granted, with a line saying so.
+    let (out, err) = run(
+        tenant(shm.path(), "b", "20GiB"),
+        "info alloc 20G alloc 10G info",
+    );
+    assert_eq!(
+        lines(&out),
+        [
+            format!("info 0 {} {}", 20 * GIB, 20 * GIB).as_str(),
+            "alloc 2",
+            "alloc 0",
+            format!("info 0 {} {}", 10 * GIB, 20 * GIB).as_str(),
+        ]
+    );
+    assert!(err.contains("swap) is not built yet"), "{err}");
+    // With "b" holding 10 the GPU is full: "a" may not borrow more, though within its limit.
+    let _b = tenant(shm.path(), "b", "20GiB").hold("alloc 10G");
+    let (out, err) = run(tenant(shm.path(), "a", "10GiB"), "alloc 2M info");
+    assert_eq!(
+        lines(&out),
+        ["alloc 2", format!("info 0 0 {}", 35 * GIB).as_str()]
+    );
+    assert!(
+        err.contains("wait for other tenants to free memory"),
+        "{err}"
+    );
+    assert_eq!(usage(&board, "b").resident_bytes, 10 * GIB);
+    assert_eq!(usage(&board, "a").resident_bytes, 30 * GIB);
+}
+
+#[test]
+fn only_the_paths_that_can_be_swapped_or_are_the_applications_own_borrow() {
+    let shm = shm_dir();
+    let board = board(shm.path(), 40 * GIB, &[("a", 2 * GIB, 20 * GIB)]);
+    // At its request: the stream-ordered allocator, managed memory, pools and arrays are refused
+    // past it; cuMemCreate is counted as borrowed; a pitched allocation borrows VMM-backed (1024
+    // x 1M rows = 1 GiB), and legacy IPC refuses it while it serves memory within the request.
+    let holder = tenant(shm.path(), "a", "2GiB").hold(
+        "alloc 2G ipc async 1G managed 1G pool 1G array 16384 16384 create 1G pitch 1000 1M \
+         ipc vmm",
+    );
+    assert_eq!(
+        lines(&holder.output),
+        [
+            "alloc 0",
+            "ipc 0",
+            "async 2",
+            "managed 2",
+            "pool 2",
+            "array 2",
+            "create 0",
+            "pitch 0 1024",
+            "ipc 801",
+            format!("vmm 0 reserved={GIB} mapped={GIB}").as_str(),
+        ]
+    );
+    let held = usage(&board, "a");
+    assert_eq!(held.resident_bytes, 4 * GIB);
+    assert_eq!(held.borrowed_bytes(), 2 * GIB);
+    let err = stderr_of(holder);
+    assert_eq!(err.matches("cannot borrow").count(), 4, "{err}");
+    assert!(err.contains("the stream-ordered allocator"), "{err}");
+    assert!(err.contains("cuMemAllocManaged"), "{err}");
+    assert!(err.contains("a CUDA array"), "{err}");
+    assert_eq!(err.matches("cuIpcGetMemHandle").count(), 1, "{err}");
+    assert!(err.contains("raise the request (--memory)"), "{err}");
+}
+
+#[test]
+fn a_borrowed_allocation_is_rounded_to_the_granularity_and_credited_at_free() {
+    let shm = shm_dir();
+    let board = board(shm.path(), 40 * GIB, &[("a", GIB, 4 * GIB)]);
+    // 1 byte past the request takes 2 MiB (the fake driver's granularity).
+    let holder = tenant(shm.path(), "a", "1GiB").hold("alloc 1G alloc 1 vmm");
+    assert_eq!(
+        lines(&holder.output),
+        [
+            "alloc 0",
+            "alloc 0",
+            format!("vmm 0 reserved={} mapped={}", 2 * MIB, 2 * MIB).as_str()
+        ]
+    );
+    assert_eq!(usage(&board, "a").resident_bytes, GIB + 2 * MIB);
+    drop(holder);
+    let (out, _) = run(
+        tenant(shm.path(), "a", "1GiB"),
+        "alloc 1G alloc 3G free free info",
+    );
+    assert_eq!(
+        lines(&out),
+        [
+            "alloc 0",
+            "alloc 0",
+            "free 0",
+            "free 0",
+            format!("info 0 {} {}", 4 * GIB, 4 * GIB).as_str()
+        ]
+    );
+    assert_eq!(usage(&board, "a").resident_bytes, 0);
+}
+
+#[test]
+fn without_a_board_for_the_tenant_the_request_is_a_hard_quota_as_before() {
+    let shm = shm_dir();
+    let script = "alloc 2G alloc 1 info vmm";
+    let expected = [
+        "alloc 0".to_owned(),
+        "alloc 2".to_owned(),
+        format!("info 0 0 {}", 2 * GIB),
+        "vmm 0 reserved=0 mapped=0".to_owned(),
+    ];
+    // No board file: nothing changed (the refusal's line is today's).
+    let (out, err) = run(tenant(shm.path(), "a", "2GiB"), script);
+    assert_eq!(lines(&out), expected);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("tenant a holds 2.00 GiB of its 2.00 GiB"),
+        "{err}"
+    );
+    // A board that does not describe the tenant: the same, and one line says why.
+    board(shm.path(), 40 * GIB, &[("b", 2 * GIB, 20 * GIB)]);
+    let (out, err) = run(tenant(shm.path(), "a", "2GiB"), script);
+    assert_eq!(lines(&out), expected);
+    assert_eq!(
+        err.matches("does not describe tenant a").count(),
+        1,
+        "{err}"
+    );
+}
+
+#[test]
+fn nvml_reports_the_limit_and_what_may_be_borrowed_as_cuda_does() {
+    let shm = shm_dir();
+    board(shm.path(), 40 * GIB, &[("a", 10 * GIB, 30 * GIB)]);
+    // NVML device 2 is CUDA device 0 (fakenvml.c).
+    let out = tenant(shm.path(), "a", "10GiB")
+        .with_nvml()
+        .run("alloc 12G nvml 2 info");
+    let (total, free, used) = (30 * GIB, 18 * GIB, 12 * GIB);
+    assert_eq!(
+        lines(&out),
+        [
+            "alloc 0",
+            format!("nvml 0 {total} {free} {used}").as_str(),
+            format!("info 0 {free} {total}").as_str(),
+        ]
+    );
+}
