@@ -330,6 +330,13 @@ impl Region {
         self.capacity().saturating_sub(self.resident_total())
     }
 
+    /// Whether what every slot holds resident fits in the capacity: the needy side of a reclaim
+    /// charges its bytes first ([`Board::charge`]), so that nobody else (a borrower swapping in,
+    /// a new borrow) takes the room the borrowers make, and waits for this.
+    pub fn fits(&self) -> bool {
+        self.resident_total() <= self.capacity()
+    }
+
     /// The tenants as the reclaim planner sees them.
     pub fn holders(&self) -> Vec<Holder> {
         (0..TENANTS)

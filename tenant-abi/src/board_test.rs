@@ -298,3 +298,29 @@ fn a_charge_corrects_a_granted_size_and_a_release_undoes_it() {
     assert_eq!(region.resident_total(), 0);
     assert_eq!(region.free(), 80 * GIB);
 }
+
+#[test]
+fn a_pending_charge_keeps_the_room_a_reclaim_makes_for_the_needy() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[100, 200]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(100, 1, a).unwrap();
+    let sb = board.claim_slot(200, 1, b).unwrap();
+    assert_eq!(board.reserve(sa, 60 * GIB), Ok(Grant::Borrowed));
+    assert_eq!(
+        board.reserve(sb, 30 * GIB),
+        Err(Refusal::NeedsReclaim {
+            shortfall: 10 * GIB
+        })
+    );
+    // "b" charges its request before "a" gives anything back: over the capacity until then.
+    board.charge(sb, 30 * GIB);
+    assert!(!region.fits());
+    board.swapped_out(sa, 10 * GIB);
+    assert!(region.fits());
+    // "a" may not take the room back while "b" holds it.
+    assert!(!board.swap_in(sa, 10 * GIB));
+    board.release(sb, 30 * GIB);
+    assert!(board.swap_in(sa, 10 * GIB));
+}

@@ -67,6 +67,41 @@ pub fn open(
     }))
 }
 
+/// The board's counters of this process's slot, as the swap moves chunks (`swap::Counters`).
+pub struct SlotCounters<'b> {
+    pub board: &'b DeviceBoard,
+    pub slot: usize,
+}
+
+impl crate::swap::Counters for SlotCounters<'_> {
+    fn swapped_out(&mut self, bytes: u64) {
+        self.board.board.swapped_out(self.slot, bytes);
+    }
+
+    fn swap_in(&mut self, bytes: u64) -> bool {
+        self.board.board.swap_in(self.slot, bytes)
+    }
+
+    fn swap_in_failed(&mut self, bytes: u64) {
+        self.board.board.swapped_out(self.slot, bytes);
+    }
+}
+
+/// How long a tenant allocating within its request waits for the borrowers it asked to give the
+/// memory back: their next hook call, then copies at tens of GB/s (`VGPU_MEMORY_SWAP=1`).
+pub const RECLAIM_WAIT_MAX_MS: u64 = 5_000;
+
+/// Polls `granted` every millisecond for at most [`RECLAIM_WAIT_MAX_MS`]; whether it said yes.
+pub fn wait_for_room(mut granted: impl FnMut() -> bool) -> bool {
+    for _ in 0..RECLAIM_WAIT_MAX_MS {
+        if granted() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    granted()
+}
+
 /// What a tenant may still allocate on a GPU now, as `cuMemGetInfo` and NVML report it free:
 /// `min(limit, request + lendable now) - used`, where what is lendable to it now is what it
 /// borrowed already plus what the GPU has free beyond the unused part of its own request. So:
@@ -86,8 +121,9 @@ pub fn within_request_refused(what: &str, device: usize, tenant: &str, why: Refu
     match why {
         Refusal::NeedsReclaim { shortfall } => format!(
             "refused {what} on device {device}: it is within tenant {tenant}'s request, but \
-             other tenants borrowed the GPU's memory ({} short) and giving borrowed memory back \
-             (swap) is not built yet; wait for them to free it (out of memory)",
+             other tenants borrowed the GPU's memory ({} short) and taking borrowed memory back \
+             (the swap) is off until launches hold while memory is out; wait for them to free it \
+             (out of memory)",
             human(shortfall)
         ),
         other => format!("refused {what} on device {device}: {other} (out of memory)"),
@@ -195,7 +231,7 @@ mod tests {
         assert!(full.contains("raise the request (--memory)"), "{full}");
         let reclaim =
             within_request_refused("1 GiB", 0, "a", Refusal::NeedsReclaim { shortfall: GIB });
-        assert!(reclaim.contains("swap) is not built yet"), "{reclaim}");
+        assert!(reclaim.contains("(the swap) is off"), "{reclaim}");
         let never = may_not_borrow("1 GiB", 0, "a", GIB, "cuMemAllocAsync");
         assert!(never.contains("use the default allocator"), "{never}");
     }

@@ -179,7 +179,7 @@ impl<'d> DriverDevices<'d> {
     }
 }
 
-impl hooks::Devices for DriverDevices<'_> {
+impl<'d> hooks::Devices for DriverDevices<'d> {
     fn current(&self) -> Option<i32> {
         match self.named {
             Some(named) => named,
@@ -190,6 +190,13 @@ impl hooks::Devices for DriverDevices<'_> {
     fn uuid(&self, ordinal: usize) -> Option<String> {
         let uuid = RealGpu(self.driver).uuid(i32::try_from(ordinal).ok()?)?;
         Some(launch::uuid_text(&uuid))
+    }
+
+    type Backing = vmm::SwapBacking<'d>;
+    fn backing(&self) -> Option<vmm::SwapBacking<'d>> {
+        Some(vmm::SwapBacking {
+            driver: self.driver,
+        })
     }
 }
 
@@ -251,7 +258,7 @@ fn accounted_free(what: &'static str, key: Key, call: impl FnOnce() -> CUresult)
     if let Some(charge) = charge {
         ffi_boundary!(what, fallback = (), {
             if rc == CUDA_SUCCESS {
-                hooks::credit(charge);
+                hooks::credit(key, charge);
             } else {
                 hooks::restore(key, charge);
             }

@@ -21,6 +21,7 @@
 
 use crate::elastic::{self, Borrow, DeviceBoard};
 use crate::ledger::{Ledger, ProcLiveness, own_start_time};
+use crate::swap;
 use crate::tracker::{Charge, Key, Tracker};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -65,6 +66,9 @@ pub trait Devices {
     fn current(&self) -> Option<i32>;
     /// The uuid (`GPU-...`) of the device with this CUDA ordinal: names its memory board.
     fn uuid(&self, ordinal: usize) -> Option<String>;
+    /// The swap's driver work (`VGPU_MEMORY_SWAP=1`), if this call may do it.
+    type Backing: swap::Backing;
+    fn backing(&self) -> Option<Self::Backing>;
 }
 
 enum Mode {
@@ -78,6 +82,9 @@ struct Enforcer {
     ledger: OnceLock<Result<Ledger<'static, ProcLiveness>, String>>,
     /// Each GPU's memory board, looked for once (`None`: no elastic memory on it).
     boards: [OnceLock<Option<DeviceBoard>>; DEVICES_MAX],
+    /// `VGPU_MEMORY_SWAP=1`: borrowed chunks go out when others want memory back, and a request
+    /// that others borrowed asks them (tests only until launches hold: `swap`).
+    swap: bool,
     process: Mutex<Process>,
 }
 
@@ -87,6 +94,8 @@ struct Process {
     slot: Option<usize>,
     /// Its slot on each GPU's board, claimed at its first allocation there.
     board_slots: [Option<usize>; DEVICES_MAX],
+    /// Its borrowed, VMM-backed allocations on each GPU: what the swap may move.
+    chunks: [swap::Chunks; DEVICES_MAX],
     tracker: Tracker,
     overhead_charged: [bool; DEVICES_MAX],
 }
@@ -97,6 +106,7 @@ impl Process {
             pid: std::process::id(),
             slot: None,
             board_slots: [None; DEVICES_MAX],
+            chunks: std::array::from_fn(|_| swap::Chunks::default()),
             tracker: Tracker::default(),
             overhead_charged: [false; DEVICES_MAX],
         }
@@ -117,6 +127,8 @@ fn mode() -> &'static Mode {
                     config,
                     ledger: OnceLock::new(),
                     boards: [const { OnceLock::new() }; DEVICES_MAX],
+                    swap: std::env::var_os(tenant_abi::env::var::MEMORY_SWAP)
+                        .is_some_and(|value| value == "1"),
                     process: Mutex::new(Process::new()),
                 }))
             }
@@ -251,6 +263,9 @@ impl Enforcer {
             },
             None => None,
         };
+        if let Some((board, board_slot)) = board_slot {
+            self.poll_swap(devices, board, (device, board_slot), &mut process);
+        }
         let overhead_bytes = if process.overhead_charged[device] {
             0
         } else {
@@ -265,6 +280,7 @@ impl Enforcer {
             Ok(()) => {
                 if let Some((board, board_slot)) = board_slot
                     && let Err(why) = board.board.reserve(board_slot, bytes)
+                    && !self.reclaimed(board, board_slot, bytes, why)
                 {
                     ledger.release(slot, device, bytes.saturating_add(overhead_bytes));
                     crate::log::error(format_args!(
@@ -397,6 +413,97 @@ impl Enforcer {
         }
     }
 
+    /// The swap's part of every hook call on a GPU with a board (`VGPU_MEMORY_SWAP=1`): gives
+    /// back what other tenants want of this tenant (its borrowed chunks, largest first, to host
+    /// memory), and brings chunks back when the GPU has room again.
+    fn poll_swap(
+        &self,
+        devices: &impl Devices,
+        board: &DeviceBoard,
+        (device, board_slot): (usize, usize),
+        process: &mut Process,
+    ) {
+        if !self.swap {
+            return;
+        }
+        let chunks = &mut process.chunks[device];
+        let want = board.board.take_want(board.tenant);
+        if want == 0 && !chunks.held() {
+            return;
+        }
+        let Some(mut backing) = devices.backing() else {
+            return;
+        };
+        let mut counters = elastic::SlotCounters {
+            board,
+            slot: board_slot,
+        };
+        if want > 0 {
+            let given = chunks.give_back(want, &mut backing, &mut counters);
+            crate::log::error(format_args!(
+                "other tenants asked tenant {} for {} of the GPU's memory back: {} of this \
+                 process's borrowed memory went to host memory (it comes back when the GPU has \
+                 room)",
+                self.config.tenant,
+                human(want),
+                human(given)
+            ));
+        }
+        if chunks.held() {
+            chunks.take_back(&mut backing, &mut counters);
+        }
+    }
+
+    /// An allocation within the request that the board refused because others borrowed the
+    /// memory (`VGPU_MEMORY_SWAP=1`): asks the borrowers the reclaim planner picks for it
+    /// (`tenant_abi::reclaim::plan`, wants on the board) and waits, bounded, until they gave it
+    /// back. Whether it was granted (then it is reserved on the board).
+    fn reclaimed(
+        &self,
+        board: &DeviceBoard,
+        board_slot: usize,
+        bytes: u64,
+        why: tenant_abi::board::Refusal,
+    ) -> bool {
+        if !self.swap || !matches!(why, tenant_abi::board::Refusal::NeedsReclaim { .. }) {
+            return false;
+        }
+        let region = board.board.region;
+        let asks = match tenant_abi::reclaim::plan(
+            &region.holders(),
+            &self.config.tenant,
+            bytes,
+            region.free(),
+        ) {
+            Ok(asks) => asks,
+            Err(e) => {
+                crate::log::error(format_args!("no reclaim: {e}"));
+                return false;
+            }
+        };
+        for (name, asked) in &asks {
+            if let Some(index) = region.find(name) {
+                board.board.post_want(index, *asked);
+            }
+        }
+        // Charged before the room is there, so that the room the borrowers make is this
+        // tenant's: a borrower swapping back in, or a new borrow, sees the GPU full until then.
+        board.board.charge(board_slot, bytes);
+        let granted = elastic::wait_for_room(|| region.fits());
+        if !granted {
+            board.board.release(board_slot, bytes);
+            crate::log::error(format_args!(
+                "asked {} borrower(s) for {} of tenant {}'s request; it was not given back \
+                 within {} ms",
+                asks.len(),
+                human(bytes),
+                self.config.tenant,
+                elastic::RECLAIM_WAIT_MAX_MS
+            ));
+        }
+        granted
+    }
+
     /// The board slot of `device` for crediting, if this process charged that board.
     fn charged_board(&self, device: usize) -> Option<(&DeviceBoard, usize)> {
         let board = self.boards[device].get()?.as_ref()?;
@@ -452,6 +559,10 @@ pub fn admit_context(device: i32) -> Admission {
         fn uuid(&self, _: usize) -> Option<String> {
             None
         }
+        type Backing = swap::NoBacking;
+        fn backing(&self) -> Option<swap::NoBacking> {
+            None
+        }
     }
     enforcer.admit(&NoBoard, device, 0, Borrow::Never("a CUDA context"))
 }
@@ -500,25 +611,38 @@ pub fn commit(ticket: Ticket, key: Key, bytes: u64) {
         on_board: ticket.on_board,
         borrowed: ticket.borrowed,
     };
-    let stale = enforcer.process().tracker.insert(key, charge);
+    let stale = {
+        let mut process = enforcer.process();
+        if let (true, true, Key::Pointer(address)) = (enforcer.swap, ticket.borrowed, key) {
+            // A borrowed pointer is VMM-backed (`exports`): the swap may move it.
+            process.chunks[ticket.device].add(address, bytes);
+        }
+        process.tracker.insert(key, charge)
+    };
     if let Some(stale) = stale {
         // Freed through a path we do not see; the driver reuses the address now.
-        credit_to(enforcer, ledger, ticket.slot, stale);
+        credit_to(enforcer, ledger, ticket.slot, stale, false);
     }
 }
 
-/// Credits `charge` to the ledger's `slot` and, if it was on the board, to the board.
+/// Credits `charge` to the ledger's `slot` and, if it was on the board, to the board: to its
+/// swapped bytes if it was `out` (freed while in host memory), else to its resident bytes.
 fn credit_to(
     enforcer: &Enforcer,
     ledger: &Ledger<'static, ProcLiveness>,
     slot: usize,
     charge: Charge,
+    out: bool,
 ) {
     ledger.release(slot, charge.device, charge.bytes);
     if charge.on_board
         && let Some((board, board_slot)) = enforcer.charged_board(charge.device)
     {
-        board.board.release(board_slot, charge.bytes);
+        if out {
+            board.board.release_swapped(board_slot, charge.bytes);
+        } else {
+            board.board.release(board_slot, charge.bytes);
+        }
     }
 }
 
@@ -561,17 +685,24 @@ pub fn restore(key: Key, charge: Charge) {
     }
 }
 
-/// The driver freed an allocation: credit it back.
-pub fn credit(charge: Charge) {
+/// The driver freed `key`: credit it back.
+pub fn credit(key: Key, charge: Charge) {
     let Mode::Enforcing(enforcer) = mode() else {
         return;
     };
     let Ok(ledger) = enforcer.ledger() else {
         return;
     };
-    let slot = enforcer.process().slot;
+    let (slot, chunk) = {
+        let mut process = enforcer.process();
+        let chunk = match key {
+            Key::Pointer(address) => process.chunks[charge.device].remove(address),
+            _ => None,
+        };
+        (process.slot, chunk)
+    };
     if let Some(slot) = slot {
-        credit_to(enforcer, ledger, slot, charge);
+        credit_to(enforcer, ledger, slot, charge, chunk.is_some_and(|c| c.out));
     }
 }
 
@@ -628,12 +759,38 @@ pub fn report_mem_info(devices: &impl Devices, free: u64, total: u64) -> (u64, u
     if !enabled() {
         return (free, total);
     }
+    poll(devices);
     match limited(devices.current(), |d| devices.uuid(d)) {
         Some(slice) => (
             free.min(slice.allocatable_bytes),
             total.min(slice.limit_bytes),
         ),
         None => (free, total),
+    }
+}
+
+/// The swap's part of a query (`cuMemGetInfo`): a process that allocates nothing more still
+/// gives back what others want and takes back what it may (`Enforcer::poll_swap`).
+fn poll(devices: &impl Devices) {
+    let Mode::Enforcing(enforcer) = mode() else {
+        return;
+    };
+    if !enforcer.swap {
+        return;
+    }
+    let Some(device) = devices
+        .current()
+        .and_then(|d| usize::try_from(d).ok())
+        .filter(|&d| d < DEVICES_MAX)
+    else {
+        return;
+    };
+    let Some(board) = enforcer.board(device, || devices.uuid(device)) else {
+        return;
+    };
+    let mut process = enforcer.process();
+    if let Some(board_slot) = process.board_slots[device] {
+        enforcer.poll_swap(devices, board, (device, board_slot), &mut process);
     }
 }
 

@@ -18,7 +18,9 @@
 //!   step is in flight (pause, a bound on queued launches; fewer SMs through `spatial`).
 //! - `hooks` is the memory policy glue, in safe code: what to charge, when to refuse, what to
 //!   report; `elastic` is its part for elastic memory (the GPU's memory board, which paths may
-//!   borrow past the request, what a refusal says), and `vmm` backs borrowed allocations. `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
+//!   borrow past the request, what a refusal says), `vmm` backs borrowed allocations, and `swap`
+//!   moves borrowed chunks to host memory and back when other tenants want their request (pure;
+//!   off outside tests, `VGPU_MEMORY_SWAP=1`, until the launch gate holds while a chunk is out). `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
 //!   moves launches to a green context with fewer SMs while a latency tenant is active (opt-in,
 //!   `VGPU_SPATIAL=1`).
 //! - `compat` judges, once at load, whether the driver is one the hooks were written for (its
@@ -48,6 +50,7 @@ mod nvml_exports;
 mod real;
 mod shm;
 mod spatial;
+mod swap;
 mod sys;
 mod vmm;
 use tenant_abi::{compute, ledger};

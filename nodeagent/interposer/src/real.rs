@@ -110,6 +110,10 @@ driver_functions! {
     mem_unmap: FnMemUnmap = c"cuMemUnmap";
     mem_set_access: FnMemSetAccess = c"cuMemSetAccess";
     mem_get_allocation_granularity: FnMemGetAllocationGranularity = c"cuMemGetAllocationGranularity";
+    mem_host_alloc: FnMemHostAlloc = c"cuMemHostAlloc";
+    mem_free_host: FnMemFreeHost = c"cuMemFreeHost";
+    memcpy_dtoh: FnMemcpyDtoH = c"cuMemcpyDtoH_v2";
+    memcpy_htod: FnMemcpyHtoD = c"cuMemcpyHtoD_v2";
     mem_alloc_async: FnMemAllocAsync = c"cuMemAllocAsync";
     mem_alloc_async_ptsz: FnMemAllocAsync = c"cuMemAllocAsync_ptsz";
     mem_alloc_from_pool_async: FnMemAllocFromPoolAsync = c"cuMemAllocFromPoolAsync";

@@ -118,6 +118,10 @@ pub type FnMemMap = unsafe extern "C" fn(
     c_ulonglong,
 ) -> CUresult;
 pub type FnMemUnmap = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
+pub type FnMemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CUresult;
+pub type FnMemFreeHost = unsafe extern "C" fn(*mut c_void) -> CUresult;
+pub type FnMemcpyDtoH = unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize) -> CUresult;
+pub type FnMemcpyHtoD = unsafe extern "C" fn(CUdeviceptr, *const c_void, usize) -> CUresult;
 pub type FnMemSetAccess =
     unsafe extern "C" fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize) -> CUresult;
 pub type FnMemGetAllocationGranularity =

@@ -44,9 +44,14 @@ pub enum Purpose {
 /// One VMM-backed allocation: its physical memory, the (rounded) size of its range, and why.
 #[derive(Clone, Copy)]
 struct Backed {
+    /// 0 while swapped out (the physical memory was released).
     handle: CUmemGenericAllocationHandle,
     size: usize,
     purpose: Purpose,
+    device: CUdevice,
+    /// The pinned host staging (`cuMemHostAlloc`) holding its bytes while swapped out; 0 while
+    /// it is mapped.
+    staging: usize,
 }
 
 /// How many allocations the table holds: every `cuMemFree_v2` asks it, so while it is 0 (no
@@ -225,6 +230,8 @@ pub unsafe fn alloc(
             handle,
             size,
             purpose,
+            device,
+            staging: 0,
         },
     );
     assert!(replaced.is_none(), "the driver reserved {address:#x} twice");
@@ -266,6 +273,20 @@ pub fn free(driver: &Driver, address: CUdeviceptr) -> Option<CUresult> {
         // Only allocated when every function was there.
         return Some(CUDA_ERROR_UNKNOWN);
     };
+    if found.staging != 0 {
+        // Swapped out: its bytes are in the staging and its range is reserved, unmapped.
+        let staging_freed = driver.fns.mem_free_host.map_or(CUDA_SUCCESS, |free_host| {
+            // SAFETY: the staging came from `cuMemHostAlloc` in `swap_out` and is freed once.
+            unsafe { free_host(found.staging as *mut std::ffi::c_void) }
+        });
+        // SAFETY: the range was reserved by `alloc` with `found.size` bytes and is unmapped.
+        let freed = unsafe { (vmm.free_range)(address, found.size) };
+        return Some(if freed != CUDA_SUCCESS {
+            freed
+        } else {
+            staging_freed
+        });
+    }
     // SAFETY: `address` was mapped by `alloc` with `found.size` bytes and `found.handle`, and was
     // just removed from the table, so it is undone once.
     unsafe {
@@ -278,5 +299,149 @@ pub fn free(driver: &Driver, address: CUdeviceptr) -> Option<CUresult> {
                 .find(|rc| *rc != CUDA_SUCCESS)
                 .unwrap_or(CUDA_SUCCESS),
         )
+    }
+}
+
+/// The swap's driver work (`swap::Backing`) on the real driver, for borrowed allocations: out is
+/// `cuMemHostAlloc` staging, `cuMemcpyDtoH_v2`, `cuMemUnmap`, `cuMemRelease` (the range stays
+/// reserved); in is `cuMemCreate`, `cuMemMap` at the same address, `cuMemSetAccess`,
+/// `cuMemcpyHtoD_v2`, `cuMemFreeHost`. Synchronous copies on the calling thread, one chunk at a
+/// time (the design's two streams each way are not built); the copies need a current context.
+pub struct SwapBacking<'d> {
+    pub driver: &'d Driver,
+}
+
+/// The functions a swap needs besides `Vmm`'s.
+struct Staging {
+    host_alloc: FnMemHostAlloc,
+    free_host: FnMemFreeHost,
+    dtoh: FnMemcpyDtoH,
+    htod: FnMemcpyHtoD,
+}
+
+impl Staging {
+    fn of(driver: &Driver) -> Option<Staging> {
+        let f = &driver.fns;
+        Some(Staging {
+            host_alloc: f.mem_host_alloc?,
+            free_host: f.mem_free_host?,
+            dtoh: f.memcpy_dtoh?,
+            htod: f.memcpy_htod?,
+        })
+    }
+}
+
+impl SwapBacking<'_> {
+    /// The table entry of a borrowed allocation at `address` of `size` bytes, and the functions.
+    fn lookup(
+        &self,
+        address: u64,
+        size: u64,
+        out: bool,
+    ) -> Result<(Backed, Vmm, Staging), crate::swap::SwapError> {
+        let error = |result| crate::swap::SwapError { address, result };
+        let found = backed()
+            .get(&address)
+            .copied()
+            .ok_or(error(CUDA_ERROR_INVALID_VALUE))?;
+        assert_eq!(
+            found.size as u64, size,
+            "a chunk's size is its allocation's"
+        );
+        assert_eq!(
+            found.purpose,
+            Purpose::Borrowed,
+            "only borrowed chunks swap"
+        );
+        assert_eq!(
+            found.staging == 0,
+            !out,
+            "a chunk moves out once and back once"
+        );
+        let vmm = Vmm::of(self.driver).ok_or(error(CUDA_ERROR_UNKNOWN))?;
+        let staging = Staging::of(self.driver).ok_or(error(CUDA_ERROR_NOT_SUPPORTED))?;
+        Ok((found, vmm, staging))
+    }
+}
+
+impl crate::swap::Backing for SwapBacking<'_> {
+    fn swap_out(&mut self, address: u64, size: u64) -> Result<(), crate::swap::SwapError> {
+        let (found, vmm, staging) = self.lookup(address, size, false)?;
+        let error = |result| crate::swap::SwapError { address, result };
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: `host` is valid for a write; pinned host memory of the chunk's size.
+        let rc = unsafe { (staging.host_alloc)(&mut host, found.size, 0) };
+        if rc != CUDA_SUCCESS || host.is_null() {
+            return Err(error(rc));
+        }
+        // SAFETY: `host` holds `found.size` bytes; `address` is mapped with that many.
+        let mut rc = unsafe { (staging.dtoh)(host, address, found.size) };
+        if rc == CUDA_SUCCESS {
+            // SAFETY: mapped by `alloc` (or the last `swap_in`) with this size.
+            rc = unsafe { (vmm.unmap)(address, found.size) };
+        }
+        if rc != CUDA_SUCCESS {
+            // SAFETY: allocated above, freed once; the chunk is still mapped.
+            unsafe { (staging.free_host)(host) };
+            return Err(error(rc));
+        }
+        // SAFETY: the handle is no longer mapped anywhere; released once.
+        let released = unsafe { (vmm.release)(found.handle) };
+        if released != CUDA_SUCCESS {
+            crate::log::error(format_args!(
+                "cuMemRelease of a swapped-out chunk failed ({released}); its memory may stay \
+                 on the GPU until the process exits"
+            ));
+        }
+        let mut table = backed();
+        let entry = table.get_mut(&address).expect("looked up above");
+        entry.handle = 0;
+        entry.staging = host as usize;
+        Ok(())
+    }
+
+    fn swap_in(&mut self, address: u64, size: u64) -> Result<(), crate::swap::SwapError> {
+        let (found, vmm, staging) = self.lookup(address, size, true)?;
+        let error = |result| crate::swap::SwapError { address, result };
+        let prop = device_memory(found.device);
+        let mut handle: CUmemGenericAllocationHandle = 0;
+        // SAFETY: `handle` and `prop` are valid; the real driver's `cuMemCreate`.
+        let rc = unsafe { (vmm.create)(&mut handle, found.size, &prop, 0) };
+        if rc != CUDA_SUCCESS {
+            return Err(error(rc));
+        }
+        // SAFETY: the range is reserved with `found.size` bytes and unmapped since `swap_out`.
+        let mut rc = unsafe { (vmm.map)(address, found.size, 0, handle, 0) };
+        if rc == CUDA_SUCCESS {
+            let access = CUmemAccessDesc {
+                location: CUmemLocation {
+                    type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: found.device,
+                },
+                flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the range is mapped; one descriptor.
+            rc = unsafe { (vmm.set_access)(address, found.size, &access, 1) };
+            if rc == CUDA_SUCCESS {
+                // SAFETY: the staging holds `found.size` bytes; the range is mapped, accessible.
+                rc = unsafe { (staging.htod)(address, found.staging as *const _, found.size) };
+            }
+            if rc != CUDA_SUCCESS {
+                // SAFETY: mapped just above.
+                unsafe { (vmm.unmap)(address, found.size) };
+            }
+        }
+        if rc != CUDA_SUCCESS {
+            // SAFETY: created above, released once; the staging keeps the bytes.
+            unsafe { (vmm.release)(handle) };
+            return Err(error(rc));
+        }
+        // SAFETY: the staging came from `cuMemHostAlloc` in `swap_out`; its bytes are copied back.
+        unsafe { (staging.free_host)(found.staging as *mut std::ffi::c_void) };
+        let mut table = backed();
+        let entry = table.get_mut(&address).expect("looked up above");
+        entry.handle = handle;
+        entry.staging = 0;
+        Ok(())
     }
 }
