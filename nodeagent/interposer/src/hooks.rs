@@ -427,7 +427,12 @@ impl Enforcer {
             return;
         }
         let chunks = &mut process.chunks[device];
-        let want = board.board.take_want(board.tenant);
+        // A process with nothing to give leaves the want to the tenant's other processes.
+        let want = if chunks.any_resident() {
+            board.board.take_want(board.tenant)
+        } else {
+            0
+        };
         if want == 0 && !chunks.held() {
             return;
         }
@@ -440,6 +445,10 @@ impl Enforcer {
         };
         if want > 0 {
             let given = chunks.give_back(want, &mut backing, &mut counters);
+            if given > 0 && given < want {
+                // The rest is for the tenant's other processes.
+                board.board.post_want(board.tenant, want - given);
+            }
             crate::log::error(format_args!(
                 "other tenants asked tenant {} for {} of the GPU's memory back: {} of this \
                  process's borrowed memory went to host memory (it comes back when the GPU has \

@@ -116,6 +116,11 @@ impl Chunks {
         self.chunks.values().filter(|c| c.out).map(|c| c.size).sum()
     }
 
+    /// Whether a chunk is resident: something a want could be met with.
+    pub fn any_resident(&self) -> bool {
+        self.chunks.values().any(|c| !c.out)
+    }
+
     /// Bytes resident now.
     #[cfg(test)]
     pub fn resident_bytes(&self) -> u64 {

@@ -385,3 +385,48 @@ fn a_chunk_freed_while_in_host_memory_is_credited_as_swapped() {
     let freed = usage(&board, "a");
     assert_eq!((freed.resident_bytes, freed.swapped_bytes), (4 * MIB, 0));
 }
+
+/// A want is met by the tenant's process that holds borrowed chunks, whichever of its processes
+/// calls into the driver first: one with nothing to give leaves the want on the board.
+#[test]
+fn a_want_waits_for_the_process_that_has_borrowed_chunks() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| shm.path().join(name).display().to_string();
+    let swapping = |probe: Probe| {
+        probe
+            .env("VGPU_MEMORY_SWAP", "1")
+            .env("FAKE_CUDA_REAL_BYTES", "1")
+    };
+    // The first process of "a" holds its request and keeps calling; the second borrows.
+    let mut within = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M touch {} spin_info {}",
+        file("within"),
+        file("b-has")
+    ));
+    let mut borrower = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "until_file {} alloc 8M touch {} spin_info {}",
+        file("within"),
+        file("borrowed"),
+        file("b-has")
+    ));
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} alloc 8M touch {}",
+        file("borrowed"),
+        file("b-has")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\ntouch 0\n");
+    within.wait_held();
+    borrower.wait_held();
+    let a = usage(&board, "a");
+    assert_eq!((a.resident_bytes, a.swapped_bytes), (4 * MIB, 8 * MIB));
+    assert!(stderr_of(within).is_empty());
+    assert_eq!(
+        stderr_of(borrower).matches("went to host memory").count(),
+        1
+    );
+}
