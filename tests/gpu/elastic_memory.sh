@@ -39,14 +39,20 @@ GIB=$((1 << 30))
 RESULTS="$LOGS/results.tsv"
 : >"$RESULTS"
 PIDS=()
+# exited PID: the process is gone or a zombie (ours, not reaped yet).
+exited() { ! kill -0 "$1" 2>/dev/null || [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" = Z ]; }
 cleanup() {
-  # every process this script started (tracked in PIDS, and any other background job), killed
-  # and then waited for, exactly those: a bare `wait` would block on anything left running
-  local rc=$? pid left
+  # every process this script started (tracked in PIDS, and any other background job): TERM
+  # first, which `timeout` passes on to the tenant's Python (so its GPU memory goes with it),
+  # KILL after 10 s, then a wait for exactly those: a bare `wait` would block on anything left
+  local rc=$? pid all
   trap - EXIT
-  left=$(jobs -p)
-  for pid in "${PIDS[@]}" $left; do kill -9 "$pid" 2>/dev/null; done
-  for pid in "${PIDS[@]}" $left; do wait "$pid" 2>/dev/null; done
+  all="${PIDS[*]} $(jobs -p)"
+  for pid in $all; do kill "$pid" 2>/dev/null; done
+  for pid in $all; do
+    bounded_wait 10 "process $pid to exit after TERM" exited "$pid" || kill -9 "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+  done
   rm -rf "$WORK" "$SHM"
   exit "$rc"
 }
