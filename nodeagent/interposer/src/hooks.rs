@@ -278,31 +278,13 @@ impl Enforcer {
         }
         let refused = match ledger.reserve(slot, device, bytes.saturating_add(overhead_bytes)) {
             Ok(()) => {
-                if let Some((board, board_slot)) = board_slot
-                    && let Err(why) = board.board.reserve(board_slot, bytes)
-                    && !self.reclaimed(board, board_slot, bytes, why)
-                {
-                    ledger.release(slot, device, bytes.saturating_add(overhead_bytes));
-                    crate::log::error(format_args!(
-                        "{}",
-                        elastic::within_request_refused(
-                            &human(bytes),
-                            device,
-                            &self.config.tenant,
-                            why
-                        )
-                    ));
-                    return Admission::Refused;
-                }
-                process.overhead_charged[device] |= overhead_bytes > 0;
-                return Admission::Charged(Ticket {
-                    slot,
+                return self.within_request(
+                    ledger,
+                    &mut process,
+                    (slot, board_slot),
                     device,
-                    bytes,
-                    overhead_bytes,
-                    on_board: board_slot.is_some(),
-                    borrowed: false,
-                });
+                    (bytes, overhead_bytes),
+                );
             }
             Err(refused) => refused,
         };
@@ -333,6 +315,39 @@ impl Enforcer {
             human(refused.limit_bytes),
         ));
         Admission::Refused
+    }
+
+    /// An allocation the ledger granted (within the request): on a GPU with a board, reserved
+    /// there too, or (the board refused: others borrowed the memory) given back to the ledger
+    /// and refused unless a reclaim gets it (`reclaimed`).
+    fn within_request(
+        &self,
+        ledger: &Ledger<'static, ProcLiveness>,
+        process: &mut Process,
+        (slot, board_slot): (usize, Option<(&DeviceBoard, usize)>),
+        device: usize,
+        (bytes, overhead_bytes): (u64, u64),
+    ) -> Admission {
+        if let Some((board, board_slot)) = board_slot
+            && let Err(why) = board.board.reserve(board_slot, bytes)
+            && !self.reclaimed(board, board_slot, bytes, why)
+        {
+            ledger.release(slot, device, bytes.saturating_add(overhead_bytes));
+            crate::log::error(format_args!(
+                "{}",
+                elastic::within_request_refused(&human(bytes), device, &self.config.tenant, why)
+            ));
+            return Admission::Refused;
+        }
+        process.overhead_charged[device] |= overhead_bytes > 0;
+        Admission::Charged(Ticket {
+            slot,
+            device,
+            bytes,
+            overhead_bytes,
+            on_board: board_slot.is_some(),
+            borrowed: false,
+        })
     }
 
     /// An allocation of `bytes` past the tenant's request (the ledger refused it) on a GPU with a

@@ -14,6 +14,9 @@
  * FAKE_CUDA_GPA_THUNKS=1 makes cuGetProcAddress answer "cuMemAlloc" with a thunk instead of the
  * exported cuMemAlloc_v2, to exercise the interposer's by-name fallback.
  *
+ * FAKE_CUDA_UUID=GPU-<32 hex digits, dashes anywhere>: device 0's uuid (default: bytes a0..ae,
+ * then the ordinal), to play the GPU of an agent that simulates its inventory.
+ *
  * FAKE_CUDA_REAL_BYTES=1: cuMemCreate's physical memory is real host memory (keep sizes small),
  * so that VMM-mapped ranges hold bytes: cuMemcpyHtoD_v2 / cuMemcpyDtoH_v2 copy into and out of a
  * mapped range (CUDA_ERROR_ILLEGAL_ADDRESS, 700, on memory that is not mapped: what a kernel
@@ -775,6 +778,18 @@ CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int device) {
   if (device < 0 || device >= devices()) return INVALID_DEVICE;
   for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xa0 + i);
   uuid[15] = (unsigned char)device;
+  /* FAKE_CUDA_UUID=GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx: device 0's uuid (to play a GPU an
+   * agent simulates). */
+  const char *text = getenv("FAKE_CUDA_UUID");
+  if (device == 0 && text != NULL && !strncmp(text, "GPU-", 4)) {
+    int n = 0;
+    for (const char *c = text + 4; *c && n < 32; c++) {
+      int v = *c >= '0' && *c <= '9' ? *c - '0' : *c >= 'a' && *c <= 'f' ? *c - 'a' + 10 : -1;
+      if (v < 0) continue;
+      uuid[n / 2] = (unsigned char)(n % 2 ? (uuid[n / 2] & 0xf0) | v : v << 4);
+      n++;
+    }
+  }
   return OK;
 }
 CUresult cuDeviceGetUuid(unsigned char *uuid, int device) { return cuDeviceGetUuid_v2(uuid, device); }
