@@ -18,6 +18,7 @@
 # /opt/torch/.venv/bin/python3, else python3) must have PyTorch with CUDA. Logs go to
 # $OUT/elastic_memory (or a temporary directory); the result table is printed last. Exit status: 0
 # when every check passed. About 2-4 minutes on an 80-141 GiB card (mostly filling memory).
+# `tests/gpu/elastic_memory_dryrun.sh` runs this script without a GPU (the fake driver) first.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
