@@ -1,7 +1,9 @@
 //! Elastic memory in the tenant's process (issue 17, `docs/design/elastic-memory.md`): the GPU's
 //! memory board as `hooks` uses it, the rule of which allocation paths may go past the tenant's
-//! request, what a refusal tells the tenant, and what `cuMemGetInfo` and NVML report as free.
-//! Safe code; the board is mapped by `shm`, the borrowed memory backed by `vmm`.
+//! request, what a refusal tells the tenant, and what `cuMemGetInfo` and NVML report as free;
+//! for the swap, the board's counters of a process (`SlotCounters`) and the needy side's bounded
+//! wait (`wait_for_room`). Safe code; the board is mapped by `shm`, the borrowed memory backed by
+//! `vmm`, and moved by `swap`.
 //!
 //! How the two shared files divide the work: the tenant's ledger (`tenant_abi::ledger`) keeps
 //! everything the tenant holds on a device (allocations, borrowed ones included, and each

@@ -512,6 +512,7 @@ impl Enforcer {
         }
         // Charged before the room is there, so that the room the borrowers make is this
         // tenant's: a borrower swapping back in, or a new borrow, sees the GPU full until then.
+        // The process's other threads wait for its state meanwhile (bounded, like this wait).
         board.board.charge(board_slot, bytes);
         let granted = elastic::wait_for_room(|| region.fits());
         if !granted {
