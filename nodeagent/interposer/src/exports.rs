@@ -744,8 +744,7 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
                 ),
             };
             crate::log::error(format_args!(
-                "cuIpcGetMemHandle({dptr:#x}): not supported: {why} (or share it with \
-                 cuMemExportToShareableHandle, as NCCL does)"
+                "cuIpcGetMemHandle({dptr:#x}): not supported: {why}"
             ));
             return CUDA_ERROR_NOT_SUPPORTED;
         }

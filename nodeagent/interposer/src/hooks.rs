@@ -1,7 +1,7 @@
 //! The memory policy behind the hooks, in safe code: whether an allocation may proceed, what it
 //! charged, what a free credits, and what the tenant is told about memory. `exports` calls these
-//! around each real driver call; this module never calls the driver itself (the current device
-//! is passed in as a closure, evaluated only when needed).
+//! around each real driver call; this module never calls the driver itself (the device, its uuid
+//! and the swap's driver work come in through `Devices`, asked only when needed).
 //!
 //! Policy on failures:
 //! - no `VGPU_TENANT`: everything passes through untouched;
@@ -15,7 +15,9 @@
 //! Elastic memory (`elastic`): where the agent put a memory board for the GPU, an allocation past
 //! the tenant's request (the ledger's limit) borrows what the GPU has free, up to the tenant's
 //! limit, through the paths that may borrow; a borrowed `cuMemAlloc_v2` is VMM-backed
-//! (`Ticket::borrowed` tells `exports`).
+//! (`Ticket::borrowed` tells `exports`). With `VGPU_MEMORY_SWAP=1` (tests only) each allocation
+//! and `cuMemGetInfo` also runs the swap (`swap`): a want on the tenant moves borrowed chunks out,
+//! and a request that others borrowed asks them back and waits, bounded.
 //!
 //! The compute side (launch gating) is `launch`, with its own failure policy (fail open).
 
