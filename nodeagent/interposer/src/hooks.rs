@@ -293,6 +293,11 @@ impl Enforcer {
         if let Some((board, board_slot)) = board_slot
             && board.request_and_limit().1 > refused.limit_bytes
         {
+            if !matches!(borrow, Borrow::Never(_))
+                && !self.held_back(devices, board, (device, board_slot), &mut process)
+            {
+                return Admission::Refused;
+            }
             return self.borrow(
                 ledger,
                 &mut process,
@@ -317,6 +322,37 @@ impl Enforcer {
             human(refused.limit_bytes),
         ));
         Admission::Refused
+    }
+
+    /// A process with borrowed memory in host memory borrows more only once all of it is back
+    /// (the hold rule: `swap::hold`, bounded); whether it is (always, without the swap).
+    fn held_back(
+        &self,
+        devices: &impl Devices,
+        board: &DeviceBoard,
+        (device, board_slot): (usize, usize),
+        process: &mut Process,
+    ) -> bool {
+        let chunks = &mut process.chunks[device];
+        if !self.swap || !chunks.held() {
+            return true;
+        }
+        let Some(mut backing) = devices.backing() else {
+            return false;
+        };
+        let mut counters = elastic::SlotCounters {
+            board,
+            slot: board_slot,
+        };
+        let back = swap::hold(|| chunks.take_back(&mut backing, &mut counters));
+        if !back {
+            crate::log::error(format_args!(
+                "refused to borrow more on device {device}: this process's borrowed memory is \
+                 still in host memory (other tenants hold the GPU's memory); wait for them to \
+                 free it (out of memory)"
+            ));
+        }
+        back
     }
 
     /// An allocation the ledger granted (within the request): on a GPU with a board, reserved

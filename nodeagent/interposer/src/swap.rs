@@ -191,13 +191,12 @@ impl Chunks {
     }
 }
 
-/// The hook the launch and copy paths are to call before they reach the driver (not wired yet):
-/// while this process has a chunk out, waits (bounded by [`HOLD_WAIT_MAX_MS`], in steps of 1 ms)
-/// for `take_back` to bring everything back; `take_back` is tried at each step. Returns whether
-/// the launch may go (nothing out); after the bound it logs and says so.
-// Not called yet: the launch gate (`launch`, `closed_loop`) is to call it; until then the swap is
-// off outside tests.
-#[allow(dead_code)]
+/// The hold: while this process has a chunk out, waits (bounded by [`HOLD_WAIT_MAX_MS`], in
+/// steps of 1 ms) for `take_back` to bring everything back; `take_back` is tried at each step.
+/// Returns whether nothing is out any more; after the bound it logs and says so. `hooks` holds a
+/// borrowing allocation with it; the launch gate and the copy hooks are to call it before they
+/// reach the driver (not wired yet: `launch` and `closed_loop` are another module's), and until
+/// they do the swap is off outside tests.
 pub fn hold(mut take_back: impl FnMut() -> bool) -> bool {
     for _ in 0..HOLD_WAIT_MAX_MS {
         if take_back() {
@@ -209,7 +208,7 @@ pub fn hold(mut take_back: impl FnMut() -> bool) -> bool {
     if !back {
         crate::log::error(format_args!(
             "borrowed memory of this process is still in host memory after {HOLD_WAIT_MAX_MS} \
-             ms (the GPU has no room for it); launching anyway would touch unmapped memory"
+             ms (the GPU has no room for it)"
         ));
     }
     back

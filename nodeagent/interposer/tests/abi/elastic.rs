@@ -430,3 +430,50 @@ fn a_want_waits_for_the_process_that_has_borrowed_chunks() {
         1
     );
 }
+
+/// The hold rule on a borrowing allocation: a process with a chunk in host memory borrows more
+/// only once the chunk is back (it waits, bounded, for the GPU to have room for it).
+#[test]
+fn a_process_with_a_chunk_out_borrows_more_only_once_it_is_back() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 16 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| shm.path().join(name).display().to_string();
+    let swapping = |probe: Probe| {
+        probe
+            .env("VGPU_MEMORY_SWAP", "1")
+            .env("FAKE_CUDA_REAL_BYTES", "1")
+    };
+    // "a" borrows 8 MiB (a pattern in it) and gives it back to "b"; then it borrows 2 MiB more,
+    // which waits until "b" freed its memory and the 8 MiB are back.
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 5 touch {} spin_info {} touch {} alloc 2M free check 5",
+        file("a-ready"),
+        file("b-has"),
+        file("a-borrowing")
+    ));
+    let mut b = swapping(tenant(shm.path(), "b", "8MiB")).start_holding(&format!(
+        "until_file {} alloc 8M touch {} until_file {} free",
+        file("a-ready"),
+        file("b-has"),
+        file("test-go")
+    ));
+    a.wait_for_line("touch 0");
+    a.wait_for_line("touch 0");
+    // "a" is about to borrow (or waiting): its chunk is out while "b" holds the memory.
+    let out = usage(&board, "a");
+    assert_eq!((out.resident_bytes, out.swapped_bytes), (4 * MIB, 8 * MIB));
+    std::fs::write(shm.path().join("test-go"), "").expect("touching test-go");
+    b.wait_held();
+    a.wait_held();
+    assert!(
+        a.output.ends_with("spin_info 0\nalloc 0\nfree 0\ncheck 0 ok\n"),
+        "{}",
+        a.output
+    );
+    let back = usage(&board, "a");
+    assert_eq!((back.resident_bytes, back.swapped_bytes), (12 * MIB, 0));
+}
