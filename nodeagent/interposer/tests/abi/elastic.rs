@@ -470,7 +470,8 @@ fn a_process_with_a_chunk_out_borrows_more_only_once_it_is_back() {
     b.wait_held();
     a.wait_held();
     assert!(
-        a.output.ends_with("spin_info 0\nalloc 0\nfree 0\ncheck 0 ok\n"),
+        a.output
+            .ends_with("spin_info 0\nalloc 0\nfree 0\ncheck 0 ok\n"),
         "{}",
         a.output
     );
