@@ -7,17 +7,18 @@
 //!
 //! **The hold rule**: a process with any chunk out must launch nothing and copy nothing until
 //! every chunk is back ([`Chunks::held`]), since a kernel may touch any allocation of its
-//! process. [`hold`] is the hook that the launch and copy paths are to call; it is not wired into
-//! them yet (the launch gate is another module's), so the swap is off unless a test asks for it
-//! (`VGPU_MEMORY_SWAP=1`) and must stay off on a GPU until it is wired.
+//! process. [`hold`] holds a borrowing allocation (`hooks`) and is the hook that the launch and
+//! copy paths are to call; it is not wired into them yet (the launch gate is another module's),
+//! so the swap is off unless a test asks for it (`VGPU_MEMORY_SWAP=1`) and must stay off on a GPU
+//! until it is.
 //!
 //! Only borrowed chunks that the interposer backs itself are here (`vmm::Purpose::Borrowed`):
 //! the application's own `cuMemCreate` memory and memory within the request are never swapped.
 
 use std::collections::BTreeMap;
 
-/// How long [`hold`] waits for chunks to come back before letting a launch through (it logs
-/// then: a launch that touches an unmapped chunk faults, so the wait is long).
+/// How long [`hold`] waits for chunks to come back before it gives up and says so (a launch let
+/// through then would touch an unmapped chunk and fault, so the wait is long).
 pub const HOLD_WAIT_MAX_MS: u64 = 10_000;
 
 /// A driver step of a swap failed: the chunk is left as it was (resident, or out).
