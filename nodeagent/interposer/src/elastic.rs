@@ -81,7 +81,9 @@ impl crate::swap::Counters for SlotCounters<'_> {
     }
 
     fn swap_in(&mut self, bytes: u64) -> bool {
-        self.board.board.swap_in(self.slot, bytes)
+        // Looked at first, so that a process retrying while the GPU is full does not count its
+        // bytes resident for an instant at every try (others and the agent would see it).
+        self.board.board.region.free() >= bytes && self.board.board.swap_in(self.slot, bytes)
     }
 
     fn swap_in_failed(&mut self, bytes: u64) {
