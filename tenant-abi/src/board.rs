@@ -313,6 +313,13 @@ impl Region {
         (held, resident)
     }
 
+    /// The request and the limit (at least the request) of the tenant at `tenant`.
+    pub fn request_and_limit(&self, tenant: usize) -> (u64, u64) {
+        let entry = &self.tenants[tenant];
+        let request = entry.request_bytes.load(SeqCst);
+        (request, entry.limit_bytes.load(SeqCst).max(request))
+    }
+
     /// Bytes resident on the GPU now, dead processes' included until reclaimed.
     pub fn resident_total(&self) -> u64 {
         self.sums(u32::MAX).1
@@ -321,6 +328,13 @@ impl Region {
     /// What the capacity leaves free now.
     pub fn free(&self) -> u64 {
         self.capacity().saturating_sub(self.resident_total())
+    }
+
+    /// Whether what every slot holds resident fits in the capacity: the needy side of a reclaim
+    /// charges its bytes first ([`Board::charge`]), so that nobody else (a borrower swapping in,
+    /// a new borrow) takes the room the borrowers make, and waits for this.
+    pub fn fits(&self) -> bool {
+        self.resident_total() <= self.capacity()
     }
 
     /// The tenants as the reclaim planner sees them.
@@ -477,6 +491,14 @@ impl<'r, L: Liveness> Board<'r, L> {
             asked: bytes,
             free: capacity.saturating_sub(resident.saturating_sub(bytes)),
         })
+    }
+
+    /// Charges `bytes` to `slot` without a check: a correction after the driver chose the size
+    /// of an allocation the board granted already (the pitch of `cuMemAllocPitch`).
+    pub fn charge(&self, slot: usize, bytes: u64) {
+        self.region.slots[slot]
+            .resident_bytes
+            .fetch_add(bytes, SeqCst);
     }
 
     /// Credits `bytes` freed by `slot`.

@@ -281,3 +281,46 @@ fn tenant_usage_sums_each_tenants_live_slots() {
     assert_eq!(usage[0].borrowed_bytes(), 6 * GIB);
     assert_eq!(usage[1].borrowed_bytes(), 0);
 }
+
+#[test]
+fn a_charge_corrects_a_granted_size_and_a_release_undoes_it() {
+    let region = issue_board();
+    let a = region.find("a").unwrap();
+    assert_eq!(region.request_and_limit(a), (30 * GIB, 70 * GIB));
+    let live = Fake::with(&[100]);
+    let board = Board::new(&region, &live);
+    let slot = board.claim_slot(100, 1, a).unwrap();
+    assert_eq!(board.reserve(slot, GIB), Ok(Grant::Within));
+    // The driver took a little more (a pitch): charged without a check.
+    board.charge(slot, 4096);
+    assert_eq!(region.resident_total(), GIB + 4096);
+    board.release(slot, GIB + 4096);
+    assert_eq!(region.resident_total(), 0);
+    assert_eq!(region.free(), 80 * GIB);
+}
+
+#[test]
+fn a_pending_charge_keeps_the_room_a_reclaim_makes_for_the_needy() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[100, 200]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(100, 1, a).unwrap();
+    let sb = board.claim_slot(200, 1, b).unwrap();
+    assert_eq!(board.reserve(sa, 60 * GIB), Ok(Grant::Borrowed));
+    assert_eq!(
+        board.reserve(sb, 30 * GIB),
+        Err(Refusal::NeedsReclaim {
+            shortfall: 10 * GIB
+        })
+    );
+    // "b" charges its request before "a" gives anything back: over the capacity until then.
+    board.charge(sb, 30 * GIB);
+    assert!(!region.fits());
+    board.swapped_out(sa, 10 * GIB);
+    assert!(region.fits());
+    // "a" may not take the room back while "b" holds it.
+    assert!(!board.swap_in(sa, 10 * GIB));
+    board.release(sb, 30 * GIB);
+    assert!(board.swap_in(sa, 10 * GIB));
+}

@@ -31,7 +31,8 @@
 //! | `VGPU_CONTEXT_OVERHEAD` | user | charged per process per device for its CUDA context: a size, or `<device>:<size>,...` |
 //! | `VGPU_COMPUTE_QUANTUM_MS` | user | turn length for a GPU whose schedule this process creates (default 20) |
 //! | `VGPU_SPATIAL_HOLD_MS`, `VGPU_SPATIAL_SMS` | user | how long others stay squeezed after a latency launch; SMs they keep |
-//! | `VGPU_MEMORY_VMM` | user | `1`: the interposer backs every `cuMemAlloc_v2` with the driver's virtual memory management (reserve, create, map), as elastic memory will back borrowed allocations (issue 17); for compatibility runs |
+//! | `VGPU_MEMORY_VMM` | user | `1`: the interposer backs every `cuMemAlloc_v2` with the driver's virtual memory management (reserve, create, map), as elastic memory backs borrowed allocations (issue 17); for compatibility runs |
+//! | `VGPU_MEMORY_SWAP` | tests | `1`: the interposer swaps borrowed memory out when other tenants want it back, and asks borrowers for its request (issue 17); for the fake driver's tests only until launches and copies hold while memory is out |
 //!
 //! The rest of [`var`] are tuning knobs read by one component each (the NCCL plugin's transport,
 //! the libraries to load); they are listed there so that every `VGPU_*` name has one home.
@@ -71,6 +72,7 @@ pub mod var {
     pub const MEMORY_LIMIT: &str = "VGPU_MEMORY_LIMIT";
     pub const CONTEXT_OVERHEAD: &str = "VGPU_CONTEXT_OVERHEAD";
     pub const MEMORY_VMM: &str = "VGPU_MEMORY_VMM";
+    pub const MEMORY_SWAP: &str = "VGPU_MEMORY_SWAP";
     pub const COMPUTE_QUANTUM_MS: &str = "VGPU_COMPUTE_QUANTUM_MS";
     pub const SPATIAL_HOLD_MS: &str = "VGPU_SPATIAL_HOLD_MS";
     pub const SPATIAL_SMS: &str = "VGPU_SPATIAL_SMS";

@@ -6,7 +6,7 @@
 //! | --- | --- |
 //! | `<tenant>.mem` | the tenant's memory ledger ([`crate::ledger`]), created by its first process |
 //! | `<gpu uuid>.compute` | the compute schedule of a GPU the tenant is on ([`crate::compute`]) |
-//! | `<gpu uuid>.memory` | the memory board of a GPU the tenant is on ([`crate::board`]; not wired yet) |
+//! | `<gpu uuid>.memory` | the memory board of a GPU the tenant is on ([`crate::board`]), the agent's |
 //! | `nccl-activity` | the NCCL tuners' activity table (who runs collectives on the node, with what weight) |
 //! | `netshare` | the tenant's token-bucket table (`netshare::table`) |
 

@@ -13,9 +13,10 @@
 //!   schedule, and the lock-free protocols over them. Pure: no FFI, no clock, no globals.
 //! - `control`: the closed-loop part of a GPU's schedule: latency tenants' step histograms, the
 //!   agent's `Decision` for the other tenants on the GPU.
-//! - `reclaim` (pure, not wired yet): elastic memory's rule for which borrowers give memory back
-//!   when a tenant needs its request (`docs/design/elastic-memory.md`). `board` (not wired yet):
-//!   elastic memory's per-GPU memory board, the `#[repr(C)]` layout every tenant on a GPU shares
+//! - `reclaim` (pure; the interposer's swap follows it, off outside tests): elastic memory's rule for which borrowers give memory back
+//!   when a tenant needs its request (`docs/design/elastic-memory.md`). `board`:
+//!   elastic memory's per-GPU memory board (the agent writes it, the interposer reserves against
+//!   it), the `#[repr(C)]` layout every tenant on a GPU shares
 //!   and the lock-free reserve protocol against the GPU's capacity and each tenant's limit.
 //! - `shm` (with `map`): mapping those files from outside a tenant (the agent's usage report reads
 //!   them; the agent creates a GPU's schedule before any tenant runs). `writer` (feature

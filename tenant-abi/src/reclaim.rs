@@ -1,7 +1,8 @@
 //! Elastic memory (issue 17, `docs/design/elastic-memory.md`): which borrowers give memory back
 //! when a tenant needs memory within its request that the GPU no longer has free. Pure: the
-//! tenants' figures in, the reclaim asks out. Not wired yet: the per-GPU memory board and the
-//! interposer's swap are the next steps of the design; this is the rule they will follow.
+//! tenants' figures in, the reclaim asks out. The interposer asks borrowers by this rule (wants
+//! on the per-GPU memory board) when its swap is on (`VGPU_MEMORY_SWAP=1`, tests only until
+//! launches hold while memory is out).
 //!
 //! The rule, in order:
 //! 1. Only memory *above a tenant's request* is ever taken (its borrowed part); a tenant is never

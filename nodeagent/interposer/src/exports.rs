@@ -16,6 +16,7 @@
 //! charged to the current device (documented limitation).
 #![allow(unsafe_code, non_snake_case)]
 
+use crate::elastic::Borrow;
 use crate::hooks::{self, Admission};
 use crate::launch::{self, EventState, Gpu, StreamRef};
 use crate::real::{self, Driver};
@@ -26,7 +27,7 @@ use crate::vmm;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 
 /// Every hook, by the driver symbol it replaces.
-pub fn hooks() -> [(&'static CStr, *const c_void); 51] {
+pub fn hooks() -> [(&'static CStr, *const c_void); 52] {
     macro_rules! table {
         ($($name:ident),* $(,)?) => {
             [$((
@@ -57,6 +58,7 @@ pub fn hooks() -> [(&'static CStr, *const c_void); 51] {
         cuArrayDestroy,
         cuMemGetInfo_v2,
         cuDeviceTotalMem_v2,
+        cuIpcGetMemHandle,
         cuDevicePrimaryCtxRetain,
         cuGetProcAddress,
         cuGetProcAddress_v2,
@@ -153,24 +155,71 @@ unsafe fn read<T: Copy>(pointer: *const T) -> Option<T> {
     (!pointer.is_null()).then(|| unsafe { pointer.read() })
 }
 
-/// Runs an allocation through `admit` → `call` → `commit`/`abort`; `allocated` names the result
-/// and its real size after a successful call.
+/// The devices an allocation or query is for, from the driver.
+struct DriverDevices<'d> {
+    driver: &'d Driver,
+    /// `None`: the current context's device; `Some`: the one the call names (`Some(None)`: none,
+    /// as for `cuMemCreate` of host memory).
+    named: Option<Option<CUdevice>>,
+}
+
+impl<'d> DriverDevices<'d> {
+    fn current(driver: &'d Driver) -> Self {
+        DriverDevices {
+            driver,
+            named: None,
+        }
+    }
+
+    fn named(driver: &'d Driver, device: Option<CUdevice>) -> Self {
+        DriverDevices {
+            driver,
+            named: Some(device),
+        }
+    }
+}
+
+impl<'d> hooks::Devices for DriverDevices<'d> {
+    fn current(&self) -> Option<i32> {
+        match self.named {
+            Some(named) => named,
+            None => current_device(self.driver),
+        }
+    }
+
+    fn uuid(&self, ordinal: usize) -> Option<String> {
+        let uuid = RealGpu(self.driver).uuid(i32::try_from(ordinal).ok()?)?;
+        Some(launch::uuid_text(&uuid))
+    }
+
+    type Backing = vmm::SwapBacking<'d>;
+    fn backing(&self) -> Option<vmm::SwapBacking<'d>> {
+        Some(vmm::SwapBacking {
+            driver: self.driver,
+        })
+    }
+}
+
+/// Runs an allocation through `admit` → `call` → `commit`/`abort`; `call` is told whether the
+/// allocation is borrowed (past the tenant's request: it must then be VMM-backed, if `borrow`
+/// allowed it), and `allocated` names the result and its real size after a successful call.
 fn accounted_alloc(
     what: &'static str,
-    device: impl FnOnce() -> Option<CUdevice>,
+    devices: &DriverDevices<'_>,
     bytes: u64,
-    call: impl FnOnce() -> CUresult,
+    borrow: Borrow<'_>,
+    call: impl FnOnce(bool) -> CUresult,
     allocated: impl FnOnce() -> Option<(Key, u64)>,
 ) -> CUresult {
     let admission = ffi_boundary!(what, fallback = Admission::Untracked, {
-        hooks::admit(device, bytes)
+        hooks::admit(devices, bytes, borrow)
     });
     let ticket = match admission {
         Admission::Refused => return CUDA_ERROR_OUT_OF_MEMORY,
-        Admission::Untracked => return call(),
+        Admission::Untracked => return call(false),
         Admission::Charged(ticket) => ticket,
     };
-    let rc = call();
+    let rc = call(ticket.borrowed());
     ffi_boundary!(what, fallback = (), {
         match allocated().filter(|_| rc == CUDA_SUCCESS) {
             Some((key, real_bytes)) => hooks::commit(ticket, key, real_bytes),
@@ -180,6 +229,28 @@ fn accounted_alloc(
     rc
 }
 
+/// A borrowed allocation of `bytes`, VMM-backed on the current device; a driver that cannot back
+/// it refuses it (`vmm` said why, once).
+///
+/// # Safety
+/// `out` is valid for a write of one `CUdeviceptr`.
+unsafe fn borrowed_alloc(driver: &Driver, bytes: usize, out: *mut CUdeviceptr) -> CUresult {
+    current_device(driver)
+        // SAFETY: `out` is valid for a write under the caller's contract.
+        .and_then(|device| unsafe {
+            vmm::alloc(driver, device, bytes, out, vmm::Purpose::Borrowed)
+        })
+        .unwrap_or(CUDA_ERROR_OUT_OF_MEMORY)
+}
+
+/// What a VMM-backed allocation of `bytes` on the current device takes, if the driver can back
+/// one.
+fn vmm_rounded(driver: &Driver, bytes: u64) -> Option<u64> {
+    let device = current_device(driver)?;
+    let rounded = vmm::rounded(driver, device, usize::try_from(bytes).ok()?)?;
+    u64::try_from(rounded).ok()
+}
+
 /// Runs a free: forget `key`, `call`, then credit (or restore if the driver refused).
 fn accounted_free(what: &'static str, key: Key, call: impl FnOnce() -> CUresult) -> CUresult {
     let charge = ffi_boundary!(what, fallback = None, { hooks::forget(key) });
@@ -187,7 +258,7 @@ fn accounted_free(what: &'static str, key: Key, call: impl FnOnce() -> CUresult)
     if let Some(charge) = charge {
         ffi_boundary!(what, fallback = (), {
             if rc == CUDA_SUCCESS {
-                hooks::credit(charge);
+                hooks::credit(key, charge);
             } else {
                 hooks::restore(key, charge);
             }
@@ -202,16 +273,25 @@ fn accounted_free(what: &'static str, key: Key, call: impl FnOnce() -> CUresult)
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
     ffi_boundary!("cuMemAlloc_v2", fallback = CUDA_ERROR_UNKNOWN, {
         let (driver, real) = real_fn!(mem_alloc);
+        let rounded = || vmm_rounded(driver, bytesize as u64);
         accounted_alloc(
             "cuMemAlloc_v2",
-            || current_device(driver),
+            &DriverDevices::current(driver),
             bytesize as u64,
-            || {
+            Borrow::Backed(&rounded),
+            |borrowed| {
+                if borrowed {
+                    // SAFETY: `dptr` is valid for a write under the caller's contract.
+                    return unsafe { borrowed_alloc(driver, bytesize, dptr) };
+                }
                 // `VGPU_MEMORY_VMM=1`: backed by VMM where it can be (`vmm`).
                 let backed = if vmm::enabled() {
-                    current_device(driver)
+                    current_device(driver).and_then(|device| {
                         // SAFETY: `dptr` is valid for a write under the caller's contract.
-                        .and_then(|device| unsafe { vmm::alloc(driver, device, bytesize, dptr) })
+                        unsafe {
+                            vmm::alloc(driver, device, bytesize, dptr, vmm::Purpose::Everything)
+                        }
+                    })
                 } else {
                     None
                 };
@@ -248,19 +328,39 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
             .div_ceil(512)
             .saturating_mul(512)
             .saturating_mul(height as u64);
+        let rounded = || vmm_rounded(driver, estimate);
         accounted_alloc(
             "cuMemAllocPitch_v2",
-            || current_device(driver),
+            &DriverDevices::current(driver),
             estimate,
-            // SAFETY: forwarded unchanged under the caller's contract.
-            || unsafe { real(dptr, pitch, width_bytes, height, element_size_bytes) },
+            Borrow::Backed(&rounded),
+            |borrowed| {
+                if !borrowed {
+                    // SAFETY: forwarded unchanged under the caller's contract.
+                    return unsafe { real(dptr, pitch, width_bytes, height, element_size_bytes) };
+                }
+                // Borrowed: VMM-backed rows of the pitch the estimate assumed (512-byte aligned,
+                // what the driver chooses on the GPUs we know), checked as the driver checks.
+                if pitch.is_null() || !matches!(element_size_bytes, 4 | 8 | 16) {
+                    return CUDA_ERROR_INVALID_VALUE;
+                }
+                let Ok(bytes) = usize::try_from(estimate) else {
+                    return CUDA_ERROR_OUT_OF_MEMORY;
+                };
+                // SAFETY: `dptr` is valid for a write under the caller's contract.
+                let rc = unsafe { borrowed_alloc(driver, bytes, dptr) };
+                if rc == CUDA_SUCCESS {
+                    // SAFETY: checked non-null above; valid for a write by the caller's contract.
+                    unsafe { pitch.write(width_bytes.div_ceil(512).saturating_mul(512)) };
+                }
+                rc
+            },
             || {
-                // SAFETY: the driver wrote `*dptr` and `*pitch` on success.
+                // SAFETY: the driver (or the borrowed path) wrote `*dptr` and `*pitch` on success.
                 let (p, pitch) = unsafe { (read(dptr)?, read(pitch)?) };
-                Some((
-                    Key::Pointer(p),
-                    (pitch as u64).saturating_mul(height as u64),
-                ))
+                let size =
+                    vmm::size_of(p).unwrap_or_else(|| (pitch as u64).saturating_mul(height as u64));
+                Some((Key::Pointer(p), size))
             },
         )
     })
@@ -280,10 +380,11 @@ pub unsafe extern "C" fn cuMemAllocManaged(
         let (driver, real) = real_fn!(mem_alloc_managed);
         accounted_alloc(
             "cuMemAllocManaged",
-            || current_device(driver),
+            &DriverDevices::current(driver),
             bytesize as u64,
+            Borrow::Never("cuMemAllocManaged (managed memory)"),
             // SAFETY: forwarded unchanged under the caller's contract.
-            || unsafe { real(dptr, bytesize, flags) },
+            |_| unsafe { real(dptr, bytesize, flags) },
             // SAFETY: the driver wrote `*dptr` on success.
             || unsafe { read(dptr) }.map(|p| (Key::Pointer(p), bytesize as u64)),
         )
@@ -316,19 +417,22 @@ pub unsafe extern "C" fn cuMemCreate(
     flags: c_ulonglong,
 ) -> CUresult {
     ffi_boundary!("cuMemCreate", fallback = CUDA_ERROR_UNKNOWN, {
-        let (_, real) = real_fn!(mem_create);
+        let (driver, real) = real_fn!(mem_create);
         // SAFETY: the caller passes a valid property struct or null (which the driver rejects).
         let location = unsafe { prop.as_ref() }.map(|p| (p.location.type_, p.location.id));
         let device = match location {
             Some((CU_MEM_LOCATION_TYPE_DEVICE, id)) => Some(id),
             _ => None,
         };
+        // Past the request: allowed and counted as borrowed, never swapped (the application maps
+        // the handle itself). Not on a device: not charged.
         accounted_alloc(
             "cuMemCreate",
-            || device,
+            &DriverDevices::named(driver, device),
             size as u64,
+            Borrow::Counted,
             // SAFETY: forwarded unchanged under the caller's contract.
-            || unsafe { real(handle, size, prop, flags) },
+            |_| unsafe { real(handle, size, prop, flags) },
             // SAFETY: the driver wrote `*handle` on success.
             || unsafe { read(handle) }.map(|h| (Key::Handle(h), size as u64)),
         )
@@ -362,9 +466,10 @@ fn alloc_async(
 ) -> CUresult {
     accounted_alloc(
         what,
-        || current_device(driver),
+        &DriverDevices::current(driver),
         bytesize as u64,
-        call,
+        Borrow::Never("the stream-ordered allocator (cuMemAllocAsync, cudaMallocAsync)"),
+        |_| call(),
         // SAFETY: the driver wrote `*dptr` on success.
         || unsafe { read(dptr) }.map(|p| (Key::Pointer(p), bytesize as u64)),
     )
@@ -495,10 +600,11 @@ pub unsafe extern "C" fn cuArrayCreate_v2(
         });
         accounted_alloc(
             "cuArrayCreate_v2",
-            || current_device(driver),
+            &DriverDevices::current(driver),
             bytes,
+            Borrow::Never("a CUDA array"),
             // SAFETY: forwarded unchanged under the caller's contract.
-            || unsafe { real(handle, descriptor) },
+            |_| unsafe { real(handle, descriptor) },
             // SAFETY: the driver wrote `*handle` on success.
             || unsafe { read(handle) }.map(|a| (Key::Array(a as usize), bytes)),
         )
@@ -520,10 +626,11 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(
         });
         accounted_alloc(
             "cuArray3DCreate_v2",
-            || current_device(driver),
+            &DriverDevices::current(driver),
             bytes,
+            Borrow::Never("a CUDA array"),
             // SAFETY: forwarded unchanged under the caller's contract.
-            || unsafe { real(handle, descriptor) },
+            |_| unsafe { real(handle, descriptor) },
             // SAFETY: the driver wrote `*handle` on success.
             || unsafe { read(handle) }.map(|a| (Key::Array(a as usize), bytes)),
         )
@@ -543,7 +650,8 @@ pub unsafe extern "C" fn cuArrayDestroy(array: CUarray) -> CUresult {
     })
 }
 
-/// Reports the tenant's slice: total = min(limit, real), free = min(real free, limit − used).
+/// Reports the tenant's slice: total = min(its limit, real), free = min(real free, what it may
+/// still allocate) (`hooks::report_mem_info`).
 ///
 /// # Safety
 /// The driver's contract for `cuMemGetInfo_v2`.
@@ -565,7 +673,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
             fallback = (real_free as u64, real_total as u64),
             {
                 hooks::report_mem_info(
-                    || current_device(driver),
+                    &DriverDevices::current(driver),
                     real_free as u64,
                     real_total as u64,
                 )
@@ -585,7 +693,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: CUdevice) -> CUresult {
     ffi_boundary!("cuDeviceTotalMem_v2", fallback = CUDA_ERROR_UNKNOWN, {
-        let (_, real) = real_fn!(device_total_mem);
+        let (driver, real) = real_fn!(device_total_mem);
         // SAFETY: forwarded unchanged under the caller's contract.
         let rc = unsafe { real(bytes, device) };
         // SAFETY: on success the driver wrote the (non-null) out-parameter.
@@ -596,11 +704,52 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: CUdevice
             return rc;
         };
         let shown = ffi_boundary!("cuDeviceTotalMem_v2", fallback = real_total as u64, {
-            hooks::report_total(device, real_total as u64)
+            hooks::report_total(
+                &DriverDevices::named(driver, Some(device)),
+                device,
+                real_total as u64,
+            )
         });
         // SAFETY: read above, so non-null and valid.
         unsafe { bytes.write(shown as usize) };
         rc
+    })
+}
+
+/// Legacy IPC does not work on VMM-backed memory, and a borrowed allocation must not leave the
+/// process unnoticed: for a pointer into one of the interposer's VMM-backed allocations the
+/// answer is `CUDA_ERROR_NOT_SUPPORTED`, with a line saying what to do; others go to the driver.
+///
+/// # Safety
+/// The driver's contract for `cuIpcGetMemHandle`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuIpcGetMemHandle(
+    handle: *mut CUipcMemHandle,
+    dptr: CUdeviceptr,
+) -> CUresult {
+    ffi_boundary!("cuIpcGetMemHandle", fallback = CUDA_ERROR_UNKNOWN, {
+        let (_, real) = real_fn!(ipc_get_mem_handle);
+        let backed = ffi_boundary!("cuIpcGetMemHandle", fallback = None, {
+            vmm::purpose_at(dptr)
+        });
+        if let Some(purpose) = backed {
+            let why = match purpose {
+                vmm::Purpose::Borrowed => "it is borrowed past the tenant's request, and borrowed \
+                                           memory is VMM-backed; raise the request (--memory) so \
+                                           that it fits within it"
+                    .to_owned(),
+                vmm::Purpose::Everything => format!(
+                    "{}=1 backs every cuMemAlloc with VMM; unset it to use legacy IPC",
+                    tenant_abi::env::var::MEMORY_VMM
+                ),
+            };
+            crate::log::error(format_args!(
+                "cuIpcGetMemHandle({dptr:#x}): not supported: {why}"
+            ));
+            return CUDA_ERROR_NOT_SUPPORTED;
+        }
+        // SAFETY: forwarded unchanged under the caller's contract.
+        unsafe { real(handle, dptr) }
     })
 }
 

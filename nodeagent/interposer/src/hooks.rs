@@ -1,7 +1,7 @@
 //! The memory policy behind the hooks, in safe code: whether an allocation may proceed, what it
 //! charged, what a free credits, and what the tenant is told about memory. `exports` calls these
-//! around each real driver call; this module never calls the driver itself (the current device
-//! is passed in as a closure, evaluated only when needed).
+//! around each real driver call; this module never calls the driver itself (the device, its uuid
+//! and the swap's driver work come in through `Devices`, asked only when needed).
 //!
 //! Policy on failures:
 //! - no `VGPU_TENANT`: everything passes through untouched;
@@ -12,9 +12,18 @@
 //!   through to the real driver untracked (fail open, logged as a bug);
 //! - over the limit: `CUDA_ERROR_OUT_OF_MEMORY`.
 //!
+//! Elastic memory (`elastic`): where the agent put a memory board for the GPU, an allocation past
+//! the tenant's request (the ledger's limit) borrows what the GPU has free, up to the tenant's
+//! limit, through the paths that may borrow; a borrowed `cuMemAlloc_v2` is VMM-backed
+//! (`Ticket::borrowed` tells `exports`). With `VGPU_MEMORY_SWAP=1` (tests only) each allocation
+//! and `cuMemGetInfo` also runs the swap (`swap`): a want on the tenant moves borrowed chunks out,
+//! and a request that others borrowed asks them back and waits, bounded.
+//!
 //! The compute side (launch gating) is `launch`, with its own failure policy (fail open).
 
+use crate::elastic::{self, Borrow, DeviceBoard};
 use crate::ledger::{Ledger, ProcLiveness, own_start_time};
+use crate::swap;
 use crate::tracker::{Charge, Key, Tracker};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,8 +47,30 @@ pub enum Admission {
 pub struct Ticket {
     slot: usize,
     device: usize,
+    /// Charged to the ledger, and to the board when `on_board`.
     bytes: u64,
     overhead_bytes: u64,
+    on_board: bool,
+    borrowed: bool,
+}
+
+impl Ticket {
+    /// Past the tenant's request: a `cuMemAlloc_v2` or `cuMemAllocPitch_v2` must then be
+    /// VMM-backed, and a driver that cannot back it refuses it.
+    pub fn borrowed(&self) -> bool {
+        self.borrowed
+    }
+}
+
+/// Where an allocation goes, as `exports` learns it from the driver (asked only when needed).
+pub trait Devices {
+    /// The CUDA ordinal of the device the allocation or query is for.
+    fn current(&self) -> Option<i32>;
+    /// The uuid (`GPU-...`) of the device with this CUDA ordinal: names its memory board.
+    fn uuid(&self, ordinal: usize) -> Option<String>;
+    /// The swap's driver work (`VGPU_MEMORY_SWAP=1`), if this call may do it.
+    type Backing: swap::Backing;
+    fn backing(&self) -> Option<Self::Backing>;
 }
 
 enum Mode {
@@ -51,13 +82,22 @@ enum Mode {
 struct Enforcer {
     config: MemoryEnv,
     ledger: OnceLock<Result<Ledger<'static, ProcLiveness>, String>>,
+    /// Each GPU's memory board, looked for once (`None`: no elastic memory on it).
+    boards: [OnceLock<Option<DeviceBoard>>; DEVICES_MAX],
+    /// `VGPU_MEMORY_SWAP=1`: borrowed chunks go out when others want memory back, and a request
+    /// that others borrowed asks them (tests only until launches hold: `swap`).
+    swap: bool,
     process: Mutex<Process>,
 }
 
-/// This process's view: its slot, its live allocations, which devices paid the context overhead.
+/// This process's view: its slots, its live allocations, which devices paid the context overhead.
 struct Process {
     pid: u32,
     slot: Option<usize>,
+    /// Its slot on each GPU's board, claimed at its first allocation there.
+    board_slots: [Option<usize>; DEVICES_MAX],
+    /// Its borrowed, VMM-backed allocations on each GPU: what the swap may move.
+    chunks: [swap::Chunks; DEVICES_MAX],
     tracker: Tracker,
     overhead_charged: [bool; DEVICES_MAX],
 }
@@ -67,6 +107,8 @@ impl Process {
         Process {
             pid: std::process::id(),
             slot: None,
+            board_slots: [None; DEVICES_MAX],
+            chunks: std::array::from_fn(|_| swap::Chunks::default()),
             tracker: Tracker::default(),
             overhead_charged: [false; DEVICES_MAX],
         }
@@ -86,6 +128,9 @@ fn mode() -> &'static Mode {
                 Mode::Enforcing(Box::new(Enforcer {
                     config,
                     ledger: OnceLock::new(),
+                    boards: [const { OnceLock::new() }; DEVICES_MAX],
+                    swap: std::env::var_os(tenant_abi::env::var::MEMORY_SWAP)
+                        .is_some_and(|value| value == "1"),
                     process: Mutex::new(Process::new()),
                 }))
             }
@@ -144,7 +189,57 @@ impl Enforcer {
         process.slot
     }
 
-    fn admit(&self, device: usize, bytes: u64) -> Admission {
+    /// The board of `device` if the agent put one in the tenant's directory and the device is
+    /// limited; looked for once per process (`uuid` is asked then).
+    fn board(&self, device: usize, uuid: impl FnOnce() -> Option<String>) -> Option<&DeviceBoard> {
+        self.config.limits_bytes[device]?;
+        self.boards[device]
+            .get_or_init(|| {
+                let uuid = uuid()?;
+                match elastic::open(&self.config.shm_dir, &self.config.tenant, &uuid) {
+                    Ok(found) => found,
+                    Err(e) => {
+                        crate::log::error(format_args!(
+                            "{e}; memory past the request is not lent on device {device} (the \
+                             request is a hard quota there)"
+                        ));
+                        None
+                    }
+                }
+            })
+            .as_ref()
+    }
+
+    /// This process's slot on `board`, claimed on first use.
+    fn board_slot(
+        &self,
+        board: &DeviceBoard,
+        device: usize,
+        process: &mut Process,
+    ) -> Option<usize> {
+        if process.board_slots[device].is_none() {
+            process.board_slots[device] =
+                board
+                    .board
+                    .claim_slot(process.pid, own_start_time(), board.tenant);
+            if process.board_slots[device].is_none() {
+                error_once(&format!(
+                    "all {} process slots of the memory board of device {device} are in use by \
+                     live processes; GPU allocations of this process there are refused",
+                    tenant_abi::board::SLOTS
+                ));
+            }
+        }
+        process.board_slots[device]
+    }
+
+    fn admit(
+        &self,
+        devices: &impl Devices,
+        device: usize,
+        bytes: u64,
+        borrow: Borrow<'_>,
+    ) -> Admission {
         let ledger = match self.ledger() {
             Ok(ledger) => ledger,
             Err(e) => {
@@ -154,10 +249,25 @@ impl Enforcer {
                 return Admission::Refused;
             }
         };
+        let board = if bytes > 0 {
+            self.board(device, || devices.uuid(device))
+        } else {
+            None
+        };
         let mut process = self.process();
         let Some(slot) = self.slot(ledger, &mut process) else {
             return Admission::Refused;
         };
+        let board_slot = match board {
+            Some(board) => match self.board_slot(board, device, &mut process) {
+                Some(board_slot) => Some((board, board_slot)),
+                None => return Admission::Refused,
+            },
+            None => None,
+        };
+        if let Some((board, board_slot)) = board_slot {
+            self.poll_swap(devices, board, (device, board_slot), &mut process);
+        }
         let overhead_bytes = if process.overhead_charged[device] {
             0
         } else {
@@ -168,50 +278,320 @@ impl Enforcer {
             // to refuse even if the tenant is at its limit.
             return Admission::Untracked;
         }
-        match ledger.reserve(slot, device, bytes.saturating_add(overhead_bytes)) {
+        let refused = match ledger.reserve(slot, device, bytes.saturating_add(overhead_bytes)) {
             Ok(()) => {
+                return self.within_request(
+                    ledger,
+                    &mut process,
+                    (slot, board_slot),
+                    device,
+                    (bytes, overhead_bytes),
+                );
+            }
+            Err(refused) => refused,
+        };
+        if let Some((board, board_slot)) = board_slot
+            && board.request_and_limit().1 > refused.limit_bytes
+        {
+            if !matches!(borrow, Borrow::Never(_))
+                && !self.held_back(devices, board, (device, board_slot), &mut process)
+            {
+                return Admission::Refused;
+            }
+            return self.borrow(
+                ledger,
+                &mut process,
+                (slot, board, board_slot),
+                device,
+                (bytes, overhead_bytes),
+                borrow,
+            );
+        }
+        let what = if bytes == 0 {
+            format!(
+                "a CUDA context ({} charged per process and GPU, VGPU_CONTEXT_OVERHEAD)",
+                human(overhead_bytes)
+            )
+        } else {
+            human(bytes.saturating_add(overhead_bytes))
+        };
+        crate::log::error(format_args!(
+            "refused {what} on device {device}: tenant {} holds {} of its {} (out of memory)",
+            self.config.tenant,
+            human(refused.used_bytes),
+            human(refused.limit_bytes),
+        ));
+        Admission::Refused
+    }
+
+    /// A process with borrowed memory in host memory borrows more only once all of it is back
+    /// (the hold rule: `swap::hold`, bounded); whether it is (always, without the swap).
+    fn held_back(
+        &self,
+        devices: &impl Devices,
+        board: &DeviceBoard,
+        (device, board_slot): (usize, usize),
+        process: &mut Process,
+    ) -> bool {
+        let chunks = &mut process.chunks[device];
+        if !self.swap || !chunks.held() {
+            return true;
+        }
+        let Some(mut backing) = devices.backing() else {
+            return false;
+        };
+        let mut counters = elastic::SlotCounters {
+            board,
+            slot: board_slot,
+        };
+        let back = swap::hold(|| chunks.take_back(&mut backing, &mut counters));
+        if !back {
+            crate::log::error(format_args!(
+                "refused to borrow more on device {device}: this process's borrowed memory is \
+                 still in host memory (other tenants hold the GPU's memory); wait for them to \
+                 free it (out of memory)"
+            ));
+        }
+        back
+    }
+
+    /// An allocation the ledger granted (within the request): on a GPU with a board, reserved
+    /// there too, or (the board refused: others borrowed the memory) given back to the ledger
+    /// and refused unless a reclaim gets it (`reclaimed`).
+    fn within_request(
+        &self,
+        ledger: &Ledger<'static, ProcLiveness>,
+        process: &mut Process,
+        (slot, board_slot): (usize, Option<(&DeviceBoard, usize)>),
+        device: usize,
+        (bytes, overhead_bytes): (u64, u64),
+    ) -> Admission {
+        if let Some((board, board_slot)) = board_slot
+            && let Err(why) = board.board.reserve(board_slot, bytes)
+            && !self.reclaimed(board, board_slot, bytes, why)
+        {
+            ledger.release(slot, device, bytes.saturating_add(overhead_bytes));
+            crate::log::error(format_args!(
+                "{}",
+                elastic::within_request_refused(&human(bytes), device, &self.config.tenant, why)
+            ));
+            return Admission::Refused;
+        }
+        process.overhead_charged[device] |= overhead_bytes > 0;
+        Admission::Charged(Ticket {
+            slot,
+            device,
+            bytes,
+            overhead_bytes,
+            on_board: board_slot.is_some(),
+            borrowed: false,
+        })
+    }
+
+    /// An allocation of `bytes` past the tenant's request (the ledger refused it) on a GPU with a
+    /// board that lends past it: granted when the path may borrow, the board has that much free
+    /// and the tenant stays within its limit; then charged to the ledger without its check.
+    fn borrow(
+        &self,
+        ledger: &Ledger<'static, ProcLiveness>,
+        process: &mut Process,
+        (slot, board, board_slot): (usize, &DeviceBoard, usize),
+        device: usize,
+        (bytes, overhead_bytes): (u64, u64),
+        borrow: Borrow<'_>,
+    ) -> Admission {
+        let tenant = &self.config.tenant;
+        let (request, _) = board.request_and_limit();
+        let charged = match borrow {
+            Borrow::Never(path) => {
+                crate::log::error(format_args!(
+                    "{}",
+                    elastic::may_not_borrow(&human(bytes), device, tenant, request, path)
+                ));
+                return Admission::Refused;
+            }
+            Borrow::Counted => bytes,
+            Borrow::Backed(rounded) => match rounded() {
+                Some(rounded) => rounded,
+                None => {
+                    crate::log::error(format_args!(
+                        "{}",
+                        elastic::may_not_borrow(
+                            &human(bytes),
+                            device,
+                            tenant,
+                            request,
+                            "this driver (it lacks virtual memory management)"
+                        )
+                    ));
+                    return Admission::Refused;
+                }
+            },
+        };
+        assert!(
+            charged >= bytes,
+            "a borrowed allocation is charged at least its size"
+        );
+        // A context this process has not paid for yet stays within the request.
+        if overhead_bytes > 0 && ledger.reserve(slot, device, overhead_bytes).is_err() {
+            crate::log::error(format_args!(
+                "refused {} on device {device}: the CUDA context's {} does not fit in tenant \
+                 {tenant}'s request (out of memory)",
+                human(bytes),
+                human(overhead_bytes)
+            ));
+            return Admission::Refused;
+        }
+        match board.board.reserve(board_slot, charged) {
+            Ok(_) => {
+                ledger.charge(slot, device, charged);
                 process.overhead_charged[device] |= overhead_bytes > 0;
                 Admission::Charged(Ticket {
                     slot,
                     device,
-                    bytes,
+                    bytes: charged,
                     overhead_bytes,
+                    on_board: true,
+                    borrowed: true,
                 })
             }
-            Err(refused) => {
-                let what = if bytes == 0 {
-                    format!(
-                        "a CUDA context ({} charged per process and GPU, VGPU_CONTEXT_OVERHEAD)",
-                        human(overhead_bytes)
-                    )
-                } else {
-                    human(bytes.saturating_add(overhead_bytes))
-                };
+            Err(why) => {
+                ledger.release(slot, device, overhead_bytes);
                 crate::log::error(format_args!(
-                    "refused {what} on device {device}: tenant {} holds {} of its {} (out of memory)",
-                    self.config.tenant,
-                    human(refused.used_bytes),
-                    human(refused.limit_bytes),
+                    "{}",
+                    elastic::borrow_refused(&human(charged), device, tenant, request, why)
                 ));
                 Admission::Refused
             }
         }
     }
+
+    /// The swap's part of every hook call on a GPU with a board (`VGPU_MEMORY_SWAP=1`): gives
+    /// back what other tenants want of this tenant (its borrowed chunks, largest first, to host
+    /// memory), and brings chunks back when the GPU has room again.
+    fn poll_swap(
+        &self,
+        devices: &impl Devices,
+        board: &DeviceBoard,
+        (device, board_slot): (usize, usize),
+        process: &mut Process,
+    ) {
+        if !self.swap {
+            return;
+        }
+        let chunks = &mut process.chunks[device];
+        // A process with nothing to give leaves the want to the tenant's other processes.
+        let want = if chunks.any_resident() {
+            board.board.take_want(board.tenant)
+        } else {
+            0
+        };
+        if want == 0 && !chunks.held() {
+            return;
+        }
+        let Some(mut backing) = devices.backing() else {
+            return;
+        };
+        let mut counters = elastic::SlotCounters {
+            board,
+            slot: board_slot,
+        };
+        if want > 0 {
+            let given = chunks.give_back(want, &mut backing, &mut counters);
+            if given > 0 && given < want {
+                // The rest is for the tenant's other processes.
+                board.board.post_want(board.tenant, want - given);
+            }
+            crate::log::error(format_args!(
+                "other tenants asked tenant {} for {} of the GPU's memory back: {} of this \
+                 process's borrowed memory went to host memory (it comes back when the GPU has \
+                 room)",
+                self.config.tenant,
+                human(want),
+                human(given)
+            ));
+        }
+        if chunks.held() {
+            chunks.take_back(&mut backing, &mut counters);
+        }
+    }
+
+    /// An allocation within the request that the board refused because others borrowed the
+    /// memory (`VGPU_MEMORY_SWAP=1`): asks the borrowers the reclaim planner picks for it
+    /// (`tenant_abi::reclaim::plan`, wants on the board) and waits, bounded, until they gave it
+    /// back. Whether it was granted (then it is reserved on the board).
+    fn reclaimed(
+        &self,
+        board: &DeviceBoard,
+        board_slot: usize,
+        bytes: u64,
+        why: tenant_abi::board::Refusal,
+    ) -> bool {
+        if !self.swap || !matches!(why, tenant_abi::board::Refusal::NeedsReclaim { .. }) {
+            return false;
+        }
+        let region = board.board.region;
+        let asks = match tenant_abi::reclaim::plan(
+            &region.holders(),
+            &self.config.tenant,
+            bytes,
+            region.free(),
+        ) {
+            Ok(asks) => asks,
+            Err(e) => {
+                crate::log::error(format_args!("no reclaim: {e}"));
+                return false;
+            }
+        };
+        for (name, asked) in &asks {
+            if let Some(index) = region.find(name) {
+                board.board.post_want(index, *asked);
+            }
+        }
+        // Charged before the room is there, so that the room the borrowers make is this
+        // tenant's: a borrower swapping back in, or a new borrow, sees the GPU full until then.
+        // The process's other threads wait for its state meanwhile (bounded, like this wait).
+        board.board.charge(board_slot, bytes);
+        let granted = elastic::wait_for_room(|| region.fits());
+        if !granted {
+            board.board.release(board_slot, bytes);
+            crate::log::error(format_args!(
+                "asked {} borrower(s) for {} of tenant {}'s request; it was not given back \
+                 within {} ms",
+                asks.len(),
+                human(bytes),
+                self.config.tenant,
+                elastic::RECLAIM_WAIT_MAX_MS
+            ));
+        }
+        granted
+    }
+
+    /// The board slot of `device` for crediting, if this process charged that board.
+    fn charged_board(&self, device: usize) -> Option<(&DeviceBoard, usize)> {
+        let board = self.boards[device].get()?.as_ref()?;
+        let slot = self.process().board_slots[device]?;
+        Some((board, slot))
+    }
 }
 
-/// Decides whether an allocation of `bytes` on the current device (`device()`, asked only when a
-/// tenant is configured) may go to the driver.
-pub fn admit(device: impl FnOnce() -> Option<i32>, bytes: u64) -> Admission {
+/// Decides whether an allocation of `bytes` on `devices.current()` (asked only when a tenant is
+/// configured) may go to the driver; `borrow` says whether and how it may go past the request.
+pub fn admit(devices: &impl Devices, bytes: u64, borrow: Borrow<'_>) -> Admission {
     match mode() {
         Mode::PassThrough => Admission::Untracked,
         Mode::Broken(message) => {
             error_once(message);
             Admission::Refused
         }
-        Mode::Enforcing(enforcer) => match device().and_then(|d| usize::try_from(d).ok()) {
-            Some(device) if device < DEVICES_MAX => enforcer.admit(device, bytes),
-            _ => Admission::Untracked,
-        },
+        Mode::Enforcing(enforcer) => {
+            match devices.current().and_then(|d| usize::try_from(d).ok()) {
+                Some(device) if device < DEVICES_MAX => {
+                    enforcer.admit(devices, device, bytes, borrow)
+                }
+                _ => Admission::Untracked,
+            }
+        }
     }
 }
 
@@ -233,7 +613,21 @@ pub fn admit_context(device: i32) -> Admission {
     if enforcer.ledger().is_err() {
         return Admission::Untracked;
     }
-    enforcer.admit(device, 0)
+    // A context is never on the board (its capacity leaves room for contexts), so no uuid.
+    struct NoBoard;
+    impl Devices for NoBoard {
+        fn current(&self) -> Option<i32> {
+            None
+        }
+        fn uuid(&self, _: usize) -> Option<String> {
+            None
+        }
+        type Backing = swap::NoBacking;
+        fn backing(&self) -> Option<swap::NoBacking> {
+            None
+        }
+    }
+    enforcer.admit(&NoBoard, device, 0, Borrow::Never("a CUDA context"))
 }
 
 /// The driver created (or retained) the context `admit_context` charged for: the charge stays
@@ -254,19 +648,64 @@ pub fn commit(ticket: Ticket, key: Key, bytes: u64) {
     let Ok(ledger) = enforcer.ledger() else {
         unreachable!("a ticket exists only with a ledger")
     };
+    let board = ticket
+        .on_board
+        .then(|| enforcer.charged_board(ticket.device))
+        .flatten();
+    assert_eq!(
+        board.is_some(),
+        ticket.on_board,
+        "a board ticket has a board slot"
+    );
     if bytes > ticket.bytes {
         ledger.charge(ticket.slot, ticket.device, bytes - ticket.bytes);
+        if let Some((board, slot)) = board {
+            board.board.charge(slot, bytes - ticket.bytes);
+        }
     } else {
         ledger.release(ticket.slot, ticket.device, ticket.bytes - bytes);
+        if let Some((board, slot)) = board {
+            board.board.release(slot, ticket.bytes - bytes);
+        }
     }
     let charge = Charge {
         device: ticket.device,
         bytes,
+        on_board: ticket.on_board,
+        borrowed: ticket.borrowed,
     };
-    let stale = enforcer.process().tracker.insert(key, charge);
+    let stale = {
+        let mut process = enforcer.process();
+        if let (true, true, Key::Pointer(address)) = (enforcer.swap, ticket.borrowed, key) {
+            // A borrowed pointer is VMM-backed (`exports`): the swap may move it.
+            process.chunks[ticket.device].add(address, bytes);
+        }
+        process.tracker.insert(key, charge)
+    };
     if let Some(stale) = stale {
         // Freed through a path we do not see; the driver reuses the address now.
-        ledger.release(ticket.slot, stale.device, stale.bytes);
+        credit_to(enforcer, ledger, ticket.slot, stale, false);
+    }
+}
+
+/// Credits `charge` to the ledger's `slot` and, if it was on the board, to the board: to its
+/// swapped bytes if it was `out` (freed while in host memory), else to its resident bytes.
+fn credit_to(
+    enforcer: &Enforcer,
+    ledger: &Ledger<'static, ProcLiveness>,
+    slot: usize,
+    charge: Charge,
+    out: bool,
+) {
+    ledger.release(slot, charge.device, charge.bytes);
+    if charge.on_board
+        && let Some((board, board_slot)) = enforcer.charged_board(charge.device)
+    {
+        if out {
+            board.board.release_swapped(board_slot, charge.bytes);
+        } else {
+            board.board.release(board_slot, charge.bytes);
+        }
     }
 }
 
@@ -283,6 +722,11 @@ pub fn abort(ticket: Ticket) {
         ticket.device,
         ticket.bytes + ticket.overhead_bytes,
     );
+    if ticket.on_board
+        && let Some((board, slot)) = enforcer.charged_board(ticket.device)
+    {
+        board.board.release(slot, ticket.bytes);
+    }
     if ticket.overhead_bytes > 0 {
         enforcer.process().overhead_charged[ticket.device] = false;
     }
@@ -304,55 +748,122 @@ pub fn restore(key: Key, charge: Charge) {
     }
 }
 
-/// The driver freed an allocation: credit it back.
-pub fn credit(charge: Charge) {
+/// The driver freed `key`: credit it back.
+pub fn credit(key: Key, charge: Charge) {
     let Mode::Enforcing(enforcer) = mode() else {
         return;
     };
     let Ok(ledger) = enforcer.ledger() else {
         return;
     };
-    let slot = enforcer.process().slot;
+    let (slot, chunk) = {
+        let mut process = enforcer.process();
+        let chunk = match key {
+            Key::Pointer(address) => process.chunks[charge.device].remove(address),
+            _ => None,
+        };
+        (process.slot, chunk)
+    };
     if let Some(slot) = slot {
-        ledger.release(slot, charge.device, charge.bytes);
+        credit_to(enforcer, ledger, slot, charge, chunk.is_some_and(|c| c.out));
     }
 }
 
-/// The limit and current usage of the tenant on a device, if it is limited. Dead processes are
-/// reclaimed first, so the figure is current.
-fn limited(device: Option<i32>) -> Option<(u64, u64)> {
+/// What a tenant sees of a limited device (bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slice {
+    /// Its limit: the request, or past it the limit it may borrow up to (elastic memory).
+    pub limit_bytes: u64,
+    /// What its processes hold there (context overheads included).
+    pub used_bytes: u64,
+    /// What it may still allocate now (`elastic::allocatable`).
+    pub allocatable_bytes: u64,
+}
+
+/// The tenant's slice of `device`, if it is limited (`uuid` names its board, asked once). Dead
+/// processes are reclaimed first, so the figures are current.
+fn limited(device: Option<i32>, uuid: impl FnOnce(usize) -> Option<String>) -> Option<Slice> {
     let Mode::Enforcing(enforcer) = mode() else {
         return None;
     };
     let device = usize::try_from(device?).ok().filter(|&d| d < DEVICES_MAX)?;
     let ledger = enforcer.ledger().ok()?;
-    let limit_bytes = ledger.region.limit(device)?;
+    let request_bytes = ledger.region.limit(device)?;
     ledger.reclaim_dead(std::process::id());
-    Some((limit_bytes, ledger.region.used_total(device)))
+    let used_bytes = ledger.region.used_total(device);
+    let slice = match enforcer.board(device, || uuid(device)) {
+        Some(board) => {
+            board.board.reclaim_dead(std::process::id());
+            let limit_bytes = board.request_and_limit().1.max(request_bytes);
+            Slice {
+                limit_bytes,
+                used_bytes,
+                allocatable_bytes: elastic::allocatable(
+                    request_bytes,
+                    limit_bytes,
+                    used_bytes,
+                    board.board.region.free(),
+                ),
+            }
+        }
+        None => Slice {
+            limit_bytes: request_bytes,
+            used_bytes,
+            allocatable_bytes: request_bytes.saturating_sub(used_bytes),
+        },
+    };
+    assert!(slice.allocatable_bytes <= slice.limit_bytes);
+    Some(slice)
 }
 
 /// `cuMemGetInfo` as the tenant should see it: total = min(limit, real total), free = min(real
-/// free, limit − tenant's usage). Unlimited devices get the real figures.
-pub fn report_mem_info(device: impl FnOnce() -> Option<i32>, free: u64, total: u64) -> (u64, u64) {
+/// free, what it may still allocate). Unlimited devices get the real figures.
+pub fn report_mem_info(devices: &impl Devices, free: u64, total: u64) -> (u64, u64) {
     if !enabled() {
         return (free, total);
     }
-    match limited(device()) {
-        Some((limit_bytes, used_bytes)) => (
-            free.min(limit_bytes.saturating_sub(used_bytes)),
-            total.min(limit_bytes),
+    poll(devices);
+    match limited(devices.current(), |d| devices.uuid(d)) {
+        Some(slice) => (
+            free.min(slice.allocatable_bytes),
+            total.min(slice.limit_bytes),
         ),
         None => (free, total),
     }
 }
 
-/// The tenant's limit and usage (every process, context overheads included) on the device with
-/// this CUDA ordinal, if that device is limited: what NVML memory queries report.
-pub fn slice_of(ordinal: usize) -> Option<(u64, u64)> {
+/// The swap's part of a query (`cuMemGetInfo`): a process that allocates nothing more still
+/// gives back what others want and takes back what it may (`Enforcer::poll_swap`).
+fn poll(devices: &impl Devices) {
+    let Mode::Enforcing(enforcer) = mode() else {
+        return;
+    };
+    if !enforcer.swap {
+        return;
+    }
+    let Some(device) = devices
+        .current()
+        .and_then(|d| usize::try_from(d).ok())
+        .filter(|&d| d < DEVICES_MAX)
+    else {
+        return;
+    };
+    let Some(board) = enforcer.board(device, || devices.uuid(device)) else {
+        return;
+    };
+    let mut process = enforcer.process();
+    if let Some(board_slot) = process.board_slots[device] {
+        enforcer.poll_swap(devices, board, (device, board_slot), &mut process);
+    }
+}
+
+/// The tenant's slice of the device with this CUDA ordinal and `uuid`, if that device is
+/// limited: what NVML memory queries report.
+pub fn slice_of(ordinal: usize, uuid: &str) -> Option<Slice> {
     if !enabled() {
         return None;
     }
-    limited(i32::try_from(ordinal).ok())
+    limited(i32::try_from(ordinal).ok(), |_| Some(uuid.to_owned()))
 }
 
 /// The pids of this tenant's live processes, as its ledger records them, and this process's own,
@@ -377,20 +888,14 @@ pub fn tenant_pids(ordinal: usize) -> Option<BTreeSet<u32>> {
 }
 
 /// `cuDeviceTotalMem` as the tenant should see it: min(limit, real).
-pub fn report_total(device: i32, total: u64) -> u64 {
-    match limited(Some(device)) {
-        Some((limit_bytes, _)) => total.min(limit_bytes),
+pub fn report_total(devices: &impl Devices, device: i32, total: u64) -> u64 {
+    match limited(Some(device), |d| devices.uuid(d)) {
+        Some(slice) => total.min(slice.limit_bytes),
         None => total,
     }
 }
 
-/// `10.0 GiB`, for messages.
+/// `10.00 GiB`, for messages.
 fn human(bytes: u64) -> String {
-    const GIB: f64 = (1u64 << 30) as f64;
-    const MIB: f64 = (1u64 << 20) as f64;
-    if bytes >= 1 << 30 {
-        format!("{:.2} GiB", bytes as f64 / GIB)
-    } else {
-        format!("{:.1} MiB", bytes as f64 / MIB)
-    }
+    elastic::human(bytes)
 }

@@ -17,7 +17,10 @@
 //!   for it) into the GPU's schedule file; the others obey the agent's decision while a latency
 //!   step is in flight (pause, a bound on queued launches; fewer SMs through `spatial`).
 //! - `hooks` is the memory policy glue, in safe code: what to charge, when to refuse, what to
-//!   report. `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
+//!   report; `elastic` is its part for elastic memory (the GPU's memory board, which paths may
+//!   borrow past the request, what a refusal says), `vmm` backs borrowed allocations, and `swap`
+//!   moves borrowed chunks to host memory and back when other tenants want their request (pure;
+//!   off outside tests, `VGPU_MEMORY_SWAP=1`, until the launch gate holds while a chunk is out). `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
 //!   moves launches to a green context with fewer SMs while a latency tenant is active (opt-in,
 //!   `VGPU_SPATIAL=1`).
 //! - `compat` judges, once at load, whether the driver is one the hooks were written for (its
@@ -28,14 +31,15 @@
 //!   (`tenant_abi::ledger`, `tenant_abi::compute`) are the tenant contract's, shared with the
 //!   agent; `crate::ledger` and `crate::compute` name them here.
 //!
-//! **Invariant:** `unsafe` appears only in `sys`, `real`, `shm`, `exports`, `nvml_exports` and
-//! `dlsym_shim`, and no panic crosses the C boundary.
+//! **Invariant:** `unsafe` appears only in `sys`, `real`, `shm`, `exports`, `nvml_exports`,
+//! `dlsym_shim` and `vmm`, and no panic crosses the C boundary.
 
 #[macro_use]
 mod boundary;
 mod closed_loop;
 mod compat;
 mod dlsym_shim;
+mod elastic;
 mod exports;
 mod fault;
 mod hooks;
@@ -46,6 +50,7 @@ mod nvml_exports;
 mod real;
 mod shm;
 mod spatial;
+mod swap;
 mod sys;
 mod vmm;
 use tenant_abi::{compute, ledger};

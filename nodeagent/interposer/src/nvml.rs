@@ -3,9 +3,10 @@
 //!
 //! Frameworks size themselves from NVML as well as from CUDA (vLLM reads the GPU's total through
 //! `nvmlDeviceGetMemoryInfo`, `torch.cuda.device_memory_used` and monitoring tools read `used`),
-//! so a limited device must look the same through both: total = the slice, used = what the
-//! tenant's processes hold on it (the ledger, context overheads included), free = the rest, never
-//! more than the GPU really has free (the same rule as `cuMemGetInfo`).
+//! so a limited device must look the same through both: total = the slice (with elastic memory,
+//! the tenant's limit), used = what the tenant's processes hold on it (the ledger, context
+//! overheads included), free = what it may still allocate, never more than the GPU really has
+//! free (the same rule as `cuMemGetInfo`).
 //!
 //! NVML names a device by handle, and through it by uuid; the tenant's limits and ledger are per
 //! CUDA ordinal as the process sees it. `ordinal_of` maps one to the other: through the CUDA
@@ -39,14 +40,15 @@ pub struct Memory {
 }
 
 /// What NVML reports for a limited device: total = min(limit, real total), used = the tenant's
-/// usage (at most the total), free = min(real free, total − used).
-pub fn slice_memory(real: Memory, limit_bytes: u64, used_bytes: u64) -> Memory {
-    assert!(limit_bytes > 0, "a limited device has a limit");
-    let total = real.total.min(limit_bytes);
-    let used = used_bytes.min(total);
+/// usage (at most the total), free = min(real free, total − used, what it may still allocate:
+/// with elastic memory, past the request only what the GPU has free).
+pub fn slice_memory(real: Memory, slice: crate::hooks::Slice) -> Memory {
+    assert!(slice.limit_bytes > 0, "a limited device has a limit");
+    let total = real.total.min(slice.limit_bytes);
+    let used = slice.used_bytes.min(total);
     let shown = Memory {
         total,
-        free: real.free.min(total - used),
+        free: real.free.min(total - used).min(slice.allocatable_bytes),
         used,
     };
     assert!(shown.used + shown.free <= shown.total);
@@ -145,6 +147,15 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
+    /// A hard quota of `limit` with `used` of it held.
+    fn quota(limit: u64, used: u64) -> crate::hooks::Slice {
+        crate::hooks::Slice {
+            limit_bytes: limit,
+            used_bytes: used,
+            allocatable_bytes: limit.saturating_sub(used),
+        }
+    }
+
     #[test]
     fn a_limited_device_shows_the_slice_and_the_tenants_usage() {
         let real = Memory {
@@ -153,7 +164,7 @@ mod tests {
             used: 10 * GIB,
         };
         assert_eq!(
-            slice_memory(real, 10 * GIB, 3 * GIB),
+            slice_memory(real, quota(10 * GIB, 3 * GIB)),
             Memory {
                 total: 10 * GIB,
                 free: 7 * GIB,
@@ -165,15 +176,29 @@ mod tests {
             free: 2 * GIB,
             ..real
         };
-        assert_eq!(slice_memory(full, 10 * GIB, 3 * GIB).free, 2 * GIB);
+        assert_eq!(slice_memory(full, quota(10 * GIB, 3 * GIB)).free, 2 * GIB);
         // Usage past the limit (a context charged over it) never shows more used than total.
-        let over = slice_memory(real, 10 * GIB, 11 * GIB);
+        let over = slice_memory(real, quota(10 * GIB, 11 * GIB));
         assert_eq!((over.total, over.used, over.free), (10 * GIB, 10 * GIB, 0));
         // A limit larger than the GPU: the GPU's total.
-        assert_eq!(slice_memory(real, 100 * GIB, 0).total, 80 * GIB);
+        assert_eq!(slice_memory(real, quota(100 * GIB, 0)).total, 80 * GIB);
         // Applying the view twice changes nothing (NVML calling its own hooked entry points).
-        let once = slice_memory(real, 10 * GIB, 3 * GIB);
-        assert_eq!(slice_memory(once, 10 * GIB, 3 * GIB), once);
+        let once = slice_memory(real, quota(10 * GIB, 3 * GIB));
+        assert_eq!(slice_memory(once, quota(10 * GIB, 3 * GIB)), once);
+        // Elastic memory: the limit is the total, free is what may be allocated now.
+        let borrowing = crate::hooks::Slice {
+            limit_bytes: 40 * GIB,
+            used_bytes: 20 * GIB,
+            allocatable_bytes: 5 * GIB,
+        };
+        assert_eq!(
+            slice_memory(real, borrowing),
+            Memory {
+                total: 40 * GIB,
+                free: 5 * GIB,
+                used: 20 * GIB
+            }
+        );
     }
 
     #[test]

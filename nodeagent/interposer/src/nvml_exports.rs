@@ -318,8 +318,8 @@ fn ordinal_of_device(nvml: &Nvml, device: nvmlDevice_t) -> Option<(String, usize
 /// tenant; `None`: report `real`.
 fn slice_view(nvml: &Nvml, device: nvmlDevice_t, real: Memory) -> Option<Memory> {
     let (uuid, ordinal) = ordinal_of_device(nvml, device)?;
-    let (limit_bytes, used_bytes) = crate::hooks::slice_of(ordinal)?;
-    let shown = nvml::slice_memory(real, limit_bytes, used_bytes);
+    let slice = crate::hooks::slice_of(ordinal, &uuid)?;
+    let shown = nvml::slice_memory(real, slice);
     crate::log::debug(format_args!(
         "NVML memory of {uuid} (ordinal {ordinal}): {shown:?} instead of {real:?}"
     ));

@@ -110,6 +110,10 @@ driver_functions! {
     mem_unmap: FnMemUnmap = c"cuMemUnmap";
     mem_set_access: FnMemSetAccess = c"cuMemSetAccess";
     mem_get_allocation_granularity: FnMemGetAllocationGranularity = c"cuMemGetAllocationGranularity";
+    mem_host_alloc: FnMemHostAlloc = c"cuMemHostAlloc";
+    mem_free_host: FnMemFreeHost = c"cuMemFreeHost";
+    memcpy_dtoh: FnMemcpyDtoH = c"cuMemcpyDtoH_v2";
+    memcpy_htod: FnMemcpyHtoD = c"cuMemcpyHtoD_v2";
     mem_alloc_async: FnMemAllocAsync = c"cuMemAllocAsync";
     mem_alloc_async_ptsz: FnMemAllocAsync = c"cuMemAllocAsync_ptsz";
     mem_alloc_from_pool_async: FnMemAllocFromPoolAsync = c"cuMemAllocFromPoolAsync";
@@ -120,6 +124,7 @@ driver_functions! {
     array_3d_create: FnArray3DCreate = c"cuArray3DCreate_v2";
     array_destroy: FnArrayDestroy = c"cuArrayDestroy";
     mem_get_info: FnMemGetInfo = c"cuMemGetInfo_v2";
+    ipc_get_mem_handle: FnIpcGetMemHandle = c"cuIpcGetMemHandle";
     device_total_mem: FnDeviceTotalMem = c"cuDeviceTotalMem_v2";
     ctx_get_device: FnCtxGetDevice = c"cuCtxGetDevice";
     device_primary_ctx_retain: FnDevicePrimaryCtxRetain = c"cuDevicePrimaryCtxRetain";

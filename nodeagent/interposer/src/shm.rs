@@ -1,6 +1,7 @@
-//! Maps the tenant's ledger file (`$VGPU_SHM_DIR/<tenant>.mem`, mode 0600) and the per-GPU
+//! Maps the tenant's ledger file (`$VGPU_SHM_DIR/<tenant>.mem`, mode 0600), the per-GPU
 //! compute schedule (`$VGPU_SHM_DIR/<gpu uuid>.compute`, mode 0666: every tenant of the GPU
-//! writes it) `MAP_SHARED`; and reads the clock those files are stamped with. Under the agent,
+//! writes it) and the per-GPU memory board (`<gpu uuid>.memory`, the agent's: elastic memory)
+//! `MAP_SHARED`; and reads the clock those files are stamped with. Under the agent,
 //! `VGPU_SHM_DIR` is the tenant's private directory and the schedule a hard link the agent made
 //! there to the GPU's one schedule (`vgpu_agent::private`); without the agent, whatever creates
 //! a file first creates it here.
@@ -20,6 +21,7 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 use tenant_abi::MemoryEnv;
+use tenant_abi::board;
 
 /// How long a process waits for another to publish a new ledger file.
 pub const INIT_WAIT: Duration = Duration::from_secs(1);
@@ -79,6 +81,40 @@ pub fn open_schedule(
     }
     region.check_layout().map_err(|e| format!("{shown}: {e}"))?;
     Ok(region)
+}
+
+/// Maps the memory board of the GPU `uuid` (`<shm_dir>/<uuid>.memory`, elastic memory) if the
+/// agent put one there: `Ok(None)` when there is none (the tenant then keeps today's hard quota).
+/// A board is the agent's to create and initialise, so this never creates or initialises one; a
+/// board that is there but unusable (unreadable, not initialised, another layout) is an error.
+pub fn open_board(shm_dir: &Path, uuid: &str) -> Result<Option<&'static board::Region>, String> {
+    let path = tenant_abi::layout::board_path(shm_dir, uuid);
+    let shown = path.display();
+    let file = match OpenOptions::new().read(true).write(true).open(&path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot open the memory board {shown}: {e}")),
+    };
+    let len = file
+        .metadata()
+        .map_err(|e| format!("cannot read the size of the memory board {shown}: {e}"))?
+        .len();
+    if len != board::REGION_BYTES as u64 {
+        return Err(format!(
+            "the memory board {shown} has {len} bytes, this build's layout {}: the agent and \
+             this process are of two vgpu versions",
+            board::REGION_BYTES
+        ));
+    }
+    let region = map::<board::Region>(&file, board::REGION_BYTES)
+        .map_err(|e| format!("cannot map the memory board {shown}: {e}"))?;
+    if !region.is_initialised() {
+        return Err(format!(
+            "the memory board {shown} was never initialised by the agent"
+        ));
+    }
+    region.check_layout().map_err(|e| format!("{shown}: {e}"))?;
+    Ok(Some(region))
 }
 
 /// Creates `path` exclusively with `mode` (whatever the umask) and size `bytes`, or opens the
@@ -150,7 +186,7 @@ fn ensure_size(file: &File, created: bool, bytes: usize) -> std::io::Result<()> 
 
 /// Maps the file for the life of the process (never unmapped: hooks may run until exit).
 ///
-/// `T` is `ledger::Region` or `compute::Region`: `#[repr(C)]` structs of atomics only, for
+/// `T` is `ledger::Region`, `compute::Region` or `board::Region`: `#[repr(C)]` structs of atomics only, for
 /// which every bit pattern is valid, `bytes` long.
 fn map<T: SharedRegion>(file: &File, bytes: usize) -> std::io::Result<&'static T> {
     assert_eq!(std::mem::size_of::<T>(), bytes);
@@ -181,3 +217,4 @@ fn map<T: SharedRegion>(file: &File, bytes: usize) -> std::io::Result<&'static T
 trait SharedRegion {}
 impl SharedRegion for Region {}
 impl SharedRegion for compute::Region {}
+impl SharedRegion for board::Region {}

@@ -24,6 +24,8 @@ pub type CUgraph = *mut c_void;
 
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
+pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND: CUresult = 302;
 pub const CUDA_ERROR_SHARED_OBJECT_INIT_FAILED: CUresult = 303;
@@ -116,6 +118,10 @@ pub type FnMemMap = unsafe extern "C" fn(
     c_ulonglong,
 ) -> CUresult;
 pub type FnMemUnmap = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
+pub type FnMemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CUresult;
+pub type FnMemFreeHost = unsafe extern "C" fn(*mut c_void) -> CUresult;
+pub type FnMemcpyDtoH = unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize) -> CUresult;
+pub type FnMemcpyHtoD = unsafe extern "C" fn(CUdeviceptr, *const c_void, usize) -> CUresult;
 pub type FnMemSetAccess =
     unsafe extern "C" fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize) -> CUresult;
 pub type FnMemGetAllocationGranularity =
@@ -129,6 +135,12 @@ pub type FnArrayCreate =
 pub type FnArray3DCreate =
     unsafe extern "C" fn(*mut CUarray, *const CUDA_ARRAY3D_DESCRIPTOR) -> CUresult;
 pub type FnArrayDestroy = unsafe extern "C" fn(CUarray) -> CUresult;
+/// `CUipcMemHandle`: 64 opaque bytes.
+#[repr(C)]
+pub struct CUipcMemHandle {
+    pub reserved: [c_char; 64],
+}
+pub type FnIpcGetMemHandle = unsafe extern "C" fn(*mut CUipcMemHandle, CUdeviceptr) -> CUresult;
 pub type FnMemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> CUresult;
 pub type FnDeviceTotalMem = unsafe extern "C" fn(*mut usize, CUdevice) -> CUresult;
 pub type FnCtxGetDevice = unsafe extern "C" fn(*mut CUdevice) -> CUresult;

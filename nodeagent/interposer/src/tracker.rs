@@ -19,7 +19,11 @@ pub enum Key {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Charge {
     pub device: usize,
+    /// Charged to the tenant's ledger, and to the GPU's memory board when `on_board`.
     pub bytes: u64,
+    pub on_board: bool,
+    /// Past the tenant's request (elastic memory).
+    pub borrowed: bool,
 }
 
 /// The live allocations of this process.
@@ -87,6 +91,8 @@ mod tests {
         let charge = Charge {
             device: 0,
             bytes: 1,
+            on_board: false,
+            borrowed: false,
         };
         assert_eq!(tracker.insert(Key::Pointer(7), charge), None);
         assert_eq!(tracker.insert(Key::Handle(7), charge), None);

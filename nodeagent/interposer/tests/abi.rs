@@ -9,6 +9,8 @@
 mod closed_loop;
 #[path = "abi/compute.rs"]
 mod compute;
+#[path = "abi/elastic.rs"]
+mod elastic;
 #[path = "abi/nvml.rs"]
 mod nvml;
 #[path = "abi/spatial.rs"]

@@ -299,7 +299,7 @@ pub const BOARD_RESERVE_BYTES: u64 = 2 << 30;
 /// entry per tenant of `set` placed on it (request: its slice's memory; limit: the slice's
 /// memory limit; its priority; whether the slice is guaranteed), and links each board into the
 /// directories of the tenants on its GPU. Elastic memory on the node (issue 17): the agent reads
-/// the boards back for usage reports (`usage`); the interposer does not map them yet. Returns
+/// the boards back for usage reports (`usage`); the tenants' interposers reserve against them. Returns
 /// what could not be written or linked; the rest is. Call after [`prepare`] (which makes `gpus/`
 /// and the tenants' directories, and unlinks boards of GPUs a tenant left).
 pub fn publish_boards(

@@ -14,6 +14,15 @@
  * FAKE_CUDA_GPA_THUNKS=1 makes cuGetProcAddress answer "cuMemAlloc" with a thunk instead of the
  * exported cuMemAlloc_v2, to exercise the interposer's by-name fallback.
  *
+ * FAKE_CUDA_UUID=GPU-<32 hex digits, dashes anywhere>: device 0's uuid (default: bytes a0..ae,
+ * then the ordinal), to play the GPU of an agent that simulates its inventory.
+ *
+ * FAKE_CUDA_REAL_BYTES=1: cuMemCreate's physical memory is real host memory (keep sizes small),
+ * so that VMM-mapped ranges hold bytes: cuMemcpyHtoD_v2 / cuMemcpyDtoH_v2 copy into and out of a
+ * mapped range (CUDA_ERROR_ILLEGAL_ADDRESS, 700, on memory that is not mapped: what a kernel
+ * touching an unmapped chunk would meet), and cuMemHostAlloc / cuMemFreeHost are malloc / free.
+ * The interposer's swap is tested on it: contents must survive a trip to host memory and back.
+ *
  * Kernels are simulated: a launch "runs" for a duration taken from its arguments (gridDimX
  * microseconds for kernel launches, the graph handle's value for graph launches) on a GPU that
  * runs one kernel at a time in launch order. With FAKE_CUDA_GPU=<file> that GPU's timeline (the
@@ -95,7 +104,13 @@ static struct {
   unsigned long long key;
   int device;
   unsigned long long bytes;
+  unsigned char *data; /* cuMemCreate's bytes under FAKE_CUDA_REAL_BYTES=1 */
 } records[MAX_RECORDS];
+
+static int real_bytes(void) {
+  const char *v = getenv("FAKE_CUDA_REAL_BYTES");
+  return v && !strcmp(v, "1");
+}
 
 static int devices(void) {
   const char *v = getenv("FAKE_CUDA_DEVICES");
@@ -137,6 +152,8 @@ static CUresult give(unsigned long long key) {
     if (key != 0 && records[i].key == key) {
       used[records[i].device] -= records[i].bytes;
       records[i].key = 0;
+      free(records[i].data);
+      records[i].data = NULL;
       rc = OK;
       break;
     }
@@ -223,6 +240,17 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
   if (device < 0 || device >= devices()) return INVALID_DEVICE;
   unsigned long long key = take(device, prop->location.type == 1 ? size : 0);
   if (key == 0) return OUT_OF_MEMORY;
+  if (real_bytes()) {
+    unsigned char *data = calloc(1, size);
+    if (data == NULL) {
+      give(key);
+      return OUT_OF_MEMORY;
+    }
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_RECORDS; i++)
+      if (records[i].key == key) records[i].data = data;
+    pthread_mutex_unlock(&lock);
+  }
   *handle = key;
   return OK;
 }
@@ -233,7 +261,7 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle handle) { return give(handle)
  * tests can see that an allocation went this way and was undone. Physical memory is cuMemCreate's
  * (counted as used, above). */
 #define MAX_RANGES 4096
-static struct { unsigned long long address, bytes, mapped; } ranges[MAX_RANGES];
+static struct { unsigned long long address, bytes, mapped, handle; } ranges[MAX_RANGES];
 static unsigned long long next_range = 0x7f0000000000ULL, reserved_bytes, mapped_bytes;
 #define VMM_GRANULARITY (2ULL << 20)
 
@@ -294,6 +322,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
   int i = range_at(ptr, size);
   if (i >= 0 && !ranges[i].mapped) {
     ranges[i].mapped = 1;
+    ranges[i].handle = handle;
     mapped_bytes += size;
     rc = OK;
   }
@@ -306,6 +335,7 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   int i = range_at(ptr, size);
   if (i >= 0 && ranges[i].mapped) {
     ranges[i].mapped = 0;
+    ranges[i].handle = 0;
     mapped_bytes -= size;
     rc = OK;
   }
@@ -319,6 +349,47 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t c
   CUresult rc = i >= 0 && ranges[i].mapped ? OK : INVALID_VALUE;
   pthread_mutex_unlock(&lock);
   return rc;
+}
+
+/* The bytes behind [address, address + n) of a mapped range, or NULL (the caller holds lock). */
+static unsigned char *mapped_bytes_at(CUdeviceptr address, size_t n) {
+  for (int i = 0; i < MAX_RANGES; i++) {
+    if (ranges[i].address == 0 || !ranges[i].mapped || address < ranges[i].address ||
+        address + n > ranges[i].address + ranges[i].bytes)
+      continue;
+    for (int r = 0; r < MAX_RECORDS; r++)
+      if (records[r].key == ranges[i].handle && records[r].data != NULL)
+        return records[r].data + (address - ranges[i].address);
+    return NULL;
+  }
+  return NULL;
+}
+#define ILLEGAL_ADDRESS 700
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+  if (src == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  unsigned char *to = mapped_bytes_at(dst, n);
+  if (to != NULL) memcpy(to, src, n);
+  pthread_mutex_unlock(&lock);
+  return to != NULL ? OK : ILLEGAL_ADDRESS;
+}
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+  if (dst == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  unsigned char *from = mapped_bytes_at(src, n);
+  if (from != NULL) memcpy(dst, from, n);
+  pthread_mutex_unlock(&lock);
+  return from != NULL ? OK : ILLEGAL_ADDRESS;
+}
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) {
+  (void)flags;
+  if (p == NULL || n == 0) return INVALID_VALUE;
+  *p = malloc(n);
+  return *p != NULL ? OK : OUT_OF_MEMORY;
+}
+CUresult cuMemFreeHost(void *p) {
+  free(p);
+  return OK;
 }
 
 static unsigned long long element_bytes(int format) {
@@ -341,6 +412,17 @@ CUresult cuArray3DCreate_v2(CUarray *array, const CUDA_ARRAY3D_DESCRIPTOR *d) {
   return alloc_on_current((unsigned long long *)array, b);
 }
 CUresult cuArrayDestroy(CUarray array) { return give((unsigned long long)(uintptr_t)array); }
+
+/* Legacy IPC: any allocation of this process's; the handle's bytes carry the pointer. */
+typedef struct {
+  char reserved[64];
+} CUipcMemHandle;
+CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) {
+  if (handle == NULL || dptr == 0) return INVALID_VALUE;
+  memset(handle, 0, sizeof *handle);
+  memcpy(handle->reserved, &dptr, sizeof dptr);
+  return OK;
+}
 
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
   if (free_bytes == NULL || total == NULL) return INVALID_VALUE;
@@ -696,6 +778,18 @@ CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int device) {
   if (device < 0 || device >= devices()) return INVALID_DEVICE;
   for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xa0 + i);
   uuid[15] = (unsigned char)device;
+  /* FAKE_CUDA_UUID=GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx: device 0's uuid (to play a GPU an
+   * agent simulates). */
+  const char *text = getenv("FAKE_CUDA_UUID");
+  if (device == 0 && text != NULL && !strncmp(text, "GPU-", 4)) {
+    int n = 0;
+    for (const char *c = text + 4; *c && n < 32; c++) {
+      int v = *c >= '0' && *c <= '9' ? *c - '0' : *c >= 'a' && *c <= 'f' ? *c - 'a' + 10 : -1;
+      if (v < 0) continue;
+      uuid[n / 2] = (unsigned char)(n % 2 ? (uuid[n / 2] & 0xf0) | v : v << 4);
+      n++;
+    }
+  }
   return OK;
 }
 CUresult cuDeviceGetUuid(unsigned char *uuid, int device) { return cuDeviceGetUuid_v2(uuid, device); }

@@ -14,6 +14,14 @@
  *   pitch W H        cuMemAllocPitch_v2 (prints the pitch)
  *   create S | release              cuMemCreate on the current device / cuMemRelease newest
  *   array W H | array3d W H D | destroy     CUDA arrays (FLOAT, 4 channels)
+ *   ipc              cuIpcGetMemHandle of the newest pointer
+ *   fill N | check N     writes bytes seeded by N over the newest pointer's whole allocation with
+ *                    cuMemcpyHtoD_v2 / reads them back with cuMemcpyDtoH_v2: "check <rc> ok|bad"
+ *                    (needs the fake's FAKE_CUDA_REAL_BYTES=1 and VMM-backed memory)
+ *   addr             prints "addr <newest pointer>"
+ *   touch PATH | until_file PATH   creates PATH / waits (up to 20 s) until PATH exists
+ *   spin_info PATH   calls cuMemGetInfo_v2 every millisecond until PATH exists (up to 20 s): a
+ *                    process that keeps calling into the driver
  *   info             cuMemGetInfo_v2: "info 0 <free> <total>"
  *   total D          cuDeviceTotalMem_v2
  *   parent           prints getppid() (wrapped by a preloaded test library through RTLD_NEXT)
@@ -107,6 +115,12 @@ CUresult cuArrayCreate_v2(void **, const CUDA_ARRAY_DESCRIPTOR *);
 CUresult cuArray3DCreate_v2(void **, const CUDA_ARRAY3D_DESCRIPTOR *);
 CUresult cuArrayDestroy(void *);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
+typedef struct {
+  char reserved[64];
+} CUipcMemHandle;
+CUresult cuIpcGetMemHandle(CUipcMemHandle *, CUdeviceptr);
+CUresult cuMemcpyHtoD_v2(CUdeviceptr, const void *, size_t);
+CUresult cuMemcpyDtoH_v2(void *, CUdeviceptr, size_t);
 CUresult cuDeviceTotalMem_v2(size_t *, int);
 
 typedef struct {
@@ -201,6 +215,7 @@ typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
 typedef CUresult (*gpa_v2_fn)(const char *, void **, int, unsigned long long, int *);
 
 static CUdeviceptr pointers[4096];
+static unsigned long long sizes[4096];
 static int n_pointers;
 static unsigned long long handles[4096];
 static int n_handles;
@@ -226,8 +241,42 @@ static const char *lib_of(void *f) {
   return slash ? slash + 1 : info.dli_fname;
 }
 
+static unsigned long long last_size;
 static void keep(CUresult rc, CUdeviceptr p) {
-  if (rc == 0) pointers[n_pointers++] = p;
+  if (rc == 0) {
+    sizes[n_pointers] = last_size;
+    pointers[n_pointers++] = p;
+  }
+}
+
+/* Polls every millisecond until `path` exists (calling cuMemGetInfo_v2 each time if `info`), for
+ * at most 20 s: 0 when it appeared, -1 when not. */
+static int until_file(const char *path, int info) {
+  for (int i = 0; i < 20000; i++) {
+    if (access(path, F_OK) == 0) return 0;
+    if (info) {
+      size_t f, t;
+      cuMemGetInfo_v2(&f, &t);
+    }
+    struct timespec ms = {0, 1000000L};
+    nanosleep(&ms, NULL);
+  }
+  return -1;
+}
+
+/* fill / check: the newest pointer's bytes, seeded by `seed`; returns the driver's result, and
+ * in `*same` whether what was read equals the pattern. */
+static CUresult pattern(int seed, int write, int *same) {
+  if (n_pointers == 0) return -1;
+  size_t n = (size_t)sizes[n_pointers - 1];
+  unsigned char *want = malloc(n), *got = malloc(n);
+  for (size_t b = 0; b < n; b++) want[b] = (unsigned char)(seed * 31 + b * 7 + b / 4096);
+  CUresult rc = write ? cuMemcpyHtoD_v2(pointers[n_pointers - 1], want, n)
+                      : cuMemcpyDtoH_v2(got, pointers[n_pointers - 1], n);
+  *same = !write && rc == 0 && memcmp(want, got, n) == 0;
+  free(want);
+  free(got);
+  return rc;
 }
 
 static gpa_v2_fn gpa_from_dlsym(void) {
@@ -397,6 +446,7 @@ int main(int argc, char **argv) {
       printf("ctx %d\n", cuCtxSetCurrent(ctx));
       i++;
     } else if (!strcmp(c, "alloc")) {
+      last_size = size_arg(a);
       rc = cuMemAlloc_v2(&p, size_arg(a));
       keep(rc, p);
       printf("alloc %d\n", rc);
@@ -487,6 +537,27 @@ int main(int argc, char **argv) {
       printf("%s %d\n", c, rc);
     } else if (!strcmp(c, "destroy")) {
       printf("destroy %d\n", n_arrays ? cuArrayDestroy(arrays[--n_arrays]) : -1);
+    } else if (!strcmp(c, "fill") || !strcmp(c, "check")) {
+      int same = 0;
+      rc = pattern(atoi(a), !strcmp(c, "fill"), &same);
+      if (!strcmp(c, "fill"))
+        printf("fill %d\n", rc);
+      else
+        printf("check %d %s\n", rc, same ? "ok" : "bad");
+      i++;
+    } else if (!strcmp(c, "addr")) {
+      printf("addr %#llx\n", n_pointers ? pointers[n_pointers - 1] : 0ULL);
+    } else if (!strcmp(c, "touch")) {
+      FILE *f = fopen(a, "w");
+      if (f) fclose(f);
+      printf("touch %d\n", f ? 0 : -1);
+      i++;
+    } else if (!strcmp(c, "until_file") || !strcmp(c, "spin_info")) {
+      printf("%s %d\n", c, until_file(a, !strcmp(c, "spin_info")));
+      i++;
+    } else if (!strcmp(c, "ipc")) {
+      CUipcMemHandle h;
+      printf("ipc %d\n", n_pointers ? cuIpcGetMemHandle(&h, pointers[n_pointers - 1]) : -1);
     } else if (!strcmp(c, "info")) {
       size_t f = 0, t = 0;
       rc = cuMemGetInfo_v2(&f, &t);

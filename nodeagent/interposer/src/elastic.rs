@@ -1,0 +1,242 @@
+//! Elastic memory in the tenant's process (issue 17, `docs/design/elastic-memory.md`): the GPU's
+//! memory board as `hooks` uses it, the rule of which allocation paths may go past the tenant's
+//! request, what a refusal tells the tenant, and what `cuMemGetInfo` and NVML report as free;
+//! for the swap, the board's counters of a process (`SlotCounters`) and the needy side's bounded
+//! wait (`wait_for_room`). Safe code; the board is mapped by `shm`, the borrowed memory backed by
+//! `vmm`, and moved by `swap`.
+//!
+//! How the two shared files divide the work: the tenant's ledger (`tenant_abi::ledger`) keeps
+//! everything the tenant holds on a device (allocations, borrowed ones included, and each
+//! process's context overhead), and its limit is the tenant's **request**: an allocation the
+//! ledger grants is within the request. The GPU's board (`tenant_abi::board`) keeps what every
+//! tenant's allocations hold on the GPU (contexts are not on it: its capacity leaves room for
+//! them, `BOARD_RESERVE_BYTES` in the agent), so an allocation past the request is granted only
+//! while the GPU has that much free and the tenant stays within its **limit**. Every allocation
+//! of a device with a board is on both; a borrowed one is charged to the ledger without its
+//! limit check once the board granted it. Without a board file (or with a board that does not
+//! describe the tenant) nothing changes: the request is a hard quota, as before elastic memory.
+
+use crate::ledger::ProcLiveness;
+use tenant_abi::board::{Board, Refusal};
+
+/// How an allocation path may go past the tenant's request (the design's table).
+#[derive(Clone, Copy)]
+pub enum Borrow<'a> {
+    /// `cuMemAlloc_v2`, `cuMemAllocPitch_v2`: borrowed memory is VMM-backed by the interposer,
+    /// so that it can be swapped out and back under the same address. The function says what
+    /// such an allocation takes (its size rounded to the driver's granularity), `None` when the
+    /// driver cannot back it (then it may not borrow).
+    Backed(&'a dyn Fn() -> Option<u64>),
+    /// `cuMemCreate` by the application: allowed and counted as borrowed, but never swapped (the
+    /// application owns the handle and maps it itself).
+    Counted,
+    /// May not borrow: the allocator's name, for the refusal's log line.
+    Never(&'static str),
+}
+
+/// One GPU's board as this process uses it: the protocol over the mapping, and the index of the
+/// tenant's entry.
+pub struct DeviceBoard {
+    pub board: Board<'static, ProcLiveness>,
+    pub tenant: usize,
+}
+
+impl DeviceBoard {
+    /// The tenant's request and limit on this GPU, as the agent wrote them.
+    pub fn request_and_limit(&self) -> (u64, u64) {
+        self.board.region.request_and_limit(self.tenant)
+    }
+}
+
+/// Maps the board of GPU `uuid` in `shm_dir` and finds `tenant` on it. `Ok(None)`: no board
+/// there (no elastic memory on this GPU). An error says why a board that is there is not used.
+pub fn open(
+    shm_dir: &std::path::Path,
+    tenant: &str,
+    uuid: &str,
+) -> Result<Option<DeviceBoard>, String> {
+    let Some(region) = crate::shm::open_board(shm_dir, uuid)? else {
+        return Ok(None);
+    };
+    let Some(index) = region.find(tenant) else {
+        return Err(format!(
+            "the memory board of GPU {uuid} does not describe tenant {tenant}"
+        ));
+    };
+    Ok(Some(DeviceBoard {
+        board: Board::new(region, ProcLiveness),
+        tenant: index,
+    }))
+}
+
+/// The board's counters of this process's slot, as the swap moves chunks (`swap::Counters`).
+pub struct SlotCounters<'b> {
+    pub board: &'b DeviceBoard,
+    pub slot: usize,
+}
+
+impl crate::swap::Counters for SlotCounters<'_> {
+    fn swapped_out(&mut self, bytes: u64) {
+        self.board.board.swapped_out(self.slot, bytes);
+    }
+
+    fn swap_in(&mut self, bytes: u64) -> bool {
+        // Looked at first, so that a process retrying while the GPU is full does not count its
+        // bytes resident for an instant at every try (others and the agent would see it).
+        self.board.board.region.free() >= bytes && self.board.board.swap_in(self.slot, bytes)
+    }
+
+    fn swap_in_failed(&mut self, bytes: u64) {
+        self.board.board.swapped_out(self.slot, bytes);
+    }
+}
+
+/// How long a tenant allocating within its request waits for the borrowers it asked to give the
+/// memory back: their next hook call, then copies at tens of GB/s (`VGPU_MEMORY_SWAP=1`).
+pub const RECLAIM_WAIT_MAX_MS: u64 = 5_000;
+
+/// Polls `granted` every millisecond for at most [`RECLAIM_WAIT_MAX_MS`]; whether it said yes.
+pub fn wait_for_room(mut granted: impl FnMut() -> bool) -> bool {
+    for _ in 0..RECLAIM_WAIT_MAX_MS {
+        if granted() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    granted()
+}
+
+/// What a tenant may still allocate on a GPU now, as `cuMemGetInfo` and NVML report it free:
+/// `min(limit, request + lendable now) - used`, where what is lendable to it now is what it
+/// borrowed already plus what the GPU has free beyond the unused part of its own request. So:
+/// within the request its unused request (a guaranteed request; the swap gives it back) or what
+/// the GPU has free, whichever is more; past it, what the GPU has free; never past the limit.
+pub fn allocatable(request: u64, limit: u64, used: u64, gpu_free: u64) -> u64 {
+    assert!(limit >= request, "a limit is at least the request");
+    let shown = limit
+        .saturating_sub(used)
+        .min(request.saturating_sub(used).max(gpu_free));
+    assert!(used.saturating_add(shown) <= limit.max(used));
+    shown
+}
+
+/// The log line of an allocation within the tenant's request that the board refused.
+pub fn within_request_refused(what: &str, device: usize, tenant: &str, why: Refusal) -> String {
+    match why {
+        Refusal::NeedsReclaim { shortfall } => format!(
+            "refused {what} on device {device}: it is within tenant {tenant}'s request, but \
+             other tenants borrowed the GPU's memory ({} short) and taking borrowed memory back \
+             (the swap) is off until launches hold while memory is out; wait for them to free it \
+             (out of memory)",
+            human(shortfall)
+        ),
+        other => format!("refused {what} on device {device}: {other} (out of memory)"),
+    }
+}
+
+/// The log line of an allocation past the tenant's request (`request`) that was refused.
+pub fn borrow_refused(
+    what: &str,
+    device: usize,
+    tenant: &str,
+    request: u64,
+    why: Refusal,
+) -> String {
+    match why {
+        Refusal::OverLimit { held, limit } => format!(
+            "refused {what} on device {device}: tenant {tenant} holds {} of its memory limit of \
+             {} (out of memory); raise the limit (--memory-limit) or allocate less",
+            human(held),
+            human(limit)
+        ),
+        Refusal::NothingFree { free, .. } => format!(
+            "refused {what} on device {device}: past tenant {tenant}'s request of {} it borrows \
+             what the GPU has free, and {} is free now (out of memory); wait for other tenants \
+             to free memory, or raise the request (--memory)",
+            human(request),
+            human(free)
+        ),
+        Refusal::NeedsReclaim { shortfall } => format!(
+            "refused {what} on device {device}: past tenant {tenant}'s request of {} the GPU is \
+             {} short (out of memory); wait for other tenants to free memory, or raise the \
+             request (--memory)",
+            human(request),
+            human(shortfall)
+        ),
+    }
+}
+
+/// The log line of an allocation past the request through a path that may not borrow.
+pub fn may_not_borrow(what: &str, device: usize, tenant: &str, request: u64, path: &str) -> String {
+    format!(
+        "refused {what} on device {device}: past tenant {tenant}'s request of {} memory is \
+         borrowed, and {path} cannot borrow (vgpu cannot move its memory out and back); use the \
+         default allocator (cuMemAlloc) or raise the request (--memory) (out of memory)",
+        human(request)
+    )
+}
+
+/// `10.00 GiB`, for messages.
+pub fn human(bytes: u64) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    const MIB: f64 = (1u64 << 20) as f64;
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / GIB)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / MIB)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn free_is_the_unused_request_or_what_the_gpu_has_free_within_the_limit() {
+        // Request 10, limit 40, nothing used: the GPU's 50 free are capped at the limit.
+        assert_eq!(allocatable(10 * GIB, 40 * GIB, 0, 50 * GIB), 40 * GIB);
+        // Others borrowed the GPU full: the unused request is still the tenant's.
+        assert_eq!(allocatable(10 * GIB, 40 * GIB, 4 * GIB, GIB), 6 * GIB);
+        // Past the request, only what is free.
+        assert_eq!(allocatable(10 * GIB, 40 * GIB, 20 * GIB, 5 * GIB), 5 * GIB);
+        assert_eq!(allocatable(10 * GIB, 40 * GIB, 38 * GIB, 5 * GIB), 2 * GIB);
+        // A tenant without a limit of its own: its request, as a hard quota.
+        assert_eq!(allocatable(10 * GIB, 10 * GIB, 3 * GIB, 70 * GIB), 7 * GIB);
+        // Over (a context charged past the request): nothing, never an underflow.
+        assert_eq!(allocatable(10 * GIB, 10 * GIB, 11 * GIB, 70 * GIB), 0);
+    }
+
+    #[test]
+    fn refusals_say_what_to_do() {
+        let over = borrow_refused(
+            "1 GiB",
+            0,
+            "a",
+            GIB,
+            Refusal::OverLimit {
+                held: 4 * GIB,
+                limit: 4 * GIB,
+            },
+        );
+        assert!(over.contains("raise the limit (--memory-limit)"), "{over}");
+        let full = borrow_refused(
+            "1 GiB",
+            0,
+            "a",
+            GIB,
+            Refusal::NothingFree {
+                asked: GIB,
+                free: 0,
+            },
+        );
+        assert!(full.contains("wait for other tenants"), "{full}");
+        assert!(full.contains("raise the request (--memory)"), "{full}");
+        let reclaim =
+            within_request_refused("1 GiB", 0, "a", Refusal::NeedsReclaim { shortfall: GIB });
+        assert!(reclaim.contains("(the swap) is off"), "{reclaim}");
+        let never = may_not_borrow("1 GiB", 0, "a", GIB, "cuMemAllocAsync");
+        assert!(never.contains("use the default allocator"), "{never}");
+    }
+}

@@ -1,0 +1,220 @@
+use super::*;
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+
+/// The GPU as the model sees it: what each address range holds while mapped, what the host
+/// staging holds while out, and injected failures.
+#[derive(Default)]
+struct Model {
+    mapped: BTreeMap<u64, Vec<u8>>,
+    staging: BTreeMap<u64, Vec<u8>>,
+    /// The next driver step on these addresses fails (once).
+    fail: std::collections::BTreeSet<u64>,
+}
+
+impl Backing for Model {
+    fn swap_out(&mut self, address: u64, size: u64) -> Result<(), SwapError> {
+        if self.fail.remove(&address) {
+            return Err(SwapError { address, result: 2 });
+        }
+        let bytes = self
+            .mapped
+            .remove(&address)
+            .expect("swapping out a mapped chunk");
+        assert_eq!(bytes.len() as u64, size);
+        assert!(self.staging.insert(address, bytes).is_none());
+        Ok(())
+    }
+
+    fn swap_in(&mut self, address: u64, size: u64) -> Result<(), SwapError> {
+        if self.fail.remove(&address) {
+            return Err(SwapError { address, result: 2 });
+        }
+        let bytes = self
+            .staging
+            .remove(&address)
+            .expect("swapping in a staged chunk");
+        assert_eq!(bytes.len() as u64, size);
+        assert!(self.mapped.insert(address, bytes).is_none());
+        Ok(())
+    }
+}
+
+/// The board's counters of this process, and what other tenants hold on a GPU of `capacity`.
+struct Board {
+    capacity: u64,
+    others: u64,
+    resident: u64,
+    swapped: u64,
+}
+
+impl Counters for Board {
+    fn swapped_out(&mut self, bytes: u64) {
+        self.resident -= bytes;
+        self.swapped += bytes;
+    }
+
+    fn swap_in(&mut self, bytes: u64) -> bool {
+        if self.others + self.resident + bytes > self.capacity {
+            return false;
+        }
+        self.resident += bytes;
+        self.swapped -= bytes;
+        true
+    }
+
+    fn swap_in_failed(&mut self, bytes: u64) {
+        self.resident -= bytes;
+        self.swapped += bytes;
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A borrowed allocation of `units` KiB filled with `seed`, if the GPU has room.
+    Alloc { units: u64, seed: u8 },
+    /// Frees the `n`-th chunk (modulo how many there are).
+    Free { n: usize },
+    /// Another tenant wants `units` KiB back.
+    Want { units: u64 },
+    /// Other tenants' resident memory changes to `units` KiB.
+    Others { units: u64 },
+    /// The next driver step on the `n`-th chunk fails.
+    Fail { n: usize },
+    /// The process tries to take everything back (its next hook call).
+    TakeBack,
+    /// A launch, which reads every chunk; admitted only while nothing is out.
+    Launch,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (1u64..=8, any::<u8>()).prop_map(|(units, seed)| Op::Alloc { units, seed }),
+        (0usize..16).prop_map(|n| Op::Free { n }),
+        (1u64..=24).prop_map(|units| Op::Want { units }),
+        (0u64..=48).prop_map(|units| Op::Others { units }),
+        (0usize..16).prop_map(|n| Op::Fail { n }),
+        Just(Op::TakeBack),
+        Just(Op::Launch),
+    ]
+}
+
+const UNIT: u64 = 1024;
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Over any interleaving: the contents of every chunk survive its trips out and back, at the
+    /// same address; a launch is admitted only while nothing is out; the board's counters are
+    /// what the chunks say; a want is met whenever enough is resident and the driver does not
+    /// fail; taking back never passes the GPU's capacity.
+    #[test]
+    fn contents_survive_and_nothing_runs_while_a_chunk_is_out(ops in prop::collection::vec(op(), 1..60)) {
+        let mut chunks = Chunks::default();
+        let mut model = Model::default();
+        let mut board = Board { capacity: 64 * UNIT, others: 0, resident: 0, swapped: 0 };
+        let mut expected: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+        let mut next_address = 0x7f00_0000_0000u64;
+        for op in ops {
+            match op {
+                Op::Alloc { units, seed } => {
+                    let size = units * UNIT;
+                    if board.others + board.resident + size <= board.capacity {
+                        let bytes: Vec<u8> = (0..size).map(|i| seed.wrapping_add(i as u8)).collect();
+                        model.mapped.insert(next_address, bytes.clone());
+                        expected.insert(next_address, bytes);
+                        chunks.add(next_address, size);
+                        board.resident += size;
+                        next_address += size + UNIT;
+                    }
+                }
+                Op::Free { n } => {
+                    if let Some(&address) = expected.keys().nth(n % expected.len().max(1)) {
+                        let chunk = chunks.remove(address).expect("tracked");
+                        if chunk.out {
+                            model.staging.remove(&address).expect("staged");
+                            board.swapped -= chunk.size;
+                        } else {
+                            model.mapped.remove(&address).expect("mapped");
+                            board.resident -= chunk.size;
+                        }
+                        expected.remove(&address);
+                    }
+                }
+                Op::Want { units } => {
+                    let want = units * UNIT;
+                    let resident = chunks.resident_bytes();
+                    let failing = !model.fail.is_empty();
+                    let given = chunks.give_back(want, &mut model, &mut board);
+                    if !failing {
+                        prop_assert!(given >= want.min(resident), "gave {given} of {want} with {resident} resident");
+                    }
+                }
+                // Others hold what the board granted them: never past the capacity.
+                Op::Others { units } => {
+                    board.others = (units * UNIT).min(board.capacity - board.resident)
+                }
+                Op::Fail { n } => {
+                    if let Some(&address) = expected.keys().nth(n % expected.len().max(1)) {
+                        model.fail.insert(address);
+                    }
+                }
+                Op::TakeBack => {
+                    let all = chunks.take_back(&mut model, &mut board);
+                    prop_assert_eq!(all, !chunks.held());
+                }
+                Op::Launch => {
+                    if !chunks.held() {
+                        // Every chunk the kernel may touch is mapped, with its contents.
+                        for (address, bytes) in &expected {
+                            prop_assert_eq!(model.mapped.get(address), Some(bytes));
+                        }
+                    }
+                }
+            }
+            prop_assert!(board.others + board.resident <= board.capacity);
+            prop_assert_eq!(board.resident, chunks.resident_bytes());
+            prop_assert_eq!(board.swapped, chunks.out_bytes());
+            prop_assert_eq!(chunks.held(), chunks.out_bytes() > 0);
+            for (address, bytes) in &expected {
+                let chunk = chunks.chunks[address];
+                let place = if chunk.out { &model.staging } else { &model.mapped };
+                prop_assert_eq!(place.get(address), Some(bytes), "chunk {:#x}", address);
+                let other = if chunk.out { &model.mapped } else { &model.staging };
+                prop_assert!(!other.contains_key(address));
+            }
+        }
+    }
+}
+
+#[test]
+fn the_largest_chunks_go_first_and_only_as_many_as_wanted() {
+    let mut chunks = Chunks::default();
+    let mut model = Model::default();
+    let mut board = Board {
+        capacity: 64 * UNIT,
+        others: 0,
+        resident: 0,
+        swapped: 0,
+    };
+    for (address, units) in [(0x1000u64, 2u64), (0x2000, 8), (0x3000, 4)] {
+        model
+            .mapped
+            .insert(address, vec![units as u8; (units * UNIT) as usize]);
+        chunks.add(address, units * UNIT);
+        board.resident += units * UNIT;
+    }
+    // 5 units wanted: the 8-unit chunk alone covers it.
+    assert_eq!(chunks.give_back(5 * UNIT, &mut model, &mut board), 8 * UNIT);
+    assert!(chunks.held());
+    assert_eq!(model.staging.keys().collect::<Vec<_>>(), [&0x2000]);
+    // The GPU is full: nothing comes back, and the hold stays.
+    board.others = 64 * UNIT - board.resident;
+    assert!(!chunks.take_back(&mut model, &mut board));
+    assert!(chunks.held());
+    // Room again: back at the same address, and a launch may go.
+    board.others = 0;
+    assert!(hold(|| chunks.take_back(&mut model, &mut board)));
+    assert_eq!(model.mapped[&0x2000], vec![8u8; (8 * UNIT) as usize]);
+    assert_eq!(board.swapped, 0);
+}

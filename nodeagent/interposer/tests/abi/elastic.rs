@@ -1,0 +1,481 @@
+//! Elastic memory through the real ABI (issue 17, `docs/design/elastic-memory.md`): the test
+//! plays the agent and writes CUDA device 0's memory board (`<uuid>.memory` beside the ledgers,
+//! with each tenant's request and limit and the GPU's capacity), and tenant processes allocate
+//! past their request (`VGPU_MEMORY_LIMITS`, what the agent sets to the request) against it. The
+//! board is read back as the agent reads it for its reports (`tenant_abi::shm::sample_board`).
+
+use super::{GIB, Holder, Probe, shm_dir};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use tenant_abi::board::{TenantSpec, TenantUsage};
+
+const MIB: u64 = 1 << 20;
+/// CUDA device 0's uuid (fakecuda.c's bytes a0..ae, then the ordinal): names its board.
+const GPU_0: &str = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00";
+
+/// Writes device 0's board: `capacity` and `(tenant, request, limit)` entries.
+fn board(shm: &Path, capacity: u64, tenants: &[(&str, u64, u64)]) -> PathBuf {
+    let path = tenant_abi::layout::board_path(shm, GPU_0);
+    tenant_abi::shm::create_board(&path).expect("creating the board");
+    let specs: Vec<TenantSpec> = tenants
+        .iter()
+        .map(|&(name, request, limit)| TenantSpec {
+            name: name.to_owned(),
+            request_bytes: request,
+            limit_bytes: limit,
+            priority: 0,
+            guaranteed: true,
+        })
+        .collect();
+    tenant_abi::shm::write_board(&path, capacity, &specs).expect("writing the board");
+    path
+}
+
+/// What the agent would report for `tenant` from the board now (dead processes reclaimed).
+fn usage(board: &Path, tenant: &str) -> TenantUsage {
+    let (tenants, _) = tenant_abi::shm::sample_board(board).expect("sampling the board");
+    tenants
+        .into_iter()
+        .find(|t| t.name == tenant)
+        .expect("the tenant is on the board")
+}
+
+/// A process of `tenant` whose request on device 0 is `request` (as the agent sets it).
+fn tenant(shm: &Path, name: &str, request: &str) -> Probe {
+    Probe::new(shm, Some(name)).env("VGPU_MEMORY_LIMITS", format!("0:{request}"))
+}
+
+/// Runs `script`; its stdout and stderr (the probe may refuse; it must not fail).
+fn run(probe: Probe, script: &str) -> (String, String) {
+    let mut probe = probe;
+    probe.command.args(script.split_whitespace());
+    let output = probe.command.output().expect("running the probe");
+    assert!(output.status.success(), "the probe `{script}` failed");
+    (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Kills a holding probe and returns what it wrote to stderr.
+fn stderr_of(mut holder: Holder) -> String {
+    holder.child.kill().expect("kill");
+    holder.child.wait().expect("wait");
+    let mut text = String::new();
+    if let Some(mut stderr) = holder.child.stderr.take() {
+        stderr.read_to_string(&mut text).expect("reading stderr");
+    }
+    text
+}
+
+fn lines(text: &str) -> Vec<&str> {
+    text.lines().collect()
+}
+
+#[test]
+fn past_the_request_a_tenant_borrows_vmm_backed_memory_up_to_its_limit() {
+    let shm = shm_dir();
+    let board = board(shm.path(), 40 * GIB, &[("a", 10 * GIB, 30 * GIB)]);
+    // 8 GiB within the request, then 4 GiB past it: borrowed, so VMM-backed (the fake's ranges).
+    let holder = tenant(shm.path(), "a", "10GiB").hold("info alloc 8G alloc 4G vmm info");
+    assert_eq!(
+        lines(&holder.output),
+        [
+            // The limit is the total; free: the GPU's 40 GiB free, within the limit.
+            format!("info 0 {} {}", 30 * GIB, 30 * GIB).as_str(),
+            "alloc 0",
+            "alloc 0",
+            format!("vmm 0 reserved={} mapped={}", 4 * GIB, 4 * GIB).as_str(),
+            // 12 held: 18 more up to the limit, and the GPU has 28 free.
+            format!("info 0 {} {}", 18 * GIB, 30 * GIB).as_str(),
+        ]
+    );
+    let held = usage(&board, "a");
+    assert_eq!((held.resident_bytes, held.swapped_bytes), (12 * GIB, 0));
+    assert_eq!(held.borrowed_bytes(), 2 * GIB);
+    // A second process of the tenant: past the limit it is refused and told what to do; up to
+    // the limit it borrows; its free gives the bytes back to the board.
+    let (out, err) = run(
+        tenant(shm.path(), "a", "10GiB"),
+        "alloc 20G alloc 18G vmm info free vmm info",
+    );
+    assert_eq!(
+        lines(&out),
+        [
+            "alloc 2",
+            "alloc 0",
+            format!("vmm 0 reserved={} mapped={}", 18 * GIB, 18 * GIB).as_str(),
+            format!("info 0 0 {}", 30 * GIB).as_str(),
+            "free 0",
+            "vmm 0 reserved=0 mapped=0",
+            format!("info 0 {} {}", 18 * GIB, 30 * GIB).as_str(),
+        ]
+    );
+    assert_eq!(
+        err.matches("raise the limit (--memory-limit)").count(),
+        1,
+        "{err}"
+    );
+    assert_eq!(usage(&board, "a").resident_bytes, 12 * GIB);
+    drop(holder);
+    assert_eq!(usage(&board, "a").resident_bytes, 0);
+}
+
+#[test]
+fn a_borrow_is_refused_when_the_gpu_is_full_and_a_request_waits_for_borrowers() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        40 * GIB,
+        &[("a", 10 * GIB, 35 * GIB), ("b", 20 * GIB, 20 * GIB)],
+    );
+    // "a" grows to 30 GiB (20 borrowed) while "b" idles: 10 of the GPU's 40 GiB stay free.
+    let _a = tenant(shm.path(), "a", "10GiB").hold("alloc 10G alloc 20G");
+    assert_eq!(usage(&board, "a").borrowed_bytes(), 20 * GIB);
+    // "b" takes its request: its free says the request is its own (guaranteed), but until the
+    // swap gives borrowed memory back only what is free is granted, with a line saying so.
+    let (out, err) = run(
+        tenant(shm.path(), "b", "20GiB"),
+        "info alloc 20G alloc 10G info",
+    );
+    assert_eq!(
+        lines(&out),
+        [
+            format!("info 0 {} {}", 20 * GIB, 20 * GIB).as_str(),
+            "alloc 2",
+            "alloc 0",
+            format!("info 0 {} {}", 10 * GIB, 20 * GIB).as_str(),
+        ]
+    );
+    assert!(err.contains("(the swap) is off"), "{err}");
+    // With "b" holding 10 the GPU is full: "a" may not borrow more, though within its limit.
+    let _b = tenant(shm.path(), "b", "20GiB").hold("alloc 10G");
+    let (out, err) = run(tenant(shm.path(), "a", "10GiB"), "alloc 2M info");
+    assert_eq!(
+        lines(&out),
+        ["alloc 2", format!("info 0 0 {}", 35 * GIB).as_str()]
+    );
+    assert!(
+        err.contains("wait for other tenants to free memory"),
+        "{err}"
+    );
+    assert_eq!(usage(&board, "b").resident_bytes, 10 * GIB);
+    assert_eq!(usage(&board, "a").resident_bytes, 30 * GIB);
+}
+
+#[test]
+fn only_the_paths_that_can_be_swapped_or_are_the_applications_own_borrow() {
+    let shm = shm_dir();
+    let board = board(shm.path(), 40 * GIB, &[("a", 2 * GIB, 20 * GIB)]);
+    // At its request: the stream-ordered allocator, managed memory, pools and arrays are refused
+    // past it; cuMemCreate is counted as borrowed; a pitched allocation borrows VMM-backed (1024
+    // x 1M rows = 1 GiB), and legacy IPC refuses it while it serves memory within the request.
+    let holder = tenant(shm.path(), "a", "2GiB").hold(
+        "alloc 2G ipc async 1G managed 1G pool 1G array 16384 16384 create 1G pitch 1000 1M \
+         ipc vmm",
+    );
+    assert_eq!(
+        lines(&holder.output),
+        [
+            "alloc 0",
+            "ipc 0",
+            "async 2",
+            "managed 2",
+            "pool 2",
+            "array 2",
+            "create 0",
+            "pitch 0 1024",
+            "ipc 801",
+            format!("vmm 0 reserved={GIB} mapped={GIB}").as_str(),
+        ]
+    );
+    let held = usage(&board, "a");
+    assert_eq!(held.resident_bytes, 4 * GIB);
+    assert_eq!(held.borrowed_bytes(), 2 * GIB);
+    let err = stderr_of(holder);
+    assert_eq!(err.matches("cannot borrow").count(), 4, "{err}");
+    assert!(err.contains("the stream-ordered allocator"), "{err}");
+    assert!(err.contains("cuMemAllocManaged"), "{err}");
+    assert!(err.contains("a CUDA array"), "{err}");
+    assert_eq!(err.matches("cuIpcGetMemHandle").count(), 1, "{err}");
+    assert!(err.contains("raise the request (--memory)"), "{err}");
+}
+
+#[test]
+fn a_borrowed_allocation_is_rounded_to_the_granularity_and_credited_at_free() {
+    let shm = shm_dir();
+    let board = board(shm.path(), 40 * GIB, &[("a", GIB, 4 * GIB)]);
+    // 1 byte past the request takes 2 MiB (the fake driver's granularity).
+    let holder = tenant(shm.path(), "a", "1GiB").hold("alloc 1G alloc 1 vmm");
+    assert_eq!(
+        lines(&holder.output),
+        [
+            "alloc 0",
+            "alloc 0",
+            format!("vmm 0 reserved={} mapped={}", 2 * MIB, 2 * MIB).as_str()
+        ]
+    );
+    assert_eq!(usage(&board, "a").resident_bytes, GIB + 2 * MIB);
+    drop(holder);
+    let (out, _) = run(
+        tenant(shm.path(), "a", "1GiB"),
+        "alloc 1G alloc 3G free free info",
+    );
+    assert_eq!(
+        lines(&out),
+        [
+            "alloc 0",
+            "alloc 0",
+            "free 0",
+            "free 0",
+            format!("info 0 {} {}", 4 * GIB, 4 * GIB).as_str()
+        ]
+    );
+    assert_eq!(usage(&board, "a").resident_bytes, 0);
+}
+
+#[test]
+fn without_a_board_for_the_tenant_the_request_is_a_hard_quota_as_before() {
+    let shm = shm_dir();
+    let script = "alloc 2G alloc 1 info vmm";
+    let expected = [
+        "alloc 0".to_owned(),
+        "alloc 2".to_owned(),
+        format!("info 0 0 {}", 2 * GIB),
+        "vmm 0 reserved=0 mapped=0".to_owned(),
+    ];
+    // No board file: nothing changed (the refusal's line is today's).
+    let (out, err) = run(tenant(shm.path(), "a", "2GiB"), script);
+    assert_eq!(lines(&out), expected);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("tenant a holds 2.00 GiB of its 2.00 GiB"),
+        "{err}"
+    );
+    // A board that does not describe the tenant: the same, and one line says why.
+    board(shm.path(), 40 * GIB, &[("b", 2 * GIB, 20 * GIB)]);
+    let (out, err) = run(tenant(shm.path(), "a", "2GiB"), script);
+    assert_eq!(lines(&out), expected);
+    assert_eq!(
+        err.matches("does not describe tenant a").count(),
+        1,
+        "{err}"
+    );
+}
+
+#[test]
+fn nvml_reports_the_limit_and_what_may_be_borrowed_as_cuda_does() {
+    let shm = shm_dir();
+    board(shm.path(), 40 * GIB, &[("a", 10 * GIB, 30 * GIB)]);
+    // NVML device 2 is CUDA device 0 (fakenvml.c).
+    let out = tenant(shm.path(), "a", "10GiB")
+        .with_nvml()
+        .run("alloc 12G nvml 2 info");
+    let (total, free, used) = (30 * GIB, 18 * GIB, 12 * GIB);
+    assert_eq!(
+        lines(&out),
+        [
+            "alloc 0",
+            format!("nvml 0 {total} {free} {used}").as_str(),
+            format!("info 0 {free} {total}").as_str(),
+        ]
+    );
+}
+
+/// The swap (`VGPU_MEMORY_SWAP=1`, off outside tests until launches hold while memory is out),
+/// on the fake driver with real bytes: "b" needs its request, which "a" borrowed; "b" asks "a"
+/// for it on the board and waits; "a" sees the want at its next call into the driver, moves its
+/// borrowed chunk to host memory; "b" gets its memory; when "b" frees it, "a" brings the chunk
+/// back at the same address with its contents.
+#[test]
+fn a_borrowed_chunk_goes_to_host_memory_for_a_request_and_comes_back_intact() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| shm.path().join(name).display().to_string();
+    let swapping = |probe: Probe| {
+        probe
+            .env("VGPU_MEMORY_SWAP", "1")
+            .env("FAKE_CUDA_REAL_BYTES", "1")
+    };
+    // "a": 4 MiB within its request, 8 MiB borrowed with a pattern; then it keeps calling
+    // cuMemGetInfo until "b" is done, queries once more and reads its pattern back.
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 7 addr touch {} spin_info {} info check 7 addr vmm",
+        file("a-ready"),
+        file("b-done")
+    ));
+    a.wait_for_line("touch 0");
+    let address = a
+        .output
+        .lines()
+        .find_map(|line| line.strip_prefix("addr "))
+        .expect("a printed its chunk's address")
+        .to_owned();
+    assert_eq!(usage(&board, "a").borrowed_bytes(), 8 * MIB);
+    // "b": its request, which only fits once "a" gave its borrowed chunk back.
+    let mut b = swapping(tenant(shm.path(), "b", "8MiB")).start_holding(&format!(
+        "until_file {} alloc 8M info until_file {} free touch {}",
+        file("a-ready"),
+        file("test-go"),
+        file("b-done")
+    ));
+    b.wait_for_line(&format!("info 0 0 {}", 8 * MIB));
+    assert_eq!(b.output, "until_file 0\nalloc 0\n");
+    // Swapped bytes only: "a" keeps trying to swap back in, and a try counts the bytes resident
+    // for an instant before it sees the GPU full.
+    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
+    assert_eq!(usage(&board, "b").resident_bytes, 8 * MIB);
+    // "b" frees its memory: "a" brings its chunk back, at the same address, with its bytes.
+    std::fs::write(shm.path().join("test-go"), "").expect("touching test-go");
+    b.wait_held();
+    a.wait_held();
+    let after: Vec<&str> = a.output.lines().collect();
+    assert_eq!(
+        after[after.len() - 5..],
+        [
+            "spin_info 0",
+            format!("info 0 0 {}", 12 * MIB).as_str(),
+            "check 0 ok",
+            format!("addr {address}").as_str(),
+            format!("vmm 0 reserved={} mapped={}", 8 * MIB, 8 * MIB).as_str(),
+        ]
+    );
+    let back = usage(&board, "a");
+    assert_eq!((back.resident_bytes, back.swapped_bytes), (12 * MIB, 0));
+    let err = stderr_of(a);
+    assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
+}
+
+/// A chunk freed while it is in host memory: its staging and range go, and the board credits
+/// the tenant's swapped bytes.
+#[test]
+fn a_chunk_freed_while_in_host_memory_is_credited_as_swapped() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| shm.path().join(name).display().to_string();
+    let swapping = |probe: Probe| {
+        probe
+            .env("VGPU_MEMORY_SWAP", "1")
+            .env("FAKE_CUDA_REAL_BYTES", "1")
+    };
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M touch {} spin_info {} free vmm",
+        file("a-ready"),
+        file("b-has")
+    ));
+    let _b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} alloc 8M touch {}",
+        file("a-ready"),
+        file("b-has")
+    ));
+    a.wait_held();
+    assert!(
+        a.output
+            .ends_with("spin_info 0\nfree 0\nvmm 0 reserved=0 mapped=0\n"),
+        "{}",
+        a.output
+    );
+    let freed = usage(&board, "a");
+    assert_eq!((freed.resident_bytes, freed.swapped_bytes), (4 * MIB, 0));
+}
+
+/// A want is met by the tenant's process that holds borrowed chunks, whichever of its processes
+/// calls into the driver first: one with nothing to give leaves the want on the board.
+#[test]
+fn a_want_waits_for_the_process_that_has_borrowed_chunks() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| shm.path().join(name).display().to_string();
+    let swapping = |probe: Probe| {
+        probe
+            .env("VGPU_MEMORY_SWAP", "1")
+            .env("FAKE_CUDA_REAL_BYTES", "1")
+    };
+    // The first process of "a" holds its request and keeps calling; the second borrows.
+    let mut within = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M touch {} spin_info {}",
+        file("within"),
+        file("b-has")
+    ));
+    let mut borrower = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "until_file {} alloc 8M touch {} spin_info {}",
+        file("within"),
+        file("borrowed"),
+        file("b-has")
+    ));
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} alloc 8M touch {}",
+        file("borrowed"),
+        file("b-has")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\ntouch 0\n");
+    within.wait_held();
+    borrower.wait_held();
+    let a = usage(&board, "a");
+    assert_eq!((a.resident_bytes, a.swapped_bytes), (4 * MIB, 8 * MIB));
+    assert!(stderr_of(within).is_empty());
+    assert_eq!(
+        stderr_of(borrower).matches("went to host memory").count(),
+        1
+    );
+}
+
+/// The hold rule on a borrowing allocation: a process with a chunk in host memory borrows more
+/// only once the chunk is back (it waits, bounded, for the GPU to have room for it).
+#[test]
+fn a_process_with_a_chunk_out_borrows_more_only_once_it_is_back() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 16 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| shm.path().join(name).display().to_string();
+    let swapping = |probe: Probe| {
+        probe
+            .env("VGPU_MEMORY_SWAP", "1")
+            .env("FAKE_CUDA_REAL_BYTES", "1")
+    };
+    // "a" borrows 8 MiB (a pattern in it) and gives it back to "b"; then it borrows 2 MiB more,
+    // which waits until "b" freed its memory and the 8 MiB are back.
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 5 touch {} spin_info {} touch {} alloc 2M free check 5",
+        file("a-ready"),
+        file("b-has"),
+        file("a-borrowing")
+    ));
+    let mut b = swapping(tenant(shm.path(), "b", "8MiB")).start_holding(&format!(
+        "until_file {} alloc 8M touch {} until_file {} free",
+        file("a-ready"),
+        file("b-has"),
+        file("test-go")
+    ));
+    a.wait_for_line("touch 0");
+    a.wait_for_line("touch 0");
+    // "a" is about to borrow (or waiting): its chunk is out while "b" holds the memory (swapped
+    // bytes only: a try to swap back in counts them resident for an instant).
+    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
+    std::fs::write(shm.path().join("test-go"), "").expect("touching test-go");
+    b.wait_held();
+    a.wait_held();
+    assert!(
+        a.output
+            .ends_with("spin_info 0\nalloc 0\nfree 0\ncheck 0 ok\n"),
+        "{}",
+        a.output
+    );
+    let back = usage(&board, "a");
+    assert_eq!((back.resident_bytes, back.swapped_bytes), (12 * MIB, 0));
+}

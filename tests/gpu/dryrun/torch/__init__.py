@@ -1,0 +1,70 @@
+"""A stand-in for PyTorch's few calls that tests/gpu/elastic_memory.py makes, over the CUDA
+driver API through ctypes (so through the preloaded interposer and the fake driver): a dry run of
+the GPU script's logic on a machine without a GPU. Tensors hold no bytes; sums are remembered."""
+import ctypes
+import random
+import types
+
+_lib = ctypes.CDLL("libcuda.so.1")
+_lib.cuInit(0)
+_ctx = ctypes.c_void_p()
+_lib.cuDevicePrimaryCtxRetain(ctypes.byref(_ctx), 0)
+_lib.cuCtxSetCurrent(_ctx)
+
+uint8 = "uint8"
+int64 = "int64"
+
+
+class OutOfMemoryError(RuntimeError):
+    pass
+
+
+def _mem_get_info():
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    rc = _lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+    assert rc == 0, rc
+    return free.value, total.value
+
+
+cuda = types.SimpleNamespace(
+    OutOfMemoryError=OutOfMemoryError,
+    mem_get_info=_mem_get_info,
+    synchronize=lambda: None,
+    empty_cache=lambda: None,
+)
+
+
+class _Scalar:
+    def __init__(self, value):
+        self.value = value
+
+    def item(self):
+        return self.value
+
+
+class Tensor:
+    def __init__(self, n, total):
+        pointer = ctypes.c_ulonglong()
+        rc = _lib.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(n))
+        if rc == 2:
+            raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n} bytes")
+        if rc != 0:
+            raise RuntimeError(f"cuMemAlloc_v2: {rc}")
+        self.pointer, self.n, self.total = pointer.value, n, total
+
+    def numel(self):
+        return self.n
+
+    def sum(self, dtype=None):
+        return _Scalar(self.total)
+
+    def __del__(self):
+        _lib.cuMemFree_v2(ctypes.c_ulonglong(self.pointer))
+
+
+def empty(n, dtype=None, device=None):
+    return Tensor(n, 0)
+
+
+def randint(low, high, shape, dtype=None, device=None):
+    return Tensor(shape[0], random.randrange(1 << 40))

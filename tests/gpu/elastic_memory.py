@@ -1,0 +1,90 @@
+"""Tenant workloads for tests/gpu/elastic_memory.sh (elastic memory, issue 17), PyTorch's default
+caching allocator (cudaMalloc, so cuMemAlloc_v2: the path that borrows VMM-backed). Never
+allocates managed memory. Prints `RESULT {json}` last.
+
+  grow TARGET_BYTES LIMIT_BYTES READY STOP WAIT_S
+      holds 1 GiB tensors of random bytes until TARGET_BYTES are held (past the tenant's request),
+      checksums them, tries once to go past LIMIT_BYTES (expected: refused), touches READY, waits
+      (at most WAIT_S seconds) for STOP to exist, then checks the checksums again.
+  request BYTES
+      allocates BYTES in 1 GiB tensors and says how much it got, and whether it got an
+      out-of-memory error.
+"""
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+GIB = 1 << 30
+
+
+def info():
+    free, total = torch.cuda.mem_get_info()
+    return {"free": free, "total": total}
+
+
+def checksum(tensor):
+    return int(tensor.sum(dtype=torch.int64).item())
+
+
+def grow(target, limit, ready, stop, wait_s):
+    result = {"info_start": info()}
+    held, sums = [], []
+    error = None
+    try:
+        while len(held) * GIB < target:
+            tensor = torch.randint(0, 256, (GIB,), dtype=torch.uint8, device="cuda")
+            held.append(tensor)
+            sums.append(checksum(tensor))
+    except torch.cuda.OutOfMemoryError as e:
+        error = str(e).splitlines()[0]
+    torch.cuda.synchronize()
+    result["held_bytes"] = len(held) * GIB
+    result["grow_error"] = error
+    result["info_grown"] = info()
+    # Past the limit: one allocation that would take the tenant over it.
+    past = limit - len(held) * GIB + GIB
+    try:
+        extra = torch.empty(past, dtype=torch.uint8, device="cuda")
+        result["past_limit"] = "granted"
+        del extra
+    except torch.cuda.OutOfMemoryError:
+        result["past_limit"] = "refused"
+    torch.cuda.empty_cache()
+    result["info_held"] = info()
+    pathlib.Path(ready).touch()
+    deadline = time.monotonic() + wait_s
+    while not pathlib.Path(stop).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result["stopped"] = pathlib.Path(stop).exists()
+    result["checksums_ok"] = all(checksum(t) == s for t, s in zip(held, sums))
+    result["tensors"] = len(held)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def request(wanted):
+    result = {"info_start": info()}
+    held = []
+    error = None
+    try:
+        while len(held) * GIB < wanted:
+            held.append(torch.empty(min(GIB, wanted - len(held) * GIB), dtype=torch.uint8, device="cuda"))
+    except torch.cuda.OutOfMemoryError as e:
+        error = str(e).splitlines()[0]
+    torch.cuda.synchronize()
+    result["granted_bytes"] = sum(t.numel() for t in held)
+    result["oom"] = error is not None
+    result["error"] = error
+    result["info_end"] = info()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "grow":
+        grow(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6]))
+    elif sys.argv[1] == "request":
+        request(int(sys.argv[2]))
+    else:
+        sys.exit(f"unknown mode {sys.argv[1]}")

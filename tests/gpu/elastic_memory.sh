@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# Elastic memory's first check on a real GPU (issue 17, docs/design/elastic-memory.md): the
+# interposer borrows past a tenant's request against the GPU's memory board. vgpu-cp and
+# vgpu-agent run on loopback; two tenants are placed with a request of ~20% and a limit of ~50%
+# of the card's memory (from nvidia-smi). The first grows past its request with PyTorch while the
+# second idles (its borrowed bytes must show in `vgpuctl describe tenant`), and is refused past
+# its limit; then the second allocates its request. The swap is not built, so that either fits in
+# what the GPU has free (granted) or is refused with a clear out-of-memory line (the interposer
+# says the request was borrowed by others): the table says which, and both pass. The first's
+# tensors must keep their checksums throughout. Never allocates managed memory. Run from the
+# repository root with release binaries built elsewhere:
+#
+#   cargo build --release -p vgpu-cp -p vgpu-agent -p vgpuctl -p interposer
+#   mkdir -p dist && cp target/release/{vgpu-cp,vgpu-agent,vgpuctl,libvgpu_cuda.so} dist/
+#   VGPU_BIN=dist tests/gpu/elastic_memory.sh   # the GPU machine runs it from the repository root
+#
+# VGPU_BIN (default dist) holds vgpu-cp, vgpu-agent, vgpuctl and libvgpu_cuda.so. PY (default
+# /opt/torch/.venv/bin/python3, else python3) must have PyTorch with CUDA. Logs go to
+# $OUT/elastic_memory (or a temporary directory); the result table is printed last. Exit status: 0
+# when every check passed. About 2-4 minutes on an 80-141 GiB card (mostly filling memory).
+# `tests/gpu/elastic_memory_dryrun.sh` runs this script without a GPU (the fake driver) first.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=tests/gpu/procs.sh
+source "$ROOT/tests/gpu/procs.sh"
+# shellcheck source=tests/gpu/node.sh
+source "$ROOT/tests/gpu/node.sh"
+gpu_paths
+HELPER="$ROOT/tests/gpu/elastic_memory.py"
+LOGS="${OUT:-$(mktemp -d)}/elastic_memory"
+mkdir -p "$LOGS"
+WORK=$(mktemp -d)
+EP="127.0.0.1:${VGPU_PORT:-7473}"
+SHM=/dev/shm/vgpu-elastic.$$
+CP=""
+AGENT=""
+AGENT_MPS=0
+GIB=$((1 << 30))
+RESULTS="$LOGS/results.tsv"
+: >"$RESULTS"
+PIDS=()
+# exited PID: the process is gone or a zombie (ours, not reaped yet).
+exited() { ! kill -0 "$1" 2>/dev/null || [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" = Z ]; }
+cleanup() {
+  # every process this script started (tracked in PIDS, and any other background job): TERM
+  # first, which `timeout` passes on to the tenant's Python (so its GPU memory goes with it),
+  # KILL after 10 s, then a wait for exactly those: a bare `wait` would block on anything left
+  local rc=$? pid all
+  trap - EXIT
+  all="${PIDS[*]} $(jobs -p)"
+  for pid in $all; do kill "$pid" 2>/dev/null; done
+  for pid in $all; do
+    bounded_wait 10 "process $pid to exit after TERM" exited "$pid" || kill -9 "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+  done
+  rm -rf "$WORK" "$SHM"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$RESULTS"; log "$4: $1 (expected $2, got $3)"; }
+verdict() { if [ "${1:-}" = 1 ]; then echo PASS; else echo FAIL; fi; }
+gib() { "$PY" -c 'import sys; print(f"{int(sys.argv[1] or 0)/2**30:.2f} GiB")' "${1:-0}"; }
+# field LOG PATH: a field of a run's RESULT json ("a.b" for nested), "" if absent.
+field() {
+  local json
+  json=$(grep '^RESULT ' "$1" 2>/dev/null | tail -n1 | sed 's/^RESULT //')
+  [ -n "$json" ] || json='{}'
+  "$PY" -c '
+import json, sys
+v = json.loads(sys.argv[1])
+for k in sys.argv[2].split("."):
+    v = v.get(k) if isinstance(v, dict) else None
+print("" if v is None else v)' "$json" "$2"
+}
+# usage_field TENANT FIELD: the tenant's first usage entry, from `describe tenant -o json`.
+usage_field() {
+  timeout 30 "$BIN/vgpuctl" --insecure --endpoints "$EP" describe tenant "$1" -o json 2>/dev/null | "$PY" -c '
+import json, sys
+try:
+    u = (json.load(sys.stdin).get("usage") or [{}])[0]
+except ValueError:
+    u = {}
+print(u.get(sys.argv[1], ""))' "$2"
+}
+# run_tenant NAME LOGNAME SECONDS -- helper args: a tenant's process under `vgpu-agent exec`, in
+# the background ($! is its pid), bounded by `timeout`.
+run_tenant() {
+  local name=$1 logname=$2 seconds=$3
+  shift 4
+  timeout "$seconds" "$BIN/vgpu-agent" exec --tenant "$name" --name gpu-node --state-dir "$WORK/agent" \
+    --interposer "$BIN/libvgpu_cuda.so" -- "$PY" "$HELPER" "$@" >"$LOGS/$logname.log" 2>&1 &
+}
+
+for artefact in vgpu-cp vgpu-agent vgpuctl libvgpu_cuda.so; do
+  [ -e "$BIN/$artefact" ] || { echo "missing $BIN/$artefact (set VGPU_BIN)" >&2; exit 2; }
+done
+total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | head -n1 | tr -d ' ')
+[ -n "$total_mib" ] || { echo "nvidia-smi gave no memory.total" >&2; exit 2; }
+total=$((total_mib << 20))
+# Whole GiB: ~20% requested, ~50% the limit; the first tenant grows to ~45%, past its request
+# and within its limit.
+request=$((total / 5 / GIB * GIB))
+limit=$((total / 2 / GIB * GIB))
+target=$((total * 45 / 100 / GIB * GIB))
+log "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader -i 0)"
+log "request $(gib $request), limit $(gib $limit), the first tenant grows to $(gib $target)"
+
+vgpu_cp_up || exit 1
+vgpu_agent_up || exit 1
+for t in grower needy; do
+  timeout 60 "$BIN/vgpuctl" --insecure --endpoints "$EP" place "$t" --gpus 0.25 --memory "$request" \
+    --memory-limit "$limit" 2>&1 | tee -a "$LOGS/run.log"
+done
+placed() { [ -f "$WORK/agent/tenants/grower.json" ] && [ -f "$WORK/agent/tenants/needy.json" ]; }
+bounded_wait 30 "both tenants placed on the node" placed || { log "the tenants were not placed on the node"; exit 1; }
+gpu_of() { "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["slices"][0]["gpu_uuid"])' "$WORK/agent/tenants/$1.json"; }
+gpu_a=$(gpu_of grower)
+gpu_b=$(gpu_of needy)
+record "both tenants on one GPU" "same uuid" "$gpu_a / $gpu_b" "$(verdict $([ "$gpu_a" = "$gpu_b" ] && echo 1))"
+board="$SHM/tenants/grower/$gpu_a.memory"
+board_linked() { [ -f "$board" ]; }
+bounded_wait 10 "the board linked into the tenant's directory" board_linked
+record "memory board linked into the tenant's directory" "exists" "$board" "$(verdict $([ -f "$board" ] && echo 1))"
+
+# 1. The first tenant grows past its request while the second idles.
+run_tenant grower grower 600 -- grow "$target" "$limit" "$WORK/grown" "$WORK/stop" 300
+PIDS+=($!)
+grower_pid=$!
+grown() { [ -f "$WORK/grown" ]; }
+if ! bounded_wait 240 "the first tenant to hold its memory" grown; then
+  log "the first tenant never got to hold its memory; its log:"
+  tee -a "$LOGS/run.log" <"$LOGS/grower.log"
+fi
+borrowed_shown() { [ "$(usage_field grower memory_borrowed_bytes)" -gt 0 ] 2>/dev/null; }
+bounded_wait 30 "borrowed bytes in describe tenant" borrowed_shown
+borrowed=$(usage_field grower memory_borrowed_bytes)
+resident=$(usage_field grower memory_resident_bytes)
+timeout 30 "$BIN/vgpuctl" --insecure --endpoints "$EP" describe tenant grower >"$LOGS/grower-describe.txt" 2>&1
+
+# 2. The second allocates its request (less 1 GiB for its context and PyTorch's own).
+run_tenant needy needy 300 -- request $((request - GIB))
+needy_pid=$!
+PIDS+=($needy_pid)
+wait "$needy_pid"
+forget "$needy_pid"
+touch "$WORK/stop"
+wait "$grower_pid"
+forget "$grower_pid"
+both_gone() { [ "$(usage_field grower memory_resident_bytes)" = 0 ] && [ "$(usage_field needy memory_resident_bytes)" = 0 ]; }
+bounded_wait 30 "resident 0 after both exited" both_gone
+resident_after="$(usage_field grower memory_resident_bytes)/$(usage_field needy memory_resident_bytes)"
+
+g=$LOGS/grower.log
+n=$LOGS/needy.log
+shown_total=$(field "$g" info_start.total)
+record "the first tenant's cuMemGetInfo total = its limit" "$(gib $limit)" "$(gib "$shown_total")" \
+  "$(verdict $([ "$shown_total" = "$limit" ] && echo 1))"
+held=$(field "$g" held_bytes)
+record "the first tenant grew past its request (PyTorch, cudaMalloc)" ">= $(gib $target)" "$(gib "$held") $(field "$g" grow_error)" \
+  "$(verdict $([ -n "$held" ] && [ "$held" -ge "$target" ] && echo 1))"
+record "describe tenant: borrowed bytes while it holds them" "> 0 (held - request)" \
+  "borrowed $(gib "$borrowed"), resident $(gib "$resident")" \
+  "$(verdict $([ -n "$borrowed" ] && [ "$borrowed" -gt 0 ] 2>/dev/null && echo 1))"
+past=$(field "$g" past_limit)
+record "past its limit: refused with an out-of-memory error" "refused" "$past" "$(verdict $([ "$past" = refused ] && echo 1))"
+limit_lines=$(grep -c 'raise the limit (--memory-limit)' "$g")
+record "the refusal past the limit says what to do" ">= 1 line" "$limit_lines" "$(verdict $([ "$limit_lines" -ge 1 ] && echo 1))"
+granted=$(field "$n" granted_bytes)
+oom=$(field "$n" oom)
+said=$(grep -cE '\(the swap\) is off|wait for other tenants' "$n")
+if [ "$oom" = True ]; then
+  outcome="refused (out of memory) after $(gib "$granted"); interposer lines: $said"
+  ok=$([ "$said" -ge 1 ] && echo 1)
+else
+  outcome="granted $(gib "$granted") (the GPU had it free)"
+  ok=$([ -n "$granted" ] && [ "$granted" -ge $((request - GIB)) ] && echo 1)
+fi
+record "the second allocates its request (no swap yet: granted if free, else a clear refusal)" \
+  "granted, or refused with a line" "$outcome" "$(verdict "$ok")"
+sums=$(field "$g" checksums_ok)
+record "the first tenant's tensors kept their checksums" "True" "$sums" "$(verdict $([ "$sums" = True ] && echo 1))"
+record "resident after both exited (describe)" "0/0" "$resident_after" "$(verdict $([ "$resident_after" = 0/0 ] && echo 1))"
+
+log "describe tenant grower (holding):"; tee -a "$LOGS/run.log" <"$LOGS/grower-describe.txt"
+log "interposer lines:"; grep -h 'vgpu' "$g" "$n" | head -n 20 | tee -a "$LOGS/run.log"
+echo
+echo "| check | expected | got | result |"
+echo "| --- | --- | --- | --- |"
+while IFS=$'\t' read -r check expected got result; do
+  echo "| $check | $expected | $got | $result |"
+done <"$RESULTS"
+! grep -q FAIL "$RESULTS"

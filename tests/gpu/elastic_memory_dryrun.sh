@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# A dry run of tests/gpu/elastic_memory.sh on a machine without a GPU: the real vgpu-cp,
+# vgpu-agent (simulating one H100-80GB: VGPU_AGENT_SIMULATE) and interposer, the interposer's fake
+# driver (nodeagent/interposer/tests/abi/fakecuda.c, playing the simulated GPU's uuid through
+# FAKE_CUDA_UUID), a stand-in for PyTorch over the driver API (tests/gpu/dryrun/torch: tensors
+# hold no bytes) and an `nvidia-smi` that says 80 GiB. It checks the script's own logic and the
+# agent and interposer together (the board the agent writes, the borrowing, the reports), not a
+# GPU. Run from the repository root after
+#
+#   cargo build -p vgpu-cp -p vgpu-agent -p vgpuctl -p interposer
+#   cargo test -p interposer --test abi elastic     # builds the fake driver (target/tmp/abi)
+#   tests/gpu/elastic_memory_dryrun.sh              # TARGET=target/debug by default
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+TARGET=${TARGET:-${CARGO_TARGET_DIR:-$ROOT/target}}
+FAKE="$TARGET/tmp/abi/libcuda.so.1"
+STUBS=$(mktemp -d)
+trap 'rm -rf "$STUBS"' EXIT
+for artefact in debug/vgpu-cp debug/vgpu-agent debug/vgpuctl debug/libvgpu_cuda.so tmp/abi/libcuda.so.1; do
+  [ -e "$TARGET/$artefact" ] || { echo "missing $TARGET/$artefact (see the header)" >&2; exit 2; }
+done
+mkdir -p "$STUBS/lib"
+cp "$FAKE" "$STUBS/lib/"
+cat >"$STUBS/nvidia-smi" <<'STUB'
+#!/bin/sh
+case "$*" in
+*nounits*) echo 81920 ;;
+*) echo "NVIDIA H100 80GB HBM3 (dry run: fake driver), 0.0, 81920 MiB" ;;
+esac
+STUB
+# python3 with the stand-in PyTorch; inside a tenant (VGPU_SHM_DIR set) the fake driver plays the
+# GPU whose memory board the agent linked there.
+cat >"$STUBS/python" <<STUB
+#!/bin/sh
+if [ -n "\${VGPU_SHM_DIR:-}" ]; then
+  FAKE_CUDA_UUID=\$(ls "\$VGPU_SHM_DIR" | sed -n 's/\\.memory\$//p' | head -n1)
+  export FAKE_CUDA_UUID
+fi
+PYTHONPATH="$ROOT/tests/gpu/dryrun" exec python3 "\$@"
+STUB
+chmod +x "$STUBS/nvidia-smi" "$STUBS/python"
+PATH="$STUBS:$PATH" PY="$STUBS/python" VGPU_BIN="$TARGET/debug" VGPU_AGENT_SIMULATE=1xH100-80GB \
+  LD_LIBRARY_PATH="$STUBS/lib" VGPU_REAL_LIBCUDA="$STUBS/lib/libcuda.so.1" \
+  "$ROOT/tests/gpu/elastic_memory.sh"
