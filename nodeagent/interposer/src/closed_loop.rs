@@ -212,24 +212,20 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
         }
         done
     };
-    if decision.exclusive && device.region.latency_active(now, spatial.hold_ns) {
-        // Held while a latency tenant is active and the agent still says Exclusive: a decision
-        // it relaxed, or one that lapsed (the agent stopped publishing), lets the launch go at
-        // once, so the bound below is only for a hold the agent keeps asking for.
-        let waited = wait_until(now, tenant_abi::control::HOLD_WAIT_MAX_NS, || {
-            let now = monotonic_ns();
-            wanting(
-                !control.decision(now).exclusive
-                    || !device.region.latency_active(now, spatial.hold_ns),
-            )
-        });
-        control.count_pause(waited.0);
-    } else if step_held(decision, now) || guard_held(decision, now) {
+    // Exclusive holds while a latency tenant is active at all. One wait for every hold, the
+    // decision read again at each look: a launch held at Exclusive that the agent relaxes to a
+    // guard is held by the guard next, not let go (it was: each relaxation from Exclusive let
+    // the held launches through at once, a 12 ms kernel into four decoder steps, and the level
+    // below failed at its first window, every time, in every H100 and H200 run).
+    let exclusive_held = |decision: tenant_abi::control::Decision, now: u64| {
+        decision.exclusive && device.region.latency_active(now, spatial.hold_ns)
+    };
+    if exclusive_held(decision, now) || step_held(decision, now) || guard_held(decision, now) {
         let pause_over = std::cell::Cell::new(false);
         let waited = wait_until(now, tenant_abi::control::HOLD_WAIT_MAX_NS, || {
             let at = monotonic_ns();
             let decision = control.decision(at);
-            if guard_held(decision, at) {
+            if exclusive_held(decision, at) || guard_held(decision, at) {
                 return wanting(false);
             }
             let stepping = step_held(decision, at);

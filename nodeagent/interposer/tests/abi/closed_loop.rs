@@ -386,6 +386,75 @@ fn a_guard_holds_a_launch_for_as_long_as_the_agent_keeps_it_and_steps_keep_comin
 }
 
 #[test]
+fn a_launch_held_at_exclusive_stays_held_when_the_agent_relaxes_to_a_guard() {
+    let shm = shm_dir();
+    latency_tenant(shm.path()).run("launch kernel 10");
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    let exclusive = Decision {
+        exclusive: true,
+        level: 10,
+        ..Decision::default()
+    };
+    let guard = Decision {
+        pause: true,
+        guard_us: 20_000,
+        level: 9,
+        ..Decision::default()
+    };
+    let keep = |decision: Decision, for_ms: u64| {
+        let until = std::time::Instant::now() + std::time::Duration::from_millis(for_ms);
+        while std::time::Instant::now() < until {
+            let now = now_ns(shm.path());
+            control.publish(decision, now);
+            control.predict_step(now + 5_000_000);
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    };
+    let region = mapping.region();
+    let start = now_ns(shm.path());
+    control.publish(exclusive, start);
+    // A compute share makes it a member of the schedule: its demand stamp shows it waiting.
+    let mut held = squeezable(shm.path())
+        .env("VGPU_COMPUTE_SHARES", "0:75")
+        .start_holding("clock launch kernel 10 clock");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(8);
+    loop {
+        let waiting = region
+            .live_slots()
+            .into_iter()
+            .find(|(_, name)| name == "trainer")
+            .is_some_and(|(slot, _)| {
+                region.tenants[slot]
+                    .demand_ns
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                    > start
+            });
+        if waiting {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the neighbour never waited"
+        );
+        keep(exclusive, 5);
+    }
+    keep(exclusive, 50);
+    let relaxed = now_ns(shm.path());
+    // Relaxed to a guard with steps still due within it: still held (it went here, before).
+    keep(guard, 300);
+    let guard_end = now_ns(shm.path());
+    held.wait_held();
+    let t = clocks(&held.output);
+    assert!(t[0] < relaxed, "the launch began after Exclusive ended");
+    assert!(
+        t[1] >= guard_end,
+        "the launch went {} ms after Exclusive was relaxed to a guard kept for 300 ms",
+        t[1].saturating_sub(relaxed) / 1_000_000
+    );
+}
+
+#[test]
 fn a_latency_tenant_predicts_its_next_step_from_its_rhythm() {
     let shm = shm_dir();
     let out = latency_tenant(shm.path())
