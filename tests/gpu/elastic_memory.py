@@ -26,7 +26,9 @@ def info():
 
 
 def checksum(tensor):
-    return int(tensor.sum(dtype=torch.int64).item())
+    # In 64 MiB pieces: a sum in int64 of the whole tensor makes an int64 copy of it first (8x
+    # its size), which a tenant at its limit cannot allocate (the first GPU run died so).
+    return sum(int(piece.sum(dtype=torch.int64).item()) for piece in tensor.split(1 << 26))
 
 
 def grow(target, limit, ready, stop, wait_s):
