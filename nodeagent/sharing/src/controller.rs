@@ -253,6 +253,52 @@ impl Controller {
         self.step_period_ns
     }
 
+    /// One line of what decides the next relaxation, for the agent's per-window trace: the
+    /// run of clean windows, the level's own trial, the levels that failed in this episode
+    /// (`level:failures/steps to wait`), the lowest level known to hold, the levers, the floor.
+    pub fn trace_summary(&self) -> String {
+        use std::fmt::Write;
+        let mut line = format!(
+            "clean {}w/{}s trial {}v/{}s settling {} known_good {:?}",
+            self.clean_windows,
+            self.clean_steps,
+            self.level_violations,
+            self.level_steps,
+            self.settling_since_ns.is_some(),
+            self.known_good,
+        );
+        let failed: Vec<String> = self
+            .failures
+            .iter()
+            .enumerate()
+            .filter(|(_, failure)| failure.repeats > 0)
+            .map(|(level, failure)| format!("{level}:{}/{}", failure.repeats, failure.probe_steps))
+            .collect();
+        let _ = write!(line, " failed [{}]", failed.join(" "));
+        let levers: Vec<String> = Lever::ALL
+            .iter()
+            .filter(|lever| self.ladder.levels(**lever).is_some())
+            .map(|lever| {
+                let state = match self.levers[lever.index()] {
+                    LeverState::Untried => "untried",
+                    LeverState::Trying { .. } => "trying",
+                    LeverState::Needed => "needed",
+                    LeverState::Probing => "probing",
+                    LeverState::Useless => "useless",
+                };
+                format!("{lever:?}={state}")
+            })
+            .collect();
+        let _ = write!(
+            line,
+            " levers [{}] floor probed {} worse {}",
+            levers.join(" "),
+            self.free_probed,
+            self.free_worse
+        );
+        line
+    }
+
     pub fn lever_state(&self, lever: Lever) -> LeverState {
         self.levers[lever.index()]
     }

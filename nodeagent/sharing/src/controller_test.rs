@@ -1498,3 +1498,19 @@ fn a_baseline_the_tenant_misses_even_at_exclusive_is_replaced() {
     }
     assert!(driver.level() < top, "{}", driver.level());
 }
+
+#[test]
+fn the_trace_summary_names_the_levels_that_failed_and_the_levers() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    assert_eq!(
+        driver.controller.trace_summary(),
+        "clean 0w/0s trial 0v/0s settling false known_good None failed [] levers \
+         [Inflight=untried Pause=untried Guard=untried Exclusive=untried] floor probed false \
+         worse false"
+    );
+    driver.next("infer", repeat(3, 3 * MS), target);
+    let summary = driver.controller.trace_summary();
+    assert!(summary.contains("failed [0:1/"), "{summary}");
+    assert!(summary.contains("Inflight=trying"), "{summary}");
+}

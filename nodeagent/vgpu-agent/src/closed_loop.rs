@@ -544,6 +544,8 @@ impl GpuLoop {
                     status.violations
                 ));
             }
+            tenants.push_str(" controller ");
+            tenants.push_str(&controller.trace_summary());
             tracing::debug!(
                 target: WINDOW_TRACE,
                 "{uuid} level {} neighbours {} open {:?} paused {:.1} ms bounded {}:{tenants}",
