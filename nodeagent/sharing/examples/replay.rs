@@ -10,8 +10,11 @@
 //! replay feeds an approximation: the window's steps at its p50, one of them at its p99 (a
 //! window of a control period holds a few steps, and its p99 is their slowest). The levels it
 //! prints are what this build's controller decides on those windows; they differ from the
-//! run's where the approximation or a changed controller does. `--dump T` prints the
-//! controller's state after the first window at or after T.
+//! run's where the approximation or a changed controller does, and after the first difference
+//! the windows (measured at the run's levels) no longer answer the replay's. So it explains a
+//! decision up to where the two part, no further. `--dump T` prints the controller's state after
+//! the first window at or after T. The trace's `controller` part (`Controller::trace_summary`)
+//! says the same of the run itself.
 use sharing::{Config, Controller, Event, TenantWindow};
 use tenant_abi::control::{LatencySnapshot, latency_bucket};
 
