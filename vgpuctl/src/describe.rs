@@ -196,9 +196,17 @@ fn usage_table(usage: &[UsageView], now_unix_ms: i64) -> Table {
         "REPORTED",
     ]);
     for entry in usage {
+        // The ledger's limit is the request; a tenant that may borrow above it (a memory limit
+        // on the GPU's board) may use up to the board's limit: "36GiB/16GiB" read as a broken
+        // quota.
+        let borrowable = if entry.has_board() {
+            entry.memory_board_limit_bytes
+        } else {
+            0
+        };
         let limit = match entry.memory_limit_bytes {
             0 => "unlimited".to_owned(),
-            bytes => format_bytes(bytes),
+            bytes => format_bytes(bytes.max(borrowable)),
         };
         table.row(vec![
             entry.node.clone(),
@@ -640,6 +648,11 @@ mod tests {
             ),
             "{text}"
         );
+        // Usage's limit is what it may use: the board's limit, not the request the ledger holds
+        // ("26GiB/20GiB" read as a broken quota on an H200).
+        tenant.usage[0].memory_used_bytes = 26 << 30;
+        let text = tenant_text(&tenant, 1_700_000_012_000);
+        assert!(text.contains("   26GiB/60GiB   "), "{text}");
     }
 
     #[test]
