@@ -27,7 +27,7 @@ use crate::vmm;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 
 /// Every hook, by the driver symbol it replaces.
-pub fn hooks() -> [(&'static CStr, *const c_void); 52] {
+pub fn hooks() -> [(&'static CStr, *const c_void); 54] {
     macro_rules! table {
         ($($name:ident),* $(,)?) => {
             [$((
@@ -93,6 +93,8 @@ pub fn hooks() -> [(&'static CStr, *const c_void); 52] {
         cuMemcpyHtoDAsync_v2_ptsz,
         cuMemcpyDtoHAsync_v2,
         cuMemcpyDtoHAsync_v2_ptsz,
+        cuMemcpyHtoD_v2,
+        cuMemcpyDtoH_v2,
     ]
 }
 
@@ -198,6 +200,32 @@ impl<'d> hooks::Devices for DriverDevices<'d> {
             driver: self.driver,
         })
     }
+
+    fn context(&self) -> usize {
+        RealGpu(self.driver).current_context()
+    }
+
+    fn drain(&self, contexts: &[usize]) -> bool {
+        let contexts = if contexts.is_empty() {
+            vec![self.context()]
+        } else {
+            contexts.to_vec()
+        };
+        vmm::drain(contexts)
+    }
+}
+
+/// The hold rule before a launch or copy reaches the driver (`hooks::enter_work`): `Ok` with the
+/// guard to keep until the driver call returned, `Err` with the result to answer instead (a chunk
+/// is still in host memory; a panic in the policy refuses too, since letting the call through
+/// could touch an unmapped chunk). One relaxed load in a process without swappable chunks.
+fn enter_work(what: &'static str, driver: &Driver) -> Result<crate::swap::InFlight, CUresult> {
+    if !crate::swap::any_chunk() {
+        return Ok(crate::swap::InFlight::uncounted());
+    }
+    ffi_boundary!(what, fallback = Err(CUDA_ERROR_UNKNOWN), {
+        hooks::enter_work(&DriverDevices::current(driver), what).ok_or(CUDA_ERROR_OUT_OF_MEMORY)
+    })
 }
 
 /// Runs an allocation through `admit` → `call` → `commit`/`abort`; `call` is told whether the
@@ -222,7 +250,9 @@ fn accounted_alloc(
     let rc = call(ticket.borrowed());
     ffi_boundary!(what, fallback = (), {
         match allocated().filter(|_| rc == CUDA_SUCCESS) {
-            Some((key, real_bytes)) => hooks::commit(ticket, key, real_bytes),
+            Some((key, real_bytes)) => {
+                hooks::commit(ticket, key, real_bytes, hooks::Devices::context(devices))
+            }
             None => hooks::abort(ticket),
         }
     });
@@ -1121,9 +1151,18 @@ fn gated_launch(
     } else {
         ffi_boundary!(what, fallback = None, { launch::before(&gpu, stream_ref) })
     };
+    // The hold rule (a chunk of borrowed memory in host memory): after the turn, before the
+    // stream is picked (a redirection holds the device's lock until reported).
+    let (in_flight, held_rc) = match enter_work(what, driver) {
+        Ok(in_flight) => (Some(in_flight), None),
+        Err(rc) => (None, Some(rc)),
+    };
     // No redirection while a capture is in progress: its event records and waits would touch
     // streams while a global-mode capture forbids it.
-    let redirect = if placement == Placement::Movable && !latency && !launch::captures_in_progress()
+    let redirect = if held_rc.is_none()
+        && placement == Placement::Movable
+        && !latency
+        && !launch::captures_in_progress()
     {
         ffi_boundary!(what, fallback = None, {
             spatial::redirect(&gpu, stream_ref)
@@ -1131,9 +1170,10 @@ fn gated_launch(
     } else {
         None
     };
-    let rc = match redirect {
-        None => call(stream),
-        Some(redirect) => {
+    let rc = match (held_rc, redirect) {
+        (Some(rc), _) => rc,
+        (None, None) => call(stream),
+        (None, Some(redirect)) => {
             let rc = call(redirect.stream() as CUstream);
             if rc == CUDA_SUCCESS {
                 ffi_boundary!(what, fallback = (), { redirect.launched(&gpu) });
@@ -1148,6 +1188,7 @@ fn gated_launch(
             }
         }
     };
+    drop(in_flight);
     if let Some(pending) = pending {
         ffi_boundary!(what, fallback = (), {
             launch::after(&gpu, pending, rc == CUDA_SUCCESS)
@@ -1379,6 +1420,10 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernelMultiDevice(
                         launch::before(&gpu, stream)
                     });
             }
+            let _in_flight = match enter_work("cuLaunchCooperativeKernelMultiDevice", driver) {
+                Ok(in_flight) => in_flight,
+                Err(rc) => return rc,
+            };
             // SAFETY: forwarded unchanged under the caller's contract.
             unsafe { real(launch_params_list, num_devices, flags) }
         }
@@ -1452,6 +1497,31 @@ copy_hook!(cuMemcpyHtoDAsync_v2, memcpy_htod_async, false);
 copy_hook!(cuMemcpyHtoDAsync_v2_ptsz, memcpy_htod_async_ptsz, true);
 copy_hook!(cuMemcpyDtoHAsync_v2, memcpy_dtoh_async, false);
 copy_hook!(cuMemcpyDtoHAsync_v2_ptsz, memcpy_dtoh_async_ptsz, true);
+
+/// A copy that the compute gate does not see (synchronous, on the legacy or per-thread default
+/// stream): held while a chunk of borrowed memory is in host memory (`enter_work`), then
+/// forwarded unchanged.
+macro_rules! held_copy_hook {
+    ($name:ident, $field:ident, ($($arg:ident: $ty:ty),*)) => {
+        /// # Safety
+        /// The driver's contract for this copy.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (driver, real) = real_fn!($field);
+                let _in_flight = match enter_work(stringify!($name), driver) {
+                    Ok(in_flight) => in_flight,
+                    Err(rc) => return rc,
+                };
+                // SAFETY: forwarded unchanged under the caller's contract.
+                unsafe { real($($arg),*) }
+            })
+        }
+    };
+}
+
+held_copy_hook!(cuMemcpyHtoD_v2, memcpy_htod, (dst: CUdeviceptr, src: *const c_void, bytes: usize));
+held_copy_hook!(cuMemcpyDtoH_v2, memcpy_dtoh, (dst: *mut c_void, src: CUdeviceptr, bytes: usize));
 
 /// A synchronisation or completion query: forwarded unchanged; when it says the work it waited
 /// for is done (`CUDA_SUCCESS`), a latency tenant's open step closes (`closed_loop`); when it

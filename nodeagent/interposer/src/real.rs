@@ -167,6 +167,7 @@ driver_functions! {
     memcpy_dtoh_async_ptsz: FnMemcpyAsync = c"cuMemcpyDtoHAsync_v2_ptsz";
     ctx_synchronize_v2: FnCtxSynchronizeV2 = c"cuCtxSynchronize_v2";
     ctx_get_current: FnCtxGetCurrent = c"cuCtxGetCurrent";
+    ctx_set_current: FnCtxSetCurrent = c"cuCtxSetCurrent";
     device_get_count: FnDeviceGetCount = c"cuDeviceGetCount";
     device_get_uuid_v2: FnDeviceGetUuid = c"cuDeviceGetUuid_v2";
     device_get_uuid: FnDeviceGetUuid = c"cuDeviceGetUuid";
@@ -274,7 +275,21 @@ fn load() -> Option<Driver> {
     ));
     let driver = Driver { fns, substitutes };
     check(&driver);
+    check_copy_paths(handle);
     Some(driver)
+}
+
+/// Checks once, at load, which copy, memset and launch entry points this driver exports that the
+/// interposer does not hold while borrowed memory is in host memory (`swap`): any keeps the swap
+/// off in this process (said once if it was asked for).
+fn check_copy_paths(handle: *mut c_void) {
+    let exported: Vec<String> = crate::swap::UNHELD_COPY_ENTRY_POINTS
+        .iter()
+        .filter(|name| !lookup(handle, name).is_null())
+        .map(|name| name.to_string_lossy().into_owned())
+        .collect();
+    let asked = std::env::var_os(tenant_abi::env::var::MEMORY_SWAP).is_some_and(|v| v == "1");
+    crate::swap::copy_paths_checked(exported, asked);
 }
 
 /// Checks once, at load, that this driver is one the hooks were written for (`crate::compat`):
