@@ -522,7 +522,14 @@ impl Enforcer {
             slot: board_slot,
         };
         if want > 0 {
-            self.give_back(devices, (board, device), want, process, &mut backing, &mut counters);
+            self.give_back(
+                devices,
+                (board, device),
+                want,
+                process,
+                &mut backing,
+                &mut counters,
+            );
         }
         if process.chunks[device].held() {
             process.chunks[device].take_back(&mut backing, &mut counters);
@@ -610,17 +617,19 @@ impl Enforcer {
     /// (shared loads only; no lock).
     fn want_posted(&self) -> bool {
         let resident_on = swap::resident_on();
-        (0..DEVICES_MAX).filter(|d| resident_on & (1 << d) != 0).any(|device| {
-            self.boards[device]
-                .get()
-                .and_then(Option::as_ref)
-                .is_some_and(|board| {
-                    board.board.region.tenants[board.tenant]
-                        .want_bytes
-                        .load(std::sync::atomic::Ordering::SeqCst)
-                        != 0
-                })
-        })
+        (0..DEVICES_MAX)
+            .filter(|d| resident_on & (1 << d) != 0)
+            .any(|device| {
+                self.boards[device]
+                    .get()
+                    .and_then(Option::as_ref)
+                    .is_some_and(|board| {
+                        board.board.region.tenants[board.tenant]
+                            .want_bytes
+                            .load(std::sync::atomic::Ordering::SeqCst)
+                            != 0
+                    })
+            })
     }
 
     /// An allocation within the request that the board refused because others borrowed the

@@ -346,79 +346,13 @@ pub fn quiesce() -> Option<Quiet> {
 /// let a kernel or copy touch a chunk in host memory, so the swap stays off in a process whose
 /// driver does (`real::load` checks at load; `copy_paths_checked`).
 pub const UNHELD_COPY_ENTRY_POINTS: &[&std::ffi::CStr] = &[
-    c"cuMemcpy",
-    c"cuMemcpy_ptds",
-    c"cuMemcpyPeer",
-    c"cuMemcpyPeer_ptds",
-    c"cuMemcpyHtoD_v2_ptds",
-    c"cuMemcpyDtoH_v2_ptds",
-    c"cuMemcpyDtoD_v2",
-    c"cuMemcpyDtoD_v2_ptds",
-    c"cuMemcpyDtoA_v2",
-    c"cuMemcpyDtoA_v2_ptds",
-    c"cuMemcpyAtoD_v2",
-    c"cuMemcpyAtoD_v2_ptds",
-    c"cuMemcpy2D_v2",
-    c"cuMemcpy2D_v2_ptds",
-    c"cuMemcpy2DUnaligned_v2",
-    c"cuMemcpy2DUnaligned_v2_ptds",
-    c"cuMemcpy3D_v2",
-    c"cuMemcpy3D_v2_ptds",
-    c"cuMemcpy3DPeer",
-    c"cuMemcpy3DPeer_ptds",
-    c"cuMemcpyPeerAsync",
-    c"cuMemcpyPeerAsync_ptsz",
-    c"cuMemcpy2DAsync_v2",
-    c"cuMemcpy2DAsync_v2_ptsz",
-    c"cuMemcpy3DAsync_v2",
-    c"cuMemcpy3DAsync_v2_ptsz",
-    c"cuMemcpy3DPeerAsync",
-    c"cuMemcpy3DPeerAsync_ptsz",
-    c"cuMemcpyBatchAsync",
-    c"cuMemcpyBatchAsync_ptsz",
-    c"cuMemcpyBatchAsync_v2",
-    c"cuMemcpyBatchAsync_v2_ptsz",
-    c"cuMemcpy3DBatchAsync",
-    c"cuMemcpy3DBatchAsync_ptsz",
-    c"cuMemcpy3DBatchAsync_v2",
-    c"cuMemcpy3DBatchAsync_v2_ptsz",
-    c"cuMemsetD8_v2",
-    c"cuMemsetD8_v2_ptds",
-    c"cuMemsetD16_v2",
-    c"cuMemsetD16_v2_ptds",
-    c"cuMemsetD32_v2",
-    c"cuMemsetD32_v2_ptds",
-    c"cuMemsetD2D8_v2",
-    c"cuMemsetD2D8_v2_ptds",
-    c"cuMemsetD2D16_v2",
-    c"cuMemsetD2D16_v2_ptds",
-    c"cuMemsetD2D32_v2",
-    c"cuMemsetD2D32_v2_ptds",
-    c"cuMemsetD8Async",
-    c"cuMemsetD8Async_ptsz",
-    c"cuMemsetD16Async",
-    c"cuMemsetD16Async_ptsz",
-    c"cuMemsetD32Async",
-    c"cuMemsetD32Async_ptsz",
-    c"cuMemsetD2D8Async",
-    c"cuMemsetD2D8Async_ptsz",
-    c"cuMemsetD2D16Async",
-    c"cuMemsetD2D16Async_ptsz",
-    c"cuMemsetD2D32Async",
-    c"cuMemsetD2D32Async_ptsz",
-    c"cuStreamWriteValue32",
-    c"cuStreamWriteValue32_v2",
-    c"cuStreamWriteValue64",
-    c"cuStreamWriteValue64_v2",
-    c"cuStreamWaitValue32",
-    c"cuStreamWaitValue32_v2",
-    c"cuStreamWaitValue64",
-    c"cuStreamWaitValue64_v2",
-    c"cuStreamBatchMemOp",
-    c"cuStreamBatchMemOp_v2",
-    c"cuLaunch",
-    c"cuLaunchGrid",
-    c"cuLaunchGridAsync",
+    // Copies with attributes, which a newer driver may export: not wrapped (no header here to
+    // check their signatures against, nor whether they exist), so a driver that exports them
+    // keeps the swap off.
+    c"cuMemcpyWithAttributesAsync",
+    c"cuMemcpyWithAttributesAsync_ptsz",
+    c"cuMemcpy3DWithAttributesAsync",
+    c"cuMemcpy3DWithAttributesAsync_ptsz",
 ];
 
 /// What the load-time check found: the unheld entry points this process's driver exports.
@@ -437,7 +371,11 @@ pub fn copy_paths_checked(exported: Vec<String>, swap_asked: bool) {
             tenant_abi::env::var::MEMORY_SWAP,
             exported.len(),
             shown.join(", "),
-            if exported.len() > shown.len() { ", ..." } else { "" }
+            if exported.len() > shown.len() {
+                ", ..."
+            } else {
+                ""
+            }
         ));
     }
     let _ = UNHELD_EXPORTED.set(exported);
