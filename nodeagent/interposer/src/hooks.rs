@@ -187,6 +187,7 @@ impl Enforcer {
         let mut process = self.process.lock().unwrap_or_else(|e| e.into_inner());
         if process.pid != std::process::id() {
             *process = Process::new();
+            swap::forked();
         }
         process
     }
@@ -705,6 +706,13 @@ pub fn enter_work(devices: &impl Devices, what: &str) -> Option<swap::InFlight> 
     let Mode::Enforcing(enforcer) = mode() else {
         return Some(swap::InFlight::uncounted());
     };
+    if swap::inherited() {
+        // A child after `fork`: its parent's counts are not its own (reset with its state).
+        drop(enforcer.process());
+        if !swap::any_chunk() {
+            return Some(swap::InFlight::uncounted());
+        }
+    }
     let entered = enforcer.enter_work(devices);
     if entered.is_none() {
         crate::log::error(format_args!(

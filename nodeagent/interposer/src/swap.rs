@@ -270,6 +270,26 @@ pub fn publish(per_device: &[Chunks]) {
     CHUNKS_OUT.store(out, Ordering::SeqCst);
     RESIDENT_ON.store(resident_on, Ordering::SeqCst);
     CHUNKS.store(all, Ordering::SeqCst);
+    PUBLISHED_BY.store(std::process::id(), Ordering::SeqCst);
+}
+
+/// Forgets every count (a child after `fork` holds none of its parent's chunks, and none of its
+/// parent's launches are in flight in it); `hooks` calls it when it resets the process state.
+pub fn forked() {
+    CHUNKS.store(0, Ordering::SeqCst);
+    CHUNKS_OUT.store(0, Ordering::SeqCst);
+    RESIDENT_ON.store(0, Ordering::SeqCst);
+    IN_FLIGHT.store(0, Ordering::SeqCst);
+    SWAPPING.store(false, Ordering::SeqCst);
+    PUBLISHED_BY.store(std::process::id(), Ordering::SeqCst);
+}
+
+/// The process that last published the counts: another one is a child after `fork`.
+static PUBLISHED_BY: AtomicU32 = AtomicU32::new(0);
+
+/// Whether the counts were published by another process (this one is a child after `fork`).
+pub fn inherited() -> bool {
+    PUBLISHED_BY.load(Ordering::SeqCst) != std::process::id()
 }
 
 /// A launch or copy admitted by [`try_enter`]: counted until its driver call returned (drop).
