@@ -587,8 +587,9 @@ impl Enforcer {
     }
 
     /// The hold rule at a launch or copy of a process with swappable chunks (`enter_work`):
-    /// acts on a want posted for it, then waits, bounded by `swap::HOLD_WAIT_MAX_MS`, until no
-    /// chunk is out; `None` after the bound (the caller refuses the launch or copy).
+    /// acts on a want posted for it (once: a want it cannot act on now does not hold the call),
+    /// then waits, bounded by `swap::HOLD_WAIT_MAX_MS`, until no chunk is out; `None` after the
+    /// bound (the caller refuses the launch or copy).
     fn enter_work(&self, devices: &impl Devices) -> Option<swap::InFlight> {
         let began = std::time::Instant::now();
         let bound = std::time::Duration::from_millis(swap::HOLD_WAIT_MAX_MS);
@@ -606,6 +607,11 @@ impl Enforcer {
                     };
                     self.poll_swap(devices, board, (device, board_slot), &mut process);
                 }
+            }
+            // Acted on (or could not act on: a capture in progress, a drain that did not finish,
+            // and the want is posted again): only a chunk out holds the call now.
+            if let Some(entered) = swap::try_enter(|| true) {
+                return Some(entered);
             }
             if began.elapsed() >= bound {
                 return None;
