@@ -20,6 +20,9 @@
  * FAKE_CUDA_UUID=GPU-<32 hex digits, dashes anywhere>: device 0's uuid (default: bytes a0..ae,
  * then the ordinal), to play the GPU of an agent that simulates its inventory.
  *
+ * Without it, a synchronous copy to or from a mapped VMM range succeeds and moves nothing (the
+ * swap then runs on simulated sizes: the dry runs).
+ *
  * FAKE_CUDA_REAL_BYTES=1: cuMemCreate's physical memory is real host memory (keep sizes small),
  * so that VMM-mapped ranges hold bytes: cuMemcpyHtoD_v2 / cuMemcpyDtoH_v2 copy into and out of a
  * mapped range (CUDA_ERROR_ILLEGAL_ADDRESS, 700, on memory that is not mapped: what a kernel
@@ -377,21 +380,32 @@ static unsigned char *mapped_bytes_at(CUdeviceptr address, size_t n) {
   return NULL;
 }
 #define ILLEGAL_ADDRESS 700
+/* Without FAKE_CUDA_REAL_BYTES a copy to or from a mapped VMM range moves nothing and succeeds
+ * (so that the interposer's swap runs on simulated sizes, as in the dry runs), and 700 elsewhere. */
+static int mapped_range(CUdeviceptr address, size_t n) {
+  for (int i = 0; i < MAX_RANGES; i++)
+    if (ranges[i].address != 0 && ranges[i].mapped && address >= ranges[i].address &&
+        address + n <= ranges[i].address + ranges[i].bytes)
+      return 1;
+  return 0;
+}
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
   if (src == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
   unsigned char *to = mapped_bytes_at(dst, n);
   if (to != NULL) memcpy(to, src, n);
+  int ok = to != NULL || (!real_bytes() && mapped_range(dst, n));
   pthread_mutex_unlock(&lock);
-  return to != NULL ? OK : ILLEGAL_ADDRESS;
+  return ok ? OK : ILLEGAL_ADDRESS;
 }
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
   if (dst == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
   unsigned char *from = mapped_bytes_at(src, n);
   if (from != NULL) memcpy(dst, from, n);
+  int ok = from != NULL || (!real_bytes() && mapped_range(src, n));
   pthread_mutex_unlock(&lock);
-  return from != NULL ? OK : ILLEGAL_ADDRESS;
+  return ok ? OK : ILLEGAL_ADDRESS;
 }
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) {
   (void)flags;
