@@ -180,6 +180,10 @@ if [ "$RECLAIM" = 1 ]; then
   PIDS+=($needy_pid)
   needy_ready() { [ -f "$WORK/needy-ready" ] || exited "$needy_pid"; }
   bounded_wait 180 "the second tenant to hold its request" needy_ready
+  # The agent reports the board when it samples it: wait a little for the swapped bytes (the
+  # first's launches are held meanwhile, at most 10 s each).
+  swapped_seen() { [ "$(usage_field grower memory_swapped_bytes)" -gt 0 ] 2>/dev/null; }
+  bounded_wait 5 "the first tenant's swapped bytes in describe" swapped_seen
   swapped_during=$(usage_field grower memory_swapped_bytes)
   touch "$WORK/needy-stop"
   wait "$needy_pid"
