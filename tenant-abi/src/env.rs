@@ -32,7 +32,7 @@
 //! | `VGPU_COMPUTE_QUANTUM_MS` | user | turn length for a GPU whose schedule this process creates (default 20) |
 //! | `VGPU_SPATIAL_HOLD_MS`, `VGPU_SPATIAL_SMS` | user | how long others stay squeezed after a latency launch; SMs they keep |
 //! | `VGPU_MEMORY_VMM` | user | `1`: the interposer backs every `cuMemAlloc_v2` with the driver's virtual memory management (reserve, create, map), as elastic memory backs borrowed allocations (issue 17); for compatibility runs |
-//! | `VGPU_MEMORY_SWAP` | tests | `1`: the interposer swaps borrowed memory out when other tenants want it back, and asks borrowers for its request (issue 17); for the fake driver's tests only until launches and copies hold while memory is out |
+//! | `VGPU_MEMORY_SWAP` | tests | `1`: the interposer swaps borrowed memory out when other tenants want it back, and asks borrowers for its request (issue 17); off by default: launches and copies hold while memory is out, but the swap is not yet measured on a GPU (`tests/gpu/elastic_memory.sh` with `RECLAIM=1`) |
 //!
 //! The rest of [`var`] are tuning knobs read by one component each (the NCCL plugin's transport,
 //! the libraries to load); they are listed there so that every `VGPU_*` name has one home.

@@ -2,13 +2,16 @@
 caching allocator (cudaMalloc, so cuMemAlloc_v2: the path that borrows VMM-backed). Never
 allocates managed memory. Prints `RESULT {json}` last.
 
-  grow TARGET_BYTES LIMIT_BYTES READY STOP WAIT_S
+  grow TARGET_BYTES LIMIT_BYTES READY STOP WAIT_S [tick]
       holds 1 GiB tensors of random bytes until TARGET_BYTES are held (past the tenant's request),
       checksums them, tries once to go past LIMIT_BYTES (expected: refused), touches READY, waits
-      (at most WAIT_S seconds) for STOP to exist, then checks the checksums again.
-  request BYTES
-      allocates BYTES in 1 GiB tensors and says how much it got, and whether it got an
-      out-of-memory error.
+      (at most WAIT_S seconds) for STOP to exist, then checks the checksums again. With `tick`
+      it launches a tiny kernel every 10 ms while it waits (a borrower that keeps working: the
+      swap acts at its launches), counting the launches refused (held past the hold's bound).
+  request BYTES [READY STOP WAIT_S]
+      allocates BYTES in 1 GiB tensors and says how much it got, how long that took, and whether
+      it got an out-of-memory error; with READY STOP WAIT_S it then touches READY and holds the
+      memory until STOP exists (at most WAIT_S seconds).
 """
 import json
 import pathlib
@@ -31,7 +34,7 @@ def checksum(tensor):
     return sum(int(piece.sum(dtype=torch.int64).item()) for piece in tensor.split(1 << 26))
 
 
-def grow(target, limit, ready, stop, wait_s):
+def grow(target, limit, ready, stop, wait_s, tick=False):
     result = {"info_start": info()}
     held, sums = [], []
     error = None
@@ -56,36 +59,59 @@ def grow(target, limit, ready, stop, wait_s):
         result["past_limit"] = "refused"
     torch.cuda.empty_cache()
     result["info_held"] = info()
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda") if tick else None
+    ticks, refused = 0, 0
     pathlib.Path(ready).touch()
     deadline = time.monotonic() + wait_s
     while not pathlib.Path(stop).exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+        if counter is None:
+            time.sleep(0.1)
+            continue
+        try:
+            counter += 1
+            ticks += 1
+        except RuntimeError:
+            refused += 1
+        time.sleep(0.01)
     result["stopped"] = pathlib.Path(stop).exists()
+    result["ticks"] = ticks
+    result["tick_refusals"] = refused
     result["checksums_ok"] = all(checksum(t) == s for t, s in zip(held, sums))
     result["tensors"] = len(held)
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def request(wanted):
+def request(wanted, ready=None, stop=None, wait_s=0.0):
     result = {"info_start": info()}
     held = []
     error = None
+    began = time.monotonic()
     try:
         while len(held) * GIB < wanted:
             held.append(torch.empty(min(GIB, wanted - len(held) * GIB), dtype=torch.uint8, device="cuda"))
     except torch.cuda.OutOfMemoryError as e:
         error = str(e).splitlines()[0]
     torch.cuda.synchronize()
+    result["seconds"] = round(time.monotonic() - began, 3)
     result["granted_bytes"] = sum(t.numel() for t in held)
     result["oom"] = error is not None
     result["error"] = error
     result["info_end"] = info()
+    if ready is not None:
+        print("RESULT " + json.dumps(result), flush=True)
+        pathlib.Path(ready).touch()
+        deadline = time.monotonic() + wait_s
+        while not pathlib.Path(stop).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "grow":
-        grow(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6]))
+        grow(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6]),
+             sys.argv[7:] == ["tick"])
+    elif sys.argv[1] == "request" and len(sys.argv) == 6:
+        request(int(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5]))
     elif sys.argv[1] == "request":
         request(int(sys.argv[2]))
     else:

@@ -19,6 +19,18 @@
 # $OUT/elastic_memory (or a temporary directory); the result table is printed last. Exit status: 0
 # when every check passed. About 2-4 minutes on an 80-141 GiB card (mostly filling memory).
 # `tests/gpu/elastic_memory_dryrun.sh` runs this script without a GPU (the fake driver) first.
+#
+# RECLAIM=1: the second scenario, the swap (run the script once more for it): both tenants run
+# with VGPU_MEMORY_SWAP=1, a request of ~20% and a limit of ~90% of the card; the first grows so
+# that the second's request does NOT fit in what the GPU has free (from nvidia-smi's
+# memory.total and memory.used: it holds what is free less the request plus 4 GiB), then keeps
+# launching a tiny kernel every 10 ms. The second's request must be granted after a reclaim: the
+# first's borrowed chunks go to host memory at one of its launches (after its queued work
+# drained), its launches wait while they are out, and they come back when the second has
+# exited; the first's checksums must hold when it reads its tensors again. The table reports
+# the reclaim time (the second's allocation) against the bytes swapped / 45 GB/s.
+#
+#   RECLAIM=1 VGPU_BIN=dist tests/gpu/elastic_memory.sh
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -38,6 +50,9 @@ AGENT=""
 AGENT_MPS=0
 GIB=$((1 << 30))
 RESULTS="$LOGS/results.tsv"
+RECLAIM=${RECLAIM:-0}
+# The tenants' VGPU_MEMORY_SWAP: on for the second scenario only.
+SWAP=$([ "$RECLAIM" = 1 ] && echo 1 || echo 0)
 : >"$RESULTS"
 PIDS=()
 # exited PID: the process is gone or a zombie (ours, not reaped yet).
@@ -90,7 +105,7 @@ print(u.get(sys.argv[1], ""))' "$2"
 run_tenant() {
   local name=$1 logname=$2 seconds=$3
   shift 4
-  timeout "$seconds" "$BIN/vgpu-agent" exec --tenant "$name" --name gpu-node --state-dir "$WORK/agent" \
+  VGPU_MEMORY_SWAP=$SWAP timeout "$seconds" "$BIN/vgpu-agent" exec --tenant "$name" --name gpu-node --state-dir "$WORK/agent" \
     --interposer "$BIN/libvgpu_cuda.so" -- "$PY" "$HELPER" "$@" >"$LOGS/$logname.log" 2>&1 &
 }
 
@@ -105,6 +120,18 @@ total=$((total_mib << 20))
 request=$((total / 5 / GIB * GIB))
 limit=$((total / 2 / GIB * GIB))
 target=$((total * 45 / 100 / GIB * GIB))
+if [ "$RECLAIM" = 1 ]; then
+  # The swap: a limit of ~90%, and the first grows to what the GPU has free now less the
+  # second's request plus 4 GiB (within its limit), so that the second's request does not fit
+  # in what is left by about 4 GiB and its contexts: a few 1 GiB chunks to move, within the 5 s
+  # that a tenant waits for a reclaim (RECLAIM_WAIT_MAX_MS).
+  used_mib=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 | head -n1 | tr -d ' ')
+  free_now=$((total - ${used_mib:-0} * (1 << 20)))
+  limit=$((total * 9 / 10 / GIB * GIB))
+  target=$(((free_now - (request - GIB) + 4 * GIB) / GIB * GIB))
+  [ "$target" -le $((limit - GIB)) ] || target=$((limit - GIB))
+  log "RECLAIM=1: the swap on for both tenants; $(gib "$free_now") free before the first grows"
+fi
 log "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader -i 0)"
 log "request $(gib $request), limit $(gib $limit), the first tenant grows to $(gib $target)"
 
@@ -126,7 +153,8 @@ bounded_wait 10 "the board linked into the tenant's directory" board_linked
 record "memory board linked into the tenant's directory" "exists" "$board" "$(verdict $([ -f "$board" ] && echo 1))"
 
 # 1. The first tenant grows past its request while the second idles.
-run_tenant grower grower 600 -- grow "$target" "$limit" "$WORK/grown" "$WORK/stop" 300
+tick=$([ "$RECLAIM" = 1 ] && echo tick)
+run_tenant grower grower 600 -- grow "$target" "$limit" "$WORK/grown" "$WORK/stop" 300 $tick
 PIDS+=($!)
 grower_pid=$!
 grown() { [ -f "$WORK/grown" ]; }
@@ -141,11 +169,35 @@ resident=$(usage_field grower memory_resident_bytes)
 timeout 30 "$BIN/vgpuctl" --insecure --endpoints "$EP" describe tenant grower >"$LOGS/grower-describe.txt" 2>&1
 
 # 2. The second allocates its request (less 1 GiB for its context and PyTorch's own).
-run_tenant needy needy 300 -- request $((request - GIB))
-needy_pid=$!
-PIDS+=($needy_pid)
-wait "$needy_pid"
-forget "$needy_pid"
+if [ "$RECLAIM" = 1 ]; then
+  used_mib=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 | head -n1 | tr -d ' ')
+  free_before=$((total - ${used_mib:-0} * (1 << 20)))
+  record "the second's request does not fit in what the GPU has free" "< $(gib $((request - GIB)))" \
+    "$(gib "$free_before") free" "$(verdict $([ "$free_before" -lt $((request - GIB)) ] && echo 1))"
+  # It holds its memory until told, so that the first's swapped bytes can be read meanwhile.
+  run_tenant needy needy 300 -- request $((request - GIB)) "$WORK/needy-ready" "$WORK/needy-stop" 120
+  needy_pid=$!
+  PIDS+=($needy_pid)
+  needy_ready() { [ -f "$WORK/needy-ready" ] || exited "$needy_pid"; }
+  bounded_wait 180 "the second tenant to hold its request" needy_ready
+  # The agent reports the board when it samples it: wait a little for the swapped bytes (the
+  # first's launches are held meanwhile, at most 10 s each).
+  swapped_seen() { [ "$(usage_field grower memory_swapped_bytes)" -gt 0 ] 2>/dev/null; }
+  bounded_wait 5 "the first tenant's swapped bytes in describe" swapped_seen
+  swapped_during=$(usage_field grower memory_swapped_bytes)
+  touch "$WORK/needy-stop"
+  wait "$needy_pid"
+  forget "$needy_pid"
+  swapped_back() { [ "$(usage_field grower memory_swapped_bytes)" = 0 ] || exited "$grower_pid"; }
+  bounded_wait 60 "the first tenant's memory back on the GPU" swapped_back
+  swapped_after=$(usage_field grower memory_swapped_bytes)
+else
+  run_tenant needy needy 300 -- request $((request - GIB))
+  needy_pid=$!
+  PIDS+=($needy_pid)
+  wait "$needy_pid"
+  forget "$needy_pid"
+fi
 touch "$WORK/stop"
 wait "$grower_pid"
 forget "$grower_pid"
@@ -171,14 +223,31 @@ record "the refusal past the limit says what to do" ">= 1 line" "$limit_lines" "
 granted=$(field "$n" granted_bytes)
 oom=$(field "$n" oom)
 said=$(grep -cE '\(the swap\) is off|wait for other tenants' "$n")
-if [ "$oom" = True ]; then
+if [ "$RECLAIM" = 1 ]; then
+  seconds=$(field "$n" seconds)
+  record "the second's request granted after a reclaim (VGPU_MEMORY_SWAP=1)" ">= $(gib $((request - GIB)))" \
+    "$(gib "$granted") in ${seconds:-?} s, out of memory: $oom" \
+    "$(verdict $([ "$oom" = False ] && [ -n "$granted" ] && [ "$granted" -ge $((request - GIB)) ] && echo 1))"
+  went=$(grep -c 'went to host memory after its queued work finished' "$g")
+  record "the first's borrowed memory went to host memory, after its queue drained (describe; lines)" \
+    "> 0; >= 1 line" "swapped $(gib "$swapped_during"); $went line(s)" \
+    "$(verdict $([ "${swapped_during:-0}" -gt 0 ] 2>/dev/null && [ "$went" -ge 1 ] && echo 1))"
+  expected_s=$("$PY" -c 'import sys; print(f"{int(sys.argv[1] or 0) / 45e9:.2f}")' "${swapped_during:-0}")
+  record "reclaim time: the second's allocation against bytes swapped / 45 GB/s" "~${expected_s} s plus a drain" \
+    "${seconds:-?} s for $(gib "$swapped_during")" "$(verdict $([ "$oom" = False ] && [ -n "$seconds" ] && echo 1))"
+  record "the first's memory back on the GPU after the second left (describe, swapped)" "0" \
+    "${swapped_after:-?}" "$(verdict $([ "$swapped_after" = 0 ] && echo 1))"
+  ticks="$(field "$g" ticks) launches, $(field "$g" tick_refusals) refused"
+  record "the first kept launching: held while its memory was out, none refused" "0 refused" "$ticks" \
+    "$(verdict $([ "$(field "$g" tick_refusals)" = 0 ] && [ "$(field "$g" ticks)" -gt 0 ] 2>/dev/null && echo 1))"
+elif [ "$oom" = True ]; then
   outcome="refused (out of memory) after $(gib "$granted"); interposer lines: $said"
   ok=$([ "$said" -ge 1 ] && echo 1)
 else
   outcome="granted $(gib "$granted") (the GPU had it free)"
   ok=$([ -n "$granted" ] && [ "$granted" -ge $((request - GIB)) ] && echo 1)
 fi
-record "the second allocates its request (no swap yet: granted if free, else a clear refusal)" \
+[ "$RECLAIM" = 1 ] || record "the second allocates its request (no swap: granted if free, else a clear refusal)" \
   "granted, or refused with a line" "$outcome" "$(verdict "$ok")"
 sums=$(field "$g" checksums_ok)
 record "the first tenant's tensors kept their checksums" "True" "$sums" "$(verdict $([ "$sums" = True ] && echo 1))"

@@ -10,6 +10,12 @@
 #   cargo build -p vgpu-cp -p vgpu-agent -p vgpuctl -p interposer
 #   cargo test -p interposer --test abi elastic     # builds the fake driver (target/tmp/abi)
 #   tests/gpu/elastic_memory_dryrun.sh              # TARGET=target/debug by default
+#   RECLAIM=1 tests/gpu/elastic_memory_dryrun.sh    # the swap scenario (see below)
+#
+# With RECLAIM=1 the swap runs on simulated sizes (the fake's copies move no bytes, so the
+# checksums are the stand-in's remembered sums, not a test of contents: the ABI tests check those),
+# and this `nvidia-smi` always says 0 MiB used, so the row "does not fit in what the GPU has free"
+# fails here by construction; the others check the script's path.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -25,6 +31,7 @@ cp "$FAKE" "$STUBS/lib/"
 cat >"$STUBS/nvidia-smi" <<'STUB'
 #!/bin/sh
 case "$*" in
+*memory.used*) echo 0 ;;
 *nounits*) echo 81920 ;;
 *) echo "NVIDIA H100 80GB HBM3 (dry run: fake driver), 0.0, 81920 MiB" ;;
 esac

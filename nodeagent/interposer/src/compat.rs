@@ -29,7 +29,10 @@ pub fn base_names() -> Vec<String> {
 }
 
 fn base_name(name: &str) -> &str {
-    let name = name.strip_suffix("_ptsz").unwrap_or(name);
+    let name = name
+        .strip_suffix("_ptsz")
+        .or_else(|| name.strip_suffix("_ptds"))
+        .unwrap_or(name);
     name.strip_suffix("_v2").unwrap_or(name)
 }
 

@@ -126,8 +126,8 @@ pub fn within_request_refused(what: &str, device: usize, tenant: &str, why: Refu
         Refusal::NeedsReclaim { shortfall } => format!(
             "refused {what} on device {device}: it is within tenant {tenant}'s request, but \
              other tenants borrowed the GPU's memory ({} short) and taking borrowed memory back \
-             (the swap) is off until launches hold while memory is out; wait for them to free it \
-             (out of memory)",
+             (the swap) is off, or did not get it in time; wait for them to free it, or run the \
+             tenants with VGPU_MEMORY_SWAP=1 (out of memory)",
             human(shortfall)
         ),
         other => format!("refused {what} on device {device}: {other} (out of memory)"),

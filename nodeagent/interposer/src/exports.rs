@@ -27,7 +27,7 @@ use crate::vmm;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 
 /// Every hook, by the driver symbol it replaces.
-pub fn hooks() -> [(&'static CStr, *const c_void); 52] {
+pub fn hooks() -> [(&'static CStr, *const c_void); 137] {
     macro_rules! table {
         ($($name:ident),* $(,)?) => {
             [$((
@@ -93,6 +93,91 @@ pub fn hooks() -> [(&'static CStr, *const c_void); 52] {
         cuMemcpyHtoDAsync_v2_ptsz,
         cuMemcpyDtoHAsync_v2,
         cuMemcpyDtoHAsync_v2_ptsz,
+        cuMemcpyHtoD_v2,
+        cuMemcpyDtoH_v2,
+        cuMemcpy,
+        cuMemcpy_ptds,
+        cuMemcpyPeer,
+        cuMemcpyPeer_ptds,
+        cuMemcpyHtoD_v2_ptds,
+        cuMemcpyDtoH_v2_ptds,
+        cuMemcpyDtoD_v2,
+        cuMemcpyDtoD_v2_ptds,
+        cuMemcpyDtoA_v2,
+        cuMemcpyDtoA_v2_ptds,
+        cuMemcpyAtoD_v2,
+        cuMemcpyAtoD_v2_ptds,
+        cuMemcpy2D_v2,
+        cuMemcpy2D_v2_ptds,
+        cuMemcpy2DUnaligned_v2,
+        cuMemcpy2DUnaligned_v2_ptds,
+        cuMemcpy3D_v2,
+        cuMemcpy3D_v2_ptds,
+        cuMemcpy3DPeer,
+        cuMemcpy3DPeer_ptds,
+        cuMemcpyPeerAsync,
+        cuMemcpyPeerAsync_ptsz,
+        cuMemcpy2DAsync_v2,
+        cuMemcpy2DAsync_v2_ptsz,
+        cuMemcpy3DAsync_v2,
+        cuMemcpy3DAsync_v2_ptsz,
+        cuMemcpy3DPeerAsync,
+        cuMemcpy3DPeerAsync_ptsz,
+        cuMemcpyBatchAsync,
+        cuMemcpyBatchAsync_ptsz,
+        cuMemcpyBatchAsync_v2,
+        cuMemcpyBatchAsync_v2_ptsz,
+        cuMemcpy3DBatchAsync,
+        cuMemcpy3DBatchAsync_ptsz,
+        cuMemcpy3DBatchAsync_v2,
+        cuMemcpy3DBatchAsync_v2_ptsz,
+        cuMemsetD8_v2,
+        cuMemsetD8_v2_ptds,
+        cuMemsetD2D8_v2,
+        cuMemsetD2D8_v2_ptds,
+        cuMemsetD8Async,
+        cuMemsetD8Async_ptsz,
+        cuMemsetD2D8Async,
+        cuMemsetD2D8Async_ptsz,
+        cuMemsetD16_v2,
+        cuMemsetD16_v2_ptds,
+        cuMemsetD2D16_v2,
+        cuMemsetD2D16_v2_ptds,
+        cuMemsetD16Async,
+        cuMemsetD16Async_ptsz,
+        cuMemsetD2D16Async,
+        cuMemsetD2D16Async_ptsz,
+        cuMemsetD32_v2,
+        cuMemsetD32_v2_ptds,
+        cuMemsetD2D32_v2,
+        cuMemsetD2D32_v2_ptds,
+        cuMemsetD32Async,
+        cuMemsetD32Async_ptsz,
+        cuMemsetD2D32Async,
+        cuMemsetD2D32Async_ptsz,
+        cuStreamWriteValue32,
+        cuStreamWriteValue32_ptsz,
+        cuStreamWriteValue32_v2,
+        cuStreamWriteValue32_v2_ptsz,
+        cuStreamWriteValue64,
+        cuStreamWriteValue64_ptsz,
+        cuStreamWriteValue64_v2,
+        cuStreamWriteValue64_v2_ptsz,
+        cuStreamWaitValue32,
+        cuStreamWaitValue32_ptsz,
+        cuStreamWaitValue32_v2,
+        cuStreamWaitValue32_v2_ptsz,
+        cuStreamWaitValue64,
+        cuStreamWaitValue64_ptsz,
+        cuStreamWaitValue64_v2,
+        cuStreamWaitValue64_v2_ptsz,
+        cuStreamBatchMemOp,
+        cuStreamBatchMemOp_ptsz,
+        cuStreamBatchMemOp_v2,
+        cuStreamBatchMemOp_v2_ptsz,
+        cuLaunch,
+        cuLaunchGrid,
+        cuLaunchGridAsync,
     ]
 }
 
@@ -112,9 +197,12 @@ pub(crate) fn hook_by_base_name(base: &CStr, flags: cuuint64_t) -> Option<*const
     let per_thread = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
     // `_v2_ptsz` first: "cuStreamBeginCapture" per-thread is `cuStreamBeginCapture_v2_ptsz`, and
     // `cuStreamBeginCapture_ptsz` is the older signature.
+    // Synchronous copies and memsets name their per-thread variant `_ptds`.
     let candidates = [
         per_thread.then(|| format!("{base}_v2_ptsz")),
         per_thread.then(|| format!("{base}_ptsz")),
+        per_thread.then(|| format!("{base}_v2_ptds")),
+        per_thread.then(|| format!("{base}_ptds")),
         Some(format!("{base}_v2")),
         Some(base.to_owned()),
     ];
@@ -198,6 +286,32 @@ impl<'d> hooks::Devices for DriverDevices<'d> {
             driver: self.driver,
         })
     }
+
+    fn context(&self) -> usize {
+        RealGpu(self.driver).current_context()
+    }
+
+    fn drain(&self, contexts: &[usize]) -> bool {
+        let contexts = if contexts.is_empty() {
+            vec![self.context()]
+        } else {
+            contexts.to_vec()
+        };
+        vmm::drain(contexts)
+    }
+}
+
+/// The hold rule before a launch or copy reaches the driver (`hooks::enter_work`): `Ok` with the
+/// guard to keep until the driver call returned, `Err` with the result to answer instead (a chunk
+/// is still in host memory; a panic in the policy refuses too, since letting the call through
+/// could touch an unmapped chunk). One relaxed load in a process without swappable chunks.
+fn enter_work(what: &'static str, driver: &Driver) -> Result<crate::swap::InFlight, CUresult> {
+    if !crate::swap::any_chunk() {
+        return Ok(crate::swap::InFlight::uncounted());
+    }
+    ffi_boundary!(what, fallback = Err(CUDA_ERROR_UNKNOWN), {
+        hooks::enter_work(&DriverDevices::current(driver), what).ok_or(CUDA_ERROR_OUT_OF_MEMORY)
+    })
 }
 
 /// Runs an allocation through `admit` → `call` → `commit`/`abort`; `call` is told whether the
@@ -222,7 +336,9 @@ fn accounted_alloc(
     let rc = call(ticket.borrowed());
     ffi_boundary!(what, fallback = (), {
         match allocated().filter(|_| rc == CUDA_SUCCESS) {
-            Some((key, real_bytes)) => hooks::commit(ticket, key, real_bytes),
+            Some((key, real_bytes)) => {
+                hooks::commit(ticket, key, real_bytes, hooks::Devices::context(devices))
+            }
             None => hooks::abort(ticket),
         }
     });
@@ -1121,9 +1237,18 @@ fn gated_launch(
     } else {
         ffi_boundary!(what, fallback = None, { launch::before(&gpu, stream_ref) })
     };
+    // The hold rule (a chunk of borrowed memory in host memory): after the turn, before the
+    // stream is picked (a redirection holds the device's lock until reported).
+    let (in_flight, held_rc) = match enter_work(what, driver) {
+        Ok(in_flight) => (Some(in_flight), None),
+        Err(rc) => (None, Some(rc)),
+    };
     // No redirection while a capture is in progress: its event records and waits would touch
     // streams while a global-mode capture forbids it.
-    let redirect = if placement == Placement::Movable && !latency && !launch::captures_in_progress()
+    let redirect = if held_rc.is_none()
+        && placement == Placement::Movable
+        && !latency
+        && !launch::captures_in_progress()
     {
         ffi_boundary!(what, fallback = None, {
             spatial::redirect(&gpu, stream_ref)
@@ -1131,9 +1256,10 @@ fn gated_launch(
     } else {
         None
     };
-    let rc = match redirect {
-        None => call(stream),
-        Some(redirect) => {
+    let rc = match (held_rc, redirect) {
+        (Some(rc), _) => rc,
+        (None, None) => call(stream),
+        (None, Some(redirect)) => {
             let rc = call(redirect.stream() as CUstream);
             if rc == CUDA_SUCCESS {
                 ffi_boundary!(what, fallback = (), { redirect.launched(&gpu) });
@@ -1148,6 +1274,7 @@ fn gated_launch(
             }
         }
     };
+    drop(in_flight);
     if let Some(pending) = pending {
         ffi_boundary!(what, fallback = (), {
             launch::after(&gpu, pending, rc == CUDA_SUCCESS)
@@ -1379,6 +1506,10 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernelMultiDevice(
                         launch::before(&gpu, stream)
                     });
             }
+            let _in_flight = match enter_work("cuLaunchCooperativeKernelMultiDevice", driver) {
+                Ok(in_flight) => in_flight,
+                Err(rc) => return rc,
+            };
             // SAFETY: forwarded unchanged under the caller's contract.
             unsafe { real(launch_params_list, num_devices, flags) }
         }
@@ -1452,6 +1583,114 @@ copy_hook!(cuMemcpyHtoDAsync_v2, memcpy_htod_async, false);
 copy_hook!(cuMemcpyHtoDAsync_v2_ptsz, memcpy_htod_async_ptsz, true);
 copy_hook!(cuMemcpyDtoHAsync_v2, memcpy_dtoh_async, false);
 copy_hook!(cuMemcpyDtoHAsync_v2_ptsz, memcpy_dtoh_async_ptsz, true);
+
+/// A copy that the compute gate does not see (synchronous, on the legacy or per-thread default
+/// stream): held while a chunk of borrowed memory is in host memory (`enter_work`), then
+/// forwarded unchanged.
+macro_rules! held_copy_hook {
+    ($name:ident, $field:ident, ($($arg:ident: $ty:ty),*)) => {
+        /// # Safety
+        /// The driver's contract for this copy.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (driver, real) = real_fn!($field);
+                let _in_flight = match enter_work(stringify!($name), driver) {
+                    Ok(in_flight) => in_flight,
+                    Err(rc) => return rc,
+                };
+                // SAFETY: forwarded unchanged under the caller's contract.
+                unsafe { real($($arg),*) }
+            })
+        }
+    };
+}
+
+held_copy_hook!(cuMemcpyHtoD_v2, memcpy_htod, (dst: CUdeviceptr, src: *const c_void, bytes: usize));
+held_copy_hook!(cuMemcpyDtoH_v2, memcpy_dtoh, (dst: *mut c_void, src: CUdeviceptr, bytes: usize));
+held_copy_hook!(cuMemcpy, memcpy, (dst: CUdeviceptr, src: CUdeviceptr, bytes: usize));
+held_copy_hook!(cuMemcpy_ptds, memcpy_ptds, (dst: CUdeviceptr, src: CUdeviceptr, bytes: usize));
+held_copy_hook!(cuMemcpyPeer, memcpy_peer, (dst: CUdeviceptr, dst_context: CUcontext, src: CUdeviceptr, src_context: CUcontext, bytes: usize));
+held_copy_hook!(cuMemcpyPeer_ptds, memcpy_peer_ptds, (dst: CUdeviceptr, dst_context: CUcontext, src: CUdeviceptr, src_context: CUcontext, bytes: usize));
+held_copy_hook!(cuMemcpyHtoD_v2_ptds, memcpy_htod_ptds, (dst: CUdeviceptr, src: *const c_void, bytes: usize));
+held_copy_hook!(cuMemcpyDtoH_v2_ptds, memcpy_dtoh_ptds, (dst: *mut c_void, src: CUdeviceptr, bytes: usize));
+held_copy_hook!(cuMemcpyDtoD_v2, memcpy_dtod, (dst: CUdeviceptr, src: CUdeviceptr, bytes: usize));
+held_copy_hook!(cuMemcpyDtoD_v2_ptds, memcpy_dtod_ptds, (dst: CUdeviceptr, src: CUdeviceptr, bytes: usize));
+held_copy_hook!(cuMemcpyDtoA_v2, memcpy_dtoa, (dst: CUarray, offset: usize, src: CUdeviceptr, bytes: usize));
+held_copy_hook!(cuMemcpyDtoA_v2_ptds, memcpy_dtoa_ptds, (dst: CUarray, offset: usize, src: CUdeviceptr, bytes: usize));
+held_copy_hook!(cuMemcpyAtoD_v2, memcpy_atod, (dst: CUdeviceptr, src: CUarray, offset: usize, bytes: usize));
+held_copy_hook!(cuMemcpyAtoD_v2_ptds, memcpy_atod_ptds, (dst: CUdeviceptr, src: CUarray, offset: usize, bytes: usize));
+held_copy_hook!(cuMemcpy2D_v2, memcpy_2d, (copy: *const c_void));
+held_copy_hook!(cuMemcpy2D_v2_ptds, memcpy_2d_ptds, (copy: *const c_void));
+held_copy_hook!(cuMemcpy2DUnaligned_v2, memcpy_2d_unaligned, (copy: *const c_void));
+held_copy_hook!(cuMemcpy2DUnaligned_v2_ptds, memcpy_2d_unaligned_ptds, (copy: *const c_void));
+held_copy_hook!(cuMemcpy3D_v2, memcpy_3d, (copy: *const c_void));
+held_copy_hook!(cuMemcpy3D_v2_ptds, memcpy_3d_ptds, (copy: *const c_void));
+held_copy_hook!(cuMemcpy3DPeer, memcpy_3d_peer, (copy: *const c_void));
+held_copy_hook!(cuMemcpy3DPeer_ptds, memcpy_3d_peer_ptds, (copy: *const c_void));
+held_copy_hook!(cuMemcpyPeerAsync, memcpy_peer_async, (dst: CUdeviceptr, dst_context: CUcontext, src: CUdeviceptr, src_context: CUcontext, bytes: usize, stream: CUstream));
+held_copy_hook!(cuMemcpyPeerAsync_ptsz, memcpy_peer_async_ptsz, (dst: CUdeviceptr, dst_context: CUcontext, src: CUdeviceptr, src_context: CUcontext, bytes: usize, stream: CUstream));
+held_copy_hook!(cuMemcpy2DAsync_v2, memcpy_2d_async, (copy: *const c_void, stream: CUstream));
+held_copy_hook!(cuMemcpy2DAsync_v2_ptsz, memcpy_2d_async_ptsz, (copy: *const c_void, stream: CUstream));
+held_copy_hook!(cuMemcpy3DAsync_v2, memcpy_3d_async, (copy: *const c_void, stream: CUstream));
+held_copy_hook!(cuMemcpy3DAsync_v2_ptsz, memcpy_3d_async_ptsz, (copy: *const c_void, stream: CUstream));
+held_copy_hook!(cuMemcpy3DPeerAsync, memcpy_3d_peer_async, (copy: *const c_void, stream: CUstream));
+held_copy_hook!(cuMemcpy3DPeerAsync_ptsz, memcpy_3d_peer_async_ptsz, (copy: *const c_void, stream: CUstream));
+held_copy_hook!(cuMemcpyBatchAsync, memcpy_batch_async, (dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, fail_idx: *mut c_void, stream: CUstream));
+held_copy_hook!(cuMemcpyBatchAsync_ptsz, memcpy_batch_async_ptsz, (dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, fail_idx: *mut c_void, stream: CUstream));
+held_copy_hook!(cuMemcpyBatchAsync_v2, memcpy_batch_async_v2, (dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, stream: CUstream));
+held_copy_hook!(cuMemcpyBatchAsync_v2_ptsz, memcpy_batch_async_v2_ptsz, (dsts: *mut c_void, srcs: *mut c_void, sizes: *mut c_void, count: usize, attrs: *mut c_void, attrs_idxs: *mut c_void, num_attrs: usize, stream: CUstream));
+held_copy_hook!(cuMemcpy3DBatchAsync, memcpy_3d_batch_async, (num_ops: usize, ops: *mut c_void, fail_idx: *mut c_void, flags: u64, stream: CUstream));
+held_copy_hook!(cuMemcpy3DBatchAsync_ptsz, memcpy_3d_batch_async_ptsz, (num_ops: usize, ops: *mut c_void, fail_idx: *mut c_void, flags: u64, stream: CUstream));
+held_copy_hook!(cuMemcpy3DBatchAsync_v2, memcpy_3d_batch_async_v2, (num_ops: usize, ops: *mut c_void, flags: u64, stream: CUstream));
+held_copy_hook!(cuMemcpy3DBatchAsync_v2_ptsz, memcpy_3d_batch_async_v2_ptsz, (num_ops: usize, ops: *mut c_void, flags: u64, stream: CUstream));
+held_copy_hook!(cuMemsetD8_v2, memset_d8, (dst: CUdeviceptr, value: u8, count: usize));
+held_copy_hook!(cuMemsetD8_v2_ptds, memset_d8_ptds, (dst: CUdeviceptr, value: u8, count: usize));
+held_copy_hook!(cuMemsetD2D8_v2, memset_d2d8, (dst: CUdeviceptr, pitch: usize, value: u8, width: usize, height: usize));
+held_copy_hook!(cuMemsetD2D8_v2_ptds, memset_d2d8_ptds, (dst: CUdeviceptr, pitch: usize, value: u8, width: usize, height: usize));
+held_copy_hook!(cuMemsetD8Async, memset_d8_async, (dst: CUdeviceptr, value: u8, count: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD8Async_ptsz, memset_d8_async_ptsz, (dst: CUdeviceptr, value: u8, count: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD2D8Async, memset_d2d8_async, (dst: CUdeviceptr, pitch: usize, value: u8, width: usize, height: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD2D8Async_ptsz, memset_d2d8_async_ptsz, (dst: CUdeviceptr, pitch: usize, value: u8, width: usize, height: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD16_v2, memset_d16, (dst: CUdeviceptr, value: u16, count: usize));
+held_copy_hook!(cuMemsetD16_v2_ptds, memset_d16_ptds, (dst: CUdeviceptr, value: u16, count: usize));
+held_copy_hook!(cuMemsetD2D16_v2, memset_d2d16, (dst: CUdeviceptr, pitch: usize, value: u16, width: usize, height: usize));
+held_copy_hook!(cuMemsetD2D16_v2_ptds, memset_d2d16_ptds, (dst: CUdeviceptr, pitch: usize, value: u16, width: usize, height: usize));
+held_copy_hook!(cuMemsetD16Async, memset_d16_async, (dst: CUdeviceptr, value: u16, count: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD16Async_ptsz, memset_d16_async_ptsz, (dst: CUdeviceptr, value: u16, count: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD2D16Async, memset_d2d16_async, (dst: CUdeviceptr, pitch: usize, value: u16, width: usize, height: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD2D16Async_ptsz, memset_d2d16_async_ptsz, (dst: CUdeviceptr, pitch: usize, value: u16, width: usize, height: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD32_v2, memset_d32, (dst: CUdeviceptr, value: u32, count: usize));
+held_copy_hook!(cuMemsetD32_v2_ptds, memset_d32_ptds, (dst: CUdeviceptr, value: u32, count: usize));
+held_copy_hook!(cuMemsetD2D32_v2, memset_d2d32, (dst: CUdeviceptr, pitch: usize, value: u32, width: usize, height: usize));
+held_copy_hook!(cuMemsetD2D32_v2_ptds, memset_d2d32_ptds, (dst: CUdeviceptr, pitch: usize, value: u32, width: usize, height: usize));
+held_copy_hook!(cuMemsetD32Async, memset_d32_async, (dst: CUdeviceptr, value: u32, count: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD32Async_ptsz, memset_d32_async_ptsz, (dst: CUdeviceptr, value: u32, count: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD2D32Async, memset_d2d32_async, (dst: CUdeviceptr, pitch: usize, value: u32, width: usize, height: usize, stream: CUstream));
+held_copy_hook!(cuMemsetD2D32Async_ptsz, memset_d2d32_async_ptsz, (dst: CUdeviceptr, pitch: usize, value: u32, width: usize, height: usize, stream: CUstream));
+held_copy_hook!(cuStreamWriteValue32, stream_write_value32, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));
+held_copy_hook!(cuStreamWriteValue32_ptsz, stream_write_value32_ptsz, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));
+held_copy_hook!(cuStreamWriteValue32_v2, stream_write_value32_v2, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));
+held_copy_hook!(cuStreamWriteValue32_v2_ptsz, stream_write_value32_v2_ptsz, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));
+held_copy_hook!(cuStreamWriteValue64, stream_write_value64, (stream: CUstream, address: CUdeviceptr, value: u64, flags: c_uint));
+held_copy_hook!(cuStreamWriteValue64_ptsz, stream_write_value64_ptsz, (stream: CUstream, address: CUdeviceptr, value: u64, flags: c_uint));
+held_copy_hook!(cuStreamWriteValue64_v2, stream_write_value64_v2, (stream: CUstream, address: CUdeviceptr, value: u64, flags: c_uint));
+held_copy_hook!(cuStreamWriteValue64_v2_ptsz, stream_write_value64_v2_ptsz, (stream: CUstream, address: CUdeviceptr, value: u64, flags: c_uint));
+held_copy_hook!(cuStreamWaitValue32, stream_wait_value32, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));
+held_copy_hook!(cuStreamWaitValue32_ptsz, stream_wait_value32_ptsz, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));
+held_copy_hook!(cuStreamWaitValue32_v2, stream_wait_value32_v2, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));
+held_copy_hook!(cuStreamWaitValue32_v2_ptsz, stream_wait_value32_v2_ptsz, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));
+held_copy_hook!(cuStreamWaitValue64, stream_wait_value64, (stream: CUstream, address: CUdeviceptr, value: u64, flags: c_uint));
+held_copy_hook!(cuStreamWaitValue64_ptsz, stream_wait_value64_ptsz, (stream: CUstream, address: CUdeviceptr, value: u64, flags: c_uint));
+held_copy_hook!(cuStreamWaitValue64_v2, stream_wait_value64_v2, (stream: CUstream, address: CUdeviceptr, value: u64, flags: c_uint));
+held_copy_hook!(cuStreamWaitValue64_v2_ptsz, stream_wait_value64_v2_ptsz, (stream: CUstream, address: CUdeviceptr, value: u64, flags: c_uint));
+held_copy_hook!(cuStreamBatchMemOp, stream_batch_mem_op, (stream: CUstream, count: c_uint, ops: *mut c_void, flags: c_uint));
+held_copy_hook!(cuStreamBatchMemOp_ptsz, stream_batch_mem_op_ptsz, (stream: CUstream, count: c_uint, ops: *mut c_void, flags: c_uint));
+held_copy_hook!(cuStreamBatchMemOp_v2, stream_batch_mem_op_v2, (stream: CUstream, count: c_uint, ops: *mut c_void, flags: c_uint));
+held_copy_hook!(cuStreamBatchMemOp_v2_ptsz, stream_batch_mem_op_v2_ptsz, (stream: CUstream, count: c_uint, ops: *mut c_void, flags: c_uint));
+held_copy_hook!(cuLaunch, launch_legacy, (function: CUfunction));
+held_copy_hook!(cuLaunchGrid, launch_grid, (function: CUfunction, width: c_int, height: c_int));
+held_copy_hook!(cuLaunchGridAsync, launch_grid_async, (function: CUfunction, width: c_int, height: c_int, stream: CUstream));
 
 /// A synchronisation or completion query: forwarded unchanged; when it says the work it waited
 /// for is done (`CUDA_SUCCESS`), a latency tenant's open step closes (`closed_loop`); when it
@@ -1602,6 +1841,24 @@ mod tests {
             ),
             Some(cuStreamEndCapture_ptsz as *const c_void)
         );
-        assert_eq!(by_base(c"cuMemcpyHtoD", 0), None);
+        assert_eq!(
+            by_base(c"cuMemcpyHtoD", 0),
+            Some(cuMemcpyHtoD_v2 as *const c_void)
+        );
+        assert_eq!(
+            by_base(
+                c"cuMemcpyHtoD",
+                CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+            ),
+            Some(cuMemcpyHtoD_v2_ptds as *const c_void)
+        );
+        assert_eq!(
+            by_base(
+                c"cuMemsetD8Async",
+                CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+            ),
+            Some(cuMemsetD8Async_ptsz as *const c_void)
+        );
+        assert_eq!(by_base(c"cuMemcpyHtoA", 0), None);
     }
 }

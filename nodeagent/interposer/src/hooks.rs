@@ -15,9 +15,12 @@
 //! Elastic memory (`elastic`): where the agent put a memory board for the GPU, an allocation past
 //! the tenant's request (the ledger's limit) borrows what the GPU has free, up to the tenant's
 //! limit, through the paths that may borrow; a borrowed `cuMemAlloc_v2` is VMM-backed
-//! (`Ticket::borrowed` tells `exports`). With `VGPU_MEMORY_SWAP=1` (tests only) each allocation
-//! and `cuMemGetInfo` also runs the swap (`swap`): a want on the tenant moves borrowed chunks out,
-//! and a request that others borrowed asks them back and waits, bounded.
+//! (`Ticket::borrowed` tells `exports`). With `VGPU_MEMORY_SWAP=1` (off by default) each
+//! allocation, `cuMemGetInfo`, kernel launch and copy also runs the swap (`swap`): a want on the
+//! tenant moves borrowed chunks out (after the process's launches and copies in progress reached
+//! the driver and its queued work drained), a request that others borrowed asks them back and
+//! waits, bounded, and a launch or copy of a process with a chunk out waits until every chunk is
+//! back (`enter_work`, the hold rule).
 //!
 //! The compute side (launch gating) is `launch`, with its own failure policy (fail open).
 
@@ -71,6 +74,11 @@ pub trait Devices {
     /// The swap's driver work (`VGPU_MEMORY_SWAP=1`), if this call may do it.
     type Backing: swap::Backing;
     fn backing(&self) -> Option<Self::Backing>;
+    /// The current context (0: none), recorded with a borrowed chunk: what a swap-out drains.
+    fn context(&self) -> usize;
+    /// Waits, at most `swap::DRAIN_WAIT_MAX_MS`, for the work queued in `contexts` (the current
+    /// context if empty) to finish; whether it did.
+    fn drain(&self, contexts: &[usize]) -> bool;
 }
 
 enum Mode {
@@ -85,7 +93,7 @@ struct Enforcer {
     /// Each GPU's memory board, looked for once (`None`: no elastic memory on it).
     boards: [OnceLock<Option<DeviceBoard>>; DEVICES_MAX],
     /// `VGPU_MEMORY_SWAP=1`: borrowed chunks go out when others want memory back, and a request
-    /// that others borrowed asks them (tests only until launches hold: `swap`).
+    /// that others borrowed asks them (off by default; see `swap_on`).
     swap: bool,
     process: Mutex<Process>,
 }
@@ -98,6 +106,8 @@ struct Process {
     board_slots: [Option<usize>; DEVICES_MAX],
     /// Its borrowed, VMM-backed allocations on each GPU: what the swap may move.
     chunks: [swap::Chunks; DEVICES_MAX],
+    /// The contexts its borrowed chunks were allocated in: what a swap-out drains first.
+    chunk_contexts: BTreeSet<usize>,
     tracker: Tracker,
     overhead_charged: [bool; DEVICES_MAX],
 }
@@ -109,6 +119,7 @@ impl Process {
             slot: None,
             board_slots: [None; DEVICES_MAX],
             chunks: std::array::from_fn(|_| swap::Chunks::default()),
+            chunk_contexts: BTreeSet::new(),
             tracker: Tracker::default(),
             overhead_charged: [false; DEVICES_MAX],
         }
@@ -156,6 +167,12 @@ fn error_once(message: &str) {
 }
 
 impl Enforcer {
+    /// Whether the swap is on: asked for (`VGPU_MEMORY_SWAP=1`) and every copy path of the
+    /// driver held (`swap::copy_paths_held`, checked at load; said once there if not).
+    fn swap_on(&self) -> bool {
+        self.swap && swap::copy_paths_held()
+    }
+
     fn ledger(&self) -> Result<&Ledger<'static, ProcLiveness>, &str> {
         self.ledger
             .get_or_init(|| {
@@ -170,6 +187,7 @@ impl Enforcer {
         let mut process = self.process.lock().unwrap_or_else(|e| e.into_inner());
         if process.pid != std::process::id() {
             *process = Process::new();
+            swap::forked();
         }
         process
     }
@@ -334,7 +352,7 @@ impl Enforcer {
         process: &mut Process,
     ) -> bool {
         let chunks = &mut process.chunks[device];
-        if !self.swap || !chunks.held() {
+        if !self.swap_on() || !chunks.held() {
             return true;
         }
         let Some(mut backing) = devices.backing() else {
@@ -345,6 +363,7 @@ impl Enforcer {
             slot: board_slot,
         };
         let back = swap::hold(|| chunks.take_back(&mut backing, &mut counters));
+        swap::publish(&process.chunks);
         if !back {
             crate::log::error(format_args!(
                 "refused to borrow more on device {device}: this process's borrowed memory is \
@@ -468,7 +487,10 @@ impl Enforcer {
 
     /// The swap's part of every hook call on a GPU with a board (`VGPU_MEMORY_SWAP=1`): gives
     /// back what other tenants want of this tenant (its borrowed chunks, largest first, to host
-    /// memory), and brings chunks back when the GPU has room again.
+    /// memory), and brings chunks back when the GPU has room again. A swap-out happens at a
+    /// kernel boundary: new launches and copies of the process are stopped and those in progress
+    /// reach the driver first (`swap::quiesce`), then its queued work drains (`Devices::drain`,
+    /// bounded); if either does not in time, nothing moves and the want stays posted.
     fn poll_swap(
         &self,
         devices: &impl Devices,
@@ -476,12 +498,13 @@ impl Enforcer {
         (device, board_slot): (usize, usize),
         process: &mut Process,
     ) {
-        if !self.swap {
+        if !self.swap_on() {
             return;
         }
-        let chunks = &mut process.chunks[device];
-        // A process with nothing to give leaves the want to the tenant's other processes.
-        let want = if chunks.any_resident() {
+        // While a stream captures a graph, a synchronisation would invalidate the capture: the
+        // want waits for the next call.
+        let chunks = &process.chunks[device];
+        let want = if chunks.any_resident() && !crate::launch::captures_in_progress() {
             board.board.take_want(board.tenant)
         } else {
             0
@@ -490,6 +513,9 @@ impl Enforcer {
             return;
         }
         let Some(mut backing) = devices.backing() else {
+            if want > 0 {
+                board.board.post_want(board.tenant, want);
+            }
             return;
         };
         let mut counters = elastic::SlotCounters {
@@ -497,23 +523,120 @@ impl Enforcer {
             slot: board_slot,
         };
         if want > 0 {
-            let given = chunks.give_back(want, &mut backing, &mut counters);
-            if given > 0 && given < want {
-                // The rest is for the tenant's other processes.
-                board.board.post_want(board.tenant, want - given);
-            }
+            self.give_back(
+                devices,
+                (board, device),
+                want,
+                process,
+                &mut backing,
+                &mut counters,
+            );
+        }
+        if process.chunks[device].held() {
+            process.chunks[device].take_back(&mut backing, &mut counters);
+        }
+        swap::publish(&process.chunks);
+    }
+
+    /// Moves chunks of `device` out for a want of `want` bytes, at a kernel boundary (see
+    /// `poll_swap`); a want it could not act on (or met only in part) goes back on the board.
+    fn give_back<B: swap::Backing>(
+        &self,
+        devices: &impl Devices<Backing = B>,
+        (board, device): (&DeviceBoard, usize),
+        want: u64,
+        process: &mut Process,
+        backing: &mut B,
+        counters: &mut elastic::SlotCounters<'_>,
+    ) {
+        assert!(want > 0);
+        let Some(quiet) = swap::quiesce() else {
+            board.board.post_want(board.tenant, want);
+            return;
+        };
+        let contexts: Vec<usize> = process.chunk_contexts.iter().copied().collect();
+        if !devices.drain(&contexts) {
+            drop(quiet);
+            board.board.post_want(board.tenant, want);
             crate::log::error(format_args!(
-                "other tenants asked tenant {} for {} of the GPU's memory back: {} of this \
-                 process's borrowed memory went to host memory (it comes back when the GPU has \
-                 room)",
+                "other tenants asked tenant {} for {} of the GPU's memory back, but this \
+                 process's queued GPU work did not finish within {} ms; nothing was moved (it is \
+                 tried again at its next launch, copy or allocation)",
                 self.config.tenant,
                 human(want),
-                human(given)
+                swap::DRAIN_WAIT_MAX_MS
             ));
+            return;
         }
-        if chunks.held() {
-            chunks.take_back(&mut backing, &mut counters);
+        let given = process.chunks[device].give_back(want, backing, counters);
+        // Published before new launches may enter again (`quiet` dropped below).
+        swap::publish(&process.chunks);
+        drop(quiet);
+        if given < want {
+            // The rest is for the tenant's other processes.
+            board.board.post_want(board.tenant, want - given);
         }
+        crate::log::error(format_args!(
+            "other tenants asked tenant {} for {} of the GPU's memory back: {} of this \
+             process's borrowed memory went to host memory after its queued work finished (it \
+             comes back when the GPU has room; its launches and copies wait until then)",
+            self.config.tenant,
+            human(want),
+            human(given)
+        ));
+    }
+
+    /// The hold rule at a launch or copy of a process with swappable chunks (`enter_work`):
+    /// acts on a want posted for it (once: a want it cannot act on now does not hold the call),
+    /// then waits, bounded by `swap::HOLD_WAIT_MAX_MS`, until no chunk is out; `None` after the
+    /// bound (the caller refuses the launch or copy).
+    fn enter_work(&self, devices: &impl Devices) -> Option<swap::InFlight> {
+        let began = std::time::Instant::now();
+        let bound = std::time::Duration::from_millis(swap::HOLD_WAIT_MAX_MS);
+        loop {
+            if let Some(entered) = swap::try_enter(|| !self.want_posted()) {
+                return Some(entered);
+            }
+            {
+                let mut process = self.process();
+                for device in 0..DEVICES_MAX {
+                    let (Some(Some(board)), Some(board_slot)) =
+                        (self.boards[device].get(), process.board_slots[device])
+                    else {
+                        continue;
+                    };
+                    self.poll_swap(devices, board, (device, board_slot), &mut process);
+                }
+            }
+            // Acted on (or could not act on: a capture in progress, a drain that did not finish,
+            // and the want is posted again): only a chunk out holds the call now.
+            if let Some(entered) = swap::try_enter(|| true) {
+                return Some(entered);
+            }
+            if began.elapsed() >= bound {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    /// Whether a want is posted on this tenant on a GPU where this process has a resident chunk
+    /// (shared loads only; no lock).
+    fn want_posted(&self) -> bool {
+        let resident_on = swap::resident_on();
+        (0..DEVICES_MAX)
+            .filter(|d| resident_on & (1 << d) != 0)
+            .any(|device| {
+                self.boards[device]
+                    .get()
+                    .and_then(Option::as_ref)
+                    .is_some_and(|board| {
+                        board.board.region.tenants[board.tenant]
+                            .want_bytes
+                            .load(std::sync::atomic::Ordering::SeqCst)
+                            != 0
+                    })
+            })
     }
 
     /// An allocation within the request that the board refused because others borrowed the
@@ -527,7 +650,7 @@ impl Enforcer {
         bytes: u64,
         why: tenant_abi::board::Refusal,
     ) -> bool {
-        if !self.swap || !matches!(why, tenant_abi::board::Refusal::NeedsReclaim { .. }) {
+        if !self.swap_on() || !matches!(why, tenant_abi::board::Refusal::NeedsReclaim { .. }) {
             return false;
         }
         let region = board.board.region;
@@ -573,6 +696,41 @@ impl Enforcer {
         let slot = self.process().board_slots[device]?;
         Some((board, slot))
     }
+}
+
+/// The hold rule at a kernel launch or a copy (`exports`, before the driver call): a process
+/// with a chunk of borrowed memory in host memory launches and copies nothing until every chunk
+/// is back, and a want posted on its tenant is acted on here (at a kernel boundary) as at an
+/// allocation. `Some`: go ahead, and keep the guard until the driver call returned; `None`: a
+/// chunk is still out after `swap::HOLD_WAIT_MAX_MS` (logged; the caller refuses the call with
+/// `CUDA_ERROR_OUT_OF_MEMORY`, never lets it through). A process without swappable chunks pays
+/// one relaxed load.
+pub fn enter_work(devices: &impl Devices, what: &str) -> Option<swap::InFlight> {
+    if !swap::any_chunk() {
+        return Some(swap::InFlight::uncounted());
+    }
+    let Mode::Enforcing(enforcer) = mode() else {
+        return Some(swap::InFlight::uncounted());
+    };
+    if swap::inherited() {
+        // A child after `fork`: its parent's counts are not its own (reset with its state).
+        drop(enforcer.process());
+        if !swap::any_chunk() {
+            return Some(swap::InFlight::uncounted());
+        }
+    }
+    let entered = enforcer.enter_work(devices);
+    if entered.is_none() {
+        crate::log::error(format_args!(
+            "refused {what} (out of memory): this process's borrowed memory is still in host \
+             memory after {} ms, and a kernel or copy must not run while it is (it could touch \
+             it); other tenants hold the GPU's memory; retry later, or raise tenant {}'s request \
+             (--memory) so that it borrows less",
+            swap::HOLD_WAIT_MAX_MS,
+            enforcer.config.tenant
+        ));
+    }
+    entered
 }
 
 /// Decides whether an allocation of `bytes` on `devices.current()` (asked only when a tenant is
@@ -626,6 +784,12 @@ pub fn admit_context(device: i32) -> Admission {
         fn backing(&self) -> Option<swap::NoBacking> {
             None
         }
+        fn context(&self) -> usize {
+            0
+        }
+        fn drain(&self, _: &[usize]) -> bool {
+            false
+        }
     }
     enforcer.admit(&NoBoard, device, 0, Borrow::Never("a CUDA context"))
 }
@@ -641,7 +805,7 @@ pub fn context_created(ticket: Ticket) {
 
 /// The driver allocated `key`; `bytes` is what it really took (it may differ from the ticket,
 /// e.g. a pitched allocation), charged without a limit check since it already exists.
-pub fn commit(ticket: Ticket, key: Key, bytes: u64) {
+pub fn commit(ticket: Ticket, key: Key, bytes: u64, context: usize) {
     let Mode::Enforcing(enforcer) = mode() else {
         unreachable!("a ticket exists only while enforcing")
     };
@@ -676,9 +840,13 @@ pub fn commit(ticket: Ticket, key: Key, bytes: u64) {
     };
     let stale = {
         let mut process = enforcer.process();
-        if let (true, true, Key::Pointer(address)) = (enforcer.swap, ticket.borrowed, key) {
+        if let (true, true, Key::Pointer(address)) = (enforcer.swap_on(), ticket.borrowed, key) {
             // A borrowed pointer is VMM-backed (`exports`): the swap may move it.
             process.chunks[ticket.device].add(address, bytes);
+            if context != 0 {
+                process.chunk_contexts.insert(context);
+            }
+            swap::publish(&process.chunks);
         }
         process.tracker.insert(key, charge)
     };
@@ -762,6 +930,9 @@ pub fn credit(key: Key, charge: Charge) {
             Key::Pointer(address) => process.chunks[charge.device].remove(address),
             _ => None,
         };
+        if chunk.is_some() {
+            swap::publish(&process.chunks);
+        }
         (process.slot, chunk)
     };
     if let Some(slot) = slot {
@@ -838,7 +1009,7 @@ fn poll(devices: &impl Devices) {
     let Mode::Enforcing(enforcer) = mode() else {
         return;
     };
-    if !enforcer.swap {
+    if !enforcer.swap_on() {
         return;
     }
     let Some(device) = devices

@@ -27,6 +27,11 @@
 //!
 //! Failures fail open: no configuration, an unparsable one, an unusable schedule file, a GPU
 //! without uuid, or a full table: the launch goes to the driver ungated, with one log line.
+//!
+//! Elastic memory's hold rule is not here but in `exports` (`hooks::enter_work`), after this
+//! gate's turn and before the driver call of every launch and copy: it must hold a process that
+//! has no compute share, a latency tenant and every copy too, which this gate does not see, and
+//! it fails closed where this gate fails open.
 
 use crate::compute::{Member, QUANTUM_NS_DEFAULT, Schedule, Step, TenantConfig};
 use crate::ledger::{ProcLiveness, own_start_time};

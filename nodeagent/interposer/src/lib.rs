@@ -19,8 +19,9 @@
 //! - `hooks` is the memory policy glue, in safe code: what to charge, when to refuse, what to
 //!   report; `elastic` is its part for elastic memory (the GPU's memory board, which paths may
 //!   borrow past the request, what a refusal says), `vmm` backs borrowed allocations, and `swap`
-//!   moves borrowed chunks to host memory and back when other tenants want their request (pure;
-//!   off outside tests, `VGPU_MEMORY_SWAP=1`, until the launch gate holds while a chunk is out). `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
+//!   moves borrowed chunks to host memory and back when other tenants want their request (off
+//!   by default, `VGPU_MEMORY_SWAP=1`; every launch and copy hook holds while a chunk is out,
+//!   `hooks::enter_work`). `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
 //!   moves launches to a green context with fewer SMs while a latency tenant is active (opt-in,
 //!   `VGPU_SPATIAL=1`).
 //! - `compat` judges, once at load, whether the driver is one the hooks were written for (its

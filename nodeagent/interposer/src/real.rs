@@ -12,7 +12,7 @@
 
 use crate::sys::*;
 use std::cell::Cell;
-use std::ffi::{CStr, CString, c_int, c_void};
+use std::ffi::{CStr, CString, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
@@ -167,6 +167,7 @@ driver_functions! {
     memcpy_dtoh_async_ptsz: FnMemcpyAsync = c"cuMemcpyDtoHAsync_v2_ptsz";
     ctx_synchronize_v2: FnCtxSynchronizeV2 = c"cuCtxSynchronize_v2";
     ctx_get_current: FnCtxGetCurrent = c"cuCtxGetCurrent";
+    ctx_set_current: FnCtxSetCurrent = c"cuCtxSetCurrent";
     device_get_count: FnDeviceGetCount = c"cuDeviceGetCount";
     device_get_uuid_v2: FnDeviceGetUuid = c"cuDeviceGetUuid_v2";
     device_get_uuid: FnDeviceGetUuid = c"cuDeviceGetUuid";
@@ -179,6 +180,166 @@ driver_functions! {
     green_ctx_stream_create: FnGreenCtxStreamCreate = c"cuGreenCtxStreamCreate";
     stream_wait_event: FnStreamWaitEvent = c"cuStreamWaitEvent";
     driver_get_version: FnDriverGetVersion = c"cuDriverGetVersion";
+    // Copies, memsets, stream memory operations and legacy launches held by the swap's hold
+    // (`exports::held_copy_hook!`).
+    memcpy: unsafe extern "C" fn(CUdeviceptr, CUdeviceptr, usize) -> CUresult = c"cuMemcpy";
+    memcpy_ptds: unsafe extern "C" fn(CUdeviceptr, CUdeviceptr, usize) -> CUresult =
+        c"cuMemcpy_ptds";
+    memcpy_peer: unsafe extern "C" fn(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, usize) -> CUresult =
+        c"cuMemcpyPeer";
+    memcpy_peer_ptds: unsafe extern "C" fn(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, usize) -> CUresult =
+        c"cuMemcpyPeer_ptds";
+    memcpy_htod_ptds: unsafe extern "C" fn(CUdeviceptr, *const c_void, usize) -> CUresult =
+        c"cuMemcpyHtoD_v2_ptds";
+    memcpy_dtoh_ptds: unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize) -> CUresult =
+        c"cuMemcpyDtoH_v2_ptds";
+    memcpy_dtod: unsafe extern "C" fn(CUdeviceptr, CUdeviceptr, usize) -> CUresult =
+        c"cuMemcpyDtoD_v2";
+    memcpy_dtod_ptds: unsafe extern "C" fn(CUdeviceptr, CUdeviceptr, usize) -> CUresult =
+        c"cuMemcpyDtoD_v2_ptds";
+    memcpy_dtoa: unsafe extern "C" fn(CUarray, usize, CUdeviceptr, usize) -> CUresult =
+        c"cuMemcpyDtoA_v2";
+    memcpy_dtoa_ptds: unsafe extern "C" fn(CUarray, usize, CUdeviceptr, usize) -> CUresult =
+        c"cuMemcpyDtoA_v2_ptds";
+    memcpy_atod: unsafe extern "C" fn(CUdeviceptr, CUarray, usize, usize) -> CUresult =
+        c"cuMemcpyAtoD_v2";
+    memcpy_atod_ptds: unsafe extern "C" fn(CUdeviceptr, CUarray, usize, usize) -> CUresult =
+        c"cuMemcpyAtoD_v2_ptds";
+    memcpy_2d: unsafe extern "C" fn(*const c_void) -> CUresult = c"cuMemcpy2D_v2";
+    memcpy_2d_ptds: unsafe extern "C" fn(*const c_void) -> CUresult = c"cuMemcpy2D_v2_ptds";
+    memcpy_2d_unaligned: unsafe extern "C" fn(*const c_void) -> CUresult =
+        c"cuMemcpy2DUnaligned_v2";
+    memcpy_2d_unaligned_ptds: unsafe extern "C" fn(*const c_void) -> CUresult =
+        c"cuMemcpy2DUnaligned_v2_ptds";
+    memcpy_3d: unsafe extern "C" fn(*const c_void) -> CUresult = c"cuMemcpy3D_v2";
+    memcpy_3d_ptds: unsafe extern "C" fn(*const c_void) -> CUresult = c"cuMemcpy3D_v2_ptds";
+    memcpy_3d_peer: unsafe extern "C" fn(*const c_void) -> CUresult = c"cuMemcpy3DPeer";
+    memcpy_3d_peer_ptds: unsafe extern "C" fn(*const c_void) -> CUresult =
+        c"cuMemcpy3DPeer_ptds";
+    memcpy_peer_async: unsafe extern "C" fn(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, usize, CUstream) -> CUresult =
+        c"cuMemcpyPeerAsync";
+    memcpy_peer_async_ptsz: unsafe extern "C" fn(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, usize, CUstream) -> CUresult =
+        c"cuMemcpyPeerAsync_ptsz";
+    memcpy_2d_async: unsafe extern "C" fn(*const c_void, CUstream) -> CUresult =
+        c"cuMemcpy2DAsync_v2";
+    memcpy_2d_async_ptsz: unsafe extern "C" fn(*const c_void, CUstream) -> CUresult =
+        c"cuMemcpy2DAsync_v2_ptsz";
+    memcpy_3d_async: unsafe extern "C" fn(*const c_void, CUstream) -> CUresult =
+        c"cuMemcpy3DAsync_v2";
+    memcpy_3d_async_ptsz: unsafe extern "C" fn(*const c_void, CUstream) -> CUresult =
+        c"cuMemcpy3DAsync_v2_ptsz";
+    memcpy_3d_peer_async: unsafe extern "C" fn(*const c_void, CUstream) -> CUresult =
+        c"cuMemcpy3DPeerAsync";
+    memcpy_3d_peer_async_ptsz: unsafe extern "C" fn(*const c_void, CUstream) -> CUresult =
+        c"cuMemcpy3DPeerAsync_ptsz";
+    memcpy_batch_async: unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_void, usize, *mut c_void, *mut c_void, usize, *mut c_void, CUstream) -> CUresult =
+        c"cuMemcpyBatchAsync";
+    memcpy_batch_async_ptsz: unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_void, usize, *mut c_void, *mut c_void, usize, *mut c_void, CUstream) -> CUresult =
+        c"cuMemcpyBatchAsync_ptsz";
+    memcpy_batch_async_v2: unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_void, usize, *mut c_void, *mut c_void, usize, CUstream) -> CUresult =
+        c"cuMemcpyBatchAsync_v2";
+    memcpy_batch_async_v2_ptsz: unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_void, usize, *mut c_void, *mut c_void, usize, CUstream) -> CUresult =
+        c"cuMemcpyBatchAsync_v2_ptsz";
+    memcpy_3d_batch_async: unsafe extern "C" fn(usize, *mut c_void, *mut c_void, u64, CUstream) -> CUresult =
+        c"cuMemcpy3DBatchAsync";
+    memcpy_3d_batch_async_ptsz: unsafe extern "C" fn(usize, *mut c_void, *mut c_void, u64, CUstream) -> CUresult =
+        c"cuMemcpy3DBatchAsync_ptsz";
+    memcpy_3d_batch_async_v2: unsafe extern "C" fn(usize, *mut c_void, u64, CUstream) -> CUresult =
+        c"cuMemcpy3DBatchAsync_v2";
+    memcpy_3d_batch_async_v2_ptsz: unsafe extern "C" fn(usize, *mut c_void, u64, CUstream) -> CUresult =
+        c"cuMemcpy3DBatchAsync_v2_ptsz";
+    memset_d8: unsafe extern "C" fn(CUdeviceptr, u8, usize) -> CUresult = c"cuMemsetD8_v2";
+    memset_d8_ptds: unsafe extern "C" fn(CUdeviceptr, u8, usize) -> CUresult =
+        c"cuMemsetD8_v2_ptds";
+    memset_d2d8: unsafe extern "C" fn(CUdeviceptr, usize, u8, usize, usize) -> CUresult =
+        c"cuMemsetD2D8_v2";
+    memset_d2d8_ptds: unsafe extern "C" fn(CUdeviceptr, usize, u8, usize, usize) -> CUresult =
+        c"cuMemsetD2D8_v2_ptds";
+    memset_d8_async: unsafe extern "C" fn(CUdeviceptr, u8, usize, CUstream) -> CUresult =
+        c"cuMemsetD8Async";
+    memset_d8_async_ptsz: unsafe extern "C" fn(CUdeviceptr, u8, usize, CUstream) -> CUresult =
+        c"cuMemsetD8Async_ptsz";
+    memset_d2d8_async: unsafe extern "C" fn(CUdeviceptr, usize, u8, usize, usize, CUstream) -> CUresult =
+        c"cuMemsetD2D8Async";
+    memset_d2d8_async_ptsz: unsafe extern "C" fn(CUdeviceptr, usize, u8, usize, usize, CUstream) -> CUresult =
+        c"cuMemsetD2D8Async_ptsz";
+    memset_d16: unsafe extern "C" fn(CUdeviceptr, u16, usize) -> CUresult =
+        c"cuMemsetD16_v2";
+    memset_d16_ptds: unsafe extern "C" fn(CUdeviceptr, u16, usize) -> CUresult =
+        c"cuMemsetD16_v2_ptds";
+    memset_d2d16: unsafe extern "C" fn(CUdeviceptr, usize, u16, usize, usize) -> CUresult =
+        c"cuMemsetD2D16_v2";
+    memset_d2d16_ptds: unsafe extern "C" fn(CUdeviceptr, usize, u16, usize, usize) -> CUresult =
+        c"cuMemsetD2D16_v2_ptds";
+    memset_d16_async: unsafe extern "C" fn(CUdeviceptr, u16, usize, CUstream) -> CUresult =
+        c"cuMemsetD16Async";
+    memset_d16_async_ptsz: unsafe extern "C" fn(CUdeviceptr, u16, usize, CUstream) -> CUresult =
+        c"cuMemsetD16Async_ptsz";
+    memset_d2d16_async: unsafe extern "C" fn(CUdeviceptr, usize, u16, usize, usize, CUstream) -> CUresult =
+        c"cuMemsetD2D16Async";
+    memset_d2d16_async_ptsz: unsafe extern "C" fn(CUdeviceptr, usize, u16, usize, usize, CUstream) -> CUresult =
+        c"cuMemsetD2D16Async_ptsz";
+    memset_d32: unsafe extern "C" fn(CUdeviceptr, u32, usize) -> CUresult =
+        c"cuMemsetD32_v2";
+    memset_d32_ptds: unsafe extern "C" fn(CUdeviceptr, u32, usize) -> CUresult =
+        c"cuMemsetD32_v2_ptds";
+    memset_d2d32: unsafe extern "C" fn(CUdeviceptr, usize, u32, usize, usize) -> CUresult =
+        c"cuMemsetD2D32_v2";
+    memset_d2d32_ptds: unsafe extern "C" fn(CUdeviceptr, usize, u32, usize, usize) -> CUresult =
+        c"cuMemsetD2D32_v2_ptds";
+    memset_d32_async: unsafe extern "C" fn(CUdeviceptr, u32, usize, CUstream) -> CUresult =
+        c"cuMemsetD32Async";
+    memset_d32_async_ptsz: unsafe extern "C" fn(CUdeviceptr, u32, usize, CUstream) -> CUresult =
+        c"cuMemsetD32Async_ptsz";
+    memset_d2d32_async: unsafe extern "C" fn(CUdeviceptr, usize, u32, usize, usize, CUstream) -> CUresult =
+        c"cuMemsetD2D32Async";
+    memset_d2d32_async_ptsz: unsafe extern "C" fn(CUdeviceptr, usize, u32, usize, usize, CUstream) -> CUresult =
+        c"cuMemsetD2D32Async_ptsz";
+    stream_write_value32: unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult =
+        c"cuStreamWriteValue32";
+    stream_write_value32_ptsz: unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult =
+        c"cuStreamWriteValue32_ptsz";
+    stream_write_value32_v2: unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult =
+        c"cuStreamWriteValue32_v2";
+    stream_write_value32_v2_ptsz: unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult =
+        c"cuStreamWriteValue32_v2_ptsz";
+    stream_write_value64: unsafe extern "C" fn(CUstream, CUdeviceptr, u64, c_uint) -> CUresult =
+        c"cuStreamWriteValue64";
+    stream_write_value64_ptsz: unsafe extern "C" fn(CUstream, CUdeviceptr, u64, c_uint) -> CUresult =
+        c"cuStreamWriteValue64_ptsz";
+    stream_write_value64_v2: unsafe extern "C" fn(CUstream, CUdeviceptr, u64, c_uint) -> CUresult =
+        c"cuStreamWriteValue64_v2";
+    stream_write_value64_v2_ptsz: unsafe extern "C" fn(CUstream, CUdeviceptr, u64, c_uint) -> CUresult =
+        c"cuStreamWriteValue64_v2_ptsz";
+    stream_wait_value32: unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult =
+        c"cuStreamWaitValue32";
+    stream_wait_value32_ptsz: unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult =
+        c"cuStreamWaitValue32_ptsz";
+    stream_wait_value32_v2: unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult =
+        c"cuStreamWaitValue32_v2";
+    stream_wait_value32_v2_ptsz: unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult =
+        c"cuStreamWaitValue32_v2_ptsz";
+    stream_wait_value64: unsafe extern "C" fn(CUstream, CUdeviceptr, u64, c_uint) -> CUresult =
+        c"cuStreamWaitValue64";
+    stream_wait_value64_ptsz: unsafe extern "C" fn(CUstream, CUdeviceptr, u64, c_uint) -> CUresult =
+        c"cuStreamWaitValue64_ptsz";
+    stream_wait_value64_v2: unsafe extern "C" fn(CUstream, CUdeviceptr, u64, c_uint) -> CUresult =
+        c"cuStreamWaitValue64_v2";
+    stream_wait_value64_v2_ptsz: unsafe extern "C" fn(CUstream, CUdeviceptr, u64, c_uint) -> CUresult =
+        c"cuStreamWaitValue64_v2_ptsz";
+    stream_batch_mem_op: unsafe extern "C" fn(CUstream, c_uint, *mut c_void, c_uint) -> CUresult =
+        c"cuStreamBatchMemOp";
+    stream_batch_mem_op_ptsz: unsafe extern "C" fn(CUstream, c_uint, *mut c_void, c_uint) -> CUresult =
+        c"cuStreamBatchMemOp_ptsz";
+    stream_batch_mem_op_v2: unsafe extern "C" fn(CUstream, c_uint, *mut c_void, c_uint) -> CUresult =
+        c"cuStreamBatchMemOp_v2";
+    stream_batch_mem_op_v2_ptsz: unsafe extern "C" fn(CUstream, c_uint, *mut c_void, c_uint) -> CUresult =
+        c"cuStreamBatchMemOp_v2_ptsz";
+    launch_legacy: unsafe extern "C" fn(CUfunction) -> CUresult = c"cuLaunch";
+    launch_grid: unsafe extern "C" fn(CUfunction, c_int, c_int) -> CUresult =
+        c"cuLaunchGrid";
+    launch_grid_async: unsafe extern "C" fn(CUfunction, c_int, c_int, CUstream) -> CUresult =
+        c"cuLaunchGridAsync";
 }
 
 /// The loaded real driver.
@@ -274,7 +435,21 @@ fn load() -> Option<Driver> {
     ));
     let driver = Driver { fns, substitutes };
     check(&driver);
+    check_copy_paths(handle);
     Some(driver)
+}
+
+/// Checks once, at load, which copy, memset and launch entry points this driver exports that the
+/// interposer does not hold while borrowed memory is in host memory (`swap`): any keeps the swap
+/// off in this process (said once if it was asked for).
+fn check_copy_paths(handle: *mut c_void) {
+    let exported: Vec<String> = crate::swap::UNHELD_COPY_ENTRY_POINTS
+        .iter()
+        .filter(|name| !lookup(handle, name).is_null())
+        .map(|name| name.to_string_lossy().into_owned())
+        .collect();
+    let asked = std::env::var_os(tenant_abi::env::var::MEMORY_SWAP).is_some_and(|v| v == "1");
+    crate::swap::copy_paths_checked(exported, asked);
 }
 
 /// Checks once, at load, that this driver is one the hooks were written for (`crate::compat`):

@@ -7,15 +7,17 @@
 //!
 //! **The hold rule**: a process with any chunk out must launch nothing and copy nothing until
 //! every chunk is back ([`Chunks::held`]), since a kernel may touch any allocation of its
-//! process. [`hold`] holds a borrowing allocation (`hooks`) and is the hook that the launch and
-//! copy paths are to call; it is not wired into them yet (the launch gate is another module's),
-//! so the swap is off unless a test asks for it (`VGPU_MEMORY_SWAP=1`) and must stay off on a GPU
-//! until it is.
+//! process. [`hold`] holds a borrowing allocation (`hooks`); the launch and copy hooks go through
+//! [`try_enter`] (`hooks::enter_work`), and a swap-out first makes the process quiet
+//! ([`quiesce`]: no launch or copy between its check and its driver call) and drains its queued
+//! work. The process-wide counters here are what the launch and copy paths read: a process with
+//! no swappable chunk pays one relaxed load ([`any_chunk`]).
 //!
 //! Only borrowed chunks that the interposer backs itself are here (`vmm::Purpose::Borrowed`):
 //! the application's own `cuMemCreate` memory and memory within the request are never swapped.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
 /// How long [`hold`] waits for chunks to come back before it gives up and says so (a launch let
 /// through then would touch an unmapped chunk and fault, so the wait is long).
@@ -195,9 +197,7 @@ impl Chunks {
 /// The hold: while this process has a chunk out, waits (bounded by [`HOLD_WAIT_MAX_MS`], in
 /// steps of 1 ms) for `take_back` to bring everything back; `take_back` is tried at each step.
 /// Returns whether nothing is out any more; after the bound it logs and says so. `hooks` holds a
-/// borrowing allocation with it; the launch gate and the copy hooks are to call it before they
-/// reach the driver (not wired yet: `launch` and `closed_loop` are another module's), and until
-/// they do the swap is off outside tests.
+/// borrowing allocation with it (launches and copies wait in `hooks::enter_work`).
 pub fn hold(mut take_back: impl FnMut() -> bool) -> bool {
     for _ in 0..HOLD_WAIT_MAX_MS {
         if take_back() {
@@ -213,6 +213,198 @@ pub fn hold(mut take_back: impl FnMut() -> bool) -> bool {
         ));
     }
     back
+}
+
+/// The longest a swap-out waits for the launches and copies other threads are submitting to
+/// reach the driver ([`quiesce`]); past it the swap-out is given up (the want stays posted).
+pub const QUIESCE_WAIT_MAX_MS: u64 = 2_000;
+
+/// The longest a swap-out waits for the process's queued work (`cuCtxSynchronize`) before it
+/// gives up: a kernel that never ends keeps its chunks (logged; the want stays posted).
+pub const DRAIN_WAIT_MAX_MS: u64 = 5_000;
+
+/// Swappable chunks of this process (resident or out), all devices: 0 in every process that never
+/// borrowed with the swap on, which is what the launch and copy paths' fast path reads.
+static CHUNKS: AtomicUsize = AtomicUsize::new(0);
+/// Chunks of this process in host memory now.
+static CHUNKS_OUT: AtomicUsize = AtomicUsize::new(0);
+/// The devices (bit per CUDA ordinal) where this process has a resident chunk: where a want on
+/// its tenant can be met, so where a launch looks for one.
+static RESIDENT_ON: AtomicU32 = AtomicU32::new(0);
+/// Launches and copies between their check ([`try_enter`]) and the end of their driver call.
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+/// A swap-out is under way: no launch or copy may enter.
+static SWAPPING: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process has any swappable chunk: the launch and copy paths' fast path, one
+/// relaxed load. A process that never borrowed (or runs without the swap) stops here.
+#[inline]
+pub fn any_chunk() -> bool {
+    CHUNKS.load(Ordering::Relaxed) != 0
+}
+
+/// Whether a chunk of this process is in host memory now.
+pub fn any_out() -> bool {
+    CHUNKS_OUT.load(Ordering::SeqCst) != 0
+}
+
+/// The devices where this process has a resident chunk (bit per ordinal).
+pub fn resident_on() -> u32 {
+    RESIDENT_ON.load(Ordering::SeqCst)
+}
+
+/// Publishes this process's chunks (`per_device[d]` is device `d`'s) to the counters above;
+/// called, under the process's lock, after every change of a chunk's state.
+pub fn publish(per_device: &[Chunks]) {
+    assert!(per_device.len() <= 32, "one bit per device");
+    let (mut all, mut out, mut resident_on) = (0usize, 0usize, 0u32);
+    for (device, chunks) in per_device.iter().enumerate() {
+        all += chunks.chunks.len();
+        out += chunks.chunks.values().filter(|c| c.out).count();
+        if chunks.any_resident() {
+            resident_on |= 1 << device;
+        }
+    }
+    assert!(out <= all);
+    // Out first, so that a launch that sees the chunk count sees what is out too.
+    CHUNKS_OUT.store(out, Ordering::SeqCst);
+    RESIDENT_ON.store(resident_on, Ordering::SeqCst);
+    CHUNKS.store(all, Ordering::SeqCst);
+    PUBLISHED_BY.store(std::process::id(), Ordering::SeqCst);
+}
+
+/// Forgets every count (a child after `fork` holds none of its parent's chunks, and none of its
+/// parent's launches are in flight in it); `hooks` calls it when it resets the process state.
+pub fn forked() {
+    CHUNKS.store(0, Ordering::SeqCst);
+    CHUNKS_OUT.store(0, Ordering::SeqCst);
+    RESIDENT_ON.store(0, Ordering::SeqCst);
+    IN_FLIGHT.store(0, Ordering::SeqCst);
+    SWAPPING.store(false, Ordering::SeqCst);
+    PUBLISHED_BY.store(std::process::id(), Ordering::SeqCst);
+}
+
+/// The process that last published the counts: another one is a child after `fork`.
+static PUBLISHED_BY: AtomicU32 = AtomicU32::new(0);
+
+/// Whether the counts were published by another process (this one is a child after `fork`).
+pub fn inherited() -> bool {
+    PUBLISHED_BY.load(Ordering::SeqCst) != std::process::id()
+}
+
+/// A launch or copy admitted by [`try_enter`]: counted until its driver call returned (drop).
+#[must_use]
+pub struct InFlight {
+    counted: bool,
+}
+
+impl InFlight {
+    /// Nothing counted: the fast path (no swappable chunk), or the swap not involved.
+    pub fn uncounted() -> InFlight {
+        InFlight { counted: false }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.counted {
+            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A launch or copy of a process with swappable chunks: admitted (counted in flight) when no
+/// chunk is out, no swap-out is under way and `no_want` says nobody asked for memory back;
+/// `None`: the caller must act (`hooks::enter_work`) and try again. Counting before looking
+/// closes the race with [`quiesce`]: a swap-out either sees this call in flight and waits for it,
+/// or this call sees the swap-out and does not enter.
+pub fn try_enter(no_want: impl FnOnce() -> bool) -> Option<InFlight> {
+    IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+    let entered = InFlight { counted: true };
+    if !SWAPPING.load(Ordering::SeqCst) && !any_out() && no_want() {
+        return Some(entered);
+    }
+    drop(entered);
+    None
+}
+
+/// A swap-out under way: no launch or copy enters until it is dropped.
+#[must_use]
+pub struct Quiet {
+    _private: (),
+}
+
+impl Drop for Quiet {
+    fn drop(&mut self) {
+        SWAPPING.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Stops new launches and copies from entering and waits (bounded by [`QUIESCE_WAIT_MAX_MS`])
+/// for those in flight to have reached the driver; `None` (and nothing stopped) when they did not
+/// in time. Called under the process's lock, by a thread that is not in flight itself.
+pub fn quiesce() -> Option<Quiet> {
+    let was = SWAPPING.swap(true, Ordering::SeqCst);
+    assert!(!was, "one swap-out at a time (under the process's lock)");
+    let quiet = Quiet { _private: () };
+    let began = std::time::Instant::now();
+    while IN_FLIGHT.load(Ordering::SeqCst) != 0 {
+        if began.elapsed() >= std::time::Duration::from_millis(QUIESCE_WAIT_MAX_MS) {
+            crate::log::error(format_args!(
+                "a swap-out waited {QUIESCE_WAIT_MAX_MS} ms for this process's launches and \
+                 copies in progress to reach the driver; it is given up for now"
+            ));
+            return None;
+        }
+        std::thread::yield_now();
+    }
+    Some(quiet)
+}
+
+/// The copy and memset entry points of the driver API that the interposer does not hold (no hook
+/// of ours waits for chunks to come back before them). A driver that exports any of them could
+/// let a kernel or copy touch a chunk in host memory, so the swap stays off in a process whose
+/// driver does (`real::load` checks at load; `copy_paths_checked`).
+pub const UNHELD_COPY_ENTRY_POINTS: &[&std::ffi::CStr] = &[
+    // Copies with attributes, which a newer driver may export: not wrapped (no header here to
+    // check their signatures against, nor whether they exist), so a driver that exports them
+    // keeps the swap off.
+    c"cuMemcpyWithAttributesAsync",
+    c"cuMemcpyWithAttributesAsync_ptsz",
+    c"cuMemcpy3DWithAttributesAsync",
+    c"cuMemcpy3DWithAttributesAsync_ptsz",
+];
+
+/// What the load-time check found: the unheld entry points this process's driver exports.
+static UNHELD_EXPORTED: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+
+/// Records, once at load (`real::load`), which of [`UNHELD_COPY_ENTRY_POINTS`] the driver
+/// exports, and says in one line (if the swap was asked for) that the swap stays off.
+pub fn copy_paths_checked(exported: Vec<String>, swap_asked: bool) {
+    if swap_asked && !exported.is_empty() {
+        let shown: Vec<&str> = exported.iter().take(6).map(String::as_str).collect();
+        crate::log::error(format_args!(
+            "{}=1 is ignored in this process: the driver exports {} copy, memset or launch entry \
+             points that vgpu does not hold while borrowed memory is in host memory ({}{}), so \
+             borrowed memory is given back only when it is freed; this driver needs them hooked \
+             before the swap can be on",
+            tenant_abi::env::var::MEMORY_SWAP,
+            exported.len(),
+            shown.join(", "),
+            if exported.len() > shown.len() {
+                ", ..."
+            } else {
+                ""
+            }
+        ));
+    }
+    let _ = UNHELD_EXPORTED.set(exported);
+}
+
+/// Whether every copy path of this process's driver is held (the load-time check ran and found
+/// none unheld): the swap may be on. `false` before the driver is loaded.
+pub fn copy_paths_held() -> bool {
+    UNHELD_EXPORTED.get().is_some_and(Vec::is_empty)
 }
 
 #[cfg(test)]

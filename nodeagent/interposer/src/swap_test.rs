@@ -218,3 +218,48 @@ fn the_largest_chunks_go_first_and_only_as_many_as_wanted() {
     assert_eq!(model.mapped[&0x2000], vec![8u8; (8 * UNIT) as usize]);
     assert_eq!(board.swapped, 0);
 }
+
+/// The process-wide counts the launch and copy paths read (the only test that touches them: they
+/// are statics of the test binary). A launch enters only while no chunk is out, no swap-out is
+/// under way and no want is posted; a swap-out waits for the launches already in flight.
+#[test]
+fn launches_enter_only_while_nothing_is_out_and_a_swap_out_waits_for_those_in_flight() {
+    forked();
+    assert!(!any_chunk());
+    let mut chunks = Chunks::default();
+    chunks.add(0x1000, 4);
+    let mut devices = [Chunks::default(), Chunks::default()];
+    devices[1] = chunks;
+    publish(&devices);
+    assert!(any_chunk() && !any_out());
+    assert_eq!(resident_on(), 0b10);
+    assert!(try_enter(|| false).is_none(), "a want posted: act first");
+    let in_flight = try_enter(|| true).expect("nothing out, no want");
+    // A swap-out waits for the launch in flight (on another thread here) to reach the driver.
+    let (entered, released) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        released.recv().expect("released");
+        drop(in_flight);
+    });
+    let swapper = std::thread::spawn(move || {
+        let quiet = quiesce().expect("the launch in flight returned within the bound");
+        assert!(
+            try_enter(|| true).is_none(),
+            "no launch enters during a swap-out"
+        );
+        drop(quiet);
+    });
+    entered.send(()).expect("sending");
+    holder.join().expect("holder");
+    swapper.join().expect("swapper");
+    // A chunk out holds every launch; back, they enter again.
+    devices[1].chunks.get_mut(&0x1000).expect("the chunk").out = true;
+    publish(&devices);
+    assert!(any_out() && try_enter(|| true).is_none());
+    assert_eq!(resident_on(), 0);
+    devices[1].chunks.get_mut(&0x1000).expect("the chunk").out = false;
+    publish(&devices);
+    drop(try_enter(|| true).expect("back"));
+    forked();
+    assert!(!any_chunk() && !inherited());
+}

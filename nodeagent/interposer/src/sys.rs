@@ -220,6 +220,7 @@ pub type FnCtxSynchronize = unsafe extern "C" fn() -> CUresult;
 /// `cuCtxSynchronize_v2(CUcontext)` (CUDA 13).
 pub type FnCtxSynchronizeV2 = unsafe extern "C" fn(CUcontext) -> CUresult;
 pub type FnCtxGetCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
+pub type FnCtxSetCurrent = unsafe extern "C" fn(CUcontext) -> CUresult;
 pub type FnDeviceGetCount = unsafe extern "C" fn(*mut c_int) -> CUresult;
 /// `cuDeviceGetUuid[_v2](CUuuid *, CUdevice)`; `CUuuid` is 16 bytes.
 pub type FnDeviceGetUuid = unsafe extern "C" fn(*mut [u8; 16], CUdevice) -> CUresult;

@@ -445,3 +445,42 @@ impl crate::swap::Backing for SwapBacking<'_> {
         Ok(())
     }
 }
+
+/// Waits for the work queued in each of `contexts` (`cuCtxSetCurrent` + `cuCtxSynchronize` on a
+/// thread of its own, so that the wait is bounded by `swap::DRAIN_WAIT_MAX_MS` even for a kernel
+/// that never ends: that thread is then left waiting). Whether all of it finished. A swap-out
+/// calls it before it unmaps anything, so that no kernel in flight touches a chunk being moved.
+pub fn drain(contexts: Vec<usize>) -> bool {
+    let Some(driver) = crate::real::driver() else {
+        return false;
+    };
+    let (Some(set_current), Some(synchronize)) =
+        (driver.fns.ctx_set_current, driver.fns.ctx_synchronize)
+    else {
+        return false;
+    };
+    let (done, finished) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("vgpu-drain".to_owned())
+        .spawn(move || {
+            let drained = contexts.iter().all(|&context| {
+                // SAFETY: `context` is a context this process created allocations in (or the
+                // current one); setting it current on this thread and synchronising it are the
+                // driver's calls for that, with no pointer arguments.
+                context == 0
+                    || unsafe {
+                        set_current(context as CUcontext) == CUDA_SUCCESS
+                            && synchronize() == CUDA_SUCCESS
+                    }
+            });
+            let _ = done.send(drained);
+        });
+    if spawned.is_err() {
+        return false;
+    }
+    finished
+        .recv_timeout(std::time::Duration::from_millis(
+            crate::swap::DRAIN_WAIT_MAX_MS,
+        ))
+        .unwrap_or(false)
+}

@@ -111,6 +111,23 @@ fn kit() -> &'static Kit {
             &source("fakecuda.c"),
             "-lpthread",
         ]);
+        // The same fake exporting a copy entry point the interposer does not hold (a driver on
+        // which the swap must stay off).
+        std::fs::create_dir_all(dir.join("unheld")).expect("creating unheld/");
+        compile(&[
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-DFAKE_UNHELD_COPY",
+            "-Wl,-Bsymbolic",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            "unheld/libcuda.so.1",
+            &source("fakecuda.c"),
+            "-lpthread",
+        ]);
         compile(&[
             "-O1",
             "-Wall",

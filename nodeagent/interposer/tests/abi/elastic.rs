@@ -479,3 +479,213 @@ fn a_process_with_a_chunk_out_borrows_more_only_once_it_is_back() {
     let back = usage(&board, "a");
     assert_eq!((back.resident_bytes, back.swapped_bytes), (12 * MIB, 0));
 }
+
+/// The bytes of the want posted on the `index`-th tenant of `board` (the word a borrower reads;
+/// the agent's reports do not show it).
+fn want_on(board: &Path, index: usize) -> u64 {
+    use tenant_abi::board::{Region, Tenant};
+    let at = std::mem::offset_of!(Region, tenants)
+        + index * std::mem::size_of::<Tenant>()
+        + std::mem::offset_of!(Tenant, want_bytes);
+    let bytes = std::fs::read(board).expect("reading the board");
+    u64::from_le_bytes(bytes[at..at + 8].try_into().expect("eight bytes"))
+}
+
+/// Polls (every millisecond, at most 20 s) until `done` says yes.
+fn until(mut done: impl FnMut() -> bool, what: &str) {
+    let began = std::time::Instant::now();
+    while !done() {
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(20),
+            "waited 20 s for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// The hold rule on launches and copies: a process whose borrowed chunk went to host memory (at
+/// its `cuMemGetInfo`) is held at its next kernel launch and at its next asynchronous copy until
+/// the chunk is back, and then both see the chunk's original bytes. Without the hold the fake
+/// answers 700 (an illegal address: the chunk is unmapped) and the bytes would not match.
+#[test]
+fn a_launch_and_a_copy_wait_while_a_chunk_is_out_and_see_its_contents() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| shm.path().join(name).display().to_string();
+    let swapping = |probe: Probe| {
+        probe
+            .env("VGPU_MEMORY_SWAP", "1")
+            .env("FAKE_CUDA_REAL_BYTES", "1")
+    };
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 7 kcheck 7 touch {} spin_info {} kcheck 7 acheck 7 check 7",
+        file("a-ready"),
+        file("b-has")
+    ));
+    let mut b = swapping(tenant(shm.path(), "b", "8MiB")).start_holding(&format!(
+        "until_file {} alloc 8M touch {} until_file {} free",
+        file("a-ready"),
+        file("b-has"),
+        file("test-go")
+    ));
+    b.wait_for_line("touch 0");
+    a.wait_for_line("spin_info 0");
+    // "a" is at its launch now, held: its chunk is out while "b" holds the memory.
+    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
+    assert_eq!(usage(&board, "b").resident_bytes, 8 * MIB);
+    std::fs::write(shm.path().join("test-go"), "").expect("touching test-go");
+    b.wait_held();
+    a.wait_held();
+    // (`wait_for_line` took "spin_info 0" out of the output.)
+    assert_eq!(
+        a.output,
+        "alloc 0\nalloc 0\nfill 0\nkcheck 0 ok\ntouch 0\nkcheck 0 ok\nacheck 0 ok\ncheck 0 ok\n"
+    );
+    let back = usage(&board, "a");
+    assert_eq!((back.resident_bytes, back.swapped_bytes), (12 * MIB, 0));
+    let err = stderr_of(a);
+    assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
+    assert!(!err.contains("refused"), "{err}");
+}
+
+/// A want is acted on at a kernel launch (the borrower calls nothing else into the driver), and
+/// only after the borrower's queued work finished: "a" queued a 1.5 s kernel before the want
+/// came, and the fake counts an unmap while a kernel of the process runs (`busy_unmaps`).
+#[test]
+fn a_want_is_met_at_a_launch_after_the_queued_work_drained() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| shm.path().join(name).display().to_string();
+    let swapping = |probe: Probe| {
+        probe
+            .env("VGPU_MEMORY_SWAP", "1")
+            .env("FAKE_CUDA_REAL_BYTES", "1")
+            .env("FAKE_CUDA_QUEUE_MS", "10000")
+    };
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 3 launch kernel 1500000 touch {} until_file {} kcheck 3 \
+         busy_unmaps",
+        file("a-ready"),
+        file("b-asked")
+    ));
+    let mut b = swapping(tenant(shm.path(), "b", "8MiB")).start_holding(&format!(
+        "until_file {} alloc 8M touch {} until_file {} free",
+        file("a-ready"),
+        file("b-has"),
+        file("test-go")
+    ));
+    // "b" asked "a" (tenant 0) for its memory; "a" is not calling the driver (until_file).
+    until(|| want_on(&board, 0) != 0, "b's want on a");
+    assert_eq!(usage(&board, "a").swapped_bytes, 0);
+    std::fs::write(shm.path().join("b-asked"), "").expect("touching b-asked");
+    b.wait_for_line("touch 0");
+    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
+    assert_eq!(want_on(&board, 0), 0);
+    std::fs::write(shm.path().join("test-go"), "").expect("touching test-go");
+    b.wait_held();
+    a.wait_held();
+    assert!(
+        a.output
+            .ends_with("until_file 0\nkcheck 0 ok\nbusy_unmaps 0\n"),
+        "{}",
+        a.output
+    );
+    let err = stderr_of(a);
+    assert_eq!(
+        err.matches("went to host memory after its queued work finished")
+            .count(),
+        1,
+        "{err}"
+    );
+}
+
+/// A process with no borrowed chunk is never held, whatever is posted on the board: the hold
+/// costs it one relaxed load (its launches and copies go straight on).
+#[test]
+fn a_process_without_borrowed_chunks_launches_and_copies_unheld() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let probe = tenant(shm.path(), "a", "4MiB")
+        .env("VGPU_MEMORY_SWAP", "1")
+        .env("FAKE_CUDA_REAL_BYTES", "1");
+    let out = probe.run("alloc 4M launch kernel 10 copy 1 fill 1 check 1 acheck 1");
+    assert_eq!(
+        lines(&out),
+        [
+            "alloc 0",
+            "launch 0 lib=libcuda.so.1",
+            "copy 0",
+            "fill 700",
+            "check 700 bad",
+            "acheck 700 bad",
+        ]
+    );
+    assert_eq!(usage(&board, "a").swapped_bytes, 0);
+}
+
+/// A driver that exports a copy entry point the interposer does not hold: the swap stays off
+/// in the process (one line at load says so), so a borrowed chunk stays resident whatever is
+/// asked, and a tenant short of its request is refused as without the swap.
+#[test]
+fn a_driver_with_a_copy_path_we_do_not_hold_keeps_the_swap_off() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| shm.path().join(name).display().to_string();
+    let unheld = super::kit().dir.join("unheld");
+    let swapping = |probe: Probe| {
+        probe
+            .env("VGPU_MEMORY_SWAP", "1")
+            .env("FAKE_CUDA_REAL_BYTES", "1")
+            .env("LD_LIBRARY_PATH", &unheld)
+            .env("VGPU_REAL_LIBCUDA", unheld.join("libcuda.so.1"))
+    };
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 2 touch {} spin_info {} kcheck 2",
+        file("a-ready"),
+        file("b-done")
+    ));
+    let (out, err) = run(
+        swapping(tenant(shm.path(), "b", "8MiB")),
+        &format!("until_file {} alloc 8M", file("a-ready")),
+    );
+    std::fs::write(shm.path().join("b-done"), "").expect("touching b-done");
+    a.wait_held();
+    assert_eq!(lines(&out), ["until_file 0", "alloc 2"]);
+    assert!(err.contains("(the swap) is off"), "{err}");
+    assert!(
+        a.output.ends_with("spin_info 0\nkcheck 0 ok\n"),
+        "{}",
+        a.output
+    );
+    let a_usage = usage(&board, "a");
+    assert_eq!(
+        (a_usage.resident_bytes, a_usage.swapped_bytes),
+        (12 * MIB, 0)
+    );
+    let a_err = stderr_of(a);
+    assert_eq!(
+        a_err
+            .matches("VGPU_MEMORY_SWAP=1 is ignored in this process")
+            .count(),
+        1,
+        "{a_err}"
+    );
+    assert!(a_err.contains("cuMemcpyWithAttributesAsync"), "{a_err}");
+    assert!(!a_err.contains("went to host memory"), "{a_err}");
+}

@@ -8,6 +8,9 @@
  *
  * FAKE_CUDA_DRIVER_VERSION=<n> is what cuDriverGetVersion says (default 13000).
  *
+ * Built with -DFAKE_UNHELD_COPY it also exports a copy entry point that the interposer does not
+ * hold (cuMemcpyWithAttributesAsync, signature made up): a driver on which the swap stays off.
+ *
  * FAKE_CUDA_EVENTS_NEVER=1: cuEventQuery always says CUDA_ERROR_NOT_READY, as for a kernel that
  * waits for another process (a collective whose peer has not launched yet).
  *
@@ -17,15 +20,23 @@
  * FAKE_CUDA_UUID=GPU-<32 hex digits, dashes anywhere>: device 0's uuid (default: bytes a0..ae,
  * then the ordinal), to play the GPU of an agent that simulates its inventory.
  *
+ * Without it, a synchronous copy to or from a mapped VMM range succeeds and moves nothing (the
+ * swap then runs on simulated sizes: the dry runs).
+ *
  * FAKE_CUDA_REAL_BYTES=1: cuMemCreate's physical memory is real host memory (keep sizes small),
  * so that VMM-mapped ranges hold bytes: cuMemcpyHtoD_v2 / cuMemcpyDtoH_v2 copy into and out of a
  * mapped range (CUDA_ERROR_ILLEGAL_ADDRESS, 700, on memory that is not mapped: what a kernel
  * touching an unmapped chunk would meet), and cuMemHostAlloc / cuMemFreeHost are malloc / free.
  * The interposer's swap is tested on it: contents must survive a trip to host memory and back.
+ * With it, cuLaunchKernel whose params are {&address, &bytes} is a kernel that reads those bytes
+ * at launch (700 if any is not mapped; fakeKernelSum() is their sum), cuMemcpyDtoHAsync_v2 copies
+ * out of a mapped range (700 if not mapped), and cuMemUnmap while this process's kernels are
+ * still running (an undrained queue) counts in fakeBusyUnmaps(): what the swap must never do.
  *
  * Kernels are simulated: a launch "runs" for a duration taken from its arguments (gridDimX
  * microseconds for kernel launches, the graph handle's value for graph launches) on a GPU that
- * runs one kernel at a time in launch order. With FAKE_CUDA_GPU=<file> that GPU's timeline (the
+ * runs one kernel at a time in launch order; a launch blocks while more than FAKE_CUDA_QUEUE_MS
+ * (default 100) of work is queued ahead of it. With FAKE_CUDA_GPU=<file> that GPU's timeline (the
  * time it is busy until) lives in a shared file, so several processes share one simulated GPU.
  * Events complete when the last kernel of their stream (at record time) ends. The GPU time a
  * process's kernels spend inside FAKE_CUDA_WINDOW=<start_ns>,<end_ns> (CLOCK_MONOTONIC) is
@@ -329,9 +340,13 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
   pthread_mutex_unlock(&lock);
   return rc;
 }
+static unsigned long long last_end, busy_unmaps;
+static unsigned long long now_ns(void);
+unsigned long long fakeBusyUnmaps(void) { return busy_unmaps; }
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   CUresult rc = INVALID_VALUE;
   pthread_mutex_lock(&lock);
+  if (now_ns() < last_end) busy_unmaps++;
   int i = range_at(ptr, size);
   if (i >= 0 && ranges[i].mapped) {
     ranges[i].mapped = 0;
@@ -365,21 +380,32 @@ static unsigned char *mapped_bytes_at(CUdeviceptr address, size_t n) {
   return NULL;
 }
 #define ILLEGAL_ADDRESS 700
+/* Without FAKE_CUDA_REAL_BYTES a copy to or from a mapped VMM range moves nothing and succeeds
+ * (so that the interposer's swap runs on simulated sizes, as in the dry runs), and 700 elsewhere. */
+static int mapped_range(CUdeviceptr address, size_t n) {
+  for (int i = 0; i < MAX_RANGES; i++)
+    if (ranges[i].address != 0 && ranges[i].mapped && address >= ranges[i].address &&
+        address + n <= ranges[i].address + ranges[i].bytes)
+      return 1;
+  return 0;
+}
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
   if (src == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
   unsigned char *to = mapped_bytes_at(dst, n);
   if (to != NULL) memcpy(to, src, n);
+  int ok = to != NULL || (!real_bytes() && mapped_range(dst, n));
   pthread_mutex_unlock(&lock);
-  return to != NULL ? OK : ILLEGAL_ADDRESS;
+  return ok ? OK : ILLEGAL_ADDRESS;
 }
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
   if (dst == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
   unsigned char *from = mapped_bytes_at(src, n);
   if (from != NULL) memcpy(dst, from, n);
+  int ok = from != NULL || (!real_bytes() && mapped_range(src, n));
   pthread_mutex_unlock(&lock);
-  return from != NULL ? OK : ILLEGAL_ADDRESS;
+  return ok ? OK : ILLEGAL_ADDRESS;
 }
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) {
   (void)flags;
@@ -460,7 +486,7 @@ static struct {
   uintptr_t stream;
   unsigned long long end;
 } streams[MAX_STREAMS];
-static unsigned long long last_end, used_in_window, launches;
+static unsigned long long used_in_window, launches;
 static unsigned long long window_start, window_end;
 
 #define TRACE_BYTES 65536
@@ -559,9 +585,11 @@ static CUresult run_kernel(CUstream s, unsigned long long duration_us) {
   } while (!__atomic_compare_exchange_n(busy_until, &seen, end, 0, __ATOMIC_SEQ_CST,
                                         __ATOMIC_SEQ_CST));
   /* Like the real driver's bounded command queue: a launch blocks while more than 100 ms of work
-   * is queued ahead of it. */
-  if (end > now + 100000000ULL) {
-    unsigned long long ahead = end - now - 100000000ULL;
+   * (FAKE_CUDA_QUEUE_MS) is queued ahead of it. */
+  const char *queue_ms = getenv("FAKE_CUDA_QUEUE_MS");
+  unsigned long long queue_ns = (queue_ms ? strtoull(queue_ms, NULL, 10) : 100ULL) * 1000000ULL;
+  if (end > now + queue_ns) {
+    unsigned long long ahead = end - now - queue_ns;
     struct timespec t = {(time_t)(ahead / 1000000000ULL), (long)(ahead % 1000000000ULL)};
     nanosleep(&t, NULL);
   }
@@ -579,11 +607,23 @@ static CUresult run_kernel(CUstream s, unsigned long long duration_us) {
 unsigned long long fakeGpuUsedNs(void) { return used_in_window; }
 unsigned long long fakeLaunches(void) { return launches; }
 
+static unsigned long long kernel_sum;
+unsigned long long fakeKernelSum(void) { return kernel_sum; }
 CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
                         unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem,
                         CUstream s, void **params, void **extra) {
-  (void)f; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shmem; (void)params;
-  (void)extra;
+  (void)f; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shmem; (void)extra;
+  if (real_bytes() && params != NULL && params[0] != NULL && params[1] != NULL) {
+    CUdeviceptr address = *(CUdeviceptr *)params[0];
+    size_t n = *(size_t *)params[1];
+    pthread_mutex_lock(&lock);
+    unsigned char *bytes = mapped_bytes_at(address, n);
+    unsigned long long sum = 0;
+    for (size_t b = 0; bytes != NULL && b < n; b++) sum += bytes[b];
+    if (bytes != NULL) kernel_sum = sum;
+    pthread_mutex_unlock(&lock);
+    if (bytes == NULL) return ILLEGAL_ADDRESS;
+  }
   return run_kernel(s, gx);
 }
 /* In the _ptsz variants the null stream is the per-thread default stream, CU_STREAM_PER_THREAD. */
@@ -625,6 +665,23 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CU
   (void)dst; (void)src;
   return run_kernel(s, (unsigned int)(bytes / 1000));
 }
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream s) {
+  if (!real_bytes()) return run_kernel(s, (unsigned int)(bytes / 1000));
+  if (dst == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  unsigned char *from = mapped_bytes_at(src, bytes);
+  if (from != NULL) memcpy(dst, from, bytes);
+  pthread_mutex_unlock(&lock);
+  return from != NULL ? OK : ILLEGAL_ADDRESS;
+}
+#ifdef FAKE_UNHELD_COPY
+/* A copy entry point the interposer does not hold: with it, the swap must stay off. */
+CUresult cuMemcpyWithAttributesAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, void *attr,
+                                     CUstream s) {
+  (void)dst; (void)src; (void)attr;
+  return run_kernel(s, (unsigned int)(bytes / 1000));
+}
+#endif
 CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream s) {
   return cuGraphLaunch(exec, PER_THREAD(s));
 }

@@ -19,6 +19,10 @@
  *                    cuMemcpyHtoD_v2 / reads them back with cuMemcpyDtoH_v2: "check <rc> ok|bad"
  *                    (needs the fake's FAKE_CUDA_REAL_BYTES=1 and VMM-backed memory)
  *   addr             prints "addr <newest pointer>"
+ *   kcheck N         a kernel (cuLaunchKernel on the user stream) that reads the newest pointer's
+ *                    bytes: "kcheck <rc> ok|bad" (the fake sums them; FAKE_CUDA_REAL_BYTES=1)
+ *   acheck N         the same bytes through cuMemcpyDtoHAsync_v2 and cuStreamSynchronize
+ *   busy_unmaps      "busy_unmaps <n>": unmaps the fake saw while this process's kernels ran
  *   touch PATH | until_file PATH   creates PATH / waits (up to 20 s) until PATH exists
  *   spin_info PATH   calls cuMemGetInfo_v2 every millisecond until PATH exists (up to 20 s): a
  *                    process that keeps calling into the driver
@@ -149,6 +153,9 @@ CUresult cuCtxSynchronize(void);
 CUresult cuStreamSynchronize(void *);
 CUresult cuStreamQuery(void *);
 CUresult cuMemcpyDtoDAsync_v2(unsigned long long, unsigned long long, size_t, void *);
+CUresult cuMemcpyDtoHAsync_v2(void *, CUdeviceptr, size_t, void *);
+unsigned long long fakeKernelSum(void);
+unsigned long long fakeBusyUnmaps(void);
 CUresult cuStreamBeginCapture_v2(void *, int);
 CUresult cuStreamEndCapture(void *, void **);
 unsigned long long fakeGpuUsedNs(void);
@@ -264,6 +271,39 @@ static int until_file(const char *path, int info) {
   return -1;
 }
 
+#define USER_STREAM ((void *)0x5000)
+
+/* The bytes `fill N` writes over `n` bytes. */
+static unsigned char *pattern_bytes(int seed, size_t n) {
+  unsigned char *want = malloc(n);
+  for (size_t b = 0; b < n; b++) want[b] = (unsigned char)(seed * 31 + b * 7 + b / 4096);
+  return want;
+}
+
+/* kcheck / acheck: reads the newest pointer's bytes through a kernel or an asynchronous copy;
+ * the driver's result, and in `*same` whether they are the pattern seeded by `seed`. */
+static CUresult read_back(int seed, int kernel, int *same) {
+  if (n_pointers == 0) return -1;
+  CUdeviceptr address = pointers[n_pointers - 1];
+  size_t n = (size_t)sizes[n_pointers - 1];
+  unsigned char *want = pattern_bytes(seed, n), *got = malloc(n);
+  unsigned long long expected = 0;
+  for (size_t b = 0; b < n; b++) expected += want[b];
+  CUresult rc;
+  if (kernel) {
+    void *params[2] = {&address, &n};
+    rc = cuLaunchKernel(NULL, 1, 1, 1, 1, 1, 1, 0, USER_STREAM, params, NULL);
+    *same = rc == 0 && fakeKernelSum() == expected;
+  } else {
+    rc = cuMemcpyDtoHAsync_v2(got, address, n, USER_STREAM);
+    if (rc == 0) rc = cuStreamSynchronize(USER_STREAM);
+    *same = rc == 0 && memcmp(want, got, n) == 0;
+  }
+  free(want);
+  free(got);
+  return rc;
+}
+
 /* fill / check: the newest pointer's bytes, seeded by `seed`; returns the driver's result, and
  * in `*same` whether what was read equals the pattern. */
 static CUresult pattern(int seed, int write, int *same) {
@@ -290,7 +330,6 @@ static unsigned long long now_ns(void) {
   return (unsigned long long)t.tv_sec * 1000000000ULL + (unsigned long long)t.tv_nsec;
 }
 
-#define USER_STREAM ((void *)0x5000)
 
 /* One kernel of `us` microseconds through `api`; `*lib` names the library of the function. */
 static CUresult launch_via(const char *api, unsigned int us, const char **lib) {
@@ -545,6 +584,13 @@ int main(int argc, char **argv) {
       else
         printf("check %d %s\n", rc, same ? "ok" : "bad");
       i++;
+    } else if (!strcmp(c, "kcheck") || !strcmp(c, "acheck")) {
+      int same = 0;
+      rc = read_back(atoi(a), !strcmp(c, "kcheck"), &same);
+      printf("%s %d %s\n", c, rc, same ? "ok" : "bad");
+      i++;
+    } else if (!strcmp(c, "busy_unmaps")) {
+      printf("busy_unmaps %llu\n", fakeBusyUnmaps());
     } else if (!strcmp(c, "addr")) {
       printf("addr %#llx\n", n_pointers ? pointers[n_pointers - 1] : 0ULL);
     } else if (!strcmp(c, "touch")) {
