@@ -147,6 +147,9 @@ pub struct Controller {
     /// the steps waiting behind it are that level's cost, not this one's (they are not
     /// measured for the floor).
     settling_since_ns: Option<u64>,
+    /// Whether the window being handled began while a climb was settling (see
+    /// `remember_failure`).
+    window_settling: bool,
     /// The time of the window being handled.
     now_ns: u64,
     /// Per level (`0..=top`).
@@ -210,6 +213,7 @@ impl Controller {
             step_period_ns: None,
             decision_age: 0,
             settling_since_ns: None,
+            window_settling: false,
             now_ns: 0,
             failures,
             level_violations: 0,
@@ -397,6 +401,7 @@ impl Controller {
         // What this level buys (the floor): steps beside running neighbours, not the first
         // window of a decision (it still holds the last one's queued work), not under a probe.
         let settling = self.settling_since_ns.is_some();
+        self.window_settling = settling;
         let measuring =
             neighbours_active && self.decision_age >= 1 && self.probing().is_none() && !settling;
         // Whether every tenant's steps in this window, open or ended, were within its target:
@@ -693,6 +698,13 @@ impl Controller {
     /// The current level went over budget after costing `violations`: trying it again waits for as many
     /// clean steps as that cost over the budget, doubled per failure not yet earned back.
     fn remember_failure(&mut self, violations: u64) {
+        if self.window_settling && self.known_good == Some(self.level) {
+            // Back at the level known to hold after a failed probe below it, and the work the
+            // probe let start still drains: the probe's cost, not this level's (a 12 ms kernel
+            // started at a failed probe of a guard failed the guard above it too, on an H200,
+            // and relaxing back into it then waited a doubled backoff). The climb goes on.
+            return;
+        }
         let first_probe = (violations.max(1) as f64 / self.config.violation_budget).ceil() as u64;
         if self.known_good.is_some_and(|good| good <= self.level) {
             // The level known to hold failed after all: the pair changed.

@@ -1514,3 +1514,38 @@ fn the_trace_summary_names_the_levels_that_failed_and_the_levers() {
     assert!(summary.contains("failed [0:1/"), "{summary}");
     assert!(summary.contains("Inflight=trying"), "{summary}");
 }
+
+#[test]
+fn the_drain_of_a_failed_probe_does_not_fail_the_level_known_to_hold() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    assert_eq!(driver.level(), 2);
+    // Level 2 holds for its wait and the controller probes level 1 (it failed: 300 clean steps).
+    let mut probed = false;
+    for _ in 0..120 {
+        driver.next("infer", repeat(3, MS), target);
+        if driver.level() == 1 {
+            probed = true;
+            break;
+        }
+    }
+    assert!(probed, "still at level {}", driver.level());
+    // The probe fails; back at level 2, the work it let start still drains for one window.
+    driver.next("infer", repeat(3, 3 * MS), target);
+    assert_eq!(driver.level(), 2);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    assert_eq!(driver.level(), 3, "the climb goes on");
+    // Level 2 did not fail: relaxing back to it waits the usual 100 clean steps, not the 300 a
+    // failure of 3 violations would cost.
+    let mut back_at = None;
+    for window in 1..=60 {
+        driver.next("infer", repeat(3, MS), target);
+        if driver.level() == 2 {
+            back_at = Some(window);
+            break;
+        }
+    }
+    assert!(back_at.is_some(), "still at level {}", driver.level());
+}

@@ -74,7 +74,11 @@
 //!   unanswered.
 //! - *Up, fast.* Over budget at level `l`: to `l + max(1, l / 2)` (multiplicative, so the top is
 //!   reached in a handful of windows from anywhere), and past every level that failed in this
-//!   episode and has not earned it back. The level that failed is remembered.
+//!   episode and has not earned it back. The level that failed is remembered, with one
+//!   exception: the level known to hold, climbed back into from a failed probe below it while
+//!   the work the probe let start still drains (the climb's settling), has not failed (a 12 ms
+//!   kernel started at a failed probe of a guard failed the guard above it too, on an H200, and
+//!   relaxing back into it waited a doubled backoff); the climb goes on all the same.
 //! - *Down, by halves.* After `relax_windows` consecutive clean windows (no violation) holding
 //!   at least `1 / violation_budget` steps, and with every tenant in allowance, down: to the
 //!   middle of
