@@ -45,6 +45,19 @@ fn tenant(shm: &Path, name: &str, request: &str) -> Probe {
     Probe::new(shm, Some(name)).env("VGPU_MEMORY_LIMITS", format!("0:{request}"))
 }
 
+/// A probe with the swap on and a fake driver that moves real bytes (so contents can be checked
+/// through a swap).
+fn swapping(probe: Probe) -> Probe {
+    probe
+        .env("VGPU_MEMORY_SWAP", "1")
+        .env("FAKE_CUDA_REAL_BYTES", "1")
+}
+
+/// A file in the test's shm directory, as a probe script names it (`touch`, `until_file`).
+fn file_in(shm: &Path, name: &str) -> String {
+    shm.join(name).display().to_string()
+}
+
 /// Runs `script`; its stdout and stderr (the probe may refuse; it must not fail).
 fn run(probe: Probe, script: &str) -> (String, String) {
     let mut probe = probe;
@@ -295,12 +308,7 @@ fn a_borrowed_chunk_goes_to_host_memory_for_a_request_and_comes_back_intact() {
         16 * MIB,
         &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
     );
-    let file = |name: &str| shm.path().join(name).display().to_string();
-    let swapping = |probe: Probe| {
-        probe
-            .env("VGPU_MEMORY_SWAP", "1")
-            .env("FAKE_CUDA_REAL_BYTES", "1")
-    };
+    let file = |name: &str| file_in(shm.path(), name);
     // "a": 4 MiB within its request, 8 MiB borrowed with a pattern; then it keeps calling
     // cuMemGetInfo until "b" is done, queries once more and reads its pattern back.
     let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
@@ -360,12 +368,7 @@ fn a_chunk_freed_while_in_host_memory_is_credited_as_swapped() {
         16 * MIB,
         &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
     );
-    let file = |name: &str| shm.path().join(name).display().to_string();
-    let swapping = |probe: Probe| {
-        probe
-            .env("VGPU_MEMORY_SWAP", "1")
-            .env("FAKE_CUDA_REAL_BYTES", "1")
-    };
+    let file = |name: &str| file_in(shm.path(), name);
     let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
         "alloc 4M alloc 8M touch {} spin_info {} free vmm",
         file("a-ready"),
@@ -397,12 +400,7 @@ fn a_want_waits_for_the_process_that_has_borrowed_chunks() {
         16 * MIB,
         &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
     );
-    let file = |name: &str| shm.path().join(name).display().to_string();
-    let swapping = |probe: Probe| {
-        probe
-            .env("VGPU_MEMORY_SWAP", "1")
-            .env("FAKE_CUDA_REAL_BYTES", "1")
-    };
+    let file = |name: &str| file_in(shm.path(), name);
     // The first process of "a" holds its request and keeps calling; the second borrows.
     let mut within = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
         "alloc 4M touch {} spin_info {}",
@@ -442,12 +440,7 @@ fn a_process_with_a_chunk_out_borrows_more_only_once_it_is_back() {
         16 * MIB,
         &[("a", 4 * MIB, 16 * MIB), ("b", 8 * MIB, 8 * MIB)],
     );
-    let file = |name: &str| shm.path().join(name).display().to_string();
-    let swapping = |probe: Probe| {
-        probe
-            .env("VGPU_MEMORY_SWAP", "1")
-            .env("FAKE_CUDA_REAL_BYTES", "1")
-    };
+    let file = |name: &str| file_in(shm.path(), name);
     // "a" borrows 8 MiB (a pattern in it) and gives it back to "b"; then it borrows 2 MiB more,
     // which waits until "b" freed its memory and the 8 MiB are back.
     let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
@@ -515,12 +508,7 @@ fn a_launch_and_a_copy_wait_while_a_chunk_is_out_and_see_its_contents() {
         16 * MIB,
         &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
     );
-    let file = |name: &str| shm.path().join(name).display().to_string();
-    let swapping = |probe: Probe| {
-        probe
-            .env("VGPU_MEMORY_SWAP", "1")
-            .env("FAKE_CUDA_REAL_BYTES", "1")
-    };
+    let file = |name: &str| file_in(shm.path(), name);
     let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
         "alloc 4M alloc 8M fill 7 kcheck 7 touch {} spin_info {} kcheck 7 acheck 7 check 7",
         file("a-ready"),
@@ -563,13 +551,8 @@ fn a_want_is_met_at_a_launch_after_the_queued_work_drained() {
         16 * MIB,
         &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
     );
-    let file = |name: &str| shm.path().join(name).display().to_string();
-    let swapping = |probe: Probe| {
-        probe
-            .env("VGPU_MEMORY_SWAP", "1")
-            .env("FAKE_CUDA_REAL_BYTES", "1")
-            .env("FAKE_CUDA_QUEUE_MS", "10000")
-    };
+    let file = |name: &str| file_in(shm.path(), name);
+    let swapping = |probe: Probe| swapping(probe).env("FAKE_CUDA_QUEUE_MS", "10000");
     let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
         "alloc 4M alloc 8M fill 3 launch kernel 1500000 touch {} until_file {} kcheck 3 \
          busy_unmaps",
@@ -646,12 +629,10 @@ fn a_driver_with_a_copy_path_we_do_not_hold_keeps_the_swap_off() {
         16 * MIB,
         &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
     );
-    let file = |name: &str| shm.path().join(name).display().to_string();
+    let file = |name: &str| file_in(shm.path(), name);
     let unheld = super::kit().dir.join("unheld");
     let swapping = |probe: Probe| {
-        probe
-            .env("VGPU_MEMORY_SWAP", "1")
-            .env("FAKE_CUDA_REAL_BYTES", "1")
+        swapping(probe)
             .env("LD_LIBRARY_PATH", &unheld)
             .env("VGPU_REAL_LIBCUDA", unheld.join("libcuda.so.1"))
     };
