@@ -624,16 +624,6 @@ impl Controller {
             && judged
                 .iter()
                 .all(|(name, _)| self.tenants[name.as_str()].in_allowance());
-        // Headroom under the target is asked only of a probe that has failed in this episode
-        // (a level below that failed, a lever to release): one that has not may hold, and its
-        // failure costs no more than the budget (then its backoff decides). Asked of every
-        // probe, it kept a restriction that bought nothing: a decoder at 1.15x its latency
-        // alone next to a training loop at level 2 and at level 0 alike (an H200), never 10%
-        // under its target, held the trainer at 0.60 of its speed where plain co-location
-        // gave 1.02.
-        let in_margin = judged
-            .iter()
-            .all(|(name, _)| self.tenants[name.as_str()].streak_in_margin(&self.config));
         if !settled || self.level == 0 {
             if settled {
                 // Level 0 holds: a later failure climbs as from any level.
@@ -653,6 +643,16 @@ impl Controller {
         if let Some(to) = self.bisect_down() {
             return Some(self.relax(to));
         }
+        // Headroom under the target is asked only of a probe that has failed in this episode
+        // (a level below that failed, a lever to release): one that has not may hold, and its
+        // failure costs no more than the budget (then its backoff decides). Asked of every
+        // probe, it kept a restriction that bought nothing: a decoder at 1.15x its latency
+        // alone next to a training loop at level 2 and at level 0 alike (an H200), never 10%
+        // under its target, held the trainer at 0.60 of its speed where plain co-location
+        // gave 1.02.
+        let in_margin = judged
+            .iter()
+            .all(|(name, _)| self.tenants[name.as_str()].streak_in_margin(&self.config));
         let below = (0..self.level)
             .rev()
             .find(|&level| self.enabled(level) && !self.dominated[level])

@@ -508,25 +508,8 @@ impl GpuLoop {
             .control
             .open_step_since(now_ns)
             .filter(|&since| since <= now_ns);
-        let trace = tracing::enabled!(target: WINDOW_TRACE, tracing::Level::DEBUG).then(|| {
-            let mut line = String::new();
-            for tenant in &windows {
-                let ms = |q: f64| {
-                    tenant
-                        .window
-                        .quantile_ns(q)
-                        .map_or(0.0, |ns| ns as f64 / 1e6)
-                };
-                line.push_str(&format!(
-                    " {}: {} steps p50 {:.3} p99 {:.3} ms;",
-                    tenant.name,
-                    tenant.window.steps,
-                    ms(0.5),
-                    ms(0.99)
-                ));
-            }
-            line
-        });
+        let trace = tracing::enabled!(target: WINDOW_TRACE, tracing::Level::DEBUG)
+            .then(|| trace_windows(&windows));
         let output = controller.handle(Event::Window {
             now_ns,
             tenants: windows,
@@ -534,18 +517,13 @@ impl GpuLoop {
             open_step_since_ns,
         });
         self.control.publish(output.decision, now_ns);
-        if let Some(mut tenants) = trace {
+        if let Some(windows) = trace {
             let squeezed = self.control.squeezed_counters();
-            for status in &output.tenants {
-                tenants.push_str(&format!(
-                    " {} target {:.3} violations {};",
-                    status.name,
-                    status.target_ns.map_or(0.0, |ns| ns as f64 / 1e6),
-                    status.violations
-                ));
-            }
-            tenants.push_str(" controller ");
-            tenants.push_str(&controller.trace_summary());
+            let tenants = format!(
+                "{windows}{} controller {}",
+                trace_statuses(&output.tenants),
+                controller.trace_summary()
+            );
             tracing::debug!(
                 target: WINDOW_TRACE,
                 "{uuid} level {} neighbours {} open {:?} paused {:.1} ms bounded {}:{tenants}",
@@ -570,6 +548,39 @@ impl GpuLoop {
         debug_assert_eq!(self.control.path(), self.path);
         Some((output.decision, output.tenants))
     }
+}
+
+/// The per-window trace's part on each latency tenant's window: its steps, p50 and p99.
+fn trace_windows(windows: &[TenantWindow]) -> String {
+    let ms =
+        |window: &LatencySnapshot, q: f64| window.quantile_ns(q).map_or(0.0, |ns| ns as f64 / 1e6);
+    windows
+        .iter()
+        .map(|tenant| {
+            format!(
+                " {}: {} steps p50 {:.3} p99 {:.3} ms;",
+                tenant.name,
+                tenant.window.steps,
+                ms(&tenant.window, 0.5),
+                ms(&tenant.window, 0.99)
+            )
+        })
+        .collect()
+}
+
+/// The per-window trace's part on each latency tenant's target and violations so far.
+fn trace_statuses(statuses: &[TenantStatus]) -> String {
+    statuses
+        .iter()
+        .map(|status| {
+            format!(
+                " {} target {:.3} violations {};",
+                status.name,
+                status.target_ns.map_or(0.0, |ns| ns as f64 / 1e6),
+                status.violations
+            )
+        })
+        .collect()
 }
 
 /// Adds one GPU's status of a tenant to the node's.
