@@ -467,12 +467,13 @@ def schedule(args):
 BASELINE_MAX_P99_OVER_P50 = 2.0
 
 
-def report(args):
+def read_windows(logs):
+    """Every window's result under LOGS/*/: (by tag: {"lat"|"nb": window}, machines, problems)."""
     by_tag = {}
     machine = set()
     problems = []
-    for group in sorted(os.listdir(args.logs)):
-        folder = os.path.join(args.logs, group)
+    for group in sorted(os.listdir(logs)):
+        folder = os.path.join(logs, group)
         if not os.path.isdir(folder):
             continue
         for name in sorted(os.listdir(folder)):
@@ -497,6 +498,71 @@ def report(args):
                     problems.append(f"{tag}: {r['workload']} started {w['late_s']} s late (its warm-up outran the schedule)")
                 if w.get("steps") == 0 or w.get("chunks") == 0:
                     problems.append(f"{tag}: {r['workload']} measured nothing")
+    return by_tag, machine, problems
+
+
+def cost_report(args):
+    """vgpu's own cost (modes cost, cost-mps): per workload and arm, the median over rounds of the
+    window's p50/p99 (latency workloads) or work/s (neighbours), and the median and range over
+    rounds of the ratio to the bare arm of the same round."""
+    by_tag, machine, problems = read_windows(args.logs)
+    # tag: MODE:rROUND-ARM:WORKLOAD
+    runs = {}
+    for tag, kinds in by_tag.items():
+        parts = tag.split(":")
+        if len(parts) != 3 or not parts[0].startswith("cost") or "-" not in parts[1]:
+            continue
+        mode, (rnd, arm), wl = parts[0], parts[1].split("-", 1), parts[2]
+        w = kinds.get("lat") or kinds.get("nb")
+        runs.setdefault((mode, wl), {}).setdefault(rnd, {})[arm] = w
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    def f(v, nd=3):
+        return "-" if v is None else f"{v:.{nd}f}"
+
+    table = [
+        "vgpu's own cost: each workload alone, bare and through vgpu by turns; medians over rounds, "
+        "ratios to bare per round (median [min, max])",
+        "machine: " + ("; ".join(sorted(machine)) or "unknown"),
+        "",
+        "| mode | workload | arm | rounds | p50 ms | p99 ms | work/s | p50 / bare | p99 / bare | work / bare |",
+        "| --- | --- | --- | --: | --: | --: | --: | --- | --- | --- |",
+    ]
+
+    def spread(xs):
+        xs = [x for x in xs if x is not None]
+        return f"{statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}]" if xs else "-"
+
+    for (mode, wl), rounds in sorted(runs.items()):
+        arms = sorted({a for r in rounds.values() for a in r}, key=lambda a: ("bare", "vgpu", "be").index(a)
+                      if a in ("bare", "vgpu", "be") else 9)
+        for arm in arms:
+            ws = [r.get(arm) or {} for r in rounds.values()]
+            bare = [r.get("bare") or {} for r in rounds.values()]
+
+            def ratio(key, w, b):
+                return w[key] / b[key] if w.get(key, -1) and w.get(key, -1) > 0 and b.get(key, -1) and b[key] > 0 else None
+
+            table.append(
+                f"| {mode} | {wl} | {arm} | {sum(1 for w in ws if w)} | {f(med(w.get('p50_ms') for w in ws))} | "
+                f"{f(med(w.get('p99_ms') for w in ws))} | {f(med(w.get('work_per_s') for w in ws), 1)} | "
+                + (" | ".join(spread([ratio(k, w, b) for w, b in zip(ws, bare)]) for k in ("p50_ms", "p99_ms", "work_per_s")))
+                + " |"
+            )
+    if problems:
+        table.append("")
+        table += ["problem: " + p for p in problems]
+    with open(os.path.join(args.logs, "cost.txt"), "w") as out:
+        out.write("\n".join(table) + "\n")
+    print("\n".join(table))
+    return 0 if runs else 4
+
+
+def report(args):
+    by_tag, machine, problems = read_windows(args.logs)
 
     pairs = [tuple(p.split(":")) for p in args.pairs.split()]
     modes = args.modes.split()
@@ -660,6 +726,8 @@ def main():
     p.add_argument("--gap", type=float, required=True)
     p.add_argument("--lead", type=float, default=0.5)
     p.add_argument("windows", nargs="*")
+    p = sub.add_parser("cost-report")
+    p.add_argument("--logs", required=True)
     p = sub.add_parser("report")
     p.add_argument("--logs", required=True)
     p.add_argument("--pairs", required=True)
@@ -672,6 +740,8 @@ def main():
         return schedule(args)
     if args.command == "report":
         return report(args)
+    if args.command == "cost-report":
+        return cost_report(args)
     if args.start_at is None and not (args.schedule and args.ready):
         parser.error("give --start-at, or --schedule and --ready")
     return workload(args)

@@ -19,6 +19,14 @@
 #             each has its own learnt target), `vgpuctl place nb --gpus 0.75 --memory 40GiB
 #             --burst`, all run with `vgpu-agent exec --tenant lat-L|nb`
 #   vgpu      the same through an agent without --mps (the default node setting)
+#   cost, cost-mps  vgpu's own cost (issue 15, point 7): every workload alone, as a bare process
+#             and through vgpu (latency workloads twice: in their latency tenant, and in `be`, a
+#             best-effort tenant with --burst, which tells the step measurement's cost from the
+#             rest), in ROUNDS interleaved rounds (the arms' order flips every round) so that the
+#             machine's drift over a minute falls on both arms alike; through an agent without
+#             (cost) or with (cost-mps) --mps. Its own table: per workload and arm, the median
+#             over rounds of p50/p99 (or work/s) and of the per-round ratio to bare, with the
+#             rounds' range
 # The table printed last has one row per (latency, neighbour, mode): p50, p99, p99 against that
 # tenant alone, the neighbour's throughput and its ratio to the neighbour alone, and for the vgpu
 # rows a verdict: `ok` when p99 <= 1.2x alone AND the neighbour is at least as fast as the best
@@ -38,6 +46,11 @@
 # longer window weighs them as a pair that stays together longer would), SETTLE (seconds a window's processes
 # run before it, unmeasured, 0.75), GAP (idle seconds between windows, 0.25), PERIODS (step
 # periods in ms, e.g. "eager=6 bert=2.5"; defaults decoder 3, eager 5, bert 2), VGPU_BIN (dist),
+# PIN (1: every workload process runs pinned, the latency workloads to 4 CPUs of the GPU's own
+# NUMA node and the neighbours to 4 others of it, in every mode alike; 0: wherever the kernel puts
+# them. A launch-bound Python loop's p50 moved 2.2-3.3 ms between processes of one run with the
+# CPU it happened to run on, which no ratio between two processes survives), ROUNDS (3, the cost
+# modes' rounds),
 # PY (python3, or /opt/torch/.venv/bin/python3 where it exists), OUT (/tmp/closed-loop-out),
 # VGPU_PORT (7474), MPS_TENANTS (the agent's `--mps-tenants`: non-latency, its default, keeps the
 # latency tenants out of MPS; all makes them MPS clients too, with the SM lever), DEADLINE_S (570: a group that would end later is skipped, so that the
@@ -88,6 +101,8 @@ ALL_PAIRS=""
 for l in decoder eager bert; do for n in gemm train stream long; do ALL_PAIRS+="$l:$n "; done; done
 PAIRS=${PAIRS:-$ALL_PAIRS}
 MODES=${MODES:-alone plain mps mps50 vgpu-mps vgpu}
+ROUNDS=${ROUNDS:-3}
+PIN=${PIN:-1}
 PERIODS=${PERIODS:-}
 DEADLINE_S=${DEADLINE_S:-570}
 MPS_TENANTS=${MPS_TENANTS:-non-latency}
@@ -100,8 +115,8 @@ SHM=/dev/shm/vgpu-closed-loop.$$
 export PYTHONUNBUFFERED=1
 
 for m in $MODES; do
-  case "$m" in alone | plain | mps | mps50 | vgpu-mps | vgpu | vgpu-mps-alone | vgpu-alone) ;; *)
-    echo "MODES: unknown mode $m (alone plain mps mps50 vgpu-mps vgpu vgpu-mps-alone vgpu-alone)" >&2
+  case "$m" in alone | plain | mps | mps50 | vgpu-mps | vgpu | vgpu-mps-alone | vgpu-alone | cost | cost-mps) ;; *)
+    echo "MODES: unknown mode $m (alone plain mps mps50 vgpu-mps vgpu vgpu-mps-alone vgpu-alone cost cost-mps)" >&2
     exit 2
     ;;
   esac
@@ -117,7 +132,7 @@ for p in $PAIRS; do
   [[ " ${NBS[*]} " == *" $n "* ]] || NBS+=("$n")
 done
 has_mode() { [[ " $MODES " == *" $1 "* ]]; }
-if has_mode vgpu || has_mode vgpu-mps || has_mode vgpu-alone || has_mode vgpu-mps-alone; then
+if has_mode vgpu || has_mode vgpu-mps || has_mode vgpu-alone || has_mode vgpu-mps-alone || has_mode cost || has_mode cost-mps; then
   for f in vgpu-cp vgpu-agent vgpuctl libvgpu_cuda.so; do
     [ -e "$BIN/$f" ] || { echo "$BIN/$f is missing: build and carry it (VGPU_BIN), or leave the vgpu modes out of MODES" >&2; exit 2; }
   done
@@ -192,14 +207,20 @@ run_group() {
     local args=("$HELPER" "$wl" --name "$id" --schedule "$G/schedule.json" --ready "$G/ready.$id")
     per=$(period_of "$wl")
     [ -n "$per" ] && args+=(--period-ms "$per")
+    local pin=()
+    if [[ " ${LATS[*]} " == *" $wl "* ]]; then
+      [ -n "$LAT_CPUS" ] && pin=(taskset -c "$LAT_CPUS")
+    else
+      [ -n "$NB_CPUS" ] && pin=(taskset -c "$NB_CPUS")
+    fi
     case "$how" in
-    plain) "$PY" "${args[@]}" >"$G/$id.log" 2>&1 & ;;
-    mps) CUDA_MPS_PIPE_DIRECTORY="$MPS_PIPE" "$PY" "${args[@]}" >"$G/$id.log" 2>&1 & ;;
+    plain) "${pin[@]}" "$PY" "${args[@]}" >"$G/$id.log" 2>&1 & ;;
+    mps) CUDA_MPS_PIPE_DIRECTORY="$MPS_PIPE" "${pin[@]}" "$PY" "${args[@]}" >"$G/$id.log" 2>&1 & ;;
     mps50) CUDA_MPS_PIPE_DIRECTORY="$MPS_PIPE" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 \
-      "$PY" "${args[@]}" >"$G/$id.log" 2>&1 & ;;
+      "${pin[@]}" "$PY" "${args[@]}" >"$G/$id.log" 2>&1 & ;;
     vgpu:*)
       tenant=${how#vgpu:}
-      VGPU_LOG="${VGPU_LOG:-2}" "${EXEC[@]}" --tenant "$tenant" -- "$PY" "${args[@]}" >"$G/$id.log" 2>&1 &
+      VGPU_LOG="${VGPU_LOG:-2}" "${pin[@]}" "${EXEC[@]}" --tenant "$tenant" -- "$PY" "${args[@]}" >"$G/$id.log" 2>&1 &
       ;;
     esac
     pid=$!
@@ -279,7 +300,7 @@ except (ValueError, statistics.StatisticsError):
 PYEOF
 )"
   # every window's line of every process, in time order
-  grep -h '^\[[0-9.]*\] [a-z0-9-]*:[a-z-]*:[a-z-]*: ' "$G"/*.log 2>/dev/null | sort -t']' -k1,1 | sed 's/^/    /' >>"$LOGS/run.log"
+  grep -h '^\[[0-9.]*\] [a-z0-9-]*:[a-z0-9-]*:[a-z0-9-]*: ' "$G"/*.log 2>/dev/null | sort -t']' -k1,1 | sed 's/^/    /' >>"$LOGS/run.log"
   return 0
 }
 
@@ -312,15 +333,25 @@ vgpu_up() { # vgpu_up [--mps]: cp once, the agent in the wanted mode, the two te
     for l in "${LATS[@]}"; do
       ctl place "lat-$l" --gpus 0.08 --memory 10GiB --latency 2>&1 | tee -a "$LOGS/run.log"
     done
-    ctl place nb --gpus 0.75 --memory 40GiB --burst 2>&1 | tee -a "$LOGS/run.log"
+    # with the cost modes' best-effort tenant beside, the neighbour's share leaves it room (a
+    # burst tenant alone uses the whole GPU whatever its share)
+    local nb_gpus=0.75
+    if has_mode cost || has_mode cost-mps; then nb_gpus=0.6; fi
+    ctl place nb --gpus "$nb_gpus" --memory 40GiB --burst 2>&1 | tee -a "$LOGS/run.log"
+    if has_mode cost || has_mode cost-mps; then
+      # the latency workloads once more as best effort (burst: alone it may use the whole GPU)
+      ctl place be --gpus 0.08 --memory 20GiB --burst 2>&1 | tee -a "$LOGS/run.log"
+    fi
     PLACED=1
   fi
   local t
-  for t in "${LATS[@]/#/lat-}" nb; do
+  local tenants=("${LATS[@]/#/lat-}" nb)
+  if has_mode cost || has_mode cost-mps; then tenants+=(be); fi
+  for t in "${tenants[@]}"; do
     bounded_wait 15 "tenant $t's private directory ($SHM/tenants/$t/nccl-activity)" \
       test -e "$SHM/tenants/$t/nccl-activity" || return 1
   done
-  for t in "${LATS[@]/#/lat-}" nb; do
+  for t in "${tenants[@]}"; do
     ctl describe tenant "$t" >"$LOGS/describe-$t${1:-}.txt" 2>&1
   done
 }
@@ -336,11 +367,43 @@ if [ "$cmode" != Default ] || [ "$mig" = Enabled ]; then
   log "this needs one GPU in compute mode Default with MIG off (compute mode '$cmode', MIG '$mig'); no setting is changed here, stopping"
   exit 3
 fi
+# PIN: 4 CPUs of the GPU's NUMA node for the latency workloads, 4 others for the neighbours
+LAT_CPUS=""
+NB_CPUS=""
+if [ "$PIN" = 1 ]; then
+  bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader -i 0 2>/dev/null | head -n1 | tr -d ' ' | tr 'A-F' 'a-f')
+  local_list=$(cat "/sys/bus/pci/devices/${bus#0000}/local_cpulist" 2>/dev/null ||
+    cat "/sys/bus/pci/devices/${bus:4}/local_cpulist" 2>/dev/null)
+  # the list (e.g. 0-47,96-143) expanded, the CPUs this script may use
+  cpus=$("$PY" - "$local_list" <<'PYEOF'
+import os, sys
+allowed = os.sched_getaffinity(0)
+cpus = []
+for part in (sys.argv[1] or "").split(","):
+    if "-" in part:
+        a, b = part.split("-")
+        cpus += range(int(a), int(b) + 1)
+    elif part.strip():
+        cpus.append(int(part))
+cpus = [c for c in cpus if c in allowed] or sorted(allowed)
+print(" ".join(map(str, cpus)))
+PYEOF
+)
+  read -ra cpu_arr <<<"$cpus"
+  if [ "${#cpu_arr[@]}" -ge 8 ]; then
+    LAT_CPUS=$(IFS=,; echo "${cpu_arr[*]:0:4}")
+    NB_CPUS=$(IFS=,; echo "${cpu_arr[*]:4:4}")
+  else
+    log "PIN=1: only ${#cpu_arr[@]} CPUs near the GPU ('$local_list'); not pinning"
+  fi
+fi
+log "pinning: latency workloads to CPUs '${LAT_CPUS:-any}', neighbours to '${NB_CPUS:-any}' (PIN=$PIN)"
 n_pairs=$(echo "$PAIRS" | wc -w)
 n_win=0
 has_mode alone && n_win=$((n_win + 2 * ${#LATS[@]} + ${#NBS[@]}))
 for m in plain mps mps50 vgpu-mps vgpu; do has_mode "$m" && n_win=$((n_win + n_pairs)); done
 for m in vgpu-mps-alone vgpu-alone; do has_mode "$m" && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]})); done
+for m in cost cost-mps; do has_mode "$m" && n_win=$((n_win + ROUNDS * (3 * ${#LATS[@]} + 2 * ${#NBS[@]}))); done
 log "plan: $n_win windows of ${WINDOW}s (the vgpu groups' ${VGPU_WINDOW}s) (+${SETTLE}s settle, ${GAP}s gap): ~$(awk -v n="$n_win" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) }')s of windows, plus ~8s per group"
 
 # plain: the alone windows and the plain pairs
@@ -427,11 +490,52 @@ if { has_mode vgpu || has_mode vgpu-alone; } && fits vgpu "$n_pairs" 8; then
     log "vgpu: the control plane or agent did not come up (cp.log, agent.log); mode skipped"
   fi
 fi
+# vgpu's own cost: each workload alone, bare and through vgpu by turns (see the header)
+cost_group() { # cost_group MODE
+  local r w a arms
+  GROUP_PROCS=()
+  GROUP_WINS=()
+  for l in "${LATS[@]}"; do GROUP_PROCS+=("$l-bare $l plain" "$l-vgpu $l vgpu:lat-$l" "$l-be $l vgpu:be"); done
+  for n in "${NBS[@]}"; do GROUP_PROCS+=("$n-bare $n plain" "$n-vgpu $n vgpu:nb"); done
+  for r in $(seq 1 "$ROUNDS"); do
+    for w in "${LATS[@]}" "${NBS[@]}"; do
+      if [[ " ${LATS[*]} " == *" $w "* ]]; then arms="bare vgpu be"; else arms="bare vgpu"; fi
+      # the order flips every round: neither arm is always the one right after the other
+      [ $((r % 2)) = 0 ] && arms=$(echo "$arms" | tr ' ' '\n' | tac | tr '\n' ' ')
+      for a in $arms; do GROUP_WINS+=("$1:r$r-$a:$w=$w-$a"); done
+    done
+  done
+  run_group "$1"
+}
+for m in cost-mps cost; do
+  has_mode "$m" || continue
+  if [ "$m" = cost-mps ]; then
+    EXEC=(env VGPU_AGENT_MPS=true "${EXEC_BASE[@]}")
+    # the vgpu-mps group's agent, when it ran, is the one wanted here
+    if [ "$AGENT_MPS" != 1 ]; then
+      vgpu_up --mps || { log "$m: the control plane or agent did not come up; mode skipped"; continue; }
+    fi
+  else
+    EXEC=(env VGPU_AGENT_MPS=false "${EXEC_BASE[@]}")
+    [ "$AGENT_MPS" = 1 ] && agent_mps_down
+    vgpu_up || { log "$m: the control plane or agent did not come up; mode skipped"; continue; }
+  fi
+  cost_group "$m"
+done
 [ -n "$AGENT" ] && stop_pid "$AGENT"
 [ -n "$CP" ] && stop_pid "$CP"
 
 log "done after ${SECONDS}s"
 echo
-"$PY" "$HELPER" report --logs "$LOGS" --pairs "$PAIRS" --modes "$MODES" --window "$WINDOW" \
-  --vgpu-window "$VGPU_WINDOW"
-exit $?
+rc=0
+matrix_modes=$(for m in $MODES; do case "$m" in cost | cost-mps) ;; *) echo "$m" ;; esac; done | xargs)
+if [ -n "$matrix_modes" ]; then
+  "$PY" "$HELPER" report --logs "$LOGS" --pairs "$PAIRS" --modes "$matrix_modes" --window "$WINDOW" \
+    --vgpu-window "$VGPU_WINDOW"
+  rc=$?
+fi
+if has_mode cost || has_mode cost-mps; then
+  echo
+  "$PY" "$HELPER" cost-report --logs "$LOGS" || [ "$rc" != 0 ] || rc=$?
+fi
+exit "$rc"
