@@ -2,7 +2,7 @@
 //! [`Output`]: the decision for the neighbours, what changed and why, and the latency tenants'
 //! statuses. The rule is in the crate's docs; this file is its bookkeeping.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::ladder::Ladder;
 use crate::tenant::BASELINE_STEPS_MAX;
@@ -171,8 +171,15 @@ pub struct Controller {
     /// had settled on, so that a bursty tenant is protected from its first step on instead of
     /// paying a climb from 0 at every burst.
     resume_level: Option<usize>,
+    /// The latency tenants active in the episode that set `resume_level`: a resume is for
+    /// them only. Another tenant's episode (a new pair, most likely) starts afresh: on an
+    /// H200, bert next to a trainer resumed at the top where a decoder's episode had ended,
+    /// and spent its whole 8 s window relaxing down the ladder with the trainer at 0.17.
+    resume_tenants: BTreeSet<String>,
     /// Whether a latency tenant was active since the last release (an episode is under way).
     in_episode: bool,
+    /// The latency tenants active so far in this episode.
+    episode_tenants: BTreeSet<String>,
     /// Per level (`0..=top`), each tenant's steps measured at it in this episode beside active
     /// neighbours (from the second window of a decision on, none while a lever is released for
     /// a probe): what each level buys against level 0, the floor.
@@ -223,7 +230,9 @@ impl Controller {
             clean_steps: 0,
             known_good: None,
             resume_level: None,
+            resume_tenants: BTreeSet::new(),
             in_episode: false,
+            episode_tenants: BTreeSet::new(),
             measured: vec![BTreeMap::new(); levels],
             dominated: vec![false; levels],
             free_probed: false,
@@ -449,12 +458,26 @@ impl Controller {
         self.in_episode = true;
         // The last episode's level is for this episode's first window beside active
         // neighbours, whatever else that window decides (a resume later, after the level came
-        // down to 0 on its own, would undo what this episode learnt).
+        // down to 0 on its own, would undo what this episode learnt), and only when every
+        // tenant active now was in that episode.
         let resume = if neighbours_active {
-            self.resume_level.take()
+            let same = active
+                .iter()
+                .all(|name| self.resume_tenants.contains(*name));
+            let level = self.resume_level.take();
+            if !same {
+                // What failed beside the other tenant's neighbours says nothing of these.
+                self.floor_failed_last = false;
+            }
+            level.filter(|_| same)
         } else {
             None
         };
+        for name in &active {
+            if !self.episode_tenants.contains(*name) {
+                self.episode_tenants.insert((*name).clone());
+            }
+        }
         if self.ladder.lever(self.level) != Some(Lever::Guard) {
             self.step_period_ns = active
                 .iter()
@@ -886,6 +909,7 @@ impl Controller {
                 (self.level != 0).then(|| self.known_good.unwrap_or(self.level).min(self.level));
             self.floor_failed_last =
                 self.level != 0 && (self.free_worse || self.failures[0].repeats > 0);
+            self.resume_tenants = std::mem::take(&mut self.episode_tenants);
         }
         self.levers = [LeverState::Untried; LEVERS];
         self.failures.fill(Failure::default());

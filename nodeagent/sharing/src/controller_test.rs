@@ -1266,6 +1266,54 @@ fn a_resume_is_for_the_first_window_beside_neighbours_only() {
 }
 
 #[test]
+fn another_tenants_episode_does_not_resume_at_the_level_the_last_one_settled_on() {
+    // "infer" settles at level 2 beside its neighbour, then idles; "other", with a target of
+    // its own, comes next beside a neighbour: a pair of its own, from level 0, no resume.
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(2 * MS);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    assert_eq!(driver.level(), 2);
+    for _ in 0..40 {
+        driver.next("infer", repeat(3, MS), target);
+    }
+    for _ in 0..20 {
+        driver.next("infer", LatencySnapshot::default(), target);
+    }
+    assert_eq!(driver.level(), 0);
+    let mut reasons = Vec::new();
+    for _ in 0..50 {
+        let output = driver.next("other", repeat(3, MS), target);
+        reasons.extend(changed(&output).map(|(_, reason)| reason));
+    }
+    assert_eq!(
+        reasons,
+        Vec::<Reason>::new(),
+        "within its target at 0: nothing to do"
+    );
+    // Its episode ended unrestricted; "infer" back: its own last level is forgotten with it
+    // (the resume is the last episode's, and that was "other"'s, at 0).
+    for _ in 0..20 {
+        driver.next("other", LatencySnapshot::default(), target);
+    }
+    assert_eq!(driver.next("infer", repeat(3, MS), target).change, None);
+    // A resume stays for the same tenant: "infer" settles at 2 again, idles, comes back.
+    driver.next("infer", repeat(3, 3 * MS), target);
+    driver.next("infer", repeat(3, 3 * MS), target);
+    for _ in 0..40 {
+        driver.next("infer", repeat(3, MS), target);
+    }
+    for _ in 0..20 {
+        driver.next("infer", LatencySnapshot::default(), target);
+    }
+    assert_eq!(
+        changed(&driver.next("infer", repeat(3, MS), target))
+            .map(|(to, reason)| (to.level, reason)),
+        Some((2, Reason::Resumed))
+    );
+}
+
+#[test]
 fn a_pair_within_its_target_unrestricted_is_left_unrestricted() {
     // Beside this neighbour the tenant is 10% slower at level 0 than at Exclusive: within the
     // 1.2x target, so no restriction is worth its cost to the neighbour.

@@ -120,7 +120,9 @@
 //!   next one, beside active neighbours, starts at the level the last one settled on (its
 //!   lowest level known to hold, else where it stood), not at 0: a bursty serving tenant is
 //!   protected from the first step of every burst, and the relaxation takes the level down if
-//!   the neighbours now need less.
+//!   the neighbours now need less. Only when every latency tenant active now was active in that
+//!   episode: another tenant is another pair, and starts from 0 (on an H200, bert beside a
+//!   trainer resumed at the top a decoder's episode had ended at, and spent its 8 s relaxing).
 //! - *Idle.* A tenant is idle after four of its usual gaps between steps without one (clamped to
 //!   `idle_min_ns..=idle_max_ns`); with every latency tenant idle, nothing is restricted. Never
 //!   while a latency step is open on the GPU: with one latency tenant, the step is its own; with
