@@ -550,12 +550,16 @@ impl Enforcer {
         counters: &mut elastic::SlotCounters<'_>,
     ) {
         assert!(want > 0);
+        let began = std::time::Instant::now();
         let Some(quiet) = swap::quiesce() else {
             board.board.post_want(board.tenant, want);
             return;
         };
+        let quiet_at = began.elapsed();
         let contexts: Vec<usize> = process.chunk_contexts.iter().copied().collect();
-        if !devices.drain(&contexts) {
+        let drained = devices.drain(&contexts);
+        let drained_at = began.elapsed();
+        if !drained {
             drop(quiet);
             board.board.post_want(board.tenant, want);
             crate::log::error(format_args!(
@@ -569,6 +573,7 @@ impl Enforcer {
             return;
         }
         let given = process.chunks[device].give_back(want, backing, counters);
+        let moved_at = began.elapsed();
         // Published before new launches may enter again (`quiet` dropped below).
         swap::publish(&process.chunks);
         drop(quiet);
@@ -576,13 +581,19 @@ impl Enforcer {
             // The rest is for the tenant's other processes.
             board.board.post_want(board.tenant, want - given);
         }
+        // Each phase's time, so that a slow reclaim says where its time went.
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         crate::log::error(format_args!(
             "other tenants asked tenant {} for {} of the GPU's memory back: {} of this \
              process's borrowed memory went to host memory after its queued work finished (it \
-             comes back when the GPU has room; its launches and copies wait until then)",
+             comes back when the GPU has room; its launches and copies wait until then); \
+             quiet after {:.1} ms, drained after {:.1} ms more, moved in {:.1} ms more",
             self.config.tenant,
             human(want),
-            human(given)
+            human(given),
+            ms(quiet_at),
+            ms(drained_at - quiet_at),
+            ms(moved_at - drained_at),
         ));
     }
 
