@@ -237,6 +237,9 @@ def run_latency(step, windows, args):
             "period_ms": args.period_ms,
             "overruns": gaps,
             "p99_per_second_ms": [pick(seconds[k], 0.99) for k in sorted(seconds)],
+            # the window's second half: a pair that stays together longer than the controller
+            # takes to learn it (the verdict stays on the whole window)
+            "p99_late_ms": pick([ms for ms, at in samples if at >= args.window / 2], 0.99),
             "late_s": round(late, 3),
         }
         results[w["tag"]] = r
@@ -315,15 +318,17 @@ def run_neighbour(torch, chunk, work, unit, windows, args):
         sleep_until(begin)
         pending = deque()
         counted = 0
+        counted_late = 0
         lengths = []
 
         def retire():
-            nonlocal counted
+            nonlocal counted, counted_late
             ev0, ev1 = pending.popleft()
             ev1.synchronize()
             t = time.monotonic()
             if start < t <= end:
                 counted += 1
+                counted_late += t > start + args.window / 2
                 lengths.append(ev0.elapsed_time(ev1))
 
         while time.monotonic() < end:
@@ -339,6 +344,7 @@ def run_neighbour(torch, chunk, work, unit, windows, args):
             retire()
         r = {
             "work_per_s": round(counted * work / args.window, 2),
+            "work_per_s_late": round(counted_late * work / (args.window / 2), 2),
             "unit": unit,
             "chunks": counted,
             "chunk_ms_p50": pick(lengths, 0.5),
@@ -474,7 +480,8 @@ def read_windows(logs):
     problems = []
     for group in sorted(os.listdir(logs)):
         folder = os.path.join(logs, group)
-        if not os.path.isdir(folder):
+        # the MPS daemons' own logs (mps-log, agent-mps-log) are no workload's
+        if not os.path.isdir(folder) or group.endswith("mps-log"):
             continue
         for name in sorted(os.listdir(folder)):
             if not name.endswith(".log"):
@@ -655,14 +662,19 @@ def report(args):
         f"that also kept p99 <= {limit}x",
         "machine: " + ("; ".join(sorted(machine)) or "unknown"),
         "",
-        "| latency | neighbour | mode | p50 ms | p99 ms | p99 / alone | neighbour work | unit | work / alone | verdict |",
-        "| --- | --- | --- | --: | --: | --: | --: | --- | --: | --- |",
+        "| latency | neighbour | mode | p50 ms | p99 ms | p99 / alone | neighbour work | unit | work / alone | 2nd half: p99 / work | verdict |",
+        "| --- | --- | --- | --: | --: | --: | --: | --- | --: | --: | --- |",
     ]
     for l, n, m, lw, nw, pr, wr, verdict in rows:
         lw, nw = lw or {}, nw or {}
+        # the window's second half against the same alone figures: what a pair that stays
+        # together past the controller's learning gets (informative; the verdict is the window's)
+        late_pr = ratio(lw.get("p99_late_ms"), alone_p99.get(l)) if l != "-" else None
+        late_wr = ratio(nw.get("work_per_s_late"), alone_work.get(n)) if n != "-" else None
+        late = "-" if late_pr is None and late_wr is None else f"{f(late_pr, 2)} / {f(late_wr, 2)}"
         table.append(
             f"| {l} | {n} | {m} | {f(lw.get('p50_ms'))} | {f(lw.get('p99_ms'))} | {f(pr, 2)} | "
-            f"{f(nw.get('work_per_s'), 1)} | {nw.get('unit', '')} | {f(wr, 2)} | {verdict} |"
+            f"{f(nw.get('work_per_s'), 1)} | {nw.get('unit', '')} | {f(wr, 2)} | {late} | {verdict} |"
         )
         tsv.append("\t".join(f(v) if not isinstance(v, str) else v for v in (
             l, n, m, lw.get("steps"), lw.get("p50_ms"), lw.get("p99_ms"), lw.get("p999_ms"), lw.get("max_ms"),
