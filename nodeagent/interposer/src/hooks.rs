@@ -651,9 +651,9 @@ impl Enforcer {
     }
 
     /// An allocation within the request that the board refused because others borrowed the
-    /// memory (`VGPU_MEMORY_SWAP=1`): asks the borrowers the reclaim planner picks for the rest
-    /// of the tenant's request (`tenant_abi::reclaim::plan_for_request`, wants on the board) and
-    /// waits, bounded, until they gave this allocation's room back. Whether it was granted (then it is reserved on the board).
+    /// memory (`VGPU_MEMORY_SWAP=1`): asks the borrowers the reclaim planner picks for it
+    /// (`tenant_abi::reclaim::plan`, wants on the board) and waits, bounded, until they gave it
+    /// back. Whether it was granted (then it is reserved on the board).
     fn reclaimed(
         &self,
         board: &DeviceBoard,
@@ -665,7 +665,7 @@ impl Enforcer {
             return false;
         }
         let region = board.board.region;
-        let asks = match tenant_abi::reclaim::plan_for_request(
+        let asks = match tenant_abi::reclaim::plan(
             &region.holders(),
             &self.config.tenant,
             bytes,
