@@ -34,8 +34,9 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::SeqCst};
 
 /// `VGPUBRD1`, little-endian: written last when a board is initialised.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUBRD1");
-/// Bumped on any layout change; a process refuses a board of another version.
-pub const VERSION: u32 = 1;
+/// Bumped on any layout change; a process refuses a board of another version. Version 2 added
+/// the tenants' claims (`Tenant::claim_bytes`, `Tenant::claim_until_ns`).
+pub const VERSION: u32 = 2;
 /// Tenants one GPU's board describes at once.
 pub const TENANTS: usize = 64;
 /// Process slots per GPU: the most processes of all tenants on one GPU alive at once.
@@ -44,6 +45,9 @@ pub const SLOTS: usize = 512;
 pub const NAME_BYTES: usize = 64;
 /// A tenant entry's flag: its request is guaranteed (never overbooked by placement).
 pub const GUARANTEED: u32 = 1;
+/// How long a claim lasts after the claiming tenant last allocated within its request (see
+/// [`Board::claim`]): as long as a tenant waits for a reclaim (the interposer's bound on it).
+pub const CLAIM_LAPSE_NS: u64 = 5_000_000_000;
 
 #[repr(C)]
 pub struct Header {
@@ -73,6 +77,10 @@ pub struct Tenant {
     pub want_bytes: AtomicU64,
     /// Counts every want posted, so a borrower notices one with one load.
     pub want_epoch: AtomicU64,
+    /// Room held for this tenant's request after it asked borrowers for memory back (see
+    /// [`Board::claim`]), and until when (CLOCK_MONOTONIC ns; 0: no claim).
+    pub claim_bytes: AtomicU64,
+    pub claim_until_ns: AtomicU64,
 }
 
 /// One process's memory on the GPU.
@@ -95,7 +103,7 @@ pub struct Region {
 }
 
 /// The file size; part of the on-disk format (checked so a field change bumps `VERSION`).
-pub const REGION_BYTES: usize = 32 + TENANTS * 112 + SLOTS * 32;
+pub const REGION_BYTES: usize = 32 + TENANTS * 128 + SLOTS * 32;
 const _: () = assert!(std::mem::size_of::<Region>() == REGION_BYTES);
 const _: () = assert!(std::mem::align_of::<Region>() == 8);
 
@@ -163,6 +171,8 @@ impl Region {
             limit_bytes: AtomicU64::new(0),
             want_bytes: AtomicU64::new(0),
             want_epoch: AtomicU64::new(0),
+            claim_bytes: AtomicU64::new(0),
+            claim_until_ns: AtomicU64::new(0),
         };
         let slot = || Slot {
             pid: AtomicU32::new(0),
@@ -265,6 +275,7 @@ impl Region {
         let entry = &self.tenants[index];
         entry.present.store(0, SeqCst);
         entry.want_bytes.store(0, SeqCst);
+        entry.claim_until_ns.store(0, SeqCst);
         true
     }
 
@@ -335,6 +346,34 @@ impl Region {
     /// a new borrow) takes the room the borrowers make, and waits for this.
     pub fn fits(&self) -> bool {
         self.resident_total() <= self.capacity()
+    }
+
+    /// The room claims of tenants other than `tenant` hold at `now_ns`: for each live claim,
+    /// what is left of it within the claimer's request (`min(claim, request - held)`: it shrinks
+    /// as the claimer allocates). Borrowing and swapping in leave this much free (see
+    /// [`Board::claim`]).
+    pub fn claimed_by_others(&self, tenant: usize, now_ns: u64) -> u64 {
+        (0..TENANTS)
+            .filter(|&i| i != tenant && self.tenants[i].present.load(SeqCst) == 1)
+            .filter(|&i| self.tenants[i].claim_until_ns.load(SeqCst) > now_ns)
+            .map(|i| {
+                let entry = &self.tenants[i];
+                let (held, _) = self.sums(i as u32);
+                entry
+                    .claim_bytes
+                    .load(SeqCst)
+                    .min(entry.request_bytes.load(SeqCst).saturating_sub(held))
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Whether `bytes` more fit for the tenant at `tenant` beside what every slot holds and what
+    /// others' claims hold (a borrower's swap-in or new borrow at `now_ns`).
+    pub fn room_beside_claims(&self, tenant: usize, bytes: u64, now_ns: u64) -> bool {
+        self.resident_total()
+            .saturating_add(self.claimed_by_others(tenant, now_ns))
+            .saturating_add(bytes)
+            <= self.capacity()
     }
 
     /// The tenants as the reclaim planner sees them.
@@ -539,6 +578,30 @@ impl<'r, L: Liveness> Board<'r, L> {
     fn credit(&self, counter: &AtomicU64, bytes: u64) {
         let update = counter.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_sub(bytes)));
         debug_assert!(update.unwrap_or_else(|v| v) >= bytes, "credited past zero");
+    }
+
+    /// The tenant at `tenant` asked borrowers for `bytes` of its request back at `now_ns`: that
+    /// much room is held for it until [`CLAIM_LAPSE_NS`] after the last allocation within its
+    /// request ([`Board::refresh_claim`]), shrinking as it allocates, so that borrowers do not
+    /// take back at once the memory they gave (on the fake driver a want of 7.35 GiB moved 8,
+    /// then 4, 3 and 2 GiB in four rounds, the borrower swapping the rest straight back in). A
+    /// hold, not a reservation: a tenant within its own request allocates past it, and the
+    /// capacity alone bounds what is resident.
+    pub fn claim(&self, tenant: usize, bytes: u64, now_ns: u64) {
+        let entry = &self.region.tenants[tenant];
+        entry.claim_bytes.store(bytes, SeqCst);
+        entry
+            .claim_until_ns
+            .fetch_max(now_ns.saturating_add(CLAIM_LAPSE_NS), SeqCst);
+    }
+
+    /// The tenant at `tenant` allocated within its request at `now_ns`: a live claim of it lasts
+    /// [`CLAIM_LAPSE_NS`] from now.
+    pub fn refresh_claim(&self, tenant: usize, now_ns: u64) {
+        let until = &self.region.tenants[tenant].claim_until_ns;
+        let _ = until.fetch_update(SeqCst, SeqCst, |u| {
+            (u > now_ns).then(|| u.max(now_ns.saturating_add(CLAIM_LAPSE_NS)))
+        });
     }
 
     /// A needy tenant asks the tenant at `tenant` for `bytes` back; returns the new epoch.

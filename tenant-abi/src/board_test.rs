@@ -324,3 +324,48 @@ fn a_pending_charge_keeps_the_room_a_reclaim_makes_for_the_needy() {
     board.release(sb, 30 * GIB);
     assert!(board.swap_in(sa, 10 * GIB));
 }
+
+/// A claim holds the room a needy tenant asked for: others' swap-ins and borrows see it taken
+/// until it lapses, it shrinks as the claimer allocates, and it never holds back the claimer.
+#[test]
+fn a_claim_holds_the_room_for_the_claimers_request_until_it_lapses() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[10, 20]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(10, 1, a).unwrap();
+    let sb = board.claim_slot(20, 1, b).unwrap();
+    // "a" borrowed 30 GiB; "b" holds 2 GiB and asks for the 28 of its request left.
+    assert_eq!(board.reserve(sa, 60 * GIB), Ok(Grant::Borrowed));
+    assert_eq!(board.reserve(sb, 2 * GIB), Ok(Grant::Within));
+    let now = 1_000_000_000;
+    board.claim(b, 28 * GIB, now);
+    assert_eq!(region.claimed_by_others(a, now), 28 * GIB);
+    assert_eq!(region.claimed_by_others(b, now), 0, "not against itself");
+    // "a" gives 10 GiB back: free, but held for "b".
+    board.swapped_out(sa, 10 * GIB);
+    assert_eq!(region.free(), 28 * GIB);
+    assert!(!region.room_beside_claims(a, GIB, now));
+    assert!(region.room_beside_claims(b, 28 * GIB, now));
+    // "b" takes 8 of it: the claim shrinks to the 20 it may still take.
+    assert_eq!(board.reserve(sb, 8 * GIB), Ok(Grant::Within));
+    assert_eq!(region.claimed_by_others(a, now), 20 * GIB);
+    // A refresh while it lives carries it on; past its end it has lapsed for good.
+    let later = now + CLAIM_LAPSE_NS - 1;
+    board.refresh_claim(b, later);
+    assert_eq!(region.claimed_by_others(a, later + 1), 20 * GIB);
+    let lapsed = later + CLAIM_LAPSE_NS;
+    assert_eq!(region.claimed_by_others(a, lapsed), 0);
+    board.refresh_claim(b, lapsed);
+    assert_eq!(
+        region.claimed_by_others(a, lapsed),
+        0,
+        "a lapsed claim stays lapsed"
+    );
+    assert!(region.room_beside_claims(a, 10 * GIB, lapsed));
+    assert!(board.swap_in(sa, 10 * GIB));
+    // A tenant that left holds nothing.
+    board.claim(b, 28 * GIB, lapsed);
+    assert!(region.remove_tenant("b"));
+    assert_eq!(region.claimed_by_others(a, lapsed), 0);
+}

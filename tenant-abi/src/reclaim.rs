@@ -10,6 +10,14 @@
 //! 2. Lower priority gives first; at equal priority, preemptible before guaranteed; then the
 //!    tenant that borrowed the most; then the name, so that every process plans the same.
 //! 3. Each borrower is asked for at most what it borrowed, and in all just the shortfall.
+//! 4. What is short is the rest of the needy tenant's request, not one allocation's piece
+//!    ([`plan_for_request`]): a tenant that allocates within its request against borrowed memory
+//!    is growing into it, and its request is guaranteed. Asking one piece at a time made every
+//!    piece a whole reclaim round at the borrower (its next launch, a drain, pinned staging, the
+//!    copy): on an H200, PyTorch taking its 27 GiB request back in pieces paid six rounds, 4.07 s
+//!    for 6 GiB that the copy engines move in 0.14 s. The room the borrowers make is held for
+//!    the tenant (`board::Board::claim`) until a while after it last allocated within its
+//!    request, and is free to borrow again after that.
 //!
 //! A need that the request does not cover (the tenant asks past its request) is no reclaim: it
 //! borrows only what is free, like everyone else.
@@ -95,6 +103,21 @@ pub fn plan(
     Ok(asks)
 }
 
+/// [`plan`] for what `needy` is owed: room for `bytes` now, and for the rest of its request
+/// with it (rule 4).
+pub fn plan_for_request(
+    holders: &[Holder],
+    needy: &str,
+    bytes: u64,
+    free: u64,
+) -> Result<Vec<(String, u64)>, NoReclaim> {
+    let rest = holders
+        .iter()
+        .find(|h| h.name == needy)
+        .map_or(0, |h| h.request.saturating_sub(h.resident));
+    plan(holders, needy, bytes.max(rest), free)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,6 +133,28 @@ mod tests {
             priority,
             guaranteed,
         }
+    }
+
+    #[test]
+    fn a_piece_within_the_request_asks_for_the_rest_of_the_request_at_once() {
+        // "b" (request 30) holds 3 and allocates 1 GiB pieces with 1 free: asked for the 26 it
+        // is owed beyond what is free, in one want, not 0 now and another at every piece.
+        let holders = [
+            holder("a", 30 * GIB, 57 * GIB, 0, false),
+            holder("b", 30 * GIB, 3 * GIB, 0, true),
+        ];
+        assert_eq!(
+            plan_for_request(&holders, "b", GIB, GIB),
+            Ok(vec![("a".to_owned(), 26 * GIB)])
+        );
+        // A piece larger than the rest of the request is past it: no reclaim, as with `plan`.
+        assert!(matches!(
+            plan_for_request(&holders, "b", 28 * GIB, GIB),
+            Err(NoReclaim::PastRequest { .. })
+        ));
+        // Nothing borrowed to give: nothing asked.
+        let holders = [holder("b", 30 * GIB, 3 * GIB, 0, true)];
+        assert_eq!(plan_for_request(&holders, "b", GIB, 0), Ok(vec![]));
     }
 
     #[test]

@@ -83,7 +83,13 @@ impl crate::swap::Counters for SlotCounters<'_> {
     fn swap_in(&mut self, bytes: u64) -> bool {
         // Looked at first, so that a process retrying while the GPU is full does not count its
         // bytes resident for an instant at every try (others and the agent would see it).
-        self.board.board.region.free() >= bytes && self.board.board.swap_in(self.slot, bytes)
+        // Nor while other tenants' claims hold the room (`Board::claim`): the memory this
+        // tenant gave back is theirs for a while.
+        self.board.board.region.room_beside_claims(
+            self.board.tenant,
+            bytes,
+            crate::shm::monotonic_ns(),
+        ) && self.board.board.swap_in(self.slot, bytes)
     }
 
     fn swap_in_failed(&mut self, bytes: u64) {
@@ -94,6 +100,8 @@ impl crate::swap::Counters for SlotCounters<'_> {
 /// How long a tenant allocating within its request waits for the borrowers it asked to give the
 /// memory back: their next hook call, then copies at tens of GB/s (`VGPU_MEMORY_SWAP=1`).
 pub const RECLAIM_WAIT_MAX_MS: u64 = 5_000;
+// A claim outlasts the wait it was made in (`tenant_abi::board::CLAIM_LAPSE_NS`).
+const _: () = assert!(tenant_abi::board::CLAIM_LAPSE_NS >= RECLAIM_WAIT_MAX_MS * 1_000_000);
 
 /// Polls `granted` every millisecond for at most [`RECLAIM_WAIT_MAX_MS`]; whether it said yes.
 pub fn wait_for_room(mut granted: impl FnMut() -> bool) -> bool {

@@ -385,6 +385,12 @@ impl Enforcer {
         device: usize,
         (bytes, overhead_bytes): (u64, u64),
     ) -> Admission {
+        if let Some((board, _)) = board_slot {
+            // Growing within the request: a room claim of this tenant lasts on.
+            board
+                .board
+                .refresh_claim(board.tenant, crate::shm::monotonic_ns());
+        }
         if let Some((board, board_slot)) = board_slot
             && let Err(why) = board.board.reserve(board_slot, bytes)
             && !self.reclaimed(board, board_slot, bytes, why)
@@ -461,6 +467,23 @@ impl Enforcer {
             ));
             return Admission::Refused;
         }
+        // Room another tenant's request holds after a reclaim is not lent again (`Board::claim`);
+        // a GPU full without claims is the board's refusal below.
+        let region = board.board.region;
+        if region.resident_total().saturating_add(charged) <= region.capacity()
+            && !region.room_beside_claims(board.tenant, charged, crate::shm::monotonic_ns())
+        {
+            ledger.release(slot, device, overhead_bytes);
+            crate::log::error(format_args!(
+                "refused {} on device {device}: it is past tenant {tenant}'s request ({}), and \
+                 the memory the GPU has free is held for other tenants' requests, which they \
+                 took back from borrowers moments ago; allocate within the request, or try again \
+                 later (out of memory)",
+                human(bytes),
+                human(request)
+            ));
+            return Admission::Refused;
+        }
         match board.board.reserve(board_slot, charged) {
             Ok(_) => {
                 ledger.charge(slot, device, charged);
@@ -531,8 +554,8 @@ impl Enforcer {
                 &mut backing,
                 &mut counters,
             );
-        }
-        if process.chunks[device].held() {
+        } else if process.chunks[device].held() {
+            // Not in the call that gave chunks back: that room is the needy tenant's.
             process.chunks[device].take_back(&mut backing, &mut counters);
         }
         swap::publish(&process.chunks);
@@ -665,8 +688,15 @@ impl Enforcer {
             return false;
         }
         let region = board.board.region;
-        let asks = match tenant_abi::reclaim::plan(
-            &region.holders(),
+        let holders = region.holders();
+        // The rest of the request is asked for at once and held for this tenant (rule 4 of
+        // `tenant_abi::reclaim`, `Board::claim`): one round at the borrowers, not one per piece.
+        let rest = holders
+            .iter()
+            .find(|h| h.name == self.config.tenant)
+            .map_or(0, |h| h.request.saturating_sub(h.resident));
+        let asks = match tenant_abi::reclaim::plan_for_request(
+            &holders,
             &self.config.tenant,
             bytes,
             region.free(),
@@ -677,6 +707,11 @@ impl Enforcer {
                 return false;
             }
         };
+        if !asks.is_empty() {
+            board
+                .board
+                .claim(board.tenant, rest.max(bytes), crate::shm::monotonic_ns());
+        }
         for (name, asked) in &asks {
             if let Some(index) = region.find(name) {
                 board.board.post_want(index, *asked);

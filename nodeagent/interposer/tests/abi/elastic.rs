@@ -358,6 +358,44 @@ fn a_borrowed_chunk_goes_to_host_memory_for_a_request_and_comes_back_intact() {
     assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
 }
 
+/// A request taken back piece by piece costs the borrower one round, not one per piece: the
+/// first piece that does not fit asks for the rest of the request and holds that room for it
+/// (`Board::claim`), so the borrower neither gives back in two rounds nor swaps the second
+/// chunk straight back in.
+#[test]
+fn a_request_taken_back_in_pieces_costs_the_borrower_one_round() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        12 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    // "a" fills the GPU: 4 MiB within its request, two borrowed chunks of 4 MiB.
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 4M alloc 4M touch {} spin_info {}",
+        file("a-ready"),
+        file("b-done")
+    ));
+    a.wait_for_line("touch 0");
+    assert_eq!(usage(&board, "a").borrowed_bytes(), 8 * MIB);
+    // "b" takes its 8 MiB in two pieces.
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} alloc 4M alloc 4M touch {}",
+        file("a-ready"),
+        file("b-done")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\nalloc 0\ntouch 0\n");
+    a.wait_held();
+    let a_now = usage(&board, "a");
+    assert_eq!(
+        (a_now.resident_bytes, a_now.swapped_bytes),
+        (4 * MIB, 8 * MIB)
+    );
+    let err = stderr_of(a);
+    assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
+}
+
 /// A chunk freed while it is in host memory: its staging and range go, and the board credits
 /// the tenant's swapped bytes.
 #[test]
