@@ -93,6 +93,10 @@ def request(wanted, ready=None, stop=None, wait_s=0.0):
         error = str(e).splitlines()[0]
     torch.cuda.synchronize()
     result["seconds"] = round(time.monotonic() - began, 3)
+    # when the allocation ran (CLOCK_MONOTONIC, as closed_loop.py's windows): a latency tenant's
+    # seconds during the reclaim are told from the others by these
+    result["t_begin"] = round(began, 3)
+    result["t_end"] = round(time.monotonic(), 3)
     result["granted_bytes"] = sum(t.numel() for t in held)
     result["oom"] = error is not None
     result["error"] = error

@@ -31,6 +31,13 @@
 # the reclaim time (the second's allocation) against the bytes swapped / 45 GB/s.
 #
 #   RECLAIM=1 VGPU_BIN=dist tests/gpu/elastic_memory.sh
+#
+# LATENCY=1 (with RECLAIM=1): a guaranteed latency tenant beside the swap (issue 17's third
+# check). Tenant `lat` (`--latency`, 0.1 of the GPU, 4 GiB) runs tests/gpu/closed_loop.py's
+# decoder step (a CUDA graph, ~1 ms, every 3 ms), warmed up before the first grows; one window
+# of LAT_WINDOW seconds (25) starts a few seconds before the second allocates and ends after its
+# memory is back. The table compares the decoder's p99 in the seconds the second's allocation
+# ran (the reclaim: a drain, copies to host) with its seconds before.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -51,6 +58,8 @@ AGENT_MPS=0
 GIB=$((1 << 30))
 RESULTS="$LOGS/results.tsv"
 RECLAIM=${RECLAIM:-0}
+LATENCY=${LATENCY:-0}
+LAT_WINDOW=${LAT_WINDOW:-25}
 # The tenants' VGPU_MEMORY_SWAP: on for the second scenario only.
 SWAP=$([ "$RECLAIM" = 1 ] && echo 1 || echo 0)
 : >"$RESULTS"
@@ -147,6 +156,28 @@ gpu_of() { "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["slices
 gpu_a=$(gpu_of grower)
 gpu_b=$(gpu_of needy)
 record "both tenants on one GPU" "same uuid" "$gpu_a / $gpu_b" "$(verdict $([ "$gpu_a" = "$gpu_b" ] && echo 1))"
+if [ "$LATENCY" = 1 ]; then
+  # the latency tenant, warm and resident before the first grows (its memory counts as used)
+  timeout 60 "$BIN/vgpuctl" --insecure --endpoints "$EP" place lat --gpus 0.1 --memory 4GiB --latency 2>&1 |
+    tee -a "$LOGS/run.log"
+  bounded_wait 30 "tenant lat placed on the node" test -f "$WORK/agent/tenants/lat.json" || exit 1
+  VGPU_LOG=2 timeout 600 "$BIN/vgpu-agent" exec --tenant lat --name gpu-node --state-dir "$WORK/agent" \
+    --interposer "$BIN/libvgpu_cuda.so" -- "$PY" "$ROOT/tests/gpu/closed_loop.py" decoder --name decoder \
+    --schedule "$WORK/lat-schedule.json" --ready "$WORK/lat-ready" >"$LOGS/latency.log" 2>&1 &
+  lat_pid=$!
+  PIDS+=($lat_pid)
+  lat_warm() { [ -e "$WORK/lat-ready" ] || exited "$lat_pid"; }
+  bounded_wait 180 "the latency tenant to warm up" lat_warm
+  [ -e "$WORK/lat-ready" ] || { log "the latency tenant did not warm up; its log ends:"; tail -n 5 "$LOGS/latency.log"; exit 1; }
+  if [ "$RECLAIM" = 1 ]; then
+    # what the GPU has free now that the latency tenant holds its memory
+    used_mib=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 | head -n1 | tr -d ' ')
+    free_now=$((total - ${used_mib:-0} * (1 << 20)))
+    target=$(((free_now - (request - GIB) + 4 * GIB) / GIB * GIB))
+    [ "$target" -le $((limit - GIB)) ] || target=$((limit - GIB))
+    log "LATENCY=1: the latency tenant is warm; $(gib "$free_now") free, the first tenant grows to $(gib $target)"
+  fi
+fi
 board="$SHM/tenants/grower/$gpu_a.memory"
 board_linked() { [ -f "$board" ]; }
 bounded_wait 10 "the board linked into the tenant's directory" board_linked
@@ -174,6 +205,12 @@ if [ "$RECLAIM" = 1 ]; then
   free_before=$((total - ${used_mib:-0} * (1 << 20)))
   record "the second's request does not fit in what the GPU has free" "< $(gib $((request - GIB)))" \
     "$(gib "$free_before") free" "$(verdict $([ "$free_before" -lt $((request - GIB)) ] && echo 1))"
+  if [ "$LATENCY" = 1 ]; then
+    # the latency tenant's window: a few seconds before the second starts, to its end
+    "$PY" "$ROOT/tests/gpu/closed_loop.py" schedule --out "$WORK/lat-schedule.json" --window "$LAT_WINDOW" \
+      --settle 0.75 --gap 0.25 "reclaim=decoder" >>"$LOGS/run.log"
+    sleep 6
+  fi
   # It holds its memory until told, so that the first's swapped bytes can be read meanwhile.
   run_tenant needy needy 300 -- request $((request - GIB)) "$WORK/needy-ready" "$WORK/needy-stop" 120
   needy_pid=$!
@@ -269,6 +306,37 @@ else
 fi
 [ "$RECLAIM" = 1 ] || record "the second allocates its request (no swap: granted if free, else a clear refusal)" \
   "granted, or refused with a line" "$outcome" "$(verdict "$ok")"
+if [ "$LATENCY" = 1 ]; then
+  lat_done() { exited "$lat_pid"; }
+  bounded_wait $((LAT_WINDOW + 60)) "the latency tenant's window to end" lat_done
+  # its per-second p99s, split at the seconds the second's allocation (the reclaim) ran
+  lat_row=$("$PY" - "$LOGS/latency.log" "$WORK/lat-schedule.json" "$n" <<'PYEOF'
+import json, math, statistics, sys
+def result(path):
+    lines = [l for l in open(path, errors="replace") if l.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT "):]) if lines else {}
+window = result(sys.argv[1]).get("windows", {}).get("reclaim", {})
+start = json.load(open(sys.argv[2]))["windows"][0]["start"]
+needy = result(sys.argv[3])
+seconds = window.get("p99_per_second_ms", [])
+if not seconds or "t_begin" not in needy:
+    print("- - - no data")
+    sys.exit()
+first, last = math.floor(needy["t_begin"] - start), math.ceil(needy["t_end"] - start)
+before = [p for i, p in enumerate(seconds) if i < first]
+during = [p for i, p in enumerate(seconds) if first <= i < last]
+if not before or not during:
+    print(f"- - - the reclaim ran in seconds {first}..{last} of {len(seconds)}")
+    sys.exit()
+b, d = statistics.median(before), max(during)
+print(f"{d / b:.2f} {d:.3f} {b:.3f} seconds {first}..{last} of {len(seconds)}, window p99 {window.get('p99_ms')} ms")
+PYEOF
+)
+  read -r lat_ratio lat_during lat_before lat_note <<<"$lat_row"
+  record "the latency tenant's p99 while the reclaim ran (worst second) against before (median second)" "<= 1.2x" \
+    "$lat_during ms against $lat_before ms (${lat_ratio}x; $lat_note)" \
+    "$(verdict $("$PY" -c 'import sys; print(1 if sys.argv[1] != "-" and float(sys.argv[1]) <= 1.2 else 0)' "$lat_ratio"))"
+fi
 sums=$(field "$g" checksums_ok)
 record "the first tenant's tensors kept their checksums" "True" "$sums" "$(verdict $([ "$sums" = True ] && echo 1))"
 record "resident after both exited (describe)" "0/0" "$resident_after" "$(verdict $([ "$resident_after" = 0/0 ] && echo 1))"
