@@ -387,14 +387,20 @@ impl Enforcer {
     ) -> Admission {
         if let Some((board, board_slot)) = board_slot
             && let Err(why) = board.board.reserve(board_slot, bytes)
-            && !self.reclaimed(board, board_slot, bytes, why)
         {
-            ledger.release(slot, device, bytes.saturating_add(overhead_bytes));
-            crate::log::error(format_args!(
-                "{}",
-                elastic::within_request_refused(&human(bytes), device, &self.config.tenant, why)
-            ));
-            return Admission::Refused;
+            let waited = self.reclaimed(board, board_slot, bytes, why);
+            if waited != Some(elastic::Waited::Room) {
+                ledger.release(slot, device, bytes.saturating_add(overhead_bytes));
+                let tenant = &self.config.tenant;
+                let line = match waited {
+                    Some(elastic::Waited::SwapSpaceFull) => {
+                        elastic::swap_space_full(&human(bytes), device, tenant)
+                    }
+                    _ => elastic::within_request_refused(&human(bytes), device, tenant, why),
+                };
+                crate::log::error(format_args!("{line}"));
+                return Admission::Refused;
+            }
         }
         process.overhead_charged[device] |= overhead_bytes > 0;
         Admission::Charged(Ticket {
@@ -572,14 +578,32 @@ impl Enforcer {
             ));
             return;
         }
-        let given = process.chunks[device].give_back(want, backing, counters);
+        let given_back = process.chunks[device].give_back(want, backing, counters);
+        let given = given_back.bytes;
         let moved_at = began.elapsed();
         // Published before new launches may enter again (`quiet` dropped below).
         swap::publish(&process.chunks);
         drop(quiet);
-        if given < want {
+        if given_back.refused_for_staging > 0 {
+            // The staging budget is per GPU, so the tenant's other processes would be refused
+            // too: the want is dropped, and the tenant waiting for it is told (`reclaimed`).
+            board.board.swap_refused();
+            let region = board.board.region;
+            crate::log::error(format_args!(
+                "{}",
+                elastic::staging_refused(
+                    &self.config.tenant,
+                    given_back.refused_for_staging,
+                    region.staging_budget(),
+                    region.staging_total()
+                )
+            ));
+        } else if given < want {
             // The rest is for the tenant's other processes.
             board.board.post_want(board.tenant, want - given);
+        }
+        if given == 0 {
+            return;
         }
         // Each phase's time, so that a slow reclaim says where its time went.
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
@@ -653,16 +677,18 @@ impl Enforcer {
     /// An allocation within the request that the board refused because others borrowed the
     /// memory (`VGPU_MEMORY_SWAP=1`): asks the borrowers the reclaim planner picks for the rest
     /// of the tenant's request (`tenant_abi::reclaim::plan_for_request`, wants on the board) and
-    /// waits, bounded, until they gave this allocation's room back. Whether it was granted (then it is reserved on the board).
+    /// waits, bounded, until they gave this allocation's room back, or a borrower says the
+    /// node's swap space is full. `None`: no reclaim was tried; `Some(Waited::Room)`: granted
+    /// (then it is reserved on the board).
     fn reclaimed(
         &self,
         board: &DeviceBoard,
         board_slot: usize,
         bytes: u64,
         why: tenant_abi::board::Refusal,
-    ) -> bool {
+    ) -> Option<elastic::Waited> {
         if !self.swap_on() || !matches!(why, tenant_abi::board::Refusal::NeedsReclaim { .. }) {
-            return false;
+            return None;
         }
         let region = board.board.region;
         let asks = match tenant_abi::reclaim::plan_for_request(
@@ -674,9 +700,11 @@ impl Enforcer {
             Ok(asks) => asks,
             Err(e) => {
                 crate::log::error(format_args!("no reclaim: {e}"));
-                return false;
+                return None;
             }
         };
+        // Read before the wants go out: a borrower refused staging for them counts after.
+        let refusals = region.swap_refusals();
         for (name, asked) in &asks {
             if let Some(index) = region.find(name) {
                 board.board.post_want(index, *asked);
@@ -686,9 +714,12 @@ impl Enforcer {
         // tenant's: a borrower swapping back in, or a new borrow, sees the GPU full until then.
         // The process's other threads wait for its state meanwhile (bounded, like this wait).
         board.board.charge(board_slot, bytes);
-        let granted = elastic::wait_for_room(|| region.fits());
-        if !granted {
+        let waited =
+            elastic::wait_for_room(|| region.fits(), || region.swap_refusals() != refusals);
+        if waited != elastic::Waited::Room {
             board.board.release(board_slot, bytes);
+        }
+        if waited == elastic::Waited::TimedOut {
             crate::log::error(format_args!(
                 "asked {} borrower(s) for {} of tenant {}'s request; it was not given back \
                  within {} ms",
@@ -698,7 +729,7 @@ impl Enforcer {
                 elastic::RECLAIM_WAIT_MAX_MS
             ));
         }
-        granted
+        Some(waited)
     }
 
     /// The board slot of `device` for crediting, if this process charged that board.
@@ -881,7 +912,9 @@ fn credit_to(
         && let Some((board, board_slot)) = enforcer.charged_board(charge.device)
     {
         if out {
+            // Its staging went with it (`vmm::free`).
             board.board.release_swapped(board_slot, charge.bytes);
+            board.board.release_staging(board_slot, charge.bytes);
         } else {
             board.board.release(board_slot, charge.bytes);
         }

@@ -13,8 +13,19 @@ const MIB: u64 = 1 << 20;
 /// CUDA device 0's uuid (fakecuda.c's bytes a0..ae, then the ordinal): names its board.
 const GPU_0: &str = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00";
 
-/// Writes device 0's board: `capacity` and `(tenant, request, limit)` entries.
+/// Writes device 0's board: `capacity` and `(tenant, request, limit)` entries, with a swap
+/// staging budget as large as the capacity (every chunk may go out).
 fn board(shm: &Path, capacity: u64, tenants: &[(&str, u64, u64)]) -> PathBuf {
+    board_with_staging(shm, capacity, capacity, tenants)
+}
+
+/// [`board`] with a staging budget of `staging` bytes.
+fn board_with_staging(
+    shm: &Path,
+    capacity: u64,
+    staging: u64,
+    tenants: &[(&str, u64, u64)],
+) -> PathBuf {
     let path = tenant_abi::layout::board_path(shm, GPU_0);
     tenant_abi::shm::create_board(&path).expect("creating the board");
     let specs: Vec<TenantSpec> = tenants
@@ -27,7 +38,11 @@ fn board(shm: &Path, capacity: u64, tenants: &[(&str, u64, u64)]) -> PathBuf {
             guaranteed: true,
         })
         .collect();
-    tenant_abi::shm::write_board(&path, capacity, &specs).expect("writing the board");
+    let gpu = tenant_abi::board::GpuSpec {
+        capacity_bytes: capacity,
+        staging_budget_bytes: staging,
+    };
+    tenant_abi::shm::write_board(&path, gpu, &specs).expect("writing the board");
     path
 }
 
@@ -668,5 +683,64 @@ fn a_driver_with_a_copy_path_we_do_not_hold_keeps_the_swap_off() {
         "{a_err}"
     );
     assert!(a_err.contains("cuMemcpyWithAttributesAsync"), "{a_err}");
+    assert!(!a_err.contains("went to host memory"), "{a_err}");
+}
+
+/// The node's swap staging budget (`swap_host_memory`, this GPU's share on the board) has room
+/// for 4 MiB, and the borrower's chunk is 8 MiB: the swap-out is refused, the borrower keeps its
+/// memory and its bytes and says the node's swap space is full; the tenant that needed the
+/// memory is refused with `CUDA_ERROR_OUT_OF_MEMORY` and the same words, without waiting out the
+/// reclaim's 5 s. Nobody is killed, nothing hangs.
+#[test]
+fn a_reclaim_the_swap_space_cannot_hold_is_refused_and_the_borrower_keeps_its_bytes() {
+    let shm = shm_dir();
+    let board = board_with_staging(
+        shm.path(),
+        16 * MIB,
+        4 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 7 touch {} spin_info {} check 7 kcheck 7 vmm",
+        file("a-ready"),
+        file("b-done")
+    ));
+    let began = std::time::Instant::now();
+    let (out, err) = run(
+        swapping(tenant(shm.path(), "b", "8MiB")),
+        &format!("until_file {} alloc 8M", file("a-ready")),
+    );
+    let waited = began.elapsed();
+    std::fs::write(shm.path().join("b-done"), "").expect("touching b-done");
+    a.wait_held();
+    assert_eq!(lines(&out), ["until_file 0", "alloc 2"]);
+    assert_eq!(
+        err.matches("the node's swap space is full").count(),
+        1,
+        "{err}"
+    );
+    assert!(err.contains("raise the agent's swap_host_memory"), "{err}");
+    assert!(
+        waited < std::time::Duration::from_secs(4),
+        "the refusal waited {waited:?}: it should not wait out the reclaim"
+    );
+    assert!(
+        a.output.ends_with(&format!(
+            "spin_info 0\ncheck 0 ok\nkcheck 0 ok\nvmm 0 reserved={} mapped={}\n",
+            8 * MIB,
+            8 * MIB
+        )),
+        "{}",
+        a.output
+    );
+    let kept = usage(&board, "a");
+    assert_eq!(
+        (kept.resident_bytes, kept.swapped_bytes, kept.staging_bytes),
+        (12 * MIB, 0, 0)
+    );
+    let a_err = stderr_of(a);
+    assert!(a_err.contains("the node's swap space is full"), "{a_err}");
+    assert!(a_err.contains("swap_host_memory"), "{a_err}");
     assert!(!a_err.contains("went to host memory"), "{a_err}");
 }
