@@ -744,3 +744,112 @@ fn a_reclaim_the_swap_space_cannot_hold_is_refused_and_the_borrower_keeps_its_by
     assert!(a_err.contains("swap_host_memory"), "{a_err}");
     assert!(!a_err.contains("went to host memory"), "{a_err}");
 }
+
+/// Hints first: the borrower's process registered a hint helper (a thread of the probe, through
+/// the exported `vgpu_memory_hint_register`, `vgpu_memory_want` and `vgpu_memory_hint_done`
+/// found by `dlsym`), which frees its borrowed allocation when asked. The want is met by the
+/// free: nothing is swapped, and the tenant that needed the memory gets it.
+#[test]
+fn a_hint_helper_that_frees_on_a_want_spares_the_swap() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M hinter free touch {} spin_info {} hint_join info vmm",
+        file("a-ready"),
+        file("b-has")
+    ));
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} alloc 8M touch {}",
+        file("a-ready"),
+        file("b-has")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\ntouch 0\n");
+    a.wait_held();
+    let after = lines(&a.output);
+    assert_eq!(
+        after[..5],
+        ["alloc 0", "alloc 0", "hinter 0", "touch 0", "spin_info 0"]
+    );
+    assert_eq!(
+        after[5],
+        format!("hint_join {} 0", 4 * MIB),
+        "the shortfall is asked"
+    );
+    assert_eq!(after[7], "vmm 0 reserved=0 mapped=0");
+    let freed = usage(&board, "a");
+    assert_eq!(
+        (
+            freed.resident_bytes,
+            freed.swapped_bytes,
+            freed.staging_bytes
+        ),
+        (4 * MIB, 0, 0)
+    );
+    assert_eq!(usage(&board, "b").resident_bytes, 8 * MIB);
+    let err = stderr_of(a);
+    assert!(err.contains("nothing was swapped"), "{err}");
+    assert!(!err.contains("went to host memory"), "{err}");
+}
+
+/// A hint helper that does nothing: the swap waits out its budget (`VGPU_MEMORY_HINT_MS`, 300 ms
+/// here), then moves the borrowed chunk as without a helper; the chunk comes back intact.
+#[test]
+fn a_hint_helper_that_frees_nothing_delays_the_swap_by_its_budget_only() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB"))
+        .env("VGPU_MEMORY_HINT_MS", "300")
+        .start_holding(&format!(
+            "alloc 4M alloc 8M fill 7 hinter idle touch {} spin_info {} hint_join check 7",
+            file("a-ready"),
+            file("b-has")
+        ));
+    let mut b = swapping(tenant(shm.path(), "b", "8MiB")).start_holding(&format!(
+        "until_file {} clock alloc 8M clock touch {} until_file {} free",
+        file("a-ready"),
+        file("b-has"),
+        file("test-go")
+    ));
+    b.wait_for_line("touch 0");
+    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
+    std::fs::write(shm.path().join("test-go"), "").expect("touching test-go");
+    b.wait_held();
+    a.wait_held();
+    let b_lines = lines(&b.output);
+    assert_eq!(b_lines[0], "until_file 0");
+    assert_eq!(b_lines[2], "alloc 0");
+    let clock = |line: &str| -> u64 {
+        line.strip_prefix("clock ")
+            .and_then(|ns| ns.parse().ok())
+            .expect("a clock line")
+    };
+    let alloc_ms = (clock(b_lines[3]) - clock(b_lines[1])) / 1_000_000;
+    assert!(
+        alloc_ms >= 300,
+        "b got its memory after {alloc_ms} ms, within the helper's budget"
+    );
+    assert!(
+        a.output
+            .ends_with(&format!("hint_join {} -1\ncheck 0 ok\n", 4 * MIB)),
+        "{}",
+        a.output
+    );
+    let back = usage(&board, "a");
+    assert_eq!(
+        (back.resident_bytes, back.swapped_bytes, back.staging_bytes),
+        (12 * MIB, 0, 0)
+    );
+    let err = stderr_of(a);
+    assert!(err.contains("the swap moves the rest"), "{err}");
+    assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
+}
