@@ -25,8 +25,16 @@
 //! limit. Swapping in is the same protocol against the capacity only (the limit already counts
 //! swapped bytes).
 //!
-//! The file starts zeroed; a zero capacity lends nothing and refuses everything, so a board the
-//! agent has not written yet is safe.
+//! **Swap staging.** Memory swapped out sits in pinned host memory (staging) until it comes
+//! back. The agent writes the GPU's share of the node's staging budget (`swap_host_memory`) in
+//! the header; a process reserves staging on its slot before it copies a chunk out, by the same
+//! protocol against that budget ([`Board::reserve_staging`]), and gives it back once the chunk
+//! is back or freed. A swap-out the budget refuses does not happen (the chunk stays resident);
+//! the borrower counts the refusal in the header ([`Board::swap_refused`]) so that the tenant
+//! waiting for that memory stops waiting and is told that the node's swap space is full.
+//!
+//! The file starts zeroed; a zero capacity lends nothing and refuses everything, and a zero
+//! staging budget swaps nothing, so a board the agent has not written yet is safe.
 
 use crate::ledger::{Liveness, RECLAIMING_BIT, claim_free_slot, reclaim_dead_slots};
 use crate::reclaim::Holder;
@@ -34,8 +42,9 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::SeqCst};
 
 /// `VGPUBRD1`, little-endian: written last when a board is initialised.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUBRD1");
-/// Bumped on any layout change; a process refuses a board of another version. Version 2 added
-/// the tenants' claims (`Tenant::claim_bytes`, `Tenant::claim_until_ns`).
+/// Bumped on any layout change; a process refuses a board of another version (2: the swap
+/// staging budget in the header, staging bytes in each slot, and the tenants' claims,
+/// `Tenant::claim_bytes` and `Tenant::claim_until_ns`).
 pub const VERSION: u32 = 2;
 /// Tenants one GPU's board describes at once.
 pub const TENANTS: usize = 64;
@@ -55,9 +64,14 @@ pub struct Header {
     pub version: AtomicU32,
     pub tenant_count: AtomicU32,
     pub slot_count: AtomicU32,
-    pub reserved: AtomicU32,
+    /// Counts every swap-out refused because the staging budget was spent (wraps), so that a
+    /// tenant waiting for a reclaim notices with one load that it will not come.
+    pub swap_refusals: AtomicU32,
     /// What the tenants may hold resident on the GPU in all (bytes).
     pub capacity_bytes: AtomicU64,
+    /// The pinned host memory all processes on the GPU may hold for swapped-out chunks (bytes):
+    /// this GPU's share of the node's `swap_host_memory`.
+    pub staging_budget_bytes: AtomicU64,
 }
 
 /// One tenant of the GPU, written by the agent.
@@ -92,6 +106,8 @@ pub struct Slot {
     pub start_time: AtomicU64,
     pub resident_bytes: AtomicU64,
     pub swapped_bytes: AtomicU64,
+    /// Pinned host staging reserved for its swapped-out chunks (and for one on its way out).
+    pub staging_bytes: AtomicU64,
 }
 
 /// The whole board file.
@@ -103,9 +119,23 @@ pub struct Region {
 }
 
 /// The file size; part of the on-disk format (checked so a field change bumps `VERSION`).
-pub const REGION_BYTES: usize = 32 + TENANTS * 128 + SLOTS * 32;
+pub const REGION_BYTES: usize = 40 + TENANTS * 128 + SLOTS * 40;
+const _: () = assert!(std::mem::size_of::<Header>() == 40);
+const _: () = assert!(std::mem::size_of::<Tenant>() == 128);
+const _: () = assert!(std::mem::size_of::<Slot>() == 40);
 const _: () = assert!(std::mem::size_of::<Region>() == REGION_BYTES);
 const _: () = assert!(std::mem::align_of::<Region>() == 8);
+
+/// What the agent writes for the whole GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuSpec {
+    /// What tenants may hold resident on the GPU in all: its memory less what the agent keeps
+    /// back.
+    pub capacity_bytes: u64,
+    /// The pinned host memory swapped-out chunks of this GPU may hold: its share of the node's
+    /// `swap_host_memory`.
+    pub staging_budget_bytes: u64,
+}
 
 /// A tenant entry the agent writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,6 +210,7 @@ impl Region {
             start_time: AtomicU64::new(0),
             resident_bytes: AtomicU64::new(0),
             swapped_bytes: AtomicU64::new(0),
+            staging_bytes: AtomicU64::new(0),
         };
         Box::new(Region {
             header: Header {
@@ -187,8 +218,9 @@ impl Region {
                 version: AtomicU32::new(0),
                 tenant_count: AtomicU32::new(0),
                 slot_count: AtomicU32::new(0),
-                reserved: AtomicU32::new(0),
+                swap_refusals: AtomicU32::new(0),
                 capacity_bytes: AtomicU64::new(0),
+                staging_budget_bytes: AtomicU64::new(0),
             },
             tenants: std::array::from_fn(|_| tenant()),
             slots: std::array::from_fn(|_| slot()),
@@ -232,6 +264,30 @@ impl Region {
     /// The agent: what tenants may hold on the GPU in all.
     pub fn set_capacity(&self, bytes: u64) {
         self.header.capacity_bytes.store(bytes, SeqCst);
+    }
+
+    /// The agent: the pinned host memory swapped-out chunks of this GPU may hold in all.
+    pub fn set_staging_budget(&self, bytes: u64) {
+        self.header.staging_budget_bytes.store(bytes, SeqCst);
+    }
+
+    pub fn staging_budget(&self) -> u64 {
+        self.header.staging_budget_bytes.load(SeqCst)
+    }
+
+    /// Staging held now over the live slots (dead processes' included until reclaimed).
+    pub fn staging_total(&self) -> u64 {
+        self.slots
+            .iter()
+            .filter(|slot| slot.pid.load(SeqCst) != 0)
+            .fold(0u64, |sum, slot| {
+                sum.saturating_add(slot.staging_bytes.load(SeqCst))
+            })
+    }
+
+    /// How many swap-outs were refused for want of staging so far (wraps).
+    pub fn swap_refusals(&self) -> u32 {
+        self.header.swap_refusals.load(SeqCst)
     }
 
     /// The agent: writes (or rewrites) `spec`'s entry; returns its index.
@@ -412,6 +468,9 @@ pub struct TenantUsage {
     pub resident_bytes: u64,
     /// Swapped out to host memory, over the tenant's live slots.
     pub swapped_bytes: u64,
+    /// Pinned host staging its processes hold for swapped-out chunks (as much as
+    /// `swapped_bytes`, plus a chunk on its way out).
+    pub staging_bytes: u64,
 }
 
 impl TenantUsage {
@@ -429,11 +488,12 @@ impl Region {
             .filter(|&i| self.tenants[i].present.load(SeqCst) == 1)
             .map(|i| {
                 let entry = &self.tenants[i];
-                let (mut resident, mut swapped) = (0u64, 0u64);
+                let (mut resident, mut swapped, mut staging) = (0u64, 0u64, 0u64);
                 for slot in &self.slots {
                     if slot.pid.load(SeqCst) != 0 && slot.tenant.load(SeqCst) == i as u32 {
                         resident = resident.saturating_add(slot.resident_bytes.load(SeqCst));
                         swapped = swapped.saturating_add(slot.swapped_bytes.load(SeqCst));
+                        staging = staging.saturating_add(slot.staging_bytes.load(SeqCst));
                     }
                 }
                 let request_bytes = entry.request_bytes.load(SeqCst);
@@ -443,6 +503,7 @@ impl Region {
                     limit_bytes: entry.limit_bytes.load(SeqCst).max(request_bytes),
                     resident_bytes: resident,
                     swapped_bytes: swapped,
+                    staging_bytes: staging,
                 }
             })
             .collect()
@@ -575,6 +636,37 @@ impl<'r, L: Liveness> Board<'r, L> {
         self.credit(&self.region.slots[slot].swapped_bytes, bytes);
     }
 
+    /// Reserves `bytes` of pinned host staging for a chunk of `slot` about to go out, if the
+    /// GPU's staging budget allows (the reserve protocol against the budget: published, summed,
+    /// dead slots reclaimed once when over, taken back when still over). `false`: the chunk must
+    /// stay resident; the caller says so ([`Board::swap_refused`]).
+    pub fn reserve_staging(&self, slot: usize, bytes: u64) -> bool {
+        let me = &self.region.slots[slot];
+        let budget = self.region.staging_budget();
+        me.staging_bytes.fetch_add(bytes, SeqCst);
+        let mut held = self.region.staging_total();
+        if held > budget && self.reclaim_dead(me.pid.load(SeqCst)) > 0 {
+            held = self.region.staging_total();
+        }
+        if held > budget {
+            self.credit(&me.staging_bytes, bytes);
+            return false;
+        }
+        debug_assert!(me.staging_bytes.load(SeqCst) >= bytes);
+        true
+    }
+
+    /// Gives back `bytes` of `slot`'s staging: its chunk is back on the GPU, or was freed.
+    pub fn release_staging(&self, slot: usize, bytes: u64) {
+        self.credit(&self.region.slots[slot].staging_bytes, bytes);
+    }
+
+    /// A swap-out was refused for want of staging: counted, so that a tenant waiting for the
+    /// memory stops waiting ([`Region::swap_refusals`]).
+    pub fn swap_refused(&self) {
+        self.region.header.swap_refusals.fetch_add(1, SeqCst);
+    }
+
     fn credit(&self, counter: &AtomicU64, bytes: u64) {
         let update = counter.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_sub(bytes)));
         debug_assert!(update.unwrap_or_else(|v| v) >= bytes, "credited past zero");
@@ -593,6 +685,12 @@ impl<'r, L: Liveness> Board<'r, L> {
         entry
             .claim_until_ns
             .fetch_max(now_ns.saturating_add(CLAIM_LAPSE_NS), SeqCst);
+    }
+
+    /// The tenant at `tenant` no longer waits for the room it claimed (its reclaim failed):
+    /// others may use it at once.
+    pub fn drop_claim(&self, tenant: usize) {
+        self.region.tenants[tenant].claim_until_ns.store(0, SeqCst);
     }
 
     /// The tenant at `tenant` allocated within its request at `now_ns`: a live claim of it lasts
@@ -627,6 +725,8 @@ impl<'r, L: Liveness> Board<'r, L> {
             |slot| {
                 slot.resident_bytes.store(0, SeqCst);
                 slot.swapped_bytes.store(0, SeqCst);
+                // The staging was the dead process's pinned host memory: the OS freed it.
+                slot.staging_bytes.store(0, SeqCst);
                 slot.tenant.store(0, SeqCst);
             },
         )

@@ -257,6 +257,8 @@ fn tenant_usage_sums_each_tenants_live_slots() {
     assert_eq!(board.reserve(a1, 30 * GIB), Ok(Grant::Within));
     assert_eq!(board.reserve(a2, 10 * GIB), Ok(Grant::Borrowed));
     assert_eq!(board.reserve(b1, 5 * GIB), Ok(Grant::Within));
+    region.set_staging_budget(8 * GIB);
+    assert!(board.reserve_staging(a2, 4 * GIB));
     board.swapped_out(a2, 4 * GIB);
     let usage = region.tenant_usage();
     assert_eq!(
@@ -268,6 +270,7 @@ fn tenant_usage_sums_each_tenants_live_slots() {
                 limit_bytes: 70 * GIB,
                 resident_bytes: 36 * GIB,
                 swapped_bytes: 4 * GIB,
+                staging_bytes: 4 * GIB,
             },
             TenantUsage {
                 name: "b".to_owned(),
@@ -275,6 +278,7 @@ fn tenant_usage_sums_each_tenants_live_slots() {
                 limit_bytes: 70 * GIB,
                 resident_bytes: 5 * GIB,
                 swapped_bytes: 0,
+                staging_bytes: 0,
             }
         ]
     );
@@ -364,8 +368,101 @@ fn a_claim_holds_the_room_for_the_claimers_request_until_it_lapses() {
     );
     assert!(region.room_beside_claims(a, 10 * GIB, lapsed));
     assert!(board.swap_in(sa, 10 * GIB));
-    // A tenant that left holds nothing.
+    // A dropped claim holds nothing; nor does a tenant that left.
+    board.claim(b, 28 * GIB, lapsed);
+    board.drop_claim(b);
+    assert_eq!(region.claimed_by_others(a, lapsed), 0);
     board.claim(b, 28 * GIB, lapsed);
     assert!(region.remove_tenant("b"));
     assert_eq!(region.claimed_by_others(a, lapsed), 0);
+}
+
+/// Swap staging: a zero budget (a board the agent has not written, or `swap_host_memory = 0`)
+/// swaps nothing; within the budget staging is granted and given back; a refusal is counted for
+/// the tenant waiting on it; a dead process's staging returns to the budget.
+#[test]
+fn staging_is_granted_within_the_budget_and_a_dead_slot_returns_it() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[100, 200]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(100, 1, a).unwrap();
+    let sb = board.claim_slot(200, 1, b).unwrap();
+    assert!(!board.reserve_staging(sa, 1), "no budget written: no swap");
+    region.set_staging_budget(10 * GIB);
+    assert!(board.reserve_staging(sa, 6 * GIB));
+    assert!(!board.reserve_staging(sb, 6 * GIB), "6 + 6 is past 10");
+    assert_eq!(region.slots[sb].staging_bytes.load(SeqCst), 0, "taken back");
+    assert!(board.reserve_staging(sb, 4 * GIB));
+    assert_eq!(region.staging_total(), 10 * GIB);
+    let before = region.swap_refusals();
+    board.swap_refused();
+    assert_eq!(region.swap_refusals(), before.wrapping_add(1));
+    // "a" brought its chunk back: its staging is free again.
+    board.release_staging(sa, 6 * GIB);
+    assert!(board.reserve_staging(sb, 6 * GIB));
+    // "b" dies holding 10 GiB of staging: the next reservation reclaims its slot and gets it.
+    live.kill(200);
+    assert!(board.reserve_staging(sa, 10 * GIB));
+    assert_eq!(region.slots[sb].pid.load(SeqCst), 0);
+    assert_eq!(region.staging_total(), 10 * GIB);
+}
+
+/// Many processes reserving and giving back staging at once never hold more than the budget
+/// (each thread adds what it was granted to a shared total after the grant and takes it off
+/// before it gives it back, so the total is at least what the board held granted at any time).
+#[test]
+fn racing_staging_reservations_never_pass_the_budget() {
+    use std::sync::atomic::AtomicU64 as Counter;
+    let region = issue_board();
+    let budget = 16 * GIB;
+    region.set_staging_budget(budget);
+    let tenants = [region.find("a").unwrap(), region.find("b").unwrap()];
+    let pids: Vec<u32> = (1..=8).collect();
+    let live = Fake::with(&pids);
+    let granted_total = Counter::new(0);
+    let peak = Counter::new(0);
+    let refusals = Counter::new(0);
+    std::thread::scope(|scope| {
+        for (i, &pid) in pids.iter().enumerate() {
+            let (region, live) = (&*region, &live);
+            let (granted_total, peak, refusals) = (&granted_total, &peak, &refusals);
+            let tenant = tenants[i % tenants.len()];
+            scope.spawn(move || {
+                let board = Board::new(region, live);
+                let slot = board.claim_slot(pid, 1, tenant).unwrap();
+                let mut state = 0x2545_F491_4F6C_DD1Du64 ^ u64::from(pid);
+                let mut held: Vec<u64> = Vec::new();
+                for _ in 0..3000 {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    if held.len() < 6 && !state.is_multiple_of(3) {
+                        let bytes = (state >> 8) % (4 * GIB) + 1;
+                        if board.reserve_staging(slot, bytes) {
+                            let total = granted_total.fetch_add(bytes, SeqCst) + bytes;
+                            peak.fetch_max(total, SeqCst);
+                            held.push(bytes);
+                        } else {
+                            refusals.fetch_add(1, SeqCst);
+                        }
+                    } else if let Some(bytes) = held.pop() {
+                        granted_total.fetch_sub(bytes, SeqCst);
+                        board.release_staging(slot, bytes);
+                    }
+                }
+                for bytes in held {
+                    granted_total.fetch_sub(bytes, SeqCst);
+                    board.release_staging(slot, bytes);
+                }
+            });
+        }
+    });
+    assert!(peak.load(SeqCst) <= budget, "the staging budget was passed");
+    assert!(
+        peak.load(SeqCst) > budget / 2,
+        "the test exercised a full budget"
+    );
+    assert!(refusals.load(SeqCst) > 0, "the test saw the budget refuse");
+    assert_eq!(region.staging_total(), 0);
 }

@@ -103,19 +103,20 @@ pub fn create_board(path: &Path) -> Result<bool, ReadError> {
     create_region::<board::Region>(path, board::REGION_BYTES, board::Region::initialise)
 }
 
-/// The agent writes a GPU's board: what tenants may hold in all, and one entry per tenant placed
-/// on the GPU (`specs`); entries of tenants no longer in `specs` are removed (their processes'
-/// slots keep their counts until those processes exit). The board must exist
-/// ([`create_board`]).
+/// The agent writes a GPU's board: what tenants may hold in all and the swap staging budget
+/// (`gpu`), and one entry per tenant placed on the GPU (`specs`); entries of tenants no longer
+/// in `specs` are removed (their processes' slots keep their counts until those processes exit).
+/// The board must exist ([`create_board`]).
 pub fn write_board(
     path: &Path,
-    capacity_bytes: u64,
+    gpu: board::GpuSpec,
     specs: &[board::TenantSpec],
 ) -> Result<(), BoardWriteError> {
     let mapping = open_writable::<board::Region>(path, board::REGION_BYTES)?;
     let region = mapping.region();
     checked(path, region.is_initialised(), region.check_layout())?;
-    region.set_capacity(capacity_bytes);
+    region.set_capacity(gpu.capacity_bytes);
+    region.set_staging_budget(gpu.staging_budget_bytes);
     for name in region.tenant_names() {
         if !specs.iter().any(|spec| spec.name == name) {
             region.remove_tenant(&name);

@@ -5,6 +5,14 @@ use super::*;
 use crate::layout::{ledger_path, schedule_path};
 use crate::{DEVICES_MAX, writer};
 
+/// A GPU of `capacity` whose share of the node's swap staging is half of it.
+fn gpu(capacity: u64) -> crate::board::GpuSpec {
+    crate::board::GpuSpec {
+        capacity_bytes: capacity,
+        staging_budget_bytes: capacity / 2,
+    }
+}
+
 const GIB: u64 = 1 << 30;
 
 fn me() -> (u32, u64) {
@@ -135,12 +143,17 @@ fn a_board_is_created_once_and_rewritten_as_tenants_change() {
     };
     write_board(
         &path,
-        78 * GIB,
+        gpu(78 * GIB),
         &[spec("a", 30 * GIB, true), spec("b", 20 * GIB, false)],
     )
     .unwrap();
     let (capacity, holders) = read_board(&path).unwrap();
     assert_eq!(capacity, 78 * GIB);
+    {
+        let mapping =
+            open_writable::<crate::board::Region>(&path, crate::board::REGION_BYTES).unwrap();
+        assert_eq!(mapping.region().staging_budget(), 39 * GIB);
+    }
     let names: Vec<_> = holders
         .iter()
         .map(|h| (h.name.as_str(), h.request))
@@ -150,7 +163,7 @@ fn a_board_is_created_once_and_rewritten_as_tenants_change() {
     // "a" left, "c" came, "b" grew.
     write_board(
         &path,
-        78 * GIB,
+        gpu(78 * GIB),
         &[spec("b", 25 * GIB, false), spec("c", 10 * GIB, true)],
     )
     .unwrap();
@@ -165,12 +178,12 @@ fn a_board_is_created_once_and_rewritten_as_tenants_change() {
         [("b".to_owned(), 25 * GIB), ("c".to_owned(), 10 * GIB)]
     );
     // A bad entry is refused with the file named; a file of another size is not a board.
-    let bad = write_board(&path, GIB, &[spec(&"x".repeat(80), 1, true)]).unwrap_err();
+    let bad = write_board(&path, gpu(GIB), &[spec(&"x".repeat(80), 1, true)]).unwrap_err();
     assert!(bad.to_string().contains("GPU-1234.memory"), "{bad}");
     let other = directory.path().join("other.memory");
     std::fs::write(&other, b"not a board").unwrap();
     assert!(matches!(
-        write_board(&other, GIB, &[]),
+        write_board(&other, gpu(GIB), &[]),
         Err(BoardWriteError::Read(ReadError::Size { .. }))
     ));
 }
@@ -190,7 +203,7 @@ fn sampling_a_board_reclaims_dead_processes_and_reports_each_tenant() {
         priority: 0,
         guaranteed: true,
     };
-    write_board(&path, 78 * GIB, &[spec]).unwrap();
+    write_board(&path, gpu(78 * GIB), &[spec]).unwrap();
     // A process that has exited: its pid no longer runs.
     let mut child = std::process::Command::new("true").spawn().unwrap();
     let dead_pid = child.id();

@@ -95,6 +95,14 @@ impl crate::swap::Counters for SlotCounters<'_> {
     fn swap_in_failed(&mut self, bytes: u64) {
         self.board.board.swapped_out(self.slot, bytes);
     }
+
+    fn reserve_staging(&mut self, bytes: u64) -> bool {
+        self.board.board.reserve_staging(self.slot, bytes)
+    }
+
+    fn release_staging(&mut self, bytes: u64) {
+        self.board.board.release_staging(self.slot, bytes);
+    }
 }
 
 /// How long a tenant allocating within its request waits for the borrowers it asked to give the
@@ -103,15 +111,67 @@ pub const RECLAIM_WAIT_MAX_MS: u64 = 5_000;
 // A claim outlasts the wait it was made in (`tenant_abi::board::CLAIM_LAPSE_NS`).
 const _: () = assert!(tenant_abi::board::CLAIM_LAPSE_NS >= RECLAIM_WAIT_MAX_MS * 1_000_000);
 
-/// Polls `granted` every millisecond for at most [`RECLAIM_WAIT_MAX_MS`]; whether it said yes.
-pub fn wait_for_room(mut granted: impl FnMut() -> bool) -> bool {
+/// How a wait for a reclaim ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waited {
+    /// The room is there.
+    Room,
+    /// A borrower could not move its memory out: the node's swap staging is spent.
+    SwapSpaceFull,
+    /// Neither within [`RECLAIM_WAIT_MAX_MS`].
+    TimedOut,
+}
+
+/// Polls `granted` every millisecond for at most [`RECLAIM_WAIT_MAX_MS`], giving up early when
+/// `swap_space_full` says a borrower was refused staging (the room will not come from it).
+pub fn wait_for_room(
+    mut granted: impl FnMut() -> bool,
+    mut swap_space_full: impl FnMut() -> bool,
+) -> Waited {
     for _ in 0..RECLAIM_WAIT_MAX_MS {
         if granted() {
-            return true;
+            return Waited::Room;
+        }
+        if swap_space_full() {
+            // Another borrower may still have made the room meanwhile.
+            return if granted() {
+                Waited::Room
+            } else {
+                Waited::SwapSpaceFull
+            };
         }
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
-    granted()
+    if granted() {
+        Waited::Room
+    } else {
+        Waited::TimedOut
+    }
+}
+
+/// The line of an allocation within the tenant's request that a reclaim could not serve because
+/// the borrowers' memory had nowhere to go: the node's swap staging is spent.
+pub fn swap_space_full(what: &str, device: usize, tenant: &str) -> String {
+    format!(
+        "refused {what} on device {device}: it is within tenant {tenant}'s request, but other \
+         tenants borrowed the GPU's memory and the node's swap space is full (their memory could \
+         not be moved to host memory); raise the agent's swap_host_memory, or wait for the \
+         borrowers to free memory (out of memory)"
+    )
+}
+
+/// The borrower's line when the staging budget keeps `kept` bytes of its borrowed memory on the
+/// GPU although other tenants asked for them.
+pub fn staging_refused(tenant: &str, kept: u64, budget: u64, held: u64) -> String {
+    format!(
+        "other tenants asked tenant {tenant} for memory back, but the node's swap space is full: \
+         {} of this process's borrowed memory stays on the GPU ({} of the {} this GPU may stage \
+         in host memory are in use); raise the agent's swap_host_memory (VGPU_AGENT_SWAP_HOST_MEMORY) \
+         so that borrowed memory can be swapped out",
+        human(kept),
+        human(held),
+        human(budget)
+    )
 }
 
 /// What a tenant may still allocate on a GPU now, as `cuMemGetInfo` and NVML report it free:

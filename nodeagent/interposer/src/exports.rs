@@ -1783,6 +1783,61 @@ macro_rules! end_capture_hook {
 end_capture_hook!(cuStreamEndCapture, stream_end_capture);
 end_capture_hook!(cuStreamEndCapture_ptsz, stream_end_capture_ptsz);
 
+// The hint helper's C ABI (issue 17, `hint`): what `vgpu.torch` (deploy/python/vgpu/torch.py)
+// calls through ctypes. Return codes: 0 done; 1 (`vgpu_memory_hint_register` only) registered, but
+// this process's memory is never asked back (no tenant, no memory board, or the swap is off);
+// -1 a NULL pointer; -2 an internal error (logged).
+
+/// The hint helper's calls succeeded.
+pub const VGPU_HINT_OK: c_int = 0;
+/// Registered, but nothing will be asked of this process.
+pub const VGPU_HINT_INACTIVE: c_int = 1;
+/// A NULL out-pointer.
+pub const VGPU_HINT_INVALID: c_int = -1;
+/// A bug of the interposer (caught and logged).
+pub const VGPU_HINT_ERROR: c_int = -2;
+
+/// `int vgpu_memory_hint_register(void)`: the calling process has a hint helper; wants on its
+/// tenant are handed to it for `VGPU_MEMORY_HINT_MS` (100 ms) before its memory is swapped.
+#[unsafe(no_mangle)]
+pub extern "C" fn vgpu_memory_hint_register() -> c_int {
+    ffi_boundary!("vgpu_memory_hint_register", fallback = VGPU_HINT_ERROR, {
+        if hooks::hint_register() {
+            VGPU_HINT_OK
+        } else {
+            VGPU_HINT_INACTIVE
+        }
+    })
+}
+
+/// `int vgpu_memory_want(uint64_t *bytes)`: writes how many bytes of GPU memory this process is
+/// asked to give back now (0: nothing); cheap enough to poll every few milliseconds.
+///
+/// # Safety
+/// `bytes` is NULL or valid for a write of one `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn vgpu_memory_want(bytes: *mut u64) -> c_int {
+    ffi_boundary!("vgpu_memory_want", fallback = VGPU_HINT_ERROR, {
+        if bytes.is_null() {
+            return VGPU_HINT_INVALID;
+        }
+        let asked = hooks::hint_poll();
+        // SAFETY: non-null, and valid for a write by the caller's contract.
+        unsafe { bytes.write(asked) };
+        VGPU_HINT_OK
+    })
+}
+
+/// `int vgpu_memory_hint_done(uint64_t freed)`: the helper freed what it could (`freed`: its
+/// estimate, logged); what it did not free may be swapped without waiting out the budget.
+#[unsafe(no_mangle)]
+pub extern "C" fn vgpu_memory_hint_done(freed: u64) -> c_int {
+    ffi_boundary!("vgpu_memory_hint_done", fallback = VGPU_HINT_ERROR, {
+        hooks::hint_done(freed);
+        VGPU_HINT_OK
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -25,6 +25,7 @@
 //! The compute side (launch gating) is `launch`, with its own failure policy (fail open).
 
 use crate::elastic::{self, Borrow, DeviceBoard};
+use crate::hint;
 use crate::ledger::{Ledger, ProcLiveness, own_start_time};
 use crate::swap;
 use crate::tracker::{Charge, Key, Tracker};
@@ -110,6 +111,12 @@ struct Process {
     chunk_contexts: BTreeSet<usize>,
     tracker: Tracker,
     overhead_charged: [bool; DEVICES_MAX],
+    /// A want handed to this process's hint helper, waiting for it (`hint`).
+    hint: Option<hint::Phase>,
+    /// Until when a helper of a process without swappable chunks takes no want: its last hint
+    /// left a rest this process could not swap, given back to the tenant's other processes,
+    /// and taking it again at once would only ask the helper again and again.
+    hint_rest_until: Option<std::time::Instant>,
 }
 
 impl Process {
@@ -122,6 +129,8 @@ impl Process {
             chunk_contexts: BTreeSet::new(),
             tracker: Tracker::default(),
             overhead_charged: [false; DEVICES_MAX],
+            hint: None,
+            hint_rest_until: None,
         }
     }
 }
@@ -188,6 +197,7 @@ impl Enforcer {
         if process.pid != std::process::id() {
             *process = Process::new();
             swap::forked();
+            hint::forked();
         }
         process
     }
@@ -393,14 +403,20 @@ impl Enforcer {
         }
         if let Some((board, board_slot)) = board_slot
             && let Err(why) = board.board.reserve(board_slot, bytes)
-            && !self.reclaimed(board, board_slot, bytes, why)
         {
-            ledger.release(slot, device, bytes.saturating_add(overhead_bytes));
-            crate::log::error(format_args!(
-                "{}",
-                elastic::within_request_refused(&human(bytes), device, &self.config.tenant, why)
-            ));
-            return Admission::Refused;
+            let waited = self.reclaimed(board, board_slot, bytes, why);
+            if waited != Some(elastic::Waited::Room) {
+                ledger.release(slot, device, bytes.saturating_add(overhead_bytes));
+                let tenant = &self.config.tenant;
+                let line = match waited {
+                    Some(elastic::Waited::SwapSpaceFull) => {
+                        elastic::swap_space_full(&human(bytes), device, tenant)
+                    }
+                    _ => elastic::within_request_refused(&human(bytes), device, tenant, why),
+                };
+                crate::log::error(format_args!("{line}"));
+                return Admission::Refused;
+            }
         }
         process.overhead_charged[device] |= overhead_bytes > 0;
         Admission::Charged(Ticket {
@@ -524,14 +540,15 @@ impl Enforcer {
         if !self.swap_on() {
             return;
         }
-        // While a stream captures a graph, a synchronisation would invalidate the capture: the
-        // want waits for the next call.
+        let mut want = self.want_after_hints(board, device, process);
+        if want > 0 && !process.chunks[device].any_resident() {
+            // Nothing of this process to swap (its helper took the want): for its tenant's
+            // other processes, and not taken again by this one for a while.
+            board.board.post_want(board.tenant, want);
+            process.hint_rest_until = Some(std::time::Instant::now() + hint::REST_AFTER_UNMET);
+            want = 0;
+        }
         let chunks = &process.chunks[device];
-        let want = if chunks.any_resident() && !crate::launch::captures_in_progress() {
-            board.board.take_want(board.tenant)
-        } else {
-            0
-        };
         if want == 0 && !chunks.held() {
             return;
         }
@@ -559,6 +576,78 @@ impl Enforcer {
             process.chunks[device].take_back(&mut backing, &mut counters);
         }
         swap::publish(&process.chunks);
+    }
+
+    /// What of a want on the tenant this process should swap out on `device` now, hints first:
+    /// with a hint helper registered (`hint`), a want taken from the board goes to the helper
+    /// (nothing is swapped now); once the helper met it, nothing is swapped; once its budget ran
+    /// out (or it said it is done), what it did not free is. Without a helper, the want as taken.
+    /// While a stream captures a graph, a synchronisation would invalidate the capture: a want
+    /// to swap waits for the next call.
+    fn want_after_hints(&self, board: &DeviceBoard, device: usize, process: &mut Process) -> u64 {
+        let capturing = crate::launch::captures_in_progress();
+        if let Some(phase) = process.hint {
+            if phase.device != device {
+                // One hint at a time; a want on this device waits on the board.
+                return 0;
+            }
+            let next = phase.next(
+                std::time::Instant::now(),
+                hint::budget(),
+                hint::Phase::helper_done(),
+            );
+            let remaining = match next {
+                hint::Next::Wait => return 0,
+                hint::Next::Met { freed } => {
+                    crate::log::error(format_args!(
+                        "other tenants asked tenant {} for {} of the GPU's memory back: this \
+                         process's hint helper freed {} within {} ms, so nothing was swapped",
+                        self.config.tenant,
+                        human(phase.asked),
+                        human(freed),
+                        phase.started.elapsed().as_millis()
+                    ));
+                    0
+                }
+                hint::Next::Swap { freed, remaining } => {
+                    crate::log::error(format_args!(
+                        "other tenants asked tenant {} for {} of the GPU's memory back: this \
+                         process's hint helper freed {} in {} ms (its budget is {} ms, \
+                         {}); the swap moves the rest",
+                        self.config.tenant,
+                        human(phase.asked),
+                        human(freed),
+                        phase.started.elapsed().as_millis(),
+                        hint::budget().as_millis(),
+                        tenant_abi::env::var::MEMORY_HINT_MS
+                    ));
+                    remaining
+                }
+            };
+            process.hint = None;
+            phase.end();
+            if remaining > 0 && capturing {
+                board.board.post_want(board.tenant, remaining);
+                return 0;
+            }
+            return remaining;
+        }
+        let swappable = process.chunks[device].any_resident();
+        let resting = process
+            .hint_rest_until
+            .is_some_and(|until| std::time::Instant::now() < until);
+        let helper = hint::registered() && (swappable || !resting);
+        let take = (swappable && !capturing) || helper;
+        let want = if take {
+            board.board.take_want(board.tenant)
+        } else {
+            0
+        };
+        if want > 0 && helper {
+            process.hint = Some(hint::Phase::start(device, want, std::time::Instant::now()));
+            return 0;
+        }
+        want
     }
 
     /// Moves chunks of `device` out for a want of `want` bytes, at a kernel boundary (see
@@ -595,14 +684,32 @@ impl Enforcer {
             ));
             return;
         }
-        let given = process.chunks[device].give_back(want, backing, counters);
+        let given_back = process.chunks[device].give_back(want, backing, counters);
+        let given = given_back.bytes;
         let moved_at = began.elapsed();
         // Published before new launches may enter again (`quiet` dropped below).
         swap::publish(&process.chunks);
         drop(quiet);
-        if given < want {
+        if given_back.refused_for_staging > 0 {
+            // The staging budget is per GPU, so the tenant's other processes would be refused
+            // too: the want is dropped, and the tenant waiting for it is told (`reclaimed`).
+            board.board.swap_refused();
+            let region = board.board.region;
+            crate::log::error(format_args!(
+                "{}",
+                elastic::staging_refused(
+                    &self.config.tenant,
+                    given_back.refused_for_staging,
+                    region.staging_budget(),
+                    region.staging_total()
+                )
+            ));
+        } else if given < want {
             // The rest is for the tenant's other processes.
             board.board.post_want(board.tenant, want - given);
+        }
+        if given == 0 {
+            return;
         }
         // Each phase's time, so that a slow reclaim says where its time went.
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
@@ -657,6 +764,10 @@ impl Enforcer {
     /// Whether a want is posted on this tenant on a GPU where this process has a resident chunk
     /// (shared loads only; no lock).
     fn want_posted(&self) -> bool {
+        if hint::in_progress() {
+            // Driven to its end by the process's calls (`want_after_hints`).
+            return true;
+        }
         let resident_on = swap::resident_on();
         (0..DEVICES_MAX)
             .filter(|d| resident_on & (1 << d) != 0)
@@ -674,18 +785,20 @@ impl Enforcer {
     }
 
     /// An allocation within the request that the board refused because others borrowed the
-    /// memory (`VGPU_MEMORY_SWAP=1`): asks the borrowers the reclaim planner picks for it
-    /// (`tenant_abi::reclaim::plan`, wants on the board) and waits, bounded, until they gave it
-    /// back. Whether it was granted (then it is reserved on the board).
+    /// memory (`VGPU_MEMORY_SWAP=1`): asks the borrowers the reclaim planner picks for the rest
+    /// of the tenant's request (`tenant_abi::reclaim::plan_for_request`, wants on the board) and
+    /// waits, bounded, until they gave this allocation's room back, or a borrower says the
+    /// node's swap space is full. `None`: no reclaim was tried; `Some(Waited::Room)`: granted
+    /// (then it is reserved on the board).
     fn reclaimed(
         &self,
         board: &DeviceBoard,
         board_slot: usize,
         bytes: u64,
         why: tenant_abi::board::Refusal,
-    ) -> bool {
+    ) -> Option<elastic::Waited> {
         if !self.swap_on() || !matches!(why, tenant_abi::board::Refusal::NeedsReclaim { .. }) {
-            return false;
+            return None;
         }
         let region = board.board.region;
         let holders = region.holders();
@@ -704,7 +817,7 @@ impl Enforcer {
             Ok(asks) => asks,
             Err(e) => {
                 crate::log::error(format_args!("no reclaim: {e}"));
-                return false;
+                return None;
             }
         };
         if !asks.is_empty() {
@@ -712,6 +825,8 @@ impl Enforcer {
                 .board
                 .claim(board.tenant, rest.max(bytes), crate::shm::monotonic_ns());
         }
+        // Read before the wants go out: a borrower refused staging for them counts after.
+        let refusals = region.swap_refusals();
         for (name, asked) in &asks {
             if let Some(index) = region.find(name) {
                 board.board.post_want(index, *asked);
@@ -721,9 +836,14 @@ impl Enforcer {
         // tenant's: a borrower swapping back in, or a new borrow, sees the GPU full until then.
         // The process's other threads wait for its state meanwhile (bounded, like this wait).
         board.board.charge(board_slot, bytes);
-        let granted = elastic::wait_for_room(|| region.fits());
-        if !granted {
+        let waited =
+            elastic::wait_for_room(|| region.fits(), || region.swap_refusals() != refusals);
+        if waited != elastic::Waited::Room {
             board.board.release(board_slot, bytes);
+            // Nothing is coming: the room held for this tenant is of no use to it.
+            board.board.drop_claim(board.tenant);
+        }
+        if waited == elastic::Waited::TimedOut {
             crate::log::error(format_args!(
                 "asked {} borrower(s) for {} of tenant {}'s request; it was not given back \
                  within {} ms",
@@ -733,7 +853,7 @@ impl Enforcer {
                 elastic::RECLAIM_WAIT_MAX_MS
             ));
         }
-        granted
+        Some(waited)
     }
 
     /// The board slot of `device` for crediting, if this process charged that board.
@@ -916,7 +1036,9 @@ fn credit_to(
         && let Some((board, board_slot)) = enforcer.charged_board(charge.device)
     {
         if out {
+            // Its staging went with it (`vmm::free`).
             board.board.release_swapped(board_slot, charge.bytes);
+            board.board.release_staging(board_slot, charge.bytes);
         } else {
             board.board.release(board_slot, charge.bytes);
         }
@@ -979,10 +1101,103 @@ pub fn credit(key: Key, charge: Charge) {
         if chunk.is_some() {
             swap::publish(&process.chunks);
         }
+        let out = chunk.is_some_and(|c| c.out);
+        if let Some(phase) = process.hint.as_mut()
+            && phase.device == charge.device
+            && charge.on_board
+            && !out
+        {
+            // Freed while the hint helper is asked for memory: GPU memory given back, so less
+            // to swap (the board is credited below).
+            phase.credit(charge.bytes);
+        }
         (process.slot, chunk)
     };
     if let Some(slot) = slot {
         credit_to(enforcer, ledger, slot, charge, chunk.is_some_and(|c| c.out));
+    }
+}
+
+/// A hint helper registers (`vgpu_memory_hint_register`): from now on a want on the tenant goes
+/// to it first (`hint`). Whether this process is one whose memory can be asked back (a tenant
+/// with the swap on); the helper may poll either way (it is then asked nothing).
+pub fn hint_register() -> bool {
+    hint::register();
+    let active = match mode() {
+        Mode::Enforcing(enforcer) => enforcer.swap_on(),
+        _ => false,
+    };
+    crate::log::debug(format_args!(
+        "a hint helper registered (memory may be asked back from this process: {active})"
+    ));
+    active
+}
+
+/// The helper's poll (`vgpu_memory_want`): what this process is asked to free now. A want posted
+/// on the tenant while nothing of the process calls into the driver is handed to the helper
+/// here (taking the process's lock only when a want is there: one load per GPU otherwise).
+pub fn hint_poll() -> u64 {
+    if !hint::registered() {
+        return 0;
+    }
+    let Mode::Enforcing(enforcer) = mode() else {
+        return 0;
+    };
+    if !enforcer.swap_on() {
+        return 0;
+    }
+    if hint::in_progress() {
+        if hint::met() {
+            // The frees met the want: ended here, so that a process that calls nothing else
+            // into the driver does not keep its hint open.
+            let mut process = enforcer.process();
+            // Looked at again under the lock: the hint may have ended, and another begun.
+            if let Some(phase) = process.hint
+                && phase.freed >= phase.asked
+                && let Some(Some(board)) = enforcer.boards[phase.device].get()
+            {
+                let want = enforcer.want_after_hints(board, phase.device, &mut process);
+                assert_eq!(want, 0, "a met hint swaps nothing");
+            }
+        }
+        return hint::asked();
+    }
+    for device in 0..DEVICES_MAX {
+        let Some(Some(board)) = enforcer.boards[device].get() else {
+            continue;
+        };
+        if board.board.region.tenants[board.tenant]
+            .want_bytes
+            .load(Ordering::SeqCst)
+            == 0
+        {
+            continue;
+        }
+        let mut process = enforcer.process();
+        if process.board_slots[device].is_some() {
+            let want = enforcer.want_after_hints(board, device, &mut process);
+            // A want handed back to the swap right away (a budget of 0): for the process's
+            // next call.
+            if want > 0 {
+                board.board.post_want(board.tenant, want);
+            }
+        }
+        if hint::in_progress() {
+            break;
+        }
+    }
+    hint::asked()
+}
+
+/// The helper did what it could for the hint in progress (`vgpu_memory_hint_done`; `freed` is
+/// its own estimate, for the log): the rest may be swapped without waiting out the budget.
+pub fn hint_done(freed: u64) {
+    if hint::in_progress() {
+        crate::log::debug(format_args!(
+            "the hint helper is done (it says it freed {})",
+            human(freed)
+        ));
+        hint::done();
     }
 }
 

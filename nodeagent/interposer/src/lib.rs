@@ -21,7 +21,10 @@
 //!   borrow past the request, what a refusal says), `vmm` backs borrowed allocations, and `swap`
 //!   moves borrowed chunks to host memory and back when other tenants want their request (off
 //!   by default, `VGPU_MEMORY_SWAP=1`; every launch and copy hook holds while a chunk is out,
-//!   `hooks::enter_work`). `launch` is the launch gate, in safe code (the driver behind a trait); `spatial`
+//!   `hooks::enter_work`); `hint` gives a hint helper registered in the process (`vgpu.torch`,
+//!   through `vgpu_memory_hint_register`, `vgpu_memory_want` and `vgpu_memory_hint_done` in
+//!   `exports`) a bounded budget to free memory before the swap takes the rest. `launch` is the
+//!   launch gate, in safe code (the driver behind a trait); `spatial`
 //!   moves launches to a green context with fewer SMs while a latency tenant is active (opt-in,
 //!   `VGPU_SPATIAL=1`).
 //! - `compat` judges, once at load, whether the driver is one the hooks were written for (its
@@ -43,6 +46,7 @@ mod dlsym_shim;
 mod elastic;
 mod exports;
 mod fault;
+mod hint;
 mod hooks;
 mod launch;
 mod log;

@@ -80,6 +80,21 @@ pub trait Counters {
     fn swap_in(&mut self, bytes: u64) -> bool;
     /// Undoes a `swap_in` whose driver work failed: the bytes are out again.
     fn swap_in_failed(&mut self, bytes: u64);
+    /// Reserves `bytes` of pinned host staging for a chunk about to go out, within the node's
+    /// swap staging budget (`Board::reserve_staging`); `false`: the chunk must stay resident.
+    fn reserve_staging(&mut self, bytes: u64) -> bool;
+    /// Gives back `bytes` of staging: the chunk is back on the GPU (or its swap-out failed).
+    fn release_staging(&mut self, bytes: u64);
+}
+
+/// What a [`Chunks::give_back`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GivenBack {
+    /// Bytes that went to host memory.
+    pub bytes: u64,
+    /// Bytes that would have gone but stayed resident because the staging budget (the node's
+    /// `swap_host_memory`) was spent.
+    pub refused_for_staging: u64,
 }
 
 /// One borrowed chunk of this process.
@@ -135,14 +150,14 @@ impl Chunks {
     }
 
     /// Gives back at least `want` bytes if it has them: resident chunks go out largest first
-    /// (fewest copies), until `want` is met. Returns the bytes that went out. A chunk the driver
-    /// could not move stays and the next is tried.
+    /// (fewest copies), until `want` is met. A chunk the driver could not move, or for which the
+    /// staging budget has no room, stays and the next is tried.
     pub fn give_back(
         &mut self,
         want: u64,
         backing: &mut impl Backing,
         counters: &mut impl Counters,
-    ) -> u64 {
+    ) -> GivenBack {
         let mut order: Vec<(u64, u64)> = self
             .chunks
             .iter()
@@ -151,9 +166,14 @@ impl Chunks {
             .collect();
         order.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut given = 0u64;
+        let mut refused_for_staging = 0u64;
         for (address, size) in order {
             if given >= want {
                 break;
+            }
+            if !counters.reserve_staging(size) {
+                refused_for_staging += size;
+                continue;
             }
             match backing.swap_out(address, size) {
                 Ok(()) => {
@@ -161,11 +181,21 @@ impl Chunks {
                     counters.swapped_out(size);
                     given += size;
                 }
-                Err(e) => crate::log::error(format_args!("{e}; it stays resident")),
+                Err(e) => {
+                    counters.release_staging(size);
+                    crate::log::error(format_args!("{e}; it stays resident"));
+                }
             }
         }
         assert!(given <= self.out_bytes());
-        given
+        GivenBack {
+            bytes: given,
+            refused_for_staging: if given >= want {
+                0
+            } else {
+                refused_for_staging
+            },
+        }
     }
 
     /// Brings every chunk back if the GPU has room for each (all or as many as fit, in address
@@ -182,7 +212,10 @@ impl Chunks {
                 break;
             }
             match backing.swap_in(address, size) {
-                Ok(()) => self.chunks.get_mut(&address).expect("listed above").out = false,
+                Ok(()) => {
+                    self.chunks.get_mut(&address).expect("listed above").out = false;
+                    counters.release_staging(size);
+                }
                 Err(e) => {
                     counters.swap_in_failed(size);
                     crate::log::error(format_args!("{e}; it stays in host memory"));

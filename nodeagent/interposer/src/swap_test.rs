@@ -46,6 +46,9 @@ struct Board {
     others: u64,
     resident: u64,
     swapped: u64,
+    /// The staging budget and what is reserved of it.
+    staging_budget: u64,
+    staging: u64,
 }
 
 impl Counters for Board {
@@ -67,6 +70,18 @@ impl Counters for Board {
         self.resident -= bytes;
         self.swapped += bytes;
     }
+
+    fn reserve_staging(&mut self, bytes: u64) -> bool {
+        if self.staging + bytes > self.staging_budget {
+            return false;
+        }
+        self.staging += bytes;
+        true
+    }
+
+    fn release_staging(&mut self, bytes: u64) {
+        self.staging -= bytes;
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -85,6 +100,8 @@ enum Op {
     TakeBack,
     /// A launch, which reads every chunk; admitted only while nothing is out.
     Launch,
+    /// The agent writes a staging budget of `units` KiB (never below what is reserved).
+    Budget { units: u64 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -96,6 +113,7 @@ fn op() -> impl Strategy<Value = Op> {
         (0usize..16).prop_map(|n| Op::Fail { n }),
         Just(Op::TakeBack),
         Just(Op::Launch),
+        (0u64..=32).prop_map(|units| Op::Budget { units }),
     ]
 }
 
@@ -106,13 +124,18 @@ proptest! {
 
     /// Over any interleaving: the contents of every chunk survive its trips out and back, at the
     /// same address; a launch is admitted only while nothing is out; the board's counters are
-    /// what the chunks say; a want is met whenever enough is resident and the driver does not
-    /// fail; taking back never passes the GPU's capacity.
+    /// what the chunks say; a want is met whenever enough is resident, the staging budget has
+    /// room and the driver does not fail (and with too little staging, nothing passes the
+    /// budget and what stays resident is said); taking back never passes the GPU's capacity;
+    /// staging is held exactly for the chunks out.
     #[test]
     fn contents_survive_and_nothing_runs_while_a_chunk_is_out(ops in prop::collection::vec(op(), 1..60)) {
         let mut chunks = Chunks::default();
         let mut model = Model::default();
-        let mut board = Board { capacity: 64 * UNIT, others: 0, resident: 0, swapped: 0 };
+        let mut board = Board {
+            capacity: 64 * UNIT, others: 0, resident: 0, swapped: 0,
+            staging_budget: 64 * UNIT, staging: 0,
+        };
         let mut expected: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
         let mut next_address = 0x7f00_0000_0000u64;
         for op in ops {
@@ -134,6 +157,7 @@ proptest! {
                         if chunk.out {
                             model.staging.remove(&address).expect("staged");
                             board.swapped -= chunk.size;
+                            board.staging -= chunk.size;
                         } else {
                             model.mapped.remove(&address).expect("mapped");
                             board.resident -= chunk.size;
@@ -145,9 +169,14 @@ proptest! {
                     let want = units * UNIT;
                     let resident = chunks.resident_bytes();
                     let failing = !model.fail.is_empty();
+                    let ample = board.staging + resident <= board.staging_budget;
                     let given = chunks.give_back(want, &mut model, &mut board);
-                    if !failing {
-                        prop_assert!(given >= want.min(resident), "gave {given} of {want} with {resident} resident");
+                    if !failing && ample {
+                        prop_assert!(given.bytes >= want.min(resident), "gave {:?} of {want} with {resident} resident", given);
+                        prop_assert_eq!(given.refused_for_staging, 0);
+                    }
+                    if given.refused_for_staging > 0 {
+                        prop_assert!(given.bytes < want);
                     }
                 }
                 // Others hold what the board granted them: never past the capacity.
@@ -163,6 +192,9 @@ proptest! {
                     let all = chunks.take_back(&mut model, &mut board);
                     prop_assert_eq!(all, !chunks.held());
                 }
+                Op::Budget { units } => {
+                    board.staging_budget = (units * UNIT).max(board.staging);
+                }
                 Op::Launch => {
                     if !chunks.held() {
                         // Every chunk the kernel may touch is mapped, with its contents.
@@ -175,6 +207,8 @@ proptest! {
             prop_assert!(board.others + board.resident <= board.capacity);
             prop_assert_eq!(board.resident, chunks.resident_bytes());
             prop_assert_eq!(board.swapped, chunks.out_bytes());
+            prop_assert_eq!(board.staging, chunks.out_bytes());
+            prop_assert!(board.staging <= board.staging_budget);
             prop_assert_eq!(chunks.held(), chunks.out_bytes() > 0);
             for (address, bytes) in &expected {
                 let chunk = chunks.chunks[address];
@@ -196,6 +230,8 @@ fn the_largest_chunks_go_first_and_only_as_many_as_wanted() {
         others: 0,
         resident: 0,
         swapped: 0,
+        staging_budget: 64 * UNIT,
+        staging: 0,
     };
     for (address, units) in [(0x1000u64, 2u64), (0x2000, 8), (0x3000, 4)] {
         model
@@ -205,7 +241,13 @@ fn the_largest_chunks_go_first_and_only_as_many_as_wanted() {
         board.resident += units * UNIT;
     }
     // 5 units wanted: the 8-unit chunk alone covers it.
-    assert_eq!(chunks.give_back(5 * UNIT, &mut model, &mut board), 8 * UNIT);
+    assert_eq!(
+        chunks.give_back(5 * UNIT, &mut model, &mut board),
+        GivenBack {
+            bytes: 8 * UNIT,
+            refused_for_staging: 0
+        }
+    );
     assert!(chunks.held());
     assert_eq!(model.staging.keys().collect::<Vec<_>>(), [&0x2000]);
     // The GPU is full: nothing comes back, and the hold stays.
@@ -217,6 +259,51 @@ fn the_largest_chunks_go_first_and_only_as_many_as_wanted() {
     assert!(hold(|| chunks.take_back(&mut model, &mut board)));
     assert_eq!(model.mapped[&0x2000], vec![8u8; (8 * UNIT) as usize]);
     assert_eq!(board.swapped, 0);
+    assert_eq!(board.staging, 0);
+}
+
+/// The staging budget has room for the 4-unit chunk only: the 8-unit one stays resident (said in
+/// `refused_for_staging`), the 4-unit one goes; with no room at all nothing goes.
+#[test]
+fn a_chunk_the_staging_budget_has_no_room_for_stays_resident() {
+    let mut chunks = Chunks::default();
+    let mut model = Model::default();
+    let mut board = Board {
+        capacity: 64 * UNIT,
+        others: 0,
+        resident: 0,
+        swapped: 0,
+        staging_budget: 5 * UNIT,
+        staging: 0,
+    };
+    for (address, units) in [(0x2000u64, 8u64), (0x3000, 4)] {
+        model
+            .mapped
+            .insert(address, vec![units as u8; (units * UNIT) as usize]);
+        chunks.add(address, units * UNIT);
+        board.resident += units * UNIT;
+    }
+    assert_eq!(
+        chunks.give_back(12 * UNIT, &mut model, &mut board),
+        GivenBack {
+            bytes: 4 * UNIT,
+            refused_for_staging: 8 * UNIT
+        }
+    );
+    assert_eq!(model.staging.keys().collect::<Vec<_>>(), [&0x3000]);
+    assert_eq!(board.staging, 4 * UNIT);
+    board.staging_budget = 0;
+    assert!(chunks.take_back(&mut model, &mut board));
+    assert_eq!(board.staging, 0);
+    assert_eq!(
+        chunks.give_back(UNIT, &mut model, &mut board),
+        GivenBack {
+            bytes: 0,
+            refused_for_staging: 12 * UNIT
+        }
+    );
+    assert!(!chunks.held());
+    assert_eq!(model.mapped[&0x2000], vec![8u8; (8 * UNIT) as usize]);
 }
 
 /// The process-wide counts the launch and copy paths read (the only test that touches them: they

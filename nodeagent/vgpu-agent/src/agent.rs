@@ -99,6 +99,9 @@ pub struct JoinConfig {
     /// CPU and host memory kept for work outside vgpu, subtracted from what the node registers
     /// (`inventory::host`).
     pub host_reserve: crate::inventory::host::HostReserve,
+    /// Pinned host memory for swapped-out borrowed GPU memory on this node, split evenly over
+    /// its GPUs' memory boards (`swap_host_memory`); `None`: [`swap_host_memory_default`].
+    pub swap_host_memory: Option<u64>,
     /// Plain text, certificates, or a bootstrap token.
     pub security: crate::bootstrap::Security,
     /// Concurrent sharing: the node's MPS daemon ([`crate::mps`]); `None`: time slicing only.
@@ -129,6 +132,14 @@ impl Default for Timings {
     }
 }
 
+/// The node's swap staging budget when `swap_host_memory` is not set: a quarter of the host
+/// memory it offers tenants (`MemTotal` less `reserved_host_memory`). Pinned memory cannot be
+/// paged out, so the default keeps three quarters for the kernel and the tenants' own host
+/// memory; 0 when the host memory is not known (then nothing is swapped, and that is said).
+pub fn swap_host_memory_default(host_memory_bytes: u64) -> u64 {
+    host_memory_bytes / 4
+}
+
 /// Joins the pool and follows assignments until `shutdown` completes (then returns `Ok`), or
 /// until something that retrying cannot fix happens.
 pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
@@ -156,7 +167,23 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
         .iter()
         .map(|gpu| (gpu.uuid.clone(), gpu.memory_bytes))
         .collect();
-    follower = follower.with_gpu_memory(gpu_memory).with_private(layout);
+    let swap_host_memory = config
+        .swap_host_memory
+        .unwrap_or_else(|| swap_host_memory_default(inventory.host.memory_bytes));
+    if swap_host_memory == 0 {
+        warn!(
+            "swap_host_memory is 0: borrowed GPU memory is never swapped out on this node, so a tenant whose request others borrowed is refused with \"the node's swap space is full\""
+        );
+    } else {
+        info!(
+            swap_host_memory_bytes = swap_host_memory,
+            "pinned host memory for swapped-out borrowed GPU memory, split evenly over the GPUs"
+        );
+    }
+    follower = follower
+        .with_gpu_memory(gpu_memory)
+        .with_swap_host_memory(swap_host_memory)
+        .with_private(layout);
     if let Some(mps) = &config.mps {
         // Before any tenant can be started here: their environment names the daemon's pipes.
         crate::mps::ensure_running(mps)?;

@@ -46,6 +46,9 @@ pub struct Settings {
     /// Bytes (`"16GiB"` in the file).
     #[serde(default, deserialize_with = "reserved_host_memory")]
     pub reserved_host_memory: Option<u64>,
+    /// Bytes (`"256GiB"` in the file): pinned host memory for swapped-out borrowed GPU memory.
+    #[serde(default, deserialize_with = "swap_host_memory")]
+    pub swap_host_memory: Option<u64>,
     pub mps: Option<bool>,
     pub mps_tenants: Option<crate::mps::MpsTenants>,
     pub mps_control: Option<PathBuf>,
@@ -167,6 +170,15 @@ const RESERVED_HOST_MEMORY: KeyDoc = KeyDoc {
     example: "\"16GiB\"",
 };
 
+const SWAP_HOST_MEMORY: KeyDoc = KeyDoc {
+    key: "swap_host_memory",
+    env: "VGPU_AGENT_SWAP_HOST_MEMORY",
+    env_aliases: &[],
+    flag: Some("--swap-host-memory"),
+    default: "a quarter of the host memory the node offers tenants",
+    example: "\"256GiB\"",
+};
+
 const MPS: KeyDoc = KeyDoc {
     key: "mps",
     env: "VGPU_AGENT_MPS",
@@ -266,6 +278,7 @@ pub const KEYS: &[KeyDoc] = &[
     NIC_GBPS,
     RESERVED_CPU,
     RESERVED_HOST_MEMORY,
+    SWAP_HOST_MEMORY,
     MPS,
     MPS_TENANTS,
     MPS_CONTROL,
@@ -295,6 +308,17 @@ pub fn parse_reserved_cpu(text: &str) -> std::result::Result<u64, String> {
 /// Parses `--reserved-host-memory`: a size (`16GiB`).
 pub fn parse_reserved_host_memory(text: &str) -> std::result::Result<u64, String> {
     api::size::parse_bytes(text).map_err(|error| error.to_string())
+}
+
+/// Parses `--swap-host-memory`: a size (`256GiB`; `0` turns the swap off on the node).
+pub fn parse_swap_host_memory(text: &str) -> std::result::Result<u64, String> {
+    api::size::parse_bytes(text).map_err(|error| error.to_string())
+}
+
+fn swap_host_memory<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Option<u64>, D::Error> {
+    common::parse_with(deserializer, parse_swap_host_memory)
 }
 
 fn reserved_cpu<'de, D: serde::Deserializer<'de>>(
@@ -346,6 +370,7 @@ impl Settings {
                 &RESERVED_HOST_MEMORY,
                 parse_reserved_host_memory,
             )?,
+            swap_host_memory: common::from_env(env, &SWAP_HOST_MEMORY, parse_swap_host_memory)?,
             mps: common::from_env(env, &MPS, common::parse_bool)?,
             mps_tenants: common::from_env(env, &MPS_TENANTS, crate::mps::MpsTenants::parse)?,
             mps_control: path(&MPS_CONTROL)?,
@@ -488,6 +513,7 @@ impl Settings {
                 cpu_milli: self.reserved_cpu.unwrap_or(0),
                 memory_bytes: self.reserved_host_memory.unwrap_or(0),
             },
+            swap_host_memory: self.swap_host_memory,
             cdi,
         })
     }
@@ -514,6 +540,7 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         nic_gbps: higher.nic_gbps.or(lower.nic_gbps),
         reserved_cpu: higher.reserved_cpu.or(lower.reserved_cpu),
         reserved_host_memory: higher.reserved_host_memory.or(lower.reserved_host_memory),
+        swap_host_memory: higher.swap_host_memory.or(lower.swap_host_memory),
         mps: higher.mps.or(lower.mps),
         mps_tenants: higher.mps_tenants.or(lower.mps_tenants),
         mps_control: higher.mps_control.or(lower.mps_control),

@@ -41,6 +41,9 @@ pub struct Follower {
     /// The node's GPUs (uuid -> memory bytes) whose memory boards are kept with the private
     /// directories (`private::publish_boards`); empty: none.
     gpu_memory: std::collections::BTreeMap<String, u64>,
+    /// The node's swap staging budget (`swap_host_memory`), split evenly over `gpu_memory`'s
+    /// boards.
+    swap_host_memory: u64,
 }
 
 impl Follower {
@@ -82,6 +85,7 @@ impl Follower {
             cdi: None,
             private: None,
             gpu_memory: Default::default(),
+            swap_host_memory: 0,
         })
     }
 
@@ -89,6 +93,13 @@ impl Follower {
     /// directories, from the next preparation on (set it before [`Follower::with_private`]).
     pub fn with_gpu_memory(mut self, gpus: std::collections::BTreeMap<String, u64>) -> Follower {
         self.gpu_memory = gpus;
+        self
+    }
+
+    /// The node's pinned host memory for swapped-out borrowed memory, written into the boards
+    /// (set it before [`Follower::with_private`]).
+    pub fn with_swap_host_memory(mut self, bytes: u64) -> Follower {
+        self.swap_host_memory = bytes;
         self
     }
 
@@ -139,7 +150,11 @@ impl Follower {
                 for problem in &prepared.problems {
                     warn!("{problem}");
                 }
-                for problem in private::publish_boards(layout, set, &self.gpu_memory) {
+                let gpus = private::BoardGpus {
+                    memory_bytes: &self.gpu_memory,
+                    swap_host_memory_bytes: self.swap_host_memory,
+                };
+                for problem in private::publish_boards(layout, set, &gpus) {
                     warn!("{problem}");
                 }
             }

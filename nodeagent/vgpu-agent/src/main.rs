@@ -147,6 +147,11 @@ struct JoinArgs {
     /// MemTotal less this [default: 0] [config: reserved_host_memory].
     #[arg(long, value_name = "SIZE", value_parser = vgpu_agent::config::parse_reserved_host_memory)]
     reserved_host_memory: Option<u64>,
+    /// Pinned host memory this node gives swapped-out borrowed GPU memory (elastic memory,
+    /// `256GiB`; `0`: no swap), split evenly over its GPUs [default: a quarter of the host
+    /// memory the node offers tenants] [config: swap_host_memory].
+    #[arg(long, value_name = "SIZE", value_parser = vgpu_agent::config::parse_swap_host_memory)]
+    swap_host_memory: Option<u64>,
     /// Concurrent sharing: run NVIDIA MPS for the node's GPUs and partition SMs for
     /// latency-sensitive tenants (docs: nodeagent/vgpu-agent/README.md) [config: mps].
     #[arg(long)]
@@ -209,6 +214,7 @@ impl JoinArgs {
             nic_gbps: self.nic_gbps,
             reserved_cpu: self.reserved_cpu,
             reserved_host_memory: self.reserved_host_memory,
+            swap_host_memory: self.swap_host_memory,
             mps: self.mps.then_some(true),
             mps_tenants: self.mps_tenants,
             kubernetes_managed: self.kubernetes_managed.then_some(true),

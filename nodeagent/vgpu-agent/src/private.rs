@@ -294,8 +294,29 @@ pub fn prepare(
 /// fragmentation headroom (`docs/design/elastic-memory.md`).
 pub const BOARD_RESERVE_BYTES: u64 = 2 << 30;
 
+/// The node's GPUs as their memory boards see them.
+#[derive(Debug, Clone, Copy)]
+pub struct BoardGpus<'g> {
+    /// uuid -> the GPU's memory in bytes.
+    pub memory_bytes: &'g std::collections::BTreeMap<String, u64>,
+    /// The node's pinned host memory for swapped-out borrowed memory (`swap_host_memory`).
+    pub swap_host_memory_bytes: u64,
+}
+
+impl BoardGpus<'_> {
+    /// Each GPU's share of the node's swap staging: an even split, so that the boards (one per
+    /// GPU, each with its own lock-free budget) together never pass the node's.
+    pub fn staging_budget_per_gpu(&self) -> u64 {
+        let count = self.memory_bytes.len().max(1) as u64;
+        let share = self.swap_host_memory_bytes / count;
+        assert!(share.saturating_mul(count) <= self.swap_host_memory_bytes);
+        share
+    }
+}
+
 /// Creates (once) and writes the memory board of every GPU of `gpus` (uuid -> its memory in
-/// bytes): what the tenants may hold in all (the memory less [`BOARD_RESERVE_BYTES`]) and one
+/// bytes): what the tenants may hold in all (the memory less [`BOARD_RESERVE_BYTES`]), its share
+/// of the node's swap staging ([`BoardGpus::staging_budget_per_gpu`]) and one
 /// entry per tenant of `set` placed on it (request: its slice's memory; limit: the slice's
 /// memory limit; its priority; whether the slice is guaranteed), and links each board into the
 /// directories of the tenants on its GPU. Elastic memory on the node (issue 17): the agent reads
@@ -305,10 +326,11 @@ pub const BOARD_RESERVE_BYTES: u64 = 2 << 30;
 pub fn publish_boards(
     layout: &Layout,
     set: &AssignmentSet,
-    gpus: &std::collections::BTreeMap<String, u64>,
+    gpus: &BoardGpus<'_>,
 ) -> Vec<PrivateError> {
     let mut problems = Vec::new();
-    for (uuid, memory_bytes) in gpus {
+    let staging_budget_bytes = gpus.staging_budget_per_gpu();
+    for (uuid, memory_bytes) in gpus.memory_bytes {
         let specs: Vec<tenant_abi::board::TenantSpec> = set
             .tenants
             .values()
@@ -327,12 +349,14 @@ pub fn publish_boards(
             })
             .collect();
         let path = layout.board(uuid);
-        let capacity = memory_bytes.saturating_sub(BOARD_RESERVE_BYTES);
+        let gpu = tenant_abi::board::GpuSpec {
+            capacity_bytes: memory_bytes.saturating_sub(BOARD_RESERVE_BYTES),
+            staging_budget_bytes,
+        };
         let written = tenant_abi::shm::create_board(&path)
             .map_err(|error| error.to_string())
             .and_then(|_| {
-                tenant_abi::shm::write_board(&path, capacity, &specs)
-                    .map_err(|error| error.to_string())
+                tenant_abi::shm::write_board(&path, gpu, &specs).map_err(|error| error.to_string())
             });
         if let Err(message) = written {
             problems.push(PrivateError::Board {

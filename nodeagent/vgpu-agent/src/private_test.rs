@@ -243,6 +243,15 @@ fn one_keeper_per_shared_memory_directory() {
     assert_eq!(names, [KEEPER_FILE], "no temporary file is left");
 }
 
+/// The staging budget in a board file's header (the word the interposers read).
+fn staging_budget(board: &std::path::Path) -> u64 {
+    use tenant_abi::board::{Header, Region};
+    let at =
+        std::mem::offset_of!(Region, header) + std::mem::offset_of!(Header, staging_budget_bytes);
+    let bytes = std::fs::read(board).unwrap();
+    u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
+}
+
 /// Issue 17: every GPU of the node gets a memory board with its capacity and the tenants placed
 /// on it, rewritten as they come and go.
 #[test]
@@ -254,9 +263,17 @@ fn each_gpu_gets_a_memory_board_of_its_tenants() {
         ("GPU-2".to_owned(), 80 << 30),
     ]
     .into();
+    let gpus = BoardGpus {
+        memory_bytes: &gpus,
+        swap_host_memory_bytes: 65 << 30,
+    };
     let first = set(&[("a", &["GPU-1"]), ("b", &["GPU-1", "GPU-2"])]);
     prepare(&layout, &first, &owners, QUANTUM).unwrap();
     assert!(publish_boards(&layout, &first, &gpus).is_empty());
+    // The node's swap staging, split evenly: each board holds its GPU's share.
+    for uuid in ["GPU-1", "GPU-2"] {
+        assert_eq!(staging_budget(&layout.board(uuid)), (65 << 30) / 2);
+    }
     let (capacity, holders) = tenant_abi::shm::read_board(&layout.board("GPU-1")).unwrap();
     assert_eq!(capacity, (80 << 30) - BOARD_RESERVE_BYTES);
     let names: Vec<_> = holders
@@ -310,6 +327,10 @@ fn a_board_entry_carries_the_slices_limit() {
     let shm = tempfile::tempdir().unwrap();
     let layout = Layout::new(&shm.path().join("vgpu"));
     let gpus: std::collections::BTreeMap<String, u64> = [("GPU-1".to_owned(), 80 << 30)].into();
+    let gpus = BoardGpus {
+        memory_bytes: &gpus,
+        swap_host_memory_bytes: 0,
+    };
     let mut placed = set(&[("a", &["GPU-1"]), ("b", &["GPU-1"])]);
     placed.tenants.get_mut("a").unwrap().slices[0].memory_limit_bytes = 60 << 30;
     prepare(&layout, &placed, &owners, QUANTUM).unwrap();

@@ -313,6 +313,7 @@ mod tests {
                 limit_bytes: 60 * GIB,
                 resident_bytes: 26 * GIB,
                 swapped_bytes: 2 * GIB,
+                staging_bytes: 2 * GIB,
             }],
         );
         let entries = combine("node-a", &assignments, &files, &|_| None);

@@ -275,6 +275,7 @@ fn config(control_plane: String, state_dir: &Path) -> JoinConfig {
         shm_dir: shm_dir(state_dir),
         nic_bytes_per_second: 12_500_000_000,
         host_reserve: Default::default(),
+        swap_host_memory: None,
         cdi: None,
         kubernetes_managed: false,
         mps: None,

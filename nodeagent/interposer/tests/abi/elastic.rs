@@ -13,8 +13,19 @@ const MIB: u64 = 1 << 20;
 /// CUDA device 0's uuid (fakecuda.c's bytes a0..ae, then the ordinal): names its board.
 const GPU_0: &str = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00";
 
-/// Writes device 0's board: `capacity` and `(tenant, request, limit)` entries.
+/// Writes device 0's board: `capacity` and `(tenant, request, limit)` entries, with a swap
+/// staging budget as large as the capacity (every chunk may go out).
 fn board(shm: &Path, capacity: u64, tenants: &[(&str, u64, u64)]) -> PathBuf {
+    board_with_staging(shm, capacity, capacity, tenants)
+}
+
+/// [`board`] with a staging budget of `staging` bytes.
+fn board_with_staging(
+    shm: &Path,
+    capacity: u64,
+    staging: u64,
+    tenants: &[(&str, u64, u64)],
+) -> PathBuf {
     let path = tenant_abi::layout::board_path(shm, GPU_0);
     tenant_abi::shm::create_board(&path).expect("creating the board");
     let specs: Vec<TenantSpec> = tenants
@@ -27,7 +38,11 @@ fn board(shm: &Path, capacity: u64, tenants: &[(&str, u64, u64)]) -> PathBuf {
             guaranteed: true,
         })
         .collect();
-    tenant_abi::shm::write_board(&path, capacity, &specs).expect("writing the board");
+    let gpu = tenant_abi::board::GpuSpec {
+        capacity_bytes: capacity,
+        staging_budget_bytes: staging,
+    };
+    tenant_abi::shm::write_board(&path, gpu, &specs).expect("writing the board");
     path
 }
 
@@ -707,4 +722,172 @@ fn a_driver_with_a_copy_path_we_do_not_hold_keeps_the_swap_off() {
     );
     assert!(a_err.contains("cuMemcpyWithAttributesAsync"), "{a_err}");
     assert!(!a_err.contains("went to host memory"), "{a_err}");
+}
+
+/// The node's swap staging budget (`swap_host_memory`, this GPU's share on the board) has room
+/// for 4 MiB, and the borrower's chunk is 8 MiB: the swap-out is refused, the borrower keeps its
+/// memory and its bytes and says the node's swap space is full; the tenant that needed the
+/// memory is refused with `CUDA_ERROR_OUT_OF_MEMORY` and the same words, without waiting out the
+/// reclaim's 5 s. Nobody is killed, nothing hangs.
+#[test]
+fn a_reclaim_the_swap_space_cannot_hold_is_refused_and_the_borrower_keeps_its_bytes() {
+    let shm = shm_dir();
+    let board = board_with_staging(
+        shm.path(),
+        16 * MIB,
+        4 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 7 touch {} spin_info {} check 7 kcheck 7 vmm",
+        file("a-ready"),
+        file("b-done")
+    ));
+    let began = std::time::Instant::now();
+    let (out, err) = run(
+        swapping(tenant(shm.path(), "b", "8MiB")),
+        &format!("until_file {} alloc 8M", file("a-ready")),
+    );
+    let waited = began.elapsed();
+    std::fs::write(shm.path().join("b-done"), "").expect("touching b-done");
+    a.wait_held();
+    assert_eq!(lines(&out), ["until_file 0", "alloc 2"]);
+    assert_eq!(
+        err.matches("the node's swap space is full").count(),
+        1,
+        "{err}"
+    );
+    assert!(err.contains("raise the agent's swap_host_memory"), "{err}");
+    assert!(
+        waited < std::time::Duration::from_secs(4),
+        "the refusal waited {waited:?}: it should not wait out the reclaim"
+    );
+    assert!(
+        a.output.ends_with(&format!(
+            "spin_info 0\ncheck 0 ok\nkcheck 0 ok\nvmm 0 reserved={} mapped={}\n",
+            8 * MIB,
+            8 * MIB
+        )),
+        "{}",
+        a.output
+    );
+    let kept = usage(&board, "a");
+    assert_eq!(
+        (kept.resident_bytes, kept.swapped_bytes, kept.staging_bytes),
+        (12 * MIB, 0, 0)
+    );
+    let a_err = stderr_of(a);
+    assert!(a_err.contains("the node's swap space is full"), "{a_err}");
+    assert!(a_err.contains("swap_host_memory"), "{a_err}");
+    assert!(!a_err.contains("went to host memory"), "{a_err}");
+}
+
+/// Hints first: the borrower's process registered a hint helper (a thread of the probe, through
+/// the exported `vgpu_memory_hint_register`, `vgpu_memory_want` and `vgpu_memory_hint_done`
+/// found by `dlsym`), which frees its borrowed allocation when asked. The want is met by the
+/// free: nothing is swapped, and the tenant that needed the memory gets it.
+#[test]
+fn a_hint_helper_that_frees_on_a_want_spares_the_swap() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M hinter free touch {} spin_info {} hint_join info vmm",
+        file("a-ready"),
+        file("b-has")
+    ));
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} alloc 8M touch {}",
+        file("a-ready"),
+        file("b-has")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\ntouch 0\n");
+    a.wait_held();
+    let after = lines(&a.output);
+    assert_eq!(
+        after[..5],
+        ["alloc 0", "alloc 0", "hinter 0", "touch 0", "spin_info 0"]
+    );
+    assert_eq!(
+        after[5],
+        format!("hint_join {} 0", 4 * MIB),
+        "the shortfall is asked"
+    );
+    assert_eq!(after[7], "vmm 0 reserved=0 mapped=0");
+    let freed = usage(&board, "a");
+    assert_eq!(
+        (
+            freed.resident_bytes,
+            freed.swapped_bytes,
+            freed.staging_bytes
+        ),
+        (4 * MIB, 0, 0)
+    );
+    assert_eq!(usage(&board, "b").resident_bytes, 8 * MIB);
+    let err = stderr_of(a);
+    assert!(err.contains("nothing was swapped"), "{err}");
+    assert!(!err.contains("went to host memory"), "{err}");
+}
+
+/// A hint helper that does nothing: the swap waits out its budget (`VGPU_MEMORY_HINT_MS`, 300 ms
+/// here), then moves the borrowed chunk as without a helper; the chunk comes back intact.
+#[test]
+fn a_hint_helper_that_frees_nothing_delays_the_swap_by_its_budget_only() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB"))
+        .env("VGPU_MEMORY_HINT_MS", "300")
+        .start_holding(&format!(
+            "alloc 4M alloc 8M fill 7 hinter idle touch {} spin_info {} hint_join check 7",
+            file("a-ready"),
+            file("b-has")
+        ));
+    let mut b = swapping(tenant(shm.path(), "b", "8MiB")).start_holding(&format!(
+        "until_file {} clock alloc 8M clock touch {} until_file {} free",
+        file("a-ready"),
+        file("b-has"),
+        file("test-go")
+    ));
+    b.wait_for_line("touch 0");
+    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
+    std::fs::write(shm.path().join("test-go"), "").expect("touching test-go");
+    b.wait_held();
+    a.wait_held();
+    let b_lines = lines(&b.output);
+    assert_eq!(b_lines[0], "until_file 0");
+    assert_eq!(b_lines[2], "alloc 0");
+    let clock = |line: &str| -> u64 {
+        line.strip_prefix("clock ")
+            .and_then(|ns| ns.parse().ok())
+            .expect("a clock line")
+    };
+    let alloc_ms = (clock(b_lines[3]) - clock(b_lines[1])) / 1_000_000;
+    assert!(
+        alloc_ms >= 300,
+        "b got its memory after {alloc_ms} ms, within the helper's budget"
+    );
+    assert!(
+        a.output
+            .ends_with(&format!("hint_join {} -1\ncheck 0 ok\n", 4 * MIB)),
+        "{}",
+        a.output
+    );
+    let back = usage(&board, "a");
+    assert_eq!(
+        (back.resident_bytes, back.swapped_bytes, back.staging_bytes),
+        (12 * MIB, 0, 0)
+    );
+    let err = stderr_of(a);
+    assert!(err.contains("the swap moves the rest"), "{err}");
+    assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
 }

@@ -64,6 +64,13 @@
  *   nvml I | nvml2 I NVML device I's memory, called directly (as nvml_dl / nvml2_dl)
  *   nvml2_version I V   nvmlDeviceGetMemoryInfo_v2 with the struct version V: "<rc> <total>"
  *   procs KIND I N   as procs_dl, called directly (without "lib=")
+ *   hinter MODE      a hint helper (elastic memory): registers through
+ *                    dlsym(RTLD_DEFAULT, "vgpu_memory_hint_register") ("hinter <rc>") and starts
+ *                    a thread that polls vgpu_memory_want every millisecond (up to 20 s); MODE
+ *                    free: at the first want it frees the newest pointer (taken off the list
+ *                    now) with cuMemFree_v2 and calls vgpu_memory_hint_done; MODE idle: it only
+ *                    records the largest want it saw
+ *   hint_join        stops and joins the helper: "hint_join <largest want> <free rc or -1>"
  * PROBE_NO_CUDA=1: the process starts without a CUDA context (no cuInit, no primary context).
  * APIs: kernel, kernel_ptsz, ex, ex_ptsz, coop, coop_ptsz, multi (cooperative multi-device),
  * ex_coop (cuLaunchKernelEx with the cooperative attribute), graph, graph_ptsz, gpa / gpa_ptsz
@@ -73,6 +80,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -317,6 +325,37 @@ static CUresult pattern(int seed, int write, int *same) {
   free(want);
   free(got);
   return rc;
+}
+
+/* The hint helper of `hinter`: what it frees, what it saw. */
+typedef int (*hint_register_fn)(void);
+typedef int (*hint_want_fn)(unsigned long long *);
+typedef int (*hint_done_fn)(unsigned long long);
+static pthread_t hint_thread;
+static int hint_started, hint_free_mode;
+static CUdeviceptr hint_pointer;
+static unsigned long long hint_pointer_size, hint_seen;
+static int hint_free_rc = -1;
+static volatile int hint_stop;
+
+static void *hint_helper(void *unused) {
+  (void)unused;
+  hint_want_fn want = (hint_want_fn)dlsym(RTLD_DEFAULT, "vgpu_memory_want");
+  hint_done_fn done = (hint_done_fn)dlsym(RTLD_DEFAULT, "vgpu_memory_hint_done");
+  for (int i = 0; i < 20000 && !hint_stop && want && done; i++) {
+    unsigned long long bytes = 0;
+    if (want(&bytes) == 0 && bytes > 0) {
+      if (bytes > hint_seen) hint_seen = bytes;
+      if (hint_free_mode && hint_free_rc == -1) {
+        hint_free_rc = cuMemFree_v2(hint_pointer);
+        done(hint_pointer_size);
+        return NULL;
+      }
+    }
+    struct timespec ms = {0, 1000000L};
+    nanosleep(&ms, NULL);
+  }
+  return NULL;
 }
 
 static gpa_v2_fn gpa_from_dlsym(void) {
@@ -728,6 +767,22 @@ int main(int argc, char **argv) {
       }
       i++;
 #endif
+    } else if (!strcmp(c, "hinter")) {
+      hint_register_fn reg = (hint_register_fn)dlsym(RTLD_DEFAULT, "vgpu_memory_hint_register");
+      hint_free_mode = !strcmp(a, "free");
+      if (hint_free_mode && n_pointers > 0) {
+        hint_pointer_size = sizes[n_pointers - 1];
+        hint_pointer = pointers[--n_pointers];
+      }
+      rc = reg ? (CUresult)reg() : (CUresult)-1;
+      if (reg) hint_started = pthread_create(&hint_thread, NULL, hint_helper, NULL) == 0;
+      printf("hinter %d\n", (int)rc);
+      i++;
+    } else if (!strcmp(c, "hint_join")) {
+      hint_stop = 1;
+      if (hint_started) pthread_join(hint_thread, NULL);
+      hint_started = 0;
+      printf("hint_join %llu %d\n", hint_seen, hint_free_rc);
     } else if (!strcmp(c, "sync")) {
       printf("sync %d\n", cuCtxSynchronize());
     } else if (!strcmp(c, "hold")) {

@@ -1,0 +1,1 @@
+"""vgpu's helpers for applications that run on a vgpu tenant (see deploy/python/README.md)."""

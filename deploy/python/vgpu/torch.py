@@ -1,0 +1,134 @@
+"""Give cached GPU memory back to vgpu before it swaps (elastic memory, issue 17).
+
+A tenant that borrows GPU memory past its request may be asked to give it back when another
+tenant needs its own request. vgpu then swaps the borrower's memory to host memory (and back
+later), which costs copies and pauses the borrower's kernels. Much of what PyTorch holds is its
+caching allocator's free blocks, which it can simply release. This module runs one daemon thread
+that polls the interposer (``libvgpu_cuda.so``, preloaded into the process) for what this process
+is asked to give back, and then calls ``torch.cuda.empty_cache()`` (or a hook of yours) and says
+it is done. The interposer credits the frees at once; what they do not cover is swapped after the
+hint budget (``VGPU_MEMORY_HINT_MS``, 100 ms by default). Without a helper the swap starts at
+once, so processes that do not call :func:`enable` pay nothing.
+
+Usage::
+
+    import vgpu.torch
+    vgpu.torch.enable()                                 # empty_cache() when asked
+    vgpu.torch.enable(on_want=lambda: llm.sleep(level=1))   # an engine's own pause hook
+
+Stdlib and torch only; torch is imported when the default hook first runs.
+"""
+
+import ctypes
+import logging
+import threading
+import time
+import warnings
+
+__all__ = ["enable", "POLL_INTERVAL_S"]
+
+#: How often the helper asks the interposer (one load of a shared word when nothing is asked).
+POLL_INTERVAL_S = 0.015
+
+# The interposer's return codes (nodeagent/interposer/src/exports.rs, VGPU_HINT_*).
+_OK = 0
+_INACTIVE = 1
+
+_log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_thread = None
+
+
+class _Abi:
+    """The three functions libvgpu_cuda.so exports for hint helpers, typed once."""
+
+    def __init__(self, process):
+        self.register = process.vgpu_memory_hint_register
+        self.register.argtypes = []
+        self.register.restype = ctypes.c_int
+        self.want = process.vgpu_memory_want
+        self.want.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        self.want.restype = ctypes.c_int
+        self.done = process.vgpu_memory_hint_done
+        self.done.argtypes = [ctypes.c_uint64]
+        self.done.restype = ctypes.c_int
+
+    @classmethod
+    def load(cls):
+        """The functions, if libvgpu_cuda.so is loaded in this process; else None."""
+        try:
+            return cls(ctypes.CDLL(None))
+        except (OSError, AttributeError):
+            return None
+
+
+def _empty_cache():
+    """The default hook: releases the caching allocator's free blocks; returns the bytes."""
+    import torch
+
+    devices = range(torch.cuda.device_count())
+    before = sum(torch.cuda.memory_reserved(d) for d in devices)
+    torch.cuda.empty_cache()
+    after = sum(torch.cuda.memory_reserved(d) for d in devices)
+    return max(0, before - after)
+
+
+def enable(on_want=None, poll_interval_s=POLL_INTERVAL_S):
+    """Starts the hint helper of this process (once; later calls return True and change nothing).
+
+    ``on_want`` is called on the helper's thread when vgpu asks this process for memory back;
+    it may return the bytes it freed (for the interposer's log). The default calls
+    ``torch.cuda.empty_cache()``. For vLLM, pass ``lambda: llm.sleep(level=1)`` (the engine must
+    be idle, and it serves again only after your ``llm.wake_up()``).
+
+    Returns whether the helper runs: False, with a warning, when libvgpu_cuda.so is not loaded in
+    this process (the program was not started by ``vgpu-agent exec`` or with ``LD_PRELOAD``).
+    """
+    global _thread
+    if poll_interval_s <= 0:
+        raise ValueError("poll_interval_s must be positive")
+    with _lock:
+        if _thread is not None:
+            return True
+        abi = _Abi.load()
+        if abi is None:
+            warnings.warn(
+                "vgpu.torch.enable(): libvgpu_cuda.so is not loaded in this process (start it "
+                "with `vgpu-agent exec` or LD_PRELOAD); no hint helper runs",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return False
+        if abi.register() == _INACTIVE:
+            warnings.warn(
+                "vgpu.torch.enable(): this process's GPU memory is never asked back (no vgpu "
+                "tenant, no memory board, or VGPU_MEMORY_SWAP is not 1); the helper runs but "
+                "will not be asked for anything",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        hook = _empty_cache if on_want is None else on_want
+        _thread = threading.Thread(
+            target=_run,
+            args=(abi, hook, poll_interval_s),
+            name="vgpu-memory-hints",
+            daemon=True,
+        )
+        _thread.start()
+        return True
+
+
+def _run(abi, hook, poll_interval_s):
+    """The helper's loop: poll, and when asked run the hook once and say it is done."""
+    want = ctypes.c_uint64(0)
+    while True:
+        if abi.want(ctypes.byref(want)) == _OK and want.value > 0:
+            asked = want.value
+            try:
+                freed = int(hook() or 0)
+            except Exception:  # the application's hook must not end the helper
+                _log.exception("vgpu.torch: the on_want hook failed")
+                freed = 0
+            abi.done(max(0, freed))
+            _log.info("vgpu asked for %d bytes back; the hook freed %d", asked, freed)
+        time.sleep(poll_interval_s)
