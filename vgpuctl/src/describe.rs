@@ -222,10 +222,11 @@ fn usage_table(usage: &[UsageView], now_unix_ms: i64) -> Table {
 }
 
 /// The GPUs' memory boards for the tenant (entries with board figures): its request and limit,
-/// what it holds resident, what of that it borrowed above the request, and what it swapped out.
+/// what it holds resident, what of that it borrowed above the request, what it swapped out, and
+/// the pinned host staging that holds it.
 fn elastic_memory_table(usage: &[UsageView]) -> Table {
     let mut table = Table::new(&[
-        "NODE", "GPU", "REQUEST", "LIMIT", "RESIDENT", "BORROWED", "SWAPPED",
+        "NODE", "GPU", "REQUEST", "LIMIT", "RESIDENT", "BORROWED", "SWAPPED", "STAGING",
     ]);
     for entry in usage.iter().filter(|entry| entry.has_board()) {
         table.row(vec![
@@ -236,6 +237,7 @@ fn elastic_memory_table(usage: &[UsageView]) -> Table {
             format_bytes(entry.memory_resident_bytes),
             format_bytes(entry.memory_borrowed_bytes),
             format_bytes(entry.memory_swapped_bytes),
+            format_bytes(entry.memory_staging_bytes),
         ]);
     }
     table
@@ -634,6 +636,7 @@ mod tests {
         usage.memory_resident_bytes = 26 << 30;
         usage.memory_borrowed_bytes = 6 << 30;
         usage.memory_swapped_bytes = 2 << 30;
+        usage.memory_staging_bytes = 2 << 30;
         let text = tenant_text(&tenant, 1_700_000_012_000);
         assert!(
             text.contains(
@@ -644,7 +647,7 @@ mod tests {
         assert!(text.contains("20GiB (limit 60GiB)"), "{text}");
         assert!(
             text.contains(
-                "Elastic memory:\n  NODE     GPU   REQUEST   LIMIT   RESIDENT   BORROWED   SWAPPED\n  node-a   3     20GiB     60GiB   26GiB      6GiB       2GiB\n"
+                "Elastic memory:\n  NODE     GPU   REQUEST   LIMIT   RESIDENT   BORROWED   SWAPPED   STAGING\n  node-a   3     20GiB     60GiB   26GiB      6GiB       2GiB      2GiB\n"
             ),
             "{text}"
         );

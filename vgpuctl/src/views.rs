@@ -82,6 +82,8 @@ pub struct UsageView {
     pub memory_borrowed_bytes: u64,
     #[serde(default)]
     pub memory_swapped_bytes: u64,
+    #[serde(default)]
+    pub memory_staging_bytes: u64,
 }
 
 impl UsageView {
@@ -338,6 +340,7 @@ impl From<&TenantUsage> for UsageView {
             memory_resident_bytes: usage.memory_resident_bytes,
             memory_borrowed_bytes: usage.memory_borrowed_bytes,
             memory_swapped_bytes: usage.memory_swapped_bytes,
+            memory_staging_bytes: usage.memory_staging_bytes,
         }
     }
 }
@@ -774,6 +777,7 @@ mod tests {
                 "memory_limit_bytes",
                 "memory_request_bytes",
                 "memory_resident_bytes",
+                "memory_staging_bytes",
                 "memory_swapped_bytes",
                 "memory_used_bytes",
                 "node",

@@ -464,7 +464,7 @@ pub fn render(
     // Elastic memory (issue 17), from the GPU's memory board where the node keeps one: only
     // entries with board figures, so nodes without boards add no series.
     type Family = (&'static str, &'static str, fn(&TenantUsage) -> u64);
-    let elastic: [Family; 5] = [
+    let elastic: [Family; 6] = [
         (
             "vgpu_tenant_memory_request_bytes",
             "A tenant's memory request on a GPU (booked by placement), from the GPU's memory board.",
@@ -489,6 +489,11 @@ pub fn render(
             "vgpu_tenant_memory_swapped_bytes",
             "A tenant's GPU memory swapped out to host memory, from the GPU's memory board.",
             |u| u.memory_swapped_bytes,
+        ),
+        (
+            "vgpu_tenant_memory_staging_bytes",
+            "Pinned host memory a tenant's swapped-out GPU memory holds, against the node's swap_host_memory, from the GPU's memory board.",
+            |u| u.memory_staging_bytes,
         ),
     ];
     for (name, help, value) in elastic {
@@ -906,6 +911,7 @@ mod tests {
             memory_resident_bytes: 26 << 30,
             memory_borrowed_bytes: 6 << 30,
             memory_swapped_bytes: 2 << 30,
+            memory_staging_bytes: 2 << 30,
             ..TenantUsage::default()
         };
         let plain = TenantUsage {
@@ -931,6 +937,7 @@ mod tests {
             ("vgpu_tenant_memory_resident_bytes", 26 << 30),
             ("vgpu_tenant_memory_borrowed_bytes", 6 << 30),
             ("vgpu_tenant_memory_swapped_bytes", 2 << 30),
+            ("vgpu_tenant_memory_staging_bytes", 2 << 30),
         ] {
             let line = format!("{name}{{{labels}}} {value}\n");
             assert!(out.contains(&line), "missing `{line}` in:\n{out}");

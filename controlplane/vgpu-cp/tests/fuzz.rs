@@ -515,7 +515,14 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
             edge_u64(),
             edge_u64(),
         ),
-        (edge_u64(), edge_u64(), edge_u64(), edge_u64(), edge_u64()),
+        (
+            edge_u64(),
+            edge_u64(),
+            edge_u64(),
+            edge_u64(),
+            edge_u64(),
+            edge_u64(),
+        ),
     )
         .prop_map(
             |(
@@ -536,6 +543,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                     memory_resident_bytes,
                     memory_borrowed_bytes,
                     memory_swapped_bytes,
+                    memory_staging_bytes,
                 ),
             )| v1::TenantUsage {
                 tenant,
@@ -559,6 +567,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 memory_resident_bytes,
                 memory_borrowed_bytes,
                 memory_swapped_bytes,
+                memory_staging_bytes,
             },
         )
 }

@@ -207,6 +207,7 @@ pub fn combine(
                 memory_resident_bytes: board.map_or(0, |b| b.resident_bytes),
                 memory_borrowed_bytes: board.map_or(0, |b| b.borrowed_bytes()),
                 memory_swapped_bytes: board.map_or(0, |b| b.swapped_bytes),
+                memory_staging_bytes: board.map_or(0, |b| b.staging_bytes),
                 tenant: assignment.tenant.clone(),
                 node: node.to_owned(),
                 gpu: slice.gpu_uuid.clone(),
@@ -317,7 +318,7 @@ mod tests {
             }],
         );
         let entries = combine("node-a", &assignments, &files, &|_| None);
-        let figures: Vec<(u64, u64, u64, u64, u64)> = entries
+        let figures: Vec<(u64, u64, u64, u64, u64, u64)> = entries
             .iter()
             .map(|e| {
                 (
@@ -326,14 +327,15 @@ mod tests {
                     e.memory_resident_bytes,
                     e.memory_borrowed_bytes,
                     e.memory_swapped_bytes,
+                    e.memory_staging_bytes,
                 )
             })
             .collect();
         assert_eq!(
             figures,
             [
-                (20 * GIB, 60 * GIB, 26 * GIB, 6 * GIB, 2 * GIB),
-                (0, 0, 0, 0, 0)
+                (20 * GIB, 60 * GIB, 26 * GIB, 6 * GIB, 2 * GIB, 2 * GIB),
+                (0, 0, 0, 0, 0, 0)
             ]
         );
     }
