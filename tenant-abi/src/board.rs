@@ -43,8 +43,8 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::SeqCst};
 /// `VGPUBRD1`, little-endian: written last when a board is initialised.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUBRD1");
 /// Bumped on any layout change; a process refuses a board of another version (2: the swap
-/// staging budget in the header, staging bytes in each slot, and the tenants' claims,
-/// `Tenant::claim_bytes` and `Tenant::claim_until_ns`).
+/// staging budget in the header, staging bytes in each slot, the tenants' claims,
+/// `Tenant::claim_bytes` and `Tenant::claim_until_ns`, and their reclaim history).
 pub const VERSION: u32 = 2;
 /// Tenants one GPU's board describes at once.
 pub const TENANTS: usize = 64;
@@ -95,6 +95,11 @@ pub struct Tenant {
     /// [`Board::claim`]), and until when (CLOCK_MONOTONIC ns; 0: no claim).
     pub claim_bytes: AtomicU64,
     pub claim_until_ns: AtomicU64,
+    /// The tenant's reclaim history on this GPU: how many times its processes moved borrowed
+    /// memory to host memory for others, how many bytes in all, and when last (Unix ms).
+    pub reclaims: AtomicU64,
+    pub reclaimed_bytes: AtomicU64,
+    pub last_reclaim_unix_ms: AtomicU64,
 }
 
 /// One process's memory on the GPU.
@@ -119,9 +124,9 @@ pub struct Region {
 }
 
 /// The file size; part of the on-disk format (checked so a field change bumps `VERSION`).
-pub const REGION_BYTES: usize = 40 + TENANTS * 128 + SLOTS * 40;
+pub const REGION_BYTES: usize = 40 + TENANTS * 152 + SLOTS * 40;
 const _: () = assert!(std::mem::size_of::<Header>() == 40);
-const _: () = assert!(std::mem::size_of::<Tenant>() == 128);
+const _: () = assert!(std::mem::size_of::<Tenant>() == 152);
 const _: () = assert!(std::mem::size_of::<Slot>() == 40);
 const _: () = assert!(std::mem::size_of::<Region>() == REGION_BYTES);
 const _: () = assert!(std::mem::align_of::<Region>() == 8);
@@ -203,6 +208,9 @@ impl Region {
             want_epoch: AtomicU64::new(0),
             claim_bytes: AtomicU64::new(0),
             claim_until_ns: AtomicU64::new(0),
+            reclaims: AtomicU64::new(0),
+            reclaimed_bytes: AtomicU64::new(0),
+            last_reclaim_unix_ms: AtomicU64::new(0),
         };
         let slot = || Slot {
             pid: AtomicU32::new(0),
@@ -302,11 +310,24 @@ impl Region {
         }
         let index = match self.find(&spec.name) {
             Some(index) => index,
-            None => self
-                .tenants
-                .iter()
-                .position(|t| t.present.load(SeqCst) == 0)
-                .ok_or(SpecError::Full)?,
+            None => {
+                let index = self
+                    .tenants
+                    .iter()
+                    .position(|t| t.present.load(SeqCst) == 0)
+                    .ok_or(SpecError::Full)?;
+                // A new tenant in a free entry: no history of the tenant that had it.
+                let entry = &self.tenants[index];
+                for counter in [
+                    &entry.reclaims,
+                    &entry.reclaimed_bytes,
+                    &entry.last_reclaim_unix_ms,
+                    &entry.claim_until_ns,
+                ] {
+                    counter.store(0, SeqCst);
+                }
+                index
+            }
         };
         let entry = &self.tenants[index];
         for (stored, word) in entry.name.iter().zip(words) {
@@ -471,6 +492,11 @@ pub struct TenantUsage {
     /// Pinned host staging its processes hold for swapped-out chunks (as much as
     /// `swapped_bytes`, plus a chunk on its way out).
     pub staging_bytes: u64,
+    /// Its reclaim history on the GPU (see `Tenant::reclaims`): times, bytes, last (Unix ms,
+    /// 0: never).
+    pub reclaims: u64,
+    pub reclaimed_bytes: u64,
+    pub last_reclaim_unix_ms: u64,
 }
 
 impl TenantUsage {
@@ -504,6 +530,9 @@ impl Region {
                     resident_bytes: resident,
                     swapped_bytes: swapped,
                     staging_bytes: staging,
+                    reclaims: entry.reclaims.load(SeqCst),
+                    reclaimed_bytes: entry.reclaimed_bytes.load(SeqCst),
+                    last_reclaim_unix_ms: entry.last_reclaim_unix_ms.load(SeqCst),
                 }
             })
             .collect()
@@ -700,6 +729,15 @@ impl<'r, L: Liveness> Board<'r, L> {
         let _ = until.fetch_update(SeqCst, SeqCst, |u| {
             (u > now_ns).then(|| u.max(now_ns.saturating_add(CLAIM_LAPSE_NS)))
         });
+    }
+
+    /// A process of the tenant at `tenant` moved `bytes` of borrowed memory to host memory for
+    /// others at `unix_ms`: its reclaim history.
+    pub fn record_reclaim(&self, tenant: usize, bytes: u64, unix_ms: u64) {
+        let entry = &self.region.tenants[tenant];
+        entry.reclaims.fetch_add(1, SeqCst);
+        entry.reclaimed_bytes.fetch_add(bytes, SeqCst);
+        entry.last_reclaim_unix_ms.fetch_max(unix_ms, SeqCst);
     }
 
     /// A needy tenant asks the tenant at `tenant` for `bytes` back; returns the new epoch.

@@ -271,6 +271,9 @@ fn tenant_usage_sums_each_tenants_live_slots() {
                 resident_bytes: 36 * GIB,
                 swapped_bytes: 4 * GIB,
                 staging_bytes: 4 * GIB,
+                reclaims: 0,
+                reclaimed_bytes: 0,
+                last_reclaim_unix_ms: 0,
             },
             TenantUsage {
                 name: "b".to_owned(),
@@ -279,6 +282,9 @@ fn tenant_usage_sums_each_tenants_live_slots() {
                 resident_bytes: 5 * GIB,
                 swapped_bytes: 0,
                 staging_bytes: 0,
+                reclaims: 0,
+                reclaimed_bytes: 0,
+                last_reclaim_unix_ms: 0,
             }
         ]
     );
@@ -465,4 +471,45 @@ fn racing_staging_reservations_never_pass_the_budget() {
     );
     assert!(refusals.load(SeqCst) > 0, "the test saw the budget refuse");
     assert_eq!(region.staging_total(), 0);
+}
+
+/// The reclaim history: each round a tenant's process gave memory back counts, with its bytes
+/// and the time of the last; a new tenant in a freed entry starts without it.
+#[test]
+fn the_reclaim_history_is_the_tenants_and_starts_empty_for_a_new_one() {
+    let region = issue_board();
+    let a = region.find("a").unwrap();
+    let live = Fake::with(&[]);
+    let board = Board::new(&region, &live);
+    board.record_reclaim(a, 6 * GIB, 1_000);
+    board.record_reclaim(a, 2 * GIB, 3_000);
+    let usage = |name: &str| {
+        region
+            .tenant_usage()
+            .into_iter()
+            .find(|u| u.name == name)
+            .unwrap()
+    };
+    let of_a = usage("a");
+    assert_eq!(
+        (
+            of_a.reclaims,
+            of_a.reclaimed_bytes,
+            of_a.last_reclaim_unix_ms
+        ),
+        (2, 8 * GIB, 3_000)
+    );
+    assert_eq!(usage("b").reclaims, 0);
+    assert!(region.remove_tenant("a"));
+    let c = region.set_tenant(&spec("c", GIB, GIB)).unwrap();
+    assert_eq!(c, a, "the freed entry");
+    let of_c = usage("c");
+    assert_eq!(
+        (
+            of_c.reclaims,
+            of_c.reclaimed_bytes,
+            of_c.last_reclaim_unix_ms
+        ),
+        (0, 0, 0)
+    );
 }

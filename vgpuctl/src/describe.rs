@@ -137,7 +137,11 @@ pub fn tenant_text(tenant: &TenantView, now_unix_ms: i64) -> String {
 
     if tenant.usage.iter().any(UsageView::has_board) {
         text.push_str("Elastic memory:\n");
-        block(&mut text, 2, &elastic_memory_table(&tenant.usage).render());
+        block(
+            &mut text,
+            2,
+            &elastic_memory_table(&tenant.usage, now_unix_ms).render(),
+        );
     }
 
     if tenant.usage.iter().any(UsageView::has_latency) {
@@ -222,11 +226,12 @@ fn usage_table(usage: &[UsageView], now_unix_ms: i64) -> Table {
 }
 
 /// The GPUs' memory boards for the tenant (entries with board figures): its request and limit,
-/// what it holds resident, what of that it borrowed above the request, what it swapped out, and
-/// the pinned host staging that holds it.
-fn elastic_memory_table(usage: &[UsageView]) -> Table {
+/// what it holds resident, what of that it borrowed above the request, what it swapped out, the
+/// pinned host staging that holds it, and its reclaim history (times it gave memory back, the
+/// bytes, and when last).
+fn elastic_memory_table(usage: &[UsageView], now_unix_ms: i64) -> Table {
     let mut table = Table::new(&[
-        "NODE", "GPU", "REQUEST", "LIMIT", "RESIDENT", "BORROWED", "SWAPPED", "STAGING",
+        "NODE", "GPU", "REQUEST", "LIMIT", "RESIDENT", "BORROWED", "SWAPPED", "STAGING", "RECLAIMS",
     ]);
     for entry in usage.iter().filter(|entry| entry.has_board()) {
         table.row(vec![
@@ -238,6 +243,14 @@ fn elastic_memory_table(usage: &[UsageView]) -> Table {
             format_bytes(entry.memory_borrowed_bytes),
             format_bytes(entry.memory_swapped_bytes),
             format_bytes(entry.memory_staging_bytes),
+            match entry.memory_reclaims {
+                0 => NONE.to_owned(),
+                times => format!(
+                    "{times} ({}), last {}",
+                    format_bytes(entry.memory_reclaimed_bytes),
+                    age(entry.memory_last_reclaim_unix_ms, now_unix_ms)
+                ),
+            },
         ]);
     }
     table
@@ -637,6 +650,9 @@ mod tests {
         usage.memory_borrowed_bytes = 6 << 30;
         usage.memory_swapped_bytes = 2 << 30;
         usage.memory_staging_bytes = 2 << 30;
+        usage.memory_reclaims = 3;
+        usage.memory_reclaimed_bytes = 7 << 30;
+        usage.memory_last_reclaim_unix_ms = 1_700_000_000_000;
         let text = tenant_text(&tenant, 1_700_000_012_000);
         assert!(
             text.contains(
@@ -647,7 +663,7 @@ mod tests {
         assert!(text.contains("20GiB (limit 60GiB)"), "{text}");
         assert!(
             text.contains(
-                "Elastic memory:\n  NODE     GPU   REQUEST   LIMIT   RESIDENT   BORROWED   SWAPPED   STAGING\n  node-a   3     20GiB     60GiB   26GiB      6GiB       2GiB      2GiB\n"
+                "Elastic memory:\n  NODE     GPU   REQUEST   LIMIT   RESIDENT   BORROWED   SWAPPED   STAGING   RECLAIMS\n  node-a   3     20GiB     60GiB   26GiB      6GiB       2GiB      2GiB      3 (7GiB), last 12s ago\n"
             ),
             "{text}"
         );

@@ -84,6 +84,12 @@ pub struct UsageView {
     pub memory_swapped_bytes: u64,
     #[serde(default)]
     pub memory_staging_bytes: u64,
+    #[serde(default)]
+    pub memory_reclaims: u64,
+    #[serde(default)]
+    pub memory_reclaimed_bytes: u64,
+    #[serde(default)]
+    pub memory_last_reclaim_unix_ms: i64,
 }
 
 impl UsageView {
@@ -341,6 +347,9 @@ impl From<&TenantUsage> for UsageView {
             memory_borrowed_bytes: usage.memory_borrowed_bytes,
             memory_swapped_bytes: usage.memory_swapped_bytes,
             memory_staging_bytes: usage.memory_staging_bytes,
+            memory_reclaims: usage.memory_reclaims,
+            memory_reclaimed_bytes: usage.memory_reclaimed_bytes,
+            memory_last_reclaim_unix_ms: usage.memory_last_reclaim_unix_ms,
         }
     }
 }
@@ -774,7 +783,10 @@ mod tests {
                 "latency_violations",
                 "memory_board_limit_bytes",
                 "memory_borrowed_bytes",
+                "memory_last_reclaim_unix_ms",
                 "memory_limit_bytes",
+                "memory_reclaimed_bytes",
+                "memory_reclaims",
                 "memory_request_bytes",
                 "memory_resident_bytes",
                 "memory_staging_bytes",

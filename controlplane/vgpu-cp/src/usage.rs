@@ -496,8 +496,25 @@ pub fn render(
             |u| u.memory_staging_bytes,
         ),
     ];
-    for (name, help, value) in elastic {
-        family(out, name, "gauge", help);
+    // The reclaim history: counters since the tenant came to the GPU.
+    let reclaims: [Family; 2] = [
+        (
+            "vgpu_tenant_memory_reclaims_total",
+            "Times a tenant's processes moved borrowed GPU memory to host memory for other tenants' requests, from the GPU's memory board.",
+            |u| u.memory_reclaims,
+        ),
+        (
+            "vgpu_tenant_memory_reclaimed_bytes_total",
+            "Borrowed GPU memory a tenant's processes moved to host memory for other tenants' requests, from the GPU's memory board.",
+            |u| u.memory_reclaimed_bytes,
+        ),
+    ];
+    let families = elastic
+        .iter()
+        .map(|family| (family, "gauge"))
+        .chain(reclaims.iter().map(|family| (family, "counter")));
+    for ((name, help, value), kind) in families {
+        family(out, name, kind, help);
         for (node, usage) in usage().filter(|(_, u)| u.memory_board_limit_bytes > 0) {
             let _ = writeln!(
                 out,
@@ -912,6 +929,8 @@ mod tests {
             memory_borrowed_bytes: 6 << 30,
             memory_swapped_bytes: 2 << 30,
             memory_staging_bytes: 2 << 30,
+            memory_reclaims: 3,
+            memory_reclaimed_bytes: 7 << 30,
             ..TenantUsage::default()
         };
         let plain = TenantUsage {
@@ -938,6 +957,8 @@ mod tests {
             ("vgpu_tenant_memory_borrowed_bytes", 6 << 30),
             ("vgpu_tenant_memory_swapped_bytes", 2 << 30),
             ("vgpu_tenant_memory_staging_bytes", 2 << 30),
+            ("vgpu_tenant_memory_reclaims_total", 3),
+            ("vgpu_tenant_memory_reclaimed_bytes_total", 7 << 30),
         ] {
             let line = format!("{name}{{{labels}}} {value}\n");
             assert!(out.contains(&line), "missing `{line}` in:\n{out}");

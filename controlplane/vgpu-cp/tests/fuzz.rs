@@ -523,6 +523,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
             edge_u64(),
             edge_u64(),
         ),
+        (edge_u64(), edge_u64(), any::<i64>()),
     )
         .prop_map(
             |(
@@ -545,6 +546,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                     memory_swapped_bytes,
                     memory_staging_bytes,
                 ),
+                (memory_reclaims, memory_reclaimed_bytes, memory_last_reclaim_unix_ms),
             )| v1::TenantUsage {
                 tenant,
                 node,
@@ -568,6 +570,9 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 memory_borrowed_bytes,
                 memory_swapped_bytes,
                 memory_staging_bytes,
+                memory_reclaims,
+                memory_reclaimed_bytes,
+                memory_last_reclaim_unix_ms,
             },
         )
 }

@@ -687,6 +687,12 @@ impl Enforcer {
         let given_back = process.chunks[device].give_back(want, backing, counters);
         let given = given_back.bytes;
         let moved_at = began.elapsed();
+        if given > 0 {
+            let unix_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            board.board.record_reclaim(board.tenant, given, unix_ms);
+        }
         // Published before new launches may enter again (`quiet` dropped below).
         swap::publish(&process.chunks);
         drop(quiet);

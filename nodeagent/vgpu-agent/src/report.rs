@@ -195,6 +195,9 @@ fn without_counters(usage: &TenantUsage) -> TenantUsage {
         memory_borrowed_bytes: 0,
         memory_swapped_bytes: 0,
         memory_staging_bytes: 0,
+        memory_reclaims: 0,
+        memory_reclaimed_bytes: 0,
+        memory_last_reclaim_unix_ms: 0,
         gpu_time_ns: 0,
         processes: without_memory(&usage.processes),
         // A latency tenant's measurements move with every step; its target does not.

@@ -208,6 +208,11 @@ pub fn combine(
                 memory_borrowed_bytes: board.map_or(0, |b| b.borrowed_bytes()),
                 memory_swapped_bytes: board.map_or(0, |b| b.swapped_bytes),
                 memory_staging_bytes: board.map_or(0, |b| b.staging_bytes),
+                memory_reclaims: board.map_or(0, |b| b.reclaims),
+                memory_reclaimed_bytes: board.map_or(0, |b| b.reclaimed_bytes),
+                memory_last_reclaim_unix_ms: board.map_or(0, |b| {
+                    i64::try_from(b.last_reclaim_unix_ms).unwrap_or(i64::MAX)
+                }),
                 tenant: assignment.tenant.clone(),
                 node: node.to_owned(),
                 gpu: slice.gpu_uuid.clone(),
@@ -315,6 +320,9 @@ mod tests {
                 resident_bytes: 26 * GIB,
                 swapped_bytes: 2 * GIB,
                 staging_bytes: 2 * GIB,
+                reclaims: 3,
+                reclaimed_bytes: 7 * GIB,
+                last_reclaim_unix_ms: 1_700_000_000_000,
             }],
         );
         let entries = combine("node-a", &assignments, &files, &|_| None);
@@ -338,6 +346,17 @@ mod tests {
                 (0, 0, 0, 0, 0, 0)
             ]
         );
+        let history: Vec<(u64, u64, i64)> = entries
+            .iter()
+            .map(|e| {
+                (
+                    e.memory_reclaims,
+                    e.memory_reclaimed_bytes,
+                    e.memory_last_reclaim_unix_ms,
+                )
+            })
+            .collect();
+        assert_eq!(history, [(3, 7 * GIB, 1_700_000_000_000), (0, 0, 0)]);
     }
 
     #[test]

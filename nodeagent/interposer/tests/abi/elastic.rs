@@ -407,6 +407,9 @@ fn a_request_taken_back_in_pieces_costs_the_borrower_one_round() {
         (a_now.resident_bytes, a_now.swapped_bytes),
         (4 * MIB, 8 * MIB)
     );
+    // Its reclaim history: one round, 8 MiB, stamped.
+    assert_eq!((a_now.reclaims, a_now.reclaimed_bytes), (1, 8 * MIB));
+    assert!(a_now.last_reclaim_unix_ms > 0);
     let err = stderr_of(a);
     assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
 }
