@@ -747,6 +747,15 @@ impl<'r, L: Liveness> Board<'r, L> {
         entry.want_epoch.fetch_add(1, SeqCst) + 1
     }
 
+    /// A needy tenant no longer waits for the `bytes` it asked the tenant at `tenant` for (its
+    /// reclaim failed or timed out): what of that want is still untaken goes, so that the
+    /// borrower does not move memory to host memory later for nobody.
+    pub fn withdraw_want(&self, tenant: usize, bytes: u64) {
+        let _ = self.region.tenants[tenant]
+            .want_bytes
+            .fetch_update(SeqCst, SeqCst, |w| Some(w.saturating_sub(bytes)));
+    }
+
     /// A borrower's process takes what it was asked to give back (0 when nothing), so that two
     /// of its processes do not both act on one want.
     pub fn take_want(&self, tenant: usize) -> u64 {

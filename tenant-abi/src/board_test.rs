@@ -513,3 +513,20 @@ fn the_reclaim_history_is_the_tenants_and_starts_empty_for_a_new_one() {
         (0, 0, 0)
     );
 }
+
+/// A want withdrawn by a needy tenant that stopped waiting: what no borrower took goes, what
+/// another needy tenant asked for stays.
+#[test]
+fn a_withdrawn_want_leaves_only_what_others_asked() {
+    let region = issue_board();
+    let a = region.find("a").unwrap();
+    let live = Fake::with(&[]);
+    let board = Board::new(&region, &live);
+    board.post_want(a, 4 * GIB);
+    board.post_want(a, 2 * GIB);
+    board.withdraw_want(a, 4 * GIB);
+    assert_eq!(board.take_want(a), 2 * GIB);
+    // Taken already: a withdrawal finds nothing to take back.
+    board.withdraw_want(a, 2 * GIB);
+    assert_eq!(board.take_want(a), 0);
+}

@@ -846,8 +846,14 @@ impl Enforcer {
             elastic::wait_for_room(|| region.fits(), || region.swap_refusals() != refusals);
         if waited != elastic::Waited::Room {
             board.board.release(board_slot, bytes);
-            // Nothing is coming: the room held for this tenant is of no use to it.
+            // Nothing is coming: the room held for this tenant is of no use to it, nor are the
+            // wants no borrower has taken yet.
             board.board.drop_claim(board.tenant);
+            for (name, asked) in &asks {
+                if let Some(index) = region.find(name) {
+                    board.board.withdraw_want(index, *asked);
+                }
+            }
         }
         if waited == elastic::Waited::TimedOut {
             crate::log::error(format_args!(
