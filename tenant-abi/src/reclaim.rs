@@ -11,7 +11,7 @@
 //!    tenant that borrowed the most; then the name, so that every process plans the same.
 //! 3. Each borrower is asked for at most what it borrowed, and in all just the shortfall.
 //! 4. What is short is the rest of the needy tenant's request, not one allocation's piece
-//!    ([`plan_for_request`]): a tenant that allocates within its request against borrowed memory
+//!    ([`owed`], then [`plan`] for it): a tenant that allocates within its request against borrowed memory
 //!    is growing into it, and its request is guaranteed. Asking one piece at a time made every
 //!    piece a whole reclaim round at the borrower (its next launch, a drain, pinned staging, the
 //!    copy): on an H200, PyTorch taking its 27 GiB request back in pieces paid six rounds, 4.07 s
@@ -103,19 +103,14 @@ pub fn plan(
     Ok(asks)
 }
 
-/// [`plan`] for what `needy` is owed: room for `bytes` now, and for the rest of its request
-/// with it (rule 4).
-pub fn plan_for_request(
-    holders: &[Holder],
-    needy: &str,
-    bytes: u64,
-    free: u64,
-) -> Result<Vec<(String, u64)>, NoReclaim> {
+/// What `needy` is owed when `bytes` more do not fit (rule 4): room for them now, and for the
+/// rest of its request with them. What to [`plan`] for, and what to hold for it.
+pub fn owed(holders: &[Holder], needy: &str, bytes: u64) -> u64 {
     let rest = holders
         .iter()
         .find(|h| h.name == needy)
         .map_or(0, |h| h.request.saturating_sub(h.resident));
-    plan(holders, needy, bytes.max(rest), free)
+    bytes.max(rest)
 }
 
 #[cfg(test)]
@@ -144,17 +139,17 @@ mod tests {
             holder("b", 30 * GIB, 3 * GIB, 0, true),
         ];
         assert_eq!(
-            plan_for_request(&holders, "b", GIB, GIB),
+            plan(&holders, "b", owed(&holders, "b", GIB), GIB),
             Ok(vec![("a".to_owned(), 26 * GIB)])
         );
         // A piece larger than the rest of the request is past it: no reclaim, as with `plan`.
         assert!(matches!(
-            plan_for_request(&holders, "b", 28 * GIB, GIB),
+            plan(&holders, "b", owed(&holders, "b", 28 * GIB), GIB),
             Err(NoReclaim::PastRequest { .. })
         ));
         // Nothing borrowed to give: nothing asked.
         let holders = [holder("b", 30 * GIB, 3 * GIB, 0, true)];
-        assert_eq!(plan_for_request(&holders, "b", GIB, 0), Ok(vec![]));
+        assert_eq!(plan(&holders, "b", owed(&holders, "b", GIB), 0), Ok(vec![]));
     }
 
     #[test]

@@ -486,9 +486,13 @@ impl Enforcer {
         // Room another tenant's request holds after a reclaim is not lent again (`Board::claim`);
         // a GPU full without claims is the board's refusal below.
         let region = board.board.region;
-        if region.resident_total().saturating_add(charged) <= region.capacity()
-            && !region.room_beside_claims(board.tenant, charged, crate::shm::monotonic_ns())
-        {
+        // One look at the claims first: without any, no scan of the slots here.
+        let claimed = region.claimed_by_others(board.tenant, crate::shm::monotonic_ns());
+        let held_for_others = claimed > 0 && {
+            let after = region.resident_total().saturating_add(charged);
+            after <= region.capacity() && after.saturating_add(claimed) > region.capacity()
+        };
+        if held_for_others {
             ledger.release(slot, device, overhead_bytes);
             crate::log::error(format_args!(
                 "refused {} on device {device}: it is past tenant {tenant}'s request ({}), and \
@@ -792,7 +796,7 @@ impl Enforcer {
 
     /// An allocation within the request that the board refused because others borrowed the
     /// memory (`VGPU_MEMORY_SWAP=1`): asks the borrowers the reclaim planner picks for the rest
-    /// of the tenant's request (`tenant_abi::reclaim::plan_for_request`, wants on the board) and
+    /// of the tenant's request (`tenant_abi::reclaim::owed` and `plan`, wants on the board) and
     /// waits, bounded, until they gave this allocation's room back, or a borrower says the
     /// node's swap space is full. `None`: no reclaim was tried; `Some(Waited::Room)`: granted
     /// (then it is reserved on the board).
@@ -810,26 +814,19 @@ impl Enforcer {
         let holders = region.holders();
         // The rest of the request is asked for at once and held for this tenant (rule 4 of
         // `tenant_abi::reclaim`, `Board::claim`): one round at the borrowers, not one per piece.
-        let rest = holders
-            .iter()
-            .find(|h| h.name == self.config.tenant)
-            .map_or(0, |h| h.request.saturating_sub(h.resident));
-        let asks = match tenant_abi::reclaim::plan_for_request(
-            &holders,
-            &self.config.tenant,
-            bytes,
-            region.free(),
-        ) {
-            Ok(asks) => asks,
-            Err(e) => {
-                crate::log::error(format_args!("no reclaim: {e}"));
-                return None;
-            }
-        };
+        let owed = tenant_abi::reclaim::owed(&holders, &self.config.tenant, bytes);
+        let asks =
+            match tenant_abi::reclaim::plan(&holders, &self.config.tenant, owed, region.free()) {
+                Ok(asks) => asks,
+                Err(e) => {
+                    crate::log::error(format_args!("no reclaim: {e}"));
+                    return None;
+                }
+            };
         if !asks.is_empty() {
             board
                 .board
-                .claim(board.tenant, rest.max(bytes), crate::shm::monotonic_ns());
+                .claim(board.tenant, owed, crate::shm::monotonic_ns());
         }
         // Read before the wants go out: a borrower refused staging for them counts after.
         let refusals = region.swap_refusals();

@@ -140,6 +140,20 @@ impl Driver {
         self.next_open("infer", LatencySnapshot::default(), target, Some(since));
     }
 
+    /// `tenant` over budget at 0 and 1 beside a neighbour: level 2, which holds for 40
+    /// windows; then 20 windows without steps, idle: released.
+    fn settle_at_2_then_idle(&mut self, tenant: &str, target: Option<u64>) {
+        self.next(tenant, repeat(3, 3 * MS), target);
+        self.next(tenant, repeat(3, 3 * MS), target);
+        assert_eq!(self.level(), 2);
+        for _ in 0..40 {
+            self.next(tenant, repeat(3, MS), target);
+        }
+        for _ in 0..20 {
+            self.next(tenant, LatencySnapshot::default(), target);
+        }
+    }
+
     fn level(&self) -> u8 {
         self.controller.decision().level
     }
@@ -1242,14 +1256,7 @@ fn a_resume_is_for_the_first_window_beside_neighbours_only() {
     // a new tenant (the top), and when it comes down to 0 on its own, no stale resume follows.
     let mut driver = Driver::new(Config::new(false, 0));
     let target = Some(2 * MS);
-    driver.next("infer", repeat(3, 3 * MS), target);
-    driver.next("infer", repeat(3, 3 * MS), target);
-    for _ in 0..40 {
-        driver.next("infer", repeat(3, MS), target);
-    }
-    for _ in 0..20 {
-        driver.next("infer", LatencySnapshot::default(), target);
-    }
+    driver.settle_at_2_then_idle("infer", target);
     assert_eq!(driver.level(), 0);
     let mut reasons = Vec::new();
     for _ in 0..2_000 {
@@ -1271,15 +1278,7 @@ fn another_tenants_episode_does_not_resume_at_the_level_the_last_one_settled_on(
     // its own, comes next beside a neighbour: a pair of its own, from level 0, no resume.
     let mut driver = Driver::new(Config::new(false, 0));
     let target = Some(2 * MS);
-    driver.next("infer", repeat(3, 3 * MS), target);
-    driver.next("infer", repeat(3, 3 * MS), target);
-    assert_eq!(driver.level(), 2);
-    for _ in 0..40 {
-        driver.next("infer", repeat(3, MS), target);
-    }
-    for _ in 0..20 {
-        driver.next("infer", LatencySnapshot::default(), target);
-    }
+    driver.settle_at_2_then_idle("infer", target);
     assert_eq!(driver.level(), 0);
     let mut reasons = Vec::new();
     for _ in 0..50 {
@@ -1298,14 +1297,7 @@ fn another_tenants_episode_does_not_resume_at_the_level_the_last_one_settled_on(
     }
     assert_eq!(driver.next("infer", repeat(3, MS), target).change, None);
     // A resume stays for the same tenant: "infer" settles at 2 again, idles, comes back.
-    driver.next("infer", repeat(3, 3 * MS), target);
-    driver.next("infer", repeat(3, 3 * MS), target);
-    for _ in 0..40 {
-        driver.next("infer", repeat(3, MS), target);
-    }
-    for _ in 0..20 {
-        driver.next("infer", LatencySnapshot::default(), target);
-    }
+    driver.settle_at_2_then_idle("infer", target);
     assert_eq!(
         changed(&driver.next("infer", repeat(3, MS), target))
             .map(|(to, reason)| (to.level, reason)),
