@@ -563,7 +563,11 @@ impl ControlPlane {
                 }
             }
             ForwardRequest::RemoveMember { id } => {
-                match self.replication.remove_member_local(id).await {
+                match self
+                    .replication
+                    .remove_member_local(id, self.timings.request_deadline)
+                    .await
+                {
                     Ok(true) => ForwardResponse::Membership,
                     Ok(false) => ForwardResponse::NotLeader,
                     Err(status) => failed_from(&status),
@@ -655,7 +659,11 @@ impl ControlPlane {
     pub async fn remove_member(&self, id: NodeId) -> Result<(), Status> {
         let request = ForwardRequest::RemoveMember { id };
         self.until_leader("removing a member", || async {
-            if self.replication.remove_member_local(id).await? {
+            if self
+                .replication
+                .remove_member_local(id, self.timings.request_deadline)
+                .await?
+            {
                 return Ok(Some(()));
             }
             match self.forward_once(self.leader_node(), &request).await? {

@@ -127,9 +127,13 @@ impl Replication {
     }
 
     /// `Ok(false)`: this member does not lead.
-    pub async fn remove_member_local(&self, id: NodeId) -> Result<bool, Status> {
+    pub async fn remove_member_local(
+        &self,
+        id: NodeId,
+        request_deadline: Duration,
+    ) -> Result<bool, Status> {
         match self {
-            Replication::Raft(raft) => raft.remove_member_local(id).await,
+            Replication::Raft(raft) => raft.remove_member_local(id, request_deadline).await,
             Replication::Etcd(_) => Err(etcd_membership()),
         }
     }
@@ -337,7 +341,11 @@ impl RaftReplication {
         }
     }
 
-    pub async fn remove_member_local(&self, id: NodeId) -> Result<bool, Status> {
+    pub async fn remove_member_local(
+        &self,
+        id: NodeId,
+        request_deadline: Duration,
+    ) -> Result<bool, Status> {
         if !self.is_leader() {
             return Ok(false);
         }
@@ -365,10 +373,24 @@ impl RaftReplication {
         } else {
             openraft::ChangeMembers::RemoveNodes(BTreeSet::from([id]))
         };
-        match self.raft.change_membership(change, false).await {
-            Ok(_) => Ok(true),
-            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => Ok(false),
-            Err(error) => Err(ErrorCode::Membership.status(error)),
+        // A change still in progress (a member that joined a moment ago is promoted in a second
+        // step) is waited out, with the same bound as a join.
+        let deadline = Instant::now() + request_deadline * 3;
+        loop {
+            match self.raft.change_membership(change.clone(), false).await {
+                Ok(_) => return Ok(true),
+                Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => return Ok(false),
+                Err(error) if is_in_progress(&error) && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(error) if is_in_progress(&error) => {
+                    return Err(ErrorCode::Membership.status(format!(
+                        "another membership change did not finish within {:?}, so member {id} was not removed ({error}); check `vgpuctl cluster status` and retry",
+                        request_deadline * 3
+                    )))
+                }
+                Err(error) => return Err(ErrorCode::Membership.status(error)),
+            }
         }
     }
 }
