@@ -33,19 +33,30 @@
 //! the borrower counts the refusal in the header ([`Board::swap_refused`]) so that the tenant
 //! waiting for that memory stops waiting and is told that the node's swap space is full.
 //!
+//! **The line.** A process that waits for room past its request (a borrow the GPU has no room
+//! for, retried; or its swapped-out memory, to come back) stands in the GPU's line: its slot
+//! says since when and for how many bytes ([`Board::wait`]). Room goes in line order
+//! (`reclaim::line_order`: higher priority first, then the longest waiting): a borrow or a
+//! swap-in leaves free what the waiters ahead of it wait for ([`Region::room_in_line`]; a process
+//! not in line is behind every waiter). A wait within a request is not in line: it reclaims
+//! (above). Waiters that hold borrowed memory while they wait are stalled anyway, so the first
+//! in line may ask them for it (`reclaim::unstall`): two borrowers that each wait for the memory
+//! the other holds do not wait for ever.
+//!
 //! The file starts zeroed; a zero capacity lends nothing and refuses everything, and a zero
 //! staging budget swaps nothing, so a board the agent has not written yet is safe.
 
 use crate::ledger::{Liveness, RECLAIMING_BIT, claim_free_slot, reclaim_dead_slots};
-use crate::reclaim::Holder;
+use crate::reclaim::{Holder, Waiter};
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::SeqCst};
 
 /// `VGPUBRD1`, little-endian: written last when a board is initialised.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUBRD1");
 /// Bumped on any layout change; a process refuses a board of another version (2: the swap
 /// staging budget in the header, staging bytes in each slot, the tenants' claims,
-/// `Tenant::claim_bytes` and `Tenant::claim_until_ns`, and their reclaim history).
-pub const VERSION: u32 = 2;
+/// `Tenant::claim_bytes` and `Tenant::claim_until_ns`, and their reclaim history; 3: the line,
+/// `Slot::wait_since_ns` and `Slot::wait_bytes`).
+pub const VERSION: u32 = 3;
 /// Tenants one GPU's board describes at once.
 pub const TENANTS: usize = 64;
 /// Process slots per GPU: the most processes of all tenants on one GPU alive at once.
@@ -113,6 +124,10 @@ pub struct Slot {
     pub swapped_bytes: AtomicU64,
     /// Pinned host staging reserved for its swapped-out chunks (and for one on its way out).
     pub staging_bytes: AtomicU64,
+    /// In the GPU's line since (CLOCK_MONOTONIC ns; 0: not waiting), for `wait_bytes` more
+    /// resident (see "The line" above).
+    pub wait_since_ns: AtomicU64,
+    pub wait_bytes: AtomicU64,
 }
 
 /// The whole board file.
@@ -124,10 +139,10 @@ pub struct Region {
 }
 
 /// The file size; part of the on-disk format (checked so a field change bumps `VERSION`).
-pub const REGION_BYTES: usize = 40 + TENANTS * 152 + SLOTS * 40;
+pub const REGION_BYTES: usize = 40 + TENANTS * 152 + SLOTS * 56;
 const _: () = assert!(std::mem::size_of::<Header>() == 40);
 const _: () = assert!(std::mem::size_of::<Tenant>() == 152);
-const _: () = assert!(std::mem::size_of::<Slot>() == 40);
+const _: () = assert!(std::mem::size_of::<Slot>() == 56);
 const _: () = assert!(std::mem::size_of::<Region>() == REGION_BYTES);
 const _: () = assert!(std::mem::align_of::<Region>() == 8);
 
@@ -219,6 +234,8 @@ impl Region {
             resident_bytes: AtomicU64::new(0),
             swapped_bytes: AtomicU64::new(0),
             staging_bytes: AtomicU64::new(0),
+            wait_since_ns: AtomicU64::new(0),
+            wait_bytes: AtomicU64::new(0),
         };
         Box::new(Region {
             header: Header {
@@ -453,6 +470,62 @@ impl Region {
             <= self.capacity()
     }
 
+    /// The processes in the GPU's line, in no order (`reclaim::line_order` sorts them).
+    pub fn waiters(&self) -> Vec<Waiter> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.pid.load(SeqCst) != 0)
+            .filter_map(|(index, s)| {
+                let since_ns = s.wait_since_ns.load(SeqCst);
+                (since_ns != 0).then(|| {
+                    let tenant = s.tenant.load(SeqCst) as usize;
+                    Waiter {
+                        tenant: self.name_of(tenant),
+                        slot: index,
+                        since_ns,
+                        bytes: s.wait_bytes.load(SeqCst),
+                        priority: self.tenants[tenant].priority.load(SeqCst),
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Bytes the waiters ahead of `slot` in the line wait for: every waiter's, if `slot` is not
+    /// in line.
+    pub fn ahead_in_line(&self, slot: usize) -> u64 {
+        let waiters = self.waiters();
+        let me = waiters.iter().find(|w| w.slot == slot);
+        waiters
+            .iter()
+            .filter(|w| w.slot != slot)
+            .filter(|w| me.is_none_or(|me| crate::reclaim::line_order(w, me).is_lt()))
+            .fold(0u64, |sum, w| sum.saturating_add(w.bytes))
+    }
+
+    /// Whether `bytes` more fit for the process of `slot` (a borrow, or a swap-in) beside what
+    /// every slot holds, what other tenants' claims hold and what the waiters ahead of it in
+    /// line wait for.
+    pub fn room_in_line(&self, slot: usize, bytes: u64, now_ns: u64) -> bool {
+        let tenant = self.slots[slot].tenant.load(SeqCst) as usize;
+        self.resident_total()
+            .saturating_add(self.claimed_by_others(tenant, now_ns))
+            .saturating_add(self.ahead_in_line(slot))
+            .saturating_add(bytes)
+            <= self.capacity()
+    }
+
+    /// What is free for the process of `slot` at `now_ns`: the capacity less what every slot
+    /// holds, what other tenants' claims hold and what the waiters ahead of it wait for.
+    pub fn free_in_line(&self, slot: usize, now_ns: u64) -> u64 {
+        let tenant = self.slots[slot].tenant.load(SeqCst) as usize;
+        self.capacity()
+            .saturating_sub(self.resident_total())
+            .saturating_sub(self.claimed_by_others(tenant, now_ns))
+            .saturating_sub(self.ahead_in_line(slot))
+    }
+
     /// The tenants as the reclaim planner sees them.
     pub fn holders(&self) -> Vec<Holder> {
         (0..TENANTS)
@@ -576,7 +649,11 @@ impl<'r, L: Liveness> Board<'r, L> {
             pid,
             start_time,
             |slot| (&slot.pid, &slot.start_time),
-            |slot| slot.tenant.store(tenant as u32, SeqCst),
+            |slot| {
+                slot.wait_since_ns.store(0, SeqCst);
+                slot.wait_bytes.store(0, SeqCst);
+                slot.tenant.store(tenant as u32, SeqCst);
+            },
             || self.reclaim_dead(pid),
         )
     }
@@ -740,6 +817,24 @@ impl<'r, L: Liveness> Board<'r, L> {
         entry.last_reclaim_unix_ms.fetch_max(unix_ms, SeqCst);
     }
 
+    /// The process of `slot` waits at `now_ns` for `bytes` more resident (a borrow, or its
+    /// swapped-out memory): it stands in the GPU's line, keeping its place if it stood there
+    /// already.
+    pub fn wait(&self, slot: usize, bytes: u64, now_ns: u64) {
+        let me = &self.region.slots[slot];
+        me.wait_bytes.store(bytes, SeqCst);
+        let _ = me
+            .wait_since_ns
+            .compare_exchange(0, now_ns.max(1), SeqCst, SeqCst);
+    }
+
+    /// The process of `slot` no longer waits: it leaves the line.
+    pub fn stop_waiting(&self, slot: usize) {
+        let me = &self.region.slots[slot];
+        me.wait_since_ns.store(0, SeqCst);
+        me.wait_bytes.store(0, SeqCst);
+    }
+
     /// A needy tenant asks the tenant at `tenant` for `bytes` back; returns the new epoch.
     pub fn post_want(&self, tenant: usize, bytes: u64) -> u64 {
         let entry = &self.region.tenants[tenant];
@@ -774,6 +869,8 @@ impl<'r, L: Liveness> Board<'r, L> {
                 slot.swapped_bytes.store(0, SeqCst);
                 // The staging was the dead process's pinned host memory: the OS freed it.
                 slot.staging_bytes.store(0, SeqCst);
+                slot.wait_since_ns.store(0, SeqCst);
+                slot.wait_bytes.store(0, SeqCst);
                 slot.tenant.store(0, SeqCst);
             },
         )

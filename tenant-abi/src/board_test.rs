@@ -530,3 +530,77 @@ fn a_withdrawn_want_leaves_only_what_others_asked() {
     board.withdraw_want(a, 2 * GIB);
     assert_eq!(board.take_want(a), 0);
 }
+
+/// The line: room goes to the waiters in order, a newcomer (not in line) stands behind every
+/// waiter, a waiter keeps its place when it waits again, and a dead waiter leaves the line.
+#[test]
+fn room_goes_to_the_line_in_order_and_a_dead_waiter_leaves_it() {
+    let region = Region::new_boxed();
+    region.initialise();
+    region.set_capacity(16 * GIB);
+    for name in ["a", "b", "c"] {
+        region.set_tenant(&spec(name, 2 * GIB, 8 * GIB)).unwrap();
+    }
+    let index = |name| region.find(name).unwrap();
+    let live = Fake::with(&[10, 20, 30]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(10, 1, index("a")).unwrap();
+    let sb = board.claim_slot(20, 1, index("b")).unwrap();
+    let sc = board.claim_slot(30, 1, index("c")).unwrap();
+    // "a" and "b" hold 7 each; 2 free.
+    assert_eq!(board.reserve(sa, 7 * GIB), Ok(Grant::Borrowed));
+    assert_eq!(board.reserve(sb, 7 * GIB), Ok(Grant::Borrowed));
+    // "b" waits for 1 first, then "a" for 3.
+    board.wait(sb, GIB, 100);
+    board.wait(sa, 3 * GIB, 200);
+    assert_eq!(region.ahead_in_line(sb), 0);
+    assert_eq!(region.ahead_in_line(sa), GIB);
+    assert_eq!(
+        region.ahead_in_line(sc),
+        4 * GIB,
+        "a newcomer is behind everyone"
+    );
+    assert!(region.room_in_line(sb, GIB, 0));
+    assert!(
+        !region.room_in_line(sa, 2 * GIB, 0),
+        "1 of the 2 free is b's"
+    );
+    assert!(region.room_in_line(sa, GIB, 0));
+    assert!(!region.room_in_line(sc, GIB, 0));
+    assert_eq!(region.free_in_line(sc, 0), 0);
+    // Waiting again (more bytes) keeps the place.
+    board.wait(sb, 2 * GIB, 300);
+    let waiters = region.waiters();
+    let first = waiters
+        .iter()
+        .min_by(|x, y| reclaim::line_order(x, y))
+        .unwrap();
+    assert_eq!(
+        (first.slot, first.since_ns, first.bytes),
+        (sb, 100, 2 * GIB)
+    );
+    // The first is unstalled by the other waiter's borrowed memory, not by the runner "c".
+    assert!(
+        reclaim::unstall(&region.holders(), &waiters, region.free_in_line(sb, 0)).is_empty(),
+        "2 free cover b's 2: nothing to ask"
+    );
+    board.wait(sb, 4 * GIB, 300);
+    assert_eq!(
+        reclaim::unstall(
+            &region.holders(),
+            &region.waiters(),
+            region.free_in_line(sb, 0)
+        ),
+        vec![("a".to_owned(), 2 * GIB)]
+    );
+    // "b" is served and leaves the line; "a" dies while waiting: the line is empty.
+    board.stop_waiting(sb);
+    assert_eq!(region.ahead_in_line(sc), 3 * GIB);
+    live.kill(10);
+    assert_eq!(board.reclaim_dead(30), 1);
+    assert!(region.waiters().is_empty());
+    assert_eq!(region.ahead_in_line(sc), 0);
+    // A slot claimed afresh is not in line.
+    let again = board.claim_slot(40, 1, index("a")).unwrap();
+    assert_eq!(region.slots[again].wait_since_ns.load(SeqCst), 0);
+}

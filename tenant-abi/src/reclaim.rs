@@ -20,7 +20,14 @@
 //!    request, and is free to borrow again after that.
 //!
 //! A need that the request does not cover (the tenant asks past its request) is no reclaim: it
-//! borrows only what is free, like everyone else.
+//! borrows only what is free, like everyone else, and a borrow that finds no room (retried)
+//! waits in the GPU's line (`board`, "The line"):
+//! 5. The line is served in [`line_order`]: higher priority first, then the longest waiting.
+//!    The first in line whose bytes do not fit may ask the tenants of the *other waiters* for
+//!    what they borrowed ([`unstall`], in rule 2's order, at most the shortfall). They wait
+//!    anyway, so giving it costs them nothing they would do meanwhile; without it two borrowers
+//!    each waiting for the other's memory would wait for ever. A tenant that runs is never asked
+//!    for a waiter: its memory comes when it frees it (a later turn, or its end).
 
 /// One tenant of the GPU, as the planner sees it (bytes).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +45,70 @@ impl Holder {
     pub fn borrowed(&self) -> u64 {
         self.resident.saturating_sub(self.request)
     }
+}
+
+/// One process in the GPU's line (`board::Board::wait`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiter {
+    pub tenant: String,
+    /// Its slot on the board: the last tie-break, so that every process sees one order.
+    pub slot: usize,
+    /// In line since (CLOCK_MONOTONIC ns, not 0).
+    pub since_ns: u64,
+    /// Bytes it waits to have resident.
+    pub bytes: u64,
+    /// Its tenant's priority.
+    pub priority: i32,
+}
+
+/// The order of the line (rule 5): higher priority first, then the longest waiting, then the
+/// slot.
+pub fn line_order(a: &Waiter, b: &Waiter) -> std::cmp::Ordering {
+    b.priority
+        .cmp(&a.priority)
+        .then(a.since_ns.cmp(&b.since_ns))
+        .then(a.slot.cmp(&b.slot))
+}
+
+/// What the first waiter in line should ask the other waiters' tenants for (rule 5) when its
+/// bytes do not fit in `room` (what is free for it now): `(tenant, bytes)` pairs in rule 2's
+/// order, each at most what that tenant borrowed, in all at most the shortfall. Empty when the
+/// line is empty, the first fits, or no other waiter's tenant borrowed anything; never the
+/// first's own tenant, never a tenant with no process in line.
+pub fn unstall(holders: &[Holder], waiters: &[Waiter], room: u64) -> Vec<(String, u64)> {
+    let Some(first) = waiters.iter().min_by(|a, b| line_order(a, b)) else {
+        return Vec::new();
+    };
+    let mut shortfall = first.bytes.saturating_sub(room);
+    let stalled: std::collections::BTreeSet<&str> = waiters
+        .iter()
+        .filter(|w| w.tenant != first.tenant)
+        .map(|w| w.tenant.as_str())
+        .collect();
+    let mut order: Vec<&Holder> = holders
+        .iter()
+        .filter(|h| stalled.contains(h.name.as_str()) && h.borrowed() > 0)
+        .collect();
+    order.sort_by(|a, b| giving_order(a, b));
+    let mut asks = Vec::new();
+    for holder in order {
+        if shortfall == 0 {
+            break;
+        }
+        let take = holder.borrowed().min(shortfall);
+        shortfall -= take;
+        asks.push((holder.name.clone(), take));
+    }
+    asks
+}
+
+/// Rule 2: who gives first.
+fn giving_order(a: &Holder, b: &Holder) -> std::cmp::Ordering {
+    a.priority
+        .cmp(&b.priority)
+        .then(a.guaranteed.cmp(&b.guaranteed))
+        .then(b.borrowed().cmp(&a.borrowed()))
+        .then(a.name.cmp(&b.name))
 }
 
 /// Why nothing is planned.
@@ -84,13 +155,7 @@ pub fn plan(
         .iter()
         .filter(|h| h.name != needy && h.borrowed() > 0)
         .collect();
-    order.sort_by(|a, b| {
-        a.priority
-            .cmp(&b.priority)
-            .then(a.guaranteed.cmp(&b.guaranteed))
-            .then(b.borrowed().cmp(&a.borrowed()))
-            .then(a.name.cmp(&b.name))
-    });
+    order.sort_by(|a, b| giving_order(a, b));
     let mut asks = Vec::new();
     for holder in order {
         if shortfall == 0 {
@@ -196,6 +261,104 @@ mod tests {
                 ("high".to_owned(), 5 * GIB),
             ]
         );
+    }
+
+    fn waiter(tenant: &str, slot: usize, since_ns: u64, bytes: u64, priority: i32) -> Waiter {
+        Waiter {
+            tenant: tenant.to_owned(),
+            slot,
+            since_ns,
+            bytes,
+            priority,
+        }
+    }
+
+    #[test]
+    fn two_borrowers_waiting_for_each_others_memory_are_unstalled_first_come_first() {
+        // 16 GiB: "a" and "b" (requests 2) each borrowed 6 and wait for 4 more; "c" runs with
+        // its 2. "a" waited first: "b" is asked for what "a" lacks, "c" (running) never.
+        let holders = [
+            holder("a", 2 * GIB, 8 * GIB, 0, false),
+            holder("b", 2 * GIB, 8 * GIB, 0, false),
+            holder("c", 2 * GIB, 2 * GIB, 0, false),
+        ];
+        let waiters = [
+            waiter("b", 1, 20, 4 * GIB, 0),
+            waiter("a", 0, 10, 4 * GIB, 0),
+        ];
+        assert_eq!(
+            unstall(&holders, &waiters, 0),
+            vec![("b".to_owned(), 4 * GIB)]
+        );
+        // Room for part of it: only the rest is asked.
+        assert_eq!(
+            unstall(&holders, &waiters, 3 * GIB),
+            vec![("b".to_owned(), GIB)]
+        );
+        // It fits: nothing; an empty line: nothing.
+        assert!(unstall(&holders, &waiters, 4 * GIB).is_empty());
+        assert!(unstall(&holders, &[], 0).is_empty());
+        // Higher priority goes first whatever the time: "b" at priority 1 asks "a".
+        let waiters = [
+            waiter("b", 1, 20, 4 * GIB, 1),
+            waiter("a", 0, 10, 4 * GIB, 0),
+        ];
+        assert_eq!(
+            unstall(&holders, &waiters, 0),
+            vec![("a".to_owned(), 4 * GIB)]
+        );
+        // Its own tenant's other process in line is never asked.
+        let waiters = [
+            waiter("a", 1, 20, 4 * GIB, 0),
+            waiter("a", 0, 10, 4 * GIB, 0),
+        ];
+        assert!(unstall(&holders, &waiters, 0).is_empty());
+    }
+
+    fn line() -> impl Strategy<Value = Vec<Waiter>> {
+        prop::collection::vec((0usize..8, 1u64..50, 0u64..20, -1i32..2), 0..10).prop_map(|specs| {
+            specs
+                .into_iter()
+                .enumerate()
+                .map(|(slot, (tenant, since, bytes, priority))| {
+                    waiter(&format!("t{tenant}"), slot, since, bytes * GIB, priority)
+                })
+                .collect()
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn the_first_in_line_asks_only_other_waiters_for_borrowed_memory(
+            holders in holders(),
+            waiters in line(),
+            room in 0u64..20,
+        ) {
+            let room = room * GIB;
+            let asks = unstall(&holders, &waiters, room);
+            let mut seen = std::collections::BTreeSet::new();
+            for (name, take) in &asks {
+                let first = waiters.iter().min_by(|a, b| line_order(a, b)).unwrap();
+                prop_assert!(name != &first.tenant, "the first's own tenant is never asked");
+                prop_assert!(waiters.iter().any(|w| &w.tenant == name), "{name} runs: never asked");
+                prop_assert!(seen.insert(name.clone()), "each tenant once");
+                let h = holders.iter().find(|h| &h.name == name).unwrap();
+                prop_assert!(*take > 0 && *take <= h.borrowed());
+            }
+            let asked: u64 = asks.iter().map(|(_, take)| take).sum();
+            let shortfall = waiters
+                .iter()
+                .min_by(|a, b| line_order(a, b))
+                .map_or(0, |first| first.bytes.saturating_sub(room));
+            prop_assert!(asked <= shortfall, "never more than the shortfall");
+            // The order is total: every process sees the same first.
+            let mut sorted = waiters.clone();
+            sorted.sort_by(line_order);
+            let mut reversed = waiters.clone();
+            reversed.reverse();
+            reversed.sort_by(line_order);
+            prop_assert_eq!(sorted, reversed);
+        }
     }
 
     fn holders() -> impl Strategy<Value = Vec<Holder>> {

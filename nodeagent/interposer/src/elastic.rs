@@ -85,11 +85,12 @@ impl crate::swap::Counters for SlotCounters<'_> {
         // bytes resident for an instant at every try (others and the agent would see it).
         // Nor while other tenants' claims hold the room (`Board::claim`): the memory this
         // tenant gave back is theirs for a while.
-        self.board.board.region.room_beside_claims(
-            self.board.tenant,
-            bytes,
-            crate::shm::monotonic_ns(),
-        ) && self.board.board.swap_in(self.slot, bytes)
+        // And not past the waiters ahead of this process in the GPU's line (`line`).
+        self.board
+            .board
+            .region
+            .room_in_line(self.slot, bytes, crate::shm::monotonic_ns())
+            && self.board.board.swap_in(self.slot, bytes)
     }
 
     fn swap_in_failed(&mut self, bytes: u64) {
@@ -209,8 +210,18 @@ pub fn borrow_refused(
     tenant: &str,
     request: u64,
     why: Refusal,
+    swap_on: bool,
 ) -> String {
     match why {
+        Refusal::NothingFree { free, .. } if swap_on => format!(
+            "refused {what} on device {device}: past tenant {tenant}'s request of {} it borrows \
+             what the GPU has free, and {} is free for it now (out of memory); a retry within {} \
+             s waits in the GPU's line until there is room (as a caching allocator's retry after \
+             freeing its cache does), or raise the request (--memory)",
+            human(request),
+            human(free),
+            crate::line::RETRY_WINDOW.as_secs()
+        ),
         Refusal::OverLimit { held, limit } => format!(
             "refused {what} on device {device}: tenant {tenant} holds {} of its memory limit of \
              {} (out of memory); raise the limit (--memory-limit) or allocate less",
@@ -232,6 +243,33 @@ pub fn borrow_refused(
             human(shortfall)
         ),
     }
+}
+
+/// The line a process waiting in its GPU's line says every so often: how long, for how much, how
+/// many wait, and what ends it.
+pub fn waiting_in_line(
+    tenant: &str,
+    device: usize,
+    bytes: &str,
+    waited: std::time::Duration,
+    waiters: usize,
+    bound: Option<std::time::Duration>,
+) -> String {
+    let end = match bound {
+        Some(bound) => format!("it fails with out of memory after {} s", bound.as_secs()),
+        None => format!(
+            "it waits as long as it takes ({} bounds it)",
+            tenant_abi::env::var::MEMORY_WAIT_S
+        ),
+    };
+    format!(
+        "tenant {tenant} has waited {} s on device {device} for {bytes} of borrowed memory (in \
+         line with {} other process(es)): other tenants hold the GPU's memory, within their \
+         requests or borrowed while they run; it goes on when they free it; {end}; to borrow \
+         less, raise the request (--memory)",
+        waited.as_secs(),
+        waiters.saturating_sub(1)
+    )
 }
 
 /// The log line of an allocation past the request through a path that may not borrow.
@@ -287,6 +325,7 @@ mod tests {
                 held: 4 * GIB,
                 limit: 4 * GIB,
             },
+            true,
         );
         assert!(over.contains("raise the limit (--memory-limit)"), "{over}");
         let full = borrow_refused(
@@ -298,8 +337,30 @@ mod tests {
                 asked: GIB,
                 free: 0,
             },
+            false,
         );
         assert!(full.contains("wait for other tenants"), "{full}");
+        let once = borrow_refused(
+            "1 GiB",
+            0,
+            "a",
+            GIB,
+            Refusal::NothingFree {
+                asked: GIB,
+                free: 0,
+            },
+            true,
+        );
+        assert!(once.contains("a retry within 10 s waits"), "{once}");
+        let waiting = waiting_in_line("a", 0, "1 GiB", std::time::Duration::from_secs(70), 3, None);
+        assert!(
+            waiting.contains("waited 70 s") && waiting.contains("2 other process(es)"),
+            "{waiting}"
+        );
+        assert!(
+            waiting.contains("VGPU_MEMORY_WAIT_S bounds it"),
+            "{waiting}"
+        );
         assert!(full.contains("raise the request (--memory)"), "{full}");
         let reclaim =
             within_request_refused("1 GiB", 0, "a", Refusal::NeedsReclaim { shortfall: GIB });

@@ -27,6 +27,7 @@
 use crate::elastic::{self, Borrow, DeviceBoard};
 use crate::hint;
 use crate::ledger::{Ledger, ProcLiveness, own_start_time};
+use crate::line;
 use crate::swap;
 use crate::tracker::{Charge, Key, Tracker};
 use std::collections::BTreeSet;
@@ -117,6 +118,9 @@ struct Process {
     /// left a rest this process could not swap, given back to the tenant's other processes,
     /// and taking it again at once would only ask the helper again and again.
     hint_rest_until: Option<std::time::Instant>,
+    /// When a borrow of this process last found each GPU full and was refused: a borrow within
+    /// `line::RETRY_WINDOW` of it waits in line instead.
+    borrow_refused_at: [Option<std::time::Instant>; DEVICES_MAX],
 }
 
 impl Process {
@@ -131,6 +135,7 @@ impl Process {
             overhead_charged: [false; DEVICES_MAX],
             hint: None,
             hint_rest_until: None,
+            borrow_refused_at: [None; DEVICES_MAX],
         }
     }
 }
@@ -327,6 +332,7 @@ impl Enforcer {
                 return Admission::Refused;
             }
             return self.borrow(
+                devices,
                 ledger,
                 &mut process,
                 (slot, board, board_slot),
@@ -353,7 +359,8 @@ impl Enforcer {
     }
 
     /// A process with borrowed memory in host memory borrows more only once all of it is back
-    /// (the hold rule: `swap::hold`, bounded); whether it is (always, without the swap).
+    /// (the hold rule): it waits in the GPU's line for it (`line`; no bound unless
+    /// `VGPU_MEMORY_WAIT_S`); whether it is back (always, without the swap).
     fn held_back(
         &self,
         devices: &impl Devices,
@@ -361,27 +368,94 @@ impl Enforcer {
         (device, board_slot): (usize, usize),
         process: &mut Process,
     ) -> bool {
-        let chunks = &mut process.chunks[device];
-        if !self.swap_on() || !chunks.held() {
+        if !self.swap_on() || !process.chunks[device].held() {
             return true;
         }
-        let Some(mut backing) = devices.backing() else {
-            return false;
-        };
-        let mut counters = elastic::SlotCounters {
+        let back = self.wait_in_line(
+            devices,
             board,
-            slot: board_slot,
-        };
-        let back = swap::hold(|| chunks.take_back(&mut backing, &mut counters));
-        swap::publish(&process.chunks);
-        if !back {
+            (device, board_slot),
+            process,
+            |process| process.chunks[device].out_bytes(),
+            |_, process| (!process.chunks[device].held()).then_some(()),
+        );
+        if back.is_none() {
             crate::log::error(format_args!(
                 "refused to borrow more on device {device}: this process's borrowed memory is \
-                 still in host memory (other tenants hold the GPU's memory); wait for them to \
-                 free it (out of memory)"
+                 still in host memory after {} s in line ({}); other tenants hold the GPU's \
+                 memory (out of memory)",
+                line::wait_max().unwrap_or_default().as_secs(),
+                tenant_abi::env::var::MEMORY_WAIT_S
             ));
         }
-        back
+        back.is_some()
+    }
+
+    /// Waits in the GPU's line (`tenant_abi::board`, "The line") for `need` more bytes resident,
+    /// until `done` says the wait is over (`Some`), or `VGPU_MEMORY_WAIT_S` passed (`None`). At
+    /// each look: stands in line, acts on wants posted on this tenant and brings its chunks back
+    /// when there is room for them (`poll_swap`), and, first in line, asks the other waiters
+    /// for the borrowed memory it lacks (`reclaim::unstall`); says how long it has waited after
+    /// `line::REPORT_FIRST` and every `line::REPORT_EVERY`. Leaves the line, and withdraws what
+    /// it asked that nobody took, when it ends.
+    fn wait_in_line<T>(
+        &self,
+        devices: &impl Devices,
+        board: &DeviceBoard,
+        (device, board_slot): (usize, usize),
+        process: &mut Process,
+        need: impl Fn(&Process) -> u64,
+        mut done: impl FnMut(&Self, &mut Process) -> Option<T>,
+    ) -> Option<T> {
+        let mut pace = line::Pace::new(std::time::Instant::now(), line::wait_max());
+        let mut asked = Vec::new();
+        let ended = loop {
+            board
+                .board
+                .wait(board_slot, need(process), crate::shm::monotonic_ns());
+            self.poll_swap(devices, board, (device, board_slot), process);
+            if let Some(ended) = done(self, process) {
+                break Some(ended);
+            }
+            let now = std::time::Instant::now();
+            if pace.unstall_due(now) {
+                unstall(board, board_slot, &mut asked);
+            }
+            if pace.report_due(now) {
+                self.report_waiting(board, device, need(process), pace.waited(now));
+            }
+            if pace.expired(now) {
+                break None;
+            }
+            std::thread::sleep(pace.look_after(now));
+        };
+        board.board.stop_waiting(board_slot);
+        for (index, bytes) in asked {
+            board.board.withdraw_want(index, bytes);
+        }
+        ended
+    }
+
+    /// One line: this process has waited `waited` in line on `device` for `bytes`, why, and
+    /// what would end it.
+    fn report_waiting(
+        &self,
+        board: &DeviceBoard,
+        device: usize,
+        bytes: u64,
+        waited: std::time::Duration,
+    ) {
+        crate::log::error(format_args!(
+            "{}",
+            elastic::waiting_in_line(
+                &self.config.tenant,
+                device,
+                &human(bytes),
+                waited,
+                board.board.region.waiters().len(),
+                line::wait_max(),
+            )
+        ));
     }
 
     /// An allocation the ledger granted (within the request): on a GPU with a board, reserved
@@ -432,8 +506,10 @@ impl Enforcer {
     /// An allocation of `bytes` past the tenant's request (the ledger refused it) on a GPU with a
     /// board that lends past it: granted when the path may borrow, the board has that much free
     /// and the tenant stays within its limit; then charged to the ledger without its check.
+    #[allow(clippy::too_many_arguments)]
     fn borrow(
         &self,
+        devices: &impl Devices,
         ledger: &Ledger<'static, ProcLiveness>,
         process: &mut Process,
         (slot, board, board_slot): (usize, &DeviceBoard, usize),
@@ -504,7 +580,12 @@ impl Enforcer {
             ));
             return Admission::Refused;
         }
-        match board.board.reserve(board_slot, charged) {
+        let reserved = if self.swap_on() {
+            self.borrow_in_line(devices, board, (device, board_slot), process, charged)
+        } else {
+            board.board.reserve(board_slot, charged)
+        };
+        match reserved {
             Ok(_) => {
                 ledger.charge(slot, device, charged);
                 process.overhead_charged[device] |= overhead_bytes > 0;
@@ -521,11 +602,68 @@ impl Enforcer {
                 ledger.release(slot, device, overhead_bytes);
                 crate::log::error(format_args!(
                     "{}",
-                    elastic::borrow_refused(&human(charged), device, tenant, request, why)
+                    elastic::borrow_refused(
+                        &human(charged),
+                        device,
+                        tenant,
+                        request,
+                        why,
+                        self.swap_on()
+                    )
                 ));
                 Admission::Refused
             }
         }
+    }
+
+    /// A borrow of `bytes` with the swap on: granted when there is room for it beside the
+    /// waiters ahead of it in the GPU's line and other tenants' claims. Without room, the first
+    /// time it is refused at once (a caching allocator then frees what it caches and tries
+    /// again); a borrow of this process on this GPU within `line::RETRY_WINDOW` of that waits in
+    /// line until there is room, or its limit refuses it, or `VGPU_MEMORY_WAIT_S` passed.
+    fn borrow_in_line(
+        &self,
+        devices: &impl Devices,
+        board: &DeviceBoard,
+        (device, board_slot): (usize, usize),
+        process: &mut Process,
+        bytes: u64,
+    ) -> Result<tenant_abi::board::Grant, tenant_abi::board::Refusal> {
+        let region = board.board.region;
+        let attempt = || {
+            if region.room_in_line(board_slot, bytes, crate::shm::monotonic_ns()) {
+                match board.board.reserve(board_slot, bytes) {
+                    Err(tenant_abi::board::Refusal::NothingFree { .. }) => None,
+                    reserved => Some(reserved),
+                }
+            } else {
+                None
+            }
+        };
+        if let Some(reserved) = attempt() {
+            return reserved;
+        }
+        let now = std::time::Instant::now();
+        let retried = process.borrow_refused_at[device]
+            .is_some_and(|at| now.saturating_duration_since(at) < line::RETRY_WINDOW);
+        let nothing_free = || tenant_abi::board::Refusal::NothingFree {
+            asked: bytes,
+            free: region.free_in_line(board_slot, crate::shm::monotonic_ns()),
+        };
+        if !retried {
+            process.borrow_refused_at[device] = Some(now);
+            return Err(nothing_free());
+        }
+        let waited = self.wait_in_line(
+            devices,
+            board,
+            (device, board_slot),
+            process,
+            |process| bytes.saturating_add(process.chunks[device].out_bytes()),
+            |_, _| attempt(),
+        );
+        process.borrow_refused_at[device] = None;
+        waited.unwrap_or_else(|| Err(nothing_free()))
     }
 
     /// The swap's part of every hook call on a GPU with a board (`VGPU_MEMORY_SWAP=1`): gives
@@ -739,15 +877,22 @@ impl Enforcer {
 
     /// The hold rule at a launch or copy of a process with swappable chunks (`enter_work`):
     /// acts on a want posted for it (once: a want it cannot act on now does not hold the call),
-    /// then waits, bounded by `swap::HOLD_WAIT_MAX_MS`, until no chunk is out; `None` after the
-    /// bound (the caller refuses the launch or copy).
+    /// then, while a chunk is out, waits in the line of each GPU where one is (`line`: its
+    /// chunks come back when there is room for them; first in line, it asks the other waiters
+    /// for their borrowed memory), as long as it takes unless `VGPU_MEMORY_WAIT_S` bounds it:
+    /// `None` after that bound (the caller refuses the launch or copy).
     fn enter_work(&self, devices: &impl Devices) -> Option<swap::InFlight> {
-        let began = std::time::Instant::now();
-        let bound = std::time::Duration::from_millis(swap::HOLD_WAIT_MAX_MS);
-        loop {
+        let mut pace = line::Pace::new(std::time::Instant::now(), line::wait_max());
+        let mut asked: [Vec<(usize, u64)>; DEVICES_MAX] = std::array::from_fn(|_| Vec::new());
+        let mut in_line = [false; DEVICES_MAX];
+        let entered = loop {
             if let Some(entered) = swap::try_enter(|| !self.want_posted()) {
-                return Some(entered);
+                break Some(entered);
             }
+            let now = std::time::Instant::now();
+            let unstall_due = pace.unstall_due(now);
+            let report_due = pace.report_due(now);
+            let mut out_bytes = 0u64;
             {
                 let mut process = self.process();
                 for device in 0..DEVICES_MAX {
@@ -757,18 +902,52 @@ impl Enforcer {
                         continue;
                     };
                     self.poll_swap(devices, board, (device, board_slot), &mut process);
+                    let out = process.chunks[device].out_bytes();
+                    if out == 0 {
+                        if in_line[device] {
+                            board.board.stop_waiting(board_slot);
+                            in_line[device] = false;
+                        }
+                        continue;
+                    }
+                    out_bytes += out;
+                    board
+                        .board
+                        .wait(board_slot, out, crate::shm::monotonic_ns());
+                    in_line[device] = true;
+                    if unstall_due {
+                        unstall(board, board_slot, &mut asked[device]);
+                    }
+                    if report_due {
+                        self.report_waiting(board, device, out, pace.waited(now));
+                    }
                 }
             }
             // Acted on (or could not act on: a capture in progress, a drain that did not finish,
             // and the want is posted again): only a chunk out holds the call now.
             if let Some(entered) = swap::try_enter(|| true) {
-                return Some(entered);
+                break Some(entered);
             }
-            if began.elapsed() >= bound {
-                return None;
+            if pace.expired(now) && out_bytes > 0 {
+                break None;
             }
-            std::thread::sleep(std::time::Duration::from_millis(1));
+            std::thread::sleep(pace.look_after(now));
+        };
+        let process = self.process();
+        for device in 0..DEVICES_MAX {
+            let (Some(Some(board)), Some(board_slot)) =
+                (self.boards[device].get(), process.board_slots[device])
+            else {
+                continue;
+            };
+            if in_line[device] {
+                board.board.stop_waiting(board_slot);
+            }
+            for &(index, bytes) in &asked[device] {
+                board.board.withdraw_want(index, bytes);
+            }
         }
+        entered
     }
 
     /// Whether a want is posted on this tenant on a GPU where this process has a resident chunk
@@ -880,6 +1059,31 @@ impl Enforcer {
 /// chunk is still out after `swap::HOLD_WAIT_MAX_MS` (logged; the caller refuses the call with
 /// `CUDA_ERROR_OUT_OF_MEMORY`, never lets it through). A process without swappable chunks pays
 /// one relaxed load.
+/// First in the GPU's line, this process asks the other waiters' tenants for the borrowed memory
+/// it lacks (`tenant_abi::reclaim::unstall`): wants on the board, recorded in `asked` as (tenant
+/// index, bytes). What the previous round asked and nobody took yet is withdrawn first, so that
+/// a want is never posted twice for one need.
+fn unstall(board: &DeviceBoard, board_slot: usize, asked: &mut Vec<(usize, u64)>) {
+    let region = board.board.region;
+    let waiters = region.waiters();
+    let first = waiters
+        .iter()
+        .min_by(|a, b| tenant_abi::reclaim::line_order(a, b));
+    if first.is_none_or(|first| first.slot != board_slot) {
+        return;
+    }
+    for (index, bytes) in asked.drain(..) {
+        board.board.withdraw_want(index, bytes);
+    }
+    let room = region.free_in_line(board_slot, crate::shm::monotonic_ns());
+    for (name, bytes) in tenant_abi::reclaim::unstall(&region.holders(), &waiters, room) {
+        if let Some(index) = region.find(&name) {
+            board.board.post_want(index, bytes);
+            asked.push((index, bytes));
+        }
+    }
+}
+
 pub fn enter_work(devices: &impl Devices, what: &str) -> Option<swap::InFlight> {
     if !swap::any_chunk() {
         return Some(swap::InFlight::uncounted());
@@ -898,10 +1102,12 @@ pub fn enter_work(devices: &impl Devices, what: &str) -> Option<swap::InFlight> 
     if entered.is_none() {
         crate::log::error(format_args!(
             "refused {what} (out of memory): this process's borrowed memory is still in host \
-             memory after {} ms, and a kernel or copy must not run while it is (it could touch \
-             it); other tenants hold the GPU's memory; retry later, or raise tenant {}'s request \
-             (--memory) so that it borrows less",
-            swap::HOLD_WAIT_MAX_MS,
+             memory after {} s in line ({}), and a kernel or copy must not run while it is (it \
+             could touch it); other tenants hold the GPU's memory; retry later, unset {} to wait \
+             as long as it takes, or raise tenant {}'s request (--memory) so that it borrows less",
+            line::wait_max().unwrap_or_default().as_secs(),
+            tenant_abi::env::var::MEMORY_WAIT_S,
+            tenant_abi::env::var::MEMORY_WAIT_S,
             enforcer.config.tenant
         ));
     }

@@ -49,6 +49,7 @@ mod fault;
 mod hint;
 mod hooks;
 mod launch;
+mod line;
 mod log;
 mod nvml;
 mod nvml_exports;

@@ -7,8 +7,9 @@
 //!
 //! **The hold rule**: a process with any chunk out must launch nothing and copy nothing until
 //! every chunk is back ([`Chunks::held`]), since a kernel may touch any allocation of its
-//! process. [`hold`] holds a borrowing allocation (`hooks`); the launch and copy hooks go through
-//! [`try_enter`] (`hooks::enter_work`), and a swap-out first makes the process quiet
+//! process. `hooks` holds a borrowing allocation until then, and the launch and copy hooks go
+//! through [`try_enter`] (`hooks::enter_work`): both wait in the GPU's line (`line`) for room to
+//! bring the chunks back, and a swap-out first makes the process quiet
 //! ([`quiesce`]: no launch or copy between its check and its driver call) and drains its queued
 //! work. The process-wide counters here are what the launch and copy paths read: a process with
 //! no swappable chunk pays one relaxed load ([`any_chunk`]).
@@ -18,10 +19,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-
-/// How long [`hold`] waits for chunks to come back before it gives up and says so (a launch let
-/// through then would touch an unmapped chunk and fault, so the wait is long).
-pub const HOLD_WAIT_MAX_MS: u64 = 10_000;
 
 /// A driver step of a swap failed: the chunk is left as it was (resident, or out).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -225,27 +222,6 @@ impl Chunks {
         }
         !self.held()
     }
-}
-
-/// The hold: while this process has a chunk out, waits (bounded by [`HOLD_WAIT_MAX_MS`], in
-/// steps of 1 ms) for `take_back` to bring everything back; `take_back` is tried at each step.
-/// Returns whether nothing is out any more; after the bound it logs and says so. `hooks` holds a
-/// borrowing allocation with it (launches and copies wait in `hooks::enter_work`).
-pub fn hold(mut take_back: impl FnMut() -> bool) -> bool {
-    for _ in 0..HOLD_WAIT_MAX_MS {
-        if take_back() {
-            return true;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    let back = take_back();
-    if !back {
-        crate::log::error(format_args!(
-            "borrowed memory of this process is still in host memory after {HOLD_WAIT_MAX_MS} \
-             ms (the GPU has no room for it)"
-        ));
-    }
-    back
 }
 
 /// The longest a swap-out waits for the launches and copies other threads are submitting to

@@ -256,7 +256,7 @@ fn the_largest_chunks_go_first_and_only_as_many_as_wanted() {
     assert!(chunks.held());
     // Room again: back at the same address, and a launch may go.
     board.others = 0;
-    assert!(hold(|| chunks.take_back(&mut model, &mut board)));
+    assert!(chunks.take_back(&mut model, &mut board));
     assert_eq!(model.mapped[&0x2000], vec![8u8; (8 * UNIT) as usize]);
     assert_eq!(board.swapped, 0);
     assert_eq!(board.staging, 0);

@@ -894,3 +894,139 @@ fn a_hint_helper_that_frees_nothing_delays_the_swap_by_its_budget_only() {
     assert!(err.contains("the swap moves the rest"), "{err}");
     assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
 }
+
+/// Issue 17's three jobs whose footprints add up to 1.5x the GPU's memory (16 MiB; requests of
+/// 2 MiB, limits and footprints of 8 MiB): all three finish, each sees its own bytes, nobody is
+/// refused past one retry. "a" and "b" fill the GPU; "c" takes its request back from them (one
+/// of them goes to host memory), and its borrow, retried as a caching allocator retries, waits
+/// in the GPU's line. When "a" and "b" may go on, the one whose chunk is out waits in line
+/// behind "c" at its kernel; the other runs, ends and frees: "c" gets its room first, then the
+/// held one gets its chunk back, intact.
+#[test]
+fn three_jobs_at_one_and_a_half_times_the_memory_all_finish_in_line() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[
+            ("a", 2 * MIB, 8 * MIB),
+            ("b", 2 * MIB, 8 * MIB),
+            ("c", 2 * MIB, 8 * MIB),
+        ],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let job = |name: &str, seed: u32, before: &str| {
+        swapping(tenant(shm.path(), name, "2MiB")).start_holding(&format!(
+            "{before} alloc 2M alloc_retry 6M fill {seed} touch {} spin_info {} kcheck {seed} \
+             check {seed} free free",
+            file(&format!("{name}-ready")),
+            file("go"),
+        ))
+    };
+    let mut a = job("a", 1, "");
+    a.wait_for_line("touch 0");
+    let mut b = job("b", 2, "");
+    b.wait_for_line("touch 0");
+    assert_eq!(
+        usage(&board, "a").resident_bytes + usage(&board, "b").resident_bytes,
+        16 * MIB
+    );
+    let mut c = job("c", 3, "");
+    // "c" has its request back (one borrower's chunk went out) and waits in line for 6 MiB.
+    until(
+        || {
+            let (tenants, _) = tenant_abi::shm::sample_board(&board).expect("sampling");
+            let swapped: u64 = tenants.iter().map(|t| t.swapped_bytes).sum();
+            swapped == 6 * MIB && usage(&board, "c").resident_bytes == 2 * MIB
+        },
+        "c's request, taken back from a borrower",
+    );
+    std::fs::write(shm.path().join("go"), "").expect("touching go");
+    for job in [&mut a, &mut b, &mut c] {
+        job.wait_held();
+        assert!(
+            job.output.contains("alloc_retry 0")
+                && job
+                    .output
+                    .ends_with("kcheck 0 ok\ncheck 0 ok\nfree 0\nfree 0\n"),
+            "{}",
+            job.output
+        );
+    }
+    assert!(c.output.contains("alloc_retry 0 tries=2"), "{}", c.output);
+    let (tenants, _) = tenant_abi::shm::sample_board(&board).expect("sampling");
+    for t in tenants {
+        assert_eq!(
+            (t.resident_bytes, t.swapped_bytes, t.staging_bytes),
+            (0, 0, 0),
+            "{t:?}"
+        );
+    }
+}
+
+/// Two borrowers that each wait for memory the other holds do not wait for ever: the first in
+/// line asks the other waiter for what it borrowed (`reclaim::unstall`), which goes to host
+/// memory; the first gets its room, runs and ends; then the other gets its chunk back and its
+/// own borrow, with its bytes intact.
+#[test]
+fn two_borrowers_waiting_for_each_other_are_served_in_turn() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 2 * MIB, 12 * MIB), ("b", 2 * MIB, 12 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    // "a" holds 8, "b" 6: 2 free. Each then asks for 4 more, "a" first.
+    let mut a = swapping(tenant(shm.path(), "a", "2MiB")).start_holding(&format!(
+        "alloc 2M alloc 6M fill 1 touch {} until_file {} alloc_retry 4M fill 4 kcheck 4 free \
+         check 1 free free",
+        file("a-ready"),
+        file("a-go"),
+    ));
+    a.wait_for_line("touch 0");
+    let mut b = swapping(tenant(shm.path(), "b", "2MiB")).start_holding(&format!(
+        "alloc 2M alloc 4M fill 2 touch {} until_file {} alloc_retry 4M fill 5 kcheck 5 free \
+         check 2",
+        file("b-ready"),
+        file("b-go"),
+    ));
+    b.wait_for_line("touch 0");
+    std::fs::write(shm.path().join("a-go"), "").expect("touching a-go");
+    until(|| waiting(&board) == 1, "a in line");
+    std::fs::write(shm.path().join("b-go"), "").expect("touching b-go");
+    a.wait_held();
+    assert!(
+        a.output.ends_with(
+            "alloc_retry 0 tries=2\nfill 0\nkcheck 0 ok\nfree 0\ncheck 0 ok\nfree 0\nfree 0\n"
+        ),
+        "{}",
+        a.output
+    );
+    drop(a);
+    b.wait_held();
+    assert!(
+        b.output
+            .ends_with("alloc_retry 0 tries=2\nfill 0\nkcheck 0 ok\nfree 0\ncheck 0 ok\n"),
+        "{}",
+        b.output
+    );
+    let b_now = usage(&board, "b");
+    assert_eq!((b_now.resident_bytes, b_now.swapped_bytes), (6 * MIB, 0));
+    assert_eq!(b_now.reclaims, 1, "b gave its chunk back once, for a");
+}
+
+/// Processes in the line of `board` now (the slots' wait stamps; the agent's reports do not show
+/// them).
+fn waiting(board: &Path) -> usize {
+    use tenant_abi::board::{Region, Slot};
+    let bytes = std::fs::read(board).expect("reading the board");
+    (0..tenant_abi::board::SLOTS)
+        .filter(|&i| {
+            let at = std::mem::offset_of!(Region, slots)
+                + i * std::mem::size_of::<Slot>()
+                + std::mem::offset_of!(Slot, wait_since_ns);
+            u64::from_le_bytes(bytes[at..at + 8].try_into().expect("eight bytes")) != 0
+        })
+        .count()
+}

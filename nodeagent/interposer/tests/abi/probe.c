@@ -529,6 +529,18 @@ int main(int argc, char **argv) {
       keep(rc, p);
       printf("alloc %d\n", rc);
       i++;
+    } else if (!strcmp(c, "alloc_retry")) {
+      /* As a caching allocator does: on out of memory, (free its cache and) try once more. */
+      last_size = size_arg(a);
+      rc = cuMemAlloc_v2(&p, size_arg(a));
+      int tries = 1;
+      if (rc == 2 /* CUDA_ERROR_OUT_OF_MEMORY */) {
+        rc = cuMemAlloc_v2(&p, size_arg(a));
+        tries = 2;
+      }
+      keep(rc, p);
+      printf("alloc_retry %d tries=%d\n", rc, tries);
+      i++;
     } else if (!strcmp(c, "free")) {
       printf("free %d\n", n_pointers ? cuMemFree_v2(pointers[--n_pointers]) : -1);
     } else if (!strcmp(c, "dl_alloc")) {
