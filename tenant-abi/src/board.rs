@@ -55,7 +55,7 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUBRD1");
 /// Bumped on any layout change; a process refuses a board of another version (2: the swap
 /// staging budget in the header, staging bytes in each slot, the tenants' claims,
 /// `Tenant::claim_bytes` and `Tenant::claim_until_ns`, and their reclaim history; 3: the line,
-/// `Slot::wait_since_ns` and `Slot::wait_bytes`).
+/// `Slot::wait_since_ns`, `Slot::wait_bytes` and `Slot::wait_borrow`).
 pub const VERSION: u32 = 3;
 /// Tenants one GPU's board describes at once.
 pub const TENANTS: usize = 64;
@@ -128,6 +128,9 @@ pub struct Slot {
     /// resident (see "The line" above).
     pub wait_since_ns: AtomicU64,
     pub wait_bytes: AtomicU64,
+    /// 1 while the wait is a borrow (which a stuck line may refuse), 0 for a process waiting for
+    /// its swapped-out memory.
+    pub wait_borrow: AtomicU64,
 }
 
 /// The whole board file.
@@ -139,10 +142,10 @@ pub struct Region {
 }
 
 /// The file size; part of the on-disk format (checked so a field change bumps `VERSION`).
-pub const REGION_BYTES: usize = 40 + TENANTS * 152 + SLOTS * 56;
+pub const REGION_BYTES: usize = 40 + TENANTS * 152 + SLOTS * 64;
 const _: () = assert!(std::mem::size_of::<Header>() == 40);
 const _: () = assert!(std::mem::size_of::<Tenant>() == 152);
-const _: () = assert!(std::mem::size_of::<Slot>() == 56);
+const _: () = assert!(std::mem::size_of::<Slot>() == 64);
 const _: () = assert!(std::mem::size_of::<Region>() == REGION_BYTES);
 const _: () = assert!(std::mem::align_of::<Region>() == 8);
 
@@ -236,6 +239,7 @@ impl Region {
             staging_bytes: AtomicU64::new(0),
             wait_since_ns: AtomicU64::new(0),
             wait_bytes: AtomicU64::new(0),
+            wait_borrow: AtomicU64::new(0),
         };
         Box::new(Region {
             header: Header {
@@ -470,6 +474,16 @@ impl Region {
             <= self.capacity()
     }
 
+    /// Whether every live process that holds memory on the GPU (resident or swapped out) is in
+    /// its line: then nobody frees anything unless the line itself moves (`reclaim::stuck`).
+    pub fn every_holder_waits(&self) -> bool {
+        self.slots
+            .iter()
+            .filter(|s| s.pid.load(SeqCst) != 0)
+            .filter(|s| s.resident_bytes.load(SeqCst) != 0 || s.swapped_bytes.load(SeqCst) != 0)
+            .all(|s| s.wait_since_ns.load(SeqCst) != 0)
+    }
+
     /// The processes in the GPU's line, in no order (`reclaim::line_order` sorts them).
     pub fn waiters(&self) -> Vec<Waiter> {
         self.slots
@@ -486,6 +500,7 @@ impl Region {
                         since_ns,
                         bytes: s.wait_bytes.load(SeqCst),
                         priority: self.tenants[tenant].priority.load(SeqCst),
+                        borrow: s.wait_borrow.load(SeqCst) == 1,
                     }
                 })
             })
@@ -820,9 +835,10 @@ impl<'r, L: Liveness> Board<'r, L> {
     /// The process of `slot` waits at `now_ns` for `bytes` more resident (a borrow, or its
     /// swapped-out memory): it stands in the GPU's line, keeping its place if it stood there
     /// already.
-    pub fn wait(&self, slot: usize, bytes: u64, now_ns: u64) {
+    pub fn wait(&self, slot: usize, bytes: u64, borrow: bool, now_ns: u64) {
         let me = &self.region.slots[slot];
         me.wait_bytes.store(bytes, SeqCst);
+        me.wait_borrow.store(u64::from(borrow), SeqCst);
         let _ = me
             .wait_since_ns
             .compare_exchange(0, now_ns.max(1), SeqCst, SeqCst);
@@ -833,6 +849,7 @@ impl<'r, L: Liveness> Board<'r, L> {
         let me = &self.region.slots[slot];
         me.wait_since_ns.store(0, SeqCst);
         me.wait_bytes.store(0, SeqCst);
+        me.wait_borrow.store(0, SeqCst);
     }
 
     /// A needy tenant asks the tenant at `tenant` for `bytes` back; returns the new epoch.

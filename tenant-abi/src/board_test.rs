@@ -551,8 +551,8 @@ fn room_goes_to_the_line_in_order_and_a_dead_waiter_leaves_it() {
     assert_eq!(board.reserve(sa, 7 * GIB), Ok(Grant::Borrowed));
     assert_eq!(board.reserve(sb, 7 * GIB), Ok(Grant::Borrowed));
     // "b" waits for 1 first, then "a" for 3.
-    board.wait(sb, GIB, 100);
-    board.wait(sa, 3 * GIB, 200);
+    board.wait(sb, GIB, true, 100);
+    board.wait(sa, 3 * GIB, false, 200);
     assert_eq!(region.ahead_in_line(sb), 0);
     assert_eq!(region.ahead_in_line(sa), GIB);
     assert_eq!(
@@ -569,7 +569,7 @@ fn room_goes_to_the_line_in_order_and_a_dead_waiter_leaves_it() {
     assert!(!region.room_in_line(sc, GIB, 0));
     assert_eq!(region.free_in_line(sc, 0), 0);
     // Waiting again (more bytes) keeps the place.
-    board.wait(sb, 2 * GIB, 300);
+    board.wait(sb, 2 * GIB, true, 300);
     let waiters = region.waiters();
     let first = waiters
         .iter()
@@ -584,7 +584,7 @@ fn room_goes_to_the_line_in_order_and_a_dead_waiter_leaves_it() {
         reclaim::unstall(&region.holders(), &waiters, region.free_in_line(sb, 0)).is_empty(),
         "2 free cover b's 2: nothing to ask"
     );
-    board.wait(sb, 4 * GIB, 300);
+    board.wait(sb, 4 * GIB, true, 300);
     assert_eq!(
         reclaim::unstall(
             &region.holders(),
@@ -593,6 +593,11 @@ fn room_goes_to_the_line_in_order_and_a_dead_waiter_leaves_it() {
         ),
         vec![("a".to_owned(), 2 * GIB)]
     );
+    // "c" holds nothing: every holder ("a", "b") waits. Not when "c" holds memory and runs.
+    assert!(region.every_holder_waits());
+    assert_eq!(board.reserve(sc, 1), Ok(Grant::Within));
+    assert!(!region.every_holder_waits());
+    board.release(sc, 1);
     // "b" is served and leaves the line; "a" dies while waiting: the line is empty.
     board.stop_waiting(sb);
     assert_eq!(region.ahead_in_line(sc), 3 * GIB);

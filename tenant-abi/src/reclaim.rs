@@ -28,6 +28,8 @@
 //!    anyway, so giving it costs them nothing they would do meanwhile; without it two borrowers
 //!    each waiting for the other's memory would wait for ever. A tenant that runs is never asked
 //!    for a waiter: its memory comes when it frees it (a later turn, or its end).
+//! 6. A line that cannot move ([`stuck`]: every process holding memory waits, and the first can
+//!    neither fit nor be unstalled) refuses its last borrow, never a wait for swapped-out memory.
 
 /// One tenant of the GPU, as the planner sees it (bytes).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +61,8 @@ pub struct Waiter {
     pub bytes: u64,
     /// Its tenant's priority.
     pub priority: i32,
+    /// It waits for a borrow (which a stuck line may refuse), not for its swapped-out memory.
+    pub borrow: bool,
 }
 
 /// The order of the line (rule 5): higher priority first, then the longest waiting, then the
@@ -100,6 +104,31 @@ pub fn unstall(holders: &[Holder], waiters: &[Waiter], room: u64) -> Vec<(String
         asks.push((holder.name.clone(), take));
     }
     asks
+}
+
+/// Rule 6, a stuck line: the slot whose borrow is refused, if the line cannot move. It cannot
+/// when every process holding memory on the GPU is in line (`every_holder_waits`: nobody runs to
+/// free anything), the first does not fit in `room` (what is free for it), and [`unstall`] finds
+/// nothing for it (the others' memory is within their requests, or out already): for example
+/// when the requests fill the GPU and each tenant waits for more. Then the last borrow in line
+/// is refused (out of memory), so that its process goes on without it, or ends and frees what it
+/// holds; a process waiting for its own swapped-out memory is never refused (that would be a
+/// kill). `None` when the line can move, or no waiter is a borrow.
+pub fn stuck(
+    holders: &[Holder],
+    waiters: &[Waiter],
+    room: u64,
+    every_holder_waits: bool,
+) -> Option<usize> {
+    let first = waiters.iter().min_by(|a, b| line_order(a, b))?;
+    if !every_holder_waits || first.bytes <= room || !unstall(holders, waiters, room).is_empty() {
+        return None;
+    }
+    waiters
+        .iter()
+        .filter(|w| w.borrow)
+        .max_by(|a, b| line_order(a, b))
+        .map(|w| w.slot)
 }
 
 /// Rule 2: who gives first.
@@ -270,7 +299,48 @@ mod tests {
             since_ns,
             bytes,
             priority,
+            borrow: true,
         }
+    }
+
+    #[test]
+    fn a_stuck_line_refuses_its_last_borrow_and_never_a_wait_for_swapped_memory() {
+        // 12 GiB, requests of 4 each filling it: "a" and "b" hold their requests with their
+        // borrowed memory out (they wait for it), "c" holds its request and waits to borrow 2.
+        let holders = [
+            holder("a", 4 * GIB, 4 * GIB, 0, false),
+            holder("b", 4 * GIB, 4 * GIB, 0, false),
+            holder("c", 4 * GIB, 4 * GIB, 0, false),
+        ];
+        let swapped = |tenant, slot, since| Waiter {
+            borrow: false,
+            ..waiter(tenant, slot, since, 2 * GIB, 0)
+        };
+        let waiters = [
+            waiter("c", 2, 10, 2 * GIB, 0),
+            swapped("a", 0, 20),
+            swapped("b", 1, 30),
+        ];
+        assert_eq!(stuck(&holders, &waiters, 0, true), Some(2));
+        // Someone runs (and may free): not stuck. Room for the first, or something to unstall:
+        // not stuck.
+        assert_eq!(stuck(&holders, &waiters, 0, false), None);
+        assert_eq!(stuck(&holders, &waiters, 2 * GIB, true), None);
+        let lending = [
+            holder("a", 4 * GIB, 6 * GIB, 0, false),
+            holders[1].clone(),
+            holders[2].clone(),
+        ];
+        assert_eq!(stuck(&lending, &waiters, 0, true), None);
+        // Only waits for swapped-out memory: nobody is refused.
+        assert_eq!(stuck(&holders, &waiters[1..], 0, true), None);
+        // Of two borrows, the last in line.
+        let two = [
+            waiter("c", 2, 10, 2 * GIB, 0),
+            waiter("b", 1, 30, 2 * GIB, 0),
+            swapped("a", 0, 20),
+        ];
+        assert_eq!(stuck(&holders, &two, 0, true), Some(1));
     }
 
     #[test]

@@ -272,6 +272,17 @@ pub fn waiting_in_line(
     )
 }
 
+/// The line of a borrow refused because the GPU's line was stuck (`reclaim::stuck`).
+pub fn stuck_line(what: &str, device: usize, tenant: &str) -> String {
+    format!(
+        "refused {what} on device {device} (out of memory): every process holding memory on \
+         this GPU waits in its line for memory the others hold within their requests or have in \
+         host memory, so nothing would ever be freed; this borrow of tenant {tenant}, the last in \
+         line, is refused so that the others can go on; lower the requests of the GPU's tenants \
+         (--memory) so that the GPU has memory to lend, or raise this tenant's request"
+    )
+}
+
 /// The log line of an allocation past the request through a path that may not borrow.
 pub fn may_not_borrow(what: &str, device: usize, tenant: &str, request: u64, path: &str) -> String {
     format!(

@@ -376,10 +376,12 @@ impl Enforcer {
             board,
             (device, board_slot),
             process,
+            false,
             |process| process.chunks[device].out_bytes(),
             |_, process| (!process.chunks[device].held()).then_some(()),
         );
-        if back.is_none() {
+        let back = back == line::End::Done(());
+        if !back {
             crate::log::error(format_args!(
                 "refused to borrow more on device {device}: this process's borrowed memory is \
                  still in host memory after {} s in line ({}); other tenants hold the GPU's \
@@ -388,44 +390,59 @@ impl Enforcer {
                 tenant_abi::env::var::MEMORY_WAIT_S
             ));
         }
-        back.is_some()
+        back
     }
 
     /// Waits in the GPU's line (`tenant_abi::board`, "The line") for `need` more bytes resident,
-    /// until `done` says the wait is over (`Some`), or `VGPU_MEMORY_WAIT_S` passed (`None`). At
-    /// each look: stands in line, acts on wants posted on this tenant and brings its chunks back
-    /// when there is room for them (`poll_swap`), and, first in line, asks the other waiters
-    /// for the borrowed memory it lacks (`reclaim::unstall`); says how long it has waited after
-    /// `line::REPORT_FIRST` and every `line::REPORT_EVERY`. Leaves the line, and withdraws what
-    /// it asked that nobody took, when it ends.
+    /// until `done` says the wait is over, or `VGPU_MEMORY_WAIT_S` passed, or (a `borrow` only)
+    /// the line is stuck and this borrow is the one refused (`reclaim::stuck`, for
+    /// `line::STUCK_GRACE`). At each look: stands in line, acts on wants posted on this tenant
+    /// and brings its chunks back when there is room for them (`poll_swap`), and, first in line,
+    /// asks the other waiters for the borrowed memory it lacks (`reclaim::unstall`); says how
+    /// long it has waited after `line::REPORT_FIRST` and every `line::REPORT_EVERY`. Leaves the
+    /// line, and withdraws what it asked that nobody took, when it ends.
+    #[allow(clippy::too_many_arguments)]
     fn wait_in_line<T>(
         &self,
         devices: &impl Devices,
         board: &DeviceBoard,
         (device, board_slot): (usize, usize),
         process: &mut Process,
+        borrow: bool,
         need: impl Fn(&Process) -> u64,
         mut done: impl FnMut(&Self, &mut Process) -> Option<T>,
-    ) -> Option<T> {
+    ) -> line::End<T> {
         let mut pace = line::Pace::new(std::time::Instant::now(), line::wait_max());
         let mut asked = Vec::new();
+        let mut stuck_since = None;
         let ended = loop {
-            board
-                .board
-                .wait(board_slot, need(process), crate::shm::monotonic_ns());
+            board.board.wait(
+                board_slot,
+                need(process),
+                borrow,
+                crate::shm::monotonic_ns(),
+            );
             self.poll_swap(devices, board, (device, board_slot), process);
             if let Some(ended) = done(self, process) {
-                break Some(ended);
+                break line::End::Done(ended);
             }
             let now = std::time::Instant::now();
             if pace.unstall_due(now) {
                 unstall(board, board_slot, &mut asked);
+                if borrow && refused_by_stuck_line(board, board_slot) {
+                    let since = *stuck_since.get_or_insert(now);
+                    if now.saturating_duration_since(since) >= line::STUCK_GRACE {
+                        break line::End::Yielded;
+                    }
+                } else {
+                    stuck_since = None;
+                }
             }
             if pace.report_due(now) {
                 self.report_waiting(board, device, need(process), pace.waited(now));
             }
             if pace.expired(now) {
-                break None;
+                break line::End::TimedOut;
             }
             std::thread::sleep(pace.look_after(now));
         };
@@ -659,11 +676,22 @@ impl Enforcer {
             board,
             (device, board_slot),
             process,
+            true,
             |process| bytes.saturating_add(process.chunks[device].out_bytes()),
             |_, _| attempt(),
         );
         process.borrow_refused_at[device] = None;
-        waited.unwrap_or_else(|| Err(nothing_free()))
+        match waited {
+            line::End::Done(reserved) => reserved,
+            line::End::TimedOut => Err(nothing_free()),
+            line::End::Yielded => {
+                crate::log::error(format_args!(
+                    "{}",
+                    elastic::stuck_line(&human(bytes), device, &self.config.tenant)
+                ));
+                Err(nothing_free())
+            }
+        }
     }
 
     /// The swap's part of every hook call on a GPU with a board (`VGPU_MEMORY_SWAP=1`): gives
@@ -913,7 +941,7 @@ impl Enforcer {
                     out_bytes += out;
                     board
                         .board
-                        .wait(board_slot, out, crate::shm::monotonic_ns());
+                        .wait(board_slot, out, false, crate::shm::monotonic_ns());
                     in_line[device] = true;
                     if unstall_due {
                         unstall(board, board_slot, &mut asked[device]);
@@ -1082,6 +1110,26 @@ fn unstall(board: &DeviceBoard, board_slot: usize, asked: &mut Vec<(usize, u64)>
             asked.push((index, bytes));
         }
     }
+}
+
+/// Whether the GPU's line is stuck (`tenant_abi::reclaim::stuck`) and the borrow of this
+/// process's `board_slot` is the one to refuse.
+fn refused_by_stuck_line(board: &DeviceBoard, board_slot: usize) -> bool {
+    let region = board.board.region;
+    let waiters = region.waiters();
+    let Some(first) = waiters
+        .iter()
+        .min_by(|a, b| tenant_abi::reclaim::line_order(a, b))
+    else {
+        return false;
+    };
+    let room = region.free_in_line(first.slot, crate::shm::monotonic_ns());
+    tenant_abi::reclaim::stuck(
+        &region.holders(),
+        &waiters,
+        room,
+        region.every_holder_waits(),
+    ) == Some(board_slot)
 }
 
 pub fn enter_work(devices: &impl Devices, what: &str) -> Option<swap::InFlight> {

@@ -28,6 +28,10 @@ pub const UNSTALL_EVERY: Duration = Duration::from_secs(1);
 /// device: that can take as long as the work it has queued); a borrow of the same process on the
 /// same GPU within this long of that refusal waits in line instead.
 pub const RETRY_WINDOW: Duration = Duration::from_secs(10);
+/// How long a line must look stuck (`tenant_abi::reclaim::stuck`) before its last borrow is
+/// refused: two rounds of asking, so that a process between two looks, or a want being acted on,
+/// is not taken for a deadlock.
+pub const STUCK_GRACE: Duration = Duration::from_secs(2);
 /// The looks are 1 ms apart for this long, then [`SLOW_LOOK`] apart: a short wait (a swap-in as
 /// soon as the room is there) is answered at once, a long one costs a hundred wake-ups a second.
 pub const FAST_LOOKS_FOR: Duration = Duration::from_millis(100);
@@ -69,6 +73,16 @@ pub fn parse_wait_s(text: Option<&str>) -> Result<Option<u64>, &str> {
         Ok(seconds) if seconds <= WAIT_S_MAX => Ok(Some(seconds)),
         _ => Err(text),
     }
+}
+
+/// How a wait in line ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End<T> {
+    Done(T),
+    /// `VGPU_MEMORY_WAIT_S` passed.
+    TimedOut,
+    /// The line was stuck and this borrow was the one refused (rule 6 of `tenant_abi::reclaim`).
+    Yielded,
 }
 
 /// The pacing of one wait, from when it began.

@@ -1030,3 +1030,50 @@ fn waiting(board: &Path) -> usize {
         })
         .count()
 }
+
+/// A line that cannot move (requests fill the GPU; every process holding memory waits) refuses
+/// its last borrow, never a process waiting for its own swapped-out memory: "c" took its request
+/// back from "a" and "b" (both held at their kernels, waiting for their chunks) and waits to
+/// borrow more, which nobody could ever free. Its retry is refused with the line that says so;
+/// it frees its request, and "a" and "b" get their chunks back, intact.
+#[test]
+fn a_stuck_line_refuses_its_last_borrow_and_the_held_go_on() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        12 * MIB,
+        &[
+            ("a", 4 * MIB, 8 * MIB),
+            ("b", 4 * MIB, 8 * MIB),
+            ("c", 4 * MIB, 8 * MIB),
+        ],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let job = |name: &str, seed: u32| {
+        let mut job = swapping(tenant(shm.path(), name, "4MiB")).start_holding(&format!(
+            "alloc 4M alloc 2M fill {seed} touch {} spin_info {} kcheck {seed} free free",
+            file(&format!("{name}-ready")),
+            file("go"),
+        ));
+        job.wait_for_line("touch 0");
+        job
+    };
+    let mut a = job("a", 1);
+    let mut b = job("b", 2);
+    let c = swapping(tenant(shm.path(), "c", "4MiB")).start_holding("alloc 4M alloc_retry 2M free");
+    until(|| waiting(&board) == 1, "c in line");
+    std::fs::write(shm.path().join("go"), "").expect("touching go");
+    let mut c = c;
+    c.wait_held();
+    assert_eq!(c.output, "alloc 0\nalloc_retry 2 tries=2\nfree 0\n");
+    for job in [&mut a, &mut b] {
+        job.wait_held();
+        assert!(
+            job.output.ends_with("kcheck 0 ok\nfree 0\nfree 0\n"),
+            "{}",
+            job.output
+        );
+    }
+    let err = stderr_of(c);
+    assert!(err.contains("the last in line, is refused"), "{err}");
+}
