@@ -832,16 +832,16 @@ impl<'r, L: Liveness> Board<'r, L> {
         entry.last_reclaim_unix_ms.fetch_max(unix_ms, SeqCst);
     }
 
-    /// The process of `slot` waits at `now_ns` for `bytes` more resident (a borrow, or its
-    /// swapped-out memory): it stands in the GPU's line, keeping its place if it stood there
-    /// already.
-    pub fn wait(&self, slot: usize, bytes: u64, borrow: bool, now_ns: u64) {
+    /// The process of `slot` waits for `bytes` more resident (a `borrow`, or its swapped-out
+    /// memory): it stands in the GPU's line with the place `since_ns` (when it began to wait, or
+    /// an earlier place it keeps), or keeps the place it has if it stands there already.
+    pub fn wait(&self, slot: usize, bytes: u64, borrow: bool, since_ns: u64) {
         let me = &self.region.slots[slot];
         me.wait_bytes.store(bytes, SeqCst);
         me.wait_borrow.store(u64::from(borrow), SeqCst);
         let _ = me
             .wait_since_ns
-            .compare_exchange(0, now_ns.max(1), SeqCst, SeqCst);
+            .compare_exchange(0, since_ns.max(1), SeqCst, SeqCst);
     }
 
     /// The process of `slot` no longer waits: it leaves the line.

@@ -80,6 +80,13 @@ impl crate::swap::Counters for SlotCounters<'_> {
         self.board.board.swapped_out(self.slot, bytes);
     }
 
+    fn room_for(&mut self, bytes: u64) -> bool {
+        self.board
+            .board
+            .region
+            .room_in_line(self.slot, bytes, crate::shm::monotonic_ns())
+    }
+
     fn swap_in(&mut self, bytes: u64) -> bool {
         // Looked at first, so that a process retrying while the GPU is full does not count its
         // bytes resident for an instant at every try (others and the agent would see it).

@@ -121,6 +121,15 @@ struct Process {
     /// When a borrow of this process last found each GPU full and was refused: a borrow within
     /// `line::RETRY_WINDOW` of it waits in line instead.
     borrow_refused_at: [Option<std::time::Instant>; DEVICES_MAX],
+    /// Its place in each GPU's line (since when, CLOCK_MONOTONIC ns) and when its last wait
+    /// there ended: a wait within `line::RETRY_WINDOW` of that keeps the place, so that a
+    /// process allocating piece after piece is not put behind the waiters it was ahead of at
+    /// every piece (they would then ask it for the memory it just got).
+    line_place: [Option<(u64, std::time::Instant)>; DEVICES_MAX],
+    /// What its last borrow in line stood in line for on each GPU: the next one within
+    /// `line::RETRY_WINDOW` stands for twice that (at most what the tenant may borrow), so that a
+    /// framework growing piece by piece asks the other waiters in a few rounds, not one a piece.
+    line_need: [u64; DEVICES_MAX],
 }
 
 impl Process {
@@ -136,6 +145,8 @@ impl Process {
             hint: None,
             hint_rest_until: None,
             borrow_refused_at: [None; DEVICES_MAX],
+            line_place: [None; DEVICES_MAX],
+            line_need: [0; DEVICES_MAX],
         }
     }
 }
@@ -415,19 +426,23 @@ impl Enforcer {
         let mut pace = line::Pace::new(std::time::Instant::now(), line::wait_max());
         let mut asked = Vec::new();
         let mut stuck_since = None;
+        let since_ns = match process.line_place[device] {
+            Some((since_ns, left)) if left.elapsed() < line::RETRY_WINDOW => since_ns,
+            _ => crate::shm::monotonic_ns(),
+        };
         let ended = loop {
-            board.board.wait(
-                board_slot,
-                need(process),
-                borrow,
-                crate::shm::monotonic_ns(),
-            );
+            board
+                .board
+                .wait(board_slot, need(process), borrow, since_ns);
             self.poll_swap(devices, board, (device, board_slot), process);
             if let Some(ended) = done(self, process) {
                 break line::End::Done(ended);
             }
             let now = std::time::Instant::now();
             if pace.unstall_due(now) {
+                // A process that died holding memory frees it here, not only at the agent's
+                // next look (room is judged from the slots before anything is reserved).
+                board.board.reclaim_dead(process.pid);
                 unstall(board, board_slot, &mut asked);
                 if borrow && refused_by_stuck_line(board, board_slot) {
                     let since = *stuck_since.get_or_insert(now);
@@ -450,6 +465,7 @@ impl Enforcer {
         for (index, bytes) in asked {
             board.board.withdraw_want(index, bytes);
         }
+        process.line_place[device] = Some((since_ns, std::time::Instant::now()));
         ended
     }
 
@@ -669,18 +685,32 @@ impl Enforcer {
         };
         if !retried {
             process.borrow_refused_at[device] = Some(now);
+            process.line_need[device] = 0;
             return Err(nothing_free());
         }
+        let (request, limit) = board.request_and_limit();
+        let appetite = process.line_need[device]
+            .saturating_mul(2)
+            .min(limit.saturating_sub(request));
+        let stand_for = bytes.max(appetite);
         let waited = self.wait_in_line(
             devices,
             board,
             (device, board_slot),
             process,
             true,
-            |process| bytes.saturating_add(process.chunks[device].out_bytes()),
+            |process| stand_for.saturating_add(process.chunks[device].out_bytes()),
             |_, _| attempt(),
         );
-        process.borrow_refused_at[device] = None;
+        // A borrow that waited keeps the process in waiting mode: its next one within the
+        // window waits at once (a framework growing piece by piece is refused once, not at
+        // every piece).
+        process.borrow_refused_at[device] = Some(std::time::Instant::now());
+        process.line_need[device] = stand_for;
+        if !matches!(waited, line::End::Done(_)) {
+            process.borrow_refused_at[device] = None;
+            process.line_need[device] = 0;
+        }
         match waited {
             line::End::Done(reserved) => reserved,
             line::End::TimedOut => Err(nothing_free()),
@@ -944,6 +974,7 @@ impl Enforcer {
                         .wait(board_slot, out, false, crate::shm::monotonic_ns());
                     in_line[device] = true;
                     if unstall_due {
+                        board.board.reclaim_dead(process.pid);
                         unstall(board, board_slot, &mut asked[device]);
                     }
                     if report_due {

@@ -73,6 +73,9 @@ impl Backing for NoBacking {
 pub trait Counters {
     /// `bytes` went to host memory: no longer resident, still held.
     fn swapped_out(&mut self, bytes: u64);
+    /// Whether the GPU has room for `bytes` more of this process now (a look, nothing taken):
+    /// `take_back` brings chunks back only when all of them fit.
+    fn room_for(&mut self, bytes: u64) -> bool;
     /// Makes `bytes` resident again if the GPU has room (`Board::swap_in`); `false` if not.
     fn swap_in(&mut self, bytes: u64) -> bool;
     /// Undoes a `swap_in` whose driver work failed: the bytes are out again.
@@ -195,8 +198,9 @@ impl Chunks {
         }
     }
 
-    /// Brings every chunk back if the GPU has room for each (all or as many as fit, in address
-    /// order); returns whether none is out any more.
+    /// Brings every chunk back when the GPU has room for all of them (a process held for one
+    /// chunk gains nothing from the others, and room taken piecemeal is room another waiter
+    /// lacks), in address order; returns whether none is out any more.
     pub fn take_back(&mut self, backing: &mut impl Backing, counters: &mut impl Counters) -> bool {
         let out: Vec<(u64, u64)> = self
             .chunks
@@ -204,6 +208,10 @@ impl Chunks {
             .filter(|(_, c)| c.out)
             .map(|(&address, c)| (address, c.size))
             .collect();
+        let total = out.iter().map(|&(_, size)| size).sum();
+        if out.is_empty() || !counters.room_for(total) {
+            return !self.held();
+        }
         for (address, size) in out {
             if !counters.swap_in(size) {
                 break;

@@ -57,6 +57,10 @@ impl Counters for Board {
         self.swapped += bytes;
     }
 
+    fn room_for(&mut self, bytes: u64) -> bool {
+        self.others + self.resident + bytes <= self.capacity
+    }
+
     fn swap_in(&mut self, bytes: u64) -> bool {
         if self.others + self.resident + bytes > self.capacity {
             return false;

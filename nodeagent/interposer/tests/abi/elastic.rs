@@ -1077,3 +1077,53 @@ fn a_stuck_line_refuses_its_last_borrow_and_the_held_go_on() {
     let err = stderr_of(c);
     assert!(err.contains("the last in line, is refused"), "{err}");
 }
+
+/// A borrower that grows piece by piece in line asks the other waiter in a few rounds, not one a
+/// piece (each wait stands for twice the last one), and keeps its place between pieces: "b"
+/// takes six 2 MiB pieces (the fake's granularity) from "a"'s borrowed memory in at most three
+/// rounds of "a"'s swap, while "a" waits behind it for more than the GPU could give; "a" goes on
+/// once "b" is gone, with its chunks back.
+#[test]
+fn a_borrower_growing_piece_by_piece_in_line_asks_in_few_rounds() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        32 * MIB,
+        &[("a", 4 * MIB, 32 * MIB), ("b", 4 * MIB, 24 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let pieces = ["alloc 2M"; 8].join(" ");
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M {pieces} touch {} until_file {} alloc_retry 12M",
+        file("a-ready"),
+        file("a-go"),
+    ));
+    a.wait_for_line("touch 0");
+    assert_eq!(usage(&board, "a").resident_bytes, 20 * MIB);
+    let grow = ["alloc_retry 2M"; 6].join(" ");
+    let mut b = swapping(tenant(shm.path(), "b", "4MiB"))
+        .start_holding(&format!("alloc 4M alloc 8M {grow}"));
+    // "b" waits first (the GPU is full), then "a" behind it.
+    until(|| waiting(&board) == 1, "b in line");
+    std::fs::write(shm.path().join("a-go"), "").expect("touching a-go");
+    b.wait_held();
+    assert_eq!(
+        b.output.matches("alloc_retry 0").count(),
+        6,
+        "every piece granted:\n{}",
+        b.output
+    );
+    assert_eq!(usage(&board, "b").resident_bytes, 24 * MIB);
+    drop(b);
+    a.wait_held();
+    assert!(
+        a.output.ends_with("alloc_retry 0 tries=2\n"),
+        "{}",
+        a.output
+    );
+    let rounds = stderr_of(a).matches("went to host memory").count();
+    assert!(
+        (1..=3).contains(&rounds),
+        "{rounds} rounds of a's swap for six pieces"
+    );
+}

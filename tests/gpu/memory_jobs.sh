@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# Issue 17's second check on a real GPU: three training jobs whose footprints add up to 1.5x the
+# GPU's memory (tests/gpu/memory_jobs.py: Adam on a stack of linear layers, seeded and
+# deterministic; each footprint FOOT_PCT, default 50, % of the card from nvidia-smi). One run,
+# three phases:
+#   1. alone: each job alone, one after another, without vgpu: its result digest and seconds, and
+#      the serial total;
+#   2. plain: the three at once without vgpu (what hard limits give: the GPU has room for two, so
+#      at least one fails with out of memory);
+#   3. vgpu: the three at once through vgpu (vgpu-cp and vgpu-agent on loopback, VGPU_MEMORY_SWAP=1),
+#      each placed with a request of REQUEST_PCT (20) % of the card and a limit of its footprint
+#      plus 5%: all three must finish with the digests they had alone (the GPU's line:
+#      docs/design/elastic-memory.md). The table compares the total time with the serial total.
+# Never allocates managed memory. Run from the repository root with release binaries built
+# elsewhere (VGPU_BIN, default dist: vgpu-cp, vgpu-agent, vgpuctl, libvgpu_cuda.so); PY (default
+# /opt/torch/.venv/bin/python3, else python3) must have PyTorch with CUDA. Logs go to
+# $OUT/memory_jobs (or a temporary directory); the result table is printed last. Exit status 0
+# when every check passed. About 3-5 minutes on an H200 with the defaults (STEPS=30).
+#
+#   VGPU_BIN=dist tests/gpu/memory_jobs.sh
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=tests/gpu/procs.sh
+source "$ROOT/tests/gpu/procs.sh"
+# shellcheck source=tests/gpu/node.sh
+source "$ROOT/tests/gpu/node.sh"
+gpu_paths
+JOB="$ROOT/tests/gpu/memory_jobs.py"
+LOGS="${OUT:-$(mktemp -d)}/memory_jobs"
+mkdir -p "$LOGS"
+WORK=$(mktemp -d)
+EP="127.0.0.1:${VGPU_PORT:-7475}"
+SHM=/dev/shm/vgpu-jobs.$$
+CP=""
+AGENT=""
+AGENT_MPS=0
+GIB=$((1 << 30))
+RESULTS="$LOGS/results.tsv"
+FOOT_PCT=${FOOT_PCT:-50}
+REQUEST_PCT=${REQUEST_PCT:-20}
+STEPS=${STEPS:-30}
+JOB_TIMEOUT=${JOB_TIMEOUT:-300}
+: >"$RESULTS"
+PIDS=()
+exited() { ! kill -0 "$1" 2>/dev/null || [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" = Z ]; }
+cleanup() {
+  # every process this script started: TERM (which `timeout` passes on to the job, so its GPU
+  # memory goes with it), KILL after 10 s, then a wait for exactly those
+  local rc=$? pid all
+  trap - EXIT
+  all="${PIDS[*]} $(jobs -p)"
+  for pid in $all; do kill "$pid" 2>/dev/null; done
+  for pid in $all; do
+    bounded_wait 10 "process $pid to exit after TERM" exited "$pid" || kill -9 "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+  done
+  rm -rf "$WORK" "$SHM"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$RESULTS"; log "$4: $1 (expected $2, got $3)"; }
+verdict() { if [ "${1:-}" = 1 ]; then echo PASS; else echo FAIL; fi; }
+gib() { "$PY" -c 'import sys; print(f"{int(sys.argv[1] or 0)/2**30:.1f} GiB")' "${1:-0}"; }
+# field LOG KEY: a field of a job's RESULT json, "" if absent.
+field() {
+  local json
+  json=$(grep '^RESULT ' "$1" 2>/dev/null | tail -n1 | sed 's/^RESULT //')
+  [ -n "$json" ] || json='{}'
+  "$PY" -c 'import json, sys; v = json.loads(sys.argv[1]).get(sys.argv[2]); print("" if v is None else v)' "$json" "$2"
+}
+now() { date +%s.%N; }
+elapsed() { "$PY" -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.1f}")' "$1" "$2"; }
+# wait_jobs PID...: waits for each (each is bounded by its own `timeout`), then forgets it.
+wait_jobs() {
+  local pid
+  for pid in "$@"; do
+    wait "$pid" 2>/dev/null
+    forget "$pid"
+  done
+}
+
+for artefact in vgpu-cp vgpu-agent vgpuctl libvgpu_cuda.so; do
+  [ -e "$BIN/$artefact" ] || { echo "missing $BIN/$artefact (set VGPU_BIN)" >&2; exit 2; }
+done
+total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | head -n1 | tr -d ' ')
+[ -n "$total_mib" ] || { echo "nvidia-smi gave no memory.total" >&2; exit 2; }
+total=$((total_mib << 20))
+footprint=$((total * FOOT_PCT / 100))
+request=$((total * REQUEST_PCT / 100 / GIB * GIB))
+limit=$(((footprint + total * 5 / 100) / GIB * GIB))
+host_kib=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)
+# Host memory for swapped-out memory: half the host, in whole GiB (the default, a quarter, may be
+# less than one job's borrowed part).
+swap_gib=$((host_kib / 2 / 1024 / 1024))
+log "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader -i 0)"
+log "three jobs of $(gib $footprint) each ($FOOT_PCT% of $(gib $total)), $STEPS steps; vgpu: request $(gib $request), limit $(gib $limit), swap host memory ${swap_gib} GiB"
+
+# 1. Alone, one after another.
+serial_begin=$(now)
+for i in 1 2 3; do
+  timeout "$JOB_TIMEOUT" "$PY" "$JOB" "$footprint" "$STEPS" "$i" >"$LOGS/alone-$i.log" 2>&1
+  log "alone job $i: $(grep '^RESULT ' "$LOGS/alone-$i.log" | tail -n1)"
+done
+serial=$(elapsed "$serial_begin" "$(now)")
+alone_ok=1
+for i in 1 2 3; do [ -n "$(field "$LOGS/alone-$i.log" digest)" ] || alone_ok=0; done
+record "each job alone, one after another: finished, serial total" "3 of 3" \
+  "$(for i in 1 2 3; do [ -n "$(field "$LOGS/alone-$i.log" digest)" ] && echo -n "ok " || echo -n "FAILED "; done)in ${serial} s" \
+  "$(verdict $alone_ok)"
+
+# 2. Plain: the three at once, no vgpu.
+plain_begin=$(now)
+pids=()
+for i in 1 2 3; do
+  timeout "$JOB_TIMEOUT" "$PY" "$JOB" "$footprint" "$STEPS" "$i" >"$LOGS/plain-$i.log" 2>&1 &
+  pids+=("$!")
+  PIDS+=("$!")
+done
+wait_jobs "${pids[@]}"
+plain=$(elapsed "$plain_begin" "$(now)")
+plain_done=0
+plain_oom=0
+for i in 1 2 3; do
+  [ -n "$(field "$LOGS/plain-$i.log" digest)" ] && plain_done=$((plain_done + 1))
+  [ -n "$(field "$LOGS/plain-$i.log" oom)" ] && plain_oom=$((plain_oom + 1))
+done
+record "plain, the three at once (no vgpu): finished / out of memory (the peer)" "some fail" \
+  "$plain_done / $plain_oom in ${plain} s" "$(verdict $([ "$plain_oom" -ge 1 ] && echo 1))"
+
+# 3. Through vgpu.
+vgpu_cp_up || exit 1
+vgpu_agent_up --swap-host-memory "${swap_gib}GiB" || exit 1
+for i in 1 2 3; do
+  timeout 60 "$BIN/vgpuctl" --insecure --endpoints "$EP" place "job$i" --gpus 0.3 --memory "$request" \
+    --memory-limit "$limit" 2>&1 | tee -a "$LOGS/run.log"
+done
+placed() { for i in 1 2 3; do [ -f "$WORK/agent/tenants/job$i.json" ] || return 1; done; }
+bounded_wait 30 "the three jobs placed on the node" placed || { log "the jobs were not placed on the node"; exit 1; }
+vgpu_begin=$(now)
+pids=()
+for i in 1 2 3; do
+  VGPU_MEMORY_SWAP=1 timeout "$JOB_TIMEOUT" "$BIN/vgpu-agent" exec --tenant "job$i" --name gpu-node \
+    --state-dir "$WORK/agent" --interposer "$BIN/libvgpu_cuda.so" -- \
+    "$PY" "$JOB" "$footprint" "$STEPS" "$i" >"$LOGS/vgpu-$i.log" 2>&1 &
+  pids+=("$!")
+  PIDS+=("$!")
+  # One after another, as jobs arrive: the first holds its memory before the next starts.
+  sleep 3
+done
+for i in 1 2 3; do
+  timeout 30 "$BIN/vgpuctl" --insecure --endpoints "$EP" describe tenant "job$i" >"$LOGS/describe-job$i-running.txt" 2>&1
+done
+wait_jobs "${pids[@]}"
+vgpu=$(elapsed "$vgpu_begin" "$(now)")
+vgpu_done=0
+same=0
+for i in 1 2 3; do
+  d=$(field "$LOGS/vgpu-$i.log" digest)
+  [ -n "$d" ] && vgpu_done=$((vgpu_done + 1))
+  [ -n "$d" ] && [ "$d" = "$(field "$LOGS/alone-$i.log" digest)" ] && same=$((same + 1))
+  log "vgpu job $i: $(grep '^RESULT ' "$LOGS/vgpu-$i.log" | tail -n1)"
+done
+record "through vgpu, the three at once: finished" "3 of 3" "$vgpu_done of 3 in ${vgpu} s" \
+  "$(verdict $([ "$vgpu_done" = 3 ] && echo 1))"
+record "through vgpu: results identical to alone (digests)" "3 of 3" "$same of 3" \
+  "$(verdict $([ "$same" = 3 ] && echo 1))"
+record "total time: vgpu against one after another (and plain)" "reported" \
+  "${vgpu} s against ${serial} s (plain ${plain} s, $plain_done finished)" PASS
+for i in 1 2 3; do
+  timeout 30 "$BIN/vgpuctl" --insecure --endpoints "$EP" describe tenant "job$i" >"$LOGS/describe-job$i.txt" 2>&1
+done
+log "describe tenant job1 (after):"; tee -a "$LOGS/run.log" <"$LOGS/describe-job1.txt"
+log "interposer lines:"; grep -h 'vgpu' "$LOGS"/vgpu-*.log | head -n 30 | tee -a "$LOGS/run.log"
+echo
+echo "| check | expected | got | result |"
+echo "| --- | --- | --- | --- |"
+while IFS=$'\t' read -r check expected got result; do
+  echo "| $check | $expected | $got | $result |"
+done <"$RESULTS"
+! grep -q FAIL "$RESULTS"
