@@ -39,6 +39,10 @@ def main():
         model = torch.nn.ModuleList(
             torch.nn.Linear(WIDTH, WIDTH, bias=False, device="cuda") for _ in range(layers)
         )
+        torch.cuda.synchronize()
+        # The script starts the next job once this one holds its weights (jobs arriving one after
+        # another, each growing into its footprint at its first step).
+        print("MODEL", flush=True)
         optimiser = torch.optim.Adam(model.parameters(), lr=1e-4)
         data = torch.Generator(device="cuda")
         data.manual_seed(seed)

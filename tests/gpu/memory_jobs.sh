@@ -147,8 +147,11 @@ for i in 1 2 3; do
     "$PY" "$JOB" "$footprint" "$STEPS" "$i" >"$LOGS/vgpu-$i.log" 2>&1 &
   pids+=("$!")
   PIDS+=("$!")
-  # One after another, as jobs arrive: the first holds its memory before the next starts.
-  sleep 3
+  # One after another, as jobs arrive: each holds its weights before the next starts (bounded:
+  # a job waiting in line for room may print it only much later).
+  model_built() { grep -q '^MODEL' "$LOGS/vgpu-$1.log" 2>/dev/null; }
+  [ "$i" = 3 ] || bounded_wait 60 "job $i to hold its weights" model_built "$i" ||
+    log "job $i does not hold its weights yet; the next starts all the same"
 done
 for i in 1 2 3; do
   timeout 30 "$BIN/vgpuctl" --insecure --endpoints "$EP" describe tenant "job$i" >"$LOGS/describe-job$i-running.txt" 2>&1
