@@ -446,14 +446,21 @@ impl Region {
         self.resident_total() <= self.capacity()
     }
 
-    /// The room claims of tenants other than `tenant` hold at `now_ns`: for each live claim,
-    /// what is left of it within the claimer's request (`min(claim, request - held)`: it shrinks
+    /// The room claims of tenants other than `tenant` hold at `now_ns`: for each live claim of
+    /// a tenant with a process on the GPU, what is left of it within the claimer's request (`min(claim, request - held)`: it shrinks
     /// as the claimer allocates). Borrowing and swapping in leave this much free (see
     /// [`Board::claim`]).
     pub fn claimed_by_others(&self, tenant: usize, now_ns: u64) -> u64 {
         (0..TENANTS)
             .filter(|&i| i != tenant && self.tenants[i].present.load(SeqCst) == 1)
             .filter(|&i| self.tenants[i].claim_until_ns.load(SeqCst) > now_ns)
+            // A claim holds room for a process waiting to allocate: none of its tenant's
+            // processes left (they exited, or died and were reclaimed), nobody will.
+            .filter(|&i| {
+                self.slots
+                    .iter()
+                    .any(|s| s.pid.load(SeqCst) != 0 && s.tenant.load(SeqCst) == i as u32)
+            })
             .map(|i| {
                 let entry = &self.tenants[i];
                 let (held, _) = self.sums(i as u32);

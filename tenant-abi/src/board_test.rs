@@ -609,3 +609,26 @@ fn room_goes_to_the_line_in_order_and_a_dead_waiter_leaves_it() {
     let again = board.claim_slot(40, 1, index("a")).unwrap();
     assert_eq!(region.slots[again].wait_since_ns.load(SeqCst), 0);
 }
+
+/// A claim holds room for a process waiting to allocate: once the claimer's processes are gone
+/// (it was killed while waiting), nobody will, and the room is free at once, not at the lapse.
+#[test]
+fn a_claim_of_a_tenant_without_processes_holds_nothing() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[10, 20]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(10, 1, a).unwrap();
+    board.claim_slot(20, 1, b).unwrap();
+    assert_eq!(board.reserve(sa, 60 * GIB), Ok(Grant::Borrowed));
+    board.claim(b, 28 * GIB, 1);
+    assert_eq!(region.claimed_by_others(a, 2), 28 * GIB);
+    live.kill(20);
+    assert_eq!(
+        region.claimed_by_others(a, 2),
+        28 * GIB,
+        "dead, not yet reclaimed"
+    );
+    assert_eq!(board.reclaim_dead(10), 1);
+    assert_eq!(region.claimed_by_others(a, 2), 0);
+}

@@ -291,6 +291,15 @@ impl<'d> hooks::Devices for DriverDevices<'d> {
         RealGpu(self.driver).current_context()
     }
 
+    fn make_current(&self, context: usize) -> bool {
+        let Some(set_current) = self.driver.fns.ctx_set_current else {
+            return false;
+        };
+        // SAFETY: `context` is a context this process created allocations in; making it current
+        // on the calling thread is the driver's call for that, with no pointer arguments.
+        unsafe { set_current(context as CUcontext) == CUDA_SUCCESS }
+    }
+
     fn drain(&self, contexts: &[usize]) -> bool {
         let contexts = if contexts.is_empty() {
             vec![self.context()]
@@ -351,12 +360,60 @@ fn accounted_alloc(
 /// # Safety
 /// `out` is valid for a write of one `CUdeviceptr`.
 unsafe fn borrowed_alloc(driver: &Driver, bytes: usize, out: *mut CUdeviceptr) -> CUresult {
-    current_device(driver)
+    let rc = current_device(driver)
         // SAFETY: `out` is valid for a write under the caller's contract.
         .and_then(|device| unsafe {
             vmm::alloc(driver, device, bytes, out, vmm::Purpose::Borrowed)
         })
-        .unwrap_or(CUDA_ERROR_OUT_OF_MEMORY)
+        .unwrap_or(CUDA_ERROR_OUT_OF_MEMORY);
+    if rc == CUDA_SUCCESS && hooks::swap_enabled() {
+        start_watcher();
+    }
+    rc
+}
+
+/// How often the swap's watcher looks at the board.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Starts this process's swap watcher once (again in a child after `fork`, which has no threads
+/// but the forking one): a thread that looks every `WATCH_EVERY` whether other tenants want
+/// memory back from this process while it makes no hook call (an idle borrower, whose memory is
+/// the first a reclaim wants, or one computing on the CPU), and acts on it as the process's own
+/// next call would (`hooks::watch_once`). A panic in a look is caught and said once; the
+/// process never sees it.
+fn start_watcher() {
+    static STARTED_BY: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let pid = std::process::id();
+    if STARTED_BY.swap(pid, std::sync::atomic::Ordering::SeqCst) == pid {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("vgpu-swap-watch".to_owned())
+        .spawn(|| {
+            let mut said = false;
+            loop {
+                std::thread::sleep(WATCH_EVERY);
+                let Some(driver) = real::driver() else {
+                    continue;
+                };
+                let looked = std::panic::catch_unwind(|| {
+                    hooks::watch_once(&DriverDevices::current(driver));
+                });
+                if looked.is_err() && !said {
+                    said = true;
+                    crate::log::error(format_args!(
+                        "the swap's watcher failed; wants on this process are acted on at its \
+                         next allocation, launch or copy only"
+                    ));
+                }
+            }
+        });
+    if spawned.is_err() {
+        crate::log::error(format_args!(
+            "could not start the swap's watcher thread; wants on this process are acted on at \
+             its next allocation, launch or copy only"
+        ));
+    }
 }
 
 /// What a VMM-backed allocation of `bytes` on the current device takes, if the driver can back

@@ -81,6 +81,11 @@ pub trait Devices {
     /// Waits, at most `swap::DRAIN_WAIT_MAX_MS`, for the work queued in `contexts` (the current
     /// context if empty) to finish; whether it did.
     fn drain(&self, contexts: &[usize]) -> bool;
+    /// Makes `context` current on the calling thread (the watcher's: the swap's copies need a
+    /// current context); whether it is.
+    fn make_current(&self, _context: usize) -> bool {
+        false
+    }
 }
 
 enum Mode {
@@ -1009,6 +1014,40 @@ impl Enforcer {
         entered
     }
 
+    /// One look of the watcher (`watch`): a want posted on this tenant while this process makes
+    /// no hook call (idle, or computing on the CPU) is acted on here, and chunks out come back
+    /// when there is room, as the process's own next call would; nothing when the process's lock
+    /// is taken (its own thread is in a hook call, and acts itself).
+    fn watch_once(&self, devices: &impl Devices) {
+        if !self.swap_on() || (!self.want_posted() && !swap::any_out()) {
+            return;
+        }
+        let mut process = match self.process.try_lock() {
+            Ok(process) => process,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        if process.pid != std::process::id() {
+            // Not this process's state (a child after `fork` that has not called a hook yet).
+            return;
+        }
+        // The copies need a current context on this thread: one the chunks were allocated in.
+        let Some(&context) = process.chunk_contexts.iter().next() else {
+            return;
+        };
+        if !devices.make_current(context) {
+            return;
+        }
+        for device in 0..DEVICES_MAX {
+            let (Some(Some(board)), Some(board_slot)) =
+                (self.boards[device].get(), process.board_slots[device])
+            else {
+                continue;
+            };
+            self.poll_swap(devices, board, (device, board_slot), &mut process);
+        }
+    }
+
     /// Whether a want is posted on this tenant on a GPU where this process has a resident chunk
     /// (shared loads only; no lock).
     fn want_posted(&self) -> bool {
@@ -1140,6 +1179,19 @@ fn unstall(board: &DeviceBoard, board_slot: usize, asked: &mut Vec<(usize, u64)>
             board.board.post_want(index, bytes);
             asked.push((index, bytes));
         }
+    }
+}
+
+/// Whether this process swaps (a tenant's, `VGPU_MEMORY_SWAP=1`, every copy path held).
+pub fn swap_enabled() -> bool {
+    matches!(mode(), Mode::Enforcing(enforcer) if enforcer.swap_on())
+}
+
+/// One look of the swap's watcher thread (`exports::watch`), started at a process's first
+/// swappable chunk: see `Enforcer::watch_once`.
+pub fn watch_once(devices: &impl Devices) {
+    if let Mode::Enforcing(enforcer) = mode() {
+        enforcer.watch_once(devices);
     }
 }
 

@@ -1127,3 +1127,43 @@ fn a_borrower_growing_piece_by_piece_in_line_asks_in_few_rounds() {
         "{rounds} rounds of a's swap for six pieces"
     );
 }
+
+/// An idle borrower (no hook call: it sleeps, as a notebook holding tensors does) gives its
+/// borrowed memory back all the same: its watcher thread acts on the want. The needy tenant's
+/// request is granted, and when it is gone the idle one's chunk comes back, bytes intact, before
+/// or at its next copy.
+#[test]
+fn an_idle_borrower_gives_back_through_its_watcher() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    // "a" borrows 8 MiB with a pattern, then sleeps (no hook call) until "b" is done.
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 7 touch {} until_file {} check 7",
+        file("a-ready"),
+        file("b-done")
+    ));
+    a.wait_for_line("touch 0");
+    assert_eq!(usage(&board, "a").borrowed_bytes(), 8 * MIB);
+    let b = swapping(tenant(shm.path(), "b", "8MiB"))
+        .hold(&format!("until_file {} alloc 8M", file("a-ready")));
+    assert_eq!(b.output, "until_file 0\nalloc 0\n");
+    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
+    drop(b);
+    // "b" is gone: the watcher brings the chunk back while "a" still sleeps.
+    until(
+        || usage(&board, "a").swapped_bytes == 0,
+        "a's chunk back while it sleeps",
+    );
+    std::fs::write(shm.path().join("b-done"), "").expect("touching b-done");
+    a.wait_held();
+    assert!(
+        a.output.ends_with("until_file 0\ncheck 0 ok\n"),
+        "{}",
+        a.output
+    );
+}
