@@ -592,6 +592,10 @@ pub struct TenantUsage {
     pub reclaims: u64,
     pub reclaimed_bytes: u64,
     pub last_reclaim_unix_ms: u64,
+    /// Its processes in the GPU's line now (see "The line"), and since when the longest waiting
+    /// one waits (CLOCK_MONOTONIC ns; 0: none waits).
+    pub waiting_processes: u32,
+    pub waiting_since_ns: u64,
 }
 
 impl TenantUsage {
@@ -610,11 +614,19 @@ impl Region {
             .map(|i| {
                 let entry = &self.tenants[i];
                 let (mut resident, mut swapped, mut staging) = (0u64, 0u64, 0u64);
+                let (mut waiting_processes, mut waiting_since_ns) = (0u32, 0u64);
                 for slot in &self.slots {
                     if slot.pid.load(SeqCst) != 0 && slot.tenant.load(SeqCst) == i as u32 {
                         resident = resident.saturating_add(slot.resident_bytes.load(SeqCst));
                         swapped = swapped.saturating_add(slot.swapped_bytes.load(SeqCst));
                         staging = staging.saturating_add(slot.staging_bytes.load(SeqCst));
+                        let since = slot.wait_since_ns.load(SeqCst);
+                        if since != 0 {
+                            waiting_processes += 1;
+                            if waiting_since_ns == 0 || since < waiting_since_ns {
+                                waiting_since_ns = since;
+                            }
+                        }
                     }
                 }
                 let request_bytes = entry.request_bytes.load(SeqCst);
@@ -628,6 +640,8 @@ impl Region {
                     reclaims: entry.reclaims.load(SeqCst),
                     reclaimed_bytes: entry.reclaimed_bytes.load(SeqCst),
                     last_reclaim_unix_ms: entry.last_reclaim_unix_ms.load(SeqCst),
+                    waiting_processes,
+                    waiting_since_ns,
                 }
             })
             .collect()

@@ -274,6 +274,8 @@ fn tenant_usage_sums_each_tenants_live_slots() {
                 reclaims: 0,
                 reclaimed_bytes: 0,
                 last_reclaim_unix_ms: 0,
+                waiting_processes: 0,
+                waiting_since_ns: 0,
             },
             TenantUsage {
                 name: "b".to_owned(),
@@ -285,6 +287,8 @@ fn tenant_usage_sums_each_tenants_live_slots() {
                 reclaims: 0,
                 reclaimed_bytes: 0,
                 last_reclaim_unix_ms: 0,
+                waiting_processes: 0,
+                waiting_since_ns: 0,
             }
         ]
     );
@@ -568,6 +572,13 @@ fn room_goes_to_the_line_in_order_and_a_dead_waiter_leaves_it() {
     assert!(region.room_in_line(sa, GIB, 0));
     assert!(!region.room_in_line(sc, GIB, 0));
     assert_eq!(region.free_in_line(sc, 0), 0);
+    // The agent's report: one process of each waits, "b" since 100.
+    let usage = region.tenant_usage();
+    let waits: Vec<(u32, u64)> = usage
+        .iter()
+        .map(|t| (t.waiting_processes, t.waiting_since_ns))
+        .collect();
+    assert_eq!(waits, [(1, 200), (1, 100), (0, 0)]);
     // Waiting again (more bytes) keeps the place.
     board.wait(sb, 2 * GIB, true, 300);
     let waiters = region.waiters();

@@ -231,7 +231,8 @@ fn usage_table(usage: &[UsageView], now_unix_ms: i64) -> Table {
 /// bytes, and when last).
 fn elastic_memory_table(usage: &[UsageView], now_unix_ms: i64) -> Table {
     let mut table = Table::new(&[
-        "NODE", "GPU", "REQUEST", "LIMIT", "RESIDENT", "BORROWED", "SWAPPED", "STAGING", "RECLAIMS",
+        "NODE", "GPU", "REQUEST", "LIMIT", "RESIDENT", "BORROWED", "SWAPPED", "STAGING",
+        "RECLAIMS", "WAITING",
     ]);
     for entry in usage.iter().filter(|entry| entry.has_board()) {
         table.row(vec![
@@ -251,9 +252,27 @@ fn elastic_memory_table(usage: &[UsageView], now_unix_ms: i64) -> Table {
                     age(entry.memory_last_reclaim_unix_ms, now_unix_ms)
                 ),
             },
+            match entry.memory_waiting_processes {
+                0 => NONE.to_owned(),
+                processes => format!(
+                    "{processes} for {}",
+                    format_wait(entry.memory_longest_wait_ms)
+                ),
+            },
         ]);
     }
     table
+}
+
+/// How long a process has waited in a GPU's line: `850ms`, `42s`, `5m12s`, `2h03m`.
+fn format_wait(ms: u64) -> String {
+    let seconds = ms / 1000;
+    match seconds {
+        0 => format!("{ms}ms"),
+        1..=59 => format!("{seconds}s"),
+        60..=3599 => format!("{}m{:02}s", seconds / 60, seconds % 60),
+        _ => format!("{}h{:02}m", seconds / 3600, seconds % 3600 / 60),
+    }
 }
 
 /// What each node's controller measured for a latency tenant (entries with latency numbers).
@@ -663,9 +682,18 @@ mod tests {
         assert!(text.contains("20GiB (limit 60GiB)"), "{text}");
         assert!(
             text.contains(
-                "Elastic memory:\n  NODE     GPU   REQUEST   LIMIT   RESIDENT   BORROWED   SWAPPED   STAGING   RECLAIMS\n  node-a   3     20GiB     60GiB   26GiB      6GiB       2GiB      2GiB      3 (7GiB), last 12s ago\n"
+                "Elastic memory:\n  NODE     GPU   REQUEST   LIMIT   RESIDENT   BORROWED   SWAPPED   STAGING   RECLAIMS                 WAITING\n  node-a   3     20GiB     60GiB   26GiB      6GiB       2GiB      2GiB      3 (7GiB), last 12s ago   -\n"
             ),
             "{text}"
+        );
+        // Processes waiting in the GPU's line: how many, and the longest wait.
+        tenant.usage[0].memory_waiting_processes = 2;
+        tenant.usage[0].memory_longest_wait_ms = 312_000;
+        let text = tenant_text(&tenant, 1_700_000_012_000);
+        assert!(text.contains("last 12s ago   2 for 5m12s\n"), "{text}");
+        assert_eq!(
+            [850, 42_000, 312_000, 7_380_000].map(format_wait),
+            ["850ms", "42s", "5m12s", "2h03m"]
         );
         // Usage's limit is what it may use: the board's limit, not the request the ledger holds
         // ("26GiB/20GiB" read as a broken quota on an H200).

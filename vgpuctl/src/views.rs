@@ -90,6 +90,10 @@ pub struct UsageView {
     pub memory_reclaimed_bytes: u64,
     #[serde(default)]
     pub memory_last_reclaim_unix_ms: i64,
+    #[serde(default)]
+    pub memory_waiting_processes: u32,
+    #[serde(default)]
+    pub memory_longest_wait_ms: u64,
 }
 
 impl UsageView {
@@ -350,6 +354,8 @@ impl From<&TenantUsage> for UsageView {
             memory_reclaims: usage.memory_reclaims,
             memory_reclaimed_bytes: usage.memory_reclaimed_bytes,
             memory_last_reclaim_unix_ms: usage.memory_last_reclaim_unix_ms,
+            memory_waiting_processes: usage.memory_waiting_processes,
+            memory_longest_wait_ms: usage.memory_longest_wait_ms,
         }
     }
 }
@@ -785,6 +791,7 @@ mod tests {
                 "memory_borrowed_bytes",
                 "memory_last_reclaim_unix_ms",
                 "memory_limit_bytes",
+                "memory_longest_wait_ms",
                 "memory_reclaimed_bytes",
                 "memory_reclaims",
                 "memory_request_bytes",
@@ -792,6 +799,7 @@ mod tests {
                 "memory_staging_bytes",
                 "memory_swapped_bytes",
                 "memory_used_bytes",
+                "memory_waiting_processes",
                 "node",
                 "process_count",
                 "processes",

@@ -509,8 +509,22 @@ pub fn render(
             |u| u.memory_reclaimed_bytes,
         ),
     ];
+    // The line: who waits for GPU memory now, and for how long.
+    let line: [Family; 2] = [
+        (
+            "vgpu_tenant_memory_waiting_processes",
+            "A tenant's processes waiting in the GPU's line for memory (their swapped-out memory to come back, or room to borrow), from the GPU's memory board.",
+            |u| u64::from(u.memory_waiting_processes),
+        ),
+        (
+            "vgpu_tenant_memory_longest_wait_seconds",
+            "How long the longest waiting of a tenant's processes has waited in the GPU's line for memory (0: none waits), from the GPU's memory board.",
+            |u| u.memory_longest_wait_ms / 1000,
+        ),
+    ];
     let families = elastic
         .iter()
+        .chain(line.iter())
         .map(|family| (family, "gauge"))
         .chain(reclaims.iter().map(|family| (family, "counter")));
     for ((name, help, value), kind) in families {
@@ -931,6 +945,8 @@ mod tests {
             memory_staging_bytes: 2 << 30,
             memory_reclaims: 3,
             memory_reclaimed_bytes: 7 << 30,
+            memory_waiting_processes: 2,
+            memory_longest_wait_ms: 95_400,
             ..TenantUsage::default()
         };
         let plain = TenantUsage {
@@ -959,6 +975,8 @@ mod tests {
             ("vgpu_tenant_memory_staging_bytes", 2 << 30),
             ("vgpu_tenant_memory_reclaims_total", 3),
             ("vgpu_tenant_memory_reclaimed_bytes_total", 7 << 30),
+            ("vgpu_tenant_memory_waiting_processes", 2),
+            ("vgpu_tenant_memory_longest_wait_seconds", 95),
         ] {
             let line = format!("{name}{{{labels}}} {value}\n");
             assert!(out.contains(&line), "missing `{line}` in:\n{out}");

@@ -524,6 +524,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
             edge_u64(),
         ),
         (edge_u64(), edge_u64(), any::<i64>()),
+        (edge_u32(), edge_u64()),
     )
         .prop_map(
             |(
@@ -547,6 +548,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                     memory_staging_bytes,
                 ),
                 (memory_reclaims, memory_reclaimed_bytes, memory_last_reclaim_unix_ms),
+                (memory_waiting_processes, memory_longest_wait_ms),
             )| v1::TenantUsage {
                 tenant,
                 node,
@@ -573,6 +575,8 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 memory_reclaims,
                 memory_reclaimed_bytes,
                 memory_last_reclaim_unix_ms,
+                memory_waiting_processes,
+                memory_longest_wait_ms,
             },
         )
 }

@@ -198,6 +198,8 @@ fn without_counters(usage: &TenantUsage) -> TenantUsage {
         memory_reclaims: 0,
         memory_reclaimed_bytes: 0,
         memory_last_reclaim_unix_ms: 0,
+        memory_waiting_processes: 0,
+        memory_longest_wait_ms: 0,
         gpu_time_ns: 0,
         processes: without_memory(&usage.processes),
         // A latency tenant's measurements move with every step; its target does not.

@@ -113,13 +113,18 @@ pub struct Files {
     pub schedules: BTreeMap<String, Vec<TenantTime>>,
     /// GPU uuid → its memory board's tenants (absent: the agent keeps no board for the GPU).
     pub boards: BTreeMap<String, Vec<tenant_abi::board::TenantUsage>>,
+    /// When the boards were sampled (CLOCK_MONOTONIC ns, the clock of their wait stamps).
+    pub sampled_ns: u64,
 }
 
 /// Reads the files of `assignments`' tenants and GPUs under `shm_dir`. A file that is missing
 /// means "nothing used yet"; any other problem is returned as a line for the log, and that
 /// file's numbers are left out.
 pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, Vec<String>) {
-    let mut files = Files::default();
+    let mut files = Files {
+        sampled_ns: crate::closed_loop::monotonic_ns(),
+        ..Files::default()
+    };
     let mut problems = Vec::new();
     let layout = crate::private::Layout::new(shm_dir);
     for assignment in assignments {
@@ -212,6 +217,10 @@ pub fn combine(
                 memory_reclaimed_bytes: board.map_or(0, |b| b.reclaimed_bytes),
                 memory_last_reclaim_unix_ms: board.map_or(0, |b| {
                     i64::try_from(b.last_reclaim_unix_ms).unwrap_or(i64::MAX)
+                }),
+                memory_waiting_processes: board.map_or(0, |b| b.waiting_processes),
+                memory_longest_wait_ms: board.filter(|b| b.waiting_since_ns != 0).map_or(0, |b| {
+                    files.sampled_ns.saturating_sub(b.waiting_since_ns) / 1_000_000
                 }),
                 tenant: assignment.tenant.clone(),
                 node: node.to_owned(),
@@ -323,8 +332,11 @@ mod tests {
                 reclaims: 3,
                 reclaimed_bytes: 7 * GIB,
                 last_reclaim_unix_ms: 1_700_000_000_000,
+                waiting_processes: 2,
+                waiting_since_ns: 4_000_000_000,
             }],
         );
+        files.sampled_ns = 9_500_000_000;
         let entries = combine("node-a", &assignments, &files, &|_| None);
         let figures: Vec<(u64, u64, u64, u64, u64, u64)> = entries
             .iter()
@@ -357,6 +369,11 @@ mod tests {
             })
             .collect();
         assert_eq!(history, [(3, 7 * GIB, 1_700_000_000_000), (0, 0, 0)]);
+        let waiting: Vec<(u32, u64)> = entries
+            .iter()
+            .map(|e| (e.memory_waiting_processes, e.memory_longest_wait_ms))
+            .collect();
+        assert_eq!(waiting, [(2, 5_500), (0, 0)]);
     }
 
     #[test]
