@@ -1150,13 +1150,6 @@ impl Enforcer {
     }
 }
 
-/// The hold rule at a kernel launch or a copy (`exports`, before the driver call): a process
-/// with a chunk of borrowed memory in host memory launches and copies nothing until every chunk
-/// is back, and a want posted on its tenant is acted on here (at a kernel boundary) as at an
-/// allocation. `Some`: go ahead, and keep the guard until the driver call returned; `None`: a
-/// chunk is still out after `swap::HOLD_WAIT_MAX_MS` (logged; the caller refuses the call with
-/// `CUDA_ERROR_OUT_OF_MEMORY`, never lets it through). A process without swappable chunks pays
-/// one relaxed load.
 /// First in the GPU's line, this process asks the other waiters' tenants for the borrowed memory
 /// it lacks (`tenant_abi::reclaim::unstall`): wants on the board, recorded in `asked` as (tenant
 /// index, bytes). What the previous round asked and nobody took yet is withdrawn first, so that
@@ -1215,6 +1208,13 @@ fn refused_by_stuck_line(board: &DeviceBoard, board_slot: usize) -> bool {
     ) == Some(board_slot)
 }
 
+/// The hold rule at a kernel launch or a copy (`exports`, before the driver call): a process
+/// with a chunk of borrowed memory in host memory launches and copies nothing until every chunk
+/// is back, and a want posted on its tenant is acted on here (at a kernel boundary) as at an
+/// allocation. `Some`: go ahead, and keep the guard until the driver call returned; `None`: a
+/// chunk is still out after `VGPU_MEMORY_WAIT_S` in the GPU's line, if that is set (logged; the
+/// caller refuses the call with `CUDA_ERROR_OUT_OF_MEMORY`, never lets it through). A process
+/// without swappable chunks pays one relaxed load.
 pub fn enter_work(devices: &impl Devices, what: &str) -> Option<swap::InFlight> {
     if !swap::any_chunk() {
         return Some(swap::InFlight::uncounted());

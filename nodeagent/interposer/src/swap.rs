@@ -178,7 +178,6 @@ impl Chunks {
             match backing.swap_out(address, size) {
                 Ok(()) => {
                     self.chunks.get_mut(&address).expect("listed above").out = true;
-                    counters.swapped_out(size);
                     given += size;
                 }
                 Err(e) => {
@@ -186,6 +185,13 @@ impl Chunks {
                     crate::log::error(format_args!("{e}; it stays resident"));
                 }
             }
+        }
+        // Counted out on the board once the round is over, not chunk by chunk: a tenant waiting
+        // for the room then sees all of it at once. Chunk by chunk, its next allocations took
+        // the first chunks' room while the rest was still on its way, found the GPU full again
+        // and asked the borrower a second time (two rounds for one request in the dry run).
+        if given > 0 {
+            counters.swapped_out(given);
         }
         assert!(given <= self.out_bytes());
         GivenBack {
