@@ -269,11 +269,12 @@ if [ "$RECLAIM" = 1 ]; then
   record "the first's borrowed memory went to host memory, after its queue drained (describe; lines)" \
     "> 0; >= 1 line" "swapped $(gib "$swapped_during"); $went line(s)" \
     "$(verdict $([ "${swapped_during:-0}" -gt 0 ] 2>/dev/null && [ "$went" -ge 1 ] && echo 1))"
-  # the borrower's swap-out lines: bytes moved and each phase's time (quiet, drained, moved)
+  # the borrower's swap-out lines: bytes moved and each phase's time (quiet, drained, moved; within
+  # the move, the time pinning new staging and the copies' rate of each round)
   phases=$("$PY" - "$g" <<'PYEOF'
 import re, sys
 units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-rounds, moved, quiet, drain, move = 0, 0, 0.0, 0.0, 0.0
+rounds, moved, quiet, drain, move, pinning, copies = 0, 0, 0.0, 0.0, 0.0, 0.0, []
 for line in open(sys.argv[1], errors="replace"):
     m = re.search(r": ([0-9.]+) (B|KiB|MiB|GiB|TiB) of this process's borrowed memory went to host memory.*"
                   r"quiet after ([0-9.]+) ms, drained after ([0-9.]+) ms more, moved in ([0-9.]+) ms more", line)
@@ -281,13 +282,17 @@ for line in open(sys.argv[1], errors="replace"):
         rounds += 1
         moved += float(m.group(1)) * units[m.group(2)]
         quiet, drain, move = quiet + float(m.group(3)), drain + float(m.group(4)), move + float(m.group(5))
+        p = re.search(r"\(pinning ([0-9.]+) ms for .* of new staging, copies at ([0-9.]+) GB/s\)", line)
+        if p:
+            pinning += float(p.group(1))
+            copies.append(p.group(2))
 rate = moved / (move / 1e3) / 1e9 if move > 0 else 0
-print(f"{rounds} {rate:.1f} {quiet:.0f} {drain:.0f} {move:.0f}")
+print(f"{rounds} {rate:.1f} {quiet:.0f} {drain:.0f} {move:.0f} {pinning:.0f} {'/'.join(copies) or '?'}")
 PYEOF
 )
-  read -r swap_rounds swap_gbps quiet_ms drain_ms move_ms <<<"$phases"
+  read -r swap_rounds swap_gbps quiet_ms drain_ms move_ms pinning_ms copy_gbps <<<"$phases"
   record "swap-out rate: bytes moved / time moving them (pinned staging, copy, unmap)" ">= 45 GB/s" \
-    "${swap_gbps:-?} GB/s in ${swap_rounds:-0} round(s); in all quiet ${quiet_ms:-?} ms, drain ${drain_ms:-?} ms, move ${move_ms:-?} ms" \
+    "${swap_gbps:-?} GB/s in ${swap_rounds:-0} round(s); in all quiet ${quiet_ms:-?} ms, drain ${drain_ms:-?} ms, move ${move_ms:-?} ms (of it pinning ${pinning_ms:-?} ms; copies at ${copy_gbps:-?} GB/s per round)" \
     "$(verdict $("$PY" -c 'import sys; print(1 if float(sys.argv[1] or 0) >= 45 else 0)' "${swap_gbps:-0}"))"
   expected_s=$("$PY" -c 'import sys; print(f"{int(sys.argv[1] or 0) / 45e9:.2f}")' "${swapped_during:-0}")
   record "reclaim time: the second's allocation against bytes swapped / 45 GB/s" "~${expected_s} s plus a drain" \

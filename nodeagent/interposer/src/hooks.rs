@@ -755,6 +755,19 @@ impl Enforcer {
         }
         let chunks = &process.chunks[device];
         if want == 0 && !chunks.held() {
+            if crate::staging::any_pooled()
+                && let Some(mut backing) = devices.backing()
+            {
+                // Staging kept for reuse that idled too long is freed (`staging`).
+                swap::Backing::trim(
+                    &mut backing,
+                    device,
+                    &mut elastic::SlotCounters {
+                        board,
+                        slot: board_slot,
+                    },
+                );
+            }
             return;
         }
         let Some(mut backing) = devices.backing() else {
@@ -924,17 +937,22 @@ impl Enforcer {
         }
         // Each phase's time, so that a slow reclaim says where its time went.
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let times = given_back.times;
         crate::log::error(format_args!(
             "other tenants asked tenant {} for {} of the GPU's memory back: {} of this \
              process's borrowed memory went to host memory after its queued work finished (it \
              comes back when the GPU has room; its launches and copies wait until then); \
-             quiet after {:.1} ms, drained after {:.1} ms more, moved in {:.1} ms more",
+             quiet after {:.1} ms, drained after {:.1} ms more, moved in {:.1} ms more \
+             (pinning {:.1} ms for {} of new staging, copies at {:.1} GB/s)",
             self.config.tenant,
             human(want),
             human(given),
             ms(quiet_at),
             ms(drained_at - quiet_at),
             ms(moved_at - drained_at),
+            times.pinning_ns as f64 / 1e6,
+            human(times.pinned_bytes),
+            times.copy_gb_per_s(),
         ));
     }
 
@@ -1382,9 +1400,8 @@ fn credit_to(
         && let Some((board, board_slot)) = enforcer.charged_board(charge.device)
     {
         if out {
-            // Its staging went with it (`vmm::free`).
+            // Its staging went to the process's pool, still reserved (`vmm::free`, `staging`).
             board.board.release_swapped(board_slot, charge.bytes);
-            board.board.release_staging(board_slot, charge.bytes);
         } else {
             board.board.release(board_slot, charge.bytes);
         }

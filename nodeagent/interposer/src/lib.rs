@@ -19,8 +19,9 @@
 //! - `hooks` is the memory policy glue, in safe code: what to charge, when to refuse, what to
 //!   report; `elastic` is its part for elastic memory (the GPU's memory board, which paths may
 //!   borrow past the request, what a refusal says), `vmm` backs borrowed allocations, and `swap`
-//!   moves borrowed chunks to host memory and back when other tenants want their request (off
-//!   by default, `VGPU_MEMORY_SWAP=1`; every launch and copy hook holds while a chunk is out,
+//!   moves borrowed chunks to host memory and back when other tenants want their request (its
+//!   pinned host staging kept and reused by `staging`; off by default, `VGPU_MEMORY_SWAP=1`;
+//!   every launch and copy hook holds while a chunk is out,
 //!   `hooks::enter_work`); `hint` gives a hint helper registered in the process (`vgpu.torch`,
 //!   through `vgpu_memory_hint_register`, `vgpu_memory_want` and `vgpu_memory_hint_done` in
 //!   `exports`) a bounded budget to free memory before the swap takes the rest. `launch` is the
@@ -36,7 +37,7 @@
 //!   agent; `crate::ledger` and `crate::compute` name them here.
 //!
 //! **Invariant:** `unsafe` appears only in `sys`, `real`, `shm`, `exports`, `nvml_exports`,
-//! `dlsym_shim` and `vmm`, and no panic crosses the C boundary.
+//! `dlsym_shim`, `vmm` and `staging`, and no panic crosses the C boundary.
 
 #[macro_use]
 mod boundary;
@@ -56,6 +57,7 @@ mod nvml_exports;
 mod real;
 mod shm;
 mod spatial;
+mod staging;
 mod swap;
 mod sys;
 mod vmm;

@@ -114,6 +114,8 @@ driver_functions! {
     mem_free_host: FnMemFreeHost = c"cuMemFreeHost";
     memcpy_dtoh: FnMemcpyDtoH = c"cuMemcpyDtoH_v2";
     memcpy_htod: FnMemcpyHtoD = c"cuMemcpyHtoD_v2";
+    stream_create: FnStreamCreate = c"cuStreamCreate";
+    stream_destroy: FnStreamDestroy = c"cuStreamDestroy_v2";
     mem_alloc_async: FnMemAllocAsync = c"cuMemAllocAsync";
     mem_alloc_async_ptsz: FnMemAllocAsync = c"cuMemAllocAsync_ptsz";
     mem_alloc_from_pool_async: FnMemAllocFromPoolAsync = c"cuMemAllocFromPoolAsync";

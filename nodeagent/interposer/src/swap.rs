@@ -1,9 +1,10 @@
 //! The swap of elastic memory (issue 17, `docs/design/elastic-memory.md`, "Reclaim"), the pure
 //! part: which of this process's borrowed chunks go to host memory when other tenants want memory
 //! back, and bringing them all back, at the same addresses, when the GPU has room again. The
-//! driver work (copy to pinned staging, unmap and release; create, map and copy back) is behind
-//! [`Backing`] (`vmm::SwapBacking` for the real driver, a byte-vector model in the tests), and
-//! the board's counters behind [`Counters`].
+//! driver work (copy to pinned staging, unmap and release; create, map and copy back; a batch of
+//! chunks at a time, and the staging's reservation on the board) is behind [`Backing`]
+//! (`vmm::SwapBacking` for the real driver, a byte-vector model in the tests), and the board's
+//! counters behind [`Counters`].
 //!
 //! **The hold rule**: a process with any chunk out must launch nothing and copy nothing until
 //! every chunk is back ([`Chunks::held`]), since a kernel may touch any allocation of its
@@ -40,32 +41,108 @@ impl std::fmt::Display for SwapError {
 
 impl std::error::Error for SwapError {}
 
-/// The driver side of moving one chunk out and back in.
+/// What became of one chunk of a batch moved out ([`Backing::swap_out`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutResult {
+    /// In host staging, unmapped and released; the range stays reserved.
+    Moved,
+    /// The staging budget (the node's `swap_host_memory`) had no room: it stays resident.
+    StagingRefused,
+    /// A driver step failed: it stays resident with its contents.
+    Failed(SwapError),
+}
+
+/// Where a batch moved out spent its time, for the swap-out's log line.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SwapTimes {
+    /// Time spent pinning fresh host staging (`cuMemHostAlloc`); 0 when the pool served.
+    pub pinning_ns: u64,
+    /// Bytes of fresh staging pinned.
+    pub pinned_bytes: u64,
+    /// From the first copy queued to the last one seen complete (the pinning of a batch's later
+    /// chunks runs meanwhile, so a rate from it is a lower bound when staging was pinned).
+    pub copy_ns: u64,
+    /// Bytes the completed copies moved.
+    pub copied_bytes: u64,
+}
+
+impl SwapTimes {
+    fn add(&mut self, other: SwapTimes) {
+        self.pinning_ns += other.pinning_ns;
+        self.pinned_bytes += other.pinned_bytes;
+        self.copy_ns += other.copy_ns;
+        self.copied_bytes += other.copied_bytes;
+    }
+
+    /// The copies' rate in GB/s (0 when nothing was copied or no time was measured).
+    pub fn copy_gb_per_s(&self) -> f64 {
+        if self.copy_ns == 0 {
+            return 0.0;
+        }
+        self.copied_bytes as f64 / self.copy_ns as f64
+    }
+}
+
+/// The driver side of moving chunks out and back in, a batch at a time so that the copies of
+/// several chunks are queued back to back. The backing owns the staging: it reserves it on the
+/// board through the counters before it pins any (a buffer it kept may serve without a new
+/// reservation, `staging`), and releases it when it frees it.
 pub trait Backing {
-    /// Copies the chunk's `size` bytes at `address` to host staging, then unmaps and releases
-    /// its physical memory; the address range stays reserved. On an error nothing changed.
-    fn swap_out(&mut self, address: u64, size: u64) -> Result<(), SwapError>;
-    /// Creates physical memory for the chunk, maps it at `address` again and copies the staging
-    /// back (then frees the staging). On an error the chunk is still out.
-    fn swap_in(&mut self, address: u64, size: u64) -> Result<(), SwapError>;
+    /// Copies each chunk's `(address, size)` bytes to host staging, then (once its copy
+    /// completed) unmaps and releases its physical memory; the address range stays reserved.
+    /// One result per chunk, in order; a chunk not [`OutResult::Moved`] is as it was.
+    fn swap_out(
+        &mut self,
+        chunks: &[(u64, u64)],
+        counters: &mut impl Counters,
+    ) -> (Vec<OutResult>, SwapTimes);
+    /// Creates physical memory for each chunk, maps it at its address again and copies the
+    /// staging back; a chunk is back (`Ok`) only once its copy completed. On an error the chunk is
+    /// still out, its staging kept.
+    fn swap_in(
+        &mut self,
+        chunks: &[(u64, u64)],
+        counters: &mut impl Counters,
+    ) -> Vec<Result<(), SwapError>>;
+    /// Frees the staging it kept that has idled too long on `device` (nothing by default).
+    fn trim(&mut self, _device: usize, _counters: &mut impl Counters) {}
 }
 
 /// No driver (a call that may not swap): every step fails.
 pub struct NoBacking;
 
 impl Backing for NoBacking {
-    fn swap_out(&mut self, address: u64, _: u64) -> Result<(), SwapError> {
-        Err(SwapError {
-            address,
-            result: 801,
-        })
+    fn swap_out(
+        &mut self,
+        chunks: &[(u64, u64)],
+        _: &mut impl Counters,
+    ) -> (Vec<OutResult>, SwapTimes) {
+        let failed = chunks
+            .iter()
+            .map(|&(address, _)| {
+                OutResult::Failed(SwapError {
+                    address,
+                    result: 801,
+                })
+            })
+            .collect();
+        (failed, SwapTimes::default())
     }
 
-    fn swap_in(&mut self, address: u64, _: u64) -> Result<(), SwapError> {
-        Err(SwapError {
-            address,
-            result: 801,
-        })
+    fn swap_in(
+        &mut self,
+        chunks: &[(u64, u64)],
+        _: &mut impl Counters,
+    ) -> Vec<Result<(), SwapError>> {
+        chunks
+            .iter()
+            .map(|&(address, _)| {
+                Err(SwapError {
+                    address,
+                    result: 801,
+                })
+            })
+            .collect()
     }
 }
 
@@ -80,10 +157,11 @@ pub trait Counters {
     fn swap_in(&mut self, bytes: u64) -> bool;
     /// Undoes a `swap_in` whose driver work failed: the bytes are out again.
     fn swap_in_failed(&mut self, bytes: u64);
-    /// Reserves `bytes` of pinned host staging for a chunk about to go out, within the node's
+    /// Reserves `bytes` of pinned host staging before the backing pins it, within the node's
     /// swap staging budget (`Board::reserve_staging`); `false`: the chunk must stay resident.
     fn reserve_staging(&mut self, bytes: u64) -> bool;
-    /// Gives back `bytes` of staging: the chunk is back on the GPU (or its swap-out failed).
+    /// Gives back `bytes` of staging: the backing freed that much pinned memory (the real
+    /// driver's keeps buffers for reuse, `staging`; the tests' model frees one per chunk back).
     fn release_staging(&mut self, bytes: u64);
 }
 
@@ -95,6 +173,8 @@ pub struct GivenBack {
     /// Bytes that would have gone but stayed resident because the staging budget (the node's
     /// `swap_host_memory`) was spent.
     pub refused_for_staging: u64,
+    /// Where the time went.
+    pub times: SwapTimes,
 }
 
 /// One borrowed chunk of this process.
@@ -150,8 +230,9 @@ impl Chunks {
     }
 
     /// Gives back at least `want` bytes if it has them: resident chunks go out largest first
-    /// (fewest copies), until `want` is met. A chunk the driver could not move, or for which the
-    /// staging budget has no room, stays and the next is tried.
+    /// (fewest copies), as many as cover `want` in one batch (their copies queued back to back),
+    /// then more batches while some did not go. A chunk the driver could not move, or for which
+    /// the staging budget has no room, stays and the next is tried.
     pub fn give_back(
         &mut self,
         want: u64,
@@ -167,22 +248,29 @@ impl Chunks {
         order.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut given = 0u64;
         let mut refused_for_staging = 0u64;
-        for (address, size) in order {
-            if given >= want {
-                break;
+        let mut times = SwapTimes::default();
+        let mut next = 0;
+        while given < want && next < order.len() {
+            let mut batch = Vec::new();
+            let mut planned = 0u64;
+            while given + planned < want && next < order.len() {
+                batch.push(order[next]);
+                planned += order[next].1;
+                next += 1;
             }
-            if !counters.reserve_staging(size) {
-                refused_for_staging += size;
-                continue;
-            }
-            match backing.swap_out(address, size) {
-                Ok(()) => {
-                    self.chunks.get_mut(&address).expect("listed above").out = true;
-                    given += size;
-                }
-                Err(e) => {
-                    counters.release_staging(size);
-                    crate::log::error(format_args!("{e}; it stays resident"));
+            let (results, batch_times) = backing.swap_out(&batch, counters);
+            assert_eq!(results.len(), batch.len(), "one result per chunk");
+            times.add(batch_times);
+            for (&(address, size), result) in batch.iter().zip(results) {
+                match result {
+                    OutResult::Moved => {
+                        self.chunks.get_mut(&address).expect("listed above").out = true;
+                        given += size;
+                    }
+                    OutResult::StagingRefused => refused_for_staging += size,
+                    OutResult::Failed(e) => {
+                        crate::log::error(format_args!("{e}; it stays resident"));
+                    }
                 }
             }
         }
@@ -201,12 +289,13 @@ impl Chunks {
             } else {
                 refused_for_staging
             },
+            times,
         }
     }
 
     /// Brings every chunk back when the GPU has room for all of them (a process held for one
     /// chunk gains nothing from the others, and room taken piecemeal is room another waiter
-    /// lacks), in address order; returns whether none is out any more.
+    /// lacks), in address order, in one batch; returns whether none is out any more.
     pub fn take_back(&mut self, backing: &mut impl Backing, counters: &mut impl Counters) -> bool {
         let out: Vec<(u64, u64)> = self
             .chunks
@@ -218,19 +307,24 @@ impl Chunks {
         if out.is_empty() || !counters.room_for(total) {
             return !self.held();
         }
+        let mut batch = Vec::new();
         for (address, size) in out {
             if !counters.swap_in(size) {
                 break;
             }
-            match backing.swap_in(address, size) {
-                Ok(()) => {
-                    self.chunks.get_mut(&address).expect("listed above").out = false;
-                    counters.release_staging(size);
-                }
+            batch.push((address, size));
+        }
+        if batch.is_empty() {
+            return !self.held();
+        }
+        let results = backing.swap_in(&batch, counters);
+        assert_eq!(results.len(), batch.len(), "one result per chunk");
+        for (&(address, size), result) in batch.iter().zip(results) {
+            match result {
+                Ok(()) => self.chunks.get_mut(&address).expect("listed above").out = false,
                 Err(e) => {
                     counters.swap_in_failed(size);
                     crate::log::error(format_args!("{e}; it stays in host memory"));
-                    break;
                 }
             }
         }

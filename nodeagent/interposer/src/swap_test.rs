@@ -10,33 +10,62 @@ struct Model {
     staging: BTreeMap<u64, Vec<u8>>,
     /// The next driver step on these addresses fails (once).
     fail: std::collections::BTreeSet<u64>,
+    /// How many chunks each batch moved out had, in order.
+    batches: Vec<usize>,
 }
 
+/// The model pins one staging buffer per chunk out and frees it when the chunk is back, so the
+/// staging reserved is exactly the bytes out (the real driver's backing keeps buffers: `staging`).
 impl Backing for Model {
-    fn swap_out(&mut self, address: u64, size: u64) -> Result<(), SwapError> {
-        if self.fail.remove(&address) {
-            return Err(SwapError { address, result: 2 });
+    fn swap_out(
+        &mut self,
+        chunks: &[(u64, u64)],
+        counters: &mut impl Counters,
+    ) -> (Vec<OutResult>, SwapTimes) {
+        self.batches.push(chunks.len());
+        let mut results = Vec::new();
+        for &(address, size) in chunks {
+            if !counters.reserve_staging(size) {
+                results.push(OutResult::StagingRefused);
+                continue;
+            }
+            if self.fail.remove(&address) {
+                counters.release_staging(size);
+                results.push(OutResult::Failed(SwapError { address, result: 2 }));
+                continue;
+            }
+            let bytes = self
+                .mapped
+                .remove(&address)
+                .expect("swapping out a mapped chunk");
+            assert_eq!(bytes.len() as u64, size);
+            assert!(self.staging.insert(address, bytes).is_none());
+            results.push(OutResult::Moved);
         }
-        let bytes = self
-            .mapped
-            .remove(&address)
-            .expect("swapping out a mapped chunk");
-        assert_eq!(bytes.len() as u64, size);
-        assert!(self.staging.insert(address, bytes).is_none());
-        Ok(())
+        (results, SwapTimes::default())
     }
 
-    fn swap_in(&mut self, address: u64, size: u64) -> Result<(), SwapError> {
-        if self.fail.remove(&address) {
-            return Err(SwapError { address, result: 2 });
+    fn swap_in(
+        &mut self,
+        chunks: &[(u64, u64)],
+        counters: &mut impl Counters,
+    ) -> Vec<Result<(), SwapError>> {
+        let mut results = Vec::new();
+        for &(address, size) in chunks {
+            if self.fail.remove(&address) {
+                results.push(Err(SwapError { address, result: 2 }));
+                continue;
+            }
+            let bytes = self
+                .staging
+                .remove(&address)
+                .expect("swapping in a staged chunk");
+            assert_eq!(bytes.len() as u64, size);
+            assert!(self.mapped.insert(address, bytes).is_none());
+            counters.release_staging(size);
+            results.push(Ok(()));
         }
-        let bytes = self
-            .staging
-            .remove(&address)
-            .expect("swapping in a staged chunk");
-        assert_eq!(bytes.len() as u64, size);
-        assert!(self.mapped.insert(address, bytes).is_none());
-        Ok(())
+        results
     }
 }
 
@@ -249,7 +278,8 @@ fn the_largest_chunks_go_first_and_only_as_many_as_wanted() {
         chunks.give_back(5 * UNIT, &mut model, &mut board),
         GivenBack {
             bytes: 8 * UNIT,
-            refused_for_staging: 0
+            refused_for_staging: 0,
+            times: SwapTimes::default(),
         }
     );
     assert!(chunks.held());
@@ -264,6 +294,45 @@ fn the_largest_chunks_go_first_and_only_as_many_as_wanted() {
     assert_eq!(model.mapped[&0x2000], vec![8u8; (8 * UNIT) as usize]);
     assert_eq!(board.swapped, 0);
     assert_eq!(board.staging, 0);
+}
+
+/// The chunks that cover a want go out in one batch (their copies queued back to back); a chunk
+/// that failed is made up for by a second batch of the next ones.
+#[test]
+fn the_chunks_that_cover_a_want_go_out_in_one_batch() {
+    let mut chunks = Chunks::default();
+    let mut model = Model::default();
+    let mut board = Board {
+        capacity: 64 * UNIT,
+        others: 0,
+        resident: 0,
+        swapped: 0,
+        staging_budget: 64 * UNIT,
+        staging: 0,
+    };
+    for (address, units) in [(0x1000u64, 2u64), (0x2000, 8), (0x3000, 4), (0x4000, 1)] {
+        model
+            .mapped
+            .insert(address, vec![units as u8; (units * UNIT) as usize]);
+        chunks.add(address, units * UNIT);
+        board.resident += units * UNIT;
+    }
+    assert_eq!(
+        chunks.give_back(11 * UNIT, &mut model, &mut board).bytes,
+        12 * UNIT
+    );
+    assert_eq!(model.batches, [2], "8 and 4 units in one batch");
+    assert!(chunks.take_back(&mut model, &mut board));
+    // The 8-unit chunk fails: the 2-unit one makes up for it in a second batch.
+    model.fail.insert(0x2000);
+    model.batches.clear();
+    assert_eq!(
+        chunks.give_back(5 * UNIT, &mut model, &mut board).bytes,
+        6 * UNIT
+    );
+    assert_eq!(model.batches, [1, 2], "8; then 4 (not enough alone) and 2");
+    assert_eq!(model.mapped[&0x2000], vec![8u8; (8 * UNIT) as usize]);
+    assert_eq!(board.staging, 6 * UNIT);
 }
 
 /// The staging budget has room for the 4-unit chunk only: the 8-unit one stays resident (said in
@@ -291,7 +360,8 @@ fn a_chunk_the_staging_budget_has_no_room_for_stays_resident() {
         chunks.give_back(12 * UNIT, &mut model, &mut board),
         GivenBack {
             bytes: 4 * UNIT,
-            refused_for_staging: 8 * UNIT
+            refused_for_staging: 8 * UNIT,
+            times: SwapTimes::default(),
         }
     );
     assert_eq!(model.staging.keys().collect::<Vec<_>>(), [&0x3000]);
@@ -303,7 +373,8 @@ fn a_chunk_the_staging_budget_has_no_room_for_stays_resident() {
         chunks.give_back(UNIT, &mut model, &mut board),
         GivenBack {
             bytes: 0,
-            refused_for_staging: 12 * UNIT
+            refused_for_staging: 12 * UNIT,
+            times: SwapTimes::default(),
         }
     );
     assert!(!chunks.held());

@@ -122,6 +122,11 @@ pub type FnMemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) 
 pub type FnMemFreeHost = unsafe extern "C" fn(*mut c_void) -> CUresult;
 pub type FnMemcpyDtoH = unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize) -> CUresult;
 pub type FnMemcpyHtoD = unsafe extern "C" fn(CUdeviceptr, *const c_void, usize) -> CUresult;
+/// `CU_MEMHOSTALLOC_PORTABLE`: the pinned memory counts as pinned in every context, so that the
+/// swap's staging can serve a chunk of any context of the process.
+pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x1;
+pub type FnStreamCreate = unsafe extern "C" fn(*mut CUstream, c_uint) -> CUresult;
+pub type FnStreamDestroy = unsafe extern "C" fn(CUstream) -> CUresult;
 pub type FnMemSetAccess =
     unsafe extern "C" fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize) -> CUresult;
 pub type FnMemGetAllocationGranularity =

@@ -49,9 +49,15 @@ struct Backed {
     size: usize,
     purpose: Purpose,
     device: CUdevice,
-    /// The pinned host staging (`cuMemHostAlloc`) holding its bytes while swapped out; 0 while
-    /// it is mapped.
+    /// The pinned host staging (`cuMemHostAlloc`, `staging`) holding its bytes while swapped
+    /// out; 0 while it is mapped.
     staging: usize,
+    /// The staging buffer's size (at least `size`: a pooled buffer may be larger).
+    staging_bytes: u64,
+    /// A copy of it did not complete within its bound (`COPY_WAIT_BASE_MS`): its mapping and
+    /// staging may still be in use by the copy engine, so neither is touched again, and the
+    /// swap leaves it where it is (logged).
+    stranded: bool,
 }
 
 /// How many allocations the table holds: every `cuMemFree_v2` asks it, so while it is 0 (no
@@ -232,6 +238,8 @@ pub unsafe fn alloc(
             purpose,
             device,
             staging: 0,
+            staging_bytes: 0,
+            stranded: false,
         },
     );
     assert!(replaced.is_none(), "the driver reserved {address:#x} twice");
@@ -273,19 +281,27 @@ pub fn free(driver: &Driver, address: CUdeviceptr) -> Option<CUresult> {
         // Only allocated when every function was there.
         return Some(CUDA_ERROR_UNKNOWN);
     };
+    if found.stranded {
+        // A copy of it may still be running (`SwapBacking`): its memory, mapping and staging are
+        // left as they are, to the process's end.
+        crate::log::error(format_args!(
+            "freeing {address:#x}, whose swap copy never completed: its device memory and host \
+             staging stay allocated until the process exits"
+        ));
+        return Some(CUDA_SUCCESS);
+    }
     if found.staging != 0 {
-        // Swapped out: its bytes are in the staging and its range is reserved, unmapped.
-        let staging_freed = driver.fns.mem_free_host.map_or(CUDA_SUCCESS, |free_host| {
-            // SAFETY: the staging came from `cuMemHostAlloc` in `swap_out` and is freed once.
-            unsafe { free_host(found.staging as *mut std::ffi::c_void) }
-        });
+        // Swapped out: its bytes are in the staging and its range is reserved, unmapped. The
+        // staging goes to the pool, still reserved on the board (`staging`).
+        crate::staging::recycle(
+            usize::try_from(found.device).unwrap_or(0),
+            crate::staging::Buffer {
+                host: found.staging,
+                bytes: found.staging_bytes,
+            },
+        );
         // SAFETY: the range was reserved by `alloc` with `found.size` bytes and is unmapped.
-        let freed = unsafe { (vmm.free_range)(address, found.size) };
-        return Some(if freed != CUDA_SUCCESS {
-            freed
-        } else {
-            staging_freed
-        });
+        return Some(unsafe { (vmm.free_range)(address, found.size) });
     }
     // SAFETY: `address` was mapped by `alloc` with `found.size` bytes and `found.handle`, and was
     // just removed from the table, so it is undone once.
@@ -302,43 +318,108 @@ pub fn free(driver: &Driver, address: CUdeviceptr) -> Option<CUresult> {
     }
 }
 
-/// The swap's driver work (`swap::Backing`) on the real driver, for borrowed allocations: out is
-/// `cuMemHostAlloc` staging, `cuMemcpyDtoH_v2`, `cuMemUnmap`, `cuMemRelease` (the range stays
-/// reserved); in is `cuMemCreate`, `cuMemMap` at the same address, `cuMemSetAccess`,
-/// `cuMemcpyHtoD_v2`, `cuMemFreeHost`. Synchronous copies on the calling thread, one chunk at a
-/// time (the design's two streams each way are not built); the copies need a current context.
+/// The swap's driver work (`swap::Backing`) on the real driver, for borrowed allocations, a batch
+/// of chunks at a time. Out: for each chunk a pinned staging buffer (`staging::acquire`: pooled,
+/// else reserved on the board and pinned by `cuMemHostAlloc`) and a `cuMemcpyDtoHAsync_v2` on a
+/// stream of its own, all queued back to back; then, once the stream completed (bounded,
+/// [`copy_wait_max`]), `cuMemUnmap` and `cuMemRelease` of each (the range stays reserved). In:
+/// for each chunk `cuMemCreate`, `cuMemMap` at the same address, `cuMemSetAccess` and a
+/// `cuMemcpyHtoDAsync_v2`, all queued; once the stream completed, each chunk is back and its
+/// staging goes to the pool (`staging::recycle`). A chunk never loses its mapping before its
+/// copy out completed, and is never back (so never lets the process run) before its copy in
+/// completed. The copies need a current context on the calling thread, as the stream does.
+///
+/// The stream is created for each batch (`cuStreamCreate`, non-blocking, so that it waits for
+/// no other stream of the process) and destroyed after it: a stream kept per context would
+/// outlive a context the application destroys (the interposer does not watch `cuCtxDestroy`),
+/// and a later context at the same address would meet a stale handle; a stream costs
+/// microseconds against copies of gigabytes.
 pub struct SwapBacking<'d> {
     pub driver: &'d Driver,
 }
 
-/// The functions a swap needs besides `Vmm`'s.
-struct Staging {
-    host_alloc: FnMemHostAlloc,
-    free_host: FnMemFreeHost,
-    dtoh: FnMemcpyDtoH,
-    htod: FnMemcpyHtoD,
+/// The longest a batch's copies may take before the swap gives up on them: a fixed part plus the
+/// bytes at [`COPY_RATE_FLOOR_BYTES_PER_S`], far below the 45-55 GB/s a host link moves, so only a
+/// hung copy engine reaches it.
+pub const COPY_WAIT_BASE_MS: u64 = 2_000;
+/// The rate [`copy_wait_max`] allows for: 1 GB/s.
+pub const COPY_RATE_FLOOR_BYTES_PER_S: u64 = 1_000_000_000;
+
+/// The wait bound of a batch copying `bytes`.
+pub fn copy_wait_max(bytes: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(COPY_WAIT_BASE_MS)
+        + std::time::Duration::from_nanos(
+            bytes.saturating_mul(1_000_000_000) / COPY_RATE_FLOOR_BYTES_PER_S,
+        )
 }
 
-impl Staging {
-    fn of(driver: &Driver) -> Option<Staging> {
+/// The functions a swap needs besides `Vmm`'s and the staging's.
+struct Copies {
+    stream_create: FnStreamCreate,
+    stream_destroy: FnStreamDestroy,
+    stream_query: FnStreamSync,
+    dtoh: FnMemcpyAsync,
+    htod: FnMemcpyAsync,
+}
+
+impl Copies {
+    fn of(driver: &Driver) -> Option<Copies> {
         let f = &driver.fns;
-        Some(Staging {
-            host_alloc: f.mem_host_alloc?,
-            free_host: f.mem_free_host?,
-            dtoh: f.memcpy_dtoh?,
-            htod: f.memcpy_htod?,
+        Some(Copies {
+            stream_create: f.stream_create?,
+            stream_destroy: f.stream_destroy?,
+            stream_query: f.stream_query?,
+            dtoh: f.memcpy_dtoh_async?,
+            htod: f.memcpy_htod_async?,
         })
+    }
+
+    /// A non-blocking stream of the current context for one batch.
+    fn stream(&self) -> Result<CUstream, CUresult> {
+        let mut stream: CUstream = std::ptr::null_mut();
+        // SAFETY: `stream` is valid for a write; a flag the driver defines.
+        let rc = unsafe { (self.stream_create)(&mut stream, CU_STREAM_NON_BLOCKING) };
+        if rc != CUDA_SUCCESS || stream.is_null() {
+            return Err(if rc == CUDA_SUCCESS {
+                CUDA_ERROR_UNKNOWN
+            } else {
+                rc
+            });
+        }
+        Ok(stream)
+    }
+
+    /// Waits, polling `cuStreamQuery` for at most `bound`, until the copies queued on `stream`
+    /// completed. `Ok(true)`: completed; `Ok(false)`: not within the bound; `Err`: the driver's
+    /// error for them (the copies did not all happen).
+    fn wait(&self, stream: CUstream, bound: std::time::Duration) -> Result<bool, CUresult> {
+        let began = std::time::Instant::now();
+        loop {
+            // SAFETY: `stream` was created by `stream` and is destroyed only after this.
+            let rc = unsafe { (self.stream_query)(stream) };
+            match rc {
+                CUDA_SUCCESS => return Ok(true),
+                CUDA_ERROR_NOT_READY if began.elapsed() < bound => {
+                    // Copies of a gigabyte take tens of milliseconds: a short pause between looks
+                    // costs at most that much of it.
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
+                CUDA_ERROR_NOT_READY => return Ok(false),
+                error => return Err(error),
+            }
+        }
+    }
+
+    fn destroy(&self, stream: CUstream) {
+        // SAFETY: created by `stream`, destroyed once; work still queued on it (a copy past its
+        // bound) completes first, as the driver defines it.
+        unsafe { (self.stream_destroy)(stream) };
     }
 }
 
 impl SwapBacking<'_> {
-    /// The table entry of a borrowed allocation at `address` of `size` bytes, and the functions.
-    fn lookup(
-        &self,
-        address: u64,
-        size: u64,
-        out: bool,
-    ) -> Result<(Backed, Vmm, Staging), crate::swap::SwapError> {
+    /// The table entry of a borrowed allocation at `address` of `size` bytes.
+    fn lookup(&self, address: u64, size: u64, out: bool) -> Result<Backed, crate::swap::SwapError> {
         let error = |result| crate::swap::SwapError { address, result };
         let found = backed()
             .get(&address)
@@ -353,97 +434,350 @@ impl SwapBacking<'_> {
             Purpose::Borrowed,
             "only borrowed chunks swap"
         );
+        if found.stranded {
+            return Err(error(CUDA_ERROR_NOT_READY));
+        }
         assert_eq!(
             found.staging == 0,
             !out,
             "a chunk moves out once and back once"
         );
-        let vmm = Vmm::of(self.driver).ok_or(error(CUDA_ERROR_UNKNOWN))?;
-        let staging = Staging::of(self.driver).ok_or(error(CUDA_ERROR_NOT_SUPPORTED))?;
-        Ok((found, vmm, staging))
+        assert!(found.staging == 0 || found.staging_bytes >= size);
+        Ok(found)
+    }
+
+    /// The functions, or the error every chunk of a batch gets without them.
+    fn functions(&self) -> Result<(Vmm, Copies), CUresult> {
+        let vmm = Vmm::of(self.driver).ok_or(CUDA_ERROR_UNKNOWN)?;
+        let copies = Copies::of(self.driver).ok_or(CUDA_ERROR_NOT_SUPPORTED)?;
+        Ok((vmm, copies))
+    }
+
+    /// Marks `address` stranded: its copy did not complete within the bound.
+    fn strand(&self, address: u64, handle: CUmemGenericAllocationHandle) {
+        let mut table = backed();
+        let entry = table.get_mut(&address).expect("a chunk being moved");
+        entry.stranded = true;
+        if handle != 0 {
+            entry.handle = handle;
+        }
     }
 }
 
+/// A chunk whose copy is queued on a batch's stream.
+struct Queued {
+    index: usize,
+    address: u64,
+    found: Backed,
+    /// Out: its new staging; in: the staging its bytes come from.
+    buffer: crate::staging::Buffer,
+    /// In: the physical memory mapped for it.
+    handle: CUmemGenericAllocationHandle,
+}
+
+fn copy_timed_out(direction: &str, bytes: u64, bound: std::time::Duration) {
+    crate::log::error(format_args!(
+        "the swap's copies {direction} ({}) did not complete within {} ms: the GPU's copy engine \
+         may be hung; the chunks stay where they were, with their memory and host staging held \
+         until the process exits (restart it if the GPU recovers)",
+        crate::elastic::human(bytes),
+        bound.as_millis()
+    ));
+}
+
 impl crate::swap::Backing for SwapBacking<'_> {
-    fn swap_out(&mut self, address: u64, size: u64) -> Result<(), crate::swap::SwapError> {
-        let (found, vmm, staging) = self.lookup(address, size, false)?;
-        let error = |result| crate::swap::SwapError { address, result };
-        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: `host` is valid for a write; pinned host memory of the chunk's size.
-        let rc = unsafe { (staging.host_alloc)(&mut host, found.size, 0) };
-        if rc != CUDA_SUCCESS || host.is_null() {
-            return Err(error(rc));
+    fn swap_out(
+        &mut self,
+        chunks: &[(u64, u64)],
+        counters: &mut impl crate::swap::Counters,
+    ) -> (Vec<crate::swap::OutResult>, crate::swap::SwapTimes) {
+        use crate::swap::{OutResult, SwapError, SwapTimes};
+        let mut times = SwapTimes::default();
+        let mut results: Vec<Option<OutResult>> = vec![None; chunks.len()];
+        let fail_all = |result| {
+            let all = chunks
+                .iter()
+                .map(|&(address, _)| OutResult::Failed(SwapError { address, result }))
+                .collect();
+            (all, SwapTimes::default())
+        };
+        let (vmm, copies) = match self.functions() {
+            Ok(functions) => functions,
+            Err(result) => return fail_all(result),
+        };
+        let stream = match copies.stream() {
+            Ok(stream) => stream,
+            Err(result) => return fail_all(result),
+        };
+        let mut queued: Vec<Queued> = Vec::with_capacity(chunks.len());
+        let mut copy_began = None;
+        for (index, &(address, size)) in chunks.iter().enumerate() {
+            let error = |result| OutResult::Failed(SwapError { address, result });
+            let found = match self.lookup(address, size, false) {
+                Ok(found) => found,
+                Err(e) => {
+                    results[index] = Some(OutResult::Failed(e));
+                    continue;
+                }
+            };
+            let device = usize::try_from(found.device).unwrap_or(0);
+            if queued.is_empty() {
+                crate::staging::trim(self.driver, device, counters);
+            }
+            let buffer = match crate::staging::acquire(self.driver, device, size, counters) {
+                Ok((buffer, pinning)) => {
+                    if !pinning.is_zero() {
+                        times.pinning_ns += pinning.as_nanos() as u64;
+                        times.pinned_bytes += buffer.bytes;
+                    }
+                    buffer
+                }
+                Err(crate::staging::Unavailable::Budget) => {
+                    results[index] = Some(OutResult::StagingRefused);
+                    continue;
+                }
+                Err(crate::staging::Unavailable::Driver(rc)) => {
+                    results[index] = Some(error(rc));
+                    continue;
+                }
+            };
+            copy_began.get_or_insert_with(std::time::Instant::now);
+            // SAFETY: the buffer holds at least `found.size` bytes and no other copy uses it;
+            // `address` is mapped with that many (the process is quiet and drained).
+            let rc =
+                unsafe { (copies.dtoh)(buffer.host as CUdeviceptr, address, found.size, stream) };
+            if rc != CUDA_SUCCESS {
+                crate::staging::recycle(device, buffer);
+                results[index] = Some(error(rc));
+                continue;
+            }
+            queued.push(Queued {
+                index,
+                address,
+                found,
+                buffer,
+                handle: 0,
+            });
         }
-        // SAFETY: `host` holds `found.size` bytes; `address` is mapped with that many.
-        let mut rc = unsafe { (staging.dtoh)(host, address, found.size) };
-        if rc == CUDA_SUCCESS {
-            // SAFETY: mapped by `alloc` (or the last `swap_in`) with this size.
-            rc = unsafe { (vmm.unmap)(address, found.size) };
+        let bytes: u64 = queued.iter().map(|q| q.found.size as u64).sum();
+        let bound = copy_wait_max(bytes);
+        let waited = copies.wait(stream, bound);
+        if let Some(began) = copy_began {
+            times.copy_ns = began.elapsed().as_nanos() as u64;
         }
-        if rc != CUDA_SUCCESS {
-            // SAFETY: allocated above, freed once; the chunk is still mapped.
-            unsafe { (staging.free_host)(host) };
-            return Err(error(rc));
+        copies.destroy(stream);
+        match waited {
+            Ok(true) => times.copied_bytes = bytes,
+            Ok(false) => copy_timed_out("to host memory", bytes, bound),
+            Err(_) => {}
         }
-        // SAFETY: the handle is no longer mapped anywhere; released once.
-        let released = unsafe { (vmm.release)(found.handle) };
-        if released != CUDA_SUCCESS {
-            crate::log::error(format_args!(
-                "cuMemRelease of a swapped-out chunk failed ({released}); its memory may stay \
-                 on the GPU until the process exits"
-            ));
+        for q in queued {
+            let device = usize::try_from(q.found.device).unwrap_or(0);
+            let error = |result| {
+                OutResult::Failed(SwapError {
+                    address: q.address,
+                    result,
+                })
+            };
+            let rc = match waited {
+                Ok(true) => CUDA_SUCCESS,
+                Ok(false) => {
+                    // The copy may still write the buffer and read the chunk: both stay as they
+                    // are (the buffer stays reserved, never reused).
+                    self.strand(q.address, 0);
+                    results[q.index] = Some(error(CUDA_ERROR_NOT_READY));
+                    continue;
+                }
+                Err(rc) => rc,
+            };
+            let rc = if rc == CUDA_SUCCESS {
+                // SAFETY: mapped by `alloc` (or the last `swap_in`) with this size; its copy out
+                // completed (the stream said so), and nothing else of the process runs.
+                unsafe { (vmm.unmap)(q.address, q.found.size) }
+            } else {
+                rc
+            };
+            if rc != CUDA_SUCCESS {
+                // Still mapped, with its contents: the staging goes back to the pool.
+                crate::staging::recycle(device, q.buffer);
+                results[q.index] = Some(error(rc));
+                continue;
+            }
+            // SAFETY: the handle is no longer mapped anywhere; released once.
+            let released = unsafe { (vmm.release)(q.found.handle) };
+            if released != CUDA_SUCCESS {
+                crate::log::error(format_args!(
+                    "cuMemRelease of a swapped-out chunk failed ({released}); its memory may \
+                     stay on the GPU until the process exits"
+                ));
+            }
+            let mut table = backed();
+            let entry = table.get_mut(&q.address).expect("looked up above");
+            entry.handle = 0;
+            entry.staging = q.buffer.host;
+            entry.staging_bytes = q.buffer.bytes;
+            results[q.index] = Some(OutResult::Moved);
         }
-        let mut table = backed();
-        let entry = table.get_mut(&address).expect("looked up above");
-        entry.handle = 0;
-        entry.staging = host as usize;
-        Ok(())
+        let results: Vec<OutResult> = results
+            .into_iter()
+            .map(|r| r.expect("every chunk has its result"))
+            .collect();
+        assert_eq!(results.len(), chunks.len());
+        (results, times)
     }
 
-    fn swap_in(&mut self, address: u64, size: u64) -> Result<(), crate::swap::SwapError> {
-        let (found, vmm, staging) = self.lookup(address, size, true)?;
-        let error = |result| crate::swap::SwapError { address, result };
-        let prop = device_memory(found.device);
-        let mut handle: CUmemGenericAllocationHandle = 0;
-        // SAFETY: `handle` and `prop` are valid; the real driver's `cuMemCreate`.
-        let rc = unsafe { (vmm.create)(&mut handle, found.size, &prop, 0) };
-        if rc != CUDA_SUCCESS {
-            return Err(error(rc));
-        }
-        // SAFETY: the range is reserved with `found.size` bytes and unmapped since `swap_out`.
-        let mut rc = unsafe { (vmm.map)(address, found.size, 0, handle, 0) };
-        if rc == CUDA_SUCCESS {
-            let access = CUmemAccessDesc {
-                location: CUmemLocation {
-                    type_: CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: found.device,
-                },
-                flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    fn swap_in(
+        &mut self,
+        chunks: &[(u64, u64)],
+        counters: &mut impl crate::swap::Counters,
+    ) -> Vec<Result<(), crate::swap::SwapError>> {
+        use crate::swap::SwapError;
+        let mut results: Vec<Option<Result<(), SwapError>>> = vec![None; chunks.len()];
+        let fail_all = |result| {
+            chunks
+                .iter()
+                .map(|&(address, _)| Err(SwapError { address, result }))
+                .collect()
+        };
+        let (vmm, copies) = match self.functions() {
+            Ok(functions) => functions,
+            Err(result) => return fail_all(result),
+        };
+        let stream = match copies.stream() {
+            Ok(stream) => stream,
+            Err(result) => return fail_all(result),
+        };
+        let mut queued: Vec<Queued> = Vec::with_capacity(chunks.len());
+        for (index, &(address, size)) in chunks.iter().enumerate() {
+            let error = |result| Err(SwapError { address, result });
+            let found = match self.lookup(address, size, true) {
+                Ok(found) => found,
+                Err(e) => {
+                    results[index] = Some(Err(e));
+                    continue;
+                }
             };
-            // SAFETY: the range is mapped; one descriptor.
-            rc = unsafe { (vmm.set_access)(address, found.size, &access, 1) };
-            if rc == CUDA_SUCCESS {
-                // SAFETY: the staging holds `found.size` bytes; the range is mapped, accessible.
-                rc = unsafe { (staging.htod)(address, found.staging as *const _, found.size) };
+            if queued.is_empty() {
+                let device = usize::try_from(found.device).unwrap_or(0);
+                crate::staging::trim(self.driver, device, counters);
             }
+            match map_again(&vmm, &copies, stream, address, &found) {
+                Ok(handle) => queued.push(Queued {
+                    index,
+                    address,
+                    found,
+                    buffer: crate::staging::Buffer {
+                        host: found.staging,
+                        bytes: found.staging_bytes,
+                    },
+                    handle,
+                }),
+                Err(rc) => results[index] = Some(error(rc)),
+            }
+        }
+        let bytes: u64 = queued.iter().map(|q| q.found.size as u64).sum();
+        let bound = copy_wait_max(bytes);
+        let waited = copies.wait(stream, bound);
+        copies.destroy(stream);
+        if waited == Ok(false) {
+            copy_timed_out("back to the GPU", bytes, bound);
+        }
+        for q in queued {
+            let rc = match waited {
+                Ok(true) => CUDA_SUCCESS,
+                Ok(false) => {
+                    // The copy may still read the staging and write the mapping: the chunk stays
+                    // out (the process stays held), and neither is touched again.
+                    self.strand(q.address, q.handle);
+                    results[q.index] = Some(Err(SwapError {
+                        address: q.address,
+                        result: CUDA_ERROR_NOT_READY,
+                    }));
+                    continue;
+                }
+                Err(rc) => rc,
+            };
             if rc != CUDA_SUCCESS {
-                // SAFETY: mapped just above.
-                unsafe { (vmm.unmap)(address, found.size) };
+                // SAFETY: mapped and created by `map_again`, undone once; its copy is over (the
+                // stream reported its error), and the staging keeps the bytes.
+                unsafe {
+                    (vmm.unmap)(q.address, q.found.size);
+                    (vmm.release)(q.handle);
+                }
+                results[q.index] = Some(Err(SwapError {
+                    address: q.address,
+                    result: rc,
+                }));
+                continue;
             }
+            let device = usize::try_from(q.found.device).unwrap_or(0);
+            crate::staging::recycle(device, q.buffer);
+            let mut table = backed();
+            let entry = table.get_mut(&q.address).expect("looked up above");
+            entry.handle = q.handle;
+            entry.staging = 0;
+            entry.staging_bytes = 0;
+            results[q.index] = Some(Ok(()));
+        }
+        let results: Vec<Result<(), SwapError>> = results
+            .into_iter()
+            .map(|r| r.expect("every chunk has its result"))
+            .collect();
+        assert_eq!(results.len(), chunks.len());
+        results
+    }
+
+    fn trim(&mut self, device: usize, counters: &mut impl crate::swap::Counters) {
+        crate::staging::trim(self.driver, device, counters);
+    }
+}
+
+/// Creates physical memory for the swapped-out chunk at `address`, maps it there, makes it
+/// accessible and queues the copy of its staging on `stream`; the new handle, or the driver's
+/// error with everything undone.
+fn map_again(
+    vmm: &Vmm,
+    copies: &Copies,
+    stream: CUstream,
+    address: u64,
+    found: &Backed,
+) -> Result<CUmemGenericAllocationHandle, CUresult> {
+    let prop = device_memory(found.device);
+    let mut handle: CUmemGenericAllocationHandle = 0;
+    // SAFETY: `handle` and `prop` are valid; the real driver's `cuMemCreate`.
+    let rc = unsafe { (vmm.create)(&mut handle, found.size, &prop, 0) };
+    if rc != CUDA_SUCCESS {
+        return Err(rc);
+    }
+    // SAFETY: the range is reserved with `found.size` bytes and unmapped since the swap-out.
+    let mut rc = unsafe { (vmm.map)(address, found.size, 0, handle, 0) };
+    if rc == CUDA_SUCCESS {
+        let access = CUmemAccessDesc {
+            location: CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: found.device,
+            },
+            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range is mapped; one descriptor.
+        rc = unsafe { (vmm.set_access)(address, found.size, &access, 1) };
+        if rc == CUDA_SUCCESS {
+            // SAFETY: the staging holds at least `found.size` bytes and stays untouched until
+            // the stream completed; the range is mapped and accessible.
+            rc =
+                unsafe { (copies.htod)(address, found.staging as CUdeviceptr, found.size, stream) };
         }
         if rc != CUDA_SUCCESS {
-            // SAFETY: created above, released once; the staging keeps the bytes.
-            unsafe { (vmm.release)(handle) };
-            return Err(error(rc));
+            // SAFETY: mapped just above; nothing was queued on it.
+            unsafe { (vmm.unmap)(address, found.size) };
         }
-        // SAFETY: the staging came from `cuMemHostAlloc` in `swap_out`; its bytes are copied back.
-        unsafe { (staging.free_host)(found.staging as *mut std::ffi::c_void) };
-        let mut table = backed();
-        let entry = table.get_mut(&address).expect("looked up above");
-        entry.handle = handle;
-        entry.staging = 0;
-        Ok(())
     }
+    if rc != CUDA_SUCCESS {
+        // SAFETY: created above, released once; the staging keeps the bytes.
+        unsafe { (vmm.release)(handle) };
+        return Err(rc);
+    }
+    Ok(handle)
 }
 
 /// Waits for the work queued in each of `contexts` (`cuCtxSetCurrent` + `cuCtxSynchronize` on a

@@ -32,6 +32,9 @@
  * at launch (700 if any is not mapped; fakeKernelSum() is their sum), cuMemcpyDtoHAsync_v2 copies
  * out of a mapped range (700 if not mapped), and cuMemUnmap while this process's kernels are
  * still running (an undrained queue) counts in fakeBusyUnmaps(): what the swap must never do.
+ * Streams made by cuStreamCreate run their queued copies only when queried, synchronised or
+ * destroyed (FAKE_CUDA_ASYNC_FAIL=N fails the first N; see cuStreamCreate below), and
+ * fakeHostAllocs() / fakeHostFrees() count cuMemHostAlloc / cuMemFreeHost.
  *
  * Kernels are simulated: a launch "runs" for a duration taken from its arguments (gridDimX
  * microseconds for kernel launches, the graph handle's value for graph launches) on a GPU that
@@ -407,15 +410,114 @@ CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
   pthread_mutex_unlock(&lock);
   return ok ? OK : ILLEGAL_ADDRESS;
 }
+static unsigned long long host_allocs, host_frees;
+/* How many times cuMemHostAlloc / cuMemFreeHost were called (the swap's pinned staging). */
+unsigned long long fakeHostAllocs(void) { return host_allocs; }
+unsigned long long fakeHostFrees(void) { return host_frees; }
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) {
   (void)flags;
   if (p == NULL || n == 0) return INVALID_VALUE;
   *p = malloc(n);
+  if (*p != NULL) __atomic_add_fetch(&host_allocs, 1, __ATOMIC_SEQ_CST);
   return *p != NULL ? OK : OUT_OF_MEMORY;
 }
 CUresult cuMemFreeHost(void *p) {
+  if (p != NULL) __atomic_add_fetch(&host_frees, 1, __ATOMIC_SEQ_CST);
   free(p);
   return OK;
+}
+
+/* Streams made by cuStreamCreate (handles 0xa000, 0xa001, ...): a copy between host and device
+ * queued on one (cuMemcpyDtoHAsync_v2, cuMemcpyHtoDAsync_v2) does not happen when it is called
+ * but when the stream is next queried, synchronised or destroyed, in order, as a copy engine
+ * would run it later: a caller that unmaps a chunk before its copy out completed makes the copy
+ * fail with 700, and one that reads a chunk back before its copy in completed sees old bytes.
+ * Without FAKE_CUDA_REAL_BYTES a queued copy moves nothing and succeeds on a mapped range.
+ * FAKE_CUDA_ASYNC_FAIL=N: the first N queued copies of the process fail with 700 when they run
+ * (moving nothing), and the stream reports it, as a copy fault would. */
+#define CREATED_STREAMS 64
+#define QUEUED_COPIES 256
+#define CREATED_BASE 0xa000
+static struct {
+  int used, error;
+  int queued;
+  struct { int to_host; void *host; CUdeviceptr device; size_t n; } copies[QUEUED_COPIES];
+} created[CREATED_STREAMS];
+static unsigned long long async_runs;
+static int created_slot(CUstream s) {
+  uintptr_t h = (uintptr_t)s;
+  if (h < CREATED_BASE || h >= CREATED_BASE + CREATED_STREAMS) return -1;
+  return created[h - CREATED_BASE].used ? (int)(h - CREATED_BASE) : -1;
+}
+CUresult cuStreamCreate(CUstream *stream, unsigned int flags) {
+  (void)flags;
+  if (stream == NULL) return INVALID_VALUE;
+  if (current < 0) return INVALID_CONTEXT;
+  pthread_mutex_lock(&lock);
+  for (int i = 0; i < CREATED_STREAMS; i++) {
+    if (!created[i].used) {
+      memset(&created[i], 0, sizeof created[i]);
+      created[i].used = 1;
+      *stream = (CUstream)(uintptr_t)(CREATED_BASE + i);
+      pthread_mutex_unlock(&lock);
+      return OK;
+    }
+  }
+  pthread_mutex_unlock(&lock);
+  return OUT_OF_MEMORY;
+}
+/* Runs the copies queued on created stream `i`; returns its error (sticky). Holds `lock`. */
+static int run_queued(int i) {
+  const char *fail = getenv("FAKE_CUDA_ASYNC_FAIL");
+  unsigned long long failing = fail ? strtoull(fail, NULL, 10) : 0;
+  for (int c = 0; c < created[i].queued; c++) {
+    int to_host = created[i].copies[c].to_host;
+    void *host = created[i].copies[c].host;
+    CUdeviceptr device = created[i].copies[c].device;
+    size_t n = created[i].copies[c].n;
+    int ok;
+    if (async_runs++ < failing) {
+      ok = 0;
+    } else if (real_bytes()) {
+      unsigned char *bytes = mapped_bytes_at(device, n);
+      if (bytes != NULL) {
+        if (to_host) memcpy(host, bytes, n);
+        else memcpy(bytes, host, n);
+      }
+      ok = bytes != NULL;
+    } else {
+      ok = mapped_range(device, n);
+    }
+    if (!ok && created[i].error == OK) created[i].error = ILLEGAL_ADDRESS;
+  }
+  created[i].queued = 0;
+  return created[i].error;
+}
+static CUresult queue_copy(CUstream s, int to_host, void *host, CUdeviceptr device, size_t n) {
+  if (host == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&lock);
+  int i = created_slot(s);
+  CUresult rc = INVALID_VALUE;
+  if (i >= 0 && created[i].queued < QUEUED_COPIES) {
+    int c = created[i].queued++;
+    created[i].copies[c].to_host = to_host;
+    created[i].copies[c].host = host;
+    created[i].copies[c].device = device;
+    created[i].copies[c].n = n;
+    rc = OK;
+  }
+  pthread_mutex_unlock(&lock);
+  return rc;
+}
+CUresult cuStreamDestroy_v2(CUstream s) {
+  pthread_mutex_lock(&lock);
+  int i = created_slot(s);
+  if (i >= 0) {
+    run_queued(i);
+    created[i].used = 0;
+  }
+  pthread_mutex_unlock(&lock);
+  return i >= 0 ? OK : INVALID_VALUE;
 }
 
 static unsigned long long element_bytes(int format) {
@@ -666,6 +768,7 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CU
   return run_kernel(s, (unsigned int)(bytes / 1000));
 }
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream s) {
+  if (created_slot(s) >= 0) return queue_copy(s, 1, dst, src, bytes);
   if (!real_bytes()) return run_kernel(s, (unsigned int)(bytes / 1000));
   if (dst == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
@@ -673,6 +776,11 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream
   if (from != NULL) memcpy(dst, from, bytes);
   pthread_mutex_unlock(&lock);
   return from != NULL ? OK : ILLEGAL_ADDRESS;
+}
+/* Only on created streams (the swap's): the tests' applications copy synchronously. */
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream s) {
+  if (created_slot(s) < 0) return INVALID_VALUE;
+  return queue_copy(s, 0, (void *)src, dst, bytes);
 }
 #ifdef FAKE_UNHELD_COPY
 /* A copy entry point the interposer does not hold: with it, the swap must stay off. */
@@ -802,14 +910,28 @@ static unsigned long long stream_end(CUstream s) {
   pthread_mutex_unlock(&lock);
   return end;
 }
+/* A created stream's queued copies run now; its error, if one failed (-1: not a created one). */
+static int created_done(CUstream s) {
+  pthread_mutex_lock(&lock);
+  int i = created_slot(s);
+  int rc = i >= 0 ? run_queued(i) : -1;
+  pthread_mutex_unlock(&lock);
+  return rc;
+}
 CUresult cuStreamSynchronize(CUstream s) {
+  int created_rc = created_done(s);
+  if (created_rc >= 0) return created_rc;
   sleep_until(stream_end(s));
   /* FAKE_CUDA_SYNC_RESULT: what every stream synchronisation returns (a lost context) */
   const char *result = getenv("FAKE_CUDA_SYNC_RESULT");
   return result ? (CUresult)atoi(result) : OK;
 }
 CUresult cuStreamSynchronize_ptsz(CUstream s) { return cuStreamSynchronize(PER_THREAD(s)); }
-CUresult cuStreamQuery(CUstream s) { return now_ns() >= stream_end(s) ? OK : NOT_READY; }
+CUresult cuStreamQuery(CUstream s) {
+  int created_rc = created_done(s);
+  if (created_rc >= 0) return created_rc;
+  return now_ns() >= stream_end(s) ? OK : NOT_READY;
+}
 CUresult cuStreamQuery_ptsz(CUstream s) { return cuStreamQuery(PER_THREAD(s)); }
 CUresult cuEventSynchronize(CUevent event) {
   if (event == NULL) return INVALID_VALUE;

@@ -23,6 +23,8 @@
  *                    bytes: "kcheck <rc> ok|bad" (the fake sums them; FAKE_CUDA_REAL_BYTES=1)
  *   acheck N         the same bytes through cuMemcpyDtoHAsync_v2 and cuStreamSynchronize
  *   busy_unmaps      "busy_unmaps <n>": unmaps the fake saw while this process's kernels ran
+ *   host_allocs      "host_allocs 0 <cuMemHostAlloc calls> <cuMemFreeHost calls>" (the fake's
+ *                    counts: the swap's pinned staging)
  *   touch PATH | until_file PATH   creates PATH / waits (up to 20 s) until PATH exists
  *   spin_info PATH   calls cuMemGetInfo_v2 every millisecond until PATH exists (up to 20 s): a
  *                    process that keeps calling into the driver
@@ -164,6 +166,8 @@ CUresult cuMemcpyDtoDAsync_v2(unsigned long long, unsigned long long, size_t, vo
 CUresult cuMemcpyDtoHAsync_v2(void *, CUdeviceptr, size_t, void *);
 unsigned long long fakeKernelSum(void);
 unsigned long long fakeBusyUnmaps(void);
+unsigned long long fakeHostAllocs(void);
+unsigned long long fakeHostFrees(void);
 CUresult cuStreamBeginCapture_v2(void *, int);
 CUresult cuStreamEndCapture(void *, void **);
 unsigned long long fakeGpuUsedNs(void);
@@ -640,6 +644,8 @@ int main(int argc, char **argv) {
       rc = read_back(atoi(a), !strcmp(c, "kcheck"), &same);
       printf("%s %d %s\n", c, rc, same ? "ok" : "bad");
       i++;
+    } else if (!strcmp(c, "host_allocs")) {
+      printf("host_allocs 0 %llu %llu\n", fakeHostAllocs(), fakeHostFrees());
     } else if (!strcmp(c, "busy_unmaps")) {
       printf("busy_unmaps %llu\n", fakeBusyUnmaps());
     } else if (!strcmp(c, "addr")) {

@@ -1,0 +1,420 @@
+//! The swap's pinned host staging, kept and reused within the process (issue 17, "Swap at the
+//! speed of the link"). Pinning fresh host memory for every chunk (`cuMemHostAlloc`) and freeing
+//! it when the chunk came back (`cuMemFreeHost`) was the suspected cost of the first reclaim on an
+//! H200 (6 GiB in 4.07 s, about 0.68 s a round): so a buffer whose chunk came back, or was freed
+//! while out, goes to a per-GPU pool of this process, and a later swap-out takes the smallest
+//! pooled buffer that holds its chunk (a chunk may use a larger buffer) before it pins anything.
+//!
+//! **Accounting stays exact:** every buffer this process holds, pooled or holding a chunk's bytes,
+//! is reserved for its whole size on its GPU's board as staging of this process's slot
+//! (`Board::reserve_staging`), from its pinning until it is really freed, so what the board says
+//! this process stages is what it has pinned, and the node's `swap_host_memory` bounds the pool.
+//! A pooled buffer is really freed (`cuMemFreeHost`, then `Board::release_staging`):
+//! - when no swap-out reused it for [`IDLE_MAX_MS_DEFAULT`] (`VGPU_MEMORY_STAGING_IDLE_MS`),
+//!   looked at by the process's next swap call or allocation ([`trim`]);
+//! - when the budget has no room for a chunk that no pooled buffer fits: idle buffers, largest
+//!   first, make room before the swap-out is refused ([`acquire`]);
+//! - never at exit: the OS frees a dead process's pinned memory, and the board's dead-slot reclaim
+//!   (the agent's sampling, any tenant process's query) zeroes its staging; calling the driver from
+//!   an exit handler is not safe (it may be torn down already).
+//!
+//! A child after `fork` forgets the pool without a driver call or a release: the buffers and their
+//! reservations are its parent's.
+//!
+//! [`Pool`] is the bookkeeping (which buffer serves which chunk, which have idled too long), pure
+//! and unit tested; the functions below make the driver calls around it.
+#![allow(unsafe_code)]
+
+use crate::real::Driver;
+use crate::swap::Counters;
+use crate::sys::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use tenant_abi::DEVICES_MAX;
+
+/// How long a pooled buffer no swap-out reused is kept before it is freed, unless
+/// `VGPU_MEMORY_STAGING_IDLE_MS` says otherwise. The rounds of one reclaim come within seconds of
+/// each other (a needy tenant waits at most 5 s, and its claim lapses 5 s after its last
+/// allocation), and a framework taking memory back and forth (one reclaim per training step or
+/// per batch of requests) comes back within tens of seconds: 30 s covers those several times
+/// over. Longer, and host memory pinned for nobody stays out of the node's `swap_host_memory`
+/// that the GPU's other processes share (a pooled buffer counts against it).
+pub const IDLE_MAX_MS_DEFAULT: u64 = 30_000;
+/// The longest idle time `VGPU_MEMORY_STAGING_IDLE_MS` may ask for: 10 minutes.
+pub const IDLE_MAX_MS_MAX: u64 = 600_000;
+
+/// One pinned host buffer: its address and size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buffer {
+    pub host: usize,
+    pub bytes: u64,
+}
+
+/// The idle buffers of one GPU's pool, each with when it went idle. Pure: time comes in as
+/// monotonic nanoseconds.
+#[derive(Debug, Default)]
+pub struct Pool {
+    idle: Vec<(Buffer, u64)>,
+}
+
+impl Pool {
+    /// The buffer that serves a chunk of `bytes`, taken out of the pool: the smallest that holds
+    /// it (best fit, so that large buffers stay for large chunks), the one idle longest among
+    /// equals (so that the others may idle out). `None`: none holds it.
+    pub fn take(&mut self, bytes: u64) -> Option<Buffer> {
+        assert!(bytes > 0, "a chunk has bytes");
+        let best = self
+            .idle
+            .iter()
+            .enumerate()
+            .filter(|(_, (buffer, _))| buffer.bytes >= bytes)
+            .min_by_key(|(_, (buffer, since))| (buffer.bytes, *since, buffer.host))
+            .map(|(index, _)| index)?;
+        let (buffer, _) = self.idle.swap_remove(best);
+        assert!(buffer.bytes >= bytes);
+        Some(buffer)
+    }
+
+    /// `buffer` is idle from `now_ns`: its chunk came back or was freed.
+    pub fn put(&mut self, buffer: Buffer, now_ns: u64) {
+        assert!(buffer.host != 0 && buffer.bytes > 0, "a pinned buffer");
+        assert!(
+            self.idle.iter().all(|(b, _)| b.host != buffer.host),
+            "buffer {:#x} pooled twice",
+            buffer.host
+        );
+        self.idle.push((buffer, now_ns));
+    }
+
+    /// Takes out the buffers idle for `idle_max_ns` or more at `now_ns`: to be freed.
+    pub fn expired(&mut self, now_ns: u64, idle_max_ns: u64) -> Vec<Buffer> {
+        let (gone, kept): (Vec<_>, Vec<_>) = self
+            .idle
+            .drain(..)
+            .partition(|(_, since)| now_ns.saturating_sub(*since) >= idle_max_ns);
+        self.idle = kept;
+        gone.into_iter().map(|(buffer, _)| buffer).collect()
+    }
+
+    /// Takes out the largest idle buffer: freed to make room on the budget.
+    pub fn take_largest(&mut self) -> Option<Buffer> {
+        let largest = self
+            .idle
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, (buffer, since))| (buffer.bytes, std::cmp::Reverse(*since)))
+            .map(|(index, _)| index)?;
+        Some(self.idle.swap_remove(largest).0)
+    }
+
+    /// Bytes pooled: reserved on the board, holding no chunk.
+    #[cfg(test)]
+    pub fn idle_bytes(&self) -> u64 {
+        self.idle.iter().map(|(buffer, _)| buffer.bytes).sum()
+    }
+
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        self.idle.is_empty()
+    }
+}
+
+/// The process's pools, one per GPU (a buffer is reserved on one board, so it serves that GPU's
+/// chunks only), and the process they belong to.
+struct Pools {
+    pid: u32,
+    pools: [Pool; DEVICES_MAX],
+}
+
+/// Buffers pooled now, all GPUs: what [`any_pooled`] reads without the lock.
+static POOLED: AtomicUsize = AtomicUsize::new(0);
+
+fn pools() -> MutexGuard<'static, Pools> {
+    static POOLS: OnceLock<Mutex<Pools>> = OnceLock::new();
+    let mut pools = POOLS
+        .get_or_init(|| {
+            Mutex::new(Pools {
+                pid: std::process::id(),
+                pools: std::array::from_fn(|_| Pool::default()),
+            })
+        })
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if pools.pid != std::process::id() {
+        // A child after `fork`: the buffers and their reservations are its parent's.
+        pools.pid = std::process::id();
+        pools.pools = std::array::from_fn(|_| Pool::default());
+        POOLED.store(0, Ordering::SeqCst);
+    }
+    pools
+}
+
+fn publish(pools: &Pools) {
+    let count = pools.pools.iter().map(|p| p.idle.len()).sum();
+    POOLED.store(count, Ordering::SeqCst);
+}
+
+/// Whether any buffer is pooled (one load): whether [`trim`] has anything to look at.
+pub fn any_pooled() -> bool {
+    POOLED.load(Ordering::SeqCst) != 0
+}
+
+/// The idle bound, `VGPU_MEMORY_STAGING_IDLE_MS` (read once; a value that is not a number of
+/// milliseconds up to [`IDLE_MAX_MS_MAX`] is said once and the default serves).
+pub fn idle_max_ns() -> u64 {
+    static IDLE: OnceLock<u64> = OnceLock::new();
+    *IDLE.get_or_init(|| {
+        let name = tenant_abi::env::var::MEMORY_STAGING_IDLE_MS;
+        let ms = match std::env::var(name) {
+            Err(_) => IDLE_MAX_MS_DEFAULT,
+            Ok(text) => match text.trim().parse::<u64>() {
+                Ok(ms) if ms <= IDLE_MAX_MS_MAX => ms,
+                _ => {
+                    crate::log::error(format_args!(
+                        "{name}={text} is not a number of milliseconds from 0 to \
+                         {IDLE_MAX_MS_MAX}; pooled swap staging is freed after \
+                         {IDLE_MAX_MS_DEFAULT} ms unused"
+                    ));
+                    IDLE_MAX_MS_DEFAULT
+                }
+            },
+        };
+        ms * 1_000_000
+    })
+}
+
+/// Why [`acquire`] found no buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unavailable {
+    /// The GPU's staging budget (the node's `swap_host_memory`) has no room, even with this
+    /// process's idle buffers freed.
+    Budget,
+    /// The driver has no `cuMemHostAlloc`/`cuMemFreeHost`, or refused to pin (its `CUresult`).
+    Driver(CUresult),
+}
+
+/// A buffer of at least `bytes` for a chunk of `device` about to go out: pooled if one holds it
+/// (nothing pinned, nothing reserved: it is reserved already), else reserved on the board
+/// through `counters` and pinned; with the time pinning took (zero when pooled).
+pub fn acquire(
+    driver: &Driver,
+    device: usize,
+    bytes: u64,
+    counters: &mut impl Counters,
+) -> Result<(Buffer, std::time::Duration), Unavailable> {
+    assert!(device < DEVICES_MAX && bytes > 0);
+    let (Some(host_alloc), Some(free_host)) = (driver.fns.mem_host_alloc, driver.fns.mem_free_host)
+    else {
+        return Err(Unavailable::Driver(CUDA_ERROR_NOT_SUPPORTED));
+    };
+    {
+        let mut pools = pools();
+        let taken = pools.pools[device].take(bytes);
+        publish(&pools);
+        if let Some(buffer) = taken {
+            return Ok((buffer, std::time::Duration::ZERO));
+        }
+    }
+    // Nothing pooled fits: reserve, freeing idle buffers (all smaller than this chunk) while the
+    // budget has no room for it.
+    while !counters.reserve_staging(bytes) {
+        let largest = {
+            let mut pools = pools();
+            let largest = pools.pools[device].take_largest();
+            publish(&pools);
+            largest
+        };
+        let Some(buffer) = largest else {
+            return Err(Unavailable::Budget);
+        };
+        really_free(free_host, buffer, counters);
+    }
+    let began = std::time::Instant::now();
+    let size = usize::try_from(bytes).expect("a chunk fits the address space");
+    let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+    // SAFETY: `host` is valid for a write; pinned host memory of `size` bytes, portable so that a
+    // chunk of any context of the process may use it later.
+    let rc = unsafe { host_alloc(&mut host, size, CU_MEMHOSTALLOC_PORTABLE) };
+    let pinning = began.elapsed();
+    if rc != CUDA_SUCCESS || host.is_null() {
+        counters.release_staging(bytes);
+        return Err(Unavailable::Driver(if rc == CUDA_SUCCESS {
+            CUDA_ERROR_OUT_OF_MEMORY
+        } else {
+            rc
+        }));
+    }
+    Ok((
+        Buffer {
+            host: host as usize,
+            bytes,
+        },
+        pinning,
+    ))
+}
+
+/// `buffer` (of `device`'s pool) holds no chunk any more: pooled, still reserved. No copy may
+/// still read or write it (the caller waited for its stream).
+pub fn recycle(device: usize, buffer: Buffer) {
+    assert!(device < DEVICES_MAX);
+    let mut pools = pools();
+    pools.pools[device].put(buffer, crate::shm::monotonic_ns());
+    publish(&pools);
+}
+
+/// Frees the buffers of `device`'s pool that no swap-out reused for the idle bound, and releases
+/// their staging on the board through `counters`. No driver call while nothing has idled out.
+pub fn trim(driver: &Driver, device: usize, counters: &mut impl Counters) {
+    if !any_pooled() || device >= DEVICES_MAX {
+        return;
+    }
+    let Some(free_host) = driver.fns.mem_free_host else {
+        return;
+    };
+    let expired = {
+        let mut pools = pools();
+        let expired = pools.pools[device].expired(crate::shm::monotonic_ns(), idle_max_ns());
+        publish(&pools);
+        expired
+    };
+    for buffer in expired {
+        really_free(free_host, buffer, counters);
+    }
+}
+
+/// `cuMemFreeHost`, then the staging released on the board: the reservation outlives the memory
+/// by the call, never the other way round.
+fn really_free(free_host: FnMemFreeHost, buffer: Buffer, counters: &mut impl Counters) {
+    // SAFETY: `buffer` came from `cuMemHostAlloc` in `acquire`, was taken out of the pool (so no
+    // chunk and no other caller holds it) and no copy uses it; freed once.
+    let rc = unsafe { free_host(buffer.host as *mut std::ffi::c_void) };
+    if rc != CUDA_SUCCESS {
+        crate::log::error(format_args!(
+            "cuMemFreeHost of {} of swap staging failed ({rc}); it is released on the board \
+             anyway (the OS frees it with the process)",
+            crate::elastic::human(buffer.bytes)
+        ));
+    }
+    counters.release_staging(buffer.bytes);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buffer(host: usize, bytes: u64) -> Buffer {
+        Buffer { host, bytes }
+    }
+
+    #[test]
+    fn a_chunk_takes_the_smallest_buffer_that_holds_it() {
+        let mut pool = Pool::default();
+        pool.put(buffer(0x1000, 8), 1);
+        pool.put(buffer(0x2000, 4), 2);
+        pool.put(buffer(0x3000, 16), 3);
+        assert_eq!(pool.take(3), Some(buffer(0x2000, 4)));
+        assert_eq!(pool.take(5), Some(buffer(0x1000, 8)));
+        assert_eq!(pool.take(17), None, "none holds it");
+        assert_eq!(pool.idle_bytes(), 16);
+        assert_eq!(pool.take(16), Some(buffer(0x3000, 16)));
+        assert!(pool.is_empty());
+    }
+
+    #[test]
+    fn among_equal_buffers_the_one_idle_longest_serves() {
+        let mut pool = Pool::default();
+        pool.put(buffer(0x2000, 4), 20);
+        pool.put(buffer(0x1000, 4), 10);
+        assert_eq!(pool.take(4), Some(buffer(0x1000, 4)));
+        assert_eq!(pool.take(4), Some(buffer(0x2000, 4)));
+    }
+
+    #[test]
+    fn buffers_idle_past_the_bound_expire_and_the_rest_stay() {
+        let mut pool = Pool::default();
+        pool.put(buffer(0x1000, 8), 100);
+        pool.put(buffer(0x2000, 4), 150);
+        assert!(pool.expired(149, 50).is_empty(), "49 ns idle is under 50");
+        assert_eq!(pool.expired(150, 50), [buffer(0x1000, 8)]);
+        assert_eq!(pool.idle_bytes(), 4);
+        // A bound of zero frees everything at the next look.
+        assert_eq!(pool.expired(150, 0), [buffer(0x2000, 4)]);
+        assert!(pool.is_empty());
+    }
+
+    #[test]
+    fn room_is_made_from_the_largest_idle_buffer_first() {
+        let mut pool = Pool::default();
+        pool.put(buffer(0x1000, 4), 1);
+        pool.put(buffer(0x2000, 8), 2);
+        pool.put(buffer(0x3000, 8), 3);
+        assert_eq!(pool.take_largest(), Some(buffer(0x2000, 8)));
+        assert_eq!(pool.take_largest(), Some(buffer(0x3000, 8)));
+        assert_eq!(pool.take_largest(), Some(buffer(0x1000, 4)));
+        assert_eq!(pool.take_largest(), None);
+    }
+
+    /// A buffer reused, put back and reused again keeps its reservation: the board's counters see
+    /// one reservation for its whole life, released once when it is really freed.
+    #[test]
+    fn a_pooled_buffer_stays_reserved_until_it_is_freed() {
+        #[derive(Default)]
+        struct Staging {
+            reserved: u64,
+            budget: u64,
+        }
+        impl Counters for Staging {
+            fn swapped_out(&mut self, _: u64) {}
+            fn room_for(&mut self, _: u64) -> bool {
+                true
+            }
+            fn swap_in(&mut self, _: u64) -> bool {
+                true
+            }
+            fn swap_in_failed(&mut self, _: u64) {}
+            fn reserve_staging(&mut self, bytes: u64) -> bool {
+                if self.reserved + bytes > self.budget {
+                    return false;
+                }
+                self.reserved += bytes;
+                true
+            }
+            fn release_staging(&mut self, bytes: u64) {
+                self.reserved -= bytes;
+            }
+        }
+        // The pure part of `acquire` and `trim`, on a pool: reserve only what is not pooled.
+        let mut staging = Staging {
+            reserved: 0,
+            budget: 12,
+        };
+        let mut pool = Pool::default();
+        let acquire = |pool: &mut Pool, staging: &mut Staging, bytes: u64, host: usize| {
+            if let Some(buffer) = pool.take(bytes) {
+                return Some(buffer);
+            }
+            while !staging.reserve_staging(bytes) {
+                let freed = pool.take_largest()?;
+                staging.release_staging(freed.bytes);
+            }
+            Some(buffer(host, bytes))
+        };
+        let first = acquire(&mut pool, &mut staging, 8, 0x1000).expect("room");
+        assert_eq!(staging.reserved, 8);
+        pool.put(first, 0);
+        assert_eq!(staging.reserved, 8, "pooled: still reserved");
+        let again = acquire(&mut pool, &mut staging, 4, 0x2000).expect("pooled");
+        assert_eq!(again, first, "a smaller chunk uses the larger buffer");
+        assert_eq!(staging.reserved, 8);
+        pool.put(again, 1);
+        // 10 do not fit beside the pooled 8 (budget 12): the idle buffer makes room.
+        let other = acquire(&mut pool, &mut staging, 10, 0x3000).expect("room made");
+        assert_eq!((other.bytes, staging.reserved), (10, 10));
+        assert!(pool.is_empty());
+        pool.put(other, 2);
+        for freed in pool.expired(2, 0) {
+            staging.release_staging(freed.bytes);
+        }
+        assert_eq!(staging.reserved, 0);
+    }
+}
