@@ -303,19 +303,22 @@ impl Enforcer {
         } else {
             None
         };
-        let mut process = self.process();
-        let Some(slot) = self.slot(ledger, &mut process) else {
+        // Held in an `Option` so that a wait in the GPU's line can let go of it between looks
+        // (`wait_in_line`): the process's other threads allocate and free meanwhile.
+        let mut locked = Some(self.process());
+        let process = locked.as_mut().expect("locked above");
+        let Some(slot) = self.slot(ledger, process) else {
             return Admission::Refused;
         };
         let board_slot = match board {
-            Some(board) => match self.board_slot(board, device, &mut process) {
+            Some(board) => match self.board_slot(board, device, process) {
                 Some(board_slot) => Some((board, board_slot)),
                 None => return Admission::Refused,
             },
             None => None,
         };
         if let Some((board, board_slot)) = board_slot {
-            self.poll_swap(devices, board, (device, board_slot), &mut process);
+            self.poll_swap(devices, board, (device, board_slot), process);
         }
         let overhead_bytes = if process.overhead_charged[device] {
             0
@@ -331,7 +334,7 @@ impl Enforcer {
             Ok(()) => {
                 return self.within_request(
                     ledger,
-                    &mut process,
+                    process,
                     (slot, board_slot),
                     device,
                     (bytes, overhead_bytes),
@@ -343,14 +346,14 @@ impl Enforcer {
             && board.request_and_limit().1 > refused.limit_bytes
         {
             if !matches!(borrow, Borrow::Never(_))
-                && !self.held_back(devices, board, (device, board_slot), &mut process)
+                && !self.held_back(devices, board, (device, board_slot), &mut locked)
             {
                 return Admission::Refused;
             }
             return self.borrow(
                 devices,
                 ledger,
-                &mut process,
+                &mut locked,
                 (slot, board, board_slot),
                 device,
                 (bytes, overhead_bytes),
@@ -377,13 +380,14 @@ impl Enforcer {
     /// A process with borrowed memory in host memory borrows more only once all of it is back
     /// (the hold rule): it waits in the GPU's line for it (`line`; no bound unless
     /// `VGPU_MEMORY_WAIT_S`); whether it is back (always, without the swap).
-    fn held_back(
-        &self,
+    fn held_back<'s>(
+        &'s self,
         devices: &impl Devices,
         board: &DeviceBoard,
         (device, board_slot): (usize, usize),
-        process: &mut Process,
+        locked: &mut Option<MutexGuard<'s, Process>>,
     ) -> bool {
+        let process = locked.as_mut().expect("locked by the caller");
         if !self.swap_on() || !process.chunks[device].held() {
             return true;
         }
@@ -391,7 +395,7 @@ impl Enforcer {
             devices,
             board,
             (device, board_slot),
-            process,
+            locked,
             false,
             |process| process.chunks[device].out_bytes(),
             |_, process| (!process.chunks[device].held()).then_some(()),
@@ -418,12 +422,12 @@ impl Enforcer {
     /// long it has waited after `line::REPORT_FIRST` and every `line::REPORT_EVERY`. Leaves the
     /// line, and withdraws what it asked that nobody took, when it ends.
     #[allow(clippy::too_many_arguments)]
-    fn wait_in_line<T>(
-        &self,
+    fn wait_in_line<'s, T>(
+        &'s self,
         devices: &impl Devices,
         board: &DeviceBoard,
         (device, board_slot): (usize, usize),
-        process: &mut Process,
+        locked: &mut Option<MutexGuard<'s, Process>>,
         borrow: bool,
         need: impl Fn(&Process) -> u64,
         mut done: impl FnMut(&Self, &mut Process) -> Option<T>,
@@ -431,11 +435,12 @@ impl Enforcer {
         let mut pace = line::Pace::new(std::time::Instant::now(), line::wait_max());
         let mut asked = Vec::new();
         let mut stuck_since = None;
-        let since_ns = match process.line_place[device] {
+        let since_ns = match locked.as_ref().expect("locked").line_place[device] {
             Some((since_ns, left)) if left.elapsed() < line::RETRY_WINDOW => since_ns,
             _ => crate::shm::monotonic_ns(),
         };
         let ended = loop {
+            let process = locked.get_or_insert_with(|| self.process());
             board
                 .board
                 .wait(board_slot, need(process), borrow, since_ns);
@@ -447,7 +452,7 @@ impl Enforcer {
             if pace.unstall_due(now) {
                 // A process that died holding memory frees it here, not only at the agent's
                 // next look (room is judged from the slots before anything is reserved).
-                board.board.reclaim_dead(process.pid);
+                board.board.reclaim_dead(std::process::id());
                 unstall(board, board_slot, &mut asked);
                 if borrow && refused_by_stuck_line(board, board_slot) {
                     let since = *stuck_since.get_or_insert(now);
@@ -464,8 +469,11 @@ impl Enforcer {
             if pace.expired(now) {
                 break line::End::TimedOut;
             }
+            // Unlocked while it sleeps: another thread of the process may free what it waits for.
+            *locked = None;
             std::thread::sleep(pace.look_after(now));
         };
+        let process = locked.get_or_insert_with(|| self.process());
         board.board.stop_waiting(board_slot);
         for (index, bytes) in asked {
             board.board.withdraw_want(index, bytes);
@@ -545,11 +553,11 @@ impl Enforcer {
     /// board that lends past it: granted when the path may borrow, the board has that much free
     /// and the tenant stays within its limit; then charged to the ledger without its check.
     #[allow(clippy::too_many_arguments)]
-    fn borrow(
-        &self,
+    fn borrow<'s>(
+        &'s self,
         devices: &impl Devices,
         ledger: &Ledger<'static, ProcLiveness>,
-        process: &mut Process,
+        locked: &mut Option<MutexGuard<'s, Process>>,
         (slot, board, board_slot): (usize, &DeviceBoard, usize),
         device: usize,
         (bytes, overhead_bytes): (u64, u64),
@@ -597,6 +605,14 @@ impl Enforcer {
             ));
             return Admission::Refused;
         }
+        // Paid for now, so that another thread of the process allocating on this GPU while this
+        // borrow waits in line (unlocked) does not pay for the context again; undone if refused.
+        let overhead_was = {
+            let process = locked.as_mut().expect("locked by the caller");
+            let was = process.overhead_charged[device];
+            process.overhead_charged[device] |= overhead_bytes > 0;
+            was
+        };
         // Room another tenant's request holds after a reclaim is not lent again (`Board::claim`);
         // a GPU full without claims is the board's refusal below.
         let region = board.board.region;
@@ -608,6 +624,7 @@ impl Enforcer {
         };
         if held_for_others {
             ledger.release(slot, device, overhead_bytes);
+            locked.as_mut().expect("locked").overhead_charged[device] = overhead_was;
             crate::log::error(format_args!(
                 "refused {} on device {device}: it is past tenant {tenant}'s request ({}), and \
                  the memory the GPU has free is held for other tenants' requests, which they \
@@ -619,14 +636,14 @@ impl Enforcer {
             return Admission::Refused;
         }
         let reserved = if self.swap_on() {
-            self.borrow_in_line(devices, board, (device, board_slot), process, charged)
+            self.borrow_in_line(devices, board, (device, board_slot), locked, charged)
         } else {
             board.board.reserve(board_slot, charged)
         };
+        let process = locked.get_or_insert_with(|| self.process());
         match reserved {
             Ok(_) => {
                 ledger.charge(slot, device, charged);
-                process.overhead_charged[device] |= overhead_bytes > 0;
                 Admission::Charged(Ticket {
                     slot,
                     device,
@@ -638,6 +655,7 @@ impl Enforcer {
             }
             Err(why) => {
                 ledger.release(slot, device, overhead_bytes);
+                process.overhead_charged[device] = overhead_was;
                 crate::log::error(format_args!(
                     "{}",
                     elastic::borrow_refused(
@@ -659,14 +677,15 @@ impl Enforcer {
     /// time it is refused at once (a caching allocator then frees what it caches and tries
     /// again); a borrow of this process on this GPU within `line::RETRY_WINDOW` of that waits in
     /// line until there is room, or its limit refuses it, or `VGPU_MEMORY_WAIT_S` passed.
-    fn borrow_in_line(
-        &self,
+    fn borrow_in_line<'s>(
+        &'s self,
         devices: &impl Devices,
         board: &DeviceBoard,
         (device, board_slot): (usize, usize),
-        process: &mut Process,
+        locked: &mut Option<MutexGuard<'s, Process>>,
         bytes: u64,
     ) -> Result<tenant_abi::board::Grant, tenant_abi::board::Refusal> {
+        let process = locked.as_mut().expect("locked by the caller");
         let region = board.board.region;
         let attempt = || {
             if region.room_in_line(board_slot, bytes, crate::shm::monotonic_ns()) {
@@ -702,7 +721,7 @@ impl Enforcer {
             devices,
             board,
             (device, board_slot),
-            process,
+            locked,
             true,
             |process| stand_for.saturating_add(process.chunks[device].out_bytes()),
             |_, _| attempt(),
@@ -710,6 +729,7 @@ impl Enforcer {
         // A borrow that waited keeps the process in waiting mode: its next one within the
         // window waits at once (a framework growing piece by piece is refused once, not at
         // every piece).
+        let process = locked.get_or_insert_with(|| self.process());
         process.borrow_refused_at[device] = Some(std::time::Instant::now());
         process.line_need[device] = stand_for;
         if !matches!(waited, line::End::Done(_)) {

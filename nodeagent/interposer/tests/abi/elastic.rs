@@ -1324,3 +1324,23 @@ fn an_idle_borrower_gives_back_through_its_watcher() {
         a.output
     );
 }
+
+/// A thread waiting in the GPU's line lets go of its process's state between looks: another
+/// thread of the same process frees the memory it waits for (its `cuMemFree` needs that state),
+/// and the wait ends with it. Holding it across the wait, the free would wait for the waiter, and
+/// the waiter for the free, for ever.
+#[test]
+fn a_waiting_thread_lets_another_thread_of_its_process_free() {
+    let shm = shm_dir();
+    let board = board(shm.path(), 8 * MIB, &[("a", 2 * MIB, 8 * MIB)]);
+    // 2 MiB within the request, 6 MiB borrowed: the GPU is full. Another thread frees the 6 MiB
+    // 300 ms later; meanwhile this one asks for 4 MiB more (refused once, then in line).
+    let a = swapping(tenant(shm.path(), "a", "2MiB"))
+        .hold("alloc 2M alloc 6M free_later 300 alloc_retry 4M");
+    assert!(
+        a.output.ends_with("free_later 0\nalloc_retry 0 tries=2\n"),
+        "{}",
+        a.output
+    );
+    assert_eq!(usage(&board, "a").resident_bytes, 6 * MIB);
+}

@@ -331,6 +331,20 @@ static CUresult pattern(int seed, int write, int *same) {
   return rc;
 }
 
+/* free_later: another thread frees the newest pointer after a delay (a process whose other
+   thread frees memory while one waits for room). */
+static CUdeviceptr later_pointer;
+static long later_ms;
+static pthread_t later_thread;
+static int later_started;
+static void *free_later(void *unused) {
+  (void)unused;
+  struct timespec delay = {later_ms / 1000, (later_ms % 1000) * 1000000L};
+  nanosleep(&delay, NULL);
+  cuMemFree_v2(later_pointer);
+  return NULL;
+}
+
 /* The hint helper of `hinter`: what it frees, what it saw. */
 typedef int (*hint_register_fn)(void);
 typedef int (*hint_want_fn)(unsigned long long *);
@@ -544,6 +558,12 @@ int main(int argc, char **argv) {
       }
       keep(rc, p);
       printf("alloc_retry %d tries=%d\n", rc, tries);
+      i++;
+    } else if (!strcmp(c, "free_later")) {
+      later_ms = atol(a);
+      later_pointer = n_pointers ? pointers[--n_pointers] : 0;
+      later_started = pthread_create(&later_thread, NULL, free_later, NULL) == 0;
+      printf("free_later %d\n", later_started ? 0 : -1);
       i++;
     } else if (!strcmp(c, "free")) {
       printf("free %d\n", n_pointers ? cuMemFree_v2(pointers[--n_pointers]) : -1);
