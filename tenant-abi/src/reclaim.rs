@@ -83,16 +83,25 @@ pub fn unstall(holders: &[Holder], waiters: &[Waiter], room: u64) -> Vec<(String
     let Some(first) = waiters.iter().min_by(|a, b| line_order(a, b)) else {
         return Vec::new();
     };
-    let mut shortfall = first.bytes.saturating_sub(room);
     let stalled: std::collections::BTreeSet<&str> = waiters
         .iter()
         .filter(|w| w.tenant != first.tenant)
         .map(|w| w.tenant.as_str())
         .collect();
-    let mut order: Vec<&Holder> = holders
-        .iter()
-        .filter(|h| stalled.contains(h.name.as_str()) && h.borrowed() > 0)
-        .collect();
+    let shortfall = first.bytes.saturating_sub(room);
+    asks_in_giving_order(
+        holders.iter().filter(|h| stalled.contains(h.name.as_str())),
+        shortfall,
+    )
+}
+
+/// Rules 2 and 3: `givers` that borrowed something, in rule 2's order, each asked for at most what
+/// it borrowed and in all for at most `shortfall`.
+fn asks_in_giving_order<'h>(
+    givers: impl Iterator<Item = &'h Holder>,
+    mut shortfall: u64,
+) -> Vec<(String, u64)> {
+    let mut order: Vec<&Holder> = givers.filter(|h| h.borrowed() > 0).collect();
     order.sort_by(|a, b| giving_order(a, b));
     let mut asks = Vec::new();
     for holder in order {
@@ -179,22 +188,10 @@ pub fn plan(
             resident: me.resident,
         });
     }
-    let mut shortfall = bytes.saturating_sub(free);
-    let mut order: Vec<&Holder> = holders
-        .iter()
-        .filter(|h| h.name != needy && h.borrowed() > 0)
-        .collect();
-    order.sort_by(|a, b| giving_order(a, b));
-    let mut asks = Vec::new();
-    for holder in order {
-        if shortfall == 0 {
-            break;
-        }
-        let take = holder.borrowed().min(shortfall);
-        shortfall -= take;
-        asks.push((holder.name.clone(), take));
-    }
-    Ok(asks)
+    Ok(asks_in_giving_order(
+        holders.iter().filter(|h| h.name != needy),
+        bytes.saturating_sub(free),
+    ))
 }
 
 /// What `needy` is owed when `bytes` more do not fit (rule 4): room for them now, and for the

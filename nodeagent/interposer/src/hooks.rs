@@ -996,12 +996,7 @@ impl Enforcer {
             let mut out_bytes = 0u64;
             {
                 let mut process = self.process();
-                for device in 0..DEVICES_MAX {
-                    let (Some(Some(board)), Some(board_slot)) =
-                        (self.boards[device].get(), process.board_slots[device])
-                    else {
-                        continue;
-                    };
+                for (device, board, board_slot) in self.board_slots(&process) {
                     self.poll_swap(devices, board, (device, board_slot), &mut process);
                     let out = process.chunks[device].out_bytes();
                     if out == 0 {
@@ -1036,12 +1031,7 @@ impl Enforcer {
             std::thread::sleep(pace.look_after(now));
         };
         let process = self.process();
-        for device in 0..DEVICES_MAX {
-            let (Some(Some(board)), Some(board_slot)) =
-                (self.boards[device].get(), process.board_slots[device])
-            else {
-                continue;
-            };
+        for (device, board, board_slot) in self.board_slots(&process) {
             if in_line[device] {
                 board.board.stop_waiting(board_slot);
             }
@@ -1076,14 +1066,19 @@ impl Enforcer {
         if !devices.make_current(context) {
             return;
         }
-        for device in 0..DEVICES_MAX {
-            let (Some(Some(board)), Some(board_slot)) =
-                (self.boards[device].get(), process.board_slots[device])
-            else {
-                continue;
-            };
+        for (device, board, board_slot) in self.board_slots(&process) {
             self.poll_swap(devices, board, (device, board_slot), &mut process);
         }
+    }
+
+    /// The GPUs where this process holds a board slot: (CUDA ordinal, board, slot).
+    fn board_slots(&self, process: &Process) -> Vec<(usize, &DeviceBoard, usize)> {
+        (0..DEVICES_MAX)
+            .filter_map(|device| {
+                let board = self.boards[device].get()?.as_ref()?;
+                Some((device, board, process.board_slots[device]?))
+            })
+            .collect()
     }
 
     /// Whether a want is posted on this tenant on a GPU where this process has a resident chunk
