@@ -112,6 +112,8 @@ driver_functions! {
     mem_get_allocation_granularity: FnMemGetAllocationGranularity = c"cuMemGetAllocationGranularity";
     mem_host_alloc: FnMemHostAlloc = c"cuMemHostAlloc";
     mem_free_host: FnMemFreeHost = c"cuMemFreeHost";
+    mem_host_register: FnMemHostRegister = c"cuMemHostRegister_v2";
+    mem_host_unregister: FnMemHostUnregister = c"cuMemHostUnregister";
     memcpy_dtoh: FnMemcpyDtoH = c"cuMemcpyDtoH_v2";
     memcpy_htod: FnMemcpyHtoD = c"cuMemcpyHtoD_v2";
     stream_create: FnStreamCreate = c"cuStreamCreate";

@@ -28,6 +28,7 @@
 use crate::real::Driver;
 use crate::swap::Counters;
 use crate::sys::*;
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use tenant_abi::DEVICES_MAX;
@@ -43,11 +44,15 @@ pub const IDLE_MAX_MS_DEFAULT: u64 = 30_000;
 /// The longest idle time `VGPU_MEMORY_STAGING_IDLE_MS` may ask for: 10 minutes.
 pub const IDLE_MAX_MS_MAX: u64 = 600_000;
 
-/// One pinned host buffer: its address and size.
+/// One pinned host buffer: its address, its size, and how it was pinned (so that it is freed
+/// the same way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Buffer {
     pub host: usize,
     pub bytes: u64,
+    /// Memory this module mapped and pinned with `cuMemHostRegister` (freed by unregistering and
+    /// unmapping it); else `cuMemHostAlloc`'s (freed by `cuMemFreeHost`).
+    pub registered: bool,
 }
 
 /// The idle buffers of one GPU's pool, each with when it went idle. Pure: time comes in as
@@ -203,10 +208,10 @@ pub fn acquire(
     counters: &mut impl Counters,
 ) -> Result<(Buffer, std::time::Duration), Unavailable> {
     assert!(device < DEVICES_MAX && bytes > 0);
-    let (Some(host_alloc), Some(free_host)) = (driver.fns.mem_host_alloc, driver.fns.mem_free_host)
-    else {
+    let size = usize::try_from(bytes).expect("a chunk fits the address space");
+    if !can_register(driver) && !can_host_alloc(driver) {
         return Err(Unavailable::Driver(CUDA_ERROR_NOT_SUPPORTED));
-    };
+    }
     {
         let mut pools = pools();
         let taken = pools.pools[device].take(bytes);
@@ -227,30 +232,146 @@ pub fn acquire(
         let Some(buffer) = largest else {
             return Err(Unavailable::Budget);
         };
-        really_free(free_host, buffer, counters);
+        really_free(driver, buffer, counters);
     }
     let began = std::time::Instant::now();
-    let size = usize::try_from(bytes).expect("a chunk fits the address space");
-    let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
-    // SAFETY: `host` is valid for a write; pinned host memory of `size` bytes, portable so that a
-    // chunk of any context of the process may use it later.
+    match pin(driver, size) {
+        Ok(buffer) => Ok((buffer, began.elapsed())),
+        Err(rc) => {
+            counters.release_staging(bytes);
+            Err(Unavailable::Driver(rc))
+        }
+    }
+}
+
+fn can_register(driver: &Driver) -> bool {
+    driver.fns.mem_host_register.is_some() && driver.fns.mem_host_unregister.is_some()
+}
+
+fn can_host_alloc(driver: &Driver) -> bool {
+    driver.fns.mem_host_alloc.is_some() && driver.fns.mem_free_host.is_some()
+}
+
+/// Pins `size` bytes of fresh host memory, portable so that a chunk of any context of the process
+/// may use it. The fast way first: anonymous memory mapped here with transparent huge pages asked
+/// for, first touched by several threads ([`touch`]), then registered with the driver. On an H200
+/// host (tests/gpu/host_staging_bench.py, docs/benchmarks.md) 4 GiB took 0.13 s to touch with 8
+/// threads and 0.17 s to register, against 2.7 s for `cuMemHostAlloc`, which pins page by page
+/// and zeroes on one thread. `cuMemHostAlloc` when the driver lacks registration or refuses it.
+fn pin(driver: &Driver, size: usize) -> Result<Buffer, CUresult> {
+    if let (Some(register), true) = (driver.fns.mem_host_register, can_register(driver)) {
+        if let Some(host) = map_touched(size) {
+            // SAFETY: `host..host + size` is a private mapping made by `map_touched`, owned by this
+            // module and registered once; it is unregistered before it is unmapped (`unpin`).
+            let rc = unsafe { register(host as *mut c_void, size, CU_MEMHOSTREGISTER_PORTABLE) };
+            if rc == CUDA_SUCCESS {
+                return Ok(Buffer {
+                    host,
+                    bytes: size as u64,
+                    registered: true,
+                });
+            }
+            unmap(host, size);
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                crate::log::error(format_args!(
+                    "cuMemHostRegister refused swap staging ({rc}); pinning it with \
+                     cuMemHostAlloc instead (slower: about 1.6 GB/s)"
+                ))
+            });
+        }
+    }
+    let Some(host_alloc) = driver.fns.mem_host_alloc.filter(|_| can_host_alloc(driver)) else {
+        return Err(CUDA_ERROR_NOT_SUPPORTED);
+    };
+    let mut host: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `host` is valid for a write; pinned host memory of `size` bytes.
     let rc = unsafe { host_alloc(&mut host, size, CU_MEMHOSTALLOC_PORTABLE) };
-    let pinning = began.elapsed();
     if rc != CUDA_SUCCESS || host.is_null() {
-        counters.release_staging(bytes);
-        return Err(Unavailable::Driver(if rc == CUDA_SUCCESS {
+        return Err(if rc == CUDA_SUCCESS {
             CUDA_ERROR_OUT_OF_MEMORY
         } else {
             rc
-        }));
+        });
     }
-    Ok((
-        Buffer {
-            host: host as usize,
-            bytes,
-        },
-        pinning,
-    ))
+    Ok(Buffer {
+        host: host as usize,
+        bytes: size as u64,
+        registered: false,
+    })
+}
+
+/// A fresh private anonymous mapping of `size` bytes, huge pages asked for, left out of a forked
+/// child (its bytes are this process's staging), every page touched; `None` if it cannot be
+/// mapped.
+fn map_touched(size: usize) -> Option<usize> {
+    // SAFETY: a new private anonymous mapping; no existing memory is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    // SAFETY: advice on the mapping just made. Either may fail (no transparent huge pages on this
+    // kernel): then the pages are small, or a child copies them on fork, and nothing else changes.
+    unsafe {
+        libc::madvise(p, size, libc::MADV_HUGEPAGE);
+        libc::madvise(p, size, libc::MADV_DONTFORK);
+    }
+    touch(p as usize, size);
+    Some(p as usize)
+}
+
+/// Writes one byte of every page of `host..host + size` (a mapping of this module), on up to
+/// [`TOUCH_THREADS_MAX`] threads of at least [`TOUCH_PIECE_MIN`] bytes each: the kernel's page
+/// faults (zeroing each page) scale with the threads, where one thread faulted 4 GiB at 1.6-2.5
+/// GB/s on the H200 host and 8 threads at 11-32 GB/s (small or huge pages).
+fn touch(host: usize, size: usize) {
+    const PAGE: usize = 4096;
+    let touch_piece = move |start: usize, end: usize| {
+        for offset in (start..end).step_by(PAGE) {
+            // SAFETY: `host + offset` is inside the mapping (`offset < size`), which nothing else
+            // uses yet.
+            unsafe { std::ptr::write_volatile((host + offset) as *mut u8, 0) };
+        }
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(TOUCH_THREADS_MAX)
+        .min(size.div_ceil(TOUCH_PIECE_MIN))
+        .max(1);
+    // Pieces on huge-page boundaries, so that no huge page is split between two threads.
+    let piece = size.div_ceil(threads).next_multiple_of(2 << 20);
+    std::thread::scope(|scope| {
+        for start in (piece..size).step_by(piece) {
+            let end = (start + piece).min(size);
+            let spawned = std::thread::Builder::new()
+                .name("vgpu-staging".into())
+                .spawn_scoped(scope, move || touch_piece(start, end));
+            if spawned.is_err() {
+                touch_piece(start, end);
+            }
+        }
+        touch_piece(0, piece.min(size));
+    });
+}
+
+/// The most threads that touch one buffer's pages.
+const TOUCH_THREADS_MAX: usize = 8;
+/// The least bytes a touching thread takes (smaller buffers take fewer threads).
+const TOUCH_PIECE_MIN: usize = 64 << 20;
+
+fn unmap(host: usize, size: usize) {
+    // SAFETY: `host..host + size` is a mapping made by `map_touched`, not registered, and no
+    // longer used.
+    unsafe { libc::munmap(host as *mut c_void, size) };
 }
 
 /// `buffer` (of `device`'s pool) holds no chunk any more: pooled, still reserved. No copy may
@@ -268,9 +389,6 @@ pub fn trim(driver: &Driver, device: usize, counters: &mut impl Counters) {
     if !any_pooled() || device >= DEVICES_MAX {
         return;
     }
-    let Some(free_host) = driver.fns.mem_free_host else {
-        return;
-    };
     let expired = {
         let mut pools = pools();
         let expired = pools.pools[device].expired(crate::shm::monotonic_ns(), idle_max_ns());
@@ -278,20 +396,39 @@ pub fn trim(driver: &Driver, device: usize, counters: &mut impl Counters) {
         expired
     };
     for buffer in expired {
-        really_free(free_host, buffer, counters);
+        really_free(driver, buffer, counters);
     }
 }
 
-/// `cuMemFreeHost`, then the staging released on the board: the reservation outlives the memory
-/// by the call, never the other way round.
-fn really_free(free_host: FnMemFreeHost, buffer: Buffer, counters: &mut impl Counters) {
-    // SAFETY: `buffer` came from `cuMemHostAlloc` in `acquire`, was taken out of the pool (so no
-    // chunk and no other caller holds it) and no copy uses it; freed once.
-    let rc = unsafe { free_host(buffer.host as *mut std::ffi::c_void) };
+/// Unpinned and freed the way it was pinned, then the staging released on the board: the
+/// reservation outlives the memory by the call, never the other way round.
+fn really_free(driver: &Driver, buffer: Buffer, counters: &mut impl Counters) {
+    let host = buffer.host as *mut c_void;
+    let size = usize::try_from(buffer.bytes).expect("a buffer fits the address space");
+    // SAFETY: `buffer` came from `pin` in `acquire`, was taken out of the pool (so no chunk and
+    // no other caller holds it) and no copy uses it; freed once, the way it was pinned (a
+    // registered buffer's functions were there when it was pinned, and stay).
+    let rc = unsafe {
+        if buffer.registered {
+            let rc = driver
+                .fns
+                .mem_host_unregister
+                .map_or(CUDA_ERROR_NOT_SUPPORTED, |unregister| unregister(host));
+            if rc == CUDA_SUCCESS {
+                unmap(buffer.host, size);
+            }
+            rc
+        } else {
+            driver
+                .fns
+                .mem_free_host
+                .map_or(CUDA_ERROR_NOT_SUPPORTED, |free_host| free_host(host))
+        }
+    };
     if rc != CUDA_SUCCESS {
         crate::log::error(format_args!(
-            "cuMemFreeHost of {} of swap staging failed ({rc}); it is released on the board \
-             anyway (the OS frees it with the process)",
+            "freeing {} of swap staging failed ({rc}); it is released on the board anyway (the \
+             OS frees it with the process)",
             crate::elastic::human(buffer.bytes)
         ));
     }
@@ -303,7 +440,11 @@ mod tests {
     use super::*;
 
     fn buffer(host: usize, bytes: u64) -> Buffer {
-        Buffer { host, bytes }
+        Buffer {
+            host,
+            bytes,
+            registered: false,
+        }
     }
 
     #[test]

@@ -120,11 +120,15 @@ pub type FnMemMap = unsafe extern "C" fn(
 pub type FnMemUnmap = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
 pub type FnMemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CUresult;
 pub type FnMemFreeHost = unsafe extern "C" fn(*mut c_void) -> CUresult;
+pub type FnMemHostRegister = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CUresult;
+pub type FnMemHostUnregister = unsafe extern "C" fn(*mut c_void) -> CUresult;
 pub type FnMemcpyDtoH = unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize) -> CUresult;
 pub type FnMemcpyHtoD = unsafe extern "C" fn(CUdeviceptr, *const c_void, usize) -> CUresult;
 /// `CU_MEMHOSTALLOC_PORTABLE`: the pinned memory counts as pinned in every context, so that the
 /// swap's staging can serve a chunk of any context of the process.
 pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x1;
+/// `CU_MEMHOSTREGISTER_PORTABLE`: the same for memory pinned by `cuMemHostRegister`.
+pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 0x1;
 pub type FnStreamCreate = unsafe extern "C" fn(*mut CUstream, c_uint) -> CUresult;
 pub type FnStreamDestroy = unsafe extern "C" fn(CUstream) -> CUresult;
 pub type FnMemSetAccess =

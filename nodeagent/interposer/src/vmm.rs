@@ -49,11 +49,13 @@ struct Backed {
     size: usize,
     purpose: Purpose,
     device: CUdevice,
-    /// The pinned host staging (`cuMemHostAlloc`, `staging`) holding its bytes while swapped
+    /// The pinned host staging (`staging::acquire`) holding its bytes while swapped
     /// out; 0 while it is mapped.
     staging: usize,
     /// The staging buffer's size (at least `size`: a pooled buffer may be larger).
     staging_bytes: u64,
+    /// The staging was pinned by `cuMemHostRegister` (else `cuMemHostAlloc`): how it is freed.
+    staging_registered: bool,
     /// A copy of it did not complete within its bound (`COPY_WAIT_BASE_MS`): its mapping and
     /// staging may still be in use by the copy engine, so neither is touched again, and the
     /// swap leaves it where it is (logged).
@@ -239,6 +241,7 @@ pub unsafe fn alloc(
             device,
             staging: 0,
             staging_bytes: 0,
+            staging_registered: false,
             stranded: false,
         },
     );
@@ -298,6 +301,7 @@ pub fn free(driver: &Driver, address: CUdeviceptr) -> Option<CUresult> {
             crate::staging::Buffer {
                 host: found.staging,
                 bytes: found.staging_bytes,
+                registered: found.staging_registered,
             },
         );
         // SAFETY: the range was reserved by `alloc` with `found.size` bytes and is unmapped.
@@ -616,6 +620,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
             entry.handle = 0;
             entry.staging = q.buffer.host;
             entry.staging_bytes = q.buffer.bytes;
+            entry.staging_registered = q.buffer.registered;
             results[q.index] = Some(OutResult::Moved);
         }
         let results: Vec<OutResult> = results
@@ -669,6 +674,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
                     buffer: crate::staging::Buffer {
                         host: found.staging,
                         bytes: found.staging_bytes,
+                        registered: found.staging_registered,
                     },
                     handle,
                 }),
@@ -717,6 +723,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
             entry.handle = q.handle;
             entry.staging = 0;
             entry.staging_bytes = 0;
+            entry.staging_registered = false;
             results[q.index] = Some(Ok(()));
         }
         let results: Vec<Result<(), SwapError>> = results

@@ -902,6 +902,17 @@ fn a_hint_helper_that_frees_nothing_delays_the_swap_by_its_budget_only() {
 /// lives, and nothing is staged once it exited.
 #[test]
 fn a_second_reclaim_reuses_the_pinned_staging_of_the_first() {
+    second_reclaim_reuses_staging(false);
+}
+
+/// The same on a driver that refuses `cuMemHostRegister`: the staging is pinned by
+/// `cuMemHostAlloc` instead, pooled and freed the same way.
+#[test]
+fn without_host_registration_the_staging_is_pinned_by_host_alloc() {
+    second_reclaim_reuses_staging(true);
+}
+
+fn second_reclaim_reuses_staging(no_register: bool) {
     let shm = shm_dir();
     let board = board(
         shm.path(),
@@ -912,14 +923,16 @@ fn a_second_reclaim_reuses_the_pinned_staging_of_the_first() {
     // "a" fills the GPU (4 MiB within its request, 8 MiB borrowed) and gives the 8 MiB chunk
     // back for "b"; once it is back, "a" frees it, borrows 4 MiB with another pattern, and gives
     // that back for "b"'s second round.
-    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
-        "alloc 4M alloc 8M fill 7 touch {} spin_info {} check 7 free alloc 4M fill 5 touch {} \
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB"))
+        .env("FAKE_CUDA_NO_REGISTER", if no_register { "1" } else { "0" })
+        .start_holding(&format!(
+            "alloc 4M alloc 8M fill 7 touch {} spin_info {} check 7 free alloc 4M fill 5 touch {} \
          spin_info {} check 5 host_allocs",
-        file("a-ready"),
-        file("b-done"),
-        file("a-ready-2"),
-        file("b-done-2")
-    ));
+            file("a-ready"),
+            file("b-done"),
+            file("a-ready-2"),
+            file("b-done-2")
+        ));
     let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
         "until_file {} alloc 8M free touch {} until_file {} alloc 8M free touch {}",
         file("a-ready"),
@@ -950,6 +963,11 @@ fn a_second_reclaim_reuses_the_pinned_staging_of_the_first() {
     );
     assert_eq!((pooled.reclaims, pooled.reclaimed_bytes), (2, 12 * MIB));
     let err = stderr_of(a);
+    assert_eq!(
+        err.contains("cuMemHostRegister refused swap staging"),
+        no_register,
+        "{err}"
+    );
     let rounds: Vec<&str> = err
         .lines()
         .filter(|line| line.contains("went to host memory"))

@@ -34,7 +34,8 @@
  * still running (an undrained queue) counts in fakeBusyUnmaps(): what the swap must never do.
  * Streams made by cuStreamCreate run their queued copies only when queried, synchronised or
  * destroyed (FAKE_CUDA_ASYNC_FAIL=N fails the first N; see cuStreamCreate below), and
- * fakeHostAllocs() / fakeHostFrees() count cuMemHostAlloc / cuMemFreeHost.
+ * fakeHostAllocs() / fakeHostFrees() count cuMemHostAlloc / cuMemFreeHost (and
+ * cuMemHostRegister_v2 / cuMemHostUnregister: pins either way).
  *
  * Kernels are simulated: a launch "runs" for a duration taken from its arguments (gridDimX
  * microseconds for kernel launches, the graph handle's value for graph launches) on a GPU that
@@ -424,6 +425,21 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) {
 CUresult cuMemFreeHost(void *p) {
   if (p != NULL) __atomic_add_fetch(&host_frees, 1, __ATOMIC_SEQ_CST);
   free(p);
+  return OK;
+}
+/* cuMemHostRegister pins memory the caller mapped: counted with cuMemHostAlloc (a pin), its
+ * unregistering with cuMemFreeHost. FAKE_CUDA_NO_REGISTER=1 refuses it (a driver that cannot). */
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags) {
+  (void)flags;
+  if (p == NULL || n == 0) return INVALID_VALUE;
+  const char *no = getenv("FAKE_CUDA_NO_REGISTER");
+  if (no != NULL && no[0] == '1') return 801; /* CUDA_ERROR_NOT_SUPPORTED */
+  __atomic_add_fetch(&host_allocs, 1, __ATOMIC_SEQ_CST);
+  return OK;
+}
+CUresult cuMemHostUnregister(void *p) {
+  if (p == NULL) return INVALID_VALUE;
+  __atomic_add_fetch(&host_frees, 1, __ATOMIC_SEQ_CST);
   return OK;
 }
 
