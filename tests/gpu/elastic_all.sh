@@ -6,8 +6,8 @@
 #                                                       swap-out rate, checksums, none refused
 #   2. RECLAIM=1 LATENCY=1 tests/gpu/elastic_memory.sh  a latency tenant's p99 during the reclaim
 #   3. tests/gpu/memory_jobs.sh                         three training jobs at 1.5x the memory
-# PARTS (default "reclaim latency jobs") picks which. Each part's own table is printed as it ends
-# and kept under $OUT/<part>/; a summary of the parts is printed last. Exit status 0 when every
+# PARTS (default "reclaim latency jobs") picks which. Each part's own table is printed as it ends;
+# its logs go to $OUT/logs.tar.gz (<part>/...); a summary of the parts is printed last. Exit status 0 when every
 # part that ran passed. Every part stops what it started (each script's own cleanup); a part cut
 # by its limit gets TERM, then KILL 15 s later.
 #
@@ -65,6 +65,14 @@ for part in $PARTS; do
     ;;
   esac
 done
+# The parts' logs in one archive (the device tool brings back only a few files), the
+# directories removed.
+dirs=()
+for part in $PARTS; do [ -d "$OUT_ROOT/$part" ] && dirs+=("$part"); done
+if [ "${#dirs[@]}" -gt 0 ] && tar czf "$OUT_ROOT/logs.tar.gz" -C "$OUT_ROOT" "${dirs[@]}"; then
+  for d in "${dirs[@]}"; do rm -rf "${OUT_ROOT:?}/$d"; done
+  echo "logs: $OUT_ROOT/logs.tar.gz"
+fi
 echo
 echo "| part | result |"
 echo "| --- | --- |"

@@ -4,8 +4,8 @@ steps on seeded data, in deterministic mode, so that a run gives the same result
 others, or with its memory moved to host and back. Its footprint is set by the number of layers
 (parameters, gradients and Adam's two moments: four copies of each weight). PyTorch's default
 caching allocator (cudaMalloc: the path that borrows past a request). Never allocates managed
-memory. Prints `RESULT {json}` last: the result digest, the steps, the seconds it ran, and the
-out-of-memory error if it got one.
+memory. Prints `RESULT {json}` last: the result digest, the steps, the seconds it ran, the most
+memory PyTorch's allocator held, and the out-of-memory error if it got one.
 
   python3 memory_jobs.py FOOTPRINT_BYTES STEPS SEED
 """
@@ -67,6 +67,9 @@ def main():
         result["last_loss"] = losses[-1] if losses else None
     except torch.cuda.OutOfMemoryError as e:
         result["oom"] = str(e).splitlines()[0][:300]
+    # What the caching allocator held at most (Adam's temporaries and cuBLAS's workspace
+    # included): the script sets the jobs' limits from the alone runs' peaks.
+    result["peak_reserved"] = torch.cuda.max_memory_reserved()
     result["seconds"] = round(time.monotonic() - began, 2)
     print("RESULT " + json.dumps(result), flush=True)
 

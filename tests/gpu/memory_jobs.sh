@@ -8,8 +8,10 @@
 #   2. plain: the three at once without vgpu (what hard limits give: the GPU has room for two, so
 #      at least one fails with out of memory);
 #   3. vgpu: the three at once through vgpu (vgpu-cp and vgpu-agent on loopback, VGPU_MEMORY_SWAP=1),
-#      each placed with a request of REQUEST_PCT (20) % of the card and a limit of its footprint
-#      plus 5%: all three must finish with the digests they had alone (the GPU's line:
+#      each placed with a request of REQUEST_PCT (20) % of the card and a limit of the largest
+#      peak the jobs had alone (PyTorch's max_memory_reserved) plus LIMIT_MARGIN_GIB (3) for the
+#      context, in whole GiB (a limit from the model's size alone was too small: Adam's
+#      temporaries are not in it, and every job hit its limit): all three must finish with the digests they had alone (the GPU's line:
 #      docs/design/elastic-memory.md). The table compares the total time with the serial total.
 # Never allocates managed memory. Run from the repository root with release binaries built
 # elsewhere (VGPU_BIN, default dist: vgpu-cp, vgpu-agent, vgpuctl, libvgpu_cuda.so); PY (default
@@ -90,13 +92,12 @@ total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i
 total=$((total_mib << 20))
 footprint=$((total * FOOT_PCT / 100))
 request=$((total * REQUEST_PCT / 100 / GIB * GIB))
-limit=$(((footprint + total * 5 / 100) / GIB * GIB))
 host_kib=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)
 # Host memory for swapped-out memory: half the host, in whole GiB (the default, a quarter, may be
 # less than one job's borrowed part).
 swap_gib=$((host_kib / 2 / 1024 / 1024))
 log "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader -i 0)"
-log "three jobs of $(gib $footprint) each ($FOOT_PCT% of $(gib $total)), $STEPS steps; vgpu: request $(gib $request), limit $(gib $limit), swap host memory ${swap_gib} GiB"
+log "three jobs of $(gib $footprint) of weights and Adam's state each ($FOOT_PCT% of $(gib $total)), $STEPS steps"
 
 # 1. Alone, one after another.
 serial_begin=$(now)
@@ -107,9 +108,18 @@ done
 serial=$(elapsed "$serial_begin" "$(now)")
 alone_ok=1
 for i in 1 2 3; do [ -n "$(field "$LOGS/alone-$i.log" digest)" ] || alone_ok=0; done
-record "each job alone, one after another: finished, serial total" "3 of 3" \
-  "$(for i in 1 2 3; do [ -n "$(field "$LOGS/alone-$i.log" digest)" ] && echo -n "ok " || echo -n "FAILED "; done)in ${serial} s" \
+peak=0
+for i in 1 2 3; do
+  p=$(field "$LOGS/alone-$i.log" peak_reserved)
+  [ "${p:-0}" -gt "$peak" ] && peak=$p
+done
+# The limit: the largest peak plus the context's margin, rounded up to whole GiB, at most the card.
+limit=$(((peak + ${LIMIT_MARGIN_GIB:-3} * GIB + GIB - 1) / GIB * GIB))
+[ "$limit" -le "$total" ] || limit=$total
+record "each job alone, one after another: finished, serial total (largest peak)" "3 of 3" \
+  "$(for i in 1 2 3; do [ -n "$(field "$LOGS/alone-$i.log" digest)" ] && echo -n "ok " || echo -n "FAILED "; done)in ${serial} s (peak $(gib $peak), $("$PY" -c 'import sys; print(f"{3 * int(sys.argv[1]) / int(sys.argv[2]):.2f}")' "$peak" "$total")x the card for three)" \
   "$(verdict $alone_ok)"
+log "vgpu: request $(gib $request), limit $(gib $limit), swap host memory ${swap_gib} GiB"
 
 # 2. Plain: the three at once, no vgpu.
 plain_begin=$(now)
