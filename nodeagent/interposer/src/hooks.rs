@@ -35,6 +35,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use tenant_abi::{DEVICES_MAX, MemoryEnv};
 
+/// How often the swap's watcher looks at what staging to pin ahead (`warm_staging`).
+const WARM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// What `admit` decided.
 #[derive(Debug)]
 pub enum Admission {
@@ -1047,7 +1050,11 @@ impl Enforcer {
     /// when there is room, as the process's own next call would; nothing when the process's lock
     /// is taken (its own thread is in a hook call, and acts itself).
     fn watch_once(&self, devices: &impl Devices) {
-        if !self.swap_on() || (!self.want_posted() && !swap::any_out()) {
+        if !self.swap_on() {
+            return;
+        }
+        self.warm_staging(devices);
+        if !self.want_posted() && !swap::any_out() {
             return;
         }
         let mut process = match self.process.try_lock() {
@@ -1068,6 +1075,70 @@ impl Enforcer {
         }
         for (device, board, board_slot) in self.board_slots(&process) {
             self.poll_swap(devices, board, (device, board_slot), &mut process);
+        }
+    }
+
+    /// Staging pinned ahead for this process's resident borrowed chunks, once a
+    /// [`WARM_EVERY`] at most, from the watcher (`staging::warm`): the plan is made under the
+    /// process's lock (which chunks are resident), the pinning without it (so that the
+    /// application's calls do not wait for it). The process's share of the GPU's swap budget:
+    /// half of what the other processes of the GPU leave of it, so that each next borrower
+    /// still finds room, and a swap-out that needs more than what was pinned ahead still can.
+    fn warm_staging(&self, devices: &impl Devices) {
+        static NEXT_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        if !crate::staging::warm_on() || !swap::any_chunk() {
+            return;
+        }
+        let now = crate::shm::monotonic_ns();
+        if now < NEXT_NS.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        NEXT_NS.store(
+            now + WARM_EVERY.as_nanos() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let (context, plans) = {
+            let process = match self.process.try_lock() {
+                Ok(process) => process,
+                Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return,
+            };
+            if process.pid != std::process::id() {
+                return;
+            }
+            let Some(&context) = process.chunk_contexts.iter().next() else {
+                return;
+            };
+            let plans: Vec<_> = self
+                .board_slots(&process)
+                .into_iter()
+                .map(|(device, board, slot)| {
+                    (
+                        device,
+                        board,
+                        slot,
+                        process.chunks[device].resident_in_giving_order(),
+                    )
+                })
+                .filter(|(_, _, _, chunks)| !chunks.is_empty())
+                .collect();
+            (context, plans)
+        };
+        if plans.is_empty() || !devices.make_current(context) {
+            return;
+        }
+        let Some(mut backing) = devices.backing() else {
+            return;
+        };
+        for (device, board, slot, chunks) in plans {
+            let region = board.board.region;
+            let mine = region.slots[slot]
+                .staging_bytes
+                .load(std::sync::atomic::Ordering::SeqCst);
+            let others = region.staging_total().saturating_sub(mine);
+            let cap = region.staging_budget().saturating_sub(others) / 2;
+            let mut counters = elastic::SlotCounters { board, slot };
+            swap::Backing::warm(&mut backing, device, &chunks, cap, &mut counters);
         }
     }
 

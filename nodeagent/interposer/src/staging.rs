@@ -55,11 +55,12 @@ pub struct Buffer {
     pub registered: bool,
 }
 
-/// The idle buffers of one GPU's pool, each with when it went idle. Pure: time comes in as
-/// monotonic nanoseconds.
+/// The idle buffers of one GPU's pool, each with when it went idle and whether it is kept warm
+/// for a resident borrowed chunk ([`Pool::plan_warm`]: it does not idle out). Pure: time comes in
+/// as monotonic nanoseconds.
 #[derive(Debug, Default)]
 pub struct Pool {
-    idle: Vec<(Buffer, u64)>,
+    idle: Vec<(Buffer, u64, bool)>,
 }
 
 impl Pool {
@@ -72,33 +73,78 @@ impl Pool {
             .idle
             .iter()
             .enumerate()
-            .filter(|(_, (buffer, _))| buffer.bytes >= bytes)
-            .min_by_key(|(_, (buffer, since))| (buffer.bytes, *since, buffer.host))
+            .filter(|(_, (buffer, _, _))| buffer.bytes >= bytes)
+            .min_by_key(|(_, (buffer, since, _))| (buffer.bytes, *since, buffer.host))
             .map(|(index, _)| index)?;
-        let (buffer, _) = self.idle.swap_remove(best);
+        let (buffer, _, _) = self.idle.swap_remove(best);
         assert!(buffer.bytes >= bytes);
         Some(buffer)
     }
 
     /// `buffer` is idle from `now_ns`: its chunk came back or was freed.
     pub fn put(&mut self, buffer: Buffer, now_ns: u64) {
+        self.put_as(buffer, now_ns, false);
+    }
+
+    /// `buffer` was pinned ahead for a resident borrowed chunk ([`Pool::plan_warm`]).
+    pub fn put_warm(&mut self, buffer: Buffer, now_ns: u64) {
+        self.put_as(buffer, now_ns, true);
+    }
+
+    fn put_as(&mut self, buffer: Buffer, now_ns: u64, warm: bool) {
         assert!(buffer.host != 0 && buffer.bytes > 0, "a pinned buffer");
         assert!(
-            self.idle.iter().all(|(b, _)| b.host != buffer.host),
+            self.idle.iter().all(|(b, _, _)| b.host != buffer.host),
             "buffer {:#x} pooled twice",
             buffer.host
         );
-        self.idle.push((buffer, now_ns));
+        self.idle.push((buffer, now_ns, warm));
     }
 
-    /// Takes out the buffers idle for `idle_max_ns` or more at `now_ns`: to be freed.
+    /// Which buffers to keep warm for the resident borrowed chunks of `chunks` (their sizes, in
+    /// the order a swap-out takes them: largest first), within `cap` bytes of pooled buffers in
+    /// all: each chunk in turn is matched with the buffer a swap-out would take for it (the
+    /// smallest idle one that holds it, not matched yet), or else needs one of its size pinned;
+    /// the first chunk past the cap ends the plan (a swap-out takes the largest first: those
+    /// are the ones worth having ready). The matched buffers are marked warm (they do not idle
+    /// out), the others unmarked (they idle out as before); returns the sizes to pin.
+    pub fn plan_warm(&mut self, chunks: &[u64], cap: u64) -> Vec<u64> {
+        for entry in &mut self.idle {
+            entry.2 = false;
+        }
+        let mut planned = 0u64;
+        let mut to_pin = Vec::new();
+        for &size in chunks {
+            assert!(size > 0, "a chunk has bytes");
+            let matched = self
+                .idle
+                .iter()
+                .enumerate()
+                .filter(|(_, (buffer, _, warm))| !warm && buffer.bytes >= size)
+                .min_by_key(|(_, (buffer, since, _))| (buffer.bytes, *since, buffer.host))
+                .map(|(index, _)| index);
+            let bytes = matched.map_or(size, |index| self.idle[index].0.bytes);
+            if planned.saturating_add(bytes) > cap {
+                break;
+            }
+            planned += bytes;
+            match matched {
+                Some(index) => self.idle[index].2 = true,
+                None => to_pin.push(size),
+            }
+        }
+        to_pin
+    }
+
+    /// Takes out the buffers idle for `idle_max_ns` or more at `now_ns` and not kept warm: to be
+    /// freed.
     pub fn expired(&mut self, now_ns: u64, idle_max_ns: u64) -> Vec<Buffer> {
         let (gone, kept): (Vec<_>, Vec<_>) = self
             .idle
             .drain(..)
-            .partition(|(_, since)| now_ns.saturating_sub(*since) >= idle_max_ns);
+            .partition(|(_, since, warm)| !warm && now_ns.saturating_sub(*since) >= idle_max_ns);
         self.idle = kept;
-        gone.into_iter().map(|(buffer, _)| buffer).collect()
+        gone.into_iter().map(|(buffer, _, _)| buffer).collect()
     }
 
     /// Takes out the largest idle buffer: freed to make room on the budget.
@@ -107,7 +153,7 @@ impl Pool {
             .idle
             .iter()
             .enumerate()
-            .max_by_key(|(_, (buffer, since))| (buffer.bytes, std::cmp::Reverse(*since)))
+            .max_by_key(|(_, (buffer, since, _))| (buffer.bytes, std::cmp::Reverse(*since)))
             .map(|(index, _)| index)?;
         Some(self.idle.swap_remove(largest).0)
     }
@@ -115,7 +161,7 @@ impl Pool {
     /// Bytes pooled: reserved on the board, holding no chunk.
     #[cfg(test)]
     pub fn idle_bytes(&self) -> u64 {
-        self.idle.iter().map(|(buffer, _)| buffer.bytes).sum()
+        self.idle.iter().map(|(buffer, _, _)| buffer.bytes).sum()
     }
 
     #[cfg(test)]
@@ -259,27 +305,27 @@ fn can_host_alloc(driver: &Driver) -> bool {
 /// threads and 0.17 s to register, against 2.7 s for `cuMemHostAlloc`, which pins page by page
 /// and zeroes on one thread. `cuMemHostAlloc` when the driver lacks registration or refuses it.
 fn pin(driver: &Driver, size: usize) -> Result<Buffer, CUresult> {
-    if let (Some(register), true) = (driver.fns.mem_host_register, can_register(driver)) {
-        if let Some(host) = map_touched(size) {
-            // SAFETY: `host..host + size` is a private mapping made by `map_touched`, owned by this
-            // module and registered once; it is unregistered before it is unmapped (`unpin`).
-            let rc = unsafe { register(host as *mut c_void, size, CU_MEMHOSTREGISTER_PORTABLE) };
-            if rc == CUDA_SUCCESS {
-                return Ok(Buffer {
-                    host,
-                    bytes: size as u64,
-                    registered: true,
-                });
-            }
-            unmap(host, size);
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
-                crate::log::error(format_args!(
-                    "cuMemHostRegister refused swap staging ({rc}); pinning it with \
-                     cuMemHostAlloc instead (slower: about 1.6 GB/s)"
-                ))
+    if let (Some(register), true) = (driver.fns.mem_host_register, can_register(driver))
+        && let Some(host) = map_touched(size)
+    {
+        // SAFETY: `host..host + size` is a private mapping made by `map_touched`, owned by this
+        // module and registered once; it is unregistered before it is unmapped (`really_free`).
+        let rc = unsafe { register(host as *mut c_void, size, CU_MEMHOSTREGISTER_PORTABLE) };
+        if rc == CUDA_SUCCESS {
+            return Ok(Buffer {
+                host,
+                bytes: size as u64,
+                registered: true,
             });
         }
+        unmap(host, size);
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            crate::log::error(format_args!(
+                "cuMemHostRegister refused swap staging ({rc}); pinning it with \
+                     cuMemHostAlloc instead (slower: about 1.6 GB/s)"
+            ))
+        });
     }
     let Some(host_alloc) = driver.fns.mem_host_alloc.filter(|_| can_host_alloc(driver)) else {
         return Err(CUDA_ERROR_NOT_SUPPORTED);
@@ -372,6 +418,65 @@ fn unmap(host: usize, size: usize) {
     // SAFETY: `host..host + size` is a mapping made by `map_touched`, not registered, and no
     // longer used.
     unsafe { libc::munmap(host as *mut c_void, size) };
+}
+
+/// Whether staging is pinned ahead for resident borrowed chunks: unless
+/// `VGPU_MEMORY_STAGING_WARM=0` (read once).
+pub fn warm_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var(tenant_abi::env::var::MEMORY_STAGING_WARM).map_or(true, |v| v.trim() != "0")
+    })
+}
+
+/// The most bytes one look pins ahead ([`warm`]): a borrower of tens of GiB is made ready over
+/// several looks, each short (4 GiB took 0.3 s to touch and register on the H200 host), so that
+/// the watcher that pins also acts on wants in between.
+pub const WARM_STEP_MAX: u64 = 4 << 30;
+
+/// Pins staging ahead for this process's resident borrowed chunks of `device` (`chunks`: their
+/// sizes, largest first), within `cap` bytes pooled for them (the caller's share of the node's
+/// `swap_host_memory`): a reclaim then copies at the link's speed instead of pinning first
+/// (pinning was 99% of the first reclaim on an H200). Each buffer is reserved on the board
+/// before it is pinned, like any staging; stops at the budget, at a driver refusal, or after
+/// [`WARM_STEP_MAX`] bytes. Returns the bytes pinned.
+pub fn warm(
+    driver: &Driver,
+    device: usize,
+    chunks: &[u64],
+    cap: u64,
+    counters: &mut impl Counters,
+) -> u64 {
+    assert!(device < DEVICES_MAX);
+    let to_pin = {
+        let mut pools = pools();
+        let to_pin = pools.pools[device].plan_warm(chunks, cap);
+        publish(&pools);
+        to_pin
+    };
+    let mut pinned = 0u64;
+    for size in to_pin {
+        if pinned >= WARM_STEP_MAX || !counters.reserve_staging(size) {
+            break;
+        }
+        let Ok(bytes) = usize::try_from(size) else {
+            counters.release_staging(size);
+            break;
+        };
+        match pin(driver, bytes) {
+            Ok(buffer) => {
+                let mut pools = pools();
+                pools.pools[device].put_warm(buffer, crate::shm::monotonic_ns());
+                publish(&pools);
+                pinned += size;
+            }
+            Err(_) => {
+                counters.release_staging(size);
+                break;
+            }
+        }
+    }
+    pinned
 }
 
 /// `buffer` (of `device`'s pool) holds no chunk any more: pooled, still reserved. No copy may
@@ -481,6 +586,47 @@ mod tests {
         // A bound of zero frees everything at the next look.
         assert_eq!(pool.expired(150, 0), [buffer(0x2000, 4)]);
         assert!(pool.is_empty());
+    }
+
+    #[test]
+    fn warm_buffers_are_planned_largest_chunk_first_within_the_cap() {
+        let mut pool = Pool::default();
+        // Chunks of 8, 4, 4 and 2 (largest first), a cap of 14: 8 and 4 are pinned, the second 4
+        // would pass the cap and ends the plan (the 2 after it is not planned either).
+        assert_eq!(pool.plan_warm(&[8, 4, 4, 2], 14), [8, 4]);
+        pool.put_warm(buffer(0x1000, 8), 1);
+        pool.put_warm(buffer(0x2000, 4), 1);
+        // Both matched at the next look: nothing more to pin; a larger cap pins the rest.
+        assert_eq!(pool.plan_warm(&[8, 4, 4, 2], 14), Vec::<u64>::new());
+        assert_eq!(pool.plan_warm(&[8, 4, 4, 2], 100), [4, 2]);
+        // Warm buffers never idle out, however long they idle.
+        assert!(pool.expired(u64::MAX, 0).is_empty());
+    }
+
+    #[test]
+    fn a_warm_buffer_whose_chunk_went_away_idles_out_as_before() {
+        let mut pool = Pool::default();
+        pool.put_warm(buffer(0x1000, 8), 10);
+        pool.put_warm(buffer(0x2000, 4), 10);
+        // The 8 chunk was freed: only the 4 is matched; the 8 idles out (since it was pooled).
+        assert_eq!(pool.plan_warm(&[4], 100), Vec::<u64>::new());
+        assert_eq!(pool.expired(10 + 50, 50), [buffer(0x1000, 8)]);
+        assert_eq!(pool.idle_bytes(), 4);
+        // A swap-out takes a warm buffer like any other.
+        assert_eq!(pool.take(4), Some(buffer(0x2000, 4)));
+    }
+
+    #[test]
+    fn a_larger_idle_buffer_serves_a_smaller_chunk_and_counts_its_size() {
+        let mut pool = Pool::default();
+        pool.put(buffer(0x1000, 16), 1);
+        // The 4 chunk is matched with the 16 buffer (what a swap-out would take): 16 counts
+        // toward the cap, so a cap of 18 leaves room for no 4 more.
+        assert_eq!(pool.plan_warm(&[4, 4], 18), Vec::<u64>::new());
+        assert_eq!(pool.plan_warm(&[4, 4], 20), [4]);
+        // A cap of 0 plans nothing, and every buffer is unmarked.
+        assert_eq!(pool.plan_warm(&[4, 4], 0), Vec::<u64>::new());
+        assert_eq!(pool.expired(1, 0), [buffer(0x1000, 16)]);
     }
 
     #[test]

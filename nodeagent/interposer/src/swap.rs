@@ -106,6 +106,17 @@ pub trait Backing {
     ) -> Vec<Result<(), SwapError>>;
     /// Frees the staging it kept that has idled too long on `device` (nothing by default).
     fn trim(&mut self, _device: usize, _counters: &mut impl Counters) {}
+    /// Pins staging ahead for resident chunks of `device` (`chunks`: sizes, largest first),
+    /// within `cap` bytes; the bytes pinned (nothing by default).
+    fn warm(
+        &mut self,
+        _device: usize,
+        _chunks: &[u64],
+        _cap: u64,
+        _counters: &mut impl Counters,
+    ) -> u64 {
+        0
+    }
 }
 
 /// No driver (a call that may not swap): every step fails.
@@ -219,6 +230,26 @@ impl Chunks {
         self.chunks.values().any(|c| !c.out)
     }
 
+    /// The sizes of the resident chunks in the order [`Chunks::give_back`] takes them (largest
+    /// first, then by address).
+    pub fn resident_in_giving_order(&self) -> Vec<u64> {
+        self.giving_order()
+            .into_iter()
+            .map(|(_, size)| size)
+            .collect()
+    }
+
+    fn giving_order(&self) -> Vec<(u64, u64)> {
+        let mut order: Vec<(u64, u64)> = self
+            .chunks
+            .iter()
+            .filter(|(_, c)| !c.out)
+            .map(|(&address, c)| (address, c.size))
+            .collect();
+        order.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        order
+    }
+
     /// Bytes resident now.
     #[cfg(test)]
     pub fn resident_bytes(&self) -> u64 {
@@ -239,13 +270,7 @@ impl Chunks {
         backing: &mut impl Backing,
         counters: &mut impl Counters,
     ) -> GivenBack {
-        let mut order: Vec<(u64, u64)> = self
-            .chunks
-            .iter()
-            .filter(|(_, c)| !c.out)
-            .map(|(&address, c)| (address, c.size))
-            .collect();
-        order.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let order = self.giving_order();
         let mut given = 0u64;
         let mut refused_for_staging = 0u64;
         let mut times = SwapTimes::default();

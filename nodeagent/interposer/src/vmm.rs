@@ -737,6 +737,16 @@ impl crate::swap::Backing for SwapBacking<'_> {
     fn trim(&mut self, device: usize, counters: &mut impl crate::swap::Counters) {
         crate::staging::trim(self.driver, device, counters);
     }
+
+    fn warm(
+        &mut self,
+        device: usize,
+        chunks: &[u64],
+        cap: u64,
+        counters: &mut impl crate::swap::Counters,
+    ) -> u64 {
+        crate::staging::warm(self.driver, device, chunks, cap, counters)
+    }
 }
 
 /// Creates physical memory for the swapped-out chunk at `address`, maps it there, makes it

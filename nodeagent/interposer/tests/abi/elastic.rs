@@ -62,10 +62,13 @@ fn tenant(shm: &Path, name: &str, request: &str) -> Probe {
 
 /// A probe with the swap on and a fake driver that moves real bytes (so contents can be checked
 /// through a swap).
+/// Staging is not pinned ahead (`VGPU_MEMORY_STAGING_WARM=0`), so that what a round pins does
+/// not depend on the watcher's timing; `a_borrowers_staging_is_pinned_ahead_...` turns it on.
 fn swapping(probe: Probe) -> Probe {
     probe
         .env("VGPU_MEMORY_SWAP", "1")
         .env("FAKE_CUDA_REAL_BYTES", "1")
+        .env("VGPU_MEMORY_STAGING_WARM", "0")
 }
 
 /// A file in the test's shm directory, as a probe script names it (`touch`, `until_file`).
@@ -981,6 +984,60 @@ fn second_reclaim_reuses_staging(no_register: bool) {
     // Exited: the board's dead-slot reclaim returns its staging (the OS freed the memory).
     assert_eq!(usage(&board, "a").staging_bytes, 0);
     drop(b);
+}
+
+/// With `VGPU_MEMORY_STAGING_WARM` on (the default), a borrower's watcher pins staging for its
+/// resident borrowed chunk ahead, within half the GPU's swap budget: the reclaim then pins
+/// nothing, and the buffer is pinned once for the process's life.
+#[test]
+fn a_borrowers_staging_is_pinned_ahead_and_the_reclaim_pins_nothing() {
+    let shm = shm_dir();
+    let board = board_with_staging(
+        shm.path(),
+        12 * MIB,
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB"))
+        .env("VGPU_MEMORY_STAGING_WARM", "1")
+        .start_holding(&format!(
+            "alloc 4M alloc 8M fill 7 touch {} spin_info {} check 7 host_allocs",
+            file("a-ready"),
+            file("b-done")
+        ));
+    // The watcher pins 8 MiB (its chunk; half the budget is 8 MiB) within its first looks.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while usage(&board, "a").staging_bytes != 8 * MIB {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no staging pinned ahead within 10 s: {:?}",
+            usage(&board, "a")
+        );
+        std::thread::yield_now();
+    }
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} alloc 8M free touch {}",
+        file("a-ready"),
+        file("b-done")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\nfree 0\ntouch 0\n");
+    a.wait_held();
+    assert!(
+        a.output.ends_with("check 0 ok\nhost_allocs 0 1 0\n"),
+        "the chunk came back intact, and its one buffer was pinned ahead:\n{}",
+        a.output
+    );
+    let err = stderr_of(a);
+    let rounds: Vec<&str> = err
+        .lines()
+        .filter(|line| line.contains("went to host memory"))
+        .collect();
+    assert_eq!(rounds.len(), 1, "{err}");
+    assert!(
+        rounds[0].contains("pinning 0.0 ms for 0.0 MiB of new staging"),
+        "the round pinned nothing: {err}"
+    );
 }
 
 /// Pooled staging that no swap-out reuses within the idle bound (`VGPU_MEMORY_STAGING_IDLE_MS`,
