@@ -927,8 +927,9 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
 }
 
 /// The primary context (how the CUDA runtime, hence PyTorch, JAX and vLLM, gets its context):
-/// the device's context overhead is charged before the driver creates it, and a context that does
-/// not fit in the slice is refused with `CUDA_ERROR_OUT_OF_MEMORY`. Charged once per process and
+/// the device's context overhead is charged before the driver creates it (on the GPU's memory
+/// board too, taken back from borrowers first if the GPU is full), and a context that does not
+/// fit in the slice is refused with `CUDA_ERROR_OUT_OF_MEMORY`. Charged once per process and
 /// device (a retain of an existing context costs nothing more). Contexts made with `cuCtxCreate`
 /// are charged at their first allocation instead.
 ///
@@ -940,11 +941,11 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
     device: CUdevice,
 ) -> CUresult {
     ffi_boundary!("cuDevicePrimaryCtxRetain", fallback = CUDA_ERROR_UNKNOWN, {
-        let (_, real) = real_fn!(device_primary_ctx_retain);
+        let (driver, real) = real_fn!(device_primary_ctx_retain);
         let admission = ffi_boundary!(
             "cuDevicePrimaryCtxRetain",
             fallback = Admission::Untracked,
-            { hooks::admit_context(device) }
+            { hooks::admit_context(&DriverDevices::named(driver, Some(device)), device) }
         );
         let ticket = match admission {
             Admission::Refused => return CUDA_ERROR_OUT_OF_MEMORY,

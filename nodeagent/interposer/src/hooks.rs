@@ -57,9 +57,23 @@ pub struct Ticket {
     device: usize,
     /// Charged to the ledger, and to the board when `on_board`.
     bytes: u64,
+    /// The context's overhead charged with it to the ledger (the process's first charge on the
+    /// device), and to the board too when `on_board` and within the request.
     overhead_bytes: u64,
     on_board: bool,
     borrowed: bool,
+}
+
+impl Ticket {
+    /// What the ticket holds on the board: its bytes, and a context's overhead charged within
+    /// the request (a borrow charges the overhead to the ledger only).
+    fn board_bytes(&self) -> u64 {
+        if self.borrowed {
+            self.bytes
+        } else {
+            self.bytes.saturating_add(self.overhead_bytes)
+        }
+    }
 }
 
 impl Ticket {
@@ -301,11 +315,9 @@ impl Enforcer {
                 return Admission::Refused;
             }
         };
-        let board = if bytes > 0 {
-            self.board(device, || devices.uuid(device))
-        } else {
-            None
-        };
+        // A context's overhead (bytes 0) goes on the board too: the GPU must have the room
+        // for it, taken back from borrowers if need be, before the driver creates the context.
+        let board = self.board(device, || devices.uuid(device));
         // Held in an `Option` so that a wait in the GPU's line can let go of it between looks
         // (`wait_in_line`): the process's other threads allocate and free meanwhile.
         let mut locked = Some(self.process());
@@ -524,18 +536,27 @@ impl Enforcer {
                 .board
                 .refresh_claim(board.tenant, crate::shm::monotonic_ns());
         }
+        // The context's overhead with it: contexts hold GPU memory that the board must see, or
+        // a new process of a tenant finds the GPU full of borrowed memory and its context
+        // creation fails (the third of three jobs on an H200 did).
+        let on_board = bytes.saturating_add(overhead_bytes);
         if let Some((board, board_slot)) = board_slot
-            && let Err(why) = board.board.reserve(board_slot, bytes)
+            && let Err(why) = board.board.reserve(board_slot, on_board)
         {
-            let waited = self.reclaimed(board, board_slot, bytes, why);
+            let waited = self.reclaimed(board, board_slot, on_board, why);
             if waited != Some(elastic::Waited::Room) {
                 ledger.release(slot, device, bytes.saturating_add(overhead_bytes));
                 let tenant = &self.config.tenant;
+                let what = if bytes == 0 {
+                    format!("a CUDA context ({})", human(overhead_bytes))
+                } else {
+                    human(on_board)
+                };
                 let line = match waited {
                     Some(elastic::Waited::SwapSpaceFull) => {
-                        elastic::swap_space_full(&human(bytes), device, tenant)
+                        elastic::swap_space_full(&what, device, tenant)
                     }
-                    _ => elastic::within_request_refused(&human(bytes), device, tenant, why),
+                    _ => elastic::within_request_refused(&what, device, tenant, why),
                 };
                 crate::log::error(format_args!("{line}"));
                 return Admission::Refused;
@@ -1377,7 +1398,7 @@ pub fn admit(devices: &impl Devices, bytes: u64, borrow: Borrow<'_>) -> Admissio
 /// Only a full slice (or a full process table) refuses: a broken configuration or ledger lets the
 /// context be created (every allocation is refused anyway, with the message that says why). The caller reports the outcome
 /// with `context_created` or `abort`.
-pub fn admit_context(device: i32) -> Admission {
+pub fn admit_context(devices: &impl Devices, device: i32) -> Admission {
     let Mode::Enforcing(enforcer) = mode() else {
         return Admission::Untracked;
     };
@@ -1387,27 +1408,9 @@ pub fn admit_context(device: i32) -> Admission {
     if enforcer.ledger().is_err() {
         return Admission::Untracked;
     }
-    // A context is never on the board (its capacity leaves room for contexts), so no uuid.
-    struct NoBoard;
-    impl Devices for NoBoard {
-        fn current(&self) -> Option<i32> {
-            None
-        }
-        fn uuid(&self, _: usize) -> Option<String> {
-            None
-        }
-        type Backing = swap::NoBacking;
-        fn backing(&self) -> Option<swap::NoBacking> {
-            None
-        }
-        fn context(&self) -> usize {
-            0
-        }
-        fn drain(&self, _: &[usize]) -> bool {
-            false
-        }
-    }
-    enforcer.admit(&NoBoard, device, 0, Borrow::Never("a CUDA context"))
+    // On the GPU's board too, within the request: a GPU full of borrowed memory gives the
+    // context's room back first (`within_request`).
+    enforcer.admit(devices, device, 0, Borrow::Never("a CUDA context"))
 }
 
 /// The driver created (or retained) the context `admit_context` charged for: the charge stays
@@ -1510,7 +1513,7 @@ pub fn abort(ticket: Ticket) {
     if ticket.on_board
         && let Some((board, slot)) = enforcer.charged_board(ticket.device)
     {
-        board.board.release(slot, ticket.bytes);
+        board.board.release(slot, ticket.board_bytes());
     }
     if ticket.overhead_bytes > 0 {
         enforcer.process().overhead_charged[ticket.device] = false;

@@ -258,6 +258,9 @@ pub fn acquire(
     if !can_register(driver) && !can_host_alloc(driver) {
         return Err(Unavailable::Driver(CUDA_ERROR_NOT_SUPPORTED));
     }
+    // A buffer being pinned ahead for this chunk ([`warm`]) is reserved on the board already
+    // but not pooled yet: wait for it (one step, bounded) rather than pin a second one.
+    drop(warming());
     {
         let mut pools = pools();
         let taken = pools.pools[device].take(bytes);
@@ -429,6 +432,15 @@ pub fn warm_on() -> bool {
     })
 }
 
+/// Held by [`warm`] while it pins: a swap-out that needs staging meanwhile waits for the buffers
+/// to be pooled (at most one step, [`WARM_STEP_MAX`]).
+fn warming() -> MutexGuard<'static, ()> {
+    static WARMING: Mutex<()> = Mutex::new(());
+    WARMING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The most bytes one look pins ahead ([`warm`]): a borrower of tens of GiB is made ready over
 /// several looks, each short (4 GiB took 0.3 s to touch and register on the H200 host), so that
 /// the watcher that pins also acts on wants in between.
@@ -448,6 +460,7 @@ pub fn warm(
     counters: &mut impl Counters,
 ) -> u64 {
     assert!(device < DEVICES_MAX);
+    let _warming = warming();
     let to_pin = {
         let mut pools = pools();
         let to_pin = pools.pools[device].plan_warm(chunks, cap);

@@ -119,44 +119,6 @@ pub trait Backing {
     }
 }
 
-/// No driver (a call that may not swap): every step fails.
-pub struct NoBacking;
-
-impl Backing for NoBacking {
-    fn swap_out(
-        &mut self,
-        chunks: &[(u64, u64)],
-        _: &mut impl Counters,
-    ) -> (Vec<OutResult>, SwapTimes) {
-        let failed = chunks
-            .iter()
-            .map(|&(address, _)| {
-                OutResult::Failed(SwapError {
-                    address,
-                    result: 801,
-                })
-            })
-            .collect();
-        (failed, SwapTimes::default())
-    }
-
-    fn swap_in(
-        &mut self,
-        chunks: &[(u64, u64)],
-        _: &mut impl Counters,
-    ) -> Vec<Result<(), SwapError>> {
-        chunks
-            .iter()
-            .map(|&(address, _)| {
-                Err(SwapError {
-                    address,
-                    result: 801,
-                })
-            })
-            .collect()
-    }
-}
-
 /// The board's counters of this process's slot.
 pub trait Counters {
     /// `bytes` went to host memory: no longer resident, still held.

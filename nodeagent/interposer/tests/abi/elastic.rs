@@ -986,6 +986,63 @@ fn second_reclaim_reuses_staging(no_register: bool) {
     drop(b);
 }
 
+/// A new process of a tenant on a GPU full of borrowed memory: its context's overhead goes on the
+/// board within its request, so the borrower gives memory back before the driver creates the
+/// context (before, the board did not see contexts: the context's creation found the GPU full
+/// and failed, the third of three jobs on an H200 with it).
+#[test]
+fn a_context_on_a_gpu_full_of_borrowed_memory_gets_its_room_by_a_reclaim() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        12 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 7 touch {} spin_info {} check 7",
+        file("a-ready"),
+        file("b-done")
+    ));
+    // "b" creates its context only once "a" holds the whole GPU; its context costs 2 MiB.
+    let mut b = swapping(tenant(shm.path(), "b", "8MiB"))
+        .env("PROBE_NO_CUDA", "1")
+        .env("VGPU_CONTEXT_OVERHEAD", "2MiB")
+        .start_holding(&format!(
+            "until_file {} retain 0 touch {} until_file {} alloc 6M info free touch {}",
+            file("a-ready"),
+            file("b-context"),
+            file("test-go"),
+            file("b-done")
+        ));
+    b.wait_for_line("touch 0");
+    // The context alone took its room back: on the board before any allocation of "b".
+    assert_eq!(usage(&board, "b").resident_bytes, 2 * MIB);
+    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
+    std::fs::write(shm.path().join("test-go"), "").expect("touching test-go");
+    b.wait_held();
+    assert_eq!(
+        b.output,
+        format!(
+            "until_file 0\nretain 0\nuntil_file 0\nalloc 0\ninfo 0 0 {}\nfree 0\ntouch 0\n",
+            8 * MIB
+        ),
+        "the context and the rest of the request were granted"
+    );
+    // Its context holds 2 MiB of the board while it lives: "a" takes its chunk back once it
+    // exited (its dead slot reclaimed by "a"'s wait in line).
+    drop(b);
+    a.wait_held();
+    assert!(a.output.ends_with("check 0 ok\n"), "{}", a.output);
+    let err = stderr_of(a);
+    assert!(
+        err.contains("went to host memory"),
+        "a gave its chunk back: {err}"
+    );
+    // The board's dead-slot reclaim returned b's context's charge.
+    assert_eq!(usage(&board, "b").resident_bytes, 0);
+}
+
 /// With `VGPU_MEMORY_STAGING_WARM` on (the default), a borrower's watcher pins staging for its
 /// resident borrowed chunk ahead, within half the GPU's swap budget: the reclaim then pins
 /// nothing, and the buffer is pinned once for the process's life.
