@@ -642,7 +642,10 @@ impl Enforcer {
         let region = board.board.region;
         // One look at the claims first: without any, no scan of the slots here.
         let claimed = region.claimed_by_others(board.tenant, crate::shm::monotonic_ns());
-        let held_for_others = claimed > 0 && {
+        // With the swap on, the borrow waits in the GPU's line instead (`room_in_line` leaves
+        // the claims their room): refused here, a caching allocator's retry after freeing its
+        // cache failed too, and the job with it (the second of three jobs on an H200).
+        let held_for_others = !self.swap_on() && claimed > 0 && {
             let after = region.resident_total().saturating_add(charged);
             after <= region.capacity() && after.saturating_add(claimed) > region.capacity()
         };

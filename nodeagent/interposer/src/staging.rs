@@ -259,7 +259,7 @@ pub fn acquire(
         return Err(Unavailable::Driver(CUDA_ERROR_NOT_SUPPORTED));
     }
     // A buffer being pinned ahead for this chunk ([`warm`]) is reserved on the board already
-    // but not pooled yet: wait for it (one step, bounded) rather than pin a second one.
+    // but not pooled yet: wait for it (one buffer's pinning) rather than pin a second one.
     drop(warming());
     {
         let mut pools = pools();
@@ -432,8 +432,8 @@ pub fn warm_on() -> bool {
     })
 }
 
-/// Held by [`warm`] while it pins: a swap-out that needs staging meanwhile waits for the buffers
-/// to be pooled (at most one step, [`WARM_STEP_MAX`]).
+/// Held by [`warm`] while it pins a buffer: a swap-out that needs staging meanwhile waits for
+/// that buffer to be pooled (one buffer's pinning at most).
 fn warming() -> MutexGuard<'static, ()> {
     static WARMING: Mutex<()> = Mutex::new(());
     WARMING
@@ -460,7 +460,6 @@ pub fn warm(
     counters: &mut impl Counters,
 ) -> u64 {
     assert!(device < DEVICES_MAX);
-    let _warming = warming();
     let to_pin = {
         let mut pools = pools();
         let to_pin = pools.pools[device].plan_warm(chunks, cap);
@@ -469,6 +468,8 @@ pub fn warm(
     };
     let mut pinned = 0u64;
     for size in to_pin {
+        // Held for one buffer at a time: a swap-out waits for at most one pin.
+        let _warming = warming();
         if pinned >= WARM_STEP_MAX || !counters.reserve_staging(size) {
             break;
         }

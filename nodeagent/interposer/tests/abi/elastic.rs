@@ -1043,6 +1043,67 @@ fn a_context_on_a_gpu_full_of_borrowed_memory_gets_its_room_by_a_reclaim() {
     assert_eq!(usage(&board, "b").resident_bytes, 0);
 }
 
+/// A borrow while the GPU's free memory is held for another tenant's request (its claim after a
+/// reclaim) waits in the GPU's line with the swap on: the caching allocator's retry is granted
+/// once the claim is gone. Refused at once before, the retry failed too, and a training job of
+/// three on an H200 died with out of memory.
+#[test]
+fn a_borrow_beside_another_tenants_claim_waits_in_line_for_it() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        12 * MIB,
+        &[
+            ("a", 2 * MIB, 12 * MIB),
+            ("b", 8 * MIB, 8 * MIB),
+            ("c", 2 * MIB, 12 * MIB),
+        ],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    // "a" borrows 8 MiB, "c" takes its request: the GPU is full (2 + 8 + 2 of 12).
+    let mut a = swapping(tenant(shm.path(), "a", "2MiB")).start_holding(&format!(
+        "alloc 2M alloc 8M fill 7 touch {} spin_info {} check 7",
+        file("a-ready"),
+        file("test-done")
+    ));
+    // "b" takes 2 MiB of its request: "a" gives its 8 back and 6 of it stay claimed for "b".
+    let mut c = swapping(tenant(shm.path(), "c", "2MiB")).start_holding(&format!(
+        "until_file {} alloc 2M touch {} until_file {} alloc_retry 4M",
+        file("a-ready"),
+        file("c-ready"),
+        file("b-got")
+    ));
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} alloc 2M touch {}",
+        file("c-ready"),
+        file("b-got")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\ntouch 0\n");
+    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
+    // "c"'s borrow of 4 MiB finds the 6 free held for "b": refused once, its retry waits.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while usage(&board, "c").waiting_processes == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "c does not wait in line: {:?}",
+            usage(&board, "c")
+        );
+        std::thread::yield_now();
+    }
+    // "b" exits: its claim holds nothing any more, and "c" gets its 4 MiB.
+    drop(b);
+    c.wait_held();
+    assert_eq!(
+        c.output,
+        "until_file 0\nalloc 0\ntouch 0\nuntil_file 0\nalloc_retry 0 tries=2\n"
+    );
+    // "c" exits too: "a" takes its chunk back, intact.
+    drop(c);
+    std::fs::write(shm.path().join("test-done"), "").expect("touching test-done");
+    a.wait_held();
+    assert!(a.output.ends_with("check 0 ok\n"), "{}", a.output);
+}
+
 /// With `VGPU_MEMORY_STAGING_WARM` on (the default), a borrower's watcher pins staging for its
 /// resident borrowed chunk ahead, within half the GPU's swap budget: the reclaim then pins
 /// nothing, and the buffer is pinned once for the process's life.
