@@ -117,20 +117,26 @@ fn asks_in_giving_order<'h>(
 
 /// Rule 6, a stuck line: the slot whose borrow is refused, if the line cannot move. It cannot
 /// when every process holding memory on the GPU is in line (`every_holder_waits`: nobody runs to
-/// free anything), the first does not fit in `room` (what is free for it), and [`unstall`] finds
-/// nothing for it (the others' memory is within their requests, or out already): for example
-/// when the requests fill the GPU and each tenant waits for more. Then the last borrow in line
-/// is refused (out of memory), so that its process goes on without it, or ends and frees what it
-/// holds; a process waiting for its own swapped-out memory is never refused (that would be a
-/// kill). `None` when the line can move, or no waiter is a borrow.
+/// free anything) and the first does not fit in `room` (what is free for it) even with all that
+/// [`unstall`] could move for it, which is at most `swap_room` (what the node's swap space can
+/// still take): for example when the requests fill the GPU and each tenant waits for more, or
+/// when the swap space is full. Then the last borrow in line is refused (out of memory), so that
+/// its process goes on without it, or ends and frees what it holds; a process waiting for its
+/// own swapped-out memory is never refused (that would be a kill). `None` when the line can
+/// move, or no waiter is a borrow.
 pub fn stuck(
     holders: &[Holder],
     waiters: &[Waiter],
     room: u64,
+    swap_room: u64,
     every_holder_waits: bool,
 ) -> Option<usize> {
     let first = waiters.iter().min_by(|a, b| line_order(a, b))?;
-    if !every_holder_waits || first.bytes <= room || !unstall(holders, waiters, room).is_empty() {
+    let movable = unstall(holders, waiters, room)
+        .iter()
+        .fold(0u64, |sum, (_, bytes)| sum.saturating_add(*bytes))
+        .min(swap_room);
+    if !every_holder_waits || first.bytes <= room.saturating_add(movable) {
         return None;
     }
     waiters
@@ -318,26 +324,36 @@ mod tests {
             swapped("a", 0, 20),
             swapped("b", 1, 30),
         ];
-        assert_eq!(stuck(&holders, &waiters, 0, true), Some(2));
+        assert_eq!(stuck(&holders, &waiters, 0, u64::MAX, true), Some(2));
         // Someone runs (and may free): not stuck. Room for the first, or something to unstall:
         // not stuck.
-        assert_eq!(stuck(&holders, &waiters, 0, false), None);
-        assert_eq!(stuck(&holders, &waiters, 2 * GIB, true), None);
+        assert_eq!(stuck(&holders, &waiters, 0, u64::MAX, false), None);
+        assert_eq!(stuck(&holders, &waiters, 2 * GIB, u64::MAX, true), None);
         let lending = [
             holder("a", 4 * GIB, 6 * GIB, 0, false),
             holders[1].clone(),
             holders[2].clone(),
         ];
-        assert_eq!(stuck(&lending, &waiters, 0, true), None);
+        assert_eq!(stuck(&lending, &waiters, 0, u64::MAX, true), None);
+        // ... unless the swap space cannot take what a would give: stuck again.
+        assert_eq!(stuck(&lending, &waiters, 0, GIB, true), Some(2));
+        assert_eq!(stuck(&lending, &waiters, GIB, GIB, true), None);
+        // Less to unstall than the first needs (1 of 2 GiB borrowed, nothing free): stuck.
+        let short = [
+            holder("a", 4 * GIB, 5 * GIB, 0, false),
+            holders[1].clone(),
+            holders[2].clone(),
+        ];
+        assert_eq!(stuck(&short, &waiters, 0, u64::MAX, true), Some(2));
         // Only waits for swapped-out memory: nobody is refused.
-        assert_eq!(stuck(&holders, &waiters[1..], 0, true), None);
+        assert_eq!(stuck(&holders, &waiters[1..], 0, u64::MAX, true), None);
         // Of two borrows, the last in line.
         let two = [
             waiter("c", 2, 10, 2 * GIB, 0),
             waiter("b", 1, 30, 2 * GIB, 0),
             swapped("a", 0, 20),
         ];
-        assert_eq!(stuck(&holders, &two, 0, true), Some(1));
+        assert_eq!(stuck(&holders, &two, 0, u64::MAX, true), Some(1));
     }
 
     #[test]

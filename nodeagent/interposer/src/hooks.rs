@@ -1328,10 +1328,27 @@ fn refused_by_stuck_line(board: &DeviceBoard, board_slot: usize) -> bool {
         return false;
     };
     let room = region.free_in_line(first.slot, crate::shm::monotonic_ns());
+    // What the swap space can still take: the budget left, and the staging the other waiters'
+    // processes keep idle (theirs to reuse).
+    let idle_elsewhere = waiters
+        .iter()
+        .filter(|w| w.tenant != first.tenant)
+        .map(|w| {
+            let slot = &region.slots[w.slot];
+            slot.staging_bytes
+                .load(Ordering::SeqCst)
+                .saturating_sub(slot.swapped_bytes.load(Ordering::SeqCst))
+        })
+        .fold(0u64, u64::saturating_add);
+    let swap_room = region
+        .staging_budget()
+        .saturating_sub(region.staging_total())
+        .saturating_add(idle_elsewhere);
     tenant_abi::reclaim::stuck(
         &region.holders(),
         &waiters,
         room,
+        swap_room,
         region.every_holder_waits(),
     ) == Some(board_slot)
 }
