@@ -163,7 +163,7 @@ for case in plain vgpu; do
   record "trainer matmuls in latency run ($case)" "-" "$(field "$LOGS/mlp_${case}_hog.log" matmuls)" INFO
 done
 
-grep -h "vgpu\[" "$LOGS"/*.log | sort | uniq -c | sort -rn | head -20 >"$LOGS/interposer_messages.txt"
+grep -h "vgpu\[" "$LOGS"/*.log | sed -E 's/vgpu\[[0-9]*\]( [0-9:.]+)?/vgpu[pid]/' | sort | uniq -c | sort -rn | head -20 >"$LOGS/interposer_messages.txt"
 echo
 echo "interposer messages (top): $(wc -l <"$LOGS/interposer_messages.txt") distinct"
 head -5 "$LOGS/interposer_messages.txt"

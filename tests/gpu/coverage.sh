@@ -185,7 +185,7 @@ panics=$(cat "$LOGS"/*.log | grep -c 'internal error (panic)' || true)
 printf '%s\t%s\t%s\t%s\t%s\n' "interposer log: no 5 s turn-wait fallback, no ungated launches, no panic" \
   "$waits fallbacks, $ungated ungated, $panics panics" "-" "-" \
   "$([ "$waits" = 0 ] && [ "$ungated" = 0 ] && [ "$panics" = 0 ] && echo PASS || echo FAIL)" >>"$LOGS/results.tsv"
-grep -h "vgpu\[" "$LOGS"/*.log | sed 's/vgpu\[[0-9]*\]/vgpu[pid]/' | sort | uniq -c | sort -rn | head -20 >"$LOGS/interposer_messages.txt"
+grep -h "vgpu\[" "$LOGS"/*.log | sed -E 's/vgpu\[[0-9]*\]( [0-9:.]+)?/vgpu[pid]/' | sort | uniq -c | sort -rn | head -20 >"$LOGS/interposer_messages.txt"
 echo
 echo "interposer messages (top 8 of $(wc -l <"$LOGS/interposer_messages.txt") distinct):"
 head -8 "$LOGS/interposer_messages.txt"

@@ -294,6 +294,24 @@ PYEOF
   record "swap-out rate: bytes moved / time moving them (pinned staging, copy, unmap)" ">= 45 GB/s" \
     "${swap_gbps:-?} GB/s in ${swap_rounds:-0} round(s); in all quiet ${quiet_ms:-?} ms, drain ${drain_ms:-?} ms, move ${move_ms:-?} ms (of it pinning ${pinning_ms:-?} ms; copies at ${copy_gbps:-?} GB/s per round)" \
     "$(verdict $("$PY" -c 'import sys; print(1 if float(sys.argv[1] or 0) >= 45 else 0)' "${swap_gbps:-0}"))"
+  # the swap-in lines: bytes back and the time mapping and copying them
+  back_row=$("$PY" - "$g" <<'PYEOF'
+import re, sys
+units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+rounds, back, ms = 0, 0.0, 0.0
+for line in open(sys.argv[1], errors="replace"):
+    m = re.search(r"([0-9.]+) (B|KiB|MiB|GiB|TiB) of this process's borrowed memory came back from host memory in ([0-9.]+) ms", line)
+    if m:
+        rounds += 1
+        back += float(m.group(1)) * units[m.group(2)]
+        ms += float(m.group(3))
+print(f"{rounds} {back / (ms / 1e3) / 1e9 if ms > 0 else 0:.1f} {back / 2**30:.2f} {ms:.0f}")
+PYEOF
+)
+  read -r in_rounds in_gbps in_gib in_ms <<<"$back_row"
+  record "swap-in rate: bytes back / time mapping and copying them" ">= 45 GB/s" \
+    "${in_gbps:-?} GB/s: ${in_gib:-?} GiB in ${in_ms:-?} ms, ${in_rounds:-0} round(s)" \
+    "$(verdict $("$PY" -c 'import sys; print(1 if float(sys.argv[1] or 0) >= 45 else 0)' "${in_gbps:-0}"))"
   expected_s=$("$PY" -c 'import sys; print(f"{int(sys.argv[1] or 0) / 45e9:.2f}")' "${swapped_during:-0}")
   record "reclaim time: the second's allocation against bytes swapped / 45 GB/s" "~${expected_s} s plus a drain" \
     "${seconds:-?} s for $(gib "$swapped_during")" "$(verdict $([ "$oom" = False ] && [ -n "$seconds" ] && echo 1))"

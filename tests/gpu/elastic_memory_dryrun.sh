@@ -43,6 +43,8 @@ cat >"$STUBS/python" <<STUB
 if [ -n "\${VGPU_SHM_DIR:-}" ]; then
   FAKE_CUDA_UUID=\$(ls "\$VGPU_SHM_DIR" | sed -n 's/\\.memory\$//p' | head -n1)
   export FAKE_CUDA_UUID
+  # the chunks' sizes are simulated: their staging is mapped, never touched
+  export VGPU_MEMORY_STAGING_TOUCH=0
 fi
 PYTHONPATH="$ROOT/tests/gpu/dryrun" exec python3 "\$@"
 STUB

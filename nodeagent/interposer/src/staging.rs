@@ -374,8 +374,20 @@ fn map_touched(size: usize) -> Option<usize> {
         libc::madvise(p, size, libc::MADV_HUGEPAGE);
         libc::madvise(p, size, libc::MADV_DONTFORK);
     }
-    touch(p as usize, size);
+    if touch_on() {
+        touch(p as usize, size);
+    }
     Some(p as usize)
+}
+
+/// Whether new staging is touched before it is registered: unless `VGPU_MEMORY_STAGING_TOUCH=0`
+/// (read once), for dry runs on the fake driver, whose chunk sizes are simulated and whose
+/// registration touches nothing.
+fn touch_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var(tenant_abi::env::var::MEMORY_STAGING_TOUCH).map_or(true, |v| v.trim() != "0")
+    })
 }
 
 /// Writes one byte of every page of `host..host + size` (a mapping of this module), on up to

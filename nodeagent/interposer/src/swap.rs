@@ -304,16 +304,36 @@ impl Chunks {
         if batch.is_empty() {
             return !self.held();
         }
+        let began = std::time::Instant::now();
         let results = backing.swap_in(&batch, counters);
+        let took = began.elapsed();
         assert_eq!(results.len(), batch.len(), "one result per chunk");
+        let mut back = 0u64;
         for (&(address, size), result) in batch.iter().zip(results) {
             match result {
-                Ok(()) => self.chunks.get_mut(&address).expect("listed above").out = false,
+                Ok(()) => {
+                    self.chunks.get_mut(&address).expect("listed above").out = false;
+                    back += size;
+                }
                 Err(e) => {
                     counters.swap_in_failed(size);
                     crate::log::error(format_args!("{e}; it stays in host memory"));
                 }
             }
+        }
+        if back > 0 {
+            let seconds = took.as_secs_f64();
+            crate::log::error(format_args!(
+                "{} of this process's borrowed memory came back from host memory in {:.1} ms \
+                 (mapped and copied at {:.1} GB/s); its launches and copies go on",
+                crate::elastic::human(back),
+                seconds * 1e3,
+                if seconds > 0.0 {
+                    back as f64 / seconds / 1e9
+                } else {
+                    0.0
+                }
+            ));
         }
         !self.held()
     }

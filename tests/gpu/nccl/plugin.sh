@@ -205,7 +205,7 @@ for s in $SECTIONS; do
     job ip_none 29500 "$NPROC" -- --check "$CHECK" --mib 256 --lead 2
     job ip_tenant 29500 "$NPROC" LD_PRELOAD="$IP" VGPU_TENANT=one VGPU_MEMORY_LIMIT=40GiB \
       VGPU_COMPUTE_SHARES=0:50,1:50 VGPU_BURST=1 VGPU_SHM_DIR="$IPSHM" VGPU_LOG=2 -- --check "$CHECK" --mib 256 --lead 2
-    grep -h "^vgpu\[" "$LOGS/ip_tenant.log" | sort | uniq -c | sort -rn | head -20 >"$LOGS/ip_tenant_interposer_lines.txt"
+    grep -h "^vgpu\[" "$LOGS/ip_tenant.log" | sed -E 's/vgpu\[[0-9]*\]( [0-9:.]+)?/vgpu[pid]/' | sort | uniq -c | sort -rn | head -20 >"$LOGS/ip_tenant_interposer_lines.txt"
     rm -rf "$IPSHM"
     ;;
   overhead)
