@@ -918,3 +918,7 @@ impl<'r, L: Liveness> Board<'r, L> {
 #[cfg(test)]
 #[path = "board_test.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "line_sim_test.rs"]
+mod line_sim;

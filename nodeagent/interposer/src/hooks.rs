@@ -1340,10 +1340,19 @@ fn refused_by_stuck_line(board: &DeviceBoard, board_slot: usize) -> bool {
                 .saturating_sub(slot.swapped_bytes.load(Ordering::SeqCst))
         })
         .fold(0u64, u64::saturating_add);
-    let swap_room = region
-        .staging_budget()
-        .saturating_sub(region.staging_total())
-        .saturating_add(idle_elsewhere);
+    // And nothing when a swap-out was refused for want of staging since this process last
+    // looked: the swap takes whole chunks, which the budget's bytes left may not hold (the
+    // unstall's asks were refused and would be for ever).
+    static SEEN_REFUSALS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let refusals = region.swap_refusals();
+    let swap_room = if SEEN_REFUSALS.swap(refusals, Ordering::SeqCst) != refusals {
+        0
+    } else {
+        region
+            .staging_budget()
+            .saturating_sub(region.staging_total())
+            .saturating_add(idle_elsewhere)
+    };
     tenant_abi::reclaim::stuck(
         &region.holders(),
         &waiters,

@@ -1,0 +1,433 @@
+//! A simulation of the GPU's line (docs/design/elastic-memory.md, "The line") on a real board
+//! region: jobs of several tenants grow piece by piece past their requests, run, and exit, acting
+//! in turn as the interposer acts for a process (the model below names the interposer's step each
+//! action stands for). It checks what no single test pins down: the capacity is never passed,
+//! every job ends within a bound (nobody waits for ever), and when the requests fit the GPU and
+//! the swap space holds what the jobs may have out, every job finishes (the line refuses nobody).
+//!
+//! The model is coarse on purpose (one process per tenant, no hint helpers, staging released when
+//! a chunk comes back, every action instant): it checks the rules, not the interposer's code.
+
+use super::*;
+use crate::ledger::test_liveness::Fake;
+use crate::reclaim;
+use proptest::prelude::*;
+
+/// A unit of memory (the sizes below are in units).
+const U: u64 = 1 << 20;
+/// One turn of the simulation in the board's clock.
+const TURN_NS: u64 = 10_000_000;
+/// Turns a borrow waits while the line is stuck before it is refused (`line::STUCK_GRACE`, 2 s).
+const STUCK_TURNS: u32 = 200;
+/// Turns a within-request allocation waits for a reclaim before it is refused
+/// (`RECLAIM_WAIT_MAX_MS`, 5 s).
+const RECLAIM_TURNS: u32 = 500;
+/// How often a waiter looks at its line (`line::UNSTALL_EVERY`, 1 s).
+const UNSTALL_TURNS: u64 = 100;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum State {
+    Growing,
+    Running(u32),
+    Done,
+    /// Refused: a within-request allocation whose reclaim did not come, or the last borrow of a
+    /// stuck line.
+    Failed(&'static str),
+}
+
+#[derive(Debug, Clone)]
+struct Job {
+    tenant: usize,
+    name: String,
+    request: u64,
+    slot: usize,
+    pid: u32,
+    pieces: Vec<u64>,
+    run: u32,
+    within: u64,
+    resident: Vec<u64>,
+    out: Vec<u64>,
+    staging: u64,
+    state: State,
+    /// Since when it waits in line (the board's clock), and whether for a borrow.
+    waiting: Option<u64>,
+    refused_once: bool,
+    reclaim_turns: u32,
+    stuck_turns: u32,
+    seen_refusals: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Spec {
+    request: u64,
+    peak_pieces: Vec<u64>,
+    run: u32,
+    start: u64,
+}
+
+struct Outcome {
+    /// Each job as it ended, and the line: what a failure shows.
+    end: String,
+    done: usize,
+    failed: Vec<(String, &'static str)>,
+    turns: u64,
+}
+
+fn simulate(capacity: u64, staging: u64, specs: &[Spec], turns_max: u64) -> Outcome {
+    let region = Region::new_boxed();
+    region.initialise();
+    region.set_capacity(capacity);
+    region.set_staging_budget(staging);
+    let live = Fake::with(&[]);
+    let board = Board::new(&region, &live);
+    let mut jobs: Vec<Option<Job>> = vec![None; specs.len()];
+    let mut turn = 0u64;
+    loop {
+        let now = (turn + 1) * TURN_NS;
+        for (i, spec) in specs.iter().enumerate() {
+            if jobs[i].is_none() && spec.start <= turn {
+                let name = format!("t{i}");
+                let limit = spec.peak_pieces.iter().sum::<u64>().max(spec.request);
+                let tenant = region
+                    .set_tenant(&TenantSpec {
+                        name: name.clone(),
+                        request_bytes: spec.request,
+                        limit_bytes: limit,
+                        priority: 0,
+                        guaranteed: true,
+                    })
+                    .unwrap();
+                let pid = 100 + i as u32;
+                live.add(pid);
+                let slot = board.claim_slot(pid, 1, tenant).unwrap();
+                jobs[i] = Some(Job {
+                    tenant,
+                    name,
+                    request: spec.request,
+                    slot,
+                    pid,
+                    pieces: spec.peak_pieces.iter().rev().copied().collect(),
+                    run: spec.run,
+                    within: 0,
+                    resident: Vec::new(),
+                    out: Vec::new(),
+                    staging: 0,
+                    state: State::Growing,
+                    waiting: None,
+                    refused_once: false,
+                    reclaim_turns: 0,
+                    stuck_turns: 0,
+                    seen_refusals: 0,
+                });
+            }
+        }
+        for job in jobs.iter_mut().flatten() {
+            step(&region, &board, &live, job, now, turn);
+            assert!(
+                region.resident_total() <= capacity,
+                "turn {turn}: {} resident on a GPU of {capacity}",
+                region.resident_total()
+            );
+        }
+        turn += 1;
+        let started = jobs.iter().all(Option::is_some);
+        let ended = jobs
+            .iter()
+            .flatten()
+            .all(|j| matches!(j.state, State::Done | State::Failed(_)));
+        if (started && ended) || turn >= turns_max {
+            break;
+        }
+    }
+    let all: Vec<&Job> = jobs.iter().flatten().collect();
+    let end = format!(
+        "{:?}; waiters {:?}; free {}",
+        all.iter()
+            .map(|j| (
+                j.name.clone(),
+                j.state.clone(),
+                j.within / U,
+                j.resident.iter().sum::<u64>() / U,
+                j.out.iter().sum::<u64>() / U,
+                j.pieces.len(),
+                j.waiting.is_some()
+            ))
+            .collect::<Vec<_>>(),
+        region.waiters(),
+        region.free() / U
+    );
+    Outcome {
+        end,
+        done: all.iter().filter(|j| j.state == State::Done).count(),
+        failed: all
+            .iter()
+            .filter_map(|j| match j.state {
+                State::Failed(why) => Some((j.name.clone(), why)),
+                _ => None,
+            })
+            .collect(),
+        turns: turn,
+    }
+}
+
+fn step(
+    region: &Region,
+    board: &Board<'_, &Fake>,
+    live: &Fake,
+    job: &mut Job,
+    now: u64,
+    turn: u64,
+) {
+    if let State::Failed(_) = job.state
+        && live.contains(job.pid)
+    {
+        // A refusal is an out-of-memory error in the job, which ends it: the OS frees what it
+        // held, the board learns it from the dead slot.
+        live.kill(job.pid);
+        board.reclaim_dead(0);
+    }
+    if matches!(job.state, State::Done | State::Failed(_)) {
+        return;
+    }
+    // `poll_swap`: a want on the tenant is met from resident borrowed chunks, largest first,
+    // within the staging budget.
+    let want = board.take_want(job.tenant);
+    if want > 0 {
+        job.resident.sort_unstable();
+        let mut given = 0;
+        while given < want {
+            let Some(&size) = job.resident.last() else {
+                break;
+            };
+            if !board.reserve_staging(job.slot, size) {
+                board.swap_refused();
+                break;
+            }
+            job.resident.pop();
+            job.out.push(size);
+            job.staging += size;
+            given += size;
+        }
+        if given > 0 {
+            board.swapped_out(job.slot, given);
+        }
+    }
+    // The hold rule: with a chunk out, nothing runs or grows until all are back (`take_back`;
+    // the held wait in line, `wait_in_line`).
+    if !job.out.is_empty() {
+        let total: u64 = job.out.iter().sum();
+        if region.room_in_line(job.slot, total, now) && board.swap_in(job.slot, total) {
+            job.resident.append(&mut job.out);
+            board.release_staging(job.slot, job.staging);
+            job.staging = 0;
+            board.stop_waiting(job.slot);
+            job.waiting = None;
+        } else {
+            let since = *job.waiting.get_or_insert(now);
+            board.wait(job.slot, total, false, since);
+            look_at_the_line(region, board, job, turn);
+        }
+        return;
+    }
+    match job.state {
+        State::Growing => grow(region, board, job, now, turn),
+        State::Running(0) => {
+            // Exits: the OS frees everything; the board learns it from the dead slot.
+            live.kill(job.pid);
+            board.reclaim_dead(0);
+            job.state = State::Done;
+        }
+        State::Running(left) => job.state = State::Running(left - 1),
+        State::Done | State::Failed(_) => {}
+    }
+}
+
+fn grow(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, now: u64, turn: u64) {
+    let Some(&piece) = job.pieces.last() else {
+        board.stop_waiting(job.slot);
+        job.waiting = None;
+        job.state = State::Running(job.run);
+        return;
+    };
+    if job.resident.is_empty() && job.within + piece <= job.request {
+        // Within the request: granted, or the borrowers are asked and it waits (`reclaimed`).
+        match board.reserve(job.slot, piece) {
+            Ok(_) => {
+                job.within += piece;
+                job.pieces.pop();
+                job.reclaim_turns = 0;
+                board.refresh_claim(job.tenant, now);
+            }
+            Err(Refusal::NeedsReclaim { .. }) => {
+                if job.reclaim_turns == 0 {
+                    let holders = region.holders();
+                    let owed = reclaim::owed(&holders, &job.name, piece);
+                    let asks = reclaim::plan(&holders, &job.name, owed, region.free()).unwrap();
+                    for (name, bytes) in &asks {
+                        board.post_want(region.find(name).unwrap(), *bytes);
+                    }
+                    if !asks.is_empty() {
+                        board.claim(job.tenant, owed, now);
+                    }
+                }
+                job.reclaim_turns += 1;
+                if job.reclaim_turns > RECLAIM_TURNS {
+                    job.state = State::Failed("within its request, the reclaim did not come");
+                }
+            }
+            Err(e) => panic!("{}: within-request piece refused: {e:?}", job.name),
+        }
+        return;
+    }
+    // A borrow (`borrow_in_line`): granted when there is room beside the claims and the
+    // waiters ahead; else refused once at once (the caching allocator frees and retries), then
+    // it waits in line.
+    if region.room_in_line(job.slot, piece, now) {
+        match board.reserve(job.slot, piece) {
+            Ok(_) => {
+                job.resident.push(piece);
+                job.pieces.pop();
+                board.stop_waiting(job.slot);
+                job.waiting = None;
+                job.stuck_turns = 0;
+                return;
+            }
+            Err(Refusal::OverLimit { .. }) => {
+                panic!("{}: the limit is the sum of its pieces", job.name)
+            }
+            Err(_) => {}
+        }
+    }
+    if !job.refused_once {
+        job.refused_once = true;
+        return;
+    }
+    let since = *job.waiting.get_or_insert(now);
+    board.wait(job.slot, piece, true, since);
+    look_at_the_line(region, board, job, turn);
+    if job.stuck_turns > STUCK_TURNS {
+        board.stop_waiting(job.slot);
+        job.state = State::Failed("the last borrow of a stuck line");
+    }
+}
+
+/// Once a [`UNSTALL_TURNS`]: dead slots go, the first in line asks the other waiters' tenants
+/// (`reclaim::unstall`), and a stuck line refuses its last borrow after [`STUCK_TURNS`].
+fn look_at_the_line(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, turn: u64) {
+    if turn % UNSTALL_TURNS != job.slot as u64 % UNSTALL_TURNS {
+        if job.stuck_turns > 0 {
+            job.stuck_turns += 1;
+        }
+        return;
+    }
+    board.reclaim_dead(0);
+    let waiters = region.waiters();
+    let Some(first) = waiters.iter().min_by(|a, b| reclaim::line_order(a, b)) else {
+        return;
+    };
+    let room = region.free_in_line(first.slot, 0);
+    if first.slot == job.slot {
+        for (name, bytes) in reclaim::unstall(&region.holders(), &waiters, room) {
+            board.post_want(region.find(&name).unwrap(), bytes);
+        }
+    }
+    // As `refused_by_stuck_line`: nothing when a swap-out was refused for staging since the
+    // last look.
+    let refusals = region.swap_refusals();
+    let swap_room = if std::mem::replace(&mut job.seen_refusals, refusals) != refusals {
+        0
+    } else {
+        region
+            .staging_budget()
+            .saturating_sub(region.staging_total())
+    };
+    let stuck = reclaim::stuck(
+        &region.holders(),
+        &waiters,
+        room,
+        swap_room,
+        region.every_holder_waits(),
+    );
+    if stuck == Some(job.slot) {
+        job.stuck_turns = job.stuck_turns.max(1);
+    } else {
+        job.stuck_turns = 0;
+    }
+}
+
+fn jobs() -> impl Strategy<Value = (u64, Vec<Spec>)> {
+    // A GPU of 16 to 48 units; 2 to 4 jobs with requests that together fit it, peaks of up to
+    // the whole GPU in pieces of 1 to 4 units, runs of 0 to 300 turns, arrivals within 200.
+    (16u64..=48, 2usize..=4).prop_flat_map(|(capacity, n)| {
+        let job = (
+            1u64..=capacity / n as u64,
+            proptest::collection::vec(1u64..=4, 1..=16),
+            0u32..=300,
+            0u64..=200,
+        );
+        (
+            Just(capacity),
+            proptest::collection::vec(job, n).prop_map(move |jobs| {
+                jobs.into_iter()
+                    .map(|(request, pieces, run, start)| {
+                        // At most the GPU in all (a job larger than the GPU never fits).
+                        let mut total = 0;
+                        let peak_pieces: Vec<u64> = pieces
+                            .into_iter()
+                            .take_while(|p| {
+                                total += p;
+                                total <= capacity
+                            })
+                            .map(|p| p * U)
+                            .collect();
+                        Spec {
+                            request: request * U,
+                            peak_pieces,
+                            run,
+                            start,
+                        }
+                    })
+                    .collect()
+            }),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, max_shrink_iters: 64, .. ProptestConfig::default() })]
+
+    /// With requests that fit and a swap space that holds every job's peak, every job finishes:
+    /// nobody is refused, nobody waits for ever. FAILS today (nineteenth session): rule 6 refuses
+    /// the last borrow in line when the first waiter can only be served by memory others hold
+    /// within their requests, even when that last borrow could be served by swapping the first
+    /// waiter's borrowed memory out (the line never skips a first waiter it cannot serve).
+    /// Ignored until the line learns to skip; run it with `--ignored`.
+    #[test]
+    #[ignore = "finding: rule 6 refuses a borrow the line could serve by skipping its first"]
+    fn with_room_for_the_requests_and_the_swap_every_job_finishes((capacity, specs) in jobs()) {
+        let peaks: u64 = specs.iter().map(|s| s.peak_pieces.iter().sum::<u64>()).sum();
+        let outcome = simulate(capacity * U, peaks, &specs, 20_000);
+        prop_assert!(
+            outcome.failed.is_empty() && outcome.done == specs.len(),
+            "{} of {} done after {} turns; failed: {:?}; end {}; jobs: {:?}",
+            outcome.done, specs.len(), outcome.turns, outcome.failed, outcome.end, specs
+        );
+    }
+
+    /// With a swap space too small, jobs may be refused, but every job ends (done or refused with
+    /// a reason) within the bound: the line never hangs. FAILS today in about one run of three
+    /// at 256 cases (nineteenth session): a held waiter first in line and a borrower behind it
+    /// wait for ever with 2 units free (not yet understood: the model or rule 6). Ignored until
+    /// then; run it with `--ignored`.
+    #[test]
+    #[ignore = "finding: a rare hang of a held first waiter and a borrower, not yet understood"]
+    fn with_a_small_swap_space_every_job_still_ends((capacity, specs) in jobs(), staging in 0u64..8) {
+        let outcome = simulate(capacity * U, staging * U, &specs, 20_000);
+        prop_assert_eq!(
+            outcome.done + outcome.failed.len(),
+            specs.len(),
+            "after {} turns: {} done, failed {:?}; end {}; jobs {:?}",
+            outcome.turns, outcome.done, outcome.failed, outcome.end, specs
+        );
+    }
+}
