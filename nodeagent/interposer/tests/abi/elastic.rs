@@ -599,9 +599,9 @@ fn a_launch_and_a_copy_wait_while_a_chunk_is_out_and_see_its_contents() {
     assert!(!err.contains("refused"), "{err}");
 }
 
-/// A want is acted on at a kernel launch (the borrower calls nothing else into the driver), and
-/// only after the borrower's queued work finished: "a" queued a 1.5 s kernel before the want
-/// came, and the fake counts an unmap while a kernel of the process runs (`busy_unmaps`).
+/// A want is acted on (at a kernel launch, or by the swap's watcher while the borrower calls
+/// nothing) only after the borrower's queued work finished: "a" queued a 1.5 s kernel before the
+/// want came, and the fake counts an unmap while a kernel of the process runs (`busy_unmaps`).
 #[test]
 fn a_want_is_met_at_a_launch_after_the_queued_work_drained() {
     let shm = shm_dir();
@@ -624,9 +624,9 @@ fn a_want_is_met_at_a_launch_after_the_queued_work_drained() {
         file("b-has"),
         file("test-go")
     ));
-    // "b" asked "a" (tenant 0) for its memory; "a" is not calling the driver (until_file).
-    until(|| want_on(&board, 0) != 0, "b's want on a");
-    assert_eq!(usage(&board, "a").swapped_bytes, 0);
+    // "b" asks "a" (tenant 0) for its memory. "a" may be calling nothing (until_file): its
+    // swap watcher takes the want within milliseconds (so the want is not waited for here: a
+    // poll missed it under load), and either way the move waits for the 1.5 s kernel.
     std::fs::write(shm.path().join("b-asked"), "").expect("touching b-asked");
     b.wait_for_line("touch 0");
     assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
