@@ -1081,17 +1081,7 @@ impl Enforcer {
         if !self.want_posted() && !swap::any_out() {
             return;
         }
-        let mut process = match self.process.try_lock() {
-            Ok(process) => process,
-            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return,
-        };
-        if process.pid != std::process::id() {
-            // Not this process's state (a child after `fork` that has not called a hook yet).
-            return;
-        }
-        // The copies need a current context on this thread: one the chunks were allocated in.
-        let Some(&context) = process.chunk_contexts.iter().next() else {
+        let Some((mut process, context)) = self.watched_process() else {
             return;
         };
         if !devices.make_current(context) {
@@ -1100,6 +1090,23 @@ impl Enforcer {
         for (device, board, board_slot) in self.board_slots(&process) {
             self.poll_swap(devices, board, (device, board_slot), &mut process);
         }
+    }
+
+    /// The process's state for the watcher thread, if it is free now (the watcher never waits
+    /// for the application's calls), this process's (not a child's after `fork` that has not
+    /// called a hook yet), and with a context its chunks were allocated in: the one to make
+    /// current for the copies.
+    fn watched_process(&self) -> Option<(MutexGuard<'_, Process>, usize)> {
+        let process = match self.process.try_lock() {
+            Ok(process) => process,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        if process.pid != std::process::id() {
+            return None;
+        }
+        let context = *process.chunk_contexts.iter().next()?;
+        Some((process, context))
     }
 
     /// Staging pinned ahead for this process's resident borrowed chunks, once a
@@ -1122,15 +1129,7 @@ impl Enforcer {
             std::sync::atomic::Ordering::Relaxed,
         );
         let (context, plans) = {
-            let process = match self.process.try_lock() {
-                Ok(process) => process,
-                Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => return,
-            };
-            if process.pid != std::process::id() {
-                return;
-            }
-            let Some(&context) = process.chunk_contexts.iter().next() else {
+            let Some((process, context)) = self.watched_process() else {
                 return;
             };
             let plans: Vec<_> = self

@@ -1,15 +1,16 @@
-//! The swap's pinned host staging, kept and reused within the process (issue 17, "Swap at the
-//! speed of the link"). Pinning fresh host memory for every chunk (`cuMemHostAlloc`) and freeing
-//! it when the chunk came back (`cuMemFreeHost`) was the suspected cost of the first reclaim on an
-//! H200 (6 GiB in 4.07 s, about 0.68 s a round): so a buffer whose chunk came back, or was freed
-//! while out, goes to a per-GPU pool of this process, and a later swap-out takes the smallest
-//! pooled buffer that holds its chunk (a chunk may use a larger buffer) before it pins anything.
+//! The swap's pinned host staging, pinned fast, ahead, and kept and reused within the process
+//! (issue 17, "Swap at the speed of the link"). Pinning was 99% of the first reclaims on an H200
+//! (`cuMemHostAlloc` at 1.6 GB/s): so new staging is huge-page memory touched by several threads
+//! and registered ([`pin`], about 14 GB/s), a borrower's watcher pins it ahead for its resident
+//! borrowed chunks ([`warm`]), and a buffer whose chunk came back, or was freed while out, goes
+//! to a per-GPU pool of this process: a later swap-out takes the smallest pooled buffer that
+//! holds its chunk (a chunk may use a larger buffer) before it pins anything.
 //!
 //! **Accounting stays exact:** every buffer this process holds, pooled or holding a chunk's bytes,
 //! is reserved for its whole size on its GPU's board as staging of this process's slot
 //! (`Board::reserve_staging`), from its pinning until it is really freed, so what the board says
 //! this process stages is what it has pinned, and the node's `swap_host_memory` bounds the pool.
-//! A pooled buffer is really freed (`cuMemFreeHost`, then `Board::release_staging`):
+//! A pooled buffer is really freed (unpinned, then `Board::release_staging`):
 //! - when no swap-out reused it for [`IDLE_MAX_MS_DEFAULT`] (`VGPU_MEMORY_STAGING_IDLE_MS`),
 //!   looked at by the process's next swap call or allocation ([`trim`]);
 //! - when the budget has no room for a chunk that no pooled buffer fits: idle buffers, largest
@@ -308,7 +309,8 @@ fn can_host_alloc(driver: &Driver) -> bool {
 /// threads and 0.17 s to register, against 2.7 s for `cuMemHostAlloc`, which pins page by page
 /// and zeroes on one thread. `cuMemHostAlloc` when the driver lacks registration or refuses it.
 fn pin(driver: &Driver, size: usize) -> Result<Buffer, CUresult> {
-    if let (Some(register), true) = (driver.fns.mem_host_register, can_register(driver))
+    if let (Some(register), Some(_)) =
+        (driver.fns.mem_host_register, driver.fns.mem_host_unregister)
         && let Some(host) = map_touched(size)
     {
         // SAFETY: `host..host + size` is a private mapping made by `map_touched`, owned by this
@@ -385,9 +387,7 @@ fn map_touched(size: usize) -> Option<usize> {
 /// registration touches nothing.
 fn touch_on() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var(tenant_abi::env::var::MEMORY_STAGING_TOUCH).map_or(true, |v| v.trim() != "0")
-    })
+    *ON.get_or_init(|| not_off(tenant_abi::env::var::MEMORY_STAGING_TOUCH))
 }
 
 /// Writes one byte of every page of `host..host + size` (a mapping of this module), on up to
@@ -439,9 +439,12 @@ fn unmap(host: usize, size: usize) {
 /// `VGPU_MEMORY_STAGING_WARM=0` (read once).
 pub fn warm_on() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var(tenant_abi::env::var::MEMORY_STAGING_WARM).map_or(true, |v| v.trim() != "0")
-    })
+    *ON.get_or_init(|| not_off(tenant_abi::env::var::MEMORY_STAGING_WARM))
+}
+
+/// Whether the switch `name` is on: unless it says `0`.
+fn not_off(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| v.trim() != "0")
 }
 
 /// Held by [`warm`] while it pins a buffer: a swap-out that needs staging meanwhile waits for

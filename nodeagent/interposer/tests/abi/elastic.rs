@@ -1081,15 +1081,10 @@ fn a_borrow_beside_another_tenants_claim_waits_in_line_for_it() {
     assert_eq!(b.output, "until_file 0\nalloc 0\ntouch 0\n");
     assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
     // "c"'s borrow of 4 MiB finds the 6 free held for "b": refused once, its retry waits.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while usage(&board, "c").waiting_processes == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "c does not wait in line: {:?}",
-            usage(&board, "c")
-        );
-        std::thread::yield_now();
-    }
+    until(
+        || usage(&board, "c").waiting_processes != 0,
+        "c to wait in line",
+    );
     // "b" exits: its claim holds nothing any more, and "c" gets its 4 MiB.
     drop(b);
     c.wait_held();
@@ -1125,15 +1120,10 @@ fn a_borrowers_staging_is_pinned_ahead_and_the_reclaim_pins_nothing() {
             file("b-done")
         ));
     // The watcher pins 8 MiB (its chunk; half the budget is 8 MiB) within its first looks.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while usage(&board, "a").staging_bytes != 8 * MIB {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no staging pinned ahead within 10 s: {:?}",
-            usage(&board, "a")
-        );
-        std::thread::yield_now();
-    }
+    until(
+        || usage(&board, "a").staging_bytes == 8 * MIB,
+        "8 MiB of staging pinned ahead",
+    );
     let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
         "until_file {} alloc 8M free touch {}",
         file("a-ready"),
