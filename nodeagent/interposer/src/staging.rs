@@ -12,7 +12,8 @@
 //! this process stages is what it has pinned, and the node's `swap_host_memory` bounds the pool.
 //! A pooled buffer is really freed (unpinned, then `Board::release_staging`):
 //! - when no swap-out reused it for [`IDLE_MAX_MS_DEFAULT`] (`VGPU_MEMORY_STAGING_IDLE_MS`),
-//!   looked at by the process's next swap call or allocation ([`trim`]);
+//!   looked at by the process's next swap call or allocation ([`trim`]), unless it is kept warm
+//!   for a resident borrowed chunk ([`Pool::plan_warm`]);
 //! - when the budget has no room for a chunk that no pooled buffer fits: idle buffers, largest
 //!   first, make room before the swap-out is refused ([`acquire`]);
 //! - never at exit: the OS frees a dead process's pinned memory, and the board's dead-slot reclaim
