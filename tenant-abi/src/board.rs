@@ -41,7 +41,9 @@
 //! not in line is behind every waiter). A wait within a request is not in line: it reclaims
 //! (above). Waiters that hold borrowed memory while they wait are stalled anyway, so the first
 //! in line may ask them for it (`reclaim::unstall`): two borrowers that each wait for the memory
-//! the other holds do not wait for ever.
+//! the other holds do not wait for ever. A waiter the line cannot serve is passed over
+//! (`reclaim::served`) and holds no room ahead of the others; one that gave memory back while it
+//! waited goes to the back of the line ([`Board::requeue`]).
 //!
 //! The file starts zeroed; a zero capacity lends nothing and refuses everything, and a zero
 //! staging budget swaps nothing, so a board the agent has not written yet is safe.
@@ -514,16 +516,46 @@ impl Region {
             .collect()
     }
 
-    /// Bytes the waiters ahead of `slot` in the line wait for: every waiter's, if `slot` is not
-    /// in line.
-    pub fn ahead_in_line(&self, slot: usize) -> u64 {
+    /// What is free for `tenant` at `now_ns`, the line aside: the capacity less what every slot
+    /// holds and what other tenants' claims hold. The line serves its waiters from it
+    /// (`reclaim::served`).
+    pub fn free_beside_claims(&self, tenant: usize, now_ns: u64) -> u64 {
+        self.capacity()
+            .saturating_sub(self.resident_total())
+            .saturating_sub(self.claimed_by_others(tenant, now_ns))
+    }
+
+    /// The waiter the line serves at `now_ns` (`reclaim::served`, rule 7: the first in line that
+    /// it can serve), with the line it was chosen from.
+    pub fn served(&self, now_ns: u64) -> (Option<Waiter>, Vec<Waiter>) {
+        let waiters = self.waiters();
+        let holders = self.holders();
+        let served = crate::reclaim::served(&holders, &waiters, |w| {
+            self.free_beside_claims(self.slots[w.slot].tenant.load(SeqCst) as usize, now_ns)
+        })
+        .cloned();
+        (served, waiters)
+    }
+
+    /// Bytes the waiters ahead of `slot` in the line wait for (every waiter's, if `slot` is not
+    /// in line), counting only those the line serves (`reclaim::line_serves`): a waiter passed
+    /// over holds no room ahead of others (rule 7).
+    pub fn ahead_in_line(&self, slot: usize, now_ns: u64) -> u64 {
         let waiters = self.waiters();
         let me = waiters.iter().find(|w| w.slot == slot);
-        waiters
-            .iter()
-            .filter(|w| w.slot != slot)
-            .filter(|w| me.is_none_or(|me| crate::reclaim::line_order(w, me).is_lt()))
-            .fold(0u64, |sum, w| sum.saturating_add(w.bytes))
+        if waiters.iter().all(|w| {
+            w.slot == slot || me.is_some_and(|me| !crate::reclaim::line_order(w, me).is_lt())
+        }) {
+            return 0;
+        }
+        let holders = self.holders();
+        crate::reclaim::line_serves(&holders, &waiters, |w| {
+            self.free_beside_claims(self.slots[w.slot].tenant.load(SeqCst) as usize, now_ns)
+        })
+        .into_iter()
+        .filter(|w| w.slot != slot)
+        .filter(|w| me.is_none_or(|me| crate::reclaim::line_order(w, me).is_lt()))
+        .fold(0u64, |sum, w| sum.saturating_add(w.bytes))
     }
 
     /// Whether `bytes` more fit for the process of `slot` (a borrow, or a swap-in) beside what
@@ -533,7 +565,7 @@ impl Region {
         let tenant = self.slots[slot].tenant.load(SeqCst) as usize;
         self.resident_total()
             .saturating_add(self.claimed_by_others(tenant, now_ns))
-            .saturating_add(self.ahead_in_line(slot))
+            .saturating_add(self.ahead_in_line(slot, now_ns))
             .saturating_add(bytes)
             <= self.capacity()
     }
@@ -545,7 +577,7 @@ impl Region {
         self.capacity()
             .saturating_sub(self.resident_total())
             .saturating_sub(self.claimed_by_others(tenant, now_ns))
-            .saturating_sub(self.ahead_in_line(slot))
+            .saturating_sub(self.ahead_in_line(slot, now_ns))
     }
 
     /// The tenants as the reclaim planner sees them.
@@ -863,6 +895,28 @@ impl<'r, L: Liveness> Board<'r, L> {
         let _ = me
             .wait_since_ns
             .compare_exchange(0, since_ns.max(1), SeqCst, SeqCst);
+    }
+
+    /// The process of `slot` gave memory back while it stood in line (a want it met by a
+    /// swap-out): it goes to the back of the line, with the place `now_ns` (rule 7 of
+    /// `reclaim`). The line may have passed over it and asked it for memory for a waiter behind
+    /// it; kept in front, it would take that memory straight back (its swap-in fits once the
+    /// chunk is out) and the one it gave to would never get it. Nothing when it is not in line.
+    pub fn requeue(&self, slot: usize, now_ns: u64) {
+        let me = &self.region.slots[slot];
+        let since = me.wait_since_ns.load(SeqCst);
+        if since != 0 {
+            let _ = me
+                .wait_since_ns
+                .compare_exchange(since, now_ns.max(since), SeqCst, SeqCst);
+        }
+    }
+
+    /// The place of `slot` in the GPU's line (since when it waits, CLOCK_MONOTONIC ns), if it
+    /// stands in it: what a process keeps for its next wait (a [`Board::requeue`] moves it).
+    pub fn wait_since(&self, slot: usize) -> Option<u64> {
+        let since = self.region.slots[slot].wait_since_ns.load(SeqCst);
+        (since != 0).then_some(since)
     }
 
     /// The process of `slot` no longer waits: it leaves the line.

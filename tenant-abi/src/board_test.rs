@@ -557,10 +557,10 @@ fn room_goes_to_the_line_in_order_and_a_dead_waiter_leaves_it() {
     // "b" waits for 1 first, then "a" for 3.
     board.wait(sb, GIB, true, 100);
     board.wait(sa, 3 * GIB, false, 200);
-    assert_eq!(region.ahead_in_line(sb), 0);
-    assert_eq!(region.ahead_in_line(sa), GIB);
+    assert_eq!(region.ahead_in_line(sb, 0), 0);
+    assert_eq!(region.ahead_in_line(sa, 0), GIB);
     assert_eq!(
-        region.ahead_in_line(sc),
+        region.ahead_in_line(sc, 0),
         4 * GIB,
         "a newcomer is behind everyone"
     );
@@ -592,14 +592,24 @@ fn room_goes_to_the_line_in_order_and_a_dead_waiter_leaves_it() {
     );
     // The first is unstalled by the other waiter's borrowed memory, not by the runner "c".
     assert!(
-        reclaim::unstall(&region.holders(), &waiters, region.free_in_line(sb, 0)).is_empty(),
+        reclaim::unstall(
+            &region.holders(),
+            &waiters,
+            first,
+            region.free_in_line(sb, 0)
+        )
+        .is_empty(),
         "2 free cover b's 2: nothing to ask"
     );
     board.wait(sb, 4 * GIB, true, 300);
+    let (served, waiters) = region.served(0);
+    let served = served.expect("a's borrowed 5 can serve b's 4");
+    assert_eq!(served.slot, sb);
     assert_eq!(
         reclaim::unstall(
             &region.holders(),
-            &region.waiters(),
+            &waiters,
+            &served,
             region.free_in_line(sb, 0)
         ),
         vec![("a".to_owned(), 2 * GIB)]
@@ -611,11 +621,23 @@ fn room_goes_to_the_line_in_order_and_a_dead_waiter_leaves_it() {
     board.release(sc, 1);
     // "b" is served and leaves the line; "a" dies while waiting: the line is empty.
     board.stop_waiting(sb);
-    assert_eq!(region.ahead_in_line(sc), 3 * GIB);
+    assert_eq!(
+        region.ahead_in_line(sc, 0),
+        0,
+        "a waits for 3 with 2 free while b runs: passed over, it holds no room (rule 7)"
+    );
+    assert_eq!(region.served(0).0, None);
+    board.release(sb, 2 * GIB);
+    assert_eq!(
+        region.ahead_in_line(sc, 0),
+        3 * GIB,
+        "4 free: a is served again"
+    );
+    assert_eq!(region.served(0).0.map(|w| w.slot), Some(sa));
     live.kill(10);
     assert_eq!(board.reclaim_dead(30), 1);
     assert!(region.waiters().is_empty());
-    assert_eq!(region.ahead_in_line(sc), 0);
+    assert_eq!(region.ahead_in_line(sc, 0), 0);
     // A slot claimed afresh is not in line.
     let again = board.claim_slot(40, 1, index("a")).unwrap();
     assert_eq!(region.slots[again].wait_since_ns.load(SeqCst), 0);

@@ -28,8 +28,20 @@
 //!    anyway, so giving it costs them nothing they would do meanwhile; without it two borrowers
 //!    each waiting for the other's memory would wait for ever. A tenant that runs is never asked
 //!    for a waiter: its memory comes when it frees it (a later turn, or its end).
-//! 6. A line that cannot move ([`stuck`]: every process holding memory waits, and the first can
-//!    neither fit nor be unstalled) refuses its last borrow, never a wait for swapped-out memory.
+//! 6. A line that cannot move ([`stuck`]: every process holding memory waits, and the waiter it
+//!    serves can neither fit nor be unstalled, or it serves none) refuses its last borrow, never
+//!    a wait for swapped-out memory.
+//! 7. The line serves ([`line_serves`], [`served`]) its first waiter that it *can* serve: one
+//!    whose bytes fit in what is free for it (the line aside) plus what the other waiters'
+//!    tenants borrowed. A waiter that cannot be served even so (what it waits for is held within
+//!    requests, or by tenants that run) is passed over by the *borrows* behind it (not by waits
+//!    for swapped-out memory: see [`line_serves`]): it holds no room ahead of them
+//!    (`board::Region::ahead_in_line`) and may itself be asked to unstall the one served (it
+//!    waits anyway). Without the pass, such a first waiter made the line stuck and rule 6
+//!    refused a borrow that swapping the first's borrowed memory out would have served (the line
+//!    simulation, `line_sim_test`, found it). It is served again as soon as it can be: when
+//!    memory frees, or when the waiters around it borrowed enough to give. A process that gave
+//!    memory while it waited goes to the back of the line (`board::Board::requeue`).
 
 /// One tenant of the GPU, as the planner sees it (bytes).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,20 +86,76 @@ pub fn line_order(a: &Waiter, b: &Waiter) -> std::cmp::Ordering {
         .then(a.slot.cmp(&b.slot))
 }
 
-/// What the first waiter in line should ask the other waiters' tenants for (rule 5) when its
-/// bytes do not fit in `room` (what is free for it now): `(tenant, bytes)` pairs in rule 2's
-/// order, each at most what that tenant borrowed, in all at most the shortfall. Empty when the
-/// line is empty, the first fits, or no other waiter's tenant borrowed anything; never the
-/// first's own tenant, never a tenant with no process in line.
-pub fn unstall(holders: &[Holder], waiters: &[Waiter], room: u64) -> Vec<(String, u64)> {
-    let Some(first) = waiters.iter().min_by(|a, b| line_order(a, b)) else {
-        return Vec::new();
-    };
-    let stalled: std::collections::BTreeSet<&str> = waiters
+/// The waiters the line serves (rule 7), in [`line_order`]: each one whose bytes fit in
+/// `room_of(waiter)` (what is free for it, the line aside: the capacity less what every slot
+/// holds and other tenants' claims) plus what the other waiters' tenants borrowed ([`servable`]),
+/// except a wait for swapped-out memory behind a waiter passed over. Only a borrow is served past
+/// a waiter the line cannot serve: a borrow granted is progress (a job has one more piece), while
+/// bringing memory back for a process that then waits again could take turns for ever with the
+/// one passed over (two jobs whose peaks cannot be resident together swapped each other out and
+/// in: the line simulation found it). The first of them is the waiter [`unstall`] works for.
+pub fn line_serves<'w>(
+    holders: &[Holder],
+    waiters: &'w [Waiter],
+    room_of: impl Fn(&Waiter) -> u64,
+) -> Vec<&'w Waiter> {
+    let mut order: Vec<&Waiter> = waiters.iter().collect();
+    order.sort_by(|a, b| line_order(a, b));
+    let mut passed_over = false;
+    order
+        .into_iter()
+        .filter(|w| {
+            if !servable(holders, waiters, w, room_of(w)) {
+                passed_over = true;
+                return false;
+            }
+            w.borrow || !passed_over
+        })
+        .collect()
+}
+
+/// The waiter the line serves first (rule 7, [`line_serves`]); `None` when the line is empty
+/// or it can serve nobody.
+pub fn served<'w>(
+    holders: &[Holder],
+    waiters: &'w [Waiter],
+    room_of: impl Fn(&Waiter) -> u64,
+) -> Option<&'w Waiter> {
+    line_serves(holders, waiters, room_of).first().copied()
+}
+
+/// Whether the line can serve `waiter` (rule 7): its bytes fit in `room` plus what the other
+/// waiters' tenants borrowed.
+pub fn servable(holders: &[Holder], waiters: &[Waiter], waiter: &Waiter, room: u64) -> bool {
+    let others = stalled_by(waiters, waiter);
+    let lendable = holders
+        .iter()
+        .filter(|h| others.contains(h.name.as_str()))
+        .fold(0u64, |sum, h| sum.saturating_add(h.borrowed()));
+    waiter.bytes <= room.saturating_add(lendable)
+}
+
+/// The tenants of the waiters other than `first`'s tenant: those it may ask (rule 5).
+fn stalled_by<'w>(waiters: &'w [Waiter], first: &Waiter) -> std::collections::BTreeSet<&'w str> {
+    waiters
         .iter()
         .filter(|w| w.tenant != first.tenant)
         .map(|w| w.tenant.as_str())
-        .collect();
+        .collect()
+}
+
+/// What `first` (the waiter the line serves, [`served`]) should ask the other waiters' tenants
+/// for (rule 5) when its bytes do not fit in `room` (what is free for it now): `(tenant, bytes)`
+/// pairs in rule 2's order, each at most what that tenant borrowed, in all at most the
+/// shortfall. Empty when it fits, or no other waiter's tenant borrowed anything; never its own
+/// tenant, never a tenant with no process in line.
+pub fn unstall(
+    holders: &[Holder],
+    waiters: &[Waiter],
+    first: &Waiter,
+    room: u64,
+) -> Vec<(String, u64)> {
+    let stalled = stalled_by(waiters, first);
     let shortfall = first.bytes.saturating_sub(room);
     asks_in_giving_order(
         holders.iter().filter(|h| stalled.contains(h.name.as_str())),
@@ -117,27 +185,33 @@ fn asks_in_giving_order<'h>(
 
 /// Rule 6, a stuck line: the slot whose borrow is refused, if the line cannot move. It cannot
 /// when every process holding memory on the GPU is in line (`every_holder_waits`: nobody runs to
-/// free anything) and the first does not fit in `room` (what is free for it) even with all that
-/// [`unstall`] could move for it, which is at most `swap_room` (what the node's swap space can
-/// still take): for example when the requests fill the GPU and each tenant waits for more, or
-/// when the swap space is full. Then the last borrow in line is refused (out of memory), so that
-/// its process goes on without it, or ends and frees what it holds; a process waiting for its
-/// own swapped-out memory is never refused (that would be a kill). `None` when the line can
-/// move, or no waiter is a borrow.
+/// free anything) and either it serves nobody (`served` is `None`, [`served`]) or the waiter it
+/// serves does not fit in `room` (what is free for it) even with all that [`unstall`] could move
+/// for it, which is at most `swap_room` (what the node's swap space can still take): for example
+/// when the requests fill the GPU and each tenant waits for more, or when the swap space is
+/// full. Then the last borrow in line is refused (out of memory), so that its process goes on
+/// without it, or ends and frees what it holds; a process waiting for its own swapped-out memory
+/// is never refused (that would be a kill). `None` when the line can move, or no waiter is a
+/// borrow.
 pub fn stuck(
     holders: &[Holder],
     waiters: &[Waiter],
+    served: Option<&Waiter>,
     room: u64,
     swap_room: u64,
     every_holder_waits: bool,
 ) -> Option<usize> {
-    let first = waiters.iter().min_by(|a, b| line_order(a, b))?;
-    let movable = unstall(holders, waiters, room)
-        .iter()
-        .fold(0u64, |sum, (_, bytes)| sum.saturating_add(*bytes))
-        .min(swap_room);
-    if !every_holder_waits || first.bytes <= room.saturating_add(movable) {
+    if !every_holder_waits || waiters.is_empty() {
         return None;
+    }
+    if let Some(first) = served {
+        let movable = unstall(holders, waiters, first, room)
+            .iter()
+            .fold(0u64, |sum, (_, bytes)| sum.saturating_add(*bytes))
+            .min(swap_room);
+        if first.bytes <= room.saturating_add(movable) {
+            return None;
+        }
     }
     waiters
         .iter()
@@ -295,6 +369,65 @@ mod tests {
         );
     }
 
+    /// [`stuck`] with every waiter's room `room` (the waiter served from [`served`]).
+    fn stuck_at(
+        holders: &[Holder],
+        waiters: &[Waiter],
+        room: u64,
+        swap_room: u64,
+        every: bool,
+    ) -> Option<usize> {
+        let first = served(holders, waiters, |_| room);
+        stuck(holders, waiters, first, room, swap_room, every)
+    }
+
+    /// [`unstall`] for the first in line order (nothing for an empty line).
+    fn unstall_first(holders: &[Holder], waiters: &[Waiter], room: u64) -> Vec<(String, u64)> {
+        match waiters.iter().min_by(|a, b| line_order(a, b)) {
+            Some(first) => unstall(holders, waiters, first, room),
+            None => Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_line_passes_over_a_first_waiter_it_cannot_serve() {
+        // 16 GiB, requests of 6 and 6: "a" holds 6 + 3 borrowed and waits to borrow 6 more
+        // (first in line: nothing could ever make room for it while "b" holds its request);
+        // "b" holds its 6 and waits to borrow 2, which "a"'s borrowed 3 would serve.
+        let holders = [
+            holder("a", 6 * GIB, 9 * GIB, 0, false),
+            holder("b", 6 * GIB, 6 * GIB, 0, false),
+        ];
+        let waiters = [
+            waiter("a", 0, 10, 6 * GIB, 0),
+            waiter("b", 1, 20, 2 * GIB, 0),
+        ];
+        let room = GIB;
+        assert!(!servable(&holders, &waiters, &waiters[0], room));
+        let first = served(&holders, &waiters, |_| room).expect("b is served");
+        assert_eq!(first.tenant, "b");
+        assert_eq!(
+            unstall(&holders, &waiters, first, room),
+            vec![("a".to_owned(), GIB)]
+        );
+        // Not stuck: the line moves for "b"; before the pass it refused "b"'s borrow.
+        assert_eq!(
+            stuck(&holders, &waiters, Some(first), room, u64::MAX, true),
+            None
+        );
+        // Without swap room the served one cannot be unstalled: stuck, the last borrow refused.
+        assert_eq!(
+            stuck(&holders, &waiters, Some(first), room, 0, true),
+            Some(1)
+        );
+        // Nobody servable (a's borrowed memory gone): stuck.
+        let lean = [holder("a", 6 * GIB, 6 * GIB, 0, false), holders[1].clone()];
+        assert_eq!(served(&lean, &waiters, |_| room), None);
+        assert_eq!(stuck(&lean, &waiters, None, room, u64::MAX, true), Some(1));
+        // A first waiter that fits is served first, whatever comes after it.
+        assert_eq!(served(&holders, &waiters, |_| 6 * GIB).unwrap().tenant, "a");
+    }
+
     fn waiter(tenant: &str, slot: usize, since_ns: u64, bytes: u64, priority: i32) -> Waiter {
         Waiter {
             tenant: tenant.to_owned(),
@@ -324,36 +457,36 @@ mod tests {
             swapped("a", 0, 20),
             swapped("b", 1, 30),
         ];
-        assert_eq!(stuck(&holders, &waiters, 0, u64::MAX, true), Some(2));
+        assert_eq!(stuck_at(&holders, &waiters, 0, u64::MAX, true), Some(2));
         // Someone runs (and may free): not stuck. Room for the first, or something to unstall:
         // not stuck.
-        assert_eq!(stuck(&holders, &waiters, 0, u64::MAX, false), None);
-        assert_eq!(stuck(&holders, &waiters, 2 * GIB, u64::MAX, true), None);
+        assert_eq!(stuck_at(&holders, &waiters, 0, u64::MAX, false), None);
+        assert_eq!(stuck_at(&holders, &waiters, 2 * GIB, u64::MAX, true), None);
         let lending = [
             holder("a", 4 * GIB, 6 * GIB, 0, false),
             holders[1].clone(),
             holders[2].clone(),
         ];
-        assert_eq!(stuck(&lending, &waiters, 0, u64::MAX, true), None);
+        assert_eq!(stuck_at(&lending, &waiters, 0, u64::MAX, true), None);
         // ... unless the swap space cannot take what a would give: stuck again.
-        assert_eq!(stuck(&lending, &waiters, 0, GIB, true), Some(2));
-        assert_eq!(stuck(&lending, &waiters, GIB, GIB, true), None);
+        assert_eq!(stuck_at(&lending, &waiters, 0, GIB, true), Some(2));
+        assert_eq!(stuck_at(&lending, &waiters, GIB, GIB, true), None);
         // Less to unstall than the first needs (1 of 2 GiB borrowed, nothing free): stuck.
         let short = [
             holder("a", 4 * GIB, 5 * GIB, 0, false),
             holders[1].clone(),
             holders[2].clone(),
         ];
-        assert_eq!(stuck(&short, &waiters, 0, u64::MAX, true), Some(2));
+        assert_eq!(stuck_at(&short, &waiters, 0, u64::MAX, true), Some(2));
         // Only waits for swapped-out memory: nobody is refused.
-        assert_eq!(stuck(&holders, &waiters[1..], 0, u64::MAX, true), None);
+        assert_eq!(stuck_at(&holders, &waiters[1..], 0, u64::MAX, true), None);
         // Of two borrows, the last in line.
         let two = [
             waiter("c", 2, 10, 2 * GIB, 0),
             waiter("b", 1, 30, 2 * GIB, 0),
             swapped("a", 0, 20),
         ];
-        assert_eq!(stuck(&holders, &two, 0, u64::MAX, true), Some(1));
+        assert_eq!(stuck_at(&holders, &two, 0, u64::MAX, true), Some(1));
     }
 
     #[test]
@@ -370,24 +503,24 @@ mod tests {
             waiter("a", 0, 10, 4 * GIB, 0),
         ];
         assert_eq!(
-            unstall(&holders, &waiters, 0),
+            unstall_first(&holders, &waiters, 0),
             vec![("b".to_owned(), 4 * GIB)]
         );
         // Room for part of it: only the rest is asked.
         assert_eq!(
-            unstall(&holders, &waiters, 3 * GIB),
+            unstall_first(&holders, &waiters, 3 * GIB),
             vec![("b".to_owned(), GIB)]
         );
         // It fits: nothing; an empty line: nothing.
-        assert!(unstall(&holders, &waiters, 4 * GIB).is_empty());
-        assert!(unstall(&holders, &[], 0).is_empty());
+        assert!(unstall_first(&holders, &waiters, 4 * GIB).is_empty());
+        assert!(unstall_first(&holders, &[], 0).is_empty());
         // Higher priority goes first whatever the time: "b" at priority 1 asks "a".
         let waiters = [
             waiter("b", 1, 20, 4 * GIB, 1),
             waiter("a", 0, 10, 4 * GIB, 0),
         ];
         assert_eq!(
-            unstall(&holders, &waiters, 0),
+            unstall_first(&holders, &waiters, 0),
             vec![("a".to_owned(), 4 * GIB)]
         );
         // Its own tenant's other process in line is never asked.
@@ -395,7 +528,7 @@ mod tests {
             waiter("a", 1, 20, 4 * GIB, 0),
             waiter("a", 0, 10, 4 * GIB, 0),
         ];
-        assert!(unstall(&holders, &waiters, 0).is_empty());
+        assert!(unstall_first(&holders, &waiters, 0).is_empty());
     }
 
     fn line() -> impl Strategy<Value = Vec<Waiter>> {
@@ -418,7 +551,7 @@ mod tests {
             room in 0u64..20,
         ) {
             let room = room * GIB;
-            let asks = unstall(&holders, &waiters, room);
+            let asks = unstall_first(&holders, &waiters, room);
             let mut seen = std::collections::BTreeSet::new();
             for (name, take) in &asks {
                 let first = waiters.iter().min_by(|a, b| line_order(a, b)).unwrap();

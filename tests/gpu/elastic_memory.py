@@ -2,12 +2,16 @@
 caching allocator (cudaMalloc, so cuMemAlloc_v2: the path that borrows VMM-backed). Never
 allocates managed memory. Prints `RESULT {json}` last.
 
-  grow TARGET_BYTES LIMIT_BYTES READY STOP WAIT_S [tick]
+  grow TARGET_BYTES LIMIT_BYTES READY STOP WAIT_S [tick] [hint]
       holds 1 GiB tensors of random bytes until TARGET_BYTES are held (past the tenant's request),
       checksums them, tries once to go past LIMIT_BYTES (expected: refused), touches READY, waits
       (at most WAIT_S seconds) for STOP to exist, then checks the checksums again. With `tick`
       it launches a tiny kernel every 10 ms while it waits (a borrower that keeps working: the
       swap acts at its launches), counting the launches refused (held past the hold's bound).
+      With `hint` it starts vgpu's hint helper (`vgpu.torch.enable()`, deploy/python) and then
+      drops its second half of tensors before READY: PyTorch's caching allocator keeps their
+      blocks (reserved, not allocated), which the helper gives back by `empty_cache()` when
+      vgpu asks; only the first half is checksummed again.
   request BYTES [READY STOP WAIT_S]
       allocates BYTES in 1 GiB tensors and says how much it got, how long that took, and whether
       it got an out-of-memory error; with READY STOP WAIT_S it then touches READY and holds the
@@ -34,8 +38,17 @@ def checksum(tensor):
     return sum(int(piece.sum(dtype=torch.int64).item()) for piece in tensor.split(1 << 26))
 
 
-def grow(target, limit, ready, stop, wait_s, tick=False):
+def grow(target, limit, ready, stop, wait_s, tick=False, hint=False):
     result = {"info_start": info()}
+    if hint:
+        # deploy/python holds the helper (a tenant copies it next to its program)
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "deploy" / "python"))
+        import logging
+
+        import vgpu.torch
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        result["hint_helper"] = vgpu.torch.enable()
     held, sums = [], []
     error = None
     try:
@@ -58,6 +71,13 @@ def grow(target, limit, ready, stop, wait_s, tick=False):
     except torch.cuda.OutOfMemoryError:
         result["past_limit"] = "refused"
     torch.cuda.empty_cache()
+    if hint:
+        # The second half goes to PyTorch's cache: reserved, not allocated (what the helper frees).
+        keep = len(held) // 2
+        tensor = None  # the growing loop's last tensor, which would stay allocated
+        del held[keep:], sums[keep:]
+        torch.cuda.synchronize()
+        result["cached_bytes"] = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     result["info_held"] = info()
     counter = torch.zeros(1, dtype=torch.int64, device="cuda") if tick else None
     ticks, refused = 0, 0
@@ -78,6 +98,8 @@ def grow(target, limit, ready, stop, wait_s, tick=False):
     result["tick_refusals"] = refused
     result["checksums_ok"] = all(checksum(t) == s for t, s in zip(held, sums))
     result["tensors"] = len(held)
+    if hint:
+        result["reserved_end"] = torch.cuda.memory_reserved()
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -112,8 +134,11 @@ def request(wanted, ready=None, stop=None, wait_s=0.0):
 
 if __name__ == "__main__":
     if sys.argv[1] == "grow":
+        flags = set(sys.argv[7:])
+        if flags - {"tick", "hint"}:
+            sys.exit(f"unknown grow flags {sorted(flags - {'tick', 'hint'})} (tick, hint)")
         grow(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6]),
-             sys.argv[7:] == ["tick"])
+             "tick" in flags, "hint" in flags)
     elif sys.argv[1] == "request" and len(sys.argv) == 6:
         request(int(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5]))
     elif sys.argv[1] == "request":

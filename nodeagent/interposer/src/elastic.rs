@@ -78,6 +78,10 @@ pub struct SlotCounters<'b> {
 impl crate::swap::Counters for SlotCounters<'_> {
     fn swapped_out(&mut self, bytes: u64) {
         self.board.board.swapped_out(self.slot, bytes);
+        // Given while in line: to the back of it (`Board::requeue`).
+        self.board
+            .board
+            .requeue(self.slot, crate::shm::monotonic_ns());
     }
 
     fn room_for(&mut self, bytes: u64) -> bool {
@@ -203,7 +207,8 @@ pub fn within_request_refused(what: &str, device: usize, tenant: &str, why: Refu
             "refused {what} on device {device}: it is within tenant {tenant}'s request, but \
              other tenants borrowed the GPU's memory ({} short) and taking borrowed memory back \
              (the swap) is off, or did not get it in time; wait for them to free it, or run the \
-             tenants with VGPU_MEMORY_SWAP=1 (out of memory)",
+             tenants with the swap on (VGPU_MEMORY_SWAP unset or 1, and the agent's \
+             swap_host_memory not 0) (out of memory)",
             human(shortfall)
         ),
         other => format!("refused {what} on device {device}: {other} (out of memory)"),

@@ -187,8 +187,7 @@ fn mode() -> &'static Mode {
                     config,
                     ledger: OnceLock::new(),
                     boards: [const { OnceLock::new() }; DEVICES_MAX],
-                    swap: std::env::var_os(tenant_abi::env::var::MEMORY_SWAP)
-                        .is_some_and(|value| value == "1"),
+                    swap: swap::Asked::from_env().on(),
                     process: Mutex::new(Process::new()),
                 }))
             }
@@ -214,7 +213,7 @@ fn error_once(message: &str) {
 }
 
 impl Enforcer {
-    /// Whether the swap is on: asked for (`VGPU_MEMORY_SWAP=1`) and every copy path of the
+    /// Whether the swap is on: asked for (`VGPU_MEMORY_SWAP` is not `0`) and every copy path of the
     /// driver held (`swap::copy_paths_held`, checked at load; said once there if not).
     fn swap_on(&self) -> bool {
         self.swap && swap::copy_paths_held()
@@ -489,11 +488,14 @@ impl Enforcer {
             std::thread::sleep(pace.look_after(now));
         };
         let process = locked.get_or_insert_with(|| self.process());
+        // The place it stood at (later than `since_ns` if it gave memory back meanwhile:
+        // `Board::requeue`), kept for its next wait.
+        let place = board.board.wait_since(board_slot).unwrap_or(since_ns);
         board.board.stop_waiting(board_slot);
         for (index, bytes) in asked {
             board.board.withdraw_want(index, bytes);
         }
-        process.line_place[device] = Some((since_ns, std::time::Instant::now()));
+        process.line_place[device] = Some((place, std::time::Instant::now()));
         ended
     }
 
@@ -1283,18 +1285,16 @@ impl Enforcer {
 /// a want is never posted twice for one need.
 fn unstall(board: &DeviceBoard, board_slot: usize, asked: &mut Vec<(usize, u64)>) {
     let region = board.board.region;
-    let waiters = region.waiters();
-    let first = waiters
-        .iter()
-        .min_by(|a, b| tenant_abi::reclaim::line_order(a, b));
-    if first.is_none_or(|first| first.slot != board_slot) {
+    let now = crate::shm::monotonic_ns();
+    let (served, waiters) = region.served(now);
+    let Some(first) = served.filter(|first| first.slot == board_slot) else {
         return;
-    }
+    };
     for (index, bytes) in asked.drain(..) {
         board.board.withdraw_want(index, bytes);
     }
-    let room = region.free_in_line(board_slot, crate::shm::monotonic_ns());
-    for (name, bytes) in tenant_abi::reclaim::unstall(&region.holders(), &waiters, room) {
+    let room = region.free_in_line(board_slot, now);
+    for (name, bytes) in tenant_abi::reclaim::unstall(&region.holders(), &waiters, &first, room) {
         if let Some(index) = region.find(&name) {
             board.board.post_want(index, bytes);
             asked.push((index, bytes));
@@ -1319,42 +1319,47 @@ pub fn watch_once(devices: &impl Devices) {
 /// process's `board_slot` is the one to refuse.
 fn refused_by_stuck_line(board: &DeviceBoard, board_slot: usize) -> bool {
     let region = board.board.region;
-    let waiters = region.waiters();
-    let Some(first) = waiters
-        .iter()
-        .min_by(|a, b| tenant_abi::reclaim::line_order(a, b))
-    else {
+    let now = crate::shm::monotonic_ns();
+    let (served, waiters) = region.served(now);
+    if waiters.is_empty() {
         return false;
-    };
-    let room = region.free_in_line(first.slot, crate::shm::monotonic_ns());
-    // What the swap space can still take: the budget left, and the staging the other waiters'
-    // processes keep idle (theirs to reuse).
-    let idle_elsewhere = waiters
-        .iter()
-        .filter(|w| w.tenant != first.tenant)
-        .map(|w| {
-            let slot = &region.slots[w.slot];
-            slot.staging_bytes
-                .load(Ordering::SeqCst)
-                .saturating_sub(slot.swapped_bytes.load(Ordering::SeqCst))
-        })
-        .fold(0u64, u64::saturating_add);
-    // And nothing when a swap-out was refused for want of staging since this process last
-    // looked: the swap takes whole chunks, which the budget's bytes left may not hold (the
-    // unstall's asks were refused and would be for ever).
+    }
+    // A swap-out refused for want of staging since this process last looked: the swap takes
+    // whole chunks, which the budget's bytes left may not hold (the unstall's asks were refused
+    // and would be for ever), so it counts no swap room this look.
     static SEEN_REFUSALS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let refusals = region.swap_refusals();
-    let swap_room = if SEEN_REFUSALS.swap(refusals, Ordering::SeqCst) != refusals {
-        0
-    } else {
-        region
-            .staging_budget()
-            .saturating_sub(region.staging_total())
-            .saturating_add(idle_elsewhere)
+    let refused_since = SEEN_REFUSALS.swap(refusals, Ordering::SeqCst) != refusals;
+    let (room, swap_room) = match &served {
+        Some(first) => {
+            // What the swap space can still take: the budget left, and the staging the other
+            // waiters' processes keep idle (theirs to reuse).
+            let idle_elsewhere = waiters
+                .iter()
+                .filter(|w| w.tenant != first.tenant)
+                .map(|w| {
+                    let slot = &region.slots[w.slot];
+                    slot.staging_bytes
+                        .load(Ordering::SeqCst)
+                        .saturating_sub(slot.swapped_bytes.load(Ordering::SeqCst))
+                })
+                .fold(0u64, u64::saturating_add);
+            let swap_room = if refused_since {
+                0
+            } else {
+                region
+                    .staging_budget()
+                    .saturating_sub(region.staging_total())
+                    .saturating_add(idle_elsewhere)
+            };
+            (region.free_in_line(first.slot, now), swap_room)
+        }
+        None => (0, 0),
     };
     tenant_abi::reclaim::stuck(
         &region.holders(),
         &waiters,
+        served.as_ref(),
         room,
         swap_room,
         region.every_holder_waits(),

@@ -452,8 +452,7 @@ fn check_copy_paths(handle: *mut c_void) {
         .filter(|name| !lookup(handle, name).is_null())
         .map(|name| name.to_string_lossy().into_owned())
         .collect();
-    let asked = std::env::var_os(tenant_abi::env::var::MEMORY_SWAP).is_some_and(|v| v == "1");
-    crate::swap::copy_paths_checked(exported, asked);
+    crate::swap::copy_paths_checked(exported, crate::swap::Asked::from_env());
 }
 
 /// Checks once, at load, that this driver is one the hooks were written for (`crate::compat`):

@@ -325,6 +325,11 @@ fn pin(driver: &Driver, size: usize) -> Result<Buffer, CUresult> {
             });
         }
         unmap(host, size);
+        if rc == CUDA_ERROR_DEINITIALIZED {
+            // The process is exiting (a warm-up on the watcher's thread raced its end): no
+            // fallback and nothing to say.
+            return Err(rc);
+        }
         static SAID: std::sync::Once = std::sync::Once::new();
         SAID.call_once(|| {
             crate::log::error(format_args!(

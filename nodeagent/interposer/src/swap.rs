@@ -502,16 +502,48 @@ pub const UNHELD_COPY_ENTRY_POINTS: &[&std::ffi::CStr] = &[
 /// What the load-time check found: the unheld entry points this process's driver exports.
 static UNHELD_EXPORTED: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
 
+/// How the environment sets the swap (`VGPU_MEMORY_SWAP`): on unless it says `0`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Asked {
+    /// Unset (or another value than `0` and `1`): on.
+    Default,
+    /// `1`.
+    On,
+    /// `0`.
+    Off,
+}
+
+impl Asked {
+    /// This process's setting.
+    pub fn from_env() -> Asked {
+        Asked::from_value(std::env::var_os(tenant_abi::env::var::MEMORY_SWAP).as_deref())
+    }
+
+    fn from_value(value: Option<&std::ffi::OsStr>) -> Asked {
+        match value.and_then(|v| v.to_str()) {
+            Some("0") => Asked::Off,
+            Some("1") => Asked::On,
+            _ => Asked::Default,
+        }
+    }
+
+    /// Whether the swap is asked for (anything but `0`).
+    pub fn on(self) -> bool {
+        self != Asked::Off
+    }
+}
+
 /// Records, once at load (`real::load`), which of [`UNHELD_COPY_ENTRY_POINTS`] the driver
-/// exports, and says in one line (if the swap was asked for) that the swap stays off.
-pub fn copy_paths_checked(exported: Vec<String>, swap_asked: bool) {
-    if swap_asked && !exported.is_empty() {
+/// exports, and says in one line (an error if the swap was asked for with `1`, a debug line if
+/// it is on by default) that the swap stays off.
+pub fn copy_paths_checked(exported: Vec<String>, asked: Asked) {
+    if asked.on() && !exported.is_empty() {
         let shown: Vec<&str> = exported.iter().take(6).map(String::as_str).collect();
-        crate::log::error(format_args!(
-            "{}=1 is ignored in this process: the driver exports {} copy, memset or launch entry \
-             points that vgpu does not hold while borrowed memory is in host memory ({}{}), so \
-             borrowed memory is given back only when it is freed; this driver needs them hooked \
-             before the swap can be on",
+        let line = format!(
+            "the swap ({}) is off in this process: the driver exports {} copy, memset or launch \
+             entry points that vgpu does not hold while borrowed memory is in host memory ({}{}), \
+             so borrowed memory is given back only when it is freed; this driver needs them \
+             hooked before the swap can be on",
             tenant_abi::env::var::MEMORY_SWAP,
             exported.len(),
             shown.join(", "),
@@ -520,7 +552,12 @@ pub fn copy_paths_checked(exported: Vec<String>, swap_asked: bool) {
             } else {
                 ""
             }
-        ));
+        );
+        if asked == Asked::On {
+            crate::log::error(format_args!("{line}"));
+        } else {
+            crate::log::debug(format_args!("{line}"));
+        }
     }
     let _ = UNHELD_EXPORTED.set(exported);
 }

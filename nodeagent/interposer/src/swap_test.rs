@@ -425,3 +425,13 @@ fn launches_enter_only_while_nothing_is_out_and_a_swap_out_waits_for_those_in_fl
     forked();
     assert!(!any_chunk() && !inherited());
 }
+
+#[test]
+fn the_swap_is_on_unless_the_environment_says_0() {
+    use std::ffi::OsStr;
+    assert_eq!(Asked::from_value(None), Asked::Default);
+    assert_eq!(Asked::from_value(Some(OsStr::new("1"))), Asked::On);
+    assert_eq!(Asked::from_value(Some(OsStr::new("0"))), Asked::Off);
+    assert_eq!(Asked::from_value(Some(OsStr::new("yes"))), Asked::Default);
+    assert!(Asked::Default.on() && Asked::On.on() && !Asked::Off.on());
+}

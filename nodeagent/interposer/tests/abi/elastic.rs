@@ -55,9 +55,12 @@ fn usage(board: &Path, tenant: &str) -> TenantUsage {
         .expect("the tenant is on the board")
 }
 
-/// A process of `tenant` whose request on device 0 is `request` (as the agent sets it).
+/// A process of `tenant` whose request on device 0 is `request` (as the agent sets it), with the
+/// swap off (`VGPU_MEMORY_SWAP=0`; [`swapping`] turns it on, as it is by default).
 fn tenant(shm: &Path, name: &str, request: &str) -> Probe {
-    Probe::new(shm, Some(name)).env("VGPU_MEMORY_LIMITS", format!("0:{request}"))
+    Probe::new(shm, Some(name))
+        .env("VGPU_MEMORY_LIMITS", format!("0:{request}"))
+        .env("VGPU_MEMORY_SWAP", "0")
 }
 
 /// A probe with the swap on and a fake driver that moves real bytes (so contents can be checked
@@ -313,7 +316,7 @@ fn nvml_reports_the_limit_and_what_may_be_borrowed_as_cuda_does() {
     );
 }
 
-/// The swap (`VGPU_MEMORY_SWAP=1`, off outside tests until launches hold while memory is out),
+/// The swap (on by default; these tests' `tenant` turns it off and `swapping` on again),
 /// on the fake driver with real bytes: "b" needs its request, which "a" borrowed; "b" asks "a"
 /// for it on the board and waits; "a" sees the want at its next call into the driver, moves its
 /// borrowed chunk to host memory; "b" gets its memory; when "b" frees it, "a" brings the chunk
@@ -721,7 +724,7 @@ fn a_driver_with_a_copy_path_we_do_not_hold_keeps_the_swap_off() {
     let a_err = stderr_of(a);
     assert_eq!(
         a_err
-            .matches("VGPU_MEMORY_SWAP=1 is ignored in this process")
+            .matches("the swap (VGPU_MEMORY_SWAP) is off in this process")
             .count(),
         1,
         "{a_err}"
