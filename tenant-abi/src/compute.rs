@@ -1070,9 +1070,17 @@ impl<'r, L: Liveness> Schedule<'r, L> {
         };
         let floor = self.region.header.floor_vt.load(SeqCst);
         let pending = |index: usize| if index == old.owner { charge } else { 0 };
+        // The old owner is in `weights` to be charged (`keep`), not to be chosen again once it
+        // has stopped asking for the GPU: silent since before its turn began, it is charged
+        // nothing, and with the lowest virtual time it won every hand-over for as long as it
+        // stayed silent (a process blocked outside the gate, in elastic memory's line, kept the
+        // GPU from the others for minutes).
+        let silent_owner = old.owner < TENANTS
+            && now_ns.saturating_sub(self.region.tenants[old.owner].demand_ns.load(SeqCst))
+                >= self.active_window_ns();
         let mut best: Option<(u64, usize)> = None;
         for &(index, weight) in &weights {
-            if weight == 0 {
+            if weight == 0 || (silent_owner && index == old.owner) {
                 continue;
             }
             let vt = self.region.tenants[index].vt.load(SeqCst).max(floor) + pending(index);
@@ -1147,6 +1155,58 @@ impl<'r, L: Liveness> Schedule<'r, L> {
     /// The current turn (for diagnostics and tests).
     pub fn turn(&self) -> Turn {
         Turn::unpack(self.region.header.turn.load(SeqCst))
+    }
+
+    /// Why a process of `member` waits at `now_ns`, in one line for a log: the turn's owner, how
+    /// long its turn has run, its last demand, whether its processes have queued work, and the
+    /// virtual times the next owner is chosen by.
+    pub fn explain_wait(&self, member: &Member, now_ns: u64) -> String {
+        let turn = self.turn();
+        let names: std::collections::HashMap<usize, String> = self
+            .region
+            .live_slots_with(|_| ())
+            .into_iter()
+            .map(|(index, name, ())| (index, name))
+            .collect();
+        let name = |index: usize| match index {
+            OWNER_IDLE => "an idle turn".to_owned(),
+            OWNER_NONE => "nobody".to_owned(),
+            i => names
+                .get(&i)
+                .cloned()
+                .unwrap_or_else(|| format!("slot {i}")),
+        };
+        let ms = |ns: u64| ns as f64 / 1e6;
+        let mut line = format!(
+            "turn of {} for {:.1} ms (quantum {:.0} ms)",
+            name(turn.owner),
+            ms(now_ns.saturating_sub(turn.start_ns())),
+            ms(self.quantum_ns)
+        );
+        if turn.owner < TENANTS {
+            let owner = &self.region.tenants[turn.owner];
+            let busy = self.region.procs.iter().any(|p| {
+                p.pid.load(SeqCst) != 0
+                    && p.tenant.load(SeqCst) == turn.owner as u32 + 1
+                    && p.busy_ns.load(SeqCst) != 0
+            });
+            line.push_str(&format!(
+                ", its last demand {:.1} ms ago, queued work {}, virtual time {}",
+                ms(now_ns.saturating_sub(owner.demand_ns.load(SeqCst))),
+                if busy { "yes" } else { "no" },
+                owner.vt.load(SeqCst)
+            ));
+        }
+        let h = &self.region.header;
+        line.push_str(&format!(
+            "; {}'s virtual time {}, floor {}, idle {}, active tenants {:#x}",
+            name(member.tenant),
+            self.region.tenants[member.tenant].vt.load(SeqCst),
+            h.floor_vt.load(SeqCst),
+            h.idle_vt.load(SeqCst),
+            h.active.load(SeqCst)
+        ));
+        line
     }
 }
 

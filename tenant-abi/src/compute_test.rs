@@ -610,3 +610,67 @@ fn a_turn_held_past_its_deadline_without_launches_is_charged_one_quantum_at_most
     let used = region.tenants[m.tenant].used_ns.load(SeqCst);
     assert!(used <= quantum + s.grace_ns(), "charged {} ms", used / MS);
 }
+
+#[test]
+fn an_owner_that_went_silent_is_not_chosen_again_over_a_tenant_that_launches() {
+    // Three training jobs through vgpu (2026-11-29, H200): "job3" took a turn, queued work and
+    // then blocked outside the gate for minutes (waiting in elastic memory's line); its virtual
+    // time was the floor, below "job2"'s. At every deadline plus grace "job2" took the turn over
+    // and chose... "job3" again: the old owner stays in the active set to be charged for its turn,
+    // was charged nothing (silent since before the turn began) and, lowest, won every time. Every
+    // launch of "job2" waited 5 s and went ahead anyway; the jobs hung.
+    let region = region();
+    let live = Fake::with(&[1, 2]);
+    let s = Schedule::new(&region, &live);
+    let a = s.join("a", config(30, true, true, 0), 1, 1, 0).unwrap();
+    let b = s.join("b", config(30, true, true, 0), 2, 1, 0).unwrap();
+    let mut now = 10_000 * MS;
+    // "a" demanded last at 1 s and owns a turn begun 25 ms ago, with work queued; its virtual
+    // time is the floor, "b"'s is ahead.
+    s.demand(&a, 1_000 * MS);
+    s.demand(&b, now);
+    s.mark_busy(&a, 1_000 * MS);
+    region.header.turn.store(
+        Turn {
+            owner: a.tenant,
+            start_us: (now - 25 * MS) / 1000,
+        }
+        .pack(),
+        SeqCst,
+    );
+    region.header.floor_vt.store(1_000, SeqCst);
+    region.tenants[a.tenant].vt.store(1_000, SeqCst);
+    region.tenants[b.tenant].vt.store(5_000_000, SeqCst);
+    let began = now;
+    let got = loop {
+        match s.step(&b, now) {
+            Step::Go { .. } => break now,
+            Step::Drain => s.drained(&b),
+            Step::Wait => {}
+        }
+        now += MS;
+        assert!(
+            now - began < 1_000 * MS,
+            "b waited 1 s behind a silent owner; the turn: {}",
+            s.explain_wait(&b, now)
+        );
+    };
+    assert!(
+        got - began <= s.quantum_ns() + s.grace_ns(),
+        "b waited {} ms",
+        (got - began) / MS
+    );
+    // "a" is no longer active (it has not demanded for 9 s): "b" keeps the GPU.
+    for _ in 0..200 {
+        now += MS;
+        assert!(
+            matches!(s.step(&b, now), Step::Go { .. } | Step::Drain),
+            "b waited again at +{} ms: {}",
+            (now - began) / MS,
+            s.explain_wait(&b, now)
+        );
+        if s.is_busy(&b) {
+            s.drained(&b);
+        }
+    }
+}

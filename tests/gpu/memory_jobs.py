@@ -9,9 +9,11 @@ memory PyTorch's allocator held, and the out-of-memory error if it got one.
 
   python3 memory_jobs.py FOOTPRINT_BYTES STEPS SEED
 """
+import faulthandler
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -25,6 +27,9 @@ BATCH = 512
 
 
 def main():
+    # `kill -USR1` prints every thread's Python stack (memory_jobs.sh does it to a job that
+    # runs far longer than it did alone).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     footprint, steps, seed = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = True

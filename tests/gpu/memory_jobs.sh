@@ -167,7 +167,7 @@ bounded_wait 30 "the three jobs placed on the node" placed || { log "the jobs we
 vgpu_begin=$(now)
 pids=()
 for i in 1 2 3; do
-  timeout "$JOB_TIMEOUT" "$BIN/vgpu-agent" exec --tenant "job$i" --name gpu-node \
+  VGPU_LOG=${JOBS_VGPU_LOG:-1} timeout "$JOB_TIMEOUT" "$BIN/vgpu-agent" exec --tenant "job$i" --name gpu-node \
     --state-dir "$WORK/agent" --interposer "$BIN/libvgpu_cuda.so" -- \
     "$PY" "$JOB" "$footprint" "$STEPS" "$i" >"$LOGS/vgpu-$i.log" 2>&1 &
   pids+=("$!")
@@ -181,7 +181,47 @@ done
 for i in 1 2 3; do
   timeout 30 "$BIN/vgpuctl" --insecure --endpoints "$EP" describe tenant "job$i" >"$LOGS/describe-job$i-running.txt" 2>&1
 done
+# A monitor while they run (monitor.log): every MONITOR_S (10) seconds each job's elastic memory
+# row and usage (describe) and its threads' states and kernel wait channels; a job still running
+# after STALL_S (3x the longest alone run) prints its Python stacks (SIGUSR1, faulthandler) once.
+longest=0
+for i in 1 2 3; do
+  s=$(field "$LOGS/alone-$i.log" seconds)
+  s=${s%.*}
+  [ "${s:-0}" -gt "$longest" ] && longest=$s
+done
+STALL_S=${STALL_S:-$((3 * longest + 30))}
+monitor() {
+  local began=$SECONDS dumped=0 i pid py task
+  while :; do
+    sleep "${MONITOR_S:-10}"
+    echo "--- $(date +%T.%N | cut -c1-12) (+$((SECONDS - began)) s)"
+    for i in 1 2 3; do
+      timeout 10 "$BIN/vgpuctl" --insecure --endpoints "$EP" describe tenant "job$i" 2>/dev/null |
+        awk -v j="job$i" '/^(Usage|Elastic memory):/ {grab = 2; next} grab > 0 && /gpu-node/ {print j ": " $0; grab--}'
+      pid=${pids[$((i - 1))]}
+      py=$(pgrep -P "$pid" -f memory_jobs.py 2>/dev/null | head -n1)
+      [ -n "$py" ] || py=$(pgrep -f "memory_jobs.py $footprint $STEPS $i\$" 2>/dev/null | head -n1)
+      [ -n "$py" ] || continue
+      for task in /proc/"$py"/task/*; do
+        printf '  job%s tid %s %s %s\n' "$i" "${task##*/}" "$(awk '{print $3}' "$task/stat" 2>/dev/null)" \
+          "$(cat "$task/wchan" 2>/dev/null)"
+      done | sort | uniq -c -f 3 | head -n 12
+      if [ "$dumped" = 0 ] && [ $((SECONDS - began)) -ge "$STALL_S" ]; then
+        echo "  job$i still runs after ${STALL_S} s: its Python stacks go to vgpu-$i.log"
+        kill -USR1 "$py" 2>/dev/null
+      fi
+    done
+    [ $((SECONDS - began)) -ge "$STALL_S" ] && dumped=1
+  done
+}
+monitor >"$LOGS/monitor.log" 2>&1 &
+monitor_pid=$!
+PIDS+=("$monitor_pid")
 wait_jobs "${pids[@]}"
+kill "$monitor_pid" 2>/dev/null
+wait "$monitor_pid" 2>/dev/null
+forget "$monitor_pid"
 vgpu=$(elapsed "$vgpu_begin" "$(now)")
 vgpu_done=0
 same=0

@@ -38,7 +38,7 @@ use crate::ledger::{ProcLiveness, own_start_time};
 use crate::shm::monotonic_ns;
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 use tenant_abi::{ComputeEnv, DEVICES_MAX};
@@ -59,6 +59,8 @@ const POLL_SLEEP: Duration = Duration::from_micros(50);
 const EVENT_POLL_SLEEP: Duration = Duration::from_micros(20);
 /// The longest a launch waits for its turn before it goes ahead anyway (logged).
 const WAIT_MAX_NS: u64 = 5_000_000_000;
+/// How often a process says that launches waited `WAIT_MAX_NS` (with the schedule's state).
+const WAIT_MAX_SAID_EVERY_NS: u64 = 30_000_000_000;
 /// The longest a launch waits for its own stream's oldest event, and at most one turn (the
 /// schedule's quantum): the bound exists to keep turn boundaries sharp, which a longer wait cannot
 /// do, and an event that takes longer is usually a kernel waiting for another process (a
@@ -403,7 +405,10 @@ struct Gate {
     /// When the demand stamp was last refreshed (process-local, to keep shared stores rare).
     demand_stamp_ns: AtomicU64,
     tracker: Mutex<Tracker>,
-    waited_too_long: AtomicBool,
+    /// Launches that waited `WAIT_MAX` for their turn since the last line about it, and when
+    /// that line was written (at most one every `WAIT_MAX_SAID_EVERY_NS`).
+    waited_too_long: AtomicU32,
+    waited_too_long_said_ns: AtomicU64,
 }
 
 /// The events this process recorded on this GPU, per stream, oldest first; and a pool.
@@ -461,7 +466,8 @@ impl Gate {
             member,
             demand_stamp_ns: AtomicU64::new(now),
             tracker: Mutex::new(Tracker::default()),
-            waited_too_long: AtomicBool::new(false),
+            waited_too_long: AtomicU32::new(0),
+            waited_too_long_said_ns: AtomicU64::new(0),
         })
     }
 
@@ -507,11 +513,22 @@ impl Gate {
                     waited = true;
                     if now.saturating_sub(start) >= WAIT_MAX_NS {
                         STATS.turn_wait(now.saturating_sub(start));
-                        if !self.waited_too_long.swap(true, Relaxed) {
+                        let hits = self.waited_too_long.fetch_add(1, Relaxed) + 1;
+                        let said = self.waited_too_long_said_ns.load(Relaxed);
+                        if (said == 0 || now.saturating_sub(said) >= WAIT_MAX_SAID_EVERY_NS)
+                            && self
+                                .waited_too_long_said_ns
+                                .compare_exchange(said, now, Relaxed, Relaxed)
+                                .is_ok()
+                        {
+                            self.waited_too_long.fetch_sub(hits, Relaxed);
                             crate::log::error(format_args!(
-                                "a kernel launch waited {} s for its turn on the GPU; launching \
-                                 anyway (logged once)",
-                                WAIT_MAX_NS / 1_000_000_000
+                                "{hits} kernel launch(es) waited {} s for their turn on the GPU \
+                                 and went ahead anyway (said at most every {} s); the \
+                                 schedule: {}",
+                                WAIT_MAX_NS / 1_000_000_000,
+                                WAIT_MAX_SAID_EVERY_NS / 1_000_000_000,
+                                self.schedule.explain_wait(&self.member, now)
                             ));
                         }
                         return true;
