@@ -102,7 +102,7 @@ def enable(on_want=None, poll_interval_s=POLL_INTERVAL_S):
         if abi.register() == _INACTIVE:
             warnings.warn(
                 "vgpu.torch.enable(): this process's GPU memory is never asked back (no vgpu "
-                "tenant, no memory board, or VGPU_MEMORY_SWAP is not 1); the helper runs but "
+                "tenant, no memory board, or VGPU_MEMORY_SWAP=0); the helper runs but "
                 "will not be asked for anything",
                 RuntimeWarning,
                 stacklevel=2,
