@@ -33,6 +33,31 @@ class FakeAbi:
         return 0
 
 
+class ColdAbi:
+    """The interposer's vgpu_memory_cold: marks what it is told, `marks` the calls."""
+
+    def __init__(self, rc=0, marked=0):
+        self.rc, self.marked, self.marks = rc, marked, []
+
+    def cold(self, address, nbytes, cold, out):
+        self.marks.append((address, nbytes, cold))
+        out._obj.value = self.marked
+        return self.rc
+
+
+class Storage:
+    def data_ptr(self):
+        return 0x7000
+
+    def nbytes(self):
+        return 4096
+
+
+class Tensor:
+    def untyped_storage(self):
+        return Storage()
+
+
 class HelperTest(unittest.TestCase):
     def setUp(self):
         helper._thread = None
@@ -58,6 +83,35 @@ class HelperTest(unittest.TestCase):
             helper._Abi.load = original
         self.assertEqual(abi.freed, 6 << 20)
         self.assertEqual(calls, [1])
+
+    def with_abi(self, abi, call):
+        original = helper._Abi.load
+        helper._Abi.load = classmethod(lambda cls: abi)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                return call(), caught
+        finally:
+            helper._Abi.load = original
+
+    def test_mark_cold_marks_a_tensors_storage_or_an_address(self):
+        abi = ColdAbi(marked=4096)
+        got, caught = self.with_abi(abi, lambda: helper.mark_cold(Tensor()))
+        self.assertEqual((got, caught), (4096, []))
+        got, _ = self.with_abi(abi, lambda: helper.mark_cold(0x9000, 512, cold=False))
+        self.assertEqual(abi.marks, [(0x7000, 4096, 1), (0x9000, 512, 0)])
+
+    def test_mark_cold_warns_when_nothing_can_be_marked(self):
+        got, caught = self.with_abi(ColdAbi(rc=1), lambda: helper.mark_cold(0x9000, 512))
+        self.assertEqual(got, 0)
+        self.assertIn("never asked back", str(caught[0].message))
+        got, caught = self.with_abi(None, lambda: helper.mark_cold(0x9000, 512))
+        self.assertEqual(got, 0)
+        self.assertIn("not loaded", str(caught[0].message))
+        with self.assertRaises(RuntimeError):
+            self.with_abi(ColdAbi(rc=-2), lambda: helper.mark_cold(0x9000, 512))
+        with self.assertRaises(ValueError):
+            helper.mark_cold(-1, 512)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ Usage::
     import vgpu.torch
     vgpu.torch.enable()                                 # empty_cache() when asked
     vgpu.torch.enable(on_want=lambda: llm.sleep(level=1))   # an engine's own pause hook
+    vgpu.torch.mark_cold(expert_weights)                # given back first when memory is asked
+
+:func:`mark_cold` needs no helper thread: it tells the interposer which of the process's borrowed
+GPU memory to give back first (an engine's offloaded experts, a cache it will not read soon).
 
 Stdlib and torch only; torch is imported when the default hook first runs.
 """
@@ -25,7 +29,7 @@ import threading
 import time
 import warnings
 
-__all__ = ["enable", "POLL_INTERVAL_S"]
+__all__ = ["enable", "mark_cold", "POLL_INTERVAL_S"]
 
 #: How often the helper asks the interposer (one load of a shared word when nothing is asked).
 POLL_INTERVAL_S = 0.015
@@ -40,7 +44,8 @@ _thread = None
 
 
 class _Abi:
-    """The three functions libvgpu_cuda.so exports for hint helpers, typed once."""
+    """The functions libvgpu_cuda.so exports for hint helpers, typed once (``cold`` is None with
+    an interposer older than ``vgpu_memory_cold``)."""
 
     def __init__(self, process):
         self.register = process.vgpu_memory_hint_register
@@ -52,6 +57,14 @@ class _Abi:
         self.done = process.vgpu_memory_hint_done
         self.done.argtypes = [ctypes.c_uint64]
         self.done.restype = ctypes.c_int
+        try:
+            self.cold = process.vgpu_memory_cold
+        except AttributeError:
+            self.cold = None
+        else:
+            self.cold.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
+                                  ctypes.POINTER(ctypes.c_uint64)]
+            self.cold.restype = ctypes.c_int
 
     @classmethod
     def load(cls):
@@ -116,6 +129,46 @@ def enable(on_want=None, poll_interval_s=POLL_INTERVAL_S):
         )
         _thread.start()
         return True
+
+
+def mark_cold(memory, nbytes=None, cold=True):
+    """Says that GPU memory is cold (``cold=False`` takes it back): when other tenants need their
+    memory, this process's borrowed memory there is given back (swapped to host memory) before
+    the rest. Memory within the tenant's request is never taken, so marking it changes nothing.
+
+    ``memory`` is a tensor (its whole storage is marked) or, with ``nbytes``, a device address.
+    Returns the bytes of borrowed memory marked (0: none there). Returns 0 with a warning when
+    libvgpu_cuda.so is not loaded, is too old, or this process's memory is never asked back.
+    """
+    if nbytes is None:
+        storage = memory.untyped_storage()
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+    else:
+        address = int(memory)
+    if address < 0 or nbytes < 0:
+        raise ValueError("the address and nbytes must not be negative")
+    abi = _Abi.load()
+    if abi is None or abi.cold is None:
+        warnings.warn(
+            "vgpu.torch.mark_cold(): libvgpu_cuda.so is not loaded in this process, or is older "
+            "than vgpu_memory_cold; nothing is marked",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return 0
+    marked = ctypes.c_uint64(0)
+    rc = abi.cold(address, nbytes, 1 if cold else 0, ctypes.byref(marked))
+    if rc == _INACTIVE:
+        warnings.warn(
+            "vgpu.torch.mark_cold(): this process's GPU memory is never asked back (no vgpu "
+            "tenant, no memory board, or VGPU_MEMORY_SWAP=0); nothing is marked",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return 0
+    if rc != _OK:
+        raise RuntimeError(f"vgpu_memory_cold failed ({rc}); see the interposer's log line")
+    return marked.value
 
 
 def _run(abi, hook, poll_interval_s):

@@ -1850,7 +1850,7 @@ end_capture_hook!(cuStreamEndCapture_ptsz, stream_end_capture_ptsz);
 pub const VGPU_HINT_OK: c_int = 0;
 /// Registered, but nothing will be asked of this process.
 pub const VGPU_HINT_INACTIVE: c_int = 1;
-/// A NULL out-pointer.
+/// A NULL out-pointer, or an argument out of range.
 pub const VGPU_HINT_INVALID: c_int = -1;
 /// A bug of the interposer (caught and logged).
 pub const VGPU_HINT_ERROR: c_int = -2;
@@ -1892,6 +1892,38 @@ pub unsafe extern "C" fn vgpu_memory_want(bytes: *mut u64) -> c_int {
 pub extern "C" fn vgpu_memory_hint_done(freed: u64) -> c_int {
     ffi_boundary!("vgpu_memory_hint_done", fallback = VGPU_HINT_ERROR, {
         hooks::hint_done(freed);
+        VGPU_HINT_OK
+    })
+}
+
+/// `int vgpu_memory_cold(uint64_t ptr, uint64_t bytes, int cold, uint64_t *marked)`: the
+/// application says the GPU memory `[ptr, ptr + bytes)` is cold (`cold` 1; 0 takes it back):
+/// borrowed memory there is given back first when other tenants need theirs (an engine's
+/// offloaded experts, a cache it will not read soon). Memory within the tenant's request is
+/// never taken, so marking it does nothing: `marked` (if not NULL) gets the bytes of the
+/// borrowed allocations marked. 0 done; 1 this process's memory is never asked back (no tenant,
+/// no board, or the swap off); -1 `cold` not 0 or 1; -2 an internal error (logged).
+///
+/// # Safety
+/// `marked` is NULL or valid for a write of one `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn vgpu_memory_cold(
+    ptr: u64,
+    bytes: u64,
+    cold: c_int,
+    marked: *mut u64,
+) -> c_int {
+    ffi_boundary!("vgpu_memory_cold", fallback = VGPU_HINT_ERROR, {
+        if cold != 0 && cold != 1 {
+            return VGPU_HINT_INVALID;
+        }
+        let Some(bytes_marked) = hooks::mark_cold(ptr, bytes, cold == 1) else {
+            return VGPU_HINT_INACTIVE;
+        };
+        if !marked.is_null() {
+            // SAFETY: non-null, and valid for a write by the caller's contract.
+            unsafe { marked.write(bytes_marked) };
+        }
         VGPU_HINT_OK
     })
 }

@@ -1603,6 +1603,31 @@ pub fn credit(key: Key, charge: Charge) {
     }
 }
 
+/// The application marks `[ptr, ptr + bytes)` cold (or not) (`vgpu_memory_cold`): this
+/// process's borrowed chunks there go first when memory is asked back (and are pinned ahead
+/// first). `None` when this process's memory is never asked back (no tenant, no board, the swap
+/// off); else the bytes of the chunks marked (0: no borrowed memory there).
+pub fn mark_cold(ptr: u64, bytes: u64, cold: bool) -> Option<u64> {
+    let Mode::Enforcing(enforcer) = mode() else {
+        return None;
+    };
+    if !enforcer.swap_on() {
+        return None;
+    }
+    let mut process = enforcer.process();
+    let marked = process
+        .chunks
+        .iter_mut()
+        .map(|chunks| chunks.mark_cold(ptr, bytes, cold))
+        .fold(0u64, u64::saturating_add);
+    crate::log::debug(format_args!(
+        "{} of borrowed memory at {ptr:#x} (+{bytes}) marked {}",
+        human(marked),
+        if cold { "cold" } else { "not cold" }
+    ));
+    Some(marked)
+}
+
 /// A hint helper registers (`vgpu_memory_hint_register`): from now on a want on the tenant goes
 /// to it first (`hint`). Whether this process is one whose memory can be asked back (a tenant
 /// with the swap on); the helper may poll either way (it is then asked nothing).

@@ -156,6 +156,9 @@ pub struct Chunk {
     pub size: u64,
     /// In host staging, unmapped.
     pub out: bool,
+    /// The application said it is cold (`vgpu_memory_cold`: an engine's offloaded experts, a
+    /// cache it will not read soon): it goes first when memory is asked back.
+    pub cold: bool,
 }
 
 /// This process's swappable chunks, by address.
@@ -168,7 +171,14 @@ impl Chunks {
     /// A new borrowed chunk, resident.
     pub fn add(&mut self, address: u64, size: u64) {
         assert!(size > 0, "a chunk has bytes");
-        let replaced = self.chunks.insert(address, Chunk { size, out: false });
+        let replaced = self.chunks.insert(
+            address,
+            Chunk {
+                size,
+                out: false,
+                cold: false,
+            },
+        );
         assert!(replaced.is_none(), "chunk {address:#x} added twice");
     }
 
@@ -192,8 +202,30 @@ impl Chunks {
         self.chunks.values().any(|c| !c.out)
     }
 
-    /// The sizes of the resident chunks in the order [`Chunks::give_back`] takes them (largest
-    /// first, then by address).
+    /// Marks the chunks that overlap `[start, start + len)` cold (`true`: given back first) or
+    /// not; returns their bytes (0: no borrowed chunk there, for example memory within the
+    /// request, which is never swapped).
+    pub fn mark_cold(&mut self, start: u64, len: u64, cold: bool) -> u64 {
+        let end = start.saturating_add(len.max(1));
+        let mut marked = 0;
+        // A chunk that begins before `start` may reach into the range: from the last one that
+        // begins at or before it.
+        let first = self
+            .chunks
+            .range(..=start)
+            .next_back()
+            .map_or(start, |(&address, _)| address);
+        for (&address, chunk) in self.chunks.range_mut(first..end) {
+            if address.saturating_add(chunk.size) > start {
+                chunk.cold = cold;
+                marked += chunk.size;
+            }
+        }
+        marked
+    }
+
+    /// The sizes of the resident chunks in the order [`Chunks::give_back`] takes them (the
+    /// cold ones first, then largest first, then by address).
     pub fn resident_in_giving_order(&self) -> Vec<u64> {
         self.giving_order()
             .into_iter()
@@ -202,14 +234,17 @@ impl Chunks {
     }
 
     fn giving_order(&self) -> Vec<(u64, u64)> {
-        let mut order: Vec<(u64, u64)> = self
+        let mut order: Vec<(u64, u64, bool)> = self
             .chunks
             .iter()
             .filter(|(_, c)| !c.out)
-            .map(|(&address, c)| (address, c.size))
+            .map(|(&address, c)| (address, c.size, c.cold))
             .collect();
-        order.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        order.sort_by(|a, b| b.2.cmp(&a.2).then(b.1.cmp(&a.1)).then(a.0.cmp(&b.0)));
         order
+            .into_iter()
+            .map(|(address, size, _)| (address, size))
+            .collect()
     }
 
     /// Bytes resident now.

@@ -435,3 +435,38 @@ fn the_swap_is_on_unless_the_environment_says_0() {
     assert_eq!(Asked::from_value(Some(OsStr::new("yes"))), Asked::Default);
     assert!(Asked::Default.on() && Asked::On.on() && !Asked::Off.on());
 }
+
+#[test]
+fn chunks_marked_cold_go_first() {
+    let mut chunks = Chunks::default();
+    for (address, units) in [(0x10000u64, 2u64), (0x20000, 8), (0x30000, 4)] {
+        chunks.add(address, units * UNIT);
+    }
+    assert_eq!(
+        chunks.resident_in_giving_order(),
+        [8 * UNIT, 4 * UNIT, 2 * UNIT]
+    );
+    // A range inside the 2-unit chunk marks it.
+    assert_eq!(chunks.mark_cold(0x10000 + 1, 1, true), 2 * UNIT);
+    assert_eq!(
+        chunks.resident_in_giving_order(),
+        [2 * UNIT, 8 * UNIT, 4 * UNIT]
+    );
+    // Across two chunks: both; cold among themselves, the larger first.
+    assert_eq!(
+        chunks.mark_cold(0x20000, 0x30000 - 0x20000 + 1, true),
+        12 * UNIT
+    );
+    assert_eq!(
+        chunks.resident_in_giving_order(),
+        [8 * UNIT, 4 * UNIT, 2 * UNIT]
+    );
+    assert_eq!(chunks.mark_cold(0x20000, 1, false), 8 * UNIT);
+    assert_eq!(
+        chunks.resident_in_giving_order(),
+        [4 * UNIT, 2 * UNIT, 8 * UNIT]
+    );
+    // Nothing borrowed there (below the first chunk, past the last): 0 bytes.
+    assert_eq!(chunks.mark_cold(0x10, 0x10, true), 0);
+    assert_eq!(chunks.mark_cold(0x30000 + 4 * UNIT, 8, true), 0);
+}

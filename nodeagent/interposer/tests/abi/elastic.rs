@@ -792,6 +792,81 @@ fn a_reclaim_the_swap_space_cannot_hold_is_refused_and_the_borrower_keeps_its_by
     assert!(!a_err.contains("went to host memory"), "{a_err}");
 }
 
+/// An application marks a borrowed allocation cold (`vgpu_memory_cold`, found by `dlsym` as
+/// `vgpu.torch.mark_cold` finds it): when another tenant needs its request, that allocation goes
+/// to host memory first, though a larger one would go first by default (fewest copies; with
+/// `cold 0` in the script the 4 MiB chunk goes).
+#[test]
+fn a_borrowed_allocation_marked_cold_is_given_back_first() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        10 * MIB,
+        &[("a", 4 * MIB, 10 * MIB), ("b", 2 * MIB, 2 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 4M alloc 2M fill 3 cold 1 touch {} spin_info {} check 3",
+        file("a-ready"),
+        file("b-has")
+    ));
+    // b frees its memory once it had it, so that a's chunk comes back for its check.
+    let b = swapping(tenant(shm.path(), "b", "2MiB")).hold(&format!(
+        "until_file {} alloc 2M touch {} free",
+        file("a-ready"),
+        file("b-has")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\ntouch 0\nfree 0\n");
+    a.wait_held();
+    let after = lines(&a.output);
+    assert_eq!(
+        after[..5],
+        [
+            "alloc 0",
+            "alloc 0",
+            "alloc 0",
+            "fill 0",
+            &format!("cold 0 {}", 2 * MIB)
+        ]
+    );
+    assert_eq!(after.last(), Some(&"check 0 ok"), "{}", a.output);
+    let err = stderr_of(a);
+    assert!(
+        err.contains("2.0 MiB of this process's borrowed memory went to host memory"),
+        "the cold 2 MiB went, not the 4 MiB chunk: {err}"
+    );
+    assert!(
+        !err.contains("4.0 MiB of this process's borrowed memory went"),
+        "{err}"
+    );
+    assert_eq!(
+        usage(&board, "a").swapped_bytes,
+        0,
+        "the cold chunk came back"
+    );
+}
+
+/// Marking memory cold in a process whose memory is never asked back says so (1), and a `cold`
+/// that is neither 0 nor 1 is refused (-1).
+#[test]
+fn marking_cold_without_the_swap_says_it_is_inactive() {
+    let shm = shm_dir();
+    board(shm.path(), 10 * MIB, &[("a", 4 * MIB, 10 * MIB)]);
+    let (out, _) = run(tenant(shm.path(), "a", "4MiB"), "alloc 4M alloc 2M cold 1");
+    assert_eq!(lines(&out), ["alloc 0", "alloc 0", "cold 1 0"]);
+    // A fresh board: the first probe's slot is dead, its bytes still on this one.
+    let shm = shm_dir();
+    board(shm.path(), 10 * MIB, &[("a", 4 * MIB, 10 * MIB)]);
+    let (out, _) = run(
+        swapping(tenant(shm.path(), "a", "4MiB")),
+        "alloc 4M alloc 2M cold 2 cold 0",
+    );
+    assert_eq!(
+        lines(&out),
+        ["alloc 0", "alloc 0", "cold -1 0", "cold 0 2097152"]
+    );
+}
+
 /// Hints first: the borrower's process registered a hint helper (a thread of the probe, through
 /// the exported `vgpu_memory_hint_register`, `vgpu_memory_want` and `vgpu_memory_hint_done`
 /// found by `dlsym`), which frees its borrowed allocation when asked. The want is met by the

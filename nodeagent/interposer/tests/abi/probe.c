@@ -73,6 +73,8 @@
  *                    now) with cuMemFree_v2 and calls vgpu_memory_hint_done; MODE idle: it only
  *                    records the largest want it saw
  *   hint_join        stops and joins the helper: "hint_join <largest want> <free rc or -1>"
+ *   cold N           marks the newest pointer's allocation cold (N 1) or not (N 0) through
+ *                    dlsym(RTLD_DEFAULT, "vgpu_memory_cold"): "cold <rc> <bytes marked>"
  * PROBE_NO_CUDA=1: the process starts without a CUDA context (no cuInit, no primary context).
  * APIs: kernel, kernel_ptsz, ex, ex_ptsz, coop, coop_ptsz, multi (cooperative multi-device),
  * ex_coop (cuLaunchKernelEx with the cooperative attribute), graph, graph_ptsz, gpa / gpa_ptsz
@@ -668,6 +670,14 @@ int main(int argc, char **argv) {
       printf("host_allocs 0 %llu %llu\n", fakeHostAllocs(), fakeHostFrees());
     } else if (!strcmp(c, "busy_unmaps")) {
       printf("busy_unmaps %llu\n", fakeBusyUnmaps());
+    } else if (!strcmp(c, "cold")) {
+      typedef int (*cold_fn)(unsigned long long, unsigned long long, int, unsigned long long *);
+      cold_fn f = (cold_fn)dlsym(RTLD_DEFAULT, "vgpu_memory_cold");
+      unsigned long long marked = 0;
+      int crc = -100;
+      if (f && n_pointers) crc = f(pointers[n_pointers - 1], sizes[n_pointers - 1], atoi(a), &marked);
+      printf("cold %d %llu\n", crc, marked);
+      i++;
     } else if (!strcmp(c, "addr")) {
       printf("addr %#llx\n", n_pointers ? pointers[n_pointers - 1] : 0ULL);
     } else if (!strcmp(c, "touch")) {
