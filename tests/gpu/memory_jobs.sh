@@ -18,7 +18,9 @@
 #      the others wait, which measures the compute cap, not the memory): all three must finish
 #      with the digests they had alone (the GPU's line: docs/design/elastic-memory.md). The table
 #      compares the total time with the serial total.
-# Never allocates managed memory. Run from the repository root with release binaries built
+# ALONE_LOGS=DIR reuses an earlier run's alone phase (DIR/alone-<i>.log and DIR/serial_s, from the
+# same machine and settings) and PLAIN=0 skips the plain phase: the vgpu phase again in about
+# 2 minutes of device time. Never allocates managed memory. Run from the repository root with release binaries built
 # elsewhere (VGPU_BIN, default dist: vgpu-cp, vgpu-agent, vgpuctl, libvgpu_cuda.so); PY (default
 # /opt/torch/.venv/bin/python3, else python3) must have PyTorch with CUDA. Logs go to
 # $OUT/memory_jobs (or a temporary directory); the result table is printed last. Exit status 0
@@ -105,13 +107,20 @@ host_kib=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)
 log "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader -i 0)"
 log "three jobs of $(gib $footprint) of weights and Adam's state each ($FOOT_PCT% of $(gib $total)), $STEPS steps"
 
-# 1. Alone, one after another.
-serial_begin=$(now)
-for i in 1 2 3; do
-  timeout "$JOB_TIMEOUT" "$PY" "$JOB" "$footprint" "$STEPS" "$i" >"$LOGS/alone-$i.log" 2>&1
-  log "alone job $i: $(grep '^RESULT ' "$LOGS/alone-$i.log" | tail -n1)"
-done
-serial=$(elapsed "$serial_begin" "$(now)")
+# 1. Alone, one after another (or, with ALONE_LOGS, an earlier run's alone-<i>.log and serial_s
+# on the same machine, to repeat the vgpu phase within less device time).
+if [ -n "${ALONE_LOGS:-}" ]; then
+  for i in 1 2 3; do cp "$ALONE_LOGS/alone-$i.log" "$LOGS/alone-$i.log" || exit 2; done
+  serial=$(cat "$ALONE_LOGS/serial_s") || exit 2
+  log "alone: the results of $ALONE_LOGS (serial total $serial s), not run again"
+else
+  serial_begin=$(now)
+  for i in 1 2 3; do
+    timeout "$JOB_TIMEOUT" "$PY" "$JOB" "$footprint" "$STEPS" "$i" >"$LOGS/alone-$i.log" 2>&1
+    log "alone job $i: $(grep '^RESULT ' "$LOGS/alone-$i.log" | tail -n1)"
+  done
+  serial=$(elapsed "$serial_begin" "$(now)")
+fi
 alone_ok=1
 for i in 1 2 3; do [ -n "$(field "$LOGS/alone-$i.log" digest)" ] || alone_ok=0; done
 peak=0
@@ -135,24 +144,28 @@ swap_gib=$((host_kib / 2 / 1024 / 1024))
 [ "$swap_gib" -le $((host_kib * 3 / 4 / 1024 / 1024)) ] || swap_gib=$((host_kib * 3 / 4 / 1024 / 1024))
 log "vgpu: request $(gib $request), limit $(gib $limit), compute 30% ${COMPUTE_FLAGS:-(capped)}, swap host memory ${swap_gib} GiB (the peaks need about ${need_gib} GiB of it)"
 
-# 2. Plain: the three at once, no vgpu.
-plain_begin=$(now)
-pids=()
-for i in 1 2 3; do
-  timeout "$JOB_TIMEOUT" "$PY" "$JOB" "$footprint" "$STEPS" "$i" >"$LOGS/plain-$i.log" 2>&1 &
-  pids+=("$!")
-  PIDS+=("$!")
-done
-wait_jobs "${pids[@]}"
-plain=$(elapsed "$plain_begin" "$(now)")
-plain_done=0
-plain_oom=0
-for i in 1 2 3; do
-  [ -n "$(field "$LOGS/plain-$i.log" digest)" ] && plain_done=$((plain_done + 1))
-  [ -n "$(field "$LOGS/plain-$i.log" oom)" ] && plain_oom=$((plain_oom + 1))
-done
-record "plain, the three at once (no vgpu): finished / out of memory (the peer)" "some fail" \
-  "$plain_done / $plain_oom in ${plain} s" "$(verdict $([ "$plain_oom" -ge 1 ] && echo 1))"
+# 2. Plain: the three at once, no vgpu (PLAIN=0 skips it).
+plain=-
+plain_done=-
+if [ "${PLAIN:-1}" != 0 ]; then
+  plain_begin=$(now)
+  pids=()
+  for i in 1 2 3; do
+    timeout "$JOB_TIMEOUT" "$PY" "$JOB" "$footprint" "$STEPS" "$i" >"$LOGS/plain-$i.log" 2>&1 &
+    pids+=("$!")
+    PIDS+=("$!")
+  done
+  wait_jobs "${pids[@]}"
+  plain=$(elapsed "$plain_begin" "$(now)")
+  plain_done=0
+  plain_oom=0
+  for i in 1 2 3; do
+    [ -n "$(field "$LOGS/plain-$i.log" digest)" ] && plain_done=$((plain_done + 1))
+    [ -n "$(field "$LOGS/plain-$i.log" oom)" ] && plain_oom=$((plain_oom + 1))
+  done
+  record "plain, the three at once (no vgpu): finished / out of memory (the peer)" "some fail" \
+    "$plain_done / $plain_oom in ${plain} s" "$(verdict $([ "$plain_oom" -ge 1 ] && echo 1))"
+fi
 
 # 3. Through vgpu.
 vgpu_cp_up || exit 1
