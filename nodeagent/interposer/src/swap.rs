@@ -66,6 +66,16 @@ pub struct SwapTimes {
     pub copied_bytes: u64,
 }
 
+/// Where a swap-in's time went (the real backing's; the tests' model reports none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InTimes {
+    /// Creating the physical memory again, mapping it at its address and queueing the copies
+    /// (the copies of the first chunks run meanwhile).
+    pub mapping_ns: u64,
+    /// Waiting for the copies after the last was queued.
+    pub copies_ns: u64,
+}
+
 impl SwapTimes {
     fn add(&mut self, other: SwapTimes) {
         self.pinning_ns += other.pinning_ns;
@@ -103,7 +113,7 @@ pub trait Backing {
         &mut self,
         chunks: &[(u64, u64)],
         counters: &mut impl Counters,
-    ) -> Vec<Result<(), SwapError>>;
+    ) -> (Vec<Result<(), SwapError>>, InTimes);
     /// Frees the staging it kept that has idled too long on `device` (nothing by default).
     fn trim(&mut self, _device: usize, _counters: &mut impl Counters) {}
     /// Pins staging ahead for resident chunks of `device` (`chunks`: sizes, largest first),
@@ -340,7 +350,7 @@ impl Chunks {
             return !self.held();
         }
         let began = std::time::Instant::now();
-        let results = backing.swap_in(&batch, counters);
+        let (results, times) = backing.swap_in(&batch, counters);
         let took = began.elapsed();
         assert_eq!(results.len(), batch.len(), "one result per chunk");
         let mut back = 0u64;
@@ -360,14 +370,18 @@ impl Chunks {
             let seconds = took.as_secs_f64();
             crate::log::error(format_args!(
                 "{} of this process's borrowed memory came back from host memory in {:.1} ms \
-                 (mapped and copied at {:.1} GB/s); its launches and copies go on",
+                 (mapped and copied at {:.1} GB/s: {} chunk(s), creating, mapping and queueing \
+                 {:.1} ms, then waiting for the copies {:.1} ms); its launches and copies go on",
                 crate::elastic::human(back),
                 seconds * 1e3,
                 if seconds > 0.0 {
                     back as f64 / seconds / 1e9
                 } else {
                     0.0
-                }
+                },
+                batch.len(),
+                times.mapping_ns as f64 / 1e6,
+                times.copies_ns as f64 / 1e6
             ));
         }
         !self.held()

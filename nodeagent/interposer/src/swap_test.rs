@@ -49,7 +49,7 @@ impl Backing for Model {
         &mut self,
         chunks: &[(u64, u64)],
         counters: &mut impl Counters,
-    ) -> Vec<Result<(), SwapError>> {
+    ) -> (Vec<Result<(), SwapError>>, InTimes) {
         let mut results = Vec::new();
         for &(address, size) in chunks {
             if self.fail.remove(&address) {
@@ -65,7 +65,7 @@ impl Backing for Model {
             counters.release_staging(size);
             results.push(Ok(()));
         }
-        results
+        (results, InTimes::default())
     }
 }
 

@@ -635,14 +635,21 @@ impl crate::swap::Backing for SwapBacking<'_> {
         &mut self,
         chunks: &[(u64, u64)],
         counters: &mut impl crate::swap::Counters,
-    ) -> Vec<Result<(), crate::swap::SwapError>> {
+    ) -> (
+        Vec<Result<(), crate::swap::SwapError>>,
+        crate::swap::InTimes,
+    ) {
         use crate::swap::SwapError;
+        let began = std::time::Instant::now();
         let mut results: Vec<Option<Result<(), SwapError>>> = vec![None; chunks.len()];
         let fail_all = |result| {
-            chunks
-                .iter()
-                .map(|&(address, _)| Err(SwapError { address, result }))
-                .collect()
+            (
+                chunks
+                    .iter()
+                    .map(|&(address, _)| Err(SwapError { address, result }))
+                    .collect(),
+                crate::swap::InTimes::default(),
+            )
         };
         let (vmm, copies) = match self.functions() {
             Ok(functions) => functions,
@@ -683,7 +690,13 @@ impl crate::swap::Backing for SwapBacking<'_> {
         }
         let bytes: u64 = queued.iter().map(|q| q.found.size as u64).sum();
         let bound = copy_wait_max(bytes);
+        let queued_at = std::time::Instant::now();
         let waited = copies.wait(stream, bound);
+        let times = crate::swap::InTimes {
+            mapping_ns: u64::try_from(queued_at.duration_since(began).as_nanos())
+                .unwrap_or(u64::MAX),
+            copies_ns: u64::try_from(queued_at.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        };
         copies.destroy(stream);
         if waited == Ok(false) {
             copy_timed_out("back to the GPU", bytes, bound);
@@ -731,7 +744,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
             .map(|r| r.expect("every chunk has its result"))
             .collect();
         assert_eq!(results.len(), chunks.len());
-        results
+        (results, times)
     }
 
     fn trim(&mut self, device: usize, counters: &mut impl crate::swap::Counters) {
