@@ -580,6 +580,27 @@ impl Region {
             .saturating_sub(self.ahead_in_line(slot, now_ns))
     }
 
+    /// What the tenants' requests book and their borrowers hold beyond them, with `extra` bytes
+    /// more for the tenant at `tenant`: the sum over the tenants present of
+    /// `max(request, resident)`. Memory the swap cannot take back (the application's own
+    /// `cuMemCreate`) may be borrowed only while this stays within the capacity: then every
+    /// tenant can still get its request by swapping out the rest (guaranteed requests are never
+    /// overbooked, and such memory must not overbook them either).
+    pub fn booked_or_lent_with(&self, tenant: usize, extra: u64) -> u64 {
+        let me = self.name_of(tenant);
+        self.holders()
+            .iter()
+            .map(|h| {
+                let resident = if h.name == me {
+                    h.resident.saturating_add(extra)
+                } else {
+                    h.resident
+                };
+                h.request.max(resident)
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
     /// The tenants as the reclaim planner sees them.
     pub fn holders(&self) -> Vec<Holder> {
         (0..TENANTS)

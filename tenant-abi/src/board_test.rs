@@ -665,3 +665,26 @@ fn a_claim_of_a_tenant_without_processes_holds_nothing() {
     assert_eq!(board.reclaim_dead(10), 1);
     assert_eq!(region.claimed_by_others(a, 2), 0);
 }
+
+#[test]
+fn booked_or_lent_counts_each_tenants_request_or_what_it_holds_past_it() {
+    let region = Region::new_boxed();
+    region.initialise();
+    region.set_capacity(40 * GIB);
+    let a = region.set_tenant(&spec("a", 2 * GIB, 20 * GIB)).unwrap();
+    let b = region.set_tenant(&spec("b", 30 * GIB, 30 * GIB)).unwrap();
+    let live = Fake::with(&[10, 20]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(10, 1, a).unwrap();
+    // Nothing held: the requests book 32.
+    assert_eq!(region.booked_or_lent_with(a, 0), 32 * GIB);
+    // "a" within its request: still 32; 6 more for it: 8 + 30.
+    assert_eq!(board.reserve(sa, 2 * GIB), Ok(Grant::Within));
+    assert_eq!(region.booked_or_lent_with(a, 0), 32 * GIB);
+    assert_eq!(region.booked_or_lent_with(a, 6 * GIB), 38 * GIB);
+    // "b" holding less than its request changes nothing; the extra is "a"'s only.
+    let sb = board.claim_slot(20, 1, b).unwrap();
+    assert_eq!(board.reserve(sb, 10 * GIB), Ok(Grant::Within));
+    assert_eq!(region.booked_or_lent_with(a, 6 * GIB), 38 * GIB);
+    assert_eq!(region.booked_or_lent_with(b, 6 * GIB), 32 * GIB);
+}

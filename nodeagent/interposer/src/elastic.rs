@@ -305,6 +305,27 @@ pub fn may_not_borrow(what: &str, device: usize, tenant: &str, request: u64, pat
     )
 }
 
+/// The log line of memory the application maps itself (`cuMemCreate`) refused past the
+/// tenant's request because it would overbook the GPU's requests (`left`: what it may still
+/// borrow so).
+pub fn unswappable_refused(
+    what: &str,
+    device: usize,
+    tenant: &str,
+    request: u64,
+    left: u64,
+) -> String {
+    format!(
+        "refused {what} on device {device}: memory the application maps itself (cuMemCreate, as \
+         PyTorch's expandable_segments does) cannot be swapped out, so past tenant {tenant}'s \
+         request of {} it borrows only memory that no tenant's request books and no one has \
+         borrowed: {} is left (out of memory); raise the request (--memory), or allocate with \
+         cuMemAlloc (PyTorch: expandable_segments:False), whose borrowed memory can be swapped",
+        human(request),
+        human(left)
+    )
+}
+
 /// `10.00 GiB`, for messages.
 pub fn human(bytes: u64) -> String {
     const GIB: f64 = (1u64 << 30) as f64;

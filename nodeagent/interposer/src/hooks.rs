@@ -639,9 +639,26 @@ impl Enforcer {
             process.overhead_charged[device] |= overhead_bytes > 0;
             was
         };
+        let region = board.board.region;
+        // Memory the swap cannot take back must not overbook the GPU's requests: borrowed only
+        // from what no request books and no one borrowed (`Region::booked_or_lent_with`).
+        if matches!(borrow, Borrow::Counted) {
+            let after = region.booked_or_lent_with(board.tenant, charged);
+            if after > region.capacity() {
+                ledger.release(slot, device, overhead_bytes);
+                locked.as_mut().expect("locked").overhead_charged[device] = overhead_was;
+                let left = region
+                    .capacity()
+                    .saturating_sub(region.booked_or_lent_with(board.tenant, 0));
+                crate::log::error(format_args!(
+                    "{}",
+                    elastic::unswappable_refused(&human(bytes), device, tenant, request, left)
+                ));
+                return Admission::Refused;
+            }
+        }
         // Room another tenant's request holds after a reclaim is not lent again (`Board::claim`);
         // a GPU full without claims is the board's refusal below.
-        let region = board.board.region;
         // One look at the claims first: without any, no scan of the slots here.
         let claimed = region.claimed_by_others(board.tenant, crate::shm::monotonic_ns());
         // With the swap on, the borrow waits in the GPU's line instead (`room_in_line` leaves

@@ -235,6 +235,34 @@ fn only_the_paths_that_can_be_swapped_or_are_the_applications_own_borrow() {
     assert!(err.contains("raise the request (--memory)"), "{err}");
 }
 
+/// Memory the application maps itself (`cuMemCreate`, PyTorch's `expandable_segments`) cannot
+/// be swapped out, so it must not overbook the GPU's requests: past its request a tenant creates
+/// only from what no tenant's request books and no one borrowed, with a line saying so, while
+/// `cuMemAlloc` (swappable) still borrows what is free. Before, it borrowed any free memory and
+/// another tenant's request could then never be met.
+#[test]
+fn memory_the_application_creates_past_its_request_never_overbooks_the_requests() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        40 * GIB,
+        &[("a", 2 * GIB, 20 * GIB), ("b", 30 * GIB, 30 * GIB)],
+    );
+    // Requests book 32 of 40: "a" may create 6 past its 2, not 4 more; cuMemAlloc borrows on.
+    let holder = tenant(shm.path(), "a", "2GiB").hold("alloc 2G create 6G create 4G alloc 4G");
+    assert_eq!(
+        lines(&holder.output),
+        ["alloc 0", "create 0", "create 2", "alloc 0"]
+    );
+    assert_eq!(usage(&board, "a").resident_bytes, 12 * GIB);
+    let err = stderr_of(holder);
+    assert!(
+        err.contains("cannot be swapped out") && err.contains("2.00 GiB is left"),
+        "{err}"
+    );
+    assert!(err.contains("expandable_segments:False"), "{err}");
+}
+
 #[test]
 fn a_borrowed_allocation_is_rounded_to_the_granularity_and_credited_at_free() {
     let shm = shm_dir();
