@@ -322,11 +322,15 @@ import re, sys
 units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 rounds, back, ms = 0, 0.0, 0.0
 for line in open(sys.argv[1], errors="replace"):
-    m = re.search(r"([0-9.]+) (B|KiB|MiB|GiB|TiB) of this process's borrowed memory came back from host memory in ([0-9.]+) ms", line)
+    m = re.search(r"([0-9.]+) (B|KiB|MiB|GiB|TiB) of this process's borrowed memory came back from host memory in ([0-9.]+) ms"
+                  r"(?: \(mapped and copied at ([0-9.]+) GB/s)?", line)
     if m:
         rounds += 1
-        back += float(m.group(1)) * units[m.group(2)]
-        ms += float(m.group(3))
+        bytes_back = float(m.group(1)) * units[m.group(2)]
+        back += bytes_back
+        # the line's own rate when it has one: its milliseconds are rounded to 0.1
+        rate = float(m.group(4) or 0)
+        ms += bytes_back / rate / 1e6 if rate > 0 else float(m.group(3))
 print(f"{rounds} {back / (ms / 1e3) / 1e9 if ms > 0 else 0:.1f} {back / 2**30:.2f} {ms:.0f}")
 PYEOF
 )

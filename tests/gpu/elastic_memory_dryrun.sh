@@ -11,11 +11,15 @@
 #   cargo test -p interposer --test abi elastic     # builds the fake driver (target/tmp/abi)
 #   tests/gpu/elastic_memory_dryrun.sh              # TARGET=target/debug by default
 #   RECLAIM=1 tests/gpu/elastic_memory_dryrun.sh    # the swap scenario (see below)
+#   RECLAIM=1 HINT=1 tests/gpu/elastic_memory_dryrun.sh   # vgpu.torch's helper through the real .so
 #
 # With RECLAIM=1 the swap runs on simulated sizes (the fake's copies move no bytes, so the
 # checksums are the stand-in's remembered sums, not a test of contents: the ABI tests check those),
 # and this `nvidia-smi` always says 0 MiB used, so the row "does not fit in what the GPU has free"
-# fails here by construction; the others check the script's path.
+# fails here by construction; the others check the script's path (the rates are those of copies
+# that move nothing). The stand-in keeps freed tensors' blocks cached as PyTorch's allocator does,
+# so with HINT=1 the hint helper (deploy/python/vgpu/torch.py) gives them back through the real
+# interposer's exports (2026-11-29: every row PASS but "does not fit").
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)

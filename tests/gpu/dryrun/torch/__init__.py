@@ -26,11 +26,49 @@ def _mem_get_info():
     return free.value, total.value
 
 
+# A caching allocator's few rules: a freed tensor's block is kept (reserved, not allocated) and
+# reused by an allocation of the same size; empty_cache() frees what is kept. Enough for the hint
+# helper (deploy/python/vgpu/torch.py) to give cached blocks back through the interposer.
+_cache = {}  # size -> [pointer, ...]
+_allocated = 0
+
+
+def _cached_bytes():
+    return sum(size * len(pointers) for size, pointers in _cache.items())
+
+
+def _empty_cache():
+    for pointers in _cache.values():
+        for pointer in pointers:
+            _lib.cuMemFree_v2(ctypes.c_ulonglong(pointer))
+    _cache.clear()
+
+
+def _malloc(n):
+    kept = _cache.get(n)
+    if kept:
+        return kept.pop()
+    pointer = ctypes.c_ulonglong()
+    rc = _lib.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(n))
+    if rc == 2:
+        # As PyTorch does: free the cache and try once more.
+        _empty_cache()
+        rc = _lib.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(n))
+    if rc == 2:
+        raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n} bytes")
+    if rc != 0:
+        raise RuntimeError(f"cuMemAlloc_v2: {rc}")
+    return pointer.value
+
+
 cuda = types.SimpleNamespace(
     OutOfMemoryError=OutOfMemoryError,
     mem_get_info=_mem_get_info,
     synchronize=lambda: None,
-    empty_cache=lambda: None,
+    empty_cache=_empty_cache,
+    device_count=lambda: 1,
+    memory_allocated=lambda device=None: _allocated,
+    memory_reserved=lambda device=None: _allocated + _cached_bytes(),
 )
 
 
@@ -44,13 +82,9 @@ class _Scalar:
 
 class Tensor:
     def __init__(self, n, total):
-        pointer = ctypes.c_ulonglong()
-        rc = _lib.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(n))
-        if rc == 2:
-            raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n} bytes")
-        if rc != 0:
-            raise RuntimeError(f"cuMemAlloc_v2: {rc}")
-        self.pointer, self.n, self.total = pointer.value, n, total
+        global _allocated
+        self.pointer, self.n, self.total = _malloc(n), n, total
+        _allocated += n
 
     def numel(self):
         return self.n
@@ -70,7 +104,9 @@ class Tensor:
         return [self]
 
     def __del__(self):
-        _lib.cuMemFree_v2(ctypes.c_ulonglong(self.pointer))
+        global _allocated
+        _allocated -= self.n
+        _cache.setdefault(self.n, []).append(self.pointer)
 
 
 def empty(n, dtype=None, device=None):
