@@ -42,6 +42,10 @@
 //!    simulation, `line_sim_test`, found it). It is served again as soon as it can be: when
 //!    memory frees, or when the waiters around it borrowed enough to give. A process that gave
 //!    memory while it waited goes to the back of the line (`board::Board::requeue`).
+//! 8. A borrower asked for memory that gives nothing back within the needy tenant's patience
+//!    (`RECLAIM_ESCALATE_MS` in the interposer: a kernel of its runs longer, or it is stopped) is
+//!    passed over, and the other borrowers are asked for what is still missing ([`asks_past`]):
+//!    a guaranteed request then depends on no single borrower.
 
 /// One tenant of the GPU, as the planner sees it (bytes).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -220,6 +224,24 @@ pub fn stuck(
         .map(|w| w.slot)
 }
 
+/// Rule 8, a borrower that does not give back: the asks for `shortfall` bytes still missing after
+/// a reclaim's wait ran past its patience, from the borrowers other than `needy` and the `slow`
+/// ones (asked before and not given back: a kernel longer than the wait, a stopped process), in
+/// rule 2's order. A guaranteed request then depends on no single borrower.
+pub fn asks_past(
+    holders: &[Holder],
+    needy: &str,
+    shortfall: u64,
+    slow: &[String],
+) -> Vec<(String, u64)> {
+    asks_in_giving_order(
+        holders
+            .iter()
+            .filter(|h| h.name != needy && !slow.contains(&h.name)),
+        shortfall,
+    )
+}
+
 /// Rule 2: who gives first.
 fn giving_order(a: &Holder, b: &Holder) -> std::cmp::Ordering {
     a.priority
@@ -387,6 +409,28 @@ mod tests {
             Some(first) => unstall(holders, waiters, first, room),
             None => Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_borrower_that_gives_nothing_back_is_passed_over_for_the_rest() {
+        let holders = [
+            holder("needy", 8 * GIB, 8 * GIB, 0, true),
+            holder("stuck", 4 * GIB, 12 * GIB, 0, false),
+            holder("idle", 2 * GIB, 8 * GIB, 0, false),
+            holder("small", 2 * GIB, 3 * GIB, 0, false),
+        ];
+        // "stuck" (the most borrowed) was asked first and gave nothing: the 4 GiB still missing
+        // come from the others in rule 2's order, never from the needy tenant itself.
+        assert_eq!(
+            asks_past(&holders, "needy", 4 * GIB, &["stuck".to_owned()]),
+            vec![("idle".to_owned(), 4 * GIB)]
+        );
+        assert_eq!(
+            asks_past(&holders, "needy", 7 * GIB, &["stuck".to_owned()]),
+            vec![("idle".to_owned(), 6 * GIB), ("small".to_owned(), GIB)]
+        );
+        // Nothing else borrowed: nobody to ask.
+        assert!(asks_past(&holders[..2], "needy", 4 * GIB, &["stuck".to_owned()]).is_empty());
     }
 
     #[test]

@@ -123,6 +123,13 @@ pub const RECLAIM_WAIT_MAX_MS: u64 = 5_000;
 // A claim outlasts the wait it was made in (`tenant_abi::board::CLAIM_LAPSE_NS`).
 const _: () = assert!(tenant_abi::board::CLAIM_LAPSE_NS >= RECLAIM_WAIT_MAX_MS * 1_000_000);
 
+/// After this long without the room, the borrowers that have not given back what they were asked
+/// (a kernel of theirs runs longer than that, or the process is stopped) are passed over and the
+/// others asked for the rest (`reclaim::asks_past`): past the longest hint budget
+/// (`VGPU_MEMORY_HINT_MS` is at most 2000), so that a helper still freeing is not passed over.
+pub const RECLAIM_ESCALATE_MS: u64 = 2_500;
+const _: () = assert!(RECLAIM_ESCALATE_MS < RECLAIM_WAIT_MAX_MS);
+
 /// How a wait for a reclaim ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Waited {
@@ -135,14 +142,19 @@ pub enum Waited {
 }
 
 /// Polls `granted` every millisecond for at most [`RECLAIM_WAIT_MAX_MS`], giving up early when
-/// `swap_space_full` says a borrower was refused staging (the room will not come from it).
+/// `swap_space_full` says a borrower was refused staging (the room will not come from it), and
+/// calling `escalate` once after [`RECLAIM_ESCALATE_MS`] without the room.
 pub fn wait_for_room(
     mut granted: impl FnMut() -> bool,
     mut swap_space_full: impl FnMut() -> bool,
+    mut escalate: impl FnMut(),
 ) -> Waited {
-    for _ in 0..RECLAIM_WAIT_MAX_MS {
+    for ms in 0..RECLAIM_WAIT_MAX_MS {
         if granted() {
             return Waited::Room;
+        }
+        if ms == RECLAIM_ESCALATE_MS {
+            escalate();
         }
         if swap_space_full() {
             // Another borrower may still have made the room meanwhile.

@@ -1253,7 +1253,22 @@ impl Enforcer {
         }
         // Read before the wants go out: a borrower refused staging for them counts after.
         let refusals = region.swap_refusals();
-        for (name, asked) in &asks {
+        let resident_of = |name: &str| {
+            region
+                .holders()
+                .into_iter()
+                .find(|h| h.name == name)
+                .map_or(0, |h| h.resident)
+        };
+        // What each asked borrower held when asked, to tell later who gave nothing back.
+        let mut asks: Vec<(String, u64, u64)> = asks
+            .into_iter()
+            .map(|(name, asked)| {
+                let held = resident_of(&name);
+                (name, asked, held)
+            })
+            .collect();
+        for (name, asked, _) in &asks {
             if let Some(index) = region.find(name) {
                 board.board.post_want(index, *asked);
             }
@@ -1262,14 +1277,69 @@ impl Enforcer {
         // tenant's: a borrower swapping back in, or a new borrow, sees the GPU full until then.
         // The process's other threads wait for its state meanwhile (bounded, like this wait).
         board.board.charge(board_slot, bytes);
-        let waited =
-            elastic::wait_for_room(|| region.fits(), || region.swap_refusals() != refusals);
+        let mut passed_over = Vec::new();
+        let waited = elastic::wait_for_room(
+            || region.fits(),
+            || region.swap_refusals() != refusals,
+            || {
+                // Rule 8 of `tenant_abi::reclaim`: the borrowers that gave nothing back yet are
+                // passed over (their untaken wants withdrawn) and the others asked for the rest.
+                let slow: Vec<String> = asks
+                    .iter()
+                    .filter(|(name, _, held)| resident_of(name) >= *held)
+                    .map(|(name, _, _)| name.clone())
+                    .collect();
+                let short = region.resident_total().saturating_sub(region.capacity());
+                if slow.is_empty() || short == 0 {
+                    return;
+                }
+                for (name, asked, _) in asks.iter().filter(|(name, _, _)| slow.contains(name)) {
+                    if let Some(index) = region.find(name) {
+                        board.board.withdraw_want(index, *asked);
+                    }
+                }
+                let more = tenant_abi::reclaim::asks_past(
+                    &region.holders(),
+                    &self.config.tenant,
+                    short,
+                    &slow,
+                );
+                crate::log::error(format_args!(
+                    "tenant(s) {} gave nothing back of what tenant {} asked for within {} ms (a \
+                     kernel running longer, or a stopped process); asking {} for the {} still \
+                     missing",
+                    slow.join(", "),
+                    self.config.tenant,
+                    elastic::RECLAIM_ESCALATE_MS,
+                    if more.is_empty() {
+                        "nobody else (no other tenant borrowed)".to_owned()
+                    } else {
+                        more.iter()
+                            .map(|(name, _)| name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    },
+                    human(short)
+                ));
+                for (name, asked) in more {
+                    if let Some(index) = region.find(&name) {
+                        board.board.post_want(index, asked);
+                        let held = resident_of(&name);
+                        asks.push((name, asked, held));
+                    }
+                }
+                passed_over = slow;
+            },
+        );
         if waited != elastic::Waited::Room {
             board.board.release(board_slot, bytes);
             // Nothing is coming: the room held for this tenant is of no use to it, nor are the
             // wants no borrower has taken yet.
             board.board.drop_claim(board.tenant);
-            for (name, asked) in &asks {
+            for (name, asked, _) in &asks {
+                if passed_over.contains(name) {
+                    continue;
+                }
                 if let Some(index) = region.find(name) {
                     board.board.withdraw_want(index, *asked);
                 }

@@ -820,6 +820,68 @@ fn a_reclaim_the_swap_space_cannot_hold_is_refused_and_the_borrower_keeps_its_by
     assert!(!a_err.contains("went to host memory"), "{a_err}");
 }
 
+/// A borrower that cannot give back in time (its 6 s kernel runs past the needy tenant's 5 s
+/// wait) is passed over after `RECLAIM_ESCALATE_MS` (2.5 s), and another borrower is asked for
+/// the rest: the request is granted, where before it was refused when the wait ran out.
+#[test]
+fn a_borrower_stuck_in_a_long_kernel_is_passed_over_for_another() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        24 * MIB,
+        &[
+            ("a", 4 * MIB, 12 * MIB),
+            ("c", 2 * MIB, 10 * MIB),
+            ("b", 8 * MIB, 8 * MIB),
+        ],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let swapping = |probe: Probe| swapping(probe).env("FAKE_CUDA_QUEUE_MS", "20000");
+    // "a" borrowed 8 (the most: asked first) and queues a 6 s kernel; "c" borrowed 6 and idles.
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M launch kernel 6000000 touch {} until_file {}",
+        file("a-ready"),
+        file("b-done")
+    ));
+    let mut c = swapping(tenant(shm.path(), "c", "2MiB")).start_holding(&format!(
+        "alloc 2M alloc 6M fill 5 touch {} until_file {} check 5",
+        file("c-ready"),
+        file("b-done")
+    ));
+    // 20 of 24 held: "b" needs 8 within its request, 4 of it from the borrowers.
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} until_file {} clock alloc 8M clock",
+        file("a-ready"),
+        file("c-ready")
+    ));
+    let b_lines = lines(&b.output);
+    assert_eq!(b_lines[3], "alloc 0", "{}", b.output);
+    let clock = |line: &str| -> u64 {
+        line.strip_prefix("clock ")
+            .and_then(|ns| ns.parse().ok())
+            .expect("a clock line")
+    };
+    let ms = (clock(b_lines[4]) - clock(b_lines[2])) / 1_000_000;
+    assert!(
+        (2_500..5_000).contains(&ms),
+        "granted after {ms} ms: after the patience, before the wait ran out"
+    );
+    assert_eq!(
+        usage(&board, "c").swapped_bytes,
+        6 * MIB,
+        "c gave its chunk"
+    );
+    let err = stderr_of(b);
+    assert!(
+        err.contains("tenant(s) a gave nothing back") && err.contains("asking c"),
+        "{err}"
+    );
+    std::fs::write(shm.path().join("b-done"), "").expect("touching b-done");
+    a.wait_held();
+    c.wait_held();
+    assert!(c.output.ends_with("check 0 ok\n"), "{}", c.output);
+}
+
 /// An application marks a borrowed allocation cold (`vgpu_memory_cold`, found by `dlsym` as
 /// `vgpu.torch.mark_cold` finds it): when another tenant needs its request, that allocation goes
 /// to host memory first, though a larger one would go first by default (fewest copies; with
