@@ -8,7 +8,9 @@
 #   3. tests/gpu/memory_jobs.sh                         three training jobs at 1.5x the memory
 #   4. RECLAIM=1 HINT=1 tests/gpu/elastic_memory.sh     the reclaim served by the hint helper
 #                                                       (vgpu.torch: empty_cache), nothing swapped
-# PARTS (default "reclaim latency jobs hint") picks which. Each part's own table is printed as it ends;
+#   5. RECLAIM=1 COLD=1 tests/gpu/elastic_memory.sh     the reclaim takes the chunks marked cold
+#                                                       (vgpu.torch.mark_cold) first
+# PARTS (default "reclaim latency jobs hint cold") picks which. Each part's own table is printed as it ends;
 # its logs go to $OUT/logs.tar.gz (<part>/...); a summary of the parts is printed last. Exit status 0 when every
 # part that ran passed. Every part stops what it started (each script's own cleanup); a part cut
 # by its limit gets TERM, then KILL 15 s later.
@@ -19,7 +21,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT_ROOT=${OUT:-$(mktemp -d)}
 DEADLINE_S=${DEADLINE_S:-570}
-PARTS=${PARTS:-"reclaim latency jobs hint"}
+PARTS=${PARTS:-"reclaim latency jobs hint cold"}
 began=$(date +%s)
 summary=()
 failed=0
@@ -65,8 +67,12 @@ for part in $PARTS; do
     SCRIPT=("$ROOT/tests/gpu/elastic_memory.sh")
     run_part hint 180 RECLAIM=1 HINT=1
     ;;
+  cold)
+    SCRIPT=("$ROOT/tests/gpu/elastic_memory.sh")
+    run_part cold 180 RECLAIM=1 COLD=1
+    ;;
   *)
-    echo "unknown part $part (reclaim, latency, jobs, hint)" >&2
+    echo "unknown part $part (reclaim, latency, jobs, hint, cold)" >&2
     exit 2
     ;;
   esac

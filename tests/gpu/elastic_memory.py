@@ -2,7 +2,7 @@
 caching allocator (cudaMalloc, so cuMemAlloc_v2: the path that borrows VMM-backed). Never
 allocates managed memory. Prints `RESULT {json}` last.
 
-  grow TARGET_BYTES LIMIT_BYTES READY STOP WAIT_S [tick] [hint]
+  grow TARGET_BYTES LIMIT_BYTES READY STOP WAIT_S [tick] [hint] [cold]
       holds 1 GiB tensors of random bytes until TARGET_BYTES are held (past the tenant's request),
       checksums them, tries once to go past LIMIT_BYTES (expected: refused), touches READY, waits
       (at most WAIT_S seconds) for STOP to exist, then checks the checksums again. With `tick`
@@ -11,7 +11,9 @@ allocates managed memory. Prints `RESULT {json}` last.
       With `hint` it starts vgpu's hint helper (`vgpu.torch.enable()`, deploy/python) and then
       drops its second half of tensors before READY: PyTorch's caching allocator keeps their
       blocks (reserved, not allocated), which the helper gives back by `empty_cache()` when
-      vgpu asks; only the first half is checksummed again.
+      vgpu asks; only the first half is checksummed again. With `cold` it marks its second half
+      of tensors cold (`vgpu.torch.mark_cold`) and reports their addresses (`cold_ptrs`) and the
+      bytes marked: a reclaim must take those first.
   request BYTES [READY STOP WAIT_S]
       allocates BYTES in 1 GiB tensors and says how much it got, how long that took, and whether
       it got an out-of-memory error; with READY STOP WAIT_S it then touches READY and holds the
@@ -38,9 +40,9 @@ def checksum(tensor):
     return sum(int(piece.sum(dtype=torch.int64).item()) for piece in tensor.split(1 << 26))
 
 
-def grow(target, limit, ready, stop, wait_s, tick=False, hint=False):
+def grow(target, limit, ready, stop, wait_s, tick=False, hint=False, cold=False):
     result = {"info_start": info()}
-    if hint:
+    if hint or cold:
         # deploy/python holds the helper (a tenant copies it next to its program)
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "deploy" / "python"))
         import logging
@@ -48,7 +50,8 @@ def grow(target, limit, ready, stop, wait_s, tick=False, hint=False):
         import vgpu.torch
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-        result["hint_helper"] = vgpu.torch.enable()
+        if hint:
+            result["hint_helper"] = vgpu.torch.enable()
     held, sums = [], []
     error = None
     try:
@@ -78,6 +81,10 @@ def grow(target, limit, ready, stop, wait_s, tick=False, hint=False):
         del held[keep:], sums[keep:]
         torch.cuda.synchronize()
         result["cached_bytes"] = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    if cold:
+        marked = held[len(held) // 2:]
+        result["cold_marked_bytes"] = sum(vgpu.torch.mark_cold(t) for t in marked)
+        result["cold_ptrs"] = [hex(t.untyped_storage().data_ptr()) for t in marked]
     result["info_held"] = info()
     counter = torch.zeros(1, dtype=torch.int64, device="cuda") if tick else None
     ticks, refused = 0, 0
@@ -135,10 +142,11 @@ def request(wanted, ready=None, stop=None, wait_s=0.0):
 if __name__ == "__main__":
     if sys.argv[1] == "grow":
         flags = set(sys.argv[7:])
-        if flags - {"tick", "hint"}:
-            sys.exit(f"unknown grow flags {sorted(flags - {'tick', 'hint'})} (tick, hint)")
+        known = {"tick", "hint", "cold"}
+        if flags - known:
+            sys.exit(f"unknown grow flags {sorted(flags - known)} ({', '.join(sorted(known))})")
         grow(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6]),
-             "tick" in flags, "hint" in flags)
+             "tick" in flags, "hint" in flags, "cold" in flags)
     elif sys.argv[1] == "request" and len(sys.argv) == 6:
         request(int(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5]))
     elif sys.argv[1] == "request":

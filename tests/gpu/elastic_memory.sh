@@ -40,6 +40,13 @@
 #
 #   RECLAIM=1 HINT=1 VGPU_BIN=dist tests/gpu/elastic_memory.sh
 #
+# COLD=1 (with RECLAIM=1): the first tenant marks the second half of its tensors cold
+# (`vgpu.torch.mark_cold`, deploy/python) and the reclaim must take only those: the chunks the
+# interposer moved out (its debug lines, VGPU_LOG=2 for this run) must all be cold ones (by
+# default the lowest addresses of equal chunks would go first).
+#
+#   RECLAIM=1 COLD=1 VGPU_BIN=dist tests/gpu/elastic_memory.sh
+#
 # LATENCY=1 (with RECLAIM=1): a guaranteed latency tenant beside the swap (issue 17's third
 # check). Tenant `lat` (`--latency`, 0.1 of the GPU, 4 GiB) runs tests/gpu/closed_loop.py's
 # decoder step (a CUDA graph, ~1 ms, every 3 ms), warmed up before the first grows; one window
@@ -70,6 +77,10 @@ LATENCY=${LATENCY:-0}
 LAT_WINDOW=${LAT_WINDOW:-25}
 HINT=${HINT:-0}
 [ "$HINT" = 0 ] || [ "$RECLAIM" = 1 ] || { echo "HINT=1 needs RECLAIM=1" >&2; exit 2; }
+COLD=${COLD:-0}
+[ "$COLD" = 0 ] || [ "$RECLAIM" = 1 ] || { echo "COLD=1 needs RECLAIM=1" >&2; exit 2; }
+# the interposer's debug lines name the chunks a swap-out moved
+[ "$COLD" = 0 ] || export VGPU_LOG=2
 # The tenants' VGPU_MEMORY_SWAP: on for the second scenario only.
 SWAP=$([ "$RECLAIM" = 1 ] && echo 1 || echo 0)
 : >"$RESULTS"
@@ -196,7 +207,8 @@ record "memory board linked into the tenant's directory" "exists" "$board" "$(ve
 # 1. The first tenant grows past its request while the second idles.
 tick=$([ "$RECLAIM" = 1 ] && echo tick)
 hint=$([ "$HINT" = 1 ] && echo hint)
-run_tenant grower grower 600 -- grow "$target" "$limit" "$WORK/grown" "$WORK/stop" 300 $tick $hint
+cold=$([ "$COLD" = 1 ] && echo cold)
+run_tenant grower grower 600 -- grow "$target" "$limit" "$WORK/grown" "$WORK/stop" 300 $tick $hint $cold
 PIDS+=($!)
 grower_pid=$!
 grown() { [ -f "$WORK/grown" ]; }
@@ -341,6 +353,22 @@ PYEOF
   expected_s=$("$PY" -c 'import sys; print(f"{int(sys.argv[1] or 0) / 45e9:.2f}")' "${swapped_during:-0}")
   record "reclaim time: the second's allocation against bytes swapped / 45 GB/s" "~${expected_s} s plus a drain" \
     "${seconds:-?} s for $(gib "$swapped_during")" "$(verdict $([ "$oom" = False ] && [ -n "$seconds" ] && echo 1))"
+  fi
+  if [ "$COLD" = 1 ]; then
+    cold_row=$("$PY" - "$g" <<'PYEOF'
+import json, re, sys
+lines = open(sys.argv[1], errors="replace").read().splitlines()
+results = [json.loads(l[len("RESULT "):]) for l in lines if l.startswith("RESULT ")]
+cold = {int(p, 16) for p in (results[-1].get("cold_ptrs", []) if results else [])}
+marked = results[-1].get("cold_marked_bytes", 0) if results else 0
+out = [int(a, 16) for l in lines if "chunks out:" in l for a in l.split("chunks out:")[1].split()]
+print(f"{1 if out and all(a in cold for a in out) else 0} {len(out)} {sum(a in cold for a in out)} {marked / 2**30:.2f} {len(cold)}")
+PYEOF
+)
+    read -r cold_ok cold_out cold_hit cold_gib cold_n <<<"$cold_row"
+    record "the chunks swapped out were the ones marked cold (vgpu.torch.mark_cold)" "all of them" \
+      "${cold_hit:-?} of ${cold_out:-?} chunks out were cold (${cold_n:-?} tensors, ${cold_gib:-?} GiB marked)" \
+      "$(verdict "${cold_ok:-0}")"
   fi
   record "the first's memory back on the GPU after the second left (describe, swapped)" "0" \
     "${swapped_after:-?}" "$(verdict $([ "$swapped_after" = 0 ] && echo 1))"

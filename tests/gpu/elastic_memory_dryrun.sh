@@ -12,6 +12,7 @@
 #   tests/gpu/elastic_memory_dryrun.sh              # TARGET=target/debug by default
 #   RECLAIM=1 tests/gpu/elastic_memory_dryrun.sh    # the swap scenario (see below)
 #   RECLAIM=1 HINT=1 tests/gpu/elastic_memory_dryrun.sh   # vgpu.torch's helper through the real .so
+#   RECLAIM=1 COLD=1 tests/gpu/elastic_memory_dryrun.sh   # vgpu.torch.mark_cold: cold chunks go first
 #
 # With RECLAIM=1 the swap runs on simulated sizes (the fake's copies move no bytes, so the
 # checksums are the stand-in's remembered sums, not a test of contents: the ABI tests check those),
@@ -19,7 +20,8 @@
 # fails here by construction; the others check the script's path (the rates are those of copies
 # that move nothing). The stand-in keeps freed tensors' blocks cached as PyTorch's allocator does,
 # so with HINT=1 the hint helper (deploy/python/vgpu/torch.py) gives them back through the real
-# interposer's exports (2026-11-29: every row PASS but "does not fit").
+# interposer's exports, and with COLD=1 the chunks marked cold are the ones swapped out
+# (2026-11-29: every row PASS but "does not fit", both).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)

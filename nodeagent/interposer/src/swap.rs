@@ -278,6 +278,7 @@ impl Chunks {
         counters: &mut impl Counters,
     ) -> GivenBack {
         let order = self.giving_order();
+        let mut moved_at: Vec<u64> = Vec::new();
         let mut given = 0u64;
         let mut refused_for_staging = 0u64;
         let mut times = SwapTimes::default();
@@ -298,6 +299,7 @@ impl Chunks {
                     OutResult::Moved => {
                         self.chunks.get_mut(&address).expect("listed above").out = true;
                         given += size;
+                        moved_at.push(address);
                     }
                     OutResult::StagingRefused => refused_for_staging += size,
                     OutResult::Failed(e) => {
@@ -312,6 +314,9 @@ impl Chunks {
         // and asked the borrower a second time (two rounds for one request in the dry run).
         if given > 0 {
             counters.swapped_out(given);
+            // Which chunks went (for a check that cold ones go first: tests/gpu, `COLD=1`).
+            let shown: Vec<String> = moved_at.iter().map(|a| format!("{a:#x}")).collect();
+            crate::log::debug(format_args!("chunks out: {}", shown.join(" ")));
         }
         assert!(given <= self.out_bytes());
         GivenBack {

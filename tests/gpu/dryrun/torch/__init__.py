@@ -89,6 +89,10 @@ class Tensor:
     def numel(self):
         return self.n
 
+    def untyped_storage(self):
+        # Its allocation, as PyTorch's storage is (vgpu.torch.mark_cold marks it).
+        return types.SimpleNamespace(data_ptr=lambda: self.pointer, nbytes=lambda: self.n)
+
     def __iadd__(self, other):
         # One kernel of 1 microsecond on the legacy stream (through the interposer's launch hook).
         rc = _lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
