@@ -120,6 +120,8 @@ else
     log "alone job $i: $(grep '^RESULT ' "$LOGS/alone-$i.log" | tail -n1)"
   done
   serial=$(elapsed "$serial_begin" "$(now)")
+  # for a later ALONE_LOGS run (tests/gpu/memory_jobs_repeat.sh)
+  echo "$serial" >"$LOGS/serial_s"
 fi
 alone_ok=1
 for i in 1 2 3; do [ -n "$(field "$LOGS/alone-$i.log" digest)" ] || alone_ok=0; done
