@@ -152,7 +152,14 @@ struct Process {
     /// `line::RETRY_WINDOW` stands for twice that (at most what the tenant may borrow), so that a
     /// framework growing piece by piece asks the other waiters in a few rounds, not one a piece.
     line_need: [u64; DEVICES_MAX],
+    /// The watcher stood this process in the GPU's line for its chunks out while it made no hook
+    /// call (`Enforcer::watch_once`): it leaves the line when they are back.
+    watcher_in_line: [bool; DEVICES_MAX],
 }
+
+/// Whether the watcher stands this process in a GPU's line (`Process::watcher_in_line` on any
+/// device): its looks go on until it has left, after the chunks came back.
+static WATCHER_STOOD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 impl Process {
     fn new() -> Process {
@@ -169,6 +176,7 @@ impl Process {
             borrow_refused_at: [None; DEVICES_MAX],
             line_place: [None; DEVICES_MAX],
             line_need: [0; DEVICES_MAX],
+            watcher_in_line: [false; DEVICES_MAX],
         }
     }
 }
@@ -1097,7 +1105,7 @@ impl Enforcer {
             return;
         }
         self.warm_staging(devices);
-        if !self.want_posted() && !swap::any_out() {
+        if !self.want_posted() && !swap::any_out() && !WATCHER_STOOD.load(Ordering::Relaxed) {
             return;
         }
         let Some((mut process, context)) = self.watched_process() else {
@@ -1108,7 +1116,27 @@ impl Enforcer {
         }
         for (device, board, board_slot) in self.board_slots(&process) {
             self.poll_swap(devices, board, (device, board_slot), &mut process);
+            // A process with chunks out can run nothing until they are back: it waits, calls or
+            // not. Standing in the GPU's line for them, its resident borrowed memory is idle
+            // memory the line may ask for (`reclaim::unstall`: waiters give); an idle process
+            // not in line was a runner, never asked, and a waiter for its memory waited for
+            // ever. Not when it stands there already (its own wait, whose bytes are its own).
+            let out = process.chunks[device].out_bytes();
+            if out > 0 {
+                if board.board.wait_since(board_slot).is_none() {
+                    board
+                        .board
+                        .wait(board_slot, out, false, crate::shm::monotonic_ns());
+                    process.watcher_in_line[device] = true;
+                }
+            } else if std::mem::take(&mut process.watcher_in_line[device]) {
+                board.board.stop_waiting(board_slot);
+            }
         }
+        WATCHER_STOOD.store(
+            process.watcher_in_line.iter().any(|&stood| stood),
+            Ordering::Relaxed,
+        );
     }
 
     /// The process's state for the watcher thread, if it is free now (the watcher never waits

@@ -882,6 +882,62 @@ fn a_borrower_stuck_in_a_long_kernel_is_passed_over_for_another() {
     assert!(c.output.ends_with("check 0 ok\n"), "{}", c.output);
 }
 
+/// An idle process with a chunk out (it makes no hook call) waits all the same: its watcher stands
+/// it in the GPU's line, so the line may ask it for its resident borrowed memory. Here "a" gave
+/// 8 MiB for "b"'s request and idles; "c" waits to borrow 10 MiB, which only "a"'s other 4 MiB
+/// can complete. Before, an idle process was a runner, never asked, and "c" waited for ever.
+#[test]
+fn an_idle_process_with_a_chunk_out_stands_in_line_and_lends_its_idle_memory() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        24 * MIB,
+        &[
+            ("a", 4 * MIB, 20 * MIB),
+            ("b", 8 * MIB, 8 * MIB),
+            ("c", 2 * MIB, 12 * MIB),
+        ],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M alloc 4M fill 3 touch {} until_file {} check 3",
+        file("a-ready"),
+        file("a-go")
+    ));
+    let mut c = swapping(tenant(shm.path(), "c", "2MiB")).start_holding(&format!(
+        "alloc 2M touch {} until_file {} alloc_retry 10M",
+        file("c-ready"),
+        file("b-has")
+    ));
+    // 18 of 24 held: b's 8 within its request take 8 MiB of a's borrowed memory (its largest).
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} until_file {} alloc 8M touch {}",
+        file("a-ready"),
+        file("c-ready"),
+        file("b-has")
+    ));
+    assert_eq!(b.output, "until_file 0\nuntil_file 0\nalloc 0\ntouch 0\n");
+    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
+    c.wait_held();
+    assert_eq!(
+        lines(&c.output),
+        [
+            "alloc 0",
+            "touch 0",
+            "until_file 0",
+            "alloc_retry 0 tries=2"
+        ],
+        "c borrowed a's idle 4 MiB"
+    );
+    assert_eq!(usage(&board, "a").swapped_bytes, 12 * MIB);
+    drop(c);
+    drop(b);
+    std::fs::write(shm.path().join("a-go"), "").expect("touching a-go");
+    a.wait_held();
+    assert!(a.output.ends_with("check 0 ok\n"), "{}", a.output);
+    assert_eq!(usage(&board, "a").swapped_bytes, 0, "a's chunks came back");
+}
+
 /// An application marks a borrowed allocation cold (`vgpu_memory_cold`, found by `dlsym` as
 /// `vgpu.torch.mark_cold` finds it): when another tenant needs its request, that allocation goes
 /// to host memory first, though a larger one would go first by default (fewest copies; with
