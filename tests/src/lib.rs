@@ -11,7 +11,6 @@
 pub mod nemesis;
 
 use anyhow::{Context, Result, bail};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
@@ -64,12 +63,10 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
-/// A free loopback port (bound and released; good enough for tests).
+/// A free loopback port, below the kernel's ephemeral range (`etcd_store::testing::free_ports`):
+/// a process restarted on its port later does not find it taken by an outgoing connection.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
+    etcd_store::testing::free_ports(1)[0]
 }
 
 /// Polls `check` until it returns `Some`, or fails after `timeout` with `what`.

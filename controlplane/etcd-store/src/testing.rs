@@ -239,17 +239,52 @@ fn etcd_installed(test: &str, required: bool) -> bool {
     false
 }
 
-/// `count` distinct ports nothing listens on right now (all bound at once, so distinct).
-/// Another process could take one before etcd binds it; on loopback in a test run that has not
-/// been seen to matter.
+/// `count` distinct ports nothing listens on right now, below the kernel's ephemeral range when
+/// it leaves room for that (`/proc/sys/net/ipv4/ip_local_port_range`). A port the kernel hands
+/// out for `bind(0)` comes from the range it also gives outgoing connections, so a member
+/// restarted on its port later (the tests' `kill -9`) could find it taken by some client's
+/// connection: etcd exits and the test waits 30 s for nothing ("etcd member 2 not ready within
+/// 30s", connection refused, once in a full run on 2 cores). Below the range nothing takes a port
+/// unasked. Ports are handed out by one counter per process (tests run as threads), from a start
+/// that differs between processes, and each is checked free by binding it.
 pub fn free_ports(count: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..count)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free loopback port"))
-        .collect();
-    listeners
-        .iter()
-        .map(|listener| listener.local_addr().expect("a bound address").port())
-        .collect()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 10_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    if ephemeral_low < LOW + 2_000 {
+        // No room below the range: the kernel's choice, as before.
+        let listeners: Vec<TcpListener> = (0..count)
+            .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free loopback port"))
+            .collect();
+        return listeners
+            .iter()
+            .map(|listener| listener.local_addr().expect("a bound address").port())
+            .collect();
+    }
+    let span = ephemeral_low - LOW;
+    let start = std::process::id().wrapping_mul(7_919) % span;
+    let _ = NEXT.compare_exchange(0, start + 1, Ordering::SeqCst, Ordering::SeqCst);
+    let mut ports = Vec::with_capacity(count);
+    for _ in 0..span {
+        if ports.len() == count {
+            break;
+        }
+        let offset = (NEXT.fetch_add(1, Ordering::SeqCst) - 1) % span;
+        let port = u16::try_from(LOW + offset).expect("below the ephemeral range");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            ports.push(port);
+        }
+    }
+    assert_eq!(
+        ports.len(),
+        count,
+        "{count} free loopback ports below {ephemeral_low}"
+    );
+    ports
 }
 
 /// Every entry of `log` from 1, read in batches until one comes back empty, and the head's
