@@ -186,6 +186,32 @@ impl EtcdCluster {
         self.members[index].child = Some(child);
     }
 
+    /// Whether member `index`'s process has exited (a zombie not reaped yet, or gone): it will not
+    /// become ready, so waiting for it is pointless.
+    fn exited(&self, index: usize) -> bool {
+        let Some(child) = &self.members[index].child else {
+            return false;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id()));
+        stat.map_or(true, |stat| {
+            stat.rsplit(')')
+                .next()
+                .and_then(|rest| rest.split_whitespace().next())
+                == Some("Z")
+        })
+    }
+
+    /// The last lines of member `index`'s log, for a failure's message.
+    fn log_tail(&self, index: usize) -> String {
+        let path = self
+            .dir
+            .path()
+            .join(format!("{}.log", self.members[index].name));
+        let log = std::fs::read_to_string(&path).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
     /// Polls (bounded by `READY_BOUND`) until each of `members` answers a linearizable read.
     pub async fn wait_ready(&self, members: &[usize]) {
         let deadline = Instant::now() + READY_BOUND;
@@ -197,6 +223,11 @@ impl EtcdCluster {
             loop {
                 match EtcdLog::connect(&config).await {
                     Ok(_) => break,
+                    Err(error) if self.exited(index) => panic!(
+                        "etcd member {index} exited before it was ready ({error}); the end of its \
+                         log:\n{}",
+                        self.log_tail(index)
+                    ),
                     Err(_) if Instant::now() < deadline => {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
