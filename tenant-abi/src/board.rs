@@ -525,16 +525,64 @@ impl Region {
             .saturating_sub(self.claimed_by_others(tenant, now_ns))
     }
 
+    /// What is free for waiter `w` at `now_ns`, the line aside ([`Region::free_beside_claims`]
+    /// of its tenant).
+    fn free_for(&self, w: &Waiter, now_ns: u64) -> u64 {
+        self.free_beside_claims(self.slots[w.slot].tenant.load(SeqCst) as usize, now_ns)
+    }
+
     /// The waiter the line serves at `now_ns` (`reclaim::served`, rule 7: the first in line that
     /// it can serve), with the line it was chosen from.
     pub fn served(&self, now_ns: u64) -> (Option<Waiter>, Vec<Waiter>) {
         let waiters = self.waiters();
         let holders = self.holders();
-        let served = crate::reclaim::served(&holders, &waiters, |w| {
-            self.free_beside_claims(self.slots[w.slot].tenant.load(SeqCst) as usize, now_ns)
-        })
-        .cloned();
+        let served =
+            crate::reclaim::served(&holders, &waiters, |w| self.free_for(w, now_ns)).cloned();
         (served, waiters)
+    }
+
+    /// Rule 6 on this board at `now_ns` (`reclaim::stuck`): the slot whose borrow the stuck line
+    /// refuses, if any. The swap room is what the node's staging budget has left plus the staging
+    /// the other waiters' processes keep idle (theirs to reuse), or nothing when
+    /// `swap_refused_since` (a swap-out was refused for staging since the caller last looked: the
+    /// swap takes whole chunks, which the budget's bytes left may not hold, so the unstall's asks
+    /// were refused and would be for ever).
+    pub fn stuck(&self, now_ns: u64, swap_refused_since: bool) -> Option<usize> {
+        let (served, waiters) = self.served(now_ns);
+        if waiters.is_empty() {
+            return None;
+        }
+        let (room, swap_room) = match &served {
+            Some(first) => {
+                let idle_elsewhere = waiters
+                    .iter()
+                    .filter(|w| w.tenant != first.tenant)
+                    .map(|w| {
+                        let slot = &self.slots[w.slot];
+                        slot.staging_bytes
+                            .load(SeqCst)
+                            .saturating_sub(slot.swapped_bytes.load(SeqCst))
+                    })
+                    .fold(0u64, u64::saturating_add);
+                let swap_room = if swap_refused_since {
+                    0
+                } else {
+                    self.staging_budget()
+                        .saturating_sub(self.staging_total())
+                        .saturating_add(idle_elsewhere)
+                };
+                (self.free_in_line(first.slot, now_ns), swap_room)
+            }
+            None => (0, 0),
+        };
+        crate::reclaim::stuck(
+            &self.holders(),
+            &waiters,
+            served.as_ref(),
+            room,
+            swap_room,
+            self.every_holder_waits(),
+        )
     }
 
     /// Bytes the waiters ahead of `slot` in the line wait for (every waiter's, if `slot` is not
@@ -549,13 +597,11 @@ impl Region {
             return 0;
         }
         let holders = self.holders();
-        crate::reclaim::line_serves(&holders, &waiters, |w| {
-            self.free_beside_claims(self.slots[w.slot].tenant.load(SeqCst) as usize, now_ns)
-        })
-        .into_iter()
-        .filter(|w| w.slot != slot)
-        .filter(|w| me.is_none_or(|me| crate::reclaim::line_order(w, me).is_lt()))
-        .fold(0u64, |sum, w| sum.saturating_add(w.bytes))
+        crate::reclaim::line_serves(&holders, &waiters, |w| self.free_for(w, now_ns))
+            .into_iter()
+            .filter(|w| w.slot != slot)
+            .filter(|w| me.is_none_or(|me| crate::reclaim::line_order(w, me).is_lt()))
+            .fold(0u64, |sum, w| sum.saturating_add(w.bytes))
     }
 
     /// Whether `bytes` more fit for the process of `slot` (a borrow, or a swap-in) beside what

@@ -964,11 +964,7 @@ impl<'r, L: Liveness> Schedule<'r, L> {
             return TakeOver::Yes;
         }
         let silent_ns = now_ns.saturating_sub(slot.demand_ns.load(SeqCst));
-        let drained = !self.region.procs.iter().any(|p| {
-            p.pid.load(SeqCst) != 0
-                && p.tenant.load(SeqCst) == turn.owner as u32 + 1
-                && p.busy_ns.load(SeqCst) != 0
-        });
+        let drained = !self.has_queued_work(turn.owner);
         // A silent owner may be blocked on its queued work (a `cudaDeviceSynchronize`, which is
         // not gated): taking its turn then would overlap the next tenant's kernels with its own.
         // So only a dead owner is taken over for its silence, as soon as it is idle; a live one
@@ -1152,6 +1148,15 @@ impl<'r, L: Liveness> Schedule<'r, L> {
         }
     }
 
+    /// Whether a live process of the tenant at `tenant` reported work it has not drained.
+    fn has_queued_work(&self, tenant: usize) -> bool {
+        self.region.procs.iter().any(|p| {
+            p.pid.load(SeqCst) != 0
+                && p.tenant.load(SeqCst) == tenant as u32 + 1
+                && p.busy_ns.load(SeqCst) != 0
+        })
+    }
+
     /// The current turn (for diagnostics and tests).
     pub fn turn(&self) -> Turn {
         Turn::unpack(self.region.header.turn.load(SeqCst))
@@ -1185,11 +1190,7 @@ impl<'r, L: Liveness> Schedule<'r, L> {
         );
         if turn.owner < TENANTS {
             let owner = &self.region.tenants[turn.owner];
-            let busy = self.region.procs.iter().any(|p| {
-                p.pid.load(SeqCst) != 0
-                    && p.tenant.load(SeqCst) == turn.owner as u32 + 1
-                    && p.busy_ns.load(SeqCst) != 0
-            });
+            let busy = self.has_queued_work(turn.owner);
             line.push_str(&format!(
                 ", its last demand {:.1} ms ago, queued work {}, virtual time {}",
                 ms(now_ns.saturating_sub(owner.demand_ns.load(SeqCst))),

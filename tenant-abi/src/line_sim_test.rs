@@ -357,24 +357,10 @@ fn look_at_the_line(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, no
             board.post_want(region.find(&name).unwrap(), bytes);
         }
     }
-    // As `refused_by_stuck_line`: nothing when a swap-out was refused for staging since the
-    // last look.
+    // As `refused_by_stuck_line`: the board's rule, with the swap refusals since the last look.
     let refusals = region.swap_refusals();
-    let swap_room = if std::mem::replace(&mut job.seen_refusals, refusals) != refusals {
-        0
-    } else {
-        region
-            .staging_budget()
-            .saturating_sub(region.staging_total())
-    };
-    let stuck = reclaim::stuck(
-        &region.holders(),
-        &waiters,
-        served.as_ref(),
-        room,
-        swap_room,
-        region.every_holder_waits(),
-    );
+    let refused_since = std::mem::replace(&mut job.seen_refusals, refusals) != refusals;
+    let stuck = region.stuck(now, refused_since);
     if stuck == Some(job.slot) {
         job.stuck_turns = job.stuck_turns.max(1);
     } else {

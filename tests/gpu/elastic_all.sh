@@ -19,6 +19,8 @@
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=tests/gpu/procs.sh
+source "$ROOT/tests/gpu/procs.sh"
 OUT_ROOT=${OUT:-$(mktemp -d)}
 DEADLINE_S=${DEADLINE_S:-570}
 PARTS=${PARTS:-"reclaim latency jobs hint cold"}
@@ -77,14 +79,9 @@ for part in $PARTS; do
     ;;
   esac
 done
-# The parts' logs in one archive (the device tool brings back only a few files), the
-# directories removed.
-dirs=()
-for part in $PARTS; do [ -d "$OUT_ROOT/$part" ] && dirs+=("$part"); done
-if [ "${#dirs[@]}" -gt 0 ] && tar czf "$OUT_ROOT/logs.tar.gz" -C "$OUT_ROOT" "${dirs[@]}"; then
-  for d in "${dirs[@]}"; do rm -rf "${OUT_ROOT:?}/$d"; done
-  echo "logs: $OUT_ROOT/logs.tar.gz"
-fi
+# The parts' logs in one archive, the directories removed.
+# shellcheck disable=SC2086 # PARTS is a list of names
+pack_logs "$OUT_ROOT" $PARTS
 echo
 echo "| part | result |"
 echo "| --- | --- |"

@@ -12,6 +12,8 @@
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=tests/gpu/procs.sh
+source "$ROOT/tests/gpu/procs.sh"
 OUT_ROOT=${OUT:-$(mktemp -d)}
 REPEATS=${REPEATS:-3}
 DEADLINE_S=${DEADLINE_S:-570}
@@ -43,12 +45,7 @@ for r in $(seq 1 "$REPEATS"); do
   [ "$status" = 0 ] || failed=1
   rows+=("| $r | $([ "$status" = 0 ] && echo PASS || echo "FAIL (exit $status)") | $(got "$results" "through vgpu, the three at once") | $(got "$results" "through vgpu: results identical") | $(got "$results" "total time") |")
 done
-dirs=()
-for d in "$OUT_ROOT"/run*; do [ -d "$d" ] && dirs+=("${d##*/}"); done
-if [ "${#dirs[@]}" -gt 0 ] && tar czf "$OUT_ROOT/logs.tar.gz" -C "$OUT_ROOT" "${dirs[@]}"; then
-  for d in "${dirs[@]}"; do rm -rf "${OUT_ROOT:?}/$d"; done
-  echo "logs: $OUT_ROOT/logs.tar.gz"
-fi
+pack_logs "$OUT_ROOT" $(seq -f 'run%g' 1 "$REPEATS")
 echo
 echo "| run | result | finished | identical digests | vgpu against one after another |"
 echo "| --- | --- | --- | --- | --- |"

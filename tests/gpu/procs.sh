@@ -21,4 +21,14 @@ stop_pid() { # stop_pid PID: TERM, up to 10 s, then KILL; reap it
   wait "$1" 2>/dev/null
   forget "$1"
 }
+pack_logs() { # pack_logs ROOT DIR...: the DIRs under ROOT into ROOT/logs.tar.gz, then removed
+  # (the device tool brings back only a few files); nothing when no DIR exists
+  local root=$1 d dirs=()
+  shift
+  for d in "$@"; do [ -d "$root/$d" ] && dirs+=("$d"); done
+  if [ "${#dirs[@]}" -gt 0 ] && tar czf "$root/logs.tar.gz" -C "$root" "${dirs[@]}"; then
+    for d in "${dirs[@]}"; do rm -rf "${root:?}/$d"; done
+    echo "logs: $root/logs.tar.gz"
+  fi
+}
 mps_gone() { ! pgrep -f 'nvidia-cuda-mps-(control|server)' >/dev/null; }

@@ -1433,52 +1433,12 @@ pub fn watch_once(devices: &impl Devices) {
 /// Whether the GPU's line is stuck (`tenant_abi::reclaim::stuck`) and the borrow of this
 /// process's `board_slot` is the one to refuse.
 fn refused_by_stuck_line(board: &DeviceBoard, board_slot: usize) -> bool {
-    let region = board.board.region;
-    let now = crate::shm::monotonic_ns();
-    let (served, waiters) = region.served(now);
-    if waiters.is_empty() {
-        return false;
-    }
-    // A swap-out refused for want of staging since this process last looked: the swap takes
-    // whole chunks, which the budget's bytes left may not hold (the unstall's asks were refused
-    // and would be for ever), so it counts no swap room this look.
+    // Whether a swap-out was refused for want of staging since this process last looked.
     static SEEN_REFUSALS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let region = board.board.region;
     let refusals = region.swap_refusals();
     let refused_since = SEEN_REFUSALS.swap(refusals, Ordering::SeqCst) != refusals;
-    let (room, swap_room) = match &served {
-        Some(first) => {
-            // What the swap space can still take: the budget left, and the staging the other
-            // waiters' processes keep idle (theirs to reuse).
-            let idle_elsewhere = waiters
-                .iter()
-                .filter(|w| w.tenant != first.tenant)
-                .map(|w| {
-                    let slot = &region.slots[w.slot];
-                    slot.staging_bytes
-                        .load(Ordering::SeqCst)
-                        .saturating_sub(slot.swapped_bytes.load(Ordering::SeqCst))
-                })
-                .fold(0u64, u64::saturating_add);
-            let swap_room = if refused_since {
-                0
-            } else {
-                region
-                    .staging_budget()
-                    .saturating_sub(region.staging_total())
-                    .saturating_add(idle_elsewhere)
-            };
-            (region.free_in_line(first.slot, now), swap_room)
-        }
-        None => (0, 0),
-    };
-    tenant_abi::reclaim::stuck(
-        &region.holders(),
-        &waiters,
-        served.as_ref(),
-        room,
-        swap_room,
-        region.every_holder_waits(),
-    ) == Some(board_slot)
+    region.stuck(crate::shm::monotonic_ns(), refused_since) == Some(board_slot)
 }
 
 /// The hold rule at a kernel launch or a copy (`exports`, before the driver call): a process
