@@ -793,6 +793,15 @@ impl<'r, L: Liveness> Board<'r, L> {
         )
     }
 
+    /// The refusal `bytes` more for `slot` would get from its tenant's limit alone, whatever the
+    /// GPU has free: a borrow that no room can serve must not wait in the line for room.
+    pub fn over_limit(&self, slot: usize, bytes: u64) -> Option<Refusal> {
+        let tenant = self.region.slots[slot].tenant.load(SeqCst);
+        let (_, limit) = self.region.request_and_limit(tenant as usize);
+        let (held, _) = self.region.sums(tenant);
+        (held.saturating_add(bytes) > limit).then_some(Refusal::OverLimit { held, limit })
+    }
+
     /// Charges `bytes` to `slot` if its tenant's limit and the GPU's capacity allow.
     pub fn reserve(&self, slot: usize, bytes: u64) -> Result<Grant, Refusal> {
         let me = &self.region.slots[slot];

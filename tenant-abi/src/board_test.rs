@@ -73,6 +73,32 @@ fn the_agent_writes_entries_and_refuses_bad_ones() {
     assert!(region.set_tenant(&spec("late", 1, 1)).is_ok());
 }
 
+/// A borrow past the tenant's limit is refused by the limit whether or not the GPU has room:
+/// the interposer asks before it stands in line for room that would not serve it.
+#[test]
+fn the_limit_refuses_a_borrow_whatever_the_gpu_has_free() {
+    let region = issue_board();
+    let live = Fake::with(&[10, 20]);
+    let board = Board::new(&region, &live);
+    let a = board.claim_slot(10, 1, 0).unwrap();
+    let b = board.claim_slot(20, 1, 1).unwrap();
+    assert_eq!(board.reserve(a, 40 * GIB), Ok(Grant::Borrowed));
+    assert_eq!(board.reserve(b, 35 * GIB), Ok(Grant::Borrowed));
+    // 5 GiB free: b's 40 more is past its limit of 70 (and past the free memory).
+    let over = Refusal::OverLimit {
+        held: 35 * GIB,
+        limit: 70 * GIB,
+    };
+    assert_eq!(board.over_limit(b, 40 * GIB), Some(over));
+    assert_eq!(board.reserve(b, 40 * GIB), Err(over));
+    // 35 more is within it: only the room is missing.
+    assert_eq!(board.over_limit(b, 35 * GIB), None);
+    assert!(matches!(
+        board.reserve(b, 35 * GIB),
+        Err(Refusal::NothingFree { .. })
+    ));
+}
+
 /// The issue's case on an 80 GiB GPU: "a" (request 30, limit 70) grows to 60 GiB while "b" idles;
 /// then "b" takes its 30: it is short by 10 GiB, the planner asks "a" for them, "a" swaps them
 /// out, "b" gets its request. "a" swaps back in only once "b" frees memory.

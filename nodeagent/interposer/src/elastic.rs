@@ -115,6 +115,24 @@ impl crate::swap::Counters for SlotCounters<'_> {
     fn release_staging(&mut self, bytes: u64) {
         self.board.board.release_staging(self.slot, bytes);
     }
+
+    fn piece(&mut self) -> Option<u64> {
+        let now = crate::shm::monotonic_ns();
+        // No other tenant waits for a reclaim within its request (this one is never asked for
+        // its own: rule 1 of `tenant_abi::reclaim`).
+        (self
+            .board
+            .board
+            .region
+            .claimed_by_others(self.board.tenant, now)
+            == 0)
+            .then_some(crate::swap::PIECE_BYTES)
+    }
+
+    fn first_in_line(&mut self) -> bool {
+        let (served, _) = self.board.board.region.served(crate::shm::monotonic_ns());
+        served.is_some_and(|w| w.slot == self.slot)
+    }
 }
 
 /// How long a tenant allocating within its request waits for the borrowers it asked to give the

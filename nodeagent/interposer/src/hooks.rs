@@ -748,7 +748,8 @@ impl Enforcer {
                     reserved => Some(reserved),
                 }
             } else {
-                None
+                // Past the limit no room serves it: refused now, not after a wait for room.
+                board.board.over_limit(board_slot, bytes).map(Err)
             }
         };
         if let Some(reserved) = attempt() {

@@ -127,6 +127,13 @@ pub trait Backing {
     ) -> u64 {
         0
     }
+    /// What the driver says is free now on the device of the chunk at `address`, if it can
+    /// tell (`None`: unknown, for example the current context is on another device). The board
+    /// runs ahead of the driver: a process that exited is off the board before the driver has
+    /// released its memory.
+    fn driver_free(&mut self, _address: u64) -> Option<u64> {
+        None
+    }
 }
 
 /// The board's counters of this process's slot.
@@ -146,6 +153,19 @@ pub trait Counters {
     /// Gives back `bytes` of staging: the backing freed that much pinned memory (the real
     /// driver's keeps buffers for reuse, `staging`; the tests' model frees one per chunk back).
     fn release_staging(&mut self, bytes: u64);
+    /// The bytes of a piece whose room a swap-out may count free as soon as it is out
+    /// ([`PIECE_BYTES`] for the real board), so that a process waiting for its own chunks brings
+    /// them back meanwhile ([`Chunks::give_back`]); `None`: the room is counted at the end of the
+    /// round, as while a tenant waits for a reclaim within its request (its allocations would
+    /// take the first pieces' room and ask again for the rest, which is on its way).
+    fn piece(&mut self) -> Option<u64> {
+        None
+    }
+    /// Whether this process is the one the GPU's line serves now: it may bring its chunks back
+    /// a piece at a time as room frees ([`Chunks::take_back`]).
+    fn first_in_line(&mut self) -> bool {
+        false
+    }
 }
 
 /// What a [`Chunks::give_back`] did.
@@ -171,10 +191,36 @@ pub struct Chunk {
     pub cold: bool,
 }
 
+/// The most a swap-out moves before it counts the room free, when pieces count
+/// ([`Counters::piece`]): at the 45-55 GB/s of a host link a piece takes about
+/// 20 ms, against well under a millisecond to wait for its copies and unmap it; a process taking
+/// its chunks back starts after the first piece, so an exchange takes about one piece longer than
+/// its larger direction instead of the sum of both.
+pub const PIECE_BYTES: u64 = 1 << 30;
+
+/// How long [`Chunks::take_back`] waits for the driver to have free what the board says is free
+/// (an exiting process's memory is released a little after it is off the board) before it tries
+/// anyway; a chunk the driver then has no memory for stays out and is tried again.
+pub const DRIVER_LAG_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A bringing back in pieces under way ([`Chunks::take_back`]), for its one log line at the end.
+#[derive(Debug, Clone, Copy)]
+struct Pieces {
+    began: std::time::Instant,
+    bytes: u64,
+    rounds: u32,
+    mapping_ns: u64,
+    copies_ns: u64,
+}
+
 /// This process's swappable chunks, by address.
 #[derive(Debug, Default)]
 pub struct Chunks {
     chunks: BTreeMap<u64, Chunk>,
+    /// Since when the board has had room that the driver did not have free.
+    driver_behind_since: Option<std::time::Instant>,
+    /// Chunks coming back a piece at a time.
+    pieces: Option<Pieces>,
 }
 
 impl Chunks {
@@ -270,7 +316,9 @@ impl Chunks {
     /// Gives back at least `want` bytes if it has them: resident chunks go out largest first
     /// (fewest copies), as many as cover `want` in one batch (their copies queued back to back),
     /// then more batches while some did not go. A chunk the driver could not move, or for which
-    /// the staging budget has no room, stays and the next is tried.
+    /// the staging budget has no room, stays and the next is tried. When pieces count
+    /// ([`Counters::piece`]) a batch holds at most a piece's bytes (or one chunk) and its room is
+    /// counted free as soon as it is out; otherwise at the end of the round.
     pub fn give_back(
         &mut self,
         want: u64,
@@ -278,8 +326,10 @@ impl Chunks {
         counters: &mut impl Counters,
     ) -> GivenBack {
         let order = self.giving_order();
+        let piece = counters.piece();
         let mut moved_at: Vec<u64> = Vec::new();
         let mut given = 0u64;
+        let mut counted = 0u64;
         let mut refused_for_staging = 0u64;
         let mut times = SwapTimes::default();
         let mut next = 0;
@@ -287,6 +337,9 @@ impl Chunks {
             let mut batch = Vec::new();
             let mut planned = 0u64;
             while given + planned < want && next < order.len() {
+                if piece.is_some_and(|piece| !batch.is_empty() && planned + order[next].1 > piece) {
+                    break;
+                }
                 batch.push(order[next]);
                 planned += order[next].1;
                 next += 1;
@@ -307,13 +360,20 @@ impl Chunks {
                     }
                 }
             }
+            if piece.is_some() && given > counted {
+                counters.swapped_out(given - counted);
+                counted = given;
+            }
         }
-        // Counted out on the board once the round is over, not chunk by chunk: a tenant waiting
-        // for the room then sees all of it at once. Chunk by chunk, its next allocations took
-        // the first chunks' room while the rest was still on its way, found the GPU full again
-        // and asked the borrower a second time (two rounds for one request in the dry run).
+        // Without pieces, counted out on the board once the round is over, not chunk by chunk:
+        // a tenant waiting within its request for the room then sees all of it at once. Chunk by
+        // chunk, its next allocations took the first chunks' room while the rest was still on
+        // its way, found the GPU full again and asked the borrower a second time (two rounds for
+        // one request in the dry run).
+        if given > counted {
+            counters.swapped_out(given - counted);
+        }
         if given > 0 {
-            counters.swapped_out(given);
             // Which chunks went (for a check that cold ones go first: tests/gpu, `COLD=1`).
             let shown: Vec<String> = moved_at.iter().map(|a| format!("{a:#x}")).collect();
             crate::log::debug(format_args!("chunks out: {}", shown.join(" ")));
@@ -330,9 +390,14 @@ impl Chunks {
         }
     }
 
-    /// Brings every chunk back when the GPU has room for all of them (a process held for one
-    /// chunk gains nothing from the others, and room taken piecemeal is room another waiter
-    /// lacks), in address order, in one batch; returns whether none is out any more.
+    /// Brings every chunk back when the GPU has room for all of them, in address order, in one
+    /// batch; returns whether none is out any more. A process held for one chunk gains nothing
+    /// from the others, and room taken piecemeal is room another waiter lacks, with one
+    /// exception: the process the GPU's line serves ([`Counters::first_in_line`]: the room that
+    /// frees is its own) brings back what fits as it frees, so that its swap-in runs while
+    /// another process's swap-out makes the room (both directions of the host link at once).
+    /// Nothing starts while the driver has less free than the board says, for at most
+    /// [`DRIVER_LAG_MAX`].
     pub fn take_back(&mut self, backing: &mut impl Backing, counters: &mut impl Counters) -> bool {
         let out: Vec<(u64, u64)> = self
             .chunks
@@ -340,19 +405,56 @@ impl Chunks {
             .filter(|(_, c)| c.out)
             .map(|(&address, c)| (address, c.size))
             .collect();
-        let total = out.iter().map(|&(_, size)| size).sum();
-        if out.is_empty() || !counters.room_for(total) {
-            return !self.held();
+        if out.is_empty() {
+            self.pieces = None;
+            return true;
         }
+        let total: u64 = out.iter().map(|&(_, size)| size).sum();
+        let plan: Vec<(u64, u64)> = if counters.room_for(total) {
+            out
+        } else if counters.first_in_line() {
+            let mut planned = 0u64;
+            out.into_iter()
+                .filter(|&(_, size)| {
+                    let fits = counters.room_for(planned + size);
+                    if fits {
+                        planned += size;
+                    }
+                    fits
+                })
+                .collect()
+        } else {
+            return false;
+        };
+        let Some(&(first, _)) = plan.first() else {
+            return false;
+        };
+        let need: u64 = plan.iter().map(|&(_, size)| size).sum();
+        if backing.driver_free(first).is_some_and(|free| free < need) {
+            let since = *self
+                .driver_behind_since
+                .get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() < DRIVER_LAG_MAX {
+                return false;
+            }
+            crate::log::error(format_args!(
+                "the GPU's board has had room for {} of this process's borrowed memory for {} ms, \
+                 but the driver still has less free (memory outside vgpu's accounting, or a \
+                 process's memory not yet released): bringing it back anyway",
+                crate::elastic::human(need),
+                DRIVER_LAG_MAX.as_millis()
+            ));
+        }
+        self.driver_behind_since = None;
         let mut batch = Vec::new();
-        for (address, size) in out {
+        for (address, size) in plan {
             if !counters.swap_in(size) {
                 break;
             }
             batch.push((address, size));
         }
         if batch.is_empty() {
-            return !self.held();
+            return false;
         }
         let began = std::time::Instant::now();
         let (results, times) = backing.swap_in(&batch, counters);
@@ -371,26 +473,69 @@ impl Chunks {
                 }
             }
         }
-        if back > 0 {
-            let seconds = took.as_secs_f64();
-            crate::log::error(format_args!(
-                "{} of this process's borrowed memory came back from host memory in {:.1} ms \
-                 (mapped and copied at {:.1} GB/s: {} chunk(s), creating, mapping and queueing \
-                 {:.1} ms, then waiting for the copies {:.1} ms); its launches and copies go on",
+        let done = !self.held();
+        let whole_round = done && self.pieces.is_none();
+        if back > 0 && whole_round {
+            log_back(back, took, batch.len(), 1, times);
+        } else if back > 0 || self.pieces.is_some() {
+            let pieces = self.pieces.get_or_insert(Pieces {
+                began,
+                bytes: 0,
+                rounds: 0,
+                mapping_ns: 0,
+                copies_ns: 0,
+            });
+            pieces.bytes += back;
+            pieces.rounds += 1;
+            pieces.mapping_ns += times.mapping_ns;
+            pieces.copies_ns += times.copies_ns;
+            crate::log::debug(format_args!(
+                "a piece of {} came back in {:.1} ms ({} still out)",
                 crate::elastic::human(back),
-                seconds * 1e3,
-                if seconds > 0.0 {
-                    back as f64 / seconds / 1e9
-                } else {
-                    0.0
-                },
-                batch.len(),
-                times.mapping_ns as f64 / 1e6,
-                times.copies_ns as f64 / 1e6
+                took.as_secs_f64() * 1e3,
+                crate::elastic::human(self.out_bytes())
             ));
+            if done {
+                let pieces = self.pieces.take().expect("set above");
+                log_back(
+                    pieces.bytes,
+                    pieces.began.elapsed(),
+                    0,
+                    pieces.rounds,
+                    InTimes {
+                        mapping_ns: pieces.mapping_ns,
+                        copies_ns: pieces.copies_ns,
+                    },
+                );
+            }
         }
-        !self.held()
+        done
     }
+}
+
+/// The line of a swap-in that brought everything back: `rounds` 1 is one batch of `chunks`;
+/// more is in pieces as the room freed, `took` from the first piece's start to the last's end.
+fn log_back(back: u64, took: std::time::Duration, chunks: usize, rounds: u32, times: InTimes) {
+    let seconds = took.as_secs_f64();
+    let how = if rounds == 1 {
+        format!("{chunks} chunk(s)")
+    } else {
+        format!("in {rounds} pieces as the room freed")
+    };
+    crate::log::error(format_args!(
+        "{} of this process's borrowed memory came back from host memory in {:.1} ms \
+         (mapped and copied at {:.1} GB/s: {how}, creating, mapping and queueing {:.1} ms, then \
+         waiting for the copies {:.1} ms); its launches and copies go on",
+        crate::elastic::human(back),
+        seconds * 1e3,
+        if seconds > 0.0 {
+            back as f64 / seconds / 1e9
+        } else {
+            0.0
+        },
+        times.mapping_ns as f64 / 1e6,
+        times.copies_ns as f64 / 1e6
+    ));
 }
 
 /// The longest a swap-out waits for the launches and copies other threads are submitting to

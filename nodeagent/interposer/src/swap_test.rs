@@ -12,6 +12,8 @@ struct Model {
     fail: std::collections::BTreeSet<u64>,
     /// How many chunks each batch moved out had, in order.
     batches: Vec<usize>,
+    /// What the driver says is free (`None`: it cannot tell).
+    driver_free: Option<u64>,
 }
 
 /// The model pins one staging buffer per chunk out and frees it when the chunk is back, so the
@@ -67,9 +69,14 @@ impl Backing for Model {
         }
         (results, InTimes::default())
     }
+
+    fn driver_free(&mut self, _address: u64) -> Option<u64> {
+        self.driver_free
+    }
 }
 
 /// The board's counters of this process, and what other tenants hold on a GPU of `capacity`.
+#[derive(Default)]
 struct Board {
     capacity: u64,
     others: u64,
@@ -78,12 +85,27 @@ struct Board {
     /// The staging budget and what is reserved of it.
     staging_budget: u64,
     staging: u64,
+    /// The pieces a swap-out may count free as they land (`Counters::piece`).
+    piece: Option<u64>,
+    /// This process is the one the line serves.
+    first: bool,
+    /// Each count of bytes out, in order.
+    outs: Vec<u64>,
 }
 
 impl Counters for Board {
     fn swapped_out(&mut self, bytes: u64) {
         self.resident -= bytes;
         self.swapped += bytes;
+        self.outs.push(bytes);
+    }
+
+    fn piece(&mut self) -> Option<u64> {
+        self.piece
+    }
+
+    fn first_in_line(&mut self) -> bool {
+        self.first
     }
 
     fn room_for(&mut self, bytes: u64) -> bool {
@@ -135,6 +157,11 @@ enum Op {
     Launch,
     /// The agent writes a staging budget of `units` KiB (never below what is reserved).
     Budget { units: u64 },
+    /// Pieces of `units` KiB count free as they land (0: at the end of the round), and whether
+    /// the process is first in the GPU's line.
+    Line { units: u64, first: bool },
+    /// The driver has `units` KiB free (`None`: it cannot tell), whatever the board says.
+    Driver { units: Option<u64> },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -147,6 +174,8 @@ fn op() -> impl Strategy<Value = Op> {
         Just(Op::TakeBack),
         Just(Op::Launch),
         (0u64..=32).prop_map(|units| Op::Budget { units }),
+        (0u64..=8, any::<bool>()).prop_map(|(units, first)| Op::Line { units, first }),
+        prop::option::of(0u64..=64).prop_map(|units| Op::Driver { units }),
     ]
 }
 
@@ -167,7 +196,7 @@ proptest! {
         let mut model = Model::default();
         let mut board = Board {
             capacity: 64 * UNIT, others: 0, resident: 0, swapped: 0,
-            staging_budget: 64 * UNIT, staging: 0,
+            staging_budget: 64 * UNIT, staging: 0, ..Board::default()
         };
         let mut expected: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
         let mut next_address = 0x7f00_0000_0000u64;
@@ -228,6 +257,11 @@ proptest! {
                 Op::Budget { units } => {
                     board.staging_budget = (units * UNIT).max(board.staging);
                 }
+                Op::Line { units, first } => {
+                    board.piece = (units > 0).then_some(units * UNIT);
+                    board.first = first;
+                }
+                Op::Driver { units } => model.driver_free = units.map(|u| u * UNIT),
                 Op::Launch => {
                     if !chunks.held() {
                         // Every chunk the kernel may touch is mapped, with its contents.
@@ -265,6 +299,7 @@ fn the_largest_chunks_go_first_and_only_as_many_as_wanted() {
         swapped: 0,
         staging_budget: 64 * UNIT,
         staging: 0,
+        ..Board::default()
     };
     for (address, units) in [(0x1000u64, 2u64), (0x2000, 8), (0x3000, 4)] {
         model
@@ -309,6 +344,7 @@ fn the_chunks_that_cover_a_want_go_out_in_one_batch() {
         swapped: 0,
         staging_budget: 64 * UNIT,
         staging: 0,
+        ..Board::default()
     };
     for (address, units) in [(0x1000u64, 2u64), (0x2000, 8), (0x3000, 4), (0x4000, 1)] {
         model
@@ -348,6 +384,7 @@ fn a_chunk_the_staging_budget_has_no_room_for_stays_resident() {
         swapped: 0,
         staging_budget: 5 * UNIT,
         staging: 0,
+        ..Board::default()
     };
     for (address, units) in [(0x2000u64, 8u64), (0x3000, 4)] {
         model
@@ -469,4 +506,120 @@ fn chunks_marked_cold_go_first() {
     // Nothing borrowed there (below the first chunk, past the last): 0 bytes.
     assert_eq!(chunks.mark_cold(0x10, 0x10, true), 0);
     assert_eq!(chunks.mark_cold(0x30000 + 4 * UNIT, 8, true), 0);
+}
+
+/// A GPU of 64 units with this process's chunks of `units` each, resident.
+fn resident(units: &[u64]) -> (Chunks, Model, Board) {
+    let mut chunks = Chunks::default();
+    let mut model = Model::default();
+    let mut board = Board {
+        capacity: 64 * UNIT,
+        staging_budget: 64 * UNIT,
+        ..Board::default()
+    };
+    for (i, &u) in units.iter().enumerate() {
+        let address = 0x10_0000 * (i as u64 + 1);
+        model
+            .mapped
+            .insert(address, vec![i as u8; (u * UNIT) as usize]);
+        chunks.add(address, u * UNIT);
+        board.resident += u * UNIT;
+    }
+    (chunks, model, board)
+}
+
+/// With pieces (no tenant waits within its request), a swap-out counts each piece's room free as
+/// soon as it is out, so a process taking its chunks back can start after the first; without,
+/// the whole round's room at its end, in one batch.
+#[test]
+fn a_swap_out_counts_each_piece_free_as_it_lands_when_pieces_count() {
+    let (mut chunks, mut model, mut board) = resident(&[2, 2, 2, 2]);
+    board.piece = Some(4 * UNIT);
+    assert_eq!(
+        chunks.give_back(8 * UNIT, &mut model, &mut board).bytes,
+        8 * UNIT
+    );
+    assert_eq!(model.batches, [2, 2]);
+    assert_eq!(board.outs, [4 * UNIT, 4 * UNIT]);
+
+    let (mut chunks, mut model, mut board) = resident(&[2, 2, 2, 2]);
+    assert_eq!(
+        chunks.give_back(8 * UNIT, &mut model, &mut board).bytes,
+        8 * UNIT
+    );
+    assert_eq!(model.batches, [4]);
+    assert_eq!(board.outs, [8 * UNIT]);
+
+    // A chunk larger than a piece goes alone.
+    let (mut chunks, mut model, mut board) = resident(&[8, 1]);
+    board.piece = Some(4 * UNIT);
+    assert_eq!(
+        chunks.give_back(9 * UNIT, &mut model, &mut board).bytes,
+        9 * UNIT
+    );
+    assert_eq!(model.batches, [1, 1]);
+    assert_eq!(board.outs, [8 * UNIT, UNIT]);
+}
+
+/// The process the line serves brings back what fits as room frees (its swap-in runs while the
+/// other's swap-out makes the room); any other waits for room for all of them, and the contents
+/// come back whole either way.
+#[test]
+fn the_first_in_line_brings_its_chunks_back_piece_by_piece() {
+    let (mut chunks, mut model, mut board) = resident(&[4, 4, 4]);
+    assert_eq!(
+        chunks.give_back(12 * UNIT, &mut model, &mut board).bytes,
+        12 * UNIT
+    );
+    // Room for one chunk only.
+    board.others = 64 * UNIT - 4 * UNIT;
+    assert!(!chunks.take_back(&mut model, &mut board));
+    assert_eq!(
+        chunks.out_bytes(),
+        12 * UNIT,
+        "not first in line: waits for room for all"
+    );
+    board.first = true;
+    assert!(!chunks.take_back(&mut model, &mut board));
+    assert_eq!(
+        chunks.out_bytes(),
+        8 * UNIT,
+        "first in line: one chunk back"
+    );
+    assert_eq!(board.resident, 4 * UNIT);
+    assert!(chunks.pieces.is_some());
+    board.others = 0;
+    assert!(chunks.take_back(&mut model, &mut board));
+    assert!(!chunks.held() && chunks.pieces.is_none());
+    for (i, address) in [0x10_0000u64, 0x20_0000, 0x30_0000].iter().enumerate() {
+        assert_eq!(model.mapped[address], vec![i as u8; (4 * UNIT) as usize]);
+    }
+}
+
+/// The board may have room that the driver has not released yet (an exiting process): nothing
+/// comes back until the driver has it free, or until `DRIVER_LAG_MAX` passed (then it tries).
+#[test]
+fn nothing_comes_back_while_the_driver_has_less_free_than_the_board_says() {
+    let (mut chunks, mut model, mut board) = resident(&[4, 4]);
+    chunks.give_back(8 * UNIT, &mut model, &mut board);
+    model.driver_free = Some(7 * UNIT);
+    assert!(!chunks.take_back(&mut model, &mut board));
+    assert!(chunks.driver_behind_since.is_some());
+    assert_eq!(board.swapped, 8 * UNIT, "nothing counted back");
+    model.driver_free = Some(8 * UNIT);
+    assert!(chunks.take_back(&mut model, &mut board));
+    assert!(chunks.driver_behind_since.is_none());
+    // Past the bound it goes ahead (a chunk the driver has no memory for would stay out).
+    chunks.give_back(8 * UNIT, &mut model, &mut board);
+    model.driver_free = Some(0);
+    assert!(!chunks.take_back(&mut model, &mut board));
+    let since = std::time::Instant::now()
+        .checked_sub(DRIVER_LAG_MAX)
+        .expect("the clock is past the bound");
+    chunks.driver_behind_since = Some(since);
+    assert!(chunks.take_back(&mut model, &mut board));
+    // Unknown (another device is current): no wait.
+    chunks.give_back(8 * UNIT, &mut model, &mut board);
+    model.driver_free = None;
+    assert!(chunks.take_back(&mut model, &mut board));
 }

@@ -751,6 +751,22 @@ impl crate::swap::Backing for SwapBacking<'_> {
         crate::staging::trim(self.driver, device, counters);
     }
 
+    fn driver_free(&mut self, address: u64) -> Option<u64> {
+        let device = backed().get(&address)?.device;
+        let f = &self.driver.fns;
+        let (get_device, get_info) = (f.ctx_get_device?, f.mem_get_info?);
+        let mut current: CUdevice = -1;
+        // SAFETY: a valid out-pointer for cuCtxGetDevice.
+        if unsafe { get_device(&mut current) } != CUDA_SUCCESS || current != device {
+            // cuMemGetInfo tells about the current context's device only.
+            return None;
+        }
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers for cuMemGetInfo; the driver's own function, not the
+        // tenant's view of it (`hooks`).
+        (unsafe { get_info(&mut free, &mut total) } == CUDA_SUCCESS).then_some(free as u64)
+    }
+
     fn warm(
         &mut self,
         device: usize,

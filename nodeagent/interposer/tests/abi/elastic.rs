@@ -1751,3 +1751,51 @@ fn a_waiting_thread_lets_another_thread_of_its_process_free() {
     );
     assert_eq!(usage(&board, "a").resident_bytes, 6 * MIB);
 }
+
+/// A borrow past the tenant's limit on a GPU without room is refused by the limit at once, at the
+/// first try and at the caching allocator's retry: it never stands in line for room that could
+/// not serve it (the retry waited for ever before; here `VGPU_MEMORY_WAIT_S` bounds it).
+#[test]
+fn a_borrow_past_the_limit_on_a_full_gpu_is_refused_at_once_not_queued() {
+    let shm = shm_dir();
+    let _board = board(
+        shm.path(),
+        24 * MIB,
+        &[("a", 4 * MIB, 16 * MIB), ("b", 4 * MIB, 20 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let b = swapping(tenant(shm.path(), "b", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 12M touch {} until_file {}",
+        file("b-ready"),
+        file("b-go")
+    ));
+    let began = std::time::Instant::now();
+    let (out, err) = run(
+        swapping(tenant(shm.path(), "a", "4MiB")).env("VGPU_MEMORY_WAIT_S", "5"),
+        &format!(
+            "until_file {} alloc 4M alloc 4M alloc_retry 10M",
+            file("b-ready")
+        ),
+    );
+    let took = began.elapsed();
+    std::fs::write(shm.path().join("b-go"), "").expect("touching b-go");
+    drop(b);
+    assert_eq!(
+        lines(&out),
+        [
+            "until_file 0",
+            "alloc 0",
+            "alloc 0",
+            "alloc_retry 2 tries=2"
+        ]
+    );
+    assert_eq!(
+        err.matches("raise the limit (--memory-limit)").count(),
+        2,
+        "{err}"
+    );
+    assert!(
+        took < std::time::Duration::from_secs(4),
+        "refused at once, not after the wait's bound: {took:?}"
+    );
+}
