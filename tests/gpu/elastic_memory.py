@@ -14,10 +14,17 @@ allocates managed memory. Prints `RESULT {json}` last.
       vgpu asks; only the first half is checksummed again. With `cold` it marks its second half
       of tensors cold (`vgpu.torch.mark_cold`) and reports their addresses (`cold_ptrs`) and the
       bytes marked: a reclaim must take those first.
+      Options (swap_exchange.sh): `go=PATH` launches the tiny kernels (with `tick`) only once
+      PATH exists, idle before; `more=BYTES` allocates BYTES more in one tensor after READY
+      (past what the GPU has free: it waits in the GPU's line) and reports when it got it, once
+      the file `more_go=PATH` exists if given.
   request BYTES [READY STOP WAIT_S]
       allocates BYTES in 1 GiB tensors and says how much it got, how long that took, and whether
       it got an out-of-memory error; with READY STOP WAIT_S it then touches READY and holds the
       memory until STOP exists (at most WAIT_S seconds).
+  link GIB
+      the host link's ceiling with pinned memory and torch copies: device to host, host to
+      device, and both at once on two streams (GIB each way, 1 GiB copies).
 """
 import json
 import pathlib
@@ -40,7 +47,8 @@ def checksum(tensor):
     return sum(int(piece.sum(dtype=torch.int64).item()) for piece in tensor.split(1 << 26))
 
 
-def grow(target, limit, ready, stop, wait_s, tick=False, hint=False, cold=False):
+def grow(target, limit, ready, stop, wait_s, tick=False, hint=False, cold=False, go=None, more=0,
+         more_go=None):
     result = {"info_start": info()}
     if hint or cold:
         # deploy/python holds the helper (a tenant copies it next to its program)
@@ -90,9 +98,20 @@ def grow(target, limit, ready, stop, wait_s, tick=False, hint=False, cold=False)
     ticks, refused = 0, 0
     pathlib.Path(ready).touch()
     deadline = time.monotonic() + wait_s
+    extra = None
+    while more_go is not None and not pathlib.Path(more_go).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if more:
+        began = time.monotonic()
+        try:
+            extra = torch.empty(more, dtype=torch.uint8, device="cuda")
+            result["more"] = "granted"
+        except torch.cuda.OutOfMemoryError as e:
+            result["more"] = "refused: " + str(e).splitlines()[0]
+        result["more_seconds"] = round(time.monotonic() - began, 3)
     while not pathlib.Path(stop).exists() and time.monotonic() < deadline:
-        if counter is None:
-            time.sleep(0.1)
+        if counter is None or (go is not None and not pathlib.Path(go).exists()):
+            time.sleep(0.01)
             continue
         try:
             counter += 1
@@ -100,6 +119,7 @@ def grow(target, limit, ready, stop, wait_s, tick=False, hint=False, cold=False)
         except RuntimeError:
             refused += 1
         time.sleep(0.01)
+    del extra
     result["stopped"] = pathlib.Path(stop).exists()
     result["ticks"] = ticks
     result["tick_refusals"] = refused
@@ -139,14 +159,51 @@ def request(wanted, ready=None, stop=None, wait_s=0.0):
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def link(gib):
+    """The host link's rates with pinned memory (GB/s): each way alone, then both at once."""
+    n = max(1, gib)
+    dev_out = [torch.randint(0, 256, (GIB,), dtype=torch.uint8, device="cuda") for _ in range(n)]
+    dev_in = [torch.empty(GIB, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    host_out = [torch.empty(GIB, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+    host_in = [torch.randint(0, 256, (GIB,), dtype=torch.uint8).pin_memory() for _ in range(n)]
+    s_out, s_in = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def run(out, inn):
+        torch.cuda.synchronize()
+        began = time.monotonic()
+        for i in range(n):
+            if out:
+                with torch.cuda.stream(s_out):
+                    host_out[i].copy_(dev_out[i], non_blocking=True)
+            if inn:
+                with torch.cuda.stream(s_in):
+                    dev_in[i].copy_(host_in[i], non_blocking=True)
+        torch.cuda.synchronize()
+        return time.monotonic() - began
+
+    run(True, True)  # warm-up
+    result = {"gib": n}
+    t = run(True, False)
+    result["d2h_gbps"] = round(n * GIB / t / 1e9, 1)
+    t = run(False, True)
+    result["h2d_gbps"] = round(n * GIB / t / 1e9, 1)
+    t = run(True, True)
+    result["both_gbps"] = round(2 * n * GIB / t / 1e9, 1)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "grow":
-        flags = set(sys.argv[7:])
-        known = {"tick", "hint", "cold"}
-        if flags - known:
-            sys.exit(f"unknown grow flags {sorted(flags - known)} ({', '.join(sorted(known))})")
+        options = dict(a.split("=", 1) for a in sys.argv[7:] if "=" in a)
+        flags = {a for a in sys.argv[7:] if "=" not in a}
+        known, known_options = {"tick", "hint", "cold"}, {"go", "more", "more_go"}
+        if flags - known or set(options) - known_options:
+            sys.exit(f"unknown grow flags {sorted(flags - known)} or options {sorted(set(options) - known_options)}"
+                     f" ({', '.join(sorted(known))}; {', '.join(sorted(known_options))}=...)")
         grow(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6]),
-             "tick" in flags, "hint" in flags, "cold" in flags)
+             "tick" in flags, "hint" in flags, "cold" in flags, options.get("go"), int(options.get("more", 0)), options.get("more_go"))
+    elif sys.argv[1] == "link":
+        link(int(sys.argv[2]))
     elif sys.argv[1] == "request" and len(sys.argv) == 6:
         request(int(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5]))
     elif sys.argv[1] == "request":

@@ -13,6 +13,8 @@
 #   RECLAIM=1 tests/gpu/elastic_memory_dryrun.sh    # the swap scenario (see below)
 #   RECLAIM=1 HINT=1 tests/gpu/elastic_memory_dryrun.sh   # vgpu.torch's helper through the real .so
 #   RECLAIM=1 COLD=1 tests/gpu/elastic_memory_dryrun.sh   # vgpu.torch.mark_cold: cold chunks go first
+#   SCRIPT=swap_exchange.sh tests/gpu/elastic_memory_dryrun.sh   # another script of tests/gpu (its
+#                                                    # torch link measurement is skipped: LINK=0)
 #
 # With RECLAIM=1 the swap runs on simulated sizes (the fake's copies move no bytes, so the
 # checksums are the stand-in's remembered sums, not a test of contents: the ABI tests check those),
@@ -57,4 +59,4 @@ STUB
 chmod +x "$STUBS/nvidia-smi" "$STUBS/python"
 PATH="$STUBS:$PATH" PY="$STUBS/python" VGPU_BIN="$TARGET/debug" VGPU_AGENT_SIMULATE=1xH100-80GB \
   LD_LIBRARY_PATH="$STUBS/lib" VGPU_REAL_LIBCUDA="$STUBS/lib/libcuda.so.1" \
-  "$ROOT/tests/gpu/elastic_memory.sh"
+  LINK=0 "$ROOT/tests/gpu/${SCRIPT:-elastic_memory.sh}"

@@ -129,6 +129,15 @@ impl crate::swap::Counters for SlotCounters<'_> {
             .then_some(crate::swap::PIECE_BYTES)
     }
 
+    fn keep_staging(&mut self) -> bool {
+        // Kept while what the GPU's processes hold in staging (this buffer included) is within
+        // half the node's budget for it: past that, another process's swap-out (the other side
+        // of an exchange, or the next reclaim) is likelier to need the room than this process's
+        // next one, and it cannot use this process's pool.
+        let region = self.board.board.region;
+        region.staging_total() <= region.staging_budget() / 2
+    }
+
     fn first_in_line(&mut self) -> bool {
         let (served, _) = self.board.board.region.served(crate::shm::monotonic_ns());
         served.is_some_and(|w| w.slot == self.slot)

@@ -551,6 +551,23 @@ pub fn recycle(device: usize, buffer: Buffer) {
     publish(&pools);
 }
 
+/// `buffer` (of `device`'s pool) came back from a swap-in: pooled for this process's next
+/// swap-out while `counters` says the staging is not short ([`Counters::keep_staging`]),
+/// otherwise freed at once, so that another process's swap-out has the room (in an exchange the
+/// giver needs what the taker just emptied). No copy may still use it.
+pub fn recycle_after_swap_in(
+    driver: &Driver,
+    device: usize,
+    buffer: Buffer,
+    counters: &mut impl Counters,
+) {
+    if counters.keep_staging() {
+        recycle(device, buffer);
+    } else {
+        really_free(driver, buffer, counters);
+    }
+}
+
 /// Frees the buffers of `device`'s pool that no swap-out reused for the idle bound, and releases
 /// their staging on the board through `counters`. No driver call while nothing has idled out.
 pub fn trim(driver: &Driver, device: usize, counters: &mut impl Counters) {

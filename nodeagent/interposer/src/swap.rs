@@ -166,6 +166,11 @@ pub trait Counters {
     fn first_in_line(&mut self) -> bool {
         false
     }
+    /// Whether staging a swap-in emptied may be kept for this process's next swap-out (it saves
+    /// pinning it again), or should be freed for other processes' swap-outs.
+    fn keep_staging(&mut self) -> bool {
+        true
+    }
 }
 
 /// What a [`Chunks::give_back`] did.
