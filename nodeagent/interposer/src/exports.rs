@@ -360,12 +360,31 @@ fn accounted_alloc(
 /// # Safety
 /// `out` is valid for a write of one `CUdeviceptr`.
 unsafe fn borrowed_alloc(driver: &Driver, bytes: usize, out: *mut CUdeviceptr) -> CUresult {
-    let rc = current_device(driver)
-        // SAFETY: `out` is valid for a write under the caller's contract.
-        .and_then(|device| unsafe {
-            vmm::alloc(driver, device, bytes, out, vmm::Purpose::Borrowed)
-        })
-        .unwrap_or(CUDA_ERROR_OUT_OF_MEMORY);
+    let try_once = || {
+        current_device(driver)
+            // SAFETY: `out` is valid for a write under the caller's contract.
+            .and_then(|device| unsafe {
+                vmm::alloc(driver, device, bytes, out, vmm::Purpose::Borrowed)
+            })
+            .unwrap_or(CUDA_ERROR_OUT_OF_MEMORY)
+    };
+    // The board granted it, but the driver may not have released yet what a process that just
+    // exited held (the board counts it free as soon as the process is gone): tried again for a
+    // bounded while before the out-of-memory reaches the application.
+    let began = std::time::Instant::now();
+    let mut rc = try_once();
+    while rc == CUDA_ERROR_OUT_OF_MEMORY && began.elapsed() < crate::swap::DRIVER_LAG_MAX {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        rc = try_once();
+    }
+    if rc == CUDA_SUCCESS && began.elapsed() >= std::time::Duration::from_millis(10) {
+        crate::log::error(format_args!(
+            "a borrow of {} waited {} ms for the driver to release memory the GPU's board \
+             already counted free (a process that exited)",
+            crate::elastic::human(bytes as u64),
+            began.elapsed().as_millis()
+        ));
+    }
     if rc == CUDA_SUCCESS && hooks::swap_enabled() {
         start_watcher();
     }

@@ -553,19 +553,20 @@ pub fn recycle(device: usize, buffer: Buffer) {
 
 /// `buffer` (of `device`'s pool) came back from a swap-in: pooled for this process's next
 /// swap-out while `counters` says the staging is not short ([`Counters::keep_staging`]),
-/// otherwise freed at once, so that another process's swap-out has the room (in an exchange the
-/// giver needs what the taker just emptied). No copy may still use it.
-pub fn recycle_after_swap_in(
-    driver: &Driver,
-    device: usize,
-    buffer: Buffer,
-    counters: &mut impl Counters,
-) {
-    if counters.keep_staging() {
-        recycle(device, buffer);
+/// otherwise pooled as idle for good, so that the next [`trim`] frees it for other processes'
+/// swap-outs (in an exchange the giver needs what the taker emptied). Not freed here: unpinning
+/// takes about as long as the copy did, and the process waits for its swap-in to end (freeing
+/// 8 GiB here made an H200's swap-in take 352 ms instead of 165). No copy may still use it.
+pub fn recycle_after_swap_in(device: usize, buffer: Buffer, counters: &mut impl Counters) {
+    assert!(device < DEVICES_MAX);
+    let since = if counters.keep_staging() {
+        crate::shm::monotonic_ns()
     } else {
-        really_free(driver, buffer, counters);
-    }
+        0
+    };
+    let mut pools = pools();
+    pools.pools[device].put(buffer, since);
+    publish(&pools);
 }
 
 /// Frees the buffers of `device`'s pool that no swap-out reused for the idle bound, and releases

@@ -730,7 +730,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
                 continue;
             }
             let device = usize::try_from(q.found.device).unwrap_or(0);
-            crate::staging::recycle_after_swap_in(self.driver, device, q.buffer, counters);
+            crate::staging::recycle_after_swap_in(device, q.buffer, counters);
             let mut table = backed();
             let entry = table.get_mut(&q.address).expect("looked up above");
             entry.handle = q.handle;
