@@ -1013,10 +1013,14 @@ impl<'r, L: Liveness> Board<'r, L> {
     /// A needy tenant no longer waits for the `bytes` it asked the tenant at `tenant` for (its
     /// reclaim failed or timed out): what of that want is still untaken goes, so that the
     /// borrower does not move memory to host memory later for nobody.
-    pub fn withdraw_want(&self, tenant: usize, bytes: u64) {
-        let _ = self.region.tenants[tenant]
+    /// Returns what it withdrew: the rest of `bytes` was taken by the tenant's processes (being
+    /// given, or given).
+    pub fn withdraw_want(&self, tenant: usize, bytes: u64) -> u64 {
+        let before = self.region.tenants[tenant]
             .want_bytes
-            .fetch_update(SeqCst, SeqCst, |w| Some(w.saturating_sub(bytes)));
+            .fetch_update(SeqCst, SeqCst, |w| Some(w.saturating_sub(bytes)))
+            .unwrap_or_else(|w| w);
+        before.min(bytes)
     }
 
     /// A borrower's process takes what it was asked to give back (0 when nothing), so that two

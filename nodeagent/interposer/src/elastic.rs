@@ -119,23 +119,11 @@ impl crate::swap::Counters for SlotCounters<'_> {
     fn piece(&mut self) -> Option<u64> {
         let now = crate::shm::monotonic_ns();
         // No other tenant waits for a reclaim within its request (this one is never asked for
-        // its own: rule 1 of `tenant_abi::reclaim`).
-        (self
-            .board
-            .board
-            .region
-            .claimed_by_others(self.board.tenant, now)
-            == 0)
-            .then_some(crate::swap::PIECE_BYTES)
-    }
-
-    fn keep_staging(&mut self) -> bool {
-        // Kept while what the GPU's processes hold in staging (this buffer included) is within
-        // half the node's budget for it: past that, another process's swap-out (the other side
-        // of an exchange, or the next reclaim) is likelier to need the room than this process's
-        // next one, and it cannot use this process's pool.
+        // its own: rule 1 of `tenant_abi::reclaim`), or what their claims still hold is free
+        // already: the pieces' room is not what they wait for.
         let region = self.board.board.region;
-        region.staging_total() <= region.staging_budget() / 2
+        (region.claimed_by_others(self.board.tenant, now) <= region.free())
+            .then_some(crate::swap::PIECE_BYTES)
     }
 
     fn first_in_line(&mut self) -> bool {

@@ -500,9 +500,7 @@ impl Enforcer {
         // `Board::requeue`), kept for its next wait.
         let place = board.board.wait_since(board_slot).unwrap_or(since_ns);
         board.board.stop_waiting(board_slot);
-        for (index, bytes) in asked {
-            board.board.withdraw_want(index, bytes);
-        }
+        withdraw_asks(board, &asked);
         process.line_place[device] = Some((place, std::time::Instant::now()));
         ended
     }
@@ -1018,7 +1016,8 @@ impl Enforcer {
              process's borrowed memory went to host memory after its queued work finished (it \
              comes back when the GPU has room; its launches and copies wait until then); \
              quiet after {:.1} ms, drained after {:.1} ms more, moved in {:.1} ms more \
-             (pinning {:.1} ms for {} of new staging, copies at {:.1} GB/s)",
+             (pinning {:.1} ms for {} of new staging, copies at {:.1} GB/s); waiting {:.1} ms \
+             of it for staging being pinned ahead",
             self.config.tenant,
             human(want),
             human(given),
@@ -1028,6 +1027,7 @@ impl Enforcer {
             times.pinning_ns as f64 / 1e6,
             human(times.pinned_bytes),
             times.copy_gb_per_s(),
+            times.staging_wait_ns as f64 / 1e6,
         ));
     }
 
@@ -1039,7 +1039,7 @@ impl Enforcer {
     /// `None` after that bound (the caller refuses the launch or copy).
     fn enter_work(&self, devices: &impl Devices) -> Option<swap::InFlight> {
         let mut pace = line::Pace::new(std::time::Instant::now(), line::wait_max());
-        let mut asked: [Vec<(usize, u64)>; DEVICES_MAX] = std::array::from_fn(|_| Vec::new());
+        let mut asked: [Asked; DEVICES_MAX] = std::array::from_fn(|_| Vec::new());
         let mut in_line = [false; DEVICES_MAX];
         let entered = loop {
             if let Some(entered) = swap::try_enter(|| !self.want_posted()) {
@@ -1090,9 +1090,7 @@ impl Enforcer {
             if in_line[device] {
                 board.board.stop_waiting(board_slot);
             }
-            for &(index, bytes) in &asked[device] {
-                board.board.withdraw_want(index, bytes);
-            }
+            withdraw_asks(board, &asked[device]);
         }
         entered
     }
@@ -1395,25 +1393,74 @@ impl Enforcer {
     }
 }
 
+/// One ask of a process first in line (`unstall`) on another tenant's processes.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask {
+    /// The tenant's index on the board.
+    tenant: usize,
+    /// Posted as a want and not known to be taken.
+    posted: u64,
+    /// Taken by the tenant's processes (being given, or given).
+    taken: u64,
+    /// What the tenant held resident when asked.
+    resident_then: u64,
+    at: std::time::Instant,
+}
+
+/// What a process first in line asked of other tenants and may still withdraw.
+pub type Asked = Vec<Ask>;
+
+/// Withdraws what `asked` posted that nobody took (a wait ended).
+fn withdraw_asks(board: &DeviceBoard, asked: &[Ask]) {
+    for ask in asked {
+        board.board.withdraw_want(ask.tenant, ask.posted);
+    }
+}
+
 /// First in the GPU's line, this process asks the other waiters' tenants for the borrowed memory
-/// it lacks (`tenant_abi::reclaim::unstall`): wants on the board, recorded in `asked` as (tenant
-/// index, bytes). What the previous round asked and nobody took yet is withdrawn first, so that
-/// a want is never posted twice for one need.
-fn unstall(board: &DeviceBoard, board_slot: usize, asked: &mut Vec<(usize, u64)>) {
+/// it lacks (`tenant_abi::reclaim::unstall`): wants on the board, recorded in `asked`. What the
+/// previous round asked and nobody took yet is withdrawn first, so that a want is never posted
+/// twice for one need; while what was taken is still on its way (`line::still_giving`), nothing
+/// is asked again.
+fn unstall(board: &DeviceBoard, board_slot: usize, asked: &mut Asked) {
     let region = board.board.region;
     let now = crate::shm::monotonic_ns();
     let (served, waiters) = region.served(now);
     let Some(first) = served.filter(|first| first.slot == board_slot) else {
         return;
     };
-    for (index, bytes) in asked.drain(..) {
-        board.board.withdraw_want(index, bytes);
+    let holders = region.holders();
+    let resident_of = |index: usize| {
+        holders
+            .iter()
+            .find(|h| region.find(&h.name) == Some(index))
+            .map_or(0, |h| h.resident)
+    };
+    // Untaken asks withdrawn; taken ones kept while their bytes are on their way.
+    asked.retain_mut(|ask| {
+        ask.taken += ask.posted - board.board.withdraw_want(ask.tenant, ask.posted);
+        ask.posted = 0;
+        line::still_giving(
+            ask.taken,
+            ask.resident_then,
+            resident_of(ask.tenant),
+            ask.at.elapsed(),
+        )
+    });
+    if !asked.is_empty() {
+        return;
     }
     let room = region.free_in_line(board_slot, now);
-    for (name, bytes) in tenant_abi::reclaim::unstall(&region.holders(), &waiters, &first, room) {
+    for (name, bytes) in tenant_abi::reclaim::unstall(&holders, &waiters, &first, room) {
         if let Some(index) = region.find(&name) {
             board.board.post_want(index, bytes);
-            asked.push((index, bytes));
+            asked.push(Ask {
+                tenant: index,
+                posted: bytes,
+                taken: 0,
+                resident_then: resident_of(index),
+                at: std::time::Instant::now(),
+            });
         }
     }
 }

@@ -179,3 +179,31 @@ mod tests {
         assert!(bounded.expired(at(30_000)));
     }
 }
+
+/// How long an ask that a borrower took may still be on its way ([`still_giving`]): its quiet and
+/// drain bounds (`swap::QUIESCE_WAIT_MAX_MS`, `swap::DRAIN_WAIT_MAX_MS`) and a few seconds of
+/// copies and pinning.
+pub const GIVING_MAX: Duration = Duration::from_secs(10);
+
+/// Whether a borrower that took `taken` bytes of an ask (its tenant held `resident_then` when
+/// asked, `resident_now` now) is still giving them, `age` after the ask: then the first in line
+/// does not ask again, which would take the same memory twice (an H200 borrower asked for 21 GiB
+/// gave 42: the ask was repeated a second later, while its first swap-out was still copying).
+pub fn still_giving(taken: u64, resident_then: u64, resident_now: u64, age: Duration) -> bool {
+    taken > 0 && resident_then.saturating_sub(resident_now) < taken && age < GIVING_MAX
+}
+
+#[cfg(test)]
+mod giving_tests {
+    use super::*;
+
+    #[test]
+    fn an_ask_taken_is_given_until_its_bytes_left_or_the_bound_passed() {
+        let s = Duration::from_secs(1);
+        assert!(!still_giving(0, 10, 10, s), "nothing taken: ask again");
+        assert!(still_giving(4, 10, 10, s), "taken, nothing left yet");
+        assert!(still_giving(4, 10, 7, s), "3 of 4 left");
+        assert!(!still_giving(4, 10, 6, s), "all 4 left");
+        assert!(!still_giving(4, 10, 10, GIVING_MAX), "past the bound");
+    }
+}

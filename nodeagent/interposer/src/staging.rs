@@ -246,6 +246,16 @@ pub enum Unavailable {
     Driver(CUresult),
 }
 
+/// A staging buffer for one chunk ([`acquire`]).
+#[derive(Debug)]
+pub struct Acquired {
+    pub buffer: Buffer,
+    /// Spent pinning it now (zero when the pool served).
+    pub pinning: std::time::Duration,
+    /// Spent waiting for staging being pinned ahead by the watcher, or freeing idle buffers.
+    pub waited: std::time::Duration,
+}
+
 /// A buffer of at least `bytes` for a chunk of `device` about to go out: pooled if one holds it
 /// (nothing pinned, nothing reserved: it is reserved already), else reserved on the board
 /// through `counters` and pinned; with the time pinning took (zero when pooled).
@@ -254,7 +264,7 @@ pub fn acquire(
     device: usize,
     bytes: u64,
     counters: &mut impl Counters,
-) -> Result<(Buffer, std::time::Duration), Unavailable> {
+) -> Result<Acquired, Unavailable> {
     assert!(device < DEVICES_MAX && bytes > 0);
     let size = usize::try_from(bytes).expect("a chunk fits the address space");
     if !can_register(driver) && !can_host_alloc(driver) {
@@ -265,6 +275,7 @@ pub fn acquire(
     // chunk's size. A much larger one is not waited for while the budget lets this chunk have its
     // own: on an H200 busy with three jobs, a 64 MiB swap-out waited 2.9 s for 4 GiB being
     // pinned at 2 GB/s (its own would have taken 30 ms).
+    let began_waiting = std::time::Instant::now();
     let mut waited = waits_for_warming(WARMING_BYTES.load(Ordering::SeqCst), bytes);
     if waited {
         drop(warming());
@@ -275,7 +286,11 @@ pub fn acquire(
             let taken = pools.pools[device].take(bytes);
             publish(&pools);
             if let Some(buffer) = taken {
-                return Ok((buffer, std::time::Duration::ZERO));
+                return Ok(Acquired {
+                    buffer,
+                    pinning: std::time::Duration::ZERO,
+                    waited: began_waiting.elapsed(),
+                });
             }
         }
         if counters.reserve_staging(bytes) {
@@ -300,9 +315,14 @@ pub fn acquire(
         };
         really_free(driver, buffer, counters);
     }
+    let waited_for = began_waiting.elapsed();
     let began = std::time::Instant::now();
     match pin(driver, size) {
-        Ok(buffer) => Ok((buffer, began.elapsed())),
+        Ok(buffer) => Ok(Acquired {
+            buffer,
+            pinning: began.elapsed(),
+            waited: waited_for,
+        }),
         Err(rc) => {
             counters.release_staging(bytes);
             Err(Unavailable::Driver(rc))
@@ -548,24 +568,6 @@ pub fn recycle(device: usize, buffer: Buffer) {
     assert!(device < DEVICES_MAX);
     let mut pools = pools();
     pools.pools[device].put(buffer, crate::shm::monotonic_ns());
-    publish(&pools);
-}
-
-/// `buffer` (of `device`'s pool) came back from a swap-in: pooled for this process's next
-/// swap-out while `counters` says the staging is not short ([`Counters::keep_staging`]),
-/// otherwise pooled as idle for good, so that the next [`trim`] frees it for other processes'
-/// swap-outs (in an exchange the giver needs what the taker emptied). Not freed here: unpinning
-/// takes about as long as the copy did, and the process waits for its swap-in to end (freeing
-/// 8 GiB here made an H200's swap-in take 352 ms instead of 165). No copy may still use it.
-pub fn recycle_after_swap_in(device: usize, buffer: Buffer, counters: &mut impl Counters) {
-    assert!(device < DEVICES_MAX);
-    let since = if counters.keep_staging() {
-        crate::shm::monotonic_ns()
-    } else {
-        0
-    };
-    let mut pools = pools();
-    pools.pools[device].put(buffer, since);
     publish(&pools);
 }
 

@@ -59,6 +59,8 @@ pub struct SwapTimes {
     pub pinning_ns: u64,
     /// Bytes of fresh staging pinned.
     pub pinned_bytes: u64,
+    /// Time spent waiting for staging the watcher was pinning ahead (`staging::acquire`).
+    pub staging_wait_ns: u64,
     /// From the first copy queued to the last one seen complete (the pinning of a batch's later
     /// chunks runs meanwhile, so a rate from it is a lower bound when staging was pinned).
     pub copy_ns: u64,
@@ -80,6 +82,7 @@ impl SwapTimes {
     fn add(&mut self, other: SwapTimes) {
         self.pinning_ns += other.pinning_ns;
         self.pinned_bytes += other.pinned_bytes;
+        self.staging_wait_ns += other.staging_wait_ns;
         self.copy_ns += other.copy_ns;
         self.copied_bytes += other.copied_bytes;
     }
@@ -165,11 +168,6 @@ pub trait Counters {
     /// a piece at a time as room frees ([`Chunks::take_back`]).
     fn first_in_line(&mut self) -> bool {
         false
-    }
-    /// Whether staging a swap-in emptied may be kept for this process's next swap-out (it saves
-    /// pinning it again), or should be freed for other processes' swap-outs.
-    fn keep_staging(&mut self) -> bool {
-        true
     }
 }
 

@@ -529,12 +529,13 @@ impl crate::swap::Backing for SwapBacking<'_> {
                 crate::staging::trim(self.driver, device, counters);
             }
             let buffer = match crate::staging::acquire(self.driver, device, size, counters) {
-                Ok((buffer, pinning)) => {
-                    if !pinning.is_zero() {
-                        times.pinning_ns += pinning.as_nanos() as u64;
-                        times.pinned_bytes += buffer.bytes;
+                Ok(acquired) => {
+                    if !acquired.pinning.is_zero() {
+                        times.pinning_ns += acquired.pinning.as_nanos() as u64;
+                        times.pinned_bytes += acquired.buffer.bytes;
                     }
-                    buffer
+                    times.staging_wait_ns += acquired.waited.as_nanos() as u64;
+                    acquired.buffer
                 }
                 Err(crate::staging::Unavailable::Budget) => {
                     results[index] = Some(OutResult::StagingRefused);
@@ -730,7 +731,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
                 continue;
             }
             let device = usize::try_from(q.found.device).unwrap_or(0);
-            crate::staging::recycle_after_swap_in(device, q.buffer, counters);
+            crate::staging::recycle(device, q.buffer);
             let mut table = backed();
             let entry = table.get_mut(&q.address).expect("looked up above");
             entry.handle = q.handle;

@@ -1739,9 +1739,10 @@ fn an_idle_borrower_gives_back_through_its_watcher() {
 #[test]
 fn a_waiting_thread_lets_another_thread_of_its_process_free() {
     let shm = shm_dir();
-    let board = board(shm.path(), 8 * MIB, &[("a", 2 * MIB, 8 * MIB)]);
+    let board = board(shm.path(), 8 * MIB, &[("a", 2 * MIB, 12 * MIB)]);
     // 2 MiB within the request, 6 MiB borrowed: the GPU is full. Another thread frees the 6 MiB
-    // 300 ms later; meanwhile this one asks for 4 MiB more (refused once, then in line).
+    // 300 ms later; meanwhile this one asks for 4 MiB more (refused once, then in line; within
+    // the limit: past it, it would be refused at once).
     let a = swapping(tenant(shm.path(), "a", "2MiB"))
         .hold("alloc 2M alloc 6M free_later 300 alloc_retry 4M");
     assert!(
