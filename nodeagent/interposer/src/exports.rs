@@ -331,7 +331,7 @@ fn accounted_alloc(
     devices: &DriverDevices<'_>,
     bytes: u64,
     borrow: Borrow<'_>,
-    call: impl FnOnce(bool) -> CUresult,
+    mut call: impl FnMut(bool) -> CUresult,
     allocated: impl FnOnce() -> Option<(Key, u64)>,
 ) -> CUresult {
     let admission = ffi_boundary!(what, fallback = Admission::Untracked, {
@@ -342,7 +342,34 @@ fn accounted_alloc(
         Admission::Untracked => return call(false),
         Admission::Charged(ticket) => ticket,
     };
-    let rc = call(ticket.borrowed());
+    let mut rc = call(ticket.borrowed());
+    if rc == CUDA_ERROR_OUT_OF_MEMORY {
+        // Within the request, the driver short of memory that the board counts free: the
+        // borrowers give it back (`hooks::ask_borrowers_for_driver`), for a bounded while.
+        let asks = ffi_boundary!(what, fallback = Vec::new(), {
+            hooks::ask_borrowers_for_driver(&ticket)
+        });
+        if !asks.is_empty() {
+            let began = std::time::Instant::now();
+            let bound = std::time::Duration::from_millis(crate::elastic::RECLAIM_WAIT_MAX_MS);
+            while rc == CUDA_ERROR_OUT_OF_MEMORY && began.elapsed() < bound {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                rc = call(false);
+            }
+            ffi_boundary!(what, fallback = (), {
+                hooks::withdraw_driver_asks(&ticket, &asks);
+                crate::log::error(format_args!(
+                    "{what}: {} after {} ms",
+                    if rc == CUDA_SUCCESS {
+                        "the driver had the memory"
+                    } else {
+                        "the driver still had no memory; refused (out of memory)"
+                    },
+                    began.elapsed().as_millis()
+                ));
+            });
+        }
+    }
     ffi_boundary!(what, fallback = (), {
         match allocated().filter(|_| rc == CUDA_SUCCESS) {
             Some((key, real_bytes)) => {
@@ -654,7 +681,7 @@ fn alloc_async(
     driver: &Driver,
     dptr: *mut CUdeviceptr,
     bytesize: usize,
-    call: impl FnOnce() -> CUresult,
+    mut call: impl FnMut() -> CUresult,
 ) -> CUresult {
     accounted_alloc(
         what,

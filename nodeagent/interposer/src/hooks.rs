@@ -1546,6 +1546,70 @@ pub fn admit(devices: &impl Devices, bytes: u64, borrow: Borrow<'_>) -> Admissio
     }
 }
 
+/// The driver refused, for want of memory, an allocation within the tenant's request that the
+/// GPU's board granted: the GPU holds more than the board counts (contexts, libraries' workspaces
+/// and the driver's own use past `BOARD_RESERVE_BYTES`), while borrowers hold memory past their
+/// requests. The request is guaranteed, so the borrowers are asked for its bytes (rule 2's order,
+/// as for a reclaim) and the caller tries the driver again while they give it. Returns the asks
+/// posted (board tenant index, bytes), for [`withdraw_driver_asks`]; empty when there is nobody
+/// to ask (no board, the swap off, a borrow, or no borrower).
+pub fn ask_borrowers_for_driver(ticket: &Ticket) -> Vec<(usize, u64)> {
+    let Mode::Enforcing(enforcer) = mode() else {
+        return Vec::new();
+    };
+    if ticket.borrowed || !ticket.on_board || !enforcer.swap_on() {
+        return Vec::new();
+    }
+    let Some(board) = enforcer.boards[ticket.device]
+        .get()
+        .and_then(|board| board.as_ref())
+    else {
+        return Vec::new();
+    };
+    let region = board.board.region;
+    let tenant = &enforcer.config.tenant;
+    // Its own charge for this allocation is on the board already: the plan sees it as wanted.
+    let mut holders = region.holders();
+    if let Some(me) = holders.iter_mut().find(|h| &h.name == tenant) {
+        me.resident = me.resident.saturating_sub(ticket.board_bytes());
+    }
+    let Ok(asks) = tenant_abi::reclaim::plan(&holders, tenant, ticket.bytes, 0) else {
+        return Vec::new();
+    };
+    let mut posted = Vec::new();
+    for (name, bytes) in asks {
+        if let Some(index) = region.find(&name) {
+            board.board.post_want(index, bytes);
+            posted.push((index, bytes));
+        }
+    }
+    if !posted.is_empty() {
+        crate::log::error(format_args!(
+            "the driver has no memory for {} within tenant {tenant}'s request on device {}, \
+             though the GPU's board counts it free (contexts and libraries use more than the \
+             board reserves for them): asking the borrowers for it",
+            human(ticket.bytes),
+            ticket.device
+        ));
+    }
+    posted
+}
+
+/// Withdraws what [`ask_borrowers_for_driver`] posted and nobody took.
+pub fn withdraw_driver_asks(ticket: &Ticket, asks: &[(usize, u64)]) {
+    let Mode::Enforcing(enforcer) = mode() else {
+        return;
+    };
+    if let Some(board) = enforcer.boards[ticket.device]
+        .get()
+        .and_then(|board| board.as_ref())
+    {
+        for &(index, bytes) in asks {
+            board.board.withdraw_want(index, bytes);
+        }
+    }
+}
+
 /// Decides whether this process may create a CUDA context on `device`: charges the device's
 /// context overhead (once per process and device, like the first allocation would) and refuses
 /// with `CUDA_ERROR_OUT_OF_MEMORY` when the context would not fit in the slice. So a tenant
