@@ -126,6 +126,32 @@ impl crate::swap::Counters for SlotCounters<'_> {
             .then_some(crate::swap::PIECE_BYTES)
     }
 
+    fn wait_for_staging(&mut self, bytes: u64) -> bool {
+        let region = self.board.board.region;
+        let began = std::time::Instant::now();
+        loop {
+            if region
+                .staging_budget()
+                .saturating_sub(region.staging_total())
+                >= bytes
+            {
+                return true;
+            }
+            if began.elapsed() >= crate::swap::STAGING_WAIT {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    fn staging_short(&mut self) -> bool {
+        let region = self.board.board.region;
+        region
+            .staging_budget()
+            .saturating_sub(region.staging_total())
+            < crate::swap::PIECE_BYTES
+    }
+
     fn first_in_line(&mut self) -> bool {
         let (served, _) = self.board.board.region.served(crate::shm::monotonic_ns());
         served.is_some_and(|w| w.slot == self.slot)

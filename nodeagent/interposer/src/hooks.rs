@@ -865,6 +865,12 @@ impl Enforcer {
         } else if process.chunks[device].held() {
             // Not in the call that gave chunks back: that room is the needy tenant's.
             process.chunks[device].take_back(&mut backing, &mut counters);
+            // Still held (its chunks come back piece by piece, or not yet): on a short budget the
+            // staging its swap-ins emptied goes back to it, for the giver's next pieces (the
+            // process waits anyway, and another process cannot use its pool).
+            if process.chunks[device].held() && swap::Counters::staging_short(&mut counters) {
+                swap::Backing::release_idle(&mut backing, device, &mut counters);
+            }
         }
         swap::publish(&process.chunks);
     }

@@ -571,6 +571,23 @@ pub fn recycle(device: usize, buffer: Buffer) {
     publish(&pools);
 }
 
+/// Frees every idle buffer of `device`'s pool but those pinned ahead for resident chunks: the
+/// budget is short and another process's swap-out needs the room (`Backing::release_idle`).
+pub fn free_idle(driver: &Driver, device: usize, counters: &mut impl Counters) {
+    if !any_pooled() || device >= DEVICES_MAX {
+        return;
+    }
+    let idle = {
+        let mut pools = pools();
+        let idle = pools.pools[device].expired(u64::MAX, 0);
+        publish(&pools);
+        idle
+    };
+    for buffer in idle {
+        really_free(driver, buffer, counters);
+    }
+}
+
 /// Frees the buffers of `device`'s pool that no swap-out reused for the idle bound, and releases
 /// their staging on the board through `counters`. No driver call while nothing has idled out.
 pub fn trim(driver: &Driver, device: usize, counters: &mut impl Counters) {

@@ -137,6 +137,8 @@ pub trait Backing {
     fn driver_free(&mut self, _address: u64) -> Option<u64> {
         None
     }
+    /// Frees the idle staging this process keeps for reuse on `device` (nothing by default).
+    fn release_idle(&mut self, _device: usize, _counters: &mut impl Counters) {}
 }
 
 /// The board's counters of this process's slot.
@@ -167,6 +169,16 @@ pub trait Counters {
     /// Whether this process is the one the GPU's line serves now: it may bring its chunks back
     /// a piece at a time as room frees ([`Chunks::take_back`]).
     fn first_in_line(&mut self) -> bool {
+        false
+    }
+    /// Waits, bounded ([`STAGING_WAIT`]), until the staging budget has `bytes` left; whether it
+    /// has.
+    fn wait_for_staging(&mut self, _bytes: u64) -> bool {
+        false
+    }
+    /// Whether the staging budget has less than a piece left: the process taking its chunks
+    /// back piece by piece then frees the staging they emptied, for the giver's next pieces.
+    fn staging_short(&mut self) -> bool {
         false
     }
 }
@@ -205,6 +217,11 @@ pub const PIECE_BYTES: u64 = 1 << 30;
 /// (an exiting process's memory is released a little after it is off the board) before it tries
 /// anyway; a chunk the driver then has no memory for stays out and is tried again.
 pub const DRIVER_LAG_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a swap-out in pieces waits for staging to free when the budget refused it
+/// ([`Counters::wait_for_staging`]): the other side of an exchange frees what its swap-ins emptied
+/// within a piece's time (about 20 ms) plus its unpinning.
+pub const STAGING_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A bringing back in pieces under way ([`Chunks::take_back`]), for its one log line at the end.
 #[derive(Debug, Clone, Copy)]
@@ -328,8 +345,9 @@ impl Chunks {
         backing: &mut impl Backing,
         counters: &mut impl Counters,
     ) -> GivenBack {
-        let order = self.giving_order();
+        let mut order = self.giving_order();
         let piece = counters.piece();
+        let mut staging_waited = false;
         let mut moved_at: Vec<u64> = Vec::new();
         let mut given = 0u64;
         let mut counted = 0u64;
@@ -350,6 +368,7 @@ impl Chunks {
             let (results, batch_times) = backing.swap_out(&batch, counters);
             assert_eq!(results.len(), batch.len(), "one result per chunk");
             times.add(batch_times);
+            let mut refused_now = 0u64;
             for (&(address, size), result) in batch.iter().zip(results) {
                 match result {
                     OutResult::Moved => {
@@ -357,7 +376,7 @@ impl Chunks {
                         given += size;
                         moved_at.push(address);
                     }
-                    OutResult::StagingRefused => refused_for_staging += size,
+                    OutResult::StagingRefused => refused_now += size,
                     OutResult::Failed(e) => {
                         crate::log::error(format_args!("{e}; it stays resident"));
                     }
@@ -367,6 +386,19 @@ impl Chunks {
                 counters.swapped_out(given - counted);
                 counted = given;
             }
+            // In pieces, the one taking the room back frees the staging its swap-ins emptied when
+            // the budget is short (`Backing::release_idle`): wait for it, once, bounded, and go
+            // on with the chunks still resident.
+            if refused_now > 0 && piece.is_some() && given < want && !staging_waited {
+                staging_waited = true;
+                let smallest = batch.iter().map(|&(_, size)| size).min().unwrap_or(0);
+                if counters.wait_for_staging(smallest) {
+                    order = self.giving_order();
+                    next = 0;
+                    continue;
+                }
+            }
+            refused_for_staging += refused_now;
         }
         // Without pieces, counted out on the board once the round is over, not chunk by chunk:
         // a tenant waiting within its request for the room then sees all of it at once. Chunk by

@@ -91,6 +91,9 @@ struct Board {
     first: bool,
     /// Each count of bytes out, in order.
     outs: Vec<u64>,
+    /// What the staging budget becomes when a swap-out waits for staging (another process freed
+    /// some); `None`: nothing frees.
+    budget_after_wait: Option<u64>,
 }
 
 impl Counters for Board {
@@ -106,6 +109,13 @@ impl Counters for Board {
 
     fn first_in_line(&mut self) -> bool {
         self.first
+    }
+
+    fn wait_for_staging(&mut self, bytes: u64) -> bool {
+        if let Some(budget) = self.budget_after_wait.take() {
+            self.staging_budget = budget;
+        }
+        self.staging + bytes <= self.staging_budget
     }
 
     fn room_for(&mut self, bytes: u64) -> bool {
@@ -622,4 +632,36 @@ fn nothing_comes_back_while_the_driver_has_less_free_than_the_board_says() {
     chunks.give_back(8 * UNIT, &mut model, &mut board);
     model.driver_free = None;
     assert!(chunks.take_back(&mut model, &mut board));
+}
+
+/// In pieces, a chunk the staging budget refused waits (once, bounded) for the other side of the
+/// exchange to free staging, and the swap-out goes on; without pieces, or with nothing freed, the
+/// rest stays resident and is said.
+#[test]
+fn a_swap_out_in_pieces_waits_once_for_staging_the_other_side_frees() {
+    let (mut chunks, mut model, mut board) = resident(&[2, 2, 2, 2]);
+    board.piece = Some(2 * UNIT);
+    board.staging_budget = 4 * UNIT;
+    board.budget_after_wait = Some(8 * UNIT);
+    let given = chunks.give_back(8 * UNIT, &mut model, &mut board);
+    assert_eq!((given.bytes, given.refused_for_staging), (8 * UNIT, 0));
+    assert_eq!(board.outs, [2 * UNIT, 2 * UNIT, 2 * UNIT, 2 * UNIT]);
+
+    // Nothing frees: half stays.
+    let (mut chunks, mut model, mut board) = resident(&[2, 2, 2, 2]);
+    board.piece = Some(2 * UNIT);
+    board.staging_budget = 4 * UNIT;
+    let given = chunks.give_back(8 * UNIT, &mut model, &mut board);
+    assert_eq!(
+        (given.bytes, given.refused_for_staging),
+        (4 * UNIT, 4 * UNIT)
+    );
+
+    // Without pieces nobody frees during the round: no wait.
+    let (mut chunks, mut model, mut board) = resident(&[2, 2, 2, 2]);
+    board.staging_budget = 4 * UNIT;
+    board.budget_after_wait = Some(8 * UNIT);
+    let given = chunks.give_back(8 * UNIT, &mut model, &mut board);
+    assert_eq!(given.bytes, 4 * UNIT);
+    assert_eq!(board.budget_after_wait, Some(8 * UNIT), "never waited");
 }

@@ -752,6 +752,10 @@ impl crate::swap::Backing for SwapBacking<'_> {
         crate::staging::trim(self.driver, device, counters);
     }
 
+    fn release_idle(&mut self, device: usize, counters: &mut impl crate::swap::Counters) {
+        crate::staging::free_idle(self.driver, device, counters);
+    }
+
     fn driver_free(&mut self, address: u64) -> Option<u64> {
         let device = backed().get(&address)?.device;
         let f = &self.driver.fns;
