@@ -145,17 +145,22 @@ impl crate::swap::Counters for SlotCounters<'_> {
     }
 
     fn staging_short(&mut self) -> bool {
-        let region = self.board.board.region;
-        region
-            .staging_budget()
-            .saturating_sub(region.staging_total())
-            < crate::swap::PIECE_BYTES
+        staging_short(self.board.board.region)
     }
 
     fn first_in_line(&mut self) -> bool {
         let (served, _) = self.board.board.region.served(crate::shm::monotonic_ns());
         served.is_some_and(|w| w.slot == self.slot)
     }
+}
+
+/// Whether the GPU's staging budget is short: less than a piece (`swap::PIECE_BYTES`, or a
+/// quarter of a smaller budget) left. Then what is left is for swap-outs under way (an
+/// exchange), not for pinning ahead, and a process waiting for its own chunks frees its idle
+/// staging.
+pub fn staging_short(region: &tenant_abi::board::Region) -> bool {
+    let budget = region.staging_budget();
+    budget.saturating_sub(region.staging_total()) < crate::swap::PIECE_BYTES.min(budget / 4)
 }
 
 /// How long a tenant allocating within its request waits for the borrowers it asked to give the

@@ -1211,6 +1211,10 @@ impl Enforcer {
                 .staging_bytes
                 .load(std::sync::atomic::Ordering::SeqCst);
             let others = region.staging_total().saturating_sub(mine);
+            if elastic::staging_short(region) {
+                // A short budget is for swap-outs under way (an exchange), not for pinning ahead.
+                continue;
+            }
             let cap = region.staging_budget().saturating_sub(others) / 2;
             let mut counters = elastic::SlotCounters { board, slot };
             swap::Backing::warm(&mut backing, device, &chunks, cap, &mut counters);

@@ -149,6 +149,11 @@ impl Pool {
         gone.into_iter().map(|(buffer, _, _)| buffer).collect()
     }
 
+    /// Takes out every idle buffer, those pinned ahead included.
+    pub fn drain_idle(&mut self) -> Vec<Buffer> {
+        self.idle.drain(..).map(|(buffer, _, _)| buffer).collect()
+    }
+
     /// Takes out the largest idle buffer: freed to make room on the budget.
     pub fn take_largest(&mut self) -> Option<Buffer> {
         let largest = self
@@ -571,15 +576,16 @@ pub fn recycle(device: usize, buffer: Buffer) {
     publish(&pools);
 }
 
-/// Frees every idle buffer of `device`'s pool but those pinned ahead for resident chunks: the
-/// budget is short and another process's swap-out needs the room (`Backing::release_idle`).
+/// Frees every idle buffer of `device`'s pool, those pinned ahead for resident chunks included:
+/// the budget is short, this process waits for its own chunks, and another process's swap-out
+/// needs the room (`Backing::release_idle`).
 pub fn free_idle(driver: &Driver, device: usize, counters: &mut impl Counters) {
     if !any_pooled() || device >= DEVICES_MAX {
         return;
     }
     let idle = {
         let mut pools = pools();
-        let idle = pools.pools[device].expired(u64::MAX, 0);
+        let idle = pools.pools[device].drain_idle();
         publish(&pools);
         idle
     };
