@@ -564,12 +564,28 @@ impl Region {
                             .saturating_sub(slot.swapped_bytes.load(SeqCst))
                     })
                     .fold(0u64, u64::saturating_add);
+                // The first's own staging frees as its chunks come back piece by piece
+                // (`Counters::first_in_line` in the interposer; on a short budget it frees what
+                // its swap-ins emptied): room for the givers' next pieces. Without it, a first
+                // with 40 GiB out on a budget nearly spent looked stuck while its exchange moved,
+                // and the last borrow, a job's, was refused (an H200 run).
+                let own = {
+                    let slot = &self.slots[first.slot];
+                    slot.staging_bytes
+                        .load(SeqCst)
+                        .min(slot.swapped_bytes.load(SeqCst))
+                };
+                let base = self
+                    .staging_budget()
+                    .saturating_sub(self.staging_total())
+                    .saturating_add(idle_elsewhere);
+                // Only once the givers have room for a first piece: nothing comes back before.
                 let swap_room = if swap_refused_since {
                     0
+                } else if base > 0 {
+                    base.saturating_add(own)
                 } else {
-                    self.staging_budget()
-                        .saturating_sub(self.staging_total())
-                        .saturating_add(idle_elsewhere)
+                    0
                 };
                 (self.free_in_line(first.slot, now_ns), swap_room)
             }

@@ -714,3 +714,47 @@ fn booked_or_lent_counts_each_tenants_request_or_what_it_holds_past_it() {
     assert_eq!(region.booked_or_lent_with(a, 6 * GIB), 38 * GIB);
     assert_eq!(region.booked_or_lent_with(b, 6 * GIB), 32 * GIB);
 }
+
+/// The H200 run where the line looked stuck while it moved: "a" (first in line) has 10 GiB out
+/// in staging, the budget has 1 GiB left, and "b", also waiting, borrowed 20 GiB. The givers'
+/// pieces need staging, and "a"'s frees as its chunks come back piece by piece: the line can move,
+/// and "b"'s borrow is not refused. With "a"'s staging not counted it was. With nothing left at
+/// all no first piece can go, and the line is stuck.
+#[test]
+fn a_first_waiters_own_staging_is_room_for_the_exchange_not_a_stuck_line() {
+    let region = Region::new_boxed();
+    region.initialise();
+    region.set_capacity(60 * GIB);
+    region.set_staging_budget(11 * GIB);
+    let a = region.set_tenant(&spec("a", 10 * GIB, 60 * GIB)).unwrap();
+    let b = region.set_tenant(&spec("b", 10 * GIB, 60 * GIB)).unwrap();
+    let c = region.set_tenant(&spec("c", 20 * GIB, 20 * GIB)).unwrap();
+    let live = Fake::with(&[1, 2, 3]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(1, 1, a).unwrap();
+    let sb = board.claim_slot(2, 1, b).unwrap();
+    let sc = board.claim_slot(3, 1, c).unwrap();
+    // "a" held 30 (20 borrowed) and gave 10 to "c"'s request; "b" holds 30 (20 borrowed).
+    assert_eq!(board.reserve(sa, 30 * GIB), Ok(Grant::Borrowed));
+    assert!(board.reserve_staging(sa, 10 * GIB));
+    board.swapped_out(sa, 10 * GIB);
+    assert_eq!(board.reserve(sb, 30 * GIB), Ok(Grant::Borrowed));
+    assert_eq!(board.reserve(sc, 10 * GIB), Ok(Grant::Within));
+    // "a" waits for its 10 GiB, "b" for a 20 GiB borrow; "c" idles within its request but holds
+    // memory, so: every holder of memory must wait for the line to be stuck. "c" waits too.
+    board.wait(sa, 10 * GIB, false, 1);
+    board.wait(sb, 20 * GIB, true, 2);
+    board.wait(sc, 10 * GIB, false, 3);
+    assert_eq!(region.staging_total() + GIB, region.staging_budget());
+    assert_eq!(
+        region.stuck(10, false),
+        None,
+        "b can give a its 10 GiB through a's own staging"
+    );
+    region.set_staging_budget(10 * GIB);
+    assert_eq!(
+        region.stuck(10, false),
+        Some(sb),
+        "no room for a first piece"
+    );
+}

@@ -232,11 +232,31 @@ fn step(
             board.release_staging(job.slot, job.staging);
             job.staging = 0;
             end_wait(board, job, turn);
-        } else {
-            let since = start_wait(job, now, turn);
-            board.wait(job.slot, total, false, since);
-            look_at_the_line(region, board, job, now, turn);
+            return;
         }
+        // The line's first brings back what fits, a chunk at a time, as the room frees
+        // (`Counters::first_in_line`), and what they held in staging is free again.
+        if region.served(now).0.is_some_and(|w| w.slot == job.slot) {
+            let mut kept = Vec::new();
+            for size in std::mem::take(&mut job.out) {
+                if region.room_in_line(job.slot, size, now) && board.swap_in(job.slot, size) {
+                    job.resident.push(size);
+                    board.release_staging(job.slot, size);
+                    job.staging -= size;
+                } else {
+                    kept.push(size);
+                }
+            }
+            job.out = kept;
+            if job.out.is_empty() {
+                end_wait(board, job, turn);
+                return;
+            }
+        }
+        let total: u64 = job.out.iter().sum();
+        let since = start_wait(job, now, turn);
+        board.wait(job.slot, total, false, since);
+        look_at_the_line(region, board, job, now, turn);
         return;
     }
     match job.state {

@@ -1276,21 +1276,24 @@ fn a_borrow_beside_another_tenants_claim_waits_in_line_for_it() {
     let shm = shm_dir();
     let board = board(
         shm.path(),
-        12 * MIB,
+        14 * MIB,
         &[
-            ("a", 2 * MIB, 12 * MIB),
+            ("a", 2 * MIB, 14 * MIB),
             ("b", 8 * MIB, 8 * MIB),
-            ("c", 2 * MIB, 12 * MIB),
+            ("c", 2 * MIB, 14 * MIB),
         ],
     );
     let file = |name: &str| file_in(shm.path(), name);
-    // "a" borrows 8 MiB, "c" takes its request: the GPU is full (2 + 8 + 2 of 12).
+    // "a" borrows 6 MiB, "c" takes its request: 10 of 14 held.
     let mut a = swapping(tenant(shm.path(), "a", "2MiB")).start_holding(&format!(
-        "alloc 2M alloc 8M fill 7 touch {} spin_info {} check 7",
+        "alloc 2M alloc 6M fill 7 touch {} spin_info {} check 7",
         file("a-ready"),
         file("test-done")
     ));
-    // "b" takes 2 MiB of its request: "a" gives its 8 back and 6 of it stay claimed for "b".
+    // "b" takes 6 MiB of its request: 4 are free, "a" gives its 6 back, and the 2 left of "b"'s
+    // request stay claimed for it. Once "b" has left, "a"'s 6 and "c"'s 4 fit beside each other
+    // in either order (with 12 MiB, "a", first in line, could take its chunk back first and
+    // leave "c" waiting behind a tenant that runs: the test raced on it).
     let mut c = swapping(tenant(shm.path(), "c", "2MiB")).start_holding(&format!(
         "until_file {} alloc 2M touch {} until_file {} alloc_retry 4M",
         file("a-ready"),
@@ -1298,13 +1301,14 @@ fn a_borrow_beside_another_tenants_claim_waits_in_line_for_it() {
         file("b-got")
     ));
     let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
-        "until_file {} alloc 2M touch {}",
+        "until_file {} alloc 6M touch {}",
         file("c-ready"),
         file("b-got")
     ));
     assert_eq!(b.output, "until_file 0\nalloc 0\ntouch 0\n");
-    assert_eq!(usage(&board, "a").swapped_bytes, 8 * MIB);
-    // "c"'s borrow of 4 MiB finds the 6 free held for "b": refused once, its retry waits.
+    assert_eq!(usage(&board, "a").swapped_bytes, 6 * MIB);
+    // "c"'s borrow of 4 MiB finds the 4 free, 2 of them held for "b": refused once, its retry
+    // waits.
     until(
         || usage(&board, "c").waiting_processes != 0,
         "c to wait in line",
