@@ -56,34 +56,11 @@ JOB_TIMEOUT=${JOB_TIMEOUT:-300}
 COMPUTE_FLAGS=${COMPUTE_FLAGS:---burst}
 : >"$RESULTS"
 PIDS=()
-exited() { ! kill -0 "$1" 2>/dev/null || [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" = Z ]; }
-cleanup() {
-  # every process this script started: TERM (which `timeout` passes on to the job, so its GPU
-  # memory goes with it), KILL after 10 s, then a wait for exactly those
-  local rc=$? pid all
-  trap - EXIT
-  all="${PIDS[*]} $(jobs -p)"
-  for pid in $all; do kill "$pid" 2>/dev/null; done
-  for pid in $all; do
-    bounded_wait 10 "process $pid to exit after TERM" exited "$pid" || kill -9 "$pid" 2>/dev/null
-    wait "$pid" 2>/dev/null
-  done
-  rm -rf "$WORK" "$SHM"
-  exit "$rc"
-}
+# shellcheck source=tests/gpu/checks.sh
+source "$ROOT/tests/gpu/checks.sh"
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
-record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$RESULTS"; log "$4: $1 (expected $2, got $3)"; }
-verdict() { if [ "${1:-}" = 1 ]; then echo PASS; else echo FAIL; fi; }
 gib() { "$PY" -c 'import sys; print(f"{int(sys.argv[1] or 0)/2**30:.1f} GiB")' "${1:-0}"; }
-# field LOG KEY: a field of a job's RESULT json, "" if absent.
-field() {
-  local json
-  json=$(grep '^RESULT ' "$1" 2>/dev/null | tail -n1 | sed 's/^RESULT //')
-  [ -n "$json" ] || json='{}'
-  "$PY" -c 'import json, sys; v = json.loads(sys.argv[1]).get(sys.argv[2]); print("" if v is None else v)' "$json" "$2"
-}
 now() { date +%s.%N; }
 elapsed() { "$PY" -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.1f}")' "$1" "$2"; }
 # wait_jobs PID...: waits for each (each is bounded by its own `timeout`), then forgets it.

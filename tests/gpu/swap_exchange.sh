@@ -45,45 +45,11 @@ GIB=$((1 << 30))
 RESULTS="$LOGS/results.tsv"
 : >"$RESULTS"
 PIDS=()
-exited() { ! kill -0 "$1" 2>/dev/null || [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" = Z ]; }
-cleanup() {
-  local rc=$? pid all
-  trap - EXIT
-  all="${PIDS[*]} $(jobs -p)"
-  for pid in $all; do kill "$pid" 2>/dev/null; done
-  for pid in $all; do
-    bounded_wait 10 "process $pid to exit after TERM" exited "$pid" || kill -9 "$pid" 2>/dev/null
-    wait "$pid" 2>/dev/null
-  done
-  rm -rf "$WORK" "$SHM"
-  exit "$rc"
-}
+# shellcheck source=tests/gpu/checks.sh
+source "$ROOT/tests/gpu/checks.sh"
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
-record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$RESULTS"; log "$4: $1 (expected $2, got $3)"; }
-verdict() { if [ "${1:-}" = 1 ]; then echo PASS; else echo FAIL; fi; }
 gib() { "$PY" -c 'import sys; print(f"{int(sys.argv[1] or 0)/2**30:.2f} GiB")' "${1:-0}"; }
-field() {
-  local json
-  json=$(grep '^RESULT ' "$1" 2>/dev/null | tail -n1 | sed 's/^RESULT //')
-  [ -n "$json" ] || json='{}'
-  "$PY" -c '
-import json, sys
-v = json.loads(sys.argv[1])
-for k in sys.argv[2].split("."):
-    v = v.get(k) if isinstance(v, dict) else None
-print("" if v is None else v)' "$json" "$2"
-}
-usage_field() {
-  timeout 30 "$BIN/vgpuctl" --insecure --endpoints "$EP" describe tenant "$1" -o json 2>/dev/null | "$PY" -c '
-import json, sys
-try:
-    u = (json.load(sys.stdin).get("usage") or [{}])[0]
-except ValueError:
-    u = {}
-print(u.get(sys.argv[1], ""))' "$2"
-}
 # run_tenant NAME SECONDS -- helper args: in the background under `vgpu-agent exec` ($! its pid)
 run_tenant() {
   local name=$1 seconds=$2
