@@ -1055,10 +1055,12 @@ impl Enforcer {
             let unstall_due = pace.unstall_due(now);
             let report_due = pace.report_due(now);
             let mut out_bytes = 0u64;
+            let mut coming_back = false;
             {
                 let mut process = self.process();
                 for (device, board, board_slot) in self.board_slots(&process) {
                     self.poll_swap(devices, board, (device, board_slot), &mut process);
+                    coming_back |= process.chunks[device].coming_back();
                     let out = process.chunks[device].out_bytes();
                     if out == 0 {
                         if in_line[device] {
@@ -1089,7 +1091,13 @@ impl Enforcer {
             if pace.expired(now) && out_bytes > 0 {
                 break None;
             }
-            std::thread::sleep(pace.look_after(now));
+            // While its chunks come back piece by piece (an exchange: the next piece lands every
+            // ~20 ms), it looks every millisecond, not at the slow pace of a long wait.
+            std::thread::sleep(if coming_back {
+                line::FAST_LOOK
+            } else {
+                pace.look_after(now)
+            });
         };
         let process = self.process();
         for (device, board, board_slot) in self.board_slots(&process) {

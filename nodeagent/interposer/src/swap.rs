@@ -273,6 +273,12 @@ impl Chunks {
         self.chunks.values().filter(|c| c.out).map(|c| c.size).sum()
     }
 
+    /// Whether chunks are coming back piece by piece ([`Chunks::take_back`]): the next piece
+    /// is worth looking for often.
+    pub fn coming_back(&self) -> bool {
+        self.pieces.is_some()
+    }
+
     /// Whether a chunk is resident: something a want could be met with.
     pub fn any_resident(&self) -> bool {
         self.chunks.values().any(|c| !c.out)

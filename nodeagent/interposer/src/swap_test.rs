@@ -597,10 +597,10 @@ fn the_first_in_line_brings_its_chunks_back_piece_by_piece() {
         "first in line: one chunk back"
     );
     assert_eq!(board.resident, 4 * UNIT);
-    assert!(chunks.pieces.is_some());
+    assert!(chunks.coming_back());
     board.others = 0;
     assert!(chunks.take_back(&mut model, &mut board));
-    assert!(!chunks.held() && chunks.pieces.is_none());
+    assert!(!chunks.held() && !chunks.coming_back());
     for (i, address) in [0x10_0000u64, 0x20_0000, 0x30_0000].iter().enumerate() {
         assert_eq!(model.mapped[address], vec![i as u8; (4 * UNIT) as usize]);
     }
