@@ -316,6 +316,11 @@ impl Region {
             })
     }
 
+    /// What the staging budget has left beside what the live slots hold.
+    pub fn staging_left(&self) -> u64 {
+        self.staging_budget().saturating_sub(self.staging_total())
+    }
+
     /// How many swap-outs were refused for want of staging so far (wraps).
     pub fn swap_refusals(&self) -> u32 {
         self.header.swap_refusals.load(SeqCst)
@@ -575,17 +580,12 @@ impl Region {
                         .load(SeqCst)
                         .min(slot.swapped_bytes.load(SeqCst))
                 };
-                let base = self
-                    .staging_budget()
-                    .saturating_sub(self.staging_total())
-                    .saturating_add(idle_elsewhere);
+                let base = self.staging_left().saturating_add(idle_elsewhere);
                 // Only once the givers have room for a first piece: nothing comes back before.
-                let swap_room = if swap_refused_since {
+                let swap_room = if swap_refused_since || base == 0 {
                     0
-                } else if base > 0 {
-                    base.saturating_add(own)
                 } else {
-                    0
+                    base.saturating_add(own)
                 };
                 (self.free_in_line(first.slot, now_ns), swap_room)
             }

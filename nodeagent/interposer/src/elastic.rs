@@ -130,11 +130,7 @@ impl crate::swap::Counters for SlotCounters<'_> {
         let region = self.board.board.region;
         let began = std::time::Instant::now();
         loop {
-            if region
-                .staging_budget()
-                .saturating_sub(region.staging_total())
-                >= bytes
-            {
+            if region.staging_left() >= bytes {
                 return true;
             }
             if began.elapsed() >= crate::swap::STAGING_WAIT {
@@ -159,8 +155,7 @@ impl crate::swap::Counters for SlotCounters<'_> {
 /// exchange), not for pinning ahead, and a process waiting for its own chunks frees its idle
 /// staging.
 pub fn staging_short(region: &tenant_abi::board::Region) -> bool {
-    let budget = region.staging_budget();
-    budget.saturating_sub(region.staging_total()) < crate::swap::PIECE_BYTES.min(budget / 4)
+    region.staging_left() < crate::swap::PIECE_BYTES.min(region.staging_budget() / 4)
 }
 
 /// How long a tenant allocating within its request waits for the borrowers it asked to give the

@@ -352,10 +352,7 @@ fn accounted_alloc(
         if !asks.is_empty() {
             let began = std::time::Instant::now();
             let bound = std::time::Duration::from_millis(crate::elastic::RECLAIM_WAIT_MAX_MS);
-            while rc == CUDA_ERROR_OUT_OF_MEMORY && began.elapsed() < bound {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-                rc = call(false);
-            }
+            rc = retry_out_of_memory(rc, bound, || call(false));
             ffi_boundary!(what, fallback = (), {
                 hooks::withdraw_driver_asks(&ticket, &asks);
                 crate::log::error(format_args!(
@@ -381,6 +378,21 @@ fn accounted_alloc(
     rc
 }
 
+/// `rc` of a first try, and then `call` again every millisecond while it answers out of memory,
+/// for at most `bound` from now: memory the board counts free that the driver has not (yet).
+fn retry_out_of_memory(
+    mut rc: CUresult,
+    bound: std::time::Duration,
+    mut call: impl FnMut() -> CUresult,
+) -> CUresult {
+    let began = std::time::Instant::now();
+    while rc == CUDA_ERROR_OUT_OF_MEMORY && began.elapsed() < bound {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        rc = call();
+    }
+    rc
+}
+
 /// A borrowed allocation of `bytes`, VMM-backed on the current device; a driver that cannot back
 /// it refuses it (`vmm` said why, once).
 ///
@@ -399,11 +411,7 @@ unsafe fn borrowed_alloc(driver: &Driver, bytes: usize, out: *mut CUdeviceptr) -
     // exited held (the board counts it free as soon as the process is gone): tried again for a
     // bounded while before the out-of-memory reaches the application.
     let began = std::time::Instant::now();
-    let mut rc = try_once();
-    while rc == CUDA_ERROR_OUT_OF_MEMORY && began.elapsed() < crate::swap::DRIVER_LAG_MAX {
-        std::thread::sleep(std::time::Duration::from_millis(1));
-        rc = try_once();
-    }
+    let rc = retry_out_of_memory(try_once(), crate::swap::DRIVER_LAG_MAX, try_once);
     if rc == CUDA_SUCCESS && began.elapsed() >= std::time::Duration::from_millis(10) {
         crate::log::error(format_args!(
             "a borrow of {} waited {} ms for the driver to release memory the GPU's board \

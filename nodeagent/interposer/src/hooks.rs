@@ -262,6 +262,11 @@ impl Enforcer {
         process.slot
     }
 
+    /// The board of `device` if an earlier [`Enforcer::board`] opened one (no lookup now).
+    fn opened_board(&self, device: usize) -> Option<&DeviceBoard> {
+        self.boards[device].get()?.as_ref()
+    }
+
     /// The board of `device` if the agent put one in the tenant's directory and the device is
     /// limited; looked for once per process (`uuid` is asked then).
     fn board(&self, device: usize, uuid: impl FnOnce() -> Option<String>) -> Option<&DeviceBoard> {
@@ -1233,7 +1238,7 @@ impl Enforcer {
     fn board_slots(&self, process: &Process) -> Vec<(usize, &DeviceBoard, usize)> {
         (0..DEVICES_MAX)
             .filter_map(|device| {
-                let board = self.boards[device].get()?.as_ref()?;
+                let board = self.opened_board(device)?;
                 Some((device, board, process.board_slots[device]?))
             })
             .collect()
@@ -1250,15 +1255,12 @@ impl Enforcer {
         (0..DEVICES_MAX)
             .filter(|d| resident_on & (1 << d) != 0)
             .any(|device| {
-                self.boards[device]
-                    .get()
-                    .and_then(Option::as_ref)
-                    .is_some_and(|board| {
-                        board.board.region.tenants[board.tenant]
-                            .want_bytes
-                            .load(std::sync::atomic::Ordering::SeqCst)
-                            != 0
-                    })
+                self.opened_board(device).is_some_and(|board| {
+                    board.board.region.tenants[board.tenant]
+                        .want_bytes
+                        .load(std::sync::atomic::Ordering::SeqCst)
+                        != 0
+                })
             })
     }
 
@@ -1405,7 +1407,7 @@ impl Enforcer {
 
     /// The board slot of `device` for crediting, if this process charged that board.
     fn charged_board(&self, device: usize) -> Option<(&DeviceBoard, usize)> {
-        let board = self.boards[device].get()?.as_ref()?;
+        let board = self.opened_board(device)?;
         let slot = self.process().board_slots[device]?;
         Some((board, slot))
     }
@@ -1578,10 +1580,7 @@ pub fn ask_borrowers_for_driver(ticket: &Ticket) -> Vec<(usize, u64)> {
     if ticket.borrowed || !ticket.on_board || !enforcer.swap_on() {
         return Vec::new();
     }
-    let Some(board) = enforcer.boards[ticket.device]
-        .get()
-        .and_then(|board| board.as_ref())
-    else {
+    let Some(board) = enforcer.opened_board(ticket.device) else {
         return Vec::new();
     };
     let region = board.board.region;
@@ -1618,10 +1617,7 @@ pub fn withdraw_driver_asks(ticket: &Ticket, asks: &[(usize, u64)]) {
     let Mode::Enforcing(enforcer) = mode() else {
         return;
     };
-    if let Some(board) = enforcer.boards[ticket.device]
-        .get()
-        .and_then(|board| board.as_ref())
-    {
+    if let Some(board) = enforcer.opened_board(ticket.device) {
         for &(index, bytes) in asks {
             board.board.withdraw_want(index, bytes);
         }
@@ -1869,7 +1865,7 @@ pub fn hint_poll() -> u64 {
             // Looked at again under the lock: the hint may have ended, and another begun.
             if let Some(phase) = process.hint
                 && phase.freed >= phase.asked
-                && let Some(Some(board)) = enforcer.boards[phase.device].get()
+                && let Some(board) = enforcer.opened_board(phase.device)
             {
                 let want = enforcer.want_after_hints(board, phase.device, &mut process);
                 assert_eq!(want, 0, "a met hint swaps nothing");
@@ -1878,7 +1874,7 @@ pub fn hint_poll() -> u64 {
         return hint::asked();
     }
     for device in 0..DEVICES_MAX {
-        let Some(Some(board)) = enforcer.boards[device].get() else {
+        let Some(board) = enforcer.opened_board(device) else {
             continue;
         };
         if board.board.region.tenants[board.tenant]

@@ -580,33 +580,34 @@ pub fn recycle(device: usize, buffer: Buffer) {
 /// the budget is short, this process waits for its own chunks, and another process's swap-out
 /// needs the room (`Backing::release_idle`).
 pub fn free_idle(driver: &Driver, device: usize, counters: &mut impl Counters) {
-    if !any_pooled() || device >= DEVICES_MAX {
-        return;
-    }
-    let idle = {
-        let mut pools = pools();
-        let idle = pools.pools[device].drain_idle();
-        publish(&pools);
-        idle
-    };
-    for buffer in idle {
-        really_free(driver, buffer, counters);
-    }
+    free_taken(driver, device, counters, Pool::drain_idle);
 }
 
 /// Frees the buffers of `device`'s pool that no swap-out reused for the idle bound, and releases
 /// their staging on the board through `counters`. No driver call while nothing has idled out.
 pub fn trim(driver: &Driver, device: usize, counters: &mut impl Counters) {
+    free_taken(driver, device, counters, |pool| {
+        pool.expired(crate::shm::monotonic_ns(), idle_max_ns())
+    });
+}
+
+/// Frees the buffers `take` takes out of `device`'s pool (nothing while nothing is pooled).
+fn free_taken(
+    driver: &Driver,
+    device: usize,
+    counters: &mut impl Counters,
+    take: impl FnOnce(&mut Pool) -> Vec<Buffer>,
+) {
     if !any_pooled() || device >= DEVICES_MAX {
         return;
     }
-    let expired = {
+    let taken = {
         let mut pools = pools();
-        let expired = pools.pools[device].expired(crate::shm::monotonic_ns(), idle_max_ns());
+        let taken = take(&mut pools.pools[device]);
         publish(&pools);
-        expired
+        taken
     };
-    for buffer in expired {
+    for buffer in taken {
         really_free(driver, buffer, counters);
     }
 }

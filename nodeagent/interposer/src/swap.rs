@@ -517,7 +517,7 @@ impl Chunks {
         let done = !self.held();
         let whole_round = done && self.pieces.is_none();
         if back > 0 && whole_round {
-            log_back(back, took, batch.len(), 1, times);
+            log_back(back, took, &format!("{} chunk(s)", batch.len()), times);
         } else if back > 0 || self.pieces.is_some() {
             let pieces = self.pieces.get_or_insert(Pieces {
                 began,
@@ -541,8 +541,7 @@ impl Chunks {
                 log_back(
                     pieces.bytes,
                     pieces.began.elapsed(),
-                    0,
-                    pieces.rounds,
+                    &format!("in {} pieces as the room freed", pieces.rounds),
                     InTimes {
                         mapping_ns: pieces.mapping_ns,
                         copies_ns: pieces.copies_ns,
@@ -554,15 +553,10 @@ impl Chunks {
     }
 }
 
-/// The line of a swap-in that brought everything back: `rounds` 1 is one batch of `chunks`;
-/// more is in pieces as the room freed, `took` from the first piece's start to the last's end.
-fn log_back(back: u64, took: std::time::Duration, chunks: usize, rounds: u32, times: InTimes) {
+/// The line of a swap-in that brought everything back, `how` (one batch of chunks, or pieces
+/// as the room freed: then `took` runs from the first piece's start to the last's end).
+fn log_back(back: u64, took: std::time::Duration, how: &str, times: InTimes) {
     let seconds = took.as_secs_f64();
-    let how = if rounds == 1 {
-        format!("{chunks} chunk(s)")
-    } else {
-        format!("in {rounds} pieces as the room freed")
-    };
     crate::log::error(format_args!(
         "{} of this process's borrowed memory came back from host memory in {:.1} ms \
          (mapped and copied at {:.1} GB/s: {how}, creating, mapping and queueing {:.1} ms, then \
