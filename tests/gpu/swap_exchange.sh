@@ -146,16 +146,17 @@ b_out=$(usage_field giver memory_swapped_bytes)
 
 # 4. A and N stop; B's memory comes back and its allocation is granted; B stops.
 touch "$WORK/a-stop" "$WORK/n-stop"
+# stopped (TERM, then KILL) if it has not exited by then: no `wait` on a process nobody ends
 for pid in $a_pid $n_pid; do
-  bounded_wait 120 "process $pid to exit" exited "$pid"
-  wait "$pid"
+  bounded_wait 120 "process $pid to exit" exited "$pid" || stop_pid "$pid"
+  wait "$pid" 2>/dev/null
   forget "$pid"
 done
 b_granted() { grep -q '"more"' "$LOGS/giver.log" || [ "$(usage_field giver memory_swapped_bytes)" = 0 ] || exited "$b_pid"; }
 bounded_wait 60 "B's memory back" b_granted
 touch "$WORK/b-stop"
-bounded_wait 120 "B to exit" exited "$b_pid"
-wait "$b_pid"
+bounded_wait 120 "B to exit" exited "$b_pid" || stop_pid "$b_pid"
+wait "$b_pid" 2>/dev/null
 forget "$b_pid"
 
 a=$LOGS/held.log
