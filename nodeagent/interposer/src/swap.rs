@@ -371,9 +371,13 @@ impl Chunks {
                 planned += order[next].1;
                 next += 1;
             }
+            let batch_began = std::time::Instant::now();
             let (results, batch_times) = backing.swap_out(&batch, counters);
             assert_eq!(results.len(), batch.len(), "one result per chunk");
             times.add(batch_times);
+            if piece.is_some() {
+                log_piece_out(&batch, batch_began.elapsed(), batch_times);
+            }
             let mut refused_now = 0u64;
             for (&(address, size), result) in batch.iter().zip(results) {
                 match result {
@@ -551,6 +555,22 @@ impl Chunks {
         }
         done
     }
+}
+
+/// The debug line of one piece of a swap-out in pieces: where its time went, for the exchange's
+/// analysis (`tests/gpu/swap_exchange.sh`).
+fn log_piece_out(batch: &[(u64, u64)], took: std::time::Duration, times: SwapTimes) {
+    let bytes: u64 = batch.iter().map(|&(_, size)| size).sum();
+    crate::log::debug(format_args!(
+        "a piece of {} ({} chunk(s)) went out in {:.1} ms: copies {:.1} ms, pinning {:.1} ms, \
+         waiting for staging {:.1} ms",
+        crate::elastic::human(bytes),
+        batch.len(),
+        took.as_secs_f64() * 1e3,
+        times.copy_ns as f64 / 1e6,
+        times.pinning_ns as f64 / 1e6,
+        times.staging_wait_ns as f64 / 1e6
+    ));
 }
 
 /// The line of a swap-in that brought everything back, `how` (one batch of chunks, or pieces
