@@ -103,11 +103,15 @@ impl SwapTimes {
 pub trait Backing {
     /// Copies each chunk's `(address, size)` bytes to host staging, then (once its copy
     /// completed) unmaps and releases its physical memory; the address range stays reserved.
-    /// One result per chunk, in order; a chunk not [`OutResult::Moved`] is as it was.
+    /// One result per chunk, in order; a chunk not [`OutResult::Moved`] is as it was. With
+    /// `count_every` (`Some(piece)`), the moved chunks' room is counted free on the board
+    /// ([`Counters::swapped_out`]) as their copies complete, whenever at least `piece` bytes
+    /// landed uncounted, and the rest before it returns: the caller counts none of them again.
     fn swap_out(
         &mut self,
         chunks: &[(u64, u64)],
         counters: &mut impl Counters,
+        count_every: Option<u64>,
     ) -> (Vec<OutResult>, SwapTimes);
     /// Creates physical memory for each chunk, maps it at its address again and copies the
     /// staging back; a chunk is back (`Ok`) only once its copy completed. On an error the chunk is
@@ -343,8 +347,8 @@ impl Chunks {
     /// (fewest copies), as many as cover `want` in one batch (their copies queued back to back),
     /// then more batches while some did not go. A chunk the driver could not move, or for which
     /// the staging budget has no room, stays and the next is tried. When pieces count
-    /// ([`Counters::piece`]) a batch holds at most a piece's bytes (or one chunk) and its room is
-    /// counted free as soon as it is out; otherwise at the end of the round.
+    /// ([`Counters::piece`]) the backing counts the room free a piece at a time as the copies
+    /// land (the copy engine never idles between pieces); otherwise at the end of the round.
     pub fn give_back(
         &mut self,
         want: u64,
@@ -364,20 +368,13 @@ impl Chunks {
             let mut batch = Vec::new();
             let mut planned = 0u64;
             while given + planned < want && next < order.len() {
-                if piece.is_some_and(|piece| !batch.is_empty() && planned + order[next].1 > piece) {
-                    break;
-                }
                 batch.push(order[next]);
                 planned += order[next].1;
                 next += 1;
             }
-            let batch_began = std::time::Instant::now();
-            let (results, batch_times) = backing.swap_out(&batch, counters);
+            let (results, batch_times) = backing.swap_out(&batch, counters, piece);
             assert_eq!(results.len(), batch.len(), "one result per chunk");
             times.add(batch_times);
-            if piece.is_some() {
-                log_piece_out(&batch, batch_began.elapsed(), batch_times);
-            }
             let mut refused_now = 0u64;
             for (&(address, size), result) in batch.iter().zip(results) {
                 match result {
@@ -392,8 +389,8 @@ impl Chunks {
                     }
                 }
             }
-            if piece.is_some() && given > counted {
-                counters.swapped_out(given - counted);
+            if piece.is_some() {
+                // The backing counted each piece as it landed.
                 counted = given;
             }
             // In pieces, the one taking the room back frees the staging its swap-ins emptied when
@@ -555,22 +552,6 @@ impl Chunks {
         }
         done
     }
-}
-
-/// The debug line of one piece of a swap-out in pieces: where its time went, for the exchange's
-/// analysis (`tests/gpu/swap_exchange.sh`).
-fn log_piece_out(batch: &[(u64, u64)], took: std::time::Duration, times: SwapTimes) {
-    let bytes: u64 = batch.iter().map(|&(_, size)| size).sum();
-    crate::log::debug(format_args!(
-        "a piece of {} ({} chunk(s)) went out in {:.1} ms: copies {:.1} ms, pinning {:.1} ms, \
-         waiting for staging {:.1} ms",
-        crate::elastic::human(bytes),
-        batch.len(),
-        took.as_secs_f64() * 1e3,
-        times.copy_ns as f64 / 1e6,
-        times.pinning_ns as f64 / 1e6,
-        times.staging_wait_ns as f64 / 1e6
-    ));
 }
 
 /// The line of a swap-in that brought everything back, `how` (one batch of chunks, or pieces

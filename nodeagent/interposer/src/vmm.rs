@@ -364,17 +364,59 @@ struct Copies {
     stream_query: FnStreamSync,
     dtoh: FnMemcpyAsync,
     htod: FnMemcpyAsync,
+    /// Per-chunk completion of a swap-out's copies; without them a chunk lands when the whole
+    /// stream completed.
+    events: Option<Events>,
+}
+
+/// The event functions (`cuEventCreate`, `cuEventRecord`, `cuEventQuery`, `cuEventDestroy_v2`).
+#[derive(Clone, Copy)]
+struct Events {
+    create: FnEventCreate,
+    record: FnEventRecord,
+    query: FnEventQuery,
+    destroy: FnEventDestroy,
+}
+
+impl Events {
+    /// An event recorded on `stream` after what is queued there now; `None` when the driver
+    /// refused (the caller then waits for the stream).
+    fn after(&self, stream: CUstream) -> Option<CUevent> {
+        let mut event: CUevent = std::ptr::null_mut();
+        // SAFETY: `event` is valid for a write; a flag the driver defines.
+        if unsafe { (self.create)(&mut event, CU_EVENT_DISABLE_TIMING) } != CUDA_SUCCESS
+            || event.is_null()
+        {
+            return None;
+        }
+        // SAFETY: both created by this process's driver on the current context.
+        if unsafe { (self.record)(event, stream) } != CUDA_SUCCESS {
+            // SAFETY: created above, destroyed once.
+            unsafe { (self.destroy)(event) };
+            return None;
+        }
+        Some(event)
+    }
 }
 
 impl Copies {
     fn of(driver: &Driver) -> Option<Copies> {
         let f = &driver.fns;
+        let events = (|| {
+            Some(Events {
+                create: f.event_create?,
+                record: f.event_record?,
+                query: f.event_query?,
+                destroy: f.event_destroy?,
+            })
+        })();
         Some(Copies {
             stream_create: f.stream_create?,
             stream_destroy: f.stream_destroy?,
             stream_query: f.stream_query?,
             dtoh: f.memcpy_dtoh_async?,
             htod: f.memcpy_htod_async?,
+            events,
         })
     }
 
@@ -397,20 +439,30 @@ impl Copies {
     /// completed. `Ok(true)`: completed; `Ok(false)`: not within the bound; `Err`: the driver's
     /// error for them (the copies did not all happen).
     fn wait(&self, stream: CUstream, bound: std::time::Duration) -> Result<bool, CUresult> {
-        let began = std::time::Instant::now();
-        loop {
-            // SAFETY: `stream` was created by `stream` and is destroyed only after this.
-            let rc = unsafe { (self.stream_query)(stream) };
-            match rc {
-                CUDA_SUCCESS => return Ok(true),
-                CUDA_ERROR_NOT_READY if began.elapsed() < bound => {
-                    // Copies of a gigabyte take tens of milliseconds: a short pause between looks
-                    // costs at most that much of it.
-                    std::thread::sleep(std::time::Duration::from_micros(50));
-                }
-                CUDA_ERROR_NOT_READY => return Ok(false),
-                error => return Err(error),
-            }
+        // SAFETY: `stream` was created by `stream` and is destroyed only after this.
+        poll(|| unsafe { (self.stream_query)(stream) }, bound)
+    }
+
+    /// Waits like [`Copies::wait`] for the copies queued before `event` (`None`: for the whole
+    /// stream).
+    fn wait_for(
+        &self,
+        stream: CUstream,
+        event: Option<CUevent>,
+        bound: std::time::Duration,
+    ) -> Result<bool, CUresult> {
+        match (event, self.events) {
+            // SAFETY: the event was recorded on `stream` by `Events::after` and is destroyed
+            // only after this.
+            (Some(event), Some(events)) => poll(|| unsafe { (events.query)(event) }, bound),
+            _ => self.wait(stream, bound),
+        }
+    }
+
+    fn destroy_event(&self, event: Option<CUevent>) {
+        if let (Some(event), Some(events)) = (event, self.events) {
+            // SAFETY: created by `Events::after`, destroyed once.
+            unsafe { (events.destroy)(event) };
         }
     }
 
@@ -479,6 +531,25 @@ struct Queued {
     handle: CUmemGenericAllocationHandle,
 }
 
+/// Polls `query` (`cuStreamQuery` or `cuEventQuery`) for at most `bound` until it says done.
+/// `Ok(true)`: done; `Ok(false)`: not within the bound; `Err`: the driver's error for the work
+/// (it did not all happen).
+fn poll(query: impl Fn() -> CUresult, bound: std::time::Duration) -> Result<bool, CUresult> {
+    let began = std::time::Instant::now();
+    loop {
+        match query() {
+            CUDA_SUCCESS => return Ok(true),
+            CUDA_ERROR_NOT_READY if began.elapsed() < bound => {
+                // Copies of a gigabyte take tens of milliseconds: a short pause between looks
+                // costs at most that much of it.
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+            CUDA_ERROR_NOT_READY => return Ok(false),
+            error => return Err(error),
+        }
+    }
+}
+
 fn copy_timed_out(direction: &str, bytes: u64, bound: std::time::Duration) {
     crate::log::error(format_args!(
         "the swap's copies {direction} ({}) did not complete within {} ms: the GPU's copy engine \
@@ -489,11 +560,155 @@ fn copy_timed_out(direction: &str, bytes: u64, bound: std::time::Duration) {
     ));
 }
 
+/// A swap-out's chunks whose copies are queued on its stream, landing in order.
+struct Landing {
+    /// In the order of their copies, each with the event recorded after its copy (`None`: the
+    /// driver had none, the stream tells).
+    queued: std::collections::VecDeque<(Queued, Option<CUevent>)>,
+    /// When the first copy was queued.
+    began: Option<std::time::Instant>,
+    /// Bytes whose copies completed.
+    copied: u64,
+    /// Bytes landed (unmapped, released) not yet counted free on the board.
+    uncounted: u64,
+    /// Count free on the board every this many bytes landed (`Backing::swap_out`).
+    count_every: Option<u64>,
+}
+
+impl SwapBacking<'_> {
+    /// Lands the queued chunks whose copies completed, in order: each is unmapped and released
+    /// and its room counted free when a piece's worth landed. With `wait`, waits for every one
+    /// (each bounded by [`copy_wait_max`] of its bytes); without, stops at the first still
+    /// copying. A copy past its bound strands its chunk and every later one (their copies are
+    /// behind it); a copy the driver failed leaves its chunk and every later one resident.
+    #[allow(clippy::too_many_arguments)]
+    fn land(
+        &self,
+        vmm: &Vmm,
+        copies: &Copies,
+        stream: CUstream,
+        landing: &mut Landing,
+        results: &mut [Option<crate::swap::OutResult>],
+        counters: &mut impl crate::swap::Counters,
+        wait: bool,
+    ) {
+        use crate::swap::{OutResult, SwapError};
+        while let Some(&(ref q, event)) = landing.queued.front() {
+            let size = q.found.size as u64;
+            let bound = if wait {
+                copy_wait_max(size)
+            } else {
+                std::time::Duration::ZERO
+            };
+            let waited = copies.wait_for(stream, event, bound);
+            if !wait && waited == Ok(false) {
+                return;
+            }
+            let (q, event) = landing.queued.pop_front().expect("looked at above");
+            copies.destroy_event(event);
+            let device = usize::try_from(q.found.device).unwrap_or(0);
+            let error = |result| {
+                OutResult::Failed(SwapError {
+                    address: q.address,
+                    result,
+                })
+            };
+            match waited {
+                Ok(true) => {}
+                Ok(false) => {
+                    // This copy and those behind it may still write their buffers and read their
+                    // chunks: all stay as they are (the buffers stay reserved, never reused).
+                    let behind: u64 = landing
+                        .queued
+                        .iter()
+                        .map(|(q, _)| q.found.size as u64)
+                        .sum();
+                    copy_timed_out("to host memory", size + behind, bound);
+                    self.strand(q.address, 0);
+                    results[q.index] = Some(error(CUDA_ERROR_NOT_READY));
+                    for (q, event) in landing.queued.drain(..) {
+                        copies.destroy_event(event);
+                        self.strand(q.address, 0);
+                        results[q.index] = Some(OutResult::Failed(SwapError {
+                            address: q.address,
+                            result: CUDA_ERROR_NOT_READY,
+                        }));
+                    }
+                    return;
+                }
+                Err(rc) => {
+                    // Still mapped, with their contents: the staging goes back to the pool, for
+                    // this chunk and those behind it (the stream's copies did not all happen).
+                    crate::staging::recycle(device, q.buffer);
+                    results[q.index] = Some(error(rc));
+                    for (q, event) in landing.queued.drain(..) {
+                        copies.destroy_event(event);
+                        let device = usize::try_from(q.found.device).unwrap_or(0);
+                        crate::staging::recycle(device, q.buffer);
+                        results[q.index] = Some(OutResult::Failed(SwapError {
+                            address: q.address,
+                            result: rc,
+                        }));
+                    }
+                    return;
+                }
+            }
+            landing.copied += size;
+            // SAFETY: mapped by `alloc` (or the last `swap_in`) with this size; its copy out
+            // completed (its event or the stream said so), and nothing else of the process runs.
+            let rc = unsafe { (vmm.unmap)(q.address, q.found.size) };
+            if rc != CUDA_SUCCESS {
+                // Still mapped, with its contents: the staging goes back to the pool.
+                crate::staging::recycle(device, q.buffer);
+                results[q.index] = Some(error(rc));
+                continue;
+            }
+            // SAFETY: the handle is no longer mapped anywhere; released once.
+            let released = unsafe { (vmm.release)(q.found.handle) };
+            if released != CUDA_SUCCESS {
+                crate::log::error(format_args!(
+                    "cuMemRelease of a swapped-out chunk failed ({released}); its memory may \
+                     stay on the GPU until the process exits"
+                ));
+            }
+            {
+                let mut table = backed();
+                let entry = table
+                    .get_mut(&q.address)
+                    .expect("looked up before its copy");
+                entry.handle = 0;
+                entry.staging = q.buffer.host;
+                entry.staging_bytes = q.buffer.bytes;
+                entry.staging_registered = q.buffer.registered;
+            }
+            results[q.index] = Some(OutResult::Moved);
+            if let Some(piece) = landing.count_every {
+                landing.uncounted += size;
+                if landing.uncounted >= piece {
+                    counters.swapped_out(landing.uncounted);
+                    crate::log::debug(format_args!(
+                        "{} out counted free {:.1} ms after the first copy ({} landed, {} \
+                         chunk(s) still copying)",
+                        crate::elastic::human(landing.uncounted),
+                        landing
+                            .began
+                            .map_or(0.0, |began| began.elapsed().as_secs_f64() * 1e3),
+                        crate::elastic::human(landing.copied),
+                        landing.queued.len()
+                    ));
+                    landing.uncounted = 0;
+                }
+            }
+        }
+    }
+}
+
 impl crate::swap::Backing for SwapBacking<'_> {
     fn swap_out(
         &mut self,
         chunks: &[(u64, u64)],
         counters: &mut impl crate::swap::Counters,
+        count_every: Option<u64>,
     ) -> (Vec<crate::swap::OutResult>, crate::swap::SwapTimes) {
         use crate::swap::{OutResult, SwapError, SwapTimes};
         let mut times = SwapTimes::default();
@@ -513,8 +728,13 @@ impl crate::swap::Backing for SwapBacking<'_> {
             Ok(stream) => stream,
             Err(result) => return fail_all(result),
         };
-        let mut queued: Vec<Queued> = Vec::with_capacity(chunks.len());
-        let mut copy_began = None;
+        let mut landing = Landing {
+            queued: std::collections::VecDeque::with_capacity(chunks.len()),
+            began: None,
+            copied: 0,
+            uncounted: 0,
+            count_every,
+        };
         for (index, &(address, size)) in chunks.iter().enumerate() {
             let error = |result| OutResult::Failed(SwapError { address, result });
             let found = match self.lookup(address, size, false) {
@@ -525,7 +745,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
                 }
             };
             let device = usize::try_from(found.device).unwrap_or(0);
-            if queued.is_empty() {
+            if landing.began.is_none() {
                 crate::staging::trim(self.driver, device, counters);
             }
             let buffer = match crate::staging::acquire(self.driver, device, size, counters) {
@@ -546,7 +766,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
                     continue;
                 }
             };
-            copy_began.get_or_insert_with(std::time::Instant::now);
+            landing.began.get_or_insert_with(std::time::Instant::now);
             // SAFETY: the buffer holds at least `found.size` bytes and no other copy uses it;
             // `address` is mapped with that many (the process is quiet and drained).
             let rc =
@@ -556,74 +776,46 @@ impl crate::swap::Backing for SwapBacking<'_> {
                 results[index] = Some(error(rc));
                 continue;
             }
-            queued.push(Queued {
-                index,
-                address,
-                found,
-                buffer,
-                handle: 0,
-            });
+            let event = copies.events.and_then(|events| events.after(stream));
+            landing.queued.push_back((
+                Queued {
+                    index,
+                    address,
+                    found,
+                    buffer,
+                    handle: 0,
+                },
+                event,
+            ));
+            // What landed while this one was queued (or its staging pinned) is counted now, not
+            // after the whole batch.
+            self.land(
+                &vmm,
+                &copies,
+                stream,
+                &mut landing,
+                &mut results,
+                counters,
+                false,
+            );
         }
-        let bytes: u64 = queued.iter().map(|q| q.found.size as u64).sum();
-        let bound = copy_wait_max(bytes);
-        let waited = copies.wait(stream, bound);
-        if let Some(began) = copy_began {
+        self.land(
+            &vmm,
+            &copies,
+            stream,
+            &mut landing,
+            &mut results,
+            counters,
+            true,
+        );
+        if landing.uncounted > 0 {
+            counters.swapped_out(landing.uncounted);
+        }
+        if let Some(began) = landing.began {
             times.copy_ns = began.elapsed().as_nanos() as u64;
         }
+        times.copied_bytes = landing.copied;
         copies.destroy(stream);
-        match waited {
-            Ok(true) => times.copied_bytes = bytes,
-            Ok(false) => copy_timed_out("to host memory", bytes, bound),
-            Err(_) => {}
-        }
-        for q in queued {
-            let device = usize::try_from(q.found.device).unwrap_or(0);
-            let error = |result| {
-                OutResult::Failed(SwapError {
-                    address: q.address,
-                    result,
-                })
-            };
-            let rc = match waited {
-                Ok(true) => CUDA_SUCCESS,
-                Ok(false) => {
-                    // The copy may still write the buffer and read the chunk: both stay as they
-                    // are (the buffer stays reserved, never reused).
-                    self.strand(q.address, 0);
-                    results[q.index] = Some(error(CUDA_ERROR_NOT_READY));
-                    continue;
-                }
-                Err(rc) => rc,
-            };
-            let rc = if rc == CUDA_SUCCESS {
-                // SAFETY: mapped by `alloc` (or the last `swap_in`) with this size; its copy out
-                // completed (the stream said so), and nothing else of the process runs.
-                unsafe { (vmm.unmap)(q.address, q.found.size) }
-            } else {
-                rc
-            };
-            if rc != CUDA_SUCCESS {
-                // Still mapped, with its contents: the staging goes back to the pool.
-                crate::staging::recycle(device, q.buffer);
-                results[q.index] = Some(error(rc));
-                continue;
-            }
-            // SAFETY: the handle is no longer mapped anywhere; released once.
-            let released = unsafe { (vmm.release)(q.found.handle) };
-            if released != CUDA_SUCCESS {
-                crate::log::error(format_args!(
-                    "cuMemRelease of a swapped-out chunk failed ({released}); its memory may \
-                     stay on the GPU until the process exits"
-                ));
-            }
-            let mut table = backed();
-            let entry = table.get_mut(&q.address).expect("looked up above");
-            entry.handle = 0;
-            entry.staging = q.buffer.host;
-            entry.staging_bytes = q.buffer.bytes;
-            entry.staging_registered = q.buffer.registered;
-            results[q.index] = Some(OutResult::Moved);
-        }
         let results: Vec<OutResult> = results
             .into_iter()
             .map(|r| r.expect("every chunk has its result"))

@@ -625,6 +625,7 @@ const char *fakeTrace(void) { return trace; }
 typedef struct {
   unsigned long long end, id;
   CUstream stream;
+  int on_created;
 } fake_event;
 
 #define CAPTURES_MAX 16
@@ -819,9 +820,19 @@ CUresult cuEventCreate(CUevent *event, unsigned int flags) {
   *event = e;
   return OK;
 }
+static int created_done(CUstream s);
 CUresult cuEventRecord(CUevent event, CUstream s) {
   if (event == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
+  if (created_slot(s) >= 0) {
+    /* On a swap's stream: the event completes when the copies queued before it have run, which
+     * a query does (cuEventQuery below), as it does for the stream. */
+    ((fake_event *)event)->on_created = 1;
+    ((fake_event *)event)->stream = s;
+    pthread_mutex_unlock(&lock);
+    return OK;
+  }
+  ((fake_event *)event)->on_created = 0;
   int capture = capture_of(s);
   if (capture >= 0) {
     captures[capture].invalidated = 1;
@@ -847,6 +858,10 @@ CUresult cuEventQuery(CUevent event) {
   }
   pthread_mutex_unlock(&lock);
   if (illegal) return CAPTURE_UNSUPPORTED;
+  if (((fake_event *)event)->on_created) {
+    int rc = created_done(((fake_event *)event)->stream);
+    return rc >= 0 ? (CUresult)rc : 400; /* CUDA_ERROR_INVALID_HANDLE: its stream is gone */
+  }
   static int never = -1;
   if (never < 0) never = getenv("FAKE_CUDA_EVENTS_NEVER") != NULL;
   if (never) return NOT_READY;
