@@ -350,14 +350,17 @@ fn can_host_alloc(driver: &Driver) -> bool {
 /// threads and 0.17 s to register, against 2.7 s for `cuMemHostAlloc`, which pins page by page
 /// and zeroes on one thread. `cuMemHostAlloc` when the driver lacks registration or refuses it.
 fn pin(driver: &Driver, size: usize) -> Result<Buffer, CUresult> {
+    let began = std::time::Instant::now();
     if let (Some(register), Some(_)) =
         (driver.fns.mem_host_register, driver.fns.mem_host_unregister)
         && let Some(host) = map_touched(size)
     {
+        let touched = began.elapsed();
         // SAFETY: `host..host + size` is a private mapping made by `map_touched`, owned by this
         // module and registered once; it is unregistered before it is unmapped (`really_free`).
         let rc = unsafe { register(host as *mut c_void, size, CU_MEMHOSTREGISTER_PORTABLE) };
         if rc == CUDA_SUCCESS {
+            say_slow_pin(size, touched, began.elapsed());
             return Ok(Buffer {
                 host,
                 bytes: size as u64,
@@ -397,6 +400,40 @@ fn pin(driver: &Driver, size: usize) -> Result<Buffer, CUresult> {
         registered: false,
     })
 }
+
+/// A debug line (`VGPU_LOG=2`) for a pin slower than [`SLOW_PIN_BYTES_PER_S`], at most one a
+/// second: where its time went (mapping and touching on how many threads, registering), for the
+/// reclaims that pinned at 2.4-3.0 GB/s inside three PyTorch jobs on an H200 while the same
+/// buffers pin at 9-11 GB/s alone (`tests/gpu/pin_sizes.py`).
+fn say_slow_pin(size: usize, touched: std::time::Duration, took: std::time::Duration) {
+    static LAST_NS: AtomicU64 = AtomicU64::new(0);
+    if (size as f64) / took.as_secs_f64().max(1e-9) >= SLOW_PIN_BYTES_PER_S {
+        return;
+    }
+    let now = crate::shm::monotonic_ns();
+    let last = LAST_NS.load(Ordering::Relaxed);
+    if now.saturating_sub(last) < 1_000_000_000
+        || LAST_NS
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+    {
+        return;
+    }
+    crate::log::debug(format_args!(
+        "pinning {} of swap staging took {:.1} ms: mapping and touching {:.1} ms on {} \
+         thread(s) (this thread may run on {} CPU(s)), registering {:.1} ms",
+        crate::elastic::human(size as u64),
+        took.as_secs_f64() * 1e3,
+        touched.as_secs_f64() * 1e3,
+        touch_threads(size),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        (took - touched).as_secs_f64() * 1e3
+    ));
+}
+
+/// The pinning rate below which [`say_slow_pin`] speaks: 5 GB/s, half what 64 MiB buffers pin at
+/// alone on an H200 host.
+const SLOW_PIN_BYTES_PER_S: f64 = 5e9;
 
 /// A fresh private anonymous mapping of `size` bytes, huge pages asked for, left out of a forked
 /// child (its bytes are this process's staging), every page touched; `None` if it cannot be
@@ -449,11 +486,7 @@ fn touch(host: usize, size: usize) {
             unsafe { std::ptr::write_volatile((host + offset) as *mut u8, 0) };
         }
     };
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(TOUCH_THREADS_MAX)
-        .min(size.div_ceil(TOUCH_PIECE_MIN))
-        .max(1);
+    let threads = touch_threads(size);
     // Pieces on huge-page boundaries, so that no huge page is split between two threads.
     let piece = size.div_ceil(threads).next_multiple_of(2 << 20);
     std::thread::scope(|scope| {
@@ -468,6 +501,16 @@ fn touch(host: usize, size: usize) {
         }
         touch_piece(0, piece.min(size));
     });
+}
+
+/// How many threads touch a buffer of `size` bytes: one per [`TOUCH_PIECE_MIN`], at most
+/// [`TOUCH_THREADS_MAX`] and the CPUs this thread may run on.
+fn touch_threads(size: usize) -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(TOUCH_THREADS_MAX)
+        .min(size.div_ceil(TOUCH_PIECE_MIN))
+        .max(1)
 }
 
 /// The most threads that touch one buffer's pages.
