@@ -35,8 +35,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use tenant_abi::{DEVICES_MAX, MemoryEnv};
 
-/// How often the swap's watcher looks at what staging to pin ahead (`warm_staging`).
+/// How often the swap's watcher looks at what staging to pin ahead (`warm_staging`) when
+/// nothing was borrowed since its last look and that look pinned all it planned.
 const WARM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A borrowed chunk was added, or the last look stopped at `staging::WARM_STEP_MAX`: the
+/// watcher's next look (10 ms later) pins ahead again, without waiting for [`WARM_EVERY`].
+/// On an H200, borrowers asked 0.3-0.8 s after borrowing had nothing pinned ahead yet and
+/// pinned during the reclaim, while a tenant within its request waited 1.2-2.5 s.
+static WARM_NOW: AtomicBool = AtomicBool::new(false);
 
 /// What `admit` decided.
 #[derive(Debug)]
@@ -1186,9 +1193,12 @@ impl Enforcer {
             return;
         }
         let now = crate::shm::monotonic_ns();
-        if now < NEXT_NS.load(std::sync::atomic::Ordering::Relaxed) {
+        if now < NEXT_NS.load(std::sync::atomic::Ordering::Relaxed)
+            && !WARM_NOW.swap(false, Ordering::Relaxed)
+        {
             return;
         }
+        WARM_NOW.store(false, Ordering::Relaxed);
         NEXT_NS.store(
             now + WARM_EVERY.as_nanos() as u64,
             std::sync::atomic::Ordering::Relaxed,
@@ -1230,7 +1240,12 @@ impl Enforcer {
             }
             let cap = region.staging_budget().saturating_sub(others) / 2;
             let mut counters = elastic::SlotCounters { board, slot };
-            swap::Backing::warm(&mut backing, device, &chunks, cap, &mut counters);
+            let pinned = swap::Backing::warm(&mut backing, device, &chunks, cap, &mut counters);
+            if pinned >= crate::staging::WARM_STEP_MAX {
+                // Perhaps more to pin: again at the next look, after the watcher has acted on
+                // any want in between.
+                WARM_NOW.store(true, Ordering::Relaxed);
+            }
         }
     }
 
@@ -1696,6 +1711,9 @@ pub fn commit(ticket: Ticket, key: Key, bytes: u64, context: usize) {
         if let (true, true, Key::Pointer(address)) = (enforcer.swap_on(), ticket.borrowed, key) {
             // A borrowed pointer is VMM-backed (`exports`): the swap may move it.
             process.chunks[ticket.device].add(address, bytes);
+            // Its staging is pinned ahead from the watcher's next look, not a second later: a
+            // borrower may be asked for it at once (`warm_staging`).
+            WARM_NOW.store(true, Ordering::Relaxed);
             if context != 0 {
                 process.chunk_contexts.insert(context);
             }

@@ -559,9 +559,10 @@ fn warming() -> MutexGuard<'static, ()> {
 }
 
 /// The most bytes one look pins ahead ([`warm`]): a borrower of tens of GiB is made ready over
-/// several looks, each short (4 GiB took 0.3 s to touch and register on the H200 host), so that
-/// the watcher that pins also acts on wants in between.
-pub const WARM_STEP_MAX: u64 = 4 << 30;
+/// several looks, each short (1 GiB takes 60-100 ms to touch and register on an H200 host, up
+/// to ~0.4 s inside busy jobs), so that the watcher that pins also acts on wants in between;
+/// a look that pinned this much is followed by another at the watcher's next tick.
+pub const WARM_STEP_MAX: u64 = 1 << 30;
 
 /// Pins staging ahead for this process's resident borrowed chunks of `device` (`chunks`: their
 /// sizes, largest first), within `cap` bytes pooled for them (the caller's share of the node's
