@@ -153,6 +153,25 @@ pub fn read_board(path: &Path) -> Result<(u64, Vec<crate::reclaim::Holder>), Rea
     Ok((region.capacity(), region.holders()))
 }
 
+/// A GPU's board's capacity and what its processes hold resident in all, for the agent's
+/// measured reserve (`vgpu_agent::reserve`).
+pub fn board_counts(path: &Path) -> Result<(u64, u64), ReadError> {
+    let mapped = map::ReadOnly::<board::Region>::open(path, board::REGION_BYTES)?;
+    let region = mapped.region();
+    checked(path, region.is_initialised(), region.check_layout())?;
+    Ok((region.capacity(), region.resident_total()))
+}
+
+/// Sets what a GPU's board lets its tenants hold in all (the GPU's memory less what the agent
+/// measured it keeps back); the board must exist and be written ([`write_board`]).
+pub fn set_board_capacity(path: &Path, bytes: u64) -> Result<(), ReadError> {
+    let mapping = open_writable::<board::Region>(path, board::REGION_BYTES)?;
+    let region = mapping.region();
+    checked(path, region.is_initialised(), region.check_layout())?;
+    region.set_capacity(bytes);
+    Ok(())
+}
+
 /// The agent's periodic look at a GPU's board: reclaims the slots of processes that died without
 /// giving their memory back (so their bytes no longer count against the capacity, their tenant's
 /// limit or the report), then reads what each tenant holds. Returns the usage and how many slots

@@ -43,6 +43,7 @@ pub mod mps_watch;
 pub mod private;
 pub mod reconcile;
 pub mod report;
+pub mod reserve;
 pub mod session;
 pub mod state;
 pub mod tenant;

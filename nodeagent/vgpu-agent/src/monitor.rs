@@ -89,9 +89,18 @@ impl Monitor {
                 } else {
                     Box::new(SimulatedHealth::new(&inventory, &config.state_dir))
                 };
+                let mut reserves = BoardReserves::new(
+                    &config.shm_dir,
+                    inventory
+                        .gpus
+                        .iter()
+                        .map(|gpu| (gpu.uuid.clone(), gpu.memory_bytes))
+                        .collect(),
+                );
                 let sources = Sources {
                     health: health.as_mut(),
                     latency: &latency_shared,
+                    reserves: &mut reserves,
                 };
                 run(&config, sources, &shared, &stopped, first_done);
             })?;
@@ -129,6 +138,100 @@ impl HealthSource for NoHealth {
 struct Sources<'a> {
     health: &'a mut dyn HealthSource,
     latency: &'a Mutex<LatencySource>,
+    reserves: &'a mut BoardReserves,
+}
+
+/// The GPUs' memory boards' measured reserves (`crate::reserve`): around each health sample, the
+/// boards' resident totals are read before and after NVML's used memory, and each board's
+/// capacity follows the GPU's memory less its reserve.
+pub struct BoardReserves {
+    layout: crate::private::Layout,
+    /// uuid -> the GPU's memory in bytes.
+    memory: std::collections::BTreeMap<String, u64>,
+    trackers: std::collections::BTreeMap<String, crate::reserve::Tracker>,
+    /// Boards whose read or write failed, said once each.
+    said: std::collections::BTreeSet<String>,
+}
+
+impl BoardReserves {
+    pub fn new(shm_dir: &std::path::Path, memory: std::collections::BTreeMap<String, u64>) -> Self {
+        BoardReserves {
+            layout: crate::private::Layout::new(shm_dir),
+            memory,
+            trackers: Default::default(),
+            said: Default::default(),
+        }
+    }
+
+    /// Each existing board's resident total now (uuid -> bytes); GPUs without a board (no
+    /// elastic memory on them yet) are left out.
+    pub fn resident(&self) -> std::collections::BTreeMap<String, u64> {
+        self.memory
+            .keys()
+            .filter_map(|uuid| {
+                let (_, resident) = tenant_abi::shm::board_counts(&self.layout.board(uuid)).ok()?;
+                Some((uuid.clone(), resident))
+            })
+            .collect()
+    }
+
+    /// After a health sample (`gpus`) taken between `before` and now's reads of the boards:
+    /// updates each GPU's reserve and writes its board's capacity when it moved by a step.
+    pub fn apply(
+        &mut self,
+        gpus: &[GpuHealth],
+        before: &std::collections::BTreeMap<String, u64>,
+        now_ns: u64,
+    ) {
+        for gpu in gpus {
+            let (Some(used), Some(&memory), Some(&resident_before)) = (
+                gpu.memory_used_bytes,
+                self.memory.get(&gpu.uuid),
+                before.get(&gpu.uuid),
+            ) else {
+                continue;
+            };
+            let path = self.layout.board(&gpu.uuid);
+            let (current, resident_after) = match tenant_abi::shm::board_counts(&path) {
+                Ok(counts) => counts,
+                Err(error) => {
+                    self.say_once(&gpu.uuid, format!("{error}"));
+                    continue;
+                }
+            };
+            let tracker = self.trackers.entry(gpu.uuid.clone()).or_default();
+            let reserve = tracker.observe(now_ns, used, resident_before, resident_after);
+            // A board not written yet (capacity 0) is the follower's to fill first.
+            if current == 0 {
+                continue;
+            }
+            let Some(capacity) = crate::reserve::capacity_change(memory, reserve, current) else {
+                continue;
+            };
+            match tenant_abi::shm::set_board_capacity(&path, capacity) {
+                Ok(()) => tracing::info!(
+                    gpu = %gpu.uuid,
+                    outside_bytes = used.saturating_sub(resident_before.max(resident_after)),
+                    reserve_bytes = reserve,
+                    capacity_bytes = capacity,
+                    "the GPU's memory board now lends up to its memory less {} GiB kept back: \
+                     memory used outside the board's accounting (contexts, libraries, other \
+                     processes) that lasted {} s, plus headroom",
+                    reserve >> 30,
+                    crate::reserve::SETTLE_NS / 1_000_000_000
+                ),
+                Err(error) => self.say_once(&gpu.uuid, format!("{error}")),
+            }
+        }
+    }
+
+    fn say_once(&mut self, uuid: &str, message: String) {
+        if self.said.insert(uuid.to_owned()) {
+            tracing::warn!("the memory board of GPU {uuid}: {message}; its reserve stays as it is");
+        } else {
+            tracing::debug!("the memory board of GPU {uuid}: {message}");
+        }
+    }
 }
 
 fn run(
@@ -147,7 +250,11 @@ fn run(
             .lock()
             .expect("monitor latency lock")
             .clone();
+        let before = sources.reserves.resident();
         let report = sample(config, sources.health, &latency, &mut logged_problems);
+        sources
+            .reserves
+            .apply(&report.gpus, &before, crate::closed_loop::monotonic_ns());
         *latest.lock().expect("monitor lock") = report;
         if let Some(done) = first_done.take() {
             let _ = done.send(());

@@ -290,9 +290,10 @@ pub fn prepare(
     Ok(prepared)
 }
 
-/// What a GPU's memory board keeps back from its tenants: contexts, NCCL's buffers and
-/// fragmentation headroom (`docs/design/elastic-memory.md`).
-pub const BOARD_RESERVE_BYTES: u64 = 2 << 30;
+/// The least a GPU's memory board keeps back from its tenants (contexts, NCCL's buffers and
+/// fragmentation headroom, `docs/design/elastic-memory.md`): what a new board starts with; the
+/// monitor raises it to what it measures outside the board (`crate::reserve`).
+pub const BOARD_RESERVE_BYTES: u64 = crate::reserve::FLOOR_BYTES;
 
 /// The node's GPUs as their memory boards see them.
 #[derive(Debug, Clone, Copy)]
@@ -349,8 +350,15 @@ pub fn publish_boards(
             })
             .collect();
         let path = layout.board(uuid);
+        // A board the monitor already lowered to its measured reserve keeps that capacity (it
+        // is never above this one; the monitor raises it again when the outside use falls).
+        let floor_capacity = memory_bytes.saturating_sub(BOARD_RESERVE_BYTES);
+        let measured = tenant_abi::shm::board_counts(&path)
+            .ok()
+            .map(|(capacity, _)| capacity)
+            .filter(|&capacity| capacity > 0);
         let gpu = tenant_abi::board::GpuSpec {
-            capacity_bytes: memory_bytes.saturating_sub(BOARD_RESERVE_BYTES),
+            capacity_bytes: measured.map_or(floor_capacity, |c| c.min(floor_capacity)),
             staging_budget_bytes,
         };
         let written = tenant_abi::shm::create_board(&path)

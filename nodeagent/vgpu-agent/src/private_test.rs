@@ -342,3 +342,54 @@ fn a_board_entry_carries_the_slices_limit() {
         .collect();
     assert_eq!(limits, [("a", 1 << 30, 60 << 30), ("b", 1 << 30, 1 << 30)]);
 }
+
+/// Issue 17: memory the GPU uses outside the board's accounting for longer than the settle time
+/// lowers the board's capacity to the GPU's memory less that use and a margin (the monitor's
+/// `BoardReserves`); a republish keeps the measured capacity; when the use goes, the capacity
+/// comes back.
+#[test]
+fn a_boards_capacity_follows_the_memory_used_outside_it() {
+    use crate::monitor::BoardReserves;
+    use crate::reserve::{MARGIN_BYTES, SETTLE_NS};
+    const GIB: u64 = 1 << 30;
+    let shm = tempfile::tempdir().unwrap();
+    let root = shm.path().join("vgpu");
+    let layout = Layout::new(&root);
+    let memory: std::collections::BTreeMap<String, u64> = [("GPU-1".to_owned(), 80 * GIB)].into();
+    let gpus = BoardGpus {
+        memory_bytes: &memory,
+        swap_host_memory_bytes: 0,
+    };
+    let placed = set(&[("a", &["GPU-1"])]);
+    prepare(&layout, &placed, &owners, QUANTUM).unwrap();
+    assert!(publish_boards(&layout, &placed, &gpus).is_empty());
+    let capacity = || {
+        tenant_abi::shm::board_counts(&layout.board("GPU-1"))
+            .unwrap()
+            .0
+    };
+    assert_eq!(capacity(), 80 * GIB - BOARD_RESERVE_BYTES);
+
+    let mut reserves = BoardReserves::new(&root, memory.clone());
+    let health = |used: u64| {
+        let mut gpu = api::usage::empty_health("GPU-1", 0);
+        gpu.memory_used_bytes = Some(used);
+        vec![gpu]
+    };
+    // 5 GiB used outside the board (nothing is resident on it), sampled every second.
+    for second in 0..=SETTLE_NS / 1_000_000_000 {
+        let before = reserves.resident();
+        assert_eq!(before.get("GPU-1"), Some(&0));
+        reserves.apply(&health(5 * GIB), &before, second * 1_000_000_000);
+    }
+    assert_eq!(capacity(), 80 * GIB - 5 * GIB - MARGIN_BYTES);
+    // The follower rewrites the board (a tenant came): the measured capacity stays.
+    let more = set(&[("a", &["GPU-1"]), ("b", &["GPU-1"])]);
+    prepare(&layout, &more, &owners, QUANTUM).unwrap();
+    assert!(publish_boards(&layout, &more, &gpus).is_empty());
+    assert_eq!(capacity(), 80 * GIB - 5 * GIB - MARGIN_BYTES);
+    // The outside use ends: the capacity comes back at the next sample.
+    let before = reserves.resident();
+    reserves.apply(&health(GIB), &before, 10 * 1_000_000_000);
+    assert_eq!(capacity(), 80 * GIB - BOARD_RESERVE_BYTES);
+}
