@@ -561,7 +561,10 @@ fn copy_timed_out(direction: &str, bytes: u64, bound: std::time::Duration) {
 }
 
 /// A swap-out's chunks whose copies are queued on its stream, landing in order.
-struct Landing {
+struct Landing<'f> {
+    vmm: &'f Vmm,
+    copies: &'f Copies,
+    stream: CUstream,
     /// In the order of their copies, each with the event recorded after its copy (`None`: the
     /// driver had none, the stream tells).
     queued: std::collections::VecDeque<(Queued, Option<CUevent>)>,
@@ -581,18 +584,15 @@ impl SwapBacking<'_> {
     /// (each bounded by [`copy_wait_max`] of its bytes); without, stops at the first still
     /// copying. A copy past its bound strands its chunk and every later one (their copies are
     /// behind it); a copy the driver failed leaves its chunk and every later one resident.
-    #[allow(clippy::too_many_arguments)]
     fn land(
         &self,
-        vmm: &Vmm,
-        copies: &Copies,
-        stream: CUstream,
         landing: &mut Landing,
         results: &mut [Option<crate::swap::OutResult>],
         counters: &mut impl crate::swap::Counters,
         wait: bool,
     ) {
         use crate::swap::{OutResult, SwapError};
+        let (vmm, copies, stream) = (landing.vmm, landing.copies, landing.stream);
         while let Some(&(ref q, event)) = landing.queued.front() {
             let size = q.found.size as u64;
             let bound = if wait {
@@ -729,6 +729,9 @@ impl crate::swap::Backing for SwapBacking<'_> {
             Err(result) => return fail_all(result),
         };
         let mut landing = Landing {
+            vmm: &vmm,
+            copies: &copies,
+            stream,
             queued: std::collections::VecDeque::with_capacity(chunks.len()),
             began: None,
             copied: 0,
@@ -789,25 +792,9 @@ impl crate::swap::Backing for SwapBacking<'_> {
             ));
             // What landed while this one was queued (or its staging pinned) is counted now, not
             // after the whole batch.
-            self.land(
-                &vmm,
-                &copies,
-                stream,
-                &mut landing,
-                &mut results,
-                counters,
-                false,
-            );
+            self.land(&mut landing, &mut results, counters, false);
         }
-        self.land(
-            &vmm,
-            &copies,
-            stream,
-            &mut landing,
-            &mut results,
-            counters,
-            true,
-        );
+        self.land(&mut landing, &mut results, counters, true);
         if landing.uncounted > 0 {
             counters.swapped_out(landing.uncounted);
         }
