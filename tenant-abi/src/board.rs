@@ -429,6 +429,18 @@ impl Region {
         (held, resident)
     }
 
+    /// The processes of the tenant at `tenant` that hold memory resident on the GPU.
+    pub fn holding_pids(&self, tenant: usize) -> Vec<u32> {
+        let tenant = u32::try_from(tenant).unwrap_or(u32::MAX);
+        self.slots
+            .iter()
+            .filter(|slot| slot.tenant.load(SeqCst) == tenant)
+            .filter(|slot| slot.resident_bytes.load(SeqCst) > 0)
+            .map(|slot| slot.pid.load(SeqCst))
+            .filter(|&pid| pid != 0)
+            .collect()
+    }
+
     /// The request and the limit (at least the request) of the tenant at `tenant`.
     pub fn request_and_limit(&self, tenant: usize) -> (u64, u64) {
         let entry = &self.tenants[tenant];

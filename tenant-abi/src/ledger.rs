@@ -399,6 +399,15 @@ impl Liveness for ProcLiveness {
     }
 }
 
+/// Whether process `pid` is stopped (`T`: a stop signal, `t`: a debugger's stop): it runs nothing,
+/// so it gives nothing back until it continues. `false` when it cannot be read (gone, or hidden).
+pub fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| parse_stat(&stat))
+        .is_some_and(|(state, _)| matches!(state, 'T' | 't'))
+}
+
 /// This process's start time, in clock ticks since boot (field 22 of `/proc/self/stat`).
 pub fn own_start_time() -> u64 {
     std::fs::read_to_string("/proc/self/stat")

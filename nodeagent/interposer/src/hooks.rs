@@ -1366,6 +1366,28 @@ impl Enforcer {
                     short,
                     &slow,
                 );
+                // A stopped process gives nothing until it continues: say which, so that the
+                // wait has a cause a person can act on.
+                let stopped: Vec<String> = slow
+                    .iter()
+                    .filter_map(|name| Some((name, region.find(name)?)))
+                    .flat_map(|(name, index)| {
+                        region
+                            .holding_pids(index)
+                            .into_iter()
+                            .filter(|&pid| tenant_abi::ledger::is_stopped(pid))
+                            .map(move |pid| format!("{pid} (tenant {name})"))
+                    })
+                    .collect();
+                if !stopped.is_empty() {
+                    crate::log::error(format_args!(
+                        "process(es) {} are stopped (a stop signal or a debugger) and hold \
+                         borrowed memory tenant {} asked for: it comes back only when they \
+                         continue (kill -CONT)",
+                        stopped.join(", "),
+                        self.config.tenant
+                    ));
+                }
                 crate::log::error(format_args!(
                     "tenant(s) {} gave nothing back of what tenant {} asked for within {} ms (a \
                      kernel running longer, or a stopped process); asking {} for the {} still \

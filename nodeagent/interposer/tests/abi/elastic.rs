@@ -882,6 +882,51 @@ fn a_borrower_stuck_in_a_long_kernel_is_passed_over_for_another() {
     assert!(c.output.ends_with("check 0 ok\n"), "{}", c.output);
 }
 
+/// A stopped borrower (a stop signal, or a debugger) gives nothing back until it continues: the
+/// tenant waiting within its request says which process is stopped and how to let it go on,
+/// instead of only that it waited.
+#[test]
+fn a_stopped_borrower_is_named_to_the_tenant_waiting_for_its_memory() {
+    let shm = shm_dir();
+    board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M touch {} until_file {}",
+        file("a-ready"),
+        file("b-done")
+    ));
+    let pid = a.child.id();
+    until(
+        || Path::new(&file("a-ready")).exists(),
+        "a holding its borrowed memory",
+    );
+    let signal = |name: &str| {
+        let status = std::process::Command::new("kill")
+            .args([name, &pid.to_string()])
+            .status()
+            .expect("running kill");
+        assert!(status.success(), "kill {name} {pid}");
+    };
+    // Continued below.
+    signal("-STOP");
+    // 12 of 16 held: "b" needs 8 within its request, 4 of it from "a", which cannot give.
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold("alloc 8M");
+    signal("-CONT");
+    assert_eq!(b.output, "alloc 2\n", "refused when the wait ran out");
+    let err = stderr_of(b);
+    assert!(
+        err.contains(&format!("process(es) {pid} (tenant a) are stopped"))
+            && err.contains("kill -CONT"),
+        "{err}"
+    );
+    std::fs::write(shm.path().join("b-done"), "").expect("touching b-done");
+    a.wait_held();
+}
+
 /// An idle process with a chunk out (it makes no hook call) waits all the same: its watcher stands
 /// it in the GPU's line, so the line may ask it for its resident borrowed memory. Here "a" gave
 /// 8 MiB for "b"'s request and idles; "c" waits to borrow 10 MiB, which only "a"'s other 4 MiB
