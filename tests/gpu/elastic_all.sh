@@ -10,7 +10,10 @@
 #                                                       (vgpu.torch: empty_cache), nothing swapped
 #   5. RECLAIM=1 COLD=1 tests/gpu/elastic_memory.sh     the reclaim takes the chunks marked cold
 #                                                       (vgpu.torch.mark_cold) first
-# PARTS (default "reclaim latency jobs hint cold") picks which. Each part's own table is printed as it ends;
+#   6. tests/gpu/swap_exchange.sh                       both directions of the host link at once
+#                                                       (part `exchange`; `exchange32`: with
+#                                                       SWAP_HOST=32GiB, a short staging budget)
+# PARTS (default "reclaim latency jobs hint cold"; also exchange, exchange32) picks which. Each part's own table is printed as it ends;
 # its logs go to $OUT/logs.tar.gz (<part>/...); a summary of the parts is printed last. Exit status 0 when every
 # part that ran passed. Every part stops what it started (each script's own cleanup); a part cut
 # by its limit gets TERM, then KILL 15 s later.
@@ -73,8 +76,16 @@ for part in $PARTS; do
     SCRIPT=("$ROOT/tests/gpu/elastic_memory.sh")
     run_part cold 180 RECLAIM=1 COLD=1
     ;;
+  exchange)
+    SCRIPT=("$ROOT/tests/gpu/swap_exchange.sh")
+    run_part exchange 150
+    ;;
+  exchange32)
+    SCRIPT=("$ROOT/tests/gpu/swap_exchange.sh")
+    run_part exchange32 150 SWAP_HOST=32GiB
+    ;;
   *)
-    echo "unknown part $part (reclaim, latency, jobs, hint, cold)" >&2
+    echo "unknown part $part (reclaim, latency, jobs, hint, cold, exchange, exchange32)" >&2
     exit 2
     ;;
   esac
