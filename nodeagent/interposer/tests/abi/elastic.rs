@@ -882,6 +882,44 @@ fn a_borrower_stuck_in_a_long_kernel_is_passed_over_for_another() {
     assert!(c.output.ends_with("check 0 ok\n"), "{}", c.output);
 }
 
+/// A swap-out whose copies never complete (a hung copy engine: `FAKE_CUDA_SWAP_HANG`) gives up
+/// after its bound (`vmm::copy_wait_max`) and leaves the chunk where it was, mapped with its
+/// contents: the borrower runs on and says so, and the tenant that asked is refused when its own
+/// wait runs out, with nothing hung.
+#[test]
+fn a_swap_out_whose_copies_never_complete_leaves_the_chunk_in_place() {
+    let shm = shm_dir();
+    board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB"))
+        .env("FAKE_CUDA_SWAP_HANG", "1")
+        .start_holding(&format!(
+            "alloc 4M alloc 8M fill 7 touch {} until_file {} check 7",
+            file("a-ready"),
+            file("b-done")
+        ));
+    let b = swapping(tenant(shm.path(), "b", "8MiB"))
+        .hold(&format!("until_file {} alloc 8M", file("a-ready")));
+    assert_eq!(
+        b.output, "until_file 0\nalloc 2\n",
+        "refused when the wait ran out"
+    );
+    std::fs::write(shm.path().join("b-done"), "").expect("touching b-done");
+    a.wait_held();
+    assert!(
+        a.output.ends_with("check 0 ok\n"),
+        "the chunk stayed mapped with its contents:\n{}",
+        a.output
+    );
+    let err = stderr_of(a);
+    assert!(err.contains("did not complete within"), "{err}");
+    assert!(!err.contains("went to host memory"), "{err}");
+}
+
 /// A stopped borrower (a stop signal, or a debugger) gives nothing back until it continues: the
 /// tenant waiting within its request says which process is stopped and how to let it go on,
 /// instead of only that it waited.

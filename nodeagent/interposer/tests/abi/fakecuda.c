@@ -33,7 +33,8 @@
  * out of a mapped range (700 if not mapped), and cuMemUnmap while this process's kernels are
  * still running (an undrained queue) counts in fakeBusyUnmaps(): what the swap must never do.
  * Streams made by cuStreamCreate run their queued copies only when queried, synchronised or
- * destroyed (FAKE_CUDA_ASYNC_FAIL=N fails the first N; see cuStreamCreate below), and
+ * destroyed (FAKE_CUDA_ASYNC_FAIL=N fails the first N; FAKE_CUDA_SWAP_HANG=1 never completes
+ * them until the stream is destroyed; see cuStreamCreate below), and
  * fakeHostAllocs() / fakeHostFrees() count cuMemHostAlloc / cuMemFreeHost (and
  * cuMemHostRegister_v2 / cuMemHostUnregister: pins either way).
  *
@@ -945,6 +946,12 @@ static unsigned long long stream_end(CUstream s) {
 static int created_done(CUstream s) {
   pthread_mutex_lock(&lock);
   int i = created_slot(s);
+  /* FAKE_CUDA_SWAP_HANG=1: a query (of the stream or of an event on it) never sees the swap's
+   * copies complete, as with a hung copy engine; they run when the stream is destroyed. */
+  if (i >= 0 && getenv("FAKE_CUDA_SWAP_HANG") != NULL && created[i].queued > 0) {
+    pthread_mutex_unlock(&lock);
+    return NOT_READY;
+  }
   int rc = i >= 0 ? run_queued(i) : -1;
   pthread_mutex_unlock(&lock);
   return rc;
