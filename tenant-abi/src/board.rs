@@ -31,7 +31,10 @@
 //! protocol against that budget ([`Board::reserve_staging`]), and gives it back once the chunk
 //! is back or freed. A swap-out the budget refuses does not happen (the chunk stays resident);
 //! the borrower counts the refusal in the header ([`Board::swap_refused`]) so that the tenant
-//! waiting for that memory stops waiting and is told that the node's swap space is full.
+//! waiting for that memory stops waiting and is told that the node's swap space is full. Before
+//! it refuses, a swap-out short of staging asks the GPU's other processes for their *idle*
+//! staging (pooled for reuse or pinned ahead, holding no chunk: [`Board::want_staging`]) and
+//! waits for it, bounded; each process's watcher frees its idle staging when the count moves.
 //!
 //! **The line.** A process that waits for room past its request (a borrow the GPU has no room
 //! for, retried; or its swapped-out memory, to come back) stands in the GPU's line: its slot
@@ -57,8 +60,9 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUBRD1");
 /// Bumped on any layout change; a process refuses a board of another version (2: the swap
 /// staging budget in the header, staging bytes in each slot, the tenants' claims,
 /// `Tenant::claim_bytes` and `Tenant::claim_until_ns`, and their reclaim history; 3: the line,
-/// `Slot::wait_since_ns`, `Slot::wait_bytes` and `Slot::wait_borrow`).
-pub const VERSION: u32 = 3;
+/// `Slot::wait_since_ns`, `Slot::wait_bytes` and `Slot::wait_borrow`; 4:
+/// `Header::staging_wanted`).
+pub const VERSION: u32 = 4;
 /// Tenants one GPU's board describes at once.
 pub const TENANTS: usize = 64;
 /// Process slots per GPU: the most processes of all tenants on one GPU alive at once.
@@ -85,6 +89,9 @@ pub struct Header {
     /// The pinned host memory all processes on the GPU may hold for swapped-out chunks (bytes):
     /// this GPU's share of the node's `swap_host_memory`.
     pub staging_budget_bytes: AtomicU64,
+    /// Counts every ask for idle staging (wraps): a swap-out the budget would refuse asks the
+    /// GPU's other processes to free what they keep idle ([`Board::want_staging`]).
+    pub staging_wanted: AtomicU64,
 }
 
 /// One tenant of the GPU, written by the agent.
@@ -144,8 +151,8 @@ pub struct Region {
 }
 
 /// The file size; part of the on-disk format (checked so a field change bumps `VERSION`).
-pub const REGION_BYTES: usize = 40 + TENANTS * 152 + SLOTS * 64;
-const _: () = assert!(std::mem::size_of::<Header>() == 40);
+pub const REGION_BYTES: usize = 48 + TENANTS * 152 + SLOTS * 64;
+const _: () = assert!(std::mem::size_of::<Header>() == 48);
 const _: () = assert!(std::mem::size_of::<Tenant>() == 152);
 const _: () = assert!(std::mem::size_of::<Slot>() == 64);
 const _: () = assert!(std::mem::size_of::<Region>() == REGION_BYTES);
@@ -252,6 +259,7 @@ impl Region {
                 swap_refusals: AtomicU32::new(0),
                 capacity_bytes: AtomicU64::new(0),
                 staging_budget_bytes: AtomicU64::new(0),
+                staging_wanted: AtomicU64::new(0),
             },
             tenants: std::array::from_fn(|_| tenant()),
             slots: std::array::from_fn(|_| slot()),
@@ -324,6 +332,11 @@ impl Region {
     /// How many swap-outs were refused for want of staging so far (wraps).
     pub fn swap_refusals(&self) -> u32 {
         self.header.swap_refusals.load(SeqCst)
+    }
+
+    /// How many times a swap-out asked for the other processes' idle staging so far (wraps).
+    pub fn staging_wanted(&self) -> u64 {
+        self.header.staging_wanted.load(SeqCst)
     }
 
     /// The agent: writes (or rewrites) `spec`'s entry; returns its index.
@@ -937,6 +950,12 @@ impl<'r, L: Liveness> Board<'r, L> {
     /// Gives back `bytes` of `slot`'s staging: its chunk is back on the GPU, or was freed.
     pub fn release_staging(&self, slot: usize, bytes: u64) {
         self.credit(&self.region.slots[slot].staging_bytes, bytes);
+    }
+
+    /// A swap-out is short of staging: asks every process of the GPU to free the staging it keeps
+    /// idle ([`Region::staging_wanted`]), before the swap-out waits for it (bounded) or is refused.
+    pub fn want_staging(&self) {
+        self.region.header.staging_wanted.fetch_add(1, SeqCst);
     }
 
     /// A swap-out was refused for want of staging: counted, so that a tenant waiting for the

@@ -128,6 +128,10 @@ impl crate::swap::Counters for SlotCounters<'_> {
 
     fn wait_for_staging(&mut self, bytes: u64) -> bool {
         let region = self.board.board.region;
+        if region.staging_left() < bytes {
+            // The other processes' watchers free the staging they keep idle (`hooks`).
+            self.board.board.want_staging();
+        }
         let began = std::time::Instant::now();
         loop {
             if region.staging_left() >= bytes {

@@ -45,6 +45,11 @@ const WARM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 /// pinned during the reclaim, while a tenant within its request waited 1.2-2.5 s.
 static WARM_NOW: AtomicBool = AtomicBool::new(false);
 
+/// Each GPU's count of asks for idle staging (`Region::staging_wanted`) this process answered
+/// (`free_wanted_staging`).
+static STAGING_WANTED_SEEN: [std::sync::atomic::AtomicU64; DEVICES_MAX] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; DEVICES_MAX];
+
 /// What `admit` decided.
 #[derive(Debug)]
 pub enum Admission {
@@ -1130,6 +1135,7 @@ impl Enforcer {
             return;
         }
         self.warm_staging(devices);
+        self.free_wanted_staging(devices);
         if !self.want_posted() && !swap::any_out() && !WATCHER_STOOD.load(Ordering::Relaxed) {
             return;
         }
@@ -1246,6 +1252,53 @@ impl Enforcer {
                 // any want in between.
                 WARM_NOW.store(true, Ordering::Relaxed);
             }
+        }
+    }
+
+    /// Frees the staging this process keeps idle (pooled for reuse, or pinned ahead) on each GPU
+    /// where another process's swap-out asked for idle staging since the last look
+    /// (`Board::want_staging`): without it, that swap-out was refused, and the tenant waiting for
+    /// the memory got an out-of-memory error, while staging sat idle here for up to
+    /// `VGPU_MEMORY_STAGING_IDLE_MS`. Each ask is answered once; when the process's lock is
+    /// taken, at the next look.
+    fn free_wanted_staging(&self, devices: &impl Devices) {
+        let wanted: Vec<(usize, u64)> = (0..DEVICES_MAX)
+            .filter_map(|device| {
+                let now = self.opened_board(device)?.board.region.staging_wanted();
+                (now != STAGING_WANTED_SEEN[device].load(Ordering::Relaxed))
+                    .then_some((device, now))
+            })
+            .collect();
+        if wanted.is_empty() {
+            return;
+        }
+        if !crate::staging::any_pooled() {
+            // Nothing idle here: the asks are answered.
+            for &(device, now) in &wanted {
+                STAGING_WANTED_SEEN[device].store(now, Ordering::Relaxed);
+            }
+            return;
+        }
+        // The slots under the process's lock; the unpinning without it, as the pinning ahead.
+        let (slots, context) = {
+            let Some((process, context)) = self.watched_process() else {
+                return;
+            };
+            (process.board_slots, context)
+        };
+        if !devices.make_current(context) {
+            return;
+        }
+        let Some(mut backing) = devices.backing() else {
+            return;
+        };
+        for (device, now) in wanted {
+            STAGING_WANTED_SEEN[device].store(now, Ordering::Relaxed);
+            let (Some(board), Some(slot)) = (self.opened_board(device), slots[device]) else {
+                continue;
+            };
+            let mut counters = elastic::SlotCounters { board, slot };
+            swap::Backing::release_idle(&mut backing, device, &mut counters);
         }
     }
 

@@ -175,8 +175,8 @@ pub trait Counters {
     fn first_in_line(&mut self) -> bool {
         false
     }
-    /// Waits, bounded ([`STAGING_WAIT`]), until the staging budget has `bytes` left; whether it
-    /// has.
+    /// Asks the GPU's other processes for the staging they keep idle, then waits, bounded
+    /// ([`STAGING_WAIT`]), until the staging budget has `bytes` left; whether it has.
     fn wait_for_staging(&mut self, _bytes: u64) -> bool {
         false
     }
@@ -222,9 +222,10 @@ pub const PIECE_BYTES: u64 = 1 << 30;
 /// anyway; a chunk the driver then has no memory for stays out and is tried again.
 pub const DRIVER_LAG_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// How long a swap-out in pieces waits for staging to free when the budget refused it
-/// ([`Counters::wait_for_staging`]): the other side of an exchange frees what its swap-ins emptied
-/// within a piece's time (about 20 ms) plus its unpinning.
+/// How long a swap-out waits for staging to free when the budget refused it
+/// ([`Counters::wait_for_staging`]): the other processes' watchers look every 10 ms and unpin
+/// their idle staging, and the other side of an exchange frees what its swap-ins emptied within a
+/// piece's time (about 20 ms) plus its unpinning.
 pub const STAGING_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A bringing back in pieces under way ([`Chunks::take_back`]), for its one log line at the end.
@@ -393,10 +394,11 @@ impl Chunks {
                 // The backing counted each piece as it landed.
                 counted = given;
             }
-            // In pieces, the one taking the room back frees the staging its swap-ins emptied when
-            // the budget is short (`Backing::release_idle`): wait for it, once, bounded, and go
-            // on with the chunks still resident.
-            if refused_now > 0 && piece.is_some() && given < want && !staging_waited {
+            // Short of staging: the GPU's other processes free what they keep idle, and in
+            // pieces the one taking the room back frees what its swap-ins emptied
+            // (`Backing::release_idle`): wait for it, once, bounded, and go on with the chunks
+            // still resident.
+            if refused_now > 0 && given < want && !staging_waited {
                 staging_waited = true;
                 let smallest = batch.iter().map(|&(_, size)| size).min().unwrap_or(0);
                 if counters.wait_for_staging(smallest) {

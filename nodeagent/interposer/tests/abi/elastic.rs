@@ -882,6 +882,56 @@ fn a_borrower_stuck_in_a_long_kernel_is_passed_over_for_another() {
     assert!(c.output.ends_with("check 0 ok\n"), "{}", c.output);
 }
 
+/// A swap-out short of staging asks the GPU's other processes for the staging they keep idle
+/// (here pinned ahead by "a"'s watcher) before it is refused: "a" frees it, "b" moves its chunk
+/// out, and "c" gets its request. Before, "b" was refused and "c" got an out-of-memory error
+/// while 8 MiB of staging sat idle.
+#[test]
+fn a_swap_out_short_of_staging_gets_the_staging_another_process_keeps_idle() {
+    let shm = shm_dir();
+    let board = board_with_staging(
+        shm.path(),
+        32 * MIB,
+        16 * MIB,
+        &[
+            ("a", 4 * MIB, 16 * MIB),
+            ("b", 4 * MIB, 20 * MIB),
+            ("c", 12 * MIB, 12 * MIB),
+        ],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB"))
+        .env("VGPU_MEMORY_STAGING_WARM", "1")
+        .start_holding(&format!(
+            "alloc 4M alloc 8M fill 7 touch {} until_file {} check 7",
+            file("a-ready"),
+            file("c-done")
+        ));
+    // Half the budget: 8 MiB pinned ahead for its 8 MiB chunk.
+    until(
+        || usage(&board, "a").staging_bytes == 8 * MIB,
+        "8 MiB of staging pinned ahead by a",
+    );
+    let mut b = swapping(tenant(shm.path(), "b", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 12M fill 5 touch {} until_file {} check 5",
+        file("b-ready"),
+        file("c-done")
+    ));
+    // 28 of 32 held: "c" needs 12 within its request, 8 of it from "b" (which borrowed the
+    // most), whose 12 MiB chunk needs 12 MiB of staging: 8 are left beside a's idle 8.
+    let c = swapping(tenant(shm.path(), "c", "12MiB"))
+        .hold(&format!("until_file {} alloc 12M free", file("b-ready")));
+    assert_eq!(c.output, "until_file 0\nalloc 0\nfree 0\n", "granted");
+    std::fs::write(shm.path().join("c-done"), "").expect("touching c-done");
+    a.wait_held();
+    b.wait_held();
+    assert!(a.output.ends_with("check 0 ok\n"), "{}", a.output);
+    assert!(b.output.ends_with("check 0 ok\n"), "{}", b.output);
+    let err = stderr_of(b);
+    assert!(err.contains("went to host memory"), "{err}");
+    assert!(!err.contains("swap space is full"), "{err}");
+}
+
 /// A swap-out whose copies never complete (a hung copy engine: `FAKE_CUDA_SWAP_HANG`) gives up
 /// after its bound (`vmm::copy_wait_max`) and leaves the chunk where it was, mapped with its
 /// contents: the borrower runs on and says so, and the tenant that asked is refused when its own
