@@ -932,6 +932,45 @@ fn a_swap_out_short_of_staging_gets_the_staging_another_process_keeps_idle() {
     assert!(!err.contains("swap space is full"), "{err}");
 }
 
+/// The tenant that took a borrower's memory is killed holding it: its slot counts until it is
+/// reclaimed. The borrower, idle with its chunk out (its watcher stands in the GPU's line), gets
+/// its chunk back without an agent to reclaim the dead slot.
+#[test]
+fn a_borrower_takes_its_memory_back_from_a_needy_process_that_died_holding_it() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("c", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 7 touch {} until_file {} check 7",
+        file("a-ready"),
+        file("c-done")
+    ));
+    // 12 of 16 held: "c" needs 8 within its request, 4 of it from "a"; it dies holding them.
+    let mut c = swapping(tenant(shm.path(), "c", "8MiB"))
+        .start_holding(&format!("until_file {} alloc 8M", file("a-ready")));
+    c.wait_held();
+    assert_eq!(c.output, "until_file 0\nalloc 0\n", "granted");
+    // Killed holding them (SIGKILL: no exit handler runs).
+    c.child.kill().expect("kill");
+    c.child.wait().expect("wait");
+    // Back while "a" is still idle (its watcher, not a call of its own, brought it).
+    until(
+        || usage(&board, "a").swapped_bytes == 0,
+        "a's chunk back on the GPU while a idles",
+    );
+    std::fs::write(shm.path().join("c-done"), "").expect("touching c-done");
+    a.wait_held();
+    assert!(
+        a.output.ends_with("check 0 ok\n"),
+        "back and intact:\n{}",
+        a.output
+    );
+}
+
 /// A swap-out whose copies never complete (a hung copy engine: `FAKE_CUDA_SWAP_HANG`) gives up
 /// after its bound (`vmm::copy_wait_max`) and leaves the chunk where it was, mapped with its
 /// contents: the borrower runs on and says so, and the tenant that asked is refused when its own
