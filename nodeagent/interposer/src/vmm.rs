@@ -728,6 +728,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
             Ok(stream) => stream,
             Err(result) => return fail_all(result),
         };
+        let (mut staging_gave_up, mut copied_at_wait) = (false, None::<u64>);
         let mut landing = Landing {
             vmm: &vmm,
             copies: &copies,
@@ -751,7 +752,32 @@ impl crate::swap::Backing for SwapBacking<'_> {
             if landing.began.is_none() {
                 crate::staging::trim(self.driver, device, counters);
             }
-            let buffer = match crate::staging::acquire(self.driver, device, size, counters) {
+            let mut acquired = crate::staging::acquire(self.driver, device, size, counters);
+            if matches!(acquired, Err(crate::staging::Unavailable::Budget))
+                && count_every.is_some()
+                && landing.began.is_some()
+                && !staging_gave_up
+            {
+                // In pieces, short of staging with copies already queued: they land and are
+                // counted first, so that the process taking the room back brings those chunks
+                // in and frees the staging they emptied, and other processes free what they
+                // keep idle (`Counters::wait_for_staging`); then, bounded, again. Only after
+                // something landed since the last wait (so at most once per landed chunk), and
+                // never again once a wait found nothing.
+                self.land(&mut landing, &mut results, counters, true);
+                if landing.uncounted > 0 {
+                    counters.swapped_out(std::mem::take(&mut landing.uncounted));
+                }
+                if copied_at_wait != Some(landing.copied) {
+                    copied_at_wait = Some(landing.copied);
+                    if counters.wait_for_staging(size) {
+                        acquired = crate::staging::acquire(self.driver, device, size, counters);
+                    } else {
+                        staging_gave_up = true;
+                    }
+                }
+            }
+            let buffer = match acquired {
                 Ok(acquired) => {
                     if !acquired.pinning.is_zero() {
                         times.pinning_ns += acquired.pinning.as_nanos() as u64;
