@@ -48,6 +48,11 @@ pub enum ReadError {
 }
 
 impl ReadError {
+    /// Whether the file is another vgpu version's (its size or its header's layout differ).
+    pub fn is_other_version(&self) -> bool {
+        matches!(self, ReadError::Size { .. } | ReadError::Layout { .. })
+    }
+
     /// Whether the file does not exist (nothing to report rather than a problem).
     pub fn is_not_found(&self) -> bool {
         matches!(self, ReadError::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound)

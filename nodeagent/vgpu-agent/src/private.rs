@@ -361,11 +361,27 @@ pub fn publish_boards(
             capacity_bytes: measured.map_or(floor_capacity, |c| c.min(floor_capacity)),
             staging_budget_bytes,
         };
-        let written = tenant_abi::shm::create_board(&path)
-            .map_err(|error| error.to_string())
-            .and_then(|_| {
-                tenant_abi::shm::write_board(&path, gpu, &specs).map_err(|error| error.to_string())
-            });
+        let write = || {
+            tenant_abi::shm::create_board(&path)
+                .map_err(tenant_abi::shm::BoardWriteError::Read)
+                .and_then(|_| tenant_abi::shm::write_board(&path, gpu, &specs))
+        };
+        let written = match write() {
+            Err(tenant_abi::shm::BoardWriteError::Read(error)) if error.is_other_version() => {
+                // Left by another vgpu version (an upgraded agent): replaced. Processes started
+                // before keep the old file, unlinked, until they exit; their memory shows as
+                // used outside the board meanwhile, which the measured reserve keeps back
+                // (`crate::reserve`).
+                tracing::warn!(
+                    "GPU {uuid}: replacing its memory board, written by another vgpu version \
+                     ({error}); tenant processes started before keep the old one until they exit"
+                );
+                std::fs::remove_file(&path)
+                    .map_err(|error| error.to_string())
+                    .and_then(|()| write().map_err(|error| error.to_string()))
+            }
+            other => other.map_err(|error| error.to_string()),
+        };
         if let Err(message) = written {
             problems.push(PrivateError::Board {
                 uuid: uuid.clone(),

@@ -393,3 +393,23 @@ fn a_boards_capacity_follows_the_memory_used_outside_it() {
     reserves.apply(&health(GIB), &before, 10 * 1_000_000_000);
     assert_eq!(capacity(), 80 * GIB - BOARD_RESERVE_BYTES);
 }
+
+/// A board file left by another vgpu version (another size) is replaced, not left to fail every
+/// write until someone removes it.
+#[test]
+fn a_board_of_another_version_is_replaced() {
+    let shm = tempfile::tempdir().unwrap();
+    let layout = Layout::new(&shm.path().join("vgpu"));
+    let memory: std::collections::BTreeMap<String, u64> = [("GPU-1".to_owned(), 80 << 30)].into();
+    let gpus = BoardGpus {
+        memory_bytes: &memory,
+        swap_host_memory_bytes: 0,
+    };
+    let placed = set(&[("a", &["GPU-1"])]);
+    prepare(&layout, &placed, &owners, QUANTUM).unwrap();
+    std::fs::write(layout.board("GPU-1"), vec![0u8; 4096]).unwrap();
+    assert!(publish_boards(&layout, &placed, &gpus).is_empty());
+    let (capacity, holders) = tenant_abi::shm::read_board(&layout.board("GPU-1")).unwrap();
+    assert_eq!(capacity, (80 << 30) - BOARD_RESERVE_BYTES);
+    assert_eq!(holders.len(), 1);
+}
