@@ -971,6 +971,66 @@ fn a_borrower_takes_its_memory_back_from_a_needy_process_that_died_holding_it() 
     );
 }
 
+/// Both directions at once on a staging budget that holds one chunk beside the taker's: "a" has
+/// three 2 MiB chunks out for "n"'s request and launches; the line serves it and asks "b" (in
+/// line for a borrow) for its memory. "b" can stage one chunk at a time, so it lands and counts
+/// each, and waits while "a" brings that one in and frees its staging (a short budget), three
+/// times. Before, "b" gave up after its second wait and "a" waited 10 s for the rest.
+#[test]
+fn an_exchange_on_a_short_staging_budget_moves_everything_in_one_round() {
+    let shm = shm_dir();
+    let board = board_with_staging(
+        shm.path(),
+        38 * MIB,
+        8 * MIB,
+        &[
+            ("a", 4 * MIB, 40 * MIB),
+            ("b", 4 * MIB, 40 * MIB),
+            ("n", 12 * MIB, 12 * MIB),
+        ],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 2M alloc 2M alloc 2M alloc 2M alloc 2M alloc 2M alloc 2M alloc 2M \
+         fill 3 touch {} until_file {} check 3",
+        file("a-ready"),
+        file("a-go")
+    ));
+    until(|| Path::new(&file("a-ready")).exists(), "a holding 20 MiB");
+    let mut b = swapping(tenant(shm.path(), "b", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 2M alloc 2M alloc 2M alloc 2M fill 5 touch {} until_file {} \
+         alloc_retry 4M free touch {} until_file {} check 5",
+        file("b-ready"),
+        file("n-has"),
+        file("b-more"),
+        file("done")
+    ));
+    until(|| Path::new(&file("b-ready")).exists(), "b holding 12 MiB");
+    // 32 of 38 held: n's 12 within its request take 6 MiB of a's borrowed memory.
+    let mut n = swapping(tenant(shm.path(), "n", "12MiB"))
+        .start_holding(&format!("alloc 12M touch {}", file("n-has")));
+    n.wait_held();
+    assert_eq!(usage(&board, "a").swapped_bytes, 6 * MIB);
+    // "b" asks for 4 MiB more and waits in line; "a" stands in it already, and now launches.
+    until(|| waiting(&board) == 2, "a and b in the GPU's line");
+    std::fs::write(shm.path().join("a-go"), "").expect("touching a-go");
+    a.wait_held();
+    assert!(a.output.ends_with("check 0 ok\n"), "{}", a.output);
+    assert_eq!(usage(&board, "b").swapped_bytes, 6 * MIB, "b gave 6 MiB");
+    std::fs::write(shm.path().join("done"), "").expect("touching done");
+    drop(n);
+    drop(a);
+    b.wait_held();
+    assert!(b.output.ends_with("check 0 ok\n"), "{}", b.output);
+    let err = stderr_of(b);
+    let rounds: Vec<&str> = err
+        .lines()
+        .filter(|line| line.contains("went to host memory"))
+        .collect();
+    assert_eq!(rounds.len(), 1, "one round: {err}");
+    assert!(rounds[0].contains("6.0 MiB of this process"), "{err}");
+}
+
 /// A swap-out whose copies never complete (a hung copy engine: `FAKE_CUDA_SWAP_HANG`) gives up
 /// after its bound (`vmm::copy_wait_max`) and leaves the chunk where it was, mapped with its
 /// contents: the borrower runs on and says so, and the tenant that asked is refused when its own
