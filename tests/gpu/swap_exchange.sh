@@ -216,6 +216,10 @@ record "the exchange's span against both moves one after the other at the link's
 record "both ways at once: bytes out and in / the exchange's span, against the link both ways (torch)" \
   ">= 80% of ${both:-?} GB/s" "${both_rate:-?} GB/s (one way alone: out ${d2h:-?}, in ${h2d:-?} GB/s)" \
   "$(verdict "$("$PY" -c 'import sys; print(1 if float(sys.argv[2] or 0) > 0 and float(sys.argv[1] or 0) >= 0.8 * float(sys.argv[2]) else 0)' "${both_rate:-0}" "${both:-0}")")"
+# What B pinned during its swap-out (staging not ready ahead: a short budget pins while the link
+# waits), from its swap-out line; reported, no goal.
+pinned=$(grep -o 'pinning [0-9.]* ms for [0-9.]* [KMGT]*i*B of new staging' "$b" | head -n1)
+record "B's staging pinned during the exchange (reported)" "-" "${pinned:-none}" PASS
 record "B held its borrowed memory while it waited in line, then gave it" "> 0; swapped > 0 after" \
   "borrowed $(gib "$b_borrowed"); swapped $(gib "$b_out") after the exchange" \
   "$(verdict $([ "${b_out:-0}" -gt 0 ] 2>/dev/null && echo 1))"
