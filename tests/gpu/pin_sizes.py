@@ -14,6 +14,8 @@ managed memory.
 import ctypes
 import json
 import multiprocessing
+import os
+import signal
 import sys
 import threading
 import time
@@ -40,7 +42,8 @@ def churn(stop):
     and a swap mapping chunks do."""
     import torch
 
-    while not stop.is_set():
+    parent = os.getppid()
+    while not stop.is_set() and os.getppid() == parent:
         held = [torch.empty(64 * MIB, dtype=torch.uint8, device="cuda") for _ in range(16)]
         del held
         torch.cuda.empty_cache()
@@ -53,7 +56,8 @@ def busy(stop):
     dev = torch.empty(GIB, dtype=torch.uint8, device="cuda")
     host = torch.empty(GIB, dtype=torch.uint8).pin_memory()
     side = torch.cuda.Stream()
-    while not stop.is_set():
+    parent = os.getppid()
+    while not stop.is_set() and os.getppid() == parent:
         with torch.cuda.stream(side):
             host.copy_(dev, non_blocking=True)
             dev.copy_(host, non_blocking=True)
@@ -101,6 +105,9 @@ def measure(cu, total, size):
 
 
 def main():
+    # A `timeout` TERM unwinds through the `finally` below, which stops the other process; that
+    # one also stops by itself once this one is gone.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     total = int(float(args[0]) * GIB) if args else 2 * GIB
     cu = ctypes.CDLL("libcuda.so.1")

@@ -1658,7 +1658,7 @@ pub fn admit(devices: &impl Devices, bytes: u64, borrow: Borrow<'_>) -> Admissio
 
 /// The driver refused, for want of memory, an allocation within the tenant's request that the
 /// GPU's board granted: the GPU holds more than the board counts (contexts, libraries' workspaces
-/// and the driver's own use past `BOARD_RESERVE_BYTES`), while borrowers hold memory past their
+/// and the driver's own use past what the agent keeps back), while borrowers hold memory past their
 /// requests. The request is guaranteed, so the borrowers are asked for its bytes (rule 2's order,
 /// as for a reclaim) and the caller tries the driver again while they give it. Returns the asks
 /// posted (board tenant index, bytes), for [`withdraw_driver_asks`]; empty when there is nobody

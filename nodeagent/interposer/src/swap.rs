@@ -361,7 +361,6 @@ impl Chunks {
         let mut staging_waited = false;
         let mut moved_at: Vec<u64> = Vec::new();
         let mut given = 0u64;
-        let mut counted = 0u64;
         let mut refused_for_staging = 0u64;
         let mut times = SwapTimes::default();
         let mut next = 0;
@@ -390,10 +389,6 @@ impl Chunks {
                     }
                 }
             }
-            if piece.is_some() {
-                // The backing counted each piece as it landed.
-                counted = given;
-            }
             // Short of staging: the GPU's other processes free what they keep idle, and in
             // pieces the one taking the room back frees what its swap-ins emptied
             // (`Backing::release_idle`): wait for it, once, bounded, and go on with the chunks
@@ -414,8 +409,9 @@ impl Chunks {
         // chunk, its next allocations took the first chunks' room while the rest was still on
         // its way, found the GPU full again and asked the borrower a second time (two rounds for
         // one request in the dry run).
-        if given > counted {
-            counters.swapped_out(given - counted);
+        // (In pieces the backing counted each piece as it landed.)
+        if piece.is_none() && given > 0 {
+            counters.swapped_out(given);
         }
         if given > 0 {
             // Which chunks went (for a check that cold ones go first: tests/gpu, `COLD=1`).

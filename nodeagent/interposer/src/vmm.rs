@@ -578,6 +578,15 @@ struct Landing<'f> {
     count_every: Option<u64>,
 }
 
+impl Landing<'_> {
+    /// Counts free on the board what landed and is not counted yet.
+    fn flush(&mut self, counters: &mut impl crate::swap::Counters) {
+        if self.uncounted > 0 {
+            counters.swapped_out(std::mem::take(&mut self.uncounted));
+        }
+    }
+}
+
 impl SwapBacking<'_> {
     /// Lands the queued chunks whose copies completed, in order: each is unmapped and released
     /// and its room counted free when a piece's worth landed. With `wait`, waits for every one
@@ -605,62 +614,53 @@ impl SwapBacking<'_> {
                 return;
             }
             let (q, event) = landing.queued.pop_front().expect("looked at above");
-            copies.destroy_event(event);
-            let device = usize::try_from(q.found.device).unwrap_or(0);
-            let error = |result| {
-                OutResult::Failed(SwapError {
-                    address: q.address,
-                    result,
-                })
-            };
-            match waited {
-                Ok(true) => {}
-                Ok(false) => {
-                    // This copy and those behind it may still write their buffers and read their
-                    // chunks: all stay as they are (the buffers stay reserved, never reused).
+            if waited != Ok(true) {
+                // This chunk and those behind it on the stream did not all land. Past the bound,
+                // their copies may still write their buffers and read their chunks: all stay as
+                // they are (the buffers stay reserved, never reused). On the driver's error, they
+                // are still mapped with their contents and their staging goes back to the pool.
+                if waited == Ok(false) {
                     let behind: u64 = landing
                         .queued
                         .iter()
                         .map(|(q, _)| q.found.size as u64)
                         .sum();
                     copy_timed_out("to host memory", size + behind, bound);
-                    self.strand(q.address, 0);
-                    results[q.index] = Some(error(CUDA_ERROR_NOT_READY));
-                    for (q, event) in landing.queued.drain(..) {
-                        copies.destroy_event(event);
-                        self.strand(q.address, 0);
-                        results[q.index] = Some(OutResult::Failed(SwapError {
-                            address: q.address,
-                            result: CUDA_ERROR_NOT_READY,
-                        }));
-                    }
-                    return;
                 }
-                Err(rc) => {
-                    // Still mapped, with their contents: the staging goes back to the pool, for
-                    // this chunk and those behind it (the stream's copies did not all happen).
-                    crate::staging::recycle(device, q.buffer);
-                    results[q.index] = Some(error(rc));
-                    for (q, event) in landing.queued.drain(..) {
-                        copies.destroy_event(event);
-                        let device = usize::try_from(q.found.device).unwrap_or(0);
-                        crate::staging::recycle(device, q.buffer);
-                        results[q.index] = Some(OutResult::Failed(SwapError {
-                            address: q.address,
-                            result: rc,
-                        }));
-                    }
-                    return;
+                let rest = std::iter::once((q, event)).chain(landing.queued.drain(..));
+                for (q, event) in rest {
+                    copies.destroy_event(event);
+                    let result = match waited {
+                        Err(rc) => {
+                            let device = usize::try_from(q.found.device).unwrap_or(0);
+                            crate::staging::recycle(device, q.buffer);
+                            rc
+                        }
+                        _ => {
+                            self.strand(q.address, 0);
+                            CUDA_ERROR_NOT_READY
+                        }
+                    };
+                    results[q.index] = Some(OutResult::Failed(SwapError {
+                        address: q.address,
+                        result,
+                    }));
                 }
+                return;
             }
+            copies.destroy_event(event);
             landing.copied += size;
+            let device = usize::try_from(q.found.device).unwrap_or(0);
             // SAFETY: mapped by `alloc` (or the last `swap_in`) with this size; its copy out
             // completed (its event or the stream said so), and nothing else of the process runs.
             let rc = unsafe { (vmm.unmap)(q.address, q.found.size) };
             if rc != CUDA_SUCCESS {
                 // Still mapped, with its contents: the staging goes back to the pool.
                 crate::staging::recycle(device, q.buffer);
-                results[q.index] = Some(error(rc));
+                results[q.index] = Some(OutResult::Failed(SwapError {
+                    address: q.address,
+                    result: rc,
+                }));
                 continue;
             }
             // SAFETY: the handle is no longer mapped anywhere; released once.
@@ -765,9 +765,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
                 // something landed since the last wait (so at most once per landed chunk), and
                 // never again once a wait found nothing.
                 self.land(&mut landing, &mut results, counters, true);
-                if landing.uncounted > 0 {
-                    counters.swapped_out(std::mem::take(&mut landing.uncounted));
-                }
+                landing.flush(counters);
                 if copied_at_wait != Some(landing.copied) {
                     copied_at_wait = Some(landing.copied);
                     if counters.wait_for_staging(size) {
@@ -821,9 +819,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
             self.land(&mut landing, &mut results, counters, false);
         }
         self.land(&mut landing, &mut results, counters, true);
-        if landing.uncounted > 0 {
-            counters.swapped_out(landing.uncounted);
-        }
+        landing.flush(counters);
         if let Some(began) = landing.began {
             times.copy_ns = began.elapsed().as_nanos() as u64;
         }

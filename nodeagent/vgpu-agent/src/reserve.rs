@@ -74,9 +74,9 @@ impl Tracker {
         self.reserve(now_ns)
     }
 
-    /// The reserve at `now_ns`: the floor, or the outside use that lasted [`SETTLE_NS`] plus the
-    /// margin. Before the samples span the settle time, the least of them bounds the outside
-    /// use from above only if one is at least as old; until then, the floor.
+    /// The reserve at `now_ns`: the floor, or the outside use that lasted [`SETTLE_NS`] (the
+    /// least over samples spanning at least that long) plus the margin. The floor while the
+    /// samples span less.
     pub fn reserve(&self, now_ns: u64) -> u64 {
         let Some(&(oldest, _)) = self.samples.front() else {
             return FLOOR_BYTES;
