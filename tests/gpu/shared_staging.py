@@ -1,0 +1,231 @@
+"""The risks of one swap staging pool per GPU shared by its processes (issue 17; the design in
+docs/design/elastic-memory.md, "Next: one staging pool per GPU"), measured before building it:
+
+1. faulting a shared-memory file of TOTAL GiB once (as the agent would), on 8 threads;
+2. PROCS processes mapping the whole file (MAP_SHARED) and registering it with
+   `cuMemHostRegister` (portable) at the same time, in slabs of SLAB MiB: the rate per process,
+   and whether a second registration of pages another process registered costs the same;
+3. whether registering counts against the GPU's memory (NVML's used memory before and after);
+4. copies through the shared pages: each process alone device-to-host and host-to-device, then
+   two processes at once in opposite directions (an exchange), against the same copies through
+   anonymous memory registered the same way in the same process (the staging of today);
+5. the file is removed, every registration undone, every process stopped, on any exit.
+
+Prints one `RESULT {json}` line and a table. Never allocates managed memory.
+
+  python3 shared_staging.py [TOTAL_GIB=16] [PROCS=2] [SLAB_MIB=64]
+"""
+import ctypes
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+
+GIB = 1 << 30
+MIB = 1 << 20
+MAP_SHARED, MAP_PRIVATE, MAP_ANONYMOUS = 0x01, 0x02, 0x20
+PROT_RW = 0x1 | 0x2
+MADV_HUGEPAGE = 14
+CU_MEMHOSTREGISTER_PORTABLE = 1
+COPY_BYTES = 4 * GIB
+
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+libc.memset.restype = ctypes.c_void_p
+
+
+def cuda():
+    cu = ctypes.CDLL("libcuda.so.1")
+    cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    cu.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    cu.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    cu.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+    cu.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    cu.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+    cu.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+    cu.cuMemGetInfo_v2.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    ctx, dev = ctypes.c_void_p(), ctypes.c_int()
+    check(cu.cuInit(0), "cuInit")
+    check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return cu
+
+
+def check(rc, what):
+    if rc != 0:
+        raise RuntimeError(f"{what}: CUresult {rc}")
+
+
+def device_used(cu):
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    check(cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+    return total.value - free.value
+
+
+def touch(p, size, threads=8):
+    step = (size + threads - 1) // threads
+    ts = [threading.Thread(target=libc.memset, args=(p + o, 1, min(step, size - o))) for o in range(0, size, step)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def map_file(path, size):
+    fd = os.open(path, os.O_RDWR)
+    try:
+        p = libc.mmap(None, size, PROT_RW, MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if p in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap of the shared file")
+    return p
+
+
+def register(cu, p, size, slab):
+    began = time.perf_counter()
+    for o in range(0, size, slab):
+        check(cu.cuMemHostRegister_v2(p + o, min(slab, size - o), CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister")
+    return time.perf_counter() - began
+
+
+def unregister(cu, p, size, slab):
+    for o in range(0, size, slab):
+        cu.cuMemHostUnregister(p + o)
+
+
+def copies(cu, host, dev, stream, direction, nbytes, slab):
+    """`nbytes` through `host` in slabs, queued back to back on `stream`; GB/s."""
+    began = time.perf_counter()
+    for o in range(0, nbytes, slab):
+        n = min(slab, nbytes - o)
+        if direction == "out":
+            check(cu.cuMemcpyDtoHAsync_v2(host + o, dev.value + o, n, stream), "cuMemcpyDtoHAsync")
+        else:
+            check(cu.cuMemcpyHtoDAsync_v2(dev.value + o, host + o, n, stream), "cuMemcpyHtoDAsync")
+    check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    return round(nbytes / (time.perf_counter() - began) / 1e9, 1)
+
+
+def worker(index, path, total, slab, barrier, results):
+    """One tenant process: maps and registers the whole file, copies through its own part. A
+    failure is reported as its row and breaks the barrier, so the other processes stop too."""
+    try:
+        run_worker(index, path, total, slab, barrier, results)
+    except Exception as e:  # noqa: BLE001 - reported, not swallowed
+        barrier.abort()
+        results.put({"proc": index, "error": f"{type(e).__name__}: {e}"})
+
+
+def run_worker(index, path, total, slab, barrier, results):
+    parent = os.getppid()
+    cu = cuda()
+    used_before = device_used(cu)
+    p = map_file(path, total)
+    register_s = register(cu, p, total, slab)
+    used_after = device_used(cu)
+    dev = ctypes.c_uint64()
+    check(cu.cuMemAlloc_v2(ctypes.byref(dev), COPY_BYTES), "cuMemAlloc")
+    stream = ctypes.c_void_p()
+    check(cu.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+    part = p + index * COPY_BYTES % total
+    row = {
+        "proc": index,
+        "register_gbps": round(total / register_s / 1e9, 1),
+        "register_s": round(register_s, 2),
+        "device_used_delta_mib": (used_after - used_before) // MIB,
+    }
+    barrier.wait(120)  # every process registered: the copies start
+    if index == 0:
+        row["alone_out_gbps"] = copies(cu, part, dev, stream, "out", COPY_BYTES, slab)
+        row["alone_in_gbps"] = copies(cu, part, dev, stream, "in", COPY_BYTES, slab)
+        # The staging of today, for the same copies: anonymous memory registered here.
+        a = libc.mmap(None, COPY_BYTES, PROT_RW, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        libc.madvise(a, COPY_BYTES, MADV_HUGEPAGE)
+        touch(a, COPY_BYTES)
+        check(cu.cuMemHostRegister_v2(a, COPY_BYTES, CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister")
+        row["anon_out_gbps"] = copies(cu, a, dev, stream, "out", COPY_BYTES, slab)
+        row["anon_in_gbps"] = copies(cu, a, dev, stream, "in", COPY_BYTES, slab)
+        cu.cuMemHostUnregister(a)
+        libc.munmap(a, COPY_BYTES)
+    barrier.wait(120)  # process 0's alone copies done: both directions at once
+    if os.getppid() != parent:
+        return
+    row["exchange_gbps"] = copies(cu, part, dev, stream, "out" if index == 0 else "in", COPY_BYTES, slab)
+    row["exchange_dir"] = "out" if index == 0 else "in"
+    began = time.perf_counter()
+    unregister(cu, p, total, slab)
+    row["unregister_s"] = round(time.perf_counter() - began, 2)
+    # Registered again: the pages are faulted and, in the other process, registered.
+    row["reregister_gbps"] = round(total / register(cu, p, total, slab) / 1e9, 1)
+    unregister(cu, p, total, slab)
+    libc.munmap(p, total)
+    cu.cuMemFree_v2(dev)
+    results.put(row)
+
+
+def main():
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    total = int(float(sys.argv[1]) * GIB) if len(sys.argv) > 1 else 16 * GIB
+    procs_n = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    slab = int(sys.argv[3]) * MIB if len(sys.argv) > 3 else 64 * MIB
+    assert total >= 2 * COPY_BYTES, "TOTAL_GIB must be at least 8"
+    path = f"/dev/shm/vgpu-shared-staging-probe.{os.getpid()}"
+    procs = []
+    summary = {"total_gib": total // GIB, "procs": procs_n, "slab_mib": slab // MIB}
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, total)
+        os.close(fd)
+        p = map_file(path, total)
+        began = time.perf_counter()
+        touch(p, total)
+        summary["fault_gbps"] = round(total / (time.perf_counter() - began) / 1e9, 1)
+        libc.munmap(p, total)  # the pages stay: they belong to the file
+        mp = multiprocessing.get_context("spawn")
+        barrier, results = mp.Barrier(procs_n), mp.Queue()
+        procs = [mp.Process(target=worker, args=(i, path, total, slab, barrier, results)) for i in range(procs_n)]
+        began = time.perf_counter()
+        for pr in procs:
+            pr.start()
+        deadline = time.monotonic() + 300
+        rows = []
+        while len(rows) < procs_n and time.monotonic() < deadline:
+            try:
+                rows.append(results.get(timeout=1))
+            except Exception:
+                if not any(pr.is_alive() for pr in procs):
+                    break
+        summary["wall_s"] = round(time.perf_counter() - began, 1)
+        summary["rows"] = sorted(rows, key=lambda r: r["proc"])
+    finally:
+        for pr in procs:
+            pr.join(10)
+            if pr.is_alive():
+                pr.kill()
+        if os.path.exists(path):
+            os.unlink(path)
+    print("RESULT " + json.dumps(summary))
+    print(f"shared file of {summary['total_gib']} GiB faulted at {summary.get('fault_gbps')} GB/s (8 threads)")
+    print("| proc | register GB/s | device used + MiB | alone out | alone in | anon out | anon in | exchange | re-register GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in summary.get("rows", []):
+        if "error" in r:
+            print(f"| {r['proc']} | error: {r['error']} |")
+            continue
+        print(f"| {r['proc']} | {r['register_gbps']} | {r['device_used_delta_mib']} | {r.get('alone_out_gbps', '')} | "
+              f"{r.get('alone_in_gbps', '')} | {r.get('anon_out_gbps', '')} | {r.get('anon_in_gbps', '')} | "
+              f"{r.get('exchange_dir')} {r.get('exchange_gbps')} | {r.get('reregister_gbps')} |")
+
+
+if __name__ == "__main__":
+    main()
