@@ -201,6 +201,14 @@ impl BoardReserves {
             };
             let tracker = self.trackers.entry(gpu.uuid.clone()).or_default();
             let reserve = tracker.observe(now_ns, used, resident_before, resident_after);
+            tracing::debug!(
+                gpu = %gpu.uuid,
+                used_bytes = used,
+                resident_bytes = resident_before.max(resident_after),
+                reserve_bytes = reserve,
+                capacity_bytes = current,
+                "memory board reserve sample"
+            );
             // A board not written yet (capacity 0) is the follower's to fill first.
             if current == 0 {
                 continue;
