@@ -1589,30 +1589,3 @@ fn the_drain_of_a_failed_probe_does_not_fail_the_level_known_to_hold() {
     }
     assert!(back_at.is_some(), "still at level {}", driver.level());
 }
-
-#[test]
-fn a_baseline_undercut_by_a_block_alone_is_lowered() {
-    // A baseline taken from slow steps (7 ms), then the tenant's own pace alone (4 ms).
-    let mut driver = Driver::new(Config::new(false, 0));
-    for _ in 0..20 {
-        driver.next_alone("infer", repeat(10, 7 * MS));
-    }
-    let loose = driver.controller.statuses()[0].target_ns.expect("learnt");
-    assert!(loose > 8 * MS, "{loose}");
-    for _ in 0..10 {
-        driver.next_alone("infer", repeat(10, 4 * MS));
-    }
-    let status = &driver.controller.statuses()[0];
-    assert_eq!(status.baseline_p99_ns, Some(reads_as(4 * MS)));
-    assert!(status.target_ns.expect("a target") < 5 * MS);
-    // Alone steps a bucket under the baseline are its own spread: the baseline stays.
-    let mut driver = Driver::new(Config::new(false, 0));
-    for _ in 0..20 {
-        driver.next_alone("infer", repeat(10, 4 * MS));
-    }
-    let before = driver.controller.statuses()[0].baseline_p99_ns;
-    for _ in 0..30 {
-        driver.next_alone("infer", repeat(10, 3_700_000));
-    }
-    assert_eq!(driver.controller.statuses()[0].baseline_p99_ns, before);
-}

@@ -37,11 +37,7 @@
 //! `STALE_BASELINE_BUCKETS` replaces the baseline (a baseline learnt from a warm-up's short
 //! synchronisations, 0.7 ms against steps of 3-4 ms, held the level at Exclusive for good).
 //! Only there: at Pause or Guard, a neighbour kernel launched before a step can still triple it,
-//! and a baseline learnt there makes the target that much too loose. The other way too: a block
-//! alone or at Exclusive whose p99 is `STALE_BASELINE_BUCKETS` under the baseline's replaces it
-//! (interference only slows a step, so the lower block is the truer one; an eager tenant's
-//! baseline taken from 2 s of slow steps at Exclusive on an H200 held a target of 1.55x its
-//! latency alone for the pairs after). That fallback is learnt
+//! and a baseline learnt there makes the target that much too loose. That fallback is learnt
 //! only while the tenant has no target and is frozen once a block is taken: later windows at the
 //! top are ones the controller climbed to after violations, and learning from them would let
 //! interference loosen its own target. Until a tenant has a target, the controller holds

@@ -33,9 +33,7 @@ pub const PERIOD_SAMPLES_MIN: u32 = 4;
 /// taken even if no two blocks in a row agreed (the lowest block's p99).
 pub const PROTECTIVE_BLOCKS_MAX: u32 = 4;
 /// Histogram buckets (about 9% each) by which a block's p99 at Exclusive must miss a learnt
-/// target to replace the baseline (two: one is the histogram's rounding); and by which a block
-/// alone or at Exclusive must undercut the baseline's p99 to replace it (a lower block is the
-/// truer one: interference only slows a step).
+/// target to replace the baseline (two: one is the histogram's rounding).
 pub const STALE_BASELINE_BUCKETS: i32 = 2;
 /// A tenant whose step has been open (or took) longer than this many times its target is
 /// starving: the controller goes to the top at once, and the window's steps say nothing about
@@ -82,11 +80,10 @@ pub struct TenantState {
     protective_block: LatencySnapshot,
     protective_last: Option<LatencySnapshot>,
     protective_blocks: u32,
-    /// Steps at Exclusive, and steps alone, once the tenant has a learnt target, in blocks of
-    /// `BASELINE_STEPS_MIN`: a block that shows the baseline no longer describes the tenant
-    /// replaces it (see `check_baseline`).
+    /// Steps at Exclusive once the tenant has a learnt target, in blocks of
+    /// `BASELINE_STEPS_MIN`: a block whose p99 misses the target by `STALE_BASELINE_BUCKETS`
+    /// shows the baseline no longer describes the tenant (see `check_baseline`).
     exclusive_block: LatencySnapshot,
-    alone_block: LatencySnapshot,
     /// `(slot start, steps)`, oldest first, at most `STATUS_SLOTS + 1`.
     recent: VecDeque<(u64, LatencySnapshot)>,
     steps: u64,
@@ -129,7 +126,6 @@ impl TenantState {
             protective_last: None,
             protective_blocks: 0,
             exclusive_block: LatencySnapshot::default(),
-            alone_block: LatencySnapshot::default(),
             recent: VecDeque::new(),
             steps: 0,
             violations: 0,
@@ -313,13 +309,10 @@ impl TenantState {
             if self.alone.steps > BASELINE_STEPS_MAX {
                 halve(&mut self.alone);
             }
-            if target.is_some() && self.explicit_target_ns.is_none() {
-                self.check_baseline(config, window, Seen::Alone);
-            }
         } else if seen == Seen::Exclusive && target.is_none() {
             self.learn_protective(window);
         } else if seen == Seen::Exclusive && self.explicit_target_ns.is_none() {
-            self.check_baseline(config, window, Seen::Exclusive);
+            self.check_baseline(config, window);
         }
         self.record_recent(config, now_ns, window);
         debug_assert!((ALLOWANCE_MIN_PPM..=ALLOWANCE_MAX_PPM).contains(&self.allowance_ppm));
@@ -360,46 +353,25 @@ impl TenantState {
         }
     }
 
-    /// Alone or at Exclusive (nothing else runs) a tenant must be able to meet a learnt target,
-    /// and its baseline must not be looser than what it shows there. In blocks of
-    /// `BASELINE_STEPS_MIN` steps (one per `seen`: the two are not mixed), a block replaces the
-    /// baseline when:
-    /// - *it misses the target*: its p99 is `STALE_BASELINE_BUCKETS` over the target (read at
-    ///   the bucket's upper edge, that is two steps in a hundred past the target). An H100 run: an eager tenant's baseline learnt from its warm-up's
-    ///   short synchronisations was 0.7 ms against 3-4 ms steps; every step was a violation,
-    ///   the level sat at Exclusive and its neighbour made no step for a whole window;
-    /// - *it undercuts the baseline*: its p99 is `STALE_BASELINE_BUCKETS` under the baseline's.
-    ///   Interference only slows a step, so the lower block is the truer one (an H200 run: an
-    ///   eager tenant's baseline taken from 2 s of slow steps at Exclusive was 7.2 ms against
-    ///   4.5 ms alone, and its target, 1.55x its latency alone, stayed for the next pairs).
-    ///   A block too low by chance makes the target tight, which the first rule undoes at the
-    ///   next block at Exclusive: the cost falls on the neighbours, never on the tenant.
-    fn check_baseline(&mut self, config: &Config, window: &LatencySnapshot, seen: Seen) {
-        let collecting = if seen == Seen::Alone {
-            &mut self.alone_block
-        } else {
-            &mut self.exclusive_block
-        };
-        collecting.add(window);
-        if collecting.steps < BASELINE_STEPS_MIN {
+    /// At Exclusive (nothing else runs: as good as alone) a tenant must be able to meet a
+    /// learnt target. A block of `BASELINE_STEPS_MIN` steps there whose p99 is
+    /// `STALE_BASELINE_BUCKETS` over the target says the baseline describes another tenant
+    /// than the one running now (an H100 run: an eager tenant's baseline learnt from its
+    /// warm-up's short synchronisations was 0.7 ms against 3-4 ms steps; every step was a
+    /// violation, the level sat at Exclusive and its neighbour made no step for a whole
+    /// window): the block becomes the baseline.
+    fn check_baseline(&mut self, config: &Config, window: &LatencySnapshot) {
+        self.exclusive_block.add(window);
+        if self.exclusive_block.steps < BASELINE_STEPS_MIN {
             return;
         }
-        let block = std::mem::take(collecting);
-        let (Some(target), Some(baseline), Some(p99)) = (
-            self.target_ns(config),
-            self.baseline_p99_ns(),
-            block.quantile_ns(0.99),
-        ) else {
+        let block = std::mem::take(&mut self.exclusive_block);
+        let (Some(target), Some(p99)) = (self.target_ns(config), block.quantile_ns(0.99)) else {
             return;
         };
-        let bucket = |ns: u64| latency_bucket(ns) as i32;
-        let missed = bucket(p99) - bucket(target) >= STALE_BASELINE_BUCKETS;
-        let undercut = bucket(baseline) - bucket(p99) >= STALE_BASELINE_BUCKETS;
-        if missed || undercut {
+        if latency_bucket(p99) as i32 - latency_bucket(target) as i32 >= STALE_BASELINE_BUCKETS {
             self.alone = block;
             self.protective = LatencySnapshot::default();
-            self.exclusive_block = LatencySnapshot::default();
-            self.alone_block = LatencySnapshot::default();
         }
     }
 
