@@ -87,6 +87,8 @@ pub struct SimulatedGpu {
     pub throttle_reasons: Option<Vec<String>>,
     pub temperature_celsius: Option<u32>,
     pub utilization_percent: Option<u32>,
+    /// The GPU's memory that is not free (NVML's total less free: allocations, the driver's
+    /// reservation and the CUDA contexts), as `nvidia-smi` shows it.
     pub memory_used_bytes: Option<u64>,
     #[serde(default)]
     pub unsupported: Vec<String>,

@@ -212,7 +212,11 @@ impl HealthSource for NvmlHealth {
             let utilization = device.utilization_rates().map(|u| u.gpu);
             health.utilization_percent =
                 Self::answer(logged, &mut health, "utilization", utilization);
-            let memory = device.memory_info().map(|m| m.used);
+            // Everything not free: NVML's v2 `used` leaves out `reserved`, and with it the
+            // CUDA contexts (an H200 with seven processes' contexts said 16.36 GB used while
+            // their allocations on the memory board came to 16.55 GB, so the board's measured
+            // reserve, `crate::reserve`, never rose above its floor).
+            let memory = device.memory_info().map(|m| m.total.saturating_sub(m.free));
             health.memory_used_bytes = Self::answer(logged, &mut health, "memory", memory);
             let processes = device.running_compute_processes();
             if let Some(processes) = Self::answer(logged, &mut health, "processes", processes) {
