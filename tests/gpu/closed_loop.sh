@@ -53,8 +53,11 @@
 # modes' rounds),
 # PY (python3, or /opt/torch/.venv/bin/python3 where it exists), OUT (/tmp/closed-loop-out),
 # VGPU_PORT (7474), MPS_TENANTS (the agent's `--mps-tenants`: non-latency, its default, keeps the
-# latency tenants out of MPS; all makes them MPS clients too, with the SM lever), DEADLINE_S (570: a group that would end later is skipped, so that the
-# table and the tar still come back inside a 10-minute command; 0: never skip).
+# latency tenants out of MPS; all makes them MPS clients too, with the SM lever), DEADLINE_S (570:
+# a group that would end later is skipped, so that the table and the tar still come back inside a
+# 10-minute command; 0: never skip. The plan is estimated before anything starts, and a plan that
+# would skip a group stops there with exit status 2, unless SKIP_OK=1: a call whose last group is
+# skipped spends its device time on the peers alone).
 #
 # How the device time is kept small: the processes of a mode are started ONCE (a "group") and warm
 # up together (import, CUDA context, model, CUDA graph), each touches a ready file, then
@@ -409,6 +412,48 @@ for m in plain mps mps50 vgpu-mps vgpu; do has_mode "$m" && n_win=$((n_win + n_p
 for m in vgpu-mps-alone vgpu-alone; do has_mode "$m" && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]})); done
 for m in cost cost-mps; do has_mode "$m" && n_win=$((n_win + ROUNDS * (3 * ${#LATS[@]} + 2 * ${#NBS[@]}))); done
 log "plan: $n_win windows of ${WINDOW}s (the vgpu groups' ${VGPU_WINDOW}s) (+${SETTLE}s settle, ${GAP}s gap): ~$(awk -v n="$n_win" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) }')s of windows, plus ~8s per group"
+
+# The groups' estimated seconds, in the order they run: a group that would end past DEADLINE_S is
+# skipped when its turn comes, which wastes the device time of the groups before it when the one
+# that matters is the one skipped. So the plan is checked now, before anything starts.
+n_lat=${#LATS[@]}
+n_nb=${#NBS[@]}
+plan_total=12 # the MPS daemon, the cp, the agent twice, the placements
+plan_skipped=()
+plan_group() { # plan_group NAME WINDOWS: adds the group's estimate to the plan
+  [ "$2" -gt 0 ] || return 0
+  local est
+  est=$(($(group_s "$2" "$(window_of "$1")") + 10))
+  plan_total=$((plan_total + est))
+  log "plan: group $1, $2 windows, ~${est}s (ends at ~${plan_total}s)"
+  if [ "$DEADLINE_S" != 0 ] && [ "$plan_total" -gt "$DEADLINE_S" ]; then plan_skipped+=("$1"); fi
+}
+w=0
+has_mode alone && w=$((w + 2 * n_lat + n_nb))
+has_mode plain && w=$((w + n_pairs))
+plan_group plain "$w"
+w=0
+for m in mps mps50; do has_mode "$m" && w=$((w + n_pairs)); done
+plan_group mps "$w"
+for g in vgpu-mps vgpu; do
+  w=0
+  has_mode "$g-alone" && w=$((w + n_lat + n_nb))
+  has_mode "$g" && w=$((w + n_pairs))
+  plan_group "$g" "$w"
+done
+for g in cost cost-mps; do
+  w=0
+  has_mode "$g" && w=$((ROUNDS * (3 * n_lat + 2 * n_nb)))
+  plan_group "$g" "$w"
+done
+if [ "${#plan_skipped[@]}" -gt 0 ]; then
+  log "plan: ~${plan_total}s in all, past DEADLINE_S=$DEADLINE_S: ${plan_skipped[*]} would be skipped"
+  if [ "${SKIP_OK:-0}" != 1 ]; then
+    log "not starting: raise DEADLINE_S (and the caller's time limit), run fewer MODES or PAIRS, \
+or set SKIP_OK=1 to run what fits"
+    exit 2
+  fi
+fi
 
 # plain: the alone windows and the plain pairs
 GROUP_PROCS=()
