@@ -41,7 +41,8 @@
 #
 # Knobs: PAIRS (latency:neighbour ..., default all 12), MODES (default "alone plain mps mps50
 # vgpu-mps vgpu"; also vgpu-mps-alone and vgpu-alone: each workload alone through vgpu, its own
-# cost against "alone"), WINDOW (measured seconds per window, 8), VGPU_WINDOW (the windows of
+# cost against "alone"; mps-out-alone: each alone beside idle MPS clients, the latency workloads
+# outside MPS, without vgpu), WINDOW (measured seconds per window, 8), VGPU_WINDOW (the windows of
 # the vgpu groups, default WINDOW: a pair's first seconds are the controller's learning, and a
 # longer window weighs them as a pair that stays together longer would), SETTLE (seconds a window's processes
 # run before it, unmeasured, 0.75), GAP (idle seconds between windows, 0.25), PERIODS (step
@@ -435,6 +436,7 @@ plan_group plain "$w"
 w=0
 for m in mps mps50; do has_mode "$m" && w=$((w + n_pairs)); done
 plan_group mps "$w"
+has_mode mps-out-alone && plan_group mps-out $((n_lat + n_nb))
 for g in vgpu-mps vgpu; do
   w=0
   has_mode "$g-alone" && w=$((w + n_lat + n_nb))
@@ -491,6 +493,22 @@ if has_mode mps || has_mode mps50; then
     for p in $PAIRS; do GROUP_WINS+=("mps50:$p=${p%%:*},${p#*:}-50"); done
   fi
   mps_start && run_group mps
+  mps_stop
+fi
+
+# mps-out-alone: each workload alone, the latency workloads as plain processes while the
+# neighbours are MPS clients of a daemon started here (idle, their contexts kept), and each
+# neighbour alone as an MPS client beside them: what an MPS node costs a latency tenant kept out of
+# MPS (the agent's default with --mps), without vgpu. Measured through vgpu, eager's window alone
+# was 1.25-1.37x its plain alone (vgpu-mps-alone, sixteenth and twenty-third sessions).
+if has_mode mps-out-alone; then
+  GROUP_PROCS=()
+  GROUP_WINS=()
+  for l in "${LATS[@]}"; do GROUP_PROCS+=("$l $l plain"); done
+  for n in "${NBS[@]}"; do GROUP_PROCS+=("$n $n mps"); done
+  for l in "${LATS[@]}"; do GROUP_WINS+=("mps-out-alone:$l:-=$l"); done
+  for n in "${NBS[@]}"; do GROUP_WINS+=("mps-out-alone:-:$n=$n"); done
+  mps_start && run_group mps-out
   mps_stop
 fi
 
