@@ -18,6 +18,8 @@
 //!   elastic memory's per-GPU memory board (the agent writes it, the interposer reserves against
 //!   it), the `#[repr(C)]` layout every tenant on a GPU shares
 //!   and the lock-free reserve protocol against the GPU's capacity and each tenant's limit.
+//! - `slabs`: the slab table of a GPU's shared swap staging file (claimed by swap-outs, freed by
+//!   swap-ins, reclaimed from dead owners); pure, not wired in yet.
 //! - `shm` (with `map`): mapping those files from outside a tenant (the agent's usage report reads
 //!   them; the agent creates a GPU's schedule before any tenant runs). `writer` (feature
 //!   `writer`) plays a tenant process against them for tests and tools.
@@ -41,6 +43,7 @@ mod map;
 pub mod reclaim;
 pub mod shm;
 pub mod size;
+pub mod slabs;
 #[cfg(any(test, feature = "writer"))]
 pub mod writer;
 
