@@ -3,9 +3,11 @@ docs/design/elastic-memory.md, "Next: one staging pool per GPU"), measured befor
 
 1. faulting a shared-memory file of TOTAL GiB once (as the agent would), on 8 threads;
 2. PROCS processes mapping the whole file (MAP_SHARED) and registering it with
-   `cuMemHostRegister` (portable) at the same time, in slabs of SLAB MiB: the rate per process,
-   and whether a second registration of pages another process registered costs the same;
-3. whether registering counts against the GPU's memory (NVML's used memory before and after);
+   `cuMemHostRegister` (portable), one after the other, in slabs of SLAB MiB: the rate per
+   process, and whether a registration of pages another process registered costs the same;
+3. whether registering counts against the GPU's memory (cuMemGetInfo's used memory before and
+   after each registration, every context made before the first; and for 4 GiB of anonymous
+   memory registered the same way, the staging of today);
 4. copies through the shared pages: each process alone device-to-host and host-to-device, then
    two processes at once in opposite directions (an exchange), against the same copies through
    anonymous memory registered the same way in the same process (the staging of today);
@@ -129,10 +131,16 @@ def worker(index, path, total, slab, barrier, results):
 def run_worker(index, path, total, slab, barrier, results):
     parent = os.getppid()
     cu = cuda()
-    used_before = device_used(cu)
     p = map_file(path, total)
-    register_s = register(cu, p, total, slab)
-    used_after = device_used(cu)
+    # Every context made before any registration, and one registration at a time, so that the
+    # GPU memory each one costs is its own (two at once showed +4.5 GiB in one process).
+    barrier.wait(120)
+    for turn in range(barrier.parties):
+        if turn == index:
+            used_before = device_used(cu)
+            register_s = register(cu, p, total, slab)
+            used_after = device_used(cu)
+        barrier.wait(300)
     dev = ctypes.c_uint64()
     check(cu.cuMemAlloc_v2(ctypes.byref(dev), COPY_BYTES), "cuMemAlloc")
     stream = ctypes.c_void_p()
@@ -152,7 +160,9 @@ def run_worker(index, path, total, slab, barrier, results):
         a = libc.mmap(None, COPY_BYTES, PROT_RW, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
         libc.madvise(a, COPY_BYTES, MADV_HUGEPAGE)
         touch(a, COPY_BYTES)
+        anon_before = device_used(cu)
         check(cu.cuMemHostRegister_v2(a, COPY_BYTES, CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister")
+        row["anon_register_device_delta_mib"] = (device_used(cu) - anon_before) // MIB
         row["anon_out_gbps"] = copies(cu, a, dev, stream, "out", COPY_BYTES, slab)
         row["anon_in_gbps"] = copies(cu, a, dev, stream, "in", COPY_BYTES, slab)
         cu.cuMemHostUnregister(a)
@@ -216,13 +226,15 @@ def main():
             os.unlink(path)
     print("RESULT " + json.dumps(summary))
     print(f"shared file of {summary['total_gib']} GiB faulted at {summary.get('fault_gbps')} GB/s (8 threads)")
-    print("| proc | register GB/s | device used + MiB | alone out | alone in | anon out | anon in | exchange | re-register GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| proc | register GB/s | device used + MiB | anon 4 GiB: device used + MiB | alone out | alone in | "
+          "anon out | anon in | exchange | re-register GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in summary.get("rows", []):
         if "error" in r:
             print(f"| {r['proc']} | error: {r['error']} |")
             continue
-        print(f"| {r['proc']} | {r['register_gbps']} | {r['device_used_delta_mib']} | {r.get('alone_out_gbps', '')} | "
+        print(f"| {r['proc']} | {r['register_gbps']} | {r['device_used_delta_mib']} | "
+              f"{r.get('anon_register_device_delta_mib', '')} | {r.get('alone_out_gbps', '')} | "
               f"{r.get('alone_in_gbps', '')} | {r.get('anon_out_gbps', '')} | {r.get('anon_in_gbps', '')} | "
               f"{r.get('exchange_dir')} {r.get('exchange_gbps')} | {r.get('reregister_gbps')} |")
 
