@@ -1,0 +1,135 @@
+"""Reads a closed_loop.sh run's agent trace (RUST_LOG=...,vgpu_agent::closed_loop::window=debug) and
+prints, for every window of a vgpu group, what the controller did: the share of time at each
+level, the latency tenant's targets during the window (each change with its time), its steps
+and window p99s at the top level (Exclusive: nothing else launches, so a step there over the
+target is the tenant's own or something the levers do not hold), and the neighbours' hold time.
+The questions the twenty-third session answered by hand: where did a target come from, and did
+the tenant meet it where nothing else ran.
+
+  python3 tests/gpu/trace_summary.py OUT/closed_loop        # a run's folder (or its .tgz)
+"""
+import json
+import os
+import re
+import sys
+import tarfile
+import tempfile
+from collections import Counter, defaultdict
+from datetime import datetime, timezone
+
+LINE = re.compile(
+    r"^(\S+)Z DEBUG vgpu_agent::closed_loop::window: (\S+) level (\d+) neighbours (\w+) open (\S+) "
+    r"paused ([\d.]+) ms bounded (\d+): (.*?); controller (.*)$"
+)
+TENANT = re.compile(r"(lat-[\w-]+): (\d+) steps p50 ([\d.]+) p99 ([\d.]+) ms")
+TARGET = re.compile(r"(lat-[\w-]+) target ([\d.]+) violations (\d+)")
+
+
+def seconds(stamp):
+    """A trace line's UTC time as seconds since the epoch."""
+    return datetime.strptime(stamp[:26], "%Y-%m-%dT%H:%M:%S.%f").timestamp() if "." in stamp else (
+        datetime.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S").timestamp())
+
+
+def trace(folder):
+    """Every window line of agent.log: (time, level, neighbours active, paused ms, {tenant: (steps,
+    p99)}, {tenant: target ms})."""
+    rows = []
+    with open(os.path.join(folder, "agent.log"), errors="replace") as log:
+        for line in log:
+            m = LINE.match(line.strip())
+            if not m:
+                continue
+            tenants = {t: (int(n), float(p99)) for t, n, _, p99 in TENANT.findall(m.group(8))}
+            targets = {t: float(ms) for t, ms, _ in TARGET.findall(m.group(8))}
+            rows.append((seconds(m.group(1)), int(m.group(3)), m.group(4) == "true", float(m.group(6)),
+                         tenants, targets))
+    return rows
+
+
+def groups(folder):
+    """The vgpu groups' schedules: (group, plan)."""
+    found = []
+    for group in sorted(os.listdir(folder)):
+        schedule = os.path.join(folder, group, "schedule.json")
+        if group.startswith("vgpu") and os.path.exists(schedule):
+            with open(schedule) as f:
+                found.append((group, json.load(f)))
+    return found
+
+
+LATENCY_WORKLOADS = ("decoder", "eager", "bert", "launches")
+
+
+def anchor(rows, plan):
+    """The agent's time of the group's first window with a latency tenant, less the schedule's
+    offset of that window: the processes keep their context idle between windows, so the first
+    trace line with steps of that tenant after a second without any is its window's settle."""
+    for w in plan["windows"]:
+        lats = [a for a in w["active"] if a in LATENCY_WORKLOADS]
+        if not lats:
+            continue
+        name = f"lat-{lats[0]}"
+        last = None
+        for t, _, _, _, tenants, _ in rows:
+            if tenants.get(name, (0, 0))[0] == 0:
+                continue
+            if last is not None and t - last >= 1.0:
+                return t - (w["start"] - plan.get("settle", 0.75))
+            last = t
+        return None
+    return None
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else "."
+    if path.endswith((".tgz", ".tar.gz")):
+        tmp = tempfile.mkdtemp()
+        with tarfile.open(path) as tar:
+            tar.extractall(tmp, filter="data")
+        path = os.path.join(tmp, "closed_loop")
+    rows = trace(path)
+    if not rows:
+        print(f"no closed-loop trace in {path}/agent.log (run with "
+              "RUST_LOG=...,vgpu_agent::closed_loop::window=debug)")
+        return 1
+    top = max(level for _, level, *_ in rows)
+    for group, plan in groups(path):
+        offset = anchor(rows, plan)
+        if offset is None:
+            print(f"{group}: its latency tenants' windows are not in the trace")
+            continue
+        print(f"== {group}: {len(plan['windows'])} windows of {plan['window']} s; levels 0-{top}")
+        print("| window | time at each level | target ms (at s into the window) | at the top: "
+              "steps, windows over the target | neighbours held |")
+        print("| --- | --- | --- | --- | --- |")
+        for w in plan["windows"]:
+            lats = [a for a in w["active"] if a in LATENCY_WORKLOADS]
+            begin = offset + w["start"]
+            inside = [r for r in rows if begin <= r[0] < begin + plan["window"]]
+            if not inside:
+                print(f"| {w['tag']} | no trace lines | | | |")
+                continue
+            levels = Counter(r[1] for r in inside)
+            shares = " ".join(f"L{lv} {n * 100 // len(inside)}%" for lv, n in sorted(levels.items())
+                              if n * 100 // len(inside))
+            changes = defaultdict(list)
+            for t, _, _, _, _, targets in inside:
+                for name, ms in targets.items():
+                    if name.removeprefix("lat-") in lats and (not changes[name] or changes[name][-1][1] != ms):
+                        changes[name].append((t - begin, ms))
+            target_text = "; ".join(
+                ", ".join(f"{ms:.2f}@{at:.1f}" for at, ms in seen) for seen in changes.values())
+            top_steps = top_over = 0
+            for _, level, _, _, tenants, targets in inside:
+                for name, (steps, p99) in tenants.items():
+                    if level == top and steps and name.removeprefix("lat-") in lats:
+                        top_steps += steps
+                        top_over += 0 < targets.get(name, 0) < p99
+            held = sum(r[3] for r in inside)
+            print(f"| {w['tag']} | {shares} | {target_text} | {top_steps}, {top_over} | {held:.0f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
