@@ -52,10 +52,9 @@
 # them. A launch-bound Python loop's p50 moved 2.2-3.3 ms between processes of one run with the
 # CPU it happened to run on, which no ratio between two processes survives), ROUNDS (3, the cost
 # modes' rounds),
-# LAT_TARGET (unset: each latency tenant's target is learnt from its own steps; a duration such as
-# 4ms gives every latency tenant that explicit target, which takes the learning out of a
-# comparison: the learnt targets of eager and bert moved with their 30% noise and with slow
-# spells at Exclusive on an H200),
+# LAT_TARGETS (e.g. "decoder=1.3ms eager=4.5ms"; a workload not named has its target learnt from
+# its own steps): explicit targets take the learning out of a comparison (the learnt targets of
+# eager and bert moved with their 30% noise and with slow spells at Exclusive on an H200),
 # PY (python3, or /opt/torch/.venv/bin/python3 where it exists), OUT (/tmp/closed-loop-out),
 # VGPU_PORT (7474), MPS_TENANTS (the agent's `--mps-tenants`: non-latency, its default, keeps the
 # latency tenants out of MPS; all makes them MPS clients too, with the SM lever), DEADLINE_S (570:
@@ -343,8 +342,9 @@ vgpu_up() { # vgpu_up [--mps]: cp once, the agent in the wanted mode, the two te
   # one latency tenant per latency workload: each has its own target, learnt from its own steps
   if [ "$PLACED" = 0 ]; then
     for l in "${LATS[@]}"; do
-      ctl place "lat-$l" --gpus 0.08 --memory 10GiB --latency ${LAT_TARGET:+--latency-target "$LAT_TARGET"} \
-        2>&1 | tee -a "$LOGS/run.log"
+      local target=() kv
+      for kv in ${LAT_TARGETS:-}; do [ "${kv%%=*}" = "$l" ] && target=(--latency-target "${kv#*=}"); done
+      ctl place "lat-$l" --gpus 0.08 --memory 10GiB --latency "${target[@]}" 2>&1 | tee -a "$LOGS/run.log"
     done
     # with the cost modes' best-effort tenant beside, the neighbour's share leaves it room (a
     # burst tenant alone uses the whole GPU whatever its share)
