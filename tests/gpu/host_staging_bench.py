@@ -22,22 +22,8 @@ import time
 
 import torch
 
-GIB = 1 << 30
-MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
-PROT_RW = 0x1 | 0x2
-MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
-CU_MEMHOSTALLOC_PORTABLE = 1
-CU_MEMHOSTREGISTER_PORTABLE = 1
-
-libc = ctypes.CDLL("libc.so.6", use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-libc.memset.restype = ctypes.c_void_p
-libc.memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-libc.memmove.restype = ctypes.c_void_p
+from hostmem import (CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MADV_NOHUGEPAGE,
+                     MAP_ANONYMOUS, MAP_PRIVATE, PROT_RW, check, libc)
 
 cu = ctypes.CDLL("libcuda.so.1")
 for name, args in {
@@ -50,11 +36,6 @@ for name, args in {
 }.items():
     getattr(cu, name).argtypes = args
     getattr(cu, name).restype = ctypes.c_int
-
-
-def check(rc, what):
-    if rc != 0:
-        raise RuntimeError(f"{what} failed: CUresult {rc}")
 
 
 def mapping(size, huge):

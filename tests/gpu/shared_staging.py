@@ -26,21 +26,10 @@ import sys
 import threading
 import time
 
-GIB = 1 << 30
-MIB = 1 << 20
-MAP_SHARED, MAP_PRIVATE, MAP_ANONYMOUS = 0x01, 0x02, 0x20
-PROT_RW = 0x1 | 0x2
-MADV_HUGEPAGE = 14
-CU_MEMHOSTREGISTER_PORTABLE = 1
-COPY_BYTES = 4 * GIB
+from hostmem import (CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MAP_SHARED, MIB,
+                     PROT_RW, check, libc)
 
-libc = ctypes.CDLL("libc.so.6", use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-libc.memset.restype = ctypes.c_void_p
+COPY_BYTES = 4 * GIB
 
 
 def cuda():
@@ -60,11 +49,6 @@ def cuda():
     check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
     check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     return cu
-
-
-def check(rc, what):
-    if rc != 0:
-        raise RuntimeError(f"{what}: CUresult {rc}")
 
 
 def device_used(cu):

@@ -27,8 +27,8 @@ TARGET = re.compile(r"(lat-[\w-]+) target ([\d.]+) violations (\d+)")
 
 def seconds(stamp):
     """A trace line's UTC time as seconds since the epoch."""
-    return datetime.strptime(stamp[:26], "%Y-%m-%dT%H:%M:%S.%f").timestamp() if "." in stamp else (
-        datetime.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S").timestamp())
+    layout = "%Y-%m-%dT%H:%M:%S.%f" if "." in stamp else "%Y-%m-%dT%H:%M:%S"
+    return datetime.strptime(stamp[:26], layout).replace(tzinfo=timezone.utc).timestamp()
 
 
 def trace(folder):
