@@ -201,10 +201,11 @@ impl BoardReserves {
             };
             let tracker = self.trackers.entry(gpu.uuid.clone()).or_default();
             let reserve = tracker.observe(now_ns, used, resident_before, resident_after);
+            let resident = resident_before.max(resident_after);
             tracing::debug!(
                 gpu = %gpu.uuid,
                 used_bytes = used,
-                resident_bytes = resident_before.max(resident_after),
+                resident_bytes = resident,
                 reserve_bytes = reserve,
                 capacity_bytes = current,
                 "memory board reserve sample"
@@ -219,7 +220,7 @@ impl BoardReserves {
             match tenant_abi::shm::set_board_capacity(&path, capacity) {
                 Ok(()) => tracing::info!(
                     gpu = %gpu.uuid,
-                    outside_bytes = used.saturating_sub(resident_before.max(resident_after)),
+                    outside_bytes = used.saturating_sub(resident),
                     reserve_bytes = reserve,
                     capacity_bytes = capacity,
                     "the GPU's memory board now lends up to its memory less {} GiB kept back: \
