@@ -122,8 +122,8 @@ SHM=/dev/shm/vgpu-closed-loop.$$
 export PYTHONUNBUFFERED=1
 
 for m in $MODES; do
-  case "$m" in alone | plain | mps | mps50 | vgpu-mps | vgpu | vgpu-mps-alone | vgpu-alone | cost | cost-mps) ;; *)
-    echo "MODES: unknown mode $m (alone plain mps mps50 vgpu-mps vgpu vgpu-mps-alone vgpu-alone cost cost-mps)" >&2
+  case "$m" in alone | plain | mps | mps50 | vgpu-mps | vgpu | vgpu-mps-alone | vgpu-alone | mps-out-alone | cost | cost-mps) ;; *)
+    echo "MODES: unknown mode $m (alone plain mps mps50 vgpu-mps vgpu vgpu-mps-alone vgpu-alone mps-out-alone cost cost-mps)" >&2
     exit 2
     ;;
   esac
