@@ -454,6 +454,14 @@ impl Region {
             .collect()
     }
 
+    /// Whether `slot` belongs to the live process `pid` (the one that claimed it: a slot being
+    /// reclaimed, freed or reused by another process is not).
+    pub fn slot_owned_by(&self, slot: usize, pid: u32, liveness: &impl Liveness) -> bool {
+        self.slots.get(slot).is_some_and(|s| {
+            pid != 0 && s.pid.load(SeqCst) == pid && liveness.is_alive(pid, s.start_time.load(SeqCst))
+        })
+    }
+
     /// The request and the limit (at least the request) of the tenant at `tenant`.
     pub fn request_and_limit(&self, tenant: usize) -> (u64, u64) {
         let entry = &self.tenants[tenant];

@@ -48,6 +48,15 @@ pub fn board_path(dir: &Path, uuid: &str) -> PathBuf {
     dir.join(format!("{uuid}.memory"))
 }
 
+/// The swap staging file of the GPU `uuid` in `dir` (`<dir>/<uuid>.staging`, `crate::slabs`).
+pub fn staging_path(dir: &Path, uuid: &str) -> PathBuf {
+    assert!(
+        !uuid.is_empty() && !uuid.contains('/'),
+        "GPU uuids never contain a path separator"
+    );
+    dir.join(format!("{uuid}.staging"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

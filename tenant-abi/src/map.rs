@@ -23,6 +23,9 @@ unsafe impl SharedRegion for crate::compute::Region {}
 // SAFETY: `board::Region` is `#[repr(C)]` and consists of `AtomicU32`/`AtomicI32`/`AtomicU64`
 // fields only.
 unsafe impl SharedRegion for crate::board::Region {}
+// SAFETY: `slabs::SlabTable` is `#[repr(C)]` and consists of `AtomicU32`/`AtomicU64` fields
+// (and one `u32` of padding, never read) only.
+unsafe impl SharedRegion for crate::slabs::SlabTable {}
 
 /// A mapping of a whole region file.
 pub struct Mapping<T: SharedRegion> {
@@ -56,11 +59,39 @@ impl<T: SharedRegion> Mapping<T> {
         Self::map(path, file, bytes, libc::PROT_READ | libc::PROT_WRITE)
     }
 
+    /// Maps the header of `file` read-write: its first `size_of::<T>()` bytes, of a file at
+    /// least `file_bytes` long (a swap staging file: `slabs::SlabTable` and the slabs after it).
+    pub fn writable_header(
+        path: &Path,
+        file: &File,
+        file_bytes: u64,
+    ) -> Result<Mapping<T>, ReadError> {
+        Self::map_checked(
+            path,
+            file,
+            std::mem::size_of::<T>(),
+            libc::PROT_READ | libc::PROT_WRITE,
+            |found| found >= file_bytes,
+            file_bytes,
+        )
+    }
+
     fn map(
         path: &Path,
         file: &File,
         bytes: usize,
         protection: libc::c_int,
+    ) -> Result<Mapping<T>, ReadError> {
+        Self::map_checked(path, file, bytes, protection, |found| found == bytes as u64, bytes as u64)
+    }
+
+    fn map_checked(
+        path: &Path,
+        file: &File,
+        bytes: usize,
+        protection: libc::c_int,
+        size_ok: impl Fn(u64) -> bool,
+        expected: u64,
     ) -> Result<Mapping<T>, ReadError> {
         assert_eq!(std::mem::size_of::<T>(), bytes, "the layout's size");
         let found = file
@@ -70,11 +101,11 @@ impl<T: SharedRegion> Mapping<T> {
                 source,
             })?
             .len();
-        if found != bytes as u64 {
+        if !size_ok(found) {
             return Err(ReadError::Size {
                 path: path.to_owned(),
                 found,
-                expected: bytes,
+                expected: expected as usize,
             });
         }
         // SAFETY: a fresh shared mapping of an open file that is `bytes` long; the kernel picks
@@ -120,4 +151,17 @@ impl<T: SharedRegion> Drop for Mapping<T> {
         let result = unsafe { libc::munmap(self.address, self.bytes) };
         debug_assert_eq!(result, 0, "munmap of our own mapping");
     }
+}
+
+/// Gives `file` its pages for its first `bytes` (`fallocate`): a shared-memory file's pages are
+/// then resident for the file's life, so that processes registering it later fault nothing.
+pub fn allocate(file: &File, bytes: u64) -> std::io::Result<()> {
+    let len = libc::off_t::try_from(bytes)
+        .map_err(|_| std::io::Error::other(format!("{bytes} bytes is too large a file")))?;
+    // SAFETY: a plain system call on an open descriptor, with no pointer arguments.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }

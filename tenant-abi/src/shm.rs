@@ -249,6 +249,129 @@ fn create_region<R: map::SharedRegion>(
     made
 }
 
+/// The size of a GPU's swap staging file for a staging budget of `budget_bytes`
+/// (`crate::slabs`): the slab table, then as many whole slabs as the budget holds.
+pub fn staging_file_bytes(budget_bytes: u64) -> u64 {
+    let slab = crate::slabs::slab_bytes_for(budget_bytes);
+    let count = (budget_bytes / slab).min(crate::slabs::SLABS_MAX as u64);
+    crate::slabs::SlabTable::data_offset() + count * slab
+}
+
+/// Creates the swap staging file of a GPU at `path` for `budget_bytes` (the GPU's share of the
+/// node's `swap_host_memory`), its slab table initialised and every slab free, unless a file of
+/// that budget is there. `Ok(true)`: created (its pages are not allocated yet:
+/// [`allocate_staging`]). A file of another size (another budget or version) is an error that
+/// [`ReadError::is_other_version`] recognises: the agent replaces it. No file for a budget of
+/// less than one slab.
+pub fn create_staging(path: &Path, budget_bytes: u64) -> Result<bool, ReadError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let bytes = staging_file_bytes(budget_bytes);
+    if path.exists() {
+        let file = std::fs::File::open(path).map_err(|source| ReadError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+        let found = file
+            .metadata()
+            .map_err(|source| ReadError::Open {
+                path: path.to_owned(),
+                source,
+            })?
+            .len();
+        if found != bytes {
+            return Err(ReadError::Size {
+                path: path.to_owned(),
+                found,
+                expected: bytes as usize,
+            });
+        }
+        return Ok(false);
+    }
+    let open_error = |path: &Path| {
+        let path = path.to_owned();
+        move |source| ReadError::Open { path, source }
+    };
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(format!(".tmp.{}", std::process::id()));
+    let temporary = PathBuf::from(temporary);
+    let _ = std::fs::remove_file(&temporary);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o666)
+        .open(&temporary)
+        .map_err(open_error(&temporary))?;
+    let made = (|| {
+        file.set_permissions(std::fs::Permissions::from_mode(0o666))
+            .map_err(open_error(&temporary))?;
+        file.set_len(bytes).map_err(open_error(&temporary))?;
+        let mapping =
+            map::Mapping::<crate::slabs::SlabTable>::writable_header(&temporary, &file, bytes)?;
+        mapping.region().initialise(budget_bytes);
+        drop(mapping);
+        match std::fs::hard_link(&temporary, path) {
+            Ok(()) => Ok(true),
+            Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            Err(error) => Err(open_error(path)(error)),
+        }
+    })();
+    let _ = std::fs::remove_file(&temporary);
+    made
+}
+
+/// Allocates every page of the staging file at `path` (the agent, once, in the background:
+/// 4 KiB shared-memory pages fault at about 4 GB/s, so a process registering the file later
+/// does not pay for them). An error (a full `/dev/shm`) says the file cannot hold its budget:
+/// the agent removes it, and processes pin their own staging as before.
+pub fn allocate_staging(path: &Path) -> Result<(), ReadError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|source| ReadError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+    let bytes = file
+        .metadata()
+        .map_err(|source| ReadError::Open {
+            path: path.to_owned(),
+            source,
+        })?
+        .len();
+    map::allocate(&file, bytes).map_err(|source| ReadError::Map {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Frees the slabs of the staging file at `staging` held by processes that no longer own their
+/// slot on the GPU's board at `board` (dead, or their slot reclaimed and reused); returns how
+/// many. The agent's sampling calls it after the board's dead-slot reclaim.
+pub fn reclaim_staging(staging: &Path, board_path: &Path) -> Result<usize, ReadError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(staging)
+        .map_err(|source| ReadError::Open {
+            path: staging.to_owned(),
+            source,
+        })?;
+    let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(staging, &file, 0)?;
+    let board = map::Mapping::<board::Region>::open(board_path, board::REGION_BYTES)?;
+    let region = board.region();
+    checked(board_path, region.is_initialised(), region.check_layout())?;
+    if table.region().geometry().is_err() {
+        return Ok(0);
+    }
+    Ok(table.region().reclaim(|token| {
+        crate::slabs::token_owner(token).is_none_or(|(slot, pid)| {
+            !region.slot_owned_by(slot, pid, &crate::ProcLiveness)
+        })
+    }))
+}
+
 #[cfg(test)]
 #[path = "shm_test.rs"]
 mod tests;

@@ -14,6 +14,7 @@ fn gpu(capacity: u64) -> crate::board::GpuSpec {
 }
 
 const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
 
 fn me() -> (u32, u64) {
     (std::process::id(), ledger::own_start_time())
@@ -231,4 +232,55 @@ fn sampling_a_board_reclaims_dead_processes_and_reports_each_tenant() {
     );
     let (_, again) = sample_board(&path).unwrap();
     assert_eq!(again, 0, "nothing left to reclaim");
+}
+
+#[test]
+fn a_staging_file_is_made_once_per_budget_and_a_dead_owners_slabs_come_back() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = crate::layout::staging_path(directory.path(), "GPU-1");
+    let budget = 256 * MIB + 10 * MIB;
+    assert!(create_staging(&path, budget).unwrap());
+    let bytes = std::fs::metadata(&path).unwrap().len();
+    assert_eq!(bytes, crate::slabs::SlabTable::data_offset() + 4 * 64 * MIB);
+    assert_eq!(bytes, staging_file_bytes(budget));
+    assert!(!create_staging(&path, budget).unwrap(), "there already");
+    let other = create_staging(&path, 2 * budget).unwrap_err();
+    assert!(other.is_other_version(), "{other}");
+    allocate_staging(&path).unwrap();
+
+    // A slot of this process on the board, and slabs claimed by it and by a process that
+    // never owned a slot.
+    let board_path = crate::layout::board_path(directory.path(), "GPU-1");
+    create_board(&board_path).unwrap();
+    let gpu = board::GpuSpec {
+        capacity_bytes: 10 * GIB,
+        staging_budget_bytes: budget,
+    };
+    let spec = board::TenantSpec {
+        name: "a".into(),
+        request_bytes: GIB,
+        limit_bytes: 2 * GIB,
+        priority: 0,
+        guaranteed: true,
+    };
+    write_board(&board_path, gpu, &[spec]).unwrap();
+    let mapping = map::Mapping::<board::Region>::writable(
+        &board_path,
+        &std::fs::OpenOptions::new().read(true).write(true).open(&board_path).unwrap(),
+        board::REGION_BYTES,
+    )
+    .unwrap();
+    let (pid, start_time) = me();
+    let slot = board::Board::new(mapping.region(), crate::ProcLiveness)
+        .claim_slot(pid, start_time, 0)
+        .unwrap();
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(&path, &file, bytes).unwrap();
+    let mine = crate::slabs::owner_token(slot, pid);
+    let gone = crate::slabs::owner_token(slot + 1, pid);
+    assert!(table.region().claim_run(mine, 2).is_some());
+    assert!(table.region().claim_run(gone, 1).is_some());
+    assert_eq!(reclaim_staging(&path, &board_path).unwrap(), 1);
+    assert_eq!(table.region().owned_by(mine), 2);
+    assert_eq!(table.region().free(), 2);
 }

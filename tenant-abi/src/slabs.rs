@@ -2,8 +2,8 @@
 //! one staging pool per GPU"): the `#[repr(C)]` header of a file of pinned host memory that every
 //! process of the GPU maps and registers once, cut into slabs that a swap-out claims and a
 //! swap-in frees. A chunk's staging is a list of slabs, not one buffer, so the pool never
-//! fragments; 64 MiB copies run at the host link's rate (`tests/gpu/shared_staging.py`). Not wired
-//! into the interposer or the agent yet.
+//! fragments; 64 MiB copies run at the host link's rate (`tests/gpu/shared_staging.py`). The agent creates the file (`crate::shm::create_staging`),
+//! the interposer claims runs of slabs in it.
 //!
 //! **Protocol.** Each slab has an owner word: 0 free, else the claimer's token (non-zero, chosen
 //! by the caller: a board slot and its process's start, so that a slot reused by a new process is
@@ -62,6 +62,20 @@ pub enum SlabError {
 pub fn slab_bytes_for(budget_bytes: u64) -> u64 {
     let per = budget_bytes.div_ceil(SLABS_MAX as u64);
     per.max(SLAB_BYTES_MIN).div_ceil(SLAB_ALIGN) * SLAB_ALIGN
+}
+
+/// The owner token of the process in board slot `slot` (`crate::board::SLOTS` of them) with
+/// `pid`: the slot says where to look, the pid whether the slot still belongs to that process
+/// ([`token_owner`]; a slot reused by another process is another owner).
+pub fn owner_token(slot: usize, pid: u32) -> u64 {
+    assert!(slot < 0xffff, "slot {slot}");
+    (u64::from(pid) << 32) | (slot as u64 + 1)
+}
+
+/// The board slot and pid of an owner token ([`owner_token`]); `None` for a token no slot made.
+pub fn token_owner(token: u64) -> Option<(usize, u32)> {
+    let slot = (token & 0xffff) as usize;
+    (slot != 0 && token >> 16 & 0xffff == 0).then(|| (slot - 1, (token >> 32) as u32))
 }
 
 impl SlabTable {
@@ -164,6 +178,57 @@ impl SlabTable {
         first_wrong.map_or(Ok(()), Err)
     }
 
+    /// Claims `count` free slabs in a row for `owner` (non-zero): the first one's index, or
+    /// `None` when no run that long is free now (nothing stays claimed). A chunk's staging is
+    /// one run, so that its copies go to one contiguous range of the file (a copy may not span
+    /// two registrations, and the file is registered as one). One pass over the table; a run
+    /// that another claimer takes a slab of meanwhile is given back and the search goes on
+    /// past that slab.
+    pub fn claim_run(&self, owner: u64, count: usize) -> Option<usize> {
+        assert_ne!(owner, 0, "an owner token is non-zero");
+        let slabs = self.slabs();
+        if count == 0 || count > slabs.len() {
+            return None;
+        }
+        let start = self.hint.fetch_add(count as u64, Ordering::Relaxed) as usize % slabs.len();
+        // Runs never wrap (the file's end is not contiguous with its start): first from `start`
+        // to the end, then from 0 up to `start`.
+        let (mut first, mut wrapped) = (start, false);
+        loop {
+            if first + count > slabs.len() {
+                if wrapped || start == 0 {
+                    return None;
+                }
+                (first, wrapped) = (0, true);
+            }
+            if wrapped && first >= start {
+                return None;
+            }
+            let mut taken = 0;
+            while taken < count
+                && slabs[first + taken]
+                    .compare_exchange(0, owner, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            {
+                taken += 1;
+            }
+            if taken == count {
+                return Some(first);
+            }
+            for slab in &slabs[first..first + taken] {
+                slab.store(0, Ordering::Release);
+            }
+            // The slab at `first + taken` is someone's: no run goes through it.
+            first += taken + 1;
+        }
+    }
+
+    /// Frees the run of `count` slabs from `first`, all owned by `owner` ([`SlabTable::claim_run`]).
+    pub fn release_run(&self, owner: u64, first: usize, count: usize) -> Result<(), SlabError> {
+        let indices: Vec<usize> = (first..first.saturating_add(count)).collect();
+        self.release(owner, &indices)
+    }
+
     /// Frees every slab whose owner `is_dead` says is gone; returns how many.
     pub fn reclaim(&self, is_dead: impl Fn(u64) -> bool) -> usize {
         self.slabs()
@@ -202,6 +267,79 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
     const MIB: u64 = 1 << 20;
+
+    fn table(slabs: u64) -> Box<SlabTable> {
+        let table = SlabTable::new_boxed();
+        table.initialise(slabs * 64 * MIB);
+        table
+    }
+
+    #[test]
+    fn a_run_is_contiguous_and_only_where_every_slab_is_free() {
+        let t = table(8);
+        let a = t.claim_run(1, 3).expect("8 free");
+        assert_eq!(t.owned_by(1), 3);
+        let b = t.claim_run(2, 3).expect("5 free");
+        assert!(a + 3 <= b || b + 3 <= a, "{a} {b}");
+        // 2 left, maybe not next to each other: a run of 3 is refused and nothing stays claimed.
+        assert_eq!(t.claim_run(3, 3), None);
+        assert_eq!(t.owned_by(3), 0);
+        assert_eq!(t.free(), 2);
+        t.release_run(1, a, 3).unwrap();
+        assert_eq!(t.release_run(2, a, 1), Err(SlabError::NotOwner { index: a, owner: 0 }));
+        assert_eq!(t.claim_run(4, 9), None, "longer than the table");
+        assert_eq!(t.claim_run(4, 0), None);
+    }
+
+    #[test]
+    fn a_run_is_found_between_taken_slabs_whatever_the_hint() {
+        for hint in 0..10 {
+            let t = table(10);
+            // Taken: 0, 4, 5, 9; free runs: 1..4 (3) and 6..9 (3).
+            for i in [0, 4, 5, 9] {
+                t.owners[i].store(99, Ordering::Relaxed);
+            }
+            t.hint.store(hint, Ordering::Relaxed);
+            let first = t.claim_run(1, 3).expect("a free run of 3");
+            assert!(first == 1 || first == 6, "hint {hint}: {first}");
+            assert_eq!(t.claim_run(2, 4), None, "hint {hint}");
+        }
+    }
+
+    #[test]
+    fn concurrent_runs_never_overlap() {
+        let t: std::sync::Arc<SlabTable> = std::sync::Arc::from(table(64));
+        let threads: Vec<_> = (1..=8u64)
+            .map(|owner| {
+                let t = t.clone();
+                std::thread::spawn(move || {
+                    let mut held = 0;
+                    for round in 0..200 {
+                        if let Some(first) = t.claim_run(owner, 1 + (round % 4)) {
+                            for i in first..first + 1 + (round % 4) {
+                                assert_eq!(t.owners[i].load(Ordering::Acquire), owner);
+                            }
+                            t.release_run(owner, first, 1 + (round % 4)).unwrap();
+                            held += 1;
+                        }
+                    }
+                    held
+                })
+            })
+            .collect();
+        let claimed: usize = threads.into_iter().map(|h| h.join().unwrap()).sum();
+        assert!(claimed > 0);
+        assert_eq!(t.free(), 64);
+    }
+
+    #[test]
+    fn a_token_names_its_slot_and_pid() {
+        let token = owner_token(511, 4_000_000);
+        assert_eq!(token_owner(token), Some((511, 4_000_000)));
+        assert_eq!(token_owner(owner_token(0, 1)), Some((0, 1)));
+        assert_eq!(token_owner(0), None);
+        assert_eq!(token_owner(1 << 20), None);
+    }
 
     #[test]
     fn slab_sizes_follow_the_budget() {
