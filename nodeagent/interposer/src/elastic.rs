@@ -39,6 +39,8 @@ pub enum Borrow<'a> {
 pub struct DeviceBoard {
     pub board: Board<'static, ProcLiveness>,
     pub tenant: usize,
+    /// The GPU's shared swap staging file, when the agent keeps one (mapped, not registered).
+    pub staging: Option<crate::shm::StagingFile>,
 }
 
 impl DeviceBoard {
@@ -63,9 +65,14 @@ pub fn open(
             "the memory board of GPU {uuid} does not describe tenant {tenant}"
         ));
     };
+    let staging = crate::shm::open_staging(shm_dir, uuid).unwrap_or_else(|e| {
+        crate::log::error(format_args!("{e}; this process pins its own swap staging"));
+        None
+    });
     Ok(Some(DeviceBoard {
         board: Board::new(region, ProcLiveness),
         tenant: index,
+        staging,
     }))
 }
 

@@ -1235,6 +1235,14 @@ impl Enforcer {
             return;
         };
         for (device, board, slot, chunks) in plans {
+            // The GPU's shared staging file, registered on a thread of its own from the first
+            // borrow on; once it is, swap-outs claim its slabs and nothing is pinned ahead.
+            if let (Some(file), Some(driver)) = (board.staging, crate::real::driver()) {
+                crate::staging::register_shared(driver, device, file, slot, context);
+            }
+            if crate::staging::shared_ready(device) {
+                continue;
+            }
             let region = board.board.region;
             let mine = region.slots[slot]
                 .staging_bytes

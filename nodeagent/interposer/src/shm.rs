@@ -117,6 +117,77 @@ pub fn open_board(shm_dir: &Path, uuid: &str) -> Result<Option<&'static board::R
     Ok(Some(region))
 }
 
+/// A GPU's swap staging file mapped whole (`tenant_abi::slabs`): its slab table and the slabs.
+#[derive(Clone, Copy)]
+pub struct StagingFile {
+    pub table: &'static tenant_abi::slabs::SlabTable,
+    /// The address of the first slab, and the bytes of all of them.
+    pub data: usize,
+    pub data_bytes: u64,
+    pub slab_bytes: u64,
+}
+
+/// Maps the swap staging file of the GPU `uuid` (`<shm_dir>/<uuid>.staging`) if the agent put
+/// one there (`VGPU_AGENT_SHARED_STAGING=1`): `Ok(None)` when there is none (the process pins its
+/// own staging). Maps only; the pages are registered later, off the critical path
+/// (`staging::register_shared`).
+pub fn open_staging(shm_dir: &Path, uuid: &str) -> Result<Option<StagingFile>, String> {
+    let path = tenant_abi::layout::staging_path(shm_dir, uuid);
+    let shown = path.display();
+    let file = match OpenOptions::new().read(true).write(true).open(&path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot open the swap staging file {shown}: {e}")),
+    };
+    let len = file
+        .metadata()
+        .map_err(|e| format!("cannot read the size of {shown}: {e}"))?
+        .len();
+    let offset = tenant_abi::slabs::SlabTable::data_offset();
+    if len <= offset {
+        return Err(format!("the swap staging file {shown} holds no slab ({len} bytes)"));
+    }
+    let bytes = usize::try_from(len).map_err(|_| format!("{shown} is too large to map"))?;
+    // SAFETY: a fresh shared mapping of the whole open file; the kernel picks the address.
+    // Failure is MAP_FAILED, checked below.
+    let address = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if address == libc::MAP_FAILED {
+        return Err(format!(
+            "cannot map the swap staging file {shown}: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: the mapping is page-aligned, at least `size_of::<SlabTable>()` long (the data
+    // offset is past it), readable and writable, and lives until exit; `SlabTable` consists of
+    // atomics (and padding never read), for which every bit pattern is valid.
+    let table: &'static tenant_abi::slabs::SlabTable = unsafe { &*address.cast() };
+    let (slab_bytes, count) = table
+        .geometry()
+        .map_err(|e| format!("{shown}: {e}"))?;
+    let data_bytes = slab_bytes * count as u64;
+    if count == 0 || offset + data_bytes > len {
+        return Err(format!(
+            "the swap staging file {shown} ({len} bytes) does not hold its {count} slabs of \
+             {slab_bytes} bytes: the agent and this process are of two vgpu versions"
+        ));
+    }
+    Ok(Some(StagingFile {
+        table,
+        data: address as usize + offset as usize,
+        data_bytes,
+        slab_bytes,
+    }))
+}
+
 /// Creates `path` exclusively with `mode` (whatever the umask) and size `bytes`, or opens the
 /// existing file; says whether it was created.
 fn create_or_open(

@@ -55,6 +55,9 @@ pub struct Buffer {
     /// Memory this module mapped and pinned with `cuMemHostRegister` (freed by unregistering and
     /// unmapping it); else `cuMemHostAlloc`'s (freed by `cuMemFreeHost`).
     pub registered: bool,
+    /// A run of slabs of the GPU's shared staging file ([`register_shared`]; freed by giving the
+    /// slabs back): neither of the above.
+    pub shared: bool,
 }
 
 /// The idle buffers of one GPU's pool, each with when it went idle and whether it is kept warm
@@ -271,6 +274,9 @@ pub fn acquire(
     counters: &mut impl Counters,
 ) -> Result<Acquired, Unavailable> {
     assert!(device < DEVICES_MAX && bytes > 0);
+    // In the shared file a chunk takes whole slabs: those are what it reserves and holds.
+    let chunk_bytes = bytes;
+    let bytes = staged_bytes(device, bytes);
     let size = usize::try_from(bytes).expect("a chunk fits the address space");
     if !can_register(driver) && !can_host_alloc(driver) {
         return Err(Unavailable::Driver(CUDA_ERROR_NOT_SUPPORTED));
@@ -288,7 +294,7 @@ pub fn acquire(
     loop {
         {
             let mut pools = pools();
-            let taken = pools.pools[device].take(bytes);
+            let taken = pools.pools[device].take(chunk_bytes);
             publish(&pools);
             if let Some(buffer) = taken {
                 return Ok(Acquired {
@@ -322,6 +328,26 @@ pub fn acquire(
     }
     let waited_for = began_waiting.elapsed();
     let began = std::time::Instant::now();
+    if let Some(buffer) = claim_shared(device, bytes) {
+        return Ok(Acquired {
+            buffer,
+            pinning: std::time::Duration::ZERO,
+            waited: waited_for,
+        });
+    }
+    if shared_ready(device) {
+        // Reserved, but no run of slabs that long is free (the file's free slabs are scattered,
+        // or a dead process's are not reclaimed yet): this chunk's own staging, as without the
+        // file, within the same reservation.
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            crate::log::debug(format_args!(
+                "no run of {} free in the GPU's shared swap staging: pinning this chunk's own \
+                 (said once)",
+                crate::elastic::human(bytes)
+            ))
+        });
+    }
     match pin(driver, size) {
         Ok(buffer) => Ok(Acquired {
             buffer,
@@ -333,6 +359,152 @@ pub fn acquire(
             Err(Unavailable::Driver(rc))
         }
     }
+}
+
+/// This process's registration of a GPU's shared staging file (`shm::StagingFile`), once it
+/// is registered: a swap-out's staging is then a run of its slabs, claimed in one pass over the
+/// table, with nothing to pin and nothing to unpin.
+#[derive(Clone, Copy)]
+struct SharedPool {
+    file: crate::shm::StagingFile,
+    /// This process's owner token (`tenant_abi::slabs::owner_token`: its board slot and pid).
+    owner: u64,
+    pid: u32,
+}
+
+const SHARED_NONE: u8 = 0;
+const SHARED_REGISTERING: u8 = 1;
+const SHARED_READY: u8 = 2;
+const SHARED_FAILED: u8 = 3;
+
+/// Per GPU: where this process's registration of the shared staging file stands.
+static SHARED_STATE: [std::sync::atomic::AtomicU8; DEVICES_MAX] =
+    [const { std::sync::atomic::AtomicU8::new(SHARED_NONE) }; DEVICES_MAX];
+static SHARED: [OnceLock<SharedPool>; DEVICES_MAX] = [const { OnceLock::new() }; DEVICES_MAX];
+
+/// The GPU's shared staging, when this process registered it (not in a child after `fork`: the
+/// registration and the owner token are the parent's).
+fn shared(device: usize) -> Option<&'static SharedPool> {
+    SHARED
+        .get(device)?
+        .get()
+        .filter(|pool| pool.pid == std::process::id())
+}
+
+/// Whether swap-outs on `device` stage in the GPU's shared file (then nothing is pinned ahead).
+pub fn shared_ready(device: usize) -> bool {
+    shared(device).is_some()
+}
+
+/// Registers the GPU's shared staging file `file` for this process (board slot `slot`) on a
+/// thread of its own, once per process and GPU, with `context` made current there: about 1.7 s
+/// for 16 GiB on an H200 (`tests/gpu/shared_staging.py`), so never on a swap's path. The whole
+/// file is one registration, so that a copy may span slabs of a run. Until it is done (or if it
+/// fails, said once), swap-outs pin their own staging as before.
+pub fn register_shared(
+    driver: &'static Driver,
+    device: usize,
+    file: crate::shm::StagingFile,
+    slot: usize,
+    context: usize,
+) {
+    let Some(state) = SHARED_STATE.get(device) else {
+        return;
+    };
+    if state
+        .compare_exchange(SHARED_NONE, SHARED_REGISTERING, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return;
+    }
+    let (Some(register), Some(set_current)) =
+        (driver.fns.mem_host_register, driver.fns.ctx_set_current)
+    else {
+        state.store(SHARED_FAILED, Ordering::SeqCst);
+        return;
+    };
+    let pid = std::process::id();
+    let spawned = std::thread::Builder::new()
+        .name("vgpu-staging-register".into())
+        .spawn(move || {
+            let began = std::time::Instant::now();
+            let bytes = usize::try_from(file.data_bytes).unwrap_or(usize::MAX);
+            // SAFETY: `context` is a context of this process (the watcher's current one); making
+            // it current on this thread takes no pointer. `file.data..+data_bytes` is the
+            // staging file's slabs, mapped shared for the process's life (`shm::open_staging`)
+            // and registered once here (never unregistered: the process's end undoes it).
+            let rc = unsafe {
+                if set_current(context as CUcontext) != CUDA_SUCCESS {
+                    CUDA_ERROR_INVALID_CONTEXT
+                } else {
+                    register(file.data as *mut c_void, bytes, CU_MEMHOSTREGISTER_PORTABLE)
+                }
+            };
+            if rc == CUDA_SUCCESS {
+                let owner = tenant_abi::slabs::owner_token(slot, pid);
+                let _ = SHARED[device].set(SharedPool { file, owner, pid });
+                state.store(SHARED_READY, Ordering::SeqCst);
+                crate::log::debug(format_args!(
+                    "device {device}: the GPU's shared swap staging ({}) registered in {:.2} s; \
+                     swap-outs stage in its slabs",
+                    crate::elastic::human(file.data_bytes),
+                    began.elapsed().as_secs_f64()
+                ));
+            } else {
+                state.store(SHARED_FAILED, Ordering::SeqCst);
+                crate::log::error(format_args!(
+                    "device {device}: registering the GPU's shared swap staging ({}) failed \
+                     ({rc}); this process pins its own staging",
+                    crate::elastic::human(file.data_bytes)
+                ));
+            }
+        });
+    if spawned.is_err() {
+        state.store(SHARED_FAILED, Ordering::SeqCst);
+    }
+}
+
+/// The bytes a chunk of `bytes` reserves on `device`: whole slabs when it stages in the shared
+/// file, else its own size.
+fn staged_bytes(device: usize, bytes: u64) -> u64 {
+    shared(device).map_or(bytes, |pool| bytes.div_ceil(pool.file.slab_bytes) * pool.file.slab_bytes)
+}
+
+/// A run of slabs holding `bytes` (a multiple of the slab size) in the GPU's shared staging,
+/// if one is free now.
+fn claim_shared(device: usize, bytes: u64) -> Option<Buffer> {
+    let pool = shared(device)?;
+    let slab = pool.file.slab_bytes;
+    let count = usize::try_from(bytes / slab).ok()?;
+    let first = pool.file.table.claim_run(pool.owner, count)?;
+    Some(Buffer {
+        host: pool.file.data + first * slab as usize,
+        bytes,
+        registered: false,
+        shared: true,
+    })
+}
+
+/// Gives a shared buffer's slabs back to the GPU's file.
+fn release_shared(device: usize, buffer: Buffer) {
+    let Some(pool) = shared(device) else {
+        return;
+    };
+    let slab = pool.file.slab_bytes as usize;
+    let first = (buffer.host - pool.file.data) / slab;
+    let count = (buffer.bytes / slab as u64) as usize;
+    if let Err(e) = pool.file.table.release_run(pool.owner, first, count) {
+        crate::log::error(format_args!("giving shared swap staging back: {e}"));
+    }
+}
+
+/// The GPU whose shared file holds `buffer`.
+fn shared_device(buffer: Buffer) -> Option<usize> {
+    (0..DEVICES_MAX).find(|&device| {
+        shared(device).is_some_and(|pool| {
+            (pool.file.data..pool.file.data + pool.file.data_bytes as usize).contains(&buffer.host)
+        })
+    })
 }
 
 fn can_register(driver: &Driver) -> bool {
@@ -365,6 +537,7 @@ fn pin(driver: &Driver, size: usize) -> Result<Buffer, CUresult> {
                 host,
                 bytes: size as u64,
                 registered: true,
+                shared: false,
             });
         }
         unmap(host, size);
@@ -398,6 +571,7 @@ fn pin(driver: &Driver, size: usize) -> Result<Buffer, CUresult> {
         host: host as usize,
         bytes: size as u64,
         registered: false,
+        shared: false,
     })
 }
 
@@ -662,6 +836,12 @@ fn free_taken(
 /// Unpinned and freed the way it was pinned, then the staging released on the board: the
 /// reservation outlives the memory by the call, never the other way round.
 fn really_free(driver: &Driver, buffer: Buffer, counters: &mut impl Counters) {
+    if buffer.shared {
+        // Slabs of the shared file: given back, nothing unpinned.
+        release_shared(shared_device(buffer).unwrap_or(0), buffer);
+        counters.release_staging(buffer.bytes);
+        return;
+    }
     let host = buffer.host as *mut c_void;
     let size = usize::try_from(buffer.bytes).expect("a buffer fits the address space");
     // SAFETY: `buffer` came from `pin` in `acquire`, was taken out of the pool (so no chunk and
@@ -703,6 +883,7 @@ mod tests {
             host,
             bytes,
             registered: false,
+            shared: false,
         }
     }
 

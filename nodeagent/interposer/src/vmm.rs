@@ -56,6 +56,8 @@ struct Backed {
     staging_bytes: u64,
     /// The staging was pinned by `cuMemHostRegister` (else `cuMemHostAlloc`): how it is freed.
     staging_registered: bool,
+    /// The staging is a run of slabs of the GPU's shared staging file (`staging::Buffer`).
+    staging_shared: bool,
     /// A copy of it did not complete within its bound (`COPY_WAIT_BASE_MS`): its mapping and
     /// staging may still be in use by the copy engine, so neither is touched again, and the
     /// swap leaves it where it is (logged).
@@ -242,6 +244,7 @@ pub unsafe fn alloc(
             staging: 0,
             staging_bytes: 0,
             staging_registered: false,
+            staging_shared: false,
             stranded: false,
         },
     );
@@ -302,6 +305,7 @@ pub fn free(driver: &Driver, address: CUdeviceptr) -> Option<CUresult> {
                 host: found.staging,
                 bytes: found.staging_bytes,
                 registered: found.staging_registered,
+                shared: found.staging_shared,
             },
         );
         // SAFETY: the range was reserved by `alloc` with `found.size` bytes and is unmapped.
@@ -680,6 +684,7 @@ impl SwapBacking<'_> {
                 entry.staging = q.buffer.host;
                 entry.staging_bytes = q.buffer.bytes;
                 entry.staging_registered = q.buffer.registered;
+                entry.staging_shared = q.buffer.shared;
             }
             results[q.index] = Some(OutResult::Moved);
             if let Some(piece) = landing.count_every {
@@ -884,6 +889,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
                         host: found.staging,
                         bytes: found.staging_bytes,
                         registered: found.staging_registered,
+                shared: found.staging_shared,
                     },
                     handle,
                 }),
@@ -939,6 +945,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
             entry.staging = 0;
             entry.staging_bytes = 0;
             entry.staging_registered = false;
+            entry.staging_shared = false;
             results[q.index] = Some(Ok(()));
         }
         let results: Vec<Result<(), SwapError>> = results

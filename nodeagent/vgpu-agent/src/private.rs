@@ -92,6 +92,11 @@ impl Layout {
         tenant_abi::layout::board_path(&self.root.join("gpus"), uuid)
     }
 
+    /// The GPU's swap staging file (`tenant_abi::slabs`), beside its board.
+    pub fn staging(&self, uuid: &str) -> PathBuf {
+        tenant_abi::layout::staging_path(&self.root.join("gpus"), uuid)
+    }
+
     fn node_activity(&self) -> PathBuf {
         self.root.join("node").join(NCCL_ACTIVITY_FILE)
     }
@@ -389,6 +394,18 @@ pub fn publish_boards(
             });
             continue;
         }
+        let staging = shared_staging_on()
+            .then(|| publish_staging(layout, uuid, staging_budget_bytes))
+            .and_then(|made| match made {
+                Ok(path) => path,
+                Err(message) => {
+                    problems.push(PrivateError::Board {
+                        uuid: uuid.clone(),
+                        message,
+                    });
+                    None
+                }
+            });
         // Linked into the directory of each tenant on the GPU, as its compute schedule is
         // (`prepare` unlinks the boards of GPUs a tenant left).
         for spec in &specs {
@@ -399,9 +416,79 @@ pub fn publish_boards(
             if let Err(error) = link(&path, &tenant_abi::layout::board_path(&tenant_dir, uuid)) {
                 problems.push(error);
             }
+            if let Some(staging) = &staging
+                && let Err(error) =
+                    link(staging, &tenant_abi::layout::staging_path(&tenant_dir, uuid))
+            {
+                problems.push(error);
+            }
         }
     }
     problems
+}
+
+/// Whether the node keeps one swap staging file per GPU that its tenants' processes share
+/// (`VGPU_AGENT_SHARED_STAGING=1`; docs/design/elastic-memory.md, "One staging pool per GPU").
+/// Off by default until it is measured on more machines: the file holds the GPU's whole
+/// staging budget in shared memory (`/dev/shm` must have room for `swap_host_memory`).
+pub fn shared_staging_on() -> bool {
+    std::env::var_os(SHARED_STAGING_ENV).is_some_and(|value| value == "1")
+}
+
+/// The switch of [`shared_staging_on`].
+pub const SHARED_STAGING_ENV: &str = "VGPU_AGENT_SHARED_STAGING";
+
+/// Creates the GPU's swap staging file for `budget_bytes` (replacing one of another budget or
+/// version) and allocates its pages in the background, once per file; `Ok(None)` when the budget
+/// holds no slab. A file whose pages cannot be allocated (a full `/dev/shm`) is removed again,
+/// with a warning: processes then pin their own staging, as without the file.
+fn publish_staging(
+    layout: &Layout,
+    uuid: &str,
+    budget_bytes: u64,
+) -> Result<Option<PathBuf>, String> {
+    if budget_bytes < tenant_abi::slabs::SLAB_BYTES_MIN {
+        return Ok(None);
+    }
+    let path = layout.staging(uuid);
+    let created = match tenant_abi::shm::create_staging(&path, budget_bytes) {
+        Err(error) if error.is_other_version() => {
+            tracing::warn!(
+                "GPU {uuid}: replacing its swap staging file ({error}); processes started before \
+                 keep the old one until they exit"
+            );
+            std::fs::remove_file(&path)
+                .map_err(|error| format!("cannot remove {}: {error}", path.display()))?;
+            tenant_abi::shm::create_staging(&path, budget_bytes).map_err(|e| e.to_string())?
+        }
+        other => other.map_err(|e| e.to_string())?,
+    };
+    if created {
+        let (uuid, path) = (uuid.to_owned(), path.clone());
+        std::thread::Builder::new()
+            .name("vgpu-staging".into())
+            .spawn(move || {
+                let began = std::time::Instant::now();
+                match tenant_abi::shm::allocate_staging(&path) {
+                    Ok(()) => tracing::info!(
+                        "GPU {uuid}: swap staging file {} allocated ({:.1} GiB in {:.1} s)",
+                        path.display(),
+                        budget_bytes as f64 / (1u64 << 30) as f64,
+                        began.elapsed().as_secs_f64()
+                    ),
+                    Err(error) => {
+                        tracing::warn!(
+                            "GPU {uuid}: the swap staging file cannot hold its budget ({error}); \
+                             removed: tenant processes pin their own staging (give /dev/shm room \
+                             for swap_host_memory, or unset {SHARED_STAGING_ENV})"
+                        );
+                        let _ = std::fs::remove_file(&path);
+                    }
+                }
+            })
+            .map_err(|error| format!("cannot start the staging file's allocation: {error}"))?;
+    }
+    Ok(Some(path))
 }
 
 /// Creates `path` (and its parents) if missing and sets `mode`.
@@ -500,6 +587,7 @@ fn tenant_directory(
         if let Some(uuid) = name
             .strip_suffix(".compute")
             .or_else(|| name.strip_suffix(".memory"))
+            .or_else(|| name.strip_suffix(".staging"))
             && !gpus.contains(uuid)
         {
             let stale = entry.path();

@@ -141,6 +141,19 @@ pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, V
                 match tenant_abi::shm::sample_board(&layout.board(&slice.gpu_uuid)) {
                     Ok((tenants, _reclaimed)) => {
                         files.boards.insert(slice.gpu_uuid.clone(), tenants);
+                        // The shared staging's slabs of processes whose slots the sample just
+                        // reclaimed (their board staging is zeroed with the slot).
+                        let staging = layout.staging(&slice.gpu_uuid);
+                        match tenant_abi::shm::reclaim_staging(
+                            &staging,
+                            &layout.board(&slice.gpu_uuid),
+                        ) {
+                            Ok(_) => {}
+                            Err(error) if error.is_not_found() => {}
+                            Err(error) => {
+                                problems.push(format!("GPU {}: {error}", slice.gpu_uuid))
+                            }
+                        }
                     }
                     Err(error) if error.is_not_found() => {}
                     Err(error) => problems.push(format!("GPU {}: {error}", slice.gpu_uuid)),
