@@ -458,7 +458,9 @@ impl Region {
     /// reclaimed, freed or reused by another process is not).
     pub fn slot_owned_by(&self, slot: usize, pid: u32, liveness: &impl Liveness) -> bool {
         self.slots.get(slot).is_some_and(|s| {
-            pid != 0 && s.pid.load(SeqCst) == pid && liveness.is_alive(pid, s.start_time.load(SeqCst))
+            pid != 0
+                && s.pid.load(SeqCst) == pid
+                && liveness.is_alive(pid, s.start_time.load(SeqCst))
         })
     }
 

@@ -82,7 +82,14 @@ impl<T: SharedRegion> Mapping<T> {
         bytes: usize,
         protection: libc::c_int,
     ) -> Result<Mapping<T>, ReadError> {
-        Self::map_checked(path, file, bytes, protection, |found| found == bytes as u64, bytes as u64)
+        Self::map_checked(
+            path,
+            file,
+            bytes,
+            protection,
+            |found| found == bytes as u64,
+            bytes as u64,
+        )
     }
 
     fn map_checked(

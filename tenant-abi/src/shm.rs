@@ -366,9 +366,8 @@ pub fn reclaim_staging(staging: &Path, board_path: &Path) -> Result<usize, ReadE
         return Ok(0);
     }
     Ok(table.region().reclaim(|token| {
-        crate::slabs::token_owner(token).is_none_or(|(slot, pid)| {
-            !region.slot_owned_by(slot, pid, &crate::ProcLiveness)
-        })
+        crate::slabs::token_owner(token)
+            .is_none_or(|(slot, pid)| !region.slot_owned_by(slot, pid, &crate::ProcLiveness))
     }))
 }
 

@@ -266,7 +266,11 @@ fn a_staging_file_is_made_once_per_budget_and_a_dead_owners_slabs_come_back() {
     write_board(&board_path, gpu, &[spec]).unwrap();
     let mapping = map::Mapping::<board::Region>::writable(
         &board_path,
-        &std::fs::OpenOptions::new().read(true).write(true).open(&board_path).unwrap(),
+        &std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&board_path)
+            .unwrap(),
         board::REGION_BYTES,
     )
     .unwrap();
@@ -274,8 +278,13 @@ fn a_staging_file_is_made_once_per_budget_and_a_dead_owners_slabs_come_back() {
     let slot = board::Board::new(mapping.region(), crate::ProcLiveness)
         .claim_slot(pid, start_time, 0)
         .unwrap();
-    let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
-    let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(&path, &file, bytes).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let table =
+        map::Mapping::<crate::slabs::SlabTable>::writable_header(&path, &file, bytes).unwrap();
     let mine = crate::slabs::owner_token(slot, pid);
     let gone = crate::slabs::owner_token(slot + 1, pid);
     assert!(table.region().claim_run(mine, 2).is_some());

@@ -286,7 +286,10 @@ mod tests {
         assert_eq!(t.owned_by(3), 0);
         assert_eq!(t.free(), 2);
         t.release_run(1, a, 3).unwrap();
-        assert_eq!(t.release_run(2, a, 1), Err(SlabError::NotOwner { index: a, owner: 0 }));
+        assert_eq!(
+            t.release_run(2, a, 1),
+            Err(SlabError::NotOwner { index: a, owner: 0 })
+        );
         assert_eq!(t.claim_run(4, 9), None, "longer than the table");
         assert_eq!(t.claim_run(4, 0), None);
     }

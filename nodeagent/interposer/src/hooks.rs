@@ -1195,7 +1195,7 @@ impl Enforcer {
     /// still finds room, and a swap-out that needs more than what was pinned ahead still can.
     fn warm_staging(&self, devices: &impl Devices) {
         static NEXT_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        if !crate::staging::warm_on() || !swap::any_chunk() {
+        if !swap::any_chunk() {
             return;
         }
         let now = crate::shm::monotonic_ns();
@@ -1240,7 +1240,7 @@ impl Enforcer {
             if let (Some(file), Some(driver)) = (board.staging, crate::real::driver()) {
                 crate::staging::register_shared(driver, device, file, slot, context);
             }
-            if crate::staging::shared_ready(device) {
+            if crate::staging::shared_ready(device) || !crate::staging::warm_on() {
                 continue;
             }
             let region = board.board.region;

@@ -145,7 +145,9 @@ pub fn open_staging(shm_dir: &Path, uuid: &str) -> Result<Option<StagingFile>, S
         .len();
     let offset = tenant_abi::slabs::SlabTable::data_offset();
     if len <= offset {
-        return Err(format!("the swap staging file {shown} holds no slab ({len} bytes)"));
+        return Err(format!(
+            "the swap staging file {shown} holds no slab ({len} bytes)"
+        ));
     }
     let bytes = usize::try_from(len).map_err(|_| format!("{shown} is too large to map"))?;
     // SAFETY: a fresh shared mapping of the whole open file; the kernel picks the address.
@@ -170,9 +172,7 @@ pub fn open_staging(shm_dir: &Path, uuid: &str) -> Result<Option<StagingFile>, S
     // offset is past it), readable and writable, and lives until exit; `SlabTable` consists of
     // atomics (and padding never read), for which every bit pattern is valid.
     let table: &'static tenant_abi::slabs::SlabTable = unsafe { &*address.cast() };
-    let (slab_bytes, count) = table
-        .geometry()
-        .map_err(|e| format!("{shown}: {e}"))?;
+    let (slab_bytes, count) = table.geometry().map_err(|e| format!("{shown}: {e}"))?;
     let data_bytes = slab_bytes * count as u64;
     if count == 0 || offset + data_bytes > len {
         return Err(format!(

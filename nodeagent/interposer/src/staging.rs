@@ -412,7 +412,12 @@ pub fn register_shared(
         return;
     };
     if state
-        .compare_exchange(SHARED_NONE, SHARED_REGISTERING, Ordering::SeqCst, Ordering::SeqCst)
+        .compare_exchange(
+            SHARED_NONE,
+            SHARED_REGISTERING,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        )
         .is_err()
     {
         return;
@@ -467,7 +472,9 @@ pub fn register_shared(
 /// The bytes a chunk of `bytes` reserves on `device`: whole slabs when it stages in the shared
 /// file, else its own size.
 fn staged_bytes(device: usize, bytes: u64) -> u64 {
-    shared(device).map_or(bytes, |pool| bytes.div_ceil(pool.file.slab_bytes) * pool.file.slab_bytes)
+    shared(device).map_or(bytes, |pool| {
+        bytes.div_ceil(pool.file.slab_bytes) * pool.file.slab_bytes
+    })
 }
 
 /// A run of slabs holding `bytes` (a multiple of the slab size) in the GPU's shared staging,

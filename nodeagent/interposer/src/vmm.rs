@@ -889,7 +889,7 @@ impl crate::swap::Backing for SwapBacking<'_> {
                         host: found.staging,
                         bytes: found.staging_bytes,
                         registered: found.staging_registered,
-                shared: found.staging_shared,
+                        shared: found.staging_shared,
                     },
                     handle,
                 }),

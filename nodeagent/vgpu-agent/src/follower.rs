@@ -153,6 +153,7 @@ impl Follower {
                 let gpus = private::BoardGpus {
                     memory_bytes: &self.gpu_memory,
                     swap_host_memory_bytes: self.swap_host_memory,
+                    shared_staging: private::shared_staging_on(),
                 };
                 for problem in private::publish_boards(layout, set, &gpus) {
                     warn!("{problem}");

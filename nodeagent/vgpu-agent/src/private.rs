@@ -307,6 +307,8 @@ pub struct BoardGpus<'g> {
     pub memory_bytes: &'g std::collections::BTreeMap<String, u64>,
     /// The node's pinned host memory for swapped-out borrowed memory (`swap_host_memory`).
     pub swap_host_memory_bytes: u64,
+    /// One staging file per GPU shared by its processes ([`shared_staging_on`]).
+    pub shared_staging: bool,
 }
 
 impl BoardGpus<'_> {
@@ -394,7 +396,8 @@ pub fn publish_boards(
             });
             continue;
         }
-        let staging = shared_staging_on()
+        let staging = gpus
+            .shared_staging
             .then(|| publish_staging(layout, uuid, staging_budget_bytes))
             .and_then(|made| match made {
                 Ok(path) => path,
@@ -417,8 +420,10 @@ pub fn publish_boards(
                 problems.push(error);
             }
             if let Some(staging) = &staging
-                && let Err(error) =
-                    link(staging, &tenant_abi::layout::staging_path(&tenant_dir, uuid))
+                && let Err(error) = link(
+                    staging,
+                    &tenant_abi::layout::staging_path(&tenant_dir, uuid),
+                )
             {
                 problems.push(error);
             }

@@ -266,6 +266,7 @@ fn each_gpu_gets_a_memory_board_of_its_tenants() {
     let gpus = BoardGpus {
         memory_bytes: &gpus,
         swap_host_memory_bytes: 65 << 30,
+        shared_staging: false,
     };
     let first = set(&[("a", &["GPU-1"]), ("b", &["GPU-1", "GPU-2"])]);
     prepare(&layout, &first, &owners, QUANTUM).unwrap();
@@ -330,6 +331,7 @@ fn a_board_entry_carries_the_slices_limit() {
     let gpus = BoardGpus {
         memory_bytes: &gpus,
         swap_host_memory_bytes: 0,
+        shared_staging: false,
     };
     let mut placed = set(&[("a", &["GPU-1"]), ("b", &["GPU-1"])]);
     placed.tenants.get_mut("a").unwrap().slices[0].memory_limit_bytes = 60 << 30;
@@ -359,6 +361,7 @@ fn a_boards_capacity_follows_the_memory_used_outside_it() {
     let gpus = BoardGpus {
         memory_bytes: &memory,
         swap_host_memory_bytes: 0,
+        shared_staging: false,
     };
     let placed = set(&[("a", &["GPU-1"])]);
     prepare(&layout, &placed, &owners, QUANTUM).unwrap();
@@ -404,6 +407,7 @@ fn a_board_of_another_version_is_replaced() {
     let gpus = BoardGpus {
         memory_bytes: &memory,
         swap_host_memory_bytes: 0,
+        shared_staging: false,
     };
     let placed = set(&[("a", &["GPU-1"])]);
     prepare(&layout, &placed, &owners, QUANTUM).unwrap();
@@ -412,4 +416,64 @@ fn a_board_of_another_version_is_replaced() {
     let (capacity, holders) = tenant_abi::shm::read_board(&layout.board("GPU-1")).unwrap();
     assert_eq!(capacity, (80 << 30) - BOARD_RESERVE_BYTES);
     assert_eq!(holders.len(), 1);
+}
+
+/// Issue 17: with the shared staging on, each GPU gets one staging file for its share of the
+/// node's budget, linked beside its board into the directories of the tenants on it, and
+/// unlinked from a tenant that left the GPU.
+#[test]
+fn each_gpu_gets_a_shared_staging_file_linked_like_its_board() {
+    let shm = tempfile::tempdir().unwrap();
+    let layout = Layout::new(&shm.path().join("vgpu"));
+    let memory: std::collections::BTreeMap<String, u64> = [
+        ("GPU-1".to_owned(), 80 << 30),
+        ("GPU-2".to_owned(), 80 << 30),
+    ]
+    .into();
+    let gpus = BoardGpus {
+        memory_bytes: &memory,
+        swap_host_memory_bytes: 256 << 20,
+        shared_staging: true,
+    };
+    let first = set(&[("a", &["GPU-1"]), ("b", &["GPU-1", "GPU-2"])]);
+    prepare(&layout, &first, &owners, QUANTUM).unwrap();
+    assert!(publish_boards(&layout, &first, &gpus).is_empty());
+    let inode = |path: &std::path::Path| std::fs::metadata(path).map(|m| m.ino()).ok();
+    let staging_link = |tenant: &str, uuid: &str| {
+        tenant_abi::layout::staging_path(&layout.tenant_dir(tenant), uuid)
+    };
+    for uuid in ["GPU-1", "GPU-2"] {
+        // 128 MiB each: two slabs of 64 MiB after the table.
+        assert_eq!(
+            std::fs::metadata(layout.staging(uuid)).unwrap().len(),
+            tenant_abi::shm::staging_file_bytes(128 << 20)
+        );
+    }
+    assert_eq!(
+        inode(&staging_link("a", "GPU-1")),
+        inode(&layout.staging("GPU-1"))
+    );
+    assert_eq!(
+        inode(&staging_link("b", "GPU-2")),
+        inode(&layout.staging("GPU-2"))
+    );
+    assert_eq!(inode(&staging_link("a", "GPU-2")), None);
+    let second = set(&[("b", &["GPU-1"])]);
+    prepare(&layout, &second, &owners, QUANTUM).unwrap();
+    assert!(publish_boards(&layout, &second, &gpus).is_empty());
+    assert_eq!(
+        inode(&staging_link("b", "GPU-2")),
+        None,
+        "unlinked with the board"
+    );
+    // Too small a budget for one slab: no file.
+    let tiny = BoardGpus {
+        swap_host_memory_bytes: 64 << 20,
+        ..gpus
+    };
+    let shm2 = tempfile::tempdir().unwrap();
+    let layout2 = Layout::new(&shm2.path().join("vgpu"));
+    prepare(&layout2, &first, &owners, QUANTUM).unwrap();
+    assert!(publish_boards(&layout2, &first, &tiny).is_empty());
+    assert!(!layout2.staging("GPU-1").exists());
 }

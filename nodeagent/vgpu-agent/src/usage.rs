@@ -150,9 +150,7 @@ pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, V
                         ) {
                             Ok(_) => {}
                             Err(error) if error.is_not_found() => {}
-                            Err(error) => {
-                                problems.push(format!("GPU {}: {error}", slice.gpu_uuid))
-                            }
+                            Err(error) => problems.push(format!("GPU {}: {error}", slice.gpu_uuid)),
                         }
                     }
                     Err(error) if error.is_not_found() => {}

@@ -2036,3 +2036,66 @@ fn a_borrow_past_the_limit_on_a_full_gpu_is_refused_at_once_not_queued() {
         "refused at once, not after the wait's bound: {took:?}"
     );
 }
+
+/// The GPU's shared staging file (`VGPU_AGENT_SHARED_STAGING=1`; the test plays the agent and
+/// makes it beside the board): a borrower registers it once, off the swap's path, from its first
+/// borrow; its swap-out then stages in a run of the file's slabs, pinning nothing, and the chunk
+/// comes back intact. The slabs stay its own (pooled) while it lives, and the agent's sampling
+/// gives them back once it is gone.
+#[test]
+fn a_swap_out_stages_in_the_gpus_shared_file_and_pins_nothing() {
+    let shm = shm_dir();
+    let board = board_with_staging(
+        shm.path(),
+        12 * MIB,
+        128 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let staging = tenant_abi::layout::staging_path(shm.path(), GPU_0);
+    assert!(tenant_abi::shm::create_staging(&staging, 128 * MIB).expect("the staging file"));
+    let file = |name: &str| file_in(shm.path(), name);
+    // Staging is not pinned ahead (`swapping`): the one pin is the file's registration.
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB"))
+        .env("VGPU_LOG", "2")
+        .start_holding(&format!(
+            "alloc 4M alloc 8M fill 7 until_host_allocs 1 touch {} spin_info {} check 7 \
+             host_allocs",
+            file("a-ready"),
+            file("b-done")
+        ));
+    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
+        "until_file {} alloc 8M free touch {}",
+        file("a-ready"),
+        file("b-done")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\nfree 0\ntouch 0\n");
+    a.wait_held();
+    assert!(
+        a.output.ends_with(
+            "until_host_allocs 0\ntouch 0\nspin_info 0\ncheck 0 ok\nhost_allocs 0 1 0\n"
+        ),
+        "registered once, the chunk out and back through the file, nothing else pinned:\n{}",
+        a.output
+    );
+    // The run of one 64 MiB slab that held the chunk is a's, pooled, reserved on the board.
+    assert_eq!(usage(&board, "a").staging_bytes, 64 * MIB);
+    let err = stderr_of(a);
+    assert!(err.contains("shared swap staging"), "{err}");
+    let rounds: Vec<&str> = err
+        .lines()
+        .filter(|line| line.contains("went to host memory"))
+        .collect();
+    assert_eq!(rounds.len(), 1, "{err}");
+    assert!(
+        rounds[0].contains("pinning 0.0 ms for 0.0 MiB of new staging"),
+        "the round pinned nothing: {err}"
+    );
+    // a is gone: the agent's sampling reclaims its slot, then its slabs.
+    until(
+        || {
+            let _ = usage(&board, "a");
+            tenant_abi::shm::reclaim_staging(&staging, &board).expect("reclaiming") > 0
+        },
+        "a's slab given back",
+    );
+}

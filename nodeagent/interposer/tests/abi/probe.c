@@ -25,6 +25,8 @@
  *   busy_unmaps      "busy_unmaps <n>": unmaps the fake saw while this process's kernels ran
  *   host_allocs      "host_allocs 0 <cuMemHostAlloc calls> <cuMemFreeHost calls>" (the fake's
  *                    counts: the swap's pinned staging)
+ *   until_host_allocs N   waits (up to 20 s) until the fake counted N pins (cuMemHostAlloc or
+ *                    cuMemHostRegister, from any thread): "until_host_allocs 0", -1 if not
  *   touch PATH | until_file PATH   creates PATH / waits (up to 20 s) until PATH exists
  *   spin_info PATH   calls cuMemGetInfo_v2 every millisecond until PATH exists (up to 20 s): a
  *                    process that keeps calling into the driver
@@ -279,6 +281,16 @@ static int until_file(const char *path, int info) {
       size_t f, t;
       cuMemGetInfo_v2(&f, &t);
     }
+    struct timespec ms = {0, 1000000L};
+    nanosleep(&ms, NULL);
+  }
+  return -1;
+}
+
+/* Polls every millisecond until the fake counted `n` pins, for at most 20 s: 0, or -1. */
+static int until_host_allocs(unsigned long long n) {
+  for (int i = 0; i < 20000; i++) {
+    if (fakeHostAllocs() >= n) return 0;
     struct timespec ms = {0, 1000000L};
     nanosleep(&ms, NULL);
   }
@@ -684,6 +696,9 @@ int main(int argc, char **argv) {
       FILE *f = fopen(a, "w");
       if (f) fclose(f);
       printf("touch %d\n", f ? 0 : -1);
+      i++;
+    } else if (!strcmp(c, "until_host_allocs")) {
+      printf("until_host_allocs %d\n", until_host_allocs(strtoull(a, NULL, 10)));
       i++;
     } else if (!strcmp(c, "until_file") || !strcmp(c, "spin_info")) {
       printf("%s %d\n", c, until_file(a, !strcmp(c, "spin_info")));
