@@ -287,8 +287,8 @@ fn a_staging_file_is_made_once_per_budget_and_a_dead_owners_slabs_come_back() {
         map::Mapping::<crate::slabs::SlabTable>::writable_header(&path, &file, bytes).unwrap();
     let mine = crate::slabs::owner_token(slot, pid);
     let gone = crate::slabs::owner_token(slot + 1, pid);
-    assert!(table.region().claim_run(mine, 2).is_some());
-    assert!(table.region().claim_run(gone, 1).is_some());
+    assert!(table.region().claim_run(mine, 2, usize::MAX).is_some());
+    assert!(table.region().claim_run(gone, 1, usize::MAX).is_some());
     assert_eq!(reclaim_staging(&path, &board_path).unwrap(), 1);
     assert_eq!(table.region().owned_by(mine), 2);
     assert_eq!(table.region().free(), 2);

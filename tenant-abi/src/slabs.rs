@@ -184,9 +184,13 @@ impl SlabTable {
     /// two registrations, and the file is registered as one). One pass over the table; a run
     /// that another claimer takes a slab of meanwhile is given back and the search goes on
     /// past that slab.
-    pub fn claim_run(&self, owner: u64, count: usize) -> Option<usize> {
+    ///
+    /// Only the first `usable` slabs are looked at (a process claims only slabs it has
+    /// registered so far).
+    pub fn claim_run(&self, owner: u64, count: usize, usable: usize) -> Option<usize> {
         assert_ne!(owner, 0, "an owner token is non-zero");
-        let slabs = self.slabs();
+        let all = self.slabs();
+        let slabs = &all[..usable.min(all.len())];
         if count == 0 || count > slabs.len() {
             return None;
         }
@@ -277,12 +281,12 @@ mod tests {
     #[test]
     fn a_run_is_contiguous_and_only_where_every_slab_is_free() {
         let t = table(8);
-        let a = t.claim_run(1, 3).expect("8 free");
+        let a = t.claim_run(1, 3, usize::MAX).expect("8 free");
         assert_eq!(t.owned_by(1), 3);
-        let b = t.claim_run(2, 3).expect("5 free");
+        let b = t.claim_run(2, 3, usize::MAX).expect("5 free");
         assert!(a + 3 <= b || b + 3 <= a, "{a} {b}");
         // 2 left, maybe not next to each other: a run of 3 is refused and nothing stays claimed.
-        assert_eq!(t.claim_run(3, 3), None);
+        assert_eq!(t.claim_run(3, 3, usize::MAX), None);
         assert_eq!(t.owned_by(3), 0);
         assert_eq!(t.free(), 2);
         t.release_run(1, a, 3).unwrap();
@@ -290,8 +294,17 @@ mod tests {
             t.release_run(2, a, 1),
             Err(SlabError::NotOwner { index: a, owner: 0 })
         );
-        assert_eq!(t.claim_run(4, 9), None, "longer than the table");
-        assert_eq!(t.claim_run(4, 0), None);
+        assert_eq!(t.claim_run(4, 9, usize::MAX), None, "longer than the table");
+        assert_eq!(t.claim_run(4, 0, usize::MAX), None);
+    }
+
+    #[test]
+    fn a_run_is_claimed_only_among_the_usable_slabs() {
+        let t = table(8);
+        assert_eq!(t.claim_run(1, 3, 2), None);
+        assert_eq!(t.claim_run(1, 2, 2), Some(0));
+        assert_eq!(t.claim_run(1, 1, 2), None);
+        assert_eq!(t.claim_run(1, 1, 3), Some(2));
     }
 
     #[test]
@@ -303,9 +316,9 @@ mod tests {
                 t.owners[i].store(99, Ordering::Relaxed);
             }
             t.hint.store(hint, Ordering::Relaxed);
-            let first = t.claim_run(1, 3).expect("a free run of 3");
+            let first = t.claim_run(1, 3, usize::MAX).expect("a free run of 3");
             assert!(first == 1 || first == 6, "hint {hint}: {first}");
-            assert_eq!(t.claim_run(2, 4), None, "hint {hint}");
+            assert_eq!(t.claim_run(2, 4, usize::MAX), None, "hint {hint}");
         }
     }
 
@@ -318,7 +331,7 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut held = 0;
                     for round in 0..200 {
-                        if let Some(first) = t.claim_run(owner, 1 + (round % 4)) {
+                        if let Some(first) = t.claim_run(owner, 1 + (round % 4), usize::MAX) {
                             for i in first..first + 1 + (round % 4) {
                                 assert_eq!(t.owners[i].load(Ordering::Acquire), owner);
                             }

@@ -377,18 +377,40 @@ const SHARED_REGISTERING: u8 = 1;
 const SHARED_READY: u8 = 2;
 const SHARED_FAILED: u8 = 3;
 
+/// Per GPU: how many of the shared file's first slabs this process has registered (each slab
+/// is a registration of its own: one of the whole file held the driver for up to 35 s on an
+/// H200 with three processes registering 84 GiB at once, and every other driver call of the
+/// process waited, the swap's included). Only those slabs are claimed.
+static SHARED_REGISTERED: [AtomicUsize; DEVICES_MAX] = [const { AtomicUsize::new(0) }; DEVICES_MAX];
+
 /// Per GPU: where this process's registration of the shared staging file stands.
 static SHARED_STATE: [std::sync::atomic::AtomicU8; DEVICES_MAX] =
     [const { std::sync::atomic::AtomicU8::new(SHARED_NONE) }; DEVICES_MAX];
 static SHARED: [OnceLock<SharedPool>; DEVICES_MAX] = [const { OnceLock::new() }; DEVICES_MAX];
 
-/// The GPU's shared staging, when this process registered it (not in a child after `fork`: the
-/// registration and the owner token are the parent's).
+/// The GPU's shared staging, once this process registered a slab of it (not in a child after
+/// `fork`: the registration and the owner token are the parent's).
 fn shared(device: usize) -> Option<&'static SharedPool> {
     SHARED
         .get(device)?
         .get()
         .filter(|pool| pool.pid == std::process::id())
+        .filter(|_| SHARED_REGISTERED[device].load(Ordering::Acquire) > 0)
+}
+
+/// The bytes of each copy to or from the staging at `host` (`shared`: a run of the GPU's shared
+/// file): a slab at most, since each slab is a registration of its own and a copy may not span
+/// two (`CUDA_ERROR_INVALID_VALUE`); a buffer of its own is copied whole.
+pub fn copy_piece_bytes(host: usize, shared: bool) -> u64 {
+    if !shared {
+        return u64::MAX;
+    }
+    (0..DEVICES_MAX)
+        .filter_map(|device| SHARED[device].get())
+        .find(|pool| {
+            (pool.file.data..pool.file.data + pool.file.data_bytes as usize).contains(&host)
+        })
+        .map_or(u64::MAX, |pool| pool.file.slab_bytes)
 }
 
 /// Whether swap-outs on `device` stage in the GPU's shared file (then nothing is pinned ahead).
@@ -433,34 +455,63 @@ pub fn register_shared(
         .name("vgpu-staging-register".into())
         .spawn(move || {
             let began = std::time::Instant::now();
-            let bytes = usize::try_from(file.data_bytes).unwrap_or(usize::MAX);
             // SAFETY: `context` is a context of this process (the watcher's current one); making
-            // it current on this thread takes no pointer. `file.data..+data_bytes` is the
-            // staging file's slabs, mapped shared for the process's life (`shm::open_staging`)
-            // and registered once here (never unregistered: the process's end undoes it).
-            let rc = unsafe {
-                if set_current(context as CUcontext) != CUDA_SUCCESS {
-                    CUDA_ERROR_INVALID_CONTEXT
-                } else {
-                    register(file.data as *mut c_void, bytes, CU_MEMHOSTREGISTER_PORTABLE)
+            // it current on this thread takes no pointer.
+            if unsafe { set_current(context as CUcontext) } != CUDA_SUCCESS {
+                crate::log::error(format_args!(
+                    "device {device}: cannot make the process's context current to register the \
+                     GPU's shared swap staging; this process pins its own staging"
+                ));
+                state.store(SHARED_FAILED, Ordering::SeqCst);
+                return;
+            }
+            let owner = tenant_abi::slabs::owner_token(slot, pid);
+            let _ = SHARED[device].set(SharedPool { file, owner, pid });
+            let slabs = (file.data_bytes / file.slab_bytes) as usize;
+            let slab = file.slab_bytes as usize;
+            let mut rc = CUDA_SUCCESS;
+            for index in 0..slabs {
+                // SAFETY: slab `index` of the staging file, mapped shared for the process's life
+                // (`shm::open_staging`) and registered once here, a registration of its own
+                // (never unregistered: the process's end undoes it).
+                rc = unsafe {
+                    register(
+                        (file.data + index * slab) as *mut c_void,
+                        slab,
+                        CU_MEMHOSTREGISTER_PORTABLE,
+                    )
+                };
+                if rc != CUDA_SUCCESS {
+                    break;
                 }
-            };
+                // From now on its slabs up to this one may be claimed.
+                SHARED_REGISTERED[device].store(index + 1, Ordering::Release);
+            }
+            let registered = SHARED_REGISTERED[device].load(Ordering::Acquire);
+            state.store(
+                if registered > 0 {
+                    SHARED_READY
+                } else {
+                    SHARED_FAILED
+                },
+                Ordering::SeqCst,
+            );
             if rc == CUDA_SUCCESS {
-                let owner = tenant_abi::slabs::owner_token(slot, pid);
-                let _ = SHARED[device].set(SharedPool { file, owner, pid });
-                state.store(SHARED_READY, Ordering::SeqCst);
                 crate::log::debug(format_args!(
-                    "device {device}: the GPU's shared swap staging ({}) registered in {:.2} s; \
-                     swap-outs stage in its slabs",
+                    "device {device}: the GPU's shared swap staging ({}) registered in {:.2} s \
+                     (slab by slab, each usable as soon as it is); swap-outs stage in its slabs",
                     crate::elastic::human(file.data_bytes),
                     began.elapsed().as_secs_f64()
                 ));
             } else {
-                state.store(SHARED_FAILED, Ordering::SeqCst);
                 crate::log::error(format_args!(
-                    "device {device}: registering the GPU's shared swap staging ({}) failed \
-                     ({rc}); this process pins its own staging",
-                    crate::elastic::human(file.data_bytes)
+                    "device {device}: registering the GPU's shared swap staging failed at slab \
+                     {registered} of {slabs} ({rc}); {}",
+                    if registered > 0 {
+                        "swap-outs use the slabs registered before it"
+                    } else {
+                        "this process pins its own staging"
+                    }
                 ));
             }
         });
@@ -483,7 +534,8 @@ fn claim_shared(device: usize, bytes: u64) -> Option<Buffer> {
     let pool = shared(device)?;
     let slab = pool.file.slab_bytes;
     let count = usize::try_from(bytes / slab).ok()?;
-    let first = pool.file.table.claim_run(pool.owner, count)?;
+    let usable = SHARED_REGISTERED[device].load(Ordering::Acquire);
+    let first = pool.file.table.claim_run(pool.owner, count, usable)?;
     Some(Buffer {
         host: pool.file.data + first * slab as usize,
         bytes,

@@ -27,7 +27,6 @@ pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
 /// The driver is shutting down (the process is exiting).
 pub const CUDA_ERROR_DEINITIALIZED: CUresult = 4;
 pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
-pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND: CUresult = 302;

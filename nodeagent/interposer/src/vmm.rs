@@ -799,11 +799,30 @@ impl crate::swap::Backing for SwapBacking<'_> {
                 }
             };
             landing.began.get_or_insert_with(std::time::Instant::now);
-            // SAFETY: the buffer holds at least `found.size` bytes and no other copy uses it;
-            // `address` is mapped with that many (the process is quiet and drained).
-            let rc =
-                unsafe { (copies.dtoh)(buffer.host as CUdeviceptr, address, found.size, stream) };
+            let piece = crate::staging::copy_piece_bytes(buffer.host, buffer.shared);
+            let (mut rc, mut queued) = (CUDA_SUCCESS, 0u64);
+            while rc == CUDA_SUCCESS && queued < size {
+                let n = piece.min(size - queued);
+                // SAFETY: the buffer holds at least `found.size` bytes and no other copy uses
+                // it; `address` is mapped with that many (the process is quiet and drained);
+                // the piece lies within both, and within one registration of the staging.
+                rc = unsafe {
+                    (copies.dtoh)(
+                        buffer.host as CUdeviceptr + queued,
+                        address + queued,
+                        n as usize,
+                        stream,
+                    )
+                };
+                if rc == CUDA_SUCCESS {
+                    queued += n;
+                }
+            }
             if rc != CUDA_SUCCESS {
+                if queued > 0 {
+                    // Its first pieces are queued: they finish before the buffer is reused.
+                    let _ = copies.wait(stream, copy_wait_max(queued));
+                }
                 crate::staging::recycle(device, buffer);
                 results[index] = Some(error(rc));
                 continue;
@@ -1021,13 +1040,33 @@ fn map_again(
         // SAFETY: the range is mapped; one descriptor.
         rc = unsafe { (vmm.set_access)(address, found.size, &access, 1) };
         if rc == CUDA_SUCCESS {
-            // SAFETY: the staging holds at least `found.size` bytes and stays untouched until
-            // the stream completed; the range is mapped and accessible.
-            rc =
-                unsafe { (copies.htod)(address, found.staging as CUdeviceptr, found.size, stream) };
+            let piece = crate::staging::copy_piece_bytes(found.staging, found.staging_shared);
+            let size = found.size as u64;
+            let mut queued = 0u64;
+            while rc == CUDA_SUCCESS && queued < size {
+                let n = piece.min(size - queued);
+                // SAFETY: the staging holds at least `found.size` bytes and stays untouched
+                // until the stream completed; the range is mapped and accessible; the piece lies
+                // within both, and within one registration of the staging.
+                rc = unsafe {
+                    (copies.htod)(
+                        address + queued,
+                        found.staging as CUdeviceptr + queued,
+                        n as usize,
+                        stream,
+                    )
+                };
+                if rc == CUDA_SUCCESS {
+                    queued += n;
+                }
+            }
+            if rc != CUDA_SUCCESS && queued > 0 {
+                // Its first pieces are queued: they finish before the range is unmapped.
+                let _ = copies.wait(stream, copy_wait_max(queued));
+            }
         }
         if rc != CUDA_SUCCESS {
-            // SAFETY: mapped just above; nothing was queued on it.
+            // SAFETY: mapped just above; whatever was queued on it has completed.
             unsafe { (vmm.unmap)(address, found.size) };
         }
     }

@@ -2054,11 +2054,12 @@ fn a_swap_out_stages_in_the_gpus_shared_file_and_pins_nothing() {
     let staging = tenant_abi::layout::staging_path(shm.path(), GPU_0);
     assert!(tenant_abi::shm::create_staging(&staging, 128 * MIB).expect("the staging file"));
     let file = |name: &str| file_in(shm.path(), name);
-    // Staging is not pinned ahead (`swapping`): the one pin is the file's registration.
+    // Staging is not pinned ahead (`swapping`): the only pins are the file's registrations, one
+    // per slab (two).
     let mut a = swapping(tenant(shm.path(), "a", "4MiB"))
         .env("VGPU_LOG", "2")
         .start_holding(&format!(
-            "alloc 4M alloc 8M fill 7 until_host_allocs 1 touch {} spin_info {} check 7 \
+            "alloc 4M alloc 8M fill 7 until_host_allocs 2 touch {} spin_info {} check 7 \
              host_allocs",
             file("a-ready"),
             file("b-done")
@@ -2072,9 +2073,9 @@ fn a_swap_out_stages_in_the_gpus_shared_file_and_pins_nothing() {
     a.wait_held();
     assert!(
         a.output.ends_with(
-            "until_host_allocs 0\ntouch 0\nspin_info 0\ncheck 0 ok\nhost_allocs 0 1 0\n"
+            "until_host_allocs 0\ntouch 0\nspin_info 0\ncheck 0 ok\nhost_allocs 0 2 0\n"
         ),
-        "registered once, the chunk out and back through the file, nothing else pinned:\n{}",
+        "registered slab by slab, the chunk out and back through the file, nothing else pinned:\n{}",
         a.output
     );
     // The run of one 64 MiB slab that held the chunk is a's, pooled, reserved on the board.
