@@ -102,6 +102,8 @@ pub struct JoinConfig {
     /// Pinned host memory for swapped-out borrowed GPU memory on this node, split evenly over
     /// its GPUs' memory boards (`swap_host_memory`); `None`: [`swap_host_memory_default`].
     pub swap_host_memory: Option<u64>,
+    /// One swap staging file per GPU shared by its processes (`shared_staging`).
+    pub shared_staging: bool,
     /// Plain text, certificates, or a bootstrap token.
     pub security: crate::bootstrap::Security,
     /// Concurrent sharing: the node's MPS daemon ([`crate::mps`]); `None`: time slicing only.
@@ -183,6 +185,7 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
     follower = follower
         .with_gpu_memory(gpu_memory)
         .with_swap_host_memory(swap_host_memory)
+        .with_shared_staging(config.shared_staging)
         .with_private(layout);
     if let Some(mps) = &config.mps {
         // Before any tenant can be started here: their environment names the daemon's pipes.

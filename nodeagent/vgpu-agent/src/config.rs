@@ -49,6 +49,8 @@ pub struct Settings {
     /// Bytes (`"256GiB"` in the file): pinned host memory for swapped-out borrowed GPU memory.
     #[serde(default, deserialize_with = "swap_host_memory")]
     pub swap_host_memory: Option<u64>,
+    /// One swap staging file per GPU, shared by its processes (experimental).
+    pub shared_staging: Option<bool>,
     pub mps: Option<bool>,
     pub mps_tenants: Option<crate::mps::MpsTenants>,
     pub mps_control: Option<PathBuf>,
@@ -179,6 +181,15 @@ const SWAP_HOST_MEMORY: KeyDoc = KeyDoc {
     example: "\"256GiB\"",
 };
 
+const SHARED_STAGING: KeyDoc = KeyDoc {
+    key: "shared_staging",
+    env: "VGPU_AGENT_SHARED_STAGING",
+    env_aliases: &[],
+    flag: Some("--shared-staging"),
+    default: "false",
+    example: "false",
+};
+
 const MPS: KeyDoc = KeyDoc {
     key: "mps",
     env: "VGPU_AGENT_MPS",
@@ -279,6 +290,7 @@ pub const KEYS: &[KeyDoc] = &[
     RESERVED_CPU,
     RESERVED_HOST_MEMORY,
     SWAP_HOST_MEMORY,
+    SHARED_STAGING,
     MPS,
     MPS_TENANTS,
     MPS_CONTROL,
@@ -371,6 +383,7 @@ impl Settings {
                 parse_reserved_host_memory,
             )?,
             swap_host_memory: common::from_env(env, &SWAP_HOST_MEMORY, parse_swap_host_memory)?,
+            shared_staging: common::from_env(env, &SHARED_STAGING, common::parse_bool)?,
             mps: common::from_env(env, &MPS, common::parse_bool)?,
             mps_tenants: common::from_env(env, &MPS_TENANTS, crate::mps::MpsTenants::parse)?,
             mps_control: path(&MPS_CONTROL)?,
@@ -514,6 +527,7 @@ impl Settings {
                 memory_bytes: self.reserved_host_memory.unwrap_or(0),
             },
             swap_host_memory: self.swap_host_memory,
+            shared_staging: self.shared_staging.unwrap_or(false),
             cdi,
         })
     }
@@ -541,6 +555,7 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         reserved_cpu: higher.reserved_cpu.or(lower.reserved_cpu),
         reserved_host_memory: higher.reserved_host_memory.or(lower.reserved_host_memory),
         swap_host_memory: higher.swap_host_memory.or(lower.swap_host_memory),
+        shared_staging: higher.shared_staging.or(lower.shared_staging),
         mps: higher.mps.or(lower.mps),
         mps_tenants: higher.mps_tenants.or(lower.mps_tenants),
         mps_control: higher.mps_control.or(lower.mps_control),

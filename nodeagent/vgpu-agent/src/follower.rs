@@ -44,6 +44,8 @@ pub struct Follower {
     /// The node's swap staging budget (`swap_host_memory`), split evenly over `gpu_memory`'s
     /// boards.
     swap_host_memory: u64,
+    /// One swap staging file per GPU (`shared_staging`).
+    shared_staging: bool,
 }
 
 impl Follower {
@@ -86,6 +88,7 @@ impl Follower {
             private: None,
             gpu_memory: Default::default(),
             swap_host_memory: 0,
+            shared_staging: false,
         })
     }
 
@@ -98,6 +101,12 @@ impl Follower {
 
     /// The node's pinned host memory for swapped-out borrowed memory, written into the boards
     /// (set it before [`Follower::with_private`]).
+    /// Keeps one swap staging file per GPU, shared by its processes.
+    pub fn with_shared_staging(mut self, on: bool) -> Follower {
+        self.shared_staging = on;
+        self
+    }
+
     pub fn with_swap_host_memory(mut self, bytes: u64) -> Follower {
         self.swap_host_memory = bytes;
         self
@@ -153,7 +162,7 @@ impl Follower {
                 let gpus = private::BoardGpus {
                     memory_bytes: &self.gpu_memory,
                     swap_host_memory_bytes: self.swap_host_memory,
-                    shared_staging: private::shared_staging_on(),
+                    shared_staging: self.shared_staging,
                 };
                 for problem in private::publish_boards(layout, set, &gpus) {
                     warn!("{problem}");

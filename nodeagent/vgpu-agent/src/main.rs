@@ -152,6 +152,11 @@ struct JoinArgs {
     /// memory the node offers tenants] [config: swap_host_memory].
     #[arg(long, value_name = "SIZE", value_parser = vgpu_agent::config::parse_swap_host_memory)]
     swap_host_memory: Option<u64>,
+    /// One swap staging file per GPU in the shared-memory directory, of the GPU's share of
+    /// `swap_host_memory`, shared by its tenant processes (experimental; `/dev/shm` must hold
+    /// it) [default: false] [config: shared_staging].
+    #[arg(long)]
+    shared_staging: bool,
     /// Concurrent sharing: run NVIDIA MPS for the node's GPUs and partition SMs for
     /// latency-sensitive tenants (docs: nodeagent/vgpu-agent/README.md) [config: mps].
     #[arg(long)]
@@ -215,6 +220,7 @@ impl JoinArgs {
             reserved_cpu: self.reserved_cpu,
             reserved_host_memory: self.reserved_host_memory,
             swap_host_memory: self.swap_host_memory,
+            shared_staging: self.shared_staging.then_some(true),
             mps: self.mps.then_some(true),
             mps_tenants: self.mps_tenants,
             kubernetes_managed: self.kubernetes_managed.then_some(true),

@@ -307,7 +307,7 @@ pub struct BoardGpus<'g> {
     pub memory_bytes: &'g std::collections::BTreeMap<String, u64>,
     /// The node's pinned host memory for swapped-out borrowed memory (`swap_host_memory`).
     pub swap_host_memory_bytes: u64,
-    /// One staging file per GPU shared by its processes ([`shared_staging_on`]).
+    /// One staging file per GPU shared by its processes (the agent's `shared_staging`).
     pub shared_staging: bool,
 }
 
@@ -432,17 +432,6 @@ pub fn publish_boards(
     problems
 }
 
-/// Whether the node keeps one swap staging file per GPU that its tenants' processes share
-/// (`VGPU_AGENT_SHARED_STAGING=1`; docs/design/elastic-memory.md, "One staging pool per GPU").
-/// Off by default until it is measured on more machines: the file holds the GPU's whole
-/// staging budget in shared memory (`/dev/shm` must have room for `swap_host_memory`).
-pub fn shared_staging_on() -> bool {
-    std::env::var_os(SHARED_STAGING_ENV).is_some_and(|value| value == "1")
-}
-
-/// The switch of [`shared_staging_on`].
-pub const SHARED_STAGING_ENV: &str = "VGPU_AGENT_SHARED_STAGING";
-
 /// Creates the GPU's swap staging file for `budget_bytes` (replacing one of another budget or
 /// version) and allocates its pages in the background, once per file; `Ok(None)` when the budget
 /// holds no slab. A file whose pages cannot be allocated (a full `/dev/shm`) is removed again,
@@ -485,7 +474,7 @@ fn publish_staging(
                         tracing::warn!(
                             "GPU {uuid}: the swap staging file cannot hold its budget ({error}); \
                              removed: tenant processes pin their own staging (give /dev/shm room \
-                             for swap_host_memory, or unset {SHARED_STAGING_ENV})"
+                             for swap_host_memory, or turn shared_staging off)"
                         );
                         let _ = std::fs::remove_file(&path);
                     }

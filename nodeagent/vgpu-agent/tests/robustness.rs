@@ -276,6 +276,7 @@ fn config(control_plane: String, state_dir: &Path) -> JoinConfig {
         nic_bytes_per_second: 12_500_000_000,
         host_reserve: Default::default(),
         swap_host_memory: None,
+        shared_staging: false,
         cdi: None,
         kubernetes_managed: false,
         mps: None,

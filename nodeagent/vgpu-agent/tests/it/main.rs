@@ -201,6 +201,7 @@ fn start(control_plane: Vec<String>, state_dir: &Path) -> RunningAgent {
         nic_bytes_per_second: 12_500_000_000,
         host_reserve: Default::default(),
         swap_host_memory: None,
+        shared_staging: false,
         kubernetes_managed: false,
         cdi: Some(CdiConfig {
             dir: state_dir.join("cdi"),
