@@ -19,7 +19,12 @@ within the same millisecond, and meanwhile a 64 MiB registration of their own wa
 Prints one `RESULT {json}` line and a table. Never allocates managed memory; removes the file and
 stops every process on any exit.
 
-  python3 shared_register_busy.py [TOTAL_GIB=32] [PROCS=3] [SLAB_MIB=64]
+  python3 shared_register_busy.py [TOTAL_GIB=32] [PROCS=3] [SLAB_MIB=64] [PAGES=small|huge]
+
+PAGES=huge faults the file through a mapping advised `MADV_HUGEPAGE` (shared memory gets
+transparent huge pages only where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows:
+`advise` or `always`; the probe prints it), so that registering pins 2 MiB pages; `small`
+(the default) allocates it as the agent does (`fallocate`, 4 KiB pages).
 """
 import ctypes
 import json
@@ -160,16 +165,36 @@ def main():
     total = int(float(sys.argv[1]) * GIB) if len(sys.argv) > 1 else 32 * GIB
     procs_n = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     slab = int(sys.argv[3]) * MIB if len(sys.argv) > 3 else 64 * MIB
+    pages = sys.argv[4] if len(sys.argv) > 4 else "small"
+    assert pages in ("small", "huge"), "PAGES is small or huge"
     path = f"/dev/shm/vgpu-shared-register-probe.{os.getpid()}"
     procs = []
-    out = {"total_gib": total // GIB, "procs": procs_n, "slab_mib": slab // MIB}
+    out = {"total_gib": total // GIB, "procs": procs_n, "slab_mib": slab // MIB, "pages": pages}
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            out["shmem_enabled"] = f.read().strip()
+    except OSError as e:
+        out["shmem_enabled"] = f"unreadable ({e})"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fd, total)
         began = time.perf_counter()
-        os.posix_fallocate(fd, 0, total)  # as the agent allocates it
+        if pages == "small":
+            os.posix_fallocate(fd, 0, total)  # as the agent allocates it
+            os.close(fd)
+        else:
+            os.close(fd)
+            p = map_file(path, total)
+            libc.madvise(p, total, MADV_HUGEPAGE)
+            libc.memset(p, 1, total)
+            libc.munmap(p, total)
         out["allocate_s"] = round(time.perf_counter() - began, 1)
-        os.close(fd)
+        try:
+            with open("/proc/meminfo") as f:
+                out["shmem_huge_kib"] = next((int(line.split()[1]) for line in f if line.startswith("ShmemHugePages:")),
+                                             None)
+        except OSError:
+            pass
         mp = multiprocessing.get_context("spawn")
         barrier, results = mp.Barrier(procs_n), mp.Queue()
         procs = [mp.Process(target=worker, args=(i, path, total, slab, barrier, results)) for i in range(procs_n)]
@@ -194,8 +219,9 @@ def main():
         if os.path.exists(path):
             os.unlink(path)
     print("RESULT " + json.dumps(out))
-    print(f"file of {out['total_gib']} GiB allocated in {out.get('allocate_s')} s; {procs_n} processes; slabs of "
-          f"{out['slab_mib']} MiB; errors: {out['errors'] or 'none'}")
+    print(f"file of {out['total_gib']} GiB ({pages} pages; shmem_enabled {out['shmem_enabled']}; ShmemHugePages "
+          f"{out.get('shmem_huge_kib')} KiB) allocated in {out.get('allocate_s')} s; {procs_n} processes; slabs of "
+          f"{out['slab_mib']} MiB; errors: {out.get('errors') or 'none'}")
     print("| phase | proc | register s | GB/s | cuMemAlloc+Free p50 / max ms (n) | own 64 MiB pin p50 / max ms (n) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in out["rows"]:
