@@ -2100,3 +2100,43 @@ fn a_swap_out_stages_in_the_gpus_shared_file_and_pins_nothing() {
         "a's slab given back",
     );
 }
+
+/// A chunk larger than a slab stages in a run of slabs and is copied a slab at a time: each slab
+/// is a registration of its own, and the driver (and the fake) refuses a copy across two.
+#[test]
+fn a_chunk_larger_than_a_slab_is_copied_a_slab_at_a_time_and_comes_back_intact() {
+    let shm = shm_dir();
+    let board = board_with_staging(
+        shm.path(),
+        200 * MIB,
+        256 * MIB,
+        &[("a", 4 * MIB, 200 * MIB), ("b", 140 * MIB, 140 * MIB)],
+    );
+    let staging = tenant_abi::layout::staging_path(shm.path(), GPU_0);
+    assert!(tenant_abi::shm::create_staging(&staging, 256 * MIB).expect("the staging file"));
+    let file = |name: &str| file_in(shm.path(), name);
+    // Four slabs of 64 MiB, four registrations; a's chunk of 130 MiB takes a run of three.
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 130M fill 7 until_host_allocs 4 touch {} spin_info {} check 7 \
+         host_allocs",
+        file("a-ready"),
+        file("b-done")
+    ));
+    let b = swapping(tenant(shm.path(), "b", "140MiB")).hold(&format!(
+        "until_file {} alloc 140M free touch {}",
+        file("a-ready"),
+        file("b-done")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\nfree 0\ntouch 0\n");
+    a.wait_held();
+    assert!(
+        a.output.ends_with(
+            "until_host_allocs 0\ntouch 0\nspin_info 0\ncheck 0 ok\nhost_allocs 0 4 0\n"
+        ),
+        "out and back through three slabs, nothing else pinned:\n{}",
+        a.output
+    );
+    assert_eq!(usage(&board, "a").staging_bytes, 192 * MIB);
+    let err = stderr_of(a);
+    assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
+}

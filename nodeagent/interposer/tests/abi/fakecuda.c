@@ -429,19 +429,56 @@ CUresult cuMemFreeHost(void *p) {
   return OK;
 }
 /* cuMemHostRegister pins memory the caller mapped: counted with cuMemHostAlloc (a pin), its
- * unregistering with cuMemFreeHost. FAKE_CUDA_NO_REGISTER=1 refuses it (a driver that cannot). */
+ * unregistering with cuMemFreeHost. FAKE_CUDA_NO_REGISTER=1 refuses it (a driver that cannot).
+ * The registered ranges are kept, as the driver keeps them: an asynchronous copy whose host range
+ * starts in one and runs past its end is refused with CUDA_ERROR_INVALID_VALUE, as an H200's
+ * driver refuses a copy across two registrations (tests/gpu/shared_staging.py). */
+#define REGISTERED_MAX 4096
+static struct { uintptr_t p; size_t n; } registered[REGISTERED_MAX];
+static pthread_mutex_t registered_lock = PTHREAD_MUTEX_INITIALIZER;
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags) {
   (void)flags;
   if (p == NULL || n == 0) return INVALID_VALUE;
   const char *no = getenv("FAKE_CUDA_NO_REGISTER");
   if (no != NULL && no[0] == '1') return 801; /* CUDA_ERROR_NOT_SUPPORTED */
+  pthread_mutex_lock(&registered_lock);
+  for (int i = 0; i < REGISTERED_MAX; i++) {
+    if (registered[i].n == 0) {
+      registered[i].p = (uintptr_t)p;
+      registered[i].n = n;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&registered_lock);
   __atomic_add_fetch(&host_allocs, 1, __ATOMIC_SEQ_CST);
   return OK;
 }
 CUresult cuMemHostUnregister(void *p) {
   if (p == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&registered_lock);
+  for (int i = 0; i < REGISTERED_MAX; i++) {
+    if (registered[i].n != 0 && registered[i].p == (uintptr_t)p) {
+      registered[i].n = 0;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&registered_lock);
   __atomic_add_fetch(&host_frees, 1, __ATOMIC_SEQ_CST);
   return OK;
+}
+/* Whether host..host+n starts in a registered range and runs past its end. */
+static int spans_registrations(const void *host, size_t n) {
+  uintptr_t h = (uintptr_t)host;
+  int spans = 0;
+  pthread_mutex_lock(&registered_lock);
+  for (int i = 0; i < REGISTERED_MAX; i++) {
+    if (registered[i].n != 0 && h >= registered[i].p && h < registered[i].p + registered[i].n) {
+      spans = h + n > registered[i].p + registered[i].n;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&registered_lock);
+  return spans;
 }
 
 /* Streams made by cuStreamCreate (handles 0xa000, 0xa001, ...): a copy between host and device
@@ -511,6 +548,7 @@ static int run_queued(int i) {
   return created[i].error;
 }
 static CUresult queue_copy(CUstream s, int to_host, void *host, CUdeviceptr device, size_t n) {
+  if (spans_registrations(host, n)) return INVALID_VALUE;
   if (host == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
   int i = created_slot(s);
