@@ -533,6 +533,11 @@ fn staged_bytes(device: usize, bytes: u64) -> u64 {
 fn claim_shared(device: usize, bytes: u64) -> Option<Buffer> {
     let pool = shared(device)?;
     let slab = pool.file.slab_bytes;
+    if bytes % slab != 0 {
+        // Sized before the file's first slab was registered (`staged_bytes`): reserved for a
+        // buffer of its own, which it gets.
+        return None;
+    }
     let count = usize::try_from(bytes / slab).ok()?;
     let usable = SHARED_REGISTERED[device].load(Ordering::Acquire);
     let first = pool.file.table.claim_run(pool.owner, count, usable)?;
