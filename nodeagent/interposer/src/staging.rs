@@ -533,7 +533,7 @@ fn staged_bytes(device: usize, bytes: u64) -> u64 {
 fn claim_shared(device: usize, bytes: u64) -> Option<Buffer> {
     let pool = shared(device)?;
     let slab = pool.file.slab_bytes;
-    if bytes % slab != 0 {
+    if !bytes.is_multiple_of(slab) {
         // Sized before the file's first slab was registered (`staged_bytes`): reserved for a
         // buffer of its own, which it gets.
         return None;

@@ -13,6 +13,8 @@ mod compute;
 mod elastic;
 #[path = "abi/nvml.rs"]
 mod nvml;
+#[path = "abi/overhead.rs"]
+mod overhead;
 #[path = "abi/spatial.rs"]
 mod spatial;
 

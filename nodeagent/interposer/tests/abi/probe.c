@@ -25,6 +25,9 @@
  *   busy_unmaps      "busy_unmaps <n>": unmaps the fake saw while this process's kernels ran
  *   host_allocs      "host_allocs 0 <cuMemHostAlloc calls> <cuMemFreeHost calls>" (the fake's
  *                    counts: the swap's pinned staging)
+ *   launches N       N launches of 0 us through cuLaunchKernel on the user stream, timed:
+ *                    "launches <rc> ns=<mean ns per launch>" (the hooks' cost per launch, with
+ *                    and without the interposer: overhead.rs)
  *   until_host_allocs N   waits (up to 20 s) until the fake counted N pins (cuMemHostAlloc or
  *                    cuMemHostRegister, from any thread): "until_host_allocs 0", -1 if not
  *   touch PATH | until_file PATH   creates PATH / waits (up to 20 s) until PATH exists
@@ -696,6 +699,15 @@ int main(int argc, char **argv) {
       FILE *f = fopen(a, "w");
       if (f) fclose(f);
       printf("touch %d\n", f ? 0 : -1);
+      i++;
+    } else if (!strcmp(c, "launches")) {
+      unsigned long n = strtoul(a, NULL, 10);
+      rc = 0;
+      unsigned long long began = now_ns();
+      for (unsigned long k = 0; k < n && rc == 0; k++)
+        rc = cuLaunchKernel(NULL, 0, 1, 1, 1, 1, 1, 0, USER_STREAM, NULL, NULL);
+      unsigned long long took = now_ns() - began;
+      printf("launches %d ns=%llu\n", rc, n ? took / n : 0);
       i++;
     } else if (!strcmp(c, "until_host_allocs")) {
       printf("until_host_allocs %d\n", until_host_allocs(strtoull(a, NULL, 10)));

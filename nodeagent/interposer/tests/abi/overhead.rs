@@ -1,0 +1,81 @@
+//! What the interposer's hooks cost a launch on the CPU, per tenant configuration, against the
+//! same fake driver without the interposer: a benchmark, not a test (ignored; it asserts
+//! nothing about time). Issue 15's point 7 bounds vgpu's own cost at 2%; a launch-bound eager
+//! PyTorch step launches about 300 kernels, so each microsecond a hook adds costs such a 3 ms
+//! step 10%. Run it in release (the figures of a debug build mean nothing):
+//!
+//!   cargo test --release -p interposer --test abi -- --ignored launch_overhead --nocapture
+//!
+//! It prints a table: the median over 5 runs of the mean time of one `cuLaunchKernel` (a fake
+//! kernel of 0 us) in each configuration, and its difference from the bare driver.
+
+use super::{Probe, shm_dir};
+
+const LAUNCHES: &str = "200000";
+const RUNS: usize = 5;
+
+fn ns_per_launch(probe: Probe) -> u64 {
+    let out = probe.run(&format!("launches {LAUNCHES}"));
+    out.lines()
+        .find_map(|line| line.strip_prefix("launches 0 ns="))
+        .and_then(|ns| ns.trim().parse().ok())
+        .unwrap_or_else(|| panic!("the probe printed no timing: {out}"))
+}
+
+#[test]
+#[ignore = "a benchmark: run it in release with --ignored --nocapture"]
+fn launch_overhead() {
+    let shm = shm_dir();
+    let _schedule = tenant_abi::writer::schedule(
+        &tenant_abi::layout::schedule_path(shm.path(), "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00"),
+        tenant_abi::compute::QUANTUM_NS_DEFAULT,
+    )
+    .expect("the schedule file");
+    type Configure = fn(Probe) -> Probe;
+    let configurations: [(&str, Option<&str>, Configure); 6] = [
+        ("bare driver (no interposer)", None, |p| {
+            p.env_remove("LD_PRELOAD")
+        }),
+        ("interposer, no tenant", None, |p| p),
+        ("tenant, memory quota only", Some("t"), |p| {
+            p.env("VGPU_MEMORY_LIMITS", "0:8GiB")
+        }),
+        ("tenant, compute share 75% (turns)", Some("t"), |p| {
+            p.env("VGPU_MEMORY_LIMITS", "0:8GiB")
+                .env("VGPU_COMPUTE_SHARES", "0:75")
+        }),
+        (
+            "best effort beside latency tenants (spatial, burst)",
+            Some("t"),
+            |p| {
+                p.env("VGPU_MEMORY_LIMITS", "0:8GiB")
+                    .env("VGPU_COMPUTE_SHARES", "0:75")
+                    .env("VGPU_BURST", "1")
+                    .env("VGPU_SPATIAL", "1")
+            },
+        ),
+        ("latency tenant (steps measured)", Some("t"), |p| {
+            p.env("VGPU_MEMORY_LIMITS", "0:8GiB")
+                .env("VGPU_COMPUTE_SHARES", "0:8")
+                .env("VGPU_SPATIAL", "1")
+                .env("VGPU_LATENCY", "1")
+        }),
+    ];
+    let mut rows = Vec::new();
+    for (name, tenant, configure) in configurations {
+        let mut runs: Vec<u64> = (0..RUNS)
+            .map(|_| ns_per_launch(configure(Probe::new(shm.path(), tenant))))
+            .collect();
+        runs.sort_unstable();
+        rows.push((name, runs[RUNS / 2], runs[0], runs[RUNS - 1]));
+    }
+    let bare = rows[0].1;
+    println!("\n| configuration | ns per launch (median of {RUNS}) | min-max | added by vgpu |");
+    println!("| --- | --: | --- | --: |");
+    for (name, median, min, max) in rows {
+        println!(
+            "| {name} | {median} | {min}-{max} | {:+} |",
+            median as i64 - bare as i64
+        );
+    }
+}
