@@ -182,6 +182,13 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
             "pinned host memory for swapped-out borrowed GPU memory, split evenly over the GPUs"
         );
     }
+    if config.shared_staging {
+        warn!(
+            "shared_staging is on (experimental): each GPU's tenants share one swap staging file, \
+             and every tenant process on a GPU can read what the others swapped out into it; use \
+             it only where a GPU's tenants trust one another (docs/security.md)"
+        );
+    }
     follower = follower
         .with_gpu_memory(gpu_memory)
         .with_swap_host_memory(swap_host_memory)
