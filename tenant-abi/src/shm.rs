@@ -213,10 +213,24 @@ fn create_region<R: map::SharedRegion>(
     bytes: usize,
     initialise: impl FnOnce(&R),
 ) -> Result<bool, ReadError> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     if path.exists() {
         return Ok(false);
     }
+    create_linked(path, bytes as u64, |temporary, file| {
+        let mapping = map::Mapping::<R>::writable(temporary, file, bytes)?;
+        initialise(mapping.region());
+        Ok(())
+    })
+}
+
+/// Makes a file of `bytes` (mode 0666) under a temporary name beside `path`, lets `fill` write
+/// it, and links it into place; `Ok(false)` when another creator linked one first.
+fn create_linked(
+    path: &Path,
+    bytes: u64,
+    fill: impl FnOnce(&Path, &std::fs::File) -> Result<(), ReadError>,
+) -> Result<bool, ReadError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let open_error = |path: &Path| {
         let path = path.to_owned();
         move |source| ReadError::Open { path, source }
@@ -235,10 +249,8 @@ fn create_region<R: map::SharedRegion>(
     let made = (|| {
         file.set_permissions(std::fs::Permissions::from_mode(0o666))
             .map_err(open_error(&temporary))?;
-        file.set_len(bytes as u64).map_err(open_error(&temporary))?;
-        let mapping = map::Mapping::<R>::writable(&temporary, &file, bytes)?;
-        initialise(mapping.region());
-        drop(mapping);
+        file.set_len(bytes).map_err(open_error(&temporary))?;
+        fill(&temporary, &file)?;
         match std::fs::hard_link(&temporary, path) {
             Ok(()) => Ok(true),
             Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
@@ -264,15 +276,9 @@ pub fn staging_file_bytes(budget_bytes: u64) -> u64 {
 /// [`ReadError::is_other_version`] recognises: the agent replaces it. No file for a budget of
 /// less than one slab.
 pub fn create_staging(path: &Path, budget_bytes: u64) -> Result<bool, ReadError> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let bytes = staging_file_bytes(budget_bytes);
     if path.exists() {
-        let file = std::fs::File::open(path).map_err(|source| ReadError::Open {
-            path: path.to_owned(),
-            source,
-        })?;
-        let found = file
-            .metadata()
+        let found = std::fs::metadata(path)
             .map_err(|source| ReadError::Open {
                 path: path.to_owned(),
                 source,
@@ -287,37 +293,12 @@ pub fn create_staging(path: &Path, budget_bytes: u64) -> Result<bool, ReadError>
         }
         return Ok(false);
     }
-    let open_error = |path: &Path| {
-        let path = path.to_owned();
-        move |source| ReadError::Open { path, source }
-    };
-    let mut temporary = path.as_os_str().to_owned();
-    temporary.push(format!(".tmp.{}", std::process::id()));
-    let temporary = PathBuf::from(temporary);
-    let _ = std::fs::remove_file(&temporary);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o666)
-        .open(&temporary)
-        .map_err(open_error(&temporary))?;
-    let made = (|| {
-        file.set_permissions(std::fs::Permissions::from_mode(0o666))
-            .map_err(open_error(&temporary))?;
-        file.set_len(bytes).map_err(open_error(&temporary))?;
+    create_linked(path, bytes, |temporary, file| {
         let mapping =
-            map::Mapping::<crate::slabs::SlabTable>::writable_header(&temporary, &file, bytes)?;
+            map::Mapping::<crate::slabs::SlabTable>::writable_header(temporary, file, bytes)?;
         mapping.region().initialise(budget_bytes);
-        drop(mapping);
-        match std::fs::hard_link(&temporary, path) {
-            Ok(()) => Ok(true),
-            Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
-            Err(error) => Err(open_error(path)(error)),
-        }
-    })();
-    let _ = std::fs::remove_file(&temporary);
-    made
+        Ok(())
+    })
 }
 
 /// Allocates every page of the staging file at `path` (the agent, once, in the background:

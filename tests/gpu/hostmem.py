@@ -1,7 +1,9 @@
-"""What the host-memory probes share (host_staging_bench.py, pin_sizes.py, shared_staging.py):
+"""What the host-memory probes share (host_staging_bench.py, pin_sizes.py, shared_staging.py,
+shared_register_busy.py):
 libc's mapping calls typed for ctypes, their flags, and the CUresult check. Imported from the
 scripts' own directory (`python3 tests/gpu/X.py` puts it on the path)."""
 import ctypes
+import os
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -26,3 +28,15 @@ def check(rc, what):
     """Raises on a CUresult other than CUDA_SUCCESS."""
     if rc != 0:
         raise RuntimeError(f"{what}: CUresult {rc}")
+
+
+def map_file(path, size):
+    """The whole file at `path` mapped shared, read-write; raises OSError when mmap fails."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        p = libc.mmap(None, size, PROT_RW, MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if p in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap of the shared file")
+    return p

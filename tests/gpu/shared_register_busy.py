@@ -36,8 +36,8 @@ import sys
 import threading
 import time
 
-from hostmem import (CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MAP_SHARED, MIB,
-                     PROT_RW, check, libc)
+from hostmem import (CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MIB,
+                     PROT_RW, check, libc, map_file)
 
 PHASES = [  # name, who registers ("one": process 0 only; "all"), how
     ("alone-whole", "one", "whole"),
@@ -62,17 +62,6 @@ def cuda():
     check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
     check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     return cu, ctx
-
-
-def map_file(path, size):
-    fd = os.open(path, os.O_RDWR)
-    try:
-        p = libc.mmap(None, size, PROT_RW, MAP_SHARED, fd, 0)
-    finally:
-        os.close(fd)
-    if p in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), "mmap of the shared file")
-    return p
 
 
 def busy(cu, ctx, stop, times):

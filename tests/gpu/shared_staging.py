@@ -27,7 +27,7 @@ import threading
 import time
 
 from hostmem import (CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MAP_SHARED, MIB,
-                     PROT_RW, check, libc)
+                     PROT_RW, check, libc, map_file)
 
 COPY_BYTES = 4 * GIB
 
@@ -64,17 +64,6 @@ def touch(p, size, threads=8):
         t.start()
     for t in ts:
         t.join()
-
-
-def map_file(path, size):
-    fd = os.open(path, os.O_RDWR)
-    try:
-        p = libc.mmap(None, size, PROT_RW, MAP_SHARED, fd, 0)
-    finally:
-        os.close(fd)
-    if p in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), "mmap of the shared file")
-    return p
 
 
 def register(cu, p, size, slab):
