@@ -563,6 +563,21 @@ impl Controller {
             .saturating_add(judged.iter().map(|(_, j)| j.steps).sum());
         if self.level != 0 && self.no_better_than_free(judged) {
             let level = self.level;
+            if level == self.ladder.top() {
+                // Holding every neighbour back bought nothing, and the tenant missed its learnt
+                // target there too: the baseline, not the neighbours, is what is wrong. Replaced,
+                // the levels are judged afresh against the new target.
+                let mut replaced = false;
+                for (name, _) in judged {
+                    if let Some(tenant) = self.tenants.get_mut(name) {
+                        replaced |= tenant.replace_stale_baseline();
+                    }
+                }
+                if replaced {
+                    self.forget_floor();
+                    return None;
+                }
+            }
             for dominated in &mut self.dominated[1..=level] {
                 *dominated = true;
             }

@@ -1589,3 +1589,55 @@ fn the_drain_of_a_failed_probe_does_not_fail_the_level_known_to_hold() {
     }
     assert!(back_at.is_some(), "still at level {}", driver.level());
 }
+
+#[test]
+fn a_slow_spell_shorter_than_the_alone_record_does_not_move_a_learnt_target() {
+    // Alone long enough for a record of 1600 steps of 3 ms: the baseline.
+    let mut driver = Driver::new(Config::new(false, 0));
+    for _ in 0..200 {
+        driver.next_alone("infer", repeat(8, 3 * MS));
+    }
+    let learnt = driver.controller.statuses()[0].target_ns.expect("learnt");
+    // Beside a neighbour, the tenant's own steps double for 300 steps (a CPU-side slow spell:
+    // on an H200 an eager tenant ran steps twice its alone time at Exclusive for 0.8-2 s, with
+    // the neighbour held and the GPU idle), whatever the level; then they are as before.
+    for _ in 0..100 {
+        driver.next("infer", repeat(3, 6 * MS), None);
+        assert_eq!(
+            driver.controller.statuses()[0].target_ns,
+            Some(learnt),
+            "a spell of a fifth of the record moved the target"
+        );
+    }
+    for _ in 0..100 {
+        driver.next("infer", repeat(3, 3 * MS), None);
+    }
+    assert_eq!(driver.controller.statuses()[0].target_ns, Some(learnt));
+}
+
+#[test]
+fn a_lasting_change_replaces_a_long_learnt_baseline_after_a_quarter_of_its_steps() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    for _ in 0..200 {
+        driver.next_alone("infer", repeat(8, 3 * MS));
+    }
+    let learnt = driver.controller.statuses()[0].target_ns.expect("learnt");
+    // The tenant now takes 6 ms a step for good (another model): beside a neighbour every step
+    // misses, the level goes to the top, and there too the steps take 6 ms.
+    let mut replaced_after = None;
+    for window in 1..=1000 {
+        driver.next("infer", repeat(3, 6 * MS), None);
+        if driver.controller.statuses()[0].target_ns != Some(learnt) {
+            replaced_after = Some(window);
+            break;
+        }
+    }
+    // The floor finds the top no better than level 0 before a quarter of the record (400
+    // steps) is in at Exclusive, and that is evidence enough: within two seconds.
+    let windows = replaced_after.expect("the baseline replaced");
+    assert!(windows <= 200, "{windows} windows");
+    assert_eq!(
+        driver.controller.statuses()[0].baseline_p99_ns,
+        Some(reads_as(6 * MS))
+    );
+}

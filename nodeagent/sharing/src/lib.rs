@@ -33,8 +33,11 @@
 //! taken in blocks of 100, and a block becomes the baseline only once the next one agrees with
 //! it (p99s within one bucket; the lower of the two), or the lowest after
 //! `PROTECTIVE_BLOCKS_MAX` blocks. A learnt target must be one the tenant meets where nothing
-//! else runs: a block of 100 steps at Exclusive (settled after a climb) whose p99 misses it by
-//! `STALE_BASELINE_BUCKETS` replaces the baseline (a baseline learnt from a warm-up's short
+//! else runs: blocks of 100 steps at Exclusive (settled after a climb) whose p99 misses it by
+//! `STALE_BASELINE_BUCKETS`, in a row and holding a quarter of the steps the baseline was learnt
+//! from (`STALE_EVIDENCE_SHARE`: evidence in proportion to what it overturns, so that the
+//! tenant's own slow spells do not become its target), replace the baseline (a baseline learnt
+//! from a warm-up's short
 //! synchronisations, 0.7 ms against steps of 3-4 ms, held the level at Exclusive for good).
 //! Only there: at Pause or Guard, a neighbour kernel launched before a step can still triple it,
 //! and a baseline learnt there makes the target that much too loose. That fallback is learnt
@@ -179,8 +182,8 @@ pub use controller::{
 pub use ladder::{GUARD_QUARTERS, Ladder, Rung, guard_us};
 pub use tenant::{
     ALLOWANCE_MAX_PPM, ALLOWANCE_MIN_PPM, BASELINE_STEPS_MAX, BASELINE_STEPS_MIN, IDLE_GAPS,
-    PERIOD_SAMPLES_MIN, PROTECTIVE_BLOCKS_MAX, STALE_BASELINE_BUCKETS, STARVING_TARGETS,
-    VIOLATION_PPM,
+    PERIOD_SAMPLES_MIN, PROTECTIVE_BLOCKS_MAX, STALE_BASELINE_BUCKETS, STALE_EVIDENCE_SHARE,
+    STARVING_TARGETS, VIOLATION_PPM,
 };
 pub use tenant_abi::control::{Decision, LatencySnapshot};
 pub use types::{

@@ -33,8 +33,14 @@ pub const PERIOD_SAMPLES_MIN: u32 = 4;
 /// taken even if no two blocks in a row agreed (the lowest block's p99).
 pub const PROTECTIVE_BLOCKS_MAX: u32 = 4;
 /// Histogram buckets (about 9% each) by which a block's p99 at Exclusive must miss a learnt
-/// target to replace the baseline (two: one is the histogram's rounding).
+/// target to count against the baseline (two: one is the histogram's rounding).
 pub const STALE_BASELINE_BUCKETS: i32 = 2;
+/// The steps at Exclusive, in consecutive missing blocks, that replace a baseline: at least this
+/// share of the steps the baseline was learnt from (and at least one block). Evidence in
+/// proportion to what it overturns: a baseline of a warm-up's 200 steps falls to one block, one
+/// of 1600 steps alone to 400, so that a slow spell of the tenant's own (an eager tenant on an
+/// H200 ran steps twice its alone time at Exclusive for 0.8-2 s) does not become its target.
+pub const STALE_EVIDENCE_SHARE: u64 = 4;
 /// A tenant whose step has been open (or took) longer than this many times its target is
 /// starving: the controller goes to the top at once, and the window's steps say nothing about
 /// the tenant's rhythm (its period is not measured from them).
@@ -84,6 +90,8 @@ pub struct TenantState {
     /// `BASELINE_STEPS_MIN`: a block whose p99 misses the target by `STALE_BASELINE_BUCKETS`
     /// shows the baseline no longer describes the tenant (see `check_baseline`).
     exclusive_block: LatencySnapshot,
+    /// The consecutive blocks at Exclusive that missed the learnt target (see `check_baseline`).
+    stale_run: LatencySnapshot,
     /// `(slot start, steps)`, oldest first, at most `STATUS_SLOTS + 1`.
     recent: VecDeque<(u64, LatencySnapshot)>,
     steps: u64,
@@ -126,6 +134,7 @@ impl TenantState {
             protective_last: None,
             protective_blocks: 0,
             exclusive_block: LatencySnapshot::default(),
+            stale_run: LatencySnapshot::default(),
             recent: VecDeque::new(),
             steps: 0,
             violations: 0,
@@ -354,12 +363,15 @@ impl TenantState {
     }
 
     /// At Exclusive (nothing else runs: as good as alone) a tenant must be able to meet a
-    /// learnt target. A block of `BASELINE_STEPS_MIN` steps there whose p99 is
-    /// `STALE_BASELINE_BUCKETS` over the target says the baseline describes another tenant
-    /// than the one running now (an H100 run: an eager tenant's baseline learnt from its
-    /// warm-up's short synchronisations was 0.7 ms against 3-4 ms steps; every step was a
-    /// violation, the level sat at Exclusive and its neighbour made no step for a whole
-    /// window): the block becomes the baseline.
+    /// learnt target. Blocks of `BASELINE_STEPS_MIN` steps there whose p99 is
+    /// `STALE_BASELINE_BUCKETS` over the target say the baseline describes another tenant than
+    /// the one running now (an H100 run: an eager tenant's baseline learnt from its warm-up's
+    /// short synchronisations was 0.7 ms against 3-4 ms steps; every step was a violation, the
+    /// level sat at Exclusive and its neighbour made no step for a whole window), once they
+    /// hold `1 / STALE_EVIDENCE_SHARE` of the steps the baseline was learnt from, in a row: then
+    /// they become the baseline. A block within it ends the run. A single block replaced it
+    /// before, and an eager tenant's slow spells at Exclusive on an H200 (its own, the GPU idle)
+    /// loosened its target to 1.9-2.5x its alone p99 for the rest of the run.
     fn check_baseline(&mut self, config: &Config, window: &LatencySnapshot) {
         self.exclusive_block.add(window);
         if self.exclusive_block.steps < BASELINE_STEPS_MIN {
@@ -370,9 +382,36 @@ impl TenantState {
             return;
         };
         if latency_bucket(p99) as i32 - latency_bucket(target) as i32 >= STALE_BASELINE_BUCKETS {
-            self.alone = block;
-            self.protective = LatencySnapshot::default();
+            self.stale_run.add(&block);
+            if self.stale_run.steps >= self.stale_evidence_needed() {
+                self.alone = std::mem::take(&mut self.stale_run);
+                self.protective = LatencySnapshot::default();
+            }
+        } else {
+            self.stale_run = LatencySnapshot::default();
         }
+    }
+
+    /// The floor found the top no better than level 0 while this tenant missed its learnt
+    /// target at Exclusive (its last blocks there, in a row): what it would take more blocks to
+    /// show, the floor showed. Replaces the baseline with those blocks; whether it did.
+    pub fn replace_stale_baseline(&mut self) -> bool {
+        if self.explicit_target_ns.is_some() || self.stale_run.steps < BASELINE_STEPS_MIN {
+            return false;
+        }
+        self.alone = std::mem::take(&mut self.stale_run);
+        self.protective = LatencySnapshot::default();
+        true
+    }
+
+    /// The steps of consecutive missing blocks at Exclusive that replace the baseline
+    /// (`STALE_EVIDENCE_SHARE`).
+    fn stale_evidence_needed(&self) -> u64 {
+        let record = [&self.alone, &self.protective]
+            .into_iter()
+            .find(|histogram| histogram.steps >= BASELINE_STEPS_MIN)
+            .map_or(0, |histogram| histogram.steps);
+        BASELINE_STEPS_MIN.max(record / STALE_EVIDENCE_SHARE)
     }
 
     /// Judges `window` against `target`, with a step open for `open_ns` (past the target) as
