@@ -1235,24 +1235,33 @@ impl Enforcer {
             return;
         };
         for (device, board, slot, chunks) in plans {
-            // The GPU's shared staging file, registered on a thread of its own from the first
-            // borrow on; once it is, swap-outs claim its slabs and nothing is pinned ahead.
-            if let (Some(file), Some(driver)) = (board.staging, crate::real::driver()) {
-                crate::staging::register_shared(driver, device, file, slot, context);
-            }
-            if crate::staging::shared_ready(device) || !crate::staging::warm_on() {
-                continue;
-            }
             let region = board.board.region;
             let mine = region.slots[slot]
                 .staging_bytes
                 .load(std::sync::atomic::Ordering::SeqCst);
             let others = region.staging_total().saturating_sub(mine);
+            let cap = region.staging_budget().saturating_sub(others) / 2;
+            // The GPU's shared staging file, registered on a thread of its own from the first
+            // borrow on, as far as this process's resident borrowed chunks need (capped as
+            // pinning ahead is) past the slabs others hold; once a slab is, swap-outs claim its
+            // slabs and nothing is pinned ahead.
+            if let (Some(file), Some(driver)) = (board.staging, crate::real::driver()) {
+                let slab = file.slab_bytes;
+                let need: u64 = chunks
+                    .iter()
+                    .map(|&bytes| bytes.div_ceil(slab) * slab)
+                    .sum::<u64>()
+                    .min(cap.div_ceil(slab) * slab);
+                let want = crate::staging::shared_want(&file, slot, need);
+                crate::staging::register_shared(driver, device, file, slot, context, want);
+            }
+            if crate::staging::shared_ready(device) || !crate::staging::warm_on() {
+                continue;
+            }
             if elastic::staging_short(region) {
                 // A short budget is for swap-outs under way (an exchange), not for pinning ahead.
                 continue;
             }
-            let cap = region.staging_budget().saturating_sub(others) / 2;
             let mut counters = elastic::SlotCounters { board, slot };
             let pinned = swap::Backing::warm(&mut backing, device, &chunks, cap, &mut counters);
             if pinned >= crate::staging::WARM_STEP_MAX {

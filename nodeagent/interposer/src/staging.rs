@@ -418,21 +418,62 @@ pub fn shared_ready(device: usize) -> bool {
     shared(device).is_some()
 }
 
-/// Registers the GPU's shared staging file `file` for this process (board slot `slot`) on a
-/// thread of its own, once per process and GPU, with `context` made current there: about 1.7 s
-/// for 16 GiB on an H200 (`tests/gpu/shared_staging.py`), so never on a swap's path. The whole
-/// file is one registration, so that a copy may span slabs of a run. Until it is done (or if it
-/// fails, said once), swap-outs pin their own staging as before.
+/// Per GPU: how many of the shared file's first slabs this process wants registered
+/// ([`registration_want`]); the registering thread goes as far and waits for more.
+static SHARED_WANT: [AtomicUsize; DEVICES_MAX] = [const { AtomicUsize::new(0) }; DEVICES_MAX];
+/// Per GPU: the registering thread, woken when the want grows.
+static SHARED_THREAD: [OnceLock<std::thread::Thread>; DEVICES_MAX] =
+    [const { OnceLock::new() }; DEVICES_MAX];
+/// How long the registering thread waits for the want to grow before it looks again.
+const REGISTER_IDLE_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How many of the shared file's first slabs a process should have registered: the slabs other
+/// processes hold now (a run is claimed among the registered ones, and theirs are not free),
+/// plus slabs for `need_bytes` of its own staging, at most the file's `total_slabs`. The need is
+/// what pinning ahead would pin for the process's resident borrowed chunks (capped alike,
+/// `Pool::plan_warm`), so the file costs a process no more registering than its own staging
+/// would have cost it pinning: three jobs each registering all of an 84 GiB file took 14-46 s on
+/// an H200 and starved their other pins (docs/benchmarks.md).
+pub fn registration_want(
+    total_slabs: usize,
+    held_by_others: usize,
+    need_bytes: u64,
+    slab_bytes: u64,
+) -> usize {
+    assert!(slab_bytes > 0);
+    let own = usize::try_from(need_bytes.div_ceil(slab_bytes)).unwrap_or(usize::MAX);
+    held_by_others.saturating_add(own).min(total_slabs)
+}
+
+/// The want of this process on `device` for `file` ([`registration_want`]), from its board slot
+/// `slot`, its staging need and the file's table now.
+pub fn shared_want(file: &crate::shm::StagingFile, slot: usize, need_bytes: u64) -> usize {
+    let owner = tenant_abi::slabs::owner_token(slot, std::process::id());
+    let total = (file.data_bytes / file.slab_bytes) as usize;
+    let held_by_others = total
+        .saturating_sub(file.table.free())
+        .saturating_sub(file.table.owned_by(owner));
+    registration_want(total, held_by_others, need_bytes, file.slab_bytes)
+}
+
+/// Registers the first `want` slabs of the GPU's shared staging file `file` for this process
+/// (board slot `slot`), on a thread of its own with `context` made current there, started on the
+/// first call and woken by later ones that want more: registering is slow (1.7 s for 16 GiB on
+/// an idle H200 host, `tests/gpu/shared_staging.py`), so it is never on a swap's path. Each slab
+/// is a registration of its own, claimable once registered. Until the first one is (or if
+/// registering fails, said once), swap-outs pin their own staging as before.
 pub fn register_shared(
     driver: &'static Driver,
     device: usize,
     file: crate::shm::StagingFile,
     slot: usize,
     context: usize,
+    want: usize,
 ) {
     let Some(state) = SHARED_STATE.get(device) else {
         return;
     };
+    let before = SHARED_WANT[device].fetch_max(want, Ordering::SeqCst);
     if state
         .compare_exchange(
             SHARED_NONE,
@@ -442,6 +483,11 @@ pub fn register_shared(
         )
         .is_err()
     {
+        if want > before
+            && let Some(thread) = SHARED_THREAD[device].get()
+        {
+            thread.unpark();
+        }
         return;
     }
     let (Some(register), Some(set_current)) =
@@ -454,7 +500,6 @@ pub fn register_shared(
     let spawned = std::thread::Builder::new()
         .name("vgpu-staging-register".into())
         .spawn(move || {
-            let began = std::time::Instant::now();
             // SAFETY: `context` is a context of this process (the watcher's current one); making
             // it current on this thread takes no pointer.
             if unsafe { set_current(context as CUcontext) } != CUDA_SUCCESS {
@@ -469,54 +514,68 @@ pub fn register_shared(
             let _ = SHARED[device].set(SharedPool { file, owner, pid });
             let slabs = (file.data_bytes / file.slab_bytes) as usize;
             let slab = file.slab_bytes as usize;
-            let mut rc = CUDA_SUCCESS;
-            for index in 0..slabs {
-                // SAFETY: slab `index` of the staging file, mapped shared for the process's life
-                // (`shm::open_staging`) and registered once here, a registration of its own
-                // (never unregistered: the process's end undoes it).
-                rc = unsafe {
-                    register(
-                        (file.data + index * slab) as *mut c_void,
-                        slab,
-                        CU_MEMHOSTREGISTER_PORTABLE,
-                    )
-                };
-                if rc != CUDA_SUCCESS {
-                    break;
+            let mut index = 0;
+            while index < slabs {
+                let want = SHARED_WANT[device].load(Ordering::SeqCst).min(slabs);
+                if index >= want {
+                    // As far as wanted: until the watcher wants more (a process exiting ends
+                    // the thread with it).
+                    std::thread::park_timeout(REGISTER_IDLE_WAIT);
+                    continue;
                 }
-                // From now on its slabs up to this one may be claimed.
-                SHARED_REGISTERED[device].store(index + 1, Ordering::Release);
-            }
-            let registered = SHARED_REGISTERED[device].load(Ordering::Acquire);
-            state.store(
-                if registered > 0 {
-                    SHARED_READY
-                } else {
-                    SHARED_FAILED
-                },
-                Ordering::SeqCst,
-            );
-            if rc == CUDA_SUCCESS {
-                crate::log::debug(format_args!(
-                    "device {device}: the GPU's shared swap staging ({}) registered in {:.2} s \
-                     (slab by slab, each usable as soon as it is); swap-outs stage in its slabs",
-                    crate::elastic::human(file.data_bytes),
-                    began.elapsed().as_secs_f64()
-                ));
-            } else {
-                crate::log::error(format_args!(
-                    "device {device}: registering the GPU's shared swap staging failed at slab \
-                     {registered} of {slabs} ({rc}); {}",
-                    if registered > 0 {
-                        "swap-outs use the slabs registered before it"
-                    } else {
-                        "this process pins its own staging"
+                let began = std::time::Instant::now();
+                let from = index;
+                while index < want {
+                    // SAFETY: slab `index` of the staging file, mapped shared for the process's
+                    // life (`shm::open_staging`) and registered once here, a registration of its
+                    // own (never unregistered: the process's end undoes it).
+                    let rc = unsafe {
+                        register(
+                            (file.data + index * slab) as *mut c_void,
+                            slab,
+                            CU_MEMHOSTREGISTER_PORTABLE,
+                        )
+                    };
+                    if rc != CUDA_SUCCESS {
+                        crate::log::error(format_args!(
+                            "device {device}: registering the GPU's shared swap staging failed \
+                             at slab {index} of {slabs} ({rc}); {}",
+                            if index > 0 {
+                                "swap-outs use the slabs registered before it"
+                            } else {
+                                "this process pins its own staging"
+                            }
+                        ));
+                        state.store(
+                            if index > 0 {
+                                SHARED_READY
+                            } else {
+                                SHARED_FAILED
+                            },
+                            Ordering::SeqCst,
+                        );
+                        return;
                     }
+                    index += 1;
+                    // From now on its slabs up to this one may be claimed.
+                    SHARED_REGISTERED[device].store(index, Ordering::Release);
+                }
+                state.store(SHARED_READY, Ordering::SeqCst);
+                crate::log::debug(format_args!(
+                    "device {device}: {} more of the GPU's shared swap staging registered in \
+                     {:.2} s ({} of {} in all); swap-outs stage in its slabs",
+                    crate::elastic::human((index - from) as u64 * file.slab_bytes),
+                    began.elapsed().as_secs_f64(),
+                    crate::elastic::human(index as u64 * file.slab_bytes),
+                    crate::elastic::human(file.data_bytes),
                 ));
             }
         });
-    if spawned.is_err() {
-        state.store(SHARED_FAILED, Ordering::SeqCst);
+    match spawned {
+        Ok(handle) => {
+            let _ = SHARED_THREAD[device].set(handle.thread().clone());
+        }
+        Err(_) => state.store(SHARED_FAILED, Ordering::SeqCst),
     }
 }
 
@@ -949,6 +1008,20 @@ mod tests {
             registered: false,
             shared: false,
         }
+    }
+
+    #[test]
+    fn a_process_registers_what_it_needs_past_the_slabs_others_hold() {
+        const SLAB: u64 = 64 << 20;
+        // Nothing held elsewhere: its own need, in whole slabs.
+        assert_eq!(registration_want(8, 0, 1, SLAB), 1);
+        assert_eq!(registration_want(8, 0, 2 * SLAB, SLAB), 2);
+        assert_eq!(registration_want(8, 0, 0, SLAB), 0);
+        // Others' slabs are not free to it: it registers past them.
+        assert_eq!(registration_want(8, 3, 2 * SLAB + 1, SLAB), 6);
+        // Never past the file.
+        assert_eq!(registration_want(8, 7, 4 * SLAB, SLAB), 8);
+        assert_eq!(registration_want(8, 0, u64::MAX, SLAB), 8);
     }
 
     #[test]
