@@ -565,12 +565,13 @@ impl Controller {
             let level = self.level;
             if level == self.ladder.top() {
                 // Holding every neighbour back bought nothing, and the tenant missed its learnt
-                // target there too: the baseline, not the neighbours, is what is wrong. Replaced,
-                // the levels are judged afresh against the new target.
+                // target there and unrestricted alike: the baseline, not the neighbours, is what
+                // is wrong. Replaced, the levels are judged afresh against the new target.
                 let mut replaced = false;
                 for (name, _) in judged {
+                    let unrestricted = self.measured[0].get(name);
                     if let Some(tenant) = self.tenants.get_mut(name) {
-                        replaced |= tenant.replace_stale_baseline();
+                        replaced |= tenant.replace_stale_baseline(&self.config, unrestricted);
                     }
                 }
                 if replaced {

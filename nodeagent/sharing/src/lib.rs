@@ -36,8 +36,11 @@
 //! else runs: blocks of 100 steps at Exclusive (settled after a climb) whose p99 misses it by
 //! `STALE_BASELINE_BUCKETS`, in a row and holding a quarter of the steps the baseline was learnt
 //! from (`STALE_EVIDENCE_SHARE`: evidence in proportion to what it overturns, so that the
-//! tenant's own slow spells do not become its target), replace the baseline (a baseline learnt
-//! from a warm-up's short
+//! tenant's own slow spells do not become its target; a stay at another level ends the run),
+//! replace the baseline; so does the floor finding the top no better than level 0 while the
+//! tenant misses its target both there and unrestricted (it misses everywhere: the baseline is
+//! wrong; a tenant within it unrestricted missed at the top only in a spell of its own) (a
+//! baseline learnt from a warm-up's short
 //! synchronisations, 0.7 ms against steps of 3-4 ms, held the level at Exclusive for good).
 //! Only there: at Pause or Guard, a neighbour kernel launched before a step can still triple it,
 //! and a baseline learnt there makes the target that much too loose. That fallback is learnt

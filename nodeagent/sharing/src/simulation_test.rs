@@ -123,6 +123,10 @@ struct Scenario {
     noise: f64,
     /// Share of steps 1.5 times slower whatever the level (the tenant's own hiccups).
     spikes: f64,
+    /// Slow spells of the tenant's own, whatever the level: every `.0` ns for `.1` ns its steps
+    /// take `.2` times as long (an eager PyTorch tenant on an H200 ran twice its alone time for
+    /// 0.8-2 s at Exclusive, the GPU idle).
+    spells: Option<(u64, u64, f64)>,
     steps_per_window: u64,
     start: Start,
     seed: u64,
@@ -185,6 +189,11 @@ impl Gpu {
             s.base_ns as f64 * (1.0 + interference) * (1.0 + s.noise * (2.0 * noise - 1.0));
         if spike < s.spikes {
             latency *= 1.5;
+        }
+        if let Some((every_ns, length_ns, factor)) = s.spells
+            && self.now_ns % every_ns < length_ns
+        {
+            latency *= factor;
         }
         if neighbours {
             if !decision.pause {
@@ -361,6 +370,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 base_ns,
                 noise,
                 spikes,
+                spells: None,
                 steps_per_window,
                 start,
                 seed,
@@ -407,6 +417,7 @@ fn a_level_held_long_banks_no_credit_past_its_trial() {
         base_ns: 3_068_757,
         noise: 0.013690483288536774,
         spikes: 0.001504471415104736,
+        spells: None,
         steps_per_window: 3,
         start: Start::Crowded,
         seed: 14077154795252051699,
@@ -485,6 +496,7 @@ fn each_kind_of_neighbour_gets_its_lever() {
         base_ns: 2 * MS,
         noise: 0.02,
         spikes: 0.0,
+        spells: None,
         steps_per_window: 5,
         start: Start::Alone,
         seed: 7,
@@ -563,6 +575,7 @@ fn a_starving_tenant_is_answered_before_its_steps_end() {
         base_ns: 1_200_000,
         noise: 0.02,
         spikes: 0.0,
+        spells: None,
         steps_per_window: 3,
         start: Start::Alone,
         seed: 11,
@@ -603,6 +616,7 @@ fn queued_kernels_are_answered_at_pause_with_the_bound() {
         base_ns: 2 * MS,
         noise: 0.02,
         spikes: 0.0,
+        spells: None,
         steps_per_window: 3,
         start: Start::Explicit(1.5),
         seed: 5,
@@ -649,6 +663,7 @@ proptest! {
             base_ns,
             noise: 0.02,
             spikes: if mild { 0.0 } else { spikes },
+            spells: None,
             steps_per_window,
             start: if mild { Start::Alone } else { Start::Explicit(1.3) },
             seed,
@@ -661,6 +676,65 @@ proptest! {
         prop_assert!(
             steady.restricted <= 3_000 / 20,
             "{} of 3000 steady windows restricted the neighbour", steady.restricted
+        );
+    }
+}
+
+/// The tenant's own slow spells (twice as slow for 1 s in every 10, at every level) beside a
+/// compute-bound neighbour: its target stays the one learnt alone, from a record four times as
+/// long as a spell. A spell is not evidence that
+/// the baseline is stale (`TenantState::check_baseline`): before, one block of 100 steps at
+/// Exclusive inside a spell replaced it, and the target followed the spell for the rest of the
+/// run.
+#[test]
+fn a_tenants_own_slow_spells_do_not_loosen_its_learnt_target() {
+    let neighbours = [
+        Neighbour {
+            sm: 1.0,
+            queue: 0.2,
+            ..QUIET
+        },
+        Neighbour {
+            bandwidth: 0.6,
+            queue: 0.1,
+            ..QUIET
+        },
+    ];
+    for (seed, (neighbour, spell_ms)) in neighbours
+        .into_iter()
+        .flat_map(|n| [(n, 500), (n, 1_500)])
+        .enumerate()
+    {
+        let scenario = Scenario {
+            neighbour,
+            base_ns: 3 * MS,
+            noise: 0.05,
+            spikes: 0.0,
+            spells: Some((10_000 * MS, spell_ms * MS, 2.0)),
+            steps_per_window: 2,
+            start: Start::Alone,
+            seed: seed as u64,
+            mps: false,
+        };
+        let mut gpu = Gpu::new(scenario.clone());
+        // Alone for 8 s between spells: the record the target is learnt from (1600 steps,
+        // over four times a spell's).
+        gpu.now_ns = 1_600 * MS;
+        gpu.next_start_ns = gpu.now_ns;
+        gpu.run(800, false, true);
+        let learnt = gpu.controller.statuses()[0]
+            .target_ns
+            .expect("learnt alone");
+        assert!(learnt < 4 * MS, "learnt outside a spell: {learnt}");
+        let mut highest = learnt;
+        for _ in 0..3_000 {
+            gpu.run(1, true, true);
+            highest = highest.max(gpu.controller.statuses()[0].target_ns.unwrap_or(0));
+        }
+        assert_eq!(
+            highest, learnt,
+            "{neighbour:?}, spells of {spell_ms} ms: the target went from {learnt} ns to \
+             {highest} ns over three spells"
         );
     }
 }

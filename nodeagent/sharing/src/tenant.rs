@@ -90,8 +90,12 @@ pub struct TenantState {
     /// `BASELINE_STEPS_MIN`: a block whose p99 misses the target by `STALE_BASELINE_BUCKETS`
     /// shows the baseline no longer describes the tenant (see `check_baseline`).
     exclusive_block: LatencySnapshot,
-    /// The consecutive blocks at Exclusive that missed the learnt target (see `check_baseline`).
+    /// The consecutive blocks at Exclusive that missed the learnt target, in this stay there
+    /// (see `check_baseline`).
     stale_run: LatencySnapshot,
+    /// The last complete block at Exclusive, if it missed the learnt target (kept across levels,
+    /// for the floor: `replace_stale_baseline`).
+    last_missed: Option<LatencySnapshot>,
     /// `(slot start, steps)`, oldest first, at most `STATUS_SLOTS + 1`.
     recent: VecDeque<(u64, LatencySnapshot)>,
     steps: u64,
@@ -135,6 +139,7 @@ impl TenantState {
             protective_blocks: 0,
             exclusive_block: LatencySnapshot::default(),
             stale_run: LatencySnapshot::default(),
+            last_missed: None,
             recent: VecDeque::new(),
             steps: 0,
             violations: 0,
@@ -323,6 +328,12 @@ impl TenantState {
         } else if seen == Seen::Exclusive && self.explicit_target_ns.is_none() {
             self.check_baseline(config, window);
         }
+        if seen != Seen::Exclusive {
+            // Blocks "in a row" are blocks of one stay at Exclusive: two slow spells of the
+            // tenant's own, each of which sent the level to the top, are not one lasting change.
+            self.exclusive_block = LatencySnapshot::default();
+            self.stale_run = LatencySnapshot::default();
+        }
         self.record_recent(config, now_ns, window);
         debug_assert!((ALLOWANCE_MIN_PPM..=ALLOWANCE_MAX_PPM).contains(&self.allowance_ppm));
         judgement
@@ -383,24 +394,48 @@ impl TenantState {
         };
         if latency_bucket(p99) as i32 - latency_bucket(target) as i32 >= STALE_BASELINE_BUCKETS {
             self.stale_run.add(&block);
+            self.last_missed = Some(block);
             if self.stale_run.steps >= self.stale_evidence_needed() {
                 self.alone = std::mem::take(&mut self.stale_run);
                 self.protective = LatencySnapshot::default();
+                self.last_missed = None;
             }
         } else {
             self.stale_run = LatencySnapshot::default();
+            self.last_missed = None;
         }
     }
 
-    /// The floor found the top no better than level 0 while this tenant missed its learnt
-    /// target at Exclusive (its last blocks there, in a row): what it would take more blocks to
-    /// show, the floor showed. Replaces the baseline with those blocks; whether it did.
-    pub fn replace_stale_baseline(&mut self) -> bool {
-        if self.explicit_target_ns.is_some() || self.stale_run.steps < BASELINE_STEPS_MIN {
+    /// The floor found the top no better than level 0, this tenant's last block at Exclusive
+    /// missed its learnt target, and so do its steps at level 0 (`unrestricted`, this episode's):
+    /// it misses everywhere, restricted or not, so the baseline is what is wrong, which more
+    /// blocks at Exclusive would show too (the floor does not leave time for them). Replaces it
+    /// with that block; whether it did. A tenant within its target at level 0 is not: its misses
+    /// at the top are then a slow spell of its own that sent the level there (the top's steps
+    /// are the slow ones by selection).
+    pub fn replace_stale_baseline(
+        &mut self,
+        config: &Config,
+        unrestricted: Option<&LatencySnapshot>,
+    ) -> bool {
+        let (Some(target), Some(level0)) = (
+            self.target_ns(config),
+            unrestricted.and_then(|h| h.quantile_ns(0.99)),
+        ) else {
+            return false;
+        };
+        if self.explicit_target_ns.is_some()
+            || (latency_bucket(level0) as i32 - latency_bucket(target) as i32)
+                < STALE_BASELINE_BUCKETS
+        {
             return false;
         }
-        self.alone = std::mem::take(&mut self.stale_run);
+        let Some(block) = self.last_missed.take() else {
+            return false;
+        };
+        self.alone = block;
         self.protective = LatencySnapshot::default();
+        self.stale_run = LatencySnapshot::default();
         true
     }
 
