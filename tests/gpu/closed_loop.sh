@@ -46,7 +46,8 @@
 # the vgpu groups, default WINDOW: a pair's first seconds are the controller's learning, and a
 # longer window weighs them as a pair that stays together longer would), SETTLE (seconds a window's processes
 # run before it, unmeasured, 0.75), GAP (idle seconds between windows, 0.25), PERIODS (step
-# periods in ms, e.g. "eager=6 bert=2.5"; defaults decoder 3, eager 5, bert 2), VGPU_BIN (dist),
+# periods in ms, e.g. "eager=6 bert=2.5"; defaults decoder 3, eager 6, bert 4: about twice each step alone on an H100 and an H200;
+# before the twenty-fourth session eager 5 and bert 2), VGPU_BIN (dist),
 # PIN (1: every workload process runs pinned, the latency workloads to 4 CPUs of the GPU's own
 # NUMA node and the neighbours to 4 others of it, in every mode alike; 0: wherever the kernel puts
 # them. A launch-bound Python loop's p50 moved 2.2-3.3 ms between processes of one run with the
