@@ -79,3 +79,52 @@ fn launch_overhead() {
         );
     }
 }
+
+/// Whether the gate leaves the GPU idle between small kernels: 20,000 kernels of 10 us (the fake
+/// runs them back to back on its clock) then a synchronisation, per configuration; the time per
+/// kernel is 10 us when the GPU never waits for the launches. The compute gate bounds a tenant's
+/// queue (an event every `launch::SAMPLE_ALONE` launches, a wait past
+/// `launch::EVENTS_PER_STREAM_MAX` unfinished) even while it is alone: a trainer of many small
+/// kernels paid 7-11% through vgpu on an H200, which the launch path's CPU cost does not explain.
+#[test]
+#[ignore = "a benchmark: run it in release with --ignored --nocapture"]
+fn small_kernels_back_to_back() {
+    let shm = shm_dir();
+    let _schedule = tenant_abi::writer::schedule(
+        &tenant_abi::layout::schedule_path(shm.path(), "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00"),
+        tenant_abi::compute::QUANTUM_NS_DEFAULT,
+    )
+    .expect("the schedule file");
+    type Configure = fn(Probe) -> Probe;
+    let configurations: [(&str, Option<&str>, Configure); 3] = [
+        ("bare fake driver", None, |p| p.env_remove("LD_PRELOAD")),
+        ("tenant, memory quota only", Some("t"), |p| {
+            p.env("VGPU_MEMORY_LIMITS", "0:8GiB")
+        }),
+        ("tenant, compute share 75%, burst (alone)", Some("t"), |p| {
+            p.env("VGPU_MEMORY_LIMITS", "0:8GiB")
+                .env("VGPU_COMPUTE_SHARES", "0:75")
+                .env("VGPU_BURST", "1")
+        }),
+    ];
+    println!("\n| configuration | ns per 10 us kernel (median of {RUNS}) | min-max |");
+    println!("| --- | --: | --- |");
+    for (name, tenant, configure) in configurations {
+        let mut runs: Vec<u64> = (0..RUNS)
+            .map(|_| {
+                let out = configure(Probe::new(shm.path(), tenant)).run("launches_of 20000 10");
+                out.lines()
+                    .find_map(|line| line.strip_prefix("launches_of 0 ns="))
+                    .and_then(|ns| ns.trim().parse().ok())
+                    .unwrap_or_else(|| panic!("no timing: {out}"))
+            })
+            .collect();
+        runs.sort_unstable();
+        println!(
+            "| {name} | {} | {}-{} |",
+            runs[RUNS / 2],
+            runs[0],
+            runs[RUNS - 1]
+        );
+    }
+}

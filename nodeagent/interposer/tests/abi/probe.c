@@ -28,6 +28,8 @@
  *   launches N       N launches of 0 us through cuLaunchKernel on the user stream, timed:
  *                    "launches <rc> ns=<mean ns per launch>" (the hooks' cost per launch, with
  *                    and without the interposer: overhead.rs)
+ *   launches_of N US the same with kernels of US us, then cuCtxSynchronize: whether the gate
+ *                    leaves the (fake) GPU idle between kernels ("launches_of <rc> ns=...")
  *   until_host_allocs N   waits (up to 20 s) until the fake counted N pins (cuMemHostAlloc or
  *                    cuMemHostRegister, from any thread): "until_host_allocs 0", -1 if not
  *   touch PATH | until_file PATH   creates PATH / waits (up to 20 s) until PATH exists
@@ -700,14 +702,19 @@ int main(int argc, char **argv) {
       if (f) fclose(f);
       printf("touch %d\n", f ? 0 : -1);
       i++;
-    } else if (!strcmp(c, "launches")) {
+    } else if (!strcmp(c, "launches") || !strcmp(c, "launches_of")) {
+      /* launches N: kernels of 0 us; launches_of N US: kernels of US us, then a device
+       * synchronisation, so that the time per launch is the GPU's unless launching is slower. */
       unsigned long n = strtoul(a, NULL, 10);
+      unsigned int us = 0;
+      if (!strcmp(c, "launches_of")) us = (unsigned int)atoi(argv[++i + 1]);
       rc = 0;
       unsigned long long began = now_ns();
       for (unsigned long k = 0; k < n && rc == 0; k++)
-        rc = cuLaunchKernel(NULL, 0, 1, 1, 1, 1, 1, 0, USER_STREAM, NULL, NULL);
+        rc = cuLaunchKernel(NULL, us, 1, 1, 1, 1, 1, 0, USER_STREAM, NULL, NULL);
+      if (us > 0 && rc == 0) rc = cuCtxSynchronize();
       unsigned long long took = now_ns() - began;
-      printf("launches %d ns=%llu\n", rc, n ? took / n : 0);
+      printf("%s %d ns=%llu\n", c, rc, n ? took / n : 0);
       i++;
     } else if (!strcmp(c, "until_host_allocs")) {
       printf("until_host_allocs %d\n", until_host_allocs(strtoull(a, NULL, 10)));
