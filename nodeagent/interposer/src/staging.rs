@@ -23,6 +23,13 @@
 //! A child after `fork` forgets the pool without a driver call or a release: the buffers and their
 //! reservations are its parent's.
 //!
+//! **The GPU's shared staging file** (the agent's `shared_staging`, off by default): where the
+//! agent keeps one, the watcher has it registered on a thread of its own, slab by slab, as far as
+//! the process's borrowed chunks need ([`register_shared`], [`registration_want`]); a swap-out
+//! then takes a run of its registered slabs ([`claim_shared`]) instead of pinning, reserved on the
+//! board in whole slabs like any staging, copied a slab at a time ([`copy_piece_bytes`]), pooled
+//! like any buffer, and given back when freed. No run free: the chunk's own buffer, as before.
+//!
 //! [`Pool`] is the bookkeeping (which buffer serves which chunk, which have idled too long), pure
 //! and unit tested; the functions below make the driver calls around it.
 #![allow(unsafe_code)]
