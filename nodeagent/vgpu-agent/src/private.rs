@@ -419,14 +419,21 @@ pub fn publish_boards(
             if let Err(error) = link(&path, &tenant_abi::layout::board_path(&tenant_dir, uuid)) {
                 problems.push(error);
             }
-            if let Some(staging) = &staging
-                && let Err(error) = link(
-                    staging,
-                    &tenant_abi::layout::staging_path(&tenant_dir, uuid),
-                )
-            {
+            let staging_link = tenant_abi::layout::staging_path(&tenant_dir, uuid);
+            let linked = match &staging {
+                Some(staging) => link(staging, &staging_link),
+                // Off (or no file): a link left from when it was on goes, so that the tenant's
+                // new processes pin their own staging.
+                None => unlink_if_there(&staging_link),
+            };
+            if let Err(error) = linked {
                 problems.push(error);
             }
+        }
+        if staging.is_none()
+            && let Err(error) = unlink_if_there(&layout.staging(uuid))
+        {
+            problems.push(error);
         }
     }
     problems
@@ -483,6 +490,18 @@ fn publish_staging(
             .map_err(|error| format!("cannot start the staging file's allocation: {error}"))?;
     }
     Ok(Some(path))
+}
+
+/// Removes `path` if it is there.
+fn unlink_if_there(path: &Path) -> Result<(), PrivateError> {
+    match std::fs::remove_file(path) {
+        Err(error) if error.kind() != std::io::ErrorKind::NotFound => Err(PrivateError::Io {
+            action: "unlink",
+            path: path.to_owned(),
+            source: error,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Creates `path` (and its parents) if missing and sets `mode`.

@@ -466,6 +466,14 @@ fn each_gpu_gets_a_shared_staging_file_linked_like_its_board() {
         None,
         "unlinked with the board"
     );
+    // Turned off: the file and its links go (processes that mapped it keep it until they exit).
+    let off = BoardGpus {
+        shared_staging: false,
+        ..gpus
+    };
+    assert!(publish_boards(&layout, &second, &off).is_empty());
+    assert!(!layout.staging("GPU-1").exists());
+    assert_eq!(inode(&staging_link("b", "GPU-1")), None);
     // Too small a budget for one slab: no file.
     let tiny = BoardGpus {
         swap_host_memory_bytes: 64 << 20,
