@@ -452,6 +452,11 @@ fn publish_staging(
         return Ok(None);
     }
     let path = layout.staging(uuid);
+    if unallocatable().contains(&path) {
+        // Its pages could not be allocated before (said then): not again until the agent
+        // restarts, so that every assignment change does not fill `/dev/shm` and warn anew.
+        return Ok(None);
+    }
     let created = match tenant_abi::shm::create_staging(&path, budget_bytes) {
         Err(error) if error.is_other_version() => {
             tracing::warn!(
@@ -484,12 +489,23 @@ fn publish_staging(
                              for swap_host_memory, or turn shared_staging off)"
                         );
                         let _ = std::fs::remove_file(&path);
+                        unallocatable().insert(path);
                     }
                 }
             })
             .map_err(|error| format!("cannot start the staging file's allocation: {error}"))?;
     }
     Ok(Some(path))
+}
+
+/// The staging files whose pages could not be allocated since the agent started (at most one
+/// per GPU of the node).
+fn unallocatable() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<PathBuf>> {
+    static FAILED: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    FAILED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Removes `path` if it is there.
