@@ -195,15 +195,29 @@ fn open_writable<R: map::SharedRegion>(
     path: &Path,
     bytes: usize,
 ) -> Result<map::Mapping<R>, ReadError> {
-    let file = std::fs::OpenOptions::new()
+    map::Mapping::<R>::writable(path, &open_rw(path)?, bytes)
+}
+
+/// The existing file `path`, opened read-write.
+fn open_rw(path: &Path) -> Result<std::fs::File, ReadError> {
+    std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(path)
         .map_err(|source| ReadError::Open {
             path: path.to_owned(),
             source,
-        })?;
-    map::Mapping::<R>::writable(path, &file, bytes)
+        })
+}
+
+/// The size of the file at `path`.
+fn file_len(path: &Path) -> Result<u64, ReadError> {
+    std::fs::metadata(path)
+        .map(|metadata| metadata.len())
+        .map_err(|source| ReadError::Open {
+            path: path.to_owned(),
+            source,
+        })
 }
 
 /// Creates the region file `path` of `bytes`, initialised by `initialise`, unless one is there:
@@ -278,12 +292,7 @@ pub fn staging_file_bytes(budget_bytes: u64) -> u64 {
 pub fn create_staging(path: &Path, budget_bytes: u64) -> Result<bool, ReadError> {
     let bytes = staging_file_bytes(budget_bytes);
     if path.exists() {
-        let found = std::fs::metadata(path)
-            .map_err(|source| ReadError::Open {
-                path: path.to_owned(),
-                source,
-            })?
-            .len();
+        let found = file_len(path)?;
         if found != bytes {
             return Err(ReadError::Size {
                 path: path.to_owned(),
@@ -306,22 +315,8 @@ pub fn create_staging(path: &Path, budget_bytes: u64) -> Result<bool, ReadError>
 /// does not pay for them). An error (a full `/dev/shm`) says the file cannot hold its budget:
 /// the agent removes it, and processes pin their own staging as before.
 pub fn allocate_staging(path: &Path) -> Result<(), ReadError> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(|source| ReadError::Open {
-            path: path.to_owned(),
-            source,
-        })?;
-    let bytes = file
-        .metadata()
-        .map_err(|source| ReadError::Open {
-            path: path.to_owned(),
-            source,
-        })?
-        .len();
-    map::allocate(&file, bytes).map_err(|source| ReadError::Map {
+    let file = open_rw(path)?;
+    map::allocate(&file, file_len(path)?).map_err(|source| ReadError::Map {
         path: path.to_owned(),
         source,
     })
@@ -331,14 +326,7 @@ pub fn allocate_staging(path: &Path) -> Result<(), ReadError> {
 /// slot on the GPU's board at `board` (dead, or their slot reclaimed and reused); returns how
 /// many. The agent's sampling calls it after the board's dead-slot reclaim.
 pub fn reclaim_staging(staging: &Path, board_path: &Path) -> Result<usize, ReadError> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(staging)
-        .map_err(|source| ReadError::Open {
-            path: staging.to_owned(),
-            source,
-        })?;
+    let file = open_rw(staging)?;
     let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(staging, &file, 0)?;
     let board = map::Mapping::<board::Region>::open(board_path, board::REGION_BYTES)?;
     let region = board.region();

@@ -1,9 +1,13 @@
 """What the host-memory probes share (host_staging_bench.py, pin_sizes.py, shared_staging.py,
 shared_register_busy.py):
-libc's mapping calls typed for ctypes, their flags, and the CUresult check. Imported from the
+libc's mapping calls typed for ctypes, their flags, the CUresult check, the driver with device 0's primary context (`cuda`), mapping a shared file
+(`map_file`), touching pages from several threads (`touch`), and gathering the results of probe
+processes (`gather`). Imported from the
 scripts' own directory (`python3 tests/gpu/X.py` puts it on the path)."""
 import ctypes
 import os
+import threading
+import time
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -40,3 +44,49 @@ def map_file(path, size):
     if p in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), "mmap of the shared file")
     return p
+
+
+def touch(p, size, threads=8):
+    """Writes every page of `size` bytes at `p` (faults them in) from `threads` threads."""
+    step = (size + threads - 1) // threads
+    ts = [threading.Thread(target=libc.memset, args=(p + o, 1, min(step, size - o))) for o in range(0, size, step)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def gather(results, procs, count, seconds):
+    """Up to `count` items from the multiprocessing queue `results` within `seconds`, sooner when
+    every process of `procs` has ended."""
+    deadline = time.monotonic() + seconds
+    got = []
+    while len(got) < count and time.monotonic() < deadline:
+        try:
+            got.append(results.get(timeout=1))
+        except Exception:
+            if not any(pr.is_alive() for pr in procs):
+                break
+    return got
+
+
+def cuda():
+    """The driver (libcuda.so.1) with the probes' calls typed, and device 0's primary context made
+    current on this thread: (cu, ctx)."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    cu.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    cu.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    cu.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+    cu.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    cu.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+    cu.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+    cu.cuMemGetInfo_v2.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    cu.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+    ctx, dev = ctypes.c_void_p(), ctypes.c_int()
+    check(cu.cuInit(0), "cuInit")
+    check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return cu, ctx

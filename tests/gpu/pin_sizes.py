@@ -17,10 +17,9 @@ import multiprocessing
 import os
 import signal
 import sys
-import threading
 import time
 
-from hostmem import CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MIB, PROT_RW, libc
+from hostmem import CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MIB, PROT_RW, libc, touch
 
 
 def churn(stop):
@@ -53,16 +52,6 @@ def busy(stop):
         torch.cuda.synchronize()
 
 
-def touch(p, size):
-    threads = max(1, min(8, size // (8 * MIB)))
-    step = (size + threads - 1) // threads
-    ts = [threading.Thread(target=libc.memset, args=(p + o, 1, min(step, size - o))) for o in range(0, size, step)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-
-
 def measure(cu, total, size):
     n = total // size
     buffers, touch_s, register_s = [], 0.0, 0.0
@@ -70,7 +59,7 @@ def measure(cu, total, size):
         began = time.perf_counter()
         p = libc.mmap(None, size, PROT_RW, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
         libc.madvise(p, size, MADV_HUGEPAGE)
-        touch(p, size)
+        touch(p, size, max(1, min(8, size // (8 * MIB))))
         touched = time.perf_counter()
         rc = cu.cuMemHostRegister_v2(p, size, CU_MEMHOSTREGISTER_PORTABLE)
         if rc != 0:

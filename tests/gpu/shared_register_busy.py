@@ -37,7 +37,7 @@ import threading
 import time
 
 from hostmem import (CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MIB,
-                     PROT_RW, check, libc, map_file)
+                     PROT_RW, check, cuda, gather, libc, map_file)
 
 PHASES = [  # name, who registers ("one": process 0 only; "all"), how
     ("alone-whole", "one", "whole"),
@@ -47,21 +47,6 @@ PHASES = [  # name, who registers ("one": process 0 only; "all"), how
     ("all-slabs-paced", "all", "paced"),
 ]
 BUSY_BYTES = 64 * MIB
-
-
-def cuda():
-    cu = ctypes.CDLL("libcuda.so.1")
-    cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    cu.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
-    cu.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
-    cu.cuMemFree_v2.argtypes = [ctypes.c_uint64]
-    cu.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
-    ctx, dev = ctypes.c_void_p(), ctypes.c_int()
-    check(cu.cuInit(0), "cuInit")
-    check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-    check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    return cu, ctx
 
 
 def busy(cu, ctx, stop, times):
@@ -189,14 +174,7 @@ def main():
         procs = [mp.Process(target=worker, args=(i, path, total, slab, barrier, results)) for i in range(procs_n)]
         for pr in procs:
             pr.start()
-        deadline = time.monotonic() + 500
-        got = []
-        while len(got) < procs_n and time.monotonic() < deadline:
-            try:
-                got.append(results.get(timeout=1))
-            except Exception:
-                if not any(pr.is_alive() for pr in procs):
-                    break
+        got = gather(results, procs, procs_n, 500)
         out["errors"] = [g for g in got if "error" in g]
         out["rows"] = sorted((r for g in got for r in g.get("rows", [])),
                              key=lambda r: ([p[0] for p in PHASES].index(r["phase"]), r["proc"]))

@@ -23,47 +23,18 @@ import multiprocessing
 import os
 import signal
 import sys
-import threading
 import time
 
-from hostmem import (CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MAP_SHARED, MIB,
-                     PROT_RW, check, libc, map_file)
+from hostmem import (CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MIB,
+                     PROT_RW, check, cuda, gather, libc, map_file, touch)
 
 COPY_BYTES = 4 * GIB
-
-
-def cuda():
-    cu = ctypes.CDLL("libcuda.so.1")
-    cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    cu.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
-    cu.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
-    cu.cuMemFree_v2.argtypes = [ctypes.c_uint64]
-    cu.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-    cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    cu.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-    cu.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-    cu.cuMemGetInfo_v2.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
-    ctx, dev = ctypes.c_void_p(), ctypes.c_int()
-    check(cu.cuInit(0), "cuInit")
-    check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-    check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    return cu
 
 
 def device_used(cu):
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     check(cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
     return total.value - free.value
-
-
-def touch(p, size, threads=8):
-    step = (size + threads - 1) // threads
-    ts = [threading.Thread(target=libc.memset, args=(p + o, 1, min(step, size - o))) for o in range(0, size, step)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
 
 
 def register(cu, p, size, slab):
@@ -107,7 +78,7 @@ def worker(index, path, total, slab, barrier, results):
 
 def run_worker(index, path, total, slab, barrier, results):
     parent = os.getppid()
-    cu = cuda()
+    cu, _ = cuda()
     p = map_file(path, total)
     # Every context made before any registration, and one registration at a time, so that the
     # GPU memory each one costs is its own (two at once showed +4.5 GiB in one process).
@@ -191,14 +162,7 @@ def main():
         began = time.perf_counter()
         for pr in procs:
             pr.start()
-        deadline = time.monotonic() + 300
-        rows = []
-        while len(rows) < procs_n and time.monotonic() < deadline:
-            try:
-                rows.append(results.get(timeout=1))
-            except Exception:
-                if not any(pr.is_alive() for pr in procs):
-                    break
+        rows = gather(results, procs, procs_n, 300)
         summary["wall_s"] = round(time.perf_counter() - began, 1)
         summary["rows"] = sorted(rows, key=lambda r: r["proc"])
     finally:

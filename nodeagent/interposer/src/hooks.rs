@@ -1195,7 +1195,13 @@ impl Enforcer {
     /// still finds room, and a swap-out that needs more than what was pinned ahead still can.
     fn warm_staging(&self, devices: &impl Devices) {
         static NEXT_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        if !swap::any_chunk() {
+        let any_staging_file = || {
+            (0..DEVICES_MAX).any(|device| {
+                self.opened_board(device)
+                    .is_some_and(|board| board.staging.is_some())
+            })
+        };
+        if !swap::any_chunk() || !(crate::staging::warm_on() || any_staging_file()) {
             return;
         }
         let now = crate::shm::monotonic_ns();

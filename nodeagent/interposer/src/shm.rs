@@ -90,15 +90,9 @@ pub fn open_schedule(
 pub fn open_board(shm_dir: &Path, uuid: &str) -> Result<Option<&'static board::Region>, String> {
     let path = tenant_abi::layout::board_path(shm_dir, uuid);
     let shown = path.display();
-    let file = match OpenOptions::new().read(true).write(true).open(&path) {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot open the memory board {shown}: {e}")),
+    let Some((file, len)) = open_agents_file(&path, "the memory board")? else {
+        return Ok(None);
     };
-    let len = file
-        .metadata()
-        .map_err(|e| format!("cannot read the size of the memory board {shown}: {e}"))?
-        .len();
     if len != board::REGION_BYTES as u64 {
         return Err(format!(
             "the memory board {shown} has {len} bytes, this build's layout {}: the agent and \
@@ -115,6 +109,22 @@ pub fn open_board(shm_dir: &Path, uuid: &str) -> Result<Option<&'static board::R
     }
     region.check_layout().map_err(|e| format!("{shown}: {e}"))?;
     Ok(Some(region))
+}
+
+/// A file the agent made (`what`, for errors) opened read-write with its size; `Ok(None)` when
+/// it is not there.
+fn open_agents_file(path: &Path, what: &str) -> Result<Option<(File, u64)>, String> {
+    let shown = path.display();
+    let file = match OpenOptions::new().read(true).write(true).open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot open {what} {shown}: {e}")),
+    };
+    let len = file
+        .metadata()
+        .map_err(|e| format!("cannot read the size of {what} {shown}: {e}"))?
+        .len();
+    Ok(Some((file, len)))
 }
 
 /// A GPU's swap staging file mapped whole (`tenant_abi::slabs`): its slab table and the slabs.
@@ -134,15 +144,9 @@ pub struct StagingFile {
 pub fn open_staging(shm_dir: &Path, uuid: &str) -> Result<Option<StagingFile>, String> {
     let path = tenant_abi::layout::staging_path(shm_dir, uuid);
     let shown = path.display();
-    let file = match OpenOptions::new().read(true).write(true).open(&path) {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot open the swap staging file {shown}: {e}")),
+    let Some((file, len)) = open_agents_file(&path, "the swap staging file")? else {
+        return Ok(None);
     };
-    let len = file
-        .metadata()
-        .map_err(|e| format!("cannot read the size of {shown}: {e}"))?
-        .len();
     let offset = tenant_abi::slabs::SlabTable::data_offset();
     if len <= offset {
         return Err(format!(
@@ -150,28 +154,9 @@ pub fn open_staging(shm_dir: &Path, uuid: &str) -> Result<Option<StagingFile>, S
         ));
     }
     let bytes = usize::try_from(len).map_err(|_| format!("{shown} is too large to map"))?;
-    // SAFETY: a fresh shared mapping of the whole open file; the kernel picks the address.
-    // Failure is MAP_FAILED, checked below.
-    let address = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            bytes,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
-    if address == libc::MAP_FAILED {
-        return Err(format!(
-            "cannot map the swap staging file {shown}: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    // SAFETY: the mapping is page-aligned, at least `size_of::<SlabTable>()` long (the data
-    // offset is past it), readable and writable, and lives until exit; `SlabTable` consists of
-    // atomics (and padding never read), for which every bit pattern is valid.
-    let table: &'static tenant_abi::slabs::SlabTable = unsafe { &*address.cast() };
+    let table: &'static tenant_abi::slabs::SlabTable = map_at_head(&file, bytes)
+        .map_err(|e| format!("cannot map the swap staging file {shown}: {e}"))?;
+    let address = std::ptr::from_ref(table) as usize;
     let (slab_bytes, count) = table.geometry().map_err(|e| format!("{shown}: {e}"))?;
     let data_bytes = slab_bytes * count as u64;
     if count == 0 || offset + data_bytes > len {
@@ -182,7 +167,7 @@ pub fn open_staging(shm_dir: &Path, uuid: &str) -> Result<Option<StagingFile>, S
     }
     Ok(Some(StagingFile {
         table,
-        data: address as usize + offset as usize,
+        data: address + offset as usize,
         data_bytes,
         slab_bytes,
     }))
@@ -257,11 +242,18 @@ fn ensure_size(file: &File, created: bool, bytes: usize) -> std::io::Result<()> 
 
 /// Maps the file for the life of the process (never unmapped: hooks may run until exit).
 ///
-/// `T` is `ledger::Region`, `compute::Region` or `board::Region`: `#[repr(C)]` structs of atomics only, for
+/// `T` is `ledger::Region`, `compute::Region`, `board::Region` or the staging file's `SlabTable`: `#[repr(C)]` structs of atomics only, for
 /// which every bit pattern is valid, `bytes` long.
 fn map<T: SharedRegion>(file: &File, bytes: usize) -> std::io::Result<&'static T> {
     assert_eq!(std::mem::size_of::<T>(), bytes);
-    // SAFETY: a fresh shared mapping of an open file of at least REGION_BYTES bytes; the kernel
+    map_at_head(file, bytes)
+}
+
+/// Maps the first `bytes` of `file` (at least a `T`) for the life of the process; the `T` at its
+/// head. The rest of the mapping is the caller's (a staging file's slabs after its table).
+fn map_at_head<T: SharedRegion>(file: &File, bytes: usize) -> std::io::Result<&'static T> {
+    assert!(std::mem::size_of::<T>() <= bytes);
+    // SAFETY: a fresh shared mapping of an open file of at least `bytes` bytes; the kernel
     // picks the address. Failure is reported as MAP_FAILED and checked below.
     let address = unsafe {
         libc::mmap(
@@ -277,8 +269,8 @@ fn map<T: SharedRegion>(file: &File, bytes: usize) -> std::io::Result<&'static T
         return Err(std::io::Error::last_os_error());
     }
     assert_eq!(address as usize % std::mem::align_of::<T>(), 0);
-    // SAFETY: the mapping is page-aligned, `bytes` (= size of T) long, readable and writable,
-    // and lives until exit. `T` consists only of atomics (the `SharedRegion` contract), for
+    // SAFETY: the mapping is page-aligned, at least a `T` long, readable and writable, and lives
+    // until exit. `T` consists only of atomics (the `SharedRegion` contract), for
     // which every bit pattern is valid, and all access (from this and other processes) goes
     // through atomic operations.
     Ok(unsafe { &*address.cast::<T>() })
@@ -289,3 +281,4 @@ trait SharedRegion {}
 impl SharedRegion for Region {}
 impl SharedRegion for compute::Region {}
 impl SharedRegion for board::Region {}
+impl SharedRegion for tenant_abi::slabs::SlabTable {}

@@ -463,6 +463,39 @@ impl Copies {
         }
     }
 
+    /// Queues `copy` of `bytes` from `src` to `dst` on `stream` in pieces of at most `piece`
+    /// bytes (a copy through the shared staging may not span two of its registrations). On an
+    /// error, what was queued before it has completed when this returns (bounded), so that the
+    /// caller may reuse the buffer or unmap the range.
+    ///
+    /// # Safety
+    /// `dst` and `src` must be valid for `bytes` of such a copy and stay so until the stream
+    /// completed, and every piece must lie within one registration of the host side.
+    unsafe fn queue_pieces(
+        &self,
+        copy: FnMemcpyAsync,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        bytes: u64,
+        piece: u64,
+        stream: CUstream,
+    ) -> CUresult {
+        let mut queued = 0u64;
+        while queued < bytes {
+            let n = piece.min(bytes - queued);
+            // SAFETY: within `dst` and `src` as the caller promises.
+            let rc = unsafe { copy(dst + queued, src + queued, n as usize, stream) };
+            if rc != CUDA_SUCCESS {
+                if queued > 0 {
+                    let _ = self.wait(stream, copy_wait_max(queued));
+                }
+                return rc;
+            }
+            queued += n;
+        }
+        CUDA_SUCCESS
+    }
+
     fn destroy_event(&self, event: Option<CUevent>) {
         if let (Some(event), Some(events)) = (event, self.events) {
             // SAFETY: created by `Events::after`, destroyed once.
@@ -799,30 +832,19 @@ impl crate::swap::Backing for SwapBacking<'_> {
                 }
             };
             landing.began.get_or_insert_with(std::time::Instant::now);
-            let piece = crate::staging::copy_piece_bytes(buffer.host, buffer.shared);
-            let (mut rc, mut queued) = (CUDA_SUCCESS, 0u64);
-            while rc == CUDA_SUCCESS && queued < size {
-                let n = piece.min(size - queued);
-                // SAFETY: the buffer holds at least `found.size` bytes and no other copy uses
-                // it; `address` is mapped with that many (the process is quiet and drained);
-                // the piece lies within both, and within one registration of the staging.
-                rc = unsafe {
-                    (copies.dtoh)(
-                        buffer.host as CUdeviceptr + queued,
-                        address + queued,
-                        n as usize,
-                        stream,
-                    )
-                };
-                if rc == CUDA_SUCCESS {
-                    queued += n;
-                }
-            }
+            // SAFETY: the buffer holds at least `found.size` bytes and no other copy uses it;
+            // `address` is mapped with that many (the process is quiet and drained).
+            let rc = unsafe {
+                copies.queue_pieces(
+                    copies.dtoh,
+                    buffer.host as CUdeviceptr,
+                    address,
+                    size,
+                    crate::staging::copy_piece_bytes(buffer.host, buffer.shared),
+                    stream,
+                )
+            };
             if rc != CUDA_SUCCESS {
-                if queued > 0 {
-                    // Its first pieces are queued: they finish before the buffer is reused.
-                    let _ = copies.wait(stream, copy_wait_max(queued));
-                }
                 crate::staging::recycle(device, buffer);
                 results[index] = Some(error(rc));
                 continue;
@@ -1040,33 +1062,22 @@ fn map_again(
         // SAFETY: the range is mapped; one descriptor.
         rc = unsafe { (vmm.set_access)(address, found.size, &access, 1) };
         if rc == CUDA_SUCCESS {
-            let piece = crate::staging::copy_piece_bytes(found.staging, found.staging_shared);
-            let size = found.size as u64;
-            let mut queued = 0u64;
-            while rc == CUDA_SUCCESS && queued < size {
-                let n = piece.min(size - queued);
-                // SAFETY: the staging holds at least `found.size` bytes and stays untouched
-                // until the stream completed; the range is mapped and accessible; the piece lies
-                // within both, and within one registration of the staging.
-                rc = unsafe {
-                    (copies.htod)(
-                        address + queued,
-                        found.staging as CUdeviceptr + queued,
-                        n as usize,
-                        stream,
-                    )
-                };
-                if rc == CUDA_SUCCESS {
-                    queued += n;
-                }
-            }
-            if rc != CUDA_SUCCESS && queued > 0 {
-                // Its first pieces are queued: they finish before the range is unmapped.
-                let _ = copies.wait(stream, copy_wait_max(queued));
-            }
+            // SAFETY: the staging holds at least `found.size` bytes and stays untouched until
+            // the stream completed; the range is mapped and accessible.
+            rc = unsafe {
+                copies.queue_pieces(
+                    copies.htod,
+                    address,
+                    found.staging as CUdeviceptr,
+                    found.size as u64,
+                    crate::staging::copy_piece_bytes(found.staging, found.staging_shared),
+                    stream,
+                )
+            };
         }
         if rc != CUDA_SUCCESS {
-            // SAFETY: mapped just above; whatever was queued on it has completed.
+            // SAFETY: mapped just above; whatever was queued on it has completed
+            // (`Copies::queue_pieces`).
             unsafe { (vmm.unmap)(address, found.size) };
         }
     }

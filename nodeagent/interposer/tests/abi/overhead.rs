@@ -14,24 +14,48 @@ use super::{Probe, shm_dir};
 const LAUNCHES: &str = "200000";
 const RUNS: usize = 5;
 
-fn ns_per_launch(probe: Probe) -> u64 {
-    let out = probe.run(&format!("launches {LAUNCHES}"));
-    out.lines()
-        .find_map(|line| line.strip_prefix("launches 0 ns="))
-        .and_then(|ns| ns.trim().parse().ok())
-        .unwrap_or_else(|| panic!("the probe printed no timing: {out}"))
+type Configure = fn(Probe) -> Probe;
+
+/// The schedule file of the fake's device 0 in `shm` (a compute share needs one); keep it.
+fn schedule(shm: &std::path::Path) -> impl Sized {
+    tenant_abi::writer::schedule(
+        &tenant_abi::layout::schedule_path(shm, "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00"),
+        tenant_abi::compute::QUANTUM_NS_DEFAULT,
+    )
+    .expect("the schedule file")
+}
+
+/// `script` (one timed `launches` or `launches_of` command) run `RUNS` times in a probe of each
+/// configuration: (name, median, min, max) of its ns per launch.
+fn timed(
+    shm: &std::path::Path,
+    configurations: &[(&'static str, Option<&str>, Configure)],
+    script: &str,
+) -> Vec<(&'static str, u64, u64, u64)> {
+    let command = script.split_whitespace().next().expect("a command");
+    configurations
+        .iter()
+        .map(|&(name, tenant, configure)| {
+            let mut runs: Vec<u64> = (0..RUNS)
+                .map(|_| {
+                    let out = configure(Probe::new(shm, tenant)).run(script);
+                    out.lines()
+                        .find_map(|line| line.strip_prefix(&format!("{command} 0 ns=")))
+                        .and_then(|ns| ns.trim().parse().ok())
+                        .unwrap_or_else(|| panic!("the probe printed no timing: {out}"))
+                })
+                .collect();
+            runs.sort_unstable();
+            (name, runs[RUNS / 2], runs[0], runs[RUNS - 1])
+        })
+        .collect()
 }
 
 #[test]
 #[ignore = "a benchmark: run it in release with --ignored --nocapture"]
 fn launch_overhead() {
     let shm = shm_dir();
-    let _schedule = tenant_abi::writer::schedule(
-        &tenant_abi::layout::schedule_path(shm.path(), "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00"),
-        tenant_abi::compute::QUANTUM_NS_DEFAULT,
-    )
-    .expect("the schedule file");
-    type Configure = fn(Probe) -> Probe;
+    let _schedule = schedule(shm.path());
     let configurations: [(&str, Option<&str>, Configure); 6] = [
         ("bare driver (no interposer)", None, |p| {
             p.env_remove("LD_PRELOAD")
@@ -61,14 +85,7 @@ fn launch_overhead() {
                 .env("VGPU_LATENCY", "1")
         }),
     ];
-    let mut rows = Vec::new();
-    for (name, tenant, configure) in configurations {
-        let mut runs: Vec<u64> = (0..RUNS)
-            .map(|_| ns_per_launch(configure(Probe::new(shm.path(), tenant))))
-            .collect();
-        runs.sort_unstable();
-        rows.push((name, runs[RUNS / 2], runs[0], runs[RUNS - 1]));
-    }
+    let rows = timed(shm.path(), &configurations, &format!("launches {LAUNCHES}"));
     let bare = rows[0].1;
     println!("\n| configuration | ns per launch (median of {RUNS}) | min-max | added by vgpu |");
     println!("| --- | --: | --- | --: |");
@@ -90,12 +107,7 @@ fn launch_overhead() {
 #[ignore = "a benchmark: run it in release with --ignored --nocapture"]
 fn small_kernels_back_to_back() {
     let shm = shm_dir();
-    let _schedule = tenant_abi::writer::schedule(
-        &tenant_abi::layout::schedule_path(shm.path(), "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00"),
-        tenant_abi::compute::QUANTUM_NS_DEFAULT,
-    )
-    .expect("the schedule file");
-    type Configure = fn(Probe) -> Probe;
+    let _schedule = schedule(shm.path());
     let configurations: [(&str, Option<&str>, Configure); 3] = [
         ("bare fake driver", None, |p| p.env_remove("LD_PRELOAD")),
         ("tenant, memory quota only", Some("t"), |p| {
@@ -109,22 +121,7 @@ fn small_kernels_back_to_back() {
     ];
     println!("\n| configuration | ns per 10 us kernel (median of {RUNS}) | min-max |");
     println!("| --- | --: | --- |");
-    for (name, tenant, configure) in configurations {
-        let mut runs: Vec<u64> = (0..RUNS)
-            .map(|_| {
-                let out = configure(Probe::new(shm.path(), tenant)).run("launches_of 20000 10");
-                out.lines()
-                    .find_map(|line| line.strip_prefix("launches_of 0 ns="))
-                    .and_then(|ns| ns.trim().parse().ok())
-                    .unwrap_or_else(|| panic!("no timing: {out}"))
-            })
-            .collect();
-        runs.sort_unstable();
-        println!(
-            "| {name} | {} | {}-{} |",
-            runs[RUNS / 2],
-            runs[0],
-            runs[RUNS - 1]
-        );
+    for (name, median, min, max) in timed(shm.path(), &configurations, "launches_of 20000 10") {
+        println!("| {name} | {median} | {min}-{max} |");
     }
 }
