@@ -300,7 +300,15 @@ pub fn create_staging(path: &Path, budget_bytes: u64) -> Result<bool, ReadError>
                 expected: bytes as usize,
             });
         }
-        return Ok(false);
+        let file = open_rw(path)?;
+        let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(path, &file, 0)?;
+        return match table.region().geometry() {
+            Err(error @ crate::slabs::SlabError::Version { .. }) => Err(ReadError::Layout {
+                path: path.to_owned(),
+                message: error.to_string(),
+            }),
+            _ => Ok(false),
+        };
     }
     create_linked(path, bytes, |temporary, file| {
         let mapping =
@@ -312,14 +320,18 @@ pub fn create_staging(path: &Path, budget_bytes: u64) -> Result<bool, ReadError>
 
 /// Allocates every page of the staging file at `path` (the agent, once, in the background:
 /// 4 KiB shared-memory pages fault at about 4 GB/s, so a process registering the file later
-/// does not pay for them). An error (a full `/dev/shm`) says the file cannot hold its budget:
+/// does not pay for them), then marks the table allocated: processes register the file only
+/// after that (`SlabTable::is_allocated`). An error (a full `/dev/shm`) says the file cannot hold its budget:
 /// the agent removes it, and processes pin their own staging as before.
 pub fn allocate_staging(path: &Path) -> Result<(), ReadError> {
     let file = open_rw(path)?;
     map::allocate(&file, file_len(path)?).map_err(|source| ReadError::Map {
         path: path.to_owned(),
         source,
-    })
+    })?;
+    let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(path, &file, 0)?;
+    table.region().mark_allocated();
+    Ok(())
 }
 
 /// Frees the slabs of the staging file at `staging` held by processes that no longer own their

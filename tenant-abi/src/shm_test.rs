@@ -235,6 +235,25 @@ fn sampling_a_board_reclaims_dead_processes_and_reports_each_tenant() {
 }
 
 #[test]
+fn a_staging_file_of_another_layout_version_is_replaced() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = crate::layout::staging_path(directory.path(), "GPU-1");
+    assert!(create_staging(&path, 256 * MIB).unwrap());
+    {
+        let file = open_rw(&path).unwrap();
+        let table =
+            map::Mapping::<crate::slabs::SlabTable>::writable_header(&path, &file, 0).unwrap();
+        table.region().version.store(
+            crate::slabs::VERSION - 1,
+            std::sync::atomic::Ordering::Release,
+        );
+    }
+    let error = create_staging(&path, 256 * MIB).unwrap_err();
+    assert!(error.is_other_version(), "{error}");
+    assert!(error.to_string().contains("upgrade"), "{error}");
+}
+
+#[test]
 fn a_staging_file_is_made_once_per_budget_and_a_dead_owners_slabs_come_back() {
     let directory = tempfile::tempdir().unwrap();
     let path = crate::layout::staging_path(directory.path(), "GPU-1");
@@ -246,7 +265,16 @@ fn a_staging_file_is_made_once_per_budget_and_a_dead_owners_slabs_come_back() {
     assert!(!create_staging(&path, budget).unwrap(), "there already");
     let other = create_staging(&path, 2 * budget).unwrap_err();
     assert!(other.is_other_version(), "{other}");
+    let table = |path: &Path| {
+        let file = open_rw(path).unwrap();
+        map::Mapping::<crate::slabs::SlabTable>::writable_header(path, &file, 0).unwrap()
+    };
+    assert!(
+        !table(&path).region().is_allocated(),
+        "not registered until allocated"
+    );
     allocate_staging(&path).unwrap();
+    assert!(table(&path).region().is_allocated());
 
     // A slot of this process on the board, and slabs claimed by it and by a process that
     // never owned a slot.

@@ -216,6 +216,18 @@ record "the exchange's span against both moves one after the other at the link's
 record "both ways at once: bytes out and in / the exchange's span, against the link both ways (torch)" \
   ">= 80% of ${both:-?} GB/s" "${both_rate:-?} GB/s (one way alone: out ${d2h:-?}, in ${h2d:-?} GB/s)" \
   "$(verdict "$("$PY" -c 'import sys; print(1 if float(sys.argv[2] or 0) > 0 and float(sys.argv[1] or 0) >= 0.8 * float(sys.argv[2]) else 0)' "${both_rate:-0}" "${both:-0}")")"
+# Issue 17's goal per direction: each move's bytes over its own time, both running at once.
+record "each direction during the exchange: its bytes / its own time (out, in)" ">= 45 GB/s each" \
+  "$("$PY" -c 'import sys
+t = [float(x) for x in (sys.argv[3] or "0/0").split("/")]
+o, i = (float(sys.argv[1] or 0), float(sys.argv[2] or 0))
+rate = lambda gib, ms: gib * 2**30 / ms / 1e6 if ms > 0 else 0
+print(f"out {rate(o, t[0]):.1f}, in {rate(i, t[1]):.1f} GB/s")' "${out_gib:-0}" "${in_gib:-0}" "${times:-0/0}")" \
+  "$(verdict "$("$PY" -c 'import sys
+t = [float(x) for x in (sys.argv[3] or "0/0").split("/")]
+o, i = (float(sys.argv[1] or 0), float(sys.argv[2] or 0))
+ok = min(t) > 0 and o * 2**30 / t[0] / 1e6 >= 45 and i * 2**30 / t[1] / 1e6 >= 45
+print(1 if ok else 0)' "${out_gib:-0}" "${in_gib:-0}" "${times:-0/0}")")"
 # What B pinned during its swap-out (staging not ready ahead: a short budget pins while the link
 # waits), from its swap-out line; reported, no goal.
 pinned=$(grep -o 'pinning [0-9.]* ms for [0-9.]* [KMGT]*i*B of new staging' "$b" | head -n1)

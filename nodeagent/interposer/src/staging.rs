@@ -431,16 +431,30 @@ static SHARED_WANT: [AtomicUsize; DEVICES_MAX] = [const { AtomicUsize::new(0) };
 /// Per GPU: the registering thread, woken when the want grows.
 static SHARED_THREAD: [OnceLock<std::thread::Thread>; DEVICES_MAX] =
     [const { OnceLock::new() }; DEVICES_MAX];
-/// How long the registering thread waits for the want to grow before it looks again.
+/// How long the registering thread waits for the want to grow (or the agent to finish
+/// allocating the file) before it looks again.
 const REGISTER_IDLE_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+/// After each slab's registration the registering thread rests as long as the registration
+/// took, times this (so it registers at most half the time). A registration holds the process's
+/// other driver calls: three busy processes registering a 32 GiB file slab by slab at once saw
+/// their `cuMemAlloc` wait up to 560 ms and a 64 MiB pin of their own up to 800 ms; resting as
+/// long after each slab kept both under 14 ms, at half the rate (4.5 against 9 GB/s; H200,
+/// `tests/gpu/shared_register_busy.py`, docs/benchmarks.md).
+const REGISTER_REST_PER_BUSY: u32 = 1;
+/// The longest rest after one slab (a slab that took a second to register is not followed by
+/// another second of nothing).
+const REGISTER_REST_MAX: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// How long the registering thread rests after a slab's registration took `took`.
+pub fn register_rest(took: std::time::Duration) -> std::time::Duration {
+    (took * REGISTER_REST_PER_BUSY).min(REGISTER_REST_MAX)
+}
 
 /// How many of the shared file's first slabs a process should have registered: the slabs other
 /// processes hold now (a run is claimed among the registered ones, and theirs are not free),
 /// plus slabs for `need_bytes` of its own staging, at most the file's `total_slabs`. The need is
-/// what pinning ahead would pin for the process's resident borrowed chunks (capped alike,
-/// `Pool::plan_warm`), so the file costs a process no more registering than its own staging
-/// would have cost it pinning: three jobs each registering all of an 84 GiB file took 14-46 s on
-/// an H200 and starved their other pins (docs/benchmarks.md).
+/// the process's resident borrowed chunks in whole slabs: a process that borrows little
+/// registers little.
 pub fn registration_want(
     total_slabs: usize,
     held_by_others: usize,
@@ -467,8 +481,10 @@ pub fn shared_want(file: &crate::shm::StagingFile, slot: usize, need_bytes: u64)
 /// (board slot `slot`), on a thread of its own with `context` made current there, started on the
 /// first call and woken by later ones that want more: registering is slow (1.7 s for 16 GiB on
 /// an idle H200 host, `tests/gpu/shared_staging.py`), so it is never on a swap's path. Each slab
-/// is a registration of its own, claimable once registered. Until the first one is (or if
-/// registering fails, said once), swap-outs pin their own staging as before.
+/// is a registration of its own, claimable once registered, and the thread rests after each
+/// ([`register_rest`]) so that the process's own driver calls are not held for long; it starts
+/// only once the agent has allocated the file (`SlabTable::is_allocated`). Until the first slab
+/// is registered (or if registering fails, said once), swap-outs pin their own staging as before.
 pub fn register_shared(
     driver: &'static Driver,
     device: usize,
@@ -522,8 +538,23 @@ pub fn register_shared(
             let slabs = (file.data_bytes / file.slab_bytes) as usize;
             let slab = file.slab_bytes as usize;
             let mut index = 0;
+            let mut said_unallocated = false;
             while index < slabs {
                 let want = SHARED_WANT[device].load(Ordering::SeqCst).min(slabs);
+                if !file.table.is_allocated() {
+                    // The agent is still allocating the file's pages (`SlabTable::allocated`):
+                    // registering them now would fault them here, against that allocation.
+                    if !said_unallocated {
+                        said_unallocated = true;
+                        crate::log::debug(format_args!(
+                            "device {device}: the GPU's shared swap staging is still being \
+                             allocated by the node agent; registering it once it is (swap-outs \
+                             pin their own staging until then)"
+                        ));
+                    }
+                    std::thread::park_timeout(REGISTER_IDLE_WAIT);
+                    continue;
+                }
                 if index >= want {
                     // As far as wanted: until the watcher wants more (a process exiting ends
                     // the thread with it).
@@ -533,6 +564,7 @@ pub fn register_shared(
                 let began = std::time::Instant::now();
                 let from = index;
                 while index < want {
+                    let slab_began = std::time::Instant::now();
                     // SAFETY: slab `index` of the staging file, mapped shared for the process's
                     // life (`shm::open_staging`) and registered once here, a registration of its
                     // own (never unregistered: the process's end undoes it).
@@ -566,6 +598,7 @@ pub fn register_shared(
                     index += 1;
                     // From now on its slabs up to this one may be claimed.
                     SHARED_REGISTERED[device].store(index, Ordering::Release);
+                    std::thread::sleep(register_rest(slab_began.elapsed()));
                 }
                 state.store(SHARED_READY, Ordering::SeqCst);
                 crate::log::debug(format_args!(
@@ -1015,6 +1048,14 @@ mod tests {
             registered: false,
             shared: false,
         }
+    }
+
+    #[test]
+    fn the_registering_thread_rests_as_long_as_a_slab_took_within_a_bound() {
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(register_rest(ms(7)), ms(7));
+        assert_eq!(register_rest(ms(0)), ms(0));
+        assert_eq!(register_rest(ms(2000)), REGISTER_REST_MAX);
     }
 
     #[test]
