@@ -74,7 +74,8 @@ pub struct InTimes {
     /// Creating the physical memory again, mapping it at its address and queueing the copies
     /// (the copies of the first chunks run meanwhile).
     pub mapping_ns: u64,
-    /// Waiting for the copies after the last was queued.
+    /// Waiting for the copies after the first batch was queued (the chunks whose room freed
+    /// meanwhile mapped and queued within it).
     pub copies_ns: u64,
 }
 
@@ -115,11 +116,14 @@ pub trait Backing {
     ) -> (Vec<OutResult>, SwapTimes);
     /// Creates physical memory for each chunk, maps it at its address again and copies the
     /// staging back; a chunk is back (`Ok`) only once its copy completed. On an error the chunk is
-    /// still out, its staging kept.
-    fn swap_in(
+    /// still out, its staging kept. While it waits for the copies it may ask `more` for chunks
+    /// whose room freed meanwhile (their bytes already taken on the board) and queue them behind
+    /// the others: the results are for `chunks`, then for what `more` gave, in order.
+    fn swap_in<C: Counters>(
         &mut self,
         chunks: &[(u64, u64)],
-        counters: &mut impl Counters,
+        counters: &mut C,
+        more: &mut dyn FnMut(&mut C) -> Vec<(u64, u64)>,
     ) -> (Vec<Result<(), SwapError>>, InTimes);
     /// Frees the staging it kept that has idled too long on `device` (nothing by default).
     fn trim(&mut self, _device: usize, _counters: &mut impl Counters) {}
@@ -450,7 +454,8 @@ impl Chunks {
             return true;
         }
         let total: u64 = out.iter().map(|&(_, size)| size).sum();
-        let plan: Vec<(u64, u64)> = if counters.room_for(total) {
+        let all_fit = counters.room_for(total);
+        let plan: Vec<(u64, u64)> = if all_fit {
             out
         } else if counters.first_in_line() {
             let mut planned = 0u64;
@@ -487,7 +492,7 @@ impl Chunks {
         }
         self.driver_behind_since = None;
         let mut batch = Vec::new();
-        for (address, size) in plan {
+        for &(address, size) in &plan {
             if !counters.swap_in(size) {
                 break;
             }
@@ -496,8 +501,34 @@ impl Chunks {
         if batch.is_empty() {
             return false;
         }
+        // In pieces (not all of it fitted), the chunks whose room the giver frees while this
+        // batch copies join it (`more`): the copy engine goes on from one piece to the next
+        // instead of idling while this process returns, looks again and maps the next piece
+        // (on an H200 the taker of an exchange ran 20% behind its giver so).
+        let mut rest: Vec<(u64, u64)> = if !all_fit {
+            self.chunks
+                .iter()
+                .filter(|(address, c)| c.out && !batch.iter().any(|&(a, _)| a == **address))
+                .map(|(&address, c)| (address, c.size))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut joined: Vec<(u64, u64)> = Vec::new();
         let began = std::time::Instant::now();
-        let (results, times) = backing.swap_in(&batch, counters);
+        let (results, times) = backing.swap_in(&batch, counters, &mut |counters| {
+            let mut next = Vec::new();
+            rest.retain(|&(address, size)| {
+                let taken = counters.swap_in(size);
+                if taken {
+                    next.push((address, size));
+                }
+                !taken
+            });
+            joined.extend_from_slice(&next);
+            next
+        });
+        batch.extend(joined);
         let took = began.elapsed();
         assert_eq!(results.len(), batch.len(), "one result per chunk");
         let mut back = 0u64;

@@ -12,6 +12,8 @@ struct Model {
     fail: std::collections::BTreeSet<u64>,
     /// How many chunks each batch moved out had, in order.
     batches: Vec<usize>,
+    /// How many chunks each swap-in brought back (with those that joined it), in order.
+    swap_ins: Vec<usize>,
     /// What the driver says is free (`None`: it cannot tell).
     driver_free: Option<u64>,
 }
@@ -59,13 +61,18 @@ impl Backing for Model {
         (results, SwapTimes::default())
     }
 
-    fn swap_in(
+    fn swap_in<C: Counters>(
         &mut self,
         chunks: &[(u64, u64)],
-        counters: &mut impl Counters,
+        counters: &mut C,
+        more: &mut dyn FnMut(&mut C) -> Vec<(u64, u64)>,
     ) -> (Vec<Result<(), SwapError>>, InTimes) {
         let mut results = Vec::new();
-        for &(address, size) in chunks {
+        let mut all = chunks.to_vec();
+        let mut next = 0;
+        while next < all.len() {
+            let (address, size) = all[next];
+            next += 1;
             if self.fail.remove(&address) {
                 results.push(Err(SwapError { address, result: 2 }));
                 continue;
@@ -78,7 +85,12 @@ impl Backing for Model {
             assert!(self.mapped.insert(address, bytes).is_none());
             counters.release_staging(size);
             results.push(Ok(()));
+            if next == all.len() {
+                // Waiting for the copies queued so far: what freed meanwhile joins them.
+                all.extend(more(counters));
+            }
         }
+        self.swap_ins.push(all.len());
         (results, InTimes::default())
     }
 
@@ -106,6 +118,9 @@ struct Board {
     /// What the staging budget becomes when a swap-out waits for staging (another process freed
     /// some); `None`: nothing frees.
     budget_after_wait: Option<u64>,
+    /// Bytes the other tenants free each time this process gives staging back (a swap-in's
+    /// copy completing): a giver's swap-out making room while this one's copies run.
+    others_free_per_copy: u64,
 }
 
 impl Counters for Board {
@@ -158,6 +173,7 @@ impl Counters for Board {
 
     fn release_staging(&mut self, bytes: u64) {
         self.staging -= bytes;
+        self.others = self.others.saturating_sub(self.others_free_per_copy);
     }
 }
 
@@ -620,6 +636,39 @@ fn the_first_in_line_brings_its_chunks_back_piece_by_piece() {
     for (i, address) in [0x10_0000u64, 0x20_0000, 0x30_0000].iter().enumerate() {
         assert_eq!(model.mapped[address], vec![i as u8; (4 * UNIT) as usize]);
     }
+}
+
+/// Room that frees while the first in line's copies run is taken at once: the chunks join the
+/// swap-in under way, so the copy engine goes on from one piece to the next (an exchange's taker
+/// ran 20% behind its giver when each piece waited for the last to finish, on an H200). Only for
+/// the first in line: any other process still waits for room for all its chunks.
+#[test]
+fn room_that_frees_during_a_swap_in_joins_it() {
+    let (mut chunks, mut model, mut board) = resident(&[4, 4, 4, 4]);
+    chunks.give_back(16 * UNIT, &mut model, &mut board);
+    board.others = 64 * UNIT - 4 * UNIT;
+    board.others_free_per_copy = 4 * UNIT;
+    board.first = true;
+    assert!(
+        chunks.take_back(&mut model, &mut board),
+        "all back in one call"
+    );
+    assert_eq!(model.swap_ins, [4], "one swap-in, three chunks joined it");
+    assert_eq!((board.resident, board.swapped), (16 * UNIT, 0));
+    for (i, address) in [0x10_0000u64, 0x20_0000, 0x30_0000, 0x40_0000]
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(model.mapped[address], vec![i as u8; (4 * UNIT) as usize]);
+    }
+
+    // Not first in line: nothing until room for all, and nothing joins.
+    let (mut chunks, mut model, mut board) = resident(&[4, 4]);
+    chunks.give_back(8 * UNIT, &mut model, &mut board);
+    board.others = 64 * UNIT - 4 * UNIT;
+    board.others_free_per_copy = 4 * UNIT;
+    assert!(!chunks.take_back(&mut model, &mut board));
+    assert!(model.swap_ins.is_empty());
 }
 
 /// The board may have room that the driver has not released yet (an exiting process): nothing
