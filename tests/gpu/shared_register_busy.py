@@ -12,7 +12,8 @@ within the same millisecond, and meanwhile a 64 MiB registration of their own wa
   memory), timing each;
 - phases, each on a fresh mapping: one process alone (whole, then slabs), then every process at
   once (whole, then slabs), then every process at once with slabs paced (a pause as long as
-  each registration took, after each);
+  each registration took, after each), then with a fixed 2 ms rest after each slab (whether a
+  short gap is enough for the process's other calls to get the driver); `PHASES` picks some;
 - per process and phase: the registration's time and rate, and the busy thread's worst and
   median times while it ran.
 
@@ -45,7 +46,15 @@ PHASES = [  # name, who registers ("one": process 0 only; "all"), how
     ("all-whole", "all", "whole"),
     ("all-slabs", "all", "slabs"),
     ("all-slabs-paced", "all", "paced"),
+    ("all-slabs-rest2ms", "all", "rest2ms"),
 ]
+# PHASES="all-slabs all-slabs-rest2ms" (names above) runs only those, in this order.
+if os.environ.get("PHASES"):
+    _named = {p[0]: p for p in PHASES}
+    _unknown = [n for n in os.environ["PHASES"].split() if n not in _named]
+    if _unknown:
+        sys.exit(f"unknown phase(s) {_unknown}; known: {list(_named)}")
+    PHASES = [_named[n] for n in os.environ["PHASES"].split()]
 BUSY_BYTES = 64 * MIB
 
 
@@ -86,6 +95,8 @@ def register(cu, p, total, slab, how):
         done.append((p + o, n))
         if how == "paced":
             time.sleep(time.perf_counter() - began)
+        elif how == "rest2ms":
+            time.sleep(0.002)
     return done
 
 

@@ -1206,19 +1206,23 @@ impl Enforcer {
         }
         let now = crate::shm::monotonic_ns();
         if now < NEXT_NS.load(std::sync::atomic::Ordering::Relaxed)
-            && !WARM_NOW.swap(false, Ordering::Relaxed)
+            && !WARM_NOW.load(Ordering::Relaxed)
         {
             return;
         }
-        WARM_NOW.store(false, Ordering::Relaxed);
-        NEXT_NS.store(
-            now + WARM_EVERY.as_nanos() as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
         let (context, plans) = {
+            // A look that finds the process's lock taken is not spent: the next one (10 ms
+            // later) tries again. Spending it left a busy PyTorch job, whose lock the watcher
+            // rarely found free, registering 960 MiB of the staging file while it borrowed
+            // 28 GiB, and pinning 5 GiB of its own in the reclaim (H200, docs/benchmarks.md).
             let Some((process, context)) = self.watched_process() else {
                 return;
             };
+            WARM_NOW.store(false, Ordering::Relaxed);
+            NEXT_NS.store(
+                now + WARM_EVERY.as_nanos() as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
             let plans: Vec<_> = self
                 .board_slots(&process)
                 .into_iter()
