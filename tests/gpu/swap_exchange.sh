@@ -176,10 +176,13 @@ def stamp(line):
 ins, outs = [], []
 for line in open(sys.argv[1], errors="replace"):
     m = re.search(r"([0-9.]+) (B|KiB|MiB|GiB|TiB) of this process's borrowed memory came back from host memory "
-                  r"in ([0-9.]+) ms \(mapped and copied at [0-9.]+ GB/s: (?:in (\d+) pieces|(\d+) chunk)", line)
+                  r"in ([0-9.]+) ms \(mapped and copied at [0-9.]+ GB/s: (?:in (\d+) pieces|(\d+) chunk\(s\)"
+                  r"(?:, (\d+) of them joining)?)", line)
     if m and stamp(line) is not None:
         end = stamp(line)
-        ins.append((end - float(m.group(3)) / 1e3, end, float(m.group(1)) * units[m.group(2)], int(m.group(4) or 1)))
+        # Pieces: rounds of a swap-in, or chunks that joined one as the room freed (and its first).
+        pieces = int(m.group(4)) if m.group(4) else 1 + int(m.group(6) or 0)
+        ins.append((end - float(m.group(3)) / 1e3, end, float(m.group(1)) * units[m.group(2)], pieces))
 for line in open(sys.argv[2], errors="replace"):
     m = re.search(r": ([0-9.]+) (B|KiB|MiB|GiB|TiB) of this process's borrowed memory went to host memory.*"
                   r"moved in ([0-9.]+) ms more", line)
@@ -202,7 +205,7 @@ print(f"{pieces} {ob / 2**30:.2f} {ib / 2**30:.2f} {span * 1e3:.0f} {overlap * 1
 PYEOF
 )
 read -r pieces out_gib in_gib span_ms overlap_ms serial_ms both_rate times note <<<"$exchange"
-record "A's memory came back in pieces as B's swap-out freed them" ">= 2 pieces" \
+record "A's memory came back in pieces as B's swap-out freed them (rounds, or chunks joining the swap-in)" ">= 2 pieces" \
   "${pieces:-0} pieces, ${in_gib:-?} GiB in; B gave ${out_gib:-?} GiB (${note:-})" \
   "$(verdict $([ "${pieces:-0}" -ge 2 ] 2>/dev/null && echo 1))"
 record "the two copies overlapped (out, in ran at once)" "> half the shorter" \

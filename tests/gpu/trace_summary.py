@@ -6,7 +6,7 @@ target is the tenant's own or something the levers do not hold), and the neighbo
 The questions the twenty-third session answered by hand: where did a target come from, and did
 the tenant meet it where nothing else ran.
 
-  python3 tests/gpu/trace_summary.py OUT/closed_loop        # a run's folder (or its .tgz)
+  python3 tests/gpu/trace_summary.py OUT/closed_loop        # a run's folder, its .tgz, or a folder holding it
 """
 import json
 import os
@@ -83,6 +83,12 @@ def anchor(rows, plan):
 
 def main():
     path = sys.argv[1] if len(sys.argv) > 1 else "."
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "agent.log")):
+        # closed_loop.sh packs its logs on a GPU machine: the archive inside the folder, or beside it
+        for packed in (os.path.join(path, "closed_loop.tgz"), path.rstrip("/") + ".tgz"):
+            if os.path.exists(packed):
+                path = packed
+                break
     if path.endswith((".tgz", ".tar.gz")):
         tmp = tempfile.mkdtemp()
         with tarfile.open(path) as tar:

@@ -434,21 +434,15 @@ static SHARED_THREAD: [OnceLock<std::thread::Thread>; DEVICES_MAX] =
 /// How long the registering thread waits for the want to grow (or the agent to finish
 /// allocating the file) before it looks again.
 const REGISTER_IDLE_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
-/// After each slab's registration the registering thread rests as long as the registration
-/// took, times this (so it registers at most half the time). A registration holds the process's
-/// other driver calls: three busy processes registering a 32 GiB file slab by slab at once saw
-/// their `cuMemAlloc` wait up to 560 ms and a 64 MiB pin of their own up to 800 ms; resting as
-/// long after each slab kept both under 14 ms, at half the rate (4.5 against 9 GB/s; H200,
+/// After each slab's registration the registering thread rests this long. A registration holds
+/// the process's other driver calls, and back to back the registering thread takes the driver
+/// again before they do: three busy processes registering a 32 GiB file slab by slab at once saw
+/// their `cuMemAlloc` wait up to 560 ms and a 64 MiB pin of their own up to 800 ms. A 2 ms rest
+/// after each slab let them in (allocations at most 29 ms, pins 19 ms) and registered at
+/// 5.7-6.1 GB/s, faster than back to back under that contention (2.1 GB/s) and than resting as
+/// long as each slab took (3.3-4.6 GB/s, at most 26 and 16 ms; H200,
 /// `tests/gpu/shared_register_busy.py`, docs/benchmarks.md).
-const REGISTER_REST_PER_BUSY: u32 = 1;
-/// The longest rest after one slab (a slab that took a second to register is not followed by
-/// another second of nothing).
-const REGISTER_REST_MAX: std::time::Duration = std::time::Duration::from_millis(50);
-
-/// How long the registering thread rests after a slab's registration took `took`.
-pub fn register_rest(took: std::time::Duration) -> std::time::Duration {
-    (took * REGISTER_REST_PER_BUSY).min(REGISTER_REST_MAX)
-}
+pub const REGISTER_REST: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// How many of the shared file's first slabs a process should have registered: the slabs other
 /// processes hold now (a run is claimed among the registered ones, and theirs are not free),
@@ -482,7 +476,7 @@ pub fn shared_want(file: &crate::shm::StagingFile, slot: usize, need_bytes: u64)
 /// first call and woken by later ones that want more: registering is slow (1.7 s for 16 GiB on
 /// an idle H200 host, `tests/gpu/shared_staging.py`), so it is never on a swap's path. Each slab
 /// is a registration of its own, claimable once registered, and the thread rests after each
-/// ([`register_rest`]) so that the process's own driver calls are not held for long; it starts
+/// ([`REGISTER_REST`]) so that the process's own driver calls are not held for long; it starts
 /// only once the agent has allocated the file (`SlabTable::is_allocated`). Until the first slab
 /// is registered (or if registering fails, said once), swap-outs pin their own staging as before.
 pub fn register_shared(
@@ -564,7 +558,6 @@ pub fn register_shared(
                 let began = std::time::Instant::now();
                 let from = index;
                 while index < want {
-                    let slab_began = std::time::Instant::now();
                     // SAFETY: slab `index` of the staging file, mapped shared for the process's
                     // life (`shm::open_staging`) and registered once here, a registration of its
                     // own (never unregistered: the process's end undoes it).
@@ -598,7 +591,7 @@ pub fn register_shared(
                     index += 1;
                     // From now on its slabs up to this one may be claimed.
                     SHARED_REGISTERED[device].store(index, Ordering::Release);
-                    std::thread::sleep(register_rest(slab_began.elapsed()));
+                    std::thread::sleep(REGISTER_REST);
                 }
                 state.store(SHARED_READY, Ordering::SeqCst);
                 crate::log::debug(format_args!(
@@ -1048,14 +1041,6 @@ mod tests {
             registered: false,
             shared: false,
         }
-    }
-
-    #[test]
-    fn the_registering_thread_rests_as_long_as_a_slab_took_within_a_bound() {
-        let ms = std::time::Duration::from_millis;
-        assert_eq!(register_rest(ms(7)), ms(7));
-        assert_eq!(register_rest(ms(0)), ms(0));
-        assert_eq!(register_rest(ms(2000)), REGISTER_REST_MAX);
     }
 
     #[test]

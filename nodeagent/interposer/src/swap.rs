@@ -528,6 +528,7 @@ impl Chunks {
             joined.extend_from_slice(&next);
             next
         });
+        let joined_count = joined.len();
         batch.extend(joined);
         let took = began.elapsed();
         assert_eq!(results.len(), batch.len(), "one result per chunk");
@@ -547,7 +548,15 @@ impl Chunks {
         let done = !self.held();
         let whole_round = done && self.pieces.is_none();
         if back > 0 && whole_round {
-            log_back(back, took, &format!("{} chunk(s)", batch.len()), times);
+            let how = if joined_count > 0 {
+                format!(
+                    "{} chunk(s), {joined_count} of them joining as the room freed",
+                    batch.len()
+                )
+            } else {
+                format!("{} chunk(s)", batch.len())
+            };
+            log_back(back, took, &how, times);
         } else if back > 0 || self.pieces.is_some() {
             let pieces = self.pieces.get_or_insert(Pieces {
                 began,
