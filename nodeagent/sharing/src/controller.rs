@@ -58,6 +58,32 @@ fn rate_higher(a: (u64, u64), b: (u64, u64), p: f64) -> bool {
     hypergeometric_upper_tail(a_steps + b_steps, a_hits + b_hits, a_steps, a_hits) < p
 }
 
+/// P(X >= k) for X binomial with `n` trials of chance `p`: summed from k up until the terms
+/// vanish.
+fn binomial_upper_tail(n: u64, p: f64, k: u64) -> f64 {
+    assert!((0.0..1.0).contains(&p));
+    if k == 0 {
+        return 1.0;
+    }
+    if k > n {
+        return 0.0;
+    }
+    if p == 0.0 {
+        return 0.0;
+    }
+    let mut term = (ln_choose(n, k) + k as f64 * p.ln() + (n - k) as f64 * (-p).ln_1p()).exp();
+    let mut tail = 0.0;
+    for x in k..=n {
+        tail += term;
+        if term < tail * 1e-12 {
+            break;
+        }
+        // P(x + 1) / P(x).
+        term *= (n - x) as f64 / (x + 1) as f64 * p / (1.0 - p);
+    }
+    tail.min(1.0)
+}
+
 /// ln C(n, k).
 fn ln_choose(n: u64, k: u64) -> f64 {
     let k = k.min(n - k);
@@ -86,8 +112,10 @@ fn hypergeometric_upper_tail(total: u64, marked: u64, drawn: u64, k: u64) -> f64
             break;
         }
         // P(x + 1) / P(x).
+        // (`total + x + 1 - marked - drawn` in that order: `x >= low` keeps it positive, and
+        // `total - marked - drawn` alone underflows when the marked outnumber the undrawn.)
         term *= ((marked - x) * (drawn - x)) as f64
-            / ((x + 1) * (total - marked - drawn + x + 1)) as f64;
+            / ((x + 1) * (total + x + 1 - marked - drawn)) as f64;
     }
     tail.min(1.0)
 }
@@ -600,8 +628,26 @@ impl Controller {
         // budget never failed it).
         let grace = if self.entered_in_debt { 1.0 } else { 0.0 };
         let credited = self.level_steps.min(self.config.relax_steps());
-        let level_failed =
-            self.level_violations as f64 > grace + self.config.violation_budget * credited as f64;
+        let level_failed = if self.level == 0 && !self.floor_measured(judged) {
+            // Level 0 before the floor has its steps: failed only by violations far more
+            // frequent than the budget (`FLOOR_FAR_WORSE_P`, exact binomial tail: about three
+            // standard errors, as the test is repeated every window while the steps grow; two
+            // violations in the first 20 steps are not enough, three are). A tenant whose own
+            // tail sits near its target (an eager PyTorch loop beside a trainer on an H200:
+            // p99 0.96x alone unrestricted, its target 1.08x, a window's p99 over it now and
+            // then) has two violations within 100 steps by chance, and the short trial below
+            // climbed on them 0.5 s into the pair and held the trainer at 0.47 for the 8 s it
+            // ran, before level 0 had the 200 steps the floor compares. Interference worth a
+            // lever (a decoder behind GEMMs: most steps over) fails this in two or three steps,
+            // and a starving step goes to the top anyway.
+            binomial_upper_tail(
+                self.level_steps,
+                self.config.violation_budget,
+                self.level_violations,
+            ) < FLOOR_FAR_WORSE_P
+        } else {
+            self.level_violations as f64 > grace + self.config.violation_budget * credited as f64
+        };
         let over = judged
             .iter()
             .find(|(_, j)| j.over_budget)

@@ -169,6 +169,12 @@
 //!   violations since it was set than the budget's share of its steps (credited for one
 //!   relaxation wait of steps at most: from there the tenant's allowance judges it alone), plus
 //!   one when a tenant was already in debt as it was set (its debt is the level below's).
+//!   Level 0, until the floor has its steps there in the episode, fails only on violations far
+//!   more frequent than the budget (`FLOOR_FAR_WORSE_P`, an exact binomial tail over its steps
+//!   since it was set): two slow steps within 100 are a tenant's own tail as often as not (an
+//!   eager PyTorch loop beside a trainer on an H200 climbed on them 0.5 s into the pair and held
+//!   the trainer at 0.47 for a p99 no better than plain co-location's), while interference worth
+//!   a lever fails it within a few steps.
 //!
 //! Several latency tenants on one GPU share one level: it steps up when any of them is over
 //! budget and relaxes only when all are clean.
