@@ -274,6 +274,16 @@ impl SlabTable {
             .count()
     }
 
+    /// Free slabs among the first `first` (a process's registered prefix: what its swap-outs may
+    /// claim now).
+    pub fn free_among_first(&self, first: usize) -> usize {
+        let slabs = self.slabs();
+        slabs[..first.min(slabs.len())]
+            .iter()
+            .filter(|slab| slab.load(Ordering::Relaxed) == 0)
+            .count()
+    }
+
     /// Slabs `owner` holds now.
     pub fn owned_by(&self, owner: u64) -> usize {
         self.slabs()
@@ -415,6 +425,7 @@ mod tests {
         assert!(a.iter().all(|i| !b.contains(i)));
         assert_eq!(table.free(), 0);
         assert_eq!((table.owned_by(1), table.owned_by(2)), (10, 6));
+        assert_eq!(table.free_among_first(100), 0);
         // Someone else's slab is not released, the owner's are.
         let wrong = [a[0], b[0]];
         assert_eq!(
@@ -427,6 +438,14 @@ mod tests {
         assert_eq!(table.owned_by(2), 5);
         assert!(table.release(1, &a).is_ok());
         assert_eq!(table.free(), 11);
+        assert_eq!(table.free_among_first(16), 11);
+        assert_eq!(
+            table.free_among_first(SLABS_MAX + 1),
+            11,
+            "past the table: all of it"
+        );
+        let first_four = (0..4).filter(|i| !b[1..].contains(i)).count();
+        assert_eq!(table.free_among_first(4), first_four);
         assert!(matches!(
             table.release(1, &[SLABS_MAX + 1]),
             Err(SlabError::NotOwner { owner: 0, .. })

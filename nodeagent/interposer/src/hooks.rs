@@ -1267,7 +1267,16 @@ impl Enforcer {
                 let want = crate::staging::shared_want(&file, slot, need);
                 crate::staging::register_shared(driver, device, file, slot, context, want);
             }
-            if crate::staging::shared_ready(device) || !crate::staging::warm_on() {
+            if !crate::staging::warm_on() {
+                continue;
+            }
+            // With the file ready, pinning ahead is for the chunks its registered free slabs do
+            // not cover (a registration behind the borrowing, or slabs others hold).
+            let chunks = match crate::staging::shared_free_registered(device) {
+                Some((free, slab)) => crate::staging::uncovered_by_shared(&chunks, free, slab),
+                None => chunks,
+            };
+            if chunks.is_empty() {
                 continue;
             }
             if elastic::staging_short(region) {

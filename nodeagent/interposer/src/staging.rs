@@ -28,7 +28,10 @@
 //! the process's borrowed chunks need ([`register_shared`], [`registration_want`]); a swap-out
 //! then takes a run of its registered slabs ([`claim_shared`]) instead of pinning, reserved on the
 //! board in whole slabs like any staging, copied a slab at a time ([`copy_piece_bytes`]), pooled
-//! like any buffer, and given back when freed. No run free: the chunk's own buffer, as before.
+//! like any buffer, and given back when freed. No run free: the chunk's own buffer, as before;
+//! and the watcher pins ahead for the chunks the registered free slabs do not cover
+//! ([`uncovered_by_shared`]), so a registration behind the process's borrowing costs no more
+//! than having no file.
 //!
 //! [`Pool`] is the bookkeeping (which buffer serves which chunk, which have idled too long), pure
 //! and unit tested; the functions below make the driver calls around it.
@@ -420,9 +423,42 @@ pub fn copy_piece_bytes(host: usize, shared: bool) -> u64 {
         .map_or(u64::MAX, |pool| pool.file.slab_bytes)
 }
 
-/// Whether swap-outs on `device` stage in the GPU's shared file (then nothing is pinned ahead).
+/// Whether swap-outs on `device` stage in the GPU's shared file.
 pub fn shared_ready(device: usize) -> bool {
     shared(device).is_some()
+}
+
+/// The bytes of the GPU's shared file on `device` that this process's swap-outs could claim
+/// now (free slabs among those it has registered), and the slab size; `None` without a file
+/// ready here.
+pub fn shared_free_registered(device: usize) -> Option<(u64, u64)> {
+    let pool = shared(device)?;
+    let registered = SHARED_REGISTERED[device].load(Ordering::Acquire);
+    let free = pool.file.table.free_among_first(registered) as u64;
+    Some((free * pool.file.slab_bytes, pool.file.slab_bytes))
+}
+
+/// Of `chunks` (bytes, in giving order), those the shared file's `free_bytes` of registered free
+/// slabs (`slab` each) do not cover, taken in order: what pinning ahead is still for. A process
+/// whose registration lags its borrowing is then no worse off than without the file (on an
+/// H200 a busy job registered 960 MiB of the file while it borrowed 28 GiB, pinned nothing
+/// ahead, and its swap-out pinned 5 GiB at 2 GB/s; docs/benchmarks.md).
+pub fn uncovered_by_shared(chunks: &[u64], free_bytes: u64, slab: u64) -> Vec<u64> {
+    assert!(slab > 0);
+    let mut left = free_bytes;
+    chunks
+        .iter()
+        .copied()
+        .filter(|&bytes| {
+            let staged = bytes.div_ceil(slab) * slab;
+            if staged <= left {
+                left -= staged;
+                false
+            } else {
+                true
+            }
+        })
+        .collect()
 }
 
 /// Per GPU: how many of the shared file's first slabs this process wants registered
@@ -1041,6 +1077,27 @@ mod tests {
             registered: false,
             shared: false,
         }
+    }
+
+    #[test]
+    fn pinning_ahead_is_for_what_the_registered_free_slabs_do_not_cover() {
+        const SLAB: u64 = 64 << 20;
+        // Nothing registered free: every chunk, as without the file.
+        assert_eq!(
+            uncovered_by_shared(&[3 * SLAB, SLAB], 0, SLAB),
+            [3 * SLAB, SLAB]
+        );
+        // Room for the first in whole slabs (a 1-byte chunk takes a slab), not the second.
+        assert_eq!(
+            uncovered_by_shared(&[3 * SLAB, SLAB + 1], 4 * SLAB, SLAB),
+            [SLAB + 1]
+        );
+        // A larger chunk that does not fit leaves the room to a smaller one after it.
+        assert_eq!(
+            uncovered_by_shared(&[8 * SLAB, 2 * SLAB], 3 * SLAB, SLAB),
+            [8 * SLAB]
+        );
+        assert!(uncovered_by_shared(&[SLAB, SLAB], 2 * SLAB, SLAB).is_empty());
     }
 
     #[test]
