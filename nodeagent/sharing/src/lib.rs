@@ -152,8 +152,10 @@
 //!   still halves its way down to 0.
 //! - *Dominance.* Once a tenant has `FLOOR_RELAX_WAITS` relaxation waits of steps (200 at 1%)
 //!   both at the current level and at 0, the level is kept only if it is measurably better for
-//!   some tenant: a p99 `LEVER_IMPROVEMENT_BUCKETS` lower, or a share of steps over the target
-//!   lower beyond chance (`FLOOR_BETTER_P`, an exact binomial tail; level 0's share over the
+//!   some tenant: a p99 `LEVER_IMPROVEMENT_BUCKETS` lower with the steps over it more frequent
+//!   at level 0 beyond chance (a tenant whose own tail holds about 1% of its steps has a p99 that
+//!   flips between tail and body from one sample to the next), or a share of steps over the
+//!   target lower beyond chance (`FLOOR_BETTER_P`, an exact test; level 0's share over the
 //!   budget).
 //!   Otherwise it and every level under it are *dominated*: level 0
 //!   (`Reason::NoBetterThanUnrestricted`), and climbs, relaxations and starving skip them for the
@@ -169,12 +171,14 @@
 //!   violations since it was set than the budget's share of its steps (credited for one
 //!   relaxation wait of steps at most: from there the tenant's allowance judges it alone), plus
 //!   one when a tenant was already in debt as it was set (its debt is the level below's).
-//!   Level 0, until the floor has its steps there in the episode, fails only on violations far
-//!   more frequent than the budget (`FLOOR_FAR_WORSE_P`, an exact binomial tail over its steps
-//!   since it was set): two slow steps within 100 are a tenant's own tail as often as not (an
-//!   eager PyTorch loop beside a trainer on an H200 climbed on them 0.5 s into the pair and held
-//!   the trainer at 0.47 for a p99 no better than plain co-location's), while interference worth
-//!   a lever fails it within a few steps.
+//!   Level 0, until the floor has its steps there in the episode and again once the floor has
+//!   found a level no better than it, fails only on violations far more frequent than the budget
+//!   (`FLOOR_FAR_WORSE_P`, exact binomial tails over its steps since it was set and over the
+//!   last 200): two slow steps within 100 are a tenant's own tail as often as not (an eager
+//!   PyTorch loop beside a trainer on an H200 climbed on them 0.5 s into the pair and held the
+//!   trainer at 0.47 for a p99 no better than plain co-location's; and each such burst after a
+//!   level was found no better climbed to the next level not yet judged), while interference
+//!   worth a lever fails it within a few steps.
 //!
 //! Several latency tenants on one GPU share one level: it steps up when any of them is over
 //! budget and relaxes only when all are clean.

@@ -739,22 +739,24 @@ fn a_tenants_own_slow_spells_do_not_loosen_its_learnt_target() {
     }
 }
 
-/// A tenant whose own tail reaches its target about as often as the budget allows (1% of its
+/// A tenant whose own tail reaches its target nearly as often as the budget allows (0.7% of its
 /// steps 1.5x slower against a 1.3x target) beside a neighbour that does not slow it at all:
-/// until level 0 has the floor's 200 steps, the neighbour is left unrestricted. Two violations
+/// until level 0 has the floor's 200 steps, the neighbour is left unrestricted, and afterwards
+/// it is restricted at most a third of the time (`Controller::free_failed`; before it, up to
+/// 45%: each burst climbed to the next level not yet judged). Two violations
 /// within 100 steps come by chance at that rate, and the short trial climbed on them before the
 /// floor could compare anything (an eager PyTorch loop beside a trainer on an H200 held the
 /// trainer at 0.47 for the pair's 8 s, for a p99 no better than plain co-location's). Beside a
 /// neighbour that does slow it (a compute-bound one, 60% slower unrestricted), the climb still
 /// comes within the first 20 windows.
 #[test]
-fn a_tenant_at_its_own_tail_is_not_restricted_before_the_floor_has_its_steps() {
+fn a_tenant_at_its_own_tail_leaves_a_harmless_neighbour_unrestricted() {
     for seed in 0..16u64 {
         let scenario = |neighbour| Scenario {
             neighbour,
             base_ns: 3 * MS,
             noise: 0.05,
-            spikes: 0.01,
+            spikes: 0.007,
             spells: None,
             steps_per_window: 2,
             start: Start::Explicit(1.3),
@@ -768,6 +770,19 @@ fn a_tenant_at_its_own_tail_is_not_restricted_before_the_floor_has_its_steps() {
             "seed {seed}: the first 100 windows (200 steps) restricted a neighbour that does not \
              slow the tenant ({} of {} steps over the target)",
             first.violations, first.steps
+        );
+        // Then a burst may climb (the lever kinds are learnt useless in turn) until the floor
+        // finds a level no better than level 0; from there level 0 is judged statistically
+        // too, and a p99 lower by chance does not keep a level (before both, up to 45% of these
+        // 7 s were restricted; now at most about a quarter).
+        let rest = gpu.run(700, true, true);
+        assert!(
+            rest.restricted <= 700 / 3,
+            "seed {seed}: {} of the next 700 windows restricted a neighbour that does not slow \
+             the tenant ({} of {} steps over the target)",
+            rest.restricted,
+            rest.violations,
+            rest.steps
         );
         let mut gpu = Gpu::new(scenario(Neighbour { sm: 0.6, ..QUIET }));
         let early = gpu.run(20, true, true);
