@@ -30,6 +30,12 @@ pub const FLOOR_RELAX_WAITS: u64 = 2;
 /// sampled, has more than the top to stop sampling it (about 3).
 pub const FLOOR_BETTER_P: f64 = 0.0228;
 pub const FLOOR_FAR_WORSE_P: f64 = 0.00135;
+/// How sure the controller must be that level 0 now is not the level 0 the floor measured in
+/// this episode (its recent steps over the target more frequent than its earlier ones) before it
+/// forgets what the levels bought: asked at every failure of level 0, so a tenant's own bursts
+/// must not pass it (a tenant with 2.7% hiccups did at `FLOOR_FAR_WORSE_P`, in simulation),
+/// while a neighbour that turned harmful (every step over) passes it within a few steps.
+pub const FLOOR_CHANGED_P: f64 = 1e-6;
 
 /// The longest a climb's settling lasts (see `Controller::settling_since_ns`): a level whose
 /// windows are never clean is measured after this.
@@ -668,6 +674,14 @@ impl Controller {
             }
             // Everything the level cost since it was set, the banked violations it spent too.
             self.remember_failure(self.level_violations);
+            if self.level == 0 && self.free_changed(judged) {
+                // Level 0 is far worse now than the floor measured it in this episode: the
+                // neighbours changed (a harmless one turned compute-bound in simulation, and the
+                // levels were found no better than the old level 0's steps, one after another,
+                // while the tenant missed its target at 2.5%). What the levels bought is
+                // measured again.
+                self.forget_floor();
+            }
             let reason = Reason::OverBudget {
                 tenant: tenant.clone(),
                 steps: judgement.steps,
@@ -1142,6 +1156,27 @@ impl Controller {
             });
         binomial_upper_tail(self.level_steps, budget, self.level_violations) < FLOOR_FAR_WORSE_P
             || binomial_upper_tail(recent_steps, budget, recent_violations) < FLOOR_FAR_WORSE_P
+    }
+
+    /// Whether level 0's recent steps (`free_recent`) are over the target far more often than
+    /// the rest of its steps the floor measured in this episode (`FLOOR_CHANGED_P`): the pair
+    /// is not the one the floor measured.
+    fn free_changed(&self, judged: &[(String, crate::tenant::Judgement)]) -> bool {
+        let recent = self
+            .free_recent
+            .iter()
+            .fold((0, 0), |(n, v), &(steps, violations)| {
+                (n + steps, v + violations)
+            });
+        let measured = judged.iter().fold((0, 0), |(n, v), (name, _)| {
+            let (steps, violations) = self.violations_at(0, name);
+            (n + steps, v + violations)
+        });
+        let earlier = (
+            measured.0.saturating_sub(recent.0),
+            measured.1.saturating_sub(recent.1),
+        );
+        rate_higher(recent, earlier, FLOOR_CHANGED_P)
     }
 
     /// What the levels bought in this episode: forgotten when the pair changes.

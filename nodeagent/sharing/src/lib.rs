@@ -159,7 +159,11 @@
 //!   budget).
 //!   Otherwise it and every level under it are *dominated*: level 0
 //!   (`Reason::NoBetterThanUnrestricted`), and climbs, relaxations and starving skip them for the
-//!   rest of the episode; with the top dominated, nothing restricts.
+//!   rest of the episode; with the top dominated, nothing restricts. Until level 0 fails with its
+//!   recent steps over the target far more often than the steps the floor measured there in
+//!   the episode (`FLOOR_CHANGED_P`): the neighbours changed, and what the levels bought is
+//!   measured again (in simulation a harmless neighbour that turned compute-bound otherwise had
+//!   every level found no better than the old level 0, and nothing restricted).
 //! - *Sampling the floor.* A failing level 0 leaves few steps to compare with, so when even the
 //!   top misses the target over all its steps in the episode (not a burst: the tenant's own
 //!   hiccups), level 0 is sampled until it has the steps to compare (and, sampled again each
@@ -189,8 +193,8 @@ mod tenant;
 mod types;
 
 pub use controller::{
-    Controller, FLOOR_BETTER_P, FLOOR_FAR_WORSE_P, FLOOR_RELAX_WAITS, FLOOR_SAMPLE_SHARE,
-    LEVER_IMPROVEMENT_BUCKETS, LeverState, PROBE_BACKOFF_MAX, SETTLE_MAX_NS,
+    Controller, FLOOR_BETTER_P, FLOOR_CHANGED_P, FLOOR_FAR_WORSE_P, FLOOR_RELAX_WAITS,
+    FLOOR_SAMPLE_SHARE, LEVER_IMPROVEMENT_BUCKETS, LeverState, PROBE_BACKOFF_MAX, SETTLE_MAX_NS,
 };
 pub use ladder::{GUARD_QUARTERS, Ladder, Rung, guard_us};
 pub use tenant::{
