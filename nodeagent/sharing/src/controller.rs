@@ -863,6 +863,16 @@ impl Controller {
                 if let Some(good) = self.known_good.filter(|&good| good > self.level) {
                     want = want.min(good);
                 }
+                if self.level == 0 && self.dominated[1..].iter().any(|&dominated| dominated) {
+                    // Level 0 failed its statistical trial after the floor found a level no
+                    // better than it: whether any restriction helps is the top's to show (no
+                    // better either, and nothing restricts for the rest of the episode; better,
+                    // and the relaxation halves its way down from it). One level at a time,
+                    // each found no better after its 200 steps, a tenant whose own hiccups put
+                    // 2% of its steps over the target walked up the ladder (in simulation). Past
+                    // the level known to hold too: what holds is not the question here.
+                    want = top;
+                }
                 let mut next = self.enabled_at_or_above(want.min(top));
                 // Past the levels that failed in this episode and have not earned it back:
                 // climbing through them again costs a violation each (a starving tenant's
@@ -1132,9 +1142,10 @@ impl Controller {
 
     /// Level 0's statistical trial: failed only by violations far more frequent than the budget
     /// (`FLOOR_FAR_WORSE_P`, an exact binomial tail: about three standard errors, as the test is
-    /// repeated every window), over its steps since it was set (a lasting rate: 2% fails it in
-    /// about 1,200 steps) or over the last `FLOOR_RELAX_WAITS` relaxation waits of them (a
-    /// burst: 8 in 200). Two violations in the first 20 steps are not enough, three are.
+    /// repeated every window), over its steps since it was set (a lasting rate; at
+    /// `FLOOR_BETTER_P` once a level was found no better) or over the last `FLOOR_RELAX_WAITS`
+    /// relaxation waits of them (a burst: 8 in 200). Two violations in the first 20 steps are
+    /// not enough, three are.
     ///
     /// Why not the short trial of the other levels (two violations within 100 steps): a tenant
     /// whose own tail sits near its target has those by chance. An eager PyTorch loop beside a
@@ -1154,7 +1165,17 @@ impl Controller {
             .fold((0, 0), |(n, v), &(steps, violations)| {
                 (n + steps, v + violations)
             });
-        binomial_upper_tail(self.level_steps, budget, self.level_violations) < FLOOR_FAR_WORSE_P
+        // Once a level was found no better, a lasting rate over the budget is the question
+        // (whether the top helps is probed next), asked at two standard errors: at three, a
+        // tenant whose own hiccups put 2% of its steps over the target held level 0 for 2,400
+        // steps before the top was tried and found no better (in simulation). Before that, at
+        // three: nothing is known yet, and two slow steps early are not enough.
+        let lasting = if self.dominated[1..].iter().any(|&dominated| dominated) {
+            FLOOR_BETTER_P
+        } else {
+            FLOOR_FAR_WORSE_P
+        };
+        binomial_upper_tail(self.level_steps, budget, self.level_violations) < lasting
             || binomial_upper_tail(recent_steps, budget, recent_violations) < FLOOR_FAR_WORSE_P
     }
 

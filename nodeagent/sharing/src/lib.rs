@@ -182,7 +182,10 @@
 //!   PyTorch loop beside a trainer on an H200 climbed on them 0.5 s into the pair and held the
 //!   trainer at 0.47 for a p99 no better than plain co-location's; and each such burst after a
 //!   level was found no better climbed to the next level not yet judged), while interference
-//!   worth a lever fails it within a few steps.
+//!   worth a lever fails it within a few steps. Once a level was found no better, a lasting rate
+//!   over the budget fails it at `FLOOR_BETTER_P`, and the climb goes straight to the top:
+//!   whether any restriction helps is the top's to show (found no better too, nothing
+//!   restricts for the rest of the episode).
 //!
 //! Several latency tenants on one GPU share one level: it steps up when any of them is over
 //! budget and relaxes only when all are clean.
