@@ -774,7 +774,7 @@ fn a_tenant_at_its_own_tail_leaves_a_harmless_neighbour_unrestricted() {
         // Then a burst may climb (the lever kinds are learnt useless in turn) until the floor
         // finds a level no better than level 0; from there level 0 is judged statistically
         // too, and a p99 lower by chance does not keep a level (before both, up to 45% of these
-        // 7 s were restricted; now at most about a quarter).
+        // 7 s were restricted; now at most about a third).
         let rest = gpu.run(700, true, true);
         assert!(
             rest.restricted <= 700 / 3,
@@ -800,7 +800,7 @@ fn a_tenant_at_its_own_tail_leaves_a_harmless_neighbour_unrestricted() {
 /// tenant up: once climbed, at most 5% of its steps are over the target. Without
 /// `Controller::free_changed` one seed ran at 100%: every level was found no better than the
 /// old, harmless level 0's steps, and nothing was restricted. Holding the 1% budget across such
-/// a change is not achieved: up to 2.5% here, while the floor's stale verdicts are undone one
+/// a change is not achieved: up to 2.1% here, while the floor's stale verdicts are undone one
 /// at a time.
 #[test]
 fn level_0_judged_statistically_still_answers_a_neighbour_that_turns_harmful() {
