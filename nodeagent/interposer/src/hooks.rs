@@ -1212,9 +1212,9 @@ impl Enforcer {
         }
         let (context, plans) = {
             // A look that finds the process's lock taken is not spent: the next one (10 ms
-            // later) tries again. Spending it left a busy PyTorch job, whose lock the watcher
-            // rarely found free, registering 960 MiB of the staging file while it borrowed
-            // 28 GiB, and pinning 5 GiB of its own in the reclaim (H200, docs/benchmarks.md).
+            // later) tries again. Spent, the next try came a second later, and a busy PyTorch
+            // job registered 960 MiB of the staging file while it borrowed 28 GiB, then pinned
+            // 5 GiB of its own in the reclaim (H200, docs/benchmarks.md).
             let Some((process, context)) = self.watched_process() else {
                 return;
             };
@@ -1253,8 +1253,8 @@ impl Enforcer {
             let cap = region.staging_budget().saturating_sub(others) / 2;
             // The GPU's shared staging file, registered on a thread of its own from the first
             // borrow on, as far as this process's resident borrowed chunks need past the slabs
-            // others hold; once a slab is, swap-outs claim its slabs and nothing is pinned
-            // ahead. Not capped as pinning ahead is: registering the file's pages takes none of
+            // others hold; once a slab is, swap-outs claim its slabs, and pinning ahead (below)
+            // is for what its free registered slabs do not cover. Not capped as pinning ahead is: registering the file's pages takes none of
             // the budget, and a giver registered only half of what the others left pinned 6 GiB
             // of its own in the middle of an exchange on an H200, at a third of the link's rate
             // (docs/benchmarks.md).

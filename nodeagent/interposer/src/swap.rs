@@ -502,9 +502,9 @@ impl Chunks {
             return false;
         }
         // In pieces (not all of it fitted), the chunks whose room the giver frees while this
-        // batch copies join it (`more`): the copy engine goes on from one piece to the next
-        // instead of idling while this process returns, looks again and maps the next piece
-        // (on an H200 the taker of an exchange ran 20% behind its giver so).
+        // batch copies join it (`more`): the copy engine never waits for this process to return,
+        // look again and map the next piece. (On an H200 that left the taker's rate where it
+        // was, 42.8 GB/s beside a giver's 51.8: what slows it is elsewhere, docs/benchmarks.md.)
         let mut rest: Vec<(u64, u64)> = if !all_fit {
             self.chunks
                 .iter()

@@ -639,9 +639,9 @@ fn the_first_in_line_brings_its_chunks_back_piece_by_piece() {
 }
 
 /// Room that frees while the first in line's copies run is taken at once: the chunks join the
-/// swap-in under way, so the copy engine goes on from one piece to the next (an exchange's taker
-/// ran 20% behind its giver when each piece waited for the last to finish, on an H200). Only for
-/// the first in line: any other process still waits for room for all its chunks.
+/// swap-in under way, so the copy engine goes on from one piece to the next without waiting for
+/// the process to look again. Only for the first in line: any other process still waits for
+/// room for all its chunks.
 #[test]
 fn room_that_frees_during_a_swap_in_joins_it() {
     let (mut chunks, mut model, mut board) = resident(&[4, 4, 4, 4]);
