@@ -739,6 +739,22 @@ fn a_tenants_own_slow_spells_do_not_loosen_its_learnt_target() {
     }
 }
 
+/// A 3 ms tenant under MPS whose own tail reaches its 1.3x target nearly as often as the budget
+/// allows: 0.7% of its steps 1.5x slower, two steps a window.
+fn at_its_own_tail(neighbour: Neighbour, seed: u64) -> Scenario {
+    Scenario {
+        neighbour,
+        base_ns: 3 * MS,
+        noise: 0.05,
+        spikes: 0.007,
+        spells: None,
+        steps_per_window: 2,
+        start: Start::Explicit(1.3),
+        seed,
+        mps: true,
+    }
+}
+
 /// A tenant whose own tail reaches its target nearly as often as the budget allows (0.7% of its
 /// steps 1.5x slower against a 1.3x target) beside a neighbour that does not slow it at all:
 /// until level 0 has the floor's 200 steps, the neighbour is left unrestricted, and afterwards
@@ -752,17 +768,7 @@ fn a_tenants_own_slow_spells_do_not_loosen_its_learnt_target() {
 #[test]
 fn a_tenant_at_its_own_tail_leaves_a_harmless_neighbour_unrestricted() {
     for seed in 0..16u64 {
-        let scenario = |neighbour| Scenario {
-            neighbour,
-            base_ns: 3 * MS,
-            noise: 0.05,
-            spikes: 0.007,
-            spells: None,
-            steps_per_window: 2,
-            start: Start::Explicit(1.3),
-            seed,
-            mps: true,
-        };
+        let scenario = |neighbour| at_its_own_tail(neighbour, seed);
         let mut gpu = Gpu::new(scenario(QUIET));
         let first = gpu.run(100, true, true);
         assert_eq!(
@@ -805,17 +811,7 @@ fn a_tenant_at_its_own_tail_leaves_a_harmless_neighbour_unrestricted() {
 #[test]
 fn level_0_judged_statistically_still_answers_a_neighbour_that_turns_harmful() {
     for seed in 0..8u64 {
-        let mut gpu = Gpu::new(Scenario {
-            neighbour: QUIET,
-            base_ns: 3 * MS,
-            noise: 0.05,
-            spikes: 0.007,
-            spells: None,
-            steps_per_window: 2,
-            start: Start::Explicit(1.3),
-            seed,
-            mps: true,
-        });
+        let mut gpu = Gpu::new(at_its_own_tail(QUIET, seed));
         gpu.run(800, true, true);
         gpu.scenario.neighbour = Neighbour { sm: 1.0, ..QUIET };
         let turned = gpu.run(10, true, true);
