@@ -13,7 +13,10 @@
 #   6. tests/gpu/swap_exchange.sh                       both directions of the host link at once
 #                                                       (part `exchange`; `exchange32`: with
 #                                                       SWAP_HOST=32GiB, a short staging budget)
-# PARTS (default "reclaim latency jobs hint cold"; also exchange, exchange32) picks which. Each part's own table is printed as it ends;
+#   7. tests/gpu/exchange_probe.py                      the exchange's two directions without vgpu:
+#                                                       why the taker is slower (part `probe`;
+#                                                       PROBE_GIB, default 16, PROBE_CHUNK_MIB 1024)
+# PARTS (default "reclaim latency jobs hint cold"; also exchange, exchange32, probe) picks which. Each part's own table is printed as it ends;
 # its logs go to $OUT/logs.tar.gz (<part>/...); a summary of the parts is printed last. Exit status 0 when every
 # part that ran passed. Every part stops what it started (each script's own cleanup); a part cut
 # by its limit gets TERM, then KILL 15 s later.
@@ -84,8 +87,12 @@ for part in $PARTS; do
     SCRIPT=("$ROOT/tests/gpu/swap_exchange.sh")
     run_part exchange32 150 SWAP_HOST=32GiB
     ;;
+  probe)
+    SCRIPT=(python3 "$ROOT/tests/gpu/exchange_probe.py" "${PROBE_GIB:-16}" "${PROBE_CHUNK_MIB:-1024}")
+    run_part probe 150
+    ;;
   *)
-    echo "unknown part $part (reclaim, latency, jobs, hint, cold, exchange, exchange32)" >&2
+    echo "unknown part $part (reclaim, latency, jobs, hint, cold, exchange, exchange32, probe)" >&2
     exit 2
     ;;
   esac
