@@ -334,6 +334,15 @@ pub fn allocate_staging(path: &Path) -> Result<(), ReadError> {
     Ok(())
 }
 
+/// Whether every page of the staging file at `path` is allocated (`allocate_staging` finished on
+/// it): an agent that stopped in the middle of the allocation left a file that processes never
+/// register, which the next agent allocates again.
+pub fn staging_allocated(path: &Path) -> Result<bool, ReadError> {
+    let file = open_rw(path)?;
+    let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(path, &file, 0)?;
+    Ok(table.region().is_allocated())
+}
+
 /// Frees the slabs of the staging file at `staging` held by processes that no longer own their
 /// slot on the GPU's board at `board` (dead, or their slot reclaimed and reused); returns how
 /// many. The agent's sampling calls it after the board's dead-slot reclaim.

@@ -273,8 +273,10 @@ fn a_staging_file_is_made_once_per_budget_and_a_dead_owners_slabs_come_back() {
         !table(&path).region().is_allocated(),
         "not registered until allocated"
     );
+    assert!(!staging_allocated(&path).unwrap());
     allocate_staging(&path).unwrap();
     assert!(table(&path).region().is_allocated());
+    assert!(staging_allocated(&path).unwrap());
 
     // A slot of this process on the board, and slabs claimed by it and by a process that
     // never owned a slot.

@@ -469,13 +469,19 @@ fn publish_staging(
         }
         other => other.map_err(|e| e.to_string())?,
     };
-    if created {
+    // A file there already whose allocation never finished (an agent stopped in the middle of
+    // it) is allocated again: processes register only an allocated file.
+    let unfinished = !created && !tenant_abi::shm::staging_allocated(&path).unwrap_or(true);
+    if (created || unfinished) && allocating().insert(path.clone()) {
         let (uuid, path) = (uuid.to_owned(), path.clone());
+        let in_flight = path.clone();
         std::thread::Builder::new()
             .name("vgpu-staging".into())
             .spawn(move || {
                 let began = std::time::Instant::now();
-                match tenant_abi::shm::allocate_staging(&path) {
+                let allocated = tenant_abi::shm::allocate_staging(&path);
+                allocating().remove(&path);
+                match allocated {
                     Ok(()) => tracing::info!(
                         "GPU {uuid}: swap staging file {} allocated ({:.1} GiB in {:.1} s)",
                         path.display(),
@@ -493,9 +499,21 @@ fn publish_staging(
                     }
                 }
             })
-            .map_err(|error| format!("cannot start the staging file's allocation: {error}"))?;
+            .map_err(|error| {
+                allocating().remove(&in_flight);
+                format!("cannot start the staging file's allocation: {error}")
+            })?;
     }
     Ok(Some(path))
+}
+
+/// The staging files being allocated now (by a thread of `publish_staging`).
+fn allocating() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<PathBuf>> {
+    static ALLOCATING: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    ALLOCATING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The staging files whose pages could not be allocated since the agent started (at most one

@@ -474,6 +474,23 @@ fn each_gpu_gets_a_shared_staging_file_linked_like_its_board() {
     assert!(publish_boards(&layout, &second, &off).is_empty());
     assert!(!layout.staging("GPU-1").exists());
     assert_eq!(inode(&staging_link("b", "GPU-1")), None);
+    // A file an earlier agent left half allocated (it stopped during the allocation) is
+    // allocated again: processes register only an allocated file.
+    let shm3 = tempfile::tempdir().unwrap();
+    let layout3 = Layout::new(&shm3.path().join("vgpu"));
+    prepare(&layout3, &first, &owners, QUANTUM).unwrap();
+    std::fs::create_dir_all(layout3.staging("GPU-1").parent().unwrap()).unwrap();
+    assert!(tenant_abi::shm::create_staging(&layout3.staging("GPU-1"), 128 << 20).unwrap());
+    assert!(!tenant_abi::shm::staging_allocated(&layout3.staging("GPU-1")).unwrap());
+    assert!(publish_boards(&layout3, &first, &gpus).is_empty());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !tenant_abi::shm::staging_allocated(&layout3.staging("GPU-1")).unwrap() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the half-allocated staging file was not allocated again within 30 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     // Too small a budget for one slab: no file.
     let tiny = BoardGpus {
         swap_host_memory_bytes: 64 << 20,
