@@ -600,16 +600,19 @@ impl Controller {
         self.level_violations = self.level_violations.saturating_add(violations);
         self.level_steps = self.level_steps.saturating_add(steps);
         if self.level == 0 {
+            // The last windows holding `horizon` steps, and never more than `horizon` windows
+            // (windows judged on an open step alone hold none).
             self.free_recent.push_back((steps, violations));
             let horizon = FLOOR_RELAX_WAITS * self.config.relax_steps();
             while self.free_recent.len() > 1
-                && self
-                    .free_recent
-                    .iter()
-                    .skip(1)
-                    .map(|&(n, _)| n)
-                    .sum::<u64>()
-                    >= horizon
+                && (self.free_recent.len() as u64 > horizon
+                    || self
+                        .free_recent
+                        .iter()
+                        .skip(1)
+                        .map(|&(n, _)| n)
+                        .sum::<u64>()
+                        >= horizon)
             {
                 self.free_recent.pop_front();
             }
