@@ -300,9 +300,7 @@ pub fn create_staging(path: &Path, budget_bytes: u64) -> Result<bool, ReadError>
                 expected: bytes as usize,
             });
         }
-        let file = open_rw(path)?;
-        let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(path, &file, 0)?;
-        return match table.region().geometry() {
+        return match staging_table(path)?.region().geometry() {
             Err(error @ crate::slabs::SlabError::Version { .. }) => Err(ReadError::Layout {
                 path: path.to_owned(),
                 message: error.to_string(),
@@ -321,16 +319,15 @@ pub fn create_staging(path: &Path, budget_bytes: u64) -> Result<bool, ReadError>
 /// Allocates every page of the staging file at `path` (the agent, once, in the background:
 /// 4 KiB shared-memory pages fault at about 4 GB/s, so a process registering the file later
 /// does not pay for them), then marks the table allocated: processes register the file only
-/// after that (`SlabTable::is_allocated`). An error (a full `/dev/shm`) says the file cannot hold its budget:
-/// the agent removes it, and processes pin their own staging as before.
+/// after that (`SlabTable::is_allocated`). An error (a full `/dev/shm`) says the file cannot
+/// hold its budget: the agent removes it, and processes pin their own staging as before.
 pub fn allocate_staging(path: &Path) -> Result<(), ReadError> {
     let file = open_rw(path)?;
     map::allocate(&file, file_len(path)?).map_err(|source| ReadError::Map {
         path: path.to_owned(),
         source,
     })?;
-    let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(path, &file, 0)?;
-    table.region().mark_allocated();
+    staging_table(path)?.region().mark_allocated();
     Ok(())
 }
 
@@ -338,17 +335,19 @@ pub fn allocate_staging(path: &Path) -> Result<(), ReadError> {
 /// it): an agent that stopped in the middle of the allocation left a file that processes never
 /// register, which the next agent allocates again.
 pub fn staging_allocated(path: &Path) -> Result<bool, ReadError> {
-    let file = open_rw(path)?;
-    let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(path, &file, 0)?;
-    Ok(table.region().is_allocated())
+    Ok(staging_table(path)?.region().is_allocated())
+}
+
+/// The slab table at the head of the existing staging file `path`, mapped read-write.
+fn staging_table(path: &Path) -> Result<map::Mapping<crate::slabs::SlabTable>, ReadError> {
+    map::Mapping::<crate::slabs::SlabTable>::writable_header(path, &open_rw(path)?, 0)
 }
 
 /// Frees the slabs of the staging file at `staging` held by processes that no longer own their
 /// slot on the GPU's board at `board` (dead, or their slot reclaimed and reused); returns how
 /// many. The agent's sampling calls it after the board's dead-slot reclaim.
 pub fn reclaim_staging(staging: &Path, board_path: &Path) -> Result<usize, ReadError> {
-    let file = open_rw(staging)?;
-    let table = map::Mapping::<crate::slabs::SlabTable>::writable_header(staging, &file, 0)?;
+    let table = staging_table(staging)?;
     let board = map::Mapping::<board::Region>::open(board_path, board::REGION_BYTES)?;
     let region = board.region();
     checked(board_path, region.is_initialised(), region.check_layout())?;

@@ -239,15 +239,10 @@ fn a_staging_file_of_another_layout_version_is_replaced() {
     let directory = tempfile::tempdir().unwrap();
     let path = crate::layout::staging_path(directory.path(), "GPU-1");
     assert!(create_staging(&path, 256 * MIB).unwrap());
-    {
-        let file = open_rw(&path).unwrap();
-        let table =
-            map::Mapping::<crate::slabs::SlabTable>::writable_header(&path, &file, 0).unwrap();
-        table.region().version.store(
-            crate::slabs::VERSION - 1,
-            std::sync::atomic::Ordering::Release,
-        );
-    }
+    staging_table(&path).unwrap().region().version.store(
+        crate::slabs::VERSION - 1,
+        std::sync::atomic::Ordering::Release,
+    );
     let error = create_staging(&path, 256 * MIB).unwrap_err();
     assert!(error.is_other_version(), "{error}");
     assert!(error.to_string().contains("upgrade"), "{error}");
@@ -265,10 +260,7 @@ fn a_staging_file_is_made_once_per_budget_and_a_dead_owners_slabs_come_back() {
     assert!(!create_staging(&path, budget).unwrap(), "there already");
     let other = create_staging(&path, 2 * budget).unwrap_err();
     assert!(other.is_other_version(), "{other}");
-    let table = |path: &Path| {
-        let file = open_rw(path).unwrap();
-        map::Mapping::<crate::slabs::SlabTable>::writable_header(path, &file, 0).unwrap()
-    };
+    let table = |path: &Path| staging_table(path).unwrap();
     assert!(
         !table(&path).region().is_allocated(),
         "not registered until allocated"

@@ -198,10 +198,10 @@ impl SlabTable {
 
     /// Claims `count` free slabs in a row for `owner` (non-zero): the first one's index, or
     /// `None` when no run that long is free now (nothing stays claimed). A chunk's staging is
-    /// one run, so that its copies go to one contiguous range of the file (a copy may not span
-    /// two registrations, and the file is registered as one). One pass over the table; a run
-    /// that another claimer takes a slab of meanwhile is given back and the search goes on
-    /// past that slab.
+    /// one run, so that it is one contiguous range of the file (its copies go a slab at a time:
+    /// each slab is a registration of its own, and a copy may not span two). One pass over the
+    /// table; a run that another claimer takes a slab of meanwhile is given back and the search
+    /// goes on past that slab.
     ///
     /// Only the first `usable` slabs are looked at (a process claims only slabs it has
     /// registered so far).
@@ -268,10 +268,7 @@ impl SlabTable {
 
     /// Free slabs now.
     pub fn free(&self) -> usize {
-        self.slabs()
-            .iter()
-            .filter(|slab| slab.load(Ordering::Relaxed) == 0)
-            .count()
+        self.free_among_first(SLABS_MAX)
     }
 
     /// Free slabs among the first `first` (a process's registered prefix: what its swap-outs may

@@ -35,7 +35,7 @@ import sys
 import time
 from ctypes import POINTER, byref, c_int, c_size_t, c_uint, c_uint64, c_ulonglong, c_void_p
 
-from hostmem import GIB, MIB, check, cuda, gather
+from hostmem import GIB, MIB, check, cuda, gather, stop
 
 NOT_READY, OUT_OF_MEMORY = 600, 2
 MODES = ["fresh", "ready", "keep", "free"]
@@ -201,11 +201,7 @@ def run_mode(mode, n, chunk):
     try:
         return exchange(procs, ctx, (n, chunk, mode), (ready_g, go, freed, results))
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        stop(procs)
 
 
 def exchange(procs, ctx, shape, shared):

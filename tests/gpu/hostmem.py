@@ -1,8 +1,9 @@
 """What the host-memory probes share (host_staging_bench.py, pin_sizes.py, shared_staging.py,
-shared_register_busy.py):
+shared_register_busy.py, exchange_probe.py):
 libc's mapping calls typed for ctypes, their flags, the CUresult check, the driver with device 0's primary context (`cuda`), mapping a shared file
-(`map_file`), touching pages from several threads (`touch`), and gathering the results of probe
-processes (`gather`). Imported from the
+(`map_file`), touching pages from several threads (`touch`), and of probe processes: a failure
+reported as a row (`reported`), gathering the results (`gather`), stopping them (`stop`). Imported
+from the
 scripts' own directory (`python3 tests/gpu/X.py` puts it on the path)."""
 import ctypes
 import os
@@ -90,3 +91,27 @@ def cuda():
     check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
     check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     return cu, ctx
+
+
+def reported(run, index, *args):
+    """A probe process's body, `run(index, *args)` (`args` ending with the barrier and the
+    results queue): a failure is put in the results as its row and breaks the barrier, so the
+    other processes stop too."""
+    barrier, results = args[-2], args[-1]
+    try:
+        run(index, *args)
+    except Exception as e:  # noqa: BLE001 - reported, not swallowed
+        barrier.abort()
+        results.put({"proc": index, "error": f"{type(e).__name__}: {e}"})
+
+
+def stop(procs, path=None):
+    """Every probe process of `procs` ended (each waited for 10 s, then killed) and the shared
+    file at `path` removed: a probe's exit path on any outcome."""
+    for pr in procs:
+        pr.join(10)
+        if pr.is_alive():
+            pr.kill()
+            pr.join(5)
+    if path and os.path.exists(path):
+        os.unlink(path)

@@ -38,7 +38,7 @@ import threading
 import time
 
 from hostmem import (CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MIB,
-                     PROT_RW, check, cuda, gather, libc, map_file)
+                     PROT_RW, check, cuda, gather, libc, map_file, reported, stop)
 
 PHASES = [  # name, who registers ("one": process 0 only; "all"), how
     ("alone-whole", "one", "whole"),
@@ -105,14 +105,6 @@ def summary(samples):
         return {"n": 0}
     ms = sorted(s * 1e3 for s in samples)
     return {"n": len(ms), "p50_ms": round(statistics.median(ms), 2), "max_ms": round(ms[-1], 1)}
-
-
-def worker(index, path, total, slab, barrier, results):
-    try:
-        run_worker(index, path, total, slab, barrier, results)
-    except Exception as e:  # noqa: BLE001 - reported, not swallowed
-        barrier.abort()
-        results.put({"proc": index, "error": f"{type(e).__name__}: {e}"})
 
 
 def run_worker(index, path, total, slab, barrier, results):
@@ -182,7 +174,7 @@ def main():
             pass
         mp = multiprocessing.get_context("spawn")
         barrier, results = mp.Barrier(procs_n), mp.Queue()
-        procs = [mp.Process(target=worker, args=(i, path, total, slab, barrier, results)) for i in range(procs_n)]
+        procs = [mp.Process(target=reported, args=(run_worker, i, path, total, slab, barrier, results)) for i in range(procs_n)]
         for pr in procs:
             pr.start()
         got = gather(results, procs, procs_n, 500)
@@ -190,12 +182,7 @@ def main():
         out["rows"] = sorted((r for g in got for r in g.get("rows", [])),
                              key=lambda r: ([p[0] for p in PHASES].index(r["phase"]), r["proc"]))
     finally:
-        for pr in procs:
-            pr.join(10)
-            if pr.is_alive():
-                pr.kill()
-        if os.path.exists(path):
-            os.unlink(path)
+        stop(procs, path)
     print("RESULT " + json.dumps(out))
     print(f"file of {out['total_gib']} GiB ({pages} pages; shmem_enabled {out['shmem_enabled']}; ShmemHugePages "
           f"{out.get('shmem_huge_kib')} KiB) allocated in {out.get('allocate_s')} s; {procs_n} processes; slabs of "

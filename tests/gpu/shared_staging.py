@@ -26,7 +26,7 @@ import sys
 import time
 
 from hostmem import (CU_MEMHOSTREGISTER_PORTABLE, GIB, MADV_HUGEPAGE, MAP_ANONYMOUS, MAP_PRIVATE, MIB,
-                     PROT_RW, check, cuda, gather, libc, map_file, touch)
+                     PROT_RW, check, cuda, gather, libc, map_file, touch, reported, stop)
 
 COPY_BYTES = 4 * GIB
 
@@ -66,17 +66,9 @@ def copies(cu, host, dev, stream, direction, nbytes, slab, each=False):
     return round(nbytes / (time.perf_counter() - began) / 1e9, 1)
 
 
-def worker(index, path, total, slab, barrier, results):
-    """One tenant process: maps and registers the whole file, copies through its own part. A
-    failure is reported as its row and breaks the barrier, so the other processes stop too."""
-    try:
-        run_worker(index, path, total, slab, barrier, results)
-    except Exception as e:  # noqa: BLE001 - reported, not swallowed
-        barrier.abort()
-        results.put({"proc": index, "error": f"{type(e).__name__}: {e}"})
-
-
 def run_worker(index, path, total, slab, barrier, results):
+    """One tenant process (under `hostmem.reported`): maps and registers the whole file, copies
+    through its own part."""
     parent = os.getppid()
     cu, _ = cuda()
     p = map_file(path, total)
@@ -158,7 +150,7 @@ def main():
         libc.munmap(p, total)  # the pages stay: they belong to the file
         mp = multiprocessing.get_context("spawn")
         barrier, results = mp.Barrier(procs_n), mp.Queue()
-        procs = [mp.Process(target=worker, args=(i, path, total, slab, barrier, results)) for i in range(procs_n)]
+        procs = [mp.Process(target=reported, args=(run_worker, i, path, total, slab, barrier, results)) for i in range(procs_n)]
         began = time.perf_counter()
         for pr in procs:
             pr.start()
@@ -166,12 +158,7 @@ def main():
         summary["wall_s"] = round(time.perf_counter() - began, 1)
         summary["rows"] = sorted(rows, key=lambda r: r["proc"])
     finally:
-        for pr in procs:
-            pr.join(10)
-            if pr.is_alive():
-                pr.kill()
-        if os.path.exists(path):
-            os.unlink(path)
+        stop(procs, path)
     print("RESULT " + json.dumps(summary))
     print(f"shared file of {summary['total_gib']} GiB faulted at {summary.get('fault_gbps')} GB/s (8 threads)")
     print("| proc | register GB/s | device used + MiB | anon 4 GiB: device used + MiB | alone out | alone in | "

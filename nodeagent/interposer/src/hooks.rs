@@ -1254,16 +1254,15 @@ impl Enforcer {
             // The GPU's shared staging file, registered on a thread of its own from the first
             // borrow on, as far as this process's resident borrowed chunks need past the slabs
             // others hold; once a slab is, swap-outs claim its slabs, and pinning ahead (below)
-            // is for what its free registered slabs do not cover. Not capped as pinning ahead is: registering the file's pages takes none of
-            // the budget, and a giver registered only half of what the others left pinned 6 GiB
-            // of its own in the middle of an exchange on an H200, at a third of the link's rate
-            // (docs/benchmarks.md).
+            // is for what its free registered slabs do not cover. Not capped as pinning ahead
+            // is: registering the file's pages takes none of the budget, and a giver registered
+            // only half of what the others left pinned 6 GiB of its own in the middle of an
+            // exchange on an H200, at a third of the link's rate (docs/benchmarks.md).
             if let (Some(file), Some(driver)) = (board.staging, crate::real::driver()) {
-                let slab = file.slab_bytes;
                 let need: u64 = chunks
                     .iter()
-                    .map(|&bytes| bytes.div_ceil(slab) * slab)
-                    .sum::<u64>();
+                    .map(|&bytes| crate::staging::whole_slabs(bytes, file.slab_bytes))
+                    .sum();
                 let want = crate::staging::shared_want(&file, slot, need);
                 crate::staging::register_shared(driver, device, file, slot, context, want);
             }

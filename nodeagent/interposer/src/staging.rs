@@ -388,9 +388,9 @@ const SHARED_READY: u8 = 2;
 const SHARED_FAILED: u8 = 3;
 
 /// Per GPU: how many of the shared file's first slabs this process has registered (each slab
-/// is a registration of its own: one of the whole file held the driver for up to 35 s on an
-/// H200 with three processes registering 84 GiB at once, and every other driver call of the
-/// process waited, the swap's included). Only those slabs are claimed.
+/// is a registration of its own: one of the whole file holds the process's other driver calls,
+/// the swap's included, for as long as it takes, 4-11 s for 32 GiB on an H200). Only those
+/// slabs are claimed.
 static SHARED_REGISTERED: [AtomicUsize; DEVICES_MAX] = [const { AtomicUsize::new(0) }; DEVICES_MAX];
 
 /// Per GPU: where this process's registration of the shared staging file stands.
@@ -450,7 +450,7 @@ pub fn uncovered_by_shared(chunks: &[u64], free_bytes: u64, slab: u64) -> Vec<u6
         .iter()
         .copied()
         .filter(|&bytes| {
-            let staged = bytes.div_ceil(slab) * slab;
+            let staged = whole_slabs(bytes, slab);
             if staged <= left {
                 left -= staged;
                 false
@@ -651,9 +651,12 @@ pub fn register_shared(
 /// The bytes a chunk of `bytes` reserves on `device`: whole slabs when it stages in the shared
 /// file, else its own size.
 fn staged_bytes(device: usize, bytes: u64) -> u64 {
-    shared(device).map_or(bytes, |pool| {
-        bytes.div_ceil(pool.file.slab_bytes) * pool.file.slab_bytes
-    })
+    shared(device).map_or(bytes, |pool| whole_slabs(bytes, pool.file.slab_bytes))
+}
+
+/// `bytes` in whole slabs of `slab`: what a chunk takes in the shared file.
+pub fn whole_slabs(bytes: u64, slab: u64) -> u64 {
+    bytes.div_ceil(slab) * slab
 }
 
 /// A run of slabs holding `bytes` (a multiple of the slab size) in the GPU's shared staging,

@@ -659,7 +659,7 @@ impl Controller {
         // Level 0 is judged statistically before the floor has its steps there, and once the
         // floor found a restriction no better than it (`Controller::free_failed`).
         let level_failed = if self.level == 0
-            && (!self.floor_measured(judged) || self.dominated[1..].iter().any(|&d| d))
+            && (!self.floor_measured(judged) || self.some_level_dominated())
         {
             self.free_failed()
         } else {
@@ -866,7 +866,7 @@ impl Controller {
                 if let Some(good) = self.known_good.filter(|&good| good > self.level) {
                     want = want.min(good);
                 }
-                if self.level == 0 && self.dominated[1..].iter().any(|&dominated| dominated) {
+                if self.level == 0 && self.some_level_dominated() {
                     // Level 0 failed its statistical trial after the floor found a level no
                     // better than it: whether any restriction helps is the top's to show (no
                     // better either, and nothing restricts for the rest of the episode; better,
@@ -1162,18 +1162,13 @@ impl Controller {
     /// two or three steps, and a starving step goes to the top anyway.
     fn free_failed(&self) -> bool {
         let budget = self.config.violation_budget;
-        let (recent_steps, recent_violations) = self
-            .free_recent
-            .iter()
-            .fold((0, 0), |(n, v), &(steps, violations)| {
-                (n + steps, v + violations)
-            });
+        let (recent_steps, recent_violations) = self.free_recent_counts();
         // Once a level was found no better, a lasting rate over the budget is the question
         // (whether the top helps is probed next), asked at two standard errors: at three, a
         // tenant whose own hiccups put 2% of its steps over the target held level 0 for 2,400
         // steps before the top was tried and found no better (in simulation). Before that, at
         // three: nothing is known yet, and two slow steps early are not enough.
-        let lasting = if self.dominated[1..].iter().any(|&dominated| dominated) {
+        let lasting = if self.some_level_dominated() {
             FLOOR_BETTER_P
         } else {
             FLOOR_FAR_WORSE_P
@@ -1186,12 +1181,7 @@ impl Controller {
     /// the rest of its steps the floor measured in this episode (`FLOOR_CHANGED_P`): the pair
     /// is not the one the floor measured.
     fn free_changed(&self, judged: &[(String, crate::tenant::Judgement)]) -> bool {
-        let recent = self
-            .free_recent
-            .iter()
-            .fold((0, 0), |(n, v), &(steps, violations)| {
-                (n + steps, v + violations)
-            });
+        let recent = self.free_recent_counts();
         let measured = judged.iter().fold((0, 0), |(n, v), (name, _)| {
             let (steps, violations) = self.violations_at(0, name);
             (n + steps, v + violations)
@@ -1201,6 +1191,20 @@ impl Controller {
             measured.1.saturating_sub(recent.1),
         );
         rate_higher(recent, earlier, FLOOR_CHANGED_P)
+    }
+
+    /// Level 0's recent steps and violations (`free_recent`).
+    fn free_recent_counts(&self) -> (u64, u64) {
+        self.free_recent
+            .iter()
+            .fold((0, 0), |(n, v), &(steps, violations)| {
+                (n + steps, v + violations)
+            })
+    }
+
+    /// Whether the floor found some level no better than level 0 in this episode.
+    fn some_level_dominated(&self) -> bool {
+        self.dominated[1..].iter().any(|&dominated| dominated)
     }
 
     /// What the levels bought in this episode: forgotten when the pair changes.

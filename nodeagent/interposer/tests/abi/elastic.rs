@@ -2037,6 +2037,42 @@ fn a_borrow_past_the_limit_on_a_full_gpu_is_refused_at_once_not_queued() {
     );
 }
 
+/// The GPU's shared staging file for `budget`, made and allocated beside the board as the
+/// agent would (`VGPU_AGENT_SHARED_STAGING=1`).
+fn shared_staging_file(shm: &Path, budget: u64) -> std::path::PathBuf {
+    let staging = tenant_abi::layout::staging_path(shm, GPU_0);
+    assert!(tenant_abi::shm::create_staging(&staging, budget).expect("the staging file"));
+    tenant_abi::shm::allocate_staging(&staging).expect("the staging file's pages");
+    staging
+}
+
+/// `a` borrows `borrow.0` past its 4 MiB request, fills it and waits for `borrow.1`
+/// registrations (the file's slabs); then "b" (request `b_bytes`) allocates `b_bytes`, which
+/// swaps a's chunk out through the file, and frees it, and `a` checks its contents and says
+/// how much it registered. Returns `a`, held to its end, and b's output.
+fn out_and_back_through_the_file(
+    shm: &Path,
+    a: Probe,
+    borrow: (&str, u32),
+    b_bytes: &str,
+) -> (Holder, String) {
+    let file = |name: &str| file_in(shm, name);
+    let (bytes, registrations) = borrow;
+    let mut a = a.start_holding(&format!(
+        "alloc 4M alloc {bytes} fill 7 until_host_allocs {registrations} touch {} spin_info {} \
+         check 7 host_allocs",
+        file("a-ready"),
+        file("b-done")
+    ));
+    let b = swapping(tenant(shm, "b", &format!("{b_bytes}iB"))).hold(&format!(
+        "until_file {} alloc {b_bytes} free touch {}",
+        file("a-ready"),
+        file("b-done")
+    ));
+    a.wait_held();
+    (a, b.output.clone())
+}
+
 /// The GPU's shared staging file (`VGPU_AGENT_SHARED_STAGING=1`; the test plays the agent and
 /// makes it beside the board): a borrower registers it once, off the swap's path, from its first
 /// borrow; its swap-out then stages in a run of the file's slabs, pinning nothing, and the chunk
@@ -2051,27 +2087,16 @@ fn a_swap_out_stages_in_the_gpus_shared_file_and_pins_nothing() {
         128 * MIB,
         &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
     );
-    let staging = tenant_abi::layout::staging_path(shm.path(), GPU_0);
-    assert!(tenant_abi::shm::create_staging(&staging, 128 * MIB).expect("the staging file"));
-    tenant_abi::shm::allocate_staging(&staging).expect("the staging file's pages");
-    let file = |name: &str| file_in(shm.path(), name);
+    let staging = shared_staging_file(shm.path(), 128 * MIB);
     // Staging is not pinned ahead (`swapping`): the only pin is the file's registration, as
     // far as a's borrowed 8 MiB needs (one slab of the two).
-    let mut a = swapping(tenant(shm.path(), "a", "4MiB"))
-        .env("VGPU_LOG", "2")
-        .start_holding(&format!(
-            "alloc 4M alloc 8M fill 7 until_host_allocs 1 touch {} spin_info {} check 7 \
-             host_allocs",
-            file("a-ready"),
-            file("b-done")
-        ));
-    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
-        "until_file {} alloc 8M free touch {}",
-        file("a-ready"),
-        file("b-done")
-    ));
-    assert_eq!(b.output, "until_file 0\nalloc 0\nfree 0\ntouch 0\n");
-    a.wait_held();
+    let (a, b) = out_and_back_through_the_file(
+        shm.path(),
+        swapping(tenant(shm.path(), "a", "4MiB")).env("VGPU_LOG", "2"),
+        ("8M", 1),
+        "8M",
+    );
+    assert_eq!(b, "until_file 0\nalloc 0\nfree 0\ntouch 0\n");
     assert!(
         a.output.ends_with(
             "until_host_allocs 0\ntouch 0\nspin_info 0\ncheck 0 ok\nhost_allocs 0 1 0\n"
@@ -2113,25 +2138,16 @@ fn a_chunk_larger_than_a_slab_is_copied_a_slab_at_a_time_and_comes_back_intact()
         512 * MIB,
         &[("a", 4 * MIB, 200 * MIB), ("b", 140 * MIB, 140 * MIB)],
     );
-    let staging = tenant_abi::layout::staging_path(shm.path(), GPU_0);
-    assert!(tenant_abi::shm::create_staging(&staging, 512 * MIB).expect("the staging file"));
-    tenant_abi::shm::allocate_staging(&staging).expect("the staging file's pages");
-    let file = |name: &str| file_in(shm.path(), name);
+    shared_staging_file(shm.path(), 512 * MIB);
     // Eight slabs of 64 MiB; a's chunk of 130 MiB needs three (within half the budget), so
     // three registrations, and it takes a run of three.
-    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
-        "alloc 4M alloc 130M fill 7 until_host_allocs 3 touch {} spin_info {} check 7 \
-         host_allocs",
-        file("a-ready"),
-        file("b-done")
-    ));
-    let b = swapping(tenant(shm.path(), "b", "140MiB")).hold(&format!(
-        "until_file {} alloc 140M free touch {}",
-        file("a-ready"),
-        file("b-done")
-    ));
-    assert_eq!(b.output, "until_file 0\nalloc 0\nfree 0\ntouch 0\n");
-    a.wait_held();
+    let (a, b) = out_and_back_through_the_file(
+        shm.path(),
+        swapping(tenant(shm.path(), "a", "4MiB")),
+        ("130M", 3),
+        "140M",
+    );
+    assert_eq!(b, "until_file 0\nalloc 0\nfree 0\ntouch 0\n");
     assert!(
         a.output.ends_with(
             "until_host_allocs 0\ntouch 0\nspin_info 0\ncheck 0 ok\nhost_allocs 0 3 0\n"
@@ -2155,9 +2171,7 @@ fn the_shared_file_is_registered_as_far_as_the_borrowed_chunks_need() {
         512 * MIB,
         &[("a", 4 * MIB, 200 * MIB)],
     );
-    let staging = tenant_abi::layout::staging_path(shm.path(), GPU_0);
-    assert!(tenant_abi::shm::create_staging(&staging, 512 * MIB).expect("the staging file"));
-    tenant_abi::shm::allocate_staging(&staging).expect("the staging file's pages");
+    shared_staging_file(shm.path(), 512 * MIB);
     // Exactly as far as wanted: a correct want never registers a third slab, so the count
     // read right after the second is 2 (a want of the whole file would show more by then).
     let out = swapping(tenant(shm.path(), "a", "4MiB"))
