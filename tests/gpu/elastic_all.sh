@@ -81,11 +81,11 @@ for part in $PARTS; do
     ;;
   exchange)
     SCRIPT=("$ROOT/tests/gpu/swap_exchange.sh")
-    run_part exchange 150
+    run_part exchange 210
     ;;
   exchange32)
     SCRIPT=("$ROOT/tests/gpu/swap_exchange.sh")
-    run_part exchange32 150 SWAP_HOST=32GiB
+    run_part exchange32 210 SWAP_HOST=32GiB
     ;;
   probe)
     SCRIPT=(python3 "$ROOT/tests/gpu/exchange_probe.py" "${PROBE_GIB:-16}" "${PROBE_CHUNK_MIB:-1024}")
