@@ -155,6 +155,10 @@ impl crate::swap::Counters for SlotCounters<'_> {
         staging_short(self.board.board.region)
     }
 
+    fn staging_left_for(&mut self, bytes: u64) -> bool {
+        self.board.board.region.staging_left() >= bytes
+    }
+
     fn first_in_line(&mut self) -> bool {
         let (served, _) = self.board.board.region.served(crate::shm::monotonic_ns());
         served.is_some_and(|w| w.slot == self.slot)

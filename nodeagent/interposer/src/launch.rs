@@ -57,6 +57,10 @@ const DEMAND_EVERY_NS: u64 = 200_000;
 const POLL_SLEEP: Duration = Duration::from_micros(50);
 /// Sleep between two looks at an event while bounding the queue or draining.
 const EVENT_POLL_SLEEP: Duration = Duration::from_micros(20);
+/// How long a wait for an event yields between looks before it sleeps between them: about what
+/// the queue left behind the awaited event holds of small kernels (32 launches of a few
+/// microseconds each), so that the waiting thread is back before that queue runs dry.
+const EVENT_SPIN_NS: u64 = 200_000;
 /// The longest a launch waits for its turn before it goes ahead anyway (logged).
 const WAIT_MAX_NS: u64 = 5_000_000_000;
 /// How often a process says that launches waited `WAIT_MAX_NS` (with the schedule's state).
@@ -631,15 +635,17 @@ fn retire_finished(gpu: &dyn Gpu, ring: &mut VecDeque<Event>, pool: &mut Vec<Eve
 
 /// Polls `event` until it completes, fails, or `deadline` passes (then `Pending`).
 fn wait_event(gpu: &dyn Gpu, event: Event, deadline: u64) -> EventState {
-    let mut spins = 0u32;
+    let spin_until = monotonic_ns().saturating_add(EVENT_SPIN_NS);
     loop {
         let state = gpu.event_query(event.handle);
-        if state != EventState::Pending || monotonic_ns() >= deadline {
+        let now = monotonic_ns();
+        if state != EventState::Pending || now >= deadline {
             return state;
         }
-        // A few yields first: a kernel queue of a few launches often drains within microseconds.
-        if spins < 16 {
-            spins += 1;
+        // Yield, not sleep, while the wait is short: a sleep wakes 50 us or more late, and the
+        // queue left behind the awaited event (`EVENTS_PER_STREAM_MAX` samples' launches) may run
+        // dry in that time, idling the GPU between small kernels.
+        if now < spin_until {
             std::thread::yield_now();
         } else {
             std::thread::sleep(EVENT_POLL_SLEEP);

@@ -31,7 +31,10 @@
 //! like any buffer, and given back when freed. No run free: the chunk's own buffer, as before;
 //! and the watcher pins ahead for the chunks the registered free slabs do not cover
 //! ([`uncovered_by_shared`]), so a registration behind the process's borrowing costs no more
-//! than having no file.
+//! than having no file, within the budget: the file's pages are resident whether or not a slab
+//! is claimed, so a buffer of the process's own (pinned ahead or in a swap-out) fits only beside
+//! the file's unclaimed slabs ([`room_beside_file`]), and the file and the pins together stay
+//! within the node's `swap_host_memory` (a file as large as the budget leaves no room for any).
 //!
 //! [`Pool`] is the bookkeeping (which buffer serves which chunk, which have idled too long), pure
 //! and unit tested; the functions below make the driver calls around it.
@@ -358,6 +361,13 @@ pub fn acquire(
             ))
         });
     }
+    if !room_beside_file(device, counters) {
+        // The GPU's shared file holds the budget's host memory already: pinning more of this
+        // process's own would take the node past `swap_host_memory` (the host ran out with it on
+        // an H200, and a job died). The chunk stays resident, as at any budget's end.
+        counters.release_staging(bytes);
+        return Err(Unavailable::Budget);
+    }
     match pin(driver, size) {
         Ok(buffer) => Ok(Acquired {
             buffer,
@@ -550,6 +560,10 @@ pub fn register_shared(
         return;
     };
     let pid = std::process::id();
+    // Known before a slab is registered: the file's pages count against the budget from the
+    // start ([`room_beside_file`]), so that pinning ahead beside it stops at once.
+    let owner = tenant_abi::slabs::owner_token(slot, pid);
+    let _ = SHARED[device].set(SharedPool { file, owner, pid });
     let spawned = std::thread::Builder::new()
         .name("vgpu-staging-register".into())
         .spawn(move || {
@@ -563,8 +577,6 @@ pub fn register_shared(
                 state.store(SHARED_FAILED, Ordering::SeqCst);
                 return;
             }
-            let owner = tenant_abi::slabs::owner_token(slot, pid);
-            let _ = SHARED[device].set(SharedPool { file, owner, pid });
             let slabs = (file.data_bytes / file.slab_bytes) as usize;
             let slab = file.slab_bytes as usize;
             let mut index = 0;
@@ -578,8 +590,9 @@ pub fn register_shared(
                         said_unallocated = true;
                         crate::log::debug(format_args!(
                             "device {device}: the GPU's shared swap staging is still being \
-                             allocated by the node agent; registering it once it is (swap-outs \
-                             pin their own staging until then)"
+                             allocated by the node agent; registering it once it is (until then \
+                             swap-outs pin their own staging only where the budget has room \
+                             beside the file)"
                         ));
                     }
                     std::thread::park_timeout(REGISTER_IDLE_WAIT);
@@ -678,6 +691,22 @@ fn claim_shared(device: usize, bytes: u64) -> Option<Buffer> {
         registered: false,
         shared: true,
     })
+}
+
+/// Whether a buffer of this process's own (reserved already) fits the node's staging budget
+/// beside `device`'s shared staging file: the file's pages are resident whether or not a slab of
+/// it is claimed, and a claimed slab is reserved like any staging, so its unclaimed slabs count
+/// against the budget too. Without a file mapped here: yes.
+fn room_beside_file(device: usize, counters: &mut impl Counters) -> bool {
+    let Some(pool) = SHARED
+        .get(device)
+        .and_then(OnceLock::get)
+        .filter(|pool| pool.pid == std::process::id())
+    else {
+        return true;
+    };
+    let unclaimed = (pool.file.table.free() as u64).saturating_mul(pool.file.slab_bytes);
+    counters.staging_left_for(unclaimed)
 }
 
 /// Gives a shared buffer's slabs back to the GPU's file.
@@ -960,6 +989,10 @@ pub fn warm(
         if pinned >= WARM_STEP_MAX || !counters.reserve_staging(size) {
             break;
         }
+        if !room_beside_file(device, counters) {
+            counters.release_staging(size);
+            break;
+        }
         let Ok(bytes) = usize::try_from(size) else {
             counters.release_staging(size);
             break;
@@ -1072,6 +1105,85 @@ fn really_free(driver: &Driver, buffer: Buffer, counters: &mut impl Counters) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The node's staging budget and what is reserved on it: enough of a board for
+    /// [`room_beside_file`].
+    struct Budget {
+        budget: u64,
+        reserved: u64,
+    }
+
+    impl Counters for Budget {
+        fn swapped_out(&mut self, _: u64) {}
+        fn room_for(&mut self, _: u64) -> bool {
+            true
+        }
+        fn swap_in(&mut self, _: u64) -> bool {
+            true
+        }
+        fn swap_in_failed(&mut self, _: u64) {}
+        fn reserve_staging(&mut self, bytes: u64) -> bool {
+            let fits = self.reserved + bytes <= self.budget;
+            self.reserved += if fits { bytes } else { 0 };
+            fits
+        }
+        fn release_staging(&mut self, bytes: u64) {
+            self.reserved -= bytes;
+        }
+        fn staging_left_for(&mut self, bytes: u64) -> bool {
+            self.budget - self.reserved >= bytes
+        }
+    }
+
+    /// The GPU's shared file holds its pages whether or not a slab is claimed: a buffer of the
+    /// process's own fits only beside the unclaimed slabs (an H200's host ran out when the file
+    /// and the processes' own pins each took the budget).
+    #[test]
+    fn a_buffer_of_its_own_fits_the_budget_only_beside_the_files_unclaimed_slabs() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let uuid = "GPU-00000000-0000-0000-0000-00000000000f";
+        let path = tenant_abi::layout::staging_path(dir.path(), uuid);
+        let slab = tenant_abi::slabs::SLAB_BYTES_MIN;
+        assert!(tenant_abi::shm::create_staging(&path, 4 * slab).expect("the file"));
+        let file = crate::shm::open_staging(dir.path(), uuid)
+            .expect("mapped")
+            .expect("there");
+        let device = DEVICES_MAX - 1;
+        // No file known on this device yet: as without one.
+        let mut board = Budget {
+            budget: 6 * slab,
+            reserved: 5 * slab,
+        };
+        assert!(room_beside_file(device, &mut board));
+        let pid = std::process::id();
+        let owner = tenant_abi::slabs::owner_token(1, pid);
+        assert!(SHARED[device].set(SharedPool { file, owner, pid }).is_ok());
+        // A budget of 6 slabs, the file's 4 unclaimed: 2 for the process's own, whether or not
+        // it registered a slab.
+        board.reserved = 2 * slab;
+        assert!(room_beside_file(device, &mut board));
+        board.reserved = 3 * slab;
+        assert!(!room_beside_file(device, &mut board));
+        // A claimed slab is reserved like any staging: claiming one moves its bytes from the
+        // file's unclaimed to the reserved, and the room is the same.
+        assert!(file.table.claim_run(owner, 1, 4).is_some());
+        board.reserved += slab;
+        assert!(!room_beside_file(device, &mut board));
+        board.reserved = 3 * slab;
+        assert!(room_beside_file(device, &mut board));
+        // A file as large as the budget leaves no room for any buffer of its own: reserved, the
+        // claimed slab and the buffer.
+        let mut whole = Budget {
+            budget: 4 * slab,
+            reserved: 2 * slab,
+        };
+        assert!(!room_beside_file(device, &mut whole));
+        whole.reserved = slab;
+        assert!(
+            room_beside_file(device, &mut whole),
+            "the slab alone: nothing of its own"
+        );
+    }
 
     fn buffer(host: usize, bytes: u64) -> Buffer {
         Buffer {

@@ -184,6 +184,12 @@ pub trait Counters {
     fn wait_for_staging(&mut self, _bytes: u64) -> bool {
         false
     }
+    /// Whether the staging budget has `bytes` left beside what is reserved now (a look, nothing
+    /// taken): a buffer of the process's own beside the GPU's shared staging file asks it for
+    /// the file's unclaimed slabs ([`crate::staging`]).
+    fn staging_left_for(&mut self, _bytes: u64) -> bool {
+        true
+    }
     /// Whether the staging budget has less than a piece left: the process taking its chunks
     /// back piece by piece then frees the staging they emptied, for the giver's next pieces.
     fn staging_short(&mut self) -> bool {
