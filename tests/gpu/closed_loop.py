@@ -474,6 +474,8 @@ def schedule(args):
 
 
 BASELINE_MAX_P99_OVER_P50 = 2.0
+# The modes through vgpu whose pair rows get a verdict.
+VGPU_MODES = ("vgpu", "vgpu-mps", "vgpu-mps-all")
 
 
 def read_windows(logs):
@@ -641,7 +643,7 @@ def report(args):
         # the verdict of the vgpu rows against the best peer that kept the p99
         best = [w for m, (pr, w) in peers.items() if m in ("plain", "mps", "mps50") and pr is not None and pr <= limit and w is not None]
         for row in rows:
-            if row[0] == l and row[1] == n and row[2] in ("vgpu", "vgpu-mps"):
+            if row[0] == l and row[1] == n and row[2] in VGPU_MODES:
                 pr, work = peers[row[2]]
                 if alone_p99[l] is None:
                     row[7] = "? (no alone)"
@@ -702,7 +704,7 @@ def report(args):
         work = s["work"]
         line = (f"mode {m}: p99 <= {limit}x alone in {s['p99_ok']}/{s['pairs']} pairs; neighbour "
                 + (f"median {statistics.median(work):.2f}x alone (min {min(work):.2f}x)" if work else "no data"))
-        if m in ("vgpu", "vgpu-mps"):
+        if m in VGPU_MODES:
             line += f"; verdict ok in {s['ok']}/{s['pairs']}"
         table.append(line)
     if problems:
@@ -713,8 +715,10 @@ def report(args):
     with open(os.path.join(args.logs, "table.txt"), "w") as out:
         out.write("\n".join(table) + "\n")
     print("\n".join(table))
+    # a pair's row lacking either side; the alone rows ("alone", "alone again", "vgpu-mps-alone")
+    # have one side only
     missing = any(r[3] is None and r[4] is None for r in rows) or any(
-        (r[3] is None or r[4] is None) and not r[2].endswith("alone") for r in rows)
+        (r[3] is None or r[4] is None) and "alone" not in r[2] for r in rows)
     return 4 if missing else 5 if disturbed else 0
 
 

@@ -18,6 +18,9 @@
 #             --memory 10GiB --latency` for each latency workload L (each its own tenant, so
 #             each has its own learnt target), `vgpuctl place nb --gpus 0.75 --memory 40GiB
 #             --burst`, all run with `vgpu-agent exec --tenant lat-L|nb`
+#   vgpu-mps-all  the same through an agent with `--mps-tenants all`: the latency tenants MPS
+#             clients too (they give up their own fault domain; the neighbours' SMs become a
+#             lever), with a fresh agent and MPS daemon, in the same run as vgpu-mps
 #   vgpu      the same through an agent without --mps (the default node setting)
 #   cost, cost-mps  vgpu's own cost (issue 15, point 7): every workload alone, as a bare process
 #             and through vgpu (latency workloads twice: in their latency tenant, and in `be`, a
@@ -123,8 +126,8 @@ SHM=/dev/shm/vgpu-closed-loop.$$
 export PYTHONUNBUFFERED=1
 
 for m in $MODES; do
-  case "$m" in alone | plain | mps | mps50 | vgpu-mps | vgpu | vgpu-mps-alone | vgpu-alone | mps-out-alone | cost | cost-mps) ;; *)
-    echo "MODES: unknown mode $m (alone plain mps mps50 vgpu-mps vgpu vgpu-mps-alone vgpu-alone mps-out-alone cost cost-mps)" >&2
+  case "$m" in alone | plain | mps | mps50 | vgpu-mps | vgpu-mps-all | vgpu | vgpu-mps-alone | vgpu-mps-all-alone | vgpu-alone | mps-out-alone | cost | cost-mps) ;; *)
+    echo "MODES: unknown mode $m (alone plain mps mps50 vgpu-mps vgpu-mps-all vgpu vgpu-mps-alone vgpu-mps-all-alone vgpu-alone mps-out-alone cost cost-mps)" >&2
     exit 2
     ;;
   esac
@@ -140,7 +143,7 @@ for p in $PAIRS; do
   [[ " ${NBS[*]} " == *" $n "* ]] || NBS+=("$n")
 done
 has_mode() { [[ " $MODES " == *" $1 "* ]]; }
-if has_mode vgpu || has_mode vgpu-mps || has_mode vgpu-alone || has_mode vgpu-mps-alone || has_mode cost || has_mode cost-mps; then
+if has_mode vgpu || has_mode vgpu-mps || has_mode vgpu-mps-all || has_mode vgpu-alone || has_mode vgpu-mps-alone || has_mode vgpu-mps-all-alone || has_mode cost || has_mode cost-mps; then
   for f in vgpu-cp vgpu-agent vgpuctl libvgpu_cuda.so; do
     [ -e "$BIN/$f" ] || { echo "$BIN/$f is missing: build and carry it (VGPU_BIN), or leave the vgpu modes out of MODES" >&2; exit 2; }
   done
@@ -178,7 +181,7 @@ trap 'exit 143' TERM INT HUP
 
 log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
 window_of() { # window_of GROUP: its window in seconds (VGPU_WINDOW for the vgpu groups)
-  case "$1" in vgpu | vgpu-mps) echo "$VGPU_WINDOW" ;; *) echo "$WINDOW" ;; esac
+  case "$1" in vgpu | vgpu-mps | vgpu-mps-all) echo "$VGPU_WINDOW" ;; *) echo "$WINDOW" ;; esac
 }
 group_s() { # group_s WINDOWS [WINDOW_S]: the estimated seconds of a group (warm-up and exit ~8 s)
   awk -v n="$1" -v w="${2:-$WINDOW}" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) + 8 }'
@@ -415,8 +418,8 @@ log "pinning: latency workloads to CPUs '${LAT_CPUS:-any}', neighbours to '${NB_
 n_pairs=$(echo "$PAIRS" | wc -w)
 n_win=0
 has_mode alone && n_win=$((n_win + 2 * ${#LATS[@]} + ${#NBS[@]}))
-for m in plain mps mps50 vgpu-mps vgpu; do has_mode "$m" && n_win=$((n_win + n_pairs)); done
-for m in vgpu-mps-alone vgpu-alone; do has_mode "$m" && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]})); done
+for m in plain mps mps50 vgpu-mps vgpu-mps-all vgpu; do has_mode "$m" && n_win=$((n_win + n_pairs)); done
+for m in vgpu-mps-alone vgpu-mps-all-alone vgpu-alone; do has_mode "$m" && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]})); done
 for m in cost cost-mps; do has_mode "$m" && n_win=$((n_win + ROUNDS * (3 * ${#LATS[@]} + 2 * ${#NBS[@]}))); done
 log "plan: $n_win windows of ${WINDOW}s (the vgpu groups' ${VGPU_WINDOW}s) (+${SETTLE}s settle, ${GAP}s gap): ~$(awk -v n="$n_win" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) }')s of windows, plus ~8s per group"
 
@@ -443,7 +446,7 @@ w=0
 for m in mps mps50; do has_mode "$m" && w=$((w + n_pairs)); done
 plan_group mps "$w"
 has_mode mps-out-alone && plan_group mps-out $((n_lat + n_nb))
-for g in vgpu-mps vgpu; do
+for g in vgpu-mps vgpu-mps-all vgpu; do
   w=0
   has_mode "$g-alone" && w=$((w + n_lat + n_nb))
   has_mode "$g" && w=$((w + n_pairs))
@@ -551,6 +554,19 @@ if { has_mode vgpu-mps || has_mode vgpu-mps-alone; } && fits vgpu-mps "$n_pairs"
     log "vgpu-mps: the control plane or agent did not come up (cp.log, agent.log); mode skipped"
   fi
 fi
+# vgpu-mps-all: the same with the latency tenants MPS clients too (`--mps-tenants all`: they
+# share the neighbours' fault domain, and the neighbours' SMs become a lever), through a fresh
+# agent and MPS daemon, in the same run as vgpu-mps and the peers
+if { has_mode vgpu-mps-all || has_mode vgpu-mps-all-alone; } && fits vgpu-mps-all "$n_pairs" 8; then
+  EXEC=(env VGPU_AGENT_MPS=true VGPU_AGENT_MPS_TENANTS=all "${EXEC_BASE[@]}")
+  [ "$AGENT_MPS" = 1 ] && agent_mps_down
+  if MPS_TENANTS=all vgpu_up --mps; then
+    AGENT_ALL=1
+    vgpu_group vgpu-mps-all
+  else
+    log "vgpu-mps-all: the control plane or agent did not come up (cp.log, agent.log); mode skipped"
+  fi
+fi
 if { has_mode vgpu || has_mode vgpu-alone; } && fits vgpu "$n_pairs" 8; then
   EXEC=(env VGPU_AGENT_MPS=false "${EXEC_BASE[@]}")
   if [ "$AGENT_MPS" = 1 ]; then
@@ -584,7 +600,11 @@ for m in cost-mps cost; do
   has_mode "$m" || continue
   if [ "$m" = cost-mps ]; then
     EXEC=(env VGPU_AGENT_MPS=true "${EXEC_BASE[@]}")
-    # the vgpu-mps group's agent, when it ran, is the one wanted here
+    # the vgpu-mps group's agent, when it ran, is the one wanted here (not vgpu-mps-all's)
+    if [ "${AGENT_ALL:-0}" = 1 ]; then
+      agent_mps_down
+      AGENT_ALL=0
+    fi
     if [ "$AGENT_MPS" != 1 ]; then
       vgpu_up --mps || { log "$m: the control plane or agent did not come up; mode skipped"; continue; }
     fi
