@@ -338,7 +338,6 @@ fn retire_finished(gpu: &dyn Gpu, ring: &mut VecDeque<usize>, pool: &mut Vec<usi
 /// Polls `done` until it holds or `limit_ns` passed since `start`; returns the time waited and
 /// whether it held.
 fn wait_until(start: u64, limit_ns: u64, done: impl Fn() -> bool) -> (u64, bool) {
-    let mut spins = 0u32;
     loop {
         if done() {
             return (monotonic_ns().saturating_sub(start), true);
@@ -347,11 +346,8 @@ fn wait_until(start: u64, limit_ns: u64, done: impl Fn() -> bool) -> (u64, bool)
         if now.saturating_sub(start) >= limit_ns {
             return (now - start, false);
         }
-        if spins < 32 {
-            spins += 1;
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(POLL_SLEEP);
-        }
+        // Yields first: a cap of N launches in flight leaves N - 1 queued behind the awaited one,
+        // which a late wake-up would let run dry.
+        crate::launch::between_looks(start, now, POLL_SLEEP);
     }
 }
