@@ -505,3 +505,49 @@ fn copies_are_steps_of_a_latency_tenant_and_held_back_in_a_neighbour() {
         t[1] - t[0]
     );
 }
+
+/// What a cap on a neighbour's launches in flight costs it with small kernels: 4,000 kernels of
+/// 50, 10 and 2 us (the fake runs them back to back on its clock) beside an active latency
+/// tenant, under a decision capping 4 in flight, against no decision. A cap of N leaves N - 1
+/// launches queued behind the one awaited; a wait that wakes late lets them run dry, and the
+/// neighbour loses more than the level means. A benchmark, not a test (it asserts nothing about
+/// time): `cargo test --release -p interposer --test abi -- --ignored cap_on_launches --nocapture`.
+#[test]
+#[ignore = "a benchmark: run it in release with --ignored --nocapture"]
+fn a_cap_on_launches_in_flight_with_small_kernels() {
+    let shm = shm_dir();
+    latency_tenant(shm.path()).run("launch kernel 10");
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    let per_kernel = |decision: Decision, us: u32| {
+        let mut runs: Vec<u64> = (0..5)
+            .map(|_| {
+                control.publish(decision, now_ns(shm.path()));
+                let out = squeezable(shm.path()).run(&format!("launches_of 4000 {us}"));
+                out.lines()
+                    .find_map(|line| line.strip_prefix("launches_of 0 ns="))
+                    .and_then(|ns| ns.trim().parse().ok())
+                    .unwrap_or_else(|| panic!("no timing: {out}"))
+            })
+            .collect();
+        runs.sort_unstable();
+        runs[2]
+    };
+    println!("\n| kernel us | no decision: ns per kernel | cap of 4 in flight | ratio |");
+    println!("| --: | --: | --: | --: |");
+    for us in [50, 10, 2] {
+        let free = per_kernel(Decision::default(), us);
+        let capped = per_kernel(
+            Decision {
+                inflight: 4,
+                level: 2,
+                ..Decision::default()
+            },
+            us,
+        );
+        println!(
+            "| {us} | {free} | {capped} | {:.3} |",
+            capped as f64 / free.max(1) as f64
+        );
+    }
+}
