@@ -1106,8 +1106,8 @@ fn really_free(driver: &Driver, buffer: Buffer, counters: &mut impl Counters) {
 mod tests {
     use super::*;
 
-    /// The node's staging budget and what is reserved on it: enough of a board for
-    /// [`room_beside_file`].
+    /// The node's staging budget and what is reserved on it: enough of a board for the pool's
+    /// reservations and [`room_beside_file`].
     struct Budget {
         budget: u64,
         reserved: u64,
@@ -1335,31 +1335,7 @@ mod tests {
     /// one reservation for its whole life, released once when it is really freed.
     #[test]
     fn a_pooled_buffer_stays_reserved_until_it_is_freed() {
-        #[derive(Default)]
-        struct Staging {
-            reserved: u64,
-            budget: u64,
-        }
-        impl Counters for Staging {
-            fn swapped_out(&mut self, _: u64) {}
-            fn room_for(&mut self, _: u64) -> bool {
-                true
-            }
-            fn swap_in(&mut self, _: u64) -> bool {
-                true
-            }
-            fn swap_in_failed(&mut self, _: u64) {}
-            fn reserve_staging(&mut self, bytes: u64) -> bool {
-                if self.reserved + bytes > self.budget {
-                    return false;
-                }
-                self.reserved += bytes;
-                true
-            }
-            fn release_staging(&mut self, bytes: u64) {
-                self.reserved -= bytes;
-            }
-        }
+        type Staging = Budget;
         // The pure part of `acquire` and `trim`, on a pool: reserve only what is not pooled.
         let mut staging = Staging {
             reserved: 0,

@@ -16,6 +16,18 @@ const RUNS: usize = 5;
 
 type Configure = fn(Probe) -> Probe;
 
+/// A best-effort tenant on a GPU with latency tenants (its launches may be squeezed), in both
+/// benchmarks.
+const SPATIAL_BURST: &str = "best effort beside latency tenants (spatial, burst)";
+
+fn spatial_burst(probe: Probe) -> Probe {
+    probe
+        .env("VGPU_MEMORY_LIMITS", "0:8GiB")
+        .env("VGPU_COMPUTE_SHARES", "0:75")
+        .env("VGPU_BURST", "1")
+        .env("VGPU_SPATIAL", "1")
+}
+
 /// The schedule file of the fake's device 0 in `shm` (a compute share needs one); keep it.
 fn schedule(shm: &std::path::Path) -> impl Sized {
     tenant_abi::writer::schedule(
@@ -68,16 +80,7 @@ fn launch_overhead() {
             p.env("VGPU_MEMORY_LIMITS", "0:8GiB")
                 .env("VGPU_COMPUTE_SHARES", "0:75")
         }),
-        (
-            "best effort beside latency tenants (spatial, burst)",
-            Some("t"),
-            |p| {
-                p.env("VGPU_MEMORY_LIMITS", "0:8GiB")
-                    .env("VGPU_COMPUTE_SHARES", "0:75")
-                    .env("VGPU_BURST", "1")
-                    .env("VGPU_SPATIAL", "1")
-            },
-        ),
+        (SPATIAL_BURST, Some("t"), spatial_burst),
         ("latency tenant (steps measured)", Some("t"), |p| {
             p.env("VGPU_MEMORY_LIMITS", "0:8GiB")
                 .env("VGPU_COMPUTE_SHARES", "0:8")
@@ -121,16 +124,7 @@ fn small_kernels_back_to_back() {
                 .env("VGPU_COMPUTE_SHARES", "0:75")
                 .env("VGPU_BURST", "1")
         }),
-        (
-            "best effort beside latency tenants (spatial, burst)",
-            Some("t"),
-            |p| {
-                p.env("VGPU_MEMORY_LIMITS", "0:8GiB")
-                    .env("VGPU_COMPUTE_SHARES", "0:75")
-                    .env("VGPU_BURST", "1")
-                    .env("VGPU_SPATIAL", "1")
-            },
-        ),
+        (SPATIAL_BURST, Some("t"), spatial_burst),
     ];
     println!(
         "\n| configuration | kernel us | ns per kernel (median of {RUNS}) | min-max | against bare |"
