@@ -1252,24 +1252,7 @@ fn marking_cold_without_the_swap_says_it_is_inactive() {
 #[test]
 fn a_hint_helper_that_frees_on_a_want_spares_the_swap() {
     let shm = shm_dir();
-    let board = board(
-        shm.path(),
-        16 * MIB,
-        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
-    );
-    let file = |name: &str| file_in(shm.path(), name);
-    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
-        "alloc 4M alloc 8M hinter free touch {} spin_info {} hint_join info vmm",
-        file("a-ready"),
-        file("b-has")
-    ));
-    let b = swapping(tenant(shm.path(), "b", "8MiB")).hold(&format!(
-        "until_file {} alloc 8M touch {}",
-        file("a-ready"),
-        file("b-has")
-    ));
-    assert_eq!(b.output, "until_file 0\nalloc 0\ntouch 0\n");
-    a.wait_held();
+    let (board, a, _b) = hinted_beside_b(shm.path(), "alloc 4M alloc 8M hinter free", "info vmm");
     let after = lines(&a.output);
     assert_eq!(
         after[..5],
@@ -1289,6 +1272,73 @@ fn a_hint_helper_that_frees_on_a_want_spares_the_swap() {
             freed.staging_bytes
         ),
         (4 * MIB, 0, 0)
+    );
+    assert_eq!(usage(&board, "b").resident_bytes, 8 * MIB);
+    let err = stderr_of(a);
+    assert!(err.contains("nothing was swapped"), "{err}");
+    assert!(!err.contains("went to host memory"), "{err}");
+}
+
+/// On a 16 MiB GPU, "a" (request 4 MiB, limit 12) runs `setup` (its allocations and a `hinter`),
+/// then spins in the driver until "b" (request 8 MiB) has allocated its 8 MiB, then joins its
+/// helper and runs `then`. Returns the board, "a", held to its end, and "b", holding its 8 MiB.
+fn hinted_beside_b(shm: &Path, setup: &str, then: &str) -> (PathBuf, Holder, Holder) {
+    let board = board(
+        shm,
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 8 * MIB, 8 * MIB)],
+    );
+    let file = |name: &str| file_in(shm, name);
+    let mut a = swapping(tenant(shm, "a", "4MiB")).start_holding(&format!(
+        "{setup} touch {} spin_info {} hint_join {then}",
+        file("a-ready"),
+        file("b-has")
+    ));
+    let b = swapping(tenant(shm, "b", "8MiB")).hold(&format!(
+        "until_file {} alloc 8M touch {}",
+        file("a-ready"),
+        file("b-has")
+    ));
+    assert_eq!(b.output, "until_file 0\nalloc 0\ntouch 0\n");
+    a.wait_held();
+    (board, a, b)
+}
+
+/// An engine that sleeps when asked (vLLM's sleep mode releases the physical memory of its own
+/// VMM allocations, `cuMemRelease`, keeping their address ranges): "a" holds 4 MiB it created
+/// past its request (from what no request books) and 4 MiB borrowed with `cuMemAlloc`; b's
+/// request finds the GPU 4 MiB short, a's helper releases the created memory at the want, and
+/// b's request is met with nothing swapped, a's borrowed `cuMemAlloc` memory left resident.
+#[test]
+fn an_engine_that_releases_its_own_vmm_memory_on_a_want_spares_the_swap() {
+    let shm = shm_dir();
+    let (board, a, _b) = hinted_beside_b(
+        shm.path(),
+        "alloc 4M create 4M alloc 4M hinter release",
+        "info",
+    );
+    let after = lines(&a.output);
+    assert_eq!(
+        after[..6],
+        [
+            "alloc 0",
+            "create 0",
+            "alloc 0",
+            "hinter 0",
+            "touch 0",
+            "spin_info 0"
+        ]
+    );
+    assert_eq!(
+        after[6],
+        format!("hint_join {} 0", 4 * MIB),
+        "the shortfall is asked, and the release succeeded"
+    );
+    let held = usage(&board, "a");
+    assert_eq!(
+        (held.resident_bytes, held.swapped_bytes, held.staging_bytes),
+        (8 * MIB, 0, 0),
+        "the request and the borrowed cuMemAlloc memory stay, nothing swapped"
     );
     assert_eq!(usage(&board, "b").resident_bytes, 8 * MIB);
     let err = stderr_of(a);

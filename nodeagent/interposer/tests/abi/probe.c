@@ -77,8 +77,10 @@
  *                    dlsym(RTLD_DEFAULT, "vgpu_memory_hint_register") ("hinter <rc>") and starts
  *                    a thread that polls vgpu_memory_want every millisecond (up to 20 s); MODE
  *                    free: at the first want it frees the newest pointer (taken off the list
- *                    now) with cuMemFree_v2 and calls vgpu_memory_hint_done; MODE idle: it only
- *                    records the largest want it saw
+ *                    now) with cuMemFree_v2 and calls vgpu_memory_hint_done; MODE release: the
+ *                    same with the newest cuMemCreate handle and cuMemRelease (an engine's sleep
+ *                    that releases its own VMM memory, as vLLM's sleep mode does); MODE idle: it
+ *                    only records the largest want it saw
  *   hint_join        stops and joins the helper: "hint_join <largest want> <free rc or -1>"
  *   cold N           marks the newest pointer's allocation cold (N 1) or not (N 0) through
  *                    dlsym(RTLD_DEFAULT, "vgpu_memory_cold"): "cold <rc> <bytes marked>"
@@ -245,7 +247,7 @@ typedef CUresult (*gpa_v2_fn)(const char *, void **, int, unsigned long long, in
 static CUdeviceptr pointers[4096];
 static unsigned long long sizes[4096];
 static int n_pointers;
-static unsigned long long handles[4096];
+static unsigned long long handles[4096], handle_sizes[4096];
 static int n_handles;
 static void *arrays[4096];
 static int n_arrays;
@@ -369,8 +371,9 @@ typedef int (*hint_register_fn)(void);
 typedef int (*hint_want_fn)(unsigned long long *);
 typedef int (*hint_done_fn)(unsigned long long);
 static pthread_t hint_thread;
-static int hint_started, hint_free_mode;
+static int hint_started, hint_free_mode, hint_release_mode;
 static CUdeviceptr hint_pointer;
+static unsigned long long hint_handle;
 static unsigned long long hint_pointer_size, hint_seen;
 static int hint_free_rc = -1;
 static volatile int hint_stop;
@@ -383,8 +386,8 @@ static void *hint_helper(void *unused) {
     unsigned long long bytes = 0;
     if (want(&bytes) == 0 && bytes > 0) {
       if (bytes > hint_seen) hint_seen = bytes;
-      if (hint_free_mode && hint_free_rc == -1) {
-        hint_free_rc = cuMemFree_v2(hint_pointer);
+      if ((hint_free_mode || hint_release_mode) && hint_free_rc == -1) {
+        hint_free_rc = hint_free_mode ? cuMemFree_v2(hint_pointer) : cuMemRelease(hint_handle);
         done(hint_pointer_size);
         return NULL;
       }
@@ -649,7 +652,10 @@ int main(int argc, char **argv) {
       cuCtxGetDevice(&device);
       prop.location.id = device;
       rc = cuMemCreate(&h, size_arg(a), &prop, 0);
-      if (rc == 0) handles[n_handles++] = h;
+      if (rc == 0) {
+        handle_sizes[n_handles] = size_arg(a);
+        handles[n_handles++] = h;
+      }
       printf("create %d\n", rc);
       i++;
     } else if (!strcmp(c, "release")) {
@@ -852,9 +858,14 @@ int main(int argc, char **argv) {
     } else if (!strcmp(c, "hinter")) {
       hint_register_fn reg = (hint_register_fn)dlsym(RTLD_DEFAULT, "vgpu_memory_hint_register");
       hint_free_mode = !strcmp(a, "free");
+      hint_release_mode = !strcmp(a, "release");
       if (hint_free_mode && n_pointers > 0) {
         hint_pointer_size = sizes[n_pointers - 1];
         hint_pointer = pointers[--n_pointers];
+      }
+      if (hint_release_mode && n_handles > 0) {
+        hint_pointer_size = handle_sizes[n_handles - 1];
+        hint_handle = handles[--n_handles];
       }
       rc = reg ? (CUresult)reg() : (CUresult)-1;
       if (reg) hint_started = pthread_create(&hint_thread, NULL, hint_helper, NULL) == 0;
