@@ -45,7 +45,9 @@ top level. A failure prints `RESULT {"error": ...}` and exits 1.
 
 import argparse
 import json
+import glob
 import os
+import re
 import statistics
 import sys
 import time
@@ -478,6 +480,28 @@ BASELINE_MAX_P99_OVER_P50 = 2.0
 VGPU_MODES = ("vgpu", "vgpu-mps", "vgpu-mps-all")
 
 
+def learnt_target_ms(logs, mode, lat, nb):
+    """The latency tenant's target in force during a vgpu window (its `vgpuctl describe tenant`,
+    taken during the window: TARGET in its Latency table), in ms; None when not found. The
+    controller holds this target, learnt from the tenant's own steps: the p99 against it says
+    how well the controller did, apart from how the tenant's alone windows moved."""
+    units = {"ns": 1e-6, "us": 1e-3, "µs": 1e-3, "ms": 1.0, "s": 1e3}
+    for path in glob.glob(os.path.join(logs, "*", f"describe.{mode}_{lat}_{nb}.txt")):
+        try:
+            text = open(path, errors="replace").read()
+        except OSError:
+            continue
+        block = text.split(f"lat-{lat}\n", 1)[-1].split("\nName:", 1)[0]
+        lines = block.split("Latency:\n", 1)[-1].splitlines()
+        if len(lines) < 2 or "TARGET" not in lines[0]:
+            continue
+        cell = lines[1].split()[lines[0].split().index("TARGET")]
+        match = re.fullmatch(r"([0-9.]+)(ns|us|µs|ms|s)", cell)
+        if match:
+            return float(match.group(1)) * units[match.group(2)]
+    return None
+
+
 def read_windows(logs):
     """Every window's result under LOGS/*/: (by tag: {"lat"|"nb": window}, machines, problems)."""
     by_tag = {}
@@ -658,7 +682,7 @@ def report(args):
     def f(v, nd=3):
         return "-" if v is None or v == -1 else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
-    tsv = ["latency\tneighbour\tmode\tsteps\tp50_ms\tp99_ms\tp999_ms\tmax_ms\tp99_vs_alone\twork_per_s\tunit\twork_vs_alone\tchunk_ms_p50\tverdict"]
+    tsv = ["latency\tneighbour\tmode\tsteps\tp50_ms\tp99_ms\tp999_ms\tmax_ms\tp99_vs_alone\twork_per_s\tunit\twork_vs_alone\tchunk_ms_p50\tverdict\tp99_vs_target"]
     table = [
         f"closed loop: latency tenants next to neighbours on one GPU, window {args.window} s"
         + (f" (vgpu rows {args.vgpu_window} s)" if args.vgpu_window and args.vgpu_window != args.window else "")
@@ -667,9 +691,10 @@ def report(args):
         f"that also kept p99 <= {limit}x",
         "machine: " + ("; ".join(sorted(machine)) or "unknown"),
         "",
-        "| latency | neighbour | mode | p50 ms | p99 ms | p99 / alone | neighbour work | unit | work / alone | 2nd half: p99 / work | verdict |",
-        "| --- | --- | --- | --: | --: | --: | --: | --- | --: | --: | --- |",
+        "| latency | neighbour | mode | p50 ms | p99 ms | p99 / alone | neighbour work | unit | work / alone | 2nd half: p99 / work | verdict | p99 / its target |",
+        "| --- | --- | --- | --: | --: | --: | --: | --- | --: | --: | --- | --: |",
     ]
+    held = {}  # per vgpu mode, each pair's p99 against the target in force
     for l, n, m, lw, nw, pr, wr, verdict in rows:
         lw, nw = lw or {}, nw or {}
         # the window's second half against the same alone figures: what a pair that stays
@@ -677,14 +702,20 @@ def report(args):
         late_pr = ratio(lw.get("p99_late_ms"), alone_p99.get(l)) if l != "-" else None
         late_wr = ratio(nw.get("work_per_s_late"), alone_work.get(n)) if n != "-" else None
         late = "-" if late_pr is None and late_wr is None else f"{f(late_pr, 2)} / {f(late_wr, 2)}"
+        target = learnt_target_ms(args.logs, m, l, n) if m in VGPU_MODES else None
+        vs_target = ratio(lw.get("p99_ms"), target)
+        if vs_target is not None and n != "-":
+            held.setdefault(m, []).append(vs_target)
+        shown = "" if vs_target is None else f"{vs_target:.2f} ({target:.2f} ms)"
         table.append(
             f"| {l} | {n} | {m} | {f(lw.get('p50_ms'))} | {f(lw.get('p99_ms'))} | {f(pr, 2)} | "
-            f"{f(nw.get('work_per_s'), 1)} | {nw.get('unit', '')} | {f(wr, 2)} | {late} | {verdict} |"
+            f"{f(nw.get('work_per_s'), 1)} | {nw.get('unit', '')} | {f(wr, 2)} | {late} | {verdict} | {shown} |"
         )
         tsv.append("\t".join(f(v) if not isinstance(v, str) else v for v in (
             l, n, m, lw.get("steps"), lw.get("p50_ms"), lw.get("p99_ms"), lw.get("p999_ms"), lw.get("max_ms"),
             None if pr is None else round(pr, 3), nw.get("work_per_s"), nw.get("unit", ""),
-            None if wr is None else round(wr, 3), nw.get("chunk_ms_p50"), verdict)))
+            None if wr is None else round(wr, 3), nw.get("chunk_ms_p50"), verdict,
+            None if vs_target is None else round(vs_target, 3))))
     table.append("")
     for l in lats:
         w = lat_of(f"alone:{l}:-")
@@ -706,6 +737,9 @@ def report(args):
                 + (f"median {statistics.median(work):.2f}x alone (min {min(work):.2f}x)" if work else "no data"))
         if m in VGPU_MODES:
             line += f"; verdict ok in {s['ok']}/{s['pairs']}"
+            if held.get(m):
+                line += (f"; p99 within the target in force in {sum(v <= 1.0 for v in held[m])}/{len(held[m])} "
+                         f"(worst {max(held[m]):.2f}x)")
         table.append(line)
     if problems:
         table.append("")

@@ -34,7 +34,10 @@
 # tenant alone, the neighbour's throughput and its ratio to the neighbour alone, and for the vgpu
 # rows a verdict: `ok` when p99 <= 1.2x alone AND the neighbour is at least as fast as the best
 # of plain/mps/mps50 of that pair that also kept p99 <= 1.2x (or there is none), else `miss`;
-# then one summary line per mode.
+# then one summary line per mode. The vgpu rows also show the p99 against the latency tenant's
+# target in force (from `vgpuctl describe` during the window; learnt from the tenant's own steps
+# unless LAT_TARGETS gives one): how well the controller held what it was asked to hold, apart
+# from how the tenant's alone windows moved.
 #
 # Run from the repository root on a GPU machine (one GPU, MIG off, compute mode Default), with
 # the release binaries carried in dist/ (tests/gpu/README.md, "Build and carry"):
