@@ -220,12 +220,17 @@ impl LatencySnapshot {
         unreachable!("the ranks add up to the count")
     }
 
-    /// Steps slower than `threshold_ns` (counting a bucket only when all of it is slower).
+    /// Steps that may be slower than `threshold_ns`: a bucket counts when any of it is slower,
+    /// so a threshold inside a bucket counts that bucket too. At a bucket's edge (a quantile of
+    /// these histograms) that is exactly the steps at or past it. Counting only the buckets wholly
+    /// past a target left steps up to one bucket (1/8 of a doubling) past it uncounted, and with a
+    /// learnt baseline rounded up to its bucket's edge the controller held latency tenants to up to
+    /// 1.27x their alone p99 instead of 1.2x (bert beside a GEMM: 1.07x its target on an H200).
     pub fn slower_than(&self, threshold_ns: u64) -> u64 {
         self.buckets
             .iter()
             .enumerate()
-            .filter(|(bucket, _)| bucket_floor_ns(*bucket) >= threshold_ns)
+            .filter(|(bucket, _)| bucket_floor_ns(bucket + 1) > threshold_ns)
             .map(|(_, count)| count)
             .sum()
     }
@@ -375,7 +380,14 @@ mod tests {
         assert!((50_000_000..=56_000_000).contains(&p50), "{p50}");
         assert!((99_000_000..=109_000_000).contains(&p99), "{p99}");
         assert_eq!(LatencySnapshot::default().quantile_ns(0.99), None);
-        assert!(window.slower_than(90_000_000) <= 10);
+        // The 10 steps past 90 ms, and the 9 that share 90 ms's bucket (81.9-90.1 ms): counted as
+        // possibly slower, never fewer than those wholly past it.
+        assert_eq!(window.slower_than(90_000_000), 19);
+        assert_eq!(
+            window.slower_than(90_112_000),
+            10,
+            "at a bucket's edge: exactly those past it"
+        );
     }
 
     #[test]

@@ -475,7 +475,7 @@ impl TenantState {
         let over_budget = violations > 0 && self.allowance_ppm < 0;
         self.allowance_ppm = self.allowance_ppm.max(ALLOWANCE_MIN_PPM);
         let p99 = window.quantile_ns(0.99).max(open_ns);
-        // Like the violations, read at the bucket's lower edge: the upper edge would put a p99
+        // Read at the bucket's lower edge: the upper edge would put a p99
         // a hair above the baseline's bucket a whole bucket (9-12%) higher, and make the margin
         // unreachable for a tenant sitting well within its target.
         // Clean: nothing over the target. The margin is judged on the whole run of clean
