@@ -1648,3 +1648,31 @@ fn a_lasting_change_replaces_a_long_learnt_baseline_after_a_quarter_of_its_steps
         Some(reads_as(6 * MS))
     );
 }
+
+/// A target inside a histogram bucket: the steps of that bucket count as violations by the
+/// share of the bucket past the target, carried from window to window (steps at 1.2 ms against
+/// 1.229 ms: the bucket 1.152-1.28 ms is 40% past it). Counting only buckets wholly past the
+/// target counted none of them, and the controller held the tenant to the bucket's upper edge.
+#[test]
+fn steps_in_the_bucket_a_target_falls_in_count_by_its_share_past_the_target() {
+    let mut driver = Driver::new(Config::new(false, 0));
+    let target = Some(1_229_000);
+    for _ in 0..100 {
+        driver.next("infer", repeat(3, 1_200_000), target);
+    }
+    let share = (1_280_000.0 - 1_229_000.0) / 128_000.0;
+    let status = &driver.controller.statuses()[0];
+    assert_eq!(status.steps, 300);
+    let expected = (300.0 * share) as u64;
+    assert!(
+        (expected - 1..=expected).contains(&status.violations),
+        "{} violations of 300, {expected} expected",
+        status.violations
+    );
+    // At the bucket's edge the count is exact: wholly under 1.28 ms, nothing.
+    let mut edge = Driver::new(Config::new(false, 0));
+    for _ in 0..100 {
+        edge.next("infer", repeat(3, 1_200_000), Some(1_280_000));
+    }
+    assert_eq!(edge.controller.statuses()[0].violations, 0);
+}

@@ -100,6 +100,11 @@ pub struct TenantState {
     recent: VecDeque<(u64, LatencySnapshot)>,
     steps: u64,
     violations: u64,
+    /// The share of a violation not yet counted, in millionths: the steps in the bucket a
+    /// target falls in count by the share of that bucket past it (`slower_than_ppm`), and what
+    /// one window's steps make of a step is carried to the next, so that over the windows they
+    /// count in full, neither dropped nor rounded up.
+    violation_carry_ppm: u64,
     /// Banked violations, in millionths.
     allowance_ppm: i64,
     last_step_ns: Option<u64>,
@@ -143,6 +148,7 @@ impl TenantState {
             recent: VecDeque::new(),
             steps: 0,
             violations: 0,
+            violation_carry_ppm: 0,
             allowance_ppm: ALLOWANCE_MAX_PPM,
             last_step_ns: None,
             last_open_ns: None,
@@ -461,8 +467,12 @@ impl TenantState {
     ) -> Judgement {
         assert!(window.steps > 0 || open_ns.is_some());
         assert!(open_ns.is_none_or(|open| open > target));
-        let violations =
-            window.slower_than(target).saturating_sub(credit) + u64::from(open_ns.is_some());
+        let slower = self
+            .violation_carry_ppm
+            .saturating_add(window.slower_than_ppm(target));
+        self.violation_carry_ppm = slower % tenant_abi::control::PPM;
+        let violations = (slower / tenant_abi::control::PPM).saturating_sub(credit)
+            + u64::from(open_ns.is_some());
         self.violations += violations;
         let budget_ppm = (config.violation_budget * VIOLATION_PPM as f64).round() as i64;
         let earned = budget_ppm.saturating_mul(window.steps.min(i64::MAX as u64) as i64);
