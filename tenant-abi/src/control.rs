@@ -236,10 +236,11 @@ impl LatencySnapshot {
             .enumerate()
             .map(|(bucket, &count)| {
                 let (floor, ceiling) = (bucket_floor_ns(bucket), bucket_floor_ns(bucket + 1));
+                // The last bucket holds everything from its floor on: no share of it is known.
+                let last = bucket + 1 == LATENCY_BUCKETS;
                 let past = if floor >= threshold_ns {
                     PPM
-                } else if ceiling > threshold_ns && ceiling > floor {
-                    // The last bucket's ceiling is its floor's next doubling step: finite.
+                } else if !last && ceiling > threshold_ns {
                     (u128::from(ceiling - threshold_ns) * u128::from(PPM)
                         / u128::from(ceiling - floor)) as u64
                 } else {
@@ -412,6 +413,12 @@ mod tests {
             15,
             "half of that bucket: 10 + 4.5"
         );
+        // The last bucket (everything from its floor on) counts whole or not at all.
+        let mut tail = LatencySnapshot::default();
+        tail.buckets[LATENCY_BUCKETS - 1] = 4;
+        let floor = bucket_floor_ns(LATENCY_BUCKETS - 1);
+        assert_eq!(tail.slower_than(floor), 4);
+        assert_eq!(tail.slower_than(floor + 1), 0);
         assert_eq!(
             window.slower_than(90_112_000),
             10,
