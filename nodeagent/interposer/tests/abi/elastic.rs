@@ -47,6 +47,16 @@ fn board_with_staging(
 }
 
 /// What the agent would report for `tenant` from the board now (dead processes reclaimed).
+/// A tenant's (resident, swapped, staging) bytes on the board.
+fn memory_of(board: &Path, tenant: &str) -> (u64, u64, u64) {
+    let usage = usage(board, tenant);
+    (
+        usage.resident_bytes,
+        usage.swapped_bytes,
+        usage.staging_bytes,
+    )
+}
+
 fn usage(board: &Path, tenant: &str) -> TenantUsage {
     let (tenants, _) = tenant_abi::shm::sample_board(board).expect("sampling the board");
     tenants
@@ -809,11 +819,7 @@ fn a_reclaim_the_swap_space_cannot_hold_is_refused_and_the_borrower_keeps_its_by
         "{}",
         a.output
     );
-    let kept = usage(&board, "a");
-    assert_eq!(
-        (kept.resident_bytes, kept.swapped_bytes, kept.staging_bytes),
-        (12 * MIB, 0, 0)
-    );
+    assert_eq!(memory_of(&board, "a"), (12 * MIB, 0, 0));
     let a_err = stderr_of(a);
     assert!(a_err.contains("the node's swap space is full"), "{a_err}");
     assert!(a_err.contains("swap_host_memory"), "{a_err}");
@@ -1264,15 +1270,7 @@ fn a_hint_helper_that_frees_on_a_want_spares_the_swap() {
         "the shortfall is asked"
     );
     assert_eq!(after[7], "vmm 0 reserved=0 mapped=0");
-    let freed = usage(&board, "a");
-    assert_eq!(
-        (
-            freed.resident_bytes,
-            freed.swapped_bytes,
-            freed.staging_bytes
-        ),
-        (4 * MIB, 0, 0)
-    );
+    assert_eq!(memory_of(&board, "a"), (4 * MIB, 0, 0));
     assert_eq!(usage(&board, "b").resident_bytes, 8 * MIB);
     let err = stderr_of(a);
     assert!(err.contains("nothing was swapped"), "{err}");
@@ -1334,9 +1332,8 @@ fn an_engine_that_releases_its_own_vmm_memory_on_a_want_spares_the_swap() {
         format!("hint_join {} 0", 4 * MIB),
         "the shortfall is asked, and the release succeeded"
     );
-    let held = usage(&board, "a");
     assert_eq!(
-        (held.resident_bytes, held.swapped_bytes, held.staging_bytes),
+        memory_of(&board, "a"),
         (8 * MIB, 0, 0),
         "the request and the borrowed cuMemAlloc memory stay, nothing swapped"
     );
@@ -1395,11 +1392,7 @@ fn a_hint_helper_that_frees_nothing_delays_the_swap_by_its_budget_only() {
         a.output
     );
     // The chunk's staging is kept for the next swap-out, still reserved on the board.
-    let back = usage(&board, "a");
-    assert_eq!(
-        (back.resident_bytes, back.swapped_bytes, back.staging_bytes),
-        (12 * MIB, 0, 8 * MIB)
-    );
+    assert_eq!(memory_of(&board, "a"), (12 * MIB, 0, 8 * MIB));
     let err = stderr_of(a);
     assert!(err.contains("the swap moves the rest"), "{err}");
     assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
@@ -1461,15 +1454,8 @@ fn second_reclaim_reuses_staging(no_register: bool) {
     );
     assert!(a.output.contains("check 0 ok\nfree 0\n"), "{}", a.output);
     // The 8 MiB buffer is pooled: still reserved on the board as a's staging.
+    assert_eq!(memory_of(&board, "a"), (8 * MIB, 0, 8 * MIB));
     let pooled = usage(&board, "a");
-    assert_eq!(
-        (
-            pooled.resident_bytes,
-            pooled.swapped_bytes,
-            pooled.staging_bytes
-        ),
-        (8 * MIB, 0, 8 * MIB)
-    );
     assert_eq!((pooled.reclaims, pooled.reclaimed_bytes), (2, 12 * MIB));
     let err = stderr_of(a);
     assert_eq!(
@@ -1690,15 +1676,7 @@ fn pooled_staging_that_idles_past_the_bound_is_freed_and_released() {
         "pinned once, freed at the call after the chunk came back:\n{}",
         a.output
     );
-    let trimmed = usage(&board, "a");
-    assert_eq!(
-        (
-            trimmed.resident_bytes,
-            trimmed.swapped_bytes,
-            trimmed.staging_bytes
-        ),
-        (12 * MIB, 0, 0)
-    );
+    assert_eq!(memory_of(&board, "a"), (12 * MIB, 0, 0));
 }
 
 /// A copy out that fails on the copy engine (the fake's first queued copy, reported when the
