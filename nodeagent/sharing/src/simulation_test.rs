@@ -441,8 +441,8 @@ proptest! {
     fn the_target_is_held_the_level_is_stable_and_idling_releases(scenario in scenario()) {
         let mut gpu = started(&scenario, 1_000);
         let steady = gpu.run(3_000, true, true);
-        // Violations as the controller counts them: steps in buckets any part of which is over
-        // the target (the histogram's resolution is about 9%).
+        // Violations as the controller counts them: steps in buckets wholly over the target
+        // (the histogram's resolution is about 9%).
         let rate = steady.violations as f64 / steady.steps.max(1) as f64;
         prop_assert!(
             rate <= gpu.controller.config().violation_budget,

@@ -100,11 +100,6 @@ pub struct TenantState {
     recent: VecDeque<(u64, LatencySnapshot)>,
     steps: u64,
     violations: u64,
-    /// The share of a violation not yet counted, in millionths: the steps in the bucket a
-    /// target falls in count by the share of that bucket past it (`slower_than_ppm`), and what
-    /// one window's steps make of a step is carried to the next, so that over the windows they
-    /// count in full, neither dropped nor rounded up.
-    violation_carry_ppm: u64,
     /// Banked violations, in millionths.
     allowance_ppm: i64,
     last_step_ns: Option<u64>,
@@ -148,7 +143,6 @@ impl TenantState {
             recent: VecDeque::new(),
             steps: 0,
             violations: 0,
-            violation_carry_ppm: 0,
             allowance_ppm: ALLOWANCE_MAX_PPM,
             last_step_ns: None,
             last_open_ns: None,
@@ -467,12 +461,8 @@ impl TenantState {
     ) -> Judgement {
         assert!(window.steps > 0 || open_ns.is_some());
         assert!(open_ns.is_none_or(|open| open > target));
-        let slower = self
-            .violation_carry_ppm
-            .saturating_add(window.slower_than_ppm(target));
-        self.violation_carry_ppm = slower % tenant_abi::control::PPM;
-        let violations = (slower / tenant_abi::control::PPM).saturating_sub(credit)
-            + u64::from(open_ns.is_some());
+        let violations =
+            window.slower_than(target).saturating_sub(credit) + u64::from(open_ns.is_some());
         self.violations += violations;
         let budget_ppm = (config.violation_budget * VIOLATION_PPM as f64).round() as i64;
         let earned = budget_ppm.saturating_mul(window.steps.min(i64::MAX as u64) as i64);
@@ -485,7 +475,7 @@ impl TenantState {
         let over_budget = violations > 0 && self.allowance_ppm < 0;
         self.allowance_ppm = self.allowance_ppm.max(ALLOWANCE_MIN_PPM);
         let p99 = window.quantile_ns(0.99).max(open_ns);
-        // Read at the bucket's lower edge: the upper edge would put a p99
+        // Like the violations, read at the bucket's lower edge: the upper edge would put a p99
         // a hair above the baseline's bucket a whole bucket (9-12%) higher, and make the margin
         // unreachable for a tenant sitting well within its target.
         // Clean: nothing over the target. The margin is judged on the whole run of clean
