@@ -411,11 +411,16 @@ static SHARED: [OnceLock<SharedPool>; DEVICES_MAX] = [const { OnceLock::new() };
 /// The GPU's shared staging, once this process registered a slab of it (not in a child after
 /// `fork`: the registration and the owner token are the parent's).
 fn shared(device: usize) -> Option<&'static SharedPool> {
+    known_file(device).filter(|_| SHARED_REGISTERED[device].load(Ordering::Acquire) > 0)
+}
+
+/// The GPU's shared staging as this process knows it, registered or not yet (not in a child
+/// after `fork`).
+fn known_file(device: usize) -> Option<&'static SharedPool> {
     SHARED
         .get(device)?
         .get()
         .filter(|pool| pool.pid == std::process::id())
-        .filter(|_| SHARED_REGISTERED[device].load(Ordering::Acquire) > 0)
 }
 
 /// The bytes of each copy to or from the staging at `host` (`shared`: a run of the GPU's shared
@@ -698,11 +703,7 @@ fn claim_shared(device: usize, bytes: u64) -> Option<Buffer> {
 /// it is claimed, and a claimed slab is reserved like any staging, so its unclaimed slabs count
 /// against the budget too. Without a file mapped here: yes.
 fn room_beside_file(device: usize, counters: &mut impl Counters) -> bool {
-    let Some(pool) = SHARED
-        .get(device)
-        .and_then(OnceLock::get)
-        .filter(|pool| pool.pid == std::process::id())
-    else {
+    let Some(pool) = known_file(device) else {
         return true;
     };
     let unclaimed = (pool.file.table.free() as u64).saturating_mul(pool.file.slab_bytes);

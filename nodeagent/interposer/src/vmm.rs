@@ -572,8 +572,18 @@ struct Queued {
 /// `Ok(true)`: done; `Ok(false)`: not within the bound; `Err`: the driver's error for the work
 /// (it did not all happen).
 fn poll(query: impl Fn() -> CUresult, bound: std::time::Duration) -> Result<bool, CUresult> {
+    poll_between(query, || bound)
+}
+
+/// As [`poll`], with `between` called before every look: it may queue more work behind what is
+/// awaited, and returns the bound in force (measured from the first look).
+fn poll_between(
+    query: impl Fn() -> CUresult,
+    mut between: impl FnMut() -> std::time::Duration,
+) -> Result<bool, CUresult> {
     let began = std::time::Instant::now();
     loop {
+        let bound = between();
         match query() {
             CUDA_SUCCESS => return Ok(true),
             CUDA_ERROR_NOT_READY if began.elapsed() < bound => {
@@ -950,26 +960,21 @@ impl crate::swap::Backing for SwapBacking<'_> {
         let queued_at = std::time::Instant::now();
         // Waits for the copies, and meanwhile queues behind them the chunks whose room freed
         // (`more`); the bound grows with what joins.
-        let waited = loop {
-            for chunk in more(counters) {
-                results.push(None);
-                let index = results.len() - 1;
-                queue(self, counters, &mut queued, &mut results, index, chunk);
-                if let Some(q) = queued.last().filter(|q| q.index == index) {
-                    bytes += q.found.size as u64;
-                }
-            }
-            let bound = copy_wait_max(bytes);
+        let waited = poll_between(
             // SAFETY: `stream` was created above and is destroyed only after this.
-            match unsafe { (copies.stream_query)(stream) } {
-                CUDA_SUCCESS => break Ok(true),
-                CUDA_ERROR_NOT_READY if queued_at.elapsed() < bound => {
-                    std::thread::sleep(std::time::Duration::from_micros(50));
+            || unsafe { (copies.stream_query)(stream) },
+            || {
+                for chunk in more(counters) {
+                    results.push(None);
+                    let index = results.len() - 1;
+                    queue(self, counters, &mut queued, &mut results, index, chunk);
+                    if let Some(q) = queued.last().filter(|q| q.index == index) {
+                        bytes += q.found.size as u64;
+                    }
                 }
-                CUDA_ERROR_NOT_READY => break Ok(false),
-                error => break Err(error),
-            }
-        };
+                copy_wait_max(bytes)
+            },
+        );
         let bound = copy_wait_max(bytes);
         let times = crate::swap::InTimes {
             mapping_ns: u64::try_from(queued_at.duration_since(began).as_nanos())

@@ -507,23 +507,26 @@ fn publish_staging(
     Ok(Some(path))
 }
 
+/// A process-wide set of staging files' paths.
+type PathSet = std::sync::Mutex<std::collections::BTreeSet<PathBuf>>;
+
+fn locked(
+    set: &'static PathSet,
+) -> std::sync::MutexGuard<'static, std::collections::BTreeSet<PathBuf>> {
+    set.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// The staging files being allocated now (by a thread of `publish_staging`).
 fn allocating() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<PathBuf>> {
-    static ALLOCATING: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    ALLOCATING
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    static ALLOCATING: PathSet = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    locked(&ALLOCATING)
 }
 
 /// The staging files whose pages could not be allocated since the agent started (at most one
 /// per GPU of the node).
 fn unallocatable() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<PathBuf>> {
-    static FAILED: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    FAILED
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    static FAILED: PathSet = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    locked(&FAILED)
 }
 
 /// Removes `path` if it is there.
