@@ -38,10 +38,11 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed, Ordering::SeqCs
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUCMP1");
 /// Bumped on any layout change; a process refuses a schedule file of another version, except
 /// the compatible ones from `VERSION_COMPATIBLE_MIN` on. Version 3 appended the closed-loop
-/// words (`Region::control`), so files of versions 1 and 2 are too short to map.
-pub const VERSION: u32 = 3;
+/// words (`Region::control`), so files of versions 1 and 2 are too short to map; version 4 put
+/// a target and an exact count of the steps over it in each latency histogram.
+pub const VERSION: u32 = 4;
 /// The oldest layout this build reads and writes unchanged.
-pub const VERSION_COMPATIBLE_MIN: u32 = 3;
+pub const VERSION_COMPATIBLE_MIN: u32 = 4;
 /// Tenants per GPU (one bit each in `Header::active`).
 pub const TENANTS: usize = 32;
 /// Gated processes per GPU.
@@ -200,6 +201,8 @@ impl Region {
                 latency: std::array::from_fn(|_| crate::control::LatencyStats {
                     steps: zero(),
                     total_ns: zero(),
+                    target_ns: zero(),
+                    over_target: zero(),
                     buckets: std::array::from_fn(|_| zero()),
                 }),
             },

@@ -423,6 +423,16 @@ impl ScheduleControl {
         })
     }
 
+    /// Publishes latency tenant slot `slot`'s target in force (0: none): its processes count
+    /// the steps slower than it (`control::Control::record_step`).
+    pub fn publish_target(&self, slot: usize, target_ns: u64) {
+        assert!(slot < compute::TENANTS, "tenant slot {slot}");
+        self.mapping
+            .region()
+            .control
+            .publish_target(slot, target_ns);
+    }
+
     /// Publishes the agent's decision at `now_ns` (CLOCK_MONOTONIC, the tenants' clock).
     pub fn publish(&self, decision: crate::control::Decision, now_ns: u64) {
         assert!(

@@ -432,6 +432,11 @@ impl Controller {
         } else {
             Seen::Shared
         };
+        // A window is a tenant's alone only when no other latency tenant had steps in it either.
+        let busy = windows
+            .iter()
+            .filter(|window| window.window.steps > 0)
+            .count();
         let mut windows = windows;
         for window in &windows {
             if self.tenants.len() >= TENANTS_MAX && !self.tenants.contains_key(&window.name) {
@@ -462,9 +467,14 @@ impl Controller {
             // out the drain themselves, see `TenantState::learn_protective`).
             within_targets &= window.window.steps > 0
                 && tenant.target_ns(&self.config).is_none_or(|target| {
-                    window.window.slower_than(target) == 0
+                    window.window.over(target) == 0
                         && open.is_none_or(|since| now_ns.saturating_sub(since) <= target)
                 });
+            let seen = if seen == Seen::Alone && busy > 1 {
+                Seen::AmongLatency
+            } else {
+                seen
+            };
             let judgement = tenant.observe(&self.config, now_ns, &window.window, seen, open);
             if measuring && window.window.steps > 0 {
                 let measured = self.measured[self.level]

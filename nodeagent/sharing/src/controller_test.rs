@@ -28,6 +28,18 @@ fn reads_as(latency_ns: u64) -> u64 {
     bucket_floor_ns(latency_bucket(latency_ns) + 1)
 }
 
+/// A baseline learnt from steps of `latency_ns`: read within their bucket
+/// (`LatencySnapshot::quantile_within_ns`), so between its edges.
+#[track_caller]
+fn assert_baseline(baseline_ns: Option<u64>, latency_ns: u64) {
+    let baseline = baseline_ns.expect("a baseline");
+    let floor = bucket_floor_ns(latency_bucket(latency_ns));
+    assert!(
+        (floor..=reads_as(latency_ns)).contains(&baseline),
+        "baseline {baseline} ns for steps of {latency_ns} ns"
+    );
+}
+
 fn window(now_ns: u64, tenant: &str, window: LatencySnapshot, target_ns: Option<u64>) -> Event {
     Event::Window {
         now_ns,
@@ -230,10 +242,10 @@ fn without_a_target_the_top_is_held_until_the_latency_alone_is_learnt() {
     // The 100th: the baseline is its p99, the target 1.2 times that. The level stays (no
     // neighbour: nothing to learn about the levers).
     let output = driver.next_alone("infer", repeat(1, MS));
-    let baseline = reads_as(MS);
     assert_eq!(output.change, None);
     assert_eq!(output.decision, exclusive(8, 1, 17));
-    assert_eq!(output.tenants[0].baseline_p99_ns, Some(baseline));
+    assert_baseline(output.tenants[0].baseline_p99_ns, MS);
+    let baseline = output.tenants[0].baseline_p99_ns.unwrap();
     assert_eq!(
         output.tenants[0].target_ns,
         Some((baseline as f64 * 1.2).round() as u64)
@@ -252,23 +264,17 @@ fn never_alone_the_baseline_comes_from_exclusive_and_is_then_frozen() {
     assert_eq!(driver.controller.statuses()[0].baseline_p99_ns, None);
     driver.next("infer", repeat(5, 3 * MS), None);
     let status = &driver.controller.statuses()[0];
-    assert_eq!(status.baseline_p99_ns, Some(reads_as(3 * MS)));
+    assert_baseline(status.baseline_p99_ns, 3 * MS);
     // Slower steps at the top do not move it (they are not the tenant alone).
     for _ in 0..40 {
         driver.next("infer", repeat(5, 9 * MS), None);
     }
-    assert_eq!(
-        driver.controller.statuses()[0].baseline_p99_ns,
-        Some(reads_as(3 * MS))
-    );
+    assert_baseline(driver.controller.statuses()[0].baseline_p99_ns, 3 * MS);
     // A real alone baseline replaces it once it has 100 steps.
     for _ in 0..10 {
         driver.next_alone("infer", repeat(10, 2 * MS));
     }
-    assert_eq!(
-        driver.controller.statuses()[0].baseline_p99_ns,
-        Some(reads_as(2 * MS))
-    );
+    assert_baseline(driver.controller.statuses()[0].baseline_p99_ns, 2 * MS);
 }
 
 #[test]
@@ -289,10 +295,7 @@ fn a_baseline_at_exclusive_waits_until_the_queued_work_has_drained() {
         assert_eq!(driver.controller.statuses()[0].baseline_p99_ns, None);
     }
     driver.next("infer", repeat(5, 3 * MS), None);
-    assert_eq!(
-        driver.controller.statuses()[0].baseline_p99_ns,
-        Some(reads_as(3 * MS))
-    );
+    assert_baseline(driver.controller.statuses()[0].baseline_p99_ns, 3 * MS);
 }
 
 #[test]
@@ -313,10 +316,7 @@ fn a_baseline_at_exclusive_is_taken_after_the_last_block_even_without_agreement(
             driver.next("infer", repeat(5, latency), None);
         }
     }
-    assert_eq!(
-        driver.controller.statuses()[0].baseline_p99_ns,
-        Some(reads_as(3 * MS))
-    );
+    assert_baseline(driver.controller.statuses()[0].baseline_p99_ns, 3 * MS);
 }
 
 #[test]
@@ -1534,10 +1534,7 @@ fn a_baseline_the_tenant_misses_even_at_exclusive_is_replaced() {
     }
     let windows = replaced_after.expect("the baseline replaced");
     assert!(windows <= 100, "{windows} windows");
-    assert_eq!(
-        driver.controller.statuses()[0].baseline_p99_ns,
-        Some(reads_as(3 * MS))
-    );
+    assert_baseline(driver.controller.statuses()[0].baseline_p99_ns, 3 * MS);
     // And then the tenant is within its target: the level comes down again.
     for _ in 0..300 {
         driver.next("infer", repeat(3, 3 * MS), None);
@@ -1642,8 +1639,86 @@ fn a_lasting_change_replaces_a_long_learnt_baseline_after_a_quarter_of_its_steps
     // steps) is in at Exclusive, and that is evidence enough: within two seconds.
     let windows = replaced_after.expect("the baseline replaced");
     assert!(windows <= 200, "{windows} windows");
-    assert_eq!(
-        driver.controller.statuses()[0].baseline_p99_ns,
-        Some(reads_as(6 * MS))
-    );
+    assert_baseline(driver.controller.statuses()[0].baseline_p99_ns, 6 * MS);
+}
+
+#[test]
+fn steps_over_the_target_inside_its_bucket_count_when_the_tenant_counted_them() {
+    // An explicit 1.229 ms target (the bucket 1.152-1.28 ms): steps of 1.25 ms are over it,
+    // which the histogram alone cannot see (their bucket is not all slower).
+    let target = 1_229_000;
+    let over = |counted: bool| {
+        let mut driver = Driver::new(Config::new(false, 0));
+        let mut violations = 0;
+        for _ in 0..20 {
+            let mut steps = repeat(5, 1_250_000);
+            if counted {
+                steps.counted_against_ns = target;
+                steps.over_target = 5;
+            }
+            driver.next("infer", steps, Some(target));
+            violations = driver.controller.statuses()[0].violations;
+        }
+        violations
+    };
+    assert_eq!(over(false), 0, "the histogram's slack");
+    assert_eq!(over(true), 100);
+    // Counted against another target (it changed during the window): the histogram decides.
+    let mut driver = Driver::new(Config::new(false, 0));
+    let mut steps = repeat(5, 1_250_000);
+    steps.counted_against_ns = 2 * MS;
+    steps.over_target = 5;
+    driver.next("infer", steps, Some(target));
+    assert_eq!(driver.controller.statuses()[0].violations, 0);
+}
+
+#[test]
+fn latency_tenants_busy_at_once_learn_no_baseline_from_each_other() {
+    let mut controller = Controller::new(Config::new(false, 0));
+    let mut now_ns = 0;
+    let mut both = |controller: &mut Controller, a: LatencySnapshot, b: LatencySnapshot| {
+        now_ns += PERIOD;
+        let tenants = [("a", a), ("b", b)]
+            .into_iter()
+            .map(|(name, window)| TenantWindow {
+                name: name.into(),
+                window,
+                target_ns: None,
+            })
+            .collect();
+        controller.handle(Event::Window {
+            now_ns,
+            tenants,
+            neighbours_active: false,
+            open_step_since_ns: None,
+        })
+    };
+    // Warming up together, slowed by each other: no neighbour, but neither is alone.
+    for _ in 0..40 {
+        both(&mut controller, repeat(5, 4 * MS), repeat(5, 4 * MS));
+    }
+    let baselines: Vec<_> = controller
+        .statuses()
+        .iter()
+        .map(|s| s.baseline_p99_ns)
+        .collect();
+    assert_eq!(baselines, [None, None]);
+    // Then each alone in turn (the other idle, with no steps): that is the baseline.
+    for _ in 0..20 {
+        both(
+            &mut controller,
+            repeat(5, 3 * MS),
+            LatencySnapshot::default(),
+        );
+    }
+    for _ in 0..20 {
+        both(
+            &mut controller,
+            LatencySnapshot::default(),
+            repeat(5, 2 * MS),
+        );
+    }
+    let statuses = controller.statuses();
+    assert_baseline(statuses[0].baseline_p99_ns, 3 * MS);
+    assert_baseline(statuses[1].baseline_p99_ns, 2 * MS);
 }

@@ -142,6 +142,9 @@ struct Gpu {
     /// When the tenant's next step may start, and its step in flight: (start, end).
     next_start_ns: u64,
     open: Option<(u64, u64)>,
+    /// The target the agent published after the last window (0: none), which the tenant's
+    /// interposer counts its steps against (`tenant_abi::control::Control::record_step`).
+    published_target_ns: u64,
 }
 
 /// What one stretch of windows gave.
@@ -167,6 +170,7 @@ impl Gpu {
             now_ns: 0,
             next_start_ns: 0,
             open: None,
+            published_target_ns: 0,
         }
     }
 
@@ -215,7 +219,10 @@ impl Gpu {
     ) -> (LatencySnapshot, Option<u64>) {
         let end_ns = self.now_ns + self.period_ns;
         let gap_ns = self.period_ns / self.scenario.steps_per_window;
-        let mut snapshot = LatencySnapshot::default();
+        let mut snapshot = LatencySnapshot {
+            counted_against_ns: self.published_target_ns,
+            ..LatencySnapshot::default()
+        };
         loop {
             if self.open.is_none() {
                 if !steps {
@@ -235,6 +242,9 @@ impl Gpu {
             }
             let latency = end - start;
             snapshot.buckets[latency_bucket(latency)] += 1;
+            if self.published_target_ns != 0 && latency > self.published_target_ns {
+                snapshot.over_target += 1;
+            }
             snapshot.steps += 1;
             snapshot.total_ns += latency;
             self.open = None;
@@ -269,6 +279,11 @@ impl Gpu {
                 neighbours_active: neighbours,
                 open_step_since_ns,
             });
+            self.published_target_ns = output
+                .tenants
+                .first()
+                .and_then(|status| status.target_ns)
+                .unwrap_or(0);
             if output.change.is_some() {
                 stretch.changes += 1;
             }

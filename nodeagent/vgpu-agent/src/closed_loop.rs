@@ -470,6 +470,10 @@ impl GpuLoop {
         let controller = self
             .controller
             .get_or_insert_with(|| Controller::new(config.controller_config(uuid)));
+        let live_slots: BTreeMap<String, usize> = live
+            .iter()
+            .map(|(slot, name, _)| (name.clone(), *slot))
+            .collect();
         let mut windows = Vec::with_capacity(live.len());
         for (slot, name, snapshot) in live {
             let window = match self.previous.get(&name) {
@@ -517,6 +521,13 @@ impl GpuLoop {
             open_step_since_ns,
         });
         self.control.publish(output.decision, now_ns);
+        // Each tenant's target in force, for its processes' exact counts of the steps over it.
+        for status in &output.tenants {
+            if let Some(&slot) = live_slots.get(&status.name) {
+                self.control
+                    .publish_target(slot, status.target_ns.unwrap_or(0));
+            }
+        }
         if let Some(windows) = trace {
             let squeezed = self.control.squeezed_counters();
             let tenants = format!(

@@ -295,3 +295,31 @@ fn the_thread_publishes_and_stops_when_its_handle_is_dropped() {
     }
     assert_eq!(node.region.control.decision_ns.load(Relaxed), stopped_at);
 }
+
+#[test]
+fn the_target_is_published_for_the_tenants_exact_counts() {
+    let node = Node::new(T0);
+    let shared = ClosedLoopShared::new();
+    shared.set_tenants(latency(Some(2 * MS)));
+    let mut closed_loop = ClosedLoop::new(node.config());
+    node.period(&[MS], T0);
+    closed_loop.tick(&shared, T0);
+    let slot = node.infer.tenant;
+    assert_eq!(
+        node.region.control.latency[slot].target_ns.load(Relaxed),
+        2 * MS
+    );
+    // The first window after the target was published began before it (its count mixes no
+    // target and this one): the histogram judges it.
+    let t1 = T0 + 10 * MS;
+    node.period(&[2_040_000], t1);
+    closed_loop.tick(&shared, t1);
+    assert_eq!(shared.statuses()["infer"].violations, 0);
+    // Steps of 2.04 ms share the 2 ms target's histogram bucket (1.792-2.048 ms): the tenant's
+    // processes count them over the published target, and the controller takes that count.
+    let t2 = t1 + 10 * MS;
+    node.period(&[2_040_000; 4], t2);
+    closed_loop.tick(&shared, t2);
+    let status = &shared.statuses()["infer"];
+    assert_eq!((status.steps, status.violations), (5, 4));
+}
