@@ -279,18 +279,94 @@ pub struct Acquired {
 
 /// A buffer of at least `bytes` for a chunk of `device` about to go out: pooled if one holds it
 /// (nothing pinned, nothing reserved: it is reserved already), else reserved on the board
-/// through `counters` and pinned; with the time pinning took (zero when pooled).
+/// through `counters` and pinned; with the time pinning took (zero when pooled). The three
+/// steps apart ([`reserve`], [`Reservation::pin`], [`Reservation::settle`]) let a swap-out pin
+/// on a thread of its own while it counts the chunks that landed meanwhile.
 pub fn acquire(
     driver: &Driver,
     device: usize,
     bytes: u64,
     counters: &mut impl Counters,
 ) -> Result<Acquired, Unavailable> {
+    match reserve(driver, device, bytes, counters)? {
+        Reserved::Ready(acquired) => Ok(acquired),
+        Reserved::ToPin(reservation) => {
+            let pinned = reservation.pin(driver);
+            reservation.settle(pinned, counters)
+        }
+    }
+}
+
+/// What [`reserve`] found for a chunk's staging.
+#[derive(Debug)]
+pub enum Reserved {
+    /// A buffer to copy into now: pooled, or a run of the GPU's shared file.
+    Ready(Acquired),
+    /// Room reserved on the board for a buffer still to be pinned.
+    ToPin(Reservation),
+}
+
+/// Staging reserved on the board for one chunk, not pinned yet: [`Reservation::pin`] pins it
+/// (slow, and needs no counters, so it may run on another thread), and
+/// [`Reservation::settle`] makes the outcome a buffer or gives the reservation back.
+#[must_use = "the board's reservation is given back only by `settle`"]
+#[derive(Debug)]
+pub struct Reservation {
+    /// The bytes reserved on the board, and pinned.
+    bytes: u64,
+    /// Spent waiting before the reservation (staging pinned ahead, idle buffers freed).
+    waited: std::time::Duration,
+}
+
+impl Reservation {
+    /// Pins the reserved bytes of fresh host memory (`pin`: 100 ms to 2 s per GiB on an H200
+    /// host); the buffer and the time it took. Touches no board and no pool.
+    pub fn pin(&self, driver: &Driver) -> Result<(Buffer, std::time::Duration), CUresult> {
+        let size = usize::try_from(self.bytes).expect("a chunk fits the address space");
+        let began = std::time::Instant::now();
+        let buffer = pin(driver, size)?;
+        assert_eq!(buffer.bytes, self.bytes, "pinned as reserved");
+        Ok((buffer, began.elapsed()))
+    }
+
+    /// The staging for the chunk from what [`Reservation::pin`] gave (or a caller's error in its
+    /// place, such as a pinning thread that panicked): on an error the reservation is given
+    /// back and the chunk stays resident.
+    pub fn settle(
+        self,
+        pinned: Result<(Buffer, std::time::Duration), CUresult>,
+        counters: &mut impl Counters,
+    ) -> Result<Acquired, Unavailable> {
+        match pinned {
+            Ok((buffer, pinning)) => {
+                assert!(buffer.bytes >= self.bytes && !buffer.shared);
+                Ok(Acquired {
+                    buffer,
+                    pinning,
+                    waited: self.waited,
+                })
+            }
+            Err(rc) => {
+                counters.release_staging(self.bytes);
+                Err(Unavailable::Driver(rc))
+            }
+        }
+    }
+}
+
+/// The part of [`acquire`] that needs `counters`: a pooled buffer or a run of the GPU's shared
+/// file if one holds the chunk ([`Reserved::Ready`]), else room reserved on the board for a
+/// buffer to pin ([`Reserved::ToPin`]).
+pub fn reserve(
+    driver: &Driver,
+    device: usize,
+    bytes: u64,
+    counters: &mut impl Counters,
+) -> Result<Reserved, Unavailable> {
     assert!(device < DEVICES_MAX && bytes > 0);
     // In the shared file a chunk takes whole slabs: those are what it reserves and holds.
     let chunk_bytes = bytes;
     let bytes = staged_bytes(device, bytes);
-    let size = usize::try_from(bytes).expect("a chunk fits the address space");
     if !can_register(driver) && !can_host_alloc(driver) {
         return Err(Unavailable::Driver(CUDA_ERROR_NOT_SUPPORTED));
     }
@@ -310,11 +386,11 @@ pub fn acquire(
             let taken = pools.pools[device].take(chunk_bytes);
             publish(&pools);
             if let Some(buffer) = taken {
-                return Ok(Acquired {
+                return Ok(Reserved::Ready(Acquired {
                     buffer,
                     pinning: std::time::Duration::ZERO,
                     waited: began_waiting.elapsed(),
-                });
+                }));
             }
         }
         if counters.reserve_staging(bytes) {
@@ -340,13 +416,12 @@ pub fn acquire(
         really_free(driver, buffer, counters);
     }
     let waited_for = began_waiting.elapsed();
-    let began = std::time::Instant::now();
     if let Some(buffer) = claim_shared(device, bytes) {
-        return Ok(Acquired {
+        return Ok(Reserved::Ready(Acquired {
             buffer,
             pinning: std::time::Duration::ZERO,
             waited: waited_for,
-        });
+        }));
     }
     if shared_ready(device) {
         // Reserved, but no run of slabs that long is free (the file's free slabs are scattered,
@@ -368,17 +443,10 @@ pub fn acquire(
         counters.release_staging(bytes);
         return Err(Unavailable::Budget);
     }
-    match pin(driver, size) {
-        Ok(buffer) => Ok(Acquired {
-            buffer,
-            pinning: began.elapsed(),
-            waited: waited_for,
-        }),
-        Err(rc) => {
-            counters.release_staging(bytes);
-            Err(Unavailable::Driver(rc))
-        }
-    }
+    Ok(Reserved::ToPin(Reservation {
+        bytes,
+        waited: waited_for,
+    }))
 }
 
 /// This process's registration of a GPU's shared staging file (`shm::StagingFile`), once it

@@ -1037,6 +1037,65 @@ fn an_exchange_on_a_short_staging_budget_moves_everything_in_one_round() {
     assert!(rounds[0].contains("6.0 MiB of this process"), "{err}");
 }
 
+/// A later chunk's fresh pin does not hold back the counting of the chunks landed before it: on
+/// an H200 a 1 GiB pin kept six landed chunks uncounted for 132 ms, and the swap-in waiting for
+/// their room started that much later. "b" borrows in line and "a", waiting behind it, gives it
+/// two borrowed 1 GiB chunks (dry: sizes only), their room counted free a piece (1 GiB) at a
+/// time. The second chunk's staging is a pin that lasts until the test ends it
+/// (`FAKE_CUDA_SLOW_PIN`), and the first chunk's copy completes only once that pin began. The
+/// board shows the first chunk out while the pin still waits for the test: the order, with no
+/// time measured.
+#[test]
+fn a_chunk_landed_while_the_next_ones_staging_is_pinned_is_counted_free_meanwhile() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        5 * GIB,
+        &[("a", GIB, 5 * GIB), ("b", GIB, 4 * GIB)],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    let dry_swapping = |probe: Probe| {
+        probe
+            .env("VGPU_MEMORY_SWAP", "1")
+            .env("VGPU_MEMORY_STAGING_WARM", "0")
+            .env("VGPU_MEMORY_STAGING_TOUCH", "0")
+    };
+    let mut a = dry_swapping(tenant(shm.path(), "a", "1GiB"))
+        .env("FAKE_CUDA_SLOW_PIN", format!("2:{}", file("pin-go")))
+        .start_holding(&format!(
+            "alloc 1G alloc 1G alloc 1G touch {} until_file {} alloc_retry 2G",
+            file("a-ready"),
+            file("a-go")
+        ));
+    a.wait_for_line("touch 0");
+    assert_eq!(usage(&board, "a").borrowed_bytes(), 2 * GIB);
+    // "b" waits first (1 GiB free, it asks for 3 more), then "a" behind it.
+    let mut b =
+        dry_swapping(tenant(shm.path(), "b", "1GiB")).start_holding("alloc 1G alloc_retry 3G");
+    until(|| waiting(&board) == 1, "b in line");
+    std::fs::write(shm.path().join("a-go"), "").expect("touching a-go");
+    until(
+        || usage(&board, "a").swapped_bytes == GIB,
+        "a's first chunk counted free while the second's staging is being pinned",
+    );
+    // Both chunks' staging reserved: the second one's pin has begun, and cannot have ended.
+    assert_eq!(memory_of(&board, "a"), (2 * GIB, GIB, 2 * GIB));
+    std::fs::write(shm.path().join("pin-go"), "").expect("touching pin-go");
+    b.wait_held();
+    assert!(
+        b.output.ends_with("alloc_retry 0 tries=2\n"),
+        "{}",
+        b.output
+    );
+    drop(b);
+    a.wait_held();
+    assert!(a.output.contains("alloc_retry 0"), "{}", a.output);
+    let a_now = usage(&board, "a");
+    assert_eq!((a_now.resident_bytes, a_now.swapped_bytes), (5 * GIB, 0));
+    let err = stderr_of(a);
+    assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
+}
+
 /// A swap-out whose copies never complete (a hung copy engine: `FAKE_CUDA_SWAP_HANG`) gives up
 /// after its bound (`vmm::copy_wait_max`) and leaves the chunk where it was, mapped with its
 /// contents: the borrower runs on and says so, and the tenant that asked is refused when its own

@@ -38,6 +38,12 @@
  * fakeHostAllocs() / fakeHostFrees() count cuMemHostAlloc / cuMemFreeHost (and
  * cuMemHostRegister_v2 / cuMemHostUnregister: pins either way).
  *
+ * FAKE_CUDA_SLOW_PIN=<n>:<file>: the process's n-th cuMemHostRegister_v2 is a slow pin that the
+ * test ends: it waits until <file> exists (at most 60 s) before it registers. Until that pin has
+ * begun, a query of a created stream (or of an event on it) with copies queued says
+ * CUDA_ERROR_NOT_READY: the copies queued before the slow pin are still in flight when it begins,
+ * and complete (at the next query) only while it runs.
+ *
  * Kernels are simulated: a launch "runs" for a duration taken from its arguments (gridDimX
  * microseconds for kernel launches, the graph handle's value for graph launches) on a GPU that
  * runs one kernel at a time in launch order; a launch blocks while more than FAKE_CUDA_QUEUE_MS
@@ -436,11 +442,27 @@ CUresult cuMemFreeHost(void *p) {
 #define REGISTERED_MAX 4096
 static struct { uintptr_t p; size_t n; } registered[REGISTERED_MAX];
 static pthread_mutex_t registered_lock = PTHREAD_MUTEX_INITIALIZER;
+/* FAKE_CUDA_SLOW_PIN (see the top): whether it is set, and whether its pin has begun. */
+static int slow_pin_begun;
+static int slow_pin_set(void) { return getenv("FAKE_CUDA_SLOW_PIN") != NULL; }
+static void slow_pin(void) {
+  static unsigned long long registers;
+  const char *v = getenv("FAKE_CUDA_SLOW_PIN");
+  if (v == NULL) return;
+  char *rest = NULL;
+  unsigned long long nth = strtoull(v, &rest, 10);
+  if (__atomic_add_fetch(&registers, 1, __ATOMIC_SEQ_CST) != nth || rest == NULL || *rest != ':')
+    return;
+  __atomic_store_n(&slow_pin_begun, 1, __ATOMIC_SEQ_CST);
+  struct timespec ms = {0, 1000000};
+  for (int i = 0; i < 60000 && access(rest + 1, F_OK) != 0; i++) nanosleep(&ms, NULL);
+}
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags) {
   (void)flags;
   if (p == NULL || n == 0) return INVALID_VALUE;
   const char *no = getenv("FAKE_CUDA_NO_REGISTER");
   if (no != NULL && no[0] == '1') return 801; /* CUDA_ERROR_NOT_SUPPORTED */
+  slow_pin();
   pthread_mutex_lock(&registered_lock);
   for (int i = 0; i < REGISTERED_MAX; i++) {
     if (registered[i].n == 0) {
@@ -859,7 +881,7 @@ CUresult cuEventCreate(CUevent *event, unsigned int flags) {
   *event = e;
   return OK;
 }
-static int created_done(CUstream s);
+static int created_done(CUstream s, int query);
 CUresult cuEventRecord(CUevent event, CUstream s) {
   if (event == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
@@ -898,7 +920,7 @@ CUresult cuEventQuery(CUevent event) {
   pthread_mutex_unlock(&lock);
   if (illegal) return CAPTURE_UNSUPPORTED;
   if (((fake_event *)event)->on_created) {
-    int rc = created_done(((fake_event *)event)->stream);
+    int rc = created_done(((fake_event *)event)->stream, 1);
     return rc >= 0 ? (CUresult)rc : 400; /* CUDA_ERROR_INVALID_HANDLE: its stream is gone */
   }
   static int never = -1;
@@ -980,10 +1002,16 @@ static unsigned long long stream_end(CUstream s) {
   pthread_mutex_unlock(&lock);
   return end;
 }
-/* A created stream's queued copies run now; its error, if one failed (-1: not a created one). */
-static int created_done(CUstream s) {
+/* A created stream's queued copies run now; its error, if one failed (-1: not a created one).
+ * `query`: a look (cuStreamQuery, cuEventQuery), not a synchronisation. */
+static int created_done(CUstream s, int query) {
   pthread_mutex_lock(&lock);
   int i = created_slot(s);
+  if (i >= 0 && query && created[i].queued > 0 && slow_pin_set() &&
+      !__atomic_load_n(&slow_pin_begun, __ATOMIC_SEQ_CST)) {
+    pthread_mutex_unlock(&lock);
+    return NOT_READY;
+  }
   /* FAKE_CUDA_SWAP_HANG=1: a query (of the stream or of an event on it) never sees the swap's
    * copies complete, as with a hung copy engine; they run when the stream is destroyed. */
   if (i >= 0 && getenv("FAKE_CUDA_SWAP_HANG") != NULL && created[i].queued > 0) {
@@ -995,7 +1023,7 @@ static int created_done(CUstream s) {
   return rc;
 }
 CUresult cuStreamSynchronize(CUstream s) {
-  int created_rc = created_done(s);
+  int created_rc = created_done(s, 0);
   if (created_rc >= 0) return created_rc;
   sleep_until(stream_end(s));
   /* FAKE_CUDA_SYNC_RESULT: what every stream synchronisation returns (a lost context) */
@@ -1004,7 +1032,7 @@ CUresult cuStreamSynchronize(CUstream s) {
 }
 CUresult cuStreamSynchronize_ptsz(CUstream s) { return cuStreamSynchronize(PER_THREAD(s)); }
 CUresult cuStreamQuery(CUstream s) {
-  int created_rc = created_done(s);
+  int created_rc = created_done(s, 1);
   if (created_rc >= 0) return created_rc;
   return now_ns() >= stream_end(s) ? OK : NOT_READY;
 }
