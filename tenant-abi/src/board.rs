@@ -609,13 +609,24 @@ impl Region {
                 // its swap-ins emptied): room for the givers' next pieces. Without it, a first
                 // with 40 GiB out on a budget nearly spent looked stuck while its exchange moved,
                 // and the last borrow, a job's, was refused (an H200 run).
-                let own = {
+                let (own, idle_first) = {
                     let slot = &self.slots[first.slot];
-                    slot.staging_bytes
-                        .load(SeqCst)
-                        .min(slot.swapped_bytes.load(SeqCst))
+                    let (staging, swapped) = (
+                        slot.staging_bytes.load(SeqCst),
+                        slot.swapped_bytes.load(SeqCst),
+                    );
+                    (staging.min(swapped), staging.saturating_sub(swapped))
                 };
-                let base = self.staging_left().saturating_add(idle_elsewhere);
+                // The first's idle staging (pinned ahead for its resident borrowed chunks) is
+                // freed for another process's swap-out like anyone's (the watcher answers
+                // `staging_wanted`, and a first waiting on a short budget frees it itself): room
+                // for the givers' first pieces too. Uncounted, a first holding 34 GiB pinned
+                // ahead on an 84 GiB budget most likely made a moving line look stuck, and a
+                // job's borrow was refused (an H200 run of the three jobs).
+                let base = self
+                    .staging_left()
+                    .saturating_add(idle_elsewhere)
+                    .saturating_add(idle_first);
                 // Only once the givers have room for a first piece: nothing comes back before.
                 let swap_room = if swap_refused_since || base == 0 {
                     0

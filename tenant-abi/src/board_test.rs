@@ -758,3 +758,45 @@ fn a_first_waiters_own_staging_is_room_for_the_exchange_not_a_stuck_line() {
         "no room for a first piece"
     );
 }
+
+/// The H200 jobs run where a borrow was refused while the line moved: the first in line ("a")
+/// waits for 10 GiB of its own, and holds 20 GiB more staging pinned ahead for its resident
+/// borrowed chunks; the budget has nothing left. That idle staging is freed for a giver's
+/// swap-out like anyone's, so "b" can give "a" its room: not stuck. Without it, stuck.
+#[test]
+fn a_first_waiters_idle_staging_is_room_for_the_givers_too() {
+    let region = Region::new_boxed();
+    region.initialise();
+    region.set_capacity(60 * GIB);
+    region.set_staging_budget(30 * GIB);
+    let a = region.set_tenant(&spec("a", 10 * GIB, 60 * GIB)).unwrap();
+    let b = region.set_tenant(&spec("b", 10 * GIB, 60 * GIB)).unwrap();
+    let c = region.set_tenant(&spec("c", 20 * GIB, 20 * GIB)).unwrap();
+    let live = Fake::with(&[1, 2, 3]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(1, 1, a).unwrap();
+    let sb = board.claim_slot(2, 1, b).unwrap();
+    let sc = board.claim_slot(3, 1, c).unwrap();
+    assert_eq!(board.reserve(sa, 30 * GIB), Ok(Grant::Borrowed));
+    assert!(board.reserve_staging(sa, 30 * GIB));
+    board.swapped_out(sa, 10 * GIB);
+    assert_eq!(board.reserve(sb, 30 * GIB), Ok(Grant::Borrowed));
+    assert_eq!(board.reserve(sc, 10 * GIB), Ok(Grant::Within));
+    board.wait(sa, 10 * GIB, false, 1);
+    board.wait(sb, 20 * GIB, true, 2);
+    board.wait(sc, 10 * GIB, false, 3);
+    assert_eq!(region.staging_total(), region.staging_budget());
+    assert_eq!(
+        region.stuck(10, false),
+        None,
+        "a's 20 GiB of idle staging takes b's pieces"
+    );
+    // Once a has freed it (nothing idle left) and the budget is spent, no first piece can go.
+    board.release_staging(sa, 20 * GIB);
+    region.set_staging_budget(10 * GIB);
+    assert_eq!(
+        region.stuck(10, false),
+        Some(sb),
+        "no room for a first piece"
+    );
+}
