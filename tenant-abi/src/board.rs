@@ -334,6 +334,21 @@ impl Region {
         self.header.swap_refusals.load(SeqCst)
     }
 
+    /// Where the GPU's memory is: a fingerprint of every slot's resident and swapped bytes,
+    /// which changes when any chunk moves out or back, or any memory is allocated or freed
+    /// (an exchange whose two sides balance included). A line whose fingerprint changed between
+    /// two looks moved, and is not stuck then, whatever the stuck rule's arithmetic says.
+    pub fn movement(&self) -> u64 {
+        self.slots.iter().fold(0u64, |hash, slot| {
+            let resident = slot.resident_bytes.load(SeqCst);
+            let swapped = slot.swapped_bytes.load(SeqCst);
+            (hash.rotate_left(11) ^ resident)
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                .rotate_left(23)
+                ^ swapped
+        })
+    }
+
     /// How many times a swap-out asked for the other processes' idle staging so far (wraps).
     pub fn staging_wanted(&self) -> u64 {
         self.header.staging_wanted.load(SeqCst)

@@ -800,3 +800,31 @@ fn a_first_waiters_idle_staging_is_room_for_the_givers_too() {
         "no room for a first piece"
     );
 }
+
+#[test]
+fn the_movement_fingerprint_sees_an_exchange_whose_sides_balance() {
+    let region = Region::new_boxed();
+    region.initialise();
+    region.set_capacity(60 * GIB);
+    region.set_staging_budget(30 * GIB);
+    let a = region.set_tenant(&spec("a", 10 * GIB, 60 * GIB)).unwrap();
+    let b = region.set_tenant(&spec("b", 10 * GIB, 60 * GIB)).unwrap();
+    let live = Fake::with(&[1, 2]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(1, 1, a).unwrap();
+    let sb = board.claim_slot(2, 1, b).unwrap();
+    assert_eq!(board.reserve(sa, 20 * GIB), Ok(Grant::Borrowed));
+    assert!(board.reserve_staging(sa, 4 * GIB));
+    board.swapped_out(sa, 4 * GIB);
+    let before = region.movement();
+    assert_eq!(region.movement(), before, "nothing moved");
+    // "b" takes 1 GiB as "a" gives 1 GiB more: the totals balance, the fingerprint changes.
+    assert!(board.reserve_staging(sa, GIB));
+    board.swapped_out(sa, GIB);
+    assert_eq!(board.reserve(sb, GIB), Ok(Grant::Within));
+    assert_ne!(region.movement(), before);
+    // Staging pinned ahead moves no memory.
+    let after = region.movement();
+    assert!(board.reserve_staging(sb, GIB));
+    assert_eq!(region.movement(), after);
+}

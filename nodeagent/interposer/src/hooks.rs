@@ -474,6 +474,7 @@ impl Enforcer {
         let mut pace = line::Pace::new(std::time::Instant::now(), line::wait_max());
         let mut asked = Vec::new();
         let mut stuck_since = None;
+        let mut movement = None;
         let since_ns = match locked.as_ref().expect("locked").line_place[device] {
             Some((since_ns, left)) if left.elapsed() < line::RETRY_WINDOW => since_ns,
             _ => crate::shm::monotonic_ns(),
@@ -493,6 +494,13 @@ impl Enforcer {
                 // next look (room is judged from the slots before anything is reserved).
                 board.board.reclaim_dead(std::process::id());
                 unstall(board, board_slot, &mut asked);
+                // A line where memory moved since the last look is not stuck, whatever the
+                // rule's arithmetic says: the grace starts again (on an H200 a job's borrow was
+                // refused while another's swap-out was still landing its pieces).
+                let moved = board.board.region.movement();
+                if movement.replace(moved) != Some(moved) {
+                    stuck_since = None;
+                }
                 if borrow && refused_by_stuck_line(board, board_slot) {
                     let since = *stuck_since.get_or_insert(now);
                     if now.saturating_duration_since(since) >= line::STUCK_GRACE {
