@@ -4,6 +4,9 @@
 //! action stands for). It checks what no single test pins down: the capacity is never passed,
 //! every job ends within a bound (nobody waits for ever), and when the requests fit the GPU and
 //! the swap space holds what the jobs may have out, every job finishes (the line refuses nobody).
+//! Some jobs are killed on the way, at whatever point they are (issue 17: a killed process's
+//! memory and host staging are returned): the survivors and the agent reclaim the dead slot, and
+//! the survivors still end, or finish when there is room.
 //!
 //! The model is coarse on purpose (one process per tenant, no hint helpers, staging released when
 //! a chunk comes back, every action instant): it checks the rules, not the interposer's code.
@@ -26,6 +29,11 @@ const RECLAIM_TURNS: u32 = 500;
 const RETRY_TURNS: u64 = 1_000;
 /// How often a waiter looks at its line (`line::UNSTALL_EVERY`, 1 s).
 const UNSTALL_TURNS: u64 = 100;
+/// How often the agent samples the board, reclaiming dead processes' slots (`shm::sample_board`,
+/// at each heartbeat). Slower here than the agent's 1 s default so that a dead slot is freed by
+/// the survivors' own looks and reservations whenever any survivor needs the room, which is what
+/// the kill properties check; the agent is the backstop for a death nobody is waiting on.
+const AGENT_TURNS: u64 = 1_000;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
@@ -35,6 +43,15 @@ enum State {
     /// Refused: a within-request allocation whose reclaim did not come, or the last borrow of a
     /// stuck line.
     Failed(&'static str),
+    /// Its process was killed at that turn, at whatever point it was: its slot says what it held
+    /// until someone reclaims it.
+    Killed(u64),
+}
+
+impl State {
+    fn ended(&self) -> bool {
+        matches!(self, State::Done | State::Failed(_) | State::Killed(_))
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -56,7 +73,16 @@ struct Job {
     refused_once: bool,
     reclaim_turns: u32,
     stuck_turns: u32,
+    /// Where the GPU's memory was at its last look (`Region::movement`): a line whose memory
+    /// moved since is not stuck, and the stuck grace starts again. Per borrow, as the
+    /// interposer keeps it per wait.
+    movement: Option<u64>,
     seen_refusals: u32,
+    /// The turn its current stay in line began (its place may be older: `place`): a survivor
+    /// that stood in line a whole look since a death must have reclaimed the dead slot.
+    in_line_from: Option<u64>,
+    /// The turn its dead slot was found reclaimed (a killed job).
+    reclaimed_at: Option<u64>,
     /// The place it had in line and the turn its wait ended: a wait that starts again within
     /// [`RETRY_TURNS`] keeps it (`Process::line_place`).
     place: Option<(u64, u64)>,
@@ -68,12 +94,15 @@ struct Spec {
     peak_pieces: Vec<u64>,
     run: u32,
     start: u64,
+    /// Turns after its start at which its process is killed, if it still runs then.
+    kill_at: Option<u64>,
 }
 
 struct Outcome {
     /// Each job as it ended, and the line: what a failure shows.
     end: String,
     done: usize,
+    killed: usize,
     failed: Vec<(String, &'static str)>,
     turns: u64,
 }
@@ -122,10 +151,28 @@ fn simulate(capacity: u64, staging: u64, specs: &[Spec], turns_max: u64) -> Outc
                     refused_once: false,
                     reclaim_turns: 0,
                     stuck_turns: 0,
+                    movement: None,
                     seen_refusals: 0,
+                    in_line_from: None,
+                    reclaimed_at: None,
                     place: None,
                 });
             }
+        }
+        // A kill takes the process wherever it is: growing, in line, with chunks out in
+        // staging, running. The OS frees its GPU memory and pinned host memory; the board learns
+        // it only when someone reclaims its slot.
+        for (job, spec) in jobs.iter_mut().zip(specs) {
+            if let Some(job) = job
+                && spec.kill_at.is_some_and(|at| spec.start + at == turn)
+                && !matches!(job.state, State::Done | State::Failed(_))
+            {
+                live.kill(job.pid);
+                job.state = State::Killed(turn);
+            }
+        }
+        if turn.is_multiple_of(AGENT_TURNS) {
+            board.reclaim_dead(0);
         }
         for job in jobs.iter_mut().flatten() {
             step(&region, &board, &live, job, now, turn);
@@ -134,14 +181,35 @@ fn simulate(capacity: u64, staging: u64, specs: &[Spec], turns_max: u64) -> Outc
                 "turn {turn}: {} resident on a GPU of {capacity}",
                 region.resident_total()
             );
+            assert!(
+                region.staging_total() <= staging,
+                "turn {turn}: {} staging held on a budget of {staging}",
+                region.staging_total()
+            );
         }
+        check_the_dead(&region, &mut jobs, turn);
         turn += 1;
         let started = jobs.iter().all(Option::is_some);
-        let ended = jobs
-            .iter()
-            .flatten()
-            .all(|j| matches!(j.state, State::Done | State::Failed(_)));
-        if (started && ended) || turn >= turns_max {
+        let ended = jobs.iter().flatten().all(|j| j.state.ended());
+        let reclaimed = region.slots.iter().all(|s| s.pid.load(SeqCst) == 0);
+        if started && ended && reclaimed {
+            // Everyone gone: no slot holds anything, the dead's staging included (the board's
+            // totals skip free slots, so each slot's own counters are what say it).
+            let held: Vec<(usize, [u64; 3])> = region
+                .slots
+                .iter()
+                .map(|s| [&s.resident_bytes, &s.swapped_bytes, &s.staging_bytes])
+                .map(|counters| counters.map(|c| c.load(SeqCst)))
+                .enumerate()
+                .filter(|(_, held)| *held != [0; 3])
+                .collect();
+            assert!(
+                held.is_empty(),
+                "turn {turn}: held after every job ended: {held:?}"
+            );
+            break;
+        }
+        if turn >= turns_max {
             break;
         }
     }
@@ -165,6 +233,10 @@ fn simulate(capacity: u64, staging: u64, specs: &[Spec], turns_max: u64) -> Outc
     Outcome {
         end,
         done: all.iter().filter(|j| j.state == State::Done).count(),
+        killed: all
+            .iter()
+            .filter(|j| matches!(j.state, State::Killed(_)))
+            .count(),
         failed: all
             .iter()
             .filter_map(|j| match j.state {
@@ -173,6 +245,58 @@ fn simulate(capacity: u64, staging: u64, specs: &[Spec], turns_max: u64) -> Outc
             })
             .collect(),
         turns: turn,
+    }
+}
+
+/// A killed job's slot is reclaimed, and holds nothing then: its resident, swapped and staging
+/// bytes are the board's again. Reclaimed by the first survivor's look at its line
+/// ([`UNSTALL_TURNS`]) when one stands in line, by any reservation that finds the GPU or the
+/// staging budget short, and by the agent's sample ([`AGENT_TURNS`]) at the latest.
+fn check_the_dead(region: &Region, jobs: &mut [Option<Job>], turn: u64) {
+    let waiting_since: Vec<u64> = jobs
+        .iter()
+        .flatten()
+        .filter(|j| !j.state.ended())
+        .filter_map(|j| j.in_line_from)
+        .collect();
+    for job in jobs.iter_mut().flatten() {
+        let State::Killed(killed) = job.state else {
+            continue;
+        };
+        if job.reclaimed_at.is_some() {
+            continue;
+        }
+        let slot = &region.slots[job.slot];
+        if slot.pid.load(SeqCst) != job.pid {
+            job.reclaimed_at = Some(turn);
+            // Zeroed, or already another process's slot (claimed after the reclaim).
+            if slot.pid.load(SeqCst) == 0 {
+                let held = [
+                    &slot.resident_bytes,
+                    &slot.swapped_bytes,
+                    &slot.staging_bytes,
+                    &slot.wait_since_ns,
+                ]
+                .map(|c| c.load(SeqCst));
+                assert_eq!(held, [0; 4], "{}: its reclaimed slot still holds", job.name);
+            }
+            continue;
+        }
+        assert!(
+            turn - killed < AGENT_TURNS,
+            "{}: killed at turn {killed}, its slot still held at turn {turn}",
+            job.name
+        );
+        let waited = waiting_since
+            .iter()
+            .map(|&since| turn + 1 - since.max(killed))
+            .max();
+        assert!(
+            waited.is_none_or(|waited| waited < UNSTALL_TURNS),
+            "{}: killed at turn {killed}, its slot still held at turn {turn} by a line that \
+             waited {waited:?} turns since",
+            job.name
+        );
     }
 }
 
@@ -187,12 +311,10 @@ fn step(
     if let State::Failed(_) = job.state
         && live.contains(job.pid)
     {
-        // A refusal is an out-of-memory error in the job, which ends it: the OS frees what it
-        // held, the board learns it from the dead slot.
-        live.kill(job.pid);
-        board.reclaim_dead(0);
+        // A refusal is an out-of-memory error in the job, which ends it.
+        exit(region, live, job);
     }
-    if matches!(job.state, State::Done | State::Failed(_)) {
+    if job.state.ended() {
         return;
     }
     // `poll_swap`: a want on the tenant is met from resident borrowed chunks, largest first,
@@ -262,20 +384,35 @@ fn step(
     match job.state {
         State::Growing => grow(region, board, job, now, turn),
         State::Running(0) => {
-            // Exits: the OS frees everything; the board learns it from the dead slot.
-            live.kill(job.pid);
-            board.reclaim_dead(0);
+            exit(region, live, job);
             job.state = State::Done;
         }
         State::Running(left) => job.state = State::Running(left - 1),
-        State::Done | State::Failed(_) => {}
+        State::Done | State::Failed(_) | State::Killed(_) => {}
     }
+}
+
+/// The job's process ends: the OS frees everything, and the board learns it from the dead slot.
+/// The model reclaims that slot at once (as if the next look came at once), and only that one:
+/// the slots of killed processes are left to the survivors and the agent, whose reclaim is what
+/// the kill properties check (a reclaim here would free them behind the survivors' backs).
+fn exit(region: &Region, live: &Fake, job: &Job) {
+    live.kill(job.pid);
+    let others: Vec<u32> = region
+        .slots
+        .iter()
+        .map(|s| s.pid.load(SeqCst))
+        .filter(|&pid| pid != 0 && pid != job.pid)
+        .collect();
+    let others = Fake::with(&others);
+    assert_eq!(Board::new(region, &others).reclaim_dead(0), 1);
 }
 
 fn grow(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, now: u64, turn: u64) {
     let Some(&piece) = job.pieces.last() else {
         board.stop_waiting(job.slot);
         job.waiting = None;
+        job.in_line_from = None;
         job.state = State::Running(job.run);
         return;
     };
@@ -319,6 +456,7 @@ fn grow(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, now: u64, turn
                 job.pieces.pop();
                 end_wait(board, job, turn);
                 job.stuck_turns = 0;
+                job.movement = None;
                 return;
             }
             Err(Refusal::OverLimit { .. }) => {
@@ -345,10 +483,12 @@ fn start_wait(job: &mut Job, now: u64, turn: u64) -> u64 {
         .place
         .filter(|&(_, ended)| turn.saturating_sub(ended) < RETRY_TURNS)
         .map(|(since, _)| since);
+    job.in_line_from.get_or_insert(turn);
     *job.waiting.get_or_insert(kept.unwrap_or(now))
 }
 
 fn end_wait(board: &Board<'_, &Fake>, job: &mut Job, turn: u64) {
+    job.in_line_from = None;
     if let Some(since) = job.waiting.take() {
         board.stop_waiting(job.slot);
         job.place = Some((since, turn));
@@ -356,7 +496,8 @@ fn end_wait(board: &Board<'_, &Fake>, job: &mut Job, turn: u64) {
 }
 
 /// Once a [`UNSTALL_TURNS`]: dead slots go, the first in line asks the other waiters' tenants
-/// (`reclaim::unstall`), and a stuck line refuses its last borrow after [`STUCK_TURNS`].
+/// (`reclaim::unstall`), and a stuck line refuses its last borrow after [`STUCK_TURNS`] without
+/// any memory moving.
 fn look_at_the_line(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, now: u64, turn: u64) {
     if turn % UNSTALL_TURNS != job.slot as u64 % UNSTALL_TURNS {
         if job.stuck_turns > 0 {
@@ -364,8 +505,15 @@ fn look_at_the_line(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, no
         }
         return;
     }
-    board.reclaim_dead(0);
+    board.reclaim_dead(job.pid);
     let (served, waiters) = region.served(now);
+    // As the interposer's wait loop: memory that moved since this job's last look (a chunk out
+    // or back, a grant, a free, a dead slot reclaimed just now) means the line is not stuck,
+    // whatever the rule's arithmetic says: the grace starts again.
+    let moved = region.movement();
+    if job.movement.replace(moved) != Some(moved) {
+        job.stuck_turns = 0;
+    }
     if waiters.is_empty() {
         return;
     }
@@ -390,19 +538,22 @@ fn look_at_the_line(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, no
 
 fn jobs() -> impl Strategy<Value = (u64, Vec<Spec>)> {
     // A GPU of 16 to 48 units; 2 to 4 jobs with requests that together fit it, peaks of up to
-    // the whole GPU in pieces of 1 to 4 units, runs of 0 to 300 turns, arrivals within 200.
+    // the whole GPU in pieces of 1 to 4 units, runs of 0 to 300 turns, arrivals within 200; one
+    // job in four killed within 600 turns of its start (growing, in line, swapped out, running,
+    // or after it ended: no kill then).
     (16u64..=48, 2usize..=4).prop_flat_map(|(capacity, n)| {
         let job = (
             1u64..=capacity / n as u64,
             proptest::collection::vec(1u64..=4, 1..=16),
             0u32..=300,
             0u64..=200,
+            proptest::option::weighted(0.25, 0u64..600),
         );
         (
             Just(capacity),
             proptest::collection::vec(job, n).prop_map(move |jobs| {
                 jobs.into_iter()
-                    .map(|(request, pieces, run, start)| {
+                    .map(|(request, pieces, run, start, kill_at)| {
                         // At most the GPU in all (a job larger than the GPU never fits).
                         let mut total = 0;
                         let peak_pieces: Vec<u64> = pieces
@@ -418,6 +569,7 @@ fn jobs() -> impl Strategy<Value = (u64, Vec<Spec>)> {
                             peak_pieces,
                             run,
                             start,
+                            kill_at,
                         }
                     })
                     .collect()
@@ -436,6 +588,8 @@ proptest! {
     /// line passed over a waiter it cannot serve (rule 7 of `reclaim`): rule 6 refused the last
     /// borrow when the first waiter could only be served by memory others held within their
     /// requests, though swapping the first waiter's borrowed memory out would have served it.
+    /// Killed jobs aside: every survivor finishes, whatever point the dead were at (their memory
+    /// and staging come back to the board, within a look of a survivor's wait: `check_the_dead`).
     #[test]
     fn with_room_for_the_requests_and_the_swap_every_job_finishes((capacity, specs) in jobs()) {
         // Each job's pieces cut to what fits beside the other jobs' requests.
@@ -455,23 +609,27 @@ proptest! {
         let peaks: u64 = specs.iter().map(|s| s.peak_pieces.iter().sum::<u64>()).sum();
         let outcome = simulate(capacity * U, peaks, &specs, 20_000);
         prop_assert!(
-            outcome.failed.is_empty() && outcome.done == specs.len(),
-            "{} of {} done after {} turns; failed: {:?}; end {}; jobs: {:?}",
-            outcome.done, specs.len(), outcome.turns, outcome.failed, outcome.end, specs
+            outcome.failed.is_empty() && outcome.done + outcome.killed == specs.len(),
+            "{} of {} done ({} killed) after {} turns; failed: {:?}; end {}; jobs: {:?}",
+            outcome.done, specs.len(), outcome.killed, outcome.turns, outcome.failed, outcome.end,
+            specs
         );
     }
 
-    /// With a swap space too small, jobs may be refused, but every job ends (done or refused with
-    /// a reason) within the bound: the line never hangs. (A model without the kept place of
-    /// `Process::line_place` hung here: two waiters took turns a piece at a time for ever.)
+    /// With a swap space too small, jobs may be refused, but every job ends (done, refused with
+    /// a reason, or killed) within the bound: the line never hangs, deaths or not. (A model
+    /// without the kept place of `Process::line_place` hung here: two waiters took turns a piece
+    /// at a time for ever.)
     #[test]
     fn with_a_small_swap_space_every_job_still_ends((capacity, specs) in jobs(), staging in 0u64..8) {
         let outcome = simulate(capacity * U, staging * U, &specs, 20_000);
         prop_assert_eq!(
-            outcome.done + outcome.failed.len(),
+            outcome.done + outcome.failed.len() + outcome.killed,
             specs.len(),
-            "capacity {} staging {}: after {} turns: {} done, failed {:?}; end {}; jobs {:?}",
-            capacity, staging, outcome.turns, outcome.done, outcome.failed, outcome.end, specs
+            "capacity {} staging {}: after {} turns: {} done, {} killed, failed {:?}; end {}; \
+             jobs {:?}",
+            capacity, staging, outcome.turns, outcome.done, outcome.killed, outcome.failed,
+            outcome.end, specs
         );
     }
 }
