@@ -778,6 +778,14 @@ impl Enforcer {
         if let Some(reserved) = attempt() {
             return reserved;
         }
+        // The room may be held by a process that died and nobody reclaimed yet (the agent looks
+        // once a second, the waiters at their looks): freed here, it is no reason to refuse (a
+        // caching allocator that does not retry would get out of memory for free memory).
+        if board.board.reclaim_dead(std::process::id()) > 0
+            && let Some(reserved) = attempt()
+        {
+            return reserved;
+        }
         let now = std::time::Instant::now();
         let retried = process.borrow_refused_at[device]
             .is_some_and(|at| now.saturating_duration_since(at) < line::RETRY_WINDOW);

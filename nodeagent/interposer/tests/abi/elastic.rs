@@ -2268,3 +2268,31 @@ fn the_shared_file_is_registered_as_far_as_the_borrowed_chunks_need() {
         "one slab for 8 MiB, a second for 64 MiB more, no more (of eight):\n{out}"
     );
 }
+
+/// A borrow that finds the room held by a process that died (SIGKILL, nothing reclaimed it yet:
+/// no agent runs here) is granted at once: the borrower reclaims the dead slot before it refuses.
+/// Before, its first attempt was refused (the error returned to the application, for a caching
+/// allocator to retry), though the memory was free (found by the line simulation's kills).
+#[test]
+fn a_borrow_beside_a_dead_processs_memory_reclaims_it_instead_of_refusing() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        16 * MIB,
+        &[("a", 4 * MIB, 12 * MIB), ("b", 4 * MIB, 12 * MIB)],
+    );
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).hold("alloc 4M alloc 8M");
+    assert_eq!(a.output, "alloc 0\nalloc 0\n", "a holds 12 of 16");
+    a.child.kill().expect("kill");
+    a.child.wait().expect("wait");
+    // (Not sampled here: sampling the board, as the agent does, reclaims dead slots.)
+    let (out, _) = run(
+        swapping(tenant(shm.path(), "b", "4MiB")),
+        "alloc 4M alloc 8M",
+    );
+    assert_eq!(
+        out, "alloc 0\nalloc 0\n",
+        "b's borrow granted at the first attempt"
+    );
+    assert_eq!(usage(&board, "a").resident_bytes, 0);
+}
