@@ -230,23 +230,30 @@ impl LatencySnapshot {
         }
     }
 
-    /// The latency at quantile `q` (0..=1), as the upper edge of its bucket (so a reported p99
-    /// is never below the true one by more than a bucket); `None` without steps.
-    pub fn quantile_ns(&self, q: f64) -> Option<u64> {
+    /// Where quantile `q` (0..=1) falls: its bucket, the steps in the buckets below it, and its
+    /// rank among all steps (1-based); `None` without steps.
+    fn locate(&self, q: f64) -> Option<(usize, u64, u64)> {
         assert!((0.0..=1.0).contains(&q), "a quantile is within 0..=1");
         let counted: u64 = self.buckets.iter().sum();
         if counted == 0 {
             return None;
         }
         let rank = ((q * counted as f64).ceil() as u64).clamp(1, counted);
-        let mut seen = 0;
-        for (bucket, count) in self.buckets.iter().enumerate() {
-            seen += count;
-            if seen >= rank {
-                return Some(bucket_floor_ns(bucket + 1));
+        let mut below = 0;
+        for (bucket, &count) in self.buckets.iter().enumerate() {
+            if below + count >= rank {
+                return Some((bucket, below, rank));
             }
+            below += count;
         }
         unreachable!("the ranks add up to the count")
+    }
+
+    /// The latency at quantile `q` (0..=1), as the upper edge of its bucket (so a reported p99
+    /// is never below the true one by more than a bucket); `None` without steps.
+    pub fn quantile_ns(&self, q: f64) -> Option<u64> {
+        self.locate(q)
+            .map(|(bucket, _, _)| bucket_floor_ns(bucket + 1))
     }
 
     /// The latency at quantile `q` (0..=1), placed within its bucket by rank: the `k`-th of the
@@ -256,25 +263,14 @@ impl LatencySnapshot {
     /// without steps. For baselines, which targets multiply: the upper edge made a tenant's
     /// learnt 1.2x target up to 1.31x its true p99.
     pub fn quantile_within_ns(&self, q: f64) -> Option<u64> {
-        assert!((0.0..=1.0).contains(&q), "a quantile is within 0..=1");
-        let counted: u64 = self.buckets.iter().sum();
-        if counted == 0 {
-            return None;
+        let (bucket, below, rank) = self.locate(q)?;
+        let floor = bucket_floor_ns(bucket);
+        if bucket + 1 >= LATENCY_BUCKETS {
+            return Some(floor);
         }
-        let rank = ((q * counted as f64).ceil() as u64).clamp(1, counted);
-        let mut seen = 0;
-        for (bucket, &count) in self.buckets.iter().enumerate() {
-            if seen + count >= rank {
-                let (floor, upper) = (bucket_floor_ns(bucket), bucket_floor_ns(bucket + 1));
-                if bucket + 1 >= LATENCY_BUCKETS {
-                    return Some(floor);
-                }
-                let share = ((rank - seen) as f64 - 0.5) / count as f64;
-                return Some(floor + ((upper - floor) as f64 * share).round() as u64);
-            }
-            seen += count;
-        }
-        unreachable!("the ranks add up to the count")
+        let width = bucket_floor_ns(bucket + 1) - floor;
+        let share = ((rank - below) as f64 - 0.5) / self.buckets[bucket] as f64;
+        Some(floor + (width as f64 * share).round() as u64)
     }
 
     /// Steps slower than `target_ns`: exactly, when the window's steps were counted against
