@@ -10,13 +10,17 @@
 #                                                       (vgpu.torch: empty_cache), nothing swapped
 #   5. RECLAIM=1 COLD=1 tests/gpu/elastic_memory.sh     the reclaim takes the chunks marked cold
 #                                                       (vgpu.torch.mark_cold) first
+#   5b. RECLAIM=1 FULL=1 tests/gpu/elastic_memory.sh  the node's swap space runs out (a 1 GiB
+#                                                       budget): the needy's request refused with a
+#                                                       line saying so, the borrower unharmed (part
+#                                                       `full`)
 #   6. tests/gpu/swap_exchange.sh                       both directions of the host link at once
 #                                                       (part `exchange`; `exchange32`: with
 #                                                       SWAP_HOST=32GiB, a short staging budget)
 #   7. tests/gpu/exchange_probe.py                      the exchange's two directions without vgpu:
 #                                                       why the taker is slower (part `probe`;
 #                                                       PROBE_GIB, default 16, PROBE_CHUNK_MIB 1024)
-# PARTS (default "reclaim latency jobs hint cold"; also exchange, exchange32, probe) picks which. Each part's own table is printed as it ends;
+# PARTS (default "reclaim latency jobs hint cold"; also full, exchange, exchange32, probe) picks which. Each part's own table is printed as it ends;
 # its logs go to $OUT/logs.tar.gz (<part>/...); a summary of the parts is printed last. Exit status 0 when every
 # part that ran passed. Every part stops what it started (each script's own cleanup); a part cut
 # by its limit gets TERM, then KILL 15 s later.
@@ -79,6 +83,10 @@ for part in $PARTS; do
     SCRIPT=("$ROOT/tests/gpu/elastic_memory.sh")
     run_part cold 180 RECLAIM=1 COLD=1
     ;;
+  full)
+    SCRIPT=("$ROOT/tests/gpu/elastic_memory.sh")
+    run_part full 180 RECLAIM=1 FULL=1
+    ;;
   exchange)
     SCRIPT=("$ROOT/tests/gpu/swap_exchange.sh")
     run_part exchange 210
@@ -92,7 +100,7 @@ for part in $PARTS; do
     run_part probe 150
     ;;
   *)
-    echo "unknown part $part (reclaim, latency, jobs, hint, cold, exchange, exchange32, probe)" >&2
+    echo "unknown part $part (reclaim, latency, jobs, hint, cold, full, exchange, exchange32, probe)" >&2
     exit 2
     ;;
   esac

@@ -47,6 +47,14 @@
 #
 #   RECLAIM=1 COLD=1 VGPU_BIN=dist tests/gpu/elastic_memory.sh
 #
+# FULL=1 (with RECLAIM=1): the node's swap space runs out (issue 17, point 4: "a clear refusal,
+# never a silent kill, when host memory for swap runs out"). The agent gets a staging budget of
+# FULL_SWAP (1GiB), far less than the reclaim would move. The second's request must be refused
+# with a line that says the node's swap space is full (and what to raise), the first must keep
+# running (none of its launches refused), get back whatever went out, and keep its checksums.
+#
+#   RECLAIM=1 FULL=1 VGPU_BIN=dist tests/gpu/elastic_memory.sh
+#
 # LATENCY=1 (with RECLAIM=1): a guaranteed latency tenant beside the swap (issue 17's third
 # check). Tenant `lat` (`--latency`, 0.1 of the GPU, 4 GiB) runs tests/gpu/closed_loop.py's
 # decoder step (a CUDA graph, ~1 ms, every 3 ms), warmed up before the first grows; one window
@@ -79,6 +87,10 @@ HINT=${HINT:-0}
 [ "$HINT" = 0 ] || [ "$RECLAIM" = 1 ] || { echo "HINT=1 needs RECLAIM=1" >&2; exit 2; }
 COLD=${COLD:-0}
 [ "$COLD" = 0 ] || [ "$RECLAIM" = 1 ] || { echo "COLD=1 needs RECLAIM=1" >&2; exit 2; }
+FULL=${FULL:-0}
+FULL_SWAP=${FULL_SWAP:-1GiB}
+[ "$FULL" = 0 ] || [ "$RECLAIM" = 1 ] || { echo "FULL=1 needs RECLAIM=1" >&2; exit 2; }
+[ "$FULL" = 0 ] || [ "$HINT$COLD" = 00 ] || { echo "FULL=1 goes without HINT and COLD" >&2; exit 2; }
 # the interposer's debug lines name the chunks a swap-out moved
 [ "$COLD" = 0 ] || export VGPU_LOG=2
 # The tenants' VGPU_MEMORY_SWAP: on for the second scenario only.
@@ -126,7 +138,10 @@ log "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format
 log "request $(gib $request), limit $(gib $limit), the first tenant grows to $(gib $target)"
 
 vgpu_cp_up || exit 1
-vgpu_agent_up || exit 1
+agent_flags=()
+[ "$FULL" = 1 ] && agent_flags=(--swap-host-memory "$FULL_SWAP")
+[ "$FULL" = 1 ] && log "FULL=1: the node's swap staging is $FULL_SWAP"
+vgpu_agent_up "${agent_flags[@]}" || exit 1
 for t in grower needy; do
   timeout 60 "$BIN/vgpuctl" --insecure --endpoints "$EP" place "$t" --gpus 0.25 --memory "$request" \
     --memory-limit "$limit" 2>&1 | tee -a "$LOGS/run.log"
@@ -243,7 +258,21 @@ record "the refusal past the limit says what to do" ">= 1 line" "$limit_lines" "
 granted=$(field "$n" granted_bytes)
 oom=$(field "$n" oom)
 said=$(grep -cE '\(the swap\) is off|wait for other tenants' "$n")
-if [ "$RECLAIM" = 1 ]; then
+if [ "$RECLAIM" = 1 ] && [ "$FULL" = 1 ]; then
+  seconds=$(field "$n" seconds)
+  full_lines=$(cat "$n" "$g" | grep -c "swap space is full")
+  record "the second's request refused (out of memory): the node's swap space is full" \
+    "refused; >= 1 line saying so" "out of memory: $oom after ${seconds:-?} s; $full_lines line(s)" \
+    "$(verdict $([ "$oom" = True ] && [ "${full_lines:-0}" -ge 1 ] && echo 1))"
+  raise=$(cat "$n" "$g" | grep -c "raise the agent's swap_host_memory")
+  record "the refusal says what to do (raise swap_host_memory)" ">= 1 line" "${raise:-0}" \
+    "$(verdict $([ "${raise:-0}" -ge 1 ] && echo 1))"
+  record "the first's memory back on the GPU after the second left (describe, swapped)" "0" \
+    "${swapped_after:-?} (out during: $(gib "${swapped_during:-0}"))" "$(verdict $([ "$swapped_after" = 0 ] && echo 1))"
+  ticks="$(field "$g" ticks) launches, $(field "$g" tick_refusals) refused"
+  record "the first kept launching: none refused, nobody killed" "0 refused" "$ticks" \
+    "$(verdict $([ "$(field "$g" tick_refusals)" = 0 ] && [ "$(field "$g" ticks)" -gt 0 ] 2>/dev/null && echo 1))"
+elif [ "$RECLAIM" = 1 ]; then
   seconds=$(field "$n" seconds)
   record "the second's request granted after a reclaim (VGPU_MEMORY_SWAP=1)" ">= $(gib $((request - GIB)))" \
     "$(gib "$granted") in ${seconds:-?} s, out of memory: $oom" \

@@ -13,6 +13,8 @@
 #   RECLAIM=1 tests/gpu/elastic_memory_dryrun.sh    # the swap scenario (see below)
 #   RECLAIM=1 HINT=1 tests/gpu/elastic_memory_dryrun.sh   # vgpu.torch's helper through the real .so
 #   RECLAIM=1 COLD=1 tests/gpu/elastic_memory_dryrun.sh   # vgpu.torch.mark_cold: cold chunks go first
+#   RECLAIM=1 FULL=1 tests/gpu/elastic_memory_dryrun.sh   # the node's swap space runs out: a clear
+#                                                    # refusal (2026-11-29: every row PASS but "does not fit")
 #   SCRIPT=swap_exchange.sh tests/gpu/elastic_memory_dryrun.sh   # another script of tests/gpu (its
 #                                                    # torch link measurement is skipped: LINK=0)
 #
