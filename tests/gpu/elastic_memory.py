@@ -25,6 +25,12 @@ allocates managed memory. Prints `RESULT {json}` last.
   link GIB
       the host link's ceiling with pinned memory and torch copies: device to host, host to
       device, and both at once on two streams (GIB each way, 1 GiB copies).
+  copies BYTES SECONDS
+      the copy engines' own traffic, without vgpu: BYTES (in 1 GiB pieces) to pinned host memory
+      and back, round after round for SECONDS, as a swap-out and its swap-in move them; reports
+      when the rounds ran (CLOCK_MONOTONIC, as closed_loop.py's windows) and the rate. A latency
+      tenant's seconds during them are the cost of the copy traffic alone, which the swap's may
+      not exceed (issue 17's third check).
 """
 import json
 import pathlib
@@ -192,6 +198,30 @@ def link(gib):
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def copies(wanted, seconds):
+    n = max(1, wanted // GIB)
+    dev = [torch.randint(0, 256, (GIB,), dtype=torch.uint8, device="cuda") for _ in range(n)]
+    host = [torch.empty(GIB, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+
+    def round_trip():
+        for d, h in zip(dev, host):
+            h.copy_(d, non_blocking=True)
+        for d, h in zip(dev, host):
+            d.copy_(h, non_blocking=True)
+        torch.cuda.synchronize()
+
+    round_trip()  # warm-up
+    rounds = 0
+    began = time.monotonic()
+    while rounds == 0 or time.monotonic() - began < seconds:
+        round_trip()
+        rounds += 1
+    ended = time.monotonic()
+    print("RESULT " + json.dumps({
+        "t_begin": round(began, 3), "t_end": round(ended, 3), "rounds": rounds, "gib_each_way": n,
+        "gbps": round(2 * n * GIB * rounds / (ended - began) / 1e9, 1)}), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "grow":
         options = dict(a.split("=", 1) for a in sys.argv[7:] if "=" in a)
@@ -204,6 +234,8 @@ if __name__ == "__main__":
              "tick" in flags, "hint" in flags, "cold" in flags, options.get("go"), int(options.get("more", 0)), options.get("more_go"))
     elif sys.argv[1] == "link":
         link(int(sys.argv[2]))
+    elif sys.argv[1] == "copies":
+        copies(int(sys.argv[2]), float(sys.argv[3]))
     elif sys.argv[1] == "request" and len(sys.argv) == 6:
         request(int(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5]))
     elif sys.argv[1] == "request":

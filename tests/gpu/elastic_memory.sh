@@ -58,9 +58,12 @@
 # LATENCY=1 (with RECLAIM=1): a guaranteed latency tenant beside the swap (issue 17's third
 # check). Tenant `lat` (`--latency`, 0.1 of the GPU, 4 GiB) runs tests/gpu/closed_loop.py's
 # decoder step (a CUDA graph, ~1 ms, every 3 ms), warmed up before the first grows; one window
-# of LAT_WINDOW seconds (25) starts a few seconds before the second allocates and ends after its
+# of LAT_WINDOW seconds (30) starts a few seconds before the second allocates and ends after its
 # memory is back. The table compares the decoder's p99 in the seconds the second's allocation
-# ran (the reclaim: a drain, copies to host) with its seconds before.
+# ran (the reclaim: a drain, copies to host) with its seconds before, and holds it to 1.2x or,
+# where the copy engines' traffic alone costs more, to that cost: once the first's memory is
+# back, a plain process (no vgpu) moves the same bytes to pinned host memory and back for 2 s
+# in the same window (`elastic_memory.py copies`), and its seconds are compared the same way.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -82,7 +85,7 @@ GIB=$((1 << 30))
 RESULTS="$LOGS/results.tsv"
 RECLAIM=${RECLAIM:-0}
 LATENCY=${LATENCY:-0}
-LAT_WINDOW=${LAT_WINDOW:-25}
+LAT_WINDOW=${LAT_WINDOW:-30}
 HINT=${HINT:-0}
 [ "$HINT" = 0 ] || [ "$RECLAIM" = 1 ] || { echo "HINT=1 needs RECLAIM=1" >&2; exit 2; }
 COLD=${COLD:-0}
@@ -226,6 +229,13 @@ if [ "$RECLAIM" = 1 ]; then
   swapped_back() { [ "$(usage_field grower memory_swapped_bytes)" = 0 ] || exited "$grower_pid"; }
   bounded_wait 60 "the first tenant's memory back on the GPU" swapped_back
   swapped_after=$(usage_field grower memory_swapped_bytes)
+  if [ "$LATENCY" = 1 ]; then
+    # The copy engines' own cost, in the same window: a plain process (no vgpu) moves the bytes
+    # the swap moved to pinned host memory and back for 2 s.
+    copy_bytes=${swapped_during:-0}
+    [ "$copy_bytes" -ge "$GIB" ] 2>/dev/null || copy_bytes=$((4 * GIB))
+    timeout 60 "$PY" "$HELPER" copies "$copy_bytes" 2 >"$LOGS/copies.log" 2>&1
+  fi
 else
   run_tenant needy needy 300 -- request $((request - GIB))
   needy_pid=$!
@@ -377,32 +387,53 @@ if [ "$LATENCY" = 1 ]; then
   lat_done() { exited "$lat_pid"; }
   bounded_wait $((LAT_WINDOW + 60)) "the latency tenant's window to end" lat_done
   # its per-second p99s, split at the seconds the second's allocation (the reclaim) ran
-  lat_row=$("$PY" - "$LOGS/latency.log" "$WORK/lat-schedule.json" "$n" <<'PYEOF'
+  lat_row=$("$PY" - "$LOGS/latency.log" "$WORK/lat-schedule.json" "$n" "$LOGS/copies.log" <<'PYEOF'
 import json, math, statistics, sys
 def result(path):
-    lines = [l for l in open(path, errors="replace") if l.startswith("RESULT ")]
+    try:
+        lines = [l for l in open(path, errors="replace") if l.startswith("RESULT ")]
+    except OSError:
+        return {}
     return json.loads(lines[-1][len("RESULT "):]) if lines else {}
 window = result(sys.argv[1]).get("windows", {}).get("reclaim", {})
 start = json.load(open(sys.argv[2]))["windows"][0]["start"]
 needy = result(sys.argv[3])
+copies = result(sys.argv[4])
 seconds = window.get("p99_per_second_ms", [])
 if not seconds or "t_begin" not in needy:
-    print("- - - no data")
+    print("- - - - no data")
     sys.exit()
 first, last = math.floor(needy["t_begin"] - start), math.ceil(needy["t_end"] - start)
 before = [p for i, p in enumerate(seconds) if i < first]
 during = [p for i, p in enumerate(seconds) if first <= i < last]
 if not before or not during:
-    print(f"- - - the reclaim ran in seconds {first}..{last} of {len(seconds)}")
+    print(f"- - - - the reclaim ran in seconds {first}..{last} of {len(seconds)}")
     sys.exit()
 b, d = statistics.median(before), max(during)
-print(f"{d / b:.2f} {d:.3f} {b:.3f} seconds {first}..{last} of {len(seconds)}, window p99 {window.get('p99_ms')} ms")
+# the copy traffic alone (a plain process moving the same bytes), in the same window
+copy_ratio, copy_note = "-", "copies: none in the window"
+if "t_begin" in copies:
+    c0, c1 = math.floor(copies["t_begin"] - start), math.ceil(copies["t_end"] - start)
+    copying = [p for i, p in enumerate(seconds) if c0 <= i < c1]
+    if copying:
+        copy_ratio = f"{max(copying) / b:.2f}"
+        copy_note = f"copies alone {copy_ratio}x in seconds {c0}..{c1} at {copies.get('gbps')} GB/s"
+    else:
+        copy_note = f"copies ran in seconds {c0}..{c1}, past the window's {len(seconds)}"
+print(f"{d / b:.2f} {copy_ratio} {d:.3f} {b:.3f} seconds {first}..{last} of {len(seconds)}, window p99 "
+      f"{window.get('p99_ms')} ms; {copy_note}")
 PYEOF
 )
-  read -r lat_ratio lat_during lat_before lat_note <<<"$lat_row"
-  record "the latency tenant's p99 while the reclaim ran (worst second) against before (median second)" "<= 1.2x" \
+  read -r lat_ratio copy_ratio lat_during lat_before lat_note <<<"$lat_row"
+  # The issue's bar: the swap's traffic may cost the latency tenant no more than the copy
+  # engines' traffic alone costs it (measured in the same window), or stay within 1.2x.
+  record "the latency tenant's p99 while the reclaim ran (worst second) against before (median second)" \
+    "<= 1.2x, or <= the copy traffic alone (${copy_ratio}x)" \
     "$lat_during ms against $lat_before ms (${lat_ratio}x; $lat_note)" \
-    "$(verdict $("$PY" -c 'import sys; print(1 if sys.argv[1] != "-" and float(sys.argv[1]) <= 1.2 else 0)' "$lat_ratio"))"
+    "$(verdict $("$PY" -c 'import sys
+r, c = sys.argv[1], sys.argv[2]
+ok = r != "-" and (float(r) <= 1.2 or (c != "-" and float(r) <= float(c) * 1.05))
+print(1 if ok else 0)' "$lat_ratio" "$copy_ratio"))"
 fi
 sums=$(field "$g" checksums_ok)
 record "the first tenant's tensors kept their checksums" "True" "$sums" "$(verdict $([ "$sums" = True ] && echo 1))"
