@@ -51,6 +51,14 @@ const STREAMS_MAX: usize = 256;
 const EVENT_POOL_MAX: usize = 64;
 /// Sleep between two looks while pausing or waiting for an event.
 const POLL_SLEEP: Duration = Duration::from_micros(10);
+/// A launch held at Exclusive for longer than this looks again only every [`HOLD_POLL_SLEEP`]:
+/// Exclusive lasts while a latency tenant is active at all (tens of ms at least), so a release
+/// a fraction of a millisecond late costs nothing, while a look every 10-60 us woke the held
+/// thread some 20,000 times a second for the whole hold (on an H200, seconds at a time, on
+/// CPUs beside the latency tenant's; whether that is what slowed an eager tenant at Exclusive
+/// there is not known yet).
+const HOLD_PATIENT_AFTER_NS: u64 = 1_000_000;
+const HOLD_POLL_SLEEP: Duration = Duration::from_micros(500);
 
 /// This process's closed-loop state on one device.
 #[derive(Default)]
@@ -222,16 +230,26 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
     };
     if exclusive_held(decision, now) || step_held(decision, now) || guard_held(decision, now) {
         let pause_over = std::cell::Cell::new(false);
-        let waited = wait_until(now, tenant_abi::control::HOLD_WAIT_MAX_NS, || {
-            let at = monotonic_ns();
-            let decision = control.decision(at);
-            if exclusive_held(decision, at) || guard_held(decision, at) {
-                return wanting(false);
-            }
-            let stepping = step_held(decision, at);
-            pause_over.set(stepping && at.saturating_sub(now) >= PAUSE_WAIT_MAX_NS);
-            wanting(!stepping || pause_over.get())
-        });
+        let patient_after = if decision.exclusive {
+            HOLD_PATIENT_AFTER_NS
+        } else {
+            u64::MAX
+        };
+        let waited = wait_until(
+            now,
+            tenant_abi::control::HOLD_WAIT_MAX_NS,
+            patient_after,
+            || {
+                let at = monotonic_ns();
+                let decision = control.decision(at);
+                if exclusive_held(decision, at) || guard_held(decision, at) {
+                    return wanting(false);
+                }
+                let stepping = step_held(decision, at);
+                pause_over.set(stepping && at.saturating_sub(now) >= PAUSE_WAIT_MAX_NS);
+                wanting(!stepping || pause_over.get())
+            },
+        );
         control.count_pause(waited.0);
         if (pause_over.get() || !waited.1) && !device.closed_loop.pause_logged.swap(true, Relaxed) {
             crate::log::error(format_args!(
@@ -275,7 +293,7 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
         };
         waited = true;
         let start = monotonic_ns();
-        let (_, done) = wait_until(start, EVENT_WAIT_MAX_NS, || {
+        let (_, done) = wait_until(start, EVENT_WAIT_MAX_NS, u64::MAX, || {
             gpu.event_query(oldest) != EventState::Pending
         });
         if !done {
@@ -336,8 +354,13 @@ fn retire_finished(gpu: &dyn Gpu, ring: &mut VecDeque<usize>, pool: &mut Vec<usi
 }
 
 /// Polls `done` until it holds or `limit_ns` passed since `start`; returns the time waited and
-/// whether it held.
-fn wait_until(start: u64, limit_ns: u64, done: impl Fn() -> bool) -> (u64, bool) {
+/// whether it held. Past `patient_after_ns` of waiting it looks every [`HOLD_POLL_SLEEP`].
+fn wait_until(
+    start: u64,
+    limit_ns: u64,
+    patient_after_ns: u64,
+    done: impl Fn() -> bool,
+) -> (u64, bool) {
     loop {
         if done() {
             return (monotonic_ns().saturating_sub(start), true);
@@ -345,6 +368,10 @@ fn wait_until(start: u64, limit_ns: u64, done: impl Fn() -> bool) -> (u64, bool)
         let now = monotonic_ns();
         if now.saturating_sub(start) >= limit_ns {
             return (now - start, false);
+        }
+        if now.saturating_sub(start) >= patient_after_ns {
+            std::thread::sleep(HOLD_POLL_SLEEP);
+            continue;
         }
         // Yields first: a cap of N launches in flight leaves N - 1 queued behind the awaited one,
         // which a late wake-up would let run dry.
