@@ -100,14 +100,24 @@ def main():
               "RUST_LOG=...,vgpu_agent::closed_loop::window=debug)")
         return 1
     top = max(level for _, level, *_ in rows)
-    for group, plan in groups(path):
-        offset = anchor(rows, plan)
+    # The schedules' times are one machine's CLOCK_MONOTONIC and the trace's its wall clock: one
+    # offset for every group, found from the group that ran first (a second group's anchor found
+    # by the same search would land on the first group's windows again).
+    offset = None
+    for group, plan in sorted(groups(path), key=lambda g: min((w["start"] for w in g[1]["windows"]),
+                                                              default=0)):
+        if offset is None:
+            offset = anchor(rows, plan)
         if offset is None:
             print(f"{group}: its latency tenants' windows are not in the trace")
             continue
+        # the top of this group's ladder (an agent without MPS has no SM levels)
+        span = [r for r in rows if offset + min(w["start"] for w in plan["windows"]) - 1 <= r[0]
+                < offset + max(w["start"] for w in plan["windows"]) + plan["window"]]
+        top = max((r[1] for r in span), default=top)
         print(f"== {group}: {len(plan['windows'])} windows of {plan['window']} s; levels 0-{top}")
         print("| window | time at each level | target ms (at s into the window) | at the top: "
-              "steps, windows over the target | neighbours held |")
+              "steps, windows over the target | neighbours held (counted as a held launch goes) |")
         print("| --- | --- | --- | --- | --- |")
         for w in plan["windows"]:
             lats = [a for a in w["active"] if a in LATENCY_WORKLOADS]
