@@ -621,9 +621,42 @@ def report(args):
     baseline = {l: quieter(l) for l in lats}
     alone_p99 = {l: (baseline[l] or {}).get("p99_ms") for l in lats}
     alone_work = {n: (nb_of(f"alone:-:{n}") or {}).get("work_per_s") for n in nbs}
+    rounds = range(1, max(1, args.rounds) + 1)
+
+    def tag_of(m, r, l, n):
+        # round r > 1 of mode m is tagged m@r (closed_loop.sh's PAIR_ROUNDS)
+        return f"{m}:{l}:{n}" if r == 1 else f"{m}@{r}:{l}:{n}"
+
+    # each round's alone figures: round 1's baseline is the quieter of its two alone windows
+    def alone_p99_in(l, r):
+        return alone_p99[l] if r == 1 else (lat_of(tag_of("alone", r, l, "-")) or {}).get("p99_ms")
+
+    def alone_work_in(n, r):
+        return alone_work[n] if r == 1 else (nb_of(tag_of("alone", r, "-", n)) or {}).get("work_per_s")
 
     def ratio(a, b):
         return a / b if a is not None and b and a >= 0 else None
+
+    def per_round(values):
+        """The median of the rounds' ratios and their range (None without any)."""
+        values = [v for v in values if v is not None]
+        return (statistics.median(values), min(values), max(values)) if values else (None, None, None)
+
+    def merged(windows):
+        """One window of several rounds: the median of each figure, the steps added up."""
+        windows = [w for w in windows if w]
+        if len(windows) <= 1:
+            return windows[0] if windows else None
+        out = {"unit": windows[0].get("unit", ""), "period_ms": windows[0].get("period_ms"),
+               "steps": sum(w.get("steps", 0) for w in windows)}
+        for key in ("p50_ms", "p99_ms", "p999_ms", "max_ms", "p99_late_ms", "work_per_s", "work_per_s_late",
+                    "chunk_ms_p50"):
+            values = [w[key] for w in windows if isinstance(w.get(key), (int, float)) and w[key] >= 0]
+            if values:
+                out[key] = round(statistics.median(values), 3)
+        return out
+
+    spread = {}  # (latency, neighbour, mode): (p99 ratio range, work ratio range) over the rounds
 
     rows = []  # (latency, neighbour, mode, lat dict, nb dict, p99 ratio, work ratio, verdict)
     for l in lats:
@@ -633,30 +666,45 @@ def report(args):
             w2 = lat_of(f"alone2:{l}:-")
             if w2:
                 rows.append((l, "-", "alone again", w2, None, ratio(w2.get("p99_ms"), alone_p99[l]), None, ""))
+            for r in rounds[1:]:
+                w = lat_of(tag_of("alone", r, l, "-"))
+                rows.append((l, "-", f"alone (round {r})", w, None, ratio((w or {}).get("p99_ms"), alone_p99[l]),
+                             None, ""))
     for n in nbs:
         if "alone" in modes:
             w = nb_of(f"alone:-:{n}")
             rows.append(("-", n, "alone", None, w, None, ratio((w or {}).get("work_per_s"), alone_work[n]), ""))
+            for r in rounds[1:]:
+                w = nb_of(tag_of("alone", r, "-", n))
+                rows.append(("-", n, f"alone (round {r})", None, w, None,
+                             ratio((w or {}).get("work_per_s"), alone_work[n]), ""))
     # Alone through vgpu (vgpu-alone, vgpu-mps-alone): vgpu's own cost, against alone.
     for m in modes:
         if not m.endswith("-alone"):
             continue
         for l in lats:
-            w = lat_of(f"{m}:{l}:-")
-            rows.append((l, "-", m, w, None, ratio((w or {}).get("p99_ms"), alone_p99[l]), None, ""))
+            ws = [lat_of(tag_of(m, r, l, "-")) for r in rounds]
+            pr = per_round([ratio((w or {}).get("p99_ms"), alone_p99_in(l, r)) for r, w in zip(rounds, ws)])
+            spread[(l, "-", m)] = (pr, None)
+            rows.append((l, "-", m, merged(ws), None, pr[0], None, ""))
         for n in nbs:
-            w = nb_of(f"{m}:-:{n}")
-            rows.append(("-", n, m, None, w, None, ratio((w or {}).get("work_per_s"), alone_work[n]), ""))
+            ws = [nb_of(tag_of(m, r, "-", n)) for r in rounds]
+            wr = per_round([ratio((w or {}).get("work_per_s"), alone_work_in(n, r)) for r, w in zip(rounds, ws)])
+            spread[("-", n, m)] = (None, wr)
+            rows.append(("-", n, m, None, merged(ws), None, wr[0], ""))
     summary = {m: {"pairs": 0, "p99_ok": 0, "work": [], "ok": 0} for m in modes if not m.endswith("alone")}
     for l, n in pairs:
         peers = {}
         for m in modes:
             if m.endswith("alone"):
                 continue
-            tag = f"{m}:{l}:{n}"
-            lw, nw = lat_of(tag), nb_of(tag)
-            pr = ratio((lw or {}).get("p99_ms"), alone_p99[l])
-            wr = ratio((nw or {}).get("work_per_s"), alone_work[n])
+            lws = [lat_of(tag_of(m, r, l, n)) for r in rounds]
+            nws = [nb_of(tag_of(m, r, l, n)) for r in rounds]
+            prs = per_round([ratio((w or {}).get("p99_ms"), alone_p99_in(l, r)) for r, w in zip(rounds, lws)])
+            wrs = per_round([ratio((w or {}).get("work_per_s"), alone_work_in(n, r)) for r, w in zip(rounds, nws)])
+            spread[(l, n, m)] = (prs, wrs)
+            lw, nw = merged(lws), merged(nws)
+            pr, wr = prs[0], wrs[0]
             peers[m] = (pr, (nw or {}).get("work_per_s"))
             rows.append([l, n, m, lw, nw, pr, wr, ""])
             s = summary[m]
@@ -707,9 +755,16 @@ def report(args):
         if vs_target is not None and n != "-":
             held.setdefault(m, []).append(vs_target)
         shown = "" if vs_target is None else f"{vs_target:.2f} ({target:.2f} ms)"
+
+        def ranged(value, which):
+            # with rounds, the median and the rounds' range
+            rng = (spread.get((l, n, m)) or (None, None))[which]
+            if len(rounds) > 1 and rng and rng[1] is not None:
+                return f"{f(value, 2)} [{rng[1]:.2f}-{rng[2]:.2f}]"
+            return f(value, 2)
         table.append(
-            f"| {l} | {n} | {m} | {f(lw.get('p50_ms'))} | {f(lw.get('p99_ms'))} | {f(pr, 2)} | "
-            f"{f(nw.get('work_per_s'), 1)} | {nw.get('unit', '')} | {f(wr, 2)} | {late} | {verdict} | {shown} |"
+            f"| {l} | {n} | {m} | {f(lw.get('p50_ms'))} | {f(lw.get('p99_ms'))} | {ranged(pr, 0)} | "
+            f"{f(nw.get('work_per_s'), 1)} | {nw.get('unit', '')} | {ranged(wr, 1)} | {late} | {verdict} | {shown} |"
         )
         tsv.append("\t".join(f(v) if not isinstance(v, str) else v for v in (
             l, n, m, lw.get("steps"), lw.get("p50_ms"), lw.get("p99_ms"), lw.get("p999_ms"), lw.get("max_ms"),
@@ -788,6 +843,8 @@ def main():
     p.add_argument("--window", type=float, default=0.0)
     p.add_argument("--vgpu-window", type=float, default=0.0)
     p.add_argument("--limit", type=float, default=1.2)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of the matrix's windows (closed_loop.sh's PAIR_ROUNDS): ratios per round, medians")
     args = parser.parse_args()
     if args.command == "schedule":
         return schedule(args)

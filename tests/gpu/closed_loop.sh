@@ -58,7 +58,11 @@
 # NUMA node and the neighbours to 4 others of it, in every mode alike; 0: wherever the kernel puts
 # them. A launch-bound Python loop's p50 moved 2.2-3.3 ms between processes of one run with the
 # CPU it happened to run on, which no ratio between two processes survives), ROUNDS (3, the cost
-# modes' rounds),
+# modes' rounds), PAIR_ROUNDS (1: the matrix's windows, alone and pairs, once per group; N: N
+# rounds in each group, each round's alone windows before its pairs, round r > 1 tagged
+# `MODE@r`; the report then takes each pair's ratios per round, against that round's alone
+# windows, and shows their median [min-max]: a launch-bound tenant's own p99 moved 1.5-2.2x
+# between two alone windows of one call, which no single window's verdict survives),
 # LAT_TARGETS (e.g. "decoder=1.3ms eager=4.5ms"; a workload not named has its target learnt from
 # its own steps): explicit targets take the learning out of a comparison (the learnt targets of
 # eager and bert moved with their 30% noise and with slow spells at Exclusive on an H200),
@@ -116,6 +120,10 @@ for l in decoder eager bert; do for n in gemm train stream long; do ALL_PAIRS+="
 PAIRS=${PAIRS:-$ALL_PAIRS}
 MODES=${MODES:-alone plain mps mps50 vgpu-mps vgpu}
 ROUNDS=${ROUNDS:-3}
+PAIR_ROUNDS=${PAIR_ROUNDS:-1}
+[[ "$PAIR_ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "PAIR_ROUNDS must be a whole number >= 1" >&2; exit 2; }
+# the tag of MODE's windows in round R: MODE in the first, MODE@R after
+round_tag() { if [ "$2" = 1 ]; then echo "$1"; else echo "$1@$2"; fi; }
 PIN=${PIN:-1}
 PERIODS=${PERIODS:-}
 DEADLINE_S=${DEADLINE_S:-570}
@@ -282,7 +290,7 @@ run_group() {
   while read -r tag off; do
     [ -n "$tag" ] || continue
     last_end=$(awk -v o="$off" -v w="$gw" 'BEGIN { print o + w }')
-    if [ "$name" = vgpu ] || [ "$name" = vgpu-mps ]; then
+    if [ "$name" = vgpu ] || [ "$name" = vgpu-mps ] || [ "$name" = vgpu-mps-all ]; then
       # the agent's view of the pair, near the end of its window
       sleep "$(until_rel "$t_ref" "$(awk -v o="$off" -v w="$gw" 'BEGIN { print o + w - 1 }')")"
       local l=${tag#*:}
@@ -420,9 +428,9 @@ fi
 log "pinning: latency workloads to CPUs '${LAT_CPUS:-any}', neighbours to '${NB_CPUS:-any}' (PIN=$PIN)"
 n_pairs=$(echo "$PAIRS" | wc -w)
 n_win=0
-has_mode alone && n_win=$((n_win + 2 * ${#LATS[@]} + ${#NBS[@]}))
-for m in plain mps mps50 vgpu-mps vgpu-mps-all vgpu; do has_mode "$m" && n_win=$((n_win + n_pairs)); done
-for m in vgpu-mps-alone vgpu-mps-all-alone vgpu-alone; do has_mode "$m" && n_win=$((n_win + ${#LATS[@]} + ${#NBS[@]})); done
+has_mode alone && n_win=$((n_win + PAIR_ROUNDS * (${#LATS[@]} + ${#NBS[@]}) + ${#LATS[@]}))
+for m in plain mps mps50 vgpu-mps vgpu-mps-all vgpu; do has_mode "$m" && n_win=$((n_win + PAIR_ROUNDS * n_pairs)); done
+for m in vgpu-mps-alone vgpu-mps-all-alone vgpu-alone; do has_mode "$m" && n_win=$((n_win + PAIR_ROUNDS * (${#LATS[@]} + ${#NBS[@]}))); done
 for m in cost cost-mps; do has_mode "$m" && n_win=$((n_win + ROUNDS * (3 * ${#LATS[@]} + 2 * ${#NBS[@]}))); done
 log "plan: $n_win windows of ${WINDOW}s (the vgpu groups' ${VGPU_WINDOW}s) (+${SETTLE}s settle, ${GAP}s gap): ~$(awk -v n="$n_win" -v w="$WINDOW" -v s="$SETTLE" -v g="$GAP" 'BEGIN { printf "%d", n * (s + w + g) }')s of windows, plus ~8s per group"
 
@@ -442,17 +450,17 @@ plan_group() { # plan_group NAME WINDOWS: adds the group's estimate to the plan
   if [ "$DEADLINE_S" != 0 ] && [ "$plan_total" -gt "$DEADLINE_S" ]; then plan_skipped+=("$1"); fi
 }
 w=0
-has_mode alone && w=$((w + 2 * n_lat + n_nb))
-has_mode plain && w=$((w + n_pairs))
+has_mode alone && w=$((w + PAIR_ROUNDS * (n_lat + n_nb) + n_lat))
+has_mode plain && w=$((w + PAIR_ROUNDS * n_pairs))
 plan_group plain "$w"
 w=0
-for m in mps mps50; do has_mode "$m" && w=$((w + n_pairs)); done
+for m in mps mps50; do has_mode "$m" && w=$((w + PAIR_ROUNDS * n_pairs)); done
 plan_group mps "$w"
 has_mode mps-out-alone && plan_group mps-out $((n_lat + n_nb))
 for g in vgpu-mps vgpu-mps-all vgpu; do
   w=0
-  has_mode "$g-alone" && w=$((w + n_lat + n_nb))
-  has_mode "$g" && w=$((w + n_pairs))
+  has_mode "$g-alone" && w=$((w + PAIR_ROUNDS * (n_lat + n_nb)))
+  has_mode "$g" && w=$((w + PAIR_ROUNDS * n_pairs))
   plan_group "$g" "$w"
 done
 for g in cost cost-mps; do
@@ -475,13 +483,15 @@ GROUP_WINS=()
 if has_mode alone || has_mode plain; then
   for l in "${LATS[@]}"; do GROUP_PROCS+=("$l $l plain"); done
   for n in "${NBS[@]}"; do GROUP_PROCS+=("$n $n plain"); done
-  if has_mode alone; then
-    for l in "${LATS[@]}"; do GROUP_WINS+=("alone:$l:-=$l"); done
-    for n in "${NBS[@]}"; do GROUP_WINS+=("alone:-:$n=$n"); done
-  fi
-  if has_mode plain; then
-    for p in $PAIRS; do GROUP_WINS+=("plain:$p=${p%%:*},${p#*:}"); done
-  fi
+  for r in $(seq 1 "$PAIR_ROUNDS"); do
+    if has_mode alone; then
+      for l in "${LATS[@]}"; do GROUP_WINS+=("$(round_tag alone "$r"):$l:-=$l"); done
+      for n in "${NBS[@]}"; do GROUP_WINS+=("$(round_tag alone "$r"):-:$n=$n"); done
+    fi
+    if has_mode plain; then
+      for p in $PAIRS; do GROUP_WINS+=("$(round_tag plain "$r"):$p=${p%%:*},${p#*:}"); done
+    fi
+  done
   # each latency tenant alone once more at the end: the quieter of its two alone windows is its
   # baseline (the first ones, right after the warm-up, were slow in their first seconds in every
   # call of the eleventh session for eager and bert)
@@ -496,14 +506,16 @@ if has_mode mps || has_mode mps50; then
   GROUP_PROCS=()
   GROUP_WINS=()
   for l in "${LATS[@]}"; do GROUP_PROCS+=("$l $l mps"); done
-  if has_mode mps; then
-    for n in "${NBS[@]}"; do GROUP_PROCS+=("$n $n mps"); done
-    for p in $PAIRS; do GROUP_WINS+=("mps:$p=${p%%:*},${p#*:}"); done
-  fi
-  if has_mode mps50; then
-    for n in "${NBS[@]}"; do GROUP_PROCS+=("$n-50 $n mps50"); done
-    for p in $PAIRS; do GROUP_WINS+=("mps50:$p=${p%%:*},${p#*:}-50"); done
-  fi
+  has_mode mps && for n in "${NBS[@]}"; do GROUP_PROCS+=("$n $n mps"); done
+  has_mode mps50 && for n in "${NBS[@]}"; do GROUP_PROCS+=("$n-50 $n mps50"); done
+  for r in $(seq 1 "$PAIR_ROUNDS"); do
+    if has_mode mps; then
+      for p in $PAIRS; do GROUP_WINS+=("$(round_tag mps "$r"):$p=${p%%:*},${p#*:}"); done
+    fi
+    if has_mode mps50; then
+      for p in $PAIRS; do GROUP_WINS+=("$(round_tag mps50 "$r"):$p=${p%%:*},${p#*:}-50"); done
+    fi
+  done
   mps_start && run_group mps
   mps_stop
 fi
@@ -537,19 +549,22 @@ vgpu_group() { # vgpu_group MODE: the pairs through the agent (vgpu: without MPS
   GROUP_WINS=()
   for l in "${LATS[@]}"; do GROUP_PROCS+=("$l $l vgpu:lat-$l"); done
   for n in "${NBS[@]}"; do GROUP_PROCS+=("$n $n vgpu:nb"); done
-  # each workload alone through vgpu first (vgpu's own cost), then the pairs
-  if has_mode "$1-alone"; then
-    for l in "${LATS[@]}"; do GROUP_WINS+=("$1-alone:$l:-=$l"); done
-    for n in "${NBS[@]}"; do GROUP_WINS+=("$1-alone:-:$n=$n"); done
-  fi
-  if has_mode "$1"; then
-    for p in $PAIRS; do GROUP_WINS+=("$1:$p=${p%%:*},${p#*:}"); done
-  fi
+  # each workload alone through vgpu first (vgpu's own cost), then the pairs, each round
+  local r
+  for r in $(seq 1 "$PAIR_ROUNDS"); do
+    if has_mode "$1-alone"; then
+      for l in "${LATS[@]}"; do GROUP_WINS+=("$(round_tag "$1-alone" "$r"):$l:-=$l"); done
+      for n in "${NBS[@]}"; do GROUP_WINS+=("$(round_tag "$1-alone" "$r"):-:$n=$n"); done
+    fi
+    if has_mode "$1"; then
+      for p in $PAIRS; do GROUP_WINS+=("$(round_tag "$1" "$r"):$p=${p%%:*},${p#*:}"); done
+    fi
+  done
   run_group "$1"
 }
 # with MPS first (the mode that matters most comes before the deadline can bite); `exec` and `env`
 # read the node's settings like the agent, hence VGPU_AGENT_MPS beside them
-if { has_mode vgpu-mps || has_mode vgpu-mps-alone; } && fits vgpu-mps "$n_pairs" 8; then
+if { has_mode vgpu-mps || has_mode vgpu-mps-alone; } && fits vgpu-mps "$((PAIR_ROUNDS * n_pairs))" 8; then
   EXEC=(env VGPU_AGENT_MPS=true "${EXEC_BASE[@]}")
   if vgpu_up --mps; then
     vgpu_group vgpu-mps
@@ -560,7 +575,7 @@ fi
 # vgpu-mps-all: the same with the latency tenants MPS clients too (`--mps-tenants all`: they
 # share the neighbours' fault domain, and the neighbours' SMs become a lever), through a fresh
 # agent and MPS daemon, in the same run as vgpu-mps and the peers
-if { has_mode vgpu-mps-all || has_mode vgpu-mps-all-alone; } && fits vgpu-mps-all "$n_pairs" 8; then
+if { has_mode vgpu-mps-all || has_mode vgpu-mps-all-alone; } && fits vgpu-mps-all "$((PAIR_ROUNDS * n_pairs))" 8; then
   EXEC=(env VGPU_AGENT_MPS=true VGPU_AGENT_MPS_TENANTS=all "${EXEC_BASE[@]}")
   [ "$AGENT_MPS" = 1 ] && agent_mps_down
   if MPS_TENANTS=all vgpu_up --mps; then
@@ -570,7 +585,7 @@ if { has_mode vgpu-mps-all || has_mode vgpu-mps-all-alone; } && fits vgpu-mps-al
     log "vgpu-mps-all: the control plane or agent did not come up (cp.log, agent.log); mode skipped"
   fi
 fi
-if { has_mode vgpu || has_mode vgpu-alone; } && fits vgpu "$n_pairs" 8; then
+if { has_mode vgpu || has_mode vgpu-alone; } && fits vgpu "$((PAIR_ROUNDS * n_pairs))" 8; then
   EXEC=(env VGPU_AGENT_MPS=false "${EXEC_BASE[@]}")
   if [ "$AGENT_MPS" = 1 ]; then
     # no tenant process is left: the agent without --mps shares the GPU by turns only
@@ -627,7 +642,7 @@ rc=0
 matrix_modes=$(for m in $MODES; do case "$m" in cost | cost-mps) ;; *) echo "$m" ;; esac; done | xargs)
 if [ -n "$matrix_modes" ]; then
   "$PY" "$HELPER" report --logs "$LOGS" --pairs "$PAIRS" --modes "$matrix_modes" --window "$WINDOW" \
-    --vgpu-window "$VGPU_WINDOW"
+    --vgpu-window "$VGPU_WINDOW" --rounds "$PAIR_ROUNDS"
   rc=$?
 fi
 if has_mode cost || has_mode cost-mps; then
