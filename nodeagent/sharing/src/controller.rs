@@ -1077,8 +1077,8 @@ impl Controller {
                     (here.steps, here.slower_than(here_p99)),
                     FLOOR_BETTER_P,
                 );
-            let counts = |h: &LatencySnapshot| (h.steps, h.slower_than(target));
-            let fewer_violations = free.slower_than(target) as f64 > budget * free.steps as f64
+            let counts = |h: &LatencySnapshot| (h.steps, h.over(target));
+            let fewer_violations = free.over(target) as f64 > budget * free.steps as f64
                 && rate_higher(counts(free), counts(here), FLOOR_BETTER_P);
             !lower_p99 && !fewer_violations
         })
@@ -1118,10 +1118,7 @@ impl Controller {
     fn violations_at(&self, level: usize, name: &str) -> (u64, u64) {
         let target = self.tenants[name].target_ns(&self.config);
         self.measured[level].get(name).map_or((0, 0), |steps| {
-            (
-                steps.steps,
-                target.map_or(0, |target| steps.slower_than(target)),
-            )
+            (steps.steps, target.map_or(0, |target| steps.over(target)))
         })
     }
 

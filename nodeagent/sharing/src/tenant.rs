@@ -578,6 +578,7 @@ impl TenantState {
 pub(crate) fn halve(histogram: &mut LatencySnapshot) {
     histogram.steps /= 2;
     histogram.total_ns /= 2;
+    histogram.over_target /= 2;
     for count in &mut histogram.buckets {
         *count /= 2;
     }
