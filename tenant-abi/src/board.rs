@@ -636,8 +636,8 @@ impl Region {
                 // freed for another process's swap-out like anyone's (the watcher answers
                 // `staging_wanted`, and a first waiting on a short budget frees it itself): room
                 // for the givers' first pieces too. Uncounted, a first holding 34 GiB pinned
-                // ahead on an 84 GiB budget most likely made a moving line look stuck, and a
-                // job's borrow was refused (an H200 run of the three jobs).
+                // ahead on an 84 GiB budget may have made a moving line look stuck, and a job's
+                // borrow was refused (an H200 run of the three jobs; the logs do not say).
                 let base = self
                     .staging_left()
                     .saturating_add(idle_elsewhere)
