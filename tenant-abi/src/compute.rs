@@ -63,6 +63,8 @@ pub const QUANTUM_NS_DEFAULT: u64 = 20_000_000;
 pub const IDLE_GAP_NS: u64 = 2_000_000;
 /// Weights are in parts per million of the GPU.
 pub const PPM: u64 = 1_000_000;
+/// `TenantSlot::progress`: set once the tenant's application counts its own units.
+pub const PROGRESS_HINTED: u64 = 1 << 63;
 
 /// Tenant slot phases (high 32 bits of `TenantSlot::state`; the low 32 bits are the pid of the
 /// process that claims or reclaims it).
@@ -122,7 +124,13 @@ pub struct TenantSlot {
     pub demand_ns: AtomicU64,
     /// Turn time charged to it, in ns (statistics: GPU time).
     pub used_ns: AtomicU64,
-    pub reserved: AtomicU64,
+    /// What its processes achieved (in version 4's word that was reserved and zero, so older
+    /// processes leave it 0: unmeasured): the low 63 bits count its *steps* (synchronisations
+    /// that waited for work it launched) until one of its processes counts its own units
+    /// (`vgpu_progress`); from then on bit 63 ([`PROGRESS_HINTED`]) is set and only those
+    /// units are counted. Read by the agent's redistribution of idle SMs (`sharing::redistribute`).
+    /// Cleared when the slot is claimed.
+    pub progress: AtomicU64,
     pub name: [AtomicU64; NAME_BYTES / 8],
 }
 
@@ -180,7 +188,7 @@ impl Region {
                 vt: zero(),
                 demand_ns: zero(),
                 used_ns: zero(),
-                reserved: zero(),
+                progress: zero(),
                 name: std::array::from_fn(|_| zero()),
             }),
             procs: std::array::from_fn(|_| ProcSlot {
@@ -197,6 +205,8 @@ impl Region {
                 paused_ns: zero(),
                 bounded_launches: zero(),
                 next_step_ns: zero(),
+                caps: std::array::from_fn(|_| zero()),
+                caps_ns: zero(),
                 reserved: std::array::from_fn(|_| zero()),
                 latency: std::array::from_fn(|_| crate::control::LatencyStats {
                     steps: zero(),
@@ -260,6 +270,35 @@ impl Region {
 
     pub fn quantum_ns(&self) -> u64 {
         u64::from(self.header.quantum_us.load(Relaxed).clamp(1000, 1_000_000)) * 1000
+    }
+
+    /// Counts `n` steps of tenant slot `tenant` (a synchronisation that waited for its work),
+    /// unless its application counts its own units: then steps are not its measure.
+    #[inline]
+    pub fn count_steps(&self, tenant: usize, n: u64) {
+        let progress = &self.tenants[tenant].progress;
+        if progress.load(Relaxed) & PROGRESS_HINTED == 0 {
+            progress.fetch_add(n, Relaxed);
+        }
+    }
+
+    /// Counts `n` of the application's own units of progress for tenant slot `tenant`
+    /// (`vgpu_progress`); the first such count marks the slot [`PROGRESS_HINTED`], and from
+    /// then on steps are not counted.
+    #[inline]
+    pub fn count_progress(&self, tenant: usize, n: u64) {
+        let progress = &self.tenants[tenant].progress;
+        if progress.load(Relaxed) & PROGRESS_HINTED == 0 {
+            progress.fetch_or(PROGRESS_HINTED, Relaxed);
+        }
+        progress.fetch_add(n, Relaxed);
+    }
+
+    /// Tenant slot `tenant`'s progress: its count (without the flag) and whether the count is
+    /// the application's own units.
+    pub fn progress(&self, tenant: usize) -> (u64, bool) {
+        let word = self.tenants[tenant].progress.load(Relaxed);
+        (word & !PROGRESS_HINTED, word & PROGRESS_HINTED != 0)
     }
 
     /// Rewrites the config word of the live tenant slot named `name` with `change` applied to
@@ -356,6 +395,32 @@ impl Region {
         times
     }
 
+    /// The live tenant slots with what the agent's redistribution reads of each: atomic loads
+    /// only, skipping slots being claimed or reclaimed (as [`Region::live_slots`]).
+    pub fn activity(&self) -> Vec<Activity> {
+        self.live_slots_with(|slot| {
+            let word = slot.progress.load(Relaxed);
+            (
+                TenantConfig::unpack(slot.config.load(Relaxed)),
+                slot.demand_ns.load(Relaxed),
+                word & !PROGRESS_HINTED,
+                word & PROGRESS_HINTED != 0,
+            )
+        })
+        .into_iter()
+        .map(
+            |(slot, name, (config, demand_ns, progress, hinted))| Activity {
+                slot,
+                name,
+                config,
+                demand_ns,
+                progress,
+                hinted,
+            },
+        )
+        .collect()
+    }
+
     /// The live tenant slots and their names (slots being claimed or reclaimed skipped, as
     /// [`Region::tenant_times`] skips them): atomic loads only.
     pub fn live_slots(&self) -> Vec<(usize, String)> {
@@ -400,6 +465,20 @@ impl Region {
 /// in the future (another process's clock read raced ours) counts as fresh.
 pub fn latency_fresh(stamp_ns: u64, now_ns: u64, hold_ns: u64) -> bool {
     stamp_ns != 0 && now_ns.saturating_sub(stamp_ns) < hold_ns
+}
+
+/// One live tenant slot as the agent's redistribution reads it ([`Region::activity`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Activity {
+    pub slot: usize,
+    pub name: String,
+    pub config: TenantConfig,
+    /// `TenantSlot::demand_ns`: when one of its processes last launched or waited to.
+    pub demand_ns: u64,
+    /// `TenantSlot::progress` without the flag.
+    pub progress: u64,
+    /// The count is the application's own units (`PROGRESS_HINTED`), not steps.
+    pub hinted: bool,
 }
 
 /// A tenant's scheduling parameters on one GPU.
@@ -741,6 +820,7 @@ impl<'r, L: Liveness> Schedule<'r, L> {
             .store(self.region.header.floor_vt.load(SeqCst), SeqCst);
         slot.demand_ns.store(now_ns, SeqCst);
         slot.used_ns.store(0, SeqCst);
+        slot.progress.store(0, SeqCst);
         self.region.control.clear_latency(mine);
         let named = state(PHASE_NAMED, pid);
         slot.state.store(named, SeqCst);

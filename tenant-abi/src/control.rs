@@ -133,10 +133,23 @@ pub struct Control {
     /// When a latency process expects its next step to start (its last step's start plus its
     /// usual period between starts; 0: unknown), for `Decision::guard_us`.
     pub next_step_ns: AtomicU64,
-    pub reserved: [AtomicU64; 9],
+    /// The agent's SM cap of each tenant slot (`sharing::redistribute`), one byte per slot
+    /// (slot `i`: byte `i % 8` of word `i / 8`), in [`CAP_UNITS`]ths of the GPU's SMs; 0 (and
+    /// `CAP_UNITS` or more): uncapped. In version 4's words that were reserved and zero: an
+    /// older agent leaves every tenant uncapped, an older interposer ignores the caps.
+    pub caps: [AtomicU64; CAP_WORDS],
+    /// When the agent last wrote `caps` (0: never); caps expire like a decision
+    /// ([`DECISION_TTL_NS`]), so a dead agent leaves every tenant uncapped.
+    pub caps_ns: AtomicU64,
+    pub reserved: [AtomicU64; 4],
     /// Per tenant slot of the schedule (`compute::Region::tenants`).
     pub latency: [LatencyStats; crate::compute::TENANTS],
 }
+
+/// An SM cap's unit: a cap of `c` leaves a tenant `c / CAP_UNITS` of the GPU's SMs.
+pub const CAP_UNITS: u8 = 128;
+/// Words of `Control::caps` (a byte per tenant slot).
+pub const CAP_WORDS: usize = crate::compute::TENANTS / 8;
 
 /// The bytes of [`Control`]; part of the schedule file's size.
 pub const CONTROL_BYTES: usize = 16 * 8 + crate::compute::TENANTS * (32 + LATENCY_BUCKETS * 8);
@@ -350,6 +363,30 @@ impl Control {
         self.latency[tenant].target_ns.store(target_ns, Relaxed);
     }
 
+    /// Publishes every tenant slot's SM cap at `now_ns` (`caps[i]`: slot `i`'s, in
+    /// [`CAP_UNITS`]ths; 0: uncapped).
+    pub fn publish_caps(&self, caps: &[u8; crate::compute::TENANTS], now_ns: u64) {
+        for (word, bytes) in self.caps.iter().zip(caps.chunks_exact(8)) {
+            let packed = u64::from_le_bytes(bytes.try_into().expect("8 bytes"));
+            word.store(packed, Relaxed);
+        }
+        self.caps_ns.store(now_ns, Relaxed);
+    }
+
+    /// Tenant slot `tenant`'s SM cap in force at `now_ns`, in [`CAP_UNITS`]ths of the GPU's
+    /// SMs (`1..CAP_UNITS`); `None`: uncapped (no cap, or caps older than
+    /// [`DECISION_TTL_NS`]).
+    #[inline]
+    pub fn cap(&self, tenant: usize, now_ns: u64) -> Option<u8> {
+        let at = self.caps_ns.load(Relaxed);
+        if at == 0 || now_ns.saturating_sub(at) > DECISION_TTL_NS {
+            return None;
+        }
+        let word = self.caps[tenant / 8].load(Relaxed);
+        let cap = (word >> (8 * (tenant % 8))) as u8;
+        (cap != 0 && cap < CAP_UNITS).then_some(cap)
+    }
+
     /// Clears tenant slot `tenant`'s histogram (its slot was given to another tenant).
     pub fn clear_latency(&self, tenant: usize) {
         let stats = &self.latency[tenant];
@@ -454,6 +491,46 @@ mod tests {
         assert!((99_000_000..=109_000_000).contains(&p99), "{p99}");
         assert_eq!(LatencySnapshot::default().quantile_ns(0.99), None);
         assert!(window.slower_than(90_000_000) <= 10);
+    }
+
+    #[test]
+    fn caps_are_per_slot_and_expire_like_a_decision() {
+        let region = crate::compute::Region::new_boxed();
+        let control = &region.control;
+        let now = 5_000_000_000;
+        assert_eq!(control.cap(0, now), None, "never published: uncapped");
+        let mut caps = [0u8; crate::compute::TENANTS];
+        caps[0] = 64;
+        caps[9] = 1;
+        caps[31] = 127;
+        caps[5] = CAP_UNITS;
+        control.publish_caps(&caps, now);
+        assert_eq!(control.cap(0, now), Some(64));
+        assert_eq!(control.cap(9, now + DECISION_TTL_NS), Some(1));
+        assert_eq!(control.cap(31, now), Some(127));
+        assert_eq!(control.cap(5, now), None, "the whole GPU is no cap");
+        assert_eq!(control.cap(1, now), None);
+        assert_eq!(control.cap(8, now), None);
+        assert_eq!(control.cap(0, now + DECISION_TTL_NS + 1), None, "expired");
+        // Published again without it: uncapped at once.
+        caps[0] = 0;
+        control.publish_caps(&caps, now + 1);
+        assert_eq!(control.cap(0, now + 1), None);
+        assert_eq!(control.cap(9, now + 1), Some(1));
+    }
+
+    #[test]
+    fn steps_count_until_the_application_counts_its_own_units() {
+        let region = crate::compute::Region::new_boxed();
+        region.count_steps(3, 2);
+        assert_eq!(region.progress(3), (2, false));
+        region.count_progress(3, 10);
+        assert_eq!(region.progress(3), (12, true));
+        region.count_steps(3, 5);
+        assert_eq!(region.progress(3), (12, true), "steps no longer count");
+        region.count_progress(3, 1);
+        assert_eq!(region.progress(3), (13, true));
+        assert_eq!(region.progress(4), (0, false));
     }
 
     #[test]

@@ -423,6 +423,26 @@ impl ScheduleControl {
         })
     }
 
+    /// Every live tenant slot with its config, demand stamp and progress
+    /// (`compute::Region::activity`), for the redistribution of idle SMs. Atomic loads only.
+    pub fn activity(&self) -> Vec<crate::compute::Activity> {
+        self.mapping.region().activity()
+    }
+
+    /// Publishes every tenant slot's SM cap at `now_ns` (`control::Control::publish_caps`;
+    /// `caps[i]` for slot `i`, in `control::CAP_UNITS`ths, 0: uncapped). Caps expire after
+    /// `control::DECISION_TTL_NS` unless published again.
+    pub fn publish_caps(&self, caps: &[u8; compute::TENANTS], now_ns: u64) {
+        assert!(now_ns > 0, "a cap's time is never 0 (0: never published)");
+        self.mapping.region().control.publish_caps(caps, now_ns);
+    }
+
+    /// Tenant slot `slot`'s SM cap in force at `now_ns`, as its processes read it.
+    pub fn cap(&self, slot: usize, now_ns: u64) -> Option<u8> {
+        assert!(slot < compute::TENANTS, "tenant slot {slot}");
+        self.mapping.region().control.cap(slot, now_ns)
+    }
+
     /// Publishes latency tenant slot `slot`'s target in force (0: none): its processes count
     /// the steps slower than it (`control::Control::record_step`).
     pub fn publish_target(&self, slot: usize, target_ns: u64) {
