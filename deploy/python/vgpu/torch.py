@@ -20,6 +20,13 @@ Usage::
 :func:`mark_cold` needs no helper thread: it tells the interposer which of the process's borrowed
 GPU memory to give back first (an engine's offloaded experts, a cache it will not read soon).
 
+:func:`progress` counts the application's own units of work (training steps, tokens, requests)
+for vgpu's redistribution of idle GPU capacity among best-effort tenants::
+
+    for batch in loader:
+        train_step(batch)
+        vgpu.torch.progress()                           # one training step
+
 Stdlib and torch only; torch is imported when the default hook first runs.
 """
 
@@ -29,14 +36,18 @@ import threading
 import time
 import warnings
 
-__all__ = ["enable", "mark_cold", "POLL_INTERVAL_S"]
+__all__ = ["enable", "mark_cold", "progress", "POLL_INTERVAL_S"]
 
 #: How often the helper asks the interposer (one load of a shared word when nothing is asked).
 POLL_INTERVAL_S = 0.015
 
-# The interposer's return codes (nodeagent/interposer/src/exports.rs, VGPU_HINT_*).
+# The interposer's return codes (nodeagent/interposer/src/exports.rs, VGPU_HINT_* and
+# VGPU_PROGRESS_*: 1 is "inactive" for the hints and "no schedule slot" for vgpu_progress).
 _OK = 0
 _INACTIVE = 1
+_NO_SLOT = 1
+#: The largest count one call of :func:`progress` takes (bit 63 of the interposer's word is a flag).
+PROGRESS_MAX = (1 << 63) - 1
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -45,7 +56,8 @@ _thread = None
 
 class _Abi:
     """The functions libvgpu_cuda.so exports for hint helpers, typed once (``cold`` is None with
-    an interposer older than ``vgpu_memory_cold``)."""
+    an interposer older than ``vgpu_memory_cold``, ``progress`` with one older than
+    ``vgpu_progress``)."""
 
     def __init__(self, process):
         self.register = process.vgpu_memory_hint_register
@@ -65,6 +77,13 @@ class _Abi:
             self.cold.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
                                   ctypes.POINTER(ctypes.c_uint64)]
             self.cold.restype = ctypes.c_int
+        try:
+            self.progress = process.vgpu_progress
+        except AttributeError:
+            self.progress = None
+        else:
+            self.progress.argtypes = [ctypes.c_uint64]
+            self.progress.restype = ctypes.c_int
 
     @classmethod
     def load(cls):
@@ -169,6 +188,60 @@ def mark_cold(memory, nbytes=None, cold=True):
     if rc != _OK:
         raise RuntimeError(f"vgpu_memory_cold failed ({rc}); see the interposer's log line")
     return marked.value
+
+
+_progress_abi = None
+_progress_looked = False
+_progress_warned = False
+
+
+def progress(n=1):
+    """Counts ``n`` units of this process's own progress: training steps, tokens, requests, in
+    whatever unit the application counts its work. Call it as the work is done (once per step,
+    or per batch of tokens); each call is one relaxed add per GPU in the interposer.
+
+    vgpu gives idle GPU capacity to the best-effort tenants that turn it into the most work, and
+    measures each tenant's work by its own rate over time, never against another tenant's units.
+    Without this call a tenant's progress is counted in *steps*, the synchronisations that
+    waited for work it launched (a training loop that logs its loss syncs once per step); from
+    the first call on, only these units count for the whole tenant (``progress(0)`` says so
+    without counting). Each process counts its own: a tenant's ranks on one GPU add up.
+
+    Returns True when counted. Returns False when libvgpu_cuda.so is not loaded in this process
+    or is older than ``vgpu_progress`` (with one warning), or when the process has no slot in a
+    GPU's schedule yet: it is not a vgpu tenant with a compute share, or it has launched no
+    kernel yet (it joins a GPU's schedule at its first launch there), so nothing is counted.
+    Never raises for the interposer's sake (a failure there is warned about once). Raises
+    ValueError for a count that is negative or above :data:`PROGRESS_MAX`.
+    """
+    global _progress_abi, _progress_looked, _progress_warned
+    n = int(n)
+    if n < 0 or n > PROGRESS_MAX:
+        raise ValueError(f"progress counts 0..{PROGRESS_MAX} units, not {n}")
+    if not _progress_looked:
+        abi = _Abi.load()
+        _progress_abi = abi.progress if abi is not None else None
+        _progress_looked = True
+    if _progress_abi is None:
+        if not _progress_warned:
+            _progress_warned = True
+            warnings.warn(
+                "vgpu.torch.progress(): libvgpu_cuda.so is not loaded in this process, or is "
+                "older than vgpu_progress; progress is not counted",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return False
+    rc = _progress_abi(n)
+    if rc not in (_OK, _NO_SLOT) and not _progress_warned:
+        # An interposer bug (logged there) must not end the application's loop.
+        _progress_warned = True
+        warnings.warn(
+            f"vgpu.torch.progress(): vgpu_progress failed ({rc}); see the interposer's log line",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return rc == _OK
 
 
 def _run(abi, hook, poll_interval_s):
