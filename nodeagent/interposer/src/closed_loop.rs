@@ -21,8 +21,22 @@
 //!   fewer than N launches queued (an event recorded after each launch, at most
 //!   `EVENT_WAIT_MAX_NS` per wait); `sms` is applied by `spatial::redirect`.
 //!
+//! - **Every gated tenant's progress** (`docs/design/utility-redistribution.md`): a closed
+//!   latency step also counts as a step of the tenant's progress (`Region::count_steps`), and in
+//!   any other process `synchronised` hands the same event to the launch gate, which counts a
+//!   step when the process launched a kernel, graph or copy on the device since its last counted
+//!   step (`launch::synchronised`): one definition of a step for every tenant, launch to the
+//!   synchronisation or completion query that sees it done. An application that counts its own
+//!   units (`vgpu_progress`, `count_progress` here for a latency tenant and in `launch` for the
+//!   others) replaces the steps for its whole tenant. Steps are a proxy: a query that some
+//!   other thread polls (NCCL's watchdog in PyTorch polls its collectives' events) counts as a
+//!   step when it finds work done, so steps compare a tenant with itself over time, never two
+//!   tenants, and the application's own units are the better measure.
+//!
 //! Costs: a process that is neither pays one `OnceLock` load per launch and per synchronisation;
-//! a squeezable process pays two relaxed loads per launch while no decision is in force.
+//! a squeezable process pays two relaxed loads per launch while no decision is in force. A gated
+//! process pays nothing more per launch for its steps, and a swap and a relaxed load and add per
+//! synchronisation that counts one (plus `cuCtxGetDevice` where it sees several GPUs).
 
 use crate::launch::{EventState, Gpu, StreamRef};
 use crate::shm::monotonic_ns;
@@ -112,15 +126,15 @@ pub(crate) fn latency_launched(device: &Device, now_ns: u64) {
     }
 }
 
-/// A synchronisation or completion query returned `CUDA_SUCCESS`: a latency tenant's open step
-/// on the current device closes, and its latency is recorded.
+/// A synchronisation or completion query returned `CUDA_SUCCESS` (every sync hook calls this):
+/// a latency tenant's open step on the current device closes, its latency is recorded and it
+/// counts as a step of the tenant's progress; in any other process the gate counts a step when
+/// the sync waited for work launched since the last one (`launch::synchronised`).
 pub fn synchronised(gpu: &dyn Gpu) {
-    let Some(spatial) = spatial() else {
+    let Some(spatial) = spatial().filter(|spatial| spatial.config.latency) else {
+        crate::launch::synchronised(gpu);
         return;
     };
-    if !spatial.config.latency {
-        return;
-    }
     let Some(device) = spatial.device(gpu) else {
         return;
     };
@@ -132,7 +146,25 @@ pub fn synchronised(gpu: &dyn Gpu) {
     device.region.control.close_step(now);
     if let Some(slot) = latency_slot(device, &spatial.config.tenant) {
         device.region.control.record_step(slot, now - opened);
+        device.region.count_steps(slot, 1);
     }
+}
+
+/// Adds `n` of the application's own units of progress (`vgpu_progress`) to a latency tenant's
+/// slot on every device this process launched on (joining the schedule there if no step did
+/// yet); returns on how many. 0 in any other process (its slots are the gate's: `launch::count_progress`).
+pub fn count_progress(n: u64) -> usize {
+    let Some(spatial) = spatial().filter(|spatial| spatial.config.latency) else {
+        return 0;
+    };
+    let mut counted = 0;
+    for device in spatial.devices() {
+        if let Some(slot) = latency_slot(device, &spatial.config.tenant) {
+            device.region.count_progress(slot, n);
+            counted += 1;
+        }
+    }
+    counted
 }
 
 /// The tenant's slot in the device's schedule, joined on first use (for its histogram only: a

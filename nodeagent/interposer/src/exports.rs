@@ -1201,7 +1201,41 @@ impl Gpu for RealGpu<'_> {
     }
 }
 
+impl RealGpu<'_> {
+    /// Device `device`'s handle and its whole SM resource, as the driver describes it.
+    fn device_sm_resource(&self, device: i32) -> Result<(CUdevice, CUdevResource), String> {
+        let fns = &self.0.fns;
+        let missing = |name: &str| format!("the driver has no {name}");
+        let device_get = fns.device_get.ok_or_else(|| missing("cuDeviceGet"))?;
+        let get_resource = fns
+            .device_get_dev_resource
+            .ok_or_else(|| missing("cuDeviceGetDevResource"))?;
+        let mut dev: CUdevice = 0;
+        // SAFETY: `dev` is a valid out-pointer; the ordinal is validated by the driver.
+        let rc = unsafe { device_get(&mut dev, device) };
+        if rc != CUDA_SUCCESS {
+            return Err(format!("cuDeviceGet failed with CUresult {rc}"));
+        }
+        let mut all = CUdevResource::zeroed();
+        // SAFETY: `all` is a zeroed buffer larger than the driver's `CUdevResource`.
+        let rc = unsafe { get_resource(dev, &mut all, CU_DEV_RESOURCE_TYPE_SM) };
+        if rc != CUDA_SUCCESS {
+            return Err(format!("cuDeviceGetDevResource failed with CUresult {rc}"));
+        }
+        Ok((dev, all))
+    }
+}
+
 impl spatial::Green for RealGpu<'_> {
+    fn sm_resource(&self, device: i32) -> Result<spatial::SmResource, String> {
+        let (_, all) = self.device_sm_resource(device)?;
+        Ok(spatial::SmResource {
+            count: all.word(DEV_RESOURCE_SM_COUNT),
+            min_partition: all.word(DEV_RESOURCE_SM_MIN_PARTITION),
+            alignment: all.word(DEV_RESOURCE_SM_ALIGNMENT),
+        })
+    }
+
     fn green_context_create(
         &self,
         device: i32,
@@ -1209,10 +1243,6 @@ impl spatial::Green for RealGpu<'_> {
     ) -> Result<(usize, u32), String> {
         let fns = &self.0.fns;
         let missing = |name: &str| format!("the driver has no {name}");
-        let device_get = fns.device_get.ok_or_else(|| missing("cuDeviceGet"))?;
-        let get_resource = fns
-            .device_get_dev_resource
-            .ok_or_else(|| missing("cuDeviceGetDevResource"))?;
         let split = fns
             .dev_sm_resource_split_by_count
             .ok_or_else(|| missing("cuDevSmResourceSplitByCount"))?;
@@ -1232,13 +1262,7 @@ impl spatial::Green for RealGpu<'_> {
                 Err(format!("{name} failed with CUresult {rc}"))
             }
         };
-        let mut dev: CUdevice = 0;
-        // SAFETY: `dev` is a valid out-pointer; the ordinal is validated by the driver.
-        check(unsafe { device_get(&mut dev, device) }, "cuDeviceGet")?;
-        let mut all = CUdevResource::zeroed();
-        // SAFETY: `all` is a zeroed buffer larger than the driver's `CUdevResource`.
-        let rc = unsafe { get_resource(dev, &mut all, CU_DEV_RESOURCE_TYPE_SM) };
-        check(rc, "cuDeviceGetDevResource")?;
+        let (dev, all) = self.device_sm_resource(device)?;
         let resource = spatial::SmResource {
             count: all.word(DEV_RESOURCE_SM_COUNT),
             min_partition: all.word(DEV_RESOURCE_SM_MIN_PARTITION),
@@ -1805,8 +1829,10 @@ held_copy_hook!(cuLaunchGrid, launch_grid, (function: CUfunction, width: c_int, 
 held_copy_hook!(cuLaunchGridAsync, launch_grid_async, (function: CUfunction, width: c_int, height: c_int, stream: CUstream));
 
 /// A synchronisation or completion query: forwarded unchanged; when it says the work it waited
-/// for is done (`CUDA_SUCCESS`), a latency tenant's open step closes (`closed_loop`); when it
-/// says the context is lost, the process is told why once (`fault`).
+/// for is done (`CUDA_SUCCESS`), a latency tenant's open step closes, and any other gated
+/// tenant's sync that waited for work it launched counts a step of its progress
+/// (`closed_loop::synchronised`); when it says the context is lost, the process is told why once
+/// (`fault`).
 macro_rules! sync_hook {
     ($name:ident, $field:ident, ($($arg:ident: $ty:ty),*)) => {
         /// # Safety
@@ -1979,6 +2005,40 @@ pub unsafe extern "C" fn vgpu_memory_cold(
             unsafe { marked.write(bytes_marked) };
         }
         VGPU_HINT_OK
+    })
+}
+
+/// `vgpu_progress` counted `n` on every GPU where this process is a member of the schedule.
+pub const VGPU_PROGRESS_OK: c_int = 0;
+/// This process has no slot in any GPU's schedule: it is not a vgpu tenant with a compute
+/// share, or it has launched nothing yet (it joins a GPU's schedule at its first launch there).
+/// Nothing was counted.
+pub const VGPU_PROGRESS_NO_SLOT: c_int = 1;
+/// `n` does not fit the count (2^63 or more: bit 63 of the word is the flag).
+pub const VGPU_PROGRESS_INVALID: c_int = -1;
+/// A bug of the interposer (caught and logged).
+pub const VGPU_PROGRESS_ERROR: c_int = -2;
+
+/// `int vgpu_progress(uint64_t n)`: the application made `n` of its own units of progress
+/// (training steps, tokens, requests; `vgpu.torch.progress`), added to its tenant's slot in the
+/// schedule of every GPU where this process is a member (`Region::count_progress`). From the
+/// first call on, the tenant's progress is counted in these units only, not in steps (`n` = 0
+/// just says so). What the agent's redistribution of idle SMs measures each tenant by
+/// (`docs/design/utility-redistribution.md`): a relaxed add per GPU, cheap enough per step or
+/// per token. Returns [`VGPU_PROGRESS_OK`] (0), [`VGPU_PROGRESS_NO_SLOT`] (1),
+/// [`VGPU_PROGRESS_INVALID`] (-1) or [`VGPU_PROGRESS_ERROR`] (-2).
+#[unsafe(no_mangle)]
+pub extern "C" fn vgpu_progress(n: u64) -> c_int {
+    ffi_boundary!("vgpu_progress", fallback = VGPU_PROGRESS_ERROR, {
+        if n & tenant_abi::compute::PROGRESS_HINTED != 0 {
+            return VGPU_PROGRESS_INVALID;
+        }
+        let counted = launch::count_progress(n) + crate::closed_loop::count_progress(n);
+        if counted == 0 {
+            VGPU_PROGRESS_NO_SLOT
+        } else {
+            VGPU_PROGRESS_OK
+        }
     })
 }
 

@@ -25,6 +25,12 @@
 //!   turns but neither records nor queries events on any stream (in the global capture mode a
 //!   `cuEventQuery` from any thread invalidates the capture), so nothing bounds the queue then.
 //!
+//! - **Steps** (the measure of progress of `docs/design/utility-redistribution.md`): a
+//!   synchronisation that waited for work launched since the last one counts a step in the
+//!   tenant's slot (`synchronised`, from the sync hooks through `closed_loop::synchronised`),
+//!   until the application counts its own units (`count_progress`, `vgpu_progress`). It reads the
+//!   demand stamp the launch path already keeps, so launches pay nothing for it.
+//!
 //! Failures fail open: no configuration, an unparsable one, an unusable schedule file, a GPU
 //! without uuid, or a full table: the launch goes to the driver ungated, with one log line.
 //!
@@ -323,6 +329,57 @@ pub fn stamp_demand(gpu: &dyn Gpu) {
     }
 }
 
+/// A synchronisation or completion query returned `CUDA_SUCCESS` in a process that is not a
+/// latency tenant (`closed_loop::synchronised` calls this): when the process launched work on the
+/// current device since its last counted step (a kernel, a graph or a copy stamped its demand),
+/// the sync is a *step* of its tenant there (`Region::count_steps`). The same definition as a
+/// latency tenant's steps: opened by a launch, closed by the synchronisation that sees it done.
+///
+/// "Launched since" is the gate's process-local demand stamp, which every launch and copy already
+/// refreshes: a counted step sets it to 0, so the next launch refreshes it (and the shared demand
+/// stamp) at once instead of after `DEMAND_EVERY_NS`. Nothing is added to the launch path; a
+/// counted step costs a swap of the local word and a relaxed load and add in the schedule.
+pub fn synchronised(gpu: &dyn Gpu) {
+    let Some(gates) = gates() else {
+        return;
+    };
+    let Some(device) = gates.device(gpu) else {
+        return;
+    };
+    // Not opened: this process never launched on the device (a sync never joins the schedule).
+    let Some(Some(gate)) = gates.devices[device].get() else {
+        return;
+    };
+    if gate.demand_stamp_ns.load(Relaxed) == 0 {
+        return;
+    }
+    if gate.demand_stamp_ns.swap(0, Relaxed) != 0 {
+        gate.schedule.region.count_steps(gate.member.tenant, 1);
+    }
+}
+
+/// Adds `n` of the application's own units of progress (`vgpu_progress`) to its tenant's slot
+/// on every GPU whose schedule this process joined through the gate; returns on how many.
+pub fn count_progress(n: u64) -> usize {
+    let Some(gates) = gates() else {
+        return 0;
+    };
+    let mut counted = 0;
+    for gate in gates.devices.iter().filter_map(|d| d.get()?.as_ref()) {
+        gate.schedule.region.count_progress(gate.member.tenant, n);
+        counted += 1;
+    }
+    assert!(counted <= DEVICES_MAX);
+    counted
+}
+
+/// This process's tenant slot in the schedule of device `index` (the index `spatial` and the gate
+/// both use), if the gate joined it; never joins. Two `OnceLock` loads.
+pub fn member_slot(index: usize) -> Option<usize> {
+    let gate = gates()?.devices.get(index)?.get()?.as_ref()?;
+    Some(gate.member.tenant)
+}
+
 /// The driver accepted (`launched`) or refused a sampled launch.
 pub fn after(gpu: &dyn Gpu, pending: Pending, launched: bool) {
     // A capture that began since `before` (on another thread) forbids the record too.
@@ -406,7 +463,8 @@ impl Gates {
 struct Gate {
     schedule: Schedule<'static, ProcLiveness>,
     member: Member,
-    /// When the demand stamp was last refreshed (process-local, to keep shared stores rare).
+    /// When the demand stamp was last refreshed (process-local, to keep shared stores rare); 0
+    /// once a synchronisation counted a step and nothing was launched since (`synchronised`).
     demand_stamp_ns: AtomicU64,
     tracker: Mutex<Tracker>,
     /// Launches that waited `WAIT_MAX` for their turn since the last line about it, and when

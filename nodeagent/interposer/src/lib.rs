@@ -25,9 +25,10 @@
 //!   `hooks::enter_work`); `hint` gives a hint helper registered in the process (`vgpu.torch`,
 //!   through `vgpu_memory_hint_register`, `vgpu_memory_want` and `vgpu_memory_hint_done` in
 //!   `exports`) a bounded budget to free memory before the swap takes the rest. `launch` is the
-//!   launch gate, in safe code (the driver behind a trait); `spatial`
-//!   moves launches to a green context with fewer SMs while a latency tenant is active (opt-in,
-//!   `VGPU_SPATIAL=1`).
+//!   launch gate, in safe code (the driver behind a trait), which also counts the tenant's steps
+//!   at synchronisations (its progress; `vgpu_progress` in `exports` counts the application's own
+//!   units instead); `spatial` moves launches to a green context with fewer SMs while a latency
+//!   tenant is active or the agent caps the tenant's SMs (opt-in, `VGPU_SPATIAL=1`).
 //! - `compat` judges, once at load, whether the driver is one the hooks were written for (its
 //!   API version; what its `cuGetProcAddress` answers for every entry point we wrap) and says
 //!   what does not match; `real::check` asks the driver.

@@ -12,8 +12,22 @@
 //!   `VGPU_SPATIAL_SMS` squeezes), paired with the application's
 //!   stream by two events so that the application's stream order holds:
 //!   record A on the application's stream → the green stream waits for A → the launch on the
-//!   green stream → record B on the green stream → the application's stream waits for B. With a
-//!   stale stamp the cost is a clock read and one relaxed load.
+//!   green stream → record B on the green stream → the application's stream waits for B.
+//! - **Per-tenant caps** (`docs/design/utility-redistribution.md`: under MPS, idle SMs among
+//!   best-effort tenants go to the one that turns them into the most work): the agent publishes
+//!   an SM cap per tenant slot (`Control::cap`, in `CAP_UNITS`ths of the GPU, expiring like a
+//!   decision). A squeezable tenant's launch keeps `cap_sms`: its share of the device's SMs
+//!   (`Green::sm_resource`, read once) rounded down to the partition granularity, at least one
+//!   partition; beside an active latency tenant, the smaller of that and the decision's count
+//!   (`launch_sms`). A cap applies with or without a latency tenant: a fresh cap alone redirects.
+//!   It reaches only processes that have both `VGPU_SPATIAL=1` (the agent gives it to tenants
+//!   with a fraction of a GPU, and to latency tenants: `vgpu-agent`'s
+//!   `concurrent_sharing_mode`) and a slot in the GPU's schedule, which is the launch gate's
+//!   (`launch::member_slot`: a compute share on that device, joined at the first launch); a cap
+//!   0 or `CAP_UNITS` is none. A latency tenant is never capped.
+//!
+//! With neither a fresh stamp nor a cap in force the cost is a clock read, two relaxed loads
+//! and the `OnceLock` loads that find the tenant's slot.
 //!
 //! The green context is made lazily (about 1.2 ms on an H100) per application context and
 //! device, and kept; one green stream and one event pair per application stream, kept in a
@@ -23,8 +37,8 @@
 //! keeps two threads from interleaving their records of one pair's events); nothing is
 //! allocated on that path once a stream has its pair.
 //!
-//! Failures fail open, logged once: a driver without green contexts, a creation that fails, a
-//! full map, or a launch that the driver refuses on the green stream but accepts on the
+//! Failures fail open, logged once: a driver without green contexts (or without an SM resource:
+//! no cap applies), a creation that fails, a full map, or a launch that the driver refuses on the green stream but accepts on the
 //! application's (then that context is never redirected again) all launch on the application's
 //! stream unchanged.
 //!
@@ -40,7 +54,7 @@ use crate::shm::monotonic_ns;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, OnceLock};
-use tenant_abi::control::Decision;
+use tenant_abi::control::{CAP_UNITS, Decision};
 use tenant_abi::{DEVICES_MAX, SpatialEnv};
 
 /// SMs left to the latency tenant by `partition_sms` when no count is requested (the static split
@@ -62,6 +76,8 @@ const STREAMS_MAX: usize = 256;
 /// The driver's green-context functions, as spatial partitioning needs them. Implemented by
 /// `exports` over the real driver.
 pub trait Green: Gpu {
+    /// The SM resource of `device` (`cuDeviceGetDevResource`).
+    fn sm_resource(&self, device: i32) -> Result<SmResource, String>;
     /// Creates a green context on `device` with the SM count `choose` picks from the device's
     /// SM resource; returns its handle and the SMs granted.
     fn green_context_create(
@@ -87,12 +103,7 @@ pub struct SmResource {
 /// to the partition granularity and at least the minimum partition. `Err` when that leaves
 /// nothing free (there is nothing to squeeze).
 pub fn partition_sms(resource: SmResource, requested: Option<u32>) -> Result<u32, String> {
-    let alignment = if resource.alignment == 0 {
-        SM_GRANULARITY_DEFAULT
-    } else {
-        resource.alignment
-    };
-    let minimum = resource.min_partition.max(alignment);
+    let (alignment, minimum) = granularity(resource);
     let wanted = requested.unwrap_or(resource.count.saturating_sub(SMS_RESERVED_DEFAULT));
     let sms = (wanted / alignment * alignment).max(minimum);
     debug_assert!(sms % alignment == 0 || sms == minimum);
@@ -103,6 +114,43 @@ pub fn partition_sms(resource: SmResource, requested: Option<u32>) -> Result<u32
         ));
     }
     Ok(sms)
+}
+
+/// The SMs an agent's cap of `cap` [`CAP_UNITS`]ths of the GPU leaves a tenant: its share of the
+/// device's SMs rounded down to the partition granularity, at least the minimum partition.
+/// `None` when even that leaves no SM free (a device too small to partition).
+pub fn cap_sms(resource: SmResource, cap: u8) -> Option<u32> {
+    assert!(
+        cap > 0 && cap < CAP_UNITS,
+        "a cap in force is 1..{CAP_UNITS}"
+    );
+    let (alignment, minimum) = granularity(resource);
+    let share = u64::from(resource.count) * u64::from(cap) / u64::from(CAP_UNITS);
+    let share = u32::try_from(share).expect("below the device's count");
+    let sms = (share / alignment * alignment).max(minimum);
+    assert!(sms >= minimum && (sms % alignment == 0 || sms == minimum));
+    (sms < resource.count).then_some(sms)
+}
+
+/// The SMs a launch keeps, from the closed loop's count (`squeeze_sms`, while a latency tenant is
+/// active) and the tenant's own cap (`cap_sms`): the smaller of those that restrict; `None`
+/// when neither does.
+pub fn launch_sms(squeezed: Option<u32>, capped: Option<u32>) -> Option<u32> {
+    match (squeezed, capped) {
+        (Some(squeezed), Some(capped)) => Some(squeezed.min(capped)),
+        (squeezed, capped) => squeezed.or(capped),
+    }
+}
+
+/// A partition's alignment and minimum size (`SM_GRANULARITY_DEFAULT` where the driver does not
+/// say).
+fn granularity(resource: SmResource) -> (u32, u32) {
+    let alignment = if resource.alignment == 0 {
+        SM_GRANULARITY_DEFAULT
+    } else {
+        resource.alignment
+    };
+    (alignment, resource.min_partition.max(alignment))
 }
 
 /// Whether this process is a latency tenant; if it is, stamps the current device's schedule.
@@ -123,9 +171,9 @@ pub fn stamp_if_latency(gpu: &dyn Gpu) -> bool {
 }
 
 /// Where a squeezable tenant's launch on `stream` goes: `None` for the application's stream
-/// (spatial mode off, a latency tenant, no fresh stamp, or a failure), else a green stream whose
-/// first event pair half is already queued. The caller launches on `Redirect::stream` and
-/// reports with `launched` or `refused`.
+/// (spatial mode off, a latency tenant, neither a fresh latency stamp nor a cap of the tenant's
+/// in force, or a failure), else a green stream whose first event pair half is already queued.
+/// The caller launches on `Redirect::stream` and reports with `launched` or `refused`.
 pub fn redirect(gpu: &dyn Green, stream: StreamRef) -> Option<Redirect> {
     let spatial = spatial()?;
     if spatial.config.latency {
@@ -133,10 +181,17 @@ pub fn redirect(gpu: &dyn Green, stream: StreamRef) -> Option<Redirect> {
     }
     let device = spatial.device(gpu)?;
     let now = monotonic_ns();
-    if !device.region.latency_active(now, spatial.hold_ns) || device.off.load(Relaxed) {
+    let latency = device.region.latency_active(now, spatial.hold_ns);
+    let capped = device.capped_sms(gpu, now);
+    if !(latency || capped.is_some()) || device.off.load(Relaxed) {
         return None;
     }
-    let sms = squeeze_sms(device.region.control.decision(now), spatial.config.sms)?;
+    let squeezed = if latency {
+        squeeze_sms(device.region.control.decision(now), spatial.config.sms)
+    } else {
+        None
+    };
+    let sms = launch_sms(squeezed, capped)?;
     device.redirect(gpu, sms, stream)
 }
 
@@ -245,6 +300,13 @@ pub(crate) fn spatial() -> Option<&'static Spatial> {
 }
 
 impl Spatial {
+    /// The devices this process opened (launched on) so far.
+    pub(crate) fn devices(&self) -> impl Iterator<Item = &Device> {
+        self.devices
+            .iter()
+            .filter_map(|device| device.get()?.as_ref())
+    }
+
     /// The current device's state, opened on first use (`None`: not usable, logged once).
     pub(crate) fn device(&'static self, gpu: &dyn Gpu) -> Option<&'static Device> {
         let single = *self
@@ -277,6 +339,9 @@ pub(crate) struct Device {
     pub(crate) region: &'static Region,
     /// Set after a failure that makes redirection unsafe on this device.
     off: AtomicBool,
+    /// The device's SM resource, read at the first cap in force (`None`: the driver has none,
+    /// logged once; caps are not applied).
+    resource: OnceLock<Option<SmResource>>,
     state: Mutex<State>,
     /// The closed loop's per-process state on this device (`closed_loop`).
     pub(crate) closed_loop: crate::closed_loop::DeviceLoop,
@@ -312,9 +377,32 @@ impl Device {
             index,
             region,
             off: AtomicBool::new(false),
+            resource: OnceLock::new(),
             state: Mutex::new(State::default()),
             closed_loop: crate::closed_loop::DeviceLoop::default(),
         })
+    }
+
+    /// The SMs the agent's cap of this process's tenant leaves it at `now` (`Control::cap`; the
+    /// tenant's slot is the gate's: a tenant without a compute share on the device has none, and
+    /// no cap). While the agent publishes no caps: two `OnceLock` loads and one relaxed load.
+    fn capped_sms(&self, gpu: &dyn Green, now: u64) -> Option<u32> {
+        let slot = crate::launch::member_slot(self.index)?;
+        let cap = self.region.control.cap(slot, now)?;
+        let resource = self
+            .resource
+            .get_or_init(|| match gpu.sm_resource(self.index as i32) {
+                Ok(resource) => Some(resource),
+                Err(e) => {
+                    crate::log::error(format_args!(
+                        "spatial partitioning on device {}: no SM resource ({e}); the agent's \
+                         SM caps are not applied",
+                        self.index
+                    ));
+                    None
+                }
+            });
+        cap_sms((*resource)?, cap)
     }
 
     fn redirect(&'static self, gpu: &dyn Green, sms: u32, stream: StreamRef) -> Option<Redirect> {
@@ -471,5 +559,51 @@ mod tests {
             alignment: 8,
         };
         assert!(partition_sms(small, None).is_err());
+    }
+
+    #[test]
+    fn a_cap_is_its_share_of_the_sms_rounded_down_to_the_granularity() {
+        assert_eq!(cap_sms(H100, 64), Some(64), "66 SMs, rounded down");
+        assert_eq!(cap_sms(H100, 96), Some(96), "99 SMs");
+        assert_eq!(
+            cap_sms(H100, 127),
+            Some(128),
+            "131 SMs: one granule short of all"
+        );
+        assert_eq!(cap_sms(H100, 1), Some(8), "at least the minimum partition");
+        assert_eq!(cap_sms(H100, 8), Some(8));
+        let old_driver = SmResource {
+            count: 132,
+            min_partition: 0,
+            alignment: 0,
+        };
+        assert_eq!(cap_sms(old_driver, 64), Some(64));
+        let coarse = SmResource {
+            count: 78,
+            min_partition: 16,
+            alignment: 4,
+        };
+        assert_eq!(cap_sms(coarse, 64), Some(36));
+        assert_eq!(cap_sms(coarse, 10), Some(16));
+        let small = SmResource {
+            count: 8,
+            min_partition: 8,
+            alignment: 8,
+        };
+        assert_eq!(cap_sms(small, 100), None, "nothing to leave free");
+        // Every cap in force gives a partition the driver can make.
+        for cap in 1..CAP_UNITS {
+            let sms = cap_sms(H100, cap).expect("an H100 partitions");
+            assert_eq!(partition_sms(H100, Some(sms)), Ok(sms));
+        }
+    }
+
+    #[test]
+    fn a_launch_keeps_the_smaller_of_what_restricts() {
+        assert_eq!(launch_sms(None, None), None);
+        assert_eq!(launch_sms(Some(40), None), Some(40));
+        assert_eq!(launch_sms(None, Some(64)), Some(64));
+        assert_eq!(launch_sms(Some(40), Some(64)), Some(40));
+        assert_eq!(launch_sms(Some(104), Some(64)), Some(64));
     }
 }

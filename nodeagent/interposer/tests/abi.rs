@@ -15,6 +15,8 @@ mod elastic;
 mod nvml;
 #[path = "abi/overhead.rs"]
 mod overhead;
+#[path = "abi/progress.rs"]
+mod progress;
 #[path = "abi/spatial.rs"]
 mod spatial;
 

@@ -84,6 +84,8 @@
  *   hint_join        stops and joins the helper: "hint_join <largest want> <free rc or -1>"
  *   cold N           marks the newest pointer's allocation cold (N 1) or not (N 0) through
  *                    dlsym(RTLD_DEFAULT, "vgpu_memory_cold"): "cold <rc> <bytes marked>"
+ *   progress N       vgpu_progress(N) through dlsym(RTLD_DEFAULT, "vgpu_progress"): "progress <rc>"
+ *                    (-100: the symbol is missing)
  * PROBE_NO_CUDA=1: the process starts without a CUDA context (no cuInit, no primary context).
  * APIs: kernel, kernel_ptsz, ex, ex_ptsz, coop, coop_ptsz, multi (cooperative multi-device),
  * ex_coop (cuLaunchKernelEx with the cooperative attribute), graph, graph_ptsz, gpa / gpa_ptsz
@@ -700,6 +702,11 @@ int main(int argc, char **argv) {
       int crc = -100;
       if (f && n_pointers) crc = f(pointers[n_pointers - 1], sizes[n_pointers - 1], atoi(a), &marked);
       printf("cold %d %llu\n", crc, marked);
+      i++;
+    } else if (!strcmp(c, "progress")) {
+      typedef int (*progress_fn)(unsigned long long);
+      progress_fn f = (progress_fn)dlsym(RTLD_DEFAULT, "vgpu_progress");
+      printf("progress %d\n", f ? f(strtoull(a, NULL, 10)) : -100);
       i++;
     } else if (!strcmp(c, "addr")) {
       printf("addr %#llx\n", n_pointers ? pointers[n_pointers - 1] : 0ULL);
