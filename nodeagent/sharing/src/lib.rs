@@ -189,9 +189,15 @@
 //!
 //! Several latency tenants on one GPU share one level: it steps up when any of them is over
 //! budget and relaxes only when all are clean.
+//!
+//! **Redistribution** ([`Redistributor`], `redistribute`): a second core, for what the
+//! latency tenants leave: the SMs among a GPU's best-effort MPS clients, each capped so that
+//! capacity goes to the tenant that turns it into the most progress (its own units), uncapped
+//! (max-min by the hardware) unless a move measurably pays. See the module's docs.
 
 mod controller;
 mod ladder;
+pub mod redistribute;
 mod tenant;
 mod types;
 
@@ -200,6 +206,10 @@ pub use controller::{
     FLOOR_SAMPLE_SHARE, LEVER_IMPROVEMENT_BUCKETS, LeverState, PROBE_BACKOFF_MAX, SETTLE_MAX_NS,
 };
 pub use ladder::{GUARD_QUARTERS, Ladder, Rung, guard_us};
+pub use redistribute::{
+    Member, MemberStatus, RedistributeChange, RedistributeConfig, RedistributeOutput,
+    Redistributor, ResetReason,
+};
 pub use tenant::{
     ALLOWANCE_MAX_PPM, ALLOWANCE_MIN_PPM, BASELINE_STEPS_MAX, BASELINE_STEPS_MIN, IDLE_GAPS,
     PERIOD_SAMPLES_MIN, PROTECTIVE_BLOCKS_MAX, STALE_BASELINE_BUCKETS, STALE_EVIDENCE_SHARE,

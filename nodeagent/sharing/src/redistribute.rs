@@ -1,0 +1,747 @@
+//! Redistribution of a GPU's SMs among its best-effort tenants (issue 15, point 4;
+//! `docs/design/utility-redistribution.md`): capacity that the guaranteed tenants leave idle goes
+//! to the best-effort tenants, and when several want it, to the one that turns it into the most
+//! work, with max-min fairness as the fallback.
+//!
+//! **Where it acts.** Only among best-effort tenants that run side by side, as MPS clients of one
+//! GPU: without MPS, tenants take turns, a tenant's progress is proportional to its turn time,
+//! and the turns already give back what a tenant leaves unused (work conservation; nothing to
+//! redistribute). Under MPS the hardware hands SMs to whichever client has blocks waiting, so a
+//! tenant whose blocks stall on memory holds SMs it cannot use: a bandwidth-bound loop beside a
+//! compute-bound one keeps half the GPU and gains nothing from it. The lever is each tenant's
+//! **SM cap** (`tenant_abi::control::Control::caps`, in [`FULL`]ths of the GPU): its launches go to
+//! a green context of that many SMs. Caps are nested (every green context starts at the GPU's
+//! first SMs), so a capped tenant shares its SMs with the others and the rest of the GPU goes to
+//! the uncapped: at least one member always stays uncapped.
+//!
+//! **The measure.** Each member's *progress*: the application's own units where it counts them
+//! (`vgpu_progress`), else its steps (synchronisations that waited for its work). Units differ
+//! between tenants, so rates are never compared across tenants: each is compared with itself.
+//! The objective is the mean over members of `rate with the move / rate without it`: the
+//! relative speed-up of the whole group (weighted speedup), which capacity moved to the tenant
+//! that turns it into the most work raises, and moved away from a tenant that needed it lowers.
+//!
+//! **The rule.** Start uncapped (the fallback: MPS's own split). Then, one move at a time, in
+//! turn over the members: *down* (a member's cap one [`RedistributeConfig::step`] lower, never
+//! below [`RedistributeConfig::floor`], half its equal slice) or *up* (a capped member's cap one
+//! step higher). A move is judged by periods with and without it, alternated in pairs whose
+//! order flips (`B T`, `T B`, `B T`: a drifting rate favours neither side), each period long
+//! enough for [`RedistributeConfig::units_min`] units of every member, after the caps settle.
+//! A cap stays only while it measurably pays: a move *down* is **kept** only when the mean gain
+//! over the pairs is at least [`RedistributeConfig::gain_min`] and more than two standard
+//! errors of the pairs' gains (noise does not move capacity); a move *up* is kept unless it
+//! surely costs at least half the least gain, so a cap that does not measurably pay comes off,
+//! and a cap just kept is not undone by the same measurement read backwards. A kept move is tried again (the climb goes on while it pays),
+//! and its opposite waits. A rejected move waits 1, 4, 16, ... judgements' time (up to
+//! [`RedistributeConfig::backoff_max`]; waits pass only while no move is tried, so trials take a
+//! falling share of the time) before it is tried again, so a group that changed (a
+//! bandwidth-bound phase ends) finds its way back up. A move that is *flat* (it cannot reach
+//! the least gain, nor surely costs: the cap may not bind yet) is tried again at once with twice
+//! the stride (up to [`FLAT_STRIDE_MAX`] steps; after kept moves up to [`STRIDE_MAX`]), and a
+//! longer stride that surely costs falls back to one step. Equal slopes (two compute-bound tenants:
+//! what one gains the other loses) gain nothing, and the group stays at the fallback.
+//!
+//! **Resets** to the fallback (every cap off, everything learnt forgotten): a member joins or
+//! leaves, a member starts counting its own units, a member's counter restarts (its slot was
+//! reused), or a member makes no progress for a whole [`RedistributeConfig::period_max_ns`]
+//! (*unmeasured*: nothing can be judged; the group waits
+//! [`RedistributeConfig::unmeasured_wait_ns`] uncapped before trying again). While the closed
+//! loop restricts the neighbours for a latency tenant (`restricted`), nothing is measured: the
+//! period under way is dropped, the caps kept stay, and the judgement starts again after it.
+//!
+//! A sans-IO core like [`crate::Controller`]: the time comes in, no clock, no randomness; the
+//! same events give the same outputs.
+
+use std::collections::BTreeMap;
+
+/// A cap of the whole GPU: uncapped (`tenant_abi::control::CAP_UNITS`).
+pub const FULL: u8 = tenant_abi::control::CAP_UNITS;
+
+/// Settings of one GPU's redistribution; [`RedistributeConfig::default`] gives the defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RedistributeConfig {
+    /// The shortest measured period.
+    pub period_min_ns: u64,
+    /// The longest: a period ends here even with fewer than `units_min` units of a member, and
+    /// a member with none is unmeasured.
+    pub period_max_ns: u64,
+    /// Units of progress each member should make in a period (the rates' quantisation is then
+    /// under 1/`units_min`).
+    pub units_min: u64,
+    /// Time left out of the measure after the caps change (the work queued under the old caps
+    /// drains).
+    pub settle_ns: u64,
+    /// How far one move shifts a cap, in [`FULL`]ths of the GPU.
+    pub step: u8,
+    /// Pairs of periods (with and without the move) before a move is judged, and the most: a
+    /// move whose gain is not yet clear either way gets another pair, up to `pairs_max`.
+    pub pairs: u32,
+    pub pairs_max: u32,
+    /// The least gain that keeps a move: the sum over members of their relative speed-ups (2%:
+    /// the group does 2% of one member's work more).
+    pub gain_min: f64,
+    /// The longest wait, in judgements, of a move that was rejected again and again.
+    pub backoff_max: u32,
+    /// How long an unmeasured group stays uncapped before it is tried again.
+    pub unmeasured_wait_ns: u64,
+}
+
+impl Default for RedistributeConfig {
+    /// Periods of 1-8 s holding at least 20 units per member, 200 ms to settle, moves of 1/8 of
+    /// the GPU, 3 to 6 pairs per judgement, a 2% gain needed, waits of up to 32 judgements, and 60 s
+    /// uncapped after an unmeasured period.
+    fn default() -> RedistributeConfig {
+        RedistributeConfig {
+            period_min_ns: 1_000_000_000,
+            period_max_ns: 8_000_000_000,
+            units_min: 20,
+            settle_ns: 200_000_000,
+            step: 16,
+            pairs: 3,
+            pairs_max: 6,
+            gain_min: 0.02,
+            backoff_max: 32,
+            unmeasured_wait_ns: 60_000_000_000,
+        }
+    }
+}
+
+impl RedistributeConfig {
+    /// Asserts that the settings make sense together (programmer errors).
+    pub fn assert_valid(&self) {
+        assert!(0 < self.period_min_ns && self.period_min_ns <= self.period_max_ns);
+        assert!(self.units_min > 0, "a period holds some progress");
+        assert!(0 < self.step && self.step < FULL, "a step within the GPU");
+        assert!(self.pairs >= 2, "a spread needs two pairs at least");
+        assert!(self.pairs <= self.pairs_max);
+        assert!(
+            self.gain_min.is_finite() && self.gain_min > 0.0,
+            "a positive least gain: {}",
+            self.gain_min
+        );
+        assert!(self.backoff_max >= 1);
+    }
+
+    /// The lowest cap a member of a group of `members` may get: half its equal slice of the GPU,
+    /// rounded up to a step (never below one step).
+    pub fn floor(&self, members: usize) -> u8 {
+        let half_slice = u32::from(FULL).div_ceil(2 * members.max(1) as u32);
+        let step = u32::from(self.step);
+        (half_slice.div_ceil(step) * step).clamp(step, u32::from(FULL)) as u8
+    }
+}
+
+/// A best-effort tenant sharing the GPU, as the agent reads its slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    pub name: String,
+    /// Its progress counter (`tenant_abi::compute::TenantSlot::progress`, without the flag).
+    pub progress: u64,
+    /// The counter holds the application's own units, not steps.
+    pub hinted: bool,
+}
+
+/// Which way a move shifts a member's cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Direction {
+    Down,
+    Up,
+}
+
+/// Why every cap came off.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResetReason {
+    /// A member joined or left, or started counting its own units.
+    Members,
+    /// `tenant` made no progress in a whole period: the group cannot be judged.
+    Unmeasured { tenant: String },
+    /// `tenant`'s counter went back (its slot was given to another process group).
+    CounterRestarted { tenant: String },
+}
+
+/// What changed in one call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RedistributeChange {
+    /// A move was judged: `tenant`'s cap `from` -> `to`, the mean gain of the objective and
+    /// its standard error over the pairs; `kept`: the caps now hold it.
+    Judged {
+        tenant: String,
+        from: u8,
+        to: u8,
+        gain: f64,
+        stderr: f64,
+        kept: bool,
+    },
+    /// Every cap came off.
+    Reset { reason: ResetReason },
+}
+
+/// One member as the agent reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemberStatus {
+    pub name: String,
+    /// The cap it keeps (not a move under trial), in [`FULL`]ths; [`FULL`]: uncapped.
+    pub cap: u8,
+    /// Its progress per second in the last period measured at the kept caps (units or steps).
+    pub rate: Option<f64>,
+    pub hinted: bool,
+}
+
+/// What one call leads to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RedistributeOutput {
+    /// The caps in force now, by member name; a member not named is uncapped. Published every
+    /// period (caps expire).
+    pub caps: BTreeMap<String, u8>,
+    pub change: Option<RedistributeChange>,
+}
+
+/// A move's wait after rejections.
+#[derive(Debug, Clone, Copy, Default)]
+struct Backoff {
+    /// Judgements it still sits out.
+    skip: u32,
+    /// Its next wait when rejected (0: 1).
+    length: u32,
+    /// Steps its next trial moves (0: 1): doubled after each kept move, to at most
+    /// [`STRIDE_MAX`], back to 1 after a rejection.
+    stride: u8,
+    /// A longer stride surely cost since the last wait: a flat verdict waits instead of
+    /// lengthening the stride again.
+    shortened: bool,
+}
+
+/// The most steps one move shifts a cap (after moves that kept paying).
+pub const STRIDE_MAX: u8 = 4;
+/// The most steps a move is lengthened to after flat verdicts: a cap that does not bind one
+/// step down is tried two steps down, no further (each trial costs the capped member).
+pub const FLAT_STRIDE_MAX: u8 = 2;
+
+#[derive(Debug, Clone)]
+enum Stage {
+    /// Fewer than two members: nothing to share.
+    Idle,
+    /// Uncapped until then (after an unmeasured period).
+    Waiting {
+        until_ns: u64,
+    },
+    /// The caps of the next period are in force; measured from then.
+    Settling {
+        until_ns: u64,
+    },
+    Measuring {
+        since_ns: u64,
+        start: Vec<u64>,
+    },
+}
+
+/// The move under judgement and the rates measured for it.
+#[derive(Debug, Clone)]
+struct Judgement {
+    /// `None`: a hold (every move waits): periods at the kept caps, then the waits shrink.
+    member: Option<usize>,
+    direction: Direction,
+    to: u8,
+    /// The periods' kinds in order (true: with the move).
+    order: Vec<bool>,
+    /// Each measured period's rates, in order.
+    rates: Vec<Vec<f64>>,
+}
+
+/// One GPU's redistribution (see the module's docs).
+#[derive(Debug, Clone)]
+pub struct Redistributor {
+    config: RedistributeConfig,
+    /// The members' names, sorted, and whether each counts its own units.
+    names: Vec<String>,
+    hinted: Vec<bool>,
+    /// The caps kept, per member.
+    kept: Vec<u8>,
+    /// Per member, per direction (`Direction as usize`).
+    backoff: Vec<[Backoff; 2]>,
+    /// The next move to try, over `2 * members` moves (member `i / 2`, down when even).
+    cursor: usize,
+    judgement: Option<Judgement>,
+    stage: Stage,
+    last_progress: Vec<u64>,
+    last_rates: Vec<Option<f64>>,
+}
+
+impl Redistributor {
+    pub fn new(config: RedistributeConfig) -> Redistributor {
+        config.assert_valid();
+        Redistributor {
+            config,
+            names: Vec::new(),
+            hinted: Vec::new(),
+            kept: Vec::new(),
+            backoff: Vec::new(),
+            cursor: 0,
+            judgement: None,
+            stage: Stage::Idle,
+            last_progress: Vec::new(),
+            last_rates: Vec::new(),
+        }
+    }
+
+    pub fn config(&self) -> &RedistributeConfig {
+        &self.config
+    }
+
+    /// One period of the agent at `now_ns` with the GPU's best-effort `members` (any order;
+    /// a name given twice counts once) and whether the closed loop restricts them now.
+    pub fn handle(
+        &mut self,
+        now_ns: u64,
+        members: &[Member],
+        restricted: bool,
+    ) -> RedistributeOutput {
+        let mut members: Vec<&Member> = members.iter().collect();
+        members.sort_by(|a, b| a.name.cmp(&b.name));
+        members.dedup_by(|a, b| a.name == b.name);
+        let mut change = None;
+        let same_group = members.len() == self.names.len()
+            && members
+                .iter()
+                .zip(self.names.iter().zip(&self.hinted))
+                .all(|(member, (name, hinted))| member.name == *name && member.hinted == *hinted);
+        if !same_group {
+            let capped = self.kept.iter().any(|&cap| cap < FULL) || self.trial_in_force();
+            self.regroup(&members, now_ns);
+            if capped {
+                change = Some(RedistributeChange::Reset {
+                    reason: ResetReason::Members,
+                });
+            }
+        } else if let Some(index) =
+            (0..members.len()).find(|&index| members[index].progress < self.last_progress[index])
+        {
+            let tenant = self.names[index].clone();
+            self.regroup(&members, now_ns);
+            change = Some(RedistributeChange::Reset {
+                reason: ResetReason::CounterRestarted { tenant },
+            });
+        }
+        self.last_progress = members.iter().map(|member| member.progress).collect();
+        if matches!(self.stage, Stage::Idle) {
+            return self.output(change);
+        }
+        if restricted {
+            // Nothing measured beside a restricted GPU; the judgement starts again after it.
+            self.judgement = None;
+            self.stage = Stage::Settling {
+                until_ns: now_ns.saturating_add(self.config.settle_ns),
+            };
+            return self.output(change);
+        }
+        match &self.stage {
+            Stage::Idle => unreachable!("returned above"),
+            Stage::Waiting { until_ns } if now_ns < *until_ns => {}
+            Stage::Waiting { .. } => self.settle(now_ns),
+            Stage::Settling { until_ns } if now_ns < *until_ns => {}
+            Stage::Settling { .. } => {
+                self.stage = Stage::Measuring {
+                    since_ns: now_ns,
+                    start: self.last_progress.clone(),
+                };
+            }
+            Stage::Measuring { since_ns, start } => {
+                let elapsed_ns = now_ns.saturating_sub(*since_ns);
+                let units: Vec<u64> = self
+                    .last_progress
+                    .iter()
+                    .zip(start)
+                    .map(|(now, start)| now - start)
+                    .collect();
+                let enough = units.iter().all(|&u| u >= self.config.units_min);
+                if elapsed_ns >= self.config.period_max_ns
+                    && let Some(index) = units.iter().position(|&u| u == 0)
+                {
+                    let tenant = self.names[index].clone();
+                    self.regroup_unmeasured(now_ns);
+                    return self.output(Some(RedistributeChange::Reset {
+                        reason: ResetReason::Unmeasured { tenant },
+                    }));
+                }
+                if (elapsed_ns >= self.config.period_min_ns && enough)
+                    || elapsed_ns >= self.config.period_max_ns
+                {
+                    let seconds = elapsed_ns as f64 / 1e9;
+                    let rates: Vec<f64> = units.iter().map(|&u| u as f64 / seconds).collect();
+                    if let Some(judged) = self.period_ended(rates, now_ns) {
+                        change = Some(judged);
+                    }
+                }
+            }
+        }
+        self.output(change)
+    }
+
+    /// Each member's kept cap and last rate at the kept caps.
+    pub fn status(&self) -> Vec<MemberStatus> {
+        self.names
+            .iter()
+            .enumerate()
+            .map(|(index, name)| MemberStatus {
+                name: name.clone(),
+                cap: self.kept[index],
+                rate: self.last_rates[index],
+                hinted: self.hinted[index],
+            })
+            .collect()
+    }
+
+    /// A new group: every cap off, everything learnt forgotten, measured after the settling.
+    fn regroup(&mut self, members: &[&Member], now_ns: u64) {
+        let count = members.len();
+        self.names = members.iter().map(|member| member.name.clone()).collect();
+        self.hinted = members.iter().map(|member| member.hinted).collect();
+        self.kept = vec![FULL; count];
+        self.backoff = vec![[Backoff::default(); 2]; count];
+        self.cursor = 0;
+        self.judgement = None;
+        self.last_rates = vec![None; count];
+        self.stage = if count < 2 {
+            Stage::Idle
+        } else {
+            Stage::Settling {
+                until_ns: now_ns.saturating_add(self.config.settle_ns),
+            }
+        };
+    }
+
+    fn regroup_unmeasured(&mut self, now_ns: u64) {
+        let count = self.names.len();
+        self.kept = vec![FULL; count];
+        self.backoff = vec![[Backoff::default(); 2]; count];
+        self.cursor = 0;
+        self.judgement = None;
+        self.stage = Stage::Waiting {
+            until_ns: now_ns.saturating_add(self.config.unmeasured_wait_ns),
+        };
+    }
+
+    fn settle(&mut self, now_ns: u64) {
+        self.stage = Stage::Settling {
+            until_ns: now_ns.saturating_add(self.config.settle_ns),
+        };
+    }
+
+    /// Whether the period under way runs with a move under trial.
+    fn trial_in_force(&self) -> bool {
+        let Some(judgement) = &self.judgement else {
+            return false;
+        };
+        judgement.member.is_some()
+            && judgement
+                .order
+                .get(judgement.rates.len())
+                .copied()
+                .unwrap_or(false)
+    }
+
+    /// The caps in force now, by name (uncapped members left out).
+    fn output(&mut self, change: Option<RedistributeChange>) -> RedistributeOutput {
+        if !matches!(self.stage, Stage::Idle | Stage::Waiting { .. }) && self.judgement.is_none() {
+            self.judgement = Some(self.next_judgement());
+        }
+        let mut caps: Vec<u8> = self.kept.clone();
+        if self.trial_in_force()
+            && let Some(judgement) = &self.judgement
+            && let Some(member) = judgement.member
+        {
+            caps[member] = judgement.to;
+        }
+        let caps = self
+            .names
+            .iter()
+            .zip(caps)
+            .filter(|(_, cap)| *cap < FULL)
+            .map(|(name, cap)| (name.clone(), cap))
+            .collect();
+        RedistributeOutput { caps, change }
+    }
+
+    /// Whether member `index` may move `direction` from the kept caps, and to what cap.
+    fn allowed(&self, index: usize, direction: Direction) -> Option<u8> {
+        let cap = u16::from(self.kept[index]);
+        let shift = u16::from(self.config.step)
+            * u16::from(self.backoff[index][direction as usize].stride.max(1));
+        match direction {
+            Direction::Up => {
+                (cap < u16::from(FULL)).then(|| (cap + shift).min(u16::from(FULL)) as u8)
+            }
+            Direction::Down => {
+                // A long stride past the floor stops at it.
+                let floor = u16::from(self.config.floor(self.kept.len()));
+                let to = cap.saturating_sub(shift).max(floor);
+                let others_uncapped = self
+                    .kept
+                    .iter()
+                    .enumerate()
+                    .any(|(other, &cap)| other != index && cap == FULL);
+                (to < cap && others_uncapped).then_some(to as u8)
+            }
+        }
+    }
+
+    /// The next move not sitting out a wait, from the cursor on; a hold when there is none.
+    fn next_judgement(&mut self) -> Judgement {
+        let moves = 2 * self.names.len();
+        for offset in 0..moves {
+            let candidate = (self.cursor + offset) % moves;
+            let (index, direction) = (
+                candidate / 2,
+                if candidate.is_multiple_of(2) {
+                    Direction::Down
+                } else {
+                    Direction::Up
+                },
+            );
+            if self.backoff[index][direction as usize].skip > 0 {
+                continue;
+            }
+            if let Some(to) = self.allowed(index, direction) {
+                self.cursor = candidate;
+                let order = (0..self.config.pairs_max)
+                    .flat_map(|pair| {
+                        if pair % 2 == 0 {
+                            [false, true]
+                        } else {
+                            [true, false]
+                        }
+                    })
+                    .collect();
+                return Judgement {
+                    member: Some(index),
+                    direction,
+                    to,
+                    order,
+                    rates: Vec::new(),
+                };
+            }
+        }
+        // As long as a judgement's first pairs: a wait of n judgements lasts about n
+        // judgements' time, so that trials take a bounded share of the time however long the
+        // group stays.
+        Judgement {
+            member: None,
+            direction: Direction::Down,
+            to: FULL,
+            order: vec![false; 2 * self.config.pairs as usize],
+            rates: Vec::new(),
+        }
+    }
+
+    /// A period ended with `rates`: the judgement is made once its pairs say enough, else the
+    /// next period starts (after settling if the caps change).
+    fn period_ended(&mut self, rates: Vec<f64>, now_ns: u64) -> Option<RedistributeChange> {
+        let judgement = self.judgement.as_mut().expect("a judgement under way");
+        let with_move = judgement.order[judgement.rates.len()];
+        if !with_move || judgement.member.is_none() {
+            self.last_rates = rates.iter().map(|&rate| Some(rate)).collect();
+        }
+        judgement.rates.push(rates);
+        let measured = judgement.rates.len();
+        let verdict = if judgement.member.is_none() {
+            (measured == judgement.order.len()).then_some(Verdict::Hold)
+        } else if measured.is_multiple_of(2) && measured / 2 >= self.config.pairs as usize {
+            Self::verdict(&self.config, judgement)
+        } else {
+            None
+        };
+        let Some(verdict) = verdict else {
+            let next = judgement.order[measured];
+            if next == with_move {
+                self.stage = Stage::Measuring {
+                    since_ns: now_ns,
+                    start: self.last_progress.clone(),
+                };
+            } else {
+                self.settle(now_ns);
+            }
+            return None;
+        };
+        let judgement = self.judgement.take().expect("a judgement under way");
+        let change = self.judge(&judgement, verdict);
+        // The next judgement starts from the kept caps: settle if the last period had others.
+        let kept = matches!(change, Some(RedistributeChange::Judged { kept: true, .. }));
+        if with_move != kept && judgement.member.is_some() {
+            self.settle(now_ns);
+        } else {
+            self.stage = Stage::Measuring {
+                since_ns: now_ns,
+                start: self.last_progress.clone(),
+            };
+        }
+        change
+    }
+
+    /// The gain of each measured pair: the sum over members of `rate with the move / rate
+    /// without it - 1` (in units of one member's work).
+    fn gains(judgement: &Judgement) -> Vec<f64> {
+        judgement
+            .rates
+            .chunks_exact(2)
+            .zip(judgement.order.chunks_exact(2))
+            .map(|(pair, kinds)| {
+                let (with, without) = if kinds[0] {
+                    (&pair[0], &pair[1])
+                } else {
+                    (&pair[1], &pair[0])
+                };
+                with.iter()
+                    .zip(without)
+                    .map(|(with, without)| {
+                        if *without > 0.0 {
+                            with / without - 1.0
+                        } else {
+                            0.0
+                        }
+                    })
+                    .sum::<f64>()
+            })
+            .collect()
+    }
+
+    /// What the pairs measured so far say of the move under judgement; `None`: another pair.
+    fn verdict(config: &RedistributeConfig, judgement: &Judgement) -> Option<Verdict> {
+        let gains = Redistributor::gains(judgement);
+        let (gain, stderr) = mean_and_stderr(&gains);
+        let margin = t_critical(gains.len() - 1) * stderr;
+        let least = config.gain_min;
+        let last = gains.len() >= config.pairs_max as usize;
+        match judgement.direction {
+            // Kept on a gain of at least `gain_min`, beyond chance; worse when it surely
+            // costs; flat when it cannot reach the least gain but does not surely cost (the
+            // cap may not bind yet: a longer stride).
+            Direction::Down => {
+                if gain >= least && gain > margin {
+                    Some(Verdict::Keep)
+                } else if gain + margin < 0.0 {
+                    Some(Verdict::Worse)
+                } else if gain + margin < least || last {
+                    Some(Verdict::Flat)
+                } else {
+                    None
+                }
+            }
+            // Towards the fallback: the cap stays only if it surely pays half the least gain;
+            // kept once that is out of reach, or at the last look (ties go to the fallback).
+            Direction::Up => {
+                let cost = -gain;
+                if cost >= least / 2.0 && cost > margin {
+                    Some(Verdict::Worse)
+                } else if cost + margin < least / 2.0 || last {
+                    Some(Verdict::Keep)
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
+    /// Applies a verdict: the caps, strides and waits; what to report.
+    fn judge(&mut self, judgement: &Judgement, verdict: Verdict) -> Option<RedistributeChange> {
+        // Waits pass only in holds (not in other moves' trials), so that however many members
+        // there are, trials take a share of the time that falls as they keep failing.
+        if verdict == Verdict::Hold {
+            for wait in self.backoff.iter_mut().flatten() {
+                wait.skip = wait.skip.saturating_sub(1);
+            }
+        }
+        let member = judgement.member?;
+        let (gain, stderr) = mean_and_stderr(&Self::gains(judgement));
+        let from = self.kept[member];
+        let direction = judgement.direction as usize;
+        let stride = self.backoff[member][direction].stride.max(1);
+        let kept = verdict == Verdict::Keep;
+        match verdict {
+            Verdict::Keep => {
+                self.kept[member] = judgement.to;
+                self.backoff[member][direction] = Backoff {
+                    stride: (stride * 2).min(STRIDE_MAX),
+                    ..Backoff::default()
+                };
+                let opposite = &mut self.backoff[member][1 - direction];
+                opposite.skip = opposite.skip.max(2);
+                opposite.stride = 1;
+            }
+            // The cap may not bind yet: a longer stride next, at once.
+            Verdict::Flat
+                if stride < FLAT_STRIDE_MAX && !self.backoff[member][direction].shortened =>
+            {
+                self.backoff[member][direction].stride = (stride * 2).min(STRIDE_MAX);
+            }
+            // Too far at once: the single step next, at once.
+            Verdict::Worse if stride > 1 => {
+                self.backoff[member][direction].stride = 1;
+                self.backoff[member][direction].shortened = true;
+            }
+            // One step further down surely costs: whether the cap kept still pays is tried next.
+            Verdict::Worse if judgement.direction == Direction::Down && from < FULL => {
+                let wait = &mut self.backoff[member][direction];
+                wait.skip = wait.length.max(1);
+                wait.length = (wait.skip * 4).min(self.config.backoff_max);
+                wait.shortened = false;
+                self.backoff[member][1 - direction].skip = 0;
+            }
+            Verdict::Flat | Verdict::Worse | Verdict::Hold => {
+                let wait = &mut self.backoff[member][direction];
+                wait.skip = wait.length.max(1);
+                wait.length = (wait.skip * 4).min(self.config.backoff_max);
+                wait.stride = 1;
+                wait.shortened = false;
+                self.cursor = (self.cursor + 1) % (2 * self.names.len());
+            }
+        }
+        Some(RedistributeChange::Judged {
+            tenant: self.names[member].clone(),
+            from,
+            to: judgement.to,
+            gain,
+            stderr,
+            kept,
+        })
+    }
+}
+
+/// What the pairs of a judgement said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    Keep,
+    /// Rejected: it surely costs.
+    Worse,
+    /// Rejected: it does not reach the least gain, and does not surely cost.
+    Flat,
+    /// No move was judged (every move waits).
+    Hold,
+}
+
+/// The mean of `values` and its standard error (0 with one value).
+fn mean_and_stderr(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    if values.len() < 2 {
+        return (mean, 0.0);
+    }
+    let variance = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, (variance / n).sqrt())
+}
+
+/// Student's t at 99% (one side) for `freedom` degrees of freedom: a mean this many standard
+/// errors from a value is beyond chance at 1% (a judgement looks up to four times, and a group
+/// that stays for hours is judged hundreds of times: noise must seldom move a cap).
+fn t_critical(freedom: usize) -> f64 {
+    const TABLE: [f64; 10] = [
+        31.821, 6.965, 4.541, 3.747, 3.365, 3.143, 2.998, 2.896, 2.821, 2.764,
+    ];
+    TABLE
+        .get(freedom.saturating_sub(1))
+        .copied()
+        .unwrap_or(2.33)
+}
+
+#[cfg(test)]
+#[path = "redistribute_test.rs"]
+mod tests;
