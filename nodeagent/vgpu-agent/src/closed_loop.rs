@@ -17,6 +17,10 @@
 //! (500 ms), 50 periods: a stalled agent frees the GPU quickly, and a busy node's late period
 //! does not. One period reads about 130 words per latency tenant and writes two per GPU.
 //!
+//! On a node that runs MPS, the same period also runs each GPU's redistribution of SMs among
+//! its best-effort tenants ([`crate::redistribution`]), with the latency tenants left out and
+//! nothing measured while the closed loop's decision restricts.
+//!
 //! Which tenants are latency tenants, and their explicit targets, come from the agent's
 //! assignments through [`ClosedLoopShared::set_tenants`]; whether the node runs MPS and each
 //! GPU's SM count come from the [`ClosedLoopConfig`]. Everything is bounded (GPUs, tenants,
@@ -64,7 +68,7 @@ pub struct LatencySpec {
 }
 
 /// What the closed loop reads and how often.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ClosedLoopConfig {
     /// The interposers' shared-memory directory (the agent's `shm_dir`).
     pub shm_dir: PathBuf,
@@ -75,13 +79,23 @@ pub struct ClosedLoopConfig {
     pub mps: bool,
     /// SMs per GPU uuid; a GPU missing here (or with 0) gets no SM lever.
     pub sm_counts: BTreeMap<String, u16>,
+    /// The redistribution of each GPU's SMs among its best-effort tenants
+    /// ([`crate::redistribution`]), on a node whose best-effort tenants are MPS clients; `None`
+    /// (without MPS: the turns already give back what a tenant leaves unused): off.
+    pub redistribute: Option<sharing::RedistributeConfig>,
     pub period: Duration,
     pub neighbour_window: Duration,
 }
 
 impl ClosedLoopConfig {
-    /// The defaults for the GPUs of `inventory`.
-    pub fn new(shm_dir: PathBuf, mps: bool, inventory: &Inventory) -> ClosedLoopConfig {
+    /// The defaults for the GPUs of `inventory`; `node_mps`: the node runs MPS at all (its
+    /// best-effort tenants are clients), which turns the redistribution on.
+    pub fn new(
+        shm_dir: PathBuf,
+        mps: bool,
+        node_mps: bool,
+        inventory: &Inventory,
+    ) -> ClosedLoopConfig {
         let sm_counts = inventory
             .gpus
             .iter()
@@ -94,6 +108,7 @@ impl ClosedLoopConfig {
             shm_dir,
             mps,
             sm_counts,
+            redistribute: node_mps.then(sharing::RedistributeConfig::default),
             period: PERIOD_DEFAULT,
             neighbour_window: NEIGHBOUR_WINDOW_DEFAULT,
         }
@@ -273,6 +288,8 @@ struct GpuLoop {
     /// The squeezed side's counters at the last period (`ScheduleControl::squeezed_counters`),
     /// for the per-window trace.
     squeezed: (u64, u64),
+    /// The GPU's redistribution among best-effort tenants, when the node runs it.
+    redistribution: Option<crate::redistribution::GpuRedistribution>,
 }
 
 /// The target of the per-window trace: one line per GPU and control period with each latency
@@ -330,6 +347,20 @@ impl ClosedLoop {
                     merge_status(&mut statuses, status);
                 }
             }
+            if let Some(config) = &self.config.redistribute {
+                let restricted = gpu.control.decision(now_ns).restricts();
+                gpu.redistribution
+                    .get_or_insert_with(|| {
+                        crate::redistribution::GpuRedistribution::new(config.clone())
+                    })
+                    .tick(
+                        &gpu.control,
+                        uuid,
+                        |name| specs.contains_key(name),
+                        restricted,
+                        now_ns,
+                    );
+            }
         }
         statuses.retain(|name, _| specs.contains_key(name));
         debug_assert!(statuses.len() <= TENANTS_MAX);
@@ -381,6 +412,7 @@ impl ClosedLoop {
                         previous: BTreeMap::new(),
                         missing_since_ns: BTreeMap::new(),
                         squeezed: (0, 0),
+                        redistribution: None,
                     };
                     self.gpus.insert(uuid, gpu);
                 }

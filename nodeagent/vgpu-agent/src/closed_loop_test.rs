@@ -62,6 +62,7 @@ impl Node {
             shm_dir: self.shm_dir.clone(),
             mps: false,
             sm_counts: BTreeMap::new(),
+            redistribute: None,
             period: PERIOD_DEFAULT,
             neighbour_window: NEIGHBOUR_WINDOW_DEFAULT,
         }
@@ -322,4 +323,144 @@ fn the_target_is_published_for_the_tenants_exact_counts() {
     closed_loop.tick(&shared, t2);
     let status = &shared.statuses()["infer"];
     assert_eq!((status.steps, status.violations), (5, 4));
+}
+
+/// Two best-effort tenants sharing GPU-0 under MPS, as their interposers write the file: each
+/// period both launch (demand) and count steps at a rate that depends on the SM cap of `loop`
+/// the file holds (`loop` is bandwidth-bound: 40 of its SMs do its work; `gemm` gets the rest).
+struct Pair {
+    node: Node,
+    gemm: Member,
+    bandwidth: Member,
+    carried: [f64; 2],
+}
+
+const BEST_EFFORT: TenantConfig = TenantConfig {
+    share_pct: 25,
+    burst: true,
+    guaranteed: false,
+    priority: 0,
+};
+
+impl Pair {
+    fn new() -> Pair {
+        let node = Node::new(T0);
+        let schedule = Schedule::new(node.region, ProcLiveness);
+        let (pid, start_time) = (std::process::id(), tenant_abi::ledger::own_start_time());
+        let gemm = schedule
+            .join("gemm", BEST_EFFORT, pid, start_time, T0)
+            .unwrap();
+        let bandwidth = schedule
+            .join("loop", BEST_EFFORT, pid, start_time, T0)
+            .unwrap();
+        Pair {
+            node,
+            gemm,
+            bandwidth,
+            carried: [0.0; 2],
+        }
+    }
+
+    fn config(&self) -> ClosedLoopConfig {
+        ClosedLoopConfig {
+            redistribute: Some(sharing::RedistributeConfig {
+                period_min_ns: 100 * MS,
+                period_max_ns: 800 * MS,
+                settle_ns: 20 * MS,
+                ..sharing::RedistributeConfig::default()
+            }),
+            ..self.node.config()
+        }
+    }
+
+    /// One period at `now_ns`: both launch and make progress under the caps in the file.
+    fn period(&mut self, now_ns: u64) {
+        let region = self.node.region;
+        let cap = f64::from(
+            region
+                .control
+                .cap(self.bandwidth.tenant, now_ns)
+                .unwrap_or(128),
+        );
+        // Nested caps: `loop` shares its `cap` with `gemm`, which has the rest alone.
+        let loop_speed = (cap / 2.0).min(40.0) / 40.0;
+        let gemm_speed = (128.0 - cap / 2.0) / 128.0;
+        let schedule = Schedule::new(region, ProcLiveness);
+        for (i, (member, speed)) in [(&self.gemm, gemm_speed), (&self.bandwidth, loop_speed)]
+            .into_iter()
+            .enumerate()
+        {
+            schedule.demand(member, now_ns);
+            self.carried[i] += 3.0 * speed;
+            let whole = self.carried[i].floor();
+            self.carried[i] -= whole;
+            region.count_steps(member.tenant, whole as u64);
+        }
+    }
+}
+
+#[test]
+fn on_an_mps_node_a_bandwidth_bound_tenant_is_capped_in_the_file_and_uncapped_when_it_stops() {
+    let mut pair = Pair::new();
+    let shared = ClosedLoopShared::new();
+    let mut closed_loop = ClosedLoop::new(pair.config());
+    let mut now = T0;
+    for _ in 0..6_000 {
+        now += 10 * MS;
+        pair.period(now);
+        closed_loop.tick(&shared, now);
+    }
+    let control = &pair.node.region.control;
+    let cap = control.cap(pair.bandwidth.tenant, now);
+    assert!(
+        matches!(cap, Some(64..=96)),
+        "the bandwidth-bound tenant keeps 64-96 of 128: {cap:?}"
+    );
+    assert_eq!(
+        control.cap(pair.gemm.tenant, now),
+        None,
+        "one stays uncapped"
+    );
+    // `loop` stops launching: after the member window it leaves the group, and its cap is
+    // cleared in the file at once (not left to expire).
+    let stop = now;
+    while now < stop + crate::redistribution::MEMBER_WINDOW_NS + 20 * MS {
+        now += 10 * MS;
+        Schedule::new(pair.node.region, ProcLiveness).demand(&pair.gemm, now);
+        closed_loop.tick(&shared, now);
+    }
+    assert_eq!(control.cap(pair.bandwidth.tenant, now), None);
+    let cleared = control.caps_ns.load(Relaxed);
+    assert!(
+        cleared > stop + crate::redistribution::MEMBER_WINDOW_NS - DECISION_TTL_NS,
+        "cleared when it left, not expired: {cleared}"
+    );
+    assert_eq!(control.cap(pair.bandwidth.tenant, cleared), None);
+}
+
+#[test]
+fn without_mps_or_beside_latency_tenants_only_best_effort_tenants_are_redistributed() {
+    // Off (no MPS): nothing is written.
+    let mut pair = Pair::new();
+    let shared = ClosedLoopShared::new();
+    let mut closed_loop = ClosedLoop::new(pair.node.config());
+    let mut now = T0;
+    for _ in 0..2_000 {
+        now += 10 * MS;
+        pair.period(now);
+        closed_loop.tick(&shared, now);
+    }
+    assert_eq!(pair.node.region.control.caps_ns.load(Relaxed), 0);
+    // On, with `loop` a latency tenant: one member left, nothing to share.
+    let mut closed_loop = ClosedLoop::new(pair.config());
+    shared.set_tenants(BTreeMap::from([(
+        "loop".to_owned(),
+        LatencySpec::default(),
+    )]));
+    for _ in 0..2_000 {
+        now += 10 * MS;
+        pair.period(now);
+        closed_loop.tick(&shared, now);
+    }
+    assert_eq!(pair.node.region.control.caps_ns.load(Relaxed), 0);
 }

@@ -42,6 +42,7 @@ pub mod mps;
 pub mod mps_watch;
 pub mod private;
 pub mod reconcile;
+pub mod redistribution;
 pub mod report;
 pub mod reserve;
 pub mod session;

@@ -1,0 +1,219 @@
+//! The redistribution of one GPU's SMs among its best-effort tenants, as the closed-loop thread
+//! runs it every period on an MPS node (`docs/design/utility-redistribution.md`): the members
+//! are read from the GPU's schedule file (`ScheduleControl::activity`), fed to the GPU's
+//! [`sharing::Redistributor`], and its caps are published in the file for the members'
+//! interposers (`ScheduleControl::publish_caps`). Nothing is written while nobody is capped.
+//!
+//! **Members**: live tenants that are not latency tenants, best effort (not guaranteed), allowed
+//! to burst, of the highest priority among those, and active: one of their processes launched
+//! (or waited to) within [`MEMBER_WINDOW_NS`]. A tenant pausing for its data loader for a moment
+//! stays a member; one that stopped leaves the group (and every cap comes off).
+
+use std::collections::BTreeMap;
+
+use sharing::{Member, RedistributeChange, RedistributeConfig, RedistributeOutput, Redistributor};
+use tenant_abi::compute::{Activity, TENANTS};
+use tenant_abi::shm::ScheduleControl;
+
+/// How recently a tenant must have launched to be a member.
+pub const MEMBER_WINDOW_NS: u64 = 1_000_000_000;
+
+/// One GPU's redistribution: its core and where each member's slot is.
+pub struct GpuRedistribution {
+    redistributor: Redistributor,
+    /// Whether the last period published any cap (the next clears them at once if none is
+    /// left; otherwise nothing is written).
+    capped: bool,
+}
+
+impl GpuRedistribution {
+    pub fn new(config: RedistributeConfig) -> GpuRedistribution {
+        GpuRedistribution {
+            redistributor: Redistributor::new(config),
+            capped: false,
+        }
+    }
+
+    /// One period at `now_ns`: `is_latency` names the latency tenants, `restricted` says
+    /// whether the closed loop restricts the GPU's neighbours now.
+    pub fn tick(
+        &mut self,
+        control: &ScheduleControl,
+        uuid: &str,
+        is_latency: impl Fn(&str) -> bool,
+        restricted: bool,
+        now_ns: u64,
+    ) -> RedistributeOutput {
+        let (members, slots) = members(&control.activity(), is_latency, now_ns);
+        let output = self.redistributor.handle(now_ns, &members, restricted);
+        let mut caps = [0u8; TENANTS];
+        for (name, cap) in &output.caps {
+            if let Some(&slot) = slots.get(name) {
+                caps[slot] = *cap;
+            }
+        }
+        let any = caps.iter().any(|&cap| cap != 0);
+        if any || self.capped {
+            control.publish_caps(&caps, now_ns);
+        }
+        self.capped = any;
+        if let Some(change) = &output.change {
+            log_change(uuid, change);
+        }
+        output
+    }
+
+    /// The members' caps and rates, for the usage report and the trace.
+    pub fn status(&self) -> Vec<sharing::MemberStatus> {
+        self.redistributor.status()
+    }
+}
+
+/// The members among a GPU's live tenants (see the module's docs), with their slots.
+pub fn members(
+    activity: &[Activity],
+    is_latency: impl Fn(&str) -> bool,
+    now_ns: u64,
+) -> (Vec<Member>, BTreeMap<String, usize>) {
+    let candidates: Vec<&Activity> = activity
+        .iter()
+        .filter(|tenant| {
+            !is_latency(&tenant.name)
+                && tenant.config.burst
+                && !tenant.config.guaranteed
+                && tenant_abi::compute::latency_fresh(tenant.demand_ns, now_ns, MEMBER_WINDOW_NS)
+        })
+        .collect();
+    let Some(top) = candidates.iter().map(|tenant| tenant.config.priority).max() else {
+        return (Vec::new(), BTreeMap::new());
+    };
+    let chosen: Vec<&&Activity> = candidates
+        .iter()
+        .filter(|tenant| tenant.config.priority == top)
+        .collect();
+    let members = chosen
+        .iter()
+        .map(|tenant| Member {
+            name: tenant.name.clone(),
+            progress: tenant.progress,
+            hinted: tenant.hinted,
+        })
+        .collect();
+    let slots = chosen
+        .iter()
+        .map(|tenant| (tenant.name.clone(), tenant.slot))
+        .collect();
+    (members, slots)
+}
+
+fn log_change(uuid: &str, change: &RedistributeChange) {
+    let share = |cap: u8| f64::from(cap) * 100.0 / f64::from(sharing::redistribute::FULL);
+    match change {
+        RedistributeChange::Judged {
+            tenant,
+            from,
+            to,
+            gain,
+            stderr,
+            kept: true,
+        } => tracing::info!(
+            "redistribution on GPU {uuid}: {tenant} keeps {:.0}% of the SMs, was {:.0}% (the \
+             group's work {:+.1}% +- {:.1}% of one tenant's)",
+            share(*to),
+            share(*from),
+            gain * 100.0,
+            stderr * 100.0
+        ),
+        RedistributeChange::Judged {
+            tenant,
+            from,
+            to,
+            gain,
+            stderr,
+            kept: false,
+        } => tracing::debug!(
+            "redistribution on GPU {uuid}: {tenant} stays at {:.0}% of the SMs ({:.0}% tried: \
+             {:+.1}% +- {:.1}%)",
+            share(*from),
+            share(*to),
+            gain * 100.0,
+            stderr * 100.0
+        ),
+        RedistributeChange::Reset { reason } => {
+            tracing::info!("redistribution on GPU {uuid}: every SM cap off ({reason:?})")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tenant_abi::compute::TenantConfig;
+
+    const NOW: u64 = 10_000_000_000;
+
+    fn tenant(slot: usize, name: &str, config: TenantConfig, demand_ns: u64) -> Activity {
+        Activity {
+            slot,
+            name: name.to_owned(),
+            config,
+            demand_ns,
+            progress: 7,
+            hinted: false,
+        }
+    }
+
+    const BEST_EFFORT: TenantConfig = TenantConfig {
+        share_pct: 25,
+        burst: true,
+        guaranteed: false,
+        priority: 0,
+    };
+
+    #[test]
+    fn members_are_active_best_effort_burst_tenants_of_the_highest_priority() {
+        let activity = [
+            tenant(0, "a", BEST_EFFORT, NOW - 1),
+            tenant(3, "b", BEST_EFFORT, NOW - 500_000_000),
+            tenant(4, "stopped", BEST_EFFORT, NOW - 2_000_000_000),
+            tenant(5, "infer", BEST_EFFORT, NOW),
+            tenant(
+                6,
+                "guaranteed",
+                TenantConfig {
+                    guaranteed: true,
+                    ..BEST_EFFORT
+                },
+                NOW,
+            ),
+            tenant(
+                7,
+                "capped",
+                TenantConfig {
+                    burst: false,
+                    ..BEST_EFFORT
+                },
+                NOW,
+            ),
+            tenant(
+                8,
+                "low",
+                TenantConfig {
+                    priority: -1,
+                    ..BEST_EFFORT
+                },
+                NOW,
+            ),
+        ];
+        let (group, slots) = members(&activity, |name| name == "infer", NOW);
+        let names: Vec<&str> = group.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(slots, BTreeMap::from([("a".into(), 0), ("b".into(), 3)]));
+        assert_eq!(group[0].progress, 7);
+        // Only lower-priority tenants active: they are the group.
+        let (group, _) = members(&activity[6..], |_| false, NOW);
+        assert_eq!(group.len(), 1);
+        assert_eq!(group[0].name, "low");
+        assert!(members(&[], |_| false, NOW).0.is_empty());
+    }
+}
