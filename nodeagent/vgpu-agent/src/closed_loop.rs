@@ -128,6 +128,8 @@ impl ClosedLoopConfig {
 pub struct ClosedLoopShared {
     tenants: Mutex<BTreeMap<String, LatencySpec>>,
     statuses: Mutex<BTreeMap<String, TenantStatus>>,
+    /// The redistribution's members (out), by tenant name.
+    members: Mutex<BTreeMap<String, sharing::MemberStatus>>,
 }
 
 impl ClosedLoopShared {
@@ -151,6 +153,13 @@ impl ClosedLoopShared {
 
     pub fn tenants(&self) -> BTreeMap<String, LatencySpec> {
         lock(&self.tenants).clone()
+    }
+
+    /// The best-effort tenants the redistribution follows now, by name, with the SM cap each
+    /// keeps (in `sharing::redistribute::FULL`ths) and its progress rate. A tenant on several
+    /// GPUs: the GPU where its cap is lowest.
+    pub fn members(&self) -> BTreeMap<String, sharing::MemberStatus> {
+        lock(&self.members).clone()
     }
 
     /// The latency tenants' newest statuses, by name. A tenant on several GPUs: its steps and
@@ -339,6 +348,7 @@ impl ClosedLoop {
         let neighbour_window_ns = duration_ns(self.config.neighbour_window);
         let mut published = BTreeMap::new();
         let mut statuses: BTreeMap<String, TenantStatus> = BTreeMap::new();
+        let mut members: BTreeMap<String, sharing::MemberStatus> = BTreeMap::new();
         for (uuid, gpu) in &mut self.gpus {
             let decision = gpu.tick(&self.config, uuid, &specs, now_ns, neighbour_window_ns);
             if let Some((decision, gpu_statuses)) = decision {
@@ -361,7 +371,17 @@ impl ClosedLoop {
                         now_ns,
                     );
             }
+            for member in gpu.redistribution.iter().flat_map(|r| r.status()) {
+                let lower = members
+                    .get(&member.name)
+                    .is_none_or(|known| member.cap < known.cap);
+                let room = members.contains_key(&member.name) || members.len() < TENANTS_MAX;
+                if lower && room {
+                    members.insert(member.name.clone(), member);
+                }
+            }
         }
+        *lock(&shared.members) = members;
         statuses.retain(|name, _| specs.contains_key(name));
         debug_assert!(statuses.len() <= TENANTS_MAX);
         *lock(&shared.statuses) = statuses;
