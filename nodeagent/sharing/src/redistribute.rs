@@ -23,7 +23,8 @@
 //!
 //! **The rule.** Start uncapped (the fallback: MPS's own split). Then, one move at a time, in
 //! turn over the members: *down* (a member's cap one [`RedistributeConfig::step`] lower, never
-//! below [`RedistributeConfig::floor`], half its equal slice) or *up* (a capped member's cap one
+//! below [`RedistributeConfig::floor`], half its equal slice, nor below its own
+//! [`Member::floor`], a guaranteed share) or *up* (a capped member's cap one
 //! step higher). A move is judged by periods with and without it, alternated in pairs whose
 //! order flips (`B T`, `T B`, `B T`: a drifting rate favours neither side), each period long
 //! enough for [`RedistributeConfig::units_min`] units of every member, after the caps settle.
@@ -42,7 +43,7 @@
 //! what one gains the other loses) gain nothing, and the group stays at the fallback.
 //!
 //! **Resets** to the fallback (every cap off, everything learnt forgotten): a member joins or
-//! leaves, a member starts counting its own units, a member's counter restarts (its slot was
+//! leaves, a member starts counting its own units or its floor changes, a member's counter restarts (its slot was
 //! reused), or a member makes no progress for a whole [`RedistributeConfig::period_max_ns`]
 //! (*unmeasured*: nothing can be judged; the group waits
 //! [`RedistributeConfig::unmeasured_wait_ns`] uncapped before trying again). While the closed
@@ -139,6 +140,9 @@ pub struct Member {
     pub progress: u64,
     /// The counter holds the application's own units, not steps.
     pub hinted: bool,
+    /// The lowest cap it may get, in [`FULL`]ths (a guaranteed share); the group's floor
+    /// applies too.
+    pub floor: u8,
 }
 
 /// Which way a move shifts a member's cap.
@@ -252,9 +256,10 @@ struct Judgement {
 #[derive(Debug, Clone)]
 pub struct Redistributor {
     config: RedistributeConfig,
-    /// The members' names, sorted, and whether each counts its own units.
+    /// The members' names, sorted, whether each counts its own units, and its own floor.
     names: Vec<String>,
     hinted: Vec<bool>,
+    floors: Vec<u8>,
     /// The caps kept, per member.
     kept: Vec<u8>,
     /// Per member, per direction (`Direction as usize`).
@@ -274,6 +279,7 @@ impl Redistributor {
             config,
             names: Vec::new(),
             hinted: Vec::new(),
+            floors: Vec::new(),
             kept: Vec::new(),
             backoff: Vec::new(),
             cursor: 0,
@@ -304,7 +310,11 @@ impl Redistributor {
             && members
                 .iter()
                 .zip(self.names.iter().zip(&self.hinted))
-                .all(|(member, (name, hinted))| member.name == *name && member.hinted == *hinted);
+                .all(|(member, (name, hinted))| member.name == *name && member.hinted == *hinted)
+            && members
+                .iter()
+                .zip(&self.floors)
+                .all(|(member, floor)| member.floor == *floor);
         if !same_group {
             let capped = self.kept.iter().any(|&cap| cap < FULL) || self.trial_in_force();
             self.regroup(&members, now_ns);
@@ -396,6 +406,7 @@ impl Redistributor {
         let count = members.len();
         self.names = members.iter().map(|member| member.name.clone()).collect();
         self.hinted = members.iter().map(|member| member.hinted).collect();
+        self.floors = members.iter().map(|member| member.floor).collect();
         self.kept = vec![FULL; count];
         self.backoff = vec![[Backoff::default(); 2]; count];
         self.cursor = 0;
@@ -473,7 +484,7 @@ impl Redistributor {
             }
             Direction::Down => {
                 // A long stride past the floor stops at it.
-                let floor = u16::from(self.config.floor(self.kept.len()));
+                let floor = u16::from(self.config.floor(self.kept.len()).max(self.floors[index]));
                 let to = cap.saturating_sub(shift).max(floor);
                 let others_uncapped = self
                     .kept

@@ -117,6 +117,7 @@ struct Run {
     changes: Vec<RedistributeChange>,
     /// Each tick's objective (against the fallback) and caps.
     trace: Vec<(f64, Vec<u8>)>,
+    floors: Vec<u8>,
 }
 
 impl Run {
@@ -132,6 +133,7 @@ impl Run {
             caps: vec![FULL; count],
             changes: Vec::new(),
             trace: Vec::new(),
+            floors: vec![0; count],
         }
     }
 
@@ -139,10 +141,12 @@ impl Run {
         self.names
             .iter()
             .zip(&self.progress)
-            .map(|(name, progress)| Member {
+            .zip(&self.floors)
+            .map(|((name, progress), floor)| Member {
                 name: name.clone(),
                 progress: *progress as u64,
                 hinted: false,
+                floor: *floor,
             })
             .collect()
     }
@@ -304,6 +308,7 @@ fn the_group_changing_takes_every_cap_off_at_once() {
     assert!(run.kept()[0] < FULL, "capped by now: {:?}", run.changes);
     // A third tenant joins: uncapped in the same period.
     run.names.push("t2".into());
+    run.floors.push(0);
     run.progress.push(0.0);
     run.factors.push(1.0);
     run.caps.push(FULL);
@@ -318,6 +323,7 @@ fn the_group_changing_takes_every_cap_off_at_once() {
     );
     // A member alone: nothing to share.
     run.names.truncate(1);
+    run.floors.truncate(1);
     run.progress.truncate(1);
     run.factors.truncate(1);
     run.caps.truncate(1);
@@ -393,6 +399,7 @@ fn a_member_that_starts_counting_its_own_units_resets_the_group() {
         name: name.into(),
         progress,
         hinted,
+        floor: 0,
     };
     let out = redistributor.handle(
         MS,
@@ -415,6 +422,25 @@ fn a_member_that_starts_counting_its_own_units_resets_the_group() {
         false,
     );
     assert!(redistributor.status()[0].hinted);
+}
+
+#[test]
+fn a_guaranteed_share_is_a_floor_of_its_own() {
+    let pair = [bandwidth(40.0), COMPUTE];
+    let mut run = Run::new(2, 0.02, 7);
+    run.floors = vec![96, 0];
+    run.run(&pair, 240);
+    assert!(
+        run.trace.iter().all(|(_, caps)| caps[0] >= 96),
+        "{:?}",
+        run.changes
+    );
+    assert_eq!(
+        run.kept()[0],
+        96,
+        "as low as its floor lets it: {:?}",
+        run.changes
+    );
 }
 
 #[test]

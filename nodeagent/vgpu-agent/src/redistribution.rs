@@ -4,10 +4,12 @@
 //! [`sharing::Redistributor`], and its caps are published in the file for the members'
 //! interposers (`ScheduleControl::publish_caps`). Nothing is written while nobody is capped.
 //!
-//! **Members**: live tenants that are not latency tenants, best effort (not guaranteed), allowed
-//! to burst, of the highest priority among those, and active: one of their processes launched
-//! (or waited to) within [`MEMBER_WINDOW_NS`]. A tenant pausing for its data loader for a moment
-//! stays a member; one that stopped leaves the group (and every cap comes off).
+//! **Members**: live tenants that are not latency tenants, allowed to burst (they asked for
+//! capacity beyond their share), of the highest priority among those, and active: one of their
+//! processes launched (or waited to) within [`MEMBER_WINDOW_NS`]. A tenant pausing for its data
+//! loader for a moment stays a member; one that stopped leaves the group (and every cap comes
+//! off). A guaranteed tenant (not `--preemptible`) is never capped under its share of the GPU
+//! (its [`Member::floor`]); a preemptible one has only the group's floor.
 
 use std::collections::BTreeMap;
 
@@ -80,7 +82,6 @@ pub fn members(
         .filter(|tenant| {
             !is_latency(&tenant.name)
                 && tenant.config.burst
-                && !tenant.config.guaranteed
                 && tenant_abi::compute::latency_fresh(tenant.demand_ns, now_ns, MEMBER_WINDOW_NS)
         })
         .collect();
@@ -97,6 +98,7 @@ pub fn members(
             name: tenant.name.clone(),
             progress: tenant.progress,
             hinted: tenant.hinted,
+            floor: floor(&tenant.config),
         })
         .collect();
     let slots = chosen
@@ -104,6 +106,15 @@ pub fn members(
         .map(|tenant| (tenant.name.clone(), tenant.slot))
         .collect();
     (members, slots)
+}
+
+/// The lowest cap of a member: its guaranteed share of the SMs (rounded up), else none.
+pub fn floor(config: &tenant_abi::compute::TenantConfig) -> u8 {
+    if !config.guaranteed {
+        return 0;
+    }
+    let full = u32::from(sharing::redistribute::FULL);
+    (config.share_pct.min(100) * full).div_ceil(100) as u8
 }
 
 fn log_change(uuid: &str, change: &RedistributeChange) {
@@ -184,7 +195,7 @@ mod tests {
                     guaranteed: true,
                     ..BEST_EFFORT
                 },
-                NOW,
+                NOW - 2_000_000_000,
             ),
             tenant(
                 7,
@@ -210,8 +221,15 @@ mod tests {
         assert_eq!(names, ["a", "b"]);
         assert_eq!(slots, BTreeMap::from([("a".into(), 0), ("b".into(), 3)]));
         assert_eq!(group[0].progress, 7);
+        assert_eq!(group[0].floor, 0, "preemptible: the group's floor only");
+        // A guaranteed tenant is a member with its share as its floor.
+        let mut active = activity.to_vec();
+        active[4].demand_ns = NOW;
+        let (group, _) = members(&active, |name| name == "infer", NOW);
+        let guaranteed = group.iter().find(|m| m.name == "guaranteed").unwrap();
+        assert_eq!(guaranteed.floor, 32, "25% of 128");
         // Only lower-priority tenants active: they are the group.
-        let (group, _) = members(&activity[6..], |_| false, NOW);
+        let (group, _) = members(&activity[5..], |_| false, NOW);
         assert_eq!(group.len(), 1);
         assert_eq!(group[0].name, "low");
         assert!(members(&[], |_| false, NOW).0.is_empty());
