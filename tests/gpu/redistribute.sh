@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# Issue 15, point 4 on a real GPU: the agent's redistribution of SMs among burst tenants that
+# share a GPU as MPS clients (docs/design/utility-redistribution.md), against the uncapped split
+# (the same agent with `redistribute = false`, VGPU_AGENT_REDISTRIBUTE=false) and each workload
+# alone, in one run. Run from the repository root on a one-GPU machine, with release binaries
+# built here and carried along (VGPU_BIN, default dist: vgpu-cp, vgpu-agent, vgpuctl,
+# libvgpu_cuda.so):
+#
+#   VGPU_BIN=dist tests/gpu/redistribute.sh
+#
+# Through vgpu: vgpu-cp, `vgpu-agent join --mps`, `vgpuctl place a|b --gpus 0.5 --memory 20GiB
+# --burst`, the workloads started with `vgpu-agent exec` (tests/gpu/redistribute.py):
+#   alone   gemm (bf16 8192^3 matmuls) alone as tenant a, stream (a 1 GiB copy) alone as b
+#   pair    a: gemm beside b: stream, PAIR_S seconds with the redistribution, then OFF_S without
+#   equal   a: gemm beside b: gemm, EQUAL_S with, then OFF_S without
+# Each rate is taken over the last MEASURE_S seconds of its run (OFF_MEASURE_S for the runs
+# without), in operations per second, and normalised by the same workload's rate alone; the
+# group's work is the sum of the two normalised rates. Checks:
+#   pair:  the group's work with the redistribution >= 1.02x without (the capability: capacity
+#          goes to the tenant that turns it into more work), and what the capped tenant lost;
+#   equal: within 3% of without (nothing gained, nothing lost) and each tenant within 10% of
+#          the other (the fair split stays).
+# The agent's judgements (its "redistribution on GPU" log lines) and `vgpuctl describe tenant`
+# are kept in the logs. PARTS (default "pair equal") picks the parts; HINT=1 counts progress
+# with vgpu.torch.progress instead of steps. Logs: $OUT/redistribute; the table is printed last.
+# Every exit path stops what the script started (the agent's MPS daemon too).
+# shellcheck disable=SC2317 # cleanup and the wait tests are called indirectly (trap, bounded_wait)
+set -u
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+HELPER="$ROOT/tests/gpu/redistribute.py"
+# shellcheck source=tests/gpu/procs.sh
+source "$ROOT/tests/gpu/procs.sh"
+# shellcheck source=tests/gpu/node.sh
+source "$ROOT/tests/gpu/node.sh"
+gpu_paths
+PARTS=${PARTS:-pair equal}
+ALONE_S=${ALONE_S:-20}
+PAIR_S=${PAIR_S:-150}
+EQUAL_S=${EQUAL_S:-120}
+OFF_S=${OFF_S:-35}
+MEASURE_S=${MEASURE_S:-50}
+OFF_MEASURE_S=${OFF_MEASURE_S:-25}
+HINT=${HINT:-0}
+OUT=${OUT:-/tmp/redistribute-out}
+LOGS="$OUT/redistribute"
+mkdir -p "$LOGS"
+RESULTS="$LOGS/results.tsv"
+: >"$RESULTS"
+: >"$LOGS/plan.tsv"
+PORT=${VGPU_PORT:-7476}
+EP="127.0.0.1:$PORT"
+SHM=/dev/shm/vgpu-redistribute.$$
+WORK=$(mktemp -d /tmp/redistribute.XXXXXX)
+CP=""
+AGENT=""
+AGENT_MPS=0
+PIDS=()
+
+log() { echo "[$(date +%T)] $*" | tee -a "$LOGS/run.log"; }
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$RESULTS"; log "$4: $1 (target $2, got $3)"; }
+calc() { "$PY" -c "import sys; print($1)"; }
+cleanup() {
+  local pid left
+  left=$(jobs -p)
+  for pid in "${PIDS[@]}" $left; do kill -9 "$pid" 2>/dev/null; done
+  for pid in "${PIDS[@]}" $left; do wait "$pid" 2>/dev/null; done
+  [ "$AGENT_MPS" = 1 ] && echo quit | CUDA_MPS_PIPE_DIRECTORY="$SHM/mps" nvidia-cuda-mps-control >/dev/null 2>&1
+  cp -r "$WORK/agent/mps-log" "$LOGS/agent-mps-log" 2>/dev/null
+  rm -rf "$WORK" "$SHM"
+}
+trap cleanup EXIT
+
+for part in $PARTS; do
+  case "$part" in pair | equal) ;; *)
+    echo "PARTS: unknown part $part (pair equal)" >&2
+    exit 2
+    ;;
+  esac
+done
+has_part() { [[ " $PARTS " == *" $1 "* ]]; }
+hint=()
+[ "$HINT" = 1 ] && hint=(--hint)
+
+log "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -n1)"
+log "binaries $BIN; parts: $PARTS; alone ${ALONE_S}s, pair ${PAIR_S}s, equal ${EQUAL_S}s, off ${OFF_S}s; hint $HINT"
+
+EXEC=("$BIN/vgpu-agent" exec --name gpu-node --state-dir "$WORK/agent" --shm-dir "$SHM"
+  --interposer "$BIN/libvgpu_cuda.so")
+start() { # start TENANT LOG WORKLOAD SECONDS: a workload of TENANT in the background
+  timeout $(($4 + 120)) "${EXEC[@]}" --tenant "$1" -- "$PY" "$HELPER" "$3" --seconds "$4" "${hint[@]}" \
+    >"$LOGS/$2.log" 2>&1 &
+  PIDS+=($!)
+}
+finish() { # wait for every workload started
+  local pid
+  for pid in "${PIDS[@]}"; do
+    [ "$pid" = "$CP" ] || [ "$pid" = "$AGENT" ] && continue
+    wait "$pid" 2>/dev/null
+    forget "$pid"
+  done
+}
+plan() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$LOGS/plan.tsv"; } # LABEL LOG FROM_S TO_S
+tenants_ready() { test -e "$SHM/tenants/a/nccl-activity" && test -e "$SHM/tenants/b/nccl-activity"; }
+
+export RUST_LOG=${RUST_LOG:-info,vgpu_agent::redistribution=debug}
+vgpu_cp_up || exit 1
+vgpu_agent_up --mps || exit 1
+ctl place a --gpus 0.5 --memory 20GiB --burst 2>&1 | tee -a "$LOGS/run.log"
+ctl place b --gpus 0.5 --memory 20GiB --burst 2>&1 | tee -a "$LOGS/run.log"
+bounded_wait 15 "the tenants' private directories" tenants_ready || exit 1
+
+# ---- alone ----
+start a alone-gemm gemm "$ALONE_S"
+finish
+plan alone-gemm alone-gemm.log $((ALONE_S - 10)) "$ALONE_S"
+if has_part pair; then
+  start b alone-stream stream "$ALONE_S"
+  finish
+  plan alone-stream alone-stream.log $((ALONE_S - 10)) "$ALONE_S"
+fi
+
+# ---- with the redistribution ----
+if has_part pair; then
+  log "pair with the redistribution: a gemm, b stream, ${PAIR_S}s"
+  start a pair-on-gemm gemm "$PAIR_S"
+  start b pair-on-stream stream "$PAIR_S"
+  finish
+  ctl describe tenant b >"$LOGS/describe-b-pair.txt" 2>&1
+  plan pair-on-gemm pair-on-gemm.log $((PAIR_S - MEASURE_S)) "$PAIR_S"
+  plan pair-on-stream pair-on-stream.log $((PAIR_S - MEASURE_S)) "$PAIR_S"
+fi
+if has_part equal; then
+  log "equal with the redistribution: a gemm, b gemm, ${EQUAL_S}s"
+  start a equal-on-a gemm "$EQUAL_S"
+  start b equal-on-b gemm "$EQUAL_S"
+  finish
+  ctl describe tenant a >"$LOGS/describe-a-equal.txt" 2>&1
+  plan equal-on-a equal-on-a.log $((EQUAL_S - MEASURE_S)) "$EQUAL_S"
+  plan equal-on-b equal-on-b.log $((EQUAL_S - MEASURE_S)) "$EQUAL_S"
+fi
+grep -h "redistribution on GPU" "$LOGS/agent.log" >"$LOGS/judgements-on.txt" 2>/dev/null
+
+# ---- without (the same agent state, redistribute = false) ----
+VGPU_AGENT_REDISTRIBUTE=false vgpu_agent_up --mps || exit 1
+if has_part pair; then
+  start a pair-off-gemm gemm "$OFF_S"
+  start b pair-off-stream stream "$OFF_S"
+  finish
+  plan pair-off-gemm pair-off-gemm.log $((OFF_S - OFF_MEASURE_S)) "$OFF_S"
+  plan pair-off-stream pair-off-stream.log $((OFF_S - OFF_MEASURE_S)) "$OFF_S"
+fi
+if has_part equal; then
+  start a equal-off-a gemm "$OFF_S"
+  start b equal-off-b gemm "$OFF_S"
+  finish
+  plan equal-off-a equal-off-a.log $((OFF_S - OFF_MEASURE_S)) "$OFF_S"
+  plan equal-off-b equal-off-b.log $((OFF_S - OFF_MEASURE_S)) "$OFF_S"
+fi
+agent_mps_down
+
+# ---- the table ----
+declare -A R
+while IFS=$'\t' read -r label value; do R[$label]=$value; done < <("$PY" "$HELPER" report --logs "$LOGS")
+for label in "${!R[@]}"; do log "rate $label: ${R[$label]:-missing} ops/s"; done
+have() { local l; for l in "$@"; do [ -n "${R[$l]:-}" ] || return 1; done; }
+if has_part pair; then
+  if have alone-gemm alone-stream pair-on-gemm pair-on-stream pair-off-gemm pair-off-stream; then
+    on=$(calc "${R[pair-on-gemm]} / ${R[alone-gemm]} + ${R[pair-on-stream]} / ${R[alone-stream]}")
+    off=$(calc "${R[pair-off-gemm]} / ${R[alone-gemm]} + ${R[pair-off-stream]} / ${R[alone-stream]}")
+    ratio=$(calc "round($on / $off, 3)")
+    record "pair gemm+stream: group's work with / without the redistribution (with $(calc "round($on, 3)"), without $(calc "round($off, 3)"))" ">= 1.02" "$ratio" "$(calc "'PASS' if $ratio >= 1.02 else 'FAIL'")"
+    record "pair: gemm's rate with / without" "-" "$(calc "round(${R[pair-on-gemm]} / ${R[pair-off-gemm]}, 3)")" INFO
+    record "pair: stream's rate with / without (the capped tenant's cost)" "-" "$(calc "round(${R[pair-on-stream]} / ${R[pair-off-stream]}, 3)")" INFO
+  else
+    record "pair gemm+stream" "measured" "missing rates" FAIL
+  fi
+  kept=$(grep -h "keeps" "$LOGS/judgements-on.txt" 2>/dev/null | tail -n1 | sed -E 's/.*: ([a-z]+ keeps [0-9]+% of the SMs).*/\1/')
+  record "pair: the last cap kept (agent log)" "-" "${kept:-none}" INFO
+fi
+if has_part equal; then
+  if have alone-gemm equal-on-a equal-on-b equal-off-a equal-off-b; then
+    on=$(calc "(${R[equal-on-a]} + ${R[equal-on-b]}) / ${R[alone-gemm]}")
+    off=$(calc "(${R[equal-off-a]} + ${R[equal-off-b]}) / ${R[alone-gemm]}")
+    ratio=$(calc "round($on / $off, 3)")
+    split=$(calc "round(${R[equal-on-a]} / ${R[equal-on-b]}, 3)")
+    record "equal gemm+gemm: group's work with / without" "0.97-1.03" "$ratio" "$(calc "'PASS' if 0.97 <= $ratio <= 1.03 else 'FAIL'")"
+    record "equal: a's rate / b's rate with the redistribution" "0.90-1.11" "$split" "$(calc "'PASS' if 0.9 <= $split <= 1.11 else 'FAIL'")"
+  else
+    record "equal gemm+gemm" "measured" "missing rates" FAIL
+  fi
+fi
+record "judgements logged by the agent (kept / all)" "-" "$(grep -c keeps "$LOGS/judgements-on.txt" 2>/dev/null)/$(wc -l <"$LOGS/judgements-on.txt" 2>/dev/null)" INFO
+
+echo
+printf '%-100s | %-10s | %-28s | %s\n' check target got verdict
+printf '%s\n' "$(printf -- '-%.0s' {1..150})"
+while IFS=$'\t' read -r check target got verdict; do
+  printf '%-100s | %-10s | %-28s | %s\n' "$check" "$target" "$got" "$verdict"
+done <"$RESULTS"
+! grep -q $'\tFAIL$' "$RESULTS"
