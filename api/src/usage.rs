@@ -18,6 +18,9 @@ pub const NAME_LENGTH_MAX: usize = 32;
 /// Largest step latency (baseline, p50, p99) a usage entry may report, in µs: an hour. A step
 /// that long is a hung tenant, not a latency; larger values are clamped to it.
 pub const LATENCY_REPORTED_US_MAX: u64 = 3_600_000_000;
+/// An SM cap of the whole GPU (uncapped), in the thousandths `TenantUsage.sm_cap_permille`
+/// counts; larger values are clamped to it.
+pub const SM_CAP_PERMILLE_FULL: u32 = 1000;
 
 /// What [`bound_heartbeat`] dropped, for a log line.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -28,6 +31,8 @@ pub struct Trimmed {
     pub names: usize,
     /// Usage entries whose latency numbers were clamped.
     pub latency: usize,
+    /// Usage entries whose SM redistribution numbers were clamped or cleared.
+    pub redistribution: usize,
 }
 
 impl Trimmed {
@@ -53,6 +58,7 @@ pub fn bound_heartbeat(request: &mut HeartbeatRequest) -> Trimmed {
     for usage in &mut request.usage {
         trimmed.processes += bound_processes(&mut usage.processes);
         trimmed.latency += usize::from(bound_latency(usage));
+        trimmed.redistribution += usize::from(bound_redistribution(usage));
     }
     debug_assert!(request.gpus.len() <= HEALTH_GPUS_MAX);
     debug_assert!(request.usage.len() <= USAGE_ENTRIES_MAX);
@@ -100,6 +106,36 @@ pub fn bound_latency(usage: &mut TenantUsage) -> bool {
         usage.latency_p50_us,
         usage.latency_p99_us,
         usage.latency_violations,
+    );
+    before != after
+}
+
+/// Makes a usage entry's SM redistribution numbers sane: the cap at most
+/// [`SM_CAP_PERMILLE_FULL`]; a progress rate that is not a finite non-negative number is unknown
+/// (0); and an entry the redistribution does not follow (cap 0) carries no rate and no hint.
+/// Returns whether anything changed.
+pub fn bound_redistribution(usage: &mut TenantUsage) -> bool {
+    let before = (
+        usage.sm_cap_permille,
+        usage.progress_per_s.to_bits(),
+        usage.progress_hinted,
+    );
+    usage.sm_cap_permille = usage.sm_cap_permille.min(SM_CAP_PERMILLE_FULL);
+    let sane = usage.progress_per_s.is_finite() && usage.progress_per_s >= 0.0;
+    if !sane || usage.sm_cap_permille == 0 {
+        usage.progress_per_s = 0.0;
+    }
+    if usage.sm_cap_permille == 0 {
+        usage.progress_hinted = false;
+    }
+    debug_assert!(usage.progress_per_s.is_finite() && usage.progress_per_s >= 0.0);
+    debug_assert!(
+        usage.sm_cap_permille > 0 || (usage.progress_per_s == 0.0 && !usage.progress_hinted)
+    );
+    let after = (
+        usage.sm_cap_permille,
+        usage.progress_per_s.to_bits(),
+        usage.progress_hinted,
     );
     before != after
 }
@@ -221,6 +257,48 @@ mod tests {
         );
         assert_eq!(clamped.latency_p99_us, LATENCY_REPORTED_US_MAX);
         assert_eq!(clamped.latency_violations, 5);
+        assert_eq!(bound_heartbeat(&mut request), Trimmed::default());
+    }
+
+    #[test]
+    fn redistribution_numbers_are_clamped_and_nonsense_rates_are_unknown() {
+        let followed = |sm_cap_permille, progress_per_s, progress_hinted| TenantUsage {
+            sm_cap_permille,
+            progress_per_s,
+            progress_hinted,
+            ..TenantUsage::default()
+        };
+        let mut request = HeartbeatRequest {
+            usage: vec![
+                followed(625, 12.5, true),
+                followed(SM_CAP_PERMILLE_FULL, 0.0, false),
+                followed(5_000, 3.0, false),
+                followed(500, f64::NAN, true),
+                followed(500, f64::INFINITY, false),
+                followed(500, -1.0, false),
+                // Not followed: a rate or a hint means nothing.
+                followed(0, 7.0, true),
+            ],
+            ..HeartbeatRequest::default()
+        };
+        let sane = request.usage[..2].to_vec();
+        let trimmed = bound_heartbeat(&mut request);
+        assert_eq!(trimmed.redistribution, 5);
+        assert_eq!(request.usage[..2], sane[..], "sane numbers are kept");
+        let numbers: Vec<(u32, f64, bool)> = request.usage[2..]
+            .iter()
+            .map(|u| (u.sm_cap_permille, u.progress_per_s, u.progress_hinted))
+            .collect();
+        assert_eq!(
+            numbers,
+            [
+                (SM_CAP_PERMILLE_FULL, 3.0, false),
+                (500, 0.0, true),
+                (500, 0.0, false),
+                (500, 0.0, false),
+                (0, 0.0, false),
+            ]
+        );
         assert_eq!(bound_heartbeat(&mut request), Trimmed::default());
     }
 

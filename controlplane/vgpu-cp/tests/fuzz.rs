@@ -525,6 +525,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
         ),
         (edge_u64(), edge_u64(), any::<i64>()),
         (edge_u32(), edge_u64()),
+        (edge_u32(), any::<f64>(), any::<bool>()),
     )
         .prop_map(
             |(
@@ -549,6 +550,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 ),
                 (memory_reclaims, memory_reclaimed_bytes, memory_last_reclaim_unix_ms),
                 (memory_waiting_processes, memory_longest_wait_ms),
+                (sm_cap_permille, progress_per_s, progress_hinted),
             )| v1::TenantUsage {
                 tenant,
                 node,
@@ -577,6 +579,9 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 memory_last_reclaim_unix_ms,
                 memory_waiting_processes,
                 memory_longest_wait_ms,
+                sm_cap_permille,
+                progress_per_s,
+                progress_hinted,
             },
         )
 }
