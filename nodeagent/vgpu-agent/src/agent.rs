@@ -244,6 +244,12 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
             status.violations,
         ))
     }));
+    // On an MPS node, the SM redistribution's members go into the usage report too.
+    let members = closed_loop.clone();
+    monitor.set_redistribution_source(crate::usage::RedistributionSource::new(move |tenant| {
+        let member = members.members().remove(tenant)?;
+        Some(crate::usage::RedistributionReport::from_member(&member))
+    }));
     let _closed_loop_thread = crate::closed_loop::spawn(
         crate::closed_loop::ClosedLoopConfig::new(
             config.shm_dir.clone(),

@@ -8,7 +8,9 @@
 //!
 //! Latency tenants' step latencies come from a [`LatencySource`] (the node's closed-loop
 //! controller), set with [`Monitor::set_latency_source`]; until one is set, usage entries carry
-//! only the targets the tenants asked for.
+//! only the targets the tenants asked for. The SM redistribution's members (an MPS node's
+//! best-effort tenants) come from a [`RedistributionSource`], set with
+//! [`Monitor::set_redistribution_source`]; until one is set, entries carry none.
 
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
@@ -20,7 +22,7 @@ use api::v1::{GpuHealth, TenantUsage};
 use crate::health::{HealthSource, SimulatedHealth};
 use crate::inventory::{Inventory, InventorySource};
 use crate::state::read_assignments_file;
-use crate::usage::LatencySource;
+use crate::usage::{LatencySource, RedistributionSource, TenantSources};
 
 /// The newest sample.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -43,8 +45,9 @@ pub struct MonitorConfig {
 /// The handle of the monitor thread.
 pub struct Monitor {
     latest: Arc<Mutex<Report>>,
-    /// What the thread asks for latency tenants' numbers at each sample.
-    latency: Arc<Mutex<LatencySource>>,
+    /// What the thread asks for latency tenants' and redistributed tenants' numbers at each
+    /// sample.
+    tenant_sources: Arc<Mutex<TenantSources>>,
     /// Dropping it stops the thread.
     _stop: Sender<()>,
 }
@@ -66,11 +69,11 @@ impl Monitor {
     ) -> std::io::Result<Monitor> {
         assert!(!config.interval.is_zero(), "a monitor interval");
         let latest = Arc::new(Mutex::new(Report::default()));
-        let latency = Arc::new(Mutex::new(LatencySource::none()));
+        let tenant_sources = Arc::new(Mutex::new(TenantSources::default()));
         let (stop, stopped) = channel();
         let (first_done, first) = channel();
         let shared = latest.clone();
-        let latency_shared = latency.clone();
+        let tenant_sources_shared = tenant_sources.clone();
         let inventory = inventory.clone();
         let nvml = matches!(source, InventorySource::Nvml);
         std::thread::Builder::new()
@@ -99,7 +102,7 @@ impl Monitor {
                 );
                 let sources = Sources {
                     health: health.as_mut(),
-                    latency: &latency_shared,
+                    tenant_sources: &tenant_sources_shared,
                     reserves: &mut reserves,
                 };
                 run(&config, sources, &shared, &stopped, first_done);
@@ -108,7 +111,7 @@ impl Monitor {
         let _ = first.recv_timeout(Duration::from_secs(10));
         Ok(Monitor {
             latest,
-            latency,
+            tenant_sources,
             _stop: stop,
         })
     }
@@ -116,7 +119,19 @@ impl Monitor {
     /// Takes latency tenants' numbers from `source` from the next sample on (the node's
     /// closed-loop controller: `LatencySource::new(move |tenant| ...)`).
     pub fn set_latency_source(&self, source: LatencySource) {
-        *self.latency.lock().expect("monitor latency lock") = source;
+        self.tenant_sources
+            .lock()
+            .expect("monitor tenant sources lock")
+            .latency = source;
+    }
+
+    /// Takes the SM redistribution's members from `source` from the next sample on (the node's
+    /// closed-loop thread: `RedistributionSource::new(move |tenant| ...)`).
+    pub fn set_redistribution_source(&self, source: RedistributionSource) {
+        self.tenant_sources
+            .lock()
+            .expect("monitor tenant sources lock")
+            .redistribution = source;
     }
 
     /// The newest report.
@@ -137,7 +152,7 @@ impl HealthSource for NoHealth {
 /// What the monitor thread samples besides the files.
 struct Sources<'a> {
     health: &'a mut dyn HealthSource,
-    latency: &'a Mutex<LatencySource>,
+    tenant_sources: &'a Mutex<TenantSources>,
     reserves: &'a mut BoardReserves,
 }
 
@@ -253,14 +268,20 @@ fn run(
     let mut first_done = Some(first_done);
     let mut logged_problems = std::collections::BTreeSet::new();
     loop {
-        // Cloned out, so that a slow lookup never holds the lock `set_latency_source` takes.
-        let latency = sources
-            .latency
+        // Cloned out, so that a slow lookup never holds the lock `set_latency_source` and
+        // `set_redistribution_source` take.
+        let tenant_sources = sources
+            .tenant_sources
             .lock()
-            .expect("monitor latency lock")
+            .expect("monitor tenant sources lock")
             .clone();
         let before = sources.reserves.resident();
-        let report = sample(config, sources.health, &latency, &mut logged_problems);
+        let report = sample(
+            config,
+            sources.health,
+            &tenant_sources,
+            &mut logged_problems,
+        );
         sources
             .reserves
             .apply(&report.gpus, &before, crate::closed_loop::monotonic_ns());
@@ -280,11 +301,11 @@ fn run(
 const LOGGED_PROBLEMS_MAX: usize = 256;
 
 /// One report: health from `health`, usage from the files of the assigned tenants, latency
-/// tenants' step latencies from `latency`.
+/// tenants' step latencies and the SM redistribution's members from `tenant_sources`.
 pub fn sample(
     config: &MonitorConfig,
     health: &mut dyn HealthSource,
-    latency: &LatencySource,
+    tenant_sources: &TenantSources,
     logged_problems: &mut std::collections::BTreeSet<String>,
 ) -> Report {
     let mut gpus = health.sample();
@@ -312,9 +333,13 @@ pub fn sample(
             }
         }
     }
-    let usage = crate::usage::combine(&config.node, &assignments, &files, &|tenant| {
-        latency.get(tenant)
-    });
+    let usage = crate::usage::combine(
+        &config.node,
+        &assignments,
+        &files,
+        &|tenant| tenant_sources.latency.get(tenant),
+        &|tenant| tenant_sources.redistribution.get(tenant),
+    );
     let mut report = Report { gpus, usage };
     let mut request = api::v1::HeartbeatRequest {
         node: config.node.clone(),
@@ -400,7 +425,7 @@ mod tests {
         let report = sample(
             &config,
             &mut OneGpu,
-            &LatencySource::none(),
+            &TenantSources::default(),
             &mut Default::default(),
         );
         assert_eq!(report.usage.len(), 1);
@@ -408,6 +433,7 @@ mod tests {
         // No controller: the target the tenant asked for, nothing measured.
         assert_eq!(report.usage[0].latency_target_us, 2_000);
         assert_eq!(report.usage[0].latency_steps, 0);
+        assert_eq!(report.usage[0].sm_cap_permille, 0);
         let controller = LatencySource::new(|tenant| {
             (tenant == "train").then(|| {
                 crate::usage::LatencyReport::from_ns(
@@ -420,8 +446,29 @@ mod tests {
                 )
             })
         });
-        let report = sample(&config, &mut OneGpu, &controller, &mut Default::default());
+        // The monitor reports what the sources say (a latency tenant is never a redistribution's
+        // member on a real node; here it only carries the numbers through).
+        let redistribution = RedistributionSource::new(|tenant| {
+            (tenant == "train").then_some(crate::usage::RedistributionReport {
+                sm_cap_permille: 625,
+                progress_per_s: 12.5,
+                hinted: true,
+            })
+        });
+        let sources = TenantSources {
+            latency: controller,
+            redistribution,
+        };
+        let report = sample(&config, &mut OneGpu, &sources, &mut Default::default());
         let usage = &report.usage[0];
+        assert_eq!(
+            (
+                usage.sm_cap_permille,
+                usage.progress_per_s,
+                usage.progress_hinted
+            ),
+            (625, 12.5, true)
+        );
         assert_eq!(
             (
                 usage.latency_p99_us,
@@ -456,6 +503,7 @@ mod tests {
         assert_eq!(report.gpus.len(), 2);
         assert!(report.usage.is_empty(), "no assignments yet");
         monitor.set_latency_source(LatencySource::new(|_| None));
+        monitor.set_redistribution_source(RedistributionSource::new(|_| None));
         drop(monitor);
     }
 }

@@ -208,6 +208,9 @@ fn without_counters(usage: &TenantUsage) -> TenantUsage {
         latency_p99_us: 0,
         latency_steps: 0,
         latency_violations: 0,
+        // The SM redistribution's progress rate is measured each period; the cap it keeps and
+        // whether the tenant is followed at all are not measurements (they go at once).
+        progress_per_s: 0.0,
         ..usage.clone()
     }
 }
@@ -373,5 +376,18 @@ mod tests {
         let mut retargeted = base.clone();
         retargeted.usage[0].latency_target_us = 1_500;
         assert!(!only_usage_moved(&base, &retargeted));
+        // A redistributed tenant's progress rate is a measurement; its cap is not.
+        let mut followed = base.clone();
+        followed.usage[0].sm_cap_permille = 1_000;
+        assert!(
+            !only_usage_moved(&base, &followed),
+            "joined the redistribution"
+        );
+        let mut progressed = followed.clone();
+        progressed.usage[0].progress_per_s = 12.5;
+        assert!(only_usage_moved(&followed, &progressed));
+        let mut capped = progressed.clone();
+        capped.usage[0].sm_cap_permille = 625;
+        assert!(!only_usage_moved(&progressed, &capped));
     }
 }

@@ -22,6 +22,10 @@
 //! entry (lowest GPU index), since the controller measures per tenant, not per GPU. Without a
 //! source (or before the controller knows the tenant) the entry carries the target the tenant
 //! asked for, if any, and zeros.
+//!
+//! Likewise a best-effort tenant that an MPS node's SM redistribution follows (the closed-loop
+//! thread's `sharing::Redistributor`s, issue 15 point 4) gets the cap it keeps and its progress
+//! rate on its first entry, from a [`RedistributionSource`]; other tenants' entries carry zeros.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -69,39 +73,92 @@ impl LatencyReport {
     }
 }
 
-/// A lookup of latency tenants' numbers by tenant name.
-pub type LatencyLookup = dyn Fn(&str) -> Option<LatencyReport> + Send + Sync;
+/// A tenant the node's SM redistribution follows now (`sharing::MemberStatus`, as the usage
+/// report carries it): the SM cap it keeps in thousandths of the GPU's SMs
+/// ([`api::usage::SM_CAP_PERMILLE_FULL`]: uncapped; never 0, which means "not followed" on the
+/// wire), its progress per second in the last period at the kept caps (0: not measured yet), and
+/// whether that rate is in the application's own units (`vgpu_progress`) rather than steps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RedistributionReport {
+    pub sm_cap_permille: u32,
+    pub progress_per_s: f64,
+    pub hinted: bool,
+}
 
-/// Where the latency numbers come from: a lookup by tenant name, shared with the monitor
-/// thread. [`LatencySource::none`] knows no tenant (the default).
-#[derive(Clone)]
-pub struct LatencySource(Arc<LatencyLookup>);
+impl RedistributionReport {
+    /// From the redistribution's member status: the cap (in `sharing::redistribute::FULL`ths)
+    /// rounded to the nearest thousandth (at least 1); a rate that is unknown, not finite or
+    /// negative as 0.
+    pub fn from_member(member: &sharing::MemberStatus) -> RedistributionReport {
+        let full = u32::from(sharing::redistribute::FULL);
+        debug_assert!(u32::from(member.cap) <= full, "a cap is at most the GPU");
+        let cap = u32::from(member.cap).min(full);
+        let sm_cap_permille = ((cap * api::usage::SM_CAP_PERMILLE_FULL + full / 2) / full).max(1);
+        let progress_per_s = member
+            .rate
+            .filter(|rate| rate.is_finite() && *rate >= 0.0)
+            .unwrap_or(0.0);
+        assert!((1..=api::usage::SM_CAP_PERMILLE_FULL).contains(&sm_cap_permille));
+        assert!(progress_per_s.is_finite() && progress_per_s >= 0.0);
+        RedistributionReport {
+            sm_cap_permille,
+            progress_per_s,
+            hinted: member.hinted,
+        }
+    }
+}
 
-impl LatencySource {
-    pub fn new(lookup: impl Fn(&str) -> Option<LatencyReport> + Send + Sync + 'static) -> Self {
-        LatencySource(Arc::new(lookup))
+/// A lookup of per-tenant numbers by tenant name.
+pub type Lookup<T> = dyn Fn(&str) -> Option<T> + Send + Sync;
+
+/// Where per-tenant numbers that another thread of the agent keeps come from: a lookup by tenant
+/// name, shared with the monitor thread. [`TenantSource::none`] knows no tenant (the default).
+pub struct TenantSource<T>(Arc<Lookup<T>>);
+
+/// Latency tenants' numbers (the closed loop's controllers).
+pub type LatencySource = TenantSource<LatencyReport>;
+
+/// The SM redistribution's members (the closed loop's redistributors, on MPS nodes).
+pub type RedistributionSource = TenantSource<RedistributionReport>;
+
+impl<T> TenantSource<T> {
+    pub fn new(lookup: impl Fn(&str) -> Option<T> + Send + Sync + 'static) -> Self {
+        TenantSource(Arc::new(lookup))
     }
 
     pub fn none() -> Self {
-        LatencySource::new(|_| None)
+        TenantSource::new(|_| None)
     }
 
     /// The numbers of `tenant`, if the source has them.
-    pub fn get(&self, tenant: &str) -> Option<LatencyReport> {
+    pub fn get(&self, tenant: &str) -> Option<T> {
         (self.0)(tenant)
     }
 }
 
-impl Default for LatencySource {
-    fn default() -> Self {
-        LatencySource::none()
+impl<T> Clone for TenantSource<T> {
+    fn clone(&self) -> Self {
+        TenantSource(self.0.clone())
     }
 }
 
-impl std::fmt::Debug for LatencySource {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.write_str("LatencySource")
+impl<T> Default for TenantSource<T> {
+    fn default() -> Self {
+        TenantSource::none()
     }
+}
+
+impl<T> std::fmt::Debug for TenantSource<T> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "TenantSource<{}>", std::any::type_name::<T>())
+    }
+}
+
+/// Every source the usage report takes per-tenant numbers from, as the monitor thread holds them.
+#[derive(Debug, Clone, Default)]
+pub struct TenantSources {
+    pub latency: LatencySource,
+    pub redistribution: RedistributionSource,
 }
 
 /// What the files said, keyed for [`combine`].
@@ -174,12 +231,14 @@ pub fn read_files(shm_dir: &Path, assignments: &[TenantAssignment]) -> (Files, V
 }
 
 /// One usage entry per slice of every assigned tenant, in tenant order then slice order; the
-/// latency numbers of `latency` on each tenant's first entry (see the module docs).
+/// latency numbers of `latency` and the SM redistribution's numbers of `redistribution` on each
+/// tenant's first entry (see the module docs).
 pub fn combine(
     node: &str,
     assignments: &[TenantAssignment],
     files: &Files,
     latency: &dyn Fn(&str) -> Option<LatencyReport>,
+    redistribution: &dyn Fn(&str) -> Option<RedistributionReport>,
 ) -> Vec<TenantUsage> {
     let mut entries = Vec::new();
     for assignment in assignments {
@@ -248,6 +307,7 @@ pub fn combine(
         }
         if let Some(first) = entries.get_mut(first_entry) {
             attach_latency(first, assignment, latency);
+            attach_redistribution(first, redistribution);
         }
     }
     entries
@@ -276,6 +336,26 @@ fn attach_latency(
     entry.latency_steps = report.steps;
     entry.latency_violations = report.violations.min(report.steps);
     debug_assert!(assignment.latency || entry.latency_target_us == 0);
+}
+
+/// Puts the SM redistribution's numbers on `entry` when the redistribution follows its tenant;
+/// leaves them 0 otherwise.
+fn attach_redistribution(
+    entry: &mut TenantUsage,
+    redistribution: &dyn Fn(&str) -> Option<RedistributionReport>,
+) {
+    let report = redistribution(&entry.tenant);
+    debug_assert!(
+        report.is_none_or(|r| r.sm_cap_permille > 0),
+        "0 means not followed"
+    );
+    let Some(report) = report.filter(|r| r.sm_cap_permille > 0) else {
+        return;
+    };
+    entry.sm_cap_permille = report.sm_cap_permille.min(api::usage::SM_CAP_PERMILLE_FULL);
+    entry.progress_per_s = report.progress_per_s;
+    entry.progress_hinted = report.hinted;
+    debug_assert!(entry.progress_per_s.is_finite() && entry.progress_per_s >= 0.0);
 }
 
 /// Which tenant each live ledger process belongs to (to name NVML's processes).
@@ -348,7 +428,7 @@ mod tests {
             }],
         );
         files.sampled_ns = 9_500_000_000;
-        let entries = combine("node-a", &assignments, &files, &|_| None);
+        let entries = combine("node-a", &assignments, &files, &|_| None, &|_| None);
         let figures: Vec<(u64, u64, u64, u64, u64, u64)> = entries
             .iter()
             .map(|e| {
@@ -428,7 +508,7 @@ mod tests {
                 processes: 1,
             }],
         );
-        let entries = combine("node-a", &assignments, &files, &|_| None);
+        let entries = combine("node-a", &assignments, &files, &|_| None, &|_| None);
         let summary: Vec<(&str, u32, u64, u64, u64, u32)> = entries
             .iter()
             .map(|e| {
@@ -510,7 +590,13 @@ mod tests {
             })
             .filter(|_| name == "train"),
         };
-        let entries = combine("node-a", &assignments, &Files::default(), &controller);
+        let entries = combine(
+            "node-a",
+            &assignments,
+            &Files::default(),
+            &controller,
+            &|_| None,
+        );
         let latency: Vec<(&str, u32, [u64; 6])> = entries
             .iter()
             .map(|e| {
@@ -540,10 +626,94 @@ mod tests {
             ]
         );
         // Without a controller, the asked-for targets alone.
-        let plain = combine("node-a", &assignments, &Files::default(), &|_| None);
+        let plain = combine(
+            "node-a",
+            &assignments,
+            &Files::default(),
+            &|_| None,
+            &|_| None,
+        );
         assert_eq!(plain[0].latency_target_us, 2_000);
         assert_eq!(plain[0].latency_steps, 0);
         assert_eq!(LatencySource::default().get("chat"), None);
+    }
+
+    /// Issue 15 point 4: a tenant the redistribution follows gets its cap and rate on its first
+    /// entry; other tenants and other entries carry zeros.
+    #[test]
+    fn a_redistributed_tenants_cap_and_rate_go_on_its_first_entry() {
+        let tenant = |name: &str, slices| TenantAssignment {
+            tenant: String::from(name),
+            priority: 0,
+            slices,
+            bandwidth_weight: 0,
+            latency: false,
+            latency_target_us: None,
+        };
+        let assignments = vec![
+            tenant("sweep", vec![slice(4, GIB), slice(2, GIB)]),
+            tenant("batch", vec![slice(2, GIB)]),
+            tenant("fresh", vec![slice(2, GIB)]),
+            tenant("other", vec![slice(2, GIB)]),
+        ];
+        let member = |name: &str, cap, rate, hinted| sharing::MemberStatus {
+            name: name.to_owned(),
+            cap,
+            rate,
+            hinted,
+        };
+        let members: BTreeMap<String, sharing::MemberStatus> = [
+            member("sweep", 80, Some(12.25), true),
+            member("batch", sharing::redistribute::FULL, Some(310.0), false),
+            // Not measured yet at the kept caps.
+            member("fresh", sharing::redistribute::FULL, None, false),
+        ]
+        .into_iter()
+        .map(|member| (member.name.clone(), member))
+        .collect();
+        let source = RedistributionSource::new(move |tenant| {
+            members.get(tenant).map(RedistributionReport::from_member)
+        });
+        let entries = combine(
+            "node-a",
+            &assignments,
+            &Files::default(),
+            &|_| None,
+            &|tenant| source.get(tenant),
+        );
+        let numbers: Vec<(&str, u32, u32, f64, bool)> = entries
+            .iter()
+            .map(|e| {
+                (
+                    e.tenant.as_str(),
+                    e.gpu_index,
+                    e.sm_cap_permille,
+                    e.progress_per_s,
+                    e.progress_hinted,
+                )
+            })
+            .collect();
+        assert_eq!(
+            numbers,
+            [
+                // 80/128 of the SMs: 625 thousandths.
+                ("sweep", 2, 625, 12.25, true),
+                ("sweep", 4, 0, 0.0, false),
+                ("batch", 2, 1_000, 310.0, false),
+                ("fresh", 2, 1_000, 0.0, false),
+                ("other", 2, 0, 0.0, false),
+            ]
+        );
+        // Whatever comes through, the report stays sane: rounded to the nearest thousandth, never
+        // 0 for a member, and a rate that is not a number is unknown.
+        let report = |cap, rate| RedistributionReport::from_member(&member("x", cap, rate, false));
+        assert_eq!(report(1, Some(f64::NAN)).sm_cap_permille, 8);
+        assert_eq!(report(1, Some(f64::NAN)).progress_per_s, 0.0);
+        assert_eq!(report(0, Some(-3.0)).sm_cap_permille, 1);
+        assert_eq!(report(0, Some(-3.0)).progress_per_s, 0.0);
+        assert_eq!(report(127, Some(f64::INFINITY)).sm_cap_permille, 992);
+        assert_eq!(report(64, None).sm_cap_permille, 500);
+        assert_eq!(RedistributionSource::default().get("sweep"), None);
     }
 
     #[test]
@@ -560,7 +730,7 @@ mod tests {
         // Nothing ran yet: no files, no problems, zeros.
         let (files, problems) = read_files(directory.path(), &assignments);
         assert!(problems.is_empty(), "{problems:?}");
-        let entries = combine("n", &assignments, &files, &|_| None);
+        let entries = combine("n", &assignments, &files, &|_| None, &|_| None);
         assert_eq!(entries.len(), 1);
         assert_eq!(
             (entries[0].memory_used_bytes, entries[0].memory_limit_bytes),
@@ -592,7 +762,7 @@ mod tests {
             .unwrap();
         let (files, problems) = read_files(directory.path(), &assignments);
         assert!(problems.is_empty(), "{problems:?}");
-        let entries = combine("n", &assignments, &files, &|_| None);
+        let entries = combine("n", &assignments, &files, &|_| None, &|_| None);
         assert_eq!(entries[0].memory_used_bytes, 3 * GIB);
         assert_eq!(entries[0].gpu_time_ns, 1_500_000_000);
         assert_eq!(entries[0].process_count, 1);
