@@ -320,6 +320,17 @@ pub struct UsageView {
     pub latency_target_us: u64,
     pub latency_p99_us: u64,
     pub latency_violations: u64,
+    /// The SM redistribution on MPS nodes (issue 15 point 4), for a best-effort tenant it follows:
+    /// the lowest SM cap any of its nodes keeps, in thousandths of the GPU's SMs (1000: uncapped;
+    /// 0: not followed anywhere), and its progress per second summed over those nodes (0: not
+    /// measured yet), in the application's own units when `progress_hinted` (some node says so),
+    /// else steps.
+    #[serde(default)]
+    pub sm_cap_permille: u32,
+    #[serde(default)]
+    pub progress_per_s: f64,
+    #[serde(default)]
+    pub progress_hinted: bool,
     /// The oldest of the reports summed (unix ms).
     pub reported_unix_ms: i64,
 }
@@ -627,7 +638,18 @@ fn usage_of(record: &crate::pool::TenantRecord, soft: &SoftState) -> Option<Usag
         usage.latency_target_us = usage.latency_target_us.max(entry.latency_target_us);
         usage.latency_p99_us = usage.latency_p99_us.max(entry.latency_p99_us);
         usage.latency_violations += entry.latency_violations;
+        // Per tenant and node too: the lowest cap of the nodes that follow it, their rates summed.
+        if entry.sm_cap_permille > 0 {
+            usage.sm_cap_permille = match usage.sm_cap_permille {
+                0 => entry.sm_cap_permille,
+                lowest => lowest.min(entry.sm_cap_permille),
+            };
+            usage.progress_per_s += entry.progress_per_s;
+            usage.progress_hinted |= entry.progress_hinted;
+        }
     }
+    debug_assert!(usage.sm_cap_permille <= api::usage::SM_CAP_PERMILLE_FULL);
+    debug_assert!(usage.sm_cap_permille > 0 || usage.progress_per_s == 0.0);
     Some(usage)
 }
 

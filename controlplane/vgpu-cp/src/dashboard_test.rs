@@ -519,3 +519,89 @@ fn a_page_asks_the_leader_for_its_nodes_and_the_unhealthy_ones_only() {
     };
     assert_eq!(reports.snapshot(&without).len(), 1);
 }
+
+/// Issue 15 point 4: a best-effort tenant followed by the SM redistribution on two nodes shows its
+/// lowest cap and its rates summed; a tenant followed nowhere shows none.
+#[test]
+fn a_tenants_usage_has_its_lowest_sm_cap_and_its_summed_progress() {
+    let mut state = pool(2, 0);
+    let request = v1::PlacementRequest {
+        whole_gpus: 1,
+        nodes: 2,
+        owner: "alice".to_owned(),
+        ..Default::default()
+    };
+    let result = state.apply(
+        10,
+        Command::Place {
+            name: "sweep".to_owned(),
+            request: request.encode_to_vec(),
+            unix_ms: 10,
+        },
+    );
+    assert!(matches!(result, CommandResult::Tenant(_)), "{result:?}");
+    let slices = state.tenants["sweep"].slices.clone();
+    assert_eq!(slices.len(), 2, "{slices:?}");
+    let sweep = PageQuery::parse("name=sweep").expect("valid");
+    let followed = |slice: &placement::SliceAssignment, permille, rate, hinted| {
+        let mut report = report("sweep", &slice.gpu_uuid);
+        let usage = &mut report.usage[0];
+        usage.node = slice.node.clone();
+        (usage.latency_target_us, usage.latency_p99_us) = (0, 0);
+        usage.sm_cap_permille = permille;
+        usage.progress_per_s = rate;
+        usage.progress_hinted = hinted;
+        (slice.node.clone(), report)
+    };
+    let soft = SoftState {
+        heartbeats: BTreeMap::new(),
+        reports: [
+            followed(&slices[0], 625, 12.5, true),
+            followed(&slices[1], 1_000, 7.5, true),
+        ]
+        .into(),
+    };
+    let row = tenant_page(&state, &soft, &sweep, &TenantScope::All).expect("found");
+    let usage = row.usage.as_ref().expect("reported");
+    assert_eq!(
+        (
+            usage.sm_cap_permille,
+            usage.progress_per_s,
+            usage.progress_hinted
+        ),
+        (625, 20.0, true)
+    );
+    // One node stops following it: what the other says.
+    let soft = SoftState {
+        heartbeats: BTreeMap::new(),
+        reports: [
+            followed(&slices[0], 0, 0.0, false),
+            followed(&slices[1], 1_000, 7.5, false),
+        ]
+        .into(),
+    };
+    let row = tenant_page(&state, &soft, &sweep, &TenantScope::All).expect("found");
+    let usage = row.usage.as_ref().expect("reported");
+    assert_eq!(
+        (
+            usage.sm_cap_permille,
+            usage.progress_per_s,
+            usage.progress_hinted
+        ),
+        (1_000, 7.5, false)
+    );
+    // Followed nowhere: zeros, and a view written before the fields existed still reads.
+    let soft = SoftState {
+        heartbeats: BTreeMap::new(),
+        reports: [followed(&slices[0], 0, 0.0, false)].into(),
+    };
+    let row = tenant_page(&state, &soft, &sweep, &TenantScope::All).expect("found");
+    let usage = row.usage.clone().expect("reported");
+    assert_eq!(usage.sm_cap_permille, 0);
+    let mut json = serde_json::to_value(&usage).expect("json");
+    for field in ["sm_cap_permille", "progress_per_s", "progress_hinted"] {
+        json.as_object_mut().expect("an object").remove(field);
+    }
+    let read: UsageView = serde_json::from_value(json).expect("old views read");
+    assert_eq!(read, usage);
+}

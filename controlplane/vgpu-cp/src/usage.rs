@@ -567,6 +567,10 @@ pub fn render(
         );
     }
     render_latency(out, &mut usage().filter(|(_, usage)| has_latency(usage)));
+    render_redistribution(
+        out,
+        &mut usage().filter(|(_, usage)| usage.sm_cap_permille > 0),
+    );
     let gpus = || {
         reports
             .iter()
@@ -741,6 +745,59 @@ fn render_latency<'a>(
             };
             let _ = writeln!(out, "{name}{{{labels}}} {value}");
         }
+    }
+}
+
+/// The SM redistribution's families (issue 15 point 4), for the entries of `usage` whose tenant
+/// an MPS node's redistribution follows (the agent puts the numbers on the tenant's first entry
+/// of the node): the share of the SMs its cap leaves it (1: uncapped), and its progress rate
+/// when measured, labelled with its unit (`units`: the application's own, through
+/// `vgpu_progress`; `steps`: kernel steps).
+fn render_redistribution<'a>(
+    out: &mut String,
+    usage: &mut dyn Iterator<Item = (&'a str, &'a TenantUsage)>,
+) {
+    let entries: Vec<(&str, &TenantUsage)> = usage.collect();
+    debug_assert!(entries.iter().all(|(_, usage)| usage.sm_cap_permille > 0));
+    let labels = |node: &str, usage: &TenantUsage| {
+        format!(
+            "tenant=\"{}\",node=\"{}\",gpu=\"{}\"",
+            label(&usage.tenant),
+            label(node),
+            label(&usage.gpu)
+        )
+    };
+    let name = "vgpu_tenant_sm_cap_ratio";
+    let _ = writeln!(
+        out,
+        "# HELP {name} The share of a GPU's SMs a best-effort MPS tenant's cap leaves it under its node's SM redistribution (1: uncapped); only tenants the redistribution follows.\n# TYPE {name} gauge"
+    );
+    for (node, usage) in &entries {
+        let ratio = f64::from(usage.sm_cap_permille.min(api::usage::SM_CAP_PERMILLE_FULL))
+            / f64::from(api::usage::SM_CAP_PERMILLE_FULL);
+        debug_assert!(ratio > 0.0 && ratio <= 1.0);
+        let _ = writeln!(out, "{name}{{{}}} {ratio}", labels(node, usage));
+    }
+    let name = "vgpu_tenant_progress_per_second";
+    let _ = writeln!(
+        out,
+        "# HELP {name} A best-effort MPS tenant's progress per second in its node's SM redistribution's last period at the kept caps, in the application's own units (unit=\"units\", through vgpu_progress) or in steps (unit=\"steps\"); only when measured.\n# TYPE {name} gauge"
+    );
+    let measured = entries
+        .iter()
+        .filter(|(_, usage)| usage.progress_per_s.is_finite() && usage.progress_per_s > 0.0);
+    for (node, usage) in measured {
+        let unit = if usage.progress_hinted {
+            "units"
+        } else {
+            "steps"
+        };
+        let _ = writeln!(
+            out,
+            "{name}{{{},unit=\"{unit}\"}} {}",
+            labels(node, usage),
+            usage.progress_per_s
+        );
     }
 }
 
@@ -1036,6 +1093,78 @@ mod tests {
         );
         assert!(
             !out.contains("latency_target_seconds{tenant=\"train\""),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn metrics_show_the_sm_redistributions_caps_and_progress() {
+        let reports = Reports::default();
+        let capped = TenantUsage {
+            sm_cap_permille: 625,
+            progress_per_s: 12.25,
+            progress_hinted: true,
+            ..usage("sweep", "GPU-a0", 1 << 30, 0)
+        };
+        let uncapped = TenantUsage {
+            sm_cap_permille: 1_000,
+            progress_per_s: 310.0,
+            ..usage("batch", "GPU-a0", 1 << 30, 0)
+        };
+        let not_measured = TenantUsage {
+            sm_cap_permille: 1_000,
+            ..usage("fresh", "GPU-a0", 1 << 30, 0)
+        };
+        reports.record(
+            HeartbeatRequest {
+                node: "node-a".into(),
+                usage: vec![
+                    capped,
+                    uncapped,
+                    not_measured,
+                    usage("train", "GPU-a1", 1, 1),
+                ],
+                ..HeartbeatRequest::default()
+            },
+            1_000,
+        );
+        let mut out = String::new();
+        render(&mut out, &reports.snapshot(&Filter::All), |_| true);
+        let labels = |tenant: &str| format!("tenant=\"{tenant}\",node=\"node-a\",gpu=\"GPU-a0\"");
+        for line in [
+            format!("vgpu_tenant_sm_cap_ratio{{{}}} 0.625", labels("sweep")),
+            format!("vgpu_tenant_sm_cap_ratio{{{}}} 1", labels("batch")),
+            format!("vgpu_tenant_sm_cap_ratio{{{}}} 1", labels("fresh")),
+            format!(
+                "vgpu_tenant_progress_per_second{{{},unit=\"units\"}} 12.25",
+                labels("sweep")
+            ),
+            format!(
+                "vgpu_tenant_progress_per_second{{{},unit=\"steps\"}} 310",
+                labels("batch")
+            ),
+            "# TYPE vgpu_tenant_sm_cap_ratio gauge".to_owned(),
+            "# TYPE vgpu_tenant_progress_per_second gauge".to_owned(),
+        ] {
+            assert!(
+                out.contains(&format!("{line}\n")),
+                "missing `{line}` in:\n{out}"
+            );
+        }
+        // Not measured yet: a cap, no rate; not followed: neither.
+        assert!(
+            !out.contains("vgpu_tenant_progress_per_second{tenant=\"fresh\""),
+            "{out}"
+        );
+        for name in [
+            "vgpu_tenant_sm_cap_ratio",
+            "vgpu_tenant_progress_per_second",
+        ] {
+            assert!(!out.contains(&format!("{name}{{tenant=\"train\"")), "{out}");
+        }
+        assert_eq!(
+            out.matches("# HELP vgpu_tenant_sm_cap_ratio ").count(),
+            1,
             "{out}"
         );
     }
