@@ -149,6 +149,11 @@ pub fn tenant_text(tenant: &TenantView, now_unix_ms: i64) -> String {
         block(&mut text, 2, &latency_table(&tenant.usage).render());
     }
 
+    if tenant.usage.iter().any(UsageView::is_redistributed) {
+        text.push_str("SM redistribution:\n");
+        block(&mut text, 2, &redistribution_table(&tenant.usage).render());
+    }
+
     text.push_str("History:\n");
     if tenant.history.is_empty() {
         block(&mut text, 2, "<none>");
@@ -304,6 +309,44 @@ fn latency_table(usage: &[UsageView]) -> Table {
         ]);
     }
     table
+}
+
+/// What each MPS node's SM redistribution keeps for a best-effort tenant it follows (entries
+/// with a cap): the share of the SMs its cap leaves it, and its progress at the kept caps.
+fn redistribution_table(usage: &[UsageView]) -> Table {
+    let mut table = Table::new(&["NODE", "GPU", "SM SHARE", "PROGRESS"]);
+    for entry in usage.iter().filter(|entry| entry.is_redistributed()) {
+        table.row(vec![
+            entry.node.clone(),
+            entry.gpu_index.to_string(),
+            format_sm_share(entry.sm_cap_permille),
+            format_progress(entry.progress_per_s, entry.progress_hinted),
+        ]);
+    }
+    table
+}
+
+/// A redistributed tenant's SM cap (thousandths of the GPU's SMs): `62.5% of the SMs`, or
+/// `uncapped`.
+fn format_sm_share(permille: u32) -> String {
+    debug_assert!(permille > 0, "only for tenants the redistribution follows");
+    if permille >= api::usage::SM_CAP_PERMILLE_FULL {
+        return "uncapped".to_owned();
+    }
+    match permille % 10 {
+        0 => format!("{}% of the SMs", permille / 10),
+        tenths => format!("{}.{tenths}% of the SMs", permille / 10),
+    }
+}
+
+/// A progress rate: `12.3 units/s` (the application's own, through `vgpu_progress`), `12.3
+/// steps/s`, or `-` when not measured yet.
+fn format_progress(per_second: f64, hinted: bool) -> String {
+    if !(per_second.is_finite() && per_second > 0.0) {
+        return NONE.to_owned();
+    }
+    let unit = if hinted { "units" } else { "steps" };
+    format!("{per_second:.1} {unit}/s")
 }
 
 /// The `Health:` lines of one GPU in `describe node`.
@@ -745,6 +788,35 @@ mod tests {
         let text = tenant_text(&TenantView::from(&samples::placed_tenant()), 0);
         assert!(!text.contains("Latency target"), "{text}");
         assert!(!text.contains("VIOLATIONS"), "{text}");
+    }
+
+    #[test]
+    fn tenant_text_shows_the_sm_share_and_progress_of_a_redistributed_tenant() {
+        let tenant = TenantView::from(&samples::redistributed_tenant());
+        let text = tenant_text(&tenant, 1_700_000_012_000);
+        assert!(
+            text.contains(
+                "SM redistribution:\n  NODE     GPU   SM SHARE           PROGRESS\n  node-a   3     62.5% of the SMs   12.3 units/s\n"
+            ),
+            "{text}"
+        );
+        // Uncapped, counted in steps; not measured yet.
+        let mut uncapped = tenant.clone();
+        uncapped.usage[0].sm_cap_permille = 1_000;
+        uncapped.usage[0].progress_hinted = false;
+        let text = tenant_text(&uncapped, 0);
+        assert!(text.contains("   uncapped   12.3 steps/s\n"), "{text}");
+        uncapped.usage[0].progress_per_s = 0.0;
+        let text = tenant_text(&uncapped, 0);
+        assert!(text.contains("   uncapped   -\n"), "{text}");
+        assert_eq!(
+            [500, 625, 8].map(format_sm_share),
+            ["50% of the SMs", "62.5% of the SMs", "0.8% of the SMs"]
+        );
+        // Not followed: no section.
+        let text = tenant_text(&TenantView::from(&samples::placed_tenant()), 0);
+        assert!(!text.contains("SM redistribution"), "{text}");
+        assert!(!text.contains("SM SHARE"), "{text}");
     }
 
     #[test]

@@ -94,6 +94,17 @@ pub struct UsageView {
     pub memory_waiting_processes: u32,
     #[serde(default)]
     pub memory_longest_wait_ms: u64,
+    /// The SM redistribution on an MPS node (issue 15 point 4), for a best-effort tenant it
+    /// follows; per tenant and node like the latency numbers. The SM cap it keeps in thousandths
+    /// of the GPU's SMs (1000: uncapped; 0: not followed), its progress per second at the kept
+    /// caps (0: not measured yet), and whether that is in the application's own units
+    /// (`vgpu_progress`) rather than steps.
+    #[serde(default)]
+    pub sm_cap_permille: u32,
+    #[serde(default)]
+    pub progress_per_s: f64,
+    #[serde(default)]
+    pub progress_hinted: bool,
 }
 
 impl UsageView {
@@ -105,6 +116,11 @@ impl UsageView {
     /// Whether the entry carries a latency target or measurements.
     pub fn has_latency(&self) -> bool {
         self.latency_target_us > 0 || self.latency_steps > 0 || self.latency_p99_us > 0
+    }
+
+    /// Whether the node's SM redistribution follows the tenant (the entry carries its cap).
+    pub fn is_redistributed(&self) -> bool {
+        self.sm_cap_permille > 0
     }
 }
 
@@ -356,6 +372,9 @@ impl From<&TenantUsage> for UsageView {
             memory_last_reclaim_unix_ms: usage.memory_last_reclaim_unix_ms,
             memory_waiting_processes: usage.memory_waiting_processes,
             memory_longest_wait_ms: usage.memory_longest_wait_ms,
+            sm_cap_permille: usage.sm_cap_permille,
+            progress_per_s: usage.progress_per_s,
+            progress_hinted: usage.progress_hinted,
         }
     }
 }
@@ -613,6 +632,19 @@ pub(crate) mod samples {
         tenant
     }
 
+    /// A best-effort tenant that its node's SM redistribution follows: capped to 80/128 of the
+    /// SMs, with its progress in its own units.
+    pub fn redistributed_tenant() -> Tenant {
+        let mut tenant = placed_tenant();
+        tenant.name = "sweep".into();
+        let usage = &mut tenant.usage[0];
+        usage.tenant = "sweep".into();
+        usage.sm_cap_permille = 625;
+        usage.progress_per_s = 12.34;
+        usage.progress_hinted = true;
+        tenant
+    }
+
     pub fn pending_tenant() -> Tenant {
         Tenant {
             name: "train-b".into(),
@@ -803,7 +835,10 @@ mod tests {
                 "node",
                 "process_count",
                 "processes",
-                "reported_unix_ms"
+                "progress_hinted",
+                "progress_per_s",
+                "reported_unix_ms",
+                "sm_cap_permille"
             ]
         );
     }
@@ -833,6 +868,26 @@ mod tests {
         assert_eq!(read.request.latency_target_us, 0);
         assert!(!read.usage[0].has_latency());
         assert_eq!(read.usage[0].latency_p50_us, 900);
+    }
+
+    #[test]
+    fn a_redistributed_tenant_shows_its_sm_cap_and_progress() {
+        let json =
+            serde_json::to_value(TenantView::from(&samples::redistributed_tenant())).unwrap();
+        let usage = &json["usage"][0];
+        assert_eq!(usage["sm_cap_permille"], 625);
+        assert_eq!(usage["progress_per_s"], 12.34);
+        assert_eq!(usage["progress_hinted"], true);
+        let plain = serde_json::to_value(TenantView::from(&samples::placed_tenant())).unwrap();
+        assert_eq!(plain["usage"][0]["sm_cap_permille"], 0);
+        // Views written before the fields existed still read.
+        let mut old = json.clone();
+        for field in ["sm_cap_permille", "progress_per_s", "progress_hinted"] {
+            old["usage"][0].as_object_mut().unwrap().remove(field);
+        }
+        let read: TenantView = serde_json::from_value(old).unwrap();
+        assert!(!read.usage[0].is_redistributed());
+        assert_eq!(read.usage[0].progress_per_s, 0.0);
     }
 
     #[test]
