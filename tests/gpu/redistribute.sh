@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15, point 4 on a real GPU: the agent's redistribution of SMs among burst tenants that
 # share a GPU as MPS clients (docs/design/utility-redistribution.md), against the uncapped split
-# (the same agent with `redistribute = false`, VGPU_AGENT_REDISTRIBUTE=false) and each workload
+# (the same agent with `--no-redistribute`) and each workload
 # alone, in one run. Run from the repository root on a one-GPU machine, with release binaries
 # built here and carried along (VGPU_BIN, default dist: vgpu-cp, vgpu-agent, vgpuctl,
 # libvgpu_cuda.so):
@@ -141,8 +141,8 @@ if has_part equal; then
 fi
 grep -h "redistribution on GPU" "$LOGS/agent.log" >"$LOGS/judgements-on.txt" 2>/dev/null
 
-# ---- without (the same agent state, redistribute = false) ----
-VGPU_AGENT_REDISTRIBUTE=false vgpu_agent_up --mps || exit 1
+# ---- without (the same agent state, `--no-redistribute`) ----
+vgpu_agent_up --mps --no-redistribute || exit 1
 if has_part pair; then
   start a pair-off-gemm gemm "$OFF_S"
   start b pair-off-stream stream "$OFF_S"

@@ -257,7 +257,7 @@ pub async fn join(config: JoinConfig, shutdown: impl Future<Output = ()>) -> Res
                 .mps
                 .as_ref()
                 .is_some_and(|mps| mps.tenants.latency_tenants_join()),
-            config.mps.is_some(),
+            config.mps.as_ref().is_some_and(|mps| mps.redistribute),
             &inventory,
         ),
         closed_loop.clone(),

@@ -54,6 +54,9 @@ pub struct Settings {
     pub mps: Option<bool>,
     pub mps_tenants: Option<crate::mps::MpsTenants>,
     pub mps_control: Option<PathBuf>,
+    /// On an MPS node, redistribute each GPU's SMs among its burst tenants by their measured
+    /// progress (issue 15, point 4).
+    pub redistribute: Option<bool>,
     /// The kube-scheduler allocates this node's GPUs through DRA (issue 18).
     pub kubernetes_managed: Option<bool>,
     pub insecure: Option<bool>,
@@ -214,6 +217,14 @@ const MPS_CONTROL: KeyDoc = KeyDoc {
     default: "nvidia-cuda-mps-control (from PATH)",
     example: "\"/usr/bin/nvidia-cuda-mps-control\"",
 };
+const REDISTRIBUTE: KeyDoc = KeyDoc {
+    key: "redistribute",
+    env: "VGPU_AGENT_REDISTRIBUTE",
+    env_aliases: &[],
+    flag: Some("--no-redistribute"),
+    default: "true (acts on MPS nodes only)",
+    example: "true",
+};
 const KUBERNETES_MANAGED: KeyDoc = KeyDoc {
     key: "kubernetes_managed",
     env: "VGPU_AGENT_KUBERNETES_MANAGED",
@@ -294,6 +305,7 @@ pub const KEYS: &[KeyDoc] = &[
     MPS,
     MPS_TENANTS,
     MPS_CONTROL,
+    REDISTRIBUTE,
     KUBERNETES_MANAGED,
     INSECURE,
     TLS_CA_CERT,
@@ -387,6 +399,7 @@ impl Settings {
             mps: common::from_env(env, &MPS, common::parse_bool)?,
             mps_tenants: common::from_env(env, &MPS_TENANTS, crate::mps::MpsTenants::parse)?,
             mps_control: path(&MPS_CONTROL)?,
+            redistribute: common::from_env(env, &REDISTRIBUTE, common::parse_bool)?,
             kubernetes_managed: common::from_env(env, &KUBERNETES_MANAGED, common::parse_bool)?,
             insecure: common::from_env(env, &INSECURE, common::parse_bool)?,
             tls_ca_cert: path(&TLS_CA_CERT)?,
@@ -500,8 +513,9 @@ impl Settings {
             ));
         }
         let shm_dir = self.join_shm_dir(&state_dir);
-        let mps = self.mps.unwrap_or(false).then(|| {
-            crate::mps::MpsConfig::new(
+        let mps = self.mps.unwrap_or(false).then(|| crate::mps::MpsConfig {
+            redistribute: self.redistribute.unwrap_or(true),
+            ..crate::mps::MpsConfig::new(
                 self.mps_control.clone(),
                 &shm_dir,
                 &absolute(&state_dir),
@@ -559,6 +573,7 @@ pub fn merge(higher: Settings, lower: Settings) -> Settings {
         mps: higher.mps.or(lower.mps),
         mps_tenants: higher.mps_tenants.or(lower.mps_tenants),
         mps_control: higher.mps_control.or(lower.mps_control),
+        redistribute: higher.redistribute.or(lower.redistribute),
         kubernetes_managed: higher.kubernetes_managed.or(lower.kubernetes_managed),
         insecure: higher.insecure.or(lower.insecure),
         tls_ca_cert: higher.tls_ca_cert.or(lower.tls_ca_cert),

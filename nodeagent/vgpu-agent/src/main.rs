@@ -167,6 +167,11 @@ struct JoinArgs {
     /// [config: mps_tenants].
     #[arg(long, value_name = "WHICH", value_parser = vgpu_agent::mps::MpsTenants::parse)]
     mps_tenants: Option<vgpu_agent::mps::MpsTenants>,
+    /// On an MPS node, leave each GPU's SMs to the hardware's split instead of redistributing
+    /// them among burst tenants by their measured progress [default: redistribute]
+    /// [config: redistribute].
+    #[arg(long)]
+    no_redistribute: bool,
     /// The kube-scheduler allocates this node's GPUs through the DRA driver `vgpu.dev`: the
     /// control plane places no tenant here itself, only the claims' pinned tenants
     /// (docs/kubernetes.md) [config: kubernetes_managed].
@@ -223,6 +228,7 @@ impl JoinArgs {
             shared_staging: self.shared_staging.then_some(true),
             mps: self.mps.then_some(true),
             mps_tenants: self.mps_tenants,
+            redistribute: self.no_redistribute.then_some(false),
             kubernetes_managed: self.kubernetes_managed.then_some(true),
             cdi_dir: self.cdi_dir,
             insecure: self.security.insecure.then_some(true),

@@ -87,6 +87,9 @@ pub struct MpsConfig {
     pub log_dir: PathBuf,
     /// Which tenants are its clients.
     pub tenants: MpsTenants,
+    /// Whether the closed-loop thread redistributes each GPU's SMs among its burst tenants
+    /// (`crate::redistribution`; the agent's `redistribute`, on by default).
+    pub redistribute: bool,
 }
 
 impl MpsConfig {
@@ -102,6 +105,7 @@ impl MpsConfig {
             pipe_dir: pipe_dir(shm_dir),
             log_dir: state_dir.join("mps-log"),
             tenants,
+            redistribute: true,
         }
     }
 }
