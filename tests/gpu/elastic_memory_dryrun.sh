@@ -17,6 +17,9 @@
 #                                                    # refusal (2026-11-29: every row PASS but "does not fit")
 #   SCRIPT=swap_exchange.sh tests/gpu/elastic_memory_dryrun.sh   # another script of tests/gpu (its
 #                                                    # torch link measurement is skipped: LINK=0)
+#   SCRIPT=redistribute.sh ALONE_S=12 PAIR_S=40 EQUAL_S=30 OFF_S=15 MEASURE_S=20 OFF_MEASURE_S=10 \
+#     tests/gpu/elastic_memory_dryrun.sh    # the agent with --mps (a stand-in MPS control program);
+#                                           # the fake's kernels take no SMs, so no cap pays here
 #
 # With RECLAIM=1 the swap runs on simulated sizes (the fake's copies move no bytes, so the
 # checksums are the stand-in's remembered sums, not a test of contents: the ABI tests check those),
@@ -58,7 +61,21 @@ if [ -n "\${VGPU_SHM_DIR:-}" ]; then
 fi
 PYTHONPATH="$ROOT/tests/gpu/dryrun" exec python3 "\$@"
 STUB
-chmod +x "$STUBS/nvidia-smi" "$STUBS/python"
+# nvidia-cuda-mps-control's contract for an agent started with --mps (redistribute.sh): -d makes
+# the control pipe, a command on stdin answers while it exists, quit removes it.
+cat >"$STUBS/nvidia-cuda-mps-control" <<'STUB'
+#!/bin/sh
+if [ "${1:-}" = "-d" ]; then
+  [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] && { echo "An instance of this daemon is already running" >&2; exit 1; }
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" && : >"$CUDA_MPS_PIPE_DIRECTORY/control"
+  exit 0
+fi
+[ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || exit 1
+read -r command
+[ "$command" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+exit 0
+STUB
+chmod +x "$STUBS/nvidia-smi" "$STUBS/python" "$STUBS/nvidia-cuda-mps-control"
 PATH="$STUBS:$PATH" PY="$STUBS/python" VGPU_BIN="$TARGET/debug" VGPU_AGENT_SIMULATE=1xH100-80GB \
   LD_LIBRARY_PATH="$STUBS/lib" VGPU_REAL_LIBCUDA="$STUBS/lib/libcuda.so.1" \
   LINK=0 "$ROOT/tests/gpu/${SCRIPT:-elastic_memory.sh}"

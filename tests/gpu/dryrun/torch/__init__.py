@@ -13,6 +13,13 @@ _lib.cuCtxSetCurrent(_ctx)
 
 uint8 = "uint8"
 int64 = "int64"
+float32 = "float32"
+bfloat16 = "bfloat16"
+_BYTES = {uint8: 1, int64: 8, float32: 4, bfloat16: 2, None: 4}
+
+
+def device(name):
+    return name
 
 
 class OutOfMemoryError(RuntimeError):
@@ -61,10 +68,24 @@ def _malloc(n):
     return pointer.value
 
 
+def _launch():
+    # One kernel of 1 microsecond on the legacy stream (through the interposer's launch hook).
+    rc = _lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+    if rc != 0:
+        raise RuntimeError(f"CUDA error: cuLaunchKernel {rc}")
+
+
+def _synchronize():
+    # Through the interposer's sync hook (a step of the tenant when it launched since).
+    rc = _lib.cuCtxSynchronize()
+    if rc != 0:
+        raise RuntimeError(f"CUDA error: cuCtxSynchronize {rc}")
+
+
 cuda = types.SimpleNamespace(
     OutOfMemoryError=OutOfMemoryError,
     mem_get_info=_mem_get_info,
-    synchronize=lambda: None,
+    synchronize=_synchronize,
     empty_cache=_empty_cache,
     device_count=lambda: 1,
     memory_allocated=lambda device=None: _allocated,
@@ -94,10 +115,11 @@ class Tensor:
         return types.SimpleNamespace(data_ptr=lambda: self.pointer, nbytes=lambda: self.n)
 
     def __iadd__(self, other):
-        # One kernel of 1 microsecond on the legacy stream (through the interposer's launch hook).
-        rc = _lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
-        if rc != 0:
-            raise RuntimeError(f"CUDA error: cuLaunchKernel {rc}")
+        _launch()
+        return self
+
+    def copy_(self, other):
+        _launch()
         return self
 
     def sum(self, dtype=None):
@@ -113,8 +135,29 @@ class Tensor:
         _cache.setdefault(self.n, []).append(self.pointer)
 
 
-def empty(n, dtype=None, device=None):
-    return Tensor(n, 0)
+def _elements(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def empty(*shape, dtype=None, device=None, **_):
+    # elastic_memory.py passes bytes of uint8; redistribute.py shapes of other types
+    return Tensor(_elements(shape) * _BYTES[dtype] if dtype else _elements(shape), 0)
+
+
+def ones(*shape, dtype=None, device=None):
+    return Tensor(_elements(shape) * _BYTES[dtype], _elements(shape))
+
+
+def randn(*shape, dtype=None, device=None):
+    return Tensor(_elements(shape) * _BYTES[dtype], 0)
+
+
+def matmul(a, b, out=None):
+    _launch()
+    return out
 
 
 def zeros(n, dtype=None, device=None):
