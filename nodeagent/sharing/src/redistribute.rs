@@ -1,11 +1,11 @@
-//! Redistribution of a GPU's SMs among its best-effort tenants (issue 15, point 4;
-//! `docs/design/utility-redistribution.md`): capacity that the guaranteed tenants leave idle goes
-//! to the best-effort tenants, and when several want it, to the one that turns it into the most
-//! work, with max-min fairness as the fallback.
+//! Redistribution of a GPU's SMs among its burst tenants (issue 15, point 4;
+//! `docs/design/utility-redistribution.md`): capacity that the latency tenants leave idle goes to
+//! the tenants allowed to burst, and when several want it, to the one that turns it into the most
+//! work, with the hardware's split (uncapped) as the fallback.
 //!
-//! **Where it acts.** Only among best-effort tenants that run side by side, as MPS clients of one
-//! GPU: without MPS, tenants take turns, a tenant's progress is proportional to its turn time,
-//! and the turns already give back what a tenant leaves unused (work conservation; nothing to
+//! **Where it acts.** Only among tenants that run side by side, as MPS clients of one GPU:
+//! without MPS, tenants take turns, a tenant's progress is proportional to its turn time, and the
+//! turns already give back what a tenant leaves unused (work conservation; nothing to
 //! redistribute). Under MPS the hardware hands SMs to whichever client has blocks waiting, so a
 //! tenant whose blocks stall on memory holds SMs it cannot use: a bandwidth-bound loop beside a
 //! compute-bound one keeps half the GPU and gains nothing from it. The lever is each tenant's
@@ -17,38 +17,46 @@
 //! **The measure.** Each member's *progress*: the application's own units where it counts them
 //! (`vgpu_progress`), else its steps (synchronisations that waited for its work). Units differ
 //! between tenants, so rates are never compared across tenants: each is compared with itself.
-//! The objective is the mean over members of `rate with the move / rate without it`: the
-//! relative speed-up of the whole group (weighted speedup), which capacity moved to the tenant
-//! that turns it into the most work raises, and moved away from a tenant that needed it lowers.
+//! A move's gain is the **sum over members of `rate with the move / rate without it - 1`**: the
+//! group's extra work in units of one member's work (weighted speedup), which capacity moved to
+//! the tenant that turns it into more work raises, and moved away from one that needed it
+//! lowers. A sum, not a mean: one member's move would otherwise be diluted by the group's size.
 //!
-//! **The rule.** Start uncapped (the fallback: MPS's own split). Then, one move at a time, in
-//! turn over the members: *down* (a member's cap one [`RedistributeConfig::step`] lower, never
-//! below [`RedistributeConfig::floor`], half its equal slice, nor below its own
-//! [`Member::floor`], a guaranteed share) or *up* (a capped member's cap one
-//! step higher). A move is judged by periods with and without it, alternated in pairs whose
-//! order flips (`B T`, `T B`, `B T`: a drifting rate favours neither side), each period long
-//! enough for [`RedistributeConfig::units_min`] units of every member, after the caps settle.
-//! A cap stays only while it measurably pays: a move *down* is **kept** only when the mean gain
-//! over the pairs is at least [`RedistributeConfig::gain_min`] and more than two standard
-//! errors of the pairs' gains (noise does not move capacity); a move *up* is kept unless it
-//! surely costs at least half the least gain, so a cap that does not measurably pay comes off,
-//! and a cap just kept is not undone by the same measurement read backwards. A kept move is tried again (the climb goes on while it pays),
-//! and its opposite waits. A rejected move waits 1, 4, 16, ... judgements' time (up to
+//! **The rule.** Start uncapped. Then, one move at a time, in turn over the members: *down* (a
+//! member's cap one [`RedistributeConfig::step`] lower, never below
+//! [`RedistributeConfig::floor`], half its equal slice, nor below its own [`Member::floor`], a
+//! guaranteed share) or *up* (a capped member's cap one step higher). A move is judged by
+//! periods with and without it, alternated in pairs whose order flips (`B T`, `T B`, `B T`, ...:
+//! a drifting rate favours neither side), each period long enough for
+//! [`RedistributeConfig::units_min`] units of every member, after the caps settle; the verdict
+//! is drawn after [`RedistributeConfig::pairs`] pairs, or another pair is measured while it is
+//! unclear, up to [`RedistributeConfig::pairs_max`]. Chance is judged with Student's t at 99%
+//! over the pairs' gains. A cap stays only while it measurably pays:
+//! - a move *down* is **kept** when its gain is at least [`RedistributeConfig::gain_min`] and
+//!   beyond chance; *worse* when it surely costs; *flat* when it cannot reach the least gain but
+//!   does not surely cost either (the cap may not bind yet): tried again at once with twice the
+//!   stride (up to [`FLAT_STRIDE_MAX`] steps);
+//! - a move *up* is kept unless it surely costs half the least gain (ties go back to the
+//!   fallback), so a cap that does not measurably pay comes off, and a cap just kept is not
+//!   undone by the same measurement read backwards.
+//!
+//! A kept move is tried again with twice the stride (up to [`STRIDE_MAX`] steps: the climb goes
+//! on while it pays), and its opposite waits; a longer stride that surely costs falls back to
+//! one step; one step further down that surely costs has the move up tried next (does the cap
+//! kept still pay?). A rejected move waits 1, 4, 16, ... judgements' time (up to
 //! [`RedistributeConfig::backoff_max`]; waits pass only while no move is tried, so trials take a
-//! falling share of the time) before it is tried again, so a group that changed (a
-//! bandwidth-bound phase ends) finds its way back up. A move that is *flat* (it cannot reach
-//! the least gain, nor surely costs: the cap may not bind yet) is tried again at once with twice
-//! the stride (up to [`FLAT_STRIDE_MAX`] steps; after kept moves up to [`STRIDE_MAX`]), and a
-//! longer stride that surely costs falls back to one step. Equal slopes (two compute-bound tenants:
-//! what one gains the other loses) gain nothing, and the group stays at the fallback.
+//! falling share of the time), so a group that changed (a bandwidth-bound phase ends) finds its
+//! way back. Equal slopes (two compute-bound tenants: what one gains the other loses) gain
+//! nothing, and the group stays uncapped; the trials themselves cost the member tried (see
+//! `redistribute_test.rs`: over ten minutes, 0.90-1.07 of an equal member's work).
 //!
 //! **Resets** to the fallback (every cap off, everything learnt forgotten): a member joins or
-//! leaves, a member starts counting its own units or its floor changes, a member's counter restarts (its slot was
-//! reused), or a member makes no progress for a whole [`RedistributeConfig::period_max_ns`]
+//! leaves, starts counting its own units or changes its floor, its counter restarts (its slot
+//! was reused), or a member makes no progress for a whole [`RedistributeConfig::period_max_ns`]
 //! (*unmeasured*: nothing can be judged; the group waits
 //! [`RedistributeConfig::unmeasured_wait_ns`] uncapped before trying again). While the closed
 //! loop restricts the neighbours for a latency tenant (`restricted`), nothing is measured: the
-//! period under way is dropped, the caps kept stay, and the judgement starts again after it.
+//! judgement under way is dropped, the caps kept stay, and it starts again after.
 //!
 //! A sans-IO core like [`crate::Controller`]: the time comes in, no clock, no randomness; the
 //! same events give the same outputs.
