@@ -191,7 +191,7 @@
 //! budget and relaxes only when all are clean.
 //!
 //! **Redistribution** ([`Redistributor`], `redistribute`): a second core, for what the
-//! latency tenants leave: the SMs among a GPU's best-effort MPS clients, each capped so that
+//! latency tenants leave: the SMs among a GPU's burst MPS clients, each capped so that
 //! capacity goes to the tenant that turns it into the most progress (its own units), uncapped
 //! (max-min by the hardware) unless a move measurably pays. See the module's docs.
 

@@ -140,7 +140,7 @@ impl RedistributeConfig {
     }
 }
 
-/// A best-effort tenant sharing the GPU, as the agent reads its slot.
+/// A burst tenant sharing the GPU, as the agent reads its slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
     pub name: String,
@@ -302,7 +302,7 @@ impl Redistributor {
         &self.config
     }
 
-    /// One period of the agent at `now_ns` with the GPU's best-effort `members` (any order;
+    /// One period of the agent at `now_ns` with the GPU's burst `members` (any order;
     /// a name given twice counts once) and whether the closed loop restricts them now.
     pub fn handle(
         &mut self,
