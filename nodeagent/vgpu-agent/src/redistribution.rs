@@ -1,4 +1,4 @@
-//! The redistribution of one GPU's SMs among its best-effort tenants, as the closed-loop thread
+//! The redistribution of one GPU's SMs among its burst tenants, as the closed-loop thread
 //! runs it every period on an MPS node (`docs/design/utility-redistribution.md`): the members
 //! are read from the GPU's schedule file (`ScheduleControl::activity`), fed to the GPU's
 //! [`sharing::Redistributor`], and its caps are published in the file for the members'
@@ -6,9 +6,11 @@
 //!
 //! **Members**: live tenants that are not latency tenants, allowed to burst (they asked for
 //! capacity beyond their share), of the highest priority among those, and active: one of their
-//! processes launched (or waited to) within [`MEMBER_WINDOW_NS`]. A tenant pausing for its data
-//! loader for a moment stays a member; one that stopped leaves the group (and every cap comes
-//! off). A guaranteed tenant (not `--preemptible`) is never capped under its share of the GPU
+//! processes launched (or waited to) within [`MEMBER_WINDOW_NS`] to join, within
+//! [`MEMBER_LEAVE_NS`] to stay. A tenant pausing for its data loader or an evaluation for a few
+//! seconds stays a member (its slower periods are noise the judgements' pairs absorb); one that
+//! stopped leaves the group, and every cap comes off (a change of the group starts it again:
+//! without the longer window to leave, a bursty tenant reset the group at every pause). A guaranteed tenant (not `--preemptible`) is never capped under its share of the GPU
 //! (its [`Member::floor`]); a preemptible one has only the group's floor.
 
 use std::collections::BTreeMap;
@@ -17,8 +19,10 @@ use sharing::{Member, RedistributeChange, RedistributeConfig, RedistributeOutput
 use tenant_abi::compute::{Activity, TENANTS};
 use tenant_abi::shm::ScheduleControl;
 
-/// How recently a tenant must have launched to be a member.
+/// How recently a tenant must have launched to join the group.
 pub const MEMBER_WINDOW_NS: u64 = 1_000_000_000;
+/// How recently a member must have launched to stay in it.
+pub const MEMBER_LEAVE_NS: u64 = 5_000_000_000;
 
 /// One GPU's redistribution: its core and where each member's slot is.
 pub struct GpuRedistribution {
@@ -26,6 +30,8 @@ pub struct GpuRedistribution {
     /// Whether the last period published any cap (the next clears them at once if none is
     /// left; otherwise nothing is written).
     capped: bool,
+    /// The members of the last period (they stay while active within [`MEMBER_LEAVE_NS`]).
+    members: std::collections::BTreeSet<String>,
 }
 
 impl GpuRedistribution {
@@ -33,6 +39,7 @@ impl GpuRedistribution {
         GpuRedistribution {
             redistributor: Redistributor::new(config),
             capped: false,
+            members: std::collections::BTreeSet::new(),
         }
     }
 
@@ -46,7 +53,14 @@ impl GpuRedistribution {
         restricted: bool,
         now_ns: u64,
     ) -> RedistributeOutput {
-        let (members, slots) = members(&control.activity(), is_latency, now_ns);
+        let was = &self.members;
+        let (members, slots) = members(
+            &control.activity(),
+            is_latency,
+            |name| was.contains(name),
+            now_ns,
+        );
+        self.members = members.iter().map(|member| member.name.clone()).collect();
         let output = self.redistributor.handle(now_ns, &members, restricted);
         let mut caps = [0u8; TENANTS];
         for (name, cap) in &output.caps {
@@ -71,18 +85,25 @@ impl GpuRedistribution {
     }
 }
 
-/// The members among a GPU's live tenants (see the module's docs), with their slots.
+/// The members among a GPU's live tenants (see the module's docs), with their slots;
+/// `was_member` names the last period's members.
 pub fn members(
     activity: &[Activity],
     is_latency: impl Fn(&str) -> bool,
+    was_member: impl Fn(&str) -> bool,
     now_ns: u64,
 ) -> (Vec<Member>, BTreeMap<String, usize>) {
     let candidates: Vec<&Activity> = activity
         .iter()
         .filter(|tenant| {
+            let window = if was_member(&tenant.name) {
+                MEMBER_LEAVE_NS
+            } else {
+                MEMBER_WINDOW_NS
+            };
             !is_latency(&tenant.name)
                 && tenant.config.burst
-                && tenant_abi::compute::latency_fresh(tenant.demand_ns, now_ns, MEMBER_WINDOW_NS)
+                && tenant_abi::compute::latency_fresh(tenant.demand_ns, now_ns, window)
         })
         .collect();
     let Some(top) = candidates.iter().map(|tenant| tenant.config.priority).max() else {
@@ -216,7 +237,7 @@ mod tests {
                 NOW,
             ),
         ];
-        let (group, slots) = members(&activity, |name| name == "infer", NOW);
+        let (group, slots) = members(&activity, |name| name == "infer", |_| false, NOW);
         let names: Vec<&str> = group.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(names, ["a", "b"]);
         assert_eq!(slots, BTreeMap::from([("a".into(), 0), ("b".into(), 3)]));
@@ -225,13 +246,26 @@ mod tests {
         // A guaranteed tenant is a member with its share as its floor.
         let mut active = activity.to_vec();
         active[4].demand_ns = NOW;
-        let (group, _) = members(&active, |name| name == "infer", NOW);
+        let (group, _) = members(&active, |name| name == "infer", |_| false, NOW);
         let guaranteed = group.iter().find(|m| m.name == "guaranteed").unwrap();
         assert_eq!(guaranteed.floor, 32, "25% of 128");
         // Only lower-priority tenants active: they are the group.
-        let (group, _) = members(&activity[5..], |_| false, NOW);
+        let (group, _) = members(&activity[5..], |_| false, |_| false, NOW);
         assert_eq!(group.len(), 1);
         assert_eq!(group[0].name, "low");
-        assert!(members(&[], |_| false, NOW).0.is_empty());
+        assert!(members(&[], |_| false, |_| false, NOW).0.is_empty());
+        // A member that paused for 2 s stays one; a tenant silent that long does not join.
+        let (group, _) = members(
+            &activity,
+            |name| name == "infer",
+            |name| name == "stopped",
+            NOW,
+        );
+        assert!(group.iter().any(|m| m.name == "stopped"));
+        let paused = [tenant(4, "stopped", BEST_EFFORT, NOW - 6_000_000_000)];
+        assert!(
+            members(&paused, |_| false, |_| true, NOW).0.is_empty(),
+            "gone after 5 s"
+        );
     }
 }
