@@ -412,6 +412,19 @@ impl Region {
         true
     }
 
+    /// What each tenant was asked to give back and has not taken yet (`Board::post_want`, not
+    /// yet `Board::take_want`), by name: memory that is coming without another ask.
+    pub fn untaken_wants(&self) -> Vec<(String, u64)> {
+        self.holders()
+            .into_iter()
+            .filter_map(|holder| {
+                let index = self.find(&holder.name)?;
+                let bytes = self.tenants[index].want_bytes.load(SeqCst);
+                (bytes > 0).then_some((holder.name, bytes))
+            })
+            .collect()
+    }
+
     /// The index of `name`'s entry.
     pub fn find(&self, name: &str) -> Option<usize> {
         let words = name_words(name)?;

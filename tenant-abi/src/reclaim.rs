@@ -44,8 +44,10 @@
 //!    memory while it waited goes to the back of the line (`board::Board::requeue`).
 //! 8. A borrower asked for memory that gives nothing back within the needy tenant's patience
 //!    (`RECLAIM_ESCALATE_MS` in the interposer: a kernel of its runs longer, or it is stopped) is
-//!    passed over, and the other borrowers are asked for what is still missing ([`asks_past`]):
-//!    a guaranteed request then depends on no single borrower.
+//!    passed over, and the other borrowers are asked for what is still missing and asked of
+//!    nobody ([`asks_past`]), also when every borrower gave something (two needy tenants asking
+//!    at once may both have asked one borrower for the same memory): a guaranteed request then
+//!    depends on no single borrower.
 
 /// One tenant of the GPU, as the planner sees it (bytes).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -224,22 +226,41 @@ pub fn stuck(
         .map(|w| w.slot)
 }
 
-/// Rule 8, a borrower that does not give back: the asks for `shortfall` bytes still missing after
-/// a reclaim's wait ran past its patience, from the borrowers other than `needy` and the `slow`
-/// ones (asked before and not given back: a kernel longer than the wait, a stopped process), in
-/// rule 2's order. A guaranteed request then depends on no single borrower.
+/// Rule 8, a reclaim that did not come within the needy tenant's patience: the asks for what is
+/// still short of `shortfall` bytes (what every slot holds past the capacity), from the
+/// borrowers other than `needy` and the `slow` ones (asked before and not given back: a kernel
+/// longer than the wait, a stopped process), in rule 2's order. `untaken` is what each tenant
+/// was asked and has not taken yet (the slow ones' withdrawn first): that is coming, so only the
+/// rest of the shortfall is asked for, and of each borrower only what it borrowed past what it
+/// was already asked. Also when every borrower gave something: two tenants asking in one
+/// instant plan from the same borrowed memory (what borrowers hold, not what they were asked
+/// for), so both may ask one borrower for all it has; it gives that, and what the second asked
+/// past it was asked of nobody (the line simulation found a guaranteed request refused so). A
+/// guaranteed request then depends on no single borrower and on no race between the needy.
 pub fn asks_past(
     holders: &[Holder],
     needy: &str,
     shortfall: u64,
     slow: &[String],
+    untaken: &[(String, u64)],
 ) -> Vec<(String, u64)> {
-    asks_in_giving_order(
-        holders
+    let untaken_of = |name: &str| -> u64 {
+        untaken
             .iter()
-            .filter(|h| h.name != needy && !slow.contains(&h.name)),
-        shortfall,
-    )
+            .filter(|(n, _)| n == name)
+            .map(|(_, bytes)| bytes)
+            .sum()
+    };
+    let coming: u64 = untaken.iter().map(|(_, bytes)| bytes).sum();
+    let net: Vec<Holder> = holders
+        .iter()
+        .filter(|h| h.name != needy && !slow.contains(&h.name))
+        .map(|h| Holder {
+            resident: h.resident.saturating_sub(untaken_of(&h.name)),
+            ..h.clone()
+        })
+        .collect();
+    asks_in_giving_order(net.iter(), shortfall.saturating_sub(coming))
 }
 
 /// Rule 2: who gives first.
@@ -422,15 +443,45 @@ mod tests {
         // "stuck" (the most borrowed) was asked first and gave nothing: the 4 GiB still missing
         // come from the others in rule 2's order, never from the needy tenant itself.
         assert_eq!(
-            asks_past(&holders, "needy", 4 * GIB, &["stuck".to_owned()]),
+            asks_past(&holders, "needy", 4 * GIB, &["stuck".to_owned()], &[]),
             vec![("idle".to_owned(), 4 * GIB)]
         );
         assert_eq!(
-            asks_past(&holders, "needy", 7 * GIB, &["stuck".to_owned()]),
+            asks_past(&holders, "needy", 7 * GIB, &["stuck".to_owned()], &[]),
             vec![("idle".to_owned(), 6 * GIB), ("small".to_owned(), GIB)]
         );
         // Nothing else borrowed: nobody to ask.
-        assert!(asks_past(&holders[..2], "needy", 4 * GIB, &["stuck".to_owned()]).is_empty());
+        assert!(asks_past(&holders[..2], "needy", 4 * GIB, &["stuck".to_owned()], &[]).is_empty());
+    }
+
+    #[test]
+    fn the_rest_of_a_reclaim_is_asked_past_what_borrowers_were_asked_already() {
+        // Two needy tenants asked at once: both planned from "big"'s 3 and "small"'s 2. "big"
+        // gave all it had, "small" gave its 1 and still borrows 1; 1 is short and nobody was
+        // slow: "small" is asked for it.
+        let holders = [
+            holder("a", 4 * GIB, 0, 0, true),
+            holder("b", 4 * GIB, 4 * GIB, 0, true),
+            holder("big", GIB, GIB, 0, true),
+            holder("small", GIB, 2 * GIB, 0, true),
+        ];
+        assert_eq!(
+            asks_past(&holders, "a", GIB, &[], &[]),
+            vec![("small".to_owned(), GIB)]
+        );
+        // What was asked and not yet taken is coming: only the rest is asked, of what each
+        // borrowed past what it was asked.
+        assert!(asks_past(&holders, "a", GIB, &[], &[("small".to_owned(), GIB)]).is_empty());
+        let more = [
+            holder("a", 4 * GIB, 0, 0, true),
+            holder("c", GIB, 4 * GIB, 0, true),
+            holder("d", GIB, 3 * GIB, 0, true),
+        ];
+        assert_eq!(
+            asks_past(&more, "a", 4 * GIB, &[], &[("c".to_owned(), 2 * GIB)]),
+            vec![("d".to_owned(), 2 * GIB)],
+            "c's 3 borrowed less the 2 it was asked leave 1, d's 2 go first"
+        );
     }
 
     #[test]

@@ -1451,14 +1451,16 @@ impl Enforcer {
             || region.swap_refusals() != refusals,
             || {
                 // Rule 8 of `tenant_abi::reclaim`: the borrowers that gave nothing back yet are
-                // passed over (their untaken wants withdrawn) and the others asked for the rest.
+                // passed over (their untaken wants withdrawn) and the others asked for what is
+                // still short and asked of nobody: also when every borrower gave something (two
+                // needy tenants asking at once may both have asked one borrower for all it had).
                 let slow: Vec<String> = asks
                     .iter()
                     .filter(|(name, _, held)| resident_of(name) >= *held)
                     .map(|(name, _, _)| name.clone())
                     .collect();
                 let short = region.resident_total().saturating_sub(region.capacity());
-                if slow.is_empty() || short == 0 {
+                if short == 0 {
                     return;
                 }
                 for (name, asked, _) in asks.iter().filter(|(name, _, _)| slow.contains(name)) {
@@ -1471,7 +1473,33 @@ impl Enforcer {
                     &self.config.tenant,
                     short,
                     &slow,
+                    &region.untaken_wants(),
                 );
+                if slow.is_empty() {
+                    if more.is_empty() {
+                        return;
+                    }
+                    crate::log::error(format_args!(
+                        "tenant {}'s reclaim is {} short after {} ms although every borrower \
+                         asked gave (another tenant asked them for the same memory at once); \
+                         asking {} for it",
+                        self.config.tenant,
+                        human(short),
+                        elastic::RECLAIM_ESCALATE_MS,
+                        more.iter()
+                            .map(|(name, _)| name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ));
+                    for (name, asked) in more {
+                        if let Some(index) = region.find(&name) {
+                            board.board.post_want(index, asked);
+                            let held = resident_of(&name);
+                            asks.push((name, asked, held));
+                        }
+                    }
+                    return;
+                }
                 // A stopped process gives nothing until it continues: say which, so that the
                 // wait has a cause a person can act on.
                 let stopped: Vec<String> = slow
