@@ -230,9 +230,11 @@ pub fn stuck(
 /// still short of `shortfall` bytes (what every slot holds past the capacity), from the
 /// borrowers other than `needy` and the `slow` ones (asked before and not given back: a kernel
 /// longer than the wait, a stopped process), in rule 2's order. `untaken` is what each tenant
-/// was asked and has not taken yet (the slow ones' withdrawn first): that is coming, so only the
-/// rest of the shortfall is asked for, and of each borrower only what it borrowed past what it
-/// was already asked. Also when every borrower gave something: two tenants asking in one
+/// was asked and has not taken yet (the slow ones' withdrawn first): each borrower is asked
+/// only for what it borrowed past that. The shortfall itself is not reduced by what others were
+/// asked: a want that stays untaken (a stopped borrower another tenant asked) would then leave
+/// this request short, while asking a little more than needed costs only a swap-out. Also when
+/// every borrower gave something: two tenants asking in one
 /// instant plan from the same borrowed memory (what borrowers hold, not what they were asked
 /// for), so both may ask one borrower for all it has; it gives that, and what the second asked
 /// past it was asked of nobody (the line simulation found a guaranteed request refused so). A
@@ -251,7 +253,6 @@ pub fn asks_past(
             .map(|(_, bytes)| bytes)
             .sum()
     };
-    let coming: u64 = untaken.iter().map(|(_, bytes)| bytes).sum();
     let net: Vec<Holder> = holders
         .iter()
         .filter(|h| h.name != needy && !slow.contains(&h.name))
@@ -260,7 +261,7 @@ pub fn asks_past(
             ..h.clone()
         })
         .collect();
-    asks_in_giving_order(net.iter(), shortfall.saturating_sub(coming))
+    asks_in_giving_order(net.iter(), shortfall)
 }
 
 /// Rule 2: who gives first.
@@ -469,8 +470,8 @@ mod tests {
             asks_past(&holders, "a", GIB, &[], &[]),
             vec![("small".to_owned(), GIB)]
         );
-        // What was asked and not yet taken is coming: only the rest is asked, of what each
-        // borrowed past what it was asked.
+        // Each borrower is asked only for what it borrowed past what it was asked already
+        // (another needy tenant's ask of "small" leaves it nothing to give).
         assert!(asks_past(&holders, "a", GIB, &[], &[("small".to_owned(), GIB)]).is_empty());
         let more = [
             holder("a", 4 * GIB, 0, 0, true),
@@ -479,8 +480,9 @@ mod tests {
         ];
         assert_eq!(
             asks_past(&more, "a", 4 * GIB, &[], &[("c".to_owned(), 2 * GIB)]),
-            vec![("d".to_owned(), 2 * GIB)],
-            "c's 3 borrowed less the 2 it was asked leave 1, d's 2 go first"
+            vec![("d".to_owned(), 2 * GIB), ("c".to_owned(), GIB)],
+            "c's 3 borrowed less the 2 it was asked leave 1, d's 2 go first; the whole \
+             shortfall is asked (what c was asked may never come)"
         );
     }
 
