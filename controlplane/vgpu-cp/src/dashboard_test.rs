@@ -384,6 +384,8 @@ fn the_grafana_dashboard_queries_only_metrics_that_exist() {
     report.usage[0].latency_p50_us = 3_000;
     report.usage[0].latency_violations = 4;
     report.usage[0].latency_steps = 100;
+    report.usage[0].sm_cap_permille = 625;
+    report.usage[0].progress_per_s = 12.5;
     let shared = crate::store::Shared {
         applied: std::sync::RwLock::new(crate::store::Applied {
             pool: state,
