@@ -383,6 +383,41 @@ fn shm_dir() -> tempfile::TempDir {
     tempfile::tempdir().expect("a temporary directory")
 }
 
+/// The uuid the fake driver gives its device 0.
+const FAKE_UUID: &str = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00";
+
+/// The schedule file of the fake's device 0 under `shm`, mapped read-write as the agent maps it.
+fn schedule(shm: &Path) -> tenant_abi::writer::Mapping<tenant_abi::compute::Region> {
+    let path = tenant_abi::layout::schedule_path(shm, FAKE_UUID);
+    tenant_abi::writer::schedule(&path, tenant_abi::compute::QUANTUM_NS_DEFAULT)
+        .expect("the schedule file")
+}
+
+/// CLOCK_MONOTONIC now, as the probes read it.
+fn now_ns(shm: &Path) -> u64 {
+    Probe::new(shm, None)
+        .run("clock")
+        .trim()
+        .strip_prefix("clock ")
+        .and_then(|v| v.parse().ok())
+        .expect("clock <ns>")
+}
+
+/// A latency tenant (`vgpuctl place --latency`) as the agent starts it.
+fn latency_tenant(shm: &Path) -> Probe {
+    Probe::new(shm, Some("inference"))
+        .env("VGPU_SPATIAL", "1")
+        .env("VGPU_LATENCY", "1")
+}
+
+/// The `clock <ns>` lines a probe printed, in order.
+fn clocks(out: &str) -> Vec<u64> {
+    out.lines()
+        .filter_map(|line| line.strip_prefix("clock "))
+        .filter_map(|v| v.trim().parse().ok())
+        .collect()
+}
+
 #[test]
 fn the_limit_holds_across_two_processes_of_a_tenant() {
     let shm = shm_dir();

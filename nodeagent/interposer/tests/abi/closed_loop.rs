@@ -4,48 +4,19 @@
 //! latency step is in flight, a bound on queued launches, fewer SMs), and ignores one that is
 //! too old.
 
-use super::{Probe, shm_dir};
+use super::{Probe, clocks, latency_tenant, now_ns, schedule, shm_dir};
 use std::path::Path;
-use tenant_abi::compute::{QUANTUM_NS_DEFAULT, Region};
+
 use tenant_abi::control::{DECISION_TTL_NS, Decision};
 
 /// The interposer's bound on a launch held by a step in flight (`closed_loop::PAUSE_WAIT_MAX_NS`,
 /// private to the cdylib: restated).
 const PAUSE_WAIT_MAX_NS: u64 = 50_000_000;
 
-/// The schedule file of the fake's device 0 under `shm`, mapped read-write as the agent maps it.
-fn schedule(shm: &Path) -> tenant_abi::writer::Mapping<Region> {
-    let path = tenant_abi::layout::schedule_path(shm, "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00");
-    tenant_abi::writer::schedule(&path, QUANTUM_NS_DEFAULT).expect("the schedule file")
-}
-
-/// CLOCK_MONOTONIC now, as the probes read it.
-fn now_ns(shm: &Path) -> u64 {
-    Probe::new(shm, None)
-        .run("clock")
-        .trim()
-        .strip_prefix("clock ")
-        .and_then(|v| v.parse().ok())
-        .expect("clock <ns>")
-}
-
-fn latency_tenant(shm: &Path) -> Probe {
-    Probe::new(shm, Some("inference"))
-        .env("VGPU_SPATIAL", "1")
-        .env("VGPU_LATENCY", "1")
-}
-
 fn squeezable(shm: &Path) -> Probe {
     Probe::new(shm, Some("trainer"))
         .env("VGPU_SPATIAL", "1")
         .env("VGPU_SPATIAL_HOLD_MS", "60000")
-}
-
-fn clocks(out: &str) -> Vec<u64> {
-    out.lines()
-        .filter_map(|line| line.strip_prefix("clock "))
-        .filter_map(|v| v.trim().parse().ok())
-        .collect()
 }
 
 #[test]

@@ -9,7 +9,7 @@
 //! It prints a table: the median over 5 runs of the mean time of one `cuLaunchKernel` (a fake
 //! kernel of 0 us) in each configuration, and its difference from the bare driver.
 
-use super::{Probe, shm_dir};
+use super::{Probe, schedule, shm_dir};
 
 const LAUNCHES: &str = "200000";
 const RUNS: usize = 5;
@@ -26,15 +26,6 @@ fn spatial_burst(probe: Probe) -> Probe {
         .env("VGPU_COMPUTE_SHARES", "0:75")
         .env("VGPU_BURST", "1")
         .env("VGPU_SPATIAL", "1")
-}
-
-/// The schedule file of the fake's device 0 in `shm` (a compute share needs one); keep it.
-fn schedule(shm: &std::path::Path) -> impl Sized {
-    tenant_abi::writer::schedule(
-        &tenant_abi::layout::schedule_path(shm, "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00"),
-        tenant_abi::compute::QUANTUM_NS_DEFAULT,
-    )
-    .expect("the schedule file")
 }
 
 /// `script` (one timed `launches` or `launches_of` command) run `RUNS` times in a probe of each

@@ -5,27 +5,11 @@
 //! agent publishes for a squeezable tenant moves its launches to a green context of that share
 //! of the SMs, with or without a latency tenant on the GPU.
 
-use super::{Probe, kit, shm_dir};
+use super::{Probe, kit, latency_tenant, now_ns, schedule, shm_dir};
 use std::path::Path;
 use std::process::Command;
-use tenant_abi::compute::{QUANTUM_NS_DEFAULT, Region, TENANTS};
+use tenant_abi::compute::{Region, TENANTS};
 use tenant_abi::control::{DECISION_TTL_NS, Decision};
-
-/// The schedule file of the fake's device 0 under `shm`, mapped read-write as the agent maps it.
-fn schedule(shm: &Path) -> tenant_abi::writer::Mapping<Region> {
-    let path = tenant_abi::layout::schedule_path(shm, "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00");
-    tenant_abi::writer::schedule(&path, QUANTUM_NS_DEFAULT).expect("the schedule file")
-}
-
-/// CLOCK_MONOTONIC now, as the probes read it.
-fn now_ns(shm: &Path) -> u64 {
-    Probe::new(shm, None)
-        .run("clock")
-        .trim()
-        .strip_prefix("clock ")
-        .and_then(|v| v.parse().ok())
-        .expect("clock <ns>")
-}
 
 /// The slot of tenant `name` in the schedule (it joined earlier; a slot outlives its processes).
 fn slot_of(region: &Region, name: &str) -> usize {
@@ -42,12 +26,6 @@ fn trainer(shm: &Path) -> Probe {
     Probe::new(shm, Some("trainer"))
         .env("VGPU_COMPUTE_SHARES", "0:100")
         .env("VGPU_GUARANTEED", "0")
-}
-
-fn latency_tenant(shm: &Path) -> Probe {
-    Probe::new(shm, Some("inference"))
-        .env("VGPU_SPATIAL", "1")
-        .env("VGPU_LATENCY", "1")
 }
 
 /// The trainer in spatial mode (what the agent gives a tenant with a fraction of a GPU), with a

@@ -6,7 +6,7 @@
 //! record, `W:<stream>:<event>` a wait, `C:<sms>` a green context. The application's stream is
 //! 0x5000; green streams are 0x9000, 0x9001, ...; `2` is the per-thread default stream.
 
-use super::{Probe, kit, shm_dir};
+use super::{Probe, kit, latency_tenant, shm_dir};
 use std::path::Path;
 
 /// One redirected launch on application stream `app`, green stream `green`, events `a` and `b`:
@@ -14,12 +14,6 @@ use std::path::Path;
 /// stream, record b there, the application's stream waits for b.
 fn redirected(app: &str, green: &str, a: u32, b: u32) -> String {
     format!("R:{a}:{app} W:{green}:{a} K:{green} R:{b}:{green} W:{app}:{b}")
-}
-
-fn latency_tenant(shm: &Path) -> Probe {
-    Probe::new(shm, Some("inference"))
-        .env("VGPU_SPATIAL", "1")
-        .env("VGPU_LATENCY", "1")
 }
 
 /// Squeezed to an explicit SM count (`VGPU_SPATIAL_SMS`, what applies while the agent publishes
