@@ -67,24 +67,26 @@ fn a_squeezed_launch_waits_while_a_latency_step_is_in_flight_and_only_under_a_fr
         "paused {waited} ns: the step never closes, so the launch waits its bound (50 ms)"
     );
     assert!(control.paused_ns.load(std::sync::atomic::Ordering::Relaxed) >= 40_000_000);
-    // The step closed: no wait.
+    // The step closed: no wait (the best of three launches: a loaded machine may deschedule
+    // one probe for longer than the bound, not three).
     control.close_step(now_ns(shm.path()));
-    let t = clocks(&squeezable(shm.path()).run("clock launch kernel 10 clock"));
-    assert!(
-        t[1] - t[0] < 30_000_000,
-        "{} ns with no step open",
-        t[1] - t[0]
-    );
+    let quickest = || {
+        (0..3)
+            .map(|_| {
+                let t = clocks(&squeezable(shm.path()).run("clock launch kernel 10 clock"));
+                t[1] - t[0]
+            })
+            .min()
+            .expect("three runs")
+    };
+    let took = quickest();
+    assert!(took < 30_000_000, "{took} ns with no step open");
     // A step in flight but a decision too old to hold (its agent stopped): no wait.
     let now = now_ns(shm.path());
     control.publish(pause, now - DECISION_TTL_NS - 1_000_000);
     control.open_step(now);
-    let t = clocks(&squeezable(shm.path()).run("clock launch kernel 10 clock"));
-    assert!(
-        t[1] - t[0] < 30_000_000,
-        "{} ns under a stale decision",
-        t[1] - t[0]
-    );
+    let took = quickest();
+    assert!(took < 30_000_000, "{took} ns under a stale decision");
 }
 
 #[test]
@@ -100,8 +102,12 @@ fn a_bound_on_queued_launches_holds_while_a_latency_tenant_is_active() {
         let t = clocks(&squeezable(shm.path()).run(&script));
         t[1] - t[0]
     };
-    // Unbounded: the kernels queue up without the launch calls waiting.
-    let free = launches(Decision::default());
+    // Unbounded: the kernels queue up without the launch calls waiting (the best of three: a
+    // loaded machine may deschedule one probe for longer than the bound, not three).
+    let free = (0..3)
+        .map(|_| launches(Decision::default()))
+        .min()
+        .expect("three runs");
     assert!(free < 20_000_000, "unbounded launches took {free} ns");
     // One launch queued at most: each launch waits for the previous kernel.
     let bounded = launches(Decision {
@@ -142,8 +148,10 @@ fn a_bound_on_queued_launches_gives_up_on_kernels_that_do_not_finish() {
             .env("FAKE_CUDA_EVENTS_NEVER", "1")
             .run(&script),
     );
+    // Each gives up after the pause bound (8 x 50 ms), not after a second (8 s); the slack is
+    // for a loaded machine.
     assert!(
-        t[1] - t[0] < 500_000_000,
+        t[1] - t[0] < 2_000_000_000,
         "8 bounded launches took {} ms",
         (t[1] - t[0]) / 1_000_000
     );
