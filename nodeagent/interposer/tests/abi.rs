@@ -410,6 +410,15 @@ fn latency_tenant(shm: &Path) -> Probe {
         .env("VGPU_LATENCY", "1")
 }
 
+/// The trace a probe printed (its `trace ...` line).
+fn trace(out: &str) -> String {
+    out.lines()
+        .find_map(|line| line.strip_prefix("trace"))
+        .expect("a trace line")
+        .trim()
+        .to_owned()
+}
+
 /// The `clock <ns>` lines a probe printed, in order.
 fn clocks(out: &str) -> Vec<u64> {
     out.lines()

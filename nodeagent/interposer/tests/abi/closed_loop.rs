@@ -4,7 +4,7 @@
 //! latency step is in flight, a bound on queued launches, fewer SMs), and ignores one that is
 //! too old.
 
-use super::{Probe, clocks, latency_tenant, now_ns, schedule, shm_dir};
+use super::{Probe, clocks, latency_tenant, now_ns, schedule, shm_dir, trace};
 use std::path::Path;
 
 use tenant_abi::control::{DECISION_TTL_NS, Decision};
@@ -159,13 +159,6 @@ fn a_bound_on_queued_launches_gives_up_on_kernels_that_do_not_finish() {
 
 #[test]
 fn the_decision_sets_how_many_sms_a_squeezed_launch_keeps() {
-    let trace = |out: &str| {
-        out.lines()
-            .find_map(|line| line.strip_prefix("trace"))
-            .expect("a trace line")
-            .trim()
-            .to_owned()
-    };
     let shm = shm_dir();
     latency_tenant(shm.path()).run("launch kernel 10");
     let mapping = schedule(shm.path());

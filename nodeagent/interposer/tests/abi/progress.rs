@@ -5,7 +5,7 @@
 //! agent publishes for a squeezable tenant moves its launches to a green context of that share
 //! of the SMs, with or without a latency tenant on the GPU.
 
-use super::{Probe, kit, latency_tenant, now_ns, schedule, shm_dir};
+use super::{Probe, kit, latency_tenant, now_ns, schedule, shm_dir, trace};
 use std::path::Path;
 use std::process::Command;
 use tenant_abi::compute::{Region, TENANTS};
@@ -34,15 +34,6 @@ fn squeezable(shm: &Path) -> Probe {
     trainer(shm)
         .env("VGPU_SPATIAL", "1")
         .env("VGPU_SPATIAL_HOLD_MS", "60000")
-}
-
-/// The trace a probe printed (`trace ...` line).
-fn trace(out: &str) -> String {
-    out.lines()
-        .find_map(|line| line.strip_prefix("trace"))
-        .expect("a trace line")
-        .trim()
-        .to_owned()
 }
 
 /// One launch moved to green stream 0x9000 of a green context of `sms` SMs (the fake's trace:

@@ -6,7 +6,7 @@
 //! record, `W:<stream>:<event>` a wait, `C:<sms>` a green context. The application's stream is
 //! 0x5000; green streams are 0x9000, 0x9001, ...; `2` is the per-thread default stream.
 
-use super::{Probe, kit, latency_tenant, shm_dir};
+use super::{Probe, kit, latency_tenant, shm_dir, trace};
 use std::path::Path;
 
 /// One redirected launch on application stream `app`, green stream `green`, events `a` and `b`:
@@ -23,15 +23,6 @@ fn squeezable(shm: &Path) -> Probe {
         .env("VGPU_SPATIAL", "1")
         .env("VGPU_SPATIAL_HOLD_MS", "60000")
         .env("VGPU_SPATIAL_SMS", "104")
-}
-
-/// The trace a probe printed (`trace ...` line).
-fn trace(out: &str) -> String {
-    out.lines()
-        .find_map(|line| line.strip_prefix("trace"))
-        .expect("a trace line")
-        .trim()
-        .to_owned()
 }
 
 /// A latency tenant launches once: its stamp is fresh for the squeezable probes that follow.
