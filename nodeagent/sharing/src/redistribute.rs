@@ -223,6 +223,16 @@ struct Backoff {
     shortened: bool,
 }
 
+impl Backoff {
+    /// Rejected: it sits out its next wait, and the one after is four times longer (to at most
+    /// `max` judgements).
+    fn rejected(&mut self, max: u32) {
+        self.skip = self.length.max(1);
+        self.length = (self.skip * 4).min(max);
+        self.shortened = false;
+    }
+}
+
 /// The most steps one move shifts a cap (after moves that kept paying).
 pub const STRIDE_MAX: u8 = 4;
 /// The most steps a move is lengthened to after flat verdicts: a cap that does not bind one
@@ -415,10 +425,7 @@ impl Redistributor {
         self.names = members.iter().map(|member| member.name.clone()).collect();
         self.hinted = members.iter().map(|member| member.hinted).collect();
         self.floors = members.iter().map(|member| member.floor).collect();
-        self.kept = vec![FULL; count];
-        self.backoff = vec![[Backoff::default(); 2]; count];
-        self.cursor = 0;
-        self.judgement = None;
+        self.forget(count);
         self.last_rates = vec![None; count];
         self.stage = if count < 2 {
             Stage::Idle
@@ -429,12 +436,16 @@ impl Redistributor {
         };
     }
 
-    fn regroup_unmeasured(&mut self, now_ns: u64) {
-        let count = self.names.len();
+    /// Every cap off and everything learnt of the moves forgotten, for `count` members.
+    fn forget(&mut self, count: usize) {
         self.kept = vec![FULL; count];
         self.backoff = vec![[Backoff::default(); 2]; count];
         self.cursor = 0;
         self.judgement = None;
+    }
+
+    fn regroup_unmeasured(&mut self, now_ns: u64) {
+        self.forget(self.names.len());
         self.stage = Stage::Waiting {
             until_ns: now_ns.saturating_add(self.config.unmeasured_wait_ns),
         };
@@ -699,18 +710,13 @@ impl Redistributor {
             }
             // One step further down surely costs: whether the cap kept still pays is tried next.
             Verdict::Worse if judgement.direction == Direction::Down && from < FULL => {
-                let wait = &mut self.backoff[member][direction];
-                wait.skip = wait.length.max(1);
-                wait.length = (wait.skip * 4).min(self.config.backoff_max);
-                wait.shortened = false;
+                self.backoff[member][direction].rejected(self.config.backoff_max);
                 self.backoff[member][1 - direction].skip = 0;
             }
             Verdict::Flat | Verdict::Worse | Verdict::Hold => {
                 let wait = &mut self.backoff[member][direction];
-                wait.skip = wait.length.max(1);
-                wait.length = (wait.skip * 4).min(self.config.backoff_max);
+                wait.rejected(self.config.backoff_max);
                 wait.stride = 1;
-                wait.shortened = false;
                 self.cursor = (self.cursor + 1) % (2 * self.names.len());
             }
         }
