@@ -1327,10 +1327,19 @@ enum Placement {
     Movable,
     /// Stays on the application's stream (cooperative launches: see `spatial`).
     Fixed,
-    /// An asynchronous copy: on the application's stream, and past no turn (the copy engines are
-    /// shared neither by turns nor by SMs), but it counts as the tenant's demand and obeys the
-    /// closed loop like a launch, so a neighbour made of copies is held back too.
+    /// An asynchronous copy to or from host memory: on the application's stream, and past no turn
+    /// (the copy engines are shared neither by turns nor by SMs), but it counts as the tenant's
+    /// demand and obeys the closed loop like a launch, so a neighbour made of copies is held back
+    /// too.
     Copy,
+    /// An asynchronous copy that may be within the GPU's memory (`cuMemcpyDtoDAsync`, and
+    /// `cuMemcpyAsync`, whose direction only the driver knows): as `Copy`, but moved to a green
+    /// stream while the tenant is squeezed or capped. A copy within one GPU's memory runs on its
+    /// SMs at HBM speed (an H200 copied 4.2 TB/s, far past any copy engine), so without the move
+    /// a neighbour made of such copies escaped both the squeeze and the cap (twenty-ninth
+    /// session: capping one to 75% changed nothing). A host copy moved with it still runs on the
+    /// copy engines, in order, at the cost of the two events of any moved launch.
+    SmCopy,
 }
 
 /// Runs a launch through the gate: wait for the tenant's turn (not for a latency tenant), pick
@@ -1367,7 +1376,7 @@ fn gated_launch(
     };
     let pending = if latency {
         None
-    } else if placement == Placement::Copy {
+    } else if matches!(placement, Placement::Copy | Placement::SmCopy) {
         ffi_boundary!(what, fallback = (), { launch::stamp_demand(&gpu) });
         None
     } else {
@@ -1382,7 +1391,7 @@ fn gated_launch(
     // No redirection while a capture is in progress: its event records and waits would touch
     // streams while a global-mode capture forbids it.
     let redirect = if held_rc.is_none()
-        && placement == Placement::Movable
+        && matches!(placement, Placement::Movable | Placement::SmCopy)
         && !latency
         && !launch::captures_in_progress()
     {
@@ -1684,7 +1693,7 @@ graph_launch_hook!(cuGraphLaunch, graph_launch, false);
 graph_launch_hook!(cuGraphLaunch_ptsz, graph_launch_ptsz, true);
 
 macro_rules! copy_hook {
-    ($name:ident, $field:ident, $per_thread:expr) => {
+    ($name:ident, $field:ident, $per_thread:expr, $placement:ident) => {
         /// # Safety
         /// The driver's contract for this copy.
         #[unsafe(no_mangle)]
@@ -1701,24 +1710,39 @@ macro_rules! copy_hook {
                     driver,
                     stream,
                     $per_thread,
-                    Placement::Copy,
-                    // SAFETY: forwarded unchanged under the caller's contract (a copy is never
-                    // moved off the application's stream).
-                    |_| unsafe { real(dst, src, bytes, stream) },
+                    Placement::$placement,
+                    // SAFETY: forwarded under the caller's contract; `s` is the caller's stream
+                    // or, for `Placement::SmCopy`, a green stream of the current context's device.
+                    |s| unsafe { real(dst, src, bytes, s) },
                 )
             })
         }
     };
 }
 
-copy_hook!(cuMemcpyAsync, memcpy_async, false);
-copy_hook!(cuMemcpyAsync_ptsz, memcpy_async_ptsz, true);
-copy_hook!(cuMemcpyDtoDAsync_v2, memcpy_dtod_async, false);
-copy_hook!(cuMemcpyDtoDAsync_v2_ptsz, memcpy_dtod_async_ptsz, true);
-copy_hook!(cuMemcpyHtoDAsync_v2, memcpy_htod_async, false);
-copy_hook!(cuMemcpyHtoDAsync_v2_ptsz, memcpy_htod_async_ptsz, true);
-copy_hook!(cuMemcpyDtoHAsync_v2, memcpy_dtoh_async, false);
-copy_hook!(cuMemcpyDtoHAsync_v2_ptsz, memcpy_dtoh_async_ptsz, true);
+copy_hook!(cuMemcpyAsync, memcpy_async, false, SmCopy);
+copy_hook!(cuMemcpyAsync_ptsz, memcpy_async_ptsz, true, SmCopy);
+copy_hook!(cuMemcpyDtoDAsync_v2, memcpy_dtod_async, false, SmCopy);
+copy_hook!(
+    cuMemcpyDtoDAsync_v2_ptsz,
+    memcpy_dtod_async_ptsz,
+    true,
+    SmCopy
+);
+copy_hook!(cuMemcpyHtoDAsync_v2, memcpy_htod_async, false, Copy);
+copy_hook!(
+    cuMemcpyHtoDAsync_v2_ptsz,
+    memcpy_htod_async_ptsz,
+    true,
+    Copy
+);
+copy_hook!(cuMemcpyDtoHAsync_v2, memcpy_dtoh_async, false, Copy);
+copy_hook!(
+    cuMemcpyDtoHAsync_v2_ptsz,
+    memcpy_dtoh_async_ptsz,
+    true,
+    Copy
+);
 
 /// A copy that the compute gate does not see (synchronous, on the legacy or per-thread default
 /// stream): held while a chunk of borrowed memory is in host memory (`enter_work`), then

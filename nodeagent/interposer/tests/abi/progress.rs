@@ -141,6 +141,10 @@ fn a_fresh_cap_moves_a_launch_to_its_share_of_the_sms_without_a_latency_tenant()
         moved_to(64)
     );
     assert_eq!(trace(&out), twice, "{out}");
+    // A copy within the GPU's memory runs on its SMs: it moves with the cap too.
+    let out = squeezable(shm.path()).run("copy 10 trace");
+    assert!(out.contains("copy 0"), "{out}");
+    assert_eq!(trace(&out), moved_to(64), "{out}");
     // The share is of the device's SMs: half of 64 is 32.
     let out = squeezable(shm.path())
         .env("FAKE_CUDA_SMS", "64")

@@ -80,6 +80,21 @@ fn the_partition_size_is_configurable_and_rounded_to_the_granularity() {
 }
 
 #[test]
+fn a_copy_within_the_gpus_memory_is_squeezed_like_a_kernel() {
+    let shm = shm_dir();
+    stamp(shm.path());
+    let out = squeezable(shm.path()).run("copy 10 launch kernel 10 trace");
+    assert!(out.contains("copy 0"), "{out}");
+    let want = [
+        "C:104".to_owned(),
+        redirected("5000", "9000", 1, 2),
+        redirected("5000", "9000", 1, 2),
+    ]
+    .join(" ");
+    assert_eq!(trace(&out), want);
+}
+
+#[test]
 fn cooperative_launches_stay_on_the_application_stream() {
     let shm = shm_dir();
     stamp(shm.path());
