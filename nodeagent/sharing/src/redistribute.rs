@@ -16,11 +16,24 @@
 //!
 //! **The measure.** Each member's *progress*: the application's own units where it counts them
 //! (`vgpu_progress`), else its steps (synchronisations that waited for its work). Units differ
-//! between tenants, so rates are never compared across tenants: each is compared with itself.
-//! A move's gain is the **sum over members of `rate with the move / rate without it - 1`**: the
-//! group's extra work in units of one member's work (weighted speedup), which capacity moved to
-//! the tenant that turns it into more work raises, and moved away from one that needed it
-//! lowers. A sum, not a mean: one member's move would otherwise be diluted by the group's size.
+//! between tenants, so rates are never compared across tenants: each is compared with its own
+//! rate **alone**. A move's gain is the **sum over members of `(rate with the move - rate
+//! without it) / rate alone`**: the group's extra work in units of one member's work alone
+//! (the weighted speedup), which capacity moved to the tenant that turns it into more work
+//! raises, and moved away from one that needed it lowers. A sum, not a mean: one member's move
+//! would otherwise be diluted by the group's size. Not each member's *relative* speed-up (with
+//! / without - 1, what this rule used first): that weighs a member by how slowly it runs now,
+//! which is proportional fairness, not work; on an H200 it kept a copy loop at 75% of the SMs
+//! because the GEMM beside it, at 27% of its speed alone, gained 19%, while the loop, at 73%,
+//! lost 13%: the group lost 4% of a GPU's work (docs/benchmarks.md, twenty-ninth session).
+//!
+//! **Rates alone** are measured, not assumed: before any move, and again every
+//! [`RedistributeConfig::probe_every_ns`], each member gets one *probe* period with every other
+//! member capped to its own floor (a guaranteed share stays; the others keep one granule of
+//! SMs), its rate then read as its rate alone. Where guaranteed shares keep the others running,
+//! the probe reads less than alone and the member's work weighs more than it should: the probe
+//! is as alone as the guarantees allow. Probes cost the others one period each, per member, per
+//! `probe_every_ns` (under 1% at the defaults for periods of 1-2 s).
 //!
 //! **The rule.** Start uncapped. Then, one move at a time, in turn over the members: *down* (a
 //! member's cap one [`RedistributeConfig::step`] lower, never below
@@ -86,19 +99,22 @@ pub struct RedistributeConfig {
     /// move whose gain is not yet clear either way gets another pair, up to `pairs_max`.
     pub pairs: u32,
     pub pairs_max: u32,
-    /// The least gain that keeps a move: the sum over members of their relative speed-ups (2%:
-    /// the group does 2% of one member's work more).
+    /// The least gain that keeps a move, in members' work alone (2%: the group does 2% of one
+    /// member's work alone more).
     pub gain_min: f64,
     /// The longest wait, in judgements, of a move that was rejected again and again.
     pub backoff_max: u32,
     /// How long an unmeasured group stays uncapped before it is tried again.
     pub unmeasured_wait_ns: u64,
+    /// How long a member's rate alone (its probe) stands before it is measured again.
+    pub probe_every_ns: u64,
 }
 
 impl Default for RedistributeConfig {
     /// Periods of 1-8 s holding at least 20 units per member, 200 ms to settle, moves of 1/8 of
-    /// the GPU, 3 to 6 pairs per judgement, a 2% gain needed, waits of up to 32 judgements, and 60 s
-    /// uncapped after an unmeasured period.
+    /// the GPU, 3 to 6 pairs per judgement, a 2% gain needed, waits of up to 32 judgements, 60 s
+    /// uncapped after an unmeasured period, and each member's rate alone measured again every
+    /// 5 minutes.
     fn default() -> RedistributeConfig {
         RedistributeConfig {
             period_min_ns: 1_000_000_000,
@@ -111,6 +127,7 @@ impl Default for RedistributeConfig {
             gain_min: 0.02,
             backoff_max: 32,
             unmeasured_wait_ns: 60_000_000_000,
+            probe_every_ns: 300_000_000_000,
         }
     }
 }
@@ -186,6 +203,9 @@ pub enum RedistributeChange {
     },
     /// Every cap came off.
     Reset { reason: ResetReason },
+    /// `tenant`'s rate alone was measured (a probe): `rate` units or steps per second, with
+    /// every other member at its floor.
+    Probed { tenant: String, rate: f64 },
 }
 
 /// One member as the agent reports it.
@@ -196,6 +216,8 @@ pub struct MemberStatus {
     pub cap: u8,
     /// Its progress per second in the last period measured at the kept caps (units or steps).
     pub rate: Option<f64>,
+    /// Its rate alone, from its last probe (same unit).
+    pub alone: Option<f64>,
     pub hinted: bool,
 }
 
@@ -244,16 +266,15 @@ enum Stage {
     /// Fewer than two members: nothing to share.
     Idle,
     /// Uncapped until then (after an unmeasured period).
-    Waiting {
-        until_ns: u64,
-    },
+    Waiting { until_ns: u64 },
     /// The caps of the next period are in force; measured from then.
-    Settling {
-        until_ns: u64,
-    },
+    Settling { until_ns: u64 },
     Measuring {
         since_ns: u64,
         start: Vec<u64>,
+        /// The period's length, fixed when it starts (`Redistributor::period_ns`); `None`
+        /// until every member's rate is known: then it ends once each made `units_min` units.
+        length_ns: Option<u64>,
     },
 }
 
@@ -262,6 +283,9 @@ enum Stage {
 struct Judgement {
     /// `None`: a hold (every move waits): periods at the kept caps, then the waits shrink.
     member: Option<usize>,
+    /// A probe of `member`'s rate alone (one period, every other member at its floor), not a
+    /// move.
+    probe: bool,
     direction: Direction,
     to: u8,
     /// The periods' kinds in order (true: with the move).
@@ -288,6 +312,10 @@ pub struct Redistributor {
     stage: Stage,
     last_progress: Vec<u64>,
     last_rates: Vec<Option<f64>>,
+    /// Per member: its rate alone and when its probe ended.
+    alone: Vec<Option<(f64, u64)>>,
+    /// The time of the last call.
+    now_ns: u64,
 }
 
 impl Redistributor {
@@ -305,6 +333,8 @@ impl Redistributor {
             stage: Stage::Idle,
             last_progress: Vec::new(),
             last_rates: Vec::new(),
+            alone: Vec::new(),
+            now_ns: 0,
         }
     }
 
@@ -323,6 +353,7 @@ impl Redistributor {
         let mut members: Vec<&Member> = members.iter().collect();
         members.sort_by(|a, b| a.name.cmp(&b.name));
         members.dedup_by(|a, b| a.name == b.name);
+        self.now_ns = now_ns;
         let mut change = None;
         let same_group = members.len() == self.names.len()
             && members
@@ -371,9 +402,14 @@ impl Redistributor {
                 self.stage = Stage::Measuring {
                     since_ns: now_ns,
                     start: self.last_progress.clone(),
+                    length_ns: self.period_ns(),
                 };
             }
-            Stage::Measuring { since_ns, start } => {
+            Stage::Measuring {
+                since_ns,
+                start,
+                length_ns,
+            } => {
                 let elapsed_ns = now_ns.saturating_sub(*since_ns);
                 let units: Vec<u64> = self
                     .last_progress
@@ -381,9 +417,23 @@ impl Redistributor {
                     .zip(start)
                     .map(|(now, start)| now - start)
                     .collect();
-                let enough = units.iter().all(|&u| u >= self.config.units_min);
+                // A probe measures its member alone; the others, at their floors, may make
+                // nothing in it.
+                let probing = self.trial_in_force();
+                let counted = |index: usize| match &self.judgement {
+                    Some(Judgement {
+                        probe: true,
+                        member: Some(member),
+                        ..
+                    }) if probing => index == *member,
+                    _ => true,
+                };
+                let enough = (0..units.len())
+                    .filter(|&index| counted(index))
+                    .all(|index| units[index] >= self.config.units_min);
                 if elapsed_ns >= self.config.period_max_ns
-                    && let Some(index) = units.iter().position(|&u| u == 0)
+                    && let Some(index) =
+                        (0..units.len()).find(|&index| counted(index) && units[index] == 0)
                 {
                     let tenant = self.names[index].clone();
                     self.regroup_unmeasured(now_ns);
@@ -391,9 +441,11 @@ impl Redistributor {
                         reason: ResetReason::Unmeasured { tenant },
                     }));
                 }
-                if (elapsed_ns >= self.config.period_min_ns && enough)
-                    || elapsed_ns >= self.config.period_max_ns
-                {
+                let ended = match length_ns {
+                    Some(length_ns) => elapsed_ns >= *length_ns,
+                    None => elapsed_ns >= self.config.period_min_ns && enough,
+                };
+                if ended || elapsed_ns >= self.config.period_max_ns {
                     let seconds = elapsed_ns as f64 / 1e9;
                     let rates: Vec<f64> = units.iter().map(|&u| u as f64 / seconds).collect();
                     if let Some(judged) = self.period_ended(rates, now_ns) {
@@ -405,6 +457,31 @@ impl Redistributor {
         self.output(change)
     }
 
+    /// How long the next period runs: long enough for `units_min` units of the slowest member
+    /// at its last rate with a quarter to spare, within the periods' bounds. Fixed in advance,
+    /// not "until the slowest made `units_min`": a period that stops when a member's count
+    /// crosses a mark reads that member's rate high (by up to one unit in `units_min`), and
+    /// the member slowed by a cap is the one that stops it, so such periods made a cap look
+    /// cheaper than it was (in simulation, equal tenants kept caps on 3-5% "gains").
+    /// A probe's period still ends once its member made `units_min` units: only that member
+    /// counts there, its rate alone is unknown until then, and the rate it reads is high by at
+    /// most one unit in `units_min`.
+    fn period_ns(&self) -> Option<u64> {
+        if self.trial_in_force() && self.judgement.as_ref().is_some_and(|j| j.probe) {
+            return None;
+        }
+        let slowest = self
+            .last_rates
+            .iter()
+            .map(|rate| rate.filter(|rate| *rate > 0.0))
+            .collect::<Option<Vec<f64>>>()?
+            .into_iter()
+            .fold(f64::INFINITY, f64::min);
+        let seconds = self.config.units_min as f64 / slowest * 1.25;
+        let length_ns = (seconds * 1e9).min(self.config.period_max_ns as f64) as u64;
+        Some(length_ns.clamp(self.config.period_min_ns, self.config.period_max_ns))
+    }
+
     /// Each member's kept cap and last rate at the kept caps.
     pub fn status(&self) -> Vec<MemberStatus> {
         self.names
@@ -414,6 +491,7 @@ impl Redistributor {
                 name: name.clone(),
                 cap: self.kept[index],
                 rate: self.last_rates[index],
+                alone: self.alone[index].map(|(rate, _)| rate),
                 hinted: self.hinted[index],
             })
             .collect()
@@ -427,6 +505,7 @@ impl Redistributor {
         self.floors = members.iter().map(|member| member.floor).collect();
         self.forget(count);
         self.last_rates = vec![None; count];
+        self.alone = vec![None; count];
         self.stage = if count < 2 {
             Stage::Idle
         } else {
@@ -480,7 +559,17 @@ impl Redistributor {
             && let Some(judgement) = &self.judgement
             && let Some(member) = judgement.member
         {
-            caps[member] = judgement.to;
+            if judgement.probe {
+                for (other, cap) in caps.iter_mut().enumerate() {
+                    *cap = if other == member {
+                        FULL
+                    } else {
+                        self.floors[other].max(1)
+                    };
+                }
+            } else {
+                caps[member] = judgement.to;
+            }
         }
         let caps = self
             .names
@@ -517,6 +606,22 @@ impl Redistributor {
 
     /// The next move not sitting out a wait, from the cursor on; a hold when there is none.
     fn next_judgement(&mut self) -> Judgement {
+        let now_ns = self.now_ns;
+        let every_ns = self.config.probe_every_ns;
+        if let Some(index) = self.alone.iter().position(|alone| match alone {
+            None => true,
+            Some((_, at_ns)) => now_ns.saturating_sub(*at_ns) >= every_ns,
+        }) {
+            return Judgement {
+                member: Some(index),
+                probe: true,
+                direction: Direction::Down,
+                to: FULL,
+                // A period at the kept caps first: a group just formed starts uncapped.
+                order: vec![false, true],
+                rates: Vec::new(),
+            };
+        }
         let moves = 2 * self.names.len();
         for offset in 0..moves {
             let candidate = (self.cursor + offset) % moves;
@@ -544,6 +649,7 @@ impl Redistributor {
                     .collect();
                 return Judgement {
                     member: Some(index),
+                    probe: false,
                     direction,
                     to,
                     order,
@@ -556,6 +662,7 @@ impl Redistributor {
         // group stays.
         Judgement {
             member: None,
+            probe: false,
             direction: Direction::Down,
             to: FULL,
             order: vec![false; 2 * self.config.pairs as usize],
@@ -571,12 +678,27 @@ impl Redistributor {
         if !with_move || judgement.member.is_none() {
             self.last_rates = rates.iter().map(|&rate| Some(rate)).collect();
         }
+        if judgement.probe && with_move {
+            let member = judgement.member.expect("a probe has a member");
+            let rate = rates[member];
+            self.judgement = None;
+            // A member that made nothing alone is unmeasured: the period's own rule (a member
+            // without progress for a whole period) resets the group; here it waits for that.
+            if rate > 0.0 {
+                self.alone[member] = Some((rate, now_ns));
+            }
+            self.settle(now_ns);
+            return (rate > 0.0).then(|| RedistributeChange::Probed {
+                tenant: self.names[member].clone(),
+                rate,
+            });
+        }
         judgement.rates.push(rates);
         let measured = judgement.rates.len();
         let verdict = if judgement.member.is_none() {
             (measured == judgement.order.len()).then_some(Verdict::Hold)
         } else if measured.is_multiple_of(2) && measured / 2 >= self.config.pairs as usize {
-            Self::verdict(&self.config, judgement)
+            Self::verdict(&self.config, judgement, &self.alone)
         } else {
             None
         };
@@ -586,6 +708,7 @@ impl Redistributor {
                 self.stage = Stage::Measuring {
                     since_ns: now_ns,
                     start: self.last_progress.clone(),
+                    length_ns: self.period_ns(),
                 };
             } else {
                 self.settle(now_ns);
@@ -602,14 +725,16 @@ impl Redistributor {
             self.stage = Stage::Measuring {
                 since_ns: now_ns,
                 start: self.last_progress.clone(),
+                length_ns: self.period_ns(),
             };
         }
         change
     }
 
-    /// The gain of each measured pair: the sum over members of `rate with the move / rate
-    /// without it - 1` (in units of one member's work).
-    fn gains(judgement: &Judgement) -> Vec<f64> {
+    /// The gain of each measured pair: the sum over members of `(rate with the move - rate
+    /// without it) / rate alone` (in units of one member's work alone; a member not yet probed
+    /// counts by its rate without the move).
+    fn gains(judgement: &Judgement, alone: &[Option<(f64, u64)>]) -> Vec<f64> {
         judgement
             .rates
             .chunks_exact(2)
@@ -622,9 +747,11 @@ impl Redistributor {
                 };
                 with.iter()
                     .zip(without)
-                    .map(|(with, without)| {
-                        if *without > 0.0 {
-                            with / without - 1.0
+                    .zip(alone)
+                    .map(|((with, without), alone)| {
+                        let scale = alone.map_or(*without, |(rate, _)| rate);
+                        if scale > 0.0 {
+                            (with - without) / scale
                         } else {
                             0.0
                         }
@@ -635,8 +762,12 @@ impl Redistributor {
     }
 
     /// What the pairs measured so far say of the move under judgement; `None`: another pair.
-    fn verdict(config: &RedistributeConfig, judgement: &Judgement) -> Option<Verdict> {
-        let gains = Redistributor::gains(judgement);
+    fn verdict(
+        config: &RedistributeConfig,
+        judgement: &Judgement,
+        alone: &[Option<(f64, u64)>],
+    ) -> Option<Verdict> {
+        let gains = Redistributor::gains(judgement, alone);
         let (gain, stderr) = mean_and_stderr(&gains);
         let margin = t_critical(gains.len() - 1) * stderr;
         let least = config.gain_min;
@@ -681,7 +812,7 @@ impl Redistributor {
             }
         }
         let member = judgement.member?;
-        let (gain, stderr) = mean_and_stderr(&Self::gains(judgement));
+        let (gain, stderr) = mean_and_stderr(&Self::gains(judgement, &self.alone));
         let from = self.kept[member];
         let direction = judgement.direction as usize;
         let stride = self.backoff[member][direction].stride.max(1);

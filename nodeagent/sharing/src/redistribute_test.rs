@@ -86,11 +86,11 @@ fn speeds(tenants: &[Tenant], caps: &[u8]) -> Vec<f64> {
         .collect()
 }
 
-/// The group's objective at `caps` against the fallback: the mean relative speed.
+/// The group's work at `caps` against the fallback's: each tenant's speed is already a
+/// fraction of its speed alone, so their sum is the work in units of one tenant's work alone.
 fn objective(tenants: &[Tenant], caps: &[u8]) -> f64 {
-    let fallback = speeds(tenants, &vec![FULL; tenants.len()]);
-    let now = speeds(tenants, caps);
-    now.iter().zip(&fallback).map(|(n, f)| n / f).sum::<f64>() / tenants.len() as f64
+    let work = |caps: &[u8]| speeds(tenants, caps).iter().sum::<f64>();
+    work(caps) / work(&vec![FULL; tenants.len()])
 }
 
 struct Noise(u64);
@@ -236,7 +236,7 @@ fn the_model_rewards_capping_a_bandwidth_bound_loop() {
     let capped = speeds(&pair, &[80, FULL]);
     assert!((capped[0] - 1.0).abs() < 1e-9, "{capped:?}");
     assert!((capped[1] - 88.0 / 128.0).abs() < 1e-9, "{capped:?}");
-    assert!(best_objective(&pair) > 1.15);
+    assert!(best_objective(&pair) > 1.1, "{}", best_objective(&pair));
     // Equal compute-bound tenants: every cap moves as much from one as to the other.
     assert!((best_objective(&[COMPUTE, COMPUTE]) - 1.0).abs() < 1e-9);
 }
@@ -261,22 +261,25 @@ fn a_bandwidth_bound_loop_beside_a_compute_bound_one_is_capped_near_the_best_cap
 
 #[test]
 fn equal_tenants_stay_at_the_fallback() {
+    let mut ended_capped = Vec::new();
     for seed in (1..=25).step_by(2) {
         let mut run = Run::new(2, 0.03, seed);
         run.run(&[COMPUTE, COMPUTE], 600);
         // Noise may keep a cap for a while (what one gains the other loses: nothing is lost
-        // overall), and every trial caps one member for half its periods; the caps come off.
-        // A known cost, not a target: over ten minutes one member got 0.90-1.07 of the
-        // other's work across these seeds (the trials do not take exact turns, and a cap kept
-        // by noise lasts until its move up is tried).
-        assert_eq!(
-            run.kept(),
-            vec![FULL, FULL],
-            "seed {seed}: {:?}",
+        // overall), and every trial caps one member for half its periods; the caps come off
+        // when their move up is tried. A known cost, not a target: over ten minutes, across 61
+        // seeds, one member got 0.91-1.11 of the other's work (3 off by more than 5%), and 3
+        // of 61 runs ended with a cap kept by noise (the rule with relative gains and periods
+        // ended by the slowest member's count: 0.90-1.11, 17 off by more than 5%, 4 capped).
+        if run.kept() != vec![FULL, FULL] {
+            ended_capped.push((seed, run.kept()));
+        }
+        let (a, b) = (run.progress[0], run.progress[1]);
+        assert!(
+            (a / b - 1.0).abs() < 0.12,
+            "seed {seed}: {a} against {b}: {:?}",
             run.changes
         );
-        let (a, b) = (run.progress[0], run.progress[1]);
-        assert!((a / b - 1.0).abs() < 0.12, "seed {seed}: {a} against {b}");
         let capped = run
             .trace
             .iter()
@@ -284,6 +287,7 @@ fn equal_tenants_stay_at_the_fallback() {
             .count();
         assert!(capped < run.trace.len() / 2, "seed {seed}: capped {capped}");
     }
+    assert!(ended_capped.len() <= 2, "ended capped: {ended_capped:?}");
 }
 
 #[test]
@@ -489,10 +493,24 @@ proptest! {
         let floor = RedistributeConfig::default().floor(count);
         let mut run = Run::new(count, sigma, seed);
         run.run(&tenants, 240);
+        // Under the group's floor only in probes: one member uncapped, the others at one
+        // granule (their own floors are 0), one probe per member in a run shorter than
+        // `probe_every_ns`, each at most a longest period.
+        let mut probing = 0;
         for (_, caps) in &run.trace {
-            prop_assert!(caps.iter().all(|&cap| cap >= floor), "{caps:?}");
             prop_assert!(caps.contains(&FULL), "{caps:?}");
+            if caps.iter().any(|&cap| cap < floor) {
+                probing += 1;
+                prop_assert_eq!(caps.iter().filter(|&&cap| cap == FULL).count(), 1, "{:?}", caps);
+                prop_assert!(caps.iter().all(|&cap| cap == FULL || cap == 1), "{:?}", caps);
+            }
         }
+        let config = RedistributeConfig::default();
+        prop_assert!(240 * 1_000_000_000 < config.probe_every_ns);
+        prop_assert!(
+            probing as u64 * TICK <= count as u64 * config.period_max_ns,
+            "probes took {probing} ticks"
+        );
         let kept = run.kept();
         prop_assert!(
             objective(&tenants, &kept) > 0.97,
@@ -535,4 +553,81 @@ proptest! {
             run.kept()
         );
     }
+}
+
+/// The pair measured on an H200 (docs/benchmarks.md, twenty-ninth session): a bf16 GEMM (600
+/// units/s alone) beside a 1 GiB copy loop (1965 alone) as MPS clients, uncapped at 0.27 and
+/// 0.735 of their speeds alone; the copy loop at 75% of the SMs: 0.32 and 0.64 (its SMs are
+/// not idle: the copies need them to keep HBM busy); the GEMM capped: it loses 12% per step
+/// and the loop gains 1.5%. Each tenant's rates in between are interpolated; a probe (the other
+/// at one granule) reads each alone. Relative speed-ups called the loop's cap a gain (+19% for
+/// the GEMM, -13% for the loop: +4.5% measured on the GPU) and kept it; in work alone it costs
+/// 4.3%, and the rule must leave the pair uncapped.
+fn h200_pair_rates(caps: &[u8]) -> [f64; 2] {
+    const ALONE: [f64; 2] = [600.0, 1965.0];
+    if caps[1] <= 8 {
+        return [ALONE[0], 0.02 * ALONE[1]];
+    }
+    if caps[0] <= 8 {
+        return [0.02 * ALONE[0], ALONE[1]];
+    }
+    let loop_down = f64::from(FULL - caps[1]) / 32.0;
+    let gemm_down = f64::from(FULL - caps[0]) / 16.0;
+    let gemm = (0.27 + 0.05 * loop_down) * (1.0 - 0.12 * gemm_down).max(0.0);
+    let copy = (0.735 - 0.095 * loop_down).max(0.0) * (1.0 + 0.015 * gemm_down);
+    [gemm * ALONE[0], copy * ALONE[1]]
+}
+
+#[test]
+fn a_cap_that_speeds_a_slow_member_up_but_costs_the_group_work_is_not_kept() {
+    let mut redistributor = Redistributor::new(RedistributeConfig::default());
+    let names = ["gemm", "stream"];
+    let mut progress = [0.0f64; 2];
+    let mut caps = vec![FULL, FULL];
+    let mut noise = Noise(29);
+    let mut now = 1_000 * MS;
+    let mut changes = Vec::new();
+    for _ in 0..240 * 1_000_000_000 / TICK {
+        let rates = h200_pair_rates(&caps);
+        for (p, rate) in progress.iter_mut().zip(rates) {
+            *p += rate * (1.0 + 0.02 * noise.next()) * TICK as f64 / 1e9;
+        }
+        now += TICK;
+        let members: Vec<Member> = names
+            .iter()
+            .zip(progress)
+            .map(|(name, progress)| Member {
+                name: (*name).into(),
+                progress: progress as u64,
+                hinted: false,
+                floor: 0,
+            })
+            .collect();
+        let output = redistributor.handle(now, &members, false);
+        caps = names
+            .iter()
+            .map(|name| output.caps.get(*name).copied().unwrap_or(FULL))
+            .collect();
+        changes.extend(output.change);
+    }
+    let alone: Vec<Option<f64>> = redistributor.status().iter().map(|s| s.alone).collect();
+    assert!(
+        alone[0].is_some_and(|rate| (rate / 600.0 - 1.0).abs() < 0.06)
+            && alone[1].is_some_and(|rate| (rate / 1965.0 - 1.0).abs() < 0.06),
+        "probed rates alone: {alone:?}"
+    );
+    let kept_down = changes.iter().any(|change| {
+        matches!(change, RedistributeChange::Judged { tenant, kept: true, to, from, .. }
+            if tenant == "stream" && to < from)
+    });
+    assert!(!kept_down, "{changes:?}");
+    assert_eq!(
+        redistributor
+            .status()
+            .iter()
+            .map(|s| s.cap)
+            .collect::<Vec<_>>(),
+        vec![FULL, FULL],
+        "{changes:?}"
+    );
 }

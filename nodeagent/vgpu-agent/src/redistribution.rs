@@ -150,7 +150,7 @@ fn log_change(uuid: &str, change: &RedistributeChange) {
             kept: true,
         } => tracing::info!(
             "redistribution on GPU {uuid}: {tenant} keeps {:.0}% of the SMs, was {:.0}% (the \
-             group's work {:+.1}% +- {:.1}% of one tenant's)",
+             group's work {:+.1}% +- {:.1}% of one tenant's work alone)",
             share(*to),
             share(*from),
             gain * 100.0,
@@ -174,6 +174,10 @@ fn log_change(uuid: &str, change: &RedistributeChange) {
         RedistributeChange::Reset { reason } => {
             tracing::info!("redistribution on GPU {uuid}: every SM cap off ({reason:?})")
         }
+        RedistributeChange::Probed { tenant, rate } => tracing::debug!(
+            "redistribution on GPU {uuid}: {tenant} alone makes {rate:.1} units/s (a probe: \
+             the others at their floors for one period)"
+        ),
     }
 }
 

@@ -660,6 +660,7 @@ mod tests {
             name: name.to_owned(),
             cap,
             rate,
+            alone: None,
             hinted,
         };
         let members: BTreeMap<String, sharing::MemberStatus> = [
