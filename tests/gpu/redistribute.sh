@@ -9,7 +9,7 @@
 #   VGPU_BIN=dist tests/gpu/redistribute.sh
 #
 # Through vgpu: vgpu-cp, `vgpu-agent join --mps`, `vgpuctl place a|b --gpus 0.5 --memory 20GiB
-# --burst`, the workloads started with `vgpu-agent exec` (tests/gpu/redistribute.py):
+# --burst --preemptible`, the workloads started with `vgpu-agent exec` (tests/gpu/redistribute.py):
 #   alone   gemm (bf16 8192^3 matmuls) alone as tenant a, stream (a 1 GiB copy) alone as b
 #   pair    a: gemm beside b: stream, PAIR_S seconds with the redistribution, then OFF_S without
 #   equal   a: gemm beside b: gemm, EQUAL_S with, then OFF_S without
@@ -22,7 +22,9 @@
 #          the other (the fair split stays).
 # The agent's judgements (its "redistribution on GPU" log lines) and `vgpuctl describe tenant`
 # are kept in the logs. PARTS (default "pair equal") picks the parts; HINT=1 counts progress
-# with vgpu.torch.progress instead of steps. Logs: $OUT/redistribute; the table is printed last.
+# with vgpu.torch.progress instead of steps; GUARANTEED=1 places both without --preemptible (the
+# twenty-ninth session's runs: each then keeps half the SMs, and the agent's probes of rates
+# alone stop there). Logs: $OUT/redistribute; the table is printed last.
 # Every exit path stops what the script started (the agent's MPS daemon too).
 # shellcheck disable=SC2317 # cleanup and the wait tests are called indirectly (trap, bounded_wait)
 set -u
@@ -42,6 +44,7 @@ OFF_S=${OFF_S:-35}
 MEASURE_S=${MEASURE_S:-50}
 OFF_MEASURE_S=${OFF_MEASURE_S:-25}
 HINT=${HINT:-0}
+GUARANTEED=${GUARANTEED:-0}
 OUT=${OUT:-/tmp/redistribute-out}
 LOGS="$OUT/redistribute"
 mkdir -p "$LOGS"
@@ -106,8 +109,12 @@ tenants_ready() { test -e "$SHM/tenants/a/nccl-activity" && test -e "$SHM/tenant
 export RUST_LOG=${RUST_LOG:-info,vgpu_agent::redistribution=debug}
 vgpu_cp_up || exit 1
 vgpu_agent_up --mps || exit 1
-ctl place a --gpus 0.5 --memory 20GiB --burst 2>&1 | tee -a "$LOGS/run.log"
-ctl place b --gpus 0.5 --memory 20GiB --burst 2>&1 | tee -a "$LOGS/run.log"
+# Best effort (--preemptible) unless GUARANTEED=1: a guaranteed member is never capped under its
+# share, so the agent's probe of the other's rate alone stops at that share.
+PLACE_FLAGS=(--burst)
+[ "$GUARANTEED" = 1 ] || PLACE_FLAGS+=(--preemptible)
+ctl place a --gpus 0.5 --memory 20GiB "${PLACE_FLAGS[@]}" 2>&1 | tee -a "$LOGS/run.log"
+ctl place b --gpus 0.5 --memory 20GiB "${PLACE_FLAGS[@]}" 2>&1 | tee -a "$LOGS/run.log"
 bounded_wait 15 "the tenants' private directories" tenants_ready || exit 1
 
 # ---- alone ----
