@@ -419,15 +419,8 @@ impl Redistributor {
                     .collect();
                 // A probe measures its member alone; the others, at their floors, may make
                 // nothing in it.
-                let probing = self.trial_in_force();
-                let counted = |index: usize| match &self.judgement {
-                    Some(Judgement {
-                        probe: true,
-                        member: Some(member),
-                        ..
-                    }) if probing => index == *member,
-                    _ => true,
-                };
+                let probed = self.probed_now();
+                let counted = |index: usize| probed.is_none_or(|member| member == index);
                 let enough = (0..units.len())
                     .filter(|&index| counted(index))
                     .all(|index| units[index] >= self.config.units_min);
@@ -467,7 +460,7 @@ impl Redistributor {
     /// counts there, its rate alone is unknown until then, and the rate it reads is high by at
     /// most one unit in `units_min`.
     fn period_ns(&self) -> Option<u64> {
-        if self.trial_in_force() && self.judgement.as_ref().is_some_and(|j| j.probe) {
+        if self.probed_now().is_some() {
             return None;
         }
         let slowest = self
@@ -534,6 +527,14 @@ impl Redistributor {
         self.stage = Stage::Settling {
             until_ns: now_ns.saturating_add(self.config.settle_ns),
         };
+    }
+
+    /// The member whose probe is in force in the period under way, if one is.
+    fn probed_now(&self) -> Option<usize> {
+        let judgement = self.judgement.as_ref()?;
+        (judgement.probe && self.trial_in_force())
+            .then_some(judgement.member)
+            .flatten()
     }
 
     /// Whether the period under way runs with a move under trial.

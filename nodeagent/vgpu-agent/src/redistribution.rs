@@ -147,30 +147,25 @@ fn log_change(uuid: &str, change: &RedistributeChange) {
             to,
             gain,
             stderr,
-            kept: true,
-        } => tracing::info!(
-            "redistribution on GPU {uuid}: {tenant} keeps {:.0}% of the SMs, was {:.0}% (the \
-             group's work {:+.1}% +- {:.1}% of one tenant's work alone)",
-            share(*to),
-            share(*from),
-            gain * 100.0,
-            stderr * 100.0
-        ),
-        RedistributeChange::Judged {
-            tenant,
-            from,
-            to,
-            gain,
-            stderr,
-            kept: false,
-        } => tracing::debug!(
-            "redistribution on GPU {uuid}: {tenant} stays at {:.0}% of the SMs ({:.0}% tried: \
-             {:+.1}% +- {:.1}%)",
-            share(*from),
-            share(*to),
-            gain * 100.0,
-            stderr * 100.0
-        ),
+            kept,
+        } => {
+            let (gain, stderr) = (gain * 100.0, stderr * 100.0);
+            if *kept {
+                tracing::info!(
+                    "redistribution on GPU {uuid}: {tenant} keeps {:.0}% of the SMs, was {:.0}% \
+                     (the group's work {gain:+.1}% +- {stderr:.1}% of one tenant's work alone)",
+                    share(*to),
+                    share(*from)
+                )
+            } else {
+                tracing::debug!(
+                    "redistribution on GPU {uuid}: {tenant} stays at {:.0}% of the SMs ({:.0}% \
+                     tried: {gain:+.1}% +- {stderr:.1}%)",
+                    share(*from),
+                    share(*to)
+                )
+            }
+        }
         RedistributeChange::Reset { reason } => {
             tracing::info!("redistribution on GPU {uuid}: every SM cap off ({reason:?})")
         }
