@@ -1,10 +1,12 @@
 """Workloads of tests/gpu/redistribute.sh (issue 15, point 4: SMs among best-effort tenants).
 
-    redistribute.py gemm|stream --seconds S [--hint] [--sync-every N]
+    redistribute.py gemm|stream|hist --seconds S [--hint] [--sync-every N]
     redistribute.py report --logs DIR
 
 gemm: bf16 8192^3 matmuls back to back (compute-bound). stream: a 1 GiB fp32 copy back to back
-(HBM-bandwidth-bound, full grids: under MPS its blocks hold SMs they cannot use). Both
+(HBM-bandwidth-bound, full grids: under MPS its blocks hold SMs they cannot use). hist: 2^26
+fp32 values added into 4096 bins at random indices (`scatter_add_`, bound by the L2's atomics
+rather than by the SMs its grid holds). All three
 synchronise every N operations (a step, which the interposer counts as the tenant's progress),
 or with --hint count their operations through vgpu.torch.progress instead. Each prints one line
 `RESULT {json}`: the workload, the operations completed, and the cumulative count at every whole
@@ -33,6 +35,16 @@ def run(args):
 
         def op():
             torch.matmul(a, b, out=c)
+
+    elif args.workload == "hist":
+        n = 1 << 26
+        generator = torch.Generator(device=device).manual_seed(0)
+        index = torch.randint(0, 4096, (n,), device=device, generator=generator)
+        values = torch.ones(n, device=device, dtype=torch.float32)
+        bins = torch.zeros(4096, device=device, dtype=torch.float32)
+
+        def op():
+            bins.scatter_add_(0, index, values)
 
     else:
         n = 1 << 28
@@ -105,7 +117,7 @@ def report(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("gemm", "stream"):
+    for name in ("gemm", "stream", "hist"):
         p = sub.add_parser(name)
         p.add_argument("--seconds", type=float, required=True)
         p.add_argument("--hint", action="store_true")

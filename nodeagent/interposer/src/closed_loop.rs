@@ -14,12 +14,26 @@
 //!   force: nothing is restricted, fail open): with `pause`, a launch waits while a latency step
 //!   is in flight (at most `PAUSE_WAIT_MAX_NS` per launch, then it goes), and with a guard also
 //!   while the latency tenant's next step is due within the guard (its process predicts it from
-//!   the smoothed time between its step starts); with `exclusive`, while a latency tenant is
+//!   the smoothed time between its step starts) or within the launch's own expected duration,
+//!   whichever is longer (*fit*: a launch goes only if it should end before the next step
+//!   starts); with `exclusive`, while a latency tenant is
 //!   active at all. A guard's or Exclusive's hold lasts while the agent keeps it in force (the
 //!   decision is read again while waiting), at most `HOLD_WAIT_MAX_NS` per launch. With
 //!   `inflight = N` and a latency tenant active on the GPU, a launch waits until its stream has
 //!   fewer than N launches queued (an event recorded after each launch, at most
-//!   `EVENT_WAIT_MAX_NS` per wait); `sms` is applied by `spatial::redirect`.
+//!   `EVENT_WAIT_MAX_NS` per wait); `sms` is applied by `spatial::redirect`. A launch held by
+//!   a bound is checked against the holds again once it may go: a kernel that passed the guard
+//!   while another was still running would otherwise start into the step the guard protects.
+//! - **Durations are measured, per kind of launch** (a kernel's function, a graph, a copy of a
+//!   size: [`LaunchKey`]), by the bound's own events: a launch that found its stream empty
+//!   started at once, and when a later launch of the process waits for it, the wait sees it end
+//!   (to within a look, 10-60 us); one found already done bounds its duration from above. The
+//!   expected duration is a decaying maximum of those ([`Durations`]): it rises at once with a
+//!   slower run and falls by an eighth per faster one. A kind never measured waits for nothing
+//!   more than the guard. So the guard stretches to what each neighbour actually launches: on
+//!   an H200 a bf16 GEMM of 1.7 ms launched at a guard of half a 3 ms period ran into the
+//!   decoder's next step half the time, and the controller held the GEMM at 1% of its speed one
+//!   level up (docs/benchmarks.md, thirtieth session).
 //!
 //! - **Every gated tenant's progress** (`docs/design/utility-redistribution.md`): a closed
 //!   latency step also counts as a step of the tenant's progress (`Region::count_steps`), and in
@@ -63,6 +77,12 @@ pub const EVENT_WAIT_MAX_NS: u64 = PAUSE_WAIT_MAX_NS;
 const STREAMS_MAX: usize = 256;
 /// Events kept for reuse per device.
 const EVENT_POOL_MAX: usize = 64;
+/// Kinds of launch per device whose durations are kept; further kinds are not measured (their
+/// launches wait for the guard alone).
+const DURATIONS_MAX: usize = 4096;
+/// Added to a launch's expected duration when it must end before the latency tenant's next
+/// step: the launch's own way to the GPU and a switch between the two contexts (tens of us).
+pub const FIT_MARGIN_NS: u64 = 50_000;
 /// Sleep between two looks while pausing or waiting for an event.
 const POLL_SLEEP: Duration = Duration::from_micros(10);
 /// A launch held at Exclusive for longer than this looks again only every [`HOLD_POLL_SLEEP`]:
@@ -91,11 +111,68 @@ pub struct DeviceLoop {
     pause_logged: AtomicBool,
 }
 
-/// A squeezed process's launches still queued, per (context, stream), oldest first.
+/// A squeezed process's launches still queued, per (context, stream), oldest first, and what
+/// their ends taught of each kind's duration.
 #[derive(Default)]
 struct Queued {
-    streams: HashMap<(usize, (usize, u64)), VecDeque<usize>>,
+    streams: HashMap<(usize, (usize, u64)), VecDeque<InFlight>>,
     pool: Vec<usize>,
+    durations: Durations,
+}
+
+/// One bounded launch on the GPU: the event recorded behind it, and what its end measures.
+struct InFlight {
+    event: usize,
+    key: LaunchKey,
+    launched_ns: u64,
+    /// Its stream had nothing queued when it went: it started at once, so its end minus
+    /// `launched_ns` is its duration (else it also waited for the launches before it).
+    started_at_once: bool,
+}
+
+/// What kind of launch a duration belongs to: a kernel's function, a graph's executable, or
+/// a copy's size (with the top bit set: a size is no handle).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LaunchKey(pub usize);
+
+impl LaunchKey {
+    pub fn copy(bytes: usize) -> LaunchKey {
+        LaunchKey(bytes | 1 << (usize::BITS - 1))
+    }
+}
+
+/// The expected duration of each kind of launch: a decaying maximum of its measured runs.
+#[derive(Debug, Default)]
+pub struct Durations {
+    by_key: HashMap<LaunchKey, u64>,
+}
+
+impl Durations {
+    /// A run of `key` took `ns`: the expectation rises to it at once, or falls by an eighth
+    /// toward it.
+    pub fn measured(&mut self, key: LaunchKey, ns: u64) {
+        let full = self.by_key.len() >= DURATIONS_MAX;
+        match self.by_key.get_mut(&key) {
+            Some(expected) => *expected = ns.max(*expected - *expected / 8),
+            None if !full => {
+                self.by_key.insert(key, ns);
+            }
+            None => {}
+        }
+    }
+
+    /// A run of `key` took at most `ns` (it was found done that long after it went): the
+    /// expectation is no longer than that.
+    pub fn at_most(&mut self, key: LaunchKey, ns: u64) {
+        if let Some(expected) = self.by_key.get_mut(&key) {
+            *expected = (*expected).min(ns);
+        }
+    }
+
+    /// How long a launch of `key` is expected to run (0: never measured).
+    pub fn expected(&self, key: LaunchKey) -> u64 {
+        self.by_key.get(&key).copied().unwrap_or(0)
+    }
 }
 
 /// A latency tenant launched on `device` at `now_ns`: opens a step unless one is open.
@@ -210,11 +287,14 @@ pub struct Bounded {
     context: usize,
     key: (usize, u64),
     app_handle: usize,
+    launch: LaunchKey,
+    started_at_once: bool,
 }
 
 /// Before a launch of a tenant that is not a latency tenant: obeys the decision in force (may
-/// wait). Returns what to count after the launch when its stream's queue is bounded.
-pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
+/// wait). `launch` is the kind of launch, for its expected duration. Returns what to count
+/// after the launch when its stream's queue is bounded.
+pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef, launch: LaunchKey) -> Option<Bounded> {
     let spatial = spatial()?;
     if spatial.config.latency {
         return None;
@@ -226,6 +306,103 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
     if !decision.restricts() {
         return None;
     }
+    let expected = |device: &Device| {
+        let queued = device
+            .closed_loop
+            .queued
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        queued.durations.expected(launch)
+    };
+    hold(gpu, device, spatial.hold_ns, now, expected(device));
+    if decision.inflight == 0
+        || crate::launch::captures_in_progress()
+        || !device.region.latency_active(now, spatial.hold_ns)
+    {
+        return None;
+    }
+    let context = gpu.current_context();
+    let (app_handle, key) = stream.resolve();
+    let mut queued = device
+        .closed_loop
+        .queued
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let Queued {
+        streams,
+        pool,
+        durations,
+    } = &mut *queued;
+    if !streams.contains_key(&(context, key)) && streams.len() >= STREAMS_MAX {
+        if !device.closed_loop.streams_full_logged.swap(true, Relaxed) {
+            crate::log::error(format_args!(
+                "closed loop on device {}: {STREAMS_MAX} streams are bounded already; launches on \
+                 further streams are not",
+                device.index
+            ));
+        }
+        return None;
+    }
+    let ring = streams.entry((context, key)).or_default();
+    retire_finished(gpu, ring, pool, durations);
+    let mut waited = false;
+    while ring.len() >= usize::from(decision.inflight) {
+        let Some(oldest) = ring.front() else {
+            break;
+        };
+        let (event, key, launched_ns, at_once) = (
+            oldest.event,
+            oldest.key,
+            oldest.launched_ns,
+            oldest.started_at_once,
+        );
+        waited = true;
+        let start = monotonic_ns();
+        let (_, done) = wait_until(start, EVENT_WAIT_MAX_NS, u64::MAX, || {
+            gpu.event_query(event) != EventState::Pending
+        });
+        if !done {
+            // A kernel that waits for another process or a later launch of this one may not
+            // finish without it: stop bounding this launch rather than stall.
+            break;
+        }
+        if at_once {
+            // Seen ending by this wait: its duration, to within a look.
+            durations.measured(key, monotonic_ns().saturating_sub(launched_ns));
+        }
+        retire_finished(gpu, ring, pool, durations);
+    }
+    let started_at_once = ring.is_empty();
+    drop(queued);
+    if waited {
+        control.count_bounded();
+        // The launch held by the bound may go now; the holds are asked again, with what the
+        // wait just measured: a launch that passed the guard while another ran would
+        // otherwise start into the step the guard protects.
+        hold(
+            gpu,
+            device,
+            spatial.hold_ns,
+            monotonic_ns(),
+            expected(device),
+        );
+    }
+    Some(Bounded {
+        device,
+        context,
+        key,
+        app_handle,
+        launch,
+        started_at_once,
+    })
+}
+
+/// Waits while the decision in force holds a launch expected to run `expected_ns` back: a
+/// latency step in flight (pause), a step due within the guard or within the launch's expected
+/// duration (fit), or any latency activity (exclusive).
+fn hold(gpu: &dyn Gpu, device: &Device, hold_ns: u64, now: u64, expected_ns: u64) {
+    let control = &device.region.control;
+    let decision = control.decision(now);
     // Held by a step in flight: at most `PAUSE_WAIT_MAX_NS` (steps back to back leave no gap
     // to launch in; the bound lets one launch through per period of it). Held by a guard (a
     // step predicted within it): as long as the agent keeps the guard in force, like
@@ -236,10 +413,17 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
     let step_held = |decision: tenant_abi::control::Decision, now: u64| {
         decision.pause && control.step_in_flight(now)
     };
+    // The guard stretches to the launch's own expected duration (fit): it must end before the
+    // next step starts.
+    let fit_ns = if expected_ns == 0 {
+        0
+    } else {
+        expected_ns.saturating_add(FIT_MARGIN_NS)
+    };
     let guard_held = |decision: tenant_abi::control::Decision, now: u64| {
         decision.pause
             && decision.guard_us > 0
-            && control.step_due(now, u64::from(decision.guard_us) * 1_000)
+            && control.step_due(now, (u64::from(decision.guard_us) * 1_000).max(fit_ns))
     };
     // A held launch still wants the GPU: its tenant's demand stays fresh while it waits (the
     // gate stamps it only once the launch goes). Silent for longer than the agent's neighbour
@@ -258,92 +442,41 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef) -> Option<Bounded> {
     // the held launches through at once, a 12 ms kernel into four decoder steps, and the level
     // below failed at its first window, every time, in every H100 and H200 run).
     let exclusive_held = |decision: tenant_abi::control::Decision, now: u64| {
-        decision.exclusive && device.region.latency_active(now, spatial.hold_ns)
+        decision.exclusive && device.region.latency_active(now, hold_ns)
     };
-    if exclusive_held(decision, now) || step_held(decision, now) || guard_held(decision, now) {
-        let pause_over = std::cell::Cell::new(false);
-        let patient_after = if decision.exclusive {
-            HOLD_PATIENT_AFTER_NS
-        } else {
-            u64::MAX
-        };
-        let waited = wait_until(
-            now,
-            tenant_abi::control::HOLD_WAIT_MAX_NS,
-            patient_after,
-            || {
-                let at = monotonic_ns();
-                let decision = control.decision(at);
-                if exclusive_held(decision, at) || guard_held(decision, at) {
-                    return wanting(false);
-                }
-                let stepping = step_held(decision, at);
-                pause_over.set(stepping && at.saturating_sub(now) >= PAUSE_WAIT_MAX_NS);
-                wanting(!stepping || pause_over.get())
-            },
-        );
-        control.count_pause(waited.0);
-        if (pause_over.get() || !waited.1) && !device.closed_loop.pause_logged.swap(true, Relaxed) {
-            crate::log::error(format_args!(
-                "closed loop on device {}: a launch waited {} ms for latency steps and went \
-                 ahead (logged once)",
-                device.index,
-                waited.0 / 1_000_000
-            ));
-        }
+    if !(exclusive_held(decision, now) || step_held(decision, now) || guard_held(decision, now)) {
+        return;
     }
-    if decision.inflight == 0
-        || crate::launch::captures_in_progress()
-        || !device.region.latency_active(now, spatial.hold_ns)
-    {
-        return None;
+    let pause_over = std::cell::Cell::new(false);
+    let patient_after = if decision.exclusive {
+        HOLD_PATIENT_AFTER_NS
+    } else {
+        u64::MAX
+    };
+    let waited = wait_until(
+        now,
+        tenant_abi::control::HOLD_WAIT_MAX_NS,
+        patient_after,
+        || {
+            let at = monotonic_ns();
+            let decision = control.decision(at);
+            if exclusive_held(decision, at) || guard_held(decision, at) {
+                return wanting(false);
+            }
+            let stepping = step_held(decision, at);
+            pause_over.set(stepping && at.saturating_sub(now) >= PAUSE_WAIT_MAX_NS);
+            wanting(!stepping || pause_over.get())
+        },
+    );
+    control.count_pause(waited.0);
+    if (pause_over.get() || !waited.1) && !device.closed_loop.pause_logged.swap(true, Relaxed) {
+        crate::log::error(format_args!(
+            "closed loop on device {}: a launch waited {} ms for latency steps and went \
+             ahead (logged once)",
+            device.index,
+            waited.0 / 1_000_000
+        ));
     }
-    let context = gpu.current_context();
-    let (app_handle, key) = stream.resolve();
-    let mut queued = device
-        .closed_loop
-        .queued
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    let Queued { streams, pool } = &mut *queued;
-    if !streams.contains_key(&(context, key)) && streams.len() >= STREAMS_MAX {
-        if !device.closed_loop.streams_full_logged.swap(true, Relaxed) {
-            crate::log::error(format_args!(
-                "closed loop on device {}: {STREAMS_MAX} streams are bounded already; launches on \
-                 further streams are not",
-                device.index
-            ));
-        }
-        return None;
-    }
-    let ring = streams.entry((context, key)).or_default();
-    retire_finished(gpu, ring, pool);
-    let mut waited = false;
-    while ring.len() >= usize::from(decision.inflight) {
-        let Some(&oldest) = ring.front() else {
-            break;
-        };
-        waited = true;
-        let start = monotonic_ns();
-        let (_, done) = wait_until(start, EVENT_WAIT_MAX_NS, u64::MAX, || {
-            gpu.event_query(oldest) != EventState::Pending
-        });
-        if !done {
-            // A kernel that waits for another process or a later launch of this one may not
-            // finish without it: stop bounding this launch rather than stall.
-            break;
-        }
-        retire_finished(gpu, ring, pool);
-    }
-    if waited {
-        control.count_bounded();
-    }
-    Some(Bounded {
-        device,
-        context,
-        key,
-        app_handle,
-    })
 }
 
 /// After a bounded launch: counts it, by an event recorded behind it on the application's stream
@@ -358,7 +491,7 @@ pub fn after_launch(gpu: &dyn Gpu, bounded: Bounded, launched: bool) {
         .queued
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    let Queued { streams, pool } = &mut *queued;
+    let Queued { streams, pool, .. } = &mut *queued;
     let Some(event) = pool.pop().or_else(|| gpu.event_create()) else {
         return;
     };
@@ -367,19 +500,35 @@ pub fn after_launch(gpu: &dyn Gpu, bounded: Bounded, launched: bool) {
         return;
     }
     let ring = streams.entry((bounded.context, bounded.key)).or_default();
-    ring.push_back(event);
+    ring.push_back(InFlight {
+        event,
+        key: bounded.launch,
+        launched_ns: monotonic_ns(),
+        started_at_once: bounded.started_at_once && ring.is_empty(),
+    });
     assert!(
         ring.len() <= usize::from(u8::MAX) + 1,
         "a ring holds at most the cap"
     );
 }
 
-fn retire_finished(gpu: &dyn Gpu, ring: &mut VecDeque<usize>, pool: &mut Vec<usize>) {
-    while let Some(&front) = ring.front() {
-        match gpu.event_query(front) {
+/// Retires the launches at the front of `ring` that are over; one that started at once and is
+/// found done bounds its kind's duration from above.
+fn retire_finished(
+    gpu: &dyn Gpu,
+    ring: &mut VecDeque<InFlight>,
+    pool: &mut Vec<usize>,
+    durations: &mut Durations,
+) {
+    while let Some(front) = ring.front() {
+        let state = gpu.event_query(front.event);
+        match state {
             EventState::Pending => break,
-            EventState::Done if pool.len() < EVENT_POOL_MAX => pool.push(front),
-            EventState::Done | EventState::Failed => gpu.event_destroy(front),
+            EventState::Done if pool.len() < EVENT_POOL_MAX => pool.push(front.event),
+            EventState::Done | EventState::Failed => gpu.event_destroy(front.event),
+        }
+        if state == EventState::Done && front.started_at_once {
+            durations.at_most(front.key, monotonic_ns().saturating_sub(front.launched_ns));
         }
         ring.pop_front();
     }
@@ -408,5 +557,50 @@ fn wait_until(
         // Yields first: a cap of N launches in flight leaves N - 1 queued behind the awaited one,
         // which a late wake-up would let run dry.
         crate::launch::between_looks(start, now, POLL_SLEEP);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_durations_expectation_rises_at_once_and_falls_by_eighths() {
+        let mut durations = Durations::default();
+        let gemm = LaunchKey(0x7f00_1000);
+        assert_eq!(durations.expected(gemm), 0, "never measured: no fit");
+        durations.measured(gemm, 1_600_000);
+        assert_eq!(durations.expected(gemm), 1_600_000);
+        // One slow run (it waited behind the other context): the expectation takes it at once.
+        durations.measured(gemm, 3_200_000);
+        assert_eq!(durations.expected(gemm), 3_200_000);
+        // Faster runs bring it back an eighth at a time, never below what they measure.
+        durations.measured(gemm, 1_600_000);
+        assert_eq!(durations.expected(gemm), 2_800_000);
+        for _ in 0..20 {
+            durations.measured(gemm, 1_600_000);
+        }
+        assert_eq!(durations.expected(gemm), 1_600_000);
+        // A run found done 1 ms after it went took at most that.
+        durations.at_most(gemm, 1_000_000);
+        assert_eq!(durations.expected(gemm), 1_000_000);
+        // An upper bound says nothing of a kind never measured.
+        let copy = LaunchKey::copy(1 << 30);
+        durations.at_most(copy, 5_000);
+        assert_eq!(durations.expected(copy), 0);
+        assert_ne!(copy, LaunchKey(1 << 30), "a size is no handle");
+    }
+
+    #[test]
+    fn durations_keep_a_bounded_number_of_kinds() {
+        let mut durations = Durations::default();
+        for key in 0..DURATIONS_MAX + 10 {
+            durations.measured(LaunchKey(key), 1_000);
+        }
+        assert_eq!(durations.by_key.len(), DURATIONS_MAX);
+        assert_eq!(durations.expected(LaunchKey(DURATIONS_MAX + 5)), 0);
+        // Kinds already kept still learn.
+        durations.measured(LaunchKey(3), 9_000);
+        assert_eq!(durations.expected(LaunchKey(3)), 9_000);
     }
 }

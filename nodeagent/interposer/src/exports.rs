@@ -1351,6 +1351,7 @@ fn gated_launch(
     stream: CUstream,
     per_thread: bool,
     placement: Placement,
+    launch: crate::closed_loop::LaunchKey,
     call: impl Fn(CUstream) -> CUresult,
 ) -> CUresult {
     let gpu = RealGpu(driver);
@@ -1371,7 +1372,7 @@ fn gated_launch(
         None
     } else {
         ffi_boundary!(what, fallback = None, {
-            crate::closed_loop::before_launch(&gpu, stream_ref)
+            crate::closed_loop::before_launch(&gpu, stream_ref, launch)
         })
     };
     let pending = if latency {
@@ -1460,6 +1461,7 @@ macro_rules! launch_kernel_hook {
                     stream,
                     $per_thread,
                     placement,
+                    crate::closed_loop::LaunchKey(f as usize),
                     |s| {
                         // SAFETY: forwarded under the caller's contract; `s` is the caller's stream
                         // or a green stream of the current context's device.
@@ -1516,6 +1518,7 @@ macro_rules! launch_kernel_ex_hook {
                     stream,
                     $per_thread,
                     placement,
+                    crate::closed_loop::LaunchKey(f as usize),
                     |s| {
                         match given {
                             Some(c) if s != c.h_stream => {
@@ -1590,6 +1593,7 @@ macro_rules! launch_cooperative_hook {
                     stream,
                     $per_thread,
                     placement,
+                    crate::closed_loop::LaunchKey(f as usize),
                     |s| {
                         // SAFETY: forwarded unchanged under the caller's contract (`Fixed`: `s` is
                         // the caller's stream).
@@ -1678,6 +1682,7 @@ macro_rules! graph_launch_hook {
                     stream,
                     $per_thread,
                     placement,
+                    crate::closed_loop::LaunchKey(exec as usize),
                     |s| {
                         // SAFETY: forwarded under the caller's contract; `s` is the caller's stream
                         // or a green stream of the current context's device.
@@ -1711,6 +1716,7 @@ macro_rules! copy_hook {
                     stream,
                     $per_thread,
                     Placement::$placement,
+                    crate::closed_loop::LaunchKey::copy(bytes),
                     // SAFETY: forwarded under the caller's contract; `s` is the caller's stream
                     // or, for `Placement::SmCopy`, a green stream of the current context's device.
                     |s| unsafe { real(dst, src, bytes, s) },

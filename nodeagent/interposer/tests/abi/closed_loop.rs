@@ -288,6 +288,90 @@ fn a_guard_holds_launches_before_a_predicted_step_and_exclusive_while_a_latency_
     );
 }
 
+/// Fit: at a guard, a launch also waits while the latency tenant's next step is due within the
+/// launch's own measured duration. Kernels of 60 ms, a guard of 1 ms and a step always predicted
+/// 30 ms ahead: the second kernel's launch waits for the first (the bound of one in flight),
+/// which measures 60 ms, and is then held until the predictions stop; kernels of 1 ms fit in the
+/// 30 ms and go at once.
+#[test]
+fn a_guard_holds_a_launch_that_would_not_end_before_the_next_step() {
+    let shm = shm_dir();
+    latency_tenant(shm.path()).run("launch kernel 10");
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    let guard = Decision {
+        pause: true,
+        guard_us: 1_000,
+        inflight: 1,
+        level: 10,
+        ..Decision::default()
+    };
+    const PREDICTING_NS: u64 = 1_500_000_000;
+    // Steps predicted 30 ms ahead, again and again, for `PREDICTING_NS`; then the last
+    // prediction goes stale. Returns the probe's clocks and when the predictions stopped.
+    let run = |kernel_us: u32| -> (Vec<u64>, u64) {
+        let stop_at = now_ns_fast() + PREDICTING_NS;
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                loop {
+                    let now = now_ns_fast();
+                    if now >= stop_at {
+                        break;
+                    }
+                    control.publish(guard, now);
+                    control.predict_step(now + 30_000_000);
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                // The decision stays in force (the agent keeps publishing it).
+                for _ in 0..100 {
+                    control.publish(guard, now_ns_fast());
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            });
+            let script = format!("clock launch kernel {kernel_us} launch kernel {kernel_us} clock");
+            (
+                clocks(
+                    &squeezable(shm.path())
+                        .env("VGPU_SPATIAL_HOLD_MS", "60000")
+                        .run(&script),
+                ),
+                stop_at,
+            )
+        })
+    };
+    // Only a probe that started well inside the predictions tests anything.
+    const STARTED_WITHIN_NS: u64 = 200_000_000;
+    let mut tested = [false, false];
+    for _ in 0..5 {
+        if !tested[0] {
+            let (t, stop_at) = run(60_000);
+            if t[0] + STARTED_WITHIN_NS < stop_at {
+                assert!(
+                    (stop_at..stop_at + 3_000_000_000).contains(&t[1]),
+                    "the second 60 ms kernel went {} ms after the predictions stopped",
+                    (t[1] as i64 - stop_at as i64) / 1_000_000
+                );
+                tested[0] = true;
+            }
+        }
+        if !tested[1] {
+            let (t, stop_at) = run(1_000);
+            if t[0] + STARTED_WITHIN_NS < stop_at && t[1] < stop_at {
+                tested[1] = true;
+            }
+        }
+        if tested == [true, true] {
+            break;
+        }
+    }
+    assert_eq!(
+        tested,
+        [true, true],
+        "[60 ms kernels held, 1 ms kernels went] in five tries (a probe that started after the \
+         predictions tests nothing)"
+    );
+}
+
 /// CLOCK_MONOTONIC here (the probes' clock), without starting a process.
 #[allow(unsafe_code)]
 fn now_ns_fast() -> u64 {
