@@ -14,7 +14,9 @@
 //!   step does not start behind a neighbour's kernel launched just before it: the answer to a
 //!   neighbour kernel longer than the latency budget. In quarters of the period the controller
 //!   measures, so the levels scale with the tenant rather than with constants fitted to one
-//!   workload; without a known period they are skipped.
+//!   workload; without a known period they are skipped. A neighbour's interposer stretches the
+//!   guard to each launch's own measured duration (*fit*, `interposer::closed_loop`): a launch
+//!   goes only if it should end before the next step.
 //! - Then Exclusive, always last: the neighbours do not launch while a latency tenant is active
 //!   at all. Nothing else runs, so the tenant's latency there is its latency alone.
 //!

@@ -15,9 +15,12 @@
 //! **The levers** form a ladder of levels ([`Ladder`]): 0 restricts nothing; under MPS the SMs a
 //! neighbour keeps shrink first, then its launches in flight are capped at 8, 4, 2, 1, then it
 //! pauses while a latency step is in flight (*Pause*), then it also waits when the latency
-//! tenant's next step is predicted within 1/4, 1/2, 1, 2 of the tenant's step period (*Guard*:
-//! a step must not start behind a neighbour kernel launched just before it, which pausing during
-//! steps cannot prevent when that kernel is longer than the latency budget), and at the top it
+//! tenant's next step is predicted within 1/4, 1/2, 1, 2 of the tenant's step period, or within
+//! the launch's own duration as the neighbour's interposer measured it, whichever is longer
+//! (*Guard*: a step must not start behind a neighbour kernel launched just before it, which
+//! pausing during steps cannot prevent when that kernel is longer than the latency budget; the
+//! measured duration lets a neighbour kernel that ends before the next step go, and holds one
+//! that would not, whatever the quarter), and at the top it
 //! does not launch while a latency tenant is active at all (*Exclusive*). A level holds every
 //! restriction below it. The step period is the time between the tenant's step starts,
 //! measured from its steps per window (the shortest among several tenants); until it is known
