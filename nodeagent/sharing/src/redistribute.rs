@@ -48,7 +48,9 @@
 //! - a move *down* is **kept** when its gain is at least [`RedistributeConfig::gain_min`] and
 //!   beyond chance; *worse* when it surely costs; *flat* when it cannot reach the least gain but
 //!   does not surely cost either (the cap may not bind yet): tried again at once with twice the
-//!   stride (up to [`FLAT_STRIDE_MAX`] steps);
+//!   stride (up to [`FLAT_STRIDE_MAX`] steps), unless its mean loss is already past the least
+//!   gain (the cap binds and costs; three pairs just cannot call it sure): then it waits like a
+//!   worse move, and so does the single step after a longer stride that surely cost;
 //! - a move *up* is kept unless it surely costs half the least gain (ties go back to the
 //!   fallback), so a cap that does not measurably pay comes off, and a cap just kept is not
 //!   undone by the same measurement read backwards.
@@ -243,6 +245,10 @@ struct Backoff {
     /// A longer stride surely cost since the last wait: a flat verdict waits instead of
     /// lengthening the stride again.
     shortened: bool,
+    /// The stride was lengthened after a flat verdict (not after a kept move): if the longer
+    /// one surely costs, the single step, already judged flat, waits instead of being tried
+    /// again at once.
+    after_flat: bool,
 }
 
 impl Backoff {
@@ -252,6 +258,7 @@ impl Backoff {
         self.skip = self.length.max(1);
         self.length = (self.skip * 4).min(max);
         self.shortened = false;
+        self.after_flat = false;
     }
 }
 
@@ -292,6 +299,8 @@ struct Judgement {
     order: Vec<bool>,
     /// Each measured period's rates, in order.
     rates: Vec<Vec<f64>>,
+    /// Each measured period's length, in seconds (its rates' resolution: one unit in it).
+    seconds: Vec<f64>,
 }
 
 /// One GPU's redistribution (see the module's docs).
@@ -441,7 +450,7 @@ impl Redistributor {
                 if ended || elapsed_ns >= self.config.period_max_ns {
                     let seconds = elapsed_ns as f64 / 1e9;
                     let rates: Vec<f64> = units.iter().map(|&u| u as f64 / seconds).collect();
-                    if let Some(judged) = self.period_ended(rates, now_ns) {
+                    if let Some(judged) = self.period_ended(rates, seconds, now_ns) {
                         change = Some(judged);
                     }
                 }
@@ -621,6 +630,7 @@ impl Redistributor {
                 // A period at the kept caps first: a group just formed starts uncapped.
                 order: vec![false, true],
                 rates: Vec::new(),
+                seconds: Vec::new(),
             };
         }
         let moves = 2 * self.names.len();
@@ -655,6 +665,7 @@ impl Redistributor {
                     to,
                     order,
                     rates: Vec::new(),
+                    seconds: Vec::new(),
                 };
             }
         }
@@ -668,12 +679,18 @@ impl Redistributor {
             to: FULL,
             order: vec![false; 2 * self.config.pairs as usize],
             rates: Vec::new(),
+            seconds: Vec::new(),
         }
     }
 
     /// A period ended with `rates`: the judgement is made once its pairs say enough, else the
     /// next period starts (after settling if the caps change).
-    fn period_ended(&mut self, rates: Vec<f64>, now_ns: u64) -> Option<RedistributeChange> {
+    fn period_ended(
+        &mut self,
+        rates: Vec<f64>,
+        seconds: f64,
+        now_ns: u64,
+    ) -> Option<RedistributeChange> {
         let judgement = self.judgement.as_mut().expect("a judgement under way");
         let with_move = judgement.order[judgement.rates.len()];
         if !with_move || judgement.member.is_none() {
@@ -695,6 +712,7 @@ impl Redistributor {
             });
         }
         judgement.rates.push(rates);
+        judgement.seconds.push(seconds);
         let measured = judgement.rates.len();
         let verdict = if judgement.member.is_none() {
             (measured == judgement.order.len()).then_some(Verdict::Hold)
@@ -762,6 +780,42 @@ impl Redistributor {
             .collect()
     }
 
+    /// The standard error that the counts' own resolution leaves in the mean gain, whatever
+    /// the pairs' spread: a rate counted over a period of `T` s is off by up to one unit, a
+    /// rounding with a variance of `1 / 12` unit, so each member adds `(1/T_with^2 +
+    /// 1/T_without^2) / 12 / alone^2` to a pair's variance. Periods hold some 20 units, so two
+    /// pairs of steady rates can agree to the digit and a 2% gain read "beyond chance" with a
+    /// standard error of 0 was noise in 1 of 20 counts (in simulation, an equal pair kept a
+    /// cap for minutes on it).
+    fn resolution(judgement: &Judgement, alone: &[Option<(f64, u64)>]) -> f64 {
+        let pairs = judgement.seconds.len() / 2;
+        if pairs == 0 {
+            return 0.0;
+        }
+        let variance: f64 = judgement
+            .seconds
+            .chunks_exact(2)
+            .zip(judgement.rates.chunks_exact(2))
+            .map(|(lengths, pair)| {
+                let per_unit = (lengths[0].powi(-2) + lengths[1].powi(-2)) / 12.0;
+                pair[0]
+                    .iter()
+                    .zip(&pair[1])
+                    .zip(alone)
+                    .map(|((first, second), alone)| {
+                        let scale = alone.map_or(first.max(*second), |(rate, _)| rate);
+                        if scale > 0.0 {
+                            per_unit / (scale * scale)
+                        } else {
+                            0.0
+                        }
+                    })
+                    .sum::<f64>()
+            })
+            .sum();
+        variance.sqrt() / pairs as f64
+    }
+
     /// What the pairs measured so far say of the move under judgement; `None`: another pair.
     fn verdict(
         config: &RedistributeConfig,
@@ -770,6 +824,7 @@ impl Redistributor {
     ) -> Option<Verdict> {
         let gains = Redistributor::gains(judgement, alone);
         let (gain, stderr) = mean_and_stderr(&gains);
+        let stderr = stderr.max(Redistributor::resolution(judgement, alone));
         let margin = t_critical(gains.len() - 1) * stderr;
         let least = config.gain_min;
         let last = gains.len() >= config.pairs_max as usize;
@@ -814,6 +869,7 @@ impl Redistributor {
         }
         let member = judgement.member?;
         let (gain, stderr) = mean_and_stderr(&Self::gains(judgement, &self.alone));
+        let stderr = stderr.max(Self::resolution(judgement, &self.alone));
         let from = self.kept[member];
         let direction = judgement.direction as usize;
         let stride = self.backoff[member][direction].stride.max(1);
@@ -829,14 +885,22 @@ impl Redistributor {
                 opposite.skip = opposite.skip.max(2);
                 opposite.stride = 1;
             }
-            // The cap may not bind yet: a longer stride next, at once.
+            // The cap may not bind yet (what it changed is within the least gain either way):
+            // a longer stride next, at once. A mean loss past the least gain says the cap binds
+            // and costs, though three pairs cannot call it sure: it waits like a worse one (on
+            // an H200, -12% +- 2% read as flat, and the twice longer stride tried straight after
+            // cost the group more).
             Verdict::Flat
-                if stride < FLAT_STRIDE_MAX && !self.backoff[member][direction].shortened =>
+                if stride < FLAT_STRIDE_MAX
+                    && !self.backoff[member][direction].shortened
+                    && gain > -self.config.gain_min =>
             {
-                self.backoff[member][direction].stride = (stride * 2).min(STRIDE_MAX);
+                let backoff = &mut self.backoff[member][direction];
+                backoff.stride = (stride * 2).min(STRIDE_MAX);
+                backoff.after_flat = true;
             }
-            // Too far at once: the single step next, at once.
-            Verdict::Worse if stride > 1 => {
+            // Too far at once after a kept move: the single step next, at once.
+            Verdict::Worse if stride > 1 && !self.backoff[member][direction].after_flat => {
                 self.backoff[member][direction].stride = 1;
                 self.backoff[member][direction].shortened = true;
             }
