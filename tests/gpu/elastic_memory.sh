@@ -28,7 +28,10 @@
 # first's borrowed chunks go to host memory at one of its launches (after its queued work
 # drained), its launches wait while they are out, and they come back when the second has
 # exited; the first's checksums must hold when it reads its tensors again. The table reports
-# the reclaim time (the second's allocation) against the bytes swapped / 45 GB/s.
+# the reclaim time (the second's allocation) against the bytes swapped / 45 GB/s. The swap-in's
+# rate is held to 45 GB/s, or to 90% of a plain process's copy of the same bytes right after
+# freeing as much as the second held, where that gives less (the driver clears freed memory
+# with the copy engines; `tests/gpu/swapin_streams.py`; PEER=0: the flat bar).
 #
 #   RECLAIM=1 VGPU_BIN=dist tests/gpu/elastic_memory.sh
 #
@@ -92,6 +95,7 @@ COLD=${COLD:-0}
 [ "$COLD" = 0 ] || [ "$RECLAIM" = 1 ] || { echo "COLD=1 needs RECLAIM=1" >&2; exit 2; }
 FULL=${FULL:-0}
 FULL_SWAP=${FULL_SWAP:-1GiB}
+PEER=${PEER:-1}
 [ "$FULL" = 0 ] || [ "$RECLAIM" = 1 ] || { echo "FULL=1 needs RECLAIM=1" >&2; exit 2; }
 [ "$FULL" = 0 ] || [ "$HINT$COLD" = 00 ] || { echo "FULL=1 goes without HINT and COLD" >&2; exit 2; }
 # the interposer's debug lines name the chunks a swap-out moved
@@ -346,9 +350,31 @@ print(f"{rounds} {back / (ms / 1e3) / 1e9 if ms > 0 else 0:.1f} {back / 2**30:.2
 PYEOF
 )
   read -r in_rounds in_gbps in_gib in_ms <<<"$back_row"
-  record "swap-in rate: bytes back / time mapping and copying them" ">= 45 GB/s" \
+  # The peer, in the same run: the swap-in follows the second tenant's exit, and the driver
+  # clears memory it frees with the copy engines, so a host-to-device copy right after a free of
+  # tens of GiB runs slower in any process (an H200: 8 GiB after 27 GiB freed at 41.4 GB/s, after
+  # 64 GiB at 29.3, 100 ms later at 55.4; tests/gpu/swapin_streams.py). A plain process copies
+  # the same bytes from pinned memory right after freeing what the second held; the bar is 45
+  # GB/s, or 90% of that copy where it gives less (PEER=0: the flat bar).
+  in_bar=45
+  in_peer="no peer"
+  if [ "$PEER" = 1 ] && [ "${in_rounds:-0}" -gt 0 ] 2>/dev/null; then
+    peer_total=$("$PY" -c 'import math, sys; print(max(1, math.ceil(float(sys.argv[1]))))' "${in_gib:-1}")
+    peer_freed=$(( (request - GIB) / GIB ))
+    timeout 180 "$PY" "$ROOT/tests/gpu/swapin_streams.py" "$peer_total" "$peer_freed" 3 1 0 \
+      >"$LOGS/swapin-peer.log" 2>&1
+    peer_freed_gbps=$(awk -F'|' '$2 ~ /^ freed $/ {gsub(/ /, "", $4); print $4}' "$LOGS/swapin-peer.log")
+    peer_quiet_gbps=$(awk -F'|' '$2 ~ /^ quiet $/ {gsub(/ /, "", $4); print $4}' "$LOGS/swapin-peer.log")
+    if [ -n "$peer_freed_gbps" ]; then
+      in_bar=$("$PY" -c 'import sys; print(round(min(45.0, 0.9 * float(sys.argv[1])), 1))' "$peer_freed_gbps")
+      in_peer="a plain process: ${peer_total} GiB right after ${peer_freed} GiB freed at ${peer_freed_gbps} GB/s, quiet ${peer_quiet_gbps:-?}"
+    else
+      in_peer="the peer failed (swapin-peer.log)"
+    fi
+  fi
+  record "swap-in rate: bytes back / time mapping and copying them (bar: 45, or 90% of the peer: $in_peer)" ">= $in_bar GB/s" \
     "${in_gbps:-?} GB/s: ${in_gib:-?} GiB in ${in_ms:-?} ms, ${in_rounds:-0} round(s)" \
-    "$(verdict $("$PY" -c 'import sys; print(1 if float(sys.argv[1] or 0) >= 45 else 0)' "${in_gbps:-0}"))"
+    "$(verdict $("$PY" -c 'import sys; print(1 if float(sys.argv[1] or 0) >= float(sys.argv[2]) else 0)' "${in_gbps:-0}" "$in_bar"))"
   expected_s=$("$PY" -c 'import sys; print(f"{int(sys.argv[1] or 0) / 45e9:.2f}")' "${swapped_during:-0}")
   record "reclaim time: the second's allocation against bytes swapped / 45 GB/s" "~${expected_s} s plus a drain" \
     "${seconds:-?} s for $(gib "$swapped_during")" "$(verdict $([ "$oom" = False ] && [ -n "$seconds" ] && echo 1))"
