@@ -13,8 +13,9 @@
 //!
 //! - `kernel_ns`: one neighbour kernel longer than the latency budget (time slicing, or a
 //!   bandwidth-bound kernel). A step that starts while it runs waits for its rest: up to the
-//!   whole kernel without a guard, up to `kernel - guard` with one (kernels launched within the
-//!   guard before the predicted start are held back), nothing under Exclusive.
+//!   whole kernel without a guard, nothing under a guard or Exclusive (at a guard the
+//!   neighbour's interposer holds a launch whose measured duration would run into the predicted
+//!   step: the fit; the rhythm here is exact, so the prediction is too).
 //! - `queued`: waiting behind kernels the neighbour queued before the step (the H200 run
 //!   without MPS: bf16 GEMMs beside a decoder). Gone only with both the in-flight bound of 1
 //!   and the pause (or Exclusive): a cap alone still lets a kernel start during the step, a
@@ -79,11 +80,10 @@ impl Neighbour {
 
     /// The wait behind the long kernel, for a step starting at `phase` (uniform in [0, 1)) of it.
     fn kernel_wait_ns(&self, decision: Decision, phase: f64) -> u64 {
-        if decision.exclusive || self.kernel_ns == 0 {
+        if decision.exclusive || self.kernel_ns == 0 || (decision.pause && decision.guard_us > 0) {
             return 0;
         }
-        let guard_ns = u64::from(decision.guard_us) * 1_000;
-        (self.kernel_ns.saturating_sub(guard_ns) as f64 * phase) as u64
+        (self.kernel_ns as f64 * phase) as u64
     }
 }
 
@@ -564,12 +564,13 @@ fn each_kind_of_neighbour_gets_its_lever() {
         ..QUIET
     });
     assert!(long.pause && long.inflight == 1, "{long:?}");
-    // A 6 ms kernel beside 2 ms steps every 2 ms: a guard or Exclusive.
+    // A 6 ms kernel beside 2 ms steps every 2 ms: a guard, which the neighbour stretches to
+    // its kernel (the fit), so Exclusive is not needed.
     let kernel = run(Neighbour {
         kernel_ns: 6 * MS,
         ..QUIET
     });
-    assert!(kernel.guard_us > 0 || kernel.exclusive, "{kernel:?}");
+    assert!(kernel.guard_us > 0 && !kernel.exclusive, "{kernel:?}");
     // Starving unless paused: the pause comes, and holds.
     let starving = run(Neighbour {
         starve: 100.0,
