@@ -306,7 +306,12 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef, launch: LaunchKey) -> Opt
     if !decision.restricts() {
         return None;
     }
-    let expected = |device: &Device| {
+    // The launch's expected duration matters only at a guard (the fit); elsewhere the lock is
+    // not taken for it.
+    let expected = |device: &Device, decision: tenant_abi::control::Decision| {
+        if !(decision.pause && decision.guard_us > 0) {
+            return 0;
+        }
         let queued = device
             .closed_loop
             .queued
@@ -314,7 +319,13 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef, launch: LaunchKey) -> Opt
             .unwrap_or_else(|e| e.into_inner());
         queued.durations.expected(launch)
     };
-    hold(gpu, device, spatial.hold_ns, now, expected(device));
+    hold(
+        gpu,
+        device,
+        spatial.hold_ns,
+        now,
+        expected(device, decision),
+    );
     if decision.inflight == 0
         || crate::launch::captures_in_progress()
         || !device.region.latency_active(now, spatial.hold_ns)
@@ -379,13 +390,9 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef, launch: LaunchKey) -> Opt
         // The launch held by the bound may go now; the holds are asked again, with what the
         // wait just measured: a launch that passed the guard while another ran would
         // otherwise start into the step the guard protects.
-        hold(
-            gpu,
-            device,
-            spatial.hold_ns,
-            monotonic_ns(),
-            expected(device),
-        );
+        let now = monotonic_ns();
+        let expected_ns = expected(device, control.decision(now));
+        hold(gpu, device, spatial.hold_ns, now, expected_ns);
     }
     Some(Bounded {
         device,
