@@ -946,6 +946,26 @@ impl<'r, L: Liveness> Board<'r, L> {
         self.credit(&self.region.slots[slot].resident_bytes, bytes);
     }
 
+    /// The application of `slot` freed `bytes`: credited, and its tenant's room claim ends
+    /// unless one of its processes still waits in the GPU's line. A claim holds room for a
+    /// tenant growing into its request; one that frees is done growing (the claim's bytes are
+    /// "what is left of the request", which a free would otherwise make room for again: on
+    /// the fake driver, two tenants that took their requests back and freed them kept the
+    /// borrower's memory in host memory for the claim's whole lapse, 5 s, and a borrower that
+    /// came back was asked for the room again).
+    pub fn release_freed(&self, slot: usize, bytes: u64) {
+        self.release(slot, bytes);
+        let tenant = self.region.slots[slot].tenant.load(SeqCst);
+        let waiting = self.region.slots.iter().any(|s| {
+            s.pid.load(SeqCst) != 0
+                && s.tenant.load(SeqCst) == tenant
+                && s.wait_since_ns.load(SeqCst) != 0
+        });
+        if !waiting {
+            self.drop_claim(tenant as usize);
+        }
+    }
+
     /// `bytes` of `slot` went to host memory: no longer resident, still held.
     pub fn swapped_out(&self, slot: usize, bytes: u64) {
         let me = &self.region.slots[slot];

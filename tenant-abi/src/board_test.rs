@@ -368,6 +368,34 @@ fn a_pending_charge_keeps_the_room_a_reclaim_makes_for_the_needy() {
 /// A claim holds the room a needy tenant asked for: others' swap-ins and borrows see it taken
 /// until it lapses, it shrinks as the claimer allocates, and it never holds back the claimer.
 #[test]
+fn a_claimer_that_frees_is_done_growing_unless_its_tenant_still_waits() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[10, 20, 21]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(10, 1, a).unwrap();
+    let sb = board.claim_slot(20, 1, b).unwrap();
+    assert_eq!(board.reserve(sa, 60 * GIB), Ok(Grant::Borrowed));
+    let now = 1_000_000_000;
+    // "b" took its 30 back and frees 10 of them: its claim ends, the room is "a"'s again.
+    board.claim(b, 30 * GIB, now);
+    board.swapped_out(sa, 30 * GIB);
+    assert_eq!(board.reserve(sb, 30 * GIB), Ok(Grant::Within));
+    board.release_freed(sb, 10 * GIB);
+    assert_eq!(region.claimed_by_others(a, now), 0);
+    assert!(region.room_beside_claims(a, 10 * GIB, now));
+    // Another process of "b" still waits in line for room: the claim stays.
+    let sb2 = board.claim_slot(21, 1, b).unwrap();
+    board.claim(b, 30 * GIB, now);
+    board.wait(sb2, 10 * GIB, false, now);
+    board.release_freed(sb, 10 * GIB);
+    assert_eq!(region.claimed_by_others(a, now), 20 * GIB);
+    board.stop_waiting(sb2);
+    board.release_freed(sb, 10 * GIB);
+    assert_eq!(region.claimed_by_others(a, now), 0);
+}
+
+#[test]
 fn a_claim_holds_the_room_for_the_claimers_request_until_it_lapses() {
     let region = issue_board();
     let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());

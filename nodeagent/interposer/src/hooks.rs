@@ -1406,18 +1406,26 @@ impl Enforcer {
         // The rest of the request is asked for at once and held for this tenant (rule 4 of
         // `tenant_abi::reclaim`, `Board::claim`): one round at the borrowers, not one per piece.
         let owed = tenant_abi::reclaim::owed(&holders, &self.config.tenant, bytes);
-        let asks =
-            match tenant_abi::reclaim::plan(&holders, &self.config.tenant, owed, region.free()) {
-                Ok(asks) => asks,
-                Err(e) => {
-                    crate::log::error(format_args!("no reclaim: {e}"));
-                    return None;
-                }
-            };
-        if !asks.is_empty() {
-            board
-                .board
-                .claim(board.tenant, owed, crate::shm::monotonic_ns());
+        // The claim goes up before the plan, and the plan counts as free only the room other
+        // tenants' claims leave: two tenants reclaiming at once each saw the same free room,
+        // each asked the borrower for its own need less that room, the borrower gave the sum,
+        // and each then found the room it counted on held by the other's claim (on the fake
+        // driver both waited out their 2.5 s bound and asked again).
+        let now = crate::shm::monotonic_ns();
+        board.board.claim(board.tenant, owed, now);
+        let unclaimed = region
+            .free()
+            .saturating_sub(region.claimed_by_others(board.tenant, now));
+        let asks = match tenant_abi::reclaim::plan(&holders, &self.config.tenant, owed, unclaimed) {
+            Ok(asks) => asks,
+            Err(e) => {
+                board.board.drop_claim(board.tenant);
+                crate::log::error(format_args!("no reclaim: {e}"));
+                return None;
+            }
+        };
+        if asks.is_empty() {
+            board.board.drop_claim(board.tenant);
         }
         // Read before the wants go out: a borrower refused staging for them counts after.
         let refusals = region.swap_refusals();
@@ -1900,7 +1908,7 @@ fn credit_to(
             // Its staging went to the process's pool, still reserved (`vmm::free`, `staging`).
             board.board.release_swapped(board_slot, charge.bytes);
         } else {
-            board.board.release(board_slot, charge.bytes);
+            board.board.release_freed(board_slot, charge.bytes);
         }
     }
 }

@@ -417,6 +417,96 @@ fn a_borrowed_chunk_goes_to_host_memory_for_a_request_and_comes_back_intact() {
     assert_eq!(err.matches("went to host memory").count(), 1, "{err}");
 }
 
+/// Two tenants that need their requests back at the same moment from one borrower: both get
+/// them (the borrower gives back for both, in whatever order their wants land), neither is
+/// refused nor waits out its bound, and once both have freed, the borrower's chunks come back
+/// at their addresses with their bytes. Before the plan counted only the room other claims
+/// leave, both asked for their need less the same free room, the borrower gave the sum, each
+/// found the rest held by the other's claim and waited 2.5 s; and their claims outlived their
+/// frees, so the borrower's memory stayed out 5 s more, or went out again.
+#[test]
+fn two_tenants_reclaiming_from_one_borrower_at_once_both_get_their_requests() {
+    let shm = shm_dir();
+    let board = board(
+        shm.path(),
+        24 * MIB,
+        &[
+            ("a", 4 * MIB, 20 * MIB),
+            ("b", 8 * MIB, 8 * MIB),
+            ("c", 8 * MIB, 8 * MIB),
+        ],
+    );
+    let file = |name: &str| file_in(shm.path(), name);
+    // "a": its 4 MiB request, then two borrowed chunks of 8 MiB with patterns (the board full);
+    // it keeps calling cuMemGetInfo until both others are done, then reads the second chunk's
+    // pattern back.
+    let mut a = swapping(tenant(shm.path(), "a", "4MiB")).start_holding(&format!(
+        "alloc 4M alloc 8M fill 7 alloc 8M fill 9 addr touch {} spin_info {} info check 9 addr vmm",
+        file("a-ready"),
+        file("both-done")
+    ));
+    a.wait_for_line("touch 0");
+    let address = a
+        .output
+        .lines()
+        .find_map(|line| line.strip_prefix("addr "))
+        .expect("a printed its second chunk's address")
+        .to_owned();
+    assert_eq!(usage(&board, "a").borrowed_bytes(), 16 * MIB);
+    // "b" and "c" start together; each asks for its whole request.
+    let needy = |name: &str| {
+        swapping(tenant(shm.path(), name, "8MiB")).start_holding(&format!(
+            "until_file {} alloc 8M info until_file {} free touch {}",
+            file("a-ready"),
+            file("test-go"),
+            file(&format!("{name}-done"))
+        ))
+    };
+    let (mut b, mut c) = (needy("b"), needy("c"));
+    for (name, probe) in [("b", &mut b), ("c", &mut c)] {
+        probe.wait_for_line(&format!("info 0 0 {}", 8 * MIB));
+        assert_eq!(probe.output, "until_file 0\nalloc 0\n", "{name}");
+    }
+    assert_eq!(usage(&board, "a").swapped_bytes, 16 * MIB);
+    assert_eq!(usage(&board, "b").resident_bytes, 8 * MIB);
+    assert_eq!(usage(&board, "c").resident_bytes, 8 * MIB);
+    // Both free: "a" brings both chunks back, the checked one at its address with its bytes.
+    std::fs::write(shm.path().join("test-go"), "").expect("touching test-go");
+    b.wait_held();
+    c.wait_held();
+    std::fs::write(shm.path().join("both-done"), "").expect("touching both-done");
+    a.wait_held();
+    let after: Vec<&str> = a.output.lines().collect();
+    assert_eq!(
+        after[after.len() - 5..],
+        [
+            "spin_info 0",
+            format!("info 0 0 {}", 20 * MIB).as_str(),
+            "check 0 ok",
+            format!("addr {address}").as_str(),
+            format!("vmm 0 reserved={} mapped={}", 16 * MIB, 16 * MIB).as_str(),
+        ]
+    );
+    let back = usage(&board, "a");
+    let wants: Vec<u64> = (0..3).map(|i| want_on(&board, i)).collect();
+    let err = stderr_of(a);
+    assert_eq!(
+        (back.resident_bytes, back.swapped_bytes),
+        (20 * MIB, 0),
+        "wants {wants:?}; a: {err}"
+    );
+    let rounds = err.matches("went to host memory").count();
+    assert!((1..=2).contains(&rounds), "{rounds} rounds out: {err}");
+    for (name, probe) in [("b", b), ("c", c)] {
+        let err = stderr_of(probe);
+        // Neither waited out its bound because the other's claim held the room it counted on.
+        assert!(
+            !err.contains("refus") && !err.contains("short after"),
+            "{name}: {err}"
+        );
+    }
+}
+
 /// A request taken back piece by piece costs the borrower one round, not one per piece: the
 /// first piece that does not fit asks for the rest of the request and holds that room for it
 /// (`Board::claim`), so the borrower neither gives back in two rounds nor swaps the second
