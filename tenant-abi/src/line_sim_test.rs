@@ -561,9 +561,15 @@ fn grow(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, now: u64, turn
             Err(Refusal::NeedsReclaim { .. }) => {
                 let holders = region.holders();
                 let owed = reclaim::owed(&holders, &job.name, piece);
-                let asks = reclaim::plan(&holders, &job.name, owed, region.free()).unwrap();
-                if !asks.is_empty() {
-                    board.claim(job.tenant, owed, now);
+                // The claim first, and the plan against the room other claims leave, as the
+                // interposer's `reclaimed` does.
+                board.claim(job.tenant, owed, now);
+                let unclaimed = region
+                    .free()
+                    .saturating_sub(region.claimed_by_others(job.tenant, now));
+                let asks = reclaim::plan(&holders, &job.name, owed, unclaimed).unwrap();
+                if asks.is_empty() {
+                    board.drop_claim(job.tenant);
                 }
                 let refusals = region.swap_refusals();
                 for (name, bytes) in &asks {
