@@ -111,19 +111,24 @@ pub fn bound_latency(usage: &mut TenantUsage) -> bool {
 }
 
 /// Makes a usage entry's SM redistribution numbers sane: the cap at most
-/// [`SM_CAP_PERMILLE_FULL`]; a progress rate that is not a finite non-negative number is unknown
-/// (0); and an entry the redistribution does not follow (cap 0) carries no rate and no hint.
+/// [`SM_CAP_PERMILLE_FULL`]; a progress rate (with the others, or alone) that is not a finite
+/// non-negative number is unknown (0); and an entry the redistribution does not follow (cap 0)
+/// carries no rate and no hint.
 /// Returns whether anything changed.
 pub fn bound_redistribution(usage: &mut TenantUsage) -> bool {
     let before = (
         usage.sm_cap_permille,
         usage.progress_per_s.to_bits(),
         usage.progress_hinted,
+        usage.progress_alone_per_s.to_bits(),
     );
     usage.sm_cap_permille = usage.sm_cap_permille.min(SM_CAP_PERMILLE_FULL);
-    let sane = usage.progress_per_s.is_finite() && usage.progress_per_s >= 0.0;
-    if !sane || usage.sm_cap_permille == 0 {
+    let sane = |rate: f64| rate.is_finite() && rate >= 0.0;
+    if !sane(usage.progress_per_s) || usage.sm_cap_permille == 0 {
         usage.progress_per_s = 0.0;
+    }
+    if !sane(usage.progress_alone_per_s) || usage.sm_cap_permille == 0 {
+        usage.progress_alone_per_s = 0.0;
     }
     if usage.sm_cap_permille == 0 {
         usage.progress_hinted = false;
@@ -136,6 +141,7 @@ pub fn bound_redistribution(usage: &mut TenantUsage) -> bool {
         usage.sm_cap_permille,
         usage.progress_per_s.to_bits(),
         usage.progress_hinted,
+        usage.progress_alone_per_s.to_bits(),
     );
     before != after
 }
@@ -300,6 +306,20 @@ mod tests {
             ]
         );
         assert_eq!(bound_heartbeat(&mut request), Trimmed::default());
+        // The rate alone: kept when sane, unknown when not, nothing when not followed.
+        let alone = |sm_cap_permille, progress_alone_per_s| {
+            let mut usage = TenantUsage {
+                sm_cap_permille,
+                progress_alone_per_s,
+                ..TenantUsage::default()
+            };
+            bound_redistribution(&mut usage);
+            usage.progress_alone_per_s
+        };
+        assert_eq!(alone(625, 30.5), 30.5);
+        assert_eq!(alone(625, f64::NAN), 0.0);
+        assert_eq!(alone(625, -2.0), 0.0);
+        assert_eq!(alone(0, 30.5), 0.0);
     }
 
     #[test]

@@ -312,15 +312,24 @@ fn latency_table(usage: &[UsageView]) -> Table {
 }
 
 /// What each MPS node's SM redistribution keeps for a best-effort tenant it follows (entries
-/// with a cap): the share of the SMs its cap leaves it, and its progress at the kept caps.
+/// with a cap): the share of the SMs its cap leaves it, its progress at the kept caps, its
+/// progress alone (the redistribution's last probe) and the share of that it makes beside the
+/// others (its work, as the redistribution counts the group's: docs/design/utility-redistribution.md).
 fn redistribution_table(usage: &[UsageView]) -> Table {
-    let mut table = Table::new(&["NODE", "GPU", "SM SHARE", "PROGRESS"]);
+    let mut table = Table::new(&["NODE", "GPU", "SM SHARE", "PROGRESS", "ALONE", "WORK"]);
     for entry in usage.iter().filter(|entry| entry.is_redistributed()) {
+        let work = if entry.progress_per_s > 0.0 && entry.progress_alone_per_s > 0.0 {
+            format!("{:.2}", entry.progress_per_s / entry.progress_alone_per_s)
+        } else {
+            NONE.to_owned()
+        };
         table.row(vec![
             entry.node.clone(),
             entry.gpu_index.to_string(),
             format_sm_share(entry.sm_cap_permille),
             format_progress(entry.progress_per_s, entry.progress_hinted),
+            format_progress(entry.progress_alone_per_s, entry.progress_hinted),
+            work,
         ]);
     }
     table
@@ -796,7 +805,7 @@ mod tests {
         let text = tenant_text(&tenant, 1_700_000_012_000);
         assert!(
             text.contains(
-                "SM redistribution:\n  NODE     GPU   SM SHARE           PROGRESS\n  node-a   3     62.5% of the SMs   12.3 units/s\n"
+                "SM redistribution:\n  NODE     GPU   SM SHARE           PROGRESS       ALONE          WORK\n  node-a   3     62.5% of the SMs   12.3 units/s   30.9 units/s   0.40\n"
             ),
             "{text}"
         );
@@ -804,11 +813,18 @@ mod tests {
         let mut uncapped = tenant.clone();
         uncapped.usage[0].sm_cap_permille = 1_000;
         uncapped.usage[0].progress_hinted = false;
+        uncapped.usage[0].progress_alone_per_s = 0.0;
         let text = tenant_text(&uncapped, 0);
-        assert!(text.contains("   uncapped   12.3 steps/s\n"), "{text}");
+        assert!(
+            text.contains("   uncapped   12.3 steps/s   -       -\n"),
+            "{text}"
+        );
         uncapped.usage[0].progress_per_s = 0.0;
         let text = tenant_text(&uncapped, 0);
-        assert!(text.contains("   uncapped   -\n"), "{text}");
+        assert!(
+            text.contains("   uncapped   -          -       -\n"),
+            "{text}"
+        );
         assert_eq!(
             [500, 625, 8].map(format_sm_share),
             ["50% of the SMs", "62.5% of the SMs", "0.8% of the SMs"]

@@ -97,14 +97,17 @@ pub struct UsageView {
     /// The SM redistribution on an MPS node (issue 15 point 4), for a best-effort tenant it
     /// follows; per tenant and node like the latency numbers. The SM cap it keeps in thousandths
     /// of the GPU's SMs (1000: uncapped; 0: not followed), its progress per second at the kept
-    /// caps (0: not measured yet), and whether that is in the application's own units
-    /// (`vgpu_progress`) rather than steps.
+    /// caps (0: not measured yet), whether that is in the application's own units
+    /// (`vgpu_progress`) rather than steps, and its progress alone from the redistribution's
+    /// last probe of it (0: not probed yet).
     #[serde(default)]
     pub sm_cap_permille: u32,
     #[serde(default)]
     pub progress_per_s: f64,
     #[serde(default)]
     pub progress_hinted: bool,
+    #[serde(default)]
+    pub progress_alone_per_s: f64,
 }
 
 impl UsageView {
@@ -375,6 +378,7 @@ impl From<&TenantUsage> for UsageView {
             sm_cap_permille: usage.sm_cap_permille,
             progress_per_s: usage.progress_per_s,
             progress_hinted: usage.progress_hinted,
+            progress_alone_per_s: usage.progress_alone_per_s,
         }
     }
 }
@@ -633,7 +637,7 @@ pub(crate) mod samples {
     }
 
     /// A best-effort tenant that its node's SM redistribution follows: capped to 80/128 of the
-    /// SMs, with its progress in its own units.
+    /// SMs, with its progress in its own units, probed alone at 30.85 units a second.
     pub fn redistributed_tenant() -> Tenant {
         let mut tenant = placed_tenant();
         tenant.name = "sweep".into();
@@ -642,6 +646,7 @@ pub(crate) mod samples {
         usage.sm_cap_permille = 625;
         usage.progress_per_s = 12.34;
         usage.progress_hinted = true;
+        usage.progress_alone_per_s = 30.85;
         tenant
     }
 
@@ -835,6 +840,7 @@ mod tests {
                 "node",
                 "process_count",
                 "processes",
+                "progress_alone_per_s",
                 "progress_hinted",
                 "progress_per_s",
                 "reported_unix_ms",

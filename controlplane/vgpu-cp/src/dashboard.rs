@@ -324,13 +324,16 @@ pub struct UsageView {
     /// the lowest SM cap any of its nodes keeps, in thousandths of the GPU's SMs (1000: uncapped;
     /// 0: not followed anywhere), and its progress per second summed over those nodes (0: not
     /// measured yet), in the application's own units when `progress_hinted` (some node says so),
-    /// else steps.
+    /// else steps; and its progress alone as those nodes' last probes read it, summed the same way
+    /// (0: not probed yet).
     #[serde(default)]
     pub sm_cap_permille: u32,
     #[serde(default)]
     pub progress_per_s: f64,
     #[serde(default)]
     pub progress_hinted: bool,
+    #[serde(default)]
+    pub progress_alone_per_s: f64,
     /// The oldest of the reports summed (unix ms).
     pub reported_unix_ms: i64,
 }
@@ -646,6 +649,7 @@ fn usage_of(record: &crate::pool::TenantRecord, soft: &SoftState) -> Option<Usag
             };
             usage.progress_per_s += entry.progress_per_s;
             usage.progress_hinted |= entry.progress_hinted;
+            usage.progress_alone_per_s += entry.progress_alone_per_s;
         }
     }
     debug_assert!(usage.sm_cap_permille <= api::usage::SM_CAP_PERMILLE_FULL);

@@ -601,7 +601,12 @@ fn a_tenants_usage_has_its_lowest_sm_cap_and_its_summed_progress() {
     let usage = row.usage.clone().expect("reported");
     assert_eq!(usage.sm_cap_permille, 0);
     let mut json = serde_json::to_value(&usage).expect("json");
-    for field in ["sm_cap_permille", "progress_per_s", "progress_hinted"] {
+    for field in [
+        "sm_cap_permille",
+        "progress_per_s",
+        "progress_hinted",
+        "progress_alone_per_s",
+    ] {
         json.as_object_mut().expect("an object").remove(field);
     }
     let read: UsageView = serde_json::from_value(json).expect("old views read");

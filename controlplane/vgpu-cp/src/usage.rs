@@ -799,6 +799,27 @@ fn render_redistribution<'a>(
             usage.progress_per_s
         );
     }
+    let name = "vgpu_tenant_progress_alone_per_second";
+    let _ = writeln!(
+        out,
+        "# HELP {name} A best-effort MPS tenant's progress per second alone, as its node's SM redistribution last probed it (the others at their floors for one period), in the unit of vgpu_tenant_progress_per_second; only when probed.\n# TYPE {name} gauge"
+    );
+    let probed = entries.iter().filter(|(_, usage)| {
+        usage.progress_alone_per_s.is_finite() && usage.progress_alone_per_s > 0.0
+    });
+    for (node, usage) in probed {
+        let unit = if usage.progress_hinted {
+            "units"
+        } else {
+            "steps"
+        };
+        let _ = writeln!(
+            out,
+            "{name}{{{},unit=\"{unit}\"}} {}",
+            labels(node, usage),
+            usage.progress_alone_per_s
+        );
+    }
 }
 
 #[cfg(test)]
@@ -1104,6 +1125,7 @@ mod tests {
             sm_cap_permille: 625,
             progress_per_s: 12.25,
             progress_hinted: true,
+            progress_alone_per_s: 30.5,
             ..usage("sweep", "GPU-a0", 1 << 30, 0)
         };
         let uncapped = TenantUsage {
@@ -1143,8 +1165,13 @@ mod tests {
                 "vgpu_tenant_progress_per_second{{{},unit=\"steps\"}} 310",
                 labels("batch")
             ),
+            format!(
+                "vgpu_tenant_progress_alone_per_second{{{},unit=\"units\"}} 30.5",
+                labels("sweep")
+            ),
             "# TYPE vgpu_tenant_sm_cap_ratio gauge".to_owned(),
             "# TYPE vgpu_tenant_progress_per_second gauge".to_owned(),
+            "# TYPE vgpu_tenant_progress_alone_per_second gauge".to_owned(),
         ] {
             assert!(
                 out.contains(&format!("{line}\n")),
@@ -1156,9 +1183,17 @@ mod tests {
             !out.contains("vgpu_tenant_progress_per_second{tenant=\"fresh\""),
             "{out}"
         );
+        // Probed alone: only "sweep".
+        assert_eq!(
+            out.matches("vgpu_tenant_progress_alone_per_second{")
+                .count(),
+            1,
+            "{out}"
+        );
         for name in [
             "vgpu_tenant_sm_cap_ratio",
             "vgpu_tenant_progress_per_second",
+            "vgpu_tenant_progress_alone_per_second",
         ] {
             assert!(!out.contains(&format!("{name}{{tenant=\"train\"")), "{out}");
         }

@@ -525,7 +525,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
         ),
         (edge_u64(), edge_u64(), any::<i64>()),
         (edge_u32(), edge_u64()),
-        (edge_u32(), any::<f64>(), any::<bool>()),
+        (edge_u32(), any::<f64>(), any::<bool>(), any::<f64>()),
     )
         .prop_map(
             |(
@@ -550,7 +550,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 ),
                 (memory_reclaims, memory_reclaimed_bytes, memory_last_reclaim_unix_ms),
                 (memory_waiting_processes, memory_longest_wait_ms),
-                (sm_cap_permille, progress_per_s, progress_hinted),
+                (sm_cap_permille, progress_per_s, progress_hinted, progress_alone_per_s),
             )| v1::TenantUsage {
                 tenant,
                 node,
@@ -582,6 +582,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 sm_cap_permille,
                 progress_per_s,
                 progress_hinted,
+                progress_alone_per_s,
             },
         )
 }

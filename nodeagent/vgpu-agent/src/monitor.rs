@@ -453,6 +453,7 @@ mod tests {
                 sm_cap_permille: 625,
                 progress_per_s: 12.5,
                 hinted: true,
+                alone_per_s: 40.0,
             })
         });
         let sources = TenantSources {
@@ -465,9 +466,10 @@ mod tests {
             (
                 usage.sm_cap_permille,
                 usage.progress_per_s,
-                usage.progress_hinted
+                usage.progress_hinted,
+                usage.progress_alone_per_s
             ),
-            (625, 12.5, true)
+            (625, 12.5, true, 40.0)
         );
         assert_eq!(
             (

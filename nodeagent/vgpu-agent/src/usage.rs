@@ -76,13 +76,15 @@ impl LatencyReport {
 /// A tenant the node's SM redistribution follows now (`sharing::MemberStatus`, as the usage
 /// report carries it): the SM cap it keeps in thousandths of the GPU's SMs
 /// ([`api::usage::SM_CAP_PERMILLE_FULL`]: uncapped; never 0, which means "not followed" on the
-/// wire), its progress per second in the last period at the kept caps (0: not measured yet), and
-/// whether that rate is in the application's own units (`vgpu_progress`) rather than steps.
+/// wire), its progress per second in the last period at the kept caps (0: not measured yet),
+/// whether that rate is in the application's own units (`vgpu_progress`) rather than steps, and
+/// its rate alone from its last probe (0: not probed yet).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RedistributionReport {
     pub sm_cap_permille: u32,
     pub progress_per_s: f64,
     pub hinted: bool,
+    pub alone_per_s: f64,
 }
 
 impl RedistributionReport {
@@ -94,16 +96,18 @@ impl RedistributionReport {
         debug_assert!(u32::from(member.cap) <= full, "a cap is at most the GPU");
         let cap = u32::from(member.cap).min(full);
         let sm_cap_permille = ((cap * api::usage::SM_CAP_PERMILLE_FULL + full / 2) / full).max(1);
-        let progress_per_s = member
-            .rate
-            .filter(|rate| rate.is_finite() && *rate >= 0.0)
-            .unwrap_or(0.0);
+        let known = |rate: Option<f64>| {
+            rate.filter(|rate| rate.is_finite() && *rate >= 0.0)
+                .unwrap_or(0.0)
+        };
+        let (progress_per_s, alone_per_s) = (known(member.rate), known(member.alone));
         assert!((1..=api::usage::SM_CAP_PERMILLE_FULL).contains(&sm_cap_permille));
         assert!(progress_per_s.is_finite() && progress_per_s >= 0.0);
         RedistributionReport {
             sm_cap_permille,
             progress_per_s,
             hinted: member.hinted,
+            alone_per_s,
         }
     }
 }
@@ -355,6 +359,7 @@ fn attach_redistribution(
     entry.sm_cap_permille = report.sm_cap_permille.min(api::usage::SM_CAP_PERMILLE_FULL);
     entry.progress_per_s = report.progress_per_s;
     entry.progress_hinted = report.hinted;
+    entry.progress_alone_per_s = report.alone_per_s;
     debug_assert!(entry.progress_per_s.is_finite() && entry.progress_per_s >= 0.0);
 }
 
@@ -664,7 +669,10 @@ mod tests {
             hinted,
         };
         let members: BTreeMap<String, sharing::MemberStatus> = [
-            member("sweep", 80, Some(12.25), true),
+            sharing::MemberStatus {
+                alone: Some(40.0),
+                ..member("sweep", 80, Some(12.25), true)
+            },
             member("batch", sharing::redistribute::FULL, Some(310.0), false),
             // Not measured yet at the kept caps.
             member("fresh", sharing::redistribute::FULL, None, false),
@@ -682,7 +690,7 @@ mod tests {
             &|_| None,
             &|tenant| source.get(tenant),
         );
-        let numbers: Vec<(&str, u32, u32, f64, bool)> = entries
+        let numbers: Vec<(&str, u32, u32, f64, bool, f64)> = entries
             .iter()
             .map(|e| {
                 (
@@ -691,18 +699,19 @@ mod tests {
                     e.sm_cap_permille,
                     e.progress_per_s,
                     e.progress_hinted,
+                    e.progress_alone_per_s,
                 )
             })
             .collect();
         assert_eq!(
             numbers,
             [
-                // 80/128 of the SMs: 625 thousandths.
-                ("sweep", 2, 625, 12.25, true),
-                ("sweep", 4, 0, 0.0, false),
-                ("batch", 2, 1_000, 310.0, false),
-                ("fresh", 2, 1_000, 0.0, false),
-                ("other", 2, 0, 0.0, false),
+                // 80/128 of the SMs: 625 thousandths; probed alone at 40 units a second.
+                ("sweep", 2, 625, 12.25, true, 40.0),
+                ("sweep", 4, 0, 0.0, false, 0.0),
+                ("batch", 2, 1_000, 310.0, false, 0.0),
+                ("fresh", 2, 1_000, 0.0, false, 0.0),
+                ("other", 2, 0, 0.0, false, 0.0),
             ]
         );
         // Whatever comes through, the report stays sane: rounded to the nearest thousandth, never
@@ -714,6 +723,16 @@ mod tests {
         assert_eq!(report(0, Some(-3.0)).progress_per_s, 0.0);
         assert_eq!(report(127, Some(f64::INFINITY)).sm_cap_permille, 992);
         assert_eq!(report(64, None).sm_cap_permille, 500);
+        let probed = |alone| {
+            RedistributionReport::from_member(&sharing::MemberStatus {
+                alone,
+                ..member("x", 64, Some(1.0), false)
+            })
+            .alone_per_s
+        };
+        assert_eq!(probed(Some(f64::NAN)), 0.0);
+        assert_eq!(probed(Some(-1.0)), 0.0);
+        assert_eq!(probed(Some(7.5)), 7.5);
         assert_eq!(RedistributionSource::default().get("sweep"), None);
     }
 

@@ -125,7 +125,8 @@ function drawTenant(page) {
     stat("latency p99 / target", u && u.latency_p99_us ? `${u.latency_p99_us} / ${u.latency_target_us} µs` : (r.latency_target_us ? `– / ${r.latency_target_us} µs` : "–")),
     // A best-effort tenant an MPS node's SM redistribution follows: its lowest cap, its progress.
     ...(u && u.sm_cap_permille ? [stat("SM share (redistributed)", (u.sm_cap_permille >= 1000 ? "uncapped" : `${Math.round(u.sm_cap_permille / 10)} %`)
-      + (u.progress_per_s ? ` · ${u.progress_per_s.toFixed(1)} ${u.progress_hinted ? "units" : "steps"}/s` : ""))] : []),
+      + (u.progress_per_s ? ` · ${u.progress_per_s.toFixed(1)} ${u.progress_hinted ? "units" : "steps"}/s` : "")
+      + (u.progress_per_s && u.progress_alone_per_s ? ` (alone ${u.progress_alone_per_s.toFixed(1)}: ${(u.progress_per_s / u.progress_alone_per_s).toFixed(2)} of it)` : ""))] : []),
   ].join("");
   // When the leader could not be asked, the last history received for this tenant stays drawn.
   let h = page.usage_history, note = "";
