@@ -567,7 +567,8 @@ fn grow(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, now: u64, turn
                 let unclaimed = region
                     .free()
                     .saturating_sub(region.claimed_by_others(job.tenant, now));
-                let asks = reclaim::plan(&holders, &job.name, owed, unclaimed).unwrap();
+                let givers = reclaim::net_of_untaken(&holders, &region.untaken_wants(), &job.name);
+                let asks = reclaim::plan(&givers, &job.name, owed, unclaimed).unwrap();
                 if asks.is_empty() {
                     board.drop_claim(job.tenant);
                 }
@@ -747,14 +748,13 @@ fn look_at_the_line(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, no
 ///   borrowed chunks cover (its within-request part is at most its request). The staging budget
 ///   holds every job's peak, so no swap-out is refused. When the requests fit, what is short is
 ///   at most what the others borrowed, so the asks cover it, as long as no borrower is asked
-///   twice for the same memory: `reclaim::plan` reads what borrowers hold, not what they were
-///   asked for and have not given yet, so two pieces asking in the same turn may both ask one
-///   borrower for all it borrowed. It gives what it has and the rest is asked of nobody until
-///   rule 8 asks for it after [`ESCALATE_TURNS`] (`reclaim::asks_past`, net of the wants not yet
-///   taken): such a piece is granted within 2 turns of that (a GPU of 10, requests 4, 4, 1 and
-///   1, the last two borrowing 3 in one chunk and 2 in two, the first two asking for 4 each in
-///   one turn: `two_pieces_asking_one_borrower_for_the_same_memory_ask_again_for_the_rest`;
-///   before rule 8 asked when every borrower had given something, one of them was refused).
+///   twice for the same memory: a piece plans from what borrowers hold net of what they were
+///   asked for and have not taken yet (`reclaim::net_of_untaken`), after its claim, against the
+///   room other claims leave. Where two pieces still ask one borrower for the same memory (they
+///   plan in one instant on a real node), it gives what it has and rule 8 asks for the rest
+///   after [`ESCALATE_TURNS`] (`reclaim::asks_past`): such a piece is granted within 2 turns of
+///   that (before rule 8 asked when every borrower had given something, one of them was
+///   refused).
 /// - Nothing else takes the room the borrowers make: a borrow or a swap-in needs room in line
 ///   beside everything resident (the charge included) and the claims, and another tenant's
 ///   within-request piece that does not fit is charged and asks for itself.
@@ -995,13 +995,12 @@ fn a_within_request_piece_is_granted_the_turn_after_it_asks() {
     }
 }
 
-/// Two pieces within their requests asking in one turn plan from the same borrowed memory (what
-/// borrowers hold, not what they were asked for): on a GPU of 10, t0 and t1 (requests 4) ask at
-/// turn 10; t0 asks t2 for 1, t1 asks t2 for 3 and t3 for 1. t2 gives its one chunk of 3, t3
-/// its 1, and 1 stays short, asked of nobody. Before rule 8 asked for the rest also when every
-/// borrower gave something, t0 was refused after [`RECLAIM_TURNS`] (found by the bound's
-/// property); now both ask again after [`ESCALATE_TURNS`], t3 gives its last chunk, and both are
-/// granted.
+/// Two pieces within their requests asking in one turn: on a GPU of 10, t0 and t1 (requests 4)
+/// ask at turn 10. When each planned from what borrowers hold, t0 asked t2 for 1, t1 asked t2 for
+/// 3 and t3 for 1; t2 gave its one chunk of 3, t3 its 1, and 1 stayed short, asked of nobody,
+/// until rule 8 asked again after [`ESCALATE_TURNS`] (before rule 8 asked also when every
+/// borrower gave something, t0 was refused: found by the bound's property). Planning net of the
+/// wants not yet taken, t1 asks t3 for what t0 asked of t2, and both are granted within 2 turns.
 #[test]
 fn two_pieces_asking_one_borrower_for_the_same_memory_ask_again_for_the_rest() {
     let specs = [
@@ -1016,7 +1015,7 @@ fn two_pieces_asking_one_borrower_for_the_same_memory_ask_again_for_the_rest() {
     assert!(
         waits
             .iter()
-            .all(|(_, asked, served)| served.is_some_and(|s| s <= asked + ESCALATE_TURNS + 2)),
+            .all(|(_, asked, served)| served.is_some_and(|s| s <= asked + 2)),
         "{waits:?}"
     );
     check_reclaim_waits(&outcome).unwrap();

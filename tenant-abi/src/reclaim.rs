@@ -246,22 +246,38 @@ pub fn asks_past(
     slow: &[String],
     untaken: &[(String, u64)],
 ) -> Vec<(String, u64)> {
+    let net: Vec<Holder> = net_of_untaken(holders, untaken, needy)
+        .into_iter()
+        .filter(|h| h.name != needy && !slow.contains(&h.name))
+        .collect();
+    asks_in_giving_order(net.iter(), shortfall)
+}
+
+/// What the holders other than `needy` hold once they gave what they were asked and have not
+/// taken yet (`untaken`, per tenant): what a [`plan`] may still ask of them. Two tenants planning
+/// at once from what borrowers hold could both ask one borrower for all it borrowed; planning
+/// from this, the second asks the others for what the first asked of it. `needy`'s own entry is
+/// kept as it is (its request and residence decide what it may ask for).
+pub fn net_of_untaken(holders: &[Holder], untaken: &[(String, u64)], needy: &str) -> Vec<Holder> {
     let untaken_of = |name: &str| -> u64 {
         untaken
             .iter()
             .filter(|(n, _)| n == name)
             .map(|(_, bytes)| bytes)
-            .sum()
+            .fold(0u64, |sum, bytes| sum.saturating_add(*bytes))
     };
-    let net: Vec<Holder> = holders
+    holders
         .iter()
-        .filter(|h| h.name != needy && !slow.contains(&h.name))
-        .map(|h| Holder {
-            resident: h.resident.saturating_sub(untaken_of(&h.name)),
-            ..h.clone()
+        .map(|h| {
+            if h.name == needy {
+                return h.clone();
+            }
+            Holder {
+                resident: h.resident.saturating_sub(untaken_of(&h.name)),
+                ..h.clone()
+            }
         })
-        .collect();
-    asks_in_giving_order(net.iter(), shortfall)
+        .collect()
 }
 
 /// Rule 2: who gives first.
@@ -365,6 +381,32 @@ mod tests {
         // Nothing borrowed to give: nothing asked.
         let holders = [holder("b", 30 * GIB, 3 * GIB, 0, true)];
         assert_eq!(plan(&holders, "b", owed(&holders, "b", GIB), 0), Ok(vec![]));
+    }
+
+    #[test]
+    fn a_second_plan_at_once_asks_others_for_what_the_first_asked_of_a_borrower() {
+        // "a" and "c" borrowed 8 each; "b" asked "a" for 8 (not taken yet); "d" now needs 8.
+        let holders = [
+            holder("a", 4 * GIB, 12 * GIB, 0, false),
+            holder("b", 8 * GIB, 0, 0, true),
+            holder("c", 4 * GIB, 12 * GIB, 0, false),
+            holder("d", 8 * GIB, 0, 0, true),
+        ];
+        let untaken = [("a".to_owned(), 8 * GIB)];
+        // From what they hold, "d" asks "a" (first in the giving order by name) for all of it.
+        assert_eq!(
+            plan(&holders, "d", 8 * GIB, 0),
+            Ok(vec![("a".to_owned(), 8 * GIB)])
+        );
+        // Net of what "a" was asked: "c".
+        let net = net_of_untaken(&holders, &untaken, "d");
+        assert_eq!(
+            plan(&net, "d", 8 * GIB, 0),
+            Ok(vec![("c".to_owned(), 8 * GIB)])
+        );
+        // The needy's own entry is not reduced, even if it was asked for something.
+        let asked_of_d = [("d".to_owned(), 8 * GIB)];
+        assert_eq!(net_of_untaken(&holders, &asked_of_d, "d"), holders.to_vec());
     }
 
     #[test]

@@ -1416,7 +1416,14 @@ impl Enforcer {
         let unclaimed = region
             .free()
             .saturating_sub(region.claimed_by_others(board.tenant, now));
-        let asks = match tenant_abi::reclaim::plan(&holders, &self.config.tenant, owed, unclaimed) {
+        // And from what the borrowers hold net of what others asked them for and they have not
+        // taken yet (`reclaim::net_of_untaken`).
+        let givers = tenant_abi::reclaim::net_of_untaken(
+            &holders,
+            &region.untaken_wants(),
+            &self.config.tenant,
+        );
+        let asks = match tenant_abi::reclaim::plan(&givers, &self.config.tenant, owed, unclaimed) {
             Ok(asks) => asks,
             Err(e) => {
                 board.board.drop_claim(board.tenant);
