@@ -778,47 +778,37 @@ fn render_redistribution<'a>(
         debug_assert!(ratio > 0.0 && ratio <= 1.0);
         let _ = writeln!(out, "{name}{{{}}} {ratio}", labels(node, usage));
     }
-    let name = "vgpu_tenant_progress_per_second";
-    let _ = writeln!(
-        out,
-        "# HELP {name} A best-effort MPS tenant's progress per second in its node's SM redistribution's last period at the kept caps, in the application's own units (unit=\"units\", through vgpu_progress) or in steps (unit=\"steps\"); only when measured.\n# TYPE {name} gauge"
-    );
-    let measured = entries
-        .iter()
-        .filter(|(_, usage)| usage.progress_per_s.is_finite() && usage.progress_per_s > 0.0);
-    for (node, usage) in measured {
-        let unit = if usage.progress_hinted {
-            "units"
-        } else {
-            "steps"
-        };
-        let _ = writeln!(
-            out,
-            "{name}{{{},unit=\"{unit}\"}} {}",
-            labels(node, usage),
-            usage.progress_per_s
-        );
-    }
-    let name = "vgpu_tenant_progress_alone_per_second";
-    let _ = writeln!(
-        out,
-        "# HELP {name} A best-effort MPS tenant's progress per second alone, as its node's SM redistribution last probed it (the others at their floors for one period), in the unit of vgpu_tenant_progress_per_second; only when probed.\n# TYPE {name} gauge"
-    );
-    let probed = entries.iter().filter(|(_, usage)| {
-        usage.progress_alone_per_s.is_finite() && usage.progress_alone_per_s > 0.0
-    });
-    for (node, usage) in probed {
-        let unit = if usage.progress_hinted {
-            "units"
-        } else {
-            "steps"
-        };
-        let _ = writeln!(
-            out,
-            "{name}{{{},unit=\"{unit}\"}} {}",
-            labels(node, usage),
-            usage.progress_alone_per_s
-        );
+    // The two progress rates, each only where known, in the unit the tenant counts in.
+    let rates: [(&str, &str, fn(&TenantUsage) -> f64); 2] = [
+        (
+            "vgpu_tenant_progress_per_second",
+            "A best-effort MPS tenant's progress per second in its node's SM redistribution's last period at the kept caps, in the application's own units (unit=\"units\", through vgpu_progress) or in steps (unit=\"steps\"); only when measured.",
+            |usage| usage.progress_per_s,
+        ),
+        (
+            "vgpu_tenant_progress_alone_per_second",
+            "A best-effort MPS tenant's progress per second alone, as its node's SM redistribution last probed it (the others at their floors for one period), in the unit of vgpu_tenant_progress_per_second; only when probed.",
+            |usage| usage.progress_alone_per_s,
+        ),
+    ];
+    for (name, help, rate) in rates {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        let known = entries
+            .iter()
+            .filter(|(_, usage)| rate(usage).is_finite() && rate(usage) > 0.0);
+        for (node, usage) in known {
+            let unit = if usage.progress_hinted {
+                "units"
+            } else {
+                "steps"
+            };
+            let _ = writeln!(
+                out,
+                "{name}{{{},unit=\"{unit}\"}} {}",
+                labels(node, usage),
+                rate(usage)
+            );
+        }
     }
 }
 

@@ -556,6 +556,83 @@ proptest! {
     }
 }
 
+/// How a driven pair's rates wander: by a factor drawn each tick, or each second.
+#[derive(Clone, Copy)]
+enum Wander {
+    PerTick(f64),
+    PerSecond(f64),
+}
+
+/// A pair `names` driven for `seconds` at the rates `rates(caps)` (units a second), as the
+/// rates wander; what the redistributor did, and the group's work each tick (each rate over
+/// `alone`, summed), summed over the run.
+struct Driven {
+    redistributor: Redistributor,
+    changes: Vec<RedistributeChange>,
+    work: f64,
+    ticks: u64,
+}
+
+fn drive_pair(
+    names: [&str; 2],
+    rates: impl Fn(&[u8]) -> [f64; 2],
+    alone: [f64; 2],
+    seconds: u64,
+    wander: Wander,
+    seed: u64,
+) -> Driven {
+    let mut redistributor = Redistributor::new(RedistributeConfig::default());
+    let mut progress = [0.0f64; 2];
+    let mut caps = vec![FULL, FULL];
+    let mut noise = Noise(seed);
+    let mut factors = [1.0f64; 2];
+    let mut now = 1_000 * MS;
+    let mut changes = Vec::new();
+    let mut work = 0.0;
+    let ticks = seconds * 1_000_000_000 / TICK;
+    for _ in 0..ticks {
+        let now_rates = rates(&caps);
+        work += now_rates[0] / alone[0] + now_rates[1] / alone[1];
+        if let Wander::PerSecond(sigma) = wander
+            && now.is_multiple_of(1_000_000_000)
+        {
+            for factor in &mut factors {
+                *factor = 1.0 + sigma * noise.next();
+            }
+        }
+        for (i, (p, rate)) in progress.iter_mut().zip(now_rates).enumerate() {
+            let factor = match wander {
+                Wander::PerTick(sigma) => 1.0 + sigma * noise.next(),
+                Wander::PerSecond(_) => factors[i],
+            };
+            *p += rate * factor * TICK as f64 / 1e9;
+        }
+        now += TICK;
+        let members: Vec<Member> = names
+            .iter()
+            .zip(progress)
+            .map(|(name, progress)| Member {
+                name: (*name).into(),
+                progress: progress as u64,
+                hinted: false,
+                floor: 0,
+            })
+            .collect();
+        let output = redistributor.handle(now, &members, false);
+        caps = names
+            .iter()
+            .map(|name| output.caps.get(*name).copied().unwrap_or(FULL))
+            .collect();
+        changes.extend(output.change);
+    }
+    Driven {
+        redistributor,
+        changes,
+        work,
+        ticks,
+    }
+}
+
 /// The pair measured on an H200 (docs/benchmarks.md, twenty-ninth session): a bf16 GEMM (600
 /// units/s alone) beside a 1 GiB copy loop (1965 alone) as MPS clients, uncapped at 0.27 and
 /// 0.735 of their speeds alone; the copy loop at 75% of the SMs: 0.32 and 0.64 (its SMs are
@@ -581,36 +658,18 @@ fn h200_pair_rates(caps: &[u8]) -> [f64; 2] {
 
 #[test]
 fn a_cap_that_speeds_a_slow_member_up_but_costs_the_group_work_is_not_kept() {
-    let mut redistributor = Redistributor::new(RedistributeConfig::default());
-    let names = ["gemm", "stream"];
-    let mut progress = [0.0f64; 2];
-    let mut caps = vec![FULL, FULL];
-    let mut noise = Noise(29);
-    let mut now = 1_000 * MS;
-    let mut changes = Vec::new();
-    for _ in 0..240 * 1_000_000_000 / TICK {
-        let rates = h200_pair_rates(&caps);
-        for (p, rate) in progress.iter_mut().zip(rates) {
-            *p += rate * (1.0 + 0.02 * noise.next()) * TICK as f64 / 1e9;
-        }
-        now += TICK;
-        let members: Vec<Member> = names
-            .iter()
-            .zip(progress)
-            .map(|(name, progress)| Member {
-                name: (*name).into(),
-                progress: progress as u64,
-                hinted: false,
-                floor: 0,
-            })
-            .collect();
-        let output = redistributor.handle(now, &members, false);
-        caps = names
-            .iter()
-            .map(|name| output.caps.get(*name).copied().unwrap_or(FULL))
-            .collect();
-        changes.extend(output.change);
-    }
+    let Driven {
+        redistributor,
+        changes,
+        ..
+    } = drive_pair(
+        ["gemm", "stream"],
+        h200_pair_rates,
+        [600.0, 1965.0],
+        240,
+        Wander::PerTick(0.02),
+        29,
+    );
     let alone: Vec<Option<f64>> = redistributor.status().iter().map(|s| s.alone).collect();
     assert!(
         alone[0].is_some_and(|rate| (rate / 600.0 - 1.0).abs() < 0.06)
@@ -653,51 +712,25 @@ fn a_move_that_measurably_costs_is_not_lengthened_or_repeated_at_once() {
         };
         [gemm * halved, copy]
     };
-    let mut redistributor = Redistributor::new(RedistributeConfig::default());
-    let names = ["gemm", "stream"];
-    let mut progress = [0.0f64; 2];
-    let mut caps = vec![FULL, FULL];
-    let mut noise = Noise(31);
-    let mut now = 1_000 * MS;
-    let mut changes = Vec::new();
+    // The GPU's rates drift from second to second (the judgements' standard errors there were
+    // 1-2% of a member's work): each member's factor is drawn again every second.
+    let Driven {
+        redistributor,
+        changes,
+        work,
+        ticks,
+    } = drive_pair(
+        ["gemm", "stream"],
+        rates,
+        [600.0, 1965.0],
+        300,
+        Wander::PerSecond(0.08),
+        31,
+    );
     let uncapped = {
         let [gemm, copy] = rates(&[FULL, FULL]);
         gemm / 600.0 + copy / 1965.0
     };
-    let mut work = 0.0;
-    let ticks = 300 * 1_000_000_000 / TICK;
-    // The GPU's rates drift from second to second (the judgements' standard errors there were
-    // 1-2% of a member's work): each member's factor is drawn again every second.
-    let mut factors = [1.0f64; 2];
-    for _ in 0..ticks {
-        if now.is_multiple_of(1_000_000_000) {
-            for factor in &mut factors {
-                *factor = 1.0 + 0.08 * noise.next();
-            }
-        }
-        let now_rates = rates(&caps);
-        work += now_rates[0] / 600.0 + now_rates[1] / 1965.0;
-        for ((p, rate), factor) in progress.iter_mut().zip(now_rates).zip(factors) {
-            *p += rate * factor * TICK as f64 / 1e9;
-        }
-        now += TICK;
-        let members: Vec<Member> = names
-            .iter()
-            .zip(progress)
-            .map(|(name, progress)| Member {
-                name: (*name).into(),
-                progress: progress as u64,
-                hinted: false,
-                floor: 0,
-            })
-            .collect();
-        let output = redistributor.handle(now, &members, false);
-        caps = names
-            .iter()
-            .map(|name| output.caps.get(*name).copied().unwrap_or(FULL))
-            .collect();
-        changes.extend(output.change);
-    }
     let gemm_trials = changes
         .iter()
         .filter(|change| {
