@@ -779,7 +779,8 @@ fn render_redistribution<'a>(
         let _ = writeln!(out, "{name}{{{}}} {ratio}", labels(node, usage));
     }
     // The two progress rates, each only where known, in the unit the tenant counts in.
-    let rates: [(&str, &str, fn(&TenantUsage) -> f64); 2] = [
+    type Rate = fn(&TenantUsage) -> f64;
+    let rates: [(&str, &str, Rate); 2] = [
         (
             "vgpu_tenant_progress_per_second",
             "A best-effort MPS tenant's progress per second in its node's SM redistribution's last period at the kept caps, in the application's own units (unit=\"units\", through vgpu_progress) or in steps (unit=\"steps\"); only when measured.",
