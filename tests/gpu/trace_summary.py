@@ -7,6 +7,12 @@ The questions the twenty-third session answered by hand: where did a target come
 the tenant meet it where nothing else ran.
 
   python3 tests/gpu/trace_summary.py OUT/closed_loop        # a run's folder, its .tgz, or a folder holding it
+  python3 tests/gpu/trace_summary.py OUT/closed_loop --series vgpu-mps:decoder:gemm [--bin 0.25]
+
+--series TAG prints that window as a time series instead, one row per BIN seconds: the levels
+held (trace lines at each), the latency tenant's steps, the steps over its target counted in the
+bin, and the worst window p99 in it (the thirtieth session's question: where in the window did
+the controller probe a level that failed, and what did it cost).
 """
 import json
 import os
@@ -81,8 +87,44 @@ def anchor(rows, plan):
     return None
 
 
+VIOLATIONS = re.compile(r"(lat-[\w-]+) target [\d.]+ violations (\d+)")
+
+
+def series(folder, begin, window, lat, bin_s):
+    """One window's trace lines in bins of `bin_s` seconds: (start s, levels, steps, violations, worst p99)."""
+    bins = {}
+    with open(os.path.join(folder, "agent.log"), errors="replace") as log:
+        for line in log:
+            m = LINE.match(line.strip())
+            if not m:
+                continue
+            t = seconds(m.group(1))
+            if not begin <= t < begin + window:
+                continue
+            tenants = {n: (int(s), float(p)) for n, s, _, p in TENANT.findall(m.group(8))}
+            counts = {n: int(v) for n, v in VIOLATIONS.findall(m.group(8))}
+            b = bins.setdefault(int((t - begin) / bin_s), [Counter(), 0, [], 0.0])
+            b[0][int(m.group(3))] += 1
+            b[1] += tenants.get(lat, (0, 0.0))[0]
+            if lat in counts:
+                b[2].append(counts[lat])
+            b[3] = max(b[3], tenants.get(lat, (0, 0.0))[1])
+    rows = []
+    for k in sorted(bins):
+        levels, steps, violations, worst = bins[k]
+        over = violations[-1] - violations[0] if violations else 0
+        rows.append((k * bin_s, dict(sorted(levels.items())), steps, over, worst))
+    return rows
+
+
 def main():
     path = sys.argv[1] if len(sys.argv) > 1 else "."
+    tag = None
+    bin_s = 0.25
+    if "--series" in sys.argv:
+        tag = sys.argv[sys.argv.index("--series") + 1]
+    if "--bin" in sys.argv:
+        bin_s = float(sys.argv[sys.argv.index("--bin") + 1])
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "agent.log")):
         # closed_loop.sh packs its logs on a GPU machine: the archive inside the folder, or beside it
         for packed in (os.path.join(path, "closed_loop.tgz"), path.rstrip("/") + ".tgz"):
@@ -115,6 +157,20 @@ def main():
         span = [r for r in rows if offset + min(w["start"] for w in plan["windows"]) - 1 <= r[0]
                 < offset + max(w["start"] for w in plan["windows"]) + plan["window"]]
         top = max((r[1] for r in span), default=top)
+        if tag is not None:
+            for w in plan["windows"]:
+                if w["tag"] != tag:
+                    continue
+                lats = [a for a in w["active"] if a in LATENCY_WORKLOADS]
+                lat = f"lat-{lats[0]}" if lats else ""
+                print(f"== {tag}: bins of {bin_s} s (levels: trace lines at each)")
+                print("| s | levels | steps | over the target | worst window p99 ms |")
+                print("| --: | --- | --: | --: | --: |")
+                for start, levels, steps, over, worst in series(path, offset + w["start"],
+                                                                 plan["window"], lat, bin_s):
+                    shown = " ".join(f"L{lv}:{n}" for lv, n in levels.items())
+                    print(f"| {start:.2f} | {shown} | {steps} | {over} | {worst:.3f} |")
+            continue
         print(f"== {group}: {len(plan['windows'])} windows of {plan['window']} s; levels 0-{top}")
         print("| window | time at each level | target ms (at s into the window) | at the top: "
               "steps, windows over the target | neighbours held (counted as a held launch goes) |")
