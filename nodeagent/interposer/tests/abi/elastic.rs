@@ -359,6 +359,33 @@ fn nvml_reports_the_limit_and_what_may_be_borrowed_as_cuda_does() {
 /// for it on the board and waits; "a" sees the want at its next call into the driver, moves its
 /// borrowed chunk to host memory; "b" gets its memory; when "b" frees it, "a" brings the chunk
 /// back at the same address with its contents.
+/// The address a borrower's probe printed (`addr`, after its last allocation).
+fn printed_address(probe: &Holder) -> String {
+    probe
+        .output
+        .lines()
+        .find_map(|line| line.strip_prefix("addr "))
+        .expect("the probe printed its chunk's address")
+        .to_owned()
+}
+
+/// A borrower's probe ended `spin_info FILE info check SEED addr vmm` with its memory back: its
+/// `cuMemGetInfo` shows its whole `limit` held, its pattern checked out, its last chunk at
+/// `address` again, and `borrowed` bytes reserved and mapped.
+fn assert_came_back(probe: &Holder, limit: u64, address: &str, borrowed: u64) {
+    let after: Vec<&str> = probe.output.lines().collect();
+    assert_eq!(
+        after[after.len() - 5..],
+        [
+            "spin_info 0",
+            format!("info 0 0 {limit}").as_str(),
+            "check 0 ok",
+            format!("addr {address}").as_str(),
+            format!("vmm 0 reserved={borrowed} mapped={borrowed}").as_str(),
+        ]
+    );
+}
+
 #[test]
 fn a_borrowed_chunk_goes_to_host_memory_for_a_request_and_comes_back_intact() {
     let shm = shm_dir();
@@ -376,12 +403,7 @@ fn a_borrowed_chunk_goes_to_host_memory_for_a_request_and_comes_back_intact() {
         file("b-done")
     ));
     a.wait_for_line("touch 0");
-    let address = a
-        .output
-        .lines()
-        .find_map(|line| line.strip_prefix("addr "))
-        .expect("a printed its chunk's address")
-        .to_owned();
+    let address = printed_address(&a);
     assert_eq!(usage(&board, "a").borrowed_bytes(), 8 * MIB);
     // "b": its request, which only fits once "a" gave its borrowed chunk back.
     let mut b = swapping(tenant(shm.path(), "b", "8MiB")).start_holding(&format!(
@@ -400,17 +422,7 @@ fn a_borrowed_chunk_goes_to_host_memory_for_a_request_and_comes_back_intact() {
     std::fs::write(shm.path().join("test-go"), "").expect("touching test-go");
     b.wait_held();
     a.wait_held();
-    let after: Vec<&str> = a.output.lines().collect();
-    assert_eq!(
-        after[after.len() - 5..],
-        [
-            "spin_info 0",
-            format!("info 0 0 {}", 12 * MIB).as_str(),
-            "check 0 ok",
-            format!("addr {address}").as_str(),
-            format!("vmm 0 reserved={} mapped={}", 8 * MIB, 8 * MIB).as_str(),
-        ]
-    );
+    assert_came_back(&a, 12 * MIB, &address, 8 * MIB);
     let back = usage(&board, "a");
     assert_eq!((back.resident_bytes, back.swapped_bytes), (12 * MIB, 0));
     let err = stderr_of(a);
@@ -446,12 +458,7 @@ fn two_tenants_reclaiming_from_one_borrower_at_once_both_get_their_requests() {
         file("both-done")
     ));
     a.wait_for_line("touch 0");
-    let address = a
-        .output
-        .lines()
-        .find_map(|line| line.strip_prefix("addr "))
-        .expect("a printed its second chunk's address")
-        .to_owned();
+    let address = printed_address(&a);
     assert_eq!(usage(&board, "a").borrowed_bytes(), 16 * MIB);
     // "b" and "c" start together; each asks for its whole request.
     let needy = |name: &str| {
@@ -476,17 +483,7 @@ fn two_tenants_reclaiming_from_one_borrower_at_once_both_get_their_requests() {
     c.wait_held();
     std::fs::write(shm.path().join("both-done"), "").expect("touching both-done");
     a.wait_held();
-    let after: Vec<&str> = a.output.lines().collect();
-    assert_eq!(
-        after[after.len() - 5..],
-        [
-            "spin_info 0",
-            format!("info 0 0 {}", 20 * MIB).as_str(),
-            "check 0 ok",
-            format!("addr {address}").as_str(),
-            format!("vmm 0 reserved={} mapped={}", 16 * MIB, 16 * MIB).as_str(),
-        ]
-    );
+    assert_came_back(&a, 20 * MIB, &address, 16 * MIB);
     let back = usage(&board, "a");
     let wants: Vec<u64> = (0..3).map(|i| want_on(&board, i)).collect();
     let err = stderr_of(a);
