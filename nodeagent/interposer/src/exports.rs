@@ -1333,12 +1333,16 @@ enum Placement {
     /// too.
     Copy,
     /// An asynchronous copy that may be within the GPU's memory (`cuMemcpyDtoDAsync`, and
-    /// `cuMemcpyAsync`, whose direction only the driver knows): as `Copy`, but moved to a green
-    /// stream while the tenant is squeezed or capped. A copy within one GPU's memory runs on its
-    /// SMs at HBM speed (an H200 copied 4.2 TB/s, far past any copy engine), so without the move
-    /// a neighbour made of such copies escaped both the squeeze and the cap (twenty-ninth
-    /// session: capping one to 75% changed nothing). A host copy moved with it still runs on the
-    /// copy engines, in order, at the cost of the two events of any moved launch.
+    /// `cuMemcpyAsync`, whose direction only the driver knows): gated by turns and moved to a
+    /// green stream while the tenant is squeezed or capped, like a kernel. A copy within one
+    /// GPU's memory runs on its SMs at HBM speed (an H200 copied 4.2 TB/s, far past any copy
+    /// engine), so without the move a neighbour made of such copies escaped both the squeeze and
+    /// the cap (twenty-ninth session: capping one to 75% changed nothing), and without the turns
+    /// it ran through the other tenants' turns (on the fake driver a tenant of copies with a 30%
+    /// share took 94% of the GPU beside one of kernels with 70%: ABI test
+    /// `compute::device_to_device_copies_take_turns_like_kernels`). A host copy through
+    /// `cuMemcpyAsync` waits for its tenant's turn with it, and when moved still runs on the copy
+    /// engines, in order, at the cost of the two events of any moved launch.
     SmCopy,
 }
 
@@ -1377,7 +1381,7 @@ fn gated_launch(
     };
     let pending = if latency {
         None
-    } else if matches!(placement, Placement::Copy | Placement::SmCopy) {
+    } else if placement == Placement::Copy {
         ffi_boundary!(what, fallback = (), { launch::stamp_demand(&gpu) });
         None
     } else {

@@ -186,6 +186,22 @@ fn graph_extended_and_per_thread_launches_are_gated() {
     assert_split(&shares(&spun, 2000), &[75.0, 25.0], 6.0);
 }
 
+/// A copy within the GPU's memory runs on its SMs like a kernel (an H200 copied 4.2 TB/s with
+/// `y.copy_(x)`), so it takes its tenant's turns: a tenant made of device-to-device copies gets
+/// its share, not the time of the tenant beside it (before, copies passed no turn, and such a
+/// tenant ran through the other's turns).
+#[test]
+fn device_to_device_copies_take_turns_like_kernels() {
+    let shm = shm_dir();
+    let spun = spin_together(
+        shm.path(),
+        vec![spinner("a", "0:70", "kernel"), spinner("b", "0:30", "dtod")],
+        (400, 2400),
+        2500,
+    );
+    assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
+}
+
 #[test]
 fn cooperative_and_get_proc_address_launches_are_gated() {
     let shm = shm_dir();

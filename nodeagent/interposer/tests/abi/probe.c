@@ -90,7 +90,8 @@
  * APIs: kernel, kernel_ptsz, ex, ex_ptsz, coop, coop_ptsz, multi (cooperative multi-device),
  * ex_coop (cuLaunchKernelEx with the cooperative attribute), graph, graph_ptsz, gpa / gpa_ptsz
  * (cuLaunchKernel from cuGetProcAddress_v2), dl (cuLaunchKernel from
- * dlsym(dlopen("libcuda.so.1")).
+ * dlsym(dlopen("libcuda.so.1")), dtod (cuMemcpyDtoDAsync_v2: a copy within the GPU, which runs on
+ * its SMs like a kernel).
  * "lib=<file>" says which library a function pointer lives in.
  */
 #define _GNU_SOURCE
@@ -417,6 +418,8 @@ static CUresult launch_via(const char *api, unsigned int us, const char **lib) {
   static launch_fn resolved[3];
   *lib = "libcuda.so.1";
   if (!strcmp(api, "kernel")) return cuLaunchKernel(NULL, us, 1, 1, 1, 1, 1, 0, USER_STREAM, NULL, NULL);
+  /* A device-to-device copy runs on the SMs like a kernel (the fake runs it for `us` us). */
+  if (!strcmp(api, "dtod")) return cuMemcpyDtoDAsync_v2(0, 0, (size_t)us * 1000, USER_STREAM);
   if (!strcmp(api, "kernel_ptsz"))
     return cuLaunchKernel_ptsz(NULL, us, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
   if (!strcmp(api, "ex") || !strcmp(api, "ex_ptsz") || !strcmp(api, "ex_coop")) {
