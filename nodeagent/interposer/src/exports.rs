@@ -1332,17 +1332,16 @@ enum Placement {
     /// demand and obeys the closed loop like a launch, so a neighbour made of copies is held back
     /// too.
     Copy,
-    /// An asynchronous copy that may be within the GPU's memory (`cuMemcpyDtoDAsync`, and
-    /// `cuMemcpyAsync`, whose direction only the driver knows): gated by turns and moved to a
-    /// green stream while the tenant is squeezed or capped, like a kernel. A copy within one
+    /// An asynchronous copy within the GPU's memory (`cuMemcpyDtoDAsync`, and `cuMemcpyAsync`
+    /// between two device addresses, `copy_placement`): gated by turns and moved to a green
+    /// stream while the tenant is squeezed or capped, like a kernel. A copy within one
     /// GPU's memory runs on its SMs at HBM speed (an H200 copied 4.2 TB/s, far past any copy
     /// engine), so without the move a neighbour made of such copies escaped both the squeeze and
     /// the cap (twenty-ninth session: capping one to 75% changed nothing), and without the turns
     /// it ran through the other tenants' turns (on the fake driver a tenant of copies with a 30%
     /// share took 94% of the GPU beside one of kernels with 70%: ABI test
-    /// `compute::device_to_device_copies_take_turns_like_kernels`). A host copy through
-    /// `cuMemcpyAsync` waits for its tenant's turn with it, and when moved still runs on the copy
-    /// engines, in order, at the cost of the two events of any moved launch.
+    /// `compute::device_to_device_copies_take_turns_like_kernels`). A `cuMemcpyAsync` with host
+    /// memory on either side is a `Copy` (and where the driver cannot say, an `SmCopy`).
     SmCopy,
 }
 
@@ -1701,6 +1700,51 @@ macro_rules! graph_launch_hook {
 graph_launch_hook!(cuGraphLaunch, graph_launch, false);
 graph_launch_hook!(cuGraphLaunch_ptsz, graph_launch_ptsz, true);
 
+/// How a copy hook knows its direction: from its name (`Copy`: to or from host memory; `SmCopy`:
+/// within the GPU's memory), or from its pointers (`Unified`: `cuMemcpyAsync`).
+#[derive(Clone, Copy)]
+enum CopyKind {
+    Copy,
+    SmCopy,
+    Unified,
+}
+
+/// Where a copy goes: `cuMemcpyAsync` between two device addresses runs on the SMs
+/// (`Placement::SmCopy`: turns and green contexts, like a kernel); with a host address on
+/// either side it runs on the copy engines (`Placement::Copy`), and must not wait for turns
+/// (NCCL's and frameworks' small host copies would each wait for one). Asked of the driver
+/// (`CU_POINTER_ATTRIBUTE_MEMORY_TYPE`: pageable host memory is no CUDA pointer, an error);
+/// a driver without the query leaves it `SmCopy` (the conservative side).
+fn copy_placement(driver: &Driver, kind: CopyKind, dst: u64, src: u64) -> Placement {
+    match kind {
+        CopyKind::Copy => Placement::Copy,
+        CopyKind::SmCopy => Placement::SmCopy,
+        CopyKind::Unified => {
+            let Some(query) = driver.fns.pointer_get_attribute else {
+                return Placement::SmCopy;
+            };
+            let on_device = |pointer: u64| {
+                let mut memory_type: c_uint = 0;
+                // SAFETY: `memory_type` is a valid out-pointer for the attribute's c_uint; the
+                // driver validates `pointer` (any value may be passed).
+                let rc = unsafe {
+                    query(
+                        (&raw mut memory_type).cast::<c_void>(),
+                        CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                        pointer,
+                    )
+                };
+                rc == CUDA_SUCCESS && memory_type == CU_MEMORYTYPE_DEVICE
+            };
+            if on_device(dst) && on_device(src) {
+                Placement::SmCopy
+            } else {
+                Placement::Copy
+            }
+        }
+    }
+}
+
 macro_rules! copy_hook {
     ($name:ident, $field:ident, $per_thread:expr, $placement:ident) => {
         /// # Safety
@@ -1714,12 +1758,13 @@ macro_rules! copy_hook {
         ) -> CUresult {
             ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
                 let (driver, real) = real_fn!($field);
+                let placement = copy_placement(driver, CopyKind::$placement, dst, src);
                 gated_launch(
                     stringify!($name),
                     driver,
                     stream,
                     $per_thread,
-                    Placement::$placement,
+                    placement,
                     crate::closed_loop::LaunchKey::copy(bytes),
                     // SAFETY: forwarded under the caller's contract; `s` is the caller's stream
                     // or, for `Placement::SmCopy`, a green stream of the current context's device.
@@ -1730,8 +1775,8 @@ macro_rules! copy_hook {
     };
 }
 
-copy_hook!(cuMemcpyAsync, memcpy_async, false, SmCopy);
-copy_hook!(cuMemcpyAsync_ptsz, memcpy_async_ptsz, true, SmCopy);
+copy_hook!(cuMemcpyAsync, memcpy_async, false, Unified);
+copy_hook!(cuMemcpyAsync_ptsz, memcpy_async_ptsz, true, Unified);
 copy_hook!(cuMemcpyDtoDAsync_v2, memcpy_dtod_async, false, SmCopy);
 copy_hook!(
     cuMemcpyDtoDAsync_v2_ptsz,

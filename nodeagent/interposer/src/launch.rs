@@ -1,7 +1,7 @@
 //! The launch gate, in safe code: every kernel launch (`cuLaunchKernel[Ex]`, cooperative
-//! launches, `cuGraphLaunch`, and their `_ptsz` variants) and every asynchronous copy that may be
-//! within the GPU's memory (`cuMemcpyAsync`, `cuMemcpyDtoDAsync_v2`: it runs on the SMs) passes
-//! `before` and, when it is sampled, `after`. `exports` supplies the driver through the `Gpu` trait; the schedule
+//! launches, `cuGraphLaunch`, and their `_ptsz` variants) and every asynchronous copy within the
+//! GPU's memory (`cuMemcpyDtoDAsync_v2`, `cuMemcpyAsync` between device addresses: it runs on the
+//! SMs) passes `before` and, when it is sampled, `after`. `exports` supplies the driver through the `Gpu` trait; the schedule
 //! protocol is `compute`.
 //!
 //! - **Fast path** (our turn, nobody else active): the `OnceLock`s of the configuration and the
@@ -318,8 +318,8 @@ pub fn before(gpu: &dyn Gpu, stream: StreamRef) -> Option<Pending> {
 /// gating anything: for an asynchronous copy to or from host memory in an explicit direction
 /// (not gated by turns: the copy engines are not what the turns share, but a tenant whose work
 /// is copies must show as active to the schedule and to the closed loop), and for a launch the
-/// closed loop holds back. A copy that may be within the GPU's memory runs on its SMs and passes
-/// the turns like a kernel (`exports`, `Placement::SmCopy`).
+/// closed loop holds back. A copy within the GPU's memory runs on its SMs and passes the turns
+/// like a kernel (`exports`, `Placement::SmCopy`).
 pub fn stamp_demand(gpu: &dyn Gpu) {
     let Some(gates) = gates() else {
         return;

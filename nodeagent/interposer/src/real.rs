@@ -169,6 +169,7 @@ driver_functions! {
     memcpy_htod_async_ptsz: FnMemcpyAsync = c"cuMemcpyHtoDAsync_v2_ptsz";
     memcpy_dtoh_async: FnMemcpyAsync = c"cuMemcpyDtoHAsync_v2";
     memcpy_dtoh_async_ptsz: FnMemcpyAsync = c"cuMemcpyDtoHAsync_v2_ptsz";
+    pointer_get_attribute: FnPointerGetAttribute = c"cuPointerGetAttribute";
     ctx_synchronize_v2: FnCtxSynchronizeV2 = c"cuCtxSynchronize_v2";
     ctx_get_current: FnCtxGetCurrent = c"cuCtxGetCurrent";
     ctx_set_current: FnCtxSetCurrent = c"cuCtxSetCurrent";

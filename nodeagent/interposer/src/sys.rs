@@ -40,6 +40,9 @@ pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: cuuint64_t = 1 << 1;
 
 /// `CU_EVENT_DISABLE_TIMING`: the cheapest event kind (no timestamp).
 pub const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
+/// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`, and the memory type of device memory it answers.
+pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
 
 /// `CUlaunchConfig` (`cuLaunchKernelEx`); only `h_stream` is read.
 #[repr(C)]
@@ -228,6 +231,8 @@ pub type FnEventSynchronize = unsafe extern "C" fn(CUevent) -> CUresult;
 pub type FnMemcpyAsync = unsafe extern "C" fn(u64, u64, usize, CUstream) -> CUresult;
 /// `cuCtxSynchronize`.
 pub type FnCtxSynchronize = unsafe extern "C" fn() -> CUresult;
+/// `cuPointerGetAttribute(data, attribute, pointer)`.
+pub type FnPointerGetAttribute = unsafe extern "C" fn(*mut c_void, c_int, u64) -> CUresult;
 /// `cuCtxSynchronize_v2(CUcontext)` (CUDA 13).
 pub type FnCtxSynchronizeV2 = unsafe extern "C" fn(CUcontext) -> CUresult;
 pub type FnCtxGetCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;

@@ -202,6 +202,39 @@ fn device_to_device_copies_take_turns_like_kernels() {
     assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
 }
 
+/// `cuMemcpyAsync` reads its direction from its pointers: between two device addresses it takes
+/// turns like a kernel; from host memory it runs on the copy engines and waits for no turn (a
+/// turn is 20 ms; NCCL's and frameworks' small host copies would each wait for one).
+#[test]
+fn a_unified_copy_takes_turns_between_device_addresses_only() {
+    let shm = shm_dir();
+    let spun = spin_together(
+        shm.path(),
+        vec![
+            spinner("a", "0:70", "kernel"),
+            spinner("b", "0:30", "unified_dtod"),
+        ],
+        (400, 2400),
+        2500,
+    );
+    assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
+    let shm = shm_dir();
+    let spun = spin_together(
+        shm.path(),
+        vec![
+            spinner("a", "0:70", "kernel"),
+            spinner("b", "0:30", "unified_htod"),
+        ],
+        (400, 2400),
+        2500,
+    );
+    assert!(
+        spun[1].max_wait_us < 15_000,
+        "a copy from host memory waited {} us in one call",
+        spun[1].max_wait_us
+    );
+}
+
 #[test]
 fn cooperative_and_get_proc_address_launches_are_gated() {
     let shm = shm_dir();

@@ -841,6 +841,30 @@ CUresult cuLaunchCooperativeKernelMultiDevice(void *list, unsigned int n, unsign
 }
 CUresult cuGraphLaunch(CUgraphExec exec, CUstream s) { return run_kernel(s, (uintptr_t)exec); }
 /* A device-to-device copy runs like a kernel of bytes / 1000 microseconds on its stream. */
+/* CU_POINTER_ATTRIBUTE_MEMORY_TYPE (2) only: CU_MEMORYTYPE_DEVICE (2) for an address inside an
+ * allocation or a reserved VMM range of the fake, else CUDA_ERROR_INVALID_VALUE (as the driver
+ * answers for pageable host memory). */
+CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+  if (data == NULL || attribute != 2) return INVALID_VALUE;
+  int device = 0;
+  pthread_mutex_lock(&lock);
+  for (int i = 0; i < MAX_RECORDS && !device; i++)
+    if (records[i].key != 0 && ptr >= records[i].key && ptr < records[i].key + records[i].bytes)
+      device = 1;
+  for (int i = 0; i < MAX_RANGES && !device; i++)
+    if (ranges[i].address != 0 && ptr >= ranges[i].address &&
+        ptr < ranges[i].address + ranges[i].bytes)
+      device = 1;
+  pthread_mutex_unlock(&lock);
+  if (!device) return INVALID_VALUE;
+  *(unsigned int *)data = 2;
+  return OK;
+}
+/* The unified copy: runs for bytes / 1000 us like the device-to-device one (nothing moves). */
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s) {
+  (void)dst; (void)src;
+  return run_kernel(s, (unsigned int)(bytes / 1000));
+}
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s) {
   (void)dst; (void)src;
   return run_kernel(s, (unsigned int)(bytes / 1000));

@@ -91,7 +91,8 @@
  * ex_coop (cuLaunchKernelEx with the cooperative attribute), graph, graph_ptsz, gpa / gpa_ptsz
  * (cuLaunchKernel from cuGetProcAddress_v2), dl (cuLaunchKernel from
  * dlsym(dlopen("libcuda.so.1")), dtod (cuMemcpyDtoDAsync_v2: a copy within the GPU, which runs on
- * its SMs like a kernel).
+ * its SMs like a kernel), unified_dtod / unified_htod (cuMemcpyAsync between two device addresses,
+ * or from host memory).
  * "lib=<file>" says which library a function pointer lives in.
  */
 #define _GNU_SOURCE
@@ -177,6 +178,7 @@ CUresult cuCtxSynchronize(void);
 CUresult cuStreamSynchronize(void *);
 CUresult cuStreamQuery(void *);
 CUresult cuMemcpyDtoDAsync_v2(unsigned long long, unsigned long long, size_t, void *);
+CUresult cuMemcpyAsync(unsigned long long, unsigned long long, size_t, void *);
 CUresult cuMemcpyDtoHAsync_v2(void *, CUdeviceptr, size_t, void *);
 unsigned long long fakeKernelSum(void);
 unsigned long long fakeBusyUnmaps(void);
@@ -420,6 +422,17 @@ static CUresult launch_via(const char *api, unsigned int us, const char **lib) {
   if (!strcmp(api, "kernel")) return cuLaunchKernel(NULL, us, 1, 1, 1, 1, 1, 0, USER_STREAM, NULL, NULL);
   /* A device-to-device copy runs on the SMs like a kernel (the fake runs it for `us` us). */
   if (!strcmp(api, "dtod")) return cuMemcpyDtoDAsync_v2(0, 0, (size_t)us * 1000, USER_STREAM);
+  /* cuMemcpyAsync, whose direction the driver reads from the pointers: between two device
+   * addresses, or from host memory into the GPU. */
+  if (!strcmp(api, "unified_dtod") || !strcmp(api, "unified_htod")) {
+    static unsigned long long device_buffer;
+    static unsigned char host_buffer[16];
+    if (device_buffer == 0 && cuMemAlloc_v2(&device_buffer, 1 << 20) != 0) return -1;
+    unsigned long long src = !strcmp(api, "unified_dtod")
+                                 ? device_buffer
+                                 : (unsigned long long)(uintptr_t)host_buffer;
+    return cuMemcpyAsync(device_buffer, src, (size_t)us * 1000, USER_STREAM);
+  }
   if (!strcmp(api, "kernel_ptsz"))
     return cuLaunchKernel_ptsz(NULL, us, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
   if (!strcmp(api, "ex") || !strcmp(api, "ex_ptsz") || !strcmp(api, "ex_coop")) {
