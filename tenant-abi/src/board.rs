@@ -956,6 +956,14 @@ impl<'r, L: Liveness> Board<'r, L> {
     pub fn release_freed(&self, slot: usize, bytes: u64) {
         self.release(slot, bytes);
         let tenant = self.region.slots[slot].tenant.load(SeqCst);
+        // No claim to end (most frees): no look at the line.
+        if self.region.tenants[tenant as usize]
+            .claim_until_ns
+            .load(SeqCst)
+            == 0
+        {
+            return;
+        }
         let waiting = self.region.slots.iter().any(|s| {
             s.pid.load(SeqCst) != 0
                 && s.tenant.load(SeqCst) == tenant

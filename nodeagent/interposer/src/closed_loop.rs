@@ -308,7 +308,7 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef, launch: LaunchKey) -> Opt
     }
     // The launch's expected duration matters only at a guard (the fit); elsewhere the lock is
     // not taken for it.
-    let expected = |device: &Device, decision: tenant_abi::control::Decision| {
+    let expected = |decision: tenant_abi::control::Decision| {
         if !(decision.pause && decision.guard_us > 0) {
             return 0;
         }
@@ -319,13 +319,7 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef, launch: LaunchKey) -> Opt
             .unwrap_or_else(|e| e.into_inner());
         queued.durations.expected(launch)
     };
-    hold(
-        gpu,
-        device,
-        spatial.hold_ns,
-        now,
-        expected(device, decision),
-    );
+    hold(gpu, device, spatial.hold_ns, now, expected(decision));
     if decision.inflight == 0
         || crate::launch::captures_in_progress()
         || !device.region.latency_active(now, spatial.hold_ns)
@@ -391,7 +385,7 @@ pub fn before_launch(gpu: &dyn Gpu, stream: StreamRef, launch: LaunchKey) -> Opt
         // wait just measured: a launch that passed the guard while another ran would
         // otherwise start into the step the guard protects.
         let now = monotonic_ns();
-        let expected_ns = expected(device, control.decision(now));
+        let expected_ns = expected(control.decision(now));
         hold(gpu, device, spatial.hold_ns, now, expected_ns);
     }
     Some(Bounded {

@@ -1720,6 +1720,11 @@ fn copy_placement(driver: &Driver, kind: CopyKind, dst: u64, src: u64) -> Placem
         CopyKind::Copy => Placement::Copy,
         CopyKind::SmCopy => Placement::SmCopy,
         CopyKind::Unified => {
+            // Neither turns nor green contexts in this process: the placement changes nothing,
+            // and the copy's path pays no query.
+            if !launch::is_gated() && spatial::spatial().is_none() {
+                return Placement::SmCopy;
+            }
             let Some(query) = driver.fns.pointer_get_attribute else {
                 return Placement::SmCopy;
             };

@@ -397,6 +397,11 @@ struct Gates {
     devices: [OnceLock<Option<Gate>>; DEVICES_MAX],
 }
 
+/// Whether this process's launches are gated at all (it has compute shares).
+pub fn is_gated() -> bool {
+    gates().is_some()
+}
+
 fn gates() -> Option<&'static Gates> {
     static GATES: OnceLock<Option<Gates>> = OnceLock::new();
     GATES
