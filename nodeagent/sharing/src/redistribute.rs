@@ -780,6 +780,15 @@ impl Redistributor {
             .collect()
     }
 
+    /// The mean gain of the pairs measured so far, its standard error (at least the counts'
+    /// resolution), and how many pairs.
+    fn estimate(judgement: &Judgement, alone: &[Option<(f64, u64)>]) -> (f64, f64, usize) {
+        let gains = Redistributor::gains(judgement, alone);
+        let (gain, stderr) = mean_and_stderr(&gains);
+        let stderr = stderr.max(Redistributor::resolution(judgement, alone));
+        (gain, stderr, gains.len())
+    }
+
     /// The standard error that the counts' own resolution leaves in the mean gain, whatever
     /// the pairs' spread: a rate counted over a period of `T` s is off by up to one unit, a
     /// rounding with a variance of `1 / 12` unit, so each member adds `(1/T_with^2 +
@@ -822,12 +831,10 @@ impl Redistributor {
         judgement: &Judgement,
         alone: &[Option<(f64, u64)>],
     ) -> Option<Verdict> {
-        let gains = Redistributor::gains(judgement, alone);
-        let (gain, stderr) = mean_and_stderr(&gains);
-        let stderr = stderr.max(Redistributor::resolution(judgement, alone));
-        let margin = t_critical(gains.len() - 1) * stderr;
+        let (gain, stderr, pairs) = Redistributor::estimate(judgement, alone);
+        let margin = t_critical(pairs - 1) * stderr;
         let least = config.gain_min;
-        let last = gains.len() >= config.pairs_max as usize;
+        let last = pairs >= config.pairs_max as usize;
         match judgement.direction {
             // Kept on a gain of at least `gain_min`, beyond chance; worse when it surely
             // costs; flat when it cannot reach the least gain but does not surely cost (the
@@ -868,8 +875,7 @@ impl Redistributor {
             }
         }
         let member = judgement.member?;
-        let (gain, stderr) = mean_and_stderr(&Self::gains(judgement, &self.alone));
-        let stderr = stderr.max(Self::resolution(judgement, &self.alone));
+        let (gain, stderr, _) = Self::estimate(judgement, &self.alone);
         let from = self.kept[member];
         let direction = judgement.direction as usize;
         let stride = self.backoff[member][direction].stride.max(1);
