@@ -32,7 +32,10 @@
 # are kept in the logs. PARTS (default "pair equal") picks the parts; HINT=1 counts progress
 # with vgpu.torch.progress instead of steps; GUARANTEED=1 places both without --preemptible (the
 # twenty-ninth session's runs: each then keeps half the SMs, and the agent's probes of rates
-# alone stop there). Logs: $OUT/redistribute; the table is printed last.
+# alone stop there). TURNS=0 runs the tenants' processes with VGPU_COMPUTE_TURNS=0 (concurrent MPS
+# clients: they join the schedule, the redistribution moves their caps, but neither waits for the
+# other's turns); COMPARE_TURNS=1 runs the pair without the redistribution once more with the
+# other turns setting (its work is reported beside the oracle's uncapped split). Logs: $OUT/redistribute; the table is printed last.
 # Every exit path stops what the script started (the agent's MPS daemon too).
 # shellcheck disable=SC2317 # cleanup and the wait tests are called indirectly (trap, bounded_wait)
 set -u
@@ -58,6 +61,8 @@ ORACLE_S=${ORACLE_S:-25}
 ORACLE_MEASURE_S=${ORACLE_MEASURE_S:-15}
 HINT=${HINT:-0}
 GUARANTEED=${GUARANTEED:-0}
+TURNS=${TURNS:-1}
+COMPARE_TURNS=${COMPARE_TURNS:-0}
 OUT=${OUT:-/tmp/redistribute-out}
 LOGS="$OUT/redistribute"
 mkdir -p "$LOGS"
@@ -102,14 +107,15 @@ done
 has_part() { [[ " $PARTS " == *" $1 "* ]]; }
 hint=()
 [ "$HINT" = 1 ] && hint=(--hint)
+turns_env=(env "VGPU_COMPUTE_TURNS=$TURNS")
 
 log "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -n1)"
-log "binaries $BIN; parts: $PARTS; b $PAIR_B; alone ${ALONE_S}s, pair ${PAIR_S}s, equal ${EQUAL_S}s, off ${OFF_S}s; hint $HINT; oracle $ORACLE ($ORACLE_SPLITS, ${ORACLE_S}s each)"
+log "binaries $BIN; parts: $PARTS; b $PAIR_B; alone ${ALONE_S}s, pair ${PAIR_S}s, equal ${EQUAL_S}s, off ${OFF_S}s; hint $HINT; turns $TURNS (compare $COMPARE_TURNS); oracle $ORACLE ($ORACLE_SPLITS, ${ORACLE_S}s each)"
 
 EXEC=("$BIN/vgpu-agent" exec --name gpu-node --state-dir "$WORK/agent" --shm-dir "$SHM"
   --interposer "$BIN/libvgpu_cuda.so")
 start() { # start TENANT LOG WORKLOAD SECONDS: a workload of TENANT in the background
-  timeout $(($4 + 120)) "${EXEC[@]}" --tenant "$1" -- "$PY" "$HELPER" "$3" --seconds "$4" "${hint[@]}" \
+  timeout $(($4 + 120)) "${EXEC[@]}" --tenant "$1" -- "${turns_env[@]}" "$PY" "$HELPER" "$3" --seconds "$4" "${hint[@]}" \
     >"$LOGS/$2.log" 2>&1 &
   PIDS+=($!)
 }
@@ -153,6 +159,14 @@ fi
 # ---- the oracle: fixed splits, plain MPS clients ----
 SPLITS=()
 if has_part pair && [ "$ORACLE" = 1 ]; then
+  # each workload alone as a plain MPS client: what vgpu's path costs it alone (the oracle's
+  # rates are normalised by the rates alone through vgpu, like the pair's)
+  start_plain plain-alone-gemm gemm "$ALONE_S" 100
+  finish
+  start_plain plain-alone-b "$PAIR_B" "$ALONE_S" 100
+  finish
+  plan plain-alone-gemm plain-alone-gemm.log $((ALONE_S - 10)) "$ALONE_S"
+  plan plain-alone-b plain-alone-b.log $((ALONE_S - 10)) "$ALONE_S"
   for split in $ORACLE_SPLITS; do
     pa=${split%%:*} pb=${split##*:}
     log "oracle: gemm at ${pa}% beside $PAIR_B at ${pb}% of the threads, ${ORACLE_S}s"
@@ -194,6 +208,17 @@ if has_part pair; then
   finish
   plan pair-off-gemm pair-off-gemm.log $((OFF_S - OFF_MEASURE_S)) "$OFF_S"
   plan pair-off-b pair-off-b.log $((OFF_S - OFF_MEASURE_S)) "$OFF_S"
+  if [ "$COMPARE_TURNS" = 1 ]; then
+    other=$((1 - TURNS))
+    log "pair without the redistribution, VGPU_COMPUTE_TURNS=$other, ${OFF_S}s"
+    turns_env=(env "VGPU_COMPUTE_TURNS=$other")
+    start a pair-turns-gemm gemm "$OFF_S"
+    start b pair-turns-b "$PAIR_B" "$OFF_S"
+    finish
+    turns_env=(env "VGPU_COMPUTE_TURNS=$TURNS")
+    plan pair-turns-gemm pair-turns-gemm.log $((OFF_S - OFF_MEASURE_S)) "$OFF_S"
+    plan pair-turns-b pair-turns-b.log $((OFF_S - OFF_MEASURE_S)) "$OFF_S"
+  fi
 fi
 if has_part equal; then
   start a equal-off-a gemm "$OFF_S"
@@ -223,6 +248,9 @@ if has_part pair; then
       record "oracle: gemm:$PAIR_B at ${split/-/%:}% threads: work (a $(calc "round(${R[oracle-$split-a]} / ${R[alone-gemm]}, 3)") + b $(calc "round(${R[oracle-$split-b]} / ${R[alone-b]}, 3)")), / uncapped" "-" "$(calc "round($work, 3)") / $(calc "round($work / $ref, 3)")" INFO
       if [ "$(calc "int($work > $best)")" = 1 ]; then best=$work best_split=$split; fi
     done
+    if have plain-alone-gemm plain-alone-b; then
+      record "alone, a plain MPS client / through vgpu: gemm, $PAIR_B" "-" "$(calc "round(${R[plain-alone-gemm]} / ${R[alone-gemm]}, 3)"), $(calc "round(${R[plain-alone-b]} / ${R[alone-b]}, 3)")" INFO
+    fi
     gain=$(calc "round($best / $ref, 3)")
     if [ "$(calc "int($gain >= 1.04)")" = 1 ]; then
       bar=$(calc "round(1 + ($gain - 1) / 2, 3)")
@@ -239,6 +267,10 @@ if has_part pair; then
     record "pair gemm+$PAIR_B: group's work with / without the redistribution (with $(calc "round($on, 3)"), without $(calc "round($off, 3)"); bar: $bar_why)" ">= $bar" "$ratio" "$(calc "'PASS' if $ratio >= $bar else 'FAIL'")"
     record "pair: gemm's rate with / without" "-" "$(calc "round(${R[pair-on-gemm]} / ${R[pair-off-gemm]}, 3)")" INFO
     record "pair: $PAIR_B's rate with / without" "-" "$(calc "round(${R[pair-on-b]} / ${R[pair-off-b]}, 3)")" INFO
+    record "pair without the redistribution, turns $TURNS: gemm + $PAIR_B (/ alone)" "-" "$(calc "round(${R[pair-off-gemm]} / ${R[alone-gemm]}, 3)") + $(calc "round(${R[pair-off-b]} / ${R[alone-b]}, 3)")" INFO
+    if have pair-turns-gemm pair-turns-b; then
+      record "pair without the redistribution, turns $((1 - TURNS)): gemm + $PAIR_B (/ alone); work / turns $TURNS's" "-" "$(calc "round(${R[pair-turns-gemm]} / ${R[alone-gemm]}, 3)") + $(calc "round(${R[pair-turns-b]} / ${R[alone-b]}, 3)"); $(calc "round((${R[pair-turns-gemm]} / ${R[alone-gemm]} + ${R[pair-turns-b]} / ${R[alone-b]}) / $off, 3)")" INFO
+    fi
   else
     record "pair gemm+$PAIR_B" "measured" "missing rates" FAIL
   fi

@@ -355,6 +355,27 @@ fn a_killed_process_mid_turn_stalls_the_others_only_briefly() {
 }
 
 #[test]
+fn a_process_without_turns_joins_the_schedule_but_is_never_held() {
+    // `VGPU_COMPUTE_TURNS=0`: a capped 30% tenant alone would get at most 30% of the GPU
+    // (`a_bursting_tenant_gives_idle_time_back_and_a_capped_one_stays_capped`); without turns
+    // it is not held, yet it is a member of the GPU's schedule (its demand and steps count).
+    let shm = shm_dir();
+    let spun = spin_together(
+        shm.path(),
+        vec![spinner("free", "0:30", "kernel").env("VGPU_COMPUTE_TURNS", "0")],
+        (200, 1200),
+        1300,
+    );
+    assert_alone(shares(&spun, 1000)[0], 85.0, 100.5);
+    let files: Vec<_> = std::fs::read_dir(shm.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name.ends_with(".compute"))
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+}
+
+#[test]
 fn tenants_without_a_share_are_not_gated() {
     let shm = shm_dir();
     let spun = spin_together(
