@@ -30,6 +30,7 @@
 //! | `VGPU_LATENCY_TARGET_US` | agent | a latency tenant's step target in µs (`vgpuctl place --latency-target`); unset: 1.2x its own latency alone, as the node measures it |
 //! | `VGPU_CONTEXT_OVERHEAD` | user | charged per process per device for its CUDA context: a size, or `<device>:<size>,...` |
 //! | `VGPU_COMPUTE_QUANTUM_MS` | user | turn length for a GPU whose schedule this process creates (default 20) |
+//! | `VGPU_COMPUTE_QUEUE_EVENTS` | user | how many sampled launches a stream of a gated process may have unfinished before its next sampled launch waits (the queue bound; default 2, `1..=4096`); for experiments on what the bound costs a tenant alone |
 //! | `VGPU_COMPUTE_TURNS` | user | `0`: the process joins its GPUs' schedules (demand, steps, progress, the closed loop's and the redistribution's levers) but never waits for a turn, so its tenant's share is not held by time; for experiments with concurrent MPS clients (`tests/gpu/redistribute.sh` `TURNS=0`). Default `1` |
 //! | `VGPU_SPATIAL_HOLD_MS`, `VGPU_SPATIAL_SMS` | user | how long others stay squeezed after a latency launch; SMs they keep |
 //! | `VGPU_MEMORY_VMM` | user | `1`: the interposer backs every `cuMemAlloc_v2` with the driver's virtual memory management (reserve, create, map), as elastic memory backs borrowed allocations (issue 17); for compatibility runs |
@@ -86,6 +87,7 @@ pub mod var {
     pub const MEMORY_STAGING_TOUCH: &str = "VGPU_MEMORY_STAGING_TOUCH";
     pub const COMPUTE_QUANTUM_MS: &str = "VGPU_COMPUTE_QUANTUM_MS";
     pub const COMPUTE_TURNS: &str = "VGPU_COMPUTE_TURNS";
+    pub const COMPUTE_QUEUE_EVENTS: &str = "VGPU_COMPUTE_QUEUE_EVENTS";
     pub const SPATIAL_HOLD_MS: &str = "VGPU_SPATIAL_HOLD_MS";
     pub const SPATIAL_SMS: &str = "VGPU_SPATIAL_SMS";
     pub const REAL_LIBCUDA: &str = "VGPU_REAL_LIBCUDA";
@@ -363,6 +365,9 @@ pub struct ComputeEnv {
     pub quantum_ms: u64,
     /// `false` (`VGPU_COMPUTE_TURNS=0`): launches never wait for a turn.
     pub turns: bool,
+    /// `VGPU_COMPUTE_QUEUE_EVENTS`: unfinished sampled launches per stream before a launch
+    /// waits; `None`: the interposer's default.
+    pub queue_events: Option<usize>,
 }
 
 impl ComputeEnv {
@@ -387,6 +392,8 @@ impl ComputeEnv {
             quantum_ms: number(&get, var::COMPUTE_QUANTUM_MS, 1..=1000, "milliseconds")?
                 .unwrap_or(COMPUTE_QUANTUM_MS_DEFAULT),
             turns: flag(&get, var::COMPUTE_TURNS, true)?,
+            queue_events: number(&get, var::COMPUTE_QUEUE_EVENTS, 1..=4096, "events")?
+                .map(|n| n as usize),
         }))
     }
 }

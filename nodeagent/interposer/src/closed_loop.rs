@@ -139,6 +139,11 @@ impl LaunchKey {
     pub fn copy(bytes: usize) -> LaunchKey {
         LaunchKey(bytes | 1 << (usize::BITS - 1))
     }
+
+    /// A memset of `bytes` (writes only: about half a copy's time, so a key of its own).
+    pub fn memset(bytes: usize) -> LaunchKey {
+        LaunchKey(bytes | 0b11 << (usize::BITS - 2))
+    }
 }
 
 /// The expected duration of each kind of launch: a decaying maximum of its measured runs.

@@ -1804,6 +1804,35 @@ copy_hook!(
     Copy
 );
 
+/// An asynchronous memset: the driver runs it as a kernel on the GPU's SMs at HBM speed, so it
+/// takes turns and moves to a green stream while its tenant is squeezed or capped, as a copy
+/// within the GPU's memory does (`Placement::SmCopy`; ABI test
+/// `compute::memsets_take_turns_like_kernels`). `$bytes` is what it writes (the closed loop's
+/// duration key).
+macro_rules! memset_hook {
+    ($name:ident, $field:ident, $per_thread:expr, ($($arg:ident: $ty:ty),*), $bytes:expr) => {
+        /// # Safety
+        /// The driver's contract for this memset.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($arg: $ty,)* stream: CUstream) -> CUresult {
+            ffi_boundary!(stringify!($name), fallback = CUDA_ERROR_UNKNOWN, {
+                let (driver, real) = real_fn!($field);
+                gated_launch(
+                    stringify!($name),
+                    driver,
+                    stream,
+                    $per_thread,
+                    Placement::SmCopy,
+                    crate::closed_loop::LaunchKey::memset($bytes),
+                    // SAFETY: forwarded under the caller's contract; `s` is the caller's stream
+                    // or a green stream of the current context's device.
+                    |s| unsafe { real($($arg,)* s) },
+                )
+            })
+        }
+    };
+}
+
 /// A copy that the compute gate does not see (synchronous, on the legacy or per-thread default
 /// stream): held while a chunk of borrowed memory is in host memory (`enter_work`), then
 /// forwarded unchanged.
@@ -1868,26 +1897,26 @@ held_copy_hook!(cuMemsetD8_v2, memset_d8, (dst: CUdeviceptr, value: u8, count: u
 held_copy_hook!(cuMemsetD8_v2_ptds, memset_d8_ptds, (dst: CUdeviceptr, value: u8, count: usize));
 held_copy_hook!(cuMemsetD2D8_v2, memset_d2d8, (dst: CUdeviceptr, pitch: usize, value: u8, width: usize, height: usize));
 held_copy_hook!(cuMemsetD2D8_v2_ptds, memset_d2d8_ptds, (dst: CUdeviceptr, pitch: usize, value: u8, width: usize, height: usize));
-held_copy_hook!(cuMemsetD8Async, memset_d8_async, (dst: CUdeviceptr, value: u8, count: usize, stream: CUstream));
-held_copy_hook!(cuMemsetD8Async_ptsz, memset_d8_async_ptsz, (dst: CUdeviceptr, value: u8, count: usize, stream: CUstream));
-held_copy_hook!(cuMemsetD2D8Async, memset_d2d8_async, (dst: CUdeviceptr, pitch: usize, value: u8, width: usize, height: usize, stream: CUstream));
-held_copy_hook!(cuMemsetD2D8Async_ptsz, memset_d2d8_async_ptsz, (dst: CUdeviceptr, pitch: usize, value: u8, width: usize, height: usize, stream: CUstream));
+memset_hook!(cuMemsetD8Async, memset_d8_async, false, (dst: CUdeviceptr, value: u8, count: usize), count);
+memset_hook!(cuMemsetD8Async_ptsz, memset_d8_async_ptsz, true, (dst: CUdeviceptr, value: u8, count: usize), count);
+memset_hook!(cuMemsetD2D8Async, memset_d2d8_async, false, (dst: CUdeviceptr, pitch: usize, value: u8, width: usize, height: usize), width.saturating_mul(height));
+memset_hook!(cuMemsetD2D8Async_ptsz, memset_d2d8_async_ptsz, true, (dst: CUdeviceptr, pitch: usize, value: u8, width: usize, height: usize), width.saturating_mul(height));
 held_copy_hook!(cuMemsetD16_v2, memset_d16, (dst: CUdeviceptr, value: u16, count: usize));
 held_copy_hook!(cuMemsetD16_v2_ptds, memset_d16_ptds, (dst: CUdeviceptr, value: u16, count: usize));
 held_copy_hook!(cuMemsetD2D16_v2, memset_d2d16, (dst: CUdeviceptr, pitch: usize, value: u16, width: usize, height: usize));
 held_copy_hook!(cuMemsetD2D16_v2_ptds, memset_d2d16_ptds, (dst: CUdeviceptr, pitch: usize, value: u16, width: usize, height: usize));
-held_copy_hook!(cuMemsetD16Async, memset_d16_async, (dst: CUdeviceptr, value: u16, count: usize, stream: CUstream));
-held_copy_hook!(cuMemsetD16Async_ptsz, memset_d16_async_ptsz, (dst: CUdeviceptr, value: u16, count: usize, stream: CUstream));
-held_copy_hook!(cuMemsetD2D16Async, memset_d2d16_async, (dst: CUdeviceptr, pitch: usize, value: u16, width: usize, height: usize, stream: CUstream));
-held_copy_hook!(cuMemsetD2D16Async_ptsz, memset_d2d16_async_ptsz, (dst: CUdeviceptr, pitch: usize, value: u16, width: usize, height: usize, stream: CUstream));
+memset_hook!(cuMemsetD16Async, memset_d16_async, false, (dst: CUdeviceptr, value: u16, count: usize), count.saturating_mul(2));
+memset_hook!(cuMemsetD16Async_ptsz, memset_d16_async_ptsz, true, (dst: CUdeviceptr, value: u16, count: usize), count.saturating_mul(2));
+memset_hook!(cuMemsetD2D16Async, memset_d2d16_async, false, (dst: CUdeviceptr, pitch: usize, value: u16, width: usize, height: usize), width.saturating_mul(height).saturating_mul(2));
+memset_hook!(cuMemsetD2D16Async_ptsz, memset_d2d16_async_ptsz, true, (dst: CUdeviceptr, pitch: usize, value: u16, width: usize, height: usize), width.saturating_mul(height).saturating_mul(2));
 held_copy_hook!(cuMemsetD32_v2, memset_d32, (dst: CUdeviceptr, value: u32, count: usize));
 held_copy_hook!(cuMemsetD32_v2_ptds, memset_d32_ptds, (dst: CUdeviceptr, value: u32, count: usize));
 held_copy_hook!(cuMemsetD2D32_v2, memset_d2d32, (dst: CUdeviceptr, pitch: usize, value: u32, width: usize, height: usize));
 held_copy_hook!(cuMemsetD2D32_v2_ptds, memset_d2d32_ptds, (dst: CUdeviceptr, pitch: usize, value: u32, width: usize, height: usize));
-held_copy_hook!(cuMemsetD32Async, memset_d32_async, (dst: CUdeviceptr, value: u32, count: usize, stream: CUstream));
-held_copy_hook!(cuMemsetD32Async_ptsz, memset_d32_async_ptsz, (dst: CUdeviceptr, value: u32, count: usize, stream: CUstream));
-held_copy_hook!(cuMemsetD2D32Async, memset_d2d32_async, (dst: CUdeviceptr, pitch: usize, value: u32, width: usize, height: usize, stream: CUstream));
-held_copy_hook!(cuMemsetD2D32Async_ptsz, memset_d2d32_async_ptsz, (dst: CUdeviceptr, pitch: usize, value: u32, width: usize, height: usize, stream: CUstream));
+memset_hook!(cuMemsetD32Async, memset_d32_async, false, (dst: CUdeviceptr, value: u32, count: usize), count.saturating_mul(4));
+memset_hook!(cuMemsetD32Async_ptsz, memset_d32_async_ptsz, true, (dst: CUdeviceptr, value: u32, count: usize), count.saturating_mul(4));
+memset_hook!(cuMemsetD2D32Async, memset_d2d32_async, false, (dst: CUdeviceptr, pitch: usize, value: u32, width: usize, height: usize), width.saturating_mul(height).saturating_mul(4));
+memset_hook!(cuMemsetD2D32Async_ptsz, memset_d2d32_async_ptsz, true, (dst: CUdeviceptr, pitch: usize, value: u32, width: usize, height: usize), width.saturating_mul(height).saturating_mul(4));
 held_copy_hook!(cuStreamWriteValue32, stream_write_value32, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));
 held_copy_hook!(cuStreamWriteValue32_ptsz, stream_write_value32_ptsz, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));
 held_copy_hook!(cuStreamWriteValue32_v2, stream_write_value32_v2, (stream: CUstream, address: CUdeviceptr, value: u32, flags: c_uint));

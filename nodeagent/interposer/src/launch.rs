@@ -637,7 +637,10 @@ impl Gate {
             let ring = streams.entry(key).or_default();
             ring.push_back(event);
             retire_finished(gpu, ring, pool);
-            if ring.len() <= EVENTS_PER_STREAM_MAX {
+            let most = gates()
+                .and_then(|gates| gates.config.queue_events)
+                .unwrap_or(EVENTS_PER_STREAM_MAX);
+            if ring.len() <= most {
                 return;
             }
             ring.pop_front()

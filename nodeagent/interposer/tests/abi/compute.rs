@@ -202,6 +202,23 @@ fn device_to_device_copies_take_turns_like_kernels() {
     assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
 }
 
+/// A memset is a kernel to the GPU (it writes at HBM speed on the SMs): before the fix memsets
+/// passed no turn, as device-to-device copies did.
+#[test]
+fn memsets_take_turns_like_kernels() {
+    let shm = shm_dir();
+    let spun = spin_together(
+        shm.path(),
+        vec![
+            spinner("a", "0:70", "kernel"),
+            spinner("b", "0:30", "memset"),
+        ],
+        (400, 2400),
+        2500,
+    );
+    assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
+}
+
 /// `cuMemcpyAsync` reads its direction from its pointers: between two device addresses it takes
 /// turns like a kernel; from host memory it runs on the copy engines and waits for no turn (a
 /// turn is 20 ms; NCCL's and frameworks' small host copies would each wait for one).

@@ -92,7 +92,7 @@
  * (cuLaunchKernel from cuGetProcAddress_v2), dl (cuLaunchKernel from
  * dlsym(dlopen("libcuda.so.1")), dtod (cuMemcpyDtoDAsync_v2: a copy within the GPU, which runs on
  * its SMs like a kernel), unified_dtod / unified_htod (cuMemcpyAsync between two device addresses,
- * or from host memory).
+ * or from host memory), memset (cuMemsetD32Async, which the driver runs as a kernel).
  * "lib=<file>" says which library a function pointer lives in.
  */
 #define _GNU_SOURCE
@@ -179,6 +179,7 @@ CUresult cuStreamSynchronize(void *);
 CUresult cuStreamQuery(void *);
 CUresult cuMemcpyDtoDAsync_v2(unsigned long long, unsigned long long, size_t, void *);
 CUresult cuMemcpyAsync(unsigned long long, unsigned long long, size_t, void *);
+CUresult cuMemsetD32Async(unsigned long long, unsigned int, size_t, void *);
 CUresult cuMemcpyDtoHAsync_v2(void *, CUdeviceptr, size_t, void *);
 unsigned long long fakeKernelSum(void);
 unsigned long long fakeBusyUnmaps(void);
@@ -422,6 +423,8 @@ static CUresult launch_via(const char *api, unsigned int us, const char **lib) {
   if (!strcmp(api, "kernel")) return cuLaunchKernel(NULL, us, 1, 1, 1, 1, 1, 0, USER_STREAM, NULL, NULL);
   /* A device-to-device copy runs on the SMs like a kernel (the fake runs it for `us` us). */
   if (!strcmp(api, "dtod")) return cuMemcpyDtoDAsync_v2(0, 0, (size_t)us * 1000, USER_STREAM);
+  /* A memset of 4 bytes a word: the fake runs it for (bytes / 1000) us, like the copy. */
+  if (!strcmp(api, "memset")) return cuMemsetD32Async(0, 0, (size_t)us * 250, USER_STREAM);
   /* cuMemcpyAsync, whose direction the driver reads from the pointers: between two device
    * addresses, or from host memory into the GPU. */
   if (!strcmp(api, "unified_dtod") || !strcmp(api, "unified_htod")) {
