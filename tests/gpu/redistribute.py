@@ -1,12 +1,14 @@
 """Workloads of tests/gpu/redistribute.sh (issue 15, point 4: SMs among best-effort tenants).
 
-    redistribute.py gemm|stream|hist --seconds S [--hint] [--sync-every N]
+    redistribute.py gemm|stream|hist|small --seconds S [--hint] [--sync-every N]
     redistribute.py report --logs DIR
 
 gemm: bf16 8192^3 matmuls back to back (compute-bound). stream: a 1 GiB fp32 copy back to back
 (HBM-bandwidth-bound, full grids: under MPS its blocks hold SMs they cannot use). hist: 2^26
 fp32 values added into 4096 bins at random indices (`scatter_add_`, bound by the L2's atomics
-rather than by the SMs its grid holds). All three
+rather than by the SMs its grid holds). small: an 8-layer 512-wide MLP at batch 8, fp32, in eager
+PyTorch (launch-bound: a few-us kernels, the GPU idle between them while Python launches the
+next; the case where taking turns wastes the GPU, unlike the three above). All four
 synchronise every N operations (a step, which the interposer counts as the tenant's progress),
 or with --hint count their operations through vgpu.torch.progress instead. Each prints one line
 `RESULT {json}`: the workload, the operations completed, and the cumulative count at every whole
@@ -45,6 +47,17 @@ def run(args):
 
         def op():
             bins.scatter_add_(0, index, values)
+
+    elif args.workload == "small":
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(512, 512).to(device) for _ in range(8)]
+        x = torch.randn(8, 512, device=device)
+
+        def op():
+            h = x
+            with torch.no_grad():
+                for layer in layers:
+                    h = torch.relu(layer(h))
 
     else:
         n = 1 << 28
@@ -117,7 +130,7 @@ def report(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("gemm", "stream", "hist"):
+    for name in ("gemm", "stream", "hist", "small"):
         p = sub.add_parser(name)
         p.add_argument("--seconds", type=float, required=True)
         p.add_argument("--hint", action="store_true")

@@ -11,7 +11,8 @@
 # Through vgpu: vgpu-cp, `vgpu-agent join --mps`, `vgpuctl place a|b --gpus 0.5 --memory 20GiB
 # --burst --preemptible`, the workloads started with `vgpu-agent exec` (tests/gpu/redistribute.py):
 #   alone   gemm (bf16 8192^3 matmuls) alone as tenant a, PAIR_B (stream: a 1 GiB copy; hist:
-#           atomic adds into 4096 bins) alone as b
+#           atomic adds into 4096 bins; small: an eager 8-layer MLP at batch 8, launch-bound)
+#           alone as b
 #   oracle  (with pair) what fixed splits give, measured rather than assumed: the two workloads
 #           as plain clients of the same MPS daemon (not through vgpu), at the active-thread
 #           percentages (a b) of ORACLE_SPLITS, ORACLE_S seconds each, the last ORACLE_MEASURE_S
@@ -93,8 +94,8 @@ cleanup() {
 trap cleanup EXIT
 
 for part in $PARTS; do
-  case "$PAIR_B" in stream | hist) ;; *)
-    echo "PAIR_B: unknown workload $PAIR_B (stream hist)" >&2
+  case "$PAIR_B" in stream | hist | small) ;; *)
+    echo "PAIR_B: unknown workload $PAIR_B (stream hist small)" >&2
     exit 2
     ;;
   esac

@@ -3,12 +3,18 @@
 //! the tenants allowed to burst, and when several want it, to the one that turns it into the most
 //! work, with the hardware's split (uncapped) as the fallback.
 //!
-//! **Where it acts.** Only among tenants that run side by side, as MPS clients of one GPU:
-//! without MPS, tenants take turns, a tenant's progress is proportional to its turn time, and the
-//! turns already give back what a tenant leaves unused (work conservation; nothing to
-//! redistribute). Under MPS the hardware hands SMs to whichever client has blocks waiting, so a
-//! tenant whose blocks stall on memory holds SMs it cannot use: a bandwidth-bound loop beside a
-//! compute-bound one keeps half the GPU and gains nothing from it. The lever is each tenant's
+//! **Where it acts.** Among the burst tenants of an MPS node's GPU. It was designed for MPS
+//! clients that run side by side: the hardware hands SMs to whichever client has blocks
+//! waiting, so a tenant whose blocks stall on memory holds SMs it cannot use (a bandwidth-bound
+//! loop beside a compute-bound one keeps half the GPU and gains nothing from it). **But the
+//! members take turns on MPS nodes too** (the agent gives every fractional tenant its compute
+//! shares, and `tenant_abi::compute::Schedule::fast_ok` lets a tenant launch freely only while it
+//! is the one active), and an H200 measured turns as the better sharing for GPU-bound pairs
+//! (6-7% more of the group's work than the same clients without turns: docs/benchmarks.md,
+//! "Utility redistribution: turns or concurrent MPS clients"). Between tenants that alternate
+//! turns a cap binds only where their work overlaps (the hand-overs), so on such groups the rule
+//! finds little to keep, and rightly keeps nothing that costs. Without MPS the turns alone share
+//! the GPU, and this core is not run. The lever is each tenant's
 //! **SM cap** (`tenant_abi::control::Control::caps`, in [`FULL`]ths of the GPU): its launches go to
 //! a green context of that many SMs. Caps are nested (every green context starts at the GPU's
 //! first SMs), so a capped tenant shares its SMs with the others and the rest of the GPU goes to
