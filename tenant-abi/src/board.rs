@@ -103,7 +103,10 @@ pub struct Tenant {
     pub present: AtomicU32,
     pub flags: AtomicU32,
     pub priority: AtomicI32,
-    pub reserved: AtomicU32,
+    /// The board slot + 1 of the process whose reclaim made the tenant's claim (see
+    /// [`Board::claim_from`]); 0: not known (the word was reserved before, so a board written by
+    /// an older build reads 0 here, and the claim ends as it did then).
+    pub claimer: AtomicU32,
     pub request_bytes: AtomicU64,
     /// What the tenant may hold, resident and swapped; 0 = its request.
     pub limit_bytes: AtomicU64,
@@ -228,7 +231,7 @@ impl Region {
             present: AtomicU32::new(0),
             flags: AtomicU32::new(0),
             priority: AtomicI32::new(0),
-            reserved: AtomicU32::new(0),
+            claimer: AtomicU32::new(0),
             request_bytes: AtomicU64::new(0),
             limit_bytes: AtomicU64::new(0),
             want_bytes: AtomicU64::new(0),
@@ -382,6 +385,7 @@ impl Region {
                 ] {
                     counter.store(0, SeqCst);
                 }
+                entry.claimer.store(0, SeqCst);
                 index
             }
         };
@@ -409,6 +413,7 @@ impl Region {
         entry.present.store(0, SeqCst);
         entry.want_bytes.store(0, SeqCst);
         entry.claim_until_ns.store(0, SeqCst);
+        entry.claimer.store(0, SeqCst);
         true
     }
 
@@ -964,6 +969,17 @@ impl<'r, L: Liveness> Board<'r, L> {
         {
             return;
         }
+        // A claim another live process of the tenant made is that process's to end (by its own
+        // free, its allocation's lapse or a failed reclaim): a rank that frees says nothing of
+        // whether another rank of its tenant on the GPU still grows.
+        let claimer = self.region.tenants[tenant as usize].claimer.load(SeqCst) as usize;
+        if claimer != 0 && claimer - 1 != slot && claimer <= SLOTS {
+            let other = &self.region.slots[claimer - 1];
+            let pid = other.pid.load(SeqCst);
+            if pid != 0 && pid & RECLAIMING_BIT == 0 && other.tenant.load(SeqCst) == tenant {
+                return;
+            }
+        }
         let waiting = self.region.slots.iter().any(|s| {
             s.pid.load(SeqCst) != 0
                 && s.tenant.load(SeqCst) == tenant
@@ -1061,10 +1077,22 @@ impl<'r, L: Liveness> Board<'r, L> {
             .fetch_max(now_ns.saturating_add(CLAIM_LAPSE_NS), SeqCst);
     }
 
+    /// [`Board::claim`] by the process of `slot`: the claim is then that process's, and a free
+    /// by another process of the tenant does not end it ([`Board::release_freed`]).
+    pub fn claim_from(&self, slot: usize, tenant: usize, bytes: u64, now_ns: u64) {
+        assert!(slot < SLOTS, "a board slot");
+        self.region.tenants[tenant]
+            .claimer
+            .store(slot as u32 + 1, SeqCst);
+        self.claim(tenant, bytes, now_ns);
+    }
+
     /// The tenant at `tenant` no longer waits for the room it claimed (its reclaim failed):
     /// others may use it at once.
     pub fn drop_claim(&self, tenant: usize) {
-        self.region.tenants[tenant].claim_until_ns.store(0, SeqCst);
+        let entry = &self.region.tenants[tenant];
+        entry.claim_until_ns.store(0, SeqCst);
+        entry.claimer.store(0, SeqCst);
     }
 
     /// The tenant at `tenant` allocated within its request at `now_ns`: a live claim of it lasts

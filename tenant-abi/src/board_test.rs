@@ -396,6 +396,34 @@ fn a_claimer_that_frees_is_done_growing_unless_its_tenant_still_waits() {
 }
 
 #[test]
+fn a_claim_is_its_claimers_to_end_not_another_rank_of_its_tenant() {
+    let region = issue_board();
+    let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());
+    let live = Fake::with(&[10, 20, 21]);
+    let board = Board::new(&region, &live);
+    let sa = board.claim_slot(10, 1, a).unwrap();
+    let sb = board.claim_slot(20, 1, b).unwrap();
+    let sb2 = board.claim_slot(21, 1, b).unwrap();
+    assert_eq!(board.reserve(sa, 60 * GIB), Ok(Grant::Borrowed));
+    assert_eq!(board.reserve(sb2, 4 * GIB), Ok(Grant::Within));
+    let now = 1_000_000_000;
+    // "b"'s first rank reclaims (its claim); its second rank, which never waited, frees: the
+    // claim stays (before: any free by a process of "b" not in line ended it).
+    board.claim_from(sb, b, 26 * GIB, now);
+    board.release_freed(sb2, GIB);
+    assert_eq!(region.claimed_by_others(a, now), 26 * GIB);
+    // The claimer's own free ends it.
+    board.release_freed(sb, 0);
+    assert_eq!(region.claimed_by_others(a, now), 0);
+    // A claimer that died (its slot reclaimed) does not keep the claim alive for the others.
+    board.claim_from(sb, b, 26 * GIB, now);
+    live.kill(20);
+    assert_eq!(board.reclaim_dead(21), 1);
+    board.release_freed(sb2, GIB);
+    assert_eq!(region.claimed_by_others(a, now), 0);
+}
+
+#[test]
 fn a_claim_holds_the_room_for_the_claimers_request_until_it_lapses() {
     let region = issue_board();
     let (a, b) = (region.find("a").unwrap(), region.find("b").unwrap());

@@ -563,7 +563,7 @@ fn grow(region: &Region, board: &Board<'_, &Fake>, job: &mut Job, now: u64, turn
                 let owed = reclaim::owed(&holders, &job.name, piece);
                 // The claim first, and the plan against the room other claims leave, as the
                 // interposer's `reclaimed` does.
-                board.claim(job.tenant, owed, now);
+                board.claim_from(job.slot, job.tenant, owed, now);
                 let unclaimed = region
                     .free()
                     .saturating_sub(region.claimed_by_others(job.tenant, now));

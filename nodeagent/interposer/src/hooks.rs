@@ -1412,7 +1412,7 @@ impl Enforcer {
         // and each then found the room it counted on held by the other's claim (on the fake
         // driver both waited out their 2.5 s bound and asked again).
         let now = crate::shm::monotonic_ns();
-        board.board.claim(board.tenant, owed, now);
+        board.board.claim_from(board_slot, board.tenant, owed, now);
         let unclaimed = region
             .free()
             .saturating_sub(region.claimed_by_others(board.tenant, now));
