@@ -6,8 +6,8 @@
 gemm: bf16 8192^3 matmuls back to back (compute-bound). stream: a 1 GiB fp32 copy back to back
 (HBM-bandwidth-bound, full grids: under MPS its blocks hold SMs they cannot use). hist: 2^26
 fp32 values added into 4096 bins at random indices (`scatter_add_`, bound by the L2's atomics
-rather than by the SMs its grid holds). small: an 8-layer 512-wide MLP at batch 8, fp32, in eager
-PyTorch (launch-bound: a few-us kernels, the GPU idle between them while Python launches the
+rather than by the SMs its grid holds). small: eight 512-wide fp32 layers (matmuls) at batch 8, in
+eager PyTorch (launch-bound: a few-us kernels, the GPU idle between them while Python launches the
 next; the case where taking turns wastes the GPU, unlike the three above). All four
 synchronise every N operations (a step, which the interposer counts as the tenant's progress),
 or with --hint count their operations through vgpu.torch.progress instead. Each prints one line
@@ -49,15 +49,15 @@ def run(args):
             bins.scatter_add_(0, index, values)
 
     elif args.workload == "small":
-        torch.manual_seed(0)
-        layers = [torch.nn.Linear(512, 512).to(device) for _ in range(8)]
+        weights = [torch.randn(512, 512, device=device) for _ in range(8)]
+        outs = [torch.empty(8, 512, device=device) for _ in range(8)]
         x = torch.randn(8, 512, device=device)
 
         def op():
             h = x
-            with torch.no_grad():
-                for layer in layers:
-                    h = torch.relu(layer(h))
+            for w, out in zip(weights, outs):
+                torch.matmul(h, w, out=out)
+                h = out
 
     else:
         n = 1 << 28
