@@ -207,6 +207,8 @@ impl Region {
                 next_step_ns: zero(),
                 caps: std::array::from_fn(|_| zero()),
                 caps_ns: zero(),
+                side_by_side: zero(),
+                side_by_side_ns: zero(),
                 reserved: std::array::from_fn(|_| zero()),
                 latency: std::array::from_fn(|_| crate::control::LatencyStats {
                     steps: zero(),
@@ -961,6 +963,13 @@ impl<'r, L: Liveness> Schedule<'r, L> {
             && turn.owner == member.tenant
             && now_ns < turn.start_ns().saturating_add(self.quantum_ns)
             && self.region.header.active.load(Relaxed) == member.bit()
+    }
+
+    /// Whether the agent has `member`'s tenant launch side by side now (no turns to wait for:
+    /// `control::Control::side_by_side`). Asked on the slow path only.
+    #[inline]
+    pub fn side_by_side(&self, member: &Member, now_ns: u64) -> bool {
+        self.region.control.side_by_side(member.tenant, now_ns)
     }
 
     /// Records that the tenant wants the GPU now (callers throttle this to every few hundred µs).

@@ -141,7 +141,14 @@ pub struct Control {
     /// When the agent last wrote `caps` (0: never); caps expire like a decision
     /// ([`DECISION_TTL_NS`]), so a dead agent leaves every tenant uncapped.
     pub caps_ns: AtomicU64,
-    pub reserved: [AtomicU64; 4],
+    /// The tenant slots (bit `i`: slot `i`) whose processes launch without waiting for turns,
+    /// side by side (`sharing::redistribute`: the group's way of sharing), and when the agent
+    /// last wrote them (0: never); they lapse like the caps ([`DECISION_TTL_NS`]), so a dead
+    /// agent leaves every tenant taking turns. In words that were reserved and zero: an older
+    /// agent writes none, an older interposer takes turns.
+    pub side_by_side: AtomicU64,
+    pub side_by_side_ns: AtomicU64,
+    pub reserved: [AtomicU64; 2],
     /// Per tenant slot of the schedule (`compute::Region::tenants`).
     pub latency: [LatencyStats; crate::compute::TENANTS],
 }
@@ -385,6 +392,23 @@ impl Control {
         let word = self.caps[tenant / 8].load(Relaxed);
         let cap = (word >> (8 * (tenant % 8))) as u8;
         (cap != 0 && cap < CAP_UNITS).then_some(cap)
+    }
+
+    /// Publishes at `now_ns` the tenant slots that launch side by side (bit `i`: slot `i`; 0:
+    /// everyone takes turns).
+    pub fn publish_side_by_side(&self, slots: u64, now_ns: u64) {
+        self.side_by_side.store(slots, Relaxed);
+        self.side_by_side_ns.store(now_ns, Relaxed);
+    }
+
+    /// Whether tenant slot `tenant` launches side by side at `now_ns` (`false` once the agent's
+    /// word is older than [`DECISION_TTL_NS`]).
+    #[inline]
+    pub fn side_by_side(&self, tenant: usize, now_ns: u64) -> bool {
+        let at = self.side_by_side_ns.load(Relaxed);
+        at != 0
+            && now_ns.saturating_sub(at) <= DECISION_TTL_NS
+            && self.side_by_side.load(Relaxed) & (1u64 << (tenant % 64)) != 0
     }
 
     /// Clears tenant slot `tenant`'s histogram (its slot was given to another tenant).

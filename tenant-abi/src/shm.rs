@@ -437,6 +437,26 @@ impl ScheduleControl {
         self.mapping.region().control.publish_caps(caps, now_ns);
     }
 
+    /// Publishes at `now_ns` the tenant slots that launch side by side, without waiting for
+    /// turns (bit `i`: slot `i`; `control::Control::publish_side_by_side`); it lapses after
+    /// `control::DECISION_TTL_NS` unless published again.
+    pub fn publish_side_by_side(&self, slots: u64, now_ns: u64) {
+        assert!(
+            now_ns > 0,
+            "a publication's time is never 0 (0: never published)"
+        );
+        self.mapping
+            .region()
+            .control
+            .publish_side_by_side(slots, now_ns);
+    }
+
+    /// Whether tenant slot `slot` launches side by side at `now_ns`, as its processes read it.
+    pub fn side_by_side(&self, slot: usize, now_ns: u64) -> bool {
+        assert!(slot < compute::TENANTS, "tenant slot {slot}");
+        self.mapping.region().control.side_by_side(slot, now_ns)
+    }
+
     /// Tenant slot `slot`'s SM cap in force at `now_ns`, as its processes read it.
     pub fn cap(&self, slot: usize, now_ns: u64) -> Option<u8> {
         assert!(slot < compute::TENANTS, "tenant slot {slot}");

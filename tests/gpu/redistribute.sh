@@ -277,6 +277,10 @@ if has_part pair; then
   fi
   kept=$(grep -h "keeps" "$LOGS/judgements-on.txt" 2>/dev/null | tail -n1 | sed -E 's/.*: ([a-z]+ keeps [0-9]+% of the SMs).*/\1/')
   record "pair: the last cap kept (agent log)" "-" "${kept:-none}" INFO
+  sides=$(grep -hc "burst tenants go side by side" "$LOGS/judgements-on.txt" 2>/dev/null)
+  back=$(grep -hc "burst tenants go back to turns" "$LOGS/judgements-on.txt" 2>/dev/null)
+  tried=$(grep -hc "burst tenants stay as they share" "$LOGS/judgements-on.txt" 2>/dev/null)
+  record "pair: side by side kept / back to turns kept / trials rejected (agent log)" "-" "${sides:-0} / ${back:-0} / ${tried:-0}" INFO
 fi
 if has_part equal; then
   if have alone-gemm equal-on-a equal-on-b equal-off-a equal-off-b; then

@@ -291,8 +291,13 @@ pub fn before(gpu: &dyn Gpu, stream: StreamRef) -> Option<Pending> {
     let device = gates.device(gpu)?;
     let gate = gates.gate(device, gpu)?;
     let now = monotonic_ns();
-    let contended = if !gates.config.turns || gate.schedule.fast_ok(&gate.member, now) {
-        // `VGPU_COMPUTE_TURNS=0`: the demand shows, the turns are not waited for
+    let contended = if !gates.config.turns
+        || gate.schedule.fast_ok(&gate.member, now)
+        || gate.schedule.side_by_side(&gate.member, now)
+    {
+        // Side by side (the agent's redistribution, or `VGPU_COMPUTE_TURNS=0`): the demand
+        // shows, the turns are not waited for, and the queue is bounded as alone's (no turn
+        // to hand over).
         gate.demand(now);
         false
     } else {

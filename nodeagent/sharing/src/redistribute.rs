@@ -1,24 +1,30 @@
 //! Redistribution of a GPU's SMs among its burst tenants (issue 15, point 4;
 //! `docs/design/utility-redistribution.md`): capacity that the latency tenants leave idle goes to
 //! the tenants allowed to burst, and when several want it, to the one that turns it into the most
-//! work, with the hardware's split (uncapped) as the fallback.
+//! work, with turns (max-min fair time shares) as the fallback.
 //!
-//! **Where it acts.** Among the burst tenants of an MPS node's GPU. It was designed for MPS
-//! clients that run side by side: the hardware hands SMs to whichever client has blocks
+//! **Where it acts.** Among the burst tenants of an MPS node's GPU. Members take turns there
+//! like anywhere (the agent gives every fractional tenant its compute shares), and the **first
+//! lever is the way they share**: taking turns (the fallback) or *side by side*, launching
+//! without waiting for each other's turns (`tenant_abi::control::Control::side_by_side`, which
+//! the agent publishes and the interposer reads on its slow path). An H200 measured turns as
+//! the better sharing for two GPU-bound tenants (6-7% more of the group's work than the same
+//! clients side by side: docs/benchmarks.md, "Utility redistribution: turns or concurrent MPS
+//! clients"), while a tenant that leaves the GPU idle in its own turns (launch-bound: small
+//! kernels, Python between them) wastes what a neighbour side by side would use. So it is
+//! measured per group, like a cap. The **second lever is each member's SM cap**, tried only
+//! side by side: between tenants that alternate turns a cap binds only where their work
+//! overlaps (the hand-overs), and on the H200 every trial of a GEMM's cap under turns cost it
+//! 12-15% for nothing. Side by side, the hardware hands SMs to whichever client has blocks
 //! waiting, so a tenant whose blocks stall on memory holds SMs it cannot use (a bandwidth-bound
-//! loop beside a compute-bound one keeps half the GPU and gains nothing from it). **But the
-//! members take turns on MPS nodes too** (the agent gives every fractional tenant its compute
-//! shares, and `tenant_abi::compute::Schedule::fast_ok` lets a tenant launch freely only while it
-//! is the one active), and an H200 measured turns as the better sharing for GPU-bound pairs
-//! (6-7% more of the group's work than the same clients without turns: docs/benchmarks.md,
-//! "Utility redistribution: turns or concurrent MPS clients"). Between tenants that alternate
-//! turns a cap binds only where their work overlaps (the hand-overs), so on such groups the rule
-//! finds little to keep, and rightly keeps nothing that costs. Without MPS the turns alone share
-//! the GPU, and this core is not run. The lever is each tenant's
-//! **SM cap** (`tenant_abi::control::Control::caps`, in [`FULL`]ths of the GPU): its launches go to
-//! a green context of that many SMs. Caps are nested (every green context starts at the GPU's
-//! first SMs), so a capped tenant shares its SMs with the others and the rest of the GPU goes to
-//! the uncapped: at least one member always stays uncapped.
+//! loop beside a compute-bound one keeps half the GPU and gains nothing from it).
+//! A group with a guaranteed member (a floor) keeps its turns: its share is held by them, and
+//! side by side the hardware would split the GPU. Without MPS the turns alone share the GPU,
+//! and this core is not run. A cap (`tenant_abi::control::Control::caps`, in [`FULL`]ths of
+//! the GPU) sends the member's launches to a green context of that many SMs. Caps are nested
+//! (every green context starts at the GPU's first SMs), so a capped tenant shares its SMs with
+//! the others and the rest of the GPU goes to the uncapped: at least one member always stays
+//! uncapped.
 //!
 //! **The measure.** Each member's *progress*: the application's own units where it counts them
 //! (`vgpu_progress`), else its steps (synchronisations that waited for its work). Units differ
@@ -41,7 +47,13 @@
 //! is as alone as the guarantees allow. Probes cost the others one period each, per member, per
 //! `probe_every_ns` (under 1% at the defaults for periods of 1-2 s).
 //!
-//! **The rule.** Start uncapped. Then, one move at a time, in turn over the members: *down* (a
+//! **The rule.** Start taking turns, uncapped. The first move tried is *side by side*, judged
+//! like a cap's move down (kept on a gain of at least the least gain, beyond chance; rejected
+//! moves wait 1, 4, 16, ... judgements); once side by side, *back to turns* is tried whenever
+//! no cap is kept, judged like a move up (kept unless side by side surely pays). A probe runs
+//! side by side (taking turns, the member probed would run in its own turns only and read about
+//! half its rate alone, doubling every gain measured against it). Side by side, the caps' moves,
+//! one at a time, in turn over the members: *down* (a
 //! member's cap one [`RedistributeConfig::step`] lower, never below
 //! [`RedistributeConfig::floor`], half its equal slice, nor below its own [`Member::floor`], a
 //! guaranteed share) or *up* (a capped member's cap one step higher). A move is judged by
@@ -71,7 +83,7 @@
 //! nothing, and the group stays uncapped; the trials themselves cost the member tried (see
 //! `redistribute_test.rs`: over ten minutes, 0.90-1.07 of an equal member's work).
 //!
-//! **Resets** to the fallback (every cap off, everything learnt forgotten): a member joins or
+//! **Resets** to the fallback (turns, every cap off, everything learnt forgotten): a member joins or
 //! leaves, starts counting its own units or changes its floor, its counter restarts (its slot
 //! was reused), or a member makes no progress for a whole [`RedistributeConfig::period_max_ns`]
 //! (*unmeasured*: nothing can be judged; the group waits
@@ -214,6 +226,15 @@ pub enum RedistributeChange {
     /// `tenant`'s rate alone was measured (a probe): `rate` units or steps per second, with
     /// every other member at its floor.
     Probed { tenant: String, rate: f64 },
+    /// The members side by side (`side_by_side: true`: launching without waiting for turns)
+    /// or back to turns was judged: the mean gain and its standard error; `kept`: the group now
+    /// shares that way.
+    SidesJudged {
+        side_by_side: bool,
+        gain: f64,
+        stderr: f64,
+        kept: bool,
+    },
 }
 
 /// One member as the agent reports it.
@@ -235,6 +256,9 @@ pub struct RedistributeOutput {
     /// The caps in force now, by member name; a member not named is uncapped. Published every
     /// period (caps expire).
     pub caps: BTreeMap<String, u8>,
+    /// Whether the members launch side by side now (without waiting for each other's turns);
+    /// `false`: they take turns, the fallback.
+    pub side_by_side: bool,
     pub change: Option<RedistributeChange>,
 }
 
@@ -299,6 +323,9 @@ struct Judgement {
     /// A probe of `member`'s rate alone (one period, every other member at its floor), not a
     /// move.
     probe: bool,
+    /// The move is the group's way of sharing (`member` is `None`): side by side when the
+    /// direction is `Down` (away from the fallback), back to turns when `Up`.
+    sides: bool,
     direction: Direction,
     to: u8,
     /// The periods' kinds in order (true: with the move).
@@ -321,6 +348,10 @@ pub struct Redistributor {
     kept: Vec<u8>,
     /// Per member, per direction (`Direction as usize`).
     backoff: Vec<[Backoff; 2]>,
+    /// Whether the members share side by side (kept; `false`: turns, the fallback), and the
+    /// waits of the moves there (`Down`) and back (`Up`).
+    side_by_side: bool,
+    sides: [Backoff; 2],
     /// The next move to try, over `2 * members` moves (member `i / 2`, down when even).
     cursor: usize,
     judgement: Option<Judgement>,
@@ -343,6 +374,8 @@ impl Redistributor {
             floors: Vec::new(),
             kept: Vec::new(),
             backoff: Vec::new(),
+            side_by_side: false,
+            sides: [Backoff::default(); 2],
             cursor: 0,
             judgement: None,
             stage: Stage::Idle,
@@ -527,6 +560,8 @@ impl Redistributor {
     fn forget(&mut self, count: usize) {
         self.kept = vec![FULL; count];
         self.backoff = vec![[Backoff::default(); 2]; count];
+        self.side_by_side = false;
+        self.sides = [Backoff::default(); 2];
         self.cursor = 0;
         self.judgement = None;
     }
@@ -557,7 +592,7 @@ impl Redistributor {
         let Some(judgement) = &self.judgement else {
             return false;
         };
-        judgement.member.is_some()
+        (judgement.member.is_some() || judgement.sides)
             && judgement
                 .order
                 .get(judgement.rates.len())
@@ -594,7 +629,17 @@ impl Redistributor {
             .filter(|(_, cap)| *cap < FULL)
             .map(|(name, cap)| (name.clone(), cap))
             .collect();
-        RedistributeOutput { caps, change }
+        let sides_tried = self.trial_in_force() && self.judgement.as_ref().is_some_and(|j| j.sides);
+        // A probe runs side by side: taking turns, the member probed would run in its own turns
+        // only (the others, at their floors, still take theirs) and read about half its rate
+        // alone, which doubles every gain measured against it (in simulation, noise then kept
+        // moves that cost 10%).
+        let probing = self.probed_now().is_some() && self.sides_allowed();
+        RedistributeOutput {
+            caps,
+            side_by_side: (self.side_by_side != sides_tried) || probing,
+            change,
+        }
     }
 
     /// Whether member `index` may move `direction` from the kept caps, and to what cap.
@@ -620,6 +665,30 @@ impl Redistributor {
         }
     }
 
+    /// Periods without and with a move, in pairs whose order flips.
+    fn pairs_order(pairs: u32) -> Vec<bool> {
+        (0..pairs)
+            .flat_map(|pair| {
+                if pair % 2 == 0 {
+                    [false, true]
+                } else {
+                    [true, false]
+                }
+            })
+            .collect()
+    }
+
+    /// Whether the group may try side by side: two members or more, none with a guaranteed
+    /// share (a share is held by turns; side by side the hardware splits the GPU).
+    fn sides_allowed(&self) -> bool {
+        self.names.len() >= 2 && self.floors.iter().all(|&floor| floor == 0)
+    }
+
+    /// Whether the members share side by side (kept, not a trial).
+    pub fn side_by_side(&self) -> bool {
+        self.side_by_side
+    }
+
     /// The next move not sitting out a wait, from the cursor on; a hold when there is none.
     fn next_judgement(&mut self) -> Judgement {
         let now_ns = self.now_ns;
@@ -631,6 +700,7 @@ impl Redistributor {
             return Judgement {
                 member: Some(index),
                 probe: true,
+                sides: false,
                 direction: Direction::Down,
                 to: FULL,
                 // A period at the kept caps first: a group just formed starts uncapped.
@@ -639,7 +709,33 @@ impl Redistributor {
                 seconds: Vec::new(),
             };
         }
-        let moves = 2 * self.names.len();
+        // The way of sharing first: side by side (away from turns), or back to turns once no
+        // cap is kept (caps bind only side by side).
+        let direction = if self.side_by_side {
+            Direction::Up
+        } else {
+            Direction::Down
+        };
+        if self.sides_allowed()
+            && self.sides[direction as usize].skip == 0
+            && self.kept.iter().all(|&cap| cap == FULL)
+        {
+            return Judgement {
+                member: None,
+                probe: false,
+                sides: true,
+                direction,
+                to: FULL,
+                order: Self::pairs_order(self.config.pairs_max),
+                rates: Vec::new(),
+                seconds: Vec::new(),
+            };
+        }
+        let moves = if self.side_by_side {
+            2 * self.names.len()
+        } else {
+            0
+        };
         for offset in 0..moves {
             let candidate = (self.cursor + offset) % moves;
             let (index, direction) = (
@@ -655,18 +751,11 @@ impl Redistributor {
             }
             if let Some(to) = self.allowed(index, direction) {
                 self.cursor = candidate;
-                let order = (0..self.config.pairs_max)
-                    .flat_map(|pair| {
-                        if pair % 2 == 0 {
-                            [false, true]
-                        } else {
-                            [true, false]
-                        }
-                    })
-                    .collect();
+                let order = Self::pairs_order(self.config.pairs_max);
                 return Judgement {
                     member: Some(index),
                     probe: false,
+                    sides: false,
                     direction,
                     to,
                     order,
@@ -681,6 +770,7 @@ impl Redistributor {
         Judgement {
             member: None,
             probe: false,
+            sides: false,
             direction: Direction::Down,
             to: FULL,
             order: vec![false; 2 * self.config.pairs as usize],
@@ -699,7 +789,8 @@ impl Redistributor {
     ) -> Option<RedistributeChange> {
         let judgement = self.judgement.as_mut().expect("a judgement under way");
         let with_move = judgement.order[judgement.rates.len()];
-        if !with_move || judgement.member.is_none() {
+        let is_move = judgement.member.is_some() || judgement.sides;
+        if !with_move || !is_move {
             self.last_rates = rates.iter().map(|&rate| Some(rate)).collect();
         }
         if judgement.probe && with_move {
@@ -720,7 +811,7 @@ impl Redistributor {
         judgement.rates.push(rates);
         judgement.seconds.push(seconds);
         let measured = judgement.rates.len();
-        let verdict = if judgement.member.is_none() {
+        let verdict = if !is_move {
             (measured == judgement.order.len()).then_some(Verdict::Hold)
         } else if measured.is_multiple_of(2) && measured / 2 >= self.config.pairs as usize {
             Self::verdict(&self.config, judgement, &self.alone)
@@ -744,7 +835,7 @@ impl Redistributor {
         let change = self.judge(&judgement, verdict);
         // The next judgement starts from the kept caps: settle if the last period had others.
         let kept = matches!(change, Some(RedistributeChange::Judged { kept: true, .. }));
-        if with_move != kept && judgement.member.is_some() {
+        if with_move != kept && is_move {
             self.settle(now_ns);
         } else {
             self.stage = Stage::Measuring {
@@ -876,9 +967,33 @@ impl Redistributor {
         // Waits pass only in holds (not in other moves' trials), so that however many members
         // there are, trials take a share of the time that falls as they keep failing.
         if verdict == Verdict::Hold {
-            for wait in self.backoff.iter_mut().flatten() {
+            for wait in self
+                .backoff
+                .iter_mut()
+                .flatten()
+                .chain(self.sides.iter_mut())
+            {
                 wait.skip = wait.skip.saturating_sub(1);
             }
+        }
+        if judgement.sides {
+            let (gain, stderr, _) = Self::estimate(judgement, &self.alone);
+            let direction = judgement.direction as usize;
+            let kept = verdict == Verdict::Keep;
+            if kept {
+                self.side_by_side = !self.side_by_side;
+                self.sides[direction] = Backoff::default();
+                let opposite = &mut self.sides[1 - direction];
+                opposite.skip = opposite.skip.max(2);
+            } else {
+                self.sides[direction].rejected(self.config.backoff_max);
+            }
+            return Some(RedistributeChange::SidesJudged {
+                side_by_side: judgement.direction == Direction::Down,
+                gain,
+                stderr,
+                kept,
+            });
         }
         let member = judgement.member?;
         let (gain, stderr, _) = Self::estimate(judgement, &self.alone);

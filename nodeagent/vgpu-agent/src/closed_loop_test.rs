@@ -382,9 +382,15 @@ impl Pair {
                 .cap(self.bandwidth.tenant, now_ns)
                 .unwrap_or(128),
         );
-        // Nested caps: `loop` shares its `cap` with `gemm`, which has the rest alone.
-        let loop_speed = (cap / 2.0).min(40.0) / 40.0;
-        let gemm_speed = (128.0 - cap / 2.0) / 128.0;
+        // Side by side, nested caps: `loop` shares its `cap` with `gemm`, which has the rest
+        // alone. Taking turns, each runs alone half the time, whatever the caps.
+        let sides = region.control.side_by_side(self.bandwidth.tenant, now_ns)
+            && region.control.side_by_side(self.gemm.tenant, now_ns);
+        let (loop_speed, gemm_speed) = if sides {
+            ((cap / 2.0).min(40.0) / 40.0, (128.0 - cap / 2.0) / 128.0)
+        } else {
+            (0.5, 0.5)
+        };
         let schedule = Schedule::new(region, ProcLiveness);
         for (i, (member, speed)) in [(&self.gemm, gemm_speed), (&self.bandwidth, loop_speed)]
             .into_iter()
@@ -411,6 +417,9 @@ fn on_an_mps_node_a_bandwidth_bound_tenant_is_capped_in_the_file_and_uncapped_wh
         closed_loop.tick(&shared, now);
     }
     let control = &pair.node.region.control;
+    // Side by side first (it does half a tenant's work more than taking turns), then the cap.
+    assert!(control.side_by_side(pair.bandwidth.tenant, now));
+    assert!(control.side_by_side(pair.gemm.tenant, now));
     let cap = control.cap(pair.bandwidth.tenant, now);
     assert!(
         matches!(cap, Some(64..=96)),
@@ -436,6 +445,9 @@ fn on_an_mps_node_a_bandwidth_bound_tenant_is_capped_in_the_file_and_uncapped_wh
         "cleared after it stopped, not left to expire: {cleared}"
     );
     assert_eq!(control.cap(pair.bandwidth.tenant, cleared), None);
+    // And back to turns, published at once (not left to lapse).
+    assert!(!control.side_by_side(pair.gemm.tenant, now));
+    assert!(control.side_by_side_ns.load(Relaxed) > stop);
 }
 
 #[test]

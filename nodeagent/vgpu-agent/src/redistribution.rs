@@ -1,8 +1,11 @@
 //! The redistribution of one GPU's SMs among its burst tenants, as the closed-loop thread
 //! runs it every period on an MPS node (`docs/design/utility-redistribution.md`): the members
 //! are read from the GPU's schedule file (`ScheduleControl::activity`), fed to the GPU's
-//! [`sharing::Redistributor`], and its caps are published in the file for the members'
-//! interposers (`ScheduleControl::publish_caps`). Nothing is written while nobody is capped.
+//! [`sharing::Redistributor`], and its caps and its way of sharing (turns, or side by side) are
+//! published in the file for the members' interposers (`ScheduleControl::publish_caps`,
+//! `ScheduleControl::publish_side_by_side`). Nothing is written while nobody is capped and
+//! everyone takes turns. Side by side is published only while no other tenant that takes turns
+//! (not a member, not a latency tenant) is active; while one is, the group is not judged.
 //!
 //! **Members**: live tenants that are not latency tenants, allowed to burst (they asked for
 //! capacity beyond their share), of the highest priority among those, and active: one of their
@@ -30,6 +33,8 @@ pub struct GpuRedistribution {
     /// Whether the last period published any cap (the next clears them at once if none is
     /// left; otherwise nothing is written).
     capped: bool,
+    /// Whether the last period published members side by side (likewise).
+    sided: bool,
     /// The members of the last period (they stay while active within [`MEMBER_LEAVE_NS`]).
     members: std::collections::BTreeSet<String>,
 }
@@ -39,6 +44,7 @@ impl GpuRedistribution {
         GpuRedistribution {
             redistributor: Redistributor::new(config),
             capped: false,
+            sided: false,
             members: std::collections::BTreeSet::new(),
         }
     }
@@ -54,14 +60,17 @@ impl GpuRedistribution {
         now_ns: u64,
     ) -> RedistributeOutput {
         let was = &self.members;
-        let (members, slots) = members(
-            &control.activity(),
-            is_latency,
-            |name| was.contains(name),
-            now_ns,
-        );
+        let activity = control.activity();
+        let (members, slots) = members(&activity, &is_latency, |name| was.contains(name), now_ns);
         self.members = members.iter().map(|member| member.name.clone()).collect();
-        let output = self.redistributor.handle(now_ns, &members, restricted);
+        // Side by side, members never wait for turns: a tenant taking turns beside them (not a
+        // member: a lower priority, or not allowed to burst) would wait through turns the
+        // members no longer keep to. While one is active the group is not judged (as while
+        // the closed loop restricts it) and nobody goes side by side.
+        let others = others_taking_turns(&activity, &is_latency, &slots, now_ns);
+        let output = self
+            .redistributor
+            .handle(now_ns, &members, restricted || others);
         let mut caps = [0u8; TENANTS];
         for (name, cap) in &output.caps {
             if let Some(&slot) = slots.get(name) {
@@ -73,6 +82,15 @@ impl GpuRedistribution {
             control.publish_caps(&caps, now_ns);
         }
         self.capped = any;
+        let sides = if output.side_by_side && !others {
+            slots.values().fold(0u64, |mask, &slot| mask | 1 << slot)
+        } else {
+            0
+        };
+        if sides != 0 || self.sided {
+            control.publish_side_by_side(sides, now_ns);
+        }
+        self.sided = sides != 0;
         if let Some(change) = &output.change {
             log_change(uuid, change);
         }
@@ -129,6 +147,21 @@ pub fn members(
     (members, slots)
 }
 
+/// Whether a tenant that is neither a latency tenant nor a member (`slots`) launched on the GPU
+/// within [`MEMBER_WINDOW_NS`]: one that takes turns beside the group.
+fn others_taking_turns(
+    activity: &[Activity],
+    is_latency: impl Fn(&str) -> bool,
+    slots: &BTreeMap<String, usize>,
+    now_ns: u64,
+) -> bool {
+    activity.iter().any(|tenant| {
+        !is_latency(&tenant.name)
+            && !slots.contains_key(&tenant.name)
+            && tenant_abi::compute::latency_fresh(tenant.demand_ns, now_ns, MEMBER_WINDOW_NS)
+    })
+}
+
 /// The lowest cap of a member: its guaranteed share of the SMs (rounded up), else none.
 pub fn floor(config: &tenant_abi::compute::TenantConfig) -> u8 {
     if !config.guaranteed {
@@ -168,6 +201,30 @@ fn log_change(uuid: &str, change: &RedistributeChange) {
         }
         RedistributeChange::Reset { reason } => {
             tracing::info!("redistribution on GPU {uuid}: every SM cap off ({reason:?})")
+        }
+        RedistributeChange::SidesJudged {
+            side_by_side,
+            gain,
+            stderr,
+            kept,
+        } => {
+            let (gain, stderr) = (gain * 100.0, stderr * 100.0);
+            let tried = if *side_by_side {
+                "side by side (without turns)"
+            } else {
+                "back to turns"
+            };
+            if *kept {
+                tracing::info!(
+                    "redistribution on GPU {uuid}: the burst tenants go {tried} (the group's \
+                     work {gain:+.1}% +- {stderr:.1}% of one tenant's work alone)"
+                )
+            } else {
+                tracing::debug!(
+                    "redistribution on GPU {uuid}: the burst tenants stay as they share \
+                     ({tried} tried: {gain:+.1}% +- {stderr:.1}%)"
+                )
+            }
         }
         RedistributeChange::Probed { tenant, rate } => tracing::debug!(
             "redistribution on GPU {uuid}: {tenant} alone makes {rate:.1} units/s (a probe: \
@@ -266,5 +323,43 @@ mod tests {
             members(&paused, |_| false, |_| true, NOW).0.is_empty(),
             "gone after 5 s"
         );
+    }
+
+    #[test]
+    fn a_tenant_taking_turns_beside_the_group_keeps_it_from_going_side_by_side() {
+        let slots = BTreeMap::from([("a".to_owned(), 0), ("b".to_owned(), 3)]);
+        let group = [
+            tenant(0, "a", BEST_EFFORT, NOW),
+            tenant(3, "b", BEST_EFFORT, NOW),
+            tenant(5, "infer", BEST_EFFORT, NOW),
+        ];
+        // The members and a latency tenant: nobody else takes turns.
+        assert!(!others_taking_turns(
+            &group,
+            |name| name == "infer",
+            &slots,
+            NOW
+        ));
+        // A capped tenant (no burst), or one of a lower priority, launching now: it does.
+        let capped = TenantConfig {
+            burst: false,
+            ..BEST_EFFORT
+        };
+        let mut with = group.to_vec();
+        with.push(tenant(7, "capped", capped, NOW));
+        assert!(others_taking_turns(
+            &with,
+            |name| name == "infer",
+            &slots,
+            NOW
+        ));
+        // Silent for longer than a member's window to join: not beside the group.
+        with[3].demand_ns = NOW - 2 * MEMBER_WINDOW_NS;
+        assert!(!others_taking_turns(
+            &with,
+            |name| name == "infer",
+            &slots,
+            NOW
+        ));
     }
 }

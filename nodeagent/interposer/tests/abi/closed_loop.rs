@@ -4,7 +4,7 @@
 //! latency step is in flight, a bound on queued launches, fewer SMs), and ignores one that is
 //! too old.
 
-use super::{Probe, clocks, latency_tenant, now_ns, schedule, shm_dir, trace};
+use super::{Probe, clocks, latency_tenant, now_ns, now_ns_fast, schedule, shm_dir, trace};
 use std::path::Path;
 
 use tenant_abi::control::{DECISION_TTL_NS, Decision};
@@ -370,19 +370,6 @@ fn a_guard_holds_a_launch_that_would_not_end_before_the_next_step() {
         "[60 ms kernels held, 1 ms kernels went] in five tries (a probe that started after the \
          predictions tests nothing)"
     );
-}
-
-/// CLOCK_MONOTONIC here (the probes' clock), without starting a process.
-#[allow(unsafe_code)]
-fn now_ns_fast() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `now` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
-    let result = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
-    assert_eq!(result, 0, "CLOCK_MONOTONIC");
-    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 #[test]

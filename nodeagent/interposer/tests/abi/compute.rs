@@ -3,7 +3,7 @@
 //! GPU time its kernels got inside a common window. Shares are checked to within a few points
 //! (the machine running the tests is shared, so the bounds leave room for scheduling noise).
 
-use super::{Probe, shm_dir};
+use super::{Probe, now_ns_fast, schedule, shm_dir};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -390,6 +390,42 @@ fn a_process_without_turns_joins_the_schedule_but_is_never_held() {
         .filter(|name| name.ends_with(".compute"))
         .collect();
     assert_eq!(files.len(), 1, "{files:?}");
+}
+
+#[test]
+fn a_tenant_the_agent_has_side_by_side_is_never_held_by_turns() {
+    // The redistribution's "side by side" (`Control::side_by_side`, published again every 20 ms
+    // as the agent does every period): a capped 30% tenant alone would get at most 30% of the
+    // GPU; side by side it waits for no turn.
+    let shm = shm_dir();
+    let mapping = schedule(shm.path());
+    let control = &mapping.region().control;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let spun = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                control.publish_side_by_side(u64::MAX, now_ns_fast());
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let spun = spin_together(
+            shm.path(),
+            vec![spinner("sided", "0:30", "kernel")],
+            (200, 1200),
+            1300,
+        );
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        spun
+    });
+    assert_alone(shares(&spun, 1000)[0], 85.0, 100.5);
+    // Once the agent stops publishing (it died), the word lapses and the turns hold again.
+    let spun = spin_together(
+        shm.path(),
+        vec![spinner("sided", "0:30", "kernel")],
+        (600, 1600),
+        1700,
+    );
+    assert_alone(shares(&spun, 1000)[0], 15.0, 36.0);
 }
 
 #[test]
