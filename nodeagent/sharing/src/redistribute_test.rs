@@ -36,6 +36,14 @@ const COMPUTE: Tenant = Tenant {
     rate: 50.0,
 };
 
+/// Small grids: it occupies 24 units, all useful (a launch-bound tenant: the hardware gives
+/// the rest away side by side; taking turns, the GPU idles through most of its turns).
+const SMALL: Tenant = Tenant {
+    demand: 24.0,
+    useful: 24.0,
+    rate: 80.0,
+};
+
 fn bandwidth(useful: f64) -> Tenant {
     Tenant {
         demand: 128.0,
@@ -319,13 +327,8 @@ fn equal_tenants_stay_at_the_fallback() {
 #[test]
 fn a_small_tenant_that_leaves_sms_free_is_not_capped_for_nothing() {
     // Small grids: it occupies 24 units, all useful; the hardware already gives the rest away.
-    let small = Tenant {
-        demand: 24.0,
-        useful: 24.0,
-        rate: 80.0,
-    };
     let mut run = Run::new(2, 0.03, 11);
-    run.run(&[small, COMPUTE], 240);
+    run.run(&[SMALL, COMPUTE], 240);
     assert!(run.mean_objective(60) > 0.97, "{:?}", run.changes);
     assert_eq!(run.kept()[1], FULL);
 }
@@ -773,13 +776,8 @@ fn turns_stay_where_they_do_more_work_and_no_cap_is_tried() {
 /// other takes what it leaves. The group goes side by side within a minute.
 #[test]
 fn a_launch_bound_tenant_beside_a_compute_bound_one_goes_side_by_side() {
-    let small = Tenant {
-        demand: 24.0,
-        useful: 24.0,
-        rate: 80.0,
-    };
     let mut run = Run::new(2, 0.03, 13);
-    run.run(&[small, COMPUTE], 60);
+    run.run(&[SMALL, COMPUTE], 60);
     assert!(run.side_by_side, "{:?}", run.changes);
     assert!(
         run.changes.iter().any(|change| matches!(
@@ -793,7 +791,7 @@ fn a_launch_bound_tenant_beside_a_compute_bound_one_goes_side_by_side() {
         "{:?}",
         run.changes
     );
-    run.run(&[small, COMPUTE], 120);
+    run.run(&[SMALL, COMPUTE], 120);
     // Side by side uncapped is this model's best for the pair (the small one leaves 104 of 128
     // units to the other): the group stays near it.
     assert!(run.mean_objective(60) > 0.95, "{:?}", run.changes);

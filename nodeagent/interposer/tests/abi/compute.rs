@@ -113,6 +113,15 @@ fn parse_spin(out: &str) -> Spun {
     }
 }
 
+/// The GPU schedule files in `shm` (a gated process that joined made one).
+fn schedule_files(shm: &Path) -> Vec<String> {
+    std::fs::read_dir(shm)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name.ends_with(".compute"))
+        .collect()
+}
+
 /// Percent of a `window_ms`-long window.
 fn shares(spun: &[Spun], window_ms: u64) -> Vec<f64> {
     spun.iter()
@@ -160,11 +169,7 @@ fn two_tenants_get_70_30_of_the_gpu() {
         2500,
     );
     assert_split(&shares(&spun, 2000), &[70.0, 30.0], 6.0);
-    let schedules: Vec<_> = std::fs::read_dir(shm.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .filter(|name| name.ends_with(".compute"))
-        .collect();
+    let schedules = schedule_files(shm.path());
     assert_eq!(
         schedules,
         ["GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae00.compute"]
@@ -384,11 +389,7 @@ fn a_process_without_turns_joins_the_schedule_but_is_never_held() {
         1300,
     );
     assert_alone(shares(&spun, 1000)[0], 85.0, 100.5);
-    let files: Vec<_> = std::fs::read_dir(shm.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .filter(|name| name.ends_with(".compute"))
-        .collect();
+    let files = schedule_files(shm.path());
     assert_eq!(files.len(), 1, "{files:?}");
 }
 
@@ -446,11 +447,7 @@ fn tenants_without_a_share_are_not_gated() {
     );
     // Not held by any turn: far above what a share would allow.
     assert_alone(shares(&spun, 1000)[0], 85.0, 100.5);
-    let files: Vec<_> = std::fs::read_dir(shm.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .filter(|name| name.ends_with(".compute"))
-        .collect();
+    let files = schedule_files(shm.path());
     assert!(files.is_empty(), "{files:?}");
 }
 
