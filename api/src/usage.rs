@@ -121,6 +121,7 @@ pub fn bound_redistribution(usage: &mut TenantUsage) -> bool {
         usage.progress_per_s.to_bits(),
         usage.progress_hinted,
         usage.progress_alone_per_s.to_bits(),
+        usage.redistribution_side_by_side,
     );
     usage.sm_cap_permille = usage.sm_cap_permille.min(SM_CAP_PERMILLE_FULL);
     let sane = |rate: f64| rate.is_finite() && rate >= 0.0;
@@ -132,6 +133,7 @@ pub fn bound_redistribution(usage: &mut TenantUsage) -> bool {
     }
     if usage.sm_cap_permille == 0 {
         usage.progress_hinted = false;
+        usage.redistribution_side_by_side = false;
     }
     debug_assert!(usage.progress_per_s.is_finite() && usage.progress_per_s >= 0.0);
     debug_assert!(
@@ -142,6 +144,7 @@ pub fn bound_redistribution(usage: &mut TenantUsage) -> bool {
         usage.progress_per_s.to_bits(),
         usage.progress_hinted,
         usage.progress_alone_per_s.to_bits(),
+        usage.redistribution_side_by_side,
     );
     before != after
 }
@@ -320,6 +323,18 @@ mod tests {
         assert_eq!(alone(625, f64::NAN), 0.0);
         assert_eq!(alone(625, -2.0), 0.0);
         assert_eq!(alone(0, 30.5), 0.0);
+        // Side by side: kept for a followed tenant, nothing when not followed.
+        let sided = |sm_cap_permille| {
+            let mut usage = TenantUsage {
+                sm_cap_permille,
+                redistribution_side_by_side: true,
+                ..TenantUsage::default()
+            };
+            let changed = bound_redistribution(&mut usage);
+            (usage.redistribution_side_by_side, changed)
+        };
+        assert_eq!(sided(625), (true, false));
+        assert_eq!(sided(0), (false, true));
     }
 
     #[test]

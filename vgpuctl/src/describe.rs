@@ -312,20 +312,29 @@ fn latency_table(usage: &[UsageView]) -> Table {
 }
 
 /// What each MPS node's SM redistribution keeps for a best-effort tenant it follows (entries
-/// with a cap): the share of the SMs its cap leaves it, its progress at the kept caps, its
+/// with a cap): how its group shares the GPU (turns, or side by side), the share of the SMs its
+/// cap leaves it, its progress at the kept caps, its
 /// progress alone (the redistribution's last probe) and the share of that it makes beside the
 /// others (its work, as the redistribution counts the group's: docs/design/utility-redistribution.md).
 fn redistribution_table(usage: &[UsageView]) -> Table {
-    let mut table = Table::new(&["NODE", "GPU", "SM SHARE", "PROGRESS", "ALONE", "WORK"]);
+    let mut table = Table::new(&[
+        "NODE", "GPU", "SHARING", "SM SHARE", "PROGRESS", "ALONE", "WORK",
+    ]);
     for entry in usage.iter().filter(|entry| entry.is_redistributed()) {
         let work = if entry.progress_per_s > 0.0 && entry.progress_alone_per_s > 0.0 {
             format!("{:.2}", entry.progress_per_s / entry.progress_alone_per_s)
         } else {
             NONE.to_owned()
         };
+        let sharing = if entry.redistribution_side_by_side {
+            "side by side"
+        } else {
+            "turns"
+        };
         table.row(vec![
             entry.node.clone(),
             entry.gpu_index.to_string(),
+            sharing.to_owned(),
             format_sm_share(entry.sm_cap_permille),
             format_progress(entry.progress_per_s, entry.progress_hinted),
             format_progress(entry.progress_alone_per_s, entry.progress_hinted),
@@ -805,7 +814,7 @@ mod tests {
         let text = tenant_text(&tenant, 1_700_000_012_000);
         assert!(
             text.contains(
-                "SM redistribution:\n  NODE     GPU   SM SHARE           PROGRESS       ALONE          WORK\n  node-a   3     62.5% of the SMs   12.3 units/s   30.9 units/s   0.40\n"
+                "SM redistribution:\n  NODE     GPU   SHARING        SM SHARE           PROGRESS       ALONE          WORK\n  node-a   3     side by side   62.5% of the SMs   12.3 units/s   30.9 units/s   0.40\n"
             ),
             "{text}"
         );
@@ -814,6 +823,7 @@ mod tests {
         uncapped.usage[0].sm_cap_permille = 1_000;
         uncapped.usage[0].progress_hinted = false;
         uncapped.usage[0].progress_alone_per_s = 0.0;
+        uncapped.usage[0].redistribution_side_by_side = false;
         let text = tenant_text(&uncapped, 0);
         assert!(
             text.contains("   uncapped   12.3 steps/s   -       -\n"),

@@ -108,6 +108,9 @@ pub struct UsageView {
     pub progress_hinted: bool,
     #[serde(default)]
     pub progress_alone_per_s: f64,
+    /// Its group shares the GPU side by side rather than by turns.
+    #[serde(default)]
+    pub redistribution_side_by_side: bool,
 }
 
 impl UsageView {
@@ -379,6 +382,7 @@ impl From<&TenantUsage> for UsageView {
             progress_per_s: usage.progress_per_s,
             progress_hinted: usage.progress_hinted,
             progress_alone_per_s: usage.progress_alone_per_s,
+            redistribution_side_by_side: usage.redistribution_side_by_side,
         }
     }
 }
@@ -636,8 +640,9 @@ pub(crate) mod samples {
         tenant
     }
 
-    /// A best-effort tenant that its node's SM redistribution follows: capped to 80/128 of the
-    /// SMs, with its progress in its own units, probed alone at 30.85 units a second.
+    /// A best-effort tenant that its node's SM redistribution follows: its group side by side,
+    /// capped to 80/128 of the SMs, with its progress in its own units, probed alone at 30.85
+    /// units a second.
     pub fn redistributed_tenant() -> Tenant {
         let mut tenant = placed_tenant();
         tenant.name = "sweep".into();
@@ -647,6 +652,7 @@ pub(crate) mod samples {
         usage.progress_per_s = 12.34;
         usage.progress_hinted = true;
         usage.progress_alone_per_s = 30.85;
+        usage.redistribution_side_by_side = true;
         tenant
     }
 
@@ -843,6 +849,7 @@ mod tests {
                 "progress_alone_per_s",
                 "progress_hinted",
                 "progress_per_s",
+                "redistribution_side_by_side",
                 "reported_unix_ms",
                 "sm_cap_permille"
             ]
@@ -884,6 +891,7 @@ mod tests {
         assert_eq!(usage["sm_cap_permille"], 625);
         assert_eq!(usage["progress_per_s"], 12.34);
         assert_eq!(usage["progress_hinted"], true);
+        assert_eq!(usage["redistribution_side_by_side"], true);
         let plain = serde_json::to_value(TenantView::from(&samples::placed_tenant())).unwrap();
         assert_eq!(plain["usage"][0]["sm_cap_permille"], 0);
         // Views written before the fields existed still read.

@@ -778,6 +778,15 @@ fn render_redistribution<'a>(
         debug_assert!(ratio > 0.0 && ratio <= 1.0);
         let _ = writeln!(out, "{name}{{{}}} {ratio}", labels(node, usage));
     }
+    let name = "vgpu_tenant_side_by_side";
+    let _ = writeln!(
+        out,
+        "# HELP {name} 1 when a best-effort MPS tenant's group shares its GPU side by side (its node's SM redistribution found more work without turns between them), 0 when by turns; only tenants the redistribution follows.\n# TYPE {name} gauge"
+    );
+    for (node, usage) in &entries {
+        let sided = u8::from(usage.redistribution_side_by_side);
+        let _ = writeln!(out, "{name}{{{}}} {sided}", labels(node, usage));
+    }
     // The two progress rates, each only where known, in the unit the tenant counts in.
     type Rate = fn(&TenantUsage) -> f64;
     let rates: [(&str, &str, Rate); 2] = [
@@ -1117,6 +1126,7 @@ mod tests {
             progress_per_s: 12.25,
             progress_hinted: true,
             progress_alone_per_s: 30.5,
+            redistribution_side_by_side: true,
             ..usage("sweep", "GPU-a0", 1 << 30, 0)
         };
         let uncapped = TenantUsage {
@@ -1160,7 +1170,10 @@ mod tests {
                 "vgpu_tenant_progress_alone_per_second{{{},unit=\"units\"}} 30.5",
                 labels("sweep")
             ),
+            format!("vgpu_tenant_side_by_side{{{}}} 1", labels("sweep")),
+            format!("vgpu_tenant_side_by_side{{{}}} 0", labels("batch")),
             "# TYPE vgpu_tenant_sm_cap_ratio gauge".to_owned(),
+            "# TYPE vgpu_tenant_side_by_side gauge".to_owned(),
             "# TYPE vgpu_tenant_progress_per_second gauge".to_owned(),
             "# TYPE vgpu_tenant_progress_alone_per_second gauge".to_owned(),
         ] {
@@ -1183,6 +1196,7 @@ mod tests {
         );
         for name in [
             "vgpu_tenant_sm_cap_ratio",
+            "vgpu_tenant_side_by_side",
             "vgpu_tenant_progress_per_second",
             "vgpu_tenant_progress_alone_per_second",
         ] {

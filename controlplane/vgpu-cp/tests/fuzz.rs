@@ -525,7 +525,13 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
         ),
         (edge_u64(), edge_u64(), any::<i64>()),
         (edge_u32(), edge_u64()),
-        (edge_u32(), any::<f64>(), any::<bool>(), any::<f64>()),
+        (
+            edge_u32(),
+            any::<f64>(),
+            any::<bool>(),
+            any::<f64>(),
+            any::<bool>(),
+        ),
     )
         .prop_map(
             |(
@@ -550,7 +556,13 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 ),
                 (memory_reclaims, memory_reclaimed_bytes, memory_last_reclaim_unix_ms),
                 (memory_waiting_processes, memory_longest_wait_ms),
-                (sm_cap_permille, progress_per_s, progress_hinted, progress_alone_per_s),
+                (
+                    sm_cap_permille,
+                    progress_per_s,
+                    progress_hinted,
+                    progress_alone_per_s,
+                    redistribution_side_by_side,
+                ),
             )| v1::TenantUsage {
                 tenant,
                 node,
@@ -583,6 +595,7 @@ fn usage() -> impl Strategy<Value = v1::TenantUsage> {
                 progress_per_s,
                 progress_hinted,
                 progress_alone_per_s,
+                redistribution_side_by_side,
             },
         )
 }

@@ -248,6 +248,8 @@ pub struct MemberStatus {
     /// Its rate alone, from its last probe (same unit).
     pub alone: Option<f64>,
     pub hinted: bool,
+    /// Its group shares the GPU side by side (kept, not a trial); `false`: by turns.
+    pub side_by_side: bool,
 }
 
 /// What one call leads to.
@@ -534,6 +536,7 @@ impl Redistributor {
                 rate: self.last_rates[index],
                 alone: self.alone[index].map(|(rate, _)| rate),
                 hinted: self.hinted[index],
+                side_by_side: self.side_by_side,
             })
             .collect()
     }

@@ -454,6 +454,7 @@ mod tests {
                 progress_per_s: 12.5,
                 hinted: true,
                 alone_per_s: 40.0,
+                side_by_side: true,
             })
         });
         let sources = TenantSources {
@@ -467,9 +468,10 @@ mod tests {
                 usage.sm_cap_permille,
                 usage.progress_per_s,
                 usage.progress_hinted,
-                usage.progress_alone_per_s
+                usage.progress_alone_per_s,
+                usage.redistribution_side_by_side
             ),
-            (625, 12.5, true, 40.0)
+            (625, 12.5, true, 40.0, true)
         );
         assert_eq!(
             (

@@ -85,6 +85,8 @@ pub struct RedistributionReport {
     pub progress_per_s: f64,
     pub hinted: bool,
     pub alone_per_s: f64,
+    /// Its group shares the GPU side by side (no turns between its members).
+    pub side_by_side: bool,
 }
 
 impl RedistributionReport {
@@ -108,6 +110,7 @@ impl RedistributionReport {
             progress_per_s,
             hinted: member.hinted,
             alone_per_s,
+            side_by_side: member.side_by_side,
         }
     }
 }
@@ -360,6 +363,7 @@ fn attach_redistribution(
     entry.progress_per_s = report.progress_per_s;
     entry.progress_hinted = report.hinted;
     entry.progress_alone_per_s = report.alone_per_s;
+    entry.redistribution_side_by_side = report.side_by_side;
     debug_assert!(entry.progress_per_s.is_finite() && entry.progress_per_s >= 0.0);
 }
 
@@ -667,10 +671,12 @@ mod tests {
             rate,
             alone: None,
             hinted,
+            side_by_side: false,
         };
         let members: BTreeMap<String, sharing::MemberStatus> = [
             sharing::MemberStatus {
                 alone: Some(40.0),
+                side_by_side: true,
                 ..member("sweep", 80, Some(12.25), true)
             },
             member("batch", sharing::redistribute::FULL, Some(310.0), false),
@@ -714,6 +720,12 @@ mod tests {
                 ("other", 2, 0, 0.0, false, 0.0),
             ]
         );
+        // Side by side on the entry that carries the numbers only.
+        let sided: Vec<bool> = entries
+            .iter()
+            .map(|e| e.redistribution_side_by_side)
+            .collect();
+        assert_eq!(sided, [true, false, false, false, false]);
         // Whatever comes through, the report stays sane: rounded to the nearest thousandth, never
         // 0 for a member, and a rate that is not a number is unknown.
         let report = |cap, rate| RedistributionReport::from_member(&member("x", cap, rate, false));
