@@ -334,6 +334,9 @@ pub struct UsageView {
     pub progress_hinted: bool,
     #[serde(default)]
     pub progress_alone_per_s: f64,
+    /// Some node that follows it has its group side by side (rather than taking turns).
+    #[serde(default)]
+    pub side_by_side: bool,
     /// The oldest of the reports summed (unix ms).
     pub reported_unix_ms: i64,
 }
@@ -650,6 +653,7 @@ fn usage_of(record: &crate::pool::TenantRecord, soft: &SoftState) -> Option<Usag
             usage.progress_per_s += entry.progress_per_s;
             usage.progress_hinted |= entry.progress_hinted;
             usage.progress_alone_per_s += entry.progress_alone_per_s;
+            usage.side_by_side |= entry.redistribution_side_by_side;
         }
     }
     debug_assert!(usage.sm_cap_permille <= api::usage::SM_CAP_PERMILLE_FULL);

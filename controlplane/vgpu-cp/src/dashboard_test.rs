@@ -553,6 +553,7 @@ fn a_tenants_usage_has_its_lowest_sm_cap_and_its_summed_progress() {
         usage.sm_cap_permille = permille;
         usage.progress_per_s = rate;
         usage.progress_hinted = hinted;
+        usage.redistribution_side_by_side = hinted;
         (slice.node.clone(), report)
     };
     let soft = SoftState {
@@ -569,9 +570,10 @@ fn a_tenants_usage_has_its_lowest_sm_cap_and_its_summed_progress() {
         (
             usage.sm_cap_permille,
             usage.progress_per_s,
-            usage.progress_hinted
+            usage.progress_hinted,
+            usage.side_by_side
         ),
-        (625, 20.0, true)
+        (625, 20.0, true, true)
     );
     // One node stops following it: what the other says.
     let soft = SoftState {
@@ -588,9 +590,10 @@ fn a_tenants_usage_has_its_lowest_sm_cap_and_its_summed_progress() {
         (
             usage.sm_cap_permille,
             usage.progress_per_s,
-            usage.progress_hinted
+            usage.progress_hinted,
+            usage.side_by_side
         ),
-        (1_000, 7.5, false)
+        (1_000, 7.5, false, false)
     );
     // Followed nowhere: zeros, and a view written before the fields existed still reads.
     let soft = SoftState {
@@ -606,6 +609,7 @@ fn a_tenants_usage_has_its_lowest_sm_cap_and_its_summed_progress() {
         "progress_per_s",
         "progress_hinted",
         "progress_alone_per_s",
+        "side_by_side",
     ] {
         json.as_object_mut().expect("an object").remove(field);
     }

@@ -124,7 +124,8 @@ function drawTenant(page) {
     stat("priority", r.priority), stat("memory used", u ? gib(u.memory_used_bytes) : "–"),
     stat("latency p99 / target", u && u.latency_p99_us ? `${u.latency_p99_us} / ${u.latency_target_us} µs` : (r.latency_target_us ? `– / ${r.latency_target_us} µs` : "–")),
     // A best-effort tenant an MPS node's SM redistribution follows: its lowest cap, its progress.
-    ...(u && u.sm_cap_permille ? [stat("SM share (redistributed)", (u.sm_cap_permille >= 1000 ? "uncapped" : `${Math.round(u.sm_cap_permille / 10)} %`)
+    ...(u && u.sm_cap_permille ? [stat("SM share (redistributed)", (u.side_by_side ? "side by side · " : "turns · ")
+      + (u.sm_cap_permille >= 1000 ? "uncapped" : `${Math.round(u.sm_cap_permille / 10)} %`)
       + (u.progress_per_s ? ` · ${u.progress_per_s.toFixed(1)} ${u.progress_hinted ? "units" : "steps"}/s` : "")
       + (u.progress_per_s && u.progress_alone_per_s ? ` (alone ${u.progress_alone_per_s.toFixed(1)}: ${(u.progress_per_s / u.progress_alone_per_s).toFixed(2)} of it)` : ""))] : []),
   ].join("");
