@@ -451,12 +451,6 @@ impl ScheduleControl {
             .publish_side_by_side(slots, now_ns);
     }
 
-    /// Whether tenant slot `slot` launches side by side at `now_ns`, as its processes read it.
-    pub fn side_by_side(&self, slot: usize, now_ns: u64) -> bool {
-        assert!(slot < compute::TENANTS, "tenant slot {slot}");
-        self.mapping.region().control.side_by_side(slot, now_ns)
-    }
-
     /// Tenant slot `slot`'s SM cap in force at `now_ns`, as its processes read it.
     pub fn cap(&self, slot: usize, now_ns: u64) -> Option<u8> {
         assert!(slot < compute::TENANTS, "tenant slot {slot}");

@@ -1,8 +1,8 @@
 //! The launch gate, in safe code: every kernel launch (`cuLaunchKernel[Ex]`, cooperative
-//! launches, `cuGraphLaunch`, and their `_ptsz` variants) and every asynchronous copy within the
-//! GPU's memory (`cuMemcpyDtoDAsync_v2`, `cuMemcpyAsync` between device addresses: it runs on the
-//! SMs) passes `before` and, when it is sampled, `after`. `exports` supplies the driver through the `Gpu` trait; the schedule
-//! protocol is `compute`.
+//! launches, `cuGraphLaunch`, and their `_ptsz` variants), every asynchronous copy within the
+//! GPU's memory (`cuMemcpyDtoDAsync_v2`, `cuMemcpyAsync` between device addresses) and every
+//! asynchronous memset (both run on the SMs) passes `before` and, when it is sampled, `after`.
+//! `exports` supplies the driver through the `Gpu` trait; the schedule protocol is `compute`.
 //!
 //! - **Fast path** (our turn, nobody else active): the `OnceLock`s of the configuration and the
 //!   device's gate, a vDSO clock read, two relaxed loads of the schedule, a throttled demand stamp
@@ -12,6 +12,10 @@
 //!   while other tenants are active) records an event on the launch's stream; a stream with more
 //!   than `EVENTS_PER_STREAM_MAX` unfinished events makes the launching thread wait for the
 //!   oldest. That bounds the work a tenant has queued, hence how long its turn takes to drain.
+//! - **Side by side**: where the agent publishes the tenant side by side
+//!   (`control::Control::side_by_side`, the redistribution's first lever) or the process runs
+//!   with `VGPU_COMPUTE_TURNS=0`, a launch that missed the fast path waits for no turn either
+//!   (one more relaxed load on that path only).
 //! - **Slow path**: not our turn. The thread asks `Schedule::step` what to do, sleeping
 //!   `POLL_SLEEP` between asks; when its own turn is over and another tenant is next, it drains
 //!   (waits, at most a grace period, for its recorded events) and reports it. After `WAIT_MAX`
@@ -485,6 +489,9 @@ struct Gate {
     /// that line was written (at most one every `WAIT_MAX_SAID_EVERY_NS`).
     waited_too_long: AtomicU32,
     waited_too_long_said_ns: AtomicU64,
+    /// Unfinished sampled launches per stream before a launch waits (`EVENTS_PER_STREAM_MAX`,
+    /// or `VGPU_COMPUTE_QUEUE_EVENTS`).
+    queue_most: usize,
 }
 
 /// The events this process recorded on this GPU, per stream, oldest first; and a pool.
@@ -544,6 +551,7 @@ impl Gate {
             tracker: Mutex::new(Tracker::default()),
             waited_too_long: AtomicU32::new(0),
             waited_too_long_said_ns: AtomicU64::new(0),
+            queue_most: config.queue_events.unwrap_or(EVENTS_PER_STREAM_MAX),
         })
     }
 
@@ -642,10 +650,7 @@ impl Gate {
             let ring = streams.entry(key).or_default();
             ring.push_back(event);
             retire_finished(gpu, ring, pool);
-            let most = gates()
-                .and_then(|gates| gates.config.queue_events)
-                .unwrap_or(EVENTS_PER_STREAM_MAX);
-            if ring.len() <= most {
+            if ring.len() <= self.queue_most {
                 return;
             }
             ring.pop_front()
